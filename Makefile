@@ -1,0 +1,29 @@
+# Two entry points: `make demo` (main job) and `make test` (the suite CI runs).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install build demo test bench clean
+
+$(STAMP): requirements.txt pyproject.toml setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Rebuilds realloc._C in place when csrc/ changed; a no-op otherwise.
+build: $(STAMP)
+	$(PY) setup.py -q build_ext --inplace
+
+demo: build
+	$(VENV)/bin/realloc search experiments/ppo_tiny.py --dry-run
+
+test: build
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf build realloc/*.so $(VENV)

@@ -1,0 +1,17 @@
+"""PPO, 70B actor/ref + 7B critic/reward on 16 nodes of 8 A100s (realhf-appendix.txt section A)."""
+
+import dataclasses
+
+from realloc.algorithms.ppo_config import PPOConfig, ppo_rpcs
+from realloc.api import auto
+
+
+@auto(nodelist="trainer[01-16]", n_devices_per_node=8, device="a100-80g", batch_size=512,
+      prompt_len=1024, gen_len=1024)
+@dataclasses.dataclass
+class PPO70Bx7B:
+    ppo: PPOConfig = PPOConfig(n_minibatches=8)
+
+    @property
+    def rpcs(self):
+        return ppo_rpcs(actor="llama3-70b", critic="llama3-8b-critic", n_minibatches=self.ppo.n_minibatches)

@@ -1,0 +1,51 @@
+"""PPO hyperparameters and the standard PPO dataflow (realhf.txt Figure 4).
+
+Torch-free, so experiment files and the planner can import it cheaply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from realloc.api import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOConfig:
+    n_minibatches: int = 8
+    lr: float = 1e-5
+    critic_lr: float = 5e-6
+    kl_coef: float = 0.1
+    clip_eps: float = 0.2
+    value_clip_eps: float = 0.2
+    gamma: float = 1.0
+    gae_lambda: float = 0.95
+    max_grad_norm: float = 1.0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+def ppo_rpcs(actor: str, critic: str, reward: str | None = None, ref: str | None = None,
+             n_minibatches: int = 8, reward_impl: str = "reward",
+             reward_args: dict | None = None) -> list[ModelFunctionCallDef]:
+    """The six calls of PPO: generation, three inferences and two train steps.
+
+    ``reward`` and ``ref`` default to the critic's and the actor's model types.
+    """
+    inputs = ["seq", "logp", "ref_logp", "rewards", "values"]
+    return [
+        ModelFunctionCallDef(name="actor_gen", model_name="actor", model_type=actor, interface_type=GENERATE,
+                             interface_impl="ppo_actor", input_data=["prompts"], output_data=["seq", "logp"]),
+        ModelFunctionCallDef(name="rew_inf", model_name="reward", model_type=reward or critic,
+                             interface_type=INFERENCE, interface_impl=reward_impl, input_data=["seq"],
+                             output_data=["rewards"], interface_args=reward_args or {}),
+        ModelFunctionCallDef(name="ref_inf", model_name="ref", model_type=ref or actor, interface_type=INFERENCE,
+                             interface_impl="ppo_actor", input_data=["seq"], output_data=["ref_logp"]),
+        ModelFunctionCallDef(name="critic_inf", model_name="critic", model_type=critic, interface_type=INFERENCE,
+                             interface_impl="ppo_critic", input_data=["seq"], output_data=["values"]),
+        ModelFunctionCallDef(name="actor_train", model_name="actor", interface_type=TRAIN_STEP,
+                             interface_impl="ppo_actor", input_data=inputs, n_minibatches=n_minibatches),
+        ModelFunctionCallDef(name="critic_train", model_name="critic", interface_type=TRAIN_STEP,
+                             interface_impl="ppo_critic", input_data=inputs, n_minibatches=n_minibatches),
+    ]

@@ -1,0 +1,227 @@
+"""The experiment API of realhf.txt Figure 5 / realhf-appendix.txt section B.
+
+An experiment is a dataclass decorated with ``@auto(...)`` whose ``rpcs``
+property lists ``ModelFunctionCallDef`` nodes of the dataflow graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Sequence
+
+from realloc.cluster import ClusterSpec
+
+AUTO_ATTR = "__realloc_auto__"
+
+
+class InterfaceType(str, enum.Enum):
+    GENERATE = "generate"
+    INFERENCE = "inference"
+    TRAIN_STEP = "train_step"
+
+
+GENERATE = InterfaceType.GENERATE
+INFERENCE = InterfaceType.INFERENCE
+TRAIN_STEP = InterfaceType.TRAIN_STEP
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFunctionCallDef:
+    """One node of the dataflow graph: a call of ``interface_type`` on model ``model_name``.
+
+    ``model_type`` may be left out on all but one call of a model; the graph
+    takes it from the call that names it. ``n_seqs`` defaults to the
+    experiment's batch size. ``n_minibatches`` (TRAIN_STEP only) splits the
+    batch into that many optimizer steps, as PPO's mini-batches do.
+    """
+
+    name: str
+    model_name: str
+    interface_type: InterfaceType
+    model_type: str | None = None
+    input_data: Sequence[str] = ()
+    output_data: Sequence[str] = ()
+    n_seqs: int | None = None
+    n_minibatches: int = 1
+    interface_impl: str | None = None
+    interface_args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise ValueError(f"ModelFunctionCallDef.name must be an identifier such as 'actor_gen', got {self.name!r}")
+        if not isinstance(self.model_name, str) or not self.model_name:
+            raise ValueError(f"call {self.name!r}: model_name must be a non-empty string")
+        try:
+            itype = InterfaceType(self.interface_type)
+        except ValueError:
+            known = ", ".join(t.name for t in InterfaceType)
+            raise ValueError(f"call {self.name!r}: unknown interface_type {self.interface_type!r}; "
+                             f"use one of {known}") from None
+        object.__setattr__(self, "interface_type", itype)
+        for field in ("input_data", "output_data"):
+            value = getattr(self, field)
+            if isinstance(value, str):
+                raise ValueError(f"call {self.name!r}: {field} must be a list of keys, not the string {value!r}")
+            keys = tuple(value)
+            if any(not isinstance(k, str) or not k for k in keys):
+                raise ValueError(f"call {self.name!r}: {field} keys must be non-empty strings, got {keys!r}")
+            if len(set(keys)) != len(keys):
+                raise ValueError(f"call {self.name!r}: {field} lists a key twice: {keys!r}")
+            object.__setattr__(self, field, keys)
+        if self.n_seqs is not None and (not isinstance(self.n_seqs, int) or self.n_seqs < 1):
+            raise ValueError(f"call {self.name!r}: n_seqs must be a positive integer, got {self.n_seqs!r}")
+        if not isinstance(self.n_minibatches, int) or self.n_minibatches < 1:
+            raise ValueError(f"call {self.name!r}: n_minibatches must be a positive integer, got {self.n_minibatches!r}")
+        if self.n_minibatches > 1 and itype is not InterfaceType.TRAIN_STEP:
+            raise ValueError(f"call {self.name!r}: n_minibatches applies only to TRAIN_STEP calls")
+        object.__setattr__(self, "interface_args", MappingProxyType(dict(self.interface_args)))
+
+    @property
+    def is_train(self) -> bool:
+        return self.interface_type is InterfaceType.TRAIN_STEP
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoConfig:
+    """What ``@auto`` records: the cluster and the workload shape."""
+
+    nodelist: str
+    batch_size: int
+    n_devices_per_node: int | None = None
+    device: str = "cpu"
+    prompt_len: int = 1024
+    gen_len: int = 1024
+    dataset_keys: tuple[str, ...] = ("prompts",)
+    cluster_overrides: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for field in ("batch_size", "prompt_len", "gen_len"):
+            v = getattr(self, field)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"@auto: {field} must be a positive integer, got {v!r}")
+
+
+def auto(nodelist: str, batch_size: int, n_devices_per_node: int | None = None, device: str = "cpu",
+         prompt_len: int = 1024, gen_len: int = 1024, dataset_keys: Sequence[str] = ("prompts",),
+         **cluster_overrides: float) -> Callable[[type], type]:
+    """Mark a dataclass as a realloc experiment (realhf.txt Figure 5).
+
+    ``prompt_len`` and ``gen_len`` give the workload shape the planner costs:
+    generation extends each prompt by up to ``gen_len`` tokens, and every later
+    call sees ``prompt_len + gen_len`` tokens per sequence.
+    """
+    cfg = AutoConfig(nodelist, batch_size, n_devices_per_node, device, prompt_len, gen_len, tuple(dataset_keys),
+                     dict(cluster_overrides))
+
+    def wrap(cls: type) -> type:
+        if not dataclasses.is_dataclass(cls):
+            raise ValueError(f"@auto must decorate a dataclass; put @dataclasses.dataclass under @auto on {cls.__name__}")
+        if not isinstance(getattr(cls, "rpcs", None), property):
+            raise ValueError(f"experiment {cls.__name__} needs an `rpcs` property returning ModelFunctionCallDefs")
+        setattr(cls, AUTO_ATTR, cfg)
+        return cls
+
+    return wrap
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentSpec:
+    """A loaded experiment: its calls, cluster and workload, plus the user's config object."""
+
+    name: str
+    rpcs: tuple[ModelFunctionCallDef, ...]
+    cluster: ClusterSpec
+    batch_size: int
+    prompt_len: int
+    gen_len: int
+    dataset_keys: tuple[str, ...]
+    config: Any = None
+    source: str = ""
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.gen_len
+
+    def call(self, name: str) -> ModelFunctionCallDef:
+        for rpc in self.rpcs:
+            if rpc.name == name:
+                return rpc
+        raise ValueError(f"experiment {self.name!r} has no call {name!r}; calls: {', '.join(self.call_names)}")
+
+    @property
+    def call_names(self) -> tuple[str, ...]:
+        return tuple(r.name for r in self.rpcs)
+
+    def n_seqs(self, rpc: ModelFunctionCallDef) -> int:
+        return rpc.n_seqs if rpc.n_seqs is not None else self.batch_size
+
+
+def experiment_spec(experiment: Any, source: str = "") -> ExperimentSpec:
+    """Build the spec of an ``@auto`` experiment class or instance."""
+    cls = experiment if isinstance(experiment, type) else type(experiment)
+    cfg: AutoConfig | None = getattr(cls, AUTO_ATTR, None)
+    if cfg is None:
+        raise ValueError(f"{cls.__name__} is not a realloc experiment: decorate it with @auto(...)")
+    instance = experiment() if isinstance(experiment, type) else experiment
+    rpcs = instance.rpcs
+    if not isinstance(rpcs, (list, tuple)) or not rpcs:
+        raise ValueError(f"experiment {cls.__name__}: rpcs must be a non-empty list of ModelFunctionCallDef")
+    for i, r in enumerate(rpcs):
+        if not isinstance(r, ModelFunctionCallDef):
+            raise ValueError(f"experiment {cls.__name__}: rpcs[{i}] is a {type(r).__name__}, not a ModelFunctionCallDef")
+    names = [r.name for r in rpcs]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup:
+        raise ValueError(f"experiment {cls.__name__}: two calls are named {dup!r}; call names must be unique")
+    cluster = ClusterSpec.from_nodelist(cfg.nodelist, cfg.n_devices_per_node, cfg.device, **cfg.cluster_overrides)
+    return ExperimentSpec(name=cls.__name__, rpcs=tuple(rpcs), cluster=cluster, batch_size=cfg.batch_size,
+                          prompt_len=cfg.prompt_len, gen_len=cfg.gen_len, dataset_keys=cfg.dataset_keys,
+                          config=instance, source=source)
+
+
+def _import_file(path: Path) -> Any:
+    mod_name = f"realloc_experiment_{path.stem}"
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"cannot import experiment file {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_experiment(target: str) -> ExperimentSpec:
+    """Load ``path/to/exp.py``, ``path/to/exp.py:ClassName`` or ``package.module[:ClassName]``."""
+    where, _, cls_name = target.partition(":")
+    path = Path(where)
+    if where.endswith(".py"):
+        if not path.is_file():
+            raise ValueError(f"experiment file {where!r} does not exist")
+        module = _import_file(path)
+        source = str(path.resolve())
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ModuleNotFoundError:
+            raise ValueError(f"experiment {target!r}: no file or module of that name") from None
+        source = where
+    found = {n: c for n, c in vars(module).items() if isinstance(c, type) and hasattr(c, AUTO_ATTR)
+             and c.__module__ == module.__name__}
+    if cls_name:
+        if cls_name not in found:
+            raise ValueError(f"experiment {target!r}: no @auto class {cls_name!r}; found {', '.join(found) or 'none'}")
+        cls = found[cls_name]
+    elif len(found) == 1:
+        cls = next(iter(found.values()))
+    elif not found:
+        raise ValueError(f"experiment {target!r} defines no @auto-decorated dataclass")
+    else:
+        raise ValueError(f"experiment {target!r} defines several experiments ({', '.join(found)}); "
+                         f"pick one with {where}:ClassName")
+    return experiment_spec(cls, source=f"{source}:{cls.__name__}")

@@ -1,0 +1,128 @@
+"""The ``realloc`` command. User errors end in one readable line and a non-zero exit."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable, Sequence
+
+EXIT_USAGE = 2
+EXIT_NOT_IMPLEMENTED = 3
+
+
+class NotImplementedYet(Exception):
+    """A subcommand whose implementation has not landed; it must not pretend to work."""
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    from realloc.api import load_experiment
+    from realloc.graph.dataflow import build_graph
+    from realloc.search.candidates import call_options
+
+    spec = load_experiment(args.experiment)
+    graph = build_graph(spec)
+    cluster = spec.cluster
+    print(f"experiment {spec.name}  ({spec.source})")
+    print(f"cluster    {cluster.describe()}")
+    print(f"workload   batch {spec.batch_size}, prompt {spec.prompt_len} + generation {spec.gen_len} tokens")
+    print(f"graph      {len(spec.rpcs)} calls, {graph.graph.number_of_edges()} edges, digest {graph.digest}")
+    print()
+    print(graph.describe())
+    print()
+    meshes = cluster.device_meshes()
+    print(f"{len(meshes)} device meshes; candidate placements (mesh x strategy x micro-batches) per call:")
+    total = 1
+    for name in graph.topo_order:
+        n = len(call_options(graph, name))
+        total *= max(n, 1)
+        print(f"  {name:<16}{n:>8}")
+    print(f"  {'plan space':<16}{total:>8.2e}")
+    return 0
+
+
+def _not_yet(what: str, issue: int) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        raise NotImplementedYet(f"`realloc {what}` is not implemented yet (tracked in issue #{issue})")
+    return run
+
+
+def build_parser(commands: dict[str, Callable[[argparse.Namespace], int]] | None = None) -> argparse.ArgumentParser:
+    commands = commands or {}
+    p = argparse.ArgumentParser(prog="realloc", description="Plan and run RLHF dataflow graphs with parameter "
+                                "reallocation.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("show", help="validate an experiment and print its graph and candidate counts")
+    s.add_argument("experiment", help="experiment file (path/exp.py[:Class]) or module")
+    s.set_defaults(func=_cmd_show)
+
+    s = sub.add_parser("profile", help="measure per-layer and collective costs on this machine")
+    s.add_argument("--model", required=True, help="model type, e.g. tiny or llama3-8b")
+    s.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    s.add_argument("--tp", default="1", help="comma-separated tensor-parallel degrees to profile")
+    s.add_argument("--out", default=None, help="output JSON path (default: profiles/<device>/<model>.json)")
+    s.set_defaults(func=commands.get("profile", _not_yet("profile", 3)))
+
+    s = sub.add_parser("search", help="search an execution plan and report it")
+    s.add_argument("experiment")
+    s.add_argument("--dry-run", action="store_true", help="only plan; do not launch workers")
+    s.add_argument("--time", type=float, default=10.0, help="search time limit in seconds")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--out", default=None, help="write the plan JSON here")
+    s.add_argument("--timeline", default=None, help="write a timeline picture (.svg/.png/.html)")
+    s.set_defaults(func=commands.get("search", _not_yet("search", 4)))
+
+    s = sub.add_parser("run", help="run the experiment on its cluster")
+    s.add_argument("experiment")
+    g = s.add_mutually_exclusive_group()
+    g.add_argument("--plan", default=None, help="execution plan JSON to run")
+    g.add_argument("--search-time", type=float, default=None)
+    g.add_argument("--baseline", default=None)
+    s.add_argument("--iterations", type=int, default=None)
+    s.add_argument("--resume", default=None, help="checkpoint directory to resume from")
+    s.set_defaults(func=commands.get("run", _not_yet("run", 6)))
+    return p
+
+
+def _registered_commands() -> dict[str, Callable[[argparse.Namespace], int]]:
+    """Subcommands implemented outside this file. Each module is imported only when present."""
+    import importlib
+
+    out = {}
+    for name, module in (("profile", "realloc.estimator.profile_cli"), ("search", "realloc.search.search_cli"),
+                         ("run", "realloc.runtime.run_cli")):
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+            continue
+        out[name] = mod.main
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser(_registered_commands())
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except NotImplementedYet as e:
+        print(f"realloc: {e}", file=sys.stderr)
+        return EXIT_NOT_IMPLEMENTED
+    except ValueError as e:
+        print(f"realloc {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"realloc {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the CLI promises no tracebacks
+        if os.environ.get("REALLOC_DEBUG"):
+            raise
+        print(f"realloc {args.command}: internal error: {type(e).__name__}: {e} "
+              f"(set REALLOC_DEBUG=1 for a traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Cost estimation: hardware specs, profile tables, time, memory and reallocation cost."""

@@ -1,0 +1,1 @@
+"""Dataflow graph, execution plans and their JSON form."""

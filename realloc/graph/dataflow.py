@@ -1,0 +1,205 @@
+"""The dataflow graph of one RLHF iteration and its unrolling over iterations.
+
+Edges (realhf.txt section 4, Figure 4):
+- data: the producer of a key precedes every call that reads it;
+- parameter version: a model's train step waits for every call that reads the
+  version it is about to replace, and in the next iteration those calls wait
+  for that train step ("carry" edges, which cross an iteration boundary).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from functools import cached_property
+from types import MappingProxyType
+from typing import Mapping
+
+import networkx as nx
+
+from realloc.algorithms import INTERFACE_IMPLS
+from realloc.api import ExperimentSpec, InterfaceType, ModelFunctionCallDef
+from realloc.models.config import RULE_MODEL_TYPE, ModelConfig, get_model_config, is_known_model_type, known_model_types
+
+DATA, PARAM = "data", "param"
+
+
+@dataclasses.dataclass(frozen=True)
+class DataflowGraph:
+    spec: ExperimentSpec
+    graph: nx.DiGraph  # nodes: call names; edge attrs: kind (data|param), keys
+    model_types: Mapping[str, str]  # model_name -> model_type
+    carry_edges: tuple[tuple[str, str], ...]  # (src at t, dst at t+1)
+
+    @property
+    def calls(self) -> tuple[ModelFunctionCallDef, ...]:
+        return self.spec.rpcs
+
+    def call(self, name: str) -> ModelFunctionCallDef:
+        return self.spec.call(name)
+
+    def model_type(self, call: str | ModelFunctionCallDef) -> str:
+        rpc = self.call(call) if isinstance(call, str) else call
+        return self.model_types[rpc.model_name]
+
+    def model_config(self, call: str | ModelFunctionCallDef) -> ModelConfig | None:
+        """The call's model shape, or None for a parameter-free rule function."""
+        mtype = self.model_type(call)
+        return None if mtype == RULE_MODEL_TYPE else get_model_config(mtype)
+
+    def steps_n_seqs(self, call: str | ModelFunctionCallDef) -> int:
+        """Sequences processed per forward/optimizer step: a PPO mini-batch for training."""
+        rpc = self.call(call) if isinstance(call, str) else call
+        return self.spec.n_seqs(rpc) // rpc.n_minibatches
+
+    @cached_property
+    def topo_order(self) -> tuple[str, ...]:
+        # Ties broken by declaration order so the order is stable run to run.
+        index = {n: i for i, n in enumerate(self.spec.call_names)}
+        return tuple(nx.lexicographical_topological_sort(self.graph, key=lambda n: index[n]))
+
+    def calls_of_model(self, model_name: str) -> tuple[str, ...]:
+        return tuple(r.name for r in self.calls if r.model_name == model_name)
+
+    @cached_property
+    def digest(self) -> str:
+        """Hash of everything a plan depends on except the cluster."""
+        body = {
+            "batch_size": self.spec.batch_size, "prompt_len": self.spec.prompt_len, "gen_len": self.spec.gen_len,
+            "calls": [[r.name, r.model_name, self.model_types[r.model_name], r.interface_type.value,
+                       list(r.input_data), list(r.output_data), self.spec.n_seqs(r), r.n_minibatches]
+                      for r in self.calls],
+        }
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+
+    def unroll(self, n_iterations: int) -> nx.DiGraph:
+        """The concatenated graph of ``n_iterations`` iterations; nodes are (call, iteration)."""
+        if n_iterations < 1:
+            raise ValueError(f"n_iterations must be at least 1, got {n_iterations}")
+        g = nx.DiGraph()
+        for t in range(n_iterations):
+            for n, attrs in self.graph.nodes(data=True):
+                g.add_node((n, t), **attrs)
+            for u, v, attrs in self.graph.edges(data=True):
+                g.add_edge((u, t), (v, t), **attrs)
+            if t:
+                for u, v in self.carry_edges:
+                    g.add_edge((u, t - 1), (v, t), kind=PARAM, keys=())
+        return g
+
+    def describe(self) -> str:
+        lines = []
+        for name in self.topo_order:
+            r = self.call(name)
+            parents = sorted(self.graph.predecessors(name))
+            lines.append(f"{name:<16} {r.interface_type.name:<10} {r.model_name}({self.model_types[r.model_name]}) "
+                         f"in={list(r.input_data)} out={list(r.output_data)} after={parents}")
+        if self.carry_edges:
+            lines.append("next iteration: " + ", ".join(f"{u} -> {v}" for u, v in self.carry_edges))
+        return "\n".join(lines)
+
+
+def _resolve_model_types(rpcs: tuple[ModelFunctionCallDef, ...]) -> dict[str, str]:
+    declared: dict[str, tuple[str, str]] = {}  # model_name -> (type, declaring call)
+    for r in rpcs:
+        if r.model_type is None:
+            continue
+        if not is_known_model_type(r.model_type):
+            raise ValueError(f"call {r.name!r}: unknown model_type {r.model_type!r}; known types: "
+                             f"{', '.join(known_model_types())}")
+        prev = declared.get(r.model_name)
+        if prev and prev[0] != r.model_type:
+            raise ValueError(f"model {r.model_name!r} is declared as {prev[0]!r} in call {prev[1]!r} and as "
+                             f"{r.model_type!r} in call {r.name!r}; one model_name must have one model_type")
+        declared.setdefault(r.model_name, (r.model_type, r.name))
+    for r in rpcs:
+        if r.model_name not in declared:
+            raise ValueError(f"call {r.name!r}: model {r.model_name!r} has no model_type; set model_type on one of "
+                             f"its calls")
+    return {m: t for m, (t, _) in declared.items()}
+
+
+def _check_interface(r: ModelFunctionCallDef, model_type: str) -> None:
+    if r.interface_impl is not None:
+        supported = INTERFACE_IMPLS.get(r.interface_impl)
+        if supported is None:
+            raise ValueError(f"call {r.name!r}: unknown interface_impl {r.interface_impl!r}; known: "
+                             f"{', '.join(sorted(INTERFACE_IMPLS))}")
+        if r.interface_type not in supported:
+            raise ValueError(f"call {r.name!r}: interface_impl {r.interface_impl!r} does not implement "
+                             f"{r.interface_type.name}; it implements {', '.join(sorted(t.name for t in supported))}")
+    if model_type == RULE_MODEL_TYPE:
+        if r.interface_type is not InterfaceType.INFERENCE:
+            raise ValueError(f"call {r.name!r}: a {RULE_MODEL_TYPE!r} model is a parameter-free function and supports "
+                             f"only INFERENCE, not {r.interface_type.name}")
+        if r.interface_impl is None:
+            raise ValueError(f"call {r.name!r}: a {RULE_MODEL_TYPE!r} model needs interface_impl (e.g. 'rule_reward')")
+
+
+def build_graph(spec: ExperimentSpec) -> DataflowGraph:
+    """Validate ``spec`` and build its one-iteration dataflow graph."""
+    rpcs = spec.rpcs
+    model_types = _resolve_model_types(rpcs)
+    for r in rpcs:
+        _check_interface(r, model_types[r.model_name])
+        n = spec.n_seqs(r)
+        if n % r.n_minibatches:
+            raise ValueError(f"call {r.name!r}: its batch of {n} sequences cannot be split into "
+                             f"n_minibatches={r.n_minibatches} equal mini-batches; use a divisor of {n}")
+
+    producers: dict[str, str] = {}
+    for r in rpcs:
+        for key in r.output_data:
+            if key in producers:
+                raise ValueError(f"key {key!r} is produced by both call {producers[key]!r} and call {r.name!r}; "
+                                 f"rename one of the outputs")
+            if key in spec.dataset_keys:
+                raise ValueError(f"call {r.name!r} produces key {key!r}, which the dataset already supplies; "
+                                 f"rename the output")
+            producers[key] = r.name
+
+    g = nx.DiGraph()
+    for r in rpcs:
+        g.add_node(r.name, model_name=r.model_name, interface=r.interface_type.value)
+    for r in rpcs:
+        for key in r.input_data:
+            src = producers.get(key)
+            if src is None:
+                if key in spec.dataset_keys:
+                    continue
+                raise ValueError(f"call {r.name!r} reads key {key!r}, which no call produces and the dataset does not "
+                                 f"supply (dataset keys: {', '.join(spec.dataset_keys)}); produce it in some call's "
+                                 f"output_data or fix the name")
+            if src == r.name:
+                raise ValueError(f"call {r.name!r} reads key {key!r} that it produces itself")
+            if g.has_edge(src, r.name):
+                g.edges[src, r.name]["keys"] += (key,)
+            else:
+                g.add_edge(src, r.name, kind=DATA, keys=(key,))
+
+    carry: list[tuple[str, str]] = []
+    for model in dict.fromkeys(r.model_name for r in rpcs):
+        calls = [r for r in rpcs if r.model_name == model]
+        trains = [r.name for r in calls if r.is_train]
+        readers = [r.name for r in calls if not r.is_train]
+        if not trains:
+            continue
+        for reader in readers:
+            if not g.has_edge(reader, trains[0]):
+                g.add_edge(reader, trains[0], kind=PARAM, keys=())
+        for a, b in zip(trains, trains[1:]):
+            if not g.has_edge(a, b):
+                g.add_edge(a, b, kind=PARAM, keys=())
+        carry.extend((trains[-1], dst) for dst in readers + trains[:1])
+
+    try:
+        cycle = nx.find_cycle(g)
+    except nx.NetworkXNoCycle:
+        cycle = None
+    if cycle:
+        path = " -> ".join([u for u, _ in cycle] + [cycle[0][0]])
+        why = "; ".join(f"{u}->{v} via {', '.join(g.edges[u, v]['keys']) or 'parameter version'}" for u, v in cycle)
+        raise ValueError(f"the dataflow graph has a cycle: {path} ({why}); a call cannot depend on its own output")
+
+    return DataflowGraph(spec=spec, graph=g, model_types=MappingProxyType(model_types), carry_edges=tuple(carry))

@@ -1,0 +1,143 @@
+"""ExecutionPlan: where and how every call runs. The only thing search hands to runtime."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from realloc.cluster import DeviceMesh
+from realloc.strategy import ParallelStrategy, strategy_error
+
+if TYPE_CHECKING:
+    from realloc.graph.dataflow import DataflowGraph
+
+PLAN_FORMAT_VERSION = 1
+
+
+class CallPlacement(BaseModel):
+    """One call's device mesh, 3D-parallel strategy and micro-batch count."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    mesh: str
+    dp: int = Field(ge=1)
+    tp: int = Field(ge=1)
+    pp: int = Field(ge=1)
+    n_mbs: int = Field(default=1, ge=1)
+
+    @property
+    def strategy(self) -> ParallelStrategy:
+        return ParallelStrategy(self.dp, self.tp, self.pp)
+
+    @classmethod
+    def of(cls, mesh: DeviceMesh | str, strategy: ParallelStrategy, n_mbs: int = 1) -> "CallPlacement":
+        return cls(mesh=str(mesh), dp=strategy.dp, tp=strategy.tp, pp=strategy.pp, n_mbs=n_mbs)
+
+
+class ExecutionPlan(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    format_version: int = PLAN_FORMAT_VERSION
+    experiment: str
+    graph_digest: str
+    nodelist: str
+    n_devices_per_node: int
+    device: str
+    placements: dict[str, CallPlacement]
+    # model_name -> keep a frozen model's parameters in host memory between its calls
+    offload: dict[str, bool] = Field(default_factory=dict)
+    source: str = "manual"
+    estimated_time: float | None = None  # seconds per iteration, steady state
+    estimated_peak_memory: int | None = None  # bytes, the most loaded device
+    call_times: dict[str, float] = Field(default_factory=dict)  # seconds, standalone estimate per call
+    call_memory: dict[str, int] = Field(default_factory=dict)  # bytes per device, peak while the call runs
+
+    # -- serialization -------------------------------------------------------
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2)
+
+    @classmethod
+    def from_json(cls, text: str, where: str = "plan") -> "ExecutionPlan":
+        try:
+            plan = cls.model_validate_json(text)
+        except ValidationError as e:
+            first = e.errors()[0]
+            loc = ".".join(map(str, first["loc"]))
+            raise ValueError(f"{where}: field {loc!r}: {first['msg']}") from None
+        if plan.format_version != PLAN_FORMAT_VERSION:
+            raise ValueError(f"{where}: plan format version {plan.format_version} is not supported "
+                             f"(this realloc reads version {PLAN_FORMAT_VERSION}); search again to regenerate it")
+        return plan
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(self.to_json())
+        tmp.replace(path)  # atomic: a crash never leaves half a plan
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ExecutionPlan":
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"plan file {str(path)!r} does not exist")
+        return cls.from_json(path.read_text(), where=str(path))
+
+    # -- presentation --------------------------------------------------------
+    def table(self, order: tuple[str, ...] | None = None) -> str:
+        names = order or tuple(self.placements)
+        header = f"{'call':<18}{'mesh':<18}{'dp':>4}{'tp':>4}{'pp':>4}{'mbs':>5}{'est. s':>10}{'mem GiB':>10}"
+        rows = [header, "-" * len(header)]
+        for n in names:
+            p = self.placements[n]
+            t = self.call_times.get(n)
+            m = self.call_memory.get(n)
+            rows.append(f"{n:<18}{p.mesh:<18}{p.dp:>4}{p.tp:>4}{p.pp:>4}{p.n_mbs:>5}"
+                        f"{'' if t is None else f'{t:.3f}':>10}{'' if m is None else f'{m / 2**30:.2f}':>10}")
+        if self.estimated_time is not None:
+            rows.append(f"estimated time per iteration: {self.estimated_time:.3f} s")
+        return "\n".join(rows)
+
+
+def validate_plan(plan: ExecutionPlan, graph: "DataflowGraph") -> dict[str, DeviceMesh]:
+    """Check that ``plan`` fits ``graph`` and its cluster; return each call's parsed mesh."""
+    spec, cluster = graph.spec, graph.spec.cluster
+    if (plan.nodelist, plan.n_devices_per_node) != (cluster.nodelist, cluster.n_devices_per_node):
+        raise ValueError(f"plan is for cluster {plan.nodelist!r} x {plan.n_devices_per_node}, but experiment "
+                         f"{spec.name!r} runs on {cluster.nodelist!r} x {cluster.n_devices_per_node}")
+    unknown = sorted(set(plan.placements) - set(spec.call_names))
+    if unknown:
+        raise ValueError(f"plan places call {unknown[0]!r}, which experiment {spec.name!r} does not have "
+                         f"(calls: {', '.join(spec.call_names)})")
+    missing = [n for n in spec.call_names if n not in plan.placements]
+    if missing:
+        raise ValueError(f"plan has no placement for call {missing[0]!r}")
+    if plan.graph_digest != graph.digest:
+        raise ValueError(f"plan was made for a different version of experiment {spec.name!r} (graph digest "
+                         f"{plan.graph_digest} != {graph.digest}); search again")
+    for model in plan.offload:
+        if model not in graph.model_types:
+            raise ValueError(f"plan offloads model {model!r}, which the experiment does not have")
+    meshes: dict[str, DeviceMesh] = {}
+    for name in spec.call_names:
+        p = plan.placements[name]
+        try:
+            mesh = cluster.mesh(p.mesh)
+        except ValueError as e:
+            raise ValueError(f"call {name!r}: {e}") from None
+        s = p.strategy
+        if s.world_size != mesh.size:
+            raise ValueError(f"call {name!r}: dp*tp*pp = {s.dp}*{s.tp}*{s.pp} = {s.world_size} but mesh {p.mesh!r} "
+                             f"has {mesh.size} devices")
+        cfg = graph.model_config(name)
+        if cfg is not None:
+            why = strategy_error(cfg, s, mesh.n_devs)
+            if why:
+                raise ValueError(f"call {name!r}: {why}")
+        n_seqs = graph.steps_n_seqs(name)
+        if n_seqs % (s.dp * p.n_mbs):
+            raise ValueError(f"call {name!r}: {n_seqs} sequences per step cannot be split over dp={s.dp} into "
+                             f"n_mbs={p.n_mbs} equal micro-batches")
+        meshes[name] = mesh
+    return meshes

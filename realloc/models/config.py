@@ -1,0 +1,154 @@
+"""LLaMA-architecture model configurations and the model-type registry.
+
+A model type is a name such as ``llama3-8b``; appending ``-critic`` gives the
+same trunk with a scalar value head instead of the vocabulary projection.
+Parameter counts follow the appendix's Table 1 (realhf-appendix.txt).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import MappingProxyType
+from typing import Iterable
+
+CRITIC_SUFFIX = "-critic"
+
+# A parameter-free model type: a rule-based function (e.g. a reward computed
+# from token ids) that still occupies a node of the dataflow graph.
+RULE_MODEL_TYPE = "rule"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    is_critic: bool = False
+
+    def __post_init__(self) -> None:
+        for field in ("vocab_size", "hidden_size", "intermediate_size", "n_layers", "n_heads", "n_kv_heads"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"model config {self.name!r}: {field} must be positive")
+        if self.hidden_size % self.n_heads:
+            raise ValueError(f"model config {self.name!r}: hidden_size must be divisible by n_heads")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"model config {self.name!r}: n_heads must be divisible by n_kv_heads")
+        if self.is_critic and self.tie_embeddings:
+            raise ValueError(f"model config {self.name!r}: a critic cannot tie its scalar head to the embedding")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def output_dim(self) -> int:
+        """Width of the output head: the vocabulary, or 1 for a critic."""
+        return 1 if self.is_critic else self.vocab_size
+
+    # -- parameter counts (elements, not bytes) ---------------------------
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def layer_params(self) -> int:
+        """One decoder block: q, k, v, o projections, SwiGLU MLP, two RMSNorms."""
+        h, kv = self.hidden_size, self.kv_dim
+        attn = h * h + 2 * h * kv + h * h
+        mlp = 3 * h * self.intermediate_size
+        return attn + mlp + 2 * h
+
+    @property
+    def head_params(self) -> int:
+        """Final RMSNorm plus the output projection (none if tied)."""
+        proj = 0 if self.tie_embeddings else self.hidden_size * self.output_dim
+        return self.hidden_size + proj
+
+    @property
+    def total_params(self) -> int:
+        return self.embedding_params + self.n_layers * self.layer_params + self.head_params
+
+    @property
+    def params_without_output_embedding(self) -> int:
+        """Table 1's identifier column: everything but the output projection."""
+        return self.embedding_params + self.n_layers * self.layer_params + self.hidden_size
+
+    def as_critic(self) -> "ModelConfig":
+        return dataclasses.replace(self, name=self.name + CRITIC_SUFFIX, is_critic=True, tie_embeddings=False)
+
+
+def _llama2(name: str, h: int, inter: int, layers: int, heads: int, kv: int) -> ModelConfig:
+    return ModelConfig(name, 32000, h, inter, layers, heads, kv, max_position_embeddings=4096, norm_eps=1e-5)
+
+
+def _llama3(name: str, h: int, inter: int, layers: int, heads: int, kv: int) -> ModelConfig:
+    return ModelConfig(name, 128256, h, inter, layers, heads, kv, max_position_embeddings=8192,
+                       rope_theta=500000.0, norm_eps=1e-5)
+
+
+_BASE_CONFIGS: tuple[ModelConfig, ...] = (
+    # LLaMA-2 family (34B is the CodeLlama-34B shape, the only public 34B LLaMA-2).
+    _llama2("llama2-7b", 4096, 11008, 32, 32, 32),
+    _llama2("llama2-13b", 5120, 13824, 40, 40, 40),
+    _llama2("llama2-34b", 8192, 22016, 48, 64, 8),
+    _llama2("llama2-70b", 8192, 28672, 80, 64, 8),
+    # realhf-appendix.txt Table 1. Its "7B" column is the LLaMA-3-8B shape.
+    _llama3("llama3-8b", 4096, 14336, 32, 32, 8),
+    _llama3("llama3-13b", 5120, 13824, 40, 40, 40),
+    _llama3("llama3-34b", 8192, 22016, 48, 64, 8),
+    _llama3("llama3-70b", 8192, 28672, 80, 64, 8),
+    # Tiny shapes for the local CPU cluster. Head counts are divisible by 2 and 4
+    # so every tp in {1, 2, 4} is legal.
+    ModelConfig("tiny", 64, 64, 176, 4, 4, 4, max_position_embeddings=256),
+    ModelConfig("tiny-gqa", 64, 64, 176, 4, 4, 2, max_position_embeddings=256),
+    ModelConfig("small", 256, 256, 704, 8, 8, 4, max_position_embeddings=512),
+)
+
+# The paper's Figure 5 spells the 7B model "llama7b".
+_ALIASES = {"llama7b": "llama2-7b", "llama13b": "llama2-13b", "llama34b": "llama2-34b", "llama70b": "llama2-70b"}
+
+_REGISTRY: "MappingProxyType[str, ModelConfig]" = MappingProxyType({c.name: c for c in _BASE_CONFIGS})
+
+
+def known_model_types() -> list[str]:
+    names = [c.name for c in _BASE_CONFIGS]
+    return names + [n + CRITIC_SUFFIX for n in names] + sorted(_ALIASES) + [RULE_MODEL_TYPE]
+
+
+def is_known_model_type(model_type: str) -> bool:
+    return model_type == RULE_MODEL_TYPE or _resolve_base(model_type) in _REGISTRY
+
+
+def _resolve_base(model_type: str) -> str:
+    base = model_type[: -len(CRITIC_SUFFIX)] if model_type.endswith(CRITIC_SUFFIX) else model_type
+    return _ALIASES.get(base, base)
+
+
+def get_model_config(model_type: str) -> ModelConfig:
+    """Return the config for ``model_type``; ``X-critic`` is X with a scalar head."""
+    if model_type == RULE_MODEL_TYPE:
+        raise ValueError(f"model type {RULE_MODEL_TYPE!r} is a parameter-free function and has no model config")
+    base = _resolve_base(model_type)
+    if base not in _REGISTRY:
+        raise ValueError(f"unknown model_type {model_type!r}; known types: {', '.join(known_model_types())}")
+    cfg = _REGISTRY[base]
+    return cfg.as_critic() if model_type.endswith(CRITIC_SUFFIX) else cfg
+
+
+def describe(configs: Iterable[ModelConfig]) -> str:
+    rows = [f"{'type':<18}{'layers':>7}{'hidden':>8}{'heads':>7}{'kv':>5}{'params':>16}"]
+    for c in configs:
+        rows.append(f"{c.name:<18}{c.n_layers:>7}{c.hidden_size:>8}{c.n_heads:>7}{c.n_kv_heads:>5}{c.total_params:>16,}")
+    return "\n".join(rows)

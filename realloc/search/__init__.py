@@ -1,0 +1,1 @@
+"""Plan search: candidates per call, baselines, the C++ engine wrapper and reports."""
