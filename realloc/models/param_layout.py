@@ -1,0 +1,130 @@
+"""Where every parameter of a model lives under a 3D-parallel layout.
+
+This is the contract shared by the model, parameter reallocation, checkpoints
+and the cost estimator: parameter names (HuggingFace LLaMA names, so checkpoints
+load without renaming), full shapes, the dimension tensor parallelism splits,
+and which pipeline stage holds each layer.
+
+TP splits a weight into ``tp`` contiguous equal chunks along ``tp_dim``. For q/k/v
+and gate/up that is the output dimension (whole heads / MLP columns per rank);
+for o/down the input dimension; for the embedding and LM head the vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import lru_cache
+
+from realloc.models.config import ModelConfig
+
+EMBED_LAYER = -1  # pseudo layer index of the input embedding
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    tp_dim: int | None  # None: replicated on every tp rank
+    layer: int  # EMBED_LAYER, 0..n_layers-1 for blocks, n_layers for the head (final norm + output)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def shard_shape(self, tp: int) -> tuple[int, ...]:
+        if self.tp_dim is None:
+            return self.shape
+        assert self.shape[self.tp_dim] % tp == 0, (self.name, self.shape, tp)
+        shape = list(self.shape)
+        shape[self.tp_dim] //= tp
+        return tuple(shape)
+
+    def shard_slices(self, tp: int, tp_rank: int) -> tuple[slice, ...]:
+        """Index of tp rank ``tp_rank``'s shard inside the full tensor."""
+        if self.tp_dim is None:
+            return tuple(slice(None) for _ in self.shape)
+        size = self.shape[self.tp_dim] // tp
+        return tuple(slice(tp_rank * size, (tp_rank + 1) * size) if d == self.tp_dim else slice(None)
+                     for d in range(len(self.shape)))
+
+    def shard_numel(self, tp: int) -> int:
+        return self.numel // (tp if self.tp_dim is not None else 1)
+
+
+def _block_specs(cfg: ModelConfig, i: int) -> list[ParamSpec]:
+    h, kv, inter = cfg.hidden_size, cfg.kv_dim, cfg.intermediate_size
+    p = f"model.layers.{i}."
+    return [
+        ParamSpec(p + "input_layernorm.weight", (h,), None, i),
+        ParamSpec(p + "self_attn.q_proj.weight", (h, h), 0, i),
+        ParamSpec(p + "self_attn.k_proj.weight", (kv, h), 0, i),
+        ParamSpec(p + "self_attn.v_proj.weight", (kv, h), 0, i),
+        ParamSpec(p + "self_attn.o_proj.weight", (h, h), 1, i),
+        ParamSpec(p + "post_attention_layernorm.weight", (h,), None, i),
+        ParamSpec(p + "mlp.gate_proj.weight", (inter, h), 0, i),
+        ParamSpec(p + "mlp.up_proj.weight", (inter, h), 0, i),
+        ParamSpec(p + "mlp.down_proj.weight", (h, inter), 1, i),
+    ]
+
+
+@lru_cache(maxsize=64)
+def param_specs(cfg: ModelConfig) -> tuple[ParamSpec, ...]:
+    """Every parameter of the full model, in layer order."""
+    L, h = cfg.n_layers, cfg.hidden_size
+    specs = [ParamSpec("model.embed_tokens.weight", (cfg.vocab_size, h), 0, EMBED_LAYER)]
+    for i in range(L):
+        specs.extend(_block_specs(cfg, i))
+    specs.append(ParamSpec("model.norm.weight", (h,), None, L))
+    if cfg.is_critic:
+        # Named like HF's LlamaForSequenceClassification head; too small to shard.
+        specs.append(ParamSpec("score.weight", (1, h), None, L))
+    elif not cfg.tie_embeddings:
+        specs.append(ParamSpec("lm_head.weight", (cfg.vocab_size, h), 0, L))
+    return tuple(specs)
+
+
+def stage_layer_ranges(n_layers: int, pp: int) -> tuple[tuple[int, int], ...]:
+    """Decoder blocks [lo, hi) of each pipeline stage: as even as possible, earlier stages take the remainder.
+
+    Stage 0 also holds the embedding and the last stage the head.
+    """
+    if not 1 <= pp <= n_layers:
+        raise ValueError(f"pp={pp} must be between 1 and the number of layers ({n_layers})")
+    base, extra = divmod(n_layers, pp)
+    out, lo = [], 0
+    for s in range(pp):
+        hi = lo + base + (1 if s < extra else 0)
+        out.append((lo, hi))
+        lo = hi
+    return tuple(out)
+
+
+def stage_of_layer(n_layers: int, pp: int, layer: int) -> int:
+    if layer == EMBED_LAYER:
+        return 0
+    if layer >= n_layers:
+        return pp - 1
+    for s, (lo, hi) in enumerate(stage_layer_ranges(n_layers, pp)):
+        if lo <= layer < hi:
+            return s
+    raise AssertionError(layer)
+
+
+def stage_param_specs(cfg: ModelConfig, pp: int, pp_rank: int) -> tuple[ParamSpec, ...]:
+    """Parameters held by pipeline stage ``pp_rank``.
+
+    With tied embeddings and pp > 1 the last stage holds its own replica of the
+    embedding to compute logits; the model keeps the two copies in sync.
+    """
+    out = [s for s in param_specs(cfg) if stage_of_layer(cfg.n_layers, pp, s.layer) == pp_rank]
+    if cfg.tie_embeddings and pp > 1 and pp_rank == pp - 1:
+        out.append(param_specs(cfg)[0])
+    return tuple(out)
+
+
+def shard_numel(cfg: ModelConfig, tp: int, pp: int, pp_rank: int) -> int:
+    """Elements one device of (tp, pp_rank) holds."""
+    return sum(s.shard_numel(tp) for s in stage_param_specs(cfg, pp, pp_rank))
