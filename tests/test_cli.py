@@ -1,0 +1,49 @@
+"""The realloc command: readable output, one-line errors, no tracebacks."""
+
+import subprocess
+import sys
+
+import pytest
+
+from realloc.cli import EXIT_NOT_IMPLEMENTED, EXIT_USAGE, build_parser, main
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "realloc.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_help_lists_subcommands():
+    out = run_cli("--help")
+    assert out.returncode == 0
+    for cmd in ("profile", "search", "run", "show"):
+        assert cmd in out.stdout
+
+
+def test_show_prints_graph_and_candidate_counts(capsys):
+    assert main(["show", "experiments/ppo_7b_7b.py"]) == 0
+    out = capsys.readouterr().out
+    assert "trainer[01-02]: 2 node(s) x 8 a100-80g" in out
+    assert "actor_train      TRAIN_STEP actor(llama3-8b)" in out
+    counts = {line.split()[0]: line.split()[1] for line in out.splitlines() if line.startswith("  ")}
+    assert counts["actor_gen"] == "685" and counts["actor_train"] == "622"
+
+
+def test_bad_experiment_is_one_line_without_traceback(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import dataclasses\nfrom realloc.api import *\n"
+                   "@auto(nodelist='localhost', batch_size=4)\n@dataclasses.dataclass\nclass E:\n"
+                   "    @property\n    def rpcs(self):\n"
+                   "        return [ModelFunctionCallDef(name='g', model_name='a', model_type='tiny',\n"
+                   "                interface_type=GENERATE, input_data=['missing'])]\n")
+    out = run_cli("show", str(bad))
+    assert out.returncode == EXIT_USAGE
+    assert "Traceback" not in out.stderr
+    assert out.stderr.strip().count("\n") == 0
+    assert "call 'g' reads key 'missing'" in out.stderr
+
+
+def test_unimplemented_subcommand_says_so(capsys):
+    parser = build_parser({})  # no implementations registered
+    args = parser.parse_args(["run", "experiments/ppo_tiny.py"])
+    with pytest.raises(Exception, match="not implemented yet"):
+        args.func(args)

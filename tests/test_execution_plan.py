@@ -1,0 +1,105 @@
+"""ExecutionPlan JSON round trip, table and validation against its experiment (issue 2, item 7)."""
+
+import json
+
+import pytest
+
+from realloc.api import load_experiment
+from realloc.graph.dataflow import build_graph
+from realloc.graph.plan import CallPlacement, ExecutionPlan, validate_plan
+from realloc.strategy import ParallelStrategy
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return build_graph(load_experiment("experiments/ppo_7b_7b.py"))
+
+
+def table5_plan(graph, **changes) -> ExecutionPlan:
+    """realhf-appendix.txt Table 5: every call on trainer[01-02] with TP8 / PP1 / DP2 and 4 micro-batches."""
+    c = graph.spec.cluster
+    placements = {n: CallPlacement(mesh="trainer[01-02]", dp=2, tp=8, pp=1, n_mbs=4) for n in graph.spec.call_names}
+    placements.update(changes)
+    return ExecutionPlan(experiment=graph.spec.name, graph_digest=graph.digest, nodelist=c.nodelist,
+                         n_devices_per_node=c.n_devices_per_node, device=c.device, placements=placements,
+                         source="heuristic", estimated_time=122.6, call_times={"actor_gen": 44.2})
+
+
+def test_json_round_trip(graph, tmp_path):
+    plan = table5_plan(graph, actor_gen=CallPlacement.of(graph.spec.cluster.mesh("trainer01:0-3"),
+                                                         ParallelStrategy(2, 2, 1), 2))
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    again = ExecutionPlan.load(path)
+    assert again == plan
+    assert again.placements["actor_gen"].strategy == ParallelStrategy(2, 2, 1)
+    assert json.loads(path.read_text())["placements"]["actor_gen"]["mesh"] == "trainer01:0-3"
+    meshes = validate_plan(again, graph)
+    assert meshes["actor_gen"].device_ids == (0, 1, 2, 3)
+
+
+def test_table_lists_every_call(graph):
+    text = table5_plan(graph).table(graph.topo_order)
+    lines = text.splitlines()
+    assert lines[0].split()[:6] == ["call", "mesh", "dp", "tp", "pp", "mbs"]
+    row = next(line for line in lines if line.startswith("actor_gen"))
+    assert row.split()[:7] == ["actor_gen", "trainer[01-02]", "2", "8", "1", "4", "44.200"]
+    assert "122.600 s" in lines[-1]
+
+
+def test_unknown_call(graph):
+    plan = table5_plan(graph, dpo_train=CallPlacement(mesh="trainer01", dp=8, tp=1, pp=1))
+    with pytest.raises(ValueError, match="plan places call 'dpo_train', which experiment 'PPO7Bx7B' does not have"):
+        validate_plan(plan, graph)
+
+
+def test_missing_call(graph):
+    plan = table5_plan(graph)
+    placements = dict(plan.placements)
+    del placements["ref_inf"]
+    with pytest.raises(ValueError, match="no placement for call 'ref_inf'"):
+        validate_plan(plan.model_copy(update={"placements": placements}), graph)
+
+
+def test_mesh_outside_cluster(graph):
+    plan = table5_plan(graph, rew_inf=CallPlacement(mesh="trainer03", dp=8, tp=1, pp=1))
+    with pytest.raises(ValueError, match="call 'rew_inf': mesh 'trainer03' names node 'trainer03', which is not in"):
+        validate_plan(plan, graph)
+
+
+def test_world_size_mismatch(graph):
+    plan = table5_plan(graph, rew_inf=CallPlacement(mesh="trainer01", dp=4, tp=4, pp=1))
+    with pytest.raises(ValueError, match=r"call 'rew_inf': dp\*tp\*pp = 4\*4\*1 = 16 but mesh 'trainer01' has 8"):
+        validate_plan(plan, graph)
+
+
+def test_strategy_illegal_for_model(graph):
+    plan = table5_plan(graph, ref_inf=CallPlacement(mesh="trainer[01-02]", dp=1, tp=16, pp=1))
+    with pytest.raises(ValueError, match="call 'ref_inf': tp=16 must divide the attention heads"):
+        validate_plan(plan, graph)
+
+
+def test_micro_batches_must_divide(graph):
+    plan = table5_plan(graph, actor_train=CallPlacement(mesh="trainer[01-02]", dp=2, tp=8, pp=1, n_mbs=3))
+    with pytest.raises(ValueError, match="call 'actor_train': 64 sequences per step cannot be split over dp=2 into "
+                                         "n_mbs=3"):
+        validate_plan(plan, graph)
+
+
+def test_other_experiment_or_cluster(graph):
+    other = build_graph(load_experiment("experiments/ppo_7b_34b.py"))
+    with pytest.raises(ValueError, match="plan is for cluster 'trainer\\[01-02\\]'"):
+        validate_plan(table5_plan(graph), other)
+    stale = table5_plan(graph).model_copy(update={"graph_digest": "0" * 16})
+    with pytest.raises(ValueError, match="different version of experiment"):
+        validate_plan(stale, graph)
+
+
+def test_bad_json_names_the_field(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"experiment": "x", "graph_digest": "y", "nodelist": "a", "n_devices_per_node": 8,
+                                "device": "cpu", "placements": {"a": {"mesh": "a", "dp": 0, "tp": 1, "pp": 1}}}))
+    with pytest.raises(ValueError, match=r"bad.json: field 'placements.a.dp'"):
+        ExecutionPlan.load(path)
+    with pytest.raises(ValueError, match="does not exist"):
+        ExecutionPlan.load(tmp_path / "none.json")

@@ -1,0 +1,101 @@
+"""The @auto experiment API (realhf.txt Figure 5) and experiment loading."""
+
+import dataclasses
+import textwrap
+
+import pytest
+
+from realloc.api import GENERATE, ModelFunctionCallDef, auto, experiment_spec, load_experiment
+from realloc.graph.dataflow import build_graph
+
+SHIPPED = ["experiments/ppo_tiny.py", "experiments/ppo_7b_7b.py", "experiments/ppo_70b_7b.py",
+           "experiments/ppo_7b_34b.py"]
+
+
+@pytest.mark.parametrize("path", SHIPPED)
+def test_shipped_experiments_validate(path):
+    spec = load_experiment(path)
+    graph = build_graph(spec)
+    assert set(spec.call_names) == {"actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train", "critic_train"}
+    assert graph.model_type("actor_train") == graph.model_type("actor_gen")
+
+
+def test_paper_settings():
+    assert load_experiment("experiments/ppo_70b_7b.py").cluster.n_devices == 128
+    big = load_experiment("experiments/ppo_7b_34b.py")
+    assert big.cluster.n_nodes == 4 and build_graph(big).model_type("critic_inf") == "llama3-34b-critic"
+    tiny = load_experiment("experiments/ppo_tiny.py")
+    assert tiny.cluster.nodes == ("localhost",) and tiny.cluster.n_devices == 2 and tiny.cluster.device == "cpu"
+
+
+def test_figure5_style_class_and_defaults():
+    @auto(nodelist="com[01-08]", batch_size=256, n_devices_per_node=8, device="a100-80g")
+    @dataclasses.dataclass
+    class Experiment:
+        seed: int = 1
+
+        @property
+        def rpcs(self):
+            return [ModelFunctionCallDef(name="gen", model_name="actor", model_type="llama7b",
+                                         interface_type=GENERATE, input_data=["prompts"], output_data=["seq"])]
+
+    spec = experiment_spec(Experiment)
+    assert spec.batch_size == 256 and spec.cluster.n_devices == 64 and spec.config.seed == 1
+    assert spec.n_seqs(spec.call("gen")) == 256
+    with pytest.raises(ValueError, match="has no call 'train'"):
+        spec.call("train")
+
+
+def test_auto_requires_a_dataclass_with_rpcs():
+    with pytest.raises(ValueError, match="must decorate a dataclass"):
+        @auto(nodelist="a", batch_size=1)
+        class NotDataclass:
+            rpcs = property(lambda self: [])
+    with pytest.raises(ValueError, match="needs an `rpcs` property"):
+        @auto(nodelist="a", batch_size=1)
+        @dataclasses.dataclass
+        class NoRpcs:
+            pass
+    with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+        auto(nodelist="a", batch_size=0)
+
+
+def test_duplicate_call_names():
+    @auto(nodelist="a", batch_size=2)
+    @dataclasses.dataclass
+    class Exp:
+        @property
+        def rpcs(self):
+            c = ModelFunctionCallDef(name="gen", model_name="actor", model_type="tiny", interface_type=GENERATE)
+            return [c, c]
+    with pytest.raises(ValueError, match="two calls are named 'gen'"):
+        experiment_spec(Exp)
+
+
+def test_load_experiment_errors(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_experiment(str(tmp_path / "nope.py"))
+    empty = tmp_path / "empty.py"
+    empty.write_text("x = 1\n")
+    with pytest.raises(ValueError, match="defines no @auto-decorated dataclass"):
+        load_experiment(str(empty))
+    two = tmp_path / "two.py"
+    two.write_text(textwrap.dedent("""
+        import dataclasses
+        from realloc.api import auto, ModelFunctionCallDef, GENERATE
+        def rpcs(self):
+            return [ModelFunctionCallDef(name="g", model_name="a", model_type="tiny", interface_type=GENERATE)]
+        @auto(nodelist="localhost", batch_size=4)
+        @dataclasses.dataclass
+        class A:
+            rpcs = property(rpcs)
+        @auto(nodelist="localhost", batch_size=8)
+        @dataclasses.dataclass
+        class B:
+            rpcs = property(rpcs)
+    """))
+    with pytest.raises(ValueError, match="several experiments \\(A, B\\); pick one"):
+        load_experiment(str(two))
+    assert load_experiment(f"{two}:B").batch_size == 8
+    with pytest.raises(ValueError, match="no @auto class 'C'"):
+        load_experiment(f"{two}:C")
