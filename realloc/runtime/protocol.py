@@ -1,0 +1,302 @@
+"""The wire protocol between the master worker and the model workers (realhf.txt §3, §6).
+
+A message is two ZMQ frames: ``[payload, mac]``.
+
+- ``payload`` is a msgpack map ``{"v", "run", "src", "dst", "seq", "type", "body"}``; ``body`` is the
+  fields of one of the typed messages below. msgpack carries only plain data (no pickle, no code).
+- ``mac`` is HMAC-SHA256 over the payload with the per-run secret. The secret reaches workers through a
+  0600 file or the environment (``REALLOC_SECRET_FILE`` / ``REALLOC_SECRET``), never over the wire.
+- Replay protection: every sender numbers its messages with a strictly increasing ``seq``; a receiver
+  drops any message whose ``seq`` is not above the last one it accepted from that sender. ``run`` and
+  ``dst`` stop a message from being replayed into another run or at another receiver.
+
+Anything that fails these checks raises ``ProtocolError``; the receive loops log it and carry on, so a
+stray or forged message never crashes a process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import stat
+from pathlib import Path
+from typing import Literal
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+PROTOCOL_VERSION = 1
+MAC_BYTES = 32
+SECRET_BYTES = 32
+# Requests and replies carry metadata only; anything bigger is a bug or an attack.
+MAX_PAYLOAD_BYTES = 8 << 20
+SECRET_FILE_ENV = "REALLOC_SECRET_FILE"
+SECRET_ENV = "REALLOC_SECRET"
+
+log = logging.getLogger("realloc.protocol")
+
+
+class ProtocolError(Exception):
+    """A message that must be dropped: malformed, unauthenticated, replayed or misaddressed."""
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+# -- shared pieces ------------------------------------------------------------------------------------------
+class TensorMeta(_Msg):
+    """One tensor of a data key; ``shape`` excludes the leading per-sequence dimension."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+
+
+class Broadcast(_Msg):
+    """One broadcast of a data transfer: ``src`` sends sequences ``ids`` to every rank of ``group``."""
+
+    src: int
+    group: list[int]  # sorted global ranks, src included
+    ids: list[int]
+
+
+# -- master -> worker requests. ``req`` is the global order every worker executes its requests in ------------
+class Setup(_Msg):
+    type: Literal["setup"] = "setup"
+    req: int
+    resume: str | None = None  # checkpoint directory to load after building the models
+
+
+class RunCall(_Msg):
+    type: Literal["call"] = "call"
+    req: int
+    call: str
+    iteration: int
+
+
+class Reallocate(_Msg):
+    type: Literal["realloc"] = "realloc"
+    req: int
+    model: str
+    src_call: str  # the call whose layout holds the parameters now
+    dst_call: str  # the call whose layout needs them next
+    iteration: int
+    drop_src: bool = True
+
+
+class TransferData(_Msg):
+    type: Literal["data"] = "data"
+    req: int
+    key: str
+    iteration: int
+    dst_call: str
+    tensors: list[TensorMeta]
+    broadcasts: list[Broadcast]
+
+
+class Offload(_Msg):
+    type: Literal["offload"] = "offload"
+    req: int
+    model: str
+    call: str  # the layout, named by a call that uses it
+    to_host: bool
+    iteration: int
+
+
+class SaveCheckpoint(_Msg):
+    type: Literal["save"] = "save"
+    req: int
+    directory: str
+    iteration: int
+
+
+class ReleaseData(_Msg):
+    type: Literal["release"] = "release"
+    req: int
+    before_iteration: int  # drop every data key of iterations below this
+
+
+class Shutdown(_Msg):
+    type: Literal["shutdown"] = "shutdown"
+    req: int
+
+
+# -- worker -> master ---------------------------------------------------------------------------------------
+class Hello(_Msg):
+    type: Literal["hello"] = "hello"
+    rank: int
+    pid: int
+    host: str
+
+
+class OutputMeta(_Msg):
+    key: str
+    tensors: list[TensorMeta]
+
+
+class Reply(_Msg):
+    type: Literal["reply"] = "reply"
+    req: int
+    rank: int
+    ok: bool
+    error: str = ""
+    start: float = 0.0  # wall clock (time.time()) around the work, for the timeline
+    end: float = 0.0
+    stats: dict[str, float] = Field(default_factory=dict)
+    outputs: list[OutputMeta] = Field(default_factory=list)
+
+
+class Heartbeat(_Msg):
+    """Sent by a worker's heartbeat thread every second; the master answers with its own."""
+
+    type: Literal["heartbeat"] = "heartbeat"
+    rank: int
+    busy_req: int = -1  # request being executed, -1 when idle
+
+
+REQUEST_TYPES: dict[str, type[_Msg]] = {m.model_fields["type"].default: m for m in (
+    Setup, RunCall, Reallocate, TransferData, Offload, SaveCheckpoint, ReleaseData, Shutdown)}
+MESSAGE_TYPES: dict[str, type[_Msg]] = {**REQUEST_TYPES, **{m.model_fields["type"].default: m for m in (
+    Hello, Reply, Heartbeat)}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Envelope:
+    src: str
+    dst: str
+    seq: int
+    body: _Msg
+
+
+# -- secrets --------------------------------------------------------------------------------------------------
+def new_secret() -> bytes:
+    return secrets.token_bytes(SECRET_BYTES)
+
+
+def write_secret_file(path: str | Path, secret: bytes) -> Path:
+    """Create ``path`` readable by its owner only; refuse to overwrite an existing file."""
+    path = Path(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secret.hex().encode())
+    return path
+
+
+def read_secret(environ: dict[str, str] | None = None) -> bytes:
+    """The run's secret from ``$REALLOC_SECRET_FILE`` (preferred) or ``$REALLOC_SECRET`` (hex)."""
+    env = os.environ if environ is None else environ
+    if env.get(SECRET_FILE_ENV):
+        path = Path(env[SECRET_FILE_ENV])
+        try:
+            st = path.stat()
+        except OSError as e:
+            raise ValueError(f"{SECRET_FILE_ENV}={path}: cannot read the run secret ({e.strerror})") from None
+        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise ValueError(f"{SECRET_FILE_ENV}={path}: the secret file must be private (chmod 600)")
+        text = path.read_text().strip()
+    elif env.get(SECRET_ENV):
+        text = env[SECRET_ENV].strip()
+    else:
+        raise ValueError(f"no run secret: set {SECRET_FILE_ENV} to a 0600 file or {SECRET_ENV} to its hex value")
+    try:
+        secret = bytes.fromhex(text)
+    except ValueError:
+        raise ValueError("the run secret must be hex-encoded") from None
+    if len(secret) < 16:
+        raise ValueError(f"the run secret is too short ({len(secret)} bytes); use at least 16")
+    return secret
+
+
+# -- the codec ------------------------------------------------------------------------------------------------
+class Channel:
+    """Signs outgoing and verifies incoming messages for one endpoint (``name``) of one run.
+
+    Not thread-safe: a process that sends from two threads (the worker's heartbeat thread) uses two
+    channels with distinct names, so each has its own sequence counter.
+    """
+
+    def __init__(self, secret: bytes, run_id: str, name: str) -> None:
+        if len(secret) < 16:
+            raise ValueError("the run secret must be at least 16 bytes")
+        self._secret = secret
+        self.run_id = run_id
+        self.name = name
+        self._next_seq = 1
+        self._last_seen: dict[str, int] = {}
+        self.n_rejected = 0
+
+    def _mac(self, payload: bytes) -> bytes:
+        return hmac.new(self._secret, payload, hashlib.sha256).digest()
+
+    def pack(self, dst: str, body: _Msg) -> list[bytes]:
+        assert type(body) in MESSAGE_TYPES.values(), type(body)
+        envelope = {"v": PROTOCOL_VERSION, "run": self.run_id, "src": self.name, "dst": dst,
+                    "seq": self._next_seq, "type": body.type, "body": body.model_dump(exclude={"type"})}
+        self._next_seq += 1
+        payload = msgpack.packb(envelope, use_bin_type=True)
+        return [payload, self._mac(payload)]
+
+    def unpack(self, frames: list[bytes], expect_src: str | None = None) -> Envelope:
+        """Verify and decode; raise ProtocolError (never anything else) for a message to drop."""
+        if len(frames) != 2:
+            raise ProtocolError(f"expected 2 frames (payload, mac), got {len(frames)}")
+        payload, mac = bytes(frames[0]), bytes(frames[1])
+        if len(payload) > MAX_PAYLOAD_BYTES:
+            raise ProtocolError(f"payload of {len(payload)} bytes exceeds the {MAX_PAYLOAD_BYTES}-byte limit")
+        if len(mac) != MAC_BYTES or not hmac.compare_digest(mac, self._mac(payload)):
+            raise ProtocolError("bad HMAC: the message is not signed with this run's secret")
+        try:
+            env = msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True)
+        except Exception as e:  # noqa: BLE001 - msgpack raises many types for bad input
+            raise ProtocolError(f"undecodable payload: {type(e).__name__}") from None
+        if not isinstance(env, dict) or set(env) != {"v", "run", "src", "dst", "seq", "type", "body"}:
+            raise ProtocolError("payload is not a protocol envelope")
+        if env["v"] != PROTOCOL_VERSION:
+            raise ProtocolError(f"protocol version {env['v']!r}, expected {PROTOCOL_VERSION}")
+        if env["run"] != self.run_id:
+            raise ProtocolError(f"message of another run ({env['run']!r})")
+        if env["dst"] != self.name:
+            raise ProtocolError(f"message addressed to {env['dst']!r}, not {self.name!r}")
+        src, seq = env["src"], env["seq"]
+        if not isinstance(src, str) or not isinstance(seq, int) or isinstance(seq, bool):
+            raise ProtocolError("bad src or seq field")
+        if expect_src is not None and src != expect_src:
+            raise ProtocolError(f"message claims sender {src!r} but arrived from {expect_src!r}")
+        if seq <= self._last_seen.get(src, 0):
+            raise ProtocolError(f"replayed or reordered message from {src!r} (seq {seq} <= "
+                                f"{self._last_seen.get(src, 0)})")
+        kind = env["type"]
+        cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
+        if cls is None or not isinstance(env["body"], dict):
+            raise ProtocolError(f"unknown message type {kind!r}")
+        try:
+            body = cls.model_validate(env["body"])
+        except ValidationError as e:
+            first = e.errors()[0]
+            raise ProtocolError(f"{kind} message: field {'.'.join(map(str, first['loc']))!r}: {first['msg']}") \
+                from None
+        self._last_seen[src] = seq
+        return Envelope(src=src, dst=self.name, seq=seq, body=body)
+
+    def try_unpack(self, frames: list[bytes], expect_src: str | None = None) -> Envelope | None:
+        """``unpack`` that logs and drops a bad message instead of raising."""
+        try:
+            return self.unpack(frames, expect_src)
+        except ProtocolError as e:
+            self.n_rejected += 1
+            # The first few rejections are the interesting ones; after that a flood must not fill the log.
+            if self.n_rejected <= 10 or self.n_rejected % 1000 == 0:
+                log.warning("%s: rejected a message (%d so far): %s", self.name, self.n_rejected, e)
+            return None
+
+
+def worker_name(rank: int) -> str:
+    return f"worker{rank}"
+
+
+MASTER = "master"

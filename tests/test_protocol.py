@@ -1,0 +1,193 @@
+"""The wire protocol: typed round trips, and rejection of tampered, forged, replayed or malformed messages."""
+
+import hashlib
+import hmac
+import logging
+import os
+
+import msgpack
+import pytest
+import zmq
+
+from realloc.runtime import protocol as P
+
+SECRET = bytes(range(32))
+
+
+def pair(run="run-1"):
+    return P.Channel(SECRET, run, P.MASTER), P.Channel(SECRET, run, P.worker_name(0))
+
+
+def sign(payload: bytes, secret: bytes = SECRET) -> list[bytes]:
+    return [payload, hmac.new(secret, payload, hashlib.sha256).digest()]
+
+
+def envelope(**over):
+    env = {"v": P.PROTOCOL_VERSION, "run": "run-1", "src": P.MASTER, "dst": "worker0", "seq": 1,
+           "type": "call", "body": {"req": 3, "call": "actor_gen", "iteration": 0}}
+    env.update(over)
+    return msgpack.packb(env, use_bin_type=True)
+
+
+EXAMPLES = [
+    P.Setup(req=0, resume="/tmp/ckpt"),
+    P.RunCall(req=1, call="actor_gen", iteration=2),
+    P.Reallocate(req=2, model="actor", src_call="actor_train", dst_call="actor_gen", iteration=1, drop_src=False),
+    P.TransferData(req=3, key="seq", iteration=0, dst_call="critic_inf",
+                   tensors=[P.TensorMeta(name="tokens", dtype="int64", shape=[16])],
+                   broadcasts=[P.Broadcast(src=0, group=[0, 1], ids=[0, 1, 2])]),
+    P.Offload(req=4, model="ref", call="ref_inf", to_host=True, iteration=0),
+    P.SaveCheckpoint(req=5, directory="/tmp/x", iteration=3),
+    P.ReleaseData(req=6, before_iteration=2),
+    P.Shutdown(req=7),
+]
+
+
+@pytest.mark.parametrize("body", EXAMPLES, ids=lambda b: b.type)
+def test_requests_round_trip(body):
+    master, worker = pair()
+    env = worker.unpack(master.pack("worker0", body))
+    assert env.body == body and type(env.body) is type(body)
+    assert env.src == P.MASTER and env.dst == "worker0" and env.seq == 1
+
+
+def test_replies_round_trip_with_stats_and_outputs():
+    master, worker = pair()
+    reply = P.Reply(req=9, rank=0, ok=True, start=1.5, end=2.5, stats={"reward": 0.25, "n": 4},
+                    outputs=[P.OutputMeta(key="seq", tensors=[P.TensorMeta(name="t", dtype="int64", shape=[8])])])
+    got = master.unpack(worker.pack(P.MASTER, reply), expect_src="worker0").body
+    assert got == reply and got.stats["n"] == 4.0
+
+
+@pytest.mark.parametrize("where", ["payload", "mac"])
+def test_tampered_byte_is_rejected(where):
+    master, worker = pair()
+    frames = master.pack("worker0", P.RunCall(req=1, call="actor_gen", iteration=0))
+    i = 0 if where == "payload" else 1
+    b = bytearray(frames[i])
+    b[len(b) // 2] ^= 0x01
+    frames[i] = bytes(b)
+    with pytest.raises(P.ProtocolError, match="HMAC"):
+        worker.unpack(frames)
+    # The untampered message still goes through afterwards: a rejection leaves no state behind.
+    frames = master.pack("worker0", P.RunCall(req=2, call="actor_gen", iteration=0))
+    assert worker.unpack(frames).body.req == 2
+
+
+def test_tampered_field_with_recomputed_mac_of_wrong_secret_is_rejected():
+    _, worker = pair()
+    forged = sign(envelope(body={"req": 3, "call": "evil", "iteration": 0}), secret=b"x" * 32)
+    with pytest.raises(P.ProtocolError, match="HMAC"):
+        worker.unpack(forged)
+
+
+def test_replay_and_reorder_are_rejected():
+    master, worker = pair()
+    first = master.pack("worker0", P.RunCall(req=1, call="a", iteration=0))
+    second = master.pack("worker0", P.RunCall(req=2, call="a", iteration=0))
+    worker.unpack(first)
+    with pytest.raises(P.ProtocolError, match="replayed"):
+        worker.unpack(first)
+    worker.unpack(second)
+    with pytest.raises(P.ProtocolError, match="replayed"):
+        worker.unpack(first)
+
+
+def test_message_for_another_receiver_or_run_is_rejected():
+    master, _ = pair()
+    other_worker = P.Channel(SECRET, "run-1", P.worker_name(1))
+    with pytest.raises(P.ProtocolError, match="addressed"):
+        other_worker.unpack(master.pack("worker0", P.Shutdown(req=1)))
+    other_run = P.Channel(SECRET, "run-2", P.worker_name(0))
+    with pytest.raises(P.ProtocolError, match="another run"):
+        other_run.unpack(master.pack("worker0", P.Shutdown(req=1)))
+
+
+def test_sender_identity_must_match_the_socket_identity():
+    master, worker = pair()
+    with pytest.raises(P.ProtocolError, match="claims sender"):
+        master.unpack(worker.pack(P.MASTER, P.Hello(rank=0, pid=1, host="h")), expect_src="worker1")
+
+
+@pytest.mark.parametrize("payload, match", [
+    (b"\xc1\xc1\xc1", "undecodable"),
+    (msgpack.packb([1, 2, 3]), "envelope"),
+    (envelope(v=99), "version"),
+    (envelope(type="exec"), "unknown message type"),
+    (envelope(body={"req": 3, "call": "actor_gen", "iteration": "0"}), "iteration"),
+    (envelope(body={"req": 3, "call": "actor_gen", "iteration": 0, "code": "rm -rf /"}), "code"),
+    (envelope(body={"req": 3, "call": "actor_gen"}), "iteration"),
+    (envelope(seq=True), "seq"),
+    (envelope(body=[1, 2]), "unknown message type"),
+])
+def test_malformed_but_signed_payloads_are_rejected(payload, match):
+    _, worker = pair()
+    with pytest.raises(P.ProtocolError, match=match):
+        worker.unpack(sign(payload))
+
+
+def test_frame_count_and_size_limits():
+    _, worker = pair()
+    with pytest.raises(P.ProtocolError, match="2 frames"):
+        worker.unpack([envelope()])
+    big = b"\x00" * (P.MAX_PAYLOAD_BYTES + 1)
+    with pytest.raises(P.ProtocolError, match="limit"):
+        worker.unpack(sign(big))
+
+
+def test_try_unpack_logs_and_drops(caplog):
+    _, worker = pair()
+    with caplog.at_level(logging.WARNING, logger="realloc.protocol"):
+        assert worker.try_unpack([b"junk", b"junk"]) is None
+    assert worker.n_rejected == 1
+    assert "rejected" in caplog.text and "HMAC" in caplog.text
+
+
+def test_secret_file_must_be_private(tmp_path):
+    path = P.write_secret_file(tmp_path / "secret", SECRET)
+    assert (path.stat().st_mode & 0o777) == 0o600
+    assert P.read_secret({P.SECRET_FILE_ENV: str(path)}) == SECRET
+    os.chmod(path, 0o644)
+    with pytest.raises(ValueError, match="chmod 600"):
+        P.read_secret({P.SECRET_FILE_ENV: str(path)})
+    with pytest.raises(FileExistsError):
+        P.write_secret_file(path, SECRET)
+    assert P.read_secret({P.SECRET_ENV: SECRET.hex()}) == SECRET
+    with pytest.raises(ValueError, match="no run secret"):
+        P.read_secret({})
+    with pytest.raises(ValueError, match="hex"):
+        P.read_secret({P.SECRET_ENV: "not hex"})
+
+
+def test_forged_message_over_a_live_socket_does_not_stop_the_receiver():
+    """A ROUTER that receives junk and a forgery in between real messages serves both real ones."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    good = ctx.socket(zmq.DEALER)
+    good.setsockopt(zmq.IDENTITY, b"worker0")
+    good.connect(f"tcp://127.0.0.1:{port}")
+    evil = ctx.socket(zmq.DEALER)
+    evil.setsockopt(zmq.IDENTITY, b"worker1")
+    evil.connect(f"tcp://127.0.0.1:{port}")
+    master = P.Channel(SECRET, "run-1", P.MASTER)
+    w0 = P.Channel(SECRET, "run-1", "worker0")
+    forger = P.Channel(b"y" * 32, "run-1", "worker1")
+    try:
+        good.send_multipart(w0.pack(P.MASTER, P.Hello(rank=0, pid=1, host="h")))
+        evil.send_multipart([b"garbage"])
+        evil.send_multipart(forger.pack(P.MASTER, P.Hello(rank=1, pid=2, host="h")))
+        good.send_multipart(w0.pack(P.MASTER, P.Heartbeat(rank=0)))
+        accepted = []
+        for _ in range(4):
+            assert router.poll(5000)
+            ident, *frames = router.recv_multipart()
+            env = master.try_unpack(frames, expect_src=ident.decode())
+            if env is not None:
+                accepted.append(env.body.type)
+        assert accepted == ["hello", "heartbeat"]
+        assert master.n_rejected == 2
+    finally:
+        for s in (router, good, evil):
+            s.close(linger=0)
+        ctx.term()
