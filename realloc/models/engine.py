@@ -1,0 +1,345 @@
+"""``ParallelModel``: one model instance in one (dp, tp, pp) layout, and the calls the runtime makes on it.
+
+Build it on every rank of the layout's mesh, after the layout's process groups
+exist (``ProcessGroupCache.ensure_layouts`` on every process of the world)::
+
+    cache = ProcessGroupCache()
+    layout = Layout(device_ids=(0, 1, 2, 3), strategy=ParallelStrategy(dp=1, tp=2, pp=2))
+    cache.ensure_layouts([layout])                      # all processes, same order
+    model = ParallelModel(cfg, cache.model_groups(layout), seed=1)   # ranks 0..3 only
+
+Calls (each is collective over the model's mesh; every rank of a dp replica
+gets the same batch, different dp replicas get different batches):
+
+- ``train_step(micro_batches, loss_fn, optimizer)``: 1F1B over the micro-batches,
+  tied-embedding sync, data-parallel gradient average, global-norm clipping, an
+  optimizer step. ``loss_fn(out: HeadOutput, micro_batch) -> (loss, stats)`` runs on
+  the last stage. Returns stats (see :meth:`ParallelModel.train_step`).
+- ``forward(batch)``: per-token log-probs (actor) or values (critic), ``[B, T]``
+  like ``input_ids``. Result on every tp rank of the last stage (``None`` on other
+  stages), or on every rank with ``to_all_stages=True``.
+- ``generate(prompts, gconfig)``: see ``generation.py``; result on every rank.
+
+Parameters for reallocation and checkpoints: :meth:`params` maps HF names to
+the local shards (the ``torch.nn.Parameter`` objects themselves, so writing
+into them in place updates the model and keeps optimizer state attached).
+``init="empty"`` allocates without initializing (a destination layout);
+``release()``/``materialize()`` free and re-allocate the storage, and
+``offload()``/``reload()`` move it to host memory and back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Literal, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from realloc.models import grads
+from realloc.models.batch import Batch, TokenLayout, split_rows, token_layout, trim
+from realloc.models.config import ModelConfig
+from realloc.models.groups import ModelParallelGroups
+from realloc.models.llama import LlamaStage, segment_mask
+from realloc.models.megatron_shim import prepare_device
+from realloc.models.param_layout import EMBED_LAYER, ParamSpec, stage_param_specs
+from realloc.models.pipeline import StageLink, run_1f1b, run_forward_only
+from realloc.models.vocab_parallel import vocab_parallel_entropy, vocab_parallel_token_logprobs
+from realloc.models.weights import init_shard
+
+ParamState = Literal["ready", "released", "offloaded"]
+
+
+@dataclasses.dataclass
+class HeadOutput:
+    """What the last stage hands to a loss function for one micro-batch.
+
+    ``raw`` is ``[B, T, V/tp]`` logits of this rank's vocabulary shard (actor) or
+    ``[B, T]`` values (critic). The helpers return full-vocabulary quantities,
+    identical on every tp rank, aligned with the scored token like ``forward()``.
+    """
+
+    raw: torch.Tensor
+    layout: TokenLayout
+    tp_group: dist.ProcessGroup
+    is_critic: bool
+
+    @property
+    def values(self) -> torch.Tensor:
+        if not self.is_critic:
+            raise ValueError("HeadOutput.values: this model has a vocabulary head; use logprobs()")
+        return self.raw.float() * (self.layout.segment_ids >= 0)
+
+    @property
+    def token_mask(self) -> torch.Tensor:
+        """[B, T] True where a token is scored (it follows a token of its own sequence)."""
+        m = torch.zeros(self.layout.shape, dtype=torch.bool, device=self.raw.device)
+        m[:, 1:] = self.layout.next_token_valid()
+        return m
+
+    def _shifted(self, per_pos: torch.Tensor) -> torch.Tensor:
+        pad = torch.zeros_like(per_pos[:, :1])
+        valid = self.layout.next_token_valid()
+        return torch.cat([pad, torch.where(valid, per_pos, torch.zeros_like(per_pos))], dim=1)
+
+    def logprobs(self, temperature: float = 1.0) -> torch.Tensor:
+        """[B, T]: log p(token t | tokens before t) under softmax(logits / temperature); 0 where not scored."""
+        if self.is_critic:
+            raise ValueError("HeadOutput.logprobs: a critic has no vocabulary head; use values")
+        lp = vocab_parallel_token_logprobs(self.raw[:, :-1], self.layout.input_ids[:, 1:], self.tp_group, temperature)
+        return self._shifted(lp)
+
+    def entropy(self, temperature: float = 1.0) -> torch.Tensor:
+        """[B, T]: entropy of the distribution that predicted token t; 0 where not scored."""
+        if self.is_critic:
+            raise ValueError("HeadOutput.entropy: a critic has no vocabulary head")
+        return self._shifted(vocab_parallel_entropy(self.raw[:, :-1], self.tp_group, temperature))
+
+
+LossFn = Callable[[HeadOutput, Mapping[str, torch.Tensor]], "tuple[torch.Tensor, Mapping[str, float]]"]
+
+
+class ParallelModel:
+    def __init__(self, cfg: ModelConfig, groups: ModelParallelGroups, *, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, init: Literal["random", "empty"] = "random",
+                 seed: int = 1) -> None:
+        if groups.layout.tie_embeddings != cfg.tie_embeddings:
+            raise ValueError(f"model {cfg.name!r}: layout.tie_embeddings={groups.layout.tie_embeddings} must equal "
+                             f"the config's tie_embeddings={cfg.tie_embeddings} (its groups depend on it)")
+        if cfg.n_layers < groups.pp:
+            raise ValueError(f"model {cfg.name!r}: pp={groups.pp} exceeds its {cfg.n_layers} layers")
+        self.cfg = cfg
+        self.groups = groups
+        self.device = prepare_device(device)
+        self.dtype = dtype
+        self.stage = LlamaStage(cfg, groups.pp, groups.pp_rank, groups.tp_group, dtype, self.device)
+        self.specs: dict[str, ParamSpec] = {s.name: s for s in stage_param_specs(cfg, groups.pp, groups.pp_rank)}
+        self._params: dict[str, torch.nn.Parameter] = dict(self.stage.named_parameters())
+        self._check_contract()
+        self.state: ParamState = "ready"
+        if init == "random":
+            self.init_random(seed)
+        elif init != "empty":
+            raise ValueError(f"ParallelModel: init must be 'random' or 'empty', got {init!r}")
+
+    # -- parameters -------------------------------------------------------------------------------
+
+    def _check_contract(self) -> None:
+        tp = self.groups.tp
+        got = {n: tuple(p.shape) for n, p in self._params.items()}
+        want = {n: s.shard_shape(tp) for n, s in self.specs.items()}
+        assert got == want, f"stage parameters differ from param_layout: {sorted(set(got) ^ set(want))} {got} {want}"
+
+    def params(self) -> dict[str, torch.nn.Parameter]:
+        """HF name -> this rank's shard (``full[spec.shard_slices(tp, tp_rank)]``), the live Parameters."""
+        return dict(self._params)
+
+    def _require(self, state: ParamState, call: str) -> None:
+        if self.state != state:
+            raise RuntimeError(f"ParallelModel.{call}: parameters are {self.state}, expected {state}; "
+                               f"call materialize() or reload() first")
+
+    @torch.no_grad()
+    def init_random(self, seed: int) -> None:
+        """Deterministic init: the same seed gives the same full model in every layout (``weights.py``)."""
+        self._require("ready", "init_random")
+        for name, p in self._params.items():
+            p.copy_(init_shard(self.specs[name], seed, self.groups.tp, self.groups.tp_rank, self.dtype))
+
+    @torch.no_grad()
+    def load_full_state(self, full: Mapping[str, torch.Tensor]) -> None:
+        """Copy this rank's slices out of full (unsharded) tensors keyed by HF name."""
+        self._require("ready", "load_full_state")
+        missing = sorted(set(self._params) - set(full))
+        if missing:
+            raise ValueError(f"load_full_state: missing parameters {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        for name, p in self._params.items():
+            spec = self.specs[name]
+            t = full[name]
+            if tuple(t.shape) != spec.shape:
+                raise ValueError(f"load_full_state: {name} has shape {tuple(t.shape)}, expected {spec.shape}")
+            p.copy_(t[spec.shard_slices(self.groups.tp, self.groups.tp_rank)])
+
+    def release(self) -> None:
+        """Free parameter storage (e.g. this layout is not used until the next reallocation)."""
+        for p in self._params.values():
+            p.data = torch.empty(0, dtype=self.dtype, device=self.device)
+            p.grad = None
+        self.state = "released"
+
+    def materialize(self) -> None:
+        """Allocate storage again, uninitialized; the caller fills it (reallocation, checkpoint)."""
+        self._require("released", "materialize")
+        for name, p in self._params.items():
+            p.data = torch.empty(self.specs[name].shard_shape(self.groups.tp), dtype=self.dtype, device=self.device)
+        self.state = "ready"
+
+    def offload(self) -> None:
+        """Move parameters to host memory (a no-op copy on CPU devices); values are kept."""
+        self._require("ready", "offload")
+        if self.device.type != "cpu":
+            for p in self._params.values():
+                host = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=True)
+                host.copy_(p.data, non_blocking=True)
+                p.data = host
+            torch.cuda.synchronize(self.device)
+        self.state = "offloaded"
+
+    def reload(self) -> None:
+        self._require("offloaded", "reload")
+        if self.device.type != "cpu":
+            for p in self._params.values():
+                p.data = p.data.to(self.device, non_blocking=True)
+        self.state = "ready"
+
+    def make_optimizer(self, lr: float, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95),
+                       eps: float = 1e-8) -> torch.optim.AdamW:
+        """AdamW over the local shards; norms are not decayed. Its state is per rank and never moves."""
+        decay = [p for n, p in self._params.items() if p.dim() >= 2]
+        no_decay = [p for n, p in self._params.items() if p.dim() < 2]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                                  {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps)
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _link(self) -> StageLink:
+        return StageLink(self.groups, self.device, self.dtype)
+
+    def _hidden_shape(self, layout: TokenLayout) -> tuple[int, int, int]:
+        b, t = layout.shape
+        return (b, t, self.cfg.hidden_size)
+
+    def _stage_forward(self, layout: TokenLayout, x: torch.Tensor | None) -> torch.Tensor:
+        inputs = layout.input_ids if self.groups.is_first_stage else x
+        return self.stage(inputs, layout.position_ids, segment_mask(layout.segment_ids))
+
+    def _to_device(self, mb: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
+
+    # -- training ---------------------------------------------------------------------------------
+
+    def train_step(self, micro_batches: Sequence[Batch], loss_fn: LossFn, optimizer: torch.optim.Optimizer, *,
+                   max_grad_norm: float | None = None, loss_weights: Sequence[float] | None = None) -> dict[str, float]:
+        """One optimizer step over ``micro_batches`` (this dp replica's share of the global batch).
+
+        The gradient is ``mean over dp replicas of sum_i loss_weights[i] * grad(loss_i)``; weights
+        default to ``1 / len(micro_batches)``. Returns on every rank ``grad_norm`` (before clipping)
+        and ``skipped`` (1.0 when the norm was not finite and the update was skipped); on last-stage
+        ranks also ``loss`` and the loss function's stats, averaged over micro-batches and dp replicas.
+        """
+        self._require("ready", "train_step")
+        n = len(micro_batches)
+        if n == 0:
+            raise ValueError("train_step: micro_batches is empty")
+        weights = [1.0 / n] * n if loss_weights is None else [float(w) for w in loss_weights]
+        if len(weights) != n:
+            raise ValueError(f"train_step: {len(weights)} loss_weights for {n} micro-batches")
+        mbs = [self._to_device(mb) for mb in micro_batches]
+        layouts = [token_layout(mb, f"train_step micro-batch {i}") for i, mb in enumerate(mbs)]
+        g = self.groups
+        mb_stats: list[dict[str, float]] = []
+
+        def step(i: int, x: torch.Tensor | None) -> torch.Tensor:
+            out = self._stage_forward(layouts[i], x)
+            if not g.is_last_stage:
+                return out
+            loss, stats = loss_fn(HeadOutput(out, layouts[i], g.tp_group, self.cfg.is_critic), mbs[i])
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                raise ValueError("train_step: loss_fn must return (scalar loss tensor, stats dict)")
+            mb_stats.append({"loss": float(loss.detach()), **{k: float(v) for k, v in dict(stats).items()}})
+            return loss * weights[i]
+
+        self.stage.train()
+        for p in self._params.values():
+            p.grad = None
+        with torch.enable_grad():
+            if g.pp == 1:
+                for i in range(n):
+                    torch.autograd.backward(step(i, None))
+            else:
+                run_1f1b(self._link(), n, step, lambda i: self._hidden_shape(layouts[i]))
+        grads.ensure_grads(self._params)
+        if self.cfg.tie_embeddings:
+            grads.sync_tied_embedding(self._params, g, "model.embed_tokens.weight")
+        grads.average_data_parallel(self._params, g)
+        norm = grads.global_grad_norm(self._params, self.specs, g)
+        finite = norm == norm and norm != float("inf")
+        if finite:
+            if max_grad_norm is not None:
+                grads.clip_grads(self._params, norm, max_grad_norm)
+            optimizer.step()
+        for p in self._params.values():
+            p.grad = None
+        out = {"grad_norm": norm, "skipped": 0.0 if finite else 1.0}
+        if g.is_last_stage:
+            out.update(self._mean_stats(mb_stats))
+        return out
+
+    def _mean_stats(self, mb_stats: list[dict[str, float]]) -> dict[str, float]:
+        keys = sorted(mb_stats[0])
+        if any(sorted(s) != keys for s in mb_stats):
+            raise ValueError("train_step: loss_fn must return the same stats keys for every micro-batch")
+        local = torch.tensor([sum(s[k] for s in mb_stats) / len(mb_stats) for k in keys], dtype=torch.float64)
+        if self.groups.dp > 1:
+            # Same loss_fn on every dp replica, so the keys agree and one all-reduce averages them.
+            local = local.to(self.device)
+            dist.all_reduce(local, group=self.groups.dp_group)
+            local = local.cpu() / self.groups.dp
+        return dict(zip(keys, local.tolist()))
+
+    # -- inference --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(self, batch: Batch, *, n_mbs: int = 1, output: Literal["logprobs", "values", "entropy"] | None = None,
+                temperature: float = 1.0, to_all_stages: bool = False) -> torch.Tensor | None:
+        """Per-token outputs ``[B, T]`` (float32) for this dp replica's batch, zeros where undefined.
+
+        ``output`` defaults to "values" for critics and "logprobs" for actors (see ``batch.py``
+        for the alignment). ``n_mbs`` micro-batches stream through the pipeline; each is
+        trimmed to its longest row.
+        """
+        self._require("ready", "forward")
+        output = output or ("values" if self.cfg.is_critic else "logprobs")
+        if (output == "values") != self.cfg.is_critic:
+            raise ValueError(f"forward: output={output!r} does not fit a "
+                             f"{'critic' if self.cfg.is_critic else 'vocabulary'} head")
+        full = token_layout(batch, "forward").to(self.device)
+        ranges = split_rows(full, n_mbs)
+        parts = [trim(TokenLayout(full.input_ids[lo:hi], full.position_ids[lo:hi], full.segment_ids[lo:hi]))
+                 for lo, hi in ranges]
+        g = self.groups
+        self.stage.eval()
+
+        def step(i: int, x: torch.Tensor | None) -> torch.Tensor:
+            lay = parts[i][0]
+            out = self._stage_forward(lay, x)
+            if not g.is_last_stage:
+                return out
+            head = HeadOutput(out, lay, g.tp_group, self.cfg.is_critic)
+            if output == "values":
+                return head.values
+            if output == "entropy":
+                return head.entropy(temperature)
+            return head.logprobs(temperature)
+
+        if g.pp == 1:
+            outs = [step(i, None) for i in range(len(parts))]
+        else:
+            outs = run_forward_only(self._link(), len(parts), step, lambda i: self._hidden_shape(parts[i][0]))
+        result = None
+        if g.is_last_stage:
+            result = torch.zeros(full.shape, dtype=torch.float32, device=self.device)
+            for (lo, hi), (_, width), o in zip(ranges, parts, outs):
+                result[lo:hi, :width] = o
+        if to_all_stages and g.pp > 1:
+            if result is None:
+                result = torch.empty(full.shape, dtype=torch.float32, device=self.device)
+            dist.broadcast(result, src=g.last_stage_rank, group=g.pp_group)
+        return result
+
+    def generate(self, prompts, gconfig, seq_ids: Sequence[int] | None = None):
+        """Sample continuations; see :func:`realloc.models.generation.generate`."""
+        from realloc.models.generation import generate
+
+        self._require("ready", "generate")
+        return generate(self, prompts, gconfig, seq_ids)

@@ -1,0 +1,105 @@
+"""Gradient reductions of a 3D-parallel model: tied-embedding sync, data-parallel average, global norm and clipping.
+
+Which copy of a parameter counts toward the global norm (each element once):
+- tp-sharded parameters: every tp rank holds a distinct shard, all count;
+- tp-replicated parameters (norms, the critic's score): identical on every tp
+  rank (their gradients are identical too), only tp rank 0 counts them;
+- the tied embedding's replica on the last stage (pp > 1): only stage 0 counts it;
+- data-parallel replicas: gradients are averaged first, so one replica's view
+  (any dp rank) is the global one and no reduction over dp is needed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from realloc.models.groups import ModelParallelGroups
+from realloc.models.param_layout import EMBED_LAYER, ParamSpec
+
+BUCKET_NUMEL = 1 << 25  # 32M elements (128 MiB fp32) per coalesced all-reduce
+
+
+def _buckets(tensors: list[torch.Tensor], max_numel: int) -> Iterable[list[torch.Tensor]]:
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for t in tensors:
+        if bucket and (size + t.numel() > max_numel or t.dtype != bucket[0].dtype):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(t)
+        size += t.numel()
+    if bucket:
+        yield bucket
+
+
+def allreduce_coalesced(tensors: list[torch.Tensor], group: dist.ProcessGroup, average: bool,
+                        max_numel: int = BUCKET_NUMEL) -> None:
+    """Sum (or average) ``tensors`` in place over ``group``, a few large messages instead of one per tensor."""
+    n = group.size()
+    if n == 1 or not tensors:
+        return
+    for bucket in _buckets(tensors, max_numel):
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        dist.all_reduce(flat, group=group)
+        if average:
+            flat.div_(n)
+        offset = 0
+        for t in bucket:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def ensure_grads(params: Mapping[str, torch.nn.Parameter]) -> None:
+    # Every rank must enter the same collectives with the same shapes, even for a parameter
+    # that got no gradient this step.
+    for p in params.values():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
+def sync_tied_embedding(params: Mapping[str, torch.nn.Parameter], groups: ModelParallelGroups,
+                        embed_name: str) -> None:
+    """Sum the embedding gradient of stage 0 and the last stage's replica so both apply the same update."""
+    if groups.embedding_group is not None:
+        dist.all_reduce(params[embed_name].grad, group=groups.embedding_group)
+
+
+def average_data_parallel(params: Mapping[str, torch.nn.Parameter], groups: ModelParallelGroups) -> None:
+    allreduce_coalesced([p.grad for p in params.values()], groups.dp_group, average=True)
+
+
+def counts_toward_norm(spec: ParamSpec, groups: ModelParallelGroups) -> bool:
+    if spec.tp_dim is None and groups.tp_rank != 0:
+        return False
+    if spec.layer == EMBED_LAYER and groups.pp > 1 and groups.pp_rank == groups.pp - 1:
+        return False  # tied replica; stage 0 owns the embedding
+    return True
+
+
+def global_grad_norm(params: Mapping[str, torch.nn.Parameter], specs: Mapping[str, ParamSpec],
+                     groups: ModelParallelGroups) -> float:
+    """L2 norm of the whole model's gradient, identical on every rank of the layout."""
+    p0 = next(iter(params.values()))
+    sq = torch.zeros((), dtype=torch.float64, device=p0.device)
+    for name, p in params.items():
+        if counts_toward_norm(specs[name], groups):
+            sq += p.grad.double().pow(2).sum()
+    if groups.tp > 1:
+        dist.all_reduce(sq, group=groups.tp_group)
+    if groups.pp > 1:
+        dist.all_reduce(sq, group=groups.pp_group)
+    return math.sqrt(float(sq))
+
+
+def clip_grads(params: Mapping[str, torch.nn.Parameter], total_norm: float, max_norm: float) -> float:
+    """Scale gradients so their global norm is at most ``max_norm``; returns the factor applied."""
+    if not math.isfinite(total_norm) or total_norm <= max_norm:
+        return 1.0
+    coef = max_norm / (total_norm + 1e-6)
+    for p in params.values():
+        p.grad.mul_(coef)
+    return coef

@@ -1,0 +1,284 @@
+"""One pipeline stage of a decoder-only LLaMA on megatron-core tensor-parallel layers.
+
+The architecture is HuggingFace's LlamaForCausalLM (RMSNorm, rotary position
+embedding with the rotate-half convention, SwiGLU MLP, grouped-query attention,
+optionally tied input/output embeddings), or LlamaForSequenceClassification-style
+with a scalar ``score`` head for critics and reward models.
+
+A :class:`LlamaStage` holds exactly the parameters ``param_layout.stage_param_specs``
+assigns to its pipeline stage, under the same (HF) names, each holding the tp
+shard ``spec.shard_slices(tp, tp_rank)`` of the full tensor:
+
+- q/k/v, gate/up: ``ColumnParallelLinear`` (output features split, whole heads per rank),
+- o/down: ``RowParallelLinear`` (input features split, all-reduce of the output),
+- embedding: ``VocabParallelEmbedding``; LM head: ``ColumnParallelLinear`` over the vocabulary,
+  so logits stay split over the vocabulary (see ``vocab_parallel``),
+- norms and the critic's ``score`` are replicated on every tp rank.
+
+Activations are ``[batch, seq, hidden]``. Attention uses an explicit boolean mask
+(True = may attend), so the same code serves right-padded batches, packed
+sequences, and left-padded generation with a KV cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import ModelParallelConfig
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from torch import nn
+
+from realloc.models.config import ModelConfig
+from realloc.models.param_layout import stage_layer_ranges
+
+
+def _no_init(weight: torch.Tensor) -> None:
+    # Weights are written by the owner (deterministic full-tensor init or a checkpoint), never by megatron.
+    return None
+
+
+def megatron_config(tp: int, dtype: torch.dtype, device: torch.device) -> ModelParallelConfig:
+    return ModelParallelConfig(
+        tensor_model_parallel_size=tp,
+        params_dtype=dtype,
+        use_cpu_initialization=device.type == "cpu",
+        perform_initialization=False,
+        sequence_parallel=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32 and scale in the input dtype, like HF, so bf16 results match it.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies theta^(-2i/d) of the rotary embedding, with Llama-3 frequency scaling if configured."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    scaling = getattr(cfg, "rope_scaling", None)
+    if scaling is not None:
+        factor, low_ff, high_ff, original_ctx = scaling
+        # Llama 3.1 "llama3" scaling: long wavelengths are slowed down by `factor`,
+        # short ones kept, and the band between them interpolated smoothly.
+        wavelen = 2 * math.pi / inv
+        low_wl, high_wl = original_ctx / low_ff, original_ctx / high_ff
+        smooth = ((original_ctx / wavelen) - low_ff) / (high_ff - low_ff)
+        mid = (1 - smooth) * inv / factor + smooth * inv
+        inv = torch.where(wavelen > low_wl, inv / factor, torch.where(wavelen < high_wl, inv, mid))
+    return inv.float()
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape [batch, 1, seq, head_dim] for ``position_ids`` [batch, seq] (angles in fp32)."""
+    angles = position_ids.unsqueeze(-1).float() * inv_freq.to(position_ids.device)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(dtype).unsqueeze(1), angles.sin().to(dtype).unsqueeze(1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+@dataclasses.dataclass
+class KVCache:
+    """Keys and values of one layer's local heads: [batch, local kv heads, max_len, head_dim]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp_group: dist.ProcessGroup, mcfg: ModelParallelConfig) -> None:
+        super().__init__()
+        tp = tp_group.size()
+        h, kv = cfg.hidden_size, cfg.kv_dim
+        self.head_dim = cfg.head_dim
+        self.n_local_heads = cfg.n_heads // tp
+        self.n_local_kv = cfg.n_kv_heads // tp
+        common = dict(config=mcfg, init_method=_no_init, bias=False, tp_group=tp_group)
+        self.q_proj = ColumnParallelLinear(h, h, gather_output=False, **common)
+        self.k_proj = ColumnParallelLinear(h, kv, gather_output=False, **common)
+        self.v_proj = ColumnParallelLinear(h, kv, gather_output=False, **common)
+        self.o_proj = RowParallelLinear(h, h, input_is_parallel=True, skip_bias_add=False, **common)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                cache: KVCache | None = None, cache_start: int = 0) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x)[0].view(b, t, self.n_local_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x)[0].view(b, t, self.n_local_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x)[0].view(b, t, self.n_local_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            end = cache_start + t
+            cache.k[:, :, cache_start:end] = k
+            cache.v[:, :, cache_start:end] = v
+            k, v = cache.k[:, :, :end], cache.v[:, :, :end]
+        # Local q head i uses local kv head i // rep: TP keeps whole GQA groups on one rank.
+        rep = self.n_local_heads // self.n_local_kv
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        o = o.transpose(1, 2).reshape(b, t, self.n_local_heads * self.head_dim)
+        return self.o_proj(o)[0]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp_group: dist.ProcessGroup, mcfg: ModelParallelConfig) -> None:
+        super().__init__()
+        h, inter = cfg.hidden_size, cfg.intermediate_size
+        common = dict(config=mcfg, init_method=_no_init, bias=False, tp_group=tp_group)
+        self.gate_proj = ColumnParallelLinear(h, inter, gather_output=False, **common)
+        self.up_proj = ColumnParallelLinear(h, inter, gather_output=False, **common)
+        self.down_proj = RowParallelLinear(inter, h, input_is_parallel=True, skip_bias_add=False, **common)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)[0]) * self.up_proj(x)[0])[0]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp_group: dist.ProcessGroup, mcfg: ModelParallelConfig,
+                 device: torch.device) -> None:
+        super().__init__()
+        dtype = mcfg.params_dtype
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device)
+        self.self_attn = Attention(cfg, tp_group, mcfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device)
+        self.mlp = MLP(cfg, tp_group, mcfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                cache: KVCache | None = None, cache_start: int = 0) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Trunk(nn.Module):
+    """Container named ``model`` so parameter names read ``model.layers.<i>...`` like HF."""
+
+
+class LlamaStage(nn.Module):
+    """Pipeline stage ``pp_rank`` of ``pp`` of a LLaMA model, tensor-parallel over ``tp_group``.
+
+    Parameters are allocated but not initialized; the owner writes them.
+    """
+
+    def __init__(self, cfg: ModelConfig, pp: int, pp_rank: int, tp_group: dist.ProcessGroup,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        device = torch.device(device)
+        tp = tp_group.size()
+        for field, value in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads),
+                             ("vocab_size", cfg.vocab_size), ("intermediate_size", cfg.intermediate_size)):
+            if value % tp:
+                raise ValueError(f"model {cfg.name!r}: tp={tp} must divide {field}={value}")
+        self.cfg = cfg
+        self.pp, self.pp_rank, self.tp_group = pp, pp_rank, tp_group
+        self.is_first = pp_rank == 0
+        self.is_last = pp_rank == pp - 1
+        self.layer_range = stage_layer_ranges(cfg.n_layers, pp)[pp_rank]
+        mcfg = megatron_config(tp, dtype, device)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
+
+        self.model = _Trunk()
+        # The last stage of a tied model with pp > 1 holds a replica of the embedding for its head.
+        if self.is_first or (cfg.tie_embeddings and self.is_last):
+            self.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, init_method=_no_init,
+                                                             config=mcfg, tp_group=tp_group)
+        lo, hi = self.layer_range
+        self.model.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, tp_group, mcfg, device) for i in range(lo, hi)})
+        if self.is_last:
+            self.model.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device)
+            if cfg.is_critic:
+                self.score = nn.Linear(cfg.hidden_size, 1, bias=False, dtype=dtype, device=device)
+            else:
+                self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, config=mcfg, init_method=_no_init,
+                                                    bias=False, gather_output=False, tp_group=tp_group,
+                                                    skip_weight_param_allocation=cfg.tie_embeddings)
+
+    @property
+    def layers(self) -> list[DecoderLayer]:
+        return list(self.model.layers.values())
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        assert self.is_first
+        return self.model.embed_tokens(input_ids)
+
+    def run_layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+                   caches: list[KVCache] | None = None, cache_start: int = 0) -> torch.Tensor:
+        cos, sin = rope_cos_sin(self.inv_freq, position_ids, hidden.dtype)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, cos, sin, mask, None if caches is None else caches[i], cache_start)
+        return hidden
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and output head: vocabulary-split logits [.., V/tp], or values [..] for a critic."""
+        assert self.is_last
+        x = self.model.norm(hidden)
+        if self.cfg.is_critic:
+            return self.score(x).squeeze(-1)
+        if self.cfg.tie_embeddings:
+            return self.lm_head(x, weight=self.model.embed_tokens.weight)[0]
+        return self.lm_head(x)[0]
+
+    def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+                caches: list[KVCache] | None = None, cache_start: int = 0) -> torch.Tensor:
+        """Token ids (first stage) or hidden states (later stages) in; hidden states (or head output on the last stage) out."""
+        hidden = self.embed(inputs) if self.is_first else inputs
+        hidden = self.run_layers(hidden, position_ids, mask, caches, cache_start)
+        return self.head(hidden) if self.is_last else hidden
+
+    def new_kv_caches(self, batch: int, max_len: int) -> list[KVCache]:
+        p = next(iter(self.parameters()))
+        tp = self.tp_group.size()
+        shape = (batch, self.cfg.n_kv_heads // tp, max_len, self.cfg.head_dim)
+        return [KVCache(torch.zeros(shape, dtype=p.dtype, device=p.device),
+                        torch.zeros(shape, dtype=p.dtype, device=p.device)) for _ in self.layers]
+
+
+# -- attention masks --------------------------------------------------------------------------------
+
+
+def segment_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Causal mask within segments for a whole sequence, [batch, 1, seq, seq], True = may attend.
+
+    ``segment_ids`` [batch, seq]: tokens of one sequence share an id >= 0; padding is -1.
+    Padded positions attend to themselves only, so no softmax row is empty (their outputs are ignored).
+    """
+    t = segment_ids.shape[1]
+    idx = torch.arange(t, device=segment_ids.device)
+    causal = idx.view(1, t, 1) >= idx.view(1, 1, t)
+    same = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1)
+    valid_k = (segment_ids >= 0).unsqueeze(1)
+    diag = (idx.view(t, 1) == idx.view(1, t)).unsqueeze(0)
+    return ((causal & same & valid_k) | diag).unsqueeze(1)
+
+
+def cache_mask(key_valid: torch.Tensor, query_start: int, n_queries: int) -> torch.Tensor:
+    """Mask for queries at cache slots [query_start, query_start + n_queries) over keys in slots [0, end).
+
+    ``key_valid`` [batch, end] marks real tokens (False for left padding). [batch, 1, n_queries, end].
+    """
+    end = key_valid.shape[1]
+    q = torch.arange(query_start, query_start + n_queries, device=key_valid.device).view(n_queries, 1)
+    k = torch.arange(end, device=key_valid.device).view(1, end)
+    allowed = (k <= q).unsqueeze(0) & key_valid.unsqueeze(1)
+    return (allowed | (k == q).unsqueeze(0)).unsqueeze(1)
