@@ -1,0 +1,66 @@
+"""Rule-based rewards: parameter-free functions of token ids (model_type "rule", interface_impl "rule_reward").
+
+A call selects its rule through ``interface_args``::
+
+    ModelFunctionCallDef(name="rew_inf", model_name="reward", model_type="rule", interface_type=INFERENCE,
+                         interface_impl="rule_reward", input_data=["seq"], output_data=["rewards"],
+                         interface_args={"rule": "token_set", "tokens": list(range(16, 32))})
+
+``rule`` is the name of a built-in rule below, or a callable defined in the experiment file
+(workers import the experiment file themselves, so nothing executable crosses the wire). Every
+rule maps ``(prompt_tokens [n, P], response_tokens [n, T], response_mask [n, T] bool, **args)``
+to one float score per sequence.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+
+RuleFn = Callable[..., torch.Tensor]
+
+
+def token_set_fraction(prompt_tokens: torch.Tensor, response_tokens: torch.Tensor, response_mask: torch.Tensor,
+                       tokens: list[int]) -> torch.Tensor:
+    """Fraction of valid response tokens that belong to ``tokens``; 0 for an empty response.
+
+    Under a uniform policy the expected score is ``len(tokens) / vocab_size``; a policy that
+    learned the task scores 1.
+    """
+    target = torch.as_tensor(sorted(set(int(t) for t in tokens)), dtype=response_tokens.dtype)
+    hit = torch.isin(response_tokens, target) & response_mask
+    n = response_mask.sum(dim=1)
+    return torch.where(n > 0, hit.sum(dim=1).float() / n.clamp(min=1).float(), torch.zeros(n.shape))
+
+
+BUILTIN_RULES: Mapping[str, RuleFn] = {"token_set": token_set_fraction}
+
+
+def resolve_rule(call: str, args: Mapping[str, Any]) -> tuple[RuleFn, dict[str, Any]]:
+    """The rule function of call ``call`` and the keyword arguments it gets."""
+    kwargs = dict(args)
+    rule = kwargs.pop("rule", None)
+    if rule is None:
+        raise ValueError(f"call {call!r}: a rule_reward call needs interface_args['rule'], e.g. 'token_set' "
+                         f"(built-in rules: {', '.join(BUILTIN_RULES)}) or a function of the experiment file")
+    if callable(rule):
+        return rule, kwargs
+    if rule not in BUILTIN_RULES:
+        raise ValueError(f"call {call!r}: unknown rule {rule!r}; built-in rules: {', '.join(BUILTIN_RULES)}")
+    if rule == "token_set":
+        toks = kwargs.get("tokens")
+        if not isinstance(toks, (list, tuple)) or not toks or not all(isinstance(t, int) for t in toks):
+            raise ValueError(f"call {call!r}: rule 'token_set' needs interface_args['tokens'], a non-empty list of "
+                             f"token ids")
+    return BUILTIN_RULES[rule], kwargs
+
+
+def score(call: str, args: Mapping[str, Any], prompt_tokens: torch.Tensor, response_tokens: torch.Tensor,
+          response_mask: torch.Tensor) -> torch.Tensor:
+    fn, kwargs = resolve_rule(call, args)
+    out = torch.as_tensor(fn(prompt_tokens, response_tokens, response_mask, **kwargs), dtype=torch.float32)
+    if out.shape != (response_tokens.shape[0],):
+        raise ValueError(f"call {call!r}: the reward rule returned shape {tuple(out.shape)}, expected one score per "
+                         f"sequence ({response_tokens.shape[0]},)")
+    return out
