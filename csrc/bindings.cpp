@@ -1,11 +1,243 @@
-// pybind11 entry point of realloc._C. Each engine part registers its functions here.
+// pybind11 entry point of realloc._C: the plan simulator and the MCMC search.
+// std::invalid_argument surfaces in Python as ValueError.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "mcmc.h"
+#include "problem.h"
+#include "simulator.h"
 
 namespace py = pybind11;
+
+namespace {
+
+template <typename T>
+using Array = py::array_t<T, py::array::c_style | py::array::forcecast>;
+
+template <typename T>
+std::vector<T> to_vector(const Array<T>& a, const char* name, py::ssize_t expect = -1) {
+    if (a.ndim() != 1) throw std::invalid_argument(std::string(name) + " must be one-dimensional");
+    if (expect >= 0 && a.shape(0) != expect)
+        throw std::invalid_argument(std::string(name) + " has " + std::to_string(a.shape(0)) + " entries, expected " +
+                                    std::to_string(expect));
+    return std::vector<T>(a.data(), a.data() + a.shape(0));
+}
+
+std::vector<int64_t> parts(const Array<int64_t>& a, const char* name, py::ssize_t n) {
+    if (a.ndim() != 2 || a.shape(0) != n || a.shape(1) != rl::kParts)
+        throw std::invalid_argument(std::string(name) + " must have shape (n_candidates, 3)");
+    return std::vector<int64_t>(a.data(), a.data() + a.size());
+}
+
+rl::PairTable table(const Array<double>& a, const char* name) {
+    if (a.ndim() != 2) throw std::invalid_argument(std::string(name) + " must be two-dimensional");
+    rl::PairTable t;
+    t.rows = static_cast<int>(a.shape(0));
+    t.cols = static_cast<int>(a.shape(1));
+    t.values.assign(a.data(), a.data() + a.size());
+    return t;
+}
+
+std::vector<std::array<int, 2>> pairs(const Array<int32_t>& a, const char* name) {
+    if (a.size() == 0) return {};
+    if (a.ndim() != 2 || a.shape(1) != 2) throw std::invalid_argument(std::string(name) + " must have shape (n, 2)");
+    std::vector<std::array<int, 2>> out(a.shape(0));
+    for (py::ssize_t i = 0; i < a.shape(0); ++i) out[i] = {a.at(i, 0), a.at(i, 1)};
+    return out;
+}
+
+std::vector<int32_t> plan_of(const rl::Problem& p, const Array<int32_t>& plan) {
+    auto v = to_vector(plan, "plan");
+    p.check_plan(v);
+    return v;
+}
+
+py::dict eval_dict(const rl::Evaluation& e) {
+    py::dict d;
+    d["time"] = e.time;
+    d["makespan"] = e.makespan;
+    d["cost"] = e.cost;
+    d["peak_memory"] = e.peak_memory;
+    d["overflow"] = e.overflow;
+    d["peak_device"] = e.peak_device;
+    d["peak_call"] = e.peak_call;
+    d["feasible"] = e.feasible;
+    return d;
+}
+
+}  // namespace
 
 PYBIND11_MODULE(_C, m) {
     m.doc() = "realloc C++ core: plan simulator and MCMC search";
     m.def("build_info", []() {
         return std::string("realloc._C C++") + std::to_string(__cplusplus) + " " + __VERSION__;
     });
+
+    py::class_<rl::Problem>(m, "Problem", "Search problem as arrays; see csrc/problem.h")
+        .def(py::init([](int n_devices, int n_iterations, int64_t device_memory, double oom_alpha,
+                         const Array<int32_t>& call_model, const Array<int32_t>& model_home) {
+                 auto p = std::make_unique<rl::Problem>();
+                 p->n_devices = n_devices;
+                 p->n_iterations = n_iterations;
+                 p->device_memory = device_memory;
+                 p->oom_alpha = oom_alpha;
+                 p->call_model = to_vector(call_model, "call_model");
+                 p->model_home = to_vector(model_home, "model_home");
+                 p->cands.resize(p->call_model.size());
+                 p->realloc.resize(p->model_home.size());
+                 return p;
+             }),
+             py::arg("n_devices"), py::arg("n_iterations"), py::arg("device_memory"), py::arg("oom_alpha"),
+             py::arg("call_model"), py::arg("model_home"))
+        .def(
+            "set_candidates",
+            [](rl::Problem& p, int call, const Array<int32_t>& dev_lo, const Array<int32_t>& dev_hi,
+               const Array<int32_t>& stage_width, const Array<int32_t>& layout, const Array<int32_t>& mesh_id,
+               const Array<int32_t>& shape_class, const Array<double>& time, const Array<int64_t>& mem_static,
+               const Array<int64_t>& mem_dynamic, const Array<int64_t>& mem_param) {
+                if (call < 0 || call >= p.n_calls()) throw std::invalid_argument("call index out of range");
+                rl::Candidates k;
+                k.time = to_vector(time, "time");
+                const py::ssize_t n = static_cast<py::ssize_t>(k.time.size());
+                k.dev_lo = to_vector(dev_lo, "dev_lo", n);
+                k.dev_hi = to_vector(dev_hi, "dev_hi", n);
+                k.stage_width = to_vector(stage_width, "stage_width", n);
+                k.layout = to_vector(layout, "layout", n);
+                k.mesh_id = to_vector(mesh_id, "mesh_id", n);
+                k.shape_class = to_vector(shape_class, "shape_class", n);
+                k.mem_static = parts(mem_static, "mem_static", n);
+                k.mem_dynamic = parts(mem_dynamic, "mem_dynamic", n);
+                k.mem_param = parts(mem_param, "mem_param", n);
+                p.cands[call] = std::move(k);
+                p.finalized = false;
+            },
+            py::arg("call"), py::arg("dev_lo"), py::arg("dev_hi"), py::arg("stage_width"), py::arg("layout"),
+            py::arg("mesh_id"), py::arg("shape_class"), py::arg("time"), py::arg("mem_static"),
+            py::arg("mem_dynamic"), py::arg("mem_param"))
+        .def(
+            "set_realloc",
+            [](rl::Problem& p, int model, const Array<double>& costs) {
+                if (model < 0 || model >= p.n_models()) throw std::invalid_argument("model index out of range");
+                p.realloc[model] = table(costs, "realloc costs");
+                p.finalized = false;
+            },
+            py::arg("model"), py::arg("costs"))
+        .def(
+            "add_data_edge",
+            [](rl::Problem& p, int src, int dst, const Array<double>& costs) {
+                p.data_edges.push_back({src, dst, table(costs, "data-transfer costs")});
+                p.finalized = false;
+            },
+            py::arg("src"), py::arg("dst"), py::arg("costs"))
+        .def(
+            "set_edges",
+            [](rl::Problem& p, const Array<int32_t>& order, const Array<int32_t>& carry) {
+                p.order_edges = pairs(order, "order_edges");
+                p.carry_edges = pairs(carry, "carry_edges");
+                p.finalized = false;
+            },
+            py::arg("order"), py::arg("carry"))
+        .def("finalize", &rl::Problem::finalize)
+        .def_property_readonly("n_calls", &rl::Problem::n_calls)
+        .def_property_readonly("n_nodes", &rl::Problem::n_nodes)
+        .def_property_readonly("n_iterations", [](const rl::Problem& p) { return p.n_iterations; })
+        .def(
+            "evaluate",
+            [](const rl::Problem& p, const Array<int32_t>& plan) {
+                auto v = plan_of(p, plan);
+                rl::Evaluator ev(p);
+                return eval_dict(ev.evaluate(v.data()));
+            },
+            py::arg("plan"), "Time, memory and cost of one plan (candidate index per call).")
+        .def(
+            "evaluate_batch",
+            [](const rl::Problem& p, const Array<int32_t>& plans) {
+                if (plans.ndim() != 2 || plans.shape(1) != p.n_calls())
+                    throw std::invalid_argument("plans must have shape (n_plans, n_calls)");
+                const py::ssize_t n = plans.shape(0);
+                for (py::ssize_t i = 0; i < n; ++i)
+                    p.check_plan(std::vector<int32_t>(plans.data(i, 0), plans.data(i, 0) + p.n_calls()));
+                Array<double> time(n), cost(n);
+                Array<int64_t> peak(n);
+                Array<bool> feasible(n);
+                {
+                    py::gil_scoped_release nogil;
+                    rl::Evaluator ev(p);
+                    for (py::ssize_t i = 0; i < n; ++i) {
+                        const rl::Evaluation e = ev.evaluate(plans.data(i, 0));
+                        time.mutable_at(i) = e.time;
+                        cost.mutable_at(i) = e.cost;
+                        peak.mutable_at(i) = e.peak_memory;
+                        feasible.mutable_at(i) = e.feasible;
+                    }
+                }
+                py::dict d;
+                d["time"] = time;
+                d["cost"] = cost;
+                d["peak_memory"] = peak;
+                d["feasible"] = feasible;
+                return d;
+            },
+            py::arg("plans"))
+        .def(
+            "schedule",
+            [](const rl::Problem& p, const Array<int32_t>& plan) {
+                auto v = plan_of(p, plan);
+                rl::Evaluator ev(p);
+                py::list out;
+                for (const auto& r : ev.schedule(v.data()))
+                    out.append(py::make_tuple(r.kind, r.call, r.other, r.iteration, r.start, r.end, r.lo1, r.hi1,
+                                              r.lo2, r.hi2));
+                return out;
+            },
+            py::arg("plan"),
+            "Every node of the unrolled augmented graph in scheduling order: (kind, call, other, iteration, start, "
+            "end, lo1, hi1, lo2, hi2); kind 0 call, 1 reallocation, 2 data transfer.")
+        .def(
+            "memory",
+            [](const rl::Problem& p, const Array<int32_t>& plan) {
+                auto v = plan_of(p, plan);
+                rl::Evaluator ev(p);
+                const rl::MemoryReport r = ev.memory(v.data());
+                py::dict d;
+                d["device_static"] = r.device_static;
+                d["device_peak"] = r.device_peak;
+                d["call_peak"] = r.call_peak;
+                return d;
+            },
+            py::arg("plan"));
+
+    py::class_<rl::SearchOptions>(m, "SearchOptions")
+        .def(py::init<>())
+        .def_readwrite("n_chains", &rl::SearchOptions::n_chains)
+        .def_readwrite("n_threads", &rl::SearchOptions::n_threads)
+        .def_readwrite("seed", &rl::SearchOptions::seed)
+        .def_readwrite("accept_1pct", &rl::SearchOptions::accept_1pct)
+        .def_readwrite("restart_margin", &rl::SearchOptions::restart_margin)
+        .def_readwrite("p_any", &rl::SearchOptions::p_any)
+        .def_readwrite("p_mbs", &rl::SearchOptions::p_mbs)
+        .def_readwrite("p_strategy", &rl::SearchOptions::p_strategy)
+        .def_readwrite("p_position", &rl::SearchOptions::p_position);
+
+    py::class_<rl::Search>(m, "Search", "Metropolis-Hastings chains over plans; see csrc/mcmc.h")
+        .def(py::init([](const rl::Problem& p, const rl::SearchOptions& o, const Array<int32_t>& start) {
+                 return std::make_unique<rl::Search>(p, o, to_vector(start, "start"));
+             }),
+             py::arg("problem"), py::arg("options"), py::arg("start"), py::keep_alive<1, 2>())
+        .def("run", &rl::Search::run, py::arg("evals_per_chain"), py::arg("seconds") = 0.0,
+             py::call_guard<py::gil_scoped_release>(),
+             "Advance every chain; the GIL is released. Returns True if the time limit stopped it.")
+        .def_property_readonly("best_plan", &rl::Search::best_plan)
+        .def_property_readonly("best", [](const rl::Search& s) { return eval_dict(s.best_eval()); })
+        .def_property_readonly("start", [](const rl::Search& s) { return eval_dict(s.start_eval()); })
+        .def_property_readonly("evals", &rl::Search::evals)
+        .def_property_readonly("elapsed", &rl::Search::elapsed)
+        .def_property_readonly("temperature", &rl::Search::temperature)
+        .def_property_readonly("history", [](const rl::Search& s) {
+            py::list out;
+            for (const auto& h : s.history())
+                out.append(py::make_tuple(h.seconds, h.evals, h.cost, h.time, h.feasible));
+            return out;
+        });
 }

@@ -1,0 +1,148 @@
+#include "problem.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace rl {
+
+namespace {
+
+[[noreturn]] void fail(const std::string& what) { throw std::invalid_argument(what); }
+
+void check_table(const PairTable& t, int min_rows, int min_cols, const std::string& name) {
+    if (t.rows < min_rows || t.cols < min_cols)
+        fail(name + ": table is " + std::to_string(t.rows) + "x" + std::to_string(t.cols) + " but the layouts need " +
+             std::to_string(min_rows) + "x" + std::to_string(min_cols));
+    if (t.values.size() != static_cast<size_t>(t.rows) * t.cols) fail(name + ": table size does not match its shape");
+    for (double v : t.values)
+        if (!(v >= 0.0) || !std::isfinite(v)) fail(name + ": costs must be finite and non-negative");
+}
+
+}  // namespace
+
+void Problem::finalize() {
+    const int n = n_calls();
+    const int n_m = n_models();
+    if (n_devices < 1) fail("n_devices must be positive");
+    if (n_iterations < 3) fail("n_iterations must be at least 3 to measure a steady-state iteration");
+    if (device_memory < 1) fail("device_memory must be positive");
+    if (!(oom_alpha >= 1.0)) fail("oom_alpha must be at least 1");
+    if (n < 1) fail("the problem has no calls");
+    if (static_cast<int>(cands.size()) != n) fail("need one candidate table per call");
+    if (static_cast<int>(realloc.size()) != n_m) fail("need one reallocation table per model");
+
+    model_calls.assign(n_m, {});
+    for (int c = 0; c < n; ++c) {
+        if (call_model[c] < 0 || call_model[c] >= n_m) fail("call " + std::to_string(c) + ": model index out of range");
+        model_calls[call_model[c]].push_back(c);
+    }
+    std::vector<int> n_layouts(n_m, 0);
+    for (int c = 0; c < n; ++c) {
+        const Candidates& k = cands[c];
+        const std::string who = "call " + std::to_string(c);
+        const size_t s = k.time.size();
+        if (s == 0) fail(who + ": no candidate placements");
+        if (k.dev_lo.size() != s || k.dev_hi.size() != s || k.stage_width.size() != s || k.layout.size() != s ||
+            k.mesh_id.size() != s || k.shape_class.size() != s || k.mem_static.size() != s * kParts ||
+            k.mem_dynamic.size() != s * kParts || k.mem_param.size() != s * kParts)
+            fail(who + ": candidate arrays differ in length");
+        for (size_t i = 0; i < s; ++i) {
+            const int lo = k.dev_lo[i], hi = k.dev_hi[i], w = k.stage_width[i];
+            if (lo < 0 || hi <= lo || hi > n_devices) fail(who + ": candidate mesh out of the cluster");
+            if (w < 1 || (hi - lo) % w) fail(who + ": stage_width must divide the mesh size");
+            if (k.layout[i] < 0) fail(who + ": negative layout id");
+            if (!(k.time[i] >= 0.0) || !std::isfinite(k.time[i])) fail(who + ": times must be finite and >= 0");
+            n_layouts[call_model[c]] = std::max(n_layouts[call_model[c]], k.layout[i] + 1);
+        }
+        for (size_t i = 0; i < s * kParts; ++i)
+            if (k.mem_static[i] < 0 || k.mem_dynamic[i] < 0 || k.mem_param[i] < 0) fail(who + ": negative memory");
+    }
+    for (int m = 0; m < n_m; ++m) {
+        const int h = model_home[m];
+        if (h < 0 || h >= n || call_model[h] != m) fail("model " + std::to_string(m) + ": home is not one of its calls");
+        check_table(realloc[m], n_layouts[m], n_layouts[m], "model " + std::to_string(m) + " reallocation");
+    }
+    auto check_edge = [&](const std::array<int, 2>& e, bool forward, const char* kind) {
+        if (e[0] < 0 || e[0] >= n || e[1] < 0 || e[1] >= n) fail(std::string(kind) + " edge: call index out of range");
+        if (forward && e[0] >= e[1]) fail(std::string(kind) + " edge: calls must be numbered in topological order");
+    };
+    for (const auto& e : order_edges) check_edge(e, true, "order");
+    for (const auto& e : carry_edges) check_edge(e, false, "carry");
+    for (const DataEdge& d : data_edges) {
+        check_edge({d.src, d.dst}, true, "data");
+        check_table(d.cost, n_layouts[call_model[d.src]], n_layouts[call_model[d.dst]], "data edge");
+    }
+
+    // One iteration's nodes: before each call its reallocation node (if it is not the model's
+    // home) and one transfer node per incoming data edge. This order is topological.
+    iter_nodes.clear();
+    std::vector<int> call_pos(n), realloc_pos(n, -1), data_pos(data_edges.size());
+    for (int c = 0; c < n; ++c) {
+        const int home = model_home[call_model[c]];
+        if (c != home) {
+            realloc_pos[c] = static_cast<int>(iter_nodes.size());
+            iter_nodes.push_back({NodeKind::kRealloc, c, home, -1});
+        }
+        for (size_t e = 0; e < data_edges.size(); ++e)
+            if (data_edges[e].dst == c) {
+                data_pos[e] = static_cast<int>(iter_nodes.size());
+                iter_nodes.push_back({NodeKind::kData, c, data_edges[e].src, static_cast<int>(e)});
+            }
+        call_pos[c] = static_cast<int>(iter_nodes.size());
+        iter_nodes.push_back({NodeKind::kCall, c, -1, -1});
+    }
+
+    const int per = static_cast<int>(iter_nodes.size());
+    const int total = per * n_iterations;
+    std::vector<std::vector<int32_t>> kids(total);
+    for (int t = 0; t < n_iterations; ++t) {
+        const int base = t * per;
+        for (int c = 0; c < n; ++c) {
+            if (realloc_pos[c] < 0) continue;
+            // The copy is refreshed after the model's previous call, i.e. after the train step
+            // that produced the parameter version (realhf.txt §4: "consecutive function calls
+            // from the same model ... across two consecutive iterations").
+            const auto& seq = model_calls[call_model[c]];
+            const int i = static_cast<int>(std::find(seq.begin(), seq.end(), c) - seq.begin());
+            const int r = base + realloc_pos[c];
+            if (i > 0)
+                kids[base + call_pos[seq[i - 1]]].push_back(r);
+            else if (t > 0)
+                kids[base - per + call_pos[seq.back()]].push_back(r);
+            kids[r].push_back(base + call_pos[c]);
+        }
+        for (size_t e = 0; e < data_edges.size(); ++e) {
+            const int d = base + data_pos[e];
+            kids[base + call_pos[data_edges[e].src]].push_back(d);
+            kids[d].push_back(base + call_pos[data_edges[e].dst]);
+        }
+        for (const auto& e : order_edges) kids[base + call_pos[e[0]]].push_back(base + call_pos[e[1]]);
+        if (t + 1 < n_iterations)
+            for (const auto& e : carry_edges) kids[base + call_pos[e[0]]].push_back(base + per + call_pos[e[1]]);
+    }
+    child_start.assign(total + 1, 0);
+    children.clear();
+    n_parents.assign(total, 0);
+    for (int v = 0; v < total; ++v) {
+        auto& k = kids[v];
+        std::sort(k.begin(), k.end());
+        k.erase(std::unique(k.begin(), k.end()), k.end());
+        for (int u : k) {
+            children.push_back(u);
+            ++n_parents[u];
+        }
+        child_start[v + 1] = static_cast<int32_t>(children.size());
+    }
+    finalized = true;
+}
+
+void Problem::check_plan(const std::vector<int32_t>& plan) const {
+    if (!finalized) fail("problem is not finalized");
+    if (static_cast<int>(plan.size()) != n_calls())
+        fail("plan has " + std::to_string(plan.size()) + " entries for " + std::to_string(n_calls()) + " calls");
+    for (int c = 0; c < n_calls(); ++c)
+        if (plan[c] < 0 || plan[c] >= cands[c].size())
+            fail("plan: call " + std::to_string(c) + " has no candidate " + std::to_string(plan[c]));
+}
+
+}  // namespace rl

@@ -1,0 +1,246 @@
+#include "simulator.h"
+
+#include <algorithm>
+#include <functional>
+
+namespace rl {
+
+namespace {
+
+using HeapItem = std::pair<double, int32_t>;
+
+inline int atom_index(const std::vector<int32_t>& bp, int x) {
+    return static_cast<int>(std::lower_bound(bp.begin(), bp.end(), x) - bp.begin());
+}
+
+// Which memory part of a candidate mesh device `x` falls in: first stage, middle, last stage.
+inline int part_of(int x, int lo, int hi, int w) {
+    if (x < lo + w) return 0;
+    if (x >= hi - w) return 2;
+    return 1;
+}
+
+}  // namespace
+
+Evaluator::Evaluator(const Problem& problem) : p_(problem) {
+    if (!p_.finalized) throw std::invalid_argument("problem is not finalized");
+    const int n = p_.n_calls();
+    const size_t per = p_.iter_nodes.size();
+    bp_.reserve(2 * n);
+    atom_lo_.resize(n);
+    atom_hi_.resize(n);
+    free_.resize(2 * n + 1);
+    node_cost_.resize(per);
+    r1a_.resize(per);
+    r1b_.resize(per);
+    r2a_.resize(per);
+    r2b_.resize(per);
+    pass_.resize(per);
+    ready_.resize(p_.n_nodes());
+    remaining_.resize(p_.n_nodes());
+    iter_end_.resize(p_.n_iterations);
+    heap_.reserve(p_.n_nodes());
+    mbp_.reserve(4 * n + 2);
+}
+
+void Evaluator::prepare(const int32_t* plan) {
+    const int n = p_.n_calls();
+    bp_.clear();
+    for (int c = 0; c < n; ++c) {
+        bp_.push_back(p_.cands[c].dev_lo[plan[c]]);
+        bp_.push_back(p_.cands[c].dev_hi[plan[c]]);
+    }
+    std::sort(bp_.begin(), bp_.end());
+    bp_.erase(std::unique(bp_.begin(), bp_.end()), bp_.end());
+    for (int c = 0; c < n; ++c) {
+        atom_lo_[c] = atom_index(bp_, p_.cands[c].dev_lo[plan[c]]);
+        atom_hi_[c] = atom_index(bp_, p_.cands[c].dev_hi[plan[c]]);
+    }
+    const size_t per = p_.iter_nodes.size();
+    for (size_t j = 0; j < per; ++j) {
+        const NodeTemplate& nt = p_.iter_nodes[j];
+        const int c = nt.call;
+        r1a_[j] = atom_lo_[c];
+        r1b_[j] = atom_hi_[c];
+        if (nt.kind == NodeKind::kCall) {
+            node_cost_[j] = p_.cands[c].time[plan[c]];
+            r2a_[j] = r2b_[j] = 0;
+            pass_[j] = 0;
+            continue;
+        }
+        const int o = nt.other;
+        const int lo = p_.cands[o].layout[plan[o]], lc = p_.cands[c].layout[plan[c]];
+        double cost;
+        if (nt.kind == NodeKind::kRealloc)
+            cost = lo == lc ? 0.0 : p_.realloc[p_.call_model[c]].at(lo, lc);
+        else
+            cost = p_.data_edges[nt.edge].cost.at(lo, lc);
+        node_cost_[j] = cost;
+        r2a_[j] = atom_lo_[o];
+        r2b_[j] = atom_hi_[o];
+        // A free transfer occupies no device: its consumer waits only for the producer.
+        pass_[j] = cost == 0.0;
+    }
+}
+
+void Evaluator::simulate(const int32_t* plan, std::vector<NodeRecord>* records) {
+    const int per = static_cast<int>(p_.iter_nodes.size());
+    const int total = p_.n_nodes();
+    const int n_atoms = static_cast<int>(bp_.size()) - 1;
+    std::fill(free_.begin(), free_.begin() + n_atoms, 0.0);
+    std::fill(ready_.begin(), ready_.end(), 0.0);
+    std::fill(iter_end_.begin(), iter_end_.end(), 0.0);
+    std::copy(p_.n_parents.begin(), p_.n_parents.end(), remaining_.begin());
+    heap_.clear();
+    auto later = std::greater<HeapItem>();
+    for (int v = 0; v < total; ++v)
+        if (remaining_[v] == 0) heap_.emplace_back(0.0, v);
+    std::make_heap(heap_.begin(), heap_.end(), later);
+
+    // Algorithm 1 (realhf-appendix.txt): take the ready node with the smallest ready time (ties:
+    // the lowest node index); it starts when its mesh's devices are all free.
+    while (!heap_.empty()) {
+        std::pop_heap(heap_.begin(), heap_.end(), later);
+        const auto [ready, v] = heap_.back();
+        heap_.pop_back();
+        const int j = v % per;
+        double start = ready, end = ready;
+        if (!pass_[j]) {
+            for (int a = r1a_[j]; a < r1b_[j]; ++a) start = std::max(start, free_[a]);
+            for (int a = r2a_[j]; a < r2b_[j]; ++a) start = std::max(start, free_[a]);
+            end = start + node_cost_[j];
+            for (int a = r1a_[j]; a < r1b_[j]; ++a) free_[a] = end;
+            for (int a = r2a_[j]; a < r2b_[j]; ++a) free_[a] = end;
+        }
+        const int t = v / per;
+        iter_end_[t] = std::max(iter_end_[t], end);
+        if (records) {
+            const NodeTemplate& nt = p_.iter_nodes[j];
+            NodeRecord r{static_cast<int>(nt.kind), nt.call, nt.other, t, start, end,
+                         p_.cands[nt.call].dev_lo[plan[nt.call]], p_.cands[nt.call].dev_hi[plan[nt.call]], 0, 0};
+            if (nt.other >= 0) {
+                r.lo2 = p_.cands[nt.other].dev_lo[plan[nt.other]];
+                r.hi2 = p_.cands[nt.other].dev_hi[plan[nt.other]];
+            }
+            records->push_back(r);
+        }
+        for (int i = p_.child_start[v]; i < p_.child_start[v + 1]; ++i) {
+            const int u = p_.children[i];
+            ready_[u] = std::max(ready_[u], end);
+            if (--remaining_[u] == 0) {
+                heap_.emplace_back(ready_[u], u);
+                std::push_heap(heap_.begin(), heap_.end(), later);
+            }
+        }
+    }
+}
+
+void Evaluator::check_memory(const int32_t* plan, Evaluation& ev) {
+    const int n = p_.n_calls();
+    mbp_.clear();
+    mbp_.push_back(0);  // cover the whole device line, so idle devices count too
+    mbp_.push_back(p_.n_devices);
+    for (int c = 0; c < n; ++c) {
+        const Candidates& k = p_.cands[c];
+        const int i = plan[c], lo = k.dev_lo[i], hi = k.dev_hi[i], w = k.stage_width[i];
+        mbp_.push_back(lo);
+        mbp_.push_back(hi);
+        if (w < hi - lo) {
+            mbp_.push_back(lo + w);
+            mbp_.push_back(hi - w);
+        }
+    }
+    std::sort(mbp_.begin(), mbp_.end());
+    mbp_.erase(std::unique(mbp_.begin(), mbp_.end()), mbp_.end());
+    // Peak = static memory of every model resident on the device + the largest dynamic memory
+    // of any call running there (realhf.txt §5.1: calls on one device never overlap in time).
+    int64_t peak = -1;
+    for (size_t a = 0; a + 1 < mbp_.size(); ++a) {
+        const int x = mbp_[a];
+        int64_t stat = 0, dyn = 0;
+        int dyn_call = -1;
+        for (int c = 0; c < n; ++c) {
+            const Candidates& k = p_.cands[c];
+            const int i = plan[c], lo = k.dev_lo[i], hi = k.dev_hi[i];
+            if (x < lo || x >= hi) continue;
+            const int part = i * kParts + part_of(x, lo, hi, k.stage_width[i]);
+            const int home = p_.model_home[p_.call_model[c]];
+            int64_t d = k.mem_dynamic[part];
+            if (c == home)
+                stat += k.mem_static[part];
+            else if (k.layout[i] != p_.cands[home].layout[plan[home]])
+                d += k.mem_param[part];
+            if (d > dyn) {
+                dyn = d;
+                dyn_call = c;
+            }
+        }
+        if (stat + dyn > peak) {
+            peak = stat + dyn;
+            ev.peak_device = x;
+            ev.peak_call = dyn_call;
+        }
+    }
+    ev.peak_memory = peak;
+    ev.overflow = std::max<int64_t>(0, peak - p_.device_memory);
+    ev.feasible = peak <= p_.device_memory;
+}
+
+Evaluation Evaluator::evaluate(const int32_t* plan) {
+    Evaluation ev;
+    prepare(plan);
+    simulate(plan, nullptr);
+    const int K = p_.n_iterations;
+    ev.makespan = iter_end_[K - 1];
+    ev.time = (iter_end_[K - 1] - iter_end_[0]) / (K - 1);
+    check_memory(plan, ev);
+    // realhf.txt §5.2 multiplies an OOM plan's time by a large alpha. We scale alpha by
+    // (1 + overflow fraction) so that among OOM plans the chain still moves toward ones that fit.
+    ev.cost = ev.feasible ? ev.time
+                          : ev.time * p_.oom_alpha *
+                                (1.0 + static_cast<double>(ev.overflow) / static_cast<double>(p_.device_memory));
+    return ev;
+}
+
+std::vector<NodeRecord> Evaluator::schedule(const int32_t* plan) {
+    std::vector<NodeRecord> out;
+    out.reserve(p_.n_nodes());
+    prepare(plan);
+    simulate(plan, &out);
+    return out;
+}
+
+MemoryReport Evaluator::memory(const int32_t* plan) {
+    const int n = p_.n_calls();
+    MemoryReport r;
+    r.device_static.assign(p_.n_devices, 0);
+    r.device_peak.assign(p_.n_devices, 0);
+    r.call_peak.assign(n, 0);
+    std::vector<int64_t> dyn(p_.n_devices, 0);
+    std::vector<std::vector<int64_t>> own(n);
+    for (int c = 0; c < n; ++c) {
+        const Candidates& k = p_.cands[c];
+        const int i = plan[c], lo = k.dev_lo[i], hi = k.dev_hi[i];
+        const int home = p_.model_home[p_.call_model[c]];
+        own[c].assign(p_.n_devices, 0);
+        for (int x = lo; x < hi; ++x) {
+            const int part = i * kParts + part_of(x, lo, hi, k.stage_width[i]);
+            int64_t d = k.mem_dynamic[part];
+            if (c == home)
+                r.device_static[x] += k.mem_static[part];
+            else if (k.layout[i] != p_.cands[home].layout[plan[home]])
+                d += k.mem_param[part];
+            own[c][x] = d;
+            dyn[x] = std::max(dyn[x], d);
+        }
+    }
+    for (int x = 0; x < p_.n_devices; ++x) r.device_peak[x] = r.device_static[x] + dyn[x];
+    for (int c = 0; c < n; ++c) {
+        const int i = plan[c];
+        for (int x = p_.cands[c].dev_lo[i]; x < p_.cands[c].dev_hi[i]; ++x)
+            r.call_peak[c] = std::max(r.call_peak[c], r.device_static[x] + own[c][x]);
+    }
+    return r;
+}
+
+}  // namespace rl

@@ -1,0 +1,75 @@
+// Plan simulator: time (realhf.txt §5.1, Algorithm 1) and memory (§5.1, Table 2) of one plan.
+//
+// Devices are handled as "atoms": the call meshes of a plan cut the device line [0, n_devices)
+// into at most 2 * n_calls + 1 intervals whose devices always do the same thing, so the
+// scheduler tracks one free-time per atom instead of one per device. This is exact because every
+// node's device set is one call mesh or the union of two.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "problem.h"
+
+namespace rl {
+
+struct Evaluation {
+    double time = 0.0;       // steady-state seconds per iteration: (T_K - T_1) / (K - 1)
+    double makespan = 0.0;   // end of the last node of iteration K
+    double cost = 0.0;       // time, or the OOM-penalized time (realhf.txt §5.2)
+    int64_t peak_memory = 0; // bytes on the most loaded device
+    int64_t overflow = 0;    // peak_memory - device_memory if positive
+    int peak_device = -1;    // lowest device id holding peak_memory
+    int peak_call = -1;      // call whose dynamic memory makes that peak (-1: static only)
+    bool feasible = false;
+};
+
+struct NodeRecord {
+    int kind;       // NodeKind
+    int call;       // the call this node runs or feeds
+    int other;      // realloc: home call; data: producing call; call: -1
+    int iteration;
+    double start, end;
+    int lo1, hi1, lo2, hi2;  // device intervals; lo2 == hi2 when there is one
+};
+
+struct MemoryReport {
+    std::vector<int64_t> device_static;  // per device
+    std::vector<int64_t> device_peak;    // per device: static + the largest dynamic
+    std::vector<int64_t> call_peak;      // per call: the largest static + own dynamic over its mesh
+};
+
+// Reusable evaluation workspace. Not thread-safe: use one per thread.
+class Evaluator {
+public:
+    explicit Evaluator(const Problem& problem);
+
+    Evaluation evaluate(const int32_t* plan);
+    std::vector<NodeRecord> schedule(const int32_t* plan);
+    MemoryReport memory(const int32_t* plan);
+
+    const Problem& problem() const { return p_; }
+
+private:
+    void prepare(const int32_t* plan);
+    void simulate(const int32_t* plan, std::vector<NodeRecord>* records);
+    void check_memory(const int32_t* plan, Evaluation& ev);
+
+    const Problem& p_;
+    // time atoms
+    std::vector<int32_t> bp_, atom_lo_, atom_hi_;
+    std::vector<double> free_;
+    // per-iteration node costs and atom ranges
+    std::vector<double> node_cost_;
+    std::vector<int32_t> r1a_, r1b_, r2a_, r2b_;
+    std::vector<uint8_t> pass_;
+    // scheduling state
+    std::vector<double> ready_, iter_end_;
+    std::vector<int32_t> remaining_;
+    std::vector<std::pair<double, int32_t>> heap_;
+    // memory atoms
+    std::vector<int32_t> mbp_;
+};
+
+}  // namespace rl

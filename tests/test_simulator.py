@@ -1,0 +1,158 @@
+"""The C++ plan simulator against the plain-Python reference, and against hand-computed schedules."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from realloc.search import reference
+from realloc.search.problem import CandidateArrays, SearchProblem
+
+GiB = 2**30
+
+
+def random_candidates(rng: np.random.Generator, n_devices: int, n_layouts: int, n: int) -> CandidateArrays:
+    lo, hi, width = [], [], []
+    for _ in range(n):
+        a = int(rng.integers(0, n_devices))
+        b = int(rng.integers(a + 1, n_devices + 1))
+        size = b - a
+        divs = [d for d in range(1, size + 1) if size % d == 0]
+        lo.append(a)
+        hi.append(b)
+        width.append(int(rng.choice(divs)))
+    # Few distinct times, so that ready-time ties (and the tie rule) happen often.
+    time = rng.choice([0.0, 0.5, 1.0, 1.5, 2.0, 3.25], size=n)
+    mem = lambda: rng.integers(0, 4, size=(n, 3)) * GiB // 2  # noqa: E731
+    return CandidateArrays(dev_lo=lo, dev_hi=hi, stage_width=width, layout=rng.integers(0, n_layouts, n),
+                           mesh_id=rng.integers(0, 3, n), shape_class=rng.integers(0, 3, n), time=time,
+                           mem_static=mem(), mem_dynamic=mem(), mem_param=mem())
+
+
+def random_problem(rng: np.random.Generator) -> SearchProblem:
+    n_devices = int(rng.choice([1, 2, 3, 4, 8, 16]))
+    n_calls = int(rng.integers(1, 8))
+    n_models = int(rng.integers(1, min(n_calls, 4) + 1))
+    call_model = [int(m) for m in rng.permutation(np.r_[np.arange(n_models), rng.integers(0, n_models, n_calls - n_models)])]
+    model_home = [int(rng.choice([c for c in range(n_calls) if call_model[c] == m])) for m in range(n_models)]
+    n_layouts = [int(rng.integers(1, 5)) for _ in range(n_models)]
+    cands = tuple(random_candidates(rng, n_devices, n_layouts[call_model[c]], int(rng.integers(1, 6)))
+                  for c in range(n_calls))
+    data, order, carry = [], [], []
+    for u in range(n_calls):
+        for v in range(u + 1, n_calls):
+            r = rng.random()
+            if r < 0.3:
+                data.append((u, v))
+            elif r < 0.45:
+                order.append((u, v))
+    for u in range(n_calls):
+        for v in range(n_calls):
+            if rng.random() < 0.12:
+                carry.append((u, v))
+
+    def table(rows: int, cols: int) -> np.ndarray:
+        t = rng.choice([0.0, 0.25, 0.5, 1.0, 0.125], size=(rows, cols))
+        return t
+
+    return SearchProblem(
+        n_devices=n_devices, device_memory=int(rng.integers(1, 12)) * GiB // 2,
+        call_names=tuple(f"c{i}" for i in range(n_calls)), call_model=tuple(call_model),
+        model_names=tuple(f"m{i}" for i in range(n_models)), model_home=tuple(model_home), candidates=cands,
+        order_edges=tuple(order), carry_edges=tuple(carry), data_edges=tuple(data),
+        data_costs=tuple(table(n_layouts[call_model[u]], n_layouts[call_model[v]]) for u, v in data),
+        realloc_costs=tuple(table(n_layouts[m], n_layouts[m]) for m in range(n_models)),
+        n_iterations=int(rng.integers(3, 6)), oom_alpha=float(rng.choice([10.0, 100.0])))
+
+
+def random_plan(rng: np.random.Generator, p: SearchProblem) -> np.ndarray:
+    return np.array([rng.integers(0, len(k)) for k in p.candidates], np.int32)
+
+
+def test_cpp_matches_python_reference_on_1000_random_graphs_and_plans():
+    rng = np.random.default_rng(1234)
+    n_feasible = n_oom = n_transfers = 0
+    for trial in range(1000):
+        p = random_problem(rng)
+        cpp = p.to_cpp()
+        for _ in range(2):
+            plan = random_plan(rng, p)
+            got, want = cpp.evaluate(plan), reference.evaluate(p, plan)
+            assert got == want, (trial, plan, got, want)
+            got_sched = [r[:6] for r in cpp.schedule(plan)]
+            want_sched = [(r["kind"], r["call"], r["other"], r["iteration"], r["start"], r["end"])
+                          for r in reference.schedule(p, plan)]
+            assert got_sched == want_sched, trial
+            mem = cpp.memory(plan)
+            static, peak, _ = reference.device_memory(p, plan)
+            assert mem["device_static"] == static and mem["device_peak"] == peak, trial
+            n_feasible += want["feasible"]
+            n_oom += not want["feasible"]
+            n_transfers += sum(r[0] != 0 and r[5] > r[4] for r in cpp.schedule(plan))
+    # The random problems exercise both memory outcomes and real transfer nodes.
+    assert n_feasible > 100 and n_oom > 100 and n_transfers > 1000
+
+
+def _one_device_problem(times: list[float], data: list[tuple[int, int]], carry: list[tuple[int, int]],
+                        n_devices: int = 2, meshes: list[tuple[int, int]] | None = None,
+                        data_cost: float = 0.0, K: int = 4) -> SearchProblem:
+    meshes = meshes or [(0, n_devices)] * len(times)
+    cands = tuple(CandidateArrays(dev_lo=[lo], dev_hi=[hi], stage_width=[hi - lo], layout=[0], mesh_id=[0],
+                                  shape_class=[0], time=[t], mem_static=np.zeros((1, 3)),
+                                  mem_dynamic=np.zeros((1, 3)), mem_param=np.zeros((1, 3)))
+                  for t, (lo, hi) in zip(times, meshes))
+    n = len(times)
+    return SearchProblem(n_devices=n_devices, device_memory=GiB, call_names=tuple(f"c{i}" for i in range(n)),
+                         call_model=tuple(range(n)), model_names=tuple(f"m{i}" for i in range(n)),
+                         model_home=tuple(range(n)), candidates=cands, order_edges=(), carry_edges=tuple(carry),
+                         data_edges=tuple(data), data_costs=tuple(np.full((1, 1), data_cost) for _ in data),
+                         realloc_costs=tuple(np.zeros((1, 1)) for _ in range(n)), n_iterations=K)
+
+
+def test_colocated_chain_runs_sequentially():
+    # Three dependent calls on the same mesh: an iteration is the sum of their times.
+    p = _one_device_problem([1.0, 2.0, 4.0], data=[(0, 1), (1, 2)], carry=[(2, 0)])
+    ev = p.to_cpp().evaluate(np.zeros(3, np.int32))
+    assert ev["time"] == pytest.approx(7.0) and ev["makespan"] == pytest.approx(28.0)
+
+
+def test_disjoint_meshes_overlap_across_iterations():
+    # gen (2 s) on device 0 feeds train (3 s) on device 1; gen(t+1) does not wait for train(t)
+    # (no carry edge), so in steady state the slower call sets the pace: 3 s per iteration.
+    p = _one_device_problem([2.0, 3.0], data=[(0, 1)], carry=[], meshes=[(0, 1), (1, 2)], K=6)
+    assert p.to_cpp().evaluate(np.zeros(2, np.int32))["time"] == pytest.approx(3.0)
+    # With the parameter-version edge train(t) -> gen(t+1) the two serialize: 5 s.
+    p = _one_device_problem([2.0, 3.0], data=[(0, 1)], carry=[(1, 0)], meshes=[(0, 1), (1, 2)], K=6)
+    assert p.to_cpp().evaluate(np.zeros(2, np.int32))["time"] == pytest.approx(5.0)
+
+
+def test_data_transfer_occupies_both_meshes():
+    # A 0.5 s transfer between disjoint meshes adds to the critical path of a serial loop.
+    p = _one_device_problem([2.0, 3.0], data=[(0, 1)], carry=[(1, 0)], meshes=[(0, 1), (1, 2)], data_cost=0.5)
+    cpp = p.to_cpp()
+    assert cpp.evaluate(np.zeros(2, np.int32))["time"] == pytest.approx(5.5)
+    transfers = [r for r in cpp.schedule(np.zeros(2, np.int32)) if r[0] == 2]
+    assert [(r[4], r[5]) for r in transfers[:2]] == [(2.0, 2.5), (7.5, 8.0)]
+
+
+def test_reallocation_node_between_train_and_generation():
+    # Actor: gen (home layout 0 on device 0? no: gen uses layout 1) and train (home, layout 0).
+    # train(t) -> realloc(0 -> 1) -> gen(t+1): iteration = gen + train + realloc.
+    cands = (
+        CandidateArrays(dev_lo=[0], dev_hi=[2], stage_width=[2], layout=[1], mesh_id=[0], shape_class=[0],
+                        time=[2.0], mem_static=np.zeros((1, 3)), mem_dynamic=np.zeros((1, 3)),
+                        mem_param=np.full((1, 3), 5)),
+        CandidateArrays(dev_lo=[0], dev_hi=[2], stage_width=[1], layout=[0], mesh_id=[0], shape_class=[0],
+                        time=[3.0], mem_static=np.full((1, 3), 10), mem_dynamic=np.full((1, 3), 1),
+                        mem_param=np.zeros((1, 3))),
+    )
+    realloc = np.array([[0.0, 0.75], [0.5, 0.0]])
+    p = SearchProblem(n_devices=2, device_memory=100, call_names=("gen", "train"), call_model=(0, 0),
+                      model_names=("actor",), model_home=(1,), candidates=cands, order_edges=(),
+                      carry_edges=((1, 0),), data_edges=((0, 1),), data_costs=(np.zeros((2, 2)),),
+                      realloc_costs=(realloc,), n_iterations=4)
+    cpp = p.to_cpp()
+    ev = cpp.evaluate(np.zeros(2, np.int32))
+    assert ev["time"] == pytest.approx(5.75)
+    # Memory: static 10 (train layout) + max(dynamic 1 of train, 0 + copy 5 of gen) = 15.
+    assert ev["peak_memory"] == 15 and ev["peak_call"] == 0 and ev["feasible"]
