@@ -1,1 +1,4 @@
-"""Cost estimation: hardware specs, profile tables, time, memory and reallocation cost."""
+"""Cost estimation: hardware specs, profile tables, time, memory and reallocation cost.
+
+The search codes against ``realloc.estimator.cost.CostModel``; see its module docstring.
+"""

@@ -39,11 +39,69 @@ class HardwareSpec(BaseModel):
     cores_per_device: int = Field(gt=0)
     compute_efficiency: float = Field(default=0.6, gt=0, le=1, description="achieved/peak FLOP/s for large matmuls")
     memory_efficiency: float = Field(default=0.7, gt=0, le=1, description="achieved/peak bytes/s for decode")
+    # The fields below feed the roofline of realloc/estimator/roofline.py. Their
+    # defaults make an older spec file read as "no overheads, ideal links".
+    comm_efficiency: float = Field(default=1.0, gt=0, le=1,
+                                   description="achieved/nominal link bandwidth of a large collective (NCCL bus "
+                                               "bandwidth / NVLink or NIC bandwidth)")
+    kernel_latency: float = Field(default=0.0, ge=0,
+                                  description="seconds: device-side floor of one kernel when launches are free "
+                                              "(CUDA-graph replay); on CPU the per-op dispatch cost")
+    launch_overhead: float = Field(default=0.0, ge=0,
+                                   description="seconds of host time to launch one kernel eagerly; overlaps device "
+                                               "work, so it only shows when kernels are tiny (decode)")
+    decode_step_overhead: float = Field(default=0.0, ge=0,
+                                        description="seconds of host work per generated token per micro-batch "
+                                                    "(sampling bookkeeping, stop checks) that no kernel covers")
+    call_overhead: float = Field(default=0.0, ge=0,
+                                 description="seconds to dispatch one function call to its workers")
+    host_bandwidth: float = Field(default=2.5e10, gt=0,
+                                  description="bytes/s of device<->host copies (offloaded parameters)")
     notes: str = ""
 
     @property
     def bytes_per_param(self) -> int:
         return 4 if self.dtype == "fp32" else 2
+
+    @property
+    def precision(self) -> "Precision":
+        return Precision.for_dtype(self.dtype)
+
+
+class Precision(BaseModel):
+    """Bytes per parameter of each kind of training state, for one compute dtype.
+
+    bf16/fp16 follow Megatron mixed precision: half-precision parameters,
+    fp32 gradient buffers (``main_grad``; reduced in fp32 across DP) and fp32
+    Adam state (master weights, first and second moments). fp32 keeps
+    everything in fp32 and needs no master copy.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    param: int  # one parameter in the compute dtype; also one activation element
+    grad: int  # one gradient element (the DP all-reduce moves these)
+    optimizer: int  # Adam state per parameter, including an fp32 master copy if any
+    logits: int = 4  # logits and log-softmax are computed in fp32
+
+    @classmethod
+    def for_dtype(cls, dtype: str) -> "Precision":
+        if dtype == "fp32":
+            return cls(param=4, grad=4, optimizer=8)
+        if dtype in ("bf16", "fp16"):
+            return cls(param=2, grad=4, optimizer=12)
+        raise ValueError(f"unknown dtype {dtype!r}; use fp32, bf16 or fp16")
+
+    @property
+    def optimizer_step_bytes(self) -> int:
+        """Device-memory traffic of one Adam update per parameter.
+
+        Read grad; read+write each fp32 state tensor; write the compute-dtype
+        parameter (mixed precision) or read+write it (fp32).
+        """
+        if self.optimizer == 8:  # fp32: param, m, v read+write, grad read
+            return 2 * 4 * 3 + self.grad
+        return self.grad + 2 * self.optimizer + self.param
 
 
 def known_device_kinds(root: Path | None = None) -> list[str]:

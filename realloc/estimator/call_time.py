@@ -1,0 +1,213 @@
+"""Time of one function call from per-layer op costs (realhf.txt section 5.1, "time cost").
+
+Inputs are per-device layer op costs (a measured profile table or the
+roofline; both answer ``op(part, phase, tp, b, s) -> (compute, tp_comm)``),
+the collective model and the call's workload. Terms:
+
+- compute and TP collectives of every layer (2 all-reduces per block forward,
+  2 more backward, 1 for the vocab-parallel embedding, the head's own);
+- PP: stage-to-stage p2p of activations (forward) and their gradients (backward);
+- the pipeline bubble of the schedules realloc runs (see ``pipeline_makespan``);
+- DP: one ring all-reduce of the stage's fp32 gradients per optimizer step, plus
+  the scalar all-reduce of the gradient-norm clip over the whole layout;
+- the Adam step, memory-bound over parameters and states;
+- generation = prefill of the prompt, then gen_len - 1 decode steps whose KV
+  cache grows from prompt_len + 1 to prompt_len + gen_len - 1 positions;
+- host overheads from the hardware spec: one dispatch per call, and per decode
+  step per micro-batch the sampling bookkeeping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Protocol, Sequence
+
+from realloc.api import InterfaceType
+from realloc.estimator.comm import CommModel, GroupLinks
+from realloc.estimator.hardware import HardwareSpec
+from realloc.estimator.memory import Workload
+from realloc.estimator.opcount import Part, Phase, head_part
+from realloc.models.config import ModelConfig
+from realloc.models.param_layout import shard_numel, stage_layer_ranges
+from realloc.strategy import ParallelStrategy
+
+
+class LayerCosts(Protocol):
+    source: str
+
+    def op(self, part: Part, phase: Phase, tp: int, b: int, s: int) -> tuple[float, float]:
+        """(local compute, tp collectives) seconds of one op on one device."""
+
+    def optimizer(self, n_params: int) -> float:
+        """Seconds of one optimizer step over ``n_params`` local parameters."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CallCost:
+    """Seconds one call takes, and where they go.
+
+    ``compute``, ``tp_comm`` and ``pp_comm`` are the busy time of the most loaded
+    pipeline stage; ``bubble`` is the rest of the pipeline's makespan, so
+    ``time`` is exactly the sum of the parts.
+    """
+
+    time: float
+    compute: float = 0.0
+    tp_comm: float = 0.0
+    pp_comm: float = 0.0
+    bubble: float = 0.0
+    dp_allreduce: float = 0.0
+    optimizer: float = 0.0
+    overhead: float = 0.0
+
+    @classmethod
+    def of(cls, **parts: float) -> "CallCost":
+        return cls(time=sum(parts.values()), **parts)
+
+    def scaled(self, k: float) -> "CallCost":
+        return CallCost(**{f.name: getattr(self, f.name) * k for f in dataclasses.fields(self)})
+
+    def __add__(self, other: "CallCost") -> "CallCost":
+        return CallCost(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)})
+
+    def breakdown(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "time"}
+
+
+ZERO = CallCost(0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageTime:
+    """One micro-batch on one pipeline stage."""
+
+    compute: float
+    tp_comm: float
+    pp_comm: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tp_comm + self.pp_comm
+
+
+def pipeline_makespan(stages: Sequence[StageTime], n_mbs: int) -> CallCost:
+    """Makespan of ``n_mbs`` micro-batches through pipeline stages with per-micro-batch times ``stages``.
+
+    For a forward-only pass, and for 1F1B training with a stage's time being its
+    forward plus backward of one micro-batch, the last micro-batch leaves the
+    last stage (or the first stage's backward ends) after
+        sum_k t_k + (n_mbs - 1) * max_k t_k.
+    The first micro-batch needs every stage once; each further one is paced by
+    the slowest stage. With equal stages that is (n_mbs + pp - 1) t, i.e. a
+    bubble of (pp - 1) / n_mbs relative to the n_mbs * t of useful work.
+    """
+    worst = max(stages, key=lambda st: st.total)
+    busy = CallCost.of(compute=n_mbs * worst.compute, tp_comm=n_mbs * worst.tp_comm, pp_comm=n_mbs * worst.pp_comm)
+    span = sum(st.total for st in stages) + (n_mbs - 1) * worst.total
+    return dataclasses.replace(busy, time=span, bubble=span - busy.time)
+
+
+def decode_step_makespan(stages: Sequence[StageTime], n_mbs: int) -> CallCost:
+    """One generated token for every micro-batch.
+
+    pp = 1: micro-batches decode one after another, n_mbs x t.
+    pp > 1: all micro-batches circulate through the pipeline; a micro-batch
+    re-enters stage 0 once its previous token is sampled on the last stage.
+    A token step then takes max(n_mbs x max_k t_k, sum_k t_k): throughput-bound
+    when there are enough micro-batches to fill the pipeline, latency-bound otherwise.
+    """
+    worst = max(stages, key=lambda st: st.total)
+    busy = CallCost.of(compute=n_mbs * worst.compute, tp_comm=n_mbs * worst.tp_comm, pp_comm=n_mbs * worst.pp_comm)
+    span = max(n_mbs * worst.total, sum(st.total for st in stages))
+    return dataclasses.replace(busy, time=span, bubble=span - busy.time)
+
+
+def sum_over_range(f: Callable[[int], CallCost], lo: int, hi: int, extra_points: Sequence[int] = ()) -> CallCost:
+    """sum_{x=lo}^{hi} f(x), exact when f is linear between the sampled points.
+
+    Samples lo, hi, ``extra_points`` inside (the profile grid, where a measured
+    table bends) and 16 evenly spaced points; sums each linear piece as an
+    arithmetic series.
+    """
+    if hi < lo:
+        return ZERO
+    pts = {lo, hi, *(p for p in extra_points if lo < p < hi)}
+    pts.update(lo + (hi - lo) * i // 16 for i in range(17))
+    xs = sorted(pts)
+    vals = [f(x) for x in xs]
+    total = vals[0]
+    for (x0, v0), (x1, v1) in zip(zip(xs, vals), zip(xs[1:], vals[1:])):
+        # points x0+1 .. x1 of the line through (x0, v0) and (x1, v1)
+        total = total + _series(v0, v1, x1 - x0)
+    return total
+
+
+def _series(v0: CallCost, v1: CallCost, n: int) -> CallCost:
+    """Sum of a line's values at x0+1 .. x0+n, where it is v0 at x0 and v1 at x0+n."""
+    # sum_{i=1}^{n} (v0 + (v1 - v0) i / n) = n v0 + (v1 - v0)(n + 1)/2
+    return v0.scaled(n) + (v1 + v0.scaled(-1)).scaled((n + 1) / 2)
+
+
+class CallTimer:
+    """Time of calls of one model on one layout; all inputs explicit, nothing cached."""
+
+    def __init__(self, cfg: ModelConfig, costs: LayerCosts, comm: CommModel, hw: HardwareSpec,
+                 decode_grid: Sequence[int] = ()) -> None:
+        self.cfg, self.costs, self.comm, self.hw = cfg, costs, comm, hw
+        self.precision = hw.precision
+        self.decode_grid = tuple(decode_grid)
+
+    def _stages(self, phase: Phase, strategy: ParallelStrategy, links: GroupLinks, b: int, s: int,
+                backward: bool = False) -> list[StageTime]:
+        cfg, t, pp = self.cfg, strategy.tp, strategy.pp
+        op = self.costs.op
+        phases = (phase, Phase.BWD) if backward else (phase,)
+        block = [op(Part.BLOCK, ph, t, b, s) for ph in phases]
+        embed = [op(Part.EMBED, ph, t, b, s) for ph in phases]
+        head = [op(head_part(cfg), ph, t, b, s) for ph in phases]
+        n_tok = b if phase is Phase.DECODE else b * s
+        act_bytes = n_tok * cfg.hidden_size * self.precision.param
+        out = []
+        for k, (lo, hi) in enumerate(stage_layer_ranges(cfg.n_layers, pp)):
+            parts = [(c * (hi - lo), x * (hi - lo)) for c, x in block]
+            if k == 0:
+                parts += embed
+            if k == pp - 1:
+                parts += head
+            p2p = 0.0
+            # forward activations to the next stage; gradients back to the previous one
+            if k < pp - 1:
+                p2p += self.comm.time("p2p", 2, act_bytes, links.pp[k])
+            if backward and k > 0:
+                p2p += self.comm.time("p2p", 2, act_bytes, links.pp[k - 1])
+            if phase is Phase.DECODE and pp > 1 and k == pp - 1:
+                # sampled token ids go back to the first stage
+                p2p += self.comm.time("p2p", 2, b * 8, links.pp[0])
+            out.append(StageTime(compute=sum(c for c, _ in parts), tp_comm=sum(x for _, x in parts), pp_comm=p2p))
+        return out
+
+    def time(self, work: Workload, strategy: ParallelStrategy, links: GroupLinks, n_mbs: int) -> CallCost:
+        b = work.micro_batch(strategy.dp, n_mbs)
+        overhead = CallCost.of(overhead=self.hw.call_overhead)
+        if work.interface is InterfaceType.INFERENCE:
+            return pipeline_makespan(self._stages(Phase.FWD, strategy, links, b, work.seq_len), n_mbs) + overhead
+        if work.interface is InterfaceType.TRAIN_STEP:
+            step = pipeline_makespan(self._stages(Phase.FWD, strategy, links, b, work.seq_len, backward=True), n_mbs)
+            step = step + self._optimizer_step(strategy, links)
+            return step.scaled(work.n_steps) + overhead
+        # GENERATE
+        prefill = pipeline_makespan(self._stages(Phase.PREFILL, strategy, links, b, work.prompt_len), n_mbs)
+        step_host = CallCost.of(overhead=n_mbs * self.hw.decode_step_overhead)
+
+        def step(ctx: int) -> CallCost:
+            return decode_step_makespan(self._stages(Phase.DECODE, strategy, links, b, ctx), n_mbs) + step_host
+
+        lo, hi = work.prompt_len + 1, work.prompt_len + work.gen_len - 1
+        return prefill + sum_over_range(step, lo, hi, self.decode_grid) + overhead
+
+    def _optimizer_step(self, strategy: ParallelStrategy, links: GroupLinks) -> CallCost:
+        """DP gradient all-reduce, grad-norm all-reduce and Adam, on the stage holding most parameters."""
+        n_local = max(shard_numel(self.cfg, strategy.tp, strategy.pp, k) for k in range(strategy.pp))
+        dp = self.comm.time("all_reduce", strategy.dp, n_local * self.precision.grad, links.dp)
+        norm = self.comm.time("all_reduce", strategy.world_size, 4, links.world)
+        return CallCost.of(dp_allreduce=dp + norm, optimizer=self.costs.optimizer(n_local))

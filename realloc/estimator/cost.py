@@ -1,0 +1,276 @@
+"""The estimator's public API: time and memory of calls and plans, cost of moving parameters and data.
+
+    model = CostModel(graph)                       # profiles found under profiles/<device>/, else roofline
+    model.call_cost("actor_train", mesh, ParallelStrategy(2, 8, 1), n_mbs=4)   # -> CallCost (seconds)
+    model.call_memory("actor_gen", mesh, strategy, n_mbs)                      # -> CallMemory (bytes/device)
+    model.realloc_cost("actor", (mesh_a, s_a), (mesh_b, s_b))                  # -> seconds, 0 if identical
+    model.data_transfer_cost("actor_gen", "ref_inf", (mesh_a, s_a), (mesh_b, s_b))
+    model.plan_memory(plan)                                                    # -> {device id: peak bytes}
+
+Time (``call_time.py``) and memory (``memory.py``, whose docstring states the
+memory rules the search's simulator applies) depend on a layout only through
+the mesh's shape (nodes x devices per node) and the strategy, never on where the
+mesh sits, so results are cached per (call, mesh shape, strategy, n_mbs):
+after the first evaluation a lookup costs about a microsecond.
+
+Layer costs come from a measured profile table of the cluster's device kind
+when one matches the model's architecture (``profile_table.py``), else from
+the roofline of the hardware spec (``roofline.py``). Collective costs come from
+the profile's measured fits on the same device kind, else from the ClusterSpec's
+bandwidths (``comm.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+from realloc.api import InterfaceType
+from realloc.cluster import ClusterSpec, DeviceMesh
+from realloc.estimator.call_time import ZERO, CallCost, CallTimer, LayerCosts
+from realloc.estimator.comm import CommModel, GroupLinks, group_links
+from realloc.estimator.memory import CallMemory, Workload, call_memory, stage_call_memory
+from realloc.estimator.profile_table import ProfileTable, ProfiledCosts, discover_profiles
+from realloc.estimator.roofline import RooflineCosts
+from realloc.estimator.transfer_cost import plan_seconds
+from realloc.graph.dataflow import DataflowGraph
+from realloc.graph.plan import ExecutionPlan, validate_plan
+from realloc.models.config import ModelConfig
+from realloc.models.param_layout import shard_numel
+from realloc.runtime.transfer_plan import DataLayout
+from realloc.runtime.transfer_plan import Layout as PlanLayout
+from realloc.runtime.transfer_plan import plan_data_transfer, plan_param_realloc
+from realloc.strategy import ParallelStrategy
+
+# Bytes per token of one data key moved between calls: every key is priced as one
+# value per token of the full sequence at 8 bytes (int64 token ids; fp32 per-token
+# values are smaller), an upper bound that is negligible next to parameters.
+DATA_BYTES_PER_TOKEN = 8
+
+Layout = tuple[DeviceMesh, ParallelStrategy]
+
+__all__ = ["CallCost", "CallMemory", "CostModel", "Layout"]
+
+
+class CostModel:
+    """Cost estimates for one dataflow graph on one cluster.
+
+    ``profile`` may be one table, several (one per model architecture), or None
+    to look them up under ``profiles/<device kind>/``; pass ``profiles=()`` with
+    ``discover=False`` to force the roofline. ``eager_decode`` models decode
+    without CUDA graphs (every kernel launched from the host).
+    """
+
+    def __init__(self, graph: DataflowGraph, profile: ProfileTable | Iterable[ProfileTable] | None = None,
+                 cluster: ClusterSpec | None = None, *, discover: bool = True, eager_decode: bool = False,
+                 profiles_root: Path | None = None) -> None:
+        self.graph = graph
+        self.cluster = cluster or graph.spec.cluster
+        self.hw = self.cluster.hardware
+        self.precision = self.hw.precision
+        if isinstance(profile, ProfileTable):
+            tables = [profile]
+        elif profile is not None:
+            tables = list(profile)
+        elif discover:
+            tables = discover_profiles(self.cluster.device, profiles_root)
+        else:
+            tables = []
+        self.profiles = tuple(t for t in tables if t.device_kind == self.cluster.device and t.dtype == self.hw.dtype)
+        fits = [c.fit() for t in self.profiles for c in t.collectives]
+        self.comm = CommModel(self.cluster, fits)
+        self.eager_decode = eager_decode
+        self._timers: dict[str, CallTimer] = {}
+        self._links: dict[tuple[int, int, ParallelStrategy], GroupLinks] = {}
+        self._time_cache: dict[tuple, CallCost] = {}
+        self._mem_cache: dict[tuple, tuple[CallMemory, ...]] = {}
+        self._realloc_cache: dict[tuple, float] = {}
+        self._data_cache: dict[tuple, float] = {}
+        self._workloads = {r.name: self._workload(r.name) for r in graph.calls}
+
+    # -- inputs ----------------------------------------------------------------
+    def _workload(self, call: str) -> Workload:
+        rpc = self.graph.call(call)
+        spec = self.graph.spec
+        n_steps = rpc.n_minibatches if rpc.interface_type is InterfaceType.TRAIN_STEP else 1
+        return Workload(interface=rpc.interface_type, n_seqs=self.graph.steps_n_seqs(rpc), n_steps=n_steps,
+                        prompt_len=spec.prompt_len, gen_len=spec.gen_len)
+
+    def workload(self, call: str) -> Workload:
+        try:
+            return self._workloads[call]
+        except KeyError:
+            raise ValueError(f"experiment {self.graph.spec.name!r} has no call {call!r}; calls: "
+                             f"{', '.join(self._workloads)}") from None
+
+    def layer_costs(self, cfg: ModelConfig) -> LayerCosts:
+        """The cost source of one model: its measured profile if one matches, else the roofline."""
+        return self._timer(cfg).costs
+
+    def _timer(self, cfg: ModelConfig) -> CallTimer:
+        timer = self._timers.get(cfg.name)
+        if timer is None:
+            roofline = RooflineCosts(cfg, self.hw, self.comm, eager_decode=self.eager_decode)
+            table = next((t for t in self.profiles if t.matches(self.cluster.device, cfg, self.hw.dtype)), None)
+            if table is None:
+                timer = CallTimer(cfg, roofline, self.comm, self.hw)
+            else:
+                costs = ProfiledCosts(table, cfg, roofline, self.comm)
+                grid = sorted({c for tp in table.tp for c in costs.decode_grid(tp)})
+                timer = CallTimer(cfg, costs, self.comm, self.hw, decode_grid=grid)
+            self._timers[cfg.name] = timer
+        return timer
+
+    def links(self, mesh: DeviceMesh, strategy: ParallelStrategy) -> GroupLinks:
+        key = (mesh.n_nodes, mesh.n_devs, strategy)
+        links = self._links.get(key)
+        if links is None:
+            links = self._links[key] = group_links(mesh.shape, strategy)
+        return links
+
+    # -- time --------------------------------------------------------------------
+    def call_cost(self, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, n_mbs: int) -> CallCost:
+        """Seconds ``call`` takes on ``mesh`` under ``strategy`` with ``n_mbs`` micro-batches per dp rank."""
+        key = (call, mesh.n_nodes, mesh.n_devs, strategy, n_mbs)
+        cost = self._time_cache.get(key)
+        if cost is None:
+            cost = self._time_cache[key] = self._call_cost(call, mesh, strategy, n_mbs)
+        return cost
+
+    def _check(self, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, n_mbs: int) -> None:
+        if strategy.world_size != mesh.size:
+            raise ValueError(f"call {call!r}: dp*tp*pp = {strategy.world_size} but mesh {mesh.name} has "
+                             f"{mesh.size} devices")
+        if n_mbs < 1:
+            raise ValueError(f"call {call!r}: n_mbs must be at least 1, got {n_mbs}")
+
+    def _call_cost(self, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, n_mbs: int) -> CallCost:
+        work = self.workload(call)
+        self._check(call, mesh, strategy, n_mbs)
+        cfg = self.graph.model_config(call)
+        if cfg is None:
+            # a rule function over token ids: host work only
+            return CallCost.of(overhead=self.hw.call_overhead) if self.hw.call_overhead else ZERO
+        return self._timer(cfg).time(work, strategy, self.links(mesh, strategy), n_mbs)
+
+    # -- memory ------------------------------------------------------------------
+    def _stage_memory(self, call: str, strategy: ParallelStrategy, n_mbs: int) -> tuple[CallMemory, ...]:
+        key = (call, strategy, n_mbs)
+        stages = self._mem_cache.get(key)
+        if stages is None:
+            cfg = self.graph.model_config(call)
+            work = self.workload(call)
+            if cfg is None:
+                stages = tuple(CallMemory() for _ in range(strategy.pp))
+            else:
+                stages = tuple(stage_call_memory(cfg, work, strategy, n_mbs, k, self.precision)
+                               for k in range(strategy.pp))
+            self._mem_cache[key] = stages
+        return stages
+
+    def call_memory(self, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, n_mbs: int) -> CallMemory:
+        """Bytes on the most loaded device while ``call`` runs alone in this layout (its parameters included)."""
+        self._check(call, mesh, strategy, n_mbs)
+        return max(self._stage_memory(call, strategy, n_mbs), key=lambda m: m.total)
+
+    def plan_memory(self, plan: ExecutionPlan) -> dict[int, int]:
+        """Peak bytes of every device of the cluster under ``plan`` (rules in ``memory.py``)."""
+        meshes = validate_plan(plan, self.graph)
+        graph = self.graph
+        layouts = {c: (meshes[c].name, plan.placements[c].strategy) for c in graph.spec.call_names}
+        static: dict[int, int] = {d: 0 for d in range(self.cluster.n_devices)}
+        dynamic: dict[int, int] = dict(static)
+        home: dict[str, str] = {}
+        for model in graph.model_types:
+            calls = [c for c in graph.topo_order if graph.call(c).model_name == model]
+            trains = [c for c in calls if graph.call(c).is_train]
+            home[model] = trains[0] if trains else calls[0]
+        for model, hc in home.items():
+            cfg = graph.model_config(hc)
+            if cfg is None:
+                continue
+            trainable = graph.call(hc).is_train
+            offloaded = bool(plan.offload.get(model)) and not trainable
+            p = plan.placements[hc]
+            stages = self._stage_memory(hc, p.strategy, p.n_mbs)
+            for rank, dev in enumerate(meshes[hc].device_ids):
+                m = stages[p.strategy.coords(rank)[2]]
+                static[dev] += (0 if offloaded else m.params) + (m.grads + m.optimizer if trainable else 0)
+        for c in graph.spec.call_names:
+            p = plan.placements[c]
+            model = graph.call(c).model_name
+            copy = layouts[c] != layouts[home[model]] or (bool(plan.offload.get(model))
+                                                          and not graph.call(home[model]).is_train)
+            stages = self._stage_memory(c, p.strategy, p.n_mbs)
+            for rank, dev in enumerate(meshes[c].device_ids):
+                m = stages[p.strategy.coords(rank)[2]]
+                dynamic[dev] = max(dynamic[dev], m.dynamic + (m.params if copy else 0))
+        return {d: static[d] + dynamic[d] for d in static}
+
+    # -- moving parameters and data (realhf.txt section 6) -----------------------
+    def model_config_of(self, model_name: str) -> ModelConfig | None:
+        calls = self.graph.calls_of_model(model_name)
+        if not calls:
+            raise ValueError(f"experiment {self.graph.spec.name!r} has no model {model_name!r}; models: "
+                             f"{', '.join(self.graph.model_types)}")
+        return self.graph.model_config(calls[0])
+
+    def realloc_cost(self, model_name: str, src: Layout, dst: Layout) -> float:
+        """Seconds to move ``model_name``'s parameters from layout ``src`` to ``dst``; 0 if identical.
+
+        Priced from the runtime's own broadcast plan (``transfer_plan.plan_param_realloc``).
+        """
+        (m1, s1), (m2, s2) = src, dst
+        if m1.name == m2.name and s1 == s2:
+            return 0.0
+        key = (model_name, m1.name, s1, m2.name, s2)
+        cost = self._realloc_cache.get(key)
+        if cost is None:
+            cfg = self.model_config_of(model_name)
+            if cfg is None:
+                cost = 0.0
+            else:
+                plan = plan_param_realloc(cfg, PlanLayout(m1, s1), PlanLayout(m2, s2),
+                                          bytes_per_element=self.precision.param,
+                                          devices_per_node=self.cluster.n_devices_per_node)
+                cost = plan_seconds(plan, self.comm, self.cluster.n_devices_per_node)
+            self._realloc_cache[key] = cost
+        return cost
+
+    def offload_cost(self, model_name: str, layout: Layout) -> float:
+        """Seconds to copy the model's parameters between host memory and the devices of ``layout``
+        (each device copies its own shard, all at once)."""
+        cfg = self.model_config_of(model_name)
+        if cfg is None:
+            return 0.0
+        s = layout[1]
+        n = max(shard_numel(cfg, s.tp, s.pp, k) for k in range(s.pp))
+        return n * self.precision.param / self.hw.host_bandwidth
+
+    def transferred_keys(self, src_call: str, dst_call: str) -> tuple[str, ...]:
+        produced = set(self.graph.call(src_call).output_data)
+        return tuple(k for k in self.graph.call(dst_call).input_data if k in produced)
+
+    def data_transfer_cost(self, src_call: str, dst_call: str, src_layout: Layout, dst_layout: Layout) -> float:
+        """Seconds to move what ``dst_call`` reads from ``src_call``'s outputs between their layouts.
+
+        The producer holds its outputs on its last pipeline stage; the consumer needs
+        them on its first stage (token ids) and last stage (labels and loss inputs).
+        Priced from the runtime's plan (``transfer_plan.plan_data_transfer``).
+        """
+        keys = self.transferred_keys(src_call, dst_call)
+        if not keys:
+            return 0.0
+        (m1, s1), (m2, s2) = src_layout, dst_layout
+        cache_key = (src_call, dst_call, m1.name, s1, m2.name, s2)
+        cost = self._data_cache.get(cache_key)
+        if cost is None:
+            spec = self.graph.spec
+            n = spec.n_seqs(self.graph.call(src_call))
+            row = spec.seq_len * DATA_BYTES_PER_TOKEN
+            plan = plan_data_transfer({k: [row] * n for k in keys},
+                                      DataLayout(m1, s1, stages=(s1.pp - 1,)),
+                                      DataLayout(m2, s2, stages=tuple(sorted({0, s2.pp - 1}))),
+                                      devices_per_node=self.cluster.n_devices_per_node)
+            cost = self._data_cache[cache_key] = plan_seconds(plan, self.comm, self.cluster.n_devices_per_node)
+        return cost

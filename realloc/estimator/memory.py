@@ -1,0 +1,138 @@
+"""Device memory of calls and plans (realhf.txt section 5.1, "maximum memory allocated", Table 2).
+
+Rules, applied per device ``d`` (the search's simulator applies the same ones):
+
+1. The *layout* of a call is (mesh name, dp, tp, pp); n_mbs does not change it.
+   The *home layout* of a model is the layout of its first TRAIN_STEP call if it
+   has one (a *trainable* model), else the layout of its first call in the
+   graph's topological order (a *frozen* model).
+2. Static(d) = sum over models whose home layout covers d of
+   - the parameters of d's shard in the home layout, unless the model is frozen
+     and the plan offloads it (``ExecutionPlan.offload``) to host memory;
+   - for a trainable model, its gradients and optimizer states in the home
+     layout. Optimizer state never moves (principle 1); gradients live in the
+     persistent fp32 ``main_grad`` buffers, so they are static too.
+3. Dynamic_c(d), for a call c whose layout covers d =
+   activations of c on d + KV cache of c on d
+   + c's parameter shard on d if c runs on a *reallocated copy*: its layout
+     differs from its model's home layout, or its model is offloaded. A copy
+     exists only while c runs (principle 2: parameters move, and are freed
+     after the call).
+4. Peak(d) = Static(d) + max over calls c covering d of Dynamic_c(d); 0 dynamic
+   if no call covers d. Calls on one device never run at the same time
+   (overlapping meshes serialize, Algorithm 1), so their dynamic memory never adds.
+5. Data-transfer buffers are negligible (principle 4).
+
+Per-call formulas, on a device of pipeline stage ``k`` holding ``L_k`` blocks,
+micro-batch of ``b`` sequences, ``t`` = tp, ``m`` = n_mbs:
+- parameters: the exact shard of ``param_layout.stage_param_specs`` x bytes/param;
+- TRAIN_STEP: 1F1B keeps min(m, pp - k) micro-batches of saved activations
+  (``opcount.saved_activation_bytes_per_token`` x L_k x b x seq_len), plus the
+  live working set of one block and, on the last stage, fp32 logits and their
+  gradient (b x seq_len x V/t x 4 x 2);
+- INFERENCE: one micro-batch's working set of one block, plus logits on the
+  last stage (fp32 logits and log-softmax);
+- GENERATE: KV cache of b x (prompt_len + gen_len) positions x L_k layers for
+  the micro-batches in flight (1 if pp = 1, since micro-batches generate one after
+  another; m if pp > 1, since all circulate through the pipeline), plus the
+  prefill working set and one row of full-vocabulary logits per sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from realloc.api import InterfaceType
+from realloc.estimator.hardware import Precision
+from realloc.estimator.opcount import (kv_cache_bytes_per_token_layer, saved_activation_bytes_per_token,
+                                       transient_activation_bytes_per_token)
+from realloc.models.config import ModelConfig
+from realloc.models.param_layout import shard_numel, stage_layer_ranges
+from realloc.strategy import ParallelStrategy
+
+
+@dataclasses.dataclass(frozen=True)
+class CallMemory:
+    """Bytes on one device, by the memory types of realhf.txt Table 2."""
+
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    kv_cache: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.kv_cache
+
+    @property
+    def dynamic(self) -> int:
+        """Memory that exists only while the call runs (its parameters excluded)."""
+        return self.activations + self.kv_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What one call processes, per step (a PPO mini-batch for training)."""
+
+    interface: InterfaceType
+    n_seqs: int  # sequences per step (graph.steps_n_seqs)
+    n_steps: int  # optimizer steps per call (n_minibatches); 1 otherwise
+    prompt_len: int
+    gen_len: int
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.gen_len
+
+    def micro_batch(self, dp: int, n_mbs: int) -> int:
+        """Sequences in one micro-batch of one dp rank; the largest one when the split is uneven."""
+        return max(1, math.ceil(self.n_seqs / (dp * n_mbs)))
+
+
+def param_bytes(cfg: ModelConfig, strategy: ParallelStrategy, pp_rank: int, precision: Precision) -> int:
+    return shard_numel(cfg, strategy.tp, strategy.pp, pp_rank) * precision.param
+
+
+def stage_call_memory(cfg: ModelConfig, work: Workload, strategy: ParallelStrategy, n_mbs: int, pp_rank: int,
+                      precision: Precision) -> CallMemory:
+    """Memory of one call on a device of pipeline stage ``pp_rank``, counting its layout's parameters."""
+    t, pp = strategy.tp, strategy.pp
+    lo, hi = stage_layer_ranges(cfg.n_layers, pp)[pp_rank]
+    n_blocks = hi - lo
+    last = pp_rank == pp - 1
+    n_param = shard_numel(cfg, t, pp, pp_rank)
+    b = work.micro_batch(strategy.dp, n_mbs)
+    vocab_shard = 0 if cfg.is_critic else cfg.vocab_size / t
+    transient = transient_activation_bytes_per_token(cfg, t, precision)
+    params = n_param * precision.param
+    if work.interface is InterfaceType.TRAIN_STEP:
+        n_tok = b * work.seq_len
+        in_flight = min(n_mbs, pp - pp_rank)
+        saved = saved_activation_bytes_per_token(cfg, t, precision) * n_blocks * n_tok
+        if pp_rank == 0:
+            saved += n_tok * cfg.hidden_size * precision.param  # embedding output
+        logits = 2 * n_tok * vocab_shard * precision.logits if last else 0
+        act = in_flight * saved + transient * n_tok + logits
+        return CallMemory(params=params, grads=n_param * precision.grad, optimizer=n_param * precision.optimizer,
+                          activations=int(act))
+    if work.interface is InterfaceType.INFERENCE:
+        n_tok = b * work.seq_len
+        logits = 2 * n_tok * vocab_shard * precision.logits if last else 0
+        return CallMemory(params=params, activations=int(transient * n_tok + logits))
+    # GENERATE
+    in_flight = 1 if pp == 1 else n_mbs
+    kv = in_flight * b * work.seq_len * n_blocks * kv_cache_bytes_per_token_layer(cfg, t, precision)
+    logits = b * cfg.vocab_size * precision.logits if last and not cfg.is_critic else 0
+    act = transient * b * work.prompt_len + logits
+    return CallMemory(params=params, activations=int(act), kv_cache=int(kv))
+
+
+def call_memory(cfg: ModelConfig | None, work: Workload, strategy: ParallelStrategy, n_mbs: int,
+                precision: Precision) -> CallMemory:
+    """The most loaded device of the call's layout: the stage with the largest total."""
+    if cfg is None:
+        return CallMemory()
+    stages = [stage_call_memory(cfg, work, strategy, n_mbs, k, precision) for k in range(strategy.pp)]
+    return max(stages, key=lambda m: m.total)

@@ -1,0 +1,201 @@
+"""Work of one layer op on one device: FLOPs, bytes of device-memory traffic, kernels, TP collectives.
+
+These counts drive the roofline (``roofline.py``), the extrapolation of measured
+profile tables beyond their grid (``profile_table.py``) and the activation
+memory (``memory.py``). They describe realloc's own model (``realloc/models``):
+a LLaMA block on megatron-core tensor-parallel layers with fused (flash-style)
+attention, so no s x s score matrix is ever stored.
+
+Notation: ``t`` = tensor-parallel degree, ``n`` = new tokens in the op (b
+sequences x s tokens, or b for one decode step), ``c`` = key/value positions
+each new token attends to, ``e`` = bytes per activation element.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from realloc.estimator.hardware import Precision
+from realloc.models.config import ModelConfig
+
+
+class Part(str, enum.Enum):
+    EMBED = "embed"
+    BLOCK = "block"
+    HEAD = "head"  # final norm + LM head (+ log-softmax over the vocabulary)
+    CRITIC_HEAD = "critic_head"  # final norm + scalar value head
+
+
+class Phase(str, enum.Enum):
+    FWD = "fwd"  # forward over b full sequences of s tokens (training and inference)
+    BWD = "bwd"  # backward of FWD
+    PREFILL = "prefill"  # forward over b prompts of s tokens that also fills the KV cache
+    DECODE = "decode"  # one new token for b sequences with c cached positions
+
+
+# Kernels one op launches on a GPU, counted from the ops our block runs:
+# 2 RMSNorms, fused QKV GEMM, rotary, KV-cache write, attention, O GEMM,
+# 2 residual adds, fused gate/up GEMM, SwiGLU, down GEMM. Backward launches
+# about twice as many (two GEMMs per forward GEMM). Collectives are not
+# counted here; the communication model times them.
+_KERNELS = {
+    (Part.EMBED, Phase.FWD): 3, (Part.EMBED, Phase.PREFILL): 3, (Part.EMBED, Phase.DECODE): 3,
+    (Part.EMBED, Phase.BWD): 3,
+    (Part.BLOCK, Phase.FWD): 11, (Part.BLOCK, Phase.PREFILL): 12, (Part.BLOCK, Phase.DECODE): 12,
+    (Part.BLOCK, Phase.BWD): 22,
+    # head: norm, GEMM, then log-softmax / gather (fwd) or sampling (decode)
+    (Part.HEAD, Phase.FWD): 7, (Part.HEAD, Phase.PREFILL): 3, (Part.HEAD, Phase.DECODE): 8,
+    (Part.HEAD, Phase.BWD): 8,
+    (Part.CRITIC_HEAD, Phase.FWD): 3, (Part.CRITIC_HEAD, Phase.PREFILL): 3, (Part.CRITIC_HEAD, Phase.DECODE): 3,
+    (Part.CRITIC_HEAD, Phase.BWD): 4,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """A collective inside the tp group: ``op`` over ``nbytes`` per rank (the input size)."""
+
+    op: str  # "all_reduce" | "all_gather"
+    nbytes: float
+    count: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class OpWork:
+    """Per-device work of one op. GEMM, attention and elementwise parts are kept
+    apart because each meets its own roofline (a decode GEMM is bandwidth-bound
+    on its weights while its attention is bandwidth-bound on the KV cache)."""
+
+    gemm_flops: float = 0.0
+    gemm_bytes: float = 0.0
+    attn_flops: float = 0.0
+    attn_bytes: float = 0.0
+    elem_bytes: float = 0.0
+    kernels: int = 0
+    tp_collectives: tuple[Collective, ...] = ()
+
+    @property
+    def flops(self) -> float:
+        return self.gemm_flops + self.attn_flops
+
+
+def block_matmul_params(cfg: ModelConfig) -> int:
+    """Weights of the four attention and three MLP projections of one block."""
+    h, kv, inter = cfg.hidden_size, cfg.kv_dim, cfg.intermediate_size
+    return 2 * h * h + 2 * h * kv + 3 * h * inter
+
+
+def _block_fwd(cfg: ModelConfig, t: int, b: int, s: int, c_attn: float, c_read: int, e: int,
+               phase: Phase) -> OpWork:
+    h, kv, inter = cfg.hidden_size, cfg.kv_dim, cfg.intermediate_size
+    n = b * s
+    weights = block_matmul_params(cfg) / t
+    # GEMM inputs: qkv <- norm1 out (h), o <- attn out (h/t), gate/up <- norm2 out (h), down <- act (inter/t);
+    # outputs: qkv (h+2kv)/t, o (h, partial sum before the all-reduce), gate+up 2*inter/t, down (h).
+    gemm_act = n * (h + h / t + h + inter / t + (h + 2 * kv) / t + h + 2 * inter / t + h)
+    attn_flops = 4.0 * n * c_attn * h / t  # QK^T and PV, 2 FLOPs per MAC each
+    # fused attention reads q and the k/v of every attended position once per sequence and writes o
+    attn_bytes = (n * 2 * h / t + b * c_read * 2 * kv / t) * e
+    # 2 RMSNorms (r+w h), rotary on q,k (r+w), 2 residual adds (2r+1w h), SwiGLU (2r+1w inter/t),
+    # plus the KV-cache write when generating.
+    writes_cache = phase in (Phase.PREFILL, Phase.DECODE)
+    elem = n * (4 * h + 2 * (h + kv) / t + 6 * h + 3 * inter / t + (2 * kv / t if writes_cache else 0))
+    coll = (Collective("all_reduce", n * h * e, 2),) if t > 1 else ()
+    return OpWork(gemm_flops=2.0 * n * weights, gemm_bytes=weights * e + gemm_act * e, attn_flops=attn_flops,
+                  attn_bytes=attn_bytes, elem_bytes=elem * e, kernels=_KERNELS[(Part.BLOCK, phase)],
+                  tp_collectives=coll)
+
+
+def op_work(cfg: ModelConfig, part: Part, phase: Phase, tp: int, b: int, s: int, precision: Precision) -> OpWork:
+    """Work of ``part`` in ``phase`` on one device of a tp group.
+
+    For FWD/BWD/PREFILL, ``b`` sequences of ``s`` tokens; for DECODE, ``b``
+    sequences each adding one token to a cache of ``s`` positions.
+    """
+    e, t = precision.param, tp
+    h, kv = cfg.hidden_size, cfg.kv_dim
+    decode = phase is Phase.DECODE
+    n = b if decode else b * s
+    if part is Part.BLOCK:
+        if decode:
+            return _block_fwd(cfg, t, b, 1, float(s), s, e, Phase.DECODE)
+        # causal: token i attends i+1 positions, (s+1)/2 on average; flash kernels skip masked tiles
+        fwd = _block_fwd(cfg, t, b, s, (s + 1) / 2, s, e, Phase.PREFILL if phase is Phase.PREFILL else Phase.FWD)
+        if phase is not Phase.BWD:
+            return fwd
+        # backward: two GEMMs per forward GEMM (input and weight grads, the latter accumulated into
+        # fp32 main_grad), flash backward recomputes scores: ~2.5x forward attention FLOPs.
+        weights = block_matmul_params(cfg) / t
+        return OpWork(gemm_flops=2 * fwd.gemm_flops,
+                      gemm_bytes=2 * (fwd.gemm_bytes - weights * e) + weights * (e + 2 * precision.grad),
+                      attn_flops=2.5 * fwd.attn_flops, attn_bytes=2 * fwd.attn_bytes, elem_bytes=2 * fwd.elem_bytes,
+                      kernels=_KERNELS[(Part.BLOCK, Phase.BWD)], tp_collectives=fwd.tp_collectives)
+    if part is Part.EMBED:
+        # vocab-parallel lookup: each rank gathers its rows and zeroes the rest, then the tp all-reduce sums
+        coll = (Collective("all_reduce", n * h * e),) if t > 1 and phase is not Phase.BWD else ()
+        if phase is Phase.BWD:  # scatter-add of the output grads into the fp32 embedding grad
+            return OpWork(elem_bytes=n * h * (e + 2 * precision.grad), kernels=_KERNELS[(part, phase)])
+        return OpWork(elem_bytes=3 * n * h * e, kernels=_KERNELS[(part, phase)], tp_collectives=coll)
+    if part is Part.CRITIC_HEAD:
+        # a [1, h] projection, replicated on every tp rank: no collective
+        work = OpWork(gemm_flops=2.0 * n * h, gemm_bytes=(n * h + h + n) * e, elem_bytes=2 * n * h * e,
+                      kernels=_KERNELS[(part, phase)])
+        return dataclasses.replace(work, gemm_flops=2 * work.gemm_flops, gemm_bytes=2 * work.gemm_bytes,
+                                   elem_bytes=2 * work.elem_bytes) if phase is Phase.BWD else work
+    # LM head: RMSNorm, column-parallel [V/t, h] projection, then:
+    #  FWD: vocab-parallel log-softmax + gather (3 passes over fp32 logits, 3 tiny all-reduces of n floats)
+    #  PREFILL: logits of the last prompt token only; DECODE: logits of b tokens, all-gathered for sampling
+    v = cfg.vocab_size / t
+    lg = precision.logits
+    if phase is Phase.PREFILL:
+        n_out = b
+    else:
+        n_out = n
+    gemm = OpWork(gemm_flops=2.0 * n_out * h * v, gemm_bytes=(h * v + n_out * h) * e + n_out * v * lg,
+                  elem_bytes=2 * n * h * e)
+    if phase is Phase.FWD:
+        coll = (Collective("all_reduce", n * lg, 3),) if t > 1 else ()
+        return dataclasses.replace(gemm, elem_bytes=gemm.elem_bytes + 3 * n * v * lg,
+                                   kernels=_KERNELS[(part, phase)], tp_collectives=coll)
+    if phase is Phase.BWD:
+        # softmax grad (r logits, w grad), two GEMMs, the input-grad all-reduce of the column-parallel layer
+        coll = (Collective("all_reduce", n * h * e),) if t > 1 else ()
+        return OpWork(gemm_flops=2 * gemm.gemm_flops, gemm_bytes=2 * gemm.gemm_bytes + h * v * 2 * precision.grad,
+                      elem_bytes=2 * gemm.elem_bytes + 2 * n * v * lg, kernels=_KERNELS[(part, phase)],
+                      tp_collectives=coll)
+    # PREFILL / DECODE: sample from full-vocabulary logits (softmax + draw: ~4 passes over b x V fp32)
+    coll = (Collective("all_gather", n_out * v * lg),) if t > 1 else ()
+    return dataclasses.replace(gemm, elem_bytes=gemm.elem_bytes + 4 * n_out * cfg.vocab_size * lg,
+                               kernels=_KERNELS[(part, phase)], tp_collectives=coll)
+
+
+def head_part(cfg: ModelConfig) -> Part:
+    return Part.CRITIC_HEAD if cfg.is_critic else Part.HEAD
+
+
+# -- memory -----------------------------------------------------------------
+
+def saved_activation_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision) -> float:
+    """Bytes one block keeps per token for its backward (no recomputation, fused attention).
+
+    Saved: norm1 input and output (h each), rotated q/k and v ((h + 2kv)/t),
+    attention output (h/t), norm2 input and output (h each), gate and up
+    outputs (2 inter/t) and the SwiGLU output (inter/t). Attention keeps only its
+    per-row log-sum-exp (n_heads/t fp32 values).
+    """
+    h, kv, inter, t = cfg.hidden_size, cfg.kv_dim, cfg.intermediate_size, tp
+    elems = 4 * h + (h + 2 * kv) / t + h / t + 3 * inter / t
+    return elems * precision.param + cfg.n_heads / t * 4
+
+
+def transient_activation_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision) -> float:
+    """Peak live bytes per token inside one block during a forward without grad:
+    the residual stream, the norm output, q/k/v, and the MLP's gate/up/act."""
+    h, kv, inter, t = cfg.hidden_size, cfg.kv_dim, cfg.intermediate_size, tp
+    return (2 * h + (h + 2 * kv) / t + 3 * inter / t) * precision.param
+
+
+def kv_cache_bytes_per_token_layer(cfg: ModelConfig, tp: int, precision: Precision) -> float:
+    """K and V of one position in one layer on one tp rank."""
+    return 2 * cfg.kv_dim / tp * precision.param
