@@ -32,6 +32,9 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     is_critic: bool = False
+    # Llama-3.1 "llama3" RoPE frequency scaling: (factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings); None for plain RoPE. Read from HF config.json by models/hf_io.py.
+    rope_scaling: tuple[float, float, float, int] | None = None
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "hidden_size", "intermediate_size", "n_layers", "n_heads", "n_kv_heads"):
@@ -43,6 +46,10 @@ class ModelConfig:
             raise ValueError(f"model config {self.name!r}: n_heads must be divisible by n_kv_heads")
         if self.is_critic and self.tie_embeddings:
             raise ValueError(f"model config {self.name!r}: a critic cannot tie its scalar head to the embedding")
+        if self.rope_scaling is not None:
+            if len(self.rope_scaling) != 4 or not self.rope_scaling[2] > self.rope_scaling[1] > 0:
+                raise ValueError(f"model config {self.name!r}: rope_scaling must be (factor, low_freq_factor, "
+                                 f"high_freq_factor, original_max_position_embeddings) with high > low > 0")
 
     @property
     def head_dim(self) -> int:
