@@ -127,6 +127,23 @@ def dp_ranges(n: int, dp: int) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
+def shard_intervals(cfg: ModelConfig, layout: Layout, device: int) -> dict[str, tuple[ParamSpec, int, int]]:
+    """Parameters ``device`` holds in ``layout``: name -> (spec, lo, hi), its interval along
+    ``spec.tp_dim`` in the full tensor ((0, 1) for a replicated tensor), as the planner uses them."""
+    coords = layout.coords_by_device.get(device)
+    if coords is None:
+        return {}
+    _, tp_rank, pp_rank = coords
+    out = {}
+    for spec in stage_param_specs(cfg, layout.strategy.pp, pp_rank):
+        if spec.tp_dim is None:
+            out[spec.name] = (spec, 0, 1)
+        else:
+            sl = spec.shard_slices(layout.strategy.tp, tp_rank)[spec.tp_dim]
+            out[spec.name] = (spec, sl.start, sl.stop)
+    return out
+
+
 # --------------------------------------------------------------------------- plan objects
 @dataclasses.dataclass(frozen=True)
 class Transfer:
@@ -192,6 +209,12 @@ class TransferPlan:
     source_bytes: Mapping[int, int]
     received_bytes: Mapping[int, int]
     n_broadcasts: int
+    # What the plan was made for, so an executor can locate each device's shards/slices.
+    model: ModelConfig | None = None
+    src: "Layout | DataLayout | None" = None
+    dst: "Layout | DataLayout | None" = None
+    seq_offsets: Mapping[str, tuple[int, ...]] | None = None  # data: key -> byte prefix sums per sequence
+    bytes_per_element: int | None = None  # parameters: the element size the byte counts assume
 
     @property
     def redundancy_ratio(self) -> float:
@@ -373,12 +396,13 @@ def _plan_class(items: Sequence[_Item], mult: int, tot: _Totals) -> tuple[tuple,
     return tuple(transfers), tuple(copies)
 
 
-def _finish(kind: str, classes: list[_ClassPlan], tot: _Totals) -> TransferPlan:
+def _finish(kind: str, classes: list[_ClassPlan], tot: _Totals, **made_for) -> TransferPlan:
     assert tot.moved == tot.intra + tot.inter
     return TransferPlan(kind=kind, classes=tuple(classes), minimal_bytes=tot.minimal, moved_bytes=tot.moved,
                         intra_node_bytes=tot.intra, inter_node_bytes=tot.inter,
                         sent_bytes=MappingProxyType(dict(tot.sent)), source_bytes=MappingProxyType(dict(tot.source)),
-                        received_bytes=MappingProxyType(dict(tot.received)), n_broadcasts=tot.n_broadcasts)
+                        received_bytes=MappingProxyType(dict(tot.received)), n_broadcasts=tot.n_broadcasts,
+                        **made_for)
 
 
 def _node_map(devices_per_node: int | None, *meshes: DeviceMesh) -> dict[int, int]:
@@ -476,7 +500,7 @@ def plan_param_realloc(cfg: ModelConfig, src: Layout, dst: Layout, *, bytes_per_
         transfers, copies = _plan_class(items, len(layers), tot)
         members = tuple(tuple((spec.name, spec.tp_dim) for spec in by_layer[layer]) for layer in layers)
         out.append(_ClassPlan(members, transfers, copies))
-    return _finish("param", out, tot)
+    return _finish("param", out, tot, model=cfg, src=src, dst=dst, bytes_per_element=bytes_per_element)
 
 
 # --------------------------------------------------------------------------- data
@@ -496,7 +520,7 @@ def plan_data_transfer(seq_bytes: Mapping[str, Sequence[int]], producer: DataLay
     pl, cl = producer.layout, consumer.layout
     ps, cs = producer.strategy, consumer.strategy
     cached = cached or {}
-    items, members = [], []
+    items, members, all_offsets = [], [], {}
     for key, sizes in seq_bytes.items():
         if any(int(b) < 0 for b in sizes):
             raise ValueError(f"data key {key!r}: sequence sizes must be non-negative byte counts")
@@ -504,6 +528,7 @@ def plan_data_transfer(seq_bytes: Mapping[str, Sequence[int]], producer: DataLay
         offsets = [0]
         for b in sizes:
             offsets.append(offsets[-1] + int(b))
+        all_offsets[key] = tuple(offsets)
         groups = []
         for k, (lo, hi) in enumerate(dp_ranges(n, ps.dp)):
             devs = tuple(pl.device(k, t, st) for st in producer.stages for t in range(ps.tp))
@@ -527,4 +552,5 @@ def plan_data_transfer(seq_bytes: Mapping[str, Sequence[int]], producer: DataLay
                            {d: tuple(v) for d, v in held.items()}))
         members.append((key, 0))
     transfers, copies = _plan_class(items, 1, tot)
-    return _finish("data", [_ClassPlan((tuple(members),), transfers, copies)], tot)
+    return _finish("data", [_ClassPlan((tuple(members),), transfers, copies)], tot, src=producer, dst=consumer,
+                   seq_offsets=MappingProxyType(all_offsets))
