@@ -4,6 +4,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+
 #include "mcmc.h"
 #include "problem.h"
 #include "simulator.h"
@@ -22,21 +24,6 @@ std::vector<T> to_vector(const Array<T>& a, const char* name, py::ssize_t expect
         throw std::invalid_argument(std::string(name) + " has " + std::to_string(a.shape(0)) + " entries, expected " +
                                     std::to_string(expect));
     return std::vector<T>(a.data(), a.data() + a.shape(0));
-}
-
-std::vector<int64_t> parts(const Array<int64_t>& a, const char* name, py::ssize_t n) {
-    if (a.ndim() != 2 || a.shape(0) != n || a.shape(1) != rl::kParts)
-        throw std::invalid_argument(std::string(name) + " must have shape (n_candidates, 3)");
-    return std::vector<int64_t>(a.data(), a.data() + a.size());
-}
-
-rl::PairTable table(const Array<double>& a, const char* name) {
-    if (a.ndim() != 2) throw std::invalid_argument(std::string(name) + " must be two-dimensional");
-    rl::PairTable t;
-    t.rows = static_cast<int>(a.shape(0));
-    t.cols = static_cast<int>(a.shape(1));
-    t.values.assign(a.data(), a.data() + a.size());
-    return t;
 }
 
 std::vector<std::array<int, 2>> pairs(const Array<int32_t>& a, const char* name) {
@@ -63,13 +50,28 @@ py::dict eval_dict(const rl::Evaluation& e) {
     d["peak_device"] = e.peak_device;
     d["peak_call"] = e.peak_call;
     d["feasible"] = e.feasible;
+    d["exact"] = e.exact;
     return d;
+}
+
+py::array_t<int32_t> missing_array(const std::vector<rl::MissingPair>& v) {
+    py::array_t<int32_t> out({static_cast<py::ssize_t>(v.size()), static_cast<py::ssize_t>(3)});
+    auto m = out.mutable_unchecked<2>();
+    for (size_t i = 0; i < v.size(); ++i) {
+        m(i, 0) = v[i].table;
+        m(i, 1) = v[i].a;
+        m(i, 2) = v[i].b;
+    }
+    return out;
 }
 
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
     m.doc() = "realloc C++ core: plan simulator and MCMC search";
+    m.attr("NODE_CALL") = static_cast<int>(rl::NodeKind::kCall);
+    m.attr("NODE_REALLOC") = static_cast<int>(rl::NodeKind::kRealloc);
+    m.attr("NODE_DATA") = static_cast<int>(rl::NodeKind::kData);
     m.def("build_info", []() {
         return std::string("realloc._C C++") + std::to_string(__cplusplus) + " " + __VERSION__;
     });
@@ -94,8 +96,8 @@ PYBIND11_MODULE(_C, m) {
             "set_candidates",
             [](rl::Problem& p, int call, const Array<int32_t>& dev_lo, const Array<int32_t>& dev_hi,
                const Array<int32_t>& stage_width, const Array<int32_t>& layout, const Array<int32_t>& mesh_id,
-               const Array<int32_t>& shape_class, const Array<double>& time, const Array<int64_t>& mem_static,
-               const Array<int64_t>& mem_dynamic, const Array<int64_t>& mem_param) {
+               const Array<int32_t>& shape_class, const Array<double>& time, const Array<int64_t>& mem_offset,
+               const Array<int64_t>& mem_static, const Array<int64_t>& mem_dynamic, const Array<int64_t>& mem_param) {
                 if (call < 0 || call >= p.n_calls()) throw std::invalid_argument("call index out of range");
                 rl::Candidates k;
                 k.time = to_vector(time, "time");
@@ -106,30 +108,59 @@ PYBIND11_MODULE(_C, m) {
                 k.layout = to_vector(layout, "layout", n);
                 k.mesh_id = to_vector(mesh_id, "mesh_id", n);
                 k.shape_class = to_vector(shape_class, "shape_class", n);
-                k.mem_static = parts(mem_static, "mem_static", n);
-                k.mem_dynamic = parts(mem_dynamic, "mem_dynamic", n);
-                k.mem_param = parts(mem_param, "mem_param", n);
+                k.mem_offset = to_vector(mem_offset, "mem_offset", n + 1);
+                k.mem_static = to_vector(mem_static, "mem_static");
+                k.mem_dynamic = to_vector(mem_dynamic, "mem_dynamic");
+                k.mem_param = to_vector(mem_param, "mem_param");
                 p.cands[call] = std::move(k);
                 p.finalized = false;
             },
             py::arg("call"), py::arg("dev_lo"), py::arg("dev_hi"), py::arg("stage_width"), py::arg("layout"),
-            py::arg("mesh_id"), py::arg("shape_class"), py::arg("time"), py::arg("mem_static"),
-            py::arg("mem_dynamic"), py::arg("mem_param"))
+            py::arg("mesh_id"), py::arg("shape_class"), py::arg("time"), py::arg("mem_offset"),
+            py::arg("mem_static"), py::arg("mem_dynamic"), py::arg("mem_param"))
         .def(
-            "set_realloc",
-            [](rl::Problem& p, int model, const Array<double>& costs) {
+            "set_realloc_layouts",
+            [](rl::Problem& p, int model, int n_layouts) {
                 if (model < 0 || model >= p.n_models()) throw std::invalid_argument("model index out of range");
-                p.realloc[model] = table(costs, "realloc costs");
+                p.realloc[model].rows = p.realloc[model].cols = n_layouts;
                 p.finalized = false;
             },
-            py::arg("model"), py::arg("costs"))
+            py::arg("model"), py::arg("n_layouts"))
         .def(
             "add_data_edge",
-            [](rl::Problem& p, int src, int dst, const Array<double>& costs) {
-                p.data_edges.push_back({src, dst, table(costs, "data-transfer costs")});
+            [](rl::Problem& p, int src, int dst, int n_src_layouts, int n_dst_layouts) {
+                rl::DataEdge e;
+                e.src = src;
+                e.dst = dst;
+                e.cost.rows = n_src_layouts;
+                e.cost.cols = n_dst_layouts;
+                p.data_edges.push_back(std::move(e));
                 p.finalized = false;
+                return p.n_models() + static_cast<int>(p.data_edges.size()) - 1;
             },
-            py::arg("src"), py::arg("dst"), py::arg("costs"))
+            py::arg("src"), py::arg("dst"), py::arg("n_src_layouts"), py::arg("n_dst_layouts"),
+            "Adds a data edge; returns its pair-cost table id.")
+        .def(
+            "set_pair_costs",
+            [](rl::Problem& p, int table, const Array<int32_t>& a, const Array<int32_t>& b,
+               const Array<double>& seconds) {
+                rl::PairCosts& t = p.table(table);
+                auto va = to_vector(a, "a");
+                auto vb = to_vector(b, "b", static_cast<py::ssize_t>(va.size()));
+                auto vs = to_vector(seconds, "seconds", static_cast<py::ssize_t>(va.size()));
+                for (size_t i = 0; i < va.size(); ++i) t.set(va[i], vb[i], vs[i]);
+            },
+            py::arg("table"), py::arg("a"), py::arg("b"), py::arg("seconds"),
+            "Prices pairs of a table (model index for reallocation, n_models + edge for data). Not while a "
+            "search runs.")
+        .def(
+            "set_provisional",
+            [](rl::Problem& p, int table, double seconds) {
+                if (!(seconds >= 0.0)) throw std::invalid_argument("provisional cost must be >= 0");
+                p.table(table).provisional = seconds;
+            },
+            py::arg("table"), py::arg("seconds"))
+        .def("n_known", [](const rl::Problem& p, int table) { return p.table(table).n_known(); }, py::arg("table"))
         .def(
             "set_edges",
             [](rl::Problem& p, const Array<int32_t>& order, const Array<int32_t>& carry) {
@@ -150,6 +181,18 @@ PYBIND11_MODULE(_C, m) {
                 return eval_dict(ev.evaluate(v.data()));
             },
             py::arg("plan"), "Time, memory and cost of one plan (candidate index per call).")
+        .def(
+            "missing",
+            [](const rl::Problem& p, const Array<int32_t>& plan) {
+                auto v = plan_of(p, plan);
+                rl::Evaluator ev(p);
+                std::vector<rl::MissingPair> out;
+                ev.evaluate(v.data(), &out);
+                std::sort(out.begin(), out.end());
+                out.erase(std::unique(out.begin(), out.end()), out.end());
+                return missing_array(out);
+            },
+            py::arg("plan"), "Unpriced pair costs the plan needs, as rows (table, a, b).")
         .def(
             "evaluate_batch",
             [](const rl::Problem& p, const Array<int32_t>& plans) {
@@ -228,6 +271,11 @@ PYBIND11_MODULE(_C, m) {
         .def("run", &rl::Search::run, py::arg("evals_per_chain"), py::arg("seconds") = 0.0,
              py::call_guard<py::gil_scoped_release>(),
              "Advance every chain; the GIL is released. Returns True if the time limit stopped it.")
+        .def(
+            "missing_pairs",
+            [](const rl::Search& s, int limit) { return missing_array(s.missing_pairs(limit)); },
+            py::arg("limit") = 16, "Unpriced pairs of the pending provisional plans, as rows (table, a, b).")
+        .def("resolve", &rl::Search::resolve, "Re-evaluate the chains after new pair costs were set.")
         .def_property_readonly("best_plan", &rl::Search::best_plan)
         .def_property_readonly("best", [](const rl::Search& s) { return eval_dict(s.best_eval()); })
         .def_property_readonly("start", [](const rl::Search& s) { return eval_dict(s.start_eval()); })

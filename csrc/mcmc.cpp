@@ -19,6 +19,7 @@ uint64_t splitmix64(uint64_t& x) {
 inline uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
 
 constexpr int64_t kSlice = 256;  // proposals a chain runs before its thread checks the clock
+constexpr size_t kMaxPending = 16;  // provisional plans a chain keeps for pricing
 
 }  // namespace
 
@@ -76,6 +77,8 @@ Search::Search(const Problem& problem, const SearchOptions& options, const std::
 
     Evaluator ev(p_);
     start_ev_ = ev.evaluate(start.data());
+    if (!start_ev_.exact)
+        throw std::invalid_argument("the start plan uses transfer costs that are not priced yet; price them first");
     best_ = start;
     best_ev_ = start_ev_;
     for (int i = 0; i < opt_.n_chains; ++i) {
@@ -119,23 +122,68 @@ int Search::propose(Chain& ch, int call, int a) {
     return b >= a ? b + 1 : b;
 }
 
+void Search::improve(Chain& ch, const Evaluation& ev, const std::vector<int32_t>& plan) {
+    ch.best = plan;
+    ch.best_ev = ev;
+    ch.found.push_back({elapsed(), evals_.load(std::memory_order_relaxed), ev.cost, ev.time, ev.feasible});
+}
+
+void Search::note_pending(Chain& ch, const Evaluation& ev) {
+    auto& pend = ch.pending;
+    if (pend.size() == kMaxPending && !(ev.cost < pend.back().first.cost)) return;
+    for (const auto& q : pend)
+        if (q.second == ch.cur) return;
+    auto at = std::upper_bound(pend.begin(), pend.end(), ev.cost,
+                               [](double c, const auto& q) { return c < q.first.cost; });
+    pend.insert(at, {ev, ch.cur});
+    if (pend.size() > kMaxPending) pend.pop_back();
+}
+
 void Search::step(Chain& ch, double temperature) {
     const int call = movable_[ch.rng.below(movable_.size())];
     const int a = ch.cur[call];
     const int b = propose(ch, call, a);
     ch.cur[call] = b;
     const Evaluation ev = ch.ev.evaluate(ch.cur.data());
-    const double delta = ev.cost - ch.cur_ev.cost;
-    if (delta <= 0.0 || ch.rng.uniform() < std::exp(-delta / temperature)) {
-        ch.cur_ev = ev;
-        if (better(ev, ch.best_ev)) {
-            ch.best = ch.cur;
-            ch.best_ev = ev;
-            ch.found.push_back({elapsed(), evals_.load(std::memory_order_relaxed), ev.cost, ev.time, ev.feasible});
-        }
-    } else {
-        ch.cur[call] = a;
+    if (better(ev, ch.best_ev)) {
+        if (ev.exact)
+            improve(ch, ev, ch.cur);
+        else
+            note_pending(ch, ev);
     }
+    const double delta = ev.cost - ch.cur_ev.cost;
+    if (delta <= 0.0 || ch.rng.uniform() < std::exp(-delta / temperature))
+        ch.cur_ev = ev;
+    else
+        ch.cur[call] = a;
+}
+
+std::vector<MissingPair> Search::missing_pairs(int limit) const {
+    std::vector<MissingPair> out;
+    for (const auto& ch : chains_) {
+        const int n = std::min<int>(limit, static_cast<int>(ch->pending.size()));
+        for (int i = 0; i < n; ++i) ch->ev.evaluate(ch->pending[i].second.data(), &out);
+    }
+    std::sort(out.begin(), out.end());
+    out.erase(std::unique(out.begin(), out.end()), out.end());
+    return out;
+}
+
+void Search::resolve() {
+    for (auto& ch : chains_) {
+        ch->found.clear();
+        ch->cur_ev = ch->ev.evaluate(ch->cur.data());
+        std::vector<std::pair<Evaluation, std::vector<int32_t>>> still;
+        for (auto& [old, plan] : ch->pending) {
+            const Evaluation ev = ch->ev.evaluate(plan.data());
+            if (!ev.exact)
+                still.emplace_back(ev, std::move(plan));
+            else if (better(ev, ch->best_ev))
+                improve(*ch, ev, plan);
+        }
+        ch->pending = std::move(still);
+    }
+    merge();
 }
 
 void Search::run_chains(const std::vector<int>& ids, int64_t quota, std::chrono::steady_clock::time_point deadline,

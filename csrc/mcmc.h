@@ -6,6 +6,12 @@
 // that) and tau is chosen so that a plan 1% slower than the current one is accepted with
 // probability `accept_1pct` (tau = 0.01 / ln(1 / accept_1pct)).
 //
+// Transfer costs are priced lazily (problem.h, PairCosts). A plan whose evaluation used an
+// unpriced pair is provisional: it can guide a chain but never becomes the best plan. Provisional
+// plans that look better than their chain's best are kept as pending; between runs Python prices
+// their missing pairs (missing_pairs(), then Problem.set_pair_costs) and resolve() re-evaluates
+// them exactly.
+//
 // Several chains run on threads. run() advances every chain by a fixed number of proposals (or
 // until a deadline); between runs the chains that lag the best plan by more than
 // `restart_margin` restart from it. With an evaluation budget (no deadline) the result depends
@@ -61,6 +67,11 @@ public:
     // (wall clock, <= 0: no limit) have passed since this call began. Returns true if stopped by time.
     bool run(int64_t evals_per_chain, double seconds);
 
+    // Unpriced pairs of the pending plans (at most `limit` plans per chain, best first).
+    std::vector<MissingPair> missing_pairs(int limit) const;
+    // Re-evaluates the chains and their pending plans after new pair costs were set.
+    void resolve();
+
     const std::vector<int32_t>& best_plan() const { return best_; }
     const Evaluation& best_eval() const { return best_ev_; }
     const Evaluation& start_eval() const { return start_ev_; }
@@ -78,7 +89,11 @@ private:
         Evaluation cur_ev, best_ev;
         int64_t done = 0;  // proposals in the current run
         std::vector<HistoryPoint> found;  // improvements of this chain's best in the current run
+        std::vector<std::pair<Evaluation, std::vector<int32_t>>> pending;  // provisional, sorted by cost
     };
+
+    void note_pending(Chain& ch, const Evaluation& ev);
+    void improve(Chain& ch, const Evaluation& ev, const std::vector<int32_t>& plan);
 
     void step(Chain& ch, double temperature);
     int propose(Chain& ch, int call, int a);

@@ -5,17 +5,61 @@
 
 namespace rl {
 
+void PairCosts::set(int a, int b, double seconds) {
+    if (a < 0 || a >= rows || b < 0 || b >= cols)
+        throw std::invalid_argument("pair (" + std::to_string(a) + ", " + std::to_string(b) + ") is outside the " +
+                                    std::to_string(rows) + "x" + std::to_string(cols) + " table");
+    if (!(seconds >= 0.0) || !std::isfinite(seconds)) throw std::invalid_argument("costs must be finite and >= 0");
+    if (2 * (n_ + 1) > keys_.size()) grow();
+    const uint64_t key = pack(a, b);
+    for (size_t i = mix(key) & mask_;; i = (i + 1) & mask_) {
+        if (keys_[i] == key) {
+            values_[i] = seconds;
+            return;
+        }
+        if (keys_[i] == kEmpty) {
+            keys_[i] = key;
+            values_[i] = seconds;
+            ++n_;
+            return;
+        }
+    }
+}
+
+void PairCosts::grow() {
+    std::vector<uint64_t> old_keys = std::move(keys_);
+    std::vector<double> old_values = std::move(values_);
+    const size_t cap = std::max<size_t>(64, old_keys.size() * 2);
+    keys_.assign(cap, kEmpty);
+    values_.assign(cap, 0.0);
+    mask_ = cap - 1;
+    for (size_t j = 0; j < old_keys.size(); ++j) {
+        if (old_keys[j] == kEmpty) continue;
+        for (size_t i = mix(old_keys[j]) & mask_;; i = (i + 1) & mask_)
+            if (keys_[i] == kEmpty) {
+                keys_[i] = old_keys[j];
+                values_[i] = old_values[j];
+                break;
+            }
+    }
+}
+
+PairCosts& Problem::table(int id) {
+    if (id < 0 || id >= n_tables()) throw std::invalid_argument("pair-cost table " + std::to_string(id) + " does not exist");
+    return id < n_models() ? realloc[id] : data_edges[id - n_models()].cost;
+}
+
+const PairCosts& Problem::table(int id) const { return const_cast<Problem*>(this)->table(id); }
+
 namespace {
 
 [[noreturn]] void fail(const std::string& what) { throw std::invalid_argument(what); }
 
-void check_table(const PairTable& t, int min_rows, int min_cols, const std::string& name) {
+void check_table(const PairCosts& t, int min_rows, int min_cols, const std::string& name) {
     if (t.rows < min_rows || t.cols < min_cols)
         fail(name + ": table is " + std::to_string(t.rows) + "x" + std::to_string(t.cols) + " but the layouts need " +
              std::to_string(min_rows) + "x" + std::to_string(min_cols));
-    if (t.values.size() != static_cast<size_t>(t.rows) * t.cols) fail(name + ": table size does not match its shape");
-    for (double v : t.values)
-        if (!(v >= 0.0) || !std::isfinite(v)) fail(name + ": costs must be finite and non-negative");
+    if (!(t.provisional >= 0.0) || !std::isfinite(t.provisional)) fail(name + ": provisional cost must be >= 0");
 }
 
 }  // namespace
@@ -43,18 +87,23 @@ void Problem::finalize() {
         const size_t s = k.time.size();
         if (s == 0) fail(who + ": no candidate placements");
         if (k.dev_lo.size() != s || k.dev_hi.size() != s || k.stage_width.size() != s || k.layout.size() != s ||
-            k.mesh_id.size() != s || k.shape_class.size() != s || k.mem_static.size() != s * kParts ||
-            k.mem_dynamic.size() != s * kParts || k.mem_param.size() != s * kParts)
+            k.mesh_id.size() != s || k.shape_class.size() != s || k.mem_offset.size() != s + 1)
             fail(who + ": candidate arrays differ in length");
+        const size_t pool = k.mem_static.size();
+        if (k.mem_offset[0] != 0 || static_cast<size_t>(k.mem_offset[s]) != pool || k.mem_dynamic.size() != pool ||
+            k.mem_param.size() != pool)
+            fail(who + ": memory pools do not match mem_offset");
         for (size_t i = 0; i < s; ++i) {
             const int lo = k.dev_lo[i], hi = k.dev_hi[i], w = k.stage_width[i];
             if (lo < 0 || hi <= lo || hi > n_devices) fail(who + ": candidate mesh out of the cluster");
             if (w < 1 || (hi - lo) % w) fail(who + ": stage_width must divide the mesh size");
+            if (k.mem_offset[i + 1] - k.mem_offset[i] != (hi - lo) / w)
+                fail(who + ": memory needs one entry per pipeline stage ((dev_hi - dev_lo) / stage_width)");
             if (k.layout[i] < 0) fail(who + ": negative layout id");
             if (!(k.time[i] >= 0.0) || !std::isfinite(k.time[i])) fail(who + ": times must be finite and >= 0");
             n_layouts[call_model[c]] = std::max(n_layouts[call_model[c]], k.layout[i] + 1);
         }
-        for (size_t i = 0; i < s * kParts; ++i)
+        for (size_t i = 0; i < pool; ++i)
             if (k.mem_static[i] < 0 || k.mem_dynamic[i] < 0 || k.mem_param[i] < 0) fail(who + ": negative memory");
     }
     for (int m = 0; m < n_m; ++m) {
@@ -81,12 +130,12 @@ void Problem::finalize() {
         const int home = model_home[call_model[c]];
         if (c != home) {
             realloc_pos[c] = static_cast<int>(iter_nodes.size());
-            iter_nodes.push_back({NodeKind::kRealloc, c, home, -1});
+            iter_nodes.push_back({NodeKind::kRealloc, c, home, call_model[c]});
         }
         for (size_t e = 0; e < data_edges.size(); ++e)
             if (data_edges[e].dst == c) {
                 data_pos[e] = static_cast<int>(iter_nodes.size());
-                iter_nodes.push_back({NodeKind::kData, c, data_edges[e].src, static_cast<int>(e)});
+                iter_nodes.push_back({NodeKind::kData, c, data_edges[e].src, n_m + static_cast<int>(e)});
             }
         call_pos[c] = static_cast<int>(iter_nodes.size());
         iter_nodes.push_back({NodeKind::kCall, c, -1, -1});

@@ -1,5 +1,5 @@
 // The search problem as plain arrays: candidate placements per call, the dataflow graph, and
-// the transfer-cost tables between layouts. Python (realloc/search/problem.py) fills it; the
+// the transfer costs between layouts. Python (realloc/search/problem.py) fills it; the
 // simulator and the MCMC only read it. No I/O here.
 #pragma once
 
@@ -11,22 +11,20 @@
 
 namespace rl {
 
-// Per-device memory of a candidate is given for three device groups of its mesh: the first
-// pipeline stage (embedding), the middle stages, and the last stage (output head).
-// With pp == 1 only part 0 is used; with pp == 2 parts 0 and 2.
-constexpr int kParts = 3;
-
 // Every placement (mesh, strategy, n_mbs) one call may take, column by column.
 // A mesh is a contiguous interval [dev_lo, dev_hi) of global device ids (cluster.py: meshes are
-// aligned blocks inside a node or runs of whole nodes).
+// aligned blocks inside a node or runs of whole nodes). Pipeline stage k holds devices
+// [dev_lo + k * stage_width, dev_lo + (k + 1) * stage_width) (rank order tp, dp, pp).
 struct Candidates {
     std::vector<int32_t> dev_lo, dev_hi;
     std::vector<int32_t> stage_width;  // devices per pipeline stage = dp * tp
-    std::vector<int32_t> layout;       // (mesh, strategy) id inside the call's model; indexes pair tables
+    std::vector<int32_t> layout;       // (mesh, strategy) id inside the call's model; indexes pair costs
     std::vector<int32_t> mesh_id;      // cluster mesh id (groups for "same mesh" moves)
     std::vector<int32_t> shape_class;  // (mesh shape, strategy, n_mbs) id (groups for "move the mesh")
     std::vector<double> time;          // seconds, the call alone
-    // bytes per device, size() * kParts, row-major (candidate, part)
+    // Bytes per device of each pipeline stage: candidate i's stages are entries
+    // [mem_offset[i], mem_offset[i + 1]) of the pools (one per stage, pp of them).
+    std::vector<int64_t> mem_offset;
     std::vector<int64_t> mem_static;   // counted once per model, from its home call's candidate
     std::vector<int64_t> mem_dynamic;  // while the call runs: activations, KV cache
     std::vector<int64_t> mem_param;    // the model's parameters in this layout (a reallocated copy)
@@ -34,16 +32,53 @@ struct Candidates {
     int size() const { return static_cast<int>(time.size()); }
 };
 
-// Cost (seconds) of moving something from layout `a` (rows) to layout `b` (columns).
-struct PairTable {
+// Seconds to move something from layout `a` to layout `b`. Costs are priced lazily by the
+// estimator; a pair not priced yet reads as `provisional` and makes an evaluation inexact.
+// Reads are thread-safe; writes happen only between search runs.
+class PairCosts {
+public:
     int rows = 0, cols = 0;
-    std::vector<double> values;
-    double at(int a, int b) const { return values[static_cast<size_t>(a) * cols + b]; }
+    double provisional = 0.0;
+
+    void set(int a, int b, double seconds);
+    // The cost of (a, b), or `provisional` if unknown; `known` tells which.
+    double get(int a, int b, bool& known) const {
+        if (keys_.empty()) {
+            known = false;
+            return provisional;
+        }
+        const uint64_t key = pack(a, b);
+        for (size_t i = mix(key) & mask_;; i = (i + 1) & mask_) {
+            if (keys_[i] == key) {
+                known = true;
+                return values_[i];
+            }
+            if (keys_[i] == kEmpty) {
+                known = false;
+                return provisional;
+            }
+        }
+    }
+    size_t n_known() const { return n_; }
+
+private:
+    static constexpr uint64_t kEmpty = ~0ull;
+    static uint64_t pack(int a, int b) { return (static_cast<uint64_t>(static_cast<uint32_t>(a)) << 32) | static_cast<uint32_t>(b); }
+    static uint64_t mix(uint64_t x) {
+        x ^= x >> 33;
+        x *= 0xff51afd7ed558ccdull;
+        x ^= x >> 33;
+        return x;
+    }
+    void grow();
+    std::vector<uint64_t> keys_;
+    std::vector<double> values_;
+    size_t mask_ = 0, n_ = 0;
 };
 
 struct DataEdge {
     int src = 0, dst = 0;
-    PairTable cost;  // src model layouts x dst model layouts
+    PairCosts cost;  // src model layouts x dst model layouts
 };
 
 enum class NodeKind : uint8_t { kCall = 0, kRealloc = 1, kData = 2 };
@@ -53,7 +88,16 @@ struct NodeTemplate {
     NodeKind kind;
     int call;   // the call this node runs or feeds
     int other;  // realloc: the model's home call (source layout); data: the producing call
-    int edge;   // data: index into data_edges
+    int table;  // pair-cost table id (realloc: model; data: n_models + edge); -1 for calls
+};
+
+// A pair cost an evaluation needed but that is not priced yet.
+struct MissingPair {
+    int table, a, b;
+    bool operator<(const MissingPair& o) const {
+        return table != o.table ? table < o.table : a != o.a ? a < o.a : b < o.b;
+    }
+    bool operator==(const MissingPair& o) const { return table == o.table && a == o.a && b == o.b; }
 };
 
 struct Problem {
@@ -67,7 +111,7 @@ struct Problem {
     std::vector<std::array<int, 2>> order_edges;  // (u, v) inside one iteration, no transfer
     std::vector<std::array<int, 2>> carry_edges;  // (u at t, v at t+1): parameter versions
     std::vector<DataEdge> data_edges;             // (u, v) inside one iteration, with a transfer node
-    std::vector<PairTable> realloc;               // per model: home layout -> call layout
+    std::vector<PairCosts> realloc;               // per model: home layout -> call layout
 
     // Derived by finalize(): the augmented graph unrolled over n_iterations.
     std::vector<NodeTemplate> iter_nodes;         // nodes of one iteration, topologically ordered
@@ -79,6 +123,9 @@ struct Problem {
     int n_calls() const { return static_cast<int>(call_model.size()); }
     int n_models() const { return static_cast<int>(model_home.size()); }
     int n_nodes() const { return static_cast<int>(iter_nodes.size()) * n_iterations; }
+    int n_tables() const { return n_models() + static_cast<int>(data_edges.size()); }
+    PairCosts& table(int id);
+    const PairCosts& table(int id) const;
 
     // Checks every array and builds the unrolled augmented graph; throws std::invalid_argument.
     void finalize();

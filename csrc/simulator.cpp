@@ -13,13 +13,6 @@ inline int atom_index(const std::vector<int32_t>& bp, int x) {
     return static_cast<int>(std::lower_bound(bp.begin(), bp.end(), x) - bp.begin());
 }
 
-// Which memory part of a candidate mesh device `x` falls in: first stage, middle, last stage.
-inline int part_of(int x, int lo, int hi, int w) {
-    if (x < lo + w) return 0;
-    if (x >= hi - w) return 2;
-    return 1;
-}
-
 }  // namespace
 
 Evaluator::Evaluator(const Problem& problem) : p_(problem) {
@@ -40,10 +33,10 @@ Evaluator::Evaluator(const Problem& problem) : p_(problem) {
     remaining_.resize(p_.n_nodes());
     iter_end_.resize(p_.n_iterations);
     heap_.reserve(p_.n_nodes());
-    mbp_.reserve(4 * n + 2);
+    mbp_.reserve(64);
 }
 
-void Evaluator::prepare(const int32_t* plan) {
+bool Evaluator::prepare(const int32_t* plan, std::vector<MissingPair>* missing) {
     const int n = p_.n_calls();
     bp_.clear();
     for (int c = 0; c < n; ++c) {
@@ -56,6 +49,7 @@ void Evaluator::prepare(const int32_t* plan) {
         atom_lo_[c] = atom_index(bp_, p_.cands[c].dev_lo[plan[c]]);
         atom_hi_[c] = atom_index(bp_, p_.cands[c].dev_hi[plan[c]]);
     }
+    bool exact = true;
     const size_t per = p_.iter_nodes.size();
     for (size_t j = 0; j < per; ++j) {
         const NodeTemplate& nt = p_.iter_nodes[j];
@@ -69,18 +63,24 @@ void Evaluator::prepare(const int32_t* plan) {
             continue;
         }
         const int o = nt.other;
-        const int lo = p_.cands[o].layout[plan[o]], lc = p_.cands[c].layout[plan[c]];
-        double cost;
-        if (nt.kind == NodeKind::kRealloc)
-            cost = lo == lc ? 0.0 : p_.realloc[p_.call_model[c]].at(lo, lc);
-        else
-            cost = p_.data_edges[nt.edge].cost.at(lo, lc);
+        const int la = p_.cands[o].layout[plan[o]], lb = p_.cands[c].layout[plan[c]];
+        double cost = 0.0;
+        // A call on its model's home layout needs no copy: reallocation is free.
+        if (nt.kind == NodeKind::kData || la != lb) {
+            bool known;
+            cost = p_.table(nt.table).get(la, lb, known);
+            if (!known) {
+                exact = false;
+                if (missing) missing->push_back({nt.table, la, lb});
+            }
+        }
         node_cost_[j] = cost;
         r2a_[j] = atom_lo_[o];
         r2b_[j] = atom_hi_[o];
         // A free transfer occupies no device: its consumer waits only for the producer.
         pass_[j] = cost == 0.0;
     }
+    return exact;
 }
 
 void Evaluator::simulate(const int32_t* plan, std::vector<NodeRecord>* records) {
@@ -137,23 +137,20 @@ void Evaluator::simulate(const int32_t* plan, std::vector<NodeRecord>* records) 
 
 void Evaluator::check_memory(const int32_t* plan, Evaluation& ev) {
     const int n = p_.n_calls();
+    // Cut the device line at every pipeline-stage boundary of every call: inside a segment each
+    // call's stage, hence its memory, is constant.
     mbp_.clear();
-    mbp_.push_back(0);  // cover the whole device line, so idle devices count too
+    mbp_.push_back(0);  // cover the whole line, so idle devices count too
     mbp_.push_back(p_.n_devices);
     for (int c = 0; c < n; ++c) {
         const Candidates& k = p_.cands[c];
-        const int i = plan[c], lo = k.dev_lo[i], hi = k.dev_hi[i], w = k.stage_width[i];
-        mbp_.push_back(lo);
-        mbp_.push_back(hi);
-        if (w < hi - lo) {
-            mbp_.push_back(lo + w);
-            mbp_.push_back(hi - w);
-        }
+        const int i = plan[c], w = k.stage_width[i];
+        for (int x = k.dev_lo[i]; x <= k.dev_hi[i]; x += w) mbp_.push_back(x);
     }
     std::sort(mbp_.begin(), mbp_.end());
     mbp_.erase(std::unique(mbp_.begin(), mbp_.end()), mbp_.end());
     // Peak = static memory of every model resident on the device + the largest dynamic memory
-    // of any call running there (realhf.txt §5.1: calls on one device never overlap in time).
+    // of any call running there (memory.py rules 2-4: calls on one device never overlap in time).
     int64_t peak = -1;
     for (size_t a = 0; a + 1 < mbp_.size(); ++a) {
         const int x = mbp_[a];
@@ -161,15 +158,15 @@ void Evaluator::check_memory(const int32_t* plan, Evaluation& ev) {
         int dyn_call = -1;
         for (int c = 0; c < n; ++c) {
             const Candidates& k = p_.cands[c];
-            const int i = plan[c], lo = k.dev_lo[i], hi = k.dev_hi[i];
-            if (x < lo || x >= hi) continue;
-            const int part = i * kParts + part_of(x, lo, hi, k.stage_width[i]);
+            const int i = plan[c], lo = k.dev_lo[i];
+            if (x < lo || x >= k.dev_hi[i]) continue;
+            const int64_t s = k.mem_offset[i] + (x - lo) / k.stage_width[i];
             const int home = p_.model_home[p_.call_model[c]];
-            int64_t d = k.mem_dynamic[part];
+            int64_t d = k.mem_dynamic[s];
             if (c == home)
-                stat += k.mem_static[part];
+                stat += k.mem_static[s];
             else if (k.layout[i] != p_.cands[home].layout[plan[home]])
-                d += k.mem_param[part];
+                d += k.mem_param[s];
             if (d > dyn) {
                 dyn = d;
                 dyn_call = c;
@@ -186,9 +183,9 @@ void Evaluator::check_memory(const int32_t* plan, Evaluation& ev) {
     ev.feasible = peak <= p_.device_memory;
 }
 
-Evaluation Evaluator::evaluate(const int32_t* plan) {
+Evaluation Evaluator::evaluate(const int32_t* plan, std::vector<MissingPair>* missing) {
     Evaluation ev;
-    prepare(plan);
+    ev.exact = prepare(plan, missing);
     simulate(plan, nullptr);
     const int K = p_.n_iterations;
     ev.makespan = iter_end_[K - 1];
@@ -205,7 +202,7 @@ Evaluation Evaluator::evaluate(const int32_t* plan) {
 std::vector<NodeRecord> Evaluator::schedule(const int32_t* plan) {
     std::vector<NodeRecord> out;
     out.reserve(p_.n_nodes());
-    prepare(plan);
+    prepare(plan, nullptr);
     simulate(plan, &out);
     return out;
 }
@@ -224,12 +221,12 @@ MemoryReport Evaluator::memory(const int32_t* plan) {
         const int home = p_.model_home[p_.call_model[c]];
         own[c].assign(p_.n_devices, 0);
         for (int x = lo; x < hi; ++x) {
-            const int part = i * kParts + part_of(x, lo, hi, k.stage_width[i]);
-            int64_t d = k.mem_dynamic[part];
+            const int64_t s = k.mem_offset[i] + (x - lo) / k.stage_width[i];
+            int64_t d = k.mem_dynamic[s];
             if (c == home)
-                r.device_static[x] += k.mem_static[part];
+                r.device_static[x] += k.mem_static[s];
             else if (k.layout[i] != p_.cands[home].layout[plan[home]])
-                d += k.mem_param[part];
+                d += k.mem_param[s];
             own[c][x] = d;
             dyn[x] = std::max(dyn[x], d);
         }

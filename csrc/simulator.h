@@ -23,6 +23,7 @@ struct Evaluation {
     int peak_device = -1;    // lowest device id holding peak_memory
     int peak_call = -1;      // call whose dynamic memory makes that peak (-1: static only)
     bool feasible = false;
+    bool exact = true;       // every transfer cost it used was priced (none provisional)
 };
 
 struct NodeRecord {
@@ -45,14 +46,15 @@ class Evaluator {
 public:
     explicit Evaluator(const Problem& problem);
 
-    Evaluation evaluate(const int32_t* plan);
+    // `missing`, if given, receives the unpriced pair costs the evaluation used.
+    Evaluation evaluate(const int32_t* plan, std::vector<MissingPair>* missing = nullptr);
     std::vector<NodeRecord> schedule(const int32_t* plan);
     MemoryReport memory(const int32_t* plan);
 
     const Problem& problem() const { return p_; }
 
 private:
-    void prepare(const int32_t* plan);
+    bool prepare(const int32_t* plan, std::vector<MissingPair>* missing);
     void simulate(const int32_t* plan, std::vector<NodeRecord>* records);
     void check_memory(const int32_t* plan, Evaluation& ev);
 

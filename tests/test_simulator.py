@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from realloc.search import reference
-from realloc.search.problem import CandidateArrays, SearchProblem
+from realloc.search.problem import CandidateArrays, PairCosts, SearchProblem
 
 GiB = 2**30
 
@@ -23,10 +23,11 @@ def random_candidates(rng: np.random.Generator, n_devices: int, n_layouts: int, 
         width.append(int(rng.choice(divs)))
     # Few distinct times, so that ready-time ties (and the tie rule) happen often.
     time = rng.choice([0.0, 0.5, 1.0, 1.5, 2.0, 3.25], size=n)
-    mem = lambda: rng.integers(0, 4, size=(n, 3)) * GiB // 2  # noqa: E731
+    pp = [(b - a) // w for a, b, w in zip(lo, hi, width)]
+    pool = lambda: rng.integers(0, 4, size=sum(pp)) * GiB // 2  # noqa: E731
     return CandidateArrays(dev_lo=lo, dev_hi=hi, stage_width=width, layout=rng.integers(0, n_layouts, n),
                            mesh_id=rng.integers(0, 3, n), shape_class=rng.integers(0, 3, n), time=time,
-                           mem_static=mem(), mem_dynamic=mem(), mem_param=mem())
+                           mem_offset=np.r_[0, np.cumsum(pp)], mem_static=pool(), mem_dynamic=pool(), mem_param=pool())
 
 
 def random_problem(rng: np.random.Generator) -> SearchProblem:
@@ -51,8 +52,13 @@ def random_problem(rng: np.random.Generator) -> SearchProblem:
             if rng.random() < 0.12:
                 carry.append((u, v))
 
-    def table(rows: int, cols: int) -> np.ndarray:
-        t = rng.choice([0.0, 0.25, 0.5, 1.0, 0.125], size=(rows, cols))
+    def table(rows: int, cols: int) -> PairCosts:
+        # Most pairs priced (some at zero cost); the rest provisional.
+        t = PairCosts(rows, cols, provisional=float(rng.choice([0.0, 0.25])))
+        for a in range(rows):
+            for b in range(cols):
+                if rng.random() < 0.85:
+                    t.known[a, b] = float(rng.choice([0.0, 0.25, 0.5, 1.0, 0.125]))
         return t
 
     return SearchProblem(
@@ -71,7 +77,7 @@ def random_plan(rng: np.random.Generator, p: SearchProblem) -> np.ndarray:
 
 def test_cpp_matches_python_reference_on_1000_random_graphs_and_plans():
     rng = np.random.default_rng(1234)
-    n_feasible = n_oom = n_transfers = 0
+    n_feasible = n_oom = n_transfers = n_inexact = 0
     for trial in range(1000):
         p = random_problem(rng)
         cpp = p.to_cpp()
@@ -86,11 +92,13 @@ def test_cpp_matches_python_reference_on_1000_random_graphs_and_plans():
             mem = cpp.memory(plan)
             static, peak, _ = reference.device_memory(p, plan)
             assert mem["device_static"] == static and mem["device_peak"] == peak, trial
+            assert {tuple(r) for r in cpp.missing(plan).tolist()} == reference.missing_pairs(p, plan), trial
+            n_inexact += not want["exact"]
             n_feasible += want["feasible"]
             n_oom += not want["feasible"]
             n_transfers += sum(r[0] != 0 and r[5] > r[4] for r in cpp.schedule(plan))
     # The random problems exercise both memory outcomes and real transfer nodes.
-    assert n_feasible > 100 and n_oom > 100 and n_transfers > 1000
+    assert n_feasible > 100 and n_oom > 100 and n_transfers > 1000 and n_inexact > 100
 
 
 def _one_device_problem(times: list[float], data: list[tuple[int, int]], carry: list[tuple[int, int]],
@@ -98,15 +106,15 @@ def _one_device_problem(times: list[float], data: list[tuple[int, int]], carry: 
                         data_cost: float = 0.0, K: int = 4) -> SearchProblem:
     meshes = meshes or [(0, n_devices)] * len(times)
     cands = tuple(CandidateArrays(dev_lo=[lo], dev_hi=[hi], stage_width=[hi - lo], layout=[0], mesh_id=[0],
-                                  shape_class=[0], time=[t], mem_static=np.zeros((1, 3)),
-                                  mem_dynamic=np.zeros((1, 3)), mem_param=np.zeros((1, 3)))
+                                  shape_class=[0], time=[t], mem_offset=[0, 1], mem_static=[0], mem_dynamic=[0],
+                                  mem_param=[0])
                   for t, (lo, hi) in zip(times, meshes))
     n = len(times)
     return SearchProblem(n_devices=n_devices, device_memory=GiB, call_names=tuple(f"c{i}" for i in range(n)),
                          call_model=tuple(range(n)), model_names=tuple(f"m{i}" for i in range(n)),
                          model_home=tuple(range(n)), candidates=cands, order_edges=(), carry_edges=tuple(carry),
-                         data_edges=tuple(data), data_costs=tuple(np.full((1, 1), data_cost) for _ in data),
-                         realloc_costs=tuple(np.zeros((1, 1)) for _ in range(n)), n_iterations=K)
+                         data_edges=tuple(data), data_costs=tuple(PairCosts.dense(np.full((1, 1), data_cost)) for _ in data),
+                         realloc_costs=tuple(PairCosts(1, 1) for _ in range(n)), n_iterations=K)
 
 
 def test_colocated_chain_runs_sequentially():
@@ -136,23 +144,29 @@ def test_data_transfer_occupies_both_meshes():
 
 
 def test_reallocation_node_between_train_and_generation():
-    # Actor: gen (home layout 0 on device 0? no: gen uses layout 1) and train (home, layout 0).
-    # train(t) -> realloc(0 -> 1) -> gen(t+1): iteration = gen + train + realloc.
+    # Actor: train is the home (layout 0, pp=2 over devices 0-1), gen runs on layout 1 (dp=2).
+    # train(t) -> realloc(0 -> 1) -> gen(t+1): an iteration is gen + train + realloc.
     cands = (
         CandidateArrays(dev_lo=[0], dev_hi=[2], stage_width=[2], layout=[1], mesh_id=[0], shape_class=[0],
-                        time=[2.0], mem_static=np.zeros((1, 3)), mem_dynamic=np.zeros((1, 3)),
-                        mem_param=np.full((1, 3), 5)),
+                        time=[2.0], mem_offset=[0, 1], mem_static=[0], mem_dynamic=[0], mem_param=[5]),
         CandidateArrays(dev_lo=[0], dev_hi=[2], stage_width=[1], layout=[0], mesh_id=[0], shape_class=[0],
-                        time=[3.0], mem_static=np.full((1, 3), 10), mem_dynamic=np.full((1, 3), 1),
-                        mem_param=np.zeros((1, 3))),
+                        time=[3.0], mem_offset=[0, 2], mem_static=[10, 12], mem_dynamic=[1, 4], mem_param=[0, 0]),
     )
-    realloc = np.array([[0.0, 0.75], [0.5, 0.0]])
+    realloc = PairCosts.dense(np.array([[0.0, 0.75], [0.5, 0.0]]))
     p = SearchProblem(n_devices=2, device_memory=100, call_names=("gen", "train"), call_model=(0, 0),
                       model_names=("actor",), model_home=(1,), candidates=cands, order_edges=(),
-                      carry_edges=((1, 0),), data_edges=((0, 1),), data_costs=(np.zeros((2, 2)),),
+                      carry_edges=((1, 0),), data_edges=((0, 1),), data_costs=(PairCosts.dense(np.zeros((2, 2))),),
                       realloc_costs=(realloc,), n_iterations=4)
     cpp = p.to_cpp()
     ev = cpp.evaluate(np.zeros(2, np.int32))
-    assert ev["time"] == pytest.approx(5.75)
-    # Memory: static 10 (train layout) + max(dynamic 1 of train, 0 + copy 5 of gen) = 15.
-    assert ev["peak_memory"] == 15 and ev["peak_call"] == 0 and ev["feasible"]
+    assert ev["time"] == pytest.approx(5.75) and ev["exact"]
+    # Device 0: static 10 + max(train's 1, gen's copy 5) = 15; device 1: 12 + max(4, 5) = 17.
+    assert ev["peak_memory"] == 17 and ev["peak_device"] == 1 and ev["peak_call"] == 0 and ev["feasible"]
+    assert cpp.memory(np.zeros(2, np.int32))["device_peak"] == [15, 17]
+    # An unpriced reallocation pair reads as the provisional cost and is reported missing.
+    realloc.known.pop((0, 1))
+    realloc.provisional = 0.25
+    cpp = p.to_cpp()
+    ev = cpp.evaluate(np.zeros(2, np.int32))
+    assert ev["time"] == pytest.approx(5.25) and not ev["exact"]
+    assert cpp.missing(np.zeros(2, np.int32)).tolist() == [[0, 0, 1]]

@@ -4,11 +4,16 @@
 ``realloc.search.reference`` evaluates it in plain Python. Building one from an
 experiment (candidates and estimator costs) lives in ``realloc.search.build``.
 
-Memory rules (the estimator's, realloc/estimator/cost.py): a model's static memory
-sits on the mesh of its *home* call (its first train call, else its first call); every
-call adds its dynamic memory while it runs, plus a copy of the parameters when its
-layout differs from the home layout. A device's peak is its static memory plus the
-largest dynamic memory of the calls that run on it.
+Memory rules are the estimator's (``realloc/estimator/memory.py``): a model's static
+memory sits on the layout of its *home* call (its first train call, else its first
+call); every call adds its dynamic memory while it runs, plus a copy of the
+parameters when its layout differs from the home layout. A device's peak is its
+static memory plus the largest dynamic memory of the calls that run on it. Memory is
+given per pipeline stage, since stages hold different layers and activations.
+
+Transfer costs between two layouts (parameter reallocation per model, data per data
+edge) are *pair costs*, priced lazily: a pair not priced yet reads as the table's
+provisional cost and makes an evaluation inexact.
 """
 
 from __future__ import annotations
@@ -17,39 +22,76 @@ import dataclasses
 
 import numpy as np
 
-MEM_PARTS = 3  # per-device memory of a mesh's first pipeline stage, middle stages, last stage
-
 
 @dataclasses.dataclass(frozen=True)
 class CandidateArrays:
-    """Every placement one call may take, as columns (one row per candidate)."""
+    """Every placement one call may take, as columns (one row per candidate).
+
+    Memory is per pipeline stage: candidate i's stages are entries
+    ``mem_offset[i]:mem_offset[i+1]`` of the three pools, one per stage.
+    """
 
     dev_lo: np.ndarray  # int32, first global device id of the mesh
     dev_hi: np.ndarray  # int32, one past the last
     stage_width: np.ndarray  # int32, devices per pipeline stage (dp * tp)
-    layout: np.ndarray  # int32, (mesh, strategy) id within the model: indexes transfer-cost tables
+    layout: np.ndarray  # int32, (mesh, strategy) id within the model: indexes pair costs
     mesh_id: np.ndarray  # int32
     shape_class: np.ndarray  # int32, (mesh shape, strategy, n_mbs) id
     time: np.ndarray  # float64 seconds
-    mem_static: np.ndarray  # int64 (n, 3) bytes per device
-    mem_dynamic: np.ndarray  # int64 (n, 3)
-    mem_param: np.ndarray  # int64 (n, 3)
+    mem_offset: np.ndarray  # int64, n + 1
+    mem_static: np.ndarray  # int64 pool, bytes per device
+    mem_dynamic: np.ndarray  # int64 pool
+    mem_param: np.ndarray  # int64 pool
 
     def __post_init__(self) -> None:
         for f, dtype in (("dev_lo", np.int32), ("dev_hi", np.int32), ("stage_width", np.int32),
                          ("layout", np.int32), ("mesh_id", np.int32), ("shape_class", np.int32),
-                         ("time", np.float64), ("mem_static", np.int64), ("mem_dynamic", np.int64),
-                         ("mem_param", np.int64)):
+                         ("time", np.float64), ("mem_offset", np.int64), ("mem_static", np.int64),
+                         ("mem_dynamic", np.int64), ("mem_param", np.int64)):
             object.__setattr__(self, f, np.ascontiguousarray(getattr(self, f), dtype=dtype))
         n = len(self.time)
-        for f in ("mem_static", "mem_dynamic", "mem_param"):
-            assert getattr(self, f).shape == (n, MEM_PARTS), (f, getattr(self, f).shape)
+        assert len(self.mem_offset) == n + 1 and self.mem_offset[-1] == len(self.mem_static)
+        assert np.array_equal(np.diff(self.mem_offset), (self.dev_hi - self.dev_lo) // self.stage_width)
 
     def __len__(self) -> int:
         return len(self.time)
 
-    def take(self, rows: np.ndarray) -> "CandidateArrays":
-        return CandidateArrays(**{f.name: getattr(self, f.name)[rows] for f in dataclasses.fields(self)})
+    def pp(self, i: int) -> int:
+        return int(self.mem_offset[i + 1] - self.mem_offset[i])
+
+    def stage_memory(self, i: int, which: str) -> np.ndarray:
+        """Per-stage bytes of candidate i from pool ``which`` (static, dynamic, param)."""
+        pool = getattr(self, f"mem_{which}")
+        return pool[self.mem_offset[i]:self.mem_offset[i + 1]]
+
+    def take(self, rows: np.ndarray | list[int]) -> "CandidateArrays":
+        rows = np.asarray(rows, dtype=np.int64)
+        lo, hi = self.mem_offset[rows], self.mem_offset[rows + 1]
+        idx = np.concatenate([np.arange(a, b) for a, b in zip(lo, hi)]) if len(rows) else np.zeros(0, np.int64)
+        pools = {f"mem_{w}": getattr(self, f"mem_{w}")[idx] for w in ("static", "dynamic", "param")}
+        return CandidateArrays(dev_lo=self.dev_lo[rows], dev_hi=self.dev_hi[rows],
+                               stage_width=self.stage_width[rows], layout=self.layout[rows],
+                               mesh_id=self.mesh_id[rows], shape_class=self.shape_class[rows],
+                               time=self.time[rows], mem_offset=np.r_[0, np.cumsum(hi - lo)], **pools)
+
+
+@dataclasses.dataclass
+class PairCosts:
+    """Seconds to move from layout a to layout b; only priced pairs are known."""
+
+    n_src: int
+    n_dst: int
+    known: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)
+    provisional: float = 0.0
+
+    @classmethod
+    def dense(cls, table: np.ndarray) -> "PairCosts":
+        rows, cols = table.shape
+        return cls(rows, cols, {(a, b): float(table[a, b]) for a in range(rows) for b in range(cols)})
+
+    def get(self, a: int, b: int) -> tuple[float, bool]:
+        v = self.known.get((a, b))
+        return (self.provisional, False) if v is None else (v, True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,14 +106,22 @@ class SearchProblem:
     order_edges: tuple[tuple[int, int], ...]  # inside an iteration, no transfer (parameter versions)
     carry_edges: tuple[tuple[int, int], ...]  # (u at t, v at t+1)
     data_edges: tuple[tuple[int, int], ...]  # inside an iteration, through a transfer node
-    data_costs: tuple[np.ndarray, ...]  # per data edge: src layouts x dst layouts, seconds
-    realloc_costs: tuple[np.ndarray, ...]  # per model: layouts x layouts, seconds
+    data_costs: tuple[PairCosts, ...]  # per data edge: src model layouts x dst model layouts
+    realloc_costs: tuple[PairCosts, ...]  # per model: home layout -> call layout
     n_iterations: int = 4
     oom_alpha: float = 100.0
 
     @property
     def n_calls(self) -> int:
         return len(self.call_names)
+
+    @property
+    def n_models(self) -> int:
+        return len(self.model_names)
+
+    def table(self, table_id: int) -> PairCosts:
+        """Pair-cost table by the engine's id: a model index, or n_models + data edge index."""
+        return self.realloc_costs[table_id] if table_id < self.n_models else self.data_costs[table_id - self.n_models]
 
     def to_cpp(self):
         """The same problem as a finalized ``realloc._C.Problem``."""
@@ -82,12 +132,24 @@ class SearchProblem:
                        model_home=np.asarray(self.model_home, np.int32))
         for c, k in enumerate(self.candidates):
             p.set_candidates(c, k.dev_lo, k.dev_hi, k.stage_width, k.layout, k.mesh_id, k.shape_class, k.time,
-                             k.mem_static, k.mem_dynamic, k.mem_param)
-        for m, table in enumerate(self.realloc_costs):
-            p.set_realloc(m, np.asarray(table, np.float64))
-        for (u, v), table in zip(self.data_edges, self.data_costs):
-            p.add_data_edge(u, v, np.asarray(table, np.float64))
+                             k.mem_offset, k.mem_static, k.mem_dynamic, k.mem_param)
+        for m, t in enumerate(self.realloc_costs):
+            assert t.n_src == t.n_dst
+            p.set_realloc_layouts(m, t.n_src)
+        for (u, v), t in zip(self.data_edges, self.data_costs):
+            p.add_data_edge(u, v, t.n_src, t.n_dst)
+        for table_id in range(self.n_models + len(self.data_edges)):
+            t = self.table(table_id)
+            p.set_provisional(table_id, t.provisional)
+            copy_pair_costs(p, table_id, t.known)
         p.set_edges(np.asarray(self.order_edges, np.int32).reshape(-1, 2),
                     np.asarray(self.carry_edges, np.int32).reshape(-1, 2))
         p.finalize()
         return p
+
+
+def copy_pair_costs(cpp_problem, table_id: int, costs: dict[tuple[int, int], float]) -> None:
+    if not costs:
+        return
+    keys = np.array(list(costs), np.int32).reshape(-1, 2)
+    cpp_problem.set_pair_costs(table_id, keys[:, 0], keys[:, 1], np.fromiter(costs.values(), np.float64, len(costs)))

@@ -10,7 +10,8 @@ iteration, for each call in topological order:
      iteration boundary for the model's first call), on the union of both meshes;
   2. one data-transfer node per incoming data edge, on the union of both meshes;
   3. the call node.
-A transfer node of zero cost occupies no device. Scheduling is Algorithm 1
+A transfer node of zero cost occupies no device; a pair cost not priced yet counts
+as its table's provisional cost and makes the evaluation inexact. Scheduling is Algorithm 1
 (realhf-appendix.txt): take the ready node with the smallest ready time (ties: the
 node numbered first, in the order above), start it once all its devices are free.
 The steady-state time per iteration is (T_K - T_1) / (K - 1), T_t being the last end
@@ -40,15 +41,7 @@ class _Node:
     children: list[int] = dataclasses.field(default_factory=list)
 
 
-def _mem_part(x: int, lo: int, hi: int, width: int) -> int:
-    if x < lo + width:
-        return 0
-    if x >= hi - width:
-        return 2
-    return 1
-
-
-def _build_nodes(p: SearchProblem, plan: Sequence[int]) -> list[_Node]:
+def _build_nodes(p: SearchProblem, plan: Sequence[int], missing: set | None = None) -> list[_Node]:
     n, K = p.n_calls, p.n_iterations
 
     def cand(c: int) -> int:
@@ -69,12 +62,18 @@ def _build_nodes(p: SearchProblem, plan: Sequence[int]) -> list[_Node]:
             home = p.model_home[p.call_model[c]]
             if c != home:
                 lh, lc = layout(home), layout(c)
-                cost = 0.0 if lh == lc else float(p.realloc_costs[p.call_model[c]][lh, lc])
+                cost = 0.0
+                if lh != lc:
+                    cost, known = p.realloc_costs[p.call_model[c]].get(lh, lc)
+                    if not known and missing is not None:
+                        missing.add((p.call_model[c], lh, lc))
                 index["realloc", c, t] = len(nodes)
                 nodes.append(_Node(REALLOC, c, home, t, cost, mesh(home) | mesh(c)))
             for e, (u, v) in enumerate(p.data_edges):
                 if v == c:
-                    cost = float(p.data_costs[e][layout(u), layout(v)])
+                    cost, known = p.data_costs[e].get(layout(u), layout(v))
+                    if not known and missing is not None:
+                        missing.add((p.n_models + e, layout(u), layout(v)))
                     index["data", e, t] = len(nodes)
                     nodes.append(_Node(DATA, c, u, t, cost, mesh(u) | mesh(v)))
             index["call", c, t] = len(nodes)
@@ -106,6 +105,13 @@ def _build_nodes(p: SearchProblem, plan: Sequence[int]) -> list[_Node]:
             for u, v in p.carry_edges:
                 link(index["call", u, t], index["call", v, t + 1])
     return nodes
+
+
+def missing_pairs(p: SearchProblem, plan: Sequence[int]) -> set[tuple[int, int, int]]:
+    """(table id, a, b) of every pair cost the plan needs that is not priced yet."""
+    out: set[tuple[int, int, int]] = set()
+    _build_nodes(p, plan, out)
+    return out
 
 
 def schedule(p: SearchProblem, plan: Sequence[int]) -> list[dict]:
@@ -151,12 +157,12 @@ def device_memory(p: SearchProblem, plan: Sequence[int]) -> tuple[list[int], lis
         home = p.model_home[p.call_model[c]]
         copy = c != home and int(k.layout[i]) != int(p.candidates[home].layout[int(plan[home])])
         for x in range(lo, hi):
-            part = _mem_part(x, lo, hi, w)
-            d = int(k.mem_dynamic[i, part])
+            stage = (x - lo) // w
+            d = int(k.stage_memory(i, "dynamic")[stage])
             if c == home:
-                static[x] += int(k.mem_static[i, part])
+                static[x] += int(k.stage_memory(i, "static")[stage])
             elif copy:
-                d += int(k.mem_param[i, part])
+                d += int(k.stage_memory(i, "param")[stage])
             if d > dynamic[x]:
                 dynamic[x] = d
                 dyn_call[x] = c
@@ -177,4 +183,4 @@ def evaluate(p: SearchProblem, plan: Sequence[int]) -> dict:
     feasible = top <= p.device_memory
     cost = time if feasible else time * p.oom_alpha * (1.0 + overflow / p.device_memory)
     return dict(time=time, makespan=ends[K - 1], cost=cost, peak_memory=top, overflow=overflow, peak_device=dev,
-                peak_call=dyn_call[dev], feasible=feasible)
+                peak_call=dyn_call[dev], feasible=feasible, exact=not missing_pairs(p, plan))
