@@ -4,8 +4,8 @@ Build it on every rank of the layout's mesh, after the layout's process groups
 exist (``ProcessGroupCache.ensure_layouts`` on every process of the world)::
 
     cache = ProcessGroupCache()
-    layout = Layout(device_ids=(0, 1, 2, 3), strategy=ParallelStrategy(dp=1, tp=2, pp=2))
-    cache.ensure_layouts([layout])                      # all processes, same order
+    layout = ModelLayout(device_ids=(0, 1, 2, 3), strategy=ParallelStrategy(dp=1, tp=2, pp=2))
+    cache.ensure_layouts([layout])                        # all processes, same order
     model = ParallelModel(cfg, cache.model_groups(layout), seed=1)   # ranks 0..3 only
 
 Calls (each is collective over the model's mesh; every rank of a dp replica
@@ -42,9 +42,9 @@ from realloc.models.config import ModelConfig
 from realloc.models.groups import ModelParallelGroups
 from realloc.models.llama import LlamaStage, segment_mask
 from realloc.models.megatron_shim import prepare_device
-from realloc.models.param_layout import EMBED_LAYER, ParamSpec, stage_param_specs
+from realloc.models.param_layout import ParamSpec, stage_param_specs
 from realloc.models.pipeline import StageLink, run_1f1b, run_forward_only
-from realloc.models.vocab_parallel import vocab_parallel_entropy, vocab_parallel_token_logprobs
+from realloc.models.vocab_parallel import gather_vocab, vocab_parallel_entropy, vocab_parallel_token_logprobs
 from realloc.models.weights import init_shard
 
 ParamState = Literal["ready", "released", "offloaded"]
@@ -290,16 +290,21 @@ class ParallelModel:
     # -- inference --------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def forward(self, batch: Batch, *, n_mbs: int = 1, output: Literal["logprobs", "values", "entropy"] | None = None,
+    def forward(self, batch: Batch, *, n_mbs: int = 1,
+                output: Literal["logprobs", "values", "entropy", "logits"] | None = None,
                 temperature: float = 1.0, to_all_stages: bool = False) -> torch.Tensor | None:
         """Per-token outputs ``[B, T]`` (float32) for this dp replica's batch, zeros where undefined.
 
         ``output`` defaults to "values" for critics and "logprobs" for actors (see ``batch.py``
-        for the alignment). ``n_mbs`` micro-batches stream through the pipeline; each is
-        trimmed to its longest row.
+        for the alignment); "entropy" is aligned like log-probs; "logits" returns the raw
+        full-vocabulary logits ``[B, T, V]`` at each position (gathered over tp: debugging and
+        tests, not for large vocabularies). ``n_mbs`` micro-batches stream through the
+        pipeline; each is trimmed to its longest row.
         """
         self._require("ready", "forward")
         output = output or ("values" if self.cfg.is_critic else "logprobs")
+        if output not in ("logprobs", "values", "entropy", "logits"):
+            raise ValueError(f"forward: output must be 'logprobs', 'values', 'entropy' or 'logits', got {output!r}")
         if (output == "values") != self.cfg.is_critic:
             raise ValueError(f"forward: output={output!r} does not fit a "
                              f"{'critic' if self.cfg.is_critic else 'vocabulary'} head")
@@ -318,6 +323,8 @@ class ParallelModel:
             head = HeadOutput(out, lay, g.tp_group, self.cfg.is_critic)
             if output == "values":
                 return head.values
+            if output == "logits":
+                return gather_vocab(out, g.tp_group).float() * (lay.segment_ids >= 0).unsqueeze(-1)
             if output == "entropy":
                 return head.entropy(temperature)
             return head.logprobs(temperature)
@@ -326,14 +333,15 @@ class ParallelModel:
             outs = [step(i, None) for i in range(len(parts))]
         else:
             outs = run_forward_only(self._link(), len(parts), step, lambda i: self._hidden_shape(parts[i][0]))
+        shape = full.shape + ((self.cfg.vocab_size,) if output == "logits" else ())
         result = None
         if g.is_last_stage:
-            result = torch.zeros(full.shape, dtype=torch.float32, device=self.device)
+            result = torch.zeros(shape, dtype=torch.float32, device=self.device)
             for (lo, hi), (_, width), o in zip(ranges, parts, outs):
                 result[lo:hi, :width] = o
         if to_all_stages and g.pp > 1:
             if result is None:
-                result = torch.empty(full.shape, dtype=torch.float32, device=self.device)
+                result = torch.empty(shape, dtype=torch.float32, device=self.device)
             dist.broadcast(result, src=g.last_stage_rank, group=g.pp_group)
         return result
 

@@ -27,18 +27,21 @@ Nothing here touches megatron's global ``parallel_state``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from realloc.strategy import ParallelStrategy
 
+if TYPE_CHECKING:
+    from realloc.cluster import DeviceMesh
+
 RankSet = tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class ModelLayout:
     """Where a model lives: global ranks of its mesh (in mesh order) and its strategy."""
 
     device_ids: tuple[int, ...]
@@ -53,6 +56,11 @@ class Layout:
                              f"(needs dp*tp*pp = {self.strategy.world_size} devices)")
         if len(set(ids)) != len(ids) or min(ids) < 0:
             raise ValueError(f"layout: device ids {ids} must be distinct non-negative global ranks")
+
+    @classmethod
+    def from_mesh(cls, mesh: "DeviceMesh", strategy: ParallelStrategy, tie_embeddings: bool = False) -> "ModelLayout":
+        """The layout of a model placed on a ``cluster.DeviceMesh`` (global ranks = its device ids)."""
+        return cls(tuple(mesh.device_ids), strategy, tie_embeddings)
 
     def global_rank(self, dp_rank: int, tp_rank: int, pp_rank: int) -> int:
         return self.device_ids[self.strategy.rank(dp_rank, tp_rank, pp_rank)]
@@ -94,7 +102,7 @@ class Layout:
 class ModelParallelGroups:
     """The groups and coordinates of one process inside one model's layout."""
 
-    layout: Layout
+    layout: ModelLayout
     global_rank: int
     dp_rank: int
     tp_rank: int
@@ -193,14 +201,14 @@ class ProcessGroupCache:
             self._groups[key] = dist.new_group(list(key), backend=self._backend)
         return len(missing)
 
-    def ensure_layouts(self, layouts: Iterable[Layout]) -> int:
+    def ensure_layouts(self, layouts: Iterable[ModelLayout]) -> int:
         """Create every group the given layouts need. Collective; see the class docstring."""
         sets: list[RankSet] = []
         for layout in layouts:
             sets.extend(layout.rank_sets())
         return self.ensure_rank_sets(sets)
 
-    def model_groups(self, layout: Layout, global_rank: int | None = None) -> ModelParallelGroups:
+    def model_groups(self, layout: ModelLayout, global_rank: int | None = None) -> ModelParallelGroups:
         """This process's groups in ``layout``. The layout's groups must already exist (``ensure_layouts``)."""
         rank = dist.get_rank() if global_rank is None else global_rank
         coords = layout.coords_of(rank)

@@ -68,8 +68,9 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies theta^(-2i/d) of the rotary embedding, with Llama-3 frequency scaling if configured."""
     d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    scaling = getattr(cfg, "rope_scaling", None)
+    # fp32 like HF, so angles agree bit for bit at long positions.
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    scaling = cfg.rope_scaling
     if scaling is not None:
         factor, low_ff, high_ff, original_ctx = scaling
         # Llama 3.1 "llama3" scaling: long wavelengths are slowed down by `factor`,
@@ -79,7 +80,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         smooth = ((original_ctx / wavelen) - low_ff) / (high_ff - low_ff)
         mid = (1 - smooth) * inv / factor + smooth * inv
         inv = torch.where(wavelen > low_wl, inv / factor, torch.where(wavelen < high_wl, inv, mid))
-    return inv.float()
+    return inv
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

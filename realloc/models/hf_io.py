@@ -1,0 +1,269 @@
+"""HuggingFace LLaMA checkpoints (config.json + safetensors) in and out of any layout.
+
+Loading: every rank opens only the safetensors files that hold its parameters
+and reads only its tp slice of each (``safe_open(...).get_slice``), so a rank
+never materializes more than its shard. Single-file and sharded checkpoints
+(``model.safetensors.index.json``) are both read.
+
+Saving: within dp replica 0, the tp group of each pipeline stage gathers its
+shards to its tp rank 0, which writes that stage's files. The split of
+parameters into files is a pure function of the model config and pp
+(:func:`shard_file_plan`), so every writer knows the whole index without
+talking to the others; stage 0's writer writes ``config.json`` and the index.
+The result loads with ``transformers`` ``from_pretrained`` and back into any
+layout. Critics are written as ``LlamaForSequenceClassification`` with one label.
+
+    cfg = model_config_from_hf("/ckpt/llama")                        # any process
+    model = ParallelModel(cfg, groups, init="empty")
+    load_hf_checkpoint(model, "/ckpt/llama")                         # every rank of the mesh
+    save_hf_checkpoint(model, "/out/llama")                          # every rank of the mesh
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from realloc.models.config import ModelConfig
+from realloc.models.param_layout import ParamSpec, param_specs, stage_of_layer
+from realloc.models.weights import init_shard
+
+if TYPE_CHECKING:
+    from realloc.models.engine import ParallelModel
+    from realloc.models.groups import ModelParallelGroups
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+# -- config ----------------------------------------------------------------------------------------
+
+
+def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
+    f = Path(path) / CONFIG_FILE
+    if not f.is_file():
+        raise ValueError(f"HF checkpoint {path}: no {CONFIG_FILE}; expected a directory written by save_pretrained")
+    return json.loads(f.read_text())
+
+
+def _rope(hf: Mapping[str, Any], where: str) -> tuple[float, tuple[float, float, float, int] | None]:
+    # transformers >= 5 writes rope_parameters; older configs have rope_theta and rope_scaling.
+    params = dict(hf.get("rope_parameters") or {})
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    scaling = hf.get("rope_scaling") if not params else params
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type in (None, "default"):
+        return theta, None
+    if rope_type != "llama3":
+        raise ValueError(f"{where}: rope type {rope_type!r} is not supported (only 'default' and 'llama3')")
+    try:
+        return theta, (float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"]),
+                       int(scaling["original_max_position_embeddings"]))
+    except KeyError as e:
+        raise ValueError(f"{where}: llama3 rope scaling lacks {e.args[0]!r}") from None
+
+
+def model_config_from_hf(source: str | os.PathLike | Mapping[str, Any], name: str | None = None,
+                         critic: bool | None = None) -> ModelConfig:
+    """A ModelConfig from a checkpoint directory or a parsed config.json.
+
+    ``critic`` defaults to whether the checkpoint is a sequence-classification model.
+    """
+    hf = dict(source) if isinstance(source, Mapping) else read_hf_config(source)
+    where = f"HF config {name or (source if not isinstance(source, Mapping) else 'dict')}"
+    if hf.get("model_type", "llama") != "llama":
+        raise ValueError(f"{where}: model_type {hf.get('model_type')!r} is not 'llama'")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: hidden_act {hf['hidden_act']!r} unsupported (LLaMA uses 'silu')")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise ValueError(f"{where}: {flag}=true is not supported")
+    try:
+        h, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+        head_dim = hf.get("head_dim")
+        if head_dim is not None and int(head_dim) != h // heads:
+            raise ValueError(f"{where}: head_dim={head_dim} differs from hidden_size/num_attention_heads={h // heads}")
+        theta, scaling = _rope(hf, where)
+        archs = hf.get("architectures") or []
+        is_critic = any("SequenceClassification" in a for a in archs) if critic is None else critic
+        if is_critic and int(hf.get("num_labels", len(hf.get("id2label", {}) or {}) or 1)) != 1:
+            raise ValueError(f"{where}: a critic/reward model needs exactly one label (a scalar head)")
+        return ModelConfig(
+            name=name or str(hf.get("_name_or_path") or "hf-llama"),
+            vocab_size=int(hf["vocab_size"]), hidden_size=h, intermediate_size=int(hf["intermediate_size"]),
+            n_layers=int(hf["num_hidden_layers"]), n_heads=heads,
+            n_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)), rope_theta=theta,
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)) and not is_critic,
+            is_critic=is_critic, rope_scaling=scaling,
+        )
+    except KeyError as e:
+        raise ValueError(f"{where}: missing key {e.args[0]!r}") from None
+
+
+def hf_config_from_model_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32,
+                                extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A config.json for ``transformers`` (LlamaForCausalLM, or LlamaForSequenceClassification for critics)."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        f, lo, hi, ctx = cfg.rope_scaling
+        rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": f, "low_freq_factor": lo,
+                "high_freq_factor": hi, "original_max_position_embeddings": ctx}
+    out: dict[str, Any] = {
+        "architectures": ["LlamaForSequenceClassification" if cfg.is_critic else "LlamaForCausalLM"],
+        "model_type": "llama", "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_parameters": rope,
+        "rope_scaling": None if cfg.rope_scaling is None else rope,
+        "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": _DTYPE_NAMES.get(dtype, "float32"),
+        "dtype": _DTYPE_NAMES.get(dtype, "float32"),
+    }
+    if cfg.is_critic:
+        out.update({"num_labels": 1, "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}})
+    if extra:
+        out.update({k: v for k, v in extra.items() if k not in out})
+    return out
+
+
+# -- loading ---------------------------------------------------------------------------------------
+
+
+def _weight_map(path: Path) -> dict[str, str]:
+    index = path / INDEX_FILE
+    if index.is_file():
+        return dict(json.loads(index.read_text())["weight_map"])
+    single = path / SINGLE_FILE
+    if single.is_file():
+        with safe_open(str(single), framework="pt") as f:
+            return {k: SINGLE_FILE for k in f.keys()}
+    raise ValueError(f"HF checkpoint {path}: neither {INDEX_FILE} nor {SINGLE_FILE} found (only safetensors "
+                     f"checkpoints are supported)")
+
+
+@torch.no_grad()
+def load_hf_checkpoint(model: "ParallelModel", path: str | os.PathLike, *, score_init_seed: int | None = None) -> None:
+    """Fill ``model``'s local shards from a HF checkpoint; each rank reads only its slices.
+
+    Loading a critic from a causal-LM checkpoint (no ``score.weight``) needs
+    ``score_init_seed`` to initialize the new value head deterministically.
+    """
+    path = Path(path)
+    model._require("ready", "load_hf_checkpoint")
+    wmap = _weight_map(path)
+    g = model.groups
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for name in model.params():
+        if name in wmap:
+            by_file[wmap[name]].append(name)
+        elif name == "score.weight" and score_init_seed is not None:
+            continue
+        else:
+            hint = " (pass score_init_seed= to initialize a new value head)" if name == "score.weight" else ""
+            raise ValueError(f"HF checkpoint {path}: parameter {name!r} not found{hint}")
+    params = model.params()
+    for fname, names in sorted(by_file.items()):
+        with safe_open(str(path / fname), framework="pt", device="cpu") as f:
+            for name in names:
+                spec = model.specs[name]
+                sl = f.get_slice(name)
+                shape = tuple(sl.get_shape())
+                if shape != spec.shape:
+                    raise ValueError(f"HF checkpoint {path}: {name} has shape {shape}, the model expects {spec.shape}; "
+                                     f"does config.json match the weights?")
+                params[name].copy_(sl[spec.shard_slices(g.tp, g.tp_rank)])
+    if "score.weight" in params and "score.weight" not in wmap:
+        spec = model.specs["score.weight"]
+        params["score.weight"].copy_(init_shard(spec, score_init_seed, g.tp, g.tp_rank, model.dtype))
+
+
+# -- saving ----------------------------------------------------------------------------------------
+
+
+def _saved_names(cfg: ModelConfig, pp: int, stage: int) -> list[str]:
+    """Names stage ``stage`` writes: its own parameters, not the tied embedding replica of the last stage."""
+    return [s.name for s in param_specs(cfg) if stage_of_layer(cfg.n_layers, pp, s.layer) == stage]
+
+
+def shard_file_plan(cfg: ModelConfig, pp: int, dtype: torch.dtype,
+                    max_file_bytes: int = 4 << 30) -> list[tuple[int, str, list[str]]]:
+    """(writing stage, file name, parameter names) for every file; each stage's params split at ``max_file_bytes``."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    sizes = {s.name: s.numel * elem for s in param_specs(cfg)}
+    chunks: list[tuple[int, list[str]]] = []
+    for stage in range(pp):
+        cur: list[str] = []
+        size = 0
+        for name in _saved_names(cfg, pp, stage):
+            if cur and size + sizes[name] > max_file_bytes:
+                chunks.append((stage, cur))
+                cur, size = [], 0
+            cur.append(name)
+            size += sizes[name]
+        if cur:
+            chunks.append((stage, cur))
+    if len(chunks) == 1:
+        return [(chunks[0][0], SINGLE_FILE, chunks[0][1])]
+    n = len(chunks)
+    return [(stage, f"model-{i + 1:05d}-of-{n:05d}.safetensors", names) for i, (stage, names) in enumerate(chunks)]
+
+
+def _gather_full(t: torch.Tensor, spec: ParamSpec, g: "ModelParallelGroups") -> torch.Tensor | None:
+    """Full tensor on tp rank 0 of the group (None elsewhere)."""
+    if g.tp == 1 or spec.tp_dim is None:
+        return t.detach() if g.tp_rank == 0 else None
+    src = t.detach().contiguous()
+    parts = [torch.empty_like(src) for _ in range(g.tp)] if g.tp_rank == 0 else None
+    dist.gather(src, gather_list=parts, dst=g.tp_ranks[0], group=g.tp_group)
+    return torch.cat(parts, dim=spec.tp_dim) if parts is not None else None
+
+
+@torch.no_grad()
+def save_hf_checkpoint(model: "ParallelModel", path: str | os.PathLike, *, dtype: torch.dtype | None = None,
+                       hf_extra: Mapping[str, Any] | None = None, max_file_bytes: int = 4 << 30) -> None:
+    """Write ``model`` as a HF checkpoint; collective over the model's mesh, returns when all files exist.
+
+    ``hf_extra`` adds keys to config.json (e.g. ``bos_token_id``, ``eos_token_id``).
+    """
+    model._require("ready", "save_hf_checkpoint")
+    path = Path(path)
+    g, cfg = model.groups, model.cfg
+    dtype = dtype or model.dtype
+    plan = shard_file_plan(cfg, g.pp, dtype, max_file_bytes)
+    writer = g.dp_rank == 0 and g.tp_rank == 0
+    if g.dp_rank == 0:
+        params = model.params()
+        for stage, fname, names in plan:
+            if stage != g.pp_rank:
+                continue
+            tensors = {}
+            for name in names:
+                full = _gather_full(params[name], model.specs[name], g)
+                if full is not None:
+                    tensors[name] = full.to(device="cpu", dtype=dtype).contiguous()
+            if writer:
+                path.mkdir(parents=True, exist_ok=True)
+                save_file(tensors, str(path / fname), metadata={"format": "pt"})
+        if writer and g.pp_rank == 0:
+            path.mkdir(parents=True, exist_ok=True)
+            (path / CONFIG_FILE).write_text(json.dumps(hf_config_from_model_config(cfg, dtype, hf_extra), indent=2))
+            if len(plan) > 1:
+                elem = torch.tensor([], dtype=dtype).element_size()
+                index = {"metadata": {"total_size": sum(s.numel for s in param_specs(cfg)) * elem},
+                         "weight_map": {n: fname for _, fname, names in plan for n in names}}
+                (path / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    dist.barrier(group=g.mesh_group)

@@ -1,0 +1,91 @@
+"""Shared pieces of the model tests: tiny HF reference models and building ParallelModels on pool workers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from realloc.models.config import ModelConfig
+
+
+def tiny_hf_config(*, kv_heads: int = 2, tie: bool = False, llama3_rope: bool = False, layers: int = 4,
+                   vocab: int = 128, critic: bool = False):
+    from transformers import LlamaConfig
+
+    rope = {"rope_type": "default", "rope_theta": 5000.0}
+    if llama3_rope:
+        rope = {"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    kw = dict(num_labels=1, pad_token_id=0) if critic else {}
+    # initializer_range 0.1 (not 0.02) gives peaked logits, so greedy decoding has clear winners
+    # and cannot flip on the last bit of a reduction order.
+    return LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=176, num_hidden_layers=layers,
+                       num_attention_heads=4, num_key_value_heads=kv_heads, rope_parameters=rope,
+                       tie_word_embeddings=tie, rms_norm_eps=1e-6, max_position_embeddings=256,
+                       initializer_range=0.1, attn_implementation="eager", **kw)
+
+
+def tiny_hf_model(path: Path, seed: int = 0, **kw):
+    """A random HF LLaMA (or sequence-classification critic), saved as safetensors under ``path``."""
+    from transformers import LlamaForCausalLM, LlamaForSequenceClassification
+
+    torch.manual_seed(seed)
+    cls = LlamaForSequenceClassification if kw.get("critic") else LlamaForCausalLM
+    model = cls(tiny_hf_config(**kw)).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def hf_token_logprobs(hf, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] log-probs aligned with the scored token (our forward() convention), from a dense HF model."""
+    logits = hf(input_ids=ids, attention_mask=mask).logits.float()
+    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    out = torch.zeros(ids.shape)
+    out[:, 1:] = lp * (mask[:, 1:].bool() & mask[:, :-1].bool())
+    return out
+
+
+def build_model(ctx, cfg: ModelConfig, dp: int, tp: int, pp: int, *, hf_path: str | None = None,
+                state: dict | None = None, seed: int = 1, device_ids: tuple[int, ...] | None = None):
+    """On a pool worker: create the layout's groups (all ranks) and the model (mesh ranks; None elsewhere)."""
+    from realloc.models.engine import ParallelModel
+    from realloc.models.groups import ModelLayout
+    from realloc.models.hf_io import load_hf_checkpoint
+    from realloc.strategy import ParallelStrategy
+
+    layout = ModelLayout(device_ids or tuple(range(dp * tp * pp)), ParallelStrategy(dp, tp, pp), cfg.tie_embeddings)
+    ctx.groups.ensure_layouts([layout])
+    if ctx.rank not in layout.device_ids:
+        return None
+    loaded = hf_path is not None or state is not None
+    model = ParallelModel(cfg, ctx.groups.model_groups(layout), init="empty" if loaded else "random", seed=seed)
+    if hf_path is not None:
+        load_hf_checkpoint(model, hf_path)
+    if state is not None:
+        model.load_full_state(state)
+    return model
+
+
+def local_shards(model) -> dict | None:
+    if model is None:
+        return None
+    g = model.groups
+    return {"dp": g.dp_rank, "tp": g.tp_rank, "pp": g.pp_rank, "tp_size": g.tp,
+            "shards": {n: p.detach().clone() for n, p in model.params().items()}}
+
+
+def assemble(results: list, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Full tensors from the per-rank ``local_shards`` of dp replica 0 (checks every element is covered once)."""
+    from realloc.models.param_layout import param_specs
+
+    specs = {s.name: s for s in param_specs(cfg)}
+    full = {n: torch.full(s.shape, float("nan")) for n, s in specs.items()}
+    for r in results:
+        if r is None or r["dp"] != 0:
+            continue
+        for name, shard in r["shards"].items():
+            full[name][specs[name].shard_slices(r["tp_size"], r["tp"])] = shard.float()
+    for name, t in full.items():
+        assert not torch.isnan(t).any(), f"{name} not covered by any rank"
+    return full

@@ -1,0 +1,228 @@
+"""The parallel model against HuggingFace transformers: logits, greedy decoding, critic values, checkpoint I/O.
+
+A tiny random LlamaForCausalLM is built locally with a seed and saved as safetensors
+(never downloaded), loaded into (tp, pp) layouts on 4 gloo processes, and compared
+with the dense HF model in the test process.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from realloc.models.hf_io import model_config_from_hf
+from realloc.models.sampling import GenerationConfig
+from model_helpers import assemble, build_model, hf_token_logprobs, local_shards, tiny_hf_model
+from mp_pool import GlooPool
+
+WORLD = 4
+LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tp, pp)
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    with GlooPool(WORLD, tmp_path_factory.mktemp("gloo")) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def gqa(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf_gqa")
+    return tiny_hf_model(path, seed=0, kv_heads=2), path
+
+
+@pytest.fixture(scope="module")
+def tied_llama3(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf_tied")
+    return tiny_hf_model(path, seed=1, kv_heads=4, tie=True, llama3_rope=True), path
+
+
+def _padded_batch(seed: int = 0, lengths=(12, 7, 16, 3)):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 128, (len(lengths), max(lengths)), generator=g)
+    lens = torch.tensor(lengths)
+    mask = (torch.arange(ids.shape[1])[None] < lens[:, None]).long()
+    return ids * mask, lens, mask
+
+
+def _prompts(seed: int = 3, lengths=(3, 7, 5, 9)):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 128, (n,), generator=g).tolist() for n in lengths]
+
+
+def _hf_greedy(hf, prompts, max_new: int, eos: int | None) -> list[list[int]]:
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            seq = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                              eos_token_id=eos, pad_token_id=0)
+        out.append(seq[0].tolist())
+    return out
+
+
+def _run_hf_compare(ctx, cfg, tp, pp, path, ids, lens, prompts, gconfig):
+    model = build_model(ctx, cfg, 1, tp, pp, hf_path=path)
+    if model is None:
+        return None
+    batch = {"input_ids": ids, "lengths": lens}
+    logits = model.forward(batch, output="logits", n_mbs=2)
+    logp = model.forward(batch, n_mbs=3, to_all_stages=True)
+    gen = model.generate(prompts, gconfig)
+    seqs = [gen.sequences[b, :gen.lengths[b]].tolist() for b in range(len(prompts))]
+    return {"last": model.groups.is_last_stage, "logits": logits, "logp": logp, "seqs": seqs,
+            "gen_logp": gen.logprobs, "plen": gen.prompt_lengths, "eos": gen.stopped_at_eos}
+
+
+def _check_against_hf(pool, hf, path, layouts):
+    cfg = model_config_from_hf(path)
+    ids, lens, mask = _padded_batch()
+    with torch.no_grad():
+        ref_logits = hf(input_ids=ids, attention_mask=mask).logits.float() * mask[..., None]
+        ref_logp = hf_token_logprobs(hf, ids, mask)
+    prompts = _prompts()
+    # EOS = a token HF emits mid-way for prompt 0, so stopping at EOS is exercised.
+    eos = _hf_greedy(hf, prompts[:1], 10, None)[0][len(prompts[0]) + 3]
+    ref_seqs = _hf_greedy(hf, prompts, 10, eos)
+    gconfig = GenerationConfig(max_new_tokens=10, greedy=True, eos_token_ids=(eos,))
+    for tp, pp in layouts:
+        res = pool.run(_run_hf_compare, cfg, tp, pp, str(path), ids, lens, prompts, gconfig)
+        for r in res[:tp * pp]:
+            # Every rank of the replica gets log-probs (to_all_stages) and the generated sequences.
+            assert torch.allclose(r["logp"], ref_logp, atol=1e-4), (tp, pp, (r["logp"] - ref_logp).abs().max())
+            assert r["seqs"] == ref_seqs, (tp, pp, r["seqs"], ref_seqs)
+            if r["last"]:
+                err = (r["logits"] - ref_logits).abs().max().item()
+                assert err < 1e-4, (tp, pp, err)
+            else:
+                assert r["logits"] is None
+        assert any(r["eos"].any() for r in res[:tp * pp])
+        # Generated log-probs equal a teacher-forced forward pass of HF over the generated sequences.
+        r0 = res[0]
+        for b, seq in enumerate(ref_seqs):
+            t = torch.tensor([seq])
+            ref = hf_token_logprobs(hf, t, torch.ones_like(t))[0]
+            p = int(r0["plen"][b])
+            assert torch.allclose(r0["gen_logp"][b, p:len(seq)], ref[p:], atol=1e-4)
+            assert (r0["gen_logp"][b, :p] == 0).all()
+
+
+@torch.no_grad()
+def test_gqa_model_matches_hf_logits_and_greedy_in_every_layout(pool, gqa):
+    hf, path = gqa
+    _check_against_hf(pool, hf, path, LAYOUTS)
+
+
+@torch.no_grad()
+def test_tied_embeddings_with_llama3_rope_match_hf(pool, tied_llama3):
+    hf, path = tied_llama3
+    cfg = model_config_from_hf(path)
+    assert cfg.tie_embeddings and cfg.rope_scaling == (8.0, 1.0, 4.0, 16)
+    _check_against_hf(pool, hf, path, [(1, 1), (2, 2)])
+
+
+def _critic_values(ctx, cfg, tp, pp, path, ids, lens):
+    model = build_model(ctx, cfg, 1, tp, pp, hf_path=path)
+    if model is None:
+        return None
+    return model.forward({"input_ids": ids, "lengths": lens}, n_mbs=2)
+
+
+@torch.no_grad()
+def test_critic_values_match_hf_sequence_classifier(pool, tmp_path):
+    hf = tiny_hf_model(tmp_path, seed=2, critic=True)
+    cfg = model_config_from_hf(tmp_path)
+    assert cfg.is_critic
+    ids, lens, mask = _padded_batch(seed=5)
+    ref = hf.score(hf.model(input_ids=ids, attention_mask=mask).last_hidden_state)[..., 0] * mask
+    # HF's own pooled output is the value at each row's last token.
+    pooled = hf(input_ids=ids, attention_mask=mask).logits[:, 0]
+    assert torch.allclose(pooled, ref[torch.arange(len(lens)), lens - 1], atol=1e-5)
+    for tp, pp in [(1, 1), (2, 2)]:
+        res = pool.run(_critic_values, cfg, tp, pp, str(tmp_path), ids, lens)
+        last = res[tp * pp - 1]
+        assert torch.allclose(last, ref, atol=1e-4), (tp, pp, (last - ref).abs().max())
+
+
+def _save(ctx, cfg, dp, tp, pp, src, dst, max_file_bytes):
+    from realloc.models.hf_io import save_hf_checkpoint
+
+    model = build_model(ctx, cfg, dp, tp, pp, hf_path=src)
+    if model is not None:
+        save_hf_checkpoint(model, dst, max_file_bytes=max_file_bytes, hf_extra={"bos_token_id": 1})
+    return local_shards(model)
+
+
+def _load(ctx, cfg, dp, tp, pp, path):
+    return local_shards(build_model(ctx, cfg, dp, tp, pp, hf_path=path))
+
+
+@torch.no_grad()
+def test_save_from_tp2_pp2_reload_dense_and_into_hf(pool, gqa, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    hf, src = gqa
+    cfg = model_config_from_hf(src)
+    saved = assemble(pool.run(_save, cfg, 1, 2, 2, str(src), str(tmp_path / "a"), 4 << 30), cfg)
+    # One file per stage when pp=2 gathers nothing across stages, plus an index.
+    files = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert files == ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                     "model.safetensors.index.json"]
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["bos_token_id"] == 1
+    hf_state = hf.state_dict()
+    for name, t in saved.items():
+        assert torch.equal(t, hf_state[name]), name
+    reloaded = assemble(pool.run(_load, cfg, 1, 1, 1, str(tmp_path / "a")), cfg)
+    for name, t in reloaded.items():
+        assert torch.equal(t, hf_state[name]), name
+    back = LlamaForCausalLM.from_pretrained(tmp_path / "a", attn_implementation="eager").eval()
+    ids, lens, mask = _padded_batch(seed=9)
+    assert torch.equal(back(input_ids=ids, attention_mask=mask).logits, hf(input_ids=ids, attention_mask=mask).logits)
+
+
+@torch.no_grad()
+def test_sharded_checkpoint_with_index_loads_into_dp2_tp2(pool, tied_llama3, tmp_path):
+    hf, src = tied_llama3
+    cfg = model_config_from_hf(src)
+    # ~40 KB files: many shards per stage, an index, and a tied model without lm_head.
+    pool.run(_save, cfg, 1, 1, 2, str(src), str(tmp_path / "s"), 40_000)
+    index = json.loads((tmp_path / "s" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 4 and "lm_head.weight" not in index["weight_map"]
+    res = pool.run(_load, cfg, 2, 2, 1, str(tmp_path / "s"))
+    hf_state = hf.state_dict()
+    for d in (0, 1):
+        replica = [dict(r, dp=0) for r in res if r["dp"] == d]
+        for name, t in assemble(replica, cfg).items():
+            assert torch.equal(t, hf_state[name]), (d, name)
+
+
+def _critic_from_actor(ctx, cfg, path, seed):
+    from realloc.models.hf_io import load_hf_checkpoint
+
+    model = build_model(ctx, cfg, 1, 2, 1)
+    if model is None:
+        return None
+    try:
+        load_hf_checkpoint(model, path)
+        return "no error"
+    except ValueError as e:
+        msg = str(e)
+    load_hf_checkpoint(model, path, score_init_seed=seed)
+    return msg, local_shards(model)
+
+
+def test_critic_from_causal_lm_checkpoint_needs_a_score_seed(pool, gqa):
+    from realloc.models.weights import init_full_tensor
+    from realloc.models.param_layout import param_specs
+
+    hf, src = gqa
+    cfg = model_config_from_hf(src, critic=True)
+    res = pool.run(_critic_from_actor, cfg, str(src), 7)
+    msg, _ = res[0]
+    assert "score_init_seed" in msg
+    full = assemble([r[1] for r in res[:2]], cfg)
+    score_spec = next(s for s in param_specs(cfg) if s.name == "score.weight")
+    assert torch.equal(full["score.weight"], init_full_tensor(score_spec, 7))
+    assert torch.equal(full["model.layers.3.mlp.down_proj.weight"], hf.state_dict()["model.layers.3.mlp.down_proj.weight"])
