@@ -155,6 +155,7 @@ class Reallocator:
         return self.groups.ensure_rank_sets(sets)
 
     # -------------------------------------------------------------------- parameters
+    @torch.no_grad()  # writes into live nn.Parameters, in place
     def reallocate(self, plan: TransferPlan, src: Mapping[str, torch.Tensor] | None,
                    dst: MutableMapping[str, torch.Tensor] | None = None, *, drop_src: bool = False,
                    dtype: torch.dtype | None = None,
@@ -256,6 +257,7 @@ class Reallocator:
         return dst, stats
 
     # -------------------------------------------------------------------- data
+    @torch.no_grad()
     def transfer_data(self, plan: TransferPlan, held: Mapping[str, torch.Tensor],
                       device: torch.device | str = "cpu") -> tuple[dict[str, torch.Tensor], ReallocStats]:
         """Move a batch's keys as planned by ``plan_data_transfer``.
