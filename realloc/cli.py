@@ -62,6 +62,17 @@ def build_parser(commands: dict[str, Callable[[argparse.Namespace], int]] | None
     s.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     s.add_argument("--tp", default="1", help="comma-separated tensor-parallel degrees to profile")
     s.add_argument("--out", default=None, help="output JSON path (default: profiles/<device>/<model>.json)")
+    s.add_argument("--kind", default=None, help="device kind of profiles/hardware/<kind>.json (cpu by default; "
+                   "required with --device cuda, e.g. a100-80g)")
+    s.add_argument("--batch-sizes", default=None, help="comma-separated batch sizes (default 1,2,4,...,64)")
+    s.add_argument("--seq-lens", default=None, help="comma-separated sequence lengths (default 8,16,...,256)")
+    s.add_argument("--ctx-lens", default=None, help="comma-separated KV-cache lengths for decode (default 8,...,512)")
+    s.add_argument("--collectives", default=None, help="comma-separated process counts for collectives "
+                   "(default 2,4,... up to max(tp, 2))")
+    s.add_argument("--max-bytes", type=int, default=None, help="largest collective message in bytes (default 64 MiB)")
+    s.add_argument("--warmup", type=int, default=None, help="untimed runs per point (default 2)")
+    s.add_argument("--repeats", type=int, default=None, help="timed runs per point; the median is kept (default 7)")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=commands.get("profile", _not_yet("profile", 3)))
 
     s = sub.add_parser("search", help="search an execution plan and report it")

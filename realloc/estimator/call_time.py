@@ -76,6 +76,10 @@ class CallCost:
 
 ZERO = CallCost(0.0)
 
+# Elements per coalesced gradient all-reduce (realloc.models.grads.BUCKET_NUMEL; not imported,
+# that module needs torch; tests/test_estimator_cost.py checks they agree).
+GRAD_BUCKET_NUMEL = 1 << 25
+
 
 @dataclasses.dataclass(frozen=True)
 class StageTime:
@@ -107,18 +111,16 @@ def pipeline_makespan(stages: Sequence[StageTime], n_mbs: int) -> CallCost:
     return dataclasses.replace(busy, time=span, bubble=span - busy.time)
 
 
-def decode_step_makespan(stages: Sequence[StageTime], n_mbs: int) -> CallCost:
-    """One generated token for every micro-batch.
+def sequential_makespan(stages: Sequence[StageTime], n_mbs: int) -> CallCost:
+    """``n_mbs`` micro-batches that each pass every stage before the next one starts: n_mbs x sum_k t_k.
 
-    pp = 1: micro-batches decode one after another, n_mbs x t.
-    pp > 1: all micro-batches circulate through the pipeline; a micro-batch
-    re-enters stage 0 once its previous token is sampled on the last stage.
-    A token step then takes max(n_mbs x max_k t_k, sum_k t_k): throughput-bound
-    when there are enough micro-batches to fill the pipeline, latency-bound otherwise.
+    This is how ``realloc.models.generation`` runs prefill and every decode step:
+    the stages of a pipeline take turns on one batch (micro-batched pipelining
+    of decoding is not implemented), and micro-batches generate one after another.
     """
     worst = max(stages, key=lambda st: st.total)
     busy = CallCost.of(compute=n_mbs * worst.compute, tp_comm=n_mbs * worst.tp_comm, pp_comm=n_mbs * worst.pp_comm)
-    span = max(n_mbs * worst.total, sum(st.total for st in stages))
+    span = n_mbs * sum(st.total for st in stages)
     return dataclasses.replace(busy, time=span, bubble=span - busy.time)
 
 
@@ -180,9 +182,10 @@ class CallTimer:
                 p2p += self.comm.time("p2p", 2, act_bytes, links.pp[k])
             if backward and k > 0:
                 p2p += self.comm.time("p2p", 2, act_bytes, links.pp[k - 1])
-            if phase is Phase.DECODE and pp > 1 and k == pp - 1:
-                # sampled token ids go back to the first stage
-                p2p += self.comm.time("p2p", 2, b * 8, links.pp[0])
+            if phase in (Phase.PREFILL, Phase.DECODE) and pp > 1 and k == pp - 1:
+                # the last stage broadcasts the sampled tokens and their log-probs (2 x b float64)
+                # to every stage of the replica (generation.py)
+                p2p += self.comm.time("broadcast", pp, 16 * b, links.pp_any)
             out.append(StageTime(compute=sum(c for c, _ in parts), tp_comm=sum(x for _, x in parts), pp_comm=p2p))
         return out
 
@@ -195,19 +198,24 @@ class CallTimer:
             step = pipeline_makespan(self._stages(Phase.FWD, strategy, links, b, work.seq_len, backward=True), n_mbs)
             step = step + self._optimizer_step(strategy, links)
             return step.scaled(work.n_steps) + overhead
-        # GENERATE
-        prefill = pipeline_makespan(self._stages(Phase.PREFILL, strategy, links, b, work.prompt_len), n_mbs)
+        # GENERATE: micro-batches generate one after another (memory.py: one KV cache at a time)
+        prefill = sequential_makespan(self._stages(Phase.PREFILL, strategy, links, b, work.prompt_len), n_mbs)
         step_host = CallCost.of(overhead=n_mbs * self.hw.decode_step_overhead)
 
         def step(ctx: int) -> CallCost:
-            return decode_step_makespan(self._stages(Phase.DECODE, strategy, links, b, ctx), n_mbs) + step_host
+            return sequential_makespan(self._stages(Phase.DECODE, strategy, links, b, ctx), n_mbs) + step_host
 
         lo, hi = work.prompt_len + 1, work.prompt_len + work.gen_len - 1
         return prefill + sum_over_range(step, lo, hi, self.decode_grid) + overhead
 
     def _optimizer_step(self, strategy: ParallelStrategy, links: GroupLinks) -> CallCost:
-        """DP gradient all-reduce, grad-norm all-reduce and Adam, on the stage holding most parameters."""
+        """After the last backward (``realloc.models.grads``): the DP all-reduce of the gradients in
+        buckets of GRAD_BUCKET_NUMEL elements, the grad-norm's scalar all-reduces over tp and pp,
+        clipping and AdamW, all on the stage holding the most parameters."""
         n_local = max(shard_numel(self.cfg, strategy.tp, strategy.pp, k) for k in range(strategy.pp))
-        dp = self.comm.time("all_reduce", strategy.dp, n_local * self.precision.grad, links.dp)
-        norm = self.comm.time("all_reduce", strategy.world_size, 4, links.world)
+        n_buckets = -(-n_local // GRAD_BUCKET_NUMEL)
+        bucket = n_local / n_buckets * self.precision.grad
+        dp = n_buckets * self.comm.time("all_reduce", strategy.dp, bucket, links.dp)
+        norm = (self.comm.time("all_reduce", strategy.tp, 8, links.tp)
+                + self.comm.time("all_reduce", strategy.pp, 8, links.pp_any))
         return CallCost.of(dp_allreduce=dp + norm, optimizer=self.costs.optimizer(n_local))

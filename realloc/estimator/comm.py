@@ -105,6 +105,11 @@ class GroupLinks:
     pp: tuple[Link, ...]  # link between pipeline stage s and s+1
     world: Link  # a collective over every rank of the layout
 
+    @property
+    def pp_any(self) -> Link:
+        """The link of a collective over a whole pipeline group."""
+        return Link.INTER if Link.INTER in self.pp else Link.INTRA
+
 
 def _crosses(ranks: Iterable[int], devs_per_node: int) -> Link:
     return Link.INTER if len({r // devs_per_node for r in ranks}) > 1 else Link.INTRA

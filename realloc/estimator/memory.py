@@ -33,9 +33,9 @@ micro-batch of ``b`` sequences, ``t`` = tp, ``m`` = n_mbs:
 - INFERENCE: one micro-batch's working set of one block, plus logits on the
   last stage (fp32 logits and log-softmax);
 - GENERATE: KV cache of b x (prompt_len + gen_len) positions x L_k layers for
-  the micro-batches in flight (1 if pp = 1, since micro-batches generate one after
-  another; m if pp > 1, since all circulate through the pipeline), plus the
-  prefill working set and one row of full-vocabulary logits per sequence.
+  one micro-batch (micro-batches generate one after another, and the stages of
+  a pipeline take turns on it: ``realloc.models.generation``), plus the prefill
+  working set and one row of full-vocabulary logits per sequence.
 """
 
 from __future__ import annotations
@@ -122,8 +122,7 @@ def stage_call_memory(cfg: ModelConfig, work: Workload, strategy: ParallelStrate
         logits = 2 * n_tok * vocab_shard * precision.logits if last else 0
         return CallMemory(params=params, activations=int(transient * n_tok + logits))
     # GENERATE
-    in_flight = 1 if pp == 1 else n_mbs
-    kv = in_flight * b * work.seq_len * n_blocks * kv_cache_bytes_per_token_layer(cfg, t, precision)
+    kv = b * work.seq_len * n_blocks * kv_cache_bytes_per_token_layer(cfg, t, precision)
     logits = b * cfg.vocab_size * precision.logits if last and not cfg.is_critic else 0
     act = transient * b * work.prompt_len + logits
     return CallMemory(params=params, activations=int(act), kv_cache=int(kv))

@@ -44,8 +44,9 @@ _KERNELS = {
     (Part.EMBED, Phase.BWD): 3,
     (Part.BLOCK, Phase.FWD): 11, (Part.BLOCK, Phase.PREFILL): 12, (Part.BLOCK, Phase.DECODE): 12,
     (Part.BLOCK, Phase.BWD): 22,
-    # head: norm, GEMM, then log-softmax / gather (fwd) or sampling (decode)
-    (Part.HEAD, Phase.FWD): 7, (Part.HEAD, Phase.PREFILL): 3, (Part.HEAD, Phase.DECODE): 8,
+    # head: norm, GEMM, then log-softmax / gather (fwd) or sampling (prefill, decode: sort, softmax,
+    # cumsum, search, gathers, log-softmax)
+    (Part.HEAD, Phase.FWD): 7, (Part.HEAD, Phase.PREFILL): 14, (Part.HEAD, Phase.DECODE): 14,
     (Part.HEAD, Phase.BWD): 8,
     (Part.CRITIC_HEAD, Phase.FWD): 3, (Part.CRITIC_HEAD, Phase.PREFILL): 3, (Part.CRITIC_HEAD, Phase.DECODE): 3,
     (Part.CRITIC_HEAD, Phase.BWD): 4,
@@ -153,7 +154,7 @@ def op_work(cfg: ModelConfig, part: Part, phase: Phase, tp: int, b: int, s: int,
     else:
         n_out = n
     gemm = OpWork(gemm_flops=2.0 * n_out * h * v, gemm_bytes=(h * v + n_out * h) * e + n_out * v * lg,
-                  elem_bytes=2 * n * h * e)
+                  elem_bytes=2 * n_out * h * e)
     if phase is Phase.FWD:
         coll = (Collective("all_reduce", n * lg, 3),) if t > 1 else ()
         return dataclasses.replace(gemm, elem_bytes=gemm.elem_bytes + 3 * n * v * lg,
@@ -164,9 +165,11 @@ def op_work(cfg: ModelConfig, part: Part, phase: Phase, tp: int, b: int, s: int,
         return OpWork(gemm_flops=2 * gemm.gemm_flops, gemm_bytes=2 * gemm.gemm_bytes + h * v * 2 * precision.grad,
                       elem_bytes=2 * gemm.elem_bytes + 2 * n * v * lg, kernels=_KERNELS[(part, phase)],
                       tp_collectives=coll)
-    # PREFILL / DECODE: sample from full-vocabulary logits (softmax + draw: ~4 passes over b x V fp32)
+    # PREFILL / DECODE: sample from full-vocabulary logits (realloc.models.sampling): a sort of
+    # b x V fp32 keys with int64 indices (a radix sort streams them ~4 times), softmax, cumsum,
+    # log-softmax: ~12 passes over b x V x 4 bytes.
     coll = (Collective("all_gather", n_out * v * lg),) if t > 1 else ()
-    return dataclasses.replace(gemm, elem_bytes=gemm.elem_bytes + 4 * n_out * cfg.vocab_size * lg,
+    return dataclasses.replace(gemm, elem_bytes=gemm.elem_bytes + 12 * n_out * cfg.vocab_size * lg,
                                kernels=_KERNELS[(part, phase)], tp_collectives=coll)
 
 

@@ -1,0 +1,323 @@
+"""``realloc profile``: measure a model's layers and this machine's collectives, write a profile table.
+
+    realloc profile --model tiny --device cpu --tp 1,2 [--out profiles/cpu/tiny.json]
+
+Launches ``max(tp, 2)`` worker processes (gloo on CPU, NCCL on CUDA; one device
+and, on CPU, one thread each), times every op of ``profiler.op_plan`` for every
+requested tp on ranks 0..tp-1, then times collectives among 2, 4, ... of the
+processes (``profile_collectives.py``), and writes the versioned JSON table of
+``profile_table.py`` (default ``profiles/<device kind>/<model>.json``).
+Results travel from the workers to this process as JSON text over a local queue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import json
+import multiprocessing as mp
+import os
+import platform
+import queue as queue_mod
+import shlex
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from realloc.estimator.hardware import load_hardware_spec, profiles_dir
+from realloc.estimator.opcount import Part, Phase
+from realloc.estimator.profile_collectives import OPS as COLLECTIVE_OPS
+from realloc.estimator.profile_collectives import message_sizes
+from realloc.estimator.profile_table import CollectiveEntry, ModelArch, OpGrid, ProfileTable, TpTable
+from realloc.estimator.profiler import OPTIMIZER_LAYERS, PROFILED_OPS, LayerGrid, op_axes, op_plan
+from realloc.models.config import RULE_MODEL_TYPE, ModelConfig, get_model_config
+
+DEFAULT_BATCH = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_MAX_COLLECTIVE_BYTES = 64 * 2**20
+WORKER_TIMEOUT = 1800.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileJob:
+    model_type: str
+    device: str  # "cpu" | "cuda"
+    kind: str  # device kind (profiles/hardware/<kind>.json)
+    dtype: str
+    tps: tuple[int, ...]
+    grid: LayerGrid
+    collective_sizes: tuple[int, ...]  # group sizes
+    max_collective_bytes: int
+    collective_repeats: int
+
+    @property
+    def world(self) -> int:
+        return max([*self.tps, *self.collective_sizes, 1])
+
+    def n_steps(self) -> int:
+        layer = sum(1 for _ in op_plan(self.grid)) + len(OPTIMIZER_LAYERS)
+        coll = len(COLLECTIVE_OPS) * len(message_sizes(self.max_collective_bytes))
+        return layer * len(self.tps) + coll * len(self.collective_sizes)
+
+
+def _parse_ints(text: str, what: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--{what} must be comma-separated positive integers, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise ValueError(f"--{what} must be comma-separated positive integers, got {text!r}")
+    return tuple(sorted(set(vals)))
+
+
+def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
+    out, v = [], lo
+    while v <= hi:
+        out.append(v)
+        v *= 2
+    return tuple(out)
+
+
+def default_grid(cfg: ModelConfig, warmup: int, repeats: int) -> LayerGrid:
+    """Powers of two: batch 1..64, sequences 8..min(256, max positions), caches 8..min(512, max positions)."""
+    seq = _powers_of_two(8, min(256, cfg.max_position_embeddings))
+    ctx = _powers_of_two(8, min(512, cfg.max_position_embeddings))
+    return LayerGrid(batch=DEFAULT_BATCH, seq=seq, ctx=ctx, warmup=warmup, repeats=repeats)
+
+
+def build_job(args: argparse.Namespace) -> ProfileJob:
+    if args.model == RULE_MODEL_TYPE:
+        raise ValueError(f"--model {RULE_MODEL_TYPE!r} is a parameter-free function; there is nothing to profile")
+    cfg = get_model_config(args.model)
+    tps = _parse_ints(args.tp, "tp")
+    for tp in tps:
+        if cfg.n_heads % tp or cfg.n_kv_heads % tp or cfg.vocab_size % tp or cfg.intermediate_size % tp:
+            raise ValueError(f"--tp {tp} does not divide the heads ({cfg.n_heads}), KV heads ({cfg.n_kv_heads}), "
+                             f"vocabulary ({cfg.vocab_size}) or MLP width ({cfg.intermediate_size}) of {cfg.name}")
+    kind = getattr(args, "kind", None) or ("cpu" if args.device == "cpu" else None)
+    if kind is None:
+        raise ValueError("--device cuda needs --kind naming the GPU's hardware spec, e.g. --kind a100-80g")
+    hw = load_hardware_spec(kind)
+    warmup, repeats = getattr(args, "warmup", None) or 2, getattr(args, "repeats", None) or 7
+    grid = default_grid(cfg, warmup, repeats)
+    if getattr(args, "batch_sizes", None):
+        grid = dataclasses.replace(grid, batch=_parse_ints(args.batch_sizes, "batch-sizes"))
+    if getattr(args, "seq_lens", None):
+        grid = dataclasses.replace(grid, seq=_parse_ints(args.seq_lens, "seq-lens"))
+    if getattr(args, "ctx_lens", None):
+        grid = dataclasses.replace(grid, ctx=_parse_ints(args.ctx_lens, "ctx-lens"))
+    longest = max(grid.seq[-1], grid.ctx[-1])
+    if longest > cfg.max_position_embeddings:
+        raise ValueError(f"sequence/cache length {longest} exceeds the {cfg.max_position_embeddings} positions of "
+                         f"{cfg.name}; lower --seq-lens/--ctx-lens")
+    n_coll = getattr(args, "collectives", None)
+    world = max(max(tps), 2)
+    sizes = _powers_of_two(2, world) if n_coll is None else tuple(s for s in _parse_ints(n_coll, "collectives")
+                                                                  if s >= 2)
+    return ProfileJob(model_type=args.model, device=args.device, kind=kind, dtype=hw.dtype, tps=tps, grid=grid,
+                      collective_sizes=sizes, max_collective_bytes=getattr(args, "max_bytes", None)
+                      or DEFAULT_MAX_COLLECTIVE_BYTES, collective_repeats=max(repeats - 2, 3))
+
+
+# -- worker ---------------------------------------------------------------------------------------
+
+def _worker(rank: int, job: ProfileJob, init_file: str, out: "mp.Queue[str]") -> None:
+    try:
+        _run_worker(rank, job, init_file, out)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which exits with one line
+        out.put(json.dumps({"type": "error", "rank": rank, "error": f"{type(e).__name__}: {e}",
+                            "traceback": traceback.format_exc()}))
+        raise SystemExit(1)
+
+
+def _run_worker(rank: int, job: ProfileJob, init_file: str, out: "mp.Queue[str]") -> None:
+    import torch
+    import torch.distributed as dist
+
+    from realloc.estimator.profile_collectives import time_collective
+    from realloc.estimator.profiler import LayerProfiler
+    from realloc.models.groups import ModelLayout, ProcessGroupCache
+    from realloc.strategy import ParallelStrategy
+
+    torch.set_num_threads(1)
+    if job.device == "cuda":
+        torch.cuda.set_device(rank)
+    backend = "nccl" if job.device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=job.world)
+    device = torch.device(f"cuda:{rank}" if job.device == "cuda" else "cpu")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[job.dtype]
+    cfg = get_model_config(job.model_type)
+
+    def tick() -> None:
+        if rank == 0:
+            out.put('{"type": "tick"}')
+
+    cache = ProcessGroupCache()
+    layouts = {tp: ModelLayout(tuple(range(tp)), ParallelStrategy(1, tp, 1)) for tp in job.tps}
+    cache.ensure_layouts(layouts.values())
+    cache.ensure_rank_sets([tuple(range(n)) for n in job.collective_sizes])
+    result: dict[str, Any] = {"type": "result", "tp": {}, "collectives": []}
+    g = job.grid
+    for tp in job.tps:
+        if rank < tp:
+            prof = LayerProfiler(cfg, cache.model_groups(layouts[tp]), dtype=dtype, device=device)
+            ops: dict[str, dict[tuple[int, int], float]] = {}
+            for part, phase, b, s in op_plan(g):
+                ops.setdefault(f"{part.value}.{phase.value}", {})[b, s] = prof.time_op(part, phase, b, s, g.warmup,
+                                                                                      g.repeats)
+                tick()
+            opt = []
+            for n_layers in OPTIMIZER_LAYERS:
+                opt.append(prof.time_optimizer(n_layers, g.warmup, g.repeats))
+                tick()
+            result["tp"][str(tp)] = {"ops": {k: [[b, s, t] for (b, s), t in v.items()] for k, v in ops.items()},
+                                     "optimizer": opt}
+            del prof
+        dist.barrier()
+    for n in job.collective_sizes:
+        ranks = tuple(range(n))
+        if rank < n:
+            group = cache.get(ranks)
+            for op in COLLECTIVE_OPS:
+                pts = []
+                for nbytes in message_sizes(job.max_collective_bytes):
+                    pts.append((nbytes, time_collective(op, group, ranks, nbytes, job.collective_repeats)))
+                    tick()
+                result["collectives"].append({"op": op, "n": n, "points": pts})
+        dist.barrier()
+    if rank == 0:
+        out.put(json.dumps(result))
+    dist.destroy_process_group()
+
+
+# -- parent ---------------------------------------------------------------------------------------
+
+def run_workers(job: ProfileJob, show_progress: bool = True) -> dict[str, Any]:
+    """Launch the workers, follow their progress, return rank 0's raw result."""
+    ctx = mp.get_context("spawn")
+    out: "mp.Queue[str]" = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="realloc-profile-") as tmp:
+        init_file = str(Path(tmp) / "rendezvous")
+        env_tmp = os.environ.get("TMPDIR")
+        os.environ["TMPDIR"] = tmp  # torch writes scratch folders there
+        try:
+            procs = [ctx.Process(target=_worker, args=(r, job, init_file, out), daemon=True) for r in range(job.world)]
+            for p in procs:
+                p.start()
+        finally:
+            if env_tmp is None:
+                os.environ.pop("TMPDIR", None)
+            else:
+                os.environ["TMPDIR"] = env_tmp
+        try:
+            return _follow(procs, out, job, show_progress)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join(timeout=10)
+
+
+def _follow(procs: list, out: "mp.Queue[str]", job: ProfileJob, show_progress: bool) -> dict[str, Any]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    deadline = time.monotonic() + WORKER_TIMEOUT
+    with Progress(TextColumn("profiling {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  disable=not show_progress, transient=False) as bar:
+        task = bar.add_task(f"{job.model_type} tp={','.join(map(str, job.tps))}", total=job.n_steps())
+        while True:
+            try:
+                msg = json.loads(out.get(timeout=1.0))
+            except queue_mod.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"profiling worker {dead[0]} died (exit code {procs[dead[0]].exitcode})")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"profiling did not finish within {WORKER_TIMEOUT:.0f} s")
+                continue
+            if msg["type"] == "tick":
+                bar.advance(task)
+            elif msg["type"] == "error":
+                if os.environ.get("REALLOC_DEBUG"):
+                    print(msg["traceback"], file=sys.stderr)
+                raise RuntimeError(f"profiling worker {msg['rank']} failed: {msg['error']}")
+            elif msg["type"] == "result":
+                return msg
+
+
+def assemble_table(job: ProfileJob, raw: dict[str, Any], meta: dict[str, Any]) -> ProfileTable:
+    from realloc.estimator.comm import Link
+    from realloc.estimator.profile_collectives import fit_alpha_beta
+
+    cfg = get_model_config(job.model_type)
+    tps: dict[int, TpTable] = {}
+    for tp_s, sub in raw["tp"].items():
+        ops = {}
+        for part, phase in PROFILED_OPS:
+            key = f"{part.value}.{phase.value}"
+            vals = {(b, s): t for b, s, t in sub["ops"][key]}
+            axis = op_axes(part, phase, job.grid)
+            ops[key] = OpGrid(batch=list(job.grid.batch), seq=list(axis),
+                              seconds=[[vals[b, s] for s in axis] for b in job.grid.batch])
+        tps[int(tp_s)] = TpTable(ops=ops, optimizer=[(int(n), float(t)) for n, t in sub["optimizer"]])
+    colls = []
+    for c in raw["collectives"]:
+        pts = [(float(x), float(t)) for x, t in c["points"]]
+        alpha, beta = fit_alpha_beta(pts)
+        colls.append(CollectiveEntry(op=c["op"], n=c["n"], link=Link.INTRA, alpha=alpha, beta=beta, points=pts))
+    return ProfileTable(device_kind=job.kind, model_type=job.model_type, dtype=job.dtype, arch=ModelArch.of(cfg),
+                        tp=tps, collectives=colls, meta=meta)
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The ``realloc profile`` command that reproduces this run."""
+    parts = ["realloc", "profile", "--model", args.model, "--device", args.device, "--tp", args.tp]
+    for opt in ("kind", "batch_sizes", "seq_lens", "ctx_lens", "collectives", "max_bytes", "warmup", "repeats",
+                "out"):
+        v = getattr(args, opt, None)
+        if v is not None:
+            parts += ["--" + opt.replace("_", "-"), str(v)]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def _load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def main(args: argparse.Namespace) -> int:
+    job = build_job(args)
+    path = Path(args.out) if args.out else profiles_dir() / job.kind / f"{job.model_type}.json"
+    t0 = time.time()
+    load_before = _load_average()
+    raw = run_workers(job, show_progress=not getattr(args, "quiet", False))
+    import torch
+
+    meta = {
+        "command": command_line(args),
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "seconds": round(time.time() - t0, 1),
+        "torch": torch.__version__,
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "cpu_count": os.cpu_count(),
+        "load_average_before": load_before,
+        "load_average_after": _load_average(),
+        "threads_per_process": 1 if job.device == "cpu" else None,
+        "warmup": job.grid.warmup, "repeats": job.grid.repeats,
+        "statistic": "median over repeats; each repeat is the slowest rank of the group",
+    }
+    table = assemble_table(job, raw, meta)
+    table.save(path)
+    n_points = sum(len(g.batch) * len(g.seq) for sub in table.tp.values() for g in sub.ops.values())
+    print(f"wrote {path}: {n_points} layer points for tp {','.join(map(str, job.tps))}, "
+          f"{len(table.collectives)} collective fits, in {meta['seconds']} s")
+    for c in table.collectives:
+        if c.op in ("all_reduce", "broadcast"):
+            bw = 1 / c.beta / 1e9 if c.beta > 0 else float("inf")
+            print(f"  {c.op:<11} n={c.n}: alpha {c.alpha * 1e6:7.1f} us, {bw:6.2f} GB/s")
+    return 0

@@ -1,0 +1,267 @@
+"""Measure realloc's own model layers on this process's device (the worker side of ``realloc profile``).
+
+Every op runs the real modules of ``realloc.models`` (megatron-core TP layers,
+our attention, KV cache, vocab-parallel log-probs and sampling) on a one-layer
+``ParallelModel`` of the profiled architecture, tensor-parallel over the tp
+ranks that call these functions together. Times are per device:
+
+- ``<part>.fwd``: inference forward (no autograd) of ``b`` sequences x ``s`` tokens;
+- ``<part>.bwd``: the rest of a training micro-batch, i.e. (forward with autograd
+  + backward) minus ``fwd``, so that fwd + bwd is one micro-batch of training;
+- ``<part>.prefill``: forward of ``b`` prompts of ``s`` tokens that fills a KV
+  cache (the head: last-position logits, vocabulary gather, sampling);
+- ``<part>.decode``: one token for ``b`` sequences attending ``s`` cached
+  positions (the head: logits, gather, sampling, as ``generation.py`` runs it);
+- optimizer: the engine's post-backward step (grad-norm, clipping, AdamW,
+  freeing grads) over the parameters of 1, 2 and 4 layers.
+
+Each point: ``warmup`` untimed runs, then ``repeats`` timed runs whose per-run
+time is the maximum over the tp ranks (they end together anyway because of the
+collectives inside); the median is stored. ``torch.set_num_threads(1)``: one
+device is one single-threaded process, as in the runtime.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from realloc.estimator.opcount import Part, Phase
+from realloc.models.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerGrid:
+    batch: tuple[int, ...]
+    seq: tuple[int, ...]  # tokens per sequence for fwd/bwd/prefill
+    ctx: tuple[int, ...]  # cached positions for decode
+    warmup: int = 2
+    repeats: int = 7
+
+
+def timed(run: Callable[[], object], group: dist.ProcessGroup | None, warmup: int, repeats: int,
+          setup: Callable[[], object] | None = None) -> float:
+    """Median seconds of ``run()`` over ``repeats``, each the max over ``group``; ``setup()`` runs untimed first."""
+    for _ in range(warmup):
+        if setup:
+            setup()
+        run()
+    times = []
+    for _ in range(repeats):
+        if setup:
+            setup()
+        if group is not None and group.size() > 1:
+            dist.barrier(group=group)
+        t0 = time.perf_counter()
+        run()
+        dt = time.perf_counter() - t0
+        times.append(dt)
+    if group is not None and group.size() > 1:
+        t = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        times = t.tolist()
+    return statistics.median(times)
+
+
+class LayerProfiler:
+    """Builds one-layer models of ``cfg`` (actor and critic heads) on this tp group and times their parts."""
+
+    def __init__(self, cfg: ModelConfig, groups, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        from realloc.models.engine import ParallelModel
+
+        one = dataclasses.replace(cfg, n_layers=1, is_critic=False, tie_embeddings=False)
+        self.cfg = one
+        self.groups = groups
+        self.group = groups.tp_group
+        self.actor = ParallelModel(one, groups, device=device, dtype=dtype, seed=1)
+        self.critic = ParallelModel(one.as_critic(), groups, device=device, dtype=dtype, seed=2)
+        self.device, self.dtype = self.actor.device, dtype
+        self.stage = self.actor.stage
+        self.layer = self.stage.layers[0]
+
+    # -- inputs ---------------------------------------------------------------
+    def _ids(self, b: int, s: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(b * 7919 + s)
+        return torch.randint(0, self.cfg.vocab_size, (b, s), generator=g).to(self.device)
+
+    def _hidden(self, b: int, s: int, grad: bool = False) -> torch.Tensor:
+        g = torch.Generator().manual_seed(b * 104729 + s)
+        x = torch.randn(b, s, self.cfg.hidden_size, generator=g, dtype=torch.float32).to(self.device, self.dtype)
+        return x.requires_grad_(grad)
+
+    def _rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from realloc.models.llama import rope_cos_sin
+
+        return rope_cos_sin(self.stage.inv_freq, pos, self.dtype)
+
+    def _seq_inputs(self, b: int, s: int):
+        from realloc.models.llama import segment_mask
+
+        pos = torch.arange(s, device=self.device).expand(b, s)
+        mask = segment_mask(torch.zeros(b, s, dtype=torch.long, device=self.device))
+        return pos, mask
+
+    def _free_grads(self) -> None:
+        for m in (self.actor, self.critic):
+            for p in m.stage.parameters():
+                p.grad = None
+
+    # -- ops --------------------------------------------------------------------
+    def op_runner(self, part: Part, phase: Phase, b: int, s: int) -> tuple[Callable[[], object],
+                                                                          Callable[[], object] | None]:
+        """(run, setup) for one op; ``run`` is what gets timed."""
+        from realloc.models.llama import cache_mask
+        from realloc.models.sampling import GenerationConfig, sample_tokens, sequence_generators
+        from realloc.models.vocab_parallel import gather_vocab, vocab_parallel_token_logprobs
+
+        group, stage = self.group, self.stage
+        train = phase is Phase.BWD
+        if phase in (Phase.FWD, Phase.BWD):
+            ids, (pos, mask) = self._ids(b, s), self._seq_inputs(b, s)
+            cos, sin = self._rope(pos)
+            if part is Part.EMBED:
+                def fn():
+                    out = stage.embed(ids)
+                    if train:
+                        out.backward(torch.ones_like(out))
+            elif part is Part.BLOCK:
+                x = self._hidden(b, s, grad=train)
+
+                def fn():
+                    out = self.layer(x, cos, sin, mask)
+                    if train:
+                        out.backward(torch.ones_like(out))
+            elif part is Part.HEAD:
+                h = self._hidden(b, s, grad=train)
+
+                def fn():
+                    lp = vocab_parallel_token_logprobs(stage.head(h)[:, :-1], ids[:, 1:], group)
+                    if train:
+                        lp.mean().backward()
+            else:
+                h = self._hidden(b, s, grad=train)
+                critic = self.critic.stage
+
+                def fn():
+                    v = critic.head(h).float()
+                    if train:
+                        v.mean().backward()
+            if train:
+                return fn, self._free_grads
+
+            def no_grad():
+                with torch.no_grad():
+                    fn()
+            return no_grad, None
+
+        # PREFILL / DECODE: s = prompt length (prefill) or cached positions (decode)
+        new = s if phase is Phase.PREFILL else 1
+        start = 0 if phase is Phase.PREFILL else s - 1
+        if part is Part.EMBED:
+            ids = self._ids(b, new)
+
+            def run():
+                with torch.no_grad():
+                    stage.embed(ids)
+            return run, None
+        if part is Part.BLOCK:
+            x = self._hidden(b, new)
+            caches = stage.new_kv_caches(b, s)
+            pos = (torch.arange(new, device=self.device) + start).expand(b, new)
+            cos, sin = self._rope(pos)
+            mask = cache_mask(torch.ones(b, s, dtype=torch.bool, device=self.device), start, new)
+
+            def run():
+                with torch.no_grad():
+                    self.layer(x, cos, sin, mask, caches[0], start)
+            return run, None
+        if part is Part.HEAD:
+            h = self._hidden(b, 1)
+            gcfg = GenerationConfig(max_new_tokens=1)
+            gens = sequence_generators(0, range(b))
+
+            def run():
+                with torch.no_grad():
+                    logits = gather_vocab(stage.head(h[:, -1:]), group)[:, 0].float()
+                    sample_tokens(logits, gcfg, gens)
+            return run, None
+        h = self._hidden(b, 1)
+        critic = self.critic.stage
+
+        def run():
+            with torch.no_grad():
+                critic.head(h)
+        return run, None
+
+    def time_op(self, part: Part, phase: Phase, b: int, s: int, warmup: int, repeats: int) -> float:
+        run, setup = self.op_runner(part, phase, b, s)
+        if phase is not Phase.BWD:
+            return timed(run, self.group, warmup, repeats, setup)
+        total = timed(run, self.group, warmup, repeats, setup)
+        fwd_run, _ = self.op_runner(part, Phase.FWD, b, s)
+        fwd = timed(fwd_run, self.group, warmup, repeats)
+        # never below a tenth of the total: the two medians are of noisy runs
+        return max(total - fwd, 0.1 * total)
+
+    def time_optimizer(self, n_layers: int, warmup: int, repeats: int) -> tuple[int, float]:
+        """(local parameters, seconds) of the engine's post-backward step on a model of ``n_layers`` layers."""
+        from realloc.models import grads
+        from realloc.models.engine import ParallelModel
+
+        cfg = dataclasses.replace(self.cfg, n_layers=n_layers)
+        model = ParallelModel(cfg, self.groups, device=self.device, dtype=self.dtype, seed=3)
+        params = model.params()
+        opt = model.make_optimizer(lr=1e-6)
+
+        def setup():
+            for p in params.values():
+                p.grad = torch.full_like(p, 1e-3)
+
+        def run():
+            grads.ensure_grads(params)
+            norm = grads.global_grad_norm(params, model.specs, model.groups)
+            grads.clip_grads(params, norm, 1.0)
+            opt.step()
+            for p in params.values():
+                p.grad = None
+
+        t = timed(run, self.group, warmup, repeats, setup)
+        return sum(p.numel() for p in params.values()), t
+
+
+# Ops whose cost does not depend on the second axis: the head of a prefill sees only the last
+# position, and a decode step's embedding and heads see one token whatever the cache holds.
+# They are measured on a one-column grid (s = 1), which lookups treat as flat along s.
+FLAT_OPS = frozenset({(Part.HEAD, Phase.PREFILL), (Part.EMBED, Phase.DECODE), (Part.HEAD, Phase.DECODE),
+                      (Part.CRITIC_HEAD, Phase.DECODE)})
+
+PROFILED_OPS: tuple[tuple[Part, Phase], ...] = (
+    *((part, phase) for part in (Part.EMBED, Part.BLOCK, Part.HEAD, Part.CRITIC_HEAD)
+      for phase in (Phase.FWD, Phase.BWD)),
+    (Part.EMBED, Phase.PREFILL), (Part.BLOCK, Phase.PREFILL), (Part.HEAD, Phase.PREFILL),
+    (Part.EMBED, Phase.DECODE), (Part.BLOCK, Phase.DECODE), (Part.HEAD, Phase.DECODE), (Part.CRITIC_HEAD, Phase.DECODE),
+)
+
+
+def op_axes(part: Part, phase: Phase, grid: LayerGrid) -> tuple[int, ...]:
+    """The second grid axis of an op: sequence lengths, cache lengths, or (1,) for a flat op."""
+    if (part, phase) in FLAT_OPS:
+        return (1,)
+    return grid.ctx if phase is Phase.DECODE else grid.seq
+
+
+def op_plan(grid: LayerGrid) -> Iterator[tuple[Part, Phase, int, int]]:
+    """Every (part, phase, batch, s) point the profiler measures, in order."""
+    for part, phase in PROFILED_OPS:
+        for b in grid.batch:
+            for s in op_axes(part, phase, grid):
+                yield part, phase, b, s
+
+
+OPTIMIZER_LAYERS = (1, 2, 4)

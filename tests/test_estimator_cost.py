@@ -1,0 +1,203 @@
+"""Call time, reallocation and data-transfer cost against hand formulas (issue 3)."""
+
+import dataclasses
+import math
+
+import pytest
+
+from realloc.api import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef, auto, experiment_spec, load_experiment
+from realloc.estimator.call_time import (GRAD_BUCKET_NUMEL, CallCost, StageTime, pipeline_makespan,
+                                         sequential_makespan, sum_over_range)
+from realloc.estimator.comm import Link, group_links
+from realloc.estimator.cost import CostModel
+from realloc.estimator.opcount import Part, Phase, op_work
+from realloc.estimator.transfer_cost import BUCKET_BYTES, DIRECT_BYTES, plan_seconds
+from realloc.graph.dataflow import build_graph
+from realloc.models.config import get_model_config
+from realloc.runtime.transfer_plan import Layout, plan_param_realloc
+from realloc.strategy import ParallelStrategy as S
+
+TINY_PARAMS = 209472  # tests/test_estimator_memory.py derives it by hand
+
+
+@auto(nodelist="n[1-2]", n_devices_per_node=1, device="cpu", batch_size=8, prompt_len=8, gen_len=8)
+@dataclasses.dataclass
+class TwoNodes:
+    @property
+    def rpcs(self):
+        return [
+            ModelFunctionCallDef(name="gen", model_name="actor", model_type="tiny", interface_type=GENERATE,
+                                 interface_impl="ppo_actor", input_data=["prompts"], output_data=["seq"]),
+            ModelFunctionCallDef(name="ref", model_name="ref", model_type="tiny", interface_type=INFERENCE,
+                                 interface_impl="ppo_actor", input_data=["seq"], output_data=["ref_logp"]),
+            ModelFunctionCallDef(name="train", model_name="actor", interface_type=TRAIN_STEP,
+                                 interface_impl="ppo_actor", input_data=["seq", "ref_logp"], n_minibatches=2),
+        ]
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    return CostModel(build_graph(experiment_spec(TwoNodes)), discover=False)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return CostModel(build_graph(load_experiment("experiments/ppo_tiny.py")), discover=False)
+
+
+@pytest.fixture(scope="module")
+def big():
+    return CostModel(build_graph(load_experiment("experiments/ppo_7b_7b.py")))
+
+
+def test_identical_layouts_cost_nothing(two_nodes):
+    m = two_nodes.cluster.mesh("n1")
+    assert two_nodes.realloc_cost("actor", (m, S(1, 1, 1)), (m, S(1, 1, 1))) == 0.0
+    # the consumer already holds what the producer made on the same device
+    assert two_nodes.data_transfer_cost("gen", "ref", (m, S(1, 1, 1)), (m, S(1, 1, 1))) == 0.0
+    # calls with no key in common move nothing
+    assert two_nodes.data_transfer_cost("ref", "gen", (m, S(1, 1, 1)), (two_nodes.cluster.mesh("n2"), S(1, 1, 1))) == 0
+
+
+def test_disjoint_layouts_move_every_byte_over_the_link(two_nodes):
+    hw, cl = two_nodes.hw, two_nodes.cluster
+    a, b = cl.mesh("n1"), cl.mesh("n2")
+    nbytes = TINY_PARAMS * 4
+    # every tiny tensor is below DIRECT_BYTES, so all of it is one bucketed p2p message over the inter-node link
+    want = hw.inter_node_latency + nbytes / (cl.inter_node_bandwidth * hw.comm_efficiency)
+    assert two_nodes.realloc_cost("actor", (a, S(1, 1, 1)), (b, S(1, 1, 1))) == pytest.approx(want)
+    # the data: 8 sequences x 16 tokens x 8 bytes of "seq"
+    want = hw.inter_node_latency + 8 * 16 * 8 / (cl.inter_node_bandwidth * hw.comm_efficiency)
+    assert two_nodes.data_transfer_cost("gen", "ref", (a, S(1, 1, 1)), (b, S(1, 1, 1))) == pytest.approx(want)
+
+
+def test_plan_seconds_counts_every_message_of_the_plan(big):
+    """The class-template walk agrees with the expanded transfer list of a 7B reallocation."""
+    cl = big.cluster
+    src = Layout(cl.whole, S(2, 8, 1))
+    dst = Layout(cl.mesh("trainer01:0-3"), S(1, 2, 2))
+    plan = plan_param_realloc(get_model_config("llama3-8b"), src, dst, bytes_per_element=2, devices_per_node=8)
+    busy = {}
+    groups = {}
+    for t in plan.transfers:
+        if t.nbytes >= DIRECT_BYTES:
+            link = Link.INTER if any(d // 8 != t.src // 8 for d in t.dsts) else Link.INTRA
+            sec = big.comm.time("p2p" if len(t.dsts) == 1 else "broadcast", len(t.dsts) + 1, t.nbytes, link)
+            for d in (t.src, *t.dsts):
+                busy[d] = busy.get(d, 0.0) + sec
+        else:
+            groups[t.src, t.dsts] = groups.get((t.src, t.dsts), 0) + t.nbytes
+    for (src_dev, dsts), total in groups.items():
+        n = max(1, math.ceil(total / BUCKET_BYTES))
+        link = Link.INTER if any(d // 8 != src_dev // 8 for d in dsts) else Link.INTRA
+        sec = n * big.comm.time("p2p" if len(dsts) == 1 else "broadcast", len(dsts) + 1, total / n, link)
+        for d in (src_dev, *dsts):
+            busy[d] = busy.get(d, 0.0) + sec
+    assert plan_seconds(plan, big.comm, 8) == pytest.approx(max(busy.values()))
+    assert big.realloc_cost("actor", (cl.whole, S(2, 8, 1)), (cl.mesh("trainer01:0-3"), S(1, 2, 2))) == \
+        pytest.approx(max(busy.values()))
+
+
+def test_dp_allreduce_term(tiny):
+    hw, cl = tiny.hw, tiny.cluster
+    mesh = cl.whole
+    cost = tiny.call_cost("actor_train", mesh, S(2, 1, 1), 1)
+    # ring all-reduce of the fp32 gradients, 2(n-1)/n x bytes over the intra-node link, once per mini-batch
+    one = hw.intra_node_latency + 2 * (2 - 1) / 2 * TINY_PARAMS * 4 / (cl.intra_node_bandwidth * hw.comm_efficiency)
+    assert cost.dp_allreduce == pytest.approx(2 * one)
+    assert tiny.call_cost("actor_train", cl.mesh("localhost:0"), S(1, 1, 1), 1).dp_allreduce == 0.0
+    assert TINY_PARAMS < GRAD_BUCKET_NUMEL
+
+
+def test_pipeline_bubble_formula():
+    t = StageTime(compute=3.0, tp_comm=0.5, pp_comm=0.5)
+    for pp in (1, 2, 4):
+        for m in (1, 2, 8):
+            c = pipeline_makespan([t] * pp, m)
+            assert c.time == pytest.approx((m + pp - 1) * 4.0)
+            # bubble relative to useful work: (pp - 1) / m
+            assert c.bubble / (c.compute + c.tp_comm + c.pp_comm) == pytest.approx((pp - 1) / m)
+    uneven = [StageTime(1.0, 0, 0), StageTime(3.0, 0, 0.5), StageTime(2.0, 0, 0)]
+    c = pipeline_makespan(uneven, 4)
+    assert c.time == pytest.approx(1.0 + 3.5 + 2.0 + 3 * 3.5)
+    assert c.compute == 12.0 and c.pp_comm == 2.0
+    s = sequential_makespan(uneven, 4)
+    assert s.time == pytest.approx(4 * 6.5)
+
+
+def test_breakdown_sums_to_time_and_pp_adds_a_bubble(tiny):
+    mesh = tiny.cluster.whole
+    for call in ("actor_gen", "ref_inf", "actor_train"):
+        for s, m in ((S(1, 1, 2), 2), (S(2, 1, 1), 2), (S(1, 2, 1), 1)):
+            c = tiny.call_cost(call, mesh, s, m)
+            assert c.time == pytest.approx(sum(c.breakdown().values()))
+            assert (c.bubble > 0) == (s.pp > 1)
+            assert (c.tp_comm > 0) == (s.tp > 1)
+            assert (c.pp_comm > 0) == (s.pp > 1)
+
+
+def test_sum_over_range_is_exact_for_piecewise_linear():
+    def f(x):
+        v = 2.0 * x + 1 if x <= 37 else 75.0 + 0.5 * (x - 37)
+        return CallCost.of(compute=v)
+
+    got = sum_over_range(f, 9, 120, extra_points=(37,))
+    assert got.time == pytest.approx(sum(f(x).time for x in range(9, 121)))
+    assert sum_over_range(f, 5, 4).time == 0.0
+    assert sum_over_range(f, 5, 5).time == pytest.approx(f(5).time)
+
+
+def test_generation_is_prefill_plus_every_decode_step(tiny):
+    mesh, s = tiny.cluster.whole, S(1, 1, 2)
+    cost = tiny.call_cost("actor_gen", mesh, s, 2)
+    timer = tiny._timer(get_model_config("tiny"))
+    links = tiny.links(mesh, s)
+    w = tiny.workload("actor_gen")
+    b = w.micro_batch(1, 2)
+    pre = sequential_makespan(timer._stages(Phase.PREFILL, s, links, b, w.prompt_len), 2)
+    steps = sum(sequential_makespan(timer._stages(Phase.DECODE, s, links, b, ctx), 2).time
+                + 2 * tiny.hw.decode_step_overhead for ctx in range(w.prompt_len + 1, w.seq_len))
+    assert cost.time == pytest.approx(pre.time + steps + tiny.hw.call_overhead)
+
+
+def test_group_links():
+    g = group_links((2, 8), S(2, 8, 1))
+    assert (g.tp, g.dp, g.pp, g.world) == (Link.INTRA, Link.INTER, (), Link.INTER)
+    g = group_links((2, 8), S(4, 2, 2))
+    assert (g.tp, g.dp, g.pp) == (Link.INTRA, Link.INTRA, (Link.INTER,))
+    g = group_links((1, 4), S(2, 1, 2))
+    assert (g.dp, g.pp, g.world) == (Link.INTRA, (Link.INTRA,), Link.INTRA)
+
+
+def test_roofline_regimes_and_tp_collectives(big):
+    cfg, hw = get_model_config("llama3-8b"), big.hw
+    prec = hw.precision
+    dec = op_work(cfg, Part.BLOCK, Phase.DECODE, 8, 64, 1536, prec)
+    assert dec.gemm_bytes / hw.memory_bandwidth > dec.gemm_flops / hw.peak_flops  # decode: bandwidth-bound
+    assert dec.attn_bytes / hw.memory_bandwidth > dec.attn_flops / hw.peak_flops
+    fwd = op_work(cfg, Part.BLOCK, Phase.FWD, 8, 8, 2048, prec)
+    assert fwd.gemm_flops / hw.peak_flops > fwd.gemm_bytes / hw.memory_bandwidth  # training: compute-bound
+    # two all-reduces of b x s x h per block forward, two more backward, none at tp = 1
+    for phase in (Phase.FWD, Phase.BWD):
+        (c,) = op_work(cfg, Part.BLOCK, phase, 8, 4, 128, prec).tp_collectives
+        assert (c.op, c.count, c.nbytes) == ("all_reduce", 2, 4 * 128 * 4096 * 2)
+    assert op_work(cfg, Part.BLOCK, Phase.FWD, 1, 4, 128, prec).tp_collectives == ()
+
+
+def test_calls_are_cached_by_mesh_shape(big):
+    cl = big.cluster
+    a = big.call_cost("ref_inf", cl.mesh("trainer01:0-3"), S(1, 4, 1), 4)
+    b = big.call_cost("ref_inf", cl.mesh("trainer02:4-7"), S(1, 4, 1), 4)
+    assert a is b
+    with pytest.raises(ValueError, match=r"call 'ref_inf': dp\*tp\*pp = 8 but mesh trainer01:0-3 has 4 devices"):
+        big.call_cost("ref_inf", cl.mesh("trainer01:0-3"), S(2, 4, 1), 4)
+    with pytest.raises(ValueError, match="has no call 'nope'"):
+        big.call_cost("nope", cl.whole, S(2, 8, 1), 1)
+
+
+def test_constants_agree_with_the_runtime():
+    from realloc.models import grads
+    from realloc.runtime import param_realloc
+
+    assert GRAD_BUCKET_NUMEL == grads.BUCKET_NUMEL
+    assert BUCKET_BYTES == param_realloc.DEFAULT_BUCKET_BYTES and DIRECT_BYTES == param_realloc.DEFAULT_DIRECT_BYTES
