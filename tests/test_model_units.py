@@ -1,0 +1,241 @@
+"""Single-process checks of the model package's pure pieces against brute force and HF formulas."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from realloc.models.batch import split_batch, token_layout
+from realloc.models.config import ModelConfig, get_model_config
+from realloc.models.groups import ModelLayout
+from realloc.models.hf_io import hf_config_from_model_config, model_config_from_hf, shard_file_plan
+from realloc.models.param_layout import param_specs, stage_param_specs
+from realloc.models.sampling import GenerationConfig, filtered_sorted, sample_tokens, sequence_generators
+from realloc.strategy import ParallelStrategy
+
+
+# -- sampling --------------------------------------------------------------------------------------
+
+
+def _brute_force_filter(logits: list[float], temperature: float, top_k: int, top_p: float) -> dict[int, float]:
+    """Kept tokens and their renormalized probabilities, one token at a time."""
+    x = [v / temperature for v in logits]
+    order = sorted(range(len(x)), key=lambda i: (-x[i], i))
+    if top_k:
+        order = order[:top_k]
+    z = sum(torch.tensor(x[i]).exp().item() for i in order)
+    probs = {i: torch.tensor(x[i]).exp().item() / z for i in order}
+    kept, mass = {}, 0.0
+    for i in order:
+        if mass >= top_p:
+            break
+        kept[i] = probs[i]
+        mass += probs[i]
+    total = sum(kept.values())
+    return {i: p / total for i, p in kept.items()}
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.9, 7, 0.6)])
+def test_filter_matches_brute_force(temperature, top_k, top_p):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 20, generator=g) * 2
+    gc = GenerationConfig(max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p)
+    probs, order = filtered_sorted(logits, gc)
+    for row in range(3):
+        want = _brute_force_filter(logits[row].tolist(), temperature, top_k, top_p)
+        got = {int(order[row, j]): float(probs[row, j]) for j in range(20) if probs[row, j] > 0}
+        assert got.keys() == want.keys()
+        for k in want:
+            assert abs(got[k] - want[k]) < 1e-6
+
+
+def test_sampling_inverts_the_cdf_of_each_sequences_own_stream():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 30, generator=g)
+    gc = GenerationConfig(max_new_tokens=1, temperature=0.8, top_k=10, top_p=0.9, seed=3)
+    tokens, logp = sample_tokens(logits, gc, sequence_generators(3, [10, 11, 12, 13]))
+    draws = [torch.rand((), generator=gen, dtype=torch.float64).item() for gen in sequence_generators(3, [10, 11, 12, 13])]
+    for row, u in enumerate(draws):
+        kept = sorted(_brute_force_filter(logits[row].tolist(), 0.8, 10, 0.9).items(), key=lambda kv: -kv[1])
+        acc, pick = 0.0, kept[-1][0]
+        for tok, p in kept:
+            acc += p
+            if u < acc:
+                pick = tok
+                break
+        assert int(tokens[row]) == pick
+        assert abs(float(logp[row]) - torch.log_softmax(logits[row] / 0.8, -1)[pick].item()) < 1e-6
+    # A row's token depends on its own id only, not on its neighbours.
+    alone, _ = sample_tokens(logits[2:3], gc, sequence_generators(3, [12]))
+    assert int(alone[0]) == int(tokens[2])
+
+
+def test_greedy_and_banned_tokens():
+    logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, 1.0, 0.0, 0.0]])
+    gc = GenerationConfig(max_new_tokens=1, greedy=True)
+    tok, lp = sample_tokens(logits, gc, [])
+    assert tok.tolist() == [1, 0]  # ties go to the lowest id, like torch.argmax / HF
+    tok, lp = sample_tokens(logits, gc, [], ban=torch.tensor([0]))
+    assert tok.tolist() == [1, 1]
+    # Log-probs score the unbanned distribution, as a forward pass would.
+    assert abs(float(lp[1]) - torch.log_softmax(logits[1], -1)[1].item()) < 1e-6
+
+
+@pytest.mark.parametrize("kw,field", [({"max_new_tokens": 0}, "max_new_tokens"),
+                                      ({"max_new_tokens": 4, "min_new_tokens": 5}, "min_new_tokens"),
+                                      ({"max_new_tokens": 4, "temperature": 0.0}, "temperature"),
+                                      ({"max_new_tokens": 4, "top_k": -1}, "top_k"),
+                                      ({"max_new_tokens": 4, "top_p": 0.0}, "top_p")])
+def test_generation_config_errors_name_the_field(kw, field):
+    with pytest.raises(ValueError, match=f"GenerationConfig.{field}"):
+        GenerationConfig(**kw)
+
+
+# -- batches and masks -----------------------------------------------------------------------------
+
+
+def test_token_layouts_of_the_three_input_forms():
+    ids = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]])
+    a = token_layout({"input_ids": ids, "lengths": torch.tensor([3, 2])})
+    assert a.position_ids.tolist() == [[0, 1, 2, 0], [0, 1, 0, 0]]
+    assert a.segment_ids.tolist() == [[0, 0, 0, -1], [0, 0, -1, -1]]
+    left = token_layout({"input_ids": ids, "attention_mask": torch.tensor([[0, 1, 1, 1], [0, 0, 1, 1]])})
+    assert left.position_ids.tolist() == [[0, 0, 1, 2], [0, 0, 0, 1]]
+    packed = token_layout({"input_ids": torch.tensor([1, 2, 3, 4, 5]), "cu_seqlens": torch.tensor([0, 2, 5])})
+    assert packed.position_ids.tolist() == [[0, 1, 0, 1, 2]]
+    assert packed.segment_ids.tolist() == [[0, 0, 1, 1, 1]]
+    assert packed.next_token_valid().tolist() == [[True, False, True, True]]
+
+
+@pytest.mark.parametrize("batch,msg", [
+    ({"lengths": torch.tensor([1])}, "missing key 'input_ids'"),
+    ({"input_ids": torch.zeros(2, 3, dtype=torch.long)}, "give exactly one of"),
+    ({"input_ids": torch.zeros(2, 3, dtype=torch.long), "lengths": torch.tensor([4, 1])}, "'lengths' must be"),
+    ({"input_ids": torch.zeros(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 2)}, "'attention_mask' must"),
+    ({"input_ids": torch.zeros(5, dtype=torch.long), "cu_seqlens": torch.tensor([0, 3])}, "'cu_seqlens' must"),
+    ({"input_ids": torch.zeros(2, 3), "lengths": torch.tensor([1, 1])}, "integer tensor"),
+])
+def test_bad_batches_raise_one_value_error(batch, msg):
+    with pytest.raises(ValueError, match=msg):
+        token_layout(batch, "forward")
+
+
+def test_split_batch_splits_row_tensors_only():
+    b = {"input_ids": torch.arange(10).view(5, 2), "lengths": torch.full((5,), 2), "scale": torch.tensor(3.0)}
+    parts = split_batch(b, 2)
+    assert [p["input_ids"].shape[0] for p in parts] == [3, 2]
+    assert all(p["scale"] is b["scale"] for p in parts)
+    with pytest.raises(ValueError, match="n_mbs=6"):
+        split_batch(b, 6)
+
+
+def test_masks_match_brute_force():
+    from realloc.models.llama import cache_mask, segment_mask
+
+    seg = torch.tensor([[0, 0, 1, 1, 1, -1], [0, 0, 0, 0, -1, -1]])
+    m = segment_mask(seg)[:, 0]
+    for b, i, j in itertools.product(range(2), range(6), range(6)):
+        want = i == j or (j <= i and seg[b, i] == seg[b, j] and seg[b, j] >= 0)
+        assert bool(m[b, i, j]) == want
+    valid = torch.tensor([[False, True, True, True, True], [True, True, False, True, True]])
+    c = cache_mask(valid, 3, 2)[:, 0]
+    for b, q, k in itertools.product(range(2), range(2), range(5)):
+        slot = 3 + q
+        assert bool(c[b, q, k]) == (k == slot or (k <= slot and bool(valid[b, k])))
+
+
+# -- HF config mapping and RoPE --------------------------------------------------------------------
+
+
+def test_rope_frequencies_match_hf_default_and_llama3():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from realloc.models.llama import rope_inv_freq
+
+    for rope in ({"rope_type": "default", "rope_theta": 500000.0},
+                 {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}):
+        hf = LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, rope_parameters=rope,
+                         max_position_embeddings=131072)
+        cfg = model_config_from_hf(hf.to_dict(), name="x")
+        if rope["rope_type"] == "default":
+            from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+            ref = LlamaRotaryEmbedding.compute_default_rope_parameters(hf)[0]
+        else:
+            ref = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")[0]
+        assert torch.allclose(rope_inv_freq(cfg), ref, rtol=1e-6, atol=0), rope["rope_type"]
+
+
+def test_hf_config_round_trip_and_errors():
+    for cfg in (get_model_config("llama3-8b"), get_model_config("tiny-gqa-critic"),
+                ModelConfig("t", 64, 64, 176, 2, 4, 2, tie_embeddings=True, rope_scaling=(8.0, 1.0, 4.0, 64))):
+        back = model_config_from_hf(hf_config_from_model_config(cfg), name=cfg.name)
+        assert back == cfg
+    base = hf_config_from_model_config(get_model_config("tiny"))
+    for patch, msg in [({"model_type": "mistral"}, "model_type"), ({"hidden_act": "gelu"}, "hidden_act"),
+                       ({"attention_bias": True}, "attention_bias"), ({"head_dim": 8}, "head_dim"),
+                       ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "rope type 'yarn'")]:
+        with pytest.raises(ValueError, match=msg):
+            model_config_from_hf({**base, **patch})
+    broken = dict(base)
+    del broken["vocab_size"]
+    with pytest.raises(ValueError, match="missing key 'vocab_size'"):
+        model_config_from_hf(broken)
+
+
+@pytest.mark.parametrize("pp,limit", [(1, 4 << 30), (2, 4 << 30), (3, 30_000)])
+def test_shard_file_plan_writes_each_parameter_once(pp, limit):
+    cfg = dataclasses_replace_tied(get_model_config("tiny"))
+    plan = shard_file_plan(cfg, pp, torch.float32, limit)
+    names = [n for _, _, ns in plan for n in ns]
+    assert sorted(names) == sorted(s.name for s in param_specs(cfg))
+    sizes = {s.name: s.numel * 4 for s in param_specs(cfg)}
+    for stage, fname, ns in plan:
+        own = {s.name for s in stage_param_specs(cfg, pp, stage)}
+        assert set(ns) <= own
+        assert len(ns) == 1 or sum(sizes[n] for n in ns) <= limit
+    assert len({f for _, f, _ in plan}) == len(plan)
+
+
+def dataclasses_replace_tied(cfg: ModelConfig) -> ModelConfig:
+    import dataclasses
+
+    return dataclasses.replace(cfg, tie_embeddings=True)
+
+
+# -- layouts and gradient-norm accounting ----------------------------------------------------------
+
+
+def test_layout_groups_match_brute_force():
+    s = ParallelStrategy(dp=2, tp=2, pp=2)
+    ids = (7, 6, 5, 4, 3, 2, 1, 0)
+    lay = ModelLayout(ids, s, tie_embeddings=True)
+    coords = {ids[r]: s.coords(r) for r in range(8)}
+    for rank, (d, t, p) in coords.items():
+        assert lay.coords_of(rank) == (d, t, p)
+        assert set(lay.tp_ranks(d, p)) == {r for r, c in coords.items() if c[0] == d and c[2] == p}
+        assert set(lay.dp_ranks(t, p)) == {r for r, c in coords.items() if c[1] == t and c[2] == p}
+        assert [coords[r][2] for r in lay.pp_ranks(d, t)] == [0, 1]
+    sets = lay.rank_sets()
+    assert len(sets) == 1 + 4 + 4 + 4 + 4 and tuple(sorted(ids)) in sets
+    with pytest.raises(ValueError, match="cannot hold strategy"):
+        ModelLayout((0, 1, 2), s)
+    with pytest.raises(ValueError, match="distinct"):
+        ModelLayout((0, 0, 1, 2, 3, 4, 5, 6), s)
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (2, 2), (4, 2)])
+def test_every_parameter_element_counts_once_toward_the_grad_norm(tp, pp):
+    from types import SimpleNamespace
+
+    from realloc.models.grads import counts_toward_norm
+
+    cfg = dataclasses_replace_tied(get_model_config("tiny"))
+    counted = 0
+    for p, t in itertools.product(range(pp), range(tp)):
+        g = SimpleNamespace(tp=tp, pp=pp, tp_rank=t, pp_rank=p)
+        counted += sum(s.shard_numel(tp) for s in stage_param_specs(cfg, pp, p) if counts_toward_norm(s, g))
+    assert counted == cfg.total_params
