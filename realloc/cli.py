@@ -92,6 +92,15 @@ def build_parser(commands: dict[str, Callable[[argparse.Namespace], int]] | None
     g.add_argument("--baseline", default=None)
     s.add_argument("--iterations", type=int, default=None)
     s.add_argument("--resume", default=None, help="checkpoint directory to resume from")
+    s.add_argument("--run-dir", default=None, help="output directory (default runs/<experiment>-<time>)")
+    s.add_argument("--save-every", type=int, default=0, help="checkpoint every N iterations (0: never)")
+    s.add_argument("--launcher", default="local", choices=["local", "slurm", "external"],
+                   help="local subprocesses, a SLURM job, or workers started elsewhere (used inside the job)")
+    s.add_argument("--dry-run", action="store_true", help="with --launcher slurm: print the script, do not submit")
+    s.add_argument("--quiet", action="store_true", help="no progress bar: one plain line per iteration")
+    for hidden, kind, default in (("--run-id", str, None), ("--bind", str, "127.0.0.1"), ("--store-port", int, 0),
+                                  ("--master-port", int, 0), ("--heartbeat-timeout", float, 10.0)):
+        s.add_argument(hidden, type=kind, default=default, help=argparse.SUPPRESS)  # set by the SLURM script
     s.set_defaults(func=commands.get("run", _not_yet("run", 6)))
     return p
 

@@ -35,10 +35,11 @@ EXAMPLES = [
     P.Reallocate(req=2, model="actor", src_call="actor_train", dst_call="actor_gen", iteration=1, drop_src=False),
     P.TransferData(req=3, key="seq", iteration=0, dst_call="critic_inf",
                    tensors=[P.TensorMeta(name="tokens", dtype="int64", shape=[16])],
-                   broadcasts=[P.Broadcast(src=0, group=[0, 1], ids=[0, 1, 2])]),
+                   broadcasts=[P.Broadcast(src=0, dsts=[1], lo=0, hi=16)]),
     P.Offload(req=4, model="ref", call="ref_inf", to_host=True, iteration=0),
     P.SaveCheckpoint(req=5, directory="/tmp/x", iteration=3),
     P.ReleaseData(req=6, before_iteration=2),
+    P.EnsureGroups(req=8, rank_sets=[[0, 1], [1, 2, 3]]),
     P.Shutdown(req=7),
 ]
 

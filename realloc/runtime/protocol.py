@@ -58,11 +58,12 @@ class TensorMeta(_Msg):
 
 
 class Broadcast(_Msg):
-    """One broadcast of a data transfer: ``src`` sends sequences ``ids`` to every rank of ``group``."""
+    """One piece of a data transfer: ``src`` sends sequences [lo, hi) of the batch to every rank in ``dsts``."""
 
     src: int
-    group: list[int]  # sorted global ranks, src included
-    ids: list[int]
+    dsts: list[int]
+    lo: int
+    hi: int
 
 
 # -- master -> worker requests. ``req`` is the global order every worker executes its requests in ------------
@@ -121,6 +122,14 @@ class ReleaseData(_Msg):
     before_iteration: int  # drop every data key of iterations below this
 
 
+class EnsureGroups(_Msg):
+    """Create process groups (collective over the whole world, so it goes to every worker)."""
+
+    type: Literal["groups"] = "groups"
+    req: int
+    rank_sets: list[list[int]]
+
+
 class Shutdown(_Msg):
     type: Literal["shutdown"] = "shutdown"
     req: int
@@ -160,7 +169,7 @@ class Heartbeat(_Msg):
 
 
 REQUEST_TYPES: dict[str, type[_Msg]] = {m.model_fields["type"].default: m for m in (
-    Setup, RunCall, Reallocate, TransferData, Offload, SaveCheckpoint, ReleaseData, Shutdown)}
+    Setup, RunCall, Reallocate, TransferData, Offload, SaveCheckpoint, ReleaseData, EnsureGroups, Shutdown)}
 MESSAGE_TYPES: dict[str, type[_Msg]] = {**REQUEST_TYPES, **{m.model_fields["type"].default: m for m in (
     Hello, Reply, Heartbeat)}}
 

@@ -1,0 +1,187 @@
+"""Checkpoints: trained models' parameters and optimizer state, RNG states, iteration and data position.
+
+Layout of one checkpoint directory ``<run>/checkpoints/iter_00000012/``::
+
+    meta.json                        iteration, data position, seed, plan digest, per-model layouts
+    plan.json                        the plan the run used (``--resume`` reuses it)
+    models/<model>/tp{t}_pp{p}.safetensors   one file per (tp, pp) shard of the model's home layout:
+                                     param/<hf name>, optim/<hf name>/<state> (AdamW), JSON metadata
+    rng/rank{r}.safetensors          every worker's torch RNG state
+
+Atomicity: the master creates ``.tmp-iter_...`` next to the final name, the workers write and fsync
+their files into it, then the master writes meta.json, fsyncs, renames the directory to its final
+name and fsyncs the parent. A run killed at any point leaves either a complete ``iter_*`` directory
+or a ``.tmp-*`` one that ``--resume`` never reads (and the next save removes).
+
+Shards are saved per (tp, pp) coordinate of the model's home layout (dp replicas are identical;
+dp rank 0 writes), so resuming needs the same home layout for every trained model; a different
+one is refused with a clear error rather than silently mis-sliced.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+CHECKPOINT_FORMAT = 1
+META = "meta.json"
+
+
+def checkpoint_name(iteration: int) -> str:
+    return f"iter_{iteration:08d}"
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file_durably(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".part")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+# -- master side --------------------------------------------------------------------------------------------
+def begin(root: Path, iteration: int) -> Path:
+    """Create the temporary directory the workers write an iteration's checkpoint into."""
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-*"):  # left by a killed run; never complete
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = root / f".tmp-{checkpoint_name(iteration)}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    return tmp
+
+
+def commit(tmp: Path, root: Path, iteration: int, meta: Mapping[str, Any], plan_json: str) -> Path:
+    """Make the checkpoint in ``tmp`` visible under its final name, atomically."""
+    write_file_durably(tmp / "plan.json", plan_json.encode())
+    body = {"format": CHECKPOINT_FORMAT, "iteration": iteration, **meta}
+    write_file_durably(tmp / META, json.dumps(body, indent=2, sort_keys=True).encode())
+    for d in [tmp, *(p for p in tmp.rglob("*") if p.is_dir())]:
+        _fsync_path(d)
+    final = root / checkpoint_name(iteration)
+    if final.exists():  # a re-run over the same iteration replaces it
+        shutil.rmtree(final)
+    tmp.rename(final)
+    _fsync_path(root)
+    return final
+
+
+def read_meta(ckpt: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads((ckpt / META).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"checkpoint {ckpt}: cannot read {META} ({e}); it is incomplete or not a checkpoint") from None
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"checkpoint {ckpt}: format {meta.get('format')!r} is not supported (expected "
+                         f"{CHECKPOINT_FORMAT})")
+    return meta
+
+
+def latest(root: Path) -> Path | None:
+    """The newest complete checkpoint under ``root`` (a checkpoints directory), or None."""
+    if not root.is_dir():
+        return None
+    done = sorted(p for p in root.glob("iter_*") if p.is_dir() and (p / META).is_file())
+    return done[-1] if done else None
+
+
+def resolve_resume(path: str | Path) -> Path:
+    """``--resume`` accepts a checkpoint directory, a checkpoints directory, or a run directory."""
+    p = Path(path)
+    if (p / META).is_file():
+        return p
+    for root in (p / "checkpoints", p):
+        found = latest(root)
+        if found is not None:
+            return found
+    raise ValueError(f"--resume {path}: no complete checkpoint found (looked for iter_*/{META} in {p} and "
+                     f"{p / 'checkpoints'})")
+
+
+# -- worker side -------------------------------------------------------------------------------------------------
+def shard_file(ckpt: Path, model: str, tp_rank: int, pp_rank: int) -> Path:
+    return ckpt / "models" / model / f"tp{tp_rank}_pp{pp_rank}.safetensors"
+
+
+def rng_file(ckpt: Path, rank: int) -> Path:
+    return ckpt / "rng" / f"rank{rank}.safetensors"
+
+
+def _save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_name(path.name + ".part")
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(part), metadata=metadata)
+    with open(part, "rb") as f:
+        os.fsync(f.fileno())
+    part.replace(path)
+
+
+def save_model_shard(ckpt: Path, model: str, tp_rank: int, pp_rank: int, layout: str,
+                     params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer | None) -> None:
+    tensors = {f"param/{n}": p for n, p in params.items()}
+    hyper: list[dict[str, Any]] = []
+    if optimizer is not None:
+        name_of = {id(p): n for n, p in params.items()}
+        for p, st in optimizer.state.items():
+            for k, v in st.items():
+                tensors[f"optim/{name_of[id(p)]}/{k}"] = v if isinstance(v, torch.Tensor) else torch.tensor(v)
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    _save(shard_file(ckpt, model, tp_rank, pp_rank), tensors,
+          {"format": str(CHECKPOINT_FORMAT), "model": model, "layout": layout,
+           "optimizer_groups": json.dumps(hyper)})
+
+
+@torch.no_grad()
+def load_model_shard(ckpt: Path, model: str, tp_rank: int, pp_rank: int, layout: str,
+                     params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer | None) -> None:
+    path = shard_file(ckpt, model, tp_rank, pp_rank)
+    if not path.is_file():
+        raise ValueError(f"checkpoint {ckpt} has no shard {path.name} of model {model!r}; was it saved with "
+                         f"another layout?")
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        if meta.get("layout") != layout:
+            raise ValueError(f"checkpoint {ckpt}: model {model!r} was saved in layout {meta.get('layout')}, but this "
+                             f"plan keeps it in {layout}; resume with the checkpoint's plan (omit --plan)")
+        keys = set(f.keys())
+        for n, p in params.items():
+            if f"param/{n}" not in keys:
+                raise ValueError(f"checkpoint {path}: parameter {n!r} is missing")
+            p.copy_(f.get_tensor(f"param/{n}"))
+        if optimizer is not None:
+            hyper = json.loads(meta.get("optimizer_groups", "[]"))
+            if hyper and len(hyper) == len(optimizer.param_groups):
+                for g, h in zip(optimizer.param_groups, hyper):
+                    g.update({k: tuple(v) if isinstance(v, list) else v for k, v in h.items()})
+            for n, p in params.items():
+                prefix = f"optim/{n}/"
+                state = {k[len(prefix):]: f.get_tensor(k).to(p.device) for k in keys if k.startswith(prefix)}
+                if state:
+                    optimizer.state[p] = state
+
+
+def save_rng(ckpt: Path, rank: int) -> None:
+    _save(rng_file(ckpt, rank), {"torch": torch.get_rng_state()}, {"format": str(CHECKPOINT_FORMAT)})
+
+
+def load_rng(ckpt: Path, rank: int) -> None:
+    path = rng_file(ckpt, rank)
+    if path.is_file():
+        with safe_open(str(path), framework="pt") as f:
+            torch.set_rng_state(f.get_tensor("torch"))

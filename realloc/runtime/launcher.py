@@ -1,0 +1,249 @@
+"""Start the model workers: local subprocesses, or a SLURM job.
+
+Rendezvous goes through a torch.distributed ``TCPStore`` hosted by the master (never a shared
+filesystem): workers learn its address from their command line, build the gloo/NCCL world on it,
+and connect to the master's ZMQ socket. Local runs bind everything to 127.0.0.1.
+
+The run secret (see ``protocol.py``) is a 0600 file in the run directory, named to the workers by
+``$REALLOC_SECRET_FILE``; it is never on a command line, in the SLURM script or on the wire.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from realloc.cluster import ClusterSpec
+from realloc.runtime.protocol import SECRET_FILE_ENV
+
+WORKER_MODULE = "realloc.runtime.worker"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPaths:
+    """Files of one run directory."""
+
+    root: Path
+
+    @property
+    def plan(self) -> Path:
+        return self.root / "plan.json"
+
+    @property
+    def secret(self) -> Path:
+        return self.root / "secret"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def trace(self) -> Path:
+        return self.root / "trace.json"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def tmp(self) -> Path:
+        return self.root / "tmp"
+
+    def worker_log(self, rank: int) -> Path:
+        return self.logs / f"worker{rank}.log"
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a worker needs besides its rank; it derives models and groups from the plan itself."""
+
+    experiment: str  # path/to/exp.py[:Class], imported by the worker
+    run_dir: str
+    run_id: str
+    world_size: int
+    store: str  # host:port of the rendezvous TCPStore
+    master_endpoint: str  # tcp://host:port of the master's ZMQ ROUTER
+    device: str  # "cpu" or "cuda"
+    python: str = sys.executable
+
+    def argv(self, rank: int | str) -> list[str]:
+        return [self.python, "-m", WORKER_MODULE, "--experiment", self.experiment, "--run-dir", self.run_dir,
+                "--run-id", self.run_id, "--rank", str(rank), "--world-size", str(self.world_size),
+                "--store", self.store, "--master", self.master_endpoint, "--device", self.device]
+
+
+def worker_env(run: RunPaths, base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env[SECRET_FILE_ENV] = str(run.secret)
+    # One thread per worker process: a worker is one "device" (DEVELOPERS.md).
+    env["OMP_NUM_THREADS"] = "1"
+    env["MKL_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    # torch writes scratch folders into $TMPDIR; keep them inside the run.
+    env["TMPDIR"] = str(run.tmp)
+    return env
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGKILL when the launching master dies (Linux), so no worker outlives it."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass  # not Linux: the worker's heartbeat timeout still ends it
+
+
+class LocalLauncher:
+    """One subprocess per device on this machine."""
+
+    def __init__(self, config: WorkerConfig, run: RunPaths) -> None:
+        self.config = config
+        self.run = run
+        self.procs: dict[int, subprocess.Popen] = {}
+        self._logs: list = []
+
+    def start(self) -> None:
+        self.run.logs.mkdir(parents=True, exist_ok=True)
+        self.run.tmp.mkdir(parents=True, exist_ok=True)
+        env = worker_env(self.run)
+        for rank in range(self.config.world_size):
+            log = open(self.run.worker_log(rank), "ab")
+            self._logs.append(log)
+            self.procs[rank] = subprocess.Popen(self.config.argv(rank), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+
+    def pid(self, rank: int) -> int | None:
+        p = self.procs.get(rank)
+        return p.pid if p else None
+
+    def dead(self) -> dict[int, int]:
+        """Workers that have exited, with their exit codes."""
+        return {r: p.returncode for r, p in self.procs.items() if p.poll() is not None}
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Ask every worker to stop, then kill whatever is left after ``grace`` seconds."""
+        alive = [p for p in self.procs.values() if p.poll() is None]
+        for p in alive:
+            _signal_group(p, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in alive:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(p, signal.SIGKILL)
+                p.wait()
+        for log in self._logs:
+            log.close()
+        self._logs.clear()
+
+    def wait_exit(self, timeout: float) -> bool:
+        """Wait for every worker to exit on its own; True if they all did within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                return False
+        return True
+
+
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)  # the worker leads its own session: this reaches its children too
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# -- SLURM ------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class SlurmOptions:
+    partition: str | None = None
+    account: str | None = None
+    time_limit: str = "24:00:00"
+    job_name: str = "realloc"
+    extra_sbatch: tuple[str, ...] = ()
+    python: str = sys.executable
+
+
+def slurm_script(cluster: ClusterSpec, experiment: str, run: RunPaths, run_id: str, master_args: list[str],
+                 opts: SlurmOptions = SlurmOptions()) -> str:
+    """The sbatch script of a run: the master on the first node, one worker task per device via srun.
+
+    ``master_args`` are the ``realloc run`` arguments the master repeats inside the job (plan,
+    iterations, checkpoints); the script adds ``--launcher external`` and the rendezvous address.
+    """
+    gpu = cluster.device != "cpu"
+    n = cluster.n_devices_per_node
+    q = shlex.quote
+    lines = ["#!/bin/bash",
+             f"#SBATCH --job-name={opts.job_name}",
+             f"#SBATCH --nodelist={cluster.nodelist}",
+             f"#SBATCH --nodes={cluster.n_nodes}",
+             f"#SBATCH --ntasks-per-node={n}",
+             f"#SBATCH --cpus-per-task={cluster.cores_per_device}",
+             f"#SBATCH --time={opts.time_limit}",
+             f"#SBATCH --output={run.logs}/slurm-%j.out"]
+    if gpu:
+        lines.append(f"#SBATCH --gpus-per-node={n}")
+    if opts.partition:
+        lines.append(f"#SBATCH --partition={opts.partition}")
+    if opts.account:
+        lines.append(f"#SBATCH --account={opts.account}")
+    lines += [f"#SBATCH {x}" for x in opts.extra_sbatch]
+    worker = WorkerConfig(experiment=experiment, run_dir=str(run.root), run_id=run_id,
+                          world_size=cluster.n_devices, store="$MASTER_HOST:$STORE_PORT",
+                          master_endpoint="tcp://$MASTER_HOST:$MASTER_PORT", device="cuda" if gpu else "cpu",
+                          python=opts.python)
+    # Expanded by each task's shell: its own $SLURM_PROCID, and the exported master address.
+    inner = " ".join(f'"{a}"' if "$" in a else q(a) for a in worker.argv("$SLURM_PROCID"))
+    master_cmd = " ".join([q(opts.python), "-m", "realloc.cli", "run", q(experiment), *map(q, master_args),
+                           "--run-dir", q(str(run.root)), "--run-id", q(run_id), "--launcher", "external",
+                           "--bind", "0.0.0.0", "--store-port", "$STORE_PORT", "--master-port", "$MASTER_PORT"])
+    lines += ["set -uo pipefail",
+              f"export {SECRET_FILE_ENV}={q(str(run.secret))}",
+              "export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1",
+              "export MASTER_HOST=$(hostname)",
+              "# Ports derive from the job id, so nothing but the store itself is needed to rendezvous.",
+              "export STORE_PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))",
+              "export MASTER_PORT=$(( STORE_PORT + 20000 ))",
+              "# The master hosts the rendezvous store and the ZMQ socket; it exits non-zero on any failure.",
+              f"{master_cmd} &",
+              "MASTER_PID=$!",
+              "# One worker per device; --kill-on-bad-exit ends the step when one fails, the master reports it.",
+              f"srun --kill-on-bad-exit=1 --ntasks={cluster.n_devices} --ntasks-per-node={n} "
+              f"bash -c {q('exec ' + inner)} &",
+              "SRUN_PID=$!",
+              "wait $MASTER_PID",
+              "STATUS=$?",
+              "kill $SRUN_PID 2>/dev/null || true",
+              "exit $STATUS",
+              ""]
+    return "\n".join(lines)
+
+
+def submit_slurm(script: str, run: RunPaths) -> str:
+    """Write the script into the run directory and submit it; returns sbatch's job id."""
+    path = run.root / "job.sbatch"
+    path.write_text(script)
+    try:
+        out = subprocess.run(["sbatch", "--parsable", str(path)], check=True, capture_output=True, text=True)
+    except FileNotFoundError:
+        raise ValueError("sbatch is not installed on this machine; run `realloc run ... --launcher slurm "
+                         "--dry-run` to print the script and submit it where SLURM is available") from None
+    except subprocess.CalledProcessError as e:
+        raise ValueError(f"sbatch failed: {e.stderr.strip() or e.stdout.strip()}") from None
+    return out.stdout.strip().split(";")[0]

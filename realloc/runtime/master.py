@@ -1,0 +1,489 @@
+"""The master worker (realhf.txt §3, §6): runs an execution plan on the model workers over ZMQ.
+
+Scheduling. The unrolled dataflow graph is augmented with the nodes the plan implies
+(``program.py``): a reallocation wherever consecutive calls of one model use different layouts
+(including from the last call of one iteration to the first of the next), offload/reload of
+models the plan keeps in host memory, and checkpoint saves. One asyncio coroutine per node waits
+for the node's dependencies (data, parameter versions, reallocations), then dispatches its
+requests. Calls on disjoint meshes therefore run at the same time, and calls of iteration t+1
+start as soon as their own dependencies are met, while iteration t is still finishing elsewhere
+(realhf.txt Figure 13). At most ``window`` iterations are in flight.
+
+Messages carry metadata only. The master knows where every piece of data lives (the producer's
+layout plus the ranges each device already received) and plans each transfer with the shared
+planner, so no device is sent data it holds.
+
+Ordering. Every request gets the next number of one global sequence, and is sent to all of its
+participants in one synchronous step; workers execute requests in arrival order. So any two
+workers execute their common collective steps in the same order and no cycle of waiting can
+form. A process group needed by a data plan for the first time is created by a request to every
+worker, ordered the same way.
+
+Faults. A worker that exits (local runs poll the processes) or stops sending heartbeats for
+``heartbeat_timeout`` seconds, or that reports an error, stops the run: the master kills every
+worker and raises ``RunFailed`` naming the worker and the call it was running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.distributed as dist
+import zmq
+import zmq.asyncio
+
+from realloc.graph.plan import ExecutionPlan
+from realloc.models.groups import ModelLayout
+from realloc.runtime import checkpoint, protocol
+from realloc.runtime.data_store import row_bytes
+from realloc.runtime.launcher import LocalLauncher, RunPaths
+from realloc.runtime.program import Realloc, RuntimeProgram
+from realloc.runtime.run_config import RunConfig
+from realloc.runtime.telemetry import RequestRecord, Trace, iteration_metrics
+from realloc.runtime.transfer_plan import dp_ranges
+
+START_TIMEOUT = 600.0  # seconds for every worker to connect (importing megatron takes a while)
+SHUTDOWN_TIMEOUT = 60.0
+
+
+class RunFailed(Exception):
+    """The run stopped: a worker died, hung or failed. The message names the worker and call."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    kind: str  # call | realloc | offload | reload | save
+    name: str  # the call; the model for realloc/offload/reload; "" for save
+    t: int
+    src: str = ""  # realloc: source call (layout)
+    dst: str = ""  # realloc: destination call (layout)
+
+    @property
+    def label(self) -> str:
+        if self.kind == "call":
+            return self.name
+        if self.kind == "realloc":
+            return f"realloc {self.name}: {self.src}->{self.dst}"
+        return f"{self.kind} {self.name}".strip()
+
+
+class Master:
+    def __init__(self, program: RuntimeProgram, config: RunConfig, run: RunPaths, run_id: str, secret: bytes,
+                 *, iterations: int, start_iteration: int = 0, resume: Path | None = None, save_every: int = 0,
+                 launcher: LocalLauncher | None = None, bind_host: str = "127.0.0.1", master_port: int = 0,
+                 store_port: int = 0, heartbeat_timeout: float = 10.0, window: int = 2,
+                 on_iteration: Callable[[dict[str, Any]], None] | None = None) -> None:
+        if iterations < 1:
+            raise ValueError(f"iterations must be at least 1, got {iterations}")
+        for m, on in program.plan.offload.items():
+            if on and program.is_trained(m):
+                raise ValueError(f"plan offloads model {m!r}, but it is trained; only frozen models can be "
+                                 f"offloaded between calls (its optimizer state never moves)")
+        self.program = program
+        self.graph = program.graph
+        self.spec = program.graph.spec
+        self.config = config
+        self.paths = run
+        self.run_id = run_id
+        self.secret = secret
+        self.start = start_iteration
+        self.end = start_iteration + iterations
+        self.resume = resume
+        self.save_every = save_every
+        self.launcher = launcher
+        self.heartbeat_timeout = heartbeat_timeout
+        self.window = max(1, window)
+        self.on_iteration = on_iteration
+        self.n_workers = self.spec.cluster.n_devices
+        self.offloaded = {m for m, on in program.plan.offload.items() if on and not program.is_rule(m)}
+
+        self.zctx = zmq.asyncio.Context()
+        self.sock = self.zctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished worker fails loudly
+        if master_port:
+            self.sock.bind(f"tcp://{bind_host}:{master_port}")
+            self.port = master_port
+        else:
+            self.port = self.sock.bind_to_random_port(f"tcp://{bind_host}")
+        self.store = dist.TCPStore(bind_host, store_port, None, True, timeout=datetime.timedelta(minutes=30),
+                                   wait_for_workers=False)
+        self.channel = protocol.Channel(secret, run_id, protocol.MASTER)
+
+        self.next_req = 0
+        self.futures: dict[tuple[int, int], asyncio.Future] = {}
+        self.records: list[RequestRecord] = []
+        self.pending: dict[int, dict[int, RequestRecord]] = {r: {} for r in range(self.n_workers)}
+        self.hello: dict[int, protocol.Hello] = {}
+        self.last_heartbeat: dict[int, float] = {}
+        self.failure: str | None = None
+        self.abort: asyncio.Event | None = None  # created inside the event loop
+        self.done: dict[Node, asyncio.Event] = {}
+        self.data_meta: dict[tuple[str, int], list[protocol.TensorMeta]] = {}
+        self.cached: dict[tuple[str, int], dict[int, list[tuple[str, int, int]]]] = {}
+        self.known_groups = self._startup_groups()
+        self.call_stats: dict[int, dict[str, dict[str, float]]] = {}
+        self.node_times: dict[int, dict[str, float]] = {}
+        self.remaining: dict[int, int] = {}
+        self.iter_end: dict[int, float] = {}
+        self.metrics: list[dict[str, Any]] = []
+        names = [f"{self.spec.cluster.nodes[self.spec.cluster.node_of(r)]}:{r % self.spec.cluster.n_devices_per_node}"
+                 for r in range(self.n_workers)]
+        self.trace = Trace(self.n_workers, names)
+        self.tasks: list[asyncio.Task] = []
+
+    # -- public ------------------------------------------------------------------------------------------------
+    async def run(self) -> list[dict[str, Any]]:
+        """Connect the workers, set them up, run the iterations, shut down. Raises RunFailed."""
+        self.abort = asyncio.Event()
+        receiver = asyncio.create_task(self._receive())
+        monitor = asyncio.create_task(self._monitor())
+        try:
+            await self._guard(self._wait_for_workers())
+            setup = self._send(range(self.n_workers), "setup", "setup", -1, "setup",
+                               lambda req: protocol.Setup(req=req, resume=str(self.resume) if self.resume else None))
+            await self._guard(self._wait(setup))
+            self.t_start = time.time()
+            await self._guard(self._run_iterations())
+            shutdown = self._send(range(self.n_workers), "shutdown", "shutdown", -1, "shutdown",
+                                  lambda req: protocol.Shutdown(req=req))
+            await self._guard(asyncio.wait_for(self._wait(shutdown), SHUTDOWN_TIMEOUT))
+            if self.launcher is not None and not await asyncio.to_thread(self.launcher.wait_exit, 30.0):
+                self.launcher.stop()
+        except BaseException:
+            if self.launcher is not None:
+                self.launcher.stop(grace=2.0)
+            raise
+        finally:
+            for t in (receiver, monitor, *self.tasks):
+                t.cancel()
+            self.trace.write(self.paths.trace)
+            self.sock.close(linger=0)
+            self.zctx.term()
+        return self.metrics
+
+    def fail(self, message: str) -> None:
+        if self.failure is None:
+            self.failure = message
+            if self.abort is not None:
+                self.abort.set()
+
+    # -- plumbing -----------------------------------------------------------------------------------------------
+    async def _guard(self, aw: Any) -> Any:
+        """Await ``aw`` unless the run fails first."""
+        task = asyncio.ensure_future(aw)
+        stop = asyncio.ensure_future(self.abort.wait())
+        done, _ = await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            stop.cancel()
+            return task.result()
+        task.cancel()
+        raise RunFailed(self.failure or "the run was aborted")
+
+    def _startup_groups(self) -> set[tuple[int, ...]]:
+        sets = set(self.program.startup_rank_sets())
+        for cl in self.program.all_layouts().values():
+            cfg = self.program.model_config(cl.model)
+            sets.update(ModelLayout.from_mesh(cl.mesh, cl.strategy, cfg.tie_embeddings).rank_sets())
+        return sets
+
+    def _send(self, ranks: Any, kind: str, label: str, iteration: int, node: str,
+              make: Callable[[int], protocol._Msg]) -> RequestRecord:
+        """Number a request and send it to all ``ranks`` without yielding, so per-worker order = number order."""
+        req = self.next_req
+        self.next_req += 1
+        ranks = tuple(sorted(ranks))
+        rec = RequestRecord(req=req, kind=kind, label=label, iteration=iteration, node=node, dispatched=time.time(),
+                            ranks=ranks)
+        body = make(req)
+        loop = asyncio.get_running_loop()
+        for r in ranks:
+            self.futures[req, r] = loop.create_future()
+            self.pending[r][req] = rec
+            # pyzmq queues sends in call order, so nothing can overtake this request on the way to worker r.
+            sent = self.sock.send_multipart([protocol.worker_name(r).encode(),
+                                             *self.channel.pack(protocol.worker_name(r), body)])
+            sent.add_done_callback(lambda f, r=r: self._check_sent(f, r))
+        self.records.append(rec)
+        return rec
+
+    def _check_sent(self, f: asyncio.Future, rank: int) -> None:
+        if not f.cancelled() and f.exception() is not None:
+            self.fail(f"cannot send to worker {rank}: {f.exception()}")
+
+    async def _wait(self, rec: RequestRecord) -> list[protocol.Reply]:
+        keys = [(rec.req, r) for r in rec.ranks]
+        replies = await asyncio.gather(*(self.futures[k] for k in keys))
+        for k in keys:
+            del self.futures[k]
+        rec.completed = time.time()
+        for rep in replies:
+            rec.spans[rep.rank] = (rep.start, rep.end)
+        self.trace.add(rec)
+        bad = next((rep for rep in replies if not rep.ok), None)
+        if bad is not None:
+            where = f"call {rec.label} (iteration {rec.iteration})" if rec.kind == "call" else \
+                f"{rec.label} (iteration {rec.iteration})"
+            self.fail(f"worker {bad.rank} failed in {where}: {bad.error}; see {self.paths.worker_log(bad.rank)}")
+            raise RunFailed(self.failure)
+        return replies
+
+    async def _receive(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart()
+            ident = frames[0].decode(errors="replace")
+            env = self.channel.try_unpack(frames[1:], expect_src=ident)
+            if env is None:
+                continue
+            body = env.body
+            if isinstance(body, protocol.Heartbeat) and ident == f"hb{body.rank}":
+                self.last_heartbeat[body.rank] = time.monotonic()
+                self.sock.send_multipart([ident.encode(), *self.channel.pack(ident, protocol.Heartbeat(rank=-1))])
+            elif isinstance(body, protocol.Hello) and ident == protocol.worker_name(body.rank):
+                self.hello[body.rank] = body
+                self.last_heartbeat.setdefault(body.rank, time.monotonic())
+            elif isinstance(body, protocol.Reply) and ident == protocol.worker_name(body.rank):
+                fut = self.futures.get((body.req, body.rank))
+                self.pending[body.rank].pop(body.req, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(body)
+
+    def _running_on(self, rank: int) -> str:
+        if not self.pending[rank]:
+            return "while idle"
+        rec = self.pending[rank][min(self.pending[rank])]
+        it = f" of iteration {rec.iteration}" if rec.iteration >= 0 else ""
+        return f"while running {rec.kind} {rec.label!r}{it}"
+
+    async def _monitor(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            if self.launcher is not None:
+                for r, code in sorted(self.launcher.dead().items()):
+                    self.fail(f"worker {r} (pid {self.launcher.pid(r)}) exited with code {code} {self._running_on(r)};"
+                              f" see {self.paths.worker_log(r)}")
+            now = time.monotonic()
+            for r, last in sorted(self.last_heartbeat.items()):
+                if now - last > self.heartbeat_timeout:
+                    self.fail(f"worker {r} stopped responding (no heartbeat for {now - last:.0f} s) "
+                              f"{self._running_on(r)}; see {self.paths.worker_log(r)}")
+
+    async def _wait_for_workers(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while len(self.hello) < self.n_workers:
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.n_workers)) - set(self.hello))
+                self.fail(f"workers {missing} did not connect within {START_TIMEOUT:.0f} s; see {self.paths.logs}")
+                raise RunFailed(self.failure)
+            await asyncio.sleep(0.05)
+
+    # -- the augmented, unrolled graph ---------------------------------------------------------------------------
+    def _saves_after(self, t: int) -> bool:
+        return self.save_every > 0 and ((t + 1) % self.save_every == 0 or t == self.end - 1)
+
+    def _realloc_into(self, call: str) -> Realloc | None:
+        m = self.program.calls[call].model
+        seg = next(s for s in self.program.segments(m) if call in s.calls)
+        return next((r for r in self.program.reallocs(m) if r.dst_call == seg.calls[0]), None)
+
+    def _nodes(self, t: int) -> list[Node]:
+        prog = self.program
+        nodes = [Node("call", c, t) for c in self.graph.topo_order]
+        for m in prog.models:
+            nodes += [Node("realloc", m, t, r.src_call, r.dst_call) for r in prog.reallocs(m)]
+            if m in self.offloaded:
+                nodes.append(Node("offload", m, t))
+                if t > self.start:
+                    nodes.append(Node("reload", m, t))
+        if self._saves_after(t):
+            nodes.append(Node("save", "", t))
+        return nodes
+
+    def _deps(self, n: Node) -> list[Node]:
+        prog, t = self.program, n.t
+        out: list[Node] = []
+        if n.kind in ("call", "realloc"):
+            model = prog.calls[n.name].model if n.kind == "call" else n.name
+            if model in self.offloaded and t > self.start:
+                out.append(Node("reload", model, t))
+            if t > self.start and self._saves_after(t - 1):
+                out.append(Node("save", "", t - 1))
+        if n.kind == "call":
+            out += [Node("call", u, t) for u in self.graph.graph.predecessors(n.name)]
+            if t > self.start:
+                out += [Node("call", u, t - 1) for u, v in self.graph.carry_edges if v == n.name]
+            r = self._realloc_into(n.name)
+            if r is not None:
+                out.append(Node("realloc", r.model, t, r.src_call, r.dst_call))
+        elif n.kind == "realloc":
+            r = next(x for x in prog.reallocs(n.name) if (x.src_call, x.dst_call) == (n.src, n.dst))
+            tt = t - 1 if r.wraps else t
+            if tt >= self.start:
+                out += [Node("call", c, tt) for c in r.after]
+        elif n.kind == "offload":
+            out += [Node("call", c, t) for c in prog.chain_calls(n.name)]
+            out += [Node("realloc", n.name, t, r.src_call, r.dst_call) for r in prog.reallocs(n.name)]
+        elif n.kind == "reload":
+            out.append(Node("offload", n.name, t - 1))
+        elif n.kind == "save":
+            out += [x for x in self._nodes(t) if x.kind != "save"]
+        return out
+
+    async def _run_iterations(self) -> None:
+        first = min(self.end, self.start + self.window)
+        for t in range(self.start, first):
+            self._spawn(t)
+        self.all_done = asyncio.Event()
+        await self.all_done.wait()
+
+    def _spawn(self, t: int) -> None:
+        nodes = self._nodes(t)
+        self.remaining[t] = len(nodes)
+        self.call_stats[t] = {}
+        self.node_times[t] = {}
+        for n in nodes:
+            self.done[n] = asyncio.Event()
+        for n in nodes:
+            self.tasks.append(asyncio.create_task(self._node(n)))
+
+    async def _node(self, n: Node) -> None:
+        try:
+            for d in self._deps(n):
+                if d.t >= self.start:
+                    await self.done[d].wait()
+            t0 = time.time()
+            if n.kind == "call":
+                await self._call(n)
+            elif n.kind == "realloc":
+                rec = self._send(self._realloc_ranks(n), "realloc", n.label, n.t, n.label,
+                                 lambda req: protocol.Reallocate(req=req, model=n.name, src_call=n.src,
+                                                                 dst_call=n.dst, iteration=n.t))
+                await self._wait(rec)
+            elif n.kind in ("offload", "reload"):
+                home = self.program.home_call(n.name)
+                rec = self._send(self.program.calls[home].ranks, n.kind, n.label, n.t, n.label,
+                                 lambda req: protocol.Offload(req=req, model=n.name, call=home,
+                                                              to_host=n.kind == "offload", iteration=n.t))
+                await self._wait(rec)
+            elif n.kind == "save":
+                await self._save(n.t)
+            t1 = time.time()
+            self.trace.add_node(n.label, n.kind, n.t, t0, t1)
+            key = n.name if n.kind == "call" else n.kind
+            self.node_times[n.t][key] = self.node_times[n.t].get(key, 0.0) + (t1 - t0)
+            self.done[n].set()
+            self._finished(n.t)
+        except RunFailed:
+            pass  # already recorded; run() raises it
+        except Exception as e:  # noqa: BLE001 - a bug here must stop the run, not hang it
+            self.fail(f"master error in {n.label} (iteration {n.t}): {type(e).__name__}: {e}")
+
+    def _realloc_ranks(self, n: Node) -> list[int]:
+        return sorted(set(self.program.calls[n.src].ranks) | set(self.program.calls[n.dst].ranks))
+
+    def _finished(self, t: int) -> None:
+        self.remaining[t] -= 1
+        if self.remaining[t]:
+            return
+        self.iter_end[t] = time.time()
+        # Report iterations in order (a later one cannot finish first, but be safe).
+        while (k := self.start + len(self.metrics)) in self.iter_end:
+            begin = self.iter_end.get(k - 1, self.t_start)
+            m = iteration_metrics(k, self.call_stats[k], self.node_times[k], self.iter_end[k] - begin,
+                                  self.program.batch_size * self.spec.seq_len)
+            self.metrics.append(m)
+            with open(self.paths.metrics, "a") as f:
+                f.write(json.dumps(m) + "\n")
+            if self.on_iteration is not None:
+                self.on_iteration(m)
+            rel = self._send(range(self.n_workers), "release", "release data", k, "release",
+                             lambda req, k=k: protocol.ReleaseData(req=req, before_iteration=k + 1))
+            self.tasks.append(asyncio.create_task(self._wait_quietly(rel)))
+            for c in list(self.cached):
+                if c[1] <= k:
+                    self.cached.pop(c, None)
+                    self.data_meta.pop(c, None)
+            nxt = k + self.window
+            if nxt < self.end:
+                self._spawn(nxt)
+            if k == self.end - 1:
+                self.all_done.set()
+
+    async def _wait_quietly(self, rec: RequestRecord) -> None:
+        try:
+            await self._wait(rec)
+        except RunFailed:
+            pass
+
+    # -- node bodies -------------------------------------------------------------------------------------------------
+    async def _call(self, n: Node) -> None:
+        c, t = n.name, n.t
+        rpc = self.graph.call(c)
+        recs = []
+        for key in rpc.input_data:
+            if key not in self.spec.dataset_keys:
+                recs += self._transfer(key, c, t)
+        call = self._send(self.program.calls[c].ranks, "call", c, t, c,
+                          lambda req: protocol.RunCall(req=req, call=c, iteration=t))
+        for rec in recs:
+            await self._wait(rec)
+        replies = await self._wait(call)
+        stats: dict[str, float] = {}
+        for rep in replies:
+            for k, v in rep.stats.items():
+                stats[k] = stats.get(k, 0.0) + v
+            for out in rep.outputs:
+                self.data_meta.setdefault((out.key, t), out.tensors)
+        missing = [k for k in rpc.output_data if (k, t) not in self.data_meta]
+        if missing:
+            self.fail(f"call {c} (iteration {t}) produced no data for key {missing[0]!r}")
+            raise RunFailed(self.failure)
+        self.call_stats[t][c] = stats
+
+    def _transfer(self, key: str, consumer: str, t: int) -> list[RequestRecord]:
+        metas = self.data_meta[(key, t)]
+        cached = self.cached.setdefault((key, t), {})
+        plan = self.program.data_plan(key, consumer, row_bytes(metas), cached={d: list(v) for d, v in cached.items()})
+        dl = self.program.consumer(consumer)
+        ranges = dp_ranges(self.program.batch_size, dl.strategy.dp)
+        for dev, (dp_rank, _, pp_rank) in dl.layout.coords_by_device.items():
+            entry = (key, *ranges[dp_rank])
+            if entry not in cached.setdefault(dev, []):
+                cached[dev].append(entry)
+        if not plan.transfers:
+            return []
+        recs = []
+        new = sorted(set(plan.groups) - self.known_groups)
+        if new:
+            recs.append(self._send(range(self.n_workers), "groups", "create groups", t, consumer,
+                                   lambda req: protocol.EnsureGroups(req=req, rank_sets=[list(g) for g in new])))
+            self.known_groups.update(new)
+        ranks = sorted({x.src for x in plan.transfers} | {d for x in plan.transfers for d in x.dsts})
+        pieces = [protocol.Broadcast(src=x.src, dsts=list(x.dsts), lo=x.lo, hi=x.hi) for x in plan.transfers]
+        recs.append(self._send(ranks, "data", f"{key} -> {consumer}", t, consumer,
+                               lambda req: protocol.TransferData(req=req, key=key, iteration=t, dst_call=consumer,
+                                                                 tensors=metas, broadcasts=pieces)))
+        return recs
+
+    async def _save(self, t: int) -> None:
+        tmp = checkpoint.begin(self.paths.checkpoints, t)
+        rec = self._send(range(self.n_workers), "save", f"checkpoint {t + 1}", t, "save",
+                         lambda req: protocol.SaveCheckpoint(req=req, directory=str(tmp), iteration=t))
+        await self._wait(rec)
+        prog = self.program
+        layouts = {m: f"{prog.calls[prog.home_call(m)].mesh.name} {prog.calls[prog.home_call(m)].strategy}"
+                   for m in prog.models if prog.is_trained(m)}
+        meta = {"next_iteration": t + 1, "prompts_consumed": (t + 1) * prog.batch_size, "seed": self.config.seed,
+                "experiment": self.spec.name, "graph_digest": self.graph.digest, "run_id": self.run_id,
+                "layouts": layouts}
+        await asyncio.to_thread(checkpoint.commit, tmp, self.paths.checkpoints, t, meta, prog.plan.to_json())
+
+
+def plan_from_checkpoint(ckpt: Path) -> ExecutionPlan:
+    return ExecutionPlan.load(ckpt / "plan.json")

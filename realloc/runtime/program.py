@@ -1,0 +1,210 @@
+"""What the runtime derives from an execution plan; shared by the master and every model worker.
+
+Both sides compute it from the same (experiment, plan), so they agree without talking:
+
+- the layout of every call, and the distinct layouts of every model;
+- each model's *chain*: its calls in topological order, cut into segments of consecutive calls
+  that share a layout. Between two segments the parameters move (a reallocation node); the last
+  segment wraps around to the first one of the next iteration. The last segment's layout is the
+  model's *home*: parameters live there between iterations, so that is where they are
+  initialized, checkpointed and loaded (for a trained model, the layout of its train step, where
+  its optimizer state stays);
+- where each call's outputs live (producer data layout) and where its inputs are needed
+  (consumer data layout), for the data-transfer planner;
+- every process group the run needs, so all workers create them at start-up, in one order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import cached_property
+
+from realloc.api import InterfaceType
+from realloc.cluster import DeviceMesh
+from realloc.graph.dataflow import DataflowGraph
+from realloc.graph.plan import ExecutionPlan, validate_plan
+from realloc.models.config import ModelConfig
+from realloc.runtime.transfer_plan import DataLayout, Layout, TransferPlan, plan_data_transfer, plan_param_realloc
+from realloc.strategy import ParallelStrategy
+
+BYTES_PER_PARAM = 4  # the runtime trains in float32; reallocation plans count bytes with it
+
+LayoutKey = tuple[str, str, int, int, int]  # (model, mesh name, dp, tp, pp)
+
+
+@dataclasses.dataclass(frozen=True)
+class CallLayout:
+    call: str
+    model: str
+    mesh: DeviceMesh
+    strategy: ParallelStrategy
+    n_mbs: int
+
+    @property
+    def key(self) -> LayoutKey:
+        s = self.strategy
+        return (self.model, self.mesh.name, s.dp, s.tp, s.pp)
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.mesh, self.strategy)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return self.mesh.device_ids
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Consecutive calls of one model (within an iteration) that use one layout."""
+
+    model: str
+    key: LayoutKey
+    calls: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Realloc:
+    """Move ``model``'s parameters from the layout of ``src_call`` to that of ``dst_call``.
+
+    It waits for every call of the segment ``after`` (of the previous iteration when
+    ``wraps``), and the calls of the segment that starts with ``dst_call`` wait for it.
+    """
+
+    model: str
+    src_call: str
+    dst_call: str
+    after: tuple[str, ...]
+    wraps: bool
+
+
+class RuntimeProgram:
+    def __init__(self, graph: DataflowGraph, plan: ExecutionPlan) -> None:
+        meshes = validate_plan(plan, graph)
+        self.graph = graph
+        self.plan = plan
+        spec = graph.spec
+        sizes = {spec.n_seqs(r) for r in spec.rpcs}
+        if len(sizes) != 1:
+            raise ValueError(f"experiment {spec.name!r}: the runtime needs every call to process the same batch "
+                             f"(n_seqs differs: {sorted(sizes)}); leave n_seqs unset or make them equal")
+        self.batch_size = sizes.pop()
+        self.calls: dict[str, CallLayout] = {}
+        for name in graph.topo_order:
+            p = plan.placements[name]
+            self.calls[name] = CallLayout(name, graph.call(name).model_name, meshes[name], p.strategy, p.n_mbs)
+
+    # -- models and layouts ---------------------------------------------------------------------------
+    @cached_property
+    def models(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(self.calls[c].model for c in self.graph.topo_order))
+
+    def model_config(self, model: str) -> ModelConfig | None:
+        return self.graph.model_config(self.graph.calls_of_model(model)[0])
+
+    def is_rule(self, model: str) -> bool:
+        return self.model_config(model) is None
+
+    def is_trained(self, model: str) -> bool:
+        return any(self.graph.call(c).is_train for c in self.graph.calls_of_model(model))
+
+    def train_call(self, model: str) -> str | None:
+        trains = [c for c in self.chain_calls(model) if self.graph.call(c).is_train]
+        return trains[-1] if trains else None
+
+    def chain_calls(self, model: str) -> tuple[str, ...]:
+        return tuple(c for c in self.graph.topo_order if self.calls[c].model == model)
+
+    def segments(self, model: str) -> tuple[Segment, ...]:
+        out: list[Segment] = []
+        for c in self.chain_calls(model):
+            key = self.calls[c].key
+            if out and out[-1].key == key:
+                out[-1] = Segment(model, key, out[-1].calls + (c,))
+            else:
+                out.append(Segment(model, key, (c,)))
+        return tuple(out)
+
+    def home_call(self, model: str) -> str:
+        """A call whose layout is the model's home (see the module docstring)."""
+        return self.segments(model)[-1].calls[-1]
+
+    def reallocs(self, model: str) -> tuple[Realloc, ...]:
+        """Reallocation nodes of one iteration, in chain order; the first may wrap from the previous one."""
+        if self.is_rule(model):
+            return ()
+        segs = self.segments(model)
+        out = []
+        if len(segs) > 1 and segs[-1].key != segs[0].key:
+            out.append(Realloc(model, segs[-1].calls[-1], segs[0].calls[0], segs[-1].calls, wraps=True))
+        for prev, cur in zip(segs, segs[1:]):
+            out.append(Realloc(model, prev.calls[-1], cur.calls[0], prev.calls, wraps=False))
+        return tuple(out)
+
+    def layouts_on(self, rank: int) -> dict[LayoutKey, CallLayout]:
+        """Distinct model layouts that include ``rank``, each named by its first call."""
+        out: dict[LayoutKey, CallLayout] = {}
+        for c in self.graph.topo_order:
+            cl = self.calls[c]
+            if rank in cl.ranks and not self.is_rule(cl.model):
+                out.setdefault(cl.key, cl)
+        return out
+
+    def all_layouts(self) -> dict[LayoutKey, CallLayout]:
+        out: dict[LayoutKey, CallLayout] = {}
+        for c in self.graph.topo_order:
+            cl = self.calls[c]
+            if not self.is_rule(cl.model):
+                out.setdefault(cl.key, cl)
+        return out
+
+    def realloc_plan(self, r: Realloc) -> TransferPlan:
+        cfg = self.model_config(r.model)
+        assert cfg is not None
+        return plan_param_realloc(cfg, self.calls[r.src_call].layout, self.calls[r.dst_call].layout,
+                                  bytes_per_element=BYTES_PER_PARAM)
+
+    # -- data ----------------------------------------------------------------------------------------
+    def producer(self, call: str) -> DataLayout:
+        """Where a call's outputs live: generation leaves them on every stage, a forward pass on the last."""
+        cl = self.calls[call]
+        s = cl.strategy
+        gen = self.graph.call(call).interface_type is InterfaceType.GENERATE
+        stages = tuple(range(s.pp)) if gen else (s.pp - 1,)
+        return DataLayout(cl.mesh, s, stages)
+
+    def consumer(self, call: str) -> DataLayout:
+        """Every stage of a consumer gets its dp rank's inputs: the first stage embeds the tokens, the last
+        computes losses from the other keys, and the pipeline derives positions from the tokens on all."""
+        cl = self.calls[call]
+        return DataLayout(cl.mesh, cl.strategy, tuple(range(cl.strategy.pp)))
+
+    def producer_of(self, key: str) -> str | None:
+        for r in self.graph.calls:
+            if key in r.output_data:
+                return r.name
+        return None  # a dataset key
+
+    def data_plan(self, key: str, consumer: str, seq_bytes: int,
+                  cached: dict[int, list[tuple[str, int, int]]] | None = None) -> TransferPlan:
+        src = self.producer_of(key)
+        assert src is not None, key
+        return plan_data_transfer({key: [seq_bytes] * self.batch_size}, self.producer(src), self.consumer(consumer),
+                                  cached=cached)
+
+    # -- process groups --------------------------------------------------------------------------------
+    def startup_rank_sets(self) -> list[tuple[int, ...]]:
+        """Broadcast groups of every reallocation and of every data transfer with a cold cache, sorted.
+
+        Model groups come separately (``ProcessGroupCache.ensure_layouts``). Data plans with a warm
+        cache can need other groups; the master asks all workers to create those when they first occur.
+        """
+        sets: set[tuple[int, ...]] = set()
+        for m in self.models:
+            for r in self.reallocs(m):
+                sets.update(self.realloc_plan(r).groups)
+        for r in self.graph.calls:
+            for key in r.input_data:
+                if self.producer_of(key) is not None:
+                    sets.update(self.data_plan(key, r.name, 1).groups)
+        return sorted(sets)

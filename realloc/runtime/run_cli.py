@@ -1,0 +1,209 @@
+"""``realloc run EXP``: plan (or load a plan), launch the model workers and the master, and train.
+
+    realloc run experiments/ppo_tiny.py --baseline heuristic --iterations 30
+    realloc run EXP --plan plan.json --save-every 10 --run-dir runs/a
+    realloc run EXP --resume runs/a                     # continues from the newest checkpoint
+    realloc run EXP --launcher slurm --dry-run          # prints the sbatch script
+
+A run directory holds plan.json, metrics.jsonl (one line per iteration), trace.json (Chrome trace
+of every device), logs/worker<r>.log and checkpoints/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from realloc.api import ExperimentSpec, load_experiment
+from realloc.graph.dataflow import build_graph
+from realloc.graph.plan import ExecutionPlan
+from realloc.runtime import protocol
+from realloc.runtime.launcher import LocalLauncher, RunPaths, SlurmOptions, WorkerConfig, slurm_script, submit_slurm
+from realloc.runtime.program import RuntimeProgram
+from realloc.runtime.run_config import RunConfig
+
+DEFAULT_SEARCH_TIME = 10.0
+
+
+def _choose_plan(args: argparse.Namespace, spec: ExperimentSpec, ckpt: Path | None) -> ExecutionPlan:
+    if args.plan:
+        return ExecutionPlan.load(args.plan)
+    if ckpt is not None:
+        return ExecutionPlan.load(ckpt / "plan.json")
+    try:
+        import realloc.search as search_pkg
+    except ImportError as e:  # pragma: no cover - the package always exists
+        raise ValueError(f"plan search is unavailable ({e}); pass --plan plan.json") from None
+    if args.baseline:
+        fn = getattr(search_pkg, "baseline", None)
+        if fn is None:
+            raise ValueError("--baseline needs realloc.search.baseline, which is not available yet; pass --plan")
+        return fn(spec, args.baseline)
+    fn = getattr(search_pkg, "search", None)
+    if fn is None:
+        raise ValueError("plan search (realloc.search.search) is not available yet; pass --plan plan.json or "
+                         "--baseline heuristic")
+    return fn(spec, args.search_time if args.search_time is not None else DEFAULT_SEARCH_TIME)
+
+
+def _run_dir(args: argparse.Namespace, spec: ExperimentSpec, ckpt: Path | None) -> Path:
+    if args.run_dir:
+        return Path(args.run_dir)
+    if ckpt is not None and ckpt.parent.name == "checkpoints":
+        return ckpt.parent.parent  # continue the checkpoint's own run
+    return Path("runs") / f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _truncate_metrics(path: Path, start: int) -> None:
+    """A resumed run rewrites the iterations after its checkpoint: drop the killed run's lines for them."""
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip()
+            and json.loads(line).get("iteration", -1) < start]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+def _fresh_secret(run: RunPaths) -> bytes:
+    secret = protocol.new_secret()
+    run.secret.unlink(missing_ok=True)
+    protocol.write_secret_file(run.secret, secret)
+    return secret
+
+
+def main(args: argparse.Namespace) -> int:
+    from realloc.runtime import checkpoint
+    from realloc.runtime.master import Master, RunFailed
+
+    if args.save_every < 0:
+        raise ValueError(f"--save-every must be >= 0, got {args.save_every}")
+    spec = load_experiment(args.experiment)
+    graph = build_graph(spec)
+    config = RunConfig.of(spec)
+    ckpt = checkpoint.resolve_resume(args.resume) if args.resume else None
+    start = 0
+    if ckpt is not None:
+        meta = checkpoint.read_meta(ckpt)
+        if meta.get("graph_digest") != graph.digest:
+            raise ValueError(f"--resume {ckpt}: the checkpoint was written by a different version of experiment "
+                             f"{spec.name!r} (graph digest {meta.get('graph_digest')} != {graph.digest})")
+        start = int(meta["next_iteration"])
+    total = args.iterations or config.iterations
+    if total is None:
+        raise ValueError(f"how many iterations? pass --iterations N or set `iterations` in {spec.name}")
+    if total <= start:
+        raise ValueError(f"--iterations {total}: the checkpoint already completed {start} iterations; ask for more")
+    plan = _choose_plan(args, spec, ckpt)
+    program = RuntimeProgram(graph, plan)  # validates the plan against the experiment and cluster
+    run = RunPaths(_run_dir(args, spec, ckpt).resolve())
+    run.root.mkdir(parents=True, exist_ok=True)
+    run_id = args.run_id or secrets.token_hex(8)
+    experiment = spec.source or args.experiment
+
+    if args.launcher == "slurm":
+        plan.save(run.plan)
+        run.logs.mkdir(parents=True, exist_ok=True)
+        _fresh_secret(run)
+        master_args = ["--plan", str(run.plan), "--iterations", str(total), "--save-every", str(args.save_every),
+                       "--quiet"]
+        if ckpt is not None:
+            master_args += ["--resume", str(ckpt)]
+        script = slurm_script(spec.cluster, experiment, run, run_id, master_args)
+        if args.dry_run:
+            print(script, end="")
+            return 0
+        job = submit_slurm(script, run)
+        print(f"submitted SLURM job {job}; run directory {run.root}")
+        return 0
+    if args.dry_run:
+        raise ValueError("--dry-run applies to --launcher slurm; for a local run, `realloc search EXP --dry-run` "
+                         "shows the plan")
+
+    if args.launcher == "external":
+        plan_path = run.plan
+        if not plan_path.is_file():
+            plan.save(plan_path)
+        secret = protocol.read_secret()
+    else:
+        plan.save(run.plan)
+        secret = _fresh_secret(run)
+    _truncate_metrics(run.metrics, start)
+    if start == 0:
+        run.metrics.unlink(missing_ok=True)
+
+    master = Master(program, config, run, run_id, secret, iterations=total - start, start_iteration=start,
+                    resume=ckpt, save_every=args.save_every, bind_host=args.bind, master_port=args.master_port,
+                    store_port=args.store_port, heartbeat_timeout=args.heartbeat_timeout)
+    launcher = None
+    if args.launcher == "local":
+        wc = WorkerConfig(experiment=experiment, run_dir=str(run.root), run_id=run_id,
+                          world_size=spec.cluster.n_devices, store=f"{args.bind}:{master.store.port}",
+                          master_endpoint=f"tcp://{args.bind}:{master.port}", device=_device(spec))
+        launcher = LocalLauncher(wc, run)
+        master.launcher = launcher
+        launcher.start()
+    print(f"run {run.root}: {spec.name} on {spec.cluster.nodelist} ({spec.cluster.n_devices} devices), "
+          f"iterations {start + 1}..{total}, plan {plan.source}")
+    print(plan.table(graph.topo_order))
+    try:
+        metrics = _drive(master, total, start, quiet=args.quiet or not sys.stdout.isatty())
+    except RunFailed as e:
+        print(f"realloc run: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if args.launcher != "external":
+            run.secret.unlink(missing_ok=True)
+    _summary(master, metrics, run)
+    return 0
+
+
+def _device(spec: ExperimentSpec) -> str:
+    return "cpu" if spec.cluster.device == "cpu" else "cuda"
+
+
+def _drive(master: Any, total: int, start: int, quiet: bool) -> list[dict[str, Any]]:
+    from realloc.runtime.telemetry import format_line
+
+    if quiet:
+        master.on_iteration = lambda m: print(format_line(m, total), flush=True)
+        return asyncio.run(master.run())
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console()
+    with Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.fields[status]}"), console=console, transient=True) as bar:
+        task = bar.add_task("iterations", total=total, completed=start, status="starting workers")
+
+        def on_iteration(m: dict[str, Any]) -> None:
+            console.print(format_line(m, total))
+            reward = f"reward {m['reward']:.3f}" if "reward" in m else ""
+            bar.update(task, advance=1, status=reward)
+
+        master.on_iteration = on_iteration
+        return asyncio.run(master.run())
+
+
+def _summary(master: Any, metrics: list[dict[str, Any]], run: RunPaths) -> None:
+    from realloc.runtime.telemetry import overhead_summary
+
+    if not metrics:
+        return
+    times = [m["iteration_time"] for m in metrics]
+    steady = times[1:] or times
+    ov = overhead_summary(master.records)
+    line = f"done: {len(metrics)} iterations, {sum(steady) / len(steady):.2f} s/iteration (after the first)"
+    if "reward" in metrics[-1]:
+        line += f", reward {metrics[0]['reward']:.3f} -> {metrics[-1]['reward']:.3f}"
+    if ov:
+        line += f", master overhead {ov['mean_overhead_s'] * 1e3:.1f} ms/request"
+    print(line)
+    print(f"metrics {run.metrics}\ntrace   {run.trace} (open in chrome://tracing or ui.perfetto.dev)")
+    if os.environ.get("REALLOC_PRINT_LOGS"):
+        print(f"logs    {run.logs}")

@@ -1,0 +1,50 @@
+"""Run settings an experiment's config object may carry, read the same way by the master and workers.
+
+The ``@auto`` dataclass may define (all optional):
+
+- ``seed: int`` (default 1): model initialization, prompt order, sampling;
+- ``dataset: str``: JSONL prompt file, relative to the experiment file (required when a call reads
+  a dataset key such as ``prompts``);
+- ``iterations: int``: default for ``realloc run --iterations``;
+- ``ppo: PPOConfig``: PPO hyperparameters (defaults from ``PPOConfig()``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from realloc.algorithms.ppo_config import PPOConfig
+from realloc.api import ExperimentSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    seed: int
+    ppo: PPOConfig
+    dataset: str | None
+    iterations: int | None
+
+    @classmethod
+    def of(cls, spec: ExperimentSpec) -> "RunConfig":
+        cfg = spec.config
+        seed = getattr(cfg, "seed", 1)
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"experiment {spec.name!r}: seed must be an integer, got {seed!r}")
+        ppo = getattr(cfg, "ppo", None) or PPOConfig()
+        if not isinstance(ppo, PPOConfig):
+            raise ValueError(f"experiment {spec.name!r}: field ppo must be a PPOConfig, got {type(ppo).__name__}")
+        dataset = getattr(cfg, "dataset", None)
+        if dataset is not None:
+            path = Path(dataset)
+            src = spec.source.rsplit(":", 1)[0]
+            if not path.is_absolute() and src.endswith(".py"):
+                path = Path(src).parent / path
+            dataset = str(path)
+        elif any(k in spec.dataset_keys for r in spec.rpcs for k in r.input_data):
+            raise ValueError(f"experiment {spec.name!r} reads dataset keys {list(spec.dataset_keys)} but has no "
+                             f"`dataset` field; add e.g. dataset: str = 'data/prompts.jsonl'")
+        iterations = getattr(cfg, "iterations", None)
+        if iterations is not None and (not isinstance(iterations, int) or iterations < 1):
+            raise ValueError(f"experiment {spec.name!r}: iterations must be a positive integer, got {iterations!r}")
+        return cls(seed=seed, ppo=ppo, dataset=dataset, iterations=iterations)

@@ -1,0 +1,116 @@
+"""What a run records: per-iteration metrics (JSONL) and a Chrome-trace timeline of every device.
+
+The trace has one row per device (model worker) with a box for every request it executed:
+calls, reallocations, data transfers, offloads, checkpoints. Open it in ``chrome://tracing`` or
+https://ui.perfetto.dev next to the search's estimated timeline. A "master" row shows, per
+dispatched node, the span from dispatch to the last reply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+from typing import Any, Iterable
+
+HEADLINE = ("reward", "kl", "actor_loss", "critic_loss")
+
+
+@dataclasses.dataclass
+class RequestRecord:
+    """One request as the master saw it, with each participant's own start/end (wall clock)."""
+
+    req: int
+    kind: str  # call | realloc | data | offload | save | groups | setup | release | shutdown
+    label: str
+    iteration: int
+    node: str  # the scheduling node the request belongs to
+    dispatched: float
+    ranks: tuple[int, ...] = ()
+    completed: float = 0.0
+    spans: dict[int, tuple[float, float]] = dataclasses.field(default_factory=dict)  # rank -> (start, end)
+
+    @property
+    def worker_time(self) -> float:
+        """Longest execution on any participant."""
+        return max((e - s for s, e in self.spans.values()), default=0.0)
+
+    @property
+    def overhead(self) -> float:
+        """Master-observed latency not spent executing: messaging, queueing behind earlier requests."""
+        return max(0.0, (self.completed - self.dispatched) - self.worker_time)
+
+
+class Trace:
+    def __init__(self, n_devices: int, device_names: list[str]) -> None:
+        self.events: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 0,
+                                               "args": {"name": "devices"}},
+                                              {"name": "process_name", "ph": "M", "pid": 1,
+                                               "args": {"name": "master"}}]
+        for r in range(n_devices):
+            self.events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": r,
+                                "args": {"name": f"device {r} ({device_names[r]})"}})
+            self.events.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": r, "args": {"sort_index": r}})
+        self.t0: float | None = None
+
+    def _us(self, t: float) -> float:
+        if self.t0 is None:
+            self.t0 = t
+        return round((t - self.t0) * 1e6, 1)
+
+    def add(self, rec: RequestRecord) -> None:
+        for rank, (s, e) in sorted(rec.spans.items()):
+            self.events.append({"name": rec.label, "cat": rec.kind, "ph": "X", "pid": 0, "tid": rank,
+                                "ts": self._us(s), "dur": round((e - s) * 1e6, 1),
+                                "args": {"iteration": rec.iteration, "req": rec.req}})
+
+    def add_node(self, name: str, kind: str, iteration: int, start: float, end: float) -> None:
+        self.events.append({"name": name, "cat": kind, "ph": "X", "pid": 1, "tid": 0, "ts": self._us(start),
+                            "dur": round((end - start) * 1e6, 1), "args": {"iteration": iteration}})
+
+    def write(self, path: Path) -> None:
+        tmp = path.with_name(path.name + ".part")
+        tmp.write_text(json.dumps({"traceEvents": self.events, "displayTimeUnit": "ms"}))
+        tmp.replace(path)
+
+
+def iteration_metrics(iteration: int, call_stats: dict[str, dict[str, float]], node_times: dict[str, float],
+                      iteration_time: float, tokens: int) -> dict[str, Any]:
+    """One JSONL record: headline PPO numbers, per-call stats, and time per call (incl. reallocation)."""
+    merged: dict[str, float] = {}
+    for stats in call_stats.values():
+        for k, v in stats.items():
+            merged[k] = merged.get(k, 0.0) + v
+    out: dict[str, Any] = {"iteration": iteration}
+    if merged.get("n_seqs_scored"):
+        out["reward"] = merged["score_sum"] / merged["n_seqs_scored"]
+    for k in ("kl", "actor_loss", "critic_loss", "approx_kl", "actor_clip_frac", "critic_clip_frac",
+              "actor_grad_norm", "critic_grad_norm", "value_mean", "return_mean", "adv_abs_mean"):
+        if k in merged:
+            out[k] = merged[k]
+    out["iteration_time"] = iteration_time
+    out["tokens_per_s"] = tokens / iteration_time if iteration_time > 0 else 0.0
+    out["time"] = dict(node_times)
+    out["calls"] = call_stats
+    return out
+
+
+def format_line(m: dict[str, Any], total: int) -> str:
+    parts = [f"iter {m['iteration'] + 1}/{total}"]
+    for k in HEADLINE:
+        if k in m:
+            parts.append(f"{k} {m[k]:+.4f}" if k != "reward" else f"{k} {m[k]:.4f}")
+    times = " ".join(f"{n} {t:.2f}s" for n, t in m["time"].items())
+    parts.append(times)
+    parts.append(f"{m['iteration_time']:.2f}s/it {m['tokens_per_s']:.0f} tok/s")
+    return " | ".join(parts)
+
+
+def overhead_summary(records: Iterable[RequestRecord]) -> dict[str, float]:
+    recs = [r for r in records if r.kind in ("call", "realloc", "data") and r.completed]
+    if not recs:
+        return {}
+    ov = [r.overhead for r in recs]
+    return {"requests": float(len(recs)), "mean_overhead_s": statistics.fmean(ov),
+            "median_overhead_s": statistics.median(ov)}

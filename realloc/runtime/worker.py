@@ -1,0 +1,395 @@
+"""A model worker: one process per device, an RPC server for the master (realhf.txt §3, §6).
+
+It holds one ``ParallelModel`` per (model, layout) the plan puts on its device, the data its calls
+produced or received (per iteration, by sequence range), and executes the master's requests
+strictly in the order they arrive. The master numbers every request globally and sends each one
+to all its participants at once, so any two workers run their common collectives (reallocation
+broadcasts, data transfers, tensor/pipeline/data-parallel communication inside calls) in the same
+order: no deadlock is possible on gloo or NCCL.
+
+A heartbeat thread reports liveness every second on its own socket and ends the process if the
+master stops answering (the master died), so no worker outlives a run.
+
+Run as ``python -m realloc.runtime.worker ...`` (the launchers build the command line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from realloc.algorithms import ppo_interfaces as impls
+from realloc.api import load_experiment
+from realloc.graph.dataflow import build_graph
+from realloc.graph.plan import ExecutionPlan
+from realloc.models.engine import ParallelModel
+from realloc.models.groups import ModelLayout
+from realloc.models.groups import ProcessGroupCache
+from realloc.runtime import checkpoint, protocol
+from realloc.runtime.data_store import DataStore, pack_rows, row_bytes, unpack_rows
+from realloc.runtime.dataset import PromptDataset
+from realloc.runtime.offload import HostOffload
+from realloc.runtime.param_realloc import Reallocator
+from realloc.runtime.program import CallLayout, LayoutKey, RuntimeProgram
+from realloc.runtime.run_config import RunConfig
+from realloc.runtime.transfer_plan import dp_ranges
+
+HEARTBEAT_INTERVAL = 1.0
+MASTER_TIMEOUT = 30.0  # no answer from the master for this long: it is gone, so stop
+PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
+
+log = logging.getLogger("realloc.worker")
+
+
+class ModelHandle:
+    """One model in one layout on this device."""
+
+    def __init__(self, layout: CallLayout, model: ParallelModel, optimizer: torch.optim.Optimizer | None) -> None:
+        self.layout = layout
+        self.model = model
+        self.optimizer = optimizer
+        self.offloader: HostOffload | None = None
+
+    @property
+    def coords(self) -> tuple[int, int, int]:
+        g = self.model.groups
+        return g.dp_rank, g.tp_rank, g.pp_rank
+
+
+class Heartbeat(threading.Thread):
+    def __init__(self, ctx: zmq.Context, endpoint: str, secret: bytes, run_id: str, rank: int) -> None:
+        super().__init__(name="heartbeat", daemon=True)
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, f"hb{rank}".encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.channel = protocol.Channel(secret, run_id, f"hb{rank}")
+        self.rank = rank
+        self.busy_req = -1
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        last_answer = time.monotonic()
+        while not self._stop.is_set():
+            self.sock.send_multipart(self.channel.pack(protocol.MASTER, protocol.Heartbeat(rank=self.rank,
+                                                                                        busy_req=self.busy_req)))
+            deadline = time.monotonic() + HEARTBEAT_INTERVAL
+            while (left := deadline - time.monotonic()) > 0 and not self._stop.is_set():
+                if self.sock.poll(int(left * 1000)):
+                    if self.channel.try_unpack(self.sock.recv_multipart(), protocol.MASTER) is not None:
+                        last_answer = time.monotonic()
+            if time.monotonic() - last_answer > MASTER_TIMEOUT:
+                log.error("worker %d: no answer from the master for %.0f s; exiting", self.rank, MASTER_TIMEOUT)
+                os._exit(3)
+        self.sock.close(linger=0)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class ModelWorker:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.rank = args.rank
+        self.world_size = args.world_size
+        self.run_dir = Path(args.run_dir)
+        secret = protocol.read_secret()
+        spec = load_experiment(args.experiment)
+        self.config = RunConfig.of(spec)
+        graph = build_graph(spec)
+        plan = ExecutionPlan.load(self.run_dir / "plan.json")
+        self.program = RuntimeProgram(graph, plan)
+        self.spec = spec
+        if args.device == "cuda":
+            self.device = torch.device("cuda", self.rank % spec.cluster.n_devices_per_node)
+            torch.cuda.set_device(self.device)
+            backend = "nccl"
+        else:
+            self.device = torch.device("cpu")
+            backend = "gloo"
+        # Data buffers travel on the communication device (NCCL only moves device memory).
+        self.comm_device = self.device
+        self.zctx = zmq.Context()
+        self.sock = self.zctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, protocol.worker_name(self.rank).encode())
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.connect(args.master)
+        self.channel = protocol.Channel(secret, args.run_id, protocol.worker_name(self.rank))
+        self.heartbeat = Heartbeat(self.zctx, args.master, secret, args.run_id, self.rank)
+        self.heartbeat.start()
+        self._send(protocol.Hello(rank=self.rank, pid=os.getpid(), host=socket.gethostname()))
+
+        host, port = args.store.rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), None, False, timeout=PROCESS_GROUP_TIMEOUT)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"{args.run_id}/world", store), rank=self.rank,
+                                world_size=self.world_size, timeout=PROCESS_GROUP_TIMEOUT)
+        self.groups = ProcessGroupCache()
+        self.reallocator = Reallocator(self.groups, self.rank)
+        self.handles: dict[LayoutKey, ModelHandle] = {}
+        self.store = DataStore()
+        self.dataset: PromptDataset | None = None
+
+    # -- wire -----------------------------------------------------------------------------------------------
+    def _send(self, body: protocol._Msg) -> None:
+        self.sock.send_multipart(self.channel.pack(protocol.MASTER, body))
+
+    def serve(self) -> None:
+        while True:
+            if not self.sock.poll(1000):
+                continue
+            env = self.channel.try_unpack(self.sock.recv_multipart(), protocol.MASTER)
+            if env is None or not isinstance(env.body, tuple(protocol.REQUEST_TYPES.values())):
+                continue
+            req = env.body
+            self.heartbeat.busy_req = req.req
+            start = time.time()
+            try:
+                stats, outputs = self.handle(req)
+                reply = protocol.Reply(req=req.req, rank=self.rank, ok=True, start=start, end=time.time(),
+                                       stats=stats, outputs=outputs)
+            except Exception as e:  # noqa: BLE001 - report any failure to the master, which stops the run
+                log.error("request %d (%s) failed:\n%s", req.req, req.type, traceback.format_exc())
+                reply = protocol.Reply(req=req.req, rank=self.rank, ok=False, error=f"{type(e).__name__}: {e}",
+                                       start=start, end=time.time())
+            self.heartbeat.busy_req = -1
+            self._send(reply)
+            if isinstance(req, protocol.Shutdown):
+                return
+
+    def handle(self, req: protocol._Msg) -> tuple[dict[str, float], list[protocol.OutputMeta]]:
+        if isinstance(req, protocol.Setup):
+            self.setup(req.resume)
+        elif isinstance(req, protocol.RunCall):
+            return self.run_call(req.call, req.iteration)
+        elif isinstance(req, protocol.Reallocate):
+            return self.reallocate(req), []
+        elif isinstance(req, protocol.TransferData):
+            return self.transfer(req), []
+        elif isinstance(req, protocol.Offload):
+            self.offload(req)
+        elif isinstance(req, protocol.SaveCheckpoint):
+            self.save(Path(req.directory))
+        elif isinstance(req, protocol.ReleaseData):
+            self.store.release(req.before_iteration)
+        elif isinstance(req, protocol.EnsureGroups):
+            self.groups.ensure_rank_sets(req.rank_sets)
+        elif isinstance(req, protocol.Shutdown):
+            pass
+        return {}, []
+
+    # -- setup ----------------------------------------------------------------------------------------------
+    def setup(self, resume: str | None) -> None:
+        prog = self.program
+        # Collective over the world: every worker creates every group, in the same order.
+        layouts = []
+        for cl in prog.all_layouts().values():
+            cfg = prog.model_config(cl.model)
+            layouts.append(ModelLayout.from_mesh(cl.mesh, cl.strategy, cfg.tie_embeddings))
+        self.groups.ensure_layouts(layouts)
+        self.groups.ensure_rank_sets(prog.startup_rank_sets())
+
+        torch.manual_seed(self.config.seed)
+        for key, cl in prog.layouts_on(self.rank).items():
+            cfg = prog.model_config(cl.model)
+            g = self.groups.model_groups(ModelLayout.from_mesh(cl.mesh, cl.strategy, cfg.tie_embeddings), self.rank)
+            home = prog.calls[prog.home_call(cl.model)].key == key
+            # Parameters start at home; other layouts are filled by reallocation when their turn comes.
+            model = ParallelModel(cfg, g, device=self.device, init="random" if home else "empty",
+                                  seed=self.config.seed)
+            if not home:
+                model.release()
+            opt = None
+            if home and prog.is_trained(cl.model):
+                lr = self.config.ppo.critic_lr if cfg.is_critic else self.config.ppo.lr
+                opt = model.make_optimizer(lr)
+            self.handles[key] = ModelHandle(cl, model, opt)
+        if any(k in self.spec.dataset_keys for r in self.spec.rpcs for k in r.input_data
+               if self.rank in prog.calls[r.name].ranks):
+            actor_cfg = next((prog.model_config(m) for m in prog.models if not prog.is_rule(m)), None)
+            self.dataset = PromptDataset.load(self.config.dataset, self.spec.prompt_len,
+                                              actor_cfg.vocab_size if actor_cfg else None)
+        if resume:
+            self.load(Path(resume))
+
+    def _home(self, model: str) -> ModelHandle | None:
+        return self.handles.get(self.program.calls[self.program.home_call(model)].key)
+
+    # -- calls ------------------------------------------------------------------------------------------------
+    def run_call(self, call: str, iteration: int) -> tuple[dict[str, float], list[protocol.OutputMeta]]:
+        prog, spec = self.program, self.spec
+        cl = prog.calls[call]
+        rpc = spec.call(call)
+        cfg = prog.model_config(cl.model)
+        fn, in_keys, out_keys = impls.resolve(rpc, cfg is not None and cfg.is_critic)
+        if cfg is None:  # a rule function: every device of the mesh is one dp rank
+            handle, (dp_rank, tp_rank, pp_rank) = None, (cl.ranks.index(self.rank), 0, 0)
+            dp, pp = cl.strategy.dp, 1
+        else:
+            handle = self.handles[cl.key]
+            dp_rank, tp_rank, pp_rank = handle.coords
+            dp, pp = cl.strategy.dp, cl.strategy.pp
+        lo, hi = dp_ranges(prog.batch_size, dp)[dp_rank]
+        inputs: impls.Data = {}
+        for role, key in in_keys.items():
+            if key in spec.dataset_keys:
+                assert self.dataset is not None
+                tokens = self.dataset.batch(iteration, prog.batch_size, self.config.seed, range(lo, hi))
+                inputs[role] = {"tokens": tokens}
+            else:
+                inputs[role] = self.store.get(key, iteration, lo, hi)
+        ctx = impls.CallContext(call=rpc, model=handle.model if handle else None,
+                                optimizer=handle.optimizer if handle else None, ppo=self.config.ppo,
+                                prompt_len=spec.prompt_len, gen_len=spec.gen_len, seed=self.config.seed,
+                                iteration=iteration, ids=range(lo, hi), batch_size=prog.batch_size, n_mbs=cl.n_mbs)
+        result = fn(ctx, inputs)
+        metas = []
+        for role, key in out_keys.items():
+            if role in result.outputs:
+                tensors = result.outputs[role]
+                self.store.put(key, iteration, lo, hi, tensors)
+                metas.append(protocol.OutputMeta(key=key, tensors=self.store.meta(key, iteration)))
+        reporter = tp_rank == 0 and pp_rank == pp - 1
+        stats: dict[str, float] = {}
+        if reporter:
+            stats.update(result.sums)
+            if dp_rank == 0:
+                stats.update(result.globals)
+        return stats, metas
+
+    # -- parameters --------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def reallocate(self, req: protocol.Reallocate) -> dict[str, float]:
+        prog = self.program
+        r = next(x for x in prog.reallocs(req.model) if (x.src_call, x.dst_call) == (req.src_call, req.dst_call))
+        plan = prog.realloc_plan(r)
+        src = self.handles.get(prog.calls[r.src_call].key)
+        dst = self.handles.get(prog.calls[r.dst_call].key)
+        if src is not None and src.model.state != "ready":
+            raise RuntimeError(f"reallocate {req.model} {req.src_call}->{req.dst_call}: the source layout holds no "
+                               f"parameters here ({src.model.state})")
+        if dst is not None and dst.model.state == "released":
+            dst.model.materialize()
+        _, st = self.reallocator.reallocate(plan, src.model.params() if src else None,
+                                            dst.model.params() if dst else None)
+        if src is not None and req.drop_src:
+            src.model.release()
+        return {"sent_bytes": float(st.sent_bytes), "received_bytes": float(st.received_bytes)}
+
+    def offload(self, req: protocol.Offload) -> None:
+        h = self.handles.get(self.program.calls[req.call].key)
+        if h is None:
+            return
+        if req.to_host:
+            h.offloader = HostOffload(h.model.params())
+            h.offloader.offload()
+        elif h.offloader is not None:
+            h.offloader.reload()
+            h.offloader = None
+
+    # -- data ----------------------------------------------------------------------------------------------------
+    def transfer(self, req: protocol.TransferData) -> dict[str, float]:
+        """Run the pieces this device takes part in, in the plan's order; pieces with the same source and
+        destinations travel as one message (grouped identically on every participant)."""
+        me = self.rank
+        messages: dict[tuple[int, tuple[int, ...]], list[protocol.Broadcast]] = {}
+        for b in req.broadcasts:
+            if b.src == me or me in b.dsts:
+                messages.setdefault((b.src, tuple(b.dsts)), []).append(b)
+        sent = received = 0
+        for (src, dsts), pieces in messages.items():
+            if src == me:
+                buf = torch.cat([pack_rows(self.store.get(req.key, req.iteration, p.lo, p.hi), req.tensors)
+                                 for p in pieces]).to(self.comm_device)
+                sent += buf.numel()
+            else:
+                n = sum((p.hi - p.lo) for p in pieces) * row_bytes(req.tensors)
+                buf = torch.empty(n, dtype=torch.uint8, device=self.comm_device)
+                received += n
+            if len(dsts) == 1:
+                if src == me:
+                    dist.send(buf, dsts[0])
+                else:
+                    dist.recv(buf, src)
+            else:
+                dist.broadcast(buf, src, group=self.groups.get((src, *dsts)))
+            if src != me:
+                off, host = 0, buf.cpu()
+                for p in pieces:
+                    size = (p.hi - p.lo) * row_bytes(req.tensors)
+                    self.store.put(req.key, req.iteration, p.lo, p.hi, unpack_rows(host[off:off + size], req.tensors,
+                                                                                   p.hi - p.lo))
+                    off += size
+        return {"sent_bytes": float(sent), "received_bytes": float(received)}
+
+    # -- checkpoints -------------------------------------------------------------------------------------------
+    def _trained_homes(self) -> list[tuple[str, ModelHandle]]:
+        out = []
+        for m in self.program.models:
+            if self.program.is_trained(m):
+                h = self._home(m)
+                if h is not None:
+                    out.append((m, h))
+        return out
+
+    def save(self, ckpt: Path) -> None:
+        for m, h in self._trained_homes():
+            dp_rank, tp_rank, pp_rank = h.coords
+            if dp_rank == 0:
+                checkpoint.save_model_shard(ckpt, m, tp_rank, pp_rank, _layout_name(h.layout), h.model.params(),
+                                            h.optimizer)
+        checkpoint.save_rng(ckpt, self.rank)
+
+    def load(self, ckpt: Path) -> None:
+        for m, h in self._trained_homes():
+            _, tp_rank, pp_rank = h.coords
+            checkpoint.load_model_shard(ckpt, m, tp_rank, pp_rank, _layout_name(h.layout), h.model.params(),
+                                        h.optimizer)
+        checkpoint.load_rng(ckpt, self.rank)
+
+    def close(self) -> None:
+        self.heartbeat.stop()
+        self.heartbeat.join(timeout=2 * HEARTBEAT_INTERVAL)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.sock.close(linger=1000)
+        self.zctx.term()
+
+
+def _layout_name(cl: CallLayout) -> str:
+    return f"{cl.mesh.name} {cl.strategy}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="realloc-worker", description="realloc model worker (started by `realloc run`)")
+    p.add_argument("--experiment", required=True)
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--store", required=True, help="host:port of the rendezvous TCPStore")
+    p.add_argument("--master", required=True, help="tcp://host:port of the master")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker{args.rank} %(levelname)s %(message)s")
+    torch.set_num_threads(1)
+    worker = ModelWorker(args)
+    try:
+        worker.serve()
+    finally:
+        worker.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
