@@ -147,17 +147,23 @@ def test_sum_over_range_is_exact_for_piecewise_linear():
     assert sum_over_range(f, 5, 5).time == pytest.approx(f(5).time)
 
 
-def test_generation_is_prefill_plus_every_decode_step(tiny):
-    mesh, s = tiny.cluster.whole, S(1, 1, 2)
-    cost = tiny.call_cost("actor_gen", mesh, s, 2)
-    timer = tiny._timer(get_model_config("tiny"))
-    links = tiny.links(mesh, s)
-    w = tiny.workload("actor_gen")
-    b = w.micro_batch(1, 2)
+@pytest.mark.parametrize("which", ["tiny", "big"])
+def test_generation_is_prefill_plus_every_decode_step(which, tiny, big):
+    model = {"tiny": tiny, "big": big}[which]
+    call = "actor_gen"
+    mesh = model.cluster.whole
+    s = S(1, 1, 2) if which == "tiny" else S(2, 4, 2)
+    cost = model.call_cost(call, mesh, s, 2)
+    timer = model._timer(model.graph.model_config(call))
+    links = model.links(mesh, s)
+    w = model.workload(call)
+    b = w.micro_batch(s.dp, 2)
     pre = sequential_makespan(timer._stages(Phase.PREFILL, s, links, b, w.prompt_len), 2)
     steps = sum(sequential_makespan(timer._stages(Phase.DECODE, s, links, b, ctx), 2).time
-                + 2 * tiny.hw.decode_step_overhead for ctx in range(w.prompt_len + 1, w.seq_len))
-    assert cost.time == pytest.approx(pre.time + steps + tiny.hw.call_overhead)
+                for ctx in range(w.prompt_len + 1, w.seq_len))
+    # one loop iteration of host bookkeeping per generated token and micro-batch
+    host = 2 * w.gen_len * model.hw.decode_step_overhead
+    assert cost.time == pytest.approx(pre.time + steps + host + model.hw.call_overhead, rel=1e-9)
 
 
 def test_group_links():

@@ -41,6 +41,9 @@ class LayerCosts(Protocol):
     def optimizer(self, n_params: int) -> float:
         """Seconds of one optimizer step over ``n_params`` local parameters."""
 
+    def engine(self, key: str, tp: int, b: int, s: int) -> float | None:
+        """Measured engine overhead ``key`` (``profiler.ENGINE_KEYS``), or None where nothing was measured."""
+
 
 @dataclasses.dataclass(frozen=True)
 class CallCost:
@@ -88,10 +91,16 @@ class StageTime:
     compute: float
     tp_comm: float
     pp_comm: float
+    host: float = 0.0  # the engine's own work around the layers (measured engine overheads)
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp_comm + self.pp_comm
+        return self.compute + self.tp_comm + self.pp_comm + self.host
+
+
+def _busy(worst: StageTime, n_mbs: int) -> CallCost:
+    return CallCost.of(compute=n_mbs * worst.compute, tp_comm=n_mbs * worst.tp_comm, pp_comm=n_mbs * worst.pp_comm,
+                       overhead=n_mbs * worst.host)
 
 
 def pipeline_makespan(stages: Sequence[StageTime], n_mbs: int) -> CallCost:
@@ -106,7 +115,7 @@ def pipeline_makespan(stages: Sequence[StageTime], n_mbs: int) -> CallCost:
     bubble of (pp - 1) / n_mbs relative to the n_mbs * t of useful work.
     """
     worst = max(stages, key=lambda st: st.total)
-    busy = CallCost.of(compute=n_mbs * worst.compute, tp_comm=n_mbs * worst.tp_comm, pp_comm=n_mbs * worst.pp_comm)
+    busy = _busy(worst, n_mbs)
     span = sum(st.total for st in stages) + (n_mbs - 1) * worst.total
     return dataclasses.replace(busy, time=span, bubble=span - busy.time)
 
@@ -119,7 +128,7 @@ def sequential_makespan(stages: Sequence[StageTime], n_mbs: int) -> CallCost:
     of decoding is not implemented), and micro-batches generate one after another.
     """
     worst = max(stages, key=lambda st: st.total)
-    busy = CallCost.of(compute=n_mbs * worst.compute, tp_comm=n_mbs * worst.tp_comm, pp_comm=n_mbs * worst.pp_comm)
+    busy = _busy(worst, n_mbs)
     span = n_mbs * sum(st.total for st in stages)
     return dataclasses.replace(busy, time=span, bubble=span - busy.time)
 
@@ -160,7 +169,7 @@ class CallTimer:
         self.decode_grid = tuple(decode_grid)
 
     def _stages(self, phase: Phase, strategy: ParallelStrategy, links: GroupLinks, b: int, s: int,
-                backward: bool = False) -> list[StageTime]:
+                backward: bool = False, host: float = 0.0) -> list[StageTime]:
         cfg, t, pp = self.cfg, strategy.tp, strategy.pp
         op = self.costs.op
         phases = (phase, Phase.BWD) if backward else (phase,)
@@ -186,27 +195,40 @@ class CallTimer:
                 # the last stage broadcasts the sampled tokens and their log-probs (2 x b float64)
                 # to every stage of the replica (generation.py)
                 p2p += self.comm.time("broadcast", pp, 16 * b, links.pp_any)
-            out.append(StageTime(compute=sum(c for c, _ in parts), tp_comm=sum(x for _, x in parts), pp_comm=p2p))
+            out.append(StageTime(compute=sum(c for c, _ in parts), tp_comm=sum(x for _, x in parts), pp_comm=p2p,
+                                 host=host))
         return out
 
+    def _engine(self, key: str, tp: int, b: int, s: int, default: float = 0.0) -> float:
+        v = self.costs.engine(key, tp, b, s)
+        return default if v is None else v
+
     def time(self, work: Workload, strategy: ParallelStrategy, links: GroupLinks, n_mbs: int) -> CallCost:
-        b = work.micro_batch(strategy.dp, n_mbs)
+        b, t = work.micro_batch(strategy.dp, n_mbs), strategy.tp
+        seq, prompt = work.seq_len, work.prompt_len
         overhead = CallCost.of(overhead=self.hw.call_overhead)
         if work.interface is InterfaceType.INFERENCE:
-            return pipeline_makespan(self._stages(Phase.FWD, strategy, links, b, work.seq_len), n_mbs) + overhead
+            host = self._engine("engine.fwd", t, b, seq)
+            return pipeline_makespan(self._stages(Phase.FWD, strategy, links, b, seq, host=host), n_mbs) + overhead
         if work.interface is InterfaceType.TRAIN_STEP:
-            step = pipeline_makespan(self._stages(Phase.FWD, strategy, links, b, work.seq_len, backward=True), n_mbs)
-            step = step + self._optimizer_step(strategy, links)
+            host = self._engine("engine.train_mb", t, b, seq)
+            step = pipeline_makespan(self._stages(Phase.FWD, strategy, links, b, seq, backward=True, host=host), n_mbs)
+            step = step + self._optimizer_step(strategy, links) + CallCost.of(
+                overhead=self._engine("engine.train_step", t, b, seq))
             return step.scaled(work.n_steps) + overhead
         # GENERATE: micro-batches generate one after another (memory.py: one KV cache at a time)
-        prefill = sequential_makespan(self._stages(Phase.PREFILL, strategy, links, b, work.prompt_len), n_mbs)
-        step_host = CallCost.of(overhead=n_mbs * self.hw.decode_step_overhead)
+        prefill = sequential_makespan(self._stages(Phase.PREFILL, strategy, links, b, prompt), n_mbs)
+        per_call = CallCost.of(overhead=n_mbs * self._engine("engine.gen_call", t, b, prompt))
+        step_host = CallCost.of(overhead=n_mbs * self._engine("engine.decode_step", t, b, prompt,
+                                                             default=self.hw.decode_step_overhead))
 
         def step(ctx: int) -> CallCost:
             return sequential_makespan(self._stages(Phase.DECODE, strategy, links, b, ctx), n_mbs) + step_host
 
-        lo, hi = work.prompt_len + 1, work.prompt_len + work.gen_len - 1
-        return prefill + sum_over_range(step, lo, hi, self.decode_grid) + overhead
+        lo, hi = prompt + 1, prompt + work.gen_len - 1
+        # gen_len tokens: the prefill samples the first, each of the gen_len - 1 decode steps one more;
+        # the generation loop's bookkeeping runs once per token
+        return prefill + per_call + step_host + sum_over_range(step, lo, hi, self.decode_grid) + overhead
 
     def _optimizer_step(self, strategy: ParallelStrategy, links: GroupLinks) -> CallCost:
         """After the last backward (``realloc.models.grads``): the DP all-reduce of the gradients in

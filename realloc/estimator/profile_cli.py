@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,8 @@ from realloc.estimator.opcount import Part, Phase
 from realloc.estimator.profile_collectives import OPS as COLLECTIVE_OPS
 from realloc.estimator.profile_collectives import message_sizes
 from realloc.estimator.profile_table import CollectiveEntry, ModelArch, OpGrid, ProfileTable, TpTable
-from realloc.estimator.profiler import OPTIMIZER_LAYERS, PROFILED_OPS, LayerGrid, op_axes, op_plan
+from realloc.estimator.profiler import (GEN_TOKENS, OPTIMIZER_LAYERS, PROFILED_OPS, LayerGrid, engine_plan, op_axes,
+                                       op_plan)
 from realloc.models.config import RULE_MODEL_TYPE, ModelConfig, get_model_config
 
 DEFAULT_BATCH = (1, 2, 4, 8, 16, 32, 64)
@@ -58,7 +60,9 @@ class ProfileJob:
         return max([*self.tps, *self.collective_sizes, 1])
 
     def n_steps(self) -> int:
-        layer = sum(1 for _ in op_plan(self.grid)) + len(OPTIMIZER_LAYERS)
+        max_pos = get_model_config(self.model_type).max_position_embeddings
+        layer = (sum(1 for _ in op_plan(self.grid)) + len(OPTIMIZER_LAYERS)
+                 + sum(1 for _ in engine_plan(self.grid, max_pos)))
         coll = len(COLLECTIVE_OPS) * len(message_sizes(self.max_collective_bytes))
         return layer * len(self.tps) + coll * len(self.collective_sizes)
 
@@ -142,6 +146,10 @@ def _run_worker(rank: int, job: ProfileJob, init_file: str, out: "mp.Queue[str]"
     from realloc.models.groups import ModelLayout, ProcessGroupCache
     from realloc.strategy import ParallelStrategy
 
+    # megatron warns about missing Apex/Transformer Engine and CUDA settings, torch about a renamed
+    # all-gather; none of it concerns a measurement, and the progress bar is unreadable under it
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(1)
     if job.device == "cuda":
         torch.cuda.set_device(rank)
@@ -173,8 +181,12 @@ def _run_worker(rank: int, job: ProfileJob, init_file: str, out: "mp.Queue[str]"
             for n_layers in OPTIMIZER_LAYERS:
                 opt.append(prof.time_optimizer(n_layers, g.warmup, g.repeats))
                 tick()
+            engine = []
+            for kind, b, s in engine_plan(g, cfg.max_position_embeddings):
+                engine.append([kind, b, s, prof.time_engine(kind, b, s, g.warmup, g.repeats)])
+                tick()
             result["tp"][str(tp)] = {"ops": {k: [[b, s, t] for (b, s), t in v.items()] for k, v in ops.items()},
-                                     "optimizer": opt}
+                                     "optimizer": opt, "engine": engine}
             del prof
         dist.barrier()
     for n in job.collective_sizes:
@@ -262,7 +274,9 @@ def assemble_table(job: ProfileJob, raw: dict[str, Any], meta: dict[str, Any]) -
             axis = op_axes(part, phase, job.grid)
             ops[key] = OpGrid(batch=list(job.grid.batch), seq=list(axis),
                               seconds=[[vals[b, s] for s in axis] for b in job.grid.batch])
-        tps[int(tp_s)] = TpTable(ops=ops, optimizer=[(int(n), float(t)) for n, t in sub["optimizer"]])
+        layer_table = TpTable(ops=ops, optimizer=[(int(n), float(t)) for n, t in sub["optimizer"]])
+        ops.update(engine_overheads(cfg, int(tp_s), layer_table, sub["engine"], job))
+        tps[int(tp_s)] = TpTable(ops=ops, optimizer=layer_table.optimizer)
     colls = []
     for c in raw["collectives"]:
         pts = [(float(x), float(t)) for x, t in c["points"]]
@@ -281,6 +295,66 @@ def command_line(args: argparse.Namespace) -> str:
         if v is not None:
             parts += ["--" + opt.replace("_", "-"), str(v)]
     return " ".join(shlex.quote(p) for p in parts)
+
+
+MIN_SECONDS = 1e-7  # grid values must be positive; a residual lost in the noise is stored as this
+
+
+def engine_overheads(cfg: ModelConfig, tp: int, layers: TpTable, raw: list, job: ProfileJob) -> dict[str, OpGrid]:
+    """The engine's overheads: measured engine calls minus the layer ops they ran (``profiler.ENGINE_KEYS``).
+
+    The layer ops come from the same run, looked up through ``ProfiledCosts`` so that the
+    generation's decode steps at cache lengths between grid points are interpolated.
+    """
+    from realloc.cluster import ClusterSpec
+    from realloc.estimator.comm import CommModel
+    from realloc.estimator.profile_table import ProfiledCosts
+    from realloc.estimator.roofline import RooflineCosts
+    from realloc.models.param_layout import shard_numel
+
+    one = dataclasses.replace(cfg, n_layers=1, is_critic=False, tie_embeddings=False)
+    cluster = ClusterSpec.from_nodelist("localhost", 2, job.kind)
+    comm = CommModel(cluster)
+    table = ProfileTable(device_kind=job.kind, model_type=job.model_type, dtype=job.dtype, arch=ModelArch.of(cfg),
+                         tp={tp: layers})
+    costs = ProfiledCosts(table, one, RooflineCosts(one, cluster.hardware, comm), comm)
+
+    def op(part: Part, phase: Phase, b: int, s: int) -> float:
+        return sum(costs.op(part, phase, tp, b, s))
+
+    def parts(phase: Phase, b: int, s: int) -> float:
+        return op(Part.EMBED, phase, b, s) + op(Part.BLOCK, phase, b, s) + op(Part.HEAD, phase, b, s)
+
+    opt = costs.optimizer(shard_numel(one, tp, 1, 0))
+    vals: dict[str, dict[tuple[int, int], float]] = {k: {} for k in
+                                                      ("engine.fwd", "engine.train_mb", "engine.train_step",
+                                                       "engine.gen_call", "engine.decode_step")}
+    for kind, b, s, t in raw:
+        if kind == "forward":
+            vals["engine.fwd"][b, s] = t["engine.fwd"] - parts(Phase.FWD, b, s)
+        elif kind == "train":
+            mb = parts(Phase.FWD, b, s) + parts(Phase.BWD, b, s)
+            r1, r2 = t["train1"] - (mb + opt), t["train2"] - (2 * mb + opt)
+            vals["engine.train_mb"][b, s] = r2 - r1
+            vals["engine.train_step"][b, s] = r1 - (r2 - r1)
+        else:
+            res = {}
+            for n in GEN_TOKENS:
+                model = parts(Phase.PREFILL, b, s) + sum(parts(Phase.DECODE, b, c) for c in range(s + 1, s + n))
+                res[n] = t[f"gen{n}"] - model
+            lo, hi = GEN_TOKENS
+            step = (res[hi] - res[lo]) / (hi - lo)
+            vals["engine.decode_step"][b, s] = step
+            vals["engine.gen_call"][b, s] = res[lo] - lo * step
+    out = {}
+    for key, v in vals.items():
+        batch = sorted({b for b, _ in v})
+        seq = sorted({s for _, s in v})
+        if not batch:
+            continue
+        out[key] = OpGrid(batch=batch, seq=seq, seconds=[[max(v.get((b, s), MIN_SECONDS), MIN_SECONDS) for s in seq]
+                                                        for b in batch])
+    return out
 
 
 def _load_average() -> list[float] | None:

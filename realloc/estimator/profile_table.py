@@ -250,6 +250,15 @@ class ProfiledCosts:
         comp0 = max(m0 - min(x0, m0), 0.0)
         return (comp0 * r_comp / c0 if c0 > 0 else comp0), r_comm
 
+    def engine(self, key: str, tp: int, b: int, s: int) -> float | None:
+        """A measured engine overhead at (b, s), linear in tokens outside the grid; the nearest tp's if
+        ``tp`` was not profiled; None if the table has none."""
+        have = [t for t, sub in self.table.tp.items() if key in sub.ops]
+        if not have:
+            return None
+        t0 = tp if tp in have else min(have, key=lambda t: (abs(t - tp), t))
+        return interp_grid(self.table.tp[t0].ops[key], b, s, lambda x, y: x * y)
+
     def optimizer(self, n_params: int) -> float:
         if not self._opt:
             return self.roofline.optimizer(n_params)

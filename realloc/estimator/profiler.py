@@ -209,6 +209,39 @@ class LayerProfiler:
         # never below a tenth of the total: the two medians are of noisy runs
         return max(total - fwd, 0.1 * total)
 
+    # -- the engine's calls ------------------------------------------------------
+    def _batch(self, b: int, s: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self._ids(b, s), "lengths": torch.full((b,), s, dtype=torch.long)}
+
+    def time_engine(self, kind: str, b: int, s: int, warmup: int, repeats: int) -> dict[str, float]:
+        """Overheads of one engine call beyond its layer ops, which ``layer(key, b, s)`` must return
+        (the medians this profiler measured for the same point)."""
+        from realloc.models.sampling import GenerationConfig
+
+        model = self.actor
+        if kind == "forward":
+            batch = self._batch(b, s)
+            t = timed(lambda: model.forward(batch), self.group, warmup, repeats)
+            return {"engine.fwd": t}
+        if kind == "train":
+            opt = model.make_optimizer(lr=1e-9)
+
+            def loss_fn(out, mb):
+                return out.logprobs().mean(), {}
+
+            one, two = [self._batch(b, s)], [self._batch(b, s), self._batch(b, s)]
+            t1 = timed(lambda: model.train_step(one, loss_fn, opt, max_grad_norm=1.0), self.group, warmup, repeats)
+            t2 = timed(lambda: model.train_step(two, loss_fn, opt, max_grad_norm=1.0), self.group, warmup, repeats)
+            return {"train1": t1, "train2": t2}
+        if kind == "generate":
+            prompts = self._ids(b, s).tolist()
+            out = {}
+            for n in GEN_TOKENS:
+                cfg = GenerationConfig(max_new_tokens=n, min_new_tokens=n)
+                out[f"gen{n}"] = timed(lambda: model.generate(prompts, cfg), self.group, warmup, repeats)
+            return out
+        raise ValueError(f"unknown engine call {kind!r}")
+
     def time_optimizer(self, n_layers: int, warmup: int, repeats: int) -> tuple[int, float]:
         """(local parameters, seconds) of the engine's post-backward step on a model of ``n_layers`` layers."""
         from realloc.models import grads
@@ -254,6 +287,28 @@ def op_axes(part: Part, phase: Phase, grid: LayerGrid) -> tuple[int, ...]:
     if (part, phase) in FLAT_OPS:
         return (1,)
     return grid.ctx if phase is Phase.DECODE else grid.seq
+
+
+# Engine overheads: the engine's own work around the layers (batch layouts, masks, micro-batch
+# splitting, the train-step bookkeeping, the generation loop), measured as what a real
+# ParallelModel call takes beyond the layer ops profiled above. Keys of TpTable.ops:
+#   engine.fwd         per micro-batch of forward()            grid (b, s)
+#   engine.train_mb    per micro-batch of train_step()         grid (b, s)
+#   engine.train_step  once per train_step() (one optimizer step) grid (b, s)
+#   engine.gen_call    once per generate() call                grid (b, prompt length)
+#   engine.decode_step per generated token of generate()       grid (b, prompt length)
+ENGINE_KEYS = ("engine.fwd", "engine.train_mb", "engine.train_step", "engine.gen_call", "engine.decode_step")
+GEN_TOKENS = (2, 6)  # generate() runs with these max_new_tokens to split per-call from per-token overhead
+
+
+def engine_plan(grid: LayerGrid, max_positions: int) -> Iterator[tuple[str, int, int]]:
+    """Engine calls to time: forward and train_step over the grid, generate() for prompts that leave room."""
+    for b in grid.batch:
+        for s in grid.seq:
+            yield "forward", b, s
+            yield "train", b, s
+            if s + max(GEN_TOKENS) <= max_positions:
+                yield "generate", b, s
 
 
 def op_plan(grid: LayerGrid) -> Iterator[tuple[Part, Phase, int, int]]:

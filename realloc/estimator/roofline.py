@@ -63,6 +63,10 @@ class RooflineCosts:
         eager = self.eager_decode and phase is Phase.DECODE
         return work_time(w, self.hw, eager), collectives_time(w, self.comm, tp)
 
+    def engine(self, key: str, tp: int, b: int, s: int) -> float | None:
+        """No measured engine overheads: the hardware spec's host terms apply instead."""
+        return None
+
     def optimizer(self, n_params: int) -> float:
         """One Adam step over ``n_params`` local parameters: bandwidth-bound, a handful of fused kernels."""
         bw = self.hw.memory_bandwidth * self.hw.memory_efficiency
