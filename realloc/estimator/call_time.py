@@ -25,10 +25,10 @@ from typing import Callable, Protocol, Sequence
 from realloc.api import InterfaceType
 from realloc.estimator.comm import CommModel, GroupLinks
 from realloc.estimator.hardware import HardwareSpec
-from realloc.estimator.memory import Workload
+from realloc.estimator.memory import Workload, max_local_params
 from realloc.estimator.opcount import Part, Phase, head_part
 from realloc.models.config import ModelConfig
-from realloc.models.param_layout import shard_numel, stage_layer_ranges
+from realloc.models.param_layout import stage_layer_ranges
 from realloc.strategy import ParallelStrategy
 
 
@@ -167,11 +167,20 @@ class CallTimer:
         self.cfg, self.costs, self.comm, self.hw = cfg, costs, comm, hw
         self.precision = hw.precision
         self.decode_grid = tuple(decode_grid)
+        # op costs shared by every layout with the same (tp, micro-batch): meshes, pp and dp differ
+        self._ops: dict[tuple[Part, Phase, int, int, int], tuple[float, float]] = {}
+
+    def op(self, part: Part, phase: Phase, tp: int, b: int, s: int) -> tuple[float, float]:
+        key = (part, phase, tp, b, s)
+        v = self._ops.get(key)
+        if v is None:
+            v = self._ops[key] = self.costs.op(part, phase, tp, b, s)
+        return v
 
     def _stages(self, phase: Phase, strategy: ParallelStrategy, links: GroupLinks, b: int, s: int,
                 backward: bool = False, host: float = 0.0) -> list[StageTime]:
         cfg, t, pp = self.cfg, strategy.tp, strategy.pp
-        op = self.costs.op
+        op = self.op
         phases = (phase, Phase.BWD) if backward else (phase,)
         block = [op(Part.BLOCK, ph, t, b, s) for ph in phases]
         embed = [op(Part.EMBED, ph, t, b, s) for ph in phases]
@@ -234,7 +243,7 @@ class CallTimer:
         """After the last backward (``realloc.models.grads``): the DP all-reduce of the gradients in
         buckets of GRAD_BUCKET_NUMEL elements, the grad-norm's scalar all-reduces over tp and pp,
         clipping and AdamW, all on the stage holding the most parameters."""
-        n_local = max(shard_numel(self.cfg, strategy.tp, strategy.pp, k) for k in range(strategy.pp))
+        n_local = max_local_params(self.cfg, strategy.tp, strategy.pp)
         n_buckets = -(-n_local // GRAD_BUCKET_NUMEL)
         bucket = n_local / n_buckets * self.precision.grad
         dp = n_buckets * self.comm.time("all_reduce", strategy.dp, bucket, links.dp)

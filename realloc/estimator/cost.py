@@ -29,14 +29,13 @@ from realloc.api import InterfaceType
 from realloc.cluster import ClusterSpec, DeviceMesh
 from realloc.estimator.call_time import ZERO, CallCost, CallTimer, LayerCosts
 from realloc.estimator.comm import CommModel, GroupLinks, group_links
-from realloc.estimator.memory import CallMemory, Workload, call_memory, stage_call_memory
+from realloc.estimator.memory import CallMemory, Workload, max_local_params, stage_call_memory
 from realloc.estimator.profile_table import ProfileTable, ProfiledCosts, discover_profiles
 from realloc.estimator.roofline import RooflineCosts
 from realloc.estimator.transfer_cost import plan_seconds
 from realloc.graph.dataflow import DataflowGraph
 from realloc.graph.plan import ExecutionPlan, validate_plan
 from realloc.models.config import ModelConfig
-from realloc.models.param_layout import shard_numel
 from realloc.runtime.transfer_plan import DataLayout
 from realloc.runtime.transfer_plan import Layout as PlanLayout
 from realloc.runtime.transfer_plan import plan_data_transfer, plan_param_realloc
@@ -244,7 +243,7 @@ class CostModel:
         if cfg is None:
             return 0.0
         s = layout[1]
-        n = max(shard_numel(cfg, s.tp, s.pp, k) for k in range(s.pp))
+        n = max_local_params(cfg, s.tp, s.pp)
         return n * self.precision.param / self.hw.host_bandwidth
 
     def transferred_keys(self, src_call: str, dst_call: str) -> tuple[str, ...]:

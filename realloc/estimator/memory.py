@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from functools import lru_cache
 
 from realloc.api import InterfaceType
 from realloc.estimator.hardware import Precision
@@ -91,8 +92,18 @@ class Workload:
         return max(1, math.ceil(self.n_seqs / (dp * n_mbs)))
 
 
+@lru_cache(maxsize=4096)
+def local_params(cfg: ModelConfig, tp: int, pp: int, pp_rank: int) -> int:
+    """Parameters one device of pipeline stage ``pp_rank`` holds (memoized ``param_layout.shard_numel``)."""
+    return shard_numel(cfg, tp, pp, pp_rank)
+
+
+def max_local_params(cfg: ModelConfig, tp: int, pp: int) -> int:
+    return max(local_params(cfg, tp, pp, k) for k in range(pp))
+
+
 def param_bytes(cfg: ModelConfig, strategy: ParallelStrategy, pp_rank: int, precision: Precision) -> int:
-    return shard_numel(cfg, strategy.tp, strategy.pp, pp_rank) * precision.param
+    return local_params(cfg, strategy.tp, strategy.pp, pp_rank) * precision.param
 
 
 def stage_call_memory(cfg: ModelConfig, work: Workload, strategy: ParallelStrategy, n_mbs: int, pp_rank: int,
@@ -102,7 +113,7 @@ def stage_call_memory(cfg: ModelConfig, work: Workload, strategy: ParallelStrate
     lo, hi = stage_layer_ranges(cfg.n_layers, pp)[pp_rank]
     n_blocks = hi - lo
     last = pp_rank == pp - 1
-    n_param = shard_numel(cfg, t, pp, pp_rank)
+    n_param = local_params(cfg, t, pp, pp_rank)
     b = work.micro_batch(strategy.dp, n_mbs)
     vocab_shard = 0 if cfg.is_critic else cfg.vocab_size / t
     transient = transient_activation_bytes_per_token(cfg, t, precision)
