@@ -31,6 +31,7 @@ into them in place updates the model and keeps optimizer state attached).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Literal, Mapping, Sequence
 
 import torch
@@ -42,6 +43,7 @@ from realloc.models.config import ModelConfig
 from realloc.models.groups import ModelParallelGroups
 from realloc.models.llama import LlamaStage, segment_mask
 from realloc.models.megatron_shim import prepare_device
+from realloc.models.optim import MasterWeightAdamW
 from realloc.models.param_layout import ParamSpec, stage_param_specs
 from realloc.models.pipeline import StageLink, run_1f1b, run_forward_only
 from realloc.models.vocab_parallel import gather_vocab, vocab_parallel_entropy, vocab_parallel_token_logprobs
@@ -117,6 +119,13 @@ class ParallelModel:
         self._params: dict[str, torch.nn.Parameter] = dict(self.stage.named_parameters())
         self._check_contract()
         self.state: ParamState = "ready"
+        # bf16 models accumulate micro-batch gradients in fp32 buffers that exist only during
+        # train_step; the hook moves each fresh low-precision gradient into them.
+        self._low_precision = dtype != torch.float32
+        self._main_grads: dict[str, torch.Tensor] | None = None
+        if self._low_precision:
+            for name, p in self._params.items():
+                p.register_post_accumulate_grad_hook(self._accumulate_hook(name))
         if init == "random":
             self.init_random(seed)
         elif init != "empty":
@@ -133,6 +142,13 @@ class ParallelModel:
     def params(self) -> dict[str, torch.nn.Parameter]:
         """HF name -> this rank's shard (``full[spec.shard_slices(tp, tp_rank)]``), the live Parameters."""
         return dict(self._params)
+
+    def _accumulate_hook(self, name: str) -> Callable[[torch.nn.Parameter], None]:
+        def hook(p: torch.nn.Parameter) -> None:
+            if self._main_grads is not None:
+                self._main_grads[name].add_(p.grad)
+                p.grad = None
+        return hook
 
     def _require(self, state: ParamState, call: str) -> None:
         if self.state != state:
@@ -193,8 +209,13 @@ class ParallelModel:
         self.state = "ready"
 
     def make_optimizer(self, lr: float, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95),
-                       eps: float = 1e-8) -> torch.optim.AdamW:
-        """AdamW over the local shards; norms are not decayed. Its state is per rank and never moves."""
+                       eps: float = 1e-8) -> "torch.optim.AdamW | MasterWeightAdamW":
+        """AdamW over the local shards; norms are not decayed. Its state is per rank and never moves.
+
+        fp32 models get ``torch.optim.AdamW``; bf16 models get :class:`MasterWeightAdamW` (fp32 master weights).
+        """
+        if self._low_precision:
+            return MasterWeightAdamW(self._params, lr, weight_decay, betas, eps)
         decay = [p for n, p in self._params.items() if p.dim() >= 2]
         no_decay = [p for n, p in self._params.items() if p.dim() < 2]
         return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
@@ -228,6 +249,10 @@ class ParallelModel:
         ranks also ``loss`` and the loss function's stats, averaged over micro-batches and dp replicas.
         """
         self._require("ready", "train_step")
+        if self.dtype == torch.float16:
+            raise ValueError("train_step: float16 training needs loss scaling, which is not implemented; use bfloat16")
+        if self._low_precision and not isinstance(optimizer, MasterWeightAdamW):
+            raise ValueError(f"train_step: a {self.dtype} model needs fp32 master weights; pass model.make_optimizer()")
         n = len(micro_batches)
         if n == 0:
             raise ValueError("train_step: micro_batches is empty")
@@ -252,24 +277,37 @@ class ParallelModel:
         self.stage.train()
         for p in self._params.values():
             p.grad = None
-        with torch.enable_grad():
-            if g.pp == 1:
-                for i in range(n):
-                    torch.autograd.backward(step(i, None))
+        if self._low_precision:
+            self._main_grads = {name: torch.zeros(p.shape, dtype=torch.float32, device=self.device)
+                                for name, p in self._params.items()}
+        try:
+            with torch.enable_grad():
+                if g.pp == 1:
+                    for i in range(n):
+                        torch.autograd.backward(step(i, None))
+                else:
+                    run_1f1b(self._link(), n, step, lambda i: self._hidden_shape(layouts[i]))
+            if self._main_grads is not None:
+                main = self._main_grads
             else:
-                run_1f1b(self._link(), n, step, lambda i: self._hidden_shape(layouts[i]))
-        grads.ensure_grads(self._params)
-        if self.cfg.tie_embeddings:
-            grads.sync_tied_embedding(self._params, g, "model.embed_tokens.weight")
-        grads.average_data_parallel(self._params, g)
-        norm = grads.global_grad_norm(self._params, self.specs, g)
-        finite = norm == norm and norm != float("inf")
-        if finite:
-            if max_grad_norm is not None:
-                grads.clip_grads(self._params, norm, max_grad_norm)
-            optimizer.step()
-        for p in self._params.values():
-            p.grad = None
+                grads.ensure_grads(self._params)
+                main = grads.param_grads(self._params)
+            if self.cfg.tie_embeddings:
+                grads.sync_tied_embedding(main, g, "model.embed_tokens.weight")
+            grads.average_data_parallel(main, g)
+            norm = grads.global_norm(main, self.specs, g)
+            finite = math.isfinite(norm)
+            if finite:
+                if max_grad_norm is not None:
+                    grads.clip_(main, norm, max_grad_norm)
+                if isinstance(optimizer, MasterWeightAdamW):
+                    optimizer.step_with(main)
+                else:
+                    optimizer.step()
+        finally:
+            self._main_grads = None
+            for p in self._params.values():
+                p.grad = None
         out = {"grad_norm": norm, "skipped": 0.0 if finite else 1.0}
         if g.is_last_stage:
             out.update(self._mean_stats(mb_stats))

@@ -53,23 +53,14 @@ def allreduce_coalesced(tensors: list[torch.Tensor], group: dist.ProcessGroup, a
             offset += t.numel()
 
 
-def ensure_grads(params: Mapping[str, torch.nn.Parameter]) -> None:
-    # Every rank must enter the same collectives with the same shapes, even for a parameter
-    # that got no gradient this step.
-    for p in params.values():
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-
-
-def sync_tied_embedding(params: Mapping[str, torch.nn.Parameter], groups: ModelParallelGroups,
-                        embed_name: str) -> None:
+def sync_tied_embedding(grads: Mapping[str, torch.Tensor], groups: ModelParallelGroups, embed_name: str) -> None:
     """Sum the embedding gradient of stage 0 and the last stage's replica so both apply the same update."""
     if groups.embedding_group is not None:
-        dist.all_reduce(params[embed_name].grad, group=groups.embedding_group)
+        dist.all_reduce(grads[embed_name], group=groups.embedding_group)
 
 
-def average_data_parallel(params: Mapping[str, torch.nn.Parameter], groups: ModelParallelGroups) -> None:
-    allreduce_coalesced([p.grad for p in params.values()], groups.dp_group, average=True)
+def average_data_parallel(grads: Mapping[str, torch.Tensor], groups: ModelParallelGroups) -> None:
+    allreduce_coalesced(list(grads.values()), groups.dp_group, average=True)
 
 
 def counts_toward_norm(spec: ParamSpec, groups: ModelParallelGroups) -> bool:
@@ -80,14 +71,13 @@ def counts_toward_norm(spec: ParamSpec, groups: ModelParallelGroups) -> bool:
     return True
 
 
-def global_grad_norm(params: Mapping[str, torch.nn.Parameter], specs: Mapping[str, ParamSpec],
-                     groups: ModelParallelGroups) -> float:
-    """L2 norm of the whole model's gradient, identical on every rank of the layout."""
-    p0 = next(iter(params.values()))
-    sq = torch.zeros((), dtype=torch.float64, device=p0.device)
-    for name, p in params.items():
+def global_norm(grads: Mapping[str, torch.Tensor], specs: Mapping[str, ParamSpec], groups: ModelParallelGroups) -> float:
+    """L2 norm of the whole model's gradient (``grads``: name -> this rank's gradient shard), same on every rank."""
+    g0 = next(iter(grads.values()))
+    sq = torch.zeros((), dtype=torch.float64, device=g0.device)
+    for name, g in grads.items():
         if counts_toward_norm(specs[name], groups):
-            sq += p.grad.double().pow(2).sum()
+            sq += g.double().pow(2).sum()
     if groups.tp > 1:
         dist.all_reduce(sq, group=groups.tp_group)
     if groups.pp > 1:
@@ -95,11 +85,35 @@ def global_grad_norm(params: Mapping[str, torch.nn.Parameter], specs: Mapping[st
     return math.sqrt(float(sq))
 
 
-def clip_grads(params: Mapping[str, torch.nn.Parameter], total_norm: float, max_norm: float) -> float:
+def clip_(grads: Mapping[str, torch.Tensor], total_norm: float, max_norm: float) -> float:
     """Scale gradients so their global norm is at most ``max_norm``; returns the factor applied."""
     if not math.isfinite(total_norm) or total_norm <= max_norm:
         return 1.0
     coef = max_norm / (total_norm + 1e-6)
-    for p in params.values():
-        p.grad.mul_(coef)
+    for g in grads.values():
+        g.mul_(coef)
     return coef
+
+
+# -- the same on parameters' ``.grad`` (fp32 models keep their gradients there) ---------------------
+
+
+def ensure_grads(params: Mapping[str, torch.nn.Parameter]) -> None:
+    # Every rank must enter the same collectives with the same shapes, even for a parameter
+    # that got no gradient this step.
+    for p in params.values():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
+def param_grads(params: Mapping[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
+    return {n: p.grad for n, p in params.items()}
+
+
+def global_grad_norm(params: Mapping[str, torch.nn.Parameter], specs: Mapping[str, ParamSpec],
+                     groups: ModelParallelGroups) -> float:
+    return global_norm(param_grads(params), specs, groups)
+
+
+def clip_grads(params: Mapping[str, torch.nn.Parameter], total_norm: float, max_norm: float) -> float:
+    return clip_(param_grads(params), total_norm, max_norm)

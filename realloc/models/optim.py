@@ -1,0 +1,61 @@
+"""AdamW with fp32 master weights for models held in bf16.
+
+A bf16 parameter cannot absorb an update smaller than its rounding step (~0.4% of
+its value), so small learning rates would silently stop training. As in mixed-
+precision training (Megatron's "main params"), the optimizer keeps an fp32 copy of
+every local shard and steps on it with fp32 gradients; the bf16 parameters are
+rewritten from the copies after each step. The copies and the Adam moments are
+optimizer state: per rank, tied to the training layout, never reallocated.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+
+class MasterWeightAdamW:
+    def __init__(self, params: Mapping[str, torch.nn.Parameter], lr: float, weight_decay: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8) -> None:
+        self.params = dict(params)
+        self.masters = {n: torch.nn.Parameter(p.detach().float().clone()) for n, p in self.params.items()}
+        decay = [m for m in self.masters.values() if m.dim() >= 2]
+        no_decay = [m for m in self.masters.values() if m.dim() < 2]
+        self.inner = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                                        {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's groups, e.g. to change the learning rate."""
+        return self.inner.param_groups
+
+    @torch.no_grad()
+    def step_with(self, grads: Mapping[str, torch.Tensor]) -> None:
+        """One step from fp32 gradients keyed by parameter name; then refresh the low-precision parameters."""
+        for n, m in self.masters.items():
+            m.grad = grads[n].float()
+        self.inner.step()
+        for n, m in self.masters.items():
+            m.grad = None
+            self.params[n].copy_(m)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params.values():
+            p.grad = None
+
+    @torch.no_grad()
+    def refresh_masters(self) -> None:
+        """Take the parameters' current values as masters (after loading weights into the model)."""
+        for n, m in self.masters.items():
+            m.copy_(self.params[n])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.inner.state_dict(), "masters": {n: m.detach().clone() for n, m in self.masters.items()}}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.inner.load_state_dict(state["optimizer"])
+        for n, m in self.masters.items():
+            m.copy_(state["masters"][n])
+            self.params[n].copy_(m)
