@@ -146,6 +146,7 @@ class Master:
         monitor = asyncio.create_task(self._monitor())
         try:
             await self._guard(self._wait_for_workers())
+            self._write_workers_file()
             setup = self._send(range(self.n_workers), "setup", "setup", -1, "setup",
                                lambda req: protocol.Setup(req=req, resume=str(self.resume) if self.resume else None))
             await self._guard(self._wait(setup))
@@ -156,7 +157,8 @@ class Master:
             await self._guard(asyncio.wait_for(self._wait(shutdown), SHUTDOWN_TIMEOUT))
             if self.launcher is not None and not await asyncio.to_thread(self.launcher.wait_exit, 30.0):
                 self.launcher.stop()
-        except BaseException:
+        except BaseException as e:
+            self._abort_workers(str(e) or type(e).__name__)
             if self.launcher is not None:
                 self.launcher.stop(grace=2.0)
             raise
@@ -164,9 +166,27 @@ class Master:
             for t in (receiver, monitor, *self.tasks):
                 t.cancel()
             self.trace.write(self.paths.trace)
-            self.sock.close(linger=0)
+            self.sock.close(linger=500)  # lets abort messages reach the workers
             self.zctx.term()
         return self.metrics
+
+    def _write_workers_file(self) -> None:
+        info = {"master_port": self.port, "store_port": self.store.port,
+                "workers": {str(r): {"pid": h.pid, "host": h.host} for r, h in sorted(self.hello.items())}}
+        tmp = self.paths.root / "workers.json.part"
+        tmp.write_text(json.dumps(info, indent=2))
+        tmp.replace(self.paths.root / "workers.json")
+
+    def _abort_workers(self, reason: str) -> None:
+        """Tell every worker's heartbeat thread to exit: workers stuck in a collective cannot read requests."""
+        for r in range(self.n_workers):
+            ident = f"hb{r}"
+            try:
+                sent = self.sock.send_multipart([ident.encode(), *self.channel.pack(ident, protocol.Abort(reason=reason))],
+                                                flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                continue  # never connected or already gone
+            sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # a dead peer's error is expected
 
     def fail(self, message: str) -> None:
         if self.failure is None:
@@ -215,7 +235,14 @@ class Master:
 
     def _check_sent(self, f: asyncio.Future, rank: int) -> None:
         if not f.cancelled() and f.exception() is not None:
-            self.fail(f"cannot send to worker {rank}: {f.exception()}")
+            self._worker_gone(rank, f"is unreachable ({f.exception()})")
+
+    def _worker_gone(self, rank: int, why: str) -> None:
+        """Fail the run naming the worker, how it went away and what it was doing."""
+        code = self.launcher.dead().get(rank) if self.launcher is not None else None
+        if code is not None:
+            why = f"(pid {self.launcher.pid(rank)}) exited with code {code}"
+        self.fail(f"worker {rank} {why} {self._running_on(rank)}; see {self.paths.worker_log(rank)}")
 
     async def _wait(self, rec: RequestRecord) -> list[protocol.Reply]:
         keys = [(rec.req, r) for r in rec.ranks]
@@ -250,7 +277,9 @@ class Master:
                 self.last_heartbeat.setdefault(body.rank, time.monotonic())
             elif isinstance(body, protocol.Reply) and ident == protocol.worker_name(body.rank):
                 fut = self.futures.get((body.req, body.rank))
-                self.pending[body.rank].pop(body.req, None)
+                rec = self.pending[body.rank].pop(body.req, None)
+                if rec is not None:
+                    rec.received[body.rank] = time.time()
                 if fut is not None and not fut.done():
                     fut.set_result(body)
 
@@ -265,14 +294,12 @@ class Master:
         while True:
             await asyncio.sleep(0.5)
             if self.launcher is not None:
-                for r, code in sorted(self.launcher.dead().items()):
-                    self.fail(f"worker {r} (pid {self.launcher.pid(r)}) exited with code {code} {self._running_on(r)};"
-                              f" see {self.paths.worker_log(r)}")
+                for r in sorted(self.launcher.dead()):
+                    self._worker_gone(r, "exited")
             now = time.monotonic()
             for r, last in sorted(self.last_heartbeat.items()):
                 if now - last > self.heartbeat_timeout:
-                    self.fail(f"worker {r} stopped responding (no heartbeat for {now - last:.0f} s) "
-                              f"{self._running_on(r)}; see {self.paths.worker_log(r)}")
+                    self._worker_gone(r, f"stopped responding (no heartbeat for {now - last:.0f} s)")
 
     async def _wait_for_workers(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT

@@ -168,10 +168,17 @@ class Heartbeat(_Msg):
     busy_req: int = -1  # request being executed, -1 when idle
 
 
+class Abort(_Msg):
+    """Master -> a worker's heartbeat thread: the run failed; exit now (even if stuck in a collective)."""
+
+    type: Literal["abort"] = "abort"
+    reason: str
+
+
 REQUEST_TYPES: dict[str, type[_Msg]] = {m.model_fields["type"].default: m for m in (
     Setup, RunCall, Reallocate, TransferData, Offload, SaveCheckpoint, ReleaseData, EnsureGroups, Shutdown)}
 MESSAGE_TYPES: dict[str, type[_Msg]] = {**REQUEST_TYPES, **{m.model_fields["type"].default: m for m in (
-    Hello, Reply, Heartbeat)}}
+    Hello, Reply, Heartbeat, Abort)}}
 
 
 @dataclasses.dataclass(frozen=True)

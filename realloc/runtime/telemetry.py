@@ -30,16 +30,37 @@ class RequestRecord:
     ranks: tuple[int, ...] = ()
     completed: float = 0.0
     spans: dict[int, tuple[float, float]] = dataclasses.field(default_factory=dict)  # rank -> (start, end)
+    received: dict[int, float] = dataclasses.field(default_factory=dict)  # rank -> when its reply arrived
 
     @property
     def worker_time(self) -> float:
         """Longest execution on any participant."""
         return max((e - s for s, e in self.spans.values()), default=0.0)
 
-    @property
-    def overhead(self) -> float:
-        """Master-observed latency not spent executing: messaging, queueing behind earlier requests."""
-        return max(0.0, (self.completed - self.dispatched) - self.worker_time)
+
+
+def dispatch_overheads(records: Iterable[RequestRecord]) -> list[float]:
+    """Per request and participant: the master's share of the latency, excluding work and queueing.
+
+    A request waits on a worker behind the requests sent to it earlier; that wait is the plan's,
+    not the master's. What remains is the time from when the worker could have started (dispatch,
+    or the end of its previous request) to its start, plus the time from its end until the master
+    had the reply: messaging, serialization and the master's own scheduling.
+    """
+    by_rank: dict[int, list[tuple[float, float, float, float]]] = {}
+    for r in records:
+        for rank, (s, e) in r.spans.items():
+            if rank in r.received:
+                by_rank.setdefault(rank, []).append((s, e, r.dispatched, r.received[rank]))
+    out = []
+    for rows in by_rank.values():
+        rows.sort()
+        prev_end = float("-inf")
+        for s, e, dispatched, received in rows:
+            ready = max(dispatched, prev_end)
+            out.append(max(0.0, s - ready) + max(0.0, received - e))
+            prev_end = e
+    return out
 
 
 class Trace:
@@ -109,8 +130,8 @@ def format_line(m: dict[str, Any], total: int) -> str:
 
 def overhead_summary(records: Iterable[RequestRecord]) -> dict[str, float]:
     recs = [r for r in records if r.kind in ("call", "realloc", "data") and r.completed]
-    if not recs:
+    ov = dispatch_overheads(recs)
+    if not ov:
         return {}
-    ov = [r.overhead for r in recs]
     return {"requests": float(len(recs)), "mean_overhead_s": statistics.fmean(ov),
             "median_overhead_s": statistics.median(ov)}

@@ -88,8 +88,12 @@ class Heartbeat(threading.Thread):
             deadline = time.monotonic() + HEARTBEAT_INTERVAL
             while (left := deadline - time.monotonic()) > 0 and not self._stop.is_set():
                 if self.sock.poll(int(left * 1000)):
-                    if self.channel.try_unpack(self.sock.recv_multipart(), protocol.MASTER) is not None:
+                    env = self.channel.try_unpack(self.sock.recv_multipart(), protocol.MASTER)
+                    if env is not None:
                         last_answer = time.monotonic()
+                        if isinstance(env.body, protocol.Abort):
+                            log.error("worker %d: the master aborted the run: %s", self.rank, env.body.reason)
+                            os._exit(4)
             if time.monotonic() - last_answer > MASTER_TIMEOUT:
                 log.error("worker %d: no answer from the master for %.0f s; exiting", self.rank, MASTER_TIMEOUT)
                 os._exit(3)
