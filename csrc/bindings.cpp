@@ -255,20 +255,29 @@ PYBIND11_MODULE(_C, m) {
         .def(py::init<>())
         .def_readwrite("n_chains", &rl::SearchOptions::n_chains)
         .def_readwrite("n_threads", &rl::SearchOptions::n_threads)
+        .def_readwrite("n_temps", &rl::SearchOptions::n_temps)
+        .def_readwrite("ladder", &rl::SearchOptions::ladder)
         .def_readwrite("seed", &rl::SearchOptions::seed)
         .def_readwrite("accept_1pct", &rl::SearchOptions::accept_1pct)
         .def_readwrite("restart_margin", &rl::SearchOptions::restart_margin)
         .def_readwrite("p_any", &rl::SearchOptions::p_any)
         .def_readwrite("p_mbs", &rl::SearchOptions::p_mbs)
         .def_readwrite("p_strategy", &rl::SearchOptions::p_strategy)
-        .def_readwrite("p_position", &rl::SearchOptions::p_position);
+        .def_readwrite("p_position", &rl::SearchOptions::p_position)
+        .def_readwrite("p_colocate", &rl::SearchOptions::p_colocate)
+        .def_readwrite("p_swap", &rl::SearchOptions::p_swap);
 
     py::class_<rl::Search>(m, "Search", "Metropolis-Hastings chains over plans; see csrc/mcmc.h")
-        .def(py::init([](const rl::Problem& p, const rl::SearchOptions& o, const Array<int32_t>& start) {
-                 return std::make_unique<rl::Search>(p, o, to_vector(start, "start"));
+        .def(py::init([](const rl::Problem& p, const rl::SearchOptions& o, const Array<int32_t>& starts) {
+                 if (starts.ndim() != 2 || starts.shape(1) != p.n_calls())
+                     throw std::invalid_argument("starts must have shape (n_starts, n_calls)");
+                 std::vector<std::vector<int32_t>> v;
+                 for (py::ssize_t i = 0; i < starts.shape(0); ++i)
+                     v.emplace_back(starts.data(i, 0), starts.data(i, 0) + p.n_calls());
+                 return std::make_unique<rl::Search>(p, o, v);
              }),
-             py::arg("problem"), py::arg("options"), py::arg("start"), py::keep_alive<1, 2>())
-        .def("run", &rl::Search::run, py::arg("evals_per_chain"), py::arg("seconds") = 0.0,
+             py::arg("problem"), py::arg("options"), py::arg("starts"), py::keep_alive<1, 2>())
+        .def("run", &rl::Search::run, py::arg("evals_per_replica"), py::arg("seconds") = 0.0,
              py::call_guard<py::gil_scoped_release>(),
              "Advance every chain; the GIL is released. Returns True if the time limit stopped it.")
         .def(
@@ -278,7 +287,7 @@ PYBIND11_MODULE(_C, m) {
         .def("resolve", &rl::Search::resolve, "Re-evaluate the chains after new pair costs were set.")
         .def_property_readonly("best_plan", &rl::Search::best_plan)
         .def_property_readonly("best", [](const rl::Search& s) { return eval_dict(s.best_eval()); })
-        .def_property_readonly("start", [](const rl::Search& s) { return eval_dict(s.start_eval()); })
+        .def_property_readonly("swap_rate", &rl::Search::swap_rate)
         .def_property_readonly("evals", &rl::Search::evals)
         .def_property_readonly("elapsed", &rl::Search::elapsed)
         .def_property_readonly("temperature", &rl::Search::temperature)

@@ -18,7 +18,11 @@ uint64_t splitmix64(uint64_t& x) {
 
 inline uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
 
-constexpr int64_t kSlice = 256;  // proposals a chain runs before its thread checks the clock
+inline uint64_t mesh_key(int32_t shape_class, int32_t mesh_id) {
+    return (static_cast<uint64_t>(static_cast<uint32_t>(shape_class)) << 32) | static_cast<uint32_t>(mesh_id);
+}
+
+constexpr int64_t kSlice = 256;     // proposals per replica between tempering swaps and clock checks
 constexpr size_t kMaxPending = 16;  // provisional plans a chain keeps for pricing
 
 }  // namespace
@@ -45,20 +49,29 @@ bool better(const Evaluation& a, const Evaluation& b) {
     return a.cost < b.cost;
 }
 
-Search::Search(const Problem& problem, const SearchOptions& options, const std::vector<int32_t>& start)
+Search::Search(const Problem& problem, const SearchOptions& options, const std::vector<std::vector<int32_t>>& starts)
     : p_(problem), opt_(options) {
-    p_.check_plan(start);
-    if (opt_.n_chains < 1 || opt_.n_threads < 1) throw std::invalid_argument("n_chains and n_threads must be >= 1");
+    if (starts.empty()) throw std::invalid_argument("give at least one start plan");
+    for (const auto& s : starts) p_.check_plan(s);
+    if (opt_.n_chains < 1 || opt_.n_threads < 1 || opt_.n_temps < 1)
+        throw std::invalid_argument("n_chains, n_threads and n_temps must be >= 1");
+    if (!(opt_.ladder >= 1.0)) throw std::invalid_argument("ladder must be >= 1");
     if (!(opt_.accept_1pct > 0.0 && opt_.accept_1pct < 1.0))
         throw std::invalid_argument("accept_1pct must be strictly between 0 and 1");
-    if (!(opt_.p_any >= 0 && opt_.p_mbs >= 0 && opt_.p_strategy >= 0 && opt_.p_position >= 0) ||
-        opt_.p_any + opt_.p_mbs + opt_.p_strategy + opt_.p_position <= 0)
-        throw std::invalid_argument("move probabilities must be non-negative and not all zero");
+    const double mix[] = {opt_.p_any, opt_.p_mbs, opt_.p_strategy, opt_.p_position, opt_.p_colocate, opt_.p_swap};
+    double total = 0;
+    for (double x : mix) {
+        if (!(x >= 0)) throw std::invalid_argument("move probabilities must be non-negative");
+        total += x;
+    }
+    if (total <= 0) throw std::invalid_argument("move probabilities must not all be zero");
     tau_ = 0.01 / std::log(1.0 / opt_.accept_1pct);
 
     const int n = p_.n_calls();
     groups_.resize(n);
     group_of_.resize(n);
+    mesh_group_.resize(n);
+    at_mesh_.resize(n);
     for (int c = 0; c < n; ++c) {
         const Candidates& k = p_.cands[c];
         if (k.size() > 1) movable_.push_back(c);
@@ -72,54 +85,98 @@ Search::Search(const Problem& problem, const SearchOptions& options, const std::
                 groups_[c][g][it->second].push_back(i);
                 group_of_[c][g][i] = it->second;
             }
+            if (g == 1)
+                for (const auto& [mesh, gi] : index) {
+                    if (mesh >= static_cast<int32_t>(mesh_group_[c].size())) mesh_group_[c].resize(mesh + 1, -1);
+                    if (mesh >= 0) mesh_group_[c][mesh] = gi;
+                }
         }
+        for (int i = 0; i < k.size(); ++i) at_mesh_[c].emplace(mesh_key(k.shape_class[i], k.mesh_id[i]), i);
     }
 
     Evaluator ev(p_);
-    start_ev_ = ev.evaluate(start.data());
-    if (!start_ev_.exact)
-        throw std::invalid_argument("the start plan uses transfer costs that are not priced yet; price them first");
-    best_ = start;
-    best_ev_ = start_ev_;
+    std::vector<Evaluation> start_ev;
+    for (const auto& s : starts) {
+        start_ev.push_back(ev.evaluate(s.data()));
+        if (!start_ev.back().exact)
+            throw std::invalid_argument("a start plan uses transfer costs that are not priced yet; price them first");
+    }
+    size_t first = 0;
+    for (size_t i = 1; i < starts.size(); ++i)
+        if (better(start_ev[i], start_ev[first])) first = i;
+    best_ = starts[first];
+    best_ev_ = start_ev[first];
     for (int i = 0; i < opt_.n_chains; ++i) {
         uint64_t s = opt_.seed * 0x100000001B3ull + static_cast<uint64_t>(i) + 1;
         auto ch = std::make_unique<Chain>(p_, splitmix64(s));
-        ch->cur = ch->best = start;
-        ch->cur_ev = ch->best_ev = start_ev_;
+        const size_t j = static_cast<size_t>(i) % starts.size();
+        double scale = 1.0;
+        for (int k = 0; k < opt_.n_temps; ++k, scale *= opt_.ladder) ch->reps.push_back({starts[j], start_ev[j], scale});
+        ch->best = starts[j];
+        ch->best_ev = start_ev[j];
         chains_.push_back(std::move(ch));
     }
     t0_ = std::chrono::steady_clock::now();
-    history_.push_back({0.0, 0, start_ev_.cost, start_ev_.time, start_ev_.feasible});
+    history_.push_back({0.0, 0, best_ev_.cost, best_ev_.time, best_ev_.feasible});
 }
 
 double Search::elapsed() const {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
 }
 
-double Search::temperature() const {
-    // Seconds: a plan 1% slower than the best known is accepted with probability accept_1pct.
-    return tau_ * (best_ev_.time > 0 ? best_ev_.time : 1.0);
-}
+double Search::temperature() const { return tau_ * (best_ev_.time > 0 ? best_ev_.time : 1.0); }
 
-int Search::propose(Chain& ch, int call, int a) {
-    const Candidates& k = p_.cands[call];
-    const double total = opt_.p_any + opt_.p_mbs + opt_.p_strategy + opt_.p_position;
-    double u = ch.rng.uniform() * total;
-    int kind = -1;  // -1: any candidate; else the group kind
-    if ((u -= opt_.p_any) < 0) kind = -1;
-    else if ((u -= opt_.p_mbs) < 0) kind = 0;
-    else if ((u -= opt_.p_strategy) < 0) kind = 1;
-    else kind = 2;
-    if (kind >= 0) {
-        const auto& g = groups_[call][kind][group_of_[call][kind][a]];
+int Search::propose(Chain& ch, const std::vector<int32_t>& cur, int (&calls)[2], int (&to)[2]) {
+    const int c = movable_[ch.rng.below(movable_.size())];
+    const int a = cur[c];
+    const Candidates& k = p_.cands[c];
+    calls[0] = c;
+    const double mix[] = {opt_.p_any, opt_.p_mbs, opt_.p_strategy, opt_.p_position, opt_.p_colocate, opt_.p_swap};
+    double u = ch.rng.uniform() * (mix[0] + mix[1] + mix[2] + mix[3] + mix[4] + mix[5]);
+    int kind = 0;
+    while (kind < 5 && (u -= mix[kind]) >= 0) ++kind;
+    // Each move is uniform over a set that contains both the old and the new candidate (or, for
+    // a swap, over a relation that is its own inverse), so proposals are symmetric. A move with
+    // nothing to offer falls back to "any candidate".
+    auto pick_other = [&](const std::vector<int32_t>& g, int self) -> int {
+        const int b = g[ch.rng.below(g.size() - 1)];
+        return b == self ? g.back() : b;
+    };
+    if (kind >= 1 && kind <= 3) {
+        const auto& g = groups_[c][kind - 1][group_of_[c][kind - 1][a]];
         if (g.size() > 1) {
-            // Uniform over the group's other members: symmetric, since a and b share the group.
-            int b = g[ch.rng.below(g.size() - 1)];
-            return b == a ? g.back() : b;
+            to[0] = pick_other(g, a);
+            return 1;
+        }
+    } else if ((kind == 4 || kind == 5) && p_.n_calls() > 1) {
+        int d = static_cast<int>(ch.rng.below(p_.n_calls() - 1));
+        if (d >= c) ++d;
+        const int mesh_d = p_.cands[d].mesh_id[cur[d]], mesh_c = k.mesh_id[a];
+        if (mesh_d != mesh_c) {
+            if (kind == 4) {
+                // colocate: any candidate of c on the mesh d uses
+                const int gi = mesh_d < static_cast<int>(mesh_group_[c].size()) ? mesh_group_[c][mesh_d] : -1;
+                if (gi >= 0) {
+                    const auto& g = groups_[c][1][gi];
+                    to[0] = g[ch.rng.below(g.size())];
+                    return 1;
+                }
+            } else {
+                // swap: c and d exchange mesh positions, each keeping its shape, strategy and n_mbs
+                const auto ic = at_mesh_[c].find(mesh_key(k.shape_class[a], mesh_d));
+                const auto id = at_mesh_[d].find(mesh_key(p_.cands[d].shape_class[cur[d]], mesh_c));
+                if (ic != at_mesh_[c].end() && id != at_mesh_[d].end()) {
+                    calls[1] = d;
+                    to[0] = ic->second;
+                    to[1] = id->second;
+                    return 2;
+                }
+            }
         }
     }
-    int b = static_cast<int>(ch.rng.below(k.size() - 1));
-    return b >= a ? b + 1 : b;
+    const int b = static_cast<int>(ch.rng.below(k.size() - 1));
+    to[0] = b >= a ? b + 1 : b;
+    return 1;
 }
 
 void Search::improve(Chain& ch, const Evaluation& ev, const std::vector<int32_t>& plan) {
@@ -128,34 +185,103 @@ void Search::improve(Chain& ch, const Evaluation& ev, const std::vector<int32_t>
     ch.found.push_back({elapsed(), evals_.load(std::memory_order_relaxed), ev.cost, ev.time, ev.feasible});
 }
 
-void Search::note_pending(Chain& ch, const Evaluation& ev) {
+void Search::note_pending(Chain& ch, const Evaluation& ev, const std::vector<int32_t>& plan) {
     auto& pend = ch.pending;
     if (pend.size() == kMaxPending && !(ev.cost < pend.back().first.cost)) return;
     for (const auto& q : pend)
-        if (q.second == ch.cur) return;
+        if (q.second == plan) return;
     auto at = std::upper_bound(pend.begin(), pend.end(), ev.cost,
                                [](double c, const auto& q) { return c < q.first.cost; });
-    pend.insert(at, {ev, ch.cur});
+    pend.insert(at, {ev, plan});
     if (pend.size() > kMaxPending) pend.pop_back();
 }
 
-void Search::step(Chain& ch, double temperature) {
-    const int call = movable_[ch.rng.below(movable_.size())];
-    const int a = ch.cur[call];
-    const int b = propose(ch, call, a);
-    ch.cur[call] = b;
-    const Evaluation ev = ch.ev.evaluate(ch.cur.data());
+void Search::step(Chain& ch, Replica& r, double temperature) {
+    int calls[2], to[2], from[2];
+    const int n = propose(ch, r.cur, calls, to);
+    for (int i = 0; i < n; ++i) {
+        from[i] = r.cur[calls[i]];
+        r.cur[calls[i]] = to[i];
+    }
+    const Evaluation ev = ch.ev.evaluate(r.cur.data());
     if (better(ev, ch.best_ev)) {
         if (ev.exact)
-            improve(ch, ev, ch.cur);
+            improve(ch, ev, r.cur);
         else
-            note_pending(ch, ev);
+            note_pending(ch, ev, r.cur);
     }
-    const double delta = ev.cost - ch.cur_ev.cost;
-    if (delta <= 0.0 || ch.rng.uniform() < std::exp(-delta / temperature))
-        ch.cur_ev = ev;
-    else
-        ch.cur[call] = a;
+    const double delta = ev.cost - r.cur_ev.cost;
+    if (delta <= 0.0 || ch.rng.uniform() < std::exp(-delta / (temperature * r.temp_scale))) {
+        r.cur_ev = ev;
+    } else {
+        for (int i = 0; i < n; ++i) r.cur[calls[i]] = from[i];
+    }
+}
+
+void Search::exchange(Chain& ch, double temperature) {
+    // Parallel tempering: neighbours k, k+1 swap states with probability
+    // min(1, exp((c_k - c_{k+1}) * (1/T_k - 1/T_{k+1}))), which keeps each replica's distribution.
+    for (size_t k = 0; k + 1 < ch.reps.size(); ++k) {
+        Replica& a = ch.reps[k];
+        Replica& b = ch.reps[k + 1];
+        const double x = (a.cur_ev.cost - b.cur_ev.cost) * (1.0 / (temperature * a.temp_scale) -
+                                                             1.0 / (temperature * b.temp_scale));
+        ++ch.swaps_tried;
+        if (x >= 0.0 || ch.rng.uniform() < std::exp(x)) {
+            std::swap(a.cur, b.cur);
+            std::swap(a.cur_ev, b.cur_ev);
+            ++ch.swaps_done;
+        }
+    }
+}
+
+void Search::run_chains(const std::vector<int>& ids, int64_t quota, std::chrono::steady_clock::time_point deadline,
+                        bool has_deadline, double temperature) {
+    bool more = true;
+    while (more) {
+        more = false;
+        for (int id : ids) {
+            Chain& ch = *chains_[id];
+            const int64_t n = std::min(kSlice, quota - ch.done);
+            if (n <= 0) continue;
+            for (Replica& r : ch.reps)
+                for (int64_t i = 0; i < n; ++i) step(ch, r, temperature);
+            exchange(ch, temperature);
+            ch.done += n;
+            evals_.fetch_add(n * static_cast<int64_t>(ch.reps.size()), std::memory_order_relaxed);
+            more = more || ch.done < quota;
+        }
+        if (has_deadline && std::chrono::steady_clock::now() >= deadline) return;
+    }
+}
+
+bool Search::run(int64_t evals_per_replica, double seconds) {
+    if (movable_.empty() || evals_per_replica <= 0) return false;
+    const auto begin = std::chrono::steady_clock::now();
+    const bool has_deadline = seconds > 0;
+    const auto deadline = begin + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                      std::chrono::duration<double>(has_deadline ? seconds : 0.0));
+    const double temp = temperature();
+    for (auto& ch : chains_) {
+        ch->done = 0;
+        ch->found.clear();
+    }
+    const int n_threads = std::min(opt_.n_threads, opt_.n_chains);
+    std::vector<std::vector<int>> assign(n_threads);
+    for (int i = 0; i < opt_.n_chains; ++i) assign[i % n_threads].push_back(i);
+    if (n_threads == 1) {
+        run_chains(assign[0], evals_per_replica, deadline, has_deadline, temp);
+    } else {
+        std::vector<std::thread> threads;
+        for (int t = 0; t < n_threads; ++t)
+            threads.emplace_back(&Search::run_chains, this, std::cref(assign[t]), evals_per_replica, deadline,
+                                 has_deadline, temp);
+        for (auto& th : threads) th.join();
+    }
+    merge();
+    bool by_time = false;
+    for (auto& ch : chains_) by_time = by_time || ch->done < evals_per_replica;
+    return by_time;
 }
 
 std::vector<MissingPair> Search::missing_pairs(int limit) const {
@@ -172,7 +298,7 @@ std::vector<MissingPair> Search::missing_pairs(int limit) const {
 void Search::resolve() {
     for (auto& ch : chains_) {
         ch->found.clear();
-        ch->cur_ev = ch->ev.evaluate(ch->cur.data());
+        for (Replica& r : ch->reps) r.cur_ev = ch->ev.evaluate(r.cur.data());
         std::vector<std::pair<Evaluation, std::vector<int32_t>>> still;
         for (auto& [old, plan] : ch->pending) {
             const Evaluation ev = ch->ev.evaluate(plan.data());
@@ -184,53 +310,6 @@ void Search::resolve() {
         ch->pending = std::move(still);
     }
     merge();
-}
-
-void Search::run_chains(const std::vector<int>& ids, int64_t quota, std::chrono::steady_clock::time_point deadline,
-                        bool has_deadline, double temperature) {
-    bool more = true;
-    while (more) {
-        more = false;
-        for (int id : ids) {
-            Chain& ch = *chains_[id];
-            const int64_t n = std::min(kSlice, quota - ch.done);
-            if (n <= 0) continue;
-            for (int64_t i = 0; i < n; ++i) step(ch, temperature);
-            ch.done += n;
-            evals_.fetch_add(n, std::memory_order_relaxed);
-            more = more || ch.done < quota;
-        }
-        if (has_deadline && std::chrono::steady_clock::now() >= deadline) return;
-    }
-}
-
-bool Search::run(int64_t evals_per_chain, double seconds) {
-    if (movable_.empty() || evals_per_chain <= 0) return false;
-    const auto begin = std::chrono::steady_clock::now();
-    const bool has_deadline = seconds > 0;
-    const auto deadline = begin + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                      std::chrono::duration<double>(has_deadline ? seconds : 0.0));
-    const double temp = temperature();
-    for (auto& ch : chains_) {
-        ch->done = 0;
-        ch->found.clear();
-    }
-    const int n_threads = std::min(opt_.n_threads, opt_.n_chains);
-    std::vector<std::vector<int>> assign(n_threads);
-    for (int i = 0; i < opt_.n_chains; ++i) assign[i % n_threads].push_back(i);
-    if (n_threads == 1) {
-        run_chains(assign[0], evals_per_chain, deadline, has_deadline, temp);
-    } else {
-        std::vector<std::thread> threads;
-        for (int t = 0; t < n_threads; ++t)
-            threads.emplace_back(&Search::run_chains, this, std::cref(assign[t]), evals_per_chain, deadline,
-                                 has_deadline, temp);
-        for (auto& th : threads) th.join();
-    }
-    merge();
-    bool by_time = false;
-    for (auto& ch : chains_) by_time = by_time || ch->done < evals_per_chain;
-    return by_time;
 }
 
 void Search::merge() {
@@ -255,12 +334,20 @@ void Search::merge() {
             best_ = ch->best;
             best_ev_ = ch->best_ev;
         }
-    // Chains far behind the best restart from it, so that threads pool their progress.
-    for (auto& ch : chains_)
-        if ((best_ev_.feasible && !ch->cur_ev.feasible) || ch->cur_ev.cost > best_ev_.cost * (1.0 + opt_.restart_margin)) {
-            ch->cur = best_;
-            ch->cur_ev = best_ev_;
+    // A coldest replica far behind the best restarts from it, so that chains pool their progress.
+    for (auto& ch : chains_) {
+        Replica& cold = ch->reps.front();
+        if ((best_ev_.feasible && !cold.cur_ev.feasible) ||
+            cold.cur_ev.cost > best_ev_.cost * (1.0 + opt_.restart_margin)) {
+            cold.cur = best_;
+            cold.cur_ev = best_ev_;
         }
+    }
+    swaps_tried_ = swaps_done_ = 0;
+    for (const auto& ch : chains_) {
+        swaps_tried_ += ch->swaps_tried;
+        swaps_done_ += ch->swaps_done;
+    }
 }
 
 }  // namespace rl

@@ -1,10 +1,20 @@
 // Metropolis-Hastings search over execution plans (realhf.txt §5.2).
 //
-// A plan picks one candidate per call. Each step changes one call's candidate and accepts the
-// new plan with probability min(1, exp(-(cost' - cost) / T)). T is in seconds: T = tau * t_ref,
-// where t_ref is the best feasible iteration time found so far (the start plan's time before
-// that) and tau is chosen so that a plan 1% slower than the current one is accepted with
-// probability `accept_1pct` (tau = 0.01 / ln(1 / accept_1pct)).
+// A plan picks one candidate per call. A step changes the candidate of one call (or, for a
+// swap, of two) and accepts the new plan with probability min(1, exp(-(cost' - cost) / T)),
+// the Metropolis-Hastings rule for P(plan) ~ exp(-cost / T) with a symmetric proposal.
+// T is in seconds: T = tau * t_ref, t_ref being the best feasible iteration time found so far
+// (the best start plan's before that), and tau chosen so that a plan 1% slower than the current
+// one is accepted with probability `accept_1pct` (tau = 0.01 / ln(1 / accept_1pct)).
+//
+// Plans whose peak memory exceeds the device memory cost alpha * (1 + overflow / memory) times
+// their time (problem.h oom_alpha): the OOM penalty of §5.2, scaled so that a chain among OOM
+// plans still moves toward ones that fit.
+//
+// The paper runs one chain at one temperature. We run `n_chains` independent chains (one or
+// more per thread), each a ladder of `n_temps` replicas at temperatures T * ladder^k that swap
+// states now and then (parallel tempering): hot replicas cross the barriers that memory limits
+// put between good plans, the coldest one refines.
 //
 // Transfer costs are priced lazily (problem.h, PairCosts). A plan whose evaluation used an
 // unpriced pair is provisional: it can guide a chain but never becomes the best plan. Provisional
@@ -12,16 +22,17 @@
 // their missing pairs (missing_pairs(), then Problem.set_pair_costs) and resolve() re-evaluates
 // them exactly.
 //
-// Several chains run on threads. run() advances every chain by a fixed number of proposals (or
-// until a deadline); between runs the chains that lag the best plan by more than
-// `restart_margin` restart from it. With an evaluation budget (no deadline) the result depends
-// only on the seed, whatever the number of threads.
+// run() advances every replica by a fixed number of proposals (or until a deadline). Between
+// runs, chains whose coldest replica lags the best plan by more than `restart_margin` restart
+// it from the best plan. With an evaluation budget (no deadline) the result depends only on the
+// seed and the start plans, whatever the number of threads.
 #pragma once
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <unordered_map>
 #include <vector>
 
 #include "problem.h"
@@ -32,12 +43,15 @@ namespace rl {
 struct SearchOptions {
     int n_chains = 2;
     int n_threads = 2;
+    int n_temps = 3;
+    double ladder = 4.0;
     uint64_t seed = 0;
     double accept_1pct = 0.05;
-    double restart_margin = 0.05;
+    double restart_margin = 0.02;
     // Proposal mix: any candidate of the call; same mesh and strategy (other n_mbs); same mesh
-    // (other strategy); same mesh shape, strategy and n_mbs at another position.
-    double p_any = 0.25, p_mbs = 0.25, p_strategy = 0.25, p_position = 0.25;
+    // (other strategy); same shape, strategy and n_mbs at another position; a candidate on the
+    // mesh another call uses; two calls of one mesh shape exchange positions.
+    double p_any = 0.2, p_mbs = 0.15, p_strategy = 0.2, p_position = 0.15, p_colocate = 0.2, p_swap = 0.1;
 };
 
 struct HistoryPoint {
@@ -59,44 +73,56 @@ private:
     uint64_t s_[4];
 };
 
+// True if `a` is a better search result than `b`: fitting in memory first, then lower cost.
+bool better(const Evaluation& a, const Evaluation& b);
+
 class Search {
 public:
-    Search(const Problem& problem, const SearchOptions& options, const std::vector<int32_t>& start);
+    // Chain i starts from starts[i % starts.size()]; every start must be exactly priced.
+    Search(const Problem& problem, const SearchOptions& options, const std::vector<std::vector<int32_t>>& starts);
 
-    // Advances every chain by up to `evals_per_chain` proposals, stopping early once `seconds`
+    // Advances every replica by up to `evals_per_replica` proposals, stopping early once `seconds`
     // (wall clock, <= 0: no limit) have passed since this call began. Returns true if stopped by time.
-    bool run(int64_t evals_per_chain, double seconds);
+    bool run(int64_t evals_per_replica, double seconds);
 
     // Unpriced pairs of the pending plans (at most `limit` plans per chain, best first).
     std::vector<MissingPair> missing_pairs(int limit) const;
-    // Re-evaluates the chains and their pending plans after new pair costs were set.
+    // Re-evaluates the replicas and the pending plans after new pair costs were set.
     void resolve();
 
     const std::vector<int32_t>& best_plan() const { return best_; }
     const Evaluation& best_eval() const { return best_ev_; }
-    const Evaluation& start_eval() const { return start_ev_; }
     const std::vector<HistoryPoint>& history() const { return history_; }
     int64_t evals() const { return evals_.load(); }
     double elapsed() const;
-    double temperature() const;
+    double temperature() const;  // of the coldest replicas
+    double swap_rate() const { return swaps_tried_ ? static_cast<double>(swaps_done_) / swaps_tried_ : 0.0; }
 
 private:
+    struct Replica {
+        std::vector<int32_t> cur;
+        Evaluation cur_ev;
+        double temp_scale = 1.0;
+    };
     struct Chain {
-        explicit Chain(const Problem& p, uint64_t seed) : ev(p), rng(seed) {}
+        Chain(const Problem& p, uint64_t seed) : ev(p), rng(seed) {}
         Evaluator ev;
         Rng rng;
-        std::vector<int32_t> cur, best;
-        Evaluation cur_ev, best_ev;
-        int64_t done = 0;  // proposals in the current run
+        std::vector<Replica> reps;
+        std::vector<int32_t> best;
+        Evaluation best_ev;
+        int64_t done = 0;                 // proposals per replica in the current run
+        int64_t swaps_tried = 0, swaps_done = 0;
         std::vector<HistoryPoint> found;  // improvements of this chain's best in the current run
         std::vector<std::pair<Evaluation, std::vector<int32_t>>> pending;  // provisional, sorted by cost
     };
 
-    void note_pending(Chain& ch, const Evaluation& ev);
+    void step(Chain& ch, Replica& r, double temperature);
+    void exchange(Chain& ch, double temperature);
+    // Proposes new candidates for one or two calls; returns how many (0: nothing to propose).
+    int propose(Chain& ch, const std::vector<int32_t>& cur, int (&calls)[2], int (&to)[2]);
+    void note_pending(Chain& ch, const Evaluation& ev, const std::vector<int32_t>& plan);
     void improve(Chain& ch, const Evaluation& ev, const std::vector<int32_t>& plan);
-
-    void step(Chain& ch, double temperature);
-    int propose(Chain& ch, int call, int a);
     void run_chains(const std::vector<int>& ids, int64_t quota, std::chrono::steady_clock::time_point deadline,
                     bool has_deadline, double temperature);
     void merge();
@@ -108,16 +134,16 @@ private:
     // and each candidate's group.
     std::vector<std::array<std::vector<std::vector<int32_t>>, 3>> groups_;
     std::vector<std::array<std::vector<int32_t>, 3>> group_of_;
+    std::vector<std::vector<int32_t>> mesh_group_;  // per call: mesh id -> its group of kind 1, or -1
+    std::vector<std::unordered_map<uint64_t, int32_t>> at_mesh_;  // per call: (shape class, mesh id) -> candidate
     std::vector<std::unique_ptr<Chain>> chains_;
     std::vector<int32_t> best_;
-    Evaluation best_ev_, start_ev_;
+    Evaluation best_ev_;
     std::vector<HistoryPoint> history_;
     std::atomic<int64_t> evals_{0};
     std::chrono::steady_clock::time_point t0_;
     double tau_;
+    int64_t swaps_tried_ = 0, swaps_done_ = 0;
 };
-
-// True if `a` is a better search result than `b`: fitting in memory first, then lower cost.
-bool better(const Evaluation& a, const Evaluation& b);
 
 }  // namespace rl

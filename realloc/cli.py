@@ -78,8 +78,14 @@ def build_parser(commands: dict[str, Callable[[argparse.Namespace], int]] | None
     s = sub.add_parser("search", help="search an execution plan and report it")
     s.add_argument("experiment")
     s.add_argument("--dry-run", action="store_true", help="only plan; do not launch workers")
-    s.add_argument("--time", type=float, default=10.0, help="search time limit in seconds")
+    s.add_argument("--time", type=float, default=None, help="search time limit in seconds (default 10, or none "
+                   "with --evals)")
+    s.add_argument("--evals", type=int, default=None, help="evaluation budget; with one --threads and no --time the "
+                   "result depends only on --seed")
+    s.add_argument("--threads", type=int, default=2, help="search threads (one MCMC chain each)")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--baseline", default=None, choices=["heuristic", "colocate-dp", "split"],
+                   help="print (and --out) this baseline plan instead of searching")
     s.add_argument("--out", default=None, help="write the plan JSON here")
     s.add_argument("--timeline", default=None, help="write a timeline picture (.svg/.png/.html)")
     s.set_defaults(func=commands.get("search", _not_yet("search", 4)))

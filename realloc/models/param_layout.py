@@ -86,6 +86,7 @@ def param_specs(cfg: ModelConfig) -> tuple[ParamSpec, ...]:
     return tuple(specs)
 
 
+@lru_cache(maxsize=1024)  # pure; the planner asks for it once per parameter of every layout
 def stage_layer_ranges(n_layers: int, pp: int) -> tuple[tuple[int, int], ...]:
     """Decoder blocks [lo, hi) of each pipeline stage: as even as possible, earlier stages take the remainder.
 
@@ -113,6 +114,7 @@ def stage_of_layer(n_layers: int, pp: int, layer: int) -> int:
     raise AssertionError(layer)
 
 
+@lru_cache(maxsize=4096)  # pure and immutable; the search prices thousands of layouts
 def stage_param_specs(cfg: ModelConfig, pp: int, pp_rank: int) -> tuple[ParamSpec, ...]:
     """Parameters held by pipeline stage ``pp_rank``.
 

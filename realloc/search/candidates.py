@@ -1,18 +1,40 @@
-"""Candidate placements of one call: every (mesh, strategy, n_mbs) the cluster allows."""
+"""Candidate placements of one call: every (mesh, strategy, n_mbs) the cluster allows, and pruning.
+
+Pruning (``prune``) removes candidates that no plan can use or that no plan would
+pick, so the search never spends evaluations on them:
+
+1. memory: a candidate whose own footprint exceeds device memory on some pipeline
+   stage never runs. For a model's home call the footprint is its static memory plus
+   its dynamic memory; for any other call it is its dynamic memory plus the
+   parameters (either a reallocated copy, or the home layout's static memory, which
+   holds at least the parameters). Other models can only add to it.
+2. dominated micro-batch counts: candidates with the same mesh and strategy have the
+   same layout, hence the same transfer costs; an n_mbs that is no faster and needs
+   no less dynamic memory on every stage than another one is never better.
+"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from realloc.cluster import ClusterSpec, DeviceMesh
 from realloc.graph.dataflow import DataflowGraph
 from realloc.graph.plan import CallPlacement
 from realloc.strategy import ParallelStrategy, enumerate_strategies, micro_batch_options
 
+if TYPE_CHECKING:
+    from realloc.search.build import CallCosts
+
 # realhf.txt Table 4 uses up to 16 micro-batches; 64 leaves room for deep pipelines.
 MAX_N_MBS = 64
 
+Option = tuple[DeviceMesh, ParallelStrategy, int]
+
 
 def call_options(graph: DataflowGraph, call: str, cluster: ClusterSpec | None = None,
-                 max_n_mbs: int = MAX_N_MBS) -> list[tuple[DeviceMesh, ParallelStrategy, int]]:
+                 max_n_mbs: int = MAX_N_MBS) -> list[Option]:
     """All placements of ``call`` before any memory pruning."""
     cluster = cluster or graph.spec.cluster
     cfg = graph.model_config(call)
@@ -32,3 +54,37 @@ def call_options(graph: DataflowGraph, call: str, cluster: ClusterSpec | None = 
 
 def call_placements(graph: DataflowGraph, call: str, max_n_mbs: int = MAX_N_MBS) -> list[CallPlacement]:
     return [CallPlacement.of(mesh, s, m) for mesh, s, m in call_options(graph, call, max_n_mbs=max_n_mbs)]
+
+
+def prune(costs: "CallCosts", device_memory: int | None,
+          keep: set[Option] = frozenset()) -> tuple[list[int], dict[str, int]]:
+    """Rows of ``costs`` worth searching (rules in the module docstring), and how many each rule removed.
+
+    Rows whose option is in ``keep`` (e.g. a baseline's placement) always stay; with
+    ``device_memory=None`` rule 1 is off.
+    """
+    reasons = {"memory": 0, "dominated n_mbs": 0}
+    fits = []
+    for i, opt in enumerate(costs.options):
+        # home: static (>= parameters) + dynamic; otherwise static is 0 and the copy counts
+        own = np.maximum(costs.static[i] + costs.dynamic[i], costs.dynamic[i] + costs.param[i])
+        if device_memory is None or int(own.max(initial=0)) <= device_memory or opt in keep:
+            fits.append(i)
+        else:
+            reasons["memory"] += 1
+    groups: dict[tuple[str, ParallelStrategy], list[int]] = {}
+    for i in fits:
+        mesh, s, _ = costs.options[i]
+        groups.setdefault((mesh.name, s), []).append(i)
+    out = []
+    for rows in groups.values():
+        rows.sort(key=lambda i: (costs.time[i], costs.options[i][2]))
+        kept: list[int] = []
+        for i in rows:
+            dominated = any(np.all(costs.dynamic[j] <= costs.dynamic[i]) for j in kept)
+            if dominated and costs.options[i] not in keep:
+                reasons["dominated n_mbs"] += 1
+            else:
+                kept.append(i)
+        out.extend(kept)
+    return sorted(out), reasons

@@ -1,0 +1,323 @@
+"""From an experiment to the search's arrays: candidates priced by the estimator.
+
+``PlanSpace.build(graph)`` enumerates every call's placements (``candidates.py``),
+prices their time and per-stage memory with ``CostModel``, prunes the ones that can
+never run or never win (``candidates.prune``), and numbers layouts so that the
+engine can ask for transfer costs by pair. Those pair costs (parameter reallocation
+per model, data transfer per data edge) are priced lazily, only for the pairs a
+plan actually uses (``price_missing``): the estimator prices one pair in
+milliseconds, and there are millions of pairs on large clusters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import cached_property
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from realloc.cluster import DeviceMesh
+from realloc.estimator.cost import CostModel
+from realloc.estimator.memory import stage_call_memory
+from realloc.graph.dataflow import DATA, DataflowGraph
+from realloc.graph.plan import CallPlacement, ExecutionPlan, validate_plan
+from realloc.search.candidates import Option, call_options, prune
+from realloc.search.problem import CandidateArrays, PairCosts, SearchProblem, copy_pair_costs
+from realloc.strategy import ParallelStrategy
+
+Layout = tuple[DeviceMesh, ParallelStrategy]
+
+# realhf.txt §4 unrolls the graph over iterations; 4 gives a steady state (T_4 - T_1) / 3
+# even when calls of consecutive iterations overlap.
+DEFAULT_ITERATIONS = 4
+# realhf.txt §5.2: "alpha is a large integer representing the OOM penalty".
+OOM_ALPHA = 100.0
+
+
+class NoFitError(ValueError):
+    """No plan fits in device memory; the message names the smallest shortfall."""
+
+
+def _no_fit_message(call: str, cc: "CallCosts", device_memory: int, nodelist: str) -> str:
+    need = min(int(np.maximum(s + d, d + p).max(initial=0)) for s, d, p in zip(cc.static, cc.dynamic, cc.param))
+    i = min(range(len(cc.options)), key=lambda i: int(np.maximum(cc.static[i] + cc.dynamic[i],
+                                                                   cc.dynamic[i] + cc.param[i]).max(initial=0)))
+    mesh, s, m = cc.options[i]
+    return (f"nothing fits in memory: call {call!r} needs at least {need / 2**30:.2f} GiB per device even alone "
+            f"(best: mesh {mesh.name} {s} n_mbs={m}), {(need - device_memory) / 2**30:.2f} GiB more than the "
+            f"{device_memory / 2**30:.2f} GiB of a device of {nodelist!r}; use more or larger devices, or a smaller "
+            f"batch or model")
+
+
+def home_calls(graph: DataflowGraph) -> dict[str, str]:
+    """Each model's home call: its first train call, else its first call (estimator/memory.py rule 1)."""
+    out = {}
+    for model in graph.model_types:
+        calls = [c for c in graph.topo_order if graph.call(c).model_name == model]
+        trains = [c for c in calls if graph.call(c).is_train]
+        out[model] = trains[0] if trains else calls[0]
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class CallCosts:
+    """Time and per-stage memory of every option of one call, before numbering."""
+
+    options: tuple[Option, ...]
+    time: np.ndarray
+    static: tuple[np.ndarray, ...]  # per option, per stage bytes if this call holds the model's static memory
+    dynamic: tuple[np.ndarray, ...]
+    param: tuple[np.ndarray, ...]
+
+
+def price_options(graph: DataflowGraph, cost: CostModel, call: str, options: Sequence[Option],
+                  is_home: bool) -> CallCosts:
+    """The estimator's time and per-stage memory of each option (memory.py rules 2-3)."""
+    cfg = graph.model_config(call)
+    trainable = graph.call(call).is_train
+    work = cost.workload(call)
+    memo: dict[tuple[ParallelStrategy, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    times, static, dynamic, param = [], [], [], []
+    for mesh, s, m in options:
+        times.append(cost.call_cost(call, mesh, s, m).time)
+        mem = memo.get((s, m))
+        if mem is None:
+            if cfg is None:
+                zeros = np.zeros(s.pp, np.int64)
+                mem = (zeros, zeros, zeros)
+            else:
+                st = [stage_call_memory(cfg, work, s, m, k, cost.precision) for k in range(s.pp)]
+                mem = (np.array([x.params + ((x.grads + x.optimizer) if trainable else 0) for x in st], np.int64)
+                       if is_home else np.zeros(s.pp, np.int64),
+                       np.array([x.dynamic for x in st], np.int64),
+                       np.array([x.params for x in st], np.int64))
+            memo[s, m] = mem
+        static.append(mem[0])
+        dynamic.append(mem[1])
+        param.append(mem[2])
+    return CallCosts(tuple(options), np.array(times, np.float64), tuple(static), tuple(dynamic), tuple(param))
+
+
+@dataclasses.dataclass
+class PlanSpace:
+    """The candidate placements of every call and the engine problem over them.
+
+    ``options[c][i]`` is candidate i of call c (the c-th call in topological order);
+    ``layouts[m][j]`` is layout j of model m. Pair costs are shared by every space
+    restricted from this one, so a pair is priced once.
+    """
+
+    graph: DataflowGraph
+    cost: CostModel
+    problem: SearchProblem
+    options: tuple[tuple[Option, ...], ...]
+    layouts: tuple[tuple[Layout, ...], ...]
+    pruned: dict[str, dict[str, int]]  # call -> reason -> count
+
+    # -- construction ------------------------------------------------------------------
+    @classmethod
+    def build(cls, graph: DataflowGraph, cost: CostModel | None = None, *, keep: Iterable[ExecutionPlan] = (),
+              option_filter: Callable[[str, Option], bool] | None = None, prune_memory: bool = True,
+              n_iterations: int = DEFAULT_ITERATIONS, max_n_mbs: int | None = None) -> "PlanSpace":
+        """Every useful placement of every call; the placements of ``keep`` plans always stay.
+
+        ``option_filter(call, option)`` restricts the space (e.g. to a baseline's options);
+        ``prune_memory=False`` keeps placements that cannot fit, so that an OOM plan can be reported.
+        """
+        cost = cost or CostModel(graph)
+        cluster = graph.spec.cluster
+        calls = graph.topo_order
+        homes = home_calls(graph)
+        kept: dict[str, set[Option]] = {c: set() for c in calls}
+        for plan in keep:
+            meshes = validate_plan(plan, graph)
+            for c in calls:
+                p = plan.placements[c]
+                kept[c].add((meshes[c], p.strategy, p.n_mbs))
+        priced, pruned = [], {}
+        for c in calls:
+            opts = call_options(graph, c, cluster, **({"max_n_mbs": max_n_mbs} if max_n_mbs else {}))
+            opts = list(dict.fromkeys(opts + sorted(kept[c] - set(opts), key=str)))
+            if option_filter is not None:
+                opts = [o for o in opts if option_filter(c, o)]
+                if not opts:
+                    raise ValueError(f"call {c!r}: no placement of cluster {cluster.nodelist!r} satisfies this plan "
+                                     f"space's rules")
+            cc = price_options(graph, cost, c, opts, homes[graph.call(c).model_name] == c)
+            keep_rows, reasons = prune(cc, cluster.device_memory if prune_memory else None, kept[c])
+            pruned[c] = reasons
+            priced.append(CallCosts(tuple(cc.options[i] for i in keep_rows), cc.time[keep_rows],
+                                    tuple(cc.static[i] for i in keep_rows), tuple(cc.dynamic[i] for i in keep_rows),
+                                    tuple(cc.param[i] for i in keep_rows)))
+            if not keep_rows:
+                raise NoFitError(_no_fit_message(c, cc, cluster.device_memory, cluster.nodelist))
+        return cls._assemble(graph, cost, priced, pruned, n_iterations)
+
+    @classmethod
+    def _assemble(cls, graph: DataflowGraph, cost: CostModel, priced: list[CallCosts],
+                  pruned: dict[str, dict[str, int]], n_iterations: int,
+                  pair_costs: dict[int, PairCosts] | None = None,
+                  layouts_in: tuple[tuple[Layout, ...], ...] | None = None) -> "PlanSpace":
+        cluster = graph.spec.cluster
+        calls = graph.topo_order
+        models = tuple(dict.fromkeys(graph.call(c).model_name for c in calls))
+        homes = home_calls(graph)
+        mesh_index = {m.name: i for i, m in enumerate(cluster.device_meshes())}
+        if layouts_in is None:
+            layout_ids: list[dict[tuple[str, ParallelStrategy], int]] = [{} for _ in models]
+            for c, cc in zip(calls, priced):
+                ids = layout_ids[models.index(graph.call(c).model_name)]
+                for mesh, s, _ in cc.options:
+                    ids.setdefault((mesh.name, s), len(ids))
+            layouts = tuple(tuple((cluster.mesh(name), s) for name, s in ids) for ids in layout_ids)
+        else:
+            layouts = layouts_in
+            layout_ids = [{(mesh.name, s): j for j, (mesh, s) in enumerate(lays)} for lays in layouts]
+        arrays = []
+        for c, cc in zip(calls, priced):
+            ids = layout_ids[models.index(graph.call(c).model_name)]
+            shapes: dict[tuple, int] = {}
+            pp = [s.pp for _, s, _ in cc.options]
+            arrays.append(CandidateArrays(
+                dev_lo=[mesh.device_ids[0] for mesh, _, _ in cc.options],
+                dev_hi=[mesh.device_ids[-1] + 1 for mesh, _, _ in cc.options],
+                stage_width=[s.dp * s.tp for _, s, _ in cc.options],
+                layout=[ids[mesh.name, s] for mesh, s, _ in cc.options],
+                mesh_id=[mesh_index[mesh.name] for mesh, _, _ in cc.options],
+                shape_class=[shapes.setdefault((mesh.shape, s, m), len(shapes)) for mesh, s, m in cc.options],
+                time=cc.time, mem_offset=np.r_[0, np.cumsum(pp)].astype(np.int64),
+                mem_static=np.concatenate(cc.static) if pp else [], mem_dynamic=np.concatenate(cc.dynamic) if pp else [],
+                mem_param=np.concatenate(cc.param) if pp else []))
+        index = {c: i for i, c in enumerate(calls)}
+        data_edges, order_edges = [], []
+        for u, v, attrs in graph.graph.edges(data=True):
+            (data_edges if attrs["kind"] == DATA else order_edges).append((index[u], index[v]))
+        data_edges.sort()
+        order_edges.sort()
+        carry = tuple(sorted((index[u], index[v]) for u, v in graph.carry_edges))
+        n_layouts = [len(x) for x in layouts]
+        model_of = [models.index(graph.call(c).model_name) for c in calls]
+        pair_costs = pair_costs or {}
+        n_m = len(models)
+        realloc = tuple(pair_costs.get(m) or PairCosts(n_layouts[m], n_layouts[m]) for m in range(n_m))
+        data = tuple(pair_costs.get(n_m + e) or PairCosts(n_layouts[model_of[u]], n_layouts[model_of[v]])
+                     for e, (u, v) in enumerate(data_edges))
+        problem = SearchProblem(
+            n_devices=cluster.n_devices, device_memory=cluster.device_memory, call_names=calls,
+            call_model=tuple(model_of), model_names=models,
+            model_home=tuple(index[homes[m]] for m in models), candidates=tuple(arrays),
+            order_edges=tuple(order_edges), carry_edges=carry, data_edges=tuple(data_edges), data_costs=data,
+            realloc_costs=realloc, n_iterations=n_iterations, oom_alpha=OOM_ALPHA)
+        return cls(graph=graph, cost=cost, problem=problem, options=tuple(cc.options for cc in priced),
+                   layouts=layouts, pruned=pruned)
+
+    def restrict(self, keep: Sequence[Sequence[int]]) -> "PlanSpace":
+        """The space with only candidates ``keep[c]`` of each call; layouts and pair costs are shared."""
+        p = self.problem
+        priced = []
+        for c, rows in enumerate(keep):
+            rows = list(rows)
+            if not rows:
+                raise ValueError(f"call {p.call_names[c]!r}: a restricted plan space needs at least one candidate")
+            k = p.candidates[c]
+            priced.append(CallCosts(tuple(self.options[c][i] for i in rows), k.time[rows],
+                                    tuple(k.stage_memory(i, "static") for i in rows),
+                                    tuple(k.stage_memory(i, "dynamic") for i in rows),
+                                    tuple(k.stage_memory(i, "param") for i in rows)))
+        tables = {t: p.table(t) for t in range(p.n_models + len(p.data_edges))}
+        return PlanSpace._assemble(self.graph, self.cost, priced, self.pruned, p.n_iterations, tables, self.layouts)
+
+    @cached_property
+    def cpp(self):
+        return self.problem.to_cpp()
+
+    # -- pricing pair costs --------------------------------------------------------------
+    def price_missing(self, missing: np.ndarray) -> int:
+        """Price (table, a, b) rows with the estimator; returns how many were new."""
+        p, n_m = self.problem, self.problem.n_models
+        new: dict[int, dict[tuple[int, int], float]] = {}
+        for t, a, b in np.asarray(missing, np.int64).reshape(-1, 3).tolist():
+            table = p.table(t)
+            if (a, b) in table.known:
+                continue
+            if t < n_m:
+                cost = self.cost.realloc_cost(p.model_names[t], self.layouts[t][a], self.layouts[t][b])
+            else:
+                u, v = p.data_edges[t - n_m]
+                cost = self.cost.data_transfer_cost(p.call_names[u], p.call_names[v],
+                                                    self.layouts[p.call_model[u]][a], self.layouts[p.call_model[v]][b])
+            table.known[a, b] = cost
+            new.setdefault(t, {})[a, b] = cost
+        for t, costs in new.items():
+            copy_pair_costs(self.cpp, t, costs)
+        return sum(len(x) for x in new.values())
+
+    def sync_pair_costs(self) -> None:
+        """Copy pairs priced through another space sharing these tables into this space's engine."""
+        p = self.problem
+        for t in range(p.n_models + len(p.data_edges)):
+            if self.cpp.n_known(t) != len(p.table(t).known):
+                copy_pair_costs(self.cpp, t, p.table(t).known)
+
+    def price_all_pairs(self) -> int:
+        """Price every pair any plan of this space can use (for small, enumerated spaces)."""
+        p, n_m = self.problem, self.problem.n_models
+        rows = []
+        layouts = [np.unique(k.layout) for k in p.candidates]
+        for c in range(p.n_calls):
+            home = p.model_home[p.call_model[c]]
+            if c != home:
+                rows += [(p.call_model[c], a, b) for a in layouts[home] for b in layouts[c] if a != b]
+        for e, (u, v) in enumerate(p.data_edges):
+            rows += [(n_m + e, a, b) for a in layouts[u] for b in layouts[v]]
+        return self.price_missing(np.asarray(rows, np.int64).reshape(-1, 3))
+
+    def evaluate(self, indices: Sequence[int]) -> dict:
+        """Exact evaluation: prices the pairs the plan needs first."""
+        idx = np.asarray(indices, np.int32)
+        self.sync_pair_costs()
+        self.price_missing(self.cpp.missing(idx))
+        ev = self.cpp.evaluate(idx)
+        assert ev["exact"]
+        return ev
+
+    # -- plans ---------------------------------------------------------------------------
+    def indices_of(self, plan: ExecutionPlan) -> np.ndarray:
+        meshes = validate_plan(plan, self.graph)
+        out = []
+        for c, opts in zip(self.problem.call_names, self.options):
+            p = plan.placements[c]
+            want = (meshes[c], p.strategy, p.n_mbs)
+            try:
+                out.append(opts.index(want))
+            except ValueError:
+                raise ValueError(f"call {c!r}: placement {p.mesh} {p.strategy} n_mbs={p.n_mbs} is not among the "
+                                 f"candidates (it does not fit in memory or was pruned)") from None
+        return np.asarray(out, np.int32)
+
+    def to_plan(self, indices: Sequence[int], source: str) -> ExecutionPlan:
+        """The ExecutionPlan of candidate indices, with the estimator's numbers filled in."""
+        idx = np.asarray(indices, np.int32)
+        ev = self.evaluate(idx)
+        mem = self.cpp.memory(idx)
+        p, cluster = self.problem, self.graph.spec.cluster
+        placements, times, memory = {}, {}, {}
+        for c, name in enumerate(p.call_names):
+            mesh, s, m = self.options[c][int(idx[c])]
+            placements[name] = CallPlacement.of(mesh, s, m)
+            times[name] = float(p.candidates[c].time[int(idx[c])])
+            memory[name] = int(mem["call_peak"][c])
+        return ExecutionPlan(experiment=self.graph.spec.name, graph_digest=self.graph.digest,
+                             nodelist=cluster.nodelist, n_devices_per_node=cluster.n_devices_per_node,
+                             device=cluster.device, placements=placements, source=source,
+                             estimated_time=float(ev["time"]), estimated_peak_memory=int(ev["peak_memory"]),
+                             call_times=times, call_memory=memory)
+
+    def fastest(self) -> np.ndarray:
+        """The greedy plan of realhf.txt §5.2: each call at its fastest standalone candidate."""
+        return np.asarray([int(np.argmin(k.time)) for k in self.problem.candidates], np.int32)
+
+    @property
+    def n_candidates(self) -> tuple[int, ...]:
+        return tuple(len(k) for k in self.problem.candidates)

@@ -1,0 +1,164 @@
+"""The planning entry points: ``search(experiment)`` and ``baseline(experiment, name)``.
+
+    from realloc.search import search, baseline
+    plan = search("experiments/ppo_7b_7b.py", time_limit=10)      # an ExecutionPlan
+    ref = baseline("experiments/ppo_7b_7b.py", "heuristic")
+    print(plan.estimated_time, ref.estimated_time)
+
+``experiment`` is an ExperimentSpec, an experiment file or module (``load_experiment``
+syntax), or an ``@auto`` class or instance. ``plan_search`` returns the full report
+(baselines, search statistics, the plan space) that ``realloc search`` prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import numpy as np
+
+from realloc.api import AUTO_ATTR, ExperimentSpec, experiment_spec, load_experiment
+from realloc.estimator.cost import CostModel
+from realloc.graph.dataflow import DataflowGraph, build_graph
+from realloc.graph.plan import ExecutionPlan
+from realloc.search import baselines as bl
+from realloc.search.build import NoFitError, PlanSpace
+from realloc.search.engine import Progress, SearchStats, run_mcmc
+
+
+def experiment_of(experiment: Any) -> ExperimentSpec:
+    if isinstance(experiment, ExperimentSpec):
+        return experiment
+    if isinstance(experiment, str):
+        return load_experiment(experiment)
+    cls = experiment if isinstance(experiment, type) else type(experiment)
+    if hasattr(cls, AUTO_ATTR):
+        return experiment_spec(experiment)
+    raise ValueError(f"cannot plan {experiment!r}: give an ExperimentSpec, an experiment file (path/exp.py[:Class]) "
+                     f"or an @auto experiment class")
+
+
+@dataclasses.dataclass(frozen=True)
+class BaselineResult:
+    name: str
+    plan: ExecutionPlan | None
+    error: str | None = None  # why the baseline does not apply
+    device_memory: int = 0
+
+    @property
+    def fits(self) -> bool:
+        return self.plan is not None and (self.plan.estimated_peak_memory or 0) <= self.device_memory
+
+
+def _baseline(graph: DataflowGraph, cost: CostModel, name: str, seed: int = 0) -> ExecutionPlan:
+    source = f"baseline:{name}"
+    if name == "heuristic":
+        options = bl.heuristic_filters(graph)
+        if not options:
+            raise ValueError("the heuristic plan does not apply: no (dp, tp, pp) with tp inside a node and pp across "
+                             "nodes divides every call's batch")
+        plan = None
+        for _, keep in options:  # smallest pp first; the first that fits in memory
+            space = PlanSpace.build(graph, cost, option_filter=keep, prune_memory=False)
+            plan = space.to_plan(space.fastest(), source)
+            if plan.estimated_peak_memory <= graph.spec.cluster.device_memory:
+                break
+        return plan
+    if name == "colocate-dp":
+        keep = bl.colocate_filter(graph)
+    elif name == "split":
+        keep = bl.split_filter(graph)
+    else:
+        raise ValueError(f"unknown baseline {name!r}; choose one of {', '.join(bl.BASELINES)}")
+    try:
+        space = PlanSpace.build(graph, cost, option_filter=keep, prune_memory=True)
+    except NoFitError:
+        space = PlanSpace.build(graph, cost, option_filter=keep, prune_memory=False)
+    return space.to_plan(bl.best_in(space, seed), source)
+
+
+def baseline(experiment: Any, name: str, cost: CostModel | None = None) -> ExecutionPlan:
+    """A baseline plan by name (``realloc.search.baselines``), with the estimator's numbers filled in."""
+    spec = experiment_of(experiment)
+    graph = build_graph(spec)
+    return _baseline(graph, cost or CostModel(graph), name)
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchReport:
+    spec: ExperimentSpec
+    graph: DataflowGraph
+    space: PlanSpace
+    plan: ExecutionPlan
+    indices: np.ndarray
+    evaluation: dict
+    baselines: dict[str, BaselineResult]
+    stats: SearchStats
+    prepare_seconds: float
+    n_candidates_before_time_pruning: tuple[int, ...]
+
+    def baseline_indices(self, name: str) -> np.ndarray | None:
+        b = self.baselines.get(name)
+        return None if b is None or b.plan is None else self.space.indices_of(b.plan)
+
+
+def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int = 0, max_evals: int | None = None,
+                n_threads: int = 2, n_chains: int | None = None, progress: Progress | None = None,
+                cost: CostModel | None = None) -> SearchReport:
+    """Search the fastest plan of ``experiment`` and compare it with every baseline."""
+    t0 = time.perf_counter()
+    spec = experiment_of(experiment)
+    graph = build_graph(spec)
+    cost = cost or CostModel(graph)
+    mem = spec.cluster.device_memory
+    results: dict[str, BaselineResult] = {}
+    for name in bl.BASELINES:
+        try:
+            results[name] = BaselineResult(name, _baseline(graph, cost, name, seed), device_memory=mem)
+        except ValueError as e:  # the baseline does not apply to this experiment
+            results[name] = BaselineResult(name, None, str(e), device_memory=mem)
+    keep = [r.plan for r in results.values() if r.plan is not None]
+    full = PlanSpace.build(graph, cost, keep=keep)
+    before = full.n_candidates
+    # A call slower alone than a feasible baseline's whole iteration can be in no plan that
+    # beats it (in steady state each call runs once per iteration on its mesh).
+    fitting = [r.plan for r in results.values() if r.fits]
+    starts = [full.indices_of(p) for p in fitting]
+    space = full
+    if fitting:
+        t_ref = min(p.estimated_time for p in fitting)
+        rows = []
+        for c, k in enumerate(full.problem.candidates):
+            must = {int(s[c]) for s in starts}
+            rows.append([i for i in range(len(k)) if k.time[i] <= t_ref or i in must])
+        space = full.restrict(rows)
+        starts = [space.indices_of(p) for p in fitting]
+    prepare = time.perf_counter() - t0
+    outcome = run_mcmc(space, time_limit=time_limit, max_evals=max_evals, seed=seed, n_threads=n_threads,
+                       n_chains=n_chains or n_threads, starts=starts, progress=progress)
+    ev = outcome.evaluation
+    if not ev["feasible"]:
+        raise NoFitError(oom_message(space, outcome.indices, ev))
+    plan = space.to_plan(outcome.indices, "search")
+    return SearchReport(spec=spec, graph=graph, space=space, plan=plan, indices=outcome.indices, evaluation=ev,
+                        baselines=results, stats=outcome.stats, prepare_seconds=prepare,
+                        n_candidates_before_time_pruning=before)
+
+
+def oom_message(space: PlanSpace, indices: np.ndarray, ev: dict) -> str:
+    p = space.problem
+    cluster = space.graph.spec.cluster
+    dev = int(ev["peak_device"])
+    call = p.call_names[ev["peak_call"]] if ev["peak_call"] >= 0 else None
+    node, local = divmod(dev, cluster.n_devices_per_node)
+    where = f"device {dev} ({cluster.nodes[node]}:{local})"
+    what = f"while call {call!r} runs there" if call else "from the models resident there"
+    return (f"nothing fits in memory: the best plan found still needs {ev['peak_memory'] / 2**30:.2f} GiB on {where} "
+            f"{what}, {ev['overflow'] / 2**30:.2f} GiB more than the {cluster.device_memory / 2**30:.2f} GiB a device "
+            f"has; use more or larger devices, or a smaller batch or model")
+
+
+def search(experiment: Any, time_limit: float | None = 10.0, **kwargs: Any) -> ExecutionPlan:
+    """The searched ExecutionPlan of ``experiment`` (see ``plan_search`` for the options)."""
+    return plan_search(experiment, time_limit, **kwargs).plan

@@ -1,0 +1,171 @@
+"""What ``realloc search --dry-run`` prints and draws: plan tables, comparisons, the timeline."""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+
+import numpy as np
+
+from realloc import _C
+from realloc.graph.plan import ExecutionPlan
+from realloc.search.build import PlanSpace
+from realloc.search.planner import SearchReport
+
+GiB = 2**30
+
+
+def _gib(x: float) -> str:
+    return f"{x / GiB:.2f}"
+
+
+def plan_table(plan: ExecutionPlan, space: PlanSpace, indices: np.ndarray) -> str:
+    """Per call: mesh, dp/tp/pp, micro-batches, estimated seconds and peak GiB per device."""
+    mem = space.cpp.memory(np.asarray(indices, np.int32))
+    header = (f"{'call':<16}{'mesh':<20}{'devices':>8}{'dp':>4}{'tp':>4}{'pp':>4}{'mbs':>5}{'est. s':>10}"
+              f"{'peak GiB/dev':>14}")
+    rows = [header, "-" * len(header)]
+    for c, name in enumerate(space.problem.call_names):
+        p = plan.placements[name]
+        rows.append(f"{name:<16}{p.mesh:<20}{p.dp * p.tp * p.pp:>8}{p.dp:>4}{p.tp:>4}{p.pp:>4}{p.n_mbs:>5}"
+                    f"{plan.call_times[name]:>10.3f}{_gib(mem['call_peak'][c]):>14}")
+    return "\n".join(rows)
+
+
+def transfer_summary(space: PlanSpace, indices: np.ndarray) -> list[str]:
+    """Reallocation and data-transfer nodes of one steady-state iteration, from the schedule."""
+    p = space.problem
+    records = space.cpp.schedule(np.asarray(indices, np.int32))
+    t = p.n_iterations - 1
+    out = []
+    realloc = [r for r in records if r[0] == _C.NODE_REALLOC and r[3] == t and r[5] > r[4]]
+    for r in realloc:
+        out.append(f"reallocate {p.model_names[p.call_model[r[1]]]} for {p.call_names[r[1]]}: "
+                   f"{p.call_names[r[2]]} layout -> {p.call_names[r[1]]} layout, {r[5] - r[4]:.3f} s")
+    data = [r for r in records if r[0] == _C.NODE_DATA and r[3] == t and r[5] > r[4]]
+    if data:
+        total = sum(r[5] - r[4] for r in data)
+        out.append(f"data transfers: {len(data)} per iteration, {total:.3f} s in total "
+                   f"(largest {max(r[5] - r[4] for r in data):.3f} s)")
+    if not out:
+        out.append("no reallocation or data transfer: every call uses its model's home layout and local data")
+    return out
+
+
+def comparison_table(report: SearchReport) -> str:
+    ref = report.baselines.get("heuristic")
+    ref_time = ref.plan.estimated_time if ref and ref.plan and ref.fits else None
+    mem = report.spec.cluster.device_memory
+    header = f"{'plan':<14}{'s/iteration':>12}{'vs heuristic':>14}{'peak GiB/dev':>14}  fits in {_gib(mem)} GiB"
+    rows = [header, "-" * len(header)]
+
+    def row(name: str, plan: ExecutionPlan) -> str:
+        speed = f"{ref_time / plan.estimated_time:.2f}x" if ref_time else "-"
+        fits = plan.estimated_peak_memory <= mem
+        return (f"{name:<14}{plan.estimated_time:>12.3f}{speed:>14}{_gib(plan.estimated_peak_memory):>14}  "
+                f"{'yes' if fits else 'NO (out of memory)'}")
+
+    rows.append(row("searched", report.plan))
+    for name, b in report.baselines.items():
+        rows.append(row(name, b.plan) if b.plan else f"{name:<14}{'n/a':>12}  ({b.error})")
+    return "\n".join(rows)
+
+
+def memory_summary(report: SearchReport) -> str:
+    space, ev = report.space, report.evaluation
+    cluster = report.spec.cluster
+    peaks = np.asarray(space.cpp.memory(report.indices)["device_peak"])
+    dev = int(ev["peak_device"])
+    node, local = divmod(dev, cluster.n_devices_per_node)
+    during = (f", while {space.problem.call_names[ev['peak_call']]} runs" if ev["peak_call"] >= 0 else "")
+    return (f"peak memory {_gib(ev['peak_memory'])} of {_gib(cluster.device_memory)} GiB "
+            f"({100 * ev['peak_memory'] / cluster.device_memory:.0f}%) on device {dev} ({cluster.nodes[node]}:{local})"
+            f"{during}; over all devices min {_gib(peaks.min())}, mean {_gib(peaks.mean())} GiB")
+
+
+def search_summary(report: SearchReport, n_threads: int) -> str:
+    s = report.stats
+    return (f"{s.evals:,} plans evaluated in {s.seconds:.1f} s ({s.evals_per_second:,.0f}/s on {n_threads} "
+            f"thread(s)); best found after {s.time_to_best:.2f} s ({s.evals_to_best:,} plans); "
+            f"{s.priced_pairs} transfer costs priced by the estimator ({s.pricing_seconds:.2f} s)")
+
+
+def candidate_summary(report: SearchReport) -> str:
+    p = report.space.problem
+    pruned_mem = sum(r.get("memory", 0) for r in report.space.pruned.values())
+    pruned_dom = sum(r.get("dominated n_mbs", 0) for r in report.space.pruned.values())
+    slow = sum(report.n_candidates_before_time_pruning) - sum(report.space.n_candidates)
+    per_call = ", ".join(f"{n} {len(k)}" for n, k in zip(p.call_names, p.candidates))
+    space = float(np.prod([len(k) for k in p.candidates], dtype=np.float64))
+    return (f"candidates per call: {per_call} (plan space {space:.1e}); pruned {pruned_mem} that cannot fit, "
+            f"{pruned_dom} dominated micro-batch counts, {slow} slower alone than the best baseline's iteration")
+
+
+# -- timeline ------------------------------------------------------------------------------
+def draw_timeline(space: PlanSpace, indices: np.ndarray, path: str | Path, title: str = "",
+                  iterations: int = 3) -> Path:
+    """Per-device rows over the first ``iterations`` iterations, like realhf.txt Figure 13.
+
+    Calls are coloured boxes; parameter reallocations are hatched; data transfers are
+    grey. ``.svg`` and ``.png`` are drawn with matplotlib; ``.html`` embeds the SVG.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    path = Path(path)
+    if path.suffix not in (".svg", ".png", ".html"):
+        raise ValueError(f"--timeline {str(path)!r}: use a .svg, .png or .html file")
+    p = space.problem
+    cluster = space.graph.spec.cluster
+    records = [r for r in space.cpp.schedule(np.asarray(indices, np.int32)) if r[3] < iterations]
+    ends = [max((r[5] for r in records if r[3] == t), default=0.0) for t in range(iterations)]
+    colours = plt.get_cmap("tab10")
+    n_dev = p.n_devices
+    fig_h = min(24.0, 1.5 + 0.28 * n_dev)
+    fig, ax = plt.subplots(figsize=(14, fig_h))
+    for kind, call, other, it, start, end, lo1, hi1, lo2, hi2 in records:
+        if end <= start:
+            continue
+        spans = [(lo1, hi1)] + ([(lo2, hi2)] if hi2 > lo2 else [])
+        for lo, hi in spans:
+            if kind == _C.NODE_CALL:
+                ax.barh(lo, end - start, left=start, height=hi - lo, align="edge", color=colours(call % 10),
+                        edgecolor="black", linewidth=0.4)
+                if hi - lo >= max(1, n_dev // 16) and end - start > 0.04 * ends[-1]:
+                    ax.text((start + end) / 2, (lo + hi) / 2, p.call_names[call], ha="center", va="center",
+                            fontsize=7, clip_on=True)
+            else:
+                ax.barh(lo, end - start, left=start, height=hi - lo, align="edge",
+                        color="white" if kind == _C.NODE_REALLOC else "lightgrey",
+                        hatch="////" if kind == _C.NODE_REALLOC else None, edgecolor="black", linewidth=0.3)
+    for t, e in enumerate(ends):
+        ax.axvline(e, color="black", linewidth=1.2)
+        ax.text(e, -0.02 * n_dev, f"end of iteration {t + 1}", ha="right", va="top", fontsize=7)
+    ax.set_ylim(n_dev, -0.05 * n_dev)
+    step = max(1, n_dev // 32)
+    ax.set_yticks([d + 0.5 for d in range(0, n_dev, step)])
+    ax.set_yticklabels([f"{cluster.nodes[d // cluster.n_devices_per_node]}:{d % cluster.n_devices_per_node}"
+                        for d in range(0, n_dev, step)], fontsize=7)
+    ax.set_xlabel("seconds (estimated)")
+    ax.set_title(title or f"{space.graph.spec.name}: estimated timeline of {iterations} iterations")
+    handles = [Patch(facecolor=colours(c % 10), edgecolor="black", label=n) for c, n in enumerate(p.call_names)]
+    handles += [Patch(facecolor="white", hatch="////", edgecolor="black", label="parameter reallocation"),
+                Patch(facecolor="lightgrey", edgecolor="black", label="data transfer")]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    fig.tight_layout()
+    if path.suffix == ".html":
+        import io
+
+        buf = io.StringIO()
+        fig.savefig(buf, format="svg")
+        body = buf.getvalue()
+        body = body[body.index("<svg"):]
+        path.write_text(f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>{html.escape(ax.get_title())}"
+                        f"</title></head><body>\n<h3>{html.escape(ax.get_title())}</h3>\n{body}\n</body></html>\n")
+    else:
+        fig.savefig(path)
+    plt.close(fig)
+    return path

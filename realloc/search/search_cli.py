@@ -1,0 +1,111 @@
+"""``realloc search EXP [--dry-run] [--time S] [--seed N] [--out plan.json] [--timeline plan.svg]``.
+
+Plans only; ``realloc run`` launches workers. Prints the cluster, the searched plan
+per call, its estimated time per iteration next to every baseline, peak memory
+against device memory, and search statistics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from realloc.search.planner import SearchReport, baseline, experiment_of, plan_search
+
+DEFAULT_TIME = 10.0  # seconds of search
+
+
+def _progress(enabled: bool, time_limit: float | None, max_evals: int | None):
+    """A rich progress bar on stderr, or None when stderr is not a terminal."""
+    if not enabled or not sys.stderr.isatty():
+        return None, None
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("searching"), BarColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+                   console=Console(file=sys.stderr), transient=True)
+    total = float(max_evals) if time_limit is None else float(time_limit)
+    task = bar.add_task("search", total=total, info="")
+
+    def update(seconds: float, evals: int, best: dict) -> None:
+        done = float(evals) if time_limit is None else seconds
+        best_s = f"best {best['time']:.3f} s/iter" if best["feasible"] else "no plan fits yet"
+        bar.update(task, completed=min(done, total), info=f"{evals:,} plans, {best_s}")
+
+    return bar, update
+
+
+def print_report(report: SearchReport, n_threads: int) -> None:
+    from realloc.search import report as rp
+
+    spec, cluster = report.spec, report.spec.cluster
+    print(f"experiment {spec.name}  ({spec.source})")
+    print(f"cluster    {cluster.describe()}")
+    print(f"workload   batch {spec.batch_size}, prompt {spec.prompt_len} + generation {spec.gen_len} tokens, "
+          f"{len(spec.rpcs)} calls; estimator: {_estimator_source(report)}")
+    print(f"           {rp.candidate_summary(report)}")
+    print()
+    print("searched plan")
+    print(rp.plan_table(report.plan, report.space, report.indices))
+    for line in rp.transfer_summary(report.space, report.indices):
+        print(f"  {line}")
+    print()
+    print("estimated time per iteration (steady state)")
+    print(rp.comparison_table(report))
+    print()
+    print(rp.memory_summary(report))
+    print(f"search: {rp.search_summary(report, n_threads)}")
+
+
+def _estimator_source(report: SearchReport) -> str:
+    cost = report.space.cost
+    sources = sorted({cost.layer_costs(cfg).source for c in report.graph.topo_order
+                      if (cfg := report.graph.model_config(c)) is not None})
+    return ", ".join(sources) or "no models"
+
+
+def main(args: argparse.Namespace) -> int:
+    max_evals = getattr(args, "evals", None)
+    time_limit = args.time if args.time is not None else (None if max_evals else DEFAULT_TIME)
+    if time_limit is not None and time_limit <= 0:
+        raise ValueError(f"--time must be positive, got {args.time}")
+    if max_evals is not None and max_evals < 1:
+        raise ValueError(f"--evals must be positive, got {max_evals}")
+    n_threads = getattr(args, "threads", 2)
+    if n_threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {n_threads}")
+    if args.timeline and Path(args.timeline).suffix not in (".svg", ".png", ".html"):
+        raise ValueError(f"--timeline {args.timeline!r}: use a .svg, .png or .html file")
+    name = getattr(args, "baseline", None)
+    if name:
+        spec = experiment_of(args.experiment)
+        plan = baseline(spec, name)
+        print(f"experiment {spec.name}  ({spec.source})")
+        print(f"cluster    {spec.cluster.describe()}")
+        print(f"baseline   {name}")
+        print(plan.table())
+        mem = spec.cluster.device_memory
+        print(f"peak memory {plan.estimated_peak_memory / 2**30:.2f} of {mem / 2**30:.2f} GiB"
+              f"{'' if plan.estimated_peak_memory <= mem else '  -- DOES NOT FIT'}")
+        if args.out:
+            plan.save(args.out)
+            print(f"wrote {args.out}")
+        return 0
+    bar, update = _progress(True, time_limit, max_evals)
+    if bar is not None:
+        with bar:
+            report = plan_search(args.experiment, time_limit, seed=args.seed, max_evals=max_evals,
+                                 n_threads=n_threads, progress=update)
+    else:
+        report = plan_search(args.experiment, time_limit, seed=args.seed, max_evals=max_evals, n_threads=n_threads)
+    print_report(report, n_threads)
+    if args.out:
+        report.plan.save(args.out)
+        print(f"wrote plan {args.out}")
+    if args.timeline:
+        from realloc.search.report import draw_timeline
+
+        draw_timeline(report.space, report.indices, args.timeline)
+        print(f"wrote timeline {args.timeline}")
+    return 0
