@@ -155,27 +155,27 @@ def test_critic_training_matches_dense_model(pool, tmp_path):
 # -- sampling ----------------------------------------------------------------------------------------
 
 
-def _sample(ctx, cfg, dp, tp, pp, prompts, gconfig):
+def _sample(ctx, cfg, dp, tp, pp, prompts, gconfig, n_mbs):
     model = build_model(ctx, cfg, dp, tp, pp, seed=3)
     if model is None:
         return None
     g = model.groups
     per = len(prompts) // dp
     lo = g.dp_rank * per
-    out = model.generate(prompts[lo:lo + per], gconfig, seq_ids=range(lo, lo + per))
+    out = model.generate(prompts[lo:lo + per], gconfig, seq_ids=range(lo, lo + per), n_mbs=n_mbs)
     return {"dp": g.dp_rank, "seqs": [out.sequences[b, :out.lengths[b]].tolist() for b in range(per)],
             "logp": [out.logprobs[b, :out.lengths[b]] for b in range(per)]}
 
 
 def _samples_by_layout(pool, cfg, layouts, prompts, gconfig):
     got = {}
-    for dp, tp, pp in layouts:
-        res = [r for r in pool.run(_sample, cfg, dp, tp, pp, prompts, gconfig) if r is not None]
+    for dp, tp, pp, n_mbs in layouts:
+        res = [r for r in pool.run(_sample, cfg, dp, tp, pp, prompts, gconfig, n_mbs) if r is not None]
         for r in res:  # all ranks of a replica agree
             assert r["seqs"] == next(x for x in res if x["dp"] == r["dp"])["seqs"]
         seqs = [s for d in range(dp) for s in next(x for x in res if x["dp"] == d)["seqs"]]
         logp = [s for d in range(dp) for s in next(x for x in res if x["dp"] == d)["logp"]]
-        got[(dp, tp, pp)] = (seqs, logp)
+        got[(dp, tp, pp, n_mbs)] = (seqs, logp)
     return got
 
 
@@ -185,17 +185,18 @@ def test_seeded_sampling_is_identical_in_every_layout(pool):
     prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (2, 6, 4, 5)]
     gconfig = GenerationConfig(max_new_tokens=16, temperature=0.9, top_k=40, top_p=0.95, seed=17,
                                eos_token_ids=(5,))
-    layouts = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1)]
+    # (dp, tp, pp, generation micro-batches)
+    layouts = [(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 2), (2, 2, 1, 2), (1, 1, 1, 3)]
     got = _samples_by_layout(pool, cfg, layouts, prompts, gconfig)
-    ref_seqs, ref_logp = got[(1, 1, 1)]
+    ref_seqs, ref_logp = got[(1, 1, 1, 1)]
     for key, (seqs, logp) in got.items():
         assert seqs == ref_seqs, key
         for a, b in zip(logp, ref_logp):
             assert torch.allclose(a, b, atol=1e-5), key
     # The seed matters, and a sampled continuation differs from greedy for this flat random model.
-    other = _samples_by_layout(pool, cfg, [(1, 1, 1)], prompts, GenerationConfig(
+    other = _samples_by_layout(pool, cfg, [(1, 1, 1, 1)], prompts, GenerationConfig(
         max_new_tokens=16, temperature=0.9, top_k=40, top_p=0.95, seed=18, eos_token_ids=(5,)))
-    assert other[(1, 1, 1)][0] != ref_seqs
+    assert other[(1, 1, 1, 1)][0] != ref_seqs
 
 
 # -- memory management, inputs, groups ---------------------------------------------------------------

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Literal, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,10 @@ from realloc.models.param_layout import ParamSpec, stage_param_specs
 from realloc.models.pipeline import StageLink, run_1f1b, run_forward_only
 from realloc.models.vocab_parallel import gather_vocab, vocab_parallel_entropy, vocab_parallel_token_logprobs
 from realloc.models.weights import init_shard
+
+if TYPE_CHECKING:
+    from realloc.models.generation import GenerationOutput
+    from realloc.models.sampling import GenerationConfig
 
 ParamState = Literal["ready", "released", "offloaded"]
 
@@ -383,9 +387,10 @@ class ParallelModel:
             dist.broadcast(result, src=g.last_stage_rank, group=g.pp_group)
         return result
 
-    def generate(self, prompts, gconfig, seq_ids: Sequence[int] | None = None):
+    def generate(self, prompts: "Sequence[Sequence[int]] | Batch", gconfig: "GenerationConfig",
+                 seq_ids: Sequence[int] | None = None, n_mbs: int = 1) -> "GenerationOutput":
         """Sample continuations; see :func:`realloc.models.generation.generate`."""
         from realloc.models.generation import generate
 
         self._require("ready", "generate")
-        return generate(self, prompts, gconfig, seq_ids)
+        return generate(self, prompts, gconfig, seq_ids, n_mbs)

@@ -86,14 +86,16 @@ class _StepRunner:
 
 @torch.no_grad()
 def generate(model: "ParallelModel", prompts: Sequence[Sequence[int]] | Mapping[str, torch.Tensor],
-             gconfig: GenerationConfig, seq_ids: Sequence[int] | None = None) -> GenerationOutput:
+             gconfig: GenerationConfig, seq_ids: Sequence[int] | None = None, n_mbs: int = 1) -> GenerationOutput:
     """Generate for this dp replica's ``prompts`` (lists of token ids, or a padded batch mapping).
 
     ``seq_ids`` name each prompt for the sampling RNG (default 0..B-1). Give every
     prompt a globally unique id (e.g. its index in the global batch) to get the same
-    samples whatever the dp degree.
+    samples whatever the dp degree. ``n_mbs`` splits the prompts into that many
+    contiguous micro-batches generated one after another, so only one micro-batch's
+    KV cache is alive at a time; the results do not depend on it.
     """
-    cfg, g, dev = model.cfg, model.groups, model.device
+    cfg = model.cfg
     if cfg.is_critic:
         raise ValueError(f"generate: model {cfg.name!r} is a critic (scalar head) and cannot generate tokens")
     gconfig.check_vocab(cfg.vocab_size)
@@ -106,11 +108,39 @@ def generate(model: "ParallelModel", prompts: Sequence[Sequence[int]] | Mapping[
     seq_ids = list(range(bsz)) if seq_ids is None else [int(i) for i in seq_ids]
     if len(seq_ids) != bsz:
         raise ValueError(f"generate: {len(seq_ids)} seq_ids for {bsz} prompts")
+    if not 1 <= n_mbs <= bsz:
+        raise ValueError(f"generate: n_mbs={n_mbs} must be between 1 and the number of prompts ({bsz})")
+    P = max(r.numel() for r in rows)
+    if P + gconfig.max_new_tokens > cfg.max_position_embeddings:
+        raise ValueError(f"generate: longest prompt ({P}) + max_new_tokens ({gconfig.max_new_tokens}) exceeds "
+                         f"max_position_embeddings ({cfg.max_position_embeddings}) of {cfg.name!r}")
+    base, extra = divmod(bsz, n_mbs)
+    outs, lo = [], 0
+    for i in range(n_mbs):
+        hi = lo + base + (1 if i < extra else 0)
+        outs.append(_generate_batch(model, rows[lo:hi], seq_ids[lo:hi], gconfig))
+        lo = hi
+    return outs[0] if n_mbs == 1 else _concat(outs, gconfig.pad_token_id)
+
+
+def _concat(outs: list[GenerationOutput], pad: int) -> GenerationOutput:
+    width = max(o.sequences.shape[1] for o in outs)
+
+    def widen(t: torch.Tensor, fill: float) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=fill)
+
+    return GenerationOutput(torch.cat([widen(o.sequences, pad) for o in outs]),
+                            torch.cat([o.lengths for o in outs]), torch.cat([o.prompt_lengths for o in outs]),
+                            torch.cat([widen(o.logprobs, 0.0) for o in outs]),
+                            torch.cat([o.stopped_at_eos for o in outs]))
+
+
+def _generate_batch(model: "ParallelModel", rows: list[torch.Tensor], seq_ids: list[int],
+                    gconfig: GenerationConfig) -> GenerationOutput:
+    g, dev = model.groups, model.device
+    bsz = len(rows)
     plen = torch.tensor([r.numel() for r in rows], dtype=torch.long)
     P, N = int(plen.max()), gconfig.max_new_tokens
-    if P + N > cfg.max_position_embeddings:
-        raise ValueError(f"generate: longest prompt ({P}) + max_new_tokens ({N}) exceeds max_position_embeddings "
-                         f"({cfg.max_position_embeddings}) of {cfg.name!r}")
     total = P + N
 
     tokens = torch.full((bsz, P), gconfig.pad_token_id, dtype=torch.long)
