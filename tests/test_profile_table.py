@@ -135,3 +135,30 @@ def test_profiled_costs_interpolate_and_extrapolate(tiny_cluster):
     rc2, rx2 = roof.op(Part.BLOCK, Phase.FWD, 2, 8, 16)
     assert x2 == pytest.approx(rx2) and rx2 > 0
     assert c2 == pytest.approx(measured("block.fwd", 1, 8, 16) * rc2 / rc1)
+
+
+def test_engine_overheads_are_linear_in_tokens(tiny_cluster):
+    comm = CommModel(tiny_cluster)
+    roof = RooflineCosts(TINY, tiny_cluster.hardware, comm)
+    table = make_table(lambda k, tp, b, s: 1e-3)
+    sub = table.tp[1]
+    ops = dict(sub.ops)
+    ops["engine.fwd"] = OpGrid(batch=[1, 4], seq=[8, 16], seconds=[[1e-3 + 1e-6 * b * s for s in (8, 16)]
+                                                                    for b in (1, 4)])
+    ops["engine.decode_step"] = OpGrid(batch=[1, 4], seq=[1], seconds=[[2e-4 + 1e-5 * b] for b in (1, 4)])
+    table = table.model_copy(update={"tp": {1: TpTable(ops=ops, optimizer=sub.optimizer)}})
+    costs = ProfiledCosts(table, TINY, roof, comm)
+    assert costs.engine("engine.fwd", 1, 64, 100) == pytest.approx(1e-3 + 1e-6 * 6400)
+    assert costs.engine("engine.decode_step", 1, 16, 500) == pytest.approx(2e-4 + 1e-5 * 16)
+    assert costs.engine("engine.decode_step", 2, 16, 500) == pytest.approx(2e-4 + 1e-5 * 16)  # nearest tp
+    assert costs.engine("engine.gen_call", 1, 4, 8) is None
+    assert roof.engine("engine.fwd", 1, 4, 8) is None
+
+
+def test_theil_sen_ignores_an_outlier():
+    from realloc.estimator.profile_cli import theil_sen
+
+    pts = [(x, 1e-3 + 2e-6 * x) for x in (8, 32, 128, 512, 2048)] + [(64, 0.5)]
+    alpha, beta = theil_sen(pts)
+    assert alpha == pytest.approx(1e-3, rel=1e-6) and beta == pytest.approx(2e-6, rel=1e-6)
+    assert theil_sen([(1, -1.0), (2, -2.0)]) == (0.0, 0.0)  # never negative

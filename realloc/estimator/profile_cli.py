@@ -34,8 +34,8 @@ from realloc.estimator.opcount import Part, Phase
 from realloc.estimator.profile_collectives import OPS as COLLECTIVE_OPS
 from realloc.estimator.profile_collectives import message_sizes
 from realloc.estimator.profile_table import CollectiveEntry, ModelArch, OpGrid, ProfileTable, TpTable
-from realloc.estimator.profiler import (GEN_TOKENS, OPTIMIZER_LAYERS, PROFILED_OPS, LayerGrid, engine_plan, op_axes,
-                                       op_plan)
+from realloc.estimator.profiler import (ENGINE_KEYS, GEN_TOKENS, OPTIMIZER_LAYERS, PROFILED_OPS, LayerGrid,
+                                       engine_plan, op_axes, op_plan)
 from realloc.models.config import RULE_MODEL_TYPE, ModelConfig, get_model_config
 
 DEFAULT_BATCH = (1, 2, 4, 8, 16, 32, 64)
@@ -284,6 +284,91 @@ def assemble_table(job: ProfileJob, raw: dict[str, Any], meta: dict[str, Any]) -
         colls.append(CollectiveEntry(op=c["op"], n=c["n"], link=Link.INTRA, alpha=alpha, beta=beta, points=pts))
     return ProfileTable(device_kind=job.kind, model_type=job.model_type, dtype=job.dtype, arch=ModelArch.of(cfg),
                         tp=tps, collectives=colls, meta=meta)
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The ``realloc profile`` command that reproduces this run."""
+    parts = ["realloc", "profile", "--model", args.model, "--device", args.device, "--tp", args.tp]
+    for opt in ("kind", "batch_sizes", "seq_lens", "ctx_lens", "collectives", "max_bytes", "warmup", "repeats",
+                "out"):
+        v = getattr(args, opt, None)
+        if v is not None:
+            parts += ["--" + opt.replace("_", "-"), str(v)]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+MIN_SECONDS = 1e-7  # grid values must be positive; a residual lost in the noise is stored as this
+
+
+def theil_sen(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Robust line (alpha, beta) through (x, y) points: the median of pairwise slopes, then the median
+    intercept; both clamped at 0. One outlier (a preempted run on a shared machine) cannot move it."""
+    slopes = sorted((y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(points) for x2, y2 in points[i + 1:]
+                    if x2 != x1)
+    beta = max(slopes[len(slopes) // 2] if slopes else 0.0, 0.0)
+    icepts = sorted(y - beta * x for x, y in points)
+    return max(icepts[len(icepts) // 2], 0.0), beta
+
+
+def engine_overheads(cfg: ModelConfig, tp: int, layers: TpTable, raw: list, job: ProfileJob) -> dict[str, OpGrid]:
+    """The engine's overheads: measured engine calls minus the layer ops they ran (``profiler.ENGINE_KEYS``).
+
+    The layer ops come from the same run, looked up through ``ProfiledCosts`` so that the
+    generation's decode steps at cache lengths between grid points are interpolated. Each
+    overhead is a difference of two noisy medians, so it is fitted as a robust line in the
+    tokens it handles (b x s; b for a decode step) and stored evaluated on the layer grid.
+    """
+    from realloc.cluster import ClusterSpec
+    from realloc.estimator.comm import CommModel
+    from realloc.estimator.profile_table import ProfiledCosts
+    from realloc.estimator.roofline import RooflineCosts
+    from realloc.models.param_layout import shard_numel
+
+    one = dataclasses.replace(cfg, n_layers=1, is_critic=False, tie_embeddings=False)
+    cluster = ClusterSpec.from_nodelist("localhost", 2, job.kind)
+    comm = CommModel(cluster)
+    table = ProfileTable(device_kind=job.kind, model_type=job.model_type, dtype=job.dtype, arch=ModelArch.of(cfg),
+                         tp={tp: layers})
+    costs = ProfiledCosts(table, one, RooflineCosts(one, cluster.hardware, comm), comm)
+
+    def op(part: Part, phase: Phase, b: int, s: int) -> float:
+        return sum(costs.op(part, phase, tp, b, s))
+
+    def parts(phase: Phase, b: int, s: int) -> float:
+        return op(Part.EMBED, phase, b, s) + op(Part.BLOCK, phase, b, s) + op(Part.HEAD, phase, b, s)
+
+    opt = costs.optimizer(shard_numel(one, tp, 1, 0))
+    pts: dict[str, list[tuple[float, float]]] = {k: [] for k in ENGINE_KEYS}
+    for kind, b, s, t in raw:
+        if kind == "forward":
+            pts["engine.fwd"].append((b * s, t["engine.fwd"] - parts(Phase.FWD, b, s)))
+        elif kind == "train":
+            mb = parts(Phase.FWD, b, s) + parts(Phase.BWD, b, s)
+            r1, r2 = t["train1"] - (mb + opt), t["train2"] - (2 * mb + opt)
+            pts["engine.train_mb"].append((b * s, r2 - r1))
+            pts["engine.train_step"].append((b * s, r1 - (r2 - r1)))
+        else:
+            res = {}
+            for n in GEN_TOKENS:
+                model = parts(Phase.PREFILL, b, s) + sum(parts(Phase.DECODE, b, c) for c in range(s + 1, s + n))
+                res[n] = t[f"gen{n}"] - model
+            lo, hi = GEN_TOKENS
+            step = (res[hi] - res[lo]) / (hi - lo)
+            pts["engine.decode_step"].append((b, step))
+            pts["engine.gen_call"].append((b * s, res[lo] - lo * step))
+    out = {}
+    g = job.grid
+    for key, p in pts.items():
+        if not p:
+            continue
+        alpha, beta = theil_sen(p)
+        if key == "engine.decode_step":
+            out[key] = OpGrid(batch=list(g.batch), seq=[1],
+                              seconds=[[max(alpha + beta * b, MIN_SECONDS)] for b in g.batch])
+        else:
+            out[key] = OpGrid(batch=list(g.batch), seq=list(g.seq),
+                              seconds=[[max(alpha + beta * b * s, MIN_SECONDS) for s in g.seq] for b in g.batch])
+    return out
 
 
 def command_line(args: argparse.Namespace) -> str:

@@ -257,7 +257,10 @@ class ProfiledCosts:
         if not have:
             return None
         t0 = tp if tp in have else min(have, key=lambda t: (abs(t - tp), t))
-        return interp_grid(self.table.tp[t0].ops[key], b, s, lambda x, y: x * y)
+        grid = self.table.tp[t0].ops[key]
+        if grid.seq == [1]:  # depends on the batch only
+            return interp_grid(grid, b, 1, lambda x, y: x)
+        return interp_grid(grid, b, s, lambda x, y: x * y)
 
     def optimizer(self, n_params: int) -> float:
         if not self._opt:

@@ -12,8 +12,11 @@ ranks that call these functions together. Times are per device:
   cache (the head: last-position logits, vocabulary gather, sampling);
 - ``<part>.decode``: one token for ``b`` sequences attending ``s`` cached
   positions (the head: logits, gather, sampling, as ``generation.py`` runs it);
-- optimizer: the engine's post-backward step (grad-norm, clipping, AdamW,
-  freeing grads) over the parameters of 1, 2 and 4 layers.
+- optimizer: one update of the model's own optimizer (``make_optimizer``) over
+  the parameters of 1, 2 and 4 layers;
+- engine overheads (``ENGINE_KEYS``): what real ``ParallelModel`` calls take
+  beyond the layer ops above (layouts, masks, the train step's bookkeeping, the
+  generation loop).
 
 Each point: ``warmup`` untimed runs, then ``repeats`` timed runs whose per-run
 time is the maximum over the tp ranks (they end together anyway because of the
@@ -243,28 +246,35 @@ class LayerProfiler:
         raise ValueError(f"unknown engine call {kind!r}")
 
     def time_optimizer(self, n_layers: int, warmup: int, repeats: int) -> tuple[int, float]:
-        """(local parameters, seconds) of the engine's post-backward step on a model of ``n_layers`` layers."""
-        from realloc.models import grads
+        """(local parameters, seconds) of one optimizer update on a model of ``n_layers`` layers.
+
+        Only the update of ``ParallelModel.make_optimizer()``: the gradient all-reduce is priced by
+        the collective model, and the rest of the engine's post-backward work (grad norm,
+        clipping) is part of the measured ``engine.train_step`` overhead.
+        """
         from realloc.models.engine import ParallelModel
 
         cfg = dataclasses.replace(self.cfg, n_layers=n_layers)
         model = ParallelModel(cfg, self.groups, device=self.device, dtype=self.dtype, seed=3)
         params = model.params()
-        opt = model.make_optimizer(lr=1e-6)
+        opt = model.make_optimizer(lr=1e-9)
+        grads = {n: torch.full(p.shape, 1e-3, dtype=torch.float32, device=p.device) for n, p in params.items()}
+        step_with = getattr(opt, "step_with", None)  # mixed precision: fp32 gradients go straight to the master
 
-        def setup():
-            for p in params.values():
-                p.grad = torch.full_like(p, 1e-3)
+        def setup() -> None:
+            if step_with is None:
+                for n, p in params.items():
+                    p.grad = grads[n].to(p.dtype)
 
-        def run():
-            grads.ensure_grads(params)
-            norm = grads.global_grad_norm(params, model.specs, model.groups)
-            grads.clip_grads(params, norm, 1.0)
-            opt.step()
-            for p in params.values():
-                p.grad = None
+        def run() -> None:
+            if step_with is not None:
+                step_with(grads)
+            else:
+                opt.step()
 
         t = timed(run, self.group, warmup, repeats, setup)
+        for p in params.values():
+            p.grad = None
         return sum(p.numel() for p in params.values()), t
 
 
@@ -302,9 +312,10 @@ GEN_TOKENS = (2, 6)  # generate() runs with these max_new_tokens to split per-ca
 
 
 def engine_plan(grid: LayerGrid, max_positions: int) -> Iterator[tuple[str, int, int]]:
-    """Engine calls to time: forward and train_step over the grid, generate() for prompts that leave room."""
-    for b in grid.batch:
-        for s in grid.seq:
+    """Engine calls to time: forward and train_step over every other grid point (the overheads are
+    fitted as a line, see ``profile_cli.engine_overheads``), generate() for prompts that leave room."""
+    for b in grid.batch[::2]:
+        for s in grid.seq[::2]:
             yield "forward", b, s
             yield "train", b, s
             if s + max(GEN_TOKENS) <= max_positions:
