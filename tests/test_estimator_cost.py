@@ -207,3 +207,30 @@ def test_constants_agree_with_the_runtime():
 
     assert GRAD_BUCKET_NUMEL == grads.BUCKET_NUMEL
     assert BUCKET_BYTES == param_realloc.DEFAULT_BUCKET_BYTES and DIRECT_BYTES == param_realloc.DEFAULT_DIRECT_BYTES
+
+
+def test_data_transfer_prices_the_runtimes_own_plans(tiny):
+    """Same producer/consumer stages and one plan per key as realloc.runtime.program."""
+    from realloc.graph.plan import CallPlacement, ExecutionPlan
+    from realloc.runtime.program import RuntimeProgram
+
+    g, c = tiny.graph, tiny.cluster
+    place = {n: CallPlacement(mesh="localhost", dp=1, tp=1, pp=2, n_mbs=1) for n in g.spec.call_names}
+    place["ref_inf"] = CallPlacement(mesh="localhost:1", dp=1, tp=1, pp=1, n_mbs=1)
+    place["actor_train"] = CallPlacement(mesh="localhost", dp=2, tp=1, pp=1, n_mbs=1)
+    plan = ExecutionPlan(experiment=g.spec.name, graph_digest=g.digest, nodelist=c.nodelist,
+                         n_devices_per_node=c.n_devices_per_node, device=c.device, placements=place)
+    prog = RuntimeProgram(g, plan)
+    row = g.spec.seq_len * 8
+    lay = {n: (c.mesh(p.mesh), p.strategy) for n, p in place.items()}
+    got = {}
+    for src, dst in (("actor_gen", "ref_inf"), ("actor_gen", "actor_train"), ("ref_inf", "actor_train"),
+                     ("critic_inf", "actor_train")):
+        keys = tiny.transferred_keys(src, dst)
+        assert keys
+        want = sum(plan_seconds(prog.data_plan(k, dst, row), tiny.comm, c.n_devices_per_node) for k in keys)
+        got[src, dst] = tiny.data_transfer_cost(src, dst, lay[src], lay[dst])
+        assert got[src, dst] == pytest.approx(want)
+    # generation leaves its outputs on both stages, so ref_inf on device 1 already holds them;
+    # critic_inf's values sit on its last stage (device 1) and dp rank 0 of actor_train needs half
+    assert got["actor_gen", "ref_inf"] == 0.0 and got["critic_inf", "actor_train"] > 0

@@ -253,9 +253,10 @@ class CostModel:
     def data_transfer_cost(self, src_call: str, dst_call: str, src_layout: Layout, dst_layout: Layout) -> float:
         """Seconds to move what ``dst_call`` reads from ``src_call``'s outputs between their layouts.
 
-        The producer holds its outputs on its last pipeline stage; the consumer needs
-        them on its first stage (token ids) and last stage (labels and loss inputs).
-        Priced from the runtime's plan (``transfer_plan.plan_data_transfer``).
+        Placement as the runtime does it (``realloc.runtime.program``): a generation leaves its
+        outputs on every pipeline stage, any other call on its last stage; every stage of the
+        consumer receives its dp rank's rows. One plan per key, executed one after another,
+        each priced from the runtime's planner (``transfer_plan.plan_data_transfer``).
         """
         keys = self.transferred_keys(src_call, dst_call)
         if not keys:
@@ -267,9 +268,11 @@ class CostModel:
             spec = self.graph.spec
             n = spec.n_seqs(self.graph.call(src_call))
             row = spec.seq_len * DATA_BYTES_PER_TOKEN
-            plan = plan_data_transfer({k: [row] * n for k in keys},
-                                      DataLayout(m1, s1, stages=(s1.pp - 1,)),
-                                      DataLayout(m2, s2, stages=tuple(sorted({0, s2.pp - 1}))),
-                                      devices_per_node=self.cluster.n_devices_per_node)
-            cost = self._data_cache[cache_key] = plan_seconds(plan, self.comm, self.cluster.n_devices_per_node)
+            generated = self.graph.call(src_call).interface_type is InterfaceType.GENERATE
+            producer = DataLayout(m1, s1, stages=tuple(range(s1.pp)) if generated else (s1.pp - 1,))
+            consumer = DataLayout(m2, s2, stages=tuple(range(s2.pp)))
+            cost = sum(plan_seconds(plan_data_transfer({k: [row] * n}, producer, consumer,
+                                                       devices_per_node=self.cluster.n_devices_per_node),
+                                    self.comm, self.cluster.n_devices_per_node) for k in keys)
+            self._data_cache[cache_key] = cost
         return cost

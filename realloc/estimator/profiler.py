@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
