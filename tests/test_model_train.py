@@ -105,9 +105,9 @@ def _dense_reference(hf, mbs, kind, steps, max_norm, critic=False):
     return {k: v.detach() for k, v in hf.state_dict().items()}, history
 
 
-def _check_train(pool, hf, path, layouts, kind, steps, max_norm, *, critic=False, atol=2e-5):
+def _check_train(pool, hf, path, layouts, kind, steps, max_norm, *, critic=False, atol=2e-5, n_mbs=N_MBS):
     cfg = model_config_from_hf(path)
-    mbs = _micro_batches(seed=11)
+    mbs = _micro_batches(seed=11, n=n_mbs)
     ref_state, ref_hist = _dense_reference(hf, mbs, kind, steps, max_norm, critic)
     for dp, tp, pp in layouts:
         res = pool.run(_train, cfg, dp, tp, pp, str(path), mbs, kind, steps, max_norm)
@@ -135,6 +135,9 @@ def test_sgd_step_gradients_match_dense_model_in_every_layout(pool, gqa):
     # max_norm below the gradient norm, so clipping (and its global norm over tp, pp and dp) is exercised.
     hf, path = gqa
     _check_train(pool, hf, path, [(1, 2, 2), (2, 1, 1), (2, 2, 1), (1, 1, 4), (2, 1, 2)], "sgd", 1, max_norm=0.5)
+    # Fewer micro-batches than stages: 1F1B is all warm-up and cool-down.
+    _check_train(pool, hf, path, [(1, 1, 4)], "sgd", 1, max_norm=0.5, n_mbs=2)
+    _check_train(pool, hf, path, [(1, 2, 2)], "sgd", 1, max_norm=0.5, n_mbs=1)
 
 
 def test_adamw_two_steps_tp2_pp2_and_dp2_match_dense_model(pool, gqa):
