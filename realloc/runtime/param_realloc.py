@@ -12,10 +12,12 @@ Communication choice (measured with ``benchmarks/bench_realloc.py``):
   :meth:`Reallocator.prepare` creates the groups of every plan up front, on every process,
   in the plan's sorted order, through the shared ``ProcessGroupCache`` (one per process).
 
-Messages. Pieces a source sends to the same destinations are packed into one flat buffer
-of at most ``bucket_bytes`` (few large messages instead of one per tensor); a piece that is
-large and contiguous on both sides goes alone and zero-copy, straight from the source
-tensor into the destination tensor. Every process derives the same message list from the
+Messages. Small pieces a source sends to the same destinations are packed into one flat
+buffer of at most ``bucket_bytes`` (few messages instead of one per norm weight); a piece
+of at least ``direct_bytes`` goes alone, zero-copy on each side where it is a contiguous
+region of the shard (e.g. a row block), and otherwise packed/unpacked while other messages
+are in flight (a column block of o_proj/down_proj when tp changes). Every process derives
+the same message list from the
 plan alone, and issues its operations in that global order, so no two processes can wait
 on each other in a cycle (this also holds for NCCL, whose operations serialize per
 stream). All operations are started asynchronously and then waited, so sources with
@@ -77,34 +79,34 @@ class _Message:
     src: int
     dsts: tuple[int, ...]
     pieces: tuple[Transfer, ...]
-    direct: bool  # one large contiguous piece: sent from / received into the tensors themselves
 
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.pieces)
 
 
-def build_messages(plan: TransferPlan, me: int, contiguous: Callable[[Transfer], bool],
-                   bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+def build_messages(plan: TransferPlan, me: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                    direct_bytes: int = DEFAULT_DIRECT_BYTES) -> list[_Message]:
     """The messages ``me`` takes part in, in global order; identical on every participant.
 
-    ``contiguous(t)`` must answer the same on every process: is piece ``t`` a contiguous
-    region of the source's shard and of every destination's shard.
+    A piece of at least ``direct_bytes`` is a message of its own; smaller pieces from one source
+    to the same destinations share messages of up to ``bucket_bytes``.
     """
     out: list[tuple[int, _Message]] = []
     pending: dict[tuple[int, tuple[int, ...]], tuple[int, list[Transfer], int]] = {}
 
     def flush(key: tuple[int, tuple[int, ...]]) -> None:
         first, pieces, _ = pending.pop(key)
-        out.append((first, _Message(key[0], key[1], tuple(pieces), False)))
+        out.append((first, _Message(key[0], key[1], tuple(pieces))))
 
     for i, t in enumerate(plan.transfers):
         if t.src != me and me not in t.dsts:
             continue
         key = (t.src, t.dsts)
-        if t.nbytes >= direct_bytes and contiguous(t):
-            out.append((i, _Message(t.src, t.dsts, (t,), True)))
+        if t.nbytes >= direct_bytes:
+            # Large pieces travel alone: zero-copy when contiguous on a side, and otherwise the
+            # packing of one overlaps the transfer of the previous ones.
+            out.append((i, _Message(t.src, t.dsts, (t,))))
             continue
         first, pieces, size = pending.get(key, (i, [], 0))
         pieces.append(t)
@@ -122,15 +124,6 @@ def _rel(t: Transfer | LocalCopy, start: int, shape: Sequence[int]) -> tuple[sli
     if t.axis is None:
         return tuple(slice(None) for _ in shape)
     return tuple(slice(t.lo - start, t.hi - start) if d == t.axis else slice(None) for d in range(len(shape)))
-
-
-def _is_contiguous_slice(shape: Sequence[int], axis: int | None, lo: int, hi: int, start: int, stop: int) -> bool:
-    if axis is None or (lo, hi) == (start, stop):
-        return True
-    n_outer = 1
-    for d in shape[:axis]:
-        n_outer *= d
-    return n_outer == 1
 
 
 class Reallocator:
@@ -224,19 +217,7 @@ class Reallocator:
         def dst_view(t: Transfer | LocalCopy) -> torch.Tensor:
             return dst[t.name][_rel(t, dst_start[t.name], shape_of[t.name])]
 
-        shards: dict[tuple[str, int], dict[str, tuple[int, int]]] = {}
-
-        def shard(role: str, dev: int) -> dict[str, tuple[int, int]]:
-            if (role, dev) not in shards:
-                lay = plan.src if role == "src" else plan.dst
-                shards[role, dev] = {n: (lo, hi) for n, (_, lo, hi) in shard_intervals(cfg, lay, dev).items()}
-            return shards[role, dev]
-
-        def contiguous(t: Transfer) -> bool:
-            ends = [shard("src", t.src)[t.name], *(shard("dst", d)[t.name] for d in t.dsts)]
-            return all(_is_contiguous_slice(shape_of[t.name], t.axis, t.lo, t.hi, *e) for e in ends)
-
-        messages = build_messages(plan, me, contiguous, self.bucket_bytes, self.direct_bytes)
+        messages = build_messages(plan, me, self.bucket_bytes, self.direct_bytes)
         local = [c for c in plan.local_copies if c.device == me]
 
         def copy_local() -> int:
@@ -309,7 +290,7 @@ class Reallocator:
                     n += offsets[c.name][c.hi] - offsets[c.name][c.lo]
             return n
 
-        messages = build_messages(plan, me, lambda t: True, self.bucket_bytes, self.direct_bytes)
+        messages = build_messages(plan, me, self.bucket_bytes, self.direct_bytes)
         sent, received, copied = self._run(messages, src_view, dst_view, copy_local)
         stats = ReallocStats(plan.moved_bytes, plan.minimal_bytes, plan.redundancy_ratio, sent, received, copied,
                              len(messages), time.perf_counter() - t0)
