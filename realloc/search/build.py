@@ -39,14 +39,18 @@ class NoFitError(ValueError):
     """No plan fits in device memory; the message names the smallest shortfall."""
 
 
+def fmt_bytes(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def _no_fit_message(call: str, cc: "CallCosts", device_memory: int, nodelist: str) -> str:
     need = min(int(np.maximum(s + d, d + p).max(initial=0)) for s, d, p in zip(cc.static, cc.dynamic, cc.param))
     i = min(range(len(cc.options)), key=lambda i: int(np.maximum(cc.static[i] + cc.dynamic[i],
                                                                    cc.dynamic[i] + cc.param[i]).max(initial=0)))
     mesh, s, m = cc.options[i]
-    return (f"nothing fits in memory: call {call!r} needs at least {need / 2**30:.2f} GiB per device even alone "
-            f"(best: mesh {mesh.name} {s} n_mbs={m}), {(need - device_memory) / 2**30:.2f} GiB more than the "
-            f"{device_memory / 2**30:.2f} GiB of a device of {nodelist!r}; use more or larger devices, or a smaller "
+    return (f"nothing fits in memory: call {call!r} needs at least {fmt_bytes(need)} on one device even alone (its "
+            f"smallest footprint: mesh {mesh.name} {s} n_mbs={m}), {fmt_bytes(need - device_memory)} more than the "
+            f"{fmt_bytes(device_memory)} of a device of {nodelist!r}; use more or larger devices, or a smaller "
             f"batch or model")
 
 

@@ -23,7 +23,7 @@ from realloc.estimator.cost import CostModel
 from realloc.graph.dataflow import DataflowGraph, build_graph
 from realloc.graph.plan import ExecutionPlan
 from realloc.search import baselines as bl
-from realloc.search.build import NoFitError, PlanSpace
+from realloc.search.build import NoFitError, PlanSpace, fmt_bytes
 from realloc.search.engine import Progress, SearchStats, run_mcmc
 
 
@@ -118,12 +118,11 @@ def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int =
             results[name] = BaselineResult(name, _baseline(graph, cost, name, seed), device_memory=mem)
         except ValueError as e:  # the baseline does not apply to this experiment
             results[name] = BaselineResult(name, None, str(e), device_memory=mem)
-    keep = [r.plan for r in results.values() if r.plan is not None]
-    full = PlanSpace.build(graph, cost, keep=keep)
+    fitting = [r.plan for r in results.values() if r.fits]
+    full = PlanSpace.build(graph, cost, keep=fitting)
     before = full.n_candidates
     # A call slower alone than a feasible baseline's whole iteration can be in no plan that
     # beats it (in steady state each call runs once per iteration on its mesh).
-    fitting = [r.plan for r in results.values() if r.fits]
     starts = [full.indices_of(p) for p in fitting]
     space = full
     if fitting:
@@ -154,8 +153,8 @@ def oom_message(space: PlanSpace, indices: np.ndarray, ev: dict) -> str:
     node, local = divmod(dev, cluster.n_devices_per_node)
     where = f"device {dev} ({cluster.nodes[node]}:{local})"
     what = f"while call {call!r} runs there" if call else "from the models resident there"
-    return (f"nothing fits in memory: the best plan found still needs {ev['peak_memory'] / 2**30:.2f} GiB on {where} "
-            f"{what}, {ev['overflow'] / 2**30:.2f} GiB more than the {cluster.device_memory / 2**30:.2f} GiB a device "
+    return (f"nothing fits in memory: the best plan found still needs {fmt_bytes(ev['peak_memory'])} on {where} "
+            f"{what}, {fmt_bytes(ev['overflow'])} more than the {fmt_bytes(cluster.device_memory)} a device "
             f"has; use more or larger devices, or a smaller batch or model")
 
 

@@ -1,0 +1,78 @@
+"""Baseline plans follow their published rules."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from realloc.algorithms.ppo_config import ppo_rpcs
+from realloc.api import auto, experiment_spec, load_experiment
+from realloc.graph.dataflow import build_graph
+from realloc.models.config import get_model_config
+from realloc.search import baseline
+from realloc.search.baselines import split_meshes
+
+
+def placements(plan):
+    return {c: (p.mesh, p.dp, p.tp, p.pp, p.n_mbs) for c, p in plan.placements.items()}
+
+
+def test_heuristic_reproduces_realhf_appendix_table5():
+    plan = baseline("experiments/ppo_7b_7b.py", "heuristic")
+    # Table 5: every call on trainer[01-02] with TP 8, PP 1, DP 2 and 4 micro-batches.
+    assert set(placements(plan).values()) == {("trainer[01-02]", 2, 8, 1, 4)}
+    assert plan.source == "baseline:heuristic" and plan.estimated_time > 0
+    assert plan.estimated_peak_memory <= 80 * 2**30
+
+
+def test_heuristic_adds_pipeline_stages_across_nodes_until_it_fits():
+    plan = baseline("experiments/ppo_70b_7b.py", "heuristic")
+    got = set(placements(plan).values())
+    assert len(got) == 1
+    mesh, dp, tp, pp, m = got.pop()
+    # 70B actor + ref and 7B critic + reward cannot share 128 GPUs with pp = 1 (each device would hold
+    # the 70B model's states in full over tp = 8); stages are whole nodes.
+    assert (mesh, tp) == ("trainer[01-16]", 8) and pp > 1 and 16 % pp == 0 and dp * tp * pp == 128
+    assert m == max(4, pp)
+    assert plan.estimated_peak_memory <= 80 * 2**30
+
+
+def test_colocate_dp_is_data_parallel_with_tp_generation():
+    plan = baseline("experiments/ppo_7b_7b.py", "colocate-dp")
+    for call, (mesh, dp, tp, pp, _) in placements(plan).items():
+        assert mesh == "trainer[01-02]"
+        assert (dp, tp, pp) == ((2, 8, 1) if call == "actor_gen" else (16, 1, 1))
+
+
+def test_split_puts_actor_and_ref_apart_from_critic_and_reward():
+    plan = baseline("experiments/ppo_7b_7b.py", "split")
+    meshes = {c: p.mesh for c, p in plan.placements.items()}
+    assert meshes["actor_gen"] == meshes["actor_train"] == meshes["ref_inf"] == "trainer01"
+    assert meshes["critic_inf"] == meshes["critic_train"] == meshes["rew_inf"] == "trainer02"
+
+
+def test_split_sizes_groups_by_parameter_count():
+    graph = build_graph(load_experiment("experiments/ppo_70b_7b.py"))
+    a, b = split_meshes(graph)
+    big = 2 * get_model_config("llama3-70b").total_params
+    small = 2 * get_model_config("llama3-8b-critic").total_params
+    assert a.n_nodes == round(16 * big / (big + small)) and b.n_nodes == 16 - a.n_nodes
+    assert not a.overlaps(b)
+
+
+def test_split_on_one_node_takes_halves():
+    @auto(nodelist="localhost", n_devices_per_node=4, device="cpu", batch_size=16, prompt_len=8, gen_len=8)
+    @dataclasses.dataclass
+    class Tiny4:
+        @property
+        def rpcs(self):
+            return ppo_rpcs(actor="tiny", critic="tiny-critic", n_minibatches=2)
+
+    a, b = split_meshes(build_graph(experiment_spec(Tiny4)))
+    assert (a.name, b.name) == ("localhost:0-1", "localhost:2-3")
+
+
+def test_unknown_baseline_names_the_choices():
+    with pytest.raises(ValueError, match="heuristic, colocate-dp, split"):
+        baseline("experiments/ppo_tiny.py", "megatron")
