@@ -107,6 +107,10 @@ def test_token_layouts_of_the_three_input_forms():
     assert packed.position_ids.tolist() == [[0, 1, 0, 1, 2]]
     assert packed.segment_ids.tolist() == [[0, 0, 1, 1, 1]]
     assert packed.next_token_valid().tolist() == [[True, False, True, True]]
+    # Only one right-padded sequence per row may skip the explicit mask.
+    assert a.causal_suffices and a.attention_mask() is None
+    assert not left.causal_suffices and not packed.causal_suffices
+    assert packed.attention_mask().shape == (1, 1, 5, 5)
 
 
 @pytest.mark.parametrize("batch,msg", [

@@ -38,6 +38,18 @@ class TokenLayout:
     def shape(self) -> tuple[int, int]:
         return tuple(self.input_ids.shape)  # type: ignore[return-value]
 
+    @property
+    def causal_suffices(self) -> bool:
+        """One sequence per row, right-padded: plain causal attention is exact for every real token."""
+        valid = self.segment_ids >= 0
+        return bool((self.segment_ids <= 0).all()) and bool((valid[:, 1:] <= valid[:, :-1]).all())
+
+    def attention_mask(self) -> torch.Tensor | None:
+        """None (causal attention) when that suffices, else the explicit segment mask."""
+        from realloc.models.llama import segment_mask
+
+        return None if self.causal_suffices else segment_mask(self.segment_ids)
+
     def next_token_valid(self) -> torch.Tensor:
         """[B, T-1]: token t+1 continues the sequence of token t (so logits at t score it)."""
         s = self.segment_ids

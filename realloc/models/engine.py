@@ -41,7 +41,7 @@ from realloc.models import grads
 from realloc.models.batch import Batch, TokenLayout, split_rows, token_layout, trim
 from realloc.models.config import ModelConfig
 from realloc.models.groups import ModelParallelGroups
-from realloc.models.llama import LlamaStage, segment_mask
+from realloc.models.llama import LlamaStage
 from realloc.models.megatron_shim import prepare_device
 from realloc.models.optim import MasterWeightAdamW
 from realloc.models.param_layout import ParamSpec, stage_param_specs
@@ -236,7 +236,7 @@ class ParallelModel:
 
     def _stage_forward(self, layout: TokenLayout, x: torch.Tensor | None) -> torch.Tensor:
         inputs = layout.input_ids if self.groups.is_first_stage else x
-        return self.stage(inputs, layout.position_ids, segment_mask(layout.segment_ids))
+        return self.stage(inputs, layout.position_ids, layout.attention_mask())
 
     def _to_device(self, mb: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}

@@ -15,9 +15,11 @@ shard ``spec.shard_slices(tp, tp_rank)`` of the full tensor:
   so logits stay split over the vocabulary (see ``vocab_parallel``),
 - norms and the critic's ``score`` are replicated on every tp rank.
 
-Activations are ``[batch, seq, hidden]``. Attention uses an explicit boolean mask
-(True = may attend), so the same code serves right-padded batches, packed
-sequences, and left-padded generation with a KV cache.
+Activations are ``[batch, seq, hidden]``. Attention takes either ``mask=None``,
+meaning plain causal attention (right-padded rows need nothing more: a real token
+never looks right, so padding is invisible to it; on GPUs this is the flash-attention
+path), or an explicit boolean mask (True = may attend) for packed sequences and
+left-padded generation with a KV cache.
 """
 
 from __future__ import annotations
@@ -121,7 +123,7 @@ class Attention(nn.Module):
         self.v_proj = ColumnParallelLinear(h, kv, gather_output=False, **common)
         self.o_proj = RowParallelLinear(h, h, input_is_parallel=True, skip_bias_add=False, **common)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                 cache: KVCache | None = None, cache_start: int = 0) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x)[0].view(b, t, self.n_local_heads, self.head_dim).transpose(1, 2)
@@ -138,7 +140,9 @@ class Attention(nn.Module):
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if mask is None and cache is not None:
+            raise ValueError("attention with a KV cache needs an explicit mask (cache_mask)")
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         o = o.transpose(1, 2).reshape(b, t, self.n_local_heads * self.head_dim)
         return self.o_proj(o)[0]
 
@@ -166,7 +170,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device)
         self.mlp = MLP(cfg, tp_group, mcfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                 cache: KVCache | None = None, cache_start: int = 0) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_start)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -223,7 +227,7 @@ class LlamaStage(nn.Module):
         assert self.is_first
         return self.model.embed_tokens(input_ids)
 
-    def run_layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+    def run_layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
                    caches: list[KVCache] | None = None, cache_start: int = 0) -> torch.Tensor:
         cos, sin = rope_cos_sin(self.inv_freq, position_ids, hidden.dtype)
         for i, layer in enumerate(self.layers):
@@ -240,7 +244,7 @@ class LlamaStage(nn.Module):
             return self.lm_head(x, weight=self.model.embed_tokens.weight)[0]
         return self.lm_head(x)[0]
 
-    def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+    def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
                 caches: list[KVCache] | None = None, cache_start: int = 0) -> torch.Tensor:
         """Token ids (first stage) or hidden states (later stages) in; hidden states (or head output on the last stage) out."""
         hidden = self.embed(inputs) if self.is_first else inputs
