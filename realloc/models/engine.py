@@ -18,7 +18,12 @@ gets the same batch, different dp replicas get different batches):
 - ``forward(batch)``: per-token log-probs (actor) or values (critic), ``[B, T]``
   like ``input_ids``. Result on every tp rank of the last stage (``None`` on other
   stages), or on every rank with ``to_all_stages=True``.
-- ``generate(prompts, gconfig)``: see ``generation.py``; result on every rank.
+- ``generate(prompts, gconfig, seq_ids, n_mbs)``: see ``generation.py``; result on every
+  rank of the replica.
+
+Precision: parameters live in ``dtype`` (fp32 on CPU; bf16 on GPUs). A bf16 model
+accumulates micro-batch gradients in fp32 and trains through fp32 master weights
+(``make_optimizer`` returns ``optim.MasterWeightAdamW``); fp16 training is refused.
 
 Parameters for reallocation and checkpoints: :meth:`params` maps HF names to
 the local shards (the ``torch.nn.Parameter`` objects themselves, so writing
