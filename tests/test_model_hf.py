@@ -72,6 +72,13 @@ def _run_hf_compare(ctx, cfg, tp, pp, path, ids, lens, prompts, gconfig):
     logp = model.forward(batch, n_mbs=3, to_all_stages=True)
     gen = model.generate(prompts, gconfig)
     seqs = [gen.sequences[b, :gen.lengths[b]].tolist() for b in range(len(prompts))]
+    # The same prompts as a right-padded batch, in two micro-batches: same tokens.
+    padded = torch.zeros(len(prompts), max(map(len, prompts)), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        padded[b, :len(p)] = torch.tensor(p)
+    again = model.generate({"input_ids": padded, "lengths": torch.tensor([len(p) for p in prompts])}, gconfig,
+                           n_mbs=2)
+    assert torch.equal(again.sequences, gen.sequences) and torch.equal(again.lengths, gen.lengths)
     return {"last": model.groups.is_last_stage, "logits": logits, "logp": logp, "seqs": seqs,
             "gen_logp": gen.logprobs, "plen": gen.prompt_lengths, "eos": gen.stopped_at_eos}
 
@@ -187,7 +194,7 @@ def test_sharded_checkpoint_with_index_loads_into_dp2_tp2(pool, tied_llama3, tmp
     hf, src = tied_llama3
     cfg = model_config_from_hf(src)
     # ~40 KB files: many shards per stage, an index, and a tied model without lm_head.
-    pool.run(_save, cfg, 1, 1, 2, str(src), str(tmp_path / "s"), 40_000)
+    pool.run(_save, cfg, 2, 1, 2, str(src), str(tmp_path / "s"), 40_000)  # dp=2: replica 0 writes
     index = json.loads((tmp_path / "s" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 4 and "lm_head.weight" not in index["weight_map"]
     res = pool.run(_load, cfg, 2, 2, 1, str(tmp_path / "s"))
