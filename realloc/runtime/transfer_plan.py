@@ -54,6 +54,7 @@ Byte accounting (exact, per destination):
 from __future__ import annotations
 
 import dataclasses
+from bisect import bisect_left
 from collections import defaultdict
 from functools import cached_property, lru_cache
 from types import MappingProxyType
@@ -80,7 +81,11 @@ class Layout:
 
     def device(self, dp_rank: int, tp_rank: int, pp_rank: int) -> int:
         """Global device id of a (dp, tp, pp) coordinate (mesh rank order: tp, then dp, then pp)."""
-        return self.mesh.device_ids[self.strategy.rank(dp_rank, tp_rank, pp_rank)]
+        return self._devices[dp_rank, tp_rank, pp_rank]
+
+    @cached_property
+    def _devices(self) -> Mapping[tuple[int, int, int], int]:
+        return MappingProxyType({self.strategy.coords(r): d for r, d in enumerate(self.mesh.device_ids)})
 
     @cached_property
     def coords_by_device(self) -> Mapping[int, tuple[int, int, int]]:
@@ -331,6 +336,11 @@ def _plan_class(items: Sequence[_Item], mult: int, tot: _Totals) -> tuple[tuple,
             for lo, hi in ivs:
                 cuts.update((lo, hi))
         grid = sorted(cuts)
+        # The holder group of every grid cell (groups are disjoint and every cell lies in one).
+        cell_group: list[int] = []
+        for x, y in zip(grid, grid[1:]):
+            cell_group.append(next(i for i, (glo, ghi, _, _) in enumerate(it.groups) if glo <= x and y <= ghi))
+        cell_bytes = [it.nbytes(x, y) for x, y in zip(grid, grid[1:])]
         mine = []
         for dev, lo, hi in it.needs:
             held = it.held.get(dev, ())
@@ -339,13 +349,11 @@ def _plan_class(items: Sequence[_Item], mult: int, tot: _Totals) -> tuple[tuple,
                 if a < b:
                     copies.append((idx, dev, a, b))
             for a, b in _subtract(lo, hi, held):
-                for x, y in zip(grid, grid[1:]):
-                    if x >= a and y <= b:
-                        g = next(i for i, (glo, ghi, _, _) in enumerate(it.groups) if glo <= x and y <= ghi)
-                        mine.append((dev, g, x, y))
-                        nb = it.nbytes(x, y)
-                        demand[dev, it.groups[g][3]] += nb
-                        tot.minimal += nb * mult
+                for k in range(bisect_left(grid, a), bisect_left(grid, b)):
+                    g, nb = cell_group[k], cell_bytes[k]
+                    mine.append((dev, g, grid[k], grid[k + 1]))
+                    demand[dev, it.groups[g][3]] += nb
+                    tot.minimal += nb * mult
         wants.append(mine)
 
     # Pass 2: pick a source per (destination, decision key), biggest demand first, so that load
