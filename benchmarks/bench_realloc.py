@@ -207,6 +207,50 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, queue) 
     dist.destroy_process_group()
 
 
+def _fanout_worker(rank: int, world: int, store: str, args: argparse.Namespace, queue) -> None:
+    """One source, three destinations: one broadcast on a 4-process group vs three concurrent sends."""
+    os.environ["TMPDIR"] = args.tmp
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    group = dist.new_group(list(range(world)))
+    buf = torch.zeros(args.fanout_mb * 2**20 // 4)
+
+    def sends() -> None:
+        if rank == 0:
+            works = [dist.isend(buf, d) for d in range(1, world)]
+        else:
+            works = [dist.irecv(buf, 0)]
+        for w in works:
+            w.wait()
+
+    t = _interleaved({"bcast": lambda: dist.broadcast(buf, 0, group=group), "p2p": sends}, args.repeats)
+    if rank == 0:
+        queue.put(t)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _run_workers(target, world: int, args: argparse.Namespace):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    store = os.path.join(args.tmp, f"store_{target.__name__}")
+    procs = [ctx.Process(target=target, args=(r, world, store, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    res = None
+    while res is None:
+        try:
+            res = queue.get(timeout=1.0)
+        except Exception:  # noqa: BLE001 - queue.Empty: check that the workers still live
+            if any(p.exitcode not in (None, 0) for p in procs) or all(p.exitcode is not None for p in procs):
+                for p in procs:
+                    p.kill()
+                raise SystemExit("bench_realloc: a worker failed (see its traceback above)") from None
+    for p in procs:
+        p.join()
+    return res
+
+
 def _report(res: dict, megatron: bool) -> str:
     bc, p2p = res["raw_bcast"] / 1e9, res["raw_p2p"] / 1e9
     c = res["cfg"]
@@ -255,27 +299,21 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--only", default="", help="run only layout pairs whose name contains this text")
+    ap.add_argument("--fanout-mb", type=int, default=100,
+                    help="also time one broadcast vs three sends to 3 destinations on 4 processes (0: skip)")
     ap.add_argument("--no-megatron", action="store_true", help="skip the megatron-core resharding comparison")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench_realloc_") as tmp:
         args.tmp = tmp
-        ctx = mp.get_context("spawn")
-        queue = ctx.Queue()
-        procs = [ctx.Process(target=_worker, args=(r, 2, os.path.join(tmp, "store"), args, queue)) for r in range(2)]
-        for p in procs:
-            p.start()
-        res = None
-        while res is None:
-            try:
-                res = queue.get(timeout=1.0)
-            except Exception:  # noqa: BLE001 - queue.Empty: check that the workers still live
-                if any(p.exitcode not in (None, 0) for p in procs) or all(p.exitcode is not None for p in procs):
-                    for p in procs:
-                        p.kill()
-                    raise SystemExit("bench_realloc: a worker failed (see its traceback above)") from None
-        for p in procs:
-            p.join()
-    print(_report(res, not args.no_megatron))
+        res = _run_workers(_worker, 2, args)
+        print(_report(res, not args.no_megatron))
+        if args.fanout_mb:
+            t = _run_workers(_fanout_worker, 4, args)
+            mb = args.fanout_mb * 2**20 / 1e6
+            print(f"\nfan-out, 1 source -> 3 destinations, {mb:.0f} MB, 4 processes on this machine's cores: "
+                  f"one broadcast {t['bcast']:.3f} s ({3 * mb / 1e3 / t['bcast']:.2f} GB/s delivered), three "
+                  f"concurrent sends {t['p2p']:.3f} s ({3 * mb / 1e3 / t['p2p']:.2f} GB/s); "
+                  f"broadcast/sends time ratio {t['bcast'] / t['p2p']:.2f}")
 
 
 if __name__ == "__main__":

@@ -101,9 +101,13 @@ class DataLayout:
     """Which devices of a call's layout hold (producer) or need (consumer) its batch.
 
     Each dp rank owns a contiguous slice of the batch (``dp_ranges``), replicated on all of its
-    tp ranks and on the pipeline ``stages`` listed. A producer's outputs are usually held by
-    its last stage (where per-token outputs come out of the pipeline); a consumer usually
-    needs its inputs on the first stage, and loss inputs (rewards, advantages) on the last.
+    tp ranks and on the pipeline ``stages`` listed. What ``realloc.models.engine.ParallelModel``
+    returns fixes the producer side: ``forward()`` outputs (log-probs, values) sit on every tp
+    rank of the last stage, ``stages=(pp - 1,)`` (or every stage with ``to_all_stages=True``);
+    ``generate()`` outputs sit on every rank of the replica, ``stages=tuple(range(pp))``, which
+    gives the planner more equal-cost sources. A consumer needs token inputs on its first
+    stage, ``(0,)``, and loss inputs (rewards, advantages, old log-probs) on its last stage,
+    ``(pp - 1,)``; list both when a call needs both kinds.
     """
 
     mesh: DeviceMesh
