@@ -141,6 +141,18 @@ class Reallocator:
         self.rank = dist.get_rank() if rank is None else rank
         self.bucket_bytes = bucket_bytes
         self.direct_bytes = direct_bytes
+        # id(plan) -> (plan, this rank's messages, its local copies); plans are immutable and
+        # reused every iteration, so the per-rank views are derived once. The plan is kept to
+        # pin its id.
+        self._views: dict[int, tuple[TransferPlan, list[_Message], list[LocalCopy]]] = {}
+
+    def _rank_view(self, plan: TransferPlan) -> tuple[list[_Message], list[LocalCopy]]:
+        hit = self._views.get(id(plan))
+        if hit is None or hit[0] is not plan:
+            hit = (plan, build_messages(plan, self.rank, self.bucket_bytes, self.direct_bytes),
+                   [c for c in plan.local_copies if c.device == self.rank])
+            self._views[id(plan)] = hit
+        return hit[1], hit[2]
 
     def prepare(self, plans: Iterable[TransferPlan]) -> int:
         """Create every broadcast group the plans need. Collective over the world; returns how many were new."""
@@ -217,8 +229,7 @@ class Reallocator:
         def dst_view(t: Transfer | LocalCopy) -> torch.Tensor:
             return dst[t.name][_rel(t, dst_start[t.name], shape_of[t.name])]
 
-        messages = build_messages(plan, me, self.bucket_bytes, self.direct_bytes)
-        local = [c for c in plan.local_copies if c.device == me]
+        messages, local = self._rank_view(plan)
 
         def copy_local() -> int:
             n = 0
@@ -282,15 +293,15 @@ class Reallocator:
             base = need_start[t.name]
             return out[t.name][offsets[t.name][t.lo] - base:offsets[t.name][t.hi] - base]
 
+        messages, local = self._rank_view(plan)
+
         def copy_local() -> int:
             n = 0
-            for c in plan.local_copies:
-                if c.device == me:
-                    dst_view(c).copy_(src_view(c))
-                    n += offsets[c.name][c.hi] - offsets[c.name][c.lo]
+            for c in local:
+                dst_view(c).copy_(src_view(c))
+                n += offsets[c.name][c.hi] - offsets[c.name][c.lo]
             return n
 
-        messages = build_messages(plan, me, self.bucket_bytes, self.direct_bytes)
         sent, received, copied = self._run(messages, src_view, dst_view, copy_local)
         stats = ReallocStats(plan.moved_bytes, plan.minimal_bytes, plan.redundancy_ratio, sent, received, copied,
                              len(messages), time.perf_counter() - t0)

@@ -533,7 +533,8 @@ def plan_data_transfer(seq_bytes: Mapping[str, Sequence[int]], producer: DataLay
     ps, cs = producer.strategy, consumer.strategy
     cached = cached or {}
     items, members, all_offsets = [], [], {}
-    for key, sizes in seq_bytes.items():
+    for key in sorted(seq_bytes):  # every process must derive the same transfer order
+        sizes = seq_bytes[key]
         if any(int(b) < 0 for b in sizes):
             raise ValueError(f"data key {key!r}: sequence sizes must be non-negative byte counts")
         n = len(sizes)
