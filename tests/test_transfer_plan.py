@@ -302,3 +302,28 @@ def test_data_bad_input():
         DataLayout(c.mesh("n1:0-1"), S(1, 1, 2), (2,))
     with pytest.raises(ValueError, match="'seq'.*non-negative"):
         plan_data_transfer({"seq": [1, -1]}, lay, lay)
+
+
+def test_hybridflow_table2_example_volumes():
+    """hybridflow.txt §5 (Figure 8, Table 2): train p-t-d = 1-4-2 -> generate 1-2-(d_g=2)-2 on 8 GPUs.
+
+    With Megatron rank order in both layouts (tp fastest, which realloc uses everywhere), device d
+    holds train tp chunk d % 4 and needs generation chunk d % 2 of every sharded weight: devices
+    0, 3 (mod 4) already hold half of what they need and receive 1/4 of the tensor, devices 1, 2
+    (mod 4) hold none of it and receive 1/2. HybridFlow-V's all-gather moves (tp - 1)/tp = 3/4 per
+    device; HybridFlow's regrouped generation layout moves (d_g - 1)/(t p) = 1/4 per device.
+    """
+    c = cluster(1, 8)
+    plan = plan_param_realloc(get_model_config("llama2-7b"), Layout(c.mesh("n1"), S(2, 4, 1)),
+                              Layout(c.mesh("n1"), S(4, 2, 1)), bytes_per_element=2)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    full = 4096 * 4096 * 2
+    got = {d: 0 for d in range(8)}
+    for t in plan.transfers:
+        if t.name == name:
+            for d in t.dsts:
+                got[d] += t.nbytes
+    assert [got[d] * 4 // full for d in range(8)] == [1, 2, 2, 1, 1, 2, 2, 1]  # in quarters of the tensor
+    mean = sum(got.values()) / 8 / full
+    assert mean == 0.375 and 0.25 < mean < 0.75  # between HybridFlow (1/4) and HybridFlow-V (3/4)
+    assert plan.redundancy_ratio == 1.0
