@@ -55,8 +55,9 @@ class CostModel:
     """Cost estimates for one dataflow graph on one cluster.
 
     ``profile`` may be one table, several (one per model architecture), or None
-    to look them up under ``profiles/<device kind>/``; pass ``profiles=()`` with
-    ``discover=False`` to force the roofline. ``eager_decode`` models decode
+    to look them up under ``profiles/<device kind>/`` (``profiles_root`` overrides
+    the folder); ``discover=False`` with no profile forces the roofline. Tables
+    of another device kind or dtype are ignored. ``eager_decode`` models decode
     without CUDA graphs (every kernel launched from the host).
     """
 
