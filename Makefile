@@ -19,8 +19,9 @@ install: $(STAMP)
 build: $(STAMP)
 	$(PY) setup.py -q build_ext --inplace
 
+# Tiny PPO on the local 2-device CPU cluster: search a plan, train 30 iterations (reward ~0.25 -> >0.8).
 demo: build
-	$(VENV)/bin/realloc search experiments/ppo_tiny.py --dry-run
+	$(VENV)/bin/realloc run experiments/ppo_tiny.py --search-time 10 --iterations 30 --run-dir runs/demo
 
 test: build
 	$(PY) -m pytest -q

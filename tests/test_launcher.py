@@ -120,3 +120,13 @@ def test_generated_script_trains_with_a_stand_in_srun(tmp_path):
     assert job.returncode == 0, job.stdout + job.stderr
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["iteration"] for m in metrics] == [0, 1] and 0.0 <= metrics[0]["reward"] <= 1.0
+
+
+def test_local_launcher_refuses_a_gpu_cluster_it_cannot_host(tmp_path):
+    exp = tmp_path / "gpu_ppo.py"
+    exp.write_text(GPU_EXPERIMENT.format(dataset=REPO / "experiments/data/ppo_tiny_prompts.jsonl"))
+    whole_cluster_plan(str(exp), dp=4, tp=4).save(tmp_path / "plan.json")
+    r = realloc_cli("run", str(exp), "--plan", str(tmp_path / "plan.json"), "--iterations", "1",
+                    "--run-dir", str(tmp_path / "run"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "spans 2 nodes" in r.stderr and "--launcher slurm" in r.stderr

@@ -70,3 +70,29 @@ def test_layout_mismatch_is_refused(tmp_path):
         C.load_model_shard(final, "actor", 0, 0, "localhost:0 dp1·tp1·pp1", params, opt)
     with pytest.raises(ValueError, match="no shard"):
         C.load_model_shard(final, "actor", 1, 0, "localhost dp2·tp1·pp1", params, opt)
+
+
+def test_bf16_master_weights_round_trip(tmp_path):
+    from realloc.models.optim import MasterWeightAdamW
+
+    def build(seed):
+        g = torch.Generator().manual_seed(seed)
+        params = {"w": torch.nn.Parameter(torch.randn(4, 3, generator=g).bfloat16())}
+        return params, MasterWeightAdamW(params, lr=1e-3)
+
+    def bf16_step(params, opt, k):
+        opt.step_with({"w": torch.full((4, 3), 0.1 * (k + 1))})
+
+    params, opt = build(0)
+    for k in range(2):
+        bf16_step(params, opt, k)
+    tmp = C.begin(tmp_path, 0)
+    C.save_model_shard(tmp, "actor", 0, 0, "L", params, opt)
+    final = C.commit(tmp, tmp_path, 0, {}, "{}")
+    for k in range(2, 4):
+        bf16_step(params, opt, k)
+    fresh, fresh_opt = build(1)
+    C.load_model_shard(final, "actor", 0, 0, "L", fresh, fresh_opt)
+    for k in range(2, 4):
+        bf16_step(fresh, fresh_opt, k)
+    assert torch.equal(params["w"], fresh["w"]) and torch.equal(opt.masters["w"], fresh_opt.masters["w"])

@@ -42,11 +42,15 @@ HAND_PLANS = {
     "disjoint": {"actor_gen": ("localhost:0", 1, 1, 1, 1), "rew_inf": ("localhost:0", 1, 1, 1, 1),
                  "ref_inf": ("localhost:1", 1, 1, 1, 1), "critic_inf": ("localhost:1", 1, 1, 1, 1),
                  "actor_train": ("localhost", 2, 1, 1, 1), "critic_train": ("localhost:1", 1, 1, 1, 2)},
-    # Tensor and pipeline parallelism on overlapping meshes, several micro-batches.
+    # Tensor and pipeline parallelism on overlapping meshes, several micro-batches, offload.
     "tp_pp": {"actor_gen": ("localhost", 2, 1, 1, 1), "rew_inf": ("localhost:1", 1, 1, 1, 1),
               "ref_inf": ("localhost:1", 1, 1, 1, 2), "critic_inf": ("localhost", 1, 1, 2, 2),
               "actor_train": ("localhost", 1, 2, 1, 2), "critic_train": ("localhost", 1, 1, 2, 2)},
 }
+
+
+# The frozen reference model waits in host memory between its calls in this plan.
+OFFLOAD = {"tp_pp": {"ref": True}}
 
 
 def hand_plan(name: str) -> ExecutionPlan:
@@ -55,7 +59,8 @@ def hand_plan(name: str) -> ExecutionPlan:
     return ExecutionPlan(experiment=spec.name, graph_digest=g.digest, nodelist=spec.cluster.nodelist,
                          n_devices_per_node=spec.cluster.n_devices_per_node, device=spec.cluster.device,
                          placements={c: CallPlacement(mesh=m, dp=d, tp=t, pp=p, n_mbs=n)
-                                     for c, (m, d, t, p, n) in HAND_PLANS[name].items()}, source=name)
+                                     for c, (m, d, t, p, n) in HAND_PLANS[name].items()},
+                         offload=OFFLOAD.get(name, {}), source=name)
 
 
 def env(tmp: Path) -> dict[str, str]:
@@ -138,7 +143,8 @@ def test_trace_shows_every_device_and_call(runs):
     assert {e["tid"] for e in boxes} == {0, 1}
     names = {e["name"] for e in boxes}
     assert {"actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train", "critic_train"} <= names
-    assert any(e["cat"] == "realloc" for e in boxes) and any(e["cat"] == "data" for e in boxes)
+    for kind in ("realloc", "data", "offload", "reload"):
+        assert any(e["cat"] == kind for e in boxes), kind
     assert all(e["dur"] >= 0 for e in boxes)
 
 

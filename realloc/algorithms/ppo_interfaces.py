@@ -88,19 +88,14 @@ def actor_generate(ctx: CallContext, inputs: Data) -> CallResult:
     n, P, T = prompts.shape[0], ctx.prompt_len, ctx.gen_len
     assert ctx.model is not None
     gconfig = generation_config(ctx)
+    # Micro-batches bound the KV cache; sampling depends only on each sequence's global index.
+    out = ctx.model.generate([p.tolist() for p in prompts], gconfig, seq_ids=list(ctx.ids), n_mbs=ctx.n_mbs)
+    width = out.sequences.shape[1]
     tokens = torch.full((n, P + T), gconfig.pad_token_id, dtype=torch.long)
-    gen_mask = torch.zeros(n, T, dtype=torch.bool)
+    tokens[:, :width] = out.sequences.cpu()
+    gen_mask = torch.arange(T).view(1, T) < out.gen_lengths.cpu().view(-1, 1)
     logp = torch.zeros(n, T, dtype=torch.float32)
-    ids = list(ctx.ids)
-    step = -(-n // ctx.n_mbs)  # micro-batches bound the KV cache; sampling depends only on sequence ids
-    for lo in range(0, n, step):
-        hi = min(n, lo + step)
-        out = ctx.model.generate([p.tolist() for p in prompts[lo:hi]], gconfig, seq_ids=ids[lo:hi])
-        width = out.sequences.shape[1]
-        tokens[lo:hi, :width] = out.sequences.cpu()
-        glen = out.gen_lengths.cpu()
-        gen_mask[lo:hi] = torch.arange(T).view(1, T) < glen.view(-1, 1)
-        logp[lo:hi, :width - P] = out.logprobs[:, P:].cpu()
+    logp[:, :width - P] = out.logprobs[:, P:].cpu()
     logp = logp * gen_mask
     return CallResult({"seq": {"tokens": tokens, "gen_mask": gen_mask}, "logp": {"logp": logp}},
                       {"gen_tokens": float(gen_mask.sum()), "n_seqs": float(n)}, {})

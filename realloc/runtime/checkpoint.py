@@ -132,16 +132,30 @@ def _save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
     part.replace(path)
 
 
+def _optimizer_view(params: Mapping[str, torch.Tensor], optimizer: Any) -> tuple[Mapping[str, torch.Tensor], Any]:
+    """(tensors the optimizer steps on, by name; the torch optimizer holding their state).
+
+    A plain torch optimizer steps on the parameters. ``MasterWeightAdamW`` (bf16 models) steps on
+    fp32 master copies, which are optimizer state themselves and are saved as such.
+    """
+    if optimizer is not None and hasattr(optimizer, "masters") and hasattr(optimizer, "inner"):
+        return optimizer.masters, optimizer.inner
+    return params, optimizer
+
+
 def save_model_shard(ckpt: Path, model: str, tp_rank: int, pp_rank: int, layout: str,
-                     params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer | None) -> None:
+                     params: Mapping[str, torch.Tensor], optimizer: Any) -> None:
     tensors = {f"param/{n}": p for n, p in params.items()}
     hyper: list[dict[str, Any]] = []
-    if optimizer is not None:
-        name_of = {id(p): n for n, p in params.items()}
-        for p, st in optimizer.state.items():
+    stepped, torch_opt = _optimizer_view(params, optimizer)
+    if torch_opt is not None:
+        if stepped is not params:
+            tensors.update({f"master/{n}": m for n, m in stepped.items()})
+        name_of = {id(p): n for n, p in stepped.items()}
+        for p, st in torch_opt.state.items():
             for k, v in st.items():
                 tensors[f"optim/{name_of[id(p)]}/{k}"] = v if isinstance(v, torch.Tensor) else torch.tensor(v)
-        hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in torch_opt.param_groups]
     _save(shard_file(ckpt, model, tp_rank, pp_rank), tensors,
           {"format": str(CHECKPOINT_FORMAT), "model": model, "layout": layout,
            "optimizer_groups": json.dumps(hyper)})
@@ -149,7 +163,7 @@ def save_model_shard(ckpt: Path, model: str, tp_rank: int, pp_rank: int, layout:
 
 @torch.no_grad()
 def load_model_shard(ckpt: Path, model: str, tp_rank: int, pp_rank: int, layout: str,
-                     params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer | None) -> None:
+                     params: Mapping[str, torch.Tensor], optimizer: Any) -> None:
     path = shard_file(ckpt, model, tp_rank, pp_rank)
     if not path.is_file():
         raise ValueError(f"checkpoint {ckpt} has no shard {path.name} of model {model!r}; was it saved with "
@@ -164,16 +178,24 @@ def load_model_shard(ckpt: Path, model: str, tp_rank: int, pp_rank: int, layout:
             if f"param/{n}" not in keys:
                 raise ValueError(f"checkpoint {path}: parameter {n!r} is missing")
             p.copy_(f.get_tensor(f"param/{n}"))
-        if optimizer is not None:
-            hyper = json.loads(meta.get("optimizer_groups", "[]"))
-            if hyper and len(hyper) == len(optimizer.param_groups):
-                for g, h in zip(optimizer.param_groups, hyper):
-                    g.update({k: tuple(v) if isinstance(v, list) else v for k, v in h.items()})
-            for n, p in params.items():
-                prefix = f"optim/{n}/"
-                state = {k[len(prefix):]: f.get_tensor(k).to(p.device) for k in keys if k.startswith(prefix)}
-                if state:
-                    optimizer.state[p] = state
+        stepped, torch_opt = _optimizer_view(params, optimizer)
+        if torch_opt is None:
+            return
+        if stepped is not params:
+            for n, m in stepped.items():
+                if f"master/{n}" not in keys:
+                    raise ValueError(f"checkpoint {path}: fp32 master weight {n!r} is missing (saved without "
+                                     f"master weights?)")
+                m.copy_(f.get_tensor(f"master/{n}"))
+        hyper = json.loads(meta.get("optimizer_groups", "[]"))
+        if hyper and len(hyper) == len(torch_opt.param_groups):
+            for g, h in zip(torch_opt.param_groups, hyper):
+                g.update({k: tuple(v) if isinstance(v, list) else v for k, v in h.items()})
+        for n, p in stepped.items():
+            prefix = f"optim/{n}/"
+            state = {k[len(prefix):]: f.get_tensor(k).to(p.device) for k in keys if k.startswith(prefix)}
+            if state:
+                torch_opt.state[p] = state
 
 
 def save_rng(ckpt: Path, rank: int) -> None:

@@ -166,9 +166,19 @@ class Master:
             for t in (receiver, monitor, *self.tasks):
                 t.cancel()
             self.trace.write(self.paths.trace)
+            self._write_requests()
             self.sock.close(linger=500)  # lets abort messages reach the workers
             self.zctx.term()
         return self.metrics
+
+    def _write_requests(self) -> None:
+        """Every request with its per-worker spans and reply arrival times (for benchmarks and debugging)."""
+        with open(self.paths.root / "requests.jsonl", "w") as f:
+            for r in self.records:
+                f.write(json.dumps({"req": r.req, "kind": r.kind, "label": r.label, "iteration": r.iteration,
+                                    "dispatched": r.dispatched, "completed": r.completed,
+                                    "spans": {str(k): v for k, v in r.spans.items()},
+                                    "received": {str(k): v for k, v in r.received.items()}}) + "\n")
 
     def _write_workers_file(self) -> None:
         info = {"master_port": self.port, "store_port": self.store.port,

@@ -27,7 +27,10 @@ from realloc.models.config import ModelConfig
 from realloc.runtime.transfer_plan import DataLayout, Layout, TransferPlan, plan_data_transfer, plan_param_realloc
 from realloc.strategy import ParallelStrategy
 
-BYTES_PER_PARAM = 4  # the runtime trains in float32; reallocation plans count bytes with it
+# Parameters are float32 on CPU devices (gloo, exact comparisons) and bfloat16 on GPUs (with fp32
+# master weights in the optimizer); reallocation plans count bytes with the element size.
+PARAM_DTYPES = {"cpu": ("float32", 4)}
+GPU_PARAM_DTYPE = ("bfloat16", 2)
 
 LayoutKey = tuple[str, str, int, int, int]  # (model, mesh name, dp, tp, pp)
 
@@ -89,6 +92,7 @@ class RuntimeProgram:
             raise ValueError(f"experiment {spec.name!r}: the runtime needs every call to process the same batch "
                              f"(n_seqs differs: {sorted(sizes)}); leave n_seqs unset or make them equal")
         self.batch_size = sizes.pop()
+        self.param_dtype, self.bytes_per_param = PARAM_DTYPES.get(spec.cluster.device, GPU_PARAM_DTYPE)
         self.calls: dict[str, CallLayout] = {}
         for name in graph.topo_order:
             p = plan.placements[name]
@@ -162,7 +166,7 @@ class RuntimeProgram:
         cfg = self.model_config(r.model)
         assert cfg is not None
         return plan_param_realloc(cfg, self.calls[r.src_call].layout, self.calls[r.dst_call].layout,
-                                  bytes_per_element=BYTES_PER_PARAM)
+                                  bytes_per_element=self.bytes_per_param)
 
     # -- data ----------------------------------------------------------------------------------------
     def producer(self, call: str) -> DataLayout:

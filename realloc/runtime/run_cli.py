@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import secrets
 import sys
 import time
@@ -125,6 +124,8 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--dry-run applies to --launcher slurm; for a local run, `realloc search EXP --dry-run` "
                          "shows the plan")
 
+    if args.launcher == "local":
+        _check_local(spec)
     if args.launcher == "external":
         plan_path = run.plan
         if not plan_path.is_file():
@@ -163,6 +164,22 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_local(spec: ExperimentSpec) -> None:
+    """The local launcher runs every worker on this machine: refuse clusters it cannot be."""
+    c = spec.cluster
+    if c.device == "cpu":
+        return  # CPU "devices" are processes; any nodelist can be simulated here
+    hint = "submit it with --launcher slurm (add --dry-run to see the script)"
+    if c.n_nodes > 1:
+        raise ValueError(f"cluster {c.nodelist!r} spans {c.n_nodes} nodes; the local launcher runs on this machine "
+                         f"only; {hint}")
+    import torch
+
+    if torch.cuda.device_count() < c.n_devices_per_node:
+        raise ValueError(f"cluster {c.nodelist!r} needs {c.n_devices_per_node} {c.device} GPUs but this machine has "
+                         f"{torch.cuda.device_count()}; {hint}")
+
+
 def _device(spec: ExperimentSpec) -> str:
     return "cpu" if spec.cluster.device == "cpu" else "cuda"
 
@@ -191,19 +208,18 @@ def _drive(master: Any, total: int, start: int, quiet: bool) -> list[dict[str, A
 
 
 def _summary(master: Any, metrics: list[dict[str, Any]], run: RunPaths) -> None:
-    from realloc.runtime.telemetry import overhead_summary
+    from realloc.runtime.telemetry import run_summary
 
     if not metrics:
         return
-    times = [m["iteration_time"] for m in metrics]
-    steady = times[1:] or times
-    ov = overhead_summary(master.records)
-    line = f"done: {len(metrics)} iterations, {sum(steady) / len(steady):.2f} s/iteration (after the first)"
-    if "reward" in metrics[-1]:
-        line += f", reward {metrics[0]['reward']:.3f} -> {metrics[-1]['reward']:.3f}"
-    if ov:
-        line += f", master overhead {ov['mean_overhead_s'] * 1e3:.1f} ms/request"
+    summary = run_summary(metrics, master.records, master.n_workers, master.iter_end)
+    (run.root / "summary.json").write_text(json.dumps(summary, indent=2))
+    line = f"done: {len(metrics)} iterations, {summary['iteration_time']:.2f} s/iteration (after the first)"
+    if summary.get("last_reward") is not None:
+        line += f", reward {summary['first_reward']:.3f} -> {summary['last_reward']:.3f}"
+    shares = summary["device_time_shares"]
+    line += f", reallocation {shares.get('realloc', 0.0):.1%} of device time"
+    if summary["overhead"]:
+        line += f", master overhead {summary['overhead']['mean_overhead_s'] * 1e3:.1f} ms/request"
     print(line)
     print(f"metrics {run.metrics}\ntrace   {run.trace} (open in chrome://tracing or ui.perfetto.dev)")
-    if os.environ.get("REALLOC_PRINT_LOGS"):
-        print(f"logs    {run.logs}")

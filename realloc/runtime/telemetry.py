@@ -135,3 +135,42 @@ def overhead_summary(records: Iterable[RequestRecord]) -> dict[str, float]:
         return {}
     return {"requests": float(len(recs)), "mean_overhead_s": statistics.fmean(ov),
             "median_overhead_s": statistics.median(ov)}
+
+
+def device_time_shares(records: Iterable[RequestRecord], n_devices: int, begin: float, end: float) -> dict[str, float]:
+    """Share of all devices' time in [begin, end] spent per request kind (the rest is idle).
+
+    realhf.txt §8.2 reports reallocation at 2.2% of GPU time measured this way.
+    """
+    span = (end - begin) * n_devices
+    out: dict[str, float] = {}
+    if span <= 0:
+        return out
+    for r in records:
+        for s, e in r.spans.values():
+            busy = min(e, end) - max(s, begin)
+            if busy > 0:
+                out[r.kind] = out.get(r.kind, 0.0) + busy / span
+    out["idle"] = max(0.0, 1.0 - sum(out.values()))
+    return out
+
+
+def run_summary(metrics: list[dict[str, Any]], records: list[RequestRecord], n_devices: int,
+                iter_end: dict[int, float], warmup: int = 1) -> dict[str, Any]:
+    """Steady-state numbers of a run: iterations after ``warmup`` (start-up and first-call effects excluded)."""
+    if not metrics:
+        return {}
+    steady = metrics[warmup:] or metrics
+    first = steady[0]["iteration"]
+    begin = iter_end.get(first - 1, iter_end[first] - steady[0]["iteration_time"])
+    end = iter_end[steady[-1]["iteration"]]
+    times = [m["iteration_time"] for m in steady]
+    out: dict[str, Any] = {
+        "iterations": len(metrics), "steady_iterations": len(steady),
+        "iteration_time": statistics.fmean(times), "iteration_time_median": statistics.median(times),
+        "tokens_per_s": statistics.fmean(m["tokens_per_s"] for m in steady),
+        "device_time_shares": device_time_shares(records, n_devices, begin, end),
+        "overhead": overhead_summary(records),
+        "first_reward": metrics[0].get("reward"), "last_reward": metrics[-1].get("reward"),
+    }
+    return out

@@ -78,15 +78,15 @@ class Heartbeat(threading.Thread):
         self.channel = protocol.Channel(secret, run_id, f"hb{rank}")
         self.rank = rank
         self.busy_req = -1
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
 
     def run(self) -> None:
         last_answer = time.monotonic()
-        while not self._stop.is_set():
+        while not self._stopping.is_set():
             self.sock.send_multipart(self.channel.pack(protocol.MASTER, protocol.Heartbeat(rank=self.rank,
                                                                                         busy_req=self.busy_req)))
             deadline = time.monotonic() + HEARTBEAT_INTERVAL
-            while (left := deadline - time.monotonic()) > 0 and not self._stop.is_set():
+            while (left := deadline - time.monotonic()) > 0 and not self._stopping.is_set():
                 if self.sock.poll(int(left * 1000)):
                     env = self.channel.try_unpack(self.sock.recv_multipart(), protocol.MASTER)
                     if env is not None:
@@ -100,7 +100,7 @@ class Heartbeat(threading.Thread):
         self.sock.close(linger=0)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping.set()
 
 
 class ModelWorker:
@@ -209,8 +209,8 @@ class ModelWorker:
             g = self.groups.model_groups(ModelLayout.from_mesh(cl.mesh, cl.strategy, cfg.tie_embeddings), self.rank)
             home = prog.calls[prog.home_call(cl.model)].key == key
             # Parameters start at home; other layouts are filled by reallocation when their turn comes.
-            model = ParallelModel(cfg, g, device=self.device, init="random" if home else "empty",
-                                  seed=self.config.seed)
+            model = ParallelModel(cfg, g, device=self.device, dtype=getattr(torch, prog.param_dtype),
+                                  init="random" if home else "empty", seed=self.config.seed)
             if not home:
                 model.release()
             opt = None
@@ -362,12 +362,16 @@ class ModelWorker:
         checkpoint.load_rng(ckpt, self.rank)
 
     def close(self) -> None:
+        log.debug("closing: heartbeat")
         self.heartbeat.stop()
         self.heartbeat.join(timeout=2 * HEARTBEAT_INTERVAL)
+        log.debug("closing: process group")
         if dist.is_initialized():
             dist.destroy_process_group()
+        log.debug("closing: sockets")
         self.sock.close(linger=1000)
         self.zctx.term()
+        log.debug("closed")
 
 
 def _layout_name(cl: CallLayout) -> str:
