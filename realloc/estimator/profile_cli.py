@@ -451,6 +451,12 @@ def _load_average() -> list[float] | None:
 
 def main(args: argparse.Namespace) -> int:
     job = build_job(args)
+    if job.device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < job.world:
+            raise ValueError(f"--device cuda needs {job.world} GPUs on this machine for tp {max(job.tps)} and the "
+                             f"collectives, found {torch.cuda.device_count()}")
     path = Path(args.out) if args.out else profiles_dir() / job.kind / f"{job.model_type}.json"
     t0 = time.time()
     load_before = _load_average()
