@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -97,7 +98,8 @@ def steady(res: dict, warmup: int) -> dict:
             "idle": max(0.0, 1 - sum(busy.values()) / span),
             "ov_median_ms": statistics.median(ov) * 1e3, "ov_mean_ms": statistics.fmean(ov) * 1e3,
             "requests_per_it": len(recs) / len(ms), "calls_per_it": n_calls / len(ms),
-            "reward": res["metrics"][-1].get("reward", float("nan"))}
+            "reward": res["metrics"][-1].get("reward", float("nan")),
+            "estimated": res["plan"].get("estimated_time")}
 
 
 def main() -> None:
@@ -105,8 +107,19 @@ def main() -> None:
     p.add_argument("--iterations", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--search-time", type=float, default=10.0)
+    p.add_argument("--keep", action="store_true", help="keep the run directories (printed at the end)")
     args = p.parse_args()
     base = Path(tempfile.mkdtemp(prefix="bench_runtime_"))
+    try:
+        report(args, base)
+    finally:
+        if args.keep:
+            print(f"\nrun directories: {base}")
+        else:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def report(args: argparse.Namespace, base: Path) -> None:
     jobs = [("heuristic", ["--baseline", "heuristic"]), ("searched", ["--search-time", str(args.search_time)])]
     for name in HAND:
         path = base / f"{name.replace(' ', '_').replace('/', '_').replace('|', '_')}.json"
@@ -121,7 +134,7 @@ def main() -> None:
     ref = ok.get("heuristic", {}).get("s_per_it")
     print(f"\ntiny PPO (batch 32, 8+8 tokens) on 2 CPU devices, {args.iterations} iterations, "
           f"median of iterations {args.warmup + 1}..{args.iterations}")
-    header = (f"{'plan':<18}{'s/iter':>8}{'tok/s':>8}{'vs heur.':>9}{'calls':>7}{'realloc':>8}{'data':>7}"
+    header = (f"{'plan':<18}{'est.':>7}{'s/iter':>8}{'tok/s':>8}{'vs heur.':>9}{'calls':>7}{'realloc':>8}{'data':>7}"
               f"{'idle':>7}{'ovh med':>9}{'ovh mean':>9}{'req/it':>7}{'reward':>8}")
     print(header)
     print("-" * len(header))
@@ -131,10 +144,11 @@ def main() -> None:
             continue
         s = ok[r["name"]]
         ratio = f"{ref / s['s_per_it']:.2f}x" if ref else "-"
-        print(f"{r['name']:<18}{s['s_per_it']:>8.3f}{s['tok_s']:>8.0f}{ratio:>9}{s['call']:>7.1%}{s['realloc']:>8.1%}"
+        est = f"{s['estimated']:.3f}" if s["estimated"] else "-"
+        print(f"{r['name']:<18}{est:>7}{s['s_per_it']:>8.3f}{s['tok_s']:>8.0f}{ratio:>9}{s['call']:>7.1%}{s['realloc']:>8.1%}"
               f"{s['data']:>7.1%}{s['idle']:>7.1%}{s['ov_median_ms']:>8.2f}m{s['ov_mean_ms']:>8.2f}m"
               f"{s['requests_per_it']:>7.0f}{s['reward']:>8.3f}")
-    print("\ncalls/realloc/data/idle: share of all devices' time; ovh: master overhead per request (ms), beyond "
+    print("\nest.: the plan's estimated s/iteration (search and baselines only); calls/realloc/data/idle: share of all devices' time; ovh: master overhead per request (ms), beyond "
           "the work and the queue ahead of it on its worker.")
     for r in results:
         if "plan" in r and r["name"] in ("heuristic", "searched"):

@@ -30,6 +30,7 @@ import asyncio
 import dataclasses
 import datetime
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -50,6 +51,8 @@ from realloc.runtime.transfer_plan import dp_ranges
 
 START_TIMEOUT = 600.0  # seconds for every worker to connect (importing megatron takes a while)
 SHUTDOWN_TIMEOUT = 60.0
+
+log = logging.getLogger("realloc.master")
 
 
 class RunFailed(Exception):
@@ -274,24 +277,37 @@ class Master:
     async def _receive(self) -> None:
         while True:
             frames = await self.sock.recv_multipart()
-            ident = frames[0].decode(errors="replace")
-            env = self.channel.try_unpack(frames[1:], expect_src=ident)
-            if env is None:
-                continue
-            body = env.body
-            if isinstance(body, protocol.Heartbeat) and ident == f"hb{body.rank}":
-                self.last_heartbeat[body.rank] = time.monotonic()
-                self.sock.send_multipart([ident.encode(), *self.channel.pack(ident, protocol.Heartbeat(rank=-1))])
-            elif isinstance(body, protocol.Hello) and ident == protocol.worker_name(body.rank):
-                self.hello[body.rank] = body
-                self.last_heartbeat.setdefault(body.rank, time.monotonic())
-            elif isinstance(body, protocol.Reply) and ident == protocol.worker_name(body.rank):
-                fut = self.futures.get((body.req, body.rank))
-                rec = self.pending[body.rank].pop(body.req, None)
-                if rec is not None:
-                    rec.received[body.rank] = time.time()
-                if fut is not None and not fut.done():
-                    fut.set_result(body)
+            try:
+                self._handle_incoming(frames)
+            except Exception as e:  # noqa: BLE001 - a bug here must stop the run, not leave it hanging
+                self.fail(f"master error while handling a worker message: {type(e).__name__}: {e}")
+
+    def _handle_incoming(self, frames: list[bytes]) -> None:
+        ident = frames[0].decode(errors="replace")
+        env = self.channel.try_unpack(frames[1:], expect_src=ident)
+        if env is None:
+            return
+        body = env.body
+        rank = getattr(body, "rank", None)
+        if not isinstance(rank, int) or not 0 <= rank < self.n_workers:
+            log.warning("master: dropped a %s from %r naming rank %r outside 0..%d", body.type, ident, rank,
+                        self.n_workers - 1)
+            return
+        if isinstance(body, protocol.Heartbeat) and ident == f"hb{rank}":
+            self.last_heartbeat[rank] = time.monotonic()
+            self.sock.send_multipart([ident.encode(), *self.channel.pack(ident, protocol.Heartbeat(rank=-1))])
+        elif isinstance(body, protocol.Hello) and ident == protocol.worker_name(rank):
+            self.hello[rank] = body
+            self.last_heartbeat.setdefault(rank, time.monotonic())
+        elif isinstance(body, protocol.Reply) and ident == protocol.worker_name(rank):
+            fut = self.futures.get((body.req, rank))
+            rec = self.pending[rank].pop(body.req, None)
+            if rec is not None:
+                rec.received[rank] = time.time()
+            if fut is not None and not fut.done():
+                fut.set_result(body)
+        else:
+            log.warning("master: dropped an unexpected %s from %r", body.type, ident)
 
     def _running_on(self, rank: int) -> str:
         if not self.pending[rank]:
