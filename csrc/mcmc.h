@@ -46,7 +46,7 @@ struct SearchOptions {
     int n_temps = 3;
     double ladder = 4.0;
     uint64_t seed = 0;
-    double accept_1pct = 0.05;
+    double accept_1pct = 0.2;
     double restart_margin = 0.02;
     // Proposal mix: any candidate of the call; same mesh and strategy (other n_mbs); same mesh
     // (other strategy); same shape, strategy and n_mbs at another position; a candidate on the

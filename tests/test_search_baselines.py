@@ -8,7 +8,9 @@ import pytest
 
 from realloc.algorithms.ppo_config import ppo_rpcs
 from realloc.api import auto, experiment_spec, load_experiment
+from realloc.estimator.cost import CostModel
 from realloc.graph.dataflow import build_graph
+from realloc.graph.plan import CallPlacement
 from realloc.models.config import get_model_config
 from realloc.search import baseline
 from realloc.search.baselines import split_meshes
@@ -27,15 +29,31 @@ def test_heuristic_reproduces_realhf_appendix_table5():
 
 
 def test_heuristic_adds_pipeline_stages_across_nodes_until_it_fits():
-    plan = baseline("experiments/ppo_70b_7b.py", "heuristic")
+    spec = load_experiment("experiments/ppo_70b_7b.py")
+    graph = build_graph(spec)
+    cost = CostModel(graph)
+    plan = baseline(spec, "heuristic", cost)
     got = set(placements(plan).values())
     assert len(got) == 1
     mesh, dp, tp, pp, m = got.pop()
     # 70B actor + ref and 7B critic + reward cannot share 128 GPUs with pp = 1 (each device would hold
     # the 70B model's states in full over tp = 8); stages are whole nodes.
     assert (mesh, tp) == ("trainer[01-16]", 8) and pp > 1 and 16 % pp == 0 and dp * tp * pp == 128
-    assert m == max(4, pp)
-    assert plan.estimated_peak_memory <= 80 * 2**30
+    assert m >= max(4, pp) and plan.estimated_peak_memory <= 80 * 2**30
+    # every (pp, n_mbs) the rule tries before it runs out of memory (the estimator's plan_memory)
+    mem = spec.cluster.device_memory
+    for pp_before in (1, 2, 4, 8):
+        for m_before in (4, 8, 16, 32, 64):
+            if (pp_before, m_before) >= (pp, m) or m_before < pp_before:
+                continue
+            trial = plan.model_copy(update={"placements": {
+                c: CallPlacement(mesh=mesh, dp=128 // (8 * pp_before), tp=8, pp=pp_before, n_mbs=m_before)
+                for c in plan.placements}})
+            try:
+                peak = max(cost.plan_memory(trial).values())
+            except ValueError:  # this micro-batch count does not divide some call's batch
+                continue
+            assert peak > mem, (pp_before, m_before)
 
 
 def test_colocate_dp_is_data_parallel_with_tp_generation():

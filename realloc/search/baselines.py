@@ -34,7 +34,7 @@ from realloc.api import InterfaceType
 from realloc.cluster import DeviceMesh
 from realloc.graph.dataflow import DataflowGraph
 from realloc.search.build import PlanSpace
-from realloc.search.candidates import Option
+from realloc.search.candidates import MAX_N_MBS, Option
 from realloc.search.engine import run_mcmc
 from realloc.strategy import ParallelStrategy, micro_batch_options, strategy_error
 
@@ -69,26 +69,34 @@ def _rule_strategy(graph: DataflowGraph, call: str, mesh: DeviceMesh) -> Paralle
     return ParallelStrategy(mesh.size, 1, 1) if graph.steps_n_seqs(call) % mesh.size == 0 else None
 
 
-def heuristic_filters(graph: DataflowGraph) -> list[tuple[int, OptionFilter]]:
-    """One option filter per candidate pp of the heuristic, smallest pp first."""
+def heuristic_plans(graph: DataflowGraph) -> list[dict[str, Option]]:
+    """The heuristic's plans in the order it tries them: fewest pipeline stages first, then
+    the fewest micro-batches (from 4, at least pp); the first that fits in memory is the heuristic."""
     cluster = graph.spec.cluster
     whole = cluster.whole
     tp = _node_tp(graph, cluster.n_devices_per_node)
     out = []
     for pp in [d for d in range(1, cluster.n_nodes + 1) if cluster.n_nodes % d == 0]:
         dp = cluster.n_devices // (tp * pp)
-        chosen: dict[str, Option] = {}
-        for c in graph.topo_order:
-            cfg = graph.model_config(c)
-            s = _rule_strategy(graph, c, whole) if cfg is None else ParallelStrategy(dp, tp, pp)
-            if s is None or (cfg is not None and strategy_error(cfg, s, whole.n_devs)):
-                break
-            m = _pick_n_mbs(graph, c, s.dp, max(HEURISTIC_N_MBS, s.pp))
-            if m is None:
-                break
-            chosen[c] = (whole, s, m)
-        else:
-            out.append((pp, lambda call, opt, chosen=chosen: opt == chosen[call]))
+        seen: set[tuple] = set()
+        want = max(HEURISTIC_N_MBS, pp)
+        while want <= MAX_N_MBS:
+            chosen: dict[str, Option] = {}
+            for c in graph.topo_order:
+                cfg = graph.model_config(c)
+                s = _rule_strategy(graph, c, whole) if cfg is None else ParallelStrategy(dp, tp, pp)
+                if s is None or (cfg is not None and strategy_error(cfg, s, whole.n_devs)):
+                    break
+                m = _pick_n_mbs(graph, c, s.dp, want)
+                if m is None:
+                    break
+                chosen[c] = (whole, s, m)
+            else:
+                key = tuple(sorted((c, o[2]) for c, o in chosen.items()))
+                if key not in seen:
+                    seen.add(key)
+                    out.append(chosen)
+            want *= 2
     return out
 
 

@@ -22,7 +22,7 @@ from realloc.estimator.cost import CostModel
 from realloc.estimator.memory import stage_call_memory
 from realloc.graph.dataflow import DATA, DataflowGraph
 from realloc.graph.plan import CallPlacement, ExecutionPlan, validate_plan
-from realloc.search.candidates import Option, call_options, prune
+from realloc.search.candidates import Option, call_options, footprint, prune
 from realloc.search.problem import CandidateArrays, PairCosts, SearchProblem, copy_pair_costs
 from realloc.strategy import ParallelStrategy
 
@@ -31,6 +31,8 @@ Layout = tuple[DeviceMesh, ParallelStrategy]
 # realhf.txt §4 unrolls the graph over iterations; 4 gives a steady state (T_4 - T_1) / 3
 # even when calls of consecutive iterations overlap.
 DEFAULT_ITERATIONS = 4
+# Priced pairs a table needs before its median stands in for unpriced ones.
+PROVISIONAL_MIN_KNOWN = 5
 # realhf.txt §5.2: "alpha is a large integer representing the OOM penalty".
 OOM_ALPHA = 100.0
 
@@ -44,14 +46,34 @@ def fmt_bytes(n: float) -> str:
 
 
 def _no_fit_message(call: str, cc: "CallCosts", device_memory: int, nodelist: str) -> str:
-    need = min(int(np.maximum(s + d, d + p).max(initial=0)) for s, d, p in zip(cc.static, cc.dynamic, cc.param))
-    i = min(range(len(cc.options)), key=lambda i: int(np.maximum(cc.static[i] + cc.dynamic[i],
-                                                                   cc.dynamic[i] + cc.param[i]).max(initial=0)))
+    i = min(range(len(cc.options)), key=lambda i: footprint(cc.static[i], cc.dynamic[i], cc.param[i]))
+    need = footprint(cc.static[i], cc.dynamic[i], cc.param[i])
     mesh, s, m = cc.options[i]
     return (f"nothing fits in memory: call {call!r} needs at least {fmt_bytes(need)} on one device even alone (its "
             f"smallest footprint: mesh {mesh.name} {s} n_mbs={m}), {fmt_bytes(need - device_memory)} more than the "
             f"{fmt_bytes(device_memory)} of a device of {nodelist!r}; use more or larger devices, or a smaller "
             f"batch or model")
+
+
+def canonical_layouts(graph: DataflowGraph, src: Layout, dst: Layout) -> tuple[Layout, Layout]:
+    """The same two layouts with the nodes they use relabelled 0, 1, ... in order.
+
+    On a homogeneous cluster (realhf.txt §4: identical devices, one intra- and one
+    inter-node bandwidth) a transfer's cost depends only on which devices share a node
+    and on the devices' order, which the relabelling keeps; pairs that differ by where
+    they sit then share one estimate.
+    """
+    cluster = graph.spec.cluster
+    used = sorted({n for mesh, _ in (src, dst) for n in range(mesh.first_node, mesh.first_node + mesh.n_nodes)})
+    rank = {n: i for i, n in enumerate(used)}
+
+    def move(layout: Layout) -> Layout:
+        mesh, s = layout
+        first = rank[mesh.first_node]
+        return DeviceMesh(cluster.nodes[first:first + mesh.n_nodes], first, mesh.dev_start, mesh.n_devs,
+                          mesh.devices_per_node), s
+
+    return move(src), move(dst)
 
 
 def home_calls(graph: DataflowGraph) -> dict[str, str]:
@@ -75,16 +97,20 @@ class CallCosts:
     param: tuple[np.ndarray, ...]
 
 
-def price_options(graph: DataflowGraph, cost: CostModel, call: str, options: Sequence[Option],
-                  is_home: bool) -> CallCosts:
-    """The estimator's time and per-stage memory of each option (memory.py rules 2-3)."""
+def price_options(graph: DataflowGraph, cost: CostModel, call: str, options: Sequence[Option], is_home: bool,
+                  device_memory: int | None = None, keep: set[Option] = frozenset()) -> CallCosts:
+    """The estimator's per-stage memory and time of each option (memory.py rules 2-3).
+
+    With ``device_memory``, options that cannot fit even alone (``candidates.footprint``)
+    are dropped before their time is estimated, unless they are in ``keep``.
+    """
     cfg = graph.model_config(call)
     trainable = graph.call(call).is_train
     work = cost.workload(call)
     memo: dict[tuple[ParallelStrategy, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-    times, static, dynamic, param = [], [], [], []
-    for mesh, s, m in options:
-        times.append(cost.call_cost(call, mesh, s, m).time)
+    kept, static, dynamic, param = [], [], [], []
+    for opt in options:
+        _, s, m = opt
         mem = memo.get((s, m))
         if mem is None:
             if cfg is None:
@@ -97,10 +123,14 @@ def price_options(graph: DataflowGraph, cost: CostModel, call: str, options: Seq
                        np.array([x.dynamic for x in st], np.int64),
                        np.array([x.params for x in st], np.int64))
             memo[s, m] = mem
+        if device_memory is not None and footprint(*mem) > device_memory and opt not in keep:
+            continue
+        kept.append(opt)
         static.append(mem[0])
         dynamic.append(mem[1])
         param.append(mem[2])
-    return CallCosts(tuple(options), np.array(times, np.float64), tuple(static), tuple(dynamic), tuple(param))
+    times = np.array([cost.call_cost(call, mesh, s, m).time for mesh, s, m in kept], np.float64)
+    return CallCosts(tuple(kept), times, tuple(static), tuple(dynamic), tuple(param))
 
 
 @dataclasses.dataclass
@@ -148,8 +178,12 @@ class PlanSpace:
                 if not opts:
                     raise ValueError(f"call {c!r}: no placement of cluster {cluster.nodelist!r} satisfies this plan "
                                      f"space's rules")
-            cc = price_options(graph, cost, c, opts, homes[graph.call(c).model_name] == c)
-            keep_rows, reasons = prune(cc, cluster.device_memory if prune_memory else None, kept[c])
+            mem = cluster.device_memory if prune_memory else None
+            cc = price_options(graph, cost, c, opts, homes[graph.call(c).model_name] == c, mem, kept[c])
+            if not cc.options:  # nothing fits: price everything, to say by how much
+                cc = price_options(graph, cost, c, opts, homes[graph.call(c).model_name] == c)
+            keep_rows, reasons = prune(cc, mem, kept[c])
+            reasons["memory"] += len(opts) - len(cc.options)
             pruned[c] = reasons
             priced.append(CallCosts(tuple(cc.options[i] for i in keep_rows), cc.time[keep_rows],
                                     tuple(cc.static[i] for i in keep_rows), tuple(cc.dynamic[i] for i in keep_rows),
@@ -167,17 +201,18 @@ class PlanSpace:
         calls = graph.topo_order
         models = tuple(dict.fromkeys(graph.call(c).model_name for c in calls))
         homes = home_calls(graph)
-        mesh_index = {m.name: i for i, m in enumerate(cluster.device_meshes())}
+        # Meshes are frozen dataclasses: keying by the object avoids formatting their names.
+        mesh_index = {m: i for i, m in enumerate(cluster.device_meshes())}
         if layouts_in is None:
-            layout_ids: list[dict[tuple[str, ParallelStrategy], int]] = [{} for _ in models]
+            layout_ids: list[dict[tuple[DeviceMesh, ParallelStrategy], int]] = [{} for _ in models]
             for c, cc in zip(calls, priced):
                 ids = layout_ids[models.index(graph.call(c).model_name)]
                 for mesh, s, _ in cc.options:
-                    ids.setdefault((mesh.name, s), len(ids))
-            layouts = tuple(tuple((cluster.mesh(name), s) for name, s in ids) for ids in layout_ids)
+                    ids.setdefault((mesh, s), len(ids))
+            layouts = tuple(tuple(ids) for ids in layout_ids)
         else:
             layouts = layouts_in
-            layout_ids = [{(mesh.name, s): j for j, (mesh, s) in enumerate(lays)} for lays in layouts]
+            layout_ids = [{(mesh, s): j for j, (mesh, s) in enumerate(lays)} for lays in layouts]
         arrays = []
         for c, cc in zip(calls, priced):
             ids = layout_ids[models.index(graph.call(c).model_name)]
@@ -187,8 +222,8 @@ class PlanSpace:
                 dev_lo=[mesh.device_ids[0] for mesh, _, _ in cc.options],
                 dev_hi=[mesh.device_ids[-1] + 1 for mesh, _, _ in cc.options],
                 stage_width=[s.dp * s.tp for _, s, _ in cc.options],
-                layout=[ids[mesh.name, s] for mesh, s, _ in cc.options],
-                mesh_id=[mesh_index[mesh.name] for mesh, _, _ in cc.options],
+                layout=[ids[mesh, s] for mesh, s, _ in cc.options],
+                mesh_id=[mesh_index[mesh] for mesh, _, _ in cc.options],
                 shape_class=[shapes.setdefault((mesh.shape, s, m), len(shapes)) for mesh, s, m in cc.options],
                 time=cc.time, mem_offset=np.r_[0, np.cumsum(pp)].astype(np.int64),
                 mem_static=np.concatenate(cc.static) if pp else [], mem_dynamic=np.concatenate(cc.dynamic) if pp else [],
@@ -239,23 +274,45 @@ class PlanSpace:
     # -- pricing pair costs --------------------------------------------------------------
     def price_missing(self, missing: np.ndarray) -> int:
         """Price (table, a, b) rows with the estimator; returns how many were new."""
+        return self.apply_prices(self.compute_prices(missing))
+
+    def compute_prices(self, missing: np.ndarray) -> dict[int, dict[tuple[int, int], float]]:
+        """The estimator's cost of each (table, a, b) row not priced yet. Reads only: safe to run in
+        another thread while the engine searches."""
         p, n_m = self.problem, self.problem.n_models
-        new: dict[int, dict[tuple[int, int], float]] = {}
+        out: dict[int, dict[tuple[int, int], float]] = {}
         for t, a, b in np.asarray(missing, np.int64).reshape(-1, 3).tolist():
-            table = p.table(t)
-            if (a, b) in table.known:
+            if (a, b) in p.table(t).known or (a, b) in out.get(t, ()):
                 continue
             if t < n_m:
-                cost = self.cost.realloc_cost(p.model_names[t], self.layouts[t][a], self.layouts[t][b])
+                src, dst = canonical_layouts(self.graph, self.layouts[t][a], self.layouts[t][b])
+                cost = self.cost.realloc_cost(p.model_names[t], src, dst)
             else:
                 u, v = p.data_edges[t - n_m]
-                cost = self.cost.data_transfer_cost(p.call_names[u], p.call_names[v],
-                                                    self.layouts[p.call_model[u]][a], self.layouts[p.call_model[v]][b])
-            table.known[a, b] = cost
-            new.setdefault(t, {})[a, b] = cost
-        for t, costs in new.items():
-            copy_pair_costs(self.cpp, t, costs)
-        return sum(len(x) for x in new.values())
+                src, dst = canonical_layouts(self.graph, self.layouts[p.call_model[u]][a],
+                                             self.layouts[p.call_model[v]][b])
+                cost = self.cost.data_transfer_cost(p.call_names[u], p.call_names[v], src, dst)
+            out.setdefault(t, {})[a, b] = cost
+        return out
+
+    def apply_prices(self, prices: dict[int, dict[tuple[int, int], float]]) -> int:
+        """Record computed prices in the tables and the engine (never while a search runs).
+
+        An unpriced pair then reads as the median of its table's priced pairs: a typical
+        cost, so that the chains are neither drawn to unpriced layouts (as by 0) nor kept
+        from them.
+        """
+        n = 0
+        for t, costs in prices.items():
+            table = self.problem.table(t)
+            new = {k: v for k, v in costs.items() if k not in table.known}
+            table.known.update(new)
+            copy_pair_costs(self.cpp, t, new)
+            n += len(new)
+            if new and len(table.known) >= PROVISIONAL_MIN_KNOWN:
+                table.provisional = float(np.median(np.fromiter(table.known.values(), np.float64)))
+                self.cpp.set_provisional(t, table.provisional)
+        return n
 
     def sync_pair_costs(self) -> None:
         """Copy pairs priced through another space sharing these tables into this space's engine."""

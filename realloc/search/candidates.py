@@ -56,6 +56,15 @@ def call_placements(graph: DataflowGraph, call: str, max_n_mbs: int = MAX_N_MBS)
     return [CallPlacement.of(mesh, s, m) for mesh, s, m in call_options(graph, call, max_n_mbs=max_n_mbs)]
 
 
+def footprint(static: np.ndarray, dynamic: np.ndarray, param: np.ndarray) -> int:
+    """Bytes the most loaded stage needs for the call alone (rule 1 of the module docstring).
+
+    For a home call ``static`` holds at least the parameters; for any other call it is 0
+    and the parameters count as a copy.
+    """
+    return int(np.maximum(static + dynamic, dynamic + param).max(initial=0))
+
+
 def prune(costs: "CallCosts", device_memory: int | None,
           keep: set[Option] = frozenset()) -> tuple[list[int], dict[str, int]]:
     """Rows of ``costs`` worth searching (rules in the module docstring), and how many each rule removed.
@@ -66,16 +75,15 @@ def prune(costs: "CallCosts", device_memory: int | None,
     reasons = {"memory": 0, "dominated n_mbs": 0}
     fits = []
     for i, opt in enumerate(costs.options):
-        # home: static (>= parameters) + dynamic; otherwise static is 0 and the copy counts
-        own = np.maximum(costs.static[i] + costs.dynamic[i], costs.dynamic[i] + costs.param[i])
-        if device_memory is None or int(own.max(initial=0)) <= device_memory or opt in keep:
+        own = footprint(costs.static[i], costs.dynamic[i], costs.param[i])
+        if device_memory is None or own <= device_memory or opt in keep:
             fits.append(i)
         else:
             reasons["memory"] += 1
-    groups: dict[tuple[str, ParallelStrategy], list[int]] = {}
+    groups: dict[tuple[DeviceMesh, ParallelStrategy], list[int]] = {}
     for i in fits:
         mesh, s, _ = costs.options[i]
-        groups.setdefault((mesh.name, s), []).append(i)
+        groups.setdefault((mesh, s), []).append(i)
     out = []
     for rows in groups.values():
         rows.sort(key=lambda i: (costs.time[i], costs.options[i][2]))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence
 
 import numpy as np
@@ -18,13 +19,26 @@ import numpy as np
 from realloc import _C
 from realloc.search.build import PlanSpace
 
-# Proposals per replica between two pricing rounds: ~0.1 s at 200k evaluations/s per thread.
+# Proposals per replica between two pricing rounds: the first rounds are short, so that the
+# transfer costs of the first promising plans are priced early; then up to ~0.1 s at 200k
+# evaluations/s per thread.
+FIRST_CHUNK = 256
 CHUNK = 8_000
-# Pending plans per chain whose missing pairs are priced each round.
-PENDING_PER_CHAIN = 8
+# Pending plans per chain whose missing pairs are priced each round: small batches come back
+# quickly (a reallocation pair costs the estimator ~30 ms on 128 devices).
+PENDING_PER_CHAIN = 4
 # realhf.txt §5.2 uses a fixed sampling temperature; ours accepts a plan 1% slower than the
 # best known with this probability.
-ACCEPT_1PCT = 0.05
+ACCEPT_1PCT = 0.2
+# Parallel tempering: replicas per chain, at temperatures T * LADDER**k.
+N_TEMPS = 3
+LADDER = 4.0
+
+
+def _timed(fn, *args):
+    t = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - t
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +69,9 @@ Progress = Callable[[float, int, dict], None]  # (seconds, evals, best evaluatio
 
 
 def run_mcmc(space: PlanSpace, *, time_limit: float | None = 10.0, max_evals: int | None = None, seed: int = 0,
-             n_chains: int = 2, n_threads: int = 2, n_temps: int = 3, starts: Sequence[np.ndarray] = (),
-             accept_1pct: float = ACCEPT_1PCT, progress: Progress | None = None) -> SearchOutcome:
+             n_chains: int = 2, n_threads: int = 2, n_temps: int = N_TEMPS, ladder: float = LADDER,
+             starts: Sequence[np.ndarray] = (), accept_1pct: float = ACCEPT_1PCT,
+             progress: Progress | None = None) -> SearchOutcome:
     """Search ``space`` until the time limit or the evaluation budget.
 
     Chain i starts from ``starts[i % len(starts)]``; the greedy plan (realhf.txt §5.2:
@@ -74,33 +89,68 @@ def run_mcmc(space: PlanSpace, *, time_limit: float | None = 10.0, max_evals: in
         space.evaluate(s)  # prices every start plan's pairs
     opts = _C.SearchOptions()
     opts.n_chains, opts.n_threads, opts.n_temps, opts.seed = n_chains, n_threads, n_temps, seed
-    opts.accept_1pct = accept_1pct
+    opts.accept_1pct, opts.ladder = accept_1pct, ladder
     search = _C.Search(space.cpp, opts, all_starts)
     priced = 0
     pricing = 0.0
     budget_per_chain = None if max_evals is None else max(1, max_evals // (n_chains * n_temps))
     done_per_chain = 0
-    while True:
-        chunk = CHUNK
-        if budget_per_chain is not None:
-            chunk = min(chunk, budget_per_chain - done_per_chain)
-            if chunk <= 0:
-                break
-        left = None if time_limit is None else time_limit - (time.perf_counter() - t0)
-        if left is not None and left <= 0:
-            break
-        stopped = search.run(chunk, left if left is not None else 0.0)
-        done_per_chain += chunk
+    chunk_size = FIRST_CHUNK
+    # With a time limit, the estimator prices pairs in a thread while the chains run (the engine
+    # releases the GIL); prices are applied between runs. With only a budget, pricing is
+    # synchronous, so that the result depends on the seed alone.
+    overlap = time_limit is not None
+    pool = ThreadPoolExecutor(1) if overlap else None
+    pending: Future | None = None
+
+    def price_round(submit: bool = True) -> None:
+        nonlocal pending, priced, pricing
         tp = time.perf_counter()
-        missing = search.missing_pairs(PENDING_PER_CHAIN)
+        if pending is not None:
+            prices, seconds = pending.result()
+            pending = None
+            pricing += seconds
+            new = space.apply_prices(prices)
+            priced += new
+            if new:
+                search.resolve()
+        missing = search.missing_pairs(PENDING_PER_CHAIN) if submit else ()
         if len(missing):
-            priced += space.price_missing(missing)
-            search.resolve()
-        pricing += time.perf_counter() - tp
-        if progress is not None:
-            progress(time.perf_counter() - t0, search.evals, search.best)
-        if stopped:
-            break
+            if overlap:
+                pending = pool.submit(_timed, space.compute_prices, missing)
+            else:
+                new = space.apply_prices(space.compute_prices(missing))
+                priced += new
+                if new:
+                    search.resolve()
+        if not overlap:
+            pricing += time.perf_counter() - tp
+
+    try:
+        while True:
+            chunk = chunk_size
+            chunk_size = min(CHUNK, 2 * chunk_size)
+            if budget_per_chain is not None:
+                chunk = min(chunk, budget_per_chain - done_per_chain)
+                if chunk <= 0:
+                    break
+            left = None if time_limit is None else time_limit - (time.perf_counter() - t0)
+            if left is not None and left <= 0:
+                break
+            stopped = search.run(chunk, left if left is not None else 0.0)
+            done_per_chain += chunk
+            # While the estimator still works on the last batch, the chains just keep going.
+            if pending is None or pending.done() or stopped:
+                price_round(submit=not stopped)
+            if progress is not None:
+                progress(time.perf_counter() - t0, search.evals, search.best)
+            if stopped:
+                break
+        if pending is not None:  # a batch started in time still counts
+            price_round(submit=False)
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
     best = np.asarray(search.best_plan, np.int32)
     history = tuple(tuple(h) for h in search.history)
     last = history[-1]

@@ -21,7 +21,7 @@ import numpy as np
 from realloc.api import AUTO_ATTR, ExperimentSpec, experiment_spec, load_experiment
 from realloc.estimator.cost import CostModel
 from realloc.graph.dataflow import DataflowGraph, build_graph
-from realloc.graph.plan import ExecutionPlan
+from realloc.graph.plan import CallPlacement, ExecutionPlan
 from realloc.search import baselines as bl
 from realloc.search.build import NoFitError, PlanSpace, fmt_bytes
 from realloc.search.engine import Progress, SearchStats, run_mcmc
@@ -54,17 +54,15 @@ class BaselineResult:
 def _baseline(graph: DataflowGraph, cost: CostModel, name: str, seed: int = 0) -> ExecutionPlan:
     source = f"baseline:{name}"
     if name == "heuristic":
-        options = bl.heuristic_filters(graph)
-        if not options:
+        tries = bl.heuristic_plans(graph)
+        if not tries:
             raise ValueError("the heuristic plan does not apply: no (dp, tp, pp) with tp inside a node and pp across "
                              "nodes divides every call's batch")
-        plan = None
-        for _, keep in options:  # smallest pp first; the first that fits in memory
-            space = PlanSpace.build(graph, cost, option_filter=keep, prune_memory=False)
-            plan = space.to_plan(space.fastest(), source)
-            if plan.estimated_peak_memory <= graph.spec.cluster.device_memory:
-                break
-        return plan
+        mem = graph.spec.cluster.device_memory
+        # fewest stages, then fewest micro-batches, that fit; else the first (reported as OOM)
+        chosen = next((t for t in tries if max(cost.plan_memory(_uniform_plan(graph, t)).values()) <= mem), tries[0])
+        space = PlanSpace.build(graph, cost, option_filter=lambda c, o: o == chosen[c], prune_memory=False)
+        return space.to_plan(space.fastest(), source)
     if name == "colocate-dp":
         keep = bl.colocate_filter(graph)
     elif name == "split":
@@ -76,6 +74,13 @@ def _baseline(graph: DataflowGraph, cost: CostModel, name: str, seed: int = 0) -
     except NoFitError:
         space = PlanSpace.build(graph, cost, option_filter=keep, prune_memory=False)
     return space.to_plan(bl.best_in(space, seed), source)
+
+
+def _uniform_plan(graph: DataflowGraph, options: dict) -> ExecutionPlan:
+    cluster = graph.spec.cluster
+    return ExecutionPlan(experiment=graph.spec.name, graph_digest=graph.digest, nodelist=cluster.nodelist,
+                         n_devices_per_node=cluster.n_devices_per_node, device=cluster.device,
+                         placements={c: CallPlacement.of(*o) for c, o in options.items()})
 
 
 def baseline(experiment: Any, name: str, cost: CostModel | None = None) -> ExecutionPlan:
