@@ -119,6 +119,11 @@ class LocalLauncher:
         self.run.logs.mkdir(parents=True, exist_ok=True)
         self.run.tmp.mkdir(parents=True, exist_ok=True)
         env = worker_env(self.run)
+        if sys.platform == "linux":
+            # Keep the workers' own collective sockets on loopback too (gloo and NCCL's bootstrap would
+            # otherwise use the interface the hostname resolves to).
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            env.setdefault("NCCL_SOCKET_IFNAME", "lo")
         for rank in range(self.config.world_size):
             log = open(self.run.worker_log(rank), "ab")
             self._logs.append(log)

@@ -31,6 +31,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import socket
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -115,8 +116,14 @@ class Master:
             self.port = master_port
         else:
             self.port = self.sock.bind_to_random_port(f"tcp://{bind_host}")
-        self.store = dist.TCPStore(bind_host, store_port, None, True, timeout=datetime.timedelta(minutes=30),
-                                   wait_for_workers=False)
+        # TCPStore alone listens on every interface; hand it a socket bound where we say (loopback locally).
+        self._store_sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._store_sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._store_sock.bind((bind_host, store_port))
+        self._store_sock.listen(1024)
+        self.store = dist.TCPStore(bind_host, self._store_sock.getsockname()[1], None, True,
+                                   timeout=datetime.timedelta(minutes=30), wait_for_workers=False,
+                                   master_listen_fd=self._store_sock.fileno())
         self.channel = protocol.Channel(secret, run_id, protocol.MASTER)
 
         self.next_req = 0
