@@ -164,7 +164,11 @@ class Master:
             await self._guard(self._run_iterations())
             shutdown = self._send(range(self.n_workers), "shutdown", "shutdown", -1, "shutdown",
                                   lambda req: protocol.Shutdown(req=req))
-            await self._guard(asyncio.wait_for(self._wait(shutdown), SHUTDOWN_TIMEOUT))
+            try:
+                await self._guard(asyncio.wait_for(self._wait(shutdown), SHUTDOWN_TIMEOUT))
+            except asyncio.TimeoutError:
+                raise RunFailed(f"workers did not acknowledge shutdown within {SHUTDOWN_TIMEOUT:.0f} s; they were "
+                                f"stopped (training itself finished)") from None
             if self.launcher is not None and not await asyncio.to_thread(self.launcher.wait_exit, 30.0):
                 self.launcher.stop()
         except BaseException as e:
