@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -92,6 +93,20 @@ def test_dry_run_without_slurm_is_a_one_line_error(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr and "--dry-run applies to --launcher slurm" in r.stderr
 
 
+def free_job_id() -> int:
+    """A job id whose derived ports (20000 + id % 20000 and 20000 more) are free on this machine right now."""
+    for job in range(os.getpid() % 20000, os.getpid() % 20000 + 200):
+        port = 20000 + job % 20000
+        try:
+            for p in (port, port + 20000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return job
+    raise RuntimeError("no free port pair for the fake SLURM job")
+
+
 FAKE_SRUN = """#!/bin/bash
 # Stands in for srun: runs the command once per task on this machine, like SLURM would on the nodes.
 n=1; args=()
@@ -113,7 +128,7 @@ def test_generated_script_trains_with_a_stand_in_srun(tmp_path):
     bindir.mkdir()
     (bindir / "srun").write_text(FAKE_SRUN)
     (bindir / "srun").chmod(0o755)
-    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "SLURM_JOB_ID": str(os.getpid() % 20000),
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "SLURM_JOB_ID": str(free_job_id()),
            "TMPDIR": str(tmp_path), "PYTHONPATH": str(REPO)}
     job = subprocess.run(["bash", "-c", r.stdout], env=env, cwd=tmp_path, capture_output=True, text=True,
                          timeout=300)
