@@ -279,8 +279,8 @@ class Master:
         self.trace.add(rec)
         bad = next((rep for rep in replies if not rep.ok), None)
         if bad is not None:
-            where = f"call {rec.label} (iteration {rec.iteration})" if rec.kind == "call" else \
-                f"{rec.label} (iteration {rec.iteration})"
+            it = f" (iteration {rec.iteration})" if rec.iteration >= 0 else ""
+            where = f"call {rec.label}{it}" if rec.kind == "call" else f"{rec.label}{it}"
             self.fail(f"worker {bad.rank} failed in {where}: {bad.error}; see {self.paths.worker_log(bad.rank)}")
             raise RunFailed(self.failure)
         return replies

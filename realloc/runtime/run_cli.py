@@ -98,6 +98,10 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"how many iterations? pass --iterations N or set `iterations` in {spec.name}")
     if total <= start:
         raise ValueError(f"--iterations {total}: the checkpoint already completed {start} iterations; ask for more")
+    if config.dataset is not None:  # fail here, in one line, rather than in every worker
+        from realloc.runtime.dataset import PromptDataset
+
+        PromptDataset.load(config.dataset, spec.prompt_len)
     plan = _choose_plan(args, spec, ckpt)
     program = RuntimeProgram(graph, plan)  # validates the plan against the experiment and cluster
     run = RunPaths(_run_dir(args, spec, ckpt).resolve())
