@@ -40,6 +40,16 @@ def test_profile_writes_a_complete_table(profile):
         # optimizer over 1, 2 and 4 layers: more parameters on 1 tp rank than split over 2
         assert [n for n, _ in sub.optimizer] == sorted(n for n, _ in sub.optimizer)
     assert profile.tp[1].optimizer[0][0] > profile.tp[2].optimizer[0][0]
+    # engine overheads are robust lines in tokens (b x s; b for a decode step), stored on the layer grid
+    for sub in profile.tp.values():
+        for key in ENGINE_KEYS:
+            g = sub.ops[key]
+            assert g.batch == [1, 2] and g.seq == ([1] if key == "engine.decode_step" else [8, 16])
+            if key != "engine.decode_step":
+                v = g.seconds
+                if min(map(min, v)) > 1e-7:  # an all-noise residual is stored as the floor
+                    slope = (v[0][1] - v[0][0]) / 8
+                    assert v[1][1] - v[0][0] == pytest.approx(slope * (32 - 8), rel=1e-6, abs=1e-12)
     ops = {(c.op, c.n) for c in profile.collectives}
     assert ops == {("broadcast", 2), ("all_reduce", 2), ("all_gather", 2), ("p2p", 2)}
     assert all(c.alpha > 0 or c.beta > 0 for c in profile.collectives)

@@ -77,7 +77,10 @@ class CostModel:
         else:
             tables = []
         self.profiles = tuple(t for t in tables if t.device_kind == self.cluster.device and t.dtype == self.hw.dtype)
-        fits = [c.fit() for t in self.profiles for c in t.collectives]
+        # collectives are a property of the machine, not of the model: where several tables
+        # measured the same one, the newest measurement wins
+        newest_last = sorted(self.profiles, key=lambda t: str(t.meta.get("created", "")))
+        fits = [c.fit() for t in newest_last for c in t.collectives]
         self.comm = CommModel(self.cluster, fits)
         self.eager_decode = eager_decode
         self._timers: dict[str, CallTimer] = {}
