@@ -265,7 +265,10 @@ PYBIND11_MODULE(_C, m) {
         .def_readwrite("p_strategy", &rl::SearchOptions::p_strategy)
         .def_readwrite("p_position", &rl::SearchOptions::p_position)
         .def_readwrite("p_colocate", &rl::SearchOptions::p_colocate)
-        .def_readwrite("p_swap", &rl::SearchOptions::p_swap);
+        .def_readwrite("p_swap", &rl::SearchOptions::p_swap)
+        .def_readwrite("p_heat", &rl::SearchOptions::p_heat)
+        .def_readwrite("heat_one", &rl::SearchOptions::heat_one)
+        .def_readwrite("heat_two", &rl::SearchOptions::heat_two);
 
     py::class_<rl::Search>(m, "Search", "Metropolis-Hastings chains over plans; see csrc/mcmc.h")
         .def(py::init([](const rl::Problem& p, const rl::SearchOptions& o, const Array<int32_t>& starts) {

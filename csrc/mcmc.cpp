@@ -58,6 +58,8 @@ Search::Search(const Problem& problem, const SearchOptions& options, const std::
     if (!(opt_.ladder >= 1.0)) throw std::invalid_argument("ladder must be >= 1");
     if (!(opt_.accept_1pct > 0.0 && opt_.accept_1pct < 1.0))
         throw std::invalid_argument("accept_1pct must be strictly between 0 and 1");
+    if (!(opt_.p_heat >= 0.0 && opt_.p_heat <= 1.0) || opt_.heat_one < 1 || opt_.heat_two < 1)
+        throw std::invalid_argument("p_heat must be in [0, 1] and heat_one, heat_two >= 1");
     const double mix[] = {opt_.p_any, opt_.p_mbs, opt_.p_strategy, opt_.p_position, opt_.p_colocate, opt_.p_swap};
     double total = 0;
     for (double x : mix) {
@@ -196,7 +198,19 @@ void Search::note_pending(Chain& ch, const Evaluation& ev, const std::vector<int
     if (pend.size() > kMaxPending) pend.pop_back();
 }
 
-void Search::step(Chain& ch, Replica& r, double temperature) {
+void Search::observe(Chain& ch, const Evaluation& ev, const std::vector<int32_t>& plan) {
+    if (better(ev, ch.best_ev)) {
+        if (ev.exact)
+            improve(ch, ev, plan);
+        else
+            note_pending(ch, ev, plan);
+    }
+}
+
+int Search::step(Chain& ch, Replica& r, double temperature, int64_t room) {
+    // A heat-bath move runs only if its largest block fits in what is left of the budget.
+    const int64_t largest = std::max<int64_t>(1 + opt_.heat_one, (1 + opt_.heat_two) * (1 + opt_.heat_two));
+    if (opt_.p_heat > 0 && ch.rng.uniform() < opt_.p_heat && room >= largest) return heat_bath(ch, r, temperature);
     int calls[2], to[2], from[2];
     const int n = propose(ch, r.cur, calls, to);
     for (int i = 0; i < n; ++i) {
@@ -204,18 +218,65 @@ void Search::step(Chain& ch, Replica& r, double temperature) {
         r.cur[calls[i]] = to[i];
     }
     const Evaluation ev = ch.ev.evaluate(r.cur.data());
-    if (better(ev, ch.best_ev)) {
-        if (ev.exact)
-            improve(ch, ev, r.cur);
-        else
-            note_pending(ch, ev, r.cur);
-    }
+    observe(ch, ev, r.cur);
     const double delta = ev.cost - r.cur_ev.cost;
     if (delta <= 0.0 || ch.rng.uniform() < std::exp(-delta / (temperature * r.temp_scale))) {
         r.cur_ev = ev;
     } else {
         for (int i = 0; i < n; ++i) r.cur[calls[i]] = from[i];
     }
+    return 1;
+}
+
+int Search::heat_bath(Chain& ch, Replica& r, double temperature) {
+    // A block of one or two calls; the current candidates are always among the sampled ones.
+    const int c = movable_[ch.rng.below(movable_.size())];
+    int d = -1;
+    if (movable_.size() > 1 && ch.rng.uniform() < 0.5) {
+        d = movable_[ch.rng.below(movable_.size() - 1)];
+        if (d == c) d = movable_.back();
+    }
+    auto sample = [&](int call, int want, std::vector<int32_t>& out) {
+        const int k = p_.cands[call].size();
+        out.assign(1, r.cur[call]);
+        if (k - 1 <= want) {
+            for (int i = 0; i < k; ++i)
+                if (i != r.cur[call]) out.push_back(i);
+        } else {
+            for (int i = 0; i < want; ++i) {
+                const int b = static_cast<int>(ch.rng.below(k - 1));
+                out.push_back(b >= r.cur[call] ? b + 1 : b);
+            }
+        }
+    };
+    sample(c, d < 0 ? opt_.heat_one : opt_.heat_two, ch.block_a);
+    if (d >= 0)
+        sample(d, opt_.heat_two, ch.block_b);
+    else
+        ch.block_b.assign(1, -1);
+    ch.block_ev.clear();
+    double lowest = 0.0;
+    for (int32_t x : ch.block_a)
+        for (int32_t y : ch.block_b) {
+            r.cur[c] = x;
+            if (d >= 0) r.cur[d] = y;
+            const Evaluation ev = ch.ev.evaluate(r.cur.data());
+            observe(ch, ev, r.cur);
+            if (ch.block_ev.empty() || ev.cost < lowest) lowest = ev.cost;
+            ch.block_ev.push_back(ev);
+        }
+    const double t = temperature * r.temp_scale;
+    ch.block_w.resize(ch.block_ev.size());
+    double total = 0.0;
+    for (size_t i = 0; i < ch.block_ev.size(); ++i) total += ch.block_w[i] = std::exp(-(ch.block_ev[i].cost - lowest) / t);
+    double u = ch.rng.uniform() * total;
+    size_t pick = 0;
+    while (pick + 1 < ch.block_w.size() && (u -= ch.block_w[pick]) >= 0.0) ++pick;
+    const size_t nb = ch.block_b.size();
+    r.cur[c] = ch.block_a[pick / nb];
+    if (d >= 0) r.cur[d] = ch.block_b[pick % nb];
+    r.cur_ev = ch.block_ev[pick];
+    return static_cast<int>(ch.block_ev.size());
 }
 
 void Search::exchange(Chain& ch, double temperature) {
@@ -244,11 +305,16 @@ void Search::run_chains(const std::vector<int>& ids, int64_t quota, std::chrono:
             Chain& ch = *chains_[id];
             const int64_t n = std::min(kSlice, quota - ch.done);
             if (n <= 0) continue;
+            int64_t evals = 0;
             for (Replica& r : ch.reps)
-                for (int64_t i = 0; i < n; ++i) step(ch, r, temperature);
+                for (int64_t i = 0; i < n;) {
+                    const int e = step(ch, r, temperature, n - i);
+                    i += e;
+                    evals += e;
+                }
             exchange(ch, temperature);
             ch.done += n;
-            evals_.fetch_add(n * static_cast<int64_t>(ch.reps.size()), std::memory_order_relaxed);
+            evals_.fetch_add(evals, std::memory_order_relaxed);
             more = more || ch.done < quota;
         }
         if (has_deadline && std::chrono::steady_clock::now() >= deadline) return;

@@ -52,6 +52,11 @@ struct SearchOptions {
     // (other strategy); same shape, strategy and n_mbs at another position; a candidate on the
     // mesh another call uses; two calls of one mesh shape exchange positions.
     double p_any = 0.2, p_mbs = 0.15, p_strategy = 0.2, p_position = 0.15, p_colocate = 0.2, p_swap = 0.1;
+    // Heat-bath block move: evaluate sampled candidate combinations of one or two calls and draw
+    // the next plan among them with Boltzmann weights (probability per step; costs many evals).
+    double p_heat = 0.05;
+    int heat_one = 32;  // candidates sampled for a one-call block
+    int heat_two = 8;   // candidates sampled per call for a two-call block
 };
 
 struct HistoryPoint {
@@ -106,18 +111,24 @@ private:
     };
     struct Chain {
         Chain(const Problem& p, uint64_t seed) : ev(p), rng(seed) {}
+        std::vector<int32_t> block_a, block_b;   // heat-bath workspace
+        std::vector<Evaluation> block_ev;
+        std::vector<double> block_w;
         Evaluator ev;
         Rng rng;
         std::vector<Replica> reps;
         std::vector<int32_t> best;
         Evaluation best_ev;
-        int64_t done = 0;                 // proposals per replica in the current run
+        int64_t done = 0;                 // evaluations per replica in the current run
         int64_t swaps_tried = 0, swaps_done = 0;
         std::vector<HistoryPoint> found;  // improvements of this chain's best in the current run
         std::vector<std::pair<Evaluation, std::vector<int32_t>>> pending;  // provisional, sorted by cost
     };
 
-    void step(Chain& ch, Replica& r, double temperature);
+    // One proposal evaluating at most `room` plans; returns how many it evaluated.
+    int step(Chain& ch, Replica& r, double temperature, int64_t room);
+    int heat_bath(Chain& ch, Replica& r, double temperature);
+    void observe(Chain& ch, const Evaluation& ev, const std::vector<int32_t>& plan);
     void exchange(Chain& ch, double temperature);
     // Proposes new candidates for one or two calls; returns how many (0: nothing to propose).
     int propose(Chain& ch, const std::vector<int32_t>& cur, int (&calls)[2], int (&to)[2]);

@@ -8,7 +8,7 @@ import pytest
 from realloc import _C
 from realloc.api import load_experiment
 from realloc.graph.dataflow import build_graph
-from realloc.search.build import PlanSpace, home_calls
+from realloc.search.build import PlanSpace, canonical_layouts, home_calls
 
 
 @pytest.fixture(scope="module")
@@ -36,26 +36,49 @@ def test_device_memory_equals_estimator_plan_memory(space):
 def test_node_durations_come_from_the_estimator(space):
     p, cost, graph = space.problem, space.cost, space.graph
     homes = home_calls(graph)
-    n_realloc = n_data = 0
+    n_realloc = n_data = n_offloaded = 0
     for idx in random_plans(space, 10, seed=4):
         space.evaluate(idx)  # prices what the plan needs
         layout = {name: space.options[c][int(idx[c])] for c, name in enumerate(p.call_names)}
         for kind, call, other, it, start, end, *_ in space.cpp.schedule(idx):
             name = p.call_names[call]
-            mesh, s, m = layout[name]
+            mesh, s, m, offloaded = layout[name]
             if kind == _C.NODE_CALL:
-                assert end - start == pytest.approx(cost.call_cost(name, mesh, s, m).time, rel=1e-9, abs=1e-9)
+                # an offloaded model is loaded from host memory before its call
+                load = cost.offload_cost(graph.call(name).model_name, (mesh, s)) if offloaded else 0.0
+                assert end - start == pytest.approx(cost.call_cost(name, mesh, s, m).time + load, rel=1e-9, abs=1e-9)
+                n_offloaded += offloaded
             elif kind == _C.NODE_REALLOC:
                 model = graph.call(name).model_name
                 assert p.call_names[other] == homes[model]
-                hm, hs, _ = layout[homes[model]]
+                hm, hs, *_ = layout[homes[model]]
                 assert end - start == pytest.approx(cost.realloc_cost(model, (hm, hs), (mesh, s)), rel=1e-9, abs=1e-9)
                 n_realloc += 1
             else:
                 src = p.call_names[other]
-                sm, ss, _ = layout[src]
+                sm, ss, *_ = layout[src]
                 want = cost.data_transfer_cost(src, name, (sm, ss), (mesh, s))
                 # a free transfer takes no time and occupies no device
                 assert end - start == pytest.approx(want, rel=1e-9, abs=1e-9) or (want == 0 and end == start)
                 n_data += 1
-    assert n_realloc > 0 and n_data > 0
+    assert n_realloc > 0 and n_data > 0 and n_offloaded > 0
+
+
+def test_canonical_relabelling_keeps_transfer_costs():
+    # Pairs are priced with the nodes they use relabelled 0, 1, ...; on a homogeneous cluster the
+    # estimator must give the same cost as for the original placement.
+    graph = build_graph(load_experiment("experiments/ppo_7b_34b.py"))  # 4 nodes
+    space = PlanSpace.build(graph)
+    p, cost = space.problem, space.cost
+    rng = np.random.default_rng(5)
+    actor = p.model_names.index("actor")
+    lays = space.layouts[actor]
+    moved = 0
+    for _ in range(12):
+        a, b = (lays[int(i)] for i in rng.integers(0, len(lays), 2))
+        ca, cb = canonical_layouts(graph, a, b)
+        moved += (ca[0], cb[0]) != (a[0], b[0])
+        assert cost.realloc_cost("actor", ca, cb) == pytest.approx(cost.realloc_cost("actor", a, b), rel=1e-12)
+        assert cost.data_transfer_cost("actor_gen", "ref_inf", ca, cb) == pytest.approx(
+            cost.data_transfer_cost("actor_gen", "ref_inf", a, b), rel=1e-12)
+    assert moved >= 6

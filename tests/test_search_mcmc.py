@@ -32,13 +32,14 @@ def ppo_on_4_devices(device_memory: int | None = None):
 
 
 def restricted(space: PlanSpace) -> PlanSpace:
-    """Per call: pp=1, the fewest micro-batches of each layout, meshes of 2 or 4 devices (7 candidates)."""
+    """Per call: pp=1, the fewest micro-batches of each layout, meshes of 2 or 4 devices, no offload
+    (7 candidates)."""
     keep = []
     for opts in space.options:
         rows, seen = [], set()
-        for i in sorted(range(len(opts)), key=lambda i: opts[i][2]):
-            mesh, s, m = opts[i]
-            if s.pp == 1 and mesh.size >= 2 and (mesh.name, s) not in seen:
+        for i in sorted(range(len(opts)), key=lambda i: (opts[i][2], opts[i][3])):
+            mesh, s, m, offload = opts[i]
+            if s.pp == 1 and mesh.size >= 2 and not offload and (mesh.name, s) not in seen:
                 seen.add((mesh.name, s))
                 rows.append(i)
         keep.append(sorted(rows))

@@ -27,6 +27,9 @@ from realloc.search.problem import CandidateArrays, PairCosts, SearchProblem, co
 from realloc.strategy import ParallelStrategy
 
 Layout = tuple[DeviceMesh, ParallelStrategy]
+# A candidate: mesh, strategy, micro-batches, and whether the (frozen) model waits in host memory
+# between its calls (ExecutionPlan.offload).
+Placement = tuple[DeviceMesh, ParallelStrategy, int, bool]
 
 # realhf.txt §4 unrolls the graph over iterations; 4 gives a steady state (T_4 - T_1) / 3
 # even when calls of consecutive iterations overlap.
@@ -48,7 +51,7 @@ def fmt_bytes(n: float) -> str:
 def _no_fit_message(call: str, cc: "CallCosts", device_memory: int, nodelist: str) -> str:
     i = min(range(len(cc.options)), key=lambda i: footprint(cc.static[i], cc.dynamic[i], cc.param[i]))
     need = footprint(cc.static[i], cc.dynamic[i], cc.param[i])
-    mesh, s, m = cc.options[i]
+    mesh, s, m, _ = cc.options[i]
     return (f"nothing fits in memory: call {call!r} needs at least {fmt_bytes(need)} on one device even alone (its "
             f"smallest footprint: mesh {mesh.name} {s} n_mbs={m}), {fmt_bytes(need - device_memory)} more than the "
             f"{fmt_bytes(device_memory)} of a device of {nodelist!r}; use more or larger devices, or a smaller "
@@ -90,27 +93,40 @@ def home_calls(graph: DataflowGraph) -> dict[str, str]:
 class CallCosts:
     """Time and per-stage memory of every option of one call, before numbering."""
 
-    options: tuple[Option, ...]
+    options: tuple[Placement, ...]
     time: np.ndarray
     static: tuple[np.ndarray, ...]  # per option, per stage bytes if this call holds the model's static memory
     dynamic: tuple[np.ndarray, ...]
     param: tuple[np.ndarray, ...]
 
 
+def offloadable(graph: DataflowGraph, call: str) -> bool:
+    """A frozen model with parameters and one call may wait in host memory between its calls.
+
+    (With several calls, offloading would be one choice shared by all of them.)
+    """
+    model = graph.call(call).model_name
+    calls = graph.calls_of_model(model)
+    return graph.model_config(call) is not None and len(calls) == 1 and not graph.call(call).is_train
+
+
 def price_options(graph: DataflowGraph, cost: CostModel, call: str, options: Sequence[Option], is_home: bool,
-                  device_memory: int | None = None, keep: set[Option] = frozenset()) -> CallCosts:
+                  device_memory: int | None = None, keep: set[Placement] = frozenset(),
+                  offload: bool = False) -> CallCosts:
     """The estimator's per-stage memory and time of each option (memory.py rules 2-3).
 
-    With ``device_memory``, options that cannot fit even alone (``candidates.footprint``)
+    With ``offload``, each option also comes offloaded: no static parameters, a copy while
+    the call runs, and the host-to-device load before it (``CostModel.offload_cost``).
+    With ``device_memory``, candidates that cannot fit even alone (``candidates.footprint``)
     are dropped before their time is estimated, unless they are in ``keep``.
     """
     cfg = graph.model_config(call)
+    model = graph.call(call).model_name
     trainable = graph.call(call).is_train
     work = cost.workload(call)
     memo: dict[tuple[ParallelStrategy, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
     kept, static, dynamic, param = [], [], [], []
-    for opt in options:
-        _, s, m = opt
+    for mesh, s, m in options:
         mem = memo.get((s, m))
         if mem is None:
             if cfg is None:
@@ -123,13 +139,19 @@ def price_options(graph: DataflowGraph, cost: CostModel, call: str, options: Seq
                        np.array([x.dynamic for x in st], np.int64),
                        np.array([x.params for x in st], np.int64))
             memo[s, m] = mem
-        if device_memory is not None and footprint(*mem) > device_memory and opt not in keep:
-            continue
-        kept.append(opt)
-        static.append(mem[0])
-        dynamic.append(mem[1])
-        param.append(mem[2])
-    times = np.array([cost.call_cost(call, mesh, s, m).time for mesh, s, m in kept], np.float64)
+        variants = [(False, mem)]
+        if offload:
+            variants.append((True, (np.zeros_like(mem[0]), mem[1] + mem[2], mem[2])))
+        for off, (st_, dy, pa) in variants:
+            cand = (mesh, s, m, off)
+            if device_memory is not None and footprint(st_, dy, pa) > device_memory and cand not in keep:
+                continue
+            kept.append(cand)
+            static.append(st_)
+            dynamic.append(dy)
+            param.append(pa)
+    times = np.array([cost.call_cost(call, mesh, s, m).time + (cost.offload_cost(model, (mesh, s)) if off else 0.0)
+                      for mesh, s, m, off in kept], np.float64)
     return CallCosts(tuple(kept), times, tuple(static), tuple(dynamic), tuple(param))
 
 
@@ -145,7 +167,7 @@ class PlanSpace:
     graph: DataflowGraph
     cost: CostModel
     problem: SearchProblem
-    options: tuple[tuple[Option, ...], ...]
+    options: tuple[tuple[Placement, ...], ...]
     layouts: tuple[tuple[Layout, ...], ...]
     pruned: dict[str, dict[str, int]]  # call -> reason -> count
 
@@ -153,37 +175,41 @@ class PlanSpace:
     @classmethod
     def build(cls, graph: DataflowGraph, cost: CostModel | None = None, *, keep: Iterable[ExecutionPlan] = (),
               option_filter: Callable[[str, Option], bool] | None = None, prune_memory: bool = True,
-              n_iterations: int = DEFAULT_ITERATIONS, max_n_mbs: int | None = None) -> "PlanSpace":
+              offload: bool = True, n_iterations: int = DEFAULT_ITERATIONS,
+              max_n_mbs: int | None = None) -> "PlanSpace":
         """Every useful placement of every call; the placements of ``keep`` plans always stay.
 
         ``option_filter(call, option)`` restricts the space (e.g. to a baseline's options);
-        ``prune_memory=False`` keeps placements that cannot fit, so that an OOM plan can be reported.
+        ``prune_memory=False`` keeps placements that cannot fit, so that an OOM plan can be reported;
+        ``offload`` lets frozen single-call models wait in host memory (``offloadable``).
         """
         cost = cost or CostModel(graph)
         cluster = graph.spec.cluster
         calls = graph.topo_order
         homes = home_calls(graph)
-        kept: dict[str, set[Option]] = {c: set() for c in calls}
+        kept: dict[str, set[Placement]] = {c: set() for c in calls}
         for plan in keep:
             meshes = validate_plan(plan, graph)
             for c in calls:
                 p = plan.placements[c]
-                kept[c].add((meshes[c], p.strategy, p.n_mbs))
+                kept[c].add((meshes[c], p.strategy, p.n_mbs, bool(plan.offload.get(graph.call(c).model_name))))
         priced, pruned = [], {}
         for c in calls:
             opts = call_options(graph, c, cluster, **({"max_n_mbs": max_n_mbs} if max_n_mbs else {}))
-            opts = list(dict.fromkeys(opts + sorted(kept[c] - set(opts), key=str)))
+            opts = list(dict.fromkeys(opts + sorted({k[:3] for k in kept[c]} - set(opts), key=str)))
             if option_filter is not None:
                 opts = [o for o in opts if option_filter(c, o)]
                 if not opts:
                     raise ValueError(f"call {c!r}: no placement of cluster {cluster.nodelist!r} satisfies this plan "
                                      f"space's rules")
             mem = cluster.device_memory if prune_memory else None
-            cc = price_options(graph, cost, c, opts, homes[graph.call(c).model_name] == c, mem, kept[c])
+            home = homes[graph.call(c).model_name] == c
+            off = offload and offloadable(graph, c)
+            cc = price_options(graph, cost, c, opts, home, mem, kept[c], off)
             if not cc.options:  # nothing fits: price everything, to say by how much
-                cc = price_options(graph, cost, c, opts, homes[graph.call(c).model_name] == c)
+                cc = price_options(graph, cost, c, opts, home, offload=off)
             keep_rows, reasons = prune(cc, mem, kept[c])
-            reasons["memory"] += len(opts) - len(cc.options)
+            reasons["memory"] += len(opts) * (2 if off else 1) - len(cc.options)
             pruned[c] = reasons
             priced.append(CallCosts(tuple(cc.options[i] for i in keep_rows), cc.time[keep_rows],
                                     tuple(cc.static[i] for i in keep_rows), tuple(cc.dynamic[i] for i in keep_rows),
@@ -207,7 +233,7 @@ class PlanSpace:
             layout_ids: list[dict[tuple[DeviceMesh, ParallelStrategy], int]] = [{} for _ in models]
             for c, cc in zip(calls, priced):
                 ids = layout_ids[models.index(graph.call(c).model_name)]
-                for mesh, s, _ in cc.options:
+                for mesh, s, *_ in cc.options:
                     ids.setdefault((mesh, s), len(ids))
             layouts = tuple(tuple(ids) for ids in layout_ids)
         else:
@@ -217,14 +243,14 @@ class PlanSpace:
         for c, cc in zip(calls, priced):
             ids = layout_ids[models.index(graph.call(c).model_name)]
             shapes: dict[tuple, int] = {}
-            pp = [s.pp for _, s, _ in cc.options]
+            pp = [s.pp for _, s, *_ in cc.options]
             arrays.append(CandidateArrays(
-                dev_lo=[mesh.device_ids[0] for mesh, _, _ in cc.options],
-                dev_hi=[mesh.device_ids[-1] + 1 for mesh, _, _ in cc.options],
-                stage_width=[s.dp * s.tp for _, s, _ in cc.options],
-                layout=[ids[mesh, s] for mesh, s, _ in cc.options],
-                mesh_id=[mesh_index[mesh] for mesh, _, _ in cc.options],
-                shape_class=[shapes.setdefault((mesh.shape, s, m), len(shapes)) for mesh, s, m in cc.options],
+                dev_lo=[mesh.device_ids[0] for mesh, *_ in cc.options],
+                dev_hi=[mesh.device_ids[-1] + 1 for mesh, *_ in cc.options],
+                stage_width=[s.dp * s.tp for _, s, *_ in cc.options],
+                layout=[ids[mesh, s] for mesh, s, *_ in cc.options],
+                mesh_id=[mesh_index[mesh] for mesh, *_ in cc.options],
+                shape_class=[shapes.setdefault((mesh.shape, s, m, off), len(shapes)) for mesh, s, m, off in cc.options],
                 time=cc.time, mem_offset=np.r_[0, np.cumsum(pp)].astype(np.int64),
                 mem_static=np.concatenate(cc.static) if pp else [], mem_dynamic=np.concatenate(cc.dynamic) if pp else [],
                 mem_param=np.concatenate(cc.param) if pp else []))
@@ -349,12 +375,14 @@ class PlanSpace:
         out = []
         for c, opts in zip(self.problem.call_names, self.options):
             p = plan.placements[c]
-            want = (meshes[c], p.strategy, p.n_mbs)
+            off = bool(plan.offload.get(self.graph.call(c).model_name))
+            want = (meshes[c], p.strategy, p.n_mbs, off)
             try:
                 out.append(opts.index(want))
             except ValueError:
-                raise ValueError(f"call {c!r}: placement {p.mesh} {p.strategy} n_mbs={p.n_mbs} is not among the "
-                                 f"candidates (it does not fit in memory or was pruned)") from None
+                raise ValueError(f"call {c!r}: placement {p.mesh} {p.strategy} n_mbs={p.n_mbs}"
+                                 f"{' offloaded' if off else ''} is not among the candidates (it does not fit in "
+                                 f"memory or was pruned)") from None
         return np.asarray(out, np.int32)
 
     def to_plan(self, indices: Sequence[int], source: str) -> ExecutionPlan:
@@ -363,15 +391,17 @@ class PlanSpace:
         ev = self.evaluate(idx)
         mem = self.cpp.memory(idx)
         p, cluster = self.problem, self.graph.spec.cluster
-        placements, times, memory = {}, {}, {}
+        placements, times, memory, offload = {}, {}, {}, {}
         for c, name in enumerate(p.call_names):
-            mesh, s, m = self.options[c][int(idx[c])]
+            mesh, s, m, off = self.options[c][int(idx[c])]
             placements[name] = CallPlacement.of(mesh, s, m)
             times[name] = float(p.candidates[c].time[int(idx[c])])
             memory[name] = int(mem["call_peak"][c])
+            if off:
+                offload[self.graph.call(name).model_name] = True
         return ExecutionPlan(experiment=self.graph.spec.name, graph_digest=self.graph.digest,
                              nodelist=cluster.nodelist, n_devices_per_node=cluster.n_devices_per_node,
-                             device=cluster.device, placements=placements, source=source,
+                             device=cluster.device, placements=placements, offload=offload, source=source,
                              estimated_time=float(ev["time"]), estimated_peak_memory=int(ev["peak_memory"]),
                              call_times=times, call_memory=memory)
 

@@ -8,9 +8,10 @@ pick, so the search never spends evaluations on them:
    its dynamic memory; for any other call it is its dynamic memory plus the
    parameters (either a reallocated copy, or the home layout's static memory, which
    holds at least the parameters). Other models can only add to it.
-2. dominated micro-batch counts: candidates with the same mesh and strategy have the
-   same layout, hence the same transfer costs; an n_mbs that is no faster and needs
-   no less dynamic memory on every stage than another one is never better.
+2. dominated micro-batch counts: candidates with the same mesh and strategy (and
+   offload choice) have the same layout, hence the same transfer costs and static
+   memory; an n_mbs that is no faster and needs no less dynamic memory on every stage
+   than another one is never better.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def footprint(static: np.ndarray, dynamic: np.ndarray, param: np.ndarray) -> int
 
 
 def prune(costs: "CallCosts", device_memory: int | None,
-          keep: set[Option] = frozenset()) -> tuple[list[int], dict[str, int]]:
+          keep: set = frozenset()) -> tuple[list[int], dict[str, int]]:
     """Rows of ``costs`` worth searching (rules in the module docstring), and how many each rule removed.
 
     Rows whose option is in ``keep`` (e.g. a baseline's placement) always stay; with
@@ -80,10 +81,10 @@ def prune(costs: "CallCosts", device_memory: int | None,
             fits.append(i)
         else:
             reasons["memory"] += 1
-    groups: dict[tuple[DeviceMesh, ParallelStrategy], list[int]] = {}
+    groups: dict[tuple, list[int]] = {}
     for i in fits:
-        mesh, s, _ = costs.options[i]
-        groups.setdefault((mesh, s), []).append(i)
+        opt = costs.options[i]
+        groups.setdefault(opt[:2] + opt[3:], []).append(i)  # everything but n_mbs
     out = []
     for rows in groups.values():
         rows.sort(key=lambda i: (costs.time[i], costs.options[i][2]))

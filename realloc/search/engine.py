@@ -24,9 +24,11 @@ from realloc.search.build import PlanSpace
 # evaluations/s per thread.
 FIRST_CHUNK = 256
 CHUNK = 8_000
-# Pending plans per chain whose missing pairs are priced each round: small batches come back
-# quickly (a reallocation pair costs the estimator ~30 ms on 128 devices).
-PENDING_PER_CHAIN = 4
+# Pending plans per chain whose missing pairs are priced each round. Overlapped with the search,
+# small batches come back quickly (a reallocation pair costs the estimator 10-100 ms on 128
+# devices); synchronous rounds cost no wall time, so they take more.
+PENDING_PER_CHAIN = 1
+PENDING_PER_CHAIN_SYNC = 4
 # realhf.txt §5.2 uses a fixed sampling temperature; ours accepts a plan 1% slower than the
 # best known with this probability.
 ACCEPT_1PCT = 0.2
@@ -71,11 +73,12 @@ Progress = Callable[[float, int, dict], None]  # (seconds, evals, best evaluatio
 def run_mcmc(space: PlanSpace, *, time_limit: float | None = 10.0, max_evals: int | None = None, seed: int = 0,
              n_chains: int = 2, n_threads: int = 2, n_temps: int = N_TEMPS, ladder: float = LADDER,
              starts: Sequence[np.ndarray] = (), accept_1pct: float = ACCEPT_1PCT,
-             progress: Progress | None = None) -> SearchOutcome:
+             progress: Progress | None = None, **engine_options: float) -> SearchOutcome:
     """Search ``space`` until the time limit or the evaluation budget.
 
     Chain i starts from ``starts[i % len(starts)]``; the greedy plan (realhf.txt §5.2:
     each call at its fastest standalone candidate) is always the first start.
+    ``engine_options`` set other fields of ``realloc._C.SearchOptions`` (e.g. p_heat).
     """
     if time_limit is None and max_evals is None:
         raise ValueError("give the search a time limit or an evaluation budget (max_evals)")
@@ -90,6 +93,10 @@ def run_mcmc(space: PlanSpace, *, time_limit: float | None = 10.0, max_evals: in
     opts = _C.SearchOptions()
     opts.n_chains, opts.n_threads, opts.n_temps, opts.seed = n_chains, n_threads, n_temps, seed
     opts.accept_1pct, opts.ladder = accept_1pct, ladder
+    for key, value in engine_options.items():
+        if not hasattr(opts, key):
+            raise ValueError(f"unknown search option {key!r}")
+        setattr(opts, key, value)
     search = _C.Search(space.cpp, opts, all_starts)
     priced = 0
     pricing = 0.0
@@ -114,7 +121,7 @@ def run_mcmc(space: PlanSpace, *, time_limit: float | None = 10.0, max_evals: in
             priced += new
             if new:
                 search.resolve()
-        missing = search.missing_pairs(PENDING_PER_CHAIN) if submit else ()
+        missing = search.missing_pairs(PENDING_PER_CHAIN if overlap else PENDING_PER_CHAIN_SYNC) if submit else ()
         if len(missing):
             if overlap:
                 pending = pool.submit(_timed, space.compute_prices, missing)

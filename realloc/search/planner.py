@@ -61,7 +61,8 @@ def _baseline(graph: DataflowGraph, cost: CostModel, name: str, seed: int = 0) -
         mem = graph.spec.cluster.device_memory
         # fewest stages, then fewest micro-batches, that fit; else the first (reported as OOM)
         chosen = next((t for t in tries if max(cost.plan_memory(_uniform_plan(graph, t)).values()) <= mem), tries[0])
-        space = PlanSpace.build(graph, cost, option_filter=lambda c, o: o == chosen[c], prune_memory=False)
+        space = PlanSpace.build(graph, cost, option_filter=lambda c, o: o == chosen[c], prune_memory=False,
+                                offload=False)
         return space.to_plan(space.fastest(), source)
     if name == "colocate-dp":
         keep = bl.colocate_filter(graph)
@@ -70,9 +71,9 @@ def _baseline(graph: DataflowGraph, cost: CostModel, name: str, seed: int = 0) -
     else:
         raise ValueError(f"unknown baseline {name!r}; choose one of {', '.join(bl.BASELINES)}")
     try:
-        space = PlanSpace.build(graph, cost, option_filter=keep, prune_memory=True)
+        space = PlanSpace.build(graph, cost, option_filter=keep, prune_memory=True, offload=False)
     except NoFitError:
-        space = PlanSpace.build(graph, cost, option_filter=keep, prune_memory=False)
+        space = PlanSpace.build(graph, cost, option_filter=keep, prune_memory=False, offload=False)
     return space.to_plan(bl.best_in(space, seed), source)
 
 
