@@ -80,8 +80,8 @@ def build_parser(commands: dict[str, Callable[[argparse.Namespace], int]] | None
     s.add_argument("--dry-run", action="store_true", help="only plan; do not launch workers")
     s.add_argument("--time", type=float, default=None, help="search time limit in seconds (default 10, or none "
                    "with --evals)")
-    s.add_argument("--evals", type=int, default=None, help="evaluation budget; with one --threads and no --time the "
-                   "result depends only on --seed")
+    s.add_argument("--evals", type=int, default=None, help="evaluation budget; with no --time the result depends "
+                   "only on --seed and --threads")
     s.add_argument("--threads", type=int, default=2, help="search threads (one MCMC chain each)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--baseline", default=None, choices=["heuristic", "colocate-dp", "split"],

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from realloc.api import load_experiment
 from realloc.cli import main
 from realloc.graph.dataflow import build_graph

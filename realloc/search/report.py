@@ -29,6 +29,9 @@ def plan_table(plan: ExecutionPlan, space: PlanSpace, indices: np.ndarray) -> st
         p = plan.placements[name]
         rows.append(f"{name:<16}{p.mesh:<20}{p.dp * p.tp * p.pp:>8}{p.dp:>4}{p.tp:>4}{p.pp:>4}{p.n_mbs:>5}"
                     f"{plan.call_times[name]:>10.3f}{_gib(mem['call_peak'][c]):>14}")
+    offloaded = sorted(m for m, on in plan.offload.items() if on)
+    if offloaded:
+        rows.append(f"offloaded to host memory between calls (load time included above): {', '.join(offloaded)}")
     return "\n".join(rows)
 
 
