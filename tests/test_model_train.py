@@ -17,6 +17,7 @@ from realloc.models.config import ModelConfig, get_model_config
 from realloc.models.hf_io import model_config_from_hf
 from realloc.models.sampling import GenerationConfig
 from realloc.models.weights import full_state_dict
+from realloc.runtime.offload import HostOffload
 from model_helpers import assemble, build_model, hf_token_logprobs, local_shards, tiny_hf_model
 from mp_pool import GlooPool, WorkerError
 
@@ -219,8 +220,9 @@ def _lifecycle(ctx, cfg):
     model.materialize()
     model.init_random(9)
     after = model.forward(batch, to_all_stages=True)
-    model.offload()
-    model.reload()
+    offload = HostOffload(model.params())
+    offload.offload()
+    offload.reload()
     again = model.forward(batch, to_all_stages=True)
     return freed, err, torch.equal(before, after), torch.equal(before, again)
 

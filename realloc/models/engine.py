@@ -29,8 +29,8 @@ Parameters for reallocation and checkpoints: :meth:`params` maps HF names to
 the local shards (the ``torch.nn.Parameter`` objects themselves, so writing
 into them in place updates the model and keeps optimizer state attached).
 ``init="empty"`` allocates without initializing (a destination layout);
-``release()``/``materialize()`` free and re-allocate the storage, and
-``offload()``/``reload()`` move it to host memory and back.
+``release()``/``materialize()`` free and re-allocate the storage; host
+offload of a frozen model is ``realloc.runtime.offload.HostOffload(model.params())``.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from realloc.models.generation import GenerationOutput
     from realloc.models.sampling import GenerationConfig
 
-ParamState = Literal["ready", "released", "offloaded"]
+ParamState = Literal["ready", "released"]
 
 
 @dataclasses.dataclass
@@ -197,24 +197,6 @@ class ParallelModel:
         self._require("released", "materialize")
         for name, p in self._params.items():
             p.data = torch.empty(self.specs[name].shard_shape(self.groups.tp), dtype=self.dtype, device=self.device)
-        self.state = "ready"
-
-    def offload(self) -> None:
-        """Move parameters to host memory (a no-op copy on CPU devices); values are kept."""
-        self._require("ready", "offload")
-        if self.device.type != "cpu":
-            for p in self._params.values():
-                host = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=True)
-                host.copy_(p.data, non_blocking=True)
-                p.data = host
-            torch.cuda.synchronize(self.device)
-        self.state = "offloaded"
-
-    def reload(self) -> None:
-        self._require("offloaded", "reload")
-        if self.device.type != "cpu":
-            for p in self._params.values():
-                p.data = p.data.to(self.device, non_blocking=True)
         self.state = "ready"
 
     def make_optimizer(self, lr: float, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95),
