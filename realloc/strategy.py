@@ -46,6 +46,22 @@ class ParallelStrategy:
         return f"dp{self.dp}·tp{self.tp}·pp{self.pp}"
 
 
+def even_ranges(n: int, parts: int) -> tuple[tuple[int, int], ...]:
+    """Split ``range(n)`` into ``parts`` contiguous [lo, hi) ranges whose sizes differ by at most one.
+
+    Earlier ranges take the remainder. Pipeline stages, dp shares of a batch and
+    micro-batches all split this way, so they agree on boundaries everywhere.
+    """
+    assert parts >= 1
+    base, extra = divmod(n, parts)
+    out, lo = [], 0
+    for i in range(parts):
+        hi = lo + base + (1 if i < extra else 0)
+        out.append((lo, hi))
+        lo = hi
+    return tuple(out)
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 

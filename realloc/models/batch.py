@@ -25,6 +25,8 @@ from typing import Mapping
 
 import torch
 
+from realloc.strategy import even_ranges
+
 Batch = Mapping[str, torch.Tensor]
 
 
@@ -119,13 +121,7 @@ def split_rows(layout: TokenLayout, n_mbs: int) -> list[tuple[int, int]]:
     if n_mbs < 1 or n_mbs > b:
         raise ValueError(f"n_mbs={n_mbs} must be between 1 and the batch size {b} "
                          f"(a packed batch is one row: use n_mbs=1 or pass padded rows)")
-    base, extra = divmod(b, n_mbs)
-    out, lo = [], 0
-    for i in range(n_mbs):
-        hi = lo + base + (1 if i < extra else 0)
-        out.append((lo, hi))
-        lo = hi
-    return out
+    return list(even_ranges(b, n_mbs))
 
 
 def split_batch(batch: Batch, n_mbs: int) -> list[dict[str, torch.Tensor]]:

@@ -29,6 +29,7 @@ from realloc.models.llama import KVCache, cache_mask
 from realloc.models.pipeline import StageLink
 from realloc.models.sampling import GenerationConfig, sample_tokens, sequence_generators
 from realloc.models.vocab_parallel import gather_vocab
+from realloc.strategy import even_ranges
 
 if TYPE_CHECKING:
     from realloc.models.engine import ParallelModel
@@ -114,12 +115,7 @@ def generate(model: "ParallelModel", prompts: Sequence[Sequence[int]] | Mapping[
     if P + gconfig.max_new_tokens > cfg.max_position_embeddings:
         raise ValueError(f"generate: longest prompt ({P}) + max_new_tokens ({gconfig.max_new_tokens}) exceeds "
                          f"max_position_embeddings ({cfg.max_position_embeddings}) of {cfg.name!r}")
-    base, extra = divmod(bsz, n_mbs)
-    outs, lo = [], 0
-    for i in range(n_mbs):
-        hi = lo + base + (1 if i < extra else 0)
-        outs.append(_generate_batch(model, rows[lo:hi], seq_ids[lo:hi], gconfig))
-        lo = hi
+    outs = [_generate_batch(model, rows[lo:hi], seq_ids[lo:hi], gconfig) for lo, hi in even_ranges(bsz, n_mbs)]
     return outs[0] if n_mbs == 1 else _concat(outs, gconfig.pad_token_id)
 
 

@@ -16,6 +16,7 @@ import dataclasses
 from functools import lru_cache
 
 from realloc.models.config import ModelConfig
+from realloc.strategy import even_ranges
 
 EMBED_LAYER = -1  # pseudo layer index of the input embedding
 
@@ -94,13 +95,7 @@ def stage_layer_ranges(n_layers: int, pp: int) -> tuple[tuple[int, int], ...]:
     """
     if not 1 <= pp <= n_layers:
         raise ValueError(f"pp={pp} must be between 1 and the number of layers ({n_layers})")
-    base, extra = divmod(n_layers, pp)
-    out, lo = [], 0
-    for s in range(pp):
-        hi = lo + base + (1 if s < extra else 0)
-        out.append((lo, hi))
-        lo = hi
-    return tuple(out)
+    return even_ranges(n_layers, pp)
 
 
 def stage_of_layer(n_layers: int, pp: int, layer: int) -> int:

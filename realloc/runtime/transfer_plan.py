@@ -63,7 +63,7 @@ from typing import Hashable, Iterable, Mapping, Sequence
 from realloc.cluster import DeviceMesh
 from realloc.models.config import ModelConfig
 from realloc.models.param_layout import ParamSpec, param_specs, stage_param_specs
-from realloc.strategy import ParallelStrategy
+from realloc.strategy import ParallelStrategy, even_ranges
 
 
 # --------------------------------------------------------------------------- layouts
@@ -127,13 +127,7 @@ class DataLayout:
 
 def dp_ranges(n: int, dp: int) -> tuple[tuple[int, int], ...]:
     """Contiguous [lo, hi) share of n sequences per dp rank; earlier ranks take the remainder."""
-    base, extra = divmod(n, dp)
-    out, lo = [], 0
-    for r in range(dp):
-        hi = lo + base + (1 if r < extra else 0)
-        out.append((lo, hi))
-        lo = hi
-    return tuple(out)
+    return even_ranges(n, dp)
 
 
 def shard_intervals(cfg: ModelConfig, layout: Layout, device: int) -> dict[str, tuple[ParamSpec, int, int]]:
