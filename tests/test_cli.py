@@ -47,3 +47,9 @@ def test_unimplemented_subcommand_says_so(capsys):
     args = parser.parse_args(["run", "experiments/ppo_tiny.py"])
     with pytest.raises(Exception, match="not implemented yet"):
         args.func(args)
+
+
+def test_run_rejects_zero_iterations_before_launching_anything():
+    out = run_cli("run", "experiments/ppo_tiny.py", "--iterations", "0", "--run-dir", "/nonexistent/never-created")
+    assert out.returncode == EXIT_USAGE
+    assert "--iterations must be a positive integer, got 0" in out.stderr and "Traceback" not in out.stderr

@@ -93,7 +93,9 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"--resume {ckpt}: the checkpoint was written by a different version of experiment "
                              f"{spec.name!r} (graph digest {meta.get('graph_digest')} != {graph.digest})")
         start = int(meta["next_iteration"])
-    total = args.iterations or config.iterations
+    if args.iterations is not None and args.iterations < 1:
+        raise ValueError(f"--iterations must be a positive integer, got {args.iterations}")
+    total = args.iterations if args.iterations is not None else config.iterations
     if total is None:
         raise ValueError(f"how many iterations? pass --iterations N or set `iterations` in {spec.name}")
     if total <= start:
