@@ -11,7 +11,9 @@ start as soon as their own dependencies are met, while iteration t is still fini
 
 Messages carry metadata only. The master knows where every piece of data lives (the producer's
 layout plus the ranges each device already received) and plans each transfer with the shared
-planner, so no device is sent data it holds.
+planner, so no device is sent data it holds. A call's outputs are sent to all their consumers as soon
+as it finishes (the augmented graph's data-transfer nodes follow their producer), so a transfer never
+waits behind work dispatched later on the producer's devices.
 
 Ordering. Every request gets the next number of one global sequence, and is sent to all of its
 participants in one synchronous step; workers execute requests in arrival order. So any two
@@ -137,6 +139,7 @@ class Master:
         self.done: dict[Node, asyncio.Event] = {}
         self.data_meta: dict[tuple[str, int], list[protocol.TensorMeta]] = {}
         self.cached: dict[tuple[str, int], dict[int, list[tuple[str, int, int]]]] = {}
+        self.pushed: dict[tuple[str, int], list[RequestRecord]] = {}  # (consumer, t) -> its input transfers
         self.known_groups = self._startup_groups()
         self.call_stats: dict[int, dict[str, dict[str, float]]] = {}
         self.node_times: dict[int, dict[str, float]] = {}
@@ -489,10 +492,9 @@ class Master:
     async def _call(self, n: Node) -> None:
         c, t = n.name, n.t
         rpc = self.graph.call(c)
-        recs = []
-        for key in rpc.input_data:
-            if key not in self.spec.dataset_keys:
-                recs += self._transfer(key, c, t)
+        # The inputs were sent when their producers finished (``_push_outputs``); each worker runs them
+        # before this call, which it received later.
+        recs = self.pushed.pop((c, t), [])
         call = self._send(self.program.calls[c].ranks, "call", c, t, c,
                           lambda req: protocol.RunCall(req=req, call=c, iteration=t))
         for rec in recs:
@@ -509,6 +511,20 @@ class Master:
             self.fail(f"call {c} (iteration {t}) produced no data for key {missing[0]!r}")
             raise RunFailed(self.failure)
         self.call_stats[t][c] = stats
+        self._push_outputs(c, t)
+
+    def _push_outputs(self, producer: str, t: int) -> None:
+        """Dispatch the transfers of ``producer``'s outputs to every consumer now, in topological order.
+
+        A data-transfer node follows its producer in the augmented graph (realhf.txt §4), which is how the
+        planner's simulator schedules it. Sent later, with the consumer, a transfer queues behind work
+        dispatched in between on the producer's devices, and the consumer's devices wait idle in it.
+        """
+        produced = set(self.graph.call(producer).output_data)
+        for consumer in self.graph.topo_order:
+            for key in self.graph.call(consumer).input_data:
+                if key in produced:
+                    self.pushed.setdefault((consumer, t), []).extend(self._transfer(key, consumer, t))
 
     def _transfer(self, key: str, consumer: str, t: int) -> list[RequestRecord]:
         metas = self.data_meta[(key, t)]
