@@ -78,12 +78,16 @@ PYBIND11_MODULE(_C, m) {
 
     py::class_<rl::Problem>(m, "Problem", "Search problem as arrays; see csrc/problem.h")
         .def(py::init([](int n_devices, int n_iterations, int64_t device_memory, double oom_alpha,
-                         const Array<int32_t>& call_model, const Array<int32_t>& model_home) {
+                         const Array<int32_t>& call_model, const Array<int32_t>& model_home, double dispatch_latency,
+                         int devices_per_node, double cores_per_node) {
                  auto p = std::make_unique<rl::Problem>();
                  p->n_devices = n_devices;
                  p->n_iterations = n_iterations;
                  p->device_memory = device_memory;
                  p->oom_alpha = oom_alpha;
+                 p->dispatch_latency = dispatch_latency;
+                 p->devices_per_node = devices_per_node;
+                 p->cores_per_node = cores_per_node;
                  p->call_model = to_vector(call_model, "call_model");
                  p->model_home = to_vector(model_home, "model_home");
                  p->cands.resize(p->call_model.size());
@@ -91,7 +95,8 @@ PYBIND11_MODULE(_C, m) {
                  return p;
              }),
              py::arg("n_devices"), py::arg("n_iterations"), py::arg("device_memory"), py::arg("oom_alpha"),
-             py::arg("call_model"), py::arg("model_home"))
+             py::arg("call_model"), py::arg("model_home"), py::arg("dispatch_latency") = 0.0,
+             py::arg("devices_per_node") = 0, py::arg("cores_per_node") = 0.0)
         .def(
             "set_candidates",
             [](rl::Problem& p, int call, const Array<int32_t>& dev_lo, const Array<int32_t>& dev_hi,

@@ -71,6 +71,10 @@ void Problem::finalize() {
     if (n_iterations < 3) fail("n_iterations must be at least 3 to measure a steady-state iteration");
     if (device_memory < 1) fail("device_memory must be positive");
     if (!(oom_alpha >= 1.0)) fail("oom_alpha must be at least 1");
+    if (!(dispatch_latency >= 0.0) || !std::isfinite(dispatch_latency)) fail("dispatch_latency must be finite and >= 0");
+    if (devices_per_node < 0 || (devices_per_node > 0 && n_devices % devices_per_node))
+        fail("devices_per_node must divide n_devices (or be 0 for one host)");
+    if (!(cores_per_node >= 0.0) || !std::isfinite(cores_per_node)) fail("cores_per_node must be finite and >= 0");
     if (n < 1) fail("the problem has no calls");
     if (static_cast<int>(cands.size()) != n) fail("need one candidate table per call");
     if (static_cast<int>(realloc.size()) != n_m) fail("need one reallocation table per model");
@@ -122,15 +126,20 @@ void Problem::finalize() {
         check_table(d.cost, n_layouts[call_model[d.src]], n_layouts[call_model[d.dst]], "data edge");
     }
 
-    // One iteration's nodes: before each call its reallocation node (if it is not the model's
-    // home) and one transfer node per incoming data edge. This order is topological.
+    // One iteration's nodes: before each call of a model with several calls its reallocation node
+    // (from the layout of the model's previous call, which for its first call is its last call of
+    // the previous iteration: the runtime moves the parameters along the chain of calls, so a
+    // generation layout costs a move there and one back), and one transfer node per incoming
+    // data edge. This order is topological.
     iter_nodes.clear();
     std::vector<int> call_pos(n), realloc_pos(n, -1), data_pos(data_edges.size());
     for (int c = 0; c < n; ++c) {
-        const int home = model_home[call_model[c]];
-        if (c != home) {
+        const auto& seq = model_calls[call_model[c]];
+        if (seq.size() > 1) {
+            const auto at = std::find(seq.begin(), seq.end(), c);
+            const int prev = at == seq.begin() ? seq.back() : *(at - 1);
             realloc_pos[c] = static_cast<int>(iter_nodes.size());
-            iter_nodes.push_back({NodeKind::kRealloc, c, home, call_model[c]});
+            iter_nodes.push_back({NodeKind::kRealloc, c, prev, call_model[c]});
         }
         for (size_t e = 0; e < data_edges.size(); ++e)
             if (data_edges[e].dst == c) {
@@ -148,9 +157,9 @@ void Problem::finalize() {
         const int base = t * per;
         for (int c = 0; c < n; ++c) {
             if (realloc_pos[c] < 0) continue;
-            // The copy is refreshed after the model's previous call, i.e. after the train step
-            // that produced the parameter version (realhf.txt §4: "consecutive function calls
-            // from the same model ... across two consecutive iterations").
+            // Parameters move after the model's previous call, e.g. after the train step that
+            // produced the parameter version (realhf.txt §4: "consecutive function calls from the
+            // same model ... across two consecutive iterations").
             const auto& seq = model_calls[call_model[c]];
             const int i = static_cast<int>(std::find(seq.begin(), seq.end(), c) - seq.begin());
             const int r = base + realloc_pos[c];

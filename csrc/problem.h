@@ -87,7 +87,7 @@ enum class NodeKind : uint8_t { kCall = 0, kRealloc = 1, kData = 2 };
 struct NodeTemplate {
     NodeKind kind;
     int call;   // the call this node runs or feeds
-    int other;  // realloc: the model's home call (source layout); data: the producing call
+    int other;  // realloc: the model's previous call (source layout); data: the producing call
     int table;  // pair-cost table id (realloc: model; data: n_models + edge); -1 for calls
 };
 
@@ -105,6 +105,16 @@ struct Problem {
     int n_iterations = 4;
     int64_t device_memory = 0;
     double oom_alpha = 100.0;
+    // Seconds from the end of a call or reallocation on its devices until the runtime's master has
+    // dispatched the requests that waited for it (reply, scheduling, request message): a delay on
+    // every edge out of a call or reallocation node. A call queued behind a data transfer on its
+    // workers follows it without a round trip through the master, so edges out of transfer nodes
+    // have none. 0 models an ideal dispatcher.
+    double dispatch_latency = 0.0;
+    // Hosts ("nodes") of devices_per_node consecutive devices share cores_per_node CPU cores; a
+    // device that runs something needs one (CPU devices run one thread each). 0 = enough cores.
+    int devices_per_node = 0;
+    double cores_per_node = 0.0;
     std::vector<int32_t> call_model;  // model of each call; calls are numbered in topological order
     std::vector<int32_t> model_home;  // the call whose layout holds the model's static memory
     std::vector<Candidates> cands;
@@ -124,6 +134,9 @@ struct Problem {
     int n_models() const { return static_cast<int>(model_home.size()); }
     int n_nodes() const { return static_cast<int>(iter_nodes.size()) * n_iterations; }
     int n_tables() const { return n_models() + static_cast<int>(data_edges.size()); }
+    int host_size() const { return devices_per_node > 0 ? devices_per_node : n_devices; }
+    // True when the devices of a host can be busy in greater number than it has cores.
+    bool shares_cores() const { return cores_per_node > 0.0 && cores_per_node < host_size(); }
     PairCosts& table(int id);
     const PairCosts& table(int id) const;
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <limits>
 
 namespace rl {
 
@@ -29,11 +30,21 @@ Evaluator::Evaluator(const Problem& problem) : p_(problem) {
     r2a_.resize(per);
     r2b_.resize(per);
     pass_.resize(per);
+    out_latency_.resize(per);
     ready_.resize(p_.n_nodes());
     remaining_.resize(p_.n_nodes());
     iter_end_.resize(p_.n_iterations);
     heap_.reserve(p_.n_nodes());
     mbp_.reserve(64);
+    if (p_.shares_cores()) {
+        host_start_.resize(per + 1);
+        queue_.resize(2 * n + 1);
+        queue_head_.resize(2 * n + 1);
+        finish_.resize(p_.n_nodes());
+        rate_.resize(p_.n_nodes());
+        start_.resize(p_.n_nodes());
+        host_busy_.resize(p_.n_devices / p_.host_size());
+    }
 }
 
 bool Evaluator::prepare(const int32_t* plan, std::vector<MissingPair>* missing) {
@@ -60,12 +71,13 @@ bool Evaluator::prepare(const int32_t* plan, std::vector<MissingPair>* missing) 
             node_cost_[j] = p_.cands[c].time[plan[c]];
             r2a_[j] = r2b_[j] = 0;
             pass_[j] = 0;
+            out_latency_[j] = p_.dispatch_latency;
             continue;
         }
         const int o = nt.other;
         const int la = p_.cands[o].layout[plan[o]], lb = p_.cands[c].layout[plan[c]];
         double cost = 0.0;
-        // A call on its model's home layout needs no copy: reallocation is free.
+        // Parameters already in the call's layout need no move: reallocation is free.
         if (nt.kind == NodeKind::kData || la != lb) {
             bool known;
             cost = p_.table(nt.table).get(la, lb, known);
@@ -77,10 +89,68 @@ bool Evaluator::prepare(const int32_t* plan, std::vector<MissingPair>* missing) 
         node_cost_[j] = cost;
         r2a_[j] = atom_lo_[o];
         r2b_[j] = atom_hi_[o];
-        // A free transfer occupies no device: its consumer waits only for the producer.
+        // A free transfer occupies no device and is no request: its consumer waits only for the producer.
         pass_[j] = cost == 0.0;
+        out_latency_[j] = nt.kind == NodeKind::kRealloc && !pass_[j] ? p_.dispatch_latency : 0.0;
+    }
+    if (p_.shares_cores()) {
+        // Busy devices each node adds per host: the union of its (at most two) device intervals.
+        const int h = p_.host_size();
+        host_load_.clear();
+        for (size_t j = 0; j < per; ++j) {
+            host_start_[j] = static_cast<int32_t>(host_load_.size());
+            if (pass_[j]) continue;
+            const NodeTemplate& nt = p_.iter_nodes[j];
+            int lo1 = p_.cands[nt.call].dev_lo[plan[nt.call]], hi1 = p_.cands[nt.call].dev_hi[plan[nt.call]];
+            int lo2 = lo1, hi2 = lo1;
+            if (nt.other >= 0) {
+                lo2 = p_.cands[nt.other].dev_lo[plan[nt.other]];
+                hi2 = p_.cands[nt.other].dev_hi[plan[nt.other]];
+            }
+            if (lo2 < hi2 && lo2 <= hi1 && lo1 <= hi2) {  // overlapping or touching: one interval
+                lo1 = std::min(lo1, lo2);
+                hi1 = std::max(hi1, hi2);
+                lo2 = hi2 = 0;
+            }
+            for (const auto& [lo, hi] : {std::pair<int, int>{lo1, hi1}, std::pair<int, int>{lo2, hi2}})
+                for (int x = lo; x < hi; x = (x / h + 1) * h) {
+                    const int32_t host = x / h;
+                    const int32_t count = std::min(hi, (host + 1) * h) - x;
+                    if (host_load_.size() > static_cast<size_t>(host_start_[j]) && host_load_.back().first == host)
+                        host_load_.back().second += count;
+                    else
+                        host_load_.emplace_back(host, count);
+                }
+        }
+        host_start_[per] = static_cast<int32_t>(host_load_.size());
     }
     return exact;
+}
+
+void Evaluator::record(const int32_t* plan, std::vector<NodeRecord>* records, int v, double start,
+                       double end) const {
+    const int per = static_cast<int>(p_.iter_nodes.size());
+    const NodeTemplate& nt = p_.iter_nodes[v % per];
+    NodeRecord r{static_cast<int>(nt.kind), nt.call, nt.other, v / per, start, end,
+                 p_.cands[nt.call].dev_lo[plan[nt.call]], p_.cands[nt.call].dev_hi[plan[nt.call]], 0, 0};
+    if (nt.other >= 0) {
+        r.lo2 = p_.cands[nt.other].dev_lo[plan[nt.other]];
+        r.hi2 = p_.cands[nt.other].dev_hi[plan[nt.other]];
+    }
+    (*records)[v] = r;
+}
+
+void Evaluator::release_children(int v, double end) {
+    const int per = static_cast<int>(p_.iter_nodes.size());
+    const double ready = end + out_latency_[v % per];
+    for (int i = p_.child_start[v]; i < p_.child_start[v + 1]; ++i) {
+        const int u = p_.children[i];
+        ready_[u] = std::max(ready_[u], ready);
+        if (--remaining_[u] == 0) {
+            heap_.emplace_back(ready_[u], u);
+            std::push_heap(heap_.begin(), heap_.end(), std::greater<HeapItem>());
+        }
+    }
 }
 
 void Evaluator::simulate(const int32_t* plan, std::vector<NodeRecord>* records) {
@@ -91,14 +161,15 @@ void Evaluator::simulate(const int32_t* plan, std::vector<NodeRecord>* records) 
     std::fill(ready_.begin(), ready_.end(), 0.0);
     std::fill(iter_end_.begin(), iter_end_.end(), 0.0);
     std::copy(p_.n_parents.begin(), p_.n_parents.end(), remaining_.begin());
+    if (records) records->assign(total, NodeRecord{});
     heap_.clear();
     auto later = std::greater<HeapItem>();
     for (int v = 0; v < total; ++v)
         if (remaining_[v] == 0) heap_.emplace_back(0.0, v);
     std::make_heap(heap_.begin(), heap_.end(), later);
 
-    // Algorithm 1 (realhf-appendix.txt): take the ready node with the smallest ready time (ties:
-    // the lowest node index); it starts when its mesh's devices are all free.
+    // Algorithm 1: take the ready node with the smallest ready time (ties: the lowest node index);
+    // it starts when its mesh's devices are all free.
     while (!heap_.empty()) {
         std::pop_heap(heap_.begin(), heap_.end(), later);
         const auto [ready, v] = heap_.back();
@@ -114,24 +185,136 @@ void Evaluator::simulate(const int32_t* plan, std::vector<NodeRecord>* records) 
         }
         const int t = v / per;
         iter_end_[t] = std::max(iter_end_[t], end);
-        if (records) {
-            const NodeTemplate& nt = p_.iter_nodes[j];
-            NodeRecord r{static_cast<int>(nt.kind), nt.call, nt.other, t, start, end,
-                         p_.cands[nt.call].dev_lo[plan[nt.call]], p_.cands[nt.call].dev_hi[plan[nt.call]], 0, 0};
-            if (nt.other >= 0) {
-                r.lo2 = p_.cands[nt.other].dev_lo[plan[nt.other]];
-                r.hi2 = p_.cands[nt.other].dev_hi[plan[nt.other]];
+        if (records) record(plan, records, v, start, end);
+        release_children(v, end);
+    }
+}
+
+void Evaluator::simulate_shared(const int32_t* plan, std::vector<NodeRecord>* records) {
+    const int per = static_cast<int>(p_.iter_nodes.size());
+    const int total = p_.n_nodes();
+    const int n_atoms = static_cast<int>(bp_.size()) - 1;
+    const double cores = p_.cores_per_node;
+    for (int a = 0; a < n_atoms; ++a) {
+        queue_[a].clear();
+        queue_head_[a] = 0;
+    }
+    std::fill(ready_.begin(), ready_.end(), 0.0);
+    std::fill(iter_end_.begin(), iter_end_.end(), 0.0);
+    std::copy(p_.n_parents.begin(), p_.n_parents.end(), remaining_.begin());
+    if (records) records->assign(total, NodeRecord{});
+    waiting_.clear();
+    running_.clear();
+    heap_.clear();
+    auto later = std::greater<HeapItem>();
+    for (int v = 0; v < total; ++v)
+        if (remaining_[v] == 0) heap_.emplace_back(0.0, v);
+    std::make_heap(heap_.begin(), heap_.end(), later);
+
+    // The atoms of template node j: r1, then the part of r2 outside r1.
+    auto for_atoms = [&](int j, auto&& fn) {
+        for (int a = r1a_[j]; a < r1b_[j]; ++a) fn(a);
+        for (int a = r2a_[j]; a < r2b_[j]; ++a)
+            if (a < r1a_[j] || a >= r1b_[j]) fn(a);
+    };
+    auto finish = [&](int v, double end) {
+        const int t = v / per;
+        iter_end_[t] = std::max(iter_end_[t], end);
+        if (records) record(plan, records, v, start_[v], end);
+        release_children(v, end);
+    };
+    // Processor sharing: a host with more busy devices than cores runs them at cores / busy; a
+    // node whose rate changes keeps its remaining work, now done at the new rate.
+    auto update_rates = [&](double now) {
+        std::fill(host_busy_.begin(), host_busy_.end(), 0.0);
+        for (int v : running_)
+            for (int k = host_start_[v % per]; k < host_start_[v % per + 1]; ++k)
+                host_busy_[host_load_[k].first] += host_load_[k].second;
+        for (int v : running_) {
+            double rate = 1.0;
+            for (int k = host_start_[v % per]; k < host_start_[v % per + 1]; ++k)
+                rate = std::min(rate, cores / host_busy_[host_load_[k].first]);
+            if (rate != rate_[v]) {
+                finish_[v] = now + (finish_[v] - now) * rate_[v] / rate;
+                rate_[v] = rate;
             }
-            records->push_back(r);
         }
-        for (int i = p_.child_start[v]; i < p_.child_start[v + 1]; ++i) {
-            const int u = p_.children[i];
-            ready_[u] = std::max(ready_[u], end);
-            if (--remaining_[u] == 0) {
-                heap_.emplace_back(ready_[u], u);
-                std::push_heap(heap_.begin(), heap_.end(), later);
+    };
+    auto dequeue = [&](int v) { for_atoms(v % per, [&](int a) { ++queue_head_[a]; }); };
+    auto first_in_line = [&](int v) {
+        bool first = true;
+        for_atoms(v % per, [&](int a) { first = first && queue_[a][queue_head_[a]] == v; });
+        return first;
+    };
+    // Start node v now; a node of no duration also ends now (returns true).
+    auto begin = [&](int v, double now) {
+        start_[v] = now;
+        if (node_cost_[v % per] == 0.0) {
+            dequeue(v);
+            finish(v, now);
+            return true;
+        }
+        finish_[v] = now + node_cost_[v % per];
+        rate_[v] = 1.0;
+        running_.push_back(v);
+        return false;
+    };
+    double now = 0.0;
+    while (true) {
+        // 1. What ends now leaves its queues, in node order.
+        done_.clear();
+        for (size_t i = 0; i < running_.size();) {
+            if (finish_[running_[i]] <= now) {
+                done_.push_back(running_[i]);
+                running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(i));
+            } else {
+                ++i;
             }
         }
+        std::sort(done_.begin(), done_.end());
+        for (int v : done_) {
+            dequeue(v);
+            finish(v, now);
+        }
+        // 2. Nodes already dispatched start when first in line on all their devices (one of no
+        //    duration ends at once and may let the next ones start).
+        for (bool scan = true; scan;) {
+            scan = false;
+            for (size_t i = 0; i < waiting_.size();) {
+                const int v = waiting_[i];
+                if (!first_in_line(v)) {
+                    ++i;
+                    continue;
+                }
+                waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
+                if (begin(v, now)) {
+                    scan = true;
+                    break;
+                }
+            }
+        }
+        // 3. Dispatch, one node at a time in Algorithm 1's order, everything ready by now.
+        while (!heap_.empty() && heap_.front().first <= now) {
+            std::pop_heap(heap_.begin(), heap_.end(), later);
+            const auto [ready, v] = heap_.back();
+            heap_.pop_back();
+            if (pass_[v % per]) {  // a free transfer: no request, no device
+                start_[v] = ready;
+                finish(v, ready);
+                continue;
+            }
+            for_atoms(v % per, [&](int a) { queue_[a].push_back(v); });
+            if (first_in_line(v))
+                begin(v, now);
+            else
+                waiting_.push_back(v);
+        }
+        update_rates(now);
+        double next = std::numeric_limits<double>::infinity();
+        for (int v : running_) next = std::min(next, finish_[v]);
+        if (!heap_.empty()) next = std::min(next, heap_.front().first);
+        if (next == std::numeric_limits<double>::infinity()) break;
+        now = next;
     }
 }
 
@@ -186,7 +369,10 @@ void Evaluator::check_memory(const int32_t* plan, Evaluation& ev) {
 Evaluation Evaluator::evaluate(const int32_t* plan, std::vector<MissingPair>* missing) {
     Evaluation ev;
     ev.exact = prepare(plan, missing);
-    simulate(plan, nullptr);
+    if (p_.shares_cores())
+        simulate_shared(plan, nullptr);
+    else
+        simulate(plan, nullptr);
     const int K = p_.n_iterations;
     ev.makespan = iter_end_[K - 1];
     ev.time = (iter_end_[K - 1] - iter_end_[0]) / (K - 1);
@@ -203,8 +389,11 @@ std::vector<NodeRecord> Evaluator::schedule(const int32_t* plan) {
     std::vector<NodeRecord> out;
     out.reserve(p_.n_nodes());
     prepare(plan, nullptr);
-    simulate(plan, &out);
-    return out;
+    if (p_.shares_cores())
+        simulate_shared(plan, &out);
+    else
+        simulate(plan, &out);
+    return out;  // in node order: iteration, then the iteration's node order
 }
 
 MemoryReport Evaluator::memory(const int32_t* plan) {

@@ -4,6 +4,18 @@
 // into at most 2 * n_calls + 1 intervals whose devices always do the same thing, so the
 // scheduler tracks one free-time per atom instead of one per device. This is exact because every
 // node's device set is one call mesh or the union of two.
+//
+// Time. Algorithm 1 (realhf-appendix.txt) takes the ready node with the smallest ready time (ties:
+// the lowest node index) and starts it once all its devices are free. That is the runtime's
+// behaviour: the master dispatches a node when its dependencies are done (plus the dispatch
+// latency, Problem::dispatch_latency) and every worker runs its requests in arrival order.
+//
+// Shared cores. When a host's devices can outnumber its CPU cores (Problem::shares_cores), nodes
+// running at the same time slow each other down: a host with b busy devices and c < b cores runs
+// each at rate c / b (processor sharing), and a node spanning hosts runs at its slowest host's
+// rate. Durations then depend on what overlaps, so that case runs an event-driven version of the
+// same schedule (per-device queues in dispatch order; rates recomputed at every start and end),
+// which equals Algorithm 1 whenever no host is oversubscribed.
 #pragma once
 
 #include <cstdint>
@@ -56,6 +68,9 @@ public:
 private:
     bool prepare(const int32_t* plan, std::vector<MissingPair>* missing);
     void simulate(const int32_t* plan, std::vector<NodeRecord>* records);
+    void simulate_shared(const int32_t* plan, std::vector<NodeRecord>* records);
+    void record(const int32_t* plan, std::vector<NodeRecord>* records, int v, double start, double end) const;
+    void release_children(int v, double end);
     void check_memory(const int32_t* plan, Evaluation& ev);
 
     const Problem& p_;
@@ -66,10 +81,19 @@ private:
     std::vector<double> node_cost_;
     std::vector<int32_t> r1a_, r1b_, r2a_, r2b_;
     std::vector<uint8_t> pass_;
+    std::vector<double> out_latency_;  // per template node: delay on its edges to its children
+    // per template node: (host, busy devices) it adds while it runs (shared-core mode only)
+    std::vector<int32_t> host_start_;
+    std::vector<std::pair<int32_t, int32_t>> host_load_;
     // scheduling state
     std::vector<double> ready_, iter_end_;
     std::vector<int32_t> remaining_;
     std::vector<std::pair<double, int32_t>> heap_;
+    // shared-core mode: per-atom FIFO queues of node ids, dispatched-but-waiting and running nodes
+    std::vector<std::vector<int32_t>> queue_;
+    std::vector<size_t> queue_head_;
+    std::vector<int32_t> waiting_, running_, done_;
+    std::vector<double> finish_, rate_, start_, host_busy_;
     // memory atoms
     std::vector<int32_t> mbp_;
 };

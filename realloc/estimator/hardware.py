@@ -54,7 +54,14 @@ class HardwareSpec(BaseModel):
                                         description="seconds of host work per generated token per micro-batch "
                                                     "(sampling bookkeeping, stop checks) that no kernel covers")
     call_overhead: float = Field(default=0.0, ge=0,
-                                 description="seconds to dispatch one function call to its workers")
+                                 description="seconds a function call costs beyond its model work: the workers' "
+                                             "handling of the request and the interface's own host work where "
+                                             "no profile measured it")
+    dispatch_latency: float = Field(default=0.0, ge=0,
+                                    description="seconds from the end of a call (or reallocation) on its workers "
+                                                "until the master has dispatched the requests that waited for it: "
+                                                "reply, scheduling, request message (the planner's simulator "
+                                                "delays every dependency by it)")
     host_bandwidth: float = Field(default=2.5e10, gt=0,
                                   description="bytes/s of device<->host copies (offloaded parameters)")
     notes: str = ""

@@ -273,7 +273,9 @@ class PlanSpace:
             call_model=tuple(model_of), model_names=models,
             model_home=tuple(index[homes[m]] for m in models), candidates=tuple(arrays),
             order_edges=tuple(order_edges), carry_edges=carry, data_edges=tuple(data_edges), data_costs=data,
-            realloc_costs=realloc, n_iterations=n_iterations, oom_alpha=OOM_ALPHA)
+            realloc_costs=realloc, n_iterations=n_iterations, oom_alpha=OOM_ALPHA,
+            dispatch_latency=cost.hw.dispatch_latency, devices_per_node=cluster.n_devices_per_node,
+            cores_per_node=cluster.cores_per_device * cluster.n_devices_per_node)
         return cls(graph=graph, cost=cost, problem=problem, options=tuple(cc.options for cc in priced),
                    layouts=layouts, pruned=pruned)
 
@@ -352,10 +354,11 @@ class PlanSpace:
         p, n_m = self.problem, self.problem.n_models
         rows = []
         layouts = [np.unique(k.layout) for k in p.candidates]
-        for c in range(p.n_calls):
-            home = p.model_home[p.call_model[c]]
-            if c != home:
-                rows += [(p.call_model[c], a, b) for a in layouts[home] for b in layouts[c] if a != b]
+        for m in range(p.n_models):
+            seq = [c for c in range(p.n_calls) if p.call_model[c] == m]
+            if len(seq) > 1:  # from each call's layout to the next one's, around the chain (reference.py)
+                for prev, c in zip([seq[-1], *seq[:-1]], seq):
+                    rows += [(m, a, b) for a in layouts[prev] for b in layouts[c] if a != b]
         for e, (u, v) in enumerate(p.data_edges):
             rows += [(n_m + e, a, b) for a in layouts[u] for b in layouts[v]]
         return self.price_missing(np.asarray(rows, np.int64).reshape(-1, 3))

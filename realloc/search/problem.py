@@ -11,9 +11,10 @@ parameters when its layout differs from the home layout. A device's peak is its
 static memory plus the largest dynamic memory of the calls that run on it. Memory is
 given per pipeline stage, since stages hold different layers and activations.
 
-Transfer costs between two layouts (parameter reallocation per model, data per data
-edge) are *pair costs*, priced lazily: a pair not priced yet reads as the table's
-provisional cost and makes an evaluation inexact.
+Transfer costs between two layouts (parameter reallocation per model, from the layout of
+the model's previous call to the call's; data per data edge) are *pair costs*, priced
+lazily: a pair not priced yet reads as the table's provisional cost and makes an
+evaluation inexact.
 """
 
 from __future__ import annotations
@@ -107,9 +108,24 @@ class SearchProblem:
     carry_edges: tuple[tuple[int, int], ...]  # (u at t, v at t+1)
     data_edges: tuple[tuple[int, int], ...]  # inside an iteration, through a transfer node
     data_costs: tuple[PairCosts, ...]  # per data edge: src model layouts x dst model layouts
-    realloc_costs: tuple[PairCosts, ...]  # per model: home layout -> call layout
+    realloc_costs: tuple[PairCosts, ...]  # per model: previous call's layout -> call's layout
     n_iterations: int = 4
     oom_alpha: float = 100.0
+    # Seconds between the end of a call or reallocation and the dispatch of what waited for it (the
+    # runtime's master round trip); a delay on the edges out of call and reallocation nodes.
+    dispatch_latency: float = 0.0
+    # Hosts of ``devices_per_node`` consecutive devices share ``cores_per_node`` CPU cores; 0: enough.
+    devices_per_node: int = 0
+    cores_per_node: float = 0.0
+
+    @property
+    def host_size(self) -> int:
+        return self.devices_per_node or self.n_devices
+
+    @property
+    def shares_cores(self) -> bool:
+        """Whether more devices of a host can be busy than it has cores (csrc/simulator.h)."""
+        return 0.0 < self.cores_per_node < self.host_size
 
     @property
     def n_calls(self) -> int:
@@ -129,7 +145,8 @@ class SearchProblem:
 
         p = _C.Problem(n_devices=self.n_devices, n_iterations=self.n_iterations, device_memory=self.device_memory,
                        oom_alpha=self.oom_alpha, call_model=np.asarray(self.call_model, np.int32),
-                       model_home=np.asarray(self.model_home, np.int32))
+                       model_home=np.asarray(self.model_home, np.int32), dispatch_latency=self.dispatch_latency,
+                       devices_per_node=self.devices_per_node, cores_per_node=self.cores_per_node)
         for c, k in enumerate(self.candidates):
             p.set_candidates(c, k.dev_lo, k.dev_hi, k.stage_width, k.layout, k.mesh_id, k.shape_class, k.time,
                              k.mem_offset, k.mem_static, k.mem_dynamic, k.mem_param)

@@ -1,27 +1,36 @@
 """Plain-Python reference of the C++ plan simulator (csrc/simulator.cpp).
 
-Same rules, written the obvious way: explicit node objects, one free-time per device,
-per-device memory sums. Slow by design; tests check that the C++ engine agrees with it.
+Same rules, written the obvious way: explicit node objects, per-device queues, per-device
+memory sums. Slow by design; tests check that the C++ engine agrees with it.
 
 Augmented graph (realhf.txt §4, Figure 6), unrolled over K iterations. In every
 iteration, for each call in topological order:
-  1. a parameter-reallocation node if the call is not its model's home call: from the
-     home layout to the call's layout, after the model's previous call (across the
-     iteration boundary for the model's first call), on the union of both meshes;
+  1. if its model has several calls, a parameter-reallocation node: from the layout of the
+     model's previous call (for its first call, its last call of the previous iteration) to
+     the call's layout, after that call, on the union of both meshes; free if the layouts are
+     equal (the runtime moves parameters along the chain of calls: a generation layout costs
+     a move there and one back);
   2. one data-transfer node per incoming data edge, on the union of both meshes;
   3. the call node.
 A transfer node of zero cost occupies no device; a pair cost not priced yet counts
-as its table's provisional cost and makes the evaluation inexact. Scheduling is Algorithm 1
-(realhf-appendix.txt): take the ready node with the smallest ready time (ties: the
-node numbered first, in the order above), start it once all its devices are free.
-The steady-state time per iteration is (T_K - T_1) / (K - 1), T_t being the last end
-time of iteration t's nodes.
+as its table's provisional cost and makes the evaluation inexact. A node becomes ready
+``dispatch_latency`` after the end of a call or (non-free) reallocation it depends on, and
+at the end of a transfer it depends on.
+
+Scheduling is event-driven: at its ready time a node is dispatched, i.e. queued on each of
+its devices, in Algorithm 1's order (realhf-appendix.txt: smallest ready time, ties: the node
+numbered first, in the order above); it starts once it is first in line on all its devices.
+That is Algorithm 1. When hosts have fewer cores than devices (``shares_cores``), the b busy
+devices of a host with c < b cores each run at rate c / b, a node at its slowest host's rate.
+The steady-state time per iteration is (T_K - T_1) / (K - 1), T_t being the last end time
+of iteration t's nodes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 from typing import Sequence
 
 from realloc.search.problem import SearchProblem
@@ -33,12 +42,17 @@ CALL, REALLOC, DATA = 0, 1, 2
 class _Node:
     kind: int
     call: int
-    other: int  # realloc: home call; data: producing call; call: -1
+    other: int  # realloc: the model's previous call; data: producing call; call: -1
     iteration: int
     cost: float = 0.0
     devices: frozenset[int] = frozenset()
     parents: list[int] = dataclasses.field(default_factory=list)
     children: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def free(self) -> bool:
+        """A transfer of zero cost: no request, no device."""
+        return self.kind != CALL and self.cost == 0.0
 
 
 def _build_nodes(p: SearchProblem, plan: Sequence[int], missing: set | None = None) -> list[_Node]:
@@ -59,16 +73,17 @@ def _build_nodes(p: SearchProblem, plan: Sequence[int], missing: set | None = No
     index: dict[tuple[str, int, int], int] = {}
     for t in range(K):
         for c in range(n):
-            home = p.model_home[p.call_model[c]]
-            if c != home:
-                lh, lc = layout(home), layout(c)
+            seq = model_calls[p.call_model[c]]
+            if len(seq) > 1:
+                prev = seq[seq.index(c) - 1]  # the last call for the first one
+                lp, lc = layout(prev), layout(c)
                 cost = 0.0
-                if lh != lc:
-                    cost, known = p.realloc_costs[p.call_model[c]].get(lh, lc)
+                if lp != lc:
+                    cost, known = p.realloc_costs[p.call_model[c]].get(lp, lc)
                     if not known and missing is not None:
-                        missing.add((p.call_model[c], lh, lc))
+                        missing.add((p.call_model[c], lp, lc))
                 index["realloc", c, t] = len(nodes)
-                nodes.append(_Node(REALLOC, c, home, t, cost, mesh(home) | mesh(c)))
+                nodes.append(_Node(REALLOC, c, prev, t, cost, mesh(prev) | mesh(c)))
             for e, (u, v) in enumerate(p.data_edges):
                 if v == c:
                     cost, known = p.data_costs[e].get(layout(u), layout(v))
@@ -114,36 +129,114 @@ def missing_pairs(p: SearchProblem, plan: Sequence[int]) -> set[tuple[int, int, 
     return out
 
 
+def _host_loads(p: SearchProblem, devices: frozenset[int]) -> dict[int, int]:
+    loads: dict[int, int] = {}
+    for d in devices:
+        loads[d // p.host_size] = loads.get(d // p.host_size, 0) + 1
+    return loads
+
+
 def schedule(p: SearchProblem, plan: Sequence[int]) -> list[dict]:
-    """Every node with its start and end time, in the order Algorithm 1 schedules them."""
+    """Every node with its start and end time, in node order (iteration, then the order above)."""
     nodes = _build_nodes(p, plan)
-    free = [0.0] * p.n_devices
     ready = [0.0] * len(nodes)
-    waiting = [len(nd.parents) for nd in nodes]
-    queue = [(0.0, i) for i, nd in enumerate(nodes) if not nd.parents]
-    heapq.heapify(queue)
-    out = []
-    while queue:
-        r, i = heapq.heappop(queue)
+    waiting_parents = [len(nd.parents) for nd in nodes]
+    start = [0.0] * len(nodes)
+    end = [0.0] * len(nodes)
+    heap = [(0.0, i) for i, nd in enumerate(nodes) if not nd.parents]
+    heapq.heapify(heap)
+    queues: dict[int, list[int]] = {d: [] for d in range(p.n_devices)}  # per device, in dispatch order
+    dispatched: list[int] = []  # queued, not started, in dispatch order
+    finish: dict[int, float] = {}  # running node -> end time at its current rate
+    rate: dict[int, float] = {}
+    loads = [_host_loads(p, nd.devices) for nd in nodes]
+    n_done = 0
+
+    def complete(i: int, t: float) -> None:
+        nonlocal n_done
+        end[i] = t
+        n_done += 1
         nd = nodes[i]
-        if nd.kind != CALL and nd.cost == 0.0:
-            start = end = r
-        else:
-            start = r
-            for d in sorted(nd.devices):
-                start = max(start, free[d])
-            end = start + nd.cost
-            for d in nd.devices:
-                free[d] = end
-        out.append(dict(kind=nd.kind, call=nd.call, other=nd.other, iteration=nd.iteration, start=start, end=end,
-                        devices=nd.devices))
+        lat = p.dispatch_latency if nd.kind == CALL or (nd.kind == REALLOC and not nd.free) else 0.0
         for u in nd.children:
-            ready[u] = max(ready[u], end)
-            waiting[u] -= 1
-            if waiting[u] == 0:
-                heapq.heappush(queue, (ready[u], u))
-    assert len(out) == len(nodes), "the augmented graph has a cycle"
-    return out
+            ready[u] = max(ready[u], t + lat)
+            waiting_parents[u] -= 1
+            if waiting_parents[u] == 0:
+                heapq.heappush(heap, (ready[u], u))
+
+    def update_rates(now: float) -> None:
+        """Processor sharing: a node whose rate changes keeps its remaining work, done at the new rate."""
+        busy: dict[int, int] = {}
+        for i in finish:
+            for h, k in loads[i].items():
+                busy[h] = busy.get(h, 0) + k
+        for i in finish:
+            r = 1.0
+            if p.shares_cores:
+                for h in loads[i]:
+                    r = min(r, p.cores_per_node / busy[h])
+            if r != rate[i]:
+                finish[i] = now + (finish[i] - now) * rate[i] / r
+                rate[i] = r
+
+    def dequeue(i: int) -> None:
+        for d in nodes[i].devices:
+            assert queues[d][0] == i
+            queues[d].pop(0)
+
+    def first_in_line(i: int) -> bool:
+        return all(queues[d][0] == i for d in nodes[i].devices)
+
+    def begin(i: int, now: float) -> bool:
+        """Start node i; a node of no duration also ends now. Returns whether it ended."""
+        start[i] = now
+        if nodes[i].cost == 0.0:
+            dequeue(i)
+            complete(i, now)
+            return True
+        finish[i] = now + nodes[i].cost
+        rate[i] = 1.0
+        return False
+
+    now = 0.0
+    while True:
+        # 1. what ends now leaves its queues
+        for i in sorted(i for i, f in finish.items() if f <= now):
+            del finish[i], rate[i]
+            dequeue(i)
+            complete(i, now)
+        # 2. nodes already dispatched start when first in line on all their devices (a node of no
+        #    duration ends at once and may let the next ones start)
+        scan = True
+        while scan:
+            scan = False
+            for i in list(dispatched):
+                if first_in_line(i):
+                    dispatched.remove(i)
+                    if begin(i, now):
+                        scan = True
+                        break
+        # 3. dispatch, one node at a time in Algorithm 1's order, everything ready by now
+        while heap and heap[0][0] <= now:
+            r, i = heapq.heappop(heap)
+            if nodes[i].free:
+                start[i] = r
+                complete(i, r)
+                continue
+            for d in sorted(nodes[i].devices):
+                queues[d].append(i)
+            if first_in_line(i):
+                begin(i, now)
+            else:
+                dispatched.append(i)
+        update_rates(now)
+        nxt = min([*finish.values(), heap[0][0] if heap else math.inf])
+        if nxt == math.inf:
+            break
+        now = nxt
+    assert n_done == len(nodes), "the augmented graph has a cycle"
+    return [dict(kind=nd.kind, call=nd.call, other=nd.other, iteration=nd.iteration, start=start[i], end=end[i],
+                 devices=nd.devices) for i, nd in enumerate(nodes)]
 
 
 def device_memory(p: SearchProblem, plan: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
