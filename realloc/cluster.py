@@ -153,7 +153,9 @@ class ClusterSpec:
     device_memory: int
     intra_node_bandwidth: float
     inter_node_bandwidth: float
-    cores_per_device: int
+    # CPU cores each device can count on; below 1 the node's devices share cores, and calls that run
+    # at the same time on its devices slow each other down (the planner's simulator models it).
+    cores_per_device: float
     nodes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -174,15 +176,17 @@ class ClusterSpec:
         ``overrides`` may set device_memory, intra_node_bandwidth, inter_node_bandwidth or cores_per_device.
         """
         hw = load_hardware_spec(device)
+        n = n_devices_per_node or hw.default_devices_per_node
+        # A host whose cores are known splits them among its devices (e.g. 4 CPU devices on 2 cores: 0.5).
+        cores = min(hw.cores_per_device, hw.cores_per_node / n) if hw.cores_per_node else hw.cores_per_device
         fields = dict(device_memory=hw.memory_bytes, intra_node_bandwidth=hw.intra_node_bandwidth,
-                      inter_node_bandwidth=hw.inter_node_bandwidth, cores_per_device=hw.cores_per_device)
+                      inter_node_bandwidth=hw.inter_node_bandwidth, cores_per_device=cores)
         for key, value in overrides.items():
             if key not in fields:
                 raise ValueError(f"unknown cluster setting {key!r}; settable: {', '.join(fields)}")
             if value is not None:
                 fields[key] = type(fields[key])(value)
-        return cls(nodelist=nodelist, n_devices_per_node=n_devices_per_node or hw.default_devices_per_node,
-                   device=device, **fields)
+        return cls(nodelist=nodelist, n_devices_per_node=n, device=device, **fields)
 
     @cached_property
     def hardware(self) -> HardwareSpec:
@@ -250,6 +254,6 @@ class ClusterSpec:
         hw = self.hardware
         return (f"{self.nodelist}: {self.n_nodes} node(s) x {self.n_devices_per_node} {self.device} device(s), "
                 f"{self.device_memory / 2**30:.1f} GiB each, intra-node {self.intra_node_bandwidth / 1e9:.1f} GB/s, "
-                f"inter-node {self.inter_node_bandwidth / 1e9:.1f} GB/s, {self.cores_per_device} core(s)/device "
+                f"inter-node {self.inter_node_bandwidth / 1e9:.1f} GB/s, {self.cores_per_device:g} core(s)/device "
                 f"({hw.dtype})")
 

@@ -95,3 +95,12 @@ def test_mesh_must_be_a_consecutive_run():
     c = ClusterSpec.from_nodelist("com[01-03]", 8, "a100-80g")
     with pytest.raises(ValueError, match="consecutive"):
         c.mesh("com01,com03")
+
+
+def test_cpu_devices_share_the_hosts_cores():
+    # profiles/hardware/cpu.json: a host of 2 cores; more devices than that share them.
+    assert ClusterSpec.from_nodelist("localhost", 2, "cpu").cores_per_device == 1.0
+    assert ClusterSpec.from_nodelist("localhost", 4, "cpu").cores_per_device == 0.5
+    assert ClusterSpec.from_nodelist("localhost", 4, "cpu", cores_per_device=2).cores_per_device == 2.0
+    # GPU hosts give each device its own cores (no cores_per_node in their spec)
+    assert ClusterSpec.from_nodelist("com[01-02]", 8, "a100-80g").cores_per_device == 16

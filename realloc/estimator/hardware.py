@@ -36,7 +36,11 @@ class HardwareSpec(BaseModel):
     intra_node_latency: float = Field(ge=0, description="seconds per collective inside a node")
     inter_node_latency: float = Field(ge=0, description="seconds per collective across nodes")
     default_devices_per_node: int = Field(gt=0)
-    cores_per_device: int = Field(gt=0)
+    cores_per_device: float = Field(gt=0, description="CPU cores per device (at most; see cores_per_node)")
+    cores_per_node: int | None = Field(default=None, gt=0,
+                                       description="CPU cores of one host, shared by its devices: a cluster of n "
+                                                   "devices per node gets min(cores_per_device, cores_per_node / n) "
+                                                   "each (CPU devices: one single-threaded process each)")
     compute_efficiency: float = Field(default=0.6, gt=0, le=1, description="achieved/peak FLOP/s for large matmuls")
     memory_efficiency: float = Field(default=0.7, gt=0, le=1, description="achieved/peak bytes/s for decode")
     # The fields below feed the roofline of realloc/estimator/roofline.py. Their

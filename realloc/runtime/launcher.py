@@ -11,6 +11,7 @@ The run secret (see ``protocol.py``) is a 0600 file in the run directory, named 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import shlex
 import signal
@@ -199,7 +200,7 @@ def slurm_script(cluster: ClusterSpec, experiment: str, run: RunPaths, run_id: s
              f"#SBATCH --nodelist={cluster.nodelist}",
              f"#SBATCH --nodes={cluster.n_nodes}",
              f"#SBATCH --ntasks-per-node={n}",
-             f"#SBATCH --cpus-per-task={cluster.cores_per_device}",
+             f"#SBATCH --cpus-per-task={max(1, math.ceil(cluster.cores_per_device))}",
              f"#SBATCH --time={opts.time_limit}",
              f"#SBATCH --output={run.logs}/slurm-%j.out"]
     if gpu:
