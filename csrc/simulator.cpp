@@ -147,7 +147,7 @@ void Evaluator::release_children(int v, double end) {
         const int u = p_.children[i];
         ready_[u] = std::max(ready_[u], ready);
         if (--remaining_[u] == 0) {
-            heap_.emplace_back(ready_[u], u);
+            heap_.emplace_back(ready_[u], rank(u));
             std::push_heap(heap_.begin(), heap_.end(), std::greater<HeapItem>());
         }
     }
@@ -165,14 +165,15 @@ void Evaluator::simulate(const int32_t* plan, std::vector<NodeRecord>* records) 
     heap_.clear();
     auto later = std::greater<HeapItem>();
     for (int v = 0; v < total; ++v)
-        if (remaining_[v] == 0) heap_.emplace_back(0.0, v);
+        if (remaining_[v] == 0) heap_.emplace_back(0.0, rank(v));
     std::make_heap(heap_.begin(), heap_.end(), later);
 
     // Algorithm 1: take the ready node with the smallest ready time (ties: the lowest node index);
     // it starts when its mesh's devices are all free.
     while (!heap_.empty()) {
         std::pop_heap(heap_.begin(), heap_.end(), later);
-        const auto [ready, v] = heap_.back();
+        const auto [ready, r] = heap_.back();
+        const int v = node_of(r);
         heap_.pop_back();
         const int j = v % per;
         double start = ready, end = ready;
@@ -208,7 +209,7 @@ void Evaluator::simulate_shared(const int32_t* plan, std::vector<NodeRecord>* re
     heap_.clear();
     auto later = std::greater<HeapItem>();
     for (int v = 0; v < total; ++v)
-        if (remaining_[v] == 0) heap_.emplace_back(0.0, v);
+        if (remaining_[v] == 0) heap_.emplace_back(0.0, rank(v));
     std::make_heap(heap_.begin(), heap_.end(), later);
 
     // The atoms of template node j: r1, then the part of r2 outside r1.
@@ -296,7 +297,8 @@ void Evaluator::simulate_shared(const int32_t* plan, std::vector<NodeRecord>* re
         // 3. Dispatch, one node at a time in Algorithm 1's order, everything ready by now.
         while (!heap_.empty() && heap_.front().first <= now) {
             std::pop_heap(heap_.begin(), heap_.end(), later);
-            const auto [ready, v] = heap_.back();
+            const auto [ready, r] = heap_.back();
+        const int v = node_of(r);
             heap_.pop_back();
             if (pass_[v % per]) {  // a free transfer: no request, no device
                 start_[v] = ready;

@@ -6,9 +6,10 @@
 // node's device set is one call mesh or the union of two.
 //
 // Time. Algorithm 1 (realhf-appendix.txt) takes the ready node with the smallest ready time (ties:
-// the lowest node index) and starts it once all its devices are free. That is the runtime's
-// behaviour: the master dispatches a node when its dependencies are done (plus the dispatch
-// latency, Problem::dispatch_latency) and every worker runs its requests in arrival order.
+// data transfers first, then the lowest node index) and starts it once all its devices are free.
+// That is the runtime's behaviour: the master dispatches a node when its dependencies are done
+// (plus the dispatch latency, Problem::dispatch_latency), a finished call's outputs before
+// anything else its end unblocks, and every worker runs its requests in arrival order.
 //
 // Shared cores. When a host's devices can outnumber its CPU cores (Problem::shares_cores), nodes
 // running at the same time slow each other down: a host with b busy devices and c < b cores runs
@@ -71,6 +72,13 @@ private:
     void simulate_shared(const int32_t* plan, std::vector<NodeRecord>* records);
     void record(const int32_t* plan, std::vector<NodeRecord>* records, int v, double start, double end) const;
     void release_children(int v, double end);
+    // Dispatch order among nodes ready at the same time: data transfers first (the master sends a
+    // call's outputs on as soon as it finishes, before what its end unblocks), then node order.
+    int rank(int v) const {
+        const int per = static_cast<int>(p_.iter_nodes.size());
+        return p_.iter_nodes[v % per].kind == NodeKind::kData ? v : v + p_.n_nodes();
+    }
+    int node_of(int r) const { return r < p_.n_nodes() ? r : r - p_.n_nodes(); }
     void check_memory(const int32_t* plan, Evaluation& ev);
 
     const Problem& p_;

@@ -210,3 +210,24 @@ def test_reallocation_node_between_train_and_generation():
     ev = cpp.evaluate(np.zeros(2, np.int32))
     assert ev["time"] == pytest.approx(5.75) and not ev["exact"]
     assert cpp.missing(np.zeros(2, np.int32)).tolist() == [[0, 0, 1]]
+
+
+def test_a_finished_calls_outputs_are_sent_before_what_its_end_unblocks():
+    # P (device 0) feeds C1 on device 0 (no transfer) and C2 on device 1 (0.5 s transfer). Both C1
+    # and the transfer become ready 0.1 s after P ends; the master sends P's outputs on first, so
+    # C2 does not wait for C1's 5 s.
+    cands = tuple(CandidateArrays(dev_lo=[lo], dev_hi=[lo + 1], stage_width=[1], layout=[0], mesh_id=[lo],
+                                  shape_class=[0], time=[t], mem_offset=[0, 1], mem_static=[0], mem_dynamic=[0],
+                                  mem_param=[0])
+                  for t, lo in ((1.0, 0), (5.0, 0), (2.0, 1)))
+    p = SearchProblem(n_devices=2, device_memory=GiB, call_names=("p", "c1", "c2"), call_model=(0, 1, 2),
+                      model_names=("a", "b", "c"), model_home=(0, 1, 2), candidates=cands, order_edges=(),
+                      carry_edges=((1, 0), (2, 0)), data_edges=((0, 1), (0, 2)),
+                      data_costs=(PairCosts.dense(np.zeros((1, 1))), PairCosts.dense(np.full((1, 1), 0.5))),
+                      realloc_costs=tuple(PairCosts(1, 1) for _ in range(3)), n_iterations=3, dispatch_latency=0.1)
+    plan = np.zeros(3, np.int32)
+    spans = {(r[0], r[1]): (r[4], r[5]) for r in p.to_cpp().schedule(plan) if r[3] == 0}
+    assert spans[2, 2] == pytest.approx((1.1, 1.6))  # the transfer to c2
+    assert spans[0, 1] == pytest.approx((1.6, 6.6)) and spans[0, 2] == pytest.approx((1.6, 3.6))
+    assert [(r["start"], r["end"]) for r in reference.schedule(p, plan)] == \
+        [(r[4], r[5]) for r in p.to_cpp().schedule(plan)]

@@ -18,8 +18,10 @@ as its table's provisional cost and makes the evaluation inexact. A node becomes
 at the end of a transfer it depends on.
 
 Scheduling is event-driven: at its ready time a node is dispatched, i.e. queued on each of
-its devices, in Algorithm 1's order (realhf-appendix.txt: smallest ready time, ties: the node
-numbered first, in the order above); it starts once it is first in line on all its devices.
+its devices, in Algorithm 1's order (realhf-appendix.txt: smallest ready time; ties: data
+transfers first, as the runtime's master sends a finished call's outputs on before anything
+else its end unblocks, then the node numbered first, in the order above); it starts once it
+is first in line on all its devices.
 That is Algorithm 1. When hosts have fewer cores than devices (``shares_cores``), the b busy
 devices of a host with c < b cores each run at rate c / b, a node at its slowest host's rate.
 The steady-state time per iteration is (T_K - T_1) / (K - 1), T_t being the last end time
@@ -143,7 +145,12 @@ def schedule(p: SearchProblem, plan: Sequence[int]) -> list[dict]:
     waiting_parents = [len(nd.parents) for nd in nodes]
     start = [0.0] * len(nodes)
     end = [0.0] * len(nodes)
-    heap = [(0.0, i) for i, nd in enumerate(nodes) if not nd.parents]
+    # ties in ready time: data transfers first (the master sends a finished call's outputs on before
+    # dispatching what its end unblocks), then node order
+    def key(i: int) -> tuple[int, int]:
+        return (nodes[i].kind != DATA, i)
+
+    heap = [(0.0, key(i), i) for i, nd in enumerate(nodes) if not nd.parents]
     heapq.heapify(heap)
     queues: dict[int, list[int]] = {d: [] for d in range(p.n_devices)}  # per device, in dispatch order
     dispatched: list[int] = []  # queued, not started, in dispatch order
@@ -162,7 +169,7 @@ def schedule(p: SearchProblem, plan: Sequence[int]) -> list[dict]:
             ready[u] = max(ready[u], t + lat)
             waiting_parents[u] -= 1
             if waiting_parents[u] == 0:
-                heapq.heappush(heap, (ready[u], u))
+                heapq.heappush(heap, (ready[u], key(u), u))
 
     def update_rates(now: float) -> None:
         """Processor sharing: a node whose rate changes keeps its remaining work, done at the new rate."""
@@ -218,7 +225,7 @@ def schedule(p: SearchProblem, plan: Sequence[int]) -> list[dict]:
                         break
         # 3. dispatch, one node at a time in Algorithm 1's order, everything ready by now
         while heap and heap[0][0] <= now:
-            r, i = heapq.heappop(heap)
+            r, _, i = heapq.heappop(heap)
             if nodes[i].free:
                 start[i] = r
                 complete(i, r)
