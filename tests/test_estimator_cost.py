@@ -10,6 +10,7 @@ from realloc.estimator.call_time import (GRAD_BUCKET_NUMEL, CallCost, StageTime,
                                          sequential_makespan, sum_over_range)
 from realloc.estimator.comm import Link, group_links
 from realloc.estimator.cost import CostModel
+from realloc.estimator.memory import local_params
 from realloc.estimator.opcount import Part, Phase, op_work
 from realloc.estimator.transfer_cost import BUCKET_BYTES, DIRECT_BYTES, plan_seconds
 from realloc.graph.dataflow import build_graph
@@ -63,12 +64,25 @@ def test_disjoint_layouts_move_every_byte_over_the_link(two_nodes):
     hw, cl = two_nodes.hw, two_nodes.cluster
     a, b = cl.mesh("n1"), cl.mesh("n2")
     nbytes = TINY_PARAMS * 4
-    # every tiny tensor is below DIRECT_BYTES, so all of it is one bucketed p2p message over the inter-node link
-    want = hw.inter_node_latency + nbytes / (cl.inter_node_bandwidth * hw.comm_efficiency)
+    # every tiny tensor is below DIRECT_BYTES, so all of it is one bucketed p2p message over the inter-node
+    # link; plus the workers' handling of the one request
+    want = hw.inter_node_latency + nbytes / (cl.inter_node_bandwidth * hw.comm_efficiency) + hw.call_overhead
     assert two_nodes.realloc_cost("actor", (a, S(1, 1, 1)), (b, S(1, 1, 1))) == pytest.approx(want)
-    # the data: 8 sequences x 16 tokens x 8 bytes of "seq"
-    want = hw.inter_node_latency + 8 * 16 * 8 / (cl.inter_node_bandwidth * hw.comm_efficiency)
+    # the data: 8 sequences x 16 tokens x 8 bytes of "seq", one request
+    want = hw.inter_node_latency + 8 * 16 * 8 / (cl.inter_node_bandwidth * hw.comm_efficiency) + hw.call_overhead
     assert two_nodes.data_transfer_cost("gen", "ref", (a, S(1, 1, 1)), (b, S(1, 1, 1))) == pytest.approx(want)
+
+
+def test_reallocation_to_parameters_a_device_holds_costs_a_local_copy(tiny):
+    # dp=2 on both devices -> device 0 alone: device 0 copies its own replica into the new layout, no message
+    hw, cl = tiny.hw, tiny.cluster
+    want = TINY_PARAMS * 4 / (hw.memory_bandwidth * hw.memory_efficiency) + hw.call_overhead
+    got = tiny.realloc_cost("actor", (cl.whole, S(2, 1, 1)), (cl.mesh("localhost:0"), S(1, 1, 1)))
+    assert got == pytest.approx(want)
+    # the other way, device 1 receives the whole model while device 0 copies its own: the message is slower
+    msg = hw.intra_node_latency + TINY_PARAMS * 4 / (cl.intra_node_bandwidth * hw.comm_efficiency)
+    got = tiny.realloc_cost("actor", (cl.mesh("localhost:0"), S(1, 1, 1)), (cl.whole, S(2, 1, 1)))
+    assert got == pytest.approx(max(msg, want - hw.call_overhead) + hw.call_overhead)
 
 
 def test_plan_seconds_counts_every_message_of_the_plan(big):
@@ -94,17 +108,26 @@ def test_plan_seconds_counts_every_message_of_the_plan(big):
         for d in (src_dev, *dsts):
             busy[d] = busy.get(d, 0.0) + sec
     assert plan_seconds(plan, big.comm, 8) == pytest.approx(max(busy.values()))
+    # destination elements not received are copied locally, overlapping the messages
+    cfg, hw = get_model_config("llama3-8b"), big.hw
+    copies = [(local_params(cfg, 2, 2, S(1, 2, 2).coords(r)[2]) * 2 - plan.received_bytes.get(d, 0))
+              / (hw.memory_bandwidth * hw.memory_efficiency) for r, d in enumerate(dst.mesh.device_ids)]
     assert big.realloc_cost("actor", (cl.whole, S(2, 8, 1)), (cl.mesh("trainer01:0-3"), S(1, 2, 2))) == \
-        pytest.approx(max(busy.values()))
+        pytest.approx(max(*busy.values(), *copies) + hw.call_overhead)
 
 
 def test_dp_allreduce_term(tiny):
     hw, cl = tiny.hw, tiny.cluster
     mesh = cl.whole
     cost = tiny.call_cost("actor_train", mesh, S(2, 1, 1), 1)
-    # ring all-reduce of the fp32 gradients, 2(n-1)/n x bytes over the intra-node link, once per mini-batch
-    one = hw.intra_node_latency + 2 * (2 - 1) / 2 * TINY_PARAMS * 4 / (cl.intra_node_bandwidth * hw.comm_efficiency)
-    assert cost.dp_allreduce == pytest.approx(2 * one)
+    # ring all-reduce of the fp32 gradients, 2(n-1)/n x bytes over the intra-node link, once per mini-batch,
+    # and of the loss statistic (1 float64) ...
+    bw = cl.intra_node_bandwidth * hw.comm_efficiency
+    one = hw.intra_node_latency + 2 * (2 - 1) / 2 * TINY_PARAMS * 4 / bw
+    stats = hw.intra_node_latency + 2 * (2 - 1) / 2 * 8 / bw
+    # ... and once per call PPO's advantage moments and per-mini-batch token counts (3 + 2 float64s)
+    moments = hw.intra_node_latency + 2 * (2 - 1) / 2 * 8 * (3 + 2) / bw
+    assert cost.dp_allreduce == pytest.approx(2 * (one + stats) + moments)
     assert tiny.call_cost("actor_train", cl.mesh("localhost:0"), S(1, 1, 1), 1).dp_allreduce == 0.0
     assert TINY_PARAMS < GRAD_BUCKET_NUMEL
 
@@ -228,7 +251,10 @@ def test_data_transfer_prices_the_runtimes_own_plans(tiny):
                      ("critic_inf", "actor_train")):
         keys = tiny.transferred_keys(src, dst)
         assert keys
-        want = sum(plan_seconds(prog.data_plan(k, dst, row), tiny.comm, c.n_devices_per_node) for k in keys)
+        plans = [prog.data_plan(k, dst, row) for k in keys]
+        # one request per key that moves anything (the master sends none for an empty plan)
+        want = sum(plan_seconds(p, tiny.comm, c.n_devices_per_node) + tiny.hw.call_overhead
+                   for p in plans if not p.empty)
         got[src, dst] = tiny.data_transfer_cost(src, dst, lay[src], lay[dst])
         assert got[src, dst] == pytest.approx(want)
     # generation leaves its outputs on both stages, so ref_inf on device 1 already holds them;

@@ -9,7 +9,7 @@ from realloc.cli import build_parser
 from realloc.estimator.cost import CostModel
 from realloc.estimator.profile_cli import build_job, main
 from realloc.estimator.profile_table import ProfileTable
-from realloc.estimator.profiler import ENGINE_KEYS, PROFILED_OPS
+from realloc.estimator.profiler import ENGINE_KEYS, INTERFACE_KEYS, PROFILED_OPS
 from realloc.graph.dataflow import build_graph
 from realloc.models.config import get_model_config
 from realloc.strategy import ParallelStrategy as S
@@ -33,7 +33,7 @@ def test_profile_writes_a_complete_table(profile):
     assert sorted(profile.tp) == [1, 2]
     for tp, sub in profile.tp.items():
         keys = {f"{p.value}.{ph.value}" for p, ph in PROFILED_OPS}
-        assert keys | set(ENGINE_KEYS) == set(sub.ops)
+        assert keys | set(ENGINE_KEYS) | set(INTERFACE_KEYS) == set(sub.ops)
         assert sub.ops["block.fwd"].batch == [1, 2] and sub.ops["block.fwd"].seq == [8, 16]
         assert sub.ops["block.decode"].seq == [8, 16] and sub.ops["head.decode"].seq == [1]
         assert all(v > 0 for g in sub.ops.values() for row in g.seconds for v in row)
@@ -50,6 +50,12 @@ def test_profile_writes_a_complete_table(profile):
                 if min(map(min, v)) > 1e-7:  # an all-noise residual is stored as the floor
                     slope = (v[0][1] - v[0][0]) / 8
                     assert v[1][1] - v[0][0] == pytest.approx(slope * (32 - 8), rel=1e-6, abs=1e-12)
+        # PPO's train interface: a line in the generated tokens (8, 32, 128), the same for every batch
+        g = sub.ops["interface.train"]
+        assert g.seq == [8, 32, 128] and all(row == g.seconds[0] for row in g.seconds)
+        v = g.seconds[0]
+        if min(v) > 1e-7:
+            assert v[2] - v[1] == pytest.approx((v[1] - v[0]) * 96 / 24, rel=1e-6, abs=1e-12)
     ops = {(c.op, c.n) for c in profile.collectives}
     assert ops == {("broadcast", 2), ("all_reduce", 2), ("all_gather", 2), ("p2p", 2)}
     assert all(c.alpha > 0 or c.beta > 0 for c in profile.collectives)

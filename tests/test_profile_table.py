@@ -162,3 +162,28 @@ def test_theil_sen_ignores_an_outlier():
     alpha, beta = theil_sen(pts)
     assert alpha == pytest.approx(1e-3, rel=1e-6) and beta == pytest.approx(2e-6, rel=1e-6)
     assert theil_sen([(1, -1.0), (2, -2.0)]) == (0.0, 0.0)  # never negative
+
+
+def test_ppo_train_interface_overhead_is_added_once_per_train_call():
+    from realloc.estimator.cost import CostModel
+    from realloc.graph.dataflow import build_graph
+    from realloc.strategy import ParallelStrategy as S
+
+    base = make_table(lambda k, tp, b, s: 1e-4 * b * s + 1e-5)
+    sub = base.tp[1]
+    # 1 ms + 10 us per generated token, whatever the batch
+    line = OpGrid(batch=[1, 2], seq=[8, 32], seconds=[[1e-3 + 8e-5, 1e-3 + 32e-5]] * 2)
+    with_iface = base.model_copy(update={"tp": {1: TpTable(ops={**sub.ops, "interface.train": line},
+                                                           optimizer=sub.optimizer)}})
+    graph = build_graph(load_experiment("experiments/ppo_tiny.py"))  # gen_len 8, 2 PPO mini-batches
+    one = graph.spec.cluster.mesh("localhost:0")
+    plain = CostModel(graph, profile=base).call_cost("actor_train", one, S(1, 1, 1), 1)
+    extra = CostModel(graph, profile=with_iface).call_cost("actor_train", one, S(1, 1, 1), 1)
+    assert extra.time - plain.time == pytest.approx(1e-3 + 8 * 1e-5)
+    assert extra.overhead - plain.overhead == pytest.approx(1e-3 + 8 * 1e-5)
+    # linear beyond the measured lengths: 128 generated tokens
+    costs = ProfiledCosts(with_iface, TINY, RooflineCosts(TINY, graph.spec.cluster.hardware,
+                                                          CommModel(graph.spec.cluster)), CommModel(graph.spec.cluster))
+    assert costs.interface("interface.train", 1, 128) == pytest.approx(1e-3 + 128e-5)
+    assert costs.interface("interface.train", 2, 8) == pytest.approx(1e-3 + 8e-5)  # nearest tp
+    assert ProfiledCosts(base, TINY, costs.roofline, costs.comm).interface("interface.train", 1, 8) is None

@@ -9,7 +9,10 @@ the collective model and the call's workload. Terms:
 - PP: stage-to-stage p2p of activations (forward) and their gradients (backward);
 - the pipeline bubble of the schedules realloc runs (see ``pipeline_makespan``);
 - DP: one ring all-reduce of the stage's fp32 gradients per optimizer step, plus
-  the scalar all-reduce of the gradient-norm clip over the whole layout;
+  the scalar all-reduce of the gradient-norm clip over the whole layout and the
+  one of the loss statistics;
+- PPO's train interface: its measured host work per call (rollout, GAE) and the
+  dp all-reduce of its advantage moments;
 - the Adam step, memory-bound over parameters and states;
 - generation = prefill of the prompt, then gen_len - 1 decode steps whose KV
   cache grows from prompt_len + 1 to prompt_len + gen_len - 1 positions;
@@ -43,6 +46,9 @@ class LayerCosts(Protocol):
 
     def engine(self, key: str, tp: int, b: int, s: int) -> float | None:
         """Measured engine overhead ``key`` (``profiler.ENGINE_KEYS``), or None where nothing was measured."""
+
+    def interface(self, key: str, tp: int, gen_len: int) -> float | None:
+        """Measured interface overhead ``key`` (``profiler.INTERFACE_KEYS``), or None where nothing was measured."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +84,10 @@ class CallCost:
 
 
 ZERO = CallCost(0.0)
+
+# Loss statistics a train step averages over dp (ParallelModel._mean_stats: loss and the loss
+# function's stats; PPO reports none beyond the loss through the engine).
+TRAIN_STATS = 1
 
 # Elements per coalesced gradient all-reduce (realloc.models.grads.BUCKET_NUMEL; not imported,
 # that module needs torch; tests/test_estimator_cost.py checks they agree).
@@ -224,7 +234,12 @@ class CallTimer:
             step = pipeline_makespan(self._stages(Phase.FWD, strategy, links, b, seq, backward=True, host=host), n_mbs)
             step = step + self._optimizer_step(strategy, links) + CallCost.of(
                 overhead=self._engine("engine.train_step", t, b, seq))
-            return step.scaled(work.n_steps) + overhead
+            # PPO's interface (realloc.algorithms.ppo_interfaces): the rollout (GAE over the generated
+            # tokens, whitening) once per call, and the dp all-reduce of its advantage moments and
+            # mini-batch token counts (3 + n_steps float64s)
+            iface = self.costs.interface("interface.train", t, work.gen_len) or 0.0
+            moments = self.comm.time("all_reduce", strategy.dp, 8 * (3 + work.n_steps), links.dp)
+            return step.scaled(work.n_steps) + overhead + CallCost.of(overhead=iface, dp_allreduce=moments)
         # GENERATE: micro-batches generate one after another (memory.py: one KV cache at a time)
         prefill = sequential_makespan(self._stages(Phase.PREFILL, strategy, links, b, prompt), n_mbs)
         per_call = CallCost.of(overhead=n_mbs * self._engine("engine.gen_call", t, b, prompt))
@@ -249,4 +264,6 @@ class CallTimer:
         dp = n_buckets * self.comm.time("all_reduce", strategy.dp, bucket, links.dp)
         norm = (self.comm.time("all_reduce", strategy.tp, 8, links.tp)
                 + self.comm.time("all_reduce", strategy.pp, 8, links.pp_any))
-        return CallCost.of(dp_allreduce=dp + norm, optimizer=self.costs.optimizer(n_local))
+        # the last stage averages the loss statistics over dp replicas (a few float64s)
+        stats = self.comm.time("all_reduce", strategy.dp, 8 * TRAIN_STATS, links.dp)
+        return CallCost.of(dp_allreduce=dp + norm + stats, optimizer=self.costs.optimizer(n_local))

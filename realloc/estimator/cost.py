@@ -29,7 +29,7 @@ from realloc.api import InterfaceType
 from realloc.cluster import ClusterSpec, DeviceMesh
 from realloc.estimator.call_time import ZERO, CallCost, CallTimer, LayerCosts
 from realloc.estimator.comm import CommModel, GroupLinks, group_links
-from realloc.estimator.memory import CallMemory, Workload, max_local_params, stage_call_memory
+from realloc.estimator.memory import CallMemory, Workload, local_params, max_local_params, stage_call_memory
 from realloc.estimator.profile_table import ProfileTable, ProfiledCosts, discover_profiles
 from realloc.estimator.roofline import RooflineCosts
 from realloc.estimator.transfer_cost import plan_seconds
@@ -236,7 +236,14 @@ class CostModel:
                 plan = plan_param_realloc(cfg, PlanLayout(m1, s1), PlanLayout(m2, s2),
                                           bytes_per_element=self.precision.param,
                                           devices_per_node=self.cluster.n_devices_per_node)
-                cost = plan_seconds(plan, self.comm, self.cluster.n_devices_per_node)
+                # Every destination element arrives in a message or is copied from the device's own
+                # source shard; the copies overlap the messages (param_realloc), so a device takes the
+                # longer of the two, and the plan its slowest device. One request to the workers.
+                copy_bw = self.hw.memory_bandwidth * self.hw.memory_efficiency
+                copies = max((local_params(cfg, s2.tp, s2.pp, s2.coords(r)[2]) * self.precision.param
+                              - plan.received_bytes.get(dev, 0)) / copy_bw for r, dev in enumerate(m2.device_ids))
+                cost = max(plan_seconds(plan, self.comm, self.cluster.n_devices_per_node), copies)
+                cost += self.hw.call_overhead
             self._realloc_cache[key] = cost
         return cost
 
@@ -275,8 +282,11 @@ class CostModel:
             generated = self.graph.call(src_call).interface_type is InterfaceType.GENERATE
             producer = DataLayout(m1, s1, stages=tuple(range(s1.pp)) if generated else (s1.pp - 1,))
             consumer = DataLayout(m2, s2, stages=tuple(range(s2.pp)))
-            cost = sum(plan_seconds(plan_data_transfer({k: [row] * n}, producer, consumer,
-                                                       devices_per_node=self.cluster.n_devices_per_node),
-                                    self.comm, self.cluster.n_devices_per_node) for k in keys)
+            cost = 0.0
+            for k in keys:  # one request per key that moves anything
+                plan = plan_data_transfer({k: [row] * n}, producer, consumer,
+                                          devices_per_node=self.cluster.n_devices_per_node)
+                if not plan.empty:
+                    cost += plan_seconds(plan, self.comm, self.cluster.n_devices_per_node) + self.hw.call_overhead
             self._data_cache[cache_key] = cost
         return cost

@@ -34,8 +34,9 @@ from realloc.estimator.opcount import Part, Phase
 from realloc.estimator.profile_collectives import OPS as COLLECTIVE_OPS
 from realloc.estimator.profile_collectives import message_sizes
 from realloc.estimator.profile_table import CollectiveEntry, ModelArch, OpGrid, ProfileTable, TpTable
-from realloc.estimator.profiler import (ENGINE_KEYS, GEN_TOKENS, OPTIMIZER_LAYERS, PROFILED_OPS, LayerGrid,
-                                       engine_plan, op_axes, op_plan)
+from realloc.estimator.profiler import (ENGINE_KEYS, GEN_TOKENS, INTERFACE_GEN_LENS, INTERFACE_KEYS,
+                                       OPTIMIZER_LAYERS, PPO_PROMPT_LEN, PROFILED_OPS, LayerGrid, engine_plan,
+                                       op_axes, op_plan)
 from realloc.models.config import RULE_MODEL_TYPE, ModelConfig, get_model_config
 
 DEFAULT_BATCH = (1, 2, 4, 8, 16, 32, 64)
@@ -311,7 +312,8 @@ def theil_sen(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def engine_overheads(cfg: ModelConfig, tp: int, layers: TpTable, raw: list, job: ProfileJob) -> dict[str, OpGrid]:
-    """The engine's overheads: measured engine calls minus the layer ops they ran (``profiler.ENGINE_KEYS``).
+    """The engine's overheads: measured engine calls minus the layer ops they ran (``profiler.ENGINE_KEYS``),
+    and PPO's train interface minus the engine's train step (``profiler.INTERFACE_KEYS``).
 
     The layer ops come from the same run, looked up through ``ProfiledCosts`` so that the
     generation's decode steps at cache lengths between grid points are interpolated. Each
@@ -334,13 +336,15 @@ def engine_overheads(cfg: ModelConfig, tp: int, layers: TpTable, raw: list, job:
     def op(part: Part, phase: Phase, b: int, s: int) -> float:
         return sum(costs.op(part, phase, tp, b, s))
 
-    def parts(phase: Phase, b: int, s: int) -> float:
-        return op(Part.EMBED, phase, b, s) + op(Part.BLOCK, phase, b, s) + op(Part.HEAD, phase, b, s)
+    def parts(phase: Phase, b: int, s: int, layers: int = 1) -> float:
+        return op(Part.EMBED, phase, b, s) + layers * op(Part.BLOCK, phase, b, s) + op(Part.HEAD, phase, b, s)
 
     opt = costs.optimizer(shard_numel(one, tp, 1, 0))
-    pts: dict[str, list[tuple[float, float]]] = {k: [] for k in ENGINE_KEYS}
+    pts: dict[str, list[tuple[float, float]]] = {k: [] for k in (*ENGINE_KEYS, *INTERFACE_KEYS)}
     for kind, b, s, t in raw:
-        if kind == "forward":
+        if kind == "ppo_train":  # s: generated tokens per sequence
+            pts["interface.train"].append((s, t["interface"] - t["engine"]))
+        elif kind == "forward":
             pts["engine.fwd"].append((b * s, t["engine.fwd"] - parts(Phase.FWD, b, s)))
         elif kind == "train":
             mb = parts(Phase.FWD, b, s) + parts(Phase.BWD, b, s)
@@ -349,8 +353,10 @@ def engine_overheads(cfg: ModelConfig, tp: int, layers: TpTable, raw: list, job:
             pts["engine.train_step"].append((b * s, r1 - (r2 - r1)))
         else:
             res = {}
+            layers = int(t.get("layers", 1))  # generate() ran on a model of this many layers
             for n in GEN_TOKENS:
-                model = parts(Phase.PREFILL, b, s) + sum(parts(Phase.DECODE, b, c) for c in range(s + 1, s + n))
+                model = parts(Phase.PREFILL, b, s, layers) + sum(parts(Phase.DECODE, b, c, layers)
+                                                                  for c in range(s + 1, s + n))
                 res[n] = t[f"gen{n}"] - model
             lo, hi = GEN_TOKENS
             step = (res[hi] - res[lo]) / (hi - lo)
@@ -362,7 +368,11 @@ def engine_overheads(cfg: ModelConfig, tp: int, layers: TpTable, raw: list, job:
         if not p:
             continue
         alpha, beta = theil_sen(p)
-        if key == "engine.decode_step":
+        if key == "interface.train":  # a line in the generated tokens, flat in the batch
+            lens = [t for t in INTERFACE_GEN_LENS if PPO_PROMPT_LEN + t <= cfg.max_position_embeddings]
+            out[key] = OpGrid(batch=list(g.batch), seq=lens,
+                              seconds=[[max(alpha + beta * t, MIN_SECONDS) for t in lens] for _ in g.batch])
+        elif key == "engine.decode_step":
             out[key] = OpGrid(batch=list(g.batch), seq=[1],
                               seconds=[[max(alpha + beta * b, MIN_SECONDS)] for b in g.batch])
         else:

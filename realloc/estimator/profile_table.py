@@ -262,6 +262,17 @@ class ProfiledCosts:
             return interp_grid(grid, b, 1, lambda x, y: x)
         return interp_grid(grid, b, s, lambda x, y: x * y)
 
+    def interface(self, key: str, tp: int, gen_len: int) -> float | None:
+        """A measured interface overhead (``profiler.INTERFACE_KEYS``) of a call whose sequences have
+        ``gen_len`` generated tokens, linear beyond the measured lengths; the nearest tp's if ``tp`` was
+        not profiled; None if the table has none."""
+        have = [t for t, sub in self.table.tp.items() if key in sub.ops]
+        if not have:
+            return None
+        t0 = tp if tp in have else min(have, key=lambda t: (abs(t - tp), t))
+        grid = self.table.tp[t0].ops[key]
+        return interp_axis(grid.seq, grid.seconds[0], gen_len, lambda y: y)
+
     def optimizer(self, n_params: int) -> float:
         if not self._opt:
             return self.roofline.optimizer(n_params)

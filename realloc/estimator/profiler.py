@@ -11,12 +11,17 @@ ranks that call these functions together. Times are per device:
 - ``<part>.prefill``: forward of ``b`` prompts of ``s`` tokens that fills a KV
   cache (the head: last-position logits, vocabulary gather, sampling);
 - ``<part>.decode``: one token for ``b`` sequences attending ``s`` cached
-  positions (the head: logits, gather, sampling, as ``generation.py`` runs it);
+  positions (the head: logits, gather, sampling, as ``generation.py`` runs it).
+  A decode step streams every layer's weights for little work, so a layer is
+  faster when its weights are still in the CPU's caches from the last repeat:
+  the block is timed as a stack of ``DECODE_STACK`` distinct layers (at most
+  the model's depth) and divided by their number, as a real model runs them;
 - optimizer: one update of the model's own optimizer (``make_optimizer``) over
   the parameters of 1, 2 and 4 layers;
 - engine overheads (``ENGINE_KEYS``): what real ``ParallelModel`` calls take
   beyond the layer ops above (layouts, masks, the train step's bookkeeping, the
-  generation loop).
+  generation loop), and interface overheads (``INTERFACE_KEYS``): what PPO's
+  interfaces take beyond the engine calls they make.
 
 Each point: ``warmup`` untimed runs, then ``repeats`` timed runs whose per-run
 time is the maximum over the tp ranks (they end together anyway because of the
@@ -71,6 +76,12 @@ def timed(run: Callable[[], object], group: dist.ProcessGroup | None, warmup: in
     return statistics.median(times)
 
 
+# Distinct layers a decode step of the block is timed over (see the module docstring): measured on
+# a 2-core x86 machine, a small-model layer's decode step at batch 32 takes 1.36 ms alone and
+# 1.56 / 1.62 / 1.63 ms per layer in stacks of 2 / 4 / 8 layers, as in an 8-layer generate().
+DECODE_STACK = 8
+
+
 class LayerProfiler:
     """Builds one-layer models of ``cfg`` (actor and critic heads) on this tp group and times their parts."""
 
@@ -87,6 +98,18 @@ class LayerProfiler:
         self.device, self.dtype = self.actor.device, dtype
         self.stage = self.actor.stage
         self.layer = self.stage.layers[0]
+        self.n_stack = max(1, min(cfg.n_layers, DECODE_STACK))
+        self._stack = None
+
+    def stack_model(self):
+        """A model of ``n_stack`` layers (built on first use): its layers time a decode step, and its
+        generate() the generation loop's overheads, layer caches as in a real model."""
+        if self._stack is None:
+            from realloc.models.engine import ParallelModel
+
+            self._stack = ParallelModel(dataclasses.replace(self.cfg, n_layers=self.n_stack), self.groups,
+                                        device=self.device, dtype=self.dtype, seed=4)
+        return self._stack
 
     # -- inputs ---------------------------------------------------------------
     def _ids(self, b: int, s: int) -> torch.Tensor:
@@ -175,14 +198,18 @@ class LayerProfiler:
             return run, None
         if part is Part.BLOCK:
             x = self._hidden(b, new)
-            caches = stage.new_kv_caches(b, s)
+            owner = self.stack_model().stage if phase is Phase.DECODE else stage
+            layers = owner.layers if phase is Phase.DECODE else [self.layer]
+            caches = owner.new_kv_caches(b, s)
             pos = (torch.arange(new, device=self.device) + start).expand(b, new)
             cos, sin = self._rope(pos)
             mask = cache_mask(torch.ones(b, s, dtype=torch.bool, device=self.device), start, new)
 
             def run():
                 with torch.no_grad():
-                    self.layer(x, cos, sin, mask, caches[0], start)
+                    h = x
+                    for layer, cache in zip(layers, caches):
+                        h = layer(h, cos, sin, mask, cache, start)
             return run, None
         if part is Part.HEAD:
             h = self._hidden(b, 1)
@@ -204,6 +231,8 @@ class LayerProfiler:
 
     def time_op(self, part: Part, phase: Phase, b: int, s: int, warmup: int, repeats: int) -> float:
         run, setup = self.op_runner(part, phase, b, s)
+        if (part, phase) == (Part.BLOCK, Phase.DECODE):
+            return timed(run, self.group, warmup, repeats, setup) / self.n_stack
         if phase is not Phase.BWD:
             return timed(run, self.group, warmup, repeats, setup)
         total = timed(run, self.group, warmup, repeats, setup)
@@ -237,13 +266,53 @@ class LayerProfiler:
             t2 = timed(lambda: model.train_step(two, loss_fn, opt, max_grad_norm=1.0), self.group, warmup, repeats)
             return {"train1": t1, "train2": t2}
         if kind == "generate":
+            # on the stack model, whose decode steps the layer table prices (``layers`` of them)
             prompts = self._ids(b, s).tolist()
-            out = {}
+            gen_model = self.stack_model()
+            out = {"layers": float(self.n_stack)}
             for n in GEN_TOKENS:
                 cfg = GenerationConfig(max_new_tokens=n, min_new_tokens=n)
-                out[f"gen{n}"] = timed(lambda: model.generate(prompts, cfg), self.group, warmup, repeats)
+                out[f"gen{n}"] = timed(lambda: gen_model.generate(prompts, cfg), self.group, warmup, repeats)
             return out
+        if kind == "ppo_train":
+            return self.time_ppo_train(b, s, warmup, repeats)
         raise ValueError(f"unknown engine call {kind!r}")
+
+    def time_ppo_train(self, b: int, gen_len: int, warmup: int, repeats: int) -> dict[str, float]:
+        """PPO's actor train interface (``ppo_interfaces.actor_train``, one mini-batch) on ``b`` sequences of
+        PPO_PROMPT_LEN + ``gen_len`` tokens, and the engine's train_step on the same sequences: the
+        difference is the interface's own host work (KL-shaped rewards, GAE over the generated tokens,
+        whitening, mini-batch assembly)."""
+        from realloc.algorithms import ppo_interfaces as impl
+        from realloc.algorithms.ppo_config import PPOConfig
+        from realloc.api import InterfaceType, ModelFunctionCallDef
+
+        model = self.actor
+        opt = model.make_optimizer(lr=1e-9)
+        P, T = PPO_PROMPT_LEN, gen_len
+        g = torch.Generator().manual_seed(b * 31 + T)
+        tokens = torch.randint(0, self.cfg.vocab_size, (b, P + T), generator=g)
+
+        def small() -> torch.Tensor:
+            return torch.randn(b, T, generator=g) * 0.1
+
+        inputs = {"seq": {"tokens": tokens, "gen_mask": torch.ones(b, T, dtype=torch.bool)},
+                  "logp": {"logp": small()}, "ref_logp": {"logp": small()}, "values": {"values": small()},
+                  "rewards": {"score": torch.randn(b, generator=g)}}
+        call = ModelFunctionCallDef(name="actor_train", model_name="actor", model_type=self.cfg.name,
+                                    interface_type=InterfaceType.TRAIN_STEP, interface_impl="ppo_actor",
+                                    input_data=list(impl.TRAIN_ROLES), n_minibatches=1)
+        ctx = impl.CallContext(call=call, model=model, optimizer=opt, ppo=PPOConfig(n_minibatches=1), prompt_len=P,
+                               gen_len=T, seed=1, iteration=0, ids=range(b), batch_size=b, n_mbs=1)
+        batch = {"input_ids": tokens, "lengths": torch.full((b,), P + T, dtype=torch.long)}
+
+        def loss_fn(out, mb):
+            return out.logprobs().mean(), {}
+
+        t_iface = timed(lambda: impl.actor_train(ctx, inputs), self.group, warmup, repeats)
+        t_engine = timed(lambda: model.train_step([batch], loss_fn, opt, max_grad_norm=1.0), self.group, warmup,
+                         repeats)
+        return {"interface": t_iface, "engine": t_engine}
 
     def time_optimizer(self, n_layers: int, warmup: int, repeats: int) -> tuple[int, float]:
         """(local parameters, seconds) of one optimizer update on a model of ``n_layers`` layers.
@@ -308,18 +377,36 @@ def op_axes(part: Part, phase: Phase, grid: LayerGrid) -> tuple[int, ...]:
 #   engine.gen_call    once per generate() call                grid (b, prompt length)
 #   engine.decode_step per generated token of generate()       grid (b, prompt length)
 ENGINE_KEYS = ("engine.fwd", "engine.train_mb", "engine.train_step", "engine.gen_call", "engine.decode_step")
-GEN_TOKENS = (2, 6)  # generate() runs with these max_new_tokens to split per-call from per-token overhead
+# generate() runs with these max_new_tokens to split per-call from per-token overhead (8 steps apart:
+# the per-token residual is a difference of two noisy medians, divided by the steps between them)
+GEN_TOKENS = (2, 10)
+# Interface overheads: the host work of realloc's PPO interfaces beyond the engine calls they make,
+# measured on the actor (``LayerProfiler.time_ppo_train``). Keys of TpTable.ops:
+#   interface.train    once per PPO train call        grid (b, generated tokens), a line in the
+#                                                      generated tokens (GAE steps), flat in b
+# (PPO's inference and generation interfaces measured within noise of the engine calls they wrap.)
+INTERFACE_KEYS = ("interface.train",)
+INTERFACE_GEN_LENS = (8, 32, 128)
+PPO_PROMPT_LEN = 8
 
 
 def engine_plan(grid: LayerGrid, max_positions: int) -> Iterator[tuple[str, int, int]]:
     """Engine calls to time: forward and train_step over every other grid point (the overheads are
-    fitted as a line, see ``profile_cli.engine_overheads``), generate() for prompts that leave room."""
-    for b in grid.batch[::2]:
+    fitted as a line, see ``profile_cli.engine_overheads``), generate() for prompts that leave room
+    (every batch size), and PPO's train interface (``ppo_train``, its second axis the generated tokens)."""
+    for b in grid.batch:
         for s in grid.seq[::2]:
-            yield "forward", b, s
-            yield "train", b, s
+            if b in grid.batch[::2]:
+                yield "forward", b, s
+                yield "train", b, s
+            # every batch size: a decode step's residual is small next to its ops
             if s + max(GEN_TOKENS) <= max_positions:
                 yield "generate", b, s
+        if b not in grid.batch[::2]:
+            continue
+        for t in INTERFACE_GEN_LENS:
+            if PPO_PROMPT_LEN + t <= max_positions:
+                yield "ppo_train", b, t
 
 
 def op_plan(grid: LayerGrid) -> Iterator[tuple[Part, Phase, int, int]]:

@@ -67,6 +67,10 @@ class RooflineCosts:
         """No measured engine overheads: the hardware spec's host terms apply instead."""
         return None
 
+    def interface(self, key: str, tp: int, gen_len: int) -> float | None:
+        """No measured interface overheads."""
+        return None
+
     def optimizer(self, n_params: int) -> float:
         """One Adam step over ``n_params`` local parameters: bandwidth-bound, a handful of fused kernels."""
         bw = self.hw.memory_bandwidth * self.hw.memory_efficiency
