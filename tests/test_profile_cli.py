@@ -91,3 +91,24 @@ def test_bad_arguments_name_the_option():
         build_job(parse("--model", "tiny", "--ctx-lens", "8,1024"))
     with pytest.raises(ValueError, match="unknown model_type 'nope'"):
         build_job(parse("--model", "nope"))
+
+
+def test_tp_grids_are_smoothed_by_a_bilinear_fit():
+    from realloc.estimator.profile_cli import smooth_grid
+    from realloc.estimator.profile_table import OpGrid
+
+    def f(b, s):
+        return 1e-3 + 2e-5 * b + 1e-5 * s + 3e-6 * b * s
+
+    exact = OpGrid(batch=[1, 2, 4, 8], seq=[8, 16, 32], seconds=[[f(b, s) for s in (8, 16, 32)] for b in (1, 2, 4, 8)])
+    fit, rms = smooth_grid(exact)
+    assert rms == pytest.approx(0.0, abs=1e-9)
+    assert fit.seconds == pytest.approx(exact.seconds, rel=1e-9)
+    # one point 50% high (a slow phase of the machine) moves the fit only a little there
+    spiked = exact.model_copy(update={"seconds": [row[:] for row in exact.seconds]})
+    spiked.seconds[2][1] *= 1.5
+    fit, rms = smooth_grid(spiked)
+    assert abs(fit.seconds[2][1] / f(4, 16) - 1) < 0.15 and rms > 0.05
+    # a grid along the batch only (a one-token op) is a line in b
+    flat = OpGrid(batch=[1, 2, 4, 8], seq=[1], seconds=[[1e-3 + 1e-4 * b] for b in (1, 2, 4, 8)])
+    assert smooth_grid(flat)[0].seconds == pytest.approx(flat.seconds, rel=1e-9)

@@ -267,6 +267,7 @@ def assemble_table(job: ProfileJob, raw: dict[str, Any], meta: dict[str, Any]) -
 
     cfg = get_model_config(job.model_type)
     tps: dict[int, TpTable] = {}
+    smoothed: dict[str, dict[str, float]] = {}
     for tp_s, sub in raw["tp"].items():
         ops = {}
         for part, phase in PROFILED_OPS:
@@ -275,6 +276,9 @@ def assemble_table(job: ProfileJob, raw: dict[str, Any], meta: dict[str, Any]) -
             axis = op_axes(part, phase, job.grid)
             ops[key] = OpGrid(batch=list(job.grid.batch), seq=list(axis),
                               seconds=[[vals[b, s] for s in axis] for b in job.grid.batch])
+            if int(tp_s) > 1:
+                ops[key], rms = smooth_grid(ops[key])
+                smoothed.setdefault(tp_s, {})[key] = round(rms, 4)
         layer_table = TpTable(ops=ops, optimizer=[(int(n), float(t)) for n, t in sub["optimizer"]])
         ops.update(engine_overheads(cfg, int(tp_s), layer_table, sub["engine"], job))
         tps[int(tp_s)] = TpTable(ops=ops, optimizer=layer_table.optimizer)
@@ -283,8 +287,36 @@ def assemble_table(job: ProfileJob, raw: dict[str, Any], meta: dict[str, Any]) -
         pts = [(float(x), float(t)) for x, t in c["points"]]
         alpha, beta = fit_alpha_beta(pts)
         colls.append(CollectiveEntry(op=c["op"], n=c["n"], link=Link.INTRA, alpha=alpha, beta=beta, points=pts))
+    if smoothed:
+        meta = {**meta, "smoothed_tp_ops_rms_relative_residual": smoothed}
     return ProfileTable(device_kind=job.kind, model_type=job.model_type, dtype=job.dtype, arch=ModelArch.of(cfg),
                         tp=tps, collectives=colls, meta=meta)
+
+
+def smooth_grid(grid: OpGrid) -> tuple[OpGrid, float]:
+    """The least-squares fit t = c0 + c1 b + c2 s + c3 b s over the grid (relative error), and the rms
+    relative residual of the measurements.
+
+    Used for tp > 1: an op over a tensor-parallel group spends much of its time in collectives whose
+    gloo latency drifts between phases of a run (repeating one point minutes apart on the 2-core
+    machine here gave 4.5 to 8.6 ms for the same block), so single points are off by up to 30%
+    while the surface is smooth: GEMM work in b x s, per-sequence and per-token work, a latency
+    floor (a decode step: weights in b, attention in b x cached positions).
+    """
+    import numpy as np
+
+    b = np.array([x for x in grid.batch for _ in grid.seq], dtype=np.float64)
+    s = np.array([y for _ in grid.batch for y in grid.seq], dtype=np.float64)
+    t = np.array([v for row in grid.seconds for v in row], dtype=np.float64)
+    cols = [np.ones_like(b), b] + ([s, b * s] if len(grid.seq) > 1 else [])
+    design = np.stack(cols, axis=1)
+    if len(t) <= design.shape[1]:
+        return grid, 0.0
+    coef, *_ = np.linalg.lstsq(design / t[:, None], np.ones_like(t), rcond=None)
+    fit = np.maximum(design @ coef, MIN_SECONDS)
+    rms = float(np.sqrt(np.mean(((t - fit) / t) ** 2)))
+    seconds = fit.reshape(len(grid.batch), len(grid.seq)).tolist()
+    return OpGrid(batch=list(grid.batch), seq=list(grid.seq), seconds=seconds), rms
 
 
 def command_line(args: argparse.Namespace) -> str:

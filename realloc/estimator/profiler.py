@@ -23,15 +23,18 @@ ranks that call these functions together. Times are per device:
   generation loop), and interface overheads (``INTERFACE_KEYS``): what PPO's
   interfaces take beyond the engine calls they make.
 
-Each point: ``warmup`` untimed runs, then ``repeats`` timed runs whose per-run
-time is the maximum over the tp ranks (they end together anyway because of the
-collectives inside); the median is stored. ``torch.set_num_threads(1)``: one
+Each point: ``warmup`` untimed runs, then ``repeats`` timed samples whose time is
+the maximum over the tp ranks (they end together anyway because of the
+collectives inside); the median is stored. Over tp > 1 a sample averages
+consecutive runs (``timed``): collective latency is heavy-tailed, and calls pay
+its mean. ``torch.set_num_threads(1)``: one
 device is one single-threaded process, as in the runtime.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from typing import Callable, Iterator
@@ -52,24 +55,46 @@ class LayerGrid:
     repeats: int = 7
 
 
+# Over a tensor-parallel group, one execution of a short op is dominated by its collectives, whose
+# latency on gloo is heavy-tailed (a blocked process's wake-up): a single run costs 1x or 3x.
+# A real call runs such ops back to back and pays their mean, so on a group each sample is the
+# mean of enough consecutive runs to last GROUP_SAMPLE_SECONDS (at most GROUP_MAX_RUNS).
+GROUP_SAMPLE_SECONDS = 0.005
+GROUP_MAX_RUNS = 16
+
+
 def timed(run: Callable[[], object], group: dist.ProcessGroup | None, warmup: int, repeats: int,
           setup: Callable[[], object] | None = None) -> float:
-    """Median seconds of ``run()`` over ``repeats``, each the max over ``group``; ``setup()`` runs untimed first."""
+    """Median seconds of ``run()`` over ``repeats`` samples, each the max over ``group`` (a sample over a
+    group of 2+ is the mean of consecutive runs, see GROUP_SAMPLE_SECONDS); ``setup()`` runs untimed
+    before every run."""
+    multi = group is not None and group.size() > 1
+    last = 0.0
     for _ in range(warmup):
         if setup:
             setup()
-        run()
-    times = []
-    for _ in range(repeats):
-        if setup:
-            setup()
-        if group is not None and group.size() > 1:
-            dist.barrier(group=group)
         t0 = time.perf_counter()
         run()
-        dt = time.perf_counter() - t0
-        times.append(dt)
-    if group is not None and group.size() > 1:
+        last = time.perf_counter() - t0
+    runs = 1
+    if multi:
+        # every rank must run the op the same number of times (its collectives pair up)
+        t = torch.tensor([last], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        runs = max(1, min(GROUP_MAX_RUNS, math.ceil(GROUP_SAMPLE_SECONDS / max(float(t[0]), 1e-9))))
+    times = []
+    for _ in range(repeats):
+        if multi:
+            dist.barrier(group=group)
+        total = 0.0
+        for _ in range(runs):
+            if setup:
+                setup()
+            t0 = time.perf_counter()
+            run()
+            total += time.perf_counter() - t0
+        times.append(total / runs)
+    if multi:
         t = torch.tensor(times, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         times = t.tolist()
