@@ -1,0 +1,508 @@
+"""Estimated against measured time, plan by plan, on the local CPU cluster (realhf.txt §8.3, Figure 11).
+
+    .venv/bin/python benchmarks/estimator_accuracy.py [--experiment experiments/ppo_small.py]
+        [--iterations 8] [--warmup 3] [--repeats 2] [--search-time 10] [--profile] [--out benchmarks/out]
+
+For one PPO experiment on the local 2-device cluster it builds at least 8 plans (the searched plan,
+the heuristic and the other baselines, everything on one device, disjoint meshes with and without
+reallocation, pp=2, tp=2, dp=2), runs each with ``realloc run`` (``--repeats`` times, interleaved,
+so that slow phases of the machine hit every plan alike), and prints from that one invocation:
+
+- per plan, estimated against measured steady-state seconds per iteration (after ``--warmup``
+  iterations; median over iterations, then over repeats) and the relative error;
+- per call, estimated against measured worker time (a call's longest span on any of its devices),
+  and the same for parameter reallocation and data transfer per iteration;
+- the median and maximum error over plans, and the searched plan's speedup over the heuristic,
+  estimated and measured;
+- a picture (``--out``): estimated against measured per plan, and the estimated and measured
+  timelines of one plan side by side.
+
+``--profile`` first re-profiles this machine with the commands of profiles/cpu/README.md for the
+experiment's models (the estimator reads profiles/cpu/*.json). The load average is printed next to
+every run: other processes on the two cores show up directly in the measured times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from realloc import _C  # noqa: E402
+from realloc.api import ExperimentSpec, load_experiment  # noqa: E402
+from realloc.estimator.cost import CostModel  # noqa: E402
+from realloc.graph.dataflow import DataflowGraph, build_graph  # noqa: E402
+from realloc.graph.plan import CallPlacement, ExecutionPlan, validate_plan  # noqa: E402
+from realloc.search.build import PlanSpace  # noqa: E402
+from realloc.search.planner import baseline, plan_search  # noqa: E402
+
+DEFAULT_EXPERIMENT = "experiments/ppo_small.py"
+PROFILE_README = REPO / "profiles" / "cpu" / "README.md"
+
+
+# -- plans -----------------------------------------------------------------------------------------------------
+
+def _plan(spec: ExperimentSpec, graph: DataflowGraph, name: str,
+          placements: dict[str, tuple[str, int, int, int, int]]) -> ExecutionPlan:
+    cl = spec.cluster
+    return ExecutionPlan(experiment=spec.name, graph_digest=graph.digest, nodelist=cl.nodelist,
+                         n_devices_per_node=cl.n_devices_per_node, device=cl.device, source=name,
+                         placements={c: CallPlacement(mesh=m, dp=d, tp=t, pp=p, n_mbs=n)
+                                     for c, (m, d, t, p, n) in placements.items()})
+
+
+def hand_plans(spec: ExperimentSpec, graph: DataflowGraph) -> dict[str, ExecutionPlan]:
+    """Hand-written plans of a PPO experiment on one node of 2 devices (calls named as in ppo_rpcs)."""
+    node = spec.cluster.nodes[0]
+    both, d0, d1 = node, f"{node}:0", f"{node}:1"
+    calls = graph.topo_order
+    rule = {c for c in calls if graph.model_config(c) is None}
+
+    def uniform(mesh: str, dp: int, tp: int, pp: int, n_mbs: int) -> dict:
+        size = dp * tp * pp
+        return {c: ((mesh, size, 1, 1, 1) if c in rule else (mesh, dp, tp, pp, n_mbs)) for c in calls}
+
+    one = {c: (d0, 1, 1, 1, 1) for c in calls}
+    # actor and reference on device 0, critic and reward on device 1: disjoint meshes, no reallocation
+    side = {"actor": d0, "ref": d0, "critic": d1, "reward": d1}
+    split = {c: (side.get(graph.call(c).model_name, d1), 1, 1, 1, 1) for c in calls}
+    # the same, but the actor generates data-parallel on both devices: reallocation before and after
+    gen_dp2 = dict(split, actor_gen=(both, 2, 1, 1, 1))
+    # training in a 2-stage pipeline, generation and inference split: reallocation between pp and dp layouts
+    mixed = dict(split, actor_gen=(both, 2, 1, 1, 1), actor_train=(both, 1, 1, 2, 4), critic_train=(both, 1, 1, 2, 4))
+    return {
+        "one device": _plan(spec, graph, "one device", one),
+        "actor | critic": _plan(spec, graph, "actor | critic", split),
+        "gen dp2 + realloc": _plan(spec, graph, "gen dp2 + realloc", gen_dp2),
+        "train pp2 + realloc": _plan(spec, graph, "train pp2 + realloc", mixed),
+        "dp=2": _plan(spec, graph, "dp=2", uniform(both, 2, 1, 1, 1)),
+        "pp=2": _plan(spec, graph, "pp=2", uniform(both, 1, 1, 2, 2)),
+        "tp=2": _plan(spec, graph, "tp=2", uniform(both, 1, 2, 1, 1)),
+    }
+
+
+# -- estimates -------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Estimate:
+    plan: ExecutionPlan
+    space: PlanSpace
+    indices: np.ndarray
+    time: float  # seconds per steady-state iteration
+    calls: dict[str, float]  # seconds per call (the call's own work, as a worker runs it)
+    realloc: float  # seconds of reallocation per steady-state iteration (sum of nodes)
+    data: float  # seconds of data transfer per steady-state iteration (sum of nodes)
+
+
+def estimate(graph: DataflowGraph, cost: CostModel, plan: ExecutionPlan) -> Estimate:
+    """The estimator's and simulator's numbers for ``plan`` (the space restricted to its placements)."""
+    meshes = validate_plan(plan, graph)
+    want = {c: (meshes[c], plan.placements[c].strategy, plan.placements[c].n_mbs) for c in graph.topo_order}
+    space = PlanSpace.build(graph, cost, option_filter=lambda c, o: o == want[c], prune_memory=False, offload=False)
+    idx = space.fastest()
+    ev = space.evaluate(idx)
+    p = space.problem
+    records = space.cpp.schedule(idx)
+    steady = range(1, p.n_iterations)
+    realloc = sum(r[5] - r[4] for r in records if r[0] == _C.NODE_REALLOC and r[3] in steady) / len(steady)
+    data = sum(r[5] - r[4] for r in records if r[0] == _C.NODE_DATA and r[3] in steady) / len(steady)
+    calls = {c: cost.call_cost(c, *want[c]).time for c in graph.topo_order}
+    return Estimate(plan, space, idx, float(ev["time"]), calls, realloc, data)
+
+
+# -- runs ------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Run:
+    name: str
+    run_dir: Path
+    iteration_times: list[float]
+    calls: dict[str, list[float]]  # per call: its time per steady iteration (see ``request_time``)
+    realloc: list[float]  # per steady iteration: sum of reallocation request times
+    data: list[float]  # per steady iteration: sum of data-transfer request times
+    latency: list[float]  # dispatch latency: a call's start after its last predecessor's end, its devices idle
+    load: tuple[float, float]  # 1-minute load average before and after
+    seconds: float
+
+    @property
+    def time(self) -> float:
+        return statistics.median(self.iteration_times)
+
+
+def request_time(spans: dict) -> float:
+    """From the moment every participant had started to the last one's end: the request's own time,
+    without a participant's wait for one still busy with earlier work (the simulator's node duration)."""
+    return max(e for _, e in spans.values()) - max(s for s, _ in spans.values())
+
+
+def dispatch_latencies(graph: DataflowGraph, requests: list[dict], iterations: set[int]) -> list[float]:
+    """The master's round trip: the start of a call (or data transfer) minus the end of the last call it
+    waited for (its graph predecessors; a transfer's producer), where its devices were idle in between."""
+    calls = {(r["label"], r["iteration"]): r for r in requests if r["kind"] == "call" and r["spans"]}
+    producer = {k: c.name for c in graph.calls for k in c.output_data}
+    busy: dict[int, list[tuple[float, float]]] = {}
+    for r in requests:
+        for dev, (s, e) in r["spans"].items():
+            busy.setdefault(int(dev), []).append((s, e))
+    out = []
+    for r in requests:
+        t = r["iteration"]
+        if t not in iterations or not r["spans"]:
+            continue
+        if r["kind"] == "call":
+            waits = [calls.get((u, t)) for u in graph.graph.predecessors(r["label"])]
+        elif r["kind"] == "data":
+            waits = [calls.get((producer.get(r["label"].split(" -> ")[0]), t))]
+        else:
+            continue
+        if not waits or None in waits:
+            continue
+        ready = max(e for p in waits for _, e in p["spans"].values())
+        start = min(s for s, _ in r["spans"].values())
+        if start <= ready or any(ready < e < start or ready < s < start
+                                 for d in r["spans"] for s, e in busy[int(d)]):
+            continue  # queued behind other work: not the master's doing
+        out.append(start - ready)
+    return out
+
+
+def run_plan(experiment: str, graph: DataflowGraph, name: str, plan: ExecutionPlan, iterations: int, warmup: int,
+             base: Path, tag: str) -> Run:
+    run_dir = base / f"{''.join(ch if ch.isalnum() else '_' for ch in name)}-{tag}"
+    plan_path = base / f"{run_dir.name}.plan.json"
+    plan.save(plan_path)
+    cmd = [sys.executable, "-m", "realloc.cli", "run", experiment, "--plan", str(plan_path), "--iterations",
+           str(iterations), "--run-dir", str(run_dir), "--quiet"]
+    load0 = os.getloadavg()[0]
+    t0 = time.time()
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, "TMPDIR": str(base)})
+    seconds = time.time() - t0
+    load1 = os.getloadavg()[0]
+    if r.returncode != 0:
+        raise RuntimeError(f"plan {name!r} failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    steady = [m for m in metrics if m["iteration"] >= warmup]
+    its = {m["iteration"] for m in steady}
+    calls: dict[str, dict[int, float]] = {}
+    realloc = {t: 0.0 for t in its}
+    data = {t: 0.0 for t in its}
+    requests = [json.loads(line) for line in (run_dir / "requests.jsonl").read_text().splitlines()]
+    for rec in requests:
+        t = rec["iteration"]
+        if t not in its or not rec["spans"]:
+            continue
+        work = request_time(rec["spans"])
+        if rec["kind"] == "call":
+            calls.setdefault(rec["label"], {})[t] = work
+        elif rec["kind"] == "realloc":
+            realloc[t] += work
+        elif rec["kind"] == "data":
+            data[t] += work
+    return Run(name, run_dir, [m["iteration_time"] for m in steady],
+               {c: list(v.values()) for c, v in calls.items()}, list(realloc.values()), list(data.values()),
+               dispatch_latencies(graph, requests, its), (load0, load1), seconds)
+
+
+# -- report ----------------------------------------------------------------------------------------------------
+
+def rel(est: float, meas: float) -> float:
+    return (est - meas) / meas if meas > 0 else float("nan")
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else 0.0
+
+
+@dataclasses.dataclass
+class PlanResult:
+    name: str
+    est: Estimate
+    runs: list[Run]
+
+    @property
+    def measured(self) -> float:
+        return med([r.time for r in self.runs])
+
+    @property
+    def spread(self) -> float:
+        """Half the range of the repeats' medians, relative to their median."""
+        ts = [r.time for r in self.runs]
+        return (max(ts) - min(ts)) / 2 / self.measured if len(ts) > 1 else 0.0
+
+    @property
+    def error(self) -> float:
+        return rel(self.est.time, self.measured)
+
+    def call_measured(self, call: str) -> float:
+        return med([x for r in self.runs for x in r.calls.get(call, [])])
+
+    def realloc_measured(self) -> float:
+        return med([x for r in self.runs for x in r.realloc])
+
+    def data_measured(self) -> float:
+        return med([x for r in self.runs for x in r.data])
+
+    def latency_measured(self) -> float:
+        return med([x for r in self.runs for x in r.latency])
+
+
+def plan_line(p: ExecutionPlan, calls: tuple[str, ...]) -> str:
+    out = []
+    for c in calls:
+        x = p.placements[c]
+        out.append(f"{c} {x.mesh} {x.dp}/{x.tp}/{x.pp}x{x.n_mbs}")
+    return ", ".join(out)
+
+
+def print_report(spec: ExperimentSpec, graph: DataflowGraph, results: list[PlanResult], args: argparse.Namespace,
+                 profile_note: str) -> dict:
+    calls = graph.topo_order
+    print(f"\n{spec.name}: batch {spec.batch_size}, prompt {spec.prompt_len} + generation {spec.gen_len} tokens, "
+          f"on {spec.cluster.nodelist} ({spec.cluster.n_devices} {spec.cluster.device} devices); {profile_note}")
+    print(f"measured: median over iterations {args.warmup + 1}..{args.iterations} of each run, then over "
+          f"{args.repeats} run(s) per plan; spread = half the range of the runs' medians\n")
+    header = (f"{'plan':<22}{'est. s/it':>10}{'meas. s/it':>11}{'spread':>8}{'error':>8}{'load':>11}"
+              f"{'dispatch ms':>13}")
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        loads = [x for run in r.runs for x in run.load]
+        print(f"{r.name:<22}{r.est.time:>10.3f}{r.measured:>11.3f}{r.spread:>7.1%} {r.error:>+7.1%}"
+              f"{min(loads):>6.2f}-{max(loads):<4.2f}{r.latency_measured() * 1e3:>9.2f}")
+    lat = med([x for r in results for run in r.runs for x in run.latency])
+    print(f"(dispatch: median delay from the end of the call a request waited for to its start on idle devices, "
+          f"{lat * 1e3:.2f} ms over all plans; the model uses {graph.spec.cluster.hardware.dispatch_latency * 1e3:.2f} "
+          f"ms)")
+    errs = [abs(r.error) for r in results]
+    print("\nper call: estimated / measured ms (error); realloc and data: seconds per iteration. A request's "
+          "measured time runs from when all its devices had started it to its end")
+    head = f"{'plan':<22}" + "".join(f"{c[:16]:>22}" for c in calls) + f"{'realloc':>20}{'data':>20}"
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        cells = []
+        for c in calls:
+            e, m = r.est.calls[c] * 1e3, r.call_measured(c) * 1e3
+            cells.append(f"{e:7.1f}/{m:7.1f} ({rel(e, m):+4.0%})")
+        cells.append(f"{r.est.realloc:6.3f}/{r.realloc_measured():6.3f}")
+        cells.append(f"{r.est.data:6.3f}/{r.data_measured():6.3f}")
+        print(f"{r.name:<22}" + "".join(f"{x:>22}" for x in cells[:-2]) + f"{cells[-2]:>20}{cells[-1]:>20}")
+    summary = {"median_error": statistics.median(errs), "max_error": max(errs), "plans": len(results)}
+    print(f"\nerror over {len(results)} plans: median {summary['median_error']:.1%}, max {summary['max_error']:.1%} "
+          f"(target: median <= 10%, max <= 20%)")
+    by = {r.name: r for r in results}
+    if "searched" in by and "heuristic" in by:
+        s, h = by["searched"], by["heuristic"]
+        est_speed, meas_speed = h.est.time / s.est.time, h.measured / s.measured
+        summary.update(est_speedup=est_speed, measured_speedup=meas_speed)
+        print(f"searched vs heuristic: estimated speedup {est_speed:.2f}x, measured {meas_speed:.2f}x "
+              f"({rel(est_speed, meas_speed):+.1%})")
+    best = min(results, key=lambda r: r.measured)
+    print(f"fastest measured plan: {best.name} ({best.measured:.3f} s/it)")
+    print("\nplans (call mesh dp/tp/pp x micro-batches):")
+    for r in results:
+        print(f"  {r.name}: {plan_line(r.est.plan, calls)}")
+    return summary
+
+
+# -- picture ---------------------------------------------------------------------------------------------------
+
+def measured_timeline(run: Run, iterations: range) -> tuple[list[tuple], float]:
+    """(device, label, kind, start, end) of every request of ``iterations``, seconds from the first start."""
+    rows = []
+    for line in (run.run_dir / "requests.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec["iteration"] in iterations and rec["kind"] in ("call", "realloc", "data"):
+            for dev, (s, e) in rec["spans"].items():
+                rows.append((int(dev), rec["label"], rec["kind"], s, e))
+    t0 = min(r[3] for r in rows)
+    return [(d, lab, k, s - t0, e - t0) for d, lab, k, s, e in rows], t0
+
+
+def draw(results: list[PlanResult], timeline_plan: str, graph: DataflowGraph, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    calls = list(graph.topo_order)
+    colours = plt.get_cmap("tab10")
+    fig = plt.figure(figsize=(16, 9))
+    grid = fig.add_gridspec(2, 2, height_ratios=[1.1, 1])
+    ax = fig.add_subplot(grid[0, :])
+    x = np.arange(len(results))
+    ax.bar(x - 0.2, [r.est.time for r in results], 0.4, label="estimated", color="tab:blue")
+    ax.bar(x + 0.2, [r.measured for r in results], 0.4, label="measured", color="tab:orange",
+           yerr=[r.spread * r.measured for r in results], capsize=3)
+    for i, r in enumerate(results):
+        ax.text(i, max(r.est.time, r.measured) * 1.03, f"{r.error:+.0%}", ha="center", fontsize=8)
+    ax.set_xticks(x)
+    ax.set_xticklabels([r.name for r in results], rotation=15, fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("seconds per iteration (log)")
+    ax.set_title(f"{graph.spec.name}: estimated vs measured steady-state iteration time per plan")
+    ax.legend()
+
+    res = next(r for r in results if r.name == timeline_plan)
+    n_dev = graph.spec.cluster.n_devices
+    p = res.est.space.problem
+    recs = [r for r in res.est.space.cpp.schedule(res.est.indices) if r[3] >= 1]
+    t0 = min(r[4] for r in recs)
+    t_end = max(r[5] for r in recs)
+    ax_e = fig.add_subplot(grid[1, 0])
+    for kind, call, _other, _it, s, e, lo1, hi1, lo2, hi2 in recs:
+        if e <= s:
+            continue
+        for lo, hi in [(lo1, hi1)] + ([(lo2, hi2)] if hi2 > lo2 else []):
+            style = (dict(color=colours(calls.index(p.call_names[call]) % 10)) if kind == _C.NODE_CALL else
+                     dict(color="white", hatch="////") if kind == _C.NODE_REALLOC else dict(color="lightgrey"))
+            ax_e.barh(lo, e - s, left=s - t0, height=hi - lo, align="edge", edgecolor="black", linewidth=0.3,
+                      **style)
+    n_it = p.n_iterations - 1
+    ax_e.set_title(f"estimated: {res.name}, {n_it} steady iterations ({res.est.time:.3f} s/it)", fontsize=9)
+    run = min(res.runs, key=lambda r: abs(r.time - res.measured))
+    steady_its = range(run_first_iteration(run), run_first_iteration(run) + n_it)
+    rows, _ = measured_timeline(run, steady_its)
+    ax_m = fig.add_subplot(grid[1, 1], sharex=ax_e)
+    for dev, label, kind, s, e in rows:
+        style = (dict(color=colours(calls.index(label) % 10)) if kind == "call" else
+                 dict(color="white", hatch="////") if kind == "realloc" else dict(color="lightgrey"))
+        ax_m.barh(dev, e - s, left=s, height=1, align="edge", edgecolor="black", linewidth=0.3, **style)
+    ax_m.set_title(f"measured: {res.name}, iterations {steady_its.start + 1}..{steady_its.stop} "
+                   f"({res.measured:.3f} s/it median)", fontsize=9)
+    for a in (ax_e, ax_m):
+        a.set_ylim(n_dev, 0)
+        a.set_yticks([d + 0.5 for d in range(n_dev)])
+        a.set_yticklabels([f"device {d}" for d in range(n_dev)])
+        a.set_xlabel("seconds")
+    ax_e.set_xlim(0, max(t_end - t0, max(r[4] for r in rows)) * 1.02)
+    from matplotlib.patches import Patch
+
+    handles = [Patch(facecolor=colours(i % 10), edgecolor="black", label=c) for i, c in enumerate(calls)]
+    handles += [Patch(facecolor="white", hatch="////", edgecolor="black", label="reallocation"),
+                Patch(facecolor="lightgrey", edgecolor="black", label="data transfer")]
+    ax_m.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run_first_iteration(run: Run) -> int:
+    metrics = [json.loads(x) for x in (run.run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return metrics[-len(run.iteration_times)]["iteration"]
+
+
+# -- profiling -------------------------------------------------------------------------------------------------
+
+def profile_commands(model_types: set[str]) -> list[str]:
+    """The ``realloc profile`` commands of profiles/cpu/README.md for these model types."""
+    out = []
+    for line in PROFILE_README.read_text().splitlines():
+        line = line.strip()
+        if line.startswith("realloc profile"):
+            words = shlex.split(line)
+            if words[words.index("--model") + 1] in model_types:
+                out.append(line)
+    return out
+
+
+def profile_machine(graph: DataflowGraph) -> None:
+    from realloc.models.config import CRITIC_SUFFIX
+
+    types = {t.removesuffix(CRITIC_SUFFIX) for t in graph.model_types.values()}
+    for cmd in profile_commands(types):
+        print(f"$ {cmd}", file=sys.stderr, flush=True)
+        words = shlex.split(cmd)
+        subprocess.run([sys.executable, "-m", "realloc.cli", *words[1:]], check=True, cwd=REPO)
+
+
+def profile_note(cost: CostModel) -> str:
+    notes = []
+    for t in cost.profiles:
+        meta = t.meta
+        load = meta.get("load_average_before")
+        notes.append(f"{t.model_type} profiled {str(meta.get('created', '?'))[:16]} (load {load[0] if load else '?'})")
+    return "; ".join(notes) or "no profile (roofline)"
+
+
+# -- main ------------------------------------------------------------------------------------------------------
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--experiment", default=DEFAULT_EXPERIMENT)
+    p.add_argument("--iterations", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--search-time", type=float, default=10.0)
+    p.add_argument("--plans", default="", help="comma-separated subset of plan names")
+    p.add_argument("--profile", action="store_true", help="re-profile this machine first (profiles/cpu/README.md)")
+    p.add_argument("--timeline-plan", default="searched")
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "out"))
+    p.add_argument("--keep", action="store_true", help="keep the run directories")
+    args = p.parse_args()
+    if args.warmup >= args.iterations:
+        raise SystemExit("--warmup must be smaller than --iterations")
+    experiment = str((REPO / args.experiment).resolve()) if not Path(args.experiment).is_absolute() else args.experiment
+    spec = load_experiment(experiment)
+    graph = build_graph(spec)
+    if args.profile:
+        profile_machine(graph)
+    cost = CostModel(graph)
+    print(f"searching ({args.search_time:.0f} s) ...", file=sys.stderr, flush=True)
+    report = plan_search(spec, args.search_time, cost=cost)
+    plans = {"searched": report.plan, "heuristic": baseline(spec, "heuristic", cost)}
+    for name in ("colocate-dp", "split"):
+        plans[name] = baseline(spec, name, cost)
+    plans.update(hand_plans(spec, graph))
+    if args.plans:
+        keep = [x.strip() for x in args.plans.split(",")]
+        plans = {k: v for k, v in plans.items() if k in keep}
+    estimates = {name: estimate(graph, cost, plan) for name, plan in plans.items()}
+    base = Path(tempfile.mkdtemp(prefix="estimator_accuracy_"))
+    runs: dict[str, list[Run]] = {name: [] for name in plans}
+    try:
+        for rep in range(args.repeats):
+            order = list(plans) if rep % 2 == 0 else list(reversed(plans))
+            for name in order:
+                print(f"run {rep + 1}/{args.repeats}: {name} (estimated {estimates[name].time:.3f} s/it) ...",
+                      file=sys.stderr, flush=True)
+                run = run_plan(experiment, graph, name, plans[name], args.iterations, args.warmup, base, str(rep))
+                runs[name].append(run)
+                print(f"  measured {run.time:.3f} s/it in {run.seconds:.0f} s, load {run.load[0]:.2f}"
+                      f"->{run.load[1]:.2f}", file=sys.stderr, flush=True)
+        results = [PlanResult(name, estimates[name], runs[name]) for name in plans]
+        summary = print_report(spec, graph, results, args, profile_note(cost))
+        out = Path(args.out)
+        pic = draw(results, args.timeline_plan if args.timeline_plan in plans else next(iter(plans)), graph,
+                   out / f"estimator_accuracy_{spec.name}.png")
+        print(f"picture: {pic}")
+        (out / f"estimator_accuracy_{spec.name}.json").write_text(json.dumps({
+            "summary": summary, "plans": {r.name: {"estimated": r.est.time, "measured": r.measured,
+                                                   "spread": r.spread, "error": r.error,
+                                                   "runs": [run.time for run in r.runs]} for r in results}},
+            indent=1))
+    finally:
+        if args.keep:
+            print(f"run directories: {base}")
+        else:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
