@@ -8,9 +8,9 @@ the collective model and the call's workload. Terms:
   2 more backward, 1 for the vocab-parallel embedding, the head's own);
 - PP: stage-to-stage p2p of activations (forward) and their gradients (backward);
 - the pipeline bubble of the schedules realloc runs (see ``pipeline_makespan``);
-- DP: one ring all-reduce of the stage's fp32 gradients per optimizer step, plus
-  the scalar all-reduce of the gradient-norm clip over the whole layout and the
-  one of the loss statistics;
+- DP: one ring all-reduce of the stage's fp32 gradients per optimizer step (with
+  packing them into flat buckets and back), plus the scalar all-reduce of the
+  gradient-norm clip over the whole layout and the one of the loss statistics;
 - PPO's train interface: its measured host work per call (rollout, GAE) and the
   dp all-reduce of its advantage moments;
 - the Adam step, memory-bound over parameters and states;
@@ -233,7 +233,7 @@ class CallTimer:
             host = self._engine("engine.train_mb", t, b, seq)
             step = pipeline_makespan(self._stages(Phase.FWD, strategy, links, b, seq, backward=True, host=host), n_mbs)
             step = step + self._optimizer_step(strategy, links) + CallCost.of(
-                overhead=self._engine("engine.train_step", t, b, seq))
+                overhead=self._engine("engine.train_step", t, b, seq) * self._param_ratio(strategy))
             # PPO's interface (realloc.algorithms.ppo_interfaces): the rollout (GAE over the generated
             # tokens, whitening) once per call, and the dp all-reduce of its advantage moments and
             # mini-batch token counts (3 + n_steps float64s)
@@ -254,6 +254,13 @@ class CallTimer:
         # the generation loop's bookkeeping runs once per token
         return prefill + per_call + step_host + sum_over_range(step, lo, hi, self.decode_grid) + overhead
 
+    def _param_ratio(self, strategy: ParallelStrategy) -> float:
+        """Local parameters of the stage holding the most, over those of the one-layer model the
+        profiler measured the train step's overhead on: that overhead (gradient norm, clipping,
+        zeroing) is passes over every parameter."""
+        one = dataclasses.replace(self.cfg, n_layers=1, is_critic=False, tie_embeddings=False)
+        return max_local_params(self.cfg, strategy.tp, strategy.pp) / max_local_params(one, strategy.tp, 1)
+
     def _optimizer_step(self, strategy: ParallelStrategy, links: GroupLinks) -> CallCost:
         """After the last backward (``realloc.models.grads``): the DP all-reduce of the gradients in
         buckets of GRAD_BUCKET_NUMEL elements, the grad-norm's scalar all-reduces over tp and pp,
@@ -262,6 +269,9 @@ class CallTimer:
         n_buckets = -(-n_local // GRAD_BUCKET_NUMEL)
         bucket = n_local / n_buckets * self.precision.grad
         dp = n_buckets * self.comm.time("all_reduce", strategy.dp, bucket, links.dp)
+        if strategy.dp > 1:
+            # each bucket is packed into one flat buffer and unpacked after (grads.allreduce_coalesced)
+            dp += 2 * n_local * self.precision.grad / (self.hw.memory_bandwidth * self.hw.memory_efficiency)
         norm = (self.comm.time("all_reduce", strategy.tp, 8, links.tp)
                 + self.comm.time("all_reduce", strategy.pp, 8, links.pp_any))
         # the last stage averages the loss statistics over dp replicas (a few float64s)
