@@ -124,6 +124,31 @@ def estimate(graph: DataflowGraph, cost: CostModel, plan: ExecutionPlan) -> Esti
     return Estimate(plan, space, idx, float(ev["time"]), calls, realloc, data)
 
 
+# -- the machine -----------------------------------------------------------------------------------------------
+
+PROBE = ("import time, numpy as np\n"
+         "a = np.random.default_rng(0).standard_normal((256, 256))\n"
+         "for _ in range(20): a @ a\n"
+         "t0 = time.perf_counter()\n"
+         "for _ in range({n}): a @ a\n"
+         "print(time.perf_counter() - t0)\n")
+
+
+def probe_machine(n: int = 300) -> tuple[float, float]:
+    """(seconds of a fixed single-threaded matmul loop alone, the same on two processes at once).
+
+    This host is a VM: when its neighbours are busy, two processes on its two cores slow each other
+    down by up to 30-50%, which no profile can foresee; the probe records the state next to each run.
+    """
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    out = []
+    for k in (1, 2):
+        procs = [subprocess.Popen([sys.executable, "-c", PROBE.format(n=n)], stdout=subprocess.PIPE, text=True,
+                                  env=env) for _ in range(k)]
+        out.append(max(float(pr.communicate()[0]) for pr in procs))
+    return out[0], out[1]
+
+
 # -- runs ------------------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
@@ -137,6 +162,7 @@ class Run:
     latency: list[float]  # dispatch latency: a call's start after its last predecessor's end, its devices idle
     load: tuple[float, float]  # 1-minute load average before and after
     seconds: float
+    probe: tuple[float, float] = (0.0, 0.0)  # probe_machine() just before the run
 
     @property
     def time(self) -> float:
@@ -276,14 +302,18 @@ def print_report(spec: ExperimentSpec, graph: DataflowGraph, results: list[PlanR
     print(f"measured: median over iterations {args.warmup + 1}..{args.iterations} of each run, then over "
           f"{args.repeats} run(s) per plan; spread = half the range of the runs' medians\n")
     header = (f"{'plan':<22}{'est. s/it':>10}{'meas. s/it':>11}{'spread':>8}{'error':>8}{'load':>11}"
-              f"{'dispatch ms':>13}")
+              f"{'dispatch ms':>13}{'2-proc slowdown':>17}")
     print(header)
     print("-" * len(header))
     for r in results:
         loads = [x for run in r.runs for x in run.load]
+        slow = [run.probe[1] / run.probe[0] - 1 for run in r.runs if run.probe[0] > 0]
         print(f"{r.name:<22}{r.est.time:>10.3f}{r.measured:>11.3f}{r.spread:>7.1%} {r.error:>+7.1%}"
-              f"{min(loads):>6.2f}-{max(loads):<4.2f}{r.latency_measured() * 1e3:>9.2f}")
+              f"{min(loads):>6.2f}-{max(loads):<4.2f}{r.latency_measured() * 1e3:>9.2f}"
+              f"{'   ' + ', '.join(f'{x:+.0%}' for x in slow):>17}")
     lat = med([x for r in results for run in r.runs for x in run.latency])
+    print("(2-proc slowdown: a fixed matmul loop on two processes at once vs alone, probed before each run; the "
+          "profiles assume 0%)")
     print(f"(dispatch: median delay from the end of the call a request waited for to its start on idle devices, "
           f"{lat * 1e3:.2f} ms over all plans; the model uses {graph.spec.cluster.hardware.dispatch_latency * 1e3:.2f} "
           f"ms)")
@@ -482,10 +512,13 @@ def main() -> None:
             for name in order:
                 print(f"run {rep + 1}/{args.repeats}: {name} (estimated {estimates[name].time:.3f} s/it) ...",
                       file=sys.stderr, flush=True)
+                probe = probe_machine()
                 run = run_plan(experiment, graph, name, plans[name], args.iterations, args.warmup, base, str(rep))
+                run.probe = probe
                 runs[name].append(run)
                 print(f"  measured {run.time:.3f} s/it in {run.seconds:.0f} s, load {run.load[0]:.2f}"
-                      f"->{run.load[1]:.2f}", file=sys.stderr, flush=True)
+                      f"->{run.load[1]:.2f}, probe {probe[0] * 1e3:.0f}/{probe[1] * 1e3:.0f} ms",
+                      file=sys.stderr, flush=True)
         results = [PlanResult(name, estimates[name], runs[name]) for name in plans]
         summary = print_report(spec, graph, results, args, profile_note(cost))
         out = Path(args.out)
