@@ -186,8 +186,9 @@ def test_generation_is_prefill_plus_every_decode_step(which, tiny, big):
     pre = sequential_makespan(timer._stages(Phase.PREFILL, s, links, b, w.prompt_len), 2)
     steps = sum(sequential_makespan(timer._stages(Phase.DECODE, s, links, b, ctx), 2).time
                 for ctx in range(w.prompt_len + 1, w.seq_len))
-    # one loop iteration of host bookkeeping per generated token and micro-batch
-    host = 2 * w.gen_len * model.hw.decode_step_overhead
+    # one loop iteration of host bookkeeping per generated token, micro-batch and pipeline stage
+    # (the stages take turns, so each one's bookkeeping is on the critical path)
+    host = 2 * s.pp * w.gen_len * model.hw.decode_step_overhead
     assert cost.time == pytest.approx(pre.time + steps + host + model.hw.call_overhead, rel=1e-9)
 
 

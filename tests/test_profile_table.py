@@ -206,3 +206,18 @@ def test_train_step_overhead_scales_with_the_parameters_it_passes_over():
     # measured on a one-layer tiny model (58,560 parameters: 2 x 64x64 embeddings, a 64 norm, one block of
     # 50,304), applied to all 4 layers (209,472)
     assert extra.time - plain.time == pytest.approx(2 * 2e-3 * 209472 / 58560)
+
+
+def test_train_overheads_split_into_a_line_per_micro_batch_and_a_constant_per_step():
+    from realloc.estimator.profile_cli import split_train_overheads
+
+    # one micro-batch costs 1 ms + 1 us per token beyond its layer ops; the optimizer step 3 ms
+    xs = (8, 64, 256, 1024, 4096)
+    pts = [(x, 4e-3 + 1e-6 * x, 5e-3 + 2e-6 * x) for x in xs]
+    (a_mb, b_mb), (a_step, b_step) = split_train_overheads(pts)
+    assert (a_mb, b_mb) == (pytest.approx(1e-3), pytest.approx(1e-6))
+    assert (a_step, b_step) == (pytest.approx(3e-3), 0.0)
+    # noise that tilts r1 alone (one slow single-micro-batch run at a large point) moves neither
+    noisy = pts[:-1] + [(4096, 4e-3 + 1e-6 * 4096 + 0.05, 5e-3 + 2e-6 * 4096 + 0.05)]
+    (a_mb2, b_mb2), (a_step2, b_step2) = split_train_overheads(noisy)
+    assert b_step2 == 0.0 and a_step2 == pytest.approx(3e-3, rel=1e-6)

@@ -243,8 +243,11 @@ class CallTimer:
         # GENERATE: micro-batches generate one after another (memory.py: one KV cache at a time)
         prefill = sequential_makespan(self._stages(Phase.PREFILL, strategy, links, b, prompt), n_mbs)
         per_call = CallCost.of(overhead=n_mbs * self._engine("engine.gen_call", t, b, prompt))
-        step_host = CallCost.of(overhead=n_mbs * self._engine("engine.decode_step", t, b, prompt,
-                                                             default=self.hw.decode_step_overhead))
+        # The loop's bookkeeping (sampling on the last stage; storing the tokens, pruning finished rows
+        # and building the next step's mask on every stage) is on the critical path once per stage: the
+        # stages of one micro-batch take turns (generation.py), so with pp stages it is paid pp times.
+        step_host = CallCost.of(overhead=n_mbs * strategy.pp * self._engine("engine.decode_step", t, b, prompt,
+                                                                            default=self.hw.decode_step_overhead))
 
         def step(ctx: int) -> CallCost:
             return sequential_makespan(self._stages(Phase.DECODE, strategy, links, b, ctx), n_mbs) + step_host
