@@ -1,7 +1,7 @@
 """PPO with the ``small`` model on the local CPU cluster: 2 gloo devices on localhost.
 
 The same task as ``ppo_tiny.py`` (a rule rewards generated tokens from a target set), with
-a model 16x larger (hidden 256, 4 layers, 256-token vocabulary) and 24 generated tokens,
+a larger model (hidden 256, 8 layers, 256-token vocabulary) and 24 generated tokens,
 so that calls are dominated by compute (hundreds of milliseconds each) rather than by
 per-call overheads, and where calls run matters: training the actor and the critic on
 separate devices, data parallelism, or tensor parallelism over gloo give iteration times
@@ -13,10 +13,9 @@ Prompts are the tiny experiment's 8-token prompts (token ids below 64, valid her
 
 import dataclasses
 
-from realloc.algorithms.ppo_config import PPOConfig
-from realloc.api import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef, auto
+from realloc.algorithms.ppo_config import PPOConfig, ppo_rpcs
+from realloc.api import auto
 
-PPO_INPUTS = ["seq", "logp", "ref_logp", "rewards", "values"]
 TARGET_TOKENS = list(range(16, 32))
 
 
@@ -30,24 +29,6 @@ class SmallPPO:
 
     @property
     def rpcs(self):
-        return [
-            ModelFunctionCallDef(name="actor_gen", model_name="actor", model_type="small",
-                                 interface_type=GENERATE, interface_impl="ppo_actor",
-                                 input_data=["prompts"], output_data=["seq", "logp"]),
-            ModelFunctionCallDef(name="rew_inf", model_name="reward", model_type="rule",
-                                 interface_type=INFERENCE, interface_impl="rule_reward",
-                                 input_data=["seq"], output_data=["rewards"],
-                                 interface_args={"rule": "token_set", "tokens": TARGET_TOKENS}),
-            ModelFunctionCallDef(name="ref_inf", model_name="ref", model_type="small",
-                                 interface_type=INFERENCE, interface_impl="ppo_actor",
-                                 input_data=["seq"], output_data=["ref_logp"]),
-            ModelFunctionCallDef(name="critic_inf", model_name="critic", model_type="small-critic",
-                                 interface_type=INFERENCE, interface_impl="ppo_critic",
-                                 input_data=["seq"], output_data=["values"]),
-            ModelFunctionCallDef(name="actor_train", model_name="actor", interface_type=TRAIN_STEP,
-                                 interface_impl="ppo_actor", input_data=PPO_INPUTS,
-                                 n_minibatches=self.ppo.n_minibatches),
-            ModelFunctionCallDef(name="critic_train", model_name="critic", interface_type=TRAIN_STEP,
-                                 interface_impl="ppo_critic", input_data=PPO_INPUTS,
-                                 n_minibatches=self.ppo.n_minibatches),
-        ]
+        # ppo_tiny.py spells the six calls out; they are the same here, with the small model
+        return ppo_rpcs(actor="small", critic="small-critic", reward="rule", n_minibatches=self.ppo.n_minibatches,
+                        reward_impl="rule_reward", reward_args={"rule": "token_set", "tokens": TARGET_TOKENS})
