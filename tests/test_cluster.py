@@ -35,7 +35,12 @@ def test_compress_round_trip():
 
 def test_hardware_defaults_and_overrides():
     c = ClusterSpec.from_nodelist("com[01-02]", 8, "a100-80g")
-    assert c.n_devices == 16 and c.device_memory == 80 * 2**30
+    # 10% of an A100's 80 GiB is held back for the CUDA context, NCCL and fragmentation
+    assert c.n_devices == 16 and c.device_memory == int(80 * 2**30 * 0.9)
+    assert "72.0 GiB each usable (of 80.0)" in c.describe()
+    # an explicit device_memory is what the user can use, taken as given
+    assert ClusterSpec.from_nodelist("com01", 8, "a100-80g", device_memory=80 * 2**30).device_memory == 80 * 2**30
+    assert "usable" not in ClusterSpec.from_nodelist("localhost", device="cpu").describe()
     assert c.inter_node_bandwidth < c.intra_node_bandwidth
     c2 = ClusterSpec.from_nodelist("com[01-02]", 8, "a100-80g", inter_node_bandwidth=50e9)
     assert c2.inter_node_bandwidth == 50e9

@@ -29,6 +29,10 @@ class HardwareSpec(BaseModel):
     kind: Literal["cpu", "gpu"]
     dtype: Literal["fp32", "bf16", "fp16"]
     memory_bytes: int = Field(gt=0)
+    usable_memory_fraction: float = Field(default=1.0, gt=0, le=1,
+                                          description="share of memory_bytes that tensors can use: the rest goes to "
+                                                      "the CUDA context, NCCL buffers and allocator fragmentation, "
+                                                      "which the memory model (Table 2) does not count")
     peak_flops: float = Field(gt=0, description="dense matmul FLOP/s in `dtype`")
     memory_bandwidth: float = Field(gt=0, description="device memory bytes/s")
     intra_node_bandwidth: float = Field(gt=0, description="bytes/s per device, one direction")
