@@ -1,7 +1,7 @@
 """Estimated against measured time, plan by plan, on the local CPU cluster (realhf.txt §8.3, Figure 11).
 
     .venv/bin/python benchmarks/estimator_accuracy.py [--experiment experiments/ppo_small.py]
-        [--iterations 10] [--warmup 3] [--repeats 3] [--search-time 10] [--profile] [--out benchmarks/out]
+        [--iterations 10] [--warmup 3] [--repeats 3] [--search-time 10] [--no-profile] [--out benchmarks/out]
 
 For one PPO experiment on the local 2-device cluster it builds at least 8 plans (the searched plan,
 the heuristic and the other baselines, everything on one device, disjoint meshes with and without
@@ -20,8 +20,9 @@ so that slow phases of the machine hit every plan alike), and prints from that o
 - a picture (``--out``): estimated against measured per plan, and the estimated and measured
   timelines of one plan side by side.
 
-``--profile`` first re-profiles this machine with the commands of profiles/cpu/README.md for the
-experiment's models (the estimator reads profiles/cpu/*.json). The load average is printed next to
+It first profiles this machine with the commands of profiles/cpu/README.md for the experiment's
+models (about 6 minutes for ``small``; the estimator reads profiles/cpu/*.json, which this rewrites).
+``--no-profile`` uses the tables already there. The load average is printed next to
 every run: other processes on the two cores show up directly in the measured times.
 """
 
@@ -505,7 +506,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--search-time", type=float, default=10.0)
     p.add_argument("--plans", default="", help="comma-separated subset of plan names")
-    p.add_argument("--profile", action="store_true", help="re-profile this machine first (profiles/cpu/README.md)")
+    p.add_argument("--no-profile", dest="profile", action="store_false",
+                   help="use the profiles in profiles/cpu/ instead of profiling this machine first")
     p.add_argument("--timeline-plan", default="searched")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "out"))
     p.add_argument("--keep", action="store_true", help="keep the run directories")
