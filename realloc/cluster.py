@@ -179,8 +179,9 @@ class ClusterSpec:
         n = n_devices_per_node or hw.default_devices_per_node
         # A host whose cores are known splits them among its devices (e.g. 4 CPU devices on 2 cores: 0.5).
         cores = min(hw.cores_per_device, hw.cores_per_node / n) if hw.cores_per_node else hw.cores_per_device
-        fields = dict(device_memory=int(hw.memory_bytes * hw.usable_memory_fraction), intra_node_bandwidth=hw.intra_node_bandwidth,
-                      inter_node_bandwidth=hw.inter_node_bandwidth, cores_per_device=cores)
+        fields = dict(device_memory=int(hw.memory_bytes * hw.usable_memory_fraction),
+                      intra_node_bandwidth=hw.intra_node_bandwidth, inter_node_bandwidth=hw.inter_node_bandwidth,
+                      cores_per_device=cores)
         for key, value in overrides.items():
             if key not in fields:
                 raise ValueError(f"unknown cluster setting {key!r}; settable: {', '.join(fields)}")
@@ -254,7 +255,8 @@ class ClusterSpec:
         hw = self.hardware
         usable = (f" usable (of {hw.memory_bytes / 2**30:.1f})" if self.device_memory < hw.memory_bytes else "")
         return (f"{self.nodelist}: {self.n_nodes} node(s) x {self.n_devices_per_node} {self.device} device(s), "
-                f"{self.device_memory / 2**30:.1f} GiB each{usable}, intra-node {self.intra_node_bandwidth / 1e9:.1f} GB/s, "
+                f"{self.device_memory / 2**30:.1f} GiB each{usable}, "
+                f"intra-node {self.intra_node_bandwidth / 1e9:.1f} GB/s, "
                 f"inter-node {self.inter_node_bandwidth / 1e9:.1f} GB/s, {self.cores_per_device:g} core(s)/device "
                 f"({hw.dtype})")
 

@@ -240,23 +240,26 @@ class ProfiledCosts:
         if measured is not None:
             comm = min(r_comm, measured)
             return measured - comm, comm
-        have = [t for t, sub in self.table.tp.items() if key in sub.ops]
-        if not have:
+        t0 = self._nearest_tp(key, tp)
+        if t0 is None:
             return r_comp, r_comm
         # nearest measured tp: its compute (collectives removed), scaled by the roofline's compute ratio
-        t0 = min(have, key=lambda t: (abs(t - tp), t))
         m0 = self._measured(key, part, phase, t0, b, s)
         c0, x0 = self.roofline.op(part, phase, t0, b, s)
         comp0 = max(m0 - min(x0, m0), 0.0)
         return (comp0 * r_comp / c0 if c0 > 0 else comp0), r_comm
 
+    def _nearest_tp(self, key: str, tp: int) -> int | None:
+        """The profiled tp closest to ``tp`` (the smaller on a tie) whose table has ``key``, or None."""
+        have = [t for t, sub in self.table.tp.items() if key in sub.ops]
+        return min(have, key=lambda t: (abs(t - tp), t)) if have else None
+
     def engine(self, key: str, tp: int, b: int, s: int) -> float | None:
         """A measured engine overhead at (b, s), linear in tokens outside the grid; the nearest tp's if
         ``tp`` was not profiled; None if the table has none."""
-        have = [t for t, sub in self.table.tp.items() if key in sub.ops]
-        if not have:
+        t0 = self._nearest_tp(key, tp)
+        if t0 is None:
             return None
-        t0 = tp if tp in have else min(have, key=lambda t: (abs(t - tp), t))
         grid = self.table.tp[t0].ops[key]
         if grid.seq == [1]:  # depends on the batch only
             return interp_grid(grid, b, 1, lambda x, y: x)
@@ -266,10 +269,9 @@ class ProfiledCosts:
         """A measured interface overhead (``profiler.INTERFACE_KEYS``) of a call whose sequences have
         ``gen_len`` generated tokens, linear beyond the measured lengths; the nearest tp's if ``tp`` was
         not profiled; None if the table has none."""
-        have = [t for t, sub in self.table.tp.items() if key in sub.ops]
-        if not have:
+        t0 = self._nearest_tp(key, tp)
+        if t0 is None:
             return None
-        t0 = tp if tp in have else min(have, key=lambda t: (abs(t - tp), t))
         grid = self.table.tp[t0].ops[key]
         return interp_axis(grid.seq, grid.seconds[0], gen_len, lambda y: y)
 
