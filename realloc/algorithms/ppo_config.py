@@ -21,6 +21,11 @@ class PPOConfig:
     gamma: float = 1.0
     gae_lambda: float = 0.95
     max_grad_norm: float = 1.0
+    # AdamW's epsilon. 1e-5 (ReaLHF's default) rather than torch's 1e-8: Adam's first steps move every
+    # weight by about lr whatever its gradient's size, so weights whose gradient is a near-cancelling
+    # sum (relative rounding error of a percent) moved by plan-dependent amounts, and a later sampled
+    # token could flip between plans. A larger epsilon damps exactly those weights.
+    adam_eps: float = 1e-5
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0

@@ -216,7 +216,7 @@ class ModelWorker:
             opt = None
             if home and prog.is_trained(cl.model):
                 lr = self.config.ppo.critic_lr if cfg.is_critic else self.config.ppo.lr
-                opt = model.make_optimizer(lr)
+                opt = model.make_optimizer(lr, eps=self.config.ppo.adam_eps)
             self.handles[key] = ModelHandle(cl, model, opt)
         if any(k in self.spec.dataset_keys for r in self.spec.rpcs for k in r.input_data
                if self.rank in prog.calls[r.name].ranks):
