@@ -1,9 +1,12 @@
-"""Builds the C++ search engine and plan simulator as ``realloc._C`` (C++17, pybind11)."""
+"""Builds the C++ search engine and plan simulator as ``realloc._C`` (C++17, pybind11), and ships the
+repository's ``profiles/`` (hardware specs and measured profiles) inside the package as ``realloc/profiles``,
+where an installed realloc looks for them (``realloc.estimator.hardware.shipped_profiles_dir``)."""
 
 from glob import glob
+from pathlib import Path
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
-from setuptools import setup
+from setuptools import find_packages, setup
 
 ext = Pybind11Extension(
     "realloc._C",
@@ -13,4 +16,14 @@ ext = Pybind11Extension(
     extra_compile_args=["-O3"],
 )
 
-setup(ext_modules=[ext], cmdclass={"build_ext": build_ext})
+# profiles/hardware, profiles/cpu, ... become data-only packages realloc.profiles.<folder>.
+profiles = ["realloc.profiles", *(f"realloc.profiles.{d.name}" for d in sorted(Path("profiles").iterdir())
+                                  if d.is_dir())]
+
+setup(
+    ext_modules=[ext],
+    cmdclass={"build_ext": build_ext},
+    packages=[*find_packages(include=["realloc", "realloc.*"]), *profiles],
+    package_dir={"realloc.profiles": "profiles"},
+    package_data={p: ["*.json", "*.md"] for p in profiles},
+)

@@ -33,11 +33,12 @@ def _cmd_show(args: argparse.Namespace) -> int:
     meshes = cluster.device_meshes()
     print(f"{len(meshes)} device meshes; candidate placements (mesh x strategy x micro-batches) per call:")
     total = 1
+    w = max(len("plan space"), *map(len, graph.topo_order)) + 2
     for name in graph.topo_order:
         n = len(call_options(graph, name))
         total *= max(n, 1)
-        print(f"  {name:<16}{n:>8}")
-    print(f"  {'plan space':<16}{total:>8.2e}")
+        print(f"  {name:<{w}}{n:>8}")
+    print(f"  {'plan space':<{w}}{total:>8.2e}")
     return 0
 
 
@@ -45,6 +46,24 @@ def _not_yet(what: str, issue: int) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         raise NotImplementedYet(f"`realloc {what}` is not implemented yet (tracked in issue #{issue})")
     return run
+
+
+def _profiles_option(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--profiles", default=None, metavar="DIR",
+                   help="your own profiles folder (DIR/<device kind>/<model>.json, DIR/hardware/<kind>.json), read "
+                        "before the shipped ones; same as $REALLOC_PROFILES")
+
+
+def _use_profiles(args: argparse.Namespace) -> None:
+    """``--profiles DIR`` is ``$REALLOC_PROFILES=DIR`` for this process and the workers it starts."""
+    folder = getattr(args, "profiles", None)
+    if folder is None:
+        return
+    from realloc.estimator.hardware import PROFILES_ENV
+
+    if args.command != "profile" and not os.path.isdir(folder):
+        raise ValueError(f"--profiles {folder!r}: no such folder")
+    os.environ[PROFILES_ENV] = os.path.abspath(folder)
 
 
 def build_parser(commands: dict[str, Callable[[argparse.Namespace], int]] | None = None) -> argparse.ArgumentParser:
@@ -61,7 +80,7 @@ def build_parser(commands: dict[str, Callable[[argparse.Namespace], int]] | None
     s.add_argument("--model", required=True, help="model type, e.g. tiny or llama3-8b")
     s.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     s.add_argument("--tp", default="1", help="comma-separated tensor-parallel degrees to profile")
-    s.add_argument("--out", default=None, help="output JSON path (default: profiles/<device>/<model>.json)")
+    s.add_argument("--out", default=None, help="output JSON path (default: <--profiles DIR>/<device>/<model>.json)")
     s.add_argument("--kind", default=None, help="device kind of profiles/hardware/<kind>.json (cpu by default; "
                    "required with --device cuda, e.g. a100-80g)")
     s.add_argument("--batch-sizes", default=None, help="comma-separated batch sizes (default 1,2,4,...,64)")
@@ -73,6 +92,7 @@ def build_parser(commands: dict[str, Callable[[argparse.Namespace], int]] | None
     s.add_argument("--warmup", type=int, default=None, help="untimed runs per point (default 2)")
     s.add_argument("--repeats", type=int, default=None, help="timed runs per point; the median is kept (default 7)")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
+    _profiles_option(s)
     s.set_defaults(func=commands.get("profile", _not_yet("profile", 3)))
 
     s = sub.add_parser("search", help="search an execution plan and report it")
@@ -88,6 +108,7 @@ def build_parser(commands: dict[str, Callable[[argparse.Namespace], int]] | None
                    help="print (and --out) this baseline plan instead of searching")
     s.add_argument("--out", default=None, help="write the plan JSON here")
     s.add_argument("--timeline", default=None, help="write a timeline picture (.svg/.png/.html)")
+    _profiles_option(s)
     s.set_defaults(func=commands.get("search", _not_yet("search", 4)))
 
     s = sub.add_parser("run", help="run the experiment on its cluster")
@@ -107,6 +128,7 @@ def build_parser(commands: dict[str, Callable[[argparse.Namespace], int]] | None
     for hidden, kind, default in (("--run-id", str, None), ("--bind", str, "127.0.0.1"), ("--store-port", int, 0),
                                   ("--master-port", int, 0), ("--heartbeat-timeout", float, 10.0)):
         s.add_argument(hidden, type=kind, default=default, help=argparse.SUPPRESS)  # set by the SLURM script
+    _profiles_option(s)
     s.set_defaults(func=commands.get("run", _not_yet("run", 6)))
     return p
 
@@ -132,6 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(_registered_commands())
     args = parser.parse_args(argv)
     try:
+        _use_profiles(args)
         return int(args.func(args) or 0)
     except NotImplementedYet as e:
         print(f"realloc: {e}", file=sys.stderr)

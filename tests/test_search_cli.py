@@ -58,3 +58,29 @@ def test_nothing_fits_exits_nonzero_with_the_shortfall(tmp_path, capsys):
 def test_bad_timeline_suffix_is_one_clear_error(capsys):
     assert main(["search", TINY, "--evals", "100", "--timeline", "plan.pdf"]) == 2
     assert "use a .svg, .png or .html file" in capsys.readouterr().err
+
+
+def test_long_call_and_mesh_names_keep_their_columns(tmp_path, capsys):
+    """A 16+ character call name used to run into the mesh column (issue 14, item 9)."""
+    exp = tmp_path / "long_names.py"
+    exp.write_text(
+        "import dataclasses\n"
+        "from realloc.algorithms.ppo_config import ppo_rpcs\n"
+        "from realloc.api import auto\n\n"
+        "LONG = {'actor_gen': 'actor_generation_step', 'actor_train': 'actor_training_step_xx'}\n\n"
+        "@auto(nodelist='very-long-hostname-01', n_devices_per_node=2, device='cpu', batch_size=32, prompt_len=8,"
+        " gen_len=8)\n"
+        "@dataclasses.dataclass\n"
+        "class LongNames:\n"
+        "    @property\n"
+        "    def rpcs(self):\n"
+        "        return [dataclasses.replace(r, name=LONG.get(r.name, r.name))\n"
+        "                for r in ppo_rpcs(actor='tiny', critic='tiny-critic', n_minibatches=2)]\n")
+    assert main(["search", str(exp), "--evals", "2000", "--threads", "1"]) == 0
+    text = capsys.readouterr().out
+    table = text.split("searched plan\n")[1].split("\n\n")[0].splitlines()
+    rows = {line.split()[0]: line.split() for line in table[2:] if not line.startswith(("offloaded", " "))}
+    assert {"actor_generation_step", "actor_training_step_xx"} <= set(rows)
+    for name, cols in rows.items():
+        assert cols[1].startswith("very-long-hostname-01"), (name, cols)  # the mesh is its own column
+        assert len(cols) == 9, cols

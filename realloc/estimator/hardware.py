@@ -15,10 +15,30 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 HARDWARE_SPEC_VERSION = 1
 
 
+PROFILES_ENV = "REALLOC_PROFILES"
+
+
+def shipped_profiles_dir() -> Path:
+    """The profiles that come with realloc: the repository's ``profiles/`` in a source checkout, the
+    package's ``realloc/profiles/`` in an installed wheel (setup.py maps one onto the other)."""
+    package = Path(__file__).resolve().parents[1]
+    repo = package.parent
+    if (repo / "pyproject.toml").is_file() and (repo / "profiles" / "hardware").is_dir():
+        return repo / "profiles"
+    return package / "profiles"
+
+
+def profile_dirs() -> list[Path]:
+    """Where profiles and hardware specs are looked up, first match wins: ``$REALLOC_PROFILES`` (set by
+    ``--profiles DIR``), then the shipped profiles."""
+    env = os.environ.get(PROFILES_ENV)
+    shipped = shipped_profiles_dir()
+    return [Path(env), shipped] if env and Path(env).resolve() != shipped.resolve() else [shipped]
+
+
 def profiles_dir() -> Path:
-    """The profiles folder: ``$REALLOC_PROFILES`` or the repository's ``profiles/``."""
-    env = os.environ.get("REALLOC_PROFILES")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "profiles"
+    """The first profiles folder searched: ``$REALLOC_PROFILES`` if set, else the shipped one."""
+    return profile_dirs()[0]
 
 
 class HardwareSpec(BaseModel):
@@ -120,11 +140,12 @@ class Precision(BaseModel):
 
 
 def known_device_kinds(root: Path | None = None) -> list[str]:
-    return sorted(p.stem for p in ((root or profiles_dir()) / "hardware").glob("*.json"))
+    return sorted({p.stem for d in ([root] if root else profile_dirs()) for p in (d / "hardware").glob("*.json")})
 
 
 def load_hardware_spec(kind: str, root: Path | None = None) -> HardwareSpec:
-    path = (root or profiles_dir()) / "hardware" / f"{kind}.json"
+    paths = [d / "hardware" / f"{kind}.json" for d in ([root] if root else profile_dirs())]
+    path = next((p for p in paths if p.is_file()), paths[0])
     if not path.is_file():
         raise ValueError(f"unknown device kind {kind!r}; known kinds: {', '.join(known_device_kinds(root))} "
                          f"(add {path.name} under {path.parent} to define it)")

@@ -29,7 +29,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from realloc.estimator.hardware import load_hardware_spec, profiles_dir
+from realloc.estimator.hardware import PROFILES_ENV, load_hardware_spec, profiles_dir, shipped_profiles_dir
 from realloc.estimator.opcount import Part, Phase
 from realloc.estimator.profile_collectives import OPS as COLLECTIVE_OPS
 from realloc.estimator.profile_collectives import message_sizes
@@ -428,6 +428,18 @@ def engine_overheads(cfg: ModelConfig, tp: int, layers: TpTable, raw: list, job:
     return out
 
 
+def output_path(args: argparse.Namespace, job: ProfileJob) -> Path:
+    """``--out``, or ``<--profiles DIR>/<kind>/<model>.json``; never the shipped profiles by default."""
+    if args.out:
+        return Path(args.out)
+    if os.environ.get(PROFILES_ENV):
+        return profiles_dir() / job.kind / f"{job.model_type}.json"
+    shipped = shipped_profiles_dir() / job.kind / f"{job.model_type}.json"
+    raise ValueError(f"where should the profile go? pass --profiles DIR (writes DIR/{job.kind}/{job.model_type}.json, "
+                     f"which `realloc search/run --profiles DIR` read before the shipped profiles) or --out FILE; "
+                     f"the shipped {shipped} is replaced only when named with --out")
+
+
 def _load_average() -> list[float] | None:
     try:
         return [round(x, 2) for x in os.getloadavg()]
@@ -437,13 +449,13 @@ def _load_average() -> list[float] | None:
 
 def main(args: argparse.Namespace) -> int:
     job = build_job(args)
+    path = output_path(args, job)
     if job.device == "cuda":
         import torch
 
         if torch.cuda.device_count() < job.world:
             raise ValueError(f"--device cuda needs {job.world} GPUs on this machine for tp {max(job.tps)} and the "
                              f"collectives, found {torch.cuda.device_count()}")
-    path = Path(args.out) if args.out else profiles_dir() / job.kind / f"{job.model_type}.json"
     t0 = time.time()
     load_before = _load_average()
     raw = run_workers(job, show_progress=not getattr(args, "quiet", False))

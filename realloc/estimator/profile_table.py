@@ -41,7 +41,7 @@ from typing import Callable, Literal, Sequence
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from realloc.estimator.comm import CollectiveFit, CommModel, Link
-from realloc.estimator.hardware import profiles_dir
+from realloc.estimator.hardware import profile_dirs
 from realloc.estimator.opcount import Part, Phase
 from realloc.estimator.roofline import RooflineCosts
 from realloc.models.config import ModelConfig
@@ -159,9 +159,13 @@ class ProfileTable(BaseModel):
 
 
 def discover_profiles(device_kind: str, root: Path | None = None) -> list[ProfileTable]:
-    """Every profile table under ``<profiles>/<device_kind>/``, newest format only."""
-    folder = (root or profiles_dir()) / device_kind
-    return [ProfileTable.load(p) for p in sorted(folder.glob("*.json"))]
+    """Every profile table under ``<profiles>/<device_kind>/``; a model profiled in an earlier folder of
+    ``profile_dirs()`` (``--profiles DIR``) hides the shipped table of the same name."""
+    found: dict[str, Path] = {}
+    for folder in ([root] if root else profile_dirs()):
+        for p in sorted((folder / device_kind).glob("*.json")):
+            found.setdefault(p.name, p)
+    return [ProfileTable.load(p) for _, p in sorted(found.items())]
 
 
 # -- interpolation -----------------------------------------------------------

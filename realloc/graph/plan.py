@@ -87,13 +87,15 @@ class ExecutionPlan(BaseModel):
     # -- presentation --------------------------------------------------------
     def table(self, order: tuple[str, ...] | None = None) -> str:
         names = order or tuple(self.placements)
-        header = f"{'call':<18}{'mesh':<18}{'dp':>4}{'tp':>4}{'pp':>4}{'mbs':>5}{'est. s':>10}{'mem GiB':>10}"
+        cw = max(len("call"), *map(len, names)) + 2
+        mw = max(len("mesh"), *(len(self.placements[n].mesh) for n in names)) + 2
+        header = f"{'call':<{cw}}{'mesh':<{mw}}{'dp':>4}{'tp':>4}{'pp':>4}{'mbs':>5}{'est. s':>10}{'mem GiB':>10}"
         rows = [header, "-" * len(header)]
         for n in names:
             p = self.placements[n]
             t = self.call_times.get(n)
             m = self.call_memory.get(n)
-            rows.append(f"{n:<18}{p.mesh:<18}{p.dp:>4}{p.tp:>4}{p.pp:>4}{p.n_mbs:>5}"
+            rows.append(f"{n:<{cw}}{p.mesh:<{mw}}{p.dp:>4}{p.tp:>4}{p.pp:>4}{p.n_mbs:>5}"
                         f"{'' if t is None else f'{t:.3f}':>10}{'' if m is None else f'{m / 2**30:.2f}':>10}")
         if self.estimated_time is not None:
             rows.append(f"estimated time per iteration: {self.estimated_time:.3f} s")

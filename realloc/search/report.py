@@ -22,12 +22,16 @@ def _gib(x: float) -> str:
 def plan_table(plan: ExecutionPlan, space: PlanSpace, indices: np.ndarray) -> str:
     """Per call: mesh, dp/tp/pp, micro-batches, estimated seconds and peak GiB per device."""
     mem = space.cpp.memory(np.asarray(indices, np.int32))
-    header = (f"{'call':<16}{'mesh':<20}{'devices':>8}{'dp':>4}{'tp':>4}{'pp':>4}{'mbs':>5}{'est. s':>10}"
+    names = space.problem.call_names
+    # Columns as wide as their longest entry plus two spaces, so long call or mesh names never run together.
+    cw = max(len("call"), *map(len, names)) + 2
+    mw = max(len("mesh"), *(len(plan.placements[n].mesh) for n in names)) + 2
+    header = (f"{'call':<{cw}}{'mesh':<{mw}}{'devices':>8}{'dp':>4}{'tp':>4}{'pp':>4}{'mbs':>5}{'est. s':>10}"
               f"{'peak GiB/dev':>14}")
     rows = [header, "-" * len(header)]
-    for c, name in enumerate(space.problem.call_names):
+    for c, name in enumerate(names):
         p = plan.placements[name]
-        rows.append(f"{name:<16}{p.mesh:<20}{p.dp * p.tp * p.pp:>8}{p.dp:>4}{p.tp:>4}{p.pp:>4}{p.n_mbs:>5}"
+        rows.append(f"{name:<{cw}}{p.mesh:<{mw}}{p.dp * p.tp * p.pp:>8}{p.dp:>4}{p.tp:>4}{p.pp:>4}{p.n_mbs:>5}"
                     f"{plan.call_times[name]:>10.3f}{_gib(mem['call_peak'][c]):>14}")
     offloaded = sorted(m for m, on in plan.offload.items() if on)
     if offloaded:
@@ -59,18 +63,19 @@ def comparison_table(report: SearchReport) -> str:
     ref = report.baselines.get("heuristic")
     ref_time = ref.plan.estimated_time if ref and ref.plan and ref.fits else None
     mem = report.spec.cluster.device_memory
-    header = f"{'plan':<14}{'s/iteration':>12}{'vs heuristic':>14}{'peak GiB/dev':>14}  fits in {_gib(mem)} GiB"
+    w = max(len("searched"), *map(len, report.baselines)) + 2
+    header = f"{'plan':<{w}}{'s/iteration':>12}{'vs heuristic':>14}{'peak GiB/dev':>14}  fits in {_gib(mem)} GiB"
     rows = [header, "-" * len(header)]
 
     def row(name: str, plan: ExecutionPlan) -> str:
         speed = f"{ref_time / plan.estimated_time:.2f}x" if ref_time else "-"
         fits = plan.estimated_peak_memory <= mem
-        return (f"{name:<14}{plan.estimated_time:>12.3f}{speed:>14}{_gib(plan.estimated_peak_memory):>14}  "
+        return (f"{name:<{w}}{plan.estimated_time:>12.3f}{speed:>14}{_gib(plan.estimated_peak_memory):>14}  "
                 f"{'yes' if fits else 'NO (out of memory)'}")
 
     rows.append(row("searched", report.plan))
     for name, b in report.baselines.items():
-        rows.append(row(name, b.plan) if b.plan else f"{name:<14}{'n/a':>12}  ({b.error})")
+        rows.append(row(name, b.plan) if b.plan else f"{name:<{w}}{'n/a':>12}  ({b.error})")
     return "\n".join(rows)
 
 
