@@ -8,7 +8,7 @@ shows that generation, reward, reference and critic inference, training and the 
 reallocation between them are all correct together. No reward model has to be trained.
 
 Prompts are 256 random 8-token sequences shipped in ``data/ppo_tiny_prompts.jsonl``
-(made with ``realloc.runtime.dataset.write_random_prompts(path, 256, 8, 64, seed=0)``).
+(made with ``realloc.data.prompts.write_random_prompts(path, 256, 8, 64, seed=0)``).
 """
 
 import dataclasses

@@ -101,7 +101,7 @@ def main(args: argparse.Namespace) -> int:
     if total <= start:
         raise ValueError(f"--iterations {total}: the checkpoint already completed {start} iterations; ask for more")
     if config.dataset is not None:  # fail here, in one line, rather than in every worker
-        from realloc.runtime.dataset import PromptDataset
+        from realloc.data.prompts import PromptDataset
 
         PromptDataset.load(config.dataset, spec.prompt_len)
     plan = _choose_plan(args, spec, ckpt)

@@ -39,7 +39,7 @@ from realloc.models.groups import ModelLayout
 from realloc.models.groups import ProcessGroupCache
 from realloc.runtime import checkpoint, protocol
 from realloc.runtime.data_store import DataStore, pack_rows, row_bytes, unpack_rows
-from realloc.runtime.dataset import PromptDataset
+from realloc.data.prompts import PromptDataset
 from realloc.runtime.offload import HostOffload
 from realloc.runtime.param_realloc import Reallocator
 from realloc.runtime.program import CallLayout, LayoutKey, RuntimeProgram
@@ -222,7 +222,7 @@ class ModelWorker:
                if self.rank in prog.calls[r.name].ranks):
             actor_cfg = next((prog.model_config(m) for m in prog.models if not prog.is_rule(m)), None)
             self.dataset = PromptDataset.load(self.config.dataset, self.spec.prompt_len,
-                                              actor_cfg.vocab_size if actor_cfg else None)
+                                              vocab_size=actor_cfg.vocab_size if actor_cfg else None)
         if resume:
             self.load(Path(resume))
 
@@ -248,7 +248,7 @@ class ModelWorker:
         for role, key in in_keys.items():
             if key in spec.dataset_keys:
                 assert self.dataset is not None
-                tokens = self.dataset.batch(iteration, prog.batch_size, self.config.seed, range(lo, hi))
+                tokens = self.dataset.batch(iteration, prog.batch_size, self.config.seed, range(lo, hi))["tokens"]
                 inputs[role] = {"tokens": tokens}
             else:
                 inputs[role] = self.store.get(key, iteration, lo, hi)

@@ -1,0 +1,40 @@
+"""How prompt records become token ids (torch-free, so experiment files can import it cheaply).
+
+    from realloc.data import DataConfig
+    DataConfig(overflow="drop", use_chat_template=True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+_CHOICES = {"overflow": ("truncate", "drop"), "truncation_side": ("left", "right")}
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    prompt_key: str = "prompt"  # column with the prompt text, or a list of token ids
+    messages_key: str = "messages"  # column with chat messages [{"role": ..., "content": ...}, ...]
+    overflow: Literal["truncate", "drop"] = "truncate"  # what happens to prompts longer than prompt_len
+    # "left" keeps the end of a long prompt: the question and the chat template's generation prompt
+    # are there. A leading BOS survives left truncation.
+    truncation_side: Literal["left", "right"] = "left"
+    add_special_tokens: bool = True  # e.g. BOS in front of plain-text prompts
+    use_chat_template: bool = False  # render plain `prompt` strings as one user turn with the chat template
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_key", "messages_key"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"DataConfig.{name} must be a non-empty column name, got {value!r}")
+        if self.prompt_key == self.messages_key:
+            raise ValueError(f"DataConfig.prompt_key and DataConfig.messages_key are both {self.prompt_key!r}; "
+                             f"they must name different columns")
+        for name, allowed in _CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"DataConfig.{name} must be one of {', '.join(map(repr, allowed))}, "
+                                 f"got {getattr(self, name)!r}")
+        for name in ("add_special_tokens", "use_chat_template"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"DataConfig.{name} must be True or False, got {getattr(self, name)!r}")

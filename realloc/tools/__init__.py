@@ -1,0 +1,1 @@
+"""Developer tools: tiny HF tokenizers, checkpoints and text made locally for tests and demos."""
