@@ -125,8 +125,11 @@ def build_parser(commands: dict[str, Callable[[argparse.Namespace], int]] | None
                    help="local subprocesses, a SLURM job, or workers started elsewhere (used inside the job)")
     s.add_argument("--dry-run", action="store_true", help="with --launcher slurm: print the script, do not submit")
     s.add_argument("--quiet", action="store_true", help="no progress bar: one plain line per iteration")
+    s.add_argument("--heartbeat-timeout", type=float, default=None, metavar="SECONDS",
+                   help="a worker silent this long counts as hung and the run stops about 1.5 s later (default 6; "
+                   "raise it if workers hold the GIL for long, e.g. while writing huge checkpoints)")
     for hidden, kind, default in (("--run-id", str, None), ("--bind", str, "127.0.0.1"), ("--store-port", int, 0),
-                                  ("--master-port", int, 0), ("--heartbeat-timeout", float, 10.0)):
+                                  ("--master-port", int, 0)):
         s.add_argument(hidden, type=kind, default=default, help=argparse.SUPPRESS)  # set by the SLURM script
     _profiles_option(s)
     s.set_defaults(func=commands.get("run", _not_yet("run", 6)))

@@ -4,6 +4,7 @@ import hashlib
 import hmac
 import logging
 import os
+import time
 
 import msgpack
 import pytest
@@ -192,3 +193,40 @@ def test_forged_message_over_a_live_socket_does_not_stop_the_receiver():
         for s in (router, good, evil):
             s.close(linger=0)
         ctx.term()
+
+
+def test_oversized_frame_is_dropped_before_it_is_read():
+    """A frame above the payload limit is refused by libzmq from its header: the receiver never holds
+    it, and the sender's next (reconnected) message and other peers still get through."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    P.limit_frame_size(router)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    evil = ctx.socket(zmq.DEALER)
+    evil.setsockopt(zmq.IDENTITY, b"evil")
+    evil.connect(f"tcp://127.0.0.1:{port}")
+    good = ctx.socket(zmq.DEALER)
+    good.setsockopt(zmq.IDENTITY, b"good")
+    good.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        evil.send_multipart([b"\x00" * (P.MAX_PAYLOAD_BYTES + 1), b"mac"])
+        evil.send_multipart([b"small", b"mac"])
+        good.send_multipart([b"hello", b"mac"])
+        got = []
+        deadline = time.monotonic() + 10
+        while len(got) < 2 and time.monotonic() < deadline:
+            if router.poll(200):
+                got.append(router.recv_multipart())
+        assert sorted((f[0], f[1]) for f in got) == [(b"evil", b"small"), (b"good", b"hello")]
+        assert not router.poll(300)  # the oversized frame never arrives
+    finally:
+        for s in (router, evil, good):
+            s.close(linger=0)
+        ctx.term()
+
+
+def test_socket_identities_are_unguessable_and_name_their_endpoint():
+    a, b = P.socket_identity("worker0"), P.socket_identity("worker0")
+    assert a != b and P.endpoint_name(a) == P.endpoint_name(b) == "worker0"
+    assert P.endpoint_name(P.socket_identity(P.heartbeat_name(3))) == "hb3"
+    assert P.endpoint_name(b"worker0") == "worker0"  # an old-style fixed identity still maps to its name

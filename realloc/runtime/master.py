@@ -54,6 +54,11 @@ from realloc.runtime.transfer_plan import dp_ranges
 
 START_TIMEOUT = 600.0  # seconds for every worker to connect (importing megatron takes a while)
 SHUTDOWN_TIMEOUT = 60.0
+# A hung worker is noticed after HEARTBEAT_TIMEOUT s without a heartbeat, checked every MONITOR_INTERVAL s;
+# the workers left are then killed after KILL_GRACE s: the run ends within about timeout + 1.5 s.
+HEARTBEAT_TIMEOUT = 6.0
+MONITOR_INTERVAL = 0.25
+KILL_GRACE = 1.0
 
 log = logging.getLogger("realloc.master")
 
@@ -83,7 +88,7 @@ class Master:
     def __init__(self, program: RuntimeProgram, config: RunConfig, run: RunPaths, run_id: str, secret: bytes,
                  *, iterations: int, start_iteration: int = 0, resume: Path | None = None, save_every: int = 0,
                  launcher: LocalLauncher | None = None, bind_host: str = "127.0.0.1", master_port: int = 0,
-                 store_port: int = 0, heartbeat_timeout: float = 10.0, window: int = 2,
+                 store_port: int = 0, heartbeat_timeout: float = HEARTBEAT_TIMEOUT, window: int = 2,
                  on_iteration: Callable[[dict[str, Any]], None] | None = None) -> None:
         if iterations < 1:
             raise ValueError(f"iterations must be at least 1, got {iterations}")
@@ -113,6 +118,7 @@ class Master:
         self.sock = self.zctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished worker fails loudly
+        protocol.limit_frame_size(self.sock)
         if master_port:
             self.sock.bind(f"tcp://{bind_host}:{master_port}")
             self.port = master_port
@@ -134,6 +140,9 @@ class Master:
         self.pending: dict[int, dict[int, RequestRecord]] = {r: {} for r in range(self.n_workers)}
         self.hello: dict[int, protocol.Hello] = {}
         self.last_heartbeat: dict[int, float] = {}
+        self.first_heartbeat: dict[int, float] = {}
+        # endpoint name -> the socket identity of its first signed message; only that socket is served
+        self.routes: dict[str, bytes] = {}
         self.failure: str | None = None
         self.abort: asyncio.Event | None = None  # created inside the event loop
         self.done: dict[Node, asyncio.Event] = {}
@@ -177,7 +186,7 @@ class Master:
         except BaseException as e:
             self._abort_workers(str(e) or type(e).__name__)
             if self.launcher is not None:
-                self.launcher.stop(grace=2.0)
+                self.launcher.stop(grace=KILL_GRACE)
             raise
         finally:
             for t in (receiver, monitor, *self.tasks):
@@ -207,9 +216,11 @@ class Master:
     def _abort_workers(self, reason: str) -> None:
         """Tell every worker's heartbeat thread to exit: workers stuck in a collective cannot read requests."""
         for r in range(self.n_workers):
-            ident = f"hb{r}"
+            name = protocol.heartbeat_name(r)
+            if name not in self.routes:
+                continue  # never connected
             try:
-                sent = self.sock.send_multipart([ident.encode(), *self.channel.pack(ident, protocol.Abort(reason=reason))],
+                sent = self.sock.send_multipart([self.routes[name], *self.channel.pack(name, protocol.Abort(reason=reason))],
                                                 flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 continue  # never connected or already gone
@@ -254,8 +265,8 @@ class Master:
             self.futures[req, r] = loop.create_future()
             self.pending[r][req] = rec
             # pyzmq queues sends in call order, so nothing can overtake this request on the way to worker r.
-            sent = self.sock.send_multipart([protocol.worker_name(r).encode(),
-                                             *self.channel.pack(protocol.worker_name(r), body)])
+            name = protocol.worker_name(r)
+            sent = self.sock.send_multipart([self.routes[name], *self.channel.pack(name, body)])
             sent.add_done_callback(lambda f, r=r: self._check_sent(f, r))
         self.records.append(rec)
         return rec
@@ -297,23 +308,35 @@ class Master:
                 self.fail(f"master error while handling a worker message: {type(e).__name__}: {e}")
 
     def _handle_incoming(self, frames: list[bytes]) -> None:
-        ident = frames[0].decode(errors="replace")
-        env = self.channel.try_unpack(frames[1:], expect_src=ident)
+        ident, name = frames[0], protocol.endpoint_name(frames[0])
+        env = self.channel.try_unpack(frames[1:], expect_src=name)
         if env is None:
             return
         body = env.body
         rank = getattr(body, "rank", None)
         if not isinstance(rank, int) or not 0 <= rank < self.n_workers:
-            log.warning("master: dropped a %s from %r naming rank %r outside 0..%d", body.type, ident, rank,
+            log.warning("master: dropped a %s from %r naming rank %r outside 0..%d", body.type, name, rank,
                         self.n_workers - 1)
             return
-        if isinstance(body, protocol.Heartbeat) and ident == f"hb{rank}":
-            self.last_heartbeat[rank] = time.monotonic()
-            self.sock.send_multipart([ident.encode(), *self.channel.pack(ident, protocol.Heartbeat(rank=-1))])
-        elif isinstance(body, protocol.Hello) and ident == protocol.worker_name(rank):
+        expected = protocol.heartbeat_name(rank) if isinstance(body, protocol.Heartbeat) else protocol.worker_name(rank)
+        if name != expected:
+            log.warning("master: dropped a %s for rank %d from %r", body.type, rank, name)
+            return
+        # The first signed message binds the name to its socket: a second socket (a restarted worker
+        # with the secret, or a replay through another connection) is never served.
+        bound = self.routes.setdefault(name, ident)
+        if bound != ident:
+            log.warning("master: dropped a %s from a second connection claiming %r", body.type, name)
+            return
+        if isinstance(body, protocol.Heartbeat):
+            now = time.monotonic()
+            self.last_heartbeat[rank] = now
+            self.first_heartbeat.setdefault(rank, now)
+            self.sock.send_multipart([ident, *self.channel.pack(name, protocol.Heartbeat(rank=-1))])
+        elif isinstance(body, protocol.Hello):
             self.hello[rank] = body
             self.last_heartbeat.setdefault(rank, time.monotonic())
-        elif isinstance(body, protocol.Reply) and ident == protocol.worker_name(rank):
+        elif isinstance(body, protocol.Reply):
             fut = self.futures.get((body.req, rank))
             rec = self.pending[rank].pop(body.req, None)
             if rec is not None:
@@ -331,12 +354,18 @@ class Master:
         return f"while running {rec.kind} {rec.label!r}{it}"
 
     async def _monitor(self) -> None:
+        checked = time.monotonic()
         while True:
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(MONITOR_INTERVAL)
             if self.launcher is not None:
                 for r in sorted(self.launcher.dead()):
                     self._worker_gone(r, "exited")
             now = time.monotonic()
+            if now - checked > MONITOR_INTERVAL + 1.0:
+                # This loop itself stalled: heartbeats may be waiting unread; judge them next round.
+                checked = now
+                continue
+            checked = now
             for r, last in sorted(self.last_heartbeat.items()):
                 if now - last > self.heartbeat_timeout:
                     self._worker_gone(r, f"stopped responding (no heartbeat for {now - last:.0f} s)")
@@ -347,6 +376,16 @@ class Master:
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.n_workers)) - set(self.hello))
                 self.fail(f"workers {missing} did not connect within {START_TIMEOUT:.0f} s; see {self.paths.logs}")
+                raise RunFailed(self.failure)
+            # A worker's hello follows its first heartbeat within milliseconds; heartbeats alone mean
+            # its request socket never got through.
+            now = time.monotonic()
+            stuck = [r for r, t in sorted(self.first_heartbeat.items())
+                     if r not in self.hello and now - t > self.heartbeat_timeout]
+            if stuck:
+                self.fail(f"worker {stuck[0]} sends heartbeats but its hello has not arrived for "
+                          f"{self.heartbeat_timeout:.0f} s: its request socket cannot reach the master; see "
+                          f"{self.paths.worker_log(stuck[0])}")
                 raise RunFailed(self.failure)
             await asyncio.sleep(0.05)
 

@@ -9,6 +9,11 @@ A message is two ZMQ frames: ``[payload, mac]``.
 - Replay protection: every sender numbers its messages with a strictly increasing ``seq``; a receiver
   drops any message whose ``seq`` is not above the last one it accepted from that sender. ``run`` and
   ``dst`` stop a message from being replayed into another run or at another receiver.
+- Identities: a worker's sockets connect as ``<name>.<random>`` (``socket_identity``). The master binds
+  each name to the socket identity of the first *signed* message from it and routes to that one only,
+  so a local process cannot take a worker's name by connecting first.
+- Size: every socket drops frames above ``MAX_PAYLOAD_BYTES`` before reading them (``limit_frame_size``),
+  so a huge frame costs no memory.
 
 Anything that fails these checks raises ``ProtocolError``; the receive loops log it and carry on, so a
 stray or forged message never crashes a process.
@@ -27,6 +32,7 @@ from pathlib import Path
 from typing import Literal
 
 import msgpack
+import zmq
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 PROTOCOL_VERSION = 1
@@ -313,6 +319,26 @@ class Channel:
 
 def worker_name(rank: int) -> str:
     return f"worker{rank}"
+
+
+def heartbeat_name(rank: int) -> str:
+    return f"hb{rank}"
+
+
+def socket_identity(name: str) -> bytes:
+    """A fresh ZMQ identity for endpoint ``name``: unguessable, so no other process can hold it first."""
+    return f"{name}.{secrets.token_hex(8)}".encode()
+
+
+def endpoint_name(identity: bytes) -> str:
+    """The endpoint name a socket identity claims (what its signed messages must carry as ``src``)."""
+    return identity.decode(errors="replace").rsplit(".", 1)[0]
+
+
+def limit_frame_size(sock: zmq.Socket) -> None:
+    """Drop any incoming frame above the payload limit as soon as its header arrives (libzmq never
+    allocates it); ``unpack`` checks the same limit again."""
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES)
 
 
 MASTER = "master"

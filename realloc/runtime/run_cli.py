@@ -29,6 +29,7 @@ from realloc.runtime.program import RuntimeProgram
 from realloc.runtime.run_config import RunConfig
 
 DEFAULT_SEARCH_TIME = 10.0
+MIN_HEARTBEAT_TIMEOUT = 2.0
 
 
 def _choose_plan(args: argparse.Namespace, spec: ExperimentSpec, ckpt: Path | None) -> ExecutionPlan:
@@ -82,6 +83,9 @@ def main(args: argparse.Namespace) -> int:
 
     if args.save_every < 0:
         raise ValueError(f"--save-every must be >= 0, got {args.save_every}")
+    if args.heartbeat_timeout is not None and not args.heartbeat_timeout >= MIN_HEARTBEAT_TIMEOUT:
+        raise ValueError(f"--heartbeat-timeout must be at least {MIN_HEARTBEAT_TIMEOUT:g} s (workers beat every "
+                         f"second), got {args.heartbeat_timeout:g}")
     spec = load_experiment(args.experiment)
     graph = build_graph(spec)
     config = RunConfig.of(spec)
@@ -119,6 +123,8 @@ def main(args: argparse.Namespace) -> int:
                        "--quiet"]
         if ckpt is not None:
             master_args += ["--resume", str(ckpt)]
+        if args.heartbeat_timeout is not None:
+            master_args += ["--heartbeat-timeout", str(args.heartbeat_timeout)]
         script = slurm_script(spec.cluster, experiment, run, run_id, master_args)
         if args.dry_run:
             print(script, end="")
@@ -144,9 +150,10 @@ def main(args: argparse.Namespace) -> int:
     if start == 0:
         run.metrics.unlink(missing_ok=True)
 
+    heartbeat = {} if args.heartbeat_timeout is None else {"heartbeat_timeout": args.heartbeat_timeout}
     master = Master(program, config, run, run_id, secret, iterations=total - start, start_iteration=start,
                     resume=ckpt, save_every=args.save_every, bind_host=args.bind, master_port=args.master_port,
-                    store_port=args.store_port, heartbeat_timeout=args.heartbeat_timeout)
+                    store_port=args.store_port, **heartbeat)
     launcher = None
     if args.launcher == "local":
         wc = WorkerConfig(experiment=experiment, run_dir=str(run.root), run_id=run_id,

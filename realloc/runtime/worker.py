@@ -71,11 +71,13 @@ class ModelHandle:
 class Heartbeat(threading.Thread):
     def __init__(self, ctx: zmq.Context, endpoint: str, secret: bytes, run_id: str, rank: int) -> None:
         super().__init__(name="heartbeat", daemon=True)
+        name = protocol.heartbeat_name(rank)
         self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, f"hb{rank}".encode())
+        self.sock.setsockopt(zmq.IDENTITY, protocol.socket_identity(name))
         self.sock.setsockopt(zmq.LINGER, 0)
+        protocol.limit_frame_size(self.sock)
         self.sock.connect(endpoint)
-        self.channel = protocol.Channel(secret, run_id, f"hb{rank}")
+        self.channel = protocol.Channel(secret, run_id, name)
         self.rank = rank
         self.busy_req = -1
         self._stopping = threading.Event()
@@ -126,8 +128,9 @@ class ModelWorker:
         self.comm_device = self.device
         self.zctx = zmq.Context()
         self.sock = self.zctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, protocol.worker_name(self.rank).encode())
+        self.sock.setsockopt(zmq.IDENTITY, protocol.socket_identity(protocol.worker_name(self.rank)))
         self.sock.setsockopt(zmq.LINGER, 1000)
+        protocol.limit_frame_size(self.sock)
         self.sock.connect(args.master)
         self.channel = protocol.Channel(secret, args.run_id, protocol.worker_name(self.rank))
         self.heartbeat = Heartbeat(self.zctx, args.master, secret, args.run_id, self.rank)
