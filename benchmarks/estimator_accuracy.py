@@ -225,7 +225,7 @@ def run_plan(experiment: str, graph: DataflowGraph, name: str, plan: ExecutionPl
     if r.returncode != 0:
         raise RuntimeError(f"plan {name!r} failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    steady = [m for m in metrics if m["iteration"] >= warmup]
+    steady = [m for m in metrics if m["iteration"] > warmup]  # iterations count from 1
     its = {m["iteration"] for m in steady}
     calls: dict[str, dict[int, float]] = {}
     realloc = {t: 0.0 for t in its}
@@ -437,7 +437,7 @@ def draw(results: list[PlanResult], timeline_plan: str, graph: DataflowGraph, pa
         style = (dict(color=colours(calls.index(label) % 10)) if kind == "call" else
                  dict(color="white", hatch="////") if kind == "realloc" else dict(color="lightgrey"))
         ax_m.barh(dev, e - s, left=s, height=1, align="edge", edgecolor="black", linewidth=0.3, **style)
-    ax_m.set_title(f"measured: {res.name}, iterations {steady_its.start + 1}..{steady_its.stop} "
+    ax_m.set_title(f"measured: {res.name}, iterations {steady_its.start}..{steady_its.stop - 1} "
                    f"({res.measured:.3f} s/it, fastest repeat)", fontsize=9)
     for a in (ax_e, ax_m):
         a.set_ylim(n_dev, 0)

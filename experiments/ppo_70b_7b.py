@@ -11,6 +11,9 @@ from realloc.api import auto
 @dataclasses.dataclass
 class PPO70Bx7B:
     ppo: PPOConfig = PPOConfig(n_minibatches=8)
+    # Your prompts (.jsonl/.json/.parquet, see realloc/data/prompts.py). Set it here or per run with
+    # --set dataset=/abs/path/prompts.jsonl; `realloc run` refuses to start without it.
+    dataset: str | None = None
 
     @property
     def rpcs(self):

@@ -162,10 +162,10 @@ class ExperimentSpec:
         return rpc.n_seqs if rpc.n_seqs is not None else self.batch_size
 
 
-def experiment_spec(experiment: Any, source: str = "") -> ExperimentSpec:
-    """Build the spec of an ``@auto`` experiment class or instance."""
+def experiment_spec(experiment: Any, source: str = "", auto_config: AutoConfig | None = None) -> ExperimentSpec:
+    """Build the spec of an ``@auto`` experiment class or instance (``auto_config`` replaces its ``@auto``)."""
     cls = experiment if isinstance(experiment, type) else type(experiment)
-    cfg: AutoConfig | None = getattr(cls, AUTO_ATTR, None)
+    cfg: AutoConfig | None = auto_config or getattr(cls, AUTO_ATTR, None)
     if cfg is None:
         raise ValueError(f"{cls.__name__} is not a realloc experiment: decorate it with @auto(...)")
     instance = experiment() if isinstance(experiment, type) else experiment

@@ -48,6 +48,11 @@ def _not_yet(what: str, issue: int) -> Callable[[argparse.Namespace], int]:
     return run
 
 
+def _set_option(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override an experiment field, e.g. --set ppo.lr=1e-6 --set batch_size=64 (repeatable)")
+
+
 def _profiles_option(s: argparse.ArgumentParser) -> None:
     s.add_argument("--profiles", default=None, metavar="DIR",
                    help="your own profiles folder (DIR/<device kind>/<model>.json, DIR/hardware/<kind>.json), read "
@@ -108,6 +113,7 @@ def build_parser(commands: dict[str, Callable[[argparse.Namespace], int]] | None
                    help="print (and --out) this baseline plan instead of searching")
     s.add_argument("--out", default=None, help="write the plan JSON here")
     s.add_argument("--timeline", default=None, help="write a timeline picture (.svg/.png/.html)")
+    _set_option(s)
     _profiles_option(s)
     s.set_defaults(func=commands.get("search", _not_yet("search", 4)))
 
@@ -121,13 +127,39 @@ def build_parser(commands: dict[str, Callable[[argparse.Namespace], int]] | None
     s.add_argument("--resume", default=None, help="checkpoint directory to resume from")
     s.add_argument("--run-dir", default=None, help="output directory (default runs/<experiment>-<time>)")
     s.add_argument("--save-every", type=int, default=0, help="checkpoint every N iterations (0: never)")
-    s.add_argument("--launcher", default="local", choices=["local", "slurm", "external"],
-                   help="local subprocesses, a SLURM job, or workers started elsewhere (used inside the job)")
-    s.add_argument("--dry-run", action="store_true", help="with --launcher slurm: print the script, do not submit")
+    s.add_argument("--launcher", default="local", choices=["local", "slurm", "ray", "external"],
+                   help="local subprocesses, a SLURM job, Ray actors, or workers started elsewhere (used inside "
+                        "the SLURM job)")
+    s.add_argument("--ray-address", default=None, help="with --launcher ray: the cluster (default $RAY_ADDRESS, or "
+                   "a private local instance on 127.0.0.1)")
+    s.add_argument("--dry-run", action="store_true", help="with --launcher slurm: print the script; write and "
+                   "submit nothing")
+    s.add_argument("--prepare", action="store_true", help="with --launcher slurm: write the run directory (plan, "
+                   "secret, job.sbatch) but do not submit")
+    _set_option(s)
+    g = s.add_argument_group("SLURM (--launcher slurm)")
+    g.add_argument("--partition", default=None)
+    g.add_argument("--account", default=None)
+    g.add_argument("--time", default="24:00:00", help="time limit (default 24:00:00)")
+    g.add_argument("--job-name", default="realloc")
+    g.add_argument("--nodelist", default=None, help="pin the job to these hosts (by default SLURM picks; node i "
+                   "of the plan runs on the i-th allocated node)")
+    g.add_argument("--cpus-per-task", type=int, default=None, help="CPUs per device (default: the whole node, "
+                   "--exclusive, split evenly among its devices)")
+    g.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
+                   help="another #SBATCH option, e.g. --sbatch qos=high (repeatable)")
+    g.add_argument("--setup", action="append", default=[], metavar="SHELL",
+                   help="a shell line run first in the job, e.g. --setup 'module load cuda' (repeatable)")
+    g.add_argument("--srun-arg", action="append", default=[], metavar="OPTION",
+                   help="an srun option for the workers, e.g. --srun-arg container-image=IMAGE (repeatable)")
     s.add_argument("--quiet", action="store_true", help="no progress bar: one plain line per iteration")
     s.add_argument("--heartbeat-timeout", type=float, default=None, metavar="SECONDS",
                    help="a worker silent this long counts as hung and the run stops about 1.5 s later (default 6; "
                    "raise it if workers hold the GIL for long, e.g. while writing huge checkpoints)")
+    s.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=True,
+                   help="write TensorBoard event files to RUN/tensorboard (default on)")
+    s.add_argument("--wandb", default=None, metavar="PROJECT", help="also log to Weights & Biases (offline "
+                   "unless WANDB_MODE/WANDB_API_KEY say otherwise; needs the wandb package)")
     for hidden, kind, default in (("--run-id", str, None), ("--bind", str, "127.0.0.1"), ("--store-port", int, 0),
                                   ("--master-port", int, 0)):
         s.add_argument(hidden, type=kind, default=default, help=argparse.SUPPRESS)  # set by the SLURM script

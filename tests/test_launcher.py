@@ -13,7 +13,7 @@ import pytest
 from realloc.api import load_experiment
 from realloc.graph.dataflow import build_graph
 from realloc.graph.plan import CallPlacement, ExecutionPlan
-from realloc.runtime.launcher import RunPaths, SlurmOptions, slurm_script
+from realloc.runtime.launcher import RunPaths, SlurmOptions, slurm_ports, slurm_script
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,25 +32,67 @@ def realloc_cli(*args, env=None, cwd=None, timeout=120):
                           env=env, cwd=cwd, timeout=timeout)
 
 
-def test_gpu_script_asks_for_the_nodelist_and_one_task_per_device(tmp_path):
+def test_gpu_script_has_the_options_and_one_task_per_device(tmp_path):
     spec = load_experiment(str(REPO / "experiments/ppo_7b_7b.py"))
     run = RunPaths(tmp_path / "run")
     script = slurm_script(spec.cluster, spec.source, run, "abc123", ["--plan", "p.json", "--iterations", "5"],
-                          SlurmOptions(partition="gpu", account="proj", time_limit="2:00:00"))
+                          SlurmOptions(partition="gpu", account="proj", time_limit="2:00:00",
+                                       extra_sbatch=("qos=high", "--mem=0"), setup=("module load cuda/12.4",
+                                                                                    "source ~/venv/bin/activate"),
+                                       srun_args=("container-image=nvcr.io/realloc:1",), cpus_per_task=12),
+                          overrides=("ppo.lr=1e-6",))
     lines = script.splitlines()
-    for want in ("#SBATCH --nodelist=trainer[01-02]", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=8",
-                 "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu", "#SBATCH --account=proj",
-                 "#SBATCH --time=2:00:00", f"#SBATCH --output={run.logs}/slurm-%j.out"):
-        assert want in lines
+    for want in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --partition=gpu", "#SBATCH --account=proj", "#SBATCH --time=2:00:00",
+                 "#SBATCH --qos=high", "#SBATCH --mem=0", "#SBATCH --cpus-per-task=12",
+                 f"#SBATCH --output={run.logs}/slurm-%j.out", "module load cuda/12.4", "source ~/venv/bin/activate"):
+        assert want in lines, want
+    # Plans name node indices: no host is pinned unless asked, and node i maps onto the i-th allocated node.
+    assert not any(line.startswith("#SBATCH --nodelist") for line in lines)
+    assert "PLAN_NODES=(trainer01 trainer02)" in lines
+    assert any("scontrol show hostnames" in line for line in lines)
+    # The setup lines run before anything starts.
+    assert lines.index("module load cuda/12.4") < next(i for i, x in enumerate(lines) if "realloc.cli run" in x)
     srun = next(line for line in lines if line.startswith("srun "))
-    assert "--ntasks=16" in srun and "--kill-on-bad-exit=1" in srun
+    assert "--ntasks=16" in srun and "--kill-on-bad-exit=1" in srun and "--distribution=block" in srun
+    assert "--container-image=nvcr.io/realloc:1" in srun and "--cpus-per-task=12" in srun
     for want in ('"$SLURM_PROCID"', '"$MASTER_HOST:$STORE_PORT"', '"tcp://$MASTER_HOST:$MASTER_PORT"',
-                 "--device cuda", "--world-size 16", "realloc.runtime.worker"):
-        assert want in srun
+                 "--device cuda", "--world-size 16", "realloc.runtime.worker", "--set ppo.lr=1e-6"):
+        assert want in srun, want
     master = next(line for line in lines if "realloc.cli run" in line)
     assert "--launcher external" in master and "--bind 0.0.0.0" in master and master.endswith("&")
     assert f"REALLOC_SECRET_FILE={run.secret}" in script
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+
+
+def test_default_cpus_split_the_node_and_a_nodelist_can_be_pinned(tmp_path):
+    spec = load_experiment(str(REPO / "experiments/ppo_7b_7b.py"))
+    script = slurm_script(spec.cluster, spec.source, RunPaths(tmp_path), "x", [],
+                          SlurmOptions(nodelist="gpu[07-08]"))
+    assert "#SBATCH --exclusive" in script.splitlines() and "#SBATCH --nodelist=gpu[07-08]" in script.splitlines()
+    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    # 64 CPUs on a node of 8 GPUs: 8 per worker, computed by the job from the node it got.
+    cpus = srun.split("--cpus-per-task=")[1].split(" bash")[0]
+    out = subprocess.run(["bash", "-c", f"SLURM_CPUS_ON_NODE=64; echo {cpus}"], capture_output=True, text=True)
+    assert out.stdout.strip() == "8"
+
+
+def test_ports_stay_below_the_ephemeral_range():
+    lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    seen = set()
+    for job in (0, 1, 5999, 6000, 12345, 2**31 - 1):
+        store, master = slurm_ports(job)
+        assert 1024 <= store < master < lo and master == store + 1
+        seen.add(store)
+    assert len(seen) > 3
+    # The script computes the same ports as slurm_ports.
+    spec = load_experiment(str(REPO / "experiments/ppo_tiny.py"))
+    script = slurm_script(spec.cluster, spec.source, RunPaths(Path("/tmp/x")), "x", [])
+    ports = "\n".join(x for x in script.splitlines() if x.startswith("export STORE_PORT") or
+                      x.startswith("export MASTER_PORT"))
+    out = subprocess.run(["bash", "-c", f"SLURM_JOB_ID=12345\n{ports}\necho $STORE_PORT $MASTER_PORT"],
+                         capture_output=True, text=True)
+    assert tuple(map(int, out.stdout.split())) == slurm_ports(12345)
 
 
 GPU_EXPERIMENT = """
@@ -69,20 +111,37 @@ class GpuPPO:
 """
 
 
-def test_cli_dry_run_prints_the_script_and_writes_a_private_secret(tmp_path):
+def test_cli_dry_run_prints_the_script_and_writes_nothing(tmp_path):
     exp = tmp_path / "gpu_ppo.py"
     exp.write_text(GPU_EXPERIMENT.format(dataset=REPO / "experiments/data/ppo_tiny_prompts.jsonl"))
     plan = whole_cluster_plan(str(exp), dp=4, tp=4)
     plan.save(tmp_path / "plan.json")
-    r = realloc_cli("run", str(exp), "--plan", str(tmp_path / "plan.json"),
-                    "--iterations", "3", "--launcher", "slurm", "--dry-run", "--run-dir", str(tmp_path / "run"))
+    work = tmp_path / "work"
+    work.mkdir()
+    args = ["run", str(exp), "--plan", str(tmp_path / "plan.json"), "--iterations", "3", "--launcher", "slurm",
+            "--partition", "a100", "--time", "1:30:00", "--setup", "module load nccl"]
+    r = realloc_cli(*args, "--dry-run", cwd=work)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("#!/bin/bash") and "#SBATCH --nodelist=gpu[01-02]" in r.stdout
+    assert r.stdout.startswith("#!/bin/bash") and "#SBATCH --nodes=2" in r.stdout
     assert "#SBATCH --gpus-per-node=8" in r.stdout and "--iterations 3" in r.stdout
-    secret = (tmp_path / "run" / "secret")
-    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
-    assert secret.read_text().strip() not in r.stdout  # the secret itself never appears in the script
-    assert (tmp_path / "run" / "plan.json").is_file()
+    assert "#SBATCH --partition=a100" in r.stdout and "#SBATCH --time=1:30:00" in r.stdout
+    assert list(work.iterdir()) == []  # no runs/, plan or secret
+    # --prepare writes the run directory with a private secret, and says how to submit it.
+    r = realloc_cli(*args, "--prepare", "--run-dir", str(tmp_path / "run"), cwd=work)
+    assert r.returncode == 0, r.stderr
+    run = tmp_path / "run"
+    assert f"sbatch {run / 'job.sbatch'}" in r.stdout
+    assert stat.S_IMODE((run / "secret").stat().st_mode) == 0o600
+    assert (run / "secret").read_text().strip() not in (run / "job.sbatch").read_text()
+    assert (run / "plan.json").is_file() and "#SBATCH --partition=a100" in (run / "job.sbatch").read_text()
+
+
+def test_gpu_experiment_without_prompts_says_how_to_give_them(tmp_path):
+    r = realloc_cli("run", str(REPO / "experiments/ppo_7b_7b.py"), "--launcher", "slurm", "--dry-run",
+                    "--iterations", "1", cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert "--set dataset=" in r.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_dry_run_without_slurm_is_a_one_line_error(tmp_path):
@@ -94,11 +153,10 @@ def test_dry_run_without_slurm_is_a_one_line_error(tmp_path):
 
 
 def free_job_id() -> int:
-    """A job id whose derived ports (20000 + id % 20000 and 20000 more) are free on this machine right now."""
-    for job in range(os.getpid() % 20000, os.getpid() % 20000 + 200):
-        port = 20000 + job % 20000
+    """A job id whose derived ports (``slurm_ports``) are free on this machine right now."""
+    for job in range(os.getpid() % 6000, os.getpid() % 6000 + 200):
         try:
-            for p in (port, port + 20000):
+            for p in slurm_ports(job):
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", p))
         except OSError:
@@ -115,6 +173,11 @@ for ((i = 0; i < n; i++)); do SLURM_PROCID=$i SLURM_LOCALID=$i "${args[@]}" & do
 wait
 """
 
+FAKE_SCONTROL = """#!/bin/bash
+# Stands in for `scontrol show hostnames LIST`: this machine is the job's only node.
+[ "$1 $2" = "show hostnames" ] && hostname
+"""
+
 
 def test_generated_script_trains_with_a_stand_in_srun(tmp_path):
     """The script's rendezvous (TCPStore + ZMQ ports from the job id) works: run it with bash and a fake srun."""
@@ -122,19 +185,22 @@ def test_generated_script_trains_with_a_stand_in_srun(tmp_path):
     plan.save(tmp_path / "plan.json")
     run_dir = tmp_path / "run"
     r = realloc_cli("run", str(REPO / "experiments/ppo_tiny.py"), "--plan", str(tmp_path / "plan.json"),
-                    "--iterations", "2", "--launcher", "slurm", "--dry-run", "--run-dir", str(run_dir))
+                    "--iterations", "2", "--launcher", "slurm", "--prepare", "--run-dir", str(run_dir),
+                    "--no-tensorboard")
     assert r.returncode == 0, r.stderr
     bindir = tmp_path / "bin"
     bindir.mkdir()
-    (bindir / "srun").write_text(FAKE_SRUN)
-    (bindir / "srun").chmod(0o755)
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bindir / name).write_text(text)
+        (bindir / name).chmod(0o755)
     env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "SLURM_JOB_ID": str(free_job_id()),
-           "TMPDIR": str(tmp_path), "PYTHONPATH": str(REPO)}
-    job = subprocess.run(["bash", "-c", r.stdout], env=env, cwd=tmp_path, capture_output=True, text=True,
-                         timeout=300)
+           "SLURM_JOB_NODELIST": "n1", "TMPDIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    job = subprocess.run(["bash", str(run_dir / "job.sbatch")], env=env, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
     assert job.returncode == 0, job.stdout + job.stderr
+    assert f"plan node 0 (localhost) -> {socket.gethostname()}" in job.stdout
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["iteration"] for m in metrics] == [0, 1] and 0.0 <= metrics[0]["reward"] <= 1.0
+    assert [m["iteration"] for m in metrics] == [1, 2] and 0.0 <= metrics[0]["reward"] <= 1.0
 
 
 def test_local_launcher_refuses_a_gpu_cluster_it_cannot_host(tmp_path):

@@ -153,13 +153,13 @@ def test_trace_shows_every_device_and_call(runs):
 def test_resume_reproduces_the_next_iteration(runs, tmp_path):
     original = metrics(runs["disjoint"])
     ckpts = sorted(p.name for p in (runs["disjoint"] / "checkpoints").iterdir())
-    assert ckpts == ["iter_00000009", "iter_00000019", "iter_00000029"]
+    assert ckpts == ["iter_00000010", "iter_00000020", "iter_00000030"]  # the state after iteration N
     resumed_dir = tmp_path / "resumed"
-    r = realloc_run(resumed_dir, "--resume", str(runs["disjoint"] / "checkpoints" / "iter_00000009"),
+    r = realloc_run(resumed_dir, "--resume", str(runs["disjoint"] / "checkpoints" / "iter_00000010"),
                     "--iterations", "12")
     assert r.returncode == 0, r.stdout + r.stderr
     resumed = metrics(resumed_dir)
-    assert [m["iteration"] for m in resumed] == [10, 11]
+    assert [m["iteration"] for m in resumed] == [11, 12]
     for a, b in zip(original[10:12], resumed):
         for k in HEADLINE:
             assert b[k] == a[k], (a["iteration"], k, a[k], b[k])

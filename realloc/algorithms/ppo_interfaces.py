@@ -53,6 +53,7 @@ class CallContext:
     ids: range  # global sequence indices of this dp rank's rows
     batch_size: int  # sequences of the whole batch
     n_mbs: int
+    total_iterations: int = 0  # the run's horizon, for the learning-rate schedule (0: iteration + 1)
 
 
 @dataclasses.dataclass
@@ -185,7 +186,12 @@ def _train(ctx: CallContext, inputs: Data, actor: bool) -> CallResult:
     P, T, M = ctx.prompt_len, ctx.gen_len, ctx.call.n_minibatches
     dp = model.groups.dp
     loss_sum = clipped = approx_kl = grad_norm = 0.0
+    base_lr = cfg.lr if actor else cfg.critic_lr
+    total_steps = max(ctx.total_iterations, ctx.iteration + 1) * M
+    lrs = [cfg.lr_at(base_lr, ctx.iteration * M + k, total_steps) for k in range(M)]
     for k in range(M):
+        for group in ctx.optimizer.param_groups:
+            group["lr"] = lrs[k]
         rows = torch.tensor([r for r, i in enumerate(ctx.ids) if i % M == k], dtype=torch.long)
         n_tok = max(ro.n_tokens[k], 1.0)
         mb = {**_forward_batch({n: t[rows] for n, t in ro.seq.items()}, P),
@@ -223,7 +229,7 @@ def _train(ctx: CallContext, inputs: Data, actor: bool) -> CallResult:
     else:
         sums["value_mean"] = float((ro.old_values * ro.mask).double().sum()) / max(sum(ro.n_tokens), 1.0)
         sums["return_mean"] = float((ro.returns * ro.mask).double().sum()) / max(sum(ro.n_tokens), 1.0)
-    return CallResult({}, sums, {f"{prefix}_grad_norm": grad_norm})
+    return CallResult({}, sums, {f"{prefix}_grad_norm": grad_norm, f"{prefix}_lr": lrs[0]})
 
 
 def actor_train(ctx: CallContext, inputs: Data) -> CallResult:

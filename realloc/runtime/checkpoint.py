@@ -1,6 +1,7 @@
 """Checkpoints: trained models' parameters and optimizer state, RNG states, iteration and data position.
 
-Layout of one checkpoint directory ``<run>/checkpoints/iter_00000012/``::
+Layout of one checkpoint directory ``<run>/checkpoints/iter_00000012/`` (the state after iteration 12,
+counting from 1 as the console and metrics.jsonl do)::
 
     meta.json                        iteration, data position, seed, plan digest, per-model layouts
     plan.json                        the plan the run used (``--resume`` reuses it)
@@ -35,8 +36,8 @@ CHECKPOINT_FORMAT = 1
 META = "meta.json"
 
 
-def checkpoint_name(iteration: int) -> str:
-    return f"iter_{iteration:08d}"
+def checkpoint_name(iterations_done: int) -> str:
+    return f"iter_{iterations_done:08d}"
 
 
 def _fsync_path(path: Path) -> None:

@@ -11,7 +11,6 @@ The run secret (see ``protocol.py``) is a 0600 file in the run directory, named 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import shlex
 import signal
@@ -19,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Protocol
 
 from realloc.cluster import ClusterSpec
 from realloc.runtime.protocol import SECRET_FILE_ENV
@@ -76,11 +76,17 @@ class WorkerConfig:
     master_endpoint: str  # tcp://host:port of the master's ZMQ ROUTER
     device: str  # "cpu" or "cuda"
     python: str = sys.executable
+    overrides: tuple[str, ...] = ()  # the run's --set KEY=VALUE items, applied to the experiment
+
+    def worker_args(self, rank: int | str) -> list[str]:
+        """The arguments of ``realloc.runtime.worker.main``."""
+        sets = [x for item in self.overrides for x in ("--set", item)]
+        return ["--experiment", self.experiment, "--run-dir", self.run_dir, "--run-id", self.run_id,
+                "--rank", str(rank), "--world-size", str(self.world_size), "--store", self.store,
+                "--master", self.master_endpoint, "--device", self.device, *sets]
 
     def argv(self, rank: int | str) -> list[str]:
-        return [self.python, "-m", WORKER_MODULE, "--experiment", self.experiment, "--run-dir", self.run_dir,
-                "--run-id", self.run_id, "--rank", str(rank), "--world-size", str(self.world_size),
-                "--store", self.store, "--master", self.master_endpoint, "--device", self.device]
+        return [self.python, "-m", WORKER_MODULE, *self.worker_args(rank)]
 
 
 def worker_env(run: RunPaths, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -105,6 +111,18 @@ def _die_with_parent() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
         pass  # not Linux: the worker's heartbeat timeout still ends it
+
+
+class WorkerLauncher(Protocol):
+    """What the master needs of a launcher: who is gone, and how to stop the rest."""
+
+    def pid(self, rank: int) -> int | None: ...
+
+    def dead(self) -> dict[int, int]: ...
+
+    def stop(self, grace: float = 5.0) -> None: ...
+
+    def wait_exit(self, timeout: float) -> bool: ...
 
 
 class LocalLauncher:
@@ -175,34 +193,72 @@ def _signal_group(p: subprocess.Popen, sig: int) -> None:
 
 
 # -- SLURM ------------------------------------------------------------------------------------------------------
+# Rendezvous ports derive from the job id, in [PORT_BASE, PORT_BASE + 2 * PORT_SLOTS): below Linux's
+# ephemeral range (32768-60999 by default), where the kernel picks outgoing connections' ports.
+PORT_BASE = 20000
+PORT_SLOTS = 6000
+
+
+def slurm_ports(job_id: int) -> tuple[int, int]:
+    """(store port, master port) of a SLURM job, as its script computes them."""
+    store = PORT_BASE + 2 * (job_id % PORT_SLOTS)
+    return store, store + 1
+
+
 @dataclasses.dataclass(frozen=True)
 class SlurmOptions:
+    """What a user sets for their cluster (``realloc run --launcher slurm`` options)."""
+
     partition: str | None = None
     account: str | None = None
     time_limit: str = "24:00:00"
     job_name: str = "realloc"
-    extra_sbatch: tuple[str, ...] = ()
+    extra_sbatch: tuple[str, ...] = ()  # more #SBATCH options, e.g. "--qos=high"
+    setup: tuple[str, ...] = ()  # shell lines before anything starts: module load, conda activate, ...
+    srun_args: tuple[str, ...] = ()  # e.g. "--container-image=..." (pyxis) for the workers' step
+    cpus_per_task: int | None = None  # None: the whole node (--exclusive), split evenly among its devices
+    nodelist: str | None = None  # pin the job to these hosts; by default SLURM picks any free nodes
     python: str = sys.executable
+
+    def __post_init__(self) -> None:
+        if self.cpus_per_task is not None and self.cpus_per_task < 1:
+            raise ValueError(f"--cpus-per-task must be a positive integer, got {self.cpus_per_task}")
+        object.__setattr__(self, "extra_sbatch", tuple(_long_option(x) for x in self.extra_sbatch))
+        object.__setattr__(self, "srun_args", tuple(_long_option(x) for x in self.srun_args))
+
+
+def _long_option(text: str) -> str:
+    """``qos=high`` and ``--qos=high`` both mean ``--qos=high`` (argparse cannot take a value starting with --)."""
+    text = text.strip()
+    if not text:
+        raise ValueError("an empty --sbatch/--srun-arg option")
+    return text if text.startswith("-") else "--" + text
 
 
 def slurm_script(cluster: ClusterSpec, experiment: str, run: RunPaths, run_id: str, master_args: list[str],
-                 opts: SlurmOptions = SlurmOptions()) -> str:
+                 opts: SlurmOptions = SlurmOptions(), overrides: tuple[str, ...] = ()) -> str:
     """The sbatch script of a run: the master on the first node, one worker task per device via srun.
 
     ``master_args`` are the ``realloc run`` arguments the master repeats inside the job (plan,
     iterations, checkpoints); the script adds ``--launcher external`` and the rendezvous address.
+    Plans name nodes by index: node i of the plan is the i-th node SLURM allocated (block distribution
+    puts ranks i*n .. i*n+n-1 there), so the user need not know the host names before submitting.
     """
     gpu = cluster.device != "cpu"
     n = cluster.n_devices_per_node
     q = shlex.quote
     lines = ["#!/bin/bash",
              f"#SBATCH --job-name={opts.job_name}",
-             f"#SBATCH --nodelist={cluster.nodelist}",
              f"#SBATCH --nodes={cluster.n_nodes}",
              f"#SBATCH --ntasks-per-node={n}",
-             f"#SBATCH --cpus-per-task={max(1, math.ceil(cluster.cores_per_device))}",
              f"#SBATCH --time={opts.time_limit}",
              f"#SBATCH --output={run.logs}/slurm-%j.out"]
+    if opts.nodelist:
+        lines.append(f"#SBATCH --nodelist={opts.nodelist}")
+    if opts.cpus_per_task is not None:
+        lines.append(f"#SBATCH --cpus-per-task={opts.cpus_per_task}")
+    else:
+        lines.append("#SBATCH --exclusive")
     if gpu:
         lines.append(f"#SBATCH --gpus-per-node={n}")
     if opts.partition:
@@ -213,25 +269,39 @@ def slurm_script(cluster: ClusterSpec, experiment: str, run: RunPaths, run_id: s
     worker = WorkerConfig(experiment=experiment, run_dir=str(run.root), run_id=run_id,
                           world_size=cluster.n_devices, store="$MASTER_HOST:$STORE_PORT",
                           master_endpoint="tcp://$MASTER_HOST:$MASTER_PORT", device="cuda" if gpu else "cpu",
-                          python=opts.python)
+                          python=opts.python, overrides=overrides)
     # Expanded by each task's shell: its own $SLURM_PROCID, and the exported master address.
-    inner = " ".join(f'"{a}"' if "$" in a else q(a) for a in worker.argv("$SLURM_PROCID"))
+    placeholders = ("$SLURM_PROCID", worker.store, worker.master_endpoint)
+    inner = " ".join(f'"{a}"' if a in placeholders else q(a) for a in worker.argv("$SLURM_PROCID"))
     master_cmd = " ".join([q(opts.python), "-m", "realloc.cli", "run", q(experiment), *map(q, master_args),
                            "--run-dir", q(str(run.root)), "--run-id", q(run_id), "--launcher", "external",
                            "--bind", "0.0.0.0", "--store-port", "$STORE_PORT", "--master-port", "$MASTER_PORT"])
-    lines += ["set -uo pipefail",
+    cpus = (f"--cpus-per-task={opts.cpus_per_task}" if opts.cpus_per_task is not None
+            else f"--cpus-per-task=$(( ${{SLURM_CPUS_ON_NODE:-{n}}} / {n} > 0 ? ${{SLURM_CPUS_ON_NODE:-{n}}} / {n} : 1 ))")
+    srun = ["srun", "--kill-on-bad-exit=1", f"--ntasks={cluster.n_devices}", f"--ntasks-per-node={n}",
+            "--distribution=block", cpus, *map(q, opts.srun_args)]
+    plan_nodes = " ".join(q(x) for x in cluster.nodes)
+    lines += ["set -uo pipefail", *opts.setup,
               f"export {SECRET_FILE_ENV}={q(str(run.secret))}",
               "export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1",
               "export MASTER_HOST=$(hostname)",
-              "# Ports derive from the job id, so nothing but the store itself is needed to rendezvous.",
-              "export STORE_PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))",
-              "export MASTER_PORT=$(( STORE_PORT + 20000 ))",
+              "# Node i of the plan is the i-th allocated node; record the mapping for the logs and the master.",
+              f"PLAN_NODES=({plan_nodes})",
+              'mapfile -t JOB_NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+              'if [ "${#JOB_NODES[@]}" -ne "${#PLAN_NODES[@]}" ]; then',
+              '  echo "realloc: the plan has ${#PLAN_NODES[@]} nodes but SLURM allocated ${#JOB_NODES[@]}" >&2; exit 2',
+              "fi",
+              'for i in "${!PLAN_NODES[@]}"; do echo "plan node $i (${PLAN_NODES[$i]}) -> ${JOB_NODES[$i]}"; done',
+              'export REALLOC_JOB_NODES="${JOB_NODES[*]}"',
+              "# Ports derive from the job id (below the ephemeral range), so nothing but the store is needed to "
+              "rendezvous.",
+              f"export STORE_PORT=$(( {PORT_BASE} + 2 * (SLURM_JOB_ID % {PORT_SLOTS}) ))",
+              "export MASTER_PORT=$(( STORE_PORT + 1 ))",
               "# The master hosts the rendezvous store and the ZMQ socket; it exits non-zero on any failure.",
               f"{master_cmd} &",
               "MASTER_PID=$!",
               "# One worker per device; --kill-on-bad-exit ends the step when one fails, the master reports it.",
-              f"srun --kill-on-bad-exit=1 --ntasks={cluster.n_devices} --ntasks-per-node={n} "
-              f"bash -c {q('exec ' + inner)} &",
+              f"{' '.join(srun)} bash -c {q('exec ' + inner)} &",
               "SRUN_PID=$!",
               "wait $MASTER_PID",
               "STATUS=$?",
@@ -241,10 +311,15 @@ def slurm_script(cluster: ClusterSpec, experiment: str, run: RunPaths, run_id: s
     return "\n".join(lines)
 
 
-def submit_slurm(script: str, run: RunPaths) -> str:
-    """Write the script into the run directory and submit it; returns sbatch's job id."""
+def write_job_script(script: str, run: RunPaths) -> Path:
     path = run.root / "job.sbatch"
     path.write_text(script)
+    return path
+
+
+def submit_slurm(script: str, run: RunPaths) -> str:
+    """Write the script into the run directory and submit it; returns sbatch's job id."""
+    path = write_job_script(script, run)
     try:
         out = subprocess.run(["sbatch", "--parsable", str(path)], check=True, capture_output=True, text=True)
     except FileNotFoundError:

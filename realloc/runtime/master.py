@@ -46,10 +46,10 @@ from realloc.graph.plan import ExecutionPlan
 from realloc.models.groups import ModelLayout
 from realloc.runtime import checkpoint, protocol
 from realloc.runtime.data_store import row_bytes
-from realloc.runtime.launcher import LocalLauncher, RunPaths
+from realloc.runtime.launcher import RunPaths, WorkerLauncher
 from realloc.runtime.program import Realloc, RuntimeProgram
 from realloc.runtime.run_config import RunConfig
-from realloc.runtime.telemetry import RequestRecord, Trace, iteration_metrics
+from realloc.runtime.telemetry import RequestRecord, Trace, iteration_metrics, iteration_number
 from realloc.runtime.transfer_plan import dp_ranges
 
 START_TIMEOUT = 600.0  # seconds for every worker to connect (importing megatron takes a while)
@@ -87,7 +87,7 @@ class Node:
 class Master:
     def __init__(self, program: RuntimeProgram, config: RunConfig, run: RunPaths, run_id: str, secret: bytes,
                  *, iterations: int, start_iteration: int = 0, resume: Path | None = None, save_every: int = 0,
-                 launcher: LocalLauncher | None = None, bind_host: str = "127.0.0.1", master_port: int = 0,
+                 launcher: WorkerLauncher | None = None, bind_host: str = "127.0.0.1", master_port: int = 0,
                  store_port: int = 0, heartbeat_timeout: float = HEARTBEAT_TIMEOUT, window: int = 2,
                  on_iteration: Callable[[dict[str, Any]], None] | None = None) -> None:
         if iterations < 1:
@@ -157,7 +157,7 @@ class Master:
         self.metrics: list[dict[str, Any]] = []
         names = [f"{self.spec.cluster.nodes[self.spec.cluster.node_of(r)]}:{r % self.spec.cluster.n_devices_per_node}"
                  for r in range(self.n_workers)]
-        self.trace = Trace(self.n_workers, names)
+        self.trace = Trace(self.n_workers, names, t0=time.time())
         self.tasks: list[asyncio.Task] = []
 
     # -- public ------------------------------------------------------------------------------------------------
@@ -170,7 +170,8 @@ class Master:
             await self._guard(self._wait_for_workers())
             self._write_workers_file()
             setup = self._send(range(self.n_workers), "setup", "setup", -1, "setup",
-                               lambda req: protocol.Setup(req=req, resume=str(self.resume) if self.resume else None))
+                               lambda req: protocol.Setup(req=req, resume=str(self.resume) if self.resume else None,
+                                                          total_iterations=self.end))
             await self._guard(self._wait(setup))
             self.t_start = time.time()
             await self._guard(self._run_iterations())
@@ -201,7 +202,8 @@ class Master:
         """Every request with its per-worker spans and reply arrival times (for benchmarks and debugging)."""
         with open(self.paths.root / "requests.jsonl", "w") as f:
             for r in self.records:
-                f.write(json.dumps({"req": r.req, "kind": r.kind, "label": r.label, "iteration": r.iteration,
+                f.write(json.dumps({"req": r.req, "kind": r.kind, "label": r.label,
+                                    "iteration": iteration_number(r.iteration),
                                     "dispatched": r.dispatched, "completed": r.completed,
                                     "spans": {str(k): v for k, v in r.spans.items()},
                                     "received": {str(k): v for k, v in r.received.items()}}) + "\n")
@@ -293,7 +295,7 @@ class Master:
         self.trace.add(rec)
         bad = next((rep for rep in replies if not rep.ok), None)
         if bad is not None:
-            it = f" (iteration {rec.iteration})" if rec.iteration >= 0 else ""
+            it = f" (iteration {rec.iteration + 1})" if rec.iteration >= 0 else ""
             where = f"call {rec.label}{it}" if rec.kind == "call" else f"{rec.label}{it}"
             self.fail(f"worker {bad.rank} failed in {where}: {bad.error}; see {self.paths.worker_log(bad.rank)}")
             raise RunFailed(self.failure)
@@ -350,7 +352,7 @@ class Master:
         if not self.pending[rank]:
             return "while idle"
         rec = self.pending[rank][min(self.pending[rank])]
-        it = f" of iteration {rec.iteration}" if rec.iteration >= 0 else ""
+        it = f" of iteration {rec.iteration + 1}" if rec.iteration >= 0 else ""
         return f"while running {rec.kind} {rec.label!r}{it}"
 
     async def _monitor(self) -> None:
@@ -488,7 +490,7 @@ class Master:
         except RunFailed:
             pass  # already recorded; run() raises it
         except Exception as e:  # noqa: BLE001 - a bug here must stop the run, not hang it
-            self.fail(f"master error in {n.label} (iteration {n.t}): {type(e).__name__}: {e}")
+            self.fail(f"master error in {n.label} (iteration {n.t + 1}): {type(e).__name__}: {e}")
 
     def _realloc_ranks(self, n: Node) -> list[int]:
         return sorted(set(self.program.calls[n.src].ranks) | set(self.program.calls[n.dst].ranks))
@@ -547,7 +549,7 @@ class Master:
                 self.data_meta.setdefault((out.key, t), out.tensors)
         missing = [k for k in rpc.output_data if (k, t) not in self.data_meta]
         if missing:
-            self.fail(f"call {c} (iteration {t}) produced no data for key {missing[0]!r}")
+            self.fail(f"call {c} (iteration {t + 1}) produced no data for key {missing[0]!r}")
             raise RunFailed(self.failure)
         self.call_stats[t][c] = stats
         self._push_outputs(c, t)
@@ -591,17 +593,19 @@ class Master:
         return recs
 
     async def _save(self, t: int) -> None:
-        tmp = checkpoint.begin(self.paths.checkpoints, t)
-        rec = self._send(range(self.n_workers), "save", f"checkpoint {t + 1}", t, "save",
+        # Named after the iterations it holds: iter_00000010 is the state after iteration 10 (t = 9).
+        done = t + 1
+        tmp = checkpoint.begin(self.paths.checkpoints, done)
+        rec = self._send(range(self.n_workers), "save", f"checkpoint {done}", t, "save",
                          lambda req: protocol.SaveCheckpoint(req=req, directory=str(tmp), iteration=t))
         await self._wait(rec)
         prog = self.program
         layouts = {m: f"{prog.calls[prog.home_call(m)].mesh.name} {prog.calls[prog.home_call(m)].strategy}"
                    for m in prog.models if prog.is_trained(m)}
-        meta = {"next_iteration": t + 1, "prompts_consumed": (t + 1) * prog.batch_size, "seed": self.config.seed,
+        meta = {"next_iteration": done, "prompts_consumed": done * prog.batch_size, "seed": self.config.seed,
                 "experiment": self.spec.name, "graph_digest": self.graph.digest, "run_id": self.run_id,
                 "layouts": layouts}
-        await asyncio.to_thread(checkpoint.commit, tmp, self.paths.checkpoints, t, meta, prog.plan.to_json())
+        await asyncio.to_thread(checkpoint.commit, tmp, self.paths.checkpoints, done, meta, prog.plan.to_json())
 
 
 def plan_from_checkpoint(ckpt: Path) -> ExecutionPlan:

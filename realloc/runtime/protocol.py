@@ -77,6 +77,7 @@ class Setup(_Msg):
     type: Literal["setup"] = "setup"
     req: int
     resume: str | None = None  # checkpoint directory to load after building the models
+    total_iterations: int = 0  # the run's last iteration + 1: the horizon of the learning-rate schedule
 
 
 class RunCall(_Msg):

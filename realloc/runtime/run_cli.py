@@ -3,10 +3,13 @@
     realloc run experiments/ppo_tiny.py --baseline heuristic --iterations 30
     realloc run EXP --plan plan.json --save-every 10 --run-dir runs/a
     realloc run EXP --resume runs/a                     # continues from the newest checkpoint
-    realloc run EXP --launcher slurm --dry-run          # prints the sbatch script
+    realloc run EXP --set ppo.lr=1e-6 --set batch_size=64   # experiment fields from the command line
+    realloc run EXP --launcher slurm --dry-run          # prints the sbatch script, writes nothing
+    realloc run EXP --launcher slurm --partition gpu --time 4:00:00 --setup "module load cuda"
 
-A run directory holds plan.json, metrics.jsonl (one line per iteration), trace.json (Chrome trace
-of every device), logs/worker<r>.log and checkpoints/.
+A run directory holds run.json (the command's experiment and overrides), plan.json, metrics.jsonl (one
+line per iteration, counted from 1), trace.json (Chrome trace of every device), logs/worker<r>.log and
+checkpoints/iter_<N> (the state after iteration N).
 """
 
 from __future__ import annotations
@@ -20,11 +23,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from realloc.api import ExperimentSpec, load_experiment
+from realloc.api import ExperimentSpec
 from realloc.graph.dataflow import build_graph
 from realloc.graph.plan import ExecutionPlan
+from realloc.overrides import load_with_overrides
 from realloc.runtime import protocol
-from realloc.runtime.launcher import LocalLauncher, RunPaths, SlurmOptions, WorkerConfig, slurm_script, submit_slurm
+from realloc.runtime.launcher import (LocalLauncher, RunPaths, SlurmOptions, WorkerConfig, slurm_script, submit_slurm,
+                                      write_job_script)
+from realloc.runtime.metric_sinks import MetricSinks
 from realloc.runtime.program import RuntimeProgram
 from realloc.runtime.run_config import RunConfig
 
@@ -32,11 +38,12 @@ DEFAULT_SEARCH_TIME = 10.0
 MIN_HEARTBEAT_TIMEOUT = 2.0
 
 
-def _choose_plan(args: argparse.Namespace, spec: ExperimentSpec, ckpt: Path | None) -> ExecutionPlan:
+def _choose_plan(args: argparse.Namespace, spec: ExperimentSpec, ckpt: Path | None) -> tuple[ExecutionPlan, str]:
+    """The plan to run and where it came from, in words, for the run header."""
     if args.plan:
-        return ExecutionPlan.load(args.plan)
+        return ExecutionPlan.load(args.plan), f"from {args.plan}"
     if ckpt is not None:
-        return ExecutionPlan.load(ckpt / "plan.json")
+        return ExecutionPlan.load(ckpt / "plan.json"), f"of checkpoint {ckpt}"
     try:
         import realloc.search as search_pkg
     except ImportError as e:  # pragma: no cover - the package always exists
@@ -45,12 +52,13 @@ def _choose_plan(args: argparse.Namespace, spec: ExperimentSpec, ckpt: Path | No
         fn = getattr(search_pkg, "baseline", None)
         if fn is None:
             raise ValueError("--baseline needs realloc.search.baseline, which is not available yet; pass --plan")
-        return fn(spec, args.baseline)
+        return fn(spec, args.baseline), f"baseline {args.baseline}"
     fn = getattr(search_pkg, "search", None)
     if fn is None:
         raise ValueError("plan search (realloc.search.search) is not available yet; pass --plan plan.json or "
                          "--baseline heuristic")
-    return fn(spec, args.search_time if args.search_time is not None else DEFAULT_SEARCH_TIME)
+    seconds = args.search_time if args.search_time is not None else DEFAULT_SEARCH_TIME
+    return fn(spec, seconds), f"searched for {seconds:g} s"
 
 
 def _run_dir(args: argparse.Namespace, spec: ExperimentSpec, ckpt: Path | None) -> Path:
@@ -62,11 +70,12 @@ def _run_dir(args: argparse.Namespace, spec: ExperimentSpec, ckpt: Path | None) 
 
 
 def _truncate_metrics(path: Path, start: int) -> None:
-    """A resumed run rewrites the iterations after its checkpoint: drop the killed run's lines for them."""
+    """A resumed run rewrites the iterations after its checkpoint: drop the killed run's lines for them
+    (``start`` iterations are done; metrics.jsonl counts iterations from 1)."""
     if not path.is_file():
         return
     keep = [line for line in path.read_text().splitlines() if line.strip()
-            and json.loads(line).get("iteration", -1) < start]
+            and json.loads(line).get("iteration", 0) <= start]
     path.write_text("".join(line + "\n" for line in keep))
 
 
@@ -86,7 +95,11 @@ def main(args: argparse.Namespace) -> int:
     if args.heartbeat_timeout is not None and not args.heartbeat_timeout >= MIN_HEARTBEAT_TIMEOUT:
         raise ValueError(f"--heartbeat-timeout must be at least {MIN_HEARTBEAT_TIMEOUT:g} s (workers beat every "
                          f"second), got {args.heartbeat_timeout:g}")
-    spec = load_experiment(args.experiment)
+    if args.launcher != "slurm" and (args.dry_run or args.prepare):
+        raise ValueError(f"{'--dry-run' if args.dry_run else '--prepare'} applies to --launcher slurm; for a local "
+                         f"run, `realloc search EXP --dry-run` shows the plan")
+    sets = tuple(args.set)
+    spec = load_with_overrides(args.experiment, sets)
     graph = build_graph(spec)
     config = RunConfig.of(spec)
     ckpt = checkpoint.resolve_resume(args.resume) if args.resume else None
@@ -108,73 +121,108 @@ def main(args: argparse.Namespace) -> int:
         from realloc.data.prompts import PromptDataset
 
         PromptDataset.load(config.dataset, spec.prompt_len)
-    plan = _choose_plan(args, spec, ckpt)
+    slurm = slurm_options(args) if args.launcher == "slurm" else None
+    plan, plan_source = _choose_plan(args, spec, ckpt)
     program = RuntimeProgram(graph, plan)  # validates the plan against the experiment and cluster
     run = RunPaths(_run_dir(args, spec, ckpt).resolve())
-    run.root.mkdir(parents=True, exist_ok=True)
     run_id = args.run_id or secrets.token_hex(8)
     experiment = spec.source or args.experiment
 
-    if args.launcher == "slurm":
-        plan.save(run.plan)
-        run.logs.mkdir(parents=True, exist_ok=True)
-        _fresh_secret(run)
+    if slurm is not None:
         master_args = ["--plan", str(run.plan), "--iterations", str(total), "--save-every", str(args.save_every),
-                       "--quiet"]
+                       "--quiet", *(x for item in sets for x in ("--set", item))]
+        if not args.tensorboard:
+            master_args.append("--no-tensorboard")
+        if args.wandb:
+            master_args += ["--wandb", args.wandb]
         if ckpt is not None:
             master_args += ["--resume", str(ckpt)]
         if args.heartbeat_timeout is not None:
             master_args += ["--heartbeat-timeout", str(args.heartbeat_timeout)]
-        script = slurm_script(spec.cluster, experiment, run, run_id, master_args)
-        if args.dry_run:
-            print(script, end="")
+        script = slurm_script(spec.cluster, experiment, run, run_id, master_args, slurm, overrides=sets)
+        if args.dry_run and not args.prepare:
+            print(script, end="")  # nothing is written: --prepare writes the run directory
+            return 0
+        _prepare_run_dir(run, plan, experiment, sets)
+        _fresh_secret(run)
+        if args.prepare or args.dry_run:
+            path = write_job_script(script, run)
+            print(f"prepared {run.root}; submit it with: sbatch {path}")
             return 0
         job = submit_slurm(script, run)
         print(f"submitted SLURM job {job}; run directory {run.root}")
         return 0
-    if args.dry_run:
-        raise ValueError("--dry-run applies to --launcher slurm; for a local run, `realloc search EXP --dry-run` "
-                         "shows the plan")
 
     if args.launcher == "local":
         _check_local(spec)
     if args.launcher == "external":
         plan_path = run.plan
         if not plan_path.is_file():
-            plan.save(plan_path)
+            _prepare_run_dir(run, plan, experiment, sets)
         secret = protocol.read_secret()
     else:
-        plan.save(run.plan)
+        _prepare_run_dir(run, plan, experiment, sets)
         secret = _fresh_secret(run)
     _truncate_metrics(run.metrics, start)
     if start == 0:
         run.metrics.unlink(missing_ok=True)
 
     heartbeat = {} if args.heartbeat_timeout is None else {"heartbeat_timeout": args.heartbeat_timeout}
+    ray = None
+    bind = args.bind
+    if args.launcher == "ray":
+        from realloc.runtime.ray_launcher import RayLauncher
+
+        ray = RayLauncher(spec.cluster, run, args.ray_address)
+        bind = ray.node_ip  # the actors reach the master here (127.0.0.1 for a private local instance)
     master = Master(program, config, run, run_id, secret, iterations=total - start, start_iteration=start,
-                    resume=ckpt, save_every=args.save_every, bind_host=args.bind, master_port=args.master_port,
+                    resume=ckpt, save_every=args.save_every, bind_host=bind, master_port=args.master_port,
                     store_port=args.store_port, **heartbeat)
-    launcher = None
-    if args.launcher == "local":
+    if args.launcher in ("local", "ray"):
         wc = WorkerConfig(experiment=experiment, run_dir=str(run.root), run_id=run_id,
-                          world_size=spec.cluster.n_devices, store=f"{args.bind}:{master.store.port}",
-                          master_endpoint=f"tcp://{args.bind}:{master.port}", device=_device(spec))
-        launcher = LocalLauncher(wc, run)
-        master.launcher = launcher
-        launcher.start()
+                          world_size=spec.cluster.n_devices, store=f"{bind}:{master.store.port}",
+                          master_endpoint=f"tcp://{bind}:{master.port}", device=_device(spec), overrides=sets)
+        if ray is not None:
+            master.launcher = ray
+            ray.start(wc)
+        else:
+            master.launcher = LocalLauncher(wc, run)
+            master.launcher.start()
     print(f"run {run.root}: {spec.name} on {spec.cluster.nodelist} ({spec.cluster.n_devices} devices), "
-          f"iterations {start + 1}..{total}, plan {plan.source}")
+          f"iterations {start + 1}..{total}, plan {plan_source}")
+    if sets:
+        print(f"overrides: {' '.join(sets)}")
     print(plan.table(graph.topo_order))
+    sinks = MetricSinks.open(run.root, tensorboard=args.tensorboard, wandb_project=args.wandb,
+                             run_name=run.root.name, config={"experiment": experiment, "overrides": list(sets),
+                                                             "plan": plan_source, "iterations": total})
     try:
-        metrics = _drive(master, total, start, quiet=args.quiet or not sys.stdout.isatty())
+        metrics = _drive(master, total, start, sinks, quiet=args.quiet or not sys.stdout.isatty())
     except RunFailed as e:
         print(f"realloc run: error: {e}", file=sys.stderr)
         return 1
     finally:
+        sinks.close()
+        if ray is not None:
+            ray.close()
         if args.launcher != "external":
             run.secret.unlink(missing_ok=True)
     _summary(master, metrics, run)
     return 0
+
+
+def _prepare_run_dir(run: RunPaths, plan: ExecutionPlan, experiment: str, sets: tuple[str, ...]) -> None:
+    """The run directory with its plan and what ran it (``realloc trace`` reads run.json)."""
+    run.root.mkdir(parents=True, exist_ok=True)
+    run.logs.mkdir(parents=True, exist_ok=True)
+    plan.save(run.plan)
+    (run.root / "run.json").write_text(json.dumps({"experiment": experiment, "overrides": list(sets)}, indent=2))
+
+
+def slurm_options(args: argparse.Namespace) -> SlurmOptions:
+    return SlurmOptions(partition=args.partition, account=args.account, time_limit=args.time,
+                        job_name=args.job_name, extra_sbatch=tuple(args.sbatch), setup=tuple(args.setup),
+                        srun_args=tuple(args.srun_arg), cpus_per_task=args.cpus_per_task, nodelist=args.nodelist)
 
 
 def _check_local(spec: ExperimentSpec) -> None:
@@ -197,11 +245,15 @@ def _device(spec: ExperimentSpec) -> str:
     return "cpu" if spec.cluster.device == "cpu" else "cuda"
 
 
-def _drive(master: Any, total: int, start: int, quiet: bool) -> list[dict[str, Any]]:
+def _drive(master: Any, total: int, start: int, sinks: MetricSinks, quiet: bool) -> list[dict[str, Any]]:
     from realloc.runtime.telemetry import format_line
 
     if quiet:
-        master.on_iteration = lambda m: print(format_line(m, total), flush=True)
+        def on_line(m: dict[str, Any]) -> None:
+            print(format_line(m, total), flush=True)
+            sinks.write(m)
+
+        master.on_iteration = on_line
         return asyncio.run(master.run())
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -213,6 +265,7 @@ def _drive(master: Any, total: int, start: int, quiet: bool) -> list[dict[str, A
 
         def on_iteration(m: dict[str, Any]) -> None:
             console.print(format_line(m, total))
+            sinks.write(m)
             reward = f"reward {m['reward']:.3f}" if "reward" in m else ""
             bar.update(task, advance=1, status=reward)
 

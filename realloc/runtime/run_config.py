@@ -3,8 +3,8 @@
 The ``@auto`` dataclass may define (all optional):
 
 - ``seed: int`` (default 1): model initialization, prompt order, sampling;
-- ``dataset: str``: JSONL prompt file, relative to the experiment file (required when a call reads
-  a dataset key such as ``prompts``);
+- ``dataset: str``: prompt file (realloc/data/prompts.py), relative to the experiment file (required when a call reads
+  a dataset key such as ``prompts``; ``--set dataset=PATH`` gives it per run, best as an absolute path);
 - ``iterations: int``: default for ``realloc run --iterations``;
 - ``ppo: PPOConfig``: PPO hyperparameters (defaults from ``PPOConfig()``).
 """
@@ -42,8 +42,9 @@ class RunConfig:
                 path = Path(src).parent / path
             dataset = str(path)
         elif any(k in spec.dataset_keys for r in spec.rpcs for k in r.input_data):
-            raise ValueError(f"experiment {spec.name!r} reads dataset keys {list(spec.dataset_keys)} but has no "
-                             f"`dataset` field; add e.g. dataset: str = 'data/prompts.jsonl'")
+            raise ValueError(f"experiment {spec.name!r} reads prompts (dataset keys {list(spec.dataset_keys)}) but "
+                             f"names no prompt file: pass --set dataset=/path/to/prompts.jsonl or set `dataset` in "
+                             f"the experiment (.jsonl/.json/.parquet text, chat or token-id prompts; see realloc/data/prompts.py)")
         iterations = getattr(cfg, "iterations", None)
         if iterations is not None and (not isinstance(iterations, int) or iterations < 1):
             raise ValueError(f"experiment {spec.name!r}: iterations must be a positive integer, got {iterations!r}")

@@ -64,7 +64,9 @@ def dispatch_overheads(records: Iterable[RequestRecord]) -> list[float]:
 
 
 class Trace:
-    def __init__(self, n_devices: int, device_names: list[str]) -> None:
+    def __init__(self, n_devices: int, device_names: list[str], t0: float) -> None:
+        """``t0``: wall-clock time zero, before any request (else a participant that started a request
+        before the one whose span was recorded first would get a negative timestamp)."""
         self.events: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 0,
                                                "args": {"name": "devices"}},
                                               {"name": "process_name", "ph": "M", "pid": 1,
@@ -73,27 +75,31 @@ class Trace:
             self.events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": r,
                                 "args": {"name": f"device {r} ({device_names[r]})"}})
             self.events.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": r, "args": {"sort_index": r}})
-        self.t0: float | None = None
+        self.t0 = t0
 
     def _us(self, t: float) -> float:
-        if self.t0 is None:
-            self.t0 = t
         return round((t - self.t0) * 1e6, 1)
 
     def add(self, rec: RequestRecord) -> None:
         for rank, (s, e) in sorted(rec.spans.items()):
             self.events.append({"name": rec.label, "cat": rec.kind, "ph": "X", "pid": 0, "tid": rank,
                                 "ts": self._us(s), "dur": round((e - s) * 1e6, 1),
-                                "args": {"iteration": rec.iteration, "req": rec.req}})
+                                "args": {"iteration": iteration_number(rec.iteration), "req": rec.req}})
 
     def add_node(self, name: str, kind: str, iteration: int, start: float, end: float) -> None:
         self.events.append({"name": name, "cat": kind, "ph": "X", "pid": 1, "tid": 0, "ts": self._us(start),
-                            "dur": round((end - start) * 1e6, 1), "args": {"iteration": iteration}})
+                            "dur": round((end - start) * 1e6, 1), "args": {"iteration": iteration_number(iteration)}})
 
     def write(self, path: Path) -> None:
         tmp = path.with_name(path.name + ".part")
         tmp.write_text(json.dumps({"traceEvents": self.events, "displayTimeUnit": "ms"}))
         tmp.replace(path)
+
+
+def iteration_number(t: int) -> int:
+    """What users see: iterations count from 1 (console, metrics.jsonl, trace, checkpoints); 0 marks
+    requests outside any iteration (setup, shutdown). Internally iteration ``t`` counts from 0."""
+    return t + 1 if t >= 0 else 0
 
 
 def iteration_metrics(iteration: int, call_stats: dict[str, dict[str, float]], node_times: dict[str, float],
@@ -103,11 +109,12 @@ def iteration_metrics(iteration: int, call_stats: dict[str, dict[str, float]], n
     for stats in call_stats.values():
         for k, v in stats.items():
             merged[k] = merged.get(k, 0.0) + v
-    out: dict[str, Any] = {"iteration": iteration}
+    out: dict[str, Any] = {"iteration": iteration_number(iteration)}
     if merged.get("n_seqs_scored"):
         out["reward"] = merged["score_sum"] / merged["n_seqs_scored"]
     for k in ("kl", "actor_loss", "critic_loss", "approx_kl", "actor_clip_frac", "critic_clip_frac",
-              "actor_grad_norm", "critic_grad_norm", "value_mean", "return_mean", "adv_abs_mean"):
+              "actor_grad_norm", "critic_grad_norm", "value_mean", "return_mean", "adv_abs_mean", "actor_lr",
+              "critic_lr"):
         if k in merged:
             out[k] = merged[k]
     out["iteration_time"] = iteration_time
@@ -118,7 +125,7 @@ def iteration_metrics(iteration: int, call_stats: dict[str, dict[str, float]], n
 
 
 def format_line(m: dict[str, Any], total: int) -> str:
-    parts = [f"iter {m['iteration'] + 1}/{total}"]
+    parts = [f"iter {m['iteration']}/{total}"]
     for k in HEADLINE:
         if k in m:
             parts.append(f"{k} {m[k]:+.4f}" if k != "reward" else f"{k} {m[k]:.4f}")
@@ -161,9 +168,9 @@ def run_summary(metrics: list[dict[str, Any]], records: list[RequestRecord], n_d
     if not metrics:
         return {}
     steady = metrics[warmup:] or metrics
-    first = steady[0]["iteration"]
+    first = steady[0]["iteration"] - 1  # iter_end is keyed by the internal, 0-based iteration
     begin = iter_end.get(first - 1, iter_end[first] - steady[0]["iteration_time"])
-    end = iter_end[steady[-1]["iteration"]]
+    end = iter_end[steady[-1]["iteration"] - 1]
     times = [m["iteration_time"] for m in steady]
     out: dict[str, Any] = {
         "iterations": len(metrics), "steady_iterations": len(steady),

@@ -31,12 +31,12 @@ import torch.distributed as dist
 import zmq
 
 from realloc.algorithms import ppo_interfaces as impls
-from realloc.api import load_experiment
 from realloc.graph.dataflow import build_graph
 from realloc.graph.plan import ExecutionPlan
 from realloc.models.engine import ParallelModel
 from realloc.models.groups import ModelLayout
 from realloc.models.groups import ProcessGroupCache
+from realloc.overrides import load_with_overrides
 from realloc.runtime import checkpoint, protocol
 from realloc.runtime.data_store import DataStore, pack_rows, row_bytes, unpack_rows
 from realloc.data.prompts import PromptDataset
@@ -111,14 +111,16 @@ class ModelWorker:
         self.world_size = args.world_size
         self.run_dir = Path(args.run_dir)
         secret = protocol.read_secret()
-        spec = load_experiment(args.experiment)
+        spec = load_with_overrides(args.experiment, args.set)
         self.config = RunConfig.of(spec)
         graph = build_graph(spec)
         plan = ExecutionPlan.load(self.run_dir / "plan.json")
         self.program = RuntimeProgram(graph, plan)
         self.spec = spec
         if args.device == "cuda":
-            self.device = torch.device("cuda", self.rank % spec.cluster.n_devices_per_node)
+            # Ray (and SLURM with --gpus-per-task) shows each worker only its own GPU.
+            local = 0 if torch.cuda.device_count() == 1 else self.rank % spec.cluster.n_devices_per_node
+            self.device = torch.device("cuda", local)
             torch.cuda.set_device(self.device)
             backend = "nccl"
         else:
@@ -146,6 +148,7 @@ class ModelWorker:
         self.handles: dict[LayoutKey, ModelHandle] = {}
         self.store = DataStore()
         self.dataset: PromptDataset | None = None
+        self.total_iterations = 0
 
     # -- wire -----------------------------------------------------------------------------------------------
     def _send(self, body: protocol._Msg) -> None:
@@ -170,12 +173,15 @@ class ModelWorker:
                 reply = protocol.Reply(req=req.req, rank=self.rank, ok=False, error=f"{type(e).__name__}: {e}",
                                        start=start, end=time.time())
             self.heartbeat.busy_req = -1
+            if reply.ok:
+                log.info("%s: %.3f s, %s", _describe(req), reply.end - reply.start, self._memory())
             self._send(reply)
             if isinstance(req, protocol.Shutdown):
                 return
 
     def handle(self, req: protocol._Msg) -> tuple[dict[str, float], list[protocol.OutputMeta]]:
         if isinstance(req, protocol.Setup):
+            self.total_iterations = req.total_iterations
             self.setup(req.resume)
         elif isinstance(req, protocol.RunCall):
             return self.run_call(req.call, req.iteration)
@@ -221,6 +227,10 @@ class ModelWorker:
                 lr = self.config.ppo.critic_lr if cfg.is_critic else self.config.ppo.lr
                 opt = model.make_optimizer(lr, eps=self.config.ppo.adam_eps)
             self.handles[key] = ModelHandle(cl, model, opt)
+            calls = [c for c, x in prog.calls.items() if x.key == key]
+            log.info("%s layout %s %s (coords dp,tp,pp %s) for %s%s%s", cl.model, cl.mesh.name, cl.strategy,
+                     self.handles[key].coords, ", ".join(calls), ", home" if home else "",
+                     ", with optimizer" if opt is not None else "")
         if any(k in self.spec.dataset_keys for r in self.spec.rpcs for k in r.input_data
                if self.rank in prog.calls[r.name].ranks):
             actor_cfg = next((prog.model_config(m) for m in prog.models if not prog.is_rule(m)), None)
@@ -228,6 +238,18 @@ class ModelWorker:
                                               vocab_size=actor_cfg.vocab_size if actor_cfg else None)
         if resume:
             self.load(Path(resume))
+
+    def _memory(self) -> str:
+        """This device's memory now: allocated and peak on a GPU, the process's resident set on a CPU."""
+        if self.device.type == "cuda":
+            gib = 2**30
+            return (f"{torch.cuda.memory_allocated(self.device) / gib:.2f} GiB allocated, peak "
+                    f"{torch.cuda.max_memory_allocated(self.device) / gib:.2f} GiB")
+        try:
+            pages = int(Path("/proc/self/statm").read_text().split()[1])
+            return f"{pages * os.sysconf('SC_PAGE_SIZE') / 2**20:.0f} MiB resident"
+        except (OSError, ValueError, IndexError):
+            return "memory unknown"
 
     def _home(self, model: str) -> ModelHandle | None:
         return self.handles.get(self.program.calls[self.program.home_call(model)].key)
@@ -258,7 +280,8 @@ class ModelWorker:
         ctx = impls.CallContext(call=rpc, model=handle.model if handle else None,
                                 optimizer=handle.optimizer if handle else None, ppo=self.config.ppo,
                                 prompt_len=spec.prompt_len, gen_len=spec.gen_len, seed=self.config.seed,
-                                iteration=iteration, ids=range(lo, hi), batch_size=prog.batch_size, n_mbs=cl.n_mbs)
+                                iteration=iteration, ids=range(lo, hi), batch_size=prog.batch_size, n_mbs=cl.n_mbs,
+                                total_iterations=self.total_iterations)
         result = fn(ctx, inputs)
         metas = []
         for role, key in out_keys.items():
@@ -377,6 +400,21 @@ class ModelWorker:
         log.debug("closed")
 
 
+def _describe(req: protocol._Msg) -> str:
+    """A request in a worker log line, iterations counted from 1 as the console and metrics.jsonl do."""
+    it = getattr(req, "iteration", None)
+    where = f"iteration {it + 1} " if isinstance(it, int) and it >= 0 else ""
+    if isinstance(req, protocol.RunCall):
+        return f"{where}call {req.call}"
+    if isinstance(req, protocol.Reallocate):
+        return f"{where}realloc {req.model} {req.src_call}->{req.dst_call}"
+    if isinstance(req, protocol.TransferData):
+        return f"{where}data {req.key} -> {req.dst_call}"
+    if isinstance(req, protocol.Offload):
+        return f"{where}{'offload' if req.to_host else 'reload'} {req.model}"
+    return f"{where}{req.type}"
+
+
 def _layout_name(cl: CallLayout) -> str:
     return f"{cl.mesh.name} {cl.strategy}"
 
@@ -391,8 +429,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store", required=True, help="host:port of the rendezvous TCPStore")
     p.add_argument("--master", required=True, help="tcp://host:port of the master")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--set", action="append", default=[], help="KEY=VALUE experiment override (as the master's)")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker{args.rank} %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker{args.rank} %(levelname)s %(message)s",
+                        force=True)  # a Ray actor's process may come with handlers of its own
     torch.set_num_threads(1)
     worker = ModelWorker(args)
     try:

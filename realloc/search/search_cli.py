@@ -11,6 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from realloc.overrides import load_with_overrides
 from realloc.search.planner import SearchReport, baseline, experiment_of, plan_search
 
 DEFAULT_TIME = 10.0  # seconds of search
@@ -77,9 +78,10 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--threads must be at least 1, got {n_threads}")
     if args.timeline and Path(args.timeline).suffix not in (".svg", ".png", ".html"):
         raise ValueError(f"--timeline {args.timeline!r}: use a .svg, .png or .html file")
+    experiment = load_with_overrides(args.experiment, getattr(args, "set", None) or ())
     name = getattr(args, "baseline", None)
     if name:
-        spec = experiment_of(args.experiment)
+        spec = experiment_of(experiment)
         plan = baseline(spec, name)
         print(f"experiment {spec.name}  ({spec.source})")
         print(f"cluster    {spec.cluster.describe()}")
@@ -95,10 +97,10 @@ def main(args: argparse.Namespace) -> int:
     bar, update = _progress(True, time_limit, max_evals)
     if bar is not None:
         with bar:
-            report = plan_search(args.experiment, time_limit, seed=args.seed, max_evals=max_evals,
+            report = plan_search(experiment, time_limit, seed=args.seed, max_evals=max_evals,
                                  n_threads=n_threads, progress=update)
     else:
-        report = plan_search(args.experiment, time_limit, seed=args.seed, max_evals=max_evals, n_threads=n_threads)
+        report = plan_search(experiment, time_limit, seed=args.seed, max_evals=max_evals, n_threads=n_threads)
     print_report(report, n_threads)
     if args.out:
         report.plan.save(args.out)

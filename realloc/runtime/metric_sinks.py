@@ -1,0 +1,97 @@
+"""Where per-iteration metrics go besides metrics.jsonl: TensorBoard and, optionally, Weights & Biases.
+
+- TensorBoard (on by default): event files in ``RUN/tensorboard/``, written with torch's
+  ``SummaryWriter`` (the ``tensorboard`` package); ``tensorboard --logdir RUN/tensorboard``.
+- Weights & Biases (``--wandb PROJECT``): offline unless ``WANDB_MODE`` says otherwise or an API key
+  is configured (``WANDB_API_KEY``), so a run on a cluster without network still keeps its log in
+  ``RUN/wandb/``; ``wandb sync`` uploads it later.
+
+Every number of a metrics line is logged under its name at step = iteration (counted from 1):
+headline PPO values under ``train/``, seconds per node under ``time/``, evaluation under ``eval/``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class Sink(Protocol):
+    def write(self, scalars: dict[str, float], step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def scalars_of(m: dict[str, Any]) -> dict[str, float]:
+    """The loggable numbers of one metrics.jsonl line, by their TensorBoard tag."""
+    out: dict[str, float] = {}
+    for k, v in m.items():
+        if k == "iteration" or isinstance(v, bool):
+            continue
+        if isinstance(v, (int, float)):
+            out[f"train/{k}"] = float(v)
+        elif k == "time" and isinstance(v, dict):
+            out.update({f"time/{n}": float(t) for n, t in v.items()})
+        elif k == "eval" and isinstance(v, dict):
+            out.update({f"eval/{n}": float(x) for n, x in v.items() if isinstance(x, (int, float))})
+    return out
+
+
+class TensorBoardSink:
+    def __init__(self, folder: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(folder))
+
+    def write(self, scalars: dict[str, float], step: int) -> None:
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, step)
+        self.writer.flush()  # a killed run keeps every finished iteration
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    def __init__(self, folder: Path, project: str, name: str, config: dict[str, Any]) -> None:
+        try:
+            import wandb
+        except ImportError:
+            raise ValueError("--wandb needs the wandb package: pip install 'realloc[wandb]'") from None
+        mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+        folder.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(project=project, name=name, dir=str(folder), mode=mode, config=config,
+                              resume="allow")
+
+    def write(self, scalars: dict[str, float], step: int) -> None:
+        self.run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MetricSinks:
+    """All sinks of a run; ``write`` takes one metrics.jsonl line."""
+
+    def __init__(self, sinks: list[Sink]) -> None:
+        self.sinks = sinks
+
+    @classmethod
+    def open(cls, run_dir: Path, *, tensorboard: bool, wandb_project: str | None, run_name: str,
+             config: dict[str, Any]) -> "MetricSinks":
+        sinks: list[Sink] = []
+        if tensorboard:
+            sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+        if wandb_project:
+            sinks.append(WandbSink(run_dir, wandb_project, run_name, config))
+        return cls(sinks)
+
+    def write(self, m: dict[str, Any]) -> None:
+        scalars = scalars_of(m)
+        for s in self.sinks:
+            s.write(scalars, int(m["iteration"]))
+
+    def close(self) -> None:
+        for s in self.sinks:
+            s.close()

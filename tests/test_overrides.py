@@ -1,0 +1,77 @@
+"""``--set KEY=VALUE`` overrides and the learning-rate schedule (issue 14, item 2), without workers."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from realloc.algorithms.ppo_config import PPOConfig
+from realloc.cli import main
+from realloc.overrides import load_with_overrides
+
+TINY = "experiments/ppo_tiny.py"
+
+
+def test_overrides_reach_nested_fields_the_workload_and_the_graph():
+    spec = load_with_overrides(TINY, ["ppo.lr=1e-6", "ppo.n_minibatches=4", "seed=7", "batch_size=64",
+                                      "ppo.lr_schedule=cosine", "dataset=/data/p.jsonl"])
+    assert spec.config.ppo.lr == 1e-6 and spec.config.seed == 7 and spec.batch_size == 64
+    assert spec.config.ppo.lr_schedule == "cosine" and spec.config.dataset == "/data/p.jsonl"
+    assert spec.config.ppo.critic_lr == 2e-3  # untouched fields keep the file's values
+    assert spec.call("actor_train").n_minibatches == 4  # rpcs are rebuilt from the new config
+    plain = load_with_overrides(TINY)
+    assert plain.batch_size == 32 and plain.config.ppo.lr == 2e-3
+
+
+@pytest.mark.parametrize("item, message", [
+    ("ppo.lrr=1", "ppo has no field 'lrr' (fields: n_minibatches, lr,"),
+    ("bogus=1", "experiment TinyPPO has no field 'bogus' (fields: seed, dataset, iterations, ppo; workload fields"),
+    ("ppo.lr=fast", "--set ppo.lr: expected a number, got 'fast'"),
+    ("seed=1.5", "--set seed: expected an integer, got '1.5'"),
+    ("batch_size=x", "--set batch_size: expected an integer"),
+    ("ppo.lr_schedule=step", "'step' is not one of constant, linear, cosine"),
+    ("ppo=1", "--set ppo: this is a group of fields"),
+    ("seed.x=1", "--set seed.x: seed is a int, not a group of fields"),
+    ("ppo.warmup_proportion=1.5", "warmup_proportion must be in [0, 1)"),
+    ("seed", "write KEY=VALUE"),
+])
+def test_bad_overrides_are_one_clear_error(item, message):
+    with pytest.raises(ValueError) as e:
+        load_with_overrides(TINY, [item])
+    assert message in str(e.value)
+
+
+def test_cli_reports_a_bad_override_in_one_line(capsys):
+    assert main(["search", TINY, "--evals", "100", "--set", "ppo.lrr=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "ppo has no field 'lrr'" in err
+
+
+def test_search_sees_the_overridden_workload(capsys):
+    assert main(["search", TINY, "--evals", "200", "--threads", "1", "--set", "batch_size=64"]) == 0
+    assert "workload   batch 64," in capsys.readouterr().out
+
+
+def test_schedules_at_chosen_steps():
+    """Hand-computed values: 10 steps, warmup 2 steps ((s+1)/2), then decay over steps 2..9 to 0.1 x lr."""
+    base = 1e-3
+    lin = PPOConfig(lr_schedule="linear", warmup_proportion=0.2, min_lr_ratio=0.1)
+    cos = dataclasses.replace(lin, lr_schedule="cosine")
+    const = dataclasses.replace(lin, lr_schedule="constant")
+    low = 1e-4
+    for cfg in (lin, cos, const):
+        assert cfg.lr_at(base, 0, 10) == pytest.approx(5e-4)  # warmup: the first step already moves
+        assert cfg.lr_at(base, 1, 10) == pytest.approx(1e-3)
+        assert cfg.lr_at(base, 2, 10) == pytest.approx(1e-3)  # decay starts at lr
+    # progress (s - 2) / 7
+    assert lin.lr_at(base, 5, 10) == pytest.approx(low + (base - low) * (1 - 3 / 7))
+    assert cos.lr_at(base, 5, 10) == pytest.approx(low + (base - low) * 0.5 * (1 + math.cos(math.pi * 3 / 7)))
+    assert lin.lr_at(base, 9, 10) == pytest.approx(low) and cos.lr_at(base, 9, 10) == pytest.approx(low)
+    assert const.lr_at(base, 9, 10) == base
+    assert PPOConfig().lr_at(base, 0, 10) == base  # the default: constant, no warmup
+    # Monotone non-increasing after warmup.
+    for cfg in (lin, cos):
+        after = [cfg.lr_at(base, s, 10) for s in range(2, 10)]
+        assert all(a >= b for a, b in zip(after, after[1:]))

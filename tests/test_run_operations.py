@@ -1,0 +1,86 @@
+"""One short ``realloc run`` checked for what issue 14 asks of a run (items 1-3): overrides and the
+learning-rate schedule reach the workers, TensorBoard gets every iteration, and iteration numbers agree
+across console, metrics.jsonl, checkpoints, trace and worker logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from run_helpers import REPO, TINY as EXPERIMENT, disjoint_plan
+
+ITERATIONS = 3
+# 3 iterations x 2 mini-batches = 6 optimizer steps; warmup round(0.34 * 6) = 2 steps, then cosine to 0.
+SETS = ["ppo.lr=1e-3", "ppo.lr_schedule=cosine", "ppo.warmup_proportion=0.34"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    base = tmp_path_factory.mktemp("ops")
+    disjoint_plan().save(base / "plan.json")
+    run_dir = base / "run"
+    cmd = [sys.executable, "-m", "realloc.cli", "run", EXPERIMENT, "--plan", str(base / "plan.json"),
+           "--iterations", str(ITERATIONS), "--save-every", "2", "--run-dir", str(run_dir), "--quiet",
+           *(x for s in SETS for x in ("--set", s))]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "TMPDIR": str(base), "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return run_dir, r.stdout, metrics
+
+
+def test_overrides_and_the_schedule_reach_the_workers(run):
+    _, out, metrics = run
+    # Hand-computed: actor base 1e-3 (overridden), critic base 2e-3 (the file's); the lr of each iteration's
+    # first optimizer step: step 0 (warmup 1/2), step 2 (decay starts at lr), step 4 (cosine at 2/3: 1/4).
+    for m, factor in zip(metrics, (0.5, 1.0, 0.25)):
+        assert m["actor_lr"] == pytest.approx(1e-3 * factor) and m["critic_lr"] == pytest.approx(2e-3 * factor)
+    assert "overrides: ppo.lr=1e-3 ppo.lr_schedule=cosine ppo.warmup_proportion=0.34" in out
+    assert json.loads((run[0] / "run.json").read_text())["overrides"] == SETS
+
+
+def test_tensorboard_has_every_iteration(run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir, _, metrics = run
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/reward", "train/kl", "train/actor_lr", "train/iteration_time", "time/actor_gen"} <= tags
+    got = [(e.step, e.value) for e in events.Scalars("train/reward")]
+    assert [s for s, _ in got] == [m["iteration"] for m in metrics] == [1, 2, 3]
+    assert [v for _, v in got] == pytest.approx([m["reward"] for m in metrics], rel=1e-6)
+
+
+def test_iteration_numbers_agree_everywhere(run):
+    run_dir, out, metrics = run
+    assert [m["iteration"] for m in metrics] == [1, 2, 3]
+    console = [line.split(" | ")[0] for line in out.splitlines() if line.startswith("iter ")]
+    assert console == ["iter 1/3", "iter 2/3", "iter 3/3"]
+    assert f"plan from {run_dir.parent / 'plan.json'}" in out  # not "plan search"
+    # --save-every 2: after iteration 2 and at the end; each named after the iterations it holds.
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert ckpts == ["iter_00000002", "iter_00000003"]
+    assert json.loads((run_dir / "checkpoints/iter_00000002/meta.json").read_text())["next_iteration"] == 2
+    events = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+    boxes = [e for e in events if e.get("ph") == "X"]
+    assert {e["args"]["iteration"] for e in boxes if e["cat"] == "call"} == {1, 2, 3}
+    assert min(e["ts"] for e in boxes) >= 0
+    requests = [json.loads(x) for x in (run_dir / "requests.jsonl").read_text().splitlines()]
+    assert {r["iteration"] for r in requests if r["kind"] == "call"} == {1, 2, 3}
+    assert {r["iteration"] for r in requests if r["kind"] in ("setup", "shutdown")} == {0}
+
+
+def test_worker_logs_say_what_the_worker_did(run):
+    run_dir = run[0]
+    for rank in (0, 1):
+        text = (run_dir / "logs" / f"worker{rank}.log").read_text()
+        assert "Transformer Engine" not in text and "Apex" not in text
+        assert "actor layout localhost" in text  # both devices hold the actor's training layout
+        assert "iteration 3 call actor_train" in text and "MiB resident" in text
+    assert "iteration 1 call actor_gen" in (run_dir / "logs/worker0.log").read_text()
+    assert "iteration 1 call critic_inf" in (run_dir / "logs/worker1.log").read_text()
