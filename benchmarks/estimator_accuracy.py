@@ -53,6 +53,8 @@ from realloc.graph.dataflow import DataflowGraph, build_graph  # noqa: E402
 from realloc.graph.plan import CallPlacement, ExecutionPlan, validate_plan  # noqa: E402
 from realloc.search.build import PlanSpace  # noqa: E402
 from realloc.search.planner import baseline, plan_search  # noqa: E402
+from realloc.search.timeline import (draw_panel, estimate_plan, estimated_panel, legend_handles,  # noqa: E402
+                                     measured_panel)
 
 DEFAULT_EXPERIMENT = "experiments/ppo_small.py"
 PROFILE_README = REPO / "profiles" / "cpu" / "README.md"
@@ -114,11 +116,10 @@ class Estimate:
 
 def estimate(graph: DataflowGraph, cost: CostModel, plan: ExecutionPlan) -> Estimate:
     """The estimator's and simulator's numbers for ``plan`` (the space restricted to its placements)."""
+    space, idx = estimate_plan(graph, plan, cost)
+    ev = space.evaluate(idx)
     meshes = validate_plan(plan, graph)
     want = {c: (meshes[c], plan.placements[c].strategy, plan.placements[c].n_mbs) for c in graph.topo_order}
-    space = PlanSpace.build(graph, cost, option_filter=lambda c, o: o == want[c], prune_memory=False, offload=False)
-    idx = space.fastest()
-    ev = space.evaluate(idx)
     p = space.problem
     records = space.cpp.schedule(idx)
     steady = range(1, p.n_iterations)
@@ -376,26 +377,12 @@ def print_report(spec: ExperimentSpec, graph: DataflowGraph, results: list[PlanR
 
 # -- picture ---------------------------------------------------------------------------------------------------
 
-def measured_timeline(run: Run, iterations: range) -> tuple[list[tuple], float]:
-    """(device, label, kind, start, end) of every request of ``iterations``, seconds from the first start."""
-    rows = []
-    for line in (run.run_dir / "requests.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if rec["iteration"] in iterations and rec["kind"] in ("call", "realloc", "data"):
-            for dev, (s, e) in rec["spans"].items():
-                rows.append((int(dev), rec["label"], rec["kind"], s, e))
-    t0 = min(r[3] for r in rows)
-    return [(d, lab, k, s - t0, e - t0) for d, lab, k, s, e in rows], t0
-
-
 def draw(results: list[PlanResult], timeline_plan: str, graph: DataflowGraph, path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    calls = list(graph.topo_order)
-    colours = plt.get_cmap("tab10")
     fig = plt.figure(figsize=(16, 9))
     grid = fig.add_gridspec(2, 2, height_ratios=[1.1, 1])
     ax = fig.add_subplot(grid[0, :])
@@ -413,44 +400,23 @@ def draw(results: list[PlanResult], timeline_plan: str, graph: DataflowGraph, pa
     ax.legend()
 
     res = next(r for r in results if r.name == timeline_plan)
-    n_dev = graph.spec.cluster.n_devices
-    p = res.est.space.problem
-    recs = [r for r in res.est.space.cpp.schedule(res.est.indices) if r[3] >= 1]
-    t0 = min(r[4] for r in recs)
-    t_end = max(r[5] for r in recs)
-    ax_e = fig.add_subplot(grid[1, 0])
-    for kind, call, _other, _it, s, e, lo1, hi1, lo2, hi2 in recs:
-        if e <= s:
-            continue
-        for lo, hi in [(lo1, hi1)] + ([(lo2, hi2)] if hi2 > lo2 else []):
-            style = (dict(color=colours(calls.index(p.call_names[call]) % 10)) if kind == _C.NODE_CALL else
-                     dict(color="white", hatch="////") if kind == _C.NODE_REALLOC else dict(color="lightgrey"))
-            ax_e.barh(lo, e - s, left=s - t0, height=hi - lo, align="edge", edgecolor="black", linewidth=0.3,
-                      **style)
-    n_it = p.n_iterations - 1
-    ax_e.set_title(f"estimated: {res.name}, {n_it} steady iterations ({res.est.time:.3f} s/it)", fontsize=9)
+    n_it = res.est.space.problem.n_iterations - 1
+    est = estimated_panel(res.est.space, res.est.indices, res.est.plan, iterations=n_it, skip=1,
+                          title=f"estimated: {res.name}, {n_it} steady iterations ({res.est.time:.3f} s/it)")
     run = min(res.runs, key=lambda r: abs(r.time - res.measured))
     steady_its = range(run_first_iteration(run), run_first_iteration(run) + n_it)
-    rows, _ = measured_timeline(run, steady_its)
+    requests = [json.loads(line) for line in (run.run_dir / "requests.jsonl").read_text().splitlines()]
+    meas = measured_panel(requests, res.est.plan, graph, steady_its,
+                          title=f"measured: {res.name}, iterations {steady_its.start}..{steady_its.stop - 1} "
+                                f"({res.measured:.3f} s/it, fastest repeat)")
+    span = max(est.span, meas.span)
+    ax_e = fig.add_subplot(grid[1, 0])
     ax_m = fig.add_subplot(grid[1, 1], sharex=ax_e)
-    for dev, label, kind, s, e in rows:
-        style = (dict(color=colours(calls.index(label) % 10)) if kind == "call" else
-                 dict(color="white", hatch="////") if kind == "realloc" else dict(color="lightgrey"))
-        ax_m.barh(dev, e - s, left=s, height=1, align="edge", edgecolor="black", linewidth=0.3, **style)
-    ax_m.set_title(f"measured: {res.name}, iterations {steady_its.start}..{steady_its.stop - 1} "
-                   f"({res.measured:.3f} s/it, fastest repeat)", fontsize=9)
-    for a in (ax_e, ax_m):
-        a.set_ylim(n_dev, 0)
-        a.set_yticks([d + 0.5 for d in range(n_dev)])
-        a.set_yticklabels([f"device {d}" for d in range(n_dev)])
+    for a, panel in ((ax_e, est), (ax_m, meas)):
+        draw_panel(a, panel, span)
         a.set_xlabel("seconds")
-    ax_e.set_xlim(0, max(t_end - t0, max(r[4] for r in rows)) * 1.02)
-    from matplotlib.patches import Patch
-
-    handles = [Patch(facecolor=colours(i % 10), edgecolor="black", label=c) for i, c in enumerate(calls)]
-    handles += [Patch(facecolor="white", hatch="////", edgecolor="black", label="reallocation"),
-                Patch(facecolor="lightgrey", edgecolor="black", label="data transfer")]
-    ax_m.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+    ax_e.set_xlim(0, span * 1.02)
+    ax_m.legend(handles=legend_handles([est, meas]), loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -165,7 +165,19 @@ def build_parser(commands: dict[str, Callable[[argparse.Namespace], int]] | None
         s.add_argument(hidden, type=kind, default=default, help=argparse.SUPPRESS)  # set by the SLURM script
     _profiles_option(s)
     s.set_defaults(func=commands.get("run", _not_yet("run", 6)))
+    _add_trace(sub, commands)
     return p
+
+
+def _add_trace(sub: argparse._SubParsersAction, commands: dict[str, Callable[[argparse.Namespace], int]]) -> None:
+    s = sub.add_parser("trace", help="draw a run's measured timeline next to its plan's estimate")
+    s.add_argument("run_dir", help="the run directory of a `realloc run`")
+    s.add_argument("--timeline", required=True, help="picture to write (.svg/.png, or .html with details on hover)")
+    s.add_argument("--iterations", default="1..3", help="which iterations, A..B counted from 1 (default 1..3)")
+    s.add_argument("--experiment", default=None, help="the experiment, if the run has no run.json")
+    s.add_argument("--no-estimate", action="store_true", help="only the measured timeline")
+    _profiles_option(s)
+    s.set_defaults(func=commands.get("trace", _not_yet("trace", 14)))
 
 
 def _registered_commands() -> dict[str, Callable[[argparse.Namespace], int]]:
@@ -174,7 +186,7 @@ def _registered_commands() -> dict[str, Callable[[argparse.Namespace], int]]:
 
     out = {}
     for name, module in (("profile", "realloc.estimator.profile_cli"), ("search", "realloc.search.search_cli"),
-                         ("run", "realloc.runtime.run_cli")):
+                         ("run", "realloc.runtime.run_cli"), ("trace", "realloc.runtime.trace_cli")):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as e:

@@ -84,3 +84,30 @@ def test_worker_logs_say_what_the_worker_did(run):
         assert "iteration 3 call actor_train" in text and "MiB resident" in text
     assert "iteration 1 call actor_gen" in (run_dir / "logs/worker0.log").read_text()
     assert "iteration 1 call critic_inf" in (run_dir / "logs/worker1.log").read_text()
+
+
+def test_trace_draws_the_measured_run_beside_the_estimate(run, tmp_path, capsys):
+    """`realloc trace RUN --timeline` (item 7): .png, and .html whose boxes name call, strategy and times."""
+    import re
+
+    from realloc.cli import main
+    from realloc.search.timeline import MIN_WIDTH
+
+    run_dir = run[0]
+    png, page = tmp_path / "t.png", tmp_path / "t.html"
+    assert main(["trace", str(run_dir), "--timeline", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out
+    assert "measured, iterations 1..3" in out and "estimated, iterations 1..3" in out
+    assert main(["trace", str(run_dir), "--timeline", str(page), "--iterations", "2..3"]) == 0
+    text = page.read_text()
+    # Hover text of a call box: its name, dp/tp/pp and micro-batches, iteration and times.
+    assert "<title>actor_train (dp2 tp1 pp1, 1 mb)\niteration 2, call\n" in text
+    assert "<title>critic_train (dp1 tp1 pp1, 1 mb)\niteration 3, call\n" in text
+    assert "iteration 1, call" not in text.split("estimated")[0]  # only the asked iterations were measured
+    assert text.count(">iteration 2</text>") == 2 and text.count(">iteration 3</text>") == 2  # both panels
+    # Reallocations and transfers are there and never thinner than the minimum width.
+    box = r"iteration \d+, (realloc|data)\n[^<]*</title><rect x=\"[\d.]+\" y=\"\d+\" width=\"([\d.]+)\""
+    widths = [float(w) for _, w in re.findall(box, text)]
+    assert len(widths) > 4 and min(widths) >= MIN_WIDTH * (1200 - 160) - 0.1
+    assert main(["trace", str(run_dir), "--timeline", str(tmp_path / "t.pdf")]) == 2

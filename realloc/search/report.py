@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import html
 from pathlib import Path
 
 import numpy as np
@@ -112,68 +111,8 @@ def candidate_summary(report: SearchReport) -> str:
 # -- timeline ------------------------------------------------------------------------------
 def draw_timeline(space: PlanSpace, indices: np.ndarray, path: str | Path, title: str = "",
                   iterations: int = 3) -> Path:
-    """Per-device rows over the first ``iterations`` iterations, like realhf.txt Figure 13.
+    """The estimated timeline of the first ``iterations`` iterations (``realloc.search.timeline``)."""
+    from realloc.search.timeline import estimated_panel, write_timeline
 
-    Calls are coloured boxes; parameter reallocations are hatched; data transfers are
-    grey. ``.svg`` and ``.png`` are drawn with matplotlib; ``.html`` embeds the SVG.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    path = Path(path)
-    if path.suffix not in (".svg", ".png", ".html"):
-        raise ValueError(f"--timeline {str(path)!r}: use a .svg, .png or .html file")
-    p = space.problem
-    cluster = space.graph.spec.cluster
-    records = [r for r in space.cpp.schedule(np.asarray(indices, np.int32)) if r[3] < iterations]
-    ends = [max((r[5] for r in records if r[3] == t), default=0.0) for t in range(iterations)]
-    colours = plt.get_cmap("tab10")
-    n_dev = p.n_devices
-    fig_h = min(24.0, 1.5 + 0.28 * n_dev)
-    fig, ax = plt.subplots(figsize=(14, fig_h))
-    for kind, call, other, it, start, end, lo1, hi1, lo2, hi2 in records:
-        if end <= start:
-            continue
-        spans = [(lo1, hi1)] + ([(lo2, hi2)] if hi2 > lo2 else [])
-        for lo, hi in spans:
-            if kind == _C.NODE_CALL:
-                ax.barh(lo, end - start, left=start, height=hi - lo, align="edge", color=colours(call % 10),
-                        edgecolor="black", linewidth=0.4)
-                if hi - lo >= max(1, n_dev // 16) and end - start > 0.04 * ends[-1]:
-                    ax.text((start + end) / 2, (lo + hi) / 2, p.call_names[call], ha="center", va="center",
-                            fontsize=7, clip_on=True)
-            else:
-                ax.barh(lo, end - start, left=start, height=hi - lo, align="edge",
-                        color="white" if kind == _C.NODE_REALLOC else "lightgrey",
-                        hatch="////" if kind == _C.NODE_REALLOC else None, edgecolor="black", linewidth=0.3)
-    for t, e in enumerate(ends):
-        ax.axvline(e, color="black", linewidth=1.2)
-        ax.text(e, -0.02 * n_dev, f"end of iteration {t + 1}", ha="right", va="top", fontsize=7)
-    ax.set_ylim(n_dev, -0.05 * n_dev)
-    step = max(1, n_dev // 32)
-    ax.set_yticks([d + 0.5 for d in range(0, n_dev, step)])
-    ax.set_yticklabels([f"{cluster.nodes[d // cluster.n_devices_per_node]}:{d % cluster.n_devices_per_node}"
-                        for d in range(0, n_dev, step)], fontsize=7)
-    ax.set_xlabel("seconds (estimated)")
-    ax.set_title(title or f"{space.graph.spec.name}: estimated timeline of {iterations} iterations")
-    handles = [Patch(facecolor=colours(c % 10), edgecolor="black", label=n) for c, n in enumerate(p.call_names)]
-    handles += [Patch(facecolor="white", hatch="////", edgecolor="black", label="parameter reallocation"),
-                Patch(facecolor="lightgrey", edgecolor="black", label="data transfer")]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-    fig.tight_layout()
-    if path.suffix == ".html":
-        import io
-
-        buf = io.StringIO()
-        fig.savefig(buf, format="svg")
-        body = buf.getvalue()
-        body = body[body.index("<svg"):]
-        path.write_text(f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>{html.escape(ax.get_title())}"
-                        f"</title></head><body>\n<h3>{html.escape(ax.get_title())}</h3>\n{body}\n</body></html>\n")
-    else:
-        fig.savefig(path)
-    plt.close(fig)
-    return path
+    plan = space.to_plan(indices, "search")
+    return write_timeline([estimated_panel(space, indices, plan, iterations, title)], path)

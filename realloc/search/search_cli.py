@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from realloc.overrides import load_with_overrides
 from realloc.search.planner import SearchReport, baseline, experiment_of, plan_search
+from realloc.search.timeline import check_suffix
 
 DEFAULT_TIME = 10.0  # seconds of search
 
@@ -76,8 +76,8 @@ def main(args: argparse.Namespace) -> int:
     n_threads = getattr(args, "threads", 2)
     if n_threads < 1:
         raise ValueError(f"--threads must be at least 1, got {n_threads}")
-    if args.timeline and Path(args.timeline).suffix not in (".svg", ".png", ".html"):
-        raise ValueError(f"--timeline {args.timeline!r}: use a .svg, .png or .html file")
+    if args.timeline:
+        check_suffix(args.timeline)
     experiment = load_with_overrides(args.experiment, getattr(args, "set", None) or ())
     name = getattr(args, "baseline", None)
     if name:

@@ -1,0 +1,68 @@
+"""``realloc trace RUN_DIR --timeline out.svg|png|html``: draw what a run did, with the estimate beside it.
+
+    realloc trace runs/demo --timeline demo.png                 # iterations 1..3, measured over estimated
+    realloc trace runs/demo --timeline demo.html --iterations 5..8
+
+The measured panel comes from the run's requests.jsonl (every request's span on every device), the
+estimated one from the simulator's schedule of the run's own plan (plan.json) for the experiment and
+``--set`` overrides the run recorded in run.json. Both are drawn alike (``realloc.search.timeline``):
+call boxes labelled with the call's dp/tp/pp and micro-batches, iteration ends marked, short
+reallocations and transfers widened to stay visible; ``.html`` shows each box's details on hover.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from realloc.graph.dataflow import build_graph
+from realloc.graph.plan import ExecutionPlan
+from realloc.overrides import load_with_overrides
+from realloc.runtime.launcher import RunPaths
+from realloc.search.timeline import check_suffix, estimate_plan, estimated_panel, measured_panel, write_timeline
+
+
+def parse_iterations(text: str) -> range:
+    """``A..B`` (inclusive, counted from 1) or ``N`` (just that one)."""
+    lo, sep, hi = text.partition("..")
+    try:
+        a, b = int(lo), int(hi) if sep else int(lo)
+    except ValueError:
+        raise ValueError(f"--iterations {text!r}: write A..B, e.g. 1..3") from None
+    if a < 1 or b < a:
+        raise ValueError(f"--iterations {text!r}: need 1 <= A <= B")
+    return range(a, b + 1)
+
+
+def main(args: argparse.Namespace) -> int:
+    run = RunPaths(Path(args.run_dir))
+    out = check_suffix(args.timeline)
+    for needed in (run.plan, run.root / "requests.jsonl"):
+        if not needed.is_file():
+            raise ValueError(f"{args.run_dir}: no {needed.name}; is it the directory of a `realloc run`?")
+    recorded = json.loads((run.root / "run.json").read_text()) if (run.root / "run.json").is_file() else {}
+    experiment = args.experiment or recorded.get("experiment")
+    if not experiment:
+        raise ValueError(f"{args.run_dir} has no run.json naming its experiment; pass --experiment EXP")
+    spec = load_with_overrides(experiment, recorded.get("overrides", []))
+    graph = build_graph(spec)
+    plan = ExecutionPlan.load(run.plan)
+    requests = [json.loads(line) for line in (run.root / "requests.jsonl").read_text().splitlines() if line.strip()]
+    done = sorted({r["iteration"] for r in requests if r["kind"] == "call"})
+    wanted = parse_iterations(args.iterations)
+    its = range(wanted.start, min(wanted.stop, (done[-1] + 1) if done else wanted.start))
+    if not its:
+        raise ValueError(f"--iterations {args.iterations}: the run recorded iterations "
+                         f"{done[0] if done else 0}..{done[-1] if done else 0}")
+    panels = [measured_panel(requests, plan, graph, its)]
+    if not args.no_estimate:
+        space, indices = estimate_plan(graph, plan)
+        n = min(len(its), space.problem.n_iterations)  # the simulator unrolls a few iterations
+        panels.append(estimated_panel(space, indices, plan, iterations=n,
+                                      skip=min(its.start - 1, space.problem.n_iterations - n)))
+    write_timeline(panels, out)
+    for p in panels:
+        print(p.title)
+    print(f"wrote timeline {out}")
+    return 0
