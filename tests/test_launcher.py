@@ -13,7 +13,7 @@ import pytest
 from realloc.api import load_experiment
 from realloc.graph.dataflow import build_graph
 from realloc.graph.plan import CallPlacement, ExecutionPlan
-from realloc.runtime.launcher import RunPaths, SlurmOptions, slurm_ports, slurm_script
+from realloc.runtime.launcher import RunPaths, SlurmOptions, plan_node_hosts, slurm_ports, slurm_script
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -211,3 +211,16 @@ def test_local_launcher_refuses_a_gpu_cluster_it_cannot_host(tmp_path):
                     "--run-dir", str(tmp_path / "run"))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "spans 2 nodes" in r.stderr and "--launcher slurm" in r.stderr
+
+
+def test_plan_nodes_map_onto_the_hosts_the_workers_report():
+    gpu = load_experiment(str(REPO / "experiments/ppo_7b_7b.py")).cluster  # 2 nodes x 8
+    hosts = {r: ("gpu-a" if r < 8 else "gpu-b") for r in range(16)}
+    assert plan_node_hosts(gpu, hosts) == ["gpu-a", "gpu-b"]
+    cyclic = {r: ("gpu-a" if r % 2 == 0 else "gpu-b") for r in range(16)}  # srun --distribution=cyclic
+    with pytest.raises(ValueError, match=r"plan node 0 \(trainer01\) should be one machine.*ranks 0..7"):
+        plan_node_hosts(gpu, cyclic)
+    with pytest.raises(ValueError, match="each node of the plan needs a machine of its own"):
+        plan_node_hosts(gpu, {r: "gpu-a" for r in range(16)})
+    cpu = load_experiment(str(REPO / "experiments/ppo_tiny.py")).cluster
+    assert plan_node_hosts(cpu, {0: "here", 1: "here"}) == ["here"]  # CPU nodes may share a host

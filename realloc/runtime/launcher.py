@@ -192,6 +192,29 @@ def _signal_group(p: subprocess.Popen, sig: int) -> None:
         pass
 
 
+def plan_node_hosts(cluster: ClusterSpec, hosts: dict[int, str]) -> list[str]:
+    """The host each node of the plan landed on, from the workers' own host names.
+
+    Plans name nodes by index and launchers place rank r on node r // devices_per_node; check that they
+    did: a node's devices on one host, and (for GPUs) distinct nodes on distinct hosts, or the plan's
+    intra-node bandwidth would be a fiction. CPU clusters may simulate several nodes on one host.
+    """
+    n = cluster.n_devices_per_node
+    out = []
+    for i in range(cluster.n_nodes):
+        seen = sorted({hosts[r] for r in range(i * n, (i + 1) * n) if r in hosts})
+        if len(seen) > 1:
+            raise ValueError(f"plan node {i} ({cluster.nodes[i]}) should be one machine, but its ranks "
+                             f"{i * n}..{(i + 1) * n - 1} run on {', '.join(seen)}; the launcher must place ranks in "
+                             f"blocks of {n} per node (srun --distribution=block)")
+        out.append(seen[0] if seen else "?")
+    if cluster.device != "cpu" and len(set(out)) < len(out):
+        shared = sorted({h for h in out if out.count(h) > 1})
+        raise ValueError(f"plan nodes {[i for i, h in enumerate(out) if h in shared]} all run on {', '.join(shared)}; "
+                         f"each node of the plan needs a machine of its own")
+    return out
+
+
 # -- SLURM ------------------------------------------------------------------------------------------------------
 # Rendezvous ports derive from the job id, in [PORT_BASE, PORT_BASE + 2 * PORT_SLOTS): below Linux's
 # ephemeral range (32768-60999 by default), where the kernel picks outgoing connections' ports.

@@ -46,7 +46,7 @@ from realloc.graph.plan import ExecutionPlan
 from realloc.models.groups import ModelLayout
 from realloc.runtime import checkpoint, protocol
 from realloc.runtime.data_store import row_bytes
-from realloc.runtime.launcher import RunPaths, WorkerLauncher
+from realloc.runtime.launcher import RunPaths, WorkerLauncher, plan_node_hosts
 from realloc.runtime.program import Realloc, RuntimeProgram
 from realloc.runtime.run_config import RunConfig
 from realloc.runtime.telemetry import RequestRecord, Trace, iteration_metrics, iteration_number
@@ -155,6 +155,7 @@ class Master:
         self.remaining: dict[int, int] = {}
         self.iter_end: dict[int, float] = {}
         self.metrics: list[dict[str, Any]] = []
+        self.node_hosts: list[str] = []  # host of each plan node, from the workers' hellos
         names = [f"{self.spec.cluster.nodes[self.spec.cluster.node_of(r)]}:{r % self.spec.cluster.n_devices_per_node}"
                  for r in range(self.n_workers)]
         self.trace = Trace(self.n_workers, names, t0=time.time())
@@ -168,6 +169,11 @@ class Master:
         monitor = asyncio.create_task(self._monitor())
         try:
             await self._guard(self._wait_for_workers())
+            try:
+                self.node_hosts = plan_node_hosts(self.spec.cluster, {r: h.host for r, h in self.hello.items()})
+            except ValueError as e:
+                self.fail(str(e))
+                raise RunFailed(self.failure) from None
             self._write_workers_file()
             setup = self._send(range(self.n_workers), "setup", "setup", -1, "setup",
                                lambda req: protocol.Setup(req=req, resume=str(self.resume) if self.resume else None,
@@ -210,6 +216,7 @@ class Master:
 
     def _write_workers_file(self) -> None:
         info = {"master_port": self.port, "store_port": self.store.port,
+                "nodes": {f"{i} ({self.spec.cluster.nodes[i]})": h for i, h in enumerate(self.node_hosts)},
                 "workers": {str(r): {"pid": h.pid, "host": h.host} for r, h in sorted(self.hello.items())}}
         tmp = self.paths.root / "workers.json.part"
         tmp.write_text(json.dumps(info, indent=2))

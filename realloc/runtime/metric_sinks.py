@@ -61,14 +61,20 @@ class WandbSink:
             raise ValueError("--wandb needs the wandb package: pip install 'realloc[wandb]'") from None
         mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
         folder.mkdir(parents=True, exist_ok=True)
+        # Quiet (the console belongs to the run's own lines), and no code, git or system sampling.
+        settings = wandb.Settings(silent=True, console="off", save_code=False, disable_git=True,
+                                  x_disable_stats=True, disable_job_creation=True)
         self.run = wandb.init(project=project, name=name, dir=str(folder), mode=mode, config=config,
-                              resume="allow")
+                              settings=settings)
 
     def write(self, scalars: dict[str, float], step: int) -> None:
         self.run.log(scalars, step=step)
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        wandb.teardown()  # stops wandb's service process, which writes the run file out before it exits
 
 
 class MetricSinks:

@@ -1,0 +1,38 @@
+"""Metric sinks besides metrics.jsonl (issue 14, item 1): what a metrics line becomes, and Weights & Biases in
+offline mode (TensorBoard is read back in tests/test_run_operations.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from realloc.runtime.metric_sinks import MetricSinks, scalars_of
+
+LINES = [{"iteration": i, "reward": 0.25 + 0.125 * i, "kl": 0.01 * i, "iteration_time": 1.5,
+          "time": {"actor_gen": 0.5 + i, "realloc": 0.03}, "calls": {"actor_gen": {"n_seqs": 32.0}},
+          "eval": {"reward": 0.5 * i, "n": 64}} for i in (1, 2, 3)]
+
+
+def test_scalars_are_named_by_group():
+    s = scalars_of(LINES[0])
+    assert s == {"train/reward": 0.375, "train/kl": 0.01, "train/iteration_time": 1.5, "time/actor_gen": 1.5,
+                 "time/realloc": 0.03, "eval/reward": 0.5, "eval/n": 64.0}
+
+
+def test_wandb_logs_offline_without_network(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")  # an optional extra for installs; the test environment has it
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    sinks = MetricSinks.open(tmp_path, tensorboard=False, wandb_project="realloc-test", run_name="t",
+                             config={"experiment": "x"})
+    for m in LINES:
+        sinks.write(m)
+    sinks.close()
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1  # offline: kept on disk for `wandb sync`
+    data = next(runs[0].glob("run-*.wandb")).read_bytes()
+    for key in (b"train/reward", b"time/actor_gen", b"eval/reward"):
+        assert key in data
+    for m in LINES:  # every iteration's value, as wandb's JSON encoding of it
+        assert json.dumps(m["reward"]).encode() in data
