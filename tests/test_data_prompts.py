@@ -151,6 +151,27 @@ def test_loading_100_prompts_per_kind_batches_the_tokenizer(tmp_path, tiny_tok, 
     assert sorted(calls) == [100, 100]
 
 
+def test_cache_dir_skips_tokenizing_and_follows_every_input(tmp_path, tiny_tok, monkeypatch):
+    path = _jsonl(tmp_path / "m.jsonl", [{"prompt": "What is 2 plus 2?"}, {"messages": CHAT}, {"prompt": ""}])
+    cache = tmp_path / "cache"
+    first = PromptDataset.load(path, 12, tokenizer=tiny_tok, cache_dir=cache)
+    assert len(list(cache.iterdir())) == 1
+
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("tokenized although cached")
+
+    monkeypatch.setattr(tiny_tok, "encode_batch", no_tokenizing)
+    again = PromptDataset.load(path, 12, tokenizer=tiny_tok, cache_dir=cache)
+    assert _rows(again) == _rows(first) and again.stats == first.stats and again.pad_token_id == first.pad_token_id
+    assert torch.equal(again.batch(3, 5, seed=1)["tokens"], first.batch(3, 5, seed=1)["tokens"])
+    monkeypatch.undo()
+    PromptDataset.load(path, 10, tokenizer=tiny_tok, cache_dir=cache)
+    PromptDataset.load(path, 12, tokenizer=tiny_tok, cache_dir=cache, config=DataConfig(truncation_side="right"))
+    _jsonl(path, [{"prompt": "What is 2 plus 3?"}])
+    changed = PromptDataset.load(path, 12, tokenizer=tiny_tok, cache_dir=cache)
+    assert len(changed) == 1 and len(list(cache.glob("*.safetensors"))) == 4 and not list(cache.glob("*.tmp"))
+
+
 # -- bad input -------------------------------------------------------------------------------------------------
 
 

@@ -31,6 +31,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
+from realloc.data import cache
 from realloc.data.config import DataConfig
 from realloc.data.tokenizer import Tokenizer
 
@@ -224,13 +225,35 @@ class PromptDataset:
 
     @classmethod
     def load(cls, path: str | Path, prompt_len: int, *, tokenizer: Tokenizer | None = None,
-             config: DataConfig = DataConfig(), vocab_size: int | None = None) -> "PromptDataset":
-        """Read, tokenize, truncate or drop. ``vocab_size`` is the model's: token ids must be below it."""
+             config: DataConfig = DataConfig(), vocab_size: int | None = None,
+             cache_dir: str | Path | None = None) -> "PromptDataset":
+        """Read, tokenize, truncate or drop. ``vocab_size`` is the model's: token ids must be below it.
+
+        With ``cache_dir`` the result is kept there (see data/cache.py): the first load of a run
+        tokenizes, the others (every worker) read the ids back in milliseconds.
+        """
         path = Path(path)
         if not isinstance(prompt_len, int) or isinstance(prompt_len, bool) or prompt_len < 1:
             raise ValueError(f"dataset {path}: prompt_len must be a positive integer, got {prompt_len!r}")
         if tokenizer is not None and vocab_size is not None:
             tokenizer.check_model_vocab(vocab_size, f"dataset {path}")
+        if cache_dir is None:
+            return cls._build(path, prompt_len, tokenizer, config, vocab_size)
+        _records(path, config)  # a missing file or an unknown extension fails here, before any hashing
+        file = cache.cache_file(Path(cache_dir), path, prompt_len, tokenizer, config, vocab_size)
+        hit = cache.read(file)
+        if hit is not None:
+            tensors, meta = hit
+            return cls(meta["path"], prompt_len, meta["pad_token_id"], LoadStats(**meta["stats"]),
+                       tensors["flat"], tensors["offsets"])
+        ds = cls._build(path, prompt_len, tokenizer, config, vocab_size)
+        cache.write(file, {"flat": ds.flat, "offsets": ds.offsets},
+                    {"path": ds.path, "pad_token_id": ds.pad_token_id, "stats": dataclasses.asdict(ds.stats)})
+        return ds
+
+    @classmethod
+    def _build(cls, path: Path, prompt_len: int, tokenizer: Tokenizer | None, config: DataConfig,
+               vocab_size: int | None) -> "PromptDataset":
         recs = _collect(path, config)
         _tokenize(recs, tokenizer, config)
 

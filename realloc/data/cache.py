@@ -1,0 +1,69 @@
+"""A tokenized prompt dataset on disk, so that every worker of a run does not tokenize the file again.
+
+The file name is a digest of everything the token ids depend on: the dataset file's bytes, the
+tokenizer's files, the DataConfig, prompt_len, the model vocabulary and the library versions. A
+changed input is a different file; nothing is ever invalidated in place. Files are safetensors
+(no pickle), written to a temporary name and renamed, so concurrent loaders never read half a file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from realloc.data.config import DataConfig
+from realloc.data.tokenizer import GENERATION_CONFIG, Tokenizer
+
+FORMAT = 1  # bump when the token layout or the loading rules change
+
+
+def _hash_file(h: "hashlib._Hash", path: Path) -> None:
+    h.update(f"{path.name}\0".encode())
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+
+
+def cache_file(cache_dir: Path, path: Path, prompt_len: int, tokenizer: Tokenizer | None, config: DataConfig,
+               vocab_size: int | None) -> Path:
+    h = hashlib.sha256()
+    h.update(json.dumps({"format": FORMAT, "path": str(path.resolve()), "prompt_len": prompt_len,
+                         "vocab_size": vocab_size, "config": dataclasses.asdict(config)}, sort_keys=True).encode())
+    _hash_file(h, path)
+    if tokenizer is not None:
+        import tokenizers
+        import transformers
+
+        h.update(f"{transformers.__version__} {tokenizers.__version__}".encode())
+        gen = tokenizer.path / GENERATION_CONFIG
+        for f in tokenizer.files() + ([gen] if gen.is_file() else []):
+            _hash_file(h, f)
+    return cache_dir / f"prompts-{h.hexdigest()[:32]}.safetensors"
+
+
+def read(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+    if not file.is_file():
+        return None
+    with safe_open(str(file), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()["meta"])
+
+
+def write(file: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    file.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=file.name, suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"meta": json.dumps(meta)})
+        os.replace(tmp, file)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
