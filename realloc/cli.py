@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 from typing import Callable, Sequence
@@ -220,5 +221,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
+def entry() -> None:
+    """The ``realloc`` program: ``main``, then exit without collecting every object of torch and megatron
+    one by one (seconds on a busy machine, which a stopped run would otherwise spend before it is gone)."""
+    code = main()
+    gc.freeze()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

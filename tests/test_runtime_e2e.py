@@ -277,6 +277,11 @@ def test_frozen_worker_is_noticed_within_10_s_by_default(tmp_path):
     proc, run_dir, info = _start_long_run(tmp_path)
     pids = [w["pid"] for w in info["workers"].values()]
     try:
+        # The request log and the trace are streamed: on disk while the run goes on, not only at its end.
+        _wait_for(lambda: _n_metrics(run_dir) >= 3, 120, "three iterations")
+        done = {json.loads(x)["iteration"] for x in (run_dir / "requests.jsonl").read_text().splitlines()}
+        assert {1, 2} <= done
+        assert '"iteration": 2}' in (run_dir / "trace.json").read_text()
         os.kill(pids[0], signal.SIGSTOP)
         t0 = time.monotonic()
         out, err = proc.communicate(timeout=60)

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import Iterable, Protocol
 
 from realloc.cluster import ClusterSpec
 from realloc.runtime.protocol import SECRET_FILE_ENV
@@ -120,7 +120,7 @@ class WorkerLauncher(Protocol):
 
     def dead(self) -> dict[int, int]: ...
 
-    def stop(self, grace: float = 5.0) -> None: ...
+    def stop(self, grace: float = 5.0, hung: Iterable[int] = ()) -> None: ...
 
     def wait_exit(self, timeout: float) -> bool: ...
 
@@ -158,11 +158,14 @@ class LocalLauncher:
         """Workers that have exited, with their exit codes."""
         return {r: p.returncode for r, p in self.procs.items() if p.poll() is not None}
 
-    def stop(self, grace: float = 5.0) -> None:
-        """Ask every worker to stop, then kill whatever is left after ``grace`` seconds."""
+    def stop(self, grace: float = 5.0, hung: Iterable[int] = ()) -> None:
+        """Ask every worker to stop, then kill whatever is left after ``grace`` seconds; ``hung`` workers
+        (known not to respond) are killed at once."""
+        hung = set(hung)
         alive = [p for p in self.procs.values() if p.poll() is None]
-        for p in alive:
-            _signal_group(p, signal.SIGTERM)
+        for r, p in self.procs.items():
+            if p.poll() is None:
+                _signal_group(p, signal.SIGKILL if r in hung else signal.SIGTERM)
         deadline = time.monotonic() + grace
         for p in alive:
             try:

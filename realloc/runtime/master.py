@@ -49,13 +49,14 @@ from realloc.runtime.data_store import row_bytes
 from realloc.runtime.launcher import RunPaths, WorkerLauncher, plan_node_hosts
 from realloc.runtime.program import Realloc, RuntimeProgram
 from realloc.runtime.run_config import RunConfig
-from realloc.runtime.telemetry import RequestRecord, Trace, iteration_metrics, iteration_number
+from realloc.runtime.telemetry import RequestLog, RequestRecord, RunStats, Trace, iteration_metrics
 from realloc.runtime.transfer_plan import dp_ranges
 
 START_TIMEOUT = 600.0  # seconds for every worker to connect (importing megatron takes a while)
 SHUTDOWN_TIMEOUT = 60.0
-# A hung worker is noticed after HEARTBEAT_TIMEOUT s without a heartbeat, checked every MONITOR_INTERVAL s;
-# the workers left are then killed after KILL_GRACE s: the run ends within about timeout + 1.5 s.
+# A hung worker is noticed after HEARTBEAT_TIMEOUT s without a heartbeat, checked every MONITOR_INTERVAL s,
+# and killed at once; the others get KILL_GRACE s to exit after the abort message. The run ends within
+# about timeout + 1 s.
 HEARTBEAT_TIMEOUT = 6.0
 MONITOR_INTERVAL = 0.25
 KILL_GRACE = 1.0
@@ -136,16 +137,17 @@ class Master:
 
         self.next_req = 0
         self.futures: dict[tuple[int, int], asyncio.Future] = {}
-        self.records: list[RequestRecord] = []
         self.pending: dict[int, dict[int, RequestRecord]] = {r: {} for r in range(self.n_workers)}
         self.hello: dict[int, protocol.Hello] = {}
         self.last_heartbeat: dict[int, float] = {}
         self.first_heartbeat: dict[int, float] = {}
+        self.hung: set[int] = set()  # workers whose heartbeats stopped: killed at once when the run stops
         # endpoint name -> the socket identity of its first signed message; only that socket is served
         self.routes: dict[str, bytes] = {}
         self.failure: str | None = None
         self.abort: asyncio.Event | None = None  # created inside the event loop
-        self.done: dict[Node, asyncio.Event] = {}
+        # Per iteration; an iteration's events go once the next one is finished (nothing can wait on them).
+        self.done: dict[int, dict[Node, asyncio.Event]] = {}
         self.data_meta: dict[tuple[str, int], list[protocol.TensorMeta]] = {}
         self.cached: dict[tuple[str, int], dict[int, list[tuple[str, int, int]]]] = {}
         self.pushed: dict[tuple[str, int], list[RequestRecord]] = {}  # (consumer, t) -> its input transfers
@@ -153,18 +155,25 @@ class Master:
         self.call_stats: dict[int, dict[str, dict[str, float]]] = {}
         self.node_times: dict[int, dict[str, float]] = {}
         self.remaining: dict[int, int] = {}
-        self.iter_end: dict[int, float] = {}
-        self.metrics: list[dict[str, Any]] = []
+        self.iter_end: dict[int, float] = {}  # the last two finished iterations
+        self.n_reported = 0
         self.node_hosts: list[str] = []  # host of each plan node, from the workers' hellos
-        names = [f"{self.spec.cluster.nodes[self.spec.cluster.node_of(r)]}:{r % self.spec.cluster.n_devices_per_node}"
-                 for r in range(self.n_workers)]
-        self.trace = Trace(self.n_workers, names, t0=time.time())
-        self.tasks: list[asyncio.Task] = []
+        self.tasks: set[asyncio.Task] = set()
+        # Created by run(): they stream to the run directory, so a long run keeps a flat memory footprint.
+        self.trace: Trace | None = None
+        self.requests: RequestLog | None = None
+        self.stats: RunStats | None = None
 
     # -- public ------------------------------------------------------------------------------------------------
-    async def run(self) -> list[dict[str, Any]]:
-        """Connect the workers, set them up, run the iterations, shut down. Raises RunFailed."""
+    async def run(self) -> dict[str, Any]:
+        """Connect the workers, set them up, run the iterations, shut down; return the run's summary
+        (``RunStats.summary``). Raises RunFailed."""
         self.abort = asyncio.Event()
+        cluster = self.spec.cluster
+        names = [f"{cluster.nodes[cluster.node_of(r)]}:{r % cluster.n_devices_per_node}" for r in range(self.n_workers)]
+        self.trace = Trace(self.paths.trace, self.n_workers, names, t0=time.time())
+        self.requests = RequestLog(self.paths.root / "requests.jsonl")
+        self.stats = RunStats(self.n_workers)
         receiver = asyncio.create_task(self._receive())
         monitor = asyncio.create_task(self._monitor())
         try:
@@ -180,6 +189,7 @@ class Master:
                                                           total_iterations=self.end))
             await self._guard(self._wait(setup))
             self.t_start = time.time()
+            self.stats.start(self.t_start)
             await self._guard(self._run_iterations())
             shutdown = self._send(range(self.n_workers), "shutdown", "shutdown", -1, "shutdown",
                                   lambda req: protocol.Shutdown(req=req))
@@ -193,26 +203,19 @@ class Master:
         except BaseException as e:
             self._abort_workers(str(e) or type(e).__name__)
             if self.launcher is not None:
-                self.launcher.stop(grace=KILL_GRACE)
+                self.launcher.stop(grace=KILL_GRACE, hung=self.hung)
             raise
         finally:
             for t in (receiver, monitor, *self.tasks):
                 t.cancel()
-            self.trace.write(self.paths.trace)
-            self._write_requests()
+            unfinished = {rec.req: rec for per_rank in self.pending.values() for rec in per_rank.values()}
+            for req in sorted(unfinished):
+                self.requests.write(unfinished[req])
+            self.requests.close()
+            self.trace.close()
             self.sock.close(linger=500)  # lets abort messages reach the workers
             self.zctx.term()
-        return self.metrics
-
-    def _write_requests(self) -> None:
-        """Every request with its per-worker spans and reply arrival times (for benchmarks and debugging)."""
-        with open(self.paths.root / "requests.jsonl", "w") as f:
-            for r in self.records:
-                f.write(json.dumps({"req": r.req, "kind": r.kind, "label": r.label,
-                                    "iteration": iteration_number(r.iteration),
-                                    "dispatched": r.dispatched, "completed": r.completed,
-                                    "spans": {str(k): v for k, v in r.spans.items()},
-                                    "received": {str(k): v for k, v in r.received.items()}}) + "\n")
+        return self.stats.summary()
 
     def _write_workers_file(self) -> None:
         info = {"master_port": self.port, "store_port": self.store.port,
@@ -277,7 +280,6 @@ class Master:
             name = protocol.worker_name(r)
             sent = self.sock.send_multipart([self.routes[name], *self.channel.pack(name, body)])
             sent.add_done_callback(lambda f, r=r: self._check_sent(f, r))
-        self.records.append(rec)
         return rec
 
     def _check_sent(self, f: asyncio.Future, rank: int) -> None:
@@ -300,6 +302,7 @@ class Master:
         for rep in replies:
             rec.spans[rep.rank] = (rep.start, rep.end)
         self.trace.add(rec)
+        self.requests.write(rec)
         bad = next((rep for rep in replies if not rep.ok), None)
         if bad is not None:
             it = f" (iteration {rec.iteration + 1})" if rec.iteration >= 0 else ""
@@ -350,6 +353,7 @@ class Master:
             rec = self.pending[rank].pop(body.req, None)
             if rec is not None:
                 rec.received[rank] = time.time()
+                self.stats.on_reply(rec.kind, rank, rec.dispatched, body.start, body.end, rec.received[rank])
             if fut is not None and not fut.done():
                 fut.set_result(body)
         else:
@@ -377,6 +381,7 @@ class Master:
             checked = now
             for r, last in sorted(self.last_heartbeat.items()):
                 if now - last > self.heartbeat_timeout:
+                    self.hung.add(r)
                     self._worker_gone(r, f"stopped responding (no heartbeat for {now - last:.0f} s)")
 
     async def _wait_for_workers(self) -> None:
@@ -462,16 +467,15 @@ class Master:
         self.remaining[t] = len(nodes)
         self.call_stats[t] = {}
         self.node_times[t] = {}
+        self.done[t] = {n: asyncio.Event() for n in nodes}
         for n in nodes:
-            self.done[n] = asyncio.Event()
-        for n in nodes:
-            self.tasks.append(asyncio.create_task(self._node(n)))
+            self._task(self._node(n))
 
     async def _node(self, n: Node) -> None:
         try:
             for d in self._deps(n):
                 if d.t >= self.start:
-                    await self.done[d].wait()
+                    await self.done[d.t][d].wait()
             t0 = time.time()
             if n.kind == "call":
                 await self._call(n)
@@ -492,7 +496,7 @@ class Master:
             self.trace.add_node(n.label, n.kind, n.t, t0, t1)
             key = n.name if n.kind == "call" else n.kind
             self.node_times[n.t][key] = self.node_times[n.t].get(key, 0.0) + (t1 - t0)
-            self.done[n].set()
+            self.done[n.t][n].set()
             self._finished(n.t)
         except RunFailed:
             pass  # already recorded; run() raises it
@@ -508,18 +512,24 @@ class Master:
             return
         self.iter_end[t] = time.time()
         # Report iterations in order (a later one cannot finish first, but be safe).
-        while (k := self.start + len(self.metrics)) in self.iter_end:
+        while (k := self.start + self.n_reported) in self.iter_end:
             begin = self.iter_end.get(k - 1, self.t_start)
-            m = iteration_metrics(k, self.call_stats[k], self.node_times[k], self.iter_end[k] - begin,
+            m = iteration_metrics(k, self.call_stats.pop(k), self.node_times.pop(k), self.iter_end[k] - begin,
                                   self.program.batch_size * self.spec.seq_len)
-            self.metrics.append(m)
+            self.n_reported += 1
+            self.stats.on_iteration(m, self.iter_end[k])
             with open(self.paths.metrics, "a") as f:
                 f.write(json.dumps(m) + "\n")
+            self.trace.flush()
+            self.requests.flush()
             if self.on_iteration is not None:
                 self.on_iteration(m)
+            del self.remaining[k]
+            self.iter_end.pop(k - 1, None)
+            self.done.pop(k - 1, None)  # iteration k + 1 waits only on iteration k
             rel = self._send(range(self.n_workers), "release", "release data", k, "release",
                              lambda req, k=k: protocol.ReleaseData(req=req, before_iteration=k + 1))
-            self.tasks.append(asyncio.create_task(self._wait_quietly(rel)))
+            self._task(self._wait_quietly(rel))
             for c in list(self.cached):
                 if c[1] <= k:
                     self.cached.pop(c, None)
@@ -528,7 +538,14 @@ class Master:
             if nxt < self.end:
                 self._spawn(nxt)
             if k == self.end - 1:
+                self.stats.close()
                 self.all_done.set()
+
+    def _task(self, coro: Any) -> None:
+        """Run ``coro`` as a task the master cancels at the end; it forgets the task when it finishes."""
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
     async def _wait_quietly(self, rec: RequestRecord) -> None:
         try:

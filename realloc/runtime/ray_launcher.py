@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Any
+from typing import Any, Iterable
 
 from realloc.cluster import ClusterSpec
 from realloc.runtime.launcher import RunPaths, WorkerConfig, worker_env
@@ -146,7 +146,8 @@ class RayLauncher:
         ready, _ = self.ray.wait(pending, num_returns=len(pending), timeout=max(0.0, deadline - time.monotonic()))
         return len(ready) == len(pending)
 
-    def stop(self, grace: float = 5.0) -> None:
+    def stop(self, grace: float = 5.0, hung: Iterable[int] = ()) -> None:
+        """Kill every actor (at once; ``hung`` makes no difference here)."""
         for actor in self.actors.values():
             try:
                 self.ray.kill(actor)

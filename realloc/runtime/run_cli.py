@@ -197,7 +197,7 @@ def main(args: argparse.Namespace) -> int:
                              run_name=run.root.name, config={"experiment": experiment, "overrides": list(sets),
                                                              "plan": plan_source, "iterations": total})
     try:
-        metrics = _drive(master, total, start, sinks, quiet=args.quiet or not sys.stdout.isatty())
+        summary = _drive(master, total, start, sinks, quiet=args.quiet or not sys.stdout.isatty())
     except RunFailed as e:
         print(f"realloc run: error: {e}", file=sys.stderr)
         return 1
@@ -207,7 +207,7 @@ def main(args: argparse.Namespace) -> int:
             ray.close()
         if args.launcher != "external":
             run.secret.unlink(missing_ok=True)
-    _summary(master, metrics, run)
+    _summary(summary, run)
     return 0
 
 
@@ -245,7 +245,7 @@ def _device(spec: ExperimentSpec) -> str:
     return "cpu" if spec.cluster.device == "cpu" else "cuda"
 
 
-def _drive(master: Any, total: int, start: int, sinks: MetricSinks, quiet: bool) -> list[dict[str, Any]]:
+def _drive(master: Any, total: int, start: int, sinks: MetricSinks, quiet: bool) -> dict[str, Any]:
     from realloc.runtime.telemetry import format_line
 
     if quiet:
@@ -273,14 +273,11 @@ def _drive(master: Any, total: int, start: int, sinks: MetricSinks, quiet: bool)
         return asyncio.run(master.run())
 
 
-def _summary(master: Any, metrics: list[dict[str, Any]], run: RunPaths) -> None:
-    from realloc.runtime.telemetry import run_summary
-
-    if not metrics:
+def _summary(summary: dict[str, Any], run: RunPaths) -> None:
+    if not summary:
         return
-    summary = run_summary(metrics, master.records, master.n_workers, master.iter_end)
     (run.root / "summary.json").write_text(json.dumps(summary, indent=2))
-    line = f"done: {len(metrics)} iterations, {summary['iteration_time']:.2f} s/iteration (after the first)"
+    line = f"done: {summary['iterations']} iterations, {summary['iteration_time']:.2f} s/iteration (after the first)"
     if summary.get("last_reward") is not None:
         line += f", reward {summary['first_reward']:.3f} -> {summary['last_reward']:.3f}"
     shares = summary["device_time_shares"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any, Iterable
@@ -57,43 +58,83 @@ def dispatch_overheads(records: Iterable[RequestRecord]) -> list[float]:
         rows.sort()
         prev_end = float("-inf")
         for s, e, dispatched, received in rows:
-            ready = max(dispatched, prev_end)
-            out.append(max(0.0, s - ready) + max(0.0, received - e))
+            out.append(dispatch_overhead(dispatched, prev_end, s, e, received))
             prev_end = e
     return out
 
 
+def dispatch_overhead(dispatched: float, prev_end: float, start: float, end: float, received: float) -> float:
+    """One reply's share of ``dispatch_overheads``: ``prev_end`` ends the worker's previous request."""
+    return max(0.0, start - max(dispatched, prev_end)) + max(0.0, received - end)
+
+
 class Trace:
-    def __init__(self, n_devices: int, device_names: list[str], t0: float) -> None:
+    """The Chrome trace, written to ``path`` as the run goes (the master keeps no events in memory).
+
+    The JSON object is closed by ``close()``; ``flush()`` after each iteration puts everything so far
+    on disk, so a killed master leaves all but the closing brackets.
+    """
+
+    def __init__(self, path: Path, n_devices: int, device_names: list[str], t0: float) -> None:
         """``t0``: wall-clock time zero, before any request (else a participant that started a request
         before the one whose span was recorded first would get a negative timestamp)."""
-        self.events: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 0,
-                                               "args": {"name": "devices"}},
-                                              {"name": "process_name", "ph": "M", "pid": 1,
-                                               "args": {"name": "master"}}]
-        for r in range(n_devices):
-            self.events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": r,
-                                "args": {"name": f"device {r} ({device_names[r]})"}})
-            self.events.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": r, "args": {"sort_index": r}})
+        self._f = open(path, "w")
+        self._f.write('{"displayTimeUnit": "ms", "traceEvents": [\n')
+        self._first = True
         self.t0 = t0
+        self._event({"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "devices"}})
+        self._event({"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "master"}})
+        for r in range(n_devices):
+            self._event({"name": "thread_name", "ph": "M", "pid": 0, "tid": r,
+                         "args": {"name": f"device {r} ({device_names[r]})"}})
+            self._event({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": r, "args": {"sort_index": r}})
+
+    def _event(self, ev: dict[str, Any]) -> None:
+        self._f.write(("" if self._first else ",\n") + json.dumps(ev))
+        self._first = False
 
     def _us(self, t: float) -> float:
         return round((t - self.t0) * 1e6, 1)
 
     def add(self, rec: RequestRecord) -> None:
         for rank, (s, e) in sorted(rec.spans.items()):
-            self.events.append({"name": rec.label, "cat": rec.kind, "ph": "X", "pid": 0, "tid": rank,
-                                "ts": self._us(s), "dur": round((e - s) * 1e6, 1),
-                                "args": {"iteration": iteration_number(rec.iteration), "req": rec.req}})
+            self._event({"name": rec.label, "cat": rec.kind, "ph": "X", "pid": 0, "tid": rank,
+                         "ts": self._us(s), "dur": round((e - s) * 1e6, 1),
+                         "args": {"iteration": iteration_number(rec.iteration), "req": rec.req}})
 
     def add_node(self, name: str, kind: str, iteration: int, start: float, end: float) -> None:
-        self.events.append({"name": name, "cat": kind, "ph": "X", "pid": 1, "tid": 0, "ts": self._us(start),
-                            "dur": round((end - start) * 1e6, 1), "args": {"iteration": iteration_number(iteration)}})
+        self._event({"name": name, "cat": kind, "ph": "X", "pid": 1, "tid": 0, "ts": self._us(start),
+                     "dur": round((end - start) * 1e6, 1),
+                     "args": {"iteration": iteration_number(iteration)}})
 
-    def write(self, path: Path) -> None:
-        tmp = path.with_name(path.name + ".part")
-        tmp.write_text(json.dumps({"traceEvents": self.events, "displayTimeUnit": "ms"}))
-        tmp.replace(path)
+    def flush(self) -> None:
+        self._f.flush()
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.write("\n]}\n")
+            self._f.close()
+
+
+class RequestLog:
+    """``requests.jsonl``: one line per request with its per-worker spans and reply arrival times, written
+    when the request completes (and, at the end, for requests that never did)."""
+
+    def __init__(self, path: Path) -> None:
+        self._f = open(path, "w")
+
+    def write(self, r: RequestRecord) -> None:
+        self._f.write(json.dumps({"req": r.req, "kind": r.kind, "label": r.label,
+                                  "iteration": iteration_number(r.iteration),
+                                  "dispatched": r.dispatched, "completed": r.completed,
+                                  "spans": {str(k): v for k, v in r.spans.items()},
+                                  "received": {str(k): v for k, v in r.received.items()}}) + "\n")
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
 
 
 def iteration_number(t: int) -> int:
@@ -135,49 +176,105 @@ def format_line(m: dict[str, Any], total: int) -> str:
     return " | ".join(parts)
 
 
-def overhead_summary(records: Iterable[RequestRecord]) -> dict[str, float]:
-    recs = [r for r in records if r.kind in ("call", "realloc", "data") and r.completed]
-    ov = dispatch_overheads(recs)
-    if not ov:
-        return {}
-    return {"requests": float(len(recs)), "mean_overhead_s": statistics.fmean(ov),
-            "median_overhead_s": statistics.median(ov)}
+class LogHistogram:
+    """Counts of positive values in bins 1% wide (from 1 us), for quantiles in constant memory."""
+
+    RATIO = 1.01
+    LOW = 1e-6
+
+    def __init__(self) -> None:
+        self.counts: dict[int, int] = {}
+        self.n = 0
+
+    def add(self, x: float) -> None:
+        b = -1 if x < self.LOW else int(math.log(x / self.LOW, self.RATIO))
+        self.counts[b] = self.counts.get(b, 0) + 1
+        self.n += 1
+
+    def quantile(self, q: float) -> float:
+        """The value at quantile ``q``, within 1%; 0 for values under 1 us."""
+        rank, seen = q * (self.n - 1), 0
+        for b in sorted(self.counts):
+            seen += self.counts[b]
+            if seen > rank:
+                return 0.0 if b < 0 else self.LOW * self.RATIO ** (b + 0.5)
+        return 0.0
 
 
-def device_time_shares(records: Iterable[RequestRecord], n_devices: int, begin: float, end: float) -> dict[str, float]:
-    """Share of all devices' time in [begin, end] spent per request kind (the rest is idle).
+class RunStats:
+    """The numbers of ``summary.json``, accumulated as replies and iterations arrive (constant memory).
 
-    realhf.txt §8.2 reports reallocation at 2.2% of GPU time measured this way.
+    Steady state excludes the first ``warmup`` iterations: device time counts from the end of the last
+    warm-up iteration to the end of the last iteration, clipped per span. With no iteration past the
+    warm-up, the whole run counts.
     """
-    span = (end - begin) * n_devices
-    out: dict[str, float] = {}
-    if span <= 0:
-        return out
-    for r in records:
-        for s, e in r.spans.values():
-            busy = min(e, end) - max(s, begin)
+
+    def __init__(self, n_devices: int, warmup: int = 1) -> None:
+        self.n_devices = n_devices
+        self.warmup = warmup
+        self.begin: dict[str, float | None] = {"all": None, "steady": None}
+        self.busy: dict[str, dict[str, float]] = {"all": {}, "steady": {}}
+        self.end = 0.0
+        self.closed = False
+        self.prev_end: dict[int, float] = {}
+        self.overhead = LogHistogram()
+        self.overhead_sum = 0.0
+        # (iteration time, tokens/s) per iteration: two floats each, the only per-iteration state kept
+        self.times: dict[str, list[tuple[float, float]]] = {"all": [], "steady": []}
+        self.first: dict[str, Any] | None = None
+        self.last: dict[str, Any] | None = None
+        self.n_iterations = 0
+
+    def on_reply(self, kind: str, rank: int, dispatched: float, start: float, end: float, received: float) -> None:
+        """One worker's reply. Replies of one worker arrive in its execution order."""
+        if self.closed:
+            return
+        for window, begin in self.begin.items():
+            busy = end - max(start, begin) if begin is not None else 0.0
             if busy > 0:
-                out[r.kind] = out.get(r.kind, 0.0) + busy / span
-    out["idle"] = max(0.0, 1.0 - sum(out.values()))
-    return out
+                self.busy[window][kind] = self.busy[window].get(kind, 0.0) + busy
+        if kind in ("call", "realloc", "data"):
+            ov = dispatch_overhead(dispatched, self.prev_end.get(rank, float("-inf")), start, end, received)
+            self.prev_end[rank] = end
+            self.overhead.add(ov)
+            self.overhead_sum += ov
 
+    def start(self, t: float) -> None:
+        """The iterations begin (device time before, e.g. set-up, does not count)."""
+        self.begin["all"] = self.end = t
 
-def run_summary(metrics: list[dict[str, Any]], records: list[RequestRecord], n_devices: int,
-                iter_end: dict[int, float], warmup: int = 1) -> dict[str, Any]:
-    """Steady-state numbers of a run: iterations after ``warmup`` (start-up and first-call effects excluded)."""
-    if not metrics:
-        return {}
-    steady = metrics[warmup:] or metrics
-    first = steady[0]["iteration"] - 1  # iter_end is keyed by the internal, 0-based iteration
-    begin = iter_end.get(first - 1, iter_end[first] - steady[0]["iteration_time"])
-    end = iter_end[steady[-1]["iteration"] - 1]
-    times = [m["iteration_time"] for m in steady]
-    out: dict[str, Any] = {
-        "iterations": len(metrics), "steady_iterations": len(steady),
-        "iteration_time": statistics.fmean(times), "iteration_time_median": statistics.median(times),
-        "tokens_per_s": statistics.fmean(m["tokens_per_s"] for m in steady),
-        "device_time_shares": device_time_shares(records, n_devices, begin, end),
-        "overhead": overhead_summary(records),
-        "first_reward": metrics[0].get("reward"), "last_reward": metrics[-1].get("reward"),
-    }
-    return out
+    def on_iteration(self, m: dict[str, Any], end: float) -> None:
+        self.n_iterations += 1
+        self.first = self.first or m
+        self.last = m
+        self.end = end
+        row = (m["iteration_time"], m["tokens_per_s"])
+        self.times["all"].append(row)
+        if self.n_iterations > self.warmup:
+            self.times["steady"].append(row)
+        elif self.n_iterations == self.warmup:
+            self.begin["steady"] = end
+
+    def close(self) -> None:
+        """No more device time counts (the iterations are over; what follows is shutdown)."""
+        self.closed = True
+
+    def summary(self) -> dict[str, Any]:
+        if not self.n_iterations:
+            return {}
+        window = "steady" if self.times["steady"] else "all"
+        rows, begin = self.times[window], self.begin[window]
+        times = [t for t, _ in rows]
+        span = (self.end - begin) * self.n_devices
+        shares = {k: v / span for k, v in self.busy[window].items()} if span > 0 else {}
+        if span > 0:
+            shares["idle"] = max(0.0, 1.0 - sum(shares.values()))
+        overhead = {}
+        if self.overhead.n:
+            overhead = {"requests": float(self.overhead.n), "mean_overhead_s": self.overhead_sum / self.overhead.n,
+                        "median_overhead_s": self.overhead.quantile(0.5)}
+        return {"iterations": self.n_iterations, "steady_iterations": len(times),
+                "iteration_time": statistics.fmean(times), "iteration_time_median": statistics.median(times),
+                "tokens_per_s": statistics.fmean(tps for _, tps in rows), "device_time_shares": shares,
+                "overhead": overhead,
+                "first_reward": self.first.get("reward"), "last_reward": self.last.get("reward")}
