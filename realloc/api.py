@@ -88,6 +88,34 @@ class ModelFunctionCallDef:
 
 
 @dataclasses.dataclass(frozen=True)
+class HFModel:
+    """A model whose shape and weights come from a HuggingFace checkpoint directory.
+
+    The directory holds ``config.json`` and safetensors weights (one file or sharded), as
+    ``save_pretrained`` writes them. An experiment maps model names to checkpoints with a ``models``
+    field or property; a plain string is the same as ``HFModel(path)``::
+
+        models = {"actor": "ckpt/sft", "ref": "ckpt/sft",
+                  "critic": HFModel("ckpt/sft", new_value_head=True),  # critic from the SFT model
+                  "reward": "ckpt/reward"}                              # a *ForSequenceClassification
+
+    A relative path is relative to the experiment file. ``new_value_head`` turns a causal-LM
+    checkpoint into a critic: its trunk is loaded and a scalar head is initialized from the run's
+    seed. A sequence-classification checkpoint already has its scalar head.
+    """
+
+    path: str
+    new_value_head: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, (str, Path)) or not str(self.path):
+            raise ValueError(f"HFModel.path must be a checkpoint directory, got {self.path!r}")
+        object.__setattr__(self, "path", str(self.path))
+        if not isinstance(self.new_value_head, bool):
+            raise ValueError(f"HFModel.new_value_head must be True or False, got {self.new_value_head!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class AutoConfig:
     """What ``@auto`` records: the cluster and the workload shape."""
 
@@ -143,6 +171,16 @@ class ExperimentSpec:
     dataset_keys: tuple[str, ...]
     config: Any = None
     source: str = ""
+    # model name -> checkpoint, paths resolved against the experiment file (the ``models`` field).
+    models: Mapping[str, HFModel] = dataclasses.field(default_factory=dict)
+
+    def resolve_path(self, path: str | Path) -> Path:
+        """A user path: absolute, or relative to the experiment file (to the working directory for a module)."""
+        p = Path(path).expanduser()
+        src = self.source.rsplit(":", 1)[0]
+        if not p.is_absolute() and src.endswith(".py"):
+            p = Path(src).parent / p
+        return p
 
     @property
     def seq_len(self) -> int:
@@ -180,9 +218,32 @@ def experiment_spec(experiment: Any, source: str = "", auto_config: AutoConfig |
     if dup:
         raise ValueError(f"experiment {cls.__name__}: two calls are named {dup!r}; call names must be unique")
     cluster = ClusterSpec.from_nodelist(cfg.nodelist, cfg.n_devices_per_node, cfg.device, **cfg.cluster_overrides)
-    return ExperimentSpec(name=cls.__name__, rpcs=tuple(rpcs), cluster=cluster, batch_size=cfg.batch_size,
+    spec = ExperimentSpec(name=cls.__name__, rpcs=tuple(rpcs), cluster=cluster, batch_size=cfg.batch_size,
                           prompt_len=cfg.prompt_len, gen_len=cfg.gen_len, dataset_keys=cfg.dataset_keys,
                           config=instance, source=source)
+    return dataclasses.replace(spec, models=_checkpoint_models(spec, getattr(instance, "models", None)))
+
+
+def _checkpoint_models(spec: ExperimentSpec, models: Any) -> dict[str, HFModel]:
+    """The experiment's ``models`` mapping, validated, with absolute paths."""
+    if models is None:
+        return {}
+    if not isinstance(models, Mapping):
+        raise ValueError(f"experiment {spec.name}: `models` must map model names to checkpoint directories "
+                         f"(a str or HFModel), got {type(models).__name__}")
+    used = {r.model_name for r in spec.rpcs}
+    out = {}
+    for name, value in models.items():
+        if name not in used:
+            raise ValueError(f"experiment {spec.name}: `models` names {name!r}, which no call uses "
+                             f"(model names of the calls: {', '.join(sorted(used))})")
+        if isinstance(value, (str, Path)):
+            value = HFModel(str(value))
+        if not isinstance(value, HFModel):
+            raise ValueError(f"experiment {spec.name}: models[{name!r}] must be a checkpoint directory (str) or "
+                             f"HFModel(path, new_value_head=...), got {type(value).__name__}")
+        out[name] = dataclasses.replace(value, path=str(spec.resolve_path(value.path).resolve()))
+    return out
 
 
 def _import_file(path: Path) -> Any:

@@ -128,6 +128,8 @@ def build_parser(commands: dict[str, Callable[[argparse.Namespace], int]] | None
     s.add_argument("--resume", default=None, help="checkpoint directory to resume from")
     s.add_argument("--run-dir", default=None, help="output directory (default runs/<experiment>-<time>)")
     s.add_argument("--save-every", type=int, default=0, help="checkpoint every N iterations (0: never)")
+    s.add_argument("--export-every", type=int, default=0, help="every N iterations (and after the last), also "
+                   "write each trained model as a HuggingFace directory under RUN_DIR/exports/ (0: never)")
     s.add_argument("--launcher", default="local", choices=["local", "slurm", "ray", "external"],
                    help="local subprocesses, a SLURM job, Ray actors, or workers started elsewhere (used inside "
                         "the SLURM job)")
@@ -167,6 +169,16 @@ def build_parser(commands: dict[str, Callable[[argparse.Namespace], int]] | None
     _profiles_option(s)
     s.set_defaults(func=commands.get("run", _not_yet("run", 6)))
     _add_trace(sub, commands)
+
+    s = sub.add_parser("export", help="write a trained model of a run's checkpoint as a HuggingFace directory")
+    s.add_argument("run_dir", help="run directory (or its checkpoints/ or one checkpoint directory)")
+    s.add_argument("--model", required=True, help="the trained model to export, e.g. actor or critic")
+    s.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    s.add_argument("--iteration", type=int, default=None,
+                   help="the checkpoint after this many iterations (default: the newest)")
+    s.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="weight dtype of the files (default: the checkpoint's)")
+    s.set_defaults(func=commands.get("export", _not_yet("export", 11)))
     return p
 
 
@@ -187,7 +199,8 @@ def _registered_commands() -> dict[str, Callable[[argparse.Namespace], int]]:
 
     out = {}
     for name, module in (("profile", "realloc.estimator.profile_cli"), ("search", "realloc.search.search_cli"),
-                         ("run", "realloc.runtime.run_cli"), ("trace", "realloc.runtime.trace_cli")):
+                         ("run", "realloc.runtime.run_cli"), ("trace", "realloc.runtime.trace_cli"),
+                         ("export", "realloc.runtime.export")):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as e:

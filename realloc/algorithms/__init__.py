@@ -13,3 +13,6 @@ INTERFACE_IMPLS = MappingProxyType({
     "reward": frozenset({_T.INFERENCE}),
     "rule_reward": frozenset({_T.INFERENCE}),
 })
+
+# Implementations that need a scalar (value/reward) head rather than the vocabulary head.
+VALUE_HEAD_IMPLS = frozenset({"ppo_critic", "reward"})

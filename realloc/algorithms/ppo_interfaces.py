@@ -2,13 +2,20 @@
 
 A call sees only its dp rank's sequences: ``ctx.ids`` (a contiguous range of the global batch)
 and the matching rows of its input keys. Data keys hold named tensors whose first dimension is
-the sequence:
+the sequence. ``P`` and ``T`` are the experiment's ``prompt_len`` and ``gen_len``, both maxima:
+a prompt has 1..P tokens and a response stops at EOS or after T tokens.
 
-    seq       tokens [n, P+T] int64 (prompt, response, pad), gen_mask [n, T] bool
+    prompts   tokens [n, P] int64 (right-padded), lengths [n] int64
+    seq       tokens [n, P+T] int64: row b is its prompt (prompt_lens[b] tokens), then its response
+              (gen_mask[b].sum() tokens, an EOS included), then padding;
+              prompt_lens [n] int64, gen_mask [n, T] bool (a prefix of each row)
     logp      logp [n, T] float32      per response token, under the sampling policy
     ref_logp  logp [n, T] float32
     rewards   score [n] float32        one scalar per sequence
     values    values [n, T] float32    V(state before response token t)
+
+Per-token tensors are aligned with the response: column t is response token t, which sits at
+position prompt_lens[b] + t of the row; columns past the response are 0.
 
 Roles are positional: a GENERATE call reads ``[prompts]`` and writes ``[seq, logp]``; inference
 calls read ``[seq]`` and write one key; train steps read ``[seq, logp, ref_logp, rewards, values]``.
@@ -54,6 +61,8 @@ class CallContext:
     batch_size: int  # sequences of the whole batch
     n_mbs: int
     total_iterations: int = 0  # the run's horizon, for the learning-rate schedule (0: iteration + 1)
+    eos_token_ids: tuple[int, ...] = ()  # generation stops at any of these (the tokenizer's EOS)
+    pad_token_id: int = 0
 
 
 @dataclasses.dataclass
@@ -72,78 +81,100 @@ def _dp_all_reduce(model: ParallelModel | None, t: torch.Tensor) -> torch.Tensor
     return t.cpu()
 
 
-def _forward_batch(seq: Mapping[str, torch.Tensor], prompt_len: int) -> dict[str, torch.Tensor]:
-    return {"input_ids": seq["tokens"], "lengths": prompt_len + seq["gen_mask"].sum(dim=1)}
+def _forward_batch(seq: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {"input_ids": seq["tokens"], "lengths": seq["prompt_lens"] + seq["gen_mask"].sum(dim=1)}
+
+
+def response_columns(per_position: torch.Tensor, prompt_lens: torch.Tensor, gen_mask: torch.Tensor,
+                     shift: int = 0) -> torch.Tensor:
+    """[n, T] response-aligned view of a per-position [n, L] tensor: column t is position
+    ``prompt_lens + t + shift`` of each row (``shift=-1``: the position that predicts token t), 0 past the response."""
+    T = gen_mask.shape[1]
+    pos = (prompt_lens.view(-1, 1).to(per_position.device) + torch.arange(T, device=per_position.device) + shift)
+    pos = pos.clamp(0, per_position.shape[1] - 1)
+    return per_position.gather(1, pos) * gen_mask.to(per_position.device)
 
 
 def generation_config(ctx: CallContext) -> GenerationConfig:
     cfg = ctx.ppo
     # One seed per iteration; per-sequence streams come from the sequence's global index.
     return GenerationConfig(max_new_tokens=ctx.gen_len, temperature=cfg.temperature, top_k=cfg.top_k,
-                            top_p=cfg.top_p, seed=param_seed(ctx.seed, f"generate/{ctx.iteration}"))
+                            top_p=cfg.top_p, seed=param_seed(ctx.seed, f"generate/{ctx.iteration}"),
+                            eos_token_ids=ctx.eos_token_ids, pad_token_id=ctx.pad_token_id)
 
 
 # -- generation and inference ----------------------------------------------------------------------------------
 def actor_generate(ctx: CallContext, inputs: Data) -> CallResult:
-    prompts = inputs["prompts"]["tokens"]
-    n, P, T = prompts.shape[0], ctx.prompt_len, ctx.gen_len
+    prompts = inputs["prompts"]
+    tokens_in, plen = prompts["tokens"], prompts["lengths"]
+    n, P, T = tokens_in.shape[0], ctx.prompt_len, ctx.gen_len
     assert ctx.model is not None
     gconfig = generation_config(ctx)
     # Micro-batches bound the KV cache; sampling depends only on each sequence's global index.
-    out = ctx.model.generate([p.tolist() for p in prompts], gconfig, seq_ids=list(ctx.ids), n_mbs=ctx.n_mbs)
+    rows = [tokens_in[b, :int(plen[b])].tolist() for b in range(n)]
+    out = ctx.model.generate(rows, gconfig, seq_ids=list(ctx.ids), n_mbs=ctx.n_mbs)
     width = out.sequences.shape[1]
     tokens = torch.full((n, P + T), gconfig.pad_token_id, dtype=torch.long)
     tokens[:, :width] = out.sequences.cpu()
     gen_mask = torch.arange(T).view(1, T) < out.gen_lengths.cpu().view(-1, 1)
-    logp = torch.zeros(n, T, dtype=torch.float32)
-    logp[:, :width - P] = out.logprobs[:, P:].cpu()
-    logp = logp * gen_mask
-    return CallResult({"seq": {"tokens": tokens, "gen_mask": gen_mask}, "logp": {"logp": logp}},
-                      {"gen_tokens": float(gen_mask.sum()), "n_seqs": float(n)}, {})
+    logp = response_columns(out.logprobs.cpu(), plen, gen_mask)
+    stats = {"gen_tokens": float(gen_mask.sum()), "n_seqs": float(n),
+             "eos_stops": float(out.stopped_at_eos.sum()), "prompt_tokens": float(plen.sum())}
+    return CallResult({"seq": {"tokens": tokens, "prompt_lens": plen.clone(), "gen_mask": gen_mask},
+                       "logp": {"logp": logp}}, stats, {})
 
 
 def actor_logprobs(ctx: CallContext, inputs: Data) -> CallResult:
     seq = inputs["seq"]
     assert ctx.model is not None
-    out = ctx.model.forward(_forward_batch(seq, ctx.prompt_len), n_mbs=ctx.n_mbs, output="logprobs",
+    out = ctx.model.forward(_forward_batch(seq), n_mbs=ctx.n_mbs, output="logprobs",
                             temperature=ctx.ppo.temperature)
     if out is None:  # not the last pipeline stage: the outputs live on the last one
         return CallResult({}, {}, {})
-    P, T = ctx.prompt_len, ctx.gen_len
-    logp = out.cpu()[:, P:P + T] * seq["gen_mask"]
+    logp = response_columns(out.cpu(), seq["prompt_lens"], seq["gen_mask"])
     return CallResult({"logp": {"logp": logp}}, {}, {})
 
 
 def critic_values(ctx: CallContext, inputs: Data) -> CallResult:
     seq = inputs["seq"]
     assert ctx.model is not None
-    out = ctx.model.forward(_forward_batch(seq, ctx.prompt_len), n_mbs=ctx.n_mbs, output="values")
+    out = ctx.model.forward(_forward_batch(seq), n_mbs=ctx.n_mbs, output="values")
     if out is None:
         return CallResult({}, {}, {})
-    P, T = ctx.prompt_len, ctx.gen_len
-    # The state before response token t has seen tokens up to position P-1+t.
-    values = out.cpu()[:, P - 1:P - 1 + T] * seq["gen_mask"]
+    # The state before response token t is the hidden state at the position just before it.
+    values = response_columns(out.cpu(), seq["prompt_lens"], seq["gen_mask"], shift=-1)
     return CallResult({"values": {"values": values}}, {}, {})
 
 
 def model_reward(ctx: CallContext, inputs: Data) -> CallResult:
-    """A neural reward model: its scalar head's output at the last token of each sequence."""
+    """A neural reward model: its scalar head's output at the last token of each sequence (as HF's
+    *ForSequenceClassification scores the last non-padding token)."""
     seq = inputs["seq"]
     assert ctx.model is not None
-    out = ctx.model.forward(_forward_batch(seq, ctx.prompt_len), n_mbs=ctx.n_mbs, output="values")
+    out = ctx.model.forward(_forward_batch(seq), n_mbs=ctx.n_mbs, output="values")
     if out is None:
         return CallResult({}, {}, {})
-    last = ctx.prompt_len + seq["gen_mask"].sum(dim=1) - 1
+    last = seq["prompt_lens"] + seq["gen_mask"].sum(dim=1) - 1
     score = out.cpu().gather(1, last.view(-1, 1)).squeeze(1)
     return CallResult({"rewards": {"score": score}}, {"score_sum": float(score.double().sum()),
                                                       "n_seqs_scored": float(score.numel())}, {})
 
 
+def split_prompt_response(seq: Mapping[str, torch.Tensor], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompt tokens [n, P] right-padded, response tokens [n, T] aligned with gen_mask; pad elsewhere)."""
+    tokens, plen, mask = seq["tokens"], seq["prompt_lens"], seq["gen_mask"]
+    P = tokens.shape[1] - mask.shape[1]
+    prompt_mask = torch.arange(P).view(1, P) < plen.view(-1, 1)
+    prompt = torch.where(prompt_mask, tokens[:, :P], torch.full_like(tokens[:, :P], pad_token_id))
+    response = torch.where(mask, response_columns(tokens, plen, mask), torch.full_like(mask, pad_token_id,
+                                                                                       dtype=tokens.dtype))
+    return prompt, response
+
+
 def rule_scores(ctx: CallContext, inputs: Data) -> CallResult:
     seq = inputs["seq"]
-    P = ctx.prompt_len
-    tokens = seq["tokens"]
-    score = rule_reward.score(ctx.call.name, ctx.call.interface_args, tokens[:, :P], tokens[:, P:], seq["gen_mask"])
+    prompt, response = split_prompt_response(seq, ctx.pad_token_id)
+    score = rule_reward.score(ctx.call.name, ctx.call.interface_args, prompt, response, seq["gen_mask"])
     return CallResult({"rewards": {"score": score}}, {"score_sum": float(score.double().sum()),
                                                       "n_seqs_scored": float(score.numel())}, {})
 
@@ -183,7 +214,7 @@ def _train(ctx: CallContext, inputs: Data, actor: bool) -> CallResult:
     model, cfg = ctx.model, ctx.ppo
     assert model is not None and ctx.optimizer is not None
     ro = _rollout(ctx, inputs, whiten=actor)
-    P, T, M = ctx.prompt_len, ctx.gen_len, ctx.call.n_minibatches
+    M = ctx.call.n_minibatches
     dp = model.groups.dp
     loss_sum = clipped = approx_kl = grad_norm = 0.0
     base_lr = cfg.lr if actor else cfg.critic_lr
@@ -194,17 +225,17 @@ def _train(ctx: CallContext, inputs: Data, actor: bool) -> CallResult:
             group["lr"] = lrs[k]
         rows = torch.tensor([r for r, i in enumerate(ctx.ids) if i % M == k], dtype=torch.long)
         n_tok = max(ro.n_tokens[k], 1.0)
-        mb = {**_forward_batch({n: t[rows] for n, t in ro.seq.items()}, P),
-              "mask": ro.mask[rows], "old_logp": ro.old_logp[rows], "old_values": ro.old_values[rows],
+        mb = {**_forward_batch({n: t[rows] for n, t in ro.seq.items()}),
+              "prompt_lens": ro.seq["prompt_lens"][rows], "mask": ro.mask[rows], "old_logp": ro.old_logp[rows], "old_values": ro.old_values[rows],
               "advantages": ro.advantages[rows], "returns": ro.returns[rows]}
         parts: list[ppo.LossStats] = []
 
         def loss_fn(head: Any, m: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
             if actor:
-                new = head.logprobs(cfg.temperature)[:, P:P + T]
+                new = response_columns(head.logprobs(cfg.temperature), m["prompt_lens"], m["mask"])
                 loss, st = ppo.actor_loss(new, m["old_logp"], m["advantages"], m["mask"], cfg.clip_eps, n_tok)
             else:
-                new = head.values[:, P - 1:P - 1 + T]
+                new = response_columns(head.values, m["prompt_lens"], m["mask"], shift=-1)
                 loss, st = ppo.critic_loss(new, m["old_values"], m["returns"], m["mask"], cfg.value_clip_eps, n_tok)
             parts.append(st)
             return loss, {}

@@ -13,13 +13,14 @@ import dataclasses
 import hashlib
 import json
 from functools import cached_property
+from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping
 
 import networkx as nx
 
-from realloc.algorithms import INTERFACE_IMPLS
-from realloc.api import ExperimentSpec, InterfaceType, ModelFunctionCallDef
+from realloc.algorithms import INTERFACE_IMPLS, VALUE_HEAD_IMPLS
+from realloc.api import ExperimentSpec, HFModel, InterfaceType, ModelFunctionCallDef
 from realloc.models.config import RULE_MODEL_TYPE, ModelConfig, get_model_config, is_known_model_type, known_model_types
 
 DATA, PARAM = "data", "param"
@@ -29,8 +30,9 @@ DATA, PARAM = "data", "param"
 class DataflowGraph:
     spec: ExperimentSpec
     graph: nx.DiGraph  # nodes: call names; edge attrs: kind (data|param), keys
-    model_types: Mapping[str, str]  # model_name -> model_type
+    model_types: Mapping[str, str]  # model_name -> model_type ("hf:<dir>" for a checkpoint)
     carry_edges: tuple[tuple[str, str], ...]  # (src at t, dst at t+1)
+    model_configs: Mapping[str, ModelConfig | None] = dataclasses.field(default_factory=dict)  # None: a rule
 
     @property
     def calls(self) -> tuple[ModelFunctionCallDef, ...]:
@@ -45,8 +47,8 @@ class DataflowGraph:
 
     def model_config(self, call: str | ModelFunctionCallDef) -> ModelConfig | None:
         """The call's model shape, or None for a parameter-free rule function."""
-        mtype = self.model_type(call)
-        return None if mtype == RULE_MODEL_TYPE else get_model_config(mtype)
+        rpc = self.call(call) if isinstance(call, str) else call
+        return self.model_configs[rpc.model_name]
 
     def steps_n_seqs(self, call: str | ModelFunctionCallDef) -> int:
         """Sequences processed per forward/optimizer step: a PPO mini-batch for training."""
@@ -65,12 +67,16 @@ class DataflowGraph:
     @cached_property
     def digest(self) -> str:
         """Hash of everything a plan depends on except the cluster."""
-        body = {
+        body: dict = {
             "batch_size": self.spec.batch_size, "prompt_len": self.spec.prompt_len, "gen_len": self.spec.gen_len,
             "calls": [[r.name, r.model_name, self.model_types[r.model_name], r.interface_type.value,
                        list(r.input_data), list(r.output_data), self.spec.n_seqs(r), r.n_minibatches]
                       for r in self.calls],
         }
+        # A checkpoint is named by its shape, not its path, so a plan made on a laptop runs on the cluster.
+        shapes = {m: _shape_key(self.model_configs[m]) for m in self.spec.models}
+        if shapes:
+            body["checkpoint_shapes"] = shapes
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
     def unroll(self, n_iterations: int) -> nx.DiGraph:
@@ -100,24 +106,69 @@ class DataflowGraph:
         return "\n".join(lines)
 
 
-def _resolve_model_types(rpcs: tuple[ModelFunctionCallDef, ...]) -> dict[str, str]:
+def _shape_key(cfg: ModelConfig | None) -> dict:
+    return {} if cfg is None else {k: v for k, v in dataclasses.asdict(cfg).items() if k != "name"}
+
+
+def _resolve_model_types(spec: ExperimentSpec) -> tuple[dict[str, str], dict[str, ModelConfig | None]]:
+    """model_name -> (type name, config) from the calls' model_type or the experiment's checkpoints."""
+    rpcs = spec.rpcs
     declared: dict[str, tuple[str, str]] = {}  # model_name -> (type, declaring call)
     for r in rpcs:
         if r.model_type is None:
             continue
+        if r.model_name in spec.models:
+            raise ValueError(f"model {r.model_name!r} comes from checkpoint {spec.models[r.model_name].path} (the "
+                             f"experiment's `models`) but call {r.name!r} also sets model_type={r.model_type!r}; "
+                             f"drop one of them")
         if not is_known_model_type(r.model_type):
             raise ValueError(f"call {r.name!r}: unknown model_type {r.model_type!r}; known types: "
-                             f"{', '.join(known_model_types())}")
+                             f"{', '.join(known_model_types())}, or a HuggingFace checkpoint in the experiment's "
+                             f"`models` mapping")
         prev = declared.get(r.model_name)
         if prev and prev[0] != r.model_type:
             raise ValueError(f"model {r.model_name!r} is declared as {prev[0]!r} in call {prev[1]!r} and as "
                              f"{r.model_type!r} in call {r.name!r}; one model_name must have one model_type")
         declared.setdefault(r.model_name, (r.model_type, r.name))
     for r in rpcs:
-        if r.model_name not in declared:
+        if r.model_name not in declared and r.model_name not in spec.models:
             raise ValueError(f"call {r.name!r}: model {r.model_name!r} has no model_type; set model_type on one of "
-                             f"its calls")
-    return {m: t for m, (t, _) in declared.items()}
+                             f"its calls, or map {r.model_name!r} to a checkpoint in the experiment's `models`")
+    types = {m: t for m, (t, _) in declared.items()}
+    configs: dict[str, ModelConfig | None] = {m: None if t == RULE_MODEL_TYPE else get_model_config(t)
+                                              for m, t in types.items()}
+    for m, src in spec.models.items():
+        types[m] = f"hf:{Path(src.path).name}" + ("+value-head" if src.new_value_head else "")
+        configs[m] = _checkpoint_config(spec, m, src)
+    order = list(dict.fromkeys(r.model_name for r in rpcs))
+    return {m: types[m] for m in order}, {m: configs[m] for m in order}
+
+
+def _checkpoint_config(spec: ExperimentSpec, model: str, src: HFModel) -> ModelConfig:
+    """The shape of a checkpoint model, checked against what its calls need (a vocabulary or a scalar head)."""
+    from realloc.models.hf_io import model_config_from_hf, read_hf_config
+
+    if not Path(src.path).is_dir():
+        raise ValueError(f"model {model!r}: checkpoint directory {src.path} does not exist")
+    hf = read_hf_config(src.path)
+    seq_cls = any("SequenceClassification" in a for a in hf.get("architectures") or [])
+    if src.new_value_head and seq_cls:
+        raise ValueError(f"model {model!r}: {src.path} is already a sequence-classification model with a scalar "
+                         f"head; drop new_value_head=True to use that head")
+    cfg = model_config_from_hf(hf, name=model, critic=seq_cls or src.new_value_head)
+    calls = [r for r in spec.rpcs if r.model_name == model]
+    value_calls = [r.name for r in calls if r.interface_impl in VALUE_HEAD_IMPLS]
+    lm_calls = [r.name for r in calls if r.interface_impl is not None and r.interface_impl not in VALUE_HEAD_IMPLS
+                and r.interface_impl != "rule_reward"]
+    kind = ", ".join(hf.get("architectures") or ["a causal LM"])
+    if value_calls and not cfg.is_critic:
+        raise ValueError(f"model {model!r}: call {value_calls[0]!r} needs a scalar value head, but {src.path} is "
+                         f"{kind}; use HFModel({src.path!r}, new_value_head=True) to start it from this "
+                         f"checkpoint with a fresh head, or a *ForSequenceClassification checkpoint")
+    if lm_calls and cfg.is_critic:
+        raise ValueError(f"model {model!r}: call {lm_calls[0]!r} needs a vocabulary (language-model) head, but "
+                         f"{src.path} has a scalar head ({'new_value_head=True' if src.new_value_head else kind})")
+    return dataclasses.replace(cfg, name=f"{model}:{Path(src.path).name}")
 
 
 def _check_interface(r: ModelFunctionCallDef, model_type: str) -> None:
@@ -140,7 +191,7 @@ def _check_interface(r: ModelFunctionCallDef, model_type: str) -> None:
 def build_graph(spec: ExperimentSpec) -> DataflowGraph:
     """Validate ``spec`` and build its one-iteration dataflow graph."""
     rpcs = spec.rpcs
-    model_types = _resolve_model_types(rpcs)
+    model_types, model_configs = _resolve_model_types(spec)
     for r in rpcs:
         _check_interface(r, model_types[r.model_name])
         n = spec.n_seqs(r)
@@ -202,4 +253,5 @@ def build_graph(spec: ExperimentSpec) -> DataflowGraph:
         why = "; ".join(f"{u}->{v} via {', '.join(g.edges[u, v]['keys']) or 'parameter version'}" for u, v in cycle)
         raise ValueError(f"the dataflow graph has a cycle: {path} ({why}); a call cannot depend on its own output")
 
-    return DataflowGraph(spec=spec, graph=g, model_types=MappingProxyType(model_types), carry_edges=tuple(carry))
+    return DataflowGraph(spec=spec, graph=g, model_types=MappingProxyType(model_types), carry_edges=tuple(carry),
+                         model_configs=MappingProxyType(model_configs))

@@ -88,6 +88,7 @@ class Node:
 class Master:
     def __init__(self, program: RuntimeProgram, config: RunConfig, run: RunPaths, run_id: str, secret: bytes,
                  *, iterations: int, start_iteration: int = 0, resume: Path | None = None, save_every: int = 0,
+                 export_every: int = 0,
                  launcher: WorkerLauncher | None = None, bind_host: str = "127.0.0.1", master_port: int = 0,
                  store_port: int = 0, heartbeat_timeout: float = HEARTBEAT_TIMEOUT, window: int = 2,
                  on_iteration: Callable[[dict[str, Any]], None] | None = None) -> None:
@@ -108,6 +109,9 @@ class Master:
         self.end = start_iteration + iterations
         self.resume = resume
         self.save_every = save_every
+        self.export_every = export_every
+        self.exports: list[asyncio.Task] = []
+        self.model_records = self._model_records()
         self.launcher = launcher
         self.heartbeat_timeout = heartbeat_timeout
         self.window = max(1, window)
@@ -191,6 +195,8 @@ class Master:
             self.t_start = time.time()
             self.stats.start(self.t_start)
             await self._guard(self._run_iterations())
+            if self.exports:
+                await self._guard(asyncio.gather(*self.exports))
             shutdown = self._send(range(self.n_workers), "shutdown", "shutdown", -1, "shutdown",
                                   lambda req: protocol.Shutdown(req=req))
             try:
@@ -405,7 +411,27 @@ class Master:
 
     # -- the augmented, unrolled graph ---------------------------------------------------------------------------
     def _saves_after(self, t: int) -> bool:
-        return self.save_every > 0 and ((t + 1) % self.save_every == 0 or t == self.end - 1)
+        return self._every(self.save_every, t) or self._every(self.export_every, t)
+
+    def _every(self, n: int, t: int) -> bool:
+        return n > 0 and ((t + 1) % n == 0 or t == self.end - 1)
+
+    def _model_records(self) -> dict[str, dict[str, Any]]:
+        """meta.json's description of each trained model, so that `realloc export` needs only the checkpoint."""
+        from realloc.data.tokenizer import Tokenizer
+        from realloc.runtime.export import model_record
+        from realloc.runtime.text_io import SpecialTokens
+
+        prog, cfg = self.program, self.config
+        tokenizer = Tokenizer.load(cfg.tokenizer) if cfg.tokenizer else None
+        ids = SpecialTokens.of(self.spec, tokenizer).hf_ids()
+        out = {}
+        for m in prog.models:
+            if prog.is_trained(m):
+                src = self.spec.models.get(m)
+                out[m] = model_record(prog.model_config(m), prog.calls[prog.home_call(m)].strategy,
+                                      src.path if src else None, cfg.tokenizer, ids)
+        return out
 
     def _realloc_into(self, call: str) -> Realloc | None:
         m = self.program.calls[call].model
@@ -628,8 +654,20 @@ class Master:
                    for m in prog.models if prog.is_trained(m)}
         meta = {"next_iteration": done, "prompts_consumed": done * prog.batch_size, "seed": self.config.seed,
                 "experiment": self.spec.name, "graph_digest": self.graph.digest, "run_id": self.run_id,
-                "layouts": layouts}
-        await asyncio.to_thread(checkpoint.commit, tmp, self.paths.checkpoints, done, meta, prog.plan.to_json())
+                "layouts": layouts, "models": self.model_records}
+        final = await asyncio.to_thread(checkpoint.commit, tmp, self.paths.checkpoints, done, meta,
+                                        prog.plan.to_json())
+        if self._every(self.export_every, t):
+            # The export reads the committed checkpoint on a thread while training goes on.
+            self.exports.append(asyncio.create_task(asyncio.to_thread(self._export, final, done)))
+
+    def _export(self, ckpt: Path, done: int) -> None:
+        from realloc.runtime.export import export_checkpoint
+
+        for m in self.model_records:
+            out = self.paths.root / "exports" / checkpoint.checkpoint_name(done) / m
+            export_checkpoint(ckpt, m, out)
+            log.info("exported %s after iteration %d to %s", m, done, out)
 
 
 def plan_from_checkpoint(ckpt: Path) -> ExecutionPlan:

@@ -106,6 +106,12 @@ class RuntimeProgram:
     def model_config(self, model: str) -> ModelConfig | None:
         return self.graph.model_config(self.graph.calls_of_model(model)[0])
 
+    def generation_vocab_size(self) -> int | None:
+        """Vocabulary of the models that generate from the dataset's prompts (None if none does)."""
+        sizes = {self.model_config(self.calls[r.name].model).vocab_size for r in self.graph.calls
+                 if r.interface_type is InterfaceType.GENERATE and not self.is_rule(self.calls[r.name].model)}
+        return min(sizes) if sizes else None
+
     def is_rule(self, model: str) -> bool:
         return self.model_config(model) is None
 

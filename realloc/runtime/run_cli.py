@@ -98,6 +98,8 @@ def main(args: argparse.Namespace) -> int:
     if args.launcher != "slurm" and (args.dry_run or args.prepare):
         raise ValueError(f"{'--dry-run' if args.dry_run else '--prepare'} applies to --launcher slurm; for a local "
                          f"run, `realloc search EXP --dry-run` shows the plan")
+    if args.export_every < 0:
+        raise ValueError(f"--export-every must be >= 0, got {args.export_every}")
     sets = tuple(args.set)
     spec = load_with_overrides(args.experiment, sets)
     graph = build_graph(spec)
@@ -117,10 +119,9 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"how many iterations? pass --iterations N or set `iterations` in {spec.name}")
     if total <= start:
         raise ValueError(f"--iterations {total}: the checkpoint already completed {start} iterations; ask for more")
-    if config.dataset is not None:  # fail here, in one line, rather than in every worker
-        from realloc.data.prompts import PromptDataset
+    from realloc.runtime.text_io import check_data
 
-        PromptDataset.load(config.dataset, spec.prompt_len)
+    data_line = check_data(spec, config, graph)  # fail here, in one line, rather than in every worker
     slurm = slurm_options(args) if args.launcher == "slurm" else None
     plan, plan_source = _choose_plan(args, spec, ckpt)
     program = RuntimeProgram(graph, plan)  # validates the plan against the experiment and cluster
@@ -130,7 +131,7 @@ def main(args: argparse.Namespace) -> int:
 
     if slurm is not None:
         master_args = ["--plan", str(run.plan), "--iterations", str(total), "--save-every", str(args.save_every),
-                       "--quiet", *(x for item in sets for x in ("--set", item))]
+                       "--export-every", str(args.export_every), "--quiet", *(x for item in sets for x in ("--set", item))]
         if not args.tensorboard:
             master_args.append("--no-tensorboard")
         if args.wandb:
@@ -176,7 +177,8 @@ def main(args: argparse.Namespace) -> int:
         ray = RayLauncher(spec.cluster, run, args.ray_address)
         bind = ray.node_ip  # the actors reach the master here (127.0.0.1 for a private local instance)
     master = Master(program, config, run, run_id, secret, iterations=total - start, start_iteration=start,
-                    resume=ckpt, save_every=args.save_every, bind_host=bind, master_port=args.master_port,
+                    resume=ckpt, save_every=args.save_every, export_every=args.export_every,
+                    bind_host=bind, master_port=args.master_port,
                     store_port=args.store_port, **heartbeat)
     if args.launcher in ("local", "ray"):
         wc = WorkerConfig(experiment=experiment, run_dir=str(run.root), run_id=run_id,
@@ -192,6 +194,8 @@ def main(args: argparse.Namespace) -> int:
           f"iterations {start + 1}..{total}, plan {plan_source}")
     if sets:
         print(f"overrides: {' '.join(sets)}")
+    if data_line:
+        print(data_line)
     print(plan.table(graph.topo_order))
     sinks = MetricSinks.open(run.root, tensorboard=args.tensorboard, wandb_project=args.wandb,
                              run_name=run.root.name, config={"experiment": experiment, "overrides": list(sets),

@@ -5,7 +5,13 @@ The ``@auto`` dataclass may define (all optional):
 - ``seed: int`` (default 1): model initialization, prompt order, sampling;
 - ``dataset: str``: prompt file (realloc/data/prompts.py), relative to the experiment file (required when a call reads
   a dataset key such as ``prompts``; ``--set dataset=PATH`` gives it per run, best as an absolute path);
+- ``tokenizer: str``: an HF tokenizer directory for text prompts, EOS and decoded samples (default: the
+  generating model's checkpoint directory, when it holds tokenizer files);
+- ``data: DataConfig``: prompt columns, truncation, chat template (``realloc.data.config``);
+- ``models: dict``: model name -> HF checkpoint directory or ``HFModel`` (read by ``api.py``);
 - ``iterations: int``: default for ``realloc run --iterations``;
+- ``sample_every: int`` (default 10): every N iterations, write a few decoded samples (prompt, response,
+  reward) to ``samples.jsonl`` in the run directory; 0 turns it off; ``n_samples`` of them (default 4);
 - ``ppo: PPOConfig``: PPO hyperparameters (defaults from ``PPOConfig()``).
 """
 
@@ -15,7 +21,10 @@ import dataclasses
 from pathlib import Path
 
 from realloc.algorithms.ppo_config import PPOConfig
-from realloc.api import ExperimentSpec
+from realloc.api import ExperimentSpec, InterfaceType
+from realloc.data.config import DataConfig
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +33,10 @@ class RunConfig:
     ppo: PPOConfig
     dataset: str | None
     iterations: int | None
+    tokenizer: str | None = None
+    data: DataConfig = DataConfig()
+    sample_every: int = 10
+    n_samples: int = 4
 
     @classmethod
     def of(cls, spec: ExperimentSpec) -> "RunConfig":
@@ -34,13 +47,13 @@ class RunConfig:
         ppo = getattr(cfg, "ppo", None) or PPOConfig()
         if not isinstance(ppo, PPOConfig):
             raise ValueError(f"experiment {spec.name!r}: field ppo must be a PPOConfig, got {type(ppo).__name__}")
+        data = getattr(cfg, "data", None) or DataConfig()
+        if not isinstance(data, DataConfig):
+            raise ValueError(f"experiment {spec.name!r}: field data must be a realloc.data.config.DataConfig, got "
+                             f"{type(data).__name__}")
         dataset = getattr(cfg, "dataset", None)
         if dataset is not None:
-            path = Path(dataset)
-            src = spec.source.rsplit(":", 1)[0]
-            if not path.is_absolute() and src.endswith(".py"):
-                path = Path(src).parent / path
-            dataset = str(path)
+            dataset = str(spec.resolve_path(dataset))
         elif any(k in spec.dataset_keys for r in spec.rpcs for k in r.input_data):
             raise ValueError(f"experiment {spec.name!r} reads prompts (dataset keys {list(spec.dataset_keys)}) but "
                              f"names no prompt file: pass --set dataset=/path/to/prompts.jsonl or set `dataset` in "
@@ -48,4 +61,28 @@ class RunConfig:
         iterations = getattr(cfg, "iterations", None)
         if iterations is not None and (not isinstance(iterations, int) or iterations < 1):
             raise ValueError(f"experiment {spec.name!r}: iterations must be a positive integer, got {iterations!r}")
-        return cls(seed=seed, ppo=ppo, dataset=dataset, iterations=iterations)
+        for field in ("sample_every", "n_samples"):
+            v = getattr(cfg, field, getattr(cls, field))
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"experiment {spec.name!r}: {field} must be a non-negative integer, got {v!r}")
+        return cls(seed=seed, ppo=ppo, dataset=dataset, iterations=iterations, tokenizer=_tokenizer_dir(spec),
+                   data=data, sample_every=getattr(cfg, "sample_every", cls.sample_every),
+                   n_samples=getattr(cfg, "n_samples", cls.n_samples))
+
+
+def _tokenizer_dir(spec: ExperimentSpec) -> str | None:
+    """The experiment's ``tokenizer``, else the generating model's checkpoint if it carries tokenizer files."""
+    given = getattr(spec.config, "tokenizer", None)
+    if given is not None:
+        if not isinstance(given, (str, Path)) or not str(given):
+            raise ValueError(f"experiment {spec.name!r}: tokenizer must be a tokenizer directory, got {given!r}")
+        path = spec.resolve_path(given)
+        if not path.is_dir():
+            raise ValueError(f"experiment {spec.name!r}: tokenizer directory {path} does not exist")
+        return str(path.resolve())
+    for r in spec.rpcs:
+        src = spec.models.get(r.model_name)
+        if r.interface_type is InterfaceType.GENERATE and src is not None:
+            if any((Path(src.path) / f).is_file() for f in TOKENIZER_FILES):
+                return src.path
+    return None

@@ -37,13 +37,17 @@ from realloc.models.engine import ParallelModel
 from realloc.models.groups import ModelLayout
 from realloc.models.groups import ProcessGroupCache
 from realloc.overrides import load_with_overrides
+from realloc.models.hf_io import load_hf_checkpoint
+from realloc.models.weights import param_seed
 from realloc.runtime import checkpoint, protocol
 from realloc.runtime.data_store import DataStore, pack_rows, row_bytes, unpack_rows
 from realloc.data.prompts import PromptDataset
+from realloc.data.tokenizer import Tokenizer
 from realloc.runtime.offload import HostOffload
 from realloc.runtime.param_realloc import Reallocator
 from realloc.runtime.program import CallLayout, LayoutKey, RuntimeProgram
 from realloc.runtime.run_config import RunConfig
+from realloc.runtime.text_io import SampleLog, SpecialTokens
 from realloc.runtime.transfer_plan import dp_ranges
 
 HEARTBEAT_INTERVAL = 1.0
@@ -149,6 +153,9 @@ class ModelWorker:
         self.store = DataStore()
         self.dataset: PromptDataset | None = None
         self.total_iterations = 0
+        self.tokenizer = Tokenizer.load(self.config.tokenizer) if self.config.tokenizer else None
+        self.tokens = SpecialTokens.of(spec, self.tokenizer)
+        self.samples = SampleLog(self.run_dir, self.tokenizer, self.config.sample_every, self.config.n_samples)
 
     # -- wire -----------------------------------------------------------------------------------------------
     def _send(self, body: protocol._Msg) -> None:
@@ -217,9 +224,18 @@ class ModelWorker:
             cfg = prog.model_config(cl.model)
             g = self.groups.model_groups(ModelLayout.from_mesh(cl.mesh, cl.strategy, cfg.tie_embeddings), self.rank)
             home = prog.calls[prog.home_call(cl.model)].key == key
-            # Parameters start at home; other layouts are filled by reallocation when their turn comes.
+            source = self.spec.models.get(cl.model)
+            # Parameters start at home (from the checkpoint, or seeded random); other layouts are filled by
+            # reallocation when their turn comes.
             model = ParallelModel(cfg, g, device=self.device, dtype=getattr(torch, prog.param_dtype),
-                                  init="random" if home else "empty", seed=self.config.seed)
+                                  init="random" if home and source is None else "empty", seed=self.config.seed)
+            # A resumed run takes trained models from its own checkpoint; frozen ones always come from theirs.
+            if home and source is not None and not (resume and prog.is_trained(cl.model)):
+                t0 = time.time()
+                load_hf_checkpoint(model, source.path, score_init_seed=(
+                    param_seed(self.config.seed, f"{cl.model}/value-head") if source.new_value_head else None))
+                log.info("loaded %s from %s into %s in %.1f s", cl.model, source.path, _layout_name(cl),
+                         time.time() - t0)
             if not home:
                 model.release()
             opt = None
@@ -233,9 +249,8 @@ class ModelWorker:
                      ", with optimizer" if opt is not None else "")
         if any(k in self.spec.dataset_keys for r in self.spec.rpcs for k in r.input_data
                if self.rank in prog.calls[r.name].ranks):
-            actor_cfg = next((prog.model_config(m) for m in prog.models if not prog.is_rule(m)), None)
-            self.dataset = PromptDataset.load(self.config.dataset, self.spec.prompt_len,
-                                              vocab_size=actor_cfg.vocab_size if actor_cfg else None)
+            self.dataset = PromptDataset.load(self.config.dataset, self.spec.prompt_len, tokenizer=self.tokenizer,
+                                              config=self.config.data, vocab_size=prog.generation_vocab_size())
         if resume:
             self.load(Path(resume))
 
@@ -273,15 +288,15 @@ class ModelWorker:
         for role, key in in_keys.items():
             if key in spec.dataset_keys:
                 assert self.dataset is not None
-                tokens = self.dataset.batch(iteration, prog.batch_size, self.config.seed, range(lo, hi))["tokens"]
-                inputs[role] = {"tokens": tokens}
+                inputs[role] = self.dataset.batch(iteration, prog.batch_size, self.config.seed, range(lo, hi))
             else:
                 inputs[role] = self.store.get(key, iteration, lo, hi)
         ctx = impls.CallContext(call=rpc, model=handle.model if handle else None,
                                 optimizer=handle.optimizer if handle else None, ppo=self.config.ppo,
                                 prompt_len=spec.prompt_len, gen_len=spec.gen_len, seed=self.config.seed,
                                 iteration=iteration, ids=range(lo, hi), batch_size=prog.batch_size, n_mbs=cl.n_mbs,
-                                total_iterations=self.total_iterations)
+                                total_iterations=self.total_iterations,
+                                eos_token_ids=self.tokens.eos_token_ids, pad_token_id=self.tokens.pad_token_id)
         result = fn(ctx, inputs)
         metas = []
         for role, key in out_keys.items():
@@ -290,6 +305,8 @@ class ModelWorker:
                 self.store.put(key, iteration, lo, hi, tensors)
                 metas.append(protocol.OutputMeta(key=key, tensors=self.store.meta(key, iteration)))
         reporter = tp_rank == 0 and pp_rank == pp - 1
+        if reporter and "rewards" in result.outputs and "seq" in inputs:
+            self.samples.write(iteration, range(lo, hi), inputs["seq"], result.outputs["rewards"]["score"])
         stats: dict[str, float] = {}
         if reporter:
             stats.update(result.sums)

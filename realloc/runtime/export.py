@@ -1,0 +1,173 @@
+"""Export a trained model from a run's checkpoint as a standard HuggingFace checkpoint directory.
+
+    realloc export runs/a --model actor --out hf/actor [--iteration 30] [--dtype bfloat16]
+
+A run checkpoint holds one safetensors file per (tp, pp) shard of each trained model's home
+layout (``checkpoint.py``) and, in ``meta.json``, each model's shape and where it came from. The
+export rebuilds every full tensor from its tp shards (``ParamSpec.shard_slices`` says where each
+shard sits, so replicated shards simply land on the same place twice) and writes the files of
+``hf_io.shard_file_plan`` one at a time, so memory holds at most one output file. The directory
+gets ``config.json`` (LLaMA/Qwen2 causal LM, or sequence classification for critics),
+``generation_config.json`` with the bos/eos/pad ids, and the run's tokenizer files; it loads
+with ``transformers``' ``from_pretrained`` and back into realloc in any layout.
+
+Frozen models are not in run checkpoints: their weights are the checkpoint they were loaded from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from realloc.models.config import ModelConfig
+from realloc.models.param_layout import param_specs, stage_of_layer
+from realloc.runtime import checkpoint
+
+GENERATION_CONFIG = "generation_config.json"
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def model_record(cfg: ModelConfig, strategy: Any, source: str | None, tokenizer: str | None,
+                 token_ids: Mapping[str, Any]) -> dict[str, Any]:
+    """What meta.json says about one trained model, so an export needs nothing but the checkpoint."""
+    return {"config": dataclasses.asdict(cfg), "tp": strategy.tp, "pp": strategy.pp, "source": source,
+            "tokenizer": tokenizer, "token_ids": dict(token_ids)}
+
+
+def _model_config(record: Mapping[str, Any]) -> ModelConfig:
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    raw = {k: v for k, v in record["config"].items() if k in fields}
+    if raw.get("rope_scaling") is not None:
+        raw["rope_scaling"] = tuple(raw["rope_scaling"])
+    return ModelConfig(**raw)
+
+
+def _full_tensors(ckpt: Path, model: str, cfg: ModelConfig, tp: int, pp: int, names: list[str],
+                  dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    specs = {s.name: s for s in param_specs(cfg)}
+    out: dict[str, torch.Tensor] = {}
+    by_stage: dict[int, list[str]] = {}
+    for n in names:
+        by_stage.setdefault(stage_of_layer(cfg.n_layers, pp, specs[n].layer), []).append(n)
+    for stage, stage_names in sorted(by_stage.items()):
+        for tp_rank in range(tp):
+            path = checkpoint.shard_file(ckpt, model, tp_rank, stage)
+            if not path.is_file():
+                raise ValueError(f"checkpoint {ckpt}: shard {path.relative_to(ckpt)} of model {model!r} is missing")
+            with safe_open(str(path), framework="pt") as f:
+                keys = set(f.keys())
+                for n in stage_names:
+                    if f"param/{n}" not in keys:
+                        raise ValueError(f"checkpoint {path}: parameter {n!r} is missing")
+                    shard = f.get_tensor(f"param/{n}")
+                    spec = specs[n]
+                    if n not in out:
+                        out[n] = torch.empty(spec.shape, dtype=dtype or shard.dtype)
+                    out[n][spec.shard_slices(tp, tp_rank)] = shard.to(out[n].dtype)
+    return {n: t.contiguous() for n, t in out.items()}
+
+
+def export_checkpoint(ckpt: str | Path, model: str, out: str | Path, *, dtype: str | None = None,
+                      max_file_bytes: int = 4 << 30) -> Path:
+    """Write ``model`` of checkpoint ``ckpt`` as a HF directory ``out``; returns ``out``."""
+    from realloc.models.hf_io import CONFIG_FILE, INDEX_FILE, hf_config_from_model_config, shard_file_plan
+
+    ckpt, out = Path(ckpt), Path(out)
+    meta = checkpoint.read_meta(ckpt)
+    records = meta.get("models") or {}
+    if model not in records:
+        trained = ", ".join(sorted(records)) or "none"
+        raise ValueError(f"checkpoint {ckpt} has no trained model {model!r} (trained models: {trained}); a frozen "
+                         f"model's weights are the checkpoint it was loaded from")
+    if dtype is not None and dtype not in _DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: use one of {', '.join(_DTYPES)}")
+    rec = records[model]
+    cfg = _model_config(rec)
+    tp, pp = int(rec["tp"]), int(rec["pp"])
+    torch_dtype = _DTYPES[dtype] if dtype else None
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"export directory {out} is not empty; choose a new --out")
+    tmp = out.with_name(f".{out.name}.part")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    written_dtype = None
+    plan = shard_file_plan(cfg, pp, torch_dtype or torch.float32, max_file_bytes)
+    for _, fname, names in plan:
+        tensors = _full_tensors(ckpt, model, cfg, tp, pp, names, torch_dtype)
+        written_dtype = next(iter(tensors.values())).dtype
+        save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+        del tensors
+    if len(plan) > 1:
+        elem = torch.tensor([], dtype=written_dtype).element_size()
+        index = {"metadata": {"total_size": sum(s.numel for s in param_specs(cfg)) * elem},
+                 "weight_map": {n: fname for _, fname, names in plan for n in names}}
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    ids = {k: v for k, v in (rec.get("token_ids") or {}).items() if v is not None}
+    hf = hf_config_from_model_config(cfg, written_dtype or torch.float32, ids)
+    (tmp / CONFIG_FILE).write_text(json.dumps(hf, indent=2))
+    _write_generation_config(tmp, rec.get("source"), ids)
+    _copy_tokenizer(tmp, rec.get("tokenizer"))
+    (tmp / "realloc_export.json").write_text(json.dumps(
+        {"checkpoint": str(ckpt.resolve()), "iteration": meta.get("iteration"), "model": model,
+         "experiment": meta.get("experiment"), "layout": {"tp": tp, "pp": pp}}, indent=2))
+    if out.exists():
+        out.rmdir()
+    tmp.rename(out)
+    return out
+
+
+def _write_generation_config(out: Path, source: str | None, ids: Mapping[str, Any]) -> None:
+    """The source checkpoint's generation_config.json (its sampling defaults) with the run's token ids."""
+    body: dict[str, Any] = {}
+    if source and (Path(source) / GENERATION_CONFIG).is_file():
+        body = json.loads((Path(source) / GENERATION_CONFIG).read_text())
+    body.update({k: v for k, v in ids.items() if k in TOKEN_ID_KEYS})
+    if body:
+        (out / GENERATION_CONFIG).write_text(json.dumps(body, indent=2))
+
+
+def _copy_tokenizer(out: Path, tokenizer: str | None) -> None:
+    if not tokenizer:
+        return
+    from realloc.data.tokenizer import Tokenizer
+
+    for f in Tokenizer.load(tokenizer).files():
+        shutil.copy2(f, out / f.name)
+
+
+def find_checkpoint(run_dir: str | Path, iteration: int | None) -> Path:
+    """The checkpoint written after ``iteration`` completed iterations (the newest when None)."""
+    root = Path(run_dir)
+    if iteration is None:
+        return checkpoint.resolve_resume(root)
+    if iteration < 1:
+        raise ValueError(f"--iteration must be a positive number of completed iterations, got {iteration}")
+    found = []
+    for base in (root / "checkpoints", root):
+        for cand in sorted(base.glob("iter_*")) if base.is_dir() else []:
+            try:
+                meta = checkpoint.read_meta(cand)
+            except ValueError:
+                continue
+            found.append(int(meta.get("next_iteration", -1)))
+            if found[-1] == iteration:
+                return cand
+    raise ValueError(f"{root}: no checkpoint after iteration {iteration}; checkpoints exist after iterations "
+                     f"{sorted(set(found)) or 'none'}")
+
+
+def main(args: argparse.Namespace) -> int:
+    ckpt = find_checkpoint(args.run_dir, args.iteration)
+    out = export_checkpoint(ckpt, args.model, args.out, dtype=args.dtype)
+    done = checkpoint.read_meta(ckpt).get("next_iteration")
+    print(f"exported {args.model} after iteration {done} from {ckpt} to {out}")
+    return 0

@@ -1,0 +1,123 @@
+"""Token ids the runtime needs from the tokenizer or checkpoint, and the decoded-sample log.
+
+``SpecialTokens``: where generation stops (EOS ids) and what pads a row. The experiment's
+tokenizer decides; without one, the generating model's checkpoint (``generation_config.json``,
+then ``config.json``); a random-init model with a token-id dataset has no EOS and pads with 0.
+Master and workers compute it the same way from the same files.
+
+``SampleLog``: every ``sample_every`` iterations the call that scores sequences (output role
+``rewards``) appends its first ``n_samples`` sequences to ``samples.jsonl`` in the run directory,
+decoded when there is a tokenizer::
+
+    {"iteration": 0, "seq": 0, "prompt": "...", "response": "...", "reward": 0.42, "eos": true,
+     "prompt_ids": [...], "response_ids": [...]}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+
+from realloc.api import ExperimentSpec, InterfaceType
+
+if TYPE_CHECKING:
+    from realloc.data.tokenizer import Tokenizer
+
+SAMPLES_FILE = "samples.jsonl"
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecialTokens:
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int = 0
+    bos_token_id: int | None = None
+
+    @classmethod
+    def of(cls, spec: ExperimentSpec, tokenizer: "Tokenizer | None") -> "SpecialTokens":
+        if tokenizer is not None:
+            return cls(tuple(tokenizer.eos_token_ids), tokenizer.pad_token_id, tokenizer.bos_token_id)
+        for r in spec.rpcs:
+            src = spec.models.get(r.model_name)
+            if r.interface_type is InterfaceType.GENERATE and src is not None:
+                return cls.from_checkpoint(src.path)
+        return cls()
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path) -> "SpecialTokens":
+        """Ids from ``generation_config.json`` where present, else ``config.json``."""
+        merged: dict[str, Any] = {}
+        for name in ("config.json", "generation_config.json"):
+            f = Path(path) / name
+            if f.is_file():
+                merged.update({k: v for k, v in json.loads(f.read_text()).items() if v is not None})
+        eos = merged.get("eos_token_id")
+        eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
+        pad = merged.get("pad_token_id")
+        pad = int(pad) if pad is not None else (eos_ids[0] if eos_ids else 0)
+        bos = merged.get("bos_token_id")
+        return cls(eos_ids, pad, int(bos) if bos is not None else None)
+
+    def hf_ids(self) -> dict[str, Any]:
+        """The ids as config.json / generation_config.json write them (eos: an int or a list)."""
+        eos: Any = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else (
+            self.eos_token_ids[0] if self.eos_token_ids else None)
+        return {"bos_token_id": self.bos_token_id, "eos_token_id": eos, "pad_token_id": self.pad_token_id}
+
+
+class SampleLog:
+    def __init__(self, run_dir: str | Path, tokenizer: "Tokenizer | None", every: int, count: int) -> None:
+        self.path = Path(run_dir) / SAMPLES_FILE
+        self.tokenizer = tokenizer
+        self.every = every
+        self.count = count
+
+    def wanted(self, iteration: int, ids: range) -> list[int]:
+        """Local rows to log: the batch's first ``count`` sequences that this dp rank holds."""
+        if self.every <= 0 or self.count <= 0 or iteration % self.every:
+            return []
+        return [i - ids.start for i in ids if i < self.count]
+
+    def write(self, iteration: int, ids: range, seq: Mapping[str, torch.Tensor], scores: torch.Tensor) -> None:
+        rows = self.wanted(iteration, ids)
+        if not rows:
+            return
+        lines = []
+        for r in rows:
+            plen, n = int(seq["prompt_lens"][r]), int(seq["gen_mask"][r].sum())
+            prompt = seq["tokens"][r, :plen].tolist()
+            response = seq["tokens"][r, plen:plen + n].tolist()
+            rec: dict[str, Any] = {"iteration": iteration, "seq": ids.start + r}
+            if self.tokenizer is not None:
+                rec["prompt"] = self.tokenizer.decode(prompt, skip_special_tokens=False)
+                rec["response"] = self.tokenizer.decode(response, skip_special_tokens=False)
+            rec.update({"reward": float(scores[r]), "prompt_ids": prompt, "response_ids": response})
+            lines.append(json.dumps(rec) + "\n")
+        with self.path.open("a") as f:
+            f.write("".join(lines))
+
+
+def check_data(spec: ExperimentSpec, config: Any, graph: Any) -> str | None:
+    """Load the tokenizer and the prompt dataset as the workers will, before any worker starts, and check
+    them against the models (every model reads the tokenizer's ids). Returns a one-line summary, or None
+    when the experiment reads no dataset."""
+    from realloc.data.prompts import PromptDataset
+    from realloc.data.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load(config.tokenizer) if config.tokenizer else None
+    vocab_sizes = {m: cfg.vocab_size for m, cfg in graph.model_configs.items() if cfg is not None}
+    if tokenizer is not None:
+        for m, v in vocab_sizes.items():
+            tokenizer.check_model_vocab(v, f"model {m!r}")
+    if config.dataset is None:
+        return None
+    gen = [vocab_sizes[r.model_name] for r in spec.rpcs
+           if r.interface_type is InterfaceType.GENERATE and r.model_name in vocab_sizes]
+    data = PromptDataset.load(config.dataset, spec.prompt_len, tokenizer=tokenizer, config=config.data,
+                              vocab_size=min(gen) if gen else None)
+    where = f"tokenizer {config.tokenizer}" if tokenizer is not None else "token ids"
+    stats = getattr(data, "stats", None)
+    return f"{config.dataset}: {stats.describe() if stats is not None else f'{len(data)} prompts'} ({where})"
