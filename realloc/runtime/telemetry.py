@@ -153,6 +153,9 @@ def iteration_metrics(iteration: int, call_stats: dict[str, dict[str, float]], n
     out: dict[str, Any] = {"iteration": iteration_number(iteration)}
     if merged.get("n_seqs_scored"):
         out["reward"] = merged["score_sum"] / merged["n_seqs_scored"]
+    if merged.get("n_seqs"):  # generation: mean response length and the share that stopped at EOS
+        out["response_len"] = merged.get("gen_tokens", 0.0) / merged["n_seqs"]
+        out["eos_frac"] = merged.get("eos_stops", 0.0) / merged["n_seqs"]
     for k in ("kl", "actor_loss", "critic_loss", "approx_kl", "actor_clip_frac", "critic_clip_frac",
               "actor_grad_norm", "critic_grad_norm", "value_mean", "return_mean", "adv_abs_mean", "actor_lr",
               "critic_lr"):
