@@ -68,12 +68,14 @@ class PPOConfig:
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
 
-def ppo_rpcs(actor: str, critic: str, reward: str | None = None, ref: str | None = None,
-             n_minibatches: int = 8, reward_impl: str = "reward",
+def ppo_rpcs(actor: str | None = None, critic: str | None = None, reward: str | None = None,
+             ref: str | None = None, n_minibatches: int = 8, reward_impl: str = "reward",
              reward_args: dict | None = None) -> list[ModelFunctionCallDef]:
-    """The six calls of PPO: generation, three inferences and two train steps.
+    """The six calls of PPO: generation, three inferences and two train steps, on models named
+    actor, reward, ref and critic.
 
-    ``reward`` and ``ref`` default to the critic's and the actor's model types.
+    The arguments are model types. ``reward`` and ``ref`` default to the critic's and the actor's.
+    Leave a type out (None) for a model that comes from a checkpoint in the experiment's ``models``.
     """
     inputs = ["seq", "logp", "ref_logp", "rewards", "values"]
     return [
