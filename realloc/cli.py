@@ -28,6 +28,11 @@ def _cmd_show(args: argparse.Namespace) -> int:
     print(f"cluster    {cluster.describe()}")
     print(f"workload   batch {spec.batch_size}, prompt {spec.prompt_len} + generation {spec.gen_len} tokens")
     print(f"graph      {len(spec.rpcs)} calls, {graph.graph.number_of_edges()} edges, digest {graph.digest}")
+    for model, src in spec.models.items():
+        print(f"checkpoint {model}: {src.path}{' (new value head)' if src.new_value_head else ''}")
+    data_line = _check_data(spec, graph)
+    if data_line:
+        print(f"prompts    {data_line}")
     print()
     print(graph.describe())
     print()
@@ -41,6 +46,17 @@ def _cmd_show(args: argparse.Namespace) -> int:
         print(f"  {name:<{w}}{n:>8}")
     print(f"  {'plan space':<{w}}{total:>8.2e}")
     return 0
+
+
+def _check_data(spec, graph) -> str | None:  # type: ignore[no-untyped-def]
+    """Tokenizer and prompts loaded as a run would (errors here, before anything starts)."""
+    from realloc.runtime.run_config import RunConfig
+    from realloc.runtime.text_io import check_data
+
+    config = RunConfig.of(spec, require_dataset=False)
+    if config.dataset is None and config.tokenizer is None:
+        return None
+    return check_data(spec, config, graph)
 
 
 def _not_yet(what: str, issue: int) -> Callable[[argparse.Namespace], int]:

@@ -39,7 +39,7 @@ class RunConfig:
     n_samples: int = 4
 
     @classmethod
-    def of(cls, spec: ExperimentSpec) -> "RunConfig":
+    def of(cls, spec: ExperimentSpec, require_dataset: bool = True) -> "RunConfig":
         cfg = spec.config
         seed = getattr(cfg, "seed", 1)
         if not isinstance(seed, int) or isinstance(seed, bool):
@@ -54,7 +54,7 @@ class RunConfig:
         dataset = getattr(cfg, "dataset", None)
         if dataset is not None:
             dataset = str(spec.resolve_path(dataset))
-        elif any(k in spec.dataset_keys for r in spec.rpcs for k in r.input_data):
+        elif require_dataset and any(k in spec.dataset_keys for r in spec.rpcs for k in r.input_data):
             raise ValueError(f"experiment {spec.name!r} reads prompts (dataset keys {list(spec.dataset_keys)}) but "
                              f"names no prompt file: pass --set dataset=/path/to/prompts.jsonl or set `dataset` in "
                              f"the experiment (.jsonl/.json/.parquet text, chat or token-id prompts; see realloc/data/prompts.py)")
