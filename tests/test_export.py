@@ -1,0 +1,109 @@
+"""`realloc export`: a (tp, pp) run checkpoint merged into a HF directory that transformers loads.
+
+The checkpoint is written here by hand from known full tensors, cut with the same
+``ParamSpec.shard_slices`` the workers use, so the merge is checked against the tensors
+themselves (bit for bit), independently of the runtime. The end-to-end path (a real tp=2, pp=2 run
+exported and compared with transformers) is in test_runtime_hf_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from realloc.models.config import ModelConfig
+from realloc.models.param_layout import param_specs, stage_param_specs
+from realloc.models.weights import full_state_dict
+from realloc.runtime import checkpoint
+from realloc.runtime.export import export_checkpoint, find_checkpoint, model_record
+from realloc.strategy import ParallelStrategy
+
+REPO = Path(__file__).resolve().parents[1]
+CFG = ModelConfig("t", vocab_size=96, hidden_size=64, intermediate_size=128, n_layers=3, n_heads=4, n_kv_heads=2,
+                  max_position_embeddings=64, norm_eps=1e-6)
+
+
+def _fake_checkpoint(root: Path, cfg: ModelConfig, tp: int, pp: int, iteration: int, seed: int = 0,
+                     ids: dict | None = None) -> tuple[Path, dict[str, torch.Tensor]]:
+    full = full_state_dict(cfg, seed)
+    ckpt = root / "checkpoints" / checkpoint.checkpoint_name(iteration)
+    for stage in range(pp):
+        for r in range(tp):
+            tensors = {f"param/{s.name}": full[s.name][s.shard_slices(tp, r)].contiguous()
+                       for s in stage_param_specs(cfg, pp, stage)}
+            tensors["optim/model.norm.weight/exp_avg"] = torch.zeros(1)  # optimizer state is not exported
+            path = checkpoint.shard_file(ckpt, "actor", r, stage)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, str(path))
+    rec = model_record(cfg, ParallelStrategy(1, tp, pp), None, None,
+                       ids or {"bos_token_id": 1, "eos_token_id": [2, 5], "pad_token_id": 0})
+    meta = {"format": checkpoint.CHECKPOINT_FORMAT, "iteration": iteration, "next_iteration": iteration + 1,
+            "experiment": "T", "models": {"actor": rec}}
+    (ckpt / checkpoint.META).write_text(json.dumps(meta))
+    return ckpt, full
+
+
+@pytest.mark.parametrize("tp, pp, tie, critic", [(2, 2, False, False), (1, 3, True, False), (2, 1, False, True)])
+def test_export_merges_shards_exactly_and_loads_in_transformers(tmp_path, tp, pp, tie, critic):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    cfg = CFG.as_critic() if critic else ModelConfig(**{**CFG.__dict__, "tie_embeddings": tie})
+    ckpt, full = _fake_checkpoint(tmp_path / "run", cfg, tp, pp, iteration=4)
+    out = export_checkpoint(ckpt, "actor", tmp_path / "hf", max_file_bytes=40_000)  # several files
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(files) > 1 and (out / "model.safetensors.index.json").is_file()
+    cls = AutoModelForSequenceClassification if critic else AutoModelForCausalLM
+    hf = cls.from_pretrained(out)
+    state = hf.state_dict()
+    for s in param_specs(cfg):
+        assert torch.equal(state[s.name], full[s.name]), s.name
+    if tie:
+        assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert (gen["bos_token_id"], gen["eos_token_id"], gen["pad_token_id"]) == (1, [2, 5], 0)
+    assert hf.config.pad_token_id == 0
+    with torch.no_grad():  # it runs
+        hf(input_ids=torch.tensor([[3, 4, 5]]))
+
+
+def test_export_refuses_what_it_cannot_do(tmp_path):
+    ckpt, _ = _fake_checkpoint(tmp_path / "run", CFG, 2, 1, iteration=0)
+    with pytest.raises(ValueError, match="no trained model 'ref'.*frozen"):
+        export_checkpoint(ckpt, "ref", tmp_path / "a")
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "x").write_text("x")
+    with pytest.raises(ValueError, match="not empty"):
+        export_checkpoint(ckpt, "actor", tmp_path / "busy")
+    checkpoint.shard_file(ckpt, "actor", 1, 0).unlink()
+    with pytest.raises(ValueError, match="tp1_pp0"):
+        export_checkpoint(ckpt, "actor", tmp_path / "b")
+    assert not (tmp_path / "b").exists()
+
+
+def test_cli_picks_the_checkpoint_by_completed_iterations(tmp_path):
+    run = tmp_path / "run"
+    _fake_checkpoint(run, CFG, 1, 1, iteration=1, seed=1)
+    _, full = _fake_checkpoint(run, CFG, 1, 1, iteration=3, seed=3)
+    assert find_checkpoint(run, None).name == checkpoint.checkpoint_name(3)
+    assert find_checkpoint(run, 2).name == checkpoint.checkpoint_name(1)
+    with pytest.raises(ValueError, match=r"after iterations \[2, 4\]"):
+        find_checkpoint(run, 3)
+    cmd = [sys.executable, "-m", "realloc.cli", "export", str(run), "--model", "actor", "--out", str(tmp_path / "o"),
+           "--iteration", "4", "--dtype", "bfloat16"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+    from safetensors.torch import load_file
+
+    got = load_file(str(tmp_path / "o" / "model.safetensors"))
+    assert got["model.norm.weight"].dtype == torch.bfloat16
+    assert torch.equal(got["lm_head.weight"], full["lm_head.weight"].bfloat16())
+    bad = subprocess.run(cmd[:-4] + ["--out", str(tmp_path / "p"), "--iteration", "7"], capture_output=True,
+                         text=True, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert bad.returncode == 2 and "no checkpoint after iteration 7" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
