@@ -32,7 +32,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
         print(f"checkpoint {model}: {src.path}{' (new value head)' if src.new_value_head else ''}")
     data_line = _check_data(spec, graph)
     if data_line:
-        print(f"prompts    {data_line}")
+        print(data_line)
     print()
     print(graph.describe())
     print()

@@ -119,5 +119,4 @@ def check_data(spec: ExperimentSpec, config: Any, graph: Any) -> str | None:
     data = PromptDataset.load(config.dataset, spec.prompt_len, tokenizer=tokenizer, config=config.data,
                               vocab_size=min(gen) if gen else None)
     where = f"tokenizer {config.tokenizer}" if tokenizer is not None else "token ids"
-    stats = getattr(data, "stats", None)
-    return f"{config.dataset}: {stats.describe() if stats is not None else f'{len(data)} prompts'} ({where})"
+    return f"{data.stats.describe()} ({where})"
