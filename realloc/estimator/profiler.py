@@ -321,7 +321,8 @@ class LayerProfiler:
         def small() -> torch.Tensor:
             return torch.randn(b, T, generator=g) * 0.1
 
-        inputs = {"seq": {"tokens": tokens, "gen_mask": torch.ones(b, T, dtype=torch.bool)},
+        inputs = {"seq": {"tokens": tokens, "prompt_lens": torch.full((b,), P, dtype=torch.long),
+                          "gen_mask": torch.ones(b, T, dtype=torch.bool)},
                   "logp": {"logp": small()}, "ref_logp": {"logp": small()}, "values": {"values": small()},
                   "rewards": {"score": torch.randn(b, generator=g)}}
         call = ModelFunctionCallDef(name="actor_train", model_name="actor", model_type=self.cfg.name,
