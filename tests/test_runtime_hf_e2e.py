@@ -156,9 +156,9 @@ def test_samples_match_transformers(runs, experiment):
     reward = AutoModelForSequenceClassification.from_pretrained(root / "reward").eval()
     eos = json.loads((root / "actor/generation_config.json").read_text())["eos_token_id"]
     samples = [json.loads(line) for line in (runs["one_device"] / "samples.jsonl").read_text().splitlines()]
-    first = [s for s in samples if s["iteration"] == 0]
+    first = [s for s in samples if s["iteration"] == 1]
     assert [s["seq"] for s in first] == [0, 1, 2, 3]
-    assert {s["iteration"] for s in samples} == set(range(ITERS))
+    assert {s["iteration"] for s in samples} == set(range(1, ITERS + 1))
     lengths = set()
     for s in first:
         assert s["prompt"] and isinstance(s["response"], str)

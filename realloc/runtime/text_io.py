@@ -5,11 +5,12 @@ tokenizer decides; without one, the generating model's checkpoint (``generation_
 then ``config.json``); a random-init model with a token-id dataset has no EOS and pads with 0.
 Master and workers compute it the same way from the same files.
 
-``SampleLog``: every ``sample_every`` iterations the call that scores sequences (output role
-``rewards``) appends its first ``n_samples`` sequences to ``samples.jsonl`` in the run directory,
-decoded when there is a tokenizer::
+``SampleLog``: in iteration 1 and every ``sample_every`` iterations after it (1, 11, 21, ... for 10),
+the call that scores sequences (output role ``rewards``) appends its first ``n_samples`` sequences to
+``samples.jsonl`` in the run directory, decoded when there is a tokenizer; iterations count from 1 as
+in metrics.jsonl::
 
-    {"iteration": 0, "seq": 0, "prompt": "...", "response": "...", "reward": 0.42, "eos": true,
+    {"iteration": 1, "seq": 0, "prompt": "...", "response": "...", "reward": 0.42, "eos": true,
      "prompt_ids": [...], "response_ids": [...]}
 """
 
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 
 from realloc.api import ExperimentSpec, InterfaceType
+from realloc.runtime.telemetry import iteration_number
 
 if TYPE_CHECKING:
     from realloc.data.tokenizer import Tokenizer
@@ -76,7 +78,8 @@ class SampleLog:
         self.count = count
 
     def wanted(self, iteration: int, ids: range) -> list[int]:
-        """Local rows to log: the batch's first ``count`` sequences that this dp rank holds."""
+        """Local rows to log (``iteration`` counts from 0 here): the batch's first ``count`` sequences that
+        this dp rank holds."""
         if self.every <= 0 or self.count <= 0 or iteration % self.every:
             return []
         return [i - ids.start for i in ids if i < self.count]
@@ -90,7 +93,7 @@ class SampleLog:
             plen, n = int(seq["prompt_lens"][r]), int(seq["gen_mask"][r].sum())
             prompt = seq["tokens"][r, :plen].tolist()
             response = seq["tokens"][r, plen:plen + n].tolist()
-            rec: dict[str, Any] = {"iteration": iteration, "seq": ids.start + r}
+            rec: dict[str, Any] = {"iteration": iteration_number(iteration), "seq": ids.start + r}
             if self.tokenizer is not None:
                 rec["prompt"] = self.tokenizer.decode(prompt, skip_special_tokens=False)
                 rec["response"] = self.tokenizer.decode(response, skip_special_tokens=False)
