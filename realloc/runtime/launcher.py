@@ -49,6 +49,11 @@ class RunPaths:
         return self.root / "metrics.jsonl"
 
     @property
+    def prompt_cache(self) -> Path:
+        """Tokenized prompts (realloc/data/cache.py): written by `realloc run` before launch, read by the workers."""
+        return self.root / "prompt_cache"
+
+    @property
     def trace(self) -> Path:
         return self.root / "trace.json"
 

@@ -121,11 +121,12 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--iterations {total}: the checkpoint already completed {start} iterations; ask for more")
     from realloc.runtime.text_io import check_data
 
-    data_line = check_data(spec, config, graph)  # fail here, in one line, rather than in every worker
+    run = RunPaths(_run_dir(args, spec, ckpt).resolve())
+    # Fail here, in one line, rather than in every worker; and tokenize once: the workers read the cache.
+    data_line = check_data(spec, config, graph, cache_dir=None if args.dry_run else run.prompt_cache)
     slurm = slurm_options(args) if args.launcher == "slurm" else None
     plan, plan_source = _choose_plan(args, spec, ckpt)
     program = RuntimeProgram(graph, plan)  # validates the plan against the experiment and cluster
-    run = RunPaths(_run_dir(args, spec, ckpt).resolve())
     run_id = args.run_id or secrets.token_hex(8)
     experiment = spec.source or args.experiment
 

@@ -103,7 +103,7 @@ class SampleLog:
             f.write("".join(lines))
 
 
-def check_data(spec: ExperimentSpec, config: Any, graph: Any) -> str | None:
+def check_data(spec: ExperimentSpec, config: Any, graph: Any, cache_dir: Path | None = None) -> str | None:
     """Load the tokenizer and the prompt dataset as the workers will, before any worker starts, and check
     them against the models (every model reads the tokenizer's ids). Returns a one-line summary, or None
     when the experiment reads no dataset."""
@@ -120,6 +120,6 @@ def check_data(spec: ExperimentSpec, config: Any, graph: Any) -> str | None:
     gen = [vocab_sizes[r.model_name] for r in spec.rpcs
            if r.interface_type is InterfaceType.GENERATE and r.model_name in vocab_sizes]
     data = PromptDataset.load(config.dataset, spec.prompt_len, tokenizer=tokenizer, config=config.data,
-                              vocab_size=min(gen) if gen else None)
+                              vocab_size=min(gen) if gen else None, cache_dir=cache_dir)
     where = f"tokenizer {config.tokenizer}" if tokenizer is not None else "token ids"
     return f"{data.stats.describe()} ({where})"

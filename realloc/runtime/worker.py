@@ -43,6 +43,7 @@ from realloc.runtime import checkpoint, protocol
 from realloc.runtime.data_store import DataStore, pack_rows, row_bytes, unpack_rows
 from realloc.data.prompts import PromptDataset
 from realloc.data.tokenizer import Tokenizer
+from realloc.runtime.launcher import RunPaths
 from realloc.runtime.offload import HostOffload
 from realloc.runtime.param_realloc import Reallocator
 from realloc.runtime.program import CallLayout, LayoutKey, RuntimeProgram
@@ -250,7 +251,8 @@ class ModelWorker:
         if any(k in self.spec.dataset_keys for r in self.spec.rpcs for k in r.input_data
                if self.rank in prog.calls[r.name].ranks):
             self.dataset = PromptDataset.load(self.config.dataset, self.spec.prompt_len, tokenizer=self.tokenizer,
-                                              config=self.config.data, vocab_size=prog.generation_vocab_size())
+                                              config=self.config.data, vocab_size=prog.generation_vocab_size(),
+                                              cache_dir=RunPaths(self.run_dir).prompt_cache)
         if resume:
             self.load(Path(resume))
 
