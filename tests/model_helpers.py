@@ -54,7 +54,7 @@ def build_model(ctx, cfg: ModelConfig, dp: int, tp: int, pp: int, *, hf_path: st
     from realloc.models.hf_io import load_hf_checkpoint
     from realloc.strategy import ParallelStrategy
 
-    layout = ModelLayout(device_ids or tuple(range(dp * tp * pp)), ParallelStrategy(dp, tp, pp), cfg.tie_embeddings)
+    layout = ModelLayout.for_model(cfg, device_ids or tuple(range(dp * tp * pp)), ParallelStrategy(dp, tp, pp))
     ctx.groups.ensure_layouts([layout])
     if ctx.rank not in layout.device_ids:
         return None

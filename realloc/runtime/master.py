@@ -260,7 +260,7 @@ class Master:
         sets = set(self.program.startup_rank_sets())
         for cl in self.program.all_layouts().values():
             cfg = self.program.model_config(cl.model)
-            sets.update(ModelLayout.from_mesh(cl.mesh, cl.strategy, cfg.tie_embeddings).rank_sets())
+            sets.update(ModelLayout.for_model(cfg, cl.mesh, cl.strategy).rank_sets())
         return sets
 
     def _send(self, ranks: Any, kind: str, label: str, iteration: int, node: str,

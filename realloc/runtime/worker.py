@@ -208,14 +208,14 @@ class ModelWorker:
         layouts = []
         for cl in prog.all_layouts().values():
             cfg = prog.model_config(cl.model)
-            layouts.append(ModelLayout.from_mesh(cl.mesh, cl.strategy, cfg.tie_embeddings))
+            layouts.append(ModelLayout.for_model(cfg, cl.mesh, cl.strategy))
         self.groups.ensure_layouts(layouts)
         self.groups.ensure_rank_sets(prog.startup_rank_sets())
 
         torch.manual_seed(self.config.seed)
         for key, cl in prog.layouts_on(self.rank).items():
             cfg = prog.model_config(cl.model)
-            g = self.groups.model_groups(ModelLayout.from_mesh(cl.mesh, cl.strategy, cfg.tie_embeddings), self.rank)
+            g = self.groups.model_groups(ModelLayout.for_model(cfg, cl.mesh, cl.strategy), self.rank)
             home = prog.calls[prog.home_call(cl.model)].key == key
             # Parameters start at home; other layouts are filled by reallocation when their turn comes.
             model = ParallelModel(cfg, g, device=self.device, dtype=getattr(torch, prog.param_dtype),
