@@ -174,10 +174,7 @@ def _gather_full(t: torch.Tensor, spec: ParamSpec, g: "ModelParallelGroups") -> 
     src = t.detach().contiguous()
     parts = [torch.empty_like(src) for _ in range(g.tp)] if g.tp_rank == 0 else None
     dist.gather(src, gather_list=parts, dst=g.tp_ranks[0], group=g.tp_group)
-    if parts is None:
-        return None
-    # Replicated KV heads: each distinct shard once, from the first rank holding it.
-    return torch.cat([p for r, p in enumerate(parts) if spec.is_primary(g.tp, r)], dim=spec.tp_dim)
+    return spec.merge_shards(parts) if parts is not None else None
 
 
 @torch.no_grad()

@@ -23,9 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 from functools import lru_cache
+from typing import TYPE_CHECKING, Sequence
 
 from realloc.models.config import ModelConfig
 from realloc.strategy import even_ranges
+
+if TYPE_CHECKING:
+    import torch
 
 EMBED_LAYER = -1  # pseudo layer index of the input embedding
 
@@ -92,6 +96,15 @@ class ParamSpec:
 
     def shard_numel(self, tp: int) -> int:
         return self.numel // self.n_shards(tp)
+
+    def merge_shards(self, parts: "Sequence[torch.Tensor]") -> "torch.Tensor":
+        """The full tensor from the shards of tp ranks 0..tp-1 (each replicated shard taken once)."""
+        tp = len(parts)
+        if self.tp_dim is None:
+            return parts[0]
+        import torch
+
+        return torch.cat([p for r, p in enumerate(parts) if self.is_primary(tp, r)], dim=self.tp_dim)
 
 
 def _block_specs(cfg: ModelConfig, i: int) -> list[ParamSpec]:
