@@ -34,8 +34,9 @@ micro-batch of ``b`` sequences, ``t`` = tp, ``m`` = n_mbs:
 - INFERENCE: one micro-batch's working set of one block, plus logits on the
   last stage (fp32 logits and log-softmax);
 - GENERATE: KV cache of b x (prompt_len + gen_len) positions x L_k layers of the
-  rank's KV heads (n_kv/t, or one whole head when tp exceeds them) for one micro-batch (micro-batches generate one after another, and the stages of
-  a pipeline take turns on it: ``realloc.models.generation``), plus the prefill
+  rank's KV heads (n_kv/t, or one whole head when tp exceeds them) for one
+  micro-batch (micro-batches generate one after another, and the stages of a
+  pipeline take turns on it: ``realloc.models.generation``), plus the prefill
   working set and one row of full-vocabulary logits per sequence.
 """
 
