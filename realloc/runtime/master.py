@@ -33,7 +33,9 @@ import dataclasses
 import datetime
 import json
 import logging
+import signal
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -49,6 +51,7 @@ from realloc.runtime.data_store import row_bytes
 from realloc.runtime.launcher import RunPaths, WorkerLauncher, plan_node_hosts
 from realloc.runtime.program import Realloc, RuntimeProgram
 from realloc.runtime.run_config import RunConfig
+from realloc.runtime.stop_signals import SAVE_SAFETY, StopRequest, StopSignals, checkpoint_seconds_estimate
 from realloc.runtime.telemetry import RequestLog, RequestRecord, RunStats, Trace, iteration_metrics
 from realloc.runtime.transfer_plan import dp_ranges
 
@@ -90,6 +93,7 @@ class Master:
                  *, iterations: int, start_iteration: int = 0, resume: Path | None = None, save_every: int = 0,
                  launcher: WorkerLauncher | None = None, bind_host: str = "127.0.0.1", master_port: int = 0,
                  store_port: int = 0, heartbeat_timeout: float = HEARTBEAT_TIMEOUT, window: int = 2,
+                 stop_signals: StopSignals = StopSignals(),
                  on_iteration: Callable[[dict[str, Any]], None] | None = None) -> None:
         if iterations < 1:
             raise ValueError(f"iterations must be at least 1, got {iterations}")
@@ -163,6 +167,11 @@ class Master:
         self.trace: Trace | None = None
         self.requests: RequestLog | None = None
         self.stats: RunStats | None = None
+        self.stop_signals = stop_signals
+        self.stop: StopRequest | None = None  # set by a stop signal (stop_signals.py)
+        self.all_done: asyncio.Event | None = None  # created when the iterations start
+        self.last_spawned = -1
+        self.longest_save: float | None = None
 
     # -- public ------------------------------------------------------------------------------------------------
     async def run(self) -> dict[str, Any]:
@@ -176,6 +185,7 @@ class Master:
         self.stats = RunStats(self.n_workers)
         receiver = asyncio.create_task(self._receive())
         monitor = asyncio.create_task(self._monitor())
+        restore_signals = self._catch_stop_signals()
         try:
             await self._guard(self._wait_for_workers())
             try:
@@ -206,6 +216,7 @@ class Master:
                 self.launcher.stop(grace=KILL_GRACE, hung=self.hung)
             raise
         finally:
+            restore_signals()
             for t in (receiver, monitor, *self.tasks):
                 t.cancel()
             unfinished = {rec.req: rec for per_rank in self.pending.values() for rec in per_rank.values()}
@@ -237,6 +248,71 @@ class Master:
             except zmq.ZMQError:
                 continue  # never connected or already gone
             sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # a dead peer's error is expected
+
+    # -- stopping on a signal (stop_signals.py) -------------------------------------------------------------------
+    def _catch_stop_signals(self) -> Callable[[], None]:
+        """Route SIGTERM and the warning signal to ``request_stop``; returns a function restoring the handlers."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None  # signal handlers can only be set in the main thread
+        loop = asyncio.get_running_loop()
+        previous = {sig: signal.signal(sig, lambda s, _: loop.call_soon_threadsafe(self.request_stop, s))
+                    for sig in self.stop_signals.time_left}
+
+        def restore() -> None:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return restore
+
+    def request_stop(self, signum: int, source: str = "master") -> None:
+        """Stop after the iterations already running, with a checkpoint if one fits in the time left."""
+        sig = signal.Signals(signum)
+        if self.stop is not None:
+            log.warning("master: %s from %s while already stopping", sig.name, source)
+            return
+        left = self.stop_signals.time_left[sig]
+        self.stop = StopRequest(sig, source, time.monotonic() + left)
+        if self.all_done is None:
+            self.fail(f"stopped by {sig.name} before training started")
+            return
+        log.warning("master: %s (%s): finishing the iterations in flight, then saving a checkpoint if one fits in "
+                    "the %.0f s left", sig.name, source, left)
+
+    def _checkpoint_bytes(self) -> float:
+        """What the busiest worker writes per checkpoint: its trained models' home shards with AdamW state."""
+        prog = self.program
+        # Two fp32 moments per parameter, plus fp32 master weights for 16-bit parameters.
+        per_param = prog.bytes_per_param + 8 + (4 if prog.bytes_per_param < 4 else 0)
+        per_rank = [0.0] * self.n_workers
+        for m in prog.models:
+            if prog.is_trained(m):
+                cl = prog.calls[prog.home_call(m)]
+                shard = prog.model_config(m).total_params * per_param / (cl.strategy.tp * cl.strategy.pp)
+                for r in cl.ranks:
+                    per_rank[r] += shard
+        return max(per_rank)
+
+    async def _stop_after(self, t: int) -> None:
+        """The stop's last step after iteration ``t``: a checkpoint if there is time, then the end of the run."""
+        stop = self.stop
+        assert stop is not None and self.all_done is not None
+        stop.after_iteration = t + 1
+        try:
+            name = self.paths.checkpoints / checkpoint.checkpoint_name(t + 1)
+            if self._saves_after(t):
+                stop.checkpoint = str(name)  # the plan's own save of this iteration
+            else:
+                need = checkpoint_seconds_estimate(self._checkpoint_bytes(), self.longest_save)
+                left = stop.deadline - time.monotonic()
+                if SAVE_SAFETY * need <= left:
+                    await self._save(t)
+                    stop.checkpoint = str(name)
+                else:
+                    stop.note = (f"no checkpoint: one takes about {need:.0f} s and {left:.0f} s were left; the newest "
+                                 f"is in {self.paths.checkpoints}")
+        except RunFailed:
+            pass  # recorded; run() raises it
+        finally:
+            self.all_done.set()
 
     def fail(self, message: str) -> None:
         if self.failure is None:
@@ -341,6 +417,8 @@ class Master:
             log.warning("master: dropped a %s from a second connection claiming %r", body.type, name)
             return
         if isinstance(body, protocol.Heartbeat):
+            if body.stop_signal in self.stop_signals.time_left and self.stop is None:
+                self.request_stop(body.stop_signal, f"worker {rank}")
             now = time.monotonic()
             self.last_heartbeat[rank] = now
             self.first_heartbeat.setdefault(rank, now)
@@ -457,12 +535,13 @@ class Master:
 
     async def _run_iterations(self) -> None:
         first = min(self.end, self.start + self.window)
+        self.all_done = asyncio.Event()
         for t in range(self.start, first):
             self._spawn(t)
-        self.all_done = asyncio.Event()
         await self.all_done.wait()
 
     def _spawn(self, t: int) -> None:
+        self.last_spawned = t
         nodes = self._nodes(t)
         self.remaining[t] = len(nodes)
         self.call_stats[t] = {}
@@ -535,9 +614,12 @@ class Master:
                     self.cached.pop(c, None)
                     self.data_meta.pop(c, None)
             nxt = k + self.window
-            if nxt < self.end:
+            if nxt < self.end and self.stop is None:
                 self._spawn(nxt)
-            if k == self.end - 1:
+            if self.stop is not None and k == self.last_spawned:
+                self.stats.close()
+                self._task(self._stop_after(k))
+            elif k == self.end - 1:
                 self.stats.close()
                 self.all_done.set()
 
@@ -618,6 +700,7 @@ class Master:
 
     async def _save(self, t: int) -> None:
         # Named after the iterations it holds: iter_00000010 is the state after iteration 10 (t = 9).
+        began = time.monotonic()
         done = t + 1
         tmp = checkpoint.begin(self.paths.checkpoints, done)
         rec = self._send(range(self.n_workers), "save", f"checkpoint {done}", t, "save",
@@ -630,6 +713,7 @@ class Master:
                 "experiment": self.spec.name, "graph_digest": self.graph.digest, "run_id": self.run_id,
                 "layouts": layouts}
         await asyncio.to_thread(checkpoint.commit, tmp, self.paths.checkpoints, done, meta, prog.plan.to_json())
+        self.longest_save = max(self.longest_save or 0.0, time.monotonic() - began)
 
 
 def plan_from_checkpoint(ckpt: Path) -> ExecutionPlan:

@@ -173,6 +173,7 @@ class Heartbeat(_Msg):
     type: Literal["heartbeat"] = "heartbeat"
     rank: int
     busy_req: int = -1  # request being executed, -1 when idle
+    stop_signal: int = 0  # a stop signal the worker received (stop_signals.py); the master stops the run
 
 
 class Abort(_Msg):

@@ -19,6 +19,7 @@ import argparse
 import datetime
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -80,13 +81,14 @@ class Heartbeat(threading.Thread):
         self.channel = protocol.Channel(secret, run_id, name)
         self.rank = rank
         self.busy_req = -1
+        self.stop_signal = 0  # reported with every heartbeat once the worker got SIGTERM
         self._stopping = threading.Event()
 
     def run(self) -> None:
         last_answer = time.monotonic()
         while not self._stopping.is_set():
-            self.sock.send_multipart(self.channel.pack(protocol.MASTER, protocol.Heartbeat(rank=self.rank,
-                                                                                        busy_req=self.busy_req)))
+            self.sock.send_multipart(self.channel.pack(protocol.MASTER, protocol.Heartbeat(
+                rank=self.rank, busy_req=self.busy_req, stop_signal=self.stop_signal)))
             deadline = time.monotonic() + HEARTBEAT_INTERVAL
             while (left := deadline - time.monotonic()) > 0 and not self._stopping.is_set():
                 if self.sock.poll(int(left * 1000)):
@@ -149,6 +151,12 @@ class ModelWorker:
         self.store = DataStore()
         self.dataset: PromptDataset | None = None
         self.total_iterations = 0
+
+    def on_stop_signal(self, signum: int, frame: object) -> None:
+        """SIGTERM (a cluster ending the job) does not end this worker: the master is told with the next
+        heartbeat and stops the whole run, with a checkpoint if there is time (stop_signals.py)."""
+        log.warning("worker %d: %s received; the master stops the run", self.rank, signal.Signals(signum).name)
+        self.heartbeat.stop_signal = signum
 
     # -- wire -----------------------------------------------------------------------------------------------
     def _send(self, body: protocol._Msg) -> None:
@@ -435,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
                         force=True)  # a Ray actor's process may come with handlers of its own
     torch.set_num_threads(1)
     worker = ModelWorker(args)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, worker.on_stop_signal)
     try:
         worker.serve()
     finally:
