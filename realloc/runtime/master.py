@@ -48,12 +48,13 @@ from realloc.graph.plan import ExecutionPlan
 from realloc.models.groups import ModelLayout
 from realloc.runtime import checkpoint, protocol
 from realloc.runtime.data_store import row_bytes
+from realloc.runtime.evaluation import eval_calls, eval_key
 from realloc.runtime.launcher import RunPaths, WorkerLauncher, plan_node_hosts
 from realloc.runtime.program import Realloc, RuntimeProgram
 from realloc.runtime.run_config import RunConfig
 from realloc.runtime.stop_signals import SAVE_SAFETY, StopRequest, StopSignals, checkpoint_seconds_estimate
 from realloc.runtime.telemetry import RequestLog, RequestRecord, RunStats, Trace, iteration_metrics
-from realloc.runtime.transfer_plan import dp_ranges
+from realloc.runtime.transfer_plan import DataLayout, TransferPlan, dp_ranges, plan_data_transfer
 
 START_TIMEOUT = 600.0  # seconds for every worker to connect (importing megatron takes a while)
 SHUTDOWN_TIMEOUT = 60.0
@@ -499,9 +500,14 @@ class Master:
                 nodes.append(Node("offload", m, t))
                 if t > self.start:
                     nodes.append(Node("reload", m, t))
+        if self._evaluates(t):
+            nodes += [Node("eval", "generate", t), Node("eval", "reward", t)]
         if self._saves_after(t):
             nodes.append(Node("save", "", t))
         return nodes
+
+    def _evaluates(self, t: int) -> bool:
+        return self.eval_calls is not None and self.config.eval.due(t)
 
     def _deps(self, n: Node) -> list[Node]:
         prog, t = self.program, n.t
@@ -531,6 +537,19 @@ class Master:
             out.append(Node("offload", n.name, t - 1))
         elif n.kind == "save":
             out += [x for x in self._nodes(t) if x.kind != "save"]
+        elif n.kind == "eval":
+            ec = self.eval_calls
+            out += ([Node("call", ec.train, t)] if n.name == "generate" else
+                    [Node("eval", "generate", t), Node("call", ec.reward, t)])
+            return out
+        # An evaluation runs in the layouts of the actor's train step and of the reward call, right after
+        # them: what moves their parameters (reallocation, offload) or changes them (a later iteration)
+        # waits for it too. The same iteration's consumers of the reward do not: the evaluation waits for
+        # the actor's train step, which needs them.
+        anchors = {self.eval_calls.train: "generate", self.eval_calls.reward: "reward"} if self.eval_calls else {}
+        out += [Node("eval", anchors[d.name], d.t) for d in list(out)
+                if d.kind == "call" and d.name in anchors and self._evaluates(d.t)
+                and (n.kind in ("realloc", "offload") or d.t < n.t)]
         return out
 
     async def _run_iterations(self) -> None:
@@ -571,6 +590,8 @@ class Master:
                 await self._wait(rec)
             elif n.kind == "save":
                 await self._save(n.t)
+            elif n.kind == "eval":
+                await self._eval(n)
             t1 = time.time()
             self.trace.add_node(n.label, n.kind, n.t, t0, t1)
             key = n.name if n.kind == "call" else n.kind
@@ -595,6 +616,10 @@ class Master:
             begin = self.iter_end.get(k - 1, self.t_start)
             m = iteration_metrics(k, self.call_stats.pop(k), self.node_times.pop(k), self.iter_end[k] - begin,
                                   self.program.batch_size * self.spec.seq_len)
+            if k in self.eval_stats:
+                ev = self.eval_stats.pop(k)
+                m["eval"] = {"reward": ev["score_sum"] / ev["n_seqs_scored"], "n": int(ev["n_seqs_scored"]),
+                             "greedy": self.config.eval.greedy}
             self.n_reported += 1
             self.stats.on_iteration(m, self.iter_end[k])
             with open(self.paths.metrics, "a") as f:
@@ -683,6 +708,10 @@ class Master:
             entry = (key, *ranges[dp_rank])
             if entry not in cached.setdefault(dev, []):
                 cached[dev].append(entry)
+        return self._send_transfer(key, consumer, t, plan, metas)
+
+    def _send_transfer(self, key: str, consumer: str, t: int, plan: TransferPlan,
+                       metas: list[protocol.TensorMeta]) -> list[RequestRecord]:
         if not plan.transfers:
             return []
         recs = []
@@ -697,6 +726,39 @@ class Master:
                                lambda req: protocol.TransferData(req=req, key=key, iteration=t, dst_call=consumer,
                                                                  tensors=metas, broadcasts=pieces)))
         return recs
+
+    async def _eval(self, n: Node) -> None:
+        """An evaluation pass (``evaluation.py``): generate on the eval batches at the actor's home, then
+        move the sequences to the reward call and score them."""
+        ec, t, prog = self.eval_calls, n.t, self.program
+        seq_key = self.graph.call(ec.generate).output_data[0]
+        for j in range(self.config.eval.batches):
+            if n.name == "generate":
+                rec = self._send(prog.calls[ec.train].ranks, "eval", f"eval generate {j}", t, n.label,
+                                 lambda req, j=j: protocol.RunCall(req=req, call=ec.generate, iteration=t,
+                                                                   eval_batch=j, layout_call=ec.train))
+                for rep in await self._wait(rec):
+                    for out in rep.outputs:
+                        self.data_meta.setdefault((out.key, t), out.tensors)
+                continue
+            key = eval_key(j, seq_key)
+            metas = self.data_meta.pop((key, t))
+            home = prog.calls[ec.train]
+            plan = plan_data_transfer({key: [row_bytes(metas)] * prog.batch_size},
+                                      DataLayout(home.mesh, home.strategy, tuple(range(home.strategy.pp))),
+                                      prog.consumer(ec.reward))
+            moves = self._send_transfer(key, ec.reward, t, plan, metas)
+            rec = self._send(prog.calls[ec.reward].ranks, "eval", f"eval reward {j}", t, n.label,
+                             lambda req, j=j: protocol.RunCall(req=req, call=ec.reward, iteration=t, eval_batch=j))
+            for m in moves:
+                await self._wait(m)
+            stats = self.eval_stats.setdefault(t, {})
+            for rep in await self._wait(rec):
+                for k, v in rep.stats.items():
+                    stats[k] = stats.get(k, 0.0) + v
+        if n.name == "reward":  # the other outputs of the eval generation (logp) are not needed
+            for k in [k for k in self.data_meta if k[1] == t and k[0].startswith("eval")]:
+                self.data_meta.pop(k)
 
     async def _save(self, t: int) -> None:
         # Named after the iterations it holds: iter_00000010 is the state after iteration 10 (t = 9).

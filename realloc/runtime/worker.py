@@ -40,6 +40,7 @@ from realloc.models.groups import ProcessGroupCache
 from realloc.overrides import load_with_overrides
 from realloc.runtime import checkpoint, protocol
 from realloc.runtime.data_store import DataStore, pack_rows, row_bytes, unpack_rows
+from realloc.runtime.evaluation import EVAL_SEED, eval_calls, eval_key, write_eval_samples
 from realloc.data.prompts import PromptDataset
 from realloc.runtime.offload import HostOffload
 from realloc.runtime.param_realloc import Reallocator
@@ -150,6 +151,7 @@ class ModelWorker:
         self.handles: dict[LayoutKey, ModelHandle] = {}
         self.store = DataStore()
         self.dataset: PromptDataset | None = None
+        self.eval_dataset: PromptDataset | None = None
         self.total_iterations = 0
 
     def on_stop_signal(self, signum: int, frame: object) -> None:
@@ -192,7 +194,7 @@ class ModelWorker:
             self.total_iterations = req.total_iterations
             self.setup(req.resume)
         elif isinstance(req, protocol.RunCall):
-            return self.run_call(req.call, req.iteration)
+            return self.run_call(req.call, req.iteration, req.eval_batch, req.layout_call)
         elif isinstance(req, protocol.Reallocate):
             return self.reallocate(req), []
         elif isinstance(req, protocol.TransferData):
@@ -244,6 +246,11 @@ class ModelWorker:
             actor_cfg = next((prog.model_config(m) for m in prog.models if not prog.is_rule(m)), None)
             self.dataset = PromptDataset.load(self.config.dataset, self.spec.prompt_len,
                                               vocab_size=actor_cfg.vocab_size if actor_cfg else None)
+        ev = self.config.eval
+        if ev.every and self.rank in prog.calls[eval_calls(self.spec).train].ranks:  # evaluation generates there
+            actor_cfg = next((prog.model_config(m) for m in prog.models if not prog.is_rule(m)), None)
+            self.eval_dataset = PromptDataset.load(ev.dataset, self.spec.prompt_len,
+                                                   vocab_size=actor_cfg.vocab_size if actor_cfg else None)
         if resume:
             self.load(Path(resume))
 
@@ -263,9 +270,14 @@ class ModelWorker:
         return self.handles.get(self.program.calls[self.program.home_call(model)].key)
 
     # -- calls ------------------------------------------------------------------------------------------------
-    def run_call(self, call: str, iteration: int) -> tuple[dict[str, float], list[protocol.OutputMeta]]:
+    def run_call(self, call: str, iteration: int, eval_batch: int = -1,
+                 layout_call: str = "") -> tuple[dict[str, float], list[protocol.OutputMeta]]:
+        """Run ``call``'s interface in its own layout (or ``layout_call``'s). With ``eval_batch`` >= 0, an
+        evaluation pass: prompts from the eval set, data under ``eval<j>/`` keys (``evaluation.py``)."""
         prog, spec = self.program, self.spec
-        cl = prog.calls[call]
+        cl = prog.calls[layout_call or call]
+        evaluating = eval_batch >= 0
+        key_of = (lambda k: eval_key(eval_batch, k)) if evaluating else (lambda k: k)
         rpc = spec.call(call)
         cfg = prog.model_config(cl.model)
         fn, in_keys, out_keys = impls.resolve(rpc, cfg is not None and cfg.is_critic)
@@ -280,24 +292,31 @@ class ModelWorker:
         inputs: impls.Data = {}
         for role, key in in_keys.items():
             if key in spec.dataset_keys:
-                assert self.dataset is not None
-                tokens = self.dataset.batch(iteration, prog.batch_size, self.config.seed, range(lo, hi))["tokens"]
+                ds, position, seed = ((self.eval_dataset, eval_batch, EVAL_SEED) if evaluating
+                                      else (self.dataset, iteration, self.config.seed))
+                assert ds is not None
+                tokens = ds.batch(position, prog.batch_size, seed, range(lo, hi))["tokens"]
                 inputs[role] = {"tokens": tokens}
             else:
-                inputs[role] = self.store.get(key, iteration, lo, hi)
+                inputs[role] = self.store.get(key_of(key), iteration, lo, hi)
         ctx = impls.CallContext(call=rpc, model=handle.model if handle else None,
                                 optimizer=handle.optimizer if handle else None, ppo=self.config.ppo,
                                 prompt_len=spec.prompt_len, gen_len=spec.gen_len, seed=self.config.seed,
                                 iteration=iteration, ids=range(lo, hi), batch_size=prog.batch_size, n_mbs=cl.n_mbs,
-                                total_iterations=self.total_iterations)
+                                total_iterations=self.total_iterations,
+                                greedy=evaluating and self.config.eval.greedy,
+                                purpose=f"eval{eval_batch}" if evaluating else "generate")
         result = fn(ctx, inputs)
         metas = []
         for role, key in out_keys.items():
             if role in result.outputs:
                 tensors = result.outputs[role]
-                self.store.put(key, iteration, lo, hi, tensors)
-                metas.append(protocol.OutputMeta(key=key, tensors=self.store.meta(key, iteration)))
+                self.store.put(key_of(key), iteration, lo, hi, tensors)
+                metas.append(protocol.OutputMeta(key=key_of(key), tensors=self.store.meta(key_of(key), iteration)))
         reporter = tp_rank == 0 and pp_rank == pp - 1
+        if evaluating and reporter and "rewards" in result.outputs:
+            write_eval_samples(self.run_dir, iteration, self.rank, eval_batch, range(lo, hi), inputs["seq"],
+                               result.outputs["rewards"]["score"], spec.prompt_len)
         stats: dict[str, float] = {}
         if reporter:
             stats.update(result.sums)
