@@ -163,6 +163,8 @@ class Master:
         self.iter_end: dict[int, float] = {}  # the last two finished iterations
         self.n_reported = 0
         self.node_hosts: list[str] = []  # host of each plan node, from the workers' hellos
+        self.eval_calls = eval_calls(self.spec) if config.eval.every else None
+        self.eval_stats: dict[int, dict[str, float]] = {}
         self.tasks: set[asyncio.Task] = set()
         # Created by run(): they stream to the run directory, so a long run keeps a flat memory footprint.
         self.trace: Trace | None = None
