@@ -59,7 +59,7 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results
 
     cfg = get_model_config(args.model)
     cache = ProcessGroupCache()
-    layouts = [ModelLayout(tuple(range(dp * tp * pp)), ParallelStrategy(dp, tp, pp), cfg.tie_embeddings)
+    layouts = [ModelLayout.for_model(cfg, tuple(range(dp * tp * pp)), ParallelStrategy(dp, tp, pp))
                for dp, tp, pp in LAYOUTS if dp * tp * pp <= world
                and strategy_error(cfg, ParallelStrategy(dp, tp, pp), world) is None]
     cache.ensure_layouts(layouts)

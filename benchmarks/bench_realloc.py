@@ -127,12 +127,12 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, queue) 
     cluster = ClusterSpec.from_nodelist("n1", world)
     layouts = [Layout(cluster.mesh(m), s) for m, s in LAYOUTS_2]
     cache = ProcessGroupCache()
-    cache.ensure_layouts([ModelLayout.from_mesh(x.mesh, x.strategy) for x in layouts])
+    cache.ensure_layouts([ModelLayout.for_model(cfg, x.mesh, x.strategy) for x in layouts])
     full = _full(cfg)
     models = {}
     for i, lay in enumerate(layouts):
         if rank in lay.coords_by_device:
-            m = ParallelModel(cfg, cache.model_groups(ModelLayout.from_mesh(lay.mesh, lay.strategy)), init="empty")
+            m = ParallelModel(cfg, cache.model_groups(ModelLayout.for_model(cfg, lay.mesh, lay.strategy)), init="empty")
             _fill(m, full)
             _megatron_metadata(m)
             models[i] = m

@@ -8,13 +8,15 @@ shows that generation, reward, reference and critic inference, training and the 
 reallocation between them are all correct together. No reward model has to be trained.
 
 Prompts are 256 random 8-token sequences shipped in ``data/ppo_tiny_prompts.jsonl``
-(made with ``realloc.data.prompts.write_random_prompts(path, 256, 8, 64, seed=0)``).
+(made with ``realloc.data.prompts.write_random_prompts(path, 256, 8, 64, seed=0)``); the eval set
+``data/ppo_tiny_eval.jsonl`` holds 32 more (``write_random_prompts(path, 32, 8, 64, seed=1)``).
 """
 
 import dataclasses
 
 from realloc.algorithms.ppo_config import PPOConfig
 from realloc.api import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef, auto
+from realloc.runtime.evaluation import EvalConfig
 
 PPO_INPUTS = ["seq", "logp", "ref_logp", "rewards", "values"]
 TARGET_TOKENS = list(range(16, 32))
@@ -27,6 +29,8 @@ class TinyPPO:
     dataset: str = "data/ppo_tiny_prompts.jsonl"  # relative to this file
     iterations: int = 30
     ppo: PPOConfig = PPOConfig(n_minibatches=2, lr=2e-3, critic_lr=2e-3, kl_coef=0.01)
+    # 32 held-out prompts; evaluation is off unless asked for, e.g. --set eval.every=10
+    eval: EvalConfig = EvalConfig(dataset="data/ppo_tiny_eval.jsonl", every=0)
 
     @property
     def rpcs(self):

@@ -173,8 +173,12 @@ def build_parser(commands: dict[str, Callable[[argparse.Namespace], int]] | None
                    help="an srun option for the workers, e.g. --srun-arg container-image=IMAGE (repeatable)")
     s.add_argument("--quiet", action="store_true", help="no progress bar: one plain line per iteration")
     s.add_argument("--heartbeat-timeout", type=float, default=None, metavar="SECONDS",
-                   help="a worker silent this long counts as hung and the run stops about 1.5 s later (default 6; "
+                   help="a worker silent this long counts as hung and the run stops about 1 s later (default 6; "
                    "raise it if workers hold the GIL for long, e.g. while writing huge checkpoints)")
+    s.add_argument("--warning-signal", default="USR1@120", metavar="SIGNAL@SECONDS",
+                   help="this signal means the run is killed SECONDS later: like SIGTERM (30 s), finish the "
+                   "iterations in flight, save a checkpoint if it fits, exit; SLURM jobs request it with "
+                   "--signal=B:SIGNAL@SECONDS (default USR1@120)")
     s.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=True,
                    help="write TensorBoard event files to RUN/tensorboard (default on)")
     s.add_argument("--wandb", default=None, metavar="PROJECT", help="also log to Weights & Biases (offline "

@@ -43,16 +43,28 @@ def parse_sets(sets: Sequence[str]) -> dict[str, str]:
 
 
 def apply_overrides(spec: ExperimentSpec, sets: Sequence[str]) -> ExperimentSpec:
-    """A new spec whose config (and ``@auto`` workload) carry the ``--set`` values."""
+    """A new spec whose config (and ``@auto`` workload) carry the ``--set`` values.
+
+    All keys of one dataclass are replaced at once, so its validation sees them together (e.g.
+    ``eval.every`` and ``eval.dataset``, in either order).
+    """
     config = spec.config
     cls = type(config)
     workload: dict[str, int] = {}
+    tree: dict[str, Any] = {}  # nested: field -> value text, or field -> {subfield: ...}
     for key, text in parse_sets(sets).items():
         head, _, rest = key.partition(".")
         if head in WORKLOAD_FIELDS and not rest and head not in _field_types(cls):
             workload[head] = _parse(text, int, f"--set {key}")
             continue
-        config = _set_path(config, key.split("."), text, key, f"experiment {spec.name}")
+        node = tree
+        *parents, leaf = key.split(".")
+        for i, part in enumerate(parents):
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"--set {key}: {'.'.join(parents[:i + 1])} is also set as a whole")
+        node[leaf] = (key, text)
+    config = _replace(config, tree, f"experiment {spec.name}", "")
     auto = dataclasses.replace(getattr(cls, AUTO_ATTR), **workload)
     return experiment_spec(config, source=spec.source, auto_config=auto)
 
@@ -67,24 +79,30 @@ def _field_types(cls: type) -> dict[str, Any]:
     return {f.name: hints.get(f.name, f.type) for f in dataclasses.fields(cls) if f.init}
 
 
-def _set_path(obj: Any, path: list[str], text: str, key: str, owner: str) -> Any:
-    """``obj`` with the field at ``path`` set from ``text``; ``owner`` names ``obj`` in errors."""
+def _replace(obj: Any, tree: dict[str, Any], owner: str, prefix: str) -> Any:
+    """``obj`` with the fields in ``tree`` set; ``owner`` names ``obj`` in errors, ``prefix`` is its key path."""
     fields = _field_types(type(obj))
-    name = path[0]
-    if name not in fields:
-        extra = f"; workload fields: {', '.join(WORKLOAD_FIELDS)}" if owner.startswith("experiment") else ""
-        raise ValueError(f"--set {key}: {owner} has no field {name!r} (fields: {', '.join(fields) or 'none'}{extra})")
-    current = getattr(obj, name)
-    if len(path) > 1:
+    changes = {}
+    for name, sub in tree.items():
+        key = sub[0] if isinstance(sub, tuple) else f"{prefix}{name}"
+        if name not in fields:
+            extra = f"; workload fields: {', '.join(WORKLOAD_FIELDS)}" if not prefix else ""
+            raise ValueError(f"--set {key}: {owner} has no field {name!r} (fields: {', '.join(fields) or 'none'}"
+                             f"{extra})")
+        if isinstance(sub, tuple):
+            changes[name] = _parse(sub[1], fields[name], f"--set {key}")
+            continue
+        current = getattr(obj, name)
         if not dataclasses.is_dataclass(current):
-            raise ValueError(f"--set {key}: {name} is a {type(current).__name__}, not a group of fields")
-        value = _set_path(current, path[1:], text, key, name if owner.startswith("experiment") else f"{owner}.{name}")
-    else:
-        value = _parse(text, fields[name], f"--set {key}")
+            first = next(iter(sub))
+            raise ValueError(f"--set {prefix}{name}.{first}: {name} is a {type(current).__name__}, not a group of "
+                             f"fields")
+        changes[name] = _replace(current, sub, f"{prefix}{name}", f"{prefix}{name}.")
     try:
-        return dataclasses.replace(obj, **{name: value})
+        return dataclasses.replace(obj, **changes)
     except (TypeError, ValueError) as e:  # the dataclass's own validation (__post_init__)
-        raise ValueError(f"--set {key}={text}: {e}") from None
+        sets = " ".join(f"{prefix}{n}=..." for n in changes)
+        raise ValueError(f"--set {sets}: {e}") from None
 
 
 def _parse(text: str, tp: Any, what: str) -> Any:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator
 
-from realloc.models.config import ModelConfig
+from realloc.models.config import ModelConfig, tp_error
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -68,9 +68,9 @@ def divisors(n: int) -> list[int]:
 
 def strategy_error(model: ModelConfig, strategy: ParallelStrategy, devices_per_node_in_mesh: int) -> str | None:
     """Why ``strategy`` cannot hold ``model`` on a mesh, or None if it can."""
-    if model.n_heads % strategy.tp or model.n_kv_heads % strategy.tp:
-        return (f"tp={strategy.tp} must divide the attention heads ({model.n_heads}) "
-                f"and KV heads ({model.n_kv_heads}) of {model.name}")
+    err = tp_error(model, strategy.tp)
+    if err:
+        return err
     if devices_per_node_in_mesh % strategy.tp:
         return f"tp={strategy.tp} must divide the {devices_per_node_in_mesh} devices the mesh uses per node"
     if strategy.pp > model.n_layers:

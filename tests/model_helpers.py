@@ -10,29 +10,36 @@ from realloc.models.config import ModelConfig
 
 
 def tiny_hf_config(*, kv_heads: int = 2, tie: bool = False, llama3_rope: bool = False, layers: int = 4,
-                   vocab: int = 128, critic: bool = False):
-    from transformers import LlamaConfig
+                   vocab: int = 128, critic: bool = False, family: str = "llama"):
+    """A tiny LLaMA or Qwen2 config (Qwen2: rope_theta 1e6 as in Qwen2.5, q/k/v biases)."""
+    from transformers import LlamaConfig, Qwen2Config
 
-    rope = {"rope_type": "default", "rope_theta": 5000.0}
+    rope = {"rope_type": "default", "rope_theta": 1e6 if family == "qwen2" else 5000.0}
     if llama3_rope:
         rope = {"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
     kw = dict(num_labels=1, pad_token_id=0) if critic else {}
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[family]
     # initializer_range 0.1 (not 0.02) gives peaked logits, so greedy decoding has clear winners
     # and cannot flip on the last bit of a reduction order.
-    return LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=176, num_hidden_layers=layers,
-                       num_attention_heads=4, num_key_value_heads=kv_heads, rope_parameters=rope,
-                       tie_word_embeddings=tie, rms_norm_eps=1e-6, max_position_embeddings=256,
-                       initializer_range=0.1, attn_implementation="eager", **kw)
+    return cls(vocab_size=vocab, hidden_size=64, intermediate_size=176, num_hidden_layers=layers,
+               num_attention_heads=4, num_key_value_heads=kv_heads, rope_parameters=rope,
+               tie_word_embeddings=tie, rms_norm_eps=1e-6, max_position_embeddings=256,
+               initializer_range=0.1, attn_implementation="eager", **kw)
 
 
-def tiny_hf_model(path: Path, seed: int = 0, **kw):
-    """A random HF LLaMA (or sequence-classification critic), saved as safetensors under ``path``."""
-    from transformers import LlamaForCausalLM, LlamaForSequenceClassification
+def tiny_hf_model(path: Path, seed: int = 0, family: str = "llama", **kw):
+    """A random HF LLaMA or Qwen2 (or its sequence-classification critic), saved as safetensors under ``path``."""
+    import transformers
 
     torch.manual_seed(seed)
-    cls = LlamaForSequenceClassification if kw.get("critic") else LlamaForCausalLM
-    model = cls(tiny_hf_config(**kw)).eval()
+    prefix = {"llama": "Llama", "qwen2": "Qwen2"}[family]
+    cls = getattr(transformers, prefix + ("ForSequenceClassification" if kw.get("critic") else "ForCausalLM"))
+    model = cls(tiny_hf_config(family=family, **kw)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):  # HF initializes biases to zero, which would test nothing
+                p.normal_(0.0, 0.1)
     model.save_pretrained(path, safe_serialization=True)
     return model
 
@@ -54,7 +61,7 @@ def build_model(ctx, cfg: ModelConfig, dp: int, tp: int, pp: int, *, hf_path: st
     from realloc.models.hf_io import load_hf_checkpoint
     from realloc.strategy import ParallelStrategy
 
-    layout = ModelLayout(device_ids or tuple(range(dp * tp * pp)), ParallelStrategy(dp, tp, pp), cfg.tie_embeddings)
+    layout = ModelLayout.for_model(cfg, device_ids or tuple(range(dp * tp * pp)), ParallelStrategy(dp, tp, pp))
     ctx.groups.ensure_layouts([layout])
     if ctx.rank not in layout.device_ids:
         return None

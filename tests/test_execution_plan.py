@@ -74,8 +74,10 @@ def test_world_size_mismatch(graph):
 
 
 def test_strategy_illegal_for_model(graph):
+    # tp=16 could hold LLaMA-3-8B's 32 heads (its 8 KV heads replicated twice), but a tp group
+    # must stay inside a node (strategy_error; the model's own rule is tests/test_tp_rule.py)
     plan = table5_plan(graph, ref_inf=CallPlacement(mesh="trainer[01-02]", dp=1, tp=16, pp=1))
-    with pytest.raises(ValueError, match="call 'ref_inf': tp=16 must divide the attention heads"):
+    with pytest.raises(ValueError, match="call 'ref_inf': tp=16 must divide the 8 devices the mesh uses per node"):
         validate_plan(plan, graph)
 
 

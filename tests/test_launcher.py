@@ -2,10 +2,12 @@
 
 import json
 import os
+import signal
 import socket
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -179,15 +181,18 @@ FAKE_SCONTROL = """#!/bin/bash
 """
 
 
-def test_generated_script_trains_with_a_stand_in_srun(tmp_path):
-    """The script's rendezvous (TCPStore + ZMQ ports from the job id) works: run it with bash and a fake srun."""
+def test_generated_script_trains_with_a_stand_in_srun_and_stops_on_the_warning_signal(tmp_path):
+    """The script's rendezvous (TCPStore + ZMQ ports from the job id) works: run it with bash and a fake srun.
+    SLURM's warning signal (USR1, 120 s before the time limit) reaches the script, which passes it to the
+    master: it finishes the iterations in flight, saves a checkpoint and exits with 128 + 10."""
     plan = whole_cluster_plan(str(REPO / "experiments/ppo_tiny.py"), dp=2, tp=1)
     plan.save(tmp_path / "plan.json")
     run_dir = tmp_path / "run"
     r = realloc_cli("run", str(REPO / "experiments/ppo_tiny.py"), "--plan", str(tmp_path / "plan.json"),
-                    "--iterations", "2", "--launcher", "slurm", "--prepare", "--run-dir", str(run_dir),
+                    "--iterations", "1000", "--launcher", "slurm", "--prepare", "--run-dir", str(run_dir),
                     "--no-tensorboard")
     assert r.returncode == 0, r.stderr
+    assert "#SBATCH --signal=B:USR1@120" in (run_dir / "job.sbatch").read_text().splitlines()
     bindir = tmp_path / "bin"
     bindir.mkdir()
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
@@ -195,12 +200,24 @@ def test_generated_script_trains_with_a_stand_in_srun(tmp_path):
         (bindir / name).chmod(0o755)
     env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "SLURM_JOB_ID": str(free_job_id()),
            "SLURM_JOB_NODELIST": "n1", "TMPDIR": str(tmp_path), "PYTHONPATH": str(REPO)}
-    job = subprocess.run(["bash", str(run_dir / "job.sbatch")], env=env, cwd=tmp_path, capture_output=True,
-                         text=True, timeout=300)
-    assert job.returncode == 0, job.stdout + job.stderr
-    assert f"plan node 0 (localhost) -> {socket.gethostname()}" in job.stdout
+    with open(tmp_path / "job.out", "w") as out, open(tmp_path / "job.err", "w") as err:
+        job = subprocess.Popen(["bash", str(run_dir / "job.sbatch")], env=env, cwd=tmp_path, stdout=out, stderr=err)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "metrics.jsonl").is_file() and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        job.send_signal(signal.SIGUSR1)
+        job.wait(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    stdout, stderr = (tmp_path / "job.out").read_text(), (tmp_path / "job.err").read_text()
+    assert job.returncode == 128 + signal.SIGUSR1, stdout + stderr
+    assert f"plan node 0 (localhost) -> {socket.gethostname()}" in stdout
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["iteration"] for m in metrics] == [1, 2] and 0.0 <= metrics[0]["reward"] <= 1.0
+    n = len(metrics)
+    assert [m["iteration"] for m in metrics] == list(range(1, n + 1)) and 0.0 <= metrics[0]["reward"] <= 1.0
+    assert f"stopped by SIGUSR1 after iteration {n}; saved {run_dir / 'checkpoints' / f'iter_{n:08d}'}" in stderr
 
 
 def test_local_launcher_refuses_a_gpu_cluster_it_cannot_host(tmp_path):

@@ -1,8 +1,10 @@
 """The parallel model against HuggingFace transformers: logits, greedy decoding, critic values, checkpoint I/O.
 
-A tiny random LlamaForCausalLM is built locally with a seed and saved as safetensors
-(never downloaded), loaded into (tp, pp) layouts on 4 gloo processes, and compared
-with the dense HF model in the test process.
+Tiny random LlamaForCausalLM and Qwen2ForCausalLM models (Qwen2 with random q/k/v
+biases) are built locally with a seed and saved as safetensors (never downloaded),
+loaded into (tp, pp) layouts on 4 gloo processes, and compared with the dense HF
+model in the test process. Models with fewer KV heads than tp (1 KV head at tp=2
+and 4, 2 KV heads at tp=4) exercise KV-head replication.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from mp_pool import GlooPool
 
 WORLD = 4
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tp, pp)
+REPLICATED = [(2, 1), (4, 1)]  # 1 KV head: each rank's head is shared by 2 and 4 ranks
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +40,30 @@ def gqa(tmp_path_factory):
 def tied_llama3(tmp_path_factory):
     path = tmp_path_factory.mktemp("hf_tied")
     return tiny_hf_model(path, seed=1, kv_heads=4, tie=True, llama3_rope=True), path
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf_qwen2")
+    return tiny_hf_model(path, seed=5, family="qwen2", kv_heads=2), path
+
+
+@pytest.fixture(scope="module")
+def qwen2_tied(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf_qwen2_tied")
+    return tiny_hf_model(path, seed=6, family="qwen2", kv_heads=2, tie=True), path
+
+
+@pytest.fixture(scope="module")
+def llama_mqa(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf_llama_mqa")
+    return tiny_hf_model(path, seed=7, kv_heads=1), path
+
+
+@pytest.fixture(scope="module")
+def qwen2_mqa(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf_qwen2_mqa")
+    return tiny_hf_model(path, seed=8, family="qwen2", kv_heads=1), path
 
 
 def _padded_batch(seed: int = 0, lengths=(12, 7, 16, 3)):
@@ -119,7 +146,25 @@ def _check_against_hf(pool, hf, path, layouts):
 @torch.no_grad()
 def test_gqa_model_matches_hf_logits_and_greedy_in_every_layout(pool, gqa):
     hf, path = gqa
+    # tp=4 with 2 KV heads: each KV head on 2 ranks
+    _check_against_hf(pool, hf, path, LAYOUTS + [(4, 1)])
+
+
+@pytest.mark.parametrize("which", ["qwen2", "qwen2_tied"])
+@torch.no_grad()
+def test_qwen2_matches_hf_logits_and_greedy_in_every_layout(pool, which, request):
+    hf, path = request.getfixturevalue(which)
+    cfg = model_config_from_hf(path)
+    assert (cfg.family, cfg.qkv_bias, cfg.rope_theta, cfg.tie_embeddings) == ("qwen2", True, 1e6, which == "qwen2_tied")
     _check_against_hf(pool, hf, path, LAYOUTS)
+
+
+@pytest.mark.parametrize("which", ["llama_mqa", "qwen2_mqa"])
+@torch.no_grad()
+def test_one_kv_head_replicated_over_tp_matches_hf(pool, which, request):
+    hf, path = request.getfixturevalue(which)
+    assert model_config_from_hf(path).n_kv_heads == 1
+    _check_against_hf(pool, hf, path, REPLICATED)
 
 
 @torch.no_grad()
@@ -137,20 +182,23 @@ def _critic_values(ctx, cfg, tp, pp, path, ids, lens):
     return model.forward({"input_ids": ids, "lengths": lens}, n_mbs=2)
 
 
+@pytest.mark.parametrize("family,layouts", [("llama", [(1, 1), (2, 2)]), ("qwen2", [(2, 2), (4, 1)])])
 @torch.no_grad()
-def test_critic_values_match_hf_sequence_classifier(pool, tmp_path):
-    hf = tiny_hf_model(tmp_path, seed=2, critic=True)
+def test_critic_values_match_hf_sequence_classifier(pool, tmp_path, family, layouts):
+    hf = tiny_hf_model(tmp_path, seed=2, critic=True, family=family)
     cfg = model_config_from_hf(tmp_path)
-    assert cfg.is_critic
+    assert cfg.is_critic and cfg.family == family
     ids, lens, mask = _padded_batch(seed=5)
     ref = hf.score(hf.model(input_ids=ids, attention_mask=mask).last_hidden_state)[..., 0] * mask
     # HF's own pooled output is the value at each row's last token.
     pooled = hf(input_ids=ids, attention_mask=mask).logits[:, 0]
-    assert torch.allclose(pooled, ref[torch.arange(len(lens)), lens - 1], atol=1e-5)
-    for tp, pp in [(1, 1), (2, 2)]:
+    last_token = torch.arange(len(lens)), lens - 1
+    assert torch.allclose(pooled, ref[last_token], atol=1e-5)
+    for tp, pp in layouts:
         res = pool.run(_critic_values, cfg, tp, pp, str(tmp_path), ids, lens)
         last = res[tp * pp - 1]
         assert torch.allclose(last, ref, atol=1e-4), (tp, pp, (last - ref).abs().max())
+        assert torch.allclose(last[last_token], pooled, atol=1e-4)
 
 
 def _save(ctx, cfg, dp, tp, pp, src, dst, max_file_bytes):
@@ -166,25 +214,30 @@ def _load(ctx, cfg, dp, tp, pp, path):
     return local_shards(build_model(ctx, cfg, dp, tp, pp, hf_path=path))
 
 
+@pytest.mark.parametrize("which,tp,pp", [("gqa", 2, 2), ("qwen2_tied", 2, 2), ("qwen2_mqa", 4, 1)])
 @torch.no_grad()
-def test_save_from_tp2_pp2_reload_dense_and_into_hf(pool, gqa, tmp_path):
-    from transformers import LlamaForCausalLM
+def test_save_reload_dense_and_into_hf(pool, which, tp, pp, tmp_path, request):
+    """Load from HF into (tp, pp), save, and compare the files with HF's own weights; reload both ways.
+    With 1 KV head at tp=4 every rank reads the same k/v slice and the save writes it once."""
+    from transformers import AutoModelForCausalLM
 
-    hf, src = gqa
+    hf, src = request.getfixturevalue(which)
     cfg = model_config_from_hf(src)
-    saved = assemble(pool.run(_save, cfg, 1, 2, 2, str(src), str(tmp_path / "a"), 4 << 30), cfg)
+    saved = assemble(pool.run(_save, cfg, 1, tp, pp, str(src), str(tmp_path / "a"), 4 << 30), cfg)
     # One file per stage when pp=2 gathers nothing across stages, plus an index.
     files = sorted(p.name for p in (tmp_path / "a").iterdir())
-    assert files == ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-                     "model.safetensors.index.json"]
-    assert json.loads((tmp_path / "a" / "config.json").read_text())["bos_token_id"] == 1
+    assert files == (["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                      "model.safetensors.index.json"] if pp == 2 else ["config.json", "model.safetensors"])
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert config["bos_token_id"] == 1 and config["architectures"] == [type(hf).__name__]
     hf_state = hf.state_dict()
     for name, t in saved.items():
         assert torch.equal(t, hf_state[name]), name
     reloaded = assemble(pool.run(_load, cfg, 1, 1, 1, str(tmp_path / "a")), cfg)
     for name, t in reloaded.items():
         assert torch.equal(t, hf_state[name]), name
-    back = LlamaForCausalLM.from_pretrained(tmp_path / "a", attn_implementation="eager").eval()
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "a", attn_implementation="eager").eval()
+    assert type(back) is type(hf)
     ids, lens, mask = _padded_batch(seed=9)
     assert torch.equal(back(input_ids=ids, attention_mask=mask).logits, hf(input_ids=ids, attention_mask=mask).logits)
 

@@ -151,6 +151,21 @@ def test_tied_embeddings_stay_in_sync_across_pipeline_stages(pool, tmp_path):
     _check_train(pool, hf, tmp_path, [(1, 1, 2), (1, 2, 2)], "sgd", 1, max_norm=None)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_replicated_kv_heads_train_like_the_dense_model(pool, tmp_path, family):
+    # 1 KV head at tp=4 and tp=2: each rank's copy of the head gets a partial gradient; after the sum
+    # over its replicas SGD (lr=1) must give w - grad, and clipping needs the norm of each element once.
+    hf = tiny_hf_model(tmp_path, seed=9, family=family, kv_heads=1)
+    _check_train(pool, hf, tmp_path, [(1, 4, 1), (1, 2, 2)], "sgd", 1, max_norm=0.5)
+    if family == "qwen2":  # the q/k/v biases through AdamW (not decayed), two steps
+        _check_train(pool, hf, tmp_path, [(1, 4, 1)], "adamw", 2, max_norm=1.0)
+
+
+def test_two_kv_heads_at_tp4_train_like_the_dense_model(pool, gqa):
+    hf, path = gqa
+    _check_train(pool, hf, path, [(1, 4, 1)], "sgd", 1, max_norm=0.5)
+
+
 def test_critic_training_matches_dense_model(pool, tmp_path):
     hf = tiny_hf_model(tmp_path, seed=5, critic=True)
     _check_train(pool, hf, tmp_path, [(1, 2, 2)], "sgd", 1, max_norm=None, critic=True, atol=1e-4)

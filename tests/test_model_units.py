@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -174,17 +175,54 @@ def test_rope_frequencies_match_hf_default_and_llama3():
 
 
 def test_hf_config_round_trip_and_errors():
+    qwen = dataclasses.replace(get_model_config("tiny-gqa"), name="q", family="qwen2", qkv_bias=True,
+                               rope_theta=1e6, norm_eps=1e-6, tie_embeddings=True)
     for cfg in (get_model_config("llama3-8b"), get_model_config("tiny-gqa-critic"),
-                ModelConfig("t", 64, 64, 176, 2, 4, 2, tie_embeddings=True, rope_scaling=(8.0, 1.0, 4.0, 64))):
-        back = model_config_from_hf(hf_config_from_model_config(cfg), name=cfg.name)
+                ModelConfig("t", 64, 64, 176, 2, 4, 2, tie_embeddings=True, rope_scaling=(8.0, 1.0, 4.0, 64)),
+                qwen, qwen.as_critic()):
+        hf = hf_config_from_model_config(cfg)
+        assert hf["model_type"] == cfg.family
+        back = model_config_from_hf(hf, name=cfg.name)
         assert back == cfg
-    base = hf_config_from_model_config(get_model_config("tiny"))
-    for patch, msg in [({"model_type": "mistral"}, "model_type"), ({"hidden_act": "gelu"}, "hidden_act"),
-                       ({"attention_bias": True}, "attention_bias"), ({"head_dim": 8}, "head_dim"),
-                       ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "rope type 'yarn'")]:
-        with pytest.raises(ValueError, match=msg):
-            model_config_from_hf({**base, **patch})
-    broken = dict(base)
+    assert hf_config_from_model_config(qwen)["architectures"] == ["Qwen2ForCausalLM"]
+    assert hf_config_from_model_config(qwen.as_critic())["architectures"] == ["Qwen2ForSequenceClassification"]
+    with pytest.raises(ValueError, match="qkv_bias=True cannot be written as a llama checkpoint"):
+        hf_config_from_model_config(dataclasses.replace(qwen, family="llama"))
+    # Older configs carry rope_theta at the top level and no rope_parameters.
+    old = {k: v for k, v in hf_config_from_model_config(qwen).items() if k not in ("rope_parameters", "rope_scaling")}
+    assert model_config_from_hf(old, name="q") == qwen
+
+
+@pytest.mark.parametrize("family,patch,field", [
+    ("llama", {"model_type": "gpt2"}, "model_type='gpt2'"),
+    ("llama", {"model_type": "mixtral"}, "model_type='mixtral'"),
+    ("qwen2", {"model_type": "qwen3"}, "model_type='qwen3'"),
+    ("qwen2", {"use_sliding_window": True}, "use_sliding_window=True"),
+    ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types=['sliding_attention']"),
+    ("llama", {"attention_bias": True}, "attention_bias=True"),
+    ("llama", {"mlp_bias": True}, "mlp_bias=True"),
+    ("qwen2", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "rope_type='yarn'"),
+    ("llama", {"head_dim": 8}, "head_dim=8"),
+    ("llama", {"architectures": ["LlamaForTokenClassification"]}, "architectures=['LlamaForTokenClassification']"),
+    ("qwen2", {"architectures": ["LlamaForCausalLM"]}, "architectures="),
+    ("qwen2", {"architectures": ["Qwen2ForSequenceClassification"], "num_labels": 3}, "num_labels=3"),
+])
+def test_unsupported_hf_configs_are_one_line_naming_the_path_and_field(tmp_path, family, patch, field):
+    import json
+
+    cfg = dataclasses.replace(get_model_config("tiny-gqa"), family=family, qkv_bias=family == "qwen2")
+    (tmp_path / "config.json").write_text(json.dumps({**hf_config_from_model_config(cfg), **patch}))
+    with pytest.raises(ValueError) as e:
+        model_config_from_hf(tmp_path)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"HF checkpoint {tmp_path}: ")
+    assert field in msg, msg
+    assert "LlamaForCausalLM" in msg and "Qwen2ForCausalLM" in msg, msg  # says what is supported
+
+
+def test_hf_config_missing_key():
+    broken = hf_config_from_model_config(get_model_config("tiny"))
     del broken["vocab_size"]
     with pytest.raises(ValueError, match="missing key 'vocab_size'"):
         model_config_from_hf(broken)

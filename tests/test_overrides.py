@@ -27,7 +27,7 @@ def test_overrides_reach_nested_fields_the_workload_and_the_graph():
 
 @pytest.mark.parametrize("item, message", [
     ("ppo.lrr=1", "ppo has no field 'lrr' (fields: n_minibatches, lr,"),
-    ("bogus=1", "experiment TinyPPO has no field 'bogus' (fields: seed, dataset, iterations, ppo; workload fields"),
+    ("bogus=1", "experiment TinyPPO has no field 'bogus' (fields: seed, dataset, iterations, ppo, eval; workload"),
     ("ppo.lr=fast", "--set ppo.lr: expected a number, got 'fast'"),
     ("seed=1.5", "--set seed: expected an integer, got '1.5'"),
     ("batch_size=x", "--set batch_size: expected an integer"),
@@ -75,3 +75,14 @@ def test_schedules_at_chosen_steps():
     for cfg in (lin, cos):
         after = [cfg.lr_at(base, s, 10) for s in range(2, 10)]
         assert all(a >= b for a, b in zip(after, after[1:]))
+
+
+def test_eval_overrides_are_checked():
+    spec = load_with_overrides(TINY, ["eval.every=5", "eval.greedy=false", "eval.batches=2"])
+    assert (spec.config.eval.every, spec.config.eval.greedy, spec.config.eval.batches) == (5, False, 2)
+    for order in (["eval.dataset=none", "eval.every=3"], ["eval.every=3", "eval.dataset=none"]):
+        with pytest.raises(ValueError, match="EvalConfig.every > 0 needs EvalConfig.dataset"):
+            load_with_overrides(TINY, order)  # one dataclass's keys are validated together, in any order
+    assert load_with_overrides(TINY, ["eval.dataset=none"]).config.eval.dataset is None
+    with pytest.raises(ValueError, match="EvalConfig.batches must be an integer >= 1"):
+        load_with_overrides(TINY, ["eval.batches=0"])

@@ -25,6 +25,8 @@ from mp_pool import GlooPool
 
 STRATEGIES = [S(1, 1, 1), S(2, 1, 1), S(1, 2, 1), S(1, 1, 2), S(2, 2, 1), S(1, 2, 2), S(4, 1, 1)]
 TIED = dataclasses.replace(get_model_config("tiny"), name="tiny-tied", tie_embeddings=True)
+# One KV head with Qwen2's q/k/v biases: at tp=4 every rank holds the same k/v head (and bias).
+MQA = dataclasses.replace(get_model_config("tiny"), name="tiny-mqa", n_kv_heads=1, family="qwen2", qkv_bias=True)
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +35,19 @@ def pool(tmp_path_factory):
         yield p
 
 
-def layouts_4(nodes: int = 1) -> list[Layout]:
+def layouts_4(nodes: int = 1, strategies: list[S] = STRATEGIES) -> list[Layout]:
     """The issue's strategies on every mesh of a 4-device cluster (1 node x 4, or 2 nodes x 2)."""
     c = ClusterSpec.from_nodelist("n1" if nodes == 1 else "n[1-2]", 4 // nodes)
-    return [Layout(m, st) for st in STRATEGIES for m in c.device_meshes() if m.size == st.world_size]
+    return [Layout(m, st) for st in strategies for m in c.device_meshes() if m.size == st.world_size]
+
+
+def layout_pairs(nodes: int, replicated: bool) -> list[tuple[Layout, Layout]]:
+    """All pairs of layouts_4; with ``replicated``, every pair between the tp=4 layout (KV heads
+    replicated) and the others, both ways."""
+    if not replicated:
+        return list(itertools.product(layouts_4(nodes), layouts_4(nodes)))
+    tp4 = layouts_4(nodes, [S(1, 4, 1)])[0]
+    return [(tp4, tp4)] + [p for other in layouts_4(nodes) for p in ((tp4, other), (other, tp4))]
 
 
 def full_model(cfg: ModelConfig, seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -60,14 +71,14 @@ def shards(cfg: ModelConfig, full: dict[str, torch.Tensor], lay: Layout, rank: i
 
 
 # --------------------------------------------------------------------------- worker cases
-def _all_pairs(ctx, cfg: ModelConfig, nodes: int, mode: str, bucket_bytes: int, direct_bytes: int):
+def _all_pairs(ctx, cfg: ModelConfig, nodes: int, mode: str, bucket_bytes: int, direct_bytes: int,
+               replicated: bool = False):
     from realloc.runtime.param_realloc import Reallocator
 
     dtype = torch.bfloat16 if mode == "bf16" else torch.float32
     bpe = 2 if mode == "bf16" else 4
     full = full_model(cfg, 7, dtype)
-    lays = layouts_4(nodes)
-    pairs = list(itertools.product(lays, lays))
+    pairs = layout_pairs(nodes, replicated)
     plans = [plan_param_realloc(cfg, a, b, bytes_per_element=bpe) for a, b in pairs]
     r = Reallocator(ctx.groups, ctx.rank, bucket_bytes=bucket_bytes, direct_bytes=direct_bytes)
     r.prepare(plans)
@@ -139,17 +150,20 @@ def _data_pairs(ctx, nodes: int):
 
 
 # --------------------------------------------------------------------------- tests
-@pytest.mark.parametrize("cfg,nodes,mode,bucket,direct", [
+@pytest.mark.parametrize("cfg,nodes,mode,bucket,direct,replicated", [
     # Tiny buckets and a low direct threshold exercise packing, splitting and the zero-copy path.
-    (get_model_config("tiny-gqa"), 1, "prealloc", 8 * 1024, 1024),
-    (TIED, 2, "alias", 2**26, 2**18),
-    (get_model_config("tiny"), 1, "drop", 2**26, 4096),
-    (get_model_config("tiny-gqa"), 2, "bf16", 32 * 1024, 2048),
-], ids=["gqa-prealloc", "tied-2nodes-alias", "tiny-drop", "gqa-bf16"])
-def test_all_layout_pairs_bit_exact(pool, cfg, nodes, mode, bucket, direct):
-    res = pool.run(_all_pairs, cfg, nodes, mode, bucket, direct, timeout=600)
+    (get_model_config("tiny-gqa"), 1, "prealloc", 8 * 1024, 1024, False),
+    (TIED, 2, "alias", 2**26, 2**18, False),
+    (get_model_config("tiny"), 1, "drop", 2**26, 4096, False),
+    (get_model_config("tiny-gqa"), 2, "bf16", 32 * 1024, 2048, False),
+    # tp=4 with 1 KV head (replicated 4x, with biases) and with 2 (replicated 2x), to and from the rest.
+    (MQA, 1, "prealloc", 8 * 1024, 1024, True),
+    (get_model_config("tiny-gqa"), 2, "alias", 2**26, 2**18, True),
+], ids=["gqa-prealloc", "tied-2nodes-alias", "tiny-drop", "gqa-bf16", "mqa-tp4-prealloc", "gqa-tp4-2nodes-alias"])
+def test_all_layout_pairs_bit_exact(pool, cfg, nodes, mode, bucket, direct, replicated):
+    res = pool.run(_all_pairs, cfg, nodes, mode, bucket, direct, replicated, timeout=600)
     n_pairs = res[0][3]
-    assert n_pairs == len(layouts_4(nodes)) ** 2
+    assert n_pairs == len(layout_pairs(nodes, replicated))
     assert sum(r[0] for r in res) > 0
     # Every byte a destination received was sent by someone, and nothing else.
     assert sum(r[1] for r in res) > 0

@@ -79,7 +79,7 @@ def test_cost_model_uses_the_profile(profile):
 
 
 def test_bad_arguments_name_the_option():
-    with pytest.raises(ValueError, match=r"--tp 3 does not divide the heads \(4\)"):
+    with pytest.raises(ValueError, match=r"--tp 3: tp=3 must divide the 4 attention heads of tiny"):
         build_job(parse("--model", "tiny", "--tp", "1,3"))
     with pytest.raises(ValueError, match="--tp must be comma-separated positive integers"):
         build_job(parse("--model", "tiny", "--tp", "x"))

@@ -1,10 +1,13 @@
-"""One short ``realloc run`` checked for what issue 14 asks of a run (items 1-3): overrides and the
-learning-rate schedule reach the workers, TensorBoard gets every iteration, and iteration numbers agree
-across console, metrics.jsonl, checkpoints, trace and worker logs."""
+"""One short ``realloc run`` checked for what issue 14 asks of a run (items 1-3, 7): overrides and the
+learning-rate schedule reach the workers, TensorBoard gets every iteration, the eval set is evaluated
+every N iterations (against HF transformers' greedy generation from the same checkpoint), iteration
+numbers agree across console, metrics.jsonl, checkpoints, trace and worker logs, and ``realloc trace``
+draws the run."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -13,9 +16,10 @@ import pytest
 
 from run_helpers import REPO, TINY as EXPERIMENT, disjoint_plan
 
-ITERATIONS = 3
-# 3 iterations x 2 mini-batches = 6 optimizer steps; warmup round(0.34 * 6) = 2 steps, then cosine to 0.
-SETS = ["ppo.lr=1e-3", "ppo.lr_schedule=cosine", "ppo.warmup_proportion=0.34"]
+ITERATIONS = 4
+# 4 iterations x 2 mini-batches = 8 optimizer steps; warmup round(0.25 * 8) = 2 steps, then cosine to 0
+# over steps 2..7. Evaluation after iterations 2 and 4, each with a checkpoint of the same parameters.
+SETS = ["ppo.lr=1e-3", "ppo.lr_schedule=cosine", "ppo.warmup_proportion=0.25", "eval.every=2"]
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +40,12 @@ def run(tmp_path_factory):
 def test_overrides_and_the_schedule_reach_the_workers(run):
     _, out, metrics = run
     # Hand-computed: actor base 1e-3 (overridden), critic base 2e-3 (the file's); the lr of each iteration's
-    # first optimizer step: step 0 (warmup 1/2), step 2 (decay starts at lr), step 4 (cosine at 2/3: 1/4).
-    for m, factor in zip(metrics, (0.5, 1.0, 0.25)):
+    # first optimizer step: step 0 (warmup 1/2), step 2 (decay starts at lr), steps 4 and 6 (cosine at 2/5, 4/5).
+    factors = (0.5, 1.0, 0.5 * (1 + math.cos(math.pi * 2 / 5)), 0.5 * (1 + math.cos(math.pi * 4 / 5)))
+    assert len(metrics) == len(factors)
+    for m, factor in zip(metrics, factors):
         assert m["actor_lr"] == pytest.approx(1e-3 * factor) and m["critic_lr"] == pytest.approx(2e-3 * factor)
-    assert "overrides: ppo.lr=1e-3 ppo.lr_schedule=cosine ppo.warmup_proportion=0.34" in out
+    assert "overrides: " + " ".join(SETS) in out
     assert json.loads((run[0] / "run.json").read_text())["overrides"] == SETS
 
 
@@ -52,26 +58,26 @@ def test_tensorboard_has_every_iteration(run):
     tags = set(events.Tags()["scalars"])
     assert {"train/reward", "train/kl", "train/actor_lr", "train/iteration_time", "time/actor_gen"} <= tags
     got = [(e.step, e.value) for e in events.Scalars("train/reward")]
-    assert [s for s, _ in got] == [m["iteration"] for m in metrics] == [1, 2, 3]
+    assert [s for s, _ in got] == [m["iteration"] for m in metrics] == [1, 2, 3, 4]
     assert [v for _, v in got] == pytest.approx([m["reward"] for m in metrics], rel=1e-6)
 
 
 def test_iteration_numbers_agree_everywhere(run):
     run_dir, out, metrics = run
-    assert [m["iteration"] for m in metrics] == [1, 2, 3]
+    assert [m["iteration"] for m in metrics] == [1, 2, 3, 4]
     console = [line.split(" | ")[0] for line in out.splitlines() if line.startswith("iter ")]
-    assert console == ["iter 1/3", "iter 2/3", "iter 3/3"]
+    assert console == ["iter 1/4", "iter 2/4", "iter 3/4", "iter 4/4"]
     assert f"plan from {run_dir.parent / 'plan.json'}" in out  # not "plan search"
-    # --save-every 2: after iteration 2 and at the end; each named after the iterations it holds.
+    # --save-every 2: after iterations 2 and 4; each named after the iterations it holds.
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    assert ckpts == ["iter_00000002", "iter_00000003"]
+    assert ckpts == ["iter_00000002", "iter_00000004"]
     assert json.loads((run_dir / "checkpoints/iter_00000002/meta.json").read_text())["next_iteration"] == 2
     events = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
     boxes = [e for e in events if e.get("ph") == "X"]
-    assert {e["args"]["iteration"] for e in boxes if e["cat"] == "call"} == {1, 2, 3}
+    assert {e["args"]["iteration"] for e in boxes if e["cat"] == "call"} == {1, 2, 3, 4}
     assert min(e["ts"] for e in boxes) >= 0
     requests = [json.loads(x) for x in (run_dir / "requests.jsonl").read_text().splitlines()]
-    assert {r["iteration"] for r in requests if r["kind"] == "call"} == {1, 2, 3}
+    assert {r["iteration"] for r in requests if r["kind"] == "call"} == {1, 2, 3, 4}
     assert {r["iteration"] for r in requests if r["kind"] in ("setup", "shutdown")} == {0}
 
 
@@ -81,7 +87,7 @@ def test_worker_logs_say_what_the_worker_did(run):
         text = (run_dir / "logs" / f"worker{rank}.log").read_text()
         assert "Transformer Engine" not in text and "Apex" not in text
         assert "actor layout localhost" in text  # both devices hold the actor's training layout
-        assert "iteration 3 call actor_train" in text and "MiB resident" in text
+        assert "iteration 4 call actor_train" in text and "MiB resident" in text
     assert "iteration 1 call actor_gen" in (run_dir / "logs/worker0.log").read_text()
     assert "iteration 1 call critic_inf" in (run_dir / "logs/worker1.log").read_text()
 
@@ -98,7 +104,7 @@ def test_trace_draws_the_measured_run_beside_the_estimate(run, tmp_path, capsys)
     assert main(["trace", str(run_dir), "--timeline", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out
-    assert "measured, iterations 1..3" in out and "estimated, iterations 1..3" in out
+    assert "measured, iterations 1..3" in out and "estimated, iterations 1..3" in out  # the default 1..3
     assert main(["trace", str(run_dir), "--timeline", str(page), "--iterations", "2..3"]) == 0
     text = page.read_text()
     # Hover text of a call box: its name, dp/tp/pp and micro-batches, iteration and times.
@@ -111,3 +117,43 @@ def test_trace_draws_the_measured_run_beside_the_estimate(run, tmp_path, capsys)
     widths = [float(w) for _, w in re.findall(box, text)]
     assert len(widths) > 4 and min(widths) >= MIN_WIDTH * (1200 - 160) - 0.1
     assert main(["trace", str(run_dir), "--timeline", str(tmp_path / "t.pdf")]) == 2
+
+
+def test_eval_set_every_n_iterations_matches_transformers_greedy(run):
+    """Evaluation after iterations 2 and 4 (eval.every=2): greedy responses to the eval prompts are what HF
+    transformers generates greedily from the checkpoint of the same iteration, and the logged eval reward
+    is the task's rule applied to them."""
+    import glob
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from realloc.data.prompts import PromptDataset
+    from realloc.models.config import get_model_config
+    from realloc.models.hf_io import hf_config_from_model_config
+    from realloc.runtime.evaluation import EVAL_SEED
+
+    run_dir, out, metrics = run
+    assert [m["iteration"] for m in metrics if "eval" in m] == [2, 4]
+    console = {line.split(" | ")[0]: line for line in out.splitlines() if line.startswith("iter ")}
+    assert "eval reward" in console["iter 2/4"] and "eval reward" not in console["iter 3/4"]
+    eval_prompts = PromptDataset.load(REPO / "experiments/data/ppo_tiny_eval.jsonl", 8).batch(0, 32, EVAL_SEED)
+    hf = LlamaForCausalLM(LlamaConfig(**hf_config_from_model_config(get_model_config("tiny")))).eval()
+    target = set(range(16, 32))  # experiments/ppo_tiny.py's rule: the share of response tokens in the set
+    for m in metrics[1::2]:
+        t = m["iteration"]
+        rows = sorted((json.loads(x) for f in glob.glob(str(run_dir / f"eval/iter_{t:08d}.rank*.jsonl"))
+                       for x in open(f)), key=lambda r: r["row"])
+        assert [r["row"] for r in rows] == list(range(32)) and m["eval"]["n"] == 32 and m["eval"]["greedy"]
+        prompts = torch.tensor([r["prompt"] for r in rows])
+        assert torch.equal(prompts, eval_prompts["tokens"])  # the eval set, in its fixed order
+        shard = load_file(run_dir / f"checkpoints/iter_{t:08d}/models/actor/tp0_pp0.safetensors")
+        hf.load_state_dict({k.removeprefix("param/"): v for k, v in shard.items() if k.startswith("param/")})
+        with torch.no_grad():
+            ref = hf.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=8,
+                              min_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)[:, 8:]
+        assert [r["response"] for r in rows] == ref.tolist(), t
+        scores = [sum(tok in target for tok in r["response"]) / 8 for r in rows]
+        assert [r["score"] for r in rows] == pytest.approx(scores)
+        assert m["eval"]["reward"] == pytest.approx(sum(scores) / 32)

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -332,3 +333,70 @@ def test_heartbeats_without_a_hello_fail_fast_naming_the_rank(tmp_path):
     assert proc.returncode == 1, err
     line = [x for x in err.splitlines() if x.startswith("realloc run: error:")]
     assert line and "worker 0 sends heartbeats but its hello has not arrived" in line[0], err
+
+
+def test_sigterm_to_a_worker_stops_the_run_with_a_checkpoint_that_resumes_exactly(runs, tmp_path):
+    """SLURM ends a job (cancel, time limit) with SIGTERM to every process. A worker that gets it keeps
+    going and tells the master, which finishes the iterations in flight, saves a checkpoint, shuts down
+    and exits with 128 + 15. The checkpoint holds exactly the state after the last finished iteration."""
+    proc, run_dir, info = _start_long_run(tmp_path)
+    pids = [w["pid"] for w in info["workers"].values()]
+    try:
+        os.kill(pids[0], signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    n = _n_metrics(run_dir)
+    line = [x for x in err.splitlines() if x.startswith("realloc run: stopped by SIGTERM")]
+    ckpt = run_dir / "checkpoints" / f"iter_{n:08d}"
+    assert line and f"(received by worker 0) after iteration {n}; saved {ckpt}" in line[0], err
+    assert json.loads((ckpt / "meta.json").read_text())["next_iteration"] == n
+    assert not (run_dir / "secret").exists()
+    assert json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+    assert (run_dir / "requests.jsonl").read_text().count("\n") > n
+    _wait_for(lambda: not any(_alive(p) for p in pids), 10, "all workers to be gone")
+
+    reference = metrics(runs["disjoint"])  # same plan and seed, not interrupted
+    assert 1 <= n < len(reference)
+    for a, b in zip(reference, metrics(run_dir)):
+        assert all(a[k] == b[k] for k in HEADLINE), a["iteration"]
+    r = realloc_run(tmp_path / "resumed", "--resume", str(ckpt), "--iterations", str(n + 1))
+    assert r.returncode == 0, r.stdout + r.stderr
+    resumed = metrics(tmp_path / "resumed")
+    assert [m["iteration"] for m in resumed] == [n + 1]
+    assert all(resumed[0][k] == reference[n][k] for k in HEADLINE)
+
+
+def test_sigterm_to_the_master_before_training_stops_it_and_restores_the_handler(tmp_path):
+    """The master's own SIGTERM handler (here while it waits for workers that never come)."""
+    from realloc.runtime import protocol
+    from realloc.runtime.launcher import RunPaths
+    from realloc.runtime.master import Master, RunFailed
+    from realloc.runtime.program import RuntimeProgram
+    from realloc.runtime.run_config import RunConfig
+
+    spec = load_experiment(EXPERIMENT)
+    program = RuntimeProgram(build_graph(spec), hand_plan("disjoint"))
+    master = Master(program, RunConfig.of(spec), RunPaths(tmp_path), "r1", protocol.new_secret(), iterations=1)
+    outside = []
+    previous = signal.signal(signal.SIGTERM, lambda *_: outside.append(1))  # catches it if the master does not
+
+    async def run_and_terminate() -> None:
+        task = asyncio.ensure_future(master.run())
+        await asyncio.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+        with pytest.raises(RunFailed, match="stopped by SIGTERM before training started"):
+            await asyncio.wait_for(task, 10)
+
+    try:
+        asyncio.run(run_and_terminate())
+        assert not outside
+        os.kill(os.getpid(), signal.SIGTERM)  # after the run, the handler from before is back
+        time.sleep(0.1)
+        assert outside == [1]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert master.stop is not None and master.stop.exit_code == 143
+    assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]

@@ -30,7 +30,10 @@ def _brute_force(cfg, world, per_node, n_seqs):
     for dp, tp, pp in itertools.product(range(1, world + 1), repeat=3):
         if dp * tp * pp != world:
             continue
-        if cfg.n_heads % tp or cfg.n_kv_heads % tp or per_node % tp or pp > cfg.n_layers or n_seqs % dp:
+        # whole q heads, vocabulary and MLP shards per rank; KV heads split or replicated
+        kv_ok = cfg.n_kv_heads % tp == 0 or tp % cfg.n_kv_heads == 0
+        shards_ok = cfg.n_heads % tp == 0 and cfg.vocab_size % tp == 0 and cfg.intermediate_size % tp == 0
+        if not (kv_ok and shards_ok) or per_node % tp or pp > cfg.n_layers or n_seqs % dp:
             continue
         out.add((dp, tp, pp))
     return out
@@ -49,8 +52,12 @@ def test_enumerate_strategies_matches_brute_force(model, world, per_node, n_seqs
 def test_llama3_13b_tp_must_divide_40_heads():
     cfg = get_model_config("llama3-13b")
     assert {s.tp for s in enumerate_strategies(cfg, 8, 8, 512)} == {1, 2, 4, 8}
-    cfg = get_model_config("tiny-gqa")  # 2 KV heads: tp=4 is illegal
-    assert {s.tp for s in enumerate_strategies(cfg, 4, 4, 8)} == {1, 2}
+    cfg = get_model_config("tiny-gqa")  # 2 KV heads: tp=4 replicates each on 2 ranks
+    assert {s.tp for s in enumerate_strategies(cfg, 4, 4, 8)} == {1, 2, 4}
+    # 3 KV heads of 6 heads: tp=2 neither divides nor is a multiple of them
+    odd = dataclasses.replace(get_model_config("tiny"), n_heads=6, n_kv_heads=3, hidden_size=96, vocab_size=96,
+                              intermediate_size=192)
+    assert {s.tp for s in enumerate_strategies(odd, 6, 6, 6)} == {1, 3, 6}
 
 
 def test_micro_batch_options():

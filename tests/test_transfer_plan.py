@@ -198,6 +198,33 @@ def test_all_layout_pairs_brute_force(cfg, shape):
     assert n_disjoint > 50
 
 
+# 8 heads of width 8, so tp=8 is legal; 1 or 2 KV heads are then replicated on 8 or 4 ranks.
+WIDE_MQA = ModelConfig("wide-mqa", 64, 64, 176, 2, 8, 1, family="qwen2", qkv_bias=True)
+WIDE_GQA = ModelConfig("wide-gqa", 64, 64, 176, 2, 8, 2)
+
+
+@pytest.mark.parametrize("cfg", [WIDE_MQA, WIDE_GQA], ids=lambda c: c.name)
+def test_replicated_kv_head_layouts_brute_force(cfg):
+    """Layouts whose tp exceeds the KV heads, to and from layouts that split or hold them whole."""
+    c = cluster(1, 8)
+    layouts = [Layout(c.mesh("n1"), st) for st in (S(1, 8, 1), S(2, 4, 1), S(1, 4, 2), S(4, 2, 1), S(8, 1, 1))]
+    layouts += [Layout(c.mesh("n1:0-3"), S(1, 4, 1)), Layout(c.mesh("n1:4-7"), S(1, 4, 1)),
+                Layout(c.mesh("n1:6-7"), S(1, 2, 1)), Layout(c.mesh("n1:5"), S(1, 1, 1))]
+    for a, b in itertools.product(layouts, layouts):
+        check_param_plan(cfg, a, b)
+
+
+def test_replicated_kv_head_is_one_broadcast_to_the_ranks_sharing_it():
+    c = cluster(1, 4)
+    plan = plan_param_realloc(WIDE_MQA, Layout(c.mesh("n1:0"), S(1, 1, 1)), Layout(c.mesh("n1"), S(1, 4, 1)))
+    k = [t for t in plan.transfers if t.name == "model.layers.0.self_attn.k_proj.weight"]
+    # the one KV head (8 rows of 64) goes whole from device 0 to the 3 others; device 0 copies it
+    assert [(t.src, t.dsts, t.lo, t.hi, t.nbytes) for t in k] == [(0, (1, 2, 3), 0, 8, 8 * 64 * 4)]
+    assert plan.redundancy_ratio == 1.0
+    q = [t for t in plan.transfers if t.name == "model.layers.0.self_attn.q_proj.bias"]
+    assert sorted((t.dsts, t.lo, t.hi) for t in q) == [((1,), 16, 32), ((2,), 32, 48), ((3,), 48, 64)]
+
+
 def test_large_model_plan_counts_and_cache():
     cfg = get_model_config("llama3-70b")
     c = cluster(16, 8)
@@ -216,7 +243,7 @@ def test_large_model_plan_counts_and_cache():
 def test_bad_layouts_raise_one_clear_error():
     c = cluster(1, 4)
     odd = dataclasses.replace(TINY, name="odd", vocab_size=66)
-    with pytest.raises(ValueError, match="tp=4 does not divide .*embed_tokens"):
+    with pytest.raises(ValueError, match=r"tp=4 must divide the vocabulary \(66\) of odd"):
         plan_param_realloc(odd, Layout(c.mesh("n1:0"), S(1, 1, 1)), Layout(c.mesh("n1"), S(1, 4, 1)))
     with pytest.raises(ValueError, match="dp\\*tp\\*pp = 2 but the mesh has 4 devices"):
         Layout(c.mesh("n1"), S(1, 2, 1))

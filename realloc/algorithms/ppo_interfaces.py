@@ -63,6 +63,8 @@ class CallContext:
     total_iterations: int = 0  # the run's horizon, for the learning-rate schedule (0: iteration + 1)
     eos_token_ids: tuple[int, ...] = ()  # generation stops at any of these (the tokenizer's EOS)
     pad_token_id: int = 0
+    greedy: bool = False  # generation: argmax instead of sampling (evaluation)
+    purpose: str = "generate"  # names the sampling stream: training and each eval batch draw their own
 
 
 @dataclasses.dataclass
@@ -99,7 +101,7 @@ def generation_config(ctx: CallContext) -> GenerationConfig:
     cfg = ctx.ppo
     # One seed per iteration; per-sequence streams come from the sequence's global index.
     return GenerationConfig(max_new_tokens=ctx.gen_len, temperature=cfg.temperature, top_k=cfg.top_k,
-                            top_p=cfg.top_p, seed=param_seed(ctx.seed, f"generate/{ctx.iteration}"),
+                            top_p=cfg.top_p, greedy=ctx.greedy, seed=param_seed(ctx.seed, f"{ctx.purpose}/{ctx.iteration}"),
                             eos_token_ids=ctx.eos_token_ids, pad_token_id=ctx.pad_token_id)
 
 

@@ -303,14 +303,13 @@ class PromptDataset:
     def batch_rows(self, iteration: int, batch_size: int, seed: int) -> torch.Tensor:
         """Dataset row of every sequence of iteration ``iteration``'s batch, [batch_size]."""
         n = len(self)
-        start = iteration * batch_size
+        stream = torch.arange(iteration * batch_size, (iteration + 1) * batch_size)
+        epochs, pos = stream // n, stream % n
         out = torch.empty(batch_size, dtype=torch.int64)
-        perms: dict[int, torch.Tensor] = {}
-        for j in range(batch_size):
-            epoch, pos = divmod(start + j, n)
-            if epoch not in perms:
-                perms[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(_epoch_seed(seed, epoch)))
-            out[j] = perms[epoch][pos]
+        for epoch in epochs.unique().tolist():
+            perm = torch.randperm(n, generator=torch.Generator().manual_seed(_epoch_seed(seed, epoch)))
+            here = epochs == epoch
+            out[here] = perm[pos[here]]
         return out
 
     def batch(self, iteration: int, batch_size: int, seed: int,
@@ -323,11 +322,13 @@ class PromptDataset:
         rows = self.batch_rows(iteration, batch_size, seed)
         if ids is not None:
             rows = rows[torch.as_tensor(list(ids), dtype=torch.int64)]
-        starts, ends = self.offsets[rows], self.offsets[rows + 1]
-        lengths = ends - starts
-        tokens = torch.full((rows.numel(), self.prompt_len), self.pad_token_id, dtype=torch.int64)
-        for j, (s, e) in enumerate(zip(starts.tolist(), ends.tolist())):
-            tokens[j, :e - s] = self.flat[s:e]
+        starts = self.offsets[rows]
+        lengths = self.offsets[rows + 1] - starts
+        pos = torch.arange(self.prompt_len)
+        valid = pos[None, :] < lengths[:, None]
+        index = torch.where(valid, starts[:, None] + pos[None, :], 0)
+        pad = torch.tensor(self.pad_token_id, dtype=torch.int64)
+        tokens = torch.where(valid, self.flat[index].to(torch.int64), pad)
         return {"tokens": tokens, "lengths": lengths}
 
 

@@ -11,6 +11,9 @@ the collective model and the call's workload. Terms:
 - DP: one ring all-reduce of the stage's fp32 gradients per optimizer step (with
   packing them into flat buckets and back), plus the scalar all-reduce of the
   gradient-norm clip over the whole layout and the one of the loss statistics;
+- KV heads replicated over tp ranks (tp > KV heads): one all-reduce per optimizer step
+  of the stage's k/v gradients among the tp / n_kv_heads ranks sharing a head (counted
+  as tp communication);
 - PPO's train interface: its measured host work per call (rollout, GAE) and the
   dp all-reduce of its advantage moments;
 - the Adam step, memory-bound over parameters and states;
@@ -31,7 +34,7 @@ from realloc.estimator.hardware import HardwareSpec
 from realloc.estimator.memory import Workload, max_local_params
 from realloc.estimator.opcount import Part, Phase, head_part
 from realloc.models.config import ModelConfig
-from realloc.models.param_layout import stage_layer_ranges
+from realloc.models.param_layout import replicated_shard_numel, stage_layer_ranges
 from realloc.strategy import ParallelStrategy
 
 
@@ -265,9 +268,10 @@ class CallTimer:
         return max_local_params(self.cfg, strategy.tp, strategy.pp) / max_local_params(one, strategy.tp, 1)
 
     def _optimizer_step(self, strategy: ParallelStrategy, links: GroupLinks) -> CallCost:
-        """After the last backward (``realloc.models.grads``): the DP all-reduce of the gradients in
-        buckets of GRAD_BUCKET_NUMEL elements, the grad-norm's scalar all-reduces over tp and pp,
-        clipping and AdamW, all on the stage holding the most parameters."""
+        """After the last backward (``realloc.models.grads``): the sum of replicated KV heads'
+        gradients, the DP all-reduce of the gradients in buckets of GRAD_BUCKET_NUMEL elements, the
+        grad-norm's scalar all-reduces over tp and pp, clipping and AdamW, all on the stage holding the
+        most parameters."""
         n_local = max_local_params(self.cfg, strategy.tp, strategy.pp)
         n_buckets = -(-n_local // GRAD_BUCKET_NUMEL)
         bucket = n_local / n_buckets * self.precision.grad
@@ -279,4 +283,14 @@ class CallTimer:
                 + self.comm.time("all_reduce", strategy.pp, 8, links.pp_any))
         # the last stage averages the loss statistics over dp replicas (a few float64s)
         stats = self.comm.time("all_reduce", strategy.dp, 8 * TRAIN_STATS, links.dp)
-        return CallCost.of(dp_allreduce=dp + norm + stats, optimizer=self.costs.optimizer(n_local))
+        return CallCost.of(tp_comm=self._kv_replica_sync(strategy, links), dp_allreduce=dp + norm + stats,
+                           optimizer=self.costs.optimizer(n_local))
+
+    def _kv_replica_sync(self, strategy: ParallelStrategy, links: GroupLinks) -> float:
+        """``grads.sync_kv_replicas``: one coalesced all-reduce of the stage's k/v gradients among the
+        tp ranks sharing a KV head (0 unless tp exceeds the KV heads); the slowest stage's."""
+        group = self.cfg.kv_replicas(strategy.tp)
+        if group == 1:
+            return 0.0
+        numel = max(replicated_shard_numel(self.cfg, strategy.tp, strategy.pp, k) for k in range(strategy.pp))
+        return self.comm.time("all_reduce", group, numel * self.precision.grad, links.tp)

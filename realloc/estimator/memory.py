@@ -25,16 +25,18 @@ Rules, applied per device ``d`` (the search's simulator applies the same ones):
 
 Per-call formulas, on a device of pipeline stage ``k`` holding ``L_k`` blocks,
 micro-batch of ``b`` sequences, ``t`` = tp, ``m`` = n_mbs:
-- parameters: the exact shard of ``param_layout.stage_param_specs`` x bytes/param;
+- parameters: the exact shard of ``param_layout.stage_param_specs`` x bytes/param
+  (a KV head replicated over tp ranks counts on each of them);
 - TRAIN_STEP: 1F1B keeps min(m, pp - k) micro-batches of saved activations
   (``opcount.saved_activation_bytes_per_token`` x L_k x b x seq_len), plus the
   live working set of one block and, on the last stage, fp32 logits and their
   gradient (b x seq_len x V/t x 4 x 2);
 - INFERENCE: one micro-batch's working set of one block, plus logits on the
   last stage (fp32 logits and log-softmax);
-- GENERATE: KV cache of b x (prompt_len + gen_len) positions x L_k layers for
-  one micro-batch (micro-batches generate one after another, and the stages of
-  a pipeline take turns on it: ``realloc.models.generation``), plus the prefill
+- GENERATE: KV cache of b x (prompt_len + gen_len) positions x L_k layers of the
+  rank's KV heads (n_kv/t, or one whole head when tp exceeds them) for one
+  micro-batch (micro-batches generate one after another, and the stages of a
+  pipeline take turns on it: ``realloc.models.generation``), plus the prefill
   working set and one row of full-vocabulary logits per sequence.
 """
 

@@ -8,7 +8,9 @@ attention, so no s x s score matrix is ever stored.
 
 Notation: ``t`` = tensor-parallel degree, ``n`` = new tokens in the op (b
 sequences x s tokens, or b for one decode step), ``c`` = key/value positions
-each new token attends to, ``e`` = bytes per activation element.
+each new token attends to, ``e`` = bytes per activation element, ``kvl`` = the
+k (or v) width one rank holds: kv/t, or one whole head when tp exceeds the KV
+heads and they are replicated (``ModelConfig.local_kv_heads``).
 """
 
 from __future__ import annotations
@@ -81,27 +83,32 @@ class OpWork:
         return self.gemm_flops + self.attn_flops
 
 
-def block_matmul_params(cfg: ModelConfig) -> int:
-    """Weights of the four attention and three MLP projections of one block."""
-    h, kv, inter = cfg.hidden_size, cfg.kv_dim, cfg.intermediate_size
-    return 2 * h * h + 2 * h * kv + 3 * h * inter
+def local_kv_width(cfg: ModelConfig, tp: int) -> int:
+    """Width of the k (or v) projection output on one tp rank (``kvl``)."""
+    return cfg.local_kv_heads(tp) * cfg.head_dim
+
+
+def local_block_matmul_params(cfg: ModelConfig, tp: int) -> float:
+    """Weights of the four attention and three MLP projections of one block on one tp rank."""
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    return (2 * h * h + 3 * h * inter) / tp + 2 * h * local_kv_width(cfg, tp)
 
 
 def _block_fwd(cfg: ModelConfig, t: int, b: int, s: int, c_attn: float, c_read: int, e: int,
                phase: Phase) -> OpWork:
-    h, kv, inter = cfg.hidden_size, cfg.kv_dim, cfg.intermediate_size
+    h, kvl, inter = cfg.hidden_size, local_kv_width(cfg, t), cfg.intermediate_size
     n = b * s
-    weights = block_matmul_params(cfg) / t
+    weights = local_block_matmul_params(cfg, t)
     # GEMM inputs: qkv <- norm1 out (h), o <- attn out (h/t), gate/up <- norm2 out (h), down <- act (inter/t);
-    # outputs: qkv (h+2kv)/t, o (h, partial sum before the all-reduce), gate+up 2*inter/t, down (h).
-    gemm_act = n * (h + h / t + h + inter / t + (h + 2 * kv) / t + h + 2 * inter / t + h)
+    # outputs: qkv h/t + 2kvl, o (h, partial sum before the all-reduce), gate+up 2*inter/t, down (h).
+    gemm_act = n * (h + h / t + h + inter / t + h / t + 2 * kvl + h + 2 * inter / t + h)
     attn_flops = 4.0 * n * c_attn * h / t  # QK^T and PV, 2 FLOPs per MAC each
     # fused attention reads q and the k/v of every attended position once per sequence and writes o
-    attn_bytes = (n * 2 * h / t + b * c_read * 2 * kv / t) * e
+    attn_bytes = (n * 2 * h / t + b * c_read * 2 * kvl) * e
     # 2 RMSNorms (r+w h), rotary on q,k (r+w), 2 residual adds (2r+1w h), SwiGLU (2r+1w inter/t),
     # plus the KV-cache write when generating.
     writes_cache = phase in (Phase.PREFILL, Phase.DECODE)
-    elem = n * (4 * h + 2 * (h + kv) / t + 6 * h + 3 * inter / t + (2 * kv / t if writes_cache else 0))
+    elem = n * (4 * h + 2 * (h / t + kvl) + 6 * h + 3 * inter / t + (2 * kvl if writes_cache else 0))
     coll = (Collective("all_reduce", n * h * e, 2),) if t > 1 else ()
     return OpWork(gemm_flops=2.0 * n * weights, gemm_bytes=weights * e + gemm_act * e, attn_flops=attn_flops,
                   attn_bytes=attn_bytes, elem_bytes=elem * e, kernels=_KERNELS[(Part.BLOCK, phase)],
@@ -115,7 +122,7 @@ def op_work(cfg: ModelConfig, part: Part, phase: Phase, tp: int, b: int, s: int,
     sequences each adding one token to a cache of ``s`` positions.
     """
     e, t = precision.param, tp
-    h, kv = cfg.hidden_size, cfg.kv_dim
+    h = cfg.hidden_size
     decode = phase is Phase.DECODE
     n = b if decode else b * s
     if part is Part.BLOCK:
@@ -127,7 +134,7 @@ def op_work(cfg: ModelConfig, part: Part, phase: Phase, tp: int, b: int, s: int,
             return fwd
         # backward: two GEMMs per forward GEMM (input and weight grads, the latter accumulated into
         # fp32 main_grad), flash backward recomputes scores: ~2.5x forward attention FLOPs.
-        weights = block_matmul_params(cfg) / t
+        weights = local_block_matmul_params(cfg, t)
         return OpWork(gemm_flops=2 * fwd.gemm_flops,
                       gemm_bytes=2 * (fwd.gemm_bytes - weights * e) + weights * (e + 2 * precision.grad),
                       attn_flops=2.5 * fwd.attn_flops, attn_bytes=2 * fwd.attn_bytes, elem_bytes=2 * fwd.elem_bytes,
@@ -182,23 +189,23 @@ def head_part(cfg: ModelConfig) -> Part:
 def saved_activation_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision) -> float:
     """Bytes one block keeps per token for its backward (no recomputation, fused attention).
 
-    Saved: norm1 input and output (h each), rotated q/k and v ((h + 2kv)/t),
+    Saved: norm1 input and output (h each), rotated q/k and v (h/t + 2 kvl),
     attention output (h/t), norm2 input and output (h each), gate and up
     outputs (2 inter/t) and the SwiGLU output (inter/t). Attention keeps only its
     per-row log-sum-exp (n_heads/t fp32 values).
     """
-    h, kv, inter, t = cfg.hidden_size, cfg.kv_dim, cfg.intermediate_size, tp
-    elems = 4 * h + (h + 2 * kv) / t + h / t + 3 * inter / t
+    h, kvl, inter, t = cfg.hidden_size, local_kv_width(cfg, tp), cfg.intermediate_size, tp
+    elems = 4 * h + h / t + 2 * kvl + h / t + 3 * inter / t
     return elems * precision.param + cfg.n_heads / t * 4
 
 
 def transient_activation_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision) -> float:
     """Peak live bytes per token inside one block during a forward without grad:
     the residual stream, the norm output, q/k/v, and the MLP's gate/up/act."""
-    h, kv, inter, t = cfg.hidden_size, cfg.kv_dim, cfg.intermediate_size, tp
-    return (2 * h + (h + 2 * kv) / t + 3 * inter / t) * precision.param
+    h, kvl, inter, t = cfg.hidden_size, local_kv_width(cfg, tp), cfg.intermediate_size, tp
+    return (2 * h + h / t + 2 * kvl + 3 * inter / t) * precision.param
 
 
 def kv_cache_bytes_per_token_layer(cfg: ModelConfig, tp: int, precision: Precision) -> float:
-    """K and V of one position in one layer on one tp rank."""
-    return 2 * cfg.kv_dim / tp * precision.param
+    """K and V of one position in one layer on one tp rank (its local KV heads, replicated or not)."""
+    return 2 * local_kv_width(cfg, tp) * precision.param

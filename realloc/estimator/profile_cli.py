@@ -37,7 +37,7 @@ from realloc.estimator.profile_table import CollectiveEntry, ModelArch, OpGrid, 
 from realloc.estimator.profiler import (ENGINE_KEYS, GEN_TOKENS, INTERFACE_GEN_LENS, INTERFACE_KEYS,
                                        OPTIMIZER_LAYERS, PPO_PROMPT_LEN, PROFILED_OPS, LayerGrid, engine_plan,
                                        op_axes, op_plan)
-from realloc.models.config import RULE_MODEL_TYPE, ModelConfig, get_model_config
+from realloc.models.config import RULE_MODEL_TYPE, ModelConfig, get_model_config, tp_error
 
 DEFAULT_BATCH = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_MAX_COLLECTIVE_BYTES = 64 * 2**20
@@ -99,9 +99,9 @@ def build_job(args: argparse.Namespace) -> ProfileJob:
     cfg = get_model_config(args.model)
     tps = _parse_ints(args.tp, "tp")
     for tp in tps:
-        if cfg.n_heads % tp or cfg.n_kv_heads % tp or cfg.vocab_size % tp or cfg.intermediate_size % tp:
-            raise ValueError(f"--tp {tp} does not divide the heads ({cfg.n_heads}), KV heads ({cfg.n_kv_heads}), "
-                             f"vocabulary ({cfg.vocab_size}) or MLP width ({cfg.intermediate_size}) of {cfg.name}")
+        err = tp_error(cfg, tp)
+        if err:
+            raise ValueError(f"--tp {tp}: {err}")
     kind = getattr(args, "kind", None) or ("cpu" if args.device == "cpu" else None)
     if kind is None:
         raise ValueError("--device cuda needs --kind naming the GPU's hardware spec, e.g. --kind a100-80g")
@@ -165,7 +165,9 @@ def _run_worker(rank: int, job: ProfileJob, init_file: str, out: "mp.Queue[str]"
             out.put('{"type": "tick"}')
 
     cache = ProcessGroupCache()
-    layouts = {tp: ModelLayout(tuple(range(tp)), ParallelStrategy(1, tp, 1)) for tp in job.tps}
+    # The profiler's models are untied one-layer copies of cfg (LayerProfiler).
+    layouts = {tp: ModelLayout(tuple(range(tp)), ParallelStrategy(1, tp, 1), kv_replicas=cfg.kv_replicas(tp))
+               for tp in job.tps}
     cache.ensure_layouts(layouts.values())
     cache.ensure_rank_sets([tuple(range(n)) for n in job.collective_sizes])
     result: dict[str, Any] = {"type": "result", "tp": {}, "collectives": []}

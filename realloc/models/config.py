@@ -1,4 +1,8 @@
-"""LLaMA-architecture model configurations and the model-type registry.
+"""Model configurations of the one parallel model, the model-type registry, and the one tp rule.
+
+The parallel model (``llama.py``) is a LLaMA-architecture decoder; ``family``
+names the HF architecture it was read from or is written as (``families/``),
+and ``qkv_bias`` adds the q/k/v projection biases of Qwen2.
 
 A model type is a name such as ``llama3-8b``; appending ``-critic`` gives the
 same trunk with a scalar value head instead of the vocabulary projection.
@@ -35,6 +39,10 @@ class ModelConfig:
     # Llama-3.1 "llama3" RoPE frequency scaling: (factor, low_freq_factor, high_freq_factor,
     # original_max_position_embeddings); None for plain RoPE. Read from HF config.json by models/hf_io.py.
     rope_scaling: tuple[float, float, float, int] | None = None
+    # The HF architecture family ("llama", "qwen2"; see models/families) and its one structural
+    # difference from LLaMA that the parallel model needs: biases on the q/k/v projections (Qwen2).
+    family: str = "llama"
+    qkv_bias: bool = False
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "hidden_size", "intermediate_size", "n_layers", "n_heads", "n_kv_heads"):
@@ -59,6 +67,14 @@ class ModelConfig:
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
 
+    def kv_replicas(self, tp: int) -> int:
+        """How many tp ranks hold each KV head: 1, or tp / n_kv_heads when tp exceeds the KV heads."""
+        return max(1, tp // self.n_kv_heads)
+
+    def local_kv_heads(self, tp: int) -> int:
+        """KV heads one tp rank holds (and caches): n_kv_heads / tp, at least one (replicated)."""
+        return max(1, self.n_kv_heads // tp)
+
     @property
     def output_dim(self) -> int:
         """Width of the output head: the vocabulary, or 1 for a critic."""
@@ -71,9 +87,9 @@ class ModelConfig:
 
     @property
     def layer_params(self) -> int:
-        """One decoder block: q, k, v, o projections, SwiGLU MLP, two RMSNorms."""
+        """One decoder block: q, k, v, o projections (and q/k/v biases), SwiGLU MLP, two RMSNorms."""
         h, kv = self.hidden_size, self.kv_dim
-        attn = h * h + 2 * h * kv + h * h
+        attn = h * h + 2 * h * kv + h * h + ((h + 2 * kv) if self.qkv_bias else 0)
         mlp = 3 * h * self.intermediate_size
         return attn + mlp + 2 * h
 
@@ -94,6 +110,29 @@ class ModelConfig:
 
     def as_critic(self) -> "ModelConfig":
         return dataclasses.replace(self, name=self.name + CRITIC_SUFFIX, is_critic=True, tie_embeddings=False)
+
+
+def tp_error(cfg: ModelConfig, tp: int) -> str | None:
+    """Why tensor parallelism of degree ``tp`` cannot hold ``cfg``, or None if it can.
+
+    The one rule the planner (``strategy.strategy_error``), the model (``llama.LlamaStage``),
+    the reallocation planner and the profiler share. Each tp rank needs whole attention heads,
+    a share of the vocabulary (embedding and LM head) and of the MLP columns. KV heads are split
+    when tp divides them and replicated when tp is a multiple of them (tp rank r then holds KV
+    head r * n_kv_heads // tp, as inference engines do).
+    """
+    if tp < 1:
+        return f"tp={tp} must be positive"
+    if cfg.n_heads % tp:
+        return f"tp={tp} must divide the {cfg.n_heads} attention heads of {cfg.name}"
+    if cfg.n_kv_heads % tp and tp % cfg.n_kv_heads:
+        return (f"tp={tp} must divide the {cfg.n_kv_heads} KV heads of {cfg.name} or be a multiple of them "
+                f"(KV heads are then replicated)")
+    if cfg.vocab_size % tp:
+        return f"tp={tp} must divide the vocabulary ({cfg.vocab_size}) of {cfg.name}"
+    if cfg.intermediate_size % tp:
+        return f"tp={tp} must divide the MLP intermediate size ({cfg.intermediate_size}) of {cfg.name}"
+    return None
 
 
 def _llama2(name: str, h: int, inter: int, layers: int, heads: int, kv: int) -> ModelConfig:

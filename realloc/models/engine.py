@@ -4,7 +4,7 @@ Build it on every rank of the layout's mesh, after the layout's process groups
 exist (``ProcessGroupCache.ensure_layouts`` on every process of the world)::
 
     cache = ProcessGroupCache()
-    layout = ModelLayout(device_ids=(0, 1, 2, 3), strategy=ParallelStrategy(dp=1, tp=2, pp=2))
+    layout = ModelLayout.for_model(cfg, (0, 1, 2, 3), ParallelStrategy(dp=1, tp=2, pp=2))
     cache.ensure_layouts([layout])                        # all processes, same order
     model = ParallelModel(cfg, cache.model_groups(layout), seed=1)   # ranks 0..3 only
 
@@ -124,6 +124,10 @@ class ParallelModel:
         self.device = prepare_device(device)
         self.dtype = dtype
         self.stage = LlamaStage(cfg, groups.pp, groups.pp_rank, groups.tp_group, dtype, self.device)
+        if groups.layout.kv_replicas != cfg.kv_replicas(groups.tp):
+            raise ValueError(f"model {cfg.name!r}: layout.kv_replicas={groups.layout.kv_replicas} must be "
+                             f"{cfg.kv_replicas(groups.tp)} ({cfg.n_kv_heads} KV heads at tp={groups.tp}); build the "
+                             f"layout with ModelLayout.for_model")
         self.specs: dict[str, ParamSpec] = {s.name: s for s in stage_param_specs(cfg, groups.pp, groups.pp_rank)}
         self._params: dict[str, torch.nn.Parameter] = dict(self.stage.named_parameters())
         self._check_contract()
@@ -285,6 +289,7 @@ class ParallelModel:
                 main = grads.param_grads(self._params)
             if self.cfg.tie_embeddings:
                 grads.sync_tied_embedding(main, g, "model.embed_tokens.weight")
+            grads.sync_kv_replicas(main, self.specs, g)
             grads.average_data_parallel(main, g)
             norm = grads.global_norm(main, self.specs, g)
             finite = math.isfinite(norm)

@@ -1,7 +1,13 @@
-"""Gradient reductions of a 3D-parallel model: tied-embedding sync, data-parallel average, global norm and clipping.
+"""Gradient reductions of a 3D-parallel model: tied-embedding and KV-replica sync, data-parallel
+average, global norm and clipping.
+
+KV heads replicated over tp ranks (tp > n_kv_heads): each copy of a KV head serves only its own
+rank's query heads, so its gradient is a partial sum; the copies' gradients are summed over the
+ranks that share the head (``sync_kv_replicas``) and every copy then takes the same step.
 
 Which copy of a parameter counts toward the global norm (each element once):
 - tp-sharded parameters: every tp rank holds a distinct shard, all count;
+- replicated KV-head shards: only the first rank of the ranks sharing it counts it;
 - tp-replicated parameters (norms, the critic's score): identical on every tp
   rank (their gradients are identical too), only tp rank 0 counts them;
 - the tied embedding's replica on the last stage (pp > 1): only stage 0 counts it;
@@ -59,12 +65,21 @@ def sync_tied_embedding(grads: Mapping[str, torch.Tensor], groups: ModelParallel
         dist.all_reduce(grads[embed_name], group=groups.embedding_group)
 
 
+def sync_kv_replicas(grads: Mapping[str, torch.Tensor], specs: Mapping[str, ParamSpec],
+                     groups: ModelParallelGroups) -> None:
+    """Sum the k/v gradients of a replicated KV head over the tp ranks holding it."""
+    if groups.kv_replica_group is None:
+        return
+    shared = [grads[n] for n in sorted(grads) if specs[n].tp_dim is not None and specs[n].tp_replicas(groups.tp) > 1]
+    allreduce_coalesced(shared, groups.kv_replica_group, average=False)
+
+
 def average_data_parallel(grads: Mapping[str, torch.Tensor], groups: ModelParallelGroups) -> None:
     allreduce_coalesced(list(grads.values()), groups.dp_group, average=True)
 
 
 def counts_toward_norm(spec: ParamSpec, groups: ModelParallelGroups) -> bool:
-    if spec.tp_dim is None and groups.tp_rank != 0:
+    if not spec.is_primary(groups.tp, groups.tp_rank):
         return False
     if spec.layer == EMBED_LAYER and groups.pp > 1 and groups.pp_rank == groups.pp - 1:
         return False  # tied replica; stage 0 owns the embedding

@@ -9,6 +9,8 @@ dp, then pp; ``ParallelStrategy.coords``):
 - pp group: the ``pp`` ranks of one (dp, tp) coordinate, in stage order,
 - embedding group: first and last stage of one (dp, tp) coordinate, only when
   embeddings are tied and pp > 1 (the last stage keeps a replica in sync),
+- KV replica group: the ``kv_replicas`` consecutive tp ranks that hold the same
+  KV head, only when tp exceeds the model's KV heads (their k/v gradients are summed),
 - mesh group: every rank of the mesh.
 
 ``torch.distributed.new_group`` is collective over the whole default group:
@@ -36,6 +38,7 @@ from realloc.strategy import ParallelStrategy
 
 if TYPE_CHECKING:
     from realloc.cluster import DeviceMesh
+    from realloc.models.config import ModelConfig
 
 RankSet = tuple[int, ...]
 
@@ -47,6 +50,7 @@ class ModelLayout:
     device_ids: tuple[int, ...]
     strategy: ParallelStrategy
     tie_embeddings: bool = False
+    kv_replicas: int = 1  # tp ranks sharing one KV head (ModelConfig.kv_replicas)
 
     def __post_init__(self) -> None:
         ids = tuple(int(i) for i in self.device_ids)
@@ -56,11 +60,26 @@ class ModelLayout:
                              f"(needs dp*tp*pp = {self.strategy.world_size} devices)")
         if len(set(ids)) != len(ids) or min(ids) < 0:
             raise ValueError(f"layout: device ids {ids} must be distinct non-negative global ranks")
+        if self.kv_replicas < 1 or self.strategy.tp % self.kv_replicas:
+            raise ValueError(f"layout: kv_replicas={self.kv_replicas} must divide tp={self.strategy.tp}")
 
     @classmethod
     def from_mesh(cls, mesh: "DeviceMesh", strategy: ParallelStrategy, tie_embeddings: bool = False) -> "ModelLayout":
         """The layout of a model placed on a ``cluster.DeviceMesh`` (global ranks = its device ids)."""
         return cls(tuple(mesh.device_ids), strategy, tie_embeddings)
+
+    @classmethod
+    def for_model(cls, cfg: "ModelConfig", devices: "DeviceMesh | Sequence[int]",
+                  strategy: ParallelStrategy) -> "ModelLayout":
+        """The layout of ``cfg`` on a mesh (or global ranks): the groups depend on the model's tied
+        embeddings and on how many tp ranks share a KV head."""
+        ids = devices.device_ids if hasattr(devices, "device_ids") else devices
+        return cls(tuple(ids), strategy, cfg.tie_embeddings, cfg.kv_replicas(strategy.tp))
+
+    def kv_replica_ranks(self, dp_rank: int, tp_rank: int, pp_rank: int) -> RankSet:
+        """Global ranks holding the same KV head as (dp_rank, tp_rank, pp_rank), in tp order."""
+        first = tp_rank - tp_rank % self.kv_replicas
+        return tuple(self.global_rank(dp_rank, t, pp_rank) for t in range(first, first + self.kv_replicas))
 
     def global_rank(self, dp_rank: int, tp_rank: int, pp_rank: int) -> int:
         return self.device_ids[self.strategy.rank(dp_rank, tp_rank, pp_rank)]
@@ -87,6 +106,9 @@ class ModelLayout:
         for p in range(s.pp):
             for d in range(s.dp):
                 sets.append(tuple(sorted(self.tp_ranks(d, p))))
+                if self.kv_replicas > 1:
+                    for t in range(0, s.tp, self.kv_replicas):
+                        sets.append(tuple(sorted(self.kv_replica_ranks(d, t, p))))
             for t in range(s.tp):
                 sets.append(tuple(sorted(self.dp_ranks(t, p))))
         for d in range(s.dp):
@@ -112,6 +134,7 @@ class ModelParallelGroups:
     pp_group: dist.ProcessGroup
     mesh_group: dist.ProcessGroup
     embedding_group: dist.ProcessGroup | None
+    kv_replica_group: dist.ProcessGroup | None  # None unless tp exceeds the KV heads
     tp_ranks: RankSet  # global ranks, in tp order
     dp_ranks: RankSet  # global ranks, in dp order
     pp_ranks: RankSet  # global ranks, in stage order
@@ -220,9 +243,10 @@ class ProcessGroupCache:
         emb = None
         if layout.tie_embeddings and layout.strategy.pp > 1 and p in (0, layout.strategy.pp - 1):
             emb = self.get((pp_ranks[0], pp_ranks[-1]))
+        kv = self.get(layout.kv_replica_ranks(d, t, p)) if layout.kv_replicas > 1 else None
         return ModelParallelGroups(
             layout=layout, global_rank=rank, dp_rank=d, tp_rank=t, pp_rank=p,
             tp_group=self.get(tp_ranks), dp_group=self.get(dp_ranks), pp_group=self.get(pp_ranks),
-            mesh_group=self.get(layout.device_ids), embedding_group=emb,
+            mesh_group=self.get(layout.device_ids), embedding_group=emb, kv_replica_group=kv,
             tp_ranks=tp_ranks, dp_ranks=dp_ranks, pp_ranks=pp_ranks,
         )

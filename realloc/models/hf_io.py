@@ -1,4 +1,6 @@
-"""HuggingFace LLaMA checkpoints (config.json + safetensors) in and out of any layout.
+"""HuggingFace checkpoints (config.json + safetensors) of the supported families in and out of any layout.
+
+config.json is mapped by the checkpoint's family (``realloc.models.families``: LLaMA, Qwen2).
 
 Loading: every rank opens only the safetensors files that hold its parameters
 and reads only its tp slice of each (``safe_open(...).get_slice``), so a rank
@@ -11,7 +13,9 @@ parameters into files is a pure function of the model config and pp
 (:func:`shard_file_plan`), so every writer knows the whole index without
 talking to the others; stage 0's writer writes ``config.json`` and the index.
 The result loads with ``transformers`` ``from_pretrained`` and back into any
-layout. Critics are written as ``LlamaForSequenceClassification`` with one label.
+layout. Critics are written as the family's sequence classifier (``LlamaForSequenceClassification``,
+``Qwen2ForSequenceClassification``) with one label. A KV head replicated over tp ranks
+(tp > KV heads) is read by each rank that holds it and written once.
 
     cfg = model_config_from_hf("/ckpt/llama")                        # any process
     model = ParallelModel(cfg, groups, init="empty")
@@ -33,6 +37,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from realloc.models.config import ModelConfig
+from realloc.models.families import config_from_hf, hf_from_config
 from realloc.models.param_layout import ParamSpec, param_specs, stage_of_layer
 from realloc.models.weights import init_shard
 
@@ -54,87 +59,27 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
     f = Path(path) / CONFIG_FILE
     if not f.is_file():
         raise ValueError(f"HF checkpoint {path}: no {CONFIG_FILE}; expected a directory written by save_pretrained")
-    return json.loads(f.read_text())
-
-
-def _rope(hf: Mapping[str, Any], where: str) -> tuple[float, tuple[float, float, float, int] | None]:
-    # transformers >= 5 writes rope_parameters; older configs have rope_theta and rope_scaling.
-    params = dict(hf.get("rope_parameters") or {})
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    scaling = hf.get("rope_scaling") if not params else params
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type in (None, "default"):
-        return theta, None
-    if rope_type != "llama3":
-        raise ValueError(f"{where}: rope type {rope_type!r} is not supported (only 'default' and 'llama3')")
     try:
-        return theta, (float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"]),
-                       int(scaling["original_max_position_embeddings"]))
-    except KeyError as e:
-        raise ValueError(f"{where}: llama3 rope scaling lacks {e.args[0]!r}") from None
+        return json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"HF checkpoint {path}: {CONFIG_FILE} is not valid JSON ({e})") from None
 
 
 def model_config_from_hf(source: str | os.PathLike | Mapping[str, Any], name: str | None = None,
                          critic: bool | None = None) -> ModelConfig:
-    """A ModelConfig from a checkpoint directory or a parsed config.json.
+    """A ModelConfig from a checkpoint directory or a parsed config.json, by its family (``families``).
 
     ``critic`` defaults to whether the checkpoint is a sequence-classification model.
     """
-    hf = dict(source) if isinstance(source, Mapping) else read_hf_config(source)
-    where = f"HF config {name or (source if not isinstance(source, Mapping) else 'dict')}"
-    if hf.get("model_type", "llama") != "llama":
-        raise ValueError(f"{where}: model_type {hf.get('model_type')!r} is not 'llama'")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{where}: hidden_act {hf['hidden_act']!r} unsupported (LLaMA uses 'silu')")
-    for flag in ("attention_bias", "mlp_bias"):
-        if hf.get(flag):
-            raise ValueError(f"{where}: {flag}=true is not supported")
-    try:
-        h, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-        head_dim = hf.get("head_dim")
-        if head_dim is not None and int(head_dim) != h // heads:
-            raise ValueError(f"{where}: head_dim={head_dim} differs from hidden_size/num_attention_heads={h // heads}")
-        theta, scaling = _rope(hf, where)
-        archs = hf.get("architectures") or []
-        is_critic = any("SequenceClassification" in a for a in archs) if critic is None else critic
-        if is_critic and int(hf.get("num_labels", len(hf.get("id2label", {}) or {}) or 1)) != 1:
-            raise ValueError(f"{where}: a critic/reward model needs exactly one label (a scalar head)")
-        return ModelConfig(
-            name=name or str(hf.get("_name_or_path") or "hf-llama"),
-            vocab_size=int(hf["vocab_size"]), hidden_size=h, intermediate_size=int(hf["intermediate_size"]),
-            n_layers=int(hf["num_hidden_layers"]), n_heads=heads,
-            n_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)), rope_theta=theta,
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)) and not is_critic,
-            is_critic=is_critic, rope_scaling=scaling,
-        )
-    except KeyError as e:
-        raise ValueError(f"{where}: missing key {e.args[0]!r}") from None
+    if isinstance(source, Mapping):
+        return config_from_hf(source, f"HF config {name or 'dict'}", name, critic)
+    return config_from_hf(read_hf_config(source), f"HF checkpoint {source}", name, critic)
 
 
 def hf_config_from_model_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32,
                                 extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """A config.json for ``transformers`` (LlamaForCausalLM, or LlamaForSequenceClassification for critics)."""
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if cfg.rope_scaling is not None:
-        f, lo, hi, ctx = cfg.rope_scaling
-        rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": f, "low_freq_factor": lo,
-                "high_freq_factor": hi, "original_max_position_embeddings": ctx}
-    out: dict[str, Any] = {
-        "architectures": ["LlamaForSequenceClassification" if cfg.is_critic else "LlamaForCausalLM"],
-        "model_type": "llama", "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
-        "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_parameters": rope,
-        "rope_scaling": None if cfg.rope_scaling is None else rope,
-        "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": _DTYPE_NAMES.get(dtype, "float32"),
-        "dtype": _DTYPE_NAMES.get(dtype, "float32"),
-    }
-    if cfg.is_critic:
-        out.update({"num_labels": 1, "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}})
+    """A config.json for ``transformers``: the family's causal LM, or its sequence classifier for critics."""
+    out = hf_from_config(cfg, _DTYPE_NAMES.get(dtype, "float32"))
     if extra:
         out.update({k: v for k, v in extra.items() if k not in out})
     return out
@@ -229,7 +174,7 @@ def _gather_full(t: torch.Tensor, spec: ParamSpec, g: "ModelParallelGroups") -> 
     src = t.detach().contiguous()
     parts = [torch.empty_like(src) for _ in range(g.tp)] if g.tp_rank == 0 else None
     dist.gather(src, gather_list=parts, dst=g.tp_ranks[0], group=g.tp_group)
-    return torch.cat(parts, dim=spec.tp_dim) if parts is not None else None
+    return spec.merge_shards(parts) if parts is not None else None
 
 
 @torch.no_grad()

@@ -9,7 +9,10 @@ A :class:`LlamaStage` holds exactly the parameters ``param_layout.stage_param_sp
 assigns to its pipeline stage, under the same (HF) names, each holding the tp
 shard ``spec.shard_slices(tp, tp_rank)`` of the full tensor:
 
-- q/k/v, gate/up: ``ColumnParallelLinear`` (output features split, whole heads per rank),
+- q/k/v, gate/up: ``ColumnParallelLinear`` (output features split, whole heads per rank;
+  Qwen2's q/k/v biases split with them). When tp exceeds the KV heads, each rank's k/v
+  layer holds one whole KV head, shared by ``tp / n_kv_heads`` consecutive ranks
+  (``param_layout`` replicated shards; ``grads`` sums their gradients),
 - o/down: ``RowParallelLinear`` (input features split, all-reduce of the output),
 - embedding: ``VocabParallelEmbedding``; LM head: ``ColumnParallelLinear`` over the vocabulary,
   so logits stay split over the vocabulary (see ``vocab_parallel``),
@@ -34,7 +37,7 @@ from megatron.core import ModelParallelConfig
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from torch import nn
 
-from realloc.models.config import ModelConfig
+from realloc.models.config import ModelConfig, tp_error
 from realloc.models.param_layout import stage_layer_ranges
 
 
@@ -113,15 +116,19 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group: dist.ProcessGroup, mcfg: ModelParallelConfig) -> None:
         super().__init__()
         tp = tp_group.size()
-        h, kv = cfg.hidden_size, cfg.kv_dim
+        h = cfg.hidden_size
         self.head_dim = cfg.head_dim
         self.n_local_heads = cfg.n_heads // tp
-        self.n_local_kv = cfg.n_kv_heads // tp
-        common = dict(config=mcfg, init_method=_no_init, bias=False, tp_group=tp_group)
-        self.q_proj = ColumnParallelLinear(h, h, gather_output=False, **common)
-        self.k_proj = ColumnParallelLinear(h, kv, gather_output=False, **common)
-        self.v_proj = ColumnParallelLinear(h, kv, gather_output=False, **common)
-        self.o_proj = RowParallelLinear(h, h, input_is_parallel=True, skip_bias_add=False, **common)
+        self.n_local_kv = cfg.local_kv_heads(tp)
+        # Megatron splits output features evenly over tp: asking for n_local_kv heads per rank
+        # times tp gives each rank exactly its heads, whether they are split or replicated.
+        kv_out = self.n_local_kv * self.head_dim * tp
+        common = dict(config=mcfg, init_method=_no_init, tp_group=tp_group)
+        qkv = dict(common, bias=cfg.qkv_bias, gather_output=False, skip_bias_add=False)
+        self.q_proj = ColumnParallelLinear(h, h, **qkv)
+        self.k_proj = ColumnParallelLinear(h, kv_out, **qkv)
+        self.v_proj = ColumnParallelLinear(h, kv_out, **qkv)
+        self.o_proj = RowParallelLinear(h, h, input_is_parallel=True, skip_bias_add=False, bias=False, **common)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                 cache: KVCache | None = None, cache_start: int = 0) -> torch.Tensor:
@@ -135,7 +142,8 @@ class Attention(nn.Module):
             cache.k[:, :, cache_start:end] = k
             cache.v[:, :, cache_start:end] = v
             k, v = cache.k[:, :, :end], cache.v[:, :, :end]
-        # Local q head i uses local kv head i // rep: TP keeps whole GQA groups on one rank.
+        # Local q head i uses local kv head i // rep: TP keeps whole GQA groups on one rank, or
+        # (KV heads replicated) the rank's q heads all belong to the group of its one KV head.
         rep = self.n_local_heads // self.n_local_kv
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
@@ -191,10 +199,9 @@ class LlamaStage(nn.Module):
         super().__init__()
         device = torch.device(device)
         tp = tp_group.size()
-        for field, value in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads),
-                             ("vocab_size", cfg.vocab_size), ("intermediate_size", cfg.intermediate_size)):
-            if value % tp:
-                raise ValueError(f"model {cfg.name!r}: tp={tp} must divide {field}={value}")
+        err = tp_error(cfg, tp)
+        if err:
+            raise ValueError(f"LlamaStage of model {cfg.name!r}: {err}")
         self.cfg = cfg
         self.pp, self.pp_rank, self.tp_group = pp, pp_rank, tp_group
         self.is_first = pp_rank == 0
@@ -253,8 +260,7 @@ class LlamaStage(nn.Module):
 
     def new_kv_caches(self, batch: int, max_len: int) -> list[KVCache]:
         p = next(iter(self.parameters()))
-        tp = self.tp_group.size()
-        shape = (batch, self.cfg.n_kv_heads // tp, max_len, self.cfg.head_dim)
+        shape = (batch, self.cfg.local_kv_heads(self.tp_group.size()), max_len, self.cfg.head_dim)
         return [KVCache(torch.zeros(shape, dtype=p.dtype, device=p.device),
                         torch.zeros(shape, dtype=p.dtype, device=p.device)) for _ in self.layers]
 

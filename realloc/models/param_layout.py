@@ -5,18 +5,31 @@ and the cost estimator: parameter names (HuggingFace LLaMA names, so checkpoints
 load without renaming), full shapes, the dimension tensor parallelism splits,
 and which pipeline stage holds each layer.
 
-TP splits a weight into ``tp`` contiguous equal chunks along ``tp_dim``. For q/k/v
+TP splits a weight into contiguous equal chunks along ``tp_dim``. For q/k/v
 and gate/up that is the output dimension (whole heads / MLP columns per rank);
 for o/down the input dimension; for the embedding and LM head the vocabulary.
+Biases (Qwen2's q/k/v) split with their weight's output dimension.
+
+Replicated shards. A tensor split in whole *units* (``tp_units``: the KV heads of
+k/v) cannot have more shards than units: when tp exceeds them, ``tp / units``
+consecutive tp ranks hold the same unit (tp rank r holds unit ``r * units // tp``).
+``shard_slices``/``shard_shape``/``shard_numel`` describe what one rank holds in
+every case; ``tp_replicas`` says how many ranks hold each shard and
+``is_primary`` names the one of them that counts it once (gradient norm, saving).
+A tensor without ``tp_dim`` is the extreme case: one shard, held by all tp ranks.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from functools import lru_cache
+from typing import TYPE_CHECKING, Sequence
 
 from realloc.models.config import ModelConfig
 from realloc.strategy import even_ranges
+
+if TYPE_CHECKING:
+    import torch
 
 EMBED_LAYER = -1  # pseudo layer index of the input embedding
 
@@ -27,6 +40,7 @@ class ParamSpec:
     shape: tuple[int, ...]
     tp_dim: int | None  # None: replicated on every tp rank
     layer: int  # EMBED_LAYER, 0..n_layers-1 for blocks, n_layers for the head (final norm + output)
+    tp_units: int | None = None  # whole units along tp_dim a shard keeps (KV heads); None: single rows/columns
 
     @property
     def numel(self) -> int:
@@ -35,34 +49,76 @@ class ParamSpec:
             n *= d
         return n
 
+    def tp_replicas(self, tp: int) -> int:
+        """How many tp ranks hold each shard (tp for an unsplit tensor)."""
+        if self.tp_dim is None:
+            return tp
+        units = self.tp_units or self.shape[self.tp_dim]
+        if tp <= units:
+            assert units % tp == 0, (self.name, units, tp)
+            return 1
+        assert tp % units == 0, (self.name, units, tp)
+        return tp // units
+
+    def n_shards(self, tp: int) -> int:
+        """Distinct shards over a tp group."""
+        return tp // self.tp_replicas(tp)
+
+    def is_primary(self, tp: int, tp_rank: int) -> bool:
+        """Whether ``tp_rank`` is the first of the ranks holding its shard (the one that counts it once)."""
+        return tp_rank % self.tp_replicas(tp) == 0
+
+    def shard_interval(self, tp: int, tp_rank: int) -> tuple[int, int]:
+        """[lo, hi) of tp rank ``tp_rank``'s shard along ``tp_dim`` ((0, 1) for an unsplit tensor)."""
+        if self.tp_dim is None:
+            return (0, 1)
+        n = self.n_shards(tp)
+        extent = self.shape[self.tp_dim]
+        assert extent % n == 0, (self.name, self.shape, tp)
+        size = extent // n
+        k = tp_rank // self.tp_replicas(tp)
+        return (k * size, (k + 1) * size)
+
     def shard_shape(self, tp: int) -> tuple[int, ...]:
         if self.tp_dim is None:
             return self.shape
-        assert self.shape[self.tp_dim] % tp == 0, (self.name, self.shape, tp)
+        lo, hi = self.shard_interval(tp, 0)
         shape = list(self.shape)
-        shape[self.tp_dim] //= tp
+        shape[self.tp_dim] = hi - lo
         return tuple(shape)
 
     def shard_slices(self, tp: int, tp_rank: int) -> tuple[slice, ...]:
         """Index of tp rank ``tp_rank``'s shard inside the full tensor."""
         if self.tp_dim is None:
             return tuple(slice(None) for _ in self.shape)
-        size = self.shape[self.tp_dim] // tp
-        return tuple(slice(tp_rank * size, (tp_rank + 1) * size) if d == self.tp_dim else slice(None)
-                     for d in range(len(self.shape)))
+        lo, hi = self.shard_interval(tp, tp_rank)
+        return tuple(slice(lo, hi) if d == self.tp_dim else slice(None) for d in range(len(self.shape)))
 
     def shard_numel(self, tp: int) -> int:
-        return self.numel // (tp if self.tp_dim is not None else 1)
+        return self.numel // self.n_shards(tp)
+
+    def merge_shards(self, parts: "Sequence[torch.Tensor]") -> "torch.Tensor":
+        """The full tensor from the shards of tp ranks 0..tp-1 (each replicated shard taken once)."""
+        tp = len(parts)
+        if self.tp_dim is None:
+            return parts[0]
+        import torch
+
+        return torch.cat([p for r, p in enumerate(parts) if self.is_primary(tp, r)], dim=self.tp_dim)
 
 
 def _block_specs(cfg: ModelConfig, i: int) -> list[ParamSpec]:
-    h, kv, inter = cfg.hidden_size, cfg.kv_dim, cfg.intermediate_size
+    h, kv, inter, n_kv = cfg.hidden_size, cfg.kv_dim, cfg.intermediate_size, cfg.n_kv_heads
     p = f"model.layers.{i}."
+    attn = []
+    # q heads split freely; k/v keep whole KV heads, replicated when tp exceeds them.
+    for proj, rows, units in (("q_proj", h, None), ("k_proj", kv, n_kv), ("v_proj", kv, n_kv)):
+        attn.append(ParamSpec(f"{p}self_attn.{proj}.weight", (rows, h), 0, i, units))
+        if cfg.qkv_bias:
+            attn.append(ParamSpec(f"{p}self_attn.{proj}.bias", (rows,), 0, i, units))
     return [
         ParamSpec(p + "input_layernorm.weight", (h,), None, i),
-        ParamSpec(p + "self_attn.q_proj.weight", (h, h), 0, i),
-        ParamSpec(p + "self_attn.k_proj.weight", (kv, h), 0, i),
-        ParamSpec(p + "self_attn.v_proj.weight", (kv, h), 0, i),
+        *attn,
         ParamSpec(p + "self_attn.o_proj.weight", (h, h), 1, i),
         ParamSpec(p + "post_attention_layernorm.weight", (h,), None, i),
         ParamSpec(p + "mlp.gate_proj.weight", (inter, h), 0, i),
@@ -125,3 +181,10 @@ def stage_param_specs(cfg: ModelConfig, pp: int, pp_rank: int) -> tuple[ParamSpe
 def shard_numel(cfg: ModelConfig, tp: int, pp: int, pp_rank: int) -> int:
     """Elements one device of (tp, pp_rank) holds."""
     return sum(s.shard_numel(tp) for s in stage_param_specs(cfg, pp, pp_rank))
+
+
+def replicated_shard_numel(cfg: ModelConfig, tp: int, pp: int, pp_rank: int) -> int:
+    """Elements of split tensors (the k/v projections when tp exceeds the KV heads) one device of
+    (tp, pp_rank) shares with other tp ranks: their gradients are summed over those ranks each step."""
+    return sum(s.shard_numel(tp) for s in stage_param_specs(cfg, pp, pp_rank)
+               if s.tp_dim is not None and s.tp_replicas(tp) > 1)

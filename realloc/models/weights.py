@@ -29,7 +29,9 @@ def param_seed(seed: int, name: str) -> int:
 
 
 def init_full_tensor(spec: ParamSpec, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The full (unsharded) initial value of ``spec``: ones for norms, N(0, 0.02) for matrices."""
+    """The full (unsharded) initial value of ``spec``: ones for norms, zeros for biases, N(0, 0.02) for matrices."""
+    if spec.name.endswith(".bias"):
+        return torch.zeros(spec.shape, dtype=dtype)
     if len(spec.shape) == 1:
         return torch.ones(spec.shape, dtype=dtype)
     gen = torch.Generator().manual_seed(param_seed(seed, spec.name))

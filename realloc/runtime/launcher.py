@@ -22,6 +22,7 @@ from typing import Iterable, Protocol
 
 from realloc.cluster import ClusterSpec
 from realloc.runtime.protocol import SECRET_FILE_ENV
+from realloc.runtime.stop_signals import StopSignals
 
 WORKER_MODULE = "realloc.runtime.worker"
 
@@ -267,7 +268,8 @@ def _long_option(text: str) -> str:
 
 
 def slurm_script(cluster: ClusterSpec, experiment: str, run: RunPaths, run_id: str, master_args: list[str],
-                 opts: SlurmOptions = SlurmOptions(), overrides: tuple[str, ...] = ()) -> str:
+                 opts: SlurmOptions = SlurmOptions(), overrides: tuple[str, ...] = (),
+                 stop_signals: StopSignals = StopSignals()) -> str:
     """The sbatch script of a run: the master on the first node, one worker task per device via srun.
 
     ``master_args`` are the ``realloc run`` arguments the master repeats inside the job (plan,
@@ -283,7 +285,8 @@ def slurm_script(cluster: ClusterSpec, experiment: str, run: RunPaths, run_id: s
              f"#SBATCH --nodes={cluster.n_nodes}",
              f"#SBATCH --ntasks-per-node={n}",
              f"#SBATCH --time={opts.time_limit}",
-             f"#SBATCH --output={run.logs}/slurm-%j.out"]
+             f"#SBATCH --output={run.logs}/slurm-%j.out",
+             stop_signals.sbatch_directive()]
     if opts.nodelist:
         lines.append(f"#SBATCH --nodelist={opts.nodelist}")
     if opts.cpus_per_task is not None:
@@ -312,6 +315,7 @@ def slurm_script(cluster: ClusterSpec, experiment: str, run: RunPaths, run_id: s
     srun = ["srun", "--kill-on-bad-exit=1", f"--ntasks={cluster.n_devices}", f"--ntasks-per-node={n}",
             "--distribution=block", cpus, *map(q, opts.srun_args)]
     plan_nodes = " ".join(q(x) for x in cluster.nodes)
+    warn = stop_signals.warning.name.removeprefix("SIG")
     lines += ["set -uo pipefail", *opts.setup,
               f"export {SECRET_FILE_ENV}={q(str(run.secret))}",
               "export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1",
@@ -328,14 +332,20 @@ def slurm_script(cluster: ClusterSpec, experiment: str, run: RunPaths, run_id: s
               "rendezvous.",
               f"export STORE_PORT=$(( {PORT_BASE} + 2 * (SLURM_JOB_ID % {PORT_SLOTS}) ))",
               "export MASTER_PORT=$(( STORE_PORT + 1 ))",
+              "# Cancel and the time limit send SIGTERM to every process, the master included; the warning signal",
+              "# comes to this script only, which passes it on. Either way the master finishes the iterations in",
+              "# flight, saves a checkpoint if there is time and exits; this script waits for it.",
+              "MASTER_PID=",
+              f"trap '[ -n \"$MASTER_PID\" ] && kill -{warn} $MASTER_PID 2>/dev/null' {warn}",
+              "trap 'echo \"realloc: SIGTERM; the master stops the run\" >&2' TERM",
               "# The master hosts the rendezvous store and the ZMQ socket; it exits non-zero on any failure.",
               f"{master_cmd} &",
               "MASTER_PID=$!",
               "# One worker per device; --kill-on-bad-exit ends the step when one fails, the master reports it.",
               f"{' '.join(srun)} bash -c {q('exec ' + inner)} &",
               "SRUN_PID=$!",
-              "wait $MASTER_PID",
-              "STATUS=$?",
+              "# A trapped signal interrupts wait: keep waiting until the master has exited.",
+              "while :; do wait $MASTER_PID; STATUS=$?; kill -0 $MASTER_PID 2>/dev/null || break; done",
               "kill $SRUN_PID 2>/dev/null || true",
               "exit $STATUS",
               ""]

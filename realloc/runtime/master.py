@@ -33,7 +33,9 @@ import dataclasses
 import datetime
 import json
 import logging
+import signal
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -46,11 +48,13 @@ from realloc.graph.plan import ExecutionPlan
 from realloc.models.groups import ModelLayout
 from realloc.runtime import checkpoint, protocol
 from realloc.runtime.data_store import row_bytes
+from realloc.runtime.evaluation import eval_calls, eval_key
 from realloc.runtime.launcher import RunPaths, WorkerLauncher, plan_node_hosts
 from realloc.runtime.program import Realloc, RuntimeProgram
 from realloc.runtime.run_config import RunConfig
+from realloc.runtime.stop_signals import SAVE_SAFETY, StopRequest, StopSignals, checkpoint_seconds_estimate
 from realloc.runtime.telemetry import RequestLog, RequestRecord, RunStats, Trace, iteration_metrics
-from realloc.runtime.transfer_plan import dp_ranges
+from realloc.runtime.transfer_plan import DataLayout, TransferPlan, dp_ranges, plan_data_transfer
 
 START_TIMEOUT = 600.0  # seconds for every worker to connect (importing megatron takes a while)
 SHUTDOWN_TIMEOUT = 60.0
@@ -91,6 +95,7 @@ class Master:
                  export_every: int = 0,
                  launcher: WorkerLauncher | None = None, bind_host: str = "127.0.0.1", master_port: int = 0,
                  store_port: int = 0, heartbeat_timeout: float = HEARTBEAT_TIMEOUT, window: int = 2,
+                 stop_signals: StopSignals = StopSignals(),
                  on_iteration: Callable[[dict[str, Any]], None] | None = None) -> None:
         if iterations < 1:
             raise ValueError(f"iterations must be at least 1, got {iterations}")
@@ -162,11 +167,18 @@ class Master:
         self.iter_end: dict[int, float] = {}  # the last two finished iterations
         self.n_reported = 0
         self.node_hosts: list[str] = []  # host of each plan node, from the workers' hellos
+        self.eval_calls = eval_calls(self.spec) if config.eval.every else None
+        self.eval_stats: dict[int, dict[str, float]] = {}
         self.tasks: set[asyncio.Task] = set()
         # Created by run(): they stream to the run directory, so a long run keeps a flat memory footprint.
         self.trace: Trace | None = None
         self.requests: RequestLog | None = None
         self.stats: RunStats | None = None
+        self.stop_signals = stop_signals
+        self.stop: StopRequest | None = None  # set by a stop signal (stop_signals.py)
+        self.all_done: asyncio.Event | None = None  # created when the iterations start
+        self.last_spawned = -1
+        self.longest_save: float | None = None
 
     # -- public ------------------------------------------------------------------------------------------------
     async def run(self) -> dict[str, Any]:
@@ -180,6 +192,7 @@ class Master:
         self.stats = RunStats(self.n_workers)
         receiver = asyncio.create_task(self._receive())
         monitor = asyncio.create_task(self._monitor())
+        restore_signals = self._catch_stop_signals()
         try:
             await self._guard(self._wait_for_workers())
             try:
@@ -212,6 +225,7 @@ class Master:
                 self.launcher.stop(grace=KILL_GRACE, hung=self.hung)
             raise
         finally:
+            restore_signals()
             for t in (receiver, monitor, *self.tasks):
                 t.cancel()
             unfinished = {rec.req: rec for per_rank in self.pending.values() for rec in per_rank.values()}
@@ -244,6 +258,71 @@ class Master:
                 continue  # never connected or already gone
             sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # a dead peer's error is expected
 
+    # -- stopping on a signal (stop_signals.py) -------------------------------------------------------------------
+    def _catch_stop_signals(self) -> Callable[[], None]:
+        """Route SIGTERM and the warning signal to ``request_stop``; returns a function restoring the handlers."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None  # signal handlers can only be set in the main thread
+        loop = asyncio.get_running_loop()
+        previous = {sig: signal.signal(sig, lambda s, _: loop.call_soon_threadsafe(self.request_stop, s))
+                    for sig in self.stop_signals.time_left}
+
+        def restore() -> None:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return restore
+
+    def request_stop(self, signum: int, source: str = "master") -> None:
+        """Stop after the iterations already running, with a checkpoint if one fits in the time left."""
+        sig = signal.Signals(signum)
+        if self.stop is not None:
+            log.warning("master: %s from %s while already stopping", sig.name, source)
+            return
+        left = self.stop_signals.time_left[sig]
+        self.stop = StopRequest(sig, source, time.monotonic() + left)
+        if self.all_done is None:
+            self.fail(f"stopped by {sig.name} before training started")
+            return
+        log.warning("master: %s (%s): finishing the iterations in flight, then saving a checkpoint if one fits in "
+                    "the %.0f s left", sig.name, source, left)
+
+    def _checkpoint_bytes(self) -> float:
+        """What the busiest worker writes per checkpoint: its trained models' home shards with AdamW state."""
+        prog = self.program
+        # Two fp32 moments per parameter, plus fp32 master weights for 16-bit parameters.
+        per_param = prog.bytes_per_param + 8 + (4 if prog.bytes_per_param < 4 else 0)
+        per_rank = [0.0] * self.n_workers
+        for m in prog.models:
+            if prog.is_trained(m):
+                cl = prog.calls[prog.home_call(m)]
+                shard = prog.model_config(m).total_params * per_param / (cl.strategy.tp * cl.strategy.pp)
+                for r in cl.ranks:
+                    per_rank[r] += shard
+        return max(per_rank)
+
+    async def _stop_after(self, t: int) -> None:
+        """The stop's last step after iteration ``t``: a checkpoint if there is time, then the end of the run."""
+        stop = self.stop
+        assert stop is not None and self.all_done is not None
+        stop.after_iteration = t + 1
+        try:
+            name = self.paths.checkpoints / checkpoint.checkpoint_name(t + 1)
+            if self._saves_after(t):
+                stop.checkpoint = str(name)  # the plan's own save of this iteration
+            else:
+                need = checkpoint_seconds_estimate(self._checkpoint_bytes(), self.longest_save)
+                left = stop.deadline - time.monotonic()
+                if SAVE_SAFETY * need <= left:
+                    await self._save(t)
+                    stop.checkpoint = str(name)
+                else:
+                    stop.note = (f"no checkpoint: one takes about {need:.0f} s and {left:.0f} s were left; the newest "
+                                 f"is in {self.paths.checkpoints}")
+        except RunFailed:
+            pass  # recorded; run() raises it
+        finally:
+            self.all_done.set()
+
     def fail(self, message: str) -> None:
         if self.failure is None:
             self.failure = message
@@ -266,7 +345,7 @@ class Master:
         sets = set(self.program.startup_rank_sets())
         for cl in self.program.all_layouts().values():
             cfg = self.program.model_config(cl.model)
-            sets.update(ModelLayout.from_mesh(cl.mesh, cl.strategy, cfg.tie_embeddings).rank_sets())
+            sets.update(ModelLayout.for_model(cfg, cl.mesh, cl.strategy).rank_sets())
         return sets
 
     def _send(self, ranks: Any, kind: str, label: str, iteration: int, node: str,
@@ -347,6 +426,8 @@ class Master:
             log.warning("master: dropped a %s from a second connection claiming %r", body.type, name)
             return
         if isinstance(body, protocol.Heartbeat):
+            if body.stop_signal in self.stop_signals.time_left and self.stop is None:
+                self.request_stop(body.stop_signal, f"worker {rank}")
             now = time.monotonic()
             self.last_heartbeat[rank] = now
             self.first_heartbeat.setdefault(rank, now)
@@ -447,9 +528,14 @@ class Master:
                 nodes.append(Node("offload", m, t))
                 if t > self.start:
                     nodes.append(Node("reload", m, t))
+        if self._evaluates(t):
+            nodes += [Node("eval", "generate", t), Node("eval", "reward", t)]
         if self._saves_after(t):
             nodes.append(Node("save", "", t))
         return nodes
+
+    def _evaluates(self, t: int) -> bool:
+        return self.eval_calls is not None and self.config.eval.due(t)
 
     def _deps(self, n: Node) -> list[Node]:
         prog, t = self.program, n.t
@@ -479,16 +565,30 @@ class Master:
             out.append(Node("offload", n.name, t - 1))
         elif n.kind == "save":
             out += [x for x in self._nodes(t) if x.kind != "save"]
+        elif n.kind == "eval":
+            ec = self.eval_calls
+            out += ([Node("call", ec.train, t)] if n.name == "generate" else
+                    [Node("eval", "generate", t), Node("call", ec.reward, t)])
+            return out
+        # An evaluation runs in the layouts of the actor's train step and of the reward call, right after
+        # them: what moves their parameters (reallocation, offload) or changes them (a later iteration)
+        # waits for it too. The same iteration's consumers of the reward do not: the evaluation waits for
+        # the actor's train step, which needs them.
+        anchors = {self.eval_calls.train: "generate", self.eval_calls.reward: "reward"} if self.eval_calls else {}
+        out += [Node("eval", anchors[d.name], d.t) for d in list(out)
+                if d.kind == "call" and d.name in anchors and self._evaluates(d.t)
+                and (n.kind in ("realloc", "offload") or d.t < n.t)]
         return out
 
     async def _run_iterations(self) -> None:
         first = min(self.end, self.start + self.window)
+        self.all_done = asyncio.Event()
         for t in range(self.start, first):
             self._spawn(t)
-        self.all_done = asyncio.Event()
         await self.all_done.wait()
 
     def _spawn(self, t: int) -> None:
+        self.last_spawned = t
         nodes = self._nodes(t)
         self.remaining[t] = len(nodes)
         self.call_stats[t] = {}
@@ -518,6 +618,8 @@ class Master:
                 await self._wait(rec)
             elif n.kind == "save":
                 await self._save(n.t)
+            elif n.kind == "eval":
+                await self._eval(n)
             t1 = time.time()
             self.trace.add_node(n.label, n.kind, n.t, t0, t1)
             key = n.name if n.kind == "call" else n.kind
@@ -542,6 +644,10 @@ class Master:
             begin = self.iter_end.get(k - 1, self.t_start)
             m = iteration_metrics(k, self.call_stats.pop(k), self.node_times.pop(k), self.iter_end[k] - begin,
                                   self.program.batch_size * self.spec.seq_len)
+            if k in self.eval_stats:
+                ev = self.eval_stats.pop(k)
+                m["eval"] = {"reward": ev["score_sum"] / ev["n_seqs_scored"], "n": int(ev["n_seqs_scored"]),
+                             "greedy": self.config.eval.greedy}
             self.n_reported += 1
             self.stats.on_iteration(m, self.iter_end[k])
             with open(self.paths.metrics, "a") as f:
@@ -561,9 +667,12 @@ class Master:
                     self.cached.pop(c, None)
                     self.data_meta.pop(c, None)
             nxt = k + self.window
-            if nxt < self.end:
+            if nxt < self.end and self.stop is None:
                 self._spawn(nxt)
-            if k == self.end - 1:
+            if self.stop is not None and k == self.last_spawned:
+                self.stats.close()
+                self._task(self._stop_after(k))
+            elif k == self.end - 1:
                 self.stats.close()
                 self.all_done.set()
 
@@ -627,6 +736,10 @@ class Master:
             entry = (key, *ranges[dp_rank])
             if entry not in cached.setdefault(dev, []):
                 cached[dev].append(entry)
+        return self._send_transfer(key, consumer, t, plan, metas)
+
+    def _send_transfer(self, key: str, consumer: str, t: int, plan: TransferPlan,
+                       metas: list[protocol.TensorMeta]) -> list[RequestRecord]:
         if not plan.transfers:
             return []
         recs = []
@@ -642,8 +755,42 @@ class Master:
                                                                  tensors=metas, broadcasts=pieces)))
         return recs
 
+    async def _eval(self, n: Node) -> None:
+        """An evaluation pass (``evaluation.py``): generate on the eval batches at the actor's home, then
+        move the sequences to the reward call and score them."""
+        ec, t, prog = self.eval_calls, n.t, self.program
+        seq_key = self.graph.call(ec.generate).output_data[0]
+        for j in range(self.config.eval.batches):
+            if n.name == "generate":
+                rec = self._send(prog.calls[ec.train].ranks, "eval", f"eval generate {j}", t, n.label,
+                                 lambda req, j=j: protocol.RunCall(req=req, call=ec.generate, iteration=t,
+                                                                   eval_batch=j, layout_call=ec.train))
+                for rep in await self._wait(rec):
+                    for out in rep.outputs:
+                        self.data_meta.setdefault((out.key, t), out.tensors)
+                continue
+            key = eval_key(j, seq_key)
+            metas = self.data_meta.pop((key, t))
+            home = prog.calls[ec.train]
+            plan = plan_data_transfer({key: [row_bytes(metas)] * prog.batch_size},
+                                      DataLayout(home.mesh, home.strategy, tuple(range(home.strategy.pp))),
+                                      prog.consumer(ec.reward))
+            moves = self._send_transfer(key, ec.reward, t, plan, metas)
+            rec = self._send(prog.calls[ec.reward].ranks, "eval", f"eval reward {j}", t, n.label,
+                             lambda req, j=j: protocol.RunCall(req=req, call=ec.reward, iteration=t, eval_batch=j))
+            for m in moves:
+                await self._wait(m)
+            stats = self.eval_stats.setdefault(t, {})
+            for rep in await self._wait(rec):
+                for k, v in rep.stats.items():
+                    stats[k] = stats.get(k, 0.0) + v
+        if n.name == "reward":  # the other outputs of the eval generation (logp) are not needed
+            for k in [k for k in self.data_meta if k[1] == t and k[0].startswith("eval")]:
+                self.data_meta.pop(k)
+
     async def _save(self, t: int) -> None:
         # Named after the iterations it holds: iter_00000010 is the state after iteration 10 (t = 9).
+        began = time.monotonic()
         done = t + 1
         tmp = checkpoint.begin(self.paths.checkpoints, done)
         rec = self._send(range(self.n_workers), "save", f"checkpoint {done}", t, "save",
@@ -657,6 +804,7 @@ class Master:
                 "layouts": layouts, "models": self.model_records}
         final = await asyncio.to_thread(checkpoint.commit, tmp, self.paths.checkpoints, done, meta,
                                         prog.plan.to_json())
+        self.longest_save = max(self.longest_save or 0.0, time.monotonic() - began)
         if self._every(self.export_every, t):
             # The export reads the committed checkpoint on a thread while training goes on.
             self.exports.append(asyncio.create_task(asyncio.to_thread(self._export, final, done)))

@@ -85,6 +85,8 @@ class RunCall(_Msg):
     req: int
     call: str
     iteration: int
+    eval_batch: int = -1  # >= 0: an evaluation pass over eval batch j (realloc/runtime/evaluation.py)
+    layout_call: str = ""  # run ``call``'s interface in this call's layout (evaluation generates at home)
 
 
 class Reallocate(_Msg):
@@ -173,6 +175,7 @@ class Heartbeat(_Msg):
     type: Literal["heartbeat"] = "heartbeat"
     rank: int
     busy_req: int = -1  # request being executed, -1 when idle
+    stop_signal: int = 0  # a stop signal the worker received (stop_signals.py); the master stops the run
 
 
 class Abort(_Msg):

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import json
 import secrets
+import signal
 import sys
 import time
 from pathlib import Path
@@ -33,6 +35,7 @@ from realloc.runtime.launcher import (LocalLauncher, RunPaths, SlurmOptions, Wor
 from realloc.runtime.metric_sinks import MetricSinks
 from realloc.runtime.program import RuntimeProgram
 from realloc.runtime.run_config import RunConfig
+from realloc.runtime.stop_signals import StopSignals
 
 DEFAULT_SEARCH_TIME = 10.0
 MIN_HEARTBEAT_TIMEOUT = 2.0
@@ -79,6 +82,11 @@ def _truncate_metrics(path: Path, start: int) -> None:
     path.write_text("".join(line + "\n" for line in keep))
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    """SIGTERM before the master runs stops ``realloc run`` at once, like Ctrl-C."""
+    raise KeyboardInterrupt
+
+
 def _fresh_secret(run: RunPaths) -> bytes:
     secret = protocol.new_secret()
     run.secret.unlink(missing_ok=True)
@@ -95,6 +103,7 @@ def main(args: argparse.Namespace) -> int:
     if args.heartbeat_timeout is not None and not args.heartbeat_timeout >= MIN_HEARTBEAT_TIMEOUT:
         raise ValueError(f"--heartbeat-timeout must be at least {MIN_HEARTBEAT_TIMEOUT:g} s (workers beat every "
                          f"second), got {args.heartbeat_timeout:g}")
+    stop_signals = StopSignals.parse(args.warning_signal)
     if args.launcher != "slurm" and (args.dry_run or args.prepare):
         raise ValueError(f"{'--dry-run' if args.dry_run else '--prepare'} applies to --launcher slurm; for a local "
                          f"run, `realloc search EXP --dry-run` shows the plan")
@@ -141,7 +150,9 @@ def main(args: argparse.Namespace) -> int:
             master_args += ["--resume", str(ckpt)]
         if args.heartbeat_timeout is not None:
             master_args += ["--heartbeat-timeout", str(args.heartbeat_timeout)]
-        script = slurm_script(spec.cluster, experiment, run, run_id, master_args, slurm, overrides=sets)
+        master_args += ["--warning-signal", str(stop_signals)]
+        script = slurm_script(spec.cluster, experiment, run, run_id, master_args, slurm, overrides=sets,
+                              stop_signals=stop_signals)
         if args.dry_run and not args.prepare:
             print(script, end="")  # nothing is written: --prepare writes the run directory
             return 0
@@ -157,6 +168,7 @@ def main(args: argparse.Namespace) -> int:
 
     if args.launcher == "local":
         _check_local(spec)
+    previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)  # the master takes it over while it runs
     if args.launcher == "external":
         plan_path = run.plan
         if not plan_path.is_file():
@@ -165,6 +177,7 @@ def main(args: argparse.Namespace) -> int:
     else:
         _prepare_run_dir(run, plan, experiment, sets)
         secret = _fresh_secret(run)
+        atexit.register(run.secret.unlink, missing_ok=True)  # also when interrupted before the cleanup below
     _truncate_metrics(run.metrics, start)
     if start == 0:
         run.metrics.unlink(missing_ok=True)
@@ -180,7 +193,7 @@ def main(args: argparse.Namespace) -> int:
     master = Master(program, config, run, run_id, secret, iterations=total - start, start_iteration=start,
                     resume=ckpt, save_every=args.save_every, export_every=args.export_every,
                     bind_host=bind, master_port=args.master_port,
-                    store_port=args.store_port, **heartbeat)
+                    store_port=args.store_port, stop_signals=stop_signals, **heartbeat)
     if args.launcher in ("local", "ray"):
         wc = WorkerConfig(experiment=experiment, run_dir=str(run.root), run_id=run_id,
                           world_size=spec.cluster.n_devices, store=f"{bind}:{master.store.port}",
@@ -205,14 +218,18 @@ def main(args: argparse.Namespace) -> int:
         summary = _drive(master, total, start, sinks, quiet=args.quiet or not sys.stdout.isatty())
     except RunFailed as e:
         print(f"realloc run: error: {e}", file=sys.stderr)
-        return 1
+        return master.stop.exit_code if master.stop is not None else 1
     finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
         sinks.close()
         if ray is not None:
             ray.close()
         if args.launcher != "external":
             run.secret.unlink(missing_ok=True)
     _summary(summary, run)
+    if master.stop is not None:
+        print(f"realloc run: {master.stop.describe(str(run.root))}", file=sys.stderr)
+        return master.stop.exit_code
     return 0
 
 

@@ -12,6 +12,7 @@ The ``@auto`` dataclass may define (all optional):
 - ``iterations: int``: default for ``realloc run --iterations``;
 - ``sample_every: int`` (default 10): every N iterations, write a few decoded samples (prompt, response,
   reward) to ``samples.jsonl`` in the run directory; 0 turns it off; ``n_samples`` of them (default 4);
+- ``eval: EvalConfig``: an eval prompt set run every N iterations (``realloc.runtime.evaluation``);
 - ``ppo: PPOConfig``: PPO hyperparameters (defaults from ``PPOConfig()``).
 """
 
@@ -23,6 +24,7 @@ from pathlib import Path
 from realloc.algorithms.ppo_config import PPOConfig
 from realloc.api import ExperimentSpec, InterfaceType
 from realloc.data.config import DataConfig
+from realloc.runtime.evaluation import EvalConfig, eval_calls
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -37,6 +39,7 @@ class RunConfig:
     data: DataConfig = DataConfig()
     sample_every: int = 10
     n_samples: int = 4
+    eval: EvalConfig = EvalConfig()
 
     @classmethod
     def of(cls, spec: ExperimentSpec, require_dataset: bool = True) -> "RunConfig":
@@ -57,17 +60,26 @@ class RunConfig:
         elif require_dataset and any(k in spec.dataset_keys for r in spec.rpcs for k in r.input_data):
             raise ValueError(f"experiment {spec.name!r} reads prompts (dataset keys {list(spec.dataset_keys)}) but "
                              f"names no prompt file: pass --set dataset=/path/to/prompts.jsonl or set `dataset` in "
-                             f"the experiment (.jsonl/.json/.parquet text, chat or token-id prompts; see realloc/data/prompts.py)")
+                             f"the experiment (.jsonl/.json/.parquet text, chat or token-id prompts; see "
+                             f"realloc/data/prompts.py)")
         iterations = getattr(cfg, "iterations", None)
         if iterations is not None and (not isinstance(iterations, int) or iterations < 1):
             raise ValueError(f"experiment {spec.name!r}: iterations must be a positive integer, got {iterations!r}")
+        ev = getattr(cfg, "eval", None) or EvalConfig()
+        if not isinstance(ev, EvalConfig):
+            raise ValueError(f"experiment {spec.name!r}: field eval must be a realloc.runtime.evaluation.EvalConfig, "
+                             f"got {type(ev).__name__}")
+        if ev.dataset:
+            ev = dataclasses.replace(ev, dataset=str(spec.resolve_path(ev.dataset)))
+        if ev.every:
+            eval_calls(spec)  # the experiment has what an evaluation needs
         for field in ("sample_every", "n_samples"):
             v = getattr(cfg, field, getattr(cls, field))
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"experiment {spec.name!r}: {field} must be a non-negative integer, got {v!r}")
         return cls(seed=seed, ppo=ppo, dataset=dataset, iterations=iterations, tokenizer=_tokenizer_dir(spec),
                    data=data, sample_every=getattr(cfg, "sample_every", cls.sample_every),
-                   n_samples=getattr(cfg, "n_samples", cls.n_samples))
+                   n_samples=getattr(cfg, "n_samples", cls.n_samples), eval=ev)
 
 
 def _tokenizer_dir(spec: ExperimentSpec) -> str | None:

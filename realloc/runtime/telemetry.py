@@ -173,6 +173,8 @@ def format_line(m: dict[str, Any], total: int) -> str:
     for k in HEADLINE:
         if k in m:
             parts.append(f"{k} {m[k]:+.4f}" if k != "reward" else f"{k} {m[k]:.4f}")
+    if "eval" in m:
+        parts.append(f"eval reward {m['eval']['reward']:.4f} ({'greedy' if m['eval']['greedy'] else 'sampled'})")
     times = " ".join(f"{n} {t:.2f}s" for n, t in m["time"].items())
     parts.append(times)
     parts.append(f"{m['iteration_time']:.2f}s/it {m['tokens_per_s']:.0f} tok/s")

@@ -25,6 +25,9 @@ dp replica of every pipeline stage that owns the layer. For data the axis is the
 batch's sequence index; a producer dp rank's contiguous slice is held by all its tp
 ranks on the producer stages -- the same picture with TP and DP swapped (§6).
 
+A replicated KV-head shard (tp > KV heads, ``ParamSpec.tp_replicas``) is one source chunk
+with more holders: the tp ranks that share it, on every dp replica and stage.
+
 1. Outer loop over pipeline stage pairs: layers are grouped into *classes* that share
    (source stages, destination stages, shapes); every decoder block of a class has an
    identical plan, so each class is planned once and replicated (the cost is
@@ -61,7 +64,7 @@ from types import MappingProxyType
 from typing import Hashable, Iterable, Mapping, Sequence
 
 from realloc.cluster import DeviceMesh
-from realloc.models.config import ModelConfig
+from realloc.models.config import ModelConfig, tp_error
 from realloc.models.param_layout import ParamSpec, param_specs, stage_param_specs
 from realloc.strategy import ParallelStrategy, even_ranges
 
@@ -137,14 +140,8 @@ def shard_intervals(cfg: ModelConfig, layout: Layout, device: int) -> dict[str, 
     if coords is None:
         return {}
     _, tp_rank, pp_rank = coords
-    out = {}
-    for spec in stage_param_specs(cfg, layout.strategy.pp, pp_rank):
-        if spec.tp_dim is None:
-            out[spec.name] = (spec, 0, 1)
-        else:
-            sl = spec.shard_slices(layout.strategy.tp, tp_rank)[spec.tp_dim]
-            out[spec.name] = (spec, sl.start, sl.stop)
-    return out
+    return {spec.name: (spec, *spec.shard_interval(layout.strategy.tp, tp_rank))
+            for spec in stage_param_specs(cfg, layout.strategy.pp, pp_rank)}
 
 
 # --------------------------------------------------------------------------- plan objects
@@ -428,10 +425,9 @@ def _check_layout(cfg: ModelConfig, lay: Layout, which: str) -> None:
     s = lay.strategy
     if s.pp > cfg.n_layers:
         raise ValueError(f"{which} layout {lay}: pp={s.pp} exceeds the {cfg.n_layers} layers of {cfg.name}")
-    for spec in param_specs(cfg):
-        if spec.tp_dim is not None and spec.shape[spec.tp_dim] % s.tp:
-            raise ValueError(f"{which} layout {lay}: tp={s.tp} does not divide dimension {spec.tp_dim} "
-                             f"({spec.shape[spec.tp_dim]}) of {spec.name} in {cfg.name}; choose another tp")
+    err = tp_error(cfg, s.tp)
+    if err:
+        raise ValueError(f"{which} layout {lay}: {err}; choose another tp")
 
 
 def _stages_holding(cfg: ModelConfig, pp: int) -> dict[str, tuple[int, ...]]:
@@ -445,32 +441,27 @@ def _stages_holding(cfg: ModelConfig, pp: int) -> dict[str, tuple[int, ...]]:
 def _param_item(spec: ParamSpec, src: Layout, dst: Layout, src_stages: tuple[int, ...],
                 dst_stages: tuple[int, ...], bpe: int) -> _Item:
     s1, s2 = src.strategy, dst.strategy
-    if spec.tp_dim is None:
-        extent, stride = 1, spec.numel * bpe
-
-        def chunk(tp: int, r: int) -> tuple[int, int]:
-            return (0, 1)
-        src_ranks: list[int | None] = [None]
-    else:
-        extent = spec.shape[spec.tp_dim]
-        stride = spec.numel // extent * bpe
-
-        def chunk(tp: int, r: int) -> tuple[int, int]:
-            size = extent // tp
-            return (r * size, (r + 1) * size)
-        src_ranks = list(range(s1.tp))
+    # A tensor without tp_dim is one interval [0, 1) of all its bytes; a split one is cut along tp_dim.
+    extent = 1 if spec.tp_dim is None else spec.shape[spec.tp_dim]
+    stride = spec.numel // extent * bpe
+    # One holder group per distinct source shard: every dp replica and stage holding the layer, and
+    # every tp rank holding that shard (one rank, all ranks for an unsplit tensor, or the ranks that
+    # share a replicated KV head).
+    rep = spec.tp_replicas(s1.tp)
     groups = []
-    for r in src_ranks:
-        devs = tuple(src.device(dp, t, st) for st in src_stages for dp in range(s1.dp)
-                     for t in (range(s1.tp) if r is None else (r,)))
-        groups.append((*chunk(s1.tp, r or 0), devs, (src_stages, r)))
-    needs = tuple((dst.device(dp, t, st), *chunk(s2.tp, t)) for st in dst_stages
+    for first in range(0, s1.tp, rep):
+        ranks = range(first, first + rep)
+        devs = tuple(src.device(dp, t, st) for st in src_stages for dp in range(s1.dp) for t in ranks)
+        # The decision key names the holder set; items of a class that share it take one source.
+        key = (src_stages, None if spec.tp_dim is None else first if rep == 1 else tuple(ranks))
+        groups.append((*spec.shard_interval(s1.tp, first), devs, key))
+    needs = tuple((dst.device(dp, t, st), *spec.shard_interval(s2.tp, t)) for st in dst_stages
                   for dp in range(s2.dp) for t in range(s2.tp))
     held = {}
     for dev, _, _ in needs:
         c = src.coords_by_device.get(dev)
         if c is not None and c[2] in src_stages:
-            held[dev] = (chunk(s1.tp, c[1]),)
+            held[dev] = (spec.shard_interval(s1.tp, c[1]),)
     return _Item(extent, stride, None, tuple(groups), needs, held)
 
 
@@ -496,7 +487,7 @@ def plan_param_realloc(cfg: ModelConfig, src: Layout, dst: Layout, *, bytes_per_
         by_layer[spec.layer].append(spec)
     classes: dict[tuple, list[int]] = {}
     for layer, specs in by_layer.items():
-        key = tuple((spec.shape, spec.tp_dim, src_st[spec.name], dst_st[spec.name]) for spec in specs)
+        key = tuple((spec.shape, spec.tp_dim, spec.tp_units, src_st[spec.name], dst_st[spec.name]) for spec in specs)
         classes.setdefault(key, []).append(layer)
     out = []
     for key, layers in classes.items():

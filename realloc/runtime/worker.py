@@ -19,6 +19,7 @@ import argparse
 import datetime
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -41,6 +42,7 @@ from realloc.models.hf_io import load_hf_checkpoint
 from realloc.models.weights import param_seed
 from realloc.runtime import checkpoint, protocol
 from realloc.runtime.data_store import DataStore, pack_rows, row_bytes, unpack_rows
+from realloc.runtime.evaluation import EVAL_SEED, eval_calls, eval_key, write_eval_samples
 from realloc.data.prompts import PromptDataset
 from realloc.data.tokenizer import Tokenizer
 from realloc.runtime.launcher import RunPaths
@@ -85,13 +87,14 @@ class Heartbeat(threading.Thread):
         self.channel = protocol.Channel(secret, run_id, name)
         self.rank = rank
         self.busy_req = -1
+        self.stop_signal = 0  # reported with every heartbeat once the worker got SIGTERM
         self._stopping = threading.Event()
 
     def run(self) -> None:
         last_answer = time.monotonic()
         while not self._stopping.is_set():
-            self.sock.send_multipart(self.channel.pack(protocol.MASTER, protocol.Heartbeat(rank=self.rank,
-                                                                                        busy_req=self.busy_req)))
+            self.sock.send_multipart(self.channel.pack(protocol.MASTER, protocol.Heartbeat(
+                rank=self.rank, busy_req=self.busy_req, stop_signal=self.stop_signal)))
             deadline = time.monotonic() + HEARTBEAT_INTERVAL
             while (left := deadline - time.monotonic()) > 0 and not self._stopping.is_set():
                 if self.sock.poll(int(left * 1000)):
@@ -153,10 +156,17 @@ class ModelWorker:
         self.handles: dict[LayoutKey, ModelHandle] = {}
         self.store = DataStore()
         self.dataset: PromptDataset | None = None
+        self.eval_dataset: PromptDataset | None = None
         self.total_iterations = 0
         self.tokenizer = Tokenizer.load(self.config.tokenizer) if self.config.tokenizer else None
         self.tokens = SpecialTokens.of(spec, self.tokenizer)
         self.samples = SampleLog(self.run_dir, self.tokenizer, self.config.sample_every, self.config.n_samples)
+
+    def on_stop_signal(self, signum: int, frame: object) -> None:
+        """SIGTERM (a cluster ending the job) does not end this worker: the master is told with the next
+        heartbeat and stops the whole run, with a checkpoint if there is time (stop_signals.py)."""
+        log.warning("worker %d: %s received; the master stops the run", self.rank, signal.Signals(signum).name)
+        self.heartbeat.stop_signal = signum
 
     # -- wire -----------------------------------------------------------------------------------------------
     def _send(self, body: protocol._Msg) -> None:
@@ -192,7 +202,7 @@ class ModelWorker:
             self.total_iterations = req.total_iterations
             self.setup(req.resume)
         elif isinstance(req, protocol.RunCall):
-            return self.run_call(req.call, req.iteration)
+            return self.run_call(req.call, req.iteration, req.eval_batch, req.layout_call)
         elif isinstance(req, protocol.Reallocate):
             return self.reallocate(req), []
         elif isinstance(req, protocol.TransferData):
@@ -216,14 +226,14 @@ class ModelWorker:
         layouts = []
         for cl in prog.all_layouts().values():
             cfg = prog.model_config(cl.model)
-            layouts.append(ModelLayout.from_mesh(cl.mesh, cl.strategy, cfg.tie_embeddings))
+            layouts.append(ModelLayout.for_model(cfg, cl.mesh, cl.strategy))
         self.groups.ensure_layouts(layouts)
         self.groups.ensure_rank_sets(prog.startup_rank_sets())
 
         torch.manual_seed(self.config.seed)
         for key, cl in prog.layouts_on(self.rank).items():
             cfg = prog.model_config(cl.model)
-            g = self.groups.model_groups(ModelLayout.from_mesh(cl.mesh, cl.strategy, cfg.tie_embeddings), self.rank)
+            g = self.groups.model_groups(ModelLayout.for_model(cfg, cl.mesh, cl.strategy), self.rank)
             home = prog.calls[prog.home_call(cl.model)].key == key
             source = self.spec.models.get(cl.model)
             # Parameters start at home (from the checkpoint, or seeded random); other layouts are filled by
@@ -253,6 +263,11 @@ class ModelWorker:
             self.dataset = PromptDataset.load(self.config.dataset, self.spec.prompt_len, tokenizer=self.tokenizer,
                                               config=self.config.data, vocab_size=prog.generation_vocab_size(),
                                               cache_dir=RunPaths(self.run_dir).prompt_cache)
+        ev = self.config.eval
+        if ev.every and self.rank in prog.calls[eval_calls(self.spec).train].ranks:  # evaluation generates there
+            self.eval_dataset = PromptDataset.load(ev.dataset, self.spec.prompt_len, tokenizer=self.tokenizer,
+                                                   config=self.config.data, vocab_size=prog.generation_vocab_size(),
+                                                   cache_dir=RunPaths(self.run_dir).prompt_cache)
         if resume:
             self.load(Path(resume))
 
@@ -272,9 +287,14 @@ class ModelWorker:
         return self.handles.get(self.program.calls[self.program.home_call(model)].key)
 
     # -- calls ------------------------------------------------------------------------------------------------
-    def run_call(self, call: str, iteration: int) -> tuple[dict[str, float], list[protocol.OutputMeta]]:
+    def run_call(self, call: str, iteration: int, eval_batch: int = -1,
+                 layout_call: str = "") -> tuple[dict[str, float], list[protocol.OutputMeta]]:
+        """Run ``call``'s interface in its own layout (or ``layout_call``'s). With ``eval_batch`` >= 0, an
+        evaluation pass: prompts from the eval set, data under ``eval<j>/`` keys (``evaluation.py``)."""
         prog, spec = self.program, self.spec
-        cl = prog.calls[call]
+        cl = prog.calls[layout_call or call]
+        evaluating = eval_batch >= 0
+        key_of = (lambda k: eval_key(eval_batch, k)) if evaluating else (lambda k: k)
         rpc = spec.call(call)
         cfg = prog.model_config(cl.model)
         fn, in_keys, out_keys = impls.resolve(rpc, cfg is not None and cfg.is_critic)
@@ -289,25 +309,32 @@ class ModelWorker:
         inputs: impls.Data = {}
         for role, key in in_keys.items():
             if key in spec.dataset_keys:
-                assert self.dataset is not None
-                inputs[role] = self.dataset.batch(iteration, prog.batch_size, self.config.seed, range(lo, hi))
+                ds, position, seed = ((self.eval_dataset, eval_batch, EVAL_SEED) if evaluating
+                                      else (self.dataset, iteration, self.config.seed))
+                assert ds is not None
+                inputs[role] = ds.batch(position, prog.batch_size, seed, range(lo, hi))
             else:
-                inputs[role] = self.store.get(key, iteration, lo, hi)
+                inputs[role] = self.store.get(key_of(key), iteration, lo, hi)
         ctx = impls.CallContext(call=rpc, model=handle.model if handle else None,
                                 optimizer=handle.optimizer if handle else None, ppo=self.config.ppo,
                                 prompt_len=spec.prompt_len, gen_len=spec.gen_len, seed=self.config.seed,
                                 iteration=iteration, ids=range(lo, hi), batch_size=prog.batch_size, n_mbs=cl.n_mbs,
                                 total_iterations=self.total_iterations,
-                                eos_token_ids=self.tokens.eos_token_ids, pad_token_id=self.tokens.pad_token_id)
+                                eos_token_ids=self.tokens.eos_token_ids, pad_token_id=self.tokens.pad_token_id,
+                                greedy=evaluating and self.config.eval.greedy,
+                                purpose=f"eval{eval_batch}" if evaluating else "generate")
         result = fn(ctx, inputs)
         metas = []
         for role, key in out_keys.items():
             if role in result.outputs:
                 tensors = result.outputs[role]
-                self.store.put(key, iteration, lo, hi, tensors)
-                metas.append(protocol.OutputMeta(key=key, tensors=self.store.meta(key, iteration)))
+                self.store.put(key_of(key), iteration, lo, hi, tensors)
+                metas.append(protocol.OutputMeta(key=key_of(key), tensors=self.store.meta(key_of(key), iteration)))
         reporter = tp_rank == 0 and pp_rank == pp - 1
-        if reporter and "rewards" in result.outputs and "seq" in inputs:
+        if evaluating and reporter and "rewards" in result.outputs:
+            write_eval_samples(self.run_dir, iteration, self.rank, eval_batch, range(lo, hi), inputs["seq"],
+                               result.outputs["rewards"]["score"], self.tokenizer)
+        elif reporter and "rewards" in result.outputs and "seq" in inputs:
             self.samples.write(iteration, range(lo, hi), inputs["seq"], result.outputs["rewards"]["score"])
         stats: dict[str, float] = {}
         if reporter:
@@ -454,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
                         force=True)  # a Ray actor's process may come with handlers of its own
     torch.set_num_threads(1)
     worker = ModelWorker(args)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, worker.on_stop_signal)
     try:
         worker.serve()
     finally:

@@ -26,14 +26,14 @@ MIN_WIDTH = 0.004  # of the time axis: a 5 ms transfer in a 10 s iteration stays
 TAB10 = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
          "#17becf")
 OTHER_COLOURS = {"realloc": "#ffffff", "data": "#d3d3d3", "offload": "#add8e6", "reload": "#add8e6",
-                 "save": "#f5deb3"}
+                 "save": "#f5deb3", "eval": "#c7e9c0"}
 KIND_NAMES = {"realloc": "parameter reallocation", "data": "data transfer", "offload": "offload/reload",
-              "save": "checkpoint"}
+              "save": "checkpoint", "eval": "evaluation"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Box:
-    kind: str  # call | realloc | data | offload | reload | save
+    kind: str  # call | realloc | data | offload | reload | save | eval
     label: str  # the call, or what moved
     lo: int  # device rows [lo, hi)
     hi: int
@@ -122,7 +122,7 @@ def measured_panel(requests: Iterable[dict], plan: ExecutionPlan, graph: Dataflo
                    title: str = "") -> Panel:
     """Boxes of requests.jsonl (one per request and participating device) of ``iterations`` (from 1)."""
     rows = [r for r in requests if r["iteration"] in iterations and r["spans"] and r["kind"] in
-            ("call", "realloc", "data", "offload", "reload", "save")]
+            ("call", "realloc", "data", "offload", "reload", "save", "eval")]
     if not rows:
         raise ValueError(f"the run recorded no requests for iterations {iterations.start}..{iterations.stop - 1}")
     t0 = min(s for r in rows for s, _ in r["spans"].values())

@@ -1,0 +1,128 @@
+"""HF architecture families: each maps an HF config.json onto the one parallel model and back.
+
+The parallel model (``realloc.models.llama``) is one LLaMA-style decoder; a family
+is a small module (``llama.py``, ``qwen2.py``) that names its HF architectures,
+says which of its config.json settings the model cannot run, and adds its own
+keys when writing one. The keys every family shares (sizes, heads, RoPE, norm
+epsilon, tied embeddings, the critic's single label) are read and written here.
+
+    cfg = config_from_hf(json.load(open("ckpt/config.json")), "HF checkpoint ckpt")
+    hf = hf_from_config(cfg, "bfloat16")
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from realloc.models.config import ModelConfig
+from realloc.models.families import llama, qwen2
+from realloc.models.families.base import Family
+
+FAMILIES: Mapping[str, Family] = MappingProxyType({f.model_type: f for f in (llama.FAMILY, qwen2.FAMILY)})
+SUPPORTED = ("; ".join(f.describe() for f in FAMILIES.values())
+             + "; silu MLP, full attention, RoPE type default or llama3")
+
+
+def unsupported(where: str, field: str, value: Any, why: str = "") -> ValueError:
+    """The one error for a config.json realloc cannot run: names the file, the field and what works."""
+    return ValueError(f"{where}: {field}={value!r} is not supported{why}; realloc supports {SUPPORTED}")
+
+
+def family(name: str, where: str = "model config") -> Family:
+    if name not in FAMILIES:
+        raise unsupported(where, "model_type", name)
+    return FAMILIES[name]
+
+
+def _rope(hf: Mapping[str, Any], default_theta: float,
+          where: str) -> tuple[float, tuple[float, float, float, int] | None]:
+    # transformers >= 5 writes rope_parameters; older configs have rope_theta and rope_scaling.
+    params = dict(hf.get("rope_parameters") or {})
+    theta = float(params.get("rope_theta", hf.get("rope_theta", default_theta)))
+    scaling = hf.get("rope_scaling") if not params else params
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type in (None, "default"):
+        return theta, None
+    if rope_type != "llama3":
+        raise unsupported(where, "rope_type", rope_type)
+    try:
+        return theta, (float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"]),
+                       int(scaling["original_max_position_embeddings"]))
+    except KeyError as e:
+        raise ValueError(f"{where}: llama3 rope scaling lacks {e.args[0]!r}") from None
+
+
+def _is_critic(hf: Mapping[str, Any], fam: Family, critic: bool | None, where: str) -> bool:
+    archs = list(hf.get("architectures") or [])
+    for a in archs:
+        if a not in fam.architectures:
+            raise unsupported(where, "architectures", archs, " (a causal LM or a one-label sequence classifier)")
+    is_critic = fam.sequence_classification in archs if critic is None else critic
+    if is_critic and fam.sequence_classification in archs:
+        labels = int(hf.get("num_labels", len(hf.get("id2label") or {}) or 1))
+        if labels != 1:
+            raise unsupported(where, "num_labels", labels, " (a critic or reward model has one scalar output)")
+    return is_critic
+
+
+def config_from_hf(hf: Mapping[str, Any], where: str, name: str | None = None,
+                   critic: bool | None = None) -> ModelConfig:
+    """A ModelConfig from a parsed config.json; ``where`` names it in errors (e.g. the checkpoint path).
+
+    ``critic`` defaults to whether the checkpoint is a sequence-classification model.
+    """
+    fam = family(str(hf.get("model_type", "llama")), where)
+    bad = fam.unsupported(hf)
+    if bad is not None:
+        raise unsupported(where, *bad)
+    if hf.get("hidden_act", "silu") != "silu":
+        raise unsupported(where, "hidden_act", hf["hidden_act"])
+    is_critic = _is_critic(hf, fam, critic, where)
+    try:
+        h, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+        head_dim = hf.get("head_dim")
+        if head_dim is not None and int(head_dim) != h // heads:
+            raise unsupported(where, "head_dim", head_dim, f" (it must be hidden_size / num_attention_heads = "
+                                                           f"{h // heads})")
+        theta, scaling = _rope(hf, fam.defaults["rope_theta"], where)
+        return ModelConfig(
+            name=name or str(hf.get("_name_or_path") or f"hf-{fam.model_type}"),
+            vocab_size=int(hf["vocab_size"]), hidden_size=h, intermediate_size=int(hf["intermediate_size"]),
+            n_layers=int(hf["num_hidden_layers"]), n_heads=heads,
+            n_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            max_position_embeddings=int(hf.get("max_position_embeddings", fam.defaults["max_position_embeddings"])),
+            rope_theta=theta, norm_eps=float(hf.get("rms_norm_eps", fam.defaults["rms_norm_eps"])),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)) and not is_critic,
+            is_critic=is_critic, rope_scaling=scaling, family=fam.model_type, qkv_bias=fam.qkv_bias,
+        )
+    except KeyError as e:
+        raise ValueError(f"{where}: missing key {e.args[0]!r}") from None
+
+
+def hf_from_config(cfg: ModelConfig, dtype_name: str = "float32") -> dict[str, Any]:
+    """config.json of ``cfg`` for ``transformers``: its family's causal LM, or sequence classifier for critics."""
+    fam = family(cfg.family, f"model config {cfg.name!r}")
+    if cfg.qkv_bias != fam.qkv_bias:
+        raise ValueError(f"model config {cfg.name!r}: qkv_bias={cfg.qkv_bias} cannot be written as a {fam.model_type} "
+                         f"checkpoint (its q/k/v bias is {fam.qkv_bias}); set family to one that matches")
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        f, lo, hi, ctx = cfg.rope_scaling
+        rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": f, "low_freq_factor": lo,
+                "high_freq_factor": hi, "original_max_position_embeddings": ctx}
+    out: dict[str, Any] = {
+        "architectures": [fam.sequence_classification if cfg.is_critic else fam.causal_lm],
+        "model_type": fam.model_type, "hidden_act": "silu",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_parameters": rope,
+        "rope_scaling": None if cfg.rope_scaling is None else rope,
+        "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": dtype_name, "dtype": dtype_name,
+        **fam.hf_fields(cfg),
+    }
+    if cfg.is_critic:
+        out.update({"num_labels": 1, "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}})
+    return out

@@ -1,0 +1,101 @@
+"""Evaluation on a held-out prompt set every N iterations (torch-free: experiment files import ``EvalConfig``).
+
+    eval: EvalConfig = EvalConfig(dataset="data/eval_prompts.jsonl", every=10)     # in the experiment
+    realloc run EXP --set eval.every=10 --set eval.greedy=false                     # or per run
+
+After iteration t (counted from 1) with t % every == 0, the actor as trained so far (the parameters in
+its home layout, where its train step left them, i.e. exactly what checkpoint ``iter_t`` holds)
+generates responses to ``batches`` batches of ``batch_size`` eval prompts, greedily or sampled like
+training, and the experiment's reward call scores them. metrics.jsonl then carries
+``"eval": {"reward": mean score, "n": prompts}`` for that iteration, and each scoring worker writes
+the scored sequences to ``RUN/eval/iter_<t>.rank<r>.jsonl``.
+
+The eval batches are read from the set in a fixed seeded order (the same prompts at every evaluation),
+and their data lives under keys ``eval<j>/<key>`` so it never mixes with the training batch. The eval
+passes are nodes of the master's graph anchored to the actor's train step and the reward call: every
+node that waits for those calls also waits for the evaluation, so parameters do not move while it runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+from realloc.api import ExperimentSpec, InterfaceType
+
+EVAL_SEED = 0x5EED  # eval prompt order: fixed, independent of the run's seed
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    dataset: str | None = None  # eval prompts (same formats as `dataset`), relative to the experiment file
+    every: int = 0  # evaluate after every N iterations; 0: never
+    greedy: bool = True  # greedy decoding; False samples with PPOConfig's temperature, top_k, top_p
+    batches: int = 1  # batch_size prompts each
+
+    def __post_init__(self) -> None:
+        for name in ("every", "batches"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "every" else 1):
+                raise ValueError(f"EvalConfig.{name} must be an integer >= {0 if name == 'every' else 1}, got {v!r}")
+        if self.every and not self.dataset:
+            raise ValueError("EvalConfig.every > 0 needs EvalConfig.dataset, the eval prompts "
+                             "(e.g. --set eval.dataset=/path/eval.jsonl)")
+
+    def due(self, t: int) -> bool:
+        """Whether iteration ``t`` (0-based internally) ends with an evaluation."""
+        return self.every > 0 and (t + 1) % self.every == 0
+
+
+def eval_key(batch: int, key: str) -> str:
+    return f"eval{batch}/{key}"
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalCalls:
+    """The calls an evaluation reuses: generation (its interface), the actor's train step (where the
+    trained parameters are) and the reward call."""
+
+    generate: str
+    train: str
+    reward: str
+    reward_key: str  # the reward call's output key that holds the scores
+
+
+def eval_calls(spec: ExperimentSpec) -> EvalCalls:
+    gen = next((r for r in spec.rpcs if r.interface_type is InterfaceType.GENERATE
+                and any(k in spec.dataset_keys for k in r.input_data)), None)
+    if gen is None:
+        raise ValueError(f"experiment {spec.name!r}: evaluation needs a GENERATE call that reads the prompts")
+    train = next((r for r in spec.rpcs if r.model_name == gen.model_name and r.is_train), None)
+    seq = gen.output_data[0] if gen.output_data else None
+    reward = next((r for r in spec.rpcs if seq in r.input_data and r.interface_type is InterfaceType.INFERENCE
+                   and any("reward" in k for k in r.output_data)), None)
+    if train is None or reward is None:
+        raise ValueError(f"experiment {spec.name!r}: evaluation needs the generating model's train step and a "
+                         f"reward call reading {seq!r}")
+    return EvalCalls(gen.name, train.name, reward.name, next(k for k in reward.output_data if "reward" in k))
+
+
+def write_eval_samples(run_dir: Path, t: int, rank: int, batch: int, ids: Sequence[int], seq: dict[str, Any],
+                       scores: Any, tokenizer: Any = None) -> Path:
+    """One JSON line per scored eval sequence: prompt and response token ids (and text, with a tokenizer) and
+    the score."""
+    path = run_dir / "eval" / f"iter_{t + 1:08d}.rank{rank}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tokens, plens, score = seq["tokens"].tolist(), seq["prompt_lens"].tolist(), scores.tolist()
+    n_resp = seq["gen_mask"].sum(dim=1).tolist()
+    lines = []
+    for i, row in enumerate(ids):
+        prompt, response = tokens[i][:plens[i]], tokens[i][plens[i]:plens[i] + n_resp[i]]
+        rec = {"iteration": t + 1, "batch": batch, "row": row, "prompt": prompt, "response": response,
+               "score": score[i]}
+        if tokenizer is not None:
+            rec.update(prompt_text=tokenizer.decode(prompt, skip_special_tokens=False),
+                       response_text=tokenizer.decode(response, skip_special_tokens=False))
+        lines.append(json.dumps(rec))
+    with open(path, "a") as f:
+        f.write("".join(line + "\n" for line in lines))
+    return path
