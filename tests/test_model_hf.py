@@ -226,8 +226,9 @@ def test_save_reload_dense_and_into_hf(pool, which, tp, pp, tmp_path, request):
     saved = assemble(pool.run(_save, cfg, 1, tp, pp, str(src), str(tmp_path / "a"), 4 << 30), cfg)
     # One file per stage when pp=2 gathers nothing across stages, plus an index.
     files = sorted(p.name for p in (tmp_path / "a").iterdir())
-    assert files == (["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-                      "model.safetensors.index.json"] if pp == 2 else ["config.json", "model.safetensors"])
+    assert files == (["config.json", "generation_config.json", "model-00001-of-00002.safetensors",
+                      "model-00002-of-00002.safetensors", "model.safetensors.index.json"] if pp == 2
+                     else ["config.json", "generation_config.json", "model.safetensors"])
     config = json.loads((tmp_path / "a" / "config.json").read_text())
     assert config["bos_token_id"] == 1 and config["architectures"] == [type(hf).__name__]
     hf_state = hf.state_dict()
@@ -240,6 +241,38 @@ def test_save_reload_dense_and_into_hf(pool, which, tp, pp, tmp_path, request):
     assert type(back) is type(hf)
     ids, lens, mask = _padded_batch(seed=9)
     assert torch.equal(back(input_ids=ids, attention_mask=mask).logits, hf(input_ids=ids, attention_mask=mask).logits)
+
+
+@torch.no_grad()
+def test_save_carries_special_token_ids(pool, gqa, tmp_path):
+    """LLaMA-3-style ids (no pad, several EOS in generation_config.json) survive load -> tp=2 -> save -> transformers;
+    transformers' defaults (bos 1, eos 2) would be wrong."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, GenerationConfig as HFGenerationConfig
+
+    _, src = gqa
+    mine = tmp_path / "src"
+    shutil.copytree(src, mine)
+    config = json.loads((mine / "config.json").read_text())
+    config.update(bos_token_id=120, eos_token_id=121, pad_token_id=None)
+    (mine / "config.json").write_text(json.dumps(config))
+    (mine / "generation_config.json").write_text(json.dumps({"bos_token_id": 120, "eos_token_id": [121, 125]}))
+    cfg = model_config_from_hf(mine)
+    assert dict(cfg.special_tokens) == {"bos_token_id": 120, "eos_token_id": (121, 125)}
+    pool.run(_save_plain, cfg, str(mine), str(tmp_path / "out"))
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    gen = HFGenerationConfig.from_pretrained(tmp_path / "out")
+    assert back.config.bos_token_id == 120 and gen.bos_token_id == 120 and gen.eos_token_id == [121, 125]
+    assert dict(model_config_from_hf(tmp_path / "out").special_tokens) == dict(cfg.special_tokens)
+
+
+def _save_plain(ctx, cfg, src, dst):
+    from realloc.models.hf_io import save_hf_checkpoint
+
+    model = build_model(ctx, cfg, 1, 2, 1, hf_path=src)
+    if model is not None:
+        save_hf_checkpoint(model, dst)
 
 
 @torch.no_grad()

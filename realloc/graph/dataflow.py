@@ -107,7 +107,8 @@ class DataflowGraph:
 
 
 def _shape_key(cfg: ModelConfig | None) -> dict:
-    return {} if cfg is None else {k: v for k, v in dataclasses.asdict(cfg).items() if k != "name"}
+    return {} if cfg is None else {k: v for k, v in dataclasses.asdict(cfg).items()
+                                   if k not in ("name", "special_tokens")}
 
 
 def _resolve_model_types(spec: ExperimentSpec) -> tuple[dict[str, str], dict[str, ModelConfig | None]]:
@@ -155,7 +156,7 @@ def _checkpoint_config(spec: ExperimentSpec, model: str, src: HFModel) -> ModelC
     if src.new_value_head and seq_cls:
         raise ValueError(f"model {model!r}: {src.path} is already a sequence-classification model with a scalar "
                          f"head; drop new_value_head=True to use that head")
-    cfg = model_config_from_hf(hf, name=model, critic=seq_cls or src.new_value_head)
+    cfg = model_config_from_hf(src.path, name=model, critic=seq_cls or src.new_value_head)
     calls = [r for r in spec.rpcs if r.model_name == model]
     value_calls = [r.name for r in calls if r.interface_impl in VALUE_HEAD_IMPLS]
     lm_calls = [r.name for r in calls if r.interface_impl is not None and r.interface_impl not in VALUE_HEAD_IMPLS

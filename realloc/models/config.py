@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from types import MappingProxyType
-from typing import Iterable
+from typing import Any, Iterable
 
 CRITIC_SUFFIX = "-critic"
 
@@ -43,6 +43,10 @@ class ModelConfig:
     # difference from LLaMA that the parallel model needs: biases on the q/k/v projections (Qwen2).
     family: str = "llama"
     qkv_bias: bool = False
+    # The checkpoint's bos/eos/pad ids as (key, value) pairs, eos an int or a tuple. Not part of the shape
+    # (compare=False): carried so that a saved checkpoint reloads with them (transformers' defaults are wrong
+    # for LLaMA-3 and chat models).
+    special_tokens: tuple[tuple[str, Any], ...] = dataclasses.field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "hidden_size", "intermediate_size", "n_layers", "n_heads", "n_kv_heads"):

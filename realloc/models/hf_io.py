@@ -25,6 +25,7 @@ layout. Critics are written as the family's sequence classifier (``LlamaForSeque
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections import defaultdict
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -72,17 +74,47 @@ def model_config_from_hf(source: str | os.PathLike | Mapping[str, Any], name: st
     ``critic`` defaults to whether the checkpoint is a sequence-classification model.
     """
     if isinstance(source, Mapping):
-        return config_from_hf(source, f"HF config {name or 'dict'}", name, critic)
-    return config_from_hf(read_hf_config(source), f"HF checkpoint {source}", name, critic)
+        cfg = config_from_hf(source, f"HF config {name or 'dict'}", name, critic)
+        return dataclasses.replace(cfg, special_tokens=special_tokens(source))
+    hf = read_hf_config(source)
+    cfg = config_from_hf(hf, f"HF checkpoint {source}", name, critic)
+    gen = Path(source) / GENERATION_CONFIG_FILE
+    return dataclasses.replace(cfg, special_tokens=special_tokens(hf, json.loads(gen.read_text()) if gen.is_file()
+                                                                   else None))
+
+
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def special_tokens(hf: Mapping[str, Any], generation: Mapping[str, Any] | None = None) -> tuple[tuple[str, Any], ...]:
+    """bos/eos/pad ids of a config.json, overridden by its generation_config.json (which names every EOS of
+    a chat model); the form ``ModelConfig.special_tokens`` keeps."""
+    ids = {k: hf[k] for k in TOKEN_ID_KEYS if hf.get(k) is not None}
+    ids.update({k: generation[k] for k in TOKEN_ID_KEYS if generation and generation.get(k) is not None})
+    return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(ids.items()))
+
+
+def token_id_json(cfg: ModelConfig) -> dict[str, Any]:
+    """``cfg.special_tokens`` as config.json writes them (lists for several EOS ids)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.special_tokens}
 
 
 def hf_config_from_model_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32,
                                 extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A config.json for ``transformers``: the family's causal LM, or its sequence classifier for critics."""
     out = hf_from_config(cfg, _DTYPE_NAMES.get(dtype, "float32"))
+    out.update({k: v for k, v in token_id_json(cfg).items() if k not in out})
     if extra:
-        out.update({k: v for k, v in extra.items() if k not in out})
+        out.update({k: v for k, v in extra.items() if k not in out or k in TOKEN_ID_KEYS})
     return out
+
+
+def write_generation_config(path: Path, ids: Mapping[str, Any], base: Mapping[str, Any] | None = None) -> None:
+    """generation_config.json: ``base`` (a source checkpoint's sampling defaults) with the bos/eos/pad ``ids``."""
+    body = dict(base or {})
+    body.update({k: v for k, v in ids.items() if k in TOKEN_ID_KEYS and v is not None})
+    if body:
+        (Path(path) / GENERATION_CONFIG_FILE).write_text(json.dumps(body, indent=2))
 
 
 # -- loading ---------------------------------------------------------------------------------------
@@ -205,7 +237,9 @@ def save_hf_checkpoint(model: "ParallelModel", path: str | os.PathLike, *, dtype
                 save_file(tensors, str(path / fname), metadata={"format": "pt"})
         if writer and g.pp_rank == 0:
             path.mkdir(parents=True, exist_ok=True)
-            (path / CONFIG_FILE).write_text(json.dumps(hf_config_from_model_config(cfg, dtype, hf_extra), indent=2))
+            hf = hf_config_from_model_config(cfg, dtype, hf_extra)
+            (path / CONFIG_FILE).write_text(json.dumps(hf, indent=2))
+            write_generation_config(path, hf)
             if len(plan) > 1:
                 elem = torch.tensor([], dtype=dtype).element_size()
                 index = {"metadata": {"total_size": sum(s.numel for s in param_specs(cfg)) * elem},

@@ -31,8 +31,6 @@ from realloc.models.config import ModelConfig
 from realloc.models.param_layout import param_specs, stage_of_layer
 from realloc.runtime import checkpoint
 
-GENERATION_CONFIG = "generation_config.json"
-TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -44,7 +42,7 @@ def model_record(cfg: ModelConfig, strategy: Any, source: str | None, tokenizer:
 
 
 def _model_config(record: Mapping[str, Any]) -> ModelConfig:
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    fields = {f.name for f in dataclasses.fields(ModelConfig)} - {"special_tokens"}  # the record's token_ids rule
     raw = {k: v for k, v in record["config"].items() if k in fields}
     if raw.get("rope_scaling") is not None:
         raw["rope_scaling"] = tuple(raw["rope_scaling"])
@@ -79,7 +77,8 @@ def _full_tensors(ckpt: Path, model: str, cfg: ModelConfig, tp: int, pp: int, na
 def export_checkpoint(ckpt: str | Path, model: str, out: str | Path, *, dtype: str | None = None,
                       max_file_bytes: int = 4 << 30) -> Path:
     """Write ``model`` of checkpoint ``ckpt`` as a HF directory ``out``; returns ``out``."""
-    from realloc.models.hf_io import CONFIG_FILE, INDEX_FILE, hf_config_from_model_config, shard_file_plan
+    from realloc.models.hf_io import (CONFIG_FILE, GENERATION_CONFIG_FILE, INDEX_FILE, hf_config_from_model_config,
+                                      shard_file_plan, write_generation_config)
 
     ckpt, out = Path(ckpt), Path(out)
     meta = checkpoint.read_meta(ckpt)
@@ -114,7 +113,9 @@ def export_checkpoint(ckpt: str | Path, model: str, out: str | Path, *, dtype: s
     ids = {k: v for k, v in (rec.get("token_ids") or {}).items() if v is not None}
     hf = hf_config_from_model_config(cfg, written_dtype or torch.float32, ids)
     (tmp / CONFIG_FILE).write_text(json.dumps(hf, indent=2))
-    _write_generation_config(tmp, rec.get("source"), ids)
+    source_gen = Path(rec["source"]) / GENERATION_CONFIG_FILE if rec.get("source") else None
+    write_generation_config(tmp, ids, json.loads(source_gen.read_text()) if source_gen and source_gen.is_file()
+                            else None)
     _copy_tokenizer(tmp, rec.get("tokenizer"))
     (tmp / "realloc_export.json").write_text(json.dumps(
         {"checkpoint": str(ckpt.resolve()), "iteration": meta.get("iteration"), "model": model,
@@ -123,16 +124,6 @@ def export_checkpoint(ckpt: str | Path, model: str, out: str | Path, *, dtype: s
         out.rmdir()
     tmp.rename(out)
     return out
-
-
-def _write_generation_config(out: Path, source: str | None, ids: Mapping[str, Any]) -> None:
-    """The source checkpoint's generation_config.json (its sampling defaults) with the run's token ids."""
-    body: dict[str, Any] = {}
-    if source and (Path(source) / GENERATION_CONFIG).is_file():
-        body = json.loads((Path(source) / GENERATION_CONFIG).read_text())
-    body.update({k: v for k, v in ids.items() if k in TOKEN_ID_KEYS})
-    if body:
-        (out / GENERATION_CONFIG).write_text(json.dumps(body, indent=2))
 
 
 def _copy_tokenizer(out: Path, tokenizer: str | None) -> None:

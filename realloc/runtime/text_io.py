@@ -51,17 +51,13 @@ class SpecialTokens:
     @classmethod
     def from_checkpoint(cls, path: str | Path) -> "SpecialTokens":
         """Ids from ``generation_config.json`` where present, else ``config.json``."""
-        merged: dict[str, Any] = {}
-        for name in ("config.json", "generation_config.json"):
-            f = Path(path) / name
-            if f.is_file():
-                merged.update({k: v for k, v in json.loads(f.read_text()).items() if v is not None})
-        eos = merged.get("eos_token_id")
-        eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
-        pad = merged.get("pad_token_id")
-        pad = int(pad) if pad is not None else (eos_ids[0] if eos_ids else 0)
-        bos = merged.get("bos_token_id")
-        return cls(eos_ids, pad, int(bos) if bos is not None else None)
+        from realloc.models.hf_io import model_config_from_hf
+
+        ids = dict(model_config_from_hf(path).special_tokens)
+        eos = ids.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, tuple) else (eos,) if eos is not None else ()
+        pad = ids.get("pad_token_id")
+        return cls(eos_ids, int(pad) if pad is not None else (eos_ids[0] if eos_ids else 0), ids.get("bos_token_id"))
 
     def hf_ids(self) -> dict[str, Any]:
         """The ids as config.json / generation_config.json write them (eos: an int or a list)."""
