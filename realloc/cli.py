@@ -126,6 +126,8 @@ def build_parser(commands: dict[str, Callable[[argparse.Namespace], int]] | None
     g.add_argument("--baseline", default=None)
     s.add_argument("--iterations", type=int, default=None)
     s.add_argument("--resume", default=None, help="checkpoint directory to resume from")
+    s.add_argument("--skip-checkpoint-checks", action="store_true",
+                   help="with --resume: load the checkpoint without checking its files' SHA-256 and presence")
     s.add_argument("--run-dir", default=None, help="output directory (default runs/<experiment>-<time>)")
     s.add_argument("--save-every", type=int, default=0, help="checkpoint every N iterations (0: never)")
     s.add_argument("--launcher", default="local", choices=["local", "slurm", "ray", "external"],
