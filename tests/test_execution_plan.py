@@ -105,3 +105,17 @@ def test_bad_json_names_the_field(tmp_path):
         ExecutionPlan.load(path)
     with pytest.raises(ValueError, match="does not exist"):
         ExecutionPlan.load(tmp_path / "none.json")
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_rule_calls_are_data_parallel_only(tp, pp):
+    """A hand-written plan giving the parameter-free rule reward tp or pp > 1 is refused when validated,
+    not with an IndexError in a worker at iteration 1."""
+    g = build_graph(load_experiment("experiments/ppo_tiny.py"))
+    placements = {c: CallPlacement(mesh="localhost", dp=2, tp=1, pp=1, n_mbs=1) for c in g.topo_order}
+    plan = ExecutionPlan(experiment=g.spec.name, graph_digest=g.digest, nodelist="localhost", n_devices_per_node=2,
+                         device="cpu", placements=placements)
+    validate_plan(plan, g)
+    placements["rew_inf"] = CallPlacement(mesh="localhost", dp=1, tp=tp, pp=pp, n_mbs=1)
+    with pytest.raises(ValueError, match="call 'rew_inf' runs a rule function, which is data-parallel only"):
+        validate_plan(plan.model_copy(update={"placements": placements}), g)

@@ -137,6 +137,10 @@ def validate_plan(plan: ExecutionPlan, graph: "DataflowGraph") -> dict[str, Devi
             why = strategy_error(cfg, s, mesh.n_devs)
             if why:
                 raise ValueError(f"call {name!r}: {why}")
+        elif s.tp != 1 or s.pp != 1:
+            # A parameter-free rule function has nothing to shard: each device scores its own sequences.
+            raise ValueError(f"call {name!r} runs a rule function, which is data-parallel only; give it tp=1, pp=1 "
+                             f"and dp={mesh.size} (the mesh's devices), not tp={s.tp}, pp={s.pp}")
         n_seqs = graph.steps_n_seqs(name)
         if n_seqs % (s.dp * p.n_mbs):
             raise ValueError(f"call {name!r}: {n_seqs} sequences per step cannot be split over dp={s.dp} into "
