@@ -53,3 +53,18 @@ def test_run_rejects_zero_iterations_before_launching_anything():
     out = run_cli("run", "experiments/ppo_tiny.py", "--iterations", "0", "--run-dir", "/nonexistent/never-created")
     assert out.returncode == EXIT_USAGE
     assert "--iterations must be a positive integer, got 0" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_user_mistakes_are_not_internal_errors(tmp_path, capsys):
+    bad = tmp_path / "exp.py"
+    bad.write_text("import dataclasses\n\nVALUE = 1 / 0\n")
+    assert main(["show", str(bad)]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith(f"realloc show: error: experiment file {bad}, line 3: importing it raised ZeroDivisionError")
+    assert "internal error" not in err and len(err.strip().splitlines()) == 1
+    a_file = tmp_path / "not_a_dir"
+    a_file.write_text("")
+    assert main(["run", "experiments/ppo_tiny.py", "--iterations", "1", "--baseline", "heuristic",
+                 "--run-dir", str(a_file)]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert f"--run-dir {a_file} is a file" in err and "internal error" not in err

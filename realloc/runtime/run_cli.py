@@ -66,6 +66,8 @@ def _choose_plan(args: argparse.Namespace, spec: ExperimentSpec, ckpt: Path | No
 
 def _run_dir(args: argparse.Namespace, spec: ExperimentSpec, ckpt: Path | None) -> Path:
     if args.run_dir:
+        if Path(args.run_dir).exists() and not Path(args.run_dir).is_dir():
+            raise ValueError(f"--run-dir {args.run_dir} is a file; give a directory (created if missing)")
         return Path(args.run_dir)
     if ckpt is not None and ckpt.parent.name == "checkpoints":
         return ckpt.parent.parent  # continue the checkpoint's own run
