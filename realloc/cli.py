@@ -32,7 +32,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
     print(graph.describe())
     print()
     meshes = cluster.device_meshes()
-    print(f"{len(meshes)} device meshes; candidate placements (mesh x strategy x micro-batches) per call:")
+    print(f"{len(meshes)} device meshes; candidate placements (mesh x strategy x micro-batches, x recomputation "
+          f"for train steps) per call:")
     total = 1
     w = max(len("plan space"), *map(len, graph.topo_order)) + 2
     for name in graph.topo_order:

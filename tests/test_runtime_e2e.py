@@ -53,8 +53,10 @@ HAND_PLANS = {
 }
 
 
-# The frozen reference model waits in host memory between its calls in this plan.
+# The frozen reference model waits in host memory between its calls in this plan, and both train
+# steps recompute activations.
 OFFLOAD = {"tp_pp": {"ref": True}}
+RECOMPUTE = {"tp_pp": {"actor_train", "critic_train"}}
 
 
 def hand_plan(name: str) -> ExecutionPlan:
@@ -62,7 +64,8 @@ def hand_plan(name: str) -> ExecutionPlan:
     g = build_graph(spec)
     return ExecutionPlan(experiment=spec.name, graph_digest=g.digest, nodelist=spec.cluster.nodelist,
                          n_devices_per_node=spec.cluster.n_devices_per_node, device=spec.cluster.device,
-                         placements={c: CallPlacement(mesh=m, dp=d, tp=t, pp=p, n_mbs=n)
+                         placements={c: CallPlacement(mesh=m, dp=d, tp=t, pp=p, n_mbs=n,
+                                                      recompute=c in RECOMPUTE.get(name, ()))
                                      for c, (m, d, t, p, n) in HAND_PLANS[name].items()},
                          offload=OFFLOAD.get(name, {}), source=name)
 

@@ -16,6 +16,8 @@ the collective model and the call's workload. Terms:
   as tp communication);
 - PPO's train interface: its measured host work per call (rollout, GAE) and the
   dp all-reduce of its advantage moments;
+- activation recomputation: one more forward of every block (with its tp
+  all-reduces) per training micro-batch;
 - the Adam step, memory-bound over parameters and states;
 - generation = prefill of the prompt, then gen_len - 1 decode steps whose KV
   cache grows from prompt_len + 1 to prompt_len + gen_len - 1 positions;
@@ -191,11 +193,13 @@ class CallTimer:
         return v
 
     def _stages(self, phase: Phase, strategy: ParallelStrategy, links: GroupLinks, b: int, s: int,
-                backward: bool = False, host: float = 0.0) -> list[StageTime]:
+                backward: bool = False, host: float = 0.0, recompute: bool = False) -> list[StageTime]:
         cfg, t, pp = self.cfg, strategy.tp, strategy.pp
         op = self.op
         phases = (phase, Phase.BWD) if backward else (phase,)
-        block = [op(Part.BLOCK, ph, t, b, s) for ph in phases]
+        # recomputation runs every block's forward once more before its backward (embedding and head
+        # are not recomputed); the profiled BWD is (forward with autograd + backward) - FWD
+        block = [op(Part.BLOCK, ph, t, b, s) for ph in phases + ((Phase.FWD,) if recompute else ())]
         embed = [op(Part.EMBED, ph, t, b, s) for ph in phases]
         head = [op(head_part(cfg), ph, t, b, s) for ph in phases]
         n_tok = b if phase is Phase.DECODE else b * s
@@ -225,7 +229,8 @@ class CallTimer:
         v = self.costs.engine(key, tp, b, s)
         return default if v is None else v
 
-    def time(self, work: Workload, strategy: ParallelStrategy, links: GroupLinks, n_mbs: int) -> CallCost:
+    def time(self, work: Workload, strategy: ParallelStrategy, links: GroupLinks, n_mbs: int,
+             recompute: bool = False) -> CallCost:
         b, t = work.micro_batch(strategy.dp, n_mbs), strategy.tp
         seq, prompt = work.seq_len, work.prompt_len
         overhead = CallCost.of(overhead=self.hw.call_overhead)
@@ -234,7 +239,8 @@ class CallTimer:
             return pipeline_makespan(self._stages(Phase.FWD, strategy, links, b, seq, host=host), n_mbs) + overhead
         if work.interface is InterfaceType.TRAIN_STEP:
             host = self._engine("engine.train_mb", t, b, seq)
-            step = pipeline_makespan(self._stages(Phase.FWD, strategy, links, b, seq, backward=True, host=host), n_mbs)
+            stages = self._stages(Phase.FWD, strategy, links, b, seq, backward=True, host=host, recompute=recompute)
+            step = pipeline_makespan(stages, n_mbs)
             step = step + self._optimizer_step(strategy, links) + CallCost.of(
                 overhead=self._engine("engine.train_step", t, b, seq) * self._param_ratio(strategy))
             # PPO's interface (realloc.algorithms.ppo_interfaces): the rollout (GAE over the generated

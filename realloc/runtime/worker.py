@@ -305,7 +305,7 @@ class ModelWorker:
                                 iteration=iteration, ids=range(lo, hi), batch_size=prog.batch_size, n_mbs=cl.n_mbs,
                                 total_iterations=self.total_iterations,
                                 greedy=evaluating and self.config.eval.greedy,
-                                purpose=f"eval{eval_batch}" if evaluating else "generate")
+                                purpose=f"eval{eval_batch}" if evaluating else "generate", recompute=cl.recompute)
         result = fn(ctx, inputs)
         metas = []
         for role, key in out_keys.items():
