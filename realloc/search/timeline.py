@@ -65,7 +65,7 @@ def check_suffix(path: str | Path, option: str = "--timeline") -> Path:
 
 def strategy_text(plan: ExecutionPlan, call: str) -> str:
     p = plan.placements[call]
-    return f"dp{p.dp} tp{p.tp} pp{p.pp}, {p.n_mbs} mb"
+    return f"dp{p.dp} tp{p.tp} pp{p.pp}, {p.n_mbs} mb{', recompute' if p.recompute else ''}"
 
 
 def device_names(graph: DataflowGraph) -> tuple[str, ...]:
