@@ -79,10 +79,13 @@ def test_train_memory_tp2_pp2(model):
 def test_generate_and_inference_memory(model):
     mesh = model.cluster.whole
     gen = model._stage_memory("actor_gen", S(1, 2, 2), 2)
-    # 16 prompts, 2 micro-batches of 8 generated one after another: one KV cache of
-    # 8 seqs x 16 positions x 2 layers x (K and V of 64/2 dims) x 4 bytes
-    assert gen[0].kv_cache == 8 * 16 * 2 * 2 * (H // 2) * 4
+    # 16 prompts, 2 micro-batches of 8 pipelined through 2 stages: both KV caches are alive,
+    # 16 seqs x 16 positions x 2 layers x (K and V of 64/2 dims) x 4 bytes
+    assert gen[0].kv_cache == 16 * 16 * 2 * 2 * (H // 2) * 4
     assert gen[1].kv_cache == gen[0].kv_cache
+    # without a pipeline the micro-batches generate one after another: one cache of 8 sequences
+    one_stage = model._stage_memory("actor_gen", S(1, 2, 1), 2)
+    assert one_stage[0].kv_cache == 8 * 16 * 4 * 2 * (H // 2) * 4
     assert gen[0].grads == gen[0].optimizer == 0
     # last stage also holds one full-vocabulary fp32 logit row per sequence for sampling
     assert gen[1].activations - gen[0].activations == 8 * V * 4

@@ -272,6 +272,29 @@ def test_seeded_sampling_is_identical_in_every_layout(pool):
     assert other[(1, 1, 1, 1)][0] != ref_seqs
 
 
+def test_pipelined_generation_gives_the_tokens_of_one_stage(pool):
+    """pp > 1 pipelines the micro-batches through the stages; every micro-batch must compute exactly
+    what it computes without a pipeline: the same tokens and log-probs, bit for bit, with variable-length
+    prompts, early EOS (finished rows leave), min_new_tokens and fewer micro-batches than stages."""
+    cfg = get_model_config("tiny-gqa")
+    g = torch.Generator().manual_seed(0)
+    lens = (3, 7, 1, 5, 9, 2, 6, 4, 8, 5)
+    prompts = [torch.randint(1, 64, (n,), generator=g).tolist() for n in lens]
+    # an eighth of the vocabulary ends a sequence: rows stop at different steps
+    gconfig = GenerationConfig(max_new_tokens=14, min_new_tokens=2, seed=5, eos_token_ids=tuple(range(40, 48)))
+    # (dp, tp, pp, micro-batches); each pipelined layout is compared with pp = 1 at the same tp and n_mbs
+    layouts = [(1, 1, 2, 2), (1, 1, 2, 5), (1, 1, 4, 4), (1, 1, 4, 3), (1, 1, 4, 10), (1, 2, 2, 3)]
+    refs = {(1, tp, 1, n) for _, tp, _, n in layouts}
+    got = _samples_by_layout(pool, cfg, sorted(refs) + layouts, prompts, gconfig)
+    for dp, tp, pp, n in layouts:
+        seqs, logp = got[(dp, tp, pp, n)]
+        ref_seqs, ref_logp = got[(1, tp, 1, n)]
+        assert seqs == ref_seqs, (dp, tp, pp, n)
+        assert all(torch.equal(a, b) for a, b in zip(logp, ref_logp)), (dp, tp, pp, n)
+    generated = [len(s) - n for s, n in zip(got[(1, 1, 1, 2)][0], lens)]
+    assert min(generated) >= 2 and max(generated) == 14 and len(set(generated)) >= 5, generated
+
+
 # -- memory management, inputs, groups ---------------------------------------------------------------
 
 

@@ -37,11 +37,12 @@ micro-batch of ``b`` sequences, ``t`` = tp, ``m`` = n_mbs:
   counts (``train_saved_bytes``; exact against ``realloc.models.activations``);
 - INFERENCE: one micro-batch's working set of one block, plus logits on the
   last stage (fp32 logits and log-softmax);
-- GENERATE: KV cache of b x (prompt_len + gen_len) positions x L_k layers of the
+- GENERATE: KV cache of (prompt_len + gen_len) positions x L_k layers of the
   rank's KV heads (n_kv/t, or one whole head when tp exceeds them) for one
-  micro-batch (micro-batches generate one after another, and the stages of a
-  pipeline take turns on it: ``realloc.models.generation``), plus the prefill
-  working set and one row of full-vocabulary logits per sequence.
+  micro-batch of b sequences with pp = 1 (micro-batches generate one after
+  another), for every micro-batch of the dp rank with pp > 1 (pipelined: all are
+  in flight; ``realloc.models.generation``), plus the prefill working set of one
+  micro-batch and one row of full-vocabulary logits per sequence.
 """
 
 from __future__ import annotations
@@ -151,7 +152,8 @@ def stage_call_memory(cfg: ModelConfig, work: Workload, strategy: ParallelStrate
         logits = 2 * n_tok * vocab_shard * precision.logits if last else 0
         return CallMemory(params=params, activations=int(transient * n_tok + logits))
     # GENERATE
-    kv = b * work.seq_len * n_blocks * kv_cache_bytes_per_token_layer(cfg, t, precision)
+    rows = b if pp == 1 else math.ceil(work.n_seqs / strategy.dp)
+    kv = rows * work.seq_len * n_blocks * kv_cache_bytes_per_token_layer(cfg, t, precision)
     logits = b * cfg.vocab_size * precision.logits if last and not cfg.is_critic else 0
     act = transient * b * work.prompt_len + logits
     return CallMemory(params=params, activations=int(act), kv_cache=int(kv))
