@@ -5,7 +5,8 @@
 
 For one PPO experiment on the local 2-device cluster it builds at least 8 plans (the searched plan,
 the heuristic and the other baselines, everything on one device, disjoint meshes with and without
-reallocation, pp=2, tp=2, dp=2), runs each with ``realloc run`` (``--repeats`` times, interleaved,
+reallocation, pp=2, tp=2, dp=2, pipelined generation with reallocation, pp=2 training with activation
+recomputation), runs each with ``realloc run`` (``--repeats`` times, interleaved,
 so that slow phases of the machine hit every plan alike), and prints from that one invocation:
 
 - per plan, estimated against measured steady-state seconds per iteration (after ``--warmup``
@@ -62,12 +63,12 @@ PROFILE_README = REPO / "profiles" / "cpu" / "README.md"
 
 # -- plans -----------------------------------------------------------------------------------------------------
 
-def _plan(spec: ExperimentSpec, graph: DataflowGraph, name: str,
-          placements: dict[str, tuple[str, int, int, int, int]]) -> ExecutionPlan:
+def _plan(spec: ExperimentSpec, graph: DataflowGraph, name: str, placements: dict[str, tuple[str, int, int, int, int]],
+          recompute: frozenset[str] = frozenset()) -> ExecutionPlan:
     cl = spec.cluster
     return ExecutionPlan(experiment=spec.name, graph_digest=graph.digest, nodelist=cl.nodelist,
                          n_devices_per_node=cl.n_devices_per_node, device=cl.device, source=name,
-                         placements={c: CallPlacement(mesh=m, dp=d, tp=t, pp=p, n_mbs=n)
+                         placements={c: CallPlacement(mesh=m, dp=d, tp=t, pp=p, n_mbs=n, recompute=c in recompute)
                                      for c, (m, d, t, p, n) in placements.items()})
 
 
@@ -90,6 +91,9 @@ def hand_plans(spec: ExperimentSpec, graph: DataflowGraph) -> dict[str, Executio
     gen_dp2 = dict(split, actor_gen=(both, 2, 1, 1, 1))
     # training in a 2-stage pipeline, generation and inference split: reallocation between pp and dp layouts
     mixed = dict(split, actor_gen=(both, 2, 1, 1, 1), actor_train=(both, 1, 1, 2, 4), critic_train=(both, 1, 1, 2, 4))
+    # the actor generates in a 2-stage pipeline of 4 micro-batches (pipelined decoding), reallocated there and back
+    gen_pp2 = dict(split, actor_gen=(both, 1, 1, 2, 4))
+    trains = frozenset(c for c in calls if graph.call(c).is_train and c not in rule)
     return {
         "one device": _plan(spec, graph, "one device", one),
         "actor | critic": _plan(spec, graph, "actor | critic", split),
@@ -98,6 +102,8 @@ def hand_plans(spec: ExperimentSpec, graph: DataflowGraph) -> dict[str, Executio
         "dp=2": _plan(spec, graph, "dp=2", uniform(both, 2, 1, 1, 1)),
         "pp=2": _plan(spec, graph, "pp=2", uniform(both, 1, 1, 2, 2)),
         "tp=2": _plan(spec, graph, "tp=2", uniform(both, 1, 2, 1, 1)),
+        "gen pp2 pipelined + realloc": _plan(spec, graph, "gen pp2 pipelined + realloc", gen_pp2),
+        "pp=2 + recompute": _plan(spec, graph, "pp=2 + recompute", uniform(both, 1, 1, 2, 2), trains),
     }
 
 
@@ -119,7 +125,7 @@ def estimate(graph: DataflowGraph, cost: CostModel, plan: ExecutionPlan) -> Esti
     space, idx = estimate_plan(graph, plan, cost)
     ev = space.evaluate(idx)
     meshes = validate_plan(plan, graph)
-    want = {c: (meshes[c], plan.placements[c].strategy, plan.placements[c].n_mbs) for c in graph.topo_order}
+    want = {c: (meshes[c], p.strategy, p.n_mbs, p.recompute) for c, p in plan.placements.items()}
     p = space.problem
     records = space.cpp.schedule(idx)
     steady = range(1, p.n_iterations)

@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <optional>
 
 #include "mcmc.h"
 #include "problem.h"
@@ -102,11 +103,13 @@ PYBIND11_MODULE(_C, m) {
             [](rl::Problem& p, int call, const Array<int32_t>& dev_lo, const Array<int32_t>& dev_hi,
                const Array<int32_t>& stage_width, const Array<int32_t>& layout, const Array<int32_t>& mesh_id,
                const Array<int32_t>& shape_class, const Array<double>& time, const Array<int64_t>& mem_offset,
-               const Array<int64_t>& mem_static, const Array<int64_t>& mem_dynamic, const Array<int64_t>& mem_param) {
+               const Array<int64_t>& mem_static, const Array<int64_t>& mem_dynamic, const Array<int64_t>& mem_param,
+               const std::optional<Array<int32_t>>& twin) {
                 if (call < 0 || call >= p.n_calls()) throw std::invalid_argument("call index out of range");
                 rl::Candidates k;
                 k.time = to_vector(time, "time");
                 const py::ssize_t n = static_cast<py::ssize_t>(k.time.size());
+                k.twin = twin ? to_vector(*twin, "twin", n) : std::vector<int32_t>(n, -1);
                 k.dev_lo = to_vector(dev_lo, "dev_lo", n);
                 k.dev_hi = to_vector(dev_hi, "dev_hi", n);
                 k.stage_width = to_vector(stage_width, "stage_width", n);
@@ -122,7 +125,7 @@ PYBIND11_MODULE(_C, m) {
             },
             py::arg("call"), py::arg("dev_lo"), py::arg("dev_hi"), py::arg("stage_width"), py::arg("layout"),
             py::arg("mesh_id"), py::arg("shape_class"), py::arg("time"), py::arg("mem_offset"),
-            py::arg("mem_static"), py::arg("mem_dynamic"), py::arg("mem_param"))
+            py::arg("mem_static"), py::arg("mem_dynamic"), py::arg("mem_param"), py::arg("twin") = py::none())
         .def(
             "set_realloc_layouts",
             [](rl::Problem& p, int model, int n_layouts) {
@@ -271,6 +274,7 @@ PYBIND11_MODULE(_C, m) {
         .def_readwrite("p_position", &rl::SearchOptions::p_position)
         .def_readwrite("p_colocate", &rl::SearchOptions::p_colocate)
         .def_readwrite("p_swap", &rl::SearchOptions::p_swap)
+        .def_readwrite("p_recompute", &rl::SearchOptions::p_recompute)
         .def_readwrite("p_heat", &rl::SearchOptions::p_heat)
         .def_readwrite("heat_one", &rl::SearchOptions::heat_one)
         .def_readwrite("heat_two", &rl::SearchOptions::heat_two);

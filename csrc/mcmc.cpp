@@ -60,7 +60,8 @@ Search::Search(const Problem& problem, const SearchOptions& options, const std::
         throw std::invalid_argument("accept_1pct must be strictly between 0 and 1");
     if (!(opt_.p_heat >= 0.0 && opt_.p_heat <= 1.0) || opt_.heat_one < 1 || opt_.heat_two < 1)
         throw std::invalid_argument("p_heat must be in [0, 1] and heat_one, heat_two >= 1");
-    const double mix[] = {opt_.p_any, opt_.p_mbs, opt_.p_strategy, opt_.p_position, opt_.p_colocate, opt_.p_swap};
+    const double mix[] = {opt_.p_any,      opt_.p_mbs,  opt_.p_strategy, opt_.p_position,
+                          opt_.p_colocate, opt_.p_swap, opt_.p_recompute};
     double total = 0;
     for (double x : mix) {
         if (!(x >= 0)) throw std::invalid_argument("move probabilities must be non-negative");
@@ -133,10 +134,11 @@ int Search::propose(Chain& ch, const std::vector<int32_t>& cur, int (&calls)[2],
     const int a = cur[c];
     const Candidates& k = p_.cands[c];
     calls[0] = c;
-    const double mix[] = {opt_.p_any, opt_.p_mbs, opt_.p_strategy, opt_.p_position, opt_.p_colocate, opt_.p_swap};
-    double u = ch.rng.uniform() * (mix[0] + mix[1] + mix[2] + mix[3] + mix[4] + mix[5]);
+    const double mix[] = {opt_.p_any,      opt_.p_mbs,  opt_.p_strategy, opt_.p_position,
+                          opt_.p_colocate, opt_.p_swap, opt_.p_recompute};
+    double u = ch.rng.uniform() * (mix[0] + mix[1] + mix[2] + mix[3] + mix[4] + mix[5] + mix[6]);
     int kind = 0;
-    while (kind < 5 && (u -= mix[kind]) >= 0) ++kind;
+    while (kind < 6 && (u -= mix[kind]) >= 0) ++kind;
     // Each move is uniform over a set that contains both the old and the new candidate (or, for
     // a swap, over a relation that is its own inverse), so proposals are symmetric. A move with
     // nothing to offer falls back to "any candidate".
@@ -144,7 +146,12 @@ int Search::propose(Chain& ch, const std::vector<int32_t>& cur, int (&calls)[2],
         const int b = g[ch.rng.below(g.size() - 1)];
         return b == self ? g.back() : b;
     };
-    if (kind >= 1 && kind <= 3) {
+    if (kind == 6) {
+        if (k.twin[a] >= 0) {
+            to[0] = k.twin[a];
+            return 1;
+        }
+    } else if (kind >= 1 && kind <= 3) {
         const auto& g = groups_[c][kind - 1][group_of_[c][kind - 1][a]];
         if (g.size() > 1) {
             to[0] = pick_other(g, a);

@@ -48,10 +48,12 @@ struct SearchOptions {
     uint64_t seed = 0;
     double accept_1pct = 0.2;
     double restart_margin = 0.02;
-    // Proposal mix: any candidate of the call; same mesh and strategy (other n_mbs); same mesh
-    // (other strategy); same shape, strategy and n_mbs at another position; a candidate on the
-    // mesh another call uses; two calls of one mesh shape exchange positions.
-    double p_any = 0.2, p_mbs = 0.15, p_strategy = 0.2, p_position = 0.15, p_colocate = 0.2, p_swap = 0.1;
+    // Proposal mix: any candidate of the call; same mesh and strategy (other n_mbs or recompute); same
+    // mesh (other strategy); same shape, strategy and n_mbs at another position; a candidate on the
+    // mesh another call uses; two calls of one mesh shape exchange positions; the same placement with
+    // the other recomputation choice (Candidates::twin).
+    double p_any = 0.2, p_mbs = 0.15, p_strategy = 0.2, p_position = 0.15, p_colocate = 0.2, p_swap = 0.1,
+           p_recompute = 0.05;
     // Heat-bath block move: evaluate sampled candidate combinations of one or two calls and draw
     // the next plan among them with Boltzmann weights (probability per step; costs many evals).
     double p_heat = 0.05;

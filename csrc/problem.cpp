@@ -91,7 +91,7 @@ void Problem::finalize() {
         const size_t s = k.time.size();
         if (s == 0) fail(who + ": no candidate placements");
         if (k.dev_lo.size() != s || k.dev_hi.size() != s || k.stage_width.size() != s || k.layout.size() != s ||
-            k.mesh_id.size() != s || k.shape_class.size() != s || k.mem_offset.size() != s + 1)
+            k.mesh_id.size() != s || k.shape_class.size() != s || k.twin.size() != s || k.mem_offset.size() != s + 1)
             fail(who + ": candidate arrays differ in length");
         const size_t pool = k.mem_static.size();
         if (k.mem_offset[0] != 0 || static_cast<size_t>(k.mem_offset[s]) != pool || k.mem_dynamic.size() != pool ||
@@ -104,6 +104,11 @@ void Problem::finalize() {
             if (k.mem_offset[i + 1] - k.mem_offset[i] != (hi - lo) / w)
                 fail(who + ": memory needs one entry per pipeline stage ((dev_hi - dev_lo) / stage_width)");
             if (k.layout[i] < 0) fail(who + ": negative layout id");
+            const int t = k.twin[i];
+            if (t != -1 && (t < 0 || static_cast<size_t>(t) >= s || t == static_cast<int>(i) ||
+                            k.twin[t] != static_cast<int>(i) || k.layout[t] != k.layout[i] ||
+                            k.dev_lo[t] != lo || k.dev_hi[t] != hi || k.stage_width[t] != w))
+                fail(who + ": twin must pair two candidates of the same layout (twin[twin[i]] == i) or be -1");
             if (!(k.time[i] >= 0.0) || !std::isfinite(k.time[i])) fail(who + ": times must be finite and >= 0");
             n_layouts[call_model[c]] = std::max(n_layouts[call_model[c]], k.layout[i] + 1);
         }

@@ -20,7 +20,10 @@ struct Candidates {
     std::vector<int32_t> stage_width;  // devices per pipeline stage = dp * tp
     std::vector<int32_t> layout;       // (mesh, strategy) id inside the call's model; indexes pair costs
     std::vector<int32_t> mesh_id;      // cluster mesh id (groups for "same mesh" moves)
-    std::vector<int32_t> shape_class;  // (mesh shape, strategy, n_mbs) id (groups for "move the mesh")
+    std::vector<int32_t> shape_class;  // (mesh shape, strategy, n_mbs, recompute) id (groups for "move the mesh")
+    // The same placement with the other activation-recomputation choice (a training call's second
+    // dimension besides n_mbs), or -1; twin[twin[i]] == i. Only the MCMC's moves read it.
+    std::vector<int32_t> twin;
     std::vector<double> time;          // seconds, the call alone
     // Bytes per device of each pipeline stage: candidate i's stages are entries
     // [mem_offset[i], mem_offset[i + 1]) of the pools (one per stage, pp of them).

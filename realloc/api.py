@@ -11,6 +11,7 @@ import enum
 import importlib
 import importlib.util
 import sys
+import traceback
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence
@@ -253,7 +254,16 @@ def _import_file(path: Path) -> Any:
         raise ValueError(f"cannot import experiment file {path}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        sys.modules.pop(mod_name, None)
+        raise ValueError(f"experiment file {path}: syntax error at line {e.lineno}: {e.msg}") from None
+    except Exception as e:  # noqa: BLE001 - the user's own code failed: say so, naming the line
+        sys.modules.pop(mod_name, None)
+        lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if Path(f.filename).resolve() == path.resolve()]
+        where = f", line {lines[-1]}" if lines else ""
+        raise ValueError(f"experiment file {path}{where}: importing it raised {type(e).__name__}: {e}") from None
     return module
 
 

@@ -37,7 +37,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
     print(graph.describe())
     print()
     meshes = cluster.device_meshes()
-    print(f"{len(meshes)} device meshes; candidate placements (mesh x strategy x micro-batches) per call:")
+    print(f"{len(meshes)} device meshes; candidate placements (mesh x strategy x micro-batches, x recomputation "
+          f"for train steps) per call:")
     total = 1
     w = max(len("plan space"), *map(len, graph.topo_order)) + 2
     for name in graph.topo_order:
@@ -142,6 +143,8 @@ def build_parser(commands: dict[str, Callable[[argparse.Namespace], int]] | None
     g.add_argument("--baseline", default=None)
     s.add_argument("--iterations", type=int, default=None)
     s.add_argument("--resume", default=None, help="checkpoint directory to resume from")
+    s.add_argument("--skip-checkpoint-checks", action="store_true",
+                   help="with --resume: load the checkpoint without checking its files' SHA-256 and presence")
     s.add_argument("--run-dir", default=None, help="output directory (default runs/<experiment>-<time>)")
     s.add_argument("--save-every", type=int, default=0, help="checkpoint every N iterations (0: never)")
     s.add_argument("--export-every", type=int, default=0, help="every N iterations (and after the last), also "

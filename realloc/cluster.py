@@ -143,6 +143,12 @@ class DeviceMesh:
         return self.name
 
 
+def _check_devices_per_node(n: int) -> int:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1 or n & (n - 1):
+        raise ValueError(f"n_devices_per_node must be a power of two (1, 2, 4, 8, ...), got {n!r}")
+    return n
+
+
 @dataclasses.dataclass(frozen=True)
 class ClusterSpec:
     """Nodes, devices per node, and the hardware numbers the estimator uses."""
@@ -161,9 +167,7 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         if not self.nodes:
             object.__setattr__(self, "nodes", parse_nodelist(self.nodelist))
-        n = self.n_devices_per_node
-        if n < 1 or n & (n - 1):
-            raise ValueError(f"n_devices_per_node must be a power of two (1, 2, 4, 8, ...), got {n}")
+        _check_devices_per_node(self.n_devices_per_node)
         for field in ("device_memory", "intra_node_bandwidth", "inter_node_bandwidth", "cores_per_device"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"cluster {self.nodelist!r}: {field} must be positive")
@@ -176,7 +180,8 @@ class ClusterSpec:
         ``overrides`` may set device_memory, intra_node_bandwidth, inter_node_bandwidth or cores_per_device.
         """
         hw = load_hardware_spec(device)
-        n = n_devices_per_node or hw.default_devices_per_node
+        # Only None means "the hardware's default": 0 is a mistake that ClusterSpec reports.
+        n = hw.default_devices_per_node if n_devices_per_node is None else _check_devices_per_node(n_devices_per_node)
         # A host whose cores are known splits them among its devices (e.g. 4 CPU devices on 2 cores: 0.5).
         cores = min(hw.cores_per_device, hw.cores_per_node / n) if hw.cores_per_node else hw.cores_per_device
         fields = dict(device_memory=int(hw.memory_bytes * hw.usable_memory_fraction),
@@ -246,7 +251,10 @@ class ClusterSpec:
         lo = int(rng.group(1))
         hi = int(rng.group(2) or lo)
         size = hi - lo + 1
-        if hi >= m or size < 1 or size & (size - 1) or lo % size:
+        if hi >= m:
+            raise ValueError(f"mesh {name!r}: device {hi} is out of range; node {nodes[0]} has devices "
+                             f"{'0' if m == 1 else f'0-{m - 1}'}")
+        if size < 1 or size & (size - 1) or lo % size:
             raise ValueError(f"mesh {name!r}: devices {lo}-{hi} are not an aligned power-of-two block of a "
                              f"{m}-device node")
         return DeviceMesh(nodes, first, lo, size, m)

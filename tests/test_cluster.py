@@ -85,7 +85,7 @@ def test_mesh_names_and_overlap():
 @pytest.mark.parametrize("name,msg", [
     ("com03", "not in the cluster"), ("com01:0-2", "aligned power-of-two"), ("com01:2-3", None),
     ("com01:3-4", "aligned"), ("com[01-02]:0-1", "only inside one node"), ("com01:x", "bad device range"),
-    ("com01:8", "aligned"),
+    ("com01:8", "device 8 is out of range; node com01 has devices 0-7"), ("com01:6-9", "device 9 is out of range"),
 ])
 def test_mesh_parse_errors(name, msg):
     c = ClusterSpec.from_nodelist("com[01-02]", 8, "a100-80g")
@@ -109,3 +109,16 @@ def test_cpu_devices_share_the_hosts_cores():
     assert ClusterSpec.from_nodelist("localhost", 4, "cpu", cores_per_device=2).cores_per_device == 2.0
     # GPU hosts give each device its own cores (no cores_per_node in their spec)
     assert ClusterSpec.from_nodelist("com[01-02]", 8, "a100-80g").cores_per_device == 16
+
+
+def test_mesh_on_a_device_the_node_does_not_have_says_so():
+    c = ClusterSpec.from_nodelist("localhost", 2, "cpu")
+    with pytest.raises(ValueError, match="mesh 'localhost:2': device 2 is out of range; node localhost has devices 0-1"):
+        c.mesh("localhost:2")
+
+
+@pytest.mark.parametrize("n", [0, -2, 3])
+def test_devices_per_node_must_be_a_power_of_two_never_silently_the_default(n):
+    with pytest.raises(ValueError, match=f"n_devices_per_node must be a power of two .*got {n}"):
+        ClusterSpec.from_nodelist("localhost", n, "cpu")
+    assert ClusterSpec.from_nodelist("localhost", None, "cpu").n_devices_per_node >= 1  # None: the default

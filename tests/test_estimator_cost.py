@@ -6,8 +6,8 @@ import math
 import pytest
 
 from realloc.api import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef, auto, experiment_spec, load_experiment
-from realloc.estimator.call_time import (GRAD_BUCKET_NUMEL, CallCost, StageTime, pipeline_makespan,
-                                         sequential_makespan, sum_over_range)
+from realloc.estimator.call_time import (GRAD_BUCKET_NUMEL, CallCost, StageTime, decode_round, pipeline_makespan,
+                                         sum_over_range)
 from realloc.estimator.comm import Link, group_links
 from realloc.estimator.cost import CostModel
 from realloc.estimator.memory import local_params
@@ -146,8 +146,12 @@ def test_pipeline_bubble_formula():
     c = pipeline_makespan(uneven, 4)
     assert c.time == pytest.approx(1.0 + 3.5 + 2.0 + 3 * 3.5)
     assert c.compute == 12.0 and c.pp_comm == 2.0
-    s = sequential_makespan(uneven, 4)
-    assert s.time == pytest.approx(4 * 6.5)
+    # pipelined decoding: 4 micro-batches keep the slowest stage busy (4 x 3.5) longer than one
+    # micro-batch's trip through the stages and back (6.5 + 0.25); a single one waits for its tokens
+    assert decode_round(uneven, 4, 0.25).time == pytest.approx(4 * 3.5)
+    one = decode_round(uneven, 1, 0.25)
+    assert one.time == pytest.approx(6.5 + 0.25) and one.bubble == pytest.approx(6.75 - 3.5)
+    assert decode_round([t], 3, 0.0).time == pytest.approx(3 * 4.0)  # pp = 1: one after another
 
 
 def test_breakdown_sums_to_time_and_pp_adds_a_bubble(tiny):
@@ -183,13 +187,23 @@ def test_generation_is_prefill_plus_every_decode_step(which, tiny, big):
     links = model.links(mesh, s)
     w = model.workload(call)
     b = w.micro_batch(s.dp, 2)
-    pre = sequential_makespan(timer._stages(Phase.PREFILL, s, links, b, w.prompt_len), 2)
-    steps = sum(sequential_makespan(timer._stages(Phase.DECODE, s, links, b, ctx), 2).time
-                for ctx in range(w.prompt_len + 1, w.seq_len))
-    # one loop iteration of host bookkeeping per generated token, micro-batch and pipeline stage
-    # (the stages take turns, so each one's bookkeeping is on the critical path)
-    host = 2 * s.pp * w.gen_len * model.hw.decode_step_overhead
-    assert cost.time == pytest.approx(pre.time + steps + host + model.hw.call_overhead, rel=1e-9)
+    # every stage does a step's bookkeeping for each micro-batch; the last stage sends the tokens to
+    # the other stages, and the first stage waits for them
+    h = model.hw.decode_step_overhead
+    back = model.comm.time("p2p", 2, 16 * b, links.pp_any)
+    assert timer._stages(Phase.DECODE, s, links, b, 20)[-1].pp_comm == pytest.approx(back)  # pp - 1 = 1 send
+
+    def stage_totals(phase, ctx):
+        return [st.compute + st.tp_comm + st.pp_comm + h for st in timer._stages(phase, s, links, b, ctx)]
+
+    pre = stage_totals(Phase.PREFILL, w.prompt_len)
+    prefill = sum(pre) + (2 - 1) * max(pre)  # two micro-batches through the pipeline
+    steps = 0.0
+    for ctx in range(w.prompt_len + 1, w.seq_len):
+        st = stage_totals(Phase.DECODE, ctx)
+        steps += max(2 * max(st), sum(st) + back)
+    assert back > 0
+    assert cost.time == pytest.approx(prefill + steps + model.hw.call_overhead, rel=1e-9)
 
 
 def test_group_links():
@@ -244,6 +258,7 @@ def test_data_transfer_prices_the_runtimes_own_plans(tiny):
     place = {n: CallPlacement(mesh="localhost", dp=1, tp=1, pp=2, n_mbs=1) for n in g.spec.call_names}
     place["ref_inf"] = CallPlacement(mesh="localhost:1", dp=1, tp=1, pp=1, n_mbs=1)
     place["actor_train"] = CallPlacement(mesh="localhost", dp=2, tp=1, pp=1, n_mbs=1)
+    place["rew_inf"] = CallPlacement(mesh="localhost", dp=2, tp=1, pp=1, n_mbs=1)  # a rule: data-parallel only
     plan = ExecutionPlan(experiment=g.spec.name, graph_digest=g.digest, nodelist=c.nodelist,
                          n_devices_per_node=c.n_devices_per_node, device=c.device, placements=place)
     prog = RuntimeProgram(g, plan)

@@ -49,27 +49,43 @@ def test_train_memory_tp2_pp2(model):
     stages = model._stage_memory("actor_train", s, 2)
     # 16 sequences / 2 mini-batches = 8 per step; dp 1, 2 micro-batches -> b = 4 sequences of 16 tokens
     n_tok = 4 * 16
-    saved_per_token = (4 * H + (H + 2 * H) // 2 + H // 2 + 3 * I // 2) * 4 + 4 // 2 * 4  # 648 elems + attn LSE
+    # per block and token (opcount.saved_activation_bytes_per_token): two RMSNorms keeping input,
+    # 1/rms (fp32), product and output ((4 + 2 * 4) * H + 4 each); attention's q, k, v (GQA-repeated)
+    # and output (4 * H / 2 elements) and its log-sum-exp (4 heads / 2 fp32); the MLP's gate, up,
+    # SwiGLU and product (4 * I / 2)
+    norm = 12 * H + 4
+    saved_per_token = 2 * norm + 4 * H // 2 * 4 + 4 // 2 * 4 + 4 * I // 2 * 4
+    assert saved_per_token == 3472
+    rope = 2 * 16 * 4  # cos and sin of the 16-dim heads, once per stage and micro-batch
     transient = (2 * H + (H + 2 * H) // 2 + 3 * I // 2) * 4 * n_tok
-    # 1F1B: stage 0 holds min(2, pp - 0) = 2 micro-batches, stage 1 holds 1; stage 0 also keeps the
-    # embedding output, stage 1 the fp32 logits and their gradient (V/tp wide)
-    act0 = 2 * (saved_per_token * 2 * n_tok + n_tok * H * 4) + transient
-    act1 = 1 * (saved_per_token * 2 * n_tok) + transient + 2 * n_tok * (V // 2) * 4
+    # 1F1B: stage 0 holds min(2, pp - 0) = 2 micro-batches (and their int64 token ids), stage 1 holds 1
+    # and its head: the final norm, the fp32 logits and their log-softmax (V/tp wide)
+    act0 = 2 * (saved_per_token * 2 + rope + 8) * n_tok + transient
+    act1 = 1 * (saved_per_token * 2 + rope) * n_tok + (norm + 2 * (V // 2) * 4) * n_tok + transient
     assert stages[0].params == STAGE0_TP2_PP2 * 4 and stages[1].params == STAGE1_TP2_PP2 * 4
     assert stages[0].grads == STAGE0_TP2_PP2 * 4 and stages[0].optimizer == STAGE0_TP2_PP2 * 8
     assert stages[0].activations == act0 and stages[1].activations == act1
     assert stages[0].kv_cache == 0
     worst = model.call_memory("actor_train", mesh, s, 2)
     assert worst == max(stages, key=lambda m: m.total)
+    # recomputation: each block keeps its input (H per token); the block being recomputed holds its
+    # saved set minus that input, which on stage 1 outweighs the head's saves (freed by then)
+    redo = model._stage_memory("actor_train", s, 2, recompute=True)
+    assert redo[0].activations == 2 * (H * 4 * 2 + rope + 8) * n_tok + (saved_per_token - H * 4) * n_tok + transient
+    assert redo[1].activations == (H * 4 * 2 + rope) * n_tok + (saved_per_token - H * 4) * n_tok + transient
+    assert redo[0].params == stages[0].params and redo[0].optimizer == stages[0].optimizer
 
 
 def test_generate_and_inference_memory(model):
     mesh = model.cluster.whole
     gen = model._stage_memory("actor_gen", S(1, 2, 2), 2)
-    # 16 prompts, 2 micro-batches of 8 generated one after another: one KV cache of
-    # 8 seqs x 16 positions x 2 layers x (K and V of 64/2 dims) x 4 bytes
-    assert gen[0].kv_cache == 8 * 16 * 2 * 2 * (H // 2) * 4
+    # 16 prompts, 2 micro-batches of 8 pipelined through 2 stages: both KV caches are alive,
+    # 16 seqs x 16 positions x 2 layers x (K and V of 64/2 dims) x 4 bytes
+    assert gen[0].kv_cache == 16 * 16 * 2 * 2 * (H // 2) * 4
     assert gen[1].kv_cache == gen[0].kv_cache
+    # without a pipeline the micro-batches generate one after another: one cache of 8 sequences
+    one_stage = model._stage_memory("actor_gen", S(1, 2, 1), 2)
+    assert one_stage[0].kv_cache == 8 * 16 * 4 * 2 * (H // 2) * 4
     assert gen[0].grads == gen[0].optimizer == 0
     # last stage also holds one full-vocabulary fp32 logit row per sequence for sampling
     assert gen[1].activations - gen[0].activations == 8 * V * 4

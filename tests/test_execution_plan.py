@@ -38,12 +38,35 @@ def test_json_round_trip(graph, tmp_path):
     assert meshes["actor_gen"].device_ids == (0, 1, 2, 3)
 
 
+def test_recompute_round_trips_and_old_plans_without_it_still_load(graph, tmp_path):
+    plan = table5_plan(graph, actor_train=CallPlacement(mesh="trainer[01-02]", dp=2, tp=8, pp=1, n_mbs=4,
+                                                        recompute=True))
+    again = ExecutionPlan.from_json(plan.to_json())
+    assert again.placements["actor_train"].recompute and not again.placements["critic_train"].recompute
+    # a plan file written before the field existed: every call without recomputation
+    old = json.loads(plan.to_json())
+    for p in old["placements"].values():
+        del p["recompute"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    loaded = ExecutionPlan.load(path)
+    assert not any(p.recompute for p in loaded.placements.values())
+    validate_plan(loaded, graph)
+    assert "yes" in next(line for line in plan.table().splitlines() if line.startswith("actor_train"))
+
+
+def test_recompute_on_a_call_without_backward_is_refused(graph):
+    plan = table5_plan(graph, ref_inf=CallPlacement(mesh="trainer[01-02]", dp=2, tp=8, pp=1, n_mbs=4, recompute=True))
+    with pytest.raises(ValueError, match="call 'ref_inf': recompute applies to TRAIN_STEP calls only"):
+        validate_plan(plan, graph)
+
+
 def test_table_lists_every_call(graph):
     text = table5_plan(graph).table(graph.topo_order)
     lines = text.splitlines()
     assert lines[0].split()[:6] == ["call", "mesh", "dp", "tp", "pp", "mbs"]
     row = next(line for line in lines if line.startswith("actor_gen"))
-    assert row.split()[:7] == ["actor_gen", "trainer[01-02]", "2", "8", "1", "4", "44.200"]
+    assert row.split()[:8] == ["actor_gen", "trainer[01-02]", "2", "8", "1", "4", "-", "44.200"]
     assert "122.600 s" in lines[-1]
 
 
@@ -105,3 +128,17 @@ def test_bad_json_names_the_field(tmp_path):
         ExecutionPlan.load(path)
     with pytest.raises(ValueError, match="does not exist"):
         ExecutionPlan.load(tmp_path / "none.json")
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_rule_calls_are_data_parallel_only(tp, pp):
+    """A hand-written plan giving the parameter-free rule reward tp or pp > 1 is refused when validated,
+    not with an IndexError in a worker at iteration 1."""
+    g = build_graph(load_experiment("experiments/ppo_tiny.py"))
+    placements = {c: CallPlacement(mesh="localhost", dp=2, tp=1, pp=1, n_mbs=1) for c in g.topo_order}
+    plan = ExecutionPlan(experiment=g.spec.name, graph_digest=g.digest, nodelist="localhost", n_devices_per_node=2,
+                         device="cpu", placements=placements)
+    validate_plan(plan, g)
+    placements["rew_inf"] = CallPlacement(mesh="localhost", dp=1, tp=tp, pp=pp, n_mbs=1)
+    with pytest.raises(ValueError, match="call 'rew_inf' runs a rule function, which is data-parallel only"):
+        validate_plan(plan.model_copy(update={"placements": placements}), g)

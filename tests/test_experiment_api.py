@@ -101,3 +101,17 @@ def test_load_experiment_errors(tmp_path):
     assert load_experiment(f"{two}:B").batch_size == 8
     with pytest.raises(ValueError, match="no @auto class 'C'"):
         load_experiment(f"{two}:C")
+
+
+@pytest.mark.parametrize("body, where, what", [
+    ("x = 1 / 0\n", "line 3", "ZeroDivisionError: division by zero"),
+    ("import no_such_module_for_realloc\n", "line 3", "ModuleNotFoundError: No module named 'no_such_module_for_realloc'"),
+    ("def broken(:\n", "syntax error at line 3", ""),
+])
+def test_errors_in_the_experiment_files_own_code_name_the_file_and_line(tmp_path, body, where, what):
+    """The user's mistake, reported as theirs (the CLI prints it in one line and exits 2)."""
+    path = tmp_path / "exp.py"
+    path.write_text("import dataclasses\nfrom realloc.api import auto\n" + body)
+    with pytest.raises(ValueError) as e:
+        load_experiment(str(path))
+    assert str(e.value).startswith(f"experiment file {path}") and where in str(e.value) and what in str(e.value)

@@ -67,7 +67,7 @@ def _make_optimizer(params_named, kind: str):
                              lr=1e-2, betas=(0.9, 0.95), eps=ADAM_EPS)
 
 
-def _train(ctx, cfg, dp, tp, pp, path, mbs, kind, steps, max_norm):
+def _train(ctx, cfg, dp, tp, pp, path, mbs, kind, steps, max_norm, recompute=False):
     model = build_model(ctx, cfg, dp, tp, pp, hf_path=path)
     if model is None:
         return None
@@ -77,7 +77,7 @@ def _train(ctx, cfg, dp, tp, pp, path, mbs, kind, steps, max_norm):
     per = len(mbs) // dp
     mine = mbs[g.dp_rank * per:(g.dp_rank + 1) * per]
     loss_fn = value_loss if cfg.is_critic else nll_loss
-    stats = [model.train_step(mine, loss_fn, opt, max_grad_norm=max_norm) for _ in range(steps)]
+    stats = [model.train_step(mine, loss_fn, opt, max_grad_norm=max_norm, recompute=recompute) for _ in range(steps)]
     return {**local_shards(model), "stats": stats}
 
 
@@ -106,12 +106,13 @@ def _dense_reference(hf, mbs, kind, steps, max_norm, critic=False):
     return {k: v.detach() for k, v in hf.state_dict().items()}, history
 
 
-def _check_train(pool, hf, path, layouts, kind, steps, max_norm, *, critic=False, atol=2e-5, n_mbs=N_MBS):
+def _check_train(pool, hf, path, layouts, kind, steps, max_norm, *, critic=False, atol=2e-5, n_mbs=N_MBS,
+                 recompute=False):
     cfg = model_config_from_hf(path)
     mbs = _micro_batches(seed=11, n=n_mbs)
     ref_state, ref_hist = _dense_reference(hf, mbs, kind, steps, max_norm, critic)
     for dp, tp, pp in layouts:
-        res = pool.run(_train, cfg, dp, tp, pp, str(path), mbs, kind, steps, max_norm)
+        res = pool.run(_train, cfg, dp, tp, pp, str(path), mbs, kind, steps, max_norm, recompute)
         live = [r for r in res if r is not None]
         for r in live:
             for s, ref in zip(r["stats"], ref_hist):
@@ -139,6 +140,59 @@ def test_sgd_step_gradients_match_dense_model_in_every_layout(pool, gqa):
     # Fewer micro-batches than stages: 1F1B is all warm-up and cool-down.
     _check_train(pool, hf, path, [(1, 1, 4)], "sgd", 1, max_norm=0.5, n_mbs=2)
     _check_train(pool, hf, path, [(1, 2, 2)], "sgd", 1, max_norm=0.5, n_mbs=1)
+
+
+def test_recomputation_gives_the_dense_models_gradients_in_every_layout(pool, gqa):
+    hf, path = gqa
+    _check_train(pool, hf, path, [(1, 1, 1), (1, 2, 2), (2, 1, 2), (1, 1, 4), (2, 2, 1)], "sgd", 1, max_norm=0.5,
+                 recompute=True)
+    # and the same weights, bit for bit, as without recomputation (the backward sees the same forward)
+    cfg = model_config_from_hf(path)
+    mbs = _micro_batches(seed=11)
+    for dp, tp, pp in [(1, 2, 2), (2, 1, 2)]:
+        plain, redo = (pool.run(_train, cfg, dp, tp, pp, str(path), mbs, "sgd", 1, 0.5, rc) for rc in (False, True))
+        for a, b in zip(plain, redo):
+            if a is not None:
+                assert all(torch.equal(a["shards"][n], b["shards"][n]) for n in a["shards"]), (dp, tp, pp)
+
+
+def _saved_peak(ctx, cfg, dp, tp, pp, n_mbs, recompute):
+    from realloc.models.activations import SavedTensorMeter
+
+    model = build_model(ctx, cfg, dp, tp, pp, seed=2)
+    if model is None:
+        return None
+    g = torch.Generator().manual_seed(0)
+    mbs = [{"input_ids": torch.randint(0, cfg.vocab_size, (3, 24), generator=g), "lengths": torch.full((3,), 24)}
+           for _ in range(n_mbs)]
+    opt = torch.optim.SGD(list(model.params().values()), lr=0.0)
+    with SavedTensorMeter(model.params().values()) as meter:
+        model.train_step(mbs, nll_loss, opt, recompute=recompute)
+    assert meter.current == 0  # everything saved was freed by the backward
+    return model.groups.pp_rank, meter.peak
+
+
+def test_memory_model_of_saved_activations_matches_the_engine(pool):
+    """realloc.estimator.memory.train_saved_bytes against the bytes autograd really keeps, per stage, with and
+    without recomputation (1F1B keeps several micro-batches on early stages)."""
+    from realloc.estimator.hardware import Precision
+    from realloc.estimator.memory import train_saved_bytes
+    from realloc.strategy import ParallelStrategy
+
+    cfg = get_model_config("tiny-gqa")
+    fp32 = Precision(param=4, grad=4, optimizer=8, logits=4)
+    saving = {}
+    for dp, tp, pp, n_mbs in [(1, 1, 1, 2), (1, 1, 2, 3), (1, 2, 2, 2), (1, 1, 4, 4)]:
+        for recompute in (False, True):
+            for r in pool.run(_saved_peak, cfg, dp, tp, pp, n_mbs, recompute):
+                if r is None:
+                    continue
+                k, measured = r
+                want = train_saved_bytes(cfg, ParallelStrategy(dp, tp, pp), n_mbs, k, 3 * 24, fp32, recompute)
+                assert abs(measured - want) <= 0.002 * want, (dp, tp, pp, n_mbs, recompute, k, measured, want)
+                saving[dp, tp, pp, n_mbs, k, recompute] = measured
+    # recomputation keeps less on every stage of these layouts
+    assert all(saving[key[:-1] + (True,)] < v for key, v in saving.items() if not key[-1])
 
 
 def test_adamw_two_steps_tp2_pp2_and_dp2_match_dense_model(pool, gqa):
@@ -216,6 +270,29 @@ def test_seeded_sampling_is_identical_in_every_layout(pool):
     other = _samples_by_layout(pool, cfg, [(1, 1, 1, 1)], prompts, GenerationConfig(
         max_new_tokens=16, temperature=0.9, top_k=40, top_p=0.95, seed=18, eos_token_ids=(5,)))
     assert other[(1, 1, 1, 1)][0] != ref_seqs
+
+
+def test_pipelined_generation_gives_the_tokens_of_one_stage(pool):
+    """pp > 1 pipelines the micro-batches through the stages; every micro-batch must compute exactly
+    what it computes without a pipeline: the same tokens and log-probs, bit for bit, with variable-length
+    prompts, early EOS (finished rows leave), min_new_tokens and fewer micro-batches than stages."""
+    cfg = get_model_config("tiny-gqa")
+    g = torch.Generator().manual_seed(0)
+    lens = (3, 7, 1, 5, 9, 2, 6, 4, 8, 5)
+    prompts = [torch.randint(1, 64, (n,), generator=g).tolist() for n in lens]
+    # an eighth of the vocabulary ends a sequence: rows stop at different steps
+    gconfig = GenerationConfig(max_new_tokens=14, min_new_tokens=2, seed=5, eos_token_ids=tuple(range(40, 48)))
+    # (dp, tp, pp, micro-batches); each pipelined layout is compared with pp = 1 at the same tp and n_mbs
+    layouts = [(1, 1, 2, 2), (1, 1, 2, 5), (1, 1, 4, 4), (1, 1, 4, 3), (1, 1, 4, 10), (1, 2, 2, 3)]
+    refs = {(1, tp, 1, n) for _, tp, _, n in layouts}
+    got = _samples_by_layout(pool, cfg, sorted(refs) + layouts, prompts, gconfig)
+    for dp, tp, pp, n in layouts:
+        seqs, logp = got[(dp, tp, pp, n)]
+        ref_seqs, ref_logp = got[(1, tp, 1, n)]
+        assert seqs == ref_seqs, (dp, tp, pp, n)
+        assert all(torch.equal(a, b) for a, b in zip(logp, ref_logp)), (dp, tp, pp, n)
+    generated = [len(s) - n for s, n in zip(got[(1, 1, 1, 2)][0], lens)]
+    assert min(generated) >= 2 and max(generated) == 14 and len(set(generated)) >= 5, generated
 
 
 # -- memory management, inputs, groups ---------------------------------------------------------------

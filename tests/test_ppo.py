@@ -164,3 +164,28 @@ def test_loss_gradient_is_independent_of_how_the_minibatch_is_split():
     whole = grad_of([slice(0, 5)])
     parts = grad_of([slice(0, 2), slice(2, 3), slice(3, 5)])
     assert torch.allclose(whole, parts, atol=1e-15)
+
+
+def test_critic_clip_fraction_counts_no_rounding_noise():
+    """fp32 values inside the clip range are never clipped, although ``old + (v - old)`` need not equal ``v``
+    bit for bit; outside it, the count matches a float64 reference with the exact clip value ``old ± eps``."""
+    g = torch.Generator().manual_seed(0)
+    shape, eps = (641, 131), 0.2  # 83,971 tokens
+    old = 0.3 * torch.randn(shape, generator=g)
+    ret = torch.randn(shape, generator=g)
+    mask = torch.ones(shape, dtype=torch.bool)
+    # Values from another forward pass, not old + an fp32 step: rounded from float64.
+    inside = (old.double() + eps * 0.999 * (2 * torch.rand(shape, generator=g, dtype=torch.float64) - 1)).float()
+    v_clip = old + (inside - old).clamp(-eps, eps)
+    assert (v_clip != inside).sum() > 1000  # the rounding the count must not see
+    assert (((v_clip - ret) ** 2 > (inside - ret) ** 2)).sum() > 100  # and which the old count took for clipping
+    _, st = ppo.critic_loss(inside, old, ret, mask, eps, 1.0)
+    assert st.clipped_tokens == 0
+
+    moved = old + 0.5 * torch.randn(shape, generator=g)
+    _, st = ppo.critic_loss(moved, old, ret, mask, eps, 1.0)
+    v, o, r = moved.double(), old.double(), ret.double()
+    outside = (v - o).abs() > eps
+    exact_clip = o + eps * torch.sign(v - o)
+    want = (outside & ((exact_clip - r) ** 2 > (v - r) ** 2)).sum()
+    assert st.clipped_tokens == float(want) > 10000

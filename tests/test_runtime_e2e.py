@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -52,8 +53,10 @@ HAND_PLANS = {
 }
 
 
-# The frozen reference model waits in host memory between its calls in this plan.
+# The frozen reference model waits in host memory between its calls in this plan, and both train
+# steps recompute activations.
 OFFLOAD = {"tp_pp": {"ref": True}}
+RECOMPUTE = {"tp_pp": {"actor_train", "critic_train"}}
 
 
 def hand_plan(name: str) -> ExecutionPlan:
@@ -61,7 +64,8 @@ def hand_plan(name: str) -> ExecutionPlan:
     g = build_graph(spec)
     return ExecutionPlan(experiment=spec.name, graph_digest=g.digest, nodelist=spec.cluster.nodelist,
                          n_devices_per_node=spec.cluster.n_devices_per_node, device=spec.cluster.device,
-                         placements={c: CallPlacement(mesh=m, dp=d, tp=t, pp=p, n_mbs=n)
+                         placements={c: CallPlacement(mesh=m, dp=d, tp=t, pp=p, n_mbs=n,
+                                                      recompute=c in RECOMPUTE.get(name, ()))
                                      for c, (m, d, t, p, n) in HAND_PLANS[name].items()},
                          offload=OFFLOAD.get(name, {}), source=name)
 
@@ -164,6 +168,29 @@ def test_resume_reproduces_the_next_iteration(runs, tmp_path):
     for a, b in zip(original[10:12], resumed):
         for k in HEADLINE:
             assert b[k] == a[k], (a["iteration"], k, a[k], b[k])
+
+
+def test_a_corrupted_checkpoint_is_refused_naming_the_file(runs, tmp_path):
+    """A missing file stops --resume before anything starts; flipped bytes stop it in the worker that reads
+    the file. Either way one error names the file (the shard would load without complaint otherwise)."""
+    ckpt = tmp_path / "iter_00000010"
+    shutil.copytree(runs["disjoint"] / "checkpoints" / "iter_00000010", ckpt)
+    rng = ckpt / "rng" / "rank1.safetensors"
+    saved = rng.read_bytes()
+    rng.unlink()
+    r = realloc_run(tmp_path / "missing", "--resume", str(ckpt), "--iterations", "11")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"checkpoint file {rng} is missing" in r.stderr and "--skip-checkpoint-checks" in r.stderr
+    rng.write_bytes(saved)
+    shard = ckpt / "models" / "actor" / "tp0_pp0.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x01
+    shard.write_bytes(bytes(data))
+    r = realloc_run(tmp_path / "flipped", "--resume", str(ckpt), "--iterations", "11")
+    assert r.returncode == 1, r.stdout + r.stderr
+    line = [x for x in r.stderr.splitlines() if x.startswith("realloc run: error:")]
+    assert line and "in setup" in line[0] and f"checkpoint file {shard} is corrupted: its SHA-256" in line[0], r.stderr
+    assert not (tmp_path / "flipped" / "metrics.jsonl").exists()
 
 
 def _wait_for(pred, timeout: float, what: str) -> None:

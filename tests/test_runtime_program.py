@@ -33,6 +33,15 @@ def test_one_layout_per_model_needs_no_reallocation(graph):
     assert prog.is_trained("actor") and not prog.is_trained("ref") and prog.is_rule("reward")
 
 
+def test_recomputation_reaches_the_call_layout_and_does_not_change_the_layout(graph):
+    plan = make_plan(graph, {c: SAME for c in graph.topo_order})
+    place = dict(plan.placements, actor_train=plan.placements["actor_train"].model_copy(update={"recompute": True}))
+    prog = RuntimeProgram(graph, plan.model_copy(update={"placements": place}))
+    assert prog.calls["actor_train"].recompute and not prog.calls["critic_train"].recompute
+    # same layout as without: no reallocation appears
+    assert prog.calls["actor_train"].key == prog.calls["actor_gen"].key and prog.reallocs("actor") == ()
+
+
 def test_reallocations_follow_the_chain_and_wrap_around(graph):
     place = {c: SAME for c in graph.topo_order}
     place["actor_gen"] = ("localhost:0", 1, 1, 1, 1)

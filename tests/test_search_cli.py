@@ -83,4 +83,4 @@ def test_long_call_and_mesh_names_keep_their_columns(tmp_path, capsys):
     assert {"actor_generation_step", "actor_training_step_xx"} <= set(rows)
     for name, cols in rows.items():
         assert cols[1].startswith("very-long-hostname-01"), (name, cols)  # the mesh is its own column
-        assert len(cols) == 9, cols
+        assert len(cols) == 10, cols  # call, mesh, devices, dp, tp, pp, mbs, recomp, est. s, peak

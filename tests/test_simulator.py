@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -11,7 +13,10 @@ from realloc.search.problem import CandidateArrays, PairCosts, SearchProblem
 GiB = 2**30
 
 
-def random_candidates(rng: np.random.Generator, n_devices: int, n_layouts: int, n: int) -> CandidateArrays:
+def random_candidates(rng: np.random.Generator, n_devices: int, n_layouts: int, n: int,
+                      recompute: bool = False) -> CandidateArrays:
+    """``n`` random placements; with ``recompute`` each also comes recomputing activations (a twin of the
+    same layout that takes longer and keeps less dynamic memory, as a training call's candidates)."""
     lo, hi, width = [], [], []
     for _ in range(n):
         a = int(rng.integers(0, n_devices))
@@ -25,9 +30,20 @@ def random_candidates(rng: np.random.Generator, n_devices: int, n_layouts: int, 
     time = rng.choice([0.0, 0.5, 1.0, 1.5, 2.0, 3.25], size=n)
     pp = [(b - a) // w for a, b, w in zip(lo, hi, width)]
     pool = lambda: rng.integers(0, 4, size=sum(pp)) * GiB // 2  # noqa: E731
-    return CandidateArrays(dev_lo=lo, dev_hi=hi, stage_width=width, layout=rng.integers(0, n_layouts, n),
-                           mesh_id=rng.integers(0, 3, n), shape_class=rng.integers(0, 3, n), time=time,
-                           mem_offset=np.r_[0, np.cumsum(pp)], mem_static=pool(), mem_dynamic=pool(), mem_param=pool())
+    static, dynamic, param = pool(), pool(), pool()
+    layout, mesh_id, shape = rng.integers(0, n_layouts, n), rng.integers(0, 3, n), rng.integers(0, 3, n)
+    twin = np.full(n, -1)
+    if recompute:
+        lo, hi, width, layout, mesh_id = lo * 2, hi * 2, width * 2, np.r_[layout, layout], np.r_[mesh_id, mesh_id]
+        shape = np.r_[shape, shape + 3]
+        time = np.r_[time, time + rng.choice([0.25, 0.5], size=n)]
+        static, param = np.r_[static, static], np.r_[param, param]
+        dynamic = np.r_[dynamic, dynamic // 2]
+        pp = pp * 2
+        twin = np.r_[np.arange(n, 2 * n), np.arange(n)]
+    return CandidateArrays(dev_lo=lo, dev_hi=hi, stage_width=width, layout=layout, mesh_id=mesh_id,
+                           shape_class=shape, time=time, mem_offset=np.r_[0, np.cumsum(pp)], mem_static=static,
+                           mem_dynamic=dynamic, mem_param=param, twin=twin)
 
 
 def random_problem(rng: np.random.Generator) -> SearchProblem:
@@ -37,7 +53,8 @@ def random_problem(rng: np.random.Generator) -> SearchProblem:
     call_model = [int(m) for m in rng.permutation(np.r_[np.arange(n_models), rng.integers(0, n_models, n_calls - n_models)])]
     model_home = [int(rng.choice([c for c in range(n_calls) if call_model[c] == m])) for m in range(n_models)]
     n_layouts = [int(rng.integers(1, 5)) for _ in range(n_models)]
-    cands = tuple(random_candidates(rng, n_devices, n_layouts[call_model[c]], int(rng.integers(1, 6)))
+    cands = tuple(random_candidates(rng, n_devices, n_layouts[call_model[c]], int(rng.integers(1, 6)),
+                                    recompute=bool(rng.random() < 0.3))
                   for c in range(n_calls))
     data, order, carry = [], [], []
     for u in range(n_calls):
@@ -81,12 +98,13 @@ def random_plan(rng: np.random.Generator, p: SearchProblem) -> np.ndarray:
 
 def test_cpp_matches_python_reference_on_1000_random_graphs_and_plans():
     rng = np.random.default_rng(1234)
-    n_feasible = n_oom = n_transfers = n_inexact = n_shared = n_stretched = 0
+    n_feasible = n_oom = n_transfers = n_inexact = n_shared = n_stretched = n_recompute = 0
     for trial in range(1000):
         p = random_problem(rng)
         cpp = p.to_cpp()
         for _ in range(2):
             plan = random_plan(rng, p)
+            n_recompute += sum(int(k.twin[i]) >= 0 and int(k.twin[i]) < i for k, i in zip(p.candidates, plan))
             got, want = cpp.evaluate(plan), reference.evaluate(p, plan)
             assert got == want, (trial, plan, got, want)
             got_sched = [r[:6] for r in cpp.schedule(plan)]
@@ -108,7 +126,23 @@ def test_cpp_matches_python_reference_on_1000_random_graphs_and_plans():
                 n_stretched += any(r["end"] - r["start"] > nd.cost for r, nd in zip(reference.schedule(p, plan), nodes))
     # The random problems exercise both memory outcomes, real transfer nodes and shared cores.
     assert n_feasible > 100 and n_oom > 100 and n_transfers > 1000 and n_inexact > 100
-    assert n_shared > 200 and n_stretched > 100
+    assert n_shared > 200 and n_stretched > 100 and n_recompute > 200
+
+
+def test_recompute_twins_must_pair_candidates_of_one_layout():
+    p = random_problem(np.random.default_rng(1))
+    c = next(c for c, k in enumerate(p.candidates) if (k.twin >= 0).any())
+    k = p.candidates[c]
+    i = int(np.nonzero(k.twin >= 0)[0][0])
+    twin = k.twin.copy()
+    twin[i] = i  # a candidate cannot be its own twin
+    bad = dataclasses.replace(p, candidates=p.candidates[:c] + (dataclasses.replace(k, twin=twin),)
+                              + p.candidates[c + 1:])
+    with pytest.raises(ValueError, match="twin must pair two candidates of the same layout"):
+        bad.to_cpp()
+    # restricting the candidates drops a twin whose partner is left out
+    kept = k.take([i])
+    assert kept.twin.tolist() == [-1] and k.take([i, int(k.twin[i])]).twin.tolist() == [1, 0]
 
 
 def _one_device_problem(times: list[float], data: list[tuple[int, int]], carry: list[tuple[int, int]],

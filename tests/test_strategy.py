@@ -88,7 +88,9 @@ def test_candidate_count_one_node_of_four_by_hand():
 
 def test_train_candidates_use_the_minibatch_size():
     graph = build_graph(_spec("n1", 4, "cpu", "tiny", 16, TRAIN_STEP, n_minibatches=2))
-    assert len(call_options(graph, "c")) == 58  # 16 seqs / 2 mini-batches = the 8-sequence case above
+    # 16 seqs / 2 mini-batches = the 8-sequence case above, each with and without recomputation
+    opts = call_options(graph, "c")
+    assert len(opts) == 2 * 58 and sum(o.recompute for o in opts) == 58
 
 
 def test_an_8x8_cluster_has_over_500_options_per_call():

@@ -115,7 +115,10 @@ def critic_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.T
     per_token = 0.5 * torch.maximum(unclipped, clipped) * maskf
     loss = per_token.sum() / n_tokens
     with torch.no_grad():
-        stats = LossStats(loss_sum=float(per_token.sum()),
-                          clipped_tokens=float(((clipped > unclipped).to(values.dtype) * maskf).sum()),
+        # Inside the range ``old + (v - old)`` need not round back to ``v``, so ``clipped > unclipped`` alone
+        # would count rounding noise (and depend on the plan): a token is clipped only once its value left
+        # the range and the clipped term is the larger one, i.e. its gradient is cut.
+        cut = ((values - old_values).abs() > clip_eps) & (clipped > unclipped)
+        stats = LossStats(loss_sum=float(per_token.sum()), clipped_tokens=float((cut.to(values.dtype) * maskf).sum()),
                           approx_kl_sum=0.0, n_tokens=float(maskf.sum()))
     return loss, stats

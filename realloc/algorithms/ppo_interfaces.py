@@ -65,6 +65,7 @@ class CallContext:
     pad_token_id: int = 0
     greedy: bool = False  # generation: argmax instead of sampling (evaluation)
     purpose: str = "generate"  # names the sampling stream: training and each eval batch draw their own
+    recompute: bool = False  # train steps recompute activations (CallPlacement.recompute)
 
 
 @dataclasses.dataclass
@@ -246,7 +247,7 @@ def _train(ctx: CallContext, inputs: Data, actor: bool) -> CallResult:
         # The engine averages gradients over dp replicas; weighting by dp turns that into the sum that
         # the global token normalization expects.
         out = model.train_step(micro, loss_fn, ctx.optimizer, max_grad_norm=cfg.max_grad_norm,
-                               loss_weights=[float(dp)] * len(micro))
+                               loss_weights=[float(dp)] * len(micro), recompute=ctx.recompute)
         grad_norm += out["grad_norm"] / M
         loss_sum += sum(p.loss_sum for p in parts) / n_tok / M
         clipped += sum(p.clipped_tokens for p in parts) / n_tok / M

@@ -16,11 +16,14 @@ the collective model and the call's workload. Terms:
   as tp communication);
 - PPO's train interface: its measured host work per call (rollout, GAE) and the
   dp all-reduce of its advantage moments;
+- activation recomputation: one more forward of every block (with its tp
+  all-reduces) per training micro-batch;
 - the Adam step, memory-bound over parameters and states;
 - generation = prefill of the prompt, then gen_len - 1 decode steps whose KV
-  cache grows from prompt_len + 1 to prompt_len + gen_len - 1 positions;
+  cache grows from prompt_len + 1 to prompt_len + gen_len - 1 positions; with
+  pp > 1 the micro-batches are pipelined through the stages (``decode_round``);
 - host overheads from the hardware spec: one dispatch per call, and per decode
-  step per micro-batch the sampling bookkeeping.
+  step per micro-batch and stage the sampling bookkeeping.
 """
 
 from __future__ import annotations
@@ -133,16 +136,18 @@ def pipeline_makespan(stages: Sequence[StageTime], n_mbs: int) -> CallCost:
     return dataclasses.replace(busy, time=span, bubble=span - busy.time)
 
 
-def sequential_makespan(stages: Sequence[StageTime], n_mbs: int) -> CallCost:
-    """``n_mbs`` micro-batches that each pass every stage before the next one starts: n_mbs x sum_k t_k.
+def decode_round(stages: Sequence[StageTime], n_mbs: int, back: float) -> CallCost:
+    """One decode step of ``n_mbs`` micro-batches pipelined through the stages (``models/generation.py``).
 
-    This is how ``realloc.models.generation`` runs prefill and every decode step:
-    the stages of a pipeline take turns on one batch (micro-batched pipelining
-    of decoding is not implemented), and micro-batches generate one after another.
+    A micro-batch's next step starts on the first stage only once its tokens came back from the
+    last stage (``back`` seconds after they were sampled), so a round lasts the longer of the
+    busiest stage's ``n_mbs`` steps and one micro-batch's trip through every stage and back:
+        max(n_mbs * max_k t_k, sum_k t_k + back).
+    With pp = 1 that is n_mbs * t: micro-batches one after another.
     """
     worst = max(stages, key=lambda st: st.total)
     busy = _busy(worst, n_mbs)
-    span = n_mbs * sum(st.total for st in stages)
+    span = max(n_mbs * worst.total, sum(st.total for st in stages) + back)
     return dataclasses.replace(busy, time=span, bubble=span - busy.time)
 
 
@@ -191,11 +196,13 @@ class CallTimer:
         return v
 
     def _stages(self, phase: Phase, strategy: ParallelStrategy, links: GroupLinks, b: int, s: int,
-                backward: bool = False, host: float = 0.0) -> list[StageTime]:
+                backward: bool = False, host: float = 0.0, recompute: bool = False) -> list[StageTime]:
         cfg, t, pp = self.cfg, strategy.tp, strategy.pp
         op = self.op
         phases = (phase, Phase.BWD) if backward else (phase,)
-        block = [op(Part.BLOCK, ph, t, b, s) for ph in phases]
+        # recomputation runs every block's forward once more before its backward (embedding and head
+        # are not recomputed); the profiled BWD is (forward with autograd + backward) - FWD
+        block = [op(Part.BLOCK, ph, t, b, s) for ph in phases + ((Phase.FWD,) if recompute else ())]
         embed = [op(Part.EMBED, ph, t, b, s) for ph in phases]
         head = [op(head_part(cfg), ph, t, b, s) for ph in phases]
         n_tok = b if phase is Phase.DECODE else b * s
@@ -213,10 +220,10 @@ class CallTimer:
                 p2p += self.comm.time("p2p", 2, act_bytes, links.pp[k])
             if backward and k > 0:
                 p2p += self.comm.time("p2p", 2, act_bytes, links.pp[k - 1])
-            if phase in (Phase.PREFILL, Phase.DECODE) and pp > 1 and k == pp - 1:
-                # the last stage broadcasts the sampled tokens and their log-probs (2 x b float64)
-                # to every stage of the replica (generation.py)
-                p2p += self.comm.time("broadcast", pp, 16 * b, links.pp_any)
+            if phase in (Phase.PREFILL, Phase.DECODE) and k == pp - 1:
+                # the last stage sends the sampled tokens and their log-probs (2 x b float64) to every
+                # other stage (generation.py)
+                p2p += (pp - 1) * self.comm.time("p2p", 2, 16 * b, links.pp_any)
             out.append(StageTime(compute=sum(c for c, _ in parts), tp_comm=sum(x for _, x in parts), pp_comm=p2p,
                                  host=host))
         return out
@@ -225,7 +232,8 @@ class CallTimer:
         v = self.costs.engine(key, tp, b, s)
         return default if v is None else v
 
-    def time(self, work: Workload, strategy: ParallelStrategy, links: GroupLinks, n_mbs: int) -> CallCost:
+    def time(self, work: Workload, strategy: ParallelStrategy, links: GroupLinks, n_mbs: int,
+             recompute: bool = False) -> CallCost:
         b, t = work.micro_batch(strategy.dp, n_mbs), strategy.tp
         seq, prompt = work.seq_len, work.prompt_len
         overhead = CallCost.of(overhead=self.hw.call_overhead)
@@ -233,32 +241,46 @@ class CallTimer:
             host = self._engine("engine.fwd", t, b, seq)
             return pipeline_makespan(self._stages(Phase.FWD, strategy, links, b, seq, host=host), n_mbs) + overhead
         if work.interface is InterfaceType.TRAIN_STEP:
-            host = self._engine("engine.train_mb", t, b, seq)
-            step = pipeline_makespan(self._stages(Phase.FWD, strategy, links, b, seq, backward=True, host=host), n_mbs)
-            step = step + self._optimizer_step(strategy, links) + CallCost.of(
-                overhead=self._engine("engine.train_step", t, b, seq) * self._param_ratio(strategy))
+            step = self.train_step(strategy, links, b, seq, n_mbs, recompute)
             # PPO's interface (realloc.algorithms.ppo_interfaces): the rollout (GAE over the generated
             # tokens, whitening) once per call, and the dp all-reduce of its advantage moments and
             # mini-batch token counts (3 + n_steps float64s)
             iface = self.costs.interface("interface.train", t, work.gen_len) or 0.0
             moments = self.comm.time("all_reduce", strategy.dp, 8 * (3 + work.n_steps), links.dp)
             return step.scaled(work.n_steps) + overhead + CallCost.of(overhead=iface, dp_allreduce=moments)
-        # GENERATE: micro-batches generate one after another (memory.py: one KV cache at a time)
-        prefill = sequential_makespan(self._stages(Phase.PREFILL, strategy, links, b, prompt), n_mbs)
+        return self.generate(strategy, links, b, prompt, work.gen_len, n_mbs) + overhead
+
+    def train_step(self, strategy: ParallelStrategy, links: GroupLinks, b: int, seq: int, n_mbs: int,
+                   recompute: bool = False) -> CallCost:
+        """One ``ParallelModel.train_step``: 1F1B over ``n_mbs`` micro-batches of ``b`` sequences of ``seq``
+        tokens, then the gradient all-reduce, clipping and the optimizer update."""
+        t = strategy.tp
+        host = self._engine("engine.train_mb", t, b, seq)
+        stages = self._stages(Phase.FWD, strategy, links, b, seq, backward=True, host=host, recompute=recompute)
+        return pipeline_makespan(stages, n_mbs) + self._optimizer_step(strategy, links) + CallCost.of(
+            overhead=self._engine("engine.train_step", t, b, seq) * self._param_ratio(strategy))
+
+    def generate(self, strategy: ParallelStrategy, links: GroupLinks, b: int, prompt: int, gen_len: int,
+                 n_mbs: int) -> CallCost:
+        """One ``ParallelModel.generate`` of ``n_mbs`` micro-batches of ``b`` prompts (realloc.models.generation).
+
+        Every micro-batch runs a prefill, which samples the first token, and gen_len - 1 decode steps
+        whose KV cache grows from prompt + 1 positions. With pp > 1 the micro-batches are pipelined
+        (prefill like a forward, decode steps as ``decode_round``); with pp = 1 both formulas are
+        n_mbs micro-batches one after another. A step's bookkeeping (recording tokens, pruning
+        finished rows, the next step's mask; sampling is in the head op) runs on every stage for
+        every micro-batch, and the sampled tokens travel from the last stage back to the others.
+        """
+        t = strategy.tp
+        host = self._engine("engine.decode_step", t, b, prompt, default=self.hw.decode_step_overhead)
+        back = self.comm.time("p2p", 2, 16 * b, links.pp_any) if strategy.pp > 1 else 0.0
+        prefill = pipeline_makespan(self._stages(Phase.PREFILL, strategy, links, b, prompt, host=host), n_mbs)
         per_call = CallCost.of(overhead=n_mbs * self._engine("engine.gen_call", t, b, prompt))
-        # The loop's bookkeeping (sampling on the last stage; storing the tokens, pruning finished rows
-        # and building the next step's mask on every stage) is on the critical path once per stage: the
-        # stages of one micro-batch take turns (generation.py), so with pp stages it is paid pp times.
-        step_host = CallCost.of(overhead=n_mbs * strategy.pp * self._engine("engine.decode_step", t, b, prompt,
-                                                                            default=self.hw.decode_step_overhead))
 
         def step(ctx: int) -> CallCost:
-            return sequential_makespan(self._stages(Phase.DECODE, strategy, links, b, ctx), n_mbs) + step_host
+            return decode_round(self._stages(Phase.DECODE, strategy, links, b, ctx, host=host), n_mbs, back)
 
-        lo, hi = prompt + 1, prompt + work.gen_len - 1
-        # gen_len tokens: the prefill samples the first, each of the gen_len - 1 decode steps one more;
-        # the generation loop's bookkeeping runs once per token
-        return prefill + per_call + step_host + sum_over_range(step, lo, hi, self.decode_grid) + overhead
+        return prefill + per_call + sum_over_range(step, prompt + 1, prompt + gen_len - 1, self.decode_grid)
 
     def _param_ratio(self, strategy: ParallelStrategy) -> float:
         """Local parameters of the stage holding the most, over those of the one-layer model the

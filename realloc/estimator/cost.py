@@ -2,6 +2,7 @@
 
     model = CostModel(graph)                       # profiles found under profiles/<device>/, else roofline
     model.call_cost("actor_train", mesh, ParallelStrategy(2, 8, 1), n_mbs=4)   # -> CallCost (seconds)
+    model.call_cost("actor_train", mesh, ParallelStrategy(2, 8, 1), 4, recompute=True)  # activation recomputation
     model.call_memory("actor_gen", mesh, strategy, n_mbs)                      # -> CallMemory (bytes/device)
     model.realloc_cost("actor", (mesh_a, s_a), (mesh_b, s_b))                  # -> seconds, 0 if identical
     model.data_transfer_cost("actor_gen", "ref_inf", (mesh_a, s_a), (mesh_b, s_b))
@@ -10,7 +11,7 @@
 Time (``call_time.py``) and memory (``memory.py``, whose docstring states the
 memory rules the search's simulator applies) depend on a layout only through
 the mesh's shape (nodes x devices per node) and the strategy, never on where the
-mesh sits, so results are cached per (call, mesh shape, strategy, n_mbs):
+mesh sits, so results are cached per (call, mesh shape, strategy, n_mbs, recompute):
 after the first evaluation a lookup costs about a microsecond.
 
 Layer costs come from a measured profile table of the cluster's device kind
@@ -132,33 +133,40 @@ class CostModel:
         return links
 
     # -- time --------------------------------------------------------------------
-    def call_cost(self, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, n_mbs: int) -> CallCost:
-        """Seconds ``call`` takes on ``mesh`` under ``strategy`` with ``n_mbs`` micro-batches per dp rank."""
-        key = (call, mesh.n_nodes, mesh.n_devs, strategy, n_mbs)
+    def call_cost(self, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, n_mbs: int,
+                  recompute: bool = False) -> CallCost:
+        """Seconds ``call`` takes on ``mesh`` under ``strategy`` with ``n_mbs`` micro-batches per dp rank
+        (``recompute``: a TRAIN_STEP call recomputes activations)."""
+        key = (call, mesh.n_nodes, mesh.n_devs, strategy, n_mbs, recompute)
         cost = self._time_cache.get(key)
         if cost is None:
-            cost = self._time_cache[key] = self._call_cost(call, mesh, strategy, n_mbs)
+            cost = self._time_cache[key] = self._call_cost(call, mesh, strategy, n_mbs, recompute)
         return cost
 
-    def _check(self, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, n_mbs: int) -> None:
+    def _check(self, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, n_mbs: int,
+               recompute: bool = False) -> None:
         if strategy.world_size != mesh.size:
             raise ValueError(f"call {call!r}: dp*tp*pp = {strategy.world_size} but mesh {mesh.name} has "
                              f"{mesh.size} devices")
         if n_mbs < 1:
             raise ValueError(f"call {call!r}: n_mbs must be at least 1, got {n_mbs}")
+        if recompute and self.workload(call).interface is not InterfaceType.TRAIN_STEP:
+            raise ValueError(f"call {call!r}: recompute applies to TRAIN_STEP calls only")
 
-    def _call_cost(self, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, n_mbs: int) -> CallCost:
+    def _call_cost(self, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, n_mbs: int,
+                   recompute: bool) -> CallCost:
         work = self.workload(call)
-        self._check(call, mesh, strategy, n_mbs)
+        self._check(call, mesh, strategy, n_mbs, recompute)
         cfg = self.graph.model_config(call)
         if cfg is None:
             # a rule function over token ids: host work only
             return CallCost.of(overhead=self.hw.call_overhead) if self.hw.call_overhead else ZERO
-        return self._timer(cfg).time(work, strategy, self.links(mesh, strategy), n_mbs)
+        return self._timer(cfg).time(work, strategy, self.links(mesh, strategy), n_mbs, recompute)
 
     # -- memory ------------------------------------------------------------------
-    def _stage_memory(self, call: str, strategy: ParallelStrategy, n_mbs: int) -> tuple[CallMemory, ...]:
-        key = (call, strategy, n_mbs)
+    def _stage_memory(self, call: str, strategy: ParallelStrategy, n_mbs: int,
+                      recompute: bool = False) -> tuple[CallMemory, ...]:
+        key = (call, strategy, n_mbs, recompute)
         stages = self._mem_cache.get(key)
         if stages is None:
             cfg = self.graph.model_config(call)
@@ -166,15 +174,16 @@ class CostModel:
             if cfg is None:
                 stages = tuple(CallMemory() for _ in range(strategy.pp))
             else:
-                stages = tuple(stage_call_memory(cfg, work, strategy, n_mbs, k, self.precision)
+                stages = tuple(stage_call_memory(cfg, work, strategy, n_mbs, k, self.precision, recompute)
                                for k in range(strategy.pp))
             self._mem_cache[key] = stages
         return stages
 
-    def call_memory(self, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, n_mbs: int) -> CallMemory:
+    def call_memory(self, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, n_mbs: int,
+                    recompute: bool = False) -> CallMemory:
         """Bytes on the most loaded device while ``call`` runs alone in this layout (its parameters included)."""
-        self._check(call, mesh, strategy, n_mbs)
-        return max(self._stage_memory(call, strategy, n_mbs), key=lambda m: m.total)
+        self._check(call, mesh, strategy, n_mbs, recompute)
+        return max(self._stage_memory(call, strategy, n_mbs, recompute), key=lambda m: m.total)
 
     def plan_memory(self, plan: ExecutionPlan) -> dict[int, int]:
         """Peak bytes of every device of the cluster under ``plan`` (rules in ``memory.py``)."""
@@ -195,7 +204,7 @@ class CostModel:
             trainable = graph.call(hc).is_train
             offloaded = bool(plan.offload.get(model)) and not trainable
             p = plan.placements[hc]
-            stages = self._stage_memory(hc, p.strategy, p.n_mbs)
+            stages = self._stage_memory(hc, p.strategy, p.n_mbs, p.recompute)
             for rank, dev in enumerate(meshes[hc].device_ids):
                 m = stages[p.strategy.coords(rank)[2]]
                 static[dev] += (0 if offloaded else m.params) + (m.grads + m.optimizer if trainable else 0)
@@ -204,7 +213,7 @@ class CostModel:
             model = graph.call(c).model_name
             copy = layouts[c] != layouts[home[model]] or (bool(plan.offload.get(model))
                                                           and not graph.call(home[model]).is_train)
-            stages = self._stage_memory(c, p.strategy, p.n_mbs)
+            stages = self._stage_memory(c, p.strategy, p.n_mbs, p.recompute)
             for rank, dev in enumerate(meshes[c].device_ids):
                 m = stages[p.strategy.coords(rank)[2]]
                 dynamic[dev] = max(dynamic[dev], m.dynamic + (m.params if copy else 0))

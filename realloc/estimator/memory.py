@@ -28,16 +28,21 @@ micro-batch of ``b`` sequences, ``t`` = tp, ``m`` = n_mbs:
 - parameters: the exact shard of ``param_layout.stage_param_specs`` x bytes/param
   (a KV head replicated over tp ranks counts on each of them);
 - TRAIN_STEP: 1F1B keeps min(m, pp - k) micro-batches of saved activations
-  (``opcount.saved_activation_bytes_per_token`` x L_k x b x seq_len), plus the
-  live working set of one block and, on the last stage, fp32 logits and their
-  gradient (b x seq_len x V/t x 4 x 2);
+  (``opcount.saved_activation_bytes_per_token`` x L_k x b x seq_len, plus rotary
+  tables and token ids), plus the live working set of one block. The last stage's
+  head keeps its norm, fp32 logits and log-softmax (b x seq_len x V/t x 4 x 2).
+  With activation recomputation a block keeps only its input (h elements per
+  token) and the block being recomputed holds its full saved set for one
+  micro-batch; by then the head's saves are freed, so the larger of the two
+  counts (``train_saved_bytes``; exact against ``realloc.models.activations``);
 - INFERENCE: one micro-batch's working set of one block, plus logits on the
   last stage (fp32 logits and log-softmax);
-- GENERATE: KV cache of b x (prompt_len + gen_len) positions x L_k layers of the
+- GENERATE: KV cache of (prompt_len + gen_len) positions x L_k layers of the
   rank's KV heads (n_kv/t, or one whole head when tp exceeds them) for one
-  micro-batch (micro-batches generate one after another, and the stages of a
-  pipeline take turns on it: ``realloc.models.generation``), plus the prefill
-  working set and one row of full-vocabulary logits per sequence.
+  micro-batch of b sequences with pp = 1 (micro-batches generate one after
+  another), for every micro-batch of the dp rank with pp > 1 (pipelined: all are
+  in flight; ``realloc.models.generation``), plus the prefill working set of one
+  micro-batch and one row of full-vocabulary logits per sequence.
 """
 
 from __future__ import annotations
@@ -48,8 +53,9 @@ from functools import lru_cache
 
 from realloc.api import InterfaceType
 from realloc.estimator.hardware import Precision
-from realloc.estimator.opcount import (kv_cache_bytes_per_token_layer, saved_activation_bytes_per_token,
-                                       transient_activation_bytes_per_token)
+from realloc.estimator.opcount import (head_saved_bytes_per_token, kv_cache_bytes_per_token_layer,
+                                       layer_input_bytes_per_token, saved_activation_bytes_per_token,
+                                       stage_saved_bytes_per_token, transient_activation_bytes_per_token)
 from realloc.models.config import ModelConfig
 from realloc.models.param_layout import shard_numel, stage_layer_ranges
 from realloc.strategy import ParallelStrategy
@@ -108,9 +114,25 @@ def param_bytes(cfg: ModelConfig, strategy: ParallelStrategy, pp_rank: int, prec
     return local_params(cfg, strategy.tp, strategy.pp, pp_rank) * precision.param
 
 
+def train_saved_bytes(cfg: ModelConfig, strategy: ParallelStrategy, n_mbs: int, pp_rank: int, n_tok: int,
+                      precision: Precision, recompute: bool = False) -> int:
+    """Peak bytes a training step keeps for its backward on a device of stage ``pp_rank`` (module docstring),
+    with micro-batches of ``n_tok`` tokens."""
+    t, pp = strategy.tp, strategy.pp
+    lo, hi = stage_layer_ranges(cfg.n_layers, pp)[pp_rank]
+    block = saved_activation_bytes_per_token(cfg, t, precision)
+    kept = layer_input_bytes_per_token(cfg, precision) if recompute else block
+    per_mb = (hi - lo) * kept + stage_saved_bytes_per_token(cfg, pp_rank == 0, precision)
+    head = head_saved_bytes_per_token(cfg, t, precision) if pp_rank == pp - 1 else 0.0
+    # the block being recomputed shares its input with what the stage already keeps
+    redo = block - layer_input_bytes_per_token(cfg, precision) if recompute else 0.0
+    return int(min(n_mbs, pp - pp_rank) * per_mb * n_tok + max(head, redo) * n_tok)
+
+
 def stage_call_memory(cfg: ModelConfig, work: Workload, strategy: ParallelStrategy, n_mbs: int, pp_rank: int,
-                      precision: Precision) -> CallMemory:
-    """Memory of one call on a device of pipeline stage ``pp_rank``, counting its layout's parameters."""
+                      precision: Precision, recompute: bool = False) -> CallMemory:
+    """Memory of one call on a device of pipeline stage ``pp_rank``, counting its layout's parameters;
+    ``recompute`` (training only) recomputes activations (module docstring)."""
     t, pp = strategy.tp, strategy.pp
     lo, hi = stage_layer_ranges(cfg.n_layers, pp)[pp_rank]
     n_blocks = hi - lo
@@ -122,12 +144,7 @@ def stage_call_memory(cfg: ModelConfig, work: Workload, strategy: ParallelStrate
     params = n_param * precision.param
     if work.interface is InterfaceType.TRAIN_STEP:
         n_tok = b * work.seq_len
-        in_flight = min(n_mbs, pp - pp_rank)
-        saved = saved_activation_bytes_per_token(cfg, t, precision) * n_blocks * n_tok
-        if pp_rank == 0:
-            saved += n_tok * cfg.hidden_size * precision.param  # embedding output
-        logits = 2 * n_tok * vocab_shard * precision.logits if last else 0
-        act = in_flight * saved + transient * n_tok + logits
+        act = train_saved_bytes(cfg, strategy, n_mbs, pp_rank, n_tok, precision, recompute) + transient * n_tok
         return CallMemory(params=params, grads=n_param * precision.grad, optimizer=n_param * precision.optimizer,
                           activations=int(act))
     if work.interface is InterfaceType.INFERENCE:
@@ -135,16 +152,17 @@ def stage_call_memory(cfg: ModelConfig, work: Workload, strategy: ParallelStrate
         logits = 2 * n_tok * vocab_shard * precision.logits if last else 0
         return CallMemory(params=params, activations=int(transient * n_tok + logits))
     # GENERATE
-    kv = b * work.seq_len * n_blocks * kv_cache_bytes_per_token_layer(cfg, t, precision)
+    rows = b if pp == 1 else math.ceil(work.n_seqs / strategy.dp)
+    kv = rows * work.seq_len * n_blocks * kv_cache_bytes_per_token_layer(cfg, t, precision)
     logits = b * cfg.vocab_size * precision.logits if last and not cfg.is_critic else 0
     act = transient * b * work.prompt_len + logits
     return CallMemory(params=params, activations=int(act), kv_cache=int(kv))
 
 
 def call_memory(cfg: ModelConfig | None, work: Workload, strategy: ParallelStrategy, n_mbs: int,
-                precision: Precision) -> CallMemory:
+                precision: Precision, recompute: bool = False) -> CallMemory:
     """The most loaded device of the call's layout: the stage with the largest total."""
     if cfg is None:
         return CallMemory()
-    stages = [stage_call_memory(cfg, work, strategy, n_mbs, k, precision) for k in range(strategy.pp)]
+    stages = [stage_call_memory(cfg, work, strategy, n_mbs, k, precision, recompute) for k in range(strategy.pp)]
     return max(stages, key=lambda m: m.total)

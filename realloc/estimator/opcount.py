@@ -186,17 +186,44 @@ def head_part(cfg: ModelConfig) -> Part:
 
 # -- memory -----------------------------------------------------------------
 
-def saved_activation_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision) -> float:
-    """Bytes one block keeps per token for its backward (no recomputation, fused attention).
+def norm_saved_bytes_per_token(cfg: ModelConfig, precision: Precision) -> float:
+    """What one RMSNorm and the projections reading it keep for the backward (``llama.RMSNorm``):
+    its input upcast to fp32 (the input itself in fp32), 1/rms (fp32), the normalized product cast
+    back to the compute dtype, and the scaled output the projections read."""
+    return (4 + 2 * precision.param) * cfg.hidden_size + 4
 
-    Saved: norm1 input and output (h each), rotated q/k and v (h/t + 2 kvl),
-    attention output (h/t), norm2 input and output (h each), gate and up
-    outputs (2 inter/t) and the SwiGLU output (inter/t). Attention keeps only its
-    per-row log-sum-exp (n_heads/t fp32 values).
+
+def saved_activation_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision) -> float:
+    """Bytes one block keeps per token for its backward without recomputation (``llama.DecoderLayer``
+    with fused attention; measured exactly by ``realloc.models.activations`` on CPU).
+
+    Two norms (``norm_saved_bytes_per_token``); attention: q after rotary, k and v as the kernel
+    reads them (GQA groups repeated to the local q heads, so h/t each), its output and a
+    log-sum-exp per row and head (fp32); the MLP: gate, up, SwiGLU(gate) and its product with up.
+    Rotary multiplies by cos/sin that need no gradient, so it keeps nothing of its own.
     """
-    h, kvl, inter, t = cfg.hidden_size, local_kv_width(cfg, tp), cfg.intermediate_size, tp
-    elems = 4 * h + h / t + 2 * kvl + h / t + 3 * inter / t
-    return elems * precision.param + cfg.n_heads / t * 4
+    h, inter, t, e = cfg.hidden_size, cfg.intermediate_size, tp, precision.param
+    attn = 4 * h / t * e + cfg.n_heads / t * 4
+    mlp = 4 * inter / t * e
+    return 2 * norm_saved_bytes_per_token(cfg, precision) + attn + mlp
+
+
+def layer_input_bytes_per_token(cfg: ModelConfig, precision: Precision) -> float:
+    """What a recomputed block keeps until its backward: its input (Megatron's full recomputation)."""
+    return cfg.hidden_size * precision.param
+
+
+def stage_saved_bytes_per_token(cfg: ModelConfig, first_stage: bool, precision: Precision) -> float:
+    """Saved once per stage and micro-batch besides the blocks: rotary cos and sin (shared by the
+    stage's blocks) and, on the first stage, the token ids the embedding keeps (int64)."""
+    return 2 * cfg.head_dim * precision.param + (8 if first_stage else 0)
+
+
+def head_saved_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision) -> float:
+    """The last stage's final norm and, for a vocabulary head, the fp32 logits and log-softmax of
+    its vocabulary shard that the log-prob loss keeps."""
+    logits = 0 if cfg.is_critic else 2 * cfg.vocab_size / tp * precision.logits
+    return norm_saved_bytes_per_token(cfg, precision) + logits
 
 
 def transient_activation_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision) -> float:

@@ -17,7 +17,9 @@ PLAN_FORMAT_VERSION = 1
 
 
 class CallPlacement(BaseModel):
-    """One call's device mesh, 3D-parallel strategy and micro-batch count."""
+    """One call's device mesh, 3D-parallel strategy and micro-batch count; for a TRAIN_STEP call also
+    whether it recomputes activations in the backward (``ParallelModel.train_step(recompute=...)``).
+    Plans written before ``recompute`` existed read as no recomputation."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -26,14 +28,16 @@ class CallPlacement(BaseModel):
     tp: int = Field(ge=1)
     pp: int = Field(ge=1)
     n_mbs: int = Field(default=1, ge=1)
+    recompute: bool = False
 
     @property
     def strategy(self) -> ParallelStrategy:
         return ParallelStrategy(self.dp, self.tp, self.pp)
 
     @classmethod
-    def of(cls, mesh: DeviceMesh | str, strategy: ParallelStrategy, n_mbs: int = 1) -> "CallPlacement":
-        return cls(mesh=str(mesh), dp=strategy.dp, tp=strategy.tp, pp=strategy.pp, n_mbs=n_mbs)
+    def of(cls, mesh: DeviceMesh | str, strategy: ParallelStrategy, n_mbs: int = 1,
+           recompute: bool = False) -> "CallPlacement":
+        return cls(mesh=str(mesh), dp=strategy.dp, tp=strategy.tp, pp=strategy.pp, n_mbs=n_mbs, recompute=recompute)
 
 
 class ExecutionPlan(BaseModel):
@@ -89,13 +93,14 @@ class ExecutionPlan(BaseModel):
         names = order or tuple(self.placements)
         cw = max(len("call"), *map(len, names)) + 2
         mw = max(len("mesh"), *(len(self.placements[n].mesh) for n in names)) + 2
-        header = f"{'call':<{cw}}{'mesh':<{mw}}{'dp':>4}{'tp':>4}{'pp':>4}{'mbs':>5}{'est. s':>10}{'mem GiB':>10}"
+        header = (f"{'call':<{cw}}{'mesh':<{mw}}{'dp':>4}{'tp':>4}{'pp':>4}{'mbs':>5}{'recomp':>8}{'est. s':>10}"
+                  f"{'mem GiB':>10}")
         rows = [header, "-" * len(header)]
         for n in names:
             p = self.placements[n]
             t = self.call_times.get(n)
             m = self.call_memory.get(n)
-            rows.append(f"{n:<{cw}}{p.mesh:<{mw}}{p.dp:>4}{p.tp:>4}{p.pp:>4}{p.n_mbs:>5}"
+            rows.append(f"{n:<{cw}}{p.mesh:<{mw}}{p.dp:>4}{p.tp:>4}{p.pp:>4}{p.n_mbs:>5}{'yes' if p.recompute else '-':>8}"
                         f"{'' if t is None else f'{t:.3f}':>10}{'' if m is None else f'{m / 2**30:.2f}':>10}")
         if self.estimated_time is not None:
             rows.append(f"estimated time per iteration: {self.estimated_time:.3f} s")
@@ -137,6 +142,13 @@ def validate_plan(plan: ExecutionPlan, graph: "DataflowGraph") -> dict[str, Devi
             why = strategy_error(cfg, s, mesh.n_devs)
             if why:
                 raise ValueError(f"call {name!r}: {why}")
+        elif s.tp != 1 or s.pp != 1:
+            # A parameter-free rule function has nothing to shard: each device scores its own sequences.
+            raise ValueError(f"call {name!r} runs a rule function, which is data-parallel only; give it tp=1, pp=1 "
+                             f"and dp={mesh.size} (the mesh's devices), not tp={s.tp}, pp={s.pp}")
+        if p.recompute and not graph.call(name).is_train:
+            raise ValueError(f"call {name!r}: recompute applies to TRAIN_STEP calls only (activations are kept for "
+                             f"a backward); remove 'recompute' from its placement")
         n_seqs = graph.steps_n_seqs(name)
         if n_seqs % (s.dp * p.n_mbs):
             raise ValueError(f"call {name!r}: {n_seqs} sequences per step cannot be split over dp={s.dp} into "

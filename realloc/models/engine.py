@@ -225,9 +225,9 @@ class ParallelModel:
         b, t = layout.shape
         return (b, t, self.cfg.hidden_size)
 
-    def _stage_forward(self, layout: TokenLayout, x: torch.Tensor | None) -> torch.Tensor:
+    def _stage_forward(self, layout: TokenLayout, x: torch.Tensor | None, recompute: bool = False) -> torch.Tensor:
         inputs = layout.input_ids if self.groups.is_first_stage else x
-        return self.stage(inputs, layout.position_ids, layout.attention_mask())
+        return self.stage(inputs, layout.position_ids, layout.attention_mask(), recompute=recompute)
 
     def _to_device(self, mb: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
@@ -235,11 +235,15 @@ class ParallelModel:
     # -- training ---------------------------------------------------------------------------------
 
     def train_step(self, micro_batches: Sequence[Batch], loss_fn: LossFn, optimizer: torch.optim.Optimizer, *,
-                   max_grad_norm: float | None = None, loss_weights: Sequence[float] | None = None) -> dict[str, float]:
+                   max_grad_norm: float | None = None, loss_weights: Sequence[float] | None = None,
+                   recompute: bool = False) -> dict[str, float]:
         """One optimizer step over ``micro_batches`` (this dp replica's share of the global batch).
 
         The gradient is ``mean over dp replicas of sum_i loss_weights[i] * grad(loss_i)``; weights
-        default to ``1 / len(micro_batches)``. Returns on every rank ``grad_norm`` (before clipping)
+        default to ``1 / len(micro_batches)``. ``recompute`` keeps only each decoder layer's input
+        for the backward and runs the layer's forward again there: one more forward of the layers
+        buys activation memory at layer boundaries only, with the same gradients.
+        Returns on every rank ``grad_norm`` (before clipping)
         and ``skipped`` (1.0 when the norm was not finite and the update was skipped); on last-stage
         ranks also ``loss`` and the loss function's stats, averaged over micro-batches and dp replicas.
         """
@@ -260,7 +264,7 @@ class ParallelModel:
         mb_stats: list[dict[str, float]] = []
 
         def step(i: int, x: torch.Tensor | None) -> torch.Tensor:
-            out = self._stage_forward(layouts[i], x)
+            out = self._stage_forward(layouts[i], x, recompute)
             if not g.is_last_stage:
                 return out
             loss, stats = loss_fn(HeadOutput(out, layouts[i], g.tp_group, self.cfg.is_critic), mbs[i])

@@ -6,14 +6,24 @@ the batch. Rotary positions come from each row's own token count, and the
 attention mask hides the left padding, so a padded row computes what it would
 alone.
 
-Each step runs the stages in order: stage 0 embeds, hidden states travel by p2p
-to the next stage, the last stage gathers the vocabulary shards of the final
-position's logits over tp and samples (``sampling.py``). The sampled tokens and
-their log-probs are broadcast from the last stage to all stages of the replica,
-so every rank knows which rows finished; finished rows are dropped from the
-batch and the caches, so the remaining rows decode at their real batch size.
-Pipeline stages run one after another for a batch; micro-batched pipelining of
-decoding is not implemented.
+The prompts split into ``n_mbs`` contiguous micro-batches, each with its own KV
+cache. A micro-batch's step runs the stages in order: stage 0 embeds, hidden
+states travel by p2p to the next stage, the last stage gathers the vocabulary
+shards of the final position's logits over tp and samples (``sampling.py``) and
+sends the tokens and their log-probs to every other stage of the replica, so
+every rank knows which rows finished; finished rows are dropped from the
+micro-batch and its caches, so the remaining rows decode at their real batch
+size, and a micro-batch whose rows all finished leaves.
+
+With pp = 1 the micro-batches generate one after another (one KV cache alive at
+a time). With pp > 1 they are pipelined (realhf.txt §2): every stage walks the
+same order of work, the prefill of micro-batch 0, 1, ..., then decode step 1 of
+each, and so on, so stage k works on micro-batch i while stage k + 1 works on
+micro-batch i - 1. A stage needs micro-batch i's tokens of step t before its
+step t + 1 (stage 0 to embed them, every stage to drop finished rows); with at
+least pp micro-batches they are back before they are needed and no stage waits
+(``estimator/call_time.py`` prices this schedule). Every micro-batch computes
+exactly what it would alone, so the tokens do not depend on pp or on the order.
 """
 
 from __future__ import annotations
@@ -26,7 +36,6 @@ import torch.distributed as dist
 
 from realloc.models.batch import token_layout
 from realloc.models.llama import KVCache, cache_mask
-from realloc.models.pipeline import StageLink
 from realloc.models.sampling import GenerationConfig, sample_tokens, sequence_generators
 from realloc.models.vocab_parallel import gather_vocab
 from realloc.strategy import even_ranges
@@ -66,23 +75,150 @@ def _prompt_list(prompts: Sequence[Sequence[int]] | Mapping[str, torch.Tensor]) 
     return [torch.as_tensor(list(p), dtype=torch.long) for p in prompts]
 
 
-class _StepRunner:
-    """Runs one forward over the pipeline with the caches; returns full-vocab logits of the last slot on the last stage."""
+# Tags of generation's point-to-point messages (pipeline.py uses 11 and 12 for training).
+HIDDEN_TAG = 21
+TOKENS_TAG = 22
+
+
+class _Wire:
+    """Point-to-point traffic of one stage during generation, on the model's pp group.
+
+    On gloo a send is posted at once and waited only once its receiver has provably taken it,
+    i.e. after this stage received a message that causally follows that receive (``settle``), so
+    no stage blocks on a send. On NCCL p2p runs as kernels in stream order, so a send waiting for
+    its receiver could block a receive its receiver waits for: sends are held back and posted in
+    one ``batch_isend_irecv`` with this stage's next receive (as 1F1B does; not exercised by the
+    CPU test suite).
+    """
 
     def __init__(self, model: "ParallelModel") -> None:
-        self.model = model
-        self.link = StageLink(model.groups, model.device, model.dtype)
+        self.group = model.groups.pp_group
+        self.device = model.device
+        self.batched = dist.get_backend(self.group) == "nccl"
+        self.outbox: list[tuple[torch.Tensor, int, int]] = []  # NCCL: held back until the next receive
+        self.posted: dict[int, list[tuple[dist.Work, torch.Tensor]]] = {}  # gloo: posted sends by micro-batch
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, caches: list[KVCache],
-                 start: int) -> torch.Tensor | None:
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, mb: int) -> None:
+        t = tensor.detach().contiguous()
+        if self.batched:
+            self.outbox.append((t, dst, tag))
+        else:
+            self.posted.setdefault(mb, []).append((dist.isend(t, dst=dst, group=self.group, tag=tag), t))
+
+    def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
+        buf = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+        if not self.batched:
+            dist.irecv(buf, src=src, group=self.group, tag=tag).wait()
+            return buf
+        ops = [dist.P2POp(dist.isend, t, dst, self.group, tag) for t, dst, tag in self.outbox]
+        ops.append(dist.P2POp(dist.irecv, buf, src, self.group, tag))
+        self.outbox.clear()
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return buf
+
+    def settle(self, mb: int) -> None:
+        """Wait for the sends of micro-batch ``mb``'s previous step: this stage has just received the
+        message of its next step, which no stage sends before every message of the previous step arrived."""
+        for work, _ in self.posted.pop(mb, ()):
+            work.wait()
+
+    def finish(self) -> None:
+        if self.outbox:
+            ops = [dist.P2POp(dist.isend, t, dst, self.group, tag) for t, dst, tag in self.outbox]
+            self.outbox.clear()
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        for mb in list(self.posted):
+            self.settle(mb)
+
+
+class _MicroBatch:
+    """One micro-batch's prompts, KV caches, RNG streams and generated tokens on this rank."""
+
+    def __init__(self, model: "ParallelModel", rows: list[torch.Tensor], seq_ids: list[int],
+                 gconfig: GenerationConfig) -> None:
+        dev = model.device
+        self.model, self.rows, self.gconfig = model, rows, gconfig
+        bsz = len(rows)
+        self.plen = torch.tensor([r.numel() for r in rows], dtype=torch.long)
+        self.P, self.N = int(self.plen.max()), gconfig.max_new_tokens
+        tokens = torch.full((bsz, self.P), gconfig.pad_token_id, dtype=torch.long)
+        key_valid = torch.zeros((bsz, self.P + self.N), dtype=torch.bool)
+        for b, r in enumerate(rows):
+            tokens[b, self.P - r.numel():] = r
+            key_valid[b, self.P - r.numel():self.P] = True
+        self.key_valid, self.plen_d = key_valid.to(dev), self.plen.to(dev)
+        self.generators = sequence_generators(gconfig.seed, seq_ids)
+        self.eos = torch.tensor(gconfig.eos_token_ids, dtype=torch.long, device=dev)
+        self.out_tok = torch.full((bsz, self.N), gconfig.pad_token_id, dtype=torch.long, device=dev)
+        self.out_lp = torch.zeros((bsz, self.N), dtype=torch.float32, device=dev)
+        self.gen_len = torch.zeros(bsz, dtype=torch.long, device=dev)
+        self.hit_eos = torch.zeros(bsz, dtype=torch.bool, device=dev)
+        self.active = torch.arange(bsz, device=dev)  # rows still decoding, in cache order
+        self.caches: list[KVCache] = []
+        self.done = False
+        # the next step's inputs: the whole left-padded prompt first
+        tokens = tokens.to(dev)
+        positions = (self.key_valid[:, :self.P].long().cumsum(-1) - 1).clamp(min=0)
+        self.inputs = (tokens, positions, cache_mask(self.key_valid[:, :self.P], 0, self.P), 0)
+
+    @property
+    def n_active(self) -> int:
+        return self.active.numel()
+
+    def forward(self, x: torch.Tensor | None, t: int) -> torch.Tensor:
+        """This stage's part of step ``t``: hidden states out, or on the last stage the logits of the
+        last slot (full vocabulary, float32)."""
         m, g = self.model, self.model.groups
-        b, t = ids.shape
-        x = m.stage.embed(ids) if g.is_first_stage else self.link.recv_forward((b, t, m.cfg.hidden_size))
-        h = m.stage.run_layers(x, positions, mask, caches, start)
+        ids, positions, mask, start = self.inputs
+        if t == 0:
+            self.caches = m.stage.new_kv_caches(ids.shape[0], self.P + self.N)
+        h = m.stage.embed(ids) if g.is_first_stage else x
+        h = m.stage.run_layers(h, positions, mask, self.caches, start)
         if not g.is_last_stage:
-            self.link.send_forward(h)
-            return None
+            return h
         return gather_vocab(m.stage.head(h[:, -1:]), g.tp_group)[:, 0].float()
+
+    def sample(self, logits: torch.Tensor, t: int) -> torch.Tensor:
+        """The last stage's draw for step ``t``: [2, rows] float64 (tokens, log-probs)."""
+        ban = self.eos if t < self.gconfig.min_new_tokens else None
+        tok, lp = sample_tokens(logits, self.gconfig, [self.generators[i] for i in self.active.tolist()], ban)
+        return torch.stack([tok.double(), lp.double()])
+
+    def apply(self, msg: torch.Tensor, t: int) -> None:
+        """Record step ``t``'s tokens; drop finished rows and prepare step t + 1's inputs (or finish)."""
+        tok, lp = msg[0].long(), msg[1].float()
+        active = self.active
+        self.out_tok[active, t] = tok
+        self.out_lp[active, t] = lp
+        self.gen_len[active] = t + 1
+        stop = torch.isin(tok, self.eos) if self.eos.numel() else torch.zeros_like(tok, dtype=torch.bool)
+        self.hit_eos[active] = stop
+        keep = ~stop
+        if t == self.N - 1 or not bool(keep.any()):
+            self.done, self.caches = True, []
+            return
+        if not bool(keep.all()):
+            self.active, tok = active[keep], tok[keep]
+            self.caches = [KVCache(c.k[keep], c.v[keep]) for c in self.caches]
+        slot = self.P + t
+        self.key_valid[self.active, slot] = True
+        pos = (self.plen_d[self.active] + t).view(-1, 1)
+        self.inputs = (tok.view(-1, 1), pos, cache_mask(self.key_valid[self.active, :slot + 1], slot, 1), slot)
+
+    def output(self) -> GenerationOutput:
+        dev, bsz = self.model.device, len(self.rows)
+        lengths = self.plen_d + self.gen_len
+        width = int(lengths.max())
+        seqs = torch.full((bsz, width), self.gconfig.pad_token_id, dtype=torch.long, device=dev)
+        lps = torch.zeros((bsz, width), dtype=torch.float32, device=dev)
+        for b in range(bsz):
+            p, n = int(self.plen[b]), int(self.gen_len[b])
+            seqs[b, :p] = self.rows[b].to(dev)
+            seqs[b, p:p + n] = self.out_tok[b, :n]
+            lps[b, p:p + n] = self.out_lp[b, :n]
+        return GenerationOutput(seqs, lengths, self.plen_d, lps, self.hit_eos)
 
 
 @torch.no_grad()
@@ -93,8 +229,9 @@ def generate(model: "ParallelModel", prompts: Sequence[Sequence[int]] | Mapping[
     ``seq_ids`` name each prompt for the sampling RNG (default 0..B-1). Give every
     prompt a globally unique id (e.g. its index in the global batch) to get the same
     samples whatever the dp degree. ``n_mbs`` splits the prompts into that many
-    contiguous micro-batches generated one after another, so only one micro-batch's
-    KV cache is alive at a time; the results do not depend on it.
+    contiguous micro-batches: generated one after another with pp = 1 (one KV cache
+    alive at a time), pipelined through the stages with pp > 1 (all caches alive;
+    use at least pp micro-batches to keep every stage busy). The results do not depend on it.
     """
     cfg = model.cfg
     if cfg.is_critic:
@@ -115,8 +252,52 @@ def generate(model: "ParallelModel", prompts: Sequence[Sequence[int]] | Mapping[
     if P + gconfig.max_new_tokens > cfg.max_position_embeddings:
         raise ValueError(f"generate: longest prompt ({P}) + max_new_tokens ({gconfig.max_new_tokens}) exceeds "
                          f"max_position_embeddings ({cfg.max_position_embeddings}) of {cfg.name!r}")
-    outs = [_generate_batch(model, rows[lo:hi], seq_ids[lo:hi], gconfig) for lo, hi in even_ranges(bsz, n_mbs)]
+    model.stage.eval()
+    mbs = [_MicroBatch(model, rows[lo:hi], seq_ids[lo:hi], gconfig) for lo, hi in even_ranges(bsz, n_mbs)]
+    wire = _Wire(model)
+    if model.groups.pp == 1:
+        for mb in mbs:  # one after another: only this micro-batch's cache is alive
+            t = 0
+            while not mb.done:
+                mb.apply(mb.sample(mb.forward(None, t), t), t)
+                t += 1
+    else:
+        _pipelined(model, mbs, wire)
+    wire.finish()
+    outs = [mb.output() for mb in mbs]
     return outs[0] if n_mbs == 1 else _concat(outs, gconfig.pad_token_id)
+
+
+def _pipelined(model: "ParallelModel", mbs: list[_MicroBatch], wire: _Wire) -> None:
+    """Every stage walks rounds t = 0, 1, ...: micro-batches 0, 1, ... that have not finished, each
+    through this stage's part of step t (module docstring)."""
+    g, hidden = model.groups, model.cfg.hidden_size
+    t = 0
+    while not all(mb.done for mb in mbs):
+        for i, mb in enumerate(mbs):
+            if mb.done:
+                continue
+            if t > 0 and not g.is_last_stage:
+                # the tokens of step t - 1 (the last stage applied them when it sampled them)
+                mb.apply(wire.recv((2, mb.n_active), torch.float64, g.last_stage_rank, TOKENS_TAG), t - 1)
+                wire.settle(i)  # our hidden states of step t - 1 have arrived
+                if mb.done:
+                    continue
+            x = None
+            if not g.is_first_stage:
+                width = mb.inputs[0].shape[1]
+                x = wire.recv((mb.n_active, width, hidden), model.dtype, g.prev_stage_rank, HIDDEN_TAG)
+                if g.is_last_stage:
+                    wire.settle(i)  # every stage has our tokens of step t - 1
+            out = mb.forward(x, t)
+            if not g.is_last_stage:
+                wire.send(out, g.next_stage_rank, HIDDEN_TAG, i)
+                continue
+            msg = mb.sample(out, t)
+            for dst in g.pp_ranks[:-1]:
+                wire.send(msg, dst, TOKENS_TAG, i)
+            mb.apply(msg, t)
+        t += 1
 
 
 def _concat(outs: list[GenerationOutput], pad: int) -> GenerationOutput:
@@ -129,73 +310,3 @@ def _concat(outs: list[GenerationOutput], pad: int) -> GenerationOutput:
                             torch.cat([o.lengths for o in outs]), torch.cat([o.prompt_lengths for o in outs]),
                             torch.cat([widen(o.logprobs, 0.0) for o in outs]),
                             torch.cat([o.stopped_at_eos for o in outs]))
-
-
-def _generate_batch(model: "ParallelModel", rows: list[torch.Tensor], seq_ids: list[int],
-                    gconfig: GenerationConfig) -> GenerationOutput:
-    g, dev = model.groups, model.device
-    bsz = len(rows)
-    plen = torch.tensor([r.numel() for r in rows], dtype=torch.long)
-    P, N = int(plen.max()), gconfig.max_new_tokens
-    total = P + N
-
-    tokens = torch.full((bsz, P), gconfig.pad_token_id, dtype=torch.long)
-    key_valid = torch.zeros((bsz, total), dtype=torch.bool)
-    for b, r in enumerate(rows):
-        tokens[b, P - r.numel():] = r
-        key_valid[b, P - r.numel():P] = True
-    tokens, key_valid, plen_d = tokens.to(dev), key_valid.to(dev), plen.to(dev)
-    positions = ((key_valid[:, :P].long().cumsum(-1) - 1).clamp(min=0))
-
-    model.stage.eval()
-    run = _StepRunner(model)
-    caches = model.stage.new_kv_caches(bsz, total)
-    generators = sequence_generators(gconfig.seed, seq_ids)
-    eos = torch.tensor(gconfig.eos_token_ids, dtype=torch.long, device=dev)
-    out_tok = torch.full((bsz, N), gconfig.pad_token_id, dtype=torch.long, device=dev)
-    out_lp = torch.zeros((bsz, N), dtype=torch.float32, device=dev)
-    gen_len = torch.zeros(bsz, dtype=torch.long, device=dev)
-    hit_eos = torch.zeros(bsz, dtype=torch.bool, device=dev)
-    active = torch.arange(bsz, device=dev)  # rows still decoding, in cache order
-
-    logits = run(tokens, positions, cache_mask(key_valid[:, :P], 0, P), caches, 0)
-    for t in range(N):
-        # The last stage samples; everyone learns the tokens (stage 0 embeds them, all stages prune rows).
-        msg = torch.empty((2, active.numel()), dtype=torch.float64, device=dev)
-        if g.is_last_stage:
-            ban = eos if t < gconfig.min_new_tokens else None
-            tok, lp = sample_tokens(logits, gconfig, [generators[i] for i in active.tolist()], ban)
-            msg[0], msg[1] = tok.double(), lp.double()
-        if g.pp > 1:
-            dist.broadcast(msg, src=g.last_stage_rank, group=g.pp_group)
-            run.link.wait_sends()
-        tok, lp = msg[0].long(), msg[1].float()
-        out_tok[active, t] = tok
-        out_lp[active, t] = lp
-        gen_len[active] = t + 1
-        stop = torch.isin(tok, eos) if eos.numel() else torch.zeros_like(tok, dtype=torch.bool)
-        hit_eos[active] = stop
-        if t == N - 1:
-            break
-        keep = ~stop
-        if not bool(keep.any()):
-            break
-        if not bool(keep.all()):
-            active, tok = active[keep], tok[keep]
-            caches = [KVCache(c.k[keep], c.v[keep]) for c in caches]
-        slot = P + t
-        key_valid[active, slot] = True
-        pos = (plen_d[active] + t).view(-1, 1)
-        logits = run(tok.view(-1, 1), pos, cache_mask(key_valid[active, :slot + 1], slot, 1), caches, slot)
-    run.link.wait_sends()
-
-    lengths = plen_d + gen_len
-    width = int(lengths.max())
-    seqs = torch.full((bsz, width), gconfig.pad_token_id, dtype=torch.long, device=dev)
-    lps = torch.zeros((bsz, width), dtype=torch.float32, device=dev)
-    for b in range(bsz):
-        p, n = int(plen[b]), int(gen_len[b])
-        seqs[b, :p] = rows[b].to(dev)
-        seqs[b, p:p + n] = out_tok[b, :n]
-        lps[b, p:p + n] = out_lp[b, :n]
-    return GenerationOutput(seqs, lengths, plen_d, lps, hit_eos)

@@ -33,6 +33,7 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from megatron.core import ModelParallelConfig
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from torch import nn
@@ -235,10 +236,21 @@ class LlamaStage(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def run_layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
-                   caches: list[KVCache] | None = None, cache_start: int = 0) -> torch.Tensor:
+                   caches: list[KVCache] | None = None, cache_start: int = 0, recompute: bool = False) -> torch.Tensor:
+        """The stage's decoder layers. ``recompute`` (training only) keeps just each layer's input for the
+        backward and runs the layer's forward again there (full per-layer activation recomputation,
+        as Megatron's ``recompute_granularity=full, method=uniform, num_layers=1``)."""
         cos, sin = rope_cos_sin(self.inv_freq, position_ids, hidden.dtype)
+        recompute = recompute and torch.is_grad_enabled() and caches is None
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos, sin, mask, None if caches is None else caches[i], cache_start)
+            if recompute:
+                # Reentrant checkpointing: the forward runs without autograd and saves only its inputs,
+                # so that the saved-tensor hooks of realloc.models.activations see exactly what is kept.
+                # The model has no dropout, so no RNG state needs restoring.
+                hidden = torch.utils.checkpoint.checkpoint(layer, hidden, cos, sin, mask, use_reentrant=True,
+                                                           preserve_rng_state=False)
+            else:
+                hidden = layer(hidden, cos, sin, mask, None if caches is None else caches[i], cache_start)
         return hidden
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -252,10 +264,10 @@ class LlamaStage(nn.Module):
         return self.lm_head(x)[0]
 
     def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
-                caches: list[KVCache] | None = None, cache_start: int = 0) -> torch.Tensor:
+                caches: list[KVCache] | None = None, cache_start: int = 0, recompute: bool = False) -> torch.Tensor:
         """Token ids (first stage) or hidden states (later stages) in; hidden states (or head output on the last stage) out."""
         hidden = self.embed(inputs) if self.is_first else inputs
-        hidden = self.run_layers(hidden, position_ids, mask, caches, cache_start)
+        hidden = self.run_layers(hidden, position_ids, mask, caches, cache_start, recompute)
         return self.head(hidden) if self.is_last else hidden
 
     def new_kv_caches(self, batch: int, max_len: int) -> list[KVCache]:

@@ -14,6 +14,12 @@ their files into it, then the master writes meta.json, fsyncs, renames the direc
 name and fsyncs the parent. A run killed at any point leaves either a complete ``iter_*`` directory
 or a ``.tmp-*`` one that ``--resume`` never reads (and the next save removes).
 
+Integrity: a worker records the SHA-256 of every file it writes in a ``<file>.sha256`` note; the
+master folds the notes into meta.json (``files``: path -> sha256 and size). ``--resume`` checks that
+every file is there with its size before launching, and each worker checks the digest of every file
+it reads, so flipped bytes or a missing RNG file are one error naming the file rather than a silent
+resume on corrupted state. ``verify=False`` (``realloc run --skip-checkpoint-checks``) skips both.
+
 Shards are saved per (tp, pp) coordinate of the model's home layout (dp replicas are identical;
 dp rank 0 writes), so resuming needs the same home layout for every trained model; a different
 one is refused with a clear error rather than silently mis-sliced.
@@ -21,7 +27,9 @@ one is refused with a clear error rather than silently mis-sliced.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -34,6 +42,10 @@ from safetensors.torch import save_file
 
 CHECKPOINT_FORMAT = 1
 META = "meta.json"
+DIGEST_NOTE = ".sha256"  # suffix of a worker's note of a file's digest, folded into meta.json at commit
+SKIP_HINT = "resume from another checkpoint, or pass --skip-checkpoint-checks to load it unverified"
+
+log = logging.getLogger("realloc.checkpoint")
 
 
 def checkpoint_name(iterations_done: int) -> str:
@@ -68,10 +80,24 @@ def begin(root: Path, iteration: int) -> Path:
     return tmp
 
 
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def commit(tmp: Path, root: Path, iteration: int, meta: Mapping[str, Any], plan_json: str) -> Path:
     """Make the checkpoint in ``tmp`` visible under its final name, atomically."""
     write_file_durably(tmp / "plan.json", plan_json.encode())
-    body = {"format": CHECKPOINT_FORMAT, "iteration": iteration, **meta}
+    files = {}
+    for f in sorted(p for p in tmp.rglob("*") if p.is_file() and not p.name.endswith((DIGEST_NOTE, ".part"))):
+        note = f.with_name(f.name + DIGEST_NOTE)
+        digest = note.read_text().strip() if note.is_file() else sha256_of(f)  # the master's own small files
+        files[f.relative_to(tmp).as_posix()] = {"sha256": digest, "bytes": f.stat().st_size}
+        note.unlink(missing_ok=True)
+    body = {"format": CHECKPOINT_FORMAT, "iteration": iteration, **meta, "files": files}
     write_file_durably(tmp / META, json.dumps(body, indent=2, sort_keys=True).encode())
     for d in [tmp, *(p for p in tmp.rglob("*") if p.is_dir())]:
         _fsync_path(d)
@@ -92,6 +118,39 @@ def read_meta(ckpt: Path) -> dict[str, Any]:
         raise ValueError(f"checkpoint {ckpt}: format {meta.get('format')!r} is not supported (expected "
                          f"{CHECKPOINT_FORMAT})")
     return meta
+
+
+def _recorded(ckpt: Path) -> dict[str, dict[str, Any]]:
+    files = read_meta(ckpt).get("files")
+    if not isinstance(files, dict):
+        raise ValueError(f"checkpoint {ckpt} records no checksums (written before realloc recorded them); "
+                         f"{SKIP_HINT}")
+    return files
+
+
+def check_files(ckpt: Path) -> None:
+    """Every file meta.json records is there with its recorded size (cheap: run before launching)."""
+    for rel, want in _recorded(ckpt).items():
+        path = ckpt / rel
+        if not path.is_file():
+            raise ValueError(f"checkpoint file {path} is missing; {SKIP_HINT}")
+        if path.stat().st_size != want["bytes"]:
+            raise ValueError(f"checkpoint file {path} has {path.stat().st_size} bytes, but {want['bytes']} were "
+                             f"saved: it is truncated or was replaced; {SKIP_HINT}")
+
+
+def verify_file(ckpt: Path, path: Path) -> None:
+    """``path`` has the SHA-256 recorded when the checkpoint was saved."""
+    rel = path.relative_to(ckpt).as_posix()
+    want = _recorded(ckpt).get(rel)
+    if want is None:
+        raise ValueError(f"checkpoint {ckpt} records no file {rel}; it was saved by another plan or is incomplete")
+    if not path.is_file():
+        raise ValueError(f"checkpoint file {path} is missing; {SKIP_HINT}")
+    got = sha256_of(path)
+    if got != want["sha256"]:
+        raise ValueError(f"checkpoint file {path} is corrupted: its SHA-256 is {got[:16]}..., the one recorded when "
+                         f"it was saved is {want['sha256'][:16]}...; {SKIP_HINT}")
 
 
 def latest(root: Path) -> Path | None:
@@ -130,7 +189,9 @@ def _save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
     save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(part), metadata=metadata)
     with open(part, "rb") as f:
         os.fsync(f.fileno())
+    digest = sha256_of(part)  # read back from the page cache, so it covers what is on disk
     part.replace(path)
+    path.with_name(path.name + DIGEST_NOTE).write_text(digest)
 
 
 def _optimizer_view(params: Mapping[str, torch.Tensor], optimizer: Any) -> tuple[Mapping[str, torch.Tensor], Any]:
@@ -164,11 +225,13 @@ def save_model_shard(ckpt: Path, model: str, tp_rank: int, pp_rank: int, layout:
 
 @torch.no_grad()
 def load_model_shard(ckpt: Path, model: str, tp_rank: int, pp_rank: int, layout: str,
-                     params: Mapping[str, torch.Tensor], optimizer: Any) -> None:
+                     params: Mapping[str, torch.Tensor], optimizer: Any, verify: bool = True) -> None:
     path = shard_file(ckpt, model, tp_rank, pp_rank)
     if not path.is_file():
         raise ValueError(f"checkpoint {ckpt} has no shard {path.name} of model {model!r}; was it saved with "
                          f"another layout?")
+    if verify:
+        verify_file(ckpt, path)
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata() or {}
         if meta.get("layout") != layout:
@@ -203,8 +266,12 @@ def save_rng(ckpt: Path, rank: int) -> None:
     _save(rng_file(ckpt, rank), {"torch": torch.get_rng_state()}, {"format": str(CHECKPOINT_FORMAT)})
 
 
-def load_rng(ckpt: Path, rank: int) -> None:
+def load_rng(ckpt: Path, rank: int, verify: bool = True) -> None:
     path = rng_file(ckpt, rank)
-    if path.is_file():
-        with safe_open(str(path), framework="pt") as f:
-            torch.set_rng_state(f.get_tensor("torch"))
+    if verify:
+        verify_file(ckpt, path)
+    elif not path.is_file():
+        log.warning("checkpoint file %s is missing: rank %d continues with a fresh RNG state", path, rank)
+        return
+    with safe_open(str(path), framework="pt") as f:
+        torch.set_rng_state(f.get_tensor("torch"))

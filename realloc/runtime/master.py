@@ -95,7 +95,7 @@ class Master:
                  export_every: int = 0,
                  launcher: WorkerLauncher | None = None, bind_host: str = "127.0.0.1", master_port: int = 0,
                  store_port: int = 0, heartbeat_timeout: float = HEARTBEAT_TIMEOUT, window: int = 2,
-                 stop_signals: StopSignals = StopSignals(),
+                 stop_signals: StopSignals = StopSignals(), verify_checkpoint: bool = True,
                  on_iteration: Callable[[dict[str, Any]], None] | None = None) -> None:
         if iterations < 1:
             raise ValueError(f"iterations must be at least 1, got {iterations}")
@@ -175,6 +175,7 @@ class Master:
         self.requests: RequestLog | None = None
         self.stats: RunStats | None = None
         self.stop_signals = stop_signals
+        self.verify_checkpoint = verify_checkpoint
         self.stop: StopRequest | None = None  # set by a stop signal (stop_signals.py)
         self.all_done: asyncio.Event | None = None  # created when the iterations start
         self.last_spawned = -1
@@ -203,7 +204,8 @@ class Master:
             self._write_workers_file()
             setup = self._send(range(self.n_workers), "setup", "setup", -1, "setup",
                                lambda req: protocol.Setup(req=req, resume=str(self.resume) if self.resume else None,
-                                                          total_iterations=self.end))
+                                                          total_iterations=self.end,
+                                                          verify_checkpoint=self.verify_checkpoint))
             await self._guard(self._wait(setup))
             self.t_start = time.time()
             self.stats.start(self.t_start)

@@ -42,6 +42,7 @@ class CallLayout:
     mesh: DeviceMesh
     strategy: ParallelStrategy
     n_mbs: int
+    recompute: bool = False  # a train step recomputes activations (the layout does not change)
 
     @property
     def key(self) -> LayoutKey:
@@ -96,7 +97,8 @@ class RuntimeProgram:
         self.calls: dict[str, CallLayout] = {}
         for name in graph.topo_order:
             p = plan.placements[name]
-            self.calls[name] = CallLayout(name, graph.call(name).model_name, meshes[name], p.strategy, p.n_mbs)
+            self.calls[name] = CallLayout(name, graph.call(name).model_name, meshes[name], p.strategy, p.n_mbs,
+                                          p.recompute)
 
     # -- models and layouts ---------------------------------------------------------------------------
     @cached_property

@@ -78,6 +78,7 @@ class Setup(_Msg):
     req: int
     resume: str | None = None  # checkpoint directory to load after building the models
     total_iterations: int = 0  # the run's last iteration + 1: the horizon of the learning-rate schedule
+    verify_checkpoint: bool = True  # check the SHA-256 of every checkpoint file read (checkpoint.py)
 
 
 class RunCall(_Msg):

@@ -66,6 +66,8 @@ def _choose_plan(args: argparse.Namespace, spec: ExperimentSpec, ckpt: Path | No
 
 def _run_dir(args: argparse.Namespace, spec: ExperimentSpec, ckpt: Path | None) -> Path:
     if args.run_dir:
+        if Path(args.run_dir).exists() and not Path(args.run_dir).is_dir():
+            raise ValueError(f"--run-dir {args.run_dir} is a file; give a directory (created if missing)")
         return Path(args.run_dir)
     if ckpt is not None and ckpt.parent.name == "checkpoints":
         return ckpt.parent.parent  # continue the checkpoint's own run
@@ -74,11 +76,23 @@ def _run_dir(args: argparse.Namespace, spec: ExperimentSpec, ckpt: Path | None) 
 
 def _truncate_metrics(path: Path, start: int) -> None:
     """A resumed run rewrites the iterations after its checkpoint: drop the killed run's lines for them
-    (``start`` iterations are done; metrics.jsonl counts iterations from 1)."""
+    (``start`` iterations are done; metrics.jsonl counts iterations from 1). A half-written last line
+    (the run was killed while writing it) is dropped too."""
     if not path.is_file():
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip()
-            and json.loads(line).get("iteration", 0) <= start]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    keep = []
+    for i, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                raise ValueError(f"{path}: line {i + 1} is not JSON; fix or delete that line, then resume") from None
+            print(f"realloc run: dropped the half-written last line of {path} (the run was killed while writing it)",
+                  file=sys.stderr)
+            continue
+        if not isinstance(record, dict) or record.get("iteration", 0) <= start:
+            keep.append(line)
     path.write_text("".join(line + "\n" for line in keep))
 
 
@@ -121,6 +135,8 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"--resume {ckpt}: the checkpoint was written by a different version of experiment "
                              f"{spec.name!r} (graph digest {meta.get('graph_digest')} != {graph.digest})")
         start = int(meta["next_iteration"])
+        if not args.skip_checkpoint_checks:
+            checkpoint.check_files(ckpt)  # missing or truncated files: one error before anything starts
     if args.iterations is not None and args.iterations < 1:
         raise ValueError(f"--iterations must be a positive integer, got {args.iterations}")
     total = args.iterations if args.iterations is not None else config.iterations
@@ -151,6 +167,8 @@ def main(args: argparse.Namespace) -> int:
         if args.heartbeat_timeout is not None:
             master_args += ["--heartbeat-timeout", str(args.heartbeat_timeout)]
         master_args += ["--warning-signal", str(stop_signals)]
+        if args.skip_checkpoint_checks:
+            master_args.append("--skip-checkpoint-checks")
         script = slurm_script(spec.cluster, experiment, run, run_id, master_args, slurm, overrides=sets,
                               stop_signals=stop_signals)
         if args.dry_run and not args.prepare:
@@ -193,7 +211,8 @@ def main(args: argparse.Namespace) -> int:
     master = Master(program, config, run, run_id, secret, iterations=total - start, start_iteration=start,
                     resume=ckpt, save_every=args.save_every, export_every=args.export_every,
                     bind_host=bind, master_port=args.master_port,
-                    store_port=args.store_port, stop_signals=stop_signals, **heartbeat)
+                    store_port=args.store_port, stop_signals=stop_signals,
+                    verify_checkpoint=not args.skip_checkpoint_checks, **heartbeat)
     if args.launcher in ("local", "ray"):
         wc = WorkerConfig(experiment=experiment, run_dir=str(run.root), run_id=run_id,
                           world_size=spec.cluster.n_devices, store=f"{bind}:{master.store.port}",

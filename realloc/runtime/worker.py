@@ -200,7 +200,7 @@ class ModelWorker:
     def handle(self, req: protocol._Msg) -> tuple[dict[str, float], list[protocol.OutputMeta]]:
         if isinstance(req, protocol.Setup):
             self.total_iterations = req.total_iterations
-            self.setup(req.resume)
+            self.setup(req.resume, req.verify_checkpoint)
         elif isinstance(req, protocol.RunCall):
             return self.run_call(req.call, req.iteration, req.eval_batch, req.layout_call)
         elif isinstance(req, protocol.Reallocate):
@@ -220,7 +220,7 @@ class ModelWorker:
         return {}, []
 
     # -- setup ----------------------------------------------------------------------------------------------
-    def setup(self, resume: str | None) -> None:
+    def setup(self, resume: str | None, verify_checkpoint: bool = True) -> None:
         prog = self.program
         # Collective over the world: every worker creates every group, in the same order.
         layouts = []
@@ -269,7 +269,7 @@ class ModelWorker:
                                                    config=self.config.data, vocab_size=prog.generation_vocab_size(),
                                                    cache_dir=RunPaths(self.run_dir).prompt_cache)
         if resume:
-            self.load(Path(resume))
+            self.load(Path(resume), verify_checkpoint)
 
     def _memory(self) -> str:
         """This device's memory now: allocated and peak on a GPU, the process's resident set on a CPU."""
@@ -322,7 +322,7 @@ class ModelWorker:
                                 total_iterations=self.total_iterations,
                                 eos_token_ids=self.tokens.eos_token_ids, pad_token_id=self.tokens.pad_token_id,
                                 greedy=evaluating and self.config.eval.greedy,
-                                purpose=f"eval{eval_batch}" if evaluating else "generate")
+                                purpose=f"eval{eval_batch}" if evaluating else "generate", recompute=cl.recompute)
         result = fn(ctx, inputs)
         metas = []
         for role, key in out_keys.items():
@@ -426,12 +426,12 @@ class ModelWorker:
                                             h.optimizer)
         checkpoint.save_rng(ckpt, self.rank)
 
-    def load(self, ckpt: Path) -> None:
+    def load(self, ckpt: Path, verify: bool) -> None:
         for m, h in self._trained_homes():
             _, tp_rank, pp_rank = h.coords
             checkpoint.load_model_shard(ckpt, m, tp_rank, pp_rank, _layout_name(h.layout), h.model.params(),
-                                        h.optimizer)
-        checkpoint.load_rng(ckpt, self.rank)
+                                        h.optimizer, verify=verify)
+        checkpoint.load_rng(ckpt, self.rank, verify=verify)
 
     def close(self) -> None:
         log.debug("closing: heartbeat")

@@ -5,8 +5,10 @@
   up to the node width that every model's heads allow), PP across nodes (pp = the
   smallest divisor of the node count whose plan fits in memory, so each stage is a
   run of whole nodes), DP over the rest; 4 micro-batches per call (at least pp, so
-  the pipeline fills). On 2 nodes x 8 this is realhf-appendix.txt Table 5:
-  TP 8, PP 1, DP 2, 4 micro-batches.
+  the pipeline fills), more if that does not fit, and at a micro-batch count that
+  does not fit otherwise, activation recomputation for the train steps (what a
+  Megatron user turns on when memory is short). On 2 nodes x 8 this is
+  realhf-appendix.txt Table 5: TP 8, PP 1, DP 2, 4 micro-batches.
 - ``colocate-dp``: DeepSpeed-Chat (realhf.txt §8.1): every call on the whole cluster,
   data parallel for training and inference, and for generation its Hybrid Engine's
   TP inside a node with DP across nodes. realloc has no ZeRO-3, so training and
@@ -34,7 +36,7 @@ from realloc.api import InterfaceType
 from realloc.cluster import DeviceMesh
 from realloc.graph.dataflow import DataflowGraph
 from realloc.search.build import PlanSpace
-from realloc.search.candidates import MAX_N_MBS, Option
+from realloc.search.candidates import MAX_N_MBS, Option, recompute_choices
 from realloc.search.engine import run_mcmc
 from realloc.strategy import ParallelStrategy, micro_batch_options, strategy_error
 
@@ -71,7 +73,8 @@ def _rule_strategy(graph: DataflowGraph, call: str, mesh: DeviceMesh) -> Paralle
 
 def heuristic_plans(graph: DataflowGraph) -> list[dict[str, Option]]:
     """The heuristic's plans in the order it tries them: fewest pipeline stages first, then
-    the fewest micro-batches (from 4, at least pp); the first that fits in memory is the heuristic."""
+    the fewest micro-batches (from 4, at least pp), then without and with recomputation in the
+    train steps; the first that fits in memory is the heuristic."""
     cluster = graph.spec.cluster
     whole = cluster.whole
     tp = _node_tp(graph, cluster.n_devices_per_node)
@@ -90,12 +93,15 @@ def heuristic_plans(graph: DataflowGraph) -> list[dict[str, Option]]:
                 m = _pick_n_mbs(graph, c, s.dp, want)
                 if m is None:
                     break
-                chosen[c] = (whole, s, m)
+                chosen[c] = Option(whole, s, m)
             else:
-                key = tuple(sorted((c, o[2]) for c, o in chosen.items()))
+                key = tuple(sorted((c, o.n_mbs) for c, o in chosen.items()))
                 if key not in seen:
                     seen.add(key)
                     out.append(chosen)
+                    trains = {c for c in chosen if True in recompute_choices(graph, c)}
+                    if trains:
+                        out.append({c: o._replace(recompute=c in trains) for c, o in chosen.items()})
             want *= 2
     return out
 
@@ -106,7 +112,7 @@ def colocate_filter(graph: DataflowGraph) -> OptionFilter:
     tp = _node_tp(graph, cluster.n_devices_per_node)
 
     def keep(call: str, opt: Option) -> bool:
-        mesh, s, _ = opt
+        mesh, s = opt.mesh, opt.strategy
         if mesh != whole:
             return False
         if graph.model_config(call) is None or graph.call(call).interface_type is not InterfaceType.GENERATE:

@@ -1,8 +1,9 @@
 """From an experiment to the search's arrays: candidates priced by the estimator.
 
-``PlanSpace.build(graph)`` enumerates every call's placements (``candidates.py``),
-prices their time and per-stage memory with ``CostModel``, prunes the ones that can
-never run or never win (``candidates.prune``), and numbers layouts so that the
+``PlanSpace.build(graph)`` enumerates every call's placements (``candidates.py``; training
+calls with and without activation recomputation), prices their time and per-stage memory
+with ``CostModel``, prunes the ones that can never run or never win
+(``candidates.prune``), and numbers layouts so that the
 engine can ask for transfer costs by pair. Those pair costs (parameter reallocation
 per model, data transfer per data edge) are priced lazily, only for the pairs a
 plan actually uses (``price_missing``): the estimator prices one pair in
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import cached_property
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -27,9 +28,25 @@ from realloc.search.problem import CandidateArrays, PairCosts, SearchProblem, co
 from realloc.strategy import ParallelStrategy
 
 Layout = tuple[DeviceMesh, ParallelStrategy]
-# A candidate: mesh, strategy, micro-batches, and whether the (frozen) model waits in host memory
-# between its calls (ExecutionPlan.offload).
-Placement = tuple[DeviceMesh, ParallelStrategy, int, bool]
+
+
+class Candidate(NamedTuple):
+    """A call's placement (``candidates.Option``) and whether its (frozen) model waits in host memory
+    between its calls (ExecutionPlan.offload)."""
+
+    mesh: DeviceMesh
+    strategy: ParallelStrategy
+    n_mbs: int
+    recompute: bool
+    offload: bool
+
+    @property
+    def option(self) -> Option:
+        return Option(self.mesh, self.strategy, self.n_mbs, self.recompute)
+
+    def describe(self) -> str:
+        return (f"mesh {self.mesh.name} {self.strategy} n_mbs={self.n_mbs}{' recompute' if self.recompute else ''}"
+                f"{' offloaded' if self.offload else ''}")
 
 # realhf.txt §4 unrolls the graph over iterations; 4 gives a steady state (T_4 - T_1) / 3
 # even when calls of consecutive iterations overlap.
@@ -51,9 +68,8 @@ def fmt_bytes(n: float) -> str:
 def _no_fit_message(call: str, cc: "CallCosts", device_memory: int, nodelist: str) -> str:
     i = min(range(len(cc.options)), key=lambda i: footprint(cc.static[i], cc.dynamic[i], cc.param[i]))
     need = footprint(cc.static[i], cc.dynamic[i], cc.param[i])
-    mesh, s, m, _ = cc.options[i]
     return (f"nothing fits in memory: call {call!r} needs at least {fmt_bytes(need)} on one device even alone (its "
-            f"smallest footprint: mesh {mesh.name} {s} n_mbs={m}), {fmt_bytes(need - device_memory)} more than the "
+            f"smallest footprint: {cc.options[i].describe()}), {fmt_bytes(need - device_memory)} more than the "
             f"{fmt_bytes(device_memory)} of a device of {nodelist!r}; use more or larger devices, or a smaller "
             f"batch or model")
 
@@ -93,7 +109,7 @@ def home_calls(graph: DataflowGraph) -> dict[str, str]:
 class CallCosts:
     """Time and per-stage memory of every option of one call, before numbering."""
 
-    options: tuple[Placement, ...]
+    options: tuple[Candidate, ...]
     time: np.ndarray
     static: tuple[np.ndarray, ...]  # per option, per stage bytes if this call holds the model's static memory
     dynamic: tuple[np.ndarray, ...]
@@ -111,7 +127,7 @@ def offloadable(graph: DataflowGraph, call: str) -> bool:
 
 
 def price_options(graph: DataflowGraph, cost: CostModel, call: str, options: Sequence[Option], is_home: bool,
-                  device_memory: int | None = None, keep: set[Placement] = frozenset(),
+                  device_memory: int | None = None, keep: set[Candidate] = frozenset(),
                   offload: bool = False) -> CallCosts:
     """The estimator's per-stage memory and time of each option (memory.py rules 2-3).
 
@@ -124,34 +140,34 @@ def price_options(graph: DataflowGraph, cost: CostModel, call: str, options: Seq
     model = graph.call(call).model_name
     trainable = graph.call(call).is_train
     work = cost.workload(call)
-    memo: dict[tuple[ParallelStrategy, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    memo: dict[tuple[ParallelStrategy, int, bool], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
     kept, static, dynamic, param = [], [], [], []
-    for mesh, s, m in options:
-        mem = memo.get((s, m))
+    for mesh, s, m, rc in options:
+        mem = memo.get((s, m, rc))
         if mem is None:
             if cfg is None:
                 zeros = np.zeros(s.pp, np.int64)
                 mem = (zeros, zeros, zeros)
             else:
-                st = [stage_call_memory(cfg, work, s, m, k, cost.precision) for k in range(s.pp)]
+                st = [stage_call_memory(cfg, work, s, m, k, cost.precision, rc) for k in range(s.pp)]
                 mem = (np.array([x.params + ((x.grads + x.optimizer) if trainable else 0) for x in st], np.int64)
                        if is_home else np.zeros(s.pp, np.int64),
                        np.array([x.dynamic for x in st], np.int64),
                        np.array([x.params for x in st], np.int64))
-            memo[s, m] = mem
+            memo[s, m, rc] = mem
         variants = [(False, mem)]
         if offload:
             variants.append((True, (np.zeros_like(mem[0]), mem[1] + mem[2], mem[2])))
         for off, (st_, dy, pa) in variants:
-            cand = (mesh, s, m, off)
+            cand = Candidate(mesh, s, m, rc, off)
             if device_memory is not None and footprint(st_, dy, pa) > device_memory and cand not in keep:
                 continue
             kept.append(cand)
             static.append(st_)
             dynamic.append(dy)
             param.append(pa)
-    times = np.array([cost.call_cost(call, mesh, s, m).time + (cost.offload_cost(model, (mesh, s)) if off else 0.0)
-                      for mesh, s, m, off in kept], np.float64)
+    times = np.array([cost.call_cost(call, mesh, s, m, rc).time + (cost.offload_cost(model, (mesh, s)) if off else 0.0)
+                      for mesh, s, m, rc, off in kept], np.float64)
     return CallCosts(tuple(kept), times, tuple(static), tuple(dynamic), tuple(param))
 
 
@@ -167,7 +183,7 @@ class PlanSpace:
     graph: DataflowGraph
     cost: CostModel
     problem: SearchProblem
-    options: tuple[tuple[Placement, ...], ...]
+    options: tuple[tuple[Candidate, ...], ...]
     layouts: tuple[tuple[Layout, ...], ...]
     pruned: dict[str, dict[str, int]]  # call -> reason -> count
 
@@ -187,16 +203,17 @@ class PlanSpace:
         cluster = graph.spec.cluster
         calls = graph.topo_order
         homes = home_calls(graph)
-        kept: dict[str, set[Placement]] = {c: set() for c in calls}
+        kept: dict[str, set[Candidate]] = {c: set() for c in calls}
         for plan in keep:
             meshes = validate_plan(plan, graph)
             for c in calls:
                 p = plan.placements[c]
-                kept[c].add((meshes[c], p.strategy, p.n_mbs, bool(plan.offload.get(graph.call(c).model_name))))
+                kept[c].add(Candidate(meshes[c], p.strategy, p.n_mbs, p.recompute,
+                                      bool(plan.offload.get(graph.call(c).model_name))))
         priced, pruned = [], {}
         for c in calls:
             opts = call_options(graph, c, cluster, **({"max_n_mbs": max_n_mbs} if max_n_mbs else {}))
-            opts = list(dict.fromkeys(opts + sorted({k[:3] for k in kept[c]} - set(opts), key=str)))
+            opts = list(dict.fromkeys(opts + sorted({k.option for k in kept[c]} - set(opts), key=str)))
             if option_filter is not None:
                 opts = [o for o in opts if option_filter(c, o)]
                 if not opts:
@@ -244,14 +261,17 @@ class PlanSpace:
             ids = layout_ids[models.index(graph.call(c).model_name)]
             shapes: dict[tuple, int] = {}
             pp = [s.pp for _, s, *_ in cc.options]
+            row = {cand: i for i, cand in enumerate(cc.options)}
+            twin = [row.get(cand._replace(recompute=not cand.recompute), -1) for cand in cc.options]
             arrays.append(CandidateArrays(
                 dev_lo=[mesh.device_ids[0] for mesh, *_ in cc.options],
                 dev_hi=[mesh.device_ids[-1] + 1 for mesh, *_ in cc.options],
                 stage_width=[s.dp * s.tp for _, s, *_ in cc.options],
                 layout=[ids[mesh, s] for mesh, s, *_ in cc.options],
                 mesh_id=[mesh_index[mesh] for mesh, *_ in cc.options],
-                shape_class=[shapes.setdefault((mesh.shape, s, m, off), len(shapes)) for mesh, s, m, off in cc.options],
-                time=cc.time, mem_offset=np.r_[0, np.cumsum(pp)].astype(np.int64),
+                shape_class=[shapes.setdefault((mesh.shape, s, m, rc, off), len(shapes))
+                             for mesh, s, m, rc, off in cc.options],
+                time=cc.time, twin=twin, mem_offset=np.r_[0, np.cumsum(pp)].astype(np.int64),
                 mem_static=np.concatenate(cc.static) if pp else [], mem_dynamic=np.concatenate(cc.dynamic) if pp else [],
                 mem_param=np.concatenate(cc.param) if pp else []))
         index = {c: i for i, c in enumerate(calls)}
@@ -379,13 +399,12 @@ class PlanSpace:
         for c, opts in zip(self.problem.call_names, self.options):
             p = plan.placements[c]
             off = bool(plan.offload.get(self.graph.call(c).model_name))
-            want = (meshes[c], p.strategy, p.n_mbs, off)
+            want = Candidate(meshes[c], p.strategy, p.n_mbs, p.recompute, off)
             try:
                 out.append(opts.index(want))
             except ValueError:
-                raise ValueError(f"call {c!r}: placement {p.mesh} {p.strategy} n_mbs={p.n_mbs}"
-                                 f"{' offloaded' if off else ''} is not among the candidates (it does not fit in "
-                                 f"memory or was pruned)") from None
+                raise ValueError(f"call {c!r}: placement {want.describe()} is not among the candidates (it does not "
+                                 f"fit in memory or was pruned)") from None
         return np.asarray(out, np.int32)
 
     def to_plan(self, indices: Sequence[int], source: str) -> ExecutionPlan:
@@ -396,8 +415,8 @@ class PlanSpace:
         p, cluster = self.problem, self.graph.spec.cluster
         placements, times, memory, offload = {}, {}, {}, {}
         for c, name in enumerate(p.call_names):
-            mesh, s, m, off = self.options[c][int(idx[c])]
-            placements[name] = CallPlacement.of(mesh, s, m)
+            mesh, s, m, rc, off = self.options[c][int(idx[c])]
+            placements[name] = CallPlacement.of(mesh, s, m, rc)
             times[name] = float(p.candidates[c].time[int(idx[c])])
             memory[name] = int(mem["call_peak"][c])
             if off:

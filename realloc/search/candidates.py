@@ -1,4 +1,4 @@
-"""Candidate placements of one call: every (mesh, strategy, n_mbs) the cluster allows, and pruning.
+"""Candidate placements of one call: every (mesh, strategy, n_mbs, recompute) the cluster allows, and pruning.
 
 Pruning (``prune``) removes candidates that no plan can use or that no plan would
 pick, so the search never spends evaluations on them:
@@ -8,15 +8,18 @@ pick, so the search never spends evaluations on them:
    its dynamic memory; for any other call it is its dynamic memory plus the
    parameters (either a reallocated copy, or the home layout's static memory, which
    holds at least the parameters). Other models can only add to it.
-2. dominated micro-batch counts: candidates with the same mesh and strategy (and
-   offload choice) have the same layout, hence the same transfer costs and static
-   memory; an n_mbs that is no faster and needs no less dynamic memory on every stage
-   than another one is never better.
+2. dominated micro-batch counts and recomputation: candidates with the same mesh and
+   strategy (and offload choice) have the same layout, hence the same transfer costs and
+   static memory; an (n_mbs, recompute) that is no faster and needs no less dynamic
+   memory on every stage than another one is never better.
+
+A TRAIN_STEP call of a model may recompute activations (``ParallelModel.train_step``):
+each of its (mesh, strategy, n_mbs) comes with and without recomputation.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -31,7 +34,18 @@ if TYPE_CHECKING:
 # realhf.txt Table 4 uses up to 16 micro-batches; 64 leaves room for deep pipelines.
 MAX_N_MBS = 64
 
-Option = tuple[DeviceMesh, ParallelStrategy, int]
+class Option(NamedTuple):
+    """One placement of a call (a CallPlacement with its mesh parsed)."""
+
+    mesh: DeviceMesh
+    strategy: ParallelStrategy
+    n_mbs: int
+    recompute: bool = False
+
+
+def recompute_choices(graph: DataflowGraph, call: str) -> tuple[bool, ...]:
+    """Training a model may recompute activations; nothing else keeps activations for a backward."""
+    return (False, True) if graph.model_config(call) is not None and graph.call(call).is_train else (False,)
 
 
 def call_options(graph: DataflowGraph, call: str, cluster: ClusterSpec | None = None,
@@ -40,6 +54,7 @@ def call_options(graph: DataflowGraph, call: str, cluster: ClusterSpec | None = 
     cluster = cluster or graph.spec.cluster
     cfg = graph.model_config(call)
     n_seqs = graph.steps_n_seqs(call)
+    recompute = recompute_choices(graph, call)
     out = []
     for mesh in cluster.device_meshes():
         if cfg is None:
@@ -49,12 +64,12 @@ def call_options(graph: DataflowGraph, call: str, cluster: ClusterSpec | None = 
             strategies = list(enumerate_strategies(cfg, mesh.size, mesh.n_devs, n_seqs))
         for s in strategies:
             for m in micro_batch_options(n_seqs, s.dp, max_n_mbs):
-                out.append((mesh, s, m))
+                out.extend(Option(mesh, s, m, rc) for rc in recompute)
     return out
 
 
 def call_placements(graph: DataflowGraph, call: str, max_n_mbs: int = MAX_N_MBS) -> list[CallPlacement]:
-    return [CallPlacement.of(mesh, s, m) for mesh, s, m in call_options(graph, call, max_n_mbs=max_n_mbs)]
+    return [CallPlacement.of(*o) for o in call_options(graph, call, max_n_mbs=max_n_mbs)]
 
 
 def footprint(static: np.ndarray, dynamic: np.ndarray, param: np.ndarray) -> int:
@@ -83,11 +98,11 @@ def prune(costs: "CallCosts", device_memory: int | None,
             reasons["memory"] += 1
     groups: dict[tuple, list[int]] = {}
     for i in fits:
-        opt = costs.options[i]
-        groups.setdefault(opt[:2] + opt[3:], []).append(i)  # everything but n_mbs
+        c = costs.options[i]
+        groups.setdefault((c.mesh, c.strategy, c.offload), []).append(i)  # one layout
     out = []
     for rows in groups.values():
-        rows.sort(key=lambda i: (costs.time[i], costs.options[i][2]))
+        rows.sort(key=lambda i: (costs.time[i], costs.options[i].n_mbs, costs.options[i].recompute))
         kept: list[int] = []
         for i in rows:
             dominated = any(np.all(costs.dynamic[j] <= costs.dynamic[i]) for j in kept)

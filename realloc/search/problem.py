@@ -43,12 +43,17 @@ class CandidateArrays:
     mem_static: np.ndarray  # int64 pool, bytes per device
     mem_dynamic: np.ndarray  # int64 pool
     mem_param: np.ndarray  # int64 pool
+    # int32: the same placement with the other activation-recomputation choice, or -1 (None: all -1);
+    # only the MCMC's moves read it
+    twin: np.ndarray | None = None
 
     def __post_init__(self) -> None:
+        if self.twin is None:
+            object.__setattr__(self, "twin", np.full(len(self.time), -1, np.int32))
         for f, dtype in (("dev_lo", np.int32), ("dev_hi", np.int32), ("stage_width", np.int32),
                          ("layout", np.int32), ("mesh_id", np.int32), ("shape_class", np.int32),
                          ("time", np.float64), ("mem_offset", np.int64), ("mem_static", np.int64),
-                         ("mem_dynamic", np.int64), ("mem_param", np.int64)):
+                         ("mem_dynamic", np.int64), ("mem_param", np.int64), ("twin", np.int32)):
             object.__setattr__(self, f, np.ascontiguousarray(getattr(self, f), dtype=dtype))
         n = len(self.time)
         assert len(self.mem_offset) == n + 1 and self.mem_offset[-1] == len(self.mem_static)
@@ -70,10 +75,14 @@ class CandidateArrays:
         lo, hi = self.mem_offset[rows], self.mem_offset[rows + 1]
         idx = np.concatenate([np.arange(a, b) for a, b in zip(lo, hi)]) if len(rows) else np.zeros(0, np.int64)
         pools = {f"mem_{w}": getattr(self, f"mem_{w}")[idx] for w in ("static", "dynamic", "param")}
+        # a twin left out of ``rows`` is no twin any more
+        new_index = np.full(len(self) + 1, -1, np.int64)
+        new_index[rows] = np.arange(len(rows))
+        twin = new_index[np.where(self.twin[rows] >= 0, self.twin[rows], len(self))]
         return CandidateArrays(dev_lo=self.dev_lo[rows], dev_hi=self.dev_hi[rows],
                                stage_width=self.stage_width[rows], layout=self.layout[rows],
                                mesh_id=self.mesh_id[rows], shape_class=self.shape_class[rows],
-                               time=self.time[rows], mem_offset=np.r_[0, np.cumsum(hi - lo)], **pools)
+                               time=self.time[rows], mem_offset=np.r_[0, np.cumsum(hi - lo)], twin=twin, **pools)
 
 
 @dataclasses.dataclass
@@ -149,7 +158,7 @@ class SearchProblem:
                        devices_per_node=self.devices_per_node, cores_per_node=self.cores_per_node)
         for c, k in enumerate(self.candidates):
             p.set_candidates(c, k.dev_lo, k.dev_hi, k.stage_width, k.layout, k.mesh_id, k.shape_class, k.time,
-                             k.mem_offset, k.mem_static, k.mem_dynamic, k.mem_param)
+                             k.mem_offset, k.mem_static, k.mem_dynamic, k.mem_param, k.twin)
         for m, t in enumerate(self.realloc_costs):
             assert t.n_src == t.n_dst
             p.set_realloc_layouts(m, t.n_src)

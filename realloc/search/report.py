@@ -19,19 +19,20 @@ def _gib(x: float) -> str:
 
 
 def plan_table(plan: ExecutionPlan, space: PlanSpace, indices: np.ndarray) -> str:
-    """Per call: mesh, dp/tp/pp, micro-batches, estimated seconds and peak GiB per device."""
+    """Per call: mesh, dp/tp/pp, micro-batches, activation recomputation, estimated seconds and peak GiB
+    per device."""
     mem = space.cpp.memory(np.asarray(indices, np.int32))
     names = space.problem.call_names
     # Columns as wide as their longest entry plus two spaces, so long call or mesh names never run together.
     cw = max(len("call"), *map(len, names)) + 2
     mw = max(len("mesh"), *(len(plan.placements[n].mesh) for n in names)) + 2
-    header = (f"{'call':<{cw}}{'mesh':<{mw}}{'devices':>8}{'dp':>4}{'tp':>4}{'pp':>4}{'mbs':>5}{'est. s':>10}"
-              f"{'peak GiB/dev':>14}")
+    header = (f"{'call':<{cw}}{'mesh':<{mw}}{'devices':>8}{'dp':>4}{'tp':>4}{'pp':>4}{'mbs':>5}{'recomp':>8}"
+              f"{'est. s':>10}{'peak GiB/dev':>14}")
     rows = [header, "-" * len(header)]
     for c, name in enumerate(names):
         p = plan.placements[name]
         rows.append(f"{name:<{cw}}{p.mesh:<{mw}}{p.dp * p.tp * p.pp:>8}{p.dp:>4}{p.tp:>4}{p.pp:>4}{p.n_mbs:>5}"
-                    f"{plan.call_times[name]:>10.3f}{_gib(mem['call_peak'][c]):>14}")
+                    f"{'yes' if p.recompute else '-':>8}{plan.call_times[name]:>10.3f}{_gib(mem['call_peak'][c]):>14}")
     offloaded = sorted(m for m, on in plan.offload.items() if on)
     if offloaded:
         rows.append(f"offloaded to host memory between calls (load time included above): {', '.join(offloaded)}")

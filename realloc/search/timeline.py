@@ -65,7 +65,7 @@ def check_suffix(path: str | Path, option: str = "--timeline") -> Path:
 
 def strategy_text(plan: ExecutionPlan, call: str) -> str:
     p = plan.placements[call]
-    return f"dp{p.dp} tp{p.tp} pp{p.pp}, {p.n_mbs} mb"
+    return f"dp{p.dp} tp{p.tp} pp{p.pp}, {p.n_mbs} mb{', recompute' if p.recompute else ''}"
 
 
 def device_names(graph: DataflowGraph) -> tuple[str, ...]:
@@ -82,9 +82,11 @@ def estimate_plan(graph: DataflowGraph, plan: ExecutionPlan, cost: object | None
     """
     from realloc.estimator.cost import CostModel
     from realloc.search.build import PlanSpace
+    from realloc.search.candidates import Option
 
     meshes = validate_plan(plan, graph)
-    want = {c: (meshes[c], plan.placements[c].strategy, plan.placements[c].n_mbs) for c in graph.topo_order}
+    want = {c: Option(meshes[c], p.strategy, p.n_mbs, p.recompute)
+            for c, p in ((c, plan.placements[c]) for c in graph.topo_order)}
     space = PlanSpace.build(graph, cost or CostModel(graph), option_filter=lambda c, o: o == want[c],
                             prune_memory=False, offload=False)
     indices = space.fastest()
