@@ -201,6 +201,8 @@ def build_parser(commands: dict[str, Callable[[argparse.Namespace], int]] | None
                    help="the checkpoint after this many iterations (default: the newest)")
     s.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="weight dtype of the files (default: the checkpoint's)")
+    s.add_argument("--skip-checkpoint-checks", action="store_true",
+                   help="do not check the shards against the SHA-256 recorded when they were saved")
     s.set_defaults(func=commands.get("export", _not_yet("export", 11)))
     return p
 

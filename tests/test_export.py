@@ -41,10 +41,12 @@ def _fake_checkpoint(root: Path, cfg: ModelConfig, tp: int, pp: int, iteration: 
             path = checkpoint.shard_file(ckpt, "actor", r, stage)
             path.parent.mkdir(parents=True, exist_ok=True)
             save_file(tensors, str(path))
+    files = {f.relative_to(ckpt).as_posix(): {"sha256": checkpoint.sha256_of(f), "bytes": f.stat().st_size}
+             for f in ckpt.rglob("*.safetensors")}
     rec = model_record(cfg, ParallelStrategy(1, tp, pp), None, None,
                        ids or {"bos_token_id": 1, "eos_token_id": [2, 5], "pad_token_id": 0})
     meta = {"format": checkpoint.CHECKPOINT_FORMAT, "iteration": iteration, "next_iteration": iteration + 1,
-            "experiment": "T", "models": {"actor": rec}}
+            "experiment": "T", "models": {"actor": rec}, "files": files}
     (ckpt / checkpoint.META).write_text(json.dumps(meta))
     return ckpt, full
 
@@ -80,10 +82,18 @@ def test_export_refuses_what_it_cannot_do(tmp_path):
     (tmp_path / "busy" / "x").write_text("x")
     with pytest.raises(ValueError, match="not empty"):
         export_checkpoint(ckpt, "actor", tmp_path / "busy")
-    checkpoint.shard_file(ckpt, "actor", 1, 0).unlink()
-    with pytest.raises(ValueError, match="tp1_pp0"):
+    shard = checkpoint.shard_file(ckpt, "actor", 1, 0)
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF  # a flipped byte inside a tensor
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="tp1_pp0.safetensors is corrupted"):
         export_checkpoint(ckpt, "actor", tmp_path / "b")
-    assert not (tmp_path / "b").exists()
+    assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".b*"))
+    export_checkpoint(ckpt, "actor", tmp_path / "b", verify=False)  # the user's explicit choice
+    shard.unlink()
+    with pytest.raises(ValueError, match="tp1_pp0"):
+        export_checkpoint(ckpt, "actor", tmp_path / "c")
+    assert not (tmp_path / "c").exists()
 
 
 def test_cli_picks_the_checkpoint_by_completed_iterations(tmp_path):

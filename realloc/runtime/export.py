@@ -50,7 +50,7 @@ def _model_config(record: Mapping[str, Any]) -> ModelConfig:
 
 
 def _full_tensors(ckpt: Path, model: str, cfg: ModelConfig, tp: int, pp: int, names: list[str],
-                  dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+                  dtype: torch.dtype | None, verified: set[Path] | None) -> dict[str, torch.Tensor]:
     specs = {s.name: s for s in param_specs(cfg)}
     out: dict[str, torch.Tensor] = {}
     by_stage: dict[int, list[str]] = {}
@@ -61,6 +61,9 @@ def _full_tensors(ckpt: Path, model: str, cfg: ModelConfig, tp: int, pp: int, na
             path = checkpoint.shard_file(ckpt, model, tp_rank, stage)
             if not path.is_file():
                 raise ValueError(f"checkpoint {ckpt}: shard {path.relative_to(ckpt)} of model {model!r} is missing")
+            if verified is not None and path not in verified:
+                checkpoint.verify_file(ckpt, path)  # the SHA-256 recorded at save time
+                verified.add(path)
             with safe_open(str(path), framework="pt") as f:
                 keys = set(f.keys())
                 for n in stage_names:
@@ -75,8 +78,10 @@ def _full_tensors(ckpt: Path, model: str, cfg: ModelConfig, tp: int, pp: int, na
 
 
 def export_checkpoint(ckpt: str | Path, model: str, out: str | Path, *, dtype: str | None = None,
-                      max_file_bytes: int = 4 << 30) -> Path:
-    """Write ``model`` of checkpoint ``ckpt`` as a HF directory ``out``; returns ``out``."""
+                      max_file_bytes: int = 4 << 30, verify: bool = True) -> Path:
+    """Write ``model`` of checkpoint ``ckpt`` as a HF directory ``out``; returns ``out``.
+
+    Every shard is checked against the SHA-256 recorded when it was saved (``verify=False`` skips that)."""
     from realloc.models.hf_io import (CONFIG_FILE, GENERATION_CONFIG_FILE, INDEX_FILE, hf_config_from_model_config,
                                       shard_file_plan, write_generation_config)
 
@@ -98,28 +103,33 @@ def export_checkpoint(ckpt: str | Path, model: str, out: str | Path, *, dtype: s
     tmp = out.with_name(f".{out.name}.part")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    written_dtype = None
-    plan = shard_file_plan(cfg, pp, torch_dtype or torch.float32, max_file_bytes)
-    for _, fname, names in plan:
-        tensors = _full_tensors(ckpt, model, cfg, tp, pp, names, torch_dtype)
-        written_dtype = next(iter(tensors.values())).dtype
-        save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
-        del tensors
-    if len(plan) > 1:
-        elem = torch.tensor([], dtype=written_dtype).element_size()
-        index = {"metadata": {"total_size": sum(s.numel for s in param_specs(cfg)) * elem},
-                 "weight_map": {n: fname for _, fname, names in plan for n in names}}
-        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
-    ids = {k: v for k, v in (rec.get("token_ids") or {}).items() if v is not None}
-    hf = hf_config_from_model_config(cfg, written_dtype or torch.float32, ids)
-    (tmp / CONFIG_FILE).write_text(json.dumps(hf, indent=2))
-    source_gen = Path(rec["source"]) / GENERATION_CONFIG_FILE if rec.get("source") else None
-    write_generation_config(tmp, ids, json.loads(source_gen.read_text()) if source_gen and source_gen.is_file()
-                            else None)
-    _copy_tokenizer(tmp, rec.get("tokenizer"))
-    (tmp / "realloc_export.json").write_text(json.dumps(
-        {"checkpoint": str(ckpt.resolve()), "iteration": meta.get("iteration"), "model": model,
-         "experiment": meta.get("experiment"), "layout": {"tp": tp, "pp": pp}}, indent=2))
+    try:
+        written_dtype = None
+        plan = shard_file_plan(cfg, pp, torch_dtype or torch.float32, max_file_bytes)
+        verified: set[Path] | None = set() if verify else None
+        for _, fname, names in plan:
+            tensors = _full_tensors(ckpt, model, cfg, tp, pp, names, torch_dtype, verified)
+            written_dtype = next(iter(tensors.values())).dtype
+            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            del tensors
+        if len(plan) > 1:
+            elem = torch.tensor([], dtype=written_dtype).element_size()
+            index = {"metadata": {"total_size": sum(s.numel for s in param_specs(cfg)) * elem},
+                     "weight_map": {n: fname for _, fname, names in plan for n in names}}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
+        ids = {k: v for k, v in (rec.get("token_ids") or {}).items() if v is not None}
+        hf = hf_config_from_model_config(cfg, written_dtype or torch.float32, ids)
+        (tmp / CONFIG_FILE).write_text(json.dumps(hf, indent=2))
+        source_gen = Path(rec["source"]) / GENERATION_CONFIG_FILE if rec.get("source") else None
+        write_generation_config(tmp, ids, json.loads(source_gen.read_text()) if source_gen and source_gen.is_file()
+                                else None)
+        _copy_tokenizer(tmp, rec.get("tokenizer"))
+        (tmp / "realloc_export.json").write_text(json.dumps(
+            {"checkpoint": str(ckpt.resolve()), "iteration": meta.get("iteration"), "model": model,
+             "experiment": meta.get("experiment"), "layout": {"tp": tp, "pp": pp}}, indent=2))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed export leaves nothing behind
+        raise
     if out.exists():
         out.rmdir()
     tmp.rename(out)
@@ -158,7 +168,7 @@ def find_checkpoint(run_dir: str | Path, iteration: int | None) -> Path:
 
 def main(args: argparse.Namespace) -> int:
     ckpt = find_checkpoint(args.run_dir, args.iteration)
-    out = export_checkpoint(ckpt, args.model, args.out, dtype=args.dtype)
+    out = export_checkpoint(ckpt, args.model, args.out, dtype=args.dtype, verify=not args.skip_checkpoint_checks)
     done = checkpoint.read_meta(ckpt).get("next_iteration")
     print(f"exported {args.model} after iteration {done} from {ckpt} to {out}")
     return 0
