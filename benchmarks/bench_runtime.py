@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from realloc.api import load_experiment  # noqa: E402
 from realloc.graph.dataflow import build_graph  # noqa: E402
-from realloc.graph.plan import CallPlacement, ExecutionPlan  # noqa: E402
+from realloc.graph.plan import ExecutionPlan  # noqa: E402
 from realloc.runtime.telemetry import RequestRecord, dispatch_overheads  # noqa: E402
 
 EXPERIMENT = str(REPO / "experiments/ppo_tiny.py")
@@ -51,10 +51,7 @@ HAND = {
 def hand_plan(name: str) -> ExecutionPlan:
     spec = load_experiment(EXPERIMENT)
     g = build_graph(spec)
-    return ExecutionPlan(experiment=spec.name, graph_digest=g.digest, nodelist=spec.cluster.nodelist,
-                         n_devices_per_node=spec.cluster.n_devices_per_node, device=spec.cluster.device,
-                         placements={c: CallPlacement(mesh=m, dp=d, tp=t, pp=p, n_mbs=n)
-                                     for c, (m, d, t, p, n) in HAND[name].items()}, source=name)
+    return ExecutionPlan.by_hand(g, HAND[name], source=name)
 
 
 def run(name: str, plan_args: list[str], iterations: int, base: Path) -> dict:

@@ -51,7 +51,7 @@ from realloc import _C  # noqa: E402
 from realloc.api import ExperimentSpec, load_experiment  # noqa: E402
 from realloc.estimator.cost import CostModel  # noqa: E402
 from realloc.graph.dataflow import DataflowGraph, build_graph  # noqa: E402
-from realloc.graph.plan import CallPlacement, ExecutionPlan, validate_plan  # noqa: E402
+from realloc.graph.plan import ExecutionPlan, validate_plan  # noqa: E402
 from realloc.search.build import PlanSpace  # noqa: E402
 from realloc.search.planner import baseline, plan_search  # noqa: E402
 from realloc.search.timeline import (draw_panel, estimate_plan, estimated_panel, legend_handles,  # noqa: E402
@@ -65,11 +65,7 @@ PROFILE_README = REPO / "profiles" / "cpu" / "README.md"
 
 def _plan(spec: ExperimentSpec, graph: DataflowGraph, name: str, placements: dict[str, tuple[str, int, int, int, int]],
           recompute: frozenset[str] = frozenset()) -> ExecutionPlan:
-    cl = spec.cluster
-    return ExecutionPlan(experiment=spec.name, graph_digest=graph.digest, nodelist=cl.nodelist,
-                         n_devices_per_node=cl.n_devices_per_node, device=cl.device, source=name,
-                         placements={c: CallPlacement(mesh=m, dp=d, tp=t, pp=p, n_mbs=n, recompute=c in recompute)
-                                     for c, (m, d, t, p, n) in placements.items()})
+    return ExecutionPlan.by_hand(graph, placements, recompute=recompute, source=name)
 
 
 def hand_plans(spec: ExperimentSpec, graph: DataflowGraph) -> dict[str, ExecutionPlan]:

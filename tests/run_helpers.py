@@ -6,7 +6,7 @@ from pathlib import Path
 
 from realloc.api import load_experiment
 from realloc.graph.dataflow import build_graph
-from realloc.graph.plan import CallPlacement, ExecutionPlan
+from realloc.graph.plan import ExecutionPlan
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "experiments/ppo_tiny.py")
@@ -20,7 +20,4 @@ DISJOINT = {"actor_gen": ("localhost:0", 1), "rew_inf": ("localhost:0", 1), "ref
 def disjoint_plan() -> ExecutionPlan:
     spec = load_experiment(TINY)
     g = build_graph(spec)
-    return ExecutionPlan(experiment=spec.name, graph_digest=g.digest, nodelist=spec.cluster.nodelist,
-                         n_devices_per_node=spec.cluster.n_devices_per_node, device=spec.cluster.device,
-                         placements={c: CallPlacement(mesh=m, dp=dp, tp=1, pp=1, n_mbs=1)
-                                     for c, (m, dp) in DISJOINT.items()}, source="hand")
+    return ExecutionPlan.by_hand(g, {c: (m, dp, 1, 1, 1) for c, (m, dp) in DISJOINT.items()}, source="hand")

@@ -93,7 +93,7 @@ def test_shapes_come_from_config_json(tmp_path):
     assert graph.spec.models["critic"].new_value_head
     assert Path(graph.spec.models["actor"].path) == (tmp_path / "ckpt/sft").resolve()
     # The planner enumerates layouts for it: pp up to its 3 layers, never 4.
-    pps = {s.pp for _, s, _ in call_options(graph, "actor_train")}
+    pps = {opt.strategy.pp for opt in call_options(graph, "actor_train")}
     assert 3 not in pps and max(pps) <= 2 and pps  # 2 devices
 
 

@@ -29,7 +29,7 @@ import zmq
 
 from realloc.api import load_experiment
 from realloc.graph.dataflow import build_graph
-from realloc.graph.plan import CallPlacement, ExecutionPlan
+from realloc.graph.plan import ExecutionPlan
 
 REPO = Path(__file__).resolve().parents[1]
 EXPERIMENT = str(REPO / "experiments/ppo_tiny.py")
@@ -62,12 +62,8 @@ RECOMPUTE = {"tp_pp": {"actor_train", "critic_train"}}
 def hand_plan(name: str) -> ExecutionPlan:
     spec = load_experiment(EXPERIMENT)
     g = build_graph(spec)
-    return ExecutionPlan(experiment=spec.name, graph_digest=g.digest, nodelist=spec.cluster.nodelist,
-                         n_devices_per_node=spec.cluster.n_devices_per_node, device=spec.cluster.device,
-                         placements={c: CallPlacement(mesh=m, dp=d, tp=t, pp=p, n_mbs=n,
-                                                      recompute=c in RECOMPUTE.get(name, ()))
-                                     for c, (m, d, t, p, n) in HAND_PLANS[name].items()},
-                         offload=OFFLOAD.get(name, {}), source=name)
+    return ExecutionPlan.by_hand(g, HAND_PLANS[name], recompute=RECOMPUTE.get(name, ()),
+                                 offload=OFFLOAD.get(name, {}), source=name)
 
 
 def env(tmp: Path) -> dict[str, str]:

@@ -30,7 +30,7 @@ import torch
 from mp_pool import GlooPool
 from realloc.api import load_experiment
 from realloc.graph.dataflow import build_graph
-from realloc.graph.plan import CallPlacement, ExecutionPlan
+from realloc.graph.plan import ExecutionPlan
 
 REPO = Path(__file__).resolve().parents[1]
 ITERS = 3
@@ -94,10 +94,7 @@ def experiment(hf_assets, tmp_path_factory) -> Path:
 def _plan(experiment: Path, name: str) -> Path:
     spec = load_experiment(str(experiment))
     g = build_graph(spec)
-    plan = ExecutionPlan(experiment=spec.name, graph_digest=g.digest, nodelist=spec.cluster.nodelist,
-                         n_devices_per_node=spec.cluster.n_devices_per_node, device=spec.cluster.device,
-                         placements={c: CallPlacement(mesh=m, dp=d, tp=t, pp=p, n_mbs=n)
-                                     for c, (m, d, t, p, n) in PLANS[name].items()}, source=name)
+    plan = ExecutionPlan.by_hand(g, PLANS[name], source=name)
     path = experiment.parent / f"plan-{name}.json"
     plan.save(path)
     return path

@@ -4,7 +4,7 @@ import pytest
 
 from realloc.api import load_experiment
 from realloc.graph.dataflow import build_graph
-from realloc.graph.plan import CallPlacement, ExecutionPlan
+from realloc.graph.plan import ExecutionPlan
 from realloc.runtime.program import RuntimeProgram
 from realloc.runtime.transfer_plan import plan_data_transfer
 
@@ -15,11 +15,7 @@ def graph():
 
 
 def make_plan(graph, place, offload=None):
-    spec = graph.spec
-    return ExecutionPlan(experiment=spec.name, graph_digest=graph.digest, nodelist=spec.cluster.nodelist,
-                         n_devices_per_node=spec.cluster.n_devices_per_node, device=spec.cluster.device,
-                         placements={c: CallPlacement(mesh=m, dp=d, tp=t, pp=p, n_mbs=n)
-                                     for c, (m, d, t, p, n) in place.items()}, offload=offload or {})
+    return ExecutionPlan.by_hand(graph, place, offload=offload)
 
 
 SAME = ("localhost", 2, 1, 1, 1)

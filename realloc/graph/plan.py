@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -57,6 +57,20 @@ class ExecutionPlan(BaseModel):
     estimated_peak_memory: int | None = None  # bytes, the most loaded device
     call_times: dict[str, float] = Field(default_factory=dict)  # seconds, standalone estimate per call
     call_memory: dict[str, int] = Field(default_factory=dict)  # bytes per device, peak while the call runs
+
+    @classmethod
+    def by_hand(cls, graph: "DataflowGraph", placements: Mapping[str, "tuple[str, int, int, int, int] | CallPlacement"],
+                *, recompute: Iterable[str] = (), offload: Mapping[str, bool] | None = None,
+                source: str = "manual") -> "ExecutionPlan":
+        """A plan written in Python: call -> (mesh, dp, tp, pp, n_mbs) or a CallPlacement; ``recompute`` names
+        the train calls that recompute activations. Check it with ``validate_plan`` (the runtime does)."""
+        spec, redo = graph.spec, set(recompute)
+        places = {c: p if isinstance(p, CallPlacement) else
+                  CallPlacement(mesh=p[0], dp=p[1], tp=p[2], pp=p[3], n_mbs=p[4], recompute=c in redo)
+                  for c, p in placements.items()}
+        return cls(experiment=spec.name, graph_digest=graph.digest, nodelist=spec.cluster.nodelist,
+                   n_devices_per_node=spec.cluster.n_devices_per_node, device=spec.cluster.device,
+                   placements=places, offload=dict(offload or {}), source=source)
 
     # -- serialization -------------------------------------------------------
     def to_json(self) -> str:
