@@ -65,7 +65,6 @@ def test_user_mistakes_are_not_internal_errors(tmp_path, capsys):
     assert "internal error" not in err and len(err.strip().splitlines()) == 1
     a_file = tmp_path / "not_a_dir"
     a_file.write_text("")
-    assert main(["run", "experiments/ppo_tiny.py", "--iterations", "1", "--baseline", "heuristic",
-                 "--run-dir", str(a_file)]) == EXIT_USAGE
+    assert main(["run", "experiments/ppo_tiny.py", "--iterations", "1", "--run-dir", str(a_file)]) == EXIT_USAGE
     err = capsys.readouterr().err
     assert f"--run-dir {a_file} is a file" in err and "internal error" not in err

@@ -161,17 +161,24 @@ def test_secret_file_must_be_private(tmp_path):
         P.read_secret({P.SECRET_ENV: "not hex"})
 
 
+def live_sockets(ctx: zmq.Context, *identities: bytes, limit: bool = False) -> list[zmq.Socket]:
+    """A loopback ROUTER (with the protocol's frame limit if ``limit``) and a DEALER per identity."""
+    router = ctx.socket(zmq.ROUTER)
+    if limit:
+        P.limit_frame_size(router)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    dealers = []
+    for ident in identities:
+        dealers.append(ctx.socket(zmq.DEALER))
+        dealers[-1].setsockopt(zmq.IDENTITY, ident)
+        dealers[-1].connect(f"tcp://127.0.0.1:{port}")
+    return [router, *dealers]
+
+
 def test_forged_message_over_a_live_socket_does_not_stop_the_receiver():
     """A ROUTER that receives junk and a forgery in between real messages serves both real ones."""
     ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    good = ctx.socket(zmq.DEALER)
-    good.setsockopt(zmq.IDENTITY, b"worker0")
-    good.connect(f"tcp://127.0.0.1:{port}")
-    evil = ctx.socket(zmq.DEALER)
-    evil.setsockopt(zmq.IDENTITY, b"worker1")
-    evil.connect(f"tcp://127.0.0.1:{port}")
+    router, good, evil = live_sockets(ctx, b"worker0", b"worker1")
     master = P.Channel(SECRET, "run-1", P.MASTER)
     w0 = P.Channel(SECRET, "run-1", "worker0")
     forger = P.Channel(b"y" * 32, "run-1", "worker1")
@@ -199,15 +206,7 @@ def test_oversized_frame_is_dropped_before_it_is_read():
     """A frame above the payload limit is refused by libzmq from its header: the receiver never holds
     it, and the sender's next (reconnected) message and other peers still get through."""
     ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    P.limit_frame_size(router)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    evil = ctx.socket(zmq.DEALER)
-    evil.setsockopt(zmq.IDENTITY, b"evil")
-    evil.connect(f"tcp://127.0.0.1:{port}")
-    good = ctx.socket(zmq.DEALER)
-    good.setsockopt(zmq.IDENTITY, b"good")
-    good.connect(f"tcp://127.0.0.1:{port}")
+    router, evil, good = live_sockets(ctx, b"evil", b"good", limit=True)
     try:
         evil.send_multipart([b"\x00" * (P.MAX_PAYLOAD_BYTES + 1), b"mac"])
         evil.send_multipart([b"small", b"mac"])

@@ -35,7 +35,6 @@ import json
 import logging
 import signal
 import socket
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -52,7 +51,7 @@ from realloc.runtime.evaluation import eval_calls, eval_key
 from realloc.runtime.launcher import RunPaths, WorkerLauncher, plan_node_hosts
 from realloc.runtime.program import Realloc, RuntimeProgram
 from realloc.runtime.run_config import RunConfig
-from realloc.runtime.stop_signals import SAVE_SAFETY, StopRequest, StopSignals, checkpoint_seconds_estimate
+from realloc.runtime.stop_signals import SAVE_SAFETY, StopRequest, StopSignals, checkpoint_seconds
 from realloc.runtime.telemetry import RequestLog, RequestRecord, RunStats, Trace, iteration_metrics
 from realloc.runtime.transfer_plan import DataLayout, TransferPlan, dp_ranges, plan_data_transfer
 
@@ -193,7 +192,8 @@ class Master:
         self.stats = RunStats(self.n_workers)
         receiver = asyncio.create_task(self._receive())
         monitor = asyncio.create_task(self._monitor())
-        restore_signals = self._catch_stop_signals()
+        loop = asyncio.get_running_loop()
+        restore_signals = self.stop_signals.catch(lambda sig: loop.call_soon_threadsafe(self.request_stop, sig))
         try:
             await self._guard(self._wait_for_workers())
             try:
@@ -261,19 +261,6 @@ class Master:
             sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # a dead peer's error is expected
 
     # -- stopping on a signal (stop_signals.py) -------------------------------------------------------------------
-    def _catch_stop_signals(self) -> Callable[[], None]:
-        """Route SIGTERM and the warning signal to ``request_stop``; returns a function restoring the handlers."""
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None  # signal handlers can only be set in the main thread
-        loop = asyncio.get_running_loop()
-        previous = {sig: signal.signal(sig, lambda s, _: loop.call_soon_threadsafe(self.request_stop, s))
-                    for sig in self.stop_signals.time_left}
-
-        def restore() -> None:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-        return restore
-
     def request_stop(self, signum: int, source: str = "master") -> None:
         """Stop after the iterations already running, with a checkpoint if one fits in the time left."""
         sig = signal.Signals(signum)
@@ -288,20 +275,6 @@ class Master:
         log.warning("master: %s (%s): finishing the iterations in flight, then saving a checkpoint if one fits in "
                     "the %.0f s left", sig.name, source, left)
 
-    def _checkpoint_bytes(self) -> float:
-        """What the busiest worker writes per checkpoint: its trained models' home shards with AdamW state."""
-        prog = self.program
-        # Two fp32 moments per parameter, plus fp32 master weights for 16-bit parameters.
-        per_param = prog.bytes_per_param + 8 + (4 if prog.bytes_per_param < 4 else 0)
-        per_rank = [0.0] * self.n_workers
-        for m in prog.models:
-            if prog.is_trained(m):
-                cl = prog.calls[prog.home_call(m)]
-                shard = prog.model_config(m).total_params * per_param / (cl.strategy.tp * cl.strategy.pp)
-                for r in cl.ranks:
-                    per_rank[r] += shard
-        return max(per_rank)
-
     async def _stop_after(self, t: int) -> None:
         """The stop's last step after iteration ``t``: a checkpoint if there is time, then the end of the run."""
         stop = self.stop
@@ -312,7 +285,7 @@ class Master:
             if self._saves_after(t):
                 stop.checkpoint = str(name)  # the plan's own save of this iteration
             else:
-                need = checkpoint_seconds_estimate(self._checkpoint_bytes(), self.longest_save)
+                need = checkpoint_seconds(self.program, self.n_workers, self.longest_save)
                 left = stop.deadline - time.monotonic()
                 if SAVE_SAFETY * need <= left:
                     await self._save(t)

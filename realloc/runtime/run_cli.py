@@ -66,8 +66,6 @@ def _choose_plan(args: argparse.Namespace, spec: ExperimentSpec, ckpt: Path | No
 
 def _run_dir(args: argparse.Namespace, spec: ExperimentSpec, ckpt: Path | None) -> Path:
     if args.run_dir:
-        if Path(args.run_dir).exists() and not Path(args.run_dir).is_dir():
-            raise ValueError(f"--run-dir {args.run_dir} is a file; give a directory (created if missing)")
         return Path(args.run_dir)
     if ckpt is not None and ckpt.parent.name == "checkpoints":
         return ckpt.parent.parent  # continue the checkpoint's own run
@@ -118,6 +116,8 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--heartbeat-timeout must be at least {MIN_HEARTBEAT_TIMEOUT:g} s (workers beat every "
                          f"second), got {args.heartbeat_timeout:g}")
     stop_signals = StopSignals.parse(args.warning_signal)
+    if args.run_dir and Path(args.run_dir).exists() and not Path(args.run_dir).is_dir():
+        raise ValueError(f"--run-dir {args.run_dir} is a file; give a directory (created if missing)")
     if args.launcher != "slurm" and (args.dry_run or args.prepare):
         raise ValueError(f"{'--dry-run' if args.dry_run else '--prepare'} applies to --launcher slurm; for a local "
                          f"run, `realloc search EXP --dry-run` shows the plan")

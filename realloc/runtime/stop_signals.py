@@ -15,6 +15,11 @@ from __future__ import annotations
 import dataclasses
 import re
 import signal
+import threading
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from realloc.runtime.program import RuntimeProgram
 
 # Seconds between SIGTERM and SIGKILL: SLURM's default KillWait (clusters may configure another value).
 TERM_GRACE = 30.0
@@ -60,6 +65,20 @@ class StopSignals:
         """Ask SLURM to send the warning signal to the batch script (``B:``) ahead of the time limit."""
         return f"#SBATCH --signal=B:{self}"
 
+    def catch(self, on_signal: Callable[[int], None]) -> Callable[[], None]:
+        """Call ``on_signal(signum)`` for each stop signal; returns a function restoring the old handlers.
+
+        ``on_signal`` runs in the signal handler: it should only schedule work (``call_soon_threadsafe``).
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None  # handlers can be set in the main thread only
+        previous = {sig: signal.signal(sig, lambda s, _: on_signal(s)) for sig in self.time_left}
+
+        def restore() -> None:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return restore
+
 
 @dataclasses.dataclass
 class StopRequest:
@@ -85,9 +104,18 @@ class StopRequest:
         return f"{what}; {self.note or 'no checkpoint saved'}"
 
 
-def checkpoint_seconds_estimate(shard_bytes: float, measured: float | None) -> float:
-    """How long a checkpoint takes: the longest one measured in this run, else the largest amount one
-    worker writes at ``ASSUMED_SAVE_BANDWIDTH``."""
+def checkpoint_seconds(program: "RuntimeProgram", n_workers: int, measured: float | None) -> float:
+    """How long a checkpoint takes: the longest one measured in this run, else what the busiest worker
+    writes (its trained models' home shards with AdamW state) at ``ASSUMED_SAVE_BANDWIDTH``."""
     if measured is not None:
         return measured
-    return shard_bytes / ASSUMED_SAVE_BANDWIDTH
+    # Two fp32 moments per parameter, plus fp32 master weights for 16-bit parameters.
+    per_param = program.bytes_per_param + 8 + (4 if program.bytes_per_param < 4 else 0)
+    per_rank = [0.0] * n_workers
+    for m in program.models:
+        if program.is_trained(m):
+            cl = program.calls[program.home_call(m)]
+            shard = program.model_config(m).total_params * per_param / (cl.strategy.tp * cl.strategy.pp)
+            for r in cl.ranks:
+                per_rank[r] += shard
+    return max(per_rank) / ASSUMED_SAVE_BANDWIDTH
