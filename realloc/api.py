@@ -37,9 +37,12 @@ class ModelFunctionCallDef:
     """One node of the dataflow graph: a call of ``interface_type`` on model ``model_name``.
 
     ``model_type`` may be left out on all but one call of a model; the graph
-    takes it from the call that names it. ``n_seqs`` defaults to the
-    experiment's batch size. ``n_minibatches`` (TRAIN_STEP only) splits the
-    batch into that many optimizer steps, as PPO's mini-batches do.
+    takes it from the call that names it. ``n_minibatches`` (TRAIN_STEP only)
+    splits the batch into that many optimizer steps, as PPO's mini-batches do.
+    ``n_samples`` (GENERATE only) samples that many responses per prompt: the
+    group that GRPO and RLOO compare. Every later call then sees
+    ``batch_size * n_samples`` sequences, grouped by prompt; ``n_seqs``
+    defaults to that number.
     """
 
     name: str
@@ -50,6 +53,7 @@ class ModelFunctionCallDef:
     output_data: Sequence[str] = ()
     n_seqs: int | None = None
     n_minibatches: int = 1
+    n_samples: int = 1
     interface_impl: str | None = None
     interface_args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -81,6 +85,10 @@ class ModelFunctionCallDef:
             raise ValueError(f"call {self.name!r}: n_minibatches must be a positive integer, got {self.n_minibatches!r}")
         if self.n_minibatches > 1 and itype is not InterfaceType.TRAIN_STEP:
             raise ValueError(f"call {self.name!r}: n_minibatches applies only to TRAIN_STEP calls")
+        if not isinstance(self.n_samples, int) or isinstance(self.n_samples, bool) or self.n_samples < 1:
+            raise ValueError(f"call {self.name!r}: n_samples must be a positive integer, got {self.n_samples!r}")
+        if self.n_samples > 1 and itype is not InterfaceType.GENERATE:
+            raise ValueError(f"call {self.name!r}: n_samples (responses per prompt) applies only to GENERATE calls")
         object.__setattr__(self, "interface_args", MappingProxyType(dict(self.interface_args)))
 
     @property
@@ -197,8 +205,14 @@ class ExperimentSpec:
     def call_names(self) -> tuple[str, ...]:
         return tuple(r.name for r in self.rpcs)
 
+    @property
+    def group_size(self) -> int:
+        """Responses per prompt (the GENERATE calls' ``n_samples``); sequences come in groups of this size."""
+        return max((r.n_samples for r in self.rpcs), default=1)
+
     def n_seqs(self, rpc: ModelFunctionCallDef) -> int:
-        return rpc.n_seqs if rpc.n_seqs is not None else self.batch_size
+        """Sequences a call processes: ``batch_size`` prompts times the group size, unless ``n_seqs`` says."""
+        return rpc.n_seqs if rpc.n_seqs is not None else self.batch_size * self.group_size
 
 
 def experiment_spec(experiment: Any, source: str = "", auto_config: AutoConfig | None = None) -> ExperimentSpec:
@@ -215,6 +229,10 @@ def experiment_spec(experiment: Any, source: str = "", auto_config: AutoConfig |
         if not isinstance(r, ModelFunctionCallDef):
             raise ValueError(f"experiment {cls.__name__}: rpcs[{i}] is a {type(r).__name__}, not a ModelFunctionCallDef")
     names = [r.name for r in rpcs]
+    groups = {r.n_samples for r in rpcs if r.interface_type is InterfaceType.GENERATE}
+    if len(groups) > 1:
+        raise ValueError(f"experiment {cls.__name__}: GENERATE calls sample different n_samples {sorted(groups)}; "
+                         f"every generation of one experiment must produce the same group size")
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup:
         raise ValueError(f"experiment {cls.__name__}: two calls are named {dup!r}; call names must be unique")

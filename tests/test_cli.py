@@ -23,7 +23,7 @@ def test_show_prints_graph_and_candidate_counts(capsys):
     assert main(["show", "experiments/ppo_7b_7b.py"]) == 0
     out = capsys.readouterr().out
     assert "trainer[01-02]: 2 node(s) x 8 a100-80g" in out
-    assert "actor_train      TRAIN_STEP actor(llama3-8b)" in out
+    assert "actor_train      TRAIN_STEP ppo_actor on actor(llama3-8b)" in out
     counts = {line.split()[0]: line.split()[1] for line in out.splitlines() if line.startswith("  ")}
     # a train step's 622 (mesh, strategy, micro-batches) come with and without recomputation
     assert counts["actor_gen"] == "685" and counts["actor_train"] == str(2 * 622)

@@ -5,12 +5,13 @@ import dataclasses
 import networkx as nx
 import pytest
 
-from realloc.algorithms.ppo_config import ppo_rpcs
+from realloc.algorithms.ppo_config import PPOConfig, ppo_rpcs
+from realloc.algorithms.registry import Interface
 from realloc.api import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef, auto, experiment_spec
 from realloc.graph.dataflow import DATA, PARAM, build_graph
 
 
-def make_spec(rpcs, batch_size=16, dataset_keys=("prompts",)):
+def make_spec(rpcs, batch_size=16, dataset_keys=("prompts",), interfaces=()):
     @auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size=batch_size, prompt_len=8, gen_len=8,
           dataset_keys=dataset_keys)
     @dataclasses.dataclass
@@ -18,7 +19,20 @@ def make_spec(rpcs, batch_size=16, dataset_keys=("prompts",)):
         @property
         def rpcs(self):
             return list(rpcs)
+
+        @property
+        def interfaces(self):
+            return list(interfaces)
     return experiment_spec(Exp)
+
+
+def _noop(ctx, inputs):
+    raise AssertionError("graph tests never run interfaces")
+
+
+# Interfaces of whatever shape a structural test needs (declared by the experiment, as users do).
+SCORE_PROMPTS = Interface("score_prompts", INFERENCE, _noop, inputs=("prompts",), outputs=("logp",))
+TRAIN_ON_SEQ = Interface("train_on_seq", TRAIN_STEP, _noop, inputs=("seq",), config="ppo", config_type=PPOConfig)
 
 
 def call(name, model, itype, inputs=(), outputs=(), model_type=None, **kw):
@@ -48,10 +62,10 @@ def test_ppo_edges_data_and_parameter_version():
 
 def test_parameter_version_edge_without_data_dependency():
     g = build_graph(make_spec([
-        call("gen", "actor", GENERATE, ["prompts"], ["seq"], model_type="tiny"),
-        call("score", "actor", INFERENCE, ["prompts"], ["logp"]),
-        call("train", "actor", TRAIN_STEP, ["seq"]),
-    ]))
+        call("gen", "actor", GENERATE, ["prompts"], ["seq", "logp"], model_type="tiny"),
+        call("score", "actor", INFERENCE, ["prompts"], ["logp2"], interface_impl="score_prompts"),
+        call("train", "actor", TRAIN_STEP, ["seq"], interface_impl="train_on_seq"),
+    ], interfaces=[SCORE_PROMPTS, TRAIN_ON_SEQ]))
     assert g.graph.edges["score", "train"]["kind"] == PARAM  # train waits for readers of the old version
     assert set(g.carry_edges) == {("train", "gen"), ("train", "score"), ("train", "train")}
 
@@ -149,10 +163,13 @@ def test_unknown_interface_impl_and_mismatch():
 
 
 def test_rule_model_only_infers():
-    rpcs = [call("gen", "actor", GENERATE, ["prompts"], ["seq"], model_type="tiny"),
-            call("score", "fn", TRAIN_STEP, ["seq"], model_type="rule")]
-    with pytest.raises(ValueError, match="call 'score'.*supports only INFERENCE"):
+    rpcs = [call("gen", "actor", GENERATE, ["prompts"], ["seq", "logp"], model_type="tiny"),
+            call("score", "fn", TRAIN_STEP, ["seq"], model_type="rule", interface_impl="rule_reward")]
+    with pytest.raises(ValueError, match="call 'score': interface_impl 'rule_reward' does not implement TRAIN_STEP"):
         build_graph(make_spec(rpcs))
+    rpcs[1] = call("score", "fn", TRAIN_STEP, ["seq"], model_type="rule", interface_impl="train_on_seq")
+    with pytest.raises(ValueError, match="call 'score': interface 'train_on_seq' TRAIN_STEP needs a vocabulary"):
+        build_graph(make_spec(rpcs, interfaces=[TRAIN_ON_SEQ]))
     rpcs[1] = call("score", "fn", INFERENCE, ["seq"], ["r"], model_type="rule")
     with pytest.raises(ValueError, match="call 'score'.*needs interface_impl"):
         build_graph(make_spec(rpcs))

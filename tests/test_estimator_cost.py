@@ -5,6 +5,8 @@ import math
 
 import pytest
 
+from realloc.algorithms.ppo_config import PPOConfig
+from realloc.algorithms.registry import Interface
 from realloc.api import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef, auto, experiment_spec, load_experiment
 from realloc.estimator.call_time import (GRAD_BUCKET_NUMEL, CallCost, StageTime, decode_round, pipeline_makespan,
                                          sum_over_range)
@@ -21,6 +23,14 @@ from realloc.strategy import ParallelStrategy as S
 TINY_PARAMS = 209472  # tests/test_estimator_memory.py derives it by hand
 
 
+# What these cost fixtures' calls run: only their shapes matter (nothing is executed).
+COST_ONLY_INTERFACES = [
+    Interface("gen_seq", GENERATE, "realloc.algorithms.common:actor_generate", inputs=("prompts",), outputs=("seq",),
+              config="ppo", config_type=PPOConfig),
+    Interface("train_on_ref", TRAIN_STEP, "realloc.algorithms.ppo_interfaces:actor_train",
+              inputs=("seq", "ref_logp:logp"), config="ppo", config_type=PPOConfig),
+]
+
 @auto(nodelist="n[1-2]", n_devices_per_node=1, device="cpu", batch_size=8, prompt_len=8, gen_len=8)
 @dataclasses.dataclass
 class TwoNodes:
@@ -28,12 +38,14 @@ class TwoNodes:
     def rpcs(self):
         return [
             ModelFunctionCallDef(name="gen", model_name="actor", model_type="tiny", interface_type=GENERATE,
-                                 interface_impl="ppo_actor", input_data=["prompts"], output_data=["seq"]),
+                                 interface_impl="gen_seq", input_data=["prompts"], output_data=["seq"]),
             ModelFunctionCallDef(name="ref", model_name="ref", model_type="tiny", interface_type=INFERENCE,
                                  interface_impl="ppo_actor", input_data=["seq"], output_data=["ref_logp"]),
             ModelFunctionCallDef(name="train", model_name="actor", interface_type=TRAIN_STEP,
-                                 interface_impl="ppo_actor", input_data=["seq", "ref_logp"], n_minibatches=2),
+                                 interface_impl="train_on_ref", input_data=["seq", "ref_logp"], n_minibatches=2),
         ]
+
+    interfaces = COST_ONLY_INTERFACES
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,8 @@ import dataclasses
 
 import pytest
 
+from realloc.algorithms.ppo_config import PPOConfig
+from realloc.algorithms.registry import Interface
 from realloc.api import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef, auto, experiment_spec
 from realloc.estimator.cost import CostModel
 from realloc.graph.dataflow import build_graph
@@ -18,6 +20,14 @@ STAGE1_TP2_PP2 = 2 * LAYER_TP2 + H + V * H // 2  # layers 2, 3 + final norm + lm
 FULL = V * H + L * (4 * H * H + 3 * H * I + 2 * H) + H + V * H
 
 
+# What these cost fixtures' calls run: only their shapes matter (nothing is executed).
+COST_ONLY_INTERFACES = [
+    Interface("gen_seq", GENERATE, "realloc.algorithms.common:actor_generate", inputs=("prompts",), outputs=("seq",),
+              config="ppo", config_type=PPOConfig),
+    Interface("train_on_ref", TRAIN_STEP, "realloc.algorithms.ppo_interfaces:actor_train",
+              inputs=("seq", "ref_logp:logp"), config="ppo", config_type=PPOConfig),
+]
+
 @auto(nodelist="localhost", n_devices_per_node=4, device="cpu", batch_size=16, prompt_len=8, gen_len=8)
 @dataclasses.dataclass
 class FourDevices:
@@ -25,12 +35,14 @@ class FourDevices:
     def rpcs(self):
         return [
             ModelFunctionCallDef(name="actor_gen", model_name="actor", model_type="tiny", interface_type=GENERATE,
-                                 interface_impl="ppo_actor", input_data=["prompts"], output_data=["seq"]),
+                                 interface_impl="gen_seq", input_data=["prompts"], output_data=["seq"]),
             ModelFunctionCallDef(name="ref_inf", model_name="ref", model_type="tiny", interface_type=INFERENCE,
                                  interface_impl="ppo_actor", input_data=["seq"], output_data=["ref_logp"]),
             ModelFunctionCallDef(name="actor_train", model_name="actor", interface_type=TRAIN_STEP,
-                                 interface_impl="ppo_actor", input_data=["seq", "ref_logp"], n_minibatches=2),
+                                 interface_impl="train_on_ref", input_data=["seq", "ref_logp"], n_minibatches=2),
         ]
+
+    interfaces = COST_ONLY_INTERFACES
 
 
 @pytest.fixture(scope="module")

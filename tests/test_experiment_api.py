@@ -18,8 +18,12 @@ SHIPPED = sorted(str(p.relative_to(Path(__file__).resolve().parents[1]))
 def test_shipped_experiments_validate(path):
     spec = load_experiment(path)
     graph = build_graph(spec)
-    assert set(spec.call_names) == {"actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train", "critic_train"}
-    assert graph.model_type("actor_train") == graph.model_type("actor_gen")
+    assert "actor_train" in spec.call_names
+    if Path(path).name.startswith("ppo_"):
+        assert set(spec.call_names) == {"actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train",
+                                        "critic_train"}
+    if "actor_gen" in spec.call_names:
+        assert graph.model_type("actor_train") == graph.model_type("actor_gen")
 
 
 def test_paper_settings():

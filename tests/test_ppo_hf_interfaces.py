@@ -1,6 +1,6 @@
 """PPO's model calls on HF checkpoints with variable-length prompts and EOS, against dense transformers.
 
-The call functions the workers run (``ppo_interfaces``) get this dp rank's rows of a batch of
+The call functions the workers run (``common``) get this dp rank's rows of a batch of
 prompts of 2..8 tokens, in three layouts on 2 gloo processes (dp=2, tp=2, pp=2). Their outputs must
 equal what HF computes sequence by sequence, unpadded:
 - greedy generation (top_k=1) token for token, stopping at the EOS id where HF does;
@@ -51,14 +51,14 @@ def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _ctx(model, call, ppo, ids, eos, n_mbs=2):
-    from realloc.algorithms.ppo_interfaces import CallContext
+    from realloc.algorithms.context import CallContext
 
-    return CallContext(call=call, model=model, optimizer=None, ppo=ppo, prompt_len=P, gen_len=T, seed=7,
+    return CallContext(call=call, model=model, optimizer=None, config=ppo, prompt_len=P, gen_len=T, seed=7,
                        iteration=0, ids=ids, batch_size=N, n_mbs=n_mbs, eos_token_ids=eos, pad_token_id=0)
 
 
 def _run_calls(ctx, actor_dir, critic_dir, dp, tp, pp, eos, greedy_ppo, sampled_ppo):
-    from realloc.algorithms import ppo_interfaces as impls
+    from realloc.algorithms import common as impls
     from realloc.strategy import even_ranges
 
     actor_cfg = model_config_from_hf(str(actor_dir))
@@ -167,7 +167,7 @@ def test_ppo_calls_match_transformers_in_every_layout(pool, models):
 
 
 def test_rule_reward_sees_prompt_and_response_split_per_row():
-    from realloc.algorithms.ppo_interfaces import split_prompt_response
+    from realloc.algorithms.common import split_prompt_response
 
     tokens = torch.tensor([[5, 6, 7, 8, 9, 0, 0], [5, 1, 2, 3, 0, 0, 0]])
     seq = {"tokens": tokens, "prompt_lens": torch.tensor([2, 1]),
@@ -178,7 +178,7 @@ def test_rule_reward_sees_prompt_and_response_split_per_row():
 
 
 def test_response_columns_shift():
-    from realloc.algorithms.ppo_interfaces import response_columns
+    from realloc.algorithms.common import response_columns
 
     per_pos = torch.arange(12, dtype=torch.float32).view(2, 6)
     mask = torch.tensor([[True, True, False], [True, False, False]])
@@ -189,7 +189,7 @@ def test_response_columns_shift():
 
 
 def test_generation_config_carries_eos_and_pad():
-    from realloc.algorithms.ppo_interfaces import generation_config
+    from realloc.algorithms.common import generation_config
 
     call = ModelFunctionCallDef(name="gen", model_name="actor", interface_type=GENERATE)
     ctx = _ctx(None, call, PPOConfig(), range(0, 2), (3, 9))

@@ -5,6 +5,8 @@ import itertools
 
 import pytest
 
+from realloc.algorithms.ppo_config import PPOConfig
+from realloc.algorithms.registry import Interface
 from realloc.api import ModelFunctionCallDef, TRAIN_STEP, GENERATE, auto, experiment_spec
 from realloc.graph.dataflow import build_graph
 from realloc.models.config import get_model_config
@@ -67,13 +69,19 @@ def test_micro_batch_options():
 
 
 def _spec(nodelist, per_node, device, model, batch, interface=GENERATE, n_minibatches=1):
+    # One call of the given type that reads the prompts (its placements are all that matters here).
+    probe = Interface("probe", interface, "realloc.algorithms.common:actor_generate", inputs=("prompts",),
+                      config="ppo", config_type=PPOConfig)
+
     @auto(nodelist=nodelist, n_devices_per_node=per_node, device=device, batch_size=batch)
     @dataclasses.dataclass
     class Exp:
+        interfaces = [probe]
+
         @property
         def rpcs(self):
             return [ModelFunctionCallDef(name="c", model_name="m", model_type=model, interface_type=interface,
-                                         input_data=["prompts"], n_minibatches=n_minibatches)]
+                                         interface_impl="probe", input_data=["prompts"], n_minibatches=n_minibatches)]
     return experiment_spec(Exp)
 
 

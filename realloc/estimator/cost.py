@@ -97,7 +97,9 @@ class CostModel:
         rpc = self.graph.call(call)
         spec = self.graph.spec
         n_steps = rpc.n_minibatches if rpc.interface_type is InterfaceType.TRAIN_STEP else 1
-        return Workload(interface=rpc.interface_type, n_seqs=self.graph.steps_n_seqs(rpc), n_steps=n_steps,
+        # A DPO pair is two sequences through the model (its interface says so).
+        rows = self.graph.interfaces[call].rows_per_seq if call in self.graph.interfaces else 1
+        return Workload(interface=rpc.interface_type, n_seqs=self.graph.steps_n_seqs(rpc) * rows, n_steps=n_steps,
                         prompt_len=spec.prompt_len, gen_len=spec.gen_len)
 
     def workload(self, call: str) -> Workload:

@@ -309,6 +309,7 @@ class LayerProfiler:
         difference is the interface's own host work (KL-shaped rewards, GAE over the generated tokens,
         whitening, mini-batch assembly)."""
         from realloc.algorithms import ppo_interfaces as impl
+        from realloc.algorithms.context import CallContext
         from realloc.algorithms.ppo_config import PPOConfig
         from realloc.api import InterfaceType, ModelFunctionCallDef
 
@@ -327,9 +328,9 @@ class LayerProfiler:
                   "rewards": {"score": torch.randn(b, generator=g)}}
         call = ModelFunctionCallDef(name="actor_train", model_name="actor", model_type=self.cfg.name,
                                     interface_type=InterfaceType.TRAIN_STEP, interface_impl="ppo_actor",
-                                    input_data=list(impl.TRAIN_ROLES), n_minibatches=1)
-        ctx = impl.CallContext(call=call, model=model, optimizer=opt, ppo=PPOConfig(n_minibatches=1), prompt_len=P,
-                               gen_len=T, seed=1, iteration=0, ids=range(b), batch_size=b, n_mbs=1)
+                                    input_data=list(inputs), n_minibatches=1)
+        ctx = CallContext(call=call, model=model, optimizer=opt, config=PPOConfig(n_minibatches=1), prompt_len=P,
+                          gen_len=T, seed=1, iteration=0, ids=range(b), batch_size=b, n_mbs=1)
         batch = {"input_ids": tokens, "lengths": torch.full((b,), P + T, dtype=torch.long)}
 
         def loss_fn(out, mb):

@@ -19,8 +19,9 @@ from typing import Mapping
 
 import networkx as nx
 
-from realloc.algorithms import INTERFACE_IMPLS, VALUE_HEAD_IMPLS
-from realloc.api import ExperimentSpec, HFModel, InterfaceType, ModelFunctionCallDef
+from realloc.algorithms.registry import Interface, Table, interfaces_of
+from realloc.api import ExperimentSpec, HFModel, ModelFunctionCallDef
+from realloc.graph.contracts import check_contracts
 from realloc.models.config import RULE_MODEL_TYPE, ModelConfig, get_model_config, is_known_model_type, known_model_types
 
 DATA, PARAM = "data", "param"
@@ -33,6 +34,7 @@ class DataflowGraph:
     model_types: Mapping[str, str]  # model_name -> model_type ("hf:<dir>" for a checkpoint)
     carry_edges: tuple[tuple[str, str], ...]  # (src at t, dst at t+1)
     model_configs: Mapping[str, ModelConfig | None] = dataclasses.field(default_factory=dict)  # None: a rule
+    interfaces: Mapping[str, Interface] = dataclasses.field(default_factory=dict)  # call -> what it runs
 
     @property
     def calls(self) -> tuple[ModelFunctionCallDef, ...]:
@@ -61,6 +63,34 @@ class DataflowGraph:
         index = {n: i for i, n in enumerate(self.spec.call_names)}
         return tuple(nx.lexicographical_topological_sort(self.graph, key=lambda n: index[n]))
 
+    @cached_property
+    def headline_calls(self) -> frozenset[str]:
+        """Calls whose reward and generation stats are the run's headline: the producers of what the train steps
+        read as ``rewards`` and ``seq`` (ReMax's greedy baseline is not the policy's reward). All calls when
+        nothing trains."""
+        producers = {k: r.name for r in self.calls for k in r.output_data}
+        out = {producers[key] for r in self.calls if r.is_train
+               for slot, key in zip(self.interfaces[r.name].in_slots, r.input_data)
+               if slot.role in ("rewards", "seq") and key in producers}
+        return frozenset(out) if out else frozenset(self.spec.call_names)
+
+    def dp_error(self, dp: int) -> str | None:
+        """Why ``dp`` ranks cannot share this graph's sequences: with groups of responses (``n_samples``) each
+        rank must hold whole groups, so dp must divide the number of prompts. None if it can."""
+        g, b = self.spec.group_size, self.spec.batch_size
+        if g > 1 and b % dp:
+            return (f"dp={dp} must divide the batch of {b} prompts: each dp rank holds whole groups of the {g} "
+                    f"responses to a prompt")
+        return None
+
+    @cached_property
+    def dataset_kind(self) -> str:
+        """What the calls read from the dataset (``prompts``, ``seq``, ``pairs``): the kind of their slots."""
+        kinds = {slot.kind for r in self.calls for slot, key in zip(self.interfaces[r.name].in_slots, r.input_data)
+                 if key in self.spec.dataset_keys}
+        assert len(kinds) <= 1, kinds  # check_contracts makes every reader of a dataset key agree
+        return kinds.pop() if kinds else "prompts"
+
     def calls_of_model(self, model_name: str) -> tuple[str, ...]:
         return tuple(r.name for r in self.calls if r.model_name == model_name)
 
@@ -71,7 +101,7 @@ class DataflowGraph:
             "batch_size": self.spec.batch_size, "prompt_len": self.spec.prompt_len, "gen_len": self.spec.gen_len,
             "calls": [[r.name, r.model_name, self.model_types[r.model_name], r.interface_type.value,
                        list(r.input_data), list(r.output_data), self.spec.n_seqs(r), r.n_minibatches]
-                      for r in self.calls],
+                      + ([r.n_samples] if r.n_samples > 1 else []) for r in self.calls],
         }
         # A checkpoint is named by its shape, not its path, so a plan made on a laptop runs on the cluster.
         shapes = {m: _shape_key(self.model_configs[m]) for m in self.spec.models}
@@ -99,8 +129,11 @@ class DataflowGraph:
         for name in self.topo_order:
             r = self.call(name)
             parents = sorted(self.graph.predecessors(name))
-            lines.append(f"{name:<16} {r.interface_type.name:<10} {r.model_name}({self.model_types[r.model_name]}) "
-                         f"in={list(r.input_data)} out={list(r.output_data)} after={parents}")
+            impl = self.interfaces[name].name if name in self.interfaces else r.interface_impl
+            group = f" x{r.n_samples}" if r.n_samples > 1 else ""
+            lines.append(f"{name:<16} {r.interface_type.name:<10} {impl}{group} on {r.model_name}"
+                         f"({self.model_types[r.model_name]}) in={list(r.input_data)} out={list(r.output_data)} "
+                         f"after={parents}")
         if self.carry_edges:
             lines.append("next iteration: " + ", ".join(f"{u} -> {v}" for u, v in self.carry_edges))
         return "\n".join(lines)
@@ -111,7 +144,7 @@ def _shape_key(cfg: ModelConfig | None) -> dict:
                                    if k not in ("name", "special_tokens")}
 
 
-def _resolve_model_types(spec: ExperimentSpec) -> tuple[dict[str, str], dict[str, ModelConfig | None]]:
+def _resolve_model_types(spec: ExperimentSpec, table: Table) -> tuple[dict[str, str], dict[str, ModelConfig | None]]:
     """model_name -> (type name, config) from the calls' model_type or the experiment's checkpoints."""
     rpcs = spec.rpcs
     declared: dict[str, tuple[str, str]] = {}  # model_name -> (type, declaring call)
@@ -140,12 +173,12 @@ def _resolve_model_types(spec: ExperimentSpec) -> tuple[dict[str, str], dict[str
                                               for m, t in types.items()}
     for m, src in spec.models.items():
         types[m] = f"hf:{Path(src.path).name}" + ("+value-head" if src.new_value_head else "")
-        configs[m] = _checkpoint_config(spec, m, src)
+        configs[m] = _checkpoint_config(spec, m, src, table)
     order = list(dict.fromkeys(r.model_name for r in rpcs))
     return {m: types[m] for m in order}, {m: configs[m] for m in order}
 
 
-def _checkpoint_config(spec: ExperimentSpec, model: str, src: HFModel) -> ModelConfig:
+def _checkpoint_config(spec: ExperimentSpec, model: str, src: HFModel, table: Table) -> ModelConfig:
     """The shape of a checkpoint model, checked against what its calls need (a vocabulary or a scalar head)."""
     from realloc.models.hf_io import model_config_from_hf, read_hf_config
 
@@ -157,10 +190,10 @@ def _checkpoint_config(spec: ExperimentSpec, model: str, src: HFModel) -> ModelC
         raise ValueError(f"model {model!r}: {src.path} is already a sequence-classification model with a scalar "
                          f"head; drop new_value_head=True to use that head")
     cfg = model_config_from_hf(src.path, name=model, critic=seq_cls or src.new_value_head)
-    calls = [r for r in spec.rpcs if r.model_name == model]
-    value_calls = [r.name for r in calls if r.interface_impl in VALUE_HEAD_IMPLS]
-    lm_calls = [r.name for r in calls if r.interface_impl is not None and r.interface_impl not in VALUE_HEAD_IMPLS
-                and r.interface_impl != "rule_reward"]
+    heads = {r.name: table[(r.interface_impl, r.interface_type)].head for r in spec.rpcs
+             if r.model_name == model and (r.interface_impl, r.interface_type) in table}
+    value_calls = [c for c, h in heads.items() if h == "value"]
+    lm_calls = [c for c, h in heads.items() if h == "lm"]
     kind = ", ".join(hf.get("architectures") or ["a causal LM"])
     if value_calls and not cfg.is_critic:
         raise ValueError(f"model {model!r}: call {value_calls[0]!r} needs a scalar value head, but {src.path} is "
@@ -172,29 +205,12 @@ def _checkpoint_config(spec: ExperimentSpec, model: str, src: HFModel) -> ModelC
     return dataclasses.replace(cfg, name=f"{model}:{Path(src.path).name}")
 
 
-def _check_interface(r: ModelFunctionCallDef, model_type: str) -> None:
-    if r.interface_impl is not None:
-        supported = INTERFACE_IMPLS.get(r.interface_impl)
-        if supported is None:
-            raise ValueError(f"call {r.name!r}: unknown interface_impl {r.interface_impl!r}; known: "
-                             f"{', '.join(sorted(INTERFACE_IMPLS))}")
-        if r.interface_type not in supported:
-            raise ValueError(f"call {r.name!r}: interface_impl {r.interface_impl!r} does not implement "
-                             f"{r.interface_type.name}; it implements {', '.join(sorted(t.name for t in supported))}")
-    if model_type == RULE_MODEL_TYPE:
-        if r.interface_type is not InterfaceType.INFERENCE:
-            raise ValueError(f"call {r.name!r}: a {RULE_MODEL_TYPE!r} model is a parameter-free function and supports "
-                             f"only INFERENCE, not {r.interface_type.name}")
-        if r.interface_impl is None:
-            raise ValueError(f"call {r.name!r}: a {RULE_MODEL_TYPE!r} model needs interface_impl (e.g. 'rule_reward')")
-
-
 def build_graph(spec: ExperimentSpec) -> DataflowGraph:
     """Validate ``spec`` and build its one-iteration dataflow graph."""
     rpcs = spec.rpcs
-    model_types, model_configs = _resolve_model_types(spec)
+    table = interfaces_of(spec)
+    model_types, model_configs = _resolve_model_types(spec, table)
     for r in rpcs:
-        _check_interface(r, model_types[r.model_name])
         n = spec.n_seqs(r)
         if n % r.n_minibatches:
             raise ValueError(f"call {r.name!r}: its batch of {n} sequences cannot be split into "
@@ -253,6 +269,7 @@ def build_graph(spec: ExperimentSpec) -> DataflowGraph:
         path = " -> ".join([u for u, _ in cycle] + [cycle[0][0]])
         why = "; ".join(f"{u}->{v} via {', '.join(g.edges[u, v]['keys']) or 'parameter version'}" for u, v in cycle)
         raise ValueError(f"the dataflow graph has a cycle: {path} ({why}); a call cannot depend on its own output")
+    interfaces = check_contracts(spec, table, model_configs)  # the structure is sound: now what each call runs
 
     return DataflowGraph(spec=spec, graph=g, model_types=MappingProxyType(model_types), carry_edges=tuple(carry),
-                         model_configs=MappingProxyType(model_configs))
+                         model_configs=MappingProxyType(model_configs), interfaces=MappingProxyType(interfaces))

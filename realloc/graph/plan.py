@@ -163,6 +163,9 @@ def validate_plan(plan: ExecutionPlan, graph: "DataflowGraph") -> dict[str, Devi
         if p.recompute and not graph.call(name).is_train:
             raise ValueError(f"call {name!r}: recompute applies to TRAIN_STEP calls only (activations are kept for "
                              f"a backward); remove 'recompute' from its placement")
+        why = graph.dp_error(s.dp)
+        if why:
+            raise ValueError(f"call {name!r}: {why}")
         n_seqs = graph.steps_n_seqs(name)
         if n_seqs % (s.dp * p.n_mbs):
             raise ValueError(f"call {name!r}: {n_seqs} sequences per step cannot be split over dp={s.dp} into "

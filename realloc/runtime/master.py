@@ -618,7 +618,7 @@ class Master:
         while (k := self.start + self.n_reported) in self.iter_end:
             begin = self.iter_end.get(k - 1, self.t_start)
             m = iteration_metrics(k, self.call_stats.pop(k), self.node_times.pop(k), self.iter_end[k] - begin,
-                                  self.program.batch_size * self.spec.seq_len)
+                                  self.program.batch_size * self.spec.seq_len, self.graph.headline_calls)
             if k in self.eval_stats:
                 ev = self.eval_stats.pop(k)
                 m["eval"] = {"reward": ev["score_sum"] / ev["n_seqs_scored"], "n": int(ev["n_seqs_scored"]),

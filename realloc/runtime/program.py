@@ -109,9 +109,8 @@ class RuntimeProgram:
         return self.graph.model_config(self.graph.calls_of_model(model)[0])
 
     def generation_vocab_size(self) -> int | None:
-        """Vocabulary of the models that generate from the dataset's prompts (None if none does)."""
-        sizes = {self.model_config(self.calls[r.name].model).vocab_size for r in self.graph.calls
-                 if r.interface_type is InterfaceType.GENERATE and not self.is_rule(self.calls[r.name].model)}
+        """The smallest vocabulary of the run's models: every model reads the same token ids (None: only rules)."""
+        sizes = {self.model_config(m).vocab_size for m in self.models if not self.is_rule(m)}
         return min(sizes) if sizes else None
 
     def is_rule(self, model: str) -> bool:

@@ -13,7 +13,8 @@ The ``@auto`` dataclass may define (all optional):
 - ``sample_every: int`` (default 10): every N iterations, write a few decoded samples (prompt, response,
   reward) to ``samples.jsonl`` in the run directory; 0 turns it off; ``n_samples`` of them (default 4);
 - ``eval: EvalConfig``: an eval prompt set run every N iterations (``realloc.runtime.evaluation``);
-- ``ppo: PPOConfig``: PPO hyperparameters (defaults from ``PPOConfig()``).
+- the settings of the interfaces its calls run, e.g. ``ppo: PPOConfig`` or ``grpo: GRPOConfig``
+  (``registry.Interface.config``; the type's defaults when absent).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from realloc.algorithms.ppo_config import PPOConfig
 from realloc.api import ExperimentSpec, InterfaceType
 from realloc.data.config import DataConfig
 from realloc.runtime.evaluation import EvalConfig, eval_calls
@@ -32,7 +32,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     seed: int
-    ppo: PPOConfig
     dataset: str | None
     iterations: int | None
     tokenizer: str | None = None
@@ -47,9 +46,6 @@ class RunConfig:
         seed = getattr(cfg, "seed", 1)
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ValueError(f"experiment {spec.name!r}: seed must be an integer, got {seed!r}")
-        ppo = getattr(cfg, "ppo", None) or PPOConfig()
-        if not isinstance(ppo, PPOConfig):
-            raise ValueError(f"experiment {spec.name!r}: field ppo must be a PPOConfig, got {type(ppo).__name__}")
         data = getattr(cfg, "data", None) or DataConfig()
         if not isinstance(data, DataConfig):
             raise ValueError(f"experiment {spec.name!r}: field data must be a realloc.data.config.DataConfig, got "
@@ -77,7 +73,7 @@ class RunConfig:
             v = getattr(cfg, field, getattr(cls, field))
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"experiment {spec.name!r}: {field} must be a non-negative integer, got {v!r}")
-        return cls(seed=seed, ppo=ppo, dataset=dataset, iterations=iterations, tokenizer=_tokenizer_dir(spec),
+        return cls(seed=seed, dataset=dataset, iterations=iterations, tokenizer=_tokenizer_dir(spec),
                    data=data, sample_every=getattr(cfg, "sample_every", cls.sample_every),
                    n_samples=getattr(cfg, "n_samples", cls.n_samples), eval=ev)
 

@@ -13,9 +13,9 @@ import json
 import math
 import statistics
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable
 
-HEADLINE = ("reward", "kl", "actor_loss", "critic_loss")
+HEADLINE = ("reward", "kl", "actor_loss", "critic_loss", "dpo_loss", "dpo_accuracy", "sft_loss")
 
 
 @dataclasses.dataclass
@@ -143,12 +143,25 @@ def iteration_number(t: int) -> int:
     return t + 1 if t >= 0 else 0
 
 
+HEADLINE_STATS = ("kl", "actor_loss", "critic_loss", "approx_kl", "k3_kl", "actor_clip_frac", "critic_clip_frac",
+                  "actor_grad_norm", "critic_grad_norm", "value_mean", "return_mean", "adv_abs_mean", "actor_lr",
+                  "critic_lr", "dpo_loss", "dpo_accuracy", "dpo_margin", "chosen_reward", "rejected_reward", "sft_loss")
+
+
 def iteration_metrics(iteration: int, call_stats: dict[str, dict[str, float]], node_times: dict[str, float],
-                      iteration_time: float, tokens: int) -> dict[str, Any]:
-    """One JSONL record: headline PPO numbers, per-call stats, and time per call (incl. reallocation)."""
+                      iteration_time: float, tokens: int, headline: Collection[str] | None = None) -> dict[str, Any]:
+    """One JSONL record: headline numbers, per-call stats, and time per call (incl. reallocation).
+
+    ``reward``, ``response_len`` and ``eos_frac`` come from the ``headline`` calls (``DataflowGraph.headline_calls``;
+    all when None); another call that scores sequences is reported as ``reward_<call>``."""
     merged: dict[str, float] = {}
-    for stats in call_stats.values():
+    for call, stats in call_stats.items():
+        side = headline is not None and call not in headline
+        if side and stats.get("n_seqs_scored"):
+            merged[f"reward_{call}"] = stats["score_sum"] / stats["n_seqs_scored"]
         for k, v in stats.items():
+            if side and k in ("score_sum", "n_seqs_scored", "gen_tokens", "n_seqs", "eos_stops"):
+                continue
             merged[k] = merged.get(k, 0.0) + v
     out: dict[str, Any] = {"iteration": iteration_number(iteration)}
     if merged.get("n_seqs_scored"):
@@ -156,9 +169,7 @@ def iteration_metrics(iteration: int, call_stats: dict[str, dict[str, float]], n
     if merged.get("n_seqs"):  # generation: mean response length and the share that stopped at EOS
         out["response_len"] = merged.get("gen_tokens", 0.0) / merged["n_seqs"]
         out["eos_frac"] = merged.get("eos_stops", 0.0) / merged["n_seqs"]
-    for k in ("kl", "actor_loss", "critic_loss", "approx_kl", "actor_clip_frac", "critic_clip_frac",
-              "actor_grad_norm", "critic_grad_norm", "value_mean", "return_mean", "adv_abs_mean", "actor_lr",
-              "critic_lr"):
+    for k in HEADLINE_STATS + tuple(sorted(k for k in merged if k.startswith("reward_"))):
         if k in merged:
             out[k] = merged[k]
     out["iteration_time"] = iteration_time

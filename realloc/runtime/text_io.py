@@ -103,8 +103,8 @@ def check_data(spec: ExperimentSpec, config: Any, graph: Any, cache_dir: Path | 
     """Load the tokenizer and the prompt dataset as the workers will, before any worker starts, and check
     them against the models (every model reads the tokenizer's ids). Returns a one-line summary, or None
     when the experiment reads no dataset."""
-    from realloc.data.prompts import PromptDataset
     from realloc.data.tokenizer import Tokenizer
+    from realloc.runtime.datasets import load_dataset
 
     tokenizer = Tokenizer.load(config.tokenizer) if config.tokenizer else None
     vocab_sizes = {m: cfg.vocab_size for m, cfg in graph.model_configs.items() if cfg is not None}
@@ -113,9 +113,8 @@ def check_data(spec: ExperimentSpec, config: Any, graph: Any, cache_dir: Path | 
             tokenizer.check_model_vocab(v, f"model {m!r}")
     if config.dataset is None:
         return None
-    gen = [vocab_sizes[r.model_name] for r in spec.rpcs
-           if r.interface_type is InterfaceType.GENERATE and r.model_name in vocab_sizes]
-    data = PromptDataset.load(config.dataset, spec.prompt_len, tokenizer=tokenizer, config=config.data,
-                              vocab_size=min(gen) if gen else None, cache_dir=cache_dir)
+    # Token ids must fit every model: they all read the same sequences.
+    data = load_dataset(graph.dataset_kind, config.dataset, spec, config, tokenizer,
+                        min(vocab_sizes.values()) if vocab_sizes else None, cache_dir)
     where = f"tokenizer {config.tokenizer}" if tokenizer is not None else "token ids"
     return f"{data.stats.describe()} ({where})"

@@ -25,13 +25,14 @@ import sys
 import threading
 import time
 import traceback
+from typing import Any
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import zmq
 
-from realloc.algorithms import ppo_interfaces as impls
+from realloc.algorithms.context import CallContext, CallResult, Data
 from realloc.graph.dataflow import build_graph
 from realloc.graph.plan import ExecutionPlan
 from realloc.models.engine import ParallelModel
@@ -44,6 +45,7 @@ from realloc.runtime import checkpoint, protocol
 from realloc.runtime.data_store import DataStore, pack_rows, row_bytes, unpack_rows
 from realloc.runtime.evaluation import EVAL_SEED, eval_calls, eval_key, write_eval_samples
 from realloc.data.prompts import PromptDataset
+from realloc.runtime.datasets import dataset_rows, load_dataset
 from realloc.data.tokenizer import Tokenizer
 from realloc.runtime.launcher import RunPaths
 from realloc.runtime.offload import HostOffload
@@ -251,23 +253,24 @@ class ModelWorker:
                 model.release()
             opt = None
             if home and prog.is_trained(cl.model):
-                lr = self.config.ppo.critic_lr if cfg.is_critic else self.config.ppo.lr
-                opt = model.make_optimizer(lr, eps=self.config.ppo.adam_eps)
+                train = prog.graph.interfaces[prog.train_call(cl.model)]
+                settings = train.settings(self.spec.config)
+                opt = model.make_optimizer(getattr(settings, train.lr), eps=settings.adam_eps)
             self.handles[key] = ModelHandle(cl, model, opt)
             calls = [c for c, x in prog.calls.items() if x.key == key]
             log.info("%s layout %s %s (coords dp,tp,pp %s) for %s%s%s", cl.model, cl.mesh.name, cl.strategy,
                      self.handles[key].coords, ", ".join(calls), ", home" if home else "",
                      ", with optimizer" if opt is not None else "")
-        if any(k in self.spec.dataset_keys for r in self.spec.rpcs for k in r.input_data
-               if self.rank in prog.calls[r.name].ranks):
-            self.dataset = PromptDataset.load(self.config.dataset, self.spec.prompt_len, tokenizer=self.tokenizer,
-                                              config=self.config.data, vocab_size=prog.generation_vocab_size(),
-                                              cache_dir=RunPaths(self.run_dir).prompt_cache)
+        graph = prog.graph
+        if any((any(k in self.spec.dataset_keys for k in r.input_data) or graph.interfaces[r.name].records)
+               and self.rank in prog.calls[r.name].ranks for r in self.spec.rpcs):
+            self.dataset = load_dataset(graph.dataset_kind, self.config.dataset, self.spec, self.config,
+                                        self.tokenizer, prog.generation_vocab_size(),
+                                        RunPaths(self.run_dir).prompt_cache)
         ev = self.config.eval
         if ev.every and self.rank in prog.calls[eval_calls(self.spec).train].ranks:  # evaluation generates there
-            self.eval_dataset = PromptDataset.load(ev.dataset, self.spec.prompt_len, tokenizer=self.tokenizer,
-                                                   config=self.config.data, vocab_size=prog.generation_vocab_size(),
-                                                   cache_dir=RunPaths(self.run_dir).prompt_cache)
+            self.eval_dataset = load_dataset("prompts", ev.dataset, self.spec, self.config, self.tokenizer,
+                                             prog.generation_vocab_size(), RunPaths(self.run_dir).prompt_cache)
         if resume:
             self.load(Path(resume), verify_checkpoint)
 
@@ -283,6 +286,11 @@ class ModelWorker:
         except (OSError, ValueError, IndexError):
             return "memory unknown"
 
+    def _records(self, evaluating: bool) -> Any:
+        ds = self.eval_dataset if evaluating else self.dataset
+        assert ds is not None
+        return ds.record
+
     def _home(self, model: str) -> ModelHandle | None:
         return self.handles.get(self.program.calls[self.program.home_call(model)].key)
 
@@ -297,7 +305,10 @@ class ModelWorker:
         key_of = (lambda k: eval_key(eval_batch, k)) if evaluating else (lambda k: k)
         rpc = spec.call(call)
         cfg = prog.model_config(cl.model)
-        fn, in_keys, out_keys = impls.resolve(rpc, cfg is not None and cfg.is_critic)
+        iface = prog.graph.interfaces[call]
+        fn = iface.resolve()
+        in_keys = {slot.role: key for slot, key in zip(iface.in_slots, rpc.input_data)}
+        out_keys = {slot.role: key for slot, key in zip(iface.out_slots, rpc.output_data)}
         if cfg is None:  # a rule function: every device of the mesh is one dp rank
             handle, (dp_rank, tp_rank, pp_rank) = None, (cl.ranks.index(self.rank), 0, 0)
             dp, pp = cl.strategy.dp, 1
@@ -306,24 +317,27 @@ class ModelWorker:
             dp_rank, tp_rank, pp_rank = handle.coords
             dp, pp = cl.strategy.dp, cl.strategy.pp
         lo, hi = dp_ranges(prog.batch_size, dp)[dp_rank]
-        inputs: impls.Data = {}
+        inputs: Data = {}
         for role, key in in_keys.items():
             if key in spec.dataset_keys:
                 ds, position, seed = ((self.eval_dataset, eval_batch, EVAL_SEED) if evaluating
                                       else (self.dataset, iteration, self.config.seed))
                 assert ds is not None
-                inputs[role] = ds.batch(position, prog.batch_size, seed, range(lo, hi))
+                inputs[role] = dataset_rows(ds, position, spec.batch_size, seed, lo, hi, rpc.n_samples)
             else:
                 inputs[role] = self.store.get(key_of(key), iteration, lo, hi)
-        ctx = impls.CallContext(call=rpc, model=handle.model if handle else None,
-                                optimizer=handle.optimizer if handle else None, ppo=self.config.ppo,
+        ctx = CallContext(call=rpc, model=handle.model if handle else None,
+                                optimizer=handle.optimizer if handle else None, config=iface.settings(spec.config),
                                 prompt_len=spec.prompt_len, gen_len=spec.gen_len, seed=self.config.seed,
                                 iteration=iteration, ids=range(lo, hi), batch_size=prog.batch_size, n_mbs=cl.n_mbs,
                                 total_iterations=self.total_iterations,
                                 eos_token_ids=self.tokens.eos_token_ids, pad_token_id=self.tokens.pad_token_id,
                                 greedy=evaluating and self.config.eval.greedy,
-                                purpose=f"eval{eval_batch}" if evaluating else "generate", recompute=cl.recompute)
+                                purpose=f"eval{eval_batch}" if evaluating else "generate", recompute=cl.recompute,
+                                group_size=spec.group_size, tokenizer=self.tokenizer,
+                                records=self._records(evaluating) if iface.records else None)
         result = fn(ctx, inputs)
+        CallResult.check(result, call, iface.name, tuple(s.role for s in iface.out_slots))
         metas = []
         for role, key in out_keys.items():
             if role in result.outputs:

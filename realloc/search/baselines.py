@@ -59,7 +59,7 @@ def _node_tp(graph: DataflowGraph, width: int) -> int:
 
 
 def _pick_n_mbs(graph: DataflowGraph, call: str, dp: int, want: int) -> int | None:
-    opts = micro_batch_options(graph.steps_n_seqs(call), dp)
+    opts = [] if graph.dp_error(dp) else micro_batch_options(graph.steps_n_seqs(call), dp)
     if not opts:
         return None
     at_least = [m for m in opts if m >= want]
@@ -68,7 +68,8 @@ def _pick_n_mbs(graph: DataflowGraph, call: str, dp: int, want: int) -> int | No
 
 def _rule_strategy(graph: DataflowGraph, call: str, mesh: DeviceMesh) -> ParallelStrategy | None:
     """A parameter-free call runs pure data parallel."""
-    return ParallelStrategy(mesh.size, 1, 1) if graph.steps_n_seqs(call) % mesh.size == 0 else None
+    ok = graph.steps_n_seqs(call) % mesh.size == 0 and not graph.dp_error(mesh.size)
+    return ParallelStrategy(mesh.size, 1, 1) if ok else None
 
 
 def heuristic_plans(graph: DataflowGraph) -> list[dict[str, Option]]:

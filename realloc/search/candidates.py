@@ -63,6 +63,8 @@ def call_options(graph: DataflowGraph, call: str, cluster: ClusterSpec | None = 
         else:
             strategies = list(enumerate_strategies(cfg, mesh.size, mesh.n_devs, n_seqs))
         for s in strategies:
+            if graph.dp_error(s.dp):
+                continue
             for m in micro_batch_options(n_seqs, s.dp, max_n_mbs):
                 out.extend(Option(mesh, s, m, rc) for rc in recompute)
     return out

@@ -1,0 +1,42 @@
+"""The interfaces realloc ships, declared for the registry (``registry.py``). Torch-free: implementations
+are named as ``"module:function"`` and imported by the workers that run them.
+
+Data kinds (see ``common.py`` for the tensors of each):
+``prompts`` (from the dataset), ``seq`` (prompt + response tokens; from generation, or from an SFT
+dataset), ``logp`` (per response token), ``values`` (per response token), ``rewards`` (one score per
+sequence), ``pairs`` (DPO's chosen and rejected responses, from the dataset), ``pair_logp`` (their summed
+log-probs).
+"""
+
+from __future__ import annotations
+
+from realloc.algorithms import dpo, grpo
+from realloc.algorithms.ppo_config import PPOConfig
+from realloc.algorithms.registry import Interface
+from realloc.api import GENERATE, INFERENCE, TRAIN_STEP
+
+_PPO = "realloc.algorithms.ppo_interfaces"
+_COMMON = "realloc.algorithms.common"
+PPO_TRAIN_INPUTS = ("seq", "logp", "ref_logp:logp", "rewards", "values")
+
+BUILTIN: tuple[Interface, ...] = (
+    # PPO (realhf.txt Figure 1): generation, reference/actor log-probs, critic values, and both train steps.
+    Interface("ppo_actor", GENERATE, f"{_COMMON}:actor_generate", inputs=("prompts",), outputs=("seq", "logp"),
+              config="ppo", config_type=PPOConfig),
+    Interface("ppo_actor", INFERENCE, f"{_COMMON}:actor_logprobs", inputs=("seq",), outputs=("logp",),
+              config="ppo", config_type=PPOConfig),
+    Interface("ppo_actor", TRAIN_STEP, f"{_PPO}:actor_train", inputs=PPO_TRAIN_INPUTS,
+              config="ppo", config_type=PPOConfig),
+    Interface("ppo_critic", INFERENCE, f"{_COMMON}:critic_values", inputs=("seq",), outputs=("values",), head="value",
+              config="ppo", config_type=PPOConfig),
+    Interface("ppo_critic", TRAIN_STEP, f"{_PPO}:critic_train", inputs=PPO_TRAIN_INPUTS, head="value",
+              config="ppo", config_type=PPOConfig, lr="critic_lr"),
+    # Rewards: a neural reward model (a scalar head at the last token), or a rule on token ids.
+    Interface("reward", INFERENCE, f"{_COMMON}:model_reward", inputs=("seq",), outputs=("rewards",), head="value"),
+    Interface("rule_reward", INFERENCE, f"{_COMMON}:rule_scores", inputs=("seq",), outputs=("rewards",), head="none"),
+    # A rule on the decoded text and the prompt's dataset record (e.g. exact match with its answer).
+    Interface("verifiable_reward", INFERENCE, f"{_COMMON}:verifiable_scores", inputs=("seq",), outputs=("rewards",),
+              head="none", records=True),
+    *grpo.INTERFACES,
+    *dpo.INTERFACES,
+)

@@ -1,0 +1,165 @@
+"""The model calls every RL algorithm shares: sample responses, score them with a policy, a critic, a
+reward model or a rule (registry declarations in ``builtin.py``).
+
+A call sees only its dp rank's sequences: ``ctx.ids`` (a contiguous range of the global batch)
+and the matching rows of its input keys. Data keys hold named tensors whose first dimension is
+the sequence. ``P`` and ``T`` are the experiment's ``prompt_len`` and ``gen_len``, both maxima:
+a prompt has 1..P tokens and a response stops at EOS or after T tokens.
+
+    prompts   tokens [n, P] int64 (right-padded), lengths [n] int64
+    seq       tokens [n, P+T] int64: row b is its prompt (prompt_lens[b] tokens), then its response
+              (gen_mask[b].sum() tokens, an EOS included), then padding;
+              prompt_lens [n] int64, gen_mask [n, T] bool (a prefix of each row)
+    logp      logp [n, T] float32      per response token, under the sampling policy
+    ref_logp  logp [n, T] float32
+    rewards   score [n] float32        one scalar per sequence
+    values    values [n, T] float32    V(state before response token t)
+
+Per-token tensors are aligned with the response: column t is response token t, which sits at
+position prompt_lens[b] + t of the row; columns past the response are 0.
+
+The slots each function reads and writes, in the order of a call's input_data/output_data, are
+declared in ``builtin.py`` (the registry checks every call against them before anything runs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import torch
+
+from realloc.algorithms import rule_reward
+from realloc.algorithms.context import CallContext, CallResult, Data
+from realloc.models.sampling import GenerationConfig
+from realloc.models.weights import param_seed
+
+
+def forward_batch(seq: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {"input_ids": seq["tokens"], "lengths": seq["prompt_lens"] + seq["gen_mask"].sum(dim=1)}
+
+
+def response_columns(per_position: torch.Tensor, prompt_lens: torch.Tensor, gen_mask: torch.Tensor,
+                     shift: int = 0) -> torch.Tensor:
+    """[n, T] response-aligned view of a per-position [n, L] tensor: column t is position
+    ``prompt_lens + t + shift`` of each row (``shift=-1``: the position that predicts token t), 0 past the response."""
+    T = gen_mask.shape[1]
+    pos = (prompt_lens.view(-1, 1).to(per_position.device) + torch.arange(T, device=per_position.device) + shift)
+    pos = pos.clamp(0, per_position.shape[1] - 1)
+    return per_position.gather(1, pos) * gen_mask.to(per_position.device)
+
+
+def generation_config(ctx: CallContext) -> GenerationConfig:
+    cfg = ctx.config
+    # One seed per iteration; per-sequence streams come from the sequence's global index.
+    return GenerationConfig(max_new_tokens=ctx.gen_len, temperature=cfg.temperature, top_k=cfg.top_k,
+                            top_p=cfg.top_p, greedy=ctx.greedy, seed=param_seed(ctx.seed, f"{ctx.purpose}/{ctx.iteration}"),
+                            eos_token_ids=ctx.eos_token_ids, pad_token_id=ctx.pad_token_id)
+
+
+# -- generation and inference ----------------------------------------------------------------------------------
+def actor_generate(ctx: CallContext, inputs: Data) -> CallResult:
+    prompts = inputs["prompts"]
+    tokens_in, plen = prompts["tokens"], prompts["lengths"]
+    n, P, T = tokens_in.shape[0], ctx.prompt_len, ctx.gen_len
+    assert ctx.model is not None
+    gconfig = generation_config(ctx)
+    # Micro-batches bound the KV cache; sampling depends only on each sequence's global index (the n
+    # responses to one prompt are n sequences, ids group*n .. group*n + n-1: each draws its own stream).
+    rows = [tokens_in[b, :int(plen[b])].tolist() for b in range(n)]
+    out = ctx.model.generate(rows, gconfig, seq_ids=list(ctx.ids), n_mbs=ctx.n_mbs)
+    width = out.sequences.shape[1]
+    tokens = torch.full((n, P + T), gconfig.pad_token_id, dtype=torch.long)
+    tokens[:, :width] = out.sequences.cpu()
+    gen_mask = torch.arange(T).view(1, T) < out.gen_lengths.cpu().view(-1, 1)
+    logp = response_columns(out.logprobs.cpu(), plen, gen_mask)
+    stats = {"gen_tokens": float(gen_mask.sum()), "n_seqs": float(n),
+             "eos_stops": float(out.stopped_at_eos.sum()), "prompt_tokens": float(plen.sum())}
+    seq = {"tokens": tokens, "prompt_lens": plen.clone(), "gen_mask": gen_mask}
+    if "rows" in prompts:  # each sequence's dataset row travels with it (rewards that read the record)
+        seq["rows"] = prompts["rows"].clone()
+    return CallResult({"seq": seq, "logp": {"logp": logp}}, stats, {})
+
+
+def actor_generate_greedy(ctx: CallContext, inputs: Data) -> CallResult:
+    """The argmax response to each prompt (ReMax's baseline); its log-probs are at temperature 1."""
+    return actor_generate(dataclasses.replace(ctx, greedy=True, purpose="greedy"), inputs)
+
+
+def actor_logprobs(ctx: CallContext, inputs: Data) -> CallResult:
+    seq = inputs["seq"]
+    assert ctx.model is not None
+    out = ctx.model.forward(forward_batch(seq), n_mbs=ctx.n_mbs, output="logprobs",
+                            temperature=ctx.config.temperature)
+    if out is None:  # not the last pipeline stage: the outputs live on the last one
+        return CallResult({}, {}, {})
+    logp = response_columns(out.cpu(), seq["prompt_lens"], seq["gen_mask"])
+    return CallResult({"logp": {"logp": logp}}, {}, {})
+
+
+def critic_values(ctx: CallContext, inputs: Data) -> CallResult:
+    seq = inputs["seq"]
+    assert ctx.model is not None
+    out = ctx.model.forward(forward_batch(seq), n_mbs=ctx.n_mbs, output="values")
+    if out is None:
+        return CallResult({}, {}, {})
+    # The state before response token t is the hidden state at the position just before it.
+    values = response_columns(out.cpu(), seq["prompt_lens"], seq["gen_mask"], shift=-1)
+    return CallResult({"values": {"values": values}}, {}, {})
+
+
+def _scores(score: torch.Tensor) -> CallResult:
+    return CallResult({"rewards": {"score": score}}, {"score_sum": float(score.double().sum()),
+                                                      "n_seqs_scored": float(score.numel())}, {})
+
+
+def model_reward(ctx: CallContext, inputs: Data) -> CallResult:
+    """A neural reward model: its scalar head's output at the last token of each sequence (as HF's
+    *ForSequenceClassification scores the last non-padding token)."""
+    seq = inputs["seq"]
+    assert ctx.model is not None
+    out = ctx.model.forward(forward_batch(seq), n_mbs=ctx.n_mbs, output="values")
+    if out is None:
+        return CallResult({}, {}, {})
+    last = seq["prompt_lens"] + seq["gen_mask"].sum(dim=1) - 1
+    return _scores(out.cpu().gather(1, last.view(-1, 1)).squeeze(1))
+
+
+def split_prompt_response(seq: Mapping[str, torch.Tensor], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompt tokens [n, P] right-padded, response tokens [n, T] aligned with gen_mask; pad elsewhere)."""
+    tokens, plen, mask = seq["tokens"], seq["prompt_lens"], seq["gen_mask"]
+    P = tokens.shape[1] - mask.shape[1]
+    prompt_mask = torch.arange(P).view(1, P) < plen.view(-1, 1)
+    prompt = torch.where(prompt_mask, tokens[:, :P], torch.full_like(tokens[:, :P], pad_token_id))
+    response = torch.where(mask, response_columns(tokens, plen, mask), torch.full_like(mask, pad_token_id,
+                                                                                       dtype=tokens.dtype))
+    return prompt, response
+
+
+def verifiable_scores(ctx: CallContext, inputs: Data) -> CallResult:
+    """A rule on the decoded prompt and response and the prompt's dataset record (``interface_args``: ``rule``,
+    a built-in name or a function of the experiment file, and ``field``, the record's reference answer)."""
+    from realloc.algorithms.text_rules import resolve_text_rule
+
+    seq = inputs["seq"]
+    if ctx.tokenizer is None or ctx.records is None:
+        raise ValueError(f"call {ctx.call.name!r}: verifiable_reward decodes text and reads each prompt's dataset "
+                         f"record; the experiment needs a tokenizer and a prompt dataset")
+    rule, field = resolve_text_rule(ctx.call.name, ctx.call.interface_args)
+    scores = []
+    for b in range(seq["tokens"].shape[0]):
+        plen, n = int(seq["prompt_lens"][b]), int(seq["gen_mask"][b].sum())
+        prompt = ctx.tokenizer.decode(seq["tokens"][b, :plen].tolist(), skip_special_tokens=True)
+        response = ctx.tokenizer.decode(seq["tokens"][b, plen:plen + n].tolist(), skip_special_tokens=True)
+        record = ctx.records(int(seq["rows"][b]))
+        if field not in record:
+            raise ValueError(f"call {ctx.call.name!r}: the prompt record has no field {field!r} (it has "
+                             f"{', '.join(sorted(record)) or 'none'}); set interface_args['field']")
+        scores.append(float(rule(prompt, response, str(record[field]))))
+    return _scores(torch.tensor(scores, dtype=torch.float32))
+
+
+def rule_scores(ctx: CallContext, inputs: Data) -> CallResult:
+    seq = inputs["seq"]
+    prompt, response = split_prompt_response(seq, ctx.pad_token_id)
+    return _scores(rule_reward.score(ctx.call.name, ctx.call.interface_args, prompt, response, seq["gen_mask"]))

@@ -1,0 +1,74 @@
+"""What an interface function gets and gives back (``registry.Interface.fn``).
+
+    def fn(ctx: CallContext, inputs: Data) -> CallResult
+
+``inputs`` maps each input slot's role to its key's tensors (this dp rank's rows, first dimension
+the sequence); ``CallResult.outputs`` maps each output slot's role to the tensors to store under
+the call's output key. ``sums`` are added over dp ranks by the master; ``globals`` are the same on
+every dp rank and reported once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from realloc.api import ModelFunctionCallDef
+from realloc.models.engine import ParallelModel
+
+Data = dict[str, dict[str, torch.Tensor]]  # key -> tensor name -> [n, ...]
+
+
+@dataclasses.dataclass
+class CallContext:
+    call: ModelFunctionCallDef
+    model: ParallelModel | None  # None for a rule function
+    optimizer: torch.optim.Optimizer | None
+    config: Any  # the interface's settings (PPOConfig for PPO; see registry.Interface.config)
+    prompt_len: int
+    gen_len: int
+    seed: int
+    iteration: int
+    ids: range  # global sequence indices of this dp rank's rows
+    batch_size: int  # sequences of the whole batch
+    n_mbs: int
+    total_iterations: int = 0  # the run's horizon, for the learning-rate schedule (0: iteration + 1)
+    eos_token_ids: tuple[int, ...] = ()  # generation stops at any of these (the tokenizer's EOS)
+    pad_token_id: int = 0
+    greedy: bool = False  # generation: argmax instead of sampling (evaluation)
+    purpose: str = "generate"  # names the sampling stream: training and each eval batch draw their own
+    recompute: bool = False  # train steps recompute activations (CallPlacement.recompute)
+    group_size: int = 1  # responses per prompt: sequences group*n .. group*n + n-1 answer one prompt
+    tokenizer: Any = None  # realloc.data.Tokenizer when the experiment has one (decoding, text rules)
+    records: Any = None  # row -> the dataset record of that row (Interface.records), else None
+
+
+@dataclasses.dataclass
+class CallResult:
+    outputs: Data  # by output slot role (the caller stores them under the call's output keys)
+    sums: dict[str, float]  # additive over dp ranks (the master sums the dp ranks' reports)
+    globals: dict[str, float]  # identical on every dp rank (reported once)
+
+    def check(self, call: str, interface: str, roles: tuple[str, ...]) -> None:
+        """A rank that produced outputs produced every declared one (a pipeline stage that holds none, such as
+        the first stage of a forward pass, returns no outputs at all)."""
+        if not isinstance(self, CallResult) or not isinstance(self.outputs, dict):
+            raise ValueError(f"call {call!r}: interface {interface!r} must return a CallResult")
+        missing = [r for r in roles if r not in self.outputs]
+        extra = [r for r in self.outputs if r not in roles]
+        if self.outputs and (missing or extra):
+            raise ValueError(f"call {call!r}: interface {interface!r} declared outputs {list(roles)} but produced "
+                             f"{sorted(self.outputs)}; fix the function or its Interface(outputs=...)")
+
+
+
+def dp_all_reduce(model: ParallelModel | None, t: torch.Tensor) -> torch.Tensor:
+    """Sum ``t`` over the model's data-parallel ranks (a CPU tensor in, a CPU tensor out)."""
+    if model is None or model.groups.dp == 1:
+        return t
+    t = t.to(model.device)
+    dist.all_reduce(t, group=model.groups.dp_group)
+    return t.cpu()

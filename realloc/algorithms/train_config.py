@@ -1,0 +1,67 @@
+"""Settings every RL or fine-tuning algorithm shares: sampling, the optimizer and its learning-rate schedule.
+
+Torch-free, so experiment files and the planner can import it cheaply. Each algorithm's config
+(``PPOConfig``, ``GRPOConfig``, ...) extends :class:`TrainConfig` with its own fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    n_minibatches: int = 1  # optimizer steps per train call (the call's batch split into this many)
+    lr: float = 1e-5
+    max_grad_norm: float = 1.0
+    # AdamW's epsilon. 1e-5 (ReaLHF's default) rather than torch's 1e-8: Adam's first steps move every
+    # weight by about lr whatever its gradient's size, so weights whose gradient is a near-cancelling
+    # sum (relative rounding error of a percent) moved by plan-dependent amounts, and a later sampled
+    # token could flip between plans. A larger epsilon damps exactly those weights.
+    adam_eps: float = 1e-5
+    # Generation: softmax temperature, top-k (0: off) and nucleus (1.0: off) filters.
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    # Learning-rate schedule over the run's optimizer steps (iterations x n_minibatches): a linear
+    # warmup over the first warmup_proportion of the steps, then constant, or linear or cosine decay
+    # to min_lr_ratio x lr at the last step.
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_proportion: float = 0.0
+    min_lr_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        if not isinstance(self.n_minibatches, int) or self.n_minibatches < 1:
+            raise ValueError(f"{name}.n_minibatches must be a positive integer, got {self.n_minibatches!r}")
+        for field in ("lr", "adam_eps", "temperature"):
+            if not getattr(self, field) > 0:
+                raise ValueError(f"{name}.{field} must be positive, got {getattr(self, field)!r}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"{name}.lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+        if not 0.0 <= self.warmup_proportion < 1.0:
+            raise ValueError(f"{name}.warmup_proportion must be in [0, 1), got {self.warmup_proportion}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"{name}.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+    def lr_at(self, base_lr: float, step: int, total_steps: int) -> float:
+        """The learning rate of optimizer step ``step`` (0-based) of ``total_steps``.
+
+        Warmup reaches ``base_lr`` at its last step ((step + 1) / W, so the first step already moves);
+        the decay starts from ``base_lr`` right after it and ends at ``min_lr_ratio * base_lr`` on the
+        run's last step.
+        """
+        warmup = round(self.warmup_proportion * total_steps)
+        if step < warmup:
+            return base_lr * (step + 1) / warmup
+        if self.lr_schedule == "constant":
+            return base_lr
+        progress = min(1.0, max(0.0, (step - warmup) / max(1, total_steps - warmup - 1)))
+        low = self.min_lr_ratio * base_lr
+        if self.lr_schedule == "linear":
+            return low + (base_lr - low) * (1.0 - progress)
+        return low + (base_lr - low) * 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -1,0 +1,82 @@
+"""Interface contracts: every call against the interface it runs, before anything is planned or launched.
+
+For each call (``registry.Interface`` declares the contract):
+- its ``interface_impl`` implements its interface type;
+- it lists one key per declared slot, in order (``input_data``, ``output_data``), so a graph that
+  lacks a key (a critic-free graph calling PPO's train step, say) fails here, naming the slot;
+- its model has the head the interface needs (vocabulary, scalar, or none for a rule function);
+- every key is read as the kind its producer writes (``seq`` where a ``seq`` was produced, ...), and
+  all readers of one dataset key agree on what the dataset supplies.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from realloc.algorithms.registry import Interface, Table, lookup
+from realloc.api import ExperimentSpec, ModelFunctionCallDef
+from realloc.models.config import ModelConfig
+
+HEAD_NAMES = {"lm": "a vocabulary (language-model) head", "value": "a scalar (value/reward) head",
+              "none": "no model (a parameter-free rule function)"}
+
+
+def _model_head(cfg: ModelConfig | None) -> str:
+    return "none" if cfg is None else "value" if cfg.is_critic else "lm"
+
+
+def _slots_text(slots: tuple) -> str:
+    return ", ".join(map(str, slots)) or "none"
+
+
+def _check_arity(r: ModelFunctionCallDef, i: Interface) -> None:
+    for field, slots, keys in (("input_data", i.in_slots, r.input_data), ("output_data", i.out_slots, r.output_data)):
+        if len(keys) == len(slots):
+            continue
+        verb = "reads" if field == "input_data" else "writes"
+        what = f"{i.name!r} {i.type.name} {verb} {len(slots)} key(s), one per slot in this order: {_slots_text(slots)}"
+        if len(keys) < len(slots):
+            missing = slots[len(keys)]
+            raise ValueError(f"call {r.name!r}: {field} has no key for slot {missing.role!r} ({what}; the call lists "
+                             f"{list(keys)}); add it, or use an interface that does not need it")
+        raise ValueError(f"call {r.name!r}: {field} lists {len(keys)} key(s) {list(keys)} but {what}")
+
+
+def check_contracts(spec: ExperimentSpec, table: Table,
+                    configs: Mapping[str, ModelConfig | None]) -> dict[str, Interface]:
+    """The interface of every call; raises one ValueError naming the call and the slot or key at fault."""
+    chosen: dict[str, Interface] = {}
+    for r in spec.rpcs:
+        cfg = configs[r.model_name]
+        if cfg is None and r.interface_impl is None:
+            raise ValueError(f"call {r.name!r}: a parameter-free 'rule' model needs interface_impl (e.g. "
+                             f"'rule_reward')")
+        i = lookup(table, r, cfg is not None and cfg.is_critic)
+        have = _model_head(cfg)
+        if i.head != have:
+            raise ValueError(f"call {r.name!r}: interface {i.name!r} {i.type.name} needs {HEAD_NAMES[i.head]}, but "
+                             f"model {r.model_name!r} has {HEAD_NAMES[have]}")
+        _check_arity(r, i)
+        i.settings(spec.config)  # the experiment's settings for it have the right type
+        chosen[r.name] = i
+    # What each key holds, from its producer's output slot (or the first reader of a dataset key).
+    kinds: dict[str, tuple[str, str]] = {}  # key -> (kind, who says so)
+    for r in spec.rpcs:
+        for slot, key in zip(chosen[r.name].out_slots, r.output_data):
+            kinds[key] = (slot.kind, f"call {r.name!r} writes it as {slot}")
+    for r in spec.rpcs:
+        for slot, key in zip(chosen[r.name].in_slots, r.input_data):
+            if key not in kinds:  # a dataset key: its first reader says what the dataset must supply
+                kinds[key] = (slot.kind, f"call {r.name!r} reads it from the dataset as {slot}")
+                continue
+            kind, why = kinds[key]
+            if kind != slot.kind:
+                raise ValueError(f"call {r.name!r} reads key {key!r} as its slot {slot.role!r} (kind {slot.kind!r}), "
+                                 f"but {why} (kind {kind!r}); check the order of input_data against "
+                                 f"{chosen[r.name].name!r}'s slots: {_slots_text(chosen[r.name].in_slots)}")
+    data_kinds = {kinds[k][0] for k in spec.dataset_keys if k in kinds}
+    if len(data_kinds) > 1:
+        raise ValueError(f"experiment {spec.name}: its calls read {' and '.join(sorted(data_kinds))} from the dataset, "
+                         f"but one experiment reads one dataset; " +
+                         "; ".join(kinds[k][1] for k in spec.dataset_keys if k in kinds))
+    return chosen

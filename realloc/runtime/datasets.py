@@ -1,0 +1,42 @@
+"""The dataset a run reads, by the kind of data its calls take from it, and the rows of one call.
+
+The kind comes from the interface slots that read the dataset key (``DataflowGraph.dataset_kind``):
+``prompts`` for RL (``realloc.data.PromptDataset``), ``seq`` for SFT (prompt/response pairs), ``pairs``
+for DPO (prompt/chosen/rejected). Every loader keeps the same seeded order: iteration t's batch is a
+pure function of (seed, t), so a resumed run reads what an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from realloc.api import ExperimentSpec
+
+
+def load_dataset(kind: str, path: str | None, spec: ExperimentSpec, config: Any, tokenizer: Any,
+                 vocab_size: int | None, cache_dir: Path | None) -> Any:
+    if path is None:
+        raise ValueError(f"experiment {spec.name!r} reads a dataset but names none; set `dataset`")
+    if kind == "prompts":
+        from realloc.data.prompts import PromptDataset
+
+        return PromptDataset.load(path, spec.prompt_len, tokenizer=tokenizer, config=config.data,
+                                  vocab_size=vocab_size, cache_dir=cache_dir)
+    raise ValueError(f"experiment {spec.name!r}: no dataset loader supplies {kind!r} data (the kinds are prompts, "
+                     f"seq for SFT and pairs for DPO)")
+
+
+def dataset_rows(ds: Any, position: int, batch_size: int, seed: int, lo: int, hi: int,
+                 group: int = 1) -> dict[str, torch.Tensor]:
+    """Sequences [lo, hi) of batch ``position``: with ``group`` responses per prompt, sequence i answers prompt
+    i // group, so each prompt is repeated ``group`` times. ``rows`` names each sequence's dataset row."""
+    assert lo % group == 0 and hi % group == 0, "a dp rank holds whole groups"
+    prompts = range(lo // group, hi // group)
+    out = dict(ds.batch(position, batch_size, seed, prompts))
+    out["rows"] = ds.batch_rows(position, batch_size, seed)[lo // group:hi // group]
+    if group > 1:
+        out = {k: v.repeat_interleave(group, dim=0) for k, v in out.items()}
+    return out

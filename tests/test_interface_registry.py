@@ -1,0 +1,149 @@
+"""The interface registry: every call is checked against its interface's contract at `realloc show`, one line
+per mistake; an experiment can declare its own interfaces; a function that breaks its declaration is caught."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from realloc.algorithms.context import CallResult
+from realloc.algorithms.grpo import GRPOConfig, critic_free_rpcs
+from realloc.algorithms.ppo_config import PPOConfig, ppo_rpcs
+from realloc.algorithms.registry import Interface, builtin_interfaces
+from realloc.api import GENERATE, INFERENCE, TRAIN_STEP, auto, experiment_spec
+from realloc.graph.dataflow import build_graph
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _graph(rpcs, interfaces=(), **fields):
+    @auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size=8, prompt_len=8, gen_len=8)
+    @dataclasses.dataclass
+    class Exp:
+        @property
+        def rpcs(self):
+            return list(rpcs)
+
+        @property
+        def interfaces(self):
+            return list(interfaces)
+
+    for k, v in fields.items():
+        setattr(Exp, k, v)
+    return build_graph(experiment_spec(Exp))
+
+
+def _replace(rpcs, name, **kw):
+    return [dataclasses.replace(r, **kw) if r.name == name else r for r in rpcs]
+
+
+PPO = ppo_rpcs("tiny", "tiny-critic", n_minibatches=2)
+REMAX = critic_free_rpcs("remax", actor="tiny", reward="tiny-critic")
+
+
+def test_shipped_interfaces_are_all_declared_and_resolvable():
+    table = builtin_interfaces()
+    names = {n for n, _ in table}
+    assert {"ppo_actor", "ppo_critic", "reward", "rule_reward", "verifiable_reward", "grpo_actor", "rloo_actor",
+            "remax_actor", "remax_greedy", "dpo_ref", "dpo_actor", "sft"} <= names
+    for i in table.values():
+        assert callable(i.resolve()), i.name
+
+
+@pytest.mark.parametrize("change, words", [
+    # A critic-free graph calling PPO's train step: its slot 'values' has no key.
+    (lambda r: _replace(r, "actor_train", input_data=["seq", "logp", "ref_logp", "rewards"]),
+     ["call 'actor_train'", "no key for slot 'values'", "ppo_actor"]),
+    # Keys in the wrong order: 'values' read where the rewards go.
+    (lambda r: _replace(r, "actor_train", input_data=["seq", "logp", "ref_logp", "values", "rewards"]),
+     ["call 'actor_train' reads key 'values' as its slot 'rewards'", "critic_inf"]),
+    # A generation that does not list the log-probs it writes (nobody reads them, but they are declared).
+    (lambda r: _replace(REMAX, "actor_greedy", output_data=["greedy_seq"]),
+     ["call 'actor_greedy'", "output_data has no key for slot 'logp'"]),
+    (lambda r: _replace(r, "actor_train", interface_impl="ppo_actr"), ["unknown interface_impl 'ppo_actr'"]),
+    (lambda r: _replace(r, "critic_inf", interface_impl="ppo_actor"),
+     ["call 'critic_inf'", "needs a vocabulary", "scalar"]),
+    (lambda r: _replace(r, "ref_inf", input_data=["sq"]), ["call 'ref_inf' reads key 'sq'", "no call produces"]),
+])
+def test_contract_violations_name_the_call_and_slot(change, words):
+    with pytest.raises(ValueError) as e:
+        _graph(change(PPO))
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_settings_of_the_wrong_type_and_group_rules():
+    grpo = critic_free_rpcs("grpo", actor="tiny", reward="rule", n_samples=4, reward_impl="rule_reward",
+                            reward_args={"rule": "token_set", "tokens": [1]})
+    g = _graph(grpo)
+    assert g.spec.group_size == 4 and g.spec.n_seqs(g.call("actor_train")) == 32
+    assert g.dp_error(2) is None and "whole groups" in g.dp_error(16)
+    with pytest.raises(ValueError, match="field 'grpo' must be a GRPOConfig"):
+        _graph(grpo, grpo=PPOConfig())
+    with pytest.raises(ValueError, match="n_samples .* applies only to GENERATE"):
+        _replace(grpo, "ref_inf", n_samples=2)
+
+
+def test_experiment_interfaces_join_the_table_and_cannot_shadow_shipped_ones():
+    def length_reward(ctx, inputs):
+        score = inputs["seq"]["gen_mask"].sum(dim=1).float()
+        return CallResult({"rewards": {"score": score}}, {}, {})
+
+    mine = Interface("length_reward", INFERENCE, length_reward, inputs=("seq",), outputs=("rewards",), head="none")
+    rpcs = _replace(PPO, "rew_inf", model_type="rule", interface_impl="length_reward")
+    g = _graph(rpcs, [mine])
+    assert g.interfaces["rew_inf"] is mine and g.interfaces["actor_gen"].name == "ppo_actor"
+    clash = dataclasses.replace(mine, name="reward")
+    with pytest.raises(ValueError, match="'reward' INFERENCE is already shipped"):
+        _graph(PPO, [clash])
+    with pytest.raises(ValueError, match="TRAIN_STEP interface needs settings"):
+        Interface("t", TRAIN_STEP, length_reward, inputs=("seq",))
+    with pytest.raises(ValueError, match="head must be one of"):
+        Interface("t", GENERATE, length_reward, head="critic")
+
+
+def test_a_function_that_breaks_its_declaration_is_caught():
+    ok = CallResult({"seq": {}, "logp": {}}, {}, {})
+    ok.check("gen", "ppo_actor", ("seq", "logp"))
+    CallResult({}, {}, {}).check("gen", "ppo_actor", ("seq", "logp"))  # a stage without outputs
+    with pytest.raises(ValueError, match="declared outputs \\['seq', 'logp'\\] but produced \\['seq'\\]"):
+        CallResult({"seq": {}}, {}, {}).check("gen", "ppo_actor", ("seq", "logp"))
+
+
+def test_show_reports_a_contract_error_in_one_line(tmp_path):
+    exp = tmp_path / "grpo_bad.py"
+    exp.write_text(textwrap.dedent('''
+        import dataclasses
+        from realloc.algorithms.ppo_config import PPOConfig
+        from realloc.api import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef, auto
+
+        @auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size=8, prompt_len=8, gen_len=8)
+        @dataclasses.dataclass
+        class CriticFreePPO:
+            @property
+            def rpcs(self):
+                return [
+                    ModelFunctionCallDef(name="gen", model_name="actor", model_type="tiny", interface_type=GENERATE,
+                                         input_data=["prompts"], output_data=["seq", "logp"]),
+                    ModelFunctionCallDef(name="ref", model_name="ref", model_type="tiny", interface_type=INFERENCE,
+                                         input_data=["seq"], output_data=["ref_logp"]),
+                    ModelFunctionCallDef(name="rew", model_name="rw", model_type="rule", interface_type=INFERENCE,
+                                         interface_impl="rule_reward", input_data=["seq"], output_data=["rewards"],
+                                         interface_args={"rule": "token_set", "tokens": [1]}),
+                    ModelFunctionCallDef(name="train", model_name="actor", interface_type=TRAIN_STEP,
+                                         input_data=["seq", "logp", "ref_logp", "rewards"]),
+                ]
+    '''))
+    r = subprocess.run([sys.executable, "-m", "realloc.cli", "show", str(exp)], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 2
+    err = r.stderr.strip()
+    assert len(err.splitlines()) == 1 and "call 'train'" in err and "'values'" in err, err
+    assert torch is not None
