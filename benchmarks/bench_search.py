@@ -5,7 +5,10 @@
 
 Sections (each prints a table with side-by-side ratios):
 1. speed: plan evaluations per second of the C++ simulator (one thread, CPU time) against the
-   plain-Python reference on the same plans, for the 6-call PPO graph on 2 to 128 devices.
+   plain-Python reference on the same plans, for the 6-call PPO graph on 2 to 128 devices; and
+   the MCMC's evaluated plans per second on one thread (one chain of 3 replicas from the searched
+   plan), with and without early rejection (a proposal's simulation stops once it is proven
+   rejected; the chain takes the same steps).
 2. convergence: best estimated iteration time against search time (2 threads), table and PNG.
 3. grid: searched vs heuristic (and the other baselines) for the paper's grid (realhf.txt §8.1):
    actor/critic 7B+7B (16 GPUs), 7B+34B (32), 70B+7B (128), each with generation lengths
@@ -70,11 +73,28 @@ def bench_speed(n_cpp: int, n_py: int) -> None:
             reference.evaluate(space.problem, row)
         py = n_py / (time.process_time() - t)
         nodes = space.cpp.n_nodes
-        rows.append((label, nodes, cpp, 1e6 / cpp, py, cpp / py))
-    print(f"{'graph / cluster':<26}{'nodes':>7}{'C++ evals/s':>14}{'us/eval':>9}{'Python evals/s':>16}{'C++/Python':>12}")
-    for label, nodes, cpp, us, py, ratio in rows:
-        print(f"{label:<26}{nodes:>7}{cpp:>14,.0f}{us:>9.2f}{py:>16,.0f}{ratio:>11.0f}x")
-    print("(nodes: augmented-graph nodes simulated per evaluation: 4 iterations of calls, reallocations, transfers)")
+        space.price_missing(np.concatenate([space.cpp.missing(row) for row in plans[:2000]]))
+        mcmc = {early: mcmc_rate(space, report.indices, early) for early in (False, True)}
+        rows.append((label, nodes, cpp, 1e6 / cpp, py, cpp / py, mcmc))
+    print(f"{'graph / cluster':<26}{'nodes':>7}{'C++ evals/s':>14}{'us/eval':>9}{'Python evals/s':>16}{'C++/Python':>12}"
+          f"{'MCMC evals/s':>14}{'+early rej.':>13}{'simulated':>11}")
+    for label, nodes, cpp, us, py, ratio, mcmc in rows:
+        print(f"{label:<26}{nodes:>7}{cpp:>14,.0f}{us:>9.2f}{py:>16,.0f}{ratio:>11.0f}x{mcmc[False][0]:>14,.0f}"
+              f"{mcmc[True][0]:>13,.0f}{mcmc[True][1]:>11.0%}")
+    print("(nodes: augmented-graph nodes simulated per evaluation: 4 iterations of calls, reallocations, transfers;"
+          " MCMC: one thread, CPU time; simulated: evaluations run to the end with early rejection)")
+
+
+def mcmc_rate(space, start: np.ndarray, early: bool, evals_per_replica: int = 100_000) -> tuple[float, float]:
+    """Evaluated plans per CPU second of one chain (3 replicas) on one thread, and the share simulated to the end."""
+    from realloc import _C
+
+    opts = _C.SearchOptions()
+    opts.n_chains, opts.n_threads, opts.seed, opts.early_reject = 1, 1, 0, early
+    search = _C.Search(space.cpp, opts, np.asarray(start, np.int32)[None])
+    t = time.process_time()
+    search.run(evals_per_replica, 0.0)
+    return search.evals / (time.process_time() - t), search.simulations / search.evals
 
 
 # -- 2. convergence -------------------------------------------------------------------------

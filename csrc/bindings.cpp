@@ -157,6 +157,7 @@ PYBIND11_MODULE(_C, m) {
                 auto vb = to_vector(b, "b", static_cast<py::ssize_t>(va.size()));
                 auto vs = to_vector(seconds, "seconds", static_cast<py::ssize_t>(va.size()));
                 for (size_t i = 0; i < va.size(); ++i) t.set(va[i], vb[i], vs[i]);
+                p.bump_pair_costs();
             },
             py::arg("table"), py::arg("a"), py::arg("b"), py::arg("seconds"),
             "Prices pairs of a table (model index for reallocation, n_models + edge for data). Not while a "
@@ -166,6 +167,7 @@ PYBIND11_MODULE(_C, m) {
             [](rl::Problem& p, int table, double seconds) {
                 if (!(seconds >= 0.0)) throw std::invalid_argument("provisional cost must be >= 0");
                 p.table(table).provisional = seconds;
+                p.bump_pair_costs();
             },
             py::arg("table"), py::arg("seconds"))
         .def("n_known", [](const rl::Problem& p, int table) { return p.table(table).n_known(); }, py::arg("table"))
@@ -180,6 +182,23 @@ PYBIND11_MODULE(_C, m) {
         .def("finalize", &rl::Problem::finalize)
         .def_property_readonly("n_calls", &rl::Problem::n_calls)
         .def_property_readonly("n_nodes", &rl::Problem::n_nodes)
+        .def_property_readonly("iterations_chain", [](const rl::Problem& p) { return p.iterations_chain; })
+        .def(
+            "evaluate_bounded",
+            [](const rl::Problem& p, const Array<int32_t>& plan, double limit, double best_cost, bool best_feasible) {
+                auto v = plan_of(p, plan);
+                rl::Evaluator ev(p);
+                rl::Evaluation best;
+                best.cost = best_cost;
+                best.feasible = best_feasible;
+                const rl::Evaluation e = ev.evaluate_bounded(v.data(), limit, best);
+                py::dict d = eval_dict(e);
+                d["complete"] = e.complete;
+                return d;
+            },
+            py::arg("plan"), py::arg("limit"), py::arg("best_cost"), py::arg("best_feasible"),
+            "evaluate() that may stop once the plan is proven to cost more than limit and no better than the best "
+            "(complete=False); the MCMC's early rejection.")
         .def_property_readonly("n_iterations", [](const rl::Problem& p) { return p.n_iterations; })
         .def(
             "evaluate",
@@ -277,7 +296,8 @@ PYBIND11_MODULE(_C, m) {
         .def_readwrite("p_recompute", &rl::SearchOptions::p_recompute)
         .def_readwrite("p_heat", &rl::SearchOptions::p_heat)
         .def_readwrite("heat_one", &rl::SearchOptions::heat_one)
-        .def_readwrite("heat_two", &rl::SearchOptions::heat_two);
+        .def_readwrite("heat_two", &rl::SearchOptions::heat_two)
+        .def_readwrite("early_reject", &rl::SearchOptions::early_reject);
 
     py::class_<rl::Search>(m, "Search", "Metropolis-Hastings chains over plans; see csrc/mcmc.h")
         .def(py::init([](const rl::Problem& p, const rl::SearchOptions& o, const Array<int32_t>& starts) {
@@ -301,6 +321,7 @@ PYBIND11_MODULE(_C, m) {
         .def_property_readonly("best", [](const rl::Search& s) { return eval_dict(s.best_eval()); })
         .def_property_readonly("swap_rate", &rl::Search::swap_rate)
         .def_property_readonly("evals", &rl::Search::evals)
+        .def_property_readonly("simulations", &rl::Search::simulations)
         .def_property_readonly("elapsed", &rl::Search::elapsed)
         .def_property_readonly("temperature", &rl::Search::temperature)
         .def_property_readonly("history", [](const rl::Search& s) {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <thread>
 
@@ -24,6 +25,7 @@ inline uint64_t mesh_key(int32_t shape_class, int32_t mesh_id) {
 
 constexpr int64_t kSlice = 256;     // proposals per replica between tempering swaps and clock checks
 constexpr size_t kMaxPending = 16;  // provisional plans a chain keeps for pricing
+constexpr double kHeatCut = 60.0;   // heat-bath weights below e^-kHeatCut of the largest count as 0
 
 }  // namespace
 
@@ -224,10 +226,18 @@ int Search::step(Chain& ch, Replica& r, double temperature, int64_t room) {
         from[i] = r.cur[calls[i]];
         r.cur[calls[i]] = to[i];
     }
-    const Evaluation ev = ch.ev.evaluate(r.cur.data());
-    observe(ch, ev, r.cur);
+    // Metropolis: a worse plan is accepted if u < exp(-delta / T), i.e. delta < -T ln u. Drawing u first
+    // tells how costly the proposal may be and still be accepted; beyond that (and beyond what would
+    // make it the chain's best) the simulation may stop early: the chain takes the same step.
+    const double u = ch.rng.uniform();
+    const double t = temperature * r.temp_scale;
+    double limit = std::numeric_limits<double>::infinity();
+    if (opt_.early_reject && u > 0.0) limit = r.cur_ev.cost - t * std::log(u);
+    const Evaluation ev = ch.ev.evaluate_bounded(r.cur.data(), limit, ch.best_ev);
+    ch.simulated += ev.complete;
+    if (ev.complete) observe(ch, ev, r.cur);
     const double delta = ev.cost - r.cur_ev.cost;
-    if (delta <= 0.0 || ch.rng.uniform() < std::exp(-delta / (temperature * r.temp_scale))) {
+    if (ev.complete && (delta <= 0.0 || u < std::exp(-delta / t))) {
         r.cur_ev = ev;
     } else {
         for (int i = 0; i < n; ++i) r.cur[calls[i]] = from[i];
@@ -262,23 +272,33 @@ int Search::heat_bath(Chain& ch, Replica& r, double temperature) {
     else
         ch.block_b.assign(1, -1);
     ch.block_ev.clear();
-    double lowest = 0.0;
+    // Plans more than kHeatCut temperatures above the cheapest get weight 0 (e^-60 of it): their
+    // simulation may stop as soon as that is proven (the first plan, the current one, is always whole).
+    const double t = temperature * r.temp_scale;
+    double lowest = std::numeric_limits<double>::infinity();
     for (int32_t x : ch.block_a)
         for (int32_t y : ch.block_b) {
             r.cur[c] = x;
             if (d >= 0) r.cur[d] = y;
-            const Evaluation ev = ch.ev.evaluate(r.cur.data());
-            observe(ch, ev, r.cur);
-            if (ch.block_ev.empty() || ev.cost < lowest) lowest = ev.cost;
+            const double cut = opt_.early_reject ? lowest + kHeatCut * t : std::numeric_limits<double>::infinity();
+            const Evaluation ev = ch.ev.evaluate_bounded(r.cur.data(), cut, ch.best_ev);
+            if (ev.complete) {
+                ++ch.simulated;
+                observe(ch, ev, r.cur);
+                lowest = std::min(lowest, ev.cost);
+            }
             ch.block_ev.push_back(ev);
         }
-    const double t = temperature * r.temp_scale;
     ch.block_w.resize(ch.block_ev.size());
     double total = 0.0;
-    for (size_t i = 0; i < ch.block_ev.size(); ++i) total += ch.block_w[i] = std::exp(-(ch.block_ev[i].cost - lowest) / t);
+    for (size_t i = 0; i < ch.block_ev.size(); ++i) {
+        const Evaluation& e = ch.block_ev[i];
+        total += ch.block_w[i] = e.complete && e.cost - lowest <= kHeatCut * t ? std::exp(-(e.cost - lowest) / t) : 0.0;
+    }
     double u = ch.rng.uniform() * total;
     size_t pick = 0;
     while (pick + 1 < ch.block_w.size() && (u -= ch.block_w[pick]) >= 0.0) ++pick;
+    while (ch.block_w[pick] == 0.0) --pick;  // rounding can run past the last weighted plan
     const size_t nb = ch.block_b.size();
     r.cur[c] = ch.block_a[pick / nb];
     if (d >= 0) r.cur[d] = ch.block_b[pick % nb];
@@ -322,6 +342,8 @@ void Search::run_chains(const std::vector<int>& ids, int64_t quota, std::chrono:
             exchange(ch, temperature);
             ch.done += n;
             evals_.fetch_add(evals, std::memory_order_relaxed);
+            simulations_.fetch_add(ch.simulated, std::memory_order_relaxed);
+            ch.simulated = 0;
             more = more || ch.done < quota;
         }
         if (has_deadline && std::chrono::steady_clock::now() >= deadline) return;

@@ -59,6 +59,9 @@ struct SearchOptions {
     double p_heat = 0.05;
     int heat_one = 32;  // candidates sampled for a one-call block
     int heat_two = 8;   // candidates sampled per call for a two-call block
+    // Stop simulating a proposal once it is proven rejected (Evaluator::evaluate_bounded); the
+    // chains take the same steps either way.
+    bool early_reject = true;
 };
 
 struct HistoryPoint {
@@ -101,6 +104,8 @@ public:
     const Evaluation& best_eval() const { return best_ev_; }
     const std::vector<HistoryPoint>& history() const { return history_; }
     int64_t evals() const { return evals_.load(); }
+    // Evaluations simulated to the end; the others stopped once their proposal was proven rejected.
+    int64_t simulations() const { return simulations_.load(); }
     double elapsed() const;
     double temperature() const;  // of the coldest replicas
     double swap_rate() const { return swaps_tried_ ? static_cast<double>(swaps_done_) / swaps_tried_ : 0.0; }
@@ -118,6 +123,7 @@ private:
         std::vector<double> block_w;
         Evaluator ev;
         Rng rng;
+        int64_t simulated = 0;  // evaluations in the current slice simulated to the end
         std::vector<Replica> reps;
         std::vector<int32_t> best;
         Evaluation best_ev;
@@ -154,6 +160,7 @@ private:
     Evaluation best_ev_;
     std::vector<HistoryPoint> history_;
     std::atomic<int64_t> evals_{0};
+    std::atomic<int64_t> simulations_{0};
     std::chrono::steady_clock::time_point t0_;
     double tau_;
     int64_t swaps_tried_ = 0, swaps_done_ = 0;

@@ -196,6 +196,17 @@ void Problem::finalize() {
         }
         child_start[v + 1] = static_cast<int32_t>(children.size());
     }
+    // Nodes of iteration 0 that reach iteration 1, found backwards from iteration 1 (graphs are the same
+    // every iteration; children always have higher numbers, so one reverse pass suffices).
+    if (n_iterations > 1) {
+        std::vector<uint8_t> reaches(2 * per, 0);
+        for (int v = per; v < 2 * per; ++v) reaches[v] = 1;
+        for (int v = per - 1; v >= 0; --v)
+            for (int i = child_start[v]; i < child_start[v + 1]; ++i)
+                if (children[i] < 2 * per && reaches[children[i]]) reaches[v] = 1;
+        iterations_chain = std::all_of(reaches.begin(), reaches.begin() + per, [](uint8_t x) { return x != 0; });
+    }
+    bump_pair_costs();
     finalized = true;
 }
 

@@ -125,12 +125,20 @@ struct Problem {
     std::vector<std::array<int, 2>> carry_edges;  // (u at t, v at t+1): parameter versions
     std::vector<DataEdge> data_edges;             // (u, v) inside one iteration, with a transfer node
     std::vector<PairCosts> realloc;               // per model: home layout -> call layout
+    // Bumped whenever a pair cost or a provisional cost changes (bump_pair_costs), so that evaluators
+    // drop the pair costs they cached from earlier evaluations.
+    uint64_t pair_version = 0;
+    void bump_pair_costs() { ++pair_version; }
 
     // Derived by finalize(): the augmented graph unrolled over n_iterations.
     std::vector<NodeTemplate> iter_nodes;         // nodes of one iteration, topologically ordered
     std::vector<int32_t> child_start, children;   // CSR over all n_iterations * iter_nodes.size()
     std::vector<int32_t> n_parents;
     std::vector<std::vector<int32_t>> model_calls;  // calls of each model, in execution order
+    // Whether every node of an iteration has a path to a node of the next one (as in a PPO graph,
+    // where every call feeds or precedes a train step): then no node ends after the last iteration's
+    // end, which makes the simulator's early-stop bound stronger (Evaluator::evaluate_bounded).
+    bool iterations_chain = false;
     bool finalized = false;
 
     int n_calls() const { return static_cast<int>(call_model.size()); }

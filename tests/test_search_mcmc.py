@@ -114,6 +114,29 @@ def test_same_seed_same_result_and_history():
     assert np.array_equal(a.indices, c.indices) and a.evaluation == c.evaluation
 
 
+def test_early_rejection_takes_the_same_steps_with_fewer_simulations():
+    # on GPUs: CPU devices share cores, a schedule the bounded simulation does not cut short
+    @auto(nodelist="gpu[1-2]", n_devices_per_node=4, device="a100-80g", batch_size=64, prompt_len=32, gen_len=32)
+    @dataclasses.dataclass
+    class PPOGpu:
+        @property
+        def rpcs(self):
+            return ppo_rpcs(actor="tiny", critic="tiny-critic", n_minibatches=2)
+
+    graph = build_graph(experiment_spec(PPOGpu))
+
+    def once(early: bool):
+        space = PlanSpace.build(graph)
+        return run_mcmc(space, time_limit=None, max_evals=30_000, seed=3, n_chains=2, n_threads=1,
+                        early_reject=early)
+
+    full, early = once(False), once(True)
+    assert np.array_equal(full.indices, early.indices) and full.evaluation == early.evaluation
+    assert [h[1:] for h in full.stats.history] == [h[1:] for h in early.stats.history]
+    assert full.stats.evals == early.stats.evals == full.stats.simulations
+    assert early.stats.simulations < 0.8 * early.stats.evals
+
+
 def test_budget_stops_the_search_and_result_beats_the_greedy_start():
     space = PlanSpace.build(ppo_on_4_devices())
     out = run_mcmc(space, time_limit=None, max_evals=12_000, seed=1, n_chains=2, n_threads=2, n_temps=3)

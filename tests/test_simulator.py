@@ -129,6 +129,41 @@ def test_cpp_matches_python_reference_on_1000_random_graphs_and_plans():
     assert n_shared > 200 and n_stretched > 100 and n_recompute > 200
 
 
+def test_bounded_evaluation_stops_only_for_plans_proven_above_the_limit():
+    """The MCMC's early rejection (Evaluator::evaluate_bounded): a run that completes equals evaluate();
+    one that stops costs more than the limit and is no better than the best."""
+    rng = np.random.default_rng(99)
+    n_stopped = n_complete = n_chain = 0
+    for _ in range(300):
+        p = random_problem(rng)
+        cpp = p.to_cpp()
+        n_chain += cpp.iterations_chain
+        for _ in range(3):
+            plan = random_plan(rng, p)
+            full = cpp.evaluate(plan)
+            best = cpp.evaluate(random_plan(rng, p))
+            limit = full["cost"] * float(rng.choice([0.3, 0.8, 0.99, 1.0, 1.5]))
+            got = cpp.evaluate_bounded(plan, limit, best["cost"], best["feasible"])
+            if got.pop("complete"):
+                n_complete += 1
+                assert got == full
+            else:
+                n_stopped += 1
+                assert full["cost"] > limit
+                better = full["feasible"] if full["feasible"] != best["feasible"] else full["cost"] < best["cost"]
+                assert not better
+                assert got["peak_memory"] == full["peak_memory"] and got["feasible"] == full["feasible"]
+    assert n_stopped > 100 and n_complete > 100 and 0 < n_chain < 300
+
+
+def test_iterations_chain_when_every_node_reaches_the_next_iteration():
+    # gen -> train with the parameter-version edge train(t) -> gen(t+1): every node precedes the next iteration
+    p = _one_device_problem([1.0, 2.0], data=[(0, 1)], carry=[(1, 0)])
+    assert p.to_cpp().iterations_chain
+    # without it nothing of iteration t precedes iteration t + 1
+    assert not _one_device_problem([1.0, 2.0], data=[(0, 1)], carry=[]).to_cpp().iterations_chain
+
+
 def test_recompute_twins_must_pair_candidates_of_one_layout():
     p = random_problem(np.random.default_rng(1))
     c = next(c for c, k in enumerate(p.candidates) if (k.twin >= 0).any())

@@ -45,13 +45,15 @@ def _timed(fn, *args):
 
 @dataclasses.dataclass(frozen=True)
 class SearchStats:
-    evals: int
+    evals: int  # plans the chains decided on
     seconds: float
     time_to_best: float
     evals_to_best: int
     priced_pairs: int
     pricing_seconds: float
     history: tuple[tuple[float, int, float, float, bool], ...]  # (seconds, evals, cost, time, feasible)
+    # evaluations simulated to the end; the rest stopped once proven rejected (csrc/mcmc.h early_reject)
+    simulations: int = 0
 
     @property
     def evals_per_second(self) -> float:
@@ -162,6 +164,7 @@ def run_mcmc(space: PlanSpace, *, time_limit: float | None = 10.0, max_evals: in
     history = tuple(tuple(h) for h in search.history)
     last = history[-1]
     stats = SearchStats(evals=search.evals, seconds=time.perf_counter() - t0, time_to_best=last[0],
-                        evals_to_best=last[1], priced_pairs=priced, pricing_seconds=pricing, history=history)
+                        evals_to_best=last[1], priced_pairs=priced, pricing_seconds=pricing, history=history,
+                        simulations=search.simulations)
     return SearchOutcome(indices=best, evaluation=space.evaluate(best), start=start, start_evaluation=start_ev,
                          stats=stats)
