@@ -1,0 +1,26 @@
+"""GRPO, 7B actor + 7B reward model on 2 nodes of 8 A100s (the appendix's 7B+7B cluster), no critic.
+
+64 prompts per iteration, 8 responses each (512 sequences, the PPO setting's batch), group-normalized
+advantages and a k3 KL term to the reference (realloc/algorithms/grpo.py). A rule reward instead of
+the model: model_type="rule", interface_impl="verifiable_reward" (see realloc/algorithms/text_rules.py).
+"""
+
+import dataclasses
+
+from realloc.algorithms.grpo import GRPOConfig, critic_free_rpcs
+from realloc.api import auto
+
+
+@auto(nodelist="trainer[01-02]", n_devices_per_node=8, device="a100-80g", batch_size=64,
+      prompt_len=1024, gen_len=1024)
+@dataclasses.dataclass
+class GRPO7Bx7B:
+    grpo: GRPOConfig = GRPOConfig(n_minibatches=4)
+    # Your prompts (.jsonl/.json/.parquet, see realloc/data/prompts.py). Set it here or per run with
+    # --set dataset=/abs/path/prompts.jsonl; `realloc run` refuses to start without it.
+    dataset: str | None = None
+
+    @property
+    def rpcs(self):
+        return critic_free_rpcs("grpo", actor="llama3-8b", reward="llama3-8b-critic", n_samples=8,
+                                n_minibatches=self.grpo.n_minibatches)
