@@ -1,7 +1,8 @@
-"""Tokenizers and prompt datasets: text, chat and token-id prompts in, the runtime's token layout out.
+"""Tokenizers and datasets: prompts (text, chat or token ids), SFT pairs and preference pairs, in the
+runtime's token layout.
 
-``DataConfig`` is torch-free, for experiment files; ``Tokenizer`` (transformers) and ``PromptDataset``
-(torch) load on first use.
+``DataConfig`` is torch-free, for experiment files; ``Tokenizer`` (transformers) and the datasets (torch)
+load on first use.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from typing import TYPE_CHECKING
 from realloc.data.config import DataConfig
 
 if TYPE_CHECKING:
+    from realloc.data.pairs import PreferenceDataset, SFTDataset
     from realloc.data.prompts import LoadStats, PromptDataset
     from realloc.data.tokenizer import Tokenizer
 
-__all__ = ["DataConfig", "LoadStats", "PromptDataset", "Tokenizer"]
+__all__ = ["DataConfig", "LoadStats", "PreferenceDataset", "PromptDataset", "SFTDataset", "Tokenizer"]
 
 
 def __getattr__(name: str):
@@ -22,6 +24,10 @@ def __getattr__(name: str):
         from realloc.data import prompts
 
         return getattr(prompts, name)
+    if name in ("SFTDataset", "PreferenceDataset"):
+        from realloc.data import pairs
+
+        return getattr(pairs, name)
     if name == "Tokenizer":
         from realloc.data.tokenizer import Tokenizer
 

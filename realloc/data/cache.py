@@ -1,7 +1,8 @@
-"""A tokenized prompt dataset on disk, so that every worker of a run does not tokenize the file again.
+"""A tokenized dataset (prompts, SFT or preference records) on disk, so that every worker of a run does not tokenize the file again.
 
-The file name is a digest of everything the token ids depend on: the dataset file's bytes, the
-tokenizer's files, the DataConfig, prompt_len, the model vocabulary and the library versions. A
+The file name is a digest of everything the token ids depend on: the dataset kind, the dataset file's
+bytes, the tokenizer's files, the DataConfig, prompt_len and gen_len, the model vocabulary and the
+library versions. A
 changed input is a different file; nothing is ever invalidated in place. Files are safetensors
 (no pickle), written to a temporary name and renamed, so concurrent loaders never read half a file.
 """
@@ -23,7 +24,7 @@ from safetensors.torch import save_file
 from realloc.data.config import DataConfig
 from realloc.data.tokenizer import GENERATION_CONFIG, Tokenizer
 
-FORMAT = 1  # bump when the token layout or the loading rules change
+FORMAT = 2  # bump when the token layout or the loading rules change
 
 
 def _hash_file(h: "hashlib._Hash", path: Path) -> None:
@@ -34,10 +35,11 @@ def _hash_file(h: "hashlib._Hash", path: Path) -> None:
 
 
 def cache_file(cache_dir: Path, path: Path, prompt_len: int, tokenizer: Tokenizer | None, config: DataConfig,
-               vocab_size: int | None) -> Path:
+               vocab_size: int | None, kind: str = "prompts", gen_len: int = 0) -> Path:
     h = hashlib.sha256()
-    h.update(json.dumps({"format": FORMAT, "path": str(path.resolve()), "prompt_len": prompt_len,
-                         "vocab_size": vocab_size, "config": dataclasses.asdict(config)}, sort_keys=True).encode())
+    h.update(json.dumps({"format": FORMAT, "kind": kind, "path": str(path.resolve()), "prompt_len": prompt_len,
+                         "gen_len": gen_len, "vocab_size": vocab_size, "config": dataclasses.asdict(config)},
+                        sort_keys=True).encode())
     _hash_file(h, path)
     if tokenizer is not None:
         import tokenizers
@@ -47,7 +49,7 @@ def cache_file(cache_dir: Path, path: Path, prompt_len: int, tokenizer: Tokenize
         gen = tokenizer.path / GENERATION_CONFIG
         for f in tokenizer.files() + ([gen] if gen.is_file() else []):
             _hash_file(h, f)
-    return cache_dir / f"prompts-{h.hexdigest()[:32]}.safetensors"
+    return cache_dir / f"{kind}-{h.hexdigest()[:32]}.safetensors"
 
 
 def read(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:

@@ -1,4 +1,5 @@
-"""How prompt records become token ids (torch-free, so experiment files can import it cheaply).
+"""How dataset records (prompts, SFT pairs, preference pairs) become token ids (torch-free, so experiment
+files can import it cheaply).
 
     from realloc.data import DataConfig
     DataConfig(overflow="drop", use_chat_template=True)
@@ -9,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+_KEYS = ("prompt_key", "messages_key", "response_key", "chosen_key", "rejected_key")
 _CHOICES = {"overflow": ("truncate", "drop"), "truncation_side": ("left", "right")}
 
 
@@ -16,7 +18,12 @@ _CHOICES = {"overflow": ("truncate", "drop"), "truncation_side": ("left", "right
 class DataConfig:
     prompt_key: str = "prompt"  # column with the prompt text, or a list of token ids
     messages_key: str = "messages"  # column with chat messages [{"role": ..., "content": ...}, ...]
-    overflow: Literal["truncate", "drop"] = "truncate"  # what happens to prompts longer than prompt_len
+    response_key: str = "response"  # SFT: the response text or token ids
+    chosen_key: str = "chosen"  # preference pairs: the preferred response
+    rejected_key: str = "rejected"  # preference pairs: the other response
+    # What happens to prompts longer than prompt_len and responses longer than gen_len. A truncated
+    # response keeps its beginning.
+    overflow: Literal["truncate", "drop"] = "truncate"
     # "left" keeps the end of a long prompt: the question and the chat template's generation prompt
     # are there. A leading BOS survives left truncation.
     truncation_side: Literal["left", "right"] = "left"
@@ -24,13 +31,15 @@ class DataConfig:
     use_chat_template: bool = False  # render plain `prompt` strings as one user turn with the chat template
 
     def __post_init__(self) -> None:
-        for name in ("prompt_key", "messages_key"):
+        seen: dict[str, str] = {}
+        for name in _KEYS:
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise ValueError(f"DataConfig.{name} must be a non-empty column name, got {value!r}")
-        if self.prompt_key == self.messages_key:
-            raise ValueError(f"DataConfig.prompt_key and DataConfig.messages_key are both {self.prompt_key!r}; "
-                             f"they must name different columns")
+            if value in seen:
+                raise ValueError(f"DataConfig.{seen[value]} and DataConfig.{name} are both {value!r}; "
+                                 f"they must name different columns")
+            seen[value] = name
         for name, allowed in _CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"DataConfig.{name} must be one of {', '.join(map(repr, allowed))}, "

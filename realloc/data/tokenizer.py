@@ -119,6 +119,39 @@ class Tokenizer:
                                              tokenize=False)
         return self.encode_batch(texts, add_special_tokens=False)
 
+    def encode_replies(self, conversations: Sequence[Messages]) -> list[list[int]]:
+        """The last message of each conversation (the assistant's reply) as a model should generate it.
+
+        The reply is what the chat template writes after the conversation's prompt (the earlier turns
+        rendered with the generation prompt), tokenized without added special tokens and cut after the
+        first end-of-turn token (any of ``eos_token_ids``); EOS is appended when the template ends a turn
+        with none.
+        """
+        if not conversations:
+            return []
+        if not self.has_chat_template:
+            raise ValueError(f"tokenizer {self.path} has no chat template, so a chat reply cannot be rendered")
+        convs = [list(m) for m in conversations]
+        prompts = self._hf.apply_chat_template([c[:-1] for c in convs], add_generation_prompt=True, tokenize=False)
+        fulls = self._hf.apply_chat_template(convs, add_generation_prompt=False, tokenize=False)
+        tails = []
+        for conv, prompt, full in zip(convs, prompts, fulls):
+            if conv[-1].get("role") != "assistant":
+                raise ValueError(f"the last message must be the assistant's reply, got role {conv[-1].get('role')!r}")
+            if not full.startswith(prompt):
+                raise ValueError(f"tokenizer {self.path}: its chat template does not render a conversation as its "
+                                 f"prompt (with the generation prompt) followed by the reply, so the reply cannot "
+                                 f"be cut out; give prompt and response as token ids")
+            tails.append(full[len(prompt):])
+        ends = set(self.eos_token_ids)
+        out = []
+        for ids in self.encode_batch(tails, add_special_tokens=False):
+            cut = next((i + 1 for i, t in enumerate(ids) if t in ends), None)
+            if cut is None and not self.eos_token_ids:
+                raise ValueError(f"tokenizer {self.path} has no EOS token to end a reply; give responses as token ids")
+            out.append(ids[:cut] if cut is not None else ids + [self.eos_token_ids[0]])
+        return out
+
     # -- ids -> text ------------------------------------------------------------------------------------------
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
