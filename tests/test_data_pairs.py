@@ -194,3 +194,20 @@ def test_file_level_errors(tmp_path):
         PreferenceDataset.load(tmp_path / "empty.jsonl", 4, 4)
     with pytest.raises(ValueError, match=r"DataConfig.response_key and DataConfig.chosen_key are both 'x'"):
         DataConfig(response_key="x", chosen_key="x")
+
+
+def test_runtime_loads_each_kind(tmp_path):
+    from types import SimpleNamespace
+
+    from realloc.runtime.datasets import dataset_rows, load_dataset
+
+    spec, config = SimpleNamespace(name="exp", prompt_len=3, gen_len=2), SimpleNamespace(data=DataConfig())
+    path = _jsonl(tmp_path / "d.jsonl", [{"prompt": [i + 1], "response": [9], "chosen": [8], "rejected": [7]}
+                                         for i in range(4)])
+    sft, pref = (load_dataset(k, str(path), spec, config, None, None, None) for k in ("seq", "pairs"))
+    assert isinstance(sft, SFTDataset) and isinstance(pref, PreferenceDataset)
+    out = dataset_rows(sft, 1, 4, 0, 2, 4)
+    rows = sft.batch_rows(1, 4, 0)[2:4]
+    assert torch.equal(out["rows"], rows) and out["tokens"].tolist() == [[r + 1, 9, 0, 0, 0] for r in rows.tolist()]
+    assert set(dataset_rows(pref, 0, 4, 0, 0, 4)) == {"chosen_tokens", "rejected_tokens", "prompt_lens", "chosen_mask",
+                                                      "rejected_mask", "rows"}

@@ -1,9 +1,10 @@
 """The dataset a run reads, by the kind of data its calls take from it, and the rows of one call.
 
 The kind comes from the interface slots that read the dataset key (``DataflowGraph.dataset_kind``):
-``prompts`` for RL (``realloc.data.PromptDataset``), ``seq`` for SFT (prompt/response pairs), ``pairs``
-for DPO (prompt/chosen/rejected). Every loader keeps the same seeded order: iteration t's batch is a
-pure function of (seed, t), so a resumed run reads what an uninterrupted one would.
+``prompts`` for RL (``realloc.data.PromptDataset``), ``seq`` for SFT (prompt/response pairs,
+``SFTDataset``), ``pairs`` for DPO (prompt/chosen/rejected, ``PreferenceDataset``). Every loader keeps
+the same seeded order: iteration t's batch is a pure function of (seed, t), so a resumed run reads what
+an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -20,11 +21,16 @@ def load_dataset(kind: str, path: str | None, spec: ExperimentSpec, config: Any,
                  vocab_size: int | None, cache_dir: Path | None) -> Any:
     if path is None:
         raise ValueError(f"experiment {spec.name!r} reads a dataset but names none; set `dataset`")
+    kw = dict(tokenizer=tokenizer, config=config.data, vocab_size=vocab_size, cache_dir=cache_dir)
     if kind == "prompts":
         from realloc.data.prompts import PromptDataset
 
-        return PromptDataset.load(path, spec.prompt_len, tokenizer=tokenizer, config=config.data,
-                                  vocab_size=vocab_size, cache_dir=cache_dir)
+        return PromptDataset.load(path, spec.prompt_len, **kw)
+    if kind in ("seq", "pairs"):
+        from realloc.data.pairs import PreferenceDataset, SFTDataset
+
+        cls = SFTDataset if kind == "seq" else PreferenceDataset
+        return cls.load(path, spec.prompt_len, spec.gen_len, **kw)
     raise ValueError(f"experiment {spec.name!r}: no dataset loader supplies {kind!r} data (the kinds are prompts, "
                      f"seq for SFT and pairs for DPO)")
 
