@@ -77,11 +77,11 @@ def train_tokenizer(corpus: str | Path, out_dir: str | Path, vocab_size: int = 5
     cfg.update(chat_template=CHAT_TEMPLATE, tokenizer_class="PreTrainedTokenizerFast")
     cfg_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     (out_dir / "chat_template.jinja").unlink(missing_ok=True)
-    _write_generation_config(out_dir, BOS_ID, [EOS_ID, IM_END_ID], PAD_ID)
+    write_generation_config(out_dir, BOS_ID, [EOS_ID, IM_END_ID], PAD_ID)
     return out_dir
 
 
-def _write_generation_config(out_dir: Path, bos: int | None, eos: Sequence[int], pad: int) -> None:
+def write_generation_config(out_dir: Path, bos: int | None, eos: Sequence[int], pad: int) -> None:
     from transformers import GenerationConfig
 
     GenerationConfig(bos_token_id=bos, eos_token_id=list(eos) if len(eos) > 1 else eos[0],
@@ -144,7 +144,7 @@ def make_tiny_checkpoint(out_dir: str | Path, arch: Literal["llama", "qwen2"] = 
     out_dir.mkdir(parents=True, exist_ok=True)
     kw = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
     model.save_pretrained(str(out_dir), safe_serialization=True, **kw)
-    _write_generation_config(out_dir, bos, eos, pad)
+    write_generation_config(out_dir, bos, eos, pad)
     for f in tokenizer.files() if tokenizer else []:
         shutil.copy2(f, out_dir / f.name)
     return out_dir
