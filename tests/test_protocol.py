@@ -11,6 +11,8 @@ import pytest
 import zmq
 
 from realloc.runtime import protocol as P
+from realloc.runtime.curve import CurveKeys, Gatekeeper, secure_client, secure_server
+from zmtp_forge import forge
 
 SECRET = bytes(range(32))
 
@@ -229,3 +231,77 @@ def test_socket_identities_are_unguessable_and_name_their_endpoint():
     assert a != b and P.endpoint_name(a) == P.endpoint_name(b) == "worker0"
     assert P.endpoint_name(P.socket_identity(P.heartbeat_name(3))) == "hb3"
     assert P.endpoint_name(b"worker0") == "worker0"  # an old-style fixed identity still maps to its name
+
+
+# -- transport security (curve.py) ------------------------------------------------------------------------------
+def test_curve_keys_come_from_the_secret():
+    keys = CurveKeys.of(SECRET)
+    assert keys == CurveKeys.of(SECRET) and keys != CurveKeys.of(b"y" * 32)
+    assert len({keys.server_public, keys.server_secret, keys.client_public, keys.client_secret}) == 4
+    assert zmq.curve_public(keys.client_secret) == keys.client_public
+
+
+def _drain(router: zmq.Socket, wait_ms: int) -> list[list[bytes]]:
+    got = []
+    while router.poll(wait_ms):
+        got.append(router.recv_multipart())
+    return got
+
+
+def test_a_forged_many_frame_message_reaches_a_plain_socket():
+    """The attack the CURVE handshake stops: every frame is under the frame limit, so a plain socket
+    queues the whole 50-frame message (libzmq has no limit on frames per message)."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.MAXMSGSIZE, 1000)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        assert forge(port, [b"x" * 900] * 50, hold=0.3)
+        assert router.poll(3000) and len(router.recv_multipart()) == 1 + 50
+    finally:
+        router.close(linger=0)
+        ctx.term()
+
+
+def test_only_the_runs_workers_complete_a_handshake(caplog):
+    """The master's socket setup (CURVE server + ZAP gatekeeper): a raw forger without the secret (a
+    50-frame message, then a frame above the payload limit) and a CURVE client with a key of its own (it
+    knows the master's public key) get no frame queued; each refusal is logged. A worker with the run's
+    keys gets through, and its messages are signed as before."""
+    keys = CurveKeys.of(SECRET)
+    ctx = zmq.Context()
+    gate = Gatekeeper(ctx, keys)
+    router = ctx.socket(zmq.ROUTER)
+    secure_server(router, keys)
+    monitor = gate.watch(router)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    stranger = ctx.socket(zmq.DEALER)
+    worker = ctx.socket(zmq.DEALER)
+    try:
+        forge(port, [b"x" * 900] * 50)
+        forge(port, [b"\x00" * (P.MAX_PAYLOAD_BYTES + 1), b"mac"])
+        public, secret = zmq.curve_keypair()
+        stranger.curve_serverkey, stranger.curve_publickey, stranger.curve_secretkey = keys.server_public, public, secret
+        stranger.setsockopt(zmq.LINGER, 0)
+        stranger.connect(f"tcp://127.0.0.1:{port}")
+        stranger.send_multipart([b"x" * 900] * 50)
+        worker.setsockopt(zmq.IDENTITY, P.socket_identity("worker0"))
+        worker.setsockopt(zmq.LINGER, 0)
+        secure_client(worker, keys)
+        worker.connect(f"tcp://127.0.0.1:{port}")
+        w0 = P.Channel(SECRET, "run-1", "worker0")
+        worker.send_multipart(w0.pack(P.MASTER, P.Hello(rank=0, pid=1, host="h")))
+        got = _drain(router, 1000)
+        assert len(got) == 1 and P.endpoint_name(got[0][0]) == "worker0"
+        assert P.Channel(SECRET, "run-1", P.MASTER).unpack(got[0][1:], "worker0").body.type == "hello"
+        with caplog.at_level(logging.WARNING, logger="realloc.curve"):
+            while monitor.poll(500):
+                gate.on_event(monitor.recv_multipart())
+        assert gate.n_refused >= 3
+        assert "not complete a CURVE handshake" in caplog.text and "not the run's worker key" in caplog.text
+    finally:
+        for s in (stranger, worker):
+            s.close(linger=0)
+        gate.close(router)
+        router.close(linger=0)
+        ctx.term()

@@ -244,11 +244,17 @@ def _peak_rss_mib(pid: int) -> float:
 
 
 def test_intruders_do_not_disturb_the_run_and_a_killed_worker_stops_it(tmp_path):
-    """One run, several attacks, then a fault:
-    - a local process connects under worker 0's names before the workers start: they still connect;
-    - a frame far above the payload limit: dropped unread, the master's peak memory does not move;
-    - junk and an unsigned message: logged and dropped;
+    """One run, attacks by local processes without the workers' key, then a fault:
+    - plain sockets connect under worker 0's names before the workers start: they still connect;
+    - over a raw ZMTP connection, a forged message of 40 frames each just under the payload limit
+      (320 MiB), then a frame above the limit; and the same from a CURVE client that knows the master's
+      public key but has a key of its own: every connection is refused at the handshake (logged), no frame
+      is queued (the master's peak memory does not move) and training goes on;
     - a killed worker: the run stops quickly, naming it, and leaves no process behind."""
+    from realloc.runtime import protocol
+    from realloc.runtime.curve import CurveKeys
+    from zmtp_forge import forge
+
     ctx = zmq.Context()
     socks = []
 
@@ -263,21 +269,29 @@ def test_intruders_do_not_disturb_the_run_and_a_killed_worker_stops_it(tmp_path)
 
     proc, run_dir, info = _start_long_run(tmp_path, before_workers=claim_names)
     pids = [w["pid"] for w in info["workers"].values()]
+    port = info["master_port"]
     try:
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.IDENTITY, b"intruder")
-        s.setsockopt(zmq.LINGER, 1000)
-        s.connect(f"tcp://127.0.0.1:{info['master_port']}")
-        socks.append(s)
+        server_public = CurveKeys.of(protocol.read_secret({protocol.SECRET_FILE_ENV: str(run_dir / "secret")})).server_public
         Path(f"/proc/{proc.pid}/clear_refs").write_text("5")  # restart the peak-RSS count from now
         before = _peak_rss_mib(proc.pid)
-        s.send_multipart([b"\x00" * (256 << 20), b"\x00" * 32])
-        s.send_multipart([b"junk"])
-        s.send_multipart([b"\x80" * 10, b"\x00" * 32])
+        under = b"\x00" * (protocol.MAX_PAYLOAD_BYTES - 1)
+        assert not forge(port, [under] * 40 + [b"\x00" * 32])
+        assert not forge(port, [b"\x00" * (protocol.MAX_PAYLOAD_BYTES + 1), b"\x00" * 32])
+        s = ctx.socket(zmq.DEALER)
+        public, secret = zmq.curve_keypair()
+        s.curve_serverkey, s.curve_publickey, s.curve_secretkey = server_public, public, secret
+        s.setsockopt(zmq.IDENTITY, b"worker1")
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(f"tcp://127.0.0.1:{port}")
+        socks.append(s)
+        try:  # queued on the intruder's side at most: a DEALER sends only after its handshake
+            s.send_multipart([under] * 40 + [b"\x00" * 32], flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            pass
         n = _n_metrics(run_dir)
         _wait_for(lambda: _n_metrics(run_dir) > n + 2, 120, "iterations after the attacks")
         peak = _peak_rss_mib(proc.pid)
-        print(f"master peak RSS {before:.0f} MiB before a 256 MiB frame, {peak:.0f} MiB after")
+        print(f"master peak RSS {before:.0f} MiB before forged messages of 320 MiB, {peak:.0f} MiB after")
         assert peak - before < 32, (before, peak)
         os.kill(pids[1], signal.SIGKILL)
         t0 = time.monotonic()
@@ -291,7 +305,7 @@ def test_intruders_do_not_disturb_the_run_and_a_killed_worker_stops_it(tmp_path)
             s.close(linger=0)
         ctx.term()
     assert proc.returncode == 1
-    assert "rejected a message" in err
+    assert "did not complete a CURVE handshake" in err and "not the run's worker key" in err, err
     line = [x for x in err.splitlines() if x.startswith("realloc run: error:")]
     assert line and "worker 1" in line[0] and "exited with code -9" in line[0] and "iteration" in line[0], err
     _wait_for(lambda: not any(_alive(p) for p in pids), 10, "all workers to be gone")
@@ -328,6 +342,7 @@ def test_heartbeats_without_a_hello_fail_fast_naming_the_rank(tmp_path):
     """A rank whose heartbeats arrive but whose hello never does is reported within the heartbeat
     timeout, not after the 600 s start-up timeout. The test plays worker 0's heartbeat thread."""
     from realloc.runtime import protocol
+    from realloc.runtime.curve import CurveKeys, secure_client
 
     hand_plan("disjoint").save(tmp_path / "plan.json")
     secret, port = protocol.new_secret(), _free_port()
@@ -341,6 +356,7 @@ def test_heartbeats_without_a_hello_fail_fast_naming_the_rank(tmp_path):
     hb.setsockopt(zmq.LINGER, 0)
     try:
         hb.setsockopt(zmq.IDENTITY, b"hb0")  # an old-style fixed identity works too
+        secure_client(hb, CurveKeys.of(secret))
         hb.connect(f"tcp://127.0.0.1:{port}")
         channel = protocol.Channel(secret, "r1", "hb0")
         deadline = time.monotonic() + 60

@@ -46,6 +46,7 @@ import zmq.asyncio
 from realloc.graph.plan import ExecutionPlan
 from realloc.models.groups import ModelLayout
 from realloc.runtime import checkpoint, protocol
+from realloc.runtime.curve import CurveKeys, Gatekeeper, secure_server
 from realloc.runtime.data_store import row_bytes
 from realloc.runtime.evaluation import eval_calls, eval_key
 from realloc.runtime.launcher import RunPaths, WorkerLauncher, plan_node_hosts
@@ -124,10 +125,14 @@ class Master:
         self.offloaded = {m for m, on in program.plan.offload.items() if on and not program.is_rule(m)}
 
         self.zctx = zmq.asyncio.Context()
+        # Only the run's workers complete a handshake, so no other process gets a frame queued (curve.py).
+        keys = CurveKeys.of(secret)
+        self.gate = Gatekeeper(self.zctx, keys)
         self.sock = self.zctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished worker fails loudly
-        protocol.limit_frame_size(self.sock)
+        secure_server(self.sock, keys)
+        self.gate.watch(self.sock)
         if master_port:
             self.sock.bind(f"tcp://{bind_host}:{master_port}")
             self.port = master_port
@@ -192,6 +197,7 @@ class Master:
         self.stats = RunStats(self.n_workers)
         receiver = asyncio.create_task(self._receive())
         monitor = asyncio.create_task(self._monitor())
+        refusals = asyncio.create_task(self._log_refused_connections())
         loop = asyncio.get_running_loop()
         restore_signals = self.stop_signals.catch(lambda sig: loop.call_soon_threadsafe(self.request_stop, sig))
         try:
@@ -228,13 +234,15 @@ class Master:
             raise
         finally:
             restore_signals()
-            for t in (receiver, monitor, *self.tasks):
+            for t in (receiver, monitor, refusals, *self.tasks):
                 t.cancel()
             unfinished = {rec.req: rec for per_rank in self.pending.values() for rec in per_rank.values()}
             for req in sorted(unfinished):
                 self.requests.write(unfinished[req])
             self.requests.close()
             self.trace.close()
+            await asyncio.sleep(0)  # let the cancelled tasks finish before their sockets close
+            self.gate.close(self.sock)
             self.sock.close(linger=500)  # lets abort messages reach the workers
             self.zctx.term()
         return self.stats.summary()
@@ -378,6 +386,10 @@ class Master:
                 self._handle_incoming(frames)
             except Exception as e:  # noqa: BLE001 - a bug here must stop the run, not leave it hanging
                 self.fail(f"master error while handling a worker message: {type(e).__name__}: {e}")
+
+    async def _log_refused_connections(self) -> None:
+        while True:
+            self.gate.on_event(await self.gate.monitor.recv_multipart())
 
     def _handle_incoming(self, frames: list[bytes]) -> None:
         ident, name = frames[0], protocol.endpoint_name(frames[0])

@@ -13,7 +13,9 @@ A message is two ZMQ frames: ``[payload, mac]``.
   each name to the socket identity of the first *signed* message from it and routes to that one only,
   so a local process cannot take a worker's name by connecting first.
 - Size: every socket drops frames above ``MAX_PAYLOAD_BYTES`` before reading them (``limit_frame_size``),
-  so a huge frame costs no memory.
+  so a huge frame costs no memory. That bounds a frame, not a message (libzmq has no limit on frames per
+  message): the transport's CURVE handshake (``curve.py``) keeps every frame of a process without the
+  run's keys out of the master's memory.
 
 Anything that fails these checks raises ``ProtocolError``; the receive loops log it and carry on, so a
 stray or forged message never crashes a process.

@@ -42,6 +42,7 @@ from realloc.overrides import load_with_overrides
 from realloc.models.hf_io import load_hf_checkpoint
 from realloc.models.weights import param_seed
 from realloc.runtime import checkpoint, protocol
+from realloc.runtime.curve import CurveKeys, secure_client
 from realloc.runtime.data_store import DataStore, pack_rows, row_bytes, unpack_rows
 from realloc.runtime.evaluation import EVAL_SEED, eval_calls, eval_key, write_eval_samples
 from realloc.data.prompts import PromptDataset
@@ -84,7 +85,7 @@ class Heartbeat(threading.Thread):
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, protocol.socket_identity(name))
         self.sock.setsockopt(zmq.LINGER, 0)
-        protocol.limit_frame_size(self.sock)
+        secure_client(self.sock, CurveKeys.of(secret))
         self.sock.connect(endpoint)
         self.channel = protocol.Channel(secret, run_id, name)
         self.rank = rank
@@ -142,7 +143,7 @@ class ModelWorker:
         self.sock = self.zctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, protocol.socket_identity(protocol.worker_name(self.rank)))
         self.sock.setsockopt(zmq.LINGER, 1000)
-        protocol.limit_frame_size(self.sock)
+        secure_client(self.sock, CurveKeys.of(secret))
         self.sock.connect(args.master)
         self.channel = protocol.Channel(secret, args.run_id, protocol.worker_name(self.rank))
         self.heartbeat = Heartbeat(self.zctx, args.master, secret, args.run_id, self.rank)
