@@ -121,3 +121,30 @@ def test_trace_and_request_log_are_on_disk_before_the_run_ends(tmp_path):
     boxes = [e for e in events if e["ph"] == "X"]
     assert [(e["pid"], e.get("tid"), e["ts"], e["dur"], e["args"]["iteration"]) for e in boxes] == [
         (0, 0, 600000.0, 800000.0, 4), (0, 1, 700000.0, 600000.0, 4), (1, 0, 500000.0, 1000000.0, 4)]
+
+
+def test_sample_log_schedule_rows_and_merged_lines(tmp_path):
+    """sample_every=10 logs iterations 1, 11, 21, 31 (0-based 0, 10, ...): the batch's first n_samples
+    sequences, wherever their dp rank holds them. The reward call gives the ids and reward, the generation
+    the response's log-probs; the master writes one line per sequence."""
+    import torch
+
+    from realloc.runtime.text_io import SampleLog, write_samples
+
+    log = SampleLog(None, every=10, count=3)
+    assert [t + 1 for t in range(35) if log.wanted(t, range(0, 8))] == [1, 11, 21, 31]
+    assert (log.wanted(10, range(0, 2)), log.wanted(10, range(2, 4)), log.wanted(10, range(4, 8))) == ([0, 1], [0], [])
+    assert SampleLog(None, every=0, count=3).wanted(0, range(0, 8)) == []
+    # dp rank 1 of 4 holds sequences 2, 3 (of 8); P = 2, T = 3; only sequence 2 is among the first 3
+    seq = {"tokens": torch.tensor([[5, 6, 7, 8, 0], [9, 10, 11, 0, 0]]), "prompt_lens": torch.tensor([2, 1]),
+           "gen_mask": torch.tensor([[True, True, False], [True, True, False]])}
+    scored = log.parts(10, range(2, 4), "seq", seq, scores=torch.tensor([0.25, 0.75]))
+    generated = log.parts(10, range(2, 4), "seq", seq, logp=torch.tensor([[-0.5, -0.25, 0.0], [-1.0, -2.0, 0.0]]))
+    assert [(p.key, p.seq) for p in scored + generated] == [("seq", 2), ("seq", 2)]
+    assert log.parts(11, range(2, 4), "seq", seq, scores=torch.tensor([0.25, 0.75])) == []
+    merged = {("seq", 2): {**generated[0].fields, **scored[0].fields}, ("greedy_seq", 0): {"reward": 1.0}}
+    write_samples(tmp_path, 10, merged)
+    lines = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert lines == [{"iteration": 11, "seq": 2, "reward": 0.25, "prompt_ids": [5, 6], "response_ids": [7, 8],
+                      "logp": [-0.5, -0.25]},
+                     {"iteration": 11, "seq": 0, "key": "greedy_seq", "reward": 1.0}]

@@ -54,6 +54,7 @@ from realloc.runtime.program import Realloc, RuntimeProgram
 from realloc.runtime.run_config import RunConfig
 from realloc.runtime.stop_signals import SAVE_SAFETY, StopRequest, StopSignals, checkpoint_seconds
 from realloc.runtime.telemetry import RequestLog, RequestRecord, RunStats, Trace, iteration_metrics
+from realloc.runtime.text_io import write_samples
 from realloc.runtime.transfer_plan import DataLayout, TransferPlan, dp_ranges, plan_data_transfer
 
 START_TIMEOUT = 600.0  # seconds for every worker to connect (importing megatron takes a while)
@@ -173,6 +174,7 @@ class Master:
         self.node_hosts: list[str] = []  # host of each plan node, from the workers' hellos
         self.eval_calls = eval_calls(self.spec) if config.eval.every else None
         self.eval_stats: dict[int, dict[str, float]] = {}
+        self.samples: dict[int, dict[tuple[str, int], dict[str, Any]]] = {}  # t -> (key, seq) -> merged fields
         self.tasks: set[asyncio.Task] = set()
         # Created by run(): they stream to the run directory, so a long run keeps a flat memory footprint.
         self.trace: Trace | None = None
@@ -639,6 +641,7 @@ class Master:
             self.stats.on_iteration(m, self.iter_end[k])
             with open(self.paths.metrics, "a") as f:
                 f.write(json.dumps(m) + "\n")
+            write_samples(self.paths.root, k, self.samples.pop(k, {}))
             self.trace.flush()
             self.requests.flush()
             if self.on_iteration is not None:
@@ -693,6 +696,8 @@ class Master:
                 stats[k] = stats.get(k, 0.0) + v
             for out in rep.outputs:
                 self.data_meta.setdefault((out.key, t), out.tensors)
+            for part in rep.samples:
+                self.samples.setdefault(t, {}).setdefault((part.key, part.seq), {}).update(part.fields)
         missing = [k for k in rpc.output_data if (k, t) not in self.data_meta]
         if missing:
             self.fail(f"call {c} (iteration {t + 1}) produced no data for key {missing[0]!r}")

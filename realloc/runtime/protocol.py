@@ -160,6 +160,15 @@ class OutputMeta(_Msg):
     tensors: list[TensorMeta]
 
 
+class SamplePart(_Msg):
+    """Fields of one logged sample from one call (``text_io.SampleLog``); the master merges a sequence's
+    parts from its calls (the reward call's text and reward, the generation's log-probs) into one line."""
+
+    key: str  # the data key of the sequences: "seq" (ReMax's greedy baseline: "greedy_seq")
+    seq: int  # global index of the sequence in the iteration's batch
+    fields: dict[str, str | float | list[int] | list[float]]
+
+
 class Reply(_Msg):
     type: Literal["reply"] = "reply"
     req: int
@@ -170,6 +179,7 @@ class Reply(_Msg):
     end: float = 0.0
     stats: dict[str, float] = Field(default_factory=dict)
     outputs: list[OutputMeta] = Field(default_factory=list)
+    samples: list[SamplePart] = Field(default_factory=list)
 
 
 class Heartbeat(_Msg):

@@ -6,30 +6,40 @@ then ``config.json``); a random-init model with a token-id dataset has no EOS an
 Master and workers compute it the same way from the same files.
 
 ``SampleLog``: in iteration 1 and every ``sample_every`` iterations after it (1, 11, 21, ... for 10),
-the call that scores sequences (output role ``rewards``) appends its first ``n_samples`` sequences to
-``samples.jsonl`` in the run directory, decoded when there is a tokenizer; iterations count from 1 as
-in metrics.jsonl::
+the first ``n_samples`` sequences go to ``samples.jsonl`` in the run directory, one line each. The call
+that scores them (output role ``rewards``) gives the text (decoded when there is a tokenizer), ids and
+reward, the generation gives each response token's log-prob under the sampling policy; the workers send
+these parts with their replies and the master writes one merged line per sequence when the iteration
+ends. Iterations count from 1 as in metrics.jsonl::
 
-    {"iteration": 1, "seq": 0, "prompt": "...", "response": "...", "reward": 0.42, "eos": true,
-     "prompt_ids": [...], "response_ids": [...]}
+    {"iteration": 1, "seq": 0, "prompt": "...", "response": "...", "reward": 0.42,
+     "prompt_ids": [...], "response_ids": [...], "logp": [-0.3, ...]}
+
+A line of another sequence key than ``seq`` (ReMax's greedy baseline) carries ``"key": "greedy_seq"``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
 from realloc.api import ExperimentSpec, InterfaceType
+from realloc.runtime.protocol import SamplePart
 from realloc.runtime.telemetry import iteration_number
 
 if TYPE_CHECKING:
     from realloc.data.tokenizer import Tokenizer
 
 SAMPLES_FILE = "samples.jsonl"
+SAMPLE_BYTES = 1 << 20  # per call and worker: the sample log must not push a reply towards the message limit
+_FIELD_ORDER = ("prompt", "response", "reward", "prompt_ids", "response_ids", "logp")
+
+log = logging.getLogger("realloc.samples")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +77,9 @@ class SpecialTokens:
 
 
 class SampleLog:
-    def __init__(self, run_dir: str | Path, tokenizer: "Tokenizer | None", every: int, count: int) -> None:
-        self.path = Path(run_dir) / SAMPLES_FILE
+    """A worker's part of the sample log: the fields of the sequences it holds, for the master to merge."""
+
+    def __init__(self, tokenizer: "Tokenizer | None", every: int, count: int) -> None:
         self.tokenizer = tokenizer
         self.every = every
         self.count = count
@@ -80,23 +91,46 @@ class SampleLog:
             return []
         return [i - ids.start for i in ids if i < self.count]
 
-    def write(self, iteration: int, ids: range, seq: Mapping[str, torch.Tensor], scores: torch.Tensor) -> None:
-        rows = self.wanted(iteration, ids)
-        if not rows:
-            return
-        lines = []
-        for r in rows:
+    def parts(self, iteration: int, ids: range, key: str, seq: Mapping[str, torch.Tensor],
+              scores: torch.Tensor | None = None, logp: torch.Tensor | None = None) -> list[SamplePart]:
+        """The reward call's fields (text, ids, reward: ``scores``) or the generation's (per-token ``logp``)
+        of the rows to log; at most ``SAMPLE_BYTES`` of them, so a reply stays far below the message limit."""
+        out, budget = [], SAMPLE_BYTES
+        for r in self.wanted(iteration, ids):
             plen, n = int(seq["prompt_lens"][r]), int(seq["gen_mask"][r].sum())
-            prompt = seq["tokens"][r, :plen].tolist()
-            response = seq["tokens"][r, plen:plen + n].tolist()
-            rec: dict[str, Any] = {"iteration": iteration_number(iteration), "seq": ids.start + r}
-            if self.tokenizer is not None:
-                rec["prompt"] = self.tokenizer.decode(prompt, skip_special_tokens=False)
-                rec["response"] = self.tokenizer.decode(response, skip_special_tokens=False)
-            rec.update({"reward": float(scores[r]), "prompt_ids": prompt, "response_ids": response})
-            lines.append(json.dumps(rec) + "\n")
-        with self.path.open("a") as f:
-            f.write("".join(lines))
+            fields: dict[str, Any] = {}
+            if scores is not None:
+                prompt = seq["tokens"][r, :plen].tolist()
+                response = seq["tokens"][r, plen:plen + n].tolist()
+                if self.tokenizer is not None:
+                    fields["prompt"] = self.tokenizer.decode(prompt, skip_special_tokens=False)
+                    fields["response"] = self.tokenizer.decode(response, skip_special_tokens=False)
+                fields.update({"reward": float(scores[r]), "prompt_ids": prompt, "response_ids": response})
+            if logp is not None:
+                fields["logp"] = [float(x) for x in logp[r, :n]]
+            budget -= len(json.dumps(fields))
+            if budget < 0:
+                log.warning("%s: logging %d of the %d samples of iteration %d (the rest exceed %d KiB)", key, len(out),
+                            len(self.wanted(iteration, ids)), iteration_number(iteration), SAMPLE_BYTES >> 10)
+                break
+            out.append(SamplePart(key=key, seq=ids.start + r, fields=fields))
+        return out
+
+
+def write_samples(run_dir: str | Path, iteration: int, parts: Mapping[tuple[str, int], Mapping[str, Any]]) -> None:
+    """Append iteration ``iteration``'s merged samples (``(key, seq) -> fields``) to ``samples.jsonl``."""
+    if not parts:
+        return
+    lines = []
+    for (key, seq), fields in sorted(parts.items(), key=lambda kv: (kv[0][0] != "seq", kv[0])):
+        rec: dict[str, Any] = {"iteration": iteration_number(iteration), "seq": seq}
+        if key != "seq":
+            rec["key"] = key
+        rec.update({f: fields[f] for f in _FIELD_ORDER if f in fields})
+        rec.update({f: v for f, v in fields.items() if f not in rec})
+        lines.append(json.dumps(rec) + "\n")
+    with (Path(run_dir) / SAMPLES_FILE).open("a") as f:
+        f.write("".join(lines))
 
 
 def check_data(spec: ExperimentSpec, config: Any, graph: Any, cache_dir: Path | None = None) -> str | None:

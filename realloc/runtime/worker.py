@@ -163,7 +163,8 @@ class ModelWorker:
         self.total_iterations = 0
         self.tokenizer = Tokenizer.load(self.config.tokenizer) if self.config.tokenizer else None
         self.tokens = SpecialTokens.of(spec, self.tokenizer)
-        self.samples = SampleLog(self.run_dir, self.tokenizer, self.config.sample_every, self.config.n_samples)
+        self.samples = SampleLog(self.tokenizer, self.config.sample_every, self.config.n_samples)
+        self.sample_parts: list[protocol.SamplePart] = []  # the current call's, sent with its reply
 
     def on_stop_signal(self, signum: int, frame: object) -> None:
         """SIGTERM (a cluster ending the job) does not end this worker: the master is told with the next
@@ -185,10 +186,11 @@ class ModelWorker:
             req = env.body
             self.heartbeat.busy_req = req.req
             start = time.time()
+            self.sample_parts = []
             try:
                 stats, outputs = self.handle(req)
                 reply = protocol.Reply(req=req.req, rank=self.rank, ok=True, start=start, end=time.time(),
-                                       stats=stats, outputs=outputs)
+                                       stats=stats, outputs=outputs, samples=self.sample_parts)
             except Exception as e:  # noqa: BLE001 - report any failure to the master, which stops the run
                 log.error("request %d (%s) failed:\n%s", req.req, req.type, traceback.format_exc())
                 reply = protocol.Reply(req=req.req, rank=self.rank, ok=False, error=f"{type(e).__name__}: {e}",
@@ -350,7 +352,11 @@ class ModelWorker:
             write_eval_samples(self.run_dir, iteration, self.rank, eval_batch, range(lo, hi), inputs["seq"],
                                result.outputs["rewards"]["score"], self.tokenizer)
         elif reporter and "rewards" in result.outputs and "seq" in inputs:
-            self.samples.write(iteration, range(lo, hi), inputs["seq"], result.outputs["rewards"]["score"])
+            self.sample_parts = self.samples.parts(iteration, range(lo, hi), in_keys["seq"], inputs["seq"],
+                                                   scores=result.outputs["rewards"]["score"])
+        elif reporter and not evaluating and {"seq", "logp"} <= set(result.outputs):
+            self.sample_parts = self.samples.parts(iteration, range(lo, hi), out_keys["seq"], result.outputs["seq"],
+                                                   logp=result.outputs["logp"]["logp"])
         stats: dict[str, float] = {}
         if reporter:
             stats.update(result.sums)

@@ -1,0 +1,76 @@
+"""The master keeps state only for the iterations in flight (issue 15, item 5).
+
+A real ``Master`` runs ppo_tiny's disjoint plan (reallocation and cross-device data every iteration) for
+40 iterations against fake workers (tests/fake_workers.py) that answer every request at once. After each
+iteration k the master's scheduling maps may hold only iterations k-1 .. k+window; if any of them kept
+an entry per iteration, iteration 0 would still be there at iteration 40. The sample-log parts the workers
+send are merged into one line per sequence and written as each iteration ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from fake_workers import FakeWorkers
+from realloc.api import load_experiment
+from realloc.graph.dataflow import build_graph
+from realloc.runtime import protocol
+from realloc.runtime.launcher import RunPaths
+from realloc.runtime.master import Master
+from realloc.runtime.program import RuntimeProgram
+from realloc.runtime.run_config import RunConfig
+from run_helpers import TINY, disjoint_plan
+
+ITERS = 40
+
+
+def _iterations_held(master: Master) -> dict[str, set[int]]:
+    """Every per-iteration map of the master, as the set of iterations (0-based) it has entries for."""
+    return {"done": set(master.done), "remaining": set(master.remaining), "iter_end": set(master.iter_end),
+            "call_stats": set(master.call_stats), "node_times": set(master.node_times),
+            "eval_stats": set(master.eval_stats), "samples": set(master.samples),
+            "data_meta": {t for _, t in master.data_meta}, "cached": {t for _, t in master.cached},
+            "pushed": {t for _, t in master.pushed},
+            "pending": {rec.iteration for per_rank in master.pending.values() for rec in per_rank.values()}}
+
+
+def _sample_parts(call: str, t: int, rank: int) -> list[protocol.SamplePart]:
+    if call == "actor_gen":  # the generation's part, then the reward call's: merged into one line
+        return [protocol.SamplePart(key="seq", seq=0, fields={"logp": [-float(t)]})]
+    if call == "rew_inf":
+        return [protocol.SamplePart(key="seq", seq=0, fields={"reward": 0.5, "prompt_ids": [t]})]
+    return []
+
+
+def test_master_holds_only_the_iterations_in_flight(tmp_path):
+    spec = load_experiment(TINY)
+    graph = build_graph(spec)
+    program = RuntimeProgram(graph, disjoint_plan())
+    secret = protocol.new_secret()
+    held: list[tuple[int, dict[str, set[int]], int, int]] = []
+
+    def on_iteration(m: dict) -> None:
+        held.append((m["iteration"] - 1, _iterations_held(master), len(master.tasks), len(master.futures)))
+
+    master = Master(program, RunConfig.of(spec), RunPaths(tmp_path), "r1", secret, iterations=ITERS,
+                    heartbeat_timeout=600.0, on_iteration=on_iteration)
+    outputs = {c: list(graph.call(c).output_data) for c in graph.topo_order}
+    with FakeWorkers(f"tcp://127.0.0.1:{master.port}", secret, "r1", spec.cluster.n_devices, outputs, _sample_parts):
+        asyncio.run(master.run())
+
+    assert [k for k, *_ in held] == list(range(ITERS))
+    nodes = len(master._nodes(1))
+    for k, maps, n_tasks, n_futures in held:
+        live = set(range(k - 1, k + master.window + 1))
+        for name, its in maps.items():
+            assert its <= live, (k, name, sorted(its))
+        # Tasks and reply futures are per node and request of the iterations in flight, not per iteration run.
+        assert n_tasks <= (master.window + 2) * (nodes + 2), (k, n_tasks)
+        assert n_futures <= (master.window + 2) * nodes * spec.cluster.n_devices, (k, n_futures)
+    assert any(maps["data_meta"] and maps["cached"] and maps["done"] for _, maps, *_ in held)  # the maps were in use
+    assert all(not its or its <= {ITERS - 2, ITERS - 1} for its in _iterations_held(master).values())
+
+    lines = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert lines == [{"iteration": t + 1, "seq": 0, "reward": 0.5, "prompt_ids": [t], "logp": [-float(t)]}
+                     for t in range(ITERS)]
