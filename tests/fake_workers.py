@@ -3,7 +3,7 @@
 
 Each rank answers every request at once with success. A call's reply carries a one-float tensor per output
 key of the call (what the master needs to plan the transfers), plus any sample-log parts ``samples(call,
-iteration, rank)`` returns.
+iteration, rank)`` returns. ``delays`` (request type -> seconds) makes some requests slow, e.g. saves.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from typing import Callable
 
 import zmq
@@ -23,8 +24,9 @@ SampleParts = Callable[[str, int, int], list[protocol.SamplePart]]
 
 class FakeWorkers:
     def __init__(self, endpoint: str, secret: bytes, run_id: str, n_workers: int, outputs: dict[str, list[str]],
-                 samples: SampleParts = lambda call, t, rank: []) -> None:
+                 samples: SampleParts = lambda call, t, rank: [], delays: dict[str, float] | None = None) -> None:
         self.ctx = zmq.Context()
+        self.delays = delays or {}
         self.outputs = outputs
         self.samples = samples
         self.requests: list[str] = []  # kinds received by rank 0, in order
@@ -64,6 +66,7 @@ class FakeWorkers:
                     meta = [protocol.TensorMeta(name="x", dtype="float32", shape=[1])]
                     outputs = [protocol.OutputMeta(key=k, tensors=meta) for k in self.outputs[req.call]]
                     samples = self.samples(req.call, req.iteration, rank)
+                time.sleep(self.delays.get(req.type, 0.0))
                 send(protocol.Reply(req=req.req, rank=rank, ok=True, outputs=outputs, samples=samples))
                 if isinstance(req, protocol.Shutdown):
                     return

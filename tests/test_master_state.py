@@ -1,16 +1,20 @@
-"""The master keeps state only for the iterations in flight (issue 15, item 5).
+"""A real ``Master`` driven by fake workers (tests/fake_workers.py): what it keeps, and how it stops.
 
-A real ``Master`` runs ppo_tiny's disjoint plan (reallocation and cross-device data every iteration) for
+Bounded state (issue 15, item 5): a real ``Master`` runs ppo_tiny's disjoint plan (reallocation and cross-device data every iteration) for
 40 iterations against fake workers (tests/fake_workers.py) that answer every request at once. After each
 iteration k the master's scheduling maps may hold only iterations k-1 .. k+window; if any of them kept
 an entry per iteration, iteration 0 would still be there at iteration 40. The sample-log parts the workers
 send are merged into one line per sequence and written as each iteration ends.
+
+Stopping without time for a checkpoint (issue 15, item 4): a warning signal whose lead is shorter than
+the run's measured save time ends the run cleanly after the iterations in flight, saves nothing, and says so.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
 
 from fake_workers import FakeWorkers
 from realloc.api import load_experiment
@@ -20,6 +24,7 @@ from realloc.runtime.launcher import RunPaths
 from realloc.runtime.master import Master
 from realloc.runtime.program import RuntimeProgram
 from realloc.runtime.run_config import RunConfig
+from realloc.runtime.stop_signals import StopSignals
 from run_helpers import TINY, disjoint_plan
 
 ITERS = 40
@@ -74,3 +79,33 @@ def test_master_holds_only_the_iterations_in_flight(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert lines == [{"iteration": t + 1, "seq": 0, "reward": 0.5, "prompt_ids": [t], "logp": [-float(t)]}
                      for t in range(ITERS)]
+
+
+def test_a_stop_without_time_for_a_checkpoint_ends_cleanly_and_says_so(tmp_path):
+    """Saves take 1 s (the fake workers' save is slow; the run saves after iteration 2), and the warning
+    signal leaves 1 s: a checkpoint needs 1.5 x its measured time, so none is attempted. The iteration
+    in flight when the signal came (3) finishes, no further one starts, and the stop says why."""
+    spec = load_experiment(TINY)
+    graph = build_graph(spec)
+    secret = protocol.new_secret()
+
+    def stop_after_the_save(m: dict) -> None:
+        if m["iteration"] == 2:
+            assert master.longest_save is not None and master.longest_save >= 1.0
+            master.request_stop(signal.SIGUSR1)
+
+    master = Master(RuntimeProgram(graph, disjoint_plan()), RunConfig.of(spec), RunPaths(tmp_path), "r1", secret,
+                    iterations=10, save_every=2, heartbeat_timeout=600.0, on_iteration=stop_after_the_save,
+                    stop_signals=StopSignals(signal.SIGUSR1, warning_lead=1.0))
+    outputs = {c: list(graph.call(c).output_data) for c in graph.topo_order}
+    with FakeWorkers(f"tcp://127.0.0.1:{master.port}", secret, "r1", spec.cluster.n_devices, outputs,
+                     delays={"save": 1.0}) as workers:
+        asyncio.run(master.run())  # returns: a clean end, not RunFailed
+    assert workers.requests.count("save") == 1 and workers.requests[-1] == "shutdown"
+    assert [json.loads(x)["iteration"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["iter_00000002"]
+    stop = master.stop
+    assert stop is not None and stop.checkpoint is None and stop.after_iteration == 3 and stop.exit_code == 128 + 10
+    said = stop.describe(str(tmp_path))
+    assert said.startswith("stopped by SIGUSR1 after iteration 3; no checkpoint: one takes about 1.") and \
+        f"the newest is in {tmp_path / 'checkpoints'}" in said, said

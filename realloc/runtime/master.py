@@ -301,8 +301,8 @@ class Master:
                     await self._save(t)
                     stop.checkpoint = str(name)
                 else:
-                    stop.note = (f"no checkpoint: one takes about {need:.0f} s and {left:.0f} s were left; the newest "
-                                 f"is in {self.paths.checkpoints}")
+                    stop.note = (f"no checkpoint: one takes about {need:.1f} s and {max(left, 0.0):.1f} s were left; "
+                                 f"the newest is in {self.paths.checkpoints}")
         except RunFailed:
             pass  # recorded; run() raises it
         finally:
