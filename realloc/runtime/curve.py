@@ -48,8 +48,9 @@ class CurveKeys:
     @classmethod
     def of(cls, secret: bytes) -> "CurveKeys":
         if not zmq.has("curve"):
-            raise RuntimeError("this pyzmq/libzmq build has no CURVE security (zmq.has('curve') is False); install "
-                               "a pyzmq wheel from PyPI, which bundles a libzmq with CURVE")
+            raise ValueError("this pyzmq/libzmq build has no CURVE security (zmq.has('curve') is False), which the "
+                             "master's socket requires; install the pyzmq wheel from PyPI, which bundles a libzmq "
+                             "with CURVE")
 
         def pair(label: bytes) -> tuple[bytes, bytes]:
             key = z85.encode(hmac.new(secret, b"realloc curve " + label, hashlib.sha256).digest())
