@@ -180,3 +180,32 @@ def test_plan_memory_applies_the_rules(model):
     off = model.plan_memory(_plan(model, offload=True))
     assert off[0] == peak[0]
     assert off[2] == static_actor + max(train.activations, ref.activations + ref.params)
+
+
+def test_llama3_70b_per_token_counts_by_hand():
+    """The per-token byte counts behind the 70B weak-scaling plans (README), at tp 8 in bf16."""
+    from realloc.estimator import opcount as oc
+    from realloc.estimator.hardware import Precision
+    from realloc.models.config import get_model_config
+
+    cfg, bf16 = get_model_config("llama3-70b"), Precision.for_dtype("bf16")
+    h, v = 8192, 128256 // 8
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size) == (h, 28672, 128256)  # appendix Table 1
+    # a block keeps two norms (fp32 input, 1/rms, bf16 product and output: 8h + 4 each), attention's q, k, v,
+    # output (h/8 each, bf16) and log-sum-exp (8 local heads, fp32), the MLP's four inter/8 tensors
+    norms = 2 * (8 * h + 4)
+    assert oc.saved_activation_bytes_per_token(cfg, 8, bf16) == norms + 4 * h // 8 * 2 + 8 * 4 + 4 * 3584 * 2 == 167976
+    assert norms / 167976 > 0.78  # the replicated, unfused fp32 norms dominate at tp 8
+    assert oc.layer_input_bytes_per_token(cfg, bf16) == 2 * h  # kept per block with recomputation
+    # log-prob over the 16032-entry vocabulary shard: inference holds the bf16 logits, an fp32 copy,
+    # logits - max and its exp; training's backward four fp32 tensors
+    assert oc.logprob_peak_bytes_per_token(cfg, 8, bf16, backward=False) == v * (2 + 4 + 4 + 4) == 224448
+    assert oc.logprob_peak_bytes_per_token(cfg, 8, bf16, backward=True) == v * 16 == 256512
+    assert oc.head_saved_bytes_per_token(cfg, 8, bf16) == (8 * h + 4) + 2 * v * 4
+    # a block at work: no-grad working set (4h + 3 inter/8 in bf16) against the fp32 norm backward
+    assert oc.transient_activation_bytes_per_token(cfg, 8, bf16) == (4 * h + 3 * 3584) * 2 == 87040
+    assert oc.block_backward_bytes_per_token(cfg, 8, bf16, recompute=False) == (20 + 2) * h == 180224
+    assert oc.block_backward_bytes_per_token(cfg, 8, bf16, recompute=True) == (20 + 6) * h
+    assert oc.sampling_bytes_per_row(cfg) == 34 * 128256
+    critic = get_model_config("llama3-8b-critic")
+    assert oc.logprob_peak_bytes_per_token(critic, 8, bf16, backward=True) == 0.0
