@@ -31,16 +31,20 @@ and the peaks (temporaries included) are checked against ``LiveTensorMeter`` on 
   (a KV head replicated over tp ranks counts on each of them);
 - TRAIN_STEP: 1F1B keeps min(m, pp - k) micro-batches of saved activations
   (``opcount.saved_activation_bytes_per_token`` x L_k x b x seq_len, plus rotary
-  tables and token ids). On top of them runs either one block (its working set;
-  with activation recomputation a block keeps only its input, h elements per token,
-  and the block being recomputed also holds its full saved set for one micro-batch)
-  or, on the last stage, the head: the final norm's saves and the log-prob's peak in
-  its backward, four fp32 tensors of the rank's V/t logits per token. The head and a
-  block never run at once, so the larger of the two counts (``train_saved_bytes`` is
-  the saved part alone);
+  tables and token ids; with activation recomputation a block keeps only its input,
+  h elements per token), and for each of them the stage's output and received input
+  (``opcount.pipeline_held_bytes_per_token``). On top of them runs one of: a block
+  (its backward's working set and one weight's gradient; when recomputing, also the
+  recomputed block's full saved set), on the last stage the head (the final norm's
+  saves and the log-prob's peak in its backward, four fp32 tensors of the rank's V/t
+  logits per token), or on the first stage the embedding's gradient; they never run
+  at once, so the largest counts. After the backward, the optimizer update's fp32
+  temporaries, if larger (``optimizer_step_bytes``). ``train_saved_bytes`` is the
+  saved part alone;
 - INFERENCE: one micro-batch's working set of one block plus the rotary tables, or on
   the last stage the log-prob's peak over its V/t logits (the logits in the compute
-  dtype, their fp32 copy, logits - max and its exp), whichever is larger;
+  dtype, their fp32 copy, logits - max and its exp), whichever is larger; a stage
+  before the last also holds its previous output until the next stage receives it;
 - GENERATE: KV cache of (prompt_len + gen_len) positions x L_k layers of the
   rank's KV heads (n_kv/t, or one whole head when tp exceeds them) for one
   micro-batch of b sequences with pp = 1 (micro-batches generate one after
@@ -112,12 +116,6 @@ class Workload:
 def local_params(cfg: ModelConfig, tp: int, pp: int, pp_rank: int) -> int:
     """Parameters one device of pipeline stage ``pp_rank`` holds (memoized ``param_layout.shard_numel``)."""
     return shard_numel(cfg, tp, pp, pp_rank)
-
-
-@lru_cache(maxsize=4096)
-def largest_local_param(cfg: ModelConfig, tp: int, pp: int, pp_rank: int) -> int:
-    """Elements of the largest parameter shard one device of stage ``pp_rank`` holds."""
-    return max(s.shard_numel(tp) for s in stage_param_specs(cfg, pp, pp_rank))
 
 
 @lru_cache(maxsize=4096)
