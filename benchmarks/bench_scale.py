@@ -8,14 +8,17 @@ Two gloo processes (one thread each, the two CPU devices of experiments/ppo_smal
 
 1. recompute: ``train_step`` of 4 micro-batches x 8 sequences x 128 tokens in (1, 1, 1) and
    (1, 1, 2), with and without activation recomputation. Measured: the peak bytes autograd keeps
-   for the backward on each stage (``realloc.models.activations``) and the step time (median);
-   estimated: ``memory.train_saved_bytes`` and ``CallTimer.train_step`` from profiles/cpu/small.json.
+   for the backward on each stage (``SavedTensorMeter``), the peak of every tensor the step creates
+   in bf16, temporaries included, less its fp32 main_grad buffers (``LiveTensorMeter``), and the
+   step time (median, fp32); estimated: ``memory.train_saved_bytes``, ``memory.train_activation_bytes``
+   and ``CallTimer.train_step`` from profiles/cpu/small.json.
 2. generation: ``generate`` of 32 prompts of 8 tokens + 24 new ones (no EOS), pp = 1 with 1
    micro-batch and pp = 2 with 1, 2 and 4 micro-batches. pp = 2 with one micro-batch is the
    schedule generation had before pipelining (the stages take turns on the whole batch).
    Estimated: ``CallTimer.generate``.
 
-Timings are medians of ``--repeats`` runs after a warm-up; read ``uptime`` next to them.
+Timings are medians of ``--repeats`` runs after a warm-up, the variants of one layout interleaved;
+read the load average printed next to them.
 """
 
 from __future__ import annotations
@@ -46,23 +49,27 @@ def _loss(out, mb):
     return -(out.logprobs() * mask).sum() / mask.sum(), {}
 
 
-def _median_time(fn, repeats: int, group) -> float:
-    fn()  # warm-up
-    times = []
+def _median_times(fns, repeats: int, group) -> list[float]:
+    """Median seconds of each of ``fns``, run in turn ``repeats`` times after a warm-up: interleaved, so that a
+    busy phase of the shared machine slows every variant alike."""
+    for fn in fns:
+        fn()  # warm-up
+    times = [[] for _ in fns]
     for _ in range(repeats):
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+        for fn, ts in zip(fns, times):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
     t = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # a call ends when its slowest rank does
-    return statistics.median(t.tolist())
+    return [statistics.median(row) for row in t.tolist()]
 
 
 def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    from realloc.models.activations import SavedTensorMeter
+    from realloc.models.activations import LiveTensorMeter, SavedTensorMeter
     from realloc.models.config import get_model_config
     from realloc.models.engine import ParallelModel
     from realloc.models.groups import ModelLayout, ProcessGroupCache
@@ -85,18 +92,32 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results
             mbs = [{"input_ids": torch.randint(0, cfg.vocab_size, (TRAIN["rows"], TRAIN["seq"]), generator=g),
                     "lengths": torch.full((TRAIN["rows"],), TRAIN["seq"])} for _ in range(TRAIN["n_mbs"])]
             opt = model.make_optimizer(lr=1e-6)
+            saved = {}
             for rc in (False, True):
                 with SavedTensorMeter(model.params().values()) as meter:
                     model.train_step(mbs, _loss, opt, recompute=rc)
-                dt = _median_time(lambda: model.train_step(mbs, _loss, opt, recompute=rc), args.repeats, mesh)
-                out["train", pp, model.groups.pp_rank, rc] = (meter.peak, dt)
+                saved[rc] = meter.peak
+            steps = [lambda rc=rc: model.train_step(mbs, _loss, opt, recompute=rc) for rc in (False, True)]
+            for rc, dt in zip((False, True), _median_times(steps, args.repeats, mesh)):
+                out["train", pp, model.groups.pp_rank, rc] = (saved[rc], dt)
+            # every tensor, temporaries included, of a bf16 step (the GPUs' precision); its fp32 main_grad
+            # buffers are static memory in the memory model
+            low = ParallelModel(cfg, cache.model_groups(lay), dtype=torch.bfloat16, seed=1)
+            low_opt = low.make_optimizer(lr=1e-6)
+            low.train_step(mbs, _loss, low_opt)  # the optimizer's state exists before the measured steps
+            main_grads = sum(p.numel() for p in low.params().values()) * 4
+            for rc in (False, True):
+                with LiveTensorMeter() as live:
+                    low.train_step(mbs, _loss, low_opt, recompute=rc)
+                out["live", pp, low.groups.pp_rank, rc] = live.peak - main_grads
+            del low, low_opt
         if "generation" in args.only:
             prompts = torch.randint(1, cfg.vocab_size, (GEN["prompts"], GEN["prompt_len"]), generator=g).tolist()
             gcfg = GenerationConfig(max_new_tokens=GEN["gen_len"], seed=3)
-            for case_pp, n_mbs in GEN_CASES:
-                if case_pp == pp:
-                    dt = _median_time(lambda: model.generate(prompts, gcfg, n_mbs=n_mbs), args.repeats, mesh)
-                    out["gen", pp, n_mbs] = dt
+            cases = [n_mbs for case_pp, n_mbs in GEN_CASES if case_pp == pp]
+            runs = [lambda n=n: model.generate(prompts, gcfg, n_mbs=n) for n in cases]
+            for n_mbs, dt in zip(cases, _median_times(runs, args.repeats, mesh)):
+                out["gen", pp, n_mbs] = dt
     results[rank] = out
     dist.barrier()
     dist.destroy_process_group()
@@ -145,6 +166,20 @@ def report_recompute(m: dict) -> None:
             ef, er = (train_saved_bytes(cfg, s, TRAIN["n_mbs"], k, n_tok, cost.precision, rc) for rc in (False, True))
             print(f"{str((dp, tp, pp)):<10}{k:>6}{full / mib:>11.1f}{redo / mib:>11.1f}{1 - redo / full:>8.0%}"
                   f"{ef / mib:>10.1f}{er / mib:>11.1f}{1 - er / ef:>12.0%}")
+    from realloc.estimator.hardware import Precision
+    from realloc.estimator.memory import train_activation_bytes
+
+    bf16 = Precision.for_dtype("bf16")
+    print(f"\nall tensors of a bf16 step, temporaries included (main_grad buffers excluded)")
+    print(f"{'layout':<10}{'stage':>6}{'peak MiB':>10}{'w/ recomp':>11}{'saved':>8}{'est. MiB':>10}{'w/ recomp':>11}"
+          f"{'est. saved':>12}{'est./meas.':>12}")
+    for dp, tp, pp in TRAIN_LAYOUTS:
+        s = S(dp, tp, pp)
+        for k in range(pp):
+            full, redo = m["live", pp, k, False], m["live", pp, k, True]
+            ef, er = (train_activation_bytes(cfg, s, TRAIN["n_mbs"], k, n_tok, bf16, rc) for rc in (False, True))
+            print(f"{str((dp, tp, pp)):<10}{k:>6}{full / mib:>10.1f}{redo / mib:>11.1f}{1 - redo / full:>8.0%}"
+                  f"{ef / mib:>10.1f}{er / mib:>11.1f}{1 - er / ef:>12.0%}{ef / full:>7.2f}/{er / redo:.2f}")
     print(f"\n{'layout':<10}{'s/step':>9}{'w/ recomp':>11}{'time paid':>11}{'est. s':>9}{'w/ recomp':>11}"
           f"{'est. paid':>11}")
     for dp, tp, pp in TRAIN_LAYOUTS:

@@ -166,6 +166,29 @@ def test_pipeline_bubble_formula():
     assert decode_round([t], 3, 0.0).time == pytest.approx(3 * 4.0)  # pp = 1: one after another
 
 
+@pytest.mark.parametrize("strategy, n_mbs", [(S(1, 2, 1), 4), (S(1, 1, 2), 3), (S(2, 1, 1), 2)])
+def test_recomputation_costs_one_more_forward_of_the_blocks_per_micro_batch(tiny, strategy, n_mbs):
+    """Recomputing activations adds one forward of a stage's L_k blocks (compute and their 2 tp all-reduces,
+    no embedding, no head) to every micro-batch on every stage; through 1F1B that is (pp + m - 1) of them
+    per optimizer step (the stages are equal here: tiny's 4 layers split evenly), n_steps per call."""
+    mesh = tiny.cluster.whole
+    timer = tiny._timer(tiny.graph.model_config("actor_train"))
+    w = tiny.workload("actor_train")
+    b = w.micro_batch(strategy.dp, n_mbs)
+    plain = tiny.call_cost("actor_train", mesh, strategy, n_mbs)
+    redo = tiny.call_cost("actor_train", mesh, strategy, n_mbs, recompute=True)
+    compute, tp_comm = timer.op(Part.BLOCK, Phase.FWD, strategy.tp, b, w.seq_len)
+    layers = 4 // strategy.pp
+    extra = layers * (compute + tp_comm)
+    assert (tp_comm > 0) == (strategy.tp > 1)
+    assert redo.time - plain.time == pytest.approx(w.n_steps * (strategy.pp + n_mbs - 1) * extra, rel=1e-9)
+    # the busiest stage's own work grows by m forwards; the rest is the longer pipeline fill
+    assert redo.compute - plain.compute == pytest.approx(w.n_steps * n_mbs * layers * compute, rel=1e-9)
+    assert redo.tp_comm - plain.tp_comm == pytest.approx(w.n_steps * n_mbs * layers * tp_comm, rel=1e-9, abs=1e-15)
+    assert redo.bubble - plain.bubble == pytest.approx(w.n_steps * (strategy.pp - 1) * extra, rel=1e-9, abs=1e-15)
+    assert w.n_steps == 2 and redo.optimizer == plain.optimizer and redo.dp_allreduce == plain.dp_allreduce
+
+
 def test_breakdown_sums_to_time_and_pp_adds_a_bubble(tiny):
     mesh = tiny.cluster.whole
     for call in ("actor_gen", "ref_inf", "actor_train"):

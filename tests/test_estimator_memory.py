@@ -69,11 +69,20 @@ def test_train_memory_tp2_pp2(model):
     saved_per_token = 2 * norm + 4 * H // 2 * 4 + 4 // 2 * 4 + 4 * I // 2 * 4
     assert saved_per_token == 3472
     rope = 2 * 16 * 4  # cos and sin of the 16-dim heads, once per stage and micro-batch
-    transient = (2 * H + (H + 2 * H) // 2 + 3 * I // 2) * 4 * n_tok
-    # 1F1B: stage 0 holds min(2, pp - 0) = 2 micro-batches (and their int64 token ids), stage 1 holds 1
-    # and its head: the final norm, the fp32 logits and their log-softmax (V/tp wide)
-    act0 = 2 * (saved_per_token * 2 + rope + 8) * n_tok + transient
-    act1 = 1 * (saved_per_token * 2 + rope) * n_tok + (norm + 2 * (V // 2) * 4) * n_tok + transient
+    # at work on top of the kept micro-batches (opcount.block_backward_bytes_per_token): the larger of the
+    # no-grad working set (stage input, block input, residual, norm output: 4 H; SwiGLU, up, product:
+    # 3 I / 2) and the RMSNorm backward's five fp32 H-wide temporaries plus its output's gradient
+    block_work = max((4 * H + 3 * I // 2) * 4, (5 * 4 + 4) * H)
+    assert block_work == 2080
+    weight_grad = H * I // 2 * 4  # gate, up or down's gradient before it joins main_grad
+    # 1F1B: stage 0 holds min(2, pp - 0) = 2 micro-batches (and their int64 token ids) and each one's
+    # output until its gradient arrives (H per token); stage 1 holds 1 and receives fp32 inputs that
+    # its first norm saves as they are. The last stage's head peaks in the log-prob's backward at four
+    # fp32 tensors of its V/2 logits, on top of the final norm's saves; the blocks' work is larger here.
+    act0 = 2 * (saved_per_token * 2 + rope + 8 + H * 4) * n_tok + block_work * n_tok + weight_grad
+    head = norm + 4 * (V // 2) * 4
+    act1 = 1 * (saved_per_token * 2 + rope) * n_tok + max(block_work * n_tok + weight_grad, head * n_tok)
+    assert (act0, act1) == (1094656, 608256)
     assert stages[0].params == STAGE0_TP2_PP2 * 4 and stages[1].params == STAGE1_TP2_PP2 * 4
     assert stages[0].grads == STAGE0_TP2_PP2 * 4 and stages[0].optimizer == STAGE0_TP2_PP2 * 8
     assert stages[0].activations == act0 and stages[1].activations == act1
@@ -81,11 +90,37 @@ def test_train_memory_tp2_pp2(model):
     worst = model.call_memory("actor_train", mesh, s, 2)
     assert worst == max(stages, key=lambda m: m.total)
     # recomputation: each block keeps its input (H per token); the block being recomputed holds its
-    # saved set minus that input, which on stage 1 outweighs the head's saves (freed by then)
+    # saved set minus that input, and its norm's backward also holds the recomputed output and residual
     redo = model._stage_memory("actor_train", s, 2, recompute=True)
-    assert redo[0].activations == 2 * (H * 4 * 2 + rope + 8) * n_tok + (saved_per_token - H * 4) * n_tok + transient
-    assert redo[1].activations == (H * 4 * 2 + rope) * n_tok + (saved_per_token - H * 4) * n_tok + transient
+    redo_work = (saved_per_token - H * 4) + max((4 * H + 3 * I // 2) * 4, (5 * 4 + 3 * 4) * H)
+    assert redo[0].activations == 2 * (H * 4 * 2 + rope + 8 + H * 4) * n_tok + redo_work * n_tok + weight_grad
+    assert redo[1].activations == (H * 4 * 2 + rope) * n_tok + redo_work * n_tok + weight_grad
     assert redo[0].params == stages[0].params and redo[0].optimizer == stages[0].optimizer
+
+
+def test_optimizer_update_temporaries_by_hand_and_measured():
+    """memory.optimizer_step_bytes against a hand count and against the bytes MasterWeightAdamW allocates."""
+    import torch
+
+    from realloc.estimator.memory import optimizer_step_bytes
+    from realloc.models.activations import LiveTensorMeter
+    from realloc.models.config import get_model_config
+    from realloc.models.optim import MasterWeightAdamW
+    from realloc.models.param_layout import stage_param_specs
+
+    cfg = get_model_config("tiny")
+    # stage 1 of (tp 2, pp 2): per layer q, k, v, o (H/2 x H) and gate, up, down (I/2 x H), then lm_head
+    # (V/2 x H). Updating up (or down) allocates sqrt(v) and its quotient while gate's quotient lives.
+    gate = I // 2 * H
+    assert optimizer_step_bytes(cfg, 2, 2, 1) == 4 * (gate + 2 * gate) == 67584
+    specs = stage_param_specs(cfg, 2, 1)
+    params = {s.name: torch.nn.Parameter(torch.randn(s.shard_shape(2)).bfloat16()) for s in specs}
+    opt = MasterWeightAdamW(params, lr=1e-3, weight_decay=0.1)
+    grads = {n: torch.randn(p.shape) for n, p in params.items()}
+    opt.step_with(grads)  # creates the Adam state (static optimizer memory)
+    with LiveTensorMeter() as meter:
+        opt.step_with(grads)
+    assert 0 <= meter.peak - 67584 <= 64, meter.peak  # plus a few scalars
 
 
 def test_generate_and_inference_memory(model):
@@ -99,12 +134,20 @@ def test_generate_and_inference_memory(model):
     one_stage = model._stage_memory("actor_gen", S(1, 2, 1), 2)
     assert one_stage[0].kv_cache == 8 * 16 * 4 * 2 * (H // 2) * 4
     assert gen[0].grads == gen[0].optimizer == 0
-    # last stage also holds one full-vocabulary fp32 logit row per sequence for sampling
-    assert gen[1].activations - gen[0].activations == 8 * V * 4
+    # the prefill's working set for 8 prompts of 8 tokens (block at tp 2 and the rotary tables); the last
+    # stage samples afterwards from 34 bytes per vocabulary entry and sequence (opcount.sampling_bytes_per_row)
+    prefill = ((4 * H + 3 * I // 2) * 4 + 2 * 16 * 4) * 8 * 8
+    assert gen[0].activations == prefill
+    assert gen[1].activations == max(prefill, 8 * 34 * V)
     inf = model.call_memory("ref_inf", mesh, S(4, 1, 1), 1)
     n_tok = 4 * 16
     assert inf.params == FULL * 4
-    assert inf.activations == (2 * H + 3 * H + 3 * I) * 4 * n_tok + 2 * n_tok * V * 4
+    # the larger of a block's working set (with the rotary tables) and the log-prob's: fp32 logits
+    # (their float() is themselves), logits - max and its exp
+    assert inf.activations == max((4 * H + 3 * I) * 4 + 2 * 16 * 4, V * 3 * 4) * n_tok
+    # pp 2: stage 0's previous output stays referenced by its send
+    inf2 = model._stage_memory("ref_inf", S(2, 1, 2), 1)
+    assert inf2[0].activations == ((4 * H + 3 * I) * 4 + 2 * 16 * 4 + H * 4) * 8 * 16
 
 
 def _plan(model, offload=False):
@@ -137,3 +180,32 @@ def test_plan_memory_applies_the_rules(model):
     off = model.plan_memory(_plan(model, offload=True))
     assert off[0] == peak[0]
     assert off[2] == static_actor + max(train.activations, ref.activations + ref.params)
+
+
+def test_llama3_70b_per_token_counts_by_hand():
+    """The per-token byte counts behind the 70B weak-scaling plans (README), at tp 8 in bf16."""
+    from realloc.estimator import opcount as oc
+    from realloc.estimator.hardware import Precision
+    from realloc.models.config import get_model_config
+
+    cfg, bf16 = get_model_config("llama3-70b"), Precision.for_dtype("bf16")
+    h, v = 8192, 128256 // 8
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size) == (h, 28672, 128256)  # appendix Table 1
+    # a block keeps two norms (fp32 input, 1/rms, bf16 product and output: 8h + 4 each), attention's q, k, v,
+    # output (h/8 each, bf16) and log-sum-exp (8 local heads, fp32), the MLP's four inter/8 tensors
+    norms = 2 * (8 * h + 4)
+    assert oc.saved_activation_bytes_per_token(cfg, 8, bf16) == norms + 4 * h // 8 * 2 + 8 * 4 + 4 * 3584 * 2 == 167976
+    assert norms / 167976 > 0.78  # the replicated, unfused fp32 norms dominate at tp 8
+    assert oc.layer_input_bytes_per_token(cfg, bf16) == 2 * h  # kept per block with recomputation
+    # log-prob over the 16032-entry vocabulary shard: inference holds the bf16 logits, an fp32 copy,
+    # logits - max and its exp; training's backward four fp32 tensors
+    assert oc.logprob_peak_bytes_per_token(cfg, 8, bf16, backward=False) == v * (2 + 4 + 4 + 4) == 224448
+    assert oc.logprob_peak_bytes_per_token(cfg, 8, bf16, backward=True) == v * 16 == 256512
+    assert oc.head_saved_bytes_per_token(cfg, 8, bf16) == (8 * h + 4) + 2 * v * 4
+    # a block at work: no-grad working set (4h + 3 inter/8 in bf16) against the fp32 norm backward
+    assert oc.transient_activation_bytes_per_token(cfg, 8, bf16) == (4 * h + 3 * 3584) * 2 == 87040
+    assert oc.block_backward_bytes_per_token(cfg, 8, bf16, recompute=False) == (20 + 2) * h == 180224
+    assert oc.block_backward_bytes_per_token(cfg, 8, bf16, recompute=True) == (20 + 6) * h
+    assert oc.sampling_bytes_per_row(cfg) == 34 * 128256
+    critic = get_model_config("llama3-8b-critic")
+    assert oc.logprob_peak_bytes_per_token(critic, 8, bf16, backward=True) == 0.0

@@ -195,6 +195,73 @@ def test_memory_model_of_saved_activations_matches_the_engine(pool):
     assert all(saving[key[:-1] + (True,)] < v for key, v in saving.items() if not key[-1])
 
 
+# A 4096-token vocabulary over a 64-wide model: the log-prob head dominates the activations, as the 128k
+# vocabulary does for LLaMA-3 (opcount.logprob_peak_bytes_per_token). A 512-wide one with 256 tokens: the blocks do.
+HEAD_HEAVY = ModelConfig("head-heavy", 4096, 64, 176, 4, 4, 2, max_position_embeddings=256)
+BLOCK_HEAVY = ModelConfig("block-heavy", 256, 512, 1408, 4, 4, 2, max_position_embeddings=256)
+LIVE_ROWS, LIVE_SEQ = 8, 64  # per micro-batch: enough tokens that activations outweigh any one weight's buffers
+
+
+def _live_peaks(ctx, cfg, tp, pp, n_mbs, recompute):
+    """Peak bytes of the tensors a bf16 forward() and train_step() create on this rank (LiveTensorMeter),
+    the train step's fp32 main_grad buffers (static memory in the memory model) taken out."""
+    from realloc.models.activations import LiveTensorMeter
+    from realloc.models.engine import ParallelModel
+    from realloc.models.groups import ModelLayout
+    from realloc.strategy import ParallelStrategy
+
+    layout = ModelLayout.for_model(cfg, tuple(range(tp * pp)), ParallelStrategy(1, tp, pp))
+    ctx.groups.ensure_layouts([layout])
+    if ctx.rank not in layout.device_ids:
+        return None
+    model = ParallelModel(cfg, ctx.groups.model_groups(layout), dtype=torch.bfloat16, seed=2)
+    g = torch.Generator().manual_seed(0)
+    mbs = [{"input_ids": torch.randint(0, cfg.vocab_size, (LIVE_ROWS, LIVE_SEQ), generator=g),
+            "lengths": torch.full((LIVE_ROWS,), LIVE_SEQ)} for _ in range(n_mbs)]
+    whole = {k: torch.cat([mb[k] for mb in mbs]) for k in mbs[0]}
+    with LiveTensorMeter() as meter:
+        model.forward(whole, n_mbs=n_mbs)
+    inference = meter.peak
+    opt = model.make_optimizer(lr=0.0)
+    model.train_step(mbs, nll_loss, opt)  # the optimizer's state exists before the measured step
+    with LiveTensorMeter() as meter:
+        model.train_step(mbs, nll_loss, opt, recompute=recompute)
+    main_grads = sum(p.numel() for p in model.params().values()) * 4
+    return model.groups.pp_rank, inference, meter.peak - main_grads
+
+
+@pytest.mark.parametrize("cfg", [HEAD_HEAVY, BLOCK_HEAVY], ids=lambda c: c.name)
+def test_memory_model_peaks_match_the_engines_live_tensors(pool, cfg):
+    """stage_call_memory's activations against every byte the engine allocates during a bf16 forward() and
+    train_step() (temporaries included), per stage, at tp 2 and pp 2, with and without recomputation: the
+    vocabulary-parallel log-prob's temporaries on the last stage, one block's working set elsewhere."""
+    from realloc.api import InterfaceType
+    from realloc.estimator.hardware import Precision
+    from realloc.estimator.memory import Workload, stage_call_memory
+    from realloc.strategy import ParallelStrategy
+
+    bf16 = Precision.for_dtype("bf16")
+    n_mbs = 2
+    for tp, pp, recompute in [(2, 1, False), (1, 2, False), (1, 2, True)]:
+        s = ParallelStrategy(1, tp, pp)
+        for r in pool.run(_live_peaks, cfg, tp, pp, n_mbs, recompute):
+            if r is None:
+                continue
+            k, inference, train = r
+            # the workload's lengths only matter through their sum
+            for kind, measured in ((InterfaceType.INFERENCE, inference), (InterfaceType.TRAIN_STEP, train)):
+                work = Workload(kind, n_seqs=LIVE_ROWS * n_mbs, n_steps=1, prompt_len=LIVE_SEQ // 2,
+                                gen_len=LIVE_SEQ // 2)
+                want = stage_call_memory(cfg, work, s, n_mbs, k, bf16,
+                                         recompute and kind is InterfaceType.TRAIN_STEP).activations
+                # Inference and the head are counted as they run; in a block's backward the model adds the
+                # block's saves and its norm's temporaries as if they peaked together, an upper bound.
+                train_bound = kind is InterfaceType.TRAIN_STEP and (cfg is BLOCK_HEAVY or k < pp - 1)
+                high = 1.25 if train_bound else 1.03
+                assert 0.97 * measured <= want <= high * measured, (cfg.name, tp, pp, recompute, k, kind, measured,
+                                                                    want)
+
+
 def test_adamw_two_steps_tp2_pp2_and_dp2_match_dense_model(pool, gqa):
     hf, path = gqa
     _check_train(pool, hf, path, [(1, 2, 2), (2, 1, 1)], "adamw", 2, max_norm=1.0)

@@ -24,25 +24,34 @@ Rules, applied per device ``d`` (the search's simulator applies the same ones):
 5. Data-transfer buffers are negligible (principle 4).
 
 Per-call formulas, on a device of pipeline stage ``k`` holding ``L_k`` blocks,
-micro-batch of ``b`` sequences, ``t`` = tp, ``m`` = n_mbs:
+micro-batch of ``b`` sequences, ``t`` = tp, ``m`` = n_mbs. Per-token byte counts are
+in ``opcount.py``; the saved ones are exact against ``realloc.models.activations.SavedTensorMeter``
+and the peaks (temporaries included) are checked against ``LiveTensorMeter`` on CPU:
 - parameters: the exact shard of ``param_layout.stage_param_specs`` x bytes/param
   (a KV head replicated over tp ranks counts on each of them);
 - TRAIN_STEP: 1F1B keeps min(m, pp - k) micro-batches of saved activations
   (``opcount.saved_activation_bytes_per_token`` x L_k x b x seq_len, plus rotary
-  tables and token ids), plus the live working set of one block. The last stage's
-  head keeps its norm, fp32 logits and log-softmax (b x seq_len x V/t x 4 x 2).
-  With activation recomputation a block keeps only its input (h elements per
-  token) and the block being recomputed holds its full saved set for one
-  micro-batch; by then the head's saves are freed, so the larger of the two
-  counts (``train_saved_bytes``; exact against ``realloc.models.activations``);
-- INFERENCE: one micro-batch's working set of one block, plus logits on the
-  last stage (fp32 logits and log-softmax);
+  tables and token ids; with activation recomputation a block keeps only its input,
+  h elements per token), and for each of them the stage's output and received input
+  (``opcount.pipeline_held_bytes_per_token``). On top of them runs one of: a block
+  (its backward's working set and one weight's gradient; when recomputing, also the
+  recomputed block's full saved set), on the last stage the head (the final norm's
+  saves and the log-prob's peak in its backward, four fp32 tensors of the rank's V/t
+  logits per token), or on the first stage the embedding's gradient; they never run
+  at once, so the largest counts. After the backward, the optimizer update's fp32
+  temporaries, if larger (``optimizer_step_bytes``). ``train_saved_bytes`` is the
+  saved part alone;
+- INFERENCE: one micro-batch's working set of one block plus the rotary tables, or on
+  the last stage the log-prob's peak over its V/t logits (the logits in the compute
+  dtype, their fp32 copy, logits - max and its exp), whichever is larger; a stage
+  before the last also holds its previous output until the next stage receives it;
 - GENERATE: KV cache of (prompt_len + gen_len) positions x L_k layers of the
   rank's KV heads (n_kv/t, or one whole head when tp exceeds them) for one
   micro-batch of b sequences with pp = 1 (micro-batches generate one after
   another), for every micro-batch of the dp rank with pp > 1 (pipelined: all are
-  in flight; ``realloc.models.generation``), plus the prefill working set of one
-  micro-batch and one row of full-vocabulary logits per sequence.
+  in flight; ``realloc.models.generation``), plus the larger of the prefill's working
+  set for one micro-batch and, on the last stage, sampling its b sequences from
+  full-vocabulary fp32 logits (``opcount.sampling_bytes_per_row``).
 """
 
 from __future__ import annotations
@@ -53,11 +62,14 @@ from functools import lru_cache
 
 from realloc.api import InterfaceType
 from realloc.estimator.hardware import Precision
-from realloc.estimator.opcount import (head_saved_bytes_per_token, kv_cache_bytes_per_token_layer,
-                                       layer_input_bytes_per_token, saved_activation_bytes_per_token,
-                                       stage_saved_bytes_per_token, transient_activation_bytes_per_token)
+from realloc.estimator.opcount import (block_backward_bytes_per_token, head_saved_bytes_per_token,
+                                       kv_cache_bytes_per_token_layer, layer_input_bytes_per_token,
+                                       logprob_peak_bytes_per_token, norm_saved_bytes_per_token,
+                                       pipeline_held_bytes_per_token, rope_bytes_per_token, sampling_bytes_per_row,
+                                       saved_activation_bytes_per_token, stage_saved_bytes_per_token,
+                                       transient_activation_bytes_per_token)
 from realloc.models.config import ModelConfig
-from realloc.models.param_layout import shard_numel, stage_layer_ranges
+from realloc.models.param_layout import shard_numel, stage_layer_ranges, stage_param_specs
 from realloc.strategy import ParallelStrategy
 
 
@@ -106,6 +118,22 @@ def local_params(cfg: ModelConfig, tp: int, pp: int, pp_rank: int) -> int:
     return shard_numel(cfg, tp, pp, pp_rank)
 
 
+@lru_cache(maxsize=4096)
+def optimizer_step_bytes(cfg: ModelConfig, tp: int, pp: int, pp_rank: int) -> int:
+    """Peak fp32 temporaries of the AdamW update on a device of stage ``pp_rank`` (``models/optim.py``: torch's
+    AdamW one tensor at a time, over the weights, then over the norms and biases): sqrt(v) and its
+    bias-corrected quotient for the current shard, while the previous shard's quotient is still referenced."""
+    specs = stage_param_specs(cfg, pp, pp_rank)
+    peak = 0
+    for group in ([s for s in specs if len(s.shape) >= 2], [s for s in specs if len(s.shape) < 2]):
+        prev = 0
+        for spec in group:
+            n = spec.shard_numel(tp)
+            peak = max(peak, 4 * (prev + 2 * n))
+            prev = n
+    return peak
+
+
 def max_local_params(cfg: ModelConfig, tp: int, pp: int) -> int:
     return max(local_params(cfg, tp, pp, k) for k in range(pp))
 
@@ -114,10 +142,10 @@ def param_bytes(cfg: ModelConfig, strategy: ParallelStrategy, pp_rank: int, prec
     return local_params(cfg, strategy.tp, strategy.pp, pp_rank) * precision.param
 
 
-def train_saved_bytes(cfg: ModelConfig, strategy: ParallelStrategy, n_mbs: int, pp_rank: int, n_tok: int,
-                      precision: Precision, recompute: bool = False) -> int:
-    """Peak bytes a training step keeps for its backward on a device of stage ``pp_rank`` (module docstring),
-    with micro-batches of ``n_tok`` tokens."""
+def _train_parts(cfg: ModelConfig, strategy: ParallelStrategy, n_mbs: int, pp_rank: int,
+                 precision: Precision, recompute: bool) -> tuple[float, float, float]:
+    """Per token of a micro-batch: what the stage keeps for its in-flight micro-batches, what the
+    block being recomputed adds, and the head's saves (0 off the last stage)."""
     t, pp = strategy.tp, strategy.pp
     lo, hi = stage_layer_ranges(cfg.n_layers, pp)[pp_rank]
     block = saved_activation_bytes_per_token(cfg, t, precision)
@@ -126,7 +154,39 @@ def train_saved_bytes(cfg: ModelConfig, strategy: ParallelStrategy, n_mbs: int, 
     head = head_saved_bytes_per_token(cfg, t, precision) if pp_rank == pp - 1 else 0.0
     # the block being recomputed shares its input with what the stage already keeps
     redo = block - layer_input_bytes_per_token(cfg, precision) if recompute else 0.0
-    return int(min(n_mbs, pp - pp_rank) * per_mb * n_tok + max(head, redo) * n_tok)
+    return min(n_mbs, pp - pp_rank) * per_mb, redo, head
+
+
+def train_saved_bytes(cfg: ModelConfig, strategy: ParallelStrategy, n_mbs: int, pp_rank: int, n_tok: int,
+                      precision: Precision, recompute: bool = False) -> int:
+    """Peak bytes a training step keeps for its backward on a device of stage ``pp_rank`` (module docstring),
+    with micro-batches of ``n_tok`` tokens: saved tensors only, what ``SavedTensorMeter`` measures."""
+    kept, redo, head = _train_parts(cfg, strategy, n_mbs, pp_rank, precision, recompute)
+    return int(kept * n_tok + max(head, redo) * n_tok)
+
+
+def train_activation_bytes(cfg: ModelConfig, strategy: ParallelStrategy, n_mbs: int, pp_rank: int, n_tok: int,
+                           precision: Precision, recompute: bool = False) -> int:
+    """Peak dynamic bytes of a training step on a device of stage ``pp_rank``, temporaries included (module
+    docstring). In the forward and backward: the kept micro-batches (and what 1F1B holds for them) plus the
+    largest of one block at work (with one weight's gradient in the compute dtype before it joins the fp32
+    main_grad), the head at work on the last stage, and the embedding's gradient on the first. After them:
+    the optimizer update's temporaries."""
+    t, pp = strategy.tp, strategy.pp
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    kept, redo, _ = _train_parts(cfg, strategy, n_mbs, pp_rank, precision, recompute)
+    if pp > 1:
+        kept += min(n_mbs, pp - pp_rank) * pipeline_held_bytes_per_token(cfg, precision, first, last, recompute)
+    h, e = cfg.hidden_size, precision.param
+    weight_grad = h * max(h, cfg.intermediate_size) / t * e
+    work = (redo + block_backward_bytes_per_token(cfg, t, precision, recompute)) * n_tok + weight_grad
+    if last:
+        head = norm_saved_bytes_per_token(cfg, precision) + logprob_peak_bytes_per_token(cfg, t, precision,
+                                                                                        backward=True)
+        work = max(work, head * n_tok)
+    if first:
+        work = max(work, cfg.vocab_size / t * h * e)  # the embedding's gradient, after the blocks' backward
+    return int(max(kept * n_tok + work, optimizer_step_bytes(cfg, t, pp, pp_rank)))
 
 
 def stage_call_memory(cfg: ModelConfig, work: Workload, strategy: ParallelStrategy, n_mbs: int, pp_rank: int,
@@ -139,23 +199,22 @@ def stage_call_memory(cfg: ModelConfig, work: Workload, strategy: ParallelStrate
     last = pp_rank == pp - 1
     n_param = local_params(cfg, t, pp, pp_rank)
     b = work.micro_batch(strategy.dp, n_mbs)
-    vocab_shard = 0 if cfg.is_critic else cfg.vocab_size / t
-    transient = transient_activation_bytes_per_token(cfg, t, precision)
+    block = transient_activation_bytes_per_token(cfg, t, precision) + rope_bytes_per_token(cfg, precision)
     params = n_param * precision.param
     if work.interface is InterfaceType.TRAIN_STEP:
-        n_tok = b * work.seq_len
-        act = train_saved_bytes(cfg, strategy, n_mbs, pp_rank, n_tok, precision, recompute) + transient * n_tok
+        act = train_activation_bytes(cfg, strategy, n_mbs, pp_rank, b * work.seq_len, precision, recompute)
         return CallMemory(params=params, grads=n_param * precision.grad, optimizer=n_param * precision.optimizer,
-                          activations=int(act))
+                          activations=act)
     if work.interface is InterfaceType.INFERENCE:
-        n_tok = b * work.seq_len
-        logits = 2 * n_tok * vocab_shard * precision.logits if last else 0
-        return CallMemory(params=params, activations=int(transient * n_tok + logits))
+        # a stage's output stays referenced by its send until the next stage has received it
+        sent = cfg.hidden_size * precision.param if not last else 0.0
+        head = logprob_peak_bytes_per_token(cfg, t, precision, backward=False) if last else 0.0
+        return CallMemory(params=params, activations=int((max(block, head) + sent) * b * work.seq_len))
     # GENERATE
     rows = b if pp == 1 else math.ceil(work.n_seqs / strategy.dp)
     kv = rows * work.seq_len * n_blocks * kv_cache_bytes_per_token_layer(cfg, t, precision)
-    logits = b * cfg.vocab_size * precision.logits if last and not cfg.is_critic else 0
-    act = transient * b * work.prompt_len + logits
+    sampling = b * sampling_bytes_per_row(cfg) if last and not cfg.is_critic else 0.0
+    act = max(block * b * work.prompt_len, sampling)
     return CallMemory(params=params, activations=int(act), kv_cache=int(kv))
 
 

@@ -216,21 +216,82 @@ def layer_input_bytes_per_token(cfg: ModelConfig, precision: Precision) -> float
 def stage_saved_bytes_per_token(cfg: ModelConfig, first_stage: bool, precision: Precision) -> float:
     """Saved once per stage and micro-batch besides the blocks: rotary cos and sin (shared by the
     stage's blocks) and, on the first stage, the token ids the embedding keeps (int64)."""
-    return 2 * cfg.head_dim * precision.param + (8 if first_stage else 0)
+    return rope_bytes_per_token(cfg, precision) + (8 if first_stage else 0)
 
 
 def head_saved_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision) -> float:
-    """The last stage's final norm and, for a vocabulary head, the fp32 logits and log-softmax of
-    its vocabulary shard that the log-prob loss keeps."""
+    """What the last stage's head keeps for the backward: the final norm and, for a vocabulary head,
+    the fp32 logits and exp(logits - max) of its vocabulary shard that the log-prob saves."""
     logits = 0 if cfg.is_critic else 2 * cfg.vocab_size / tp * precision.logits
     return norm_saved_bytes_per_token(cfg, precision) + logits
 
 
+def logprob_peak_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision, backward: bool) -> float:
+    """Peak live bytes of the vocabulary-parallel log-prob (``realloc.models.vocab_parallel``) over the
+    rank's V/t logits, temporaries included (measured by ``realloc.models.activations.LiveTensorMeter``).
+
+    Without grad (INFERENCE) it peaks at the normalizer's exp: the logits in the compute dtype, their
+    fp32 copy (the same tensor when computing in fp32), logits - max and its exp. A training step
+    peaks in the backward of the target gather: the two fp32 tensors autograd saved (logits and
+    exp(logits - max)) and two fp32 gradients of their shape (the normalizer's and the gather's
+    scatter); its forward peak (the no-grad one) is lower. A temperature other than 1 adds one fp32
+    copy, not counted here (the default is 1).
+    """
+    if cfg.is_critic:
+        return 0.0
+    v, e, lg = cfg.vocab_size / tp, precision.param, precision.logits
+    if backward:
+        return 4 * v * lg
+    return v * (e + (0 if e == lg else lg) + 2 * lg)
+
+
+def sampling_bytes_per_row(cfg: ModelConfig) -> float:
+    """Peak live bytes of sampling one token for one sequence (``realloc.models.sampling.sample_tokens``)
+    from its gathered fp32 full-vocabulary logits, with a top-p filter (the worst case; measured by
+    ``LiveTensorMeter``): the logits, logits / temperature, the sort's int64 order, the top-k keep mask
+    (bool), the masked sorted logits, their softmax, the mass before each token and its top-p mask
+    (bool), and the filtered probabilities: 4 + 4 + 8 + 1 + 4 + 4 + 4 + 1 + 4 bytes per vocabulary entry."""
+    return 34.0 * cfg.vocab_size
+
+
 def transient_activation_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision) -> float:
-    """Peak live bytes per token inside one block during a forward without grad:
-    the residual stream, the norm output, q/k/v, and the MLP's gate/up/act."""
-    h, kvl, inter, t = cfg.hidden_size, local_kv_width(cfg, tp), cfg.intermediate_size, tp
-    return (2 * h + h / t + 2 * kvl + 3 * inter / t) * precision.param
+    """Peak live bytes per token inside one block's forward without grad, at its MLP (measured by
+    ``LiveTensorMeter``): the stage's input (its caller holds it until the stage returns), the block's
+    input, the residual after attention, the second norm's output (all h wide on every tp rank), and
+    SwiGLU(gate), up and their product (inter/t each). The attention half holds less (q, k, v, the
+    GQA-repeated k and v and the output are h/t wide). Training adds it on top of the saved
+    activations, an upper bound for the backward's own gradients of one block."""
+    h, inter, t = cfg.hidden_size, cfg.intermediate_size, tp
+    return (4 * h + 3 * inter / t) * precision.param
+
+
+def block_backward_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision, recompute: bool) -> float:
+    """Peak live bytes per token of one block's backward beyond what it saved (measured by
+    ``LiveTensorMeter``): the larger of the forward's working set (``transient_activation_bytes_per_token``,
+    rerun when recomputing; it also bounds the MLP's backward) and the RMSNorm's backward, which works in
+    fp32 on every tp rank: five fp32 h-wide temporaries and the compute-dtype gradient of its output,
+    plus the recomputed block's output and residual when recomputing."""
+    h, e = cfg.hidden_size, precision.param
+    norm = (5 * 4 + e * (3 if recompute else 1)) * h
+    return max(transient_activation_bytes_per_token(cfg, tp, precision), norm)
+
+
+def pipeline_held_bytes_per_token(cfg: ModelConfig, precision: Precision, first: bool, last: bool,
+                                  recompute: bool) -> float:
+    """What 1F1B holds per in-flight micro-batch besides the saved activations (``realloc.models.pipeline``):
+    the stage's output until the gradient for it arrives (not the last stage, whose output is the loss), and
+    the received input (not the first stage) unless a saved tensor is that very tensor: recomputation saves
+    the layer inputs, and an fp32 norm saves its input itself."""
+    h, e = cfg.hidden_size, precision.param
+    held = 0.0 if last else h * e
+    if not first and not recompute and e != 4:
+        held += h * e
+    return held
+
+
+def rope_bytes_per_token(cfg: ModelConfig, precision: Precision) -> float:
+    """Rotary cos and sin, computed once per stage and micro-batch and shared by its blocks."""
+    return 2 * cfg.head_dim * precision.param
 
 
 def kv_cache_bytes_per_token_layer(cfg: ModelConfig, tp: int, precision: Precision) -> float:

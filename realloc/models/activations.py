@@ -11,13 +11,22 @@ It works on every device, including CPU where no allocator statistics exist::
     with SavedTensorMeter(model.params().values()) as meter:
         model.train_step(micro_batches, loss_fn, optimizer, recompute=True)
     print(meter.peak)
+
+``LiveTensorMeter`` counts more: every tensor an operator creates while it is active,
+saved for backward or not (temporaries, gradients, outputs), from its creation until
+its storage is freed, and records the peak. That is what a caching allocator's peak
+would show, minus the memory held before the meter started; the memory model's
+peaks of the log-prob head (``estimator/opcount.py``) are checked against it.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 
 class _Saved:
@@ -74,3 +83,36 @@ class SavedTensorMeter:
         if entry[0] == 0:
             self.current -= entry[1]
             del self._live[key]
+
+
+class LiveTensorMeter(TorchDispatchMode):
+    """Peak bytes of the tensors created by operators while active (module docstring).
+
+    An operator output whose storage is not one of the operator's inputs' (a view or an in-place
+    result) is a new allocation: counted once, until its storage is freed. Frees are noticed at the
+    next operator, which is when a new allocation could raise the peak, so the peak is exact up to
+    memory an operator allocates and frees inside itself (workspaces)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[int, tuple[StorageWeakRef, int]] = {}  # storage address -> (weak ref, bytes)
+        self.current = 0
+        self.peak = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        for key in [k for k, (ref, _) in self._live.items() if ref.expired()]:
+            self.current -= self._live.pop(key)[1]
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key in inputs or key in self._live or storage.nbytes() == 0:
+                continue
+            self._live[key] = (StorageWeakRef(storage), storage.nbytes())
+            self.current += storage.nbytes()
+        self.peak = max(self.peak, self.current)
+        return out

@@ -214,7 +214,8 @@ class ParallelModel:
         decay = [p for n, p in self._params.items() if p.dim() >= 2]
         no_decay = [p for n, p in self._params.items() if p.dim() < 2]
         return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                                  {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps)
+                                  {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps,
+                                 foreach=False)  # bounded temporaries, as MasterWeightAdamW
 
     # -- helpers ----------------------------------------------------------------------------------
 

@@ -92,7 +92,9 @@ def global_norm(grads: Mapping[str, torch.Tensor], specs: Mapping[str, ParamSpec
     sq = torch.zeros((), dtype=torch.float64, device=g0.device)
     for name, g in grads.items():
         if counts_toward_norm(specs[name], groups):
-            sq += g.double().pow(2).sum()
+            # accumulates in float64 without a float64 copy of the gradient (16 bytes per element of the
+            # largest tensor, the vocabulary shard, otherwise)
+            sq += torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
     if groups.tp > 1:
         dist.all_reduce(sq, group=groups.tp_group)
     if groups.pp > 1:

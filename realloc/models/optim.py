@@ -22,8 +22,11 @@ class MasterWeightAdamW:
         self.masters = {n: torch.nn.Parameter(p.detach().float().clone()) for n, p in self.params.items()}
         decay = [m for m in self.masters.values() if m.dim() >= 2]
         no_decay = [m for m in self.masters.values() if m.dim() < 2]
+        # One tensor at a time: the update's fp32 temporaries are then as large as the largest shard, not as
+        # all of them together (foreach's sqrt(v) of every parameter at once; estimator/memory.py)
         self.inner = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                                        {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps)
+                                        {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps,
+                                       foreach=False)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

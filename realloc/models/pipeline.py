@@ -55,6 +55,15 @@ class StageLink:
         return buf
 
     def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        # A pending send keeps its tensor alive: drop the ones the peer has received, so a stage holds the
+        # activations of the last micro-batches it sent, not of every micro-batch until the schedule ends.
+        still = []
+        for work, sent in self._pending:
+            if work.is_completed():
+                work.wait()  # returns at once; raises if the send failed
+            else:
+                still.append((work, sent))
+        self._pending = still
         t = tensor.detach().contiguous()
         self._pending.append((dist.isend(t, dst=dst, group=self.groups.pp_group, tag=tag), t))
 
