@@ -1,4 +1,5 @@
-"""GRPO, RLOO and ReMax end to end on the local 2-device CPU cluster (real workers, gloo, ZMQ).
+"""GRPO, RLOO and ReMax end to end on the local 2-device CPU cluster (real workers, gloo, ZMQ), and an
+interface that an experiment file declares itself, run by the workers.
 
 Each shipped tiny experiment (the token-set task of ppo_tiny, no critic) runs on two hand-written plans:
 - "spread": generation on device 0, the reference on device 1, the rule reward and the train step
@@ -64,3 +65,60 @@ def test_critic_free_algorithm_learns_and_does_not_depend_on_the_plan(algo, tmp_
     assert spread[N_COMPARE - 1]["kl"] > 0.01  # the policy moved: not a degenerate comparison
     if algo == "remax":  # the greedy response's reward is reported beside the policy's
         assert "reward_rew_greedy" in spread[0] and spread[0]["reward"] != spread[0]["reward_rew_greedy"]
+
+
+OWN_INTERFACE = '''
+import dataclasses
+
+import torch
+
+from realloc.algorithms.context import CallResult
+from realloc.algorithms.grpo import GRPOConfig, critic_free_rpcs
+from realloc.algorithms.registry import Interface
+from realloc.api import INFERENCE, auto
+
+
+def even_token_share(ctx, inputs):
+    """The share of even token ids in each response: a reward only this file knows."""
+    seq = inputs["seq"]
+    rows = seq["prompt_lens"].view(-1, 1) + torch.arange(ctx.gen_len).view(1, -1)
+    resp = seq["tokens"].gather(1, rows)
+    mask = seq["gen_mask"]
+    score = ((resp % 2 == 0) & mask).sum(dim=1).float() / mask.sum(dim=1).clamp(min=1).float()
+    return CallResult({{"rewards": {{"score": score}}}}, {{"score_sum": float(score.sum()),
+                                                       "n_seqs_scored": float(score.numel())}}, {{}})
+
+
+@auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size=4, prompt_len=8, gen_len=8)
+@dataclasses.dataclass
+class OwnReward:
+    seed: int = 2
+    dataset: str = "{DATASET}"
+    sample_every: int = 1
+    n_samples: int = 16
+    grpo: GRPOConfig = GRPOConfig(lr=1e-3)
+
+    @property
+    def interfaces(self):
+        return [Interface("even_share", INFERENCE, even_token_share, inputs=("seq",), outputs=("rewards",),
+                          head="none")]
+
+    @property
+    def rpcs(self):
+        return critic_free_rpcs("grpo", actor="tiny", reward="rule", n_samples=4, reward_impl="even_share")
+'''
+
+
+def test_an_interface_declared_in_the_experiment_file_runs_in_the_workers(tmp_path):
+    exp = tmp_path / "own_reward.py"
+    exp.write_text(OWN_INTERFACE.format(DATASET=REPO / "experiments/data/ppo_tiny_prompts.jsonl"))
+    spread = _run(str(exp), "spread", 2, tmp_path)
+    samples = [json.loads(line) for line in (tmp_path / "own_reward-spread" / "samples.jsonl").read_text().splitlines()]
+    assert {s["iteration"] for s in samples} == {1, 2} and len(samples) == 32  # every sequence of both batches
+    for s in samples:  # the worker ran this file's function: each reward is the share of even response tokens
+        resp = s["response_ids"]
+        assert s["reward"] == pytest.approx(sum(t % 2 == 0 for t in resp) / len(resp))
+    for it, m in zip((1, 2), spread):
+        scores = [s["reward"] for s in samples if s["iteration"] == it]
+        assert m["reward"] == pytest.approx(sum(scores) / len(scores))
+    assert 0 < spread[0]["reward"] < 1
