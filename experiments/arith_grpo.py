@@ -13,6 +13,7 @@ accuracy on 128 held-out prompts (``eval``).
 """
 
 import dataclasses
+from pathlib import Path
 
 from realloc.algorithms.grpo import GRPOConfig, critic_free_rpcs
 from realloc.api import auto
@@ -31,10 +32,11 @@ class ArithGRPO:
     grpo: GRPOConfig = GRPOConfig(n_minibatches=2, lr=5e-4, kl_coef=0.01, warmup_proportion=0.1)
     eval: EvalConfig = EvalConfig(dataset="data/arith_eval.jsonl", every=5, greedy=True, batches=4)
     sample_every: int = 5
+    init: str = "data/arith/sft"  # where the actor starts: the SFT stage's export, relative to this file
 
     @property
     def models(self):
-        sft = str(sft_checkpoint())
+        sft = str(sft_checkpoint(self.init, Path(__file__).parent))  # one clear error until it is built
         return {"actor": sft, "ref": sft}
 
     @property

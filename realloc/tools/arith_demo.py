@@ -61,10 +61,10 @@ def init_checkpoint(root: Path = ROOT) -> Path:
     return build_once(root / "init", lambda d: make_tiny_checkpoint(d, tokenizer_dir=tok, **MODEL))
 
 
-def sft_checkpoint(root: Path = ROOT, required: bool = True) -> Path:
-    """Where the SFT stage's exported checkpoint lives; with ``required``, one clear error if it is not built."""
-    path = root / "sft"
-    if required and not (path / "config.json").is_file():
+def sft_checkpoint(path: str | Path = ROOT / "sft", base: Path = REPO) -> Path:
+    """The SFT stage's exported checkpoint (``path`` relative to ``base``); one clear error if it is not built."""
+    path = Path(path) if Path(path).is_absolute() else base / path
+    if not (path / "config.json").is_file():
         raise ValueError(f"the arithmetic SFT checkpoint {path} is not built yet; make it with `python -m "
                          f"realloc.tools.arith_demo sft` (`make demo` does this on first use)")
     return path
@@ -95,7 +95,7 @@ def build_sft(root: Path = ROOT, run_dir: Path | None = None, iterations: int | 
     _realloc(["run", str(SFT_EXPERIMENT), "--search-time", str(search_time), "--run-dir", str(run_dir),
               "--save-every", str(iterations or _default_iterations(SFT_EXPERIMENT)), "--quiet", *n, *extra],
              log=run_dir / "sft.log")
-    target = sft_checkpoint(root, required=False)
+    target = root / "sft"
     tmp = target.with_name(f".{target.name}.export")
     shutil.rmtree(tmp, ignore_errors=True)
     _realloc(["export", str(run_dir), "--model", "actor", "--out", str(tmp)], log=run_dir / "export.log")
@@ -121,10 +121,10 @@ def demo(root: Path = ROOT, run_dir: Path | None = None, rebuild_sft: bool = Fal
          iterations: int | None = None) -> tuple[float, float]:
     """The whole demo; returns the held-out exact-match accuracy before and after GRPO."""
     t0 = time.time()
-    if rebuild_sft or not (sft_checkpoint(root, required=False) / "config.json").is_file():
-        print("building the SFT stage (first use; cached in experiments/data/arith/sft)", flush=True)
+    if rebuild_sft or not (root / "sft" / "config.json").is_file():
+        print(f"building the SFT stage (first use; cached in {root / 'sft'})", flush=True)
         build_sft(root, search_time=search_time)
-    sft = sft_checkpoint(root)
+    sft = sft_checkpoint(root / "sft")
     before = accuracy(sft)
     print(f"before GRPO (the SFT model): {before.describe()} on held-out prompts, e.g. "
           + ", ".join(f"{p}{r}" for p, r, _ in before.examples[:3]), flush=True)
