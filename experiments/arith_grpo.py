@@ -13,12 +13,10 @@ accuracy on 128 held-out prompts (``eval``).
 """
 
 import dataclasses
-from pathlib import Path
 
 from realloc.algorithms.grpo import GRPOConfig, critic_free_rpcs
 from realloc.api import auto
 from realloc.runtime.evaluation import EvalConfig
-from realloc.tools.arith_demo import sft_checkpoint
 
 EXACT_MATCH = {"rule": "exact_match", "field": "answer"}  # realloc/algorithms/verifiable.py
 
@@ -32,12 +30,13 @@ class ArithGRPO:
     grpo: GRPOConfig = GRPOConfig(n_minibatches=2, lr=5e-4, kl_coef=0.01, warmup_proportion=0.1)
     eval: EvalConfig = EvalConfig(dataset="data/arith_eval.jsonl", every=5, greedy=True, batches=4)
     sample_every: int = 5
-    init: str = "data/arith/sft"  # where the actor starts: the SFT stage's export, relative to this file
+    # Where the actor starts: the SFT stage's export, relative to this file (`python -m realloc.tools.arith_demo
+    # sft` builds it; until then `realloc show` says the directory does not exist).
+    init: str = "data/arith/sft"
 
     @property
     def models(self):
-        sft = str(sft_checkpoint(self.init, Path(__file__).parent))  # one clear error until it is built
-        return {"actor": sft, "ref": sft}
+        return {"actor": self.init, "ref": self.init}
 
     @property
     def rpcs(self):

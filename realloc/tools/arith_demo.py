@@ -61,15 +61,6 @@ def init_checkpoint(root: Path = ROOT) -> Path:
     return build_once(root / "init", lambda d: make_tiny_checkpoint(d, tokenizer_dir=tok, **MODEL))
 
 
-def sft_checkpoint(path: str | Path = ROOT / "sft", base: Path = REPO) -> Path:
-    """The SFT stage's exported checkpoint (``path`` relative to ``base``); one clear error if it is not built."""
-    path = Path(path) if Path(path).is_absolute() else base / path
-    if not (path / "config.json").is_file():
-        raise ValueError(f"the arithmetic SFT checkpoint {path} is not built yet; make it with `python -m "
-                         f"realloc.tools.arith_demo sft` (`make demo` does this on first use)")
-    return path
-
-
 def _realloc(args: list[str], log: Path | None = None) -> None:
     """``realloc ARGS`` in a child process (its output to ``log`` when given); one error if it fails."""
     cmd = [sys.executable, "-m", "realloc.cli", *args]
@@ -124,7 +115,7 @@ def demo(root: Path = ROOT, run_dir: Path | None = None, rebuild_sft: bool = Fal
     if rebuild_sft or not (root / "sft" / "config.json").is_file():
         print(f"building the SFT stage (first use; cached in {root / 'sft'})", flush=True)
         build_sft(root, search_time=search_time)
-    sft = sft_checkpoint(root / "sft")
+    sft = root / "sft"
     before = accuracy(sft)
     print(f"before GRPO (the SFT model): {before.describe()} on held-out prompts, e.g. "
           + ", ".join(f"{p}{r}" for p, r, _ in before.examples[:3]), flush=True)
