@@ -35,10 +35,10 @@ def _plans(calls: tuple[str, ...]) -> dict[str, dict]:
     spread.update({c: ("localhost:0", 1, 1, 1, 1) for c in calls if c.startswith("actor_g")})
     if "ref_inf" in calls:
         spread["ref_inf"] = ("localhost:1", 1, 1, 1, 1)
+    one = {c: ("localhost:0", 1, 1, 1, 1) for c in calls}
     # Tensor and pipeline parallelism: the reference split over tp, the train step over pp.
-    tp_pp = {"ref_inf": ("localhost", 1, 2, 1, 1), "actor_train": ("localhost", 1, 1, 2, 2)}
-    return {"spread": spread, "one_device": {c: ("localhost:0", 1, 1, 1, 1) for c in calls},
-            "tp_pp": {c: tp_pp[c] for c in calls}}
+    tp_pp = {**one, "ref_inf": ("localhost", 1, 2, 1, 1), "actor_train": ("localhost", 1, 1, 2, 2)}
+    return {"spread": spread, "one_device": one, "tp_pp": {c: tp_pp[c] for c in calls}}
 
 
 def _run(experiment: str, plan_name: str, iterations: int, base: Path, *extra: str) -> list[dict]:
