@@ -95,7 +95,7 @@ def test_dpo_raises_preference_accuracy_and_margin_and_does_not_depend_on_the_pl
     # 64 of the shipped pairs, so a short run sees each pair several times.
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join((REPO / "experiments/data/arith_pairs.jsonl").read_text().splitlines(True)[:64]))
-    data = ("--set", f"dataset={pairs}", "--set", "dpo.lr=3e-3")
+    data = ("--set", f"dataset={pairs}")
     spread = _run(experiment, "spread", 12, tmp_path, *data)
     acc, margin = [m["dpo_accuracy"] for m in spread], [m["dpo_margin"] for m in spread]
     assert abs(spread[0]["dpo_loss"] - 0.6931) < 0.02  # the actor starts as its reference: margins near 0

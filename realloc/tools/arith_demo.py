@@ -27,9 +27,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from realloc.tools.demo_assets import build_once
+
+if TYPE_CHECKING:
+    from realloc.tools.accuracy import Accuracy
 
 REPO = Path(__file__).resolve().parents[2]
 ROOT = REPO / "experiments" / "data" / "arith"  # built assets (gitignored)
@@ -74,18 +77,15 @@ def _realloc(args: list[str], log: Path | None = None) -> None:
         raise RuntimeError(f"`realloc {' '.join(args)}` failed with exit code {r.returncode}{where}")
 
 
-def build_sft(root: Path = ROOT, run_dir: Path | None = None, iterations: int | None = None,
-              search_time: float = 5.0, extra: Sequence[str] = ()) -> Path:
-    """Run the SFT experiment through realloc and export the actor into ``root/sft``."""
+def build_sft(root: Path = ROOT, run_dir: Path | None = None, search_time: float = 5.0) -> Path:
+    """Run the SFT experiment through realloc (its own iterations) and export the actor into ``root/sft``."""
     init_checkpoint(root)
     run_dir = run_dir or REPO / "runs" / "arith_sft"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    n = ["--iterations", str(iterations)] if iterations else []
     t0 = time.time()
     _realloc(["run", str(SFT_EXPERIMENT), "--search-time", str(search_time), "--run-dir", str(run_dir),
-              "--save-every", str(iterations or _default_iterations(SFT_EXPERIMENT)), "--quiet", *n, *extra],
-             log=run_dir / "sft.log")
+              "--save-every", str(_default_iterations(SFT_EXPERIMENT)), "--quiet"], log=run_dir / "sft.log")
     target = root / "sft"
     tmp = target.with_name(f".{target.name}.export")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -102,7 +102,8 @@ def _default_iterations(experiment: Path) -> int:
     return int(load_experiment(str(experiment)).config.iterations)
 
 
-def accuracy(checkpoint: Path) -> "object":
+def accuracy(checkpoint: Path) -> Accuracy:
+    """Exact match of ``checkpoint`` on the held-out prompts, greedy, with transformers."""
     from realloc.tools.accuracy import exact_match_accuracy
 
     return exact_match_accuracy(checkpoint, EVAL_PROMPTS, max_new_tokens=MAX_NEW_TOKENS)
