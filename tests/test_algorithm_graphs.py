@@ -99,7 +99,7 @@ def _loss_and_grad(cfg: GRPOConfig, scores: torch.Tensor, mask: torch.Tensor, ge
     logp = torch.zeros(mask.shape, requires_grad=True)
     loss, _ = losses.clipped_pg_loss(logp, torch.zeros(mask.shape), adv.view(-1, 1) * mask, weights, cfg.clip_eps)
     loss.backward()
-    return float(loss), logp.grad
+    return float(loss.detach()), logp.grad
 
 
 def test_dr_grpo_normalization_against_hand_values():
