@@ -19,9 +19,11 @@ install: $(STAMP)
 build: $(STAMP)
 	$(PY) setup.py -q build_ext --inplace
 
-# Tiny PPO on the local 2-device CPU cluster: search a plan, train 30 iterations (reward ~0.25 -> >0.8).
+# The arithmetic demo on the local 2-device CPU cluster: SFT a tiny LLaMA through realloc (first use only,
+# cached), then GRPO with an exact-match reward from it on a searched plan; prints held-out exact-match
+# accuracy before and after (realloc/tools/arith_demo.py).
 demo: build
-	$(VENV)/bin/realloc run experiments/ppo_tiny.py --search-time 10 --iterations 30 --run-dir runs/demo
+	$(PY) -m realloc.tools.arith_demo
 
 test: build
 	$(PY) -m pytest -q

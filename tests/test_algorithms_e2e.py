@@ -1,4 +1,5 @@
-"""GRPO, RLOO and ReMax end to end on the local 2-device CPU cluster (real workers, gloo, ZMQ).
+"""GRPO, RLOO and ReMax end to end on the local 2-device CPU cluster (real workers, gloo, ZMQ), and an
+interface that an experiment file declares itself, run by the workers.
 
 Each shipped tiny experiment (the token-set task of ppo_tiny, no critic) runs on two hand-written plans:
 - "spread": generation on device 0, the reference on device 1, the rule reward and the train step
@@ -32,18 +33,22 @@ HEADLINE = ("reward", "kl", "actor_loss", "approx_kl", "actor_grad_norm", "adv_a
 def _plans(calls: tuple[str, ...]) -> dict[str, dict]:
     spread = {c: ("localhost", 2, 1, 1, 1) for c in calls}
     spread.update({c: ("localhost:0", 1, 1, 1, 1) for c in calls if c.startswith("actor_g")})
-    spread["ref_inf"] = ("localhost:1", 1, 1, 1, 1)
-    return {"spread": spread, "one_device": {c: ("localhost:0", 1, 1, 1, 1) for c in calls}}
+    if "ref_inf" in calls:
+        spread["ref_inf"] = ("localhost:1", 1, 1, 1, 1)
+    one = {c: ("localhost:0", 1, 1, 1, 1) for c in calls}
+    # Tensor and pipeline parallelism: the reference split over tp, the train step over pp.
+    tp_pp = {**one, "ref_inf": ("localhost", 1, 2, 1, 1), "actor_train": ("localhost", 1, 1, 2, 2)}
+    return {"spread": spread, "one_device": one, "tp_pp": {c: tp_pp[c] for c in calls}}
 
 
-def _run(experiment: str, plan_name: str, iterations: int, base: Path) -> list[dict]:
+def _run(experiment: str, plan_name: str, iterations: int, base: Path, *extra: str) -> list[dict]:
     spec = load_experiment(experiment)
     graph = build_graph(spec)
     run_dir = base / f"{Path(experiment).stem}-{plan_name}"
     plan = ExecutionPlan.by_hand(graph, _plans(spec.call_names)[plan_name], source=plan_name)
     plan.save(base / f"{run_dir.name}.json")
     cmd = [sys.executable, "-m", "realloc.cli", "run", experiment, "--plan", str(base / f"{run_dir.name}.json"),
-           "--iterations", str(iterations), "--run-dir", str(run_dir), "--quiet"]
+           "--iterations", str(iterations), "--run-dir", str(run_dir), "--quiet", *extra]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "TMPDIR": str(base), "PYTHONPATH": str(REPO)})
     assert r.returncode == 0, f"{experiment} {plan_name}:\n{r.stdout}\n{r.stderr}"
@@ -64,3 +69,97 @@ def test_critic_free_algorithm_learns_and_does_not_depend_on_the_plan(algo, tmp_
     assert spread[N_COMPARE - 1]["kl"] > 0.01  # the policy moved: not a degenerate comparison
     if algo == "remax":  # the greedy response's reward is reported beside the policy's
         assert "reward_rew_greedy" in spread[0] and spread[0]["reward"] != spread[0]["reward_rew_greedy"]
+
+
+def _same(a: list[dict], b: list[dict], keys: tuple[str, ...], what: str) -> None:
+    for x, y in zip(a, b):
+        for k in keys:
+            assert y[k] == pytest.approx(x[k], rel=1e-4, abs=1e-5), (what, x["iteration"], k)
+
+
+def test_sft_lowers_its_loss_and_does_not_depend_on_the_plan(tmp_path):
+    experiment = str(REPO / "experiments/sft_tiny.py")
+    spread = _run(experiment, "spread", 12, tmp_path)
+    loss = [m["sft_loss"] for m in spread]
+    # From about log(64) (a uniform guess over the tiny model's vocabulary) to under 60% of it.
+    assert loss[0] > 3.5 and max(loss[-3:]) < 0.6 * loss[0], loss
+    for plan in ("one_device", "tp_pp"):
+        _same(spread[:N_COMPARE], _run(experiment, plan, N_COMPARE, tmp_path), ("sft_loss", "actor_grad_norm"), plan)
+
+
+DPO_HEADLINE = ("dpo_loss", "dpo_accuracy", "dpo_margin", "chosen_reward", "rejected_reward", "actor_grad_norm")
+
+
+def test_dpo_raises_preference_accuracy_and_margin_and_does_not_depend_on_the_plan(tmp_path):
+    experiment = str(REPO / "experiments/dpo_tiny.py")
+    # 64 of the shipped pairs, so a short run sees each pair several times.
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join((REPO / "experiments/data/arith_pairs.jsonl").read_text().splitlines(True)[:64]))
+    data = ("--set", f"dataset={pairs}")
+    spread = _run(experiment, "spread", 12, tmp_path, *data)
+    acc, margin = [m["dpo_accuracy"] for m in spread], [m["dpo_margin"] for m in spread]
+    assert abs(spread[0]["dpo_loss"] - 0.6931) < 0.02  # the actor starts as its reference: margins near 0
+    assert sum(acc[-3:]) / 3 > 0.7 and sum(margin[-3:]) / 3 > 0.2 > margin[0], (acc, margin)
+    # Iteration 1's first mini-batch scores pairs while actor == reference: its margins are rounding noise around
+    # 0, whose sign (the accuracy) may differ between layouts. Every other number must agree.
+    for plan in ("one_device", "tp_pp"):
+        other = _run(experiment, plan, N_COMPARE, tmp_path, *data)
+        _same(spread[:1], other[:1], tuple(k for k in DPO_HEADLINE if k != "dpo_accuracy"), plan)
+        _same(spread[1:N_COMPARE], other[1:], DPO_HEADLINE, plan)
+
+
+OWN_INTERFACE = '''
+import dataclasses
+
+import torch
+
+from realloc.algorithms.context import CallResult
+from realloc.algorithms.grpo import GRPOConfig, critic_free_rpcs
+from realloc.algorithms.registry import Interface
+from realloc.api import INFERENCE, auto
+
+
+def even_token_share(ctx, inputs):
+    """The share of even token ids in each response: a reward only this file knows."""
+    seq = inputs["seq"]
+    rows = seq["prompt_lens"].view(-1, 1) + torch.arange(ctx.gen_len).view(1, -1)
+    resp = seq["tokens"].gather(1, rows)
+    mask = seq["gen_mask"]
+    score = ((resp % 2 == 0) & mask).sum(dim=1).float() / mask.sum(dim=1).clamp(min=1).float()
+    return CallResult({{"rewards": {{"score": score}}}}, {{"score_sum": float(score.sum()),
+                                                       "n_seqs_scored": float(score.numel())}}, {{}})
+
+
+@auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size=4, prompt_len=8, gen_len=8)
+@dataclasses.dataclass
+class OwnReward:
+    seed: int = 2
+    dataset: str = "{DATASET}"
+    sample_every: int = 1
+    n_samples: int = 16
+    grpo: GRPOConfig = GRPOConfig(lr=1e-3)
+
+    @property
+    def interfaces(self):
+        return [Interface("even_share", INFERENCE, even_token_share, inputs=("seq",), outputs=("rewards",),
+                          head="none")]
+
+    @property
+    def rpcs(self):
+        return critic_free_rpcs("grpo", actor="tiny", reward="rule", n_samples=4, reward_impl="even_share")
+'''
+
+
+def test_an_interface_declared_in_the_experiment_file_runs_in_the_workers(tmp_path):
+    exp = tmp_path / "own_reward.py"
+    exp.write_text(OWN_INTERFACE.format(DATASET=REPO / "experiments/data/ppo_tiny_prompts.jsonl"))
+    spread = _run(str(exp), "spread", 2, tmp_path)
+    samples = [json.loads(line) for line in (tmp_path / "own_reward-spread" / "samples.jsonl").read_text().splitlines()]
+    assert {s["iteration"] for s in samples} == {1, 2} and len(samples) == 32  # every sequence of both batches
+    for s in samples:  # the worker ran this file's function: each reward is the share of even response tokens
+        resp = s["response_ids"]
+        assert s["reward"] == pytest.approx(sum(t % 2 == 0 for t in resp) / len(resp))
+    for it, m in zip((1, 2), spread):
+        scores = [s["reward"] for s in samples if s["iteration"] == it]
+        assert m["reward"] == pytest.approx(sum(scores) / len(scores))
+    assert 0 < spread[0]["reward"] < 1

@@ -49,6 +49,25 @@ def test_shipped_files_equal_the_generator():
     for line in (data / arith_task.EVAL_FILE).read_text().splitlines()[:50]:
         rec = json.loads(line)
         assert _solve(rec["prompt"]) == rec["answer"]
+    pairs = [json.loads(line) for line in (data / arith_task.PAIRS_FILE).read_text().splitlines()]
+    sft = [json.loads(line) for line in (data / arith_task.SFT_FILE).read_text().splitlines()]
+    assert len(pairs) == arith_task.Split().n_pairs and [p["prompt"] for p in pairs] == [r["prompt"] for r in
+                                                                                          sft[:len(pairs)]]
+    copied = 0
+    for p in pairs:  # the right answer over a wrong one: a number of the question, or one digit off by one
+        operands = p["prompt"].rstrip("=").replace("-", "+").split("+")
+        assert p["chosen"] == _solve(p["prompt"]) and p["rejected"] != p["chosen"] and int(p["rejected"]) >= 0
+        copied += p["rejected"] in operands
+        assert p["rejected"] in operands or abs(int(p["rejected"]) - int(p["chosen"])) in (1, 10), p
+    assert 0.4 < copied / len(pairs) < 0.6
+    padded = [json.loads(line) for line in (data / arith_task.PADDED_FILE).read_text().splitlines()]
+    assert [r["prompt"] for r in padded] == [r["prompt"] for r in sft]
+    n_padded = 0
+    for a, b in zip(sft, padded):  # the same answer, three digits wide or as it is
+        assert b["response"] in (a["response"], a["response"].zfill(3))
+        n_padded += b["response"] != a["response"]
+    short = sum(len(r["response"]) < 3 for r in sft)
+    assert abs(n_padded / short - arith_task.Split().pad_share) < 0.03
 
 
 def test_tokenizer_one_token_per_character(arith_tok):

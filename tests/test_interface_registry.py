@@ -147,3 +147,21 @@ def test_show_reports_a_contract_error_in_one_line(tmp_path):
     err = r.stderr.strip()
     assert len(err.splitlines()) == 1 and "call 'train'" in err and "'values'" in err, err
     assert torch is not None
+
+
+def test_the_readme_example_of_an_own_interface_validates_and_scores_by_hand(tmp_path):
+    from realloc.api import load_experiment
+
+    text = (REPO / "README.md").read_text()
+    start = text.index("```python\n", text.index("### Your own interface")) + len("```python\n")
+    exp = tmp_path / "no_repeats.py"
+    exp.write_text(text[start:text.index("```", start)].replace("data/ppo_tiny_prompts.jsonl",
+                                                                str(REPO / "experiments/data/ppo_tiny_prompts.jsonl")))
+    g = build_graph(load_experiment(str(exp)))
+    variety = g.interfaces["rew_inf"]
+    assert (variety.name, variety.head, g.interfaces["actor_train"].name) == ("variety", "none", "grpo_actor")
+    seq = {"tokens": torch.tensor([[1, 2, 5, 5, 7, 0], [3, 4, 4, 4, 0, 0]]), "prompt_lens": torch.tensor([2, 1]),
+           "gen_mask": torch.tensor([[True, True, True, False], [True, True, True, False]])}
+    out = variety.resolve()(None, {"seq": seq})  # responses [5, 5, 7] and [4, 4, 4]: 2 and 1 distinct of 3
+    torch.testing.assert_close(out.outputs["rewards"]["score"], torch.tensor([2 / 3, 1 / 3]))
+    assert out.sums == {"score_sum": pytest.approx(1.0), "n_seqs_scored": 2.0}

@@ -6,7 +6,8 @@ The ``@auto`` dataclass may define (all optional):
 - ``dataset: str``: prompt file (realloc/data/prompts.py), relative to the experiment file (required when a call reads
   a dataset key such as ``prompts``; ``--set dataset=PATH`` gives it per run, best as an absolute path);
 - ``tokenizer: str``: an HF tokenizer directory for text prompts, EOS and decoded samples (default: the
-  generating model's checkpoint directory, when it holds tokenizer files);
+  generating model's checkpoint directory when it holds tokenizer files; without generation, the trained
+  model's, then any model's);
 - ``data: DataConfig``: prompt columns, truncation, chat template (``realloc.data.config``);
 - ``models: dict``: model name -> HF checkpoint directory or ``HFModel`` (read by ``api.py``);
 - ``iterations: int``: default for ``realloc run --iterations``;
@@ -79,7 +80,7 @@ class RunConfig:
 
 
 def _tokenizer_dir(spec: ExperimentSpec) -> str | None:
-    """The experiment's ``tokenizer``, else the generating model's checkpoint if it carries tokenizer files."""
+    """The experiment's ``tokenizer``, else the tokenizer files of a model's checkpoint (the generating model's first)."""
     given = getattr(spec.config, "tokenizer", None)
     if given is not None:
         if not isinstance(given, (str, Path)) or not str(given):
@@ -88,9 +89,11 @@ def _tokenizer_dir(spec: ExperimentSpec) -> str | None:
         if not path.is_dir():
             raise ValueError(f"experiment {spec.name!r}: tokenizer directory {path} does not exist")
         return str(path.resolve())
-    for r in spec.rpcs:
+    # The generating model's checkpoint first; an experiment without generation (SFT, DPO) uses its trained
+    # model's checkpoint, then any other.
+    order = sorted(spec.rpcs, key=lambda r: (r.interface_type is not InterfaceType.GENERATE, not r.is_train))
+    for r in order:
         src = spec.models.get(r.model_name)
-        if r.interface_type is InterfaceType.GENERATE and src is not None:
-            if any((Path(src.path) / f).is_file() for f in TOKENIZER_FILES):
-                return src.path
+        if src is not None and any((Path(src.path) / f).is_file() for f in TOKENIZER_FILES):
+            return src.path
     return None

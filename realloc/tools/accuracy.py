@@ -40,6 +40,7 @@ def exact_match_accuracy(checkpoint: str | Path, prompts: str | Path, *, tokeniz
                          n_examples: int = 5) -> Accuracy:
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from realloc.algorithms.verifiable import exact_number_match
     from realloc.data.prompts import PromptDataset
@@ -54,6 +55,7 @@ def exact_match_accuracy(checkpoint: str | Path, prompts: str | Path, *, tokeniz
     if any(a is None for a in answers):
         raise ValueError(f"accuracy: dataset {prompts}: row {answers.index(None)} has no {answer_key!r}; every "
                          f"held-out prompt needs its reference answer")
+    hf_logging.disable_progress_bar()  # the "Loading weights" bar, once per call
     model = AutoModelForCausalLM.from_pretrained(str(checkpoint), local_files_only=True).eval()
     pad = tok.pad_token_id
     correct, examples = 0, []

@@ -6,7 +6,10 @@
 A problem is ``"a+b="`` or ``"a-b="`` with ``a, b`` in 0..99 and, for subtraction, ``a >= b``, so
 every answer is a non-negative number of one to three digits. All 15,050 problems are shuffled once
 with the seed and cut into disjoint parts: the held-out prompts, the SFT pairs, and the prompts for
-RL. Each prompt record carries its ``answer`` (a string); an SFT record is ``{"prompt", "response"}``.
+RL. Each prompt record carries its ``answer`` (a string); an SFT record is ``{"prompt", "response"}``; a
+preference record (DPO) is ``{"prompt", "chosen", "rejected"}``: the right answer and a wrong one.
+The demo's SFT data (``arith_sft_padded.jsonl``) is the SFT pairs with most answers zero-padded to
+three digits, the way a fixed-width source prints them; the grader wants the number as written.
 Everything is a pure function of the seed, so the files in ``experiments/data/`` are re-made byte for
 byte by the first command above (a test checks it).
 
@@ -35,6 +38,8 @@ MAX_OPERAND = 99
 TRAIN_FILE = "arith_train.jsonl"  # RL prompts with answers
 EVAL_FILE = "arith_eval.jsonl"  # held-out prompts with answers
 SFT_FILE = "arith_sft.jsonl"  # prompt/response pairs
+PAIRS_FILE = "arith_pairs.jsonl"  # prompt/chosen/rejected preference pairs (DPO)
+PADDED_FILE = "arith_sft_padded.jsonl"  # the SFT pairs as a fixed-width source writes them (the demo's SFT data)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +50,9 @@ class Split:
     n_eval: int = 500
     n_sft: int = 4000
     n_train: int = 4000
+    n_pairs: int = 1000  # preference pairs, made from the first SFT problems
+    pad_share: float = 0.75  # PADDED_FILE: the share of answers written with three digits ("7" as "007")
+
 
 
 def problems() -> list[tuple[str, str]]:
@@ -69,6 +77,42 @@ def split(cfg: Split = Split()) -> dict[str, list[tuple[str, str]]]:
     return {"eval": every[:a], "sft": every[a:b], "train": every[b:b + cfg.n_train]}
 
 
+def near_miss(answer: str, rng: random.Random) -> str:
+    """A wrong answer one slip away from ``answer``: the units or the tens digit off by one (never negative)."""
+    value = int(answer)
+    steps = [d for d in (1, -1, 10, -10) if value + d >= 0]
+    return str(value + rng.choice(steps))
+
+
+def wrong_answer(prompt: str, answer: str, rng: random.Random) -> str:
+    """A mistake a weak model makes: half the time a number copied from the question (when it is not the
+    answer), otherwise a near miss."""
+    operands = [x for x in prompt.rstrip("=").replace("-", "+").split("+") if x != answer]
+    if operands and rng.random() < 0.5:
+        return rng.choice(operands)
+    return near_miss(answer, rng)
+
+
+def preference_pairs(cfg: Split = Split()) -> list[dict[str, str]]:
+    """``{"prompt", "chosen", "rejected"}``: the right answer preferred over a wrong one (``wrong_answer``), for
+    the first ``n_pairs`` SFT problems (the wrong answers drawn with the split's seed)."""
+    sft = split(cfg)["sft"]
+    if cfg.n_pairs > len(sft):
+        raise ValueError(f"arith_task.preference_pairs: {cfg.n_pairs} pairs asked for, but the SFT part has only "
+                         f"{len(sft)} problems")
+    rng = random.Random(f"pairs/{cfg.seed}")
+    return [{"prompt": p, "chosen": a, "rejected": wrong_answer(p, a, rng)} for p, a in sft[:cfg.n_pairs]]
+
+
+def padded_sft(cfg: Split = Split()) -> list[dict[str, str]]:
+    """The SFT pairs with a ``pad_share`` of the answers zero-padded to three digits (drawn with the split's
+    seed), as a source that prints fixed-width numbers would write them. The exact-match grader reads
+    "007" as a different number from "7", so a model that copies the habit is marked wrong on those."""
+    rng = random.Random(f"padded/{cfg.seed}")
+    return [{"prompt": p, "response": a.zfill(3) if rng.random() < cfg.pad_share else a}
+            for p, a in split(cfg)["sft"]]
+
+
 def _jsonl(records: list[dict]) -> str:
     return "".join(json.dumps(r) + "\n" for r in records)
 
@@ -78,7 +122,9 @@ def files(cfg: Split = Split()) -> dict[str, str]:
     parts = split(cfg)
     return {TRAIN_FILE: _jsonl([{"prompt": p, "answer": a} for p, a in parts["train"]]),
             EVAL_FILE: _jsonl([{"prompt": p, "answer": a} for p, a in parts["eval"]]),
-            SFT_FILE: _jsonl([{"prompt": p, "response": a} for p, a in parts["sft"]])}
+            SFT_FILE: _jsonl([{"prompt": p, "response": a} for p, a in parts["sft"]]),
+            PAIRS_FILE: _jsonl(preference_pairs(cfg)),
+            PADDED_FILE: _jsonl(padded_sft(cfg))}
 
 
 def write_data(out_dir: str | Path, cfg: Split = Split()) -> list[Path]:
@@ -126,10 +172,10 @@ def train_tokenizer(out_dir: str | Path) -> Path:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m realloc.tools.arith_task", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("data", help=f"write {TRAIN_FILE}, {EVAL_FILE} and {SFT_FILE}")
+    d = sub.add_parser("data", help=f"write {TRAIN_FILE}, {EVAL_FILE}, {SFT_FILE}, {PAIRS_FILE} and {PADDED_FILE}")
     d.add_argument("--out", required=True)
     for field in dataclasses.fields(Split):
-        d.add_argument(f"--{field.name.replace('_', '-')}", type=int, default=field.default)
+        d.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default)
     t = sub.add_parser("tokenizer", help="train the character tokenizer and save it as an HF directory")
     t.add_argument("--out", required=True)
     return p

@@ -27,7 +27,9 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 
 
-def _build_once(target: Path, build: Any) -> Path:
+def build_once(target: Path, build: Any) -> Path:
+    """``build(tmp)`` into a temporary sibling of ``target``, then renamed into place (once: an existing
+    directory is kept; a concurrent builder that loses the race keeps the winner's identical copy)."""
     if target.is_dir():
         return target
     tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}")
@@ -51,8 +53,8 @@ def demo_assets(root: str | Path, corpus: str | Path = CORPUS) -> dict[str, Path
     hf_logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bar, once per checkpoint
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    tok = _build_once(root / "tokenizer", lambda d: train_tokenizer(corpus, d, vocab_size=TOKENIZER_VOCAB))
+    tok = build_once(root / "tokenizer", lambda d: train_tokenizer(corpus, d, vocab_size=TOKENIZER_VOCAB))
     out = {"tokenizer": tok}
     for name, kw in MODELS.items():
-        out[name] = _build_once(root / name, lambda d, kw=kw: make_tiny_checkpoint(d, tokenizer_dir=tok, **kw))
+        out[name] = build_once(root / name, lambda d, kw=kw: make_tiny_checkpoint(d, tokenizer_dir=tok, **kw))
     return out

@@ -1,0 +1,159 @@
+"""The arithmetic demo (``make demo``): SFT a tiny LLaMA through realloc, then GRPO with an exact-match reward.
+
+    python -m realloc.tools.arith_demo                 # what `make demo` runs
+    python -m realloc.tools.arith_demo --rebuild-sft   # train the SFT stage again
+    python -m realloc.tools.arith_demo sft             # only the SFT stage
+
+1. **SFT stage** (first use only; cached in ``experiments/data/arith/sft``): the task's character
+   tokenizer and a random 4-layer LLaMA (``init``), then ``realloc run experiments/arith_sft.py`` and
+   ``realloc export``. Its data, ``arith_sft_padded.jsonl``, writes three quarters of the answers
+   zero-padded to three digits ("45-38=007"), as a fixed-width source prints them; the grader reads
+   "007" as another number than "7". The SFT model learns the arithmetic and copies the habit.
+2. **Before**: exact-match accuracy of the SFT checkpoint on the 500 held-out prompts, greedy, with
+   transformers (``realloc.tools.accuracy``: an independent check, not realloc's generation).
+3. **GRPO**: ``realloc run experiments/arith_grpo.py`` on the local 2-device CPU cluster with a
+   searched plan, 8 responses per prompt and the ``exact_match`` verifiable reward; metrics.jsonl
+   carries the greedy accuracy on 256 held-out prompts every few iterations (``eval``).
+4. **After**: ``realloc export`` of the trained actor and the same accuracy check.
+
+Every stage is seeded: a rerun prints the same numbers up to float rounding between plans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+from realloc.tools.demo_assets import build_once
+
+if TYPE_CHECKING:
+    from realloc.tools.accuracy import Accuracy
+
+REPO = Path(__file__).resolve().parents[2]
+ROOT = REPO / "experiments" / "data" / "arith"  # built assets (gitignored)
+SFT_EXPERIMENT = REPO / "experiments" / "arith_sft.py"
+GRPO_EXPERIMENT = REPO / "experiments" / "arith_grpo.py"
+EVAL_PROMPTS = REPO / "experiments" / "data" / "arith_eval.jsonl"
+# A 4-layer LLaMA of width 64 (0.2M parameters); its vocabulary of 32 pads the tokenizer's 18 ids so that
+# tp=2 divides it. HF's initializer range: the model trains from scratch.
+MODEL = dict(arch="llama", vocab_size=32, hidden=64, layers=4, heads=4, kv_heads=4, intermediate=176, seed=0,
+             init_std=0.02, max_position_embeddings=32)
+MAX_NEW_TOKENS = 4  # three digits and EOS
+
+
+def tokenizer_dir(root: Path = ROOT) -> Path:
+    from realloc.tools.arith_task import train_tokenizer
+
+    root.mkdir(parents=True, exist_ok=True)
+    return build_once(root / "tokenizer", train_tokenizer)
+
+
+def init_checkpoint(root: Path = ROOT) -> Path:
+    """The random LLaMA the SFT stage starts from (built once; a second)."""
+    from transformers.utils import logging as hf_logging
+
+    from realloc.tools.tiny_hf import make_tiny_checkpoint
+
+    hf_logging.disable_progress_bar()
+    tok = tokenizer_dir(root)
+    return build_once(root / "init", lambda d: make_tiny_checkpoint(d, tokenizer_dir=tok, **MODEL))
+
+
+def _realloc(args: list[str], log: Path | None = None) -> None:
+    """``realloc ARGS`` in a child process (its output to ``log`` when given); one error if it fails."""
+    cmd = [sys.executable, "-m", "realloc.cli", *args]
+    if log is None:
+        r = subprocess.run(cmd)
+    else:
+        with open(log, "w") as f:
+            r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+    if r.returncode:
+        where = f"; its output is in {log}" if log else ""
+        raise RuntimeError(f"`realloc {' '.join(args)}` failed with exit code {r.returncode}{where}")
+
+
+def build_sft(root: Path = ROOT, run_dir: Path | None = None, search_time: float = 5.0) -> Path:
+    """Run the SFT experiment through realloc (its own iterations) and export the actor into ``root/sft``."""
+    init_checkpoint(root)
+    run_dir = run_dir or REPO / "runs" / "arith_sft"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    t0 = time.time()
+    _realloc(["run", str(SFT_EXPERIMENT), "--search-time", str(search_time), "--run-dir", str(run_dir),
+              "--save-every", str(_default_iterations(SFT_EXPERIMENT)), "--quiet"], log=run_dir / "sft.log")
+    target = root / "sft"
+    tmp = target.with_name(f".{target.name}.export")
+    shutil.rmtree(tmp, ignore_errors=True)
+    _realloc(["export", str(run_dir), "--model", "actor", "--out", str(tmp)], log=run_dir / "export.log")
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    print(f"SFT stage: {time.time() - t0:.0f} s through realloc ({run_dir}/sft.log); checkpoint {target}")
+    return target
+
+
+def _default_iterations(experiment: Path) -> int:
+    from realloc.api import load_experiment
+
+    return int(load_experiment(str(experiment)).config.iterations)
+
+
+def accuracy(checkpoint: Path) -> Accuracy:
+    """Exact match of ``checkpoint`` on the held-out prompts, greedy, with transformers."""
+    from realloc.tools.accuracy import exact_match_accuracy
+
+    return exact_match_accuracy(checkpoint, EVAL_PROMPTS, max_new_tokens=MAX_NEW_TOKENS)
+
+
+def demo(root: Path = ROOT, run_dir: Path | None = None, rebuild_sft: bool = False, search_time: float = 5.0,
+         iterations: int | None = None) -> tuple[float, float]:
+    """The whole demo; returns the held-out exact-match accuracy before and after GRPO."""
+    t0 = time.time()
+    if rebuild_sft or not (root / "sft" / "config.json").is_file():
+        print(f"building the SFT stage (first use; cached in {root / 'sft'})", flush=True)
+        build_sft(root, search_time=search_time)
+    sft = root / "sft"
+    before = accuracy(sft)
+    print(f"before GRPO (the SFT model): {before.describe()} on held-out prompts, e.g. "
+          + ", ".join(f"{p}{r}" for p, r, _ in before.examples[:3]), flush=True)
+    run_dir = run_dir or REPO / "runs" / "arith_demo"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    n = iterations or _default_iterations(GRPO_EXPERIMENT)
+    t1 = time.time()
+    _realloc(["run", str(GRPO_EXPERIMENT), "--search-time", str(search_time), "--run-dir", str(run_dir),
+              "--iterations", str(n), "--save-every", str(n), "--quiet"])
+    grpo_seconds = time.time() - t1
+    _realloc(["export", str(run_dir), "--model", "actor", "--out", str(run_dir / "actor-hf")], log=run_dir / "export.log")
+    after = accuracy(run_dir / "actor-hf")
+    print(f"after GRPO: {after.describe()}, e.g. " + ", ".join(f"{p}{r}" for p, r, _ in after.examples[:3]))
+    print(f"held-out exact match {before.accuracy:.1%} -> {after.accuracy:.1%} ({n} GRPO iterations in "
+          f"{grpo_seconds:.0f} s; {time.time() - t0:.0f} s in all; run directory {run_dir})")
+    return before.accuracy, after.accuracy
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m realloc.tools.arith_demo", description=__doc__.split("\n")[0])
+    p.add_argument("stage", nargs="?", choices=["demo", "sft"], default="demo")
+    p.add_argument("--rebuild-sft", action="store_true", help="train the SFT stage again even if it is cached")
+    p.add_argument("--search-time", type=float, default=5.0, help="seconds of plan search per run")
+    p.add_argument("--iterations", type=int, default=None, help="GRPO iterations (default: the experiment's)")
+    p.add_argument("--run-dir", default=None, help="GRPO run directory (default runs/arith_demo)")
+    args = p.parse_args(argv)
+    try:
+        if args.stage == "sft":
+            build_sft(search_time=args.search_time)
+        else:
+            demo(run_dir=Path(args.run_dir) if args.run_dir else None, rebuild_sft=args.rebuild_sft,
+                 search_time=args.search_time, iterations=args.iterations)
+    except (ValueError, RuntimeError) as e:
+        print(f"arith_demo: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
