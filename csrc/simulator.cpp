@@ -9,7 +9,7 @@ namespace rl {
 
 namespace {
 
-constexpr int kBoundEvery = 2;  // simulate(): nodes between two checks of the early-stop bound
+constexpr int kBoundEvery = 2;  // simulate(): nodes between two checks of the early-stop bound (a power of 2)
 
 }  // namespace
 
@@ -30,9 +30,13 @@ Evaluator::Evaluator(const Problem& problem) : p_(problem) {
     link_.resize(total);
     n_parents_.resize(total);
     children_.reserve(p_.children.size());
+    // the work of every iteration counts if every node precedes the last iteration's end, else the last's
+    const int counted = p_.iterations_chain ? 0 : p_.n_iterations - 1;
     for (int r = 0; r < total; ++r) {
         const int v = order_[r];
-        link_[r] = {v % per_, v / per_, static_cast<int32_t>(children_.size()), 0};
+        const int iter = v / per_;
+        link_[r] = {v % per_, static_cast<int16_t>(iter), static_cast<int16_t>(iter >= counted),
+                    static_cast<int32_t>(children_.size()), 0};
         for (int i = p_.child_start[v]; i < p_.child_start[v + 1]; ++i) children_.push_back(pos_[p_.children[i]]);
         link_[r].child_end = static_cast<int32_t>(children_.size());
         n_parents_[r] = p_.n_parents[v];
@@ -57,6 +61,7 @@ Evaluator::Evaluator(const Problem& problem) : p_(problem) {
         tmpl_table_.push_back(nt.kind == NodeKind::kCall ? nullptr : &p_.table(nt.table));
     }
     for (uint64_t end = 0; end < static_cast<uint64_t>(2 * n); ++end) ends_.push_back(end);  // placed by prepare()
+    find_paths();
     atom_lo_.resize(n);
     atom_hi_.resize(n);
     slot_.resize(per_);
@@ -89,6 +94,93 @@ Evaluator::Evaluator(const Problem& problem) : p_(problem) {
         start_.resize(total);
         host_busy_.resize(p_.n_devices / p_.host_size());
     }
+}
+
+// The path bound. Along any path of the unrolled graph a node ends no earlier than its predecessor's end
+// + the predecessor's latency + its own cost (it is not ready before, and runs at most at full speed). An
+// iteration ends with one of its "last" nodes, those without a child in their own iteration (any other
+// node ends no later than its child). For last nodes x, y let A[x][y] be the length of a path from x in one
+// iteration to y in the next. T_1 is the end of some last node x, and T_K is no earlier than the end of
+// any node of iteration K, so T_K - T_1 >= the longest chain x -> ... (K - 1 steps of A), and the
+// steady-state time (T_K - T_1) / (K - 1) is at least the smallest such chain over x, / (K - 1). In a PPO
+// graph the last nodes are the train steps; the critic's leads into the actor's cycle through the values
+// the actor trains on. Per pair, the path kept is the one through the most nodes (a plan-independent
+// stand-in for the longest). An OOM plan's cost is its time times at least oom_alpha, so this rejects
+// most OOM proposals of the MCMC without simulating them.
+void Evaluator::find_paths() {
+    std::vector<int32_t> last;
+    for (int x = 0; x < per_; ++x) {
+        bool is_last = true;
+        for (int i = p_.child_start[x]; i < p_.child_start[x + 1]; ++i) is_last = is_last && p_.children[i] >= per_;
+        if (is_last) last.push_back(x);
+    }
+    const int m = static_cast<int>(last.size());
+    std::vector<int32_t> depth(2 * per_), prev(2 * per_);  // two iterations: edges never go back one
+    path_start_.assign(1, 0);
+    path_pred_.clear();
+    path_node_.clear();
+    path_exists_.assign(m * m, 0);
+    for (int i = 0; i < m; ++i) {
+        const int x = last[i];
+        std::fill(depth.begin(), depth.end(), -1);
+        depth[x] = 0;
+        for (int v = x; v < 2 * per_; ++v) {  // node numbers are topological
+            if (depth[v] < 0) continue;
+            for (int k = p_.child_start[v]; k < p_.child_start[v + 1]; ++k) {
+                const int u = p_.children[k];
+                if (u < 2 * per_ && depth[v] + 1 > depth[u]) {
+                    depth[u] = depth[v] + 1;
+                    prev[u] = v;
+                }
+            }
+        }
+        for (int j = 0; j < m; ++j) {
+            const int y = last[j] + per_;
+            path_exists_[i * m + j] = depth[y] >= 0;
+            const size_t at = path_node_.size();
+            for (int u = y; depth[y] >= 0 && u != x; u = prev[u]) {
+                path_pred_.push_back(prev[u] % per_);
+                path_node_.push_back(u % per_);
+            }
+            std::reverse(path_pred_.begin() + at, path_pred_.end());
+            std::reverse(path_node_.begin() + at, path_node_.end());
+            path_start_.push_back(static_cast<int32_t>(path_node_.size()));
+        }
+    }
+    n_last_ = m;
+    chain_.resize(m * m + 2 * m);
+}
+
+bool Evaluator::paths_exceed(double stop_time) {
+    if (!(stop_time < std::numeric_limits<double>::infinity())) return false;
+    const int m = n_last_, K = p_.n_iterations;
+    constexpr double kNone = -std::numeric_limits<double>::infinity();
+    double* a = chain_.data();  // A, then the chains from one start
+    for (int ij = 0; ij < m * m; ++ij) {
+        double length = kNone;
+        if (path_exists_[ij]) {
+            length = 0.0;
+            for (int k = path_start_[ij]; k < path_start_[ij + 1]; ++k)
+                length += slot_[path_pred_[k]].latency + slot_[path_node_[k]].cost;
+        }
+        a[ij] = length;
+    }
+    // the simulation's own rounding must never make a run that comes out just under the limit stop
+    const double bar = stop_time * (K - 1) * (1.0 + 1e-9);
+    double* d = a + m * m;
+    double* next = d + m;
+    for (int x = 0; x < m; ++x) {
+        std::copy(a + x * m, a + x * m + m, d);
+        for (int step = 1; step < K - 1; ++step) {
+            for (int y = 0; y < m; ++y) {
+                next[y] = kNone;
+                for (int z = 0; z < m; ++z) next[y] = std::max(next[y], d[z] + a[z * m + y]);
+            }
+            std::copy(next, next + m, d);
+        }
+        if (!(*std::max_element(d, d + m) > bar)) return false;
+    }
+    return true;
 }
 
 // Cuts the device line at every call mesh's ends into atoms, and gives every template node its atoms.
@@ -292,8 +384,8 @@ bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, doubl
     // Early stop (evaluate_bounded) follows the atom `busy` with the most work per iteration (usually
     // the one that paces the plan): `left` seconds of work and `pending` nodes of the counted iterations
     // (from `counted` on) are still to come there; Slot::busy_cost and Slot::busy are each node's share.
-    const int counted = p_.iterations_chain ? 0 : K - 1;
-    int busy = 0, pending = 0, since_check = 0;
+    const int counted = p_.iterations_chain ? 0 : K - 1;  // as Link::counted
+    int busy = 0, pending = 0;
     double left = 0.0;
     if (kBounded) {
         // the work per atom, to pick the busiest, as a difference array (rounding does not matter here)
@@ -341,7 +433,7 @@ bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, doubl
             end = start + s.cost;
             for (int a = a1; a < b1; ++a) free[a] = end;
             for (int a = a2; a < b2; ++a) free[a] = end;
-            if (kBounded && node.iter >= counted) {
+            if (kBounded && node.counted) {
                 left -= s.busy_cost;
                 pending -= s.busy;
             }
@@ -354,11 +446,11 @@ bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, doubl
             const int32_t u = children[i];
             if (ready[u] < out) ready[u] = out;
             if (--remaining[u] != 0) continue;
-            const Link child = link[u];
-            if (!slot[child.tmpl].pass) {
+            if (!slot[link[u].tmpl].pass) {
                 push(ready[u], u);
                 continue;
             }
+            const Link child = link[u];
             // A free transfer whose parents are all done completes at once instead of waiting in the
             // queue: it occupies no device and its children rank after it, so it would leave the queue
             // before any of them anyway. Its children are calls (finalize builds no transfer after a
@@ -377,7 +469,7 @@ bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, doubl
         // next ready time (a node of it is still to come, and nodes leave the queue in order of ready
         // time), and if counted nodes on `busy` are still to come, max(next ready time, busy's free) +
         // their work: none starts earlier, and they run one after another.
-        if (kBounded && iter_left[0] == 0 && (++since_check & (kBoundEvery - 1)) == 0 && head < tail) {
+        if (kBounded && iter_left[0] == 0 && (head & (kBoundEvery - 1)) == 0 && head < tail) {
             double t_k = iter_end[K - 1];
             if (iter_left[K - 1]) {
                 const double next = key_time(queue[head]);
@@ -437,6 +529,11 @@ Evaluation Evaluator::evaluate_bounded(const int32_t* plan, double limit, const 
         limit = std::numeric_limits<double>::infinity();
     const double factor = ev.feasible ? 1.0 : p_.oom_alpha * (1.0 + static_cast<double>(ev.overflow) /
                                                                         static_cast<double>(p_.device_memory));
+    if (paths_exceed(limit / factor)) {
+        ev.complete = false;
+        ev.time = ev.cost = limit;  // lower bounds: the plan costs more
+        return ev;
+    }
     if (p_.shares_cores())
         simulate_shared(plan, nullptr);
     else if (!simulate(plan, nullptr, limit / factor)) {

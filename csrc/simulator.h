@@ -75,11 +75,11 @@ public:
     // evaluate(), except that it may stop as soon as the plan is proven to cost more than `limit` and to
     // be no better than `best` (mcmc.h's better()); it then returns complete = false. Memory is checked
     // first; once the first iteration's nodes are all done (T_1 is known), T_K is bounded below by
-    // max(next ready time, atom free) + the work left on that atom, for every atom with work left:
+    // max(next ready time, atom free) + the work left on that atom, for the atom with the most work:
     // nodes leave the queue in order of ready time, none starts before it is ready or before its
     // atoms are free, and the work left on one atom runs one node after another. The work left counts
     // every iteration when every node precedes the last iteration's end (Problem::iterations_chain),
-    // else the last iteration's.
+    // else the last iteration's. Before simulating, the path bound (paths_exceed) may already prove it.
     Evaluation evaluate_bounded(const int32_t* plan, double limit, const Evaluation& best);
     std::vector<NodeRecord> schedule(const int32_t* plan);
     MemoryReport memory(const int32_t* plan);
@@ -99,10 +99,12 @@ private:
         int32_t busy = 0;               // bounded runs: it occupies the busiest atom (simulator.cpp)
         double busy_cost = 0.0;         // and takes this much off that atom's work
     };
-    // A node of the unrolled graph, numbered by dispatch rank (see rank()): template, iteration and
-    // its children (positions, in children_).
+    // A node of the unrolled graph, numbered by dispatch rank (see rank()): template, iteration, whether
+    // the early-stop bound counts its work (evaluate_bounded), and its children (ranks, in children_).
     struct Link {
-        int32_t tmpl, iter, child_begin, child_end;
+        int32_t tmpl;
+        int16_t iter, counted;
+        int32_t child_begin, child_end;
     };
 
     bool prepare(const int32_t* plan, std::vector<MissingPair>* missing);
@@ -118,6 +120,9 @@ private:
     void record(const int32_t* plan, std::vector<NodeRecord>* records, int v, double start, double end) const;
     void release_children(int v, double end);
     void check_memory(const int32_t* plan, Evaluation& ev);  // memory.cpp
+    void find_paths();
+    // True if the steady-state time is proven above `stop_time` without simulating: see find_paths().
+    bool paths_exceed(double stop_time);
     // Dispatch order among nodes ready at the same time: data transfers first (the master sends a
     // call's outputs on as soon as it finishes, before what its end unblocks), then node order.
     // simulate() numbers nodes by this rank, so that its ready keys carry the node itself.
@@ -129,7 +134,9 @@ private:
     static ReadyKey ready_key(double ready, int32_t rank) {
         uint64_t bits;
         std::memcpy(&bits, &ready, sizeof bits);
-        return (static_cast<ReadyKey>(bits) << 32) | static_cast<uint32_t>(rank);
+        // built from two 64-bit halves: GCC otherwise goes through the stack
+        const uint64_t low = bits << 32 | static_cast<uint32_t>(rank);
+        return static_cast<ReadyKey>(bits >> 32) << 64 | low;
     }
     static double key_time(ReadyKey key) {
         const uint64_t bits = static_cast<uint64_t>(key >> 32);
@@ -150,6 +157,13 @@ private:
     // per template node: its call, the source call of a transfer (-1 for a call) and its pair-cost table
     std::vector<int32_t> tmpl_call_, tmpl_other_;
     std::vector<const PairCosts*> tmpl_table_;
+    // the path bound (find_paths): for each pair (x, y) of the n_last_ template nodes that may end an
+    // iteration, whether x in one iteration leads to y in the next, and a path as (predecessor, node)
+    // template pairs after x; chain_ is its workspace
+    int n_last_ = 0;
+    std::vector<uint8_t> path_exists_;
+    std::vector<int32_t> path_start_, path_pred_, path_node_;
+    std::vector<double> chain_;
     // time atoms: every call's mesh ends as (device << 32 | 2 * call + (1 for the upper end)), sorted, and
     // each call's atom range
     std::vector<uint64_t> ends_;
