@@ -9,13 +9,14 @@ namespace rl {
 
 void Evaluator::check_memory(const int32_t* plan, Evaluation& ev) {
     const int n = p_.n_calls();
-    // Sweep the device line over the pipeline-stage boundaries of every call (merged on the fly):
-    // between two boundaries each call's stage, hence its memory, is constant. Per call: its next
-    // boundary (INT32_MAX after its mesh), its stage (-1 outside its mesh) and the static and dynamic
-    // bytes it puts on the devices there; `stat` is the sum of the static bytes, kept as calls enter
-    // and leave stages rather than summed again at every boundary.
+    // Sweep the device line over the boundaries of every call's memory runs (Candidates::run_device, merged
+    // on the fly): between two boundaries each call's stage bytes are constant. Per call: its next boundary
+    // (INT32_MAX after its mesh), its next run, and the static and dynamic bytes it puts on the devices
+    // there; `stat` is the sum of the static bytes, kept as calls enter and leave runs rather than summed
+    // again at every boundary. A boundary where nothing changes would split a segment into two with the
+    // same bytes, so the peak and the first device holding it are those of a sweep over every stage.
     int32_t* next_of = mem_next_.data();
-    int64_t* stage = mem_stage_.data();
+    int64_t* run = mem_run_.data();
     int64_t* stat_of = mem_stat_.data();
     int64_t* dyn_of = mem_dyn_.data();
     for (int c = 0; c < n; ++c) {
@@ -24,7 +25,7 @@ void Evaluator::check_memory(const int32_t* plan, Evaluation& ev) {
         const int home = p_.model_home[p_.call_model[c]];
         mem_copy_[c] = c != home && k.layout[i] != p_.cands[home].layout[plan[home]];
         next_of[c] = k.dev_lo[i];
-        stage[c] = -1;
+        run[c] = k.run_offset[i];
         stat_of[c] = dyn_of[c] = 0;
     }
     // Peak = static memory of every model resident on the device + the largest dynamic memory
@@ -35,18 +36,17 @@ void Evaluator::check_memory(const int32_t* plan, Evaluation& ev) {
         int64_t dyn = 0;
         int dyn_call = -1, next = p_.n_devices;
         for (int c = 0; c < n; ++c) {
-            if (x == next_of[c]) {  // c enters its mesh, its next stage, or leaves its mesh here
+            if (x == next_of[c]) {  // c enters its mesh, its next run, or leaves its mesh here
                 const Candidates& k = p_.cands[c];
                 const int i = plan[c];
                 stat -= stat_of[c];
                 if (x == k.dev_hi[i]) {
                     next_of[c] = INT32_MAX;
-                    stage[c] = -1;
                     stat_of[c] = dyn_of[c] = 0;
                 } else {
-                    const int64_t s = stage[c] < 0 ? k.mem_offset[i] : stage[c] + 1;
-                    stage[c] = s;
-                    next_of[c] = x + k.stage_width[i];
+                    const int64_t r = run[c]++;
+                    const int64_t s = k.run_stage[r];
+                    next_of[c] = r + 1 < k.run_offset[i + 1] ? k.run_device[r + 1] : k.dev_hi[i];
                     stat_of[c] = mem_home_[c] ? k.mem_static[s] : 0;
                     dyn_of[c] = k.mem_dynamic[s] + (mem_copy_[c] ? k.mem_param[s] : 0);
                 }

@@ -78,7 +78,7 @@ Evaluator::Evaluator(const Problem& problem) : p_(problem) {
     iter_left_.resize(p_.n_iterations);
     queue_.resize(total);
     mem_next_.resize(n);
-    mem_stage_.resize(n);
+    mem_run_.resize(n);
     mem_stat_.resize(n);
     mem_dyn_.resize(n);
     mem_copy_.resize(n);

@@ -190,9 +190,9 @@ private:
     std::vector<size_t> fifo_head_;
     std::vector<int32_t> waiting_, running_, done_;
     std::vector<double> finish_, rate_, start_, host_busy_;
-    // per call while sweeping the device line for memory: next boundary, static and dynamic bytes there
+    // per call while sweeping the device line for memory: next boundary, next run, static and dynamic bytes
     std::vector<int32_t> mem_next_;
-    std::vector<int64_t> mem_stage_, mem_stat_, mem_dyn_;
+    std::vector<int64_t> mem_run_, mem_stat_, mem_dyn_;
     std::vector<uint8_t> mem_copy_, mem_home_;
 };
 
