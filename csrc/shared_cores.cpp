@@ -11,6 +11,7 @@
 namespace rl {
 
 void Evaluator::simulate_shared(const int32_t* plan, std::vector<NodeRecord>* records) {
+    place_atoms_if_stale(plan);
     const int per = static_cast<int>(p_.iter_nodes.size());
     const int total = p_.n_nodes();
     const int n_atoms = n_atoms_;

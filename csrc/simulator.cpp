@@ -152,29 +152,36 @@ void Evaluator::find_paths() {
 }
 
 bool Evaluator::paths_exceed(double stop_time) {
-    if (!(stop_time < std::numeric_limits<double>::infinity())) return false;
+    if (!(stop_time < std::numeric_limits<double>::infinity()) || n_last_ == 0) return false;
     const int m = n_last_, K = p_.n_iterations;
     constexpr double kNone = -std::numeric_limits<double>::infinity();
+    const Slot* slot = slot_.data();
+    const int32_t* start = path_start_.data();
+    const int32_t* pred = path_pred_.data();
+    const int32_t* node = path_node_.data();
     double* a = chain_.data();  // A, then the chains from one start
+    double longest = kNone;
     for (int ij = 0; ij < m * m; ++ij) {
         double length = kNone;
         if (path_exists_[ij]) {
             length = 0.0;
-            for (int k = path_start_[ij]; k < path_start_[ij + 1]; ++k)
-                length += slot_[path_pred_[k]].latency + slot_[path_node_[k]].cost;
+            for (int k = start[ij]; k < start[ij + 1]; ++k) length += slot[pred[k]].latency + slot[node[k]].cost;
         }
         a[ij] = length;
+        longest = std::max(longest, length);
     }
     // the simulation's own rounding must never make a run that comes out just under the limit stop
     const double bar = stop_time * (K - 1) * (1.0 + 1e-9);
+    if (!(longest * (K - 1) > bar)) return false;  // no chain is longer than K - 1 longest steps
     double* d = a + m * m;
     double* next = d + m;
     for (int x = 0; x < m; ++x) {
         std::copy(a + x * m, a + x * m + m, d);
         for (int step = 1; step < K - 1; ++step) {
             for (int y = 0; y < m; ++y) {
-                next[y] = kNone;
-                for (int z = 0; z < m; ++z) next[y] = std::max(next[y], d[z] + a[z * m + y]);
+                double best = kNone;
+                for (int z = 0; z < m; ++z) best = std::max(best, d[z] + a[z * m + y]);
+                next[y] = best;
             }
             std::copy(next, next + m, d);
         }
@@ -184,7 +191,9 @@ bool Evaluator::paths_exceed(double stop_time) {
 }
 
 // Cuts the device line at every call mesh's ends into atoms, and gives every template node its atoms.
-void Evaluator::place_atoms(const int32_t* plan) {
+void Evaluator::place_atoms_if_stale(const int32_t* plan) {
+    if (!atoms_stale_) return;
+    atoms_stale_ = false;
     // The ends keep their order from the last plan except around the meshes that moved, so an
     // insertion sort of the updated ends is short (no allocation, no binary searches).
     const int m = static_cast<int>(ends_.size());
@@ -233,24 +242,23 @@ void Evaluator::place_atoms(const int32_t* plan) {
 }
 
 // Cost, latency and pass-through of template node j under `plan`.
-void Evaluator::price(int j, const int32_t* plan) {
-    const NodeTemplate& nt = p_.iter_nodes[j];
+inline void Evaluator::price(int j, const int32_t* plan) {
     Slot& s = slot_[j];
-    const int c = nt.call;
+    const int c = tmpl_call_[j], o = tmpl_other_[j];
     n_unknown_ -= !s.known;
-    if (nt.kind == NodeKind::kCall) {
+    if (o < 0) {  // a call
         s.cost = p_.cands[c].time[plan[c]];
         s.latency = p_.dispatch_latency;
         s.pass = 0;
         s.known = 1;
         return;
     }
-    const int o = nt.other;
+    const NodeKind kind = p_.iter_nodes[j].kind;
     const int la = p_.cands[o].layout[plan[o]], lb = p_.cands[c].layout[plan[c]];
     double cost = 0.0;
     bool known = true;
     // Parameters already in the call's layout need no move: reallocation is free.
-    if (nt.kind == NodeKind::kData || la != lb) cost = tmpl_table_[j]->get(la, lb, known);
+    if (kind == NodeKind::kData || la != lb) cost = tmpl_table_[j]->get(la, lb, known);
     s.cost = cost;
     s.known = known;
     n_unknown_ += !known;
@@ -258,7 +266,7 @@ void Evaluator::price(int j, const int32_t* plan) {
     pair_b_[j] = lb;
     // A free transfer occupies no device and is no request: its consumer waits only for the producer.
     s.pass = cost == 0.0;
-    s.latency = nt.kind == NodeKind::kRealloc && !s.pass ? p_.dispatch_latency : 0.0;
+    s.latency = kind == NodeKind::kRealloc && !s.pass ? p_.dispatch_latency : 0.0;
 }
 
 bool Evaluator::prepare(const int32_t* plan, std::vector<MissingPair>* missing) {
@@ -279,7 +287,8 @@ bool Evaluator::prepare(const int32_t* plan, std::vector<MissingPair>* missing) 
         if (was < 0 || k.dev_lo[plan[c]] != k.dev_lo[was] || k.dev_hi[plan[c]] != k.dev_hi[was]) meshes_moved = true;
         last_plan_[c] = plan[c];
     }
-    if (meshes_moved) place_atoms(plan);
+    // the atoms wait for a simulation: the memory check and the path bound do not need them
+    atoms_stale_ = atoms_stale_ || meshes_moved;
     if (++stamp_ == 0) {  // wrapped: forget which nodes were seen
         std::fill(seen_.begin(), seen_.end(), 0);
         stamp_ = 1;
@@ -341,6 +350,7 @@ void Evaluator::record(const int32_t* plan, std::vector<NodeRecord>* records, in
 }
 
 bool Evaluator::simulate(const int32_t* plan, std::vector<NodeRecord>* records, double stop_time) {
+    place_atoms_if_stale(plan);
     if (records) return run<false, true>(plan, records, stop_time);
     if (stop_time < std::numeric_limits<double>::infinity()) return run<true, false>(plan, nullptr, stop_time);
     return run<false, false>(plan, nullptr, stop_time);

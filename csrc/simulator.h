@@ -108,7 +108,7 @@ private:
     };
 
     bool prepare(const int32_t* plan, std::vector<MissingPair>* missing);
-    void place_atoms(const int32_t* plan);
+    void place_atoms_if_stale(const int32_t* plan);
     void price(int j, const int32_t* plan);
     // Returns false if it stopped because the steady-state time was proven above `stop_time`.
     bool simulate(const int32_t* plan, std::vector<NodeRecord>* records,
@@ -169,6 +169,7 @@ private:
     std::vector<uint64_t> ends_;
     std::vector<int32_t> atom_lo_, atom_hi_;
     int n_atoms_ = 0;
+    bool atoms_stale_ = true;  // a mesh moved since the atoms were cut
     std::vector<Slot> slot_;
     std::vector<int32_t> pair_a_, pair_b_;  // per template node: the pair it prices (transfers only)
     int n_unknown_ = 0;                     // template nodes whose pair cost is not priced
