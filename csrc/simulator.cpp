@@ -75,7 +75,8 @@ Evaluator::Evaluator(const Problem& problem) : p_(problem) {
     ready_.resize(total);
     remaining_.resize(total);
     iter_end_.resize(p_.n_iterations);
-    iter_left_.resize(p_.n_iterations);
+    state_.resize(total);
+    iter_.resize(p_.n_iterations);
     queue_.resize(total);
     mem_next_.resize(n);
     mem_run_.resize(n);
@@ -369,26 +370,22 @@ bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, doubl
     const Link* link = link_.data();
     const int32_t* children = children_.data();
     double* free = free_.data();
-    double* ready = ready_.data();
-    int32_t* remaining = remaining_.data();
-    double* iter_end = iter_end_.data();
-    int32_t* iter_left = iter_left_.data();
-    ReadyKey* queue = queue_.data();
+    NodeState* state = state_.data();
+    IterState* iter = iter_.data();
     std::fill(free, free + n_atoms, 0.0);
-    std::fill(ready, ready + total, 0.0);
-    std::copy(n_parents_.begin(), n_parents_.end(), remaining);
-    std::fill(iter_end, iter_end + K, 0.0);
-    std::fill(iter_left, iter_left + K, per_);
+    for (int r = 0; r < total; ++r) state[r] = {0.0, n_parents_[r]};
+    std::fill(iter, iter + K, IterState{0.0, per_});
     if (kRecords) records->assign(total, NodeRecord{});
-    // The queue is queue[head, tail), sorted. Every node enters it at most once, so it never wraps; it
-    // holds few nodes and a new one usually becomes ready after those waiting, so insertion is short.
-    int head = 0, tail = 0;
-    for (int32_t r : roots_) queue[tail++] = ready_key(0.0, r);  // all ready at 0, ascending rank
-    auto push = [queue, head = &head, tail = &tail](double t, int32_t r) {
+    // The queue is [head, tail), sorted. Every node enters it at most once, so it never wraps; it holds
+    // few nodes and a new one usually becomes ready after those waiting, so insertion is short.
+    ReadyKey* head = queue_.data();
+    ReadyKey* tail = head;
+    for (int32_t r : roots_) *tail++ = ready_key(0.0, r);  // all ready at 0, ascending rank
+    auto push = [&head, &tail](double t, int32_t r) {
         const ReadyKey key = ready_key(t, r);
-        int i = (*tail)++;
-        for (; i > *head && queue[i - 1] > key; --i) queue[i] = queue[i - 1];
-        queue[i] = key;
+        ReadyKey* at = tail++;
+        for (; at > head && at[-1] > key; --at) *at = at[-1];
+        *at = key;
     };
 
     // Early stop (evaluate_bounded) follows the atom `busy` with the most work per iteration (usually
@@ -430,7 +427,7 @@ bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, doubl
     // Algorithm 1: take the ready node with the smallest ready time (ties: the lowest rank); it starts
     // when its mesh's devices are all free.
     while (head < tail) {
-        const ReadyKey key = queue[head++];
+        const ReadyKey key = *head++;
         const double t_ready = key_time(key);
         const int32_t r = static_cast<int32_t>(static_cast<uint32_t>(key));
         const Link node = link[r];
@@ -448,16 +445,18 @@ bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, doubl
                 pending -= s.busy;
             }
         }
-        iter_end[node.iter] = std::max(iter_end[node.iter], end);
-        --iter_left[node.iter];
+        IterState& it = iter[node.iter];
+        it.end = std::max(it.end, end);
+        --it.left;
         if (kRecords) record(plan, records, order_[r], start, end);
         const double out = end + s.latency;
         for (int i = node.child_begin; i < node.child_end; ++i) {
             const int32_t u = children[i];
-            if (ready[u] < out) ready[u] = out;
-            if (--remaining[u] != 0) continue;
+            NodeState& c = state[u];
+            if (c.ready < out) c.ready = out;
+            if (--c.remaining != 0) continue;
             if (!slot[link[u].tmpl].pass) {
-                push(ready[u], u);
+                push(c.ready, u);
                 continue;
             }
             const Link child = link[u];
@@ -465,28 +464,30 @@ bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, doubl
             // queue: it occupies no device and its children rank after it, so it would leave the queue
             // before any of them anyway. Its children are calls (finalize builds no transfer after a
             // transfer), so one more level of release.
-            const double t = ready[u];
-            iter_end[child.iter] = std::max(iter_end[child.iter], t);
-            --iter_left[child.iter];
+            const double t = c.ready;
+            IterState& ct = iter[child.iter];
+            ct.end = std::max(ct.end, t);
+            --ct.left;
             if (kRecords) record(plan, records, order_[u], t, t);
             for (int k = child.child_begin; k < child.child_end; ++k) {
                 const int32_t w = children[k];
-                if (ready[w] < t) ready[w] = t;
-                if (--remaining[w] == 0) push(ready[w], w);
+                NodeState& g = state[w];
+                if (g.ready < t) g.ready = t;
+                if (--g.remaining == 0) push(g.ready, w);
             }
         }
         // T_1 is known once the first iteration is done. While the last one is not, T_K is at least the
         // next ready time (a node of it is still to come, and nodes leave the queue in order of ready
         // time), and if counted nodes on `busy` are still to come, max(next ready time, busy's free) +
         // their work: none starts earlier, and they run one after another.
-        if (kBounded && iter_left[0] == 0 && (head & (kBoundEvery - 1)) == 0 && head < tail) {
-            double t_k = iter_end[K - 1];
-            if (iter_left[K - 1]) {
-                const double next = key_time(queue[head]);
+        if (kBounded && iter[0].left == 0 && ((head - queue_.data()) & (kBoundEvery - 1)) == 0 && head < tail) {
+            double t_k = iter[K - 1].end;
+            if (iter[K - 1].left) {
+                const double next = key_time(*head);
                 t_k = std::max(t_k, next);
                 if (pending > 0) t_k = std::max(t_k, std::max(next, free[busy]) + left);
             }
-            if (t_k - iter_end[0] > stop_span) return false;
+            if (t_k - iter[0].end > stop_span) return false;
         }
     }
     return true;
@@ -507,8 +508,10 @@ void Evaluator::release_children(int v, double end) {
 
 void Evaluator::finish(Evaluation& ev) const {
     const int K = p_.n_iterations;
-    ev.makespan = iter_end_[K - 1];
-    ev.time = (iter_end_[K - 1] - iter_end_[0]) / (K - 1);
+    const double t_1 = p_.shares_cores() ? iter_end_[0] : iter_[0].end;
+    const double t_k = p_.shares_cores() ? iter_end_[K - 1] : iter_[K - 1].end;
+    ev.makespan = t_k;
+    ev.time = (t_k - t_1) / (K - 1);
     // realhf.txt §5.2 multiplies an OOM plan's time by a large alpha. We scale alpha by
     // (1 + overflow fraction) so that among OOM plans the chain still moves toward ones that fit.
     ev.cost = ev.feasible ? ev.time

@@ -180,11 +180,23 @@ private:
     // per template node: (host, busy devices) it adds while it runs (shared-core mode only)
     std::vector<int32_t> host_start_;
     std::vector<std::pair<int32_t, int32_t>> host_load_;
-    // scheduling state (simulate: by rank; simulate_shared: by node)
-    std::vector<double> free_, left_;  // per atom: free from; scratch of bounded runs
-    std::vector<double> ready_, iter_end_;
-    std::vector<int32_t> remaining_, iter_left_;
+    // scheduling state of simulate(): per node by rank, when it is ready and how many parents it waits
+    // for; per iteration, its end so far and its nodes not done yet; the ready queue
+    struct NodeState {
+        double ready;
+        int32_t remaining;
+    };
+    struct IterState {
+        double end;
+        int32_t left;
+    };
+    std::vector<NodeState> state_;
+    std::vector<IterState> iter_;
     std::vector<ReadyKey> queue_;
+    std::vector<double> free_, left_;  // per atom: free from (both simulations); scratch of bounded runs
+    // simulate_shared's, by node
+    std::vector<double> ready_, iter_end_;
+    std::vector<int32_t> remaining_;
     // shared-core mode: dispatch heap, per-atom FIFO queues of node ids, waiting and running nodes
     std::vector<std::pair<double, int32_t>> heap_;
     std::vector<std::vector<int32_t>> fifo_;
