@@ -30,13 +30,9 @@ Evaluator::Evaluator(const Problem& problem) : p_(problem) {
     link_.resize(total);
     n_parents_.resize(total);
     children_.reserve(p_.children.size());
-    // the work of every iteration counts if every node precedes the last iteration's end, else the last's
-    const int counted = p_.iterations_chain ? 0 : p_.n_iterations - 1;
     for (int r = 0; r < total; ++r) {
         const int v = order_[r];
-        const int iter = v / per_;
-        link_[r] = {v % per_, static_cast<int16_t>(iter), static_cast<int16_t>(iter >= counted),
-                    static_cast<int32_t>(children_.size()), 0};
+        link_[r] = {v % per_, v / per_, static_cast<int32_t>(children_.size()), 0};
         for (int i = p_.child_start[v]; i < p_.child_start[v + 1]; ++i) children_.push_back(pos_[p_.children[i]]);
         link_[r].child_end = static_cast<int32_t>(children_.size());
         n_parents_[r] = p_.n_parents[v];
@@ -65,6 +61,7 @@ Evaluator::Evaluator(const Problem& problem) : p_(problem) {
     atom_lo_.resize(n);
     atom_hi_.resize(n);
     slot_.resize(per_);
+    pass_.assign(per_, 0);
     pair_a_.assign(per_, 0);
     pair_b_.assign(per_, 0);
     last_plan_.assign(n, -1);
@@ -250,7 +247,7 @@ inline void Evaluator::price(int j, const int32_t* plan) {
     if (o < 0) {  // a call
         s.cost = p_.cands[c].time[plan[c]];
         s.latency = p_.dispatch_latency;
-        s.pass = 0;
+        s.pass = pass_[j] = 0;
         s.known = 1;
         return;
     }
@@ -266,7 +263,7 @@ inline void Evaluator::price(int j, const int32_t* plan) {
     pair_a_[j] = la;
     pair_b_[j] = lb;
     // A free transfer occupies no device and is no request: its consumer waits only for the producer.
-    s.pass = cost == 0.0;
+    s.pass = pass_[j] = cost == 0.0;
     s.latency = kind == NodeKind::kRealloc && !s.pass ? p_.dispatch_latency : 0.0;
 }
 
@@ -367,6 +364,7 @@ bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, doubl
     // Raw pointers: through the vectors, every store to the state would make the compiler reload
     // every vector's data pointer.
     Slot* slot = slot_.data();
+    const uint8_t* pass_of = pass_.data();
     const Link* link = link_.data();
     const int32_t* children = children_.data();
     double* free = free_.data();
@@ -388,13 +386,13 @@ bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, doubl
         *at = key;
     };
 
-    // Early stop (evaluate_bounded) follows the atom `busy` with the most work per iteration (usually
-    // the one that paces the plan): `left` seconds of work and `pending` nodes of the counted iterations
-    // (from `counted` on) are still to come there; Slot::busy_cost and Slot::busy are each node's share.
-    const int counted = p_.iterations_chain ? 0 : K - 1;  // as Link::counted
-    int busy = 0, pending = 0;
-    double left = 0.0;
-    if (kBounded) {
+    // Early stop (evaluate_bounded) follows the atom `busy` with the most work per iteration (usually the
+    // one that paces the plan): `left` seconds of work are still to come there (Slot::busy_cost per node).
+    // Only when every node ends before T_K (Problem::iterations_chain): then T_K >= busy's free time.
+    const bool use_busy = kBounded && p_.iterations_chain;
+    int busy = 0;
+    double left = -std::numeric_limits<double>::infinity();
+    if (use_busy) {
         // the work per atom, to pick the busiest, as a difference array (rounding does not matter here)
         double* diff = left_.data();
         std::fill(diff, diff + n_atoms + 1, 0.0);
@@ -411,15 +409,14 @@ bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, doubl
             work += diff[a];
             if (work > most) most = work, busy = a;
         }
+        left = 0.0;
         for (int j = 0; j < per_; ++j) {
             Slot& s = slot[j];
-            s.busy = !s.pass && ((s.a1 <= busy && busy < s.b1) || (s.a2 <= busy && busy < s.b2));
-            s.busy_cost = s.busy ? s.cost : 0.0;
+            const bool covers = (s.a1 <= busy && busy < s.b1) || (s.a2 <= busy && busy < s.b2);
+            s.busy_cost = !s.pass && covers ? s.cost : 0.0;
             left += s.busy_cost;
-            pending += s.busy;
         }
-        left *= K - counted;
-        pending *= K - counted;
+        left *= K;
     }
     // rounding in the work sums must never stop a run that would come out just under the limit
     const double stop_span = stop_time * (K - 1) * (1.0 + 1e-9);
@@ -440,10 +437,7 @@ bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, doubl
             end = start + s.cost;
             for (int a = a1; a < b1; ++a) free[a] = end;
             for (int a = a2; a < b2; ++a) free[a] = end;
-            if (kBounded && node.counted) {
-                left -= s.busy_cost;
-                pending -= s.busy;
-            }
+            if (kBounded) left -= s.busy_cost;
         }
         IterState& it = iter[node.iter];
         it.end = std::max(it.end, end);
@@ -455,7 +449,7 @@ bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, doubl
             NodeState& c = state[u];
             if (c.ready < out) c.ready = out;
             if (--c.remaining != 0) continue;
-            if (!slot[link[u].tmpl].pass) {
+            if (!pass_of[link[u].tmpl]) {
                 push(c.ready, u);
                 continue;
             }
@@ -478,14 +472,14 @@ bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, doubl
         }
         // T_1 is known once the first iteration is done. While the last one is not, T_K is at least the
         // next ready time (a node of it is still to come, and nodes leave the queue in order of ready
-        // time), and if counted nodes on `busy` are still to come, max(next ready time, busy's free) +
-        // their work: none starts earlier, and they run one after another.
+        // time), and max(next ready time, busy's free) + the work left there: no node starts earlier,
+        // they run one after another, and all end by T_K.
         if (kBounded && iter[0].left == 0 && ((head - queue_.data()) & (kBoundEvery - 1)) == 0 && head < tail) {
             double t_k = iter[K - 1].end;
             if (iter[K - 1].left) {
                 const double next = key_time(*head);
                 t_k = std::max(t_k, next);
-                if (pending > 0) t_k = std::max(t_k, std::max(next, free[busy]) + left);
+                if (use_busy) t_k = std::max(t_k, std::max(next, free[busy]) + left);
             }
             if (t_k - iter[0].end > stop_span) return false;
         }

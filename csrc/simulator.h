@@ -77,9 +77,9 @@ public:
     // first; once the first iteration's nodes are all done (T_1 is known), T_K is bounded below by
     // max(next ready time, atom free) + the work left on that atom, for the atom with the most work:
     // nodes leave the queue in order of ready time, none starts before it is ready or before its
-    // atoms are free, and the work left on one atom runs one node after another. The work left counts
-    // every iteration when every node precedes the last iteration's end (Problem::iterations_chain),
-    // else the last iteration's. Before simulating, the path bound (paths_exceed) may already prove it.
+    // atoms are free, and the work left on one atom runs one node after another (this part only when
+    // every node precedes the last iteration's end, Problem::iterations_chain). Before simulating, the
+    // path bound (paths_exceed) may already prove it.
     Evaluation evaluate_bounded(const int32_t* plan, double limit, const Evaluation& best);
     std::vector<NodeRecord> schedule(const int32_t* plan);
     MemoryReport memory(const int32_t* plan);
@@ -96,15 +96,12 @@ private:
         int32_t a2 = 0, b2 = 0;
         int32_t pass = 0;               // a free transfer: no device, no request
         int32_t known = 1;              // its pair cost is priced
-        int32_t busy = 0;               // bounded runs: it occupies the busiest atom (simulator.cpp)
-        double busy_cost = 0.0;         // and takes this much off that atom's work
+        double busy_cost = 0.0;         // bounded runs: the work it takes off the busiest atom (simulator.cpp)
     };
-    // A node of the unrolled graph, numbered by dispatch rank (see rank()): template, iteration, whether
-    // the early-stop bound counts its work (evaluate_bounded), and its children (ranks, in children_).
+    // A node of the unrolled graph, numbered by dispatch rank (see rank()): template, iteration and its
+    // children (ranks, in children_).
     struct Link {
-        int32_t tmpl;
-        int16_t iter, counted;
-        int32_t child_begin, child_end;
+        int32_t tmpl, iter, child_begin, child_end;
     };
 
     bool prepare(const int32_t* plan, std::vector<MissingPair>* missing);
@@ -171,6 +168,7 @@ private:
     int n_atoms_ = 0;
     bool atoms_stale_ = true;  // a mesh moved since the atoms were cut
     std::vector<Slot> slot_;
+    std::vector<uint8_t> pass_;  // per template node: Slot::pass, where the release loop looks it up
     std::vector<int32_t> pair_a_, pair_b_;  // per template node: the pair it prices (transfers only)
     int n_unknown_ = 0;                     // template nodes whose pair cost is not priced
     // what prepare() last computed from (valid while the problem's pair_version is cache_version_)
