@@ -37,6 +37,7 @@ Evaluator::Evaluator(const Problem& problem) : p_(problem) {
         link_[r].child_end = static_cast<int32_t>(children_.size());
         n_parents_[r] = p_.n_parents[v];
         if (n_parents_[r] == 0) roots_.push_back(r);
+        start_state_.push_back({0.0, n_parents_[r]});
     }
     // Which template nodes each call's candidate prices or places.
     std::vector<std::vector<int32_t>> nodes_of(n);
@@ -371,7 +372,7 @@ bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, doubl
     NodeState* state = state_.data();
     IterState* iter = iter_.data();
     std::fill(free, free + n_atoms, 0.0);
-    for (int r = 0; r < total; ++r) state[r] = {0.0, n_parents_[r]};
+    std::copy(start_state_.begin(), start_state_.end(), state);
     std::fill(iter, iter + K, IterState{0.0, per_});
     if (kRecords) records->assign(total, NodeRecord{});
     // The queue is [head, tail), sorted. Every node enters it at most once, so it never wraps; it holds
@@ -401,6 +402,7 @@ bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, doubl
             if (s.pass) continue;
             diff[s.a1] += s.cost;
             diff[s.b1] -= s.cost;
+            if (s.a2 == s.b2) continue;
             diff[s.a2] += s.cost;
             diff[s.b2] -= s.cost;
         }
@@ -412,7 +414,9 @@ bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, doubl
         left = 0.0;
         for (int j = 0; j < per_; ++j) {
             Slot& s = slot[j];
-            const bool covers = (s.a1 <= busy && busy < s.b1) || (s.a2 <= busy && busy < s.b2);
+            // a <= busy < b as one unsigned comparison
+            const bool covers = static_cast<unsigned>(busy - s.a1) < static_cast<unsigned>(s.b1 - s.a1) ||
+                                static_cast<unsigned>(busy - s.a2) < static_cast<unsigned>(s.b2 - s.a2);
             s.busy_cost = !s.pass && covers ? s.cost : 0.0;
             left += s.busy_cost;
         }

@@ -188,7 +188,7 @@ private:
         double end;
         int32_t left;
     };
-    std::vector<NodeState> state_;
+    std::vector<NodeState> state_, start_state_;  // start_state_: ready at 0, waiting for every parent
     std::vector<IterState> iter_;
     std::vector<ReadyKey> queue_;
     std::vector<double> free_, left_;  // per atom: free from (both simulations); scratch of bounded runs
