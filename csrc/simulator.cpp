@@ -541,7 +541,7 @@ Evaluation Evaluator::evaluate_bounded(const int32_t* plan, double limit, const 
     const double factor = ev.feasible ? 1.0 : p_.oom_alpha * (1.0 + static_cast<double>(ev.overflow) /
                                                                         static_cast<double>(p_.device_memory));
     if (paths_exceed(limit / factor)) {
-        ev.complete = false;
+        ev.complete = ev.simulated = false;
         ev.time = ev.cost = limit;  // lower bounds: the plan costs more
         return ev;
     }

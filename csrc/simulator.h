@@ -41,6 +41,8 @@ struct Evaluation {
     bool exact = true;       // every transfer cost it used was priced (none provisional)
     // False if evaluate_bounded stopped early: memory is exact, time and cost are lower bounds.
     bool complete = true;
+    // False if evaluate_bounded proved the plan rejected before simulating it (the path bound).
+    bool simulated = true;
 };
 
 struct NodeRecord {
