@@ -1,7 +1,6 @@
 #include "simulator.h"
 
 #include <algorithm>
-#include <cassert>
 #include <functional>
 #include <limits>
 
