@@ -145,7 +145,9 @@ void Evaluator::find_paths() {
             path_start_.push_back(static_cast<int32_t>(path_node_.size()));
         }
     }
-    n_last_ = m;
+    // With many ending nodes the chains (m^2 per step) would cost about as much as a simulation.
+    constexpr int kMaxLast = 16;
+    n_last_ = m <= kMaxLast ? m : 0;
     chain_.resize(m * m + 2 * m);
 }
 
