@@ -119,7 +119,7 @@ def bench_speed(n_cpp: int, n_py: int, against: str | None, out_dir: Path) -> No
         print(f"{label:<26}{nodes:>7}{cpp:>14,.0f}{us:>9.2f}{py:>16,.0f}{ratio:>11.0f}x")
     print("(nodes: augmented-graph nodes simulated per evaluation: 4 iterations of calls, reallocations, transfers)")
     prev_name = f"previous ({against})" if previous else "previous (n/a)"
-    print(f"\nMCMC evaluated plans per second, one thread (one chain of 3 replicas, 300,000 proposals, CPU time)")
+    print("\nMCMC evaluated plans per second, one thread (one chain of 3 replicas, 300,000 proposals, CPU time)")
     print(f"{'graph / cluster':<26}{prev_name:>20}{'now':>12}{'now/prev.':>11}{'no early rej.':>15}"
           f"{'simulated':>11}{'unsimulated':>13}")
     for label, prev, now, no_early in mcmc_rows:
@@ -253,7 +253,9 @@ def load_problem(file: Path) -> tuple[SearchProblem, np.ndarray]:
                                                 zip(data[f"{name}{i}.keys"], data[f"{name}{i}.values"])}, prov)
                          for i, (rows, cols, prov) in enumerate(meta.pop(name)))
              for name in ("data_costs", "realloc_costs")}
-    tuples = {k: tuple(tuple(x) if isinstance(x, list) else x for x in v) for k, v in meta.items() if isinstance(v, list)}
+    # JSON made lists of the tuples (names, edges)
+    tuples = {k: tuple(tuple(x) if isinstance(x, list) else x for x in v)
+              for k, v in meta.items() if isinstance(v, list)}
     return SearchProblem(**{**meta, **tuples, **costs, "candidates": cands}), data["start"]
 
 
