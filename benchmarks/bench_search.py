@@ -1,14 +1,18 @@
 """Search engine benchmark: simulator speed, convergence, searched vs baselines, seed stability.
 
-    .venv/bin/python benchmarks/bench_search.py                 # everything (~5 min on 2 cores)
+    .venv/bin/python benchmarks/bench_search.py                 # everything (~6 min on 2 cores)
     .venv/bin/python benchmarks/bench_search.py --only speed    # speed | convergence | grid | seeds
+    .venv/bin/python benchmarks/bench_search.py --only instructions   # needs valgrind (~5 min)
 
 Sections (each prints a table with side-by-side ratios):
 1. speed: plan evaluations per second of the C++ simulator (one thread, CPU time) against the
    plain-Python reference on the same plans, for the 6-call PPO graph on 2 to 128 devices; and
    the MCMC's evaluated plans per second on one thread (one chain of 3 replicas from the searched
-   plan), with and without early rejection (a proposal's simulation stops once it is proven
-   rejected; the chain takes the same steps).
+   plan) next to the previous engine's on the same problems in the same run (csrc/ of --against,
+   built as a second module), with and without early rejection (a proposal's simulation stops,
+   or does not start, once it is proven rejected; the chain takes the same steps).
+   instructions (not in the default run): the same MCMC runs under callgrind, instructions per
+   evaluated plan, both engines: a measure the other processes on the machine do not change.
 2. convergence: best estimated iteration time against search time (2 threads), table and PNG.
 3. grid: searched vs heuristic (and the other baselines) for the paper's grid (realhf.txt §8.1):
    actor/critic 7B+7B (16 GPUs), 7B+34B (32), 70B+7B (128), each with generation lengths
@@ -20,8 +24,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
+import json
+import os
+import re
 import statistics
+import subprocess
 import sys
+import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,6 +44,11 @@ from realloc.estimator.cost import CostModel
 from realloc.graph.dataflow import build_graph
 from realloc.search import reference
 from realloc.search.planner import plan_search
+from realloc.search.problem import CandidateArrays, PairCosts, SearchProblem
+
+ROOT = Path(__file__).resolve().parents[1]
+# The engine before the allocation-free evaluator and the path bound: the MCMC speed tables compare with it.
+PREVIOUS = "0ccd9ce"
 
 SHIPPED = {
     "7B+7B": ("experiments/ppo_7b_7b.py", "llama3-8b", "llama3-8b-critic"),
@@ -51,20 +67,32 @@ def variant(name: str, gen_len: int, batch: int) -> ExperimentSpec:
 
 
 # -- 1. speed -------------------------------------------------------------------------------
-def bench_speed(n_cpp: int, n_py: int) -> None:
-    print("\n== 1. simulator speed: plan evaluations per second (one thread, CPU time) ==")
-    rows = []
-    cases = [("tiny (2 CPU devices)", "experiments/ppo_tiny.py")] + [
+def speed_cases() -> list[tuple[str, str]]:
+    return [("tiny (2 CPU devices)", "experiments/ppo_tiny.py")] + [
         (f"{k} ({load_experiment(v[0]).cluster.n_devices} GPUs)", v[0]) for k, v in SHIPPED.items()]
-    for label, path in cases:
-        report = plan_search(path, None, max_evals=20_000, n_threads=1)
-        space = report.space
-        rng = np.random.default_rng(0)
-        # Plans like the search visits: one call changed from a good plan, half of them priced.
-        plans = np.repeat(report.indices[None], n_cpp, 0)
-        for row in plans:
-            c = rng.integers(0, len(row))
-            row[c] = rng.integers(0, space.n_candidates[c])
+
+
+def search_space(path: str, n_plans: int):
+    """The searched plan's space, and plans like the search visits (one call changed from the searched
+    plan) whose transfer costs are priced."""
+    report = plan_search(path, None, max_evals=20_000, n_threads=1)
+    space = report.space
+    rng = np.random.default_rng(0)
+    plans = np.repeat(report.indices[None], n_plans, 0)
+    for row in plans:
+        c = rng.integers(0, len(row))
+        row[c] = rng.integers(0, space.n_candidates[c])
+    space.price_missing(np.concatenate([space.cpp.missing(row) for row in plans[:2000]]))
+    return report, space, plans
+
+
+def bench_speed(n_cpp: int, n_py: int, against: str | None, out_dir: Path) -> None:
+    print("\n== 1. simulator speed: plan evaluations per second (one thread, CPU time) ==")
+    previous = build_previous(against, out_dir) if against else None
+    sim_rows, mcmc_rows = [], []
+    load = os.getloadavg()[0]
+    for label, path in speed_cases():
+        report, space, plans = search_space(path, n_cpp)
         t = time.process_time()
         space.cpp.evaluate_batch(plans)
         cpp = n_cpp / (time.process_time() - t)
@@ -72,29 +100,163 @@ def bench_speed(n_cpp: int, n_py: int) -> None:
         for row in plans[:n_py]:
             reference.evaluate(space.problem, row)
         py = n_py / (time.process_time() - t)
-        nodes = space.cpp.n_nodes
-        space.price_missing(np.concatenate([space.cpp.missing(row) for row in plans[:2000]]))
-        mcmc = {early: mcmc_rate(space, report.indices, early) for early in (False, True)}
-        rows.append((label, nodes, cpp, 1e6 / cpp, py, cpp / py, mcmc))
-    print(f"{'graph / cluster':<26}{'nodes':>7}{'C++ evals/s':>14}{'us/eval':>9}{'Python evals/s':>16}{'C++/Python':>12}"
-          f"{'MCMC evals/s':>14}{'+early rej.':>13}{'simulated':>11}")
-    for label, nodes, cpp, us, py, ratio, mcmc in rows:
-        print(f"{label:<26}{nodes:>7}{cpp:>14,.0f}{us:>9.2f}{py:>16,.0f}{ratio:>11.0f}x{mcmc[False][0]:>14,.0f}"
-              f"{mcmc[True][0]:>13,.0f}{mcmc[True][1]:>11.0%}")
-    print("(nodes: augmented-graph nodes simulated per evaluation: 4 iterations of calls, reallocations, transfers;"
-          " MCMC: one thread, CPU time; simulated: evaluations run to the end with early rejection)")
+        sim_rows.append((label, space.cpp.n_nodes, cpp, 1e6 / cpp, py, cpp / py))
+        # The engines take turns, twice each; the faster run of each counts (other processes only slow
+        # a run down).
+        engines = {"now": None, "previous": previous} if previous else {"now": None}
+        problems = {name: space.problem.to_cpp(engine) for name, engine in engines.items()}
+        runs: dict[str, list] = {name: [] for name in engines}
+        for _ in range(2):
+            for name, engine in engines.items():
+                runs[name].append(mcmc_rate(engine, problems[name], report.indices))
+        best = {name: max(r, key=lambda x: x[0]) for name, r in runs.items()}
+        no_early = mcmc_rate(None, problems["now"], report.indices, early=False)[0]
+        mcmc_rows.append((label, best.get("previous"), best["now"], no_early))
+    load = max(load, os.getloadavg()[0])
+    print(f"{'graph / cluster':<26}{'nodes':>7}{'C++ evals/s':>14}{'us/eval':>9}{'Python evals/s':>16}"
+          f"{'C++/Python':>12}")
+    for label, nodes, cpp, us, py, ratio in sim_rows:
+        print(f"{label:<26}{nodes:>7}{cpp:>14,.0f}{us:>9.2f}{py:>16,.0f}{ratio:>11.0f}x")
+    print("(nodes: augmented-graph nodes simulated per evaluation: 4 iterations of calls, reallocations, transfers)")
+    prev_name = f"previous ({against})" if previous else "previous (n/a)"
+    print("\nMCMC evaluated plans per second, one thread (one chain of 3 replicas, 300,000 proposals, CPU time)")
+    print(f"{'graph / cluster':<26}{prev_name:>20}{'now':>12}{'now/prev.':>11}{'no early rej.':>15}"
+          f"{'simulated':>11}{'unsimulated':>13}")
+    for label, prev, now, no_early in mcmc_rows:
+        p = f"{prev[0]:>20,.0f}" if prev else f"{'n/a':>20}"
+        ratio = f"{now[0] / prev[0]:>10.2f}x" if prev else f"{'':>11}"
+        print(f"{label:<26}{p}{now[0]:>12,.0f}{ratio}{no_early:>15,.0f}{now[1]:>11.0%}{now[2]:>13.0%}")
+    print(f"(same problems and start plan for both engines; load average up to {load:.1f} on {os.cpu_count()} cores "
+          "while measuring; simulated: evaluations run to the end; unsimulated: rejected by the path bound before "
+          "any simulation)")
 
 
-def mcmc_rate(space, start: np.ndarray, early: bool, evals_per_replica: int = 100_000) -> tuple[float, float]:
-    """Evaluated plans per CPU second of one chain (3 replicas) on one thread, and the share simulated to the end."""
-    from realloc import _C
-
-    opts = _C.SearchOptions()
+def mcmc_rate(engine, problem, start: np.ndarray, early: bool = True,
+              evals_per_replica: int = 100_000) -> tuple[float, float, float]:
+    """Evaluated plans per CPU second of one chain (3 replicas) on one thread, and the shares of evaluations
+    simulated to the end and rejected before simulating. ``engine``: a realloc._C build (None: this one)."""
+    if engine is None:
+        from realloc import _C as engine
+    opts = engine.SearchOptions()
     opts.n_chains, opts.n_threads, opts.seed, opts.early_reject = 1, 1, 0, early
-    search = _C.Search(space.cpp, opts, np.asarray(start, np.int32)[None])
+    search = engine.Search(problem, opts, np.asarray(start, np.int32)[None])
     t = time.process_time()
     search.run(evals_per_replica, 0.0)
-    return search.evals / (time.process_time() - t), search.simulations / search.evals
+    rate = search.evals / (time.process_time() - t)
+    return rate, search.simulations / search.evals, getattr(search, "unsimulated", 0) / search.evals
+
+
+def build_previous(rev: str, out_dir: Path):
+    """realloc._C as of git revision ``rev``, to time both engines on the same problems in one process: its
+    csrc/ built as the module ``_C_prev`` with the same flags as setup.py, its C++ namespace renamed so that
+    the two load side by side. Cached in out_dir; None if it cannot be built (no git history, no compiler)."""
+    build = out_dir / f"engine-{rev}"
+    target = build / f"_C_prev{sysconfig.get_config_var('EXT_SUFFIX')}"
+    if not target.exists():
+        try:
+            from pybind11.setup_helpers import Pybind11Extension, build_ext
+            from setuptools import Distribution
+
+            names = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", rev, "csrc/"], check=True,
+                                   capture_output=True, text=True).stdout.split()
+            src = build / "csrc"
+            src.mkdir(parents=True, exist_ok=True)
+            for name in names:
+                text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{name}"], check=True,
+                                      capture_output=True, text=True).stdout
+                text = re.sub(r"\bnamespace rl\b", "namespace rl_prev", text).replace("rl::", "rl_prev::")
+                (src / Path(name).name).write_text(text.replace("PYBIND11_MODULE(_C,", "PYBIND11_MODULE(_C_prev,"))
+            ext = Pybind11Extension("_C_prev", sorted(str(f) for f in src.glob("*.cpp")), include_dirs=[str(src)],
+                                    cxx_std=17, extra_compile_args=["-O3"])
+            dist = Distribution({"ext_modules": [ext], "cmdclass": {"build_ext": build_ext}})
+            cmd = dist.get_command_obj("build_ext")
+            cmd.build_lib, cmd.build_temp = str(build), str(build / "tmp")
+            print(f"(building the engine of {rev} for comparison, about a minute)")
+            dist.run_command("build_ext")
+        except Exception as e:  # noqa: BLE001 - any failure only drops the comparison column
+            print(f"(previous engine {rev} not available: {e})")
+            return None
+    spec = importlib.util.spec_from_file_location("_C_prev", target)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def bench_instructions(against: str | None, out_dir: Path, evals_per_replica: int = 20_000) -> None:
+    """Instructions per evaluated plan of both engines' MCMC (callgrind, only inside Search.run)."""
+    print("\n== instructions per evaluated plan, MCMC on one thread (callgrind; independent of the load) ==")
+    previous = build_previous(against, out_dir) if against else None
+    engines = ["now"] + (["previous"] if previous else [])
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, path in speed_cases():
+            report, space, _ = search_space(path, 2000)
+            file = Path(tmp) / "problem.npz"
+            save_problem(space.problem, report.indices, file)
+            counts = {}
+            for engine in engines:
+                cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/callgrind.out",
+                       "--collect-atstart=no", "--toggle-collect=*Search::run(*", sys.executable, __file__,
+                       "--count-mcmc", str(file), "--engine", engine, "--against", against or "",
+                       "--out-dir", str(out_dir), "--evals", str(evals_per_replica)]
+                out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+                collected = int(re.search(r"Collected : (\d+)", out.stderr).group(1))
+                counts[engine] = collected / int(out.stdout.split()[-1])
+            rows.append((label, counts))
+    print(f"{'graph / cluster':<26}{f'previous ({against})':>20}{'now':>10}{'prev./now':>11}")
+    for label, c in rows:
+        prev = c.get("previous")
+        print(f"{label:<26}" + (f"{prev:>20,.0f}" if prev else f"{'n/a':>20}") + f"{c['now']:>10,.0f}"
+              + (f"{prev / c['now']:>10.2f}x" if prev else ""))
+    print(f"(one chain of 3 replicas from the searched plan, {3 * evals_per_replica:,} proposals)")
+
+
+def count_mcmc(file: Path, engine_name: str, against: str, out_dir: Path, evals_per_replica: int) -> None:
+    """The MCMC of bench_instructions, in a process of its own (run under callgrind): prints the evaluations."""
+    problem, start = load_problem(file)
+    engine = build_previous(against, out_dir) if engine_name == "previous" else None
+    from realloc import _C
+
+    engine = engine or _C
+    opts = engine.SearchOptions()
+    opts.n_chains, opts.n_threads, opts.seed = 1, 1, 0
+    search = engine.Search(problem.to_cpp(engine), opts, np.asarray(start, np.int32)[None])
+    search.run(evals_per_replica, 0.0)
+    print(search.evals)
+
+
+def save_problem(problem: SearchProblem, start: np.ndarray, file: Path) -> None:
+    """A SearchProblem and a start plan as arrays plus JSON (for count_mcmc's process)."""
+    arrays, meta = {"start": np.asarray(start)}, {}
+    for f in dataclasses.fields(problem):
+        value = getattr(problem, f.name)
+        if f.name == "candidates":
+            for c, k in enumerate(value):
+                arrays.update({f"cand{c}.{g.name}": getattr(k, g.name) for g in dataclasses.fields(k)})
+            meta["n_calls"] = len(value)
+        elif f.name in ("data_costs", "realloc_costs"):
+            meta[f.name] = [(t.n_src, t.n_dst, t.provisional) for t in value]
+            for i, t in enumerate(value):
+                arrays[f"{f.name}{i}.keys"] = np.array(list(t.known), np.int64).reshape(-1, 2)
+                arrays[f"{f.name}{i}.values"] = np.array(list(t.known.values()), np.float64)
+        else:
+            meta[f.name] = value
+    np.savez(file, meta=np.array(json.dumps(meta)), **arrays)
+
+
+def load_problem(file: Path) -> tuple[SearchProblem, np.ndarray]:
+    data = np.load(file)
+    meta = json.loads(str(data["meta"]))
+    cands = tuple(CandidateArrays(**{g.name: data[f"cand{c}.{g.name}"] for g in dataclasses.fields(CandidateArrays)})
+                  for c in range(meta.pop("n_calls")))
+    costs = {name: tuple(PairCosts(rows, cols, {(int(a), int(b)): float(v) for (a, b), v in
+                                                zip(data[f"{name}{i}.keys"], data[f"{name}{i}.values"])}, prov)
+                         for i, (rows, cols, prov) in enumerate(meta.pop(name)))
+             for name in ("data_costs", "realloc_costs")}
+    # JSON made lists of the tuples (names, edges)
+    tuples = {k: tuple(tuple(x) if isinstance(x, list) else x for x in v)
+              for k, v in meta.items() if isinstance(v, list)}
+    return SearchProblem(**{**meta, **tuples, **costs, "candidates": cands}), data["start"]
 
 
 # -- 2. convergence -------------------------------------------------------------------------
@@ -196,15 +358,25 @@ def bench_seeds(seconds: float, n_seeds: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=["speed", "convergence", "grid", "seeds"], action="append")
+    ap.add_argument("--only", choices=["speed", "convergence", "grid", "seeds", "instructions"], action="append")
     ap.add_argument("--time", type=float, default=10.0, help="search seconds per run (grid, seeds, convergence)")
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--out-dir", default="benchmarks/out")
+    ap.add_argument("--against", default=PREVIOUS, help="git revision whose engine the MCMC speed is compared with "
+                    "('' for none)")
+    ap.add_argument("--count-mcmc", type=Path, help=argparse.SUPPRESS)  # bench_instructions' worker
+    ap.add_argument("--engine", choices=["now", "previous"], default="now", help=argparse.SUPPRESS)
+    ap.add_argument("--evals", type=int, default=20_000, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.count_mcmc:
+        count_mcmc(args.count_mcmc, args.engine, args.against, Path(args.out_dir), args.evals)
+        return 0
     only = set(args.only or ["speed", "convergence", "grid", "seeds"])
     t0 = time.time()
     if "speed" in only:
-        bench_speed(n_cpp=200_000, n_py=200)
+        bench_speed(n_cpp=200_000, n_py=200, against=args.against or None, out_dir=Path(args.out_dir))
+    if "instructions" in only:
+        bench_instructions(args.against or None, Path(args.out_dir))
     if "convergence" in only:
         bench_convergence(args.time, Path(args.out_dir))
     if "grid" in only:

@@ -194,11 +194,12 @@ PYBIND11_MODULE(_C, m) {
                 const rl::Evaluation e = ev.evaluate_bounded(v.data(), limit, best);
                 py::dict d = eval_dict(e);
                 d["complete"] = e.complete;
+                d["simulated"] = e.simulated;
                 return d;
             },
             py::arg("plan"), py::arg("limit"), py::arg("best_cost"), py::arg("best_feasible"),
             "evaluate() that may stop once the plan is proven to cost more than limit and no better than the best "
-            "(complete=False); the MCMC's early rejection.")
+            "(complete=False; simulated=False if proven before simulating); the MCMC's early rejection.")
         .def_property_readonly("n_iterations", [](const rl::Problem& p) { return p.n_iterations; })
         .def(
             "evaluate",
@@ -322,6 +323,7 @@ PYBIND11_MODULE(_C, m) {
         .def_property_readonly("swap_rate", &rl::Search::swap_rate)
         .def_property_readonly("evals", &rl::Search::evals)
         .def_property_readonly("simulations", &rl::Search::simulations)
+        .def_property_readonly("unsimulated", &rl::Search::unsimulated)
         .def_property_readonly("elapsed", &rl::Search::elapsed)
         .def_property_readonly("temperature", &rl::Search::temperature)
         .def_property_readonly("history", [](const rl::Search& s) {

@@ -235,6 +235,7 @@ int Search::step(Chain& ch, Replica& r, double temperature, int64_t room) {
     if (opt_.early_reject && u > 0.0) limit = r.cur_ev.cost - t * std::log(u);
     const Evaluation ev = ch.ev.evaluate_bounded(r.cur.data(), limit, ch.best_ev);
     ch.simulated += ev.complete;
+    ch.unsimulated += !ev.simulated;
     if (ev.complete) observe(ch, ev, r.cur);
     const double delta = ev.cost - r.cur_ev.cost;
     if (ev.complete && (delta <= 0.0 || u < std::exp(-delta / t))) {
@@ -282,6 +283,7 @@ int Search::heat_bath(Chain& ch, Replica& r, double temperature) {
             if (d >= 0) r.cur[d] = y;
             const double cut = opt_.early_reject ? lowest + kHeatCut * t : std::numeric_limits<double>::infinity();
             const Evaluation ev = ch.ev.evaluate_bounded(r.cur.data(), cut, ch.best_ev);
+            ch.unsimulated += !ev.simulated;
             if (ev.complete) {
                 ++ch.simulated;
                 observe(ch, ev, r.cur);
@@ -343,7 +345,8 @@ void Search::run_chains(const std::vector<int>& ids, int64_t quota, std::chrono:
             ch.done += n;
             evals_.fetch_add(evals, std::memory_order_relaxed);
             simulations_.fetch_add(ch.simulated, std::memory_order_relaxed);
-            ch.simulated = 0;
+            unsimulated_.fetch_add(ch.unsimulated, std::memory_order_relaxed);
+            ch.simulated = ch.unsimulated = 0;
             more = more || ch.done < quota;
         }
         if (has_deadline && std::chrono::steady_clock::now() >= deadline) return;

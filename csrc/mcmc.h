@@ -106,6 +106,8 @@ public:
     int64_t evals() const { return evals_.load(); }
     // Evaluations simulated to the end; the others stopped once their proposal was proven rejected.
     int64_t simulations() const { return simulations_.load(); }
+    // Evaluations proven rejected before any simulation (Evaluator::evaluate_bounded's path bound).
+    int64_t unsimulated() const { return unsimulated_.load(); }
     double elapsed() const;
     double temperature() const;  // of the coldest replicas
     double swap_rate() const { return swaps_tried_ ? static_cast<double>(swaps_done_) / swaps_tried_ : 0.0; }
@@ -123,7 +125,8 @@ private:
         std::vector<double> block_w;
         Evaluator ev;
         Rng rng;
-        int64_t simulated = 0;  // evaluations in the current slice simulated to the end
+        int64_t simulated = 0;    // evaluations in the current slice simulated to the end
+        int64_t unsimulated = 0;  // and rejected without simulating
         std::vector<Replica> reps;
         std::vector<int32_t> best;
         Evaluation best_ev;
@@ -161,6 +164,7 @@ private:
     std::vector<HistoryPoint> history_;
     std::atomic<int64_t> evals_{0};
     std::atomic<int64_t> simulations_{0};
+    std::atomic<int64_t> unsimulated_{0};
     std::chrono::steady_clock::time_point t0_;
     double tau_;
     int64_t swaps_tried_ = 0, swaps_done_ = 0;

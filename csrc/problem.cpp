@@ -62,6 +62,22 @@ void check_table(const PairCosts& t, int min_rows, int min_cols, const std::stri
     if (!(t.provisional >= 0.0) || !std::isfinite(t.provisional)) fail(name + ": provisional cost must be >= 0");
 }
 
+void find_memory_runs(Candidates& k) {
+    k.run_offset.assign(1, 0);
+    k.run_device.clear();
+    k.run_stage.clear();
+    for (int i = 0; i < k.size(); ++i) {
+        for (int64_t s = k.mem_offset[i]; s < k.mem_offset[i + 1]; ++s) {
+            const bool same = s > k.mem_offset[i] && k.mem_static[s] == k.mem_static[s - 1] &&
+                              k.mem_dynamic[s] == k.mem_dynamic[s - 1] && k.mem_param[s] == k.mem_param[s - 1];
+            if (same) continue;
+            k.run_device.push_back(k.dev_lo[i] + static_cast<int32_t>(s - k.mem_offset[i]) * k.stage_width[i]);
+            k.run_stage.push_back(s);
+        }
+        k.run_offset.push_back(static_cast<int32_t>(k.run_device.size()));
+    }
+}
+
 }  // namespace
 
 void Problem::finalize() {
@@ -114,6 +130,7 @@ void Problem::finalize() {
         }
         for (size_t i = 0; i < pool; ++i)
             if (k.mem_static[i] < 0 || k.mem_dynamic[i] < 0 || k.mem_param[i] < 0) fail(who + ": negative memory");
+        find_memory_runs(cands[c]);
     }
     for (int m = 0; m < n_m; ++m) {
         const int h = model_home[m];

@@ -31,6 +31,12 @@ struct Candidates {
     std::vector<int64_t> mem_static;   // counted once per model, from its home call's candidate
     std::vector<int64_t> mem_dynamic;  // while the call runs: activations, KV cache
     std::vector<int64_t> mem_param;    // the model's parameters in this layout (a reallocated copy)
+    // Derived by Problem::finalize(): candidate i's stages grouped into runs of consecutive stages with
+    // the same bytes (the middle stages of a pipeline usually are), entries [run_offset[i],
+    // run_offset[i + 1]): the run's first device and the pool index of its first stage. The memory
+    // check sweeps runs instead of stages.
+    std::vector<int32_t> run_offset, run_device;
+    std::vector<int64_t> run_stage;
 
     int size() const { return static_cast<int>(time.size()); }
 };

@@ -1,8 +1,6 @@
 #include "simulator.h"
 
 #include <algorithm>
-#include <cassert>
-#include <climits>
 #include <functional>
 #include <limits>
 
@@ -10,142 +8,308 @@ namespace rl {
 
 namespace {
 
-using HeapItem = std::pair<double, int32_t>;
-constexpr int kBoundEvery = 2;  // simulate(): nodes between two checks of the early-stop bound
-
-inline int atom_index(const std::vector<int32_t>& bp, int x) {
-    return static_cast<int>(std::lower_bound(bp.begin(), bp.end(), x) - bp.begin());
-}
+constexpr int kBoundEvery = 2;  // simulate(): nodes between two checks of the early-stop bound (a power of 2)
 
 }  // namespace
 
 Evaluator::Evaluator(const Problem& problem) : p_(problem) {
     if (!p_.finalized) throw std::invalid_argument("problem is not finalized");
     const int n = p_.n_calls();
-    const size_t per = p_.iter_nodes.size();
-    bp_.reserve(2 * n);
+    const int total = p_.n_nodes();
+    per_ = static_cast<int>(p_.iter_nodes.size());
+    // Rank numbering (rank()): data transfers first, then the other nodes, each in node order.
+    pos_.resize(total);
+    order_.reserve(total);
+    for (int data = 1; data >= 0; --data)
+        for (int v = 0; v < total; ++v)
+            if ((p_.iter_nodes[v % per_].kind == NodeKind::kData) == (data == 1)) {
+                pos_[v] = static_cast<int32_t>(order_.size());
+                order_.push_back(v);
+            }
+    link_.resize(total);
+    n_parents_.resize(total);
+    children_.reserve(p_.children.size());
+    for (int r = 0; r < total; ++r) {
+        const int v = order_[r];
+        link_[r] = {v % per_, v / per_, static_cast<int32_t>(children_.size()), 0};
+        for (int i = p_.child_start[v]; i < p_.child_start[v + 1]; ++i) children_.push_back(pos_[p_.children[i]]);
+        link_[r].child_end = static_cast<int32_t>(children_.size());
+        n_parents_[r] = p_.n_parents[v];
+        if (n_parents_[r] == 0) roots_.push_back(r);
+        start_state_.push_back({0.0, n_parents_[r]});
+    }
+    // Which template nodes each call's candidate prices or places.
+    std::vector<std::vector<int32_t>> nodes_of(n);
+    for (int j = 0; j < per_; ++j) {
+        const NodeTemplate& nt = p_.iter_nodes[j];
+        nodes_of[nt.call].push_back(j);
+        if (nt.other >= 0 && nt.other != nt.call) nodes_of[nt.other].push_back(j);
+    }
+    call_nodes_start_.push_back(0);
+    for (const auto& js : nodes_of) {
+        call_nodes_.insert(call_nodes_.end(), js.begin(), js.end());
+        call_nodes_start_.push_back(static_cast<int32_t>(call_nodes_.size()));
+    }
+    for (int j = 0; j < per_; ++j) {
+        const NodeTemplate& nt = p_.iter_nodes[j];
+        tmpl_call_.push_back(nt.call);
+        tmpl_other_.push_back(nt.kind == NodeKind::kCall ? -1 : nt.other);
+        tmpl_table_.push_back(nt.kind == NodeKind::kCall ? nullptr : &p_.table(nt.table));
+    }
+    for (uint64_t end = 0; end < static_cast<uint64_t>(2 * n); ++end) ends_.push_back(end);  // placed by prepare()
+    find_paths();
     atom_lo_.resize(n);
     atom_hi_.resize(n);
-    free_.resize(2 * n + 1);
-    work_.resize(2 * n + 1);
-    node_cost_.resize(per);
-    r1a_.resize(per);
-    r1b_.resize(per);
-    r2a_.resize(per);
-    r2b_.resize(per);
-    pass_.resize(per);
-    out_latency_.resize(per);
-    tmpl_.resize(p_.n_nodes());
-    iter_.resize(p_.n_nodes());
-    rank_.resize(p_.n_nodes());
-    for (int v = 0; v < p_.n_nodes(); ++v) {
-        tmpl_[v] = v % static_cast<int>(per);
-        iter_[v] = v / static_cast<int>(per);
-        rank_[v] = p_.iter_nodes[tmpl_[v]].kind == NodeKind::kData ? v : v + p_.n_nodes();
-    }
+    slot_.resize(per_);
+    pass_.assign(per_, 0);
+    pair_a_.assign(per_, 0);
+    pair_b_.assign(per_, 0);
     last_plan_.assign(n, -1);
-    changed_.resize(n);
-    known_.assign(per, 1);
-    pair_a_.assign(per, 0);
-    pair_b_.assign(per, 0);
-    mem_stage_.resize(n);
-    mem_next_.resize(n);
-    mem_copy_.resize(n);
-    ready_.resize(p_.n_nodes());
-    remaining_.resize(p_.n_nodes());
+    changed_calls_.reserve(n);
+    seen_.assign(per_, 0);
+    free_.resize(2 * n + 1);
+    left_.resize(2 * n + 1);
+    ready_.resize(total);
+    remaining_.resize(total);
     iter_end_.resize(p_.n_iterations);
-    iter_left_.resize(p_.n_iterations);
-    heap_.reserve(p_.n_nodes());
-    ready_list_.reserve(p_.n_nodes());
+    state_.resize(total);
+    iter_.resize(p_.n_iterations);
+    queue_.resize(total);
+    mem_next_.resize(n);
+    mem_run_.resize(n);
+    mem_stat_.resize(n);
+    mem_dyn_.resize(n);
+    mem_copy_.resize(n);
+    mem_home_.resize(n);
+    for (int c = 0; c < n; ++c) mem_home_[c] = c == p_.model_home[p_.call_model[c]];
     if (p_.shares_cores()) {
-        host_start_.resize(per + 1);
-        queue_.resize(2 * n + 1);
-        queue_head_.resize(2 * n + 1);
-        finish_.resize(p_.n_nodes());
-        rate_.resize(p_.n_nodes());
-        start_.resize(p_.n_nodes());
+        heap_.reserve(total);
+        host_start_.resize(per_ + 1);
+        fifo_.resize(2 * n + 1);
+        fifo_head_.resize(2 * n + 1);
+        finish_.resize(total);
+        rate_.resize(total);
+        start_.resize(total);
         host_busy_.resize(p_.n_devices / p_.host_size());
     }
 }
 
+// The path bound. Along any path of the unrolled graph a node ends no earlier than its predecessor's end
+// + the predecessor's latency + its own cost (it is not ready before, and runs at most at full speed). An
+// iteration ends with one of its "last" nodes, those without a child in their own iteration (any other
+// node ends no later than its child). For last nodes x, y let A[x][y] be the length of a path from x in one
+// iteration to y in the next. T_1 is the end of some last node x, and T_K is no earlier than the end of
+// any node of iteration K, so T_K - T_1 >= the longest chain x -> ... (K - 1 steps of A), and the
+// steady-state time (T_K - T_1) / (K - 1) is at least the smallest such chain over x, / (K - 1). In a PPO
+// graph the last nodes are the train steps; the critic's leads into the actor's cycle through the values
+// the actor trains on. Per pair, the path kept is the one through the most nodes (a plan-independent
+// stand-in for the longest). An OOM plan's cost is its time times at least oom_alpha, so this rejects
+// most OOM proposals of the MCMC without simulating them.
+void Evaluator::find_paths() {
+    std::vector<int32_t> last;
+    for (int x = 0; x < per_; ++x) {
+        bool is_last = true;
+        for (int i = p_.child_start[x]; i < p_.child_start[x + 1]; ++i) is_last = is_last && p_.children[i] >= per_;
+        if (is_last) last.push_back(x);
+    }
+    const int m = static_cast<int>(last.size());
+    std::vector<int32_t> depth(2 * per_), prev(2 * per_);  // two iterations: edges never go back one
+    path_start_.assign(1, 0);
+    path_pred_.clear();
+    path_node_.clear();
+    path_exists_.assign(m * m, 0);
+    for (int i = 0; i < m; ++i) {
+        const int x = last[i];
+        std::fill(depth.begin(), depth.end(), -1);
+        depth[x] = 0;
+        for (int v = x; v < 2 * per_; ++v) {  // node numbers are topological
+            if (depth[v] < 0) continue;
+            for (int k = p_.child_start[v]; k < p_.child_start[v + 1]; ++k) {
+                const int u = p_.children[k];
+                if (u < 2 * per_ && depth[v] + 1 > depth[u]) {
+                    depth[u] = depth[v] + 1;
+                    prev[u] = v;
+                }
+            }
+        }
+        for (int j = 0; j < m; ++j) {
+            const int y = last[j] + per_;
+            path_exists_[i * m + j] = depth[y] >= 0;
+            const size_t at = path_node_.size();
+            for (int u = y; depth[y] >= 0 && u != x; u = prev[u]) {
+                path_pred_.push_back(prev[u] % per_);
+                path_node_.push_back(u % per_);
+            }
+            std::reverse(path_pred_.begin() + at, path_pred_.end());
+            std::reverse(path_node_.begin() + at, path_node_.end());
+            path_start_.push_back(static_cast<int32_t>(path_node_.size()));
+        }
+    }
+    // With many ending nodes the chains (m^2 per step) would cost about as much as a simulation.
+    constexpr int kMaxLast = 16;
+    n_last_ = m <= kMaxLast ? m : 0;
+    chain_.resize(m * m + 2 * m);
+}
+
+bool Evaluator::paths_exceed(double stop_time) {
+    if (!(stop_time < std::numeric_limits<double>::infinity()) || n_last_ == 0) return false;
+    const int m = n_last_, K = p_.n_iterations;
+    constexpr double kNone = -std::numeric_limits<double>::infinity();
+    const Slot* slot = slot_.data();
+    const int32_t* start = path_start_.data();
+    const int32_t* pred = path_pred_.data();
+    const int32_t* node = path_node_.data();
+    double* a = chain_.data();  // A, then the chains from one start
+    double longest = kNone;
+    for (int ij = 0; ij < m * m; ++ij) {
+        double length = kNone;
+        if (path_exists_[ij]) {
+            length = 0.0;
+            for (int k = start[ij]; k < start[ij + 1]; ++k) length += slot[pred[k]].latency + slot[node[k]].cost;
+        }
+        a[ij] = length;
+        longest = std::max(longest, length);
+    }
+    // the simulation's own rounding must never make a run that comes out just under the limit stop
+    const double bar = stop_time * (K - 1) * (1.0 + 1e-9);
+    if (!(longest * (K - 1) > bar)) return false;  // no chain is longer than K - 1 longest steps
+    double* d = a + m * m;
+    double* next = d + m;
+    for (int x = 0; x < m; ++x) {
+        std::copy(a + x * m, a + x * m + m, d);
+        for (int step = 1; step < K - 1; ++step) {
+            for (int y = 0; y < m; ++y) {
+                double best = kNone;
+                for (int z = 0; z < m; ++z) best = std::max(best, d[z] + a[z * m + y]);
+                next[y] = best;
+            }
+            std::copy(next, next + m, d);
+        }
+        if (!(*std::max_element(d, d + m) > bar)) return false;
+    }
+    return true;
+}
+
+// Cuts the device line at every call mesh's ends into atoms, and gives every template node its atoms.
+void Evaluator::place_atoms_if_stale(const int32_t* plan) {
+    if (!atoms_stale_) return;
+    atoms_stale_ = false;
+    // The ends keep their order from the last plan except around the meshes that moved, so an
+    // insertion sort of the updated ends is short (no allocation, no binary searches).
+    const int m = static_cast<int>(ends_.size());
+    uint64_t* e = ends_.data();
+    for (int i = 0; i < m; ++i) {
+        const uint32_t who = static_cast<uint32_t>(e[i]);
+        const Candidates& k = p_.cands[who >> 1];
+        const int x = who & 1 ? k.dev_hi[plan[who >> 1]] : k.dev_lo[plan[who >> 1]];
+        e[i] = static_cast<uint64_t>(x) << 32 | who;
+    }
+    for (int i = 1; i < m; ++i) {
+        const uint64_t x = e[i];
+        int k = i;
+        for (; k > 0 && e[k - 1] > x; --k) e[k] = e[k - 1];
+        e[k] = x;
+    }
+    int atom = -1;  // atoms are numbered by their lower end among the distinct ends
+    uint64_t last = ~0ull;
+    for (int i = 0; i < m; ++i) {
+        if (e[i] >> 32 != last) {
+            last = e[i] >> 32;
+            ++atom;
+        }
+        const uint32_t who = static_cast<uint32_t>(e[i]);
+        (who & 1 ? atom_hi_ : atom_lo_)[who >> 1] = atom;
+    }
+    n_atoms_ = atom;
+    // A call runs on its mesh's atoms; a transfer also occupies the source's.
+    const int32_t* lo = atom_lo_.data();
+    const int32_t* hi = atom_hi_.data();
+    for (int j = 0; j < per_; ++j) {
+        Slot& s = slot_[j];
+        const int c = tmpl_call_[j], o = tmpl_other_[j];
+        s.a1 = lo[c];
+        s.b1 = hi[c];
+        s.a2 = s.b2 = 0;
+        if (o < 0) continue;
+        if (lo[o] <= s.b1 && s.a1 <= hi[o]) {  // overlapping or touching: one range of atoms
+            s.a1 = std::min(s.a1, lo[o]);
+            s.b1 = std::max(s.b1, hi[o]);
+        } else {
+            s.a2 = lo[o];
+            s.b2 = hi[o];
+        }
+    }
+}
+
+// Cost, latency and pass-through of template node j under `plan`.
+inline void Evaluator::price(int j, const int32_t* plan) {
+    Slot& s = slot_[j];
+    const int c = tmpl_call_[j], o = tmpl_other_[j];
+    n_unknown_ -= !s.known;
+    if (o < 0) {  // a call
+        s.cost = p_.cands[c].time[plan[c]];
+        s.latency = p_.dispatch_latency;
+        s.pass = pass_[j] = 0;
+        s.known = 1;
+        return;
+    }
+    const NodeKind kind = p_.iter_nodes[j].kind;
+    const int la = p_.cands[o].layout[plan[o]], lb = p_.cands[c].layout[plan[c]];
+    double cost = 0.0;
+    bool known = true;
+    // Parameters already in the call's layout need no move: reallocation is free.
+    if (kind == NodeKind::kData || la != lb) cost = tmpl_table_[j]->get(la, lb, known);
+    s.cost = cost;
+    s.known = known;
+    n_unknown_ += !known;
+    pair_a_[j] = la;
+    pair_b_[j] = lb;
+    // A free transfer occupies no device and is no request: its consumer waits only for the producer.
+    s.pass = pass_[j] = cost == 0.0;
+    s.latency = kind == NodeKind::kRealloc && !s.pass ? p_.dispatch_latency : 0.0;
+}
+
 bool Evaluator::prepare(const int32_t* plan, std::vector<MissingPair>* missing) {
-    // Consecutive plans of a chain differ in one or two calls: template nodes that involve neither keep
-    // what the last plan gave them, unless the atoms moved (a mesh changed) or pair costs changed.
+    // Consecutive plans of a chain differ in a few calls: only the template nodes of those calls are
+    // priced again, and the atoms are recut only when a mesh moved. Changed pair costs reset everything.
     const int n = p_.n_calls();
-    const size_t per = p_.iter_nodes.size();
     if (cache_version_ != p_.pair_version) {
         std::fill(last_plan_.begin(), last_plan_.end(), -1);
         cache_version_ = p_.pair_version;
     }
     bool meshes_moved = false;
+    changed_calls_.clear();
     for (int c = 0; c < n; ++c) {
-        changed_[c] = plan[c] != last_plan_[c];
-        if (changed_[c] && (last_plan_[c] < 0 || p_.cands[c].dev_lo[plan[c]] != p_.cands[c].dev_lo[last_plan_[c]] ||
-                            p_.cands[c].dev_hi[plan[c]] != p_.cands[c].dev_hi[last_plan_[c]]))
-            meshes_moved = true;
+        const int was = last_plan_[c];
+        if (plan[c] == was) continue;
+        changed_calls_.push_back(c);
+        const Candidates& k = p_.cands[c];
+        if (was < 0 || k.dev_lo[plan[c]] != k.dev_lo[was] || k.dev_hi[plan[c]] != k.dev_hi[was]) meshes_moved = true;
         last_plan_[c] = plan[c];
     }
-    if (meshes_moved) {
-        bp_.clear();
-        for (int c = 0; c < n; ++c) {
-            bp_.push_back(p_.cands[c].dev_lo[plan[c]]);
-            bp_.push_back(p_.cands[c].dev_hi[plan[c]]);
-        }
-        std::sort(bp_.begin(), bp_.end());
-        bp_.erase(std::unique(bp_.begin(), bp_.end()), bp_.end());
-        for (int c = 0; c < n; ++c) {
-            atom_lo_[c] = atom_index(bp_, p_.cands[c].dev_lo[plan[c]]);
-            atom_hi_[c] = atom_index(bp_, p_.cands[c].dev_hi[plan[c]]);
-        }
+    // the atoms wait for a simulation: the memory check and the path bound do not need them
+    atoms_stale_ = atoms_stale_ || meshes_moved;
+    if (++stamp_ == 0) {  // wrapped: forget which nodes were seen
+        std::fill(seen_.begin(), seen_.end(), 0);
+        stamp_ = 1;
     }
-    for (size_t j = 0; j < per; ++j) {
-        const NodeTemplate& nt = p_.iter_nodes[j];
-        const int c = nt.call;
-        if (!meshes_moved && !changed_[c] && (nt.other < 0 || !changed_[nt.other])) continue;
-        r1a_[j] = atom_lo_[c];
-        r1b_[j] = atom_hi_[c];
-        if (nt.kind == NodeKind::kCall) {
-            node_cost_[j] = p_.cands[c].time[plan[c]];
-            r2a_[j] = r2b_[j] = 0;
-            pass_[j] = 0;
-            known_[j] = 1;
-            out_latency_[j] = p_.dispatch_latency;
-            continue;
+    for (int c : changed_calls_)
+        for (int i = call_nodes_start_[c]; i < call_nodes_start_[c + 1]; ++i) {
+            const int j = call_nodes_[i];
+            if (seen_[j] == stamp_) continue;  // both its calls changed
+            seen_[j] = stamp_;
+            price(j, plan);
         }
-        const int o = nt.other;
-        const int la = p_.cands[o].layout[plan[o]], lb = p_.cands[c].layout[plan[c]];
-        double cost = 0.0;
-        bool known = true;
-        // Parameters already in the call's layout need no move: reallocation is free.
-        if (nt.kind == NodeKind::kData || la != lb) cost = p_.table(nt.table).get(la, lb, known);
-        node_cost_[j] = cost;
-        known_[j] = known;
-        pair_a_[j] = la;
-        pair_b_[j] = lb;
-        r2a_[j] = atom_lo_[o];
-        r2b_[j] = atom_hi_[o];
-        if (r2a_[j] <= r1b_[j] && r1a_[j] <= r2b_[j]) {  // overlapping or touching: one range of atoms
-            r1a_[j] = std::min(r1a_[j], r2a_[j]);
-            r1b_[j] = std::max(r1b_[j], r2b_[j]);
-            r2a_[j] = r2b_[j] = 0;
-        }
-        // A free transfer occupies no device and is no request: its consumer waits only for the producer.
-        pass_[j] = cost == 0.0;
-        out_latency_[j] = nt.kind == NodeKind::kRealloc && !pass_[j] ? p_.dispatch_latency : 0.0;
-    }
-    bool exact = true;
-    for (size_t j = 0; j < per; ++j) {
-        if (known_[j]) continue;
-        exact = false;
-        if (missing) missing->push_back({p_.iter_nodes[j].table, pair_a_[j], pair_b_[j]});
-    }
+    if (missing)
+        for (int j = 0; j < per_; ++j)
+            if (!slot_[j].known) missing->push_back({p_.iter_nodes[j].table, pair_a_[j], pair_b_[j]});
     if (p_.shares_cores()) {
         // Busy devices each node adds per host: the union of its (at most two) device intervals.
         const int h = p_.host_size();
         host_load_.clear();
-        for (size_t j = 0; j < per; ++j) {
+        for (int j = 0; j < per_; ++j) {
             host_start_[j] = static_cast<int32_t>(host_load_.size());
-            if (pass_[j]) continue;
+            if (slot_[j].pass) continue;
             const NodeTemplate& nt = p_.iter_nodes[j];
             int lo1 = p_.cands[nt.call].dev_lo[plan[nt.call]], hi1 = p_.cands[nt.call].dev_hi[plan[nt.call]];
             int lo2 = lo1, hi2 = lo1;
@@ -168,16 +332,15 @@ bool Evaluator::prepare(const int32_t* plan, std::vector<MissingPair>* missing) 
                         host_load_.emplace_back(host, count);
                 }
         }
-        host_start_[per] = static_cast<int32_t>(host_load_.size());
+        host_start_[per_] = static_cast<int32_t>(host_load_.size());
     }
-    return exact;
+    return n_unknown_ == 0;
 }
 
 void Evaluator::record(const int32_t* plan, std::vector<NodeRecord>* records, int v, double start,
                        double end) const {
-    const int per = static_cast<int>(p_.iter_nodes.size());
-    const NodeTemplate& nt = p_.iter_nodes[v % per];
-    NodeRecord r{static_cast<int>(nt.kind), nt.call, nt.other, v / per, start, end,
+    const NodeTemplate& nt = p_.iter_nodes[v % per_];
+    NodeRecord r{static_cast<int>(nt.kind), nt.call, nt.other, v / per_, start, end,
                  p_.cands[nt.call].dev_lo[plan[nt.call]], p_.cands[nt.call].dev_hi[plan[nt.call]], 0, 0};
     if (nt.other >= 0) {
         r.lo2 = p_.cands[nt.other].dev_lo[plan[nt.other]];
@@ -186,305 +349,168 @@ void Evaluator::record(const int32_t* plan, std::vector<NodeRecord>* records, in
     (*records)[v] = r;
 }
 
-void Evaluator::release_children(int v, double end) {
-    const double ready = end + out_latency_[tmpl_[v]];
-    for (int i = p_.child_start[v]; i < p_.child_start[v + 1]; ++i) {
-        const int u = p_.children[i];
-        ready_[u] = std::max(ready_[u], ready);
-        if (--remaining_[u] == 0) {
-            heap_.emplace_back(ready_[u], rank_[u]);
-            std::push_heap(heap_.begin(), heap_.end(), std::greater<HeapItem>());
-        }
-    }
-}
-
-// Like release_children, but a free transfer whose parents are all done completes at once instead of
-// waiting in the queue: it occupies no device and its children rank after it, so it would leave the
-// queue before any of them could anyway (the schedule is the same; only the queue does less work).
-inline void Evaluator::release_to_queue(int v, double end, const int32_t* plan, std::vector<NodeRecord>* records) {
-    const double ready = end + out_latency_[tmpl_[v]];
-    for (int i = p_.child_start[v]; i < p_.child_start[v + 1]; ++i) {
-        const int u = p_.children[i];
-        if (ready_[u] < ready) ready_[u] = ready;
-        if (--remaining_[u] != 0) continue;
-        if (!pass_[tmpl_[u]]) {
-            enqueue(ready_[u], rank_[u]);
-            continue;
-        }
-        // A free transfer completes at once; its children are calls (finalize builds no transfer
-        // after a transfer), so one more level of release.
-        const double t = ready_[u];
-        iter_end_[iter_[u]] = std::max(iter_end_[iter_[u]], t);
-        --iter_left_[iter_[u]];
-        if (records) record(plan, records, u, t, t);
-        for (int k = p_.child_start[u]; k < p_.child_start[u + 1]; ++k) {
-            const int w = p_.children[k];
-            assert(!pass_[tmpl_[w]] && p_.iter_nodes[tmpl_[w]].kind == NodeKind::kCall);
-            if (ready_[w] < t) ready_[w] = t;
-            if (--remaining_[w] == 0) enqueue(ready_[w], rank_[w]);
-        }
-    }
-}
-
 bool Evaluator::simulate(const int32_t* plan, std::vector<NodeRecord>* records, double stop_time) {
+    place_atoms_if_stale(plan);
+    if (records) return run<false, true>(plan, records, stop_time);
+    if (stop_time < std::numeric_limits<double>::infinity()) return run<true, false>(plan, nullptr, stop_time);
+    return run<false, false>(plan, nullptr, stop_time);
+}
+
+// simulate() compiled once per use (MCMC: bounded; evaluate: whole; schedule: recorded), so that each
+// loop carries only what it uses.
+template <bool kBounded, bool kRecords>
+bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, double stop_time) {
     const int total = p_.n_nodes();
     const int K = p_.n_iterations;
-    const int n_atoms = static_cast<int>(bp_.size()) - 1;
-    const size_t per = p_.iter_nodes.size();
-    std::fill(free_.begin(), free_.begin() + n_atoms, 0.0);
-    std::fill(ready_.begin(), ready_.end(), 0.0);
-    std::fill(iter_end_.begin(), iter_end_.end(), 0.0);
-    std::fill(iter_left_.begin(), iter_left_.end(), static_cast<int32_t>(per));
-    std::copy(p_.n_parents.begin(), p_.n_parents.end(), remaining_.begin());
-    if (records) records->assign(total, NodeRecord{});
-    ready_list_.clear();
-    for (int v = 0; v < total; ++v)
-        if (remaining_[v] == 0) enqueue(0.0, rank_[v]);
-    const bool bounded = stop_time < std::numeric_limits<double>::infinity();
-    // the work left that the bound counts: iterations from `counted` on (evaluate_bounded)
-    const int counted = p_.iterations_chain ? 0 : K - 1;
-    // The bound follows the atom with the most work per iteration (usually the one that paces the plan).
+    const int n_atoms = n_atoms_;
+    // Raw pointers: through the vectors, every store to the state would make the compiler reload
+    // every vector's data pointer.
+    Slot* slot = slot_.data();
+    const uint8_t* pass_of = pass_.data();
+    const Link* link = link_.data();
+    const int32_t* children = children_.data();
+    double* free = free_.data();
+    NodeState* state = state_.data();
+    IterState* iter = iter_.data();
+    std::fill(free, free + n_atoms, 0.0);
+    std::copy(start_state_.begin(), start_state_.end(), state);
+    std::fill(iter, iter + K, IterState{0.0, per_});
+    if (kRecords) records->assign(total, NodeRecord{});
+    // The queue is [head, tail), sorted. Every node enters it at most once, so it never wraps; it holds
+    // few nodes and a new one usually becomes ready after those waiting, so insertion is short.
+    ReadyKey* head = queue_.data();
+    ReadyKey* tail = head;
+    for (int32_t r : roots_) *tail++ = ready_key(0.0, r);  // all ready at 0, ascending rank
+    auto push = [&head, &tail](double t, int32_t r) {
+        const ReadyKey key = ready_key(t, r);
+        ReadyKey* at = tail++;
+        for (; at > head && at[-1] > key; --at) *at = at[-1];
+        *at = key;
+    };
+
+    // Early stop (evaluate_bounded) follows the atom `busy` with the most work per iteration (usually the
+    // one that paces the plan): `left` seconds of work are still to come there (Slot::busy_cost per node).
+    // Only when every node ends before T_K (Problem::iterations_chain): then T_K >= busy's free time.
+    const bool use_busy = kBounded && p_.iterations_chain;
     int busy = 0;
-    double left = 0.0;
-    if (bounded) {
-        std::fill(work_.begin(), work_.begin() + n_atoms, 0.0);
-        for (size_t j = 0; j < per; ++j) {
-            if (pass_[j]) continue;
-            for (int a = r1a_[j]; a < r1b_[j]; ++a) work_[a] += node_cost_[j];
-            for (int a = r2a_[j]; a < r2b_[j]; ++a) work_[a] += node_cost_[j];
+    double left = -std::numeric_limits<double>::infinity();
+    if (use_busy) {
+        // the work per atom, to pick the busiest, as a difference array (rounding does not matter here)
+        double* diff = left_.data();
+        std::fill(diff, diff + n_atoms + 1, 0.0);
+        for (int j = 0; j < per_; ++j) {
+            const Slot& s = slot[j];
+            if (s.pass) continue;
+            diff[s.a1] += s.cost;
+            diff[s.b1] -= s.cost;
+            if (s.a2 == s.b2) continue;
+            diff[s.a2] += s.cost;
+            diff[s.b2] -= s.cost;
         }
-        busy = static_cast<int>(std::max_element(work_.begin(), work_.begin() + n_atoms) - work_.begin());
-        left = (K - counted) * work_[busy];
+        double work = 0.0, most = -1.0;
+        for (int a = 0; a < n_atoms; ++a) {
+            work += diff[a];
+            if (work > most) most = work, busy = a;
+        }
+        left = 0.0;
+        for (int j = 0; j < per_; ++j) {
+            Slot& s = slot[j];
+            // a <= busy < b as one unsigned comparison
+            const bool covers = static_cast<unsigned>(busy - s.a1) < static_cast<unsigned>(s.b1 - s.a1) ||
+                                static_cast<unsigned>(busy - s.a2) < static_cast<unsigned>(s.b2 - s.a2);
+            s.busy_cost = !s.pass && covers ? s.cost : 0.0;
+            left += s.busy_cost;
+        }
+        left *= K;
     }
-    int since_check = 0;
     // rounding in the work sums must never stop a run that would come out just under the limit
     const double stop_span = stop_time * (K - 1) * (1.0 + 1e-9);
 
-    // Algorithm 1: take the ready node with the smallest ready time (ties: the lowest node index);
-    // it starts when its mesh's devices are all free.
-    while (!ready_list_.empty()) {
-        const size_t m = next_ready();
-        const ReadyKey key = ready_list_[m];
-        ready_list_[m] = ready_list_.back();
-        ready_list_.pop_back();
-        const double ready = key_time(key);
-        const int v = node_of(static_cast<int32_t>(static_cast<uint32_t>(key)));
-        const int j = tmpl_[v];
-        double start = ready, end = ready;
-        if (!pass_[j]) {
-            const int a1 = r1a_[j], b1 = r1b_[j], a2 = r2a_[j], b2 = r2b_[j];
-            for (int a = a1; a < b1; ++a) start = std::max(start, free_[a]);
-            for (int a = a2; a < b2; ++a) start = std::max(start, free_[a]);
-            end = start + node_cost_[j];
-            for (int a = a1; a < b1; ++a) free_[a] = end;
-            for (int a = a2; a < b2; ++a) free_[a] = end;
-            if (bounded && iter_[v] >= counted && ((a1 <= busy && busy < b1) || (a2 <= busy && busy < b2)))
-                left -= node_cost_[j];
+    // Algorithm 1: take the ready node with the smallest ready time (ties: the lowest rank); it starts
+    // when its mesh's devices are all free.
+    while (head < tail) {
+        const ReadyKey key = *head++;
+        const double t_ready = key_time(key);
+        const int32_t r = static_cast<int32_t>(static_cast<uint32_t>(key));
+        const Link node = link[r];
+        const Slot& s = slot[node.tmpl];
+        double start = t_ready, end = t_ready;
+        if (!s.pass) {
+            const int a1 = s.a1, b1 = s.b1, a2 = s.a2, b2 = s.b2;
+            for (int a = a1; a < b1; ++a) start = std::max(start, free[a]);
+            for (int a = a2; a < b2; ++a) start = std::max(start, free[a]);
+            end = start + s.cost;
+            for (int a = a1; a < b1; ++a) free[a] = end;
+            for (int a = a2; a < b2; ++a) free[a] = end;
+            if (kBounded) left -= s.busy_cost;
         }
-        iter_end_[iter_[v]] = std::max(iter_end_[iter_[v]], end);
-        --iter_left_[iter_[v]];
-        if (records) record(plan, records, v, start, end);
-        release_to_queue(v, end, plan, records);
-        if (bounded && iter_left_[0] == 0 && (++since_check & (kBoundEvery - 1)) == 0 && !ready_list_.empty()) {
-            const double next = key_time(ready_list_[next_ready()]);
-            double t_k = iter_end_[K - 1];
-            if (iter_left_[K - 1]) t_k = std::max(t_k, std::max(next, free_[busy]) + left);
-            if (t_k - iter_end_[0] > stop_span) return false;
+        IterState& it = iter[node.iter];
+        it.end = std::max(it.end, end);
+        --it.left;
+        if (kRecords) record(plan, records, order_[r], start, end);
+        const double out = end + s.latency;
+        for (int i = node.child_begin; i < node.child_end; ++i) {
+            const int32_t u = children[i];
+            NodeState& c = state[u];
+            if (c.ready < out) c.ready = out;
+            if (--c.remaining != 0) continue;
+            if (!pass_of[link[u].tmpl]) {
+                push(c.ready, u);
+                continue;
+            }
+            const Link child = link[u];
+            // A free transfer whose parents are all done completes at once instead of waiting in the
+            // queue: it occupies no device and its children rank after it, so it would leave the queue
+            // before any of them anyway. Its children are calls (finalize builds no transfer after a
+            // transfer), so one more level of release.
+            const double t = c.ready;
+            IterState& ct = iter[child.iter];
+            ct.end = std::max(ct.end, t);
+            --ct.left;
+            if (kRecords) record(plan, records, order_[u], t, t);
+            for (int k = child.child_begin; k < child.child_end; ++k) {
+                const int32_t w = children[k];
+                NodeState& g = state[w];
+                if (g.ready < t) g.ready = t;
+                if (--g.remaining == 0) push(g.ready, w);
+            }
+        }
+        // T_1 is known once the first iteration is done. While the last one is not, T_K is at least the
+        // next ready time (a node of it is still to come, and nodes leave the queue in order of ready
+        // time), and max(next ready time, busy's free) + the work left there: no node starts earlier,
+        // they run one after another, and all end by T_K.
+        if (kBounded && iter[0].left == 0 && ((head - queue_.data()) & (kBoundEvery - 1)) == 0 && head < tail) {
+            double t_k = iter[K - 1].end;
+            if (iter[K - 1].left) {
+                const double next = key_time(*head);
+                t_k = std::max(t_k, next);
+                if (use_busy) t_k = std::max(t_k, std::max(next, free[busy]) + left);
+            }
+            if (t_k - iter[0].end > stop_span) return false;
         }
     }
     return true;
 }
 
-void Evaluator::simulate_shared(const int32_t* plan, std::vector<NodeRecord>* records) {
-    const int per = static_cast<int>(p_.iter_nodes.size());
-    const int total = p_.n_nodes();
-    const int n_atoms = static_cast<int>(bp_.size()) - 1;
-    const double cores = p_.cores_per_node;
-    for (int a = 0; a < n_atoms; ++a) {
-        queue_[a].clear();
-        queue_head_[a] = 0;
+// The shared-core simulation's release (in node numbering, into its heap).
+void Evaluator::release_children(int v, double end) {
+    const double ready = end + slot_[v % per_].latency;
+    for (int i = p_.child_start[v]; i < p_.child_start[v + 1]; ++i) {
+        const int u = p_.children[i];
+        ready_[u] = std::max(ready_[u], ready);
+        if (--remaining_[u] == 0) {
+            heap_.emplace_back(ready_[u], rank(u));
+            std::push_heap(heap_.begin(), heap_.end(), std::greater<std::pair<double, int32_t>>());
+        }
     }
-    std::fill(ready_.begin(), ready_.end(), 0.0);
-    std::fill(iter_end_.begin(), iter_end_.end(), 0.0);
-    std::copy(p_.n_parents.begin(), p_.n_parents.end(), remaining_.begin());
-    if (records) records->assign(total, NodeRecord{});
-    waiting_.clear();
-    running_.clear();
-    heap_.clear();
-    auto later = std::greater<HeapItem>();
-    for (int v = 0; v < total; ++v)
-        if (remaining_[v] == 0) heap_.emplace_back(0.0, rank(v));
-    std::make_heap(heap_.begin(), heap_.end(), later);
-
-    // The atoms of template node j: r1, then the part of r2 outside r1.
-    auto for_atoms = [&](int j, auto&& fn) {
-        for (int a = r1a_[j]; a < r1b_[j]; ++a) fn(a);
-        for (int a = r2a_[j]; a < r2b_[j]; ++a)
-            if (a < r1a_[j] || a >= r1b_[j]) fn(a);
-    };
-    auto finish = [&](int v, double end) {
-        const int t = v / per;
-        iter_end_[t] = std::max(iter_end_[t], end);
-        if (records) record(plan, records, v, start_[v], end);
-        release_children(v, end);
-    };
-    // Processor sharing: a host with more busy devices than cores runs them at cores / busy; a
-    // node whose rate changes keeps its remaining work, now done at the new rate.
-    auto update_rates = [&](double now) {
-        std::fill(host_busy_.begin(), host_busy_.end(), 0.0);
-        for (int v : running_)
-            for (int k = host_start_[v % per]; k < host_start_[v % per + 1]; ++k)
-                host_busy_[host_load_[k].first] += host_load_[k].second;
-        for (int v : running_) {
-            double rate = 1.0;
-            for (int k = host_start_[v % per]; k < host_start_[v % per + 1]; ++k)
-                rate = std::min(rate, cores / host_busy_[host_load_[k].first]);
-            if (rate != rate_[v]) {
-                finish_[v] = now + (finish_[v] - now) * rate_[v] / rate;
-                rate_[v] = rate;
-            }
-        }
-    };
-    auto dequeue = [&](int v) { for_atoms(v % per, [&](int a) { ++queue_head_[a]; }); };
-    auto first_in_line = [&](int v) {
-        bool first = true;
-        for_atoms(v % per, [&](int a) { first = first && queue_[a][queue_head_[a]] == v; });
-        return first;
-    };
-    // Start node v now; a node of no duration also ends now (returns true).
-    auto begin = [&](int v, double now) {
-        start_[v] = now;
-        if (node_cost_[v % per] == 0.0) {
-            dequeue(v);
-            finish(v, now);
-            return true;
-        }
-        finish_[v] = now + node_cost_[v % per];
-        rate_[v] = 1.0;
-        running_.push_back(v);
-        return false;
-    };
-    double now = 0.0;
-    while (true) {
-        // 1. What ends now leaves its queues, in node order.
-        done_.clear();
-        for (size_t i = 0; i < running_.size();) {
-            if (finish_[running_[i]] <= now) {
-                done_.push_back(running_[i]);
-                running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(i));
-            } else {
-                ++i;
-            }
-        }
-        std::sort(done_.begin(), done_.end());
-        for (int v : done_) {
-            dequeue(v);
-            finish(v, now);
-        }
-        // 2. Nodes already dispatched start when first in line on all their devices (one of no
-        //    duration ends at once and may let the next ones start).
-        for (bool scan = true; scan;) {
-            scan = false;
-            for (size_t i = 0; i < waiting_.size();) {
-                const int v = waiting_[i];
-                if (!first_in_line(v)) {
-                    ++i;
-                    continue;
-                }
-                waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
-                if (begin(v, now)) {
-                    scan = true;
-                    break;
-                }
-            }
-        }
-        // 3. Dispatch, one node at a time in Algorithm 1's order, everything ready by now.
-        while (!heap_.empty() && heap_.front().first <= now) {
-            std::pop_heap(heap_.begin(), heap_.end(), later);
-            const auto [ready, r] = heap_.back();
-        const int v = node_of(r);
-            heap_.pop_back();
-            if (pass_[v % per]) {  // a free transfer: no request, no device
-                start_[v] = ready;
-                finish(v, ready);
-                continue;
-            }
-            for_atoms(v % per, [&](int a) { queue_[a].push_back(v); });
-            if (first_in_line(v))
-                begin(v, now);
-            else
-                waiting_.push_back(v);
-        }
-        update_rates(now);
-        double next = std::numeric_limits<double>::infinity();
-        for (int v : running_) next = std::min(next, finish_[v]);
-        if (!heap_.empty()) next = std::min(next, heap_.front().first);
-        if (next == std::numeric_limits<double>::infinity()) break;
-        now = next;
-    }
-}
-
-void Evaluator::check_memory(const int32_t* plan, Evaluation& ev) {
-    const int n = p_.n_calls();
-    // Sweep the device line over the pipeline-stage boundaries of every call (merged on the fly):
-    // between two boundaries each call's stage, hence its memory, is constant. mem_next_[c] is c's
-    // next boundary (INT32_MAX after its mesh), mem_stage_[c] its current stage (-1 before its mesh).
-    for (int c = 0; c < n; ++c) {
-        const Candidates& k = p_.cands[c];
-        const int i = plan[c];
-        const int home = p_.model_home[p_.call_model[c]];
-        mem_copy_[c] = c != home && k.layout[i] != p_.cands[home].layout[plan[home]];
-        mem_next_[c] = k.dev_lo[i];
-        mem_stage_[c] = -1;
-    }
-    // Peak = static memory of every model resident on the device + the largest dynamic memory
-    // of any call running there (memory.py rules 2-4: calls on one device never overlap in time).
-    int64_t peak = -1;
-    int x = 0;
-    while (x < p_.n_devices) {
-        int64_t stat = 0, dyn = 0;
-        int dyn_call = -1, next = p_.n_devices;
-        for (int c = 0; c < n; ++c) {
-            const Candidates& k = p_.cands[c];
-            const int i = plan[c];
-            if (x == mem_next_[c]) {  // c enters its mesh or its next stage here
-                if (x == k.dev_hi[i]) {
-                    mem_next_[c] = INT32_MAX;
-                    mem_stage_[c] = -1;
-                } else {
-                    mem_stage_[c] = mem_stage_[c] < 0 ? k.mem_offset[i] : mem_stage_[c] + 1;
-                    mem_next_[c] = x + k.stage_width[i];
-                }
-            }
-            next = std::min(next, mem_next_[c]);
-            const int64_t s = mem_stage_[c];
-            if (s < 0) continue;
-            int64_t d = k.mem_dynamic[s];
-            if (c == p_.model_home[p_.call_model[c]])
-                stat += k.mem_static[s];
-            else if (mem_copy_[c])
-                d += k.mem_param[s];
-            if (d > dyn) {
-                dyn = d;
-                dyn_call = c;
-            }
-        }
-        if (stat + dyn > peak) {
-            peak = stat + dyn;
-            ev.peak_device = x;
-            ev.peak_call = dyn_call;
-        }
-        x = next;
-    }
-    ev.peak_memory = peak;
-    ev.overflow = std::max<int64_t>(0, peak - p_.device_memory);
-    ev.feasible = peak <= p_.device_memory;
 }
 
 void Evaluator::finish(Evaluation& ev) const {
     const int K = p_.n_iterations;
-    ev.makespan = iter_end_[K - 1];
-    ev.time = (iter_end_[K - 1] - iter_end_[0]) / (K - 1);
+    const double t_1 = p_.shares_cores() ? iter_end_[0] : iter_[0].end;
+    const double t_k = p_.shares_cores() ? iter_end_[K - 1] : iter_[K - 1].end;
+    ev.makespan = t_k;
+    ev.time = (t_k - t_1) / (K - 1);
     // realhf.txt §5.2 multiplies an OOM plan's time by a large alpha. We scale alpha by
     // (1 + overflow fraction) so that among OOM plans the chain still moves toward ones that fit.
     ev.cost = ev.feasible ? ev.time
@@ -515,6 +541,11 @@ Evaluation Evaluator::evaluate_bounded(const int32_t* plan, double limit, const 
         limit = std::numeric_limits<double>::infinity();
     const double factor = ev.feasible ? 1.0 : p_.oom_alpha * (1.0 + static_cast<double>(ev.overflow) /
                                                                         static_cast<double>(p_.device_memory));
+    if (paths_exceed(limit / factor)) {
+        ev.complete = ev.simulated = false;
+        ev.time = ev.cost = limit;  // lower bounds: the plan costs more
+        return ev;
+    }
     if (p_.shares_cores())
         simulate_shared(plan, nullptr);
     else if (!simulate(plan, nullptr, limit / factor)) {
@@ -535,39 +566,6 @@ std::vector<NodeRecord> Evaluator::schedule(const int32_t* plan) {
     else
         simulate(plan, &out);
     return out;  // in node order: iteration, then the iteration's node order
-}
-
-MemoryReport Evaluator::memory(const int32_t* plan) {
-    const int n = p_.n_calls();
-    MemoryReport r;
-    r.device_static.assign(p_.n_devices, 0);
-    r.device_peak.assign(p_.n_devices, 0);
-    r.call_peak.assign(n, 0);
-    std::vector<int64_t> dyn(p_.n_devices, 0);
-    std::vector<std::vector<int64_t>> own(n);
-    for (int c = 0; c < n; ++c) {
-        const Candidates& k = p_.cands[c];
-        const int i = plan[c], lo = k.dev_lo[i], hi = k.dev_hi[i];
-        const int home = p_.model_home[p_.call_model[c]];
-        own[c].assign(p_.n_devices, 0);
-        for (int x = lo; x < hi; ++x) {
-            const int64_t s = k.mem_offset[i] + (x - lo) / k.stage_width[i];
-            int64_t d = k.mem_dynamic[s];
-            if (c == home)
-                r.device_static[x] += k.mem_static[s];
-            else if (k.layout[i] != p_.cands[home].layout[plan[home]])
-                d += k.mem_param[s];
-            own[c][x] = d;
-            dyn[x] = std::max(dyn[x], d);
-        }
-    }
-    for (int x = 0; x < p_.n_devices; ++x) r.device_peak[x] = r.device_static[x] + dyn[x];
-    for (int c = 0; c < n; ++c) {
-        const int i = plan[c];
-        for (int x = p_.cands[c].dev_lo[i]; x < p_.cands[c].dev_hi[i]; ++x)
-            r.call_peak[c] = std::max(r.call_peak[c], r.device_static[x] + own[c][x]);
-    }
-    return r;
 }
 
 }  // namespace rl

@@ -41,6 +41,8 @@ struct Evaluation {
     bool exact = true;       // every transfer cost it used was priced (none provisional)
     // False if evaluate_bounded stopped early: memory is exact, time and cost are lower bounds.
     bool complete = true;
+    // False if evaluate_bounded proved the plan rejected before simulating it (the path bound).
+    bool simulated = true;
 };
 
 struct NodeRecord {
@@ -59,6 +61,13 @@ struct MemoryReport {
 };
 
 // Reusable evaluation workspace. Not thread-safe: use one per thread.
+//
+// The MCMC evaluates millions of plans that differ from the previous one in a few calls, so the
+// workspace keeps what a plan determines per template node (cost, atoms, latency) and recomputes only
+// the nodes of the calls that changed; the simulation loop itself allocates nothing and reads flat
+// arrays (simulator.cpp). Restarting the simulation from the first event a change touches (keeping
+// the schedule's prefix) was measured and not done: a move changes a node that runs within the first
+// few of the 84 events of a PPO graph (the first iteration's reallocations from the train layouts).
 class Evaluator {
 public:
     explicit Evaluator(const Problem& problem);
@@ -70,9 +79,9 @@ public:
     // first; once the first iteration's nodes are all done (T_1 is known), T_K is bounded below by
     // max(next ready time, atom free) + the work left on that atom, for the atom with the most work:
     // nodes leave the queue in order of ready time, none starts before it is ready or before its
-    // atoms are free, and the work left on one atom runs one node after another. The work left counts
-    // every iteration when every node precedes the last iteration's end (Problem::iterations_chain),
-    // else the last iteration's.
+    // atoms are free, and the work left on one atom runs one node after another (this part only when
+    // every node precedes the last iteration's end, Problem::iterations_chain). Before simulating, the
+    // path bound (paths_exceed) may already prove it.
     Evaluation evaluate_bounded(const int32_t* plan, double limit, const Evaluation& best);
     std::vector<NodeRecord> schedule(const int32_t* plan);
     MemoryReport memory(const int32_t* plan);
@@ -80,27 +89,53 @@ public:
     const Problem& problem() const { return p_; }
 
 private:
+    // What one template node (a node of one iteration) costs under the current plan; the loop reads
+    // one of these per node, so they sit together.
+    struct Slot {
+        double cost = 0.0;
+        double latency = 0.0;           // delay on its edges to its children
+        int32_t a1 = 0, b1 = 0;         // atoms [a1, b1) and [a2, b2) it occupies
+        int32_t a2 = 0, b2 = 0;
+        int32_t pass = 0;               // a free transfer: no device, no request
+        int32_t known = 1;              // its pair cost is priced
+        double busy_cost = 0.0;         // bounded runs: the work it takes off the busiest atom (simulator.cpp)
+    };
+    // A node of the unrolled graph, numbered by dispatch rank (see rank()): template, iteration and its
+    // children (ranks, in children_).
+    struct Link {
+        int32_t tmpl, iter, child_begin, child_end;
+    };
+
     bool prepare(const int32_t* plan, std::vector<MissingPair>* missing);
+    void place_atoms_if_stale(const int32_t* plan);
+    void price(int j, const int32_t* plan);
     // Returns false if it stopped because the steady-state time was proven above `stop_time`.
     bool simulate(const int32_t* plan, std::vector<NodeRecord>* records,
                   double stop_time = std::numeric_limits<double>::infinity());
+    template <bool kBounded, bool kRecords>
+    bool run(const int32_t* plan, std::vector<NodeRecord>* records, double stop_time);
     void finish(Evaluation& ev) const;
-    void simulate_shared(const int32_t* plan, std::vector<NodeRecord>* records);
+    void simulate_shared(const int32_t* plan, std::vector<NodeRecord>* records);  // shared_cores.cpp
     void record(const int32_t* plan, std::vector<NodeRecord>* records, int v, double start, double end) const;
     void release_children(int v, double end);
-    void release_to_queue(int v, double end, const int32_t* plan, std::vector<NodeRecord>* records);
+    void check_memory(const int32_t* plan, Evaluation& ev);  // memory.cpp
+    void find_paths();
+    // True if the steady-state time is proven above `stop_time` without simulating: see find_paths().
+    bool paths_exceed(double stop_time);
     // Dispatch order among nodes ready at the same time: data transfers first (the master sends a
     // call's outputs on as soon as it finishes, before what its end unblocks), then node order.
-    int rank(int v) const { return rank_[v]; }
-    int node_of(int r) const { return r < p_.n_nodes() ? r : r - p_.n_nodes(); }
-    // The ready list of simulate(): unordered, each node as one 128-bit key that orders like (ready time,
-    // rank) (a non-negative double's bits order like the double), so that taking the next node is a
-    // branch-free minimum over the few nodes ready at a time.
+    // simulate() numbers nodes by this rank, so that its ready keys carry the node itself.
+    int rank(int v) const { return pos_[v]; }
+    int node_of(int r) const { return order_[r]; }
+    // simulate()'s ready queue holds each node as one 128-bit key that orders like (ready time, rank) (a
+    // non-negative double's bits order like the double), sorted: the next node is the first.
     using ReadyKey = unsigned __int128;
     static ReadyKey ready_key(double ready, int32_t rank) {
         uint64_t bits;
         std::memcpy(&bits, &ready, sizeof bits);
-        return (static_cast<ReadyKey>(bits) << 32) | static_cast<uint32_t>(rank);
+        // built from two 64-bit halves: GCC otherwise goes through the stack
+        const uint64_t low = bits << 32 | static_cast<uint32_t>(rank);
+        return static_cast<ReadyKey>(bits >> 32) << 64 | low;
     }
     static double key_time(ReadyKey key) {
         const uint64_t bits = static_cast<uint64_t>(key >> 32);
@@ -108,49 +143,70 @@ private:
         std::memcpy(&t, &bits, sizeof t);
         return t;
     }
-    void enqueue(double ready, int32_t rank) { ready_list_.push_back(ready_key(ready, rank)); }
-    size_t next_ready() const {
-        size_t m = 0;
-        for (size_t i = 1; i < ready_list_.size(); ++i) m = ready_list_[i] < ready_list_[m] ? i : m;
-        return m;
-    }
-    void check_memory(const int32_t* plan, Evaluation& ev);
 
     const Problem& p_;
-    // per node of the unrolled graph: its template node, its iteration and its dispatch rank
-    std::vector<int32_t> tmpl_, iter_, rank_;
-    // time atoms
-    std::vector<int32_t> bp_, atom_lo_, atom_hi_;
-    std::vector<double> free_;
-    std::vector<double> work_;  // per atom: busy seconds per iteration (bounded runs)
-    // per-iteration node costs and atom ranges
-    std::vector<double> node_cost_;
-    std::vector<int32_t> r1a_, r1b_, r2a_, r2b_;
-    std::vector<uint8_t> pass_;
-    std::vector<double> out_latency_;  // per template node: delay on its edges to its children
-    // what prepare() last computed from: the plan, and per template node whether its pair cost is
-    // priced and which pair it is (valid while the problem's pair_version is cache_version_)
-    std::vector<int32_t> last_plan_;
-    std::vector<uint8_t> changed_, known_;
-    std::vector<int32_t> pair_a_, pair_b_;
+    int per_ = 0;  // template nodes per iteration
+    // the unrolled graph by rank: order_[rank] = node, pos_[node] = rank; links, children, parent counts
+    // and the nodes without parents (ascending) in rank numbering
+    std::vector<int32_t> order_, pos_;
+    std::vector<Link> link_;
+    std::vector<int32_t> children_, n_parents_, roots_;
+    // per call: the template nodes whose cost or atoms depend on its candidate (it runs or it feeds them)
+    std::vector<int32_t> call_nodes_start_, call_nodes_;
+    // per template node: its call, the source call of a transfer (-1 for a call) and its pair-cost table
+    std::vector<int32_t> tmpl_call_, tmpl_other_;
+    std::vector<const PairCosts*> tmpl_table_;
+    // the path bound (find_paths): for each pair (x, y) of the n_last_ template nodes that may end an
+    // iteration, whether x in one iteration leads to y in the next, and a path as (predecessor, node)
+    // template pairs after x; chain_ is its workspace
+    int n_last_ = 0;
+    std::vector<uint8_t> path_exists_;
+    std::vector<int32_t> path_start_, path_pred_, path_node_;
+    std::vector<double> chain_;
+    // time atoms: every call's mesh ends as (device << 32 | 2 * call + (1 for the upper end)), sorted, and
+    // each call's atom range
+    std::vector<uint64_t> ends_;
+    std::vector<int32_t> atom_lo_, atom_hi_;
+    int n_atoms_ = 0;
+    bool atoms_stale_ = true;  // a mesh moved since the atoms were cut
+    std::vector<Slot> slot_;
+    std::vector<uint8_t> pass_;  // per template node: Slot::pass, where the release loop looks it up
+    std::vector<int32_t> pair_a_, pair_b_;  // per template node: the pair it prices (transfers only)
+    int n_unknown_ = 0;                     // template nodes whose pair cost is not priced
+    // what prepare() last computed from (valid while the problem's pair_version is cache_version_)
+    std::vector<int32_t> last_plan_, changed_calls_, seen_;
+    int32_t stamp_ = 0;
     uint64_t cache_version_ = ~0ull;
     // per template node: (host, busy devices) it adds while it runs (shared-core mode only)
     std::vector<int32_t> host_start_;
     std::vector<std::pair<int32_t, int32_t>> host_load_;
-    // scheduling state
+    // scheduling state of simulate(): per node by rank, when it is ready and how many parents it waits
+    // for; per iteration, its end so far and its nodes not done yet; the ready queue
+    struct NodeState {
+        double ready;
+        int32_t remaining;
+    };
+    struct IterState {
+        double end;
+        int32_t left;
+    };
+    std::vector<NodeState> state_, start_state_;  // start_state_: ready at 0, waiting for every parent
+    std::vector<IterState> iter_;
+    std::vector<ReadyKey> queue_;
+    std::vector<double> free_, left_;  // per atom: free from (both simulations); scratch of bounded runs
+    // simulate_shared's, by node
     std::vector<double> ready_, iter_end_;
-    std::vector<int32_t> remaining_, iter_left_;  // per iteration: nodes not finished yet
-    std::vector<std::pair<double, int32_t>> heap_;  // simulate_shared's dispatch queue
-    std::vector<ReadyKey> ready_list_;
-    // shared-core mode: per-atom FIFO queues of node ids, dispatched-but-waiting and running nodes
-    std::vector<std::vector<int32_t>> queue_;
-    std::vector<size_t> queue_head_;
+    std::vector<int32_t> remaining_;
+    // shared-core mode: dispatch heap, per-atom FIFO queues of node ids, waiting and running nodes
+    std::vector<std::pair<double, int32_t>> heap_;
+    std::vector<std::vector<int32_t>> fifo_;
+    std::vector<size_t> fifo_head_;
     std::vector<int32_t> waiting_, running_, done_;
     std::vector<double> finish_, rate_, start_, host_busy_;
-    // per call while sweeping the device line for memory: its stage, next boundary, whether it runs on a copy
-    std::vector<int64_t> mem_stage_;
+    // per call while sweeping the device line for memory: next boundary, next run, static and dynamic bytes
     std::vector<int32_t> mem_next_;
-    std::vector<uint8_t> mem_copy_;
+    std::vector<int64_t> mem_run_, mem_stat_, mem_dyn_;
+    std::vector<uint8_t> mem_copy_, mem_home_;
 };
 
 }  // namespace rl

@@ -133,7 +133,7 @@ def test_bounded_evaluation_stops_only_for_plans_proven_above_the_limit():
     """The MCMC's early rejection (Evaluator::evaluate_bounded): a run that completes equals evaluate();
     one that stops costs more than the limit and is no better than the best."""
     rng = np.random.default_rng(99)
-    n_stopped = n_complete = n_chain = 0
+    n_stopped = n_complete = n_chain = n_unsimulated = 0
     for _ in range(300):
         p = random_problem(rng)
         cpp = p.to_cpp()
@@ -144,16 +144,74 @@ def test_bounded_evaluation_stops_only_for_plans_proven_above_the_limit():
             best = cpp.evaluate(random_plan(rng, p))
             limit = full["cost"] * float(rng.choice([0.3, 0.8, 0.99, 1.0, 1.5]))
             got = cpp.evaluate_bounded(plan, limit, best["cost"], best["feasible"])
+            simulated = got.pop("simulated")
             if got.pop("complete"):
                 n_complete += 1
                 assert got == full
             else:
                 n_stopped += 1
+                n_unsimulated += not simulated
                 assert full["cost"] > limit
                 better = full["feasible"] if full["feasible"] != best["feasible"] else full["cost"] < best["cost"]
                 assert not better
                 assert got["peak_memory"] == full["peak_memory"] and got["feasible"] == full["feasible"]
     assert n_stopped > 100 and n_complete > 100 and 0 < n_chain < 300
+    assert n_unsimulated > 25  # the path bound proved some before simulating them (54 with this seed)
+
+
+def test_path_bound_rejects_before_simulating_only_plans_above_the_limit():
+    # gen (2 s, device 0) -> 0.5 s transfer -> train (3 s, device 1) -> gen of the next iteration: every
+    # iteration is that 5.5 s path, which the path bound sees without simulating (Evaluator::find_paths).
+    p = _one_device_problem([2.0, 3.0], data=[(0, 1)], carry=[(1, 0)], meshes=[(0, 1), (1, 2)], data_cost=0.5)
+    cpp, plan = p.to_cpp(), np.zeros(2, np.int32)
+    assert cpp.evaluate(plan)["time"] == 5.5
+    below = cpp.evaluate_bounded(plan, 5.4, 0.0, True)
+    assert not below["complete"] and not below["simulated"]
+    above = cpp.evaluate_bounded(plan, 5.6, 0.0, True)
+    assert above["complete"] and above["simulated"] and above["time"] == 5.5
+    # 2 GiB on a 1 GiB device: the cost is 5.5 s x oom_alpha 100 x (1 + 1 GiB / 1 GiB) = 1100 s
+    big = dataclasses.replace(p.candidates[0], mem_static=[2 * GiB])
+    oom = dataclasses.replace(p, candidates=(big, p.candidates[1])).to_cpp()
+    assert oom.evaluate(plan)["cost"] == 1100.0
+    assert not oom.evaluate_bounded(plan, 1000.0, 0.0, True)["simulated"]
+    assert oom.evaluate_bounded(plan, 1200.0, 0.0, True)["complete"]
+
+
+def test_one_evaluator_follows_a_walk_of_plans_exactly():
+    """The MCMC's evaluator keeps what a plan determines and redoes only what the calls that changed
+    touch (csrc/simulator.h). Along walks that change one or two calls at a time and often go back to
+    the plan before (as after a rejected proposal), with pipeline stages of equal bytes (which the memory
+    check merges into runs), it agrees with the reference."""
+    rng = np.random.default_rng(7)
+    n_merged = n_plans = 0
+    for _ in range(100):
+        p = random_problem(rng)
+        cands = []
+        for k in p.candidates:
+            pools = [k.mem_static.copy(), k.mem_dynamic.copy(), k.mem_param.copy()]
+            for i in range(len(k)):
+                for s in range(k.mem_offset[i] + 1, k.mem_offset[i + 1]):
+                    if rng.random() < 0.5:  # this stage holds what the one before holds
+                        for pool in pools:
+                            pool[s] = pool[s - 1]
+                        n_merged += 1
+            cands.append(dataclasses.replace(k, mem_static=pools[0], mem_dynamic=pools[1], mem_param=pools[2]))
+        p = dataclasses.replace(p, candidates=tuple(cands))
+        cpp = p.to_cpp()
+        plans = [random_plan(rng, p)]
+        for _ in range(11):
+            plan = (plans[-2] if len(plans) > 1 and rng.random() < 0.3 else plans[-1]).copy()
+            for c in rng.choice(p.n_calls, size=min(p.n_calls, int(rng.integers(1, 3))), replace=False):
+                plan[c] = rng.integers(0, len(p.candidates[c]))
+            plans.append(plan)
+        walk = cpp.evaluate_batch(np.stack(plans))  # one evaluator for the whole walk
+        for i, plan in enumerate(plans):
+            want = reference.evaluate(p, plan)
+            assert cpp.evaluate(plan) == want
+            assert (walk["time"][i], walk["cost"][i], walk["peak_memory"][i], walk["feasible"][i]) == \
+                (want["time"], want["cost"], want["peak_memory"], want["feasible"])
+            n_plans += 1
+    assert n_merged > 300 and n_plans == 1200
 
 
 def test_iterations_chain_when_every_node_reaches_the_next_iteration():

@@ -52,8 +52,10 @@ class SearchStats:
     priced_pairs: int
     pricing_seconds: float
     history: tuple[tuple[float, int, float, float, bool], ...]  # (seconds, evals, cost, time, feasible)
-    # evaluations simulated to the end; the rest stopped once proven rejected (csrc/mcmc.h early_reject)
+    # evaluations simulated to the end; the rest stopped once proven rejected (csrc/mcmc.h early_reject),
+    # `unsimulated` of them before any simulation (csrc/simulator.h, the path bound)
     simulations: int = 0
+    unsimulated: int = 0
 
     @property
     def evals_per_second(self) -> float:
@@ -165,6 +167,6 @@ def run_mcmc(space: PlanSpace, *, time_limit: float | None = 10.0, max_evals: in
     last = history[-1]
     stats = SearchStats(evals=search.evals, seconds=time.perf_counter() - t0, time_to_best=last[0],
                         evals_to_best=last[1], priced_pairs=priced, pricing_seconds=pricing, history=history,
-                        simulations=search.simulations)
+                        simulations=search.simulations, unsimulated=search.unsimulated)
     return SearchOutcome(indices=best, evaluation=space.evaluate(best), start=start, start_evaluation=start_ev,
                          stats=stats)

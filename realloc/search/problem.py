@@ -148,11 +148,13 @@ class SearchProblem:
         """Pair-cost table by the engine's id: a model index, or n_models + data edge index."""
         return self.realloc_costs[table_id] if table_id < self.n_models else self.data_costs[table_id - self.n_models]
 
-    def to_cpp(self):
-        """The same problem as a finalized ``realloc._C.Problem``."""
-        from realloc import _C
+    def to_cpp(self, engine=None):
+        """The same problem as a finalized ``realloc._C.Problem`` (or of ``engine``, a build of ``realloc._C``
+        from another revision that a benchmark compares with)."""
+        if engine is None:
+            from realloc import _C as engine
 
-        p = _C.Problem(n_devices=self.n_devices, n_iterations=self.n_iterations, device_memory=self.device_memory,
+        p = engine.Problem(n_devices=self.n_devices, n_iterations=self.n_iterations, device_memory=self.device_memory,
                        oom_alpha=self.oom_alpha, call_model=np.asarray(self.call_model, np.int32),
                        model_home=np.asarray(self.model_home, np.int32), dispatch_latency=self.dispatch_latency,
                        devices_per_node=self.devices_per_node, cores_per_node=self.cores_per_node)

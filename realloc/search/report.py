@@ -94,8 +94,10 @@ def memory_summary(report: SearchReport) -> str:
 def search_summary(report: SearchReport, n_threads: int) -> str:
     s = report.stats
     full = s.simulations / s.evals if s.evals else 1.0
+    before = s.unsimulated / s.evals if s.evals else 0.0
     return (f"{s.evals:,} plans evaluated in {s.seconds:.1f} s ({s.evals_per_second:,.0f}/s on {n_threads} "
-            f"thread(s); {full:.0%} simulated to the end, the rest stopped once proven rejected); best found after {s.time_to_best:.2f} s ({s.evals_to_best:,} plans); "
+            f"thread(s); {full:.0%} simulated to the end, the rest stopped once proven rejected, {before:.0%} "
+            f"before simulating); best found after {s.time_to_best:.2f} s ({s.evals_to_best:,} plans); "
             f"{s.priced_pairs} transfer costs priced by the estimator ({s.pricing_seconds:.2f} s)")
 
 
