@@ -1,29 +1,17 @@
 """Dataflow graph construction, unrolling and validation errors (issue 2, item 5)."""
 
-import dataclasses
-
 import networkx as nx
 import pytest
 
 from realloc.algorithms.ppo_config import PPOConfig, ppo_rpcs
 from realloc.algorithms.registry import Interface
-from realloc.api import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef, auto, experiment_spec
+from realloc.api import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef
 from realloc.graph.dataflow import DATA, PARAM, build_graph
+from spec_helpers import inline_spec
 
 
 def make_spec(rpcs, batch_size=16, dataset_keys=("prompts",), interfaces=()):
-    @auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size=batch_size, prompt_len=8, gen_len=8,
-          dataset_keys=dataset_keys)
-    @dataclasses.dataclass
-    class Exp:
-        @property
-        def rpcs(self):
-            return list(rpcs)
-
-        @property
-        def interfaces(self):
-            return list(interfaces)
-    return experiment_spec(Exp)
+    return inline_spec(rpcs, interfaces, batch_size=batch_size, dataset_keys=dataset_keys)
 
 
 def _noop(ctx, inputs):

@@ -5,8 +5,6 @@ import math
 
 import pytest
 
-from realloc.algorithms.ppo_config import PPOConfig
-from realloc.algorithms.registry import Interface
 from realloc.api import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef, auto, experiment_spec, load_experiment
 from realloc.estimator.call_time import (GRAD_BUCKET_NUMEL, CallCost, StageTime, decode_round, pipeline_makespan,
                                          sum_over_range)
@@ -19,17 +17,10 @@ from realloc.graph.dataflow import build_graph
 from realloc.models.config import get_model_config
 from realloc.runtime.transfer_plan import Layout, plan_param_realloc
 from realloc.strategy import ParallelStrategy as S
+from spec_helpers import COST_ONLY_INTERFACES
 
 TINY_PARAMS = 209472  # tests/test_estimator_memory.py derives it by hand
 
-
-# What these cost fixtures' calls run: only their shapes matter (nothing is executed).
-COST_ONLY_INTERFACES = [
-    Interface("gen_seq", GENERATE, "realloc.algorithms.common:actor_generate", inputs=("prompts",), outputs=("seq",),
-              config="ppo", config_type=PPOConfig),
-    Interface("train_on_ref", TRAIN_STEP, "realloc.algorithms.ppo_interfaces:actor_train",
-              inputs=("seq", "ref_logp:logp"), config="ppo", config_type=PPOConfig),
-]
 
 @auto(nodelist="n[1-2]", n_devices_per_node=1, device="cpu", batch_size=8, prompt_len=8, gen_len=8)
 @dataclasses.dataclass

@@ -4,13 +4,12 @@ import dataclasses
 
 import pytest
 
-from realloc.algorithms.ppo_config import PPOConfig
-from realloc.algorithms.registry import Interface
 from realloc.api import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef, auto, experiment_spec
 from realloc.estimator.cost import CostModel
 from realloc.graph.dataflow import build_graph
 from realloc.graph.plan import CallPlacement, ExecutionPlan
 from realloc.strategy import ParallelStrategy as S
+from spec_helpers import COST_ONLY_INTERFACES
 
 # tiny: vocab 64, hidden 64, MLP 176, 4 layers, 4 heads, 4 KV heads (kv_dim 64); fp32 on "cpu".
 V, H, I, L = 64, 64, 176, 4
@@ -19,14 +18,6 @@ STAGE0_TP2_PP2 = V * H // 2 + 2 * LAYER_TP2  # embedding shard + layers 0, 1
 STAGE1_TP2_PP2 = 2 * LAYER_TP2 + H + V * H // 2  # layers 2, 3 + final norm + lm_head shard
 FULL = V * H + L * (4 * H * H + 3 * H * I + 2 * H) + H + V * H
 
-
-# What these cost fixtures' calls run: only their shapes matter (nothing is executed).
-COST_ONLY_INTERFACES = [
-    Interface("gen_seq", GENERATE, "realloc.algorithms.common:actor_generate", inputs=("prompts",), outputs=("seq",),
-              config="ppo", config_type=PPOConfig),
-    Interface("train_on_ref", TRAIN_STEP, "realloc.algorithms.ppo_interfaces:actor_train",
-              inputs=("seq", "ref_logp:logp"), config="ppo", config_type=PPOConfig),
-]
 
 @auto(nodelist="localhost", n_devices_per_node=4, device="cpu", batch_size=16, prompt_len=8, gen_len=8)
 @dataclasses.dataclass

@@ -17,27 +17,15 @@ from realloc.algorithms.context import CallResult
 from realloc.algorithms.grpo import GRPOConfig, critic_free_rpcs
 from realloc.algorithms.ppo_config import PPOConfig, ppo_rpcs
 from realloc.algorithms.registry import Interface, builtin_interfaces
-from realloc.api import GENERATE, INFERENCE, TRAIN_STEP, auto, experiment_spec
+from realloc.api import GENERATE, INFERENCE, TRAIN_STEP, auto
 from realloc.graph.dataflow import build_graph
+from spec_helpers import inline_spec
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _graph(rpcs, interfaces=(), **fields):
-    @auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size=8, prompt_len=8, gen_len=8)
-    @dataclasses.dataclass
-    class Exp:
-        @property
-        def rpcs(self):
-            return list(rpcs)
-
-        @property
-        def interfaces(self):
-            return list(interfaces)
-
-    for k, v in fields.items():
-        setattr(Exp, k, v)
-    return build_graph(experiment_spec(Exp))
+    return build_graph(inline_spec(rpcs, interfaces, attrs=fields))
 
 
 def _replace(rpcs, name, **kw):

@@ -318,4 +318,10 @@ def test_critic_from_causal_lm_checkpoint_needs_a_score_seed(pool, gqa):
     full = assemble([r[1] for r in res[:2]], cfg)
     score_spec = next(s for s in param_specs(cfg) if s.name == "score.weight")
     assert torch.equal(full["score.weight"], init_full_tensor(score_spec, 7))
+    # The trunk is the actor's, weight for weight; only the output layer differs (lm_head -> fresh score).
+    hf_state = hf.state_dict()
+    assert set(full) - {"score.weight"} == set(hf_state) - {"lm_head.weight"}
+    for name, t in full.items():
+        if name != "score.weight":
+            assert torch.equal(t, hf_state[name]), name
     assert torch.equal(full["model.layers.3.mlp.down_proj.weight"], hf.state_dict()["model.layers.3.mlp.down_proj.weight"])

@@ -166,6 +166,50 @@ def test_ppo_calls_match_transformers_in_every_layout(pool, models):
             torch.testing.assert_close(other[k], ref[k], atol=1e-5, rtol=0)
 
 
+def _greedy_groups(pctx, actor_dir, dp, pp, eos, group):
+    from realloc.algorithms import common as impls
+    from realloc.strategy import even_ranges
+
+    actor = build_model(pctx, model_config_from_hf(str(actor_dir)), dp, 1, pp, hf_path=str(actor_dir))
+    lo, hi = even_ranges(N * group, dp)[actor.groups.dp_rank]
+    tokens, lens = (t.repeat_interleave(group, dim=0)[lo:hi] for t in _prompts())
+    decoded: list[int] = []  # prompts per generate() call: the engine's real decoding, counted
+    generate = actor.generate
+
+    def counted(prompts, *args, **kw):
+        decoded.append(len(prompts))
+        return generate(prompts, *args, **kw)
+
+    actor.generate = counted
+    gen = ModelFunctionCallDef(name="gen", model_name="actor", interface_type=GENERATE, interface_impl="ppo_actor",
+                               n_samples=group)
+    cctx = dataclasses.replace(_ctx(actor, gen, PPOConfig(), range(lo, hi), eos), greedy=True, group_size=group,
+                               batch_size=N * group, purpose="eval0")
+    out = impls.actor_generate(cctx, {"prompts": {"tokens": tokens, "lengths": lens}}).outputs
+    return {"rows": (lo, hi), "greedy": out["seq"], "decoded": decoded}
+
+
+def test_greedy_evaluation_decodes_each_prompt_of_a_group_once(pool, models):
+    """Greedy evaluation of a group-sampling run: the n copies of a prompt get transformers' greedy answer, and
+    the engine decodes each distinct prompt once (it used to decode every copy)."""
+    actor_hf, actor_dir, _, _ = models
+    eos, group = _hf_greedy_eos(actor_hf), 3
+    tokens, lens = _prompts()
+    want = []
+    for b in range(N):
+        ids = tokens[b:b + 1, :lens[b]]
+        want.append(actor_hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=T, do_sample=False,
+                                      eos_token_id=eos, pad_token_id=0)[0].tolist())
+    for dp, pp in ((2, 1), (1, 2)):
+        res = pool.run(_greedy_groups, str(actor_dir), dp, pp, (eos,), group)
+        assert [r["decoded"] for r in res] == ([[N // 2]] * 2 if dp == 2 else [[N]] * 2), (dp, pp)
+        g = _gather(res, "greedy")
+        for row in range(N * group):
+            b = row // group
+            n = int(g["gen_mask"][row].sum())
+            assert g["tokens"][row, :int(lens[b]) + n].tolist() == want[b], (dp, pp, row)
+
+
 def test_rule_reward_sees_prompt_and_response_split_per_row():
     from realloc.algorithms.common import split_prompt_response
 

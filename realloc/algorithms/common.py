@@ -25,14 +25,18 @@ declared in ``builtin.py`` (the registry checks every call against them before a
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
 from realloc.algorithms import rule_reward
 from realloc.algorithms.context import CallContext, CallResult, Data
+from realloc.models.generation import GenerationOutput
 from realloc.models.sampling import GenerationConfig
 from realloc.models.weights import param_seed
+
+# (the model's output head, one micro-batch) -> (loss, extra stats): what ParallelModel.train_step calls
+LossFn = Callable[[Any, Mapping[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 
 
 def forward_batch(seq: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -49,6 +53,19 @@ def response_columns(per_position: torch.Tensor, prompt_lens: torch.Tensor, gen_
     return per_position.gather(1, pos) * gen_mask.to(per_position.device)
 
 
+def optimizer_step(ctx: CallContext, micro: list[dict[str, torch.Tensor]], loss_fn: LossFn) -> float:
+    """One optimizer step of the call's model over ``micro``; returns the gradient norm.
+
+    Every shipped loss is already normalized over the whole mini-batch (all dp ranks, all micro-batches). The
+    engine averages gradients over dp replicas, so weighting each micro-batch by dp turns that average into the
+    sum the mini-batch normalization expects."""
+    model = ctx.model
+    assert model is not None and ctx.optimizer is not None
+    out = model.train_step(micro, loss_fn, ctx.optimizer, max_grad_norm=ctx.config.max_grad_norm,
+                           loss_weights=[float(model.groups.dp)] * len(micro), recompute=ctx.recompute)
+    return float(out["grad_norm"])
+
+
 def generation_config(ctx: CallContext) -> GenerationConfig:
     cfg = ctx.config
     # One seed per iteration; per-sequence streams come from the sequence's global index.
@@ -58,6 +75,29 @@ def generation_config(ctx: CallContext) -> GenerationConfig:
 
 
 # -- generation and inference ----------------------------------------------------------------------------------
+def _greedy_once_per_prompt(ctx: CallContext, rows: list[list[int]], gconfig: GenerationConfig
+                            ) -> GenerationOutput | None:
+    """Greedy decoding of each distinct prompt once, copied to its repeats; None if every prompt is distinct.
+
+    A greedy response depends only on its prompt, so group sampling's ``n_samples`` copies of a prompt (greedy
+    evaluation of a GRPO run) would decode the same answer ``n_samples`` times."""
+    assert ctx.model is not None
+    seen: dict[tuple[int, ...], int] = {}
+    index: list[int] = []  # row -> its distinct prompt
+    reps: list[int] = []  # distinct prompt -> its first row
+    for i, r in enumerate(rows):
+        u = seen.setdefault(tuple(r), len(seen))
+        if u == len(reps):
+            reps.append(i)
+        index.append(u)
+    if len(reps) == len(rows):
+        return None
+    out = ctx.model.generate([rows[i] for i in reps], gconfig, seq_ids=[ctx.ids[i] for i in reps],
+                             n_mbs=min(ctx.n_mbs, len(reps)))
+    sel = torch.tensor(index)
+    return dataclasses.replace(out, **{f.name: getattr(out, f.name)[sel] for f in dataclasses.fields(out)})
+
+
 def actor_generate(ctx: CallContext, inputs: Data) -> CallResult:
     prompts = inputs["prompts"]
     tokens_in, plen = prompts["tokens"], prompts["lengths"]
@@ -67,7 +107,9 @@ def actor_generate(ctx: CallContext, inputs: Data) -> CallResult:
     # Micro-batches bound the KV cache; sampling depends only on each sequence's global index (the n
     # responses to one prompt are n sequences, ids group*n .. group*n + n-1: each draws its own stream).
     rows = [tokens_in[b, :int(plen[b])].tolist() for b in range(n)]
-    out = ctx.model.generate(rows, gconfig, seq_ids=list(ctx.ids), n_mbs=ctx.n_mbs)
+    out = _greedy_once_per_prompt(ctx, rows, gconfig) if gconfig.greedy else None
+    if out is None:
+        out = ctx.model.generate(rows, gconfig, seq_ids=list(ctx.ids), n_mbs=ctx.n_mbs)
     width = out.sequences.shape[1]
     tokens = torch.full((n, P + T), gconfig.pad_token_id, dtype=torch.long)
     tokens[:, :width] = out.sequences.cpu()

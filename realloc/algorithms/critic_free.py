@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from realloc.algorithms import losses
-from realloc.algorithms.common import forward_batch, response_columns
+from realloc.algorithms.common import forward_batch, optimizer_step, response_columns
 from realloc.algorithms.context import CallContext, CallResult, Data, dp_all_reduce
 from realloc.models.batch import split_batch
 
@@ -57,7 +57,6 @@ def _train(ctx: CallContext, inputs: Data, advantages: Advantages, kl_in_loss: b
     local = torch.stack([torch.stack([mask[mb_of_row == k].sum().double(), (mb_of_row == k).sum().double()])
                          for k in range(M)])
     counts = dp_all_reduce(model, local)  # [M, (tokens, sequences)] of the whole mini-batches
-    dp = model.groups.dp
     total_steps = max(ctx.total_iterations, ctx.iteration + 1) * M
     lrs = [cfg.lr_at(cfg.lr, ctx.iteration * M + k, total_steps) for k in range(M)]
     sums = {"actor_loss": 0.0, "actor_clip_frac": 0.0, "approx_kl": 0.0, "k3_kl": 0.0}
@@ -80,11 +79,7 @@ def _train(ctx: CallContext, inputs: Data, advantages: Advantages, kl_in_loss: b
             parts.append(st)
             return loss, {}
 
-        micro = split_batch(mb, ctx.n_mbs)
-        # The weights already hold the whole mini-batch's normalization: the dp average must become a sum.
-        out = model.train_step(micro, loss_fn, ctx.optimizer, max_grad_norm=cfg.max_grad_norm,
-                               loss_weights=[float(dp)] * len(micro), recompute=ctx.recompute)
-        grad_norm += out["grad_norm"] / M
+        grad_norm += optimizer_step(ctx, split_batch(mb, ctx.n_mbs), loss_fn) / M
         sums["actor_loss"] += sum(p["loss"] for p in parts) / M
         sums["actor_clip_frac"] += sum(p["clipped"] for p in parts) / M
         sums["approx_kl"] += sum(p["approx_kl"] for p in parts) / M

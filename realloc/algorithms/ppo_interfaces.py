@@ -17,7 +17,7 @@ from typing import Any, Mapping
 import torch
 
 from realloc.algorithms import ppo
-from realloc.algorithms.common import forward_batch, response_columns
+from realloc.algorithms.common import forward_batch, optimizer_step, response_columns
 from realloc.algorithms.context import CallContext, CallResult, Data, dp_all_reduce
 from realloc.models.batch import split_batch
 
@@ -58,7 +58,6 @@ def _train(ctx: CallContext, inputs: Data, actor: bool) -> CallResult:
     assert model is not None and ctx.optimizer is not None
     ro = _rollout(ctx, inputs, whiten=actor)
     M = ctx.call.n_minibatches
-    dp = model.groups.dp
     loss_sum = clipped = approx_kl = grad_norm = 0.0
     base_lr = cfg.lr if actor else cfg.critic_lr
     total_steps = max(ctx.total_iterations, ctx.iteration + 1) * M
@@ -83,12 +82,7 @@ def _train(ctx: CallContext, inputs: Data, actor: bool) -> CallResult:
             parts.append(st)
             return loss, {}
 
-        micro = split_batch(mb, ctx.n_mbs)
-        # The engine averages gradients over dp replicas; weighting by dp turns that into the sum that
-        # the global token normalization expects.
-        out = model.train_step(micro, loss_fn, ctx.optimizer, max_grad_norm=cfg.max_grad_norm,
-                               loss_weights=[float(dp)] * len(micro), recompute=ctx.recompute)
-        grad_norm += out["grad_norm"] / M
+        grad_norm += optimizer_step(ctx, split_batch(mb, ctx.n_mbs), loss_fn) / M
         loss_sum += sum(p.loss_sum for p in parts) / n_tok / M
         clipped += sum(p.clipped_tokens for p in parts) / n_tok / M
         approx_kl += sum(p.approx_kl_sum for p in parts) / n_tok / M

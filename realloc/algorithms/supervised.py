@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import torch
 
 from realloc.algorithms import losses
-from realloc.algorithms.common import forward_batch, response_columns
+from realloc.algorithms.common import forward_batch, optimizer_step, response_columns
 from realloc.algorithms.context import CallContext, CallResult, Data, dp_all_reduce
 from realloc.models.batch import split_batch
 from realloc.strategy import even_ranges
@@ -72,7 +72,7 @@ def dpo_train(ctx: CallContext, inputs: Data) -> CallResult:
     assert model is not None and ctx.optimizer is not None
     pairs, ref = inputs["pairs"], inputs["ref_logp"]
     mb_of_row, counts = _minibatches(ctx)
-    M, dp = ctx.call.n_minibatches, model.groups.dp
+    M = ctx.call.n_minibatches
     sums = {"dpo_loss": 0.0, "dpo_accuracy": 0.0, "dpo_margin": 0.0, "chosen_reward": 0.0, "rejected_reward": 0.0}
     grad_norm, lr0 = 0.0, 0.0
     for k in range(M):
@@ -99,9 +99,7 @@ def dpo_train(ctx: CallContext, inputs: Data) -> CallResult:
                           "rejected_reward": float(st["rejected_reward"].double().sum())})
             return per_pair.sum() / n_pairs, {}
 
-        out = model.train_step(micro, loss_fn, ctx.optimizer, max_grad_norm=cfg.max_grad_norm,
-                               loss_weights=[float(dp)] * len(micro), recompute=ctx.recompute)
-        grad_norm += out["grad_norm"] / M
+        grad_norm += optimizer_step(ctx, micro, loss_fn) / M
         for key in sums:
             sums[key] += sum(p[key] for p in parts) / n_pairs / M
     if not model.groups.is_last_stage:
@@ -115,7 +113,7 @@ def sft_train(ctx: CallContext, inputs: Data) -> CallResult:
     assert model is not None and ctx.optimizer is not None
     seq = inputs["seq"]
     mask = seq["gen_mask"]
-    M, dp = ctx.call.n_minibatches, model.groups.dp
+    M = ctx.call.n_minibatches
     mb_of_row = torch.tensor([i % M for i in ctx.ids])
     tokens = dp_all_reduce(model, torch.stack([mask[mb_of_row == k].sum().double() for k in range(M)]))
     sums = {"sft_loss": 0.0}
@@ -135,10 +133,7 @@ def sft_train(ctx: CallContext, inputs: Data) -> CallResult:
             parts.append(float(loss.detach()))
             return loss, {}
 
-        out = model.train_step(split_batch(mb, min(ctx.n_mbs, rows.numel())), loss_fn, ctx.optimizer,
-                               max_grad_norm=cfg.max_grad_norm, loss_weights=[float(dp)] * min(ctx.n_mbs, rows.numel()),
-                               recompute=ctx.recompute)
-        grad_norm += out["grad_norm"] / M
+        grad_norm += optimizer_step(ctx, split_batch(mb, min(ctx.n_mbs, rows.numel())), loss_fn) / M
         sums["sft_loss"] += sum(parts) / M
     if not model.groups.is_last_stage:
         return CallResult({}, {}, {"grad_norm": grad_norm})
