@@ -89,7 +89,7 @@ def steady(res: dict, warmup: int) -> dict:
     ov = dispatch_overheads([r for r in res["records"] if first <= r.iteration <= last])
     n_calls = sum(1 for r in recs if r.kind == "call")
     return {"s_per_it": statistics.median(m["iteration_time"] for m in ms),
-            "tok_s": statistics.median(m["tokens_per_s"] for m in ms),
+            "tok_s": sum(m["tokens"] for m in ms) / sum(m["iteration_time"] for m in ms),
             "call": busy.get("call", 0) / span, "realloc": busy.get("realloc", 0) / span,
             "data": busy.get("data", 0) / span,
             "idle": max(0.0, 1 - sum(busy.values()) / span),

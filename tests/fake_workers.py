@@ -3,30 +3,38 @@
 
 Each rank answers every request at once with success. A call's reply carries a one-float tensor per output
 key of the call (what the master needs to plan the transfers), plus any sample-log parts ``samples(call,
-iteration, rank)`` returns. ``delays`` (request type -> seconds) makes some requests slow, e.g. saves.
+iteration, rank)`` returns. ``delays`` (request type -> seconds) makes some requests slow, e.g. saves;
+``held(request, rank)`` -> seconds holds a request's reply that long while the rank answers later requests
+(replies out of order, as a master on slow links or busy devices can see them).
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import os
 import socket
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import zmq
 
 from realloc.runtime import protocol
 from realloc.runtime.curve import CurveKeys, secure_client
+from realloc.runtime.evaluation import eval_key
 
 SampleParts = Callable[[str, int, int], list[protocol.SamplePart]]
+Held = Callable[[Any, int], float]  # (request message, rank) -> seconds
 
 
 class FakeWorkers:
     def __init__(self, endpoint: str, secret: bytes, run_id: str, n_workers: int, outputs: dict[str, list[str]],
-                 samples: SampleParts = lambda call, t, rank: [], delays: dict[str, float] | None = None) -> None:
+                 samples: SampleParts = lambda call, t, rank: [], delays: dict[str, float] | None = None,
+                 held: Held = lambda req, rank: 0.0) -> None:
         self.ctx = zmq.Context()
         self.delays = delays or {}
+        self.held = held
         self.outputs = outputs
         self.samples = samples
         self.requests: list[str] = []  # kinds received by rank 0, in order
@@ -53,21 +61,40 @@ class FakeWorkers:
         channel = protocol.Channel(secret, run_id, name)
         send = lambda body: sock.send_multipart(channel.pack(protocol.MASTER, body))  # noqa: E731
         send(protocol.Hello(rank=rank, pid=os.getpid(), host=socket.gethostname()))
+        later: list[tuple[float, int, protocol.Reply]] = []  # held replies: (when, order, reply)
+        order = itertools.count()
         try:
-            while sock.poll(30_000):
+            while True:
+                holding = bool(later)
+                ready = sock.poll(max(0, int((later[0][0] - time.monotonic()) * 1000)) if holding else 30_000)
+                while later and later[0][0] <= time.monotonic():
+                    send(heapq.heappop(later)[2])
+                if not ready:
+                    if holding:  # the poll only waited for a held reply
+                        continue
+                    return  # 30 s without a request: the master is gone
                 env = channel.try_unpack(sock.recv_multipart(), protocol.MASTER)
                 if env is None:
                     continue
                 req = env.body
                 if rank == 0:
                     self.requests.append(req.type)
-                outputs, samples = [], []
+                outputs, samples, stats = [], [], {}
                 if isinstance(req, protocol.RunCall):
                     meta = [protocol.TensorMeta(name="x", dtype="float32", shape=[1])]
-                    outputs = [protocol.OutputMeta(key=k, tensors=meta) for k in self.outputs[req.call]]
+                    keys = self.outputs[req.call]
+                    if req.eval_batch >= 0:  # an evaluation pass: its own keys, and a score for the eval reward
+                        keys = [eval_key(req.eval_batch, k) for k in keys]
+                        stats = {"score_sum": 0.5, "n_seqs_scored": 1.0}
+                    outputs = [protocol.OutputMeta(key=k, tensors=meta) for k in keys]
                     samples = self.samples(req.call, req.iteration, rank)
                 time.sleep(self.delays.get(req.type, 0.0))
-                send(protocol.Reply(req=req.req, rank=rank, ok=True, outputs=outputs, samples=samples))
+                reply = protocol.Reply(req=req.req, rank=rank, ok=True, outputs=outputs, samples=samples,
+                                       stats=stats)
+                if hold := self.held(req, rank):
+                    heapq.heappush(later, (time.monotonic() + hold, next(order), reply))
+                    continue
+                send(reply)
                 if isinstance(req, protocol.Shutdown):
                     return
         finally:

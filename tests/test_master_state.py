@@ -13,8 +13,12 @@ the run's measured save time ends the run cleanly after the iterations in flight
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import signal
+import time
+
+import pytest
 
 from fake_workers import FakeWorkers
 from realloc.api import load_experiment
@@ -109,3 +113,37 @@ def test_a_stop_without_time_for_a_checkpoint_ends_cleanly_and_says_so(tmp_path)
     said = stop.describe(str(tmp_path))
     assert said.startswith("stopped by SIGUSR1 after iteration 3; no checkpoint: one takes about 1.") and \
         f"the newest is in {tmp_path / 'checkpoints'}" in said, said
+
+
+def test_an_iteration_that_overtakes_the_previous_ones_evaluation_gets_no_negative_time(tmp_path):
+    """Evaluation after every iteration; the eval reward's reply of every other iteration comes 0.4 s late (the
+    workers answer later requests meanwhile), so iteration k + 1 finishes before iteration k. Reported in order,
+    every iteration time is >= 0, they add up to the run's wall time, and the overtaking iterations say they
+    finished with the previous one instead of a rate (they used to report a negative time)."""
+    spec = load_experiment(TINY)
+    graph = build_graph(spec)
+    secret = protocol.new_secret()
+    config = RunConfig.of(spec)
+    config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, every=1))
+    master = Master(RuntimeProgram(graph, disjoint_plan()), config, RunPaths(tmp_path), "r1", secret,
+                    iterations=8, heartbeat_timeout=600.0)
+    outputs = {c: list(graph.call(c).output_data) for c in graph.topo_order}
+
+    def late_eval_reward(req, rank: int) -> float:
+        slow = isinstance(req, protocol.RunCall) and req.eval_batch >= 0 and req.call == master.eval_calls.reward
+        return 0.4 if slow and req.iteration % 2 == 0 else 0.0
+
+    t0 = time.time()
+    with FakeWorkers(f"tcp://127.0.0.1:{master.port}", secret, "r1", spec.cluster.n_devices, outputs,
+                     held=late_eval_reward):
+        asyncio.run(asyncio.wait_for(master.run(), 120))  # a lost fake worker fails here, not at pytest's 600 s
+    wall = time.time() - t0
+    ms = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["iteration"] for m in ms] == list(range(1, 9))
+    assert all(m["iteration_time"] >= 0 for m in ms), [m["iteration_time"] for m in ms]
+    assert 4 * 0.4 <= sum(m["iteration_time"] for m in ms) <= wall
+    overtaken = [m["iteration"] for m in ms if m["tokens_per_s"] is None]
+    assert overtaken and all(k % 2 == 0 for k in overtaken), overtaken  # iteration k + 1 = 2, 4, ... overtook k
+    assert all(m["eval"]["reward"] == 0.5 for m in ms)
+    assert all(m["tokens_per_s"] == pytest.approx(m["tokens"] / m["iteration_time"])
+               for m in ms if m["tokens_per_s"] is not None)

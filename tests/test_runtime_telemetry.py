@@ -64,12 +64,12 @@ def test_run_stats_match_the_batch_formulas(n_iterations):
     t, next_end = next(ends)
     for rank, rec in replies:
         while next_end is not None and rec.received[rank] > next_end:
-            stats.on_iteration({"iteration": t, "iteration_time": 1.0 + t, "tokens_per_s": 10.0 * t,
+            stats.on_iteration({"iteration": t, "iteration_time": 1.0 + t, "tokens": 10 * t,
                                 "reward": 0.1 * t}, next_end)
             t, next_end = next(ends, (None, None))
         stats.on_reply(rec.kind, rank, rec.dispatched, *rec.spans[rank], rec.received[rank])
     while next_end is not None:
-        stats.on_iteration({"iteration": t, "iteration_time": 1.0 + t, "tokens_per_s": 10.0 * t,
+        stats.on_iteration({"iteration": t, "iteration_time": 1.0 + t, "tokens": 10 * t,
                             "reward": 0.1 * t}, next_end)
         t, next_end = next(ends, (None, None))
     stats.close()
@@ -87,6 +87,9 @@ def test_run_stats_match_the_batch_formulas(n_iterations):
     times = [1.0 + t for t in range(n_iterations)][1 if steady else 0:]
     assert got["iterations"] == n_iterations and got["steady_iterations"] == len(times)
     assert got["iteration_time"] == pytest.approx(statistics.fmean(times))
+    # throughput over the window: all its tokens over all its time (not a mean of per-iteration rates)
+    tokens = [10 * t for t in range(n_iterations)][1 if steady else 0:]
+    assert got["tokens_per_s"] == pytest.approx(sum(tokens) / sum(times))
     assert got["first_reward"] == 0.0 and got["last_reward"] == pytest.approx(0.1 * (n_iterations - 1))
 
 

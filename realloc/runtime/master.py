@@ -628,9 +628,12 @@ class Master:
         if self.remaining[t]:
             return
         self.iter_end[t] = time.time()
-        # Report iterations in order (a later one cannot finish first, but be safe).
+        # Report iterations in order.
         while (k := self.start + self.n_reported) in self.iter_end:
             begin = self.iter_end.get(k - 1, self.t_start)
+            # Iteration k finishes before k - 1 when k - 1's evaluation overlaps k's calls; for the report it
+            # ends when both have (its time is then 0), so iteration times stay >= 0 and sum to the wall time.
+            self.iter_end[k] = max(self.iter_end[k], begin)
             m = iteration_metrics(k, self.call_stats.pop(k), self.node_times.pop(k), self.iter_end[k] - begin,
                                   self.program.batch_size * self.spec.seq_len, self.graph.headline_calls)
             if k in self.eval_stats:

@@ -173,7 +173,9 @@ def iteration_metrics(iteration: int, call_stats: dict[str, dict[str, float]], n
         if k in merged:
             out[k] = merged[k]
     out["iteration_time"] = iteration_time
-    out["tokens_per_s"] = tokens / iteration_time if iteration_time > 0 else 0.0
+    out["tokens"] = tokens
+    # None when the iteration finished together with the previous one (its work overlapped that one's).
+    out["tokens_per_s"] = tokens / iteration_time if iteration_time > 0 else None
     out["time"] = dict(node_times)
     out["calls"] = call_stats
     return out
@@ -188,7 +190,10 @@ def format_line(m: dict[str, Any], total: int) -> str:
         parts.append(f"eval reward {m['eval']['reward']:.4f} ({'greedy' if m['eval']['greedy'] else 'sampled'})")
     times = " ".join(f"{n} {t:.2f}s" for n, t in m["time"].items())
     parts.append(times)
-    parts.append(f"{m['iteration_time']:.2f}s/it {m['tokens_per_s']:.0f} tok/s")
+    if m["tokens_per_s"] is None:
+        parts.append("finished with the previous iteration")
+    else:
+        parts.append(f"{m['iteration_time']:.2f}s/it {m['tokens_per_s']:.0f} tok/s")
     return " | ".join(parts)
 
 
@@ -264,7 +269,7 @@ class RunStats:
         self.first = self.first or m
         self.last = m
         self.end = end
-        row = (m["iteration_time"], m["tokens_per_s"])
+        row = (m["iteration_time"], m["tokens"])
         self.times["all"].append(row)
         if self.n_iterations > self.warmup:
             self.times["steady"].append(row)
@@ -291,6 +296,7 @@ class RunStats:
                         "median_overhead_s": self.overhead.quantile(0.5)}
         return {"iterations": self.n_iterations, "steady_iterations": len(times),
                 "iteration_time": statistics.fmean(times), "iteration_time_median": statistics.median(times),
-                "tokens_per_s": statistics.fmean(tps for _, tps in rows), "device_time_shares": shares,
+                "tokens_per_s": sum(n for _, n in rows) / sum(times) if sum(times) > 0 else None,
+                "device_time_shares": shares,
                 "overhead": overhead,
                 "first_reward": self.first.get("reward"), "last_reward": self.last.get("reward")}
