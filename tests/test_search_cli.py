@@ -84,3 +84,17 @@ def test_long_call_and_mesh_names_keep_their_columns(tmp_path, capsys):
     for name, cols in rows.items():
         assert cols[1].startswith("very-long-hostname-01"), (name, cols)  # the mesh is its own column
         assert len(cols) == 10, cols  # call, mesh, devices, dp, tp, pp, mbs, recomp, est. s, peak
+
+
+def test_weak_scaling_dry_run_reports_the_searched_plan_against_a_heuristic_that_fits(capsys):
+    """issue 13 item 3: the paper's 128-GPU weak-scaling point plans end to end, the heuristic fits (with
+    recomputation) and the searched plan is reported against it; a short search already beats it."""
+    assert main(["search", "experiments/ppo_70b_7b_weak_scaling.py", "--dry-run", "--evals", "20000",
+                 "--threads", "1"]) == 0
+    text = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in text.splitlines()
+            if line.split() and line.split()[0] in ("searched", "heuristic")}
+    searched, heuristic = float(rows["searched"][1]), float(rows["heuristic"][1])
+    assert rows["heuristic"][-1] == "yes" and rows["searched"][-1] == "yes"
+    assert rows["heuristic"][2] == "1.00x" and searched < heuristic
+    assert rows["searched"][2] == f"{heuristic / searched:.2f}x"
