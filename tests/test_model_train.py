@@ -349,13 +349,14 @@ def test_pipelined_generation_gives_the_tokens_of_one_stage(pool):
     prompts = [torch.randint(1, 64, (n,), generator=g).tolist() for n in lens]
     # an eighth of the vocabulary ends a sequence: rows stop at different steps
     gconfig = GenerationConfig(max_new_tokens=14, min_new_tokens=2, seed=5, eos_token_ids=tuple(range(40, 48)))
-    # (dp, tp, pp, micro-batches); each pipelined layout is compared with pp = 1 at the same tp and n_mbs
-    layouts = [(1, 1, 2, 2), (1, 1, 2, 5), (1, 1, 4, 4), (1, 1, 4, 3), (1, 1, 4, 10), (1, 2, 2, 3)]
-    refs = {(1, tp, 1, n) for _, tp, _, n in layouts}
+    # (dp, tp, pp, micro-batches); each pipelined layout is compared with pp = 1 at the same dp, tp and n_mbs
+    layouts = [(1, 1, 2, 2), (1, 1, 2, 5), (1, 1, 4, 4), (1, 1, 4, 3), (1, 1, 4, 10), (1, 2, 2, 3), (2, 1, 2, 2),
+               (2, 1, 2, 1)]
+    refs = {(dp, tp, 1, n) for dp, tp, _, n in layouts}
     got = _samples_by_layout(pool, cfg, sorted(refs) + layouts, prompts, gconfig)
     for dp, tp, pp, n in layouts:
         seqs, logp = got[(dp, tp, pp, n)]
-        ref_seqs, ref_logp = got[(1, tp, 1, n)]
+        ref_seqs, ref_logp = got[(dp, tp, 1, n)]
         assert seqs == ref_seqs, (dp, tp, pp, n)
         assert all(torch.equal(a, b) for a, b in zip(logp, ref_logp)), (dp, tp, pp, n)
     generated = [len(s) - n for s, n in zip(got[(1, 1, 1, 2)][0], lens)]
