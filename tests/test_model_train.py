@@ -242,7 +242,7 @@ def test_memory_model_peaks_match_the_engines_live_tensors(pool, cfg):
 
     bf16 = Precision.for_dtype("bf16")
     n_mbs = 2
-    for tp, pp, recompute in [(2, 1, False), (1, 2, False), (1, 2, True)]:
+    for tp, pp, recompute in [(2, 1, False), (1, 2, False), (1, 2, True), (2, 1, True), (2, 2, True)]:
         s = ParallelStrategy(1, tp, pp)
         for r in pool.run(_live_peaks, cfg, tp, pp, n_mbs, recompute):
             if r is None:
@@ -258,6 +258,10 @@ def test_memory_model_peaks_match_the_engines_live_tensors(pool, cfg):
                 # block's saves and its norm's temporaries as if they peaked together, an upper bound.
                 train_bound = kind is InterfaceType.TRAIN_STEP and (cfg is BLOCK_HEAVY or k < pp - 1)
                 high = 1.25 if train_bound else 1.03
+                if train_bound and recompute and tp > 1:
+                    # The recomputed block's saves (1/tp of them) plus the fp32 norm backward's temporaries (on
+                    # every tp rank), which never coexist: the bound loosens as tp shrinks the saves.
+                    high = 1.4
                 assert 0.97 * measured <= want <= high * measured, (cfg.name, tp, pp, recompute, k, kind, measured,
                                                                     want)
 
