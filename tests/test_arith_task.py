@@ -110,18 +110,21 @@ def test_accuracy_equals_unbatched_greedy_decoding(tmp_path, arith_tok):
 
     hf = AutoTokenizer.from_pretrained(str(arith_tok), local_files_only=True)
     prompts = ["1+2=", "45+67=", "9-3=", "99-10=", "50+5=", "7+70=", "12-12=", "3+33="]
-    records, want = [], 0
+    records, want, want_value = [], 0, 0
     for i, p in enumerate(prompts):  # one prompt at a time: no padding
         ids = torch.tensor([hf(p)["input_ids"]])
         with torch.no_grad():
             out = model.generate(input_ids=ids, do_sample=False, max_new_tokens=4, eos_token_id=2, pad_token_id=0)
         number = first_number(hf.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
         right = number is not None and i % 2 == 0  # half the answers are what the model says
+        # a quarter are its value written another way: right value, not an exact match
+        padded = number is not None and i % 4 == 1 and not number.startswith("-")
         want += right
-        records.append({"prompt": p, "answer": number if right else "1000"})
-    assert want >= 2  # the model writes numbers, so the test can tell batched from unbatched decoding
+        want_value += right or padded
+        records.append({"prompt": p, "answer": number if right else "00" + number if padded else "1000"})
+    assert want >= 2 and want_value > want  # the model writes numbers: the test tells the counts apart
     path = tmp_path / "eval.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     acc = exact_match_accuracy(ckpt, path, max_new_tokens=4, batch_size=3)
-    assert (acc.n, acc.correct) == (len(prompts), want)
+    assert (acc.n, acc.correct, acc.right_value) == (len(prompts), want, want_value)
     assert main([str(tmp_path), str(path)]) == 2  # not a checkpoint: one error line

@@ -5,6 +5,8 @@
 
 Each record needs a prompt (text, chat or token ids, read like a run's prompts with ``DataConfig``) and an
 ``answer``; a response scores 1 when :func:`realloc.algorithms.verifiable.exact_number_match` accepts it.
+``right_value`` also counts responses whose first number has the answer's value in another form ("007" for
+"7"), so that a gain in exact match can be told apart from a gain in arithmetic.
 The tokenizer is the checkpoint's own (or ``tokenizer=``). This is an independent check of a run's
 exported model: transformers' ``generate``, not realloc's generation.
 """
@@ -24,14 +26,20 @@ from realloc.data.config import DataConfig
 class Accuracy:
     n: int
     correct: int
+    right_value: int  # the first number equals the answer as an integer, however written
     examples: tuple[tuple[str, str, str], ...]  # (prompt, response, answer) of the first few prompts
 
     @property
     def accuracy(self) -> float:
         return self.correct / self.n
 
+    @property
+    def value_accuracy(self) -> float:
+        return self.right_value / self.n
+
     def describe(self) -> str:
-        return f"exact match {self.correct}/{self.n} = {self.accuracy:.1%}"
+        return (f"exact match {self.correct}/{self.n} = {self.accuracy:.1%} (right value in any form "
+                f"{self.value_accuracy:.1%})")
 
 
 def exact_match_accuracy(checkpoint: str | Path, prompts: str | Path, *, tokenizer: str | Path | None = None,
@@ -42,7 +50,7 @@ def exact_match_accuracy(checkpoint: str | Path, prompts: str | Path, *, tokeniz
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from realloc.algorithms.verifiable import exact_number_match
+    from realloc.algorithms.verifiable import exact_number_match, first_number
     from realloc.data.prompts import PromptDataset
     from realloc.data.tokenizer import Tokenizer
 
@@ -58,7 +66,7 @@ def exact_match_accuracy(checkpoint: str | Path, prompts: str | Path, *, tokeniz
     hf_logging.disable_progress_bar()  # the "Loading weights" bar, once per call
     model = AutoModelForCausalLM.from_pretrained(str(checkpoint), local_files_only=True).eval()
     pad = tok.pad_token_id
-    correct, examples = 0, []
+    correct, right_value, examples = 0, 0, []
     for start in range(0, len(data), batch_size):
         rows = list(range(start, min(start + batch_size, len(data))))
         ids = [data.prompt_tokens(r) for r in rows]
@@ -73,9 +81,18 @@ def exact_match_accuracy(checkpoint: str | Path, prompts: str | Path, *, tokeniz
         for r, p, gen in zip(rows, ids, out[:, width:].tolist()):
             prompt_text, response = tok.decode(p), tok.decode(gen)
             correct += int(exact_number_match(prompt_text, response, str(answers[r])))
+            got = first_number(response)
+            right_value += int(got is not None and _as_int(got) == _as_int(str(answers[r]).strip()))
             if len(examples) < n_examples:
                 examples.append((prompt_text, response, str(answers[r])))
-    return Accuracy(len(data), correct, tuple(examples))
+    return Accuracy(len(data), correct, right_value, tuple(examples))
+
+
+def _as_int(text: str) -> int | None:
+    try:
+        return int(text)
+    except ValueError:
+        return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -130,7 +130,8 @@ def demo(root: Path = ROOT, run_dir: Path | None = None, rebuild_sft: bool = Fal
     _realloc(["export", str(run_dir), "--model", "actor", "--out", str(run_dir / "actor-hf")], log=run_dir / "export.log")
     after = accuracy(run_dir / "actor-hf")
     print(f"after GRPO: {after.describe()}, e.g. " + ", ".join(f"{p}{r}" for p, r, _ in after.examples[:3]))
-    print(f"held-out exact match {before.accuracy:.1%} -> {after.accuracy:.1%} ({n} GRPO iterations in "
+    print(f"held-out exact match {before.accuracy:.1%} -> {after.accuracy:.1%}, right value in any form "
+          f"{before.value_accuracy:.1%} -> {after.value_accuracy:.1%} ({n} GRPO iterations in "
           f"{grpo_seconds:.0f} s; {time.time() - t0:.0f} s in all; run directory {run_dir})")
     return before.accuracy, after.accuracy
 
