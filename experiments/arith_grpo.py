@@ -40,5 +40,5 @@ class ArithGRPO:
 
     @property
     def rpcs(self):
-        return critic_free_rpcs("grpo", reward="rule", n_samples=8, n_minibatches=self.grpo.n_minibatches,
+        return critic_free_rpcs("grpo", reward="rule", n_samples=8,
                                 reward_impl="verifiable_reward", reward_args=EXACT_MATCH)

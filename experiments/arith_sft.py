@@ -32,4 +32,4 @@ class ArithSFT:
 
     @property
     def rpcs(self):
-        return sft_rpcs(n_minibatches=self.sft.n_minibatches)
+        return sft_rpcs()

@@ -31,4 +31,4 @@ class TinyDPO:
 
     @property
     def rpcs(self):
-        return dpo_rpcs(actor="tiny", n_minibatches=self.dpo.n_minibatches)
+        return dpo_rpcs(actor="tiny")

@@ -27,4 +27,4 @@ class TinySFT:
 
     @property
     def rpcs(self):
-        return sft_rpcs(actor="tiny", n_minibatches=self.sft.n_minibatches)
+        return sft_rpcs(actor="tiny")

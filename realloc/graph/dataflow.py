@@ -19,7 +19,7 @@ from typing import Mapping
 
 import networkx as nx
 
-from realloc.algorithms.registry import Interface, Table, interfaces_of
+from realloc.algorithms.registry import Interface, Table, interfaces_of, resolve_minibatches
 from realloc.api import ExperimentSpec, HFModel, ModelFunctionCallDef
 from realloc.graph.contracts import check_contracts
 from realloc.models.config import RULE_MODEL_TYPE, ModelConfig, get_model_config, is_known_model_type, known_model_types
@@ -207,6 +207,8 @@ def _checkpoint_config(spec: ExperimentSpec, model: str, src: HFModel, table: Ta
 
 def build_graph(spec: ExperimentSpec) -> DataflowGraph:
     """Validate ``spec`` and build its one-iteration dataflow graph."""
+    if any(r.n_minibatches is None for r in spec.rpcs):  # a spec built by hand, not by experiment_spec
+        spec = dataclasses.replace(spec, rpcs=resolve_minibatches(spec))
     rpcs = spec.rpcs
     table = interfaces_of(spec)
     model_types, model_configs = _resolve_model_types(spec, table)
