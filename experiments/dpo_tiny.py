@@ -16,7 +16,6 @@ import dataclasses
 
 from realloc.algorithms.dpo import DPOConfig, dpo_rpcs
 from realloc.api import auto
-from realloc.tools.arith_demo import tokenizer_dir
 
 
 @auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size=32, prompt_len=8, gen_len=4,
@@ -25,7 +24,7 @@ from realloc.tools.arith_demo import tokenizer_dir
 class TinyDPO:
     seed: int = 1
     dataset: str = "data/arith_pairs.jsonl"  # {"prompt": "45-38=", "chosen": "7", "rejected": "8"} per line
-    tokenizer: str = str(tokenizer_dir())
+    tokenizer: str = "data/arith_tokenizer"
     iterations: int = 20
     dpo: DPOConfig = DPOConfig(n_minibatches=2, lr=3e-3, beta=0.1)
 

@@ -115,11 +115,13 @@ class HFModel:
 
     A relative path is relative to the experiment file. ``new_value_head`` turns a causal-LM
     checkpoint into a critic: its trunk is loaded and a scalar head is initialized from the run's
-    seed. A sequence-classification checkpoint already has its scalar head.
+    seed. A sequence-classification checkpoint already has its scalar head. ``build_hint`` says how to
+    make a checkpoint that the repository builds rather than ships (the error when it is missing).
     """
 
     path: str
     new_value_head: bool = False
+    build_hint: str = ""  # e.g. "build it with `python -m realloc.tools.arith_demo sft`"
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, Path)) or not str(self.path):

@@ -136,7 +136,7 @@ class OwnReward:
     seed: int = 2
     dataset: str = "{DATASET}"
     sample_every: int = 1
-    n_samples: int = 16
+    log_samples: int = 16
     grpo: GRPOConfig = GRPOConfig(lr=1e-3)
 
     @property

@@ -183,7 +183,8 @@ def _checkpoint_config(spec: ExperimentSpec, model: str, src: HFModel, table: Ta
     from realloc.models.hf_io import model_config_from_hf, read_hf_config
 
     if not Path(src.path).is_dir():
-        raise ValueError(f"model {model!r}: checkpoint directory {src.path} does not exist")
+        hint = f"; {src.build_hint}" if src.build_hint else ""
+        raise ValueError(f"model {model!r}: checkpoint directory {src.path} does not exist{hint}")
     hf = read_hf_config(src.path)
     seq_cls = any("SequenceClassification" in a for a in hf.get("architectures") or [])
     if src.new_value_head and seq_cls:

@@ -163,7 +163,7 @@ class ModelWorker:
         self.total_iterations = 0
         self.tokenizer = Tokenizer.load(self.config.tokenizer) if self.config.tokenizer else None
         self.tokens = SpecialTokens.of(spec, self.tokenizer)
-        self.samples = SampleLog(self.tokenizer, self.config.sample_every, self.config.n_samples)
+        self.samples = SampleLog(self.tokenizer, self.config.sample_every, self.config.log_samples)
         self.sample_parts: list[protocol.SamplePart] = []  # the current call's, sent with its reply
 
     def on_stop_signal(self, signum: int, frame: object) -> None:
