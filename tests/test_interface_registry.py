@@ -98,11 +98,19 @@ def test_experiment_interfaces_join_the_table_and_cannot_shadow_shipped_ones():
 
 
 def test_a_function_that_breaks_its_declaration_is_caught():
+    keys = {"seq": "seq", "logp": "gen_logp"}
     ok = CallResult({"seq": {}, "logp": {}}, {}, {})
-    ok.check("gen", "ppo_actor", ("seq", "logp"))
-    CallResult({}, {}, {}).check("gen", "ppo_actor", ("seq", "logp"))  # a stage without outputs
-    with pytest.raises(ValueError, match="declared outputs \\['seq', 'logp'\\] but produced \\['seq'\\]"):
-        CallResult({"seq": {}}, {}, {}).check("gen", "ppo_actor", ("seq", "logp"))
+    ok.check("gen", "ppo_actor", keys, rank=1, early_stage=False)
+    CallResult({}, {}, {}).check("gen", "ppo_actor", keys, rank=0, early_stage=True)  # a pipeline stage before the last
+    CallResult({}, {}, {}).check("train", "grpo_actor", {}, rank=0, early_stage=False)  # declares no outputs
+    with pytest.raises(ValueError, match="declared outputs \\['seq', 'logp'\\] but produced \\['seq'\\] on rank 3"):
+        CallResult({"seq": {}}, {}, {}).check("gen", "ppo_actor", keys, rank=3, early_stage=False)
+    # A data-parallel rank (or the last stage) that returns nothing: one error naming the call, rank and key, not a
+    # store error later in whichever call reads the key.
+    with pytest.raises(ValueError) as e:
+        CallResult({}, {}, {}).check("gen", "ppo_actor", {"logp": "gen_logp"}, rank=1, early_stage=False)
+    assert str(e.value).startswith("call 'gen': interface 'ppo_actor' returned no outputs on rank 1, so key "
+                                   "'gen_logp' (slot 'logp') has no rows from it"), str(e.value)
 
 
 def test_show_reports_a_contract_error_in_one_line(tmp_path):

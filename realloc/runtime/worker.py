@@ -340,7 +340,7 @@ class ModelWorker:
                                 group_size=spec.group_size, tokenizer=self.tokenizer,
                                 records=self._records(evaluating) if iface.records else None)
         result = fn(ctx, inputs)
-        CallResult.check(result, call, iface.name, tuple(s.role for s in iface.out_slots))
+        CallResult.check(result, call, iface.name, out_keys, self.rank, early_stage=pp_rank < pp - 1)
         metas = []
         for role, key in out_keys.items():
             if role in result.outputs:
