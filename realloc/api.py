@@ -217,6 +217,13 @@ class ExperimentSpec:
         """Responses per prompt (the GENERATE calls' ``n_samples``); sequences come in groups of this size."""
         return max((r.n_samples for r in self.rpcs), default=1)
 
+    def describe_batch(self) -> str:
+        """The batch as ``show`` and ``search`` print it: ``8 prompts x 4 responses = 32 sequences`` with group
+        sampling, else its size."""
+        if self.group_size == 1:
+            return str(self.batch_size)
+        return f"{self.batch_size} prompts x {self.group_size} responses = {self.batch_size * self.group_size} sequences"
+
     def n_seqs(self, rpc: ModelFunctionCallDef) -> int:
         """Sequences a call processes: ``batch_size`` prompts times the group size, unless ``n_seqs`` says."""
         return rpc.n_seqs if rpc.n_seqs is not None else self.batch_size * self.group_size

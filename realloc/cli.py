@@ -26,9 +26,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     cluster = spec.cluster
     print(f"experiment {spec.name}  ({spec.source})")
     print(f"cluster    {cluster.describe()}")
-    batch = (f"{spec.batch_size} prompts x {spec.group_size} responses = {spec.batch_size * spec.group_size} "
-             f"sequences" if spec.group_size > 1 else f"{spec.batch_size}")
-    print(f"workload   batch {batch}, prompt {spec.prompt_len} + generation {spec.gen_len} tokens")
+    print(f"workload   batch {spec.describe_batch()}, prompt {spec.prompt_len} + generation {spec.gen_len} tokens")
     print(f"graph      {len(spec.rpcs)} calls, {graph.graph.number_of_edges()} edges, digest {graph.digest}")
     for model, src in spec.models.items():
         print(f"checkpoint {model}: {src.path}{' (new value head)' if src.new_value_head else ''}")

@@ -84,3 +84,17 @@ def test_long_call_and_mesh_names_keep_their_columns(tmp_path, capsys):
     for name, cols in rows.items():
         assert cols[1].startswith("very-long-hostname-01"), (name, cols)  # the mesh is its own column
         assert len(cols) == 10, cols  # call, mesh, devices, dp, tp, pp, mbs, recomp, est. s, peak
+
+
+def test_search_and_show_print_the_same_group_sampling_batch(capsys):
+    """A GRPO graph's batch is 8 prompts of 4 responses each: search used to print "batch 8" where show printed it
+    whole."""
+    want = "workload   batch 8 prompts x 4 responses = 32 sequences, prompt 8 + generation 8 tokens"
+    assert main(["show", "experiments/grpo_tiny.py"]) == 0
+    assert want in capsys.readouterr().out
+    assert main(["search", "experiments/grpo_tiny.py", "--dry-run", "--evals", "500", "--threads", "1"]) == 0
+    assert want + ", 4 calls;" in capsys.readouterr().out
+    assert main(["search", "experiments/grpo_tiny.py", "--baseline", "heuristic"]) == 0
+    assert want in capsys.readouterr().out
+    assert main(["show", TINY]) == 0  # one response per prompt: the batch is its size
+    assert "workload   batch 32, prompt 8" in capsys.readouterr().out
