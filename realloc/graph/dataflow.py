@@ -96,12 +96,14 @@ class DataflowGraph:
 
     @cached_property
     def digest(self) -> str:
-        """Hash of everything a plan depends on except the cluster."""
+        """Hash of everything a plan depends on except the cluster, and of what each call runs: the interface
+        (as resolved, so a call without ``interface_impl`` and one naming its default agree), so that a plan or a
+        checkpoint of a GRPO graph is refused by the RLOO graph of the same shape."""
         body: dict = {
             "batch_size": self.spec.batch_size, "prompt_len": self.spec.prompt_len, "gen_len": self.spec.gen_len,
             "calls": [[r.name, r.model_name, self.model_types[r.model_name], r.interface_type.value,
-                       list(r.input_data), list(r.output_data), self.spec.n_seqs(r), r.n_minibatches]
-                      + ([r.n_samples] if r.n_samples > 1 else []) for r in self.calls],
+                       self.interfaces[r.name].name, list(r.input_data), list(r.output_data), self.spec.n_seqs(r),
+                       r.n_minibatches] + ([r.n_samples] if r.n_samples > 1 else []) for r in self.calls],
         }
         # A checkpoint is named by its shape, not its path, so a plan made on a laptop runs on the cluster.
         shapes = {m: _shape_key(self.model_configs[m]) for m in self.spec.models}
