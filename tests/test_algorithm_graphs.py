@@ -122,3 +122,23 @@ def test_dr_grpo_normalization_against_hand_values():
     assert loss == pytest.approx(0.0, abs=1e-6)
     adv = torch.tensor([1.5, -0.5, -0.5, -0.5]).view(4, 1)
     torch.testing.assert_close(grad, -adv * mask / (lens.view(4, 1) * 4), atol=1e-5, rtol=1e-5)
+
+
+def test_remax_advantages_against_hand_values():
+    """ReMax: a response's reward minus kl_coef x its summed log-ratio to the reference, minus the greedy response's
+    reward for the same prompt (sequence i of the greedy call)."""
+    from realloc.algorithms.critic_free import remax_advantages
+    from realloc.algorithms.grpo import ReMaxConfig
+
+    cfg = ReMaxConfig(kl_coef=0.5)
+    logp = torch.tensor([[-1.0, -2.0, -9.0], [-0.5, -0.5, -0.5], [-3.0, -1.0, -1.0]])
+    ref = torch.tensor([[-1.5, -1.7, -1.0], [-0.4, -0.8, -0.2], [-2.0, -1.0, -1.0]])
+    mask = torch.tensor([[True, True, False], [True, True, True], [True, False, False]])
+    # Summed log-ratios over the valid tokens: 0.5 - 0.3 = 0.2 (the masked -8 left out), -0.1 + 0.3 - 0.3 = -0.1, -1.
+    seq_kl = losses.sequence_kl(logp, ref, mask)
+    torch.testing.assert_close(seq_kl, torch.tensor([0.2, -0.1, -1.0]))
+    inputs = {"rewards": {"score": torch.tensor([1.0, 0.0, 2.0])},
+              "greedy_rewards": {"score": torch.tensor([0.5, 0.5, 2.0])}}
+    adv = remax_advantages(_ctx(cfg, 3, 1, 3), inputs, seq_kl)
+    # 1 - 0.5 * 0.2 - 0.5 = 0.4;  0 - 0.5 * (-0.1) - 0.5 = -0.45;  2 - 0.5 * (-1) - 2 = 0.5
+    torch.testing.assert_close(adv, torch.tensor([0.4, -0.45, 0.5]))
