@@ -58,10 +58,19 @@ def test_dry_run_search_prints_the_plan_and_baselines_and_no_baseline_has_a_crit
 
 
 def _one_response_each(spec):
-    """The same graph with batch_size x n_samples prompts and one response per prompt."""
+    """The same graph with batch_size x n_samples prompts and one response per prompt. Its train step runs GRPO's
+    function declared without GRPO's minimum group of 2 (only its cost is compared, nothing runs)."""
+    import types
+
+    from realloc.algorithms.registry import builtin_interfaces
+    from realloc.api import TRAIN_STEP
+
     g = spec.group_size
-    return dataclasses.replace(spec, batch_size=spec.batch_size * g,
-                               rpcs=tuple(dataclasses.replace(r, n_samples=1) for r in spec.rpcs))
+    flat = dataclasses.replace(builtin_interfaces()[("grpo_actor", TRAIN_STEP)], name="flat_grpo", min_group_size=1)
+    rpcs = tuple(dataclasses.replace(r, n_samples=1, interface_impl="flat_grpo" if r.is_train else r.interface_impl)
+                 for r in spec.rpcs)
+    return dataclasses.replace(spec, batch_size=spec.batch_size * g, rpcs=rpcs,
+                               config=types.SimpleNamespace(grpo=spec.config.grpo, interfaces=[flat]))
 
 
 def test_estimator_counts_batch_times_n_samples_sequences_downstream_of_group_sampling():
