@@ -1,9 +1,10 @@
 """The demo's SFT stage: a 4-layer LLaMA learns two-digit addition and subtraction from scratch (2 CPU devices).
 
 The model starts from random weights (``data/arith/init``, with the task's character tokenizer;
-``python -m realloc.tools.arith_demo init`` builds it in a second, and ``make demo`` before it runs this). Its data, ``data/arith_sft_padded.jsonl``, writes three quarters of the answers
-zero-padded to three digits ("45-38=007") as a fixed-width source would; the loss is on the answer and
-its EOS only. The model learns the arithmetic and the habit. `python -m realloc.tools.arith_demo sft`
+``python -m realloc.tools.arith_demo init`` builds it in a second, and ``make demo`` before it runs this).
+Its data, ``data/arith_sft_padded.jsonl``, writes three quarters of the answers zero-padded to three
+digits ("45-38=007") as a fixed-width source would; the loss is on the answer and its EOS only. The
+model learns the arithmetic and the habit. `python -m realloc.tools.arith_demo sft`
 runs this and exports the result to ``data/arith/sft``, where ``arith_grpo.py`` starts:
 
     realloc run experiments/arith_sft.py --search-time 5 --save-every 500 --run-dir runs/arith_sft

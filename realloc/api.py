@@ -222,7 +222,8 @@ class ExperimentSpec:
         sampling, else its size."""
         if self.group_size == 1:
             return str(self.batch_size)
-        return f"{self.batch_size} prompts x {self.group_size} responses = {self.batch_size * self.group_size} sequences"
+        n = self.batch_size * self.group_size
+        return f"{self.batch_size} prompts x {self.group_size} responses = {n} sequences"
 
     def n_seqs(self, rpc: ModelFunctionCallDef) -> int:
         """Sequences a call processes: ``batch_size`` prompts times the group size, unless ``n_seqs`` says."""

@@ -178,8 +178,8 @@ def test_a_missing_checkpoint_says_how_to_build_it(tmp_path):
 
     with pytest.raises(ValueError) as e:
         build_graph(experiment_spec(Exp))
-    assert str(e.value) == f"model 'actor': checkpoint directory {tmp_path / 'missing'} does not exist; build it with " \
-                           f"`make it`"
+    missing = tmp_path / "missing"
+    assert str(e.value) == f"model 'actor': checkpoint directory {missing} does not exist; build it with `make it`"
     # The stages that the shipped experiments' hints name exist.
     assert [arith_demo.parser().parse_args([s]).stage for s in ("init", "sft")] == ["init", "sft"]
 

@@ -7,9 +7,10 @@
 
 1. **SFT stage** (first use only; cached in ``experiments/data/arith/sft``): a random 4-layer LLaMA
    (``init``) carrying the task's shipped character tokenizer (``experiments/data/arith_tokenizer``),
-   then ``realloc run experiments/arith_sft.py`` and ``realloc export``. Its data, ``arith_sft_padded.jsonl``, writes three quarters of the answers
-   zero-padded to three digits ("45-38=007"), as a fixed-width source prints them; the grader reads
-   "007" as another number than "7". The SFT model learns the arithmetic and copies the habit.
+   then ``realloc run experiments/arith_sft.py`` and ``realloc export``. Its data,
+   ``arith_sft_padded.jsonl``, writes three quarters of the answers zero-padded to three digits
+   ("45-38=007"), as a fixed-width source prints them; the grader reads "007" as another number than "7".
+   The SFT model learns the arithmetic and copies the habit.
 2. **Before**: exact-match accuracy of the SFT checkpoint on the 500 held-out prompts, greedy, with
    transformers (``realloc.tools.accuracy``: an independent check, not realloc's generation).
 3. **GRPO**: ``realloc run experiments/arith_grpo.py`` on the local 2-device CPU cluster with a
