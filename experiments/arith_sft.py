@@ -1,9 +1,10 @@
 """The demo's SFT stage: a 4-layer LLaMA learns two-digit addition and subtraction from scratch (2 CPU devices).
 
-The model starts from random weights (``data/arith/init``, built on first use with the task's character
-tokenizer). Its data, ``data/arith_sft_padded.jsonl``, writes three quarters of the answers
-zero-padded to three digits ("45-38=007") as a fixed-width source would; the loss is on the answer and
-its EOS only. The model learns the arithmetic and the habit. `python -m realloc.tools.arith_demo sft`
+The model starts from random weights (``data/arith/init``, with the task's character tokenizer;
+``python -m realloc.tools.arith_demo init`` builds it in a second, and ``make demo`` before it runs this).
+Its data, ``data/arith_sft_padded.jsonl``, writes three quarters of the answers zero-padded to three
+digits ("45-38=007") as a fixed-width source would; the loss is on the answer and its EOS only. The
+model learns the arithmetic and the habit. `python -m realloc.tools.arith_demo sft`
 runs this and exports the result to ``data/arith/sft``, where ``arith_grpo.py`` starts:
 
     realloc run experiments/arith_sft.py --search-time 5 --save-every 500 --run-dir runs/arith_sft
@@ -13,8 +14,9 @@ runs this and exports the result to ``data/arith/sft``, where ``arith_grpo.py`` 
 import dataclasses
 
 from realloc.algorithms.dpo import SFTConfig, sft_rpcs
-from realloc.api import auto
-from realloc.tools.arith_demo import init_checkpoint
+from realloc.api import HFModel, auto
+
+INIT = "data/arith/init"  # built, not shipped (experiments/data/arith/ is gitignored)
 
 
 @auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size=256, prompt_len=8, gen_len=4,
@@ -25,11 +27,15 @@ class ArithSFT:
     dataset: str = "data/arith_sft_padded.jsonl"  # {"prompt": "45-38=", "response": "007"} per line
     iterations: int = 500  # 2,000 optimizer steps of 64 pairs
     sft: SFTConfig = SFTConfig(n_minibatches=4, lr=3e-3, warmup_proportion=0.05)
+    init: str = INIT  # the random model it starts from, relative to this file
 
     @property
     def models(self):
-        return {"actor": str(init_checkpoint())}  # its tokenizer files are the run's tokenizer
+        # Its tokenizer files are the run's tokenizer. Loading this file builds nothing: `realloc show` writes
+        # no files; a missing directory is one error that says how to build it.
+        hint = "build it with `python -m realloc.tools.arith_demo init`" if self.init == INIT else ""
+        return {"actor": HFModel(self.init, build_hint=hint)}
 
     @property
     def rpcs(self):
-        return sft_rpcs(n_minibatches=self.sft.n_minibatches)
+        return sft_rpcs()

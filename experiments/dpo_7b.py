@@ -21,4 +21,4 @@ class DPO7B:
 
     @property
     def rpcs(self):
-        return dpo_rpcs(actor="llama3-8b", n_minibatches=self.dpo.n_minibatches)
+        return dpo_rpcs(actor="llama3-8b")

@@ -1,13 +1,15 @@
-"""DPO on arithmetic preference pairs (the right answer over a near miss) with the tiny model on 2 CPU devices.
+"""DPO on arithmetic preference pairs (the right answer over a wrong one) with the tiny model on 2 CPU devices.
 
 The actor and its frozen reference start from the same random weights (model_type "tiny", same seed),
-so every pair's margin starts at 0; the reference scores each pair once per iteration and the actor
-takes the DPO step. metrics.jsonl reports the preference accuracy (pairs with a positive margin) and
-the mean margin. A random model has to learn some arithmetic to prefer the right answer over a near
-miss, so on the 1,000 shipped pairs (``data/arith_pairs.jsonl``, from ``python -m realloc.tools.arith_task
-data``) the loss falls slowly (0.69 -> ~0.64 in 20 iterations); on 64 pairs seen again and again
-(tests/test_algorithms_e2e.py) accuracy rises from ~0.3 to ~0.8 in 12. The tokenizer is built into
-data/arith/ on first use.
+so every pair's margin starts at 0 (loss log 2 = 0.693); the reference scores each pair once per
+iteration and the actor takes the DPO step. metrics.jsonl reports the preference accuracy (pairs of the
+batch with a positive margin, before the step) and the mean margin. The data are 64 pairs
+(``data/arith_pairs_small.jsonl``), each seen ten times in 20 iterations: enough for a random model to
+learn to rank them. Measured with the command below (5 s of search, 20 to 40 s in all on our shared
+2-core machine): preference accuracy 0.38 -> 1.00 (0.91 or more from iteration 8 on), loss
+0.691 -> 0.085, mean margin 0.02 -> 3.3. What it shows is the DPO step at work, not arithmetic: a random
+model does not learn to add in a minute, and on all 1,000 shipped pairs (``--set
+dataset=data/arith_pairs.jsonl``, each seen under once) the accuracy only wanders between 0.5 and 0.8.
 
     realloc run experiments/dpo_tiny.py --search-time 5
 """
@@ -16,7 +18,6 @@ import dataclasses
 
 from realloc.algorithms.dpo import DPOConfig, dpo_rpcs
 from realloc.api import auto
-from realloc.tools.arith_demo import tokenizer_dir
 
 
 @auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size=32, prompt_len=8, gen_len=4,
@@ -24,11 +25,13 @@ from realloc.tools.arith_demo import tokenizer_dir
 @dataclasses.dataclass
 class TinyDPO:
     seed: int = 1
-    dataset: str = "data/arith_pairs.jsonl"  # {"prompt": "45-38=", "chosen": "7", "rejected": "8"} per line
-    tokenizer: str = str(tokenizer_dir())
+    dataset: str = "data/arith_pairs_small.jsonl"  # {"prompt": "45-38=", "chosen": "7", "rejected": "8"} per line
+    tokenizer: str = "data/arith_tokenizer"  # the task's character tokenizer (shipped)
     iterations: int = 20
-    dpo: DPOConfig = DPOConfig(n_minibatches=2, lr=3e-3, beta=0.1)
+    # beta 0.5 rather than the usual 0.1: a larger step in the implicit reward per unit of log-prob margin, so
+    # the ranking shows in a short run.
+    dpo: DPOConfig = DPOConfig(n_minibatches=2, lr=3e-3, beta=0.5)
 
     @property
     def rpcs(self):
-        return dpo_rpcs(actor="tiny", n_minibatches=self.dpo.n_minibatches)
+        return dpo_rpcs(actor="tiny")

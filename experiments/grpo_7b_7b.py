@@ -22,5 +22,4 @@ class GRPO7Bx7B:
 
     @property
     def rpcs(self):
-        return critic_free_rpcs("grpo", actor="llama3-8b", reward="llama3-8b-critic", n_samples=8,
-                                n_minibatches=self.grpo.n_minibatches)
+        return critic_free_rpcs("grpo", actor="llama3-8b", reward="llama3-8b-critic", n_samples=8)

@@ -22,6 +22,5 @@ class TinyGRPO:
 
     @property
     def rpcs(self):
-        return critic_free_rpcs("grpo", actor="tiny", reward="rule", n_samples=4,
-                                n_minibatches=self.grpo.n_minibatches, reward_impl="rule_reward",
+        return critic_free_rpcs("grpo", actor="tiny", reward="rule", n_samples=4, reward_impl="rule_reward",
                                 reward_args={"rule": "token_set", "tokens": TARGET_TOKENS})

@@ -22,5 +22,4 @@ class ReMax7Bx7B:
 
     @property
     def rpcs(self):
-        return critic_free_rpcs("remax", actor="llama3-8b", reward="llama3-8b-critic",
-                                n_minibatches=self.remax.n_minibatches)
+        return critic_free_rpcs("remax", actor="llama3-8b", reward="llama3-8b-critic")

@@ -23,6 +23,5 @@ class TinyReMax:
 
     @property
     def rpcs(self):
-        return critic_free_rpcs("remax", actor="tiny", reward="rule",
-                                n_minibatches=self.remax.n_minibatches, reward_impl="rule_reward",
+        return critic_free_rpcs("remax", actor="tiny", reward="rule", reward_impl="rule_reward",
                                 reward_args={"rule": "token_set", "tokens": TARGET_TOKENS})

@@ -22,5 +22,4 @@ class RLOO7Bx7B:
 
     @property
     def rpcs(self):
-        return critic_free_rpcs("rloo", actor="llama3-8b", reward="llama3-8b-critic", n_samples=8,
-                                n_minibatches=self.rloo.n_minibatches)
+        return critic_free_rpcs("rloo", actor="llama3-8b", reward="llama3-8b-critic", n_samples=8)

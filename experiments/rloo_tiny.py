@@ -23,6 +23,5 @@ class TinyRLOO:
 
     @property
     def rpcs(self):
-        return critic_free_rpcs("rloo", actor="tiny", reward="rule", n_samples=4,
-                                n_minibatches=self.rloo.n_minibatches, reward_impl="rule_reward",
+        return critic_free_rpcs("rloo", actor="tiny", reward="rule", n_samples=4, reward_impl="rule_reward",
                                 reward_args={"rule": "token_set", "tokens": TARGET_TOKENS})

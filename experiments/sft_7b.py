@@ -21,4 +21,4 @@ class SFT7B:
 
     @property
     def rpcs(self):
-        return sft_rpcs(actor="llama3-8b", n_minibatches=self.sft.n_minibatches)
+        return sft_rpcs(actor="llama3-8b")

@@ -3,7 +3,7 @@
 The model starts from random weights (model_type "tiny", a 64-token vocabulary over the task's 18-token
 character tokenizer); the loss is the negative log-likelihood of the answer and its EOS only, the prompt
 is context. The loss falls from ~4 (uniform over the vocabulary) within a few iterations. The tokenizer
-is built into data/arith/ on first use (about a second).
+is the task's, shipped in data/arith_tokenizer/.
 
     realloc run experiments/sft_tiny.py --search-time 5
 """
@@ -12,7 +12,6 @@ import dataclasses
 
 from realloc.algorithms.dpo import SFTConfig, sft_rpcs
 from realloc.api import auto
-from realloc.tools.arith_demo import tokenizer_dir
 
 
 @auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size=32, prompt_len=8, gen_len=4,
@@ -21,10 +20,10 @@ from realloc.tools.arith_demo import tokenizer_dir
 class TinySFT:
     seed: int = 1
     dataset: str = "data/arith_sft.jsonl"  # {"prompt": "45-38=", "response": "7"} per line
-    tokenizer: str = str(tokenizer_dir())
+    tokenizer: str = "data/arith_tokenizer"
     iterations: int = 20
     sft: SFTConfig = SFTConfig(n_minibatches=2, lr=3e-3)
 
     @property
     def rpcs(self):
-        return sft_rpcs(actor="tiny", n_minibatches=self.sft.n_minibatches)
+        return sft_rpcs(actor="tiny")

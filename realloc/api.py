@@ -38,7 +38,9 @@ class ModelFunctionCallDef:
 
     ``model_type`` may be left out on all but one call of a model; the graph
     takes it from the call that names it. ``n_minibatches`` (TRAIN_STEP only)
-    splits the batch into that many optimizer steps, as PPO's mini-batches do.
+    splits the batch into that many optimizer steps, as PPO's mini-batches do;
+    it comes from the interface's settings (``ppo.n_minibatches``), and a call
+    that also gives it must give the same number (``registry.resolve_minibatches``).
     ``n_samples`` (GENERATE only) samples that many responses per prompt: the
     group that GRPO and RLOO compare. Every later call then sees
     ``batch_size * n_samples`` sequences, grouped by prompt; ``n_seqs``
@@ -52,7 +54,7 @@ class ModelFunctionCallDef:
     input_data: Sequence[str] = ()
     output_data: Sequence[str] = ()
     n_seqs: int | None = None
-    n_minibatches: int = 1
+    n_minibatches: int | None = None  # TRAIN_STEP: None takes the settings' (others: 1)
     n_samples: int = 1
     interface_impl: str | None = None
     interface_args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -81,9 +83,12 @@ class ModelFunctionCallDef:
             object.__setattr__(self, field, keys)
         if self.n_seqs is not None and (not isinstance(self.n_seqs, int) or self.n_seqs < 1):
             raise ValueError(f"call {self.name!r}: n_seqs must be a positive integer, got {self.n_seqs!r}")
-        if not isinstance(self.n_minibatches, int) or self.n_minibatches < 1:
+        if self.n_minibatches is None and itype is not InterfaceType.TRAIN_STEP:
+            object.__setattr__(self, "n_minibatches", 1)
+        if self.n_minibatches is not None and (not isinstance(self.n_minibatches, int) or
+                                               isinstance(self.n_minibatches, bool) or self.n_minibatches < 1):
             raise ValueError(f"call {self.name!r}: n_minibatches must be a positive integer, got {self.n_minibatches!r}")
-        if self.n_minibatches > 1 and itype is not InterfaceType.TRAIN_STEP:
+        if self.n_minibatches != 1 and itype is not InterfaceType.TRAIN_STEP:
             raise ValueError(f"call {self.name!r}: n_minibatches applies only to TRAIN_STEP calls")
         if not isinstance(self.n_samples, int) or isinstance(self.n_samples, bool) or self.n_samples < 1:
             raise ValueError(f"call {self.name!r}: n_samples must be a positive integer, got {self.n_samples!r}")
@@ -110,11 +115,13 @@ class HFModel:
 
     A relative path is relative to the experiment file. ``new_value_head`` turns a causal-LM
     checkpoint into a critic: its trunk is loaded and a scalar head is initialized from the run's
-    seed. A sequence-classification checkpoint already has its scalar head.
+    seed. A sequence-classification checkpoint already has its scalar head. ``build_hint`` says how to
+    make a checkpoint that the repository builds rather than ships (the error when it is missing).
     """
 
     path: str
     new_value_head: bool = False
+    build_hint: str = ""  # e.g. "build it with `python -m realloc.tools.arith_demo sft`"
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, Path)) or not str(self.path):
@@ -210,6 +217,14 @@ class ExperimentSpec:
         """Responses per prompt (the GENERATE calls' ``n_samples``); sequences come in groups of this size."""
         return max((r.n_samples for r in self.rpcs), default=1)
 
+    def describe_batch(self) -> str:
+        """The batch as ``show`` and ``search`` print it: ``8 prompts x 4 responses = 32 sequences`` with group
+        sampling, else its size."""
+        if self.group_size == 1:
+            return str(self.batch_size)
+        n = self.batch_size * self.group_size
+        return f"{self.batch_size} prompts x {self.group_size} responses = {n} sequences"
+
     def n_seqs(self, rpc: ModelFunctionCallDef) -> int:
         """Sequences a call processes: ``batch_size`` prompts times the group size, unless ``n_seqs`` says."""
         return rpc.n_seqs if rpc.n_seqs is not None else self.batch_size * self.group_size
@@ -240,7 +255,10 @@ def experiment_spec(experiment: Any, source: str = "", auto_config: AutoConfig |
     spec = ExperimentSpec(name=cls.__name__, rpcs=tuple(rpcs), cluster=cluster, batch_size=cfg.batch_size,
                           prompt_len=cfg.prompt_len, gen_len=cfg.gen_len, dataset_keys=cfg.dataset_keys,
                           config=instance, source=source)
-    return dataclasses.replace(spec, models=_checkpoint_models(spec, getattr(instance, "models", None)))
+    from realloc.algorithms.registry import resolve_minibatches  # here: the registry imports this module
+
+    return dataclasses.replace(spec, rpcs=resolve_minibatches(spec),
+                               models=_checkpoint_models(spec, getattr(instance, "models", None)))
 
 
 def _checkpoint_models(spec: ExperimentSpec, models: Any) -> dict[str, HFModel]:

@@ -17,18 +17,16 @@ class NotImplementedYet(Exception):
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    from realloc.api import load_experiment
     from realloc.graph.dataflow import build_graph
+    from realloc.overrides import load_with_overrides
     from realloc.search.candidates import call_options
 
-    spec = load_experiment(args.experiment)
+    spec = load_with_overrides(args.experiment, getattr(args, "set", None) or ())
     graph = build_graph(spec)
     cluster = spec.cluster
     print(f"experiment {spec.name}  ({spec.source})")
     print(f"cluster    {cluster.describe()}")
-    batch = (f"{spec.batch_size} prompts x {spec.group_size} responses = {spec.batch_size * spec.group_size} "
-             f"sequences" if spec.group_size > 1 else f"{spec.batch_size}")
-    print(f"workload   batch {batch}, prompt {spec.prompt_len} + generation {spec.gen_len} tokens")
+    print(f"workload   batch {spec.describe_batch()}, prompt {spec.prompt_len} + generation {spec.gen_len} tokens")
     print(f"graph      {len(spec.rpcs)} calls, {graph.graph.number_of_edges()} edges, digest {graph.digest}")
     for model, src in spec.models.items():
         print(f"checkpoint {model}: {src.path}{' (new value head)' if src.new_value_head else ''}")
@@ -99,6 +97,7 @@ def build_parser(commands: dict[str, Callable[[argparse.Namespace], int]] | None
 
     s = sub.add_parser("show", help="validate an experiment and print its graph and candidate counts")
     s.add_argument("experiment", help="experiment file (path/exp.py[:Class]) or module")
+    _set_option(s)
     s.set_defaults(func=_cmd_show)
 
     s = sub.add_parser("profile", help="measure per-layer and collective costs on this machine")

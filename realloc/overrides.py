@@ -87,6 +87,9 @@ def _replace(obj: Any, tree: dict[str, Any], owner: str, prefix: str) -> Any:
         key = sub[0] if isinstance(sub, tuple) else f"{prefix}{name}"
         if name not in fields:
             extra = f"; workload fields: {', '.join(WORKLOAD_FIELDS)}" if not prefix else ""
+            if not prefix and name == "n_samples":  # the old name of log_samples; also a call's group size
+                extra += ("; samples.jsonl's count is log_samples, and responses per prompt are the GENERATE call's "
+                          "n_samples (in the experiment's rpcs)")
             raise ValueError(f"--set {key}: {owner} has no field {name!r} (fields: {', '.join(fields) or 'none'}"
                              f"{extra})")
         if isinstance(sub, tuple):

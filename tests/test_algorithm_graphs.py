@@ -58,10 +58,19 @@ def test_dry_run_search_prints_the_plan_and_baselines_and_no_baseline_has_a_crit
 
 
 def _one_response_each(spec):
-    """The same graph with batch_size x n_samples prompts and one response per prompt."""
+    """The same graph with batch_size x n_samples prompts and one response per prompt. Its train step runs GRPO's
+    function declared without GRPO's minimum group of 2 (only its cost is compared, nothing runs)."""
+    import types
+
+    from realloc.algorithms.registry import builtin_interfaces
+    from realloc.api import TRAIN_STEP
+
     g = spec.group_size
-    return dataclasses.replace(spec, batch_size=spec.batch_size * g,
-                               rpcs=tuple(dataclasses.replace(r, n_samples=1) for r in spec.rpcs))
+    flat = dataclasses.replace(builtin_interfaces()[("grpo_actor", TRAIN_STEP)], name="flat_grpo", min_group_size=1)
+    rpcs = tuple(dataclasses.replace(r, n_samples=1, interface_impl="flat_grpo" if r.is_train else r.interface_impl)
+                 for r in spec.rpcs)
+    return dataclasses.replace(spec, batch_size=spec.batch_size * g, rpcs=rpcs,
+                               config=types.SimpleNamespace(grpo=spec.config.grpo, interfaces=[flat]))
 
 
 def test_estimator_counts_batch_times_n_samples_sequences_downstream_of_group_sampling():
@@ -122,3 +131,23 @@ def test_dr_grpo_normalization_against_hand_values():
     assert loss == pytest.approx(0.0, abs=1e-6)
     adv = torch.tensor([1.5, -0.5, -0.5, -0.5]).view(4, 1)
     torch.testing.assert_close(grad, -adv * mask / (lens.view(4, 1) * 4), atol=1e-5, rtol=1e-5)
+
+
+def test_remax_advantages_against_hand_values():
+    """ReMax: a response's reward minus kl_coef x its summed log-ratio to the reference, minus the greedy response's
+    reward for the same prompt (sequence i of the greedy call)."""
+    from realloc.algorithms.critic_free import remax_advantages
+    from realloc.algorithms.grpo import ReMaxConfig
+
+    cfg = ReMaxConfig(kl_coef=0.5)
+    logp = torch.tensor([[-1.0, -2.0, -9.0], [-0.5, -0.5, -0.5], [-3.0, -1.0, -1.0]])
+    ref = torch.tensor([[-1.5, -1.7, -1.0], [-0.4, -0.8, -0.2], [-2.0, -1.0, -1.0]])
+    mask = torch.tensor([[True, True, False], [True, True, True], [True, False, False]])
+    # Summed log-ratios over the valid tokens: 0.5 - 0.3 = 0.2 (the masked -8 left out), -0.1 + 0.3 - 0.3 = -0.1, -1.
+    seq_kl = losses.sequence_kl(logp, ref, mask)
+    torch.testing.assert_close(seq_kl, torch.tensor([0.2, -0.1, -1.0]))
+    inputs = {"rewards": {"score": torch.tensor([1.0, 0.0, 2.0])},
+              "greedy_rewards": {"score": torch.tensor([0.5, 0.5, 2.0])}}
+    adv = remax_advantages(_ctx(cfg, 3, 1, 3), inputs, seq_kl)
+    # 1 - 0.5 * 0.2 - 0.5 = 0.4;  0 - 0.5 * (-0.1) - 0.5 = -0.45;  2 - 0.5 * (-1) - 2 = 0.5
+    torch.testing.assert_close(adv, torch.tensor([0.4, -0.45, 0.5]))

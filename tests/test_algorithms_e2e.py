@@ -38,7 +38,9 @@ def _plans(calls: tuple[str, ...]) -> dict[str, dict]:
     one = {c: ("localhost:0", 1, 1, 1, 1) for c in calls}
     # Tensor and pipeline parallelism: the reference split over tp, the train step over pp.
     tp_pp = {**one, "ref_inf": ("localhost", 1, 2, 1, 1), "actor_train": ("localhost", 1, 1, 2, 2)}
-    return {"spread": spread, "one_device": one, "tp_pp": {c: tp_pp[c] for c in calls}}
+    # Every call data-parallel over both devices, generation included: each rank samples the groups of its prompts.
+    dp2 = {c: ("localhost", 2, 1, 1, 1) for c in calls}
+    return {"spread": spread, "one_device": one, "tp_pp": {c: tp_pp[c] for c in calls}, "dp2": dp2}
 
 
 def _run(experiment: str, plan_name: str, iterations: int, base: Path, *extra: str) -> list[dict]:
@@ -91,19 +93,15 @@ DPO_HEADLINE = ("dpo_loss", "dpo_accuracy", "dpo_margin", "chosen_reward", "reje
 
 
 def test_dpo_raises_preference_accuracy_and_margin_and_does_not_depend_on_the_plan(tmp_path):
-    experiment = str(REPO / "experiments/dpo_tiny.py")
-    # 64 of the shipped pairs, so a short run sees each pair several times.
-    pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join((REPO / "experiments/data/arith_pairs.jsonl").read_text().splitlines(True)[:64]))
-    data = ("--set", f"dataset={pairs}")
-    spread = _run(experiment, "spread", 12, tmp_path, *data)
+    experiment = str(REPO / "experiments/dpo_tiny.py")  # as shipped: 64 pairs, so a short run sees each several times
+    spread = _run(experiment, "spread", 12, tmp_path)
     acc, margin = [m["dpo_accuracy"] for m in spread], [m["dpo_margin"] for m in spread]
     assert abs(spread[0]["dpo_loss"] - 0.6931) < 0.02  # the actor starts as its reference: margins near 0
-    assert sum(acc[-3:]) / 3 > 0.7 and sum(margin[-3:]) / 3 > 0.2 > margin[0], (acc, margin)
+    assert sum(acc[-3:]) / 3 > 0.85 and sum(margin[-3:]) / 3 > 1.0 and abs(margin[0]) < 0.1, (acc, margin)
     # Iteration 1's first mini-batch scores pairs while actor == reference: its margins are rounding noise around
     # 0, whose sign (the accuracy) may differ between layouts. Every other number must agree.
     for plan in ("one_device", "tp_pp"):
-        other = _run(experiment, plan, N_COMPARE, tmp_path, *data)
+        other = _run(experiment, plan, N_COMPARE, tmp_path)
         _same(spread[:1], other[:1], tuple(k for k in DPO_HEADLINE if k != "dpo_accuracy"), plan)
         _same(spread[1:N_COMPARE], other[1:], DPO_HEADLINE, plan)
 
@@ -136,7 +134,7 @@ class OwnReward:
     seed: int = 2
     dataset: str = "{DATASET}"
     sample_every: int = 1
-    n_samples: int = 16
+    log_samples: int = 16
     grpo: GRPOConfig = GRPOConfig(lr=1e-3)
 
     @property
@@ -151,15 +149,34 @@ class OwnReward:
 
 
 def test_an_interface_declared_in_the_experiment_file_runs_in_the_workers(tmp_path):
+    """Also group sampling with the generation split over dp=2: each rank generates the 4 responses to each of its
+    prompts, and the groups stay whole through the transfers to the reward and the dp=2 train step, whose
+    group-normalized advantages must be those computed by hand from the logged rewards."""
     exp = tmp_path / "own_reward.py"
     exp.write_text(OWN_INTERFACE.format(DATASET=REPO / "experiments/data/ppo_tiny_prompts.jsonl"))
-    spread = _run(str(exp), "spread", 2, tmp_path)
-    samples = [json.loads(line) for line in (tmp_path / "own_reward-spread" / "samples.jsonl").read_text().splitlines()]
+    metrics = _run(str(exp), "dp2", 2, tmp_path)
+    samples = [json.loads(line) for line in (tmp_path / "own_reward-dp2" / "samples.jsonl").read_text().splitlines()]
     assert {s["iteration"] for s in samples} == {1, 2} and len(samples) == 32  # every sequence of both batches
     for s in samples:  # the worker ran this file's function: each reward is the share of even response tokens
         resp = s["response_ids"]
         assert s["reward"] == pytest.approx(sum(t % 2 == 0 for t in resp) / len(resp))
-    for it, m in zip((1, 2), spread):
-        scores = [s["reward"] for s in samples if s["iteration"] == it]
+    for it, m in zip((1, 2), metrics):
+        batch = sorted((s for s in samples if s["iteration"] == it), key=lambda s: s["seq"])
+        assert [s["seq"] for s in batch] == list(range(16))
+        scores = [s["reward"] for s in batch]
         assert m["reward"] == pytest.approx(sum(scores) / len(scores))
-    assert 0 < spread[0]["reward"] < 1
+        # Sequences 4g .. 4g+3 answer prompt g: the same prompt within a group, four prompts in all.
+        groups = [batch[4 * g:4 * g + 4] for g in range(4)]
+        assert all(len({tuple(s["prompt_ids"]) for s in grp}) == 1 for grp in groups)
+        assert len({tuple(grp[0]["prompt_ids"]) for grp in groups}) == 4
+        # GRPO's advantage by hand: (r - group mean) / (group's Bessel std + 1e-6); the train step reports the mean
+        # |advantage| over the batch.
+        adv = []
+        for grp in groups:
+            r = [s["reward"] for s in grp]
+            mean = sum(r) / 4
+            std = (sum((x - mean) ** 2 for x in r) / 3) ** 0.5
+            adv += [abs(x - mean) / (std + 1e-6) for x in r]
+        assert m["adv_abs_mean"] == pytest.approx(sum(adv) / 16, rel=1e-4, abs=1e-6), it
+        assert m["adv_abs_mean"] > 0.1  # the groups' rewards differ: not a vacuous comparison
+    assert 0 < metrics[0]["reward"] < 1

@@ -63,14 +63,15 @@ def test_sft_through_realloc_then_grpo_from_its_checkpoint(tmp_path):
     data = _slice(tmp_path)
     sft_run, grpo_run = tmp_path / "sft", tmp_path / "grpo"
     sft_exp, grpo_exp = str(REPO / "experiments/arith_sft.py"), str(REPO / "experiments/arith_grpo.py")
-    sets = ("--set", f"dataset={data['sft']}", "--set", "batch_size=128")
+    init = arith_demo.init_checkpoint(tmp_path / "arith")  # the random model the SFT stage starts from
+    sets = ("--set", f"dataset={data['sft']}", "--set", "batch_size=128", "--set", f"init={init}")
     _realloc(tmp_path, "run", sft_exp, "--plan", _plan(tmp_path, sft_exp, *sets[1::2]), "--quiet", "--iterations",
              str(SFT_ITERATIONS), "--save-every", str(SFT_ITERATIONS), "--run-dir", str(sft_run), *sets)
     losses = [m["sft_loss"] for m in _metrics(sft_run)]
     assert losses[0] > 2.5 and max(losses[-5:]) < 0.15 * losses[0], losses
     ckpt = tmp_path / "sft-hf"
     _realloc(tmp_path, "export", str(sft_run), "--model", "actor", "--out", str(ckpt))
-    start = exact_match_accuracy(arith_demo.init_checkpoint(), data["prompts"], max_new_tokens=4)
+    start = exact_match_accuracy(init, data["prompts"], max_new_tokens=4)
     sft = exact_match_accuracy(ckpt, data["prompts"], max_new_tokens=4)
     padded = sum(r.lstrip("0") == a and r != a for _, r, a in sft.examples)
     assert sft.accuracy > start.accuracy + 0.1 and padded, (start.describe(), sft.describe(), sft.examples)

@@ -70,11 +70,20 @@ def test_shipped_files_equal_the_generator():
     assert abs(n_padded / short - arith_task.Split().pad_share) < 0.03
 
 
-def test_tokenizer_one_token_per_character(arith_tok):
+@pytest.mark.parametrize("which", ["trained", "shipped"])
+def test_tokenizer_one_token_per_character(arith_tok, which):
+    """A freshly trained tokenizer, and the one shipped for the experiments (``experiments/data/arith_tokenizer``,
+    re-made by ``python -m realloc.tools.arith_task tokenizer --out experiments/data/arith_tokenizer``)."""
     from transformers import AutoTokenizer
 
     from realloc.data.tokenizer import Tokenizer
 
+    if which == "shipped":
+        shipped = REPO / "experiments" / "data" / "arith_tokenizer"
+        fresh = json.loads((arith_tok / "tokenizer.json").read_text())
+        assert json.loads((shipped / "tokenizer.json").read_text()) == fresh
+        assert (shipped / "generation_config.json").read_text() == (arith_tok / "generation_config.json").read_text()
+        arith_tok = shipped
     hf = AutoTokenizer.from_pretrained(str(arith_tok), local_files_only=True)
     # lexicographic ids after the 4 special tokens: " "=4 "+"=5 "-"=6 "0".."9"=7..16 "="=17
     assert hf("23+9= 0-1")["input_ids"] == [1, 9, 10, 5, 16, 17, 4, 7, 6, 8]

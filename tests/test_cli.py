@@ -68,3 +68,13 @@ def test_user_mistakes_are_not_internal_errors(tmp_path, capsys):
     assert main(["run", "experiments/ppo_tiny.py", "--iterations", "1", "--run-dir", str(a_file)]) == EXIT_USAGE
     err = capsys.readouterr().err
     assert f"--run-dir {a_file} is a file" in err and "internal error" not in err
+
+
+def test_python_dash_m_realloc_runs_the_realloc_program():
+    ok = subprocess.run([sys.executable, "-m", "realloc", "show", "experiments/grpo_tiny.py", "--set", "batch_size=2"],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "workload   batch 2 prompts x 4 responses = 8 sequences" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "realloc", "show", "experiments/grpo_tiny.py", "--set", "grpo.lrr=1"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == EXIT_USAGE and bad.stderr.strip().count("\n") == 0 and "no field 'lrr'" in bad.stderr

@@ -78,6 +78,27 @@ def test_digest_is_stable_and_sensitive():
     assert ppo_graph(2).digest != ppo_graph(4).digest
 
 
+def test_digest_names_the_interface_each_call_runs():
+    """GRPO and RLOO graphs have the same shape: a plan (or a checkpoint) of one must not pass for the other."""
+    import dataclasses
+
+    from realloc.algorithms.grpo import critic_free_rpcs
+    from realloc.graph.plan import ExecutionPlan, validate_plan
+
+    rule = dict(actor="tiny", reward="rule", n_samples=4, reward_impl="rule_reward",
+                reward_args={"rule": "token_set", "tokens": [1]})
+    grpo, rloo = (build_graph(make_spec(critic_free_rpcs(a, **rule))) for a in ("grpo", "rloo"))
+    assert grpo.digest != rloo.digest
+    plan = ExecutionPlan.by_hand(grpo, {c: ("localhost", 2, 1, 1, 1) for c in grpo.spec.call_names})
+    validate_plan(plan, grpo)
+    with pytest.raises(ValueError, match="plan was made for a different version of experiment"):
+        validate_plan(plan, rloo)
+    # What a call runs, as resolved: leaving out interface_impl is the same graph as naming PPO's default.
+    implicit = [dataclasses.replace(r, interface_impl=None) if r.interface_impl in ("ppo_actor", "ppo_critic") else r
+                for r in ppo_rpcs("tiny", "tiny-critic", n_minibatches=2)]
+    assert build_graph(make_spec(implicit)).digest == ppo_graph().digest
+
+
 # -- every validation error names the call and key ---------------------------------------------
 
 def test_cycle_is_rejected_with_path():
@@ -156,7 +177,8 @@ def test_rule_model_only_infers():
     with pytest.raises(ValueError, match="call 'score': interface_impl 'rule_reward' does not implement TRAIN_STEP"):
         build_graph(make_spec(rpcs))
     rpcs[1] = call("score", "fn", TRAIN_STEP, ["seq"], model_type="rule", interface_impl="train_on_seq")
-    with pytest.raises(ValueError, match="call 'score': interface 'train_on_seq' TRAIN_STEP needs a vocabulary"):
+    with pytest.raises(ValueError, match="call 'score': model 'fn' is a parameter-free rule .* which a TRAIN_STEP "
+                                         "cannot train"):
         build_graph(make_spec(rpcs, interfaces=[TRAIN_ON_SEQ]))
     rpcs[1] = call("score", "fn", INFERENCE, ["seq"], ["r"], model_type="rule")
     with pytest.raises(ValueError, match="call 'score'.*needs interface_impl"):

@@ -15,16 +15,21 @@ SHIPPED = sorted(str(p.relative_to(Path(__file__).resolve().parents[1]))
                  for p in (Path(__file__).resolve().parents[1] / "experiments").glob("*.py"))
 
 
-# Experiments that start from a checkpoint the repository builds (not ships): validated from one of the same shape.
-def _built_elsewhere() -> dict[str, list[str]]:
+@pytest.fixture(scope="module")
+def arith_init(tmp_path_factory):
+    """The random model of the demo's SFT stage, built outside the source tree (a second)."""
     from realloc.tools.arith_demo import init_checkpoint
 
-    return {"experiments/arith_grpo.py": [f"init={init_checkpoint()}"]}  # make demo builds its SFT start
+    return init_checkpoint(tmp_path_factory.mktemp("arith"))
+
+
+# Experiments that start from a checkpoint the repository builds (not ships): validated from one of the same shape.
+BUILT_ELSEWHERE = {"experiments/arith_grpo.py", "experiments/arith_sft.py"}  # make demo builds their starts
 
 
 @pytest.mark.parametrize("path", SHIPPED)
-def test_shipped_experiments_validate(path):
-    spec = load_with_overrides(path, _built_elsewhere().get(path, []))
+def test_shipped_experiments_validate(path, arith_init):
+    spec = load_with_overrides(path, [f"init={arith_init}"] if path in BUILT_ELSEWHERE else [])
     graph = build_graph(spec)
     assert "actor_train" in spec.call_names
     if Path(path).name.startswith("ppo_"):
@@ -127,3 +132,65 @@ def test_errors_in_the_experiment_files_own_code_name_the_file_and_line(tmp_path
     with pytest.raises(ValueError) as e:
         load_experiment(str(path))
     assert str(e.value).startswith(f"experiment file {path}") and where in str(e.value) and what in str(e.value)
+
+
+def _tree(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in root.rglob("*")}
+
+
+def test_loading_showing_and_planning_the_arithmetic_experiments_writes_nothing(capsys):
+    """They used to build the tokenizer or the initial checkpoint into experiments/data/arith/ when loaded: now the
+    tokenizer is shipped and a checkpoint the repository builds is named, not built, with how to build it."""
+    from realloc.cli import main
+
+    repo = Path(__file__).resolve().parents[1]
+    before = _tree(repo / "experiments")
+    for name in ("sft_tiny", "dpo_tiny"):
+        assert main(["show", f"experiments/{name}.py"]) == 0
+        assert main(["search", f"experiments/{name}.py", "--dry-run", "--evals", "200", "--threads", "1"]) == 0
+    for name, stage in (("arith_sft", "init"), ("arith_grpo", "sft")):
+        spec = load_experiment(f"experiments/{name}.py")
+        hint = spec.models["actor"].build_hint
+        assert f"`python -m realloc.tools.arith_demo {stage}`" in hint, hint
+        if not Path(spec.models["actor"].path).is_dir():  # not built here yet: one line that says how
+            assert main(["show", f"experiments/{name}.py"]) == 2
+            err = capsys.readouterr().err
+            assert len(err.strip().splitlines()) == 1 and err.strip().endswith(hint), err
+    assert _tree(repo / "experiments") == before
+
+
+def test_a_missing_checkpoint_says_how_to_build_it(tmp_path):
+    from realloc.api import HFModel
+    from realloc.tools import arith_demo
+
+    @auto(nodelist="localhost", n_devices_per_node=1, batch_size=4, dataset_keys=["sft"])
+    @dataclasses.dataclass
+    class Exp:
+        @property
+        def models(self):
+            return {"actor": HFModel(str(tmp_path / "missing"), build_hint="build it with `make it`")}
+
+        @property
+        def rpcs(self):
+            from realloc.algorithms.dpo import sft_rpcs
+
+            return sft_rpcs()
+
+    with pytest.raises(ValueError) as e:
+        build_graph(experiment_spec(Exp))
+    missing = tmp_path / "missing"
+    assert str(e.value) == f"model 'actor': checkpoint directory {missing} does not exist; build it with `make it`"
+    # The stages that the shipped experiments' hints name exist.
+    assert [arith_demo.parser().parse_args([s]).stage for s in ("init", "sft")] == ["init", "sft"]
+
+
+def test_show_checks_an_overridden_start_checkpoint(arith_init, capsys):
+    """`realloc show --set init=DIR` validates the experiment as `realloc run --set init=DIR` would run it."""
+    from realloc.cli import main
+
+    assert main(["show", "experiments/arith_grpo.py", "--set", f"init={arith_init}", "--set", "batch_size=4"]) == 0
+    out = capsys.readouterr().out
+    assert f"checkpoint actor: {arith_init}" in out and "batch 4 prompts x 8 responses = 32 sequences" in out
+    assert main(["show", "experiments/arith_grpo.py", "--set", "init=/nonexistent/sft"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "realloc show: error: model 'actor': checkpoint directory /nonexistent/sft does not exist", err

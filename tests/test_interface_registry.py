@@ -98,11 +98,19 @@ def test_experiment_interfaces_join_the_table_and_cannot_shadow_shipped_ones():
 
 
 def test_a_function_that_breaks_its_declaration_is_caught():
+    keys = {"seq": "seq", "logp": "gen_logp"}
     ok = CallResult({"seq": {}, "logp": {}}, {}, {})
-    ok.check("gen", "ppo_actor", ("seq", "logp"))
-    CallResult({}, {}, {}).check("gen", "ppo_actor", ("seq", "logp"))  # a stage without outputs
-    with pytest.raises(ValueError, match="declared outputs \\['seq', 'logp'\\] but produced \\['seq'\\]"):
-        CallResult({"seq": {}}, {}, {}).check("gen", "ppo_actor", ("seq", "logp"))
+    ok.check("gen", "ppo_actor", keys, rank=1, early_stage=False)
+    CallResult({}, {}, {}).check("gen", "ppo_actor", keys, rank=0, early_stage=True)  # a pipeline stage before the last
+    CallResult({}, {}, {}).check("train", "grpo_actor", {}, rank=0, early_stage=False)  # declares no outputs
+    with pytest.raises(ValueError, match="declared outputs \\['seq', 'logp'\\] but produced \\['seq'\\] on rank 3"):
+        CallResult({"seq": {}}, {}, {}).check("gen", "ppo_actor", keys, rank=3, early_stage=False)
+    # A data-parallel rank (or the last stage) that returns nothing: one error naming the call, rank and key, not a
+    # store error later in whichever call reads the key.
+    with pytest.raises(ValueError) as e:
+        CallResult({}, {}, {}).check("gen", "ppo_actor", {"logp": "gen_logp"}, rank=1, early_stage=False)
+    assert str(e.value).startswith("call 'gen': interface 'ppo_actor' returned no outputs on rank 1, so key "
+                                   "'gen_logp' (slot 'logp') has no rows from it"), str(e.value)
 
 
 def test_show_reports_a_contract_error_in_one_line(tmp_path):
@@ -153,3 +161,76 @@ def test_the_readme_example_of_an_own_interface_validates_and_scores_by_hand(tmp
     out = variety.resolve()(None, {"seq": seq})  # responses [5, 5, 7] and [4, 4, 4]: 2 and 1 distinct of 3
     torch.testing.assert_close(out.outputs["rewards"]["score"], torch.tensor([2 / 3, 1 / 3]))
     assert out.sums == {"score_sum": pytest.approx(1.0), "n_seqs_scored": 2.0}
+
+
+RULE = dict(reward="rule", reward_impl="rule_reward", reward_args={"rule": "token_set", "tokens": [1]})
+
+
+@pytest.mark.parametrize("algo", ["grpo", "rloo"])
+def test_a_group_baseline_needs_two_responses_per_prompt(algo):
+    """One response per prompt: RLOO's leave-one-out baseline is undefined (it crashed in the workers) and GRPO's
+    advantage is 0 (it trained on nothing); both are one line at validation naming the call and n_samples."""
+    with pytest.raises(ValueError) as e:
+        _graph(critic_free_rpcs(algo, actor="tiny", n_samples=1, **RULE))
+    msg = str(e.value)
+    for w in ("call 'actor_train'", f"'{algo}_actor' TRAIN_STEP", "at least 2 responses per prompt",
+              "'actor_gen' samples n_samples=1", "set n_samples to 2 or more on 'actor_gen'"):
+        assert w in msg, (w, msg)
+    assert _graph(critic_free_rpcs(algo, actor="tiny", n_samples=2, **RULE)).spec.group_size == 2
+    # ReMax compares with a greedy response, not the group: one sample per prompt is its design.
+    assert _graph(critic_free_rpcs("remax", actor="tiny", **RULE)).spec.group_size == 1
+    with pytest.raises(ValueError, match="min_group_size must be a positive integer"):
+        Interface("x", INFERENCE, "m:f", min_group_size=0)
+
+
+def test_a_train_step_needs_a_model_with_parameters():
+    def nothing(ctx, inputs):
+        return CallResult({}, {}, {})
+
+    with pytest.raises(ValueError, match="Interface 't': a TRAIN_STEP interface trains a model's parameters, so head "
+                                         "must be 'lm' or 'value', not 'none'"):
+        Interface("t", TRAIN_STEP, nothing, inputs=("seq",), head="none", config="grpo", config_type=GRPOConfig)
+    own = Interface("t", TRAIN_STEP, nothing, inputs=("seq",), config="grpo", config_type=GRPOConfig)
+    rpcs = _replace(critic_free_rpcs("grpo", actor="tiny", n_samples=2, **RULE), "actor_train", model_name="reward",
+                    interface_impl="t", input_data=["seq"])
+    with pytest.raises(ValueError, match="call 'actor_train': model 'reward' is a parameter-free rule"):
+        _graph(rpcs, [own])
+
+
+def test_a_settings_field_that_no_call_reads_is_an_error():
+    grpo = critic_free_rpcs("grpo", actor="tiny", n_samples=4, **RULE)
+    with pytest.raises(ValueError) as e:
+        _graph(grpo, gpro=GRPOConfig(lr=1e-3))  # misspelled: it used to run on GRPOConfig's defaults
+    assert str(e.value) == ("experiment Exp: field 'gpro' holds a GRPOConfig, but no call's interface reads it (they "
+                            "read: grpo), so it would change nothing; did you mean 'grpo'? rename or remove it")
+    with pytest.raises(ValueError, match="field 'ppo' holds a PPOConfig, but no call's interface reads it"):
+        _graph(grpo, grpo=GRPOConfig(), ppo=PPOConfig())
+    # Settings that are read, and fields of other kinds, are fine.
+    from realloc.runtime.evaluation import EvalConfig
+
+    assert _graph(grpo, grpo=GRPOConfig(lr=1e-3), eval=EvalConfig()).interfaces["actor_train"].config == "grpo"
+
+
+def test_n_minibatches_comes_from_the_settings_and_a_conflicting_call_is_an_error():
+    grpo = critic_free_rpcs("grpo", actor="tiny", n_samples=4, **RULE)  # the call leaves it out
+    g = _graph(grpo, grpo=GRPOConfig(n_minibatches=4))
+    assert g.call("actor_train").n_minibatches == 4 and g.steps_n_seqs("actor_train") == 8  # 32 sequences / 4
+    assert _graph(grpo).call("actor_train").n_minibatches == 1  # GRPOConfig's default
+    assert _graph(ppo_rpcs("tiny", "tiny-critic")).call("critic_train").n_minibatches == 8  # PPOConfig's default
+    # Without the settings field the call's own number stands; with it, the two must agree.
+    two = _replace(grpo, "actor_train", n_minibatches=2)
+    assert _graph(two).call("actor_train").n_minibatches == 2
+    assert _graph(two, grpo=GRPOConfig(n_minibatches=2)).call("actor_train").n_minibatches == 2
+    with pytest.raises(ValueError) as e:
+        _graph(two, grpo=GRPOConfig(n_minibatches=4))
+    for w in ("call 'actor_train': n_minibatches=2", "grpo.n_minibatches is 4", "GRPOConfig(n_minibatches=...)",
+              "--set grpo.n_minibatches=N"):
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_a_settings_override_sets_the_train_calls_optimizer_steps():
+    from realloc.overrides import load_with_overrides
+
+    spec = load_with_overrides(str(REPO / "experiments/grpo_tiny.py"), ["grpo.n_minibatches=4"])
+    assert spec.config.grpo.n_minibatches == 4 and spec.call("actor_train").n_minibatches == 4
+    assert build_graph(spec).steps_n_seqs("actor_train") == 8

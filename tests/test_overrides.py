@@ -86,3 +86,42 @@ def test_eval_overrides_are_checked():
     assert load_with_overrides(TINY, ["eval.dataset=none"]).config.eval.dataset is None
     with pytest.raises(ValueError, match="EvalConfig.batches must be an integer >= 1"):
         load_with_overrides(TINY, ["eval.batches=0"])
+
+
+OLD_N_SAMPLES = '''
+import dataclasses
+from realloc.algorithms.grpo import GRPOConfig, critic_free_rpcs
+from realloc.api import auto
+
+@auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size=8, prompt_len=8, gen_len=8)
+@dataclasses.dataclass
+class Exp:
+    {FIELD}: int = 8
+    grpo: GRPOConfig = GRPOConfig()
+
+    @property
+    def rpcs(self):
+        return critic_free_rpcs("grpo", actor="tiny", reward="rule", n_samples=4, reward_impl="rule_reward",
+                                reward_args={{"rule": "token_set", "tokens": [1]}})
+'''
+
+
+def test_samples_jsonl_count_is_log_samples_and_the_old_name_is_an_error(tmp_path, capsys):
+    """``n_samples`` on the experiment (sequences to samples.jsonl) read like a GENERATE call's n_samples (responses
+    per prompt): it is ``log_samples`` now, and the old name is one error pointing at both."""
+    from realloc.runtime.run_config import RunConfig
+
+    new = tmp_path / "new.py"
+    new.write_text(OLD_N_SAMPLES.format(FIELD="log_samples"))
+    assert RunConfig.of(load_with_overrides(str(new)), require_dataset=False).log_samples == 8
+    assert RunConfig.of(load_with_overrides(str(new), ["log_samples=3"]), require_dataset=False).log_samples == 3
+    old = tmp_path / "old.py"
+    old.write_text(OLD_N_SAMPLES.format(FIELD="n_samples"))
+    assert main(["show", str(old)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    for w in ("experiment 'Exp': field n_samples", "write log_samples", "GENERATE call's n_samples"):
+        assert w in err, (w, err)
+    with pytest.raises(ValueError, match="samples.jsonl's count is log_samples, and responses per prompt are the "
+                                         "GENERATE call's n_samples"):
+        load_with_overrides(TINY, ["n_samples=2"])

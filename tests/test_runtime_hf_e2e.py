@@ -56,7 +56,7 @@ class HFPPO:
     dataset: str = "{DATASET}"
     data: DataConfig = DataConfig(overflow="truncate", truncation_side="left")
     sample_every: int = 1
-    n_samples: int = 4
+    log_samples: int = 4
     ppo: PPOConfig = PPOConfig(n_minibatches=1, lr=2e-3, critic_lr=2e-3, kl_coef=0.05, top_k=1)
 
     @property

@@ -127,7 +127,7 @@ def test_trace_and_request_log_are_on_disk_before_the_run_ends(tmp_path):
 
 
 def test_sample_log_schedule_rows_and_merged_lines(tmp_path):
-    """sample_every=10 logs iterations 1, 11, 21, 31 (0-based 0, 10, ...): the batch's first n_samples
+    """sample_every=10 logs iterations 1, 11, 21, 31 (0-based 0, 10, ...): the batch's first log_samples
     sequences, wherever their dp rank holds them. The reward call gives the ids and reward, the generation
     the response's log-probs; the master writes one line per sequence."""
     import torch

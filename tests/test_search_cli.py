@@ -98,3 +98,17 @@ def test_weak_scaling_dry_run_reports_the_searched_plan_against_a_heuristic_that
     assert rows["heuristic"][-1] == "yes" and rows["searched"][-1] == "yes"
     assert rows["heuristic"][2] == "1.00x" and searched < heuristic
     assert rows["searched"][2] == f"{heuristic / searched:.2f}x"
+
+
+def test_search_and_show_print_the_same_group_sampling_batch(capsys):
+    """A GRPO graph's batch is 8 prompts of 4 responses each: search used to print "batch 8" where show printed it
+    whole."""
+    want = "workload   batch 8 prompts x 4 responses = 32 sequences, prompt 8 + generation 8 tokens"
+    assert main(["show", "experiments/grpo_tiny.py"]) == 0
+    assert want in capsys.readouterr().out
+    assert main(["search", "experiments/grpo_tiny.py", "--dry-run", "--evals", "500", "--threads", "1"]) == 0
+    assert want + ", 4 calls;" in capsys.readouterr().out
+    assert main(["search", "experiments/grpo_tiny.py", "--baseline", "heuristic"]) == 0
+    assert want in capsys.readouterr().out
+    assert main(["show", TINY]) == 0  # one response per prompt: the batch is its size
+    assert "workload   batch 32, prompt 8" in capsys.readouterr().out

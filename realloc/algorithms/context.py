@@ -11,7 +11,7 @@ every dp rank and reported once.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -52,16 +52,23 @@ class CallResult:
     sums: dict[str, float]  # additive over dp ranks (the master sums the dp ranks' reports)
     globals: dict[str, float]  # identical on every dp rank (reported once)
 
-    def check(self, call: str, interface: str, roles: tuple[str, ...]) -> None:
-        """A rank that produced outputs produced every declared one (a pipeline stage that holds none, such as
-        the first stage of a forward pass, returns no outputs at all)."""
+    def check(self, call: str, interface: str, keys: Mapping[str, str], rank: int, early_stage: bool) -> None:
+        """The outputs are the declared ones (``keys``: output slot role -> the call's key). Only a pipeline
+        stage before the last (``early_stage``), which holds no results, may return none at all: an empty
+        result from any other rank would leave its rows missing in the store, an error far from its cause."""
         if not isinstance(self, CallResult) or not isinstance(self.outputs, dict):
             raise ValueError(f"call {call!r}: interface {interface!r} must return a CallResult")
+        roles = list(keys)
         missing = [r for r in roles if r not in self.outputs]
         extra = [r for r in self.outputs if r not in roles]
+        if not self.outputs and missing and not early_stage:
+            raise ValueError(f"call {call!r}: interface {interface!r} returned no outputs on rank {rank}, so key "
+                             f"{keys[missing[0]]!r} (slot {missing[0]!r}) has no rows from it; every data-parallel "
+                             f"rank must return all of {roles} for its rows (only a pipeline stage before the last "
+                             f"may return none)")
         if self.outputs and (missing or extra):
-            raise ValueError(f"call {call!r}: interface {interface!r} declared outputs {list(roles)} but produced "
-                             f"{sorted(self.outputs)}; fix the function or its Interface(outputs=...)")
+            raise ValueError(f"call {call!r}: interface {interface!r} declared outputs {roles} but produced "
+                             f"{sorted(self.outputs)} on rank {rank}; fix the function or its Interface(outputs=...)")
 
 
 

@@ -45,7 +45,8 @@ INTERFACES: tuple[Interface, ...] = (
 )
 
 
-def dpo_rpcs(actor: str | None = None, ref: str | None = None, n_minibatches: int = 1) -> list[ModelFunctionCallDef]:
+def dpo_rpcs(actor: str | None = None, ref: str | None = None,
+             n_minibatches: int | None = None) -> list[ModelFunctionCallDef]:
     """Reference scores of each pair, then the actor's DPO step. The experiment's ``dataset_keys`` must
     include ``pairs`` (``@auto(..., dataset_keys=["pairs"])``)."""
     return [
@@ -57,7 +58,7 @@ def dpo_rpcs(actor: str | None = None, ref: str | None = None, n_minibatches: in
     ]
 
 
-def sft_rpcs(actor: str | None = None, n_minibatches: int = 1) -> list[ModelFunctionCallDef]:
+def sft_rpcs(actor: str | None = None, n_minibatches: int | None = None) -> list[ModelFunctionCallDef]:
     """One train step over (prompt, response) pairs; ``@auto(..., dataset_keys=["sft"])``."""
     return [ModelFunctionCallDef(name="actor_train", model_name="actor", model_type=actor, interface_type=TRAIN_STEP,
                                  interface_impl="sft", input_data=["sft"], n_minibatches=n_minibatches)]

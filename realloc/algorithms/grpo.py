@@ -70,18 +70,21 @@ _COMMON = "realloc.algorithms.common"
 _TRAIN = "realloc.algorithms.critic_free"
 
 
-def _actor(name: str, field: str, cfg: type, train: str, train_inputs: tuple[str, ...]) -> tuple[Interface, ...]:
+def _actor(name: str, field: str, cfg: type, train: str, train_inputs: tuple[str, ...],
+           min_group_size: int = 1) -> tuple[Interface, ...]:
     return (Interface(name, GENERATE, f"{_COMMON}:actor_generate", inputs=("prompts",), outputs=("seq", "logp"),
                       config=field, config_type=cfg),
             Interface(name, INFERENCE, f"{_COMMON}:actor_logprobs", inputs=("seq",), outputs=("logp",),
                       config=field, config_type=cfg),
-            Interface(name, TRAIN_STEP, f"{_TRAIN}:{train}", inputs=train_inputs, config=field, config_type=cfg))
+            Interface(name, TRAIN_STEP, f"{_TRAIN}:{train}", inputs=train_inputs, config=field, config_type=cfg,
+                      min_group_size=min_group_size))
 
 
 PG_INPUTS = ("seq", "logp", "ref_logp:logp", "rewards")
 INTERFACES: tuple[Interface, ...] = (
-    *_actor("grpo_actor", "grpo", GRPOConfig, "grpo_train", PG_INPUTS),
-    *_actor("rloo_actor", "rloo", RLOOConfig, "rloo_train", PG_INPUTS),
+    # A group of one has no baseline: GRPO's advantage would be 0 (nothing learned), RLOO's undefined.
+    *_actor("grpo_actor", "grpo", GRPOConfig, "grpo_train", PG_INPUTS, min_group_size=2),
+    *_actor("rloo_actor", "rloo", RLOOConfig, "rloo_train", PG_INPUTS, min_group_size=2),
     *_actor("remax_actor", "remax", ReMaxConfig, "remax_train", PG_INPUTS + ("greedy_rewards:rewards",)),
     Interface("remax_greedy", GENERATE, f"{_COMMON}:actor_generate_greedy", inputs=("prompts",),
               outputs=("seq", "logp"), config="remax", config_type=ReMaxConfig),
@@ -94,11 +97,12 @@ def _reward_call(name: str, seq: str, out: str, reward: str | None, impl: str, a
 
 
 def critic_free_rpcs(algorithm: Literal["grpo", "rloo", "remax"], actor: str | None = None, reward: str | None = None,
-                     ref: str | None = None, n_samples: int = 8, n_minibatches: int = 1,
+                     ref: str | None = None, n_samples: int = 8, n_minibatches: int | None = None,
                      reward_impl: str = "reward", reward_args: dict | None = None) -> list[ModelFunctionCallDef]:
     """The calls of GRPO, RLOO or ReMax on models named actor, ref and reward (types None: from `models`).
 
     GRPO and RLOO sample ``n_samples`` responses per prompt; ReMax samples one and adds a greedy one.
+    ``n_minibatches`` None: the settings' (``grpo.n_minibatches``, ...); a number must equal theirs.
     """
     impl = f"{algorithm}_actor"
     n = 1 if algorithm == "remax" else n_samples

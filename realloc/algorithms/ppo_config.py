@@ -27,13 +27,14 @@ class PPOConfig(TrainConfig):
 
 
 def ppo_rpcs(actor: str | None = None, critic: str | None = None, reward: str | None = None,
-             ref: str | None = None, n_minibatches: int = 8, reward_impl: str = "reward",
+             ref: str | None = None, n_minibatches: int | None = None, reward_impl: str = "reward",
              reward_args: dict | None = None) -> list[ModelFunctionCallDef]:
     """The six calls of PPO: generation, three inferences and two train steps, on models named
     actor, reward, ref and critic.
 
     The arguments are model types. ``reward`` and ``ref`` default to the critic's and the actor's.
     Leave a type out (None) for a model that comes from a checkpoint in the experiment's ``models``.
+    ``n_minibatches`` None: ``ppo.n_minibatches`` (``PPOConfig``'s 8 by default); a number must equal it.
     """
     inputs = ["seq", "logp", "ref_logp", "rewards", "values"]
     return [

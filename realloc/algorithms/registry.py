@@ -12,7 +12,10 @@ TRAIN_STEP) under a name that calls use as ``interface_impl``. It declares:
   parameter-free rule function).
 - ``config``: the experiment field holding its settings (``ppo: PPOConfig``, ``grpo: GRPOConfig``,
   ...) and the settings' type; the call receives them as ``ctx.config``. A TRAIN_STEP interface
-  names the settings' field with its learning rate (``lr``).
+  names the settings' field with its learning rate (``lr``), and its settings' ``n_minibatches`` is
+  the call's number of optimizer steps (``resolve_minibatches``).
+- ``min_group_size``: the fewest responses per prompt it works with (the GENERATE calls'
+  ``n_samples``): GRPO and RLOO compare a response with the others of its group, so they need 2.
 - ``fn``: ``fn(ctx: CallContext, inputs: Data) -> CallResult``, or ``"module:function"`` so that the
   registry stays torch-free (graph validation never imports torch; workers import it).
 
@@ -73,6 +76,7 @@ class Interface:
     lr: str = "lr"  # TRAIN_STEP: the settings' field that holds the learning rate
     records: bool = False  # reads the dataset record of each sequence (e.g. a reference answer)
     rows_per_seq: int = 1  # model rows per sequence, for the cost estimate (a DPO pair: chosen + rejected)
+    min_group_size: int = 1  # fewest responses per prompt it needs (a group baseline needs 2)
 
     def __post_init__(self) -> None:
         where = f"Interface {self.name!r}"
@@ -93,6 +97,11 @@ class Interface:
             raise ValueError(f"{where}: fn must be a function or 'module:function'")
         if (self.config is None) != (self.config_type is None):
             raise ValueError(f"{where}: give config (the experiment field) and config_type together")
+        if not isinstance(self.min_group_size, int) or isinstance(self.min_group_size, bool) or self.min_group_size < 1:
+            raise ValueError(f"{where}: min_group_size must be a positive integer, got {self.min_group_size!r}")
+        if self.type is InterfaceType.TRAIN_STEP and self.head == "none":
+            raise ValueError(f"{where}: a TRAIN_STEP interface trains a model's parameters, so head must be 'lm' or "
+                             f"'value', not 'none' (a parameter-free function can only be GENERATE or INFERENCE)")
         if self.type is InterfaceType.TRAIN_STEP and not (isinstance(self.config_type, type)
                                                          and issubclass(self.config_type, TrainConfig)):
             raise ValueError(f"{where}: a TRAIN_STEP interface needs settings with its optimizer: config_type must "
@@ -182,3 +191,35 @@ def lookup(table: Table, call: Any, is_critic: bool) -> Interface:
                          f"experiment's `interfaces`)")
     raise ValueError(f"call {call.name!r}: interface_impl {name!r} does not implement {call.interface_type.name}; it "
                      f"implements {', '.join(types)}")
+
+
+def resolve_minibatches(spec: "ExperimentSpec") -> tuple[Any, ...]:
+    """The calls of ``spec``, each TRAIN_STEP with the ``n_minibatches`` of its interface's settings.
+
+    The settings are the one source of a train call's optimizer steps: ``grpo: GRPOConfig(n_minibatches=4)``
+    (or ``--set grpo.n_minibatches=4``) gives it four. A call may repeat the number; a different one is an
+    error, since one of the two would be silently ignored. An experiment without that settings field runs
+    the call's own number, else the settings type's default.
+    """
+    table = interfaces_of(spec)
+    out = []
+    for r in spec.rpcs:
+        if not r.is_train:
+            out.append(r)
+            continue
+        # A call without interface_impl runs ppo_actor or ppo_critic (by its model's head, not known yet); both
+        # read the `ppo` settings, so either answers the question.
+        i = lookup(table, r, is_critic=False)
+        settings = i.settings(spec.config)
+        if getattr(spec.config, i.config or "", None) is None:
+            n = r.n_minibatches if r.n_minibatches is not None else settings.n_minibatches
+        else:
+            n = settings.n_minibatches
+            if r.n_minibatches is not None and r.n_minibatches != n:
+                raise ValueError(
+                    f"call {r.name!r}: n_minibatches={r.n_minibatches}, but the experiment's {i.config}."
+                    f"n_minibatches is {n} (interface {i.name!r} takes its optimizer steps from its settings); give "
+                    f"the number once, as {type(settings).__name__}(n_minibatches=...) in field {i.config!r} (or "
+                    f"--set {i.config}.n_minibatches=N), and leave it out of the call")
+        out.append(r if r.n_minibatches == n else dataclasses.replace(r, n_minibatches=n))
+    return tuple(out)

@@ -15,7 +15,9 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    n_minibatches: int = 1  # optimizer steps per train call (the call's batch split into this many)
+    # Optimizer steps per train call (its batch split into this many): the one source of the call's
+    # n_minibatches (registry.resolve_minibatches).
+    n_minibatches: int = 1
     lr: float = 1e-5
     max_grad_norm: float = 1.0
     # AdamW's epsilon. 1e-5 (ReaLHF's default) rather than torch's 1e-8: Adam's first steps move every

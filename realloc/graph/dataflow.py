@@ -19,7 +19,7 @@ from typing import Mapping
 
 import networkx as nx
 
-from realloc.algorithms.registry import Interface, Table, interfaces_of
+from realloc.algorithms.registry import Interface, Table, interfaces_of, resolve_minibatches
 from realloc.api import ExperimentSpec, HFModel, ModelFunctionCallDef
 from realloc.graph.contracts import check_contracts
 from realloc.models.config import RULE_MODEL_TYPE, ModelConfig, get_model_config, is_known_model_type, known_model_types
@@ -96,12 +96,14 @@ class DataflowGraph:
 
     @cached_property
     def digest(self) -> str:
-        """Hash of everything a plan depends on except the cluster."""
+        """Hash of everything a plan depends on except the cluster, and of what each call runs: the interface
+        (as resolved, so a call without ``interface_impl`` and one naming its default agree), so that a plan or a
+        checkpoint of a GRPO graph is refused by the RLOO graph of the same shape."""
         body: dict = {
             "batch_size": self.spec.batch_size, "prompt_len": self.spec.prompt_len, "gen_len": self.spec.gen_len,
             "calls": [[r.name, r.model_name, self.model_types[r.model_name], r.interface_type.value,
-                       list(r.input_data), list(r.output_data), self.spec.n_seqs(r), r.n_minibatches]
-                      + ([r.n_samples] if r.n_samples > 1 else []) for r in self.calls],
+                       self.interfaces[r.name].name, list(r.input_data), list(r.output_data), self.spec.n_seqs(r),
+                       r.n_minibatches] + ([r.n_samples] if r.n_samples > 1 else []) for r in self.calls],
         }
         # A checkpoint is named by its shape, not its path, so a plan made on a laptop runs on the cluster.
         shapes = {m: _shape_key(self.model_configs[m]) for m in self.spec.models}
@@ -183,7 +185,8 @@ def _checkpoint_config(spec: ExperimentSpec, model: str, src: HFModel, table: Ta
     from realloc.models.hf_io import model_config_from_hf, read_hf_config
 
     if not Path(src.path).is_dir():
-        raise ValueError(f"model {model!r}: checkpoint directory {src.path} does not exist")
+        hint = f"; {src.build_hint}" if src.build_hint else ""
+        raise ValueError(f"model {model!r}: checkpoint directory {src.path} does not exist{hint}")
     hf = read_hf_config(src.path)
     seq_cls = any("SequenceClassification" in a for a in hf.get("architectures") or [])
     if src.new_value_head and seq_cls:
@@ -207,6 +210,8 @@ def _checkpoint_config(spec: ExperimentSpec, model: str, src: HFModel, table: Ta
 
 def build_graph(spec: ExperimentSpec) -> DataflowGraph:
     """Validate ``spec`` and build its one-iteration dataflow graph."""
+    if any(r.n_minibatches is None for r in spec.rpcs):  # a spec built by hand, not by experiment_spec
+        spec = dataclasses.replace(spec, rpcs=resolve_minibatches(spec))
     rpcs = spec.rpcs
     table = interfaces_of(spec)
     model_types, model_configs = _resolve_model_types(spec, table)

@@ -12,7 +12,8 @@ The ``@auto`` dataclass may define (all optional):
 - ``models: dict``: model name -> HF checkpoint directory or ``HFModel`` (read by ``api.py``);
 - ``iterations: int``: default for ``realloc run --iterations``;
 - ``sample_every: int`` (default 10): every N iterations, write a few decoded samples (prompt, response,
-  reward) to ``samples.jsonl`` in the run directory; 0 turns it off; ``n_samples`` of them (default 4);
+  reward) to ``samples.jsonl`` in the run directory; 0 turns it off; ``log_samples`` of them (default 4).
+  (Not ``n_samples``: that is a GENERATE call's responses per prompt, and on the experiment an error.);
 - ``eval: EvalConfig``: an eval prompt set run every N iterations (``realloc.runtime.evaluation``);
 - the settings of the interfaces its calls run, e.g. ``ppo: PPOConfig`` or ``grpo: GRPOConfig``
   (``registry.Interface.config``; the type's defaults when absent).
@@ -38,7 +39,7 @@ class RunConfig:
     tokenizer: str | None = None
     data: DataConfig = DataConfig()
     sample_every: int = 10
-    n_samples: int = 4
+    log_samples: int = 4  # sequences of a logged iteration that go to samples.jsonl
     eval: EvalConfig = EvalConfig()
 
     @classmethod
@@ -70,13 +71,17 @@ class RunConfig:
             ev = dataclasses.replace(ev, dataset=str(spec.resolve_path(ev.dataset)))
         if ev.every:
             eval_calls(spec)  # the experiment has what an evaluation needs
-        for field in ("sample_every", "n_samples"):
+        if hasattr(cfg, "n_samples"):  # the old name of log_samples, easily mistaken for group sampling
+            raise ValueError(f"experiment {spec.name!r}: field n_samples is ambiguous and no longer read: write "
+                             f"log_samples for how many sequences go to samples.jsonl; responses per prompt (group "
+                             f"sampling) are the GENERATE call's n_samples, e.g. critic_free_rpcs(..., n_samples=8)")
+        for field in ("sample_every", "log_samples"):
             v = getattr(cfg, field, getattr(cls, field))
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"experiment {spec.name!r}: {field} must be a non-negative integer, got {v!r}")
         return cls(seed=seed, dataset=dataset, iterations=iterations, tokenizer=_tokenizer_dir(spec),
                    data=data, sample_every=getattr(cfg, "sample_every", cls.sample_every),
-                   n_samples=getattr(cfg, "n_samples", cls.n_samples), eval=ev)
+                   log_samples=getattr(cfg, "log_samples", cls.log_samples), eval=ev)
 
 
 def _tokenizer_dir(spec: ExperimentSpec) -> str | None:

@@ -6,7 +6,7 @@ then ``config.json``); a random-init model with a token-id dataset has no EOS an
 Master and workers compute it the same way from the same files.
 
 ``SampleLog``: in iteration 1 and every ``sample_every`` iterations after it (1, 11, 21, ... for 10),
-the first ``n_samples`` sequences go to ``samples.jsonl`` in the run directory, one line each. The call
+the first ``log_samples`` sequences go to ``samples.jsonl`` in the run directory, one line each. The call
 that scores them (output role ``rewards``) gives the text (decoded when there is a tokenizer), ids and
 reward, the generation gives each response token's log-prob under the sampling policy; the workers send
 these parts with their replies and the master writes one merged line per sequence when the iteration

@@ -163,7 +163,7 @@ class ModelWorker:
         self.total_iterations = 0
         self.tokenizer = Tokenizer.load(self.config.tokenizer) if self.config.tokenizer else None
         self.tokens = SpecialTokens.of(spec, self.tokenizer)
-        self.samples = SampleLog(self.tokenizer, self.config.sample_every, self.config.n_samples)
+        self.samples = SampleLog(self.tokenizer, self.config.sample_every, self.config.log_samples)
         self.sample_parts: list[protocol.SamplePart] = []  # the current call's, sent with its reply
 
     def on_stop_signal(self, signum: int, frame: object) -> None:
@@ -340,7 +340,7 @@ class ModelWorker:
                                 group_size=spec.group_size, tokenizer=self.tokenizer,
                                 records=self._records(evaluating) if iface.records else None)
         result = fn(ctx, inputs)
-        CallResult.check(result, call, iface.name, tuple(s.role for s in iface.out_slots))
+        CallResult.check(result, call, iface.name, out_keys, self.rank, early_stage=pp_rank < pp - 1)
         metas = []
         for role, key in out_keys.items():
             if role in result.outputs:

@@ -43,7 +43,7 @@ def print_report(report: SearchReport, n_threads: int) -> None:
     spec, cluster = report.spec, report.spec.cluster
     print(f"experiment {spec.name}  ({spec.source})")
     print(f"cluster    {cluster.describe()}")
-    print(f"workload   batch {spec.batch_size}, prompt {spec.prompt_len} + generation {spec.gen_len} tokens, "
+    print(f"workload   batch {spec.describe_batch()}, prompt {spec.prompt_len} + generation {spec.gen_len} tokens, "
           f"{len(spec.rpcs)} calls; estimator: {_estimator_source(report)}")
     print(f"           {rp.candidate_summary(report)}")
     print()
@@ -85,6 +85,7 @@ def main(args: argparse.Namespace) -> int:
         plan = baseline(spec, name)
         print(f"experiment {spec.name}  ({spec.source})")
         print(f"cluster    {spec.cluster.describe()}")
+        print(f"workload   batch {spec.describe_batch()}, prompt {spec.prompt_len} + generation {spec.gen_len} tokens")
         print(f"baseline   {name}")
         print(plan.table())
         mem = spec.cluster.device_memory

@@ -3,12 +3,14 @@
     python -m realloc.tools.arith_demo                 # what `make demo` runs
     python -m realloc.tools.arith_demo --rebuild-sft   # train the SFT stage again
     python -m realloc.tools.arith_demo sft             # only the SFT stage
+    python -m realloc.tools.arith_demo init            # only the random model the SFT stage starts from
 
-1. **SFT stage** (first use only; cached in ``experiments/data/arith/sft``): the task's character
-   tokenizer and a random 4-layer LLaMA (``init``), then ``realloc run experiments/arith_sft.py`` and
-   ``realloc export``. Its data, ``arith_sft_padded.jsonl``, writes three quarters of the answers
-   zero-padded to three digits ("45-38=007"), as a fixed-width source prints them; the grader reads
-   "007" as another number than "7". The SFT model learns the arithmetic and copies the habit.
+1. **SFT stage** (first use only; cached in ``experiments/data/arith/sft``): a random 4-layer LLaMA
+   (``init``) carrying the task's shipped character tokenizer (``experiments/data/arith_tokenizer``),
+   then ``realloc run experiments/arith_sft.py`` and ``realloc export``. Its data,
+   ``arith_sft_padded.jsonl``, writes three quarters of the answers zero-padded to three digits
+   ("45-38=007"), as a fixed-width source prints them; the grader reads "007" as another number than "7".
+   The SFT model learns the arithmetic and copies the habit.
 2. **Before**: exact-match accuracy of the SFT checkpoint on the 500 held-out prompts, greedy, with
    transformers (``realloc.tools.accuracy``: an independent check, not realloc's generation).
 3. **GRPO**: ``realloc run experiments/arith_grpo.py`` on the local 2-device CPU cluster with a
@@ -36,6 +38,8 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parents[2]
 ROOT = REPO / "experiments" / "data" / "arith"  # built assets (gitignored)
+# Shipped: `python -m realloc.tools.arith_task tokenizer --out experiments/data/arith_tokenizer` re-makes it.
+TOKENIZER = REPO / "experiments" / "data" / "arith_tokenizer"
 SFT_EXPERIMENT = REPO / "experiments" / "arith_sft.py"
 GRPO_EXPERIMENT = REPO / "experiments" / "arith_grpo.py"
 EVAL_PROMPTS = REPO / "experiments" / "data" / "arith_eval.jsonl"
@@ -46,13 +50,6 @@ MODEL = dict(arch="llama", vocab_size=32, hidden=64, layers=4, heads=4, kv_heads
 MAX_NEW_TOKENS = 4  # three digits and EOS
 
 
-def tokenizer_dir(root: Path = ROOT) -> Path:
-    from realloc.tools.arith_task import train_tokenizer
-
-    root.mkdir(parents=True, exist_ok=True)
-    return build_once(root / "tokenizer", train_tokenizer)
-
-
 def init_checkpoint(root: Path = ROOT) -> Path:
     """The random LLaMA the SFT stage starts from (built once; a second)."""
     from transformers.utils import logging as hf_logging
@@ -60,8 +57,8 @@ def init_checkpoint(root: Path = ROOT) -> Path:
     from realloc.tools.tiny_hf import make_tiny_checkpoint
 
     hf_logging.disable_progress_bar()
-    tok = tokenizer_dir(root)
-    return build_once(root / "init", lambda d: make_tiny_checkpoint(d, tokenizer_dir=tok, **MODEL))
+    root.mkdir(parents=True, exist_ok=True)
+    return build_once(root / "init", lambda d: make_tiny_checkpoint(d, tokenizer_dir=TOKENIZER, **MODEL))
 
 
 def _realloc(args: list[str], log: Path | None = None) -> None:
@@ -136,16 +133,22 @@ def demo(root: Path = ROOT, run_dir: Path | None = None, rebuild_sft: bool = Fal
     return before.accuracy, after.accuracy
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m realloc.tools.arith_demo", description=__doc__.split("\n")[0])
-    p.add_argument("stage", nargs="?", choices=["demo", "sft"], default="demo")
+    p.add_argument("stage", nargs="?", choices=["demo", "sft", "init"], default="demo")
     p.add_argument("--rebuild-sft", action="store_true", help="train the SFT stage again even if it is cached")
     p.add_argument("--search-time", type=float, default=5.0, help="seconds of plan search per run")
     p.add_argument("--iterations", type=int, default=None, help="GRPO iterations (default: the experiment's)")
     p.add_argument("--run-dir", default=None, help="GRPO run directory (default runs/arith_demo)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     try:
-        if args.stage == "sft":
+        if args.stage == "init":
+            print(init_checkpoint())
+        elif args.stage == "sft":
             build_sft(search_time=args.search_time)
         else:
             demo(run_dir=Path(args.run_dir) if args.run_dir else None, rebuild_sft=args.rebuild_sft,

@@ -1,13 +1,14 @@
 """The demo task: one- and two-digit addition and subtraction with a verifiable answer.
 
     python -m realloc.tools.arith_task data --out experiments/data        # the shipped JSONL files
-    python -m realloc.tools.arith_task tokenizer --out /tmp/arith_tok     # its character tokenizer
+    python -m realloc.tools.arith_task tokenizer --out experiments/data/arith_tokenizer  # its tokenizer
 
 A problem is ``"a+b="`` or ``"a-b="`` with ``a, b`` in 0..99 and, for subtraction, ``a >= b``, so
 every answer is a non-negative number of one to three digits. All 15,050 problems are shuffled once
 with the seed and cut into disjoint parts: the held-out prompts, the SFT pairs, and the prompts for
 RL. Each prompt record carries its ``answer`` (a string); an SFT record is ``{"prompt", "response"}``; a
-preference record (DPO) is ``{"prompt", "chosen", "rejected"}``: the right answer and a wrong one.
+preference record (DPO) is ``{"prompt", "chosen", "rejected"}``: the right answer and a wrong one
+(``arith_pairs_small.jsonl``: the first 64, which a tiny model can learn to rank in a short run).
 The demo's SFT data (``arith_sft_padded.jsonl``) is the SFT pairs with most answers zero-padded to
 three digits, the way a fixed-width source prints them; the grader wants the number as written.
 Everything is a pure function of the seed, so the files in ``experiments/data/`` are re-made byte for
@@ -39,6 +40,8 @@ TRAIN_FILE = "arith_train.jsonl"  # RL prompts with answers
 EVAL_FILE = "arith_eval.jsonl"  # held-out prompts with answers
 SFT_FILE = "arith_sft.jsonl"  # prompt/response pairs
 PAIRS_FILE = "arith_pairs.jsonl"  # prompt/chosen/rejected preference pairs (DPO)
+SMALL_PAIRS_FILE = "arith_pairs_small.jsonl"  # the first SMALL_PAIRS of them (dpo_tiny.py)
+SMALL_PAIRS = 64
 PADDED_FILE = "arith_sft_padded.jsonl"  # the SFT pairs as a fixed-width source writes them (the demo's SFT data)
 
 
@@ -124,6 +127,7 @@ def files(cfg: Split = Split()) -> dict[str, str]:
             EVAL_FILE: _jsonl([{"prompt": p, "answer": a} for p, a in parts["eval"]]),
             SFT_FILE: _jsonl([{"prompt": p, "response": a} for p, a in parts["sft"]]),
             PAIRS_FILE: _jsonl(preference_pairs(cfg)),
+            SMALL_PAIRS_FILE: _jsonl(preference_pairs(cfg)[:SMALL_PAIRS]),
             PADDED_FILE: _jsonl(padded_sft(cfg))}
 
 
@@ -172,7 +176,8 @@ def train_tokenizer(out_dir: str | Path) -> Path:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m realloc.tools.arith_task", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("data", help=f"write {TRAIN_FILE}, {EVAL_FILE}, {SFT_FILE}, {PAIRS_FILE} and {PADDED_FILE}")
+    d = sub.add_parser("data", help=f"write {TRAIN_FILE}, {EVAL_FILE}, {SFT_FILE}, {PAIRS_FILE}, {SMALL_PAIRS_FILE} "
+                                    f"and {PADDED_FILE}")
     d.add_argument("--out", required=True)
     for field in dataclasses.fields(Split):
         d.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default)
