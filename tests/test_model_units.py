@@ -197,7 +197,8 @@ def test_hf_config_round_trip_and_errors():
     ("llama", {"model_type": "gpt2"}, "model_type='gpt2'"),
     ("llama", {"model_type": "mixtral"}, "model_type='mixtral'"),
     ("qwen2", {"model_type": "qwen3"}, "model_type='qwen3'"),
-    ("qwen2", {"use_sliding_window": True}, "use_sliding_window=True"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2, "layer_types": None},
+     "use_sliding_window=True is not supported (sliding-window attention in layers 2..3"),
     ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types=['sliding_attention']"),
     ("llama", {"attention_bias": True}, "attention_bias=True"),
     ("llama", {"mlp_bias": True}, "mlp_bias=True"),
@@ -207,6 +208,11 @@ def test_hf_config_round_trip_and_errors():
     ("llama", {"architectures": ["LlamaForTokenClassification"]}, "architectures=['LlamaForTokenClassification']"),
     ("qwen2", {"architectures": ["LlamaForCausalLM"]}, "architectures="),
     ("qwen2", {"architectures": ["Qwen2ForSequenceClassification"], "num_labels": 3}, "num_labels=3"),
+    # transformers >= 5 writes neither num_labels nor id2label for its default of 2 labels
+    ("llama", {"architectures": ["LlamaForSequenceClassification"]}, "num_labels=2"),
+    ("llama", {"architectures": ["LlamaForSequenceClassification"], "id2label": {"0": "a", "1": "b"}},
+     "num_labels=2"),
+    ("llama", {"quantization_config": {"quant_method": "gptq", "bits": 4}}, "'quant_method': 'gptq'"),
 ])
 def test_unsupported_hf_configs_are_one_line_naming_the_path_and_field(tmp_path, family, patch, field):
     import json
@@ -219,6 +225,47 @@ def test_unsupported_hf_configs_are_one_line_naming_the_path_and_field(tmp_path,
     assert "\n" not in msg and msg.startswith(f"HF checkpoint {tmp_path}: ")
     assert field in msg, msg
     assert "LlamaForCausalLM" in msg and "Qwen2ForCausalLM" in msg, msg  # says what is supported
+
+
+@pytest.mark.parametrize("over", [
+    dict(use_sliding_window=False, max_window_layers=1),  # Qwen2.5's published form: no window anywhere
+    dict(use_sliding_window=True, max_window_layers=4),  # a window from layer 4 of 4 layers: none
+    dict(use_sliding_window=True, max_window_layers=9),
+    dict(use_sliding_window=True, sliding_window=None, max_window_layers=0),
+    dict(use_sliding_window=True, max_window_layers=3),  # layer 3 has a window
+    dict(use_sliding_window=True, max_window_layers=0),
+    dict(use_sliding_window=True),  # transformers' default max_window_layers 28 > 4 layers
+])
+def test_qwen2_sliding_window_follows_transformers(over):
+    from transformers import Qwen2Config
+
+    from realloc.models.families.qwen2 import layer_types
+
+    base = dict(vocab_size=64, hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2)
+    hf = Qwen2Config(**base, **over)
+    assert layer_types({**base, **over}) == hf.layer_types
+    d = {**base, **over, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}
+    if all(t == "full_attention" for t in hf.layer_types):
+        assert model_config_from_hf(d).n_layers == 4  # accepted: transformers runs full attention
+    else:
+        with pytest.raises(ValueError, match="sliding-window attention in layers"):
+            model_config_from_hf(d)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_config_defaults_are_transformers_defaults(family):
+    """A config.json that omits a key means transformers' default for it."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    d = {"model_type": family, "vocab_size": 64, "hidden_size": 128, "intermediate_size": 176,
+         "num_hidden_layers": 2, "num_attention_heads": 32}  # Qwen2Config's default KV heads are 32
+    ours = model_config_from_hf(d)
+    theirs = (LlamaConfig if family == "llama" else Qwen2Config)(**{k: v for k, v in d.items() if k != "model_type"})
+    assert ours.max_position_embeddings == theirs.max_position_embeddings
+    assert ours.norm_eps == theirs.rms_norm_eps
+    assert ours.rope_theta == theirs.rope_parameters["rope_theta"]
+    assert ours.n_kv_heads == theirs.num_key_value_heads and ours.tie_embeddings == theirs.tie_word_embeddings
 
 
 def test_hf_config_missing_key():

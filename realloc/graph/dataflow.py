@@ -205,6 +205,19 @@ def _checkpoint_config(spec: ExperimentSpec, model: str, src: HFModel, table: Ta
     return dataclasses.replace(cfg, name=f"{model}:{Path(src.path).name}")
 
 
+def _check_positions(spec: ExperimentSpec, configs: Mapping[str, ModelConfig | None]) -> None:
+    """Every model sees sequences of up to prompt_len + gen_len tokens (the generating model writes them, the
+    others read them): each must have that many positions, or a run fails when it first draws a long prompt."""
+    n = spec.prompt_len + spec.gen_len
+    for model, cfg in configs.items():
+        if cfg is not None and n > cfg.max_position_embeddings:
+            src = (f"checkpoint {spec.models[model].path}" if model in spec.models
+                   else f"model_type {cfg.name!r}")
+            raise ValueError(f"model {model!r}: prompt_len + gen_len = {spec.prompt_len} + {spec.gen_len} = {n} "
+                             f"exceeds max_position_embeddings={cfg.max_position_embeddings} of its {src}; lower "
+                             f"prompt_len or gen_len to at most {cfg.max_position_embeddings} tokens together")
+
+
 def build_graph(spec: ExperimentSpec) -> DataflowGraph:
     """Validate ``spec`` and build its one-iteration dataflow graph."""
     rpcs = spec.rpcs
@@ -270,6 +283,7 @@ def build_graph(spec: ExperimentSpec) -> DataflowGraph:
         why = "; ".join(f"{u}->{v} via {', '.join(g.edges[u, v]['keys']) or 'parameter version'}" for u, v in cycle)
         raise ValueError(f"the dataflow graph has a cycle: {path} ({why}); a call cannot depend on its own output")
     interfaces = check_contracts(spec, table, model_configs)  # the structure is sound: now what each call runs
+    _check_positions(spec, model_configs)
 
     return DataflowGraph(spec=spec, graph=g, model_types=MappingProxyType(model_types), carry_edges=tuple(carry),
                          model_configs=MappingProxyType(model_configs), interfaces=MappingProxyType(interfaces))

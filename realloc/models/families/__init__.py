@@ -60,10 +60,22 @@ def _is_critic(hf: Mapping[str, Any], fam: Family, critic: bool | None, where: s
             raise unsupported(where, "architectures", archs, " (a causal LM or a one-label sequence classifier)")
     is_critic = fam.sequence_classification in archs if critic is None else critic
     if is_critic and fam.sequence_classification in archs:
-        labels = int(hf.get("num_labels", len(hf.get("id2label") or {}) or 1))
+        labels = num_labels(hf)
         if labels != 1:
-            raise unsupported(where, "num_labels", labels, " (a critic or reward model has one scalar output)")
+            named = "" if "id2label" in hf or "num_labels" in hf else (
+                ", which is what transformers reads when config.json names neither num_labels nor id2label")
+            raise unsupported(where, "num_labels", labels, f" (a critic or reward model has one scalar output{named})")
     return is_critic
+
+
+def num_labels(hf: Mapping[str, Any]) -> int:
+    """The labels of a sequence classifier as transformers' PretrainedConfig counts them: id2label's length,
+    else num_labels, else its default of 2 (transformers >= 5 writes neither key for a 2-label classifier)."""
+    if hf.get("id2label") is not None:
+        return len(hf["id2label"])
+    if hf.get("num_labels") is not None:
+        return int(hf["num_labels"])
+    return 2
 
 
 def config_from_hf(hf: Mapping[str, Any], where: str, name: str | None = None,
@@ -76,6 +88,11 @@ def config_from_hf(hf: Mapping[str, Any], where: str, name: str | None = None,
     bad = fam.unsupported(hf)
     if bad is not None:
         raise unsupported(where, *bad)
+    quant = hf.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, Mapping) else quant
+        raise unsupported(where, "quantization_config", {"quant_method": method},
+                          " (quantized weights: use the unquantized checkpoint)")
     if hf.get("hidden_act", "silu") != "silu":
         raise unsupported(where, "hidden_act", hf["hidden_act"])
     is_critic = _is_critic(hf, fam, critic, where)
@@ -90,7 +107,7 @@ def config_from_hf(hf: Mapping[str, Any], where: str, name: str | None = None,
             name=name or str(hf.get("_name_or_path") or f"hf-{fam.model_type}"),
             vocab_size=int(hf["vocab_size"]), hidden_size=h, intermediate_size=int(hf["intermediate_size"]),
             n_layers=int(hf["num_hidden_layers"]), n_heads=heads,
-            n_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            n_kv_heads=int(hf.get("num_key_value_heads") or fam.defaults.get("num_key_value_heads") or heads),
             max_position_embeddings=int(hf.get("max_position_embeddings", fam.defaults["max_position_embeddings"])),
             rope_theta=theta, norm_eps=float(hf.get("rms_norm_eps", fam.defaults["rms_norm_eps"])),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)) and not is_critic,
