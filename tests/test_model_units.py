@@ -328,3 +328,25 @@ def test_every_parameter_element_counts_once_toward_the_grad_norm(tp, pp):
         g = SimpleNamespace(tp=tp, pp=pp, tp_rank=t, pp_rank=p)
         counted += sum(s.shard_numel(tp) for s in stage_param_specs(cfg, pp, p) if counts_toward_norm(s, g))
     assert counted == cfg.total_params
+
+
+def test_vocab_limit_bans_ids_from_the_choice_not_from_the_log_prob():
+    from realloc.models.sampling import GenerationConfig, sample_tokens, sequence_generators
+
+    # The best logits sit on ids 2 and 3, past a limit of 2: neither greedy nor sampling may pick them.
+    logits = torch.tensor([[0.0, 1.0, 10.0, 10.0]]).repeat(64, 1)
+    ref = torch.log_softmax(logits[0], -1)  # the model's own distribution, which an inference pass scores
+    greedy = GenerationConfig(max_new_tokens=1, greedy=True, vocab_limit=2)
+    tok, lp = sample_tokens(logits, greedy, sequence_generators(0, range(64)))
+    assert tok.eq(1).all() and torch.allclose(lp, ref[1].expand(64))
+    for top_k in (0, 3):
+        g = GenerationConfig(max_new_tokens=1, top_k=top_k, vocab_limit=2)
+        tok, lp = sample_tokens(logits, g, sequence_generators(0, range(64)))
+        assert set(tok.tolist()) == {0, 1}  # both allowed ids are drawn (1 about e times as often as 0)
+        assert torch.allclose(lp, ref[tok])
+    # Without the limit the same draws take the padding ids: the limit is what keeps them out.
+    tok, _ = sample_tokens(logits, GenerationConfig(max_new_tokens=1), sequence_generators(0, range(64)))
+    assert set(tok.tolist()) >= {2, 3}
+    with pytest.raises(ValueError, match="vocab_limit"):
+        GenerationConfig(max_new_tokens=1, vocab_limit=0)
+

@@ -1,8 +1,9 @@
 """Token ids the runtime needs from the tokenizer or checkpoint, and the decoded-sample log.
 
-``SpecialTokens``: where generation stops (EOS ids) and what pads a row. The experiment's
-tokenizer decides; without one, the generating model's checkpoint (``generation_config.json``,
-then ``config.json``); a random-init model with a token-id dataset has no EOS and pads with 0.
+``SpecialTokens``: where generation stops (EOS ids) and what pads a row. Generation stops at the
+experiment's tokenizer's EOS ids and those the generating model's checkpoint names
+(``generation_config.json``, else ``config.json``); padding and BOS are the tokenizer's, else the
+checkpoint's. A random-init model with a token-id dataset has no EOS and pads with 0.
 Master and workers compute it the same way from the same files.
 
 ``SampleLog``: in iteration 1 and every ``sample_every`` iterations after it (1, 11, 21, ... for 10),

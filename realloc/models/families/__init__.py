@@ -63,7 +63,7 @@ def _is_critic(hf: Mapping[str, Any], fam: Family, critic: bool | None, where: s
         labels = num_labels(hf)
         if labels != 1:
             named = "" if "id2label" in hf or "num_labels" in hf else (
-                ", which is what transformers reads when config.json names neither num_labels nor id2label")
+                "; config.json names neither num_labels nor id2label, which transformers reads as 2 labels")
             raise unsupported(where, "num_labels", labels, f" (a critic or reward model has one scalar output{named})")
     return is_critic
 
