@@ -167,6 +167,21 @@ def test_one_kv_head_replicated_over_tp_matches_hf(pool, which, request):
     _check_against_hf(pool, hf, path, REPLICATED)
 
 
+@pytest.mark.parametrize("family,layouts", [("llama", [(1, 1), (2, 1), (2, 2)]), ("qwen2", [(2, 1)])])
+@torch.no_grad()
+def test_explicit_head_dim_matches_hf(pool, tmp_path, family, layouts):
+    """head_dim 32 over a 64-wide model with 4 heads: q and o projections 128 wide (as in Gemma or Qwen3)."""
+    from realloc.models.param_layout import param_specs
+
+    hf = tiny_hf_model(tmp_path, seed=9, family=family, kv_heads=2, head_dim=32)
+    assert hf.model.layers[0].self_attn.q_proj.weight.shape == (128, 64)
+    cfg = model_config_from_hf(tmp_path)
+    assert (cfg.hidden_size, cfg.n_heads, cfg.head_dim, cfg.q_dim, cfg.kv_dim) == (64, 4, 32, 128, 64)
+    n_hf = sum(p.numel() for p in hf.parameters())
+    assert cfg.total_params == n_hf == sum(s.numel for s in param_specs(cfg))
+    _check_against_hf(pool, hf, tmp_path, layouts)
+
+
 @torch.no_grad()
 def test_tied_embeddings_with_llama3_rope_match_hf(pool, tied_llama3):
     hf, path = tied_llama3

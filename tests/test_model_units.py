@@ -204,7 +204,7 @@ def test_hf_config_round_trip_and_errors():
     ("llama", {"mlp_bias": True}, "mlp_bias=True"),
     ("qwen2", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "rope_type='yarn'"),
-    ("llama", {"head_dim": 8}, "head_dim=8"),
+    ("llama", {"head_dim": 7}, "head_dim=7"),
     ("llama", {"architectures": ["LlamaForTokenClassification"]}, "architectures=['LlamaForTokenClassification']"),
     ("qwen2", {"architectures": ["LlamaForCausalLM"]}, "architectures="),
     ("qwen2", {"architectures": ["Qwen2ForSequenceClassification"], "num_labels": 3}, "num_labels=3"),

@@ -98,10 +98,9 @@ def config_from_hf(hf: Mapping[str, Any], where: str, name: str | None = None,
     is_critic = _is_critic(hf, fam, critic, where)
     try:
         h, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-        head_dim = hf.get("head_dim")
-        if head_dim is not None and int(head_dim) != h // heads:
-            raise unsupported(where, "head_dim", head_dim, f" (it must be hidden_size / num_attention_heads = "
-                                                           f"{h // heads})")
+        head_dim = hf.get("head_dim")  # None (or absent): hidden_size / num_attention_heads
+        if head_dim is not None and (int(head_dim) <= 0 or int(head_dim) % 2):
+            raise unsupported(where, "head_dim", head_dim, " (rotary embeddings need a positive even head_dim)")
         theta, scaling = _rope(hf, fam.defaults["rope_theta"], where)
         return ModelConfig(
             name=name or str(hf.get("_name_or_path") or f"hf-{fam.model_type}"),
@@ -112,6 +111,7 @@ def config_from_hf(hf: Mapping[str, Any], where: str, name: str | None = None,
             rope_theta=theta, norm_eps=float(hf.get("rms_norm_eps", fam.defaults["rms_norm_eps"])),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)) and not is_critic,
             is_critic=is_critic, rope_scaling=scaling, family=fam.model_type, qkv_bias=fam.qkv_bias,
+            explicit_head_dim=None if head_dim is None else int(head_dim),
         )
     except KeyError as e:
         raise ValueError(f"{where}: missing key {e.args[0]!r}") from None
