@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import itertools
 
 import pytest
@@ -350,3 +351,29 @@ def test_vocab_limit_bans_ids_from_the_choice_not_from_the_log_prob():
     with pytest.raises(ValueError, match="vocab_limit"):
         GenerationConfig(max_new_tokens=1, vocab_limit=0)
 
+
+
+def test_weight_headers_are_checked_against_the_loader(tmp_path):
+    """check_hf_weights reads only safetensors headers: every tensor the loader reads, with its shape and a float
+    dtype; a fresh value head is not read; an index that omits a tensor is named."""
+    from safetensors.torch import save_file
+
+    from realloc.models.hf_io import check_hf_weights
+
+    cfg = get_model_config("tiny-gqa")
+    full = {s.name: torch.zeros(s.shape) for s in param_specs(cfg)}
+    save_file(full, str(tmp_path / "model.safetensors"))
+    check_hf_weights(cfg, tmp_path)
+    check_hf_weights(cfg.as_critic(), tmp_path, new_value_head=True)  # lm_head ignored, score.weight made
+    with pytest.raises(ValueError, match=r"'score.weight' is missing from model.safetensors.*new_value_head=True"):
+        check_hf_weights(cfg.as_critic(), tmp_path)
+    save_file({**full, "model.norm.weight": torch.zeros(cfg.hidden_size, dtype=torch.int8)},
+              str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"'model.norm.weight' in model.safetensors is stored as I8"):
+        check_hf_weights(cfg, tmp_path)
+    # sharded: the index is what the loader follows
+    save_file(full, str(tmp_path / "model-1.safetensors"))
+    index = {"weight_map": {n: "model-1.safetensors" for n in full if n != "lm_head.weight"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"'lm_head.weight' is missing from model.safetensors.index.json's weight_map"):
+        check_hf_weights(cfg, tmp_path, where="model 'actor': ")

@@ -154,8 +154,8 @@ def check_hf_weights(cfg: ModelConfig, path: str | os.PathLike, *, new_value_hea
         wmap = {}  # read from the file's header below
     else:
         others = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf", ".ckpt"))
-        found = f" (found {', '.join(others[:3])}{', ...' if len(others) > 3 else ''})" if others else ""
-        raise ValueError(f"{at}: neither {INDEX_FILE} nor {SINGLE_FILE} found{found}; realloc reads only "
+        seen = f" (found {', '.join(others[:3])}{', ...' if len(others) > 3 else ''})" if others else ""
+        raise ValueError(f"{at}: neither {INDEX_FILE} nor {SINGLE_FILE} found{seen}; realloc reads only "
                          f"safetensors: load it with transformers and save_pretrained it again (safetensors is "
                          f"the default)")
     files = sorted(set(wmap.values())) if wmap else [SINGLE_FILE]
