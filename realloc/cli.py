@@ -30,9 +30,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
     print(f"graph      {len(spec.rpcs)} calls, {graph.graph.number_of_edges()} edges, digest {graph.digest}")
     for model, src in spec.models.items():
         print(f"checkpoint {model}: {src.path}{' (new value head)' if src.new_value_head else ''}")
-    data_line = _check_data(spec, graph)
-    if data_line:
-        print(data_line)
+    for line in _preflight(spec, graph):
+        print(line)
     print()
     print(graph.describe())
     print()
@@ -49,15 +48,12 @@ def _cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_data(spec, graph) -> str | None:  # type: ignore[no-untyped-def]
-    """Tokenizer and prompts loaded as a run would (errors here, before anything starts)."""
+def _preflight(spec, graph) -> tuple[str, ...]:  # type: ignore[no-untyped-def]
+    """Weights, tokenizer and prompts checked as a run would (errors here, before anything starts)."""
+    from realloc.runtime.preflight import preflight
     from realloc.runtime.run_config import RunConfig
-    from realloc.runtime.text_io import check_data
 
-    config = RunConfig.of(spec, require_dataset=False)
-    if config.dataset is None and config.tokenizer is None:
-        return None
-    return check_data(spec, config, graph)
+    return preflight(spec, RunConfig.of(spec, require_dataset=False), graph).lines
 
 
 def _not_yet(what: str, issue: int) -> Callable[[argparse.Namespace], int]:

@@ -10,8 +10,9 @@ from realloc.models.config import ModelConfig
 
 
 def tiny_hf_config(*, kv_heads: int = 2, tie: bool = False, llama3_rope: bool = False, layers: int = 4,
-                   vocab: int = 128, critic: bool = False, family: str = "llama"):
-    """A tiny LLaMA or Qwen2 config (Qwen2: rope_theta 1e6 as in Qwen2.5, q/k/v biases)."""
+                   vocab: int = 128, critic: bool = False, family: str = "llama", head_dim: int | None = None):
+    """A tiny LLaMA or Qwen2 config (Qwen2: rope_theta 1e6 as in Qwen2.5, q/k/v biases); ``head_dim`` other
+    than hidden / heads = 16 widens the q and o projections."""
     from transformers import LlamaConfig, Qwen2Config
 
     rope = {"rope_type": "default", "rope_theta": 1e6 if family == "qwen2" else 5000.0}
@@ -19,6 +20,8 @@ def tiny_hf_config(*, kv_heads: int = 2, tie: bool = False, llama3_rope: bool = 
         rope = {"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
     kw = dict(num_labels=1, pad_token_id=0) if critic else {}
+    if head_dim is not None:
+        kw["head_dim"] = head_dim
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[family]
     # initializer_range 0.1 (not 0.02) gives peaked logits, so greedy decoding has clear winners
     # and cannot flip on the last bit of a reduction order.

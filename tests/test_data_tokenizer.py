@@ -106,3 +106,42 @@ def test_bad_directories_are_one_clear_error(hf_assets, tmp_path):
     (bad_eos / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 900]}))
     with pytest.raises(ValueError, match=r"eos token id\(s\) \[2, 900\] are outside its vocabulary of 500"):
         Tokenizer.load(bad_eos)
+
+
+def _llama3_like(path, config_eos, generation_eos=None):
+    """A hand-made LLaMA-3-instruct-like checkpoint directory (config only: the ids need no weights)."""
+    path.mkdir()
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 64,
+           "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4, "bos_token_id": 128000,
+           "eos_token_id": config_eos}
+    (path / "config.json").write_text(json.dumps(cfg))
+    if generation_eos is not None:
+        (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 128000,
+                                                                 "eos_token_id": generation_eos}))
+    return path
+
+
+def test_run_eos_ids_join_the_tokenizer_and_the_generating_checkpoint(tiny_tok, tmp_path):
+    from types import SimpleNamespace
+
+    from realloc.api import GENERATE, INFERENCE, HFModel
+    from realloc.runtime.text_io import SpecialTokens
+
+    def spec(actor, reward=None):
+        rpcs = [SimpleNamespace(model_name="actor", interface_type=GENERATE),
+                SimpleNamespace(model_name="reward", interface_type=INFERENCE)]
+        models = {"actor": HFModel(str(actor))} | ({"reward": HFModel(str(reward))} if reward else {})
+        return SimpleNamespace(rpcs=rpcs, models=models)
+
+    # generation_config.json names every end of turn; config.json only one of them
+    instruct = _llama3_like(tmp_path / "instruct", 128009, [128001, 128008, 128009])
+    ids = SpecialTokens.of(spec(instruct), tiny_tok)
+    assert ids.eos_token_ids == (2, 4, 128001, 128008, 128009)  # the tokenizer's first, then the checkpoint's
+    assert (ids.pad_token_id, ids.bos_token_id) == (0, 1)  # padding and BOS stay the tokenizer's
+    # without generation_config.json: config.json's; a non-generating model's ids are not stop tokens
+    plain = _llama3_like(tmp_path / "plain", [7, 2])
+    other = _llama3_like(tmp_path / "other", 99, [98])
+    assert SpecialTokens.of(spec(plain, reward=other), tiny_tok).eos_token_ids == (2, 4, 7)
+    # no tokenizer: the checkpoint's ids alone
+    alone = SpecialTokens.of(spec(instruct), None)
+    assert (alone.eos_token_ids, alone.bos_token_id) == ((128001, 128008, 128009), 128000)

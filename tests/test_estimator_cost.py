@@ -304,3 +304,30 @@ def test_data_transfer_prices_the_runtimes_own_plans(tiny):
     # generation leaves its outputs on both stages, so ref_inf on device 1 already holds them;
     # critic_inf's values sit on its last stage (device 1) and dp rank 0 of actor_train needs half
     assert got["actor_gen", "ref_inf"] == 0.0 and got["critic_inf", "actor_train"] > 0
+
+
+def test_block_op_counts_follow_an_explicit_head_dim():
+    """GEMM FLOPs are 2 per multiply-add of the block's projection weights (from the parameter layout, so the
+    128-wide q and o projections of head_dim 32 x 4 heads count), attention FLOPs scale with n_heads * head_dim,
+    and the KV cache with n_kv_heads * head_dim."""
+    import dataclasses
+
+    from realloc.estimator.hardware import Precision
+    from realloc.estimator.opcount import kv_cache_bytes_per_token_layer
+    from realloc.models.config import ModelConfig
+    from realloc.models.param_layout import param_specs
+
+    base = ModelConfig("std", 64, 64, 176, 2, 4, 2)
+    wide = dataclasses.replace(base, name="wide", explicit_head_dim=32)
+    prec = Precision.for_dtype("fp32")
+    b, s = 2, 16
+    for cfg in (base, wide):
+        matmul = sum(p.numel for p in param_specs(cfg) if p.layer == 0 and len(p.shape) == 2)
+        for tp in (1, 2):
+            w = op_work(cfg, Part.BLOCK, Phase.FWD, tp, b, s, prec)
+            assert w.gemm_flops == 2 * b * s * matmul / tp
+            # QK^T and PV: 2 MACs per (query, key) pair and q feature, causal: (s + 1) / 2 keys per query
+            assert w.attn_flops == pytest.approx(4 * b * s * (s + 1) / 2 * cfg.n_heads * cfg.head_dim / tp)
+        assert kv_cache_bytes_per_token_layer(cfg, 1, prec) == 2 * cfg.n_kv_heads * cfg.head_dim * 4
+    assert op_work(wide, Part.BLOCK, Phase.FWD, 1, b, s, prec).attn_flops == 2 * op_work(
+        base, Part.BLOCK, Phase.FWD, 1, b, s, prec).attn_flops

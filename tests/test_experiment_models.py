@@ -2,6 +2,7 @@
 
 Every case writes an experiment file into a temp directory next to tiny config.json-only
 checkpoints (the graph never reads weights), then runs ``realloc show`` or ``build_graph`` on it.
+``realloc show`` also reads the safetensors headers: a case that passes it gets weights saved by transformers.
 """
 
 from __future__ import annotations
@@ -107,8 +108,20 @@ def test_digest_names_shapes_not_paths(tmp_path):
     assert c.digest != a.digest
 
 
+def _add_weights(path: Path) -> None:
+    """Random weights for the config.json in ``path``, saved by transformers (show checks their headers)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    cfg = AutoConfig.from_pretrained(path)
+    seq_cls = cfg.architectures[0].endswith("ForSequenceClassification")
+    (AutoModelForSequenceClassification if seq_cls else AutoModelForCausalLM).from_config(cfg).save_pretrained(path)
+
+
 def test_show_prints_checkpoint_models(tmp_path):
-    r = _show(_experiment(tmp_path))
+    f = _experiment(tmp_path)
+    for ckpt in ("sft", "rm"):
+        _add_weights(tmp_path / "ckpt" / ckpt)
+    r = _show(f)
     assert r.returncode == 0, r.stderr
     assert "actor(hf:sft)" in r.stdout and "critic(hf:sft+value-head)" in r.stdout and "reward(hf:rm)" in r.stdout
 

@@ -167,6 +167,21 @@ def test_one_kv_head_replicated_over_tp_matches_hf(pool, which, request):
     _check_against_hf(pool, hf, path, REPLICATED)
 
 
+@pytest.mark.parametrize("family,layouts", [("llama", [(1, 1), (2, 1), (2, 2)]), ("qwen2", [(2, 1)])])
+@torch.no_grad()
+def test_explicit_head_dim_matches_hf(pool, tmp_path, family, layouts):
+    """head_dim 32 over a 64-wide model with 4 heads: q and o projections 128 wide (as in Gemma or Qwen3)."""
+    from realloc.models.param_layout import param_specs
+
+    hf = tiny_hf_model(tmp_path, seed=9, family=family, kv_heads=2, head_dim=32)
+    assert hf.model.layers[0].self_attn.q_proj.weight.shape == (128, 64)
+    cfg = model_config_from_hf(tmp_path)
+    assert (cfg.hidden_size, cfg.n_heads, cfg.head_dim, cfg.q_dim, cfg.kv_dim) == (64, 4, 32, 128, 64)
+    n_hf = sum(p.numel() for p in hf.parameters())
+    assert cfg.total_params == n_hf == sum(s.numel for s in param_specs(cfg))
+    _check_against_hf(pool, hf, tmp_path, layouts)
+
+
 @torch.no_grad()
 def test_tied_embeddings_with_llama3_rope_match_hf(pool, tied_llama3):
     hf, path = tied_llama3
@@ -325,3 +340,28 @@ def test_critic_from_causal_lm_checkpoint_needs_a_score_seed(pool, gqa):
         if name != "score.weight":
             assert torch.equal(t, hf_state[name]), name
     assert torch.equal(full["model.layers.3.mlp.down_proj.weight"], hf.state_dict()["model.layers.3.mlp.down_proj.weight"])
+
+
+def _sample_with_limits(ctx, cfg, tp, path, prompts, configs):
+    model = build_model(ctx, cfg, 1, tp, 1, hf_path=path)
+    if model is None:
+        return None
+    return [model.generate(prompts, g, seq_ids=list(range(len(prompts)))).sequences for g in configs]
+
+
+@torch.no_grad()
+def test_sampling_never_emits_ids_past_the_tokenizer_in_any_tp(pool, gqa):
+    """A checkpoint's vocabulary (128 rows) padded past its tokenizer's (100 tokens): sampling at temperature 1
+    without top-k picks padding ids unless limited; with the limit it never does, and tp=1 and tp=2 (vocabulary
+    shards of 64 rows, the limit cutting inside the second) draw the same tokens."""
+    _, path = gqa
+    cfg = model_config_from_hf(path)
+    prompts = _prompts(seed=11, lengths=(3, 7, 5, 9, 4, 6, 2, 8))
+    free = GenerationConfig(max_new_tokens=12, temperature=1.5, seed=5)
+    limited = GenerationConfig(max_new_tokens=12, temperature=1.5, seed=5, vocab_limit=100)
+    out = {tp: pool.run(_sample_with_limits, cfg, tp, str(path), prompts, [free, limited])[0] for tp in (1, 2)}
+    for tp, (unlimited, capped) in out.items():
+        # no EOS: every row generates 12 tokens after its prompt
+        assert max(int(capped[b, len(p):].max()) for b, p in enumerate(prompts)) < 100, tp
+        assert max(int(unlimited[b, len(p):].max()) for b, p in enumerate(prompts)) >= 100, tp  # the limit matters
+    assert torch.equal(out[1][1], out[2][1]) and torch.equal(out[1][0], out[2][0])

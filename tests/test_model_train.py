@@ -172,17 +172,24 @@ def _saved_peak(ctx, cfg, dp, tp, pp, n_mbs, recompute):
     return model.groups.pp_rank, meter.peak
 
 
-def test_memory_model_of_saved_activations_matches_the_engine(pool):
+# head_dim 32 over a 64-wide model with 4 heads: the q and o projections and the attention are 128 wide
+WIDE_HEADS = ModelConfig("wide-heads", 64, 64, 176, 4, 4, 2, max_position_embeddings=256, explicit_head_dim=32)
+
+
+@pytest.mark.parametrize("cfg, layouts", [
+    (get_model_config("tiny-gqa"), [(1, 1, 1, 2), (1, 1, 2, 3), (1, 2, 2, 2), (1, 1, 4, 4)]),
+    (WIDE_HEADS, [(1, 2, 2, 2)]),
+], ids=["tiny-gqa", "wide-heads"])
+def test_memory_model_of_saved_activations_matches_the_engine(pool, cfg, layouts):
     """realloc.estimator.memory.train_saved_bytes against the bytes autograd really keeps, per stage, with and
     without recomputation (1F1B keeps several micro-batches on early stages)."""
     from realloc.estimator.hardware import Precision
     from realloc.estimator.memory import train_saved_bytes
     from realloc.strategy import ParallelStrategy
 
-    cfg = get_model_config("tiny-gqa")
     fp32 = Precision(param=4, grad=4, optimizer=8, logits=4)
     saving = {}
-    for dp, tp, pp, n_mbs in [(1, 1, 1, 2), (1, 1, 2, 3), (1, 2, 2, 2), (1, 1, 4, 4)]:
+    for dp, tp, pp, n_mbs in layouts:
         for recompute in (False, True):
             for r in pool.run(_saved_peak, cfg, dp, tp, pp, n_mbs, recompute):
                 if r is None:

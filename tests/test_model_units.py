@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import itertools
 
 import pytest
@@ -197,16 +198,22 @@ def test_hf_config_round_trip_and_errors():
     ("llama", {"model_type": "gpt2"}, "model_type='gpt2'"),
     ("llama", {"model_type": "mixtral"}, "model_type='mixtral'"),
     ("qwen2", {"model_type": "qwen3"}, "model_type='qwen3'"),
-    ("qwen2", {"use_sliding_window": True}, "use_sliding_window=True"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2, "layer_types": None},
+     "use_sliding_window=True is not supported (sliding-window attention in layers 2..3"),
     ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types=['sliding_attention']"),
     ("llama", {"attention_bias": True}, "attention_bias=True"),
     ("llama", {"mlp_bias": True}, "mlp_bias=True"),
     ("qwen2", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "rope_type='yarn'"),
-    ("llama", {"head_dim": 8}, "head_dim=8"),
+    ("llama", {"head_dim": 7}, "head_dim=7"),
     ("llama", {"architectures": ["LlamaForTokenClassification"]}, "architectures=['LlamaForTokenClassification']"),
     ("qwen2", {"architectures": ["LlamaForCausalLM"]}, "architectures="),
     ("qwen2", {"architectures": ["Qwen2ForSequenceClassification"], "num_labels": 3}, "num_labels=3"),
+    # transformers >= 5 writes neither num_labels nor id2label for its default of 2 labels
+    ("llama", {"architectures": ["LlamaForSequenceClassification"]}, "num_labels=2"),
+    ("llama", {"architectures": ["LlamaForSequenceClassification"], "id2label": {"0": "a", "1": "b"}},
+     "num_labels=2"),
+    ("llama", {"quantization_config": {"quant_method": "gptq", "bits": 4}}, "'quant_method': 'gptq'"),
 ])
 def test_unsupported_hf_configs_are_one_line_naming_the_path_and_field(tmp_path, family, patch, field):
     import json
@@ -219,6 +226,47 @@ def test_unsupported_hf_configs_are_one_line_naming_the_path_and_field(tmp_path,
     assert "\n" not in msg and msg.startswith(f"HF checkpoint {tmp_path}: ")
     assert field in msg, msg
     assert "LlamaForCausalLM" in msg and "Qwen2ForCausalLM" in msg, msg  # says what is supported
+
+
+@pytest.mark.parametrize("over", [
+    dict(use_sliding_window=False, max_window_layers=1),  # Qwen2.5's published form: no window anywhere
+    dict(use_sliding_window=True, max_window_layers=4),  # a window from layer 4 of 4 layers: none
+    dict(use_sliding_window=True, max_window_layers=9),
+    dict(use_sliding_window=True, sliding_window=None, max_window_layers=0),
+    dict(use_sliding_window=True, max_window_layers=3),  # layer 3 has a window
+    dict(use_sliding_window=True, max_window_layers=0),
+    dict(use_sliding_window=True),  # transformers' default max_window_layers 28 > 4 layers
+])
+def test_qwen2_sliding_window_follows_transformers(over):
+    from transformers import Qwen2Config
+
+    from realloc.models.families.qwen2 import layer_types
+
+    base = dict(vocab_size=64, hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2)
+    hf = Qwen2Config(**base, **over)
+    assert layer_types({**base, **over}) == hf.layer_types
+    d = {**base, **over, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}
+    if all(t == "full_attention" for t in hf.layer_types):
+        assert model_config_from_hf(d).n_layers == 4  # accepted: transformers runs full attention
+    else:
+        with pytest.raises(ValueError, match="sliding-window attention in layers"):
+            model_config_from_hf(d)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_config_defaults_are_transformers_defaults(family):
+    """A config.json that omits a key means transformers' default for it."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    d = {"model_type": family, "vocab_size": 64, "hidden_size": 128, "intermediate_size": 176,
+         "num_hidden_layers": 2, "num_attention_heads": 32}  # Qwen2Config's default KV heads are 32
+    ours = model_config_from_hf(d)
+    theirs = (LlamaConfig if family == "llama" else Qwen2Config)(**{k: v for k, v in d.items() if k != "model_type"})
+    assert ours.max_position_embeddings == theirs.max_position_embeddings
+    assert ours.norm_eps == theirs.rms_norm_eps
+    assert ours.rope_theta == theirs.rope_parameters["rope_theta"]
+    assert ours.n_kv_heads == theirs.num_key_value_heads and ours.tie_embeddings == theirs.tie_word_embeddings
 
 
 def test_hf_config_missing_key():
@@ -281,3 +329,51 @@ def test_every_parameter_element_counts_once_toward_the_grad_norm(tp, pp):
         g = SimpleNamespace(tp=tp, pp=pp, tp_rank=t, pp_rank=p)
         counted += sum(s.shard_numel(tp) for s in stage_param_specs(cfg, pp, p) if counts_toward_norm(s, g))
     assert counted == cfg.total_params
+
+
+def test_vocab_limit_bans_ids_from_the_choice_not_from_the_log_prob():
+    from realloc.models.sampling import GenerationConfig, sample_tokens, sequence_generators
+
+    # The best logits sit on ids 2 and 3, past a limit of 2: neither greedy nor sampling may pick them.
+    logits = torch.tensor([[0.0, 1.0, 10.0, 10.0]]).repeat(64, 1)
+    ref = torch.log_softmax(logits[0], -1)  # the model's own distribution, which an inference pass scores
+    greedy = GenerationConfig(max_new_tokens=1, greedy=True, vocab_limit=2)
+    tok, lp = sample_tokens(logits, greedy, sequence_generators(0, range(64)))
+    assert tok.eq(1).all() and torch.allclose(lp, ref[1].expand(64))
+    for top_k in (0, 3):
+        g = GenerationConfig(max_new_tokens=1, top_k=top_k, vocab_limit=2)
+        tok, lp = sample_tokens(logits, g, sequence_generators(0, range(64)))
+        assert set(tok.tolist()) == {0, 1}  # both allowed ids are drawn (1 about e times as often as 0)
+        assert torch.allclose(lp, ref[tok])
+    # Without the limit the same draws take the padding ids: the limit is what keeps them out.
+    tok, _ = sample_tokens(logits, GenerationConfig(max_new_tokens=1), sequence_generators(0, range(64)))
+    assert set(tok.tolist()) >= {2, 3}
+    with pytest.raises(ValueError, match="vocab_limit"):
+        GenerationConfig(max_new_tokens=1, vocab_limit=0)
+
+
+
+def test_weight_headers_are_checked_against_the_loader(tmp_path):
+    """check_hf_weights reads only safetensors headers: every tensor the loader reads, with its shape and a float
+    dtype; a fresh value head is not read; an index that omits a tensor is named."""
+    from safetensors.torch import save_file
+
+    from realloc.models.hf_io import check_hf_weights
+
+    cfg = get_model_config("tiny-gqa")
+    full = {s.name: torch.zeros(s.shape) for s in param_specs(cfg)}
+    save_file(full, str(tmp_path / "model.safetensors"))
+    check_hf_weights(cfg, tmp_path)
+    check_hf_weights(cfg.as_critic(), tmp_path, new_value_head=True)  # lm_head ignored, score.weight made
+    with pytest.raises(ValueError, match=r"'score.weight' is missing from model.safetensors.*new_value_head=True"):
+        check_hf_weights(cfg.as_critic(), tmp_path)
+    save_file({**full, "model.norm.weight": torch.zeros(cfg.hidden_size, dtype=torch.int8)},
+              str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"'model.norm.weight' in model.safetensors is stored as I8"):
+        check_hf_weights(cfg, tmp_path)
+    # sharded: the index is what the loader follows
+    save_file(full, str(tmp_path / "model-1.safetensors"))
+    index = {"weight_map": {n: "model-1.safetensors" for n in full if n != "lm_head.weight"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"'lm_head.weight' is missing from model.safetensors.index.json's weight_map"):
+        check_hf_weights(cfg, tmp_path, where="model 'actor': ")

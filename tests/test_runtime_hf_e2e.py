@@ -3,13 +3,18 @@
 The actor and reference start from one tiny sharded Qwen2 checkpoint (q/k/v biases), the critic from a
 LLaMA sequence-classification checkpoint, the reward is a Qwen2 sequence-classification checkpoint, the
 tokenizer is the one trained on the shipped corpus, and the prompts are the shipped text prompts (mixed
-lengths, long ones truncated). Generation is greedy (top_k=1) and stops at any of a set of EOS ids, so
-rows end at different steps. Every run exports every 2 iterations (after 2, and after the last, 3).
+lengths, long ones truncated). Generation stops at any of a set of EOS ids, so rows end at different steps;
+it is greedy (top_k=1) in two runs and sampled (temperature 1, no top-k) in two others. The checkpoints'
+vocabulary (512) is padded past the tokenizer's 500 tokens, and generation never emits the padding ids.
+Every run exports every 2 iterations (after 2, and after the last, 3).
 Checked:
-- the same metrics under three plans (one device; tp=2/pp=2 training with reallocation; actor and
-  critic on disjoint meshes with the frozen reference and reward offloaded) for 3 iterations;
-- iteration 1's logged samples: the tokens HF's greedy `generate` produces from the same prompt, the
-  generation's per-token log-probs within 1e-4 of HF's, and the reward HF's sequence classifier gives;
+- the same metrics under every plan of a decoding mode for 3 iterations: greedy on one device and with
+  tp=2/pp=2 training with reallocation; sampled with actor and critic on disjoint meshes (the frozen reference
+  and reward offloaded) and with the tp=2/pp=2 plan;
+- iteration 1's logged samples: the tokens HF's greedy `generate` (the padding ids suppressed) produces from
+  the same prompt, the generation's per-token log-probs within 1e-4 of HF's (also when sampled), and the reward
+  HF's sequence classifier gives;
+- data.json in the run directory counts the prompts longer than prompt_len as transformers' tokenizer does;
 - the first PPO step starts at ratio 1 (old and new log-probs are aligned per row);
 - the export after iteration 2 holds the weights that generated iteration 3: HF's greedy tokens and
   log-probs from it equal the run's iteration-3 samples;
@@ -69,6 +74,10 @@ class HFPPO:
 '''
 
 EXPORT_EVERY = 2
+# run name -> (plan, sampled): a sampled run draws from the full distribution (temperature 1, no top-k)
+RUNS = {"one_device": ("one_device", False), "tp2pp2": ("tp2pp2", False), "split": ("split", True),
+        "tp2pp2_sampled": ("tp2pp2", True)}
+SAMPLED = ("--set", "ppo.top_k=0")
 # The frozen models wait in host memory between their calls in the split plan.
 OFFLOAD = {"split": {"ref": True, "reward": True}}
 PLANS = {
@@ -115,9 +124,10 @@ class Runs:
     def __getitem__(self, name: str) -> Path:
         if name not in self.dirs:
             run_dir = self.experiment.parent / f"run-{name}"
+            plan, sampled = RUNS[name]
             cmd = [sys.executable, "-m", "realloc.cli", "run", str(self.experiment), "--plan",
-                   str(_plan(self.experiment, name)), "--iterations", str(ITERS), "--run-dir", str(run_dir),
-                   "--quiet", "--export-every", str(EXPORT_EVERY)]
+                   str(_plan(self.experiment, plan)), "--iterations", str(ITERS), "--run-dir", str(run_dir),
+                   "--quiet", "--export-every", str(EXPORT_EVERY), *(SAMPLED if sampled else ())]
             env = {**os.environ, "TMPDIR": str(self.experiment.parent), "PYTHONPATH": str(REPO)}
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
             assert r.returncode == 0, f"plan {name} failed:\n{r.stdout}\n{r.stderr}"
@@ -134,20 +144,44 @@ def _metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-@pytest.mark.parametrize("plan", ["tp2pp2", "split"])
-def test_same_metrics_under_every_plan(runs, plan):
-    ref, got = _metrics(runs["one_device"]), _metrics(runs[plan])
+@pytest.mark.parametrize("first, second", [("one_device", "tp2pp2"), ("split", "tp2pp2_sampled")])
+def test_same_metrics_under_every_plan(runs, first, second):
+    ref, got = _metrics(runs[first]), _metrics(runs[second])
     assert len(ref) == len(got) == ITERS
     for a, b in zip(ref, got):
         for k in HEADLINE:
-            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), (plan, a["iteration"], k)
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), (first, second, a["iteration"], k)
     assert ref[-1]["kl"] > 1e-3  # training moved the policy: not a degenerate comparison
-    if plan in OFFLOAD:
-        assert all(m["time"].get("offload", 0) > 0 and m["time"].get("reload", 0) > 0 for m in got[1:])
+    for name in (first, second):
+        if RUNS[name][0] in OFFLOAD:
+            assert all(m["time"].get("offload", 0) > 0 and m["time"].get("reload", 0) > 0
+                       for m in _metrics(runs[name])[1:])
+
+
+def test_sampled_runs_draw_other_responses_inside_the_tokenizer(runs):
+    """Sampling is not greedy decoding under another name, and no run emits an id past the tokenizer's 500
+    tokens (the checkpoints' 512-row vocabulary would allow them)."""
+    greedy, sampled = _samples(runs["one_device"], 1), _samples(runs["split"], 1)
+    assert [s["prompt_ids"] for s in greedy] == [s["prompt_ids"] for s in sampled]
+    assert [s["response_ids"] for s in greedy] != [s["response_ids"] for s in sampled]
+    for name in RUNS:
+        ids = [t for it in range(1, ITERS + 1) for s in _samples(runs[name], it) for t in s["response_ids"]]
+        assert ids and max(ids) < 500, name
 
 
 def test_variable_lengths_and_first_step_alignment(runs):
+    from transformers import AutoTokenizer
+
     m = _metrics(runs["one_device"])
+    # The truncation counts of the console line are in the run directory, as transformers' tokenizer counts.
+    tok = AutoTokenizer.from_pretrained(runs.experiment.parent / "actor")  # the run's tokenizer: the actor's
+    prompts = [json.loads(line)["prompt"] for line in (REPO / "experiments/data/text_prompts.jsonl").open()]
+    long = sum(len(ids) > 24 for ids in tok(prompts)["input_ids"])
+    data = json.loads((runs["one_device"] / "data.json").read_text())
+    assert 0 < long < len(prompts)
+    n = len(prompts)
+    assert (data["n_records"], data["n_kept"], data["n_truncated"], data["n_dropped"]) == (n, n, long, 0)
+    assert data["n_too_long"] == long and data["prompt_len"] == 24 and data["max_tokens"] == 24
     assert 0 < m[0]["eos_frac"] < 1 and m[0]["response_len"] < GEN_LEN
     # One PPO mini-batch: the first update sees ratio exp(new - old) = 1 on every valid token, which
     # holds only if generation, inference and the loss read the same response positions of each row.
@@ -160,18 +194,23 @@ def _samples(run: Path, iteration: int) -> list[dict]:
     return [s for s in lines if s["iteration"] == iteration]
 
 
-def _check_against_transformers(samples: list[dict], actor, eos: list[int]) -> torch.Tensor:
-    """Each sample's response is HF's greedy output from its prompt and its per-token log-probs are HF's
-    within 1e-4; returns HF's log-probs of all responses, concatenated."""
+def _check_against_transformers(samples: list[dict], actor, eos: list[int], greedy: bool = True) -> torch.Tensor:
+    """Each sample's response is HF's greedy output from its prompt (``greedy``; HF suppressing the ids past the
+    tokenizer, as realloc does) and its per-token log-probs are HF's within 1e-4; returns HF's log-probs of all
+    responses, concatenated."""
     hf_logps = []
+    padding = list(range(500, actor.config.vocab_size))  # the tokenizer has 500 tokens
     for s in samples:
         prompt = torch.tensor([s["prompt_ids"]])
         with torch.no_grad():
-            want = actor.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=GEN_LEN,
-                                  do_sample=False, eos_token_id=eos, pad_token_id=0)[0, prompt.shape[1]:].tolist()
+            if greedy:
+                want = actor.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=GEN_LEN,
+                                      do_sample=False, eos_token_id=eos, pad_token_id=0,
+                                      suppress_tokens=padding)[0, prompt.shape[1]:].tolist()
+                want = want[:next((i + 1 for i, t in enumerate(want) if t in eos), len(want))]
+                assert s["response_ids"] == want, (s["iteration"], s["seq"])
             logits = actor(input_ids=torch.tensor([s["prompt_ids"] + s["response_ids"]])).logits[0].float()
-        want = want[:next((i + 1 for i, t in enumerate(want) if t in eos), len(want))]
-        assert s["response_ids"] == want, (s["iteration"], s["seq"])
+        want = s["response_ids"]
         plen, n = len(s["prompt_ids"]), len(s["response_ids"])
         hf = torch.log_softmax(logits[plen - 1:plen - 1 + n], -1).gather(-1, torch.tensor(want)[:, None])[:, 0]
         assert len(s["logp"]) == n
@@ -190,6 +229,7 @@ def test_samples_match_transformers(runs, experiment):
     first = _samples(runs["one_device"], 1)
     assert [s["seq"] for s in first] == [0, 1, 2, 3]
     _check_against_transformers(first, actor, eos)
+    _check_against_transformers(_samples(runs["split"], 1), actor, eos, greedy=False)
     lengths = set()
     for s in first:
         assert s["prompt"] and isinstance(s["response"], str) and len(s["prompt_ids"]) <= 24

@@ -71,7 +71,8 @@ def generation_config(ctx: CallContext) -> GenerationConfig:
     # One seed per iteration; per-sequence streams come from the sequence's global index.
     return GenerationConfig(max_new_tokens=ctx.gen_len, temperature=cfg.temperature, top_k=cfg.top_k,
                             top_p=cfg.top_p, greedy=ctx.greedy, seed=param_seed(ctx.seed, f"{ctx.purpose}/{ctx.iteration}"),
-                            eos_token_ids=ctx.eos_token_ids, pad_token_id=ctx.pad_token_id)
+                            eos_token_ids=ctx.eos_token_ids, pad_token_id=ctx.pad_token_id,
+                            vocab_limit=ctx.vocab_limit)
 
 
 # -- generation and inference ----------------------------------------------------------------------------------

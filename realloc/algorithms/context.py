@@ -38,6 +38,7 @@ class CallContext:
     total_iterations: int = 0  # the run's horizon, for the learning-rate schedule (0: iteration + 1)
     eos_token_ids: tuple[int, ...] = ()  # generation stops at any of these (the tokenizer's EOS)
     pad_token_id: int = 0
+    vocab_limit: int | None = None  # generation never emits ids >= this (the tokenizer's length; None: no limit)
     greedy: bool = False  # generation: argmax instead of sampling (evaluation)
     purpose: str = "generate"  # names the sampling stream: training and each eval batch draw their own
     recompute: bool = False  # train steps recompute activations (CallPlacement.recompute)

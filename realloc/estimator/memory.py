@@ -178,7 +178,7 @@ def train_activation_bytes(cfg: ModelConfig, strategy: ParallelStrategy, n_mbs: 
     if pp > 1:
         kept += min(n_mbs, pp - pp_rank) * pipeline_held_bytes_per_token(cfg, precision, first, last, recompute)
     h, e = cfg.hidden_size, precision.param
-    weight_grad = h * max(h, cfg.intermediate_size) / t * e
+    weight_grad = h * max(h, cfg.q_dim, cfg.intermediate_size) / t * e
     work = (redo + block_backward_bytes_per_token(cfg, t, precision, recompute)) * n_tok + weight_grad
     if last:
         head = norm_saved_bytes_per_token(cfg, precision) + logprob_peak_bytes_per_token(cfg, t, precision,

@@ -90,25 +90,26 @@ def local_kv_width(cfg: ModelConfig, tp: int) -> int:
 
 def local_block_matmul_params(cfg: ModelConfig, tp: int) -> float:
     """Weights of the four attention and three MLP projections of one block on one tp rank."""
-    h, inter = cfg.hidden_size, cfg.intermediate_size
-    return (2 * h * h + 3 * h * inter) / tp + 2 * h * local_kv_width(cfg, tp)
+    h, q, inter = cfg.hidden_size, cfg.q_dim, cfg.intermediate_size
+    return (2 * h * q + 3 * h * inter) / tp + 2 * h * local_kv_width(cfg, tp)
 
 
 def _block_fwd(cfg: ModelConfig, t: int, b: int, s: int, c_attn: float, c_read: int, e: int,
                phase: Phase) -> OpWork:
-    h, kvl, inter = cfg.hidden_size, local_kv_width(cfg, t), cfg.intermediate_size
+    h, q, kvl, inter = cfg.hidden_size, cfg.q_dim, local_kv_width(cfg, t), cfg.intermediate_size
     n = b * s
     weights = local_block_matmul_params(cfg, t)
-    # GEMM inputs: qkv <- norm1 out (h), o <- attn out (h/t), gate/up <- norm2 out (h), down <- act (inter/t);
-    # outputs: qkv h/t + 2kvl, o (h, partial sum before the all-reduce), gate+up 2*inter/t, down (h).
-    gemm_act = n * (h + h / t + h + inter / t + h / t + 2 * kvl + h + 2 * inter / t + h)
-    attn_flops = 4.0 * n * c_attn * h / t  # QK^T and PV, 2 FLOPs per MAC each
+    # GEMM inputs: qkv <- norm1 out (h), o <- attn out (q/t), gate/up <- norm2 out (h), down <- act (inter/t);
+    # outputs: qkv q/t + 2kvl, o (h, partial sum before the all-reduce), gate+up 2*inter/t, down (h).
+    # (q = n_heads * head_dim: h unless the checkpoint sets head_dim.)
+    gemm_act = n * (h + q / t + h + inter / t + q / t + 2 * kvl + h + 2 * inter / t + h)
+    attn_flops = 4.0 * n * c_attn * q / t  # QK^T and PV, 2 FLOPs per MAC each
     # fused attention reads q and the k/v of every attended position once per sequence and writes o
-    attn_bytes = (n * 2 * h / t + b * c_read * 2 * kvl) * e
+    attn_bytes = (n * 2 * q / t + b * c_read * 2 * kvl) * e
     # 2 RMSNorms (r+w h), rotary on q,k (r+w), 2 residual adds (2r+1w h), SwiGLU (2r+1w inter/t),
     # plus the KV-cache write when generating.
     writes_cache = phase in (Phase.PREFILL, Phase.DECODE)
-    elem = n * (4 * h + 2 * (h / t + kvl) + 6 * h + 3 * inter / t + (2 * kvl if writes_cache else 0))
+    elem = n * (4 * h + 2 * (q / t + kvl) + 6 * h + 3 * inter / t + (2 * kvl if writes_cache else 0))
     coll = (Collective("all_reduce", n * h * e, 2),) if t > 1 else ()
     return OpWork(gemm_flops=2.0 * n * weights, gemm_bytes=weights * e + gemm_act * e, attn_flops=attn_flops,
                   attn_bytes=attn_bytes, elem_bytes=elem * e, kernels=_KERNELS[(Part.BLOCK, phase)],
@@ -198,12 +199,12 @@ def saved_activation_bytes_per_token(cfg: ModelConfig, tp: int, precision: Preci
     with fused attention; measured exactly by ``realloc.models.activations`` on CPU).
 
     Two norms (``norm_saved_bytes_per_token``); attention: q after rotary, k and v as the kernel
-    reads them (GQA groups repeated to the local q heads, so h/t each), its output and a
+    reads them (GQA groups repeated to the local q heads, so q_dim/t each), its output and a
     log-sum-exp per row and head (fp32); the MLP: gate, up, SwiGLU(gate) and its product with up.
     Rotary multiplies by cos/sin that need no gradient, so it keeps nothing of its own.
     """
-    h, inter, t, e = cfg.hidden_size, cfg.intermediate_size, tp, precision.param
-    attn = 4 * h / t * e + cfg.n_heads / t * 4
+    inter, t, e = cfg.intermediate_size, tp, precision.param
+    attn = 4 * cfg.q_dim / t * e + cfg.n_heads / t * 4
     mlp = 4 * inter / t * e
     return 2 * norm_saved_bytes_per_token(cfg, precision) + attn + mlp
 
@@ -258,9 +259,10 @@ def transient_activation_bytes_per_token(cfg: ModelConfig, tp: int, precision: P
     """Peak live bytes per token inside one block's forward without grad, at its MLP (measured by
     ``LiveTensorMeter``): the stage's input (its caller holds it until the stage returns), the block's
     input, the residual after attention, the second norm's output (all h wide on every tp rank), and
-    SwiGLU(gate), up and their product (inter/t each). The attention half holds less (q, k, v, the
-    GQA-repeated k and v and the output are h/t wide). Training adds it on top of the saved
-    activations, an upper bound for the backward's own gradients of one block."""
+    SwiGLU(gate), up and their product (inter/t each). The attention half (q, k, v, the GQA-repeated k and v,
+    rotary temporaries and the output, q_dim/t wide or less) holds less in LLaMA/Qwen2 shapes, whose MLP is
+    about 2.7 times wider than q_dim (also with an explicit head_dim, e.g. Qwen3); it is not modelled. Training
+    adds it on top of the saved activations, an upper bound for the backward's own gradients of one block."""
     h, inter, t = cfg.hidden_size, cfg.intermediate_size, tp
     return (4 * h + 3 * inter / t) * precision.param
 

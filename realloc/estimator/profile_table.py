@@ -60,11 +60,12 @@ class ModelArch(BaseModel):
     intermediate_size: int
     n_heads: int
     n_kv_heads: int
+    head_dim: int | None = None  # only when not hidden_size / n_heads (``ModelConfig.explicit_head_dim``)
 
     @classmethod
     def of(cls, cfg: ModelConfig) -> "ModelArch":
         return cls(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                   n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads)
+                   n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.explicit_head_dim)
 
 
 class OpGrid(BaseModel):

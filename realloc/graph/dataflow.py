@@ -142,8 +142,10 @@ class DataflowGraph:
 
 
 def _shape_key(cfg: ModelConfig | None) -> dict:
+    # explicit_head_dim only when set, so that the digests of models without one stay what they were
     return {} if cfg is None else {k: v for k, v in dataclasses.asdict(cfg).items()
-                                   if k not in ("name", "special_tokens")}
+                                   if k not in ("name", "special_tokens")
+                                   and not (k == "explicit_head_dim" and v is None)}
 
 
 def _resolve_model_types(spec: ExperimentSpec, table: Table) -> tuple[dict[str, str], dict[str, ModelConfig | None]]:
@@ -206,6 +208,19 @@ def _checkpoint_config(spec: ExperimentSpec, model: str, src: HFModel, table: Ta
         raise ValueError(f"model {model!r}: call {lm_calls[0]!r} needs a vocabulary (language-model) head, but "
                          f"{src.path} has a scalar head ({'new_value_head=True' if src.new_value_head else kind})")
     return dataclasses.replace(cfg, name=f"{model}:{Path(src.path).name}")
+
+
+def _check_positions(spec: ExperimentSpec, configs: Mapping[str, ModelConfig | None]) -> None:
+    """Every model sees sequences of up to prompt_len + gen_len tokens (the generating model writes them, the
+    others read them): each must have that many positions, or a run fails when it first draws a long prompt."""
+    n = spec.prompt_len + spec.gen_len
+    for model, cfg in configs.items():
+        if cfg is not None and n > cfg.max_position_embeddings:
+            src = (f"checkpoint {spec.models[model].path}" if model in spec.models
+                   else f"model_type {cfg.name!r}")
+            raise ValueError(f"model {model!r}: prompt_len + gen_len = {spec.prompt_len} + {spec.gen_len} = {n} "
+                             f"exceeds max_position_embeddings={cfg.max_position_embeddings} of its {src}; lower "
+                             f"prompt_len or gen_len to at most {cfg.max_position_embeddings} tokens together")
 
 
 def build_graph(spec: ExperimentSpec) -> DataflowGraph:
@@ -275,6 +290,7 @@ def build_graph(spec: ExperimentSpec) -> DataflowGraph:
         why = "; ".join(f"{u}->{v} via {', '.join(g.edges[u, v]['keys']) or 'parameter version'}" for u, v in cycle)
         raise ValueError(f"the dataflow graph has a cycle: {path} ({why}); a call cannot depend on its own output")
     interfaces = check_contracts(spec, table, model_configs)  # the structure is sound: now what each call runs
+    _check_positions(spec, model_configs)
 
     return DataflowGraph(spec=spec, graph=g, model_types=MappingProxyType(model_types), carry_edges=tuple(carry),
                          model_configs=MappingProxyType(model_configs), interfaces=MappingProxyType(interfaces))

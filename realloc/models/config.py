@@ -47,6 +47,9 @@ class ModelConfig:
     # (compare=False): carried so that a saved checkpoint reloads with them (transformers' defaults are wrong
     # for LLaMA-3 and chat models).
     special_tokens: tuple[tuple[str, Any], ...] = dataclasses.field(default=(), compare=False)
+    # HF's head_dim when it differs from hidden_size / n_heads (None: that quotient). The q and o
+    # projections are then n_heads * head_dim wide rather than hidden_size (``q_dim``).
+    explicit_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "hidden_size", "intermediate_size", "n_layers", "n_heads", "n_kv_heads"):
@@ -54,6 +57,11 @@ class ModelConfig:
                 raise ValueError(f"model config {self.name!r}: {field} must be positive")
         if self.hidden_size % self.n_heads:
             raise ValueError(f"model config {self.name!r}: hidden_size must be divisible by n_heads")
+        if self.explicit_head_dim == self.hidden_size // self.n_heads:
+            object.__setattr__(self, "explicit_head_dim", None)  # one spelling of each shape (equality, digests)
+        if self.explicit_head_dim is not None and (self.explicit_head_dim <= 0 or self.explicit_head_dim % 2):
+            raise ValueError(f"model config {self.name!r}: head_dim must be a positive even number (rotary "
+                             f"embeddings rotate pairs), got {self.explicit_head_dim}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"model config {self.name!r}: n_heads must be divisible by n_kv_heads")
         if self.is_critic and self.tie_embeddings:
@@ -65,7 +73,12 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.n_heads
+        return self.explicit_head_dim or self.hidden_size // self.n_heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the query heads (output of q_proj, input of o_proj): hidden_size unless head_dim is explicit."""
+        return self.n_heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
@@ -92,8 +105,8 @@ class ModelConfig:
     @property
     def layer_params(self) -> int:
         """One decoder block: q, k, v, o projections (and q/k/v biases), SwiGLU MLP, two RMSNorms."""
-        h, kv = self.hidden_size, self.kv_dim
-        attn = h * h + 2 * h * kv + h * h + ((h + 2 * kv) if self.qkv_bias else 0)
+        h, q, kv = self.hidden_size, self.q_dim, self.kv_dim
+        attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.qkv_bias else 0)
         mlp = 3 * h * self.intermediate_size
         return attn + mlp + 2 * h
 

@@ -126,10 +126,11 @@ class Attention(nn.Module):
         kv_out = self.n_local_kv * self.head_dim * tp
         common = dict(config=mcfg, init_method=_no_init, tp_group=tp_group)
         qkv = dict(common, bias=cfg.qkv_bias, gather_output=False, skip_bias_add=False)
-        self.q_proj = ColumnParallelLinear(h, h, **qkv)
+        self.q_proj = ColumnParallelLinear(h, cfg.q_dim, **qkv)
         self.k_proj = ColumnParallelLinear(h, kv_out, **qkv)
         self.v_proj = ColumnParallelLinear(h, kv_out, **qkv)
-        self.o_proj = RowParallelLinear(h, h, input_is_parallel=True, skip_bias_add=False, bias=False, **common)
+        self.o_proj = RowParallelLinear(cfg.q_dim, h, input_is_parallel=True, skip_bias_add=False, bias=False,
+                                        **common)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                 cache: KVCache | None = None, cache_start: int = 0) -> torch.Tensor:

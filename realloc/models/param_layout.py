@@ -108,18 +108,18 @@ class ParamSpec:
 
 
 def _block_specs(cfg: ModelConfig, i: int) -> list[ParamSpec]:
-    h, kv, inter, n_kv = cfg.hidden_size, cfg.kv_dim, cfg.intermediate_size, cfg.n_kv_heads
+    h, q, kv, inter, n_kv = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size, cfg.n_kv_heads
     p = f"model.layers.{i}."
     attn = []
     # q heads split freely; k/v keep whole KV heads, replicated when tp exceeds them.
-    for proj, rows, units in (("q_proj", h, None), ("k_proj", kv, n_kv), ("v_proj", kv, n_kv)):
+    for proj, rows, units in (("q_proj", q, None), ("k_proj", kv, n_kv), ("v_proj", kv, n_kv)):
         attn.append(ParamSpec(f"{p}self_attn.{proj}.weight", (rows, h), 0, i, units))
         if cfg.qkv_bias:
             attn.append(ParamSpec(f"{p}self_attn.{proj}.bias", (rows,), 0, i, units))
     return [
         ParamSpec(p + "input_layernorm.weight", (h,), None, i),
         *attn,
-        ParamSpec(p + "self_attn.o_proj.weight", (h, h), 1, i),
+        ParamSpec(p + "self_attn.o_proj.weight", (h, q), 1, i),
         ParamSpec(p + "post_attention_layernorm.weight", (h,), None, i),
         ParamSpec(p + "mlp.gate_proj.weight", (inter, h), 0, i),
         ParamSpec(p + "mlp.up_proj.weight", (inter, h), 0, i),

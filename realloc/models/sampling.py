@@ -30,6 +30,9 @@ class GenerationConfig:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
     seed: int = 0
+    # Ids >= this are never chosen (None: every id of the model): the tokenizer's length, so that the
+    # padding rows of a checkpoint's vocabulary cannot produce an id no other model or tokenizer knows.
+    vocab_limit: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
@@ -44,6 +47,8 @@ class GenerationConfig:
             raise ValueError(f"GenerationConfig.top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"GenerationConfig.top_p must be in (0, 1], got {self.top_p}")
+        if self.vocab_limit is not None and self.vocab_limit < 1:
+            raise ValueError(f"GenerationConfig.vocab_limit must be >= 1 (None: no limit), got {self.vocab_limit}")
 
     def check_vocab(self, vocab_size: int) -> None:
         for t in self.eos_token_ids + (self.pad_token_id,):
@@ -77,12 +82,16 @@ def sample_tokens(logits: torch.Tensor, g: GenerationConfig, generators: Sequenc
                   ban: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Next tokens [B] and their log-probs [B] from full-vocabulary logits [B, V].
 
-    ``ban`` lists token ids that may not be chosen (EOS before ``min_new_tokens``).
-    The log-prob is under softmax(logits / temperature) before the ban and top-k/top-p
-    filtering (temperature 1 when greedy), i.e. what an inference forward pass would score.
+    ``ban`` lists token ids that may not be chosen (EOS before ``min_new_tokens``), as do ids at or past
+    ``g.vocab_limit``. The logits are the full vocabulary (gathered over tp), so the limit is by global id
+    and the same in every layout. The log-prob is under softmax(logits / temperature) before the ban, the
+    limit and top-k/top-p filtering (temperature 1 when greedy), i.e. what an inference forward pass would score.
     """
     raw = logits.float()
     logits = raw.index_fill(-1, ban, float("-inf")) if ban is not None and ban.numel() else raw
+    if g.vocab_limit is not None and g.vocab_limit < logits.shape[-1]:
+        logits = logits.clone() if logits is raw else logits
+        logits[..., g.vocab_limit:] = float("-inf")
     if g.greedy:
         tokens = torch.argmax(logits, dim=-1)
         logp = torch.log_softmax(raw, dim=-1)

@@ -55,6 +55,11 @@ class RunPaths:
         return self.root / "prompt_cache"
 
     @property
+    def data(self) -> Path:
+        """What loading the dataset kept, truncated and dropped (``realloc.data.records.LoadStats``)."""
+        return self.root / "data.json"
+
+    @property
     def trace(self) -> Path:
         return self.root / "trace.json"
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import dataclasses
 import json
 import secrets
 import signal
@@ -33,6 +34,7 @@ from realloc.runtime import protocol
 from realloc.runtime.launcher import (LocalLauncher, RunPaths, SlurmOptions, WorkerConfig, slurm_script, submit_slurm,
                                       write_job_script)
 from realloc.runtime.metric_sinks import MetricSinks
+from realloc.runtime.preflight import Preflight, preflight
 from realloc.runtime.program import RuntimeProgram
 from realloc.runtime.run_config import RunConfig
 from realloc.runtime.stop_signals import StopSignals
@@ -144,11 +146,9 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"how many iterations? pass --iterations N or set `iterations` in {spec.name}")
     if total <= start:
         raise ValueError(f"--iterations {total}: the checkpoint already completed {start} iterations; ask for more")
-    from realloc.runtime.text_io import check_data
-
     run = RunPaths(_run_dir(args, spec, ckpt).resolve())
     # Fail here, in one line, rather than in every worker; and tokenize once: the workers read the cache.
-    data_line = check_data(spec, config, graph, cache_dir=None if args.dry_run else run.prompt_cache)
+    pre = preflight(spec, config, graph, cache_dir=None if args.dry_run else run.prompt_cache)
     slurm = slurm_options(args) if args.launcher == "slurm" else None
     plan, plan_source = _choose_plan(args, spec, ckpt)
     program = RuntimeProgram(graph, plan)  # validates the plan against the experiment and cluster
@@ -174,7 +174,7 @@ def main(args: argparse.Namespace) -> int:
         if args.dry_run and not args.prepare:
             print(script, end="")  # nothing is written: --prepare writes the run directory
             return 0
-        _prepare_run_dir(run, plan, experiment, sets)
+        _prepare_run_dir(run, plan, experiment, sets, pre)
         _fresh_secret(run)
         if args.prepare or args.dry_run:
             path = write_job_script(script, run)
@@ -190,10 +190,10 @@ def main(args: argparse.Namespace) -> int:
     if args.launcher == "external":
         plan_path = run.plan
         if not plan_path.is_file():
-            _prepare_run_dir(run, plan, experiment, sets)
+            _prepare_run_dir(run, plan, experiment, sets, pre)
         secret = protocol.read_secret()
     else:
-        _prepare_run_dir(run, plan, experiment, sets)
+        _prepare_run_dir(run, plan, experiment, sets, pre)
         secret = _fresh_secret(run)
         atexit.register(run.secret.unlink, missing_ok=True)  # also when interrupted before the cleanup below
     _truncate_metrics(run.metrics, start)
@@ -227,8 +227,8 @@ def main(args: argparse.Namespace) -> int:
           f"iterations {start + 1}..{total}, plan {plan_source}")
     if sets:
         print(f"overrides: {' '.join(sets)}")
-    if data_line:
-        print(data_line)
+    for line in pre.lines:
+        print(line)
     print(plan.table(graph.topo_order))
     sinks = MetricSinks.open(run.root, tensorboard=args.tensorboard, wandb_project=args.wandb,
                              run_name=run.root.name, config={"experiment": experiment, "overrides": list(sets),
@@ -252,12 +252,19 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prepare_run_dir(run: RunPaths, plan: ExecutionPlan, experiment: str, sets: tuple[str, ...]) -> None:
-    """The run directory with its plan and what ran it (``realloc trace`` reads run.json)."""
+def _prepare_run_dir(run: RunPaths, plan: ExecutionPlan, experiment: str, sets: tuple[str, ...],
+                     pre: Preflight) -> None:
+    """The run directory with its plan and what ran it (``realloc trace`` reads run.json), and what loading the
+    dataset kept and cut (data.json: the console line's counts, for whoever reads the run later)."""
     run.root.mkdir(parents=True, exist_ok=True)
     run.logs.mkdir(parents=True, exist_ok=True)
     plan.save(run.plan)
     (run.root / "run.json").write_text(json.dumps({"experiment": experiment, "overrides": list(sets)}, indent=2))
+    if pre.data is not None:
+        stats = pre.data
+        body = {**dataclasses.asdict(stats), "n_too_long": stats.n_too_long,
+                "n_response_too_long": stats.n_response_too_long}
+        run.data.write_text(json.dumps(body, indent=2))
 
 
 def slurm_options(args: argparse.Namespace) -> SlurmOptions:

@@ -1,8 +1,9 @@
 """Token ids the runtime needs from the tokenizer or checkpoint, and the decoded-sample log.
 
-``SpecialTokens``: where generation stops (EOS ids) and what pads a row. The experiment's
-tokenizer decides; without one, the generating model's checkpoint (``generation_config.json``,
-then ``config.json``); a random-init model with a token-id dataset has no EOS and pads with 0.
+``SpecialTokens``: where generation stops (EOS ids) and what pads a row. Generation stops at the
+experiment's tokenizer's EOS ids and those the generating model's checkpoint names
+(``generation_config.json``, else ``config.json``); padding and BOS are the tokenizer's, else the
+checkpoint's. A random-init model with a token-id dataset has no EOS and pads with 0.
 Master and workers compute it the same way from the same files.
 
 ``SampleLog``: in iteration 1 and every ``sample_every`` iterations after it (1, 11, 21, ... for 10),
@@ -50,12 +51,16 @@ class SpecialTokens:
 
     @classmethod
     def of(cls, spec: ExperimentSpec, tokenizer: "Tokenizer | None") -> "SpecialTokens":
+        """The tokenizer's ids; EOS also every id the generating checkpoints' generation_config.json (else
+        config.json) names: a separate tokenizer directory may lack the ones a chat model ends a turn with
+        (LLaMA-3 instruct stops at any of 128001, 128008, 128009)."""
+        ckpts = [cls.from_checkpoint(p) for p in generating_checkpoints(spec)]
+        ckpt_eos = tuple(t for c in ckpts for t in c.eos_token_ids)
         if tokenizer is not None:
-            return cls(tuple(tokenizer.eos_token_ids), tokenizer.pad_token_id, tokenizer.bos_token_id)
-        for r in spec.rpcs:
-            src = spec.models.get(r.model_name)
-            if r.interface_type is InterfaceType.GENERATE and src is not None:
-                return cls.from_checkpoint(src.path)
+            eos = tuple(dict.fromkeys(tuple(tokenizer.eos_token_ids) + ckpt_eos))  # stable order, no duplicates
+            return cls(eos, tokenizer.pad_token_id, tokenizer.bos_token_id)
+        if ckpts:
+            return dataclasses.replace(ckpts[0], eos_token_ids=tuple(dict.fromkeys(ckpt_eos)))
         return cls()
 
     @classmethod
@@ -74,6 +79,13 @@ class SpecialTokens:
         eos: Any = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else (
             self.eos_token_ids[0] if self.eos_token_ids else None)
         return {"bos_token_id": self.bos_token_id, "eos_token_id": eos, "pad_token_id": self.pad_token_id}
+
+
+def generating_checkpoints(spec: ExperimentSpec) -> list[str]:
+    """Checkpoint directories of the models that generate, in call order, each once."""
+    paths = [spec.models[r.model_name].path for r in spec.rpcs
+             if r.interface_type is InterfaceType.GENERATE and r.model_name in spec.models]
+    return list(dict.fromkeys(paths))
 
 
 class SampleLog:
@@ -131,24 +143,3 @@ def write_samples(run_dir: str | Path, iteration: int, parts: Mapping[tuple[str,
         lines.append(json.dumps(rec) + "\n")
     with (Path(run_dir) / SAMPLES_FILE).open("a") as f:
         f.write("".join(lines))
-
-
-def check_data(spec: ExperimentSpec, config: Any, graph: Any, cache_dir: Path | None = None) -> str | None:
-    """Load the tokenizer and the prompt dataset as the workers will, before any worker starts, and check
-    them against the models (every model reads the tokenizer's ids). Returns a one-line summary, or None
-    when the experiment reads no dataset."""
-    from realloc.data.tokenizer import Tokenizer
-    from realloc.runtime.datasets import load_dataset
-
-    tokenizer = Tokenizer.load(config.tokenizer) if config.tokenizer else None
-    vocab_sizes = {m: cfg.vocab_size for m, cfg in graph.model_configs.items() if cfg is not None}
-    if tokenizer is not None:
-        for m, v in vocab_sizes.items():
-            tokenizer.check_model_vocab(v, f"model {m!r}")
-    if config.dataset is None:
-        return None
-    # Token ids must fit every model: they all read the same sequences.
-    data = load_dataset(graph.dataset_kind, config.dataset, spec, config, tokenizer,
-                        min(vocab_sizes.values()) if vocab_sizes else None, cache_dir)
-    where = f"tokenizer {config.tokenizer}" if tokenizer is not None else "token ids"
-    return f"{data.stats.describe()} ({where})"

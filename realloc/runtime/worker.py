@@ -53,6 +53,7 @@ from realloc.runtime.offload import HostOffload
 from realloc.runtime.param_realloc import Reallocator
 from realloc.runtime.program import CallLayout, LayoutKey, RuntimeProgram
 from realloc.runtime.run_config import RunConfig
+from realloc.runtime.preflight import vocab_limit
 from realloc.runtime.text_io import SampleLog, SpecialTokens
 from realloc.runtime.transfer_plan import dp_ranges
 
@@ -335,6 +336,7 @@ class ModelWorker:
                                 iteration=iteration, ids=range(lo, hi), batch_size=prog.batch_size, n_mbs=cl.n_mbs,
                                 total_iterations=self.total_iterations,
                                 eos_token_ids=self.tokens.eos_token_ids, pad_token_id=self.tokens.pad_token_id,
+                                vocab_limit=vocab_limit(self.tokenizer, prog.generation_vocab_size()),
                                 greedy=evaluating and self.config.eval.greedy,
                                 purpose=f"eval{eval_batch}" if evaluating else "generate", recompute=cl.recompute,
                                 group_size=spec.group_size, tokenizer=self.tokenizer,

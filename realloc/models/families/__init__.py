@@ -60,10 +60,22 @@ def _is_critic(hf: Mapping[str, Any], fam: Family, critic: bool | None, where: s
             raise unsupported(where, "architectures", archs, " (a causal LM or a one-label sequence classifier)")
     is_critic = fam.sequence_classification in archs if critic is None else critic
     if is_critic and fam.sequence_classification in archs:
-        labels = int(hf.get("num_labels", len(hf.get("id2label") or {}) or 1))
+        labels = num_labels(hf)
         if labels != 1:
-            raise unsupported(where, "num_labels", labels, " (a critic or reward model has one scalar output)")
+            named = "" if "id2label" in hf or "num_labels" in hf else (
+                "; config.json names neither num_labels nor id2label, which transformers reads as 2 labels")
+            raise unsupported(where, "num_labels", labels, f" (a critic or reward model has one scalar output{named})")
     return is_critic
+
+
+def num_labels(hf: Mapping[str, Any]) -> int:
+    """The labels of a sequence classifier as transformers' PretrainedConfig counts them: id2label's length,
+    else num_labels, else its default of 2 (transformers >= 5 writes neither key for a 2-label classifier)."""
+    if hf.get("id2label") is not None:
+        return len(hf["id2label"])
+    if hf.get("num_labels") is not None:
+        return int(hf["num_labels"])
+    return 2
 
 
 def config_from_hf(hf: Mapping[str, Any], where: str, name: str | None = None,
@@ -76,25 +88,30 @@ def config_from_hf(hf: Mapping[str, Any], where: str, name: str | None = None,
     bad = fam.unsupported(hf)
     if bad is not None:
         raise unsupported(where, *bad)
+    quant = hf.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, Mapping) else quant
+        raise unsupported(where, "quantization_config", {"quant_method": method},
+                          " (quantized weights: use the unquantized checkpoint)")
     if hf.get("hidden_act", "silu") != "silu":
         raise unsupported(where, "hidden_act", hf["hidden_act"])
     is_critic = _is_critic(hf, fam, critic, where)
     try:
         h, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-        head_dim = hf.get("head_dim")
-        if head_dim is not None and int(head_dim) != h // heads:
-            raise unsupported(where, "head_dim", head_dim, f" (it must be hidden_size / num_attention_heads = "
-                                                           f"{h // heads})")
+        head_dim = hf.get("head_dim")  # None (or absent): hidden_size / num_attention_heads
+        if head_dim is not None and (int(head_dim) <= 0 or int(head_dim) % 2):
+            raise unsupported(where, "head_dim", head_dim, " (rotary embeddings need a positive even head_dim)")
         theta, scaling = _rope(hf, fam.defaults["rope_theta"], where)
         return ModelConfig(
             name=name or str(hf.get("_name_or_path") or f"hf-{fam.model_type}"),
             vocab_size=int(hf["vocab_size"]), hidden_size=h, intermediate_size=int(hf["intermediate_size"]),
             n_layers=int(hf["num_hidden_layers"]), n_heads=heads,
-            n_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            n_kv_heads=int(hf.get("num_key_value_heads") or fam.defaults.get("num_key_value_heads") or heads),
             max_position_embeddings=int(hf.get("max_position_embeddings", fam.defaults["max_position_embeddings"])),
             rope_theta=theta, norm_eps=float(hf.get("rms_norm_eps", fam.defaults["rms_norm_eps"])),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)) and not is_critic,
             is_critic=is_critic, rope_scaling=scaling, family=fam.model_type, qkv_bias=fam.qkv_bias,
+            explicit_head_dim=None if head_dim is None else int(head_dim),
         )
     except KeyError as e:
         raise ValueError(f"{where}: missing key {e.args[0]!r}") from None

@@ -14,7 +14,8 @@ class Family:
     causal_lm: str  # architecture name of the causal LM (actors, reference models)
     sequence_classification: str  # architecture name of a one-label classifier (critics, reward models)
     qkv_bias: bool  # biases on the q/k/v projections
-    # Defaults of the family's transformers config class for keys a config.json may omit.
+    # Defaults of the family's transformers config class for keys a config.json may omit
+    # (max_position_embeddings, rms_norm_eps, rope_theta; num_key_value_heads if not num_attention_heads).
     defaults: Mapping[str, Any]
     # The first field of a config.json this family cannot run, as (field, value, why), or None.
     unsupported: Callable[[Mapping[str, Any]], "tuple[str, Any, str] | None"]

@@ -22,6 +22,6 @@ def _hf_fields(cfg: ModelConfig) -> dict[str, Any]:
 
 FAMILY = Family(
     model_type="llama", causal_lm="LlamaForCausalLM", sequence_classification="LlamaForSequenceClassification",
-    qkv_bias=False, defaults={"max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0},
+    qkv_bias=False, defaults={"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0},
     unsupported=_unsupported, hf_fields=_hf_fields,
 )

@@ -1,0 +1,96 @@
+"""What `realloc show` and `realloc run` check before any worker starts, beyond the graph.
+
+``build_graph`` reads only config.json (``realloc search`` plans a checkpoint from its shape alone, e.g. on
+a laptop without the weights). Before anything runs, :func:`preflight` also reads the safetensors headers
+of every checkpoint (names, shapes, dtypes; no tensor data), the tokenizer, the EOS ids generation stops
+at, and the prompt dataset as the workers will, so that a bad input is one error here rather than one in
+every worker::
+
+    pre = preflight(spec, config, graph)
+    for line in pre.lines:
+        print(line)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from realloc.api import ExperimentSpec, InterfaceType
+from realloc.runtime.text_io import SpecialTokens, generating_checkpoints
+
+if TYPE_CHECKING:
+    from realloc.data.records import LoadStats
+    from realloc.data.tokenizer import Tokenizer
+    from realloc.graph.dataflow import DataflowGraph
+
+
+@dataclasses.dataclass(frozen=True)
+class Preflight:
+    lines: tuple[str, ...]  # to print: the dataset summary and warnings
+    data: "LoadStats | None"  # what loading the dataset kept and cut (None: the experiment reads none)
+
+
+def check_checkpoint_weights(graph: "DataflowGraph") -> None:
+    """Every checkpoint holds the tensors its model loads, with the shapes config.json implies."""
+    from realloc.models.hf_io import check_hf_weights
+
+    for model, src in graph.spec.models.items():
+        cfg = graph.model_configs[model]
+        assert cfg is not None  # a checkpoint model always has a config
+        check_hf_weights(cfg, src.path, new_value_head=src.new_value_head, where=f"model {model!r}: ")
+
+
+def vocab_limit(tokenizer: "Tokenizer | None", model_vocab: int | None) -> int | None:
+    """How many token ids generation may emit: the tokenizer's length (added tokens included), else the
+    smallest vocabulary of the models (they all read the generated ids). A checkpoint's vocabulary is often
+    padded past its tokenizer's (Qwen2.5-7B: 152064 rows, 151665 tokens); sampling a padding row would give
+    an id other models embed differently (or not at all)."""
+    sizes = [v for v in (tokenizer.vocab_size if tokenizer else None, model_vocab) if v is not None]
+    return min(sizes) if sizes else None
+
+
+def special_tokens(spec: ExperimentSpec, graph: "DataflowGraph",
+                   tokenizer: "Tokenizer | None") -> tuple[SpecialTokens, list[str]]:
+    """The ids generation uses, checked against the models; and a warning when nothing can stop it early."""
+    tokens = SpecialTokens.of(spec, tokenizer)
+    generates = any(r.interface_type is InterfaceType.GENERATE for r in spec.rpcs)
+    vocabs = {m: cfg.vocab_size for m, cfg in graph.model_configs.items() if cfg is not None}
+    if generates and vocabs:
+        small = min(vocabs, key=lambda m: vocabs[m])
+        for t in tokens.eos_token_ids:
+            if not 0 <= t < vocabs[small]:  # the tokenizer checks its own ids: this one is a checkpoint's
+                raise ValueError(f"checkpoint {', '.join(generating_checkpoints(spec))}: EOS token id {t} "
+                                 f"(eos_token_id of generation_config.json or config.json) is outside the "
+                                 f"vocabulary of {vocabs[small]} of model {small!r}; fix eos_token_id there")
+    warnings = []
+    hf_path = tokenizer is not None or generating_checkpoints(spec)
+    if generates and hf_path and not tokens.eos_token_ids:
+        where = [f"tokenizer {tokenizer.path}"] if tokenizer else []
+        where += [f"checkpoint {p}" for p in generating_checkpoints(spec)]
+        warnings.append(f"warning: no EOS token id in {' or '.join(where)} (eos_token_id of tokenizer_config.json, "
+                        f"generation_config.json or config.json): every response runs to gen_len={spec.gen_len}")
+    return tokens, warnings
+
+
+def preflight(spec: ExperimentSpec, config: Any, graph: "DataflowGraph", cache_dir: Path | None = None) -> Preflight:
+    """Checkpoint weights, tokenizer, EOS ids and dataset, loaded as the workers will (``config``: a
+    ``RunConfig``). ``cache_dir``: tokenize the prompts once there for the workers."""
+    from realloc.data.tokenizer import Tokenizer
+    from realloc.runtime.datasets import load_dataset
+
+    check_checkpoint_weights(graph)
+    tokenizer = Tokenizer.load(config.tokenizer) if config.tokenizer else None
+    vocab_sizes = {m: cfg.vocab_size for m, cfg in graph.model_configs.items() if cfg is not None}
+    if tokenizer is not None:
+        for m, v in vocab_sizes.items():
+            tokenizer.check_model_vocab(v, f"model {m!r}")  # every model reads the tokenizer's ids
+    _, lines = special_tokens(spec, graph, tokenizer)
+    if config.dataset is None:
+        return Preflight(tuple(lines), None)
+    # Token ids must fit every model: they all read the same sequences.
+    data = load_dataset(graph.dataset_kind, config.dataset, spec, config, tokenizer,
+                        min(vocab_sizes.values()) if vocab_sizes else None, cache_dir)
+    where = f"tokenizer {config.tokenizer}" if tokenizer is not None else "token ids"
+    return Preflight((f"{data.stats.describe()} ({where})", *lines), data.stats)
