@@ -32,9 +32,9 @@ def _brute_force(cfg, world, per_node, n_seqs):
     for dp, tp, pp in itertools.product(range(1, world + 1), repeat=3):
         if dp * tp * pp != world:
             continue
-        # whole q heads, vocabulary and MLP shards per rank; KV heads split or replicated
+        # whole q heads and MLP shards per rank; KV heads split or replicated; any vocabulary (padded)
         kv_ok = cfg.n_kv_heads % tp == 0 or tp % cfg.n_kv_heads == 0
-        shards_ok = cfg.n_heads % tp == 0 and cfg.vocab_size % tp == 0 and cfg.intermediate_size % tp == 0
+        shards_ok = cfg.n_heads % tp == 0 and cfg.intermediate_size % tp == 0
         if not (kv_ok and shards_ok) or per_node % tp or pp > cfg.n_layers or n_seqs % dp:
             continue
         out.add((dp, tp, pp))

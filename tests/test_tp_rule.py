@@ -49,20 +49,22 @@ def build_stage(cfg: ModelConfig, tp: int, tp_rank: int, pp: int, pp_rank: int, 
 
 H = 64
 ODD = [
-    # (config, devices): vocab 100 is not split 8 ways, 2 KV heads are replicated at tp=4
-    (ModelConfig("odd-vocab", 100, H, 176, 2, 8, 2), 8),
-    (dataclasses.replace(ModelConfig("odd-vocab", 100, H, 176, 2, 8, 2), is_critic=True, name="odd-critic"), 8),
+    # (config, devices, tp offered): vocab 100 is not split 8 ways but padded to 104 (issue 11), 2 KV heads
+    # are replicated at tp=4 and 8
+    (ModelConfig("odd-vocab", 100, H, 176, 2, 8, 2), 8, {1, 2, 4, 8}),
+    (dataclasses.replace(ModelConfig("odd-vocab", 100, H, 176, 2, 8, 2), is_critic=True, name="odd-critic"), 8,
+     {1, 2, 4, 8}),
     # 8 KV heads: before the one rule the planner offered tp=8 here and the model refused it
-    (ModelConfig("odd-vocab-mha", 100, H, 176, 2, 8, 8), 8),
+    (ModelConfig("odd-vocab-mha", 100, H, 176, 2, 8, 8), 8, {1, 2, 4, 8}),
     # MLP 180 is not split 8 ways; 1 KV head with q/k/v biases
-    (ModelConfig("odd-mlp", 64, H, 180, 2, 8, 1, family="qwen2", qkv_bias=True), 8),
+    (ModelConfig("odd-mlp", 64, H, 180, 2, 8, 1, family="qwen2", qkv_bias=True), 8, {1, 2, 4}),
     # 3 KV heads of 6: tp=2 neither divides nor is a multiple of them, tp=6 replicates them
-    (ModelConfig("odd-kv", 96, 96, 192, 2, 6, 3), 6),
+    (ModelConfig("odd-kv", 96, 96, 192, 2, 6, 3), 6, {1, 3, 6}),
 ]
 
 
-@pytest.mark.parametrize("cfg,world", ODD, ids=[c.name for c, _ in ODD])
-def test_every_strategy_the_planner_offers_builds_and_every_other_is_refused(cfg, world, monkeypatch):
+@pytest.mark.parametrize("cfg,world,offered_tp", ODD, ids=[c.name for c, _, _ in ODD])
+def test_every_strategy_the_planner_offers_builds_and_every_other_is_refused(cfg, world, offered_tp, monkeypatch):
     offered = {s.tp for s in enumerate_strategies(cfg, world, world, world)}
     for tp in divisors(world):
         err = tp_error(cfg, tp)
@@ -77,7 +79,7 @@ def test_every_strategy_the_planner_offers_builds_and_every_other_is_refused(cfg
                 want = {s.name: s.shard_shape(tp) for s in stage_param_specs(cfg, pp, pp_rank)}
                 for tp_rank in range(tp):
                     assert build_stage(cfg, tp, tp_rank, pp, pp_rank, monkeypatch) == want
-    assert offered == ({1, 2, 4} if world == 8 else {1, 3, 6})
+    assert offered == offered_tp
 
 
 # 8 heads of width 16, so tp=8 needs KV heads replicated when there are fewer than 8.
@@ -117,3 +119,61 @@ def test_planner_offers_tp8_and_prices_replicated_kv_heads_by_hand(n_kv):
     assert step.tp_comm == pytest.approx(hw.intra_node_latency + 2 * (group - 1) / group * nbytes / bw)
     split = S(8 // n_kv, n_kv, 1)  # tp = n_kv: heads split, nothing to sum
     assert timer._optimizer_step(split, group_links((1, 8), split)).tp_comm == 0.0
+
+
+def test_vocabulary_padding_by_hand():
+    """The padded vocabulary is the smallest multiple of gcd(heads, MLP width) (every legal tp divides it);
+    registry models are unchanged; counts reported to users stay the checkpoint's, the engine's add the rows."""
+    from realloc.models.config import get_model_config
+    from realloc.models.param_layout import param_specs
+
+    llama2_pad = ModelConfig("llama2-7b-pad", 32001, 4096, 11008, 32, 32, 32)  # LLaMA-2 + a pad token
+    gpt2_like = ModelConfig("gpt2-like", 50257, 768, 3072, 12, 12, 12)
+    assert (llama2_pad.vocab_multiple, llama2_pad.padded_vocab_size) == (32, 32032)
+    assert (gpt2_like.vocab_multiple, gpt2_like.padded_vocab_size) == (12, 50268)  # 4189 x 12
+    for name in ("tiny", "tiny-gqa", "small", "llama2-7b", "llama2-70b", "llama3-8b", "llama3-13b", "llama3-70b"):
+        cfg = get_model_config(name)
+        assert cfg.vocab_padding == 0 and cfg.allocated_params == cfg.total_params, name
+    cfg = ModelConfig("v97", 97, 128, 384, 4, 8, 2)
+    tied = dataclasses.replace(cfg, tie_embeddings=True)
+    for c, tables in ((cfg, 2), (tied, 1), (cfg.as_critic(), 1)):  # a critic pads its embedding only
+        specs = param_specs(c)
+        assert c.allocated_params == c.total_params + tables * 7 * 128
+        assert sum(s.numel for s in specs) == c.allocated_params and sum(s.hf_numel for s in specs) == c.total_params
+    emb = param_specs(cfg)[0]
+    assert (emb.shape, emb.hf_shape) == ((104, 128), (97, 128))
+    # tp=8: shards of 13 rows; the last holds 91..103, of which 91..96 are real
+    assert [emb.real_rows(8, r) for r in range(8)] == [13] * 7 + [6]
+    assert [emb.real_rows(4, r) for r in range(4)] == [26, 26, 26, 19]
+
+
+def test_planner_offers_every_tp_for_a_vocabulary_of_97_and_prices_the_padding_by_hand():
+    """Before vocabulary padding tp had to divide 97, so only tp=1 was offered (issue 11)."""
+    from realloc.estimator import opcount as oc
+    from realloc.models.hf_io import model_config_from_hf
+
+    cfg = model_config_from_hf({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 97,
+                                "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4,
+                                "num_attention_heads": 8, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+                                "max_position_embeddings": 64, "tie_word_embeddings": False}, "v97")
+    assert cfg.vocab_size == 97 and cfg.padded_vocab_size == 104
+    assert {s.tp for s in enumerate_strategies(cfg, 8, 8, 16)} == {1, 2, 4, 8}
+    V, Vp, Hd, I, L, hd = 97, 104, 128, 384, 4, 16
+    assert cfg.total_params == V * Hd + L * (2 * Hd * Hd + 2 * 32 * Hd + 3 * Hd * I + 2 * Hd) + Hd + V * Hd
+    prec = ClusterSpec.from_nodelist("n1", 8).hardware.precision
+    # a device at tp=8: 13 rows of the embedding and of the LM head (104 / 8), an eighth of q, o and MLP,
+    # one whole KV head of k and v (2 KV heads replicated 4x), whole norms
+    layer = 2 * Hd * Hd // 8 + 2 * hd * Hd + 3 * Hd * I // 8 + 2 * Hd
+    params = 13 * Hd + L * layer + Hd + 13 * Hd
+    for work in (Workload(GENERATE, 16, 1, 8, 8), Workload(TRAIN_STEP, 16, 1, 8, 8)):
+        mem = stage_call_memory(cfg, work, S(1, 8, 1), 1, 0, prec)
+        assert mem.params == params * prec.param
+    assert mem.grads == params * prec.grad and mem.optimizer == params * prec.optimizer
+    # the head computes and keeps the padded shard's logits: 13 columns per token at tp=8, 26 at tp=4
+    n = 4 * 16
+    assert oc.op_work(cfg, oc.Part.HEAD, oc.Phase.FWD, 8, 4, 16, prec).gemm_flops == 2 * n * Hd * 13
+    assert oc.op_work(cfg, oc.Part.HEAD, oc.Phase.FWD, 4, 4, 16, prec).gemm_flops == 2 * n * Hd * 26
+    assert oc.head_saved_bytes_per_token(cfg, 8, prec) == oc.norm_saved_bytes_per_token(cfg, prec) + \
+        2 * 13 * prec.logits
+    # sampling: the gathered logits are padded, the rest of the sampler sees the real vocabulary
+    assert oc.sampling_bytes_per_row(cfg) == 4 * Vp + 30 * V

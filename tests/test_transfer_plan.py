@@ -242,9 +242,17 @@ def test_large_model_plan_counts_and_cache():
 
 def test_bad_layouts_raise_one_clear_error():
     c = cluster(1, 4)
-    odd = dataclasses.replace(TINY, name="odd", vocab_size=66)
-    with pytest.raises(ValueError, match=r"tp=4 must divide the vocabulary \(66\) of odd"):
+    odd = dataclasses.replace(TINY, name="odd", intermediate_size=178)
+    with pytest.raises(ValueError, match=r"tp=4 must divide the MLP intermediate size \(178\) of odd"):
         plan_param_realloc(odd, Layout(c.mesh("n1:0"), S(1, 1, 1)), Layout(c.mesh("n1"), S(1, 4, 1)))
+    # a vocabulary tp does not divide is padded (66 -> 68 rows), so its layouts plan
+    odd_vocab = dataclasses.replace(TINY, name="odd-vocab", vocab_size=66)
+    c2 = cluster(2, 4)
+    plan = plan_param_realloc(odd_vocab, Layout(c2.mesh("n2:0"), S(1, 1, 1)), Layout(c2.mesh("n1"), S(1, 4, 1)),
+                              bytes_per_element=2)
+    # every padded row moves (the embedding and LM head have 68 rows), and the 9 norms go to all 4 ranks
+    assert odd_vocab.allocated_params == odd_vocab.total_params + 2 * 2 * 64 == TINY.total_params + 2 * 4 * 64
+    assert plan.moved_bytes == (odd_vocab.allocated_params + 3 * 9 * 64) * 2
     with pytest.raises(ValueError, match="dp\\*tp\\*pp = 2 but the mesh has 4 devices"):
         Layout(c.mesh("n1"), S(1, 2, 1))
 

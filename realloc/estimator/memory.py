@@ -185,7 +185,7 @@ def train_activation_bytes(cfg: ModelConfig, strategy: ParallelStrategy, n_mbs: 
                                                                                         backward=True)
         work = max(work, head * n_tok)
     if first:
-        work = max(work, cfg.vocab_size / t * h * e)  # the embedding's gradient, after the blocks' backward
+        work = max(work, cfg.padded_vocab_size / t * h * e)  # the embedding's gradient, after the blocks' backward
     return int(max(kept * n_tok + work, optimizer_step_bytes(cfg, t, pp, pp_rank)))
 
 

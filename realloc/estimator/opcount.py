@@ -10,7 +10,9 @@ Notation: ``t`` = tensor-parallel degree, ``n`` = new tokens in the op (b
 sequences x s tokens, or b for one decode step), ``c`` = key/value positions
 each new token attends to, ``e`` = bytes per activation element, ``kvl`` = the
 k (or v) width one rank holds: kv/t, or one whole head when tp exceeds the KV
-heads and they are replicated (``ModelConfig.local_kv_heads``).
+heads and they are replicated (``ModelConfig.local_kv_heads``). The vocabulary the head computes,
+stores and all-gathers is the padded one the engine holds (``ModelConfig.padded_vocab_size``);
+sampling reads the real vocabulary only.
 """
 
 from __future__ import annotations
@@ -155,7 +157,7 @@ def op_work(cfg: ModelConfig, part: Part, phase: Phase, tp: int, b: int, s: int,
     # LM head: RMSNorm, column-parallel [V/t, h] projection, then:
     #  FWD: vocab-parallel log-softmax + gather (3 passes over fp32 logits, 3 tiny all-reduces of n floats)
     #  PREFILL: logits of the last prompt token only; DECODE: logits of b tokens, all-gathered for sampling
-    v = cfg.vocab_size / t
+    v = cfg.padded_vocab_size / t
     lg = precision.logits
     if phase is Phase.PREFILL:
         n_out = b
@@ -173,9 +175,9 @@ def op_work(cfg: ModelConfig, part: Part, phase: Phase, tp: int, b: int, s: int,
         return OpWork(gemm_flops=2 * gemm.gemm_flops, gemm_bytes=2 * gemm.gemm_bytes + h * v * 2 * precision.grad,
                       elem_bytes=2 * gemm.elem_bytes + 2 * n * v * lg, kernels=_KERNELS[(part, phase)],
                       tp_collectives=coll)
-    # PREFILL / DECODE: sample from full-vocabulary logits (realloc.models.sampling): a sort of
-    # b x V fp32 keys with int64 indices (a radix sort streams them ~4 times), softmax, cumsum,
-    # log-softmax: ~12 passes over b x V x 4 bytes.
+    # PREFILL / DECODE: sample from full-vocabulary logits (realloc.models.sampling), the padding cut
+    # off: a sort of b x V fp32 keys with int64 indices (a radix sort streams them ~4 times), softmax,
+    # cumsum, log-softmax: ~12 passes over b x V x 4 bytes.
     coll = (Collective("all_gather", n_out * v * lg),) if t > 1 else ()
     return dataclasses.replace(gemm, elem_bytes=gemm.elem_bytes + 12 * n_out * cfg.vocab_size * lg,
                                kernels=_KERNELS[(part, phase)], tp_collectives=coll)
@@ -223,7 +225,7 @@ def stage_saved_bytes_per_token(cfg: ModelConfig, first_stage: bool, precision: 
 def head_saved_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision) -> float:
     """What the last stage's head keeps for the backward: the final norm and, for a vocabulary head,
     the fp32 logits and exp(logits - max) of its vocabulary shard that the log-prob saves."""
-    logits = 0 if cfg.is_critic else 2 * cfg.vocab_size / tp * precision.logits
+    logits = 0 if cfg.is_critic else 2 * cfg.padded_vocab_size / tp * precision.logits
     return norm_saved_bytes_per_token(cfg, precision) + logits
 
 
@@ -240,7 +242,7 @@ def logprob_peak_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision
     """
     if cfg.is_critic:
         return 0.0
-    v, e, lg = cfg.vocab_size / tp, precision.param, precision.logits
+    v, e, lg = cfg.padded_vocab_size / tp, precision.param, precision.logits
     if backward:
         return 4 * v * lg
     return v * (e + (0 if e == lg else lg) + 2 * lg)
@@ -251,8 +253,9 @@ def sampling_bytes_per_row(cfg: ModelConfig) -> float:
     from its gathered fp32 full-vocabulary logits, with a top-p filter (the worst case; measured by
     ``LiveTensorMeter``): the logits, logits / temperature, the sort's int64 order, the top-k keep mask
     (bool), the masked sorted logits, their softmax, the mass before each token and its top-p mask
-    (bool), and the filtered probabilities: 4 + 4 + 8 + 1 + 4 + 4 + 4 + 1 + 4 bytes per vocabulary entry."""
-    return 34.0 * cfg.vocab_size
+    (bool), and the filtered probabilities: 4 + 4 + 8 + 1 + 4 + 4 + 4 + 1 + 4 bytes per vocabulary entry.
+    The gathered logits have the padded vocabulary's width, the rest the real one (generation cuts the padding)."""
+    return 4.0 * cfg.padded_vocab_size + 30.0 * cfg.vocab_size
 
 
 def transient_activation_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision) -> float:

@@ -240,10 +240,11 @@ class LayerProfiler:
             h = self._hidden(b, 1)
             gcfg = GenerationConfig(max_new_tokens=1)
             gens = sequence_generators(0, range(b))
+            vocab = self.cfg.vocab_size
 
             def run():
                 with torch.no_grad():
-                    logits = gather_vocab(stage.head(h[:, -1:]), group)[:, 0].float()
+                    logits = gather_vocab(stage.head(h[:, -1:]), group)[:, 0, :vocab].float()  # as generation
                     sample_tokens(logits, gcfg, gens)
             return run, None
         h = self._hidden(b, 1)

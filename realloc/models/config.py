@@ -7,11 +7,27 @@ and ``qkv_bias`` adds the q/k/v projection biases of Qwen2.
 A model type is a name such as ``llama3-8b``; appending ``-critic`` gives the
 same trunk with a scalar value head instead of the vocabulary projection.
 Parameter counts follow the appendix's Table 1 (realhf-appendix.txt).
+
+Vocabulary padding. Tensor parallelism splits the embedding and the LM head over the
+vocabulary, but real vocabularies (97, 32001, 50257, ...) rarely divide by 2, 4 or 8. The
+engine therefore holds ``padded_vocab_size`` rows: the vocabulary rounded up to a multiple of
+``vocab_multiple`` = gcd(n_heads, intermediate_size). Every tp that ``tp_error`` accepts divides
+both the heads and the MLP width, hence that gcd, hence the padded size, so one full shape serves
+every layout of a model (parameter reallocation moves slices of that one shape between layouts).
+It depends on the config alone, is as small as it can be (fewer than ``vocab_multiple`` extra rows),
+and leaves a vocabulary that already divides unchanged (every registry model; Megatron's
+``make_vocab_size_divisible_by`` instead rounds to 128 x tp, for GPU GEMM alignment, which would
+also make the shape depend on tp). The padding rows are zeros that no token id reaches: HF
+checkpoints in and out keep ``vocab_size`` rows (``hf_io`` pads and strips), the head masks their
+logits to -inf (``llama.LlamaStage.head``), so log-probs, entropies and sampling see only the real
+vocabulary and the rows get zero gradient and stay zero. ``total_params`` and the other counts are
+the real model's (what a user's checkpoint holds); ``allocated_params`` is what the engine holds.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from types import MappingProxyType
 from typing import Any, Iterable
 
@@ -93,6 +109,22 @@ class ModelConfig:
         return max(1, self.n_kv_heads // tp)
 
     @property
+    def vocab_multiple(self) -> int:
+        """What the engine's vocabulary is padded to a multiple of: every legal tp divides it (module docstring)."""
+        return math.gcd(self.n_heads, self.intermediate_size)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the engine's embedding and LM head: ``vocab_size`` rounded up to ``vocab_multiple``."""
+        m = self.vocab_multiple
+        return -(-self.vocab_size // m) * m
+
+    @property
+    def vocab_padding(self) -> int:
+        """Zero rows the engine appends to the vocabulary (0 when tp-splittable as it is)."""
+        return self.padded_vocab_size - self.vocab_size
+
+    @property
     def output_dim(self) -> int:
         """Width of the output head: the vocabulary, or 1 for a critic."""
         return 1 if self.is_critic else self.vocab_size
@@ -125,6 +157,13 @@ class ModelConfig:
         """Table 1's identifier column: everything but the output projection."""
         return self.embedding_params + self.n_layers * self.layer_params + self.hidden_size
 
+    @property
+    def allocated_params(self) -> int:
+        """What the engine holds: ``total_params`` plus the vocabulary padding of the embedding and, if it has
+        its own, the LM head (the memory and checkpoint-size estimates use this; users see ``total_params``)."""
+        padded_tables = 1 if self.is_critic or self.tie_embeddings else 2
+        return self.total_params + padded_tables * self.vocab_padding * self.hidden_size
+
     def as_critic(self) -> "ModelConfig":
         return dataclasses.replace(self, name=self.name + CRITIC_SUFFIX, is_critic=True, tie_embeddings=False)
 
@@ -133,10 +172,11 @@ def tp_error(cfg: ModelConfig, tp: int) -> str | None:
     """Why tensor parallelism of degree ``tp`` cannot hold ``cfg``, or None if it can.
 
     The one rule the planner (``strategy.strategy_error``), the model (``llama.LlamaStage``),
-    the reallocation planner and the profiler share. Each tp rank needs whole attention heads,
-    a share of the vocabulary (embedding and LM head) and of the MLP columns. KV heads are split
-    when tp divides them and replicated when tp is a multiple of them (tp rank r then holds KV
-    head r * n_kv_heads // tp, as inference engines do).
+    the reallocation planner and the profiler share. Each tp rank needs whole attention heads
+    and an equal share of the MLP columns. KV heads are split when tp divides them and replicated
+    when tp is a multiple of them (tp rank r then holds KV head r * n_kv_heads // tp, as inference
+    engines do). The vocabulary sets no condition: the engine pads it to a multiple of every tp
+    this rule accepts (``ModelConfig.padded_vocab_size``).
     """
     if tp < 1:
         return f"tp={tp} must be positive"
@@ -145,8 +185,6 @@ def tp_error(cfg: ModelConfig, tp: int) -> str | None:
     if cfg.n_kv_heads % tp and tp % cfg.n_kv_heads:
         return (f"tp={tp} must divide the {cfg.n_kv_heads} KV heads of {cfg.name} or be a multiple of them "
                 f"(KV heads are then replicated)")
-    if cfg.vocab_size % tp:
-        return f"tp={tp} must divide the vocabulary ({cfg.vocab_size}) of {cfg.name}"
     if cfg.intermediate_size % tp:
         return f"tp={tp} must divide the MLP intermediate size ({cfg.intermediate_size}) of {cfg.name}"
     return None

@@ -65,7 +65,8 @@ ParamState = Literal["ready", "released"]
 class HeadOutput:
     """What the last stage hands to a loss function for one micro-batch.
 
-    ``raw`` is ``[B, T, V/tp]`` logits of this rank's vocabulary shard (actor) or
+    ``raw`` is ``[B, T, V/tp]`` logits of this rank's shard of the padded vocabulary (padding columns -inf;
+    ``config.py``) (actor) or
     ``[B, T]`` values (critic). The helpers return full-vocabulary quantities,
     identical on every tp rank, aligned with the scored token like ``forward()``.
     """
@@ -177,7 +178,8 @@ class ParallelModel:
 
     @torch.no_grad()
     def load_full_state(self, full: Mapping[str, torch.Tensor]) -> None:
-        """Copy this rank's slices out of full (unsharded) tensors keyed by HF name."""
+        """Copy this rank's slices out of full (unsharded) tensors keyed by HF name, with or without the
+        vocabulary padding rows (``ParamSpec.hf_shape``: an HF state dict; ``shape``: the engine's)."""
         self._require("ready", "load_full_state")
         missing = sorted(set(self._params) - set(full))
         if missing:
@@ -185,8 +187,11 @@ class ParallelModel:
         for name, p in self._params.items():
             spec = self.specs[name]
             t = full[name]
+            if tuple(t.shape) == spec.hf_shape:
+                t = spec.pad(t)
             if tuple(t.shape) != spec.shape:
-                raise ValueError(f"load_full_state: {name} has shape {tuple(t.shape)}, expected {spec.shape}")
+                raise ValueError(f"load_full_state: {name} has shape {tuple(t.shape)}, expected {spec.hf_shape}"
+                                 f"{f' or, padded, {spec.shape}' if spec.pad_rows else ''}")
             p.copy_(t[spec.shard_slices(self.groups.tp, self.groups.tp_rank)])
 
     def release(self) -> None:
@@ -363,7 +368,8 @@ class ParallelModel:
             if output == "values":
                 return head.values
             if output == "logits":
-                return gather_vocab(out, g.tp_group).float() * (lay.segment_ids >= 0).unsqueeze(-1)
+                real = gather_vocab(out, g.tp_group)[..., :self.cfg.vocab_size]  # the vocabulary padding goes
+                return real.float() * (lay.segment_ids >= 0).unsqueeze(-1)
             if output == "entropy":
                 return head.entropy(temperature)
             return head.logprobs(temperature)

@@ -169,7 +169,7 @@ class _MicroBatch:
 
     def forward(self, x: torch.Tensor | None, t: int) -> torch.Tensor:
         """This stage's part of step ``t``: hidden states out, or on the last stage the logits of the
-        last slot (full vocabulary, float32)."""
+        last slot (the full, unpadded vocabulary, float32)."""
         m, g = self.model, self.model.groups
         ids, positions, mask, start = self.inputs
         if t == 0:
@@ -178,7 +178,8 @@ class _MicroBatch:
         h = m.stage.run_layers(h, positions, mask, self.caches, start)
         if not g.is_last_stage:
             return h
-        return gather_vocab(m.stage.head(h[:, -1:]), g.tp_group)[:, 0].float()
+        # The real vocabulary only: a padding id can never be drawn, with or without a tokenizer's vocab_limit.
+        return gather_vocab(m.stage.head(h[:, -1:]), g.tp_group)[:, 0, :m.cfg.vocab_size].float()
 
     def sample(self, logits: torch.Tensor, t: int) -> torch.Tensor:
         """The last stage's draw for step ``t``: [2, rows] float64 (tokens, log-probs)."""

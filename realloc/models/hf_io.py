@@ -5,7 +5,9 @@ config.json is mapped by the checkpoint's family (``realloc.models.families``: L
 Loading: every rank opens only the safetensors files that hold its parameters
 and reads only its tp slice of each (``safe_open(...).get_slice``), so a rank
 never materializes more than its shard. Single-file and sharded checkpoints
-(``model.safetensors.index.json``) are both read.
+(``model.safetensors.index.json``) are both read. The vocabulary padding rows of the embedding and
+LM head (``ModelConfig.padded_vocab_size``) are not in HF files: loading fills them with zeros,
+saving leaves them out, so HF shapes are the real vocabulary's both ways.
 
 Saving: within dp replica 0, the tp group of each pipeline stage gathers its
 shards to its tp rank 0, which writes that stage's files. The split of
@@ -183,14 +185,14 @@ def check_hf_weights(cfg: ModelConfig, path: str | os.PathLike, *, new_value_hea
                     else "; does config.json match the weights?")
             where_ = f"{INDEX_FILE}'s weight_map" if wmap and spec.name not in wmap else fname
             raise ValueError(f"{at}: tensor {spec.name!r} is missing from {where_}, the model expects it with "
-                             f"shape {spec.shape}{hint}")
+                             f"shape {spec.hf_shape}{hint}")
         shape, dtype = found[(fname, spec.name)]
-        if shape != spec.shape:
+        if shape != spec.hf_shape:
             why = (f"; it is a {shape[0]}-label classifier, not a scalar reward model or critic"
                    if spec.name == "score.weight" and len(shape) == 2 and shape[1:] == spec.shape[1:] else
                    "; does config.json match the weights?")
             raise ValueError(f"{at}: tensor {spec.name!r} in {fname} has shape {shape}, the model expects "
-                             f"{spec.shape} from config.json{why}")
+                             f"{spec.hf_shape} from config.json{why}")
         if dtype not in FLOAT_DTYPES:
             raise ValueError(f"{at}: tensor {spec.name!r} in {fname} is stored as {dtype}; realloc loads "
                              f"{', '.join(FLOAT_DTYPES)} weights (a quantized checkpoint? use the unquantized one)")
@@ -223,13 +225,27 @@ def load_hf_checkpoint(model: "ParallelModel", path: str | os.PathLike, *, score
                 spec = model.specs[name]
                 sl = f.get_slice(name)
                 shape = tuple(sl.get_shape())
-                if shape != spec.shape:
-                    raise ValueError(f"HF checkpoint {path}: {name} has shape {shape}, the model expects {spec.shape}; "
-                                     f"does config.json match the weights?")
-                params[name].copy_(sl[spec.shard_slices(g.tp, g.tp_rank)])
+                if shape != spec.hf_shape:
+                    raise ValueError(f"HF checkpoint {path}: {name} has shape {shape}, the model expects "
+                                     f"{spec.hf_shape}; does config.json match the weights?")
+                _read_shard(params[name], sl, spec, g.tp, g.tp_rank)
     if "score.weight" in params and "score.weight" not in wmap:
         spec = model.specs["score.weight"]
         params["score.weight"].copy_(init_shard(spec, score_init_seed, g.tp, g.tp_rank, model.dtype))
+
+
+def _read_shard(dst: torch.Tensor, sl: Any, spec: ParamSpec, tp: int, tp_rank: int) -> None:
+    """Copy tp rank ``tp_rank``'s shard of ``spec`` from the file slice ``sl``: the rows the file has, zeros for
+    the vocabulary padding after them."""
+    index = spec.shard_slices(tp, tp_rank)
+    if not spec.pad_rows:
+        dst.copy_(sl[index])
+        return
+    n = spec.real_rows(tp, tp_rank)
+    dst[n:].zero_()
+    if n:
+        lo = index[0].start or 0
+        dst[:n].copy_(sl[(slice(lo, lo + n),) + index[1:]])
 
 
 # -- saving ----------------------------------------------------------------------------------------
@@ -244,7 +260,7 @@ def shard_file_plan(cfg: ModelConfig, pp: int, dtype: torch.dtype,
                     max_file_bytes: int = 4 << 30) -> list[tuple[int, str, list[str]]]:
     """(writing stage, file name, parameter names) for every file; each stage's params split at ``max_file_bytes``."""
     elem = torch.tensor([], dtype=dtype).element_size()
-    sizes = {s.name: s.numel * elem for s in param_specs(cfg)}
+    sizes = {s.name: s.hf_numel * elem for s in param_specs(cfg)}
     chunks: list[tuple[int, list[str]]] = []
     for stage in range(pp):
         cur: list[str] = []
@@ -264,13 +280,13 @@ def shard_file_plan(cfg: ModelConfig, pp: int, dtype: torch.dtype,
 
 
 def _gather_full(t: torch.Tensor, spec: ParamSpec, g: "ModelParallelGroups") -> torch.Tensor | None:
-    """Full tensor on tp rank 0 of the group (None elsewhere)."""
+    """Full HF tensor (without vocabulary padding) on tp rank 0 of the group (None elsewhere)."""
     if g.tp == 1 or spec.tp_dim is None:
-        return t.detach() if g.tp_rank == 0 else None
+        return spec.unpad(t.detach()) if g.tp_rank == 0 else None
     src = t.detach().contiguous()
     parts = [torch.empty_like(src) for _ in range(g.tp)] if g.tp_rank == 0 else None
     dist.gather(src, gather_list=parts, dst=g.tp_ranks[0], group=g.tp_group)
-    return spec.merge_shards(parts) if parts is not None else None
+    return spec.unpad(spec.merge_shards(parts)) if parts is not None else None
 
 
 @torch.no_grad()
@@ -306,7 +322,7 @@ def save_hf_checkpoint(model: "ParallelModel", path: str | os.PathLike, *, dtype
             write_generation_config(path, hf)
             if len(plan) > 1:
                 elem = torch.tensor([], dtype=dtype).element_size()
-                index = {"metadata": {"total_size": sum(s.numel for s in param_specs(cfg)) * elem},
+                index = {"metadata": {"total_size": sum(s.hf_numel for s in param_specs(cfg)) * elem},
                          "weight_map": {n: fname for _, fname, names in plan for n in names}}
                 (path / INDEX_FILE).write_text(json.dumps(index, indent=2))
     dist.barrier(group=g.mesh_group)

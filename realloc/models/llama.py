@@ -15,7 +15,8 @@ shard ``spec.shard_slices(tp, tp_rank)`` of the full tensor:
   (``param_layout`` replicated shards; ``grads`` sums their gradients),
 - o/down: ``RowParallelLinear`` (input features split, all-reduce of the output),
 - embedding: ``VocabParallelEmbedding``; LM head: ``ColumnParallelLinear`` over the vocabulary,
-  so logits stay split over the vocabulary (see ``vocab_parallel``),
+  so logits stay split over the vocabulary (see ``vocab_parallel``). Both have the padded vocabulary's
+  rows (``ModelConfig.padded_vocab_size``); the head sets the logits of padding columns to -inf,
 - norms and the critic's ``score`` are replicated on every tp rank.
 
 Activations are ``[batch, seq, hidden]``. Attention takes either ``mask=None``,
@@ -215,8 +216,8 @@ class LlamaStage(nn.Module):
         self.model = _Trunk()
         # The last stage of a tied model with pp > 1 holds a replica of the embedding for its head.
         if self.is_first or (cfg.tie_embeddings and self.is_last):
-            self.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, init_method=_no_init,
-                                                             config=mcfg, tp_group=tp_group)
+            self.model.embed_tokens = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size,
+                                                             init_method=_no_init, config=mcfg, tp_group=tp_group)
         lo, hi = self.layer_range
         self.model.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, tp_group, mcfg, device) for i in range(lo, hi)})
         if self.is_last:
@@ -224,9 +225,13 @@ class LlamaStage(nn.Module):
             if cfg.is_critic:
                 self.score = nn.Linear(cfg.hidden_size, 1, bias=False, dtype=dtype, device=device)
             else:
-                self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, config=mcfg, init_method=_no_init,
-                                                    bias=False, gather_output=False, tp_group=tp_group,
-                                                    skip_weight_param_allocation=cfg.tie_embeddings)
+                self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.padded_vocab_size, config=mcfg,
+                                                    init_method=_no_init, bias=False, gather_output=False,
+                                                    tp_group=tp_group, skip_weight_param_allocation=cfg.tie_embeddings)
+                # Columns of this rank's logits that are real tokens; the rest (vocabulary padding, on the
+                # last rank(s) only) are masked in head().
+                shard = cfg.padded_vocab_size // tp
+                self.real_columns = min(shard, max(0, cfg.vocab_size - tp_group.rank() * shard))
 
     @property
     def layers(self) -> list[DecoderLayer]:
@@ -255,14 +260,22 @@ class LlamaStage(nn.Module):
         return hidden
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and output head: vocabulary-split logits [.., V/tp], or values [..] for a critic."""
+        """Final norm and output head: vocabulary-split logits [.., V/tp] (V padded, padding columns -inf),
+        or values [..] for a critic."""
         assert self.is_last
         x = self.model.norm(hidden)
         if self.cfg.is_critic:
             return self.score(x).squeeze(-1)
         if self.cfg.tie_embeddings:
-            return self.lm_head(x, weight=self.model.embed_tokens.weight)[0]
-        return self.lm_head(x)[0]
+            logits = self.lm_head(x, weight=self.model.embed_tokens.weight)[0]
+        else:
+            logits = self.lm_head(x)[0]
+        if self.real_columns < logits.shape[-1]:
+            # -inf before any normalizer: padding ids get probability 0 in every softmax, log-prob and sample,
+            # and masked_fill passes them no gradient, so the padding rows of the head stay zero. In place: the
+            # projection keeps its input and weight for the backward, not its output, so no copy is needed.
+            logits[..., self.real_columns:] = float("-inf")
+        return logits
 
     def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
                 caches: list[KVCache] | None = None, cache_start: int = 0, recompute: bool = False) -> torch.Tensor:

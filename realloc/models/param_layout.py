@@ -17,6 +17,11 @@ consecutive tp ranks hold the same unit (tp rank r holds unit ``r * units // tp`
 every case; ``tp_replicas`` says how many ranks hold each shard and
 ``is_primary`` names the one of them that counts it once (gradient norm, saving).
 A tensor without ``tp_dim`` is the extreme case: one shard, held by all tp ranks.
+
+Vocabulary padding. The embedding and LM head have ``ModelConfig.padded_vocab_size`` rows, the
+last ``pad_rows`` of them zeros that HF checkpoints do not have (``config.py``): ``shape`` is what
+the engine, reallocation and realloc's own checkpoints hold, ``hf_shape`` what HF files hold;
+``unpad``/``pad`` convert a full tensor and ``real_rows`` says how many rows of a shard a file supplies.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class ParamSpec:
     tp_dim: int | None  # None: replicated on every tp rank
     layer: int  # EMBED_LAYER, 0..n_layers-1 for blocks, n_layers for the head (final norm + output)
     tp_units: int | None = None  # whole units along tp_dim a shard keeps (KV heads); None: single rows/columns
+    pad_rows: int = 0  # trailing zero rows along dim 0 (the vocabulary padding) that HF checkpoints lack
 
     @property
     def numel(self) -> int:
@@ -48,6 +54,35 @@ class ParamSpec:
         for d in self.shape:
             n *= d
         return n
+
+    @property
+    def hf_shape(self) -> tuple[int, ...]:
+        """The shape in HF checkpoints: ``shape`` without the padding rows."""
+        return (self.shape[0] - self.pad_rows,) + self.shape[1:]
+
+    @property
+    def hf_numel(self) -> int:
+        return self.numel // self.shape[0] * self.hf_shape[0]
+
+    def unpad(self, full: "torch.Tensor") -> "torch.Tensor":
+        """The HF tensor of a full engine tensor (a view without the padding rows)."""
+        return full[: self.hf_shape[0]] if self.pad_rows else full
+
+    def pad(self, hf: "torch.Tensor") -> "torch.Tensor":
+        """The full engine tensor of an HF tensor: zero rows appended."""
+        if not self.pad_rows:
+            return hf
+        import torch
+
+        return torch.cat([hf, hf.new_zeros((self.pad_rows,) + tuple(hf.shape[1:]))])
+
+    def real_rows(self, tp: int, tp_rank: int) -> int:
+        """How many leading rows of tp rank ``tp_rank``'s shard exist in HF checkpoints; the rest are padding
+        (all rows when ``pad_rows`` is 0; none for a shard of padding only)."""
+        if not self.pad_rows:
+            return self.shard_shape(tp)[0]
+        lo, hi = self.shard_interval(tp, tp_rank)
+        return max(0, min(hi, self.hf_shape[0]) - lo)
 
     def tp_replicas(self, tp: int) -> int:
         """How many tp ranks hold each shard (tp for an unsplit tensor)."""
@@ -131,7 +166,8 @@ def _block_specs(cfg: ModelConfig, i: int) -> list[ParamSpec]:
 def param_specs(cfg: ModelConfig) -> tuple[ParamSpec, ...]:
     """Every parameter of the full model, in layer order."""
     L, h = cfg.n_layers, cfg.hidden_size
-    specs = [ParamSpec("model.embed_tokens.weight", (cfg.vocab_size, h), 0, EMBED_LAYER)]
+    vocab, pad = cfg.padded_vocab_size, cfg.vocab_padding
+    specs = [ParamSpec("model.embed_tokens.weight", (vocab, h), 0, EMBED_LAYER, pad_rows=pad)]
     for i in range(L):
         specs.extend(_block_specs(cfg, i))
     specs.append(ParamSpec("model.norm.weight", (h,), None, L))
@@ -139,7 +175,7 @@ def param_specs(cfg: ModelConfig) -> tuple[ParamSpec, ...]:
         # Named like HF's LlamaForSequenceClassification head; too small to shard.
         specs.append(ParamSpec("score.weight", (1, h), None, L))
     elif not cfg.tie_embeddings:
-        specs.append(ParamSpec("lm_head.weight", (cfg.vocab_size, h), 0, L))
+        specs.append(ParamSpec("lm_head.weight", (vocab, h), 0, L, pad_rows=pad))
     return tuple(specs)
 
 

@@ -5,6 +5,9 @@ slice [r*V/tp, (r+1)*V/tp). Log-probabilities and entropies need the softmax
 normalizer over the whole vocabulary, which is a max and a sum over the shards;
 we all-reduce those two scalars per token instead of gathering V/tp-wide logits.
 
+Columns of the vocabulary padding hold -inf (``llama.LlamaStage.head``): exp() makes them 0 in
+every normalizer, so these functions see only the real vocabulary without being told its size.
+
 Every function returns the same tensor on all tp ranks and is differentiable:
 the reductions use megatron's ``reduce_from_tensor_model_parallel_region``
 (all-reduce forward, identity backward), which is the right adjoint because
@@ -62,7 +65,9 @@ def vocab_parallel_entropy(local_logits: torch.Tensor, group: dist.ProcessGroup,
         x = x / temperature
     log_z = vocab_parallel_log_normalizer(x, group)
     p = torch.exp(x - log_z.unsqueeze(-1))
-    expected = (p * x).sum(dim=-1).contiguous()
+    # Padding columns: p = 0 and x = -inf, whose product (and its gradient) would be NaN; they add nothing.
+    finite_x = torch.where(p > 0, x, torch.zeros_like(x))
+    expected = (p * finite_x).sum(dim=-1).contiguous()
     expected = reduce_from_tensor_model_parallel_region(expected, group)
     return log_z - expected
 

@@ -29,15 +29,17 @@ def param_seed(seed: int, name: str) -> int:
 
 
 def init_full_tensor(spec: ParamSpec, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The full (unsharded) initial value of ``spec``: ones for norms, zeros for biases, N(0, 0.02) for matrices."""
+    """The full (unsharded) initial value of ``spec``: ones for norms, zeros for biases, N(0, 0.02) for matrices,
+    and zeros for the vocabulary padding rows (drawn after the real rows, which are thus what they would be
+    without padding)."""
     if spec.name.endswith(".bias"):
         return torch.zeros(spec.shape, dtype=dtype)
     if len(spec.shape) == 1:
         return torch.ones(spec.shape, dtype=dtype)
     gen = torch.Generator().manual_seed(param_seed(seed, spec.name))
-    full = torch.empty(spec.shape, dtype=torch.float32)
+    full = torch.empty(spec.hf_shape, dtype=torch.float32)
     full.normal_(0.0, INIT_STD, generator=gen)
-    return full.to(dtype)
+    return spec.pad(full.to(dtype))
 
 
 def init_shard(spec: ParamSpec, seed: int, tp: int, tp_rank: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -45,7 +47,8 @@ def init_shard(spec: ParamSpec, seed: int, tp: int, tp_rank: int, dtype: torch.d
 
 
 def full_state_dict(cfg: ModelConfig, seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """The whole model's initial tensors by HF name (a dense reference for tests and tools)."""
+    """The whole model's initial tensors by HF name, as the engine holds them (vocabulary padding included;
+    ``ParamSpec.unpad`` gives the HF tensor): a dense reference for tests and tools."""
     from realloc.models.param_layout import param_specs
 
     return {s.name: init_full_tensor(s, seed, dtype) for s in param_specs(cfg)}

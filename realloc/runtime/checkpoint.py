@@ -22,7 +22,9 @@ resume on corrupted state. ``verify=False`` (``realloc run --skip-checkpoint-che
 
 Shards are saved per (tp, pp) coordinate of the model's home layout (dp replicas are identical;
 dp rank 0 writes), so resuming needs the same home layout for every trained model; a different
-one is refused with a clear error rather than silently mis-sliced.
+one is refused with a clear error rather than silently mis-sliced. They are the engine's shards as
+they are, vocabulary padding rows included (``ModelConfig.padded_vocab_size``; zeros, with zero
+optimizer state): resuming copies them back unchanged, so it is exact; ``export.py`` drops the rows.
 """
 
 from __future__ import annotations
@@ -241,6 +243,11 @@ def load_model_shard(ckpt: Path, model: str, tp_rank: int, pp_rank: int, layout:
         for n, p in params.items():
             if f"param/{n}" not in keys:
                 raise ValueError(f"checkpoint {path}: parameter {n!r} is missing")
+            saved = f.get_slice(f"param/{n}").get_shape()
+            if tuple(saved) != tuple(p.shape):
+                raise ValueError(f"checkpoint {path}: parameter {n!r} has shape {tuple(saved)}, this model's shard "
+                                 f"is {tuple(p.shape)}; the checkpoint was saved for another model shape (or "
+                                 f"another realloc version's vocabulary padding): resume from a matching checkpoint")
             p.copy_(f.get_tensor(f"param/{n}"))
         stepped, torch_opt = _optimizer_view(params, optimizer)
         if torch_opt is None:

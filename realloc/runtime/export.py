@@ -5,7 +5,8 @@
 A run checkpoint holds one safetensors file per (tp, pp) shard of each trained model's home
 layout (``checkpoint.py``) and, in ``meta.json``, each model's shape and where it came from. The
 export rebuilds every full tensor from its tp shards (``ParamSpec.shard_slices`` says where each
-shard sits, so replicated shards simply land on the same place twice) and writes the files of
+shard sits, so replicated shards simply land on the same place twice), drops the vocabulary padding
+rows the engine holds (``ModelConfig.padded_vocab_size``; HF has the real vocabulary) and writes the files of
 ``hf_io.shard_file_plan`` one at a time, so memory holds at most one output file. The directory
 gets ``config.json`` (LLaMA/Qwen2 causal LM, or sequence classification for critics),
 ``generation_config.json`` with the bos/eos/pad ids, and the run's tokenizer files; it loads
@@ -74,7 +75,7 @@ def _full_tensors(ckpt: Path, model: str, cfg: ModelConfig, tp: int, pp: int, na
                     if n not in out:
                         out[n] = torch.empty(spec.shape, dtype=dtype or shard.dtype)
                     out[n][spec.shard_slices(tp, tp_rank)] = shard.to(out[n].dtype)
-    return {n: t.contiguous() for n, t in out.items()}
+    return {n: specs[n].unpad(t).contiguous() for n, t in out.items()}  # HF files lack the vocabulary padding
 
 
 def export_checkpoint(ckpt: str | Path, model: str, out: str | Path, *, dtype: str | None = None,
@@ -114,7 +115,7 @@ def export_checkpoint(ckpt: str | Path, model: str, out: str | Path, *, dtype: s
             del tensors
         if len(plan) > 1:
             elem = torch.tensor([], dtype=written_dtype).element_size()
-            index = {"metadata": {"total_size": sum(s.numel for s in param_specs(cfg)) * elem},
+            index = {"metadata": {"total_size": sum(s.hf_numel for s in param_specs(cfg)) * elem},
                      "weight_map": {n: fname for _, fname, names in plan for n in names}}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
         ids = {k: v for k, v in (rec.get("token_ids") or {}).items() if v is not None}

@@ -115,7 +115,7 @@ def checkpoint_seconds(program: "RuntimeProgram", n_workers: int, measured: floa
     for m in program.models:
         if program.is_trained(m):
             cl = program.calls[program.home_call(m)]
-            shard = program.model_config(m).total_params * per_param / (cl.strategy.tp * cl.strategy.pp)
+            shard = program.model_config(m).allocated_params * per_param / (cl.strategy.tp * cl.strategy.pp)
             for r in cl.ranks:
                 per_rank[r] += shard
     return max(per_rank) / ASSUMED_SAVE_BANDWIDTH
