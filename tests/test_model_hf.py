@@ -66,17 +66,17 @@ def qwen2_mqa(tmp_path_factory):
     return tiny_hf_model(path, seed=8, family="qwen2", kv_heads=1), path
 
 
-def _padded_batch(seed: int = 0, lengths=(12, 7, 16, 3)):
+def _padded_batch(seed: int = 0, lengths=(12, 7, 16, 3), vocab: int = 128):
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, 128, (len(lengths), max(lengths)), generator=g)
+    ids = torch.randint(1, vocab, (len(lengths), max(lengths)), generator=g)
     lens = torch.tensor(lengths)
     mask = (torch.arange(ids.shape[1])[None] < lens[:, None]).long()
     return ids * mask, lens, mask
 
 
-def _prompts(seed: int = 3, lengths=(3, 7, 5, 9)):
+def _prompts(seed: int = 3, lengths=(3, 7, 5, 9), vocab: int = 128):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, 128, (n,), generator=g).tolist() for n in lengths]
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 def _hf_greedy(hf, prompts, max_new: int, eos: int | None) -> list[list[int]]:
@@ -97,6 +97,7 @@ def _run_hf_compare(ctx, cfg, tp, pp, path, ids, lens, prompts, gconfig):
     batch = {"input_ids": ids, "lengths": lens}
     logits = model.forward(batch, output="logits", n_mbs=2)
     logp = model.forward(batch, n_mbs=3, to_all_stages=True)
+    entropy = model.forward(batch, output="entropy", n_mbs=2)
     gen = model.generate(prompts, gconfig)
     seqs = [gen.sequences[b, :gen.lengths[b]].tolist() for b in range(len(prompts))]
     # The same prompts as a right-padded batch, in two micro-batches: same tokens.
@@ -106,17 +107,29 @@ def _run_hf_compare(ctx, cfg, tp, pp, path, ids, lens, prompts, gconfig):
     again = model.generate({"input_ids": padded, "lengths": torch.tensor([len(p) for p in prompts])}, gconfig,
                            n_mbs=2)
     assert torch.equal(again.sequences, gen.sequences) and torch.equal(again.lengths, gen.lengths)
-    return {"last": model.groups.is_last_stage, "logits": logits, "logp": logp, "seqs": seqs,
+    return {"last": model.groups.is_last_stage, "logits": logits, "logp": logp, "entropy": entropy, "seqs": seqs,
             "gen_logp": gen.logprobs, "plen": gen.prompt_lengths, "eos": gen.stopped_at_eos}
+
+
+def _hf_entropy(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] entropy of the distribution that predicted each token (the log-prob alignment), from HF logits."""
+    lp = torch.log_softmax(logits[:, :-1].float(), -1)
+    out = torch.zeros(mask.shape)
+    out[:, 1:] = -(lp.exp() * lp).sum(-1) * (mask[:, 1:].bool() & mask[:, :-1].bool())
+    return out
 
 
 def _check_against_hf(pool, hf, path, layouts):
     cfg = model_config_from_hf(path)
-    ids, lens, mask = _padded_batch()
+    vocab = min(cfg.vocab_size, 128)
+    ids, lens, mask = _padded_batch(vocab=vocab)
     with torch.no_grad():
-        ref_logits = hf(input_ids=ids, attention_mask=mask).logits.float() * mask[..., None]
+        hf_logits = hf(input_ids=ids, attention_mask=mask).logits.float()
+        ref_logits = hf_logits * mask[..., None]
         ref_logp = hf_token_logprobs(hf, ids, mask)
-    prompts = _prompts()
+        ref_entropy = _hf_entropy(hf_logits, mask)
+    assert ref_logits.shape[-1] == cfg.vocab_size
+    prompts = _prompts(vocab=vocab)
     # EOS = a token HF emits mid-way for prompt 0, so stopping at EOS is exercised.
     eos = _hf_greedy(hf, prompts[:1], 10, None)[0][len(prompts[0]) + 3]
     ref_seqs = _hf_greedy(hf, prompts, 10, eos)
@@ -128,8 +141,11 @@ def _check_against_hf(pool, hf, path, layouts):
             assert torch.allclose(r["logp"], ref_logp, atol=1e-4), (tp, pp, (r["logp"] - ref_logp).abs().max())
             assert r["seqs"] == ref_seqs, (tp, pp, r["seqs"], ref_seqs)
             if r["last"]:
+                # the real vocabulary's logits (padding rows cut), and the entropy over it alone
+                assert r["logits"].shape == ref_logits.shape, (tp, pp, r["logits"].shape)
                 err = (r["logits"] - ref_logits).abs().max().item()
                 assert err < 1e-4, (tp, pp, err)
+                assert torch.allclose(r["entropy"], ref_entropy, atol=1e-4), (tp, pp)
             else:
                 assert r["logits"] is None
         assert any(r["eos"].any() for r in res[:tp * pp])
@@ -180,6 +196,19 @@ def test_explicit_head_dim_matches_hf(pool, tmp_path, family, layouts):
     n_hf = sum(p.numel() for p in hf.parameters())
     assert cfg.total_params == n_hf == sum(s.numel for s in param_specs(cfg))
     _check_against_hf(pool, hf, tmp_path, layouts)
+
+
+@pytest.mark.parametrize("family,vocab,tie,padded", [("llama", 97, False, 100), ("llama", 97, True, 100),
+                                                    ("qwen2", 250, False, 252)])
+@torch.no_grad()
+def test_vocabulary_that_tp_does_not_divide_matches_hf(pool, tmp_path, family, vocab, tie, padded):
+    """Issue 11: 97 and 250 tokens, split 2 and 4 ways by padding the engine's vocabulary to a multiple of 4
+    (gcd of 4 heads and a 176-wide MLP). Logits, log-probs, entropies and greedy tokens equal HF's, whose
+    vocabulary has no padding: the padding columns take no probability mass and are never generated."""
+    hf = tiny_hf_model(tmp_path, seed=10, family=family, kv_heads=2, tie=tie, vocab=vocab)
+    cfg = model_config_from_hf(tmp_path)
+    assert (cfg.vocab_size, cfg.padded_vocab_size, cfg.tie_embeddings) == (vocab, padded, tie)
+    _check_against_hf(pool, hf, tmp_path, [(1, 1), (2, 1), (4, 1), (2, 2)])
 
 
 @torch.no_grad()

@@ -15,6 +15,7 @@ import torch
 
 from realloc.models.config import ModelConfig, get_model_config
 from realloc.models.hf_io import model_config_from_hf
+from realloc.models.param_layout import param_specs
 from realloc.models.sampling import GenerationConfig
 from realloc.models.weights import full_state_dict
 from realloc.runtime.offload import HostOffload
@@ -109,7 +110,8 @@ def _dense_reference(hf, mbs, kind, steps, max_norm, critic=False):
 def _check_train(pool, hf, path, layouts, kind, steps, max_norm, *, critic=False, atol=2e-5, n_mbs=N_MBS,
                  recompute=False):
     cfg = model_config_from_hf(path)
-    mbs = _micro_batches(seed=11, n=n_mbs)
+    specs = {s.name: s for s in param_specs(cfg)}
+    mbs = _micro_batches(seed=11, n=n_mbs, vocab=min(cfg.vocab_size, 128))
     ref_state, ref_hist = _dense_reference(hf, mbs, kind, steps, max_norm, critic)
     for dp, tp, pp in layouts:
         res = pool.run(_train, cfg, dp, tp, pp, str(path), mbs, kind, steps, max_norm, recompute)
@@ -123,7 +125,9 @@ def _check_train(pool, hf, path, layouts, kind, steps, max_norm, *, critic=False
         for d in range(dp):
             got = assemble([dict(r, dp=0) for r in live if r["dp"] == d], cfg)
             for name, t in got.items():
-                err = (t - ref_state[name]).abs().max().item()
+                real = specs[name].unpad(t)  # the vocabulary padding rows, if any, stay zero
+                assert not t[real.shape[0]:].any(), (dp, tp, pp, d, name)
+                err = (real - ref_state[name]).abs().max().item()
                 assert err < atol, (dp, tp, pp, d, name, err)
 
 
@@ -296,6 +300,91 @@ def test_replicated_kv_heads_train_like_the_dense_model(pool, tmp_path, family):
 def test_two_kv_heads_at_tp4_train_like_the_dense_model(pool, gqa):
     hf, path = gqa
     _check_train(pool, hf, path, [(1, 4, 1)], "sgd", 1, max_norm=0.5)
+
+
+@pytest.mark.parametrize("tie,layouts", [(False, [(1, 2, 1), (1, 4, 1)]), (True, [(1, 4, 1), (1, 2, 2)])],
+                         ids=["untied", "tied"])
+def test_vocabulary_that_tp_does_not_divide_trains_like_the_dense_model(pool, tmp_path, tie, layouts):
+    """97 tokens in 100 rows (issue 11): AdamW with weight decay over two steps gives the dense model's weights,
+    and the padding rows (their logits masked, so no gradient) stay zero."""
+    hf = tiny_hf_model(tmp_path, seed=12, kv_heads=2, tie=tie, vocab=97)
+    assert model_config_from_hf(tmp_path).padded_vocab_size == 100
+    _check_train(pool, hf, tmp_path, layouts, "adamw", 2, max_norm=1.0)
+
+
+def _train_checkpoint_resume(ctx, cfg, tp, path, mbs, more, probe, ckpt):
+    """Train two steps, save this rank's checkpoint shard; a fresh model resumed from it and the trained one
+    take a third step: the same weights, bit for bit."""
+    from pathlib import Path
+
+    from realloc.runtime import checkpoint
+
+    model = build_model(ctx, cfg, 1, tp, 1, hf_path=path)
+    if model is None:
+        return None
+    opt = model.make_optimizer(lr=1e-2, weight_decay=0.1, eps=ADAM_EPS)
+    for _ in range(2):
+        model.train_step(mbs, nll_loss, opt, max_grad_norm=1.0)
+    g = model.groups
+    trained = local_shards(model)
+    logits = model.forward(probe, output="logits")
+    checkpoint.save_model_shard(Path(ckpt), "actor", g.tp_rank, g.pp_rank, "L", model.params(), opt)
+    fresh = build_model(ctx, cfg, 1, tp, 1, seed=99)
+    fresh_opt = fresh.make_optimizer(lr=1e-2, weight_decay=0.1, eps=ADAM_EPS)
+    checkpoint.load_model_shard(Path(ckpt), "actor", g.tp_rank, g.pp_rank, "L", fresh.params(), fresh_opt,
+                                verify=False)
+    for m, o in ((model, opt), (fresh, fresh_opt)):
+        m.train_step(more, nll_loss, o, max_grad_norm=1.0)
+    same = all(torch.equal(p, fresh.params()[n]) for n, p in model.params().items())
+    return {**trained, "logits": logits, "resumed_exactly": same}
+
+
+def test_odd_vocabulary_checkpoint_resumes_exactly_and_exports_to_transformers(pool, tmp_path):
+    """After tp=4 training, realloc's checkpoint (the engine's padded shards) resumes exactly and `realloc export`
+    writes the real 97-token vocabulary, which transformers loads with realloc's logits."""
+    import json
+
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from realloc.runtime import checkpoint
+    from realloc.runtime.export import export_checkpoint, model_record
+    from realloc.strategy import ParallelStrategy
+
+    hf = tiny_hf_model(tmp_path / "src", seed=13, kv_heads=2, vocab=97)
+    cfg = model_config_from_hf(tmp_path / "src")
+    tp = 4
+    mbs, more = _micro_batches(seed=11, vocab=97), _micro_batches(seed=12, n=2, vocab=97)
+    width = max(mb["input_ids"].shape[1] for mb in mbs)
+    probe = {"input_ids": torch.cat([torch.nn.functional.pad(mb["input_ids"], (0, width - mb["input_ids"].shape[1]))
+                                     for mb in mbs]), "lengths": torch.cat([mb["lengths"] for mb in mbs])}
+    ckpt = tmp_path / "run" / "checkpoints" / checkpoint.checkpoint_name(2)
+    res = pool.run(_train_checkpoint_resume, cfg, tp, str(tmp_path / "src"), mbs, more, probe, str(ckpt))
+    assert all(r["resumed_exactly"] for r in res)
+    # the last rank's shard: rows 75..99, of which 97..99 are padding, zero in the weights and in Adam's moments
+    with safe_open(str(checkpoint.shard_file(ckpt, "actor", 3, 0)), framework="pt") as f:
+        for key in ("param/lm_head.weight", "optim/lm_head.weight/exp_avg", "optim/lm_head.weight/exp_avg_sq",
+                    "param/model.embed_tokens.weight", "optim/model.embed_tokens.weight/exp_avg"):
+            t = f.get_tensor(key)
+            assert t.shape == (25, 64) and not t[22:].any() and t[:22].any(), key
+    files = {f.relative_to(ckpt).as_posix(): {"sha256": checkpoint.sha256_of(f), "bytes": f.stat().st_size}
+             for f in ckpt.rglob("*.safetensors")}
+    meta = {"format": checkpoint.CHECKPOINT_FORMAT, "iteration": 2, "next_iteration": 3, "experiment": "T",
+            "models": {"actor": model_record(cfg, ParallelStrategy(1, tp, 1), None, None, {})}, "files": files}
+    (ckpt / checkpoint.META).write_text(json.dumps(meta))
+    out = export_checkpoint(ckpt, "actor", tmp_path / "hf")
+    back = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert back.config.vocab_size == 97 and back.lm_head.weight.shape == (97, 64)
+    trained = assemble(res, cfg)
+    for name, t in back.state_dict().items():
+        spec = next(s for s in param_specs(cfg) if s.name == name)
+        assert torch.equal(t, spec.unpad(trained[name])), name
+    ids, lens = probe["input_ids"], probe["lengths"]
+    mask = (torch.arange(ids.shape[1])[None] < lens[:, None]).long()
+    with torch.no_grad():
+        ref = back(input_ids=ids, attention_mask=mask).logits * mask[..., None]
+    assert (res[0]["logits"] - ref).abs().max() < 1e-4
+    assert not torch.equal(trained["lm_head.weight"][:97], hf.state_dict()["lm_head.weight"])  # it trained
 
 
 def test_critic_training_matches_dense_model(pool, tmp_path):

@@ -27,6 +27,8 @@ STRATEGIES = [S(1, 1, 1), S(2, 1, 1), S(1, 2, 1), S(1, 1, 2), S(2, 2, 1), S(1, 2
 TIED = dataclasses.replace(get_model_config("tiny"), name="tiny-tied", tie_embeddings=True)
 # One KV head with Qwen2's q/k/v biases: at tp=4 every rank holds the same k/v head (and bias).
 MQA = dataclasses.replace(get_model_config("tiny"), name="tiny-mqa", n_kv_heads=1, family="qwen2", qkv_bias=True)
+# 97 tokens, padded to 100 rows: tp=4 shards of 25 rows, the last one 22 real rows and 3 of padding.
+VOCAB97 = dataclasses.replace(get_model_config("tiny-gqa"), name="tiny-vocab97", vocab_size=97)
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +161,10 @@ def _data_pairs(ctx, nodes: int):
     # tp=4 with 1 KV head (replicated 4x, with biases) and with 2 (replicated 2x), to and from the rest.
     (MQA, 1, "prealloc", 8 * 1024, 1024, True),
     (get_model_config("tiny-gqa"), 2, "alias", 2**26, 2**18, True),
-], ids=["gqa-prealloc", "tied-2nodes-alias", "tiny-drop", "gqa-bf16", "mqa-tp4-prealloc", "gqa-tp4-2nodes-alias"])
+    # a padded vocabulary (issue 11): tp=4 to and from every other layout, tp=1 included
+    (VOCAB97, 1, "prealloc", 8 * 1024, 1024, True),
+], ids=["gqa-prealloc", "tied-2nodes-alias", "tiny-drop", "gqa-bf16", "mqa-tp4-prealloc", "gqa-tp4-2nodes-alias",
+        "vocab97-tp4-prealloc"])
 def test_all_layout_pairs_bit_exact(pool, cfg, nodes, mode, bucket, direct, replicated):
     res = pool.run(_all_pairs, cfg, nodes, mode, bucket, direct, replicated, timeout=600)
     n_pairs = res[0][3]
@@ -231,17 +236,16 @@ def _batch(seed: int, vocab: int, rows: tuple[int, int]) -> dict[str, torch.Tens
     return {"input_ids": ids[lo:hi], "lengths": lengths[lo:hi]}
 
 
-def _train_realloc_generate(ctx, train: S, gen: S, gen_mesh: str):
+def _train_realloc_generate(ctx, train: S, gen: S, gen_mesh: str, cfg: ModelConfig):
     """Train, move to the generation layout, generate, move back, train again; compare with no moves."""
     from realloc.models.engine import ParallelModel
     from realloc.models.groups import ModelLayout
     from realloc.models.sampling import GenerationConfig
     from realloc.runtime.param_realloc import Reallocator
 
-    cfg = get_model_config("tiny-gqa")
     c = ClusterSpec.from_nodelist("n1", 4)
     a, b = Layout(c.mesh("n1"), train), Layout(c.mesh(gen_mesh), gen)
-    ga, gb = (ModelLayout.from_mesh(x.mesh, x.strategy, cfg.tie_embeddings) for x in (a, b))
+    ga, gb = (ModelLayout.for_model(cfg, x.mesh, x.strategy) for x in (a, b))
     ctx.groups.ensure_layouts([ga, gb])
     to_gen, to_train = plan_param_realloc(cfg, a, b), plan_param_realloc(cfg, b, a)
     r = Reallocator(ctx.groups, ctx.rank)
@@ -271,6 +275,7 @@ def _train_realloc_generate(ctx, train: S, gen: S, gen_mesh: str):
         prompts = [probe["input_ids"][i, :3].tolist() for i in range(lo, hi)]
         out = actor_gen.generate(prompts, GenerationConfig(max_new_tokens=4, seed=3), seq_ids=list(range(lo, hi)))
         assert out.sequences.shape[0] == hi - lo and bool((out.gen_lengths == 4).all())
+        assert int(out.sequences.max()) < cfg.vocab_size  # never a padding id
 
     model.materialize()
     _, back = r.reallocate(to_train, actor_gen.params() if in_gen else None, model.params())
@@ -281,10 +286,13 @@ def _train_realloc_generate(ctx, train: S, gen: S, gen_mesh: str):
     return same, lp_train, lp_gen, stats.redundancy_ratio, back.redundancy_ratio
 
 
-@pytest.mark.parametrize("train,gen,gen_mesh", [(S(1, 2, 2), S(4, 1, 1), "n1"), (S(2, 2, 1), S(1, 1, 2), "n1:2-3")],
-                         ids=["tp2pp2-to-dp4", "dp2tp2-to-pp2-half-mesh"])
-def test_train_reallocate_generate_back_train_is_bit_identical(pool, train, gen, gen_mesh):
-    res = pool.run(_train_realloc_generate, train, gen, gen_mesh, timeout=600)
+@pytest.mark.parametrize("train,gen,gen_mesh,cfg", [
+    (S(1, 2, 2), S(4, 1, 1), "n1", get_model_config("tiny-gqa")),
+    (S(2, 2, 1), S(1, 1, 2), "n1:2-3", get_model_config("tiny-gqa")),
+    (S(4, 1, 1), S(1, 4, 1), "n1", VOCAB97),  # tp=1 <-> tp=4 with the vocabulary padding
+], ids=["tp2pp2-to-dp4", "dp2tp2-to-pp2-half-mesh", "vocab97-tp1-to-tp4"])
+def test_train_reallocate_generate_back_train_is_bit_identical(pool, train, gen, gen_mesh, cfg):
+    res = pool.run(_train_realloc_generate, train, gen, gen_mesh, cfg, timeout=600)
     assert all(r[0] for r in res), "parameters differ from a run without reallocation"
     # The generation layout computes what the training layout computed (same weights, fp32).
     for _, lp_train, lp_gen, *_ in res:
