@@ -98,6 +98,19 @@ def test_shapes_come_from_config_json(tmp_path):
     assert 3 not in pps and max(pps) <= 2 and pps  # 2 devices
 
 
+def test_a_vocabulary_tp_does_not_divide_is_planned_at_every_tp(tmp_path):
+    """A checkpoint with 97 tokens (issue 11): the engine pads its vocabulary to 100 rows, so the planner offers
+    tp=2 (before, tp had to divide 97). Shapes reported from config.json stay the checkpoint's."""
+    f = _experiment(tmp_path)
+    _write_ckpt(tmp_path / "ckpt/sft", dict(LLAMA, vocab_size=97))
+    _write_ckpt(tmp_path / "ckpt/rm", dict(REWARD, vocab_size=97))
+    graph = build_graph(load_experiment(str(f)))
+    actor = graph.model_config("actor_train")
+    assert (actor.vocab_size, actor.padded_vocab_size) == (97, 100)
+    for call in ("actor_gen", "actor_train", "critic_train", "rew_inf"):
+        assert {opt.strategy.tp for opt in call_options(graph, call)} == {1, 2}, call
+
+
 def test_digest_names_shapes_not_paths(tmp_path):
     a = build_graph(load_experiment(str(_experiment(tmp_path / "a"))))
     b = build_graph(load_experiment(str(_experiment(tmp_path / "b"))))

@@ -209,6 +209,13 @@ def test_vocabulary_that_tp_does_not_divide_matches_hf(pool, tmp_path, family, v
     cfg = model_config_from_hf(tmp_path)
     assert (cfg.vocab_size, cfg.padded_vocab_size, cfg.tie_embeddings) == (vocab, padded, tie)
     _check_against_hf(pool, hf, tmp_path, [(1, 1), (2, 1), (4, 1), (2, 2)])
+    # Near-uniform sampling without a tokenizer's vocab_limit: 240 draws reach the top real ids but never
+    # the padding (which would take ~1-3% of them if it had any mass).
+    prompts = _prompts(seed=11, lengths=(3, 7, 5, 9, 4, 6, 2, 8), vocab=vocab)
+    hot = GenerationConfig(max_new_tokens=30, temperature=50.0, seed=5)
+    seqs = pool.run(_sample_with_limits, cfg, 4, str(tmp_path), prompts, [hot])[0][0]
+    drawn = torch.cat([seqs[b, len(p):len(p) + 30] for b, p in enumerate(prompts)])
+    assert drawn.numel() == 240 and int(drawn.max()) < vocab and int(drawn.max()) >= vocab - 8
 
 
 @torch.no_grad()
