@@ -51,11 +51,17 @@ def _fake_checkpoint(root: Path, cfg: ModelConfig, tp: int, pp: int, iteration: 
     return ckpt, full
 
 
-@pytest.mark.parametrize("tp, pp, tie, critic", [(2, 2, False, False), (1, 3, True, False), (2, 1, False, True)])
-def test_export_merges_shards_exactly_and_loads_in_transformers(tmp_path, tp, pp, tie, critic):
+@pytest.mark.parametrize("tp, pp, tie, critic, vocab", [
+    (2, 2, False, False, 96), (1, 3, True, False, 96), (2, 1, False, True, 96),
+    # 97 tokens in 100 rows (issue 11): the export drops the zero padding rows, tied, untied and critic
+    (4, 1, False, False, 97), (2, 2, True, False, 97), (4, 1, False, True, 97),
+])
+def test_export_merges_shards_exactly_and_loads_in_transformers(tmp_path, tp, pp, tie, critic, vocab):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    cfg = CFG.as_critic() if critic else ModelConfig(**{**CFG.__dict__, "tie_embeddings": tie})
+    base = ModelConfig(**{**CFG.__dict__, "vocab_size": vocab})
+    cfg = base.as_critic() if critic else ModelConfig(**{**base.__dict__, "tie_embeddings": tie})
+    assert cfg.padded_vocab_size == (96 if vocab == 96 else 100)
     ckpt, full = _fake_checkpoint(tmp_path / "run", cfg, tp, pp, iteration=4)
     out = export_checkpoint(ckpt, "actor", tmp_path / "hf", max_file_bytes=40_000)  # several files
     files = sorted(p.name for p in out.glob("*.safetensors"))
@@ -63,8 +69,9 @@ def test_export_merges_shards_exactly_and_loads_in_transformers(tmp_path, tp, pp
     cls = AutoModelForSequenceClassification if critic else AutoModelForCausalLM
     hf = cls.from_pretrained(out)
     state = hf.state_dict()
+    assert hf.config.vocab_size == vocab and state["model.embed_tokens.weight"].shape == (vocab, 64)
     for s in param_specs(cfg):
-        assert torch.equal(state[s.name], full[s.name]), s.name
+        assert torch.equal(state[s.name], s.unpad(full[s.name])), s.name
     if tie:
         assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
     gen = json.loads((out / "generation_config.json").read_text())

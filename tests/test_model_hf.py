@@ -233,13 +233,14 @@ def _critic_values(ctx, cfg, tp, pp, path, ids, lens):
     return model.forward({"input_ids": ids, "lengths": lens}, n_mbs=2)
 
 
-@pytest.mark.parametrize("family,layouts", [("llama", [(1, 1), (2, 2)]), ("qwen2", [(2, 2), (4, 1)])])
+@pytest.mark.parametrize("family,layouts,vocab", [("llama", [(1, 1), (2, 2)], 128), ("qwen2", [(2, 2), (4, 1)], 128),
+                                                  ("llama", [(4, 1)], 97)])  # embedding padded to 100 rows
 @torch.no_grad()
-def test_critic_values_match_hf_sequence_classifier(pool, tmp_path, family, layouts):
-    hf = tiny_hf_model(tmp_path, seed=2, critic=True, family=family)
+def test_critic_values_match_hf_sequence_classifier(pool, tmp_path, family, layouts, vocab):
+    hf = tiny_hf_model(tmp_path, seed=2, critic=True, family=family, vocab=vocab)
     cfg = model_config_from_hf(tmp_path)
-    assert cfg.is_critic and cfg.family == family
-    ids, lens, mask = _padded_batch(seed=5)
+    assert cfg.is_critic and cfg.family == family and cfg.vocab_size == vocab
+    ids, lens, mask = _padded_batch(seed=5, vocab=vocab)
     ref = hf.score(hf.model(input_ids=ids, attention_mask=mask).last_hidden_state)[..., 0] * mask
     # HF's own pooled output is the value at each row's last token.
     pooled = hf(input_ids=ids, attention_mask=mask).logits[:, 0]

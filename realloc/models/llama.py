@@ -272,7 +272,7 @@ class LlamaStage(nn.Module):
             logits = self.lm_head(x)[0]
         if self.real_columns < logits.shape[-1]:
             # -inf before any normalizer: padding ids get probability 0 in every softmax, log-prob and sample,
-            # and masked_fill passes them no gradient, so the padding rows of the head stay zero. In place: the
+            # and the fill passes them no gradient, so the padding rows of the head stay zero. In place: the
             # projection keeps its input and weight for the backward, not its output, so no copy is needed.
             logits[..., self.real_columns:] = float("-inf")
         return logits
