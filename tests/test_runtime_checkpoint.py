@@ -75,6 +75,17 @@ def test_layout_mismatch_is_refused(tmp_path):
         C.load_model_shard(final, "actor", 1, 0, "localhost dp2·tp1·pp1", params, opt)
 
 
+def test_a_shard_of_another_shape_is_refused(tmp_path):
+    """E.g. a vocabulary saved without the padding rows the engine now holds: one error naming both shapes."""
+    params, opt = make()
+    tmp = C.begin(tmp_path, 0)
+    C.save_model_shard(tmp, "actor", 0, 0, "L", params, opt)
+    final = C.commit(tmp, tmp_path, 0, {}, "{}")
+    bigger = {"w": torch.nn.Parameter(torch.zeros(5, 3)), "b": params["b"]}
+    with pytest.raises(ValueError, match=r"parameter 'w' has shape \(4, 3\), this model's shard is \(5, 3\)"):
+        C.load_model_shard(final, "actor", 0, 0, "L", bigger, None)
+
+
 def test_bf16_master_weights_round_trip(tmp_path):
     from realloc.models.optim import MasterWeightAdamW
 
