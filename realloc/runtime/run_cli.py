@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import atexit
 import json
+import os
 import secrets
 import signal
 import sys
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from realloc.api import ExperimentSpec
+from realloc.estimator.hardware import PROFILES_ENV
 from realloc.graph.dataflow import build_graph
 from realloc.graph.plan import ExecutionPlan
 from realloc.overrides import load_with_overrides
@@ -169,8 +171,11 @@ def main(args: argparse.Namespace) -> int:
         master_args += ["--warning-signal", str(stop_signals)]
         if args.skip_checkpoint_checks:
             master_args.append("--skip-checkpoint-checks")
+        profiles = os.environ.get(PROFILES_ENV)  # --profiles DIR, or the environment's
+        if profiles:
+            master_args += ["--profiles", profiles]
         script = slurm_script(spec.cluster, experiment, run, run_id, master_args, slurm, overrides=sets,
-                              stop_signals=stop_signals)
+                              stop_signals=stop_signals, profiles=profiles)
         if args.dry_run and not args.prepare:
             print(script, end="")  # nothing is written: --prepare writes the run directory
             return 0
@@ -195,7 +200,10 @@ def main(args: argparse.Namespace) -> int:
     else:
         _prepare_run_dir(run, plan, experiment, sets)
         secret = _fresh_secret(run)
-        atexit.register(run.secret.unlink, missing_ok=True)  # also when interrupted before the cleanup below
+    # The run's own secret file goes when the master exits, however it exits short of SIGKILL (the
+    # finally below, or atexit when interrupted before it). Workers read it only at start, and none
+    # outlives the master. Under SLURM the job script removes it too, and a requeued job makes a new one.
+    atexit.register(run.secret.unlink, missing_ok=True)
     _truncate_metrics(run.metrics, start)
     if start == 0:
         run.metrics.unlink(missing_ok=True)
@@ -243,8 +251,7 @@ def main(args: argparse.Namespace) -> int:
         sinks.close()
         if ray is not None:
             ray.close()
-        if args.launcher != "external":
-            run.secret.unlink(missing_ok=True)
+        run.secret.unlink(missing_ok=True)
     _summary(summary, run)
     if master.stop is not None:
         print(f"realloc run: {master.stop.describe(str(run.root))}", file=sys.stderr)
