@@ -129,7 +129,7 @@ def main(args: argparse.Namespace) -> int:
     spec = load_with_overrides(args.experiment, sets)
     graph = build_graph(spec)
     config = RunConfig.of(spec)
-    ckpt = checkpoint.resolve_resume(args.resume) if args.resume else None
+    ckpt = checkpoint.resolve_resume(args.resume, args.skip_checkpoint_checks) if args.resume else None
     start = 0
     if ckpt is not None:
         meta = checkpoint.read_meta(ckpt)
