@@ -74,6 +74,20 @@ def _run_dir(args: argparse.Namespace, spec: ExperimentSpec, ckpt: Path | None) 
     return Path("runs") / f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def _check_run_dir(root: Path, create: bool) -> None:
+    """The run directory can be created (or is one): one error naming the path if, say, a file is in the way."""
+    if create:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"run directory {root}: cannot create it ({e.strerror}: {e.filename}); pass --run-dir "
+                             f"a folder you can write to") from None
+        return
+    ancestor = next(p for p in (root, *root.parents) if p.exists())
+    if not ancestor.is_dir():
+        raise ValueError(f"run directory {root}: {ancestor} is a file; pass --run-dir a folder you can write to")
+
+
 def _truncate_metrics(path: Path, start: int) -> None:
     """A resumed run rewrites the iterations after its checkpoint: drop the killed run's lines for them
     (``start`` iterations are done; metrics.jsonl counts iterations from 1). A half-written last line
@@ -149,6 +163,7 @@ def main(args: argparse.Namespace) -> int:
     from realloc.runtime.text_io import check_data
 
     run = RunPaths(_run_dir(args, spec, ckpt).resolve())
+    _check_run_dir(run.root, create=not args.dry_run or args.prepare)
     # Fail here, in one line, rather than in every worker; and tokenize once: the workers read the cache.
     data_line = check_data(spec, config, graph, cache_dir=None if args.dry_run else run.prompt_cache)
     slurm = slurm_options(args) if args.launcher == "slurm" else None
