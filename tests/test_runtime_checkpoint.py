@@ -179,6 +179,24 @@ def test_a_half_written_last_metrics_line_is_dropped_on_resume(tmp_path, capsys)
         _truncate_metrics(path, 2)
 
 
+
+def test_a_resumed_run_drops_the_later_samples_and_eval_rows(tmp_path):
+    """samples.jsonl and eval/iter_<N>.rank<r>.jsonl are appended to: the iterations after the checkpoint,
+    which the resumed run writes again, go first."""
+    from realloc.runtime.launcher import RunPaths
+    from realloc.runtime.run_cli import _drop_later_samples
+
+    run = RunPaths(tmp_path)
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps({"iteration": t, "seq": 0}) + "\n" for t in (1, 2, 3))
+                                            + '{"iteration": 4, "se')
+    (tmp_path / "eval").mkdir()
+    for name in ("iter_00000002.rank0.jsonl", "iter_00000004.rank0.jsonl", "iter_00000004.rank1.jsonl"):
+        (tmp_path / "eval" / name).write_text("{}\n")
+    _drop_later_samples(run, 2)
+    assert [json.loads(x)["iteration"] for x in (tmp_path / "samples.jsonl").read_text().splitlines()] == [1, 2]
+    assert sorted(p.name for p in (tmp_path / "eval").iterdir()) == ["iter_00000002.rank0.jsonl"]
+
+
 REPO = Path(__file__).resolve().parents[1]
 EXPERIMENT = str(REPO / "experiments/ppo_tiny.py")
 

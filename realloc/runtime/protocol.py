@@ -94,7 +94,7 @@ class Setup(_Msg):
     type: Literal["setup"] = "setup"
     req: int
     resume: str | None = None  # checkpoint directory to load after building the models
-    total_iterations: int = 0  # the run's last iteration + 1: the horizon of the learning-rate schedule
+    total_iterations: int = 0  # the learning-rate schedule's horizon in iterations (the run's end unless resumed)
     verify_checkpoint: bool = True  # check the SHA-256 of every checkpoint file read (checkpoint.py)
 
 

@@ -74,6 +74,30 @@ def _run_dir(args: argparse.Namespace, spec: ExperimentSpec, ckpt: Path | None) 
     return Path("runs") / f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def _schedule_horizon(args: argparse.Namespace, total: int, meta: dict[str, Any] | None) -> tuple[int, str | None]:
+    """The iterations the learning-rate schedule spans, and a header line when it is not this run's end.
+
+    A fresh run's schedule ends with it. A resumed run keeps its checkpoint's horizon, so it continues the
+    schedule it was on (an interrupted run resumes exactly); ``--schedule-iterations`` sets it explicitly.
+    """
+    if args.schedule_iterations is not None:
+        if args.schedule_iterations < 1:
+            raise ValueError(f"--schedule-iterations must be a positive integer, got {args.schedule_iterations}")
+        horizon, source = args.schedule_iterations, "--schedule-iterations"
+    elif meta is not None and meta.get("schedule_iterations") is not None:
+        horizon, source = meta["schedule_iterations"], "the checkpoint"
+        if type(horizon) is not int or horizon < 1:
+            raise ValueError(f"checkpoint meta.json: schedule_iterations must be a positive integer, got {horizon!r}; "
+                             f"pass --schedule-iterations N")
+    else:
+        return total, None
+    if horizon == total:
+        return horizon, None
+    after = (f"; iterations {horizon + 1}..{total} keep its last learning rate (--schedule-iterations N "
+             f"stretches it)" if total > horizon else "")
+    return horizon, f"learning-rate schedule over iterations 1..{horizon} ({source}){after}"
+
+
 def _check_run_dir(root: Path, create: bool) -> None:
     """The run directory can be created (or is one): one error naming the path if, say, a file is in the way."""
     if create:
@@ -108,6 +132,27 @@ def _truncate_metrics(path: Path, start: int) -> None:
         if not isinstance(record, dict) or record.get("iteration", 0) <= start:
             keep.append(line)
     path.write_text("".join(line + "\n" for line in keep))
+
+
+def _drop_later_samples(run: RunPaths, start: int) -> None:
+    """The logged samples and eval rows of iterations after ``start`` (a killed run's, rewritten by this one):
+    their files are appended to, so they would otherwise hold those iterations twice."""
+    from realloc.runtime.text_io import SAMPLES_FILE  # (torch: imported only for a run)
+
+    samples = run.root / SAMPLES_FILE
+    if samples.is_file():
+        kept = []
+        for line in samples.read_text().splitlines():
+            try:
+                if json.loads(line).get("iteration", 0) <= start:
+                    kept.append(line)
+            except (json.JSONDecodeError, AttributeError):
+                pass  # a half-written line of the killed run
+        samples.write_text("".join(line + "\n" for line in kept))
+    for f in (run.root / "eval").glob("iter_*.rank*.jsonl"):
+        done = f.name.removeprefix("iter_").split(".")[0]
+        if done.isdigit() and int(done) > start:
+            f.unlink()
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -160,6 +205,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"how many iterations? pass --iterations N or set `iterations` in {spec.name}")
     if total <= start:
         raise ValueError(f"--iterations {total}: the checkpoint already completed {start} iterations; ask for more")
+    horizon, horizon_line = _schedule_horizon(args, total, meta if ckpt is not None else None)
     from realloc.runtime.text_io import check_data
 
     run = RunPaths(_run_dir(args, spec, ckpt).resolve())
@@ -186,6 +232,8 @@ def main(args: argparse.Namespace) -> int:
         master_args += ["--warning-signal", str(stop_signals)]
         if args.skip_checkpoint_checks:
             master_args.append("--skip-checkpoint-checks")
+        if args.schedule_iterations is not None:
+            master_args += ["--schedule-iterations", str(args.schedule_iterations)]
         profiles = os.environ.get(PROFILES_ENV)  # --profiles DIR, or the environment's
         if profiles:
             master_args += ["--profiles", profiles]
@@ -206,61 +254,68 @@ def main(args: argparse.Namespace) -> int:
 
     if args.launcher == "local":
         _check_local(spec)
-    previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)  # the master takes it over while it runs
-    if args.launcher == "external":
-        plan_path = run.plan
-        if not plan_path.is_file():
-            _prepare_run_dir(run, plan, experiment, sets)
-        secret = protocol.read_secret()
-    else:
-        _prepare_run_dir(run, plan, experiment, sets)
-        secret = _fresh_secret(run)
-    # The run's own secret file goes when the master exits, however it exits short of SIGKILL (the
-    # finally below, or atexit when interrupted before it). Workers read it only at start, and none
-    # outlives the master. Under SLURM the job script removes it too, and a requeued job makes a new one.
-    atexit.register(run.secret.unlink, missing_ok=True)
-    _truncate_metrics(run.metrics, start)
-    if start == 0:
-        run.metrics.unlink(missing_ok=True)
-
-    heartbeat = {} if args.heartbeat_timeout is None else {"heartbeat_timeout": args.heartbeat_timeout}
-    ray = None
-    bind = args.bind
-    if args.launcher == "ray":
-        from realloc.runtime.ray_launcher import RayLauncher
-
-        ray = RayLauncher(spec.cluster, run, args.ray_address)
-        bind = ray.node_ip  # the actors reach the master here (127.0.0.1 for a private local instance)
-    master = Master(program, config, run, run_id, secret, iterations=total - start, start_iteration=start,
-                    resume=ckpt, save_every=args.save_every, export_every=args.export_every,
-                    bind_host=bind, master_port=args.master_port,
-                    store_port=args.store_port, stop_signals=stop_signals,
-                    verify_checkpoint=not args.skip_checkpoint_checks, **heartbeat)
-    if args.launcher in ("local", "ray"):
-        wc = WorkerConfig(experiment=experiment, run_dir=str(run.root), run_id=run_id,
-                          world_size=spec.cluster.n_devices, store=f"{bind}:{master.store.port}",
-                          master_endpoint=f"tcp://{bind}:{master.port}", device=_device(spec), overrides=sets)
-        if ray is not None:
-            master.launcher = ray
-            ray.start(wc)
-        else:
-            master.launcher = LocalLauncher(wc, run)
-            master.launcher.start()
-    print(f"run {run.root}: {spec.name} on {spec.cluster.nodelist} ({spec.cluster.n_devices} devices), "
-          f"iterations {start + 1}..{total}, plan {plan_source}")
-    if sets:
-        print(f"overrides: {' '.join(sets)}")
-    if data_line:
-        print(data_line)
-    print(plan.table(graph.topo_order))
+    # Before anything starts: a missing wandb package is one error with no worker to stop.
     sinks = MetricSinks.open(run.root, tensorboard=args.tensorboard, wandb_project=args.wandb,
                              run_name=run.root.name, config={"experiment": experiment, "overrides": list(sets),
-                                                             "plan": plan_source, "iterations": total})
+                                                             "plan": plan_source, "iterations": total},
+                             first_iteration=start + 1)
+    previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)  # the master takes it over while it runs
+    ray = None
+    master = None
     try:
+        if args.launcher == "external":
+            if not run.plan.is_file():
+                _prepare_run_dir(run, plan, experiment, sets)
+            secret = protocol.read_secret()
+        else:
+            _prepare_run_dir(run, plan, experiment, sets)
+            secret = _fresh_secret(run)
+        # The run's own secret file goes when the master exits, however it exits short of SIGKILL (the
+        # finally below, or atexit when interrupted before it). Workers read it only at start, and none
+        # outlives the master. Under SLURM the job script removes it too, and a requeued job makes a new one.
+        atexit.register(run.secret.unlink, missing_ok=True)
+        _truncate_metrics(run.metrics, start)
+        if start == 0:
+            run.metrics.unlink(missing_ok=True)
+        _drop_later_samples(run, start)
+
+        heartbeat = {} if args.heartbeat_timeout is None else {"heartbeat_timeout": args.heartbeat_timeout}
+        bind = args.bind
+        if args.launcher == "ray":
+            from realloc.runtime.ray_launcher import RayLauncher
+
+            ray = RayLauncher(spec.cluster, run, args.ray_address)
+            bind = ray.node_ip  # the actors reach the master here (127.0.0.1 for a private local instance)
+        master = Master(program, config, run, run_id, secret, iterations=total - start, start_iteration=start,
+                        resume=ckpt, save_every=args.save_every, export_every=args.export_every,
+                        bind_host=bind, master_port=args.master_port,
+                        store_port=args.store_port, stop_signals=stop_signals,
+                        verify_checkpoint=not args.skip_checkpoint_checks, schedule_iterations=horizon, **heartbeat)
+        if args.launcher in ("local", "ray"):
+            wc = WorkerConfig(experiment=experiment, run_dir=str(run.root), run_id=run_id,
+                              world_size=spec.cluster.n_devices, store=f"{bind}:{master.store.port}",
+                              master_endpoint=f"tcp://{bind}:{master.port}", device=_device(spec), overrides=sets)
+            if ray is not None:
+                master.launcher = ray
+                ray.start(wc)
+            else:
+                master.launcher = LocalLauncher(wc, run)
+                master.launcher.start()
+        print(f"run {run.root}: {spec.name} on {spec.cluster.nodelist} ({spec.cluster.n_devices} devices), "
+              f"iterations {start + 1}..{total}, plan {plan_source}")
+        if sets:
+            print(f"overrides: {' '.join(sets)}")
+        if data_line:
+            print(data_line)
+        if horizon_line:
+            print(horizon_line)
+        if sinks.describe():
+            print(sinks.describe())
+        print(plan.table(graph.topo_order))
         summary = _drive(master, total, start, sinks, quiet=args.quiet or not sys.stdout.isatty())
     except RunFailed as e:
         print(f"realloc run: error: {e}", file=sys.stderr)
-        return master.stop.exit_code if master.stop is not None else 1
+        return master.stop.exit_code if master is not None and master.stop is not None else 1
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)
         sinks.close()
