@@ -149,6 +149,23 @@ def test_an_iteration_that_overtakes_the_previous_ones_evaluation_gets_no_negati
                for m in ms if m["tokens_per_s"] is not None)
 
 
+def _listening_addresses(ports: set[int]) -> set[tuple[str, int]]:
+    """(address, port) of every listening TCP socket on ``ports`` on this machine (IPv4 and IPv6)."""
+    import ipaddress
+
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, port = local.split(":")
+            if state == "0A" and int(port, 16) in ports:  # 0A: LISTEN
+                raw = bytes.fromhex(addr)
+                # /proc stores each 32-bit word in host (little-endian) order
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                out.add((str(ipaddress.ip_address(raw)), int(port, 16)))
+    return out
+
+
 def test_a_second_signed_connection_to_a_bound_name_is_dropped(tmp_path, caplog):
     """Issue 15 item 2, with the secret: the first signed message binds worker 0's name to its socket. A second
     CURVE connection with the run's keys (a restarted worker, or a replay through another connection) that
@@ -165,6 +182,9 @@ def test_a_second_signed_connection_to_a_bound_name_is_dropped(tmp_path, caplog)
     secret = protocol.new_secret()
     master = Master(program, RunConfig.of(spec), RunPaths(tmp_path), "r1", secret, iterations=1,
                     heartbeat_timeout=600.0)
+    # A local run listens on loopback only: the ZMQ socket and torch's TCPStore (which has no authentication).
+    assert _listening_addresses({master.port, master.store.port}) == {("127.0.0.1", master.port),
+                                                                      ("127.0.0.1", master.store.port)}
     ctx = zmq.Context()
     name = protocol.worker_name(0)
     socks: list[zmq.Socket] = []
