@@ -190,6 +190,7 @@ def main(args: argparse.Namespace) -> int:
     config = RunConfig.of(spec)
     ckpt = checkpoint.resolve_resume(args.resume, args.skip_checkpoint_checks) if args.resume else None
     start = 0
+    meta: dict[str, Any] | None = None
     if ckpt is not None:
         meta = checkpoint.read_meta(ckpt)
         if meta.get("graph_digest") != graph.digest:
@@ -205,7 +206,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"how many iterations? pass --iterations N or set `iterations` in {spec.name}")
     if total <= start:
         raise ValueError(f"--iterations {total}: the checkpoint already completed {start} iterations; ask for more")
-    horizon, horizon_line = _schedule_horizon(args, total, meta if ckpt is not None else None)
+    horizon, horizon_line = _schedule_horizon(args, total, meta)
     from realloc.runtime.text_io import check_data
 
     run = RunPaths(_run_dir(args, spec, ckpt).resolve())
