@@ -288,19 +288,49 @@ def _import_file(path: Path) -> Any:
     spec = importlib.util.spec_from_file_location(mod_name, path)
     if spec is None or spec.loader is None:
         raise ValueError(f"cannot import experiment file {path}")
+    # Like `python exp.py`: modules next to the experiment (`from my_rewards import ...`) are importable,
+    # whichever folder realloc (or a worker) started in.
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module  # dataclasses resolve annotations through sys.modules
     try:
         spec.loader.exec_module(module)
-    except SyntaxError as e:
+    except BaseException as e:
         sys.modules.pop(mod_name, None)
-        raise ValueError(f"experiment file {path}: syntax error at line {e.lineno}: {e.msg}") from None
-    except Exception as e:  # noqa: BLE001 - the user's own code failed: say so, naming the line
-        sys.modules.pop(mod_name, None)
-        lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if Path(f.filename).resolve() == path.resolve()]
-        where = f", line {lines[-1]}" if lines else ""
-        raise ValueError(f"experiment file {path}{where}: importing it raised {type(e).__name__}: {e}") from None
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        raise ValueError(_import_error(f"experiment file {path}", e, path)) from None
     return module
+
+
+def _import_error(what: str, e: BaseException, path: Path | None) -> str:
+    """The user's own code failed while being imported: say so, naming the file and line."""
+    if isinstance(e, SyntaxError):
+        if path is not None and e.filename and Path(e.filename).resolve() == path.resolve():
+            return f"{what}: syntax error at line {e.lineno}: {e.msg}"
+        return f"{what}: importing it failed: syntax error in {e.filename}, line {e.lineno}: {e.msg}"
+    def is_own(filename: str) -> bool:
+        return path is not None and Path(filename).resolve() == path.resolve()
+
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith("<")]  # not importlib's
+    own = [f.lineno for f in frames if is_own(f.filename)]
+    where = f", line {own[-1]}" if own else ""
+    # Raised deeper, in a module the experiment imports: name that place too.
+    inner = f" (in {frames[-1].filename}, line {frames[-1].lineno})" if frames and not is_own(frames[-1].filename) else ""
+    if isinstance(e, SystemExit):
+        return (f"{what}{where}: called sys.exit({e.code!r}) while being imported{inner}; an experiment file should "
+                f"only define the experiment")
+    return f"{what}{where}: importing it raised {type(e).__name__}: {e}{inner}"
+
+
+def _module_file(name: str) -> Path | None:
+    try:
+        found = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    return Path(found.origin) if found is not None and found.origin else None
 
 
 def load_experiment(target: str) -> ExperimentSpec:
@@ -308,6 +338,8 @@ def load_experiment(target: str) -> ExperimentSpec:
     where, _, cls_name = target.partition(":")
     path = Path(where)
     if where.endswith(".py"):
+        if path.is_dir():
+            raise ValueError(f"experiment file {where!r} is a directory; give the experiment's .py file")
         if not path.is_file():
             raise ValueError(f"experiment file {where!r} does not exist")
         module = _import_file(path)
@@ -315,8 +347,14 @@ def load_experiment(target: str) -> ExperimentSpec:
     else:
         try:
             module = importlib.import_module(where)
-        except ModuleNotFoundError:
-            raise ValueError(f"experiment {target!r}: no file or module of that name") from None
+        except ModuleNotFoundError as e:
+            if e.name is not None and (where == e.name or where.startswith(e.name + ".")):
+                raise ValueError(f"experiment {target!r}: no file or module of that name") from None
+            raise ValueError(_import_error(f"experiment module {where}", e, _module_file(where))) from None
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:
+            raise ValueError(_import_error(f"experiment module {where}", e, _module_file(where))) from None
         source = where
     found = {n: c for n, c in vars(module).items() if isinstance(c, type) and hasattr(c, AUTO_ATTR)
              and c.__module__ == module.__name__}

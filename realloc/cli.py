@@ -140,6 +140,9 @@ def build_parser(commands: dict[str, Callable[[argparse.Namespace], int]] | None
     g.add_argument("--baseline", default=None)
     s.add_argument("--iterations", type=int, default=None)
     s.add_argument("--resume", default=None, help="checkpoint directory to resume from")
+    s.add_argument("--schedule-iterations", type=int, default=None, metavar="N",
+                   help="iterations the learning-rate schedule spans (default: this run's --iterations; a resumed "
+                        "run keeps its checkpoint's)")
     s.add_argument("--skip-checkpoint-checks", action="store_true",
                    help="with --resume: load the checkpoint without checking its files' SHA-256 and presence")
     s.add_argument("--run-dir", default=None, help="output directory (default runs/<experiment>-<time>)")

@@ -68,6 +68,11 @@ def test_user_mistakes_are_not_internal_errors(tmp_path, capsys):
     assert main(["run", "experiments/ppo_tiny.py", "--iterations", "1", "--run-dir", str(a_file)]) == EXIT_USAGE
     err = capsys.readouterr().err
     assert f"--run-dir {a_file} is a file" in err and "internal error" not in err
+    # A run directory under a file cannot be created: named, not an internal NotADirectoryError.
+    under = a_file / "run"
+    assert main(["run", "experiments/ppo_tiny.py", "--iterations", "1", "--run-dir", str(under)]) == EXIT_USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"realloc run: error: run directory {under}: cannot create it"), err
 
 
 def test_python_dash_m_realloc_runs_the_realloc_program():

@@ -130,6 +130,14 @@ def test_bad_json_names_the_field(tmp_path):
         ExecutionPlan.load(tmp_path / "none.json")
 
 
+@pytest.mark.parametrize("content", [b"{not json", b'{"format_version": 1, "experi', b"\xff\xfe\x00", b""])
+def test_a_file_that_is_no_plan_is_one_error_naming_it(tmp_path, content):
+    path = tmp_path / "plan.json"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=r"plan.json: not a plan file \(.*\); write it with `realloc search --out`"):
+        ExecutionPlan.load(path)
+
+
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
 def test_rule_calls_are_data_parallel_only(tp, pp):
     """A hand-written plan giving the parameter-free rule reward tp or pp > 1 is refused when validated,

@@ -94,6 +94,9 @@ def test_duplicate_call_names():
 def test_load_experiment_errors(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         load_experiment(str(tmp_path / "nope.py"))
+    (tmp_path / "folder.py").mkdir()
+    with pytest.raises(ValueError, match="'.*folder.py' is a directory; give the experiment's .py file"):
+        load_experiment(str(tmp_path / "folder.py"))
     empty = tmp_path / "empty.py"
     empty.write_text("x = 1\n")
     with pytest.raises(ValueError, match="defines no @auto-decorated dataclass"):
@@ -124,6 +127,7 @@ def test_load_experiment_errors(tmp_path):
     ("x = 1 / 0\n", "line 3", "ZeroDivisionError: division by zero"),
     ("import no_such_module_for_realloc\n", "line 3", "ModuleNotFoundError: No module named 'no_such_module_for_realloc'"),
     ("def broken(:\n", "syntax error at line 3", ""),
+    ("import sys\nsys.exit(3)\n", "line 4", "called sys.exit(3) while being imported"),
 ])
 def test_errors_in_the_experiment_files_own_code_name_the_file_and_line(tmp_path, body, where, what):
     """The user's mistake, reported as theirs (the CLI prints it in one line and exits 2)."""
@@ -134,6 +138,65 @@ def test_errors_in_the_experiment_files_own_code_name_the_file_and_line(tmp_path
     assert str(e.value).startswith(f"experiment file {path}") and where in str(e.value) and what in str(e.value)
 
 
+MINIMAL = """
+import dataclasses
+from realloc.api import auto, ModelFunctionCallDef, GENERATE
+{head}
+@auto(nodelist="localhost", batch_size={batch})
+@dataclasses.dataclass
+class Exp:
+    @property
+    def rpcs(self):
+        return [ModelFunctionCallDef(name="g", model_name="a", model_type="tiny", interface_type=GENERATE)]
+"""
+
+
+def test_an_experiment_imports_modules_next_to_it_wherever_realloc_starts(tmp_path, monkeypatch):
+    """Workers load the experiment through load_with_overrides too, from the run's own working directory."""
+    monkeypatch.setattr("sys.path", list(__import__("sys").path))  # restored after the test
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "my_sizes_for_realloc_test.py").write_text("BATCH = 12\n")
+    exp = folder / "exp.py"
+    exp.write_text(MINIMAL.format(head="from my_sizes_for_realloc_test import BATCH", batch="BATCH"))
+    monkeypatch.chdir(tmp_path)  # not the experiment's folder
+    assert load_with_overrides(str(exp)).batch_size == 12
+    assert load_with_overrides(f"{exp}:Exp", ["batch_size=16"]).batch_size == 16
+
+
+def test_an_error_in_a_helper_module_is_blamed_on_the_helper(tmp_path, monkeypatch):
+    monkeypatch.setattr("sys.path", list(__import__("sys").path))
+    (tmp_path / "broken_helper_for_realloc_test.py").write_text("X = 1\ndef f(:\n")
+    (tmp_path / "failing_helper_for_realloc_test.py").write_text("X = 1\nY = 1 / 0\n")
+    exp = tmp_path / "exp.py"
+    exp.write_text(MINIMAL.format(head="import broken_helper_for_realloc_test", batch=4))
+    with pytest.raises(ValueError) as e:
+        load_experiment(str(exp))
+    helper = tmp_path / "broken_helper_for_realloc_test.py"
+    assert str(e.value) == (f"experiment file {exp}: importing it failed: syntax error in {helper}, line 2: "
+                            f"invalid syntax")
+    exp.write_text(MINIMAL.format(head="import failing_helper_for_realloc_test", batch=4))
+    with pytest.raises(ValueError) as e:
+        load_experiment(str(exp))
+    assert str(e.value) == (f"experiment file {exp}, line 4: importing it raised ZeroDivisionError: division by zero "
+                            f"(in {tmp_path / 'failing_helper_for_realloc_test.py'}, line 2)")
+
+
+def test_module_form_errors_are_the_users(tmp_path, monkeypatch, capsys):
+    from realloc.cli import main
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "badexp_for_realloc_test.py").write_text("import dataclasses\ndef f(:\n")
+    assert main(["show", "badexp_for_realloc_test"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["realloc show: error: experiment module badexp_for_realloc_test: syntax error at line 2: "
+                   "invalid syntax"]
+    (tmp_path / "needs_missing_for_realloc_test.py").write_text("import no_such_module_for_realloc\n")
+    with pytest.raises(ValueError, match="experiment module needs_missing_for_realloc_test, line 1: importing it "
+                                         "raised ModuleNotFoundError"):
+        load_experiment("needs_missing_for_realloc_test")
+    with pytest.raises(ValueError, match="no file or module of that name"):
+        load_experiment("no_such_experiment_module_for_realloc")
 def _tree(root: Path) -> dict[str, int]:
     return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in root.rglob("*")}
 

@@ -55,7 +55,7 @@ def test_gpu_script_has_the_options_and_one_task_per_device(tmp_path):
     assert any("scontrol show hostnames" in line for line in lines)
     # The setup lines run before anything starts.
     assert lines.index("module load cuda/12.4") < next(i for i, x in enumerate(lines) if "realloc.cli run" in x)
-    srun = next(line for line in lines if line.startswith("srun "))
+    srun = next(line for line in lines if line.startswith("srun --kill-on-bad-exit"))
     assert "--ntasks=16" in srun and "--kill-on-bad-exit=1" in srun and "--distribution=block" in srun
     assert "--container-image=nvcr.io/realloc:1" in srun and "--cpus-per-task=12" in srun
     for want in ('"$SLURM_PROCID"', '"$MASTER_HOST:$STORE_PORT"', '"tcp://$MASTER_HOST:$MASTER_PORT"',
@@ -63,7 +63,11 @@ def test_gpu_script_has_the_options_and_one_task_per_device(tmp_path):
         assert want in srun, want
     master = next(line for line in lines if "realloc.cli run" in line)
     assert "--launcher external" in master and "--bind 0.0.0.0" in master and master.endswith("&")
+    # The master is a step in the workers' environment (the container), one task on the batch node.
+    assert master.startswith('srun --nodes=1 --ntasks=1 --overlap --nodelist="${JOB_NODES[0]}" ')
+    assert master.index("--container-image=nvcr.io/realloc:1") < master.index("realloc.cli run")
     assert f"REALLOC_SECRET_FILE={run.secret}" in script
+    assert not any("REALLOC_PROFILES" in line for line in lines)  # only when asked
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
 
 
@@ -72,7 +76,7 @@ def test_default_cpus_split_the_node_and_a_nodelist_can_be_pinned(tmp_path):
     script = slurm_script(spec.cluster, spec.source, RunPaths(tmp_path), "x", [],
                           SlurmOptions(nodelist="gpu[07-08]"))
     assert "#SBATCH --exclusive" in script.splitlines() and "#SBATCH --nodelist=gpu[07-08]" in script.splitlines()
-    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    srun = next(line for line in script.splitlines() if line.startswith("srun --kill-on-bad-exit"))
     # 64 CPUs on a node of 8 GPUs: 8 per worker, computed by the job from the node it got.
     cpus = srun.split("--cpus-per-task=")[1].split(" bash")[0]
     out = subprocess.run(["bash", "-c", f"SLURM_CPUS_ON_NODE=64; echo {cpus}"], capture_output=True, text=True)
@@ -122,9 +126,15 @@ def test_cli_dry_run_prints_the_script_and_writes_nothing(tmp_path):
     work.mkdir()
     args = ["run", str(exp), "--plan", str(tmp_path / "plan.json"), "--iterations", "3", "--launcher", "slurm",
             "--partition", "a100", "--time", "1:30:00", "--setup", "module load nccl"]
-    r = realloc_cli(*args, "--dry-run", cwd=work)
+    profiles = tmp_path / "my profiles"
+    profiles.mkdir()
+    r = realloc_cli(*args, "--dry-run", "--profiles", str(profiles), cwd=work)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("#!/bin/bash") and "#SBATCH --nodes=2" in r.stdout
+    # --profiles reaches the job: exported for the master and workers, and on the master's command line.
+    lines = r.stdout.splitlines()
+    assert f"export REALLOC_PROFILES='{profiles}'" in lines
+    assert f"--profiles '{profiles}'" in next(line for line in lines if "realloc.cli run" in line)
     assert "#SBATCH --gpus-per-node=8" in r.stdout and "--iterations 3" in r.stdout
     assert "#SBATCH --partition=a100" in r.stdout and "#SBATCH --time=1:30:00" in r.stdout
     assert list(work.iterdir()) == []  # no runs/, plan or secret
@@ -168,16 +178,25 @@ def free_job_id() -> int:
 
 
 FAKE_SRUN = """#!/bin/bash
-# Stands in for srun: runs the command once per task on this machine, like SLURM would on the nodes.
-n=1; args=()
-for a in "$@"; do case "$a" in --ntasks=*) n="${a#--ntasks=}";; --*) ;; *) args+=("$a");; esac; done
-for ((i = 0; i < n; i++)); do SLURM_PROCID=$i SLURM_LOCALID=$i "${args[@]}" & done
-wait
+# Stands in for srun: runs the command once per task on this machine, like SLURM would on the nodes,
+# passes signals on to the tasks and exits with the highest task status.
+n=1
+while [ $# -gt 0 ]; do case "$1" in --ntasks=*) n="${1#--ntasks=}"; shift;; -*) shift;; *) break;; esac; done
+pids=()
+for ((i = 0; i < n; i++)); do SLURM_PROCID=$i SLURM_LOCALID=$i "$@" & pids+=($!); done
+for s in TERM USR1 USR2 INT; do trap "kill -$s ${pids[*]} 2>/dev/null" $s; done
+status=0
+for p in "${pids[@]}"; do
+  while :; do wait $p; rc=$?; kill -0 $p 2>/dev/null || break; done
+  [ $rc -gt $status ] && status=$rc
+done
+exit $status
 """
 
 FAKE_SCONTROL = """#!/bin/bash
-# Stands in for `scontrol show hostnames LIST`: this machine is the job's only node.
-[ "$1 $2" = "show hostnames" ] && hostname
+# Stands in for `scontrol show hostnames LIST`: this machine is the job's only node (plus $FAKE_EXTRA_NODE).
+[ "$1 $2" = "show hostnames" ] && hostname && [ -n "${FAKE_EXTRA_NODE:-}" ] && echo "$FAKE_EXTRA_NODE"
+true
 """
 
 
@@ -200,6 +219,13 @@ def test_generated_script_trains_with_a_stand_in_srun_and_stops_on_the_warning_s
         (bindir / name).chmod(0o755)
     env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "SLURM_JOB_ID": str(free_job_id()),
            "SLURM_JOB_NODELIST": "n1", "TMPDIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    # A job that ends before the master starts (SLURM gave two nodes for a one-node plan) removes the secret.
+    assert (run_dir / "secret").is_file()
+    early = subprocess.run(["bash", str(run_dir / "job.sbatch")], env={**env, "FAKE_EXTRA_NODE": "n2"},
+                           capture_output=True, text=True, timeout=60)
+    assert early.returncode == 2 and "the plan has 1 nodes but SLURM allocated 2" in early.stderr
+    assert not (run_dir / "secret").exists()
+    # Run again (as a requeued job would): the script makes a fresh private secret for the master and workers.
     with open(tmp_path / "job.out", "w") as out, open(tmp_path / "job.err", "w") as err:
         job = subprocess.Popen(["bash", str(run_dir / "job.sbatch")], env=env, cwd=tmp_path, stdout=out, stderr=err)
     try:
@@ -218,6 +244,8 @@ def test_generated_script_trains_with_a_stand_in_srun_and_stops_on_the_warning_s
     n = len(metrics)
     assert [m["iteration"] for m in metrics] == list(range(1, n + 1)) and 0.0 <= metrics[0]["reward"] <= 1.0
     assert f"stopped by SIGUSR1 after iteration {n}; saved {run_dir / 'checkpoints' / f'iter_{n:08d}'}" in stderr
+    # The run secret lives only as long as the job.
+    assert not (run_dir / "secret").exists()
 
 
 def test_local_launcher_refuses_a_gpu_cluster_it_cannot_host(tmp_path):

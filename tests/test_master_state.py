@@ -147,3 +147,91 @@ def test_an_iteration_that_overtakes_the_previous_ones_evaluation_gets_no_negati
     assert all(m["eval"]["reward"] == 0.5 for m in ms)
     assert all(m["tokens_per_s"] == pytest.approx(m["tokens"] / m["iteration_time"])
                for m in ms if m["tokens_per_s"] is not None)
+
+
+def _listening_addresses(ports: set[int]) -> set[tuple[str, int]]:
+    """(address, port) of every listening TCP socket on ``ports`` on this machine (IPv4 and IPv6)."""
+    import ipaddress
+
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, port = local.split(":")
+            if state == "0A" and int(port, 16) in ports:  # 0A: LISTEN
+                raw = bytes.fromhex(addr)
+                # /proc stores each 32-bit word in host (little-endian) order
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                out.add((str(ipaddress.ip_address(raw)), int(port, 16)))
+    return out
+
+
+def test_a_second_signed_connection_to_a_bound_name_is_dropped(tmp_path, caplog):
+    """Issue 15 item 2, with the secret: the first signed message binds worker 0's name to its socket. A second
+    CURVE connection with the run's keys (a restarted worker, or a replay through another connection) that
+    also signs as worker 0 is never served: its hello does not replace the first, its reply does not answer
+    a request, and messages to worker 0 still go to the first socket. (A restarted worker's or a replayed
+    message's sequence numbers are not above the name's last one and fail the replay check first; here the
+    second connection numbers its messages past the first's, so only the binding can stop them.)"""
+    import zmq
+
+    from realloc.runtime.curve import CurveKeys, secure_client
+
+    spec = load_experiment(TINY)
+    program = RuntimeProgram(build_graph(spec), disjoint_plan())
+    secret = protocol.new_secret()
+    master = Master(program, RunConfig.of(spec), RunPaths(tmp_path), "r1", secret, iterations=1,
+                    heartbeat_timeout=600.0)
+    # A local run listens on loopback only: the ZMQ socket and torch's TCPStore (which has no authentication).
+    assert _listening_addresses({master.port, master.store.port}) == {("127.0.0.1", master.port),
+                                                                      ("127.0.0.1", master.store.port)}
+    ctx = zmq.Context()
+    name = protocol.worker_name(0)
+    socks: list[zmq.Socket] = []
+
+    def connect() -> tuple[zmq.Socket, bytes, protocol.Channel]:
+        s = ctx.socket(zmq.DEALER)
+        socks.append(s)
+        ident = protocol.socket_identity(name)
+        s.setsockopt(zmq.IDENTITY, ident)
+        s.setsockopt(zmq.LINGER, 0)
+        secure_client(s, CurveKeys.of(secret))
+        s.connect(f"tcp://127.0.0.1:{master.port}")
+        return s, ident, protocol.Channel(secret, "r1", name)
+
+    async def exchange() -> None:
+        async def deliver(s: zmq.Socket, ch: protocol.Channel, body: protocol._Msg) -> None:
+            s.send_multipart(ch.pack(protocol.MASTER, body))
+            frames = await asyncio.wait_for(master.sock.recv_multipart(), 10)
+            assert frames[0] == idents[s]
+            master._handle_incoming(frames)
+
+        first, second = connect(), connect()
+        idents = {first[0]: first[1], second[0]: second[1]}
+        await deliver(first[0], first[2], protocol.Hello(rank=0, pid=111, host="h"))  # seq 1
+        second[2]._next_seq = 2
+        await deliver(second[0], second[2], protocol.Hello(rank=0, pid=222, host="h"))
+        assert master.hello[0].pid == 111 and master.routes[name] == first[1]
+        fut = asyncio.get_running_loop().create_future()
+        master.futures[(5, 0)] = fut
+        await deliver(second[0], second[2], protocol.Reply(req=5, rank=0, ok=False, error="from the second socket"))
+        assert not fut.done()
+        first[2]._next_seq = 4
+        await deliver(first[0], first[2], protocol.Reply(req=5, rank=0, ok=True))
+        assert fut.done() and fut.result().ok
+        # What the master sends to worker 0 reaches the first socket only.
+        master.sock.send_multipart([master.routes[name], *master.channel.pack(name, protocol.Shutdown(req=6))])
+        assert first[0].poll(5000) and not second[0].poll(200)
+
+    try:
+        asyncio.run(asyncio.wait_for(exchange(), 60))
+    finally:
+        for s in socks:
+            s.close(linger=0)
+        master.gate.close(master.sock)
+        master.sock.close(linger=0)
+        master.zctx.term()
+        ctx.term()
+    dropped = [r.getMessage() for r in caplog.records if "second connection" in r.getMessage()]
+    assert dropped == [f"master: dropped a hello from a second connection claiming '{name}'",
+                       f"master: dropped a reply from a second connection claiming '{name}'"]

@@ -15,7 +15,7 @@ LINES = [{"iteration": i, "reward": 0.25 + 0.125 * i, "kl": 0.01 * i, "iteration
 
 
 def test_scalars_are_named_by_group():
-    s = scalars_of(LINES[0])
+    s = scalars_of({**LINES[0], "tokens": 4096})  # tokens: the same every iteration, not a curve
     assert s == {"train/reward": 0.375, "train/kl": 0.01, "train/iteration_time": 1.5, "time/actor_gen": 1.5,
                  "time/realloc": 0.03, "eval/reward": 0.5, "eval/n": 64.0}
 
@@ -26,6 +26,8 @@ def test_wandb_logs_offline_without_network(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     sinks = MetricSinks.open(tmp_path, tensorboard=False, wandb_project="realloc-test", run_name="t",
                              config={"experiment": "x"})
+    # The run header says which mode was chosen.
+    assert sinks.describe() == "metrics also to: wandb offline project realloc-test (`wandb sync` uploads it)"
     for m in LINES:
         sinks.write(m)
     sinks.close()
@@ -36,3 +38,19 @@ def test_wandb_logs_offline_without_network(tmp_path, monkeypatch):
         assert key in data
     for m in LINES:  # every iteration's value, as wandb's JSON encoding of it
         assert json.dumps(m["reward"]).encode() in data
+
+
+def test_a_missing_wandb_package_is_one_error_before_any_worker(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from realloc.cli import main
+    from run_helpers import TINY, disjoint_plan
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
+    disjoint_plan().save(tmp_path / "plan.json")
+    run = tmp_path / "run"
+    code = main(["run", TINY, "--plan", str(tmp_path / "plan.json"), "--iterations", "1", "--run-dir", str(run),
+                 "--wandb", "proj"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == ["realloc run: error: --wandb needs the wandb package: pip install 'realloc[wandb]'"]
+    assert not (run / "logs").exists() and not (run / "secret").exists()  # no worker was started

@@ -276,6 +276,22 @@ def test_hf_config_missing_key():
         model_config_from_hf(broken)
 
 
+@pytest.mark.parametrize("key,value,says", [
+    ("num_key_value_heads", 3, "num_attention_heads must be divisible by num_key_value_heads"),
+    ("hidden_size", 102, "hidden_size must be divisible by num_attention_heads"),
+    ("num_hidden_layers", 0, "num_hidden_layers must be positive"),
+    ("vocab_size", "many", "invalid literal"),
+])
+def test_a_bad_shape_in_config_json_names_the_checkpoint_and_its_keys(key, value, says):
+    hf = hf_config_from_model_config(get_model_config("tiny"))
+    hf[key] = value
+    with pytest.raises(ValueError) as e:
+        model_config_from_hf(hf, name="actor")
+    msg = str(e.value)
+    assert msg.startswith("HF config actor: ") and says in msg and "fix config.json" in msg, msg
+    assert msg.count("HF config") == 1, msg
+
+
 @pytest.mark.parametrize("pp,limit", [(1, 4 << 30), (2, 4 << 30), (3, 30_000)])
 def test_shard_file_plan_writes_each_parameter_once(pp, limit):
     cfg = dataclasses_replace_tied(get_model_config("tiny"))

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -27,16 +28,30 @@ class GpuPPO:
 
 
 def test_wheel_ships_profiles_and_search_runs_from_an_install(tmp_path):
+    """The wheel is built from the sdist (as pip does from PyPI), so a file missing from it (the C++ headers)
+    fails the build here."""
     src = tmp_path / "src"
     src.mkdir()
-    for name in ("setup.py", "pyproject.toml"):
+    for name in ("setup.py", "pyproject.toml", "MANIFEST.in", "README.md", "DEVELOPERS.md", "requirements.txt",
+                 "Makefile"):
         shutil.copy(REPO / name, src / name)
-    for folder in ("csrc", "realloc", "profiles"):
-        shutil.copytree(REPO / folder, src / folder,
-                        ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyc", "*.egg-info"))
+    for folder in ("csrc", "realloc", "profiles", "experiments"):
+        shutil.copytree(REPO / folder, src / folder, ignore=shutil.ignore_patterns(
+            "__pycache__", "*.so", "*.pyc", "*.egg-info", "hf_tiny", "arith"))
     env = {**os.environ, "TMPDIR": str(tmp_path)}
+    subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path / "sdist")], cwd=src, check=True,
+                   capture_output=True, env=env, timeout=300)
+    sdist = next((tmp_path / "sdist").glob("realloc-*.tar.gz"))
+    with tarfile.open(sdist) as tar:
+        members = {m.split("/", 1)[1] for m in tar.getnames() if "/" in m}
+    for want in ("csrc/problem.h", "csrc/simulator.h", "csrc/mcmc.h", "csrc/bindings.cpp", "MANIFEST.in",
+                 "profiles/hardware/h100-80g.json", "experiments/ppo_tiny.py",
+                 "experiments/data/ppo_tiny_prompts.jsonl", "experiments/data/tiny_corpus.txt", "README.md"):
+        assert want in members, want
+    assert {f"csrc/{p.name}" for p in (REPO / "csrc").iterdir() if p.suffix in (".h", ".cpp")} <= members
+    assert not any(m.endswith(".so") or "__pycache__" in m for m in members)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                    str(tmp_path / "dist"), str(src)], check=True, capture_output=True, env=env, timeout=300)
+                    str(tmp_path / "dist"), str(sdist)], check=True, capture_output=True, env=env, timeout=300)
     wheel = next((tmp_path / "dist").glob("realloc-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
     shipped = {f"realloc/profiles/{p.relative_to(REPO / 'profiles')}" for p in (REPO / "profiles").rglob("*.json")}

@@ -139,6 +139,40 @@ def test_frame_count_and_size_limits():
         worker.unpack(sign(big))
 
 
+def test_an_outgoing_message_over_the_limit_is_refused_and_the_worker_reports_it():
+    """Every receiver drops a message over MAX_PAYLOAD_BYTES, so a worker that sent one would leave the master
+    waiting for a reply that never comes: pack refuses it, and the worker sends a failure instead."""
+    from realloc.runtime.worker import packed_reply
+
+    master, worker = pair()
+    huge = P.SamplePart(key="seq", seq=0, fields={"text": "x" * (P.MAX_PAYLOAD_BYTES + 10)})
+    reply = P.Reply(req=7, rank=0, ok=True, start=1.0, end=2.0, samples=[huge])
+    with pytest.raises(P.MessageTooLarge, match=r"reply message to master is \d+ bytes, over the 8388608-byte "
+                                                r"limit of one message \(mostly its 'samples' field\)"):
+        worker.pack(P.MASTER, reply)
+    frames = packed_reply(worker, reply)
+    assert len(frames[0]) < 2000
+    got = master.unpack(frames, P.worker_name(0)).body
+    assert (got.req, got.ok) == (7, False) and got.error.startswith("the reply to request 7 cannot be sent: reply "
+                                                                   "message to master is")
+    ok = P.Reply(req=8, rank=0, ok=True)
+    assert master.unpack(packed_reply(worker, ok), P.worker_name(0)).body == ok  # small replies go as they are
+
+
+def test_a_huge_error_text_keeps_its_head_and_tail():
+    master, worker = pair()
+    text = "Traceback (most recent call last):\n" + "  frame\n" * 2_000_000 + "RuntimeError: the cause"
+    reply = P.Reply(req=1, rank=0, ok=False, error=text)
+    assert len(reply.error) <= P.MAX_ERROR_CHARS
+    assert reply.error.startswith("Traceback (most recent call last):\n  frame")
+    assert reply.error.endswith("RuntimeError: the cause")
+    head, cut, tail = reply.error.partition("\n[... ")
+    assert text.startswith(head) and text.endswith(tail.partition(" characters cut ...]\n")[2])
+    assert int(tail.split()[0]) == len(text) - len(head) - len(tail.partition(" characters cut ...]\n")[2])
+    assert master.unpack(worker.pack(P.MASTER, reply), P.worker_name(0)).body.error == reply.error
+    assert P.Reply(req=1, rank=0, ok=False, error="short").error == "short"
+
+
 def test_try_unpack_logs_and_drops(caplog):
     _, worker = pair()
     with caplog.at_level(logging.WARNING, logger="realloc.protocol"):

@@ -65,3 +65,31 @@ def test_ray_run_matches_the_local_launcher(ray_instance, tmp_path):
     for rank in (0, 1):
         log = (tmp_path / "ray" / "logs" / f"worker{rank}.log").read_text()
         assert f"on node {node_id}" in log and "iteration 2 call actor_train" in log
+
+
+PRIVATE = """
+import sys
+from pathlib import Path
+import ray  # imported before the launcher sets Ray's loopback-only switch: it must hold anyway
+from realloc.api import load_experiment
+from realloc.runtime.launcher import RunPaths
+from realloc.runtime.ray_launcher import RayLauncher
+
+launcher = RayLauncher(load_experiment(sys.argv[1]).cluster, RunPaths(Path(sys.argv[2])))
+print(launcher.node_ip, ray.get_runtime_context().gcs_address, ray.cluster_resources().get("CPU"))
+launcher.close()
+print(ray.is_initialized())
+"""
+
+
+def test_without_an_address_a_private_loopback_instance_is_started_and_shut_down(tmp_path):
+    """No --ray-address and no $RAY_ADDRESS: the launcher starts a Ray instance of its own, with the cluster's
+    device count in CPUs, on 127.0.0.1 (where the master then binds) even when ray was imported first, and
+    ends it on close."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+    r = subprocess.run([sys.executable, "-c", PRIVATE, TINY, str(tmp_path)], capture_output=True, text=True,
+                       timeout=300, env={**env, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stderr
+    (node_ip, gcs, cpus), (after,) = (line.split() for line in r.stdout.strip().splitlines()[-2:])
+    assert node_ip == "127.0.0.1" and gcs.startswith("127.0.0.1:") and float(cpus) == 2.0
+    assert after == "False"

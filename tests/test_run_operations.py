@@ -157,3 +157,78 @@ def test_eval_set_every_n_iterations_matches_transformers_greedy(run):
         scores = [sum(tok in target for tok in r["response"]) / 8 for r in rows]
         assert [r["score"] for r in rows] == pytest.approx(scores)
         assert m["eval"]["reward"] == pytest.approx(sum(scores) / 32)
+
+
+@pytest.fixture(scope="module")
+def resumed(run, tmp_path_factory):
+    """A copy of the run resumed from its checkpoint after iteration 2 with more iterations (5) than the first
+    run's schedule (4), and sampled evaluation (eval.greedy=false)."""
+    import shutil
+
+    base = tmp_path_factory.mktemp("resumed")
+    run_dir = base / "run"
+    shutil.copytree(run[0], run_dir)
+    cmd = [sys.executable, "-m", "realloc.cli", "run", EXPERIMENT, "--resume", str(run_dir / "checkpoints/iter_00000002"),
+           "--iterations", "5", "--run-dir", str(run_dir), "--quiet",
+           *(x for s in [*SETS, "eval.greedy=false"] for x in ("--set", s))]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "TMPDIR": str(base), "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return run_dir, r.stdout, metrics
+
+
+def test_a_resumed_run_keeps_the_checkpoints_schedule(run, resumed):
+    """Resuming with more iterations continues the schedule the checkpoint was on (horizon 4, saved in
+    meta.json): iterations 3 and 4 train with the first run's learning rates, iteration 5 with its last one."""
+    _, _, first = run
+    run_dir, out, metrics = resumed
+    assert [m["iteration"] for m in metrics] == [1, 2, 3, 4, 5]
+    assert json.loads((run_dir / "checkpoints/iter_00000002/meta.json").read_text())["schedule_iterations"] == 4
+    for m, ref in zip(metrics[2:4], first[2:4]):
+        assert (m["actor_lr"], m["critic_lr"]) == (ref["actor_lr"], ref["critic_lr"])
+        assert m["reward"] == pytest.approx(ref["reward"], rel=1e-6)  # the same training, resumed
+    assert (metrics[4]["actor_lr"], metrics[4]["critic_lr"]) == (0.0, 0.0)  # cosine's end: min_lr_ratio 0
+    assert ("learning-rate schedule over iterations 1..4 (the checkpoint); iterations 5..5 keep its last learning "
+            "rate") in out
+    assert f"metrics also to: tensorboard {run_dir / 'tensorboard'}" in out
+
+
+def test_a_resumed_run_does_not_repeat_tensorboard_steps(resumed):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir, _, metrics = resumed
+    assert len(list((run_dir / "tensorboard").glob("events.*"))) == 2  # the first run's file and the resumed one's
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    got = [(e.step, e.value) for e in events.Scalars("train/actor_lr")]
+    assert [s for s, _ in got] == [1, 2, 3, 4, 5]  # steps 3 and 4 of the first run were purged
+    assert [v for _, v in got] == pytest.approx([m["actor_lr"] for m in metrics], rel=1e-6)
+    assert "train/tokens" not in events.Tags()["scalars"]  # a constant of the run: metrics.jsonl only
+
+
+def test_sampled_eval_scores_sampled_responses(run, resumed):
+    """eval.greedy=false: the eval after iteration 4 samples (the responses are not the greedy ones the first
+    run's eval produced from the same parameters), and its reward is the rule applied to those samples."""
+    import glob
+
+    run_dir, _, metrics = resumed
+    m = metrics[3]
+    assert m["iteration"] == 4 and m["eval"]["greedy"] is False and m["eval"]["n"] == 32
+
+    def rows(d):
+        return sorted((json.loads(x) for f in glob.glob(str(d / "eval/iter_00000004.rank*.jsonl")) for x in open(f)),
+                      key=lambda r: r["row"])
+
+    sampled, greedy = rows(run_dir), rows(run[0])
+    assert [r["prompt"] for r in sampled] == [r["prompt"] for r in greedy]
+    assert sum(r["response"] != g["response"] for r, g in zip(sampled, greedy)) > 16
+    target = set(range(16, 32))  # experiments/ppo_tiny.py's rule
+    scores = [sum(tok in target for tok in r["response"]) / 8 for r in sampled]
+    assert [r["score"] for r in sampled] == pytest.approx(scores)
+    assert m["eval"]["reward"] == pytest.approx(sum(scores) / 32)
+    # The resumed run's eval rows of iteration 4 replaced the first run's (32 rows above, not 64), and
+    # samples.jsonl holds no iteration twice.
+    samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
+    keys = [(s["iteration"], s.get("key", "seq"), s["seq"]) for s in samples]
+    assert samples and len(keys) == len(set(keys))

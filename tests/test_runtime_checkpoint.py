@@ -1,7 +1,9 @@
-"""Checkpoint files: atomic commit, discovery for --resume, exact optimizer round trip."""
+"""Checkpoint files: atomic commit, discovery for --resume, exact optimizer round trip, damage."""
 
 import hashlib
 import json
+import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,7 +70,7 @@ def test_layout_mismatch_is_refused(tmp_path):
     params, opt = make()
     tmp = C.begin(tmp_path, 0)
     C.save_model_shard(tmp, "actor", 0, 0, "localhost dp2·tp1·pp1", params, opt)
-    final = C.commit(tmp, tmp_path, 0, {}, "{}")
+    final = C.commit(tmp, tmp_path, 0, {"next_iteration": 1}, "{}")
     with pytest.raises(ValueError, match="saved in layout localhost dp2·tp1·pp1"):
         C.load_model_shard(final, "actor", 0, 0, "localhost:0 dp1·tp1·pp1", params, opt)
     with pytest.raises(ValueError, match="no shard"):
@@ -102,7 +104,7 @@ def test_bf16_master_weights_round_trip(tmp_path):
         bf16_step(params, opt, k)
     tmp = C.begin(tmp_path, 0)
     C.save_model_shard(tmp, "actor", 0, 0, "L", params, opt)
-    final = C.commit(tmp, tmp_path, 0, {}, "{}")
+    final = C.commit(tmp, tmp_path, 0, {"next_iteration": 1}, "{}")
     for k in range(2, 4):
         bf16_step(params, opt, k)
     fresh, fresh_opt = build(1)
@@ -138,7 +140,9 @@ def test_flipped_bytes_in_a_shard_are_one_error_naming_the_file(tmp_path):
     data = bytearray(shard.read_bytes())
     data[-5] ^= 0x40  # inside the last tensor's bytes: safetensors itself would not notice
     shard.write_bytes(bytes(data))
-    C.check_files(final)  # same size: only the digest can tell
+    # Same size: only the digest can tell. A file this small is checked before launch too.
+    with pytest.raises(ValueError, match=f"checkpoint file {shard} is corrupted: its SHA-256"):
+        C.check_files(final)
     params, opt = make(seed=1)
     with pytest.raises(ValueError, match=f"checkpoint file {shard} is corrupted: its SHA-256"):
         C.load_model_shard(final, "actor", 0, 0, "L", params, opt)
@@ -184,3 +188,107 @@ def test_a_half_written_last_metrics_line_is_dropped_on_resume(tmp_path, capsys)
     path.write_text('{"iteration": 1}\n{"iter\n{"iteration": 2}\n')
     with pytest.raises(ValueError, match=f"{path}: line 2 is not JSON"):
         _truncate_metrics(path, 2)
+
+
+
+def test_a_resumed_run_drops_the_later_samples_and_eval_rows(tmp_path):
+    """samples.jsonl and eval/iter_<N>.rank<r>.jsonl are appended to: the iterations after the checkpoint,
+    which the resumed run writes again, go first."""
+    from realloc.runtime.launcher import RunPaths
+    from realloc.runtime.run_cli import _drop_later_samples
+
+    run = RunPaths(tmp_path)
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps({"iteration": t, "seq": 0}) + "\n" for t in (1, 2, 3))
+                                            + '{"iteration": 4, "se')
+    (tmp_path / "eval").mkdir()
+    for name in ("iter_00000002.rank0.jsonl", "iter_00000004.rank0.jsonl", "iter_00000004.rank1.jsonl"):
+        (tmp_path / "eval" / name).write_text("{}\n")
+    _drop_later_samples(run, 2)
+    assert [json.loads(x)["iteration"] for x in (tmp_path / "samples.jsonl").read_text().splitlines()] == [1, 2]
+    assert sorted(p.name for p in (tmp_path / "eval").iterdir()) == ["iter_00000002.rank0.jsonl"]
+
+
+REPO = Path(__file__).resolve().parents[1]
+EXPERIMENT = str(REPO / "experiments/ppo_tiny.py")
+
+
+def resume_cli(ckpt, *extra):
+    """`realloc run --resume CKPT` as a user runs it: (exit code, stderr lines). Every case here fails before
+    a worker starts."""
+    import contextlib
+    import io
+
+    from realloc.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(["run", EXPERIMENT, "--resume", str(ckpt), "--iterations", "9", *extra])
+    return code, err.getvalue().strip().splitlines()
+
+
+def ppo_tiny_checkpoint(root, done=3):
+    """A committed checkpoint of ppo_tiny's graph (its files need not be real for these checks)."""
+    from realloc.api import load_experiment
+    from realloc.graph.dataflow import build_graph
+
+    digest = build_graph(load_experiment(EXPERIMENT)).digest
+    tmp = C.begin(root, done)
+    C.save_rng(tmp, 0)
+    return C.commit(tmp, root, done, {"next_iteration": done, "graph_digest": digest}, '{"plan": 1}')
+
+
+DAMAGED_META = {
+    "a JSON list": (b"[1, 2]", "holds a JSON list"),
+    "no next_iteration": (json.dumps({"format": 1, "files": {}}).encode(), "has no `next_iteration`"),
+    "a files entry without bytes": (json.dumps({"format": 1, "next_iteration": 3, "files": {
+        "plan.json": {"sha256": "0" * 64}}}).encode(), "files['plan.json'] has no valid `bytes`"),
+    "non-UTF-8 bytes": (b'{"format": 1, "\xff\xfe": 3}', "is not UTF-8 text"),
+    "truncated JSON": (b'{"format": 1, "next_iter', "is not valid JSON (line 1, column"),
+    "empty": (b"", "is empty"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGED_META))
+def test_a_damaged_meta_json_is_one_line_naming_it(tmp_path, case):
+    ckpt = ppo_tiny_checkpoint(tmp_path / "run" / "checkpoints")
+    data, words = DAMAGED_META[case]
+    (ckpt / C.META).write_bytes(data)
+    for target in (ckpt, tmp_path / "run"):  # the checkpoint itself, or found in its run directory
+        code, err = resume_cli(target)
+        assert code == 2 and len(err) == 1, err
+        assert err[0].startswith(f"realloc run: error: {ckpt / C.META}") and words in err[0], err
+        assert "resume from another checkpoint" in err[0]
+
+
+def test_resume_verifies_the_plans_sha256_before_using_it(tmp_path):
+    ckpt = ppo_tiny_checkpoint(tmp_path / "checkpoints")
+    (ckpt / "plan.json").write_text('{"plan": 2}')  # same size: only the digest tells
+    with pytest.raises(ValueError, match=f"checkpoint file {ckpt / 'plan.json'} is corrupted"):
+        C.check_files(ckpt)
+    code, err = resume_cli(ckpt)
+    assert code == 2 and len(err) == 1 and f"{ckpt / 'plan.json'} is corrupted" in err[0], err
+    rng = C.rng_file(ckpt, 0)
+    (ckpt / "plan.json").write_text('{"plan": 1}')
+    data = bytearray(rng.read_bytes())
+    data[-1] ^= 1
+    rng.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=f"checkpoint file {rng} is corrupted"):  # small files: all checked
+        C.check_files(ckpt)
+
+
+def test_the_newest_checkpoint_without_meta_json_is_an_error_not_a_silent_fallback(tmp_path, caplog):
+    root = tmp_path / "run" / "checkpoints"
+    older = ppo_tiny_checkpoint(root, done=2)
+    newest = ppo_tiny_checkpoint(root, done=4)
+    (newest / C.META).unlink()
+    code, err = resume_cli(tmp_path / "run")
+    assert code == 2 and len(err) == 1, err
+    assert f"checkpoint {newest} has no meta.json: it is damaged" in err[0] and f"--resume {older}" in err[0]
+    code, err = resume_cli(newest)  # named directly
+    assert code == 2 and len(err) == 1 and f"{newest / C.META} is missing" in err[0], err
+    with caplog.at_level(logging.WARNING, "realloc.checkpoint"):
+        assert C.resolve_resume(tmp_path / "run", skip_checks=True) == older
+    assert f"checkpoint {newest} has no meta.json (damaged): skipped" in caplog.text
+    (older / C.META).unlink()
+    with pytest.raises(ValueError, match="no older checkpoint has one either"):
+        C.resolve_resume(root)

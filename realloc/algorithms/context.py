@@ -35,7 +35,7 @@ class CallContext:
     ids: range  # global sequence indices of this dp rank's rows
     batch_size: int  # sequences of the whole batch
     n_mbs: int
-    total_iterations: int = 0  # the run's horizon, for the learning-rate schedule (0: iteration + 1)
+    total_iterations: int = 0  # the learning-rate schedule's horizon in iterations (0: iteration + 1)
     eos_token_ids: tuple[int, ...] = ()  # generation stops at any of these (the tokenizer's EOS)
     pad_token_id: int = 0
     vocab_limit: int | None = None  # generation never emits ids >= this (the tokenizer's length; None: no limit)
@@ -45,6 +45,11 @@ class CallContext:
     group_size: int = 1  # responses per prompt: sequences group*n .. group*n + n-1 answer one prompt
     tokenizer: Any = None  # realloc.data.Tokenizer when the experiment has one (decoding, text rules)
     records: Any = None  # row -> the dataset record of that row (Interface.records), else None
+
+    @property
+    def schedule_steps(self) -> int:
+        """Optimizer steps the learning-rate schedule spans; a step past them keeps the schedule's last lr."""
+        return (self.total_iterations or self.iteration + 1) * self.call.n_minibatches
 
 
 @dataclasses.dataclass

@@ -57,7 +57,7 @@ def _train(ctx: CallContext, inputs: Data, advantages: Advantages, kl_in_loss: b
     local = torch.stack([torch.stack([mask[mb_of_row == k].sum().double(), (mb_of_row == k).sum().double()])
                          for k in range(M)])
     counts = dp_all_reduce(model, local)  # [M, (tokens, sequences)] of the whole mini-batches
-    total_steps = max(ctx.total_iterations, ctx.iteration + 1) * M
+    total_steps = ctx.schedule_steps
     lrs = [cfg.lr_at(cfg.lr, ctx.iteration * M + k, total_steps) for k in range(M)]
     sums = {"actor_loss": 0.0, "actor_clip_frac": 0.0, "approx_kl": 0.0, "k3_kl": 0.0}
     grad_norm = 0.0

@@ -60,7 +60,7 @@ def _train(ctx: CallContext, inputs: Data, actor: bool) -> CallResult:
     M = ctx.call.n_minibatches
     loss_sum = clipped = approx_kl = grad_norm = 0.0
     base_lr = cfg.lr if actor else cfg.critic_lr
-    total_steps = max(ctx.total_iterations, ctx.iteration + 1) * M
+    total_steps = ctx.schedule_steps
     lrs = [cfg.lr_at(base_lr, ctx.iteration * M + k, total_steps) for k in range(M)]
     for k in range(M):
         for group in ctx.optimizer.param_groups:

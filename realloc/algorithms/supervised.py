@@ -61,7 +61,7 @@ def _minibatches(ctx: CallContext) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _set_lr(ctx: CallContext, k: int) -> float:
     cfg, M = ctx.config, ctx.call.n_minibatches
-    lr = cfg.lr_at(cfg.lr, ctx.iteration * M + k, max(ctx.total_iterations, ctx.iteration + 1) * M)
+    lr = cfg.lr_at(cfg.lr, ctx.iteration * M + k, ctx.schedule_steps)
     for group in ctx.optimizer.param_groups:
         group["lr"] = lr
     return lr

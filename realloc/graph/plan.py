@@ -82,6 +82,9 @@ class ExecutionPlan(BaseModel):
             plan = cls.model_validate_json(text)
         except ValidationError as e:
             first = e.errors()[0]
+            if first["type"] == "json_invalid":
+                raise ValueError(f"{where}: not a plan file ({first['msg']}); write it with `realloc search --out` "
+                                 f"or as ExecutionPlan JSON (README, Planning)") from None
             loc = ".".join(map(str, first["loc"]))
             raise ValueError(f"{where}: field {loc!r}: {first['msg']}") from None
         if plan.format_version != PLAN_FORMAT_VERSION:
@@ -100,7 +103,11 @@ class ExecutionPlan(BaseModel):
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"plan file {str(path)!r} does not exist")
-        return cls.from_json(path.read_text(), where=str(path))
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: not a plan file (not UTF-8 text); write it with `realloc search --out`") from None
+        return cls.from_json(text, where=str(path))
 
     # -- presentation --------------------------------------------------------
     def table(self, order: tuple[str, ...] | None = None) -> str:

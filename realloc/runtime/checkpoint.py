@@ -33,6 +33,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 from pathlib import Path
@@ -46,6 +47,8 @@ CHECKPOINT_FORMAT = 1
 META = "meta.json"
 DIGEST_NOTE = ".sha256"  # suffix of a worker's note of a file's digest, folded into meta.json at commit
 SKIP_HINT = "resume from another checkpoint, or pass --skip-checkpoint-checks to load it unverified"
+SMALL_FILE = 1 << 20  # check_files verifies the SHA-256 of files up to this size before launch (plan, RNG states)
+_NAME = re.compile(r"iter_\d{8}")  # a committed checkpoint's directory
 
 log = logging.getLogger("realloc.checkpoint")
 
@@ -112,26 +115,61 @@ def commit(tmp: Path, root: Path, iteration: int, meta: Mapping[str, Any], plan_
 
 
 def read_meta(ckpt: Path) -> dict[str, Any]:
+    """meta.json of a checkpoint, checked for what --resume and the workers rely on: one error naming the
+    file and what is wrong, rather than an internal error later."""
+    path = ckpt / META
+    damaged = "the checkpoint is damaged; resume from another checkpoint (--resume <run>/checkpoints/iter_N)"
     try:
-        meta = json.loads((ckpt / META).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"checkpoint {ckpt}: cannot read {META} ({e}); it is incomplete or not a checkpoint") from None
+        text = path.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise ValueError(f"checkpoint {ckpt}: cannot read {path} ({e.strerror or e}); it is incomplete or not a "
+                         f"checkpoint") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: byte {e.start} is not UTF-8 text; {damaged}") from None
+    try:
+        meta = json.loads(text)
+    except json.JSONDecodeError as e:
+        what = "is empty" if not text.strip() else f"is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"
+        raise ValueError(f"{path} {what}; {damaged}") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path} holds a JSON {type(meta).__name__}, not an object with the checkpoint's "
+                         f"fields; {damaged}")
     if meta.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"checkpoint {ckpt}: format {meta.get('format')!r} is not supported (expected "
+        raise ValueError(f"{path}: format {meta.get('format')!r} is not supported (expected "
                          f"{CHECKPOINT_FORMAT})")
+    done = meta.get("next_iteration")
+    if type(done) is not int or done < 1:
+        got = "has no" if "next_iteration" not in meta else f"has a bad ({done!r})"
+        raise ValueError(f"{path} {got} `next_iteration` (the iterations the checkpoint holds, a positive "
+                         f"integer); {damaged}")
+    files = meta.get("files")
+    if files is not None:
+        if not isinstance(files, dict):
+            raise ValueError(f"{path}: `files` must map file names to their sha256 and bytes, got a JSON "
+                             f"{type(files).__name__}; {damaged}")
+        for rel, rec in files.items():
+            if not isinstance(rec, dict):
+                raise ValueError(f"{path}: files[{rel!r}] must be an object with sha256 and bytes, got "
+                                 f"{rec!r}; {damaged}")
+            if type(rec.get("bytes")) is not int or rec["bytes"] < 0:
+                raise ValueError(f"{path}: files[{rel!r}] has no valid `bytes` (the file's size); {damaged}")
+            digest = rec.get("sha256")
+            if not isinstance(digest, str) or len(digest) != 64:
+                raise ValueError(f"{path}: files[{rel!r}] has no valid `sha256` (64 hex digits); {damaged}")
     return meta
 
 
 def _recorded(ckpt: Path) -> dict[str, dict[str, Any]]:
     files = read_meta(ckpt).get("files")
-    if not isinstance(files, dict):
-        raise ValueError(f"checkpoint {ckpt} records no checksums (written before realloc recorded them); "
-                         f"{SKIP_HINT}")
+    if files is None:
+        raise ValueError(f"checkpoint {ckpt} records no checksums in {ckpt / META} (written before realloc "
+                         f"recorded them); {SKIP_HINT}")
     return files
 
 
 def check_files(ckpt: Path) -> None:
-    """Every file meta.json records is there with its recorded size (cheap: run before launching)."""
+    """Every file meta.json records is there with its recorded size, and the small ones (plan.json, the
+    RNG states) with their SHA-256: cheap, so run before launching; the workers check the shards' digests."""
     for rel, want in _recorded(ckpt).items():
         path = ckpt / rel
         if not path.is_file():
@@ -139,6 +177,15 @@ def check_files(ckpt: Path) -> None:
         if path.stat().st_size != want["bytes"]:
             raise ValueError(f"checkpoint file {path} has {path.stat().st_size} bytes, but {want['bytes']} were "
                              f"saved: it is truncated or was replaced; {SKIP_HINT}")
+        if want["bytes"] <= SMALL_FILE:
+            _check_digest(path, want["sha256"])
+
+
+def _check_digest(path: Path, want: str) -> None:
+    got = sha256_of(path)
+    if got != want:
+        raise ValueError(f"checkpoint file {path} is corrupted: its SHA-256 is {got[:16]}..., the one recorded when "
+                         f"it was saved is {want[:16]}...; {SKIP_HINT}")
 
 
 def verify_file(ckpt: Path, path: Path) -> None:
@@ -149,27 +196,43 @@ def verify_file(ckpt: Path, path: Path) -> None:
         raise ValueError(f"checkpoint {ckpt} records no file {rel}; it was saved by another plan or is incomplete")
     if not path.is_file():
         raise ValueError(f"checkpoint file {path} is missing; {SKIP_HINT}")
-    got = sha256_of(path)
-    if got != want["sha256"]:
-        raise ValueError(f"checkpoint file {path} is corrupted: its SHA-256 is {got[:16]}..., the one recorded when "
-                         f"it was saved is {want['sha256'][:16]}...; {SKIP_HINT}")
+    _check_digest(path, want["sha256"])
 
 
-def latest(root: Path) -> Path | None:
-    """The newest complete checkpoint under ``root`` (a checkpoints directory), or None."""
+def latest(root: Path, skip_checks: bool = False) -> Path | None:
+    """The newest checkpoint under ``root`` (a checkpoints directory), or None.
+
+    commit() writes meta.json before the directory gets its ``iter_*`` name, so a named directory
+    without one is damaged, not in progress: the newest being so is an error (a silent fall-back
+    would resume from older state than the user expects) unless ``skip_checks``, which warns and
+    takes the newest one that has its meta.json.
+    """
     if not root.is_dir():
         return None
-    done = sorted(p for p in root.glob("iter_*") if p.is_dir() and (p / META).is_file())
-    return done[-1] if done else None
+    named = sorted(p for p in root.glob("iter_*") if p.is_dir() and _NAME.fullmatch(p.name))
+    for i, ckpt in enumerate(reversed(named)):
+        if (ckpt / META).is_file():
+            return ckpt
+        older = next((p for p in reversed(named[:len(named) - 1 - i]) if (p / META).is_file()), None)
+        if not skip_checks:
+            fix = (f"resume from the one before it (--resume {older}) or pass --skip-checkpoint-checks to fall "
+                   f"back to it" if older else "no older checkpoint has one either")
+            raise ValueError(f"checkpoint {ckpt} has no {META}: it is damaged (a committed checkpoint always has "
+                             f"one); {fix}")
+        log.warning("checkpoint %s has no %s (damaged): skipped", ckpt, META)
+    return None
 
 
-def resolve_resume(path: str | Path) -> Path:
+def resolve_resume(path: str | Path, skip_checks: bool = False) -> Path:
     """``--resume`` accepts a checkpoint directory, a checkpoints directory, or a run directory."""
     p = Path(path)
     if (p / META).is_file():
         return p
+    if _NAME.fullmatch(p.name) and p.is_dir():
+        raise ValueError(f"--resume {path}: {p / META} is missing: the checkpoint is damaged (a committed "
+                         f"checkpoint always has one); resume from another checkpoint")
     for root in (p / "checkpoints", p):
-        found = latest(root)
+        found = latest(root, skip_checks)
         if found is not None:
             return found
     raise ValueError(f"--resume {path}: no complete checkpoint found (looked for iter_*/{META} in {p} and "

@@ -146,11 +146,11 @@ def _copy_tokenizer(out: Path, tokenizer: str | None) -> None:
         shutil.copy2(f, out / f.name)
 
 
-def find_checkpoint(run_dir: str | Path, iteration: int | None) -> Path:
+def find_checkpoint(run_dir: str | Path, iteration: int | None, skip_checks: bool = False) -> Path:
     """The checkpoint written after ``iteration`` completed iterations (the newest when None)."""
     root = Path(run_dir)
     if iteration is None:
-        return checkpoint.resolve_resume(root)
+        return checkpoint.resolve_resume(root, skip_checks)
     if iteration < 1:
         raise ValueError(f"--iteration must be a positive number of completed iterations, got {iteration}")
     found = []
@@ -168,7 +168,7 @@ def find_checkpoint(run_dir: str | Path, iteration: int | None) -> Path:
 
 
 def main(args: argparse.Namespace) -> int:
-    ckpt = find_checkpoint(args.run_dir, args.iteration)
+    ckpt = find_checkpoint(args.run_dir, args.iteration, args.skip_checkpoint_checks)
     out = export_checkpoint(ckpt, args.model, args.out, dtype=args.dtype, verify=not args.skip_checkpoint_checks)
     done = checkpoint.read_meta(ckpt).get("next_iteration")
     print(f"exported {args.model} after iteration {done} from {ckpt} to {out}")

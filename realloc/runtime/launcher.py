@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Iterable, Protocol
 
 from realloc.cluster import ClusterSpec
+from realloc.estimator.hardware import PROFILES_ENV
 from realloc.runtime.protocol import SECRET_FILE_ENV
 from realloc.runtime.stop_signals import StopSignals
 
@@ -274,13 +275,16 @@ def _long_option(text: str) -> str:
 
 def slurm_script(cluster: ClusterSpec, experiment: str, run: RunPaths, run_id: str, master_args: list[str],
                  opts: SlurmOptions = SlurmOptions(), overrides: tuple[str, ...] = (),
-                 stop_signals: StopSignals = StopSignals()) -> str:
-    """The sbatch script of a run: the master on the first node, one worker task per device via srun.
+                 stop_signals: StopSignals = StopSignals(), profiles: str | None = None) -> str:
+    """The sbatch script of a run: the master on the first node, one worker task per device, both via srun.
 
     ``master_args`` are the ``realloc run`` arguments the master repeats inside the job (plan,
     iterations, checkpoints); the script adds ``--launcher external`` and the rendezvous address.
     Plans name nodes by index: node i of the plan is the i-th node SLURM allocated (block distribution
     puts ranks i*n .. i*n+n-1 there), so the user need not know the host names before submitting.
+    The master is a one-task step on the batch node (``--overlap``: it shares the workers' CPUs) with the
+    same ``srun_args``, so a container image or other step environment holds for it too. ``profiles``
+    (``--profiles DIR``) is exported as ``$REALLOC_PROFILES`` to the master and the workers.
     """
     gpu = cluster.device != "cpu"
     n = cluster.n_devices_per_node
@@ -319,10 +323,17 @@ def slurm_script(cluster: ClusterSpec, experiment: str, run: RunPaths, run_id: s
             else f"--cpus-per-task=$(( ${{SLURM_CPUS_ON_NODE:-{n}}} / {n} > 0 ? ${{SLURM_CPUS_ON_NODE:-{n}}} / {n} : 1 ))")
     srun = ["srun", "--kill-on-bad-exit=1", f"--ntasks={cluster.n_devices}", f"--ntasks-per-node={n}",
             "--distribution=block", cpus, *map(q, opts.srun_args)]
+    master_srun = ["srun", "--nodes=1", "--ntasks=1", "--overlap", '--nodelist="${JOB_NODES[0]}"',
+                   *map(q, opts.srun_args)]
     plan_nodes = " ".join(q(x) for x in cluster.nodes)
     warn = stop_signals.warning.name.removeprefix("SIG")
+    secret = f'"${SECRET_FILE_ENV}"'
     lines += ["set -uo pipefail", *opts.setup,
               f"export {SECRET_FILE_ENV}={q(str(run.secret))}",
+              "# The secret lives as long as the job: removed when this script exits (cancel and the time limit",
+              "# included); a requeued job makes a fresh one (0600, 32 random bytes in hex).",
+              f"[ -f {secret} ] || (umask 077 && od -An -tx1 -N32 /dev/urandom | tr -d ' \\n' > {secret})",
+              f"trap 'rm -f {secret}' EXIT",
               "export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1",
               "export MASTER_HOST=$(hostname)",
               "# Node i of the plan is the i-th allocated node; record the mapping for the logs and the master.",
@@ -333,6 +344,7 @@ def slurm_script(cluster: ClusterSpec, experiment: str, run: RunPaths, run_id: s
               "fi",
               'for i in "${!PLAN_NODES[@]}"; do echo "plan node $i (${PLAN_NODES[$i]}) -> ${JOB_NODES[$i]}"; done',
               'export REALLOC_JOB_NODES="${JOB_NODES[*]}"',
+              *([f"export {PROFILES_ENV}={q(profiles)}"] if profiles else []),
               "# Ports derive from the job id (below the ephemeral range), so nothing but the store is needed to "
               "rendezvous.",
               f"export STORE_PORT=$(( {PORT_BASE} + 2 * (SLURM_JOB_ID % {PORT_SLOTS}) ))",
@@ -344,7 +356,9 @@ def slurm_script(cluster: ClusterSpec, experiment: str, run: RunPaths, run_id: s
               f"trap '[ -n \"$MASTER_PID\" ] && kill -{warn} $MASTER_PID 2>/dev/null' {warn}",
               "trap 'echo \"realloc: SIGTERM; the master stops the run\" >&2' TERM",
               "# The master hosts the rendezvous store and the ZMQ socket; it exits non-zero on any failure.",
-              f"{master_cmd} &",
+              "# It runs as a step on this node (the first allocated) in the workers' environment; srun passes",
+              "# signals on to it.",
+              f"{' '.join(master_srun)} {master_cmd} &",
               "MASTER_PID=$!",
               "# One worker per device; --kill-on-bad-exit ends the step when one fails, the master reports it.",
               f"{' '.join(srun)} bash -c {q('exec ' + inner)} &",

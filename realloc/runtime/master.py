@@ -97,6 +97,7 @@ class Master:
                  launcher: WorkerLauncher | None = None, bind_host: str = "127.0.0.1", master_port: int = 0,
                  store_port: int = 0, heartbeat_timeout: float = HEARTBEAT_TIMEOUT, window: int = 2,
                  stop_signals: StopSignals = StopSignals(), verify_checkpoint: bool = True,
+                 schedule_iterations: int | None = None,
                  on_iteration: Callable[[dict[str, Any]], None] | None = None) -> None:
         if iterations < 1:
             raise ValueError(f"iterations must be at least 1, got {iterations}")
@@ -113,6 +114,8 @@ class Master:
         self.secret = secret
         self.start = start_iteration
         self.end = start_iteration + iterations
+        # The learning-rate schedule's horizon in iterations (run_cli._schedule_horizon); saved in checkpoints.
+        self.schedule_iterations = schedule_iterations or self.end
         self.resume = resume
         self.save_every = save_every
         self.export_every = export_every
@@ -212,7 +215,7 @@ class Master:
             self._write_workers_file()
             setup = self._send(range(self.n_workers), "setup", "setup", -1, "setup",
                                lambda req: protocol.Setup(req=req, resume=str(self.resume) if self.resume else None,
-                                                          total_iterations=self.end,
+                                                          total_iterations=self.schedule_iterations,
                                                           verify_checkpoint=self.verify_checkpoint))
             await self._guard(self._wait(setup))
             self.t_start = time.time()
@@ -796,7 +799,7 @@ class Master:
                    for m in prog.models if prog.is_trained(m)}
         meta = {"next_iteration": done, "prompts_consumed": done * prog.batch_size, "seed": self.config.seed,
                 "experiment": self.spec.name, "graph_digest": self.graph.digest, "run_id": self.run_id,
-                "layouts": layouts, "models": self.model_records}
+                "layouts": layouts, "models": self.model_records, "schedule_iterations": self.schedule_iterations}
         final = await asyncio.to_thread(checkpoint.commit, tmp, self.paths.checkpoints, done, meta,
                                         prog.plan.to_json())
         self.longest_save = max(self.longest_save or 0.0, time.monotonic() - began)

@@ -8,6 +8,8 @@
 
 Every number of a metrics line is logged under its name at step = iteration (counted from 1):
 headline PPO values under ``train/``, seconds per node under ``time/``, evaluation under ``eval/``.
+``tokens`` (the same count every iteration) is left to metrics.jsonl. A resumed run (from the state after
+iteration N) purges the TensorBoard steps after N that the killed run had written, so none is doubled.
 """
 
 from __future__ import annotations
@@ -20,14 +22,19 @@ from typing import Any, Protocol
 class Sink(Protocol):
     def write(self, scalars: dict[str, float], step: int) -> None: ...
 
+    def describe(self) -> str: ...
+
     def close(self) -> None: ...
+
+
+NOT_LOGGED = frozenset({"iteration", "tokens"})  # the step itself, and a constant of the run
 
 
 def scalars_of(m: dict[str, Any]) -> dict[str, float]:
     """The loggable numbers of one metrics.jsonl line, by their TensorBoard tag."""
     out: dict[str, float] = {}
     for k, v in m.items():
-        if k == "iteration" or isinstance(v, bool):
+        if k in NOT_LOGGED or isinstance(v, bool):
             continue
         if isinstance(v, (int, float)):
             out[f"train/{k}"] = float(v)
@@ -39,10 +46,16 @@ def scalars_of(m: dict[str, Any]) -> dict[str, float]:
 
 
 class TensorBoardSink:
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, first_step: int = 1) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(folder))
+        self.folder = folder
+        # A resumed run: readers drop the earlier files' events from first_step on (the killed run's
+        # iterations after the checkpoint, which this run writes again).
+        self.writer = SummaryWriter(str(folder), purge_step=first_step if first_step > 1 else None)
+
+    def describe(self) -> str:
+        return f"tensorboard {self.folder}"
 
     def write(self, scalars: dict[str, float], step: int) -> None:
         for tag, value in scalars.items():
@@ -66,6 +79,12 @@ class WandbSink:
                                   x_disable_stats=True, disable_job_creation=True)
         self.run = wandb.init(project=project, name=name, dir=str(folder), mode=mode, config=config,
                               settings=settings)
+        self.mode = mode
+        self.project = project
+
+    def describe(self) -> str:
+        how = {"offline": " (`wandb sync` uploads it)", "online": ""}.get(self.mode, "")
+        return f"wandb {self.mode} project {self.project}{how}"
 
     def write(self, scalars: dict[str, float], step: int) -> None:
         self.run.log(scalars, step=step)
@@ -85,13 +104,21 @@ class MetricSinks:
 
     @classmethod
     def open(cls, run_dir: Path, *, tensorboard: bool, wandb_project: str | None, run_name: str,
-             config: dict[str, Any]) -> "MetricSinks":
+             config: dict[str, Any], first_iteration: int = 1) -> "MetricSinks":
         sinks: list[Sink] = []
-        if tensorboard:
-            sinks.append(TensorBoardSink(run_dir / "tensorboard"))
-        if wandb_project:
-            sinks.append(WandbSink(run_dir, wandb_project, run_name, config))
+        try:
+            if tensorboard:
+                sinks.append(TensorBoardSink(run_dir / "tensorboard", first_iteration))
+            if wandb_project:
+                sinks.append(WandbSink(run_dir, wandb_project, run_name, config))
+        except BaseException:
+            cls(sinks).close()
+            raise
         return cls(sinks)
+
+    def describe(self) -> str | None:
+        """The run header's line: where metrics go besides metrics.jsonl (and wandb's mode)."""
+        return f"metrics also to: {'; '.join(s.describe() for s in self.sinks)}" if self.sinks else None
 
     def write(self, m: dict[str, Any]) -> None:
         scalars = scalars_of(m)

@@ -35,13 +35,16 @@ from typing import Literal
 
 import msgpack
 import zmq
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 PROTOCOL_VERSION = 1
 MAC_BYTES = 32
 SECRET_BYTES = 32
 # Requests and replies carry metadata only; anything bigger is a bug or an attack.
 MAX_PAYLOAD_BYTES = 8 << 20
+# A failed request's error text is cut to this many characters (its head and tail): an exception's message
+# can hold a whole tensor, and the reply must stay far below MAX_PAYLOAD_BYTES to reach the master.
+MAX_ERROR_CHARS = 16_000
 SECRET_FILE_ENV = "REALLOC_SECRET_FILE"
 SECRET_ENV = "REALLOC_SECRET"
 
@@ -50,6 +53,18 @@ log = logging.getLogger("realloc.protocol")
 
 class ProtocolError(Exception):
     """A message that must be dropped: malformed, unauthenticated, replayed or misaddressed."""
+
+
+class MessageTooLarge(ValueError):
+    """An outgoing message over MAX_PAYLOAD_BYTES: every receiver would drop it, so it is not sent."""
+
+
+def cap_text(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """``text`` if it fits in ``limit`` characters, else its head and tail (where a traceback says the most)."""
+    if len(text) <= limit:
+        return text
+    half = (limit - 64) // 2  # room for the marker, so the result fits in limit (capping again changes nothing)
+    return f"{text[:half]}\n[... {len(text) - 2 * half} characters cut ...]\n{text[-half:]}"
 
 
 class _Msg(BaseModel):
@@ -79,7 +94,7 @@ class Setup(_Msg):
     type: Literal["setup"] = "setup"
     req: int
     resume: str | None = None  # checkpoint directory to load after building the models
-    total_iterations: int = 0  # the run's last iteration + 1: the horizon of the learning-rate schedule
+    total_iterations: int = 0  # the learning-rate schedule's horizon in iterations (the run's end unless resumed)
     verify_checkpoint: bool = True  # check the SHA-256 of every checkpoint file read (checkpoint.py)
 
 
@@ -174,12 +189,17 @@ class Reply(_Msg):
     req: int
     rank: int
     ok: bool
-    error: str = ""
+    error: str = ""  # capped at MAX_ERROR_CHARS
     start: float = 0.0  # wall clock (time.time()) around the work, for the timeline
     end: float = 0.0
     stats: dict[str, float] = Field(default_factory=dict)
     outputs: list[OutputMeta] = Field(default_factory=list)
     samples: list[SamplePart] = Field(default_factory=list)
+
+    @field_validator("error")
+    @classmethod
+    def _cap_error(cls, v: str) -> str:
+        return cap_text(v)
 
 
 class Heartbeat(_Msg):
@@ -274,10 +294,15 @@ class Channel:
 
     def pack(self, dst: str, body: _Msg) -> list[bytes]:
         assert type(body) in MESSAGE_TYPES.values(), type(body)
+        fields = body.model_dump(exclude={"type"})
         envelope = {"v": PROTOCOL_VERSION, "run": self.run_id, "src": self.name, "dst": dst,
-                    "seq": self._next_seq, "type": body.type, "body": body.model_dump(exclude={"type"})}
-        self._next_seq += 1
+                    "seq": self._next_seq, "type": body.type, "body": fields}
         payload = msgpack.packb(envelope, use_bin_type=True)
+        if len(payload) > MAX_PAYLOAD_BYTES:
+            biggest = max(fields, key=lambda k: len(msgpack.packb(fields[k], use_bin_type=True)))
+            raise MessageTooLarge(f"{body.type} message to {dst} is {len(payload)} bytes, over the "
+                                  f"{MAX_PAYLOAD_BYTES}-byte limit of one message (mostly its {biggest!r} field)")
+        self._next_seq += 1
         return [payload, self._mac(payload)]
 
     def unpack(self, frames: list[bytes], expect_src: str | None = None) -> Envelope:

@@ -59,6 +59,12 @@ def _ray(local: bool) -> Any:
         import ray
     except ImportError:
         raise ValueError("--launcher ray needs the ray package: pip install 'realloc[ray]'") from None
+    if local and os.environ.get(LOCAL_ONLY_ENV) == "0":
+        # Ray reads the variable when it is first imported; if something imported it before us, set what the
+        # variable sets, or the private instance would listen on the machine's network address.
+        constants = getattr(getattr(ray, "_private", None), "ray_constants", None)
+        if constants is not None and hasattr(constants, "ENABLE_RAY_CLUSTER"):
+            constants.ENABLE_RAY_CLUSTER = False
     return ray
 
 

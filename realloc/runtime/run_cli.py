@@ -19,6 +19,7 @@ import asyncio
 import atexit
 import dataclasses
 import json
+import os
 import secrets
 import signal
 import sys
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from realloc.api import ExperimentSpec
+from realloc.estimator.hardware import PROFILES_ENV
 from realloc.graph.dataflow import build_graph
 from realloc.graph.plan import ExecutionPlan
 from realloc.overrides import load_with_overrides
@@ -74,6 +76,44 @@ def _run_dir(args: argparse.Namespace, spec: ExperimentSpec, ckpt: Path | None) 
     return Path("runs") / f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def _schedule_horizon(args: argparse.Namespace, total: int, meta: dict[str, Any] | None) -> tuple[int, str | None]:
+    """The iterations the learning-rate schedule spans, and a header line when it is not this run's end.
+
+    A fresh run's schedule ends with it. A resumed run keeps its checkpoint's horizon, so it continues the
+    schedule it was on (an interrupted run resumes exactly); ``--schedule-iterations`` sets it explicitly.
+    """
+    if args.schedule_iterations is not None:
+        if args.schedule_iterations < 1:
+            raise ValueError(f"--schedule-iterations must be a positive integer, got {args.schedule_iterations}")
+        horizon, source = args.schedule_iterations, "--schedule-iterations"
+    elif meta is not None and meta.get("schedule_iterations") is not None:
+        horizon, source = meta["schedule_iterations"], "the checkpoint"
+        if type(horizon) is not int or horizon < 1:
+            raise ValueError(f"checkpoint meta.json: schedule_iterations must be a positive integer, got {horizon!r}; "
+                             f"pass --schedule-iterations N")
+    else:
+        return total, None
+    if horizon == total:
+        return horizon, None
+    after = (f"; iterations {horizon + 1}..{total} keep its last learning rate (--schedule-iterations N "
+             f"stretches it)" if total > horizon else "")
+    return horizon, f"learning-rate schedule over iterations 1..{horizon} ({source}){after}"
+
+
+def _check_run_dir(root: Path, create: bool) -> None:
+    """The run directory can be created (or is one): one error naming the path if, say, a file is in the way."""
+    if create:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"run directory {root}: cannot create it ({e.strerror}: {e.filename}); pass --run-dir "
+                             f"a folder you can write to") from None
+        return
+    ancestor = next(p for p in (root, *root.parents) if p.exists())
+    if not ancestor.is_dir():
+        raise ValueError(f"run directory {root}: {ancestor} is a file; pass --run-dir a folder you can write to")
+
+
 def _truncate_metrics(path: Path, start: int) -> None:
     """A resumed run rewrites the iterations after its checkpoint: drop the killed run's lines for them
     (``start`` iterations are done; metrics.jsonl counts iterations from 1). A half-written last line
@@ -94,6 +134,27 @@ def _truncate_metrics(path: Path, start: int) -> None:
         if not isinstance(record, dict) or record.get("iteration", 0) <= start:
             keep.append(line)
     path.write_text("".join(line + "\n" for line in keep))
+
+
+def _drop_later_samples(run: RunPaths, start: int) -> None:
+    """The logged samples and eval rows of iterations after ``start`` (a killed run's, rewritten by this one):
+    their files are appended to, so they would otherwise hold those iterations twice."""
+    from realloc.runtime.text_io import SAMPLES_FILE  # (torch: imported only for a run)
+
+    samples = run.root / SAMPLES_FILE
+    if samples.is_file():
+        kept = []
+        for line in samples.read_text().splitlines():
+            try:
+                if json.loads(line).get("iteration", 0) <= start:
+                    kept.append(line)
+            except (json.JSONDecodeError, AttributeError):
+                pass  # a half-written line of the killed run
+        samples.write_text("".join(line + "\n" for line in kept))
+    for f in (run.root / "eval").glob("iter_*.rank*.jsonl"):
+        done = f.name.removeprefix("iter_").split(".")[0]
+        if done.isdigit() and int(done) > start:
+            f.unlink()
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -129,8 +190,9 @@ def main(args: argparse.Namespace) -> int:
     spec = load_with_overrides(args.experiment, sets)
     graph = build_graph(spec)
     config = RunConfig.of(spec)
-    ckpt = checkpoint.resolve_resume(args.resume) if args.resume else None
+    ckpt = checkpoint.resolve_resume(args.resume, args.skip_checkpoint_checks) if args.resume else None
     start = 0
+    meta: dict[str, Any] | None = None
     if ckpt is not None:
         meta = checkpoint.read_meta(ckpt)
         if meta.get("graph_digest") != graph.digest:
@@ -146,7 +208,9 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"how many iterations? pass --iterations N or set `iterations` in {spec.name}")
     if total <= start:
         raise ValueError(f"--iterations {total}: the checkpoint already completed {start} iterations; ask for more")
+    horizon, horizon_line = _schedule_horizon(args, total, meta)
     run = RunPaths(_run_dir(args, spec, ckpt).resolve())
+    _check_run_dir(run.root, create=not args.dry_run or args.prepare)
     # Fail here, in one line, rather than in every worker; and tokenize once: the workers read the cache.
     pre = preflight(spec, config, graph, cache_dir=None if args.dry_run else run.prompt_cache)
     slurm = slurm_options(args) if args.launcher == "slurm" else None
@@ -169,8 +233,13 @@ def main(args: argparse.Namespace) -> int:
         master_args += ["--warning-signal", str(stop_signals)]
         if args.skip_checkpoint_checks:
             master_args.append("--skip-checkpoint-checks")
+        if args.schedule_iterations is not None:
+            master_args += ["--schedule-iterations", str(args.schedule_iterations)]
+        profiles = os.environ.get(PROFILES_ENV)  # --profiles DIR, or the environment's
+        if profiles:
+            master_args += ["--profiles", profiles]
         script = slurm_script(spec.cluster, experiment, run, run_id, master_args, slurm, overrides=sets,
-                              stop_signals=stop_signals)
+                              stop_signals=stop_signals, profiles=profiles)
         if args.dry_run and not args.prepare:
             print(script, end="")  # nothing is written: --prepare writes the run directory
             return 0
@@ -186,65 +255,74 @@ def main(args: argparse.Namespace) -> int:
 
     if args.launcher == "local":
         _check_local(spec)
-    previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)  # the master takes it over while it runs
-    if args.launcher == "external":
-        plan_path = run.plan
-        if not plan_path.is_file():
-            _prepare_run_dir(run, plan, experiment, sets, pre)
-        secret = protocol.read_secret()
-    else:
-        _prepare_run_dir(run, plan, experiment, sets, pre)
-        secret = _fresh_secret(run)
-        atexit.register(run.secret.unlink, missing_ok=True)  # also when interrupted before the cleanup below
-    _truncate_metrics(run.metrics, start)
-    if start == 0:
-        run.metrics.unlink(missing_ok=True)
-
-    heartbeat = {} if args.heartbeat_timeout is None else {"heartbeat_timeout": args.heartbeat_timeout}
-    ray = None
-    bind = args.bind
-    if args.launcher == "ray":
-        from realloc.runtime.ray_launcher import RayLauncher
-
-        ray = RayLauncher(spec.cluster, run, args.ray_address)
-        bind = ray.node_ip  # the actors reach the master here (127.0.0.1 for a private local instance)
-    master = Master(program, config, run, run_id, secret, iterations=total - start, start_iteration=start,
-                    resume=ckpt, save_every=args.save_every, export_every=args.export_every,
-                    bind_host=bind, master_port=args.master_port,
-                    store_port=args.store_port, stop_signals=stop_signals,
-                    verify_checkpoint=not args.skip_checkpoint_checks, **heartbeat)
-    if args.launcher in ("local", "ray"):
-        wc = WorkerConfig(experiment=experiment, run_dir=str(run.root), run_id=run_id,
-                          world_size=spec.cluster.n_devices, store=f"{bind}:{master.store.port}",
-                          master_endpoint=f"tcp://{bind}:{master.port}", device=_device(spec), overrides=sets)
-        if ray is not None:
-            master.launcher = ray
-            ray.start(wc)
-        else:
-            master.launcher = LocalLauncher(wc, run)
-            master.launcher.start()
-    print(f"run {run.root}: {spec.name} on {spec.cluster.nodelist} ({spec.cluster.n_devices} devices), "
-          f"iterations {start + 1}..{total}, plan {plan_source}")
-    if sets:
-        print(f"overrides: {' '.join(sets)}")
-    for line in pre.lines:
-        print(line)
-    print(plan.table(graph.topo_order))
+    # Before anything starts: a missing wandb package is one error with no worker to stop.
     sinks = MetricSinks.open(run.root, tensorboard=args.tensorboard, wandb_project=args.wandb,
                              run_name=run.root.name, config={"experiment": experiment, "overrides": list(sets),
-                                                             "plan": plan_source, "iterations": total})
+                                                             "plan": plan_source, "iterations": total},
+                             first_iteration=start + 1)
+    previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)  # the master takes it over while it runs
+    ray = None
+    master = None
     try:
+        if args.launcher == "external":
+            if not run.plan.is_file():
+                _prepare_run_dir(run, plan, experiment, sets, pre)
+            secret = protocol.read_secret()
+        else:
+            _prepare_run_dir(run, plan, experiment, sets, pre)
+            secret = _fresh_secret(run)
+        # The run's own secret file goes when the master exits, however it exits short of SIGKILL (the
+        # finally below, or atexit when interrupted before it). Workers read it only at start, and none
+        # outlives the master. Under SLURM the job script removes it too, and a requeued job makes a new one.
+        atexit.register(run.secret.unlink, missing_ok=True)
+        _truncate_metrics(run.metrics, start)
+        if start == 0:
+            run.metrics.unlink(missing_ok=True)
+        _drop_later_samples(run, start)
+
+        heartbeat = {} if args.heartbeat_timeout is None else {"heartbeat_timeout": args.heartbeat_timeout}
+        bind = args.bind
+        if args.launcher == "ray":
+            from realloc.runtime.ray_launcher import RayLauncher
+
+            ray = RayLauncher(spec.cluster, run, args.ray_address)
+            bind = ray.node_ip  # the actors reach the master here (127.0.0.1 for a private local instance)
+        master = Master(program, config, run, run_id, secret, iterations=total - start, start_iteration=start,
+                        resume=ckpt, save_every=args.save_every, export_every=args.export_every,
+                        bind_host=bind, master_port=args.master_port,
+                        store_port=args.store_port, stop_signals=stop_signals,
+                        verify_checkpoint=not args.skip_checkpoint_checks, schedule_iterations=horizon, **heartbeat)
+        if args.launcher in ("local", "ray"):
+            wc = WorkerConfig(experiment=experiment, run_dir=str(run.root), run_id=run_id,
+                              world_size=spec.cluster.n_devices, store=f"{bind}:{master.store.port}",
+                              master_endpoint=f"tcp://{bind}:{master.port}", device=_device(spec), overrides=sets)
+            if ray is not None:
+                master.launcher = ray
+                ray.start(wc)
+            else:
+                master.launcher = LocalLauncher(wc, run)
+                master.launcher.start()
+        print(f"run {run.root}: {spec.name} on {spec.cluster.nodelist} ({spec.cluster.n_devices} devices), "
+              f"iterations {start + 1}..{total}, plan {plan_source}")
+        if sets:
+            print(f"overrides: {' '.join(sets)}")
+        for line in pre.lines:
+            print(line)
+        if horizon_line:
+            print(horizon_line)
+        if sinks.describe():
+            print(sinks.describe())
+        print(plan.table(graph.topo_order))
         summary = _drive(master, total, start, sinks, quiet=args.quiet or not sys.stdout.isatty())
     except RunFailed as e:
         print(f"realloc run: error: {e}", file=sys.stderr)
-        return master.stop.exit_code if master.stop is not None else 1
+        return master.stop.exit_code if master is not None and master.stop is not None else 1
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)
         sinks.close()
         if ray is not None:
             ray.close()
-        if args.launcher != "external":
-            run.secret.unlink(missing_ok=True)
+        run.secret.unlink(missing_ok=True)
     _summary(summary, run)
     if master.stop is not None:
         print(f"realloc run: {master.stop.describe(str(run.root))}", file=sys.stderr)

@@ -117,6 +117,18 @@ class Heartbeat(threading.Thread):
         self._stopping.set()
 
 
+def packed_reply(channel: protocol.Channel, reply: protocol.Reply) -> list[bytes]:
+    """The frames of ``reply``; if it is too large to send (the master would drop it and wait forever), those
+    of a failure naming the problem instead, so the run stops with that error."""
+    try:
+        return channel.pack(protocol.MASTER, reply)
+    except protocol.MessageTooLarge as e:
+        log.error("request %d: the reply cannot be sent: %s", reply.req, e)
+        failure = protocol.Reply(req=reply.req, rank=reply.rank, ok=False, start=reply.start, end=reply.end,
+                                 error=f"the reply to request {reply.req} cannot be sent: {e}")
+        return channel.pack(protocol.MASTER, failure)
+
+
 class ModelWorker:
     def __init__(self, args: argparse.Namespace) -> None:
         self.rank = args.rank
@@ -199,7 +211,7 @@ class ModelWorker:
             self.heartbeat.busy_req = -1
             if reply.ok:
                 log.info("%s: %.3f s, %s", _describe(req), reply.end - reply.start, self._memory())
-            self._send(reply)
+            self.sock.send_multipart(packed_reply(self.channel, reply))
             if isinstance(req, protocol.Shutdown):
                 return
 

@@ -115,6 +115,17 @@ def config_from_hf(hf: Mapping[str, Any], where: str, name: str | None = None,
         )
     except KeyError as e:
         raise ValueError(f"{where}: missing key {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:  # a value of the wrong type, or a shape ModelConfig refuses
+        if str(e).startswith(where):
+            raise
+        msg = str(e).split(": ", 1)[1] if str(e).startswith("model config ") else str(e)
+        for ours, theirs in _HF_KEYS.items():
+            msg = msg.replace(ours, theirs)
+        raise ValueError(f"{where}: {msg}; fix config.json or point the model at another checkpoint") from None
+
+
+# ModelConfig's field names as config.json spells them, for errors about a checkpoint's config.
+_HF_KEYS = {"n_kv_heads": "num_key_value_heads", "n_heads": "num_attention_heads", "n_layers": "num_hidden_layers"}
 
 
 def hf_from_config(cfg: ModelConfig, dtype_name: str = "float32") -> dict[str, Any]:
