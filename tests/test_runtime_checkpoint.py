@@ -82,7 +82,7 @@ def test_a_shard_of_another_shape_is_refused(tmp_path):
     params, opt = make()
     tmp = C.begin(tmp_path, 0)
     C.save_model_shard(tmp, "actor", 0, 0, "L", params, opt)
-    final = C.commit(tmp, tmp_path, 0, {}, "{}")
+    final = C.commit(tmp, tmp_path, 0, {"next_iteration": 1}, "{}")
     bigger = {"w": torch.nn.Parameter(torch.zeros(5, 3)), "b": params["b"]}
     with pytest.raises(ValueError, match=r"parameter 'w' has shape \(4, 3\), this model's shard is \(5, 3\)"):
         C.load_model_shard(final, "actor", 0, 0, "L", bigger, None)

@@ -73,7 +73,8 @@ def _spec(nodelist, per_node, device, model, batch, interface=GENERATE, n_miniba
     probe = Interface("probe", interface, "realloc.algorithms.common:actor_generate", inputs=("prompts",),
                       config="ppo", config_type=PPOConfig)
 
-    @auto(nodelist=nodelist, n_devices_per_node=per_node, device=device, batch_size=batch)
+    # lengths within tiny's 256 positions (the default 1024 + 1024 is refused by build_graph)
+    @auto(nodelist=nodelist, n_devices_per_node=per_node, device=device, batch_size=batch, prompt_len=64, gen_len=64)
     @dataclasses.dataclass
     class Exp:
         interfaces = [probe]
