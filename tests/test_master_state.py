@@ -17,6 +17,8 @@ import dataclasses
 import json
 import signal
 import time
+import warnings
+from pathlib import Path
 
 import pytest
 
@@ -166,17 +168,45 @@ def _listening_addresses(ports: set[int]) -> set[tuple[str, int]]:
     return out
 
 
-def test_a_second_signed_connection_to_a_bound_name_is_dropped(tmp_path, caplog):
+def test_a_second_signed_connection_to_a_bound_name_is_dropped(tmp_path):
     """Issue 15 item 2, with the secret: the first signed message binds worker 0's name to its socket. A second
     CURVE connection with the run's keys (a restarted worker, or a replay through another connection) that
     also signs as worker 0 is never served: its hello does not replace the first, its reply does not answer
     a request, and messages to worker 0 still go to the first socket. (A restarted worker's or a replayed
     message's sequence numbers are not above the name's last one and fail the replay check first; here the
-    second connection numbers its messages past the first's, so only the binding can stop them.)"""
+    second connection numbers its messages past the first's, so only the binding can stop them.)
+
+    The case drives the master's socket from outside ``Master.run`` and runs in a child process: once in a full
+    suite run (not in 300 runs of the case alone) libzmq aborted the whole pytest process from one of its I/O
+    threads during these two concurrent CURVE handshakes. In a child such an abort is one failed attempt,
+    reported with the child's output, and the case is tried once more."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pathlib; sys.path.insert(0, sys.argv[1]); import test_master_state as t; "
+            "t._second_connection_case(pathlib.Path(sys.argv[2]))")
+    for attempt in range(2):
+        run = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code, str(Path(__file__).parent),
+                              str(tmp_path / f"attempt{attempt}")], capture_output=True, text=True, timeout=120)
+        if run.returncode != -signal.SIGABRT:
+            break
+        warnings.warn(f"libzmq aborted the second-connection case (attempt {attempt + 1}):\n{run.stderr[-2000:]}")
+    assert run.returncode == 0 and run.stdout.strip().endswith("second connection dropped"), run.stdout + run.stderr
+
+
+def _second_connection_case(tmp_path: Path) -> None:
+    import logging
+
     import zmq
 
     from realloc.runtime.curve import CurveKeys, secure_client
 
+    tmp_path.mkdir(parents=True)
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger().addHandler(handler)
+    logging.getLogger().setLevel(logging.INFO)
     spec = load_experiment(TINY)
     program = RuntimeProgram(build_graph(spec), disjoint_plan())
     secret = protocol.new_secret()
@@ -232,6 +262,7 @@ def test_a_second_signed_connection_to_a_bound_name_is_dropped(tmp_path, caplog)
         master.sock.close(linger=0)
         master.zctx.term()
         ctx.term()
-    dropped = [r.getMessage() for r in caplog.records if "second connection" in r.getMessage()]
+    dropped = [m for m in seen if "second connection" in m]
     assert dropped == [f"master: dropped a hello from a second connection claiming '{name}'",
                        f"master: dropped a reply from a second connection claiming '{name}'"]
+    print("second connection dropped")
