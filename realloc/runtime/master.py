@@ -143,13 +143,17 @@ class Master:
         else:
             self.port = self.sock.bind_to_random_port(f"tcp://{bind_host}")
         # TCPStore alone listens on every interface; hand it a socket bound where we say (loopback locally).
-        self._store_sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._store_sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._store_sock.bind((bind_host, store_port))
-        self._store_sock.listen(1024)
-        self.store = dist.TCPStore(bind_host, self._store_sock.getsockname()[1], None, True,
+        # The store owns the descriptor from here on (detach): had the Python socket kept it too, collecting
+        # this Master would close it under the store, whose destructor then closed the same number again,
+        # by then someone else's descriptor (it aborted libzmq in a later test of the same process).
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((bind_host, store_port))
+        listener.listen(1024)
+        store_port = listener.getsockname()[1]
+        self.store = dist.TCPStore(bind_host, store_port, None, True,
                                    timeout=datetime.timedelta(minutes=30), wait_for_workers=False,
-                                   master_listen_fd=self._store_sock.fileno())
+                                   master_listen_fd=listener.detach())
         self.channel = protocol.Channel(secret, run_id, protocol.MASTER)
 
         self.next_req = 0
