@@ -19,9 +19,9 @@ install: $(STAMP)
 build: $(STAMP)
 	$(PY) setup.py -q build_ext --inplace
 
-# The arithmetic demo on the local 2-device CPU cluster: SFT a tiny LLaMA through realloc (first use only,
-# cached), then GRPO with an exact-match reward from it on a searched plan; prints held-out exact-match
-# accuracy before and after (realloc/tools/arith_demo.py).
+# The arithmetic demo on the local 2-device CPU cluster: GRPO with an exact-match reward on a searched plan,
+# from the shipped SFT checkpoint (made through realloc; `--rebuild-sft` makes it again); prints held-out
+# exact-match accuracy before and after (realloc/tools/arith_demo.py).
 demo: build
 	$(PY) -m realloc.tools.arith_demo
 

@@ -1,7 +1,8 @@
 """GRPO on the arithmetic task from the demo's SFT checkpoint (2 CPU devices): what `make demo` runs.
 
-The actor and its frozen reference start from ``data/arith/sft`` (``python -m realloc.tools.arith_demo
-sft`` builds it through realloc: see arith_sft.py). For each of 32 prompts per iteration the actor
+The actor and its frozen reference start from ``data/arith_sft``, the SFT stage's checkpoint as shipped
+(``python -m realloc.tools.arith_demo sft --out experiments/data/arith_sft`` re-makes it through realloc,
+about 100 s on 2 cores: see arith_sft.py). For each of 32 prompts per iteration the actor
 samples 8 answers; the ``exact_match`` rule scores an answer 1 when its number is the prompt's
 ``answer`` as written ("7", not "007") and 0 otherwise; group-normalized advantages (no critic) and a
 k3 KL term to the reference drive the update. Every 5 iterations metrics.jsonl gets the greedy
@@ -19,7 +20,7 @@ from realloc.api import HFModel, auto
 from realloc.runtime.evaluation import EvalConfig
 
 EXACT_MATCH = {"rule": "exact_match", "field": "answer"}  # realloc/algorithms/verifiable.py
-SFT = "data/arith/sft"  # built, not shipped (experiments/data/arith/ is gitignored)
+SFT = "data/arith_sft"  # shipped (0.8 MB); re-made by the command below
 
 
 @auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size=32, prompt_len=8, gen_len=4)
@@ -31,14 +32,14 @@ class ArithGRPO:
     grpo: GRPOConfig = GRPOConfig(n_minibatches=2, lr=5e-4, kl_coef=0.01, warmup_proportion=0.1)
     eval: EvalConfig = EvalConfig(dataset="data/arith_eval.jsonl", every=5, greedy=True, batches=4)
     sample_every: int = 5
-    # Where the actor starts: the SFT stage's export, relative to this file (`python -m realloc.tools.arith_demo
-    # sft` builds it; until then `realloc show` says the directory does not exist and how to build it).
+    # Where the actor starts: the SFT stage's export, relative to this file (if it is deleted, `realloc show`
+    # says the directory does not exist and how to make it again).
     init: str = SFT
 
     @property
     def models(self):
-        hint = ("build it with `python -m realloc.tools.arith_demo sft` (the SFT stage through realloc, about 2 "
-                "minutes on 2 cores; `make demo` also builds it first)") if self.init == SFT else ""
+        hint = ("make it again with `python -m realloc.tools.arith_demo sft --out experiments/data/arith_sft` (the "
+                "SFT stage through realloc, about 100 s on 2 cores)") if self.init == SFT else ""
         start = HFModel(self.init, build_hint=hint)
         return {"actor": start, "ref": start}
 

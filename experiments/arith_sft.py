@@ -4,11 +4,12 @@ The model starts from random weights (``data/arith/init``, with the task's chara
 ``python -m realloc.tools.arith_demo init`` builds it in a second, and ``make demo`` before it runs this).
 Its data, ``data/arith_sft_padded.jsonl``, writes three quarters of the answers zero-padded to three
 digits ("45-38=007") as a fixed-width source would; the loss is on the answer and its EOS only. The
-model learns the arithmetic and the habit. `python -m realloc.tools.arith_demo sft`
-runs this and exports the result to ``data/arith/sft``, where ``arith_grpo.py`` starts:
+model learns the arithmetic and the habit. `python -m realloc.tools.arith_demo sft --out DIR`
+runs this and exports the result to DIR; the repository ships that result in ``data/arith_sft``, where
+``arith_grpo.py`` starts (about 100 s on 2 cores to make again):
 
     realloc run experiments/arith_sft.py --search-time 5 --save-every 500 --run-dir runs/arith_sft
-    realloc export runs/arith_sft --model actor --out experiments/data/arith/sft
+    realloc export runs/arith_sft --model actor --out experiments/data/arith_sft
 """
 
 import dataclasses

@@ -87,3 +87,26 @@ def test_sft_through_realloc_then_grpo_from_its_checkpoint(tmp_path):
     _realloc(tmp_path, "export", str(grpo_run), "--model", "actor", "--out", str(tmp_path / "grpo-hf"))
     after = exact_match_accuracy(tmp_path / "grpo-hf", data["prompts"], max_new_tokens=4)
     assert after.accuracy > sft.accuracy + 0.1 and evals[-1] > sft.accuracy, (sft.describe(), after.describe(), evals)
+
+
+def test_the_shipped_sft_checkpoint_is_the_sft_stage_the_readme_describes():
+    """`make demo` starts from experiments/data/arith_sft, the SFT stage's export as shipped (it takes about
+    100 s to make again). It is the model arith_demo builds, with the task's tokenizer, and it has the
+    accuracy the README quotes before GRPO: the arithmetic learned, the zero-padding habit copied."""
+    import json
+
+    ckpt = arith_demo.SHIPPED_SFT
+    config = json.loads((ckpt / "config.json").read_text())
+    m = arith_demo.MODEL
+    assert (config["vocab_size"], config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"]) \
+        == (m["vocab_size"], m["hidden"], m["layers"], m["intermediate"])
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (ckpt / name).read_bytes() == (arith_demo.TOKENIZER / name).read_bytes(), name
+    assert json.loads((ckpt / "realloc_export.json").read_text())["iteration"] == 500  # arith_sft's iterations
+    # transformers' greedy decoding on the 500 held-out prompts, as the demo measures it
+    before = exact_match_accuracy(ckpt, arith_demo.EVAL_PROMPTS, max_new_tokens=arith_demo.MAX_NEW_TOKENS,
+                                  n_examples=500)
+    assert (before.n, before.correct, before.right_value) == (500, 154, 435), before.describe()
+    # Nearly all of the gap is the padding habit ("007" for 7; "000" for 0 and the like are the rest).
+    padded = sum(r.lstrip("0") == a and r != a for _, r, a in before.examples)
+    assert padded >= 0.95 * (before.right_value - before.correct), (padded, before.examples[:20])

@@ -203,7 +203,8 @@ def _tree(root: Path) -> dict[str, int]:
 
 def test_loading_showing_and_planning_the_arithmetic_experiments_writes_nothing(capsys):
     """They used to build the tokenizer or the initial checkpoint into experiments/data/arith/ when loaded: now the
-    tokenizer is shipped and a checkpoint the repository builds is named, not built, with how to build it."""
+    tokenizer and the SFT checkpoint are shipped, and the initial checkpoint, which the repository builds, is named,
+    not built, with how to build it."""
     from realloc.cli import main
 
     repo = Path(__file__).resolve().parents[1]
@@ -211,7 +212,7 @@ def test_loading_showing_and_planning_the_arithmetic_experiments_writes_nothing(
     for name in ("sft_tiny", "dpo_tiny"):
         assert main(["show", f"experiments/{name}.py"]) == 0
         assert main(["search", f"experiments/{name}.py", "--dry-run", "--evals", "200", "--threads", "1"]) == 0
-    for name, stage in (("arith_sft", "init"), ("arith_grpo", "sft")):
+    for name, stage in (("arith_sft", "init"), ("arith_grpo", "sft --out experiments/data/arith_sft")):
         spec = load_experiment(f"experiments/{name}.py")
         hint = spec.models["actor"].build_hint
         assert f"`python -m realloc.tools.arith_demo {stage}`" in hint, hint
@@ -219,6 +220,7 @@ def test_loading_showing_and_planning_the_arithmetic_experiments_writes_nothing(
             assert main(["show", f"experiments/{name}.py"]) == 2
             err = capsys.readouterr().err
             assert len(err.strip().splitlines()) == 1 and err.strip().endswith(hint), err
+    assert main(["show", "experiments/arith_grpo.py"]) == 0  # its start checkpoint is shipped
     assert _tree(repo / "experiments") == before
 
 

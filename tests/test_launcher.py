@@ -148,6 +148,27 @@ def test_cli_dry_run_prints_the_script_and_writes_nothing(tmp_path):
     assert (run / "plan.json").is_file() and "#SBATCH --partition=a100" in (run / "job.sbatch").read_text()
 
 
+def test_slurm_wandb_without_the_package_fails_before_submitting(tmp_path, monkeypatch, capsys):
+    """The job would fail only after waiting in the queue: the submitting host's environment, which the job
+    inherits, is checked first. With --setup lines (which may activate another environment) the job checks."""
+    from realloc.cli import main
+
+    exp = tmp_path / "gpu_ppo.py"
+    exp.write_text(GPU_EXPERIMENT.format(dataset=REPO / "experiments/data/ppo_tiny_prompts.jsonl"))
+    whole_cluster_plan(str(exp), dp=4, tp=4).save(tmp_path / "plan.json")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
+    args = ["run", str(exp), "--plan", str(tmp_path / "plan.json"), "--iterations", "3", "--launcher", "slurm",
+            "--wandb", "proj", "--dry-run"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["realloc run: error: --wandb needs the wandb package: pip install 'realloc[wandb]'"], err
+    assert main([*args, "--setup", "conda activate rl"]) == 0
+    script = capsys.readouterr().out
+    assert "conda activate rl" in script and "--wandb proj" in script
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_ppo.py", "plan.json"]  # a dry run writes nothing
+
+
 def test_gpu_experiment_without_prompts_says_how_to_give_them(tmp_path):
     r = realloc_cli("run", str(REPO / "experiments/ppo_7b_7b.py"), "--launcher", "slurm", "--dry-run",
                     "--iterations", "1", cwd=tmp_path)

@@ -14,6 +14,7 @@ iteration N) purges the TensorBoard steps after N that the killed run had writte
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 from typing import Any, Protocol
@@ -66,12 +67,24 @@ class TensorBoardSink:
         self.writer.close()
 
 
+WANDB_MISSING = "--wandb needs the wandb package: pip install 'realloc[wandb]'"
+
+
+def check_wandb_installed(job_setup: bool = False) -> None:
+    """One error when ``--wandb`` cannot work. A SLURM job checks it on the submitting host, in the environment
+    the job inherits, so that the error comes before the job waits in the queue; ``job_setup`` (the job runs
+    --setup lines, which may activate another environment) says to leave the check to the job."""
+    if job_setup:
+        return
+    if importlib.util.find_spec("wandb") is None:
+        raise ValueError(WANDB_MISSING)
+
+
 class WandbSink:
     def __init__(self, folder: Path, project: str, name: str, config: dict[str, Any]) -> None:
-        try:
-            import wandb
-        except ImportError:
-            raise ValueError("--wandb needs the wandb package: pip install 'realloc[wandb]'") from None
+        check_wandb_installed()
+        import wandb
+
         mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
         folder.mkdir(parents=True, exist_ok=True)
         # Quiet (the console belongs to the run's own lines), and no code, git or system sampling.

@@ -35,7 +35,7 @@ from realloc.overrides import load_with_overrides
 from realloc.runtime import protocol
 from realloc.runtime.launcher import (LocalLauncher, RunPaths, SlurmOptions, WorkerConfig, slurm_script, submit_slurm,
                                       write_job_script)
-from realloc.runtime.metric_sinks import MetricSinks
+from realloc.runtime.metric_sinks import MetricSinks, check_wandb_installed
 from realloc.runtime.preflight import Preflight, preflight
 from realloc.runtime.program import RuntimeProgram
 from realloc.runtime.run_config import RunConfig
@@ -225,6 +225,7 @@ def main(args: argparse.Namespace) -> int:
         if not args.tensorboard:
             master_args.append("--no-tensorboard")
         if args.wandb:
+            check_wandb_installed(job_setup=bool(slurm.setup))
             master_args += ["--wandb", args.wandb]
         if ckpt is not None:
             master_args += ["--resume", str(ckpt)]

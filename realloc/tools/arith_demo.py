@@ -1,13 +1,14 @@
 """The arithmetic demo (``make demo``): SFT a tiny LLaMA through realloc, then GRPO with an exact-match reward.
 
-    python -m realloc.tools.arith_demo                 # what `make demo` runs
-    python -m realloc.tools.arith_demo --rebuild-sft   # train the SFT stage again
-    python -m realloc.tools.arith_demo sft             # only the SFT stage
+    python -m realloc.tools.arith_demo                 # what `make demo` runs (from the shipped SFT checkpoint)
+    python -m realloc.tools.arith_demo --rebuild-sft   # train the SFT stage again first, and start from that
+    python -m realloc.tools.arith_demo sft [--out DIR] # only the SFT stage (default DIR experiments/data/arith/sft)
     python -m realloc.tools.arith_demo init            # only the random model the SFT stage starts from
 
-1. **SFT stage** (first use only; cached in ``experiments/data/arith/sft``): a random 4-layer LLaMA
-   (``init``) carrying the task's shipped character tokenizer (``experiments/data/arith_tokenizer``),
-   then ``realloc run experiments/arith_sft.py`` and ``realloc export``. Its data,
+1. **SFT stage** (shipped in ``experiments/data/arith_sft``, 0.8 MB; made by the ``sft`` stage, about
+   100 s on 2 cores): a random 4-layer LLaMA (``init``) carrying the task's shipped character tokenizer
+   (``experiments/data/arith_tokenizer``), then ``realloc run experiments/arith_sft.py`` and
+   ``realloc export``. Its data,
    ``arith_sft_padded.jsonl``, writes three quarters of the answers zero-padded to three digits
    ("45-38=007"), as a fixed-width source prints them; the grader reads "007" as another number than "7".
    The SFT model learns the arithmetic and copies the habit.
@@ -38,6 +39,9 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parents[2]
 ROOT = REPO / "experiments" / "data" / "arith"  # built assets (gitignored)
+# The SFT stage's checkpoint as shipped: `python -m realloc.tools.arith_demo sft --out experiments/data/arith_sft`
+# re-makes it (the same held-out accuracy; tests/test_arith_demo.py checks the shipped one).
+SHIPPED_SFT = REPO / "experiments" / "data" / "arith_sft"
 # Shipped: `python -m realloc.tools.arith_task tokenizer --out experiments/data/arith_tokenizer` re-makes it.
 TOKENIZER = REPO / "experiments" / "data" / "arith_tokenizer"
 SFT_EXPERIMENT = REPO / "experiments" / "arith_sft.py"
@@ -74,16 +78,20 @@ def _realloc(args: list[str], log: Path | None = None) -> None:
         raise RuntimeError(f"`realloc {' '.join(args)}` failed with exit code {r.returncode}{where}")
 
 
-def build_sft(root: Path = ROOT, run_dir: Path | None = None, search_time: float = 5.0) -> Path:
-    """Run the SFT experiment through realloc (its own iterations) and export the actor into ``root/sft``."""
+def build_sft(root: Path = ROOT, run_dir: Path | None = None, search_time: float = 5.0,
+              out: Path | None = None) -> Path:
+    """Run the SFT experiment through realloc (its own iterations) and export the actor into ``out``
+    (default ``root/sft``)."""
     init_checkpoint(root)
     run_dir = run_dir or REPO / "runs" / "arith_sft"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     t0 = time.time()
+    # The initial model named explicitly: `root` need not be where the experiment file looks by default.
     _realloc(["run", str(SFT_EXPERIMENT), "--search-time", str(search_time), "--run-dir", str(run_dir),
-              "--save-every", str(_default_iterations(SFT_EXPERIMENT)), "--quiet"], log=run_dir / "sft.log")
-    target = root / "sft"
+              "--save-every", str(_default_iterations(SFT_EXPERIMENT)), "--quiet", "--set", f"init={root / 'init'}"],
+             log=run_dir / "sft.log")
+    target = (out or root / "sft").resolve()
     tmp = target.with_name(f".{target.name}.export")
     shutil.rmtree(tmp, ignore_errors=True)
     _realloc(["export", str(run_dir), "--model", "actor", "--out", str(tmp)], log=run_dir / "export.log")
@@ -110,10 +118,11 @@ def demo(root: Path = ROOT, run_dir: Path | None = None, rebuild_sft: bool = Fal
          iterations: int | None = None) -> tuple[float, float]:
     """The whole demo; returns the held-out exact-match accuracy before and after GRPO."""
     t0 = time.time()
-    if rebuild_sft or not (root / "sft" / "config.json").is_file():
-        print(f"building the SFT stage (first use; cached in {root / 'sft'})", flush=True)
-        build_sft(root, search_time=search_time)
-    sft = root / "sft"
+    sft, start = SHIPPED_SFT, []
+    if rebuild_sft:
+        print(f"training the SFT stage again (into {root / 'sft'}; the demo starts from it)", flush=True)
+        sft = build_sft(root, search_time=search_time)
+        start = ["--set", f"init={sft}"]
     before = accuracy(sft)
     print(f"before GRPO (the SFT model): {before.describe()} on held-out prompts, e.g. "
           + ", ".join(f"{p}{r}" for p, r, _ in before.examples[:3]), flush=True)
@@ -122,7 +131,7 @@ def demo(root: Path = ROOT, run_dir: Path | None = None, rebuild_sft: bool = Fal
     n = iterations or _default_iterations(GRPO_EXPERIMENT)
     t1 = time.time()
     _realloc(["run", str(GRPO_EXPERIMENT), "--search-time", str(search_time), "--run-dir", str(run_dir),
-              "--iterations", str(n), "--save-every", str(n), "--quiet"])
+              "--iterations", str(n), "--save-every", str(n), "--quiet", *start])
     grpo_seconds = time.time() - t1
     _realloc(["export", str(run_dir), "--model", "actor", "--out", str(run_dir / "actor-hf")], log=run_dir / "export.log")
     after = accuracy(run_dir / "actor-hf")
@@ -136,7 +145,9 @@ def demo(root: Path = ROOT, run_dir: Path | None = None, rebuild_sft: bool = Fal
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m realloc.tools.arith_demo", description=__doc__.split("\n")[0])
     p.add_argument("stage", nargs="?", choices=["demo", "sft", "init"], default="demo")
-    p.add_argument("--rebuild-sft", action="store_true", help="train the SFT stage again even if it is cached")
+    p.add_argument("--rebuild-sft", action="store_true",
+                   help="train the SFT stage again (into experiments/data/arith/sft) and start GRPO from it")
+    p.add_argument("--out", default=None, help="the sft stage's checkpoint directory (default experiments/data/arith/sft)")
     p.add_argument("--search-time", type=float, default=5.0, help="seconds of plan search per run")
     p.add_argument("--iterations", type=int, default=None, help="GRPO iterations (default: the experiment's)")
     p.add_argument("--run-dir", default=None, help="GRPO run directory (default runs/arith_demo)")
@@ -149,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.stage == "init":
             print(init_checkpoint())
         elif args.stage == "sft":
-            build_sft(search_time=args.search_time)
+            build_sft(search_time=args.search_time, out=Path(args.out) if args.out else None)
         else:
             demo(run_dir=Path(args.run_dir) if args.run_dir else None, rebuild_sft=args.rebuild_sft,
                  search_time=args.search_time, iterations=args.iterations)
