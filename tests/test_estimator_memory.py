@@ -193,10 +193,33 @@ def test_llama3_70b_per_token_counts_by_hand():
     assert oc.logprob_peak_bytes_per_token(cfg, 8, bf16, backward=False) == v * (2 + 4 + 4 + 4) == 224448
     assert oc.logprob_peak_bytes_per_token(cfg, 8, bf16, backward=True) == v * 16 == 256512
     assert oc.head_saved_bytes_per_token(cfg, 8, bf16) == (8 * h + 4) + 2 * v * 4
-    # a block at work: no-grad working set (4h + 3 inter/8 in bf16) against the fp32 norm backward
+    # a block at work: no-grad working set (4h + 3 inter/8 in bf16, at the MLP; attention's 3h + 5 q/8 is
+    # smaller) against the fp32 norm backward
+    assert oc.attention_working_bytes_per_token(cfg, 8, bf16) == (3 * h + 5 * 1024) * 2 == 59392
     assert oc.transient_activation_bytes_per_token(cfg, 8, bf16) == (4 * h + 3 * 3584) * 2 == 87040
     assert oc.block_backward_bytes_per_token(cfg, 8, bf16, recompute=False) == (20 + 2) * h == 180224
     assert oc.block_backward_bytes_per_token(cfg, 8, bf16, recompute=True) == (20 + 6) * h
     assert oc.sampling_bytes_per_row(cfg) == 34 * 128256
     critic = get_model_config("llama3-8b-critic")
     assert oc.logprob_peak_bytes_per_token(critic, 8, bf16, backward=True) == 0.0
+
+
+def test_a_wide_query_narrow_mlp_block_peaks_in_attention_by_hand():
+    """Queries twice the model's width over an MLP as wide as it (explicit head_dim): attention's working set
+    is the peak (measured against the engine in test_model_train)."""
+    from realloc.estimator import opcount as oc
+    from realloc.estimator.hardware import Precision
+    from realloc.models.config import ModelConfig
+
+    bf16 = Precision.for_dtype("bf16")
+    gqa = ModelConfig("wide-gqa", 256, 256, 256, 4, 8, 4, explicit_head_dim=64)
+    mha = dataclasses.replace(gqa, n_kv_heads=8)
+    # tp 2: q = 4 heads x 64 = 256 wide, k and v 2 (GQA) or 4 (MHA) heads; the stage's and block's inputs and
+    # the norm's output, 3h; then GQA peaks rotating q (4q + 2kv) or re-laying the output (5q), MHA rotating
+    # k (q + 5kv) or q (4q + 2kv): 6q
+    assert oc.attention_working_bytes_per_token(gqa, 2, bf16) == (3 * 256 + 5 * 256) * 2 == 4096
+    assert oc.attention_working_bytes_per_token(mha, 2, bf16) == (3 * 256 + 6 * 256) * 2 == 4608
+    mlp = (4 * 256 + 3 * 128) * 2
+    assert oc.transient_activation_bytes_per_token(gqa, 2, bf16) == 4096 > mlp
+    # KV heads replicated at tp 8 (one 64-wide head per rank) under 1 q head per rank: q + 5kv = 6q
+    assert oc.attention_working_bytes_per_token(gqa, 8, bf16) == (3 * 256 + 6 * 64) * 2

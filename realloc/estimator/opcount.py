@@ -259,15 +259,29 @@ def sampling_bytes_per_row(cfg: ModelConfig) -> float:
 
 
 def transient_activation_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision) -> float:
-    """Peak live bytes per token inside one block's forward without grad, at its MLP (measured by
-    ``LiveTensorMeter``): the stage's input (its caller holds it until the stage returns), the block's
-    input, the residual after attention, the second norm's output (all h wide on every tp rank), and
-    SwiGLU(gate), up and their product (inter/t each). The attention half (q, k, v, the GQA-repeated k and v,
-    rotary temporaries and the output, q_dim/t wide or less) holds less in LLaMA/Qwen2 shapes, whose MLP is
-    about 2.7 times wider than q_dim (also with an explicit head_dim, e.g. Qwen3); it is not modelled. Training
-    adds it on top of the saved activations, an upper bound for the backward's own gradients of one block."""
+    """Peak live bytes per token inside one block's forward without grad (measured by ``LiveTensorMeter``):
+    the larger of its MLP's and its attention's working sets. At the MLP: the stage's input (its caller holds
+    it until the stage returns), the block's input, the residual after attention, the second norm's output
+    (all h wide on every tp rank), and SwiGLU(gate), up and their product (inter/t each). LLaMA/Qwen2 shapes
+    peak there (their MLP is about 2.7 times wider than q_dim); a wide-q, narrow-MLP model peaks in attention
+    (``attention_working_bytes_per_token``). Training adds it on top of the saved activations, an upper bound
+    for the backward's own gradients of one block."""
     h, inter, t = cfg.hidden_size, cfg.intermediate_size, tp
-    return (4 * h + 3 * inter / t) * precision.param
+    mlp = (4 * h + 3 * inter / t) * precision.param
+    return max(mlp, attention_working_bytes_per_token(cfg, tp, precision))
+
+
+def attention_working_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision) -> float:
+    """Peak live bytes per token in ``llama.Attention.forward`` without grad: the stage's and the block's input
+    and the first norm's output (h wide each), plus the rank's q (``q``, n_heads/t heads) and k, v (``kv``,
+    its local KV heads) tensors at the largest of three moments (``rope(x) = x*cos + rotate_half(x)*sin``
+    holds x, x*cos, rotate_half(x) and its product at once):
+    rotating q (q, three temporaries, k, v): 4q + 2kv; rotating k (rotated q, k, three temporaries, v):
+    q + 5kv; re-laying the attention output (q, k and v repeated to q heads, the output and its copy): 5q.
+    MHA peaks at 6q, GQA with two or more q heads per KV head at 5q."""
+    q = cfg.n_heads // tp * cfg.head_dim
+    kv = cfg.local_kv_heads(tp) * cfg.head_dim
+    return (3 * cfg.hidden_size + max(4 * q + 2 * kv, q + 5 * kv, 5 * q)) * precision.param
 
 
 def block_backward_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision, recompute: bool) -> float:

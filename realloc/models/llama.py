@@ -139,7 +139,10 @@ class Attention(nn.Module):
         q = self.q_proj(x)[0].view(b, t, self.n_local_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x)[0].view(b, t, self.n_local_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x)[0].view(b, t, self.n_local_kv, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # One at a time: q's unrotated copy is freed before k's rotary temporaries exist (a smaller peak;
+        # opcount.attention_working_bytes_per_token counts it).
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
         if cache is not None:
             end = cache_start + t
             cache.k[:, :, cache_start:end] = k
