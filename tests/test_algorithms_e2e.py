@@ -180,3 +180,26 @@ def test_an_interface_declared_in_the_experiment_file_runs_in_the_workers(tmp_pa
         assert m["adv_abs_mean"] == pytest.approx(sum(adv) / 16, rel=1e-4, abs=1e-6), it
         assert m["adv_abs_mean"] > 0.1  # the groups' rewards differ: not a vacuous comparison
     assert 0 < metrics[0]["reward"] < 1
+
+
+def test_an_interface_that_returns_nothing_on_one_rank_stops_the_run_naming_it(tmp_path):
+    """The per-rank output check in real workers: the reward call, data-parallel over both devices, returns no
+    outputs on dp rank 1 (device 1). The run stops in its first iteration with one error naming the call, the
+    interface and the rank, rather than a store error in the train step that reads the rewards."""
+    source = OWN_INTERFACE.format(DATASET=REPO / "experiments/data/ppo_tiny_prompts.jsonl").replace(
+        "    return CallResult({", "    if ctx.ids.start > 0:  # dp rank 1 forgets its rows\n"
+        "        return CallResult({}, {}, {})\n    return CallResult({", 1)
+    assert "forgets its rows" in source
+    exp = tmp_path / "own_reward.py"
+    exp.write_text(source)
+    spec = load_experiment(str(exp))
+    plan = ExecutionPlan.by_hand(build_graph(spec), _plans(spec.call_names)["dp2"], source="dp2")
+    plan.save(tmp_path / "plan.json")
+    r = subprocess.run([sys.executable, "-m", "realloc.cli", "run", str(exp), "--plan", str(tmp_path / "plan.json"),
+                        "--iterations", "2", "--run-dir", str(tmp_path / "run"), "--quiet"], capture_output=True,
+                       text=True, timeout=600, env={**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(REPO)})
+    err = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(err) == 1, (r.stdout, r.stderr)
+    assert err[0].startswith("realloc run: error: worker 1 failed in call rew_inf (iteration 1): ValueError: call "
+                             "'rew_inf': interface 'even_share' returned no outputs on rank 1, so key 'rewards'"), err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run" / "metrics.jsonl").read_text()
