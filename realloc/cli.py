@@ -178,6 +178,10 @@ def build_parser(commands: dict[str, Callable[[argparse.Namespace], int]] | None
     s.add_argument("--heartbeat-timeout", type=float, default=None, metavar="SECONDS",
                    help="a worker silent this long counts as hung and the run stops about 1 s later (default 6; "
                    "raise it if workers hold the GIL for long, e.g. while writing huge checkpoints)")
+    s.add_argument("--call-timeout", type=float, default=None, metavar="SECONDS",
+                   help="a worker busy with one request this long counts as stuck (e.g. in a collective another "
+                   "rank never entered; its heartbeats go on) and the run stops (default 1800, torch's own "
+                   "collective timeout)")
     s.add_argument("--warning-signal", default="USR1@120", metavar="SIGNAL@SECONDS",
                    help="this signal means the run is killed SECONDS later: like SIGTERM (30 s), finish the "
                    "iterations in flight, save a checkpoint if it fits, exit; SLURM jobs request it with "

@@ -23,7 +23,10 @@ worker, ordered the same way.
 
 Faults. A worker that exits (local runs poll the processes) or stops sending heartbeats for
 ``heartbeat_timeout`` seconds, or that reports an error, stops the run: the master kills every
-worker and raises ``RunFailed`` naming the worker and the call it was running.
+worker and raises ``RunFailed`` naming the worker and the call it was running. So does a worker whose
+heartbeats say it has been running one request for over ``call_timeout`` seconds: its heartbeat thread
+lives on while the main thread is stuck, e.g. in a collective that another rank never entered (which torch
+itself reports only after its own 30-minute timeout) or in an interface function that never returns.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ SHUTDOWN_TIMEOUT = 60.0
 # and killed at once; the others get KILL_GRACE s to exit after the abort message. The run ends within
 # about timeout + 1 s.
 HEARTBEAT_TIMEOUT = 6.0
+CALL_TIMEOUT = 1800.0  # torch's own collective timeout; a run's longest call takes far less
 MONITOR_INTERVAL = 0.25
 KILL_GRACE = 1.0
 
@@ -95,7 +99,8 @@ class Master:
                  *, iterations: int, start_iteration: int = 0, resume: Path | None = None, save_every: int = 0,
                  export_every: int = 0,
                  launcher: WorkerLauncher | None = None, bind_host: str = "127.0.0.1", master_port: int = 0,
-                 store_port: int = 0, heartbeat_timeout: float = HEARTBEAT_TIMEOUT, window: int = 2,
+                 store_port: int = 0, heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
+                 call_timeout: float = CALL_TIMEOUT, window: int = 2,
                  stop_signals: StopSignals = StopSignals(), verify_checkpoint: bool = True,
                  schedule_iterations: int | None = None,
                  on_iteration: Callable[[dict[str, Any]], None] | None = None) -> None:
@@ -123,6 +128,7 @@ class Master:
         self.model_records = self._model_records()
         self.launcher = launcher
         self.heartbeat_timeout = heartbeat_timeout
+        self.call_timeout = call_timeout
         self.window = max(1, window)
         self.on_iteration = on_iteration
         self.n_workers = self.spec.cluster.n_devices
@@ -162,6 +168,7 @@ class Master:
         self.hello: dict[int, protocol.Hello] = {}
         self.last_heartbeat: dict[int, float] = {}
         self.first_heartbeat: dict[int, float] = {}
+        self.busy: dict[int, tuple[int, float]] = {}  # rank -> (request its heartbeats report, since when)
         self.hung: set[int] = set()  # workers whose heartbeats stopped: killed at once when the run stops
         # endpoint name -> the socket identity of its first signed message; only that socket is served
         self.routes: dict[str, bytes] = {}
@@ -363,12 +370,12 @@ class Master:
         if not f.cancelled() and f.exception() is not None:
             self._worker_gone(rank, f"is unreachable ({f.exception()})")
 
-    def _worker_gone(self, rank: int, why: str) -> None:
+    def _worker_gone(self, rank: int, why: str, request: int | None = None) -> None:
         """Fail the run naming the worker, how it went away and what it was doing."""
         code = self.launcher.dead().get(rank) if self.launcher is not None else None
         if code is not None:
             why = f"(pid {self.launcher.pid(rank)}) exited with code {code}"
-        self.fail(f"worker {rank} {why} {self._running_on(rank)}; see {self.paths.worker_log(rank)}")
+        self.fail(f"worker {rank} {why} {self._running_on(rank, request)}; see {self.paths.worker_log(rank)}")
 
     async def _wait(self, rec: RequestRecord) -> list[protocol.Reply]:
         keys = [(rec.req, r) for r in rec.ranks]
@@ -427,6 +434,8 @@ class Master:
             now = time.monotonic()
             self.last_heartbeat[rank] = now
             self.first_heartbeat.setdefault(rank, now)
+            if self.busy.get(rank, (-1, 0.0))[0] != body.busy_req:
+                self.busy[rank] = (body.busy_req, now)
             self.sock.send_multipart([ident, *self.channel.pack(name, protocol.Heartbeat(rank=-1))])
         elif isinstance(body, protocol.Hello):
             self.hello[rank] = body
@@ -442,10 +451,10 @@ class Master:
         else:
             log.warning("master: dropped an unexpected %s from %r", body.type, ident)
 
-    def _running_on(self, rank: int) -> str:
+    def _running_on(self, rank: int, request: int | None = None) -> str:
         if not self.pending[rank]:
             return "while idle"
-        rec = self.pending[rank][min(self.pending[rank])]
+        rec = self.pending[rank].get(-1 if request is None else request) or self.pending[rank][min(self.pending[rank])]
         it = f" of iteration {rec.iteration + 1}" if rec.iteration >= 0 else ""
         return f"while running {rec.kind} {rec.label!r}{it}"
 
@@ -466,6 +475,15 @@ class Master:
                 if now - last > self.heartbeat_timeout:
                     self.hung.add(r)
                     self._worker_gone(r, f"stopped responding (no heartbeat for {now - last:.0f} s)")
+            # The longest-stuck worker is the likely cause: the others may only wait in collectives with it.
+            stuck = sorted((since, r, req) for r, (req, since) in self.busy.items()
+                           if req >= 0 and now - since > self.call_timeout)
+            if stuck:
+                since, r, req = stuck[0]
+                self.hung.add(r)
+                self._worker_gone(r, f"has run one request for {now - since:.1f} s, longer than the call timeout "
+                                     f"of {self.call_timeout:g} s (--call-timeout; stuck, e.g. in a collective "
+                                     f"another rank never entered)", request=req)
 
     async def _wait_for_workers(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT

@@ -175,6 +175,9 @@ def main(args: argparse.Namespace) -> int:
 
     if args.save_every < 0:
         raise ValueError(f"--save-every must be >= 0, got {args.save_every}")
+    if args.call_timeout is not None and not args.call_timeout >= MIN_HEARTBEAT_TIMEOUT:
+        raise ValueError(f"--call-timeout must be at least {MIN_HEARTBEAT_TIMEOUT:g} s (workers report their request "
+                         f"every second), got {args.call_timeout:g}")
     if args.heartbeat_timeout is not None and not args.heartbeat_timeout >= MIN_HEARTBEAT_TIMEOUT:
         raise ValueError(f"--heartbeat-timeout must be at least {MIN_HEARTBEAT_TIMEOUT:g} s (workers beat every "
                          f"second), got {args.heartbeat_timeout:g}")
@@ -231,6 +234,8 @@ def main(args: argparse.Namespace) -> int:
             master_args += ["--resume", str(ckpt)]
         if args.heartbeat_timeout is not None:
             master_args += ["--heartbeat-timeout", str(args.heartbeat_timeout)]
+        if args.call_timeout is not None:
+            master_args += ["--call-timeout", str(args.call_timeout)]
         master_args += ["--warning-signal", str(stop_signals)]
         if args.skip_checkpoint_checks:
             master_args.append("--skip-checkpoint-checks")
@@ -281,7 +286,8 @@ def main(args: argparse.Namespace) -> int:
             run.metrics.unlink(missing_ok=True)
         _drop_later_samples(run, start)
 
-        heartbeat = {} if args.heartbeat_timeout is None else {"heartbeat_timeout": args.heartbeat_timeout}
+        timeouts = {k: v for k, v in (("heartbeat_timeout", args.heartbeat_timeout),
+                                      ("call_timeout", args.call_timeout)) if v is not None}
         bind = args.bind
         if args.launcher == "ray":
             from realloc.runtime.ray_launcher import RayLauncher
@@ -292,7 +298,7 @@ def main(args: argparse.Namespace) -> int:
                         resume=ckpt, save_every=args.save_every, export_every=args.export_every,
                         bind_host=bind, master_port=args.master_port,
                         store_port=args.store_port, stop_signals=stop_signals,
-                        verify_checkpoint=not args.skip_checkpoint_checks, schedule_iterations=horizon, **heartbeat)
+                        verify_checkpoint=not args.skip_checkpoint_checks, schedule_iterations=horizon, **timeouts)
         if args.launcher in ("local", "ray"):
             wc = WorkerConfig(experiment=experiment, run_dir=str(run.root), run_id=run_id,
                               world_size=spec.cluster.n_devices, store=f"{bind}:{master.store.port}",
