@@ -125,7 +125,7 @@ def test_cli_dry_run_prints_the_script_and_writes_nothing(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     args = ["run", str(exp), "--plan", str(tmp_path / "plan.json"), "--iterations", "3", "--launcher", "slurm",
-            "--partition", "a100", "--time", "1:30:00", "--setup", "module load nccl"]
+            "--partition", "a100", "--time", "1:30:00", "--setup", "module load nccl", "--call-timeout", "900"]
     profiles = tmp_path / "my profiles"
     profiles.mkdir()
     r = realloc_cli(*args, "--dry-run", "--profiles", str(profiles), cwd=work)
@@ -134,7 +134,8 @@ def test_cli_dry_run_prints_the_script_and_writes_nothing(tmp_path):
     # --profiles reaches the job: exported for the master and workers, and on the master's command line.
     lines = r.stdout.splitlines()
     assert f"export REALLOC_PROFILES='{profiles}'" in lines
-    assert f"--profiles '{profiles}'" in next(line for line in lines if "realloc.cli run" in line)
+    master = next(line for line in lines if "realloc.cli run" in line)
+    assert f"--profiles '{profiles}'" in master and "--call-timeout 900.0" in master  # the master watches the calls
     assert "#SBATCH --gpus-per-node=8" in r.stdout and "--iterations 3" in r.stdout
     assert "#SBATCH --partition=a100" in r.stdout and "#SBATCH --time=1:30:00" in r.stdout
     assert list(work.iterdir()) == []  # no runs/, plan or secret
