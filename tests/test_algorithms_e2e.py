@@ -182,56 +182,49 @@ def test_an_interface_declared_in_the_experiment_file_runs_in_the_workers(tmp_pa
     assert 0 < metrics[0]["reward"] < 1
 
 
-def test_an_interface_that_returns_nothing_on_one_rank_stops_the_run_naming_it(tmp_path):
-    """The per-rank output check in real workers: the reward call, data-parallel over both devices, returns no
-    outputs on dp rank 1 (device 1). The run stops in its first iteration with one error naming the call, the
-    interface and the rank, rather than a store error in the train step that reads the rewards."""
+def _failing_run(tmp_path: Path, rank1_does: str, *extra: str) -> tuple[list[str], float]:
+    """Run OWN_INTERFACE on the dp=2 plan with ``rank1_does`` (a line of code) at the start of the reward
+    function's return on dp rank 1; the run must fail: its stderr lines and how long it took."""
+    import time
+
     source = OWN_INTERFACE.format(DATASET=REPO / "experiments/data/ppo_tiny_prompts.jsonl").replace(
-        "    return CallResult({", "    if ctx.ids.start > 0:  # dp rank 1 forgets its rows\n"
-        "        return CallResult({}, {}, {})\n    return CallResult({", 1)
-    assert "forgets its rows" in source
+        "    return CallResult({", f"    if ctx.ids.start > 0:  # dp rank 1 only\n        {rank1_does}\n"
+        "    return CallResult({", 1)
+    assert rank1_does in source
     exp = tmp_path / "own_reward.py"
     exp.write_text(source)
     spec = load_experiment(str(exp))
     plan = ExecutionPlan.by_hand(build_graph(spec), _plans(spec.call_names)["dp2"], source="dp2")
     plan.save(tmp_path / "plan.json")
+    t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "realloc.cli", "run", str(exp), "--plan", str(tmp_path / "plan.json"),
-                        "--iterations", "2", "--run-dir", str(tmp_path / "run"), "--quiet"], capture_output=True,
-                       text=True, timeout=600, env={**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(REPO)})
+                        "--iterations", "2", "--run-dir", str(tmp_path / "run"), "--quiet", *extra],
+                       capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(REPO)})
     err = r.stderr.strip().splitlines()
     assert r.returncode != 0 and len(err) == 1, (r.stdout, r.stderr)
+    return err, time.monotonic() - t0
+
+
+def test_an_interface_that_returns_nothing_on_one_rank_stops_the_run_naming_it(tmp_path):
+    """The per-rank output check in real workers: the reward call, data-parallel over both devices, returns no
+    outputs on dp rank 1 (device 1). The run stops in its first iteration with one error naming the call, the
+    interface and the rank, rather than a store error in the train step that reads the rewards."""
+    err, _ = _failing_run(tmp_path, "return CallResult({}, {}, {})")
     assert err[0].startswith("realloc run: error: worker 1 failed in call rew_inf (iteration 1): ValueError: call "
                              "'rew_inf': interface 'even_share' returned no outputs on rank 1, so key 'rewards'"), err
-    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run" / "metrics.jsonl").read_text()
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert not metrics.exists() or not metrics.read_text()
 
 
 def test_a_worker_stuck_in_a_collective_is_caught_by_the_call_timeout(tmp_path):
     """On dp rank 1 the reward function enters a barrier of the whole world that rank 0 never enters. Its
     heartbeat thread goes on, so only the call timeout can tell: the run stops about --call-timeout seconds
     later, naming the worker and its call, and leaves no worker behind (torch would wait 30 minutes)."""
-    import time
-
-    source = OWN_INTERFACE.format(DATASET=REPO / "experiments/data/ppo_tiny_prompts.jsonl").replace(
-        "    return CallResult({", "    if ctx.ids.start > 0:  # dp rank 1 waits for a peer that never comes\n"
-        "        torch.distributed.barrier()\n    return CallResult({", 1)
-    assert "never comes" in source
-    exp = tmp_path / "stuck.py"
-    exp.write_text(source)
-    spec = load_experiment(str(exp))
-    plan = ExecutionPlan.by_hand(build_graph(spec), _plans(spec.call_names)["dp2"], source="dp2")
-    plan.save(tmp_path / "plan.json")
-    run = tmp_path / "run"
-    t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "realloc.cli", "run", str(exp), "--plan", str(tmp_path / "plan.json"),
-                        "--iterations", "2", "--run-dir", str(run), "--quiet", "--call-timeout", "4"],
-                       capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(REPO)})
-    elapsed = time.monotonic() - t0
-    err = r.stderr.strip().splitlines()
-    assert r.returncode != 0 and len(err) == 1, (r.stdout, r.stderr)
+    err, elapsed = _failing_run(tmp_path, "torch.distributed.barrier()", "--call-timeout", "4")
     assert err[0].startswith("realloc run: error: worker 1 has run one request for "), err
     assert "longer than the call timeout of 4 s (--call-timeout;" in err[0], err
     assert "while running call 'rew_inf' of iteration 1" in err[0], err
     assert elapsed < 120, elapsed  # start-up, 4 s and the stop; not torch's 30 minutes
-    left = subprocess.run(["pgrep", "-f", str(run)], capture_output=True, text=True).stdout.split()
+    left = subprocess.run(["pgrep", "-f", str(tmp_path / "run")], capture_output=True, text=True).stdout.split()
     assert left == [], left  # every worker (their command lines name the run directory) is gone
