@@ -234,15 +234,24 @@ def _live_peaks(ctx, cfg, tp, pp, n_mbs, recompute):
     mbs = [{"input_ids": torch.randint(0, cfg.vocab_size, (LIVE_ROWS, LIVE_SEQ), generator=g),
             "lengths": torch.full((LIVE_ROWS,), LIVE_SEQ)} for _ in range(n_mbs)]
     whole = {k: torch.cat([mb[k] for mb in mbs]) for k in mbs[0]}
-    with LiveTensorMeter() as meter:
-        model.forward(whole, n_mbs=n_mbs)
-    inference = meter.peak
+    # The least of a few runs: at tp > 1 gloo's worker thread sometimes still holds the last all-reduced output
+    # (one h-wide tensor) when the next block's attention peaks, which adds it at random (in about 4 of 10 runs
+    # here; never at tp 1). The engine's own peak is the least; the test allows for that tensor at tp > 1.
+    peaks = []
+    for _ in range(3):
+        with LiveTensorMeter() as meter:
+            model.forward(whole, n_mbs=n_mbs)
+        peaks.append(meter.peak)
+    inference = min(peaks)
     opt = model.make_optimizer(lr=0.0)
     model.train_step(mbs, nll_loss, opt)  # the optimizer's state exists before the measured step
-    with LiveTensorMeter() as meter:
-        model.train_step(mbs, nll_loss, opt, recompute=recompute)
+    peaks = []
+    for _ in range(2):  # lr 0: the same step again
+        with LiveTensorMeter() as meter:
+            model.train_step(mbs, nll_loss, opt, recompute=recompute)
+        peaks.append(meter.peak)
     main_grads = sum(p.numel() for p in model.params().values()) * 4
-    return model.groups.pp_rank, inference, meter.peak - main_grads
+    return model.groups.pp_rank, inference, min(peaks) - main_grads
 
 
 @pytest.mark.parametrize("cfg", [HEAD_HEAVY, BLOCK_HEAVY, WIDE_GQA, WIDE_MHA], ids=lambda c: c.name)
@@ -278,8 +287,10 @@ def test_memory_model_peaks_match_the_engines_live_tensors(pool, cfg):
                     # tp > 1, the fp32 norm backward's temporaries (on every tp rank, while the saves shrink by
                     # 1/tp), which never coexist: a looser bound.
                     high = 1.4 if tp > 1 else 1.3
-                assert 0.97 * measured <= want <= high * measured, (cfg.name, tp, pp, recompute, k, kind, measured,
-                                                                    want)
+                # gloo's late release of one all-reduced micro-batch output (see _live_peaks)
+                late = cfg.hidden_size * 2 * LIVE_ROWS * LIVE_SEQ if tp > 1 else 0
+                assert 0.97 * (measured - late) <= want <= high * measured, (cfg.name, tp, pp, recompute, k, kind,
+                                                                           measured, want)
 
 
 def test_adamw_two_steps_tp2_pp2_and_dp2_match_dense_model(pool, gqa):
