@@ -279,8 +279,7 @@ def attention_working_bytes_per_token(cfg: ModelConfig, tp: int, precision: Prec
     rotating q (q, three temporaries, k, v): 4q + 2kv; rotating k (rotated q, k, three temporaries, v):
     q + 5kv; re-laying the attention output (q, k and v repeated to q heads, the output and its copy): 5q.
     MHA peaks at 6q, GQA with two or more q heads per KV head at 5q."""
-    q = cfg.n_heads // tp * cfg.head_dim
-    kv = cfg.local_kv_heads(tp) * cfg.head_dim
+    q, kv = cfg.q_dim // tp, local_kv_width(cfg, tp)
     return (3 * cfg.hidden_size + max(4 * q + 2 * kv, q + 5 * kv, 5 * q)) * precision.param
 
 

@@ -454,7 +454,7 @@ class Master:
     def _running_on(self, rank: int, request: int | None = None) -> str:
         if not self.pending[rank]:
             return "while idle"
-        rec = self.pending[rank].get(-1 if request is None else request) or self.pending[rank][min(self.pending[rank])]
+        rec = self.pending[rank].get(request) or self.pending[rank][min(self.pending[rank])]
         it = f" of iteration {rec.iteration + 1}" if rec.iteration >= 0 else ""
         return f"while running {rec.kind} {rec.label!r}{it}"
 

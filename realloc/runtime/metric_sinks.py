@@ -70,12 +70,8 @@ class TensorBoardSink:
 WANDB_MISSING = "--wandb needs the wandb package: pip install 'realloc[wandb]'"
 
 
-def check_wandb_installed(job_setup: bool = False) -> None:
-    """One error when ``--wandb`` cannot work. A SLURM job checks it on the submitting host, in the environment
-    the job inherits, so that the error comes before the job waits in the queue; ``job_setup`` (the job runs
-    --setup lines, which may activate another environment) says to leave the check to the job."""
-    if job_setup:
-        return
+def check_wandb_installed() -> None:
+    """One error when ``--wandb`` cannot work (also run before submitting a SLURM job: see run_cli)."""
     if importlib.util.find_spec("wandb") is None:
         raise ValueError(WANDB_MISSING)
 

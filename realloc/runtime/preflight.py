@@ -42,6 +42,11 @@ def check_checkpoint_weights(graph: "DataflowGraph") -> None:
         check_hf_weights(cfg, src.path, new_value_head=src.new_value_head, where=f"model {model!r}: ")
 
 
+def model_vocab_sizes(graph: "DataflowGraph") -> dict[str, int]:
+    """Each checkpoint or registry model's vocabulary (the real one, as its token ids run)."""
+    return {m: cfg.vocab_size for m, cfg in graph.model_configs.items() if cfg is not None}
+
+
 def vocab_limit(tokenizer: "Tokenizer | None", model_vocab: int | None) -> int | None:
     """How many token ids generation may emit: the tokenizer's length (added tokens included), else the
     smallest vocabulary of the models (they all read the generated ids). A checkpoint's vocabulary is often
@@ -56,7 +61,7 @@ def special_tokens(spec: ExperimentSpec, graph: "DataflowGraph",
     """The ids generation uses, checked against the models; and a warning when nothing can stop it early."""
     tokens = SpecialTokens.of(spec, tokenizer)
     generates = any(r.interface_type is InterfaceType.GENERATE for r in spec.rpcs)
-    vocabs = {m: cfg.vocab_size for m, cfg in graph.model_configs.items() if cfg is not None}
+    vocabs = model_vocab_sizes(graph)
     if generates and vocabs:
         small = min(vocabs, key=lambda m: vocabs[m])
         for t in tokens.eos_token_ids:
@@ -82,7 +87,7 @@ def preflight(spec: ExperimentSpec, config: Any, graph: "DataflowGraph", cache_d
 
     check_checkpoint_weights(graph)
     tokenizer = Tokenizer.load(config.tokenizer) if config.tokenizer else None
-    vocab_sizes = {m: cfg.vocab_size for m, cfg in graph.model_configs.items() if cfg is not None}
+    vocab_sizes = model_vocab_sizes(graph)
     if tokenizer is not None:
         for m, v in vocab_sizes.items():
             tokenizer.check_model_vocab(v, f"model {m!r}")  # every model reads the tokenizer's ids

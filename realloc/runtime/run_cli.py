@@ -228,7 +228,10 @@ def main(args: argparse.Namespace) -> int:
         if not args.tensorboard:
             master_args.append("--no-tensorboard")
         if args.wandb:
-            check_wandb_installed(job_setup=bool(slurm.setup))
+            if not slurm.setup:
+                # The job inherits this environment, so check before it waits in the queue; --setup lines may
+                # activate another one, where the job's own master checks.
+                check_wandb_installed()
             master_args += ["--wandb", args.wandb]
         if ckpt is not None:
             master_args += ["--resume", str(ckpt)]
@@ -317,8 +320,9 @@ def main(args: argparse.Namespace) -> int:
             print(line)
         if horizon_line:
             print(horizon_line)
-        if sinks.describe():
-            print(sinks.describe())
+        sink_line = sinks.describe()
+        if sink_line:
+            print(sink_line)
         print(plan.table(graph.topo_order))
         summary = _drive(master, total, start, sinks, quiet=args.quiet or not sys.stdout.isatty())
     except RunFailed as e:
