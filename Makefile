@@ -21,9 +21,9 @@ build: $(STAMP)
 
 # The arithmetic demo on the local 2-device CPU cluster: GRPO with an exact-match reward on a searched plan,
 # from the shipped SFT checkpoint (made through realloc; `--rebuild-sft` makes it again); prints held-out
-# exact-match accuracy before and after (realloc/tools/arith_demo.py).
+# exact-match accuracy before and after (realloc/demo/arith_demo.py).
 demo: build
-	$(PY) -m realloc.tools.arith_demo
+	$(PY) -m realloc.demo.arith_demo
 
 test: build
 	$(PY) -m pytest -q

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_prompt_loading.py [--n 100000]
 
-Prompts come from the shipped generator (realloc/tools/tiny_text.py, the kinds and length mix of
+Prompts come from the shipped generator (realloc/tiny_assets/text.py, the kinds and length mix of
 experiments/data/*.jsonl) and are tokenized with the tiny tokenizer trained on the shipped corpus,
 prompt_len 64. The tokenizer's vocabulary (500) is tiny, so a prompt has more tokens than with a
 real one; the time is dominated by the Rust tokenizer and, for chat, by rendering the Jinja template.
@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from realloc.data import PromptDataset, Tokenizer  # noqa: E402
-from realloc.tools import tiny_text  # noqa: E402
-from realloc.tools.tiny_hf import train_tokenizer  # noqa: E402
+from realloc.tiny_assets import text as tiny_text# noqa: E402
+from realloc.tiny_assets.hf import train_tokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,7 +33,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--n", type=int, default=100_000)
     args = p.parse_args()
-    torch.set_num_threads(1)  # as in a worker (runtime/worker.py); the batch timing is what a worker sees
+    torch.set_num_threads(1)  # as in a worker (runtime/control/worker.py); the batch timing is what a worker sees
     with tempfile.TemporaryDirectory() as d:
         d = Path(d)
         tok = Tokenizer.load(train_tokenizer(REPO / "experiments/data/tiny_corpus.txt", d / "tok"))

@@ -38,9 +38,9 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from realloc.cluster import ClusterSpec  # noqa: E402
+from realloc.graph.transfer_plan import Layout, plan_param_realloc  # noqa: E402
 from realloc.models.config import ModelConfig  # noqa: E402
 from realloc.models.param_layout import param_specs  # noqa: E402
-from realloc.runtime.transfer_plan import Layout, plan_param_realloc  # noqa: E402
 from realloc.strategy import ParallelStrategy as S  # noqa: E402
 
 LAYOUTS_2 = [("n1:0", S(1, 1, 1)), ("n1:1", S(1, 1, 1)), ("n1", S(2, 1, 1)), ("n1", S(1, 2, 1)), ("n1", S(1, 1, 2))]
@@ -121,7 +121,7 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, queue) 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     from realloc.models.engine import ParallelModel
     from realloc.models.groups import ModelLayout, ProcessGroupCache
-    from realloc.runtime.param_realloc import Reallocator
+    from realloc.runtime.transfer.param_realloc import Reallocator
 
     cfg = ModelConfig("bench", args.vocab, args.hidden, args.inter, args.layers, args.heads, args.heads)
     cluster = ClusterSpec.from_nodelist("n1", world)

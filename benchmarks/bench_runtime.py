@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 from realloc.api import load_experiment  # noqa: E402
 from realloc.graph.dataflow import build_graph  # noqa: E402
 from realloc.graph.plan import ExecutionPlan  # noqa: E402
-from realloc.runtime.telemetry import RequestRecord, dispatch_overheads  # noqa: E402
+from realloc.runtime.records.telemetry import RequestRecord, dispatch_overheads  # noqa: E402
 
 EXPERIMENT = str(REPO / "experiments/ppo_tiny.py")
 CALLS = ("actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train", "critic_train")

@@ -1,7 +1,7 @@
 """GRPO on the arithmetic task from the demo's SFT checkpoint (2 CPU devices): what `make demo` runs.
 
 The actor and its frozen reference start from ``data/arith_sft``, the SFT stage's checkpoint as shipped
-(``python -m realloc.tools.arith_demo sft --out experiments/data/arith_sft`` re-makes it through realloc,
+(``python -m realloc.demo.arith_demo sft --out experiments/data/arith_sft`` re-makes it through realloc,
 about 100 s on 2 cores: see arith_sft.py). For each of 32 prompts per iteration the actor
 samples 8 answers; the ``exact_match`` rule scores an answer 1 when its number is the prompt's
 ``answer`` as written ("7", not "007") and 0 otherwise; group-normalized advantages (no critic) and a
@@ -10,14 +10,14 @@ accuracy on 128 held-out prompts (``eval``).
 
     realloc run experiments/arith_grpo.py --search-time 5 --save-every 40 --run-dir runs/arith_demo
     realloc export runs/arith_demo --model actor --out runs/arith_demo/actor-hf
-    python -m realloc.tools.accuracy runs/arith_demo/actor-hf experiments/data/arith_eval.jsonl
+    python -m realloc.demo.accuracy runs/arith_demo/actor-hf experiments/data/arith_eval.jsonl
 """
 
 import dataclasses
 
 from realloc.algorithms.grpo import GRPOConfig, critic_free_rpcs
 from realloc.api import HFModel, auto
-from realloc.runtime.evaluation import EvalConfig
+from realloc.runtime.inputs.evaluation import EvalConfig
 
 EXACT_MATCH = {"rule": "exact_match", "field": "answer"}  # realloc/algorithms/verifiable.py
 SFT = "data/arith_sft"  # shipped (0.8 MB); re-made by the command below
@@ -38,7 +38,7 @@ class ArithGRPO:
 
     @property
     def models(self):
-        hint = ("make it again with `python -m realloc.tools.arith_demo sft --out experiments/data/arith_sft` (the "
+        hint = ("make it again with `python -m realloc.demo.arith_demo sft --out experiments/data/arith_sft` (the "
                 "SFT stage through realloc, about 100 s on 2 cores)") if self.init == SFT else ""
         start = HFModel(self.init, build_hint=hint)
         return {"actor": start, "ref": start}

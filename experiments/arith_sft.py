@@ -1,10 +1,10 @@
 """The demo's SFT stage: a 4-layer LLaMA learns two-digit addition and subtraction from scratch (2 CPU devices).
 
 The model starts from random weights (``data/arith/init``, with the task's character tokenizer;
-``python -m realloc.tools.arith_demo init`` builds it in a second, and ``make demo`` before it runs this).
+``python -m realloc.demo.arith_demo init`` builds it in a second, and ``make demo`` before it runs this).
 Its data, ``data/arith_sft_padded.jsonl``, writes three quarters of the answers zero-padded to three
 digits ("45-38=007") as a fixed-width source would; the loss is on the answer and its EOS only. The
-model learns the arithmetic and the habit. `python -m realloc.tools.arith_demo sft --out DIR`
+model learns the arithmetic and the habit. `python -m realloc.demo.arith_demo sft --out DIR`
 runs this and exports the result to DIR; the repository ships that result in ``data/arith_sft``, where
 ``arith_grpo.py`` starts (about 100 s on 2 cores to make again):
 
@@ -34,7 +34,7 @@ class ArithSFT:
     def models(self):
         # Its tokenizer files are the run's tokenizer. Loading this file builds nothing: `realloc show` writes
         # no files; a missing directory is one error that says how to build it.
-        hint = "build it with `python -m realloc.tools.arith_demo init`" if self.init == INIT else ""
+        hint = "build it with `python -m realloc.demo.arith_demo init`" if self.init == INIT else ""
         return {"actor": HFModel(self.init, build_hint=hint)}
 
     @property

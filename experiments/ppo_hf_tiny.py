@@ -19,7 +19,7 @@ from pathlib import Path
 from realloc.algorithms.ppo_config import PPOConfig, ppo_rpcs
 from realloc.api import HFModel, auto
 from realloc.data.config import DataConfig
-from realloc.tools.demo_assets import demo_assets
+from realloc.demo.demo_assets import demo_assets
 
 ASSETS = demo_assets(Path(__file__).parent / "data" / "hf_tiny")
 

@@ -16,7 +16,7 @@ import dataclasses
 
 from realloc.algorithms.ppo_config import PPOConfig
 from realloc.api import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef, auto
-from realloc.runtime.evaluation import EvalConfig
+from realloc.runtime.inputs.evaluation import EvalConfig
 
 PPO_INPUTS = ["seq", "logp", "ref_logp", "rewards", "values"]
 TARGET_TOKENS = list(range(16, 32))

@@ -1,4 +1,9 @@
-"""The ``realloc`` command. User errors end in one readable line and a non-zero exit."""
+"""The ``realloc`` command. User errors end in one readable line and a non-zero exit.
+
+This file builds the parser; each subcommand is ``main(args) -> int`` in ``<command>_cli.py`` at the top of
+the package whose code it drives: ``estimator/profile_cli.py``, ``search/search_cli.py``, and
+``runtime/{show,run,trace,export}_cli.py``.
+"""
 
 from __future__ import annotations
 
@@ -6,60 +11,13 @@ import argparse
 import gc
 import os
 import sys
-from typing import Callable, Sequence
+from typing import Sequence
+
+from realloc.estimator import profile_cli
+from realloc.runtime import export_cli, run_cli, show_cli, trace_cli
+from realloc.search import search_cli
 
 EXIT_USAGE = 2
-EXIT_NOT_IMPLEMENTED = 3
-
-
-class NotImplementedYet(Exception):
-    """A subcommand whose implementation has not landed; it must not pretend to work."""
-
-
-def _cmd_show(args: argparse.Namespace) -> int:
-    from realloc.graph.dataflow import build_graph
-    from realloc.overrides import load_with_overrides
-    from realloc.search.candidates import call_options
-
-    spec = load_with_overrides(args.experiment, getattr(args, "set", None) or ())
-    graph = build_graph(spec)
-    cluster = spec.cluster
-    print(f"experiment {spec.name}  ({spec.source})")
-    print(f"cluster    {cluster.describe()}")
-    print(f"workload   batch {spec.describe_batch()}, prompt {spec.prompt_len} + generation {spec.gen_len} tokens")
-    print(f"graph      {len(spec.rpcs)} calls, {graph.graph.number_of_edges()} edges, digest {graph.digest}")
-    for model, src in spec.models.items():
-        print(f"checkpoint {model}: {src.path}{' (new value head)' if src.new_value_head else ''}")
-    for line in _preflight(spec, graph):
-        print(line)
-    print()
-    print(graph.describe())
-    print()
-    meshes = cluster.device_meshes()
-    print(f"{len(meshes)} device meshes; candidate placements (mesh x strategy x micro-batches, x recomputation "
-          f"for train steps) per call:")
-    total = 1
-    w = max(len("plan space"), *map(len, graph.topo_order)) + 2
-    for name in graph.topo_order:
-        n = len(call_options(graph, name))
-        total *= max(n, 1)
-        print(f"  {name:<{w}}{n:>8}")
-    print(f"  {'plan space':<{w}}{total:>8.2e}")
-    return 0
-
-
-def _preflight(spec, graph) -> tuple[str, ...]:  # type: ignore[no-untyped-def]
-    """Weights, tokenizer and prompts checked as a run would (errors here, before anything starts)."""
-    from realloc.runtime.preflight import preflight
-    from realloc.runtime.run_config import RunConfig
-
-    return preflight(spec, RunConfig.of(spec, require_dataset=False), graph).lines
-
-
-def _not_yet(what: str, issue: int) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        raise NotImplementedYet(f"`realloc {what}` is not implemented yet (tracked in issue #{issue})")
-    return run
 
 
 def _set_option(s: argparse.ArgumentParser) -> None:
@@ -85,8 +43,7 @@ def _use_profiles(args: argparse.Namespace) -> None:
     os.environ[PROFILES_ENV] = os.path.abspath(folder)
 
 
-def build_parser(commands: dict[str, Callable[[argparse.Namespace], int]] | None = None) -> argparse.ArgumentParser:
-    commands = commands or {}
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="realloc", description="Plan and run RLHF dataflow graphs with parameter "
                                 "reallocation.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -94,7 +51,7 @@ def build_parser(commands: dict[str, Callable[[argparse.Namespace], int]] | None
     s = sub.add_parser("show", help="validate an experiment and print its graph and candidate counts")
     s.add_argument("experiment", help="experiment file (path/exp.py[:Class]) or module")
     _set_option(s)
-    s.set_defaults(func=_cmd_show)
+    s.set_defaults(func=show_cli.main)
 
     s = sub.add_parser("profile", help="measure per-layer and collective costs on this machine")
     s.add_argument("--model", required=True, help="model type, e.g. tiny or llama3-8b")
@@ -113,7 +70,7 @@ def build_parser(commands: dict[str, Callable[[argparse.Namespace], int]] | None
     s.add_argument("--repeats", type=int, default=None, help="timed runs per point; the median is kept (default 7)")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     _profiles_option(s)
-    s.set_defaults(func=commands.get("profile", _not_yet("profile", 3)))
+    s.set_defaults(func=profile_cli.main)
 
     s = sub.add_parser("search", help="search an execution plan and report it")
     s.add_argument("experiment")
@@ -130,7 +87,7 @@ def build_parser(commands: dict[str, Callable[[argparse.Namespace], int]] | None
     s.add_argument("--timeline", default=None, help="write a timeline picture (.svg/.png/.html)")
     _set_option(s)
     _profiles_option(s)
-    s.set_defaults(func=commands.get("search", _not_yet("search", 4)))
+    s.set_defaults(func=search_cli.main)
 
     s = sub.add_parser("run", help="run the experiment on its cluster")
     s.add_argument("experiment")
@@ -194,8 +151,8 @@ def build_parser(commands: dict[str, Callable[[argparse.Namespace], int]] | None
                                   ("--master-port", int, 0)):
         s.add_argument(hidden, type=kind, default=default, help=argparse.SUPPRESS)  # set by the SLURM script
     _profiles_option(s)
-    s.set_defaults(func=commands.get("run", _not_yet("run", 6)))
-    _add_trace(sub, commands)
+    s.set_defaults(func=run_cli.main)
+    _add_trace(sub)
 
     s = sub.add_parser("export", help="write a trained model of a run's checkpoint as a HuggingFace directory")
     s.add_argument("run_dir", help="run directory (or its checkpoints/ or one checkpoint directory)")
@@ -207,11 +164,11 @@ def build_parser(commands: dict[str, Callable[[argparse.Namespace], int]] | None
                    help="weight dtype of the files (default: the checkpoint's)")
     s.add_argument("--skip-checkpoint-checks", action="store_true",
                    help="do not check the shards against the SHA-256 recorded when they were saved")
-    s.set_defaults(func=commands.get("export", _not_yet("export", 11)))
+    s.set_defaults(func=export_cli.main)
     return p
 
 
-def _add_trace(sub: argparse._SubParsersAction, commands: dict[str, Callable[[argparse.Namespace], int]]) -> None:
+def _add_trace(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("trace", help="draw a run's measured timeline next to its plan's estimate")
     s.add_argument("run_dir", help="the run directory of a `realloc run`")
     s.add_argument("--timeline", required=True, help="picture to write (.svg/.png, or .html with details on hover)")
@@ -219,36 +176,15 @@ def _add_trace(sub: argparse._SubParsersAction, commands: dict[str, Callable[[ar
     s.add_argument("--experiment", default=None, help="the experiment, if the run has no run.json")
     s.add_argument("--no-estimate", action="store_true", help="only the measured timeline")
     _profiles_option(s)
-    s.set_defaults(func=commands.get("trace", _not_yet("trace", 14)))
-
-
-def _registered_commands() -> dict[str, Callable[[argparse.Namespace], int]]:
-    """Subcommands implemented outside this file. Each module is imported only when present."""
-    import importlib
-
-    out = {}
-    for name, module in (("profile", "realloc.estimator.profile_cli"), ("search", "realloc.search.search_cli"),
-                         ("run", "realloc.runtime.run_cli"), ("trace", "realloc.runtime.trace_cli"),
-                         ("export", "realloc.runtime.export")):
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
-            continue
-        out[name] = mod.main
-    return out
+    s.set_defaults(func=trace_cli.main)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser(_registered_commands())
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         _use_profiles(args)
         return int(args.func(args) or 0)
-    except NotImplementedYet as e:
-        print(f"realloc: {e}", file=sys.stderr)
-        return EXIT_NOT_IMPLEMENTED
     except ValueError as e:
         print(f"realloc {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE

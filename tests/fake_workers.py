@@ -20,9 +20,9 @@ from typing import Any, Callable
 
 import zmq
 
-from realloc.runtime import protocol
-from realloc.runtime.curve import CurveKeys, secure_client
-from realloc.runtime.evaluation import eval_key
+from realloc.runtime.inputs.evaluation import eval_key
+from realloc.runtime.wire import protocol
+from realloc.runtime.wire.curve import CurveKeys, secure_client
 
 SampleParts = Callable[[str, int, int], list[protocol.SamplePart]]
 Held = Callable[[Any, int], float]  # (request message, rank) -> seconds

@@ -44,7 +44,7 @@ class HFAssets:
     @property
     def tokenizer(self) -> Path:
         if self._tokenizer is None:
-            from realloc.tools.tiny_hf import train_tokenizer
+            from realloc.tiny_assets.hf import train_tokenizer
 
             self._tokenizer = train_tokenizer(CORPUS, self.root / "tokenizer", vocab_size=TOKENIZER_VOCAB)
         return self._tokenizer
@@ -56,7 +56,7 @@ class HFAssets:
         return {**BASE, **CHECKPOINTS[name], **overrides}
 
     def checkpoint(self, name: str, **overrides: Any) -> Path:
-        from realloc.tools.tiny_hf import make_tiny_checkpoint
+        from realloc.tiny_assets.hf import make_tiny_checkpoint
 
         key = name + ("" if not overrides else "-" + json.dumps(overrides, sort_keys=True))
         if key not in self._built:

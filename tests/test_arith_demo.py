@@ -17,11 +17,12 @@ import sys
 from pathlib import Path
 
 from hf_assets import REPO
+from realloc.demo import arith_demo
+from realloc.demo import arith_task
+from realloc.demo.accuracy import exact_match_accuracy
 from realloc.graph.dataflow import build_graph
 from realloc.graph.plan import ExecutionPlan
 from realloc.overrides import load_with_overrides
-from realloc.tools import arith_demo, arith_task
-from realloc.tools.accuracy import exact_match_accuracy
 
 SFT_ITERATIONS = 100
 GRPO_ITERATIONS = 10

@@ -10,7 +10,7 @@ import torch
 
 from hf_assets import REPO
 from realloc.algorithms.verifiable import exact_number_match, first_number
-from realloc.tools import arith_task
+from realloc.demo import arith_task
 
 
 def _solve(prompt: str) -> str:
@@ -44,7 +44,7 @@ def test_problems_and_disjoint_splits():
 def test_shipped_files_equal_the_generator():
     data = REPO / "experiments" / "data"
     for name, text in arith_task.files().items():
-        assert (data / name).read_text(encoding="utf-8") == text, f"re-make with python -m realloc.tools.arith_task " \
+        assert (data / name).read_text(encoding="utf-8") == text, f"re-make with python -m realloc.demo.arith_task " \
                                                                   f"data --out experiments/data"
     for line in (data / arith_task.EVAL_FILE).read_text().splitlines()[:50]:
         rec = json.loads(line)
@@ -73,7 +73,7 @@ def test_shipped_files_equal_the_generator():
 @pytest.mark.parametrize("which", ["trained", "shipped"])
 def test_tokenizer_one_token_per_character(arith_tok, which):
     """A freshly trained tokenizer, and the one shipped for the experiments (``experiments/data/arith_tokenizer``,
-    re-made by ``python -m realloc.tools.arith_task tokenizer --out experiments/data/arith_tokenizer``)."""
+    re-made by ``python -m realloc.demo.arith_task tokenizer --out experiments/data/arith_tokenizer``)."""
     from transformers import AutoTokenizer
 
     from realloc.data.tokenizer import Tokenizer
@@ -109,8 +109,8 @@ def test_first_number():
 def test_accuracy_equals_unbatched_greedy_decoding(tmp_path, arith_tok):
     from transformers import AutoModelForCausalLM
 
-    from realloc.tools.accuracy import exact_match_accuracy, main
-    from realloc.tools.tiny_hf import make_tiny_checkpoint
+    from realloc.demo.accuracy import exact_match_accuracy, main
+    from realloc.tiny_assets.hf import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", vocab_size=32, hidden=64, layers=2, heads=4, kv_heads=2,
                                 intermediate=128, seed=4, tokenizer_dir=arith_tok, init_std=0.3)

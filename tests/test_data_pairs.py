@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from realloc.data import DataConfig, PreferenceDataset, PromptDataset, SFTDataset
-from realloc.tools.tiny_hf import EOS_ID, IM_END_ID, PAD_ID
+from realloc.tiny_assets.hf import EOS_ID, IM_END_ID, PAD_ID
 
 
 def _jsonl(path, records):
@@ -199,7 +199,7 @@ def test_file_level_errors(tmp_path):
 def test_runtime_loads_each_kind(tmp_path):
     from types import SimpleNamespace
 
-    from realloc.runtime.datasets import dataset_rows, load_dataset
+    from realloc.runtime.inputs.datasets import dataset_rows, load_dataset
 
     spec, config = SimpleNamespace(name="exp", prompt_len=3, gen_len=2), SimpleNamespace(data=DataConfig())
     path = _jsonl(tmp_path / "d.jsonl", [{"prompt": [i + 1], "response": [9], "chosen": [8], "rejected": [7]}

@@ -125,7 +125,7 @@ def test_run_eos_ids_join_the_tokenizer_and_the_generating_checkpoint(tiny_tok, 
     from types import SimpleNamespace
 
     from realloc.api import GENERATE, INFERENCE, HFModel
-    from realloc.runtime.text_io import SpecialTokens
+    from realloc.runtime.records.text_io import SpecialTokens
 
     def spec(actor, reward=None):
         rpcs = [SimpleNamespace(model_name="actor", interface_type=GENERATE),

@@ -14,8 +14,8 @@ from realloc.estimator.memory import local_params
 from realloc.estimator.opcount import Part, Phase, op_work
 from realloc.estimator.transfer_cost import BUCKET_BYTES, DIRECT_BYTES, plan_seconds
 from realloc.graph.dataflow import build_graph
+from realloc.graph.transfer_plan import Layout, plan_param_realloc
 from realloc.models.config import get_model_config
-from realloc.runtime.transfer_plan import Layout, plan_param_realloc
 from realloc.strategy import ParallelStrategy as S
 from spec_helpers import COST_ONLY_INTERFACES
 
@@ -269,16 +269,16 @@ def test_calls_are_cached_by_mesh_shape(big):
 
 def test_constants_agree_with_the_runtime():
     from realloc.models import grads
-    from realloc.runtime import param_realloc
+    from realloc.runtime.transfer import param_realloc
 
     assert GRAD_BUCKET_NUMEL == grads.BUCKET_NUMEL
     assert BUCKET_BYTES == param_realloc.DEFAULT_BUCKET_BYTES and DIRECT_BYTES == param_realloc.DEFAULT_DIRECT_BYTES
 
 
 def test_data_transfer_prices_the_runtimes_own_plans(tiny):
-    """Same producer/consumer stages and one plan per key as realloc.runtime.program."""
+    """Same producer/consumer stages and one plan per key as realloc.runtime.control.program."""
     from realloc.graph.plan import CallPlacement, ExecutionPlan
-    from realloc.runtime.program import RuntimeProgram
+    from realloc.runtime.control.program import RuntimeProgram
 
     g, c = tiny.graph, tiny.cluster
     place = {n: CallPlacement(mesh="localhost", dp=1, tp=1, pp=2, n_mbs=1) for n in g.spec.call_names}

@@ -18,7 +18,7 @@ SHIPPED = sorted(str(p.relative_to(Path(__file__).resolve().parents[1]))
 @pytest.fixture(scope="module")
 def arith_init(tmp_path_factory):
     """The random model of the demo's SFT stage, built outside the source tree (a second)."""
-    from realloc.tools.arith_demo import init_checkpoint
+    from realloc.demo.arith_demo import init_checkpoint
 
     return init_checkpoint(tmp_path_factory.mktemp("arith"))
 
@@ -215,7 +215,7 @@ def test_loading_showing_and_planning_the_arithmetic_experiments_writes_nothing(
     for name, stage in (("arith_sft", "init"), ("arith_grpo", "sft --out experiments/data/arith_sft")):
         spec = load_experiment(f"experiments/{name}.py")
         hint = spec.models["actor"].build_hint
-        assert f"`python -m realloc.tools.arith_demo {stage}`" in hint, hint
+        assert f"`python -m realloc.demo.arith_demo {stage}`" in hint, hint
         if not Path(spec.models["actor"].path).is_dir():  # not built here yet: one line that says how
             assert main(["show", f"experiments/{name}.py"]) == 2
             err = capsys.readouterr().err
@@ -226,7 +226,7 @@ def test_loading_showing_and_planning_the_arithmetic_experiments_writes_nothing(
 
 def test_a_missing_checkpoint_says_how_to_build_it(tmp_path):
     from realloc.api import HFModel
-    from realloc.tools import arith_demo
+    from realloc.demo import arith_demo
 
     @auto(nodelist="localhost", n_devices_per_node=1, batch_size=4, dataset_keys=["sft"])
     @dataclasses.dataclass

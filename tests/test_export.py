@@ -20,8 +20,8 @@ from safetensors.torch import save_file
 from realloc.models.config import ModelConfig
 from realloc.models.param_layout import param_specs, stage_param_specs
 from realloc.models.weights import full_state_dict
-from realloc.runtime import checkpoint
-from realloc.runtime.export import export_checkpoint, find_checkpoint, model_record
+from realloc.runtime.persist import checkpoint
+from realloc.runtime.persist.export import export_checkpoint, find_checkpoint, model_record
 from realloc.strategy import ParallelStrategy
 
 REPO = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ from realloc.algorithms.context import CallResult
 from realloc.algorithms.grpo import GRPOConfig, critic_free_rpcs
 from realloc.algorithms.ppo_config import PPOConfig, ppo_rpcs
 from realloc.algorithms.registry import Interface, builtin_interfaces
-from realloc.api import GENERATE, INFERENCE, TRAIN_STEP, auto
+from realloc.api import GENERATE, INFERENCE, TRAIN_STEP
 from realloc.graph.dataflow import build_graph
 from spec_helpers import inline_spec
 
@@ -206,7 +206,7 @@ def test_a_settings_field_that_no_call_reads_is_an_error():
     with pytest.raises(ValueError, match="field 'ppo' holds a PPOConfig, but no call's interface reads it"):
         _graph(grpo, grpo=GRPOConfig(), ppo=PPOConfig())
     # Settings that are read, and fields of other kinds, are fine.
-    from realloc.runtime.evaluation import EvalConfig
+    from realloc.runtime.inputs.evaluation import EvalConfig
 
     assert _graph(grpo, grpo=GRPOConfig(lr=1e-3), eval=EvalConfig()).interfaces["actor_train"].config == "grpo"
 

@@ -15,7 +15,9 @@ import pytest
 from realloc.api import load_experiment
 from realloc.graph.dataflow import build_graph
 from realloc.graph.plan import CallPlacement, ExecutionPlan
-from realloc.runtime.launcher import RunPaths, SlurmOptions, plan_node_hosts, slurm_ports, slurm_script
+from realloc.runtime.control.master_link import plan_node_hosts
+from realloc.runtime.launch.launcher import SlurmOptions, slurm_ports, slurm_script
+from realloc.runtime.records.run_paths import RunPaths
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -59,7 +61,7 @@ def test_gpu_script_has_the_options_and_one_task_per_device(tmp_path):
     assert "--ntasks=16" in srun and "--kill-on-bad-exit=1" in srun and "--distribution=block" in srun
     assert "--container-image=nvcr.io/realloc:1" in srun and "--cpus-per-task=12" in srun
     for want in ('"$SLURM_PROCID"', '"$MASTER_HOST:$STORE_PORT"', '"tcp://$MASTER_HOST:$MASTER_PORT"',
-                 "--device cuda", "--world-size 16", "realloc.runtime.worker", "--set ppo.lr=1e-6"):
+                 "--device cuda", "--world-size 16", "realloc.runtime.control.worker", "--set ppo.lr=1e-6"):
         assert want in srun, want
     master = next(line for line in lines if "realloc.cli run" in line)
     assert "--launcher external" in master and "--bind 0.0.0.0" in master and master.endswith("&")

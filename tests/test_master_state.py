@@ -24,12 +24,12 @@ import pytest
 from fake_workers import FakeWorkers
 from realloc.api import load_experiment
 from realloc.graph.dataflow import build_graph
-from realloc.runtime import protocol
-from realloc.runtime.launcher import RunPaths
-from realloc.runtime.master import Master
-from realloc.runtime.program import RuntimeProgram
-from realloc.runtime.run_config import RunConfig
-from realloc.runtime.stop_signals import StopSignals
+from realloc.runtime.control.master import Master
+from realloc.runtime.control.program import RuntimeProgram
+from realloc.runtime.control.stop_signals import StopSignals
+from realloc.runtime.inputs.run_config import RunConfig
+from realloc.runtime.records.run_paths import RunPaths
+from realloc.runtime.wire import protocol
 from run_helpers import TINY, disjoint_plan
 
 ITERS = 40
@@ -193,7 +193,7 @@ def _second_connection_case(tmp_path: Path) -> None:
 
     import zmq
 
-    from realloc.runtime.curve import CurveKeys, secure_client
+    from realloc.runtime.wire.curve import CurveKeys, secure_client
 
     tmp_path.mkdir(parents=True, exist_ok=True)
     seen: list[str] = []

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from realloc.runtime.metric_sinks import MetricSinks, scalars_of
+from realloc.runtime.records.metric_sinks import MetricSinks, scalars_of
 
 LINES = [{"iteration": i, "reward": 0.25 + 0.125 * i, "kl": 0.01 * i, "iteration_time": 1.5,
           "time": {"actor_gen": 0.5 + i, "realloc": 0.03}, "calls": {"actor_gen": {"n_seqs": 32.0}},

@@ -18,7 +18,7 @@ from realloc.models.hf_io import model_config_from_hf
 from realloc.models.param_layout import param_specs
 from realloc.models.sampling import GenerationConfig
 from realloc.models.weights import full_state_dict
-from realloc.runtime.offload import HostOffload
+from realloc.runtime.transfer.offload import HostOffload
 from model_helpers import assemble, build_model, hf_token_logprobs, local_shards, tiny_hf_model
 from mp_pool import GlooPool, WorkerError
 
@@ -333,7 +333,7 @@ def _train_checkpoint_resume(ctx, cfg, tp, path, mbs, more, probe, ckpt):
     take a third step: the same weights, bit for bit."""
     from pathlib import Path
 
-    from realloc.runtime import checkpoint
+    from realloc.runtime.persist import checkpoint
 
     model = build_model(ctx, cfg, 1, tp, 1, hf_path=path)
     if model is None:
@@ -363,8 +363,8 @@ def test_odd_vocabulary_checkpoint_resumes_exactly_and_exports_to_transformers(p
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from realloc.runtime import checkpoint
-    from realloc.runtime.export import export_checkpoint, model_record
+    from realloc.runtime.persist import checkpoint
+    from realloc.runtime.persist.export import export_checkpoint, model_record
     from realloc.strategy import ParallelStrategy
 
     hf = tiny_hf_model(tmp_path / "src", seed=13, kv_heads=2, vocab=97)

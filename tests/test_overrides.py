@@ -109,7 +109,7 @@ class Exp:
 def test_samples_jsonl_count_is_log_samples_and_the_old_name_is_an_error(tmp_path, capsys):
     """``n_samples`` on the experiment (sequences to samples.jsonl) read like a GENERATE call's n_samples (responses
     per prompt): it is ``log_samples`` now, and the old name is one error pointing at both."""
-    from realloc.runtime.run_config import RunConfig
+    from realloc.runtime.inputs.run_config import RunConfig
 
     new = tmp_path / "new.py"
     new.write_text(OLD_N_SAMPLES.format(FIELD="log_samples"))

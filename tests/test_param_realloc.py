@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from realloc.cluster import ClusterSpec
+from realloc.graph.transfer_plan import (DataLayout, Layout, dp_ranges, plan_data_transfer, plan_param_realloc,
+                                           shard_intervals)
 from realloc.models.config import ModelConfig, get_model_config
 from realloc.models.param_layout import param_specs
-from realloc.runtime.offload import HostOffload, free_tensors
-from realloc.runtime.transfer_plan import (DataLayout, Layout, dp_ranges, plan_data_transfer, plan_param_realloc,
-                                           shard_intervals)
+from realloc.runtime.transfer.offload import HostOffload, free_tensors
 from realloc.strategy import ParallelStrategy as S
 from mp_pool import GlooPool
 
@@ -75,7 +75,7 @@ def shards(cfg: ModelConfig, full: dict[str, torch.Tensor], lay: Layout, rank: i
 # --------------------------------------------------------------------------- worker cases
 def _all_pairs(ctx, cfg: ModelConfig, nodes: int, mode: str, bucket_bytes: int, direct_bytes: int,
                replicated: bool = False):
-    from realloc.runtime.param_realloc import Reallocator
+    from realloc.runtime.transfer.param_realloc import Reallocator
 
     dtype = torch.bfloat16 if mode == "bf16" else torch.float32
     bpe = 2 if mode == "bf16" else 4
@@ -115,7 +115,7 @@ def _all_pairs(ctx, cfg: ModelConfig, nodes: int, mode: str, bucket_bytes: int, 
 
 
 def _data_pairs(ctx, nodes: int):
-    from realloc.runtime.param_realloc import Reallocator
+    from realloc.runtime.transfer.param_realloc import Reallocator
 
     g = torch.Generator().manual_seed(3)
     n = 7  # uneven over dp=2 and dp=4
@@ -181,7 +181,7 @@ def test_data_transfer_all_pairs(pool):
 
 
 def test_wrong_dtype_is_one_clear_error():
-    from realloc.runtime.param_realloc import Reallocator
+    from realloc.runtime.transfer.param_realloc import Reallocator
 
     class NoGroups:
         def get(self, ranks):
@@ -241,7 +241,7 @@ def _train_realloc_generate(ctx, train: S, gen: S, gen_mesh: str, cfg: ModelConf
     from realloc.models.engine import ParallelModel
     from realloc.models.groups import ModelLayout
     from realloc.models.sampling import GenerationConfig
-    from realloc.runtime.param_realloc import Reallocator
+    from realloc.runtime.transfer.param_realloc import Reallocator
 
     c = ClusterSpec.from_nodelist("n1", 4)
     a, b = Layout(c.mesh("n1"), train), Layout(c.mesh(gen_mesh), gen)

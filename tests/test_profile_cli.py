@@ -16,7 +16,7 @@ from realloc.strategy import ParallelStrategy as S
 
 
 def parse(*argv: str) -> argparse.Namespace:
-    return build_parser({"profile": main}).parse_args(["profile", *argv])
+    return build_parser().parse_args(["profile", *argv])
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import msgpack
 import pytest
 import zmq
 
-from realloc.runtime import protocol as P
-from realloc.runtime.curve import CurveKeys, Gatekeeper, secure_client, secure_server
+from realloc.runtime.wire import protocol as P
+from realloc.runtime.wire.curve import CurveKeys, Gatekeeper, secure_client, secure_server
 from zmtp_forge import forge
 
 SECRET = bytes(range(32))
@@ -142,7 +142,7 @@ def test_frame_count_and_size_limits():
 def test_an_outgoing_message_over_the_limit_is_refused_and_the_worker_reports_it():
     """Every receiver drops a message over MAX_PAYLOAD_BYTES, so a worker that sent one would leave the master
     waiting for a reply that never comes: pack refuses it, and the worker sends a failure instead."""
-    from realloc.runtime.worker import packed_reply
+    from realloc.runtime.control.worker import packed_reply
 
     master, worker = pair()
     huge = P.SamplePart(key="seq", seq=0, fields={"text": "x" * (P.MAX_PAYLOAD_BYTES + 10)})

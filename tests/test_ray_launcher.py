@@ -72,8 +72,8 @@ import sys
 from pathlib import Path
 import ray  # imported before the launcher sets Ray's loopback-only switch: it must hold anyway
 from realloc.api import load_experiment
-from realloc.runtime.launcher import RunPaths
-from realloc.runtime.ray_launcher import RayLauncher
+from realloc.runtime.launch.ray_launcher import RayLauncher
+from realloc.runtime.records.run_paths import RunPaths
 
 launcher = RayLauncher(load_experiment(sys.argv[1]).cluster, RunPaths(Path(sys.argv[2])))
 print(launcher.node_ip, ray.get_runtime_context().gcs_address, ray.cluster_resources().get("CPU"))

@@ -44,7 +44,7 @@ class Exp:
 
 @pytest.fixture(scope="module")
 def assets(hf_assets, tmp_path_factory):
-    from realloc.tools.tiny_hf import make_tiny_checkpoint
+    from realloc.tiny_assets.hf import make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("bad")
     small = make_tiny_checkpoint(root / "small", vocab_size=300, hidden=64, heads=4, kv_heads=2)  # tokenizer: 500

@@ -132,7 +132,7 @@ def test_eval_set_every_n_iterations_matches_transformers_greedy(run):
     from realloc.data.prompts import PromptDataset
     from realloc.models.config import get_model_config
     from realloc.models.hf_io import hf_config_from_model_config
-    from realloc.runtime.evaluation import EVAL_SEED
+    from realloc.runtime.inputs.evaluation import EVAL_SEED
 
     run_dir, out, metrics = run
     assert [m["iteration"] for m in metrics if "eval" in m] == [2, 4]

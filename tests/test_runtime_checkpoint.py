@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from realloc.runtime import checkpoint as C
+from realloc.runtime.persist import checkpoint as C
 
 
 def make(seed=0):
@@ -194,7 +194,7 @@ def test_a_half_written_last_metrics_line_is_dropped_on_resume(tmp_path, capsys)
 def test_a_resumed_run_drops_the_later_samples_and_eval_rows(tmp_path):
     """samples.jsonl and eval/iter_<N>.rank<r>.jsonl are appended to: the iterations after the checkpoint,
     which the resumed run writes again, go first."""
-    from realloc.runtime.launcher import RunPaths
+    from realloc.runtime.records.run_paths import RunPaths
     from realloc.runtime.run_cli import _drop_later_samples
 
     run = RunPaths(tmp_path)

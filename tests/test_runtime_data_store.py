@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from realloc.runtime.data_store import DataStore, pack_rows, row_bytes, unpack_rows
-from realloc.runtime.protocol import TensorMeta
+from realloc.runtime.transfer.data_store import DataStore, pack_rows, row_bytes, unpack_rows
+from realloc.runtime.wire.protocol import TensorMeta
 
 
 def rows(lo, hi):

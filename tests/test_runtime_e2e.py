@@ -251,8 +251,8 @@ def test_intruders_do_not_disturb_the_run_and_a_killed_worker_stops_it(tmp_path)
       public key but has a key of its own: every connection is refused at the handshake (logged), no frame
       is queued (the master's peak memory does not move) and training goes on;
     - a killed worker: the run stops quickly, naming it, and leaves no process behind."""
-    from realloc.runtime import protocol
-    from realloc.runtime.curve import CurveKeys
+    from realloc.runtime.wire import protocol
+    from realloc.runtime.wire.curve import CurveKeys
     from zmtp_forge import forge
 
     ctx = zmq.Context()
@@ -341,8 +341,8 @@ def test_frozen_worker_is_noticed_within_10_s_by_default(tmp_path):
 def test_heartbeats_without_a_hello_fail_fast_naming_the_rank(tmp_path):
     """A rank whose heartbeats arrive but whose hello never does is reported within the heartbeat
     timeout, not after the 600 s start-up timeout. The test plays worker 0's heartbeat thread."""
-    from realloc.runtime import protocol
-    from realloc.runtime.curve import CurveKeys, secure_client
+    from realloc.runtime.wire import protocol
+    from realloc.runtime.wire.curve import CurveKeys, secure_client
 
     hand_plan("disjoint").save(tmp_path / "plan.json")
     secret, port = protocol.new_secret(), _free_port()
@@ -410,11 +410,11 @@ def test_sigterm_to_a_worker_stops_the_run_with_a_checkpoint_that_resumes_exactl
 
 def test_sigterm_to_the_master_before_training_stops_it_and_restores_the_handler(tmp_path):
     """The master's own SIGTERM handler (here while it waits for workers that never come)."""
-    from realloc.runtime import protocol
-    from realloc.runtime.launcher import RunPaths
-    from realloc.runtime.master import Master, RunFailed
-    from realloc.runtime.program import RuntimeProgram
-    from realloc.runtime.run_config import RunConfig
+    from realloc.runtime.wire import protocol
+    from realloc.runtime.records.run_paths import RunPaths
+    from realloc.runtime.control.master import Master, RunFailed
+    from realloc.runtime.control.program import RuntimeProgram
+    from realloc.runtime.inputs.run_config import RunConfig
 
     spec = load_experiment(EXPERIMENT)
     program = RuntimeProgram(build_graph(spec), hand_plan("disjoint"))

@@ -25,7 +25,6 @@ Checked:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -267,7 +266,7 @@ def _outputs_from_checkpoint(ctx, ckpt: str, model: str, cfg, ids: torch.Tensor,
     """On every pool rank: build ``model`` in the layout its checkpoint was saved in, load its shards and run
     a forward pass; the last pipeline stage returns ``output``."""
     from model_helpers import build_model
-    from realloc.runtime import checkpoint
+    from realloc.runtime.persist import checkpoint
 
     meta = checkpoint.read_meta(Path(ckpt))
     rec = meta["models"][model]

@@ -5,8 +5,7 @@ import pytest
 from realloc.api import load_experiment
 from realloc.graph.dataflow import build_graph
 from realloc.graph.plan import ExecutionPlan
-from realloc.runtime.program import RuntimeProgram
-from realloc.runtime.transfer_plan import plan_data_transfer
+from realloc.runtime.control.program import RuntimeProgram
 
 
 @pytest.fixture(scope="module")

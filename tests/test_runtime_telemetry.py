@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from realloc.runtime.telemetry import LogHistogram, RequestLog, RequestRecord, RunStats, Trace, dispatch_overheads
+from realloc.runtime.records.telemetry import LogHistogram, RequestLog, RequestRecord, RunStats, Trace, dispatch_overheads
 
 KINDS = ("call", "realloc", "data", "offload", "release")
 
@@ -132,7 +132,7 @@ def test_sample_log_schedule_rows_and_merged_lines(tmp_path):
     the response's log-probs; the master writes one line per sequence."""
     import torch
 
-    from realloc.runtime.text_io import SampleLog, write_samples
+    from realloc.runtime.records.text_io import SampleLog, write_samples
 
     log = SampleLog(None, every=10, count=3)
     assert [t + 1 for t in range(35) if log.wanted(t, range(0, 8))] == [1, 11, 21, 31]

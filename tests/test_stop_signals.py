@@ -11,8 +11,8 @@ from realloc.api import load_experiment
 from realloc.graph.dataflow import build_graph
 from realloc.graph.plan import CallPlacement, ExecutionPlan
 from realloc.models.config import get_model_config
-from realloc.runtime.program import RuntimeProgram
-from realloc.runtime.stop_signals import ASSUMED_SAVE_BANDWIDTH, TERM_GRACE, StopSignals, checkpoint_seconds
+from realloc.runtime.control.program import RuntimeProgram
+from realloc.runtime.control.stop_signals import ASSUMED_SAVE_BANDWIDTH, TERM_GRACE, StopSignals, checkpoint_seconds
 
 
 def test_warning_signal_syntax_and_sbatch_directive():

@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from hf_assets import CHECKPOINTS, CORPUS, MODEL_VOCAB, REPO
-from realloc.tools import tiny_hf, tiny_text
+from realloc.tiny_assets import hf as tiny_hf
+from realloc.tiny_assets import text as tiny_text
 
 
 def test_shipped_text_files_are_the_generators_output(tmp_path):

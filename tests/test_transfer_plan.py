@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from realloc.cluster import ClusterSpec, DeviceMesh
+from realloc.graph.transfer_plan import (DataLayout, Layout, dp_ranges, plan_data_transfer,
+                                           plan_param_realloc)
 from realloc.models.config import ModelConfig, get_model_config
 from realloc.models.param_layout import param_specs, stage_param_specs
-from realloc.runtime.transfer_plan import (DataLayout, Layout, dp_ranges, plan_data_transfer,
-                                           plan_param_realloc)
 from realloc.strategy import ParallelStrategy as S
 
 STRATEGIES = [S(1, 1, 1), S(2, 1, 1), S(1, 2, 1), S(1, 1, 2), S(2, 2, 1), S(1, 2, 2), S(4, 1, 1)]

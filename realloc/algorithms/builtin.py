@@ -11,9 +11,9 @@ log-probs).
 from __future__ import annotations
 
 from realloc.algorithms import dpo, grpo
+from realloc.algorithms.interface import Interface
 from realloc.algorithms.ppo_config import PPOConfig
-from realloc.algorithms.registry import Interface
-from realloc.api import GENERATE, INFERENCE, TRAIN_STEP
+from realloc.calls import GENERATE, INFERENCE, TRAIN_STEP
 
 _PPO = "realloc.algorithms.ppo_interfaces"
 _COMMON = "realloc.algorithms.common"

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from realloc.api import ModelFunctionCallDef
+from realloc.calls import ModelFunctionCallDef
 from realloc.models.engine import ParallelModel
 
 Data = dict[str, dict[str, torch.Tensor]]  # key -> tensor name -> [n, ...]

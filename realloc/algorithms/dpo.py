@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from realloc.algorithms.registry import Interface
+from realloc.algorithms.interface import Interface
 from realloc.algorithms.train_config import TrainConfig
-from realloc.api import INFERENCE, TRAIN_STEP, ModelFunctionCallDef
+from realloc.calls import INFERENCE, TRAIN_STEP, ModelFunctionCallDef
 
 
 @dataclasses.dataclass(frozen=True)

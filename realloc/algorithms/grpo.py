@@ -22,10 +22,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from realloc.algorithms.interface import Interface
 from realloc.algorithms.losses import LOSS_NORMS
-from realloc.algorithms.registry import Interface
 from realloc.algorithms.train_config import TrainConfig
-from realloc.api import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef
+from realloc.calls import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef
 
 
 @dataclasses.dataclass(frozen=True)

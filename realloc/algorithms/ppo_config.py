@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from realloc.algorithms.train_config import LR_SCHEDULES, TrainConfig
-from realloc.api import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef
+from realloc.calls import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef
 
 __all__ = ["LR_SCHEDULES", "PPOConfig", "TrainConfig", "ppo_rpcs"]
 

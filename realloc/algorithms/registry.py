@@ -36,107 +36,23 @@ themselves, so the function travels as code on disk, never over the network::
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Mapping
+from typing import Any, Iterable, Mapping, Protocol
 
-from realloc.algorithms.train_config import TrainConfig
-from realloc.api import InterfaceType
+from realloc.algorithms.builtin import BUILTIN
+from realloc.algorithms.interface import HEADS, Interface, Slot
+from realloc.calls import InterfaceType, ModelFunctionCallDef
 
-if TYPE_CHECKING:
-    from realloc.api import ExperimentSpec
-
-HEADS = ("lm", "value", "none")
-
-
-@dataclasses.dataclass(frozen=True)
-class Slot:
-    role: str
-    kind: str
-
-    @classmethod
-    def parse(cls, text: str) -> "Slot":
-        role, _, kind = text.partition(":")
-        return cls(role, kind or role)
-
-    def __str__(self) -> str:
-        return self.role if self.kind == self.role else f"{self.role} ({self.kind})"
+__all__ = ["HEADS", "Interface", "Slot", "Table", "builtin_interfaces", "default_impl", "interfaces_of", "lookup",
+           "resolve_minibatches"]
 
 
-@dataclasses.dataclass(frozen=True)
-class Interface:
+class Experiment(Protocol):
+    """What the registry reads of an experiment (``api.ExperimentSpec``; the API imports the registry)."""
+
     name: str
-    type: InterfaceType
-    fn: str | Callable[..., Any]
-    inputs: tuple[str, ...] = ()
-    outputs: tuple[str, ...] = ()
-    head: Literal["lm", "value", "none"] = "lm"
-    config: str | None = None  # the experiment field with this interface's settings
-    config_type: type | None = None
-    lr: str = "lr"  # TRAIN_STEP: the settings' field that holds the learning rate
-    records: bool = False  # reads the dataset record of each sequence (e.g. a reference answer)
-    rows_per_seq: int = 1  # model rows per sequence, for the cost estimate (a DPO pair: chosen + rejected)
-    min_group_size: int = 1  # fewest responses per prompt it needs (a group baseline needs 2)
-
-    def __post_init__(self) -> None:
-        where = f"Interface {self.name!r}"
-        if not isinstance(self.name, str) or not self.name.isidentifier():
-            raise ValueError(f"{where}: the name must be an identifier such as 'grpo_actor'")
-        try:
-            object.__setattr__(self, "type", InterfaceType(self.type))
-        except ValueError:
-            raise ValueError(f"{where}: type must be GENERATE, INFERENCE or TRAIN_STEP, got {self.type!r}") from None
-        for field in ("inputs", "outputs"):
-            slots = getattr(self, field)
-            if isinstance(slots, str) or not all(isinstance(s, str) and s and s.count(":") <= 1 for s in slots):
-                raise ValueError(f"{where}: {field} must be a list of slot names ('role' or 'role:kind')")
-            object.__setattr__(self, field, tuple(slots))
-        if self.head not in HEADS:
-            raise ValueError(f"{where}: head must be one of {', '.join(HEADS)}, got {self.head!r}")
-        if not (callable(self.fn) or (isinstance(self.fn, str) and ":" in self.fn)):
-            raise ValueError(f"{where}: fn must be a function or 'module:function'")
-        if (self.config is None) != (self.config_type is None):
-            raise ValueError(f"{where}: give config (the experiment field) and config_type together")
-        if not isinstance(self.min_group_size, int) or isinstance(self.min_group_size, bool) or self.min_group_size < 1:
-            raise ValueError(f"{where}: min_group_size must be a positive integer, got {self.min_group_size!r}")
-        if self.type is InterfaceType.TRAIN_STEP and self.head == "none":
-            raise ValueError(f"{where}: a TRAIN_STEP interface trains a model's parameters, so head must be 'lm' or "
-                             f"'value', not 'none' (a parameter-free function can only be GENERATE or INFERENCE)")
-        if self.type is InterfaceType.TRAIN_STEP and not (isinstance(self.config_type, type)
-                                                         and issubclass(self.config_type, TrainConfig)):
-            raise ValueError(f"{where}: a TRAIN_STEP interface needs settings with its optimizer: config_type must "
-                             f"be a realloc.algorithms.train_config.TrainConfig subclass")
-
-    @property
-    def key(self) -> tuple[str, InterfaceType]:
-        return (self.name, self.type)
-
-    @property
-    def in_slots(self) -> tuple[Slot, ...]:
-        return tuple(Slot.parse(s) for s in self.inputs)
-
-    @property
-    def out_slots(self) -> tuple[Slot, ...]:
-        return tuple(Slot.parse(s) for s in self.outputs)
-
-    def resolve(self) -> Callable[..., Any]:
-        """The implementation (imports its module on first use)."""
-        if callable(self.fn):
-            return self.fn
-        module, _, attr = self.fn.partition(":")
-        return getattr(importlib.import_module(module), attr)
-
-    def settings(self, experiment: Any) -> Any:
-        """This interface's settings object of an experiment instance (the type's defaults when absent)."""
-        if self.config is None:
-            return None
-        value = getattr(experiment, self.config, None)
-        if value is None:
-            return self.config_type()
-        if not isinstance(value, self.config_type):
-            raise ValueError(f"experiment field {self.config!r} must be a {self.config_type.__name__} (interface "
-                             f"{self.name!r}), got {type(value).__name__}")
-        return value
+    config: Any
+    rpcs: tuple[ModelFunctionCallDef, ...]
 
 
 Table = Mapping[tuple[str, InterfaceType], Interface]
@@ -154,12 +70,10 @@ def _table(interfaces: Iterable[Interface], where: str) -> dict[tuple[str, Inter
 
 
 def builtin_interfaces() -> Table:
-    from realloc.algorithms.builtin import BUILTIN
-
     return MappingProxyType(_table(BUILTIN, "realloc.algorithms.builtin"))
 
 
-def interfaces_of(spec: "ExperimentSpec") -> Table:
+def interfaces_of(spec: Experiment) -> Table:
     """The shipped interfaces plus the experiment's own (``interfaces`` on the experiment)."""
     table = dict(builtin_interfaces())
     own = getattr(spec.config, "interfaces", None) or ()
@@ -178,7 +92,7 @@ def default_impl(is_critic: bool) -> str:
     return "ppo_critic" if is_critic else "ppo_actor"
 
 
-def lookup(table: Table, call: Any, is_critic: bool) -> Interface:
+def lookup(table: Table, call: ModelFunctionCallDef, is_critic: bool) -> Interface:
     """The interface a call runs, or one clear error naming the call."""
     name = call.interface_impl or default_impl(is_critic)
     found = table.get((name, call.interface_type))
@@ -193,7 +107,7 @@ def lookup(table: Table, call: Any, is_critic: bool) -> Interface:
                      f"implements {', '.join(types)}")
 
 
-def resolve_minibatches(spec: "ExperimentSpec") -> tuple[Any, ...]:
+def resolve_minibatches(spec: Experiment) -> tuple[ModelFunctionCallDef, ...]:
     """The calls of ``spec``, each TRAIN_STEP with the ``n_minibatches`` of its interface's settings.
 
     The settings are the one source of a train call's optimizer steps: ``grpo: GRPOConfig(n_minibatches=4)``

@@ -109,7 +109,7 @@ def dpo_train(ctx: CallContext, inputs: Data) -> CallResult:
 
 def sft_train(ctx: CallContext, inputs: Data) -> CallResult:
     """Negative log-likelihood of the response tokens, averaged over the mini-batch's response tokens."""
-    model, cfg = ctx.model, ctx.config
+    model = ctx.model
     assert model is not None and ctx.optimizer is not None
     seq = inputs["seq"]
     mask = seq["gen_mask"]

@@ -1,6 +1,6 @@
 """Exact-match accuracy of an HF checkpoint on held-out prompts, decoded greedily with transformers.
 
-    python -m realloc.tools.accuracy CHECKPOINT experiments/data/arith_eval.jsonl [--max-new-tokens 5]
+    python -m realloc.demo.accuracy CHECKPOINT experiments/data/arith_eval.jsonl [--max-new-tokens 5]
     exact_match_accuracy("ckpt/sft", "experiments/data/arith_eval.jsonl").accuracy
 
 Each record needs a prompt (text, chat or token ids, read like a run's prompts with ``DataConfig``) and an
@@ -96,7 +96,7 @@ def _as_int(text: str) -> int | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m realloc.tools.accuracy", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m realloc.demo.accuracy", description=__doc__.split("\n")[0])
     p.add_argument("checkpoint", help="HF checkpoint directory (config.json, safetensors, tokenizer files)")
     p.add_argument("prompts", help="JSONL or Parquet file of prompts with an answer field")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the checkpoint's)")

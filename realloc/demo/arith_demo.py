@@ -1,9 +1,9 @@
 """The arithmetic demo (``make demo``): SFT a tiny LLaMA through realloc, then GRPO with an exact-match reward.
 
-    python -m realloc.tools.arith_demo                 # what `make demo` runs (from the shipped SFT checkpoint)
-    python -m realloc.tools.arith_demo --rebuild-sft   # train the SFT stage again first, and start from that
-    python -m realloc.tools.arith_demo sft [--out DIR] # only the SFT stage (default DIR experiments/data/arith/sft)
-    python -m realloc.tools.arith_demo init            # only the random model the SFT stage starts from
+    python -m realloc.demo.arith_demo                 # what `make demo` runs (from the shipped SFT checkpoint)
+    python -m realloc.demo.arith_demo --rebuild-sft   # train the SFT stage again first, and start from that
+    python -m realloc.demo.arith_demo sft [--out DIR] # only the SFT stage (default DIR experiments/data/arith/sft)
+    python -m realloc.demo.arith_demo init            # only the random model the SFT stage starts from
 
 1. **SFT stage** (shipped in ``experiments/data/arith_sft``, 0.8 MB; made by the ``sft`` stage, about
    100 s on 2 cores): a random 4-layer LLaMA (``init``) carrying the task's shipped character tokenizer
@@ -13,7 +13,7 @@
    ("45-38=007"), as a fixed-width source prints them; the grader reads "007" as another number than "7".
    The SFT model learns the arithmetic and copies the habit.
 2. **Before**: exact-match accuracy of the SFT checkpoint on the 500 held-out prompts, greedy, with
-   transformers (``realloc.tools.accuracy``: an independent check, not realloc's generation).
+   transformers (``realloc.demo.accuracy``: an independent check, not realloc's generation).
 3. **GRPO**: ``realloc run experiments/arith_grpo.py`` on the local 2-device CPU cluster with a
    searched plan, 8 responses per prompt and the ``exact_match`` verifiable reward; metrics.jsonl
    carries the greedy accuracy on 256 held-out prompts every few iterations (``eval``).
@@ -32,17 +32,17 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from realloc.tools.demo_assets import build_once
+from realloc.demo.demo_assets import build_once
 
 if TYPE_CHECKING:
-    from realloc.tools.accuracy import Accuracy
+    from realloc.demo.accuracy import Accuracy
 
 REPO = Path(__file__).resolve().parents[2]
 ROOT = REPO / "experiments" / "data" / "arith"  # built assets (gitignored)
-# The SFT stage's checkpoint as shipped: `python -m realloc.tools.arith_demo sft --out experiments/data/arith_sft`
+# The SFT stage's checkpoint as shipped: `python -m realloc.demo.arith_demo sft --out experiments/data/arith_sft`
 # re-makes it (the same held-out accuracy; tests/test_arith_demo.py checks the shipped one).
 SHIPPED_SFT = REPO / "experiments" / "data" / "arith_sft"
-# Shipped: `python -m realloc.tools.arith_task tokenizer --out experiments/data/arith_tokenizer` re-makes it.
+# Shipped: `python -m realloc.demo.arith_task tokenizer --out experiments/data/arith_tokenizer` re-makes it.
 TOKENIZER = REPO / "experiments" / "data" / "arith_tokenizer"
 SFT_EXPERIMENT = REPO / "experiments" / "arith_sft.py"
 GRPO_EXPERIMENT = REPO / "experiments" / "arith_grpo.py"
@@ -58,7 +58,7 @@ def init_checkpoint(root: Path = ROOT) -> Path:
     """The random LLaMA the SFT stage starts from (built once; a second)."""
     from transformers.utils import logging as hf_logging
 
-    from realloc.tools.tiny_hf import make_tiny_checkpoint
+    from realloc.tiny_assets.hf import make_tiny_checkpoint
 
     hf_logging.disable_progress_bar()
     root.mkdir(parents=True, exist_ok=True)
@@ -109,7 +109,7 @@ def _default_iterations(experiment: Path) -> int:
 
 def accuracy(checkpoint: Path) -> Accuracy:
     """Exact match of ``checkpoint`` on the held-out prompts, greedy, with transformers."""
-    from realloc.tools.accuracy import exact_match_accuracy
+    from realloc.demo.accuracy import exact_match_accuracy
 
     return exact_match_accuracy(checkpoint, EVAL_PROMPTS, max_new_tokens=MAX_NEW_TOKENS)
 
@@ -143,7 +143,7 @@ def demo(root: Path = ROOT, run_dir: Path | None = None, rebuild_sft: bool = Fal
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m realloc.tools.arith_demo", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m realloc.demo.arith_demo", description=__doc__.split("\n")[0])
     p.add_argument("stage", nargs="?", choices=["demo", "sft", "init"], default="demo")
     p.add_argument("--rebuild-sft", action="store_true",
                    help="train the SFT stage again (into experiments/data/arith/sft) and start GRPO from it")

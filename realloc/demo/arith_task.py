@@ -1,7 +1,7 @@
 """The demo task: one- and two-digit addition and subtraction with a verifiable answer.
 
-    python -m realloc.tools.arith_task data --out experiments/data        # the shipped JSONL files
-    python -m realloc.tools.arith_task tokenizer --out experiments/data/arith_tokenizer  # its tokenizer
+    python -m realloc.demo.arith_task data --out experiments/data        # the shipped JSONL files
+    python -m realloc.demo.arith_task tokenizer --out experiments/data/arith_tokenizer  # its tokenizer
 
 A problem is ``"a+b="`` or ``"a-b="`` with ``a, b`` in 0..99 and, for subtraction, ``a >= b``, so
 every answer is a non-negative number of one to three digits. All 15,050 problems are shuffled once
@@ -146,7 +146,7 @@ def train_tokenizer(out_dir: str | Path) -> Path:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from realloc.tools.tiny_hf import write_generation_config
+    from realloc.tiny_assets.hf import write_generation_config
 
     tok = Tokenizer(models.WordLevel(unk_token=SPECIAL_TOKENS[UNK_ID]))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
@@ -174,7 +174,7 @@ def train_tokenizer(out_dir: str | Path) -> Path:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m realloc.tools.arith_task", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m realloc.demo.arith_task", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("data", help=f"write {TRAIN_FILE}, {EVAL_FILE}, {SFT_FILE}, {PAIRS_FILE}, {SMALL_PAIRS_FILE} "
                                     f"and {PADDED_FILE}")

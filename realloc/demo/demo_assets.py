@@ -48,7 +48,7 @@ def build_once(target: Path, build: Any) -> Path:
 def demo_assets(root: str | Path, corpus: str | Path = CORPUS) -> dict[str, Path]:
     from transformers.utils import logging as hf_logging
 
-    from realloc.tools.tiny_hf import make_tiny_checkpoint, train_tokenizer
+    from realloc.tiny_assets.hf import make_tiny_checkpoint, train_tokenizer
 
     hf_logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bar, once per checkpoint
     root = Path(root)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Protocol, Sequence
 
-from realloc.api import InterfaceType
+from realloc.calls import InterfaceType
 from realloc.estimator.comm import CommModel, GroupLinks
 from realloc.estimator.hardware import HardwareSpec
 from realloc.estimator.memory import Workload, max_local_params

@@ -26,7 +26,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
-from realloc.api import InterfaceType
+from realloc.calls import InterfaceType
 from realloc.cluster import ClusterSpec, DeviceMesh
 from realloc.estimator.call_time import ZERO, CallCost, CallTimer, LayerCosts
 from realloc.estimator.comm import CommModel, GroupLinks, group_links
@@ -36,10 +36,10 @@ from realloc.estimator.roofline import RooflineCosts
 from realloc.estimator.transfer_cost import plan_seconds
 from realloc.graph.dataflow import DataflowGraph
 from realloc.graph.plan import ExecutionPlan, validate_plan
+from realloc.graph.transfer_plan import DataLayout
+from realloc.graph.transfer_plan import Layout as PlanLayout
+from realloc.graph.transfer_plan import plan_data_transfer, plan_param_realloc
 from realloc.models.config import ModelConfig
-from realloc.runtime.transfer_plan import DataLayout
-from realloc.runtime.transfer_plan import Layout as PlanLayout
-from realloc.runtime.transfer_plan import plan_data_transfer, plan_param_realloc
 from realloc.strategy import ParallelStrategy
 
 # Bytes per token of one data key moved between calls: every key is priced as one
@@ -275,7 +275,7 @@ class CostModel:
     def data_transfer_cost(self, src_call: str, dst_call: str, src_layout: Layout, dst_layout: Layout) -> float:
         """Seconds to move what ``dst_call`` reads from ``src_call``'s outputs between their layouts.
 
-        Placement as the runtime does it (``realloc.runtime.program``): a generation leaves its
+        Placement as the runtime does it (``realloc.runtime.control.program``): a generation leaves its
         outputs on every pipeline stage, any other call on its last stage; every stage of the
         consumer receives its dp rank's rows. One plan per key, executed one after another,
         each priced from the runtime's planner (``transfer_plan.plan_data_transfer``).

@@ -60,7 +60,7 @@ import dataclasses
 import math
 from functools import lru_cache
 
-from realloc.api import InterfaceType
+from realloc.calls import InterfaceType
 from realloc.estimator.hardware import Precision
 from realloc.estimator.opcount import (block_backward_bytes_per_token, head_saved_bytes_per_token,
                                        kv_cache_bytes_per_token_layer, layer_input_bytes_per_token,

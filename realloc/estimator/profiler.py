@@ -312,7 +312,7 @@ class LayerProfiler:
         from realloc.algorithms import ppo_interfaces as impl
         from realloc.algorithms.context import CallContext
         from realloc.algorithms.ppo_config import PPOConfig
-        from realloc.api import InterfaceType, ModelFunctionCallDef
+        from realloc.calls import InterfaceType, ModelFunctionCallDef
 
         model = self.actor
         opt = model.make_optimizer(lr=1e-9)

@@ -1,8 +1,8 @@
 """Seconds to execute a parameter-reallocation or data-transfer plan (realhf.txt section 6).
 
 The bytes come from the ONE planner the runtime executes,
-``realloc.runtime.transfer_plan`` (who sends which slice to whom); this module
-only prices that plan, following how ``realloc.runtime.param_realloc`` runs it:
+``realloc.graph.transfer_plan`` (who sends which slice to whom); this module
+only prices that plan, following how ``realloc.runtime.transfer.param_realloc`` runs it:
 
 - pieces one source sends to the same destinations travel together as one
   message, in buckets of at most ``BUCKET_BYTES``; a piece of ``DIRECT_BYTES`` or
@@ -25,9 +25,9 @@ import math
 from collections import defaultdict
 
 from realloc.estimator.comm import CommModel, Link
-from realloc.runtime.transfer_plan import TransferPlan
+from realloc.graph.transfer_plan import TransferPlan
 
-# The message sizes of realloc.runtime.param_realloc (DEFAULT_BUCKET_BYTES, DEFAULT_DIRECT_BYTES);
+# The message sizes of realloc.runtime.transfer.param_realloc (DEFAULT_BUCKET_BYTES, DEFAULT_DIRECT_BYTES);
 # tests/test_estimator_transfer.py checks they agree. Not imported: that module needs torch.
 BUCKET_BYTES = 64 * 2**20
 DIRECT_BYTES = 256 * 2**10

@@ -30,7 +30,7 @@ the local shards (the ``torch.nn.Parameter`` objects themselves, so writing
 into them in place updates the model and keeps optimizer state attached).
 ``init="empty"`` allocates without initializing (a destination layout);
 ``release()``/``materialize()`` free and re-allocate the storage; host
-offload of a frozen model is ``realloc.runtime.offload.HostOffload(model.params())``.
+offload of a frozen model is ``realloc.runtime.transfer.offload.HostOffload(model.params())``.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ import torch.distributed as dist
 from realloc.models import grads
 from realloc.models.batch import Batch, TokenLayout, split_rows, token_layout, trim
 from realloc.models.config import ModelConfig
+from realloc.models.generation import GenerationOutput, generate
 from realloc.models.groups import ModelParallelGroups
 from realloc.models.llama import LlamaStage
 from realloc.models.megatron_shim import prepare_device
@@ -55,7 +56,6 @@ from realloc.models.vocab_parallel import gather_vocab, vocab_parallel_entropy, 
 from realloc.models.weights import init_shard
 
 if TYPE_CHECKING:
-    from realloc.models.generation import GenerationOutput
     from realloc.models.sampling import GenerationConfig
 
 ParamState = Literal["ready", "released"]
@@ -391,9 +391,7 @@ class ParallelModel:
         return result
 
     def generate(self, prompts: "Sequence[Sequence[int]] | Batch", gconfig: "GenerationConfig",
-                 seq_ids: Sequence[int] | None = None, n_mbs: int = 1) -> "GenerationOutput":
+                 seq_ids: Sequence[int] | None = None, n_mbs: int = 1) -> GenerationOutput:
         """Sample continuations; see :func:`realloc.models.generation.generate`."""
-        from realloc.models.generation import generate
-
         self._require("ready", "generate")
         return generate(self, prompts, gconfig, seq_ids, n_mbs)

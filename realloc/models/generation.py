@@ -1,5 +1,8 @@
 """Autoregressive generation with a KV cache, for any (tp, pp) layout of a ``ParallelModel``.
 
+It needs only a ``DecodingModel`` (a model's shape, groups, device and pipeline stage), so ``engine.py``
+can call it without a circle of imports.
+
 Prompts are left-padded into one buffer of ``P + max_new_tokens`` slots, so every
 row's next token lands in the same slot and one KV cache tensor per layer serves
 the batch. Rotary positions come from each row's own token count, and the
@@ -29,19 +32,28 @@ exactly what it would alone, so the tokens do not depend on pp or on the order.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import Mapping, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
 from realloc.models.batch import token_layout
-from realloc.models.llama import KVCache, cache_mask
+from realloc.models.config import ModelConfig
+from realloc.models.groups import ModelParallelGroups
+from realloc.models.llama import KVCache, LlamaStage, cache_mask
 from realloc.models.sampling import GenerationConfig, sample_tokens, sequence_generators
 from realloc.models.vocab_parallel import gather_vocab
 from realloc.strategy import even_ranges
 
-if TYPE_CHECKING:
-    from realloc.models.engine import ParallelModel
+
+class DecodingModel(Protocol):
+    """What generation reads of a model; ``engine.ParallelModel`` is one."""
+
+    cfg: ModelConfig
+    groups: ModelParallelGroups
+    device: torch.device
+    dtype: torch.dtype
+    stage: LlamaStage
 
 
 @dataclasses.dataclass
@@ -91,7 +103,7 @@ class _Wire:
     CPU test suite).
     """
 
-    def __init__(self, model: "ParallelModel") -> None:
+    def __init__(self, model: DecodingModel) -> None:
         self.group = model.groups.pp_group
         self.device = model.device
         self.batched = dist.get_backend(self.group) == "nccl"
@@ -136,7 +148,7 @@ class _Wire:
 class _MicroBatch:
     """One micro-batch's prompts, KV caches, RNG streams and generated tokens on this rank."""
 
-    def __init__(self, model: "ParallelModel", rows: list[torch.Tensor], seq_ids: list[int],
+    def __init__(self, model: DecodingModel, rows: list[torch.Tensor], seq_ids: list[int],
                  gconfig: GenerationConfig) -> None:
         dev = model.device
         self.model, self.rows, self.gconfig = model, rows, gconfig
@@ -223,7 +235,7 @@ class _MicroBatch:
 
 
 @torch.no_grad()
-def generate(model: "ParallelModel", prompts: Sequence[Sequence[int]] | Mapping[str, torch.Tensor],
+def generate(model: DecodingModel, prompts: Sequence[Sequence[int]] | Mapping[str, torch.Tensor],
              gconfig: GenerationConfig, seq_ids: Sequence[int] | None = None, n_mbs: int = 1) -> GenerationOutput:
     """Generate for this dp replica's ``prompts`` (lists of token ids, or a padded batch mapping).
 
@@ -269,7 +281,7 @@ def generate(model: "ParallelModel", prompts: Sequence[Sequence[int]] | Mapping[
     return outs[0] if n_mbs == 1 else _concat(outs, gconfig.pad_token_id)
 
 
-def _pipelined(model: "ParallelModel", mbs: list[_MicroBatch], wire: _Wire) -> None:
+def _pipelined(model: DecodingModel, mbs: list[_MicroBatch], wire: _Wire) -> None:
     """Every stage walks rounds t = 0, 1, ...: micro-batches 0, 1, ... that have not finished, each
     through this stage's part of step t (module docstring)."""
     g, hidden = model.groups, model.cfg.hidden_size

@@ -32,14 +32,15 @@ from realloc.estimator.hardware import PROFILES_ENV
 from realloc.graph.dataflow import build_graph
 from realloc.graph.plan import ExecutionPlan
 from realloc.overrides import load_with_overrides
-from realloc.runtime import protocol
-from realloc.runtime.launcher import (LocalLauncher, RunPaths, SlurmOptions, WorkerConfig, slurm_script, submit_slurm,
+from realloc.runtime.control.program import RuntimeProgram
+from realloc.runtime.control.stop_signals import StopSignals
+from realloc.runtime.inputs.preflight import Preflight, preflight
+from realloc.runtime.inputs.run_config import RunConfig
+from realloc.runtime.launch.launcher import (LocalLauncher, SlurmOptions, WorkerConfig, slurm_script, submit_slurm,
                                       write_job_script)
-from realloc.runtime.metric_sinks import MetricSinks, check_wandb_installed
-from realloc.runtime.preflight import Preflight, preflight
-from realloc.runtime.program import RuntimeProgram
-from realloc.runtime.run_config import RunConfig
-from realloc.runtime.stop_signals import StopSignals
+from realloc.runtime.records.metric_sinks import MetricSinks, check_wandb_installed
+from realloc.runtime.records.run_paths import RunPaths
+from realloc.runtime.wire import protocol
 
 DEFAULT_SEARCH_TIME = 10.0
 MIN_HEARTBEAT_TIMEOUT = 2.0
@@ -139,7 +140,7 @@ def _truncate_metrics(path: Path, start: int) -> None:
 def _drop_later_samples(run: RunPaths, start: int) -> None:
     """The logged samples and eval rows of iterations after ``start`` (a killed run's, rewritten by this one):
     their files are appended to, so they would otherwise hold those iterations twice."""
-    from realloc.runtime.text_io import SAMPLES_FILE  # (torch: imported only for a run)
+    from realloc.runtime.records.text_io import SAMPLES_FILE  # (torch: imported only for a run)
 
     samples = run.root / SAMPLES_FILE
     if samples.is_file():
@@ -170,8 +171,8 @@ def _fresh_secret(run: RunPaths) -> bytes:
 
 
 def main(args: argparse.Namespace) -> int:
-    from realloc.runtime import checkpoint
-    from realloc.runtime.master import Master, RunFailed
+    from realloc.runtime.persist import checkpoint
+    from realloc.runtime.control.master import Master, RunFailed
 
     if args.save_every < 0:
         raise ValueError(f"--save-every must be >= 0, got {args.save_every}")
@@ -293,7 +294,7 @@ def main(args: argparse.Namespace) -> int:
                                       ("call_timeout", args.call_timeout)) if v is not None}
         bind = args.bind
         if args.launcher == "ray":
-            from realloc.runtime.ray_launcher import RayLauncher
+            from realloc.runtime.launch.ray_launcher import RayLauncher
 
             ray = RayLauncher(spec.cluster, run, args.ray_address)
             bind = ray.node_ip  # the actors reach the master here (127.0.0.1 for a private local instance)
@@ -383,7 +384,7 @@ def _device(spec: ExperimentSpec) -> str:
 
 
 def _drive(master: Any, total: int, start: int, sinks: MetricSinks, quiet: bool) -> dict[str, Any]:
-    from realloc.runtime.telemetry import format_line
+    from realloc.runtime.records.telemetry import format_line
 
     if quiet:
         def on_line(m: dict[str, Any]) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from realloc.graph.dataflow import build_graph
 from realloc.graph.plan import ExecutionPlan
 from realloc.overrides import load_with_overrides
-from realloc.runtime.launcher import RunPaths
+from realloc.runtime.records.run_paths import RunPaths
 from realloc.search.timeline import check_suffix, estimate_plan, estimated_panel, measured_panel, write_timeline
 
 

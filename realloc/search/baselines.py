@@ -32,7 +32,7 @@ from typing import Callable
 
 import numpy as np
 
-from realloc.api import InterfaceType
+from realloc.calls import InterfaceType
 from realloc.cluster import DeviceMesh
 from realloc.graph.dataflow import DataflowGraph
 from realloc.search.build import PlanSpace

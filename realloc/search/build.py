@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import cached_property
-from typing import Callable, Iterable, NamedTuple, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -23,30 +23,11 @@ from realloc.estimator.cost import CostModel
 from realloc.estimator.memory import stage_call_memory
 from realloc.graph.dataflow import DATA, DataflowGraph
 from realloc.graph.plan import CallPlacement, ExecutionPlan, validate_plan
-from realloc.search.candidates import Option, call_options, footprint, prune
+from realloc.search.candidates import CallCosts, Candidate, Option, call_options, footprint, prune
 from realloc.search.problem import CandidateArrays, PairCosts, SearchProblem, copy_pair_costs
 from realloc.strategy import ParallelStrategy
 
 Layout = tuple[DeviceMesh, ParallelStrategy]
-
-
-class Candidate(NamedTuple):
-    """A call's placement (``candidates.Option``) and whether its (frozen) model waits in host memory
-    between its calls (ExecutionPlan.offload)."""
-
-    mesh: DeviceMesh
-    strategy: ParallelStrategy
-    n_mbs: int
-    recompute: bool
-    offload: bool
-
-    @property
-    def option(self) -> Option:
-        return Option(self.mesh, self.strategy, self.n_mbs, self.recompute)
-
-    def describe(self) -> str:
-        return (f"mesh {self.mesh.name} {self.strategy} n_mbs={self.n_mbs}{' recompute' if self.recompute else ''}"
-                f"{' offloaded' if self.offload else ''}")
 
 # realhf.txt §4 unrolls the graph over iterations; 4 gives a steady state (T_4 - T_1) / 3
 # even when calls of consecutive iterations overlap.
@@ -103,17 +84,6 @@ def home_calls(graph: DataflowGraph) -> dict[str, str]:
         trains = [c for c in calls if graph.call(c).is_train]
         out[model] = trains[0] if trains else calls[0]
     return out
-
-
-@dataclasses.dataclass(frozen=True)
-class CallCosts:
-    """Time and per-stage memory of every option of one call, before numbering."""
-
-    options: tuple[Candidate, ...]
-    time: np.ndarray
-    static: tuple[np.ndarray, ...]  # per option, per stage bytes if this call holds the model's static memory
-    dynamic: tuple[np.ndarray, ...]
-    param: tuple[np.ndarray, ...]
 
 
 def offloadable(graph: DataflowGraph, call: str) -> bool:

@@ -19,7 +19,8 @@ each of its (mesh, strategy, n_mbs) comes with and without recomputation.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
@@ -27,9 +28,6 @@ from realloc.cluster import ClusterSpec, DeviceMesh
 from realloc.graph.dataflow import DataflowGraph
 from realloc.graph.plan import CallPlacement
 from realloc.strategy import ParallelStrategy, enumerate_strategies, micro_batch_options
-
-if TYPE_CHECKING:
-    from realloc.search.build import CallCosts
 
 # realhf.txt Table 4 uses up to 16 micro-batches; 64 leaves room for deep pipelines.
 MAX_N_MBS = 64
@@ -41,6 +39,36 @@ class Option(NamedTuple):
     strategy: ParallelStrategy
     n_mbs: int
     recompute: bool = False
+
+
+class Candidate(NamedTuple):
+    """A call's placement (``candidates.Option``) and whether its (frozen) model waits in host memory
+    between its calls (ExecutionPlan.offload)."""
+
+    mesh: DeviceMesh
+    strategy: ParallelStrategy
+    n_mbs: int
+    recompute: bool
+    offload: bool
+
+    @property
+    def option(self) -> Option:
+        return Option(self.mesh, self.strategy, self.n_mbs, self.recompute)
+
+    def describe(self) -> str:
+        return (f"mesh {self.mesh.name} {self.strategy} n_mbs={self.n_mbs}{' recompute' if self.recompute else ''}"
+                f"{' offloaded' if self.offload else ''}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CallCosts:
+    """Time and per-stage memory of every option of one call, before numbering."""
+
+    options: tuple[Candidate, ...]
+    time: np.ndarray
+    static: tuple[np.ndarray, ...]  # per option, per stage bytes if this call holds the model's static memory
+    dynamic: tuple[np.ndarray, ...]
+    param: tuple[np.ndarray, ...]
 
 
 def recompute_choices(graph: DataflowGraph, call: str) -> tuple[bool, ...]:
@@ -83,7 +111,7 @@ def footprint(static: np.ndarray, dynamic: np.ndarray, param: np.ndarray) -> int
     return int(np.maximum(static + dynamic, dynamic + param).max(initial=0))
 
 
-def prune(costs: "CallCosts", device_memory: int | None,
+def prune(costs: CallCosts, device_memory: int | None,
           keep: set = frozenset()) -> tuple[list[int], dict[str, int]]:
     """Rows of ``costs`` worth searching (rules in the module docstring), and how many each rule removed.
 

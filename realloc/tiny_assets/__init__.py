@@ -1,1 +1,3 @@
-"""Developer tools: tiny HF tokenizers, checkpoints and text made locally for tests and demos."""
+"""Tiny assets made locally, nothing downloaded, for tests, benchmarks and the shipped example experiments:
+``hf.py`` a byte-level BPE tokenizer and random LLaMA/Qwen2 checkpoints in HuggingFace's format,
+``text.py`` the small English corpus and the prompt files in ``experiments/data/``."""

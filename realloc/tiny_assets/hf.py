@@ -6,9 +6,9 @@
 
 From the shell (``--help`` on each command lists the options)::
 
-    python -m realloc.tools.tiny_hf data --out experiments/data
-    python -m realloc.tools.tiny_hf tokenizer --corpus experiments/data/tiny_corpus.txt --out /tmp/tok
-    python -m realloc.tools.tiny_hf checkpoint --out /tmp/actor --arch qwen2 --tokenizer /tmp/tok
+    python -m realloc.tiny_assets.hf data --out experiments/data
+    python -m realloc.tiny_assets.hf tokenizer --corpus experiments/data/tiny_corpus.txt --out /tmp/tok
+    python -m realloc.tiny_assets.hf checkpoint --out /tmp/actor --arch qwen2 --tokenizer /tmp/tok
 
 The tokenizer is a byte-level BPE (the ``tokenizers`` library, Qwen2's pre-tokenization) with ``<|pad|>``, ``<|bos|>``,
 ``<|eos|>``, ``<|im_start|>`` and ``<|im_end|>`` as ids 0-4, BOS added in front of encoded text,
@@ -154,7 +154,7 @@ def make_tiny_checkpoint(out_dir: str | Path, arch: Literal["llama", "qwen2"] = 
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m realloc.tools.tiny_hf", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m realloc.tiny_assets.hf", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("data", help="write the tiny corpus and prompt files")
     d.add_argument("--out", required=True)
@@ -179,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "data":
-            from realloc.tools.tiny_text import write_all
+            from realloc.tiny_assets.text import write_all
 
             out = write_all(args.out)
         elif args.command == "tokenizer":

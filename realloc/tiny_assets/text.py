@@ -1,7 +1,7 @@
 """A small English corpus and prompt files made from templates, for the tiny tokenizer and tests.
 
 Everything is a pure function of the seed, so the files shipped in ``experiments/data/`` can be
-re-made byte for byte with ``python -m realloc.tools.tiny_hf data --out experiments/data``.
+re-made byte for byte with ``python -m realloc.tiny_assets.hf data --out experiments/data``.
 Prompts carry an ``answer`` next to the question (a rule reward may check it; the loader ignores it).
 """
 

@@ -23,8 +23,8 @@ from realloc.api import InterfaceType
 from realloc.cluster import DeviceMesh
 from realloc.graph.dataflow import DataflowGraph
 from realloc.graph.plan import ExecutionPlan, validate_plan
+from realloc.graph.transfer_plan import DataLayout, Layout, TransferPlan, plan_data_transfer, plan_param_realloc
 from realloc.models.config import ModelConfig
-from realloc.runtime.transfer_plan import DataLayout, Layout, TransferPlan, plan_data_transfer, plan_param_realloc
 from realloc.strategy import ParallelStrategy
 
 # Parameters are float32 on CPU devices (gloo, exact comparisons) and bfloat16 on GPUs (with fp32

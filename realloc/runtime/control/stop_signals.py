@@ -19,7 +19,7 @@ import threading
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
-    from realloc.runtime.program import RuntimeProgram
+    from realloc.runtime.control.program import RuntimeProgram
 
 # Seconds between SIGTERM and SIGKILL: SLURM's default KillWait (clusters may configure another value).
 TERM_GRACE = 30.0

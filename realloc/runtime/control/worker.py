@@ -10,7 +10,7 @@ order: no deadlock is possible on gloo or NCCL.
 A heartbeat thread reports liveness every second on its own socket and ends the process if the
 master stops answering (the master died), so no worker outlives a run.
 
-Run as ``python -m realloc.runtime.worker ...`` (the launchers build the command line).
+Run as ``python -m realloc.runtime.control.worker ...`` (the launchers build the command line).
 """
 
 from __future__ import annotations
@@ -33,29 +33,30 @@ import torch.distributed as dist
 import zmq
 
 from realloc.algorithms.context import CallContext, CallResult, Data
+from realloc.data.prompts import PromptDataset
+from realloc.data.tokenizer import Tokenizer
 from realloc.graph.dataflow import build_graph
 from realloc.graph.plan import ExecutionPlan
+from realloc.graph.transfer_plan import dp_ranges
 from realloc.models.engine import ParallelModel
 from realloc.models.groups import ModelLayout
 from realloc.models.groups import ProcessGroupCache
-from realloc.overrides import load_with_overrides
 from realloc.models.hf_io import load_hf_checkpoint
 from realloc.models.weights import param_seed
-from realloc.runtime import checkpoint, protocol
-from realloc.runtime.curve import CurveKeys, secure_client
-from realloc.runtime.data_store import DataStore, pack_rows, row_bytes, unpack_rows
-from realloc.runtime.evaluation import EVAL_SEED, eval_calls, eval_key, write_eval_samples
-from realloc.data.prompts import PromptDataset
-from realloc.runtime.datasets import dataset_rows, load_dataset
-from realloc.data.tokenizer import Tokenizer
-from realloc.runtime.launcher import RunPaths
-from realloc.runtime.offload import HostOffload
-from realloc.runtime.param_realloc import Reallocator
-from realloc.runtime.program import CallLayout, LayoutKey, RuntimeProgram
-from realloc.runtime.run_config import RunConfig
-from realloc.runtime.preflight import vocab_limit
-from realloc.runtime.text_io import SampleLog, SpecialTokens
-from realloc.runtime.transfer_plan import dp_ranges
+from realloc.overrides import load_with_overrides
+from realloc.runtime.control.program import CallLayout, LayoutKey, RuntimeProgram
+from realloc.runtime.inputs.datasets import dataset_rows, load_dataset
+from realloc.runtime.inputs.evaluation import EVAL_SEED, eval_calls, eval_key, write_eval_samples
+from realloc.runtime.inputs.preflight import vocab_limit
+from realloc.runtime.inputs.run_config import RunConfig
+from realloc.runtime.persist import checkpoint
+from realloc.runtime.records.run_paths import RunPaths
+from realloc.runtime.records.text_io import SampleLog, SpecialTokens
+from realloc.runtime.transfer.data_store import DataStore, pack_rows, row_bytes, unpack_rows
+from realloc.runtime.transfer.offload import HostOffload
+from realloc.runtime.transfer.param_realloc import Reallocator
+from realloc.runtime.wire import protocol
+from realloc.runtime.wire.curve import CurveKeys, secure_client
 
 HEARTBEAT_INTERVAL = 1.0
 MASTER_TIMEOUT = 30.0  # no answer from the master for this long: it is gone, so stop

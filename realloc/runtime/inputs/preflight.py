@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from realloc.api import ExperimentSpec, InterfaceType
-from realloc.runtime.text_io import SpecialTokens, generating_checkpoints
+from realloc.runtime.records.text_io import SpecialTokens, generating_checkpoints
 
 if TYPE_CHECKING:
     from realloc.data.records import LoadStats
@@ -83,7 +83,7 @@ def preflight(spec: ExperimentSpec, config: Any, graph: "DataflowGraph", cache_d
     """Checkpoint weights, tokenizer, EOS ids and dataset, loaded as the workers will (``config``: a
     ``RunConfig``). ``cache_dir``: tokenize the prompts once there for the workers."""
     from realloc.data.tokenizer import Tokenizer
-    from realloc.runtime.datasets import load_dataset
+    from realloc.runtime.inputs.datasets import load_dataset
 
     check_checkpoint_weights(graph)
     tokenizer = Tokenizer.load(config.tokenizer) if config.tokenizer else None

@@ -14,7 +14,7 @@ The ``@auto`` dataclass may define (all optional):
 - ``sample_every: int`` (default 10): every N iterations, write a few decoded samples (prompt, response,
   reward) to ``samples.jsonl`` in the run directory; 0 turns it off; ``log_samples`` of them (default 4).
   (Not ``n_samples``: that is a GENERATE call's responses per prompt, and on the experiment an error.);
-- ``eval: EvalConfig``: an eval prompt set run every N iterations (``realloc.runtime.evaluation``);
+- ``eval: EvalConfig``: an eval prompt set run every N iterations (``realloc.runtime.inputs.evaluation``);
 - the settings of the interfaces its calls run, e.g. ``ppo: PPOConfig`` or ``grpo: GRPOConfig``
   (``registry.Interface.config``; the type's defaults when absent).
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from realloc.api import ExperimentSpec, InterfaceType
 from realloc.data.config import DataConfig
-from realloc.runtime.evaluation import EvalConfig, eval_calls
+from realloc.runtime.inputs.evaluation import EvalConfig, eval_calls
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -65,7 +65,7 @@ class RunConfig:
             raise ValueError(f"experiment {spec.name!r}: iterations must be a positive integer, got {iterations!r}")
         ev = getattr(cfg, "eval", None) or EvalConfig()
         if not isinstance(ev, EvalConfig):
-            raise ValueError(f"experiment {spec.name!r}: field eval must be a realloc.runtime.evaluation.EvalConfig, "
+            raise ValueError(f"experiment {spec.name!r}: field eval must be a realloc.runtime.inputs.evaluation.EvalConfig, "
                              f"got {type(ev).__name__}")
         if ev.dataset:
             ev = dataclasses.replace(ev, dataset=str(spec.resolve_path(ev.dataset)))

@@ -18,62 +18,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterable, Protocol
+from typing import Iterable
 
 from realloc.cluster import ClusterSpec
 from realloc.estimator.hardware import PROFILES_ENV
-from realloc.runtime.protocol import SECRET_FILE_ENV
-from realloc.runtime.stop_signals import StopSignals
+from realloc.runtime.control.stop_signals import StopSignals
+from realloc.runtime.records.run_paths import RunPaths
+from realloc.runtime.wire.protocol import SECRET_FILE_ENV
 
-WORKER_MODULE = "realloc.runtime.worker"
-
-
-@dataclasses.dataclass(frozen=True)
-class RunPaths:
-    """Files of one run directory."""
-
-    root: Path
-
-    @property
-    def plan(self) -> Path:
-        return self.root / "plan.json"
-
-    @property
-    def secret(self) -> Path:
-        return self.root / "secret"
-
-    @property
-    def logs(self) -> Path:
-        return self.root / "logs"
-
-    @property
-    def metrics(self) -> Path:
-        return self.root / "metrics.jsonl"
-
-    @property
-    def prompt_cache(self) -> Path:
-        """Tokenized prompts (realloc/data/cache.py): written by `realloc run` before launch, read by the workers."""
-        return self.root / "prompt_cache"
-
-    @property
-    def data(self) -> Path:
-        """What loading the dataset kept, truncated and dropped (``realloc.data.records.LoadStats``)."""
-        return self.root / "data.json"
-
-    @property
-    def trace(self) -> Path:
-        return self.root / "trace.json"
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.root / "checkpoints"
-
-    @property
-    def tmp(self) -> Path:
-        return self.root / "tmp"
-
-    def worker_log(self, rank: int) -> Path:
-        return self.logs / f"worker{rank}.log"
+WORKER_MODULE = "realloc.runtime.control.worker"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +44,7 @@ class WorkerConfig:
     overrides: tuple[str, ...] = ()  # the run's --set KEY=VALUE items, applied to the experiment
 
     def worker_args(self, rank: int | str) -> list[str]:
-        """The arguments of ``realloc.runtime.worker.main``."""
+        """The arguments of ``realloc.runtime.control.worker.main``."""
         sets = [x for item in self.overrides for x in ("--set", item)]
         return ["--experiment", self.experiment, "--run-dir", self.run_dir, "--run-id", self.run_id,
                 "--rank", str(rank), "--world-size", str(self.world_size), "--store", self.store,
@@ -123,18 +76,6 @@ def _die_with_parent() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
         pass  # not Linux: the worker's heartbeat timeout still ends it
-
-
-class WorkerLauncher(Protocol):
-    """What the master needs of a launcher: who is gone, and how to stop the rest."""
-
-    def pid(self, rank: int) -> int | None: ...
-
-    def dead(self) -> dict[int, int]: ...
-
-    def stop(self, grace: float = 5.0, hung: Iterable[int] = ()) -> None: ...
-
-    def wait_exit(self, timeout: float) -> bool: ...
 
 
 class LocalLauncher:
@@ -205,29 +146,6 @@ def _signal_group(p: subprocess.Popen, sig: int) -> None:
         os.killpg(p.pid, sig)  # the worker leads its own session: this reaches its children too
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def plan_node_hosts(cluster: ClusterSpec, hosts: dict[int, str]) -> list[str]:
-    """The host each node of the plan landed on, from the workers' own host names.
-
-    Plans name nodes by index and launchers place rank r on node r // devices_per_node; check that they
-    did: a node's devices on one host, and (for GPUs) distinct nodes on distinct hosts, or the plan's
-    intra-node bandwidth would be a fiction. CPU clusters may simulate several nodes on one host.
-    """
-    n = cluster.n_devices_per_node
-    out = []
-    for i in range(cluster.n_nodes):
-        seen = sorted({hosts[r] for r in range(i * n, (i + 1) * n) if r in hosts})
-        if len(seen) > 1:
-            raise ValueError(f"plan node {i} ({cluster.nodes[i]}) should be one machine, but its ranks "
-                             f"{i * n}..{(i + 1) * n - 1} run on {', '.join(seen)}; the launcher must place ranks in "
-                             f"blocks of {n} per node (srun --distribution=block)")
-        out.append(seen[0] if seen else "?")
-    if cluster.device != "cpu" and len(set(out)) < len(out):
-        shared = sorted({h for h in out if out.count(h) > 1})
-        raise ValueError(f"plan nodes {[i for i, h in enumerate(out) if h in shared]} all run on {', '.join(shared)}; "
-                         f"each node of the plan needs a machine of its own")
-    return out
 
 
 # -- SLURM ------------------------------------------------------------------------------------------------------

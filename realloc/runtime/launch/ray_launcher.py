@@ -5,7 +5,7 @@ node i's devices ({"GPU": n, "CPU": n}, or {"CPU": n} for CPU devices), and the 
 goes to bundle r // n. On GPUs the bundles are spread over distinct Ray nodes (``STRICT_SPREAD``),
 so node i of the plan is one machine, as the cost model assumed; KubeRay clusters work the same way.
 
-Each actor runs the ordinary worker (``realloc.runtime.worker.main``) with the same command line as
+Each actor runs the ordinary worker (``realloc.runtime.control.worker.main``) with the same command line as
 a local or SLURM worker: Ray only places and starts the processes. Everything else (rendezvous on the
 master's TCPStore, signed ZMQ messages, NCCL/gloo) is unchanged, so a Ray run gives the same metrics
 as a local one with the same plan and seed. The run directory (plan, secret) must be on a filesystem
@@ -23,7 +23,8 @@ import time
 from typing import Any, Iterable
 
 from realloc.cluster import ClusterSpec
-from realloc.runtime.launcher import RunPaths, WorkerConfig, worker_env
+from realloc.runtime.launch.launcher import WorkerConfig, worker_env
+from realloc.runtime.records.run_paths import RunPaths
 
 # Passed to the actors: the worker's own settings and how to import realloc there.
 FORWARDED_ENV = ("PYTHONPATH", "REALLOC_PROFILES", "REALLOC_DEBUG")
@@ -39,7 +40,7 @@ class WorkerActor:
         """The worker, its output into the run's ``logs/worker<r>.log`` as a local worker's is."""
         import ray
 
-        from realloc.runtime import worker
+        from realloc.runtime.control import worker
 
         with open(log_path, "ab") as log:
             os.dup2(log.fileno(), 1)

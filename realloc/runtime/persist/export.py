@@ -17,7 +17,6 @@ Frozen models are not in run checkpoints: their weights are the checkpoint they 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import shutil
@@ -30,7 +29,7 @@ from safetensors.torch import save_file
 
 from realloc.models.config import ModelConfig
 from realloc.models.param_layout import param_specs, stage_of_layer
-from realloc.runtime import checkpoint
+from realloc.runtime.persist import checkpoint
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -165,11 +164,3 @@ def find_checkpoint(run_dir: str | Path, iteration: int | None, skip_checks: boo
                 return cand
     raise ValueError(f"{root}: no checkpoint after iteration {iteration}; checkpoints exist after iterations "
                      f"{sorted(set(found)) or 'none'}")
-
-
-def main(args: argparse.Namespace) -> int:
-    ckpt = find_checkpoint(args.run_dir, args.iteration, args.skip_checkpoint_checks)
-    out = export_checkpoint(ckpt, args.model, args.out, dtype=args.dtype, verify=not args.skip_checkpoint_checks)
-    done = checkpoint.read_meta(ckpt).get("next_iteration")
-    print(f"exported {args.model} after iteration {done} from {ckpt} to {out}")
-    return 0

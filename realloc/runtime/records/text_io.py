@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 
 from realloc.api import ExperimentSpec, InterfaceType
-from realloc.runtime.protocol import SamplePart
-from realloc.runtime.telemetry import iteration_number
+from realloc.runtime.records.telemetry import iteration_number
+from realloc.runtime.wire.protocol import SamplePart
 
 if TYPE_CHECKING:
     from realloc.data.tokenizer import Tokenizer

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from realloc.runtime.protocol import TensorMeta
+from realloc.runtime.wire.protocol import TensorMeta
 
 Rows = dict[str, torch.Tensor]  # tensor name -> [n, ...]
 

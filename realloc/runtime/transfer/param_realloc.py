@@ -42,10 +42,10 @@ from typing import Callable, Iterable, Mapping, MutableMapping, Protocol, Sequen
 import torch
 import torch.distributed as dist
 
+from realloc.graph.transfer_plan import (DataLayout, Layout, LocalCopy, Transfer, TransferPlan, dp_ranges,
+                                         shard_intervals)
 from realloc.models.param_layout import param_specs
-from realloc.runtime.offload import free_tensors
-from realloc.runtime.transfer_plan import DataLayout, Layout, LocalCopy, Transfer, TransferPlan, dp_ranges, \
-    shard_intervals
+from realloc.runtime.transfer.offload import free_tensors
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
 DEFAULT_DIRECT_BYTES = 256 * 2**10

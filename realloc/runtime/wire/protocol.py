@@ -103,7 +103,7 @@ class RunCall(_Msg):
     req: int
     call: str
     iteration: int
-    eval_batch: int = -1  # >= 0: an evaluation pass over eval batch j (realloc/runtime/evaluation.py)
+    eval_batch: int = -1  # >= 0: an evaluation pass over eval batch j (realloc/runtime/inputs/evaluation.py)
     layout_call: str = ""  # run ``call``'s interface in this call's layout (evaluation generates at home)
 
 

@@ -1,0 +1,53 @@
+"""Evaluation passes during a run (``inputs/evaluation.py``): the actor generates on the eval batches in
+its train step's layout, and the reward call scores them.
+
+``EvaluationPasses`` is one part of ``Master`` (``master.py``), which creates the state these methods share.
+"""
+
+from __future__ import annotations
+
+from realloc.graph.transfer_plan import DataLayout, plan_data_transfer
+from realloc.runtime.control.master_schedule import Node
+from realloc.runtime.inputs.evaluation import eval_key
+from realloc.runtime.transfer.data_store import row_bytes
+from realloc.runtime.wire import protocol
+
+
+class EvaluationPasses:
+    """Which iterations evaluate, and one pass (a part of ``Master``)."""
+
+    def _evaluates(self, t: int) -> bool:
+        return self.eval_calls is not None and self.config.eval.due(t)
+
+    async def _eval(self, n: Node) -> None:
+        """An evaluation pass (``evaluation.py``): generate on the eval batches at the actor's home, then
+        move the sequences to the reward call and score them."""
+        ec, t, prog = self.eval_calls, n.t, self.program
+        seq_key = self.graph.call(ec.generate).output_data[0]
+        for j in range(self.config.eval.batches):
+            if n.name == "generate":
+                rec = self._send(prog.calls[ec.train].ranks, "eval", f"eval generate {j}", t, n.label,
+                                 lambda req, j=j: protocol.RunCall(req=req, call=ec.generate, iteration=t,
+                                                                   eval_batch=j, layout_call=ec.train))
+                for rep in await self._wait(rec):
+                    for out in rep.outputs:
+                        self.data_meta.setdefault((out.key, t), out.tensors)
+                continue
+            key = eval_key(j, seq_key)
+            metas = self.data_meta.pop((key, t))
+            home = prog.calls[ec.train]
+            plan = plan_data_transfer({key: [row_bytes(metas)] * prog.batch_size},
+                                      DataLayout(home.mesh, home.strategy, tuple(range(home.strategy.pp))),
+                                      prog.consumer(ec.reward))
+            moves = self._send_transfer(key, ec.reward, t, plan, metas)
+            rec = self._send(prog.calls[ec.reward].ranks, "eval", f"eval reward {j}", t, n.label,
+                             lambda req, j=j: protocol.RunCall(req=req, call=ec.reward, iteration=t, eval_batch=j))
+            for m in moves:
+                await self._wait(m)
+            stats = self.eval_stats.setdefault(t, {})
+            for rep in await self._wait(rec):
+                for k, v in rep.stats.items():
+                    stats[k] = stats.get(k, 0.0) + v
+        if n.name == "reward":  # the other outputs of the eval generation (logp) are not needed
+            for k in [k for k in self.data_meta if k[1] == t and k[0].startswith("eval")]:
+                self.data_meta.pop(k)

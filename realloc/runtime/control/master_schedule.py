@@ -1,0 +1,294 @@
+"""The augmented, unrolled dataflow graph and its schedule (realhf.txt §3, §4; Figure 13).
+
+``IterationSchedule`` is one part of ``Master`` (``master.py``), which creates the state these methods share.
+
+The unrolled dataflow graph is augmented with the nodes the plan implies (``program.py``): a
+reallocation wherever consecutive calls of one model use different layouts (including from the last
+call of one iteration to the first of the next), offload/reload of models the plan keeps in host
+memory, evaluation passes and checkpoint saves. One asyncio coroutine per node waits for the node's
+dependencies (data, parameter versions, reallocations), then dispatches its requests. Calls on
+disjoint meshes therefore run at the same time, and calls of iteration t+1 start as soon as their own
+dependencies are met, while iteration t is still finishing elsewhere. At most ``window`` iterations
+are in flight; finished iterations are reported in order (metrics.jsonl, samples, the trace).
+
+Messages carry metadata only. The master knows where every piece of data lives (the producer's
+layout plus the ranges each device already received) and plans each transfer with the shared
+planner, so no device is sent data it holds. A call's outputs are sent to all their consumers as soon
+as it finishes (the augmented graph's data-transfer nodes follow their producer), so a transfer never
+waits behind work dispatched later on the producer's devices. A process group needed by a data plan
+for the first time is created by a request to every worker, ordered like every other request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from typing import Any
+
+from realloc.graph.transfer_plan import TransferPlan, dp_ranges
+from realloc.runtime.control.master_link import RunFailed
+from realloc.runtime.control.program import Realloc
+from realloc.runtime.records.telemetry import RequestRecord, iteration_metrics
+from realloc.runtime.records.text_io import write_samples
+from realloc.runtime.transfer.data_store import row_bytes
+from realloc.runtime.wire import protocol
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    kind: str  # call | realloc | offload | reload | save
+    name: str  # the call; the model for realloc/offload/reload; "" for save
+    t: int
+    src: str = ""  # realloc: source call (layout)
+    dst: str = ""  # realloc: destination call (layout)
+
+    @property
+    def label(self) -> str:
+        if self.kind == "call":
+            return self.name
+        if self.kind == "realloc":
+            return f"realloc {self.name}: {self.src}->{self.dst}"
+        return f"{self.kind} {self.name}".strip()
+
+
+class IterationSchedule:
+    """The nodes of each iteration, their dependencies, and running them (a part of ``Master``)."""
+
+    def _nodes(self, t: int) -> list[Node]:
+        prog = self.program
+        nodes = [Node("call", c, t) for c in self.graph.topo_order]
+        for m in prog.models:
+            nodes += [Node("realloc", m, t, r.src_call, r.dst_call) for r in prog.reallocs(m)]
+            if m in self.offloaded:
+                nodes.append(Node("offload", m, t))
+                if t > self.start:
+                    nodes.append(Node("reload", m, t))
+        if self._evaluates(t):
+            nodes += [Node("eval", "generate", t), Node("eval", "reward", t)]
+        if self._saves_after(t):
+            nodes.append(Node("save", "", t))
+        return nodes
+
+    def _deps(self, n: Node) -> list[Node]:
+        prog, t = self.program, n.t
+        out: list[Node] = []
+        if n.kind in ("call", "realloc"):
+            model = prog.calls[n.name].model if n.kind == "call" else n.name
+            if model in self.offloaded and t > self.start:
+                out.append(Node("reload", model, t))
+            if t > self.start and self._saves_after(t - 1):
+                out.append(Node("save", "", t - 1))
+        if n.kind == "call":
+            out += [Node("call", u, t) for u in self.graph.graph.predecessors(n.name)]
+            if t > self.start:
+                out += [Node("call", u, t - 1) for u, v in self.graph.carry_edges if v == n.name]
+            r = self._realloc_into(n.name)
+            if r is not None:
+                out.append(Node("realloc", r.model, t, r.src_call, r.dst_call))
+        elif n.kind == "realloc":
+            r = next(x for x in prog.reallocs(n.name) if (x.src_call, x.dst_call) == (n.src, n.dst))
+            tt = t - 1 if r.wraps else t
+            if tt >= self.start:
+                out += [Node("call", c, tt) for c in r.after]
+        elif n.kind == "offload":
+            out += [Node("call", c, t) for c in prog.chain_calls(n.name)]
+            out += [Node("realloc", n.name, t, r.src_call, r.dst_call) for r in prog.reallocs(n.name)]
+        elif n.kind == "reload":
+            out.append(Node("offload", n.name, t - 1))
+        elif n.kind == "save":
+            out += [x for x in self._nodes(t) if x.kind != "save"]
+        elif n.kind == "eval":
+            ec = self.eval_calls
+            out += ([Node("call", ec.train, t)] if n.name == "generate" else
+                    [Node("eval", "generate", t), Node("call", ec.reward, t)])
+            return out
+        # An evaluation runs in the layouts of the actor's train step and of the reward call, right after
+        # them: what moves their parameters (reallocation, offload) or changes them (a later iteration)
+        # waits for it too. The same iteration's consumers of the reward do not: the evaluation waits for
+        # the actor's train step, which needs them.
+        anchors = {self.eval_calls.train: "generate", self.eval_calls.reward: "reward"} if self.eval_calls else {}
+        out += [Node("eval", anchors[d.name], d.t) for d in list(out)
+                if d.kind == "call" and d.name in anchors and self._evaluates(d.t)
+                and (n.kind in ("realloc", "offload") or d.t < n.t)]
+        return out
+
+    def _realloc_into(self, call: str) -> Realloc | None:
+        m = self.program.calls[call].model
+        seg = next(s for s in self.program.segments(m) if call in s.calls)
+        return next((r for r in self.program.reallocs(m) if r.dst_call == seg.calls[0]), None)
+
+    async def _run_iterations(self) -> None:
+        first = min(self.end, self.start + self.window)
+        self.all_done = asyncio.Event()
+        for t in range(self.start, first):
+            self._spawn(t)
+        await self.all_done.wait()
+
+    def _spawn(self, t: int) -> None:
+        self.last_spawned = t
+        nodes = self._nodes(t)
+        self.remaining[t] = len(nodes)
+        self.call_stats[t] = {}
+        self.node_times[t] = {}
+        self.done[t] = {n: asyncio.Event() for n in nodes}
+        for n in nodes:
+            self._task(self._node(n))
+
+    async def _node(self, n: Node) -> None:
+        try:
+            for d in self._deps(n):
+                if d.t >= self.start:
+                    await self.done[d.t][d].wait()
+            t0 = time.time()
+            if n.kind == "call":
+                await self._call(n)
+            elif n.kind == "realloc":
+                rec = self._send(self._realloc_ranks(n), "realloc", n.label, n.t, n.label,
+                                 lambda req: protocol.Reallocate(req=req, model=n.name, src_call=n.src,
+                                                                 dst_call=n.dst, iteration=n.t))
+                await self._wait(rec)
+            elif n.kind in ("offload", "reload"):
+                home = self.program.home_call(n.name)
+                rec = self._send(self.program.calls[home].ranks, n.kind, n.label, n.t, n.label,
+                                 lambda req: protocol.Offload(req=req, model=n.name, call=home,
+                                                              to_host=n.kind == "offload", iteration=n.t))
+                await self._wait(rec)
+            elif n.kind == "save":
+                await self._save(n.t)
+            elif n.kind == "eval":
+                await self._eval(n)
+            t1 = time.time()
+            self.trace.add_node(n.label, n.kind, n.t, t0, t1)
+            key = n.name if n.kind == "call" else n.kind
+            self.node_times[n.t][key] = self.node_times[n.t].get(key, 0.0) + (t1 - t0)
+            self.done[n.t][n].set()
+            self._finished(n.t)
+        except RunFailed:
+            pass  # already recorded; run() raises it
+        except Exception as e:  # noqa: BLE001 - a bug here must stop the run, not hang it
+            self.fail(f"master error in {n.label} (iteration {n.t + 1}): {type(e).__name__}: {e}")
+
+    def _realloc_ranks(self, n: Node) -> list[int]:
+        return sorted(set(self.program.calls[n.src].ranks) | set(self.program.calls[n.dst].ranks))
+
+    def _finished(self, t: int) -> None:
+        self.remaining[t] -= 1
+        if self.remaining[t]:
+            return
+        self.iter_end[t] = time.time()
+        # Report iterations in order.
+        while (k := self.start + self.n_reported) in self.iter_end:
+            begin = self.iter_end.get(k - 1, self.t_start)
+            # Iteration k finishes before k - 1 when k - 1's evaluation overlaps k's calls; for the report it
+            # ends when both have (its time is then 0), so iteration times stay >= 0 and sum to the wall time.
+            self.iter_end[k] = max(self.iter_end[k], begin)
+            m = iteration_metrics(k, self.call_stats.pop(k), self.node_times.pop(k), self.iter_end[k] - begin,
+                                  self.program.batch_size * self.spec.seq_len, self.graph.headline_calls)
+            if k in self.eval_stats:
+                ev = self.eval_stats.pop(k)
+                m["eval"] = {"reward": ev["score_sum"] / ev["n_seqs_scored"], "n": int(ev["n_seqs_scored"]),
+                             "greedy": self.config.eval.greedy}
+            self.n_reported += 1
+            self.stats.on_iteration(m, self.iter_end[k])
+            with open(self.paths.metrics, "a") as f:
+                f.write(json.dumps(m) + "\n")
+            write_samples(self.paths.root, k, self.samples.pop(k, {}))
+            self.trace.flush()
+            self.requests.flush()
+            if self.on_iteration is not None:
+                self.on_iteration(m)
+            del self.remaining[k]
+            self.iter_end.pop(k - 1, None)
+            self.done.pop(k - 1, None)  # iteration k + 1 waits only on iteration k
+            rel = self._send(range(self.n_workers), "release", "release data", k, "release",
+                             lambda req, k=k: protocol.ReleaseData(req=req, before_iteration=k + 1))
+            self._task(self._wait_quietly(rel))
+            for c in list(self.cached):
+                if c[1] <= k:
+                    self.cached.pop(c, None)
+                    self.data_meta.pop(c, None)
+            nxt = k + self.window
+            if nxt < self.end and self.stop is None:
+                self._spawn(nxt)
+            if self.stop is not None and k == self.last_spawned:
+                self.stats.close()
+                self._task(self._stop_after(k))
+            elif k == self.end - 1:
+                self.stats.close()
+                self.all_done.set()
+
+    def _task(self, coro: Any) -> None:
+        """Run ``coro`` as a task the master cancels at the end; it forgets the task when it finishes."""
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _call(self, n: Node) -> None:
+        c, t = n.name, n.t
+        rpc = self.graph.call(c)
+        # The inputs were sent when their producers finished (``_push_outputs``); each worker runs them
+        # before this call, which it received later.
+        recs = self.pushed.pop((c, t), [])
+        call = self._send(self.program.calls[c].ranks, "call", c, t, c,
+                          lambda req: protocol.RunCall(req=req, call=c, iteration=t))
+        for rec in recs:
+            await self._wait(rec)
+        replies = await self._wait(call)
+        stats: dict[str, float] = {}
+        for rep in replies:
+            for k, v in rep.stats.items():
+                stats[k] = stats.get(k, 0.0) + v
+            for out in rep.outputs:
+                self.data_meta.setdefault((out.key, t), out.tensors)
+            for part in rep.samples:
+                self.samples.setdefault(t, {}).setdefault((part.key, part.seq), {}).update(part.fields)
+        missing = [k for k in rpc.output_data if (k, t) not in self.data_meta]
+        if missing:
+            self.fail(f"call {c} (iteration {t + 1}) produced no data for key {missing[0]!r}")
+            raise RunFailed(self.failure)
+        self.call_stats[t][c] = stats
+        self._push_outputs(c, t)
+
+    def _push_outputs(self, producer: str, t: int) -> None:
+        """Dispatch the transfers of ``producer``'s outputs to every consumer now, in topological order.
+
+        A data-transfer node follows its producer in the augmented graph (realhf.txt §4), which is how the
+        planner's simulator schedules it. Sent later, with the consumer, a transfer queues behind work
+        dispatched in between on the producer's devices, and the consumer's devices wait idle in it.
+        """
+        produced = set(self.graph.call(producer).output_data)
+        for consumer in self.graph.topo_order:
+            for key in self.graph.call(consumer).input_data:
+                if key in produced:
+                    self.pushed.setdefault((consumer, t), []).extend(self._transfer(key, consumer, t))
+
+    def _transfer(self, key: str, consumer: str, t: int) -> list[RequestRecord]:
+        metas = self.data_meta[(key, t)]
+        cached = self.cached.setdefault((key, t), {})
+        plan = self.program.data_plan(key, consumer, row_bytes(metas), cached={d: list(v) for d, v in cached.items()})
+        dl = self.program.consumer(consumer)
+        ranges = dp_ranges(self.program.batch_size, dl.strategy.dp)
+        for dev, (dp_rank, _, pp_rank) in dl.layout.coords_by_device.items():
+            entry = (key, *ranges[dp_rank])
+            if entry not in cached.setdefault(dev, []):
+                cached[dev].append(entry)
+        return self._send_transfer(key, consumer, t, plan, metas)
+
+    def _send_transfer(self, key: str, consumer: str, t: int, plan: TransferPlan,
+                       metas: list[protocol.TensorMeta]) -> list[RequestRecord]:
+        if not plan.transfers:
+            return []
+        recs = []
+        new = sorted(set(plan.groups) - self.known_groups)
+        if new:
+            recs.append(self._send(range(self.n_workers), "groups", "create groups", t, consumer,
+                                   lambda req: protocol.EnsureGroups(req=req, rank_sets=[list(g) for g in new])))
+            self.known_groups.update(new)
+        ranks = sorted({x.src for x in plan.transfers} | {d for x in plan.transfers for d in x.dsts})
+        pieces = [protocol.Broadcast(src=x.src, dsts=list(x.dsts), lo=x.lo, hi=x.hi) for x in plan.transfers]
+        recs.append(self._send(ranks, "data", f"{key} -> {consumer}", t, consumer,
+                               lambda req: protocol.TransferData(req=req, key=key, iteration=t, dst_call=consumer,
+                                                                 tensors=metas, broadcasts=pieces)))
+        return recs

@@ -1,0 +1,1 @@
+"""Starting workers: local processes and SLURM jobs (``launcher.py``), Ray actors (``ray_launcher.py``)."""

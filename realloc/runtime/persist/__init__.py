@@ -1,0 +1,1 @@
+"""What outlives a run: checkpoints (``checkpoint.py``) and HuggingFace export (``export.py``)."""

@@ -1,0 +1,45 @@
+"""``realloc show``: validate an experiment as a run would, and print its graph and the plan space."""
+
+from __future__ import annotations
+
+import argparse
+
+from realloc.api import ExperimentSpec
+from realloc.graph.dataflow import DataflowGraph, build_graph
+from realloc.overrides import load_with_overrides
+from realloc.runtime.inputs.preflight import preflight
+from realloc.runtime.inputs.run_config import RunConfig
+from realloc.search.candidates import call_options
+
+
+def main(args: argparse.Namespace) -> int:
+    spec = load_with_overrides(args.experiment, getattr(args, "set", None) or ())
+    graph = build_graph(spec)
+    cluster = spec.cluster
+    print(f"experiment {spec.name}  ({spec.source})")
+    print(f"cluster    {cluster.describe()}")
+    print(f"workload   batch {spec.describe_batch()}, prompt {spec.prompt_len} + generation {spec.gen_len} tokens")
+    print(f"graph      {len(spec.rpcs)} calls, {graph.graph.number_of_edges()} edges, digest {graph.digest}")
+    for model, src in spec.models.items():
+        print(f"checkpoint {model}: {src.path}{' (new value head)' if src.new_value_head else ''}")
+    for line in _preflight(spec, graph):
+        print(line)
+    print()
+    print(graph.describe())
+    print()
+    meshes = cluster.device_meshes()
+    print(f"{len(meshes)} device meshes; candidate placements (mesh x strategy x micro-batches, x recomputation "
+          f"for train steps) per call:")
+    total = 1
+    w = max(len("plan space"), *map(len, graph.topo_order)) + 2
+    for name in graph.topo_order:
+        n = len(call_options(graph, name))
+        total *= max(n, 1)
+        print(f"  {name:<{w}}{n:>8}")
+    print(f"  {'plan space':<{w}}{total:>8.2e}")
+    return 0
+
+
+def _preflight(spec: ExperimentSpec, graph: DataflowGraph) -> tuple[str, ...]:
+    """Weights, tokenizer and prompts checked as a run would (errors here, before anything starts)."""
+    return preflight(spec, RunConfig.of(spec, require_dataset=False), graph).lines
