@@ -331,3 +331,20 @@ def test_block_op_counts_follow_an_explicit_head_dim():
         assert kv_cache_bytes_per_token_layer(cfg, 1, prec) == 2 * cfg.n_kv_heads * cfg.head_dim * 4
     assert op_work(wide, Part.BLOCK, Phase.FWD, 1, b, s, prec).attn_flops == 2 * op_work(
         base, Part.BLOCK, Phase.FWD, 1, b, s, prec).attn_flops
+
+
+def test_generation_beyond_pp_micro_batches_goes_in_waves_of_pp(big):
+    """At most pp micro-batches hold a KV cache (models/generation.py): 5 micro-batches at pp 2 cost two full
+    waves of 2 and one of 1, each of the same micro-batch size."""
+    call = "actor_gen"
+    s = S(1, 4, 2)
+    timer = big._timer(big.graph.model_config(call))
+    links = big.links(big.cluster.whole, s)
+    w = big.workload(call)
+    b = w.micro_batch(s.dp, 5)
+
+    def gen(n):
+        return timer.generate(s, links, b, w.prompt_len, w.gen_len, n).time
+
+    assert gen(5) == pytest.approx(2 * gen(2) + gen(1), rel=1e-12)
+    assert gen(4) == pytest.approx(2 * gen(2), rel=1e-12)

@@ -117,7 +117,7 @@ def test_optimizer_update_temporaries_by_hand_and_measured():
 def test_generate_and_inference_memory(model):
     mesh = model.cluster.whole
     gen = model._stage_memory("actor_gen", S(1, 2, 2), 2)
-    # 16 prompts, 2 micro-batches of 8 pipelined through 2 stages: both KV caches are alive,
+    # 16 prompts, 2 micro-batches of 8 pipelined through 2 stages (pp = 2 in flight): both KV caches are alive,
     # 16 seqs x 16 positions x 2 layers x (K and V of 64/2 dims) x 4 bytes
     assert gen[0].kv_cache == 16 * 16 * 2 * 2 * (H // 2) * 4
     assert gen[1].kv_cache == gen[0].kv_cache
@@ -128,7 +128,8 @@ def test_generate_and_inference_memory(model):
     # the prefill's working set for 8 prompts of 8 tokens (block at tp 2 and the rotary tables); the last
     # stage samples afterwards from 34 bytes per vocabulary entry and sequence (opcount.sampling_bytes_per_row)
     prefill = ((4 * H + 3 * I // 2) * 4 + 2 * 16 * 4) * 8 * 8
-    assert gen[0].activations == prefill
+    # stage 0 also holds both micro-batches' prefill outputs (8 prompts x 8 tokens x H) until stage 1 has them
+    assert gen[0].activations == prefill + 2 * 8 * 8 * H * 4
     assert gen[1].activations == max(prefill, 8 * 34 * V)
     inf = model.call_memory("ref_inf", mesh, S(4, 1, 1), 1)
     n_tok = 4 * 16

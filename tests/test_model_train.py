@@ -411,27 +411,30 @@ def test_critic_training_matches_dense_model(pool, tmp_path):
 # -- sampling ----------------------------------------------------------------------------------------
 
 
-def _sample(ctx, cfg, dp, tp, pp, prompts, gconfig, n_mbs):
+def _sample(ctx, cfg, dp, tp, pp, prompts, gconfig, n_mbs, in_flight=None):
     model = build_model(ctx, cfg, dp, tp, pp, seed=3)
     if model is None:
         return None
     g = model.groups
     per = len(prompts) // dp
     lo = g.dp_rank * per
-    out = model.generate(prompts[lo:lo + per], gconfig, seq_ids=range(lo, lo + per), n_mbs=n_mbs)
+    out = model.generate(prompts[lo:lo + per], gconfig, seq_ids=range(lo, lo + per), n_mbs=n_mbs,
+                         max_in_flight=in_flight)
     return {"dp": g.dp_rank, "seqs": [out.sequences[b, :out.lengths[b]].tolist() for b in range(per)],
             "logp": [out.logprobs[b, :out.lengths[b]] for b in range(per)]}
 
 
 def _samples_by_layout(pool, cfg, layouts, prompts, gconfig):
+    """Samples per (dp, tp, pp, n_mbs) or (dp, tp, pp, n_mbs, max_in_flight)."""
     got = {}
-    for dp, tp, pp, n_mbs in layouts:
-        res = [r for r in pool.run(_sample, cfg, dp, tp, pp, prompts, gconfig, n_mbs) if r is not None]
+    for key in layouts:
+        dp, tp, pp, n_mbs = key[:4]
+        res = [r for r in pool.run(_sample, cfg, dp, tp, pp, prompts, gconfig, n_mbs, *key[4:]) if r is not None]
         for r in res:  # all ranks of a replica agree
             assert r["seqs"] == next(x for x in res if x["dp"] == r["dp"])["seqs"]
         seqs = [s for d in range(dp) for s in next(x for x in res if x["dp"] == d)["seqs"]]
         logp = [s for d in range(dp) for s in next(x for x in res if x["dp"] == d)["logp"]]
-        got[(dp, tp, pp, n_mbs)] = (seqs, logp)
+        got[key] = (seqs, logp)
     return got
 
 
@@ -466,17 +469,64 @@ def test_pipelined_generation_gives_the_tokens_of_one_stage(pool):
     # an eighth of the vocabulary ends a sequence: rows stop at different steps
     gconfig = GenerationConfig(max_new_tokens=14, min_new_tokens=2, seed=5, eos_token_ids=tuple(range(40, 48)))
     # (dp, tp, pp, micro-batches); each pipelined layout is compared with pp = 1 at the same dp, tp and n_mbs
+    # and, fifth, micro-batches in flight at once (default pp): micro-batches start as earlier ones finish
     layouts = [(1, 1, 2, 2), (1, 1, 2, 5), (1, 1, 4, 4), (1, 1, 4, 3), (1, 1, 4, 10), (1, 2, 2, 3), (2, 1, 2, 2),
-               (2, 1, 2, 1)]
-    refs = {(dp, tp, 1, n) for dp, tp, _, n in layouts}
+               (2, 1, 2, 1), (1, 1, 2, 5, 1), (1, 1, 2, 5, 3), (1, 1, 2, 5, 5), (1, 1, 4, 10, 2), (1, 2, 2, 3, 1)]
+    refs = {(key[0], key[1], 1, key[3]) for key in layouts}
     got = _samples_by_layout(pool, cfg, sorted(refs) + layouts, prompts, gconfig)
-    for dp, tp, pp, n in layouts:
-        seqs, logp = got[(dp, tp, pp, n)]
+    for key in layouts:
+        dp, tp, pp, n = key[:4]
+        seqs, logp = got[key]
         ref_seqs, ref_logp = got[(dp, tp, 1, n)]
-        assert seqs == ref_seqs, (dp, tp, pp, n)
-        assert all(torch.equal(a, b) for a, b in zip(logp, ref_logp)), (dp, tp, pp, n)
+        assert seqs == ref_seqs, key
+        assert all(torch.equal(a, b) for a, b in zip(logp, ref_logp)), key
     generated = [len(s) - n for s, n in zip(got[(1, 1, 1, 2)][0], lens)]
     assert min(generated) >= 2 and max(generated) == 14 and len(set(generated)) >= 5, generated
+
+
+def _generation_peak(ctx, cfg, n_mbs, in_flight, rows, prompt_len, new_tokens):
+    """Peak bytes this rank allocates during a pp 2 generate() without EOS (LiveTensorMeter)."""
+    from realloc.models.activations import LiveTensorMeter
+
+    model = build_model(ctx, cfg, 1, 1, 2, seed=3)
+    if model is None:
+        return None
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 64, (prompt_len,), generator=g).tolist() for _ in range(rows * n_mbs)]
+    gconfig = GenerationConfig(max_new_tokens=new_tokens, seed=1, eos_token_ids=())
+    model.generate(prompts, gconfig, n_mbs=n_mbs, max_in_flight=in_flight)  # warm-up (lazy buffers)
+    with LiveTensorMeter() as meter:
+        model.generate(prompts, gconfig, n_mbs=n_mbs, max_in_flight=in_flight)
+    return model.groups.pp_rank, meter.peak
+
+
+def test_pipelined_generation_holds_the_kv_caches_of_the_micro_batches_in_flight_only(pool):
+    """With pp 2 and 6 micro-batches, the default keeps 2 KV caches alive, not all 6. What each micro-batch in
+    flight adds to a stage's measured peak (LiveTensorMeter) is what the estimator adds for it: its KV cache,
+    and before the last stage its prefill output held for the next stage; the default's KV term is 2 caches."""
+    from realloc.api import InterfaceType
+    from realloc.estimator.hardware import Precision
+    from realloc.estimator.memory import Workload, stage_call_memory
+    from realloc.estimator.opcount import kv_cache_bytes_per_token_layer
+    from realloc.strategy import ParallelStrategy
+
+    cfg = get_model_config("tiny-gqa")
+    rows, prompt_len, new_tokens, n_mbs = 4, 24, 24, 6
+    fp32, s = Precision.for_dtype("fp32"), ParallelStrategy(1, 1, 2)
+    one_cache = rows * (prompt_len + new_tokens) * (cfg.n_layers // 2) * kv_cache_bytes_per_token_layer(cfg, 1, fp32)
+    peaks = {w: dict(r for r in pool.run(_generation_peak, cfg, n_mbs, w, rows, prompt_len, new_tokens) if r)
+             for w in (None, 2, n_mbs)}
+    work = Workload(InterfaceType.GENERATE, n_seqs=rows * n_mbs, n_steps=1, prompt_len=prompt_len,
+                    gen_len=new_tokens)
+    for k in (0, 1):
+        assert peaks[None][k] == peaks[2][k]  # the default is pp in flight
+        est = {w: stage_call_memory(cfg, work, s, n_mbs, k, fp32, gen_in_flight=w) for w in (None, 2, n_mbs)}
+        assert est[None].kv_cache == est[2].kv_cache == 2 * one_cache
+        measured = peaks[n_mbs][k] - peaks[2][k]
+        estimated = est[n_mbs].total - est[2].total
+        # the last stage's peak moment holds 3.5 KiB less per micro-batch than its cache (whatever the cache's size)
+        slack = 0 if k == 0 else (n_mbs - 2) * 4096
+        assert 0.98 * measured <= estimated <= 1.02 * measured + slack, (k, measured, estimated, one_cache)
 
 
 # -- memory management, inputs, groups ---------------------------------------------------------------

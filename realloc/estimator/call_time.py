@@ -21,7 +21,8 @@ the collective model and the call's workload. Terms:
 - the Adam step, memory-bound over parameters and states;
 - generation = prefill of the prompt, then gen_len - 1 decode steps whose KV
   cache grows from prompt_len + 1 to prompt_len + gen_len - 1 positions; with
-  pp > 1 the micro-batches are pipelined through the stages (``decode_round``);
+  pp > 1 the micro-batches are pipelined through the stages (``decode_round``), at most
+  pp at a time (waves of pp micro-batches);
 - host overheads from the hardware spec: one dispatch per call, and per decode
   step per micro-batch and stage the sampling bookkeeping.
 """
@@ -266,11 +267,17 @@ class CallTimer:
 
         Every micro-batch runs a prefill, which samples the first token, and gen_len - 1 decode steps
         whose KV cache grows from prompt + 1 positions. With pp > 1 the micro-batches are pipelined
-        (prefill like a forward, decode steps as ``decode_round``); with pp = 1 both formulas are
-        n_mbs micro-batches one after another. A step's bookkeeping (recording tokens, pruning
+        (prefill like a forward, decode steps as ``decode_round``), at most pp at a time, so more than pp
+        go in waves; with pp = 1 both formulas are n_mbs micro-batches one after another. A step's bookkeeping (recording tokens, pruning
         finished rows, the next step's mask; sampling is in the head op) runs on every stage for
         every micro-batch, and the sampled tokens travel from the last stage back to the others.
         """
+        if strategy.pp > 1 and n_mbs > strategy.pp:
+            # At most pp micro-batches hold a KV cache at once: with equal lengths they go in waves of pp, each
+            # filling and draining the pipeline (models/generation.py).
+            full, rest = divmod(n_mbs, strategy.pp)
+            wave = self.generate(strategy, links, b, prompt, gen_len, strategy.pp).scaled(full)
+            return wave + self.generate(strategy, links, b, prompt, gen_len, rest) if rest else wave
         t = strategy.tp
         host = self._engine("engine.decode_step", t, b, prompt, default=self.hw.decode_step_overhead)
         back = self.comm.time("p2p", 2, 16 * b, links.pp_any) if strategy.pp > 1 else 0.0

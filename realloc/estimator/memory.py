@@ -48,10 +48,12 @@ and the peaks (temporaries included) are checked against ``LiveTensorMeter`` on 
 - GENERATE: KV cache of (prompt_len + gen_len) positions x L_k layers of the
   rank's KV heads (n_kv/t, or one whole head when tp exceeds them) for one
   micro-batch of b sequences with pp = 1 (micro-batches generate one after
-  another), for every micro-batch of the dp rank with pp > 1 (pipelined: all are
-  in flight; ``realloc.models.generation``), plus the larger of the prefill's working
+  another), for min(n_mbs, pp) micro-batches with pp > 1 (pipelined, at most pp in
+  flight; ``realloc.models.generation``), plus the larger of the prefill's working
   set for one micro-batch and, on the last stage, sampling its b sequences from
-  full-vocabulary fp32 logits (``opcount.sampling_bytes_per_row``).
+  full-vocabulary fp32 logits (``opcount.sampling_bytes_per_row``); a stage before
+  the last also holds each in-flight micro-batch's prefill output until the next
+  stage receives it.
 """
 
 from __future__ import annotations
@@ -190,9 +192,10 @@ def train_activation_bytes(cfg: ModelConfig, strategy: ParallelStrategy, n_mbs: 
 
 
 def stage_call_memory(cfg: ModelConfig, work: Workload, strategy: ParallelStrategy, n_mbs: int, pp_rank: int,
-                      precision: Precision, recompute: bool = False) -> CallMemory:
+                      precision: Precision, recompute: bool = False, gen_in_flight: int | None = None) -> CallMemory:
     """Memory of one call on a device of pipeline stage ``pp_rank``, counting its layout's parameters;
-    ``recompute`` (training only) recomputes activations (module docstring)."""
+    ``recompute`` (training only) recomputes activations; ``gen_in_flight`` (GENERATE with pp > 1) is
+    generation's ``max_in_flight``, pp by default (module docstring)."""
     t, pp = strategy.tp, strategy.pp
     lo, hi = stage_layer_ranges(cfg.n_layers, pp)[pp_rank]
     n_blocks = hi - lo
@@ -210,11 +213,13 @@ def stage_call_memory(cfg: ModelConfig, work: Workload, strategy: ParallelStrate
         sent = cfg.hidden_size * precision.param if not last else 0.0
         head = logprob_peak_bytes_per_token(cfg, t, precision, backward=False) if last else 0.0
         return CallMemory(params=params, activations=int((max(block, head) + sent) * b * work.seq_len))
-    # GENERATE
-    rows = b if pp == 1 else math.ceil(work.n_seqs / strategy.dp)
-    kv = rows * work.seq_len * n_blocks * kv_cache_bytes_per_token_layer(cfg, t, precision)
+    # GENERATE: the micro-batches in flight hold a KV cache each and, before the last stage, their prefill's
+    # output until the next stage has received it (models/generation.py)
+    in_flight = 1 if pp == 1 else min(n_mbs, gen_in_flight or pp)
+    kv = in_flight * b * work.seq_len * n_blocks * kv_cache_bytes_per_token_layer(cfg, t, precision)
+    sent = 0.0 if last else in_flight * b * work.prompt_len * cfg.hidden_size * precision.param
     sampling = b * sampling_bytes_per_row(cfg) if last and not cfg.is_critic else 0.0
-    act = max(block * b * work.prompt_len, sampling)
+    act = max(block * b * work.prompt_len, sampling) + sent
     return CallMemory(params=params, activations=int(act), kv_cache=int(kv))
 
 

@@ -391,7 +391,8 @@ class ParallelModel:
         return result
 
     def generate(self, prompts: "Sequence[Sequence[int]] | Batch", gconfig: "GenerationConfig",
-                 seq_ids: Sequence[int] | None = None, n_mbs: int = 1) -> GenerationOutput:
+                 seq_ids: Sequence[int] | None = None, n_mbs: int = 1,
+                 max_in_flight: int | None = None) -> GenerationOutput:
         """Sample continuations; see :func:`realloc.models.generation.generate`."""
         self._require("ready", "generate")
-        return generate(self, prompts, gconfig, seq_ids, n_mbs)
+        return generate(self, prompts, gconfig, seq_ids, n_mbs, max_in_flight)

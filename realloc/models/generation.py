@@ -20,13 +20,23 @@ size, and a micro-batch whose rows all finished leaves.
 
 With pp = 1 the micro-batches generate one after another (one KV cache alive at
 a time). With pp > 1 they are pipelined (realhf.txt §2): every stage walks the
-same order of work, the prefill of micro-batch 0, 1, ..., then decode step 1 of
-each, and so on, so stage k works on micro-batch i while stage k + 1 works on
-micro-batch i - 1. A stage needs micro-batch i's tokens of step t before its
-step t + 1 (stage 0 to embed them, every stage to drop finished rows); with at
-least pp micro-batches they are back before they are needed and no stage waits
-(``estimator/call_time.py`` prices this schedule). Every micro-batch computes
-exactly what it would alone, so the tokens do not depend on pp or on the order.
+same order of work, rounds r = 0, 1, ... and in each round the micro-batches in
+flight in index order, each through this stage's part of its next step, so stage
+k works on micro-batch i while stage k + 1 works on micro-batch i - 1. A stage
+needs micro-batch i's tokens of step t before its step t + 1 (stage 0 to embed
+them, every stage to drop finished rows); with pp micro-batches in flight they
+are back one token trip after they are needed.
+
+At most ``max_in_flight`` micro-batches (default pp) hold a KV cache at once, as
+ReaLHF keeps only the micro-batches the pipeline needs: a micro-batch starts (its
+prefill) in the first round that finds a free place, and a place frees when a
+micro-batch has finished. Every stage must start the same micro-batch in the same
+round, but the last stage learns that micro-batch j finished after step f in round
+f and the others in round f + 1; so the rule for round r counts only finishes of
+step r - 2 or earlier, which every stage knows when round r begins. With equal
+generation lengths that makes waves of ``max_in_flight`` micro-batches
+(``estimator/call_time.py`` prices them so). Every micro-batch computes exactly
+what it would alone, so the tokens depend neither on pp nor on the schedule.
 """
 
 from __future__ import annotations
@@ -170,6 +180,7 @@ class _MicroBatch:
         self.active = torch.arange(bsz, device=dev)  # rows still decoding, in cache order
         self.caches: list[KVCache] = []
         self.done = False
+        self.finished_step = -1  # the step (of this micro-batch) whose tokens finished it
         # the next step's inputs: the whole left-padded prompt first
         tokens = tokens.to(dev)
         positions = (self.key_valid[:, :self.P].long().cumsum(-1) - 1).clamp(min=0)
@@ -210,7 +221,7 @@ class _MicroBatch:
         self.hit_eos[active] = stop
         keep = ~stop
         if t == self.N - 1 or not bool(keep.any()):
-            self.done, self.caches = True, []
+            self.done, self.caches, self.finished_step = True, [], t
             return
         if not bool(keep.all()):
             self.active, tok = active[keep], tok[keep]
@@ -236,15 +247,17 @@ class _MicroBatch:
 
 @torch.no_grad()
 def generate(model: DecodingModel, prompts: Sequence[Sequence[int]] | Mapping[str, torch.Tensor],
-             gconfig: GenerationConfig, seq_ids: Sequence[int] | None = None, n_mbs: int = 1) -> GenerationOutput:
+             gconfig: GenerationConfig, seq_ids: Sequence[int] | None = None, n_mbs: int = 1,
+             max_in_flight: int | None = None) -> GenerationOutput:
     """Generate for this dp replica's ``prompts`` (lists of token ids, or a padded batch mapping).
 
     ``seq_ids`` name each prompt for the sampling RNG (default 0..B-1). Give every
     prompt a globally unique id (e.g. its index in the global batch) to get the same
     samples whatever the dp degree. ``n_mbs`` splits the prompts into that many
     contiguous micro-batches: generated one after another with pp = 1 (one KV cache
-    alive at a time), pipelined through the stages with pp > 1 (all caches alive;
-    use at least pp micro-batches to keep every stage busy). The results do not depend on it.
+    alive at a time), pipelined through the stages with pp > 1, at most
+    ``max_in_flight`` (default pp) at a time; use at least pp micro-batches to keep
+    every stage busy. The results depend on neither.
     """
     cfg = model.cfg
     if cfg.is_critic:
@@ -261,6 +274,9 @@ def generate(model: DecodingModel, prompts: Sequence[Sequence[int]] | Mapping[st
         raise ValueError(f"generate: {len(seq_ids)} seq_ids for {bsz} prompts")
     if not 1 <= n_mbs <= bsz:
         raise ValueError(f"generate: n_mbs={n_mbs} must be between 1 and the number of prompts ({bsz})")
+    in_flight = model.groups.pp if max_in_flight is None else max_in_flight
+    if not isinstance(in_flight, int) or in_flight < 1:
+        raise ValueError(f"generate: max_in_flight must be a positive integer, got {max_in_flight!r}")
     P = max(r.numel() for r in rows)
     if P + gconfig.max_new_tokens > cfg.max_position_embeddings:
         raise ValueError(f"generate: longest prompt ({P}) + max_new_tokens ({gconfig.max_new_tokens}) exceeds "
@@ -275,21 +291,29 @@ def generate(model: DecodingModel, prompts: Sequence[Sequence[int]] | Mapping[st
                 mb.apply(mb.sample(mb.forward(None, t), t), t)
                 t += 1
     else:
-        _pipelined(model, mbs, wire)
+        _pipelined(model, mbs, wire, in_flight)
     wire.finish()
     outs = [mb.output() for mb in mbs]
     return outs[0] if n_mbs == 1 else _concat(outs, gconfig.pad_token_id)
 
 
-def _pipelined(model: DecodingModel, mbs: list[_MicroBatch], wire: _Wire) -> None:
-    """Every stage walks rounds t = 0, 1, ...: micro-batches 0, 1, ... that have not finished, each
-    through this stage's part of step t (module docstring)."""
+def _pipelined(model: DecodingModel, mbs: list[_MicroBatch], wire: _Wire, max_in_flight: int) -> None:
+    """Every stage walks rounds r = 0, 1, ...: the micro-batches in flight, in index order, each through this
+    stage's part of its next step; micro-batches start as places free (module docstring)."""
     g, hidden = model.groups, model.cfg.hidden_size
-    t = 0
-    while not all(mb.done for mb in mbs):
-        for i, mb in enumerate(mbs):
+    start: list[int] = []  # the round each started micro-batch ran its prefill in
+    r = 0
+    while len(start) < len(mbs) or not all(mb.done for mb in mbs):
+        # Finished by step r - 2: every stage knows it now (the last stage at round f, the others at f + 1).
+        busy = sum(1 for i, mb in enumerate(mbs[:len(start)])
+                   if not (mb.done and start[i] + mb.finished_step <= r - 2))
+        while len(start) < len(mbs) and busy < max_in_flight:
+            start.append(r)
+            busy += 1
+        for i, mb in enumerate(mbs[:len(start)]):
             if mb.done:
                 continue
+            t = r - start[i]  # this micro-batch's step
             if t > 0 and not g.is_last_stage:
                 # the tokens of step t - 1 (the last stage applied them when it sampled them)
                 mb.apply(wire.recv((2, mb.n_active), torch.float64, g.last_stage_rank, TOKENS_TAG), t - 1)
@@ -310,7 +334,7 @@ def _pipelined(model: DecodingModel, mbs: list[_MicroBatch], wire: _Wire) -> Non
             for dst in g.pp_ranks[:-1]:
                 wire.send(msg, dst, TOKENS_TAG, i)
             mb.apply(msg, t)
-        t += 1
+        r += 1
 
 
 def _concat(outs: list[GenerationOutput], pad: int) -> GenerationOutput:
