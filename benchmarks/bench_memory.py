@@ -1,0 +1,189 @@
+"""Memory of the engine per layout: measured now, estimated, and measured on an earlier revision, in one run.
+
+    .venv/bin/python benchmarks/bench_memory.py                 # against --baseline b178bc7 (before issue 21)
+    .venv/bin/python benchmarks/bench_memory.py --baseline REV
+
+Two gloo processes (one thread each) run the ``small`` model (8 layers, hidden 256, vocabulary 32,000) in
+bf16, the GPUs' precision, on each layout of the 2 local devices: dp 2, tp 2 and pp 2, training with and
+without activation recomputation, inference, and pipelined generation of 8 micro-batches at pp 2.
+Per device (the larger of the two):
+
+- steady: every tensor alive after the model, its optimizer and one train step exist (parameters, gradient
+  buffers, optimizer state), counted by ``LiveTensorMeter`` from the model's creation on; per parameter, the
+  training state the distributed optimizer shards (2 + 4 + 12/dp bytes with fp32 gradient buffers);
+- peak: steady plus the peak of every tensor one more train step (or forward, or generate) creates,
+  temporaries included (``LiveTensorMeter``);
+- est.: ``estimator.memory.stage_call_memory`` of the same call (static part for steady, total for peak);
+- base: the same measurement on ``--baseline`` (``git archive`` of that revision into a temporary folder, run
+  by the same script), and new/base.
+
+The engine's allocations are deterministic, so one run of each is enough.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "small"
+TRAIN = dict(n_mbs=2, rows=4, seq=128)
+GEN = dict(n_mbs=8, rows=4, prompt_len=16, gen_len=48)
+# (name, dp, tp, pp)
+LAYOUTS = (("dp 2", 2, 1, 1), ("tp 2", 1, 2, 1), ("pp 2", 1, 1, 2))
+
+
+def _loss(out, mb):
+    mask = out.token_mask
+    return -(out.logprobs() * mask).sum() / mask.sum(), {}
+
+
+def _measure(rank: int, store: str, results) -> None:
+    """One gloo process: every layout's steady and peak bytes on this rank, by the code under sys.path[0]."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    from realloc.models.activations import LiveTensorMeter
+    from realloc.models.config import get_model_config
+    from realloc.models.engine import ParallelModel
+    from realloc.models.groups import ModelLayout, ProcessGroupCache
+    from realloc.models.sampling import GenerationConfig
+    from realloc.strategy import ParallelStrategy
+
+    cfg = get_model_config(MODEL)
+    cache = ProcessGroupCache()
+    layouts = {name: ModelLayout.for_model(cfg, (0, 1), ParallelStrategy(dp, tp, pp)) for name, dp, tp, pp in LAYOUTS}
+    cache.ensure_layouts(list(layouts.values()))
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for name, dp, tp, pp in LAYOUTS:
+        groups = cache.model_groups(layouts[name])
+        mbs = [{"input_ids": torch.randint(0, cfg.vocab_size, (TRAIN["rows"], TRAIN["seq"]), generator=g),
+                "lengths": torch.full((TRAIN["rows"],), TRAIN["seq"])} for _ in range(TRAIN["n_mbs"])]
+        for recompute in (False, True):
+            with LiveTensorMeter() as steady:
+                model = ParallelModel(cfg, groups, dtype=torch.bfloat16, seed=1)
+                opt = model.make_optimizer(lr=1e-6)
+                model.train_step(mbs, _loss, opt, recompute=recompute)
+            n_params = sum(p.numel() for p in model.params().values())
+            with LiveTensorMeter() as step:
+                model.train_step(mbs, _loss, opt, recompute=recompute)
+            key = f"{name} train{' recompute' if recompute else ''}"
+            out[key] = dict(stage=groups.pp_rank, steady=steady.current, peak=steady.current + step.peak,
+                            params=n_params)
+            del model, opt
+        with LiveTensorMeter() as steady:
+            model = ParallelModel(cfg, groups, dtype=torch.bfloat16, seed=1)
+        whole = {k: torch.cat([mb[k] for mb in mbs]) for k in mbs[0]}
+        with LiveTensorMeter() as fwd:
+            model.forward(whole, n_mbs=TRAIN["n_mbs"])
+        out[f"{name} inference"] = dict(stage=groups.pp_rank, steady=steady.current, peak=steady.current + fwd.peak,
+                                        params=sum(p.numel() for p in model.params().values()))
+        if pp == 2:
+            prompts = torch.randint(1, cfg.vocab_size, (GEN["rows"] * GEN["n_mbs"] // dp, GEN["prompt_len"]),
+                                    generator=g).tolist()
+            gcfg = GenerationConfig(max_new_tokens=GEN["gen_len"], seed=3, eos_token_ids=())
+            with LiveTensorMeter() as gen:
+                model.generate(prompts, gcfg, n_mbs=GEN["n_mbs"])
+            out[f"{name} generate"] = dict(stage=groups.pp_rank, steady=steady.current,
+                                           peak=steady.current + gen.peak, params=out[f"{name} inference"]["params"])
+        del model
+    results.put((rank, out))
+    dist.destroy_process_group()
+
+
+def measure_here() -> dict:
+    """Both ranks' measurements by the ``realloc`` of sys.path[0], as {config: [rank 0's, rank 1's]}."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_measure, args=(r, os.path.join(tmp, "store"), results)) for r in range(2)]
+        for p in procs:
+            p.start()
+        got = dict(results.get() for _ in procs)
+        for p in procs:
+            p.join()
+    return {k: [got[0][k], got[1][k]] for k in got[0]}
+
+
+def measure_tree(root: Path) -> dict:
+    """Run this script's measurement on the source tree at ``root`` in a fresh interpreter."""
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    code = (f"import sys, json; sys.path.insert(0, {str(root)!r}); sys.path.insert(1, {str(REPO / 'benchmarks')!r});"
+            f"import bench_memory; print('JSON' + json.dumps(bench_memory.measure_here()))")
+    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
+    line = next((x for x in run.stdout.splitlines() if x.startswith("JSON")), None)
+    if run.returncode != 0 or line is None:
+        raise SystemExit(f"measuring {root} failed:\n{run.stderr[-4000:]}")
+    return json.loads(line[4:])
+
+
+def estimate(config: str, stage: int) -> tuple[int, int]:
+    """(static, total) bytes of the estimator for one config's call on a device of pipeline stage ``stage``."""
+    from realloc.calls import InterfaceType
+    from realloc.estimator.hardware import Precision
+    from realloc.estimator.memory import Workload, stage_call_memory
+    from realloc.models.config import get_model_config
+    from realloc.strategy import ParallelStrategy
+
+    words = config.split()  # e.g. "pp 2 train recompute"
+    name, what = " ".join(words[:2]), words[2]
+    dp, tp, pp = next((d, t, p) for n, d, t, p in LAYOUTS if n == name)
+    cfg, s, bf16 = get_model_config(MODEL), ParallelStrategy(dp, tp, pp), Precision.for_dtype("bf16")
+    if what == "generate":
+        work = Workload(InterfaceType.GENERATE, n_seqs=GEN["rows"] * GEN["n_mbs"], n_steps=1,
+                        prompt_len=GEN["prompt_len"], gen_len=GEN["gen_len"])
+        m = stage_call_memory(cfg, work, s, GEN["n_mbs"], stage, bf16)
+    else:
+        kind = InterfaceType.TRAIN_STEP if what == "train" else InterfaceType.INFERENCE
+        work = Workload(kind, n_seqs=TRAIN["rows"] * TRAIN["n_mbs"] * dp, n_steps=1, prompt_len=TRAIN["seq"] // 2,
+                        gen_len=TRAIN["seq"] // 2)
+        m = stage_call_memory(cfg, work, s, TRAIN["n_mbs"], stage, bf16, recompute="recompute" in config)
+    return m.total - m.dynamic, m.total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--baseline", default="b178bc7", help="git revision to compare with (default: before issue 21)")
+    args = ap.parse_args()
+    sys.path.insert(0, str(REPO))
+    with tempfile.TemporaryDirectory() as tmp:
+        base_root = Path(tmp) / "base"
+        base_root.mkdir()
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", args.baseline, "realloc"], capture_output=True,
+                                 check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(base_root)], input=archive, check=True)
+        base = measure_tree(base_root)
+    now = measure_tree(REPO)
+    mib = 2 ** 20
+    print(f"== memory per device, {MODEL} in bf16 on 2 gloo processes; MiB (the larger rank); base = {args.baseline}")
+    head = (f"{'config':<22}{'steady':>9}{'est.':>9}{'base':>9}{'new/base':>9}{'B/param':>9}{'base':>8}"
+            f"{'peak':>9}{'est.':>9}{'base':>9}{'new/base':>9}")
+    print(head)
+    print("-" * len(head))
+    for config, ranks in now.items():
+        r = max(range(2), key=lambda i: ranks[i]["peak"])
+        cur, old = ranks[r], base.get(config, [None, None])[r]
+        static, total = estimate(config, cur["stage"])
+        per = cur["steady"] / cur["params"]
+        row = f"{config:<22}{cur['steady'] / mib:>9.2f}{static / mib:>9.2f}"
+        row += (f"{old['steady'] / mib:>9.2f}{cur['steady'] / old['steady']:>9.2f}" if old else f"{'-':>9}{'-':>9}")
+        row += f"{per:>9.2f}" + (f"{old['steady'] / old['params']:>8.2f}" if old else f"{'-':>8}")
+        row += f"{cur['peak'] / mib:>9.2f}{total / mib:>9.2f}"
+        row += (f"{old['peak'] / mib:>9.2f}{cur['peak'] / old['peak']:>9.2f}" if old else f"{'-':>9}{'-':>9}")
+        print(row)
+    print("steady: parameters, gradient buffers and optimizer state (B/param: bytes per local parameter); peak: "
+          "steady plus everything the call creates")
+
+
+if __name__ == "__main__":
+    main()
