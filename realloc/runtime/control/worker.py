@@ -457,9 +457,9 @@ class ModelWorker:
     def save(self, ckpt: Path) -> None:
         for m, h in self._trained_homes():
             dp_rank, tp_rank, pp_rank = h.coords
-            if dp_rank == 0:
-                checkpoint.save_model_shard(ckpt, m, tp_rank, pp_rank, _layout_name(h.layout), h.model.params(),
-                                            h.optimizer)
+            # every dp rank takes part: a distributed optimizer gathers its sharded state (a collective)
+            checkpoint.save_model_shard(ckpt, m, tp_rank, pp_rank, _layout_name(h.layout), h.model.params(),
+                                        h.optimizer, write=dp_rank == 0)
         checkpoint.save_rng(ckpt, self.rank)
 
     def load(self, ckpt: Path, verify: bool) -> None:

@@ -1,0 +1,160 @@
+"""The distributed optimizer (``realloc/models/zero.py``) against unsharded references: torch's AdamW and
+``MasterWeightAdamW`` on the same gradients, the dense HF model over whole training runs, and checkpoints
+that resume at another dp."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from realloc.models.hf_io import model_config_from_hf
+from realloc.models.param_layout import param_specs
+from model_helpers import assemble, build_model, local_shards, tiny_hf_model
+from mp_pool import GlooPool
+from test_model_train import ADAM_EPS, _dense_reference, _micro_batches, nll_loss
+
+WORLD = 4
+# odd sizes: chunks that do not divide evenly over dp 3, a tensor smaller than dp (empty chunk on one rank)
+ODD_SHAPES = {"a.weight": (7, 5), "b.weight": (3, 1), "c.norm": (2,), "d.bias": (11,)}
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    with GlooPool(WORLD, tmp_path_factory.mktemp("gloo")) as p:
+        yield p
+
+
+def _odd_params(dtype: torch.dtype) -> dict[str, torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(5)
+    return {n: torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for n, s in ODD_SHAPES.items()}
+
+
+def _odd_grads(step: int, dp_rank: int) -> dict[str, torch.Tensor]:
+    # multiples of 1/16: their sum over ranks is exact in any order, so the reference can be bitwise
+    g = torch.Generator().manual_seed(100 * step + dp_rank)
+    return {n: torch.randint(-40, 40, s, generator=g) / 16 for n, s in ODD_SHAPES.items()}
+
+
+def _sharded_steps(ctx, dtype, ckpt):
+    """dp 3 over ranks 0..2: two steps from per-rank gradients, a checkpoint, one more step; rank 3 idles."""
+    import torch.distributed as dist
+
+    from realloc.models.zero import DistributedAdamW
+    from realloc.runtime.persist import checkpoint
+
+    group = dist.new_group([0, 1, 2])  # every rank of the world takes part in creating it
+    if ctx.rank == 3:
+        return None
+    params = _odd_params(dtype)
+    opt = DistributedAdamW(params, group, lr=1e-2, weight_decay=0.1, eps=ADAM_EPS, masters=dtype != torch.float32)
+    history = []
+    for step in range(3):
+        grads = _odd_grads(step, ctx.rank)
+        chunks = opt.reduce_scatter_grads(grads)
+        opt.step_with(chunks)
+        history.append({n: p.detach().clone() for n, p in params.items()})
+        if step == 1:
+            checkpoint.save_model_shard(Path(ckpt), "m", 0, 0, "L", params, opt, write=ctx.rank == 0)
+    return history
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sharded_adamw_steps_like_the_unsharded_one_and_its_checkpoint_resumes_at_dp_1(pool, tmp_path, dtype):
+    """Every dp rank ends each step with the parameters an unsharded optimizer (torch's AdamW for fp32,
+    MasterWeightAdamW for bf16) gets from the dp-averaged gradients, bit for bit; the checkpoint written
+    at dp 3 loads into the unsharded optimizer, whose next step is again the same."""
+    from realloc.models.optim import MasterWeightAdamW
+    from realloc.runtime.persist import checkpoint
+
+    res = pool.run(_sharded_steps, dtype, str(tmp_path))
+    params = _odd_params(dtype)
+    if dtype == torch.float32:
+        decay = [p for p in params.values() if p.dim() >= 2]
+        rest = [p for p in params.values() if p.dim() < 2]
+        ref = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                                lr=1e-2, betas=(0.9, 0.95), eps=ADAM_EPS, foreach=False)
+    else:
+        ref = MasterWeightAdamW(params, lr=1e-2, weight_decay=0.1, eps=ADAM_EPS)
+
+    def ref_step(step: int) -> None:
+        per_rank = [_odd_grads(step, r) for r in range(3)]
+        avg = {n: (per_rank[0][n] + per_rank[1][n] + per_rank[2][n]) / 3 for n in ODD_SHAPES}
+        if dtype == torch.float32:
+            for n, p in params.items():
+                p.grad = avg[n]
+            ref.step()
+        else:
+            ref.step_with(avg)
+
+    resumed = _odd_params(dtype)
+    for step in range(3):
+        ref_step(step)
+        for r in res[:3]:
+            for n, p in params.items():
+                assert torch.equal(r[step][n], p.detach()), (step, n)
+        if step == 1:
+            resumed = {n: torch.nn.Parameter(torch.zeros_like(p)) for n, p in params.items()}
+            if dtype == torch.float32:
+                opt = torch.optim.AdamW([{"params": [p for p in resumed.values() if p.dim() >= 2]},
+                                         {"params": [p for p in resumed.values() if p.dim() < 2]}], lr=0.5)
+            else:
+                opt = MasterWeightAdamW(resumed, lr=0.5)
+            checkpoint.load_model_shard(tmp_path, "m", 0, 0, "L", resumed, opt, verify=False)
+    # the resumed unsharded optimizer (hyper-parameters from the file: lr 1e-2, weight decay 0.1) steps alike
+    per_rank = [_odd_grads(2, r) for r in range(3)]
+    avg = {n: (per_rank[0][n] + per_rank[1][n] + per_rank[2][n]) / 3 for n in ODD_SHAPES}
+    if dtype == torch.float32:
+        for n, p in resumed.items():
+            p.grad = avg[n]
+        opt.step()
+    else:
+        opt.step_with(avg)
+    for n, p in params.items():
+        assert torch.equal(resumed[n].detach(), p.detach()), n
+
+
+def _train_save(ctx, cfg, dp, tp, path, mbs, steps, ckpt_in, ckpt_out, device_ids=None):
+    """Build at (dp, tp), resume from ``ckpt_in`` if given, train ``steps`` AdamW steps over this replica's
+    share of ``mbs``, save to ``ckpt_out``; returns this rank's shards and the optimizer's bytes."""
+    from realloc.models.zero import DistributedAdamW
+    from realloc.runtime.persist import checkpoint
+
+    model = build_model(ctx, cfg, dp, tp, 1, hf_path=path, device_ids=device_ids)
+    if model is None:
+        return None
+    g = model.groups
+    opt = model.make_optimizer(lr=1e-2, weight_decay=0.1, eps=ADAM_EPS)
+    assert isinstance(opt, DistributedAdamW) == (dp > 1)
+    if ckpt_in:
+        checkpoint.load_model_shard(Path(ckpt_in), "actor", g.tp_rank, 0, "L", model.params(), opt, verify=False)
+    per = len(mbs) // dp
+    for _ in range(steps):
+        model.train_step(mbs[g.dp_rank * per:(g.dp_rank + 1) * per], nll_loss, opt, max_grad_norm=1.0)
+    checkpoint.save_model_shard(Path(ckpt_out), "actor", g.tp_rank, 0, "L", model.params(), opt,
+                                write=g.dp_rank == 0)
+    return local_shards(model)
+
+
+def test_training_resumes_across_dp_changes_like_the_dense_model(pool, tmp_path):
+    """Two AdamW steps at dp 2 (tp 2), resumed at dp 1 for a third, resumed at dp 2 on other devices for a
+    fourth: after each, the weights of the dense model trained as many steps on the same batches."""
+    hf = tiny_hf_model(tmp_path / "src", seed=21, kv_heads=2)
+    cfg = model_config_from_hf(tmp_path / "src")
+    specs = {s.name: s for s in param_specs(cfg)}
+    mbs = _micro_batches(seed=31)
+    src = str(tmp_path / "src")
+    c1, c2, c3 = (str(tmp_path / f"ckpt{i}") for i in range(3))
+    runs = [(2, None, c1, 2, None), (1, c1, c2, 1, None), (2, c2, c3, 1, (2, 3, 0, 1))]
+    done = 0
+    for dp, ckpt_in, ckpt_out, steps, devices in runs:
+        res = pool.run(_train_save, cfg, dp, 2, src, mbs, steps, ckpt_in, ckpt_out, devices)
+        done += steps
+        ref, _ = _dense_reference(copy.deepcopy(hf), mbs, "adamw", done, 1.0)
+        for d in range(dp):
+            got = assemble([dict(r, dp=0) for r in res if r is not None and r["dp"] == d], cfg)
+            for name, t in got.items():
+                err = (specs[name].unpad(t) - ref[name]).abs().max().item()
+                assert err < 2e-5, (dp, done, d, name, err)
