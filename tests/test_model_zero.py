@@ -45,7 +45,8 @@ def _sharded_steps(ctx, dtype, ckpt):
     from realloc.models.zero import DistributedAdamW
     from realloc.runtime.persist import checkpoint
 
-    group = dist.new_group([0, 1, 2])  # every rank of the world takes part in creating it
+    group = dist.new_group([0, 1, 2])  # every rank of the world takes part in creating them
+    pair = dist.new_group([0, 1])
     if ctx.rank == 3:
         return None
     params = _odd_params(dtype)
@@ -58,6 +59,16 @@ def _sharded_steps(ctx, dtype, ckpt):
         history.append({n: p.detach().clone() for n, p in params.items()})
         if step == 1:
             checkpoint.save_model_shard(Path(ckpt), "m", 0, 0, "L", params, opt, write=ctx.rank == 0)
+    if ctx.rank < 2:
+        # the checkpoint of dp 3 (written before step 2's collectives let anyone past) re-sharded at dp 2;
+        # both ranks feed the dp-3 average, so theirs is the same
+        fresh = {n: torch.nn.Parameter(torch.zeros_like(p)) for n, p in params.items()}
+        opt2 = DistributedAdamW(fresh, pair, lr=0.5, masters=dtype != torch.float32)
+        checkpoint.load_model_shard(Path(ckpt), "m", 0, 0, "L", fresh, opt2, verify=False)
+        per_rank = [_odd_grads(2, r) for r in range(3)]
+        avg = {n: (per_rank[0][n] + per_rank[1][n] + per_rank[2][n]) / 3 for n in ODD_SHAPES}
+        opt2.step_with(opt2.reduce_scatter_grads(avg))
+        history.append({n: p.detach().clone() for n, p in fresh.items()})
     return history
 
 
@@ -65,7 +76,8 @@ def _sharded_steps(ctx, dtype, ckpt):
 def test_sharded_adamw_steps_like_the_unsharded_one_and_its_checkpoint_resumes_at_dp_1(pool, tmp_path, dtype):
     """Every dp rank ends each step with the parameters an unsharded optimizer (torch's AdamW for fp32,
     MasterWeightAdamW for bf16) gets from the dp-averaged gradients, bit for bit; the checkpoint written
-    at dp 3 loads into the unsharded optimizer, whose next step is again the same."""
+    at dp 3 loads into the unsharded optimizer and into a distributed one at dp 2, whose next steps are
+    again the same."""
     from realloc.models.optim import MasterWeightAdamW
     from realloc.runtime.persist import checkpoint
 
@@ -114,6 +126,8 @@ def test_sharded_adamw_steps_like_the_unsharded_one_and_its_checkpoint_resumes_a
         opt.step_with(avg)
     for n, p in params.items():
         assert torch.equal(resumed[n].detach(), p.detach()), n
+        for r in res[:2]:  # resumed at dp 2
+            assert torch.equal(r[3][n], p.detach()), n
 
 
 def _train_save(ctx, cfg, dp, tp, path, mbs, steps, ckpt_in, ckpt_out, device_ids=None):
