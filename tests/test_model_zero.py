@@ -73,7 +73,7 @@ def _sharded_steps(ctx, dtype, ckpt):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_sharded_adamw_steps_like_the_unsharded_one_and_its_checkpoint_resumes_at_dp_1(pool, tmp_path, dtype):
+def test_sharded_adamw_steps_like_the_unsharded_one_and_its_checkpoint_resumes_at_another_dp(pool, tmp_path, dtype):
     """Every dp rank ends each step with the parameters an unsharded optimizer (torch's AdamW for fp32,
     MasterWeightAdamW for bf16) gets from the dp-averaged gradients, bit for bit; the checkpoint written
     at dp 3 loads into the unsharded optimizer and into a distributed one at dp 2, whose next steps are
