@@ -21,12 +21,12 @@ it reads, so flipped bytes or a missing RNG file are one error naming the file r
 resume on corrupted state. ``verify=False`` (``realloc run --skip-checkpoint-checks``) skips both.
 
 Shards are saved per (tp, pp) coordinate of the model's home layout (dp replicas are identical;
-dp rank 0 writes), so resuming needs the same home layout for every trained model; a different
-one is refused with a clear error rather than silently mis-sliced. With dp > 1 the optimizer state
-is sharded over dp (``models/zero.py``): saving gathers each tensor's whole state to the writing
-rank, one tensor at a time, and loading keeps each rank's own chunk, so the file is the same as
-an unsharded optimizer's and a checkpoint resumes at any dp (the optimizer state is re-sharded). They are the engine's shards as
-they are, vocabulary padding rows included (``ModelConfig.padded_vocab_size``; zeros, with zero
+dp rank 0 writes), so resuming needs a home layout with the same tp and pp for every trained model;
+another one is refused with a clear error rather than silently mis-sliced. The dp and the devices
+may change (a plan searched again): with dp > 1 the optimizer state is sharded over dp
+(``models/zero.py``), saving gathers each tensor's whole state to the writing rank, one tensor at
+a time, and loading keeps each rank's own chunk, so the file is the same at every dp and resuming
+re-shards the state. They are the engine's shards as they are, vocabulary padding rows included (``ModelConfig.padded_vocab_size``; zeros, with zero
 optimizer state): resuming copies them back unchanged, so it is exact; ``export.py`` drops the rows.
 """
 
@@ -279,9 +279,11 @@ def _sharded(optimizer: Any) -> bool:
 
 
 def save_model_shard(ckpt: Path, model: str, tp_rank: int, pp_rank: int, layout: str,
-                     params: Mapping[str, torch.Tensor], optimizer: Any, write: bool = True) -> None:
+                     params: Mapping[str, torch.Tensor], optimizer: Any, write: bool = True,
+                     tp_pp: tuple[int, int] | None = None) -> None:
     """Write the shard's file; with a distributed optimizer every dp rank calls it (the state is gathered,
-    a collective over dp) and only the one with ``write`` writes."""
+    a collective over dp) and only the one with ``write`` writes. ``tp_pp``, the layout's tp and pp sizes,
+    lets a layout that differs only in dp or devices resume from it (``load_model_shard``)."""
     tensors = {f"param/{n}": p for n, p in params.items()}
     hyper: list[dict[str, Any]] = []
     stepped, torch_opt = _optimizer_view(params, optimizer)
@@ -302,13 +304,16 @@ def save_model_shard(ckpt: Path, model: str, tp_rank: int, pp_rank: int, layout:
     if not write:
         return
     _save(shard_file(ckpt, model, tp_rank, pp_rank), tensors,
-          {"format": str(CHECKPOINT_FORMAT), "model": model, "layout": layout,
+          {"format": str(CHECKPOINT_FORMAT), "model": model, "layout": layout, "tp_pp": json.dumps(tp_pp),
            "optimizer_groups": json.dumps(hyper)})
 
 
 @torch.no_grad()
 def load_model_shard(ckpt: Path, model: str, tp_rank: int, pp_rank: int, layout: str,
-                     params: Mapping[str, torch.Tensor], optimizer: Any, verify: bool = True) -> None:
+                     params: Mapping[str, torch.Tensor], optimizer: Any, verify: bool = True,
+                     tp_pp: tuple[int, int] | None = None) -> None:
+    """Load this rank's shard. A shard saved in another layout loads if both record the same (tp, pp) sizes
+    (``tp_pp``): the parameters are the same shards, and the optimizer state is whole in the file."""
     path = shard_file(ckpt, model, tp_rank, pp_rank)
     if not path.is_file():
         raise ValueError(f"checkpoint {ckpt} has no shard {path.name} of model {model!r}; was it saved with "
@@ -317,9 +322,11 @@ def load_model_shard(ckpt: Path, model: str, tp_rank: int, pp_rank: int, layout:
         verify_file(ckpt, path)
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata() or {}
-        if meta.get("layout") != layout:
+        same_shards = tp_pp is not None and json.loads(meta.get("tp_pp", "null")) == list(tp_pp)
+        if meta.get("layout") != layout and not same_shards:
             raise ValueError(f"checkpoint {ckpt}: model {model!r} was saved in layout {meta.get('layout')}, but this "
-                             f"plan keeps it in {layout}; resume with the checkpoint's plan (omit --plan)")
+                             f"plan keeps it in {layout}; resume with the checkpoint's plan (omit --plan) or a plan "
+                             f"that keeps the model's tp and pp (its dp and devices may change)")
         keys = set(f.keys())
         for n, p in params.items():
             if f"param/{n}" not in keys:
