@@ -123,16 +123,17 @@ def test_dp_allreduce_term(tiny):
     hw, cl = tiny.hw, tiny.cluster
     mesh = cl.whole
     cost = tiny.call_cost("actor_train", mesh, S(2, 1, 1), 1)
-    # ring all-reduce of the fp32 gradients, 2(n-1)/n x bytes over the intra-node link, once per mini-batch,
-    # and of the loss statistic (1 float64) ...
+    # the distributed optimizer (dp 2, fp32 model): a ring reduce-scatter of the fp32 gradients and a ring
+    # all-gather of the fp32 parameters, each (n-1) chunks of bytes/n over the intra-node link, once per
+    # mini-batch, with the gradient norm's and the loss statistic's all-reduces (1 float64 each) ...
     bw = cl.intra_node_bandwidth * hw.comm_efficiency
-    one = hw.intra_node_latency + 2 * (2 - 1) / 2 * TINY_PARAMS * 4 / bw
+    one = 2 * (hw.intra_node_latency + (2 - 1) * TINY_PARAMS / 2 * 4 / bw)
     stats = hw.intra_node_latency + 2 * (2 - 1) / 2 * 8 / bw
     # ... and once per call PPO's advantage moments and per-mini-batch token counts (3 + 2 float64s)
     moments = hw.intra_node_latency + 2 * (2 - 1) / 2 * 8 * (3 + 2) / bw
-    # the gradients are packed into one flat buffer and unpacked after: two copies at memory speed
-    pack = 2 * TINY_PARAMS * 4 / (hw.memory_bandwidth * hw.memory_efficiency)
-    assert cost.dp_allreduce == pytest.approx(2 * (one + pack + stats) + moments)
+    # gradients and parameters are packed into one flat buffer and unpacked after: two copies each at memory speed
+    pack = 2 * TINY_PARAMS * (4 + 4) / (hw.memory_bandwidth * hw.memory_efficiency)
+    assert cost.dp_allreduce == pytest.approx(2 * (one + pack + 2 * stats) + moments)
     assert tiny.call_cost("actor_train", cl.mesh("localhost:0"), S(1, 1, 1), 1).dp_allreduce == 0.0
     assert TINY_PARAMS < GRAD_BUCKET_NUMEL
 

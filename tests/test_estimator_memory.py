@@ -160,7 +160,9 @@ def test_plan_memory_applies_the_rules(model):
     ref = model.call_memory("ref_inf", model.cluster.mesh("localhost:2-3"), S(2, 1, 1), 1)
     tp2_full = L * LAYER_TP2 + V * H // 2 + H + V * H // 2
     assert train.params == tp2_full * 4 and ref.params == FULL * 4
-    static_actor = tp2_full * (4 + 4 + 8)  # trainable: params + grads + Adam state, on all 4 devices
+    # trainable: params + grads + Adam state, on all 4 devices; at dp 2 the distributed optimizer holds half of
+    # the Adam state (m and v, fp32) on each dp rank (every tensor here has an even number of elements)
+    static_actor = tp2_full * (4 + 4 + 8 // 2)
     peak = model.plan_memory(_plan(model))
     # devices 0, 1: the generation layout (tp2 on 2 devices) differs from the training layout
     # (dp2 x tp2 on 4), so generation runs on a reallocated copy that exists only while it runs

@@ -77,6 +77,20 @@ def test_layout_mismatch_is_refused(tmp_path):
         C.load_model_shard(final, "actor", 1, 0, "localhost dp2·tp1·pp1", params, opt)
 
 
+def test_a_layout_with_the_same_tp_and_pp_resumes_at_another_dp(tmp_path):
+    """The shards depend on tp and pp only (the optimizer state is saved whole at any dp, models/zero.py), so a
+    plan that moves the trained model to another dp or other devices resumes; another tp or pp is refused."""
+    params, opt = make()
+    tmp = C.begin(tmp_path, 0)
+    C.save_model_shard(tmp, "actor", 0, 0, "localhost dp2·tp1·pp1", params, opt, tp_pp=(1, 1))
+    final = C.commit(tmp, tmp_path, 0, {"next_iteration": 1}, "{}")
+    fresh = {n: torch.nn.Parameter(torch.zeros_like(p)) for n, p in params.items()}
+    C.load_model_shard(final, "actor", 0, 0, "localhost:0 dp1·tp1·pp1", fresh, None, tp_pp=(1, 1))
+    assert all(torch.equal(fresh[n], p) for n, p in params.items())
+    with pytest.raises(ValueError, match="keeps the model's tp and pp"):
+        C.load_model_shard(final, "actor", 0, 0, "localhost dp1·tp1·pp2", fresh, None, tp_pp=(1, 2))
+
+
 def test_a_shard_of_another_shape_is_refused(tmp_path):
     """E.g. a vocabulary saved without the padding rows the engine now holds: one error naming both shapes."""
     params, opt = make()

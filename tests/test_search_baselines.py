@@ -57,20 +57,24 @@ def test_heuristic_adds_pipeline_stages_across_nodes_until_it_fits():
             assert peak > mem, (pp_before, m_before)
 
 
-def test_weak_scaling_70b_heuristic_fits_in_the_authors_layout():
+def test_weak_scaling_70b_heuristic_fits_in_two_stages_and_in_the_authors_layout():
     """The 128-GPU point of the appendix's weak scaling (section A): 70B + 7B, batch 4096. The authors ran the
-    heuristic at TP 8 / PP 4 / DP 4 with 8 micro-batches on 80 GB A100s; realloc's engine fits the same
-    layout with more micro-batches and recomputation (README, "Weak scaling at 70B")."""
+    heuristic at TP 8 / PP 4 / DP 4 with 8 micro-batches on 80 GB A100s. With the distributed optimizer (the
+    70B actor's training state at dp 8 is 7.5 B per parameter, not 18) realloc's heuristic already fits with
+    two stages; the authors' layout fits with more micro-batches and recomputation (README, "Weak scaling at
+    70B")."""
     spec = load_experiment("experiments/ppo_70b_7b_weak_scaling.py")
     assert (spec.batch_size, spec.cluster.n_devices, spec.prompt_len, spec.gen_len) == (4096, 128, 1024, 1024)
     graph = build_graph(spec)
     assert graph.model_config("actor_train").vocab_size == 128256  # Table 1's LLaMA-3 shapes
-    plan = baseline(spec, "heuristic")
-    assert {(p.mesh, p.dp, p.tp, p.pp) for p in plan.placements.values()} == {("trainer[01-16]", 4, 8, 4)}
+    cost = CostModel(graph)
+    plan = baseline(spec, "heuristic", cost)
+    assert {(p.mesh, p.dp, p.tp, p.pp) for p in plan.placements.values()} == {("trainer[01-16]", 8, 8, 2)}
     assert plan.estimated_peak_memory <= spec.cluster.device_memory
-    trains = {c for c in plan.placements if graph.call(c).is_train}
-    assert trains and all(plan.placements[c].recompute for c in trains)
-    assert all(p.n_mbs > 8 for p in plan.placements.values())
+    authors = plan.model_copy(update={"placements": {
+        c: CallPlacement(mesh="trainer[01-16]", dp=4, tp=8, pp=4, n_mbs=32, recompute=graph.call(c).is_train)
+        for c in plan.placements}})
+    assert max(cost.plan_memory(authors).values()) <= spec.cluster.device_memory
 
 
 def test_colocate_dp_is_data_parallel_with_tp_generation():

@@ -298,22 +298,32 @@ class CallTimer:
 
     def _optimizer_step(self, strategy: ParallelStrategy, links: GroupLinks) -> CallCost:
         """After the last backward (``realloc.models.grads``): the sum of replicated KV heads'
-        gradients, the DP all-reduce of the gradients in buckets of GRAD_BUCKET_NUMEL elements, the
-        grad-norm's scalar all-reduces over tp and pp, clipping and AdamW, all on the stage holding the
-        most parameters."""
+        gradients, the grad-norm's scalar all-reduces over tp and pp, clipping and AdamW, all on the stage
+        holding the most parameters. With dp 1 AdamW steps every local parameter. With dp > 1 the distributed
+        optimizer (``realloc.models.zero``) reduce-scatters the fp32 gradients and all-gathers the updated
+        parameters in buckets of GRAD_BUCKET_NUMEL elements, and AdamW steps a 1/dp chunk."""
         n_local = max_local_params(self.cfg, strategy.tp, strategy.pp)
-        n_buckets = -(-n_local // GRAD_BUCKET_NUMEL)
-        bucket = n_local / n_buckets * self.precision.grad
-        dp = n_buckets * self.comm.time("all_reduce", strategy.dp, bucket, links.dp)
+        dp = 0.0
+        n_step = n_local
         if strategy.dp > 1:
-            # each bucket is packed into one flat buffer and unpacked after (grads.allreduce_coalesced)
-            dp += 2 * n_local * self.precision.grad / (self.hw.memory_bandwidth * self.hw.memory_efficiency)
+            n_step = -(-n_local // strategy.dp)
+            n_buckets = -(-n_local // GRAD_BUCKET_NUMEL)
+            chunk = n_local / n_buckets / strategy.dp
+            # A ring reduce-scatter moves what a ring all-gather of its output chunk moves, (dp - 1) chunks per
+            # rank; the measured all-gather fit prices both (the reduction's arithmetic is memory-bound and
+            # counted with the packing below).
+            dp = n_buckets * (self.comm.time("all_gather", strategy.dp, chunk * self.precision.grad, links.dp)
+                              + self.comm.time("all_gather", strategy.dp, chunk * self.precision.param, links.dp))
+            # each bucket is packed into one flat buffer and unpacked after, for both collectives (zero.py)
+            moved = 2 * n_local * (self.precision.grad + self.precision.param)
+            dp += moved / (self.hw.memory_bandwidth * self.hw.memory_efficiency)
         norm = (self.comm.time("all_reduce", strategy.tp, 8, links.tp)
-                + self.comm.time("all_reduce", strategy.pp, 8, links.pp_any))
+                + self.comm.time("all_reduce", strategy.pp, 8, links.pp_any)
+                + self.comm.time("all_reduce", strategy.dp, 8, links.dp))  # over dp: the norm of the chunks
         # the last stage averages the loss statistics over dp replicas (a few float64s)
         stats = self.comm.time("all_reduce", strategy.dp, 8 * TRAIN_STATS, links.dp)
         return CallCost.of(tp_comm=self._kv_replica_sync(strategy, links), dp_allreduce=dp + norm + stats,
-                           optimizer=self.costs.optimizer(n_local))
+                           optimizer=self.costs.optimizer(n_step))
 
     def _kv_replica_sync(self, strategy: ParallelStrategy, links: GroupLinks) -> float:
         """``grads.sync_kv_replicas``: one coalesced all-reduce of the stage's k/v gradients among the

@@ -116,7 +116,7 @@ class Precision(BaseModel):
 
     param: int  # one parameter in the compute dtype; also one activation element
     grad: int  # one gradient element (the DP all-reduce moves these)
-    optimizer: int  # Adam state per parameter, including an fp32 master copy if any
+    optimizer: int  # Adam state per parameter, including an fp32 master copy if any (1/dp of it per rank: memory.py)
     logits: int = 4  # logits and log-softmax are computed in fp32
 
     @classmethod

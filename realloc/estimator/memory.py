@@ -11,7 +11,12 @@ Rules, applied per device ``d`` (the search's simulator applies the same ones):
      and the plan offloads it (``ExecutionPlan.offload``) to host memory;
    - for a trainable model, its gradients and optimizer states in the home
      layout. Optimizer state never moves (principle 1); gradients live in the
-     persistent fp32 ``main_grad`` buffers, so they are static too.
+     persistent fp32 ``main_grad`` buffers, so they are static too. With dp > 1
+     the optimizer state is sharded over dp (``models/zero.py``, ZeRO stage 1):
+     each dp rank holds ``precision.optimizer`` bytes (bf16: fp32 master, Adam m
+     and v, 12 B; fp32: m and v, 8 B) for its chunk of every tensor, ceil(n / dp)
+     of n elements (``local_optimizer_elems``), so a bf16 parameter costs
+     2 + 4 + 12/dp bytes (18 at dp 1, 12 at dp 2).
 3. Dynamic_c(d), for a call c whose layout covers d =
    activations of c on d + KV cache of c on d
    + c's parameter shard on d if c runs on a *reallocated copy*: its layout
@@ -39,7 +44,9 @@ and the peaks (temporaries included) are checked against ``LiveTensorMeter`` on 
   saves and the log-prob's peak in its backward, four fp32 tensors of the rank's V/t
   logits per token), or on the first stage the embedding's gradient; they never run
   at once, so the largest counts. After the backward, the optimizer update's fp32
-  temporaries, if larger (``optimizer_step_bytes``). ``train_saved_bytes`` is the
+  temporaries, if larger (``optimizer_step_bytes``: AdamW's on the largest tensors, or
+  their dp chunks, and with dp > 1 the distributed optimizer's flat reduce-scatter and
+  all-gather buffers). ``train_saved_bytes`` is the
   saved part alone;
 - INFERENCE: one micro-batch's working set of one block plus the rotary tables, or on
   the last stage the log-prob's peak over its V/t logits (the logits in the compute
@@ -72,6 +79,7 @@ from realloc.estimator.opcount import (block_backward_bytes_per_token, head_save
                                        transient_activation_bytes_per_token)
 from realloc.models.config import ModelConfig
 from realloc.models.param_layout import shard_numel, stage_layer_ranges, stage_param_specs
+from realloc.models.zero import chunk_numel, plan_buckets
 from realloc.strategy import ParallelStrategy
 
 
@@ -121,18 +129,38 @@ def local_params(cfg: ModelConfig, tp: int, pp: int, pp_rank: int) -> int:
 
 
 @lru_cache(maxsize=4096)
-def optimizer_step_bytes(cfg: ModelConfig, tp: int, pp: int, pp_rank: int) -> int:
-    """Peak fp32 temporaries of the AdamW update on a device of stage ``pp_rank`` (``models/optim.py``: torch's
-    AdamW one tensor at a time, over the weights, then over the norms and biases): sqrt(v) and its
-    bias-corrected quotient for the current shard, while the previous shard's quotient is still referenced."""
+def local_optimizer_elems(cfg: ModelConfig, tp: int, pp: int, pp_rank: int, dp: int) -> int:
+    """Elements of optimizer state (per kind: master, m, v) on a device of stage ``pp_rank``: its dp rank's
+    chunk of every local tensor (``models/zero.py``; every tensor whole at dp 1)."""
+    return sum(chunk_numel(s.shard_numel(tp), dp) for s in stage_param_specs(cfg, pp, pp_rank))
+
+
+@lru_cache(maxsize=4096)
+def optimizer_step_bytes(cfg: ModelConfig, tp: int, pp: int, pp_rank: int, dp: int = 1, grad_bytes: int = 4) -> int:
+    """Peak temporaries after the backward on a device of stage ``pp_rank``, the larger of:
+
+    - the AdamW update's fp32 temporaries (``models/optim.py``, ``models/zero.py``: torch's AdamW one tensor at
+      a time, over the weights, then over the norms and biases): sqrt(v) and its bias-corrected quotient for
+      the current tensor, while the previous tensor's quotient is still referenced; with dp > 1 the tensors
+      are the rank's chunks, ceil(n / dp) elements, visited in name order;
+    - with dp > 1, the distributed optimizer's flat buffer of one bucket (``zero.plan_buckets``): the
+      reduce-scatter's in ``grad_bytes`` per element, the parameters' all-gather's (in the parameter dtype,
+      never wider than the fp32 gradients) after it.
+    """
     specs = stage_param_specs(cfg, pp, pp_rank)
+    if dp > 1:
+        specs = sorted(specs, key=lambda s: s.name)
     peak = 0
     for group in ([s for s in specs if len(s.shape) >= 2], [s for s in specs if len(s.shape) < 2]):
         prev = 0
         for spec in group:
-            n = spec.shard_numel(tp)
+            n = chunk_numel(spec.shard_numel(tp), dp)
             peak = max(peak, 4 * (prev + 2 * n))
             prev = n
+    if dp > 1:
+        numels = [s.shard_numel(tp) for s in specs]
+        for bucket in plan_buckets(numels, dp):
+            peak = max(peak, grad_bytes * dp * sum(chunk_numel(numels[i], dp) for i in bucket))
     return peak
 
 
@@ -188,7 +216,7 @@ def train_activation_bytes(cfg: ModelConfig, strategy: ParallelStrategy, n_mbs: 
         work = max(work, head * n_tok)
     if first:
         work = max(work, cfg.padded_vocab_size / t * h * e)  # the embedding's gradient, after the blocks' backward
-    return int(max(kept * n_tok + work, optimizer_step_bytes(cfg, t, pp, pp_rank)))
+    return int(max(kept * n_tok + work, optimizer_step_bytes(cfg, t, pp, pp_rank, strategy.dp, precision.grad)))
 
 
 def stage_call_memory(cfg: ModelConfig, work: Workload, strategy: ParallelStrategy, n_mbs: int, pp_rank: int,
@@ -206,8 +234,8 @@ def stage_call_memory(cfg: ModelConfig, work: Workload, strategy: ParallelStrate
     params = n_param * precision.param
     if work.interface is InterfaceType.TRAIN_STEP:
         act = train_activation_bytes(cfg, strategy, n_mbs, pp_rank, b * work.seq_len, precision, recompute)
-        return CallMemory(params=params, grads=n_param * precision.grad, optimizer=n_param * precision.optimizer,
-                          activations=act)
+        optimizer = local_optimizer_elems(cfg, t, pp, pp_rank, strategy.dp) * precision.optimizer
+        return CallMemory(params=params, grads=n_param * precision.grad, optimizer=optimizer, activations=act)
     if work.interface is InterfaceType.INFERENCE:
         # a stage's output stays referenced by its send until the next stage has received it
         sent = cfg.hidden_size * precision.param if not last else 0.0

@@ -24,6 +24,9 @@ gets the same batch, different dp replicas get different batches):
 Precision: parameters live in ``dtype`` (fp32 on CPU; bf16 on GPUs). A bf16 model
 accumulates micro-batch gradients in fp32 and trains through fp32 master weights
 (``make_optimizer`` returns ``optim.MasterWeightAdamW``); fp16 training is refused.
+With dp > 1, ``make_optimizer`` returns the distributed optimizer (``zero.DistributedAdamW``,
+both dtypes): the optimizer state is sharded over dp, gradients reduce-scatter and updated
+parameters all-gather.
 
 Parameters for reallocation and checkpoints: :meth:`params` maps HF names to
 the local shards (the ``torch.nn.Parameter`` objects themselves, so writing
@@ -54,6 +57,7 @@ from realloc.models.param_layout import ParamSpec, stage_param_specs
 from realloc.models.pipeline import StageLink, run_1f1b, run_forward_only
 from realloc.models.vocab_parallel import gather_vocab, vocab_parallel_entropy, vocab_parallel_token_logprobs
 from realloc.models.weights import init_shard
+from realloc.models.zero import DistributedAdamW
 
 if TYPE_CHECKING:
     from realloc.models.sampling import GenerationConfig
@@ -209,11 +213,16 @@ class ParallelModel:
         self.state = "ready"
 
     def make_optimizer(self, lr: float, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95),
-                       eps: float = 1e-8) -> "torch.optim.AdamW | MasterWeightAdamW":
+                       eps: float = 1e-8) -> "torch.optim.AdamW | MasterWeightAdamW | DistributedAdamW":
         """AdamW over the local shards; norms are not decayed. Its state is per rank and never moves.
 
-        fp32 models get ``torch.optim.AdamW``; bf16 models get :class:`MasterWeightAdamW` (fp32 master weights).
+        With dp > 1, :class:`DistributedAdamW` (state sharded over dp; fp32 master chunks for bf16 models).
+        Otherwise fp32 models get ``torch.optim.AdamW``; bf16 models get :class:`MasterWeightAdamW` (fp32
+        master weights).
         """
+        if self.groups.dp > 1:
+            return DistributedAdamW(self._params, self.groups.dp_group, lr, weight_decay, betas, eps,
+                                    masters=self._low_precision)
         if self._low_precision:
             return MasterWeightAdamW(self._params, lr, weight_decay, betas, eps)
         decay = [p for n, p in self._params.items() if p.dim() >= 2]
@@ -256,7 +265,11 @@ class ParallelModel:
         self._require("ready", "train_step")
         if self.dtype == torch.float16:
             raise ValueError("train_step: float16 training needs loss scaling, which is not implemented; use bfloat16")
-        if self._low_precision and not isinstance(optimizer, MasterWeightAdamW):
+        distributed = isinstance(optimizer, DistributedAdamW)
+        if distributed and (optimizer.params.keys() != self._params.keys() or optimizer.dp != self.groups.dp):
+            raise ValueError("train_step: the DistributedAdamW was made for another model; pass model.make_optimizer()")
+        masters = isinstance(optimizer, MasterWeightAdamW) or (distributed and optimizer.keeps_masters)
+        if self._low_precision and not masters:
             raise ValueError(f"train_step: a {self.dtype} model needs fp32 master weights; pass model.make_optimizer()")
         n = len(micro_batches)
         if n == 0:
@@ -300,13 +313,17 @@ class ParallelModel:
             if self.cfg.tie_embeddings:
                 grads.sync_tied_embedding(main, g, "model.embed_tokens.weight")
             grads.sync_kv_replicas(main, self.specs, g)
-            grads.average_data_parallel(main, g)
-            norm = grads.global_norm(main, self.specs, g)
+            if distributed:
+                # each dp rank reduces, clips and steps only its chunks (zero.py)
+                main = optimizer.reduce_scatter_grads(main)
+            else:
+                grads.average_data_parallel(main, g)
+            norm = grads.global_norm(main, self.specs, g, dp_chunks=distributed)
             finite = math.isfinite(norm)
             if finite:
                 if max_grad_norm is not None:
                     grads.clip_(main, norm, max_grad_norm)
-                if isinstance(optimizer, MasterWeightAdamW):
+                if isinstance(optimizer, (MasterWeightAdamW, DistributedAdamW)):
                     optimizer.step_with(main)
                 else:
                     optimizer.step()

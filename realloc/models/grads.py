@@ -12,7 +12,9 @@ Which copy of a parameter counts toward the global norm (each element once):
   rank (their gradients are identical too), only tp rank 0 counts them;
 - the tied embedding's replica on the last stage (pp > 1): only stage 0 counts it;
 - data-parallel replicas: gradients are averaged first, so one replica's view
-  (any dp rank) is the global one and no reduction over dp is needed.
+  (any dp rank) is the global one and no reduction over dp is needed; with the
+  distributed optimizer (``zero.py``) each dp rank holds the averaged chunks it
+  steps, a disjoint part of every tensor, and the squares are summed over dp too.
 """
 
 from __future__ import annotations
@@ -86,8 +88,10 @@ def counts_toward_norm(spec: ParamSpec, groups: ModelParallelGroups) -> bool:
     return True
 
 
-def global_norm(grads: Mapping[str, torch.Tensor], specs: Mapping[str, ParamSpec], groups: ModelParallelGroups) -> float:
-    """L2 norm of the whole model's gradient (``grads``: name -> this rank's gradient shard), same on every rank."""
+def global_norm(grads: Mapping[str, torch.Tensor], specs: Mapping[str, ParamSpec], groups: ModelParallelGroups,
+                dp_chunks: bool = False) -> float:
+    """L2 norm of the whole model's gradient (``grads``: name -> this rank's gradient shard, or with
+    ``dp_chunks`` this dp rank's disjoint chunk of it), same on every rank."""
     g0 = next(iter(grads.values()))
     sq = torch.zeros((), dtype=torch.float64, device=g0.device)
     for name, g in grads.items():
@@ -99,6 +103,8 @@ def global_norm(grads: Mapping[str, torch.Tensor], specs: Mapping[str, ParamSpec
         dist.all_reduce(sq, group=groups.tp_group)
     if groups.pp > 1:
         dist.all_reduce(sq, group=groups.pp_group)
+    if dp_chunks and groups.dp > 1:
+        dist.all_reduce(sq, group=groups.dp_group)
     return math.sqrt(float(sq))
 
 

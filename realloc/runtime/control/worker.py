@@ -457,16 +457,16 @@ class ModelWorker:
     def save(self, ckpt: Path) -> None:
         for m, h in self._trained_homes():
             dp_rank, tp_rank, pp_rank = h.coords
-            if dp_rank == 0:
-                checkpoint.save_model_shard(ckpt, m, tp_rank, pp_rank, _layout_name(h.layout), h.model.params(),
-                                            h.optimizer)
+            # every dp rank takes part: a distributed optimizer gathers its sharded state (a collective)
+            checkpoint.save_model_shard(ckpt, m, tp_rank, pp_rank, _layout_name(h.layout), h.model.params(),
+                                        h.optimizer, write=dp_rank == 0, tp_pp=_tp_pp(h.layout))
         checkpoint.save_rng(ckpt, self.rank)
 
     def load(self, ckpt: Path, verify: bool) -> None:
         for m, h in self._trained_homes():
             _, tp_rank, pp_rank = h.coords
             checkpoint.load_model_shard(ckpt, m, tp_rank, pp_rank, _layout_name(h.layout), h.model.params(),
-                                        h.optimizer, verify=verify)
+                                        h.optimizer, verify=verify, tp_pp=_tp_pp(h.layout))
         checkpoint.load_rng(ckpt, self.rank, verify=verify)
 
     def close(self) -> None:
@@ -499,6 +499,11 @@ def _describe(req: protocol._Msg) -> str:
 
 def _layout_name(cl: CallLayout) -> str:
     return f"{cl.mesh.name} {cl.strategy}"
+
+
+def _tp_pp(cl: CallLayout) -> tuple[int, int]:
+    """What a checkpoint shard depends on: a layout with the same tp and pp resumes from it at any dp."""
+    return cl.strategy.tp, cl.strategy.pp
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,9 +21,12 @@ it reads, so flipped bytes or a missing RNG file are one error naming the file r
 resume on corrupted state. ``verify=False`` (``realloc run --skip-checkpoint-checks``) skips both.
 
 Shards are saved per (tp, pp) coordinate of the model's home layout (dp replicas are identical;
-dp rank 0 writes), so resuming needs the same home layout for every trained model; a different
-one is refused with a clear error rather than silently mis-sliced. They are the engine's shards as
-they are, vocabulary padding rows included (``ModelConfig.padded_vocab_size``; zeros, with zero
+dp rank 0 writes), so resuming needs a home layout with the same tp and pp for every trained model;
+another one is refused with a clear error rather than silently mis-sliced. The dp and the devices
+may change (a plan searched again): with dp > 1 the optimizer state is sharded over dp
+(``models/zero.py``), saving gathers each tensor's whole state to the writing rank, one tensor at
+a time, and loading keeps each rank's own chunk, so the file is the same at every dp and resuming
+re-shards the state. They are the engine's shards as they are, vocabulary padding rows included (``ModelConfig.padded_vocab_size``; zeros, with zero
 optimizer state): resuming copies them back unchanged, so it is exact; ``export.py`` drops the rows.
 """
 
@@ -270,12 +273,27 @@ def _optimizer_view(params: Mapping[str, torch.Tensor], optimizer: Any) -> tuple
     return params, optimizer
 
 
+def _sharded(optimizer: Any) -> bool:
+    """A distributed optimizer (``models/zero.py``): its state is sharded over dp."""
+    return optimizer is not None and hasattr(optimizer, "gathered_state")
+
+
 def save_model_shard(ckpt: Path, model: str, tp_rank: int, pp_rank: int, layout: str,
-                     params: Mapping[str, torch.Tensor], optimizer: Any) -> None:
+                     params: Mapping[str, torch.Tensor], optimizer: Any, write: bool = True,
+                     tp_pp: tuple[int, int] | None = None) -> None:
+    """Write the shard's file; with a distributed optimizer every dp rank calls it (the state is gathered,
+    a collective over dp) and only the one with ``write`` writes. ``tp_pp``, the layout's tp and pp sizes,
+    lets a layout that differs only in dp or devices resume from it (``load_model_shard``)."""
     tensors = {f"param/{n}": p for n, p in params.items()}
     hyper: list[dict[str, Any]] = []
     stepped, torch_opt = _optimizer_view(params, optimizer)
-    if torch_opt is not None:
+    if _sharded(optimizer):
+        for n, master, state in optimizer.gathered_state():
+            if master is not None:
+                tensors[f"master/{n}"] = master
+            tensors.update({f"optim/{n}/{k}": v for k, v in state.items()})
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    elif torch_opt is not None:
         if stepped is not params:
             tensors.update({f"master/{n}": m for n, m in stepped.items()})
         name_of = {id(p): n for n, p in stepped.items()}
@@ -283,14 +301,19 @@ def save_model_shard(ckpt: Path, model: str, tp_rank: int, pp_rank: int, layout:
             for k, v in st.items():
                 tensors[f"optim/{name_of[id(p)]}/{k}"] = v if isinstance(v, torch.Tensor) else torch.tensor(v)
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in torch_opt.param_groups]
+    if not write:
+        return
     _save(shard_file(ckpt, model, tp_rank, pp_rank), tensors,
-          {"format": str(CHECKPOINT_FORMAT), "model": model, "layout": layout,
+          {"format": str(CHECKPOINT_FORMAT), "model": model, "layout": layout, "tp_pp": json.dumps(tp_pp),
            "optimizer_groups": json.dumps(hyper)})
 
 
 @torch.no_grad()
 def load_model_shard(ckpt: Path, model: str, tp_rank: int, pp_rank: int, layout: str,
-                     params: Mapping[str, torch.Tensor], optimizer: Any, verify: bool = True) -> None:
+                     params: Mapping[str, torch.Tensor], optimizer: Any, verify: bool = True,
+                     tp_pp: tuple[int, int] | None = None) -> None:
+    """Load this rank's shard. A shard saved in another layout loads if both record the same (tp, pp) sizes
+    (``tp_pp``): the parameters are the same shards, and the optimizer state is whole in the file."""
     path = shard_file(ckpt, model, tp_rank, pp_rank)
     if not path.is_file():
         raise ValueError(f"checkpoint {ckpt} has no shard {path.name} of model {model!r}; was it saved with "
@@ -299,9 +322,11 @@ def load_model_shard(ckpt: Path, model: str, tp_rank: int, pp_rank: int, layout:
         verify_file(ckpt, path)
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata() or {}
-        if meta.get("layout") != layout:
+        same_shards = tp_pp is not None and json.loads(meta.get("tp_pp", "null")) == list(tp_pp)
+        if meta.get("layout") != layout and not same_shards:
             raise ValueError(f"checkpoint {ckpt}: model {model!r} was saved in layout {meta.get('layout')}, but this "
-                             f"plan keeps it in {layout}; resume with the checkpoint's plan (omit --plan)")
+                             f"plan keeps it in {layout}; resume with the checkpoint's plan (omit --plan) or a plan "
+                             f"that keeps the model's tp and pp (its dp and devices may change)")
         keys = set(f.keys())
         for n, p in params.items():
             if f"param/{n}" not in keys:
@@ -312,6 +337,9 @@ def load_model_shard(ckpt: Path, model: str, tp_rank: int, pp_rank: int, layout:
                                  f"is {tuple(p.shape)}; the checkpoint was saved for another model shape (or "
                                  f"another realloc version's vocabulary padding): resume from a matching checkpoint")
             p.copy_(f.get_tensor(f"param/{n}"))
+        if _sharded(optimizer):
+            _load_sharded(f, path, keys, meta, optimizer)
+            return
         stepped, torch_opt = _optimizer_view(params, optimizer)
         if torch_opt is None:
             return
@@ -321,15 +349,33 @@ def load_model_shard(ckpt: Path, model: str, tp_rank: int, pp_rank: int, layout:
                     raise ValueError(f"checkpoint {path}: fp32 master weight {n!r} is missing (saved without "
                                      f"master weights?)")
                 m.copy_(f.get_tensor(f"master/{n}"))
-        hyper = json.loads(meta.get("optimizer_groups", "[]"))
-        if hyper and len(hyper) == len(torch_opt.param_groups):
-            for g, h in zip(torch_opt.param_groups, hyper):
-                g.update({k: tuple(v) if isinstance(v, list) else v for k, v in h.items()})
+        _load_hyper(meta, torch_opt.param_groups)
         for n, p in stepped.items():
             prefix = f"optim/{n}/"
             state = {k[len(prefix):]: f.get_tensor(k).to(p.device) for k in keys if k.startswith(prefix)}
             if state:
                 torch_opt.state[p] = state
+
+
+def _load_hyper(meta: Mapping[str, str], param_groups: list[dict[str, Any]]) -> None:
+    hyper = json.loads(meta.get("optimizer_groups", "[]"))
+    if hyper and len(hyper) == len(param_groups):
+        for g, h in zip(param_groups, hyper):
+            g.update({k: tuple(v) if isinstance(v, list) else v for k, v in h.items()})
+
+
+def _load_sharded(f: Any, path: Path, keys: set[str], meta: Mapping[str, str], optimizer: Any) -> None:
+    """Each rank reads the whole state of one tensor at a time and keeps its chunk (``DistributedAdamW``)."""
+    _load_hyper(meta, optimizer.param_groups)
+    for n in optimizer.params:
+        master = None
+        if optimizer.keeps_masters:
+            if f"master/{n}" not in keys:
+                raise ValueError(f"checkpoint {path}: fp32 master weight {n!r} is missing (saved without "
+                                 f"master weights?)")
+            master = f.get_tensor(f"master/{n}")
+        prefix = f"optim/{n}/"
+        optimizer.load_full_state(n, master, {k[len(prefix):]: f.get_tensor(k) for k in keys if k.startswith(prefix)})
 
 
 def save_rng(ckpt: Path, rank: int) -> None:
