@@ -57,7 +57,8 @@ def hf_token_logprobs(hf, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
 
 
 def build_model(ctx, cfg: ModelConfig, dp: int, tp: int, pp: int, *, hf_path: str | None = None,
-                state: dict | None = None, seed: int = 1, device_ids: tuple[int, ...] | None = None):
+                state: dict | None = None, seed: int = 1, device_ids: tuple[int, ...] | None = None,
+                sequence_parallel: bool = True):
     """On a pool worker: create the layout's groups (all ranks) and the model (mesh ranks; None elsewhere)."""
     from realloc.models.engine import ParallelModel
     from realloc.models.groups import ModelLayout
@@ -69,7 +70,8 @@ def build_model(ctx, cfg: ModelConfig, dp: int, tp: int, pp: int, *, hf_path: st
     if ctx.rank not in layout.device_ids:
         return None
     loaded = hf_path is not None or state is not None
-    model = ParallelModel(cfg, ctx.groups.model_groups(layout), init="empty" if loaded else "random", seed=seed)
+    model = ParallelModel(cfg, ctx.groups.model_groups(layout), init="empty" if loaded else "random", seed=seed,
+                          sequence_parallel=sequence_parallel)
     if hf_path is not None:
         load_hf_checkpoint(model, hf_path)
     if state is not None:

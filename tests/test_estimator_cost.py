@@ -8,7 +8,7 @@ import pytest
 from realloc.api import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef, auto, experiment_spec, load_experiment
 from realloc.estimator.call_time import (GRAD_BUCKET_NUMEL, CallCost, StageTime, decode_round, pipeline_makespan,
                                          sum_over_range)
-from realloc.estimator.comm import Link, group_links
+from realloc.estimator.comm import Link, bus_factor, group_links
 from realloc.estimator.cost import CostModel
 from realloc.estimator.memory import local_params
 from realloc.estimator.opcount import Part, Phase, op_work
@@ -250,10 +250,18 @@ def test_roofline_regimes_and_tp_collectives(big):
     assert dec.attn_bytes / hw.memory_bandwidth > dec.attn_flops / hw.peak_flops
     fwd = op_work(cfg, Part.BLOCK, Phase.FWD, 8, 8, 2048, prec)
     assert fwd.gemm_flops / hw.peak_flops > fwd.gemm_bytes / hw.memory_bandwidth  # training: compute-bound
-    # two all-reduces of b x s x h per block forward, two more backward, none at tp = 1
+    # sequence parallel (whole sequences): per block forward, and again backward, two all-gathers of the rank's
+    # b x s x h / tp tokens and two reduce-scatters of b x s x h partial sums, whose ring bytes are those of the
+    # two all-reduces they replace; generation (no sequence parallelism) all-reduces; none at tp = 1
+    act = 4 * 128 * 4096 * 2
     for phase in (Phase.FWD, Phase.BWD):
-        (c,) = op_work(cfg, Part.BLOCK, phase, 8, 4, 128, prec).tp_collectives
-        assert (c.op, c.count, c.nbytes) == ("all_reduce", 2, 4 * 128 * 4096 * 2)
+        ag, rs = op_work(cfg, Part.BLOCK, phase, 8, 4, 128, prec).tp_collectives
+        assert (ag.op, ag.count, ag.nbytes) == ("all_gather", 2, act / 8)
+        assert (rs.op, rs.count, rs.nbytes) == ("reduce_scatter", 2, act)
+        assert bus_factor("all_gather", 8) * act / 8 + bus_factor("reduce_scatter", 8) * act == \
+            pytest.approx(bus_factor("all_reduce", 8) * act) == 2 * 7 / 8 * act
+    (c,) = op_work(cfg, Part.BLOCK, Phase.PREFILL, 8, 4, 128, prec).tp_collectives
+    assert (c.op, c.count, c.nbytes) == ("all_reduce", 2, act)
     assert op_work(cfg, Part.BLOCK, Phase.FWD, 1, 4, 128, prec).tp_collectives == ()
 
 

@@ -52,40 +52,41 @@ def test_train_memory_tp2_pp2(model):
     stages = model._stage_memory("actor_train", s, 2)
     # 16 sequences / 2 mini-batches = 8 per step; dp 1, 2 micro-batches -> b = 4 sequences of 16 tokens
     n_tok = 4 * 16
-    # per block and token (opcount.saved_activation_bytes_per_token): two RMSNorms keeping input,
-    # 1/rms (fp32), product and output ((4 + 2 * 4) * H + 4 each); attention's q, k, v (GQA-repeated)
-    # and output (4 * H / 2 elements) and its log-sum-exp (4 heads / 2 fp32); the MLP's gate, up,
-    # SwiGLU and product (4 * I / 2)
-    norm = 12 * H + 4
+    # per block and token (opcount.saved_activation_bytes_per_token), sequence parallel at tp 2: two RMSNorms
+    # keeping input, 1/rms (fp32) and product of the rank's half of the tokens ((4 + 4) * H + 4, halved) and the
+    # all-gathered output the projections read (4 * H); attention's q, k, v (GQA-repeated) and output
+    # (4 * H / 2 elements) and its log-sum-exp (4 heads / 2 fp32); the MLP's gate, up, SwiGLU and product (4 * I / 2)
+    norm = (8 * H + 4) // 2 + 4 * H
     saved_per_token = 2 * norm + 4 * H // 2 * 4 + 4 // 2 * 4 + 4 * I // 2 * 4
-    assert saved_per_token == 3472
+    assert saved_per_token == 2956  # 3472 without sequence parallelism (norms 12 * H + 4)
     rope = 2 * 16 * 4  # cos and sin of the 16-dim heads, once per stage and micro-batch
     # at work on top of the kept micro-batches (opcount.block_backward_bytes_per_token): the larger of the
-    # no-grad working set (stage input, block input, residual, norm output: 4 H; SwiGLU, up, product:
-    # 3 I / 2) and the RMSNorm backward's five fp32 H-wide temporaries plus its output's gradient
-    block_work = max((4 * H + 3 * I // 2) * 4, (5 * 4 + 4) * H)
-    assert block_work == 2080
+    # no-grad working set (stage input, block input, residual, norm output: 4 H over half the tokens; the
+    # gathered norm output: H; SwiGLU, up, product: 3 I / 2) and the RMSNorm backward's five fp32 H-wide
+    # temporaries plus its output's gradient, over half the tokens
+    block_work = max((4 * H // 2 + H + 3 * I // 2) * 4, (5 * 4 + 4) * H // 2)
+    assert block_work == 1824
     weight_grad = H * I // 2 * 4  # gate, up or down's gradient before it joins main_grad
     # 1F1B: stage 0 holds min(2, pp - 0) = 2 micro-batches (and their int64 token ids) and each one's
-    # output until its gradient arrives (H per token); stage 1 holds 1 and receives fp32 inputs that
+    # output until its gradient arrives (H per token of its half); stage 1 holds 1 and receives fp32 inputs that
     # its first norm saves as they are. The last stage's head peaks in the log-prob's backward at four
     # fp32 tensors of its V/2 logits, on top of the final norm's saves; the blocks' work is larger here.
-    act0 = 2 * (saved_per_token * 2 + rope + 8 + H * 4) * n_tok + block_work * n_tok + weight_grad
+    act0 = 2 * (saved_per_token * 2 + rope + 8 + H * 4 // 2) * n_tok + block_work * n_tok + weight_grad
     head = norm + 4 * (V // 2) * 4
     act1 = 1 * (saved_per_token * 2 + rope) * n_tok + max(block_work * n_tok + weight_grad, head * n_tok)
-    assert (act0, act1) == (1094656, 608256)
+    assert (act0, act1) == (929792, 525824)  # (1094656, 608256) without sequence parallelism
     assert stages[0].params == STAGE0_TP2_PP2 * 4 and stages[1].params == STAGE1_TP2_PP2 * 4
     assert stages[0].grads == STAGE0_TP2_PP2 * 4 and stages[0].optimizer == STAGE0_TP2_PP2 * 8
     assert stages[0].activations == act0 and stages[1].activations == act1
     assert stages[0].kv_cache == 0
     worst = model.call_memory("actor_train", mesh, s, 2)
     assert worst == max(stages, key=lambda m: m.total)
-    # recomputation: each block keeps its input (H per token); the block being recomputed holds its
-    # saved set minus that input, and its norm's backward also holds the recomputed output and residual
+    # recomputation: each block keeps its input (H per token of the rank's half); the block being recomputed
+    # holds its saved set minus that input, and its norm's backward also holds the recomputed output and residual
     redo = model._stage_memory("actor_train", s, 2, recompute=True)
-    redo_work = (saved_per_token - H * 4) + max((4 * H + 3 * I // 2) * 4, (5 * 4 + 3 * 4) * H)
-    assert redo[0].activations == 2 * (H * 4 * 2 + rope + 8 + H * 4) * n_tok + redo_work * n_tok + weight_grad
-    assert redo[1].activations == (H * 4 * 2 + rope) * n_tok + redo_work * n_tok + weight_grad
+    redo_work = (saved_per_token - H * 4 // 2) + max(block_work, (5 * 4 + 3 * 4) * H // 2)
+    assert redo[0].activations == 2 * (H * 4 // 2 * 2 + rope + 8 + H * 4 // 2) * n_tok + redo_work * n_tok + weight_grad
+    assert redo[1].activations == (H * 4 // 2 * 2 + rope) * n_tok + redo_work * n_tok + weight_grad
     assert redo[0].params == stages[0].params and redo[0].optimizer == stages[0].optimizer
 
 
@@ -125,7 +126,8 @@ def test_generate_and_inference_memory(model):
     one_stage = model._stage_memory("actor_gen", S(1, 2, 1), 2)
     assert one_stage[0].kv_cache == 8 * 16 * 4 * 2 * (H // 2) * 4
     assert gen[0].grads == gen[0].optimizer == 0
-    # the prefill's working set for 8 prompts of 8 tokens (block at tp 2 and the rotary tables); the last
+    # the prefill's working set for 8 prompts of 8 tokens (block at tp 2, no sequence parallelism in generation,
+    # and the rotary tables); the last
     # stage samples afterwards from 34 bytes per vocabulary entry and sequence (opcount.sampling_bytes_per_row)
     prefill = ((4 * H + 3 * I // 2) * 4 + 2 * 16 * 4) * 8 * 8
     # stage 0 also holds both micro-batches' prefill outputs (8 prompts x 8 tokens x H) until stage 1 has them
@@ -185,23 +187,27 @@ def test_llama3_70b_per_token_counts_by_hand():
     cfg, bf16 = get_model_config("llama3-70b"), Precision.for_dtype("bf16")
     h, v = 8192, 128256 // 8
     assert (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size) == (h, 28672, 128256)  # appendix Table 1
-    # a block keeps two norms (fp32 input, 1/rms, bf16 product and output: 8h + 4 each), attention's q, k, v,
+    # a block keeps two norms (sequence parallel: fp32 input, 1/rms and bf16 product of the rank's 1/8 of the
+    # tokens, (6h + 4) / 8, and the all-gathered bf16 output the projections read, 2h), attention's q, k, v,
     # output (h/8 each, bf16) and log-sum-exp (8 local heads, fp32), the MLP's four inter/8 tensors
-    norms = 2 * (8 * h + 4)
-    assert oc.saved_activation_bytes_per_token(cfg, 8, bf16) == norms + 4 * h // 8 * 2 + 8 * 4 + 4 * 3584 * 2 == 167976
-    assert norms / 167976 > 0.78  # the replicated, unfused fp32 norms dominate at tp 8
-    assert oc.layer_input_bytes_per_token(cfg, bf16) == 2 * h  # kept per block with recomputation
+    norms = 2 * ((6 * h + 4) / 8 + 2 * h)
+    assert oc.saved_activation_bytes_per_token(cfg, 8, bf16) == norms + 4 * h // 8 * 2 + 8 * 4 + 4 * 3584 * 2 == 81953
+    assert 2 * (8 * h + 4) + 4 * h // 8 * 2 + 8 * 4 + 4 * 3584 * 2 == 167976  # without sequence parallelism
+    # kept per block with recomputation: the layer input of the rank's 1/8 of the tokens (2h without)
+    assert oc.layer_input_bytes_per_token(cfg, bf16, 8) == 2 * h / 8 == 2048
     # log-prob over the 16032-entry vocabulary shard: inference holds the bf16 logits, an fp32 copy,
     # logits - max and its exp; training's backward four fp32 tensors
     assert oc.logprob_peak_bytes_per_token(cfg, 8, bf16, backward=False) == v * (2 + 4 + 4 + 4) == 224448
     assert oc.logprob_peak_bytes_per_token(cfg, 8, bf16, backward=True) == v * 16 == 256512
-    assert oc.head_saved_bytes_per_token(cfg, 8, bf16) == (8 * h + 4) + 2 * v * 4
-    # a block at work: no-grad working set (4h + 3 inter/8 in bf16, at the MLP; attention's 3h + 5 q/8 is
-    # smaller) against the fp32 norm backward
-    assert oc.attention_working_bytes_per_token(cfg, 8, bf16) == (3 * h + 5 * 1024) * 2 == 59392
-    assert oc.transient_activation_bytes_per_token(cfg, 8, bf16) == (4 * h + 3 * 3584) * 2 == 87040
-    assert oc.block_backward_bytes_per_token(cfg, 8, bf16, recompute=False) == (20 + 2) * h == 180224
-    assert oc.block_backward_bytes_per_token(cfg, 8, bf16, recompute=True) == (20 + 6) * h
+    assert oc.head_saved_bytes_per_token(cfg, 8, bf16) == norms / 2 + 2 * v * 4
+    # a block at work: no-grad working set (sequence parallel: 4h/8 + h gathered + 3 inter/8 in bf16, at the
+    # MLP; attention's 3h/8 + h + 5 q/8 is smaller) against the fp32 norm backward over 1/8 of the tokens
+    assert oc.attention_working_bytes_per_token(cfg, 8, bf16) == (3 * h / 8 + h + 5 * 1024) * 2 == 32768
+    assert oc.transient_activation_bytes_per_token(cfg, 8, bf16) == (4 * h / 8 + h + 3 * 3584) * 2 == 46080
+    assert oc.block_backward_bytes_per_token(cfg, 8, bf16, recompute=False) == 46080 > (20 + 2) * h / 8
+    assert oc.block_backward_bytes_per_token(cfg, 8, bf16, recompute=True) == 46080 > (20 + 6) * h / 8
+    # generation's prefill runs without sequence parallelism: every tp rank holds all tokens h wide
+    assert oc.transient_activation_bytes_per_token(cfg, 8, bf16, sequence_parallel=False) == (4 * h + 3 * 3584) * 2
     assert oc.sampling_bytes_per_row(cfg) == 34 * 128256
     critic = get_model_config("llama3-8b-critic")
     assert oc.logprob_peak_bytes_per_token(critic, 8, bf16, backward=True) == 0.0
@@ -218,11 +224,14 @@ def test_a_wide_query_narrow_mlp_block_peaks_in_attention_by_hand():
     gqa = ModelConfig("wide-gqa", 256, 256, 256, 4, 8, 4, explicit_head_dim=64)
     mha = dataclasses.replace(gqa, n_kv_heads=8)
     # tp 2: q = 4 heads x 64 = 256 wide, k and v 2 (GQA) or 4 (MHA) heads; the stage's and block's inputs and
-    # the norm's output, 3h; then GQA peaks rotating q (4q + 2kv) or re-laying the output (5q), MHA rotating
-    # k (q + 5kv) or q (4q + 2kv): 6q
-    assert oc.attention_working_bytes_per_token(gqa, 2, bf16) == (3 * 256 + 5 * 256) * 2 == 4096
-    assert oc.attention_working_bytes_per_token(mha, 2, bf16) == (3 * 256 + 6 * 256) * 2 == 4608
-    mlp = (4 * 256 + 3 * 128) * 2
-    assert oc.transient_activation_bytes_per_token(gqa, 2, bf16) == 4096 > mlp
+    # the norm's output, 3h over the rank's half of the tokens (sequence parallel), and the gathered norm output
+    # (h); then GQA peaks rotating q (4q + 2kv) or re-laying the output (5q), MHA rotating k (q + 5kv) or q
+    # (4q + 2kv): 6q
+    assert oc.attention_working_bytes_per_token(gqa, 2, bf16) == (3 * 256 / 2 + 256 + 5 * 256) * 2 == 3840
+    assert oc.attention_working_bytes_per_token(mha, 2, bf16) == (3 * 256 / 2 + 256 + 6 * 256) * 2 == 4352
+    mlp = (4 * 256 / 2 + 256 + 3 * 128) * 2
+    assert oc.transient_activation_bytes_per_token(gqa, 2, bf16) == 3840 > mlp
+    # without sequence parallelism (generation's prefill) the three h-wide tensors hold every token
+    assert oc.attention_working_bytes_per_token(gqa, 2, bf16, sequence_parallel=False) == (3 * 256 + 5 * 256) * 2
     # KV heads replicated at tp 8 (one 64-wide head per rank) under 1 q head per rank: q + 5kv = 6q
-    assert oc.attention_working_bytes_per_token(gqa, 8, bf16) == (3 * 256 + 6 * 64) * 2
+    assert oc.attention_working_bytes_per_token(gqa, 8, bf16) == (3 * 256 / 8 + 256 + 6 * 64) * 2

@@ -173,7 +173,7 @@ def test_planner_offers_every_tp_for_a_vocabulary_of_97_and_prices_the_padding_b
     n = 4 * 16
     assert oc.op_work(cfg, oc.Part.HEAD, oc.Phase.FWD, 8, 4, 16, prec).gemm_flops == 2 * n * Hd * 13
     assert oc.op_work(cfg, oc.Part.HEAD, oc.Phase.FWD, 4, 4, 16, prec).gemm_flops == 2 * n * Hd * 26
-    assert oc.head_saved_bytes_per_token(cfg, 8, prec) == oc.norm_saved_bytes_per_token(cfg, prec) + \
+    assert oc.head_saved_bytes_per_token(cfg, 8, prec) == oc.norm_saved_bytes_per_token(cfg, prec, 8) + \
         2 * 13 * prec.logits
     # sampling: the gathered logits are padded, the rest of the sampler sees the real vocabulary
     assert oc.sampling_bytes_per_row(cfg) == 4 * Vp + 30 * V

@@ -208,6 +208,8 @@ class CallTimer:
         head = [op(head_part(cfg), ph, t, b, s) for ph in phases]
         n_tok = b if phase is Phase.DECODE else b * s
         act_bytes = n_tok * cfg.hidden_size * self.precision.param
+        if phase in (Phase.FWD, Phase.BWD):
+            act_bytes /= t  # sequence parallel: a stage sends its rank's n/t tokens (models/sequence_parallel.py)
         out = []
         for k, (lo, hi) in enumerate(stage_layer_ranges(cfg.n_layers, pp)):
             parts = [(c * (hi - lo), x * (hi - lo)) for c, x in block]

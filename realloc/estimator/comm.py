@@ -6,7 +6,11 @@ Two sources, one formula:
   profile was made on the cluster's device kind;
 - otherwise the analytic ring model over the ClusterSpec's bandwidths: a ring
   all-reduce moves 2(n-1)/n x bytes per rank, an all-gather (n-1) x bytes (its
-  input), a broadcast or a p2p send the message once. Bandwidths and latencies
+  input), a reduce-scatter (n-1)/n x bytes (its input), a broadcast or a p2p send
+  the message once. A ring all-reduce is a reduce-scatter then an all-gather, so
+  sequence parallelism's pair moves the bytes of the all-reduce it replaces. No
+  profile measures reduce-scatter: it is timed as the all-gather of its output,
+  which moves the same bytes on a ring. Bandwidths and latencies
   never come from constants in this file.
 
 A group "crosses nodes" when its members sit on more than one node; a ring is then
@@ -22,7 +26,7 @@ from typing import Iterable, Mapping
 from realloc.cluster import ClusterSpec
 from realloc.strategy import ParallelStrategy
 
-OPS = ("all_reduce", "all_gather", "broadcast", "p2p")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")
 
 
 class Link(str, enum.Enum):
@@ -38,6 +42,8 @@ def bus_factor(op: str, n: int) -> float:
         return 2.0 * (n - 1) / n
     if op == "all_gather":
         return float(n - 1)
+    if op == "reduce_scatter":
+        return (n - 1) / n
     if op in ("broadcast", "p2p"):
         return 1.0
     raise ValueError(f"unknown collective {op!r}; known: {', '.join(OPS)}")
@@ -83,6 +89,8 @@ class CommModel:
         """Seconds for one ``op`` among ``n`` ranks on ``nbytes`` of input per rank."""
         if n <= 1 or nbytes < 0:
             return 0.0
+        if op == "reduce_scatter" and self._fits:
+            return self.time("all_gather", n, nbytes / n, link)
         fits = self._fits.get((op, link))
         if fits is None and self._uniform_links:
             # one kind of link (e.g. local processes as "nodes"): the other measurement applies

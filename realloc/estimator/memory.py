@@ -179,11 +179,11 @@ def _train_parts(cfg: ModelConfig, strategy: ParallelStrategy, n_mbs: int, pp_ra
     t, pp = strategy.tp, strategy.pp
     lo, hi = stage_layer_ranges(cfg.n_layers, pp)[pp_rank]
     block = saved_activation_bytes_per_token(cfg, t, precision)
-    kept = layer_input_bytes_per_token(cfg, precision) if recompute else block
+    kept = layer_input_bytes_per_token(cfg, precision, t) if recompute else block
     per_mb = (hi - lo) * kept + stage_saved_bytes_per_token(cfg, pp_rank == 0, precision)
     head = head_saved_bytes_per_token(cfg, t, precision) if pp_rank == pp - 1 else 0.0
     # the block being recomputed shares its input with what the stage already keeps
-    redo = block - layer_input_bytes_per_token(cfg, precision) if recompute else 0.0
+    redo = block - layer_input_bytes_per_token(cfg, precision, t) if recompute else 0.0
     return min(n_mbs, pp - pp_rank) * per_mb, redo, head
 
 
@@ -206,12 +206,12 @@ def train_activation_bytes(cfg: ModelConfig, strategy: ParallelStrategy, n_mbs: 
     first, last = pp_rank == 0, pp_rank == pp - 1
     kept, redo, _ = _train_parts(cfg, strategy, n_mbs, pp_rank, precision, recompute)
     if pp > 1:
-        kept += min(n_mbs, pp - pp_rank) * pipeline_held_bytes_per_token(cfg, precision, first, last, recompute)
+        kept += min(n_mbs, pp - pp_rank) * pipeline_held_bytes_per_token(cfg, precision, first, last, recompute, t)
     h, e = cfg.hidden_size, precision.param
     weight_grad = h * max(h, cfg.q_dim, cfg.intermediate_size) / t * e
     work = (redo + block_backward_bytes_per_token(cfg, t, precision, recompute)) * n_tok + weight_grad
     if last:
-        head = norm_saved_bytes_per_token(cfg, precision) + logprob_peak_bytes_per_token(cfg, t, precision,
+        head = norm_saved_bytes_per_token(cfg, precision, t) + logprob_peak_bytes_per_token(cfg, t, precision,
                                                                                         backward=True)
         work = max(work, head * n_tok)
     if first:
@@ -237,8 +237,9 @@ def stage_call_memory(cfg: ModelConfig, work: Workload, strategy: ParallelStrate
         optimizer = local_optimizer_elems(cfg, t, pp, pp_rank, strategy.dp) * precision.optimizer
         return CallMemory(params=params, grads=n_param * precision.grad, optimizer=optimizer, activations=act)
     if work.interface is InterfaceType.INFERENCE:
-        # a stage's output stays referenced by its send until the next stage has received it
-        sent = cfg.hidden_size * precision.param if not last else 0.0
+        # a stage's output (its n/t tokens, sequence parallel) stays referenced by its send until the next
+        # stage has received it
+        sent = cfg.hidden_size * precision.param / t if not last else 0.0
         head = logprob_peak_bytes_per_token(cfg, t, precision, backward=False) if last else 0.0
         return CallMemory(params=params, activations=int((max(block, head) + sent) * b * work.seq_len))
     # GENERATE: the micro-batches in flight hold a KV cache each and, before the last stage, their prefill's
@@ -247,7 +248,9 @@ def stage_call_memory(cfg: ModelConfig, work: Workload, strategy: ParallelStrate
     kv = in_flight * b * work.seq_len * n_blocks * kv_cache_bytes_per_token_layer(cfg, t, precision)
     sent = 0.0 if last else in_flight * b * work.prompt_len * cfg.hidden_size * precision.param
     sampling = b * sampling_bytes_per_row(cfg) if last and not cfg.is_critic else 0.0
-    act = max(block * b * work.prompt_len, sampling) + sent
+    # generation runs without sequence parallelism
+    prefill = transient_activation_bytes_per_token(cfg, t, precision, sequence_parallel=False)
+    act = max((prefill + rope_bytes_per_token(cfg, precision)) * b * work.prompt_len, sampling) + sent
     return CallMemory(params=params, activations=int(act), kv_cache=int(kv))
 
 

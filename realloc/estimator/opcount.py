@@ -13,6 +13,12 @@ k (or v) width one rank holds: kv/t, or one whole head when tp exceeds the KV
 heads and they are replicated (``ModelConfig.local_kv_heads``). The vocabulary the head computes,
 stores and all-gathers is the padded one the engine holds (``ModelConfig.padded_vocab_size``);
 sampling reads the real vocabulary only.
+
+Sequence parallelism (``realloc/models/sequence_parallel.py``) is on for every tp > 1 call, as in
+Megatron: the norms, residual adds and layer inputs hold ``n / t`` tokens per rank, and each all-reduce of
+the plain tp block becomes an all-gather (of the rank's ``n / t`` tokens) before the column-parallel
+projections plus a reduce-scatter (of ``n`` tokens' partial sums) after the row-parallel ones: the same
+bytes on a ring (``comm.bus_factor``). At t = 1 every formula below is the plain one.
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ _KERNELS = {
 class Collective:
     """A collective inside the tp group: ``op`` over ``nbytes`` per rank (the input size)."""
 
-    op: str  # "all_reduce" | "all_gather"
+    op: str  # "all_reduce" | "all_gather" | "reduce_scatter"
     nbytes: float
     count: int = 1
 
@@ -112,7 +118,15 @@ def _block_fwd(cfg: ModelConfig, t: int, b: int, s: int, c_attn: float, c_read: 
     # plus the KV-cache write when generating.
     writes_cache = phase in (Phase.PREFILL, Phase.DECODE)
     elem = n * (4 * h + 2 * (q / t + kvl) + 6 * h + 3 * inter / t + (2 * kvl if writes_cache else 0))
-    coll = (Collective("all_reduce", n * h * e, 2),) if t > 1 else ()
+    # whole sequences (FWD, and BWD after it) run sequence parallel: all-gather before q/k/v and gate/up,
+    # reduce-scatter after o and down (their backwards swap them, so BWD has the same pairs); generation
+    # (PREFILL, DECODE) all-reduces the outputs of o and down
+    if t == 1:
+        coll: tuple[Collective, ...] = ()
+    elif phase is Phase.FWD:
+        coll = (Collective("all_gather", n * h * e / t, 2), Collective("reduce_scatter", n * h * e, 2))
+    else:
+        coll = (Collective("all_reduce", n * h * e, 2),)
     return OpWork(gemm_flops=2.0 * n * weights, gemm_bytes=weights * e + gemm_act * e, attn_flops=attn_flops,
                   attn_bytes=attn_bytes, elem_bytes=elem * e, kernels=_KERNELS[(Part.BLOCK, phase)],
                   tp_collectives=coll)
@@ -143,15 +157,21 @@ def op_work(cfg: ModelConfig, part: Part, phase: Phase, tp: int, b: int, s: int,
                       attn_flops=2.5 * fwd.attn_flops, attn_bytes=2 * fwd.attn_bytes, elem_bytes=2 * fwd.elem_bytes,
                       kernels=_KERNELS[(Part.BLOCK, Phase.BWD)], tp_collectives=fwd.tp_collectives)
     if part is Part.EMBED:
-        # vocab-parallel lookup: each rank gathers its rows and zeroes the rest, then the tp all-reduce sums
+        # vocab-parallel lookup: each rank gathers its rows and zeroes the rest, then the tp all-reduce sums;
+        # each rank keeps its n/t tokens (sequence parallel) when the whole sequences go on to blocks
         coll = (Collective("all_reduce", n * h * e),) if t > 1 and phase is not Phase.BWD else ()
-        if phase is Phase.BWD:  # scatter-add of the output grads into the fp32 embedding grad
-            return OpWork(elem_bytes=n * h * (e + 2 * precision.grad), kernels=_KERNELS[(part, phase)])
+        if phase is Phase.BWD:  # all-gather of the tokens' grads, scatter-add into the fp32 embedding grad
+            coll = (Collective("all_gather", n * h * e / t),) if t > 1 else ()
+            return OpWork(elem_bytes=n * h * (e + 2 * precision.grad), kernels=_KERNELS[(part, phase)],
+                          tp_collectives=coll)
         return OpWork(elem_bytes=3 * n * h * e, kernels=_KERNELS[(part, phase)], tp_collectives=coll)
     if part is Part.CRITIC_HEAD:
-        # a [1, h] projection, replicated on every tp rank: no collective
+        # a [1, h] projection, replicated on every tp rank: no collective for its own sake; with sequence
+        # parallelism (FWD, BWD) each rank scores its n/t tokens and all-gathers the values
+        sp = t > 1 and phase in (Phase.FWD, Phase.BWD)
         work = OpWork(gemm_flops=2.0 * n * h, gemm_bytes=(n * h + h + n) * e, elem_bytes=2 * n * h * e,
-                      kernels=_KERNELS[(part, phase)])
+                      kernels=_KERNELS[(part, phase)],
+                      tp_collectives=(Collective("all_gather", n * e / t),) if sp and phase is Phase.FWD else ())
         return dataclasses.replace(work, gemm_flops=2 * work.gemm_flops, gemm_bytes=2 * work.gemm_bytes,
                                    elem_bytes=2 * work.elem_bytes) if phase is Phase.BWD else work
     # LM head: RMSNorm, column-parallel [V/t, h] projection, then:
@@ -166,12 +186,13 @@ def op_work(cfg: ModelConfig, part: Part, phase: Phase, tp: int, b: int, s: int,
     gemm = OpWork(gemm_flops=2.0 * n_out * h * v, gemm_bytes=(h * v + n_out * h) * e + n_out * v * lg,
                   elem_bytes=2 * n_out * h * e)
     if phase is Phase.FWD:
-        coll = (Collective("all_reduce", n * lg, 3),) if t > 1 else ()
+        # the normed tokens' all-gather (sequence parallel), then the log-softmax's three small all-reduces
+        coll = (Collective("all_gather", n * h * e / t), Collective("all_reduce", n * lg, 3)) if t > 1 else ()
         return dataclasses.replace(gemm, elem_bytes=gemm.elem_bytes + 3 * n * v * lg,
                                    kernels=_KERNELS[(part, phase)], tp_collectives=coll)
     if phase is Phase.BWD:
-        # softmax grad (r logits, w grad), two GEMMs, the input-grad all-reduce of the column-parallel layer
-        coll = (Collective("all_reduce", n * h * e),) if t > 1 else ()
+        # softmax grad (r logits, w grad), two GEMMs, the input grad's reduce-scatter to the rank's tokens
+        coll = (Collective("reduce_scatter", n * h * e),) if t > 1 else ()
         return OpWork(gemm_flops=2 * gemm.gemm_flops, gemm_bytes=2 * gemm.gemm_bytes + h * v * 2 * precision.grad,
                       elem_bytes=2 * gemm.elem_bytes + 2 * n * v * lg, kernels=_KERNELS[(part, phase)],
                       tp_collectives=coll)
@@ -189,11 +210,17 @@ def head_part(cfg: ModelConfig) -> Part:
 
 # -- memory -----------------------------------------------------------------
 
-def norm_saved_bytes_per_token(cfg: ModelConfig, precision: Precision) -> float:
+def norm_saved_bytes_per_token(cfg: ModelConfig, precision: Precision, tp: int = 1, gathered: bool = True) -> float:
     """What one RMSNorm and the projections reading it keep for the backward (``llama.RMSNorm``):
     its input upcast to fp32 (the input itself in fp32), 1/rms (fp32), the normalized product cast
-    back to the compute dtype, and the scaled output the projections read."""
-    return (4 + 2 * precision.param) * cfg.hidden_size + 4
+    back to the compute dtype, and the scaled output the projections read.
+
+    With sequence parallelism (tp > 1) the norm keeps its n/t tokens, and the projections keep the
+    all-gathered output of all n tokens (``gathered``; a critic's replicated score reads the rank's
+    n/t tokens instead)."""
+    h, e, t = cfg.hidden_size, precision.param, tp
+    read = e * h if gathered else e * h / t
+    return ((4 + e) * h + 4) / t + read
 
 
 def saved_activation_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision) -> float:
@@ -208,12 +235,13 @@ def saved_activation_bytes_per_token(cfg: ModelConfig, tp: int, precision: Preci
     inter, t, e = cfg.intermediate_size, tp, precision.param
     attn = 4 * cfg.q_dim / t * e + cfg.n_heads / t * 4
     mlp = 4 * inter / t * e
-    return 2 * norm_saved_bytes_per_token(cfg, precision) + attn + mlp
+    return 2 * norm_saved_bytes_per_token(cfg, precision, tp) + attn + mlp
 
 
-def layer_input_bytes_per_token(cfg: ModelConfig, precision: Precision) -> float:
-    """What a recomputed block keeps until its backward: its input (Megatron's full recomputation)."""
-    return cfg.hidden_size * precision.param
+def layer_input_bytes_per_token(cfg: ModelConfig, precision: Precision, tp: int) -> float:
+    """What a recomputed block keeps until its backward: its input (Megatron's full recomputation),
+    the rank's n/t tokens under sequence parallelism."""
+    return cfg.hidden_size * precision.param / tp
 
 
 def stage_saved_bytes_per_token(cfg: ModelConfig, first_stage: bool, precision: Precision) -> float:
@@ -226,7 +254,7 @@ def head_saved_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision) 
     """What the last stage's head keeps for the backward: the final norm and, for a vocabulary head,
     the fp32 logits and exp(logits - max) of its vocabulary shard that the log-prob saves."""
     logits = 0 if cfg.is_critic else 2 * cfg.padded_vocab_size / tp * precision.logits
-    return norm_saved_bytes_per_token(cfg, precision) + logits
+    return norm_saved_bytes_per_token(cfg, precision, tp, gathered=not cfg.is_critic) + logits
 
 
 def logprob_peak_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision, backward: bool) -> float:
@@ -258,53 +286,70 @@ def sampling_bytes_per_row(cfg: ModelConfig) -> float:
     return 4.0 * cfg.padded_vocab_size + 30.0 * cfg.vocab_size
 
 
-def transient_activation_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision) -> float:
+def transient_activation_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision,
+                                         sequence_parallel: bool = True) -> float:
     """Peak live bytes per token inside one block's forward without grad (measured by ``LiveTensorMeter``):
     the larger of its MLP's and its attention's working sets. At the MLP: the stage's input (its caller holds
     it until the stage returns), the block's input, the residual after attention, the second norm's output
     (all h wide on every tp rank), and SwiGLU(gate), up and their product (inter/t each). LLaMA/Qwen2 shapes
     peak there (their MLP is about 2.7 times wider than q_dim); a wide-q, narrow-MLP model peaks in attention
     (``attention_working_bytes_per_token``). Training adds it on top of the saved activations, an upper bound
-    for the backward's own gradients of one block."""
+    for the backward's own gradients of one block.
+
+    With sequence parallelism (tp > 1; whole sequences, not generation's prefill) the four h-wide tensors hold
+    the rank's n/t tokens, and the MLP reads the all-gathered second norm output (h wide, all n tokens;
+    ``gathered_bytes_per_token``)."""
     h, inter, t = cfg.hidden_size, cfg.intermediate_size, tp
-    mlp = (4 * h + 3 * inter / t) * precision.param
-    return max(mlp, attention_working_bytes_per_token(cfg, tp, precision))
+    s = tp if sequence_parallel else 1
+    mlp = (4 * h / s + 3 * inter / t) * precision.param + gathered_bytes_per_token(cfg, s, precision)
+    return max(mlp, attention_working_bytes_per_token(cfg, tp, precision, sequence_parallel))
 
 
-def attention_working_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision) -> float:
+def attention_working_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision,
+                                      sequence_parallel: bool = True) -> float:
     """Peak live bytes per token in ``llama.Attention.forward`` without grad: the stage's and the block's input
     and the first norm's output (h wide each), plus the rank's q (``q``, n_heads/t heads) and k, v (``kv``,
     its local KV heads) tensors at the largest of three moments (``rope(x) = x*cos + rotate_half(x)*sin``
     holds x, x*cos, rotate_half(x) and its product at once):
     rotating q (q, three temporaries, k, v): 4q + 2kv; rotating k (rotated q, k, three temporaries, v):
     q + 5kv; re-laying the attention output (q, k and v repeated to q heads, the output and its copy): 5q.
-    MHA peaks at 6q, GQA with two or more q heads per KV head at 5q."""
+    MHA peaks at 6q, GQA with two or more q heads per KV head at 5q. With sequence parallelism (tp > 1) the
+    three h-wide tensors are the rank's n/t tokens, and the projections read the all-gathered norm output."""
     q, kv = cfg.q_dim // tp, local_kv_width(cfg, tp)
-    return (3 * cfg.hidden_size + max(4 * q + 2 * kv, q + 5 * kv, 5 * q)) * precision.param
+    s = tp if sequence_parallel else 1
+    local = 3 * cfg.hidden_size / s + max(4 * q + 2 * kv, q + 5 * kv, 5 * q)
+    return local * precision.param + gathered_bytes_per_token(cfg, s, precision)
+
+
+def gathered_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision) -> float:
+    """The all-gathered norm output the column-parallel projections read under sequence parallelism
+    (tp > 1), all n tokens h wide; at tp 1 the norm's own output is read and counted with the h-wide tensors."""
+    return cfg.hidden_size * precision.param if tp > 1 else 0.0
 
 
 def block_backward_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision, recompute: bool) -> float:
     """Peak live bytes per token of one block's backward beyond what it saved (measured by
     ``LiveTensorMeter``): the larger of the forward's working set (``transient_activation_bytes_per_token``,
     rerun when recomputing; it also bounds the MLP's backward) and the RMSNorm's backward, which works in
-    fp32 on every tp rank: five fp32 h-wide temporaries and the compute-dtype gradient of its output,
-    plus the recomputed block's output and residual when recomputing."""
+    fp32 over the rank's tokens (n/t of them under sequence parallelism): five fp32 h-wide temporaries and the
+    compute-dtype gradient of its output, plus the recomputed block's output and residual when recomputing."""
     h, e = cfg.hidden_size, precision.param
-    norm = (5 * 4 + e * (3 if recompute else 1)) * h
+    norm = (5 * 4 + e * (3 if recompute else 1)) * h / tp
     return max(transient_activation_bytes_per_token(cfg, tp, precision), norm)
 
 
 def pipeline_held_bytes_per_token(cfg: ModelConfig, precision: Precision, first: bool, last: bool,
-                                  recompute: bool) -> float:
+                                  recompute: bool, tp: int = 1) -> float:
     """What 1F1B holds per in-flight micro-batch besides the saved activations (``realloc.models.pipeline``):
     the stage's output until the gradient for it arrives (not the last stage, whose output is the loss), and
     the received input (not the first stage) unless a saved tensor is that very tensor: recomputation saves
-    the layer inputs, and an fp32 norm saves its input itself."""
+    the layer inputs, and an fp32 norm saves its input itself. Both are the rank's n/t tokens under
+    sequence parallelism."""
     h, e = cfg.hidden_size, precision.param
     held = 0.0 if last else h * e
     if not first and not recompute and e != 4:
         held += h * e
-    return held
+    return held / tp
 
 
 def rope_bytes_per_token(cfg: ModelConfig, precision: Precision) -> float:

@@ -55,6 +55,7 @@ from realloc.models.megatron_shim import prepare_device
 from realloc.models.optim import MasterWeightAdamW
 from realloc.models.param_layout import ParamSpec, stage_param_specs
 from realloc.models.pipeline import StageLink, run_1f1b, run_forward_only
+from realloc.models.sequence_parallel import TokenSplit
 from realloc.models.vocab_parallel import gather_vocab, vocab_parallel_entropy, vocab_parallel_token_logprobs
 from realloc.models.weights import init_shard
 from realloc.models.zero import DistributedAdamW
@@ -118,7 +119,7 @@ LossFn = Callable[[HeadOutput, Mapping[str, torch.Tensor]], "tuple[torch.Tensor,
 class ParallelModel:
     def __init__(self, cfg: ModelConfig, groups: ModelParallelGroups, *, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, init: Literal["random", "empty"] = "random",
-                 seed: int = 1) -> None:
+                 seed: int = 1, sequence_parallel: bool = True) -> None:
         if groups.layout.tie_embeddings != cfg.tie_embeddings:
             raise ValueError(f"model {cfg.name!r}: layout.tie_embeddings={groups.layout.tie_embeddings} must equal "
                              f"the config's tie_embeddings={cfg.tie_embeddings} (its groups depend on it)")
@@ -128,6 +129,9 @@ class ParallelModel:
         self.groups = groups
         self.device = prepare_device(device)
         self.dtype = dtype
+        # Sequence parallelism (sequence_parallel.py) for every tp > 1 train and forward call, as Megatron;
+        # off only to compare against plain tp. Generation decodes without it.
+        self.sequence_parallel = sequence_parallel and groups.tp > 1
         self.stage = LlamaStage(cfg, groups.pp, groups.pp_rank, groups.tp_group, dtype, self.device)
         if groups.layout.kv_replicas != cfg.kv_replicas(groups.tp):
             raise ValueError(f"model {cfg.name!r}: layout.kv_replicas={groups.layout.kv_replicas} must be "
@@ -236,13 +240,25 @@ class ParallelModel:
     def _link(self) -> StageLink:
         return StageLink(self.groups, self.device, self.dtype)
 
-    def _hidden_shape(self, layout: TokenLayout) -> tuple[int, int, int]:
+    def _split(self, layout: TokenLayout) -> TokenSplit | None:
+        if not self.sequence_parallel:
+            return None
+        b, t = layout.shape
+        return TokenSplit(self.groups.tp_group, b, t)
+
+    def _hidden_shape(self, layout: TokenLayout) -> tuple[int, ...]:
+        """What one stage sends the next: ``[B, T, h]``, or the rank's ``[local, h]`` tokens under sequence
+        parallelism (1/tp of the bytes)."""
+        split = self._split(layout)
+        if split is not None:
+            return split.local_shape(self.cfg.hidden_size)
         b, t = layout.shape
         return (b, t, self.cfg.hidden_size)
 
     def _stage_forward(self, layout: TokenLayout, x: torch.Tensor | None, recompute: bool = False) -> torch.Tensor:
         inputs = layout.input_ids if self.groups.is_first_stage else x
-        return self.stage(inputs, layout.position_ids, layout.attention_mask(), recompute=recompute)
+        return self.stage(inputs, layout.position_ids, layout.attention_mask(), recompute=recompute,
+                          split=self._split(layout))
 
     def _to_device(self, mb: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
@@ -310,6 +326,8 @@ class ParallelModel:
             else:
                 grads.ensure_grads(self._params)
                 main = grads.param_grads(self._params)
+            if self.sequence_parallel:
+                grads.sync_sequence_parallel(main, self.specs, g)
             if self.cfg.tie_embeddings:
                 grads.sync_tied_embedding(main, g, "model.embed_tokens.weight")
             grads.sync_kv_replicas(main, self.specs, g)

@@ -9,7 +9,8 @@ Which copy of a parameter counts toward the global norm (each element once):
 - tp-sharded parameters: every tp rank holds a distinct shard, all count;
 - replicated KV-head shards: only the first rank of the ranks sharing it counts it;
 - tp-replicated parameters (norms, the critic's score): identical on every tp
-  rank (their gradients are identical too), only tp rank 0 counts them;
+  rank (their gradients are identical too, after ``sync_sequence_parallel`` under sequence
+  parallelism), only tp rank 0 counts them;
 - the tied embedding's replica on the last stage (pp > 1): only stage 0 counts it;
 - data-parallel replicas: gradients are averaged first, so one replica's view
   (any dp rank) is the global one and no reduction over dp is needed; with the
@@ -74,6 +75,14 @@ def sync_kv_replicas(grads: Mapping[str, torch.Tensor], specs: Mapping[str, Para
         return
     shared = [grads[n] for n in sorted(grads) if specs[n].tp_dim is not None and specs[n].tp_replicas(groups.tp) > 1]
     allreduce_coalesced(shared, groups.kv_replica_group, average=False)
+
+
+def sync_sequence_parallel(grads: Mapping[str, torch.Tensor], specs: Mapping[str, ParamSpec],
+                           groups: ModelParallelGroups) -> None:
+    """Sum the gradients of the tp-replicated parameters (norms, the critic's score) over tp: under sequence
+    parallelism each rank's copy saw only its own tokens (``sequence_parallel.py``)."""
+    replicated = [grads[n] for n in sorted(grads) if specs[n].tp_dim is None]
+    allreduce_coalesced(replicated, groups.tp_group, average=False)
 
 
 def average_data_parallel(grads: Mapping[str, torch.Tensor], groups: ModelParallelGroups) -> None:

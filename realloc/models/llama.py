@@ -41,6 +41,7 @@ from torch import nn
 
 from realloc.models.config import ModelConfig, tp_error
 from realloc.models.param_layout import stage_layer_ranges
+from realloc.models.sequence_parallel import TokenSplit, column_parallel, row_parallel
 
 
 def _no_init(weight: torch.Tensor) -> None:
@@ -134,11 +135,18 @@ class Attention(nn.Module):
                                         **common)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                cache: KVCache | None = None, cache_start: int = 0) -> torch.Tensor:
-        b, t, _ = x.shape
-        q = self.q_proj(x)[0].view(b, t, self.n_local_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x)[0].view(b, t, self.n_local_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x)[0].view(b, t, self.n_local_kv, self.head_dim).transpose(1, 2)
+                cache: KVCache | None = None, cache_start: int = 0, split: TokenSplit | None = None) -> torch.Tensor:
+        if split is None:
+            b, t, _ = x.shape
+            q, k, v = (p(x)[0] for p in (self.q_proj, self.k_proj, self.v_proj))
+        else:
+            # sequence parallel: one all-gather of the rank's tokens feeds all three projections
+            x = split.gather(x)
+            b, t = split.batch, split.seq
+            q, k, v = (column_parallel(p, x) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q = q.view(b, t, self.n_local_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.n_local_kv, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.n_local_kv, self.head_dim).transpose(1, 2)
         # One at a time: q's unrotated copy is freed before k's rotary temporaries exist (a smaller peak;
         # opcount.attention_working_bytes_per_token counts it).
         q = apply_rope(q, cos, sin)
@@ -158,7 +166,7 @@ class Attention(nn.Module):
             raise ValueError("attention with a KV cache needs an explicit mask (cache_mask)")
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         o = o.transpose(1, 2).reshape(b, t, self.n_local_heads * self.head_dim)
-        return self.o_proj(o)[0]
+        return self.o_proj(o)[0] if split is None else row_parallel(self.o_proj, o, split)
 
 
 class MLP(nn.Module):
@@ -170,8 +178,12 @@ class MLP(nn.Module):
         self.up_proj = ColumnParallelLinear(h, inter, gather_output=False, **common)
         self.down_proj = RowParallelLinear(inter, h, input_is_parallel=True, skip_bias_add=False, **common)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)[0]) * self.up_proj(x)[0])[0]
+    def forward(self, x: torch.Tensor, split: TokenSplit | None = None) -> torch.Tensor:
+        if split is None:
+            return self.down_proj(F.silu(self.gate_proj(x)[0]) * self.up_proj(x)[0])[0]
+        x = split.gather(x)  # one all-gather for gate and up
+        return row_parallel(self.down_proj, F.silu(column_parallel(self.gate_proj, x)) *
+                            column_parallel(self.up_proj, x), split)
 
 
 class DecoderLayer(nn.Module):
@@ -185,9 +197,11 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, tp_group, mcfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                cache: KVCache | None = None, cache_start: int = 0) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_start)
-        return x + self.mlp(self.post_attention_layernorm(x))
+                cache: KVCache | None = None, cache_start: int = 0, split: TokenSplit | None = None) -> torch.Tensor:
+        """``x``: ``[B, T, h]``, or with ``split`` (sequence parallelism) the rank's ``[local, h]`` tokens,
+        which the norms and residual adds work on; attention and the MLP gather them."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_start, split)
+        return x + self.mlp(self.post_attention_layernorm(x), split)
 
 
 class _Trunk(nn.Module):
@@ -240,15 +254,23 @@ class LlamaStage(nn.Module):
     def layers(self) -> list[DecoderLayer]:
         return list(self.model.layers.values())
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, split: TokenSplit | None = None) -> torch.Tensor:
+        """``[B, T, h]``, or with ``split`` the rank's ``[local, h]`` tokens of it."""
         assert self.is_first
-        return self.model.embed_tokens(input_ids)
+        out = self.model.embed_tokens(input_ids)
+        # The embedding all-reduces over tp (megatron's layer); a reduce-scatter would move half the bytes,
+        # once per micro-batch on the first stage only.
+        return out if split is None else split.scatter(out)
 
     def run_layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
-                   caches: list[KVCache] | None = None, cache_start: int = 0, recompute: bool = False) -> torch.Tensor:
+                   caches: list[KVCache] | None = None, cache_start: int = 0, recompute: bool = False,
+                   split: TokenSplit | None = None) -> torch.Tensor:
         """The stage's decoder layers. ``recompute`` (training only) keeps just each layer's input for the
         backward and runs the layer's forward again there (full per-layer activation recomputation,
-        as Megatron's ``recompute_granularity=full, method=uniform, num_layers=1``)."""
+        as Megatron's ``recompute_granularity=full, method=uniform, num_layers=1``). ``split``: sequence
+        parallelism (``sequence_parallel.py``); ``hidden`` is then the rank's ``[local, h]`` tokens, and so is
+        what recomputation keeps. Decoding with KV caches runs without it."""
+        assert split is None or caches is None, "sequence parallelism is for whole sequences, not KV-cache decoding"
         cos, sin = rope_cos_sin(self.inv_freq, position_ids, hidden.dtype)
         recompute = recompute and torch.is_grad_enabled() and caches is None
         for i, layer in enumerate(self.layers):
@@ -256,21 +278,27 @@ class LlamaStage(nn.Module):
                 # Reentrant checkpointing: the forward runs without autograd and saves only its inputs,
                 # so that the saved-tensor hooks of realloc.models.activations see exactly what is kept.
                 # The model has no dropout, so no RNG state needs restoring.
-                hidden = torch.utils.checkpoint.checkpoint(layer, hidden, cos, sin, mask, use_reentrant=True,
-                                                           preserve_rng_state=False)
+                hidden = torch.utils.checkpoint.checkpoint(layer, hidden, cos, sin, mask, None, 0, split,
+                                                           use_reentrant=True, preserve_rng_state=False)
             else:
-                hidden = layer(hidden, cos, sin, mask, None if caches is None else caches[i], cache_start)
+                hidden = layer(hidden, cos, sin, mask, None if caches is None else caches[i], cache_start, split)
         return hidden
 
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+    def head(self, hidden: torch.Tensor, split: TokenSplit | None = None) -> torch.Tensor:
         """Final norm and output head: vocabulary-split logits [.., V/tp] (V padded, padding columns -inf),
-        or values [..] for a critic."""
+        or values [..] for a critic. With ``split``, ``hidden`` is the rank's ``[local, h]`` tokens and the
+        result is ``[B, T, ...]`` for all of them."""
         assert self.is_last
         x = self.model.norm(hidden)
         if self.cfg.is_critic:
-            return self.score(x).squeeze(-1)
-        if self.cfg.tie_embeddings:
-            logits = self.lm_head(x, weight=self.model.embed_tokens.weight)[0]
+            values = self.score(x).squeeze(-1)
+            # the score is replicated: each rank scores its own tokens, then the tp ranks share the values
+            return values if split is None else split.gather_replicated(values)
+        weight = self.model.embed_tokens.weight if self.cfg.tie_embeddings else None
+        if split is not None:
+            logits = column_parallel(self.lm_head, split.gather(x), weight)
+        elif weight is not None:
+            logits = self.lm_head(x, weight=weight)[0]
         else:
             logits = self.lm_head(x)[0]
         if self.real_columns < logits.shape[-1]:
@@ -281,11 +309,13 @@ class LlamaStage(nn.Module):
         return logits
 
     def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
-                caches: list[KVCache] | None = None, cache_start: int = 0, recompute: bool = False) -> torch.Tensor:
-        """Token ids (first stage) or hidden states (later stages) in; hidden states (or head output on the last stage) out."""
-        hidden = self.embed(inputs) if self.is_first else inputs
-        hidden = self.run_layers(hidden, position_ids, mask, caches, cache_start, recompute)
-        return self.head(hidden) if self.is_last else hidden
+                caches: list[KVCache] | None = None, cache_start: int = 0, recompute: bool = False,
+                split: TokenSplit | None = None) -> torch.Tensor:
+        """Token ids (first stage) or hidden states (later stages) in; hidden states (or head output on the last
+        stage) out. With ``split`` the hidden states are the rank's ``[local, h]`` tokens."""
+        hidden = self.embed(inputs, split) if self.is_first else inputs
+        hidden = self.run_layers(hidden, position_ids, mask, caches, cache_start, recompute, split)
+        return self.head(hidden, split) if self.is_last else hidden
 
     def new_kv_caches(self, batch: int, max_len: int) -> list[KVCache]:
         p = next(iter(self.parameters()))

@@ -1,0 +1,166 @@
+"""Sequence parallelism: the tokens of the residual stream split over the tp group.
+
+Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", §4.2.2), as
+Megatron-LM does it: outside the tensor-parallel regions (the norms, the residual adds, and so the layer
+inputs that activation recomputation keeps) every tp rank holds 1/tp of the tokens instead of all of them.
+Each all-reduce of the plain tensor-parallel block becomes a pair:
+
+- before the column-parallel projections (q/k/v, gate/up, the LM head): **all-gather** the tokens
+  (its backward reduce-scatters the input gradient, which replaces that layer's input-gradient all-reduce);
+- after the row-parallel projections (o, down): **reduce-scatter** the partial sums (its backward
+  all-gathers), where plain tp all-reduces them.
+
+A ring all-reduce is a reduce-scatter followed by an all-gather, so the bytes moved per rank stay the same
+(``estimator/opcount.py`` prices the pair).
+
+Layout choice: the engine's activations are ``[B, T, h]``. We split the flattened ``B*T`` tokens, padded
+with zero rows to a multiple of tp, rather than T alone: padding costs at most tp - 1 tokens per
+micro-batch (not tp - 1 per row), and the collectives work on contiguous first-dim segments, which the
+native ``all_gather_single`` / ``reduce_scatter_single`` (NCCL and torch 2.13's gloo alike) take as they are.
+So a rank's share of the residual stream is ``[local, h]`` with ``local = ceil(B*T / tp)``; pipeline stages
+send that (1/tp of the bytes). Attention and the head see the gathered ``[B, T, ...]`` tokens, padding cut
+off. Padding rows stay zero-gradient (the gather drops them), so they never reach a weight's gradient.
+
+The norms' (and a critic's ``score``) weights are replicated over tp but now see only their rank's tokens:
+their gradients are partial sums that ``grads.sync_sequence_parallel`` adds up over tp after the backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenSplit:
+    """How one micro-batch of ``batch x seq`` tokens is split over the tp ``group``."""
+
+    group: dist.ProcessGroup
+    batch: int
+    seq: int
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    @property
+    def local(self) -> int:
+        """Tokens per rank, padding included."""
+        return -(-self.tokens // self.group.size())
+
+    @property
+    def padded(self) -> int:
+        return self.local * self.group.size()
+
+    def local_shape(self, hidden: int) -> tuple[int, int]:
+        return (self.local, hidden)
+
+    # -- the mappings -----------------------------------------------------------------------------
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """``[local, h]`` -> ``[B, T, h]`` for the column-parallel projections; backward reduce-scatters."""
+        return _GatherTokens.apply(x, self, True)
+
+    def gather_replicated(self, x: torch.Tensor) -> torch.Tensor:
+        """``[local, ...]`` -> ``[B, T, ...]`` for work every tp rank then repeats (a critic's values):
+        the gradient of the result is already whole on every rank, so the backward keeps the rank's slice."""
+        return _GatherTokens.apply(x, self, False)
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """Partial sums ``[B, T, h]`` of a row-parallel projection -> the rank's summed ``[local, h]``;
+        backward all-gathers."""
+        return _ReduceScatterTokens.apply(x, self)
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, T, h]``, the same on every rank (the embedding's all-reduced output) -> the rank's
+        ``[local, h]``; backward all-gathers the slices' gradients into the whole one."""
+        return _ScatterTokens.apply(x, self)
+
+    # -- helpers on plain tensors (no autograd) ---------------------------------------------------
+
+    def _pad(self, flat: torch.Tensor) -> torch.Tensor:
+        """``[tokens, ...]`` -> ``[padded, ...]``, zero rows appended (no copy when tp divides the tokens)."""
+        if self.padded == self.tokens:
+            return flat.contiguous()
+        out = flat.new_zeros((self.padded,) + tuple(flat.shape[1:]))
+        out[:self.tokens] = flat
+        return out
+
+    def _unpad(self, full: torch.Tensor) -> torch.Tensor:
+        """``[padded, ...]`` -> ``[B, T, ...]``."""
+        return full[:self.tokens].view((self.batch, self.seq) + tuple(full.shape[1:]))
+
+    def _all_gather(self, local: torch.Tensor) -> torch.Tensor:
+        local = local.contiguous()
+        full = local.new_empty((self.padded,) + tuple(local.shape[1:]))
+        dist.all_gather_single(full, local, group=self.group)
+        return full
+
+    def _reduce_scatter(self, full: torch.Tensor) -> torch.Tensor:
+        out = full.new_empty((self.local,) + tuple(full.shape[1:]))
+        dist.reduce_scatter_single(out, full, group=self.group)
+        return out
+
+    def _slice(self, full: torch.Tensor) -> torch.Tensor:
+        r = self.group.rank()
+        return full[r * self.local:(r + 1) * self.local]
+
+
+class _GatherTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, split: TokenSplit, reduce_grad: bool) -> torch.Tensor:
+        ctx.split, ctx.reduce_grad = split, reduce_grad
+        return split._unpad(split._all_gather(x))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        split: TokenSplit = ctx.split
+        full = split._pad(grad.reshape((split.tokens,) + tuple(grad.shape[2:])))
+        if ctx.reduce_grad:
+            # each rank's projections contributed a partial input gradient for every token
+            return split._reduce_scatter(full), None, None
+        return split._slice(full).clone(), None, None
+
+
+class _ReduceScatterTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, split: TokenSplit) -> torch.Tensor:
+        ctx.split = split
+        return split._reduce_scatter(split._pad(x.reshape((split.tokens,) + tuple(x.shape[2:]))))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        split: TokenSplit = ctx.split
+        return split._unpad(split._all_gather(grad)), None
+
+
+class _ScatterTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, split: TokenSplit) -> torch.Tensor:
+        ctx.split = split
+        # a copy, so the whole input can be freed once the caller drops it
+        return split._slice(split._pad(x.reshape((split.tokens,) + tuple(x.shape[2:])))).clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        split: TokenSplit = ctx.split
+        return split._unpad(split._all_gather(grad)), None
+
+
+# -- the projections of a tensor-parallel block under sequence parallelism ---------------------------
+# The megatron layers hold the weights; under sequence parallelism we apply them with F.linear, since the
+# gather and reduce-scatter above take the place of the layers' own input-gradient and output all-reduces.
+
+
+def column_parallel(layer: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """A ColumnParallelLinear on already gathered tokens, without its input-gradient all-reduce."""
+    return torch.nn.functional.linear(x, layer.weight if weight is None else weight, layer.bias)
+
+
+def row_parallel(layer: torch.nn.Module, x: torch.Tensor, split: TokenSplit) -> torch.Tensor:
+    """A RowParallelLinear (no bias) whose partial sums are reduce-scattered over the tokens."""
+    assert layer.bias is None, "row-parallel biases would be added once per rank"
+    return split.reduce_scatter(torch.nn.functional.linear(x, layer.weight))
