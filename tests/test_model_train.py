@@ -68,8 +68,8 @@ def _make_optimizer(params_named, kind: str):
                              lr=1e-2, betas=(0.9, 0.95), eps=ADAM_EPS)
 
 
-def _train(ctx, cfg, dp, tp, pp, path, mbs, kind, steps, max_norm, recompute=False):
-    model = build_model(ctx, cfg, dp, tp, pp, hf_path=path)
+def _train(ctx, cfg, dp, tp, pp, path, mbs, kind, steps, max_norm, recompute=False, sequence_parallel=True):
+    model = build_model(ctx, cfg, dp, tp, pp, hf_path=path, sequence_parallel=sequence_parallel)
     if model is None:
         return None
     g = model.groups
@@ -108,13 +108,13 @@ def _dense_reference(hf, mbs, kind, steps, max_norm, critic=False):
 
 
 def _check_train(pool, hf, path, layouts, kind, steps, max_norm, *, critic=False, atol=2e-5, n_mbs=N_MBS,
-                 recompute=False):
+                 recompute=False, rows=2, sequence_parallel=True):
     cfg = model_config_from_hf(path)
     specs = {s.name: s for s in param_specs(cfg)}
-    mbs = _micro_batches(seed=11, n=n_mbs, vocab=min(cfg.vocab_size, 128))
+    mbs = _micro_batches(seed=11, n=n_mbs, rows=rows, vocab=min(cfg.vocab_size, 128))
     ref_state, ref_hist = _dense_reference(hf, mbs, kind, steps, max_norm, critic)
     for dp, tp, pp in layouts:
-        res = pool.run(_train, cfg, dp, tp, pp, str(path), mbs, kind, steps, max_norm, recompute)
+        res = pool.run(_train, cfg, dp, tp, pp, str(path), mbs, kind, steps, max_norm, recompute, sequence_parallel)
         live = [r for r in res if r is not None]
         for r in live:
             for s, ref in zip(r["stats"], ref_hist):
