@@ -37,8 +37,14 @@ and the peaks (temporaries included) are checked against ``LiveTensorMeter`` on 
 - TRAIN_STEP: 1F1B keeps min(m, pp - k) micro-batches of saved activations
   (``opcount.saved_activation_bytes_per_token`` x L_k x b x seq_len, plus rotary
   tables and token ids; with activation recomputation a block keeps only its input,
-  h elements per token), and for each of them the stage's output and received input
-  (``opcount.pipeline_held_bytes_per_token``). On top of them runs one of: a block
+  h elements per token of the rank's 1/t of the tokens), and for each of them the
+  stage's output and received input (``opcount.pipeline_held_bytes_per_token``, 1/t
+  of the tokens too).
+  Sequence parallelism is on for every TRAIN_STEP and INFERENCE call with t > 1
+  (``models/sequence_parallel.py``): the norms, residuals, layer inputs and the
+  hidden states sent between stages hold n/t tokens per rank, and the projections
+  read an all-gathered copy of the norm outputs (``opcount.gathered_bytes_per_token``);
+  GENERATE runs without it. On top of them runs one of: a block
   (its backward's working set and one weight's gradient; when recomputing, also the
   recomputed block's full saved set), on the last stage the head (the final norm's
   saves and the log-prob's peak in its backward, four fp32 tensors of the rank's V/t

@@ -1,7 +1,8 @@
 """Autoregressive generation with a KV cache, for any (tp, pp) layout of a ``ParallelModel``.
 
 It needs only a ``DecodingModel`` (a model's shape, groups, device and pipeline stage), so ``engine.py``
-can call it without a circle of imports.
+can call it without a circle of imports. Generation runs without sequence parallelism (``sequence_parallel.py``):
+prefill and decoding keep every token on every tp rank, as the KV cache and the one-token decode steps need.
 
 Prompts are left-padded into one buffer of ``P + max_new_tokens`` slots, so every
 row's next token lands in the same slot and one KV cache tensor per layer serves

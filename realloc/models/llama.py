@@ -19,8 +19,12 @@ shard ``spec.shard_slices(tp, tp_rank)`` of the full tensor:
   rows (``ModelConfig.padded_vocab_size``); the head sets the logits of padding columns to -inf,
 - norms and the critic's ``score`` are replicated on every tp rank.
 
-Activations are ``[batch, seq, hidden]``. Attention takes either ``mask=None``,
-meaning plain causal attention (right-padded rows need nothing more: a real token
+Activations are ``[batch, seq, hidden]``; under sequence parallelism (``sequence_parallel.py``, a
+``TokenSplit`` passed as ``split``) the residual stream between the tp regions is the rank's ``[local, hidden]``
+share of the flattened tokens, gathered before the column-parallel projections and reduce-scattered after
+the row-parallel ones (the megatron layers hold the weights; ``F.linear`` applies them there).
+
+Attention takes either ``mask=None``, meaning plain causal attention (right-padded rows need nothing more: a real token
 never looks right, so padding is invisible to it; on GPUs this is the flash-attention
 path), or an explicit boolean mask (True = may attend) for packed sequences and
 left-padded generation with a KV cache.

@@ -18,6 +18,10 @@ Schedules (realhf.txt §2 / Megatron's non-interleaved 1F1B):
   steady phase alternating one forward and one backward, and a cool-down of the
   remaining backwards. At most ``pp - stage`` micro-batches keep activations.
 - :func:`run_forward_only`: inference; each stage streams micro-batches forward.
+
+What crosses stages is whatever the caller's ``activation_shape`` says: ``[B, T, h]``, or under sequence
+parallelism the rank's ``[local, h]`` tokens (``engine.ParallelModel._hidden_shape``), 1/tp of the bytes; each
+tp rank sends its share to the same tp rank of the next stage.
 """
 
 from __future__ import annotations
