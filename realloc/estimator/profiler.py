@@ -37,13 +37,16 @@ import dataclasses
 import math
 import statistics
 import time
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from realloc.estimator.opcount import Part, Phase
 from realloc.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from realloc.models.sequence_parallel import TokenSplit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,9 +144,10 @@ class LayerProfiler:
         g = torch.Generator().manual_seed(b * 7919 + s)
         return torch.randint(0, self.cfg.vocab_size, (b, s), generator=g).to(self.device)
 
-    def _hidden(self, b: int, s: int, grad: bool = False) -> torch.Tensor:
+    def _hidden(self, b: int, s: int, grad: bool = False, split: TokenSplit | None = None) -> torch.Tensor:
         g = torch.Generator().manual_seed(b * 104729 + s)
-        x = torch.randn(b, s, self.cfg.hidden_size, generator=g, dtype=torch.float32).to(self.device, self.dtype)
+        shape = split.local_shape(self.cfg.hidden_size) if split is not None else (b, s, self.cfg.hidden_size)
+        x = torch.randn(shape, generator=g, dtype=torch.float32).to(self.device, self.dtype)
         return x.requires_grad_(grad)
 
     def _rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,6 +173,7 @@ class LayerProfiler:
         """(run, setup) for one op; ``run`` is what gets timed."""
         from realloc.models.llama import cache_mask
         from realloc.models.sampling import GenerationConfig, sample_tokens, sequence_generators
+        from realloc.models.sequence_parallel import TokenSplit
         from realloc.models.vocab_parallel import gather_vocab, vocab_parallel_token_logprobs
 
         group, stage = self.group, self.stage
@@ -176,31 +181,33 @@ class LayerProfiler:
         if phase in (Phase.FWD, Phase.BWD):
             ids, (pos, mask) = self._ids(b, s), self._seq_inputs(b, s)
             cos, sin = self._rope(pos)
+            # whole sequences run sequence parallel at tp > 1, as ParallelModel's train and forward calls do
+            split = TokenSplit(group, b, s) if group is not None and group.size() > 1 else None
             if part is Part.EMBED:
                 def fn():
-                    out = stage.embed(ids)
+                    out = stage.embed(ids, split)
                     if train:
                         out.backward(torch.ones_like(out))
             elif part is Part.BLOCK:
-                x = self._hidden(b, s, grad=train)
+                x = self._hidden(b, s, grad=train, split=split)
 
                 def fn():
-                    out = self.layer(x, cos, sin, mask)
+                    out = self.layer(x, cos, sin, mask, None, 0, split)
                     if train:
                         out.backward(torch.ones_like(out))
             elif part is Part.HEAD:
-                h = self._hidden(b, s, grad=train)
+                h = self._hidden(b, s, grad=train, split=split)
 
                 def fn():
-                    lp = vocab_parallel_token_logprobs(stage.head(h)[:, :-1], ids[:, 1:], group)
+                    lp = vocab_parallel_token_logprobs(stage.head(h, split)[:, :-1], ids[:, 1:], group)
                     if train:
                         lp.mean().backward()
             else:
-                h = self._hidden(b, s, grad=train)
+                h = self._hidden(b, s, grad=train, split=split)
                 critic = self.critic.stage
 
                 def fn():
-                    v = critic.head(h).float()
+                    v = critic.head(h, split).float()
                     if train:
                         v.mean().backward()
             if train:
