@@ -210,17 +210,15 @@ def head_part(cfg: ModelConfig) -> Part:
 
 # -- memory -----------------------------------------------------------------
 
-def norm_saved_bytes_per_token(cfg: ModelConfig, precision: Precision, tp: int = 1, gathered: bool = True) -> float:
+def norm_saved_bytes_per_token(cfg: ModelConfig, precision: Precision, tp: int = 1) -> float:
     """What one RMSNorm and the projections reading it keep for the backward (``llama.RMSNorm``):
     its input upcast to fp32 (the input itself in fp32), 1/rms (fp32), the normalized product cast
     back to the compute dtype, and the scaled output the projections read.
 
-    With sequence parallelism (tp > 1) the norm keeps its n/t tokens, and the projections keep the
-    all-gathered output of all n tokens (``gathered``; a critic's replicated score reads the rank's
-    n/t tokens instead)."""
-    h, e, t = cfg.hidden_size, precision.param, tp
-    read = e * h if gathered else e * h / t
-    return ((4 + e) * h + 4) / t + read
+    With sequence parallelism (tp > 1) all of it is the rank's n/t tokens: the projections keep the norm's
+    output before their all-gather and gather it again in their backward
+    (``sequence_parallel.gather_project``), as Megatron's sequence-parallel linear layers do."""
+    return ((4 + 2 * precision.param) * cfg.hidden_size + 4) / tp
 
 
 def saved_activation_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision) -> float:
@@ -254,7 +252,7 @@ def head_saved_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision) 
     """What the last stage's head keeps for the backward: the final norm and, for a vocabulary head,
     the fp32 logits and exp(logits - max) of its vocabulary shard that the log-prob saves."""
     logits = 0 if cfg.is_critic else 2 * cfg.padded_vocab_size / tp * precision.logits
-    return norm_saved_bytes_per_token(cfg, precision, tp, gathered=not cfg.is_critic) + logits
+    return norm_saved_bytes_per_token(cfg, precision, tp) + logits
 
 
 def logprob_peak_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision, backward: bool) -> float:
@@ -297,12 +295,16 @@ def transient_activation_bytes_per_token(cfg: ModelConfig, tp: int, precision: P
     for the backward's own gradients of one block.
 
     With sequence parallelism (tp > 1; whole sequences, not generation's prefill) the four h-wide tensors hold
-    the rank's n/t tokens, and the MLP reads the all-gathered second norm output (h wide, all n tokens;
-    ``gathered_bytes_per_token``)."""
+    the rank's n/t tokens, and the MLP peaks at the largest of: its projections (the all-gathered norm output,
+    h wide over all n tokens, with gate and up), SwiGLU (gate, up and their product, 3 inter/t), and the down
+    projection (the product, its partial output h wide, and the reduce-scattered h/t)."""
     h, inter, t = cfg.hidden_size, cfg.intermediate_size, tp
-    s = tp if sequence_parallel else 1
-    mlp = (4 * h / s + 3 * inter / t) * precision.param + gathered_bytes_per_token(cfg, s, precision)
-    return max(mlp, attention_working_bytes_per_token(cfg, tp, precision, sequence_parallel))
+    attention = attention_working_bytes_per_token(cfg, tp, precision, sequence_parallel)
+    if not sequence_parallel or tp == 1:
+        return max((4 * h + 3 * inter / t) * precision.param, attention)
+    i = inter / t
+    mlp = 4 * h / t + max(h + 2 * i, 3 * i, i + h + h / t)
+    return max(mlp * precision.param, attention)
 
 
 def attention_working_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision,
@@ -314,17 +316,14 @@ def attention_working_bytes_per_token(cfg: ModelConfig, tp: int, precision: Prec
     rotating q (q, three temporaries, k, v): 4q + 2kv; rotating k (rotated q, k, three temporaries, v):
     q + 5kv; re-laying the attention output (q, k and v repeated to q heads, the output and its copy): 5q.
     MHA peaks at 6q, GQA with two or more q heads per KV head at 5q. With sequence parallelism (tp > 1) the
-    three h-wide tensors are the rank's n/t tokens, and the projections read the all-gathered norm output."""
-    q, kv = cfg.q_dim // tp, local_kv_width(cfg, tp)
-    s = tp if sequence_parallel else 1
-    local = 3 * cfg.hidden_size / s + max(4 * q + 2 * kv, q + 5 * kv, 5 * q)
-    return local * precision.param + gathered_bytes_per_token(cfg, s, precision)
-
-
-def gathered_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision) -> float:
-    """The all-gathered norm output the column-parallel projections read under sequence parallelism
-    (tp > 1), all n tokens h wide; at tp 1 the norm's own output is read and counted with the h-wide tensors."""
-    return cfg.hidden_size * precision.param if tp > 1 else 0.0
+    three h-wide tensors are the rank's n/t tokens, and two more moments hold all n tokens h wide: the
+    projections (the all-gathered norm output with q, k, v) and the o projection (q, k, v, the output and
+    o's partial h-wide result, then its reduce-scattered h/t)."""
+    h, q, kv = cfg.hidden_size, cfg.q_dim // tp, local_kv_width(cfg, tp)
+    qkv = max(4 * q + 2 * kv, q + 5 * kv, 5 * q)
+    if not sequence_parallel or tp == 1:
+        return (3 * h + qkv) * precision.param
+    return (3 * h / tp + max(qkv, h + q + 2 * kv, 4 * q + h + h / tp)) * precision.param
 
 
 def block_backward_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision, recompute: bool) -> float:
@@ -335,7 +334,10 @@ def block_backward_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precisi
     compute-dtype gradient of its output, plus the recomputed block's output and residual when recomputing."""
     h, e = cfg.hidden_size, precision.param
     norm = (5 * 4 + e * (3 if recompute else 1)) * h / tp
-    return max(transient_activation_bytes_per_token(cfg, tp, precision), norm)
+    # sequence parallel: a projection's backward gathers its input again (h wide, all n tokens) beside the input's
+    # gradient (h wide) and its outputs' gradients (q + 2kv, or gate and up)
+    regather = (2 * h + max(cfg.q_dim / tp + 2 * local_kv_width(cfg, tp), 2 * cfg.intermediate_size / tp)) * e
+    return max(transient_activation_bytes_per_token(cfg, tp, precision), norm, regather if tp > 1 else 0.0)
 
 
 def pipeline_held_bytes_per_token(cfg: ModelConfig, precision: Precision, first: bool, last: bool,

@@ -45,7 +45,7 @@ from torch import nn
 
 from realloc.models.config import ModelConfig, tp_error
 from realloc.models.param_layout import stage_layer_ranges
-from realloc.models.sequence_parallel import TokenSplit, column_parallel, row_parallel
+from realloc.models.sequence_parallel import TokenSplit, gather_project, row_parallel
 
 
 def _no_init(weight: torch.Tensor) -> None:
@@ -145,9 +145,8 @@ class Attention(nn.Module):
             q, k, v = (p(x)[0] for p in (self.q_proj, self.k_proj, self.v_proj))
         else:
             # sequence parallel: one all-gather of the rank's tokens feeds all three projections
-            x = split.gather(x)
             b, t = split.batch, split.seq
-            q, k, v = (column_parallel(p, x) for p in (self.q_proj, self.k_proj, self.v_proj))
+            q, k, v = gather_project(split, x, (self.q_proj, self.k_proj, self.v_proj))
         q = q.view(b, t, self.n_local_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.n_local_kv, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.n_local_kv, self.head_dim).transpose(1, 2)
@@ -185,9 +184,13 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, split: TokenSplit | None = None) -> torch.Tensor:
         if split is None:
             return self.down_proj(F.silu(self.gate_proj(x)[0]) * self.up_proj(x)[0])[0]
-        x = split.gather(x)  # one all-gather for gate and up
-        return row_parallel(self.down_proj, F.silu(column_parallel(self.gate_proj, x)) *
-                            column_parallel(self.up_proj, x), split)
+        gate, up = gather_project(split, x, (self.gate_proj, self.up_proj))  # one all-gather for both
+        # without grad each input is freed once used: at most three inter/tp-wide tensors, as above
+        act = F.silu(gate)
+        del gate
+        y = act * up
+        del act, up
+        return row_parallel(self.down_proj, y, split)
 
 
 class DecoderLayer(nn.Module):
@@ -300,7 +303,7 @@ class LlamaStage(nn.Module):
             return values if split is None else split.gather_replicated(values)
         weight = self.model.embed_tokens.weight if self.cfg.tie_embeddings else None
         if split is not None:
-            logits = column_parallel(self.lm_head, split.gather(x), weight)
+            (logits,) = gather_project(split, x, (self.lm_head,), weight)
         elif weight is not None:
             logits = self.lm_head(x, weight=weight)[0]
         else:

@@ -152,15 +152,49 @@ class _ScatterTokens(torch.autograd.Function):
 
 # -- the projections of a tensor-parallel block under sequence parallelism ---------------------------
 # The megatron layers hold the weights; under sequence parallelism we apply them with F.linear, since the
-# gather and reduce-scatter above take the place of the layers' own input-gradient and output all-reduces.
-
-
-def column_parallel(layer: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-    """A ColumnParallelLinear on already gathered tokens, without its input-gradient all-reduce."""
-    return torch.nn.functional.linear(x, layer.weight if weight is None else weight, layer.bias)
+# gather and reduce-scatter take the place of the layers' own input-gradient and output all-reduces.
 
 
 def row_parallel(layer: torch.nn.Module, x: torch.Tensor, split: TokenSplit) -> torch.Tensor:
     """A RowParallelLinear (no bias) whose partial sums are reduce-scattered over the tokens."""
     assert layer.bias is None, "row-parallel biases would be added once per rank"
     return split.reduce_scatter(torch.nn.functional.linear(x, layer.weight))
+
+
+def gather_project(split: TokenSplit, x: torch.Tensor, layers: "tuple[torch.nn.Module, ...]",
+                   weight: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """The column-parallel ``layers`` (their weights and biases; ``weight`` replaces a single layer's, for a
+    tied head) on the all-gathered tokens of ``x`` (``[local, h]``), one ``[B, T, out]`` per layer.
+
+    Autograd keeps only the rank's ``[local, h]`` tokens and gathers them again in the backward, as Megatron's
+    sequence-parallel linear layers do: the gathered copy (all tokens, h wide) would otherwise be the largest
+    h-wide tensor a block saves. The input gradient is summed over the layers, then reduce-scattered."""
+    weights = [layer.weight if weight is None else weight for layer in layers]
+    biases = [layer.bias for layer in layers]
+    return _GatherProject.apply(x, split, len(layers), *weights, *biases)
+
+
+class _GatherProject(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, split: TokenSplit, n: int, *params: torch.Tensor | None
+                ) -> tuple[torch.Tensor, ...]:
+        weights, biases = params[:n], params[n:]
+        full = split._unpad(split._all_gather(x))
+        ctx.split, ctx.has_bias = split, [b is not None for b in biases]
+        ctx.save_for_backward(x, *weights)
+        return tuple(torch.nn.functional.linear(full, w, b) for w, b in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        split: TokenSplit = ctx.split
+        x, *weights = ctx.saved_tensors
+        full = split._unpad(split._all_gather(x)).reshape(split.tokens, -1)
+        grad_x = None
+        grad_w, grad_b = [], []
+        for g, w, has_bias in zip(grads, weights, ctx.has_bias):
+            g = g.reshape(split.tokens, -1)
+            grad_x = g @ w if grad_x is None else grad_x.addmm_(g, w)
+            grad_w.append(g.t() @ full)
+            grad_b.append(g.sum(0) if has_bias else None)
+        del full
+        return (split._reduce_scatter(split._pad(grad_x)), None, None, *grad_w, *grad_b)
