@@ -152,10 +152,14 @@ def op_work(cfg: ModelConfig, part: Part, phase: Phase, tp: int, b: int, s: int,
         # backward: two GEMMs per forward GEMM (input and weight grads, the latter accumulated into
         # fp32 main_grad), flash backward recomputes scores: ~2.5x forward attention FLOPs.
         weights = local_block_matmul_params(cfg, t)
+        # sequence parallel: the projections gather their input again (sequence_parallel.gather_project), two
+        # more all-gathers besides the swapped pairs
+        coll = tuple(dataclasses.replace(c, count=2 * c.count) if c.op == "all_gather" else c
+                     for c in fwd.tp_collectives)
         return OpWork(gemm_flops=2 * fwd.gemm_flops,
                       gemm_bytes=2 * (fwd.gemm_bytes - weights * e) + weights * (e + 2 * precision.grad),
                       attn_flops=2.5 * fwd.attn_flops, attn_bytes=2 * fwd.attn_bytes, elem_bytes=2 * fwd.elem_bytes,
-                      kernels=_KERNELS[(Part.BLOCK, Phase.BWD)], tp_collectives=fwd.tp_collectives)
+                      kernels=_KERNELS[(Part.BLOCK, Phase.BWD)], tp_collectives=coll)
     if part is Part.EMBED:
         # vocab-parallel lookup: each rank gathers its rows and zeroes the rest, then the tp all-reduce sums;
         # each rank keeps its n/t tokens (sequence parallel) when the whole sequences go on to blocks
@@ -191,8 +195,9 @@ def op_work(cfg: ModelConfig, part: Part, phase: Phase, tp: int, b: int, s: int,
         return dataclasses.replace(gemm, elem_bytes=gemm.elem_bytes + 3 * n * v * lg,
                                    kernels=_KERNELS[(part, phase)], tp_collectives=coll)
     if phase is Phase.BWD:
-        # softmax grad (r logits, w grad), two GEMMs, the input grad's reduce-scatter to the rank's tokens
-        coll = (Collective("reduce_scatter", n * h * e),) if t > 1 else ()
+        # softmax grad (r logits, w grad), two GEMMs, the normed tokens gathered again and the input grad's
+        # reduce-scatter to the rank's tokens
+        coll = (Collective("all_gather", n * h * e / t), Collective("reduce_scatter", n * h * e)) if t > 1 else ()
         return OpWork(gemm_flops=2 * gemm.gemm_flops, gemm_bytes=2 * gemm.gemm_bytes + h * v * 2 * precision.grad,
                       elem_bytes=2 * gemm.elem_bytes + 2 * n * v * lg, kernels=_KERNELS[(part, phase)],
                       tp_collectives=coll)

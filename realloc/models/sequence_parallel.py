@@ -11,7 +11,10 @@ Each all-reduce of the plain tensor-parallel block becomes a pair:
   all-gathers), where plain tp all-reduces them.
 
 A ring all-reduce is a reduce-scatter followed by an all-gather, so the bytes moved per rank stay the same
-(``estimator/opcount.py`` prices the pair).
+(``estimator/opcount.py`` prices the pair). The column-parallel projections (``gather_project``) keep only the
+rank's tokens for their backward and all-gather them again there, as Megatron's sequence-parallel linear
+layers do: one more all-gather per projection group in the backward buys the saved h-wide tensor of every
+token.
 
 Layout choice: the engine's activations are ``[B, T, h]``. We split the flattened ``B*T`` tokens, padded
 with zero rows to a multiple of tp, rather than T alone: padding costs at most tp - 1 tokens per
