@@ -63,14 +63,11 @@ class TokenSplit:
 
     # -- the mappings -----------------------------------------------------------------------------
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """``[local, h]`` -> ``[B, T, h]`` for the column-parallel projections; backward reduce-scatters."""
-        return _GatherTokens.apply(x, self, True)
-
     def gather_replicated(self, x: torch.Tensor) -> torch.Tensor:
         """``[local, ...]`` -> ``[B, T, ...]`` for work every tp rank then repeats (a critic's values):
-        the gradient of the result is already whole on every rank, so the backward keeps the rank's slice."""
-        return _GatherTokens.apply(x, self, False)
+        the gradient of the result is already whole on every rank, so the backward keeps the rank's slice.
+        (The column-parallel projections gather with ``gather_project``, whose backward reduce-scatters.)"""
+        return _GatherReplicated.apply(x, self)
 
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         """Partial sums ``[B, T, h]`` of a row-parallel projection -> the rank's summed ``[local, h]``;
@@ -112,20 +109,16 @@ class TokenSplit:
         return full[r * self.local:(r + 1) * self.local]
 
 
-class _GatherTokens(torch.autograd.Function):
+class _GatherReplicated(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, split: TokenSplit, reduce_grad: bool) -> torch.Tensor:
-        ctx.split, ctx.reduce_grad = split, reduce_grad
+    def forward(ctx: Any, x: torch.Tensor, split: TokenSplit) -> torch.Tensor:
+        ctx.split = split
         return split._unpad(split._all_gather(x))
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         split: TokenSplit = ctx.split
-        full = split._pad(grad.reshape((split.tokens,) + tuple(grad.shape[2:])))
-        if ctx.reduce_grad:
-            # each rank's projections contributed a partial input gradient for every token
-            return split._reduce_scatter(full), None, None
-        return split._slice(full).clone(), None, None
+        return split._slice(split._pad(grad.reshape((split.tokens,) + tuple(grad.shape[2:])))).clone(), None
 
 
 class _ReduceScatterTokens(torch.autograd.Function):
