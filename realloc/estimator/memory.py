@@ -37,10 +37,14 @@ and the peaks (temporaries included) are checked against ``LiveTensorMeter`` on 
 - TRAIN_STEP: 1F1B keeps min(m, pp - k) micro-batches of saved activations
   (``opcount.saved_activation_bytes_per_token`` x L_k x b x seq_len, plus rotary
   tables and token ids; with activation recomputation a block keeps only its input,
-  h elements per token), and for each of them the stage's output and received input
-  (``opcount.pipeline_held_bytes_per_token``). On top of them runs one of: a block
-  (its backward's working set and one weight's gradient; when recomputing, also the
-  recomputed block's full saved set), on the last stage the head (the final norm's
+  h elements per token), and for each of them the stage's output until its gradient
+  arrives (``opcount.pipeline_held_bytes_per_token``; the received input is the first
+  norm's saved input). Each RMSNorm saves its input in the compute dtype and one fp32
+  1/rms per token, and its backward holds one fp32 h-wide buffer besides its output's
+  and input's gradients (``llama.RMSNorm``, issue 21). On top of them runs one of: a block
+  (its backward's working set, ``opcount.block_backward_bytes_per_token``, and one weight's
+  gradient; when recomputing, the recomputed block's full saved set and the largest of its
+  unsaved temporaries), on the last stage the head (the final norm's
   saves and the log-prob's peak in its backward, four fp32 tensors of the rank's V/t
   logits per token), or on the first stage the embedding's gradient; they never run
   at once, so the largest counts. After the backward, the optimizer update's fp32
@@ -206,7 +210,7 @@ def train_activation_bytes(cfg: ModelConfig, strategy: ParallelStrategy, n_mbs: 
     first, last = pp_rank == 0, pp_rank == pp - 1
     kept, redo, _ = _train_parts(cfg, strategy, n_mbs, pp_rank, precision, recompute)
     if pp > 1:
-        kept += min(n_mbs, pp - pp_rank) * pipeline_held_bytes_per_token(cfg, precision, first, last, recompute)
+        kept += min(n_mbs, pp - pp_rank) * pipeline_held_bytes_per_token(cfg, precision, last)
     h, e = cfg.hidden_size, precision.param
     weight_grad = h * max(h, cfg.q_dim, cfg.intermediate_size) / t * e
     work = (redo + block_backward_bytes_per_token(cfg, t, precision, recompute)) * n_tok + weight_grad

@@ -190,10 +190,11 @@ def head_part(cfg: ModelConfig) -> Part:
 # -- memory -----------------------------------------------------------------
 
 def norm_saved_bytes_per_token(cfg: ModelConfig, precision: Precision) -> float:
-    """What one RMSNorm and the projections reading it keep for the backward (``llama.RMSNorm``):
-    its input upcast to fp32 (the input itself in fp32), 1/rms (fp32), the normalized product cast
-    back to the compute dtype, and the scaled output the projections read."""
-    return (4 + 2 * precision.param) * cfg.hidden_size + 4
+    """What one RMSNorm and the projections reading it keep for the backward (``llama.RMSNorm``, issue 21's
+    lean norm): its input in the compute dtype and 1/rms (one fp32 scalar per token), and the scaled output
+    the projections read. (Autograd on the unfused formula kept 4h bytes more per token: the fp32 input, or
+    its fp32 copy in bf16, instead of the input, and the normalized product cast back.)"""
+    return 2 * precision.param * cfg.hidden_size + 4
 
 
 def saved_activation_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision) -> float:
@@ -279,32 +280,44 @@ def attention_working_bytes_per_token(cfg: ModelConfig, tp: int, precision: Prec
     rotating q (q, three temporaries, k, v): 4q + 2kv; rotating k (rotated q, k, three temporaries, v):
     q + 5kv; re-laying the attention output (q, k and v repeated to q heads, the output and its copy): 5q.
     MHA peaks at 6q, GQA with two or more q heads per KV head at 5q."""
+    return (3 * cfg.hidden_size + _attention_qkv_elems(cfg, tp)) * precision.param
+
+
+def _attention_qkv_elems(cfg: ModelConfig, tp: int) -> int:
+    """The q- and kv-wide part of ``attention_working_bytes_per_token``, in elements per token."""
     q, kv = cfg.q_dim // tp, local_kv_width(cfg, tp)
-    return (3 * cfg.hidden_size + max(4 * q + 2 * kv, q + 5 * kv, 5 * q)) * precision.param
+    return max(4 * q + 2 * kv, q + 5 * kv, 5 * q)
 
 
 def block_backward_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision, recompute: bool) -> float:
     """Peak live bytes per token of one block's backward beyond what it saved (measured by
-    ``LiveTensorMeter``): the larger of the forward's working set (``transient_activation_bytes_per_token``,
-    rerun when recomputing; it also bounds the MLP's backward) and the RMSNorm's backward, which works in
-    fp32 on every tp rank: five fp32 h-wide temporaries and the compute-dtype gradient of its output,
-    plus the recomputed block's output and residual when recomputing."""
+    ``LiveTensorMeter``).
+
+    The RMSNorm's backward works on the whole h on every tp rank: the compute-dtype gradient of its output,
+    one fp32 h-wide buffer, and the input's gradient cast back to the compute dtype (the buffer itself in fp32),
+    plus the recomputed block's output and residual when recomputing. Without recomputation, the larger of it
+    and the forward's working set (``transient_activation_bytes_per_token``; it also bounds the MLP's and the
+    attention's backward). When recomputing, the recomputed block's saves are counted beside this
+    (``memory._train_parts``) and they already hold every h-wide tensor of that working set (the stage's and
+    block's inputs are kept layer inputs, the norms keep their inputs, the projections the norms' outputs) and
+    the MLP's four inter/t-wide ones, so what runs on top of them is the largest of the norm's backward,
+    attention's q/kv temporaries (rotary's, ``attention_working_bytes_per_token``) and the MLP's backward: the
+    gradients of its inter/t-wide tensors (three at most) beside the recomputed block's output and its gradient.
+    """
     h, e = cfg.hidden_size, precision.param
-    norm = (5 * 4 + e * (3 if recompute else 1)) * h
-    return max(transient_activation_bytes_per_token(cfg, tp, precision), norm)
+    norm = (4 + (0 if e == 4 else e) + e * (3 if recompute else 1)) * h
+    if not recompute:
+        return max(transient_activation_bytes_per_token(cfg, tp, precision), norm)
+    mlp = (3 * cfg.intermediate_size / tp + 2 * h) * e
+    return max(norm, _attention_qkv_elems(cfg, tp) * e, mlp)
 
 
-def pipeline_held_bytes_per_token(cfg: ModelConfig, precision: Precision, first: bool, last: bool,
-                                  recompute: bool) -> float:
+def pipeline_held_bytes_per_token(cfg: ModelConfig, precision: Precision, last: bool) -> float:
     """What 1F1B holds per in-flight micro-batch besides the saved activations (``realloc.models.pipeline``):
-    the stage's output until the gradient for it arrives (not the last stage, whose output is the loss), and
-    the received input (not the first stage) unless a saved tensor is that very tensor: recomputation saves
-    the layer inputs, and an fp32 norm saves its input itself."""
-    h, e = cfg.hidden_size, precision.param
-    held = 0.0 if last else h * e
-    if not first and not recompute and e != 4:
-        held += h * e
-    return held
+    the stage's output until the gradient for it arrives (not the last stage, whose output is the loss). The
+    received input is a saved tensor already: the first block's norm keeps its input as it is, and
+    recomputation keeps the layer inputs."""
+    return 0.0 if last else cfg.hidden_size * precision.param
 
 
 def rope_bytes_per_token(cfg: ModelConfig, precision: Precision) -> float:
