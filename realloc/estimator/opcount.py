@@ -155,8 +155,9 @@ def op_work(cfg: ModelConfig, part: Part, phase: Phase, tp: int, b: int, s: int,
         return dataclasses.replace(work, gemm_flops=2 * work.gemm_flops, gemm_bytes=2 * work.gemm_bytes,
                                    elem_bytes=2 * work.elem_bytes) if phase is Phase.BWD else work
     # LM head: RMSNorm, column-parallel [V/t, h] projection, then:
-    #  FWD: chunked vocab-parallel log-softmax + gather (``vocab_parallel``): the max reads the logits, then per
-    #  chunk an fp32 copy (read e, write 4), - max and exp in place (2 x 8), the sum (4); 3 tiny all-reduces
+    #  FWD: vocab-parallel log-softmax + gather (3 passes over fp32 logits, 3 tiny all-reduces of n floats).
+    #  Chunking (``vocab_parallel``) changes where the fp32 values live, not how often they are streamed: the
+    #  max now reads the logits themselves and each chunk's copy, exp and sum stream it as the unfused ops did.
     #  PREFILL: logits of the last prompt token only; DECODE: logits of b tokens, all-gathered for sampling
     v = cfg.padded_vocab_size / t
     lg = precision.logits
@@ -168,14 +169,14 @@ def op_work(cfg: ModelConfig, part: Part, phase: Phase, tp: int, b: int, s: int,
                   elem_bytes=2 * n_out * h * e)
     if phase is Phase.FWD:
         coll = (Collective("all_reduce", n * lg, 3),) if t > 1 else ()
-        return dataclasses.replace(gemm, elem_bytes=gemm.elem_bytes + n * v * (2 * e + 6 * lg),
+        return dataclasses.replace(gemm, elem_bytes=gemm.elem_bytes + 3 * n * v * lg,
                                    kernels=_KERNELS[(part, phase)], tp_collectives=coll)
     if phase is Phase.BWD:
-        # softmax recomputed per chunk (copy: read e, write 4; - log Z and exp in place: 2 x 8), times -grad (8),
-        # written to the logits' gradient (read 4, write e); two GEMMs, the column-parallel input-grad all-reduce
+        # softmax grad (r logits, w grad; recomputed per chunk), two GEMMs, the input-grad all-reduce of the
+        # column-parallel layer
         coll = (Collective("all_reduce", n * h * e),) if t > 1 else ()
         return OpWork(gemm_flops=2 * gemm.gemm_flops, gemm_bytes=2 * gemm.gemm_bytes + h * v * 2 * precision.grad,
-                      elem_bytes=2 * gemm.elem_bytes + n * v * (2 * e + 8 * lg), kernels=_KERNELS[(part, phase)],
+                      elem_bytes=2 * gemm.elem_bytes + 2 * n * v * lg, kernels=_KERNELS[(part, phase)],
                       tp_collectives=coll)
     # PREFILL / DECODE: sample from full-vocabulary logits (realloc.models.sampling), the padding cut
     # off: a sort of b x V fp32 keys with int64 indices (a radix sort streams them ~4 times), softmax,
@@ -241,7 +242,8 @@ def head_saved_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision) 
 
 def logprob_peak_bytes(cfg: ModelConfig, tp: int, precision: Precision, backward: bool, n_tok: int) -> float:
     """Peak live bytes of the vocabulary-parallel log-prob (``realloc.models.vocab_parallel``) of ``n_tok`` tokens
-    over the rank's V/t logits, temperature 1, temporaries included (measured by ``LiveTensorMeter``).
+    over the rank's V/t logits, temporaries included (measured by ``LiveTensorMeter``); the temperature divides
+    the fp32 block in place, so any temperature holds the same.
 
     It walks the tokens in chunks of ``config.logprob_chunk_tokens(V/t)`` and holds one fp32 [chunk, V/t] block
     at a time (issue 21: 4 fp32 copies of the logits before). Without grad (INFERENCE): the logits in the
