@@ -202,6 +202,7 @@ def logprob_chunk_tokens(local_vocab: int) -> int:
     the estimator (``opcount.logprob_peak_bytes``) and the engine share this rule."""
     return max(1, LOGPROB_CHUNK_ELEMENTS // max(1, local_vocab))
 
+
 def _llama2(name: str, h: int, inter: int, layers: int, heads: int, kv: int) -> ModelConfig:
     return ModelConfig(name, 32000, h, inter, layers, heads, kv, max_position_embeddings=4096, norm_eps=1e-5)
 
