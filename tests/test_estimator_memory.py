@@ -69,10 +69,12 @@ def test_train_memory_tp2_pp2(model):
     weight_grad = H * I // 2 * 4  # gate, up or down's gradient before it joins main_grad
     # 1F1B: stage 0 holds min(2, pp - 0) = 2 micro-batches (and their int64 token ids) and each one's
     # output until its gradient arrives (H per token); stage 1 holds 1 and receives fp32 inputs that
-    # its first norm saves as they are. The last stage's head peaks in the log-prob's backward at four
-    # fp32 tensors of its V/2 logits, on top of the final norm's saves; the blocks' work is larger here.
+    # its first norm saves as they are. The last stage's head peaks in the chunked log-prob's backward: the
+    # saved V/2 logits and their gradient (fp32 here), 25 bytes of per-token scalars, and one fp32 block of
+    # all 64 tokens (the chunk is 2**24 / 32 tokens), on top of the final norm's saves; the blocks' work is
+    # larger here.
     act0 = 2 * (saved_per_token * 2 + rope + 8 + H * 4) * n_tok + block_work * n_tok + weight_grad
-    head = norm + 4 * (V // 2) * 4
+    head = norm + 2 * (V // 2) * 4 + 25 + (V // 2) * 4
     act1 = 1 * (saved_per_token * 2 + rope) * n_tok + max(block_work * n_tok + weight_grad, head * n_tok)
     assert (act0, act1) == (963584, 542720)
     assert stages[0].params == STAGE0_TP2_PP2 * 4 and stages[1].params == STAGE1_TP2_PP2 * 4
@@ -138,9 +140,9 @@ def test_generate_and_inference_memory(model):
     inf = model.call_memory("ref_inf", mesh, S(4, 1, 1), 1)
     n_tok = 4 * 16
     assert inf.params == FULL * 4
-    # the larger of a block's working set (with the rotary tables) and the log-prob's: fp32 logits
-    # (their float() is themselves), logits - max and its exp
-    assert inf.activations == max((4 * H + 3 * I) * 4 + 2 * 16 * 4, V * 3 * 4) * n_tok
+    # the larger of a block's working set (with the rotary tables) and the log-prob's: the fp32 logits,
+    # 16 bytes of per-token scalars and one fp32 block of all 64 tokens
+    assert inf.activations == max((4 * H + 3 * I) * 4 + 2 * 16 * 4, V * 4 + 16 + V * 4) * n_tok
     # pp 2: stage 0's previous output stays referenced by its send
     inf2 = model._stage_memory("ref_inf", S(2, 1, 2), 1)
     assert inf2[0].activations == ((4 * H + 3 * I) * 4 + 2 * 16 * 4 + H * 4) * 8 * 16
@@ -196,11 +198,19 @@ def test_llama3_70b_per_token_counts_by_hand():
     assert oc.saved_activation_bytes_per_token(cfg, 8, bf16) == norms + 4 * h // 8 * 2 + 8 * 4 + 4 * 3584 * 2 == 102440
     assert 0.63 < norms / 102440 < 0.65  # the replicated norms still dominate at tp 8 (78% unfused)
     assert oc.layer_input_bytes_per_token(cfg, bf16) == 2 * h  # kept per block with recomputation
-    # log-prob over the 16032-entry vocabulary shard: inference holds the bf16 logits, an fp32 copy,
-    # logits - max and its exp; training's backward four fp32 tensors
-    assert oc.logprob_peak_bytes_per_token(cfg, 8, bf16, backward=False) == v * (2 + 4 + 4 + 4) == 224448
-    assert oc.logprob_peak_bytes_per_token(cfg, 8, bf16, backward=True) == v * 16 == 256512
-    assert oc.head_saved_bytes_per_token(cfg, 8, bf16) == (4 * h + 4) + 2 * v * 4
+    # log-prob over the 16032-entry vocabulary shard, chunked (issue 21): inference holds the bf16 logits, 16
+    # bytes of per-token scalars and one fp32 block of 2**24 // 16032 = 1046 tokens; training's backward the
+    # saved bf16 logits, their bf16 gradient, 25 bytes of scalars and the block. Unchunked it was 14 and 16
+    # bytes per entry: v * (2 + 4 + 4 + 4) = 224448 and v * 16 = 256512 per token.
+    n = 8192  # tokens of a micro-batch
+    block = 1046 * v * 4
+    assert oc.logprob_peak_bytes(cfg, 8, bf16, False, n) == n * (2 * v + 16) + block
+    assert oc.logprob_peak_bytes(cfg, 8, bf16, True, n) == n * (4 * v + 25) + block
+    assert oc.logprob_peak_bytes(cfg, 8, bf16, True, 100) == 100 * (4 * v + 25 + 4 * v)  # a chunk of all of them
+    assert (n * 224448) / oc.logprob_peak_bytes(cfg, 8, bf16, False, n) > 5.5
+    assert (n * 256512) / oc.logprob_peak_bytes(cfg, 8, bf16, True, n) > 3.5
+    # the head keeps the final (lean) norm, the bf16 logits, the int64 target and fp32 log Z
+    assert oc.head_saved_bytes_per_token(cfg, 8, bf16) == (4 * h + 4) + 2 * v + 12
     # a block at work: no-grad working set (4h + 3 inter/8 in bf16, at the MLP; attention's 3h + 5 q/8 is
     # smaller) against the norm backward (bf16 output gradient, fp32 buffer, bf16 input gradient: 8h; the unfused
     # norm's was 22h); when recomputing, the norm backward (plus the recomputed output and residual: 12h) against
@@ -211,7 +221,7 @@ def test_llama3_70b_per_token_counts_by_hand():
     assert oc.block_backward_bytes_per_token(cfg, 8, bf16, recompute=True) == (4 + 2 + 6) * h == 98304
     assert oc.sampling_bytes_per_row(cfg) == 34 * 128256
     critic = get_model_config("llama3-8b-critic")
-    assert oc.logprob_peak_bytes_per_token(critic, 8, bf16, backward=True) == 0.0
+    assert oc.logprob_peak_bytes(critic, 8, bf16, True, n) == 0.0
 
 
 def test_a_wide_query_narrow_mlp_block_peaks_in_attention_by_hand():

@@ -174,6 +174,6 @@ def test_planner_offers_every_tp_for_a_vocabulary_of_97_and_prices_the_padding_b
     assert oc.op_work(cfg, oc.Part.HEAD, oc.Phase.FWD, 8, 4, 16, prec).gemm_flops == 2 * n * Hd * 13
     assert oc.op_work(cfg, oc.Part.HEAD, oc.Phase.FWD, 4, 4, 16, prec).gemm_flops == 2 * n * Hd * 26
     assert oc.head_saved_bytes_per_token(cfg, 8, prec) == oc.norm_saved_bytes_per_token(cfg, prec) + \
-        2 * 13 * prec.logits
+        13 * prec.param + 8 + 4
     # sampling: the gathered logits are padded, the rest of the sampler sees the real vocabulary
     assert oc.sampling_bytes_per_row(cfg) == 4 * Vp + 30 * V

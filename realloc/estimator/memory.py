@@ -45,8 +45,10 @@ and the peaks (temporaries included) are checked against ``LiveTensorMeter`` on 
   (its backward's working set, ``opcount.block_backward_bytes_per_token``, and one weight's
   gradient; when recomputing, the recomputed block's full saved set and the largest of its
   unsaved temporaries), on the last stage the head (the final norm's
-  saves and the log-prob's peak in its backward, four fp32 tensors of the rank's V/t
-  logits per token), or on the first stage the embedding's gradient; they never run
+  saves and the chunked log-prob's peak in its backward: the saved logits and their
+  gradient in the compute dtype, a few per-token scalars, and one fp32 block of
+  min(tokens, ``config.logprob_chunk_tokens``) x V/t; ``opcount.logprob_peak_bytes``),
+  or on the first stage the embedding's gradient; they never run
   at once, so the largest counts. After the backward, the optimizer update's fp32
   temporaries, if larger (``optimizer_step_bytes``: AdamW's on the largest tensors, or
   their dp chunks, and with dp > 1 the distributed optimizer's flat reduce-scatter and
@@ -54,7 +56,7 @@ and the peaks (temporaries included) are checked against ``LiveTensorMeter`` on 
   saved part alone;
 - INFERENCE: one micro-batch's working set of one block plus the rotary tables, or on
   the last stage the log-prob's peak over its V/t logits (the logits in the compute
-  dtype, their fp32 copy, logits - max and its exp), whichever is larger; a stage
+  dtype, per-token scalars and one fp32 block of a chunk of tokens), whichever is larger; a stage
   before the last also holds its previous output until the next stage receives it;
 - GENERATE: KV cache of (prompt_len + gen_len) positions x L_k layers of the
   rank's KV heads (n_kv/t, or one whole head when tp exceeds them) for one
@@ -77,7 +79,7 @@ from realloc.calls import InterfaceType
 from realloc.estimator.hardware import Precision
 from realloc.estimator.opcount import (block_backward_bytes_per_token, head_saved_bytes_per_token,
                                        kv_cache_bytes_per_token_layer, layer_input_bytes_per_token,
-                                       logprob_peak_bytes_per_token, norm_saved_bytes_per_token,
+                                       logprob_peak_bytes, norm_saved_bytes_per_token,
                                        pipeline_held_bytes_per_token, rope_bytes_per_token, sampling_bytes_per_row,
                                        saved_activation_bytes_per_token, stage_saved_bytes_per_token,
                                        transient_activation_bytes_per_token)
@@ -215,9 +217,8 @@ def train_activation_bytes(cfg: ModelConfig, strategy: ParallelStrategy, n_mbs: 
     weight_grad = h * max(h, cfg.q_dim, cfg.intermediate_size) / t * e
     work = (redo + block_backward_bytes_per_token(cfg, t, precision, recompute)) * n_tok + weight_grad
     if last:
-        head = norm_saved_bytes_per_token(cfg, precision) + logprob_peak_bytes_per_token(cfg, t, precision,
-                                                                                        backward=True)
-        work = max(work, head * n_tok)
+        head = norm_saved_bytes_per_token(cfg, precision) * n_tok + logprob_peak_bytes(cfg, t, precision, True, n_tok)
+        work = max(work, head)
     if first:
         work = max(work, cfg.padded_vocab_size / t * h * e)  # the embedding's gradient, after the blocks' backward
     return int(max(kept * n_tok + work, optimizer_step_bytes(cfg, t, pp, pp_rank, strategy.dp, precision.grad)))
@@ -243,8 +244,9 @@ def stage_call_memory(cfg: ModelConfig, work: Workload, strategy: ParallelStrate
     if work.interface is InterfaceType.INFERENCE:
         # a stage's output stays referenced by its send until the next stage has received it
         sent = cfg.hidden_size * precision.param if not last else 0.0
-        head = logprob_peak_bytes_per_token(cfg, t, precision, backward=False) if last else 0.0
-        return CallMemory(params=params, activations=int((max(block, head) + sent) * b * work.seq_len))
+        n_tok = b * work.seq_len
+        head = logprob_peak_bytes(cfg, t, precision, False, n_tok) if last else 0.0
+        return CallMemory(params=params, activations=int(max(block * n_tok, head) + sent * n_tok))
     # GENERATE: the micro-batches in flight hold a KV cache each and, before the last stage, their prefill's
     # output until the next stage has received it (models/generation.py)
     in_flight = 1 if pp == 1 else min(n_mbs, gen_in_flight or pp)

@@ -21,7 +21,7 @@ import dataclasses
 import enum
 
 from realloc.estimator.hardware import Precision
-from realloc.models.config import ModelConfig
+from realloc.models.config import ModelConfig, logprob_chunk_tokens
 
 
 class Part(str, enum.Enum):
@@ -155,7 +155,9 @@ def op_work(cfg: ModelConfig, part: Part, phase: Phase, tp: int, b: int, s: int,
         return dataclasses.replace(work, gemm_flops=2 * work.gemm_flops, gemm_bytes=2 * work.gemm_bytes,
                                    elem_bytes=2 * work.elem_bytes) if phase is Phase.BWD else work
     # LM head: RMSNorm, column-parallel [V/t, h] projection, then:
-    #  FWD: vocab-parallel log-softmax + gather (3 passes over fp32 logits, 3 tiny all-reduces of n floats)
+    #  FWD: vocab-parallel log-softmax + gather (3 passes over fp32 logits, 3 tiny all-reduces of n floats).
+    #  Chunking (``vocab_parallel``) changes where the fp32 values live, not how often they are streamed: the
+    #  max now reads the logits themselves and each chunk's copy, exp and sum stream it as the unfused ops did.
     #  PREFILL: logits of the last prompt token only; DECODE: logits of b tokens, all-gathered for sampling
     v = cfg.padded_vocab_size / t
     lg = precision.logits
@@ -170,7 +172,8 @@ def op_work(cfg: ModelConfig, part: Part, phase: Phase, tp: int, b: int, s: int,
         return dataclasses.replace(gemm, elem_bytes=gemm.elem_bytes + 3 * n * v * lg,
                                    kernels=_KERNELS[(part, phase)], tp_collectives=coll)
     if phase is Phase.BWD:
-        # softmax grad (r logits, w grad), two GEMMs, the input-grad all-reduce of the column-parallel layer
+        # softmax grad (r logits, w grad; recomputed per chunk), two GEMMs, the input-grad all-reduce of the
+        # column-parallel layer
         coll = (Collective("all_reduce", n * h * e),) if t > 1 else ()
         return OpWork(gemm_flops=2 * gemm.gemm_flops, gemm_bytes=2 * gemm.gemm_bytes + h * v * 2 * precision.grad,
                       elem_bytes=2 * gemm.elem_bytes + 2 * n * v * lg, kernels=_KERNELS[(part, phase)],
@@ -188,6 +191,13 @@ def head_part(cfg: ModelConfig) -> Part:
 
 
 # -- memory -----------------------------------------------------------------
+
+# Per-token tensors of the chunked log-prob besides the logits and the fp32 block (``vocab_parallel``): the
+# forward's target ids (int64), max and sum (fp32); the backward's saved target ids (int64) and log Z (fp32),
+# the target's column in the shard (int64), whether the shard holds it (bool) and the gradient there (fp32).
+LOGPROB_FORWARD_SCALARS = 8 + 4 + 4
+LOGPROB_BACKWARD_SCALARS = 8 + 4 + 8 + 1 + 4
+
 
 def norm_saved_bytes_per_token(cfg: ModelConfig, precision: Precision) -> float:
     """What one RMSNorm and the projections reading it keep for the backward (``llama.RMSNorm``, issue 21's
@@ -224,29 +234,30 @@ def stage_saved_bytes_per_token(cfg: ModelConfig, first_stage: bool, precision: 
 
 
 def head_saved_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision) -> float:
-    """What the last stage's head keeps for the backward: the final norm and, for a vocabulary head,
-    the fp32 logits and exp(logits - max) of its vocabulary shard that the log-prob saves."""
-    logits = 0 if cfg.is_critic else 2 * cfg.padded_vocab_size / tp * precision.logits
+    """What the last stage's head keeps for the backward: the final norm and, for a vocabulary head, what the
+    chunked log-prob (``realloc.models.vocab_parallel``) saves: the logits of the rank's vocabulary shard in the
+    compute dtype, each position's target id (int64) and its log-normalizer (fp32)."""
+    logits = 0 if cfg.is_critic else cfg.padded_vocab_size / tp * precision.param + 8 + 4
     return norm_saved_bytes_per_token(cfg, precision) + logits
 
 
-def logprob_peak_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision, backward: bool) -> float:
-    """Peak live bytes of the vocabulary-parallel log-prob (``realloc.models.vocab_parallel``) over the
-    rank's V/t logits, temporaries included (measured by ``realloc.models.activations.LiveTensorMeter``).
+def logprob_peak_bytes(cfg: ModelConfig, tp: int, precision: Precision, backward: bool, n_tok: int) -> float:
+    """Peak live bytes of the vocabulary-parallel log-prob (``realloc.models.vocab_parallel``) of ``n_tok`` tokens
+    over the rank's V/t logits, temporaries included (measured by ``LiveTensorMeter``); the temperature divides
+    the fp32 block in place, so any temperature holds the same.
 
-    Without grad (INFERENCE) it peaks at the normalizer's exp: the logits in the compute dtype, their
-    fp32 copy (the same tensor when computing in fp32), logits - max and its exp. A training step
-    peaks in the backward of the target gather: the two fp32 tensors autograd saved (logits and
-    exp(logits - max)) and two fp32 gradients of their shape (the normalizer's and the gather's
-    scatter); its forward peak (the no-grad one) is lower. A temperature other than 1 adds one fp32
-    copy, not counted here (the default is 1).
-    """
+    It walks the tokens in chunks of ``config.logprob_chunk_tokens(V/t)`` and holds one fp32 [chunk, V/t] block
+    at a time (issue 21: 4 fp32 copies of the logits before). Without grad (INFERENCE): the logits in the
+    compute dtype, that block and a few per-token scalars (max, sum, log Z, target, picked logit). A training
+    step peaks in the backward: the saved logits, their gradient in the compute dtype, the block and the
+    per-token scalars of both passes. Its forward peak is the no-grad one, lower."""
     if cfg.is_critic:
         return 0.0
-    v, e, lg = cfg.padded_vocab_size / tp, precision.param, precision.logits
+    v, e = cfg.padded_vocab_size / tp, precision.param
+    chunk = min(n_tok, logprob_chunk_tokens(cfg.padded_vocab_size // tp)) * v * precision.logits
     if backward:
-        return 4 * v * lg
-    return v * (e + (0 if e == lg else lg) + 2 * lg)
+        return n_tok * (2 * v * e + LOGPROB_BACKWARD_SCALARS) + chunk
+    return n_tok * (v * e + LOGPROB_FORWARD_SCALARS) + chunk
 
 
 def sampling_bytes_per_row(cfg: ModelConfig) -> float:

@@ -98,18 +98,25 @@ class HeadOutput:
         valid = self.layout.next_token_valid()
         return torch.cat([pad, torch.where(valid, per_pos, torch.zeros_like(per_pos))], dim=1)
 
+    def _next_ids(self) -> torch.Tensor:
+        """[B, T]: the token after each position (the last column wraps around and is never scored)."""
+        return torch.roll(self.layout.input_ids, -1, dims=1)
+
+    # logprobs() and entropy() score the whole [B, T, V/tp] logits and drop the last position afterwards, not
+    # before: the vocabulary-parallel backward then writes d(logits) straight into one tensor of the logits'
+    # shape, where a slice raw[:, :-1] would make autograd allocate a second, zero-padded one.
     def logprobs(self, temperature: float = 1.0) -> torch.Tensor:
         """[B, T]: log p(token t | tokens before t) under softmax(logits / temperature); 0 where not scored."""
         if self.is_critic:
             raise ValueError("HeadOutput.logprobs: a critic has no vocabulary head; use values")
-        lp = vocab_parallel_token_logprobs(self.raw[:, :-1], self.layout.input_ids[:, 1:], self.tp_group, temperature)
-        return self._shifted(lp)
+        lp = vocab_parallel_token_logprobs(self.raw, self._next_ids(), self.tp_group, temperature)
+        return self._shifted(lp[:, :-1])
 
     def entropy(self, temperature: float = 1.0) -> torch.Tensor:
         """[B, T]: entropy of the distribution that predicted token t; 0 where not scored."""
         if self.is_critic:
             raise ValueError("HeadOutput.entropy: a critic has no vocabulary head")
-        return self._shifted(vocab_parallel_entropy(self.raw[:, :-1], self.tp_group, temperature))
+        return self._shifted(vocab_parallel_entropy(self.raw, self.tp_group, temperature)[:, :-1])
 
 
 LossFn = Callable[[HeadOutput, Mapping[str, torch.Tensor]], "tuple[torch.Tensor, Mapping[str, float]]"]
