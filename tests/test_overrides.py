@@ -9,6 +9,7 @@ import pytest
 
 from realloc.algorithms.ppo_config import PPOConfig
 from realloc.cli import main
+from realloc.graph.dataflow import build_graph
 from realloc.overrides import load_with_overrides
 
 TINY = "experiments/ppo_tiny.py"
@@ -62,7 +63,9 @@ def test_grad_dtype_is_one_setting_checked_once():
 def test_cli_refuses_bf16_gradients_of_fp32_models_in_one_line(capsys):
     assert main(["search", TINY, "--evals", "100", "--set", "ppo.grad_dtype=bf16"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "call 'actor_train': grad_dtype='bf16' needs a bf16 model" in err
+    assert len(err.splitlines()) == 1 and "call 'actor_train': ppo.grad_dtype='bf16' needs a bf16 model" in err
+    with pytest.raises(ValueError, match="devices train in fp32; set ppo.grad_dtype to fp32"):
+        build_graph(load_with_overrides(TINY, ["ppo.grad_dtype=bf16"]))
 
 
 def test_search_sees_the_overridden_workload(capsys):
