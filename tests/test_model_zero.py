@@ -368,3 +368,24 @@ def _fp32_model_refuses_bf16_grads(ctx):
 
 def test_bf16_gradient_buffers_are_refused_for_an_fp32_model_with_one_clear_error(pool):
     assert pool.run(_fp32_model_refuses_bf16_grads)[:2] == [True, True]
+
+
+def test_bf16_gradients_step_one_tensor_at_a_time_exactly_like_their_fp32_values_in_one_step():
+    """``optim.step_each`` (bf16 gradients, each converted to fp32 while its tensor steps) gives bit for bit the
+    masters, moments and bf16 weights of torch's one-call AdamW step on the same gradients in fp32."""
+    from realloc.models.optim import MasterWeightAdamW
+
+    runs = []
+    for as_bf16 in (True, False):
+        params = _odd_params(torch.bfloat16)
+        opt = MasterWeightAdamW(params, lr=1e-2, weight_decay=0.1, eps=ADAM_EPS,
+                                grad_dtype=torch.bfloat16 if as_bf16 else torch.float32)
+        for step in range(3):
+            grads = {n: g.to(torch.bfloat16) for n, g in _odd_grads(step, 0).items()}  # exact in bf16
+            opt.step_with(grads if as_bf16 else {n: g.float() for n, g in grads.items()})
+        runs.append((params, opt))
+    (p1, o1), (p2, o2) = runs
+    for n in ODD_SHAPES:
+        assert torch.equal(p1[n], p2[n]) and torch.equal(o1.masters[n], o2.masters[n]), n
+        s1, s2 = o1.inner.state[o1.masters[n]], o2.inner.state[o2.masters[n]]
+        assert all(torch.equal(s1[k], s2[k]) for k in ("step", "exp_avg", "exp_avg_sq")), n
