@@ -5,12 +5,15 @@
 
 Two gloo processes (one thread each) run the ``small`` model (8 layers, hidden 256, vocabulary 32,000) in
 bf16, the GPUs' precision, on each layout of the 2 local devices: dp 2, tp 2 and pp 2, training with and
-without activation recomputation, inference, and pipelined generation of 8 micro-batches at pp 2.
+without activation recomputation, inference, and pipelined generation of 8 micro-batches at pp 2; at dp 2
+also training with bf16 gradient buffers (``TrainConfig.grad_dtype="bf16"``; a revision without the setting
+has no such row).
 Per device (the larger of the two):
 
 - steady: every tensor alive after the model, its optimizer and one train step exist (parameters, gradient
   buffers, optimizer state), counted by ``LiveTensorMeter`` from the model's creation on; per parameter, the
-  training state the distributed optimizer shards (2 + 4 + 12/dp bytes with fp32 gradient buffers);
+  training state the distributed optimizer shards (2 + 4 + 12/dp bytes with fp32 gradient buffers, 2 + 2 + 12/dp
+  with bf16 ones);
 - peak: steady plus the peak of every tensor one more train step (or forward, or generate) creates,
   temporaries included (``LiveTensorMeter``);
 - est.: ``estimator.memory.stage_call_memory`` of the same call (static part for steady, total for peak);
@@ -45,6 +48,8 @@ def _loss(out, mb):
 
 def _measure(rank: int, store: str, results) -> None:
     """One gloo process: every layout's steady and peak bytes on this rank, by the code under sys.path[0]."""
+    import inspect
+
     import torch
     import torch.distributed as dist
 
@@ -67,15 +72,19 @@ def _measure(rank: int, store: str, results) -> None:
         groups = cache.model_groups(layouts[name])
         mbs = [{"input_ids": torch.randint(0, cfg.vocab_size, (TRAIN["rows"], TRAIN["seq"]), generator=g),
                 "lengths": torch.full((TRAIN["rows"],), TRAIN["seq"])} for _ in range(TRAIN["n_mbs"])]
-        for recompute in (False, True):
+        runs = [(False, False), (True, False)]
+        if dp > 1 and "grad_dtype" in inspect.signature(ParallelModel.make_optimizer).parameters:
+            runs.append((False, True))
+        for recompute, bf16_grads in runs:
+            extra = {"grad_dtype": torch.bfloat16} if bf16_grads else {}
             with LiveTensorMeter() as steady:
                 model = ParallelModel(cfg, groups, dtype=torch.bfloat16, seed=1)
-                opt = model.make_optimizer(lr=1e-6)
+                opt = model.make_optimizer(lr=1e-6, **extra)
                 model.train_step(mbs, _loss, opt, recompute=recompute)
             n_params = sum(p.numel() for p in model.params().values())
             with LiveTensorMeter() as step:
                 model.train_step(mbs, _loss, opt, recompute=recompute)
-            key = f"{name} train{' recompute' if recompute else ''}"
+            key = f"{name} train{' recompute' if recompute else ''}{' bf16 grads' if bf16_grads else ''}"
             out[key] = dict(stage=groups.pp_rank, steady=steady.current, peak=steady.current + step.peak,
                             params=n_params)
             del model, opt
@@ -135,10 +144,12 @@ def estimate(config: str, stage: int) -> tuple[int, int]:
     from realloc.models.config import get_model_config
     from realloc.strategy import ParallelStrategy
 
-    words = config.split()  # e.g. "pp 2 train recompute"
+    words = config.split()  # e.g. "pp 2 train recompute", "dp 2 train bf16 grads"
     name, what = " ".join(words[:2]), words[2]
     dp, tp, pp = next((d, t, p) for n, d, t, p in LAYOUTS if n == name)
     cfg, s, bf16 = get_model_config(MODEL), ParallelStrategy(dp, tp, pp), Precision.for_dtype("bf16")
+    if "bf16 grads" in config:
+        bf16 = bf16.with_grads("bf16")
     if what == "generate":
         work = Workload(InterfaceType.GENERATE, n_seqs=GEN["rows"] * GEN["n_mbs"], n_steps=1,
                         prompt_len=GEN["prompt_len"], gen_len=GEN["gen_len"])
@@ -166,7 +177,7 @@ def main() -> None:
     now = measure_tree(REPO)
     mib = 2 ** 20
     print(f"== memory per device, {MODEL} in bf16 on 2 gloo processes; MiB (the larger rank); base = {args.baseline}")
-    head = (f"{'config':<22}{'steady':>9}{'est.':>9}{'base':>9}{'new/base':>9}{'B/param':>9}{'base':>8}"
+    head = (f"{'config':<26}{'steady':>9}{'est.':>9}{'base':>9}{'new/base':>9}{'B/param':>9}{'base':>8}"
             f"{'peak':>9}{'est.':>9}{'base':>9}{'new/base':>9}")
     print(head)
     print("-" * len(head))
@@ -175,7 +186,7 @@ def main() -> None:
         cur, old = ranks[r], base.get(config, [None, None])[r]
         static, total = estimate(config, cur["stage"])
         per = cur["steady"] / cur["params"]
-        row = f"{config:<22}{cur['steady'] / mib:>9.2f}{static / mib:>9.2f}"
+        row = f"{config:<26}{cur['steady'] / mib:>9.2f}{static / mib:>9.2f}"
         row += (f"{old['steady'] / mib:>9.2f}{cur['steady'] / old['steady']:>9.2f}" if old else f"{'-':>9}{'-':>9}")
         row += f"{per:>9.2f}" + (f"{old['steady'] / old['params']:>8.2f}" if old else f"{'-':>8}")
         row += f"{cur['peak'] / mib:>9.2f}{total / mib:>9.2f}"

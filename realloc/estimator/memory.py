@@ -11,12 +11,15 @@ Rules, applied per device ``d`` (the search's simulator applies the same ones):
      and the plan offloads it (``ExecutionPlan.offload``) to host memory;
    - for a trainable model, its gradients and optimizer states in the home
      layout. Optimizer state never moves (principle 1); gradients live in the
-     persistent fp32 ``main_grad`` buffers, so they are static too. With dp > 1
+     ``main_grad`` buffers, counted as static too, of ``precision.grad`` bytes
+     per parameter: fp32 (4 B), or bf16 (2 B) when the train call's settings say
+     ``grad_dtype="bf16"`` (``CostModel.call_precision``). With dp > 1
      the optimizer state is sharded over dp (``models/zero.py``, ZeRO stage 1):
      each dp rank holds ``precision.optimizer`` bytes (bf16: fp32 master, Adam m
      and v, 12 B; fp32: m and v, 8 B) for its chunk of every tensor, ceil(n / dp)
      of n elements (``local_optimizer_elems``), so a bf16 parameter costs
-     2 + 4 + 12/dp bytes (18 at dp 1, 12 at dp 2).
+     2 + 4 + 12/dp bytes (18 at dp 1, 12 at dp 2), or with bf16 gradients
+     2 + 2 + 12/dp (16 at dp 1, 10 at dp 2).
 3. Dynamic_c(d), for a call c whose layout covers d =
    activations of c on d + KV cache of c on d
    + c's parameter shard on d if c runs on a *reallocated copy*: its layout
@@ -51,8 +54,9 @@ and the peaks (temporaries included) are checked against ``LiveTensorMeter`` on 
   or on the first stage the embedding's gradient; they never run
   at once, so the largest counts. After the backward, the optimizer update's fp32
   temporaries, if larger (``optimizer_step_bytes``: AdamW's on the largest tensors, or
-  their dp chunks, and with dp > 1 the distributed optimizer's flat reduce-scatter and
-  all-gather buffers). ``train_saved_bytes`` is the
+  their dp chunks, with bf16 gradients also the fp32 copy of the one being stepped, and
+  with dp > 1 the distributed optimizer's flat reduce-scatter and all-gather buffers).
+  ``train_saved_bytes`` is the
   saved part alone;
 - INFERENCE: one micro-batch's working set of one block plus the rotary tables, or on
   the last stage the log-prob's peak over its V/t logits (the logits in the compute
@@ -148,7 +152,9 @@ def optimizer_step_bytes(cfg: ModelConfig, tp: int, pp: int, pp_rank: int, dp: i
     - the AdamW update's fp32 temporaries (``models/optim.py``, ``models/zero.py``: torch's AdamW one tensor at
       a time, over the weights, then over the norms and biases): sqrt(v) and its bias-corrected quotient for
       the current tensor, while the previous tensor's quotient is still referenced; with dp > 1 the tensors
-      are the rank's chunks, ceil(n / dp) elements, visited in name order;
+      are the rank's chunks, ceil(n / dp) elements, visited in name order. With gradients narrower than fp32
+      (``grad_bytes`` < 4) each tensor is a step of its own (``optim.step_each``), so no previous quotient
+      outlives it, and its gradient's fp32 copy joins the two temporaries;
     - with dp > 1, the distributed optimizer's flat buffer of one bucket (``zero.plan_buckets``): the
       reduce-scatter's in ``grad_bytes`` per element, the parameters' all-gather's (in the parameter dtype,
       never wider than the fp32 gradients) after it.
@@ -161,7 +167,7 @@ def optimizer_step_bytes(cfg: ModelConfig, tp: int, pp: int, pp_rank: int, dp: i
         prev = 0
         for spec in group:
             n = chunk_numel(spec.shard_numel(tp), dp)
-            peak = max(peak, 4 * (prev + 2 * n))
+            peak = max(peak, 4 * (prev + 2 * n) if grad_bytes == 4 else 4 * 3 * n)
             prev = n
     if dp > 1:
         numels = [s.shard_numel(tp) for s in specs]

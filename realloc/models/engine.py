@@ -22,8 +22,9 @@ gets the same batch, different dp replicas get different batches):
   rank of the replica.
 
 Precision: parameters live in ``dtype`` (fp32 on CPU; bf16 on GPUs). A bf16 model
-accumulates micro-batch gradients in fp32 and trains through fp32 master weights
-(``make_optimizer`` returns ``optim.MasterWeightAdamW``); fp16 training is refused.
+accumulates micro-batch gradients in fp32 (or, with ``make_optimizer(grad_dtype=torch.bfloat16)``,
+in bf16: 2 bytes per parameter less, and half the bytes in the dp reduction) and trains through
+fp32 master weights (``make_optimizer`` returns ``optim.MasterWeightAdamW``); fp16 training is refused.
 With dp > 1, ``make_optimizer`` returns the distributed optimizer (``zero.DistributedAdamW``,
 both dtypes): the optimizer state is sharded over dp, gradients reduce-scatter and updated
 parameters all-gather.
@@ -144,8 +145,8 @@ class ParallelModel:
         self._params: dict[str, torch.nn.Parameter] = dict(self.stage.named_parameters())
         self._check_contract()
         self.state: ParamState = "ready"
-        # bf16 models accumulate micro-batch gradients in fp32 buffers that exist only during
-        # train_step; the hook moves each fresh low-precision gradient into them.
+        # bf16 models accumulate micro-batch gradients in fp32 (or bf16: the optimizer's grad_dtype) buffers
+        # that exist only during train_step; the hook moves each fresh low-precision gradient into them.
         self._low_precision = dtype != torch.float32
         self._main_grads: dict[str, torch.Tensor] | None = None
         if self._low_precision:
@@ -220,18 +221,24 @@ class ParallelModel:
         self.state = "ready"
 
     def make_optimizer(self, lr: float, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95),
-                       eps: float = 1e-8) -> "torch.optim.AdamW | MasterWeightAdamW | DistributedAdamW":
+                       eps: float = 1e-8, *, grad_dtype: torch.dtype = torch.float32
+                       ) -> "torch.optim.AdamW | MasterWeightAdamW | DistributedAdamW":
         """AdamW over the local shards; norms are not decayed. Its state is per rank and never moves.
 
         With dp > 1, :class:`DistributedAdamW` (state sharded over dp; fp32 master chunks for bf16 models).
         Otherwise fp32 models get ``torch.optim.AdamW``; bf16 models get :class:`MasterWeightAdamW` (fp32
-        master weights).
+        master weights). ``grad_dtype`` (bf16 models only) is the dtype of the gradient accumulation
+        buffers ``train_step`` fills for this optimizer: ``torch.bfloat16`` is Megatron's
+        ``grad_reduce_in_fp32=False`` (``TrainConfig.grad_dtype``).
         """
+        if grad_dtype != torch.float32 and not self._low_precision:
+            raise ValueError(f"make_optimizer: grad_dtype={grad_dtype} needs a bf16 model; this one is {self.dtype} "
+                             f"and keeps fp32 gradients (set grad_dtype to fp32)")
         if self.groups.dp > 1:
             return DistributedAdamW(self._params, self.groups.dp_group, lr, weight_decay, betas, eps,
-                                    masters=self._low_precision)
+                                    masters=self._low_precision, grad_dtype=grad_dtype)
         if self._low_precision:
-            return MasterWeightAdamW(self._params, lr, weight_decay, betas, eps)
+            return MasterWeightAdamW(self._params, lr, weight_decay, betas, eps, grad_dtype=grad_dtype)
         decay = [p for n, p in self._params.items() if p.dim() >= 2]
         no_decay = [p for n, p in self._params.items() if p.dim() < 2]
         return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
@@ -303,7 +310,8 @@ class ParallelModel:
         for p in self._params.values():
             p.grad = None
         if self._low_precision:
-            self._main_grads = {name: torch.zeros(p.shape, dtype=torch.float32, device=self.device)
+            # masters is true here, so the optimizer is one of ours and says which buffers it steps from
+            self._main_grads = {name: torch.zeros(p.shape, dtype=optimizer.grad_dtype, device=self.device)
                                 for name, p in self._params.items()}
         try:
             with torch.enable_grad():
