@@ -10,7 +10,8 @@ import torch
 
 from realloc.models.batch import token_layout
 from realloc.models.hf_io import model_config_from_hf
-from realloc.models.packing import first_fit_decreasing, pack_layout
+from realloc.models.packing import first_fit_decreasing, pack_layout, token_balanced_ranges
+from realloc.strategy import even_ranges
 from realloc.models.param_layout import param_specs
 from model_helpers import assemble, build_model, hf_token_logprobs, local_shards, tiny_hf_model
 from mp_pool import GlooPool
@@ -89,6 +90,17 @@ def test_skewed_micro_batches_pack_into_fewer_rows():
     for i, lens in enumerate(SKEWED):
         plan = pack_layout(token_layout(_batch(lens, i)))
         assert plan is not None and plan.layout.shape[0] < len(lens), lens
+
+
+def test_token_balanced_ranges_by_hand():
+    # 57 tokens in 4: cuts nearest to 14.25, 28.5, 42.75 on the running sums 16, 18, 21, 30, 35, 51, 55, 57
+    assert token_balanced_ranges([16, 2, 3, 9, 5, 16, 4, 2], 4) == [(0, 1), (1, 4), (4, 5), (5, 8)]
+    assert token_balanced_ranges([1, 1, 1, 100], 2) == [(0, 3), (3, 4)]
+    assert token_balanced_ranges([100, 1, 1, 1], 3) == [(0, 1), (1, 2), (2, 4)]  # every micro-batch keeps a row
+    for b, n in [(5, 2), (7, 3), (4, 4)]:
+        assert token_balanced_ranges([6] * b, n) == list(even_ranges(b, n))  # equal lengths: the row split
+    with pytest.raises(ValueError, match="n_mbs=3"):
+        token_balanced_ranges([1, 2], 3)
 
 
 # -- forward ---------------------------------------------------------------------------------------------

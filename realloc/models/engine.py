@@ -21,6 +21,9 @@ gets the same batch, different dp replicas get different batches):
 - ``generate(prompts, gconfig, seq_ids, n_mbs)``: see ``generation.py``; result on every
   rank of the replica.
 
+``train_step`` and ``forward`` pack each micro-batch's right-padded rows into fewer rows (``packing.py``;
+``pack_sequences=False`` runs them padded); loss functions and results see the caller's ``[B, T]`` either way.
+
 Precision: parameters live in ``dtype`` (fp32 on CPU; bf16 on GPUs). A bf16 model
 accumulates micro-batch gradients in fp32 and trains through fp32 master weights
 (``make_optimizer`` returns ``optim.MasterWeightAdamW``); fp16 training is refused.
@@ -37,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Callable, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -50,7 +53,7 @@ from realloc.models.groups import ModelParallelGroups
 from realloc.models.llama import LlamaStage
 from realloc.models.megatron_shim import prepare_device
 from realloc.models.optim import MasterWeightAdamW
-from realloc.models.packing import PackPlan, pack_layout
+from realloc.models.packing import PackPlan, pack_layout, token_balanced_ranges
 from realloc.models.param_layout import ParamSpec, stage_param_specs
 from realloc.models.pipeline import StageLink, run_1f1b, run_forward_only
 from realloc.models.vocab_parallel import gather_vocab, vocab_parallel_entropy, vocab_parallel_token_logprobs
@@ -126,10 +129,11 @@ class PackedHeadOutput(HeadOutput):
     def values(self) -> torch.Tensor:
         return self.plan.unpack(self._packed().values)
 
-    def logprobs(self, *args, **kwargs) -> torch.Tensor:
+    # The helpers take HeadOutput's arguments as they are, so a new option of theirs reaches the packed rows.
+    def logprobs(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self.plan.unpack(self._packed().logprobs(*args, **kwargs))
 
-    def entropy(self, *args, **kwargs) -> torch.Tensor:
+    def entropy(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self.plan.unpack(self._packed().entropy(*args, **kwargs))
 
 
@@ -385,7 +389,9 @@ class ParallelModel:
         for the alignment); "entropy" is aligned like log-probs; "logits" returns the raw
         full-vocabulary logits ``[B, T, V]`` at each position (gathered over tp: debugging and
         tests, not for large vocabularies). ``n_mbs`` micro-batches stream through the
-        pipeline; each is trimmed to its longest row.
+        pipeline; each is trimmed to its longest row. With ``pack_sequences``, right-padded rows split
+        into micro-batches of near-equal tokens (contiguous rows) and each micro-batch runs packed
+        (``packing.py``); the results keep the batch's shape and meaning.
         """
         self._require("ready", "forward")
         output = output or ("values" if self.cfg.is_critic else "logprobs")
@@ -396,6 +402,8 @@ class ParallelModel:
                              f"{'critic' if self.cfg.is_critic else 'vocabulary'} head")
         full = token_layout(batch, "forward").to(self.device)
         ranges = split_rows(full, n_mbs)
+        if self.pack_sequences and full.causal_suffices:
+            ranges = token_balanced_ranges((full.segment_ids >= 0).sum(dim=1).tolist(), n_mbs)
         parts = [trim(TokenLayout(full.input_ids[lo:hi], full.position_ids[lo:hi], full.segment_ids[lo:hi]))
                  for lo, hi in ranges]
         plans = [self._pack(lay) for lay, _ in parts]

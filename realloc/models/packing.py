@@ -24,6 +24,7 @@ import dataclasses
 import torch
 
 from realloc.models.batch import TokenLayout
+from realloc.strategy import even_ranges
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,3 +113,30 @@ def pack_layout(layout: TokenLayout) -> PackPlan | None:
     seg[flat] = torch.tensor(slot, dtype=seg.dtype, device=dev).view(b, 1).expand(b, t)[valid]
     shape = (len(bins), capacity)
     return PackPlan(TokenLayout(ids.view(shape), pos.view(shape), seg.view(shape)), index, valid)
+
+
+def token_balanced_ranges(lengths: list[int], n_mbs: int) -> list[tuple[int, int]]:
+    """Contiguous row ranges of ``n_mbs`` micro-batches with near-equal token counts (each at least one row).
+
+    For inference only: a row's outputs do not depend on the rows beside it, so moving the boundaries changes
+    no result, while packed micro-batches cost about their tokens, not their rows (pipeline stages wait for
+    the slowest). Equal lengths keep ``even_ranges``' boundaries, so unpadded batches run exactly as before.
+    """
+    b = len(lengths)
+    if n_mbs < 1 or n_mbs > b:
+        raise ValueError(f"n_mbs={n_mbs} must be between 1 and the batch size {b}")
+    if len(set(lengths)) <= 1:
+        return list(even_ranges(b, n_mbs))
+    cum = [0]
+    for n in lengths:
+        cum.append(cum[-1] + n)
+    bounds = [0]
+    for k in range(1, n_mbs):
+        target = cum[-1] * k / n_mbs
+        lo, hi = bounds[-1] + 1, b - (n_mbs - k)  # leave a row for this and every later micro-batch
+        cut = next((i for i in range(lo, hi + 1) if cum[i] >= target), hi)
+        if cut > lo and target - cum[cut - 1] < cum[cut] - target:
+            cut -= 1  # the boundary before the row that crosses the target is closer to it
+        bounds.append(cut)
+    bounds.append(b)
+    return list(zip(bounds[:-1], bounds[1:]))
