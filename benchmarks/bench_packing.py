@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-LAYOUTS = [(1, 2, 1), (1, 1, 2), (1, 1, 1)]
+LAYOUTS = [(1, 2, 1), (1, 1, 2)]
 
 
 def skewed_batch(vocab: int, rows: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
