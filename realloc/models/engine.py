@@ -160,7 +160,7 @@ class ParallelModel:
         self.cfg = cfg
         self.groups = groups
         # forward() and train_step() pack each micro-batch's right-padded rows (packing.py); False runs
-        # the padded rows as given (the comparison of benchmarks/bench_model.py).
+        # the padded rows as given (the comparison of benchmarks/bench_packing.py).
         self.pack_sequences = pack_sequences
         self.device = prepare_device(device)
         self.dtype = dtype
