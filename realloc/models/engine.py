@@ -21,6 +21,9 @@ gets the same batch, different dp replicas get different batches):
 - ``generate(prompts, gconfig, seq_ids, n_mbs)``: see ``generation.py``; result on every
   rank of the replica.
 
+``train_step`` and ``forward`` pack each micro-batch's right-padded rows into fewer rows (``packing.py``;
+``pack_sequences=False`` runs them padded); loss functions and results see the caller's ``[B, T]`` either way.
+
 Precision: parameters live in ``dtype`` (fp32 on CPU; bf16 on GPUs). A bf16 model
 accumulates micro-batch gradients in fp32 (or, with ``make_optimizer(grad_dtype=torch.bfloat16)``,
 in bf16: 2 bytes per parameter less, and half the bytes in the dp reduction) and trains through
@@ -41,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Callable, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,6 +57,7 @@ from realloc.models.groups import ModelParallelGroups
 from realloc.models.llama import LlamaStage
 from realloc.models.megatron_shim import prepare_device
 from realloc.models.optim import MasterWeightAdamW
+from realloc.models.packing import PackPlan, pack_layout, token_balanced_ranges
 from realloc.models.param_layout import ParamSpec, stage_param_specs
 from realloc.models.pipeline import StageLink, run_1f1b, run_forward_only
 from realloc.models.vocab_parallel import gather_vocab, vocab_parallel_entropy, vocab_parallel_token_logprobs
@@ -120,13 +124,46 @@ class HeadOutput:
         return self._shifted(vocab_parallel_entropy(self.raw, self.tp_group, temperature)[:, :-1])
 
 
+@dataclasses.dataclass
+class PackedHeadOutput(HeadOutput):
+    """A HeadOutput of a packed micro-batch (``packing.py``), seen in the caller's ``[B, T]`` shape.
+
+    ``layout`` (and so ``token_mask``) is the caller's; ``raw`` is the packed ``[R, C, ...]`` output the
+    per-token helpers compute on before they unpack, so loss functions see the unpacked meaning.
+    """
+
+    plan: PackPlan
+
+    def _packed(self) -> HeadOutput:
+        return HeadOutput(self.raw, self.plan.layout, self.tp_group, self.is_critic)
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.plan.unpack(self._packed().values)
+
+    # The helpers take HeadOutput's arguments as they are, so a new option of theirs reaches the packed rows.
+    def logprobs(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.plan.unpack(self._packed().logprobs(*args, **kwargs))
+
+    def entropy(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.plan.unpack(self._packed().entropy(*args, **kwargs))
+
+
+def head_output(raw: torch.Tensor, layout: TokenLayout, plan: PackPlan | None, tp_group: dist.ProcessGroup,
+                is_critic: bool) -> HeadOutput:
+    """The loss functions' view of one micro-batch's head output, in the caller's ``layout``."""
+    if plan is None:
+        return HeadOutput(raw, layout, tp_group, is_critic)
+    return PackedHeadOutput(raw, layout, tp_group, is_critic, plan)
+
+
 LossFn = Callable[[HeadOutput, Mapping[str, torch.Tensor]], "tuple[torch.Tensor, Mapping[str, float]]"]
 
 
 class ParallelModel:
     def __init__(self, cfg: ModelConfig, groups: ModelParallelGroups, *, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, init: Literal["random", "empty"] = "random",
-                 seed: int = 1) -> None:
+                 seed: int = 1, pack_sequences: bool = True) -> None:
         if groups.layout.tie_embeddings != cfg.tie_embeddings:
             raise ValueError(f"model {cfg.name!r}: layout.tie_embeddings={groups.layout.tie_embeddings} must equal "
                              f"the config's tie_embeddings={cfg.tie_embeddings} (its groups depend on it)")
@@ -134,6 +171,9 @@ class ParallelModel:
             raise ValueError(f"model {cfg.name!r}: pp={groups.pp} exceeds its {cfg.n_layers} layers")
         self.cfg = cfg
         self.groups = groups
+        # forward() and train_step() pack each micro-batch's right-padded rows (packing.py); False runs
+        # the padded rows as given (the comparison of benchmarks/bench_packing.py).
+        self.pack_sequences = pack_sequences
         self.device = prepare_device(device)
         self.dtype = dtype
         self.stage = LlamaStage(cfg, groups.pp, groups.pp_rank, groups.tp_group, dtype, self.device)
@@ -258,6 +298,9 @@ class ParallelModel:
         inputs = layout.input_ids if self.groups.is_first_stage else x
         return self.stage(inputs, layout.position_ids, layout.attention_mask(), recompute=recompute)
 
+    def _pack(self, layout: TokenLayout) -> PackPlan | None:
+        return pack_layout(layout) if self.pack_sequences else None
+
     def _to_device(self, mb: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
 
@@ -293,14 +336,17 @@ class ParallelModel:
             raise ValueError(f"train_step: {len(weights)} loss_weights for {n} micro-batches")
         mbs = [self._to_device(mb) for mb in micro_batches]
         layouts = [token_layout(mb, f"train_step micro-batch {i}") for i, mb in enumerate(mbs)]
+        # What the stages run: every stage derives the same packed shapes from the same lengths.
+        plans = [self._pack(lay) for lay in layouts]
+        runs = [lay if p is None else p.layout for lay, p in zip(layouts, plans)]
         g = self.groups
         mb_stats: list[dict[str, float]] = []
 
         def step(i: int, x: torch.Tensor | None) -> torch.Tensor:
-            out = self._stage_forward(layouts[i], x, recompute)
+            out = self._stage_forward(runs[i], x, recompute)
             if not g.is_last_stage:
                 return out
-            loss, stats = loss_fn(HeadOutput(out, layouts[i], g.tp_group, self.cfg.is_critic), mbs[i])
+            loss, stats = loss_fn(head_output(out, layouts[i], plans[i], g.tp_group, self.cfg.is_critic), mbs[i])
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise ValueError("train_step: loss_fn must return (scalar loss tensor, stats dict)")
             mb_stats.append({"loss": float(loss.detach()), **{k: float(v) for k, v in dict(stats).items()}})
@@ -319,7 +365,7 @@ class ParallelModel:
                     for i in range(n):
                         torch.autograd.backward(step(i, None))
                 else:
-                    run_1f1b(self._link(), n, step, lambda i: self._hidden_shape(layouts[i]))
+                    run_1f1b(self._link(), n, step, lambda i: self._hidden_shape(runs[i]))
             if self._main_grads is not None:
                 main = self._main_grads
             else:
@@ -375,7 +421,9 @@ class ParallelModel:
         for the alignment); "entropy" is aligned like log-probs; "logits" returns the raw
         full-vocabulary logits ``[B, T, V]`` at each position (gathered over tp: debugging and
         tests, not for large vocabularies). ``n_mbs`` micro-batches stream through the
-        pipeline; each is trimmed to its longest row.
+        pipeline; each is trimmed to its longest row. With ``pack_sequences``, right-padded rows split
+        into micro-batches of near-equal tokens (contiguous rows) and each micro-batch runs packed
+        (``packing.py``); the results keep the batch's shape and meaning.
         """
         self._require("ready", "forward")
         output = output or ("values" if self.cfg.is_critic else "logprobs")
@@ -386,22 +434,27 @@ class ParallelModel:
                              f"{'critic' if self.cfg.is_critic else 'vocabulary'} head")
         full = token_layout(batch, "forward").to(self.device)
         ranges = split_rows(full, n_mbs)
+        if self.pack_sequences and full.causal_suffices:
+            ranges = token_balanced_ranges((full.segment_ids >= 0).sum(dim=1).tolist(), n_mbs)
         parts = [trim(TokenLayout(full.input_ids[lo:hi], full.position_ids[lo:hi], full.segment_ids[lo:hi]))
                  for lo, hi in ranges]
+        plans = [self._pack(lay) for lay, _ in parts]
+        runs = [lay if p is None else p.layout for (lay, _), p in zip(parts, plans)]
         g = self.groups
         self.stage.eval()
 
         def step(i: int, x: torch.Tensor | None) -> torch.Tensor:
-            lay = parts[i][0]
-            out = self._stage_forward(lay, x)
+            lay, plan = parts[i][0], plans[i]
+            out = self._stage_forward(runs[i], x)
             if not g.is_last_stage:
                 return out
-            head = HeadOutput(out, lay, g.tp_group, self.cfg.is_critic)
+            head = head_output(out, lay, plan, g.tp_group, self.cfg.is_critic)
             if output == "values":
                 return head.values
             if output == "logits":
-                real = gather_vocab(out, g.tp_group)[..., :self.cfg.vocab_size]  # the vocabulary padding goes
-                return real.float() * (lay.segment_ids >= 0).unsqueeze(-1)
+                real = gather_vocab(out, g.tp_group)[..., :self.cfg.vocab_size].float()  # the vocabulary padding goes
+                real = real * (runs[i].segment_ids >= 0).unsqueeze(-1)
+                return real if plan is None else plan.unpack(real)
             if output == "entropy":
                 return head.entropy(temperature)
             return head.logprobs(temperature)
@@ -409,7 +462,7 @@ class ParallelModel:
         if g.pp == 1:
             outs = [step(i, None) for i in range(len(parts))]
         else:
-            outs = run_forward_only(self._link(), len(parts), step, lambda i: self._hidden_shape(parts[i][0]))
+            outs = run_forward_only(self._link(), len(parts), step, lambda i: self._hidden_shape(runs[i]))
         shape = full.shape + ((self.cfg.vocab_size,) if output == "logits" else ())
         result = None
         if g.is_last_stage:
