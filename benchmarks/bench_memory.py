@@ -3,17 +3,21 @@
     .venv/bin/python benchmarks/bench_memory.py                 # against --baseline b178bc7 (before issue 21)
     .venv/bin/python benchmarks/bench_memory.py --baseline REV
 
-Two gloo processes (one thread each) run the ``small`` model (8 layers, hidden 256, vocabulary 32,000) in
+Two gloo processes (one thread each) run the ``small`` model (8 layers, hidden 256, vocabulary 256) in
 bf16, the GPUs' precision, on each layout of the 2 local devices: dp 2, tp 2 and pp 2, training with and
-without activation recomputation, inference, and pipelined generation of 8 micro-batches at pp 2.
+without activation recomputation, inference, and pipelined generation of 8 micro-batches at pp 2; at dp 2
+also training with bf16 gradient buffers (``TrainConfig.grad_dtype="bf16"``; a revision without the setting
+has no such row).
 Per device (the larger of the two):
 
-- steady: every tensor alive after the model, its optimizer and one train step exist (parameters, gradient
-  buffers, optimizer state), counted by ``LiveTensorMeter`` from the model's creation on; per parameter, the
-  training state the distributed optimizer shards (2 + 4 + 12/dp bytes with fp32 gradient buffers);
+- steady: every tensor alive between two train steps (parameters and optimizer state), counted by
+  ``LiveTensorMeter`` from the model's creation on; the engine's gradient buffers exist only inside a step;
+- state: training state per local parameter, steady plus the gradient buffers a step allocates: 2 + 4 + 12/dp
+  bytes with the distributed optimizer and fp32 gradient buffers, 2 + 2 + 12/dp with bf16 ones (18 before);
 - peak: steady plus the peak of every tensor one more train step (or forward, or generate) creates,
   temporaries included (``LiveTensorMeter``);
-- est.: ``estimator.memory.stage_call_memory`` of the same call (static part for steady, total for peak);
+- est.: ``estimator.memory.stage_call_memory`` of the same call (parameters and optimizer state for steady,
+  the total for peak);
 - base: the same measurement on ``--baseline`` (``git archive`` of that revision into a temporary folder, run
   by the same script), and new/base.
 
@@ -45,6 +49,8 @@ def _loss(out, mb):
 
 def _measure(rank: int, store: str, results) -> None:
     """One gloo process: every layout's steady and peak bytes on this rank, by the code under sys.path[0]."""
+    import inspect
+
     import torch
     import torch.distributed as dist
 
@@ -67,17 +73,23 @@ def _measure(rank: int, store: str, results) -> None:
         groups = cache.model_groups(layouts[name])
         mbs = [{"input_ids": torch.randint(0, cfg.vocab_size, (TRAIN["rows"], TRAIN["seq"]), generator=g),
                 "lengths": torch.full((TRAIN["rows"],), TRAIN["seq"])} for _ in range(TRAIN["n_mbs"])]
-        for recompute in (False, True):
+        runs = [(False, False), (True, False)]
+        if dp > 1 and "grad_dtype" in inspect.signature(ParallelModel.make_optimizer).parameters:
+            runs.append((False, True))
+        for recompute, bf16_grads in runs:
+            extra = {"grad_dtype": torch.bfloat16} if bf16_grads else {}
             with LiveTensorMeter() as steady:
                 model = ParallelModel(cfg, groups, dtype=torch.bfloat16, seed=1)
-                opt = model.make_optimizer(lr=1e-6)
+                opt = model.make_optimizer(lr=1e-6, **extra)
                 model.train_step(mbs, _loss, opt, recompute=recompute)
+                torch.empty(0)  # the meter notices frees at the next operator: the step's gradient buffers
             n_params = sum(p.numel() for p in model.params().values())
+            grad_bytes = 2 if bf16_grads else 4
             with LiveTensorMeter() as step:
                 model.train_step(mbs, _loss, opt, recompute=recompute)
-            key = f"{name} train{' recompute' if recompute else ''}"
+            key = f"{name} train{' recompute' if recompute else ''}{' bf16 grads' if bf16_grads else ''}"
             out[key] = dict(stage=groups.pp_rank, steady=steady.current, peak=steady.current + step.peak,
-                            params=n_params)
+                            params=n_params, state=steady.current + grad_bytes * n_params)
             del model, opt
         with LiveTensorMeter() as steady:
             model = ParallelModel(cfg, groups, dtype=torch.bfloat16, seed=1)
@@ -135,10 +147,12 @@ def estimate(config: str, stage: int) -> tuple[int, int]:
     from realloc.models.config import get_model_config
     from realloc.strategy import ParallelStrategy
 
-    words = config.split()  # e.g. "pp 2 train recompute"
+    words = config.split()  # e.g. "pp 2 train recompute", "dp 2 train bf16 grads"
     name, what = " ".join(words[:2]), words[2]
     dp, tp, pp = next((d, t, p) for n, d, t, p in LAYOUTS if n == name)
     cfg, s, bf16 = get_model_config(MODEL), ParallelStrategy(dp, tp, pp), Precision.for_dtype("bf16")
+    if "bf16 grads" in config:
+        bf16 = bf16.with_grads("bf16")
     if what == "generate":
         work = Workload(InterfaceType.GENERATE, n_seqs=GEN["rows"] * GEN["n_mbs"], n_steps=1,
                         prompt_len=GEN["prompt_len"], gen_len=GEN["gen_len"])
@@ -148,7 +162,7 @@ def estimate(config: str, stage: int) -> tuple[int, int]:
         work = Workload(kind, n_seqs=TRAIN["rows"] * TRAIN["n_mbs"] * dp, n_steps=1, prompt_len=TRAIN["seq"] // 2,
                         gen_len=TRAIN["seq"] // 2)
         m = stage_call_memory(cfg, work, s, TRAIN["n_mbs"], stage, bf16, recompute="recompute" in config)
-    return m.total - m.dynamic, m.total
+    return m.params + m.optimizer, m.total
 
 
 def main() -> None:
@@ -166,7 +180,7 @@ def main() -> None:
     now = measure_tree(REPO)
     mib = 2 ** 20
     print(f"== memory per device, {MODEL} in bf16 on 2 gloo processes; MiB (the larger rank); base = {args.baseline}")
-    head = (f"{'config':<22}{'steady':>9}{'est.':>9}{'base':>9}{'new/base':>9}{'B/param':>9}{'base':>8}"
+    head = (f"{'config':<26}{'steady':>9}{'est.':>9}{'base':>9}{'new/base':>9}{'state B/p':>10}{'base':>7}"
             f"{'peak':>9}{'est.':>9}{'base':>9}{'new/base':>9}")
     print(head)
     print("-" * len(head))
@@ -174,15 +188,18 @@ def main() -> None:
         r = max(range(2), key=lambda i: ranks[i]["peak"])
         cur, old = ranks[r], base.get(config, [None, None])[r]
         static, total = estimate(config, cur["stage"])
-        per = cur["steady"] / cur["params"]
-        row = f"{config:<22}{cur['steady'] / mib:>9.2f}{static / mib:>9.2f}"
+        row = f"{config:<26}{cur['steady'] / mib:>9.2f}{static / mib:>9.2f}"
         row += (f"{old['steady'] / mib:>9.2f}{cur['steady'] / old['steady']:>9.2f}" if old else f"{'-':>9}{'-':>9}")
-        row += f"{per:>9.2f}" + (f"{old['steady'] / old['params']:>8.2f}" if old else f"{'-':>8}")
+        if "state" in cur:
+            row += f"{cur['state'] / cur['params']:>10.2f}"
+            row += f"{old['state'] / old['params']:>7.2f}" if old else f"{'-':>7}"
+        else:
+            row += f"{'':>10}{'':>7}"
         row += f"{cur['peak'] / mib:>9.2f}{total / mib:>9.2f}"
         row += (f"{old['peak'] / mib:>9.2f}{cur['peak'] / old['peak']:>9.2f}" if old else f"{'-':>9}{'-':>9}")
         print(row)
-    print("steady: parameters, gradient buffers and optimizer state (B/param: bytes per local parameter); peak: "
-          "steady plus everything the call creates")
+    print("steady: parameters and optimizer state between steps; state B/p: training state per parameter with the "
+          "step's gradient buffers; peak: steady plus everything the call creates")
 
 
 if __name__ == "__main__":

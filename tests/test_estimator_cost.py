@@ -5,17 +5,19 @@ import math
 
 import pytest
 
+from realloc.algorithms.ppo_config import PPOConfig
 from realloc.api import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef, auto, experiment_spec, load_experiment
 from realloc.estimator.call_time import (GRAD_BUCKET_NUMEL, CallCost, StageTime, decode_round, pipeline_makespan,
                                          sum_over_range)
 from realloc.estimator.comm import Link, bus_factor, group_links
 from realloc.estimator.cost import CostModel
-from realloc.estimator.memory import local_params
+from realloc.estimator.memory import local_optimizer_elems, local_params
 from realloc.estimator.opcount import Part, Phase, op_work
 from realloc.estimator.transfer_cost import BUCKET_BYTES, DIRECT_BYTES, plan_seconds
 from realloc.graph.dataflow import build_graph
 from realloc.graph.transfer_plan import Layout, plan_param_realloc
 from realloc.models.config import get_model_config
+from realloc.overrides import apply_overrides
 from realloc.strategy import ParallelStrategy as S
 from spec_helpers import COST_ONLY_INTERFACES
 
@@ -36,6 +38,16 @@ class TwoNodes:
                                  interface_impl="train_on_ref", input_data=["seq", "ref_logp"], n_minibatches=2),
         ]
 
+    interfaces = COST_ONLY_INTERFACES
+
+
+@auto(nodelist="n1", n_devices_per_node=2, device="a100-80g", batch_size=8, prompt_len=8, gen_len=8)
+@dataclasses.dataclass
+class GpuPair:
+    """TwoNodes' calls on two bf16 GPUs of one node, with the train call's settings as a field."""
+
+    ppo: PPOConfig = PPOConfig(n_minibatches=2)  # as the train call says
+    rpcs = TwoNodes.rpcs
     interfaces = COST_ONLY_INTERFACES
 
 
@@ -358,3 +370,30 @@ def test_generation_beyond_pp_micro_batches_goes_in_waves_of_pp(big):
 
     assert gen(5) == pytest.approx(2 * gen(2) + gen(1), rel=1e-12)
     assert gen(4) == pytest.approx(2 * gen(2), rel=1e-12)
+
+
+def test_bf16_gradient_buffers_halve_the_trained_models_gradient_bytes_and_dp_traffic():
+    """grad_dtype="bf16" (the train call's settings): the gradients' static memory is 2 bytes per parameter,
+    so a bf16 parameter costs 2 + 2 + 12/2 = 10 bytes at dp 2 (12 with fp32 buffers), and the
+    distributed optimizer's reduce-scatter and its packing move 2 bytes per gradient element instead of 4.
+    Calls that keep no gradients are priced as before."""
+    spec = experiment_spec(GpuPair)
+    fp32, bf16 = (CostModel(build_graph(x), discover=False)
+                  for x in (spec, apply_overrides(spec, ["ppo.grad_dtype=bf16"])))
+    hw, cl = bf16.hw, bf16.cluster
+    assert hw.dtype == "bf16" and bf16.call_precision("train").grad == 2 and fp32.call_precision("train").grad == 4
+    mesh, s = cl.whole, S(2, 1, 1)
+    n = TINY_PARAMS
+    chunks = local_optimizer_elems(get_model_config("tiny"), 1, 1, 0, 2)  # ceil(numel / 2) per tensor
+    for model, grad in ((fp32, 4), (bf16, 2)):
+        m = model.call_memory("train", mesh, s, 1)
+        assert (m.params, m.grads, m.optimizer) == (2 * n, grad * n, 12 * chunks)
+        assert (m.params + m.grads + m.optimizer) / n == pytest.approx(2 + grad + 12 / 2, abs=1e-3)
+        assert model.call_memory("ref", mesh, s, 1) == fp32.call_memory("ref", mesh, s, 1)
+        assert model.call_cost("gen", mesh, s, 1) == fp32.call_cost("gen", mesh, s, 1)
+    # per optimizer step (2 mini-batches): the reduce-scatter's ring moves (dp - 1) chunks of n / dp elements
+    # 2 bytes fewer each, and packing the gradients into the flat buffer and back moves 2 x n x 2 bytes fewer
+    bw = cl.intra_node_bandwidth * hw.comm_efficiency
+    saved = (2 - 1) * n / 2 * 2 / bw + 2 * n * 2 / (hw.memory_bandwidth * hw.memory_efficiency)
+    a, b = fp32.call_cost("train", mesh, s, 1), bf16.call_cost("train", mesh, s, 1)
+    assert a.dp_allreduce - b.dp_allreduce == pytest.approx(2 * saved)

@@ -52,32 +52,35 @@ def test_train_memory_tp2_pp2(model):
     stages = model._stage_memory("actor_train", s, 2)
     # 16 sequences / 2 mini-batches = 8 per step; dp 1, 2 micro-batches -> b = 4 sequences of 16 tokens
     n_tok = 4 * 16
-    # per block and token (opcount.saved_activation_bytes_per_token), sequence parallel at tp 2: two RMSNorms
-    # keeping input, 1/rms (fp32), product and output ((4 + 2 * 4) * H + 4 each) of the rank's half of the tokens
-    # (the projections keep the output before their all-gather); attention's q, k, v (GQA-repeated) and output
-    # (4 * H / 2 elements) and its log-sum-exp (4 heads / 2 fp32); the MLP's gate, up, SwiGLU and product (4 * I / 2)
-    norm = (12 * H + 4) // 2
+    # per block and token (opcount.saved_activation_bytes_per_token), sequence parallel at tp 2: two lean RMSNorms
+    # keeping their input and 1/rms (fp32), and their output the projections keep ((2 * 4) * H + 4 each), all of
+    # the rank's half of the tokens (the projections keep the output before their all-gather); attention's q, k, v
+    # (GQA-repeated) and output (4 * H / 2 elements) and its log-sum-exp (4 heads / 2 fp32); the MLP's gate, up,
+    # SwiGLU and product (4 * I / 2)
+    norm = (8 * H + 4) // 2
     saved_per_token = 2 * norm + 4 * H // 2 * 4 + 4 // 2 * 4 + 4 * I // 2 * 4
-    assert saved_per_token == 2700  # 3472 without sequence parallelism (norms 12 * H + 4)
+    assert saved_per_token == 2444  # 2960 without sequence parallelism (norms 8 * H + 4)
     rope = 2 * 16 * 4  # cos and sin of the 16-dim heads, once per stage and micro-batch
     # at work on top of the kept micro-batches (opcount.block_backward_bytes_per_token): the largest of the
     # no-grad working set (stage input, block input, residual, norm output: 4 H over half the tokens; then SwiGLU,
     # up, product: 3 I / 2, more than the gathered norm output H with gate and up, or the down projection's
     # product, partial output H and its half H / 2), a projection's backward (its input gathered again and the
-    # input's gradient, 2 H, with gate's and up's gradients, 2 I / 2) and the RMSNorm backward's five fp32 H-wide
-    # temporaries plus its output's gradient, over half the tokens
+    # input's gradient, 2 H, with gate's and up's gradients, 2 I / 2) and the RMSNorm backward's fp32 H-wide
+    # buffer (its input's gradient in fp32) plus its output's gradient, over half the tokens
     block_work = max((4 * H // 2 + max(H + 2 * I // 2, 3 * I // 2, I // 2 + H + H // 2)) * 4,
-                     (2 * H + 2 * I // 2) * 4, (5 * 4 + 4) * H // 2)
+                     (2 * H + 2 * I // 2) * 4, (4 + 4) * H // 2)
     assert block_work == 1568
     weight_grad = H * I // 2 * 4  # gate, up or down's gradient before it joins main_grad
     # 1F1B: stage 0 holds min(2, pp - 0) = 2 micro-batches (and their int64 token ids) and each one's
     # output until its gradient arrives (H per token of its half); stage 1 holds 1 and receives fp32 inputs that
-    # its first norm saves as they are. The last stage's head peaks in the log-prob's backward at four
-    # fp32 tensors of its V/2 logits, on top of the final norm's saves; the blocks' work is larger here.
+    # its first norm saves as they are. The last stage's head peaks in the chunked log-prob's backward: the
+    # saved V/2 logits and their gradient (fp32 here), 25 bytes of per-token scalars, and one fp32 block of
+    # all 64 tokens (the chunk is 2**24 / 32 tokens; the LM head all-gathers the tokens, so the log-prob's
+    # terms are not split), on top of the final norm's saves (half the tokens); the blocks' work is larger here.
     act0 = 2 * (saved_per_token * 2 + rope + 8 + H * 4 // 2) * n_tok + block_work * n_tok + weight_grad
-    head = norm + 4 * (V // 2) * 4
+    head = norm + 2 * (V // 2) * 4 + 25 + (V // 2) * 4
     act1 = 1 * (saved_per_token * 2 + rope) * n_tok + max(block_work * n_tok + weight_grad, head * n_tok)
-    assert (act0, act1) == (847872, 476672)  # (1094656, 608256) without sequence parallelism
+    assert (act0, act1) == (782336, 443904)  # (963584, 542720) without sequence parallelism
     assert stages[0].params == STAGE0_TP2_PP2 * 4 and stages[1].params == STAGE1_TP2_PP2 * 4
     assert stages[0].grads == STAGE0_TP2_PP2 * 4 and stages[0].optimizer == STAGE0_TP2_PP2 * 8
     assert stages[0].activations == act0 and stages[1].activations == act1
@@ -85,9 +88,15 @@ def test_train_memory_tp2_pp2(model):
     worst = model.call_memory("actor_train", mesh, s, 2)
     assert worst == max(stages, key=lambda m: m.total)
     # recomputation: each block keeps its input (H per token of the rank's half); the block being recomputed
-    # holds its saved set minus that input, and its norm's backward also holds the recomputed output and residual
+    # holds its saved set minus that input, and on top of it the largest of: the MLP backward's gradients of its
+    # three I / 2 wide tensors beside the recomputed output and its gradient (H / 2 each), attention's moments
+    # (rotary's q, three temporaries, k, v: 6 * H / 2; the o projection's q, k, v, output, partial H-wide result
+    # and its half: 4 * H / 2 + H + H / 2, larger), the norm's backward (its buffer, its output's gradient, the
+    # recomputed output and residual, over half the tokens) and a projection's re-gather (2 H + 2 I / 2)
     redo = model._stage_memory("actor_train", s, 2, recompute=True)
-    redo_work = (saved_per_token - H * 4 // 2) + max(block_work, (5 * 4 + 3 * 4) * H // 2, (2 * H + 2 * I // 2) * 4)
+    redo_work = (saved_per_token - H * 4 // 2) + max((3 * I // 2 + 2 * H // 2) * 4, (4 * H // 2 + H + H // 2) * 4,
+                                                     (4 + 3 * 4) * H // 2, (2 * H + 2 * I // 2) * 4)
+    assert redo_work == 2316 + 1312  # the MLP's backward is the largest
     assert redo[0].activations == 2 * (H * 4 // 2 * 2 + rope + 8 + H * 4 // 2) * n_tok + redo_work * n_tok + weight_grad
     assert redo[1].activations == (H * 4 // 2 * 2 + rope) * n_tok + redo_work * n_tok + weight_grad
     assert redo[0].params == stages[0].params and redo[0].optimizer == stages[0].optimizer
@@ -139,9 +148,9 @@ def test_generate_and_inference_memory(model):
     inf = model.call_memory("ref_inf", mesh, S(4, 1, 1), 1)
     n_tok = 4 * 16
     assert inf.params == FULL * 4
-    # the larger of a block's working set (with the rotary tables) and the log-prob's: fp32 logits
-    # (their float() is themselves), logits - max and its exp
-    assert inf.activations == max((4 * H + 3 * I) * 4 + 2 * 16 * 4, V * 3 * 4) * n_tok
+    # the larger of a block's working set (with the rotary tables) and the log-prob's: the fp32 logits,
+    # 16 bytes of per-token scalars and one fp32 block of all 64 tokens
+    assert inf.activations == max((4 * H + 3 * I) * 4 + 2 * 16 * 4, V * 4 + 16 + V * 4) * n_tok
     # pp 2: stage 0's previous output stays referenced by its send
     inf2 = model._stage_memory("ref_inf", S(2, 1, 2), 1)
     assert inf2[0].activations == ((4 * H + 3 * I) * 4 + 2 * 16 * 4 + H * 4) * 8 * 16
@@ -190,32 +199,48 @@ def test_llama3_70b_per_token_counts_by_hand():
     cfg, bf16 = get_model_config("llama3-70b"), Precision.for_dtype("bf16")
     h, v = 8192, 128256 // 8
     assert (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size) == (h, 28672, 128256)  # appendix Table 1
-    # a block keeps two norms (sequence parallel: fp32 input, 1/rms, bf16 product and output of the rank's 1/8
-    # of the tokens, (8h + 4) / 8 each; the projections gather the output again in their backward), attention's
-    # q, k, v, output (h/8 each, bf16) and log-sum-exp (8 local heads, fp32), the MLP's four inter/8 tensors
-    norms = 2 * (8 * h + 4) / 8
-    assert oc.saved_activation_bytes_per_token(cfg, 8, bf16) == norms + 4 * h // 8 * 2 + 8 * 4 + 4 * 3584 * 2 == 53281
-    assert 2 * (8 * h + 4) + 4 * h // 8 * 2 + 8 * 4 + 4 * 3584 * 2 == 167976  # without sequence parallelism
+    # a block keeps two lean norms (bf16 input, fp32 1/rms, bf16 output: 4h + 4 each), sequence parallel: of the
+    # rank's 1/8 of the tokens ((4h + 4) / 8; the projections gather the output again in their backward);
+    # attention's q, k, v, output (h/8 each, bf16) and log-sum-exp (8 local heads, fp32), the MLP's four inter/8
+    # tensors
+    norms = 2 * (4 * h + 4) / 8
+    assert oc.saved_activation_bytes_per_token(cfg, 8, bf16) == norms + 4 * h // 8 * 2 + 8 * 4 + 4 * 3584 * 2 == 45089
+    # without sequence parallelism the norms are whole on every rank (102440); the unfused norm's fp32 input and
+    # bf16 product made them 8h + 4 each (167976 a block without sequence parallelism, 53281 with it)
+    assert 2 * (4 * h + 4) + 4 * h // 8 * 2 + 8 * 4 + 4 * 3584 * 2 == 102440
+    assert 2 * (8 * h + 4) + 4 * h // 8 * 2 + 8 * 4 + 4 * 3584 * 2 == 167976
     # kept per block with recomputation: the layer input of the rank's 1/8 of the tokens (2h without)
     assert oc.layer_input_bytes_per_token(cfg, bf16, 8) == 2 * h / 8 == 2048
-    # log-prob over the 16032-entry vocabulary shard: inference holds the bf16 logits, an fp32 copy,
-    # logits - max and its exp; training's backward four fp32 tensors
-    assert oc.logprob_peak_bytes_per_token(cfg, 8, bf16, backward=False) == v * (2 + 4 + 4 + 4) == 224448
-    assert oc.logprob_peak_bytes_per_token(cfg, 8, bf16, backward=True) == v * 16 == 256512
-    assert oc.head_saved_bytes_per_token(cfg, 8, bf16) == norms / 2 + 2 * v * 4
+    # log-prob over the 16032-entry vocabulary shard, chunked (issue 21): inference holds the bf16 logits, 16
+    # bytes of per-token scalars and one fp32 block of 2**24 // 16032 = 1046 tokens; training's backward the
+    # saved bf16 logits, their bf16 gradient, 25 bytes of scalars and the block. Unchunked it was 14 and 16
+    # bytes per entry: v * (2 + 4 + 4 + 4) = 224448 and v * 16 = 256512 per token. The LM head all-gathers the
+    # tokens (sequence parallel) before its projection, so these hold every token of the micro-batch.
+    n = 8192  # tokens of a micro-batch
+    block = 1046 * v * 4
+    assert oc.logprob_peak_bytes(cfg, 8, bf16, False, n) == n * (2 * v + 16) + block
+    assert oc.logprob_peak_bytes(cfg, 8, bf16, True, n) == n * (4 * v + 25) + block
+    assert oc.logprob_peak_bytes(cfg, 8, bf16, True, 100) == 100 * (4 * v + 25 + 4 * v)  # a chunk of all of them
+    assert (n * 224448) / oc.logprob_peak_bytes(cfg, 8, bf16, False, n) > 5.5
+    assert (n * 256512) / oc.logprob_peak_bytes(cfg, 8, bf16, True, n) > 3.5
+    # the head keeps the final lean norm (1/8 of the tokens), the bf16 logits, the int64 target and fp32 log Z
+    assert oc.head_saved_bytes_per_token(cfg, 8, bf16) == norms / 2 + 2 * v + 12
     # a block at work (sequence parallel): no-grad working set, 4h/8 + the gathered norm output h with gate and
     # up (2 inter/8) in bf16, at the MLP (attention's 3h/8 + 4 q/8 + h + h/8 at its o projection is smaller);
     # the backward of gate and up, which gathers their input again beside its gradient (2h) and theirs
-    # (2 inter/8), is larger; so is either against the fp32 norm backward over 1/8 of the tokens
+    # (2 inter/8), is larger; so is either against the lean norm's backward over 1/8 of the tokens (bf16 output
+    # gradient, fp32 buffer, bf16 input gradient: 8h / 8; with the recomputed output and residual 12h / 8), the
+    # MLP backward's 3 inter/8 + 2h/8 and attention's moments when recomputing
     assert oc.attention_working_bytes_per_token(cfg, 8, bf16) == (3 * h / 8 + 4 * 1024 + h + h / 8) * 2 == 32768
     assert oc.transient_activation_bytes_per_token(cfg, 8, bf16) == (4 * h / 8 + h + 2 * 3584) * 2 == 38912
     assert oc.block_backward_bytes_per_token(cfg, 8, bf16, recompute=False) == (2 * h + 2 * 3584) * 2 == 47104
-    assert oc.block_backward_bytes_per_token(cfg, 8, bf16, recompute=True) == 47104 > (20 + 6) * h / 8
+    assert oc.block_backward_bytes_per_token(cfg, 8, bf16, recompute=True) == 47104 > max(
+        (4 + 2 + 6) * h / 8, (3 * 3584 + 2 * h / 8) * 2, (4 * 1024 + h + h / 8) * 2)
     # generation's prefill runs without sequence parallelism: every tp rank holds all tokens h wide
     assert oc.transient_activation_bytes_per_token(cfg, 8, bf16, sequence_parallel=False) == (4 * h + 3 * 3584) * 2
     assert oc.sampling_bytes_per_row(cfg) == 34 * 128256
     critic = get_model_config("llama3-8b-critic")
-    assert oc.logprob_peak_bytes_per_token(critic, 8, bf16, backward=True) == 0.0
+    assert oc.logprob_peak_bytes(critic, 8, bf16, True, n) == 0.0
 
 
 def test_a_wide_query_narrow_mlp_block_peaks_in_attention_by_hand():

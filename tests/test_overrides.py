@@ -9,6 +9,7 @@ import pytest
 
 from realloc.algorithms.ppo_config import PPOConfig
 from realloc.cli import main
+from realloc.graph.dataflow import build_graph
 from realloc.overrides import load_with_overrides
 
 TINY = "experiments/ppo_tiny.py"
@@ -32,6 +33,7 @@ def test_overrides_reach_nested_fields_the_workload_and_the_graph():
     ("seed=1.5", "--set seed: expected an integer, got '1.5'"),
     ("batch_size=x", "--set batch_size: expected an integer"),
     ("ppo.lr_schedule=step", "'step' is not one of constant, linear, cosine"),
+    ("ppo.grad_dtype=fp16", "'fp16' is not one of fp32, bf16"),
     ("ppo=1", "--set ppo: this is a group of fields"),
     ("seed.x=1", "--set seed.x: seed is a int, not a group of fields"),
     ("ppo.warmup_proportion=1.5", "warmup_proportion must be in [0, 1)"),
@@ -47,6 +49,23 @@ def test_cli_reports_a_bad_override_in_one_line(capsys):
     assert main(["search", TINY, "--evals", "100", "--set", "ppo.lrr=1"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "ppo has no field 'lrr'" in err
+
+
+def test_grad_dtype_is_one_setting_checked_once():
+    """The bf16 gradient buffers' setting: --set reaches it, a bad value in code is one error naming the field,
+    and bf16 gradients for the fp32 models of a CPU cluster are refused before any worker starts."""
+    assert load_with_overrides(TINY, ["ppo.grad_dtype=bf16"]).config.ppo.grad_dtype == "bf16"
+    assert load_with_overrides(TINY).config.ppo.grad_dtype == "fp32"
+    with pytest.raises(ValueError, match="PPOConfig.grad_dtype must be one of fp32, bf16, got 'fp16'"):
+        PPOConfig(grad_dtype="fp16")
+
+
+def test_cli_refuses_bf16_gradients_of_fp32_models_in_one_line(capsys):
+    assert main(["search", TINY, "--evals", "100", "--set", "ppo.grad_dtype=bf16"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "call 'actor_train': ppo.grad_dtype='bf16' needs a bf16 model" in err
+    with pytest.raises(ValueError, match="devices train in fp32; set ppo.grad_dtype to fp32"):
+        build_graph(load_with_overrides(TINY, ["ppo.grad_dtype=bf16"]))
 
 
 def test_search_sees_the_overridden_workload(capsys):

@@ -173,7 +173,9 @@ def test_planner_offers_every_tp_for_a_vocabulary_of_97_and_prices_the_padding_b
     n = 4 * 16
     assert oc.op_work(cfg, oc.Part.HEAD, oc.Phase.FWD, 8, 4, 16, prec).gemm_flops == 2 * n * Hd * 13
     assert oc.op_work(cfg, oc.Part.HEAD, oc.Phase.FWD, 4, 4, 16, prec).gemm_flops == 2 * n * Hd * 26
+    # the head keeps the final norm (the rank's 1/8 of the tokens, sequence parallel) and, of the chunked
+    # log-prob, the logits of its 13-entry shard, the int64 target and fp32 log Z of every token
     assert oc.head_saved_bytes_per_token(cfg, 8, prec) == oc.norm_saved_bytes_per_token(cfg, prec, 8) + \
-        2 * 13 * prec.logits
+        13 * prec.param + 8 + 4
     # sampling: the gathered logits are padded, the rest of the sampler sees the real vocabulary
     assert oc.sampling_bytes_per_row(cfg) == 4 * Vp + 30 * V

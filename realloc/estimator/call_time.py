@@ -8,7 +8,8 @@ the collective model and the call's workload. Terms:
   2 more backward, 1 for the vocab-parallel embedding, the head's own);
 - PP: stage-to-stage p2p of activations (forward) and their gradients (backward);
 - the pipeline bubble of the schedules realloc runs (see ``pipeline_makespan``);
-- DP: one ring all-reduce of the stage's fp32 gradients per optimizer step (with
+- DP: one ring all-reduce of the stage's gradients per optimizer step, fp32 or, with
+  ``TrainConfig.grad_dtype="bf16"``, bf16 (``Precision.grad`` bytes per element; with
   packing them into flat buckets and back), plus the scalar all-reduce of the
   gradient-norm clip over the whole layout and the one of the loss statistics;
 - KV heads replicated over tp ranks (tp > KV heads): one all-reduce per optimizer step
@@ -34,7 +35,7 @@ from typing import Callable, Protocol, Sequence
 
 from realloc.calls import InterfaceType
 from realloc.estimator.comm import CommModel, GroupLinks
-from realloc.estimator.hardware import HardwareSpec
+from realloc.estimator.hardware import HardwareSpec, Precision
 from realloc.estimator.memory import Workload, max_local_params
 from realloc.estimator.opcount import Part, Phase, head_part
 from realloc.models.config import ModelConfig
@@ -182,9 +183,10 @@ class CallTimer:
     """Time of calls of one model on one layout; all inputs explicit, nothing cached."""
 
     def __init__(self, cfg: ModelConfig, costs: LayerCosts, comm: CommModel, hw: HardwareSpec,
-                 decode_grid: Sequence[int] = ()) -> None:
+                 decode_grid: Sequence[int] = (), precision: Precision | None = None) -> None:
         self.cfg, self.costs, self.comm, self.hw = cfg, costs, comm, hw
-        self.precision = hw.precision
+        # the train call's precision (bf16 gradient buffers halve the dp traffic), else the hardware's
+        self.precision = precision or hw.precision
         self.decode_grid = tuple(decode_grid)
         # op costs shared by every layout with the same (tp, micro-batch): meshes, pp and dp differ
         self._ops: dict[tuple[Part, Phase, int, int, int], tuple[float, float]] = {}
@@ -302,7 +304,7 @@ class CallTimer:
         """After the last backward (``realloc.models.grads``): the sum of replicated KV heads'
         gradients, the grad-norm's scalar all-reduces over tp and pp, clipping and AdamW, all on the stage
         holding the most parameters. With dp 1 AdamW steps every local parameter. With dp > 1 the distributed
-        optimizer (``realloc.models.zero``) reduce-scatters the fp32 gradients and all-gathers the updated
+        optimizer (``realloc.models.zero``) reduce-scatters the gradients (fp32 or bf16) and all-gathers the updated
         parameters in buckets of GRAD_BUCKET_NUMEL elements, and AdamW steps a 1/dp chunk."""
         n_local = max_local_params(self.cfg, strategy.tp, strategy.pp)
         dp = 0.0

@@ -30,6 +30,7 @@ from realloc.calls import InterfaceType
 from realloc.cluster import ClusterSpec, DeviceMesh
 from realloc.estimator.call_time import ZERO, CallCost, CallTimer, LayerCosts
 from realloc.estimator.comm import CommModel, GroupLinks, group_links
+from realloc.estimator.hardware import Precision
 from realloc.estimator.memory import CallMemory, Workload, local_params, max_local_params, stage_call_memory
 from realloc.estimator.profile_table import ProfileTable, ProfiledCosts, discover_profiles
 from realloc.estimator.roofline import RooflineCosts
@@ -91,6 +92,7 @@ class CostModel:
         self._realloc_cache: dict[tuple, float] = {}
         self._data_cache: dict[tuple, float] = {}
         self._workloads = {r.name: self._workload(r.name) for r in graph.calls}
+        self._precisions = {r.name: self._precision(r.name) for r in graph.calls}
 
     # -- inputs ----------------------------------------------------------------
     def _workload(self, call: str) -> Workload:
@@ -101,6 +103,22 @@ class CostModel:
         rows = self.graph.interfaces[call].rows_per_seq if call in self.graph.interfaces else 1
         return Workload(interface=rpc.interface_type, n_seqs=self.graph.steps_n_seqs(rpc) * rows, n_steps=n_steps,
                         prompt_len=spec.prompt_len, gen_len=spec.gen_len)
+
+    def _precision(self, call: str) -> Precision:
+        # A train call's settings choose its gradient buffers' dtype (TrainConfig.grad_dtype); its model's
+        # static memory (memory.py rule 2) and dp traffic follow them. Other calls keep no gradients.
+        if self.graph.call(call).interface_type is not InterfaceType.TRAIN_STEP or call not in self.graph.interfaces:
+            return self.precision
+        settings = self.graph.interfaces[call].settings(self.graph.spec.config)
+        try:
+            return self.precision.with_grads(settings.grad_dtype)
+        except ValueError as e:
+            raise ValueError(f"call {call!r}: {e}") from None
+
+    def call_precision(self, call: str) -> Precision:
+        """Bytes per element of ``call``'s parameters, gradients and optimizer state (``hardware.Precision``)."""
+        self.workload(call)  # a clear error for an unknown call
+        return self._precisions[call]
 
     def workload(self, call: str) -> Workload:
         try:
@@ -113,18 +131,19 @@ class CostModel:
         """The cost source of one model: its measured profile if one matches, else the roofline."""
         return self._timer(cfg).costs
 
-    def _timer(self, cfg: ModelConfig) -> CallTimer:
-        timer = self._timers.get(cfg.name)
+    def _timer(self, cfg: ModelConfig, precision: Precision | None = None) -> CallTimer:
+        precision = precision or self.precision
+        timer = self._timers.get((cfg.name, precision))
         if timer is None:
             roofline = RooflineCosts(cfg, self.hw, self.comm, eager_decode=self.eager_decode)
             table = next((t for t in self.profiles if t.matches(self.cluster.device, cfg, self.hw.dtype)), None)
             if table is None:
-                timer = CallTimer(cfg, roofline, self.comm, self.hw)
+                timer = CallTimer(cfg, roofline, self.comm, self.hw, precision=precision)
             else:
                 costs = ProfiledCosts(table, cfg, roofline, self.comm)
                 grid = sorted({c for tp in table.tp for c in costs.decode_grid(tp)})
-                timer = CallTimer(cfg, costs, self.comm, self.hw, decode_grid=grid)
-            self._timers[cfg.name] = timer
+                timer = CallTimer(cfg, costs, self.comm, self.hw, decode_grid=grid, precision=precision)
+            self._timers[cfg.name, precision] = timer
         return timer
 
     def links(self, mesh: DeviceMesh, strategy: ParallelStrategy) -> GroupLinks:
@@ -163,7 +182,8 @@ class CostModel:
         if cfg is None:
             # a rule function over token ids: host work only
             return CallCost.of(overhead=self.hw.call_overhead) if self.hw.call_overhead else ZERO
-        return self._timer(cfg).time(work, strategy, self.links(mesh, strategy), n_mbs, recompute)
+        timer = self._timer(cfg, self._precisions[call])
+        return timer.time(work, strategy, self.links(mesh, strategy), n_mbs, recompute)
 
     # -- memory ------------------------------------------------------------------
     def _stage_memory(self, call: str, strategy: ParallelStrategy, n_mbs: int,
@@ -176,7 +196,7 @@ class CostModel:
             if cfg is None:
                 stages = tuple(CallMemory() for _ in range(strategy.pp))
             else:
-                stages = tuple(stage_call_memory(cfg, work, strategy, n_mbs, k, self.precision, recompute)
+                stages = tuple(stage_call_memory(cfg, work, strategy, n_mbs, k, self._precisions[call], recompute)
                                for k in range(strategy.pp))
             self._mem_cache[key] = stages
         return stages

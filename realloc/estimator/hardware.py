@@ -109,7 +109,9 @@ class Precision(BaseModel):
     bf16/fp16 follow Megatron mixed precision: half-precision parameters,
     fp32 gradient buffers (``main_grad``; reduced in fp32 across DP) and fp32
     Adam state (master weights, first and second moments). fp32 keeps
-    everything in fp32 and needs no master copy.
+    everything in fp32 and needs no master copy. A train call with
+    ``TrainConfig.grad_dtype="bf16"`` keeps bf16 gradient buffers, reduced in
+    bf16 (``with_grads``; Megatron's ``grad_reduce_in_fp32=False``).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -126,6 +128,18 @@ class Precision(BaseModel):
         if dtype in ("bf16", "fp16"):
             return cls(param=2, grad=4, optimizer=12)
         raise ValueError(f"unknown dtype {dtype!r}; use fp32, bf16 or fp16")
+
+    def with_grads(self, grad_dtype: str) -> "Precision":
+        """This precision with gradient buffers of ``grad_dtype`` ("fp32" or "bf16", ``TrainConfig.grad_dtype``);
+        bf16 buffers exist only for half-precision parameters (the engine refuses them for fp32 models)."""
+        if grad_dtype == "fp32":
+            return self.model_copy(update={"grad": 4})
+        if grad_dtype != "bf16":
+            raise ValueError(f"grad_dtype must be fp32 or bf16, got {grad_dtype!r}")
+        if self.param != 2:
+            raise ValueError("grad_dtype='bf16' needs a bf16 model (the hardware spec's dtype); fp32 models keep "
+                             "fp32 gradients: set grad_dtype to fp32")
+        return self.model_copy(update={"grad": 2})
 
     @property
     def optimizer_step_bytes(self) -> int:

@@ -11,12 +11,15 @@ Rules, applied per device ``d`` (the search's simulator applies the same ones):
      and the plan offloads it (``ExecutionPlan.offload``) to host memory;
    - for a trainable model, its gradients and optimizer states in the home
      layout. Optimizer state never moves (principle 1); gradients live in the
-     persistent fp32 ``main_grad`` buffers, so they are static too. With dp > 1
+     ``main_grad`` buffers, counted as static too, of ``precision.grad`` bytes
+     per parameter: fp32 (4 B), or bf16 (2 B) when the train call's settings say
+     ``grad_dtype="bf16"`` (``CostModel.call_precision``). With dp > 1
      the optimizer state is sharded over dp (``models/zero.py``, ZeRO stage 1):
      each dp rank holds ``precision.optimizer`` bytes (bf16: fp32 master, Adam m
      and v, 12 B; fp32: m and v, 8 B) for its chunk of every tensor, ceil(n / dp)
      of n elements (``local_optimizer_elems``), so a bf16 parameter costs
-     2 + 4 + 12/dp bytes (18 at dp 1, 12 at dp 2).
+     2 + 4 + 12/dp bytes (18 at dp 1, 12 at dp 2), or with bf16 gradients
+     2 + 2 + 12/dp (16 at dp 1, 10 at dp 2).
 3. Dynamic_c(d), for a call c whose layout covers d =
    activations of c on d + KV cache of c on d
    + c's parameter shard on d if c runs on a *reallocated copy*: its layout
@@ -38,25 +41,34 @@ and the peaks (temporaries included) are checked against ``LiveTensorMeter`` on 
   (``opcount.saved_activation_bytes_per_token`` x L_k x b x seq_len, plus rotary
   tables and token ids; with activation recomputation a block keeps only its input,
   h elements per token of the rank's 1/t of the tokens), and for each of them the
-  stage's output and received input (``opcount.pipeline_held_bytes_per_token``, 1/t
-  of the tokens too).
+  stage's output until its gradient arrives (``opcount.pipeline_held_bytes_per_token``,
+  1/t of the tokens too; the received input is the first norm's saved input).
   Sequence parallelism is on for every TRAIN_STEP and INFERENCE call with t > 1
   (``models/sequence_parallel.py``): the norms, residuals, layer inputs and the
   hidden states sent between stages hold n/t tokens per rank, and the projections
-  read an all-gathered copy of the norm outputs (``opcount.gathered_bytes_per_token``);
-  GENERATE runs without it. On top of them runs one of: a block
-  (its backward's working set and one weight's gradient; when recomputing, also the
-  recomputed block's full saved set), on the last stage the head (the final norm's
-  saves and the log-prob's peak in its backward, four fp32 tensors of the rank's V/t
-  logits per token), or on the first stage the embedding's gradient; they never run
+  keep the norm outputs' n/t tokens and all-gather them in their forward and again in
+  their backward; GENERATE runs without it. With sequence packing the engine packs
+  first and splits the packed rows' flattened tokens over t. Each RMSNorm saves its
+  input in the compute dtype and one fp32 1/rms per token, and its backward holds one
+  fp32 h-wide buffer besides its output's and input's gradients (``llama.RMSNorm``,
+  issue 21), all over the rank's tokens. On top of them runs one of: a block
+  (its backward's working set, ``opcount.block_backward_bytes_per_token``, and one weight's
+  gradient; when recomputing, the recomputed block's full saved set and the largest of its
+  unsaved temporaries), on the last stage the head (the final norm's
+  saves and the chunked log-prob's peak in its backward: the saved logits and their
+  gradient in the compute dtype, a few per-token scalars, and one fp32 block of
+  min(tokens, ``config.logprob_chunk_tokens``) x V/t, over all n tokens since the LM
+  head all-gathers them; ``opcount.logprob_peak_bytes``),
+  or on the first stage the embedding's gradient; they never run
   at once, so the largest counts. After the backward, the optimizer update's fp32
   temporaries, if larger (``optimizer_step_bytes``: AdamW's on the largest tensors, or
-  their dp chunks, and with dp > 1 the distributed optimizer's flat reduce-scatter and
-  all-gather buffers). ``train_saved_bytes`` is the
+  their dp chunks, with bf16 gradients also the fp32 copy of the one being stepped, and
+  with dp > 1 the distributed optimizer's flat reduce-scatter and all-gather buffers).
+  ``train_saved_bytes`` is the
   saved part alone;
 - INFERENCE: one micro-batch's working set of one block plus the rotary tables, or on
   the last stage the log-prob's peak over its V/t logits (the logits in the compute
-  dtype, their fp32 copy, logits - max and its exp), whichever is larger; a stage
+  dtype, per-token scalars and one fp32 block of a chunk of tokens), whichever is larger; a stage
   before the last also holds its previous output until the next stage receives it;
 - GENERATE: KV cache of (prompt_len + gen_len) positions x L_k layers of the
   rank's KV heads (n_kv/t, or one whole head when tp exceeds them) for one
@@ -79,7 +91,7 @@ from realloc.calls import InterfaceType
 from realloc.estimator.hardware import Precision
 from realloc.estimator.opcount import (block_backward_bytes_per_token, head_saved_bytes_per_token,
                                        kv_cache_bytes_per_token_layer, layer_input_bytes_per_token,
-                                       logprob_peak_bytes_per_token, norm_saved_bytes_per_token,
+                                       logprob_peak_bytes, norm_saved_bytes_per_token,
                                        pipeline_held_bytes_per_token, rope_bytes_per_token, sampling_bytes_per_row,
                                        saved_activation_bytes_per_token, stage_saved_bytes_per_token,
                                        transient_activation_bytes_per_token)
@@ -148,7 +160,9 @@ def optimizer_step_bytes(cfg: ModelConfig, tp: int, pp: int, pp_rank: int, dp: i
     - the AdamW update's fp32 temporaries (``models/optim.py``, ``models/zero.py``: torch's AdamW one tensor at
       a time, over the weights, then over the norms and biases): sqrt(v) and its bias-corrected quotient for
       the current tensor, while the previous tensor's quotient is still referenced; with dp > 1 the tensors
-      are the rank's chunks, ceil(n / dp) elements, visited in name order;
+      are the rank's chunks, ceil(n / dp) elements, visited in name order. With gradients narrower than fp32
+      (``grad_bytes`` < 4) each tensor is a step of its own (``optim.step_each``), so no previous quotient
+      outlives it, and its gradient's fp32 copy joins the two temporaries;
     - with dp > 1, the distributed optimizer's flat buffer of one bucket (``zero.plan_buckets``): the
       reduce-scatter's in ``grad_bytes`` per element, the parameters' all-gather's (in the parameter dtype,
       never wider than the fp32 gradients) after it.
@@ -161,7 +175,7 @@ def optimizer_step_bytes(cfg: ModelConfig, tp: int, pp: int, pp_rank: int, dp: i
         prev = 0
         for spec in group:
             n = chunk_numel(spec.shard_numel(tp), dp)
-            peak = max(peak, 4 * (prev + 2 * n))
+            peak = max(peak, 4 * (prev + 2 * n) if grad_bytes == 4 else 4 * 3 * n)
             prev = n
     if dp > 1:
         numels = [s.shard_numel(tp) for s in specs]
@@ -212,14 +226,14 @@ def train_activation_bytes(cfg: ModelConfig, strategy: ParallelStrategy, n_mbs: 
     first, last = pp_rank == 0, pp_rank == pp - 1
     kept, redo, _ = _train_parts(cfg, strategy, n_mbs, pp_rank, precision, recompute)
     if pp > 1:
-        kept += min(n_mbs, pp - pp_rank) * pipeline_held_bytes_per_token(cfg, precision, first, last, recompute, t)
+        kept += min(n_mbs, pp - pp_rank) * pipeline_held_bytes_per_token(cfg, precision, last, t)
     h, e = cfg.hidden_size, precision.param
     weight_grad = h * max(h, cfg.q_dim, cfg.intermediate_size) / t * e
     work = (redo + block_backward_bytes_per_token(cfg, t, precision, recompute)) * n_tok + weight_grad
     if last:
-        head = norm_saved_bytes_per_token(cfg, precision, t) + logprob_peak_bytes_per_token(cfg, t, precision,
-                                                                                        backward=True)
-        work = max(work, head * n_tok)
+        head = norm_saved_bytes_per_token(cfg, precision, t) * n_tok + logprob_peak_bytes(cfg, t, precision, True,
+                                                                                         n_tok)
+        work = max(work, head)
     if first:
         work = max(work, cfg.padded_vocab_size / t * h * e)  # the embedding's gradient, after the blocks' backward
     return int(max(kept * n_tok + work, optimizer_step_bytes(cfg, t, pp, pp_rank, strategy.dp, precision.grad)))
@@ -246,8 +260,9 @@ def stage_call_memory(cfg: ModelConfig, work: Workload, strategy: ParallelStrate
         # a stage's output (its n/t tokens, sequence parallel) stays referenced by its send until the next
         # stage has received it
         sent = cfg.hidden_size * precision.param / t if not last else 0.0
-        head = logprob_peak_bytes_per_token(cfg, t, precision, backward=False) if last else 0.0
-        return CallMemory(params=params, activations=int((max(block, head) + sent) * b * work.seq_len))
+        n_tok = b * work.seq_len
+        head = logprob_peak_bytes(cfg, t, precision, False, n_tok) if last else 0.0
+        return CallMemory(params=params, activations=int(max(block * n_tok, head) + sent * n_tok))
     # GENERATE: the micro-batches in flight hold a KV cache each and, before the last stage, their prefill's
     # output until the next stage has received it (models/generation.py)
     in_flight = 1 if pp == 1 else min(n_mbs, gen_in_flight or pp)

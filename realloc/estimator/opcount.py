@@ -27,7 +27,7 @@ import dataclasses
 import enum
 
 from realloc.estimator.hardware import Precision
-from realloc.models.config import ModelConfig
+from realloc.models.config import ModelConfig, logprob_chunk_tokens
 
 
 class Part(str, enum.Enum):
@@ -179,7 +179,9 @@ def op_work(cfg: ModelConfig, part: Part, phase: Phase, tp: int, b: int, s: int,
         return dataclasses.replace(work, gemm_flops=2 * work.gemm_flops, gemm_bytes=2 * work.gemm_bytes,
                                    elem_bytes=2 * work.elem_bytes) if phase is Phase.BWD else work
     # LM head: RMSNorm, column-parallel [V/t, h] projection, then:
-    #  FWD: vocab-parallel log-softmax + gather (3 passes over fp32 logits, 3 tiny all-reduces of n floats)
+    #  FWD: vocab-parallel log-softmax + gather (3 passes over fp32 logits, 3 tiny all-reduces of n floats).
+    #  Chunking (``vocab_parallel``) changes where the fp32 values live, not how often they are streamed: the
+    #  max now reads the logits themselves and each chunk's copy, exp and sum stream it as the unfused ops did.
     #  PREFILL: logits of the last prompt token only; DECODE: logits of b tokens, all-gathered for sampling
     v = cfg.padded_vocab_size / t
     lg = precision.logits
@@ -195,8 +197,8 @@ def op_work(cfg: ModelConfig, part: Part, phase: Phase, tp: int, b: int, s: int,
         return dataclasses.replace(gemm, elem_bytes=gemm.elem_bytes + 3 * n * v * lg,
                                    kernels=_KERNELS[(part, phase)], tp_collectives=coll)
     if phase is Phase.BWD:
-        # softmax grad (r logits, w grad), two GEMMs, the normed tokens gathered again and the input grad's
-        # reduce-scatter to the rank's tokens
+        # softmax grad (r logits, w grad; recomputed per chunk), two GEMMs, the normed tokens gathered again and
+        # the input grad's reduce-scatter to the rank's tokens (sequence parallel)
         coll = (Collective("all_gather", n * h * e / t), Collective("reduce_scatter", n * h * e)) if t > 1 else ()
         return OpWork(gemm_flops=2 * gemm.gemm_flops, gemm_bytes=2 * gemm.gemm_bytes + h * v * 2 * precision.grad,
                       elem_bytes=2 * gemm.elem_bytes + 2 * n * v * lg, kernels=_KERNELS[(part, phase)],
@@ -215,15 +217,23 @@ def head_part(cfg: ModelConfig) -> Part:
 
 # -- memory -----------------------------------------------------------------
 
-def norm_saved_bytes_per_token(cfg: ModelConfig, precision: Precision, tp: int = 1) -> float:
-    """What one RMSNorm and the projections reading it keep for the backward (``llama.RMSNorm``):
-    its input upcast to fp32 (the input itself in fp32), 1/rms (fp32), the normalized product cast
-    back to the compute dtype, and the scaled output the projections read.
+# Per-token tensors of the chunked log-prob besides the logits and the fp32 block (``vocab_parallel``): the
+# forward's target ids (int64), max and sum (fp32); the backward's saved target ids (int64) and log Z (fp32),
+# the target's column in the shard (int64), whether the shard holds it (bool) and the gradient there (fp32).
+LOGPROB_FORWARD_SCALARS = 8 + 4 + 4
+LOGPROB_BACKWARD_SCALARS = 8 + 4 + 8 + 1 + 4
 
-    With sequence parallelism (tp > 1) all of it is the rank's n/t tokens: the projections keep the norm's
-    output before their all-gather and gather it again in their backward
+
+def norm_saved_bytes_per_token(cfg: ModelConfig, precision: Precision, tp: int = 1) -> float:
+    """What one RMSNorm and the projections reading it keep for the backward (``llama.RMSNorm``, issue 21's
+    lean norm): its input in the compute dtype and 1/rms (one fp32 scalar per token), and the scaled output
+    the projections read. (Autograd on the unfused formula kept 4h bytes more per token: the fp32 input, or
+    its fp32 copy in bf16, instead of the input, and the normalized product cast back.)
+
+    With sequence parallelism (tp > 1) all of it is the rank's n/t tokens: the norm runs on them, and the
+    projections keep the norm's output before their all-gather and gather it again in their backward
     (``sequence_parallel.gather_project``), as Megatron's sequence-parallel linear layers do."""
-    return ((4 + 2 * precision.param) * cfg.hidden_size + 4) / tp
+    return (2 * precision.param * cfg.hidden_size + 4) / tp
 
 
 def saved_activation_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision) -> float:
@@ -254,29 +264,31 @@ def stage_saved_bytes_per_token(cfg: ModelConfig, first_stage: bool, precision: 
 
 
 def head_saved_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision) -> float:
-    """What the last stage's head keeps for the backward: the final norm and, for a vocabulary head,
-    the fp32 logits and exp(logits - max) of its vocabulary shard that the log-prob saves."""
-    logits = 0 if cfg.is_critic else 2 * cfg.padded_vocab_size / tp * precision.logits
+    """What the last stage's head keeps for the backward: the final norm (the rank's n/t tokens under sequence
+    parallelism) and, for a vocabulary head, what the chunked log-prob (``realloc.models.vocab_parallel``) saves:
+    the logits of the rank's vocabulary shard in the compute dtype, each position's target id (int64) and its
+    log-normalizer (fp32). The LM head's projection all-gathers the tokens first, so the log-prob holds all n."""
+    logits = 0 if cfg.is_critic else cfg.padded_vocab_size / tp * precision.param + 8 + 4
     return norm_saved_bytes_per_token(cfg, precision, tp) + logits
 
 
-def logprob_peak_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision, backward: bool) -> float:
-    """Peak live bytes of the vocabulary-parallel log-prob (``realloc.models.vocab_parallel``) over the
-    rank's V/t logits, temporaries included (measured by ``realloc.models.activations.LiveTensorMeter``).
+def logprob_peak_bytes(cfg: ModelConfig, tp: int, precision: Precision, backward: bool, n_tok: int) -> float:
+    """Peak live bytes of the vocabulary-parallel log-prob (``realloc.models.vocab_parallel``) of ``n_tok`` tokens
+    over the rank's V/t logits, temporaries included (measured by ``LiveTensorMeter``); the temperature divides
+    the fp32 block in place, so any temperature holds the same.
 
-    Without grad (INFERENCE) it peaks at the normalizer's exp: the logits in the compute dtype, their
-    fp32 copy (the same tensor when computing in fp32), logits - max and its exp. A training step
-    peaks in the backward of the target gather: the two fp32 tensors autograd saved (logits and
-    exp(logits - max)) and two fp32 gradients of their shape (the normalizer's and the gather's
-    scatter); its forward peak (the no-grad one) is lower. A temperature other than 1 adds one fp32
-    copy, not counted here (the default is 1).
-    """
+    It walks the tokens in chunks of ``config.logprob_chunk_tokens(V/t)`` and holds one fp32 [chunk, V/t] block
+    at a time (issue 21: 4 fp32 copies of the logits before). Without grad (INFERENCE): the logits in the
+    compute dtype, that block and a few per-token scalars (max, sum, log Z, target, picked logit). A training
+    step peaks in the backward: the saved logits, their gradient in the compute dtype, the block and the
+    per-token scalars of both passes. Its forward peak is the no-grad one, lower."""
     if cfg.is_critic:
         return 0.0
-    v, e, lg = cfg.padded_vocab_size / tp, precision.param, precision.logits
+    v, e = cfg.padded_vocab_size / tp, precision.param
+    chunk = min(n_tok, logprob_chunk_tokens(cfg.padded_vocab_size // tp)) * v * precision.logits
     if backward:
-        return 4 * v * lg
-    return v * (e + (0 if e == lg else lg) + 2 * lg)
+        return n_tok * (2 * v * e + LOGPROB_BACKWARD_SCALARS) + chunk
+    return n_tok * (v * e + LOGPROB_FORWARD_SCALARS) + chunk
 
 
 def sampling_bytes_per_row(cfg: ModelConfig) -> float:
@@ -324,39 +336,66 @@ def attention_working_bytes_per_token(cfg: ModelConfig, tp: int, precision: Prec
     three h-wide tensors are the rank's n/t tokens, and two more moments hold all n tokens h wide: the
     projections (the all-gathered norm output with q, k, v) and the o projection (q, k, v, the output and
     o's partial h-wide result, then its reduce-scattered h/t)."""
-    h, q, kv = cfg.hidden_size, cfg.q_dim // tp, local_kv_width(cfg, tp)
-    qkv = max(4 * q + 2 * kv, q + 5 * kv, 5 * q)
+    h = cfg.hidden_size
     if not sequence_parallel or tp == 1:
-        return (3 * h + qkv) * precision.param
-    return (3 * h / tp + max(qkv, h + q + 2 * kv, 4 * q + h + h / tp)) * precision.param
+        return (3 * h + _attention_qkv_elems(cfg, tp)) * precision.param
+    return (3 * h / tp + _attention_sp_elems(cfg, tp)) * precision.param
+
+
+def _attention_qkv_elems(cfg: ModelConfig, tp: int) -> int:
+    """The q- and kv-wide part of ``attention_working_bytes_per_token``, in elements per token."""
+    q, kv = cfg.q_dim // tp, local_kv_width(cfg, tp)
+    return max(4 * q + 2 * kv, q + 5 * kv, 5 * q)
+
+
+def _attention_sp_elems(cfg: ModelConfig, tp: int) -> float:
+    """Under sequence parallelism, the part of ``attention_working_bytes_per_token`` beyond the three h/t-wide
+    tensors: rotary's q/kv temporaries, or the projections' gathered input with q, k, v, or the o projection's
+    partial h-wide output with its inputs and the reduce-scattered h/t."""
+    h, q, kv = cfg.hidden_size, cfg.q_dim // tp, local_kv_width(cfg, tp)
+    return max(_attention_qkv_elems(cfg, tp), h + q + 2 * kv, 4 * q + h + h / tp)
 
 
 def block_backward_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision, recompute: bool) -> float:
     """Peak live bytes per token of one block's backward beyond what it saved (measured by
-    ``LiveTensorMeter``): the larger of the forward's working set (``transient_activation_bytes_per_token``,
-    rerun when recomputing; it also bounds the MLP's backward) and the RMSNorm's backward, which works in
-    fp32 over the rank's tokens (n/t of them under sequence parallelism): five fp32 h-wide temporaries and the
-    compute-dtype gradient of its output, plus the recomputed block's output and residual when recomputing."""
+    ``LiveTensorMeter``).
+
+    The RMSNorm's backward works on the rank's tokens (n/t of them under sequence parallelism): the
+    compute-dtype gradient of its output, one fp32 h-wide buffer, and the input's gradient cast back to the
+    compute dtype (the buffer itself in fp32), plus the recomputed block's output and residual when recomputing.
+    Under sequence parallelism a projection's backward gathers its input again (h wide over all n tokens) beside
+    the input's gradient (h wide, before its reduce-scatter) and its outputs' gradients (q + 2kv, or gate and up).
+    Without recomputation, the largest of these and the forward's working set
+    (``transient_activation_bytes_per_token``; it also bounds the MLP's and the attention's backward). When
+    recomputing, the recomputed block's saves are counted beside this (``memory._train_parts``) and they already
+    hold every h/t-wide tensor of that working set (the stage's and block's inputs are kept layer inputs, the
+    norms keep their inputs, the projections the norms' outputs) and the MLP's four inter/t-wide ones, so what
+    runs on top of them is the largest of the norm's backward, attention's q/kv temporaries (rotary's, and under
+    sequence parallelism the gathered input and the o projection's partial output,
+    ``attention_working_bytes_per_token``), the MLP's backward (the gradients of its inter/t-wide tensors, three
+    at most, beside the recomputed block's output and its gradient, h/t each under sequence parallelism) and the
+    projections' re-gather.
+    """
     h, e = cfg.hidden_size, precision.param
-    norm = (5 * 4 + e * (3 if recompute else 1)) * h / tp
+    sp = tp > 1
+    norm = (4 + (0 if e == 4 else e) + e * (3 if recompute else 1)) * h / tp
     # sequence parallel: a projection's backward gathers its input again (h wide, all n tokens) beside the input's
     # gradient (h wide) and its outputs' gradients (q + 2kv, or gate and up)
     regather = (2 * h + max(cfg.q_dim / tp + 2 * local_kv_width(cfg, tp), 2 * cfg.intermediate_size / tp)) * e
-    return max(transient_activation_bytes_per_token(cfg, tp, precision), norm, regather if tp > 1 else 0.0)
+    regather = regather if sp else 0.0
+    if not recompute:
+        return max(transient_activation_bytes_per_token(cfg, tp, precision), norm, regather)
+    attention = (_attention_sp_elems(cfg, tp) if sp else _attention_qkv_elems(cfg, tp)) * e
+    mlp = (3 * cfg.intermediate_size / tp + 2 * h / tp) * e
+    return max(norm, attention, mlp, regather)
 
 
-def pipeline_held_bytes_per_token(cfg: ModelConfig, precision: Precision, first: bool, last: bool,
-                                  recompute: bool, tp: int = 1) -> float:
+def pipeline_held_bytes_per_token(cfg: ModelConfig, precision: Precision, last: bool, tp: int = 1) -> float:
     """What 1F1B holds per in-flight micro-batch besides the saved activations (``realloc.models.pipeline``):
-    the stage's output until the gradient for it arrives (not the last stage, whose output is the loss), and
-    the received input (not the first stage) unless a saved tensor is that very tensor: recomputation saves
-    the layer inputs, and an fp32 norm saves its input itself. Both are the rank's n/t tokens under
-    sequence parallelism."""
-    h, e = cfg.hidden_size, precision.param
-    held = 0.0 if last else h * e
-    if not first and not recompute and e != 4:
-        held += h * e
-    return held / tp
+    the stage's output until the gradient for it arrives (not the last stage, whose output is the loss), the
+    rank's n/t tokens under sequence parallelism. The received input is a saved tensor already: the first
+    block's norm keeps its input as it is, and recomputation keeps the layer inputs."""
+    return 0.0 if last else cfg.hidden_size * precision.param / tp
 
 
 def rope_bytes_per_token(cfg: ModelConfig, precision: Precision) -> float:

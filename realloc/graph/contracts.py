@@ -105,7 +105,11 @@ def check_contracts(spec: ExperimentSpec, table: Table,
                              f"model {r.model_name!r} has {HEAD_NAMES[have]}")
         _check_arity(r, i)
         _check_group_size(spec, r, i)
-        i.settings(spec.config)  # the experiment's settings for it have the right type
+        settings = i.settings(spec.config)  # the experiment's settings for it have the right type
+        if r.is_train and settings.grad_dtype == "bf16" and spec.cluster.hardware.dtype == "fp32":
+            # bf16 gradient buffers are for bf16 models (engine.make_optimizer); say so before any worker starts
+            raise ValueError(f"call {r.name!r}: {i.config}.grad_dtype='bf16' needs a bf16 model, but the cluster's "
+                             f"{spec.cluster.device} devices train in fp32; set {i.config}.grad_dtype to fp32")
         chosen[r.name] = i
     _check_settings_are_read(spec, table, chosen)
     # What each key holds, from its producer's output slot (or the first reader of a dataset key).

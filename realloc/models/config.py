@@ -190,6 +190,19 @@ def tp_error(cfg: ModelConfig, tp: int) -> str | None:
     return None
 
 
+# The vocabulary-parallel log-prob, entropy and normalizer (``vocab_parallel.py``) hold one fp32 block of
+# [chunk tokens, V/tp] at a time: 2**24 entries (64 MiB), 1046 tokens of LLaMA-3's 128k vocabulary at tp 8
+# (its 16032-column shard), 130 at tp 1. Smaller blocks save little next to the logits themselves and cost
+# kernel launches per chunk.
+LOGPROB_CHUNK_ELEMENTS = 1 << 24
+
+
+def logprob_chunk_tokens(local_vocab: int) -> int:
+    """Tokens per chunk of the vocabulary-parallel log-prob over a ``local_vocab``-wide shard (at least one);
+    the estimator (``opcount.logprob_peak_bytes``) and the engine share this rule."""
+    return max(1, LOGPROB_CHUNK_ELEMENTS // max(1, local_vocab))
+
+
 def _llama2(name: str, h: int, inter: int, layers: int, heads: int, kv: int) -> ModelConfig:
     return ModelConfig(name, 32000, h, inter, layers, heads, kv, max_position_embeddings=4096, norm_eps=1e-5)
 

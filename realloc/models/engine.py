@@ -21,9 +21,13 @@ gets the same batch, different dp replicas get different batches):
 - ``generate(prompts, gconfig, seq_ids, n_mbs)``: see ``generation.py``; result on every
   rank of the replica.
 
+``train_step`` and ``forward`` pack each micro-batch's right-padded rows into fewer rows (``packing.py``;
+``pack_sequences=False`` runs them padded); loss functions and results see the caller's ``[B, T]`` either way.
+
 Precision: parameters live in ``dtype`` (fp32 on CPU; bf16 on GPUs). A bf16 model
-accumulates micro-batch gradients in fp32 and trains through fp32 master weights
-(``make_optimizer`` returns ``optim.MasterWeightAdamW``); fp16 training is refused.
+accumulates micro-batch gradients in fp32 (or, with ``make_optimizer(grad_dtype=torch.bfloat16)``,
+in bf16: 2 bytes per parameter less, and half the bytes in the dp reduction) and trains through
+fp32 master weights (``make_optimizer`` returns ``optim.MasterWeightAdamW``); fp16 training is refused.
 With dp > 1, ``make_optimizer`` returns the distributed optimizer (``zero.DistributedAdamW``,
 both dtypes): the optimizer state is sharded over dp, gradients reduce-scatter and updated
 parameters all-gather.
@@ -40,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Callable, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -53,6 +57,7 @@ from realloc.models.groups import ModelParallelGroups
 from realloc.models.llama import LlamaStage
 from realloc.models.megatron_shim import prepare_device
 from realloc.models.optim import MasterWeightAdamW
+from realloc.models.packing import PackPlan, pack_layout, token_balanced_ranges
 from realloc.models.param_layout import ParamSpec, stage_param_specs
 from realloc.models.pipeline import StageLink, run_1f1b, run_forward_only
 from realloc.models.sequence_parallel import TokenSplit
@@ -99,18 +104,58 @@ class HeadOutput:
         valid = self.layout.next_token_valid()
         return torch.cat([pad, torch.where(valid, per_pos, torch.zeros_like(per_pos))], dim=1)
 
+    def _next_ids(self) -> torch.Tensor:
+        """[B, T]: the token after each position (the last column wraps around and is never scored)."""
+        return torch.roll(self.layout.input_ids, -1, dims=1)
+
+    # logprobs() and entropy() score the whole [B, T, V/tp] logits and drop the last position afterwards, not
+    # before: the vocabulary-parallel backward then writes d(logits) straight into one tensor of the logits'
+    # shape, where a slice raw[:, :-1] would make autograd allocate a second, zero-padded one.
     def logprobs(self, temperature: float = 1.0) -> torch.Tensor:
         """[B, T]: log p(token t | tokens before t) under softmax(logits / temperature); 0 where not scored."""
         if self.is_critic:
             raise ValueError("HeadOutput.logprobs: a critic has no vocabulary head; use values")
-        lp = vocab_parallel_token_logprobs(self.raw[:, :-1], self.layout.input_ids[:, 1:], self.tp_group, temperature)
-        return self._shifted(lp)
+        lp = vocab_parallel_token_logprobs(self.raw, self._next_ids(), self.tp_group, temperature)
+        return self._shifted(lp[:, :-1])
 
     def entropy(self, temperature: float = 1.0) -> torch.Tensor:
         """[B, T]: entropy of the distribution that predicted token t; 0 where not scored."""
         if self.is_critic:
             raise ValueError("HeadOutput.entropy: a critic has no vocabulary head")
-        return self._shifted(vocab_parallel_entropy(self.raw[:, :-1], self.tp_group, temperature))
+        return self._shifted(vocab_parallel_entropy(self.raw, self.tp_group, temperature)[:, :-1])
+
+
+@dataclasses.dataclass
+class PackedHeadOutput(HeadOutput):
+    """A HeadOutput of a packed micro-batch (``packing.py``), seen in the caller's ``[B, T]`` shape.
+
+    ``layout`` (and so ``token_mask``) is the caller's; ``raw`` is the packed ``[R, C, ...]`` output the
+    per-token helpers compute on before they unpack, so loss functions see the unpacked meaning.
+    """
+
+    plan: PackPlan
+
+    def _packed(self) -> HeadOutput:
+        return HeadOutput(self.raw, self.plan.layout, self.tp_group, self.is_critic)
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.plan.unpack(self._packed().values)
+
+    # The helpers take HeadOutput's arguments as they are, so a new option of theirs reaches the packed rows.
+    def logprobs(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.plan.unpack(self._packed().logprobs(*args, **kwargs))
+
+    def entropy(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.plan.unpack(self._packed().entropy(*args, **kwargs))
+
+
+def head_output(raw: torch.Tensor, layout: TokenLayout, plan: PackPlan | None, tp_group: dist.ProcessGroup,
+                is_critic: bool) -> HeadOutput:
+    """The loss functions' view of one micro-batch's head output, in the caller's ``layout``."""
+    if plan is None:
+        return HeadOutput(raw, layout, tp_group, is_critic)
+    return PackedHeadOutput(raw, layout, tp_group, is_critic, plan)
 
 
 LossFn = Callable[[HeadOutput, Mapping[str, torch.Tensor]], "tuple[torch.Tensor, Mapping[str, float]]"]
@@ -119,7 +164,7 @@ LossFn = Callable[[HeadOutput, Mapping[str, torch.Tensor]], "tuple[torch.Tensor,
 class ParallelModel:
     def __init__(self, cfg: ModelConfig, groups: ModelParallelGroups, *, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, init: Literal["random", "empty"] = "random",
-                 seed: int = 1, sequence_parallel: bool = True) -> None:
+                 seed: int = 1, sequence_parallel: bool = True, pack_sequences: bool = True) -> None:
         if groups.layout.tie_embeddings != cfg.tie_embeddings:
             raise ValueError(f"model {cfg.name!r}: layout.tie_embeddings={groups.layout.tie_embeddings} must equal "
                              f"the config's tie_embeddings={cfg.tie_embeddings} (its groups depend on it)")
@@ -127,6 +172,9 @@ class ParallelModel:
             raise ValueError(f"model {cfg.name!r}: pp={groups.pp} exceeds its {cfg.n_layers} layers")
         self.cfg = cfg
         self.groups = groups
+        # forward() and train_step() pack each micro-batch's right-padded rows (packing.py); False runs
+        # the padded rows as given (the comparison of benchmarks/bench_packing.py).
+        self.pack_sequences = pack_sequences
         self.device = prepare_device(device)
         self.dtype = dtype
         # Sequence parallelism (sequence_parallel.py) for every tp > 1 train and forward call, as Megatron;
@@ -141,8 +189,8 @@ class ParallelModel:
         self._params: dict[str, torch.nn.Parameter] = dict(self.stage.named_parameters())
         self._check_contract()
         self.state: ParamState = "ready"
-        # bf16 models accumulate micro-batch gradients in fp32 buffers that exist only during
-        # train_step; the hook moves each fresh low-precision gradient into them.
+        # bf16 models accumulate micro-batch gradients in fp32 (or bf16: the optimizer's grad_dtype) buffers
+        # that exist only during train_step; the hook moves each fresh low-precision gradient into them.
         self._low_precision = dtype != torch.float32
         self._main_grads: dict[str, torch.Tensor] | None = None
         if self._low_precision:
@@ -217,18 +265,24 @@ class ParallelModel:
         self.state = "ready"
 
     def make_optimizer(self, lr: float, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95),
-                       eps: float = 1e-8) -> "torch.optim.AdamW | MasterWeightAdamW | DistributedAdamW":
+                       eps: float = 1e-8, *, grad_dtype: torch.dtype = torch.float32
+                       ) -> "torch.optim.AdamW | MasterWeightAdamW | DistributedAdamW":
         """AdamW over the local shards; norms are not decayed. Its state is per rank and never moves.
 
         With dp > 1, :class:`DistributedAdamW` (state sharded over dp; fp32 master chunks for bf16 models).
         Otherwise fp32 models get ``torch.optim.AdamW``; bf16 models get :class:`MasterWeightAdamW` (fp32
-        master weights).
+        master weights). ``grad_dtype`` (bf16 models only) is the dtype of the gradient accumulation
+        buffers ``train_step`` fills for this optimizer: ``torch.bfloat16`` is Megatron's
+        ``grad_reduce_in_fp32=False`` (``TrainConfig.grad_dtype``).
         """
+        if grad_dtype != torch.float32 and not self._low_precision:
+            raise ValueError(f"make_optimizer: grad_dtype={grad_dtype} needs a bf16 model; this one is {self.dtype} "
+                             f"and keeps fp32 gradients (set grad_dtype to fp32)")
         if self.groups.dp > 1:
             return DistributedAdamW(self._params, self.groups.dp_group, lr, weight_decay, betas, eps,
-                                    masters=self._low_precision)
+                                    masters=self._low_precision, grad_dtype=grad_dtype)
         if self._low_precision:
-            return MasterWeightAdamW(self._params, lr, weight_decay, betas, eps)
+            return MasterWeightAdamW(self._params, lr, weight_decay, betas, eps, grad_dtype=grad_dtype)
         decay = [p for n, p in self._params.items() if p.dim() >= 2]
         no_decay = [p for n, p in self._params.items() if p.dim() < 2]
         return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
@@ -259,6 +313,9 @@ class ParallelModel:
         inputs = layout.input_ids if self.groups.is_first_stage else x
         return self.stage(inputs, layout.position_ids, layout.attention_mask(), recompute=recompute,
                           split=self._split(layout))
+
+    def _pack(self, layout: TokenLayout) -> PackPlan | None:
+        return pack_layout(layout) if self.pack_sequences else None
 
     def _to_device(self, mb: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
@@ -295,14 +352,17 @@ class ParallelModel:
             raise ValueError(f"train_step: {len(weights)} loss_weights for {n} micro-batches")
         mbs = [self._to_device(mb) for mb in micro_batches]
         layouts = [token_layout(mb, f"train_step micro-batch {i}") for i, mb in enumerate(mbs)]
+        # What the stages run: every stage derives the same packed shapes from the same lengths.
+        plans = [self._pack(lay) for lay in layouts]
+        runs = [lay if p is None else p.layout for lay, p in zip(layouts, plans)]
         g = self.groups
         mb_stats: list[dict[str, float]] = []
 
         def step(i: int, x: torch.Tensor | None) -> torch.Tensor:
-            out = self._stage_forward(layouts[i], x, recompute)
+            out = self._stage_forward(runs[i], x, recompute)
             if not g.is_last_stage:
                 return out
-            loss, stats = loss_fn(HeadOutput(out, layouts[i], g.tp_group, self.cfg.is_critic), mbs[i])
+            loss, stats = loss_fn(head_output(out, layouts[i], plans[i], g.tp_group, self.cfg.is_critic), mbs[i])
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise ValueError("train_step: loss_fn must return (scalar loss tensor, stats dict)")
             mb_stats.append({"loss": float(loss.detach()), **{k: float(v) for k, v in dict(stats).items()}})
@@ -312,7 +372,8 @@ class ParallelModel:
         for p in self._params.values():
             p.grad = None
         if self._low_precision:
-            self._main_grads = {name: torch.zeros(p.shape, dtype=torch.float32, device=self.device)
+            # masters is true here, so the optimizer is one of ours and says which buffers it steps from
+            self._main_grads = {name: torch.zeros(p.shape, dtype=optimizer.grad_dtype, device=self.device)
                                 for name, p in self._params.items()}
         try:
             with torch.enable_grad():
@@ -320,7 +381,7 @@ class ParallelModel:
                     for i in range(n):
                         torch.autograd.backward(step(i, None))
                 else:
-                    run_1f1b(self._link(), n, step, lambda i: self._hidden_shape(layouts[i]))
+                    run_1f1b(self._link(), n, step, lambda i: self._hidden_shape(runs[i]))
             if self._main_grads is not None:
                 main = self._main_grads
             else:
@@ -378,7 +439,9 @@ class ParallelModel:
         for the alignment); "entropy" is aligned like log-probs; "logits" returns the raw
         full-vocabulary logits ``[B, T, V]`` at each position (gathered over tp: debugging and
         tests, not for large vocabularies). ``n_mbs`` micro-batches stream through the
-        pipeline; each is trimmed to its longest row.
+        pipeline; each is trimmed to its longest row. With ``pack_sequences``, right-padded rows split
+        into micro-batches of near-equal tokens (contiguous rows) and each micro-batch runs packed
+        (``packing.py``); the results keep the batch's shape and meaning.
         """
         self._require("ready", "forward")
         output = output or ("values" if self.cfg.is_critic else "logprobs")
@@ -389,22 +452,27 @@ class ParallelModel:
                              f"{'critic' if self.cfg.is_critic else 'vocabulary'} head")
         full = token_layout(batch, "forward").to(self.device)
         ranges = split_rows(full, n_mbs)
+        if self.pack_sequences and full.causal_suffices:
+            ranges = token_balanced_ranges((full.segment_ids >= 0).sum(dim=1).tolist(), n_mbs)
         parts = [trim(TokenLayout(full.input_ids[lo:hi], full.position_ids[lo:hi], full.segment_ids[lo:hi]))
                  for lo, hi in ranges]
+        plans = [self._pack(lay) for lay, _ in parts]
+        runs = [lay if p is None else p.layout for (lay, _), p in zip(parts, plans)]
         g = self.groups
         self.stage.eval()
 
         def step(i: int, x: torch.Tensor | None) -> torch.Tensor:
-            lay = parts[i][0]
-            out = self._stage_forward(lay, x)
+            lay, plan = parts[i][0], plans[i]
+            out = self._stage_forward(runs[i], x)
             if not g.is_last_stage:
                 return out
-            head = HeadOutput(out, lay, g.tp_group, self.cfg.is_critic)
+            head = head_output(out, lay, plan, g.tp_group, self.cfg.is_critic)
             if output == "values":
                 return head.values
             if output == "logits":
-                real = gather_vocab(out, g.tp_group)[..., :self.cfg.vocab_size]  # the vocabulary padding goes
-                return real.float() * (lay.segment_ids >= 0).unsqueeze(-1)
+                real = gather_vocab(out, g.tp_group)[..., :self.cfg.vocab_size].float()  # the vocabulary padding goes
+                real = real * (runs[i].segment_ids >= 0).unsqueeze(-1)
+                return real if plan is None else plan.unpack(real)
             if output == "entropy":
                 return head.entropy(temperature)
             return head.logprobs(temperature)
@@ -412,7 +480,7 @@ class ParallelModel:
         if g.pp == 1:
             outs = [step(i, None) for i in range(len(parts))]
         else:
-            outs = run_forward_only(self._link(), len(parts), step, lambda i: self._hidden_shape(parts[i][0]))
+            outs = run_forward_only(self._link(), len(parts), step, lambda i: self._hidden_shape(runs[i]))
         shape = full.shape + ((self.cfg.vocab_size,) if output == "logits" else ())
         result = None
         if g.is_last_stage:

@@ -64,6 +64,60 @@ def megatron_config(tp: int, dtype: torch.dtype, device: torch.device) -> ModelP
     )
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """RMSNorm that keeps only its input and 1/rms for the backward (issue 21, "Lean RMSNorm").
+
+    Forward, as HF's LlamaRMSNorm: ``y = w * (x_f * r).to(x.dtype)`` with ``x_f = x.float()`` (float64 stays
+    float64) and
+    ``r = rsqrt(mean(x_f^2) + eps)`` per token, the same ops in the same order so that the result is the
+    bit-for-bit output of the plain-torch formula. Autograd on that formula would save x_f (an fp32 copy of a
+    bf16 input), r, the normalized product cast back and, in its backward, allocate five fp32 h-wide tensors.
+
+    Backward, with ``g = dy * w`` and ``x_hat = x_f * r`` (the cast back to x.dtype passes gradients through):
+        dw = sum over tokens of dy * x_hat
+        dx = r * (g - x_hat * mean(g * x_hat))
+    (differentiating r = (mean(x_f^2) + eps)^-1/2 gives dr/dx_f = -r^3 x_f / h). One fp32 h-wide buffer holds
+    x_hat, then dy * x_hat, then dy * w * x_hat, then dx, updated in place; in fp32 it is dx itself. The weight
+    gradient is reduced in fp32 from dy * x_hat, not from the rounded product the forward multiplied, which is
+    at least as accurate as autograd's low-precision product.
+    """
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, weight: torch.Tensor,
+                eps: float) -> torch.Tensor:
+        # fp32 as HF computes, or float64 for a float64 input (gradcheck) instead of HF's downcast
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # x itself when x is fp32
+        ms = xf.pow(2).mean(-1, keepdim=True)
+        rinv = ms.add_(eps).rsqrt_()  # == torch.rsqrt(ms + eps), without a second per-token tensor
+        if xf is x:
+            normed = xf * rinv
+        else:
+            normed = xf.mul_(rinv)  # the fp32 copy is ours: normalize it in place
+        normed = normed.to(x.dtype)
+        ctx.save_for_backward(x, weight, rinv)
+        if weight.dtype == normed.dtype:
+            return normed.mul_(weight)  # == weight * normed (IEEE products commute); normed is ours
+        return weight * normed
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: torch.autograd.function.FunctionCtx,
+                 dy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        x, weight, rinv = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        buf = x.to(rinv.dtype, copy=True)  # the one fp32 h-wide temporary
+        buf.mul_(rinv).mul_(dy)  # dy * x_hat
+        dw = None
+        if need_dw:
+            dw = buf.sum(dim=tuple(range(buf.dim() - 1))).to(weight.dtype)
+        if not need_dx:
+            return None, dw, None
+        # c = mean(g * x_hat) per token, then dx = r * (g - x_f * r * c) = (g - x_f * (r * c)) * r
+        c = buf.mul_(weight).mean(-1, keepdim=True)
+        buf.copy_(x).mul_(c.mul_(rinv).neg_()).addcmul_(dy, weight).mul_(rinv)
+        return buf.to(x.dtype), dw, None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -71,10 +125,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in fp32 and scale in the input dtype, like HF, so bf16 results match it.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        # Normalize in fp32 and scale in the input dtype, like HF, so bf16 results match it; the backward
+        # keeps x and 1/rms only (_RMSNormFunction).
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

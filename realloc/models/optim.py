@@ -10,14 +10,34 @@ optimizer state: per rank, tied to the training layout, never reallocated.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
+GRAD_DTYPES = (torch.float32, torch.bfloat16)  # the main_grad buffers a bf16 model may train with
+
+
+def step_each(inner: torch.optim.Optimizer, pairs: Iterable[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
+    """``inner.step()`` once per (fp32 tensor, gradient) pair, the gradient converted to fp32 just before
+    and dropped after, so that low-precision gradients never exist as an fp32 copy of all of them at
+    once, only of the tensor being stepped. With ``foreach=False`` AdamW updates each tensor on its own
+    (state per tensor, the tensors without a gradient skipped), so this is the one-call step exactly."""
+    for p, g in pairs:
+        p.grad = g.float()
+        inner.step()
+        p.grad = None
+
 
 class MasterWeightAdamW:
+    """``grad_dtype`` is the dtype of the gradients the model accumulates for it (``engine.train_step``'s
+    main_grad buffers): fp32, or bf16 to save 2 bytes per parameter (each is converted to fp32 when used)."""
+
     def __init__(self, params: Mapping[str, torch.nn.Parameter], lr: float, weight_decay: float = 0.0,
-                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8) -> None:
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, *,
+                 grad_dtype: torch.dtype = torch.float32) -> None:
+        if grad_dtype not in GRAD_DTYPES:
+            raise ValueError(f"MasterWeightAdamW: grad_dtype must be torch.float32 or torch.bfloat16, got {grad_dtype}")
+        self.grad_dtype = grad_dtype
         self.params = dict(params)
         self.masters = {n: torch.nn.Parameter(p.detach().float().clone()) for n, p in self.params.items()}
         decay = [m for m in self.masters.values() if m.dim() >= 2]
@@ -35,10 +55,14 @@ class MasterWeightAdamW:
 
     @torch.no_grad()
     def step_with(self, grads: Mapping[str, torch.Tensor]) -> None:
-        """One step from fp32 gradients keyed by parameter name; then refresh the low-precision parameters."""
-        for n, m in self.masters.items():
-            m.grad = grads[n].float()
-        self.inner.step()
+        """One step from gradients keyed by parameter name (fp32, or bf16 converted one tensor at a time);
+        then refresh the low-precision parameters."""
+        if all(g.dtype == torch.float32 for g in grads.values()):
+            for n, m in self.masters.items():
+                m.grad = grads[n]
+            self.inner.step()
+        else:
+            step_each(self.inner, ((m, grads[n]) for n, m in self.masters.items()))
         for n, m in self.masters.items():
             m.grad = None
             self.params[n].copy_(m)

@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from realloc.models.vocab_parallel import vocab_parallel_token_logprobs
 from realloc.models.weights import param_seed
 
 
@@ -94,7 +95,6 @@ def sample_tokens(logits: torch.Tensor, g: GenerationConfig, generators: Sequenc
         logits[..., g.vocab_limit:] = float("-inf")
     if g.greedy:
         tokens = torch.argmax(logits, dim=-1)
-        logp = torch.log_softmax(raw, dim=-1)
     else:
         probs, order = filtered_sorted(logits, g)
         u = torch.stack([torch.rand((), generator=gen, dtype=torch.float64) for gen in generators]).to(probs.device)
@@ -104,5 +104,6 @@ def sample_tokens(logits: torch.Tensor, g: GenerationConfig, generators: Sequenc
         idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
         idx = torch.minimum(idx, n_kept - 1)
         tokens = order.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
-        logp = torch.log_softmax(raw / g.temperature, dim=-1)
-    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    # The inference pass's own (chunked) log-prob, over the whole vocabulary these rows hold: no fp32 copy of
+    # the [B, V] logits beyond one chunk, and the formula a later forward() scores the token with.
+    return tokens, vocab_parallel_token_logprobs(raw, tokens, None, 1.0 if g.greedy else g.temperature)

@@ -10,15 +10,17 @@ becomes param + main_grad + optimizer/dp (``estimator/memory.py``, rule 2).
 
 A train step with it (``engine.ParallelModel.train_step``), per bucket of tensors (``plan_buckets``):
 
-1. reduce-scatter: every rank lays its gradients out rank-major in one flat fp32 buffer, each
+1. reduce-scatter: every rank lays its gradients out rank-major in one flat buffer (in the
+   gradients' dtype: fp32, or bf16 with ``grad_dtype=torch.bfloat16``, half the bytes), each
    tensor split into dp equal chunks (the last one padded), and a reduce-scatter leaves on rank r
    the dp-sum of chunk r of every tensor, which is divided by dp and written back into the
    gradient's own chunk (the rest of the gradient is then stale and never read);
 2. the global norm from the chunks (their squares summed over dp as well as tp and pp) and
    clipping of the chunks, as ``grads.global_norm``/``grads.clip_`` do for whole tensors;
-3. AdamW on the chunks (torch's, one tensor at a time, as ``optim.MasterWeightAdamW``); bf16 models
-   step fp32 master chunks and write them, rounded, into their chunk of the parameter; fp32 models
-   step their parameter's chunk in place (a view, no copy);
+3. AdamW on the chunks (torch's, one tensor at a time, as ``optim.MasterWeightAdamW``; bf16 gradient
+   chunks are converted to fp32 one at a time, ``optim.step_each``); bf16 models step fp32 master
+   chunks and write them, rounded, into their chunk of the parameter; fp32 models step their
+   parameter's chunk in place (a view, no copy);
 4. all-gather: the updated chunks, laid out as in 1, give every rank the whole updated parameters.
 
 The reduce-scatter and all-gather run in place inside their flat buffer (the rank's own segment is
@@ -36,6 +38,8 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+
+from realloc.models.optim import GRAD_DTYPES, step_each
 
 BUCKET_NUMEL = 1 << 25  # elements per flat reduce-scatter/all-gather buffer (grads.BUCKET_NUMEL's size)
 
@@ -73,13 +77,19 @@ class DistributedAdamW:
     """AdamW over the local shards of a model with dp > 1, its state sharded over ``dp_group``.
 
     ``masters=True`` (low-precision parameters) keeps fp32 master chunks; otherwise the chunks stepped are
-    views of the fp32 parameters themselves. Parameters are visited in name order, so every dp rank builds
-    the same buckets.
+    views of the fp32 parameters themselves. ``grad_dtype`` is the dtype of the gradients the model
+    accumulates for it (bf16 only with masters). Parameters are visited in name order, so every dp rank
+    builds the same buckets.
     """
 
     def __init__(self, params: Mapping[str, torch.nn.Parameter], dp_group: dist.ProcessGroup, lr: float,
                  weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, *,
-                 masters: bool) -> None:
+                 masters: bool, grad_dtype: torch.dtype = torch.float32) -> None:
+        if grad_dtype not in GRAD_DTYPES:
+            raise ValueError(f"DistributedAdamW: grad_dtype must be torch.float32 or torch.bfloat16, got {grad_dtype}")
+        if grad_dtype != torch.float32 and not masters:
+            raise ValueError("DistributedAdamW: bf16 gradients need fp32 master chunks (masters=True)")
+        self.grad_dtype = grad_dtype
         self.params = {n: params[n] for n in sorted(params)}
         self.group = dp_group
         self.dp = dp_group.size()
@@ -147,12 +157,15 @@ class DistributedAdamW:
 
     @torch.no_grad()
     def step_with(self, chunk_grads: Mapping[str, torch.Tensor]) -> None:
-        """One AdamW step of this rank's chunks from their reduced (and clipped) fp32 gradients, then the
-        all-gather of the updated parameters."""
+        """One AdamW step of this rank's chunks from their reduced (and clipped) gradients (fp32, or bf16
+        converted one chunk at a time), then the all-gather of the updated parameters."""
         self._chunk_views()
-        for n, c in self.chunks.items():
-            c.grad = chunk_grads[n].float()
-        self.inner.step()
+        if all(g.dtype == torch.float32 for g in chunk_grads.values()):
+            for n, c in self.chunks.items():
+                c.grad = chunk_grads[n]
+            self.inner.step()
+        else:
+            step_each(self.inner, ((c, chunk_grads[n]) for n, c in self.chunks.items()))
         for n, c in self.chunks.items():
             c.grad = None
             if self.keeps_masters:

@@ -272,7 +272,8 @@ class ModelWorker:
             if home and prog.is_trained(cl.model):
                 train = prog.graph.interfaces[prog.train_call(cl.model)]
                 settings = train.settings(self.spec.config)
-                opt = model.make_optimizer(getattr(settings, train.lr), eps=settings.adam_eps)
+                grad_dtype = torch.bfloat16 if settings.grad_dtype == "bf16" else torch.float32
+                opt = model.make_optimizer(getattr(settings, train.lr), eps=settings.adam_eps, grad_dtype=grad_dtype)
             self.handles[key] = ModelHandle(cl, model, opt)
             calls = [c for c, x in prog.calls.items() if x.key == key]
             log.info("%s layout %s %s (coords dp,tp,pp %s) for %s%s%s", cl.model, cl.mesh.name, cl.strategy,
