@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -54,6 +55,20 @@ def hf_token_logprobs(hf, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     out = torch.zeros(ids.shape)
     out[:, 1:] = lp * (mask[:, 1:].bool() & mask[:, :-1].bool())
     return out
+
+
+def dense_nll_backward(hf, state: dict, mbs: list):
+    """A copy of ``hf`` holding ``state`` after the backward of the train steps' loss (the token-mean NLL of each
+    micro-batch, averaged over ``mbs``): its parameters' ``.grad`` are the dense reference gradients."""
+    ref = copy.deepcopy(hf)
+    ref.load_state_dict(state)
+    ref.zero_grad()
+    for mb in mbs:
+        mask = (torch.arange(mb["input_ids"].shape[1])[None] < mb["lengths"][:, None]).long()
+        tok = torch.zeros_like(mask, dtype=torch.bool)
+        tok[:, 1:] = mask[:, 1:].bool() & mask[:, :-1].bool()
+        (-(hf_token_logprobs(ref, mb["input_ids"], mask) * tok).sum() / tok.sum() / len(mbs)).backward()
+    return ref
 
 
 def build_model(ctx, cfg: ModelConfig, dp: int, tp: int, pp: int, *, hf_path: str | None = None,

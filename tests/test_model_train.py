@@ -19,7 +19,7 @@ from realloc.models.param_layout import param_specs
 from realloc.models.sampling import GenerationConfig
 from realloc.models.weights import full_state_dict
 from realloc.runtime.transfer.offload import HostOffload
-from model_helpers import assemble, build_model, hf_token_logprobs, local_shards, tiny_hf_model
+from model_helpers import assemble, build_model, dense_nll_backward, hf_token_logprobs, local_shards, tiny_hf_model
 from mp_pool import GlooPool, WorkerError
 
 WORLD = 4
@@ -689,14 +689,7 @@ def test_bf16_training_accumulates_in_fp32_and_steps_fp32_master_weights(pool, g
     masters = assemble([dict(r, shards=r["masters"]) for r in res], cfg)
     params = assemble([dict(r, shards=r["params"]) for r in res], cfg)
     # Gradients agree with the fp32 dense model to bf16 accuracy.
-    ref = copy.deepcopy(hf)
-    ref.load_state_dict(state)
-    ref.zero_grad()
-    for mb in mbs:
-        mask = (torch.arange(mb["input_ids"].shape[1])[None] < mb["lengths"][:, None]).long()
-        tok = torch.zeros_like(mask, dtype=torch.bool)
-        tok[:, 1:] = mask[:, 1:].bool() & mask[:, :-1].bool()
-        (-(hf_token_logprobs(ref, mb["input_ids"], mask) * tok).sum() / tok.sum() / len(mbs)).backward()
+    ref = dense_nll_backward(hf, state, mbs)
     ref_grads = dict(ref.named_parameters())
     for name, gr in grads.items():
         want = ref_grads[name].grad

@@ -12,7 +12,7 @@ import torch
 
 from realloc.models.hf_io import model_config_from_hf
 from realloc.models.param_layout import param_specs
-from model_helpers import assemble, build_model, hf_token_logprobs, local_shards, tiny_hf_model
+from model_helpers import assemble, build_model, dense_nll_backward, local_shards, tiny_hf_model
 from mp_pool import GlooPool
 from test_model_train import ADAM_EPS, _dense_reference, _micro_batches, nll_loss
 
@@ -315,14 +315,7 @@ def test_bf16_gradient_buffers_train_within_bf16_tolerance_of_fp32_buffers_and_t
     specs = {s.name: s for s in param_specs(cfg)}
     state = {n: t.to(torch.bfloat16).float() for n, t in hf.state_dict().items()}
     mbs = _micro_batches(seed=7)
-    ref = copy.deepcopy(hf)
-    ref.load_state_dict(state)
-    ref.zero_grad()
-    for mb in mbs:
-        mask = (torch.arange(mb["input_ids"].shape[1])[None] < mb["lengths"][:, None]).long()
-        tok = torch.zeros_like(mask, dtype=torch.bool)
-        tok[:, 1:] = mask[:, 1:].bool() & mask[:, :-1].bool()
-        (-(hf_token_logprobs(ref, mb["input_ids"], mask) * tok).sum() / tok.sum() / len(mbs)).backward()
+    ref = dense_nll_backward(hf, state, mbs)
     dense = {n: p.grad for n, p in ref.named_parameters()}
     lr = 1e-3
     bf16_state = {n: t.to(torch.bfloat16) for n, t in state.items()}
