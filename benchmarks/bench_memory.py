@@ -5,7 +5,9 @@
 
 Two gloo processes (one thread each) run the ``small`` model (8 layers, hidden 256, vocabulary 256) in
 bf16, the GPUs' precision, on each layout of the 2 local devices: dp 2, tp 2 and pp 2, training with and
-without activation recomputation, inference, and pipelined generation of 8 micro-batches at pp 2; at dp 2
+without activation recomputation, training on rows of 16..128 tokens (1-8x) padded and packed (a revision
+without packing has the padded row only; the estimate prices full-length rows, an upper bound), inference, and
+pipelined generation of 8 micro-batches at pp 2; at dp 2
 also training with bf16 gradient buffers (``TrainConfig.grad_dtype="bf16"``; a revision without the setting
 has no such row).
 Per device (the larger of the two):
@@ -73,21 +75,33 @@ def _measure(rank: int, store: str, results) -> None:
         groups = cache.model_groups(layouts[name])
         mbs = [{"input_ids": torch.randint(0, cfg.vocab_size, (TRAIN["rows"], TRAIN["seq"]), generator=g),
                 "lengths": torch.full((TRAIN["rows"],), TRAIN["seq"])} for _ in range(TRAIN["n_mbs"])]
-        runs = [(False, False), (True, False)]
+        # rows of 16..128 tokens (1-8x), padded to the longest of their micro-batch, or packed
+        lens = [torch.randint(TRAIN["seq"] // 8, TRAIN["seq"] + 1, (TRAIN["rows"],), generator=g)
+                for _ in range(TRAIN["n_mbs"])]
+        skewed = [{"input_ids": mb["input_ids"] * (torch.arange(TRAIN["seq"])[None] < n[:, None]), "lengths": n}
+                  for mb, n in zip(mbs, lens)]
+        packs = "pack_sequences" in inspect.signature(ParallelModel).parameters
+        runs = [(False, False, None), (True, False, None), (False, False, "padded")]
+        if packs:
+            runs.append((False, False, "packed"))
         if dp > 1 and "grad_dtype" in inspect.signature(ParallelModel.make_optimizer).parameters:
-            runs.append((False, True))
-        for recompute, bf16_grads in runs:
+            runs.append((False, True, None))
+        for recompute, bf16_grads, skew in runs:
             extra = {"grad_dtype": torch.bfloat16} if bf16_grads else {}
+            batches = skewed if skew else mbs
             with LiveTensorMeter() as steady:
                 model = ParallelModel(cfg, groups, dtype=torch.bfloat16, seed=1)
+                if packs:
+                    model.pack_sequences = skew == "packed"
                 opt = model.make_optimizer(lr=1e-6, **extra)
-                model.train_step(mbs, _loss, opt, recompute=recompute)
+                model.train_step(batches, _loss, opt, recompute=recompute)
                 torch.empty(0)  # the meter notices frees at the next operator: the step's gradient buffers
             n_params = sum(p.numel() for p in model.params().values())
             grad_bytes = 2 if bf16_grads else 4
             with LiveTensorMeter() as step:
-                model.train_step(mbs, _loss, opt, recompute=recompute)
-            key = f"{name} train{' recompute' if recompute else ''}{' bf16 grads' if bf16_grads else ''}"
+                model.train_step(batches, _loss, opt, recompute=recompute)
+            key = (f"{name} train{' recompute' if recompute else ''}{' bf16 grads' if bf16_grads else ''}"
+                   f"{f' 1-8x {skew}' if skew else ''}")
             out[key] = dict(stage=groups.pp_rank, steady=steady.current, peak=steady.current + step.peak,
                             params=n_params, state=steady.current + grad_bytes * n_params)
             del model, opt
