@@ -53,6 +53,7 @@ from realloc.models.config import ModelConfig
 from realloc.models.groups import ModelParallelGroups
 from realloc.models.llama import KVCache, LlamaStage, cache_mask
 from realloc.models.sampling import GenerationConfig, sample_tokens, sequence_generators
+from realloc.models.static_decode import StaticDecoder, decode_static, uses_static, wants_graph
 from realloc.models.vocab_parallel import gather_vocab
 from realloc.strategy import even_ranges
 
@@ -285,7 +286,14 @@ def generate(model: DecodingModel, prompts: Sequence[Sequence[int]] | Mapping[st
     model.stage.eval()
     mbs = [_MicroBatch(model, rows[lo:hi], seq_ids[lo:hi], gconfig) for lo, hi in even_ranges(bsz, n_mbs)]
     wire = _Wire(model)
-    if model.groups.pp == 1:
+    if uses_static(model, gconfig):
+        # static shapes, a CUDA graph per (rows, cache length) on a GPU (static_decode.py); freed on return
+        decoders: dict[tuple[int, int], StaticDecoder] = {}
+        graph = wants_graph(model, gconfig)
+        for mb in mbs:
+            decode_static(mb, decoders, graph)
+        del decoders
+    elif model.groups.pp == 1:
         for mb in mbs:  # one after another: only this micro-batch's cache is alive
             t = 0
             while not mb.done:
