@@ -239,8 +239,9 @@ class _MicroBatch:
         width = int(lengths.max())
         seqs = torch.full((bsz, width), self.gconfig.pad_token_id, dtype=torch.long, device=dev)
         lps = torch.zeros((bsz, width), dtype=torch.float32, device=dev)
+        gen_len = self.gen_len.tolist()  # one device-to-host copy per micro-batch, not one per row
         for b in range(bsz):
-            p, n = int(self.plen[b]), int(self.gen_len[b])
+            p, n = int(self.plen[b]), gen_len[b]
             seqs[b, :p] = self.rows[b].to(dev)
             seqs[b, p:p + n] = self.out_tok[b, :n]
             lps[b, p:p + n] = self.out_lp[b, :n]
