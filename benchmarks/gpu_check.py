@@ -172,21 +172,36 @@ def decode(chk: Check, rows: int, prompt_len: int, new_tokens: int) -> dict[str,
     modes = ("eager", "static", "graph") if dev == "cuda" else ("eager", "static")
     res: dict[str, Any] = {"model": cfg.name, "params": cfg.total_params, "rows": rows, "prompt_len": prompt_len,
                            "new_tokens": new_tokens}
-    toks = {}
+    toks, lps = {}, {}
     for mode in modes:
         gc = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, greedy=True, decode=mode)
         model.generate(prompts, gc)  # warm-up: kernels, cuBLAS handles, allocator
-        times = []
+        times, outs = [], []
         for _ in range(2):
             chk.sync()
             t0 = time.perf_counter()
-            out = model.generate(prompts, gc)
+            outs.append(model.generate(prompts, gc))
             chk.sync()
             times.append(time.perf_counter() - t0)
-        toks[mode] = out.sequences.cpu()
-        res[mode] = {"seconds": min(times), "tokens_per_s": rows * new_tokens / min(times)}
+        toks[mode], lps[mode] = outs[-1].sequences.cpu(), outs[-1].logprobs.cpu()
+        res[mode] = {"seconds": min(times), "tokens_per_s": rows * new_tokens / min(times),
+                     # run to run: are the device's kernels deterministic for this mode?
+                     "repeat_identical": bool(torch.equal(outs[0].sequences, outs[1].sequences))}
     res["static_equals_eager_tokens"] = bool(torch.equal(toks["static"], toks["eager"]))
+    res["static_vs_eager"] = _divergence(toks["static"], toks["eager"], lps["static"], lps["eager"], prompt_len)
+    if dev == "cuda":
+        # the same comparison with attention on the math backend (no fused attention kernel)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.MATH]):
+            for mode in ("static", "graph"):
+                gc = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, greedy=True, decode=mode)
+                o = model.generate(prompts, gc)
+                toks[mode + "_math"], lps[mode + "_math"] = o.sequences.cpu(), o.logprobs.cpu()
+        res["graph_vs_static_math_sdpa"] = _divergence(toks["graph_math"], toks["static_math"], lps["graph_math"],
+                                                       lps["static_math"], prompt_len)
     if "graph" in toks:
+        res["graph_vs_static"] = _divergence(toks["graph"], toks["static"], lps["graph"], lps["static"], prompt_len)
         res["graph_equals_static_tokens"] = bool(torch.equal(toks["graph"], toks["static"]))
         res["graph_eager_agree_frac"] = (toks["graph"] == toks["eager"]).float().mean().item()
         res["graph_speedup_vs_eager"] = res["eager"]["seconds"] / res["graph"]["seconds"]
@@ -197,6 +212,20 @@ def decode(chk: Check, rows: int, prompt_len: int, new_tokens: int) -> dict[str,
     if dev == "cuda":
         torch.cuda.empty_cache()
     return res
+
+
+def _divergence(a: torch.Tensor, b: torch.Tensor, la: torch.Tensor, lb: torch.Tensor, p: int) -> dict[str, Any]:
+    """Where two greedy decodings part: the first differing generated token per row, and the largest log-prob
+    difference before it (a measure of the numerical difference that flipped a near-tie)."""
+    first, gap = [], 0.0
+    for ra, rb, xa, xb in zip(a[:, p:], b[:, p:], la[:, p:], lb[:, p:]):
+        diff = (ra != rb).nonzero()
+        k = int(diff[0]) if len(diff) else len(ra)
+        first.append(k)
+        if k:
+            gap = max(gap, (xa[:k] - xb[:k]).abs().max().item())
+    return {"identical_rows": sum(k == a.shape[1] - p for k in first), "rows": len(first),
+            "mean_first_difference": sum(first) / len(first), "max_logprob_diff_before": gap}
 
 
 # -- 3. the measured profile --------------------------------------------------------------------------------------
@@ -238,7 +267,8 @@ class GpuCheckGRPO:
     seed: int = 1
     dataset: str = "{dataset}"
     iterations: int = {iterations}
-    grpo: GRPOConfig = GRPOConfig(n_minibatches=2, lr=1e-6, kl_coef=0.01)
+    # every response gen_len tokens long: the workload the estimator prices
+    grpo: GRPOConfig = GRPOConfig(n_minibatches=2, lr=1e-6, kl_coef=0.01, min_new_tokens={gen_len})
 
     @property
     def models(self):
@@ -272,7 +302,9 @@ def grpo_run(chk: Check, kind: str, iterations: int) -> dict[str, Any]:
                                      gen_len=96 if cuda else 16, iterations=iterations, n_samples=8 if cuda else 2,
                                      dataset=REPO / "experiments" / "data" / "arith_train.jsonl", model=model_dir))
     run_dir = chk.tmp / "run"
-    env = dict(os.environ, REALLOC_PROFILES=str(chk.tmp / "profiles"), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if (chk.tmp / "profiles").is_dir():  # this run's own profile (the profile section), else the shipped ones
+        env["REALLOC_PROFILES"] = str(chk.tmp / "profiles")
     cmd = [sys.executable, "-m", "realloc", "run", str(exp), "--run-dir", str(run_dir), "--search-time", "3"]
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
@@ -307,7 +339,10 @@ def per_call(chk: Check, exp: Path, run_dir: Path, kind: str) -> dict[str, Any]:
     graph = build_graph(load_experiment(str(exp)))
     plan = ExecutionPlan.load(run_dir / "plan.json")
     meshes = validate_plan(plan, graph)
-    measured = CostModel(graph, profile=discover_profiles(kind, chk.tmp / "profiles"))
+    own = chk.tmp / "profiles"
+    measured = CostModel(graph, profile=discover_profiles(kind, own) if own.is_dir() else None)
+    if not measured.profiles:
+        raise RuntimeError(f"no measured profile of this model for {kind}: run the profile section")
     roofline = CostModel(graph, discover=False)
     mem = measured.plan_call_memory(plan)
     reqs = [json.loads(x) for x in (run_dir / "requests.jsonl").read_text().splitlines() if x.strip()]
@@ -316,11 +351,11 @@ def per_call(chk: Check, exp: Path, run_dir: Path, kind: str) -> dict[str, Any]:
         rows = [r for r in reqs if r["kind"] == "call" and r["label"] == call and r["iteration"] > 1]
         if not rows:
             continue
-        secs = [max(e - s for s, e in r["spans"].values()) for r in rows]
+        secs = sorted(max(e - s for s, e in r["spans"].values()) for r in rows)
         peaks = [max(m["peak_bytes"] for m in r.get("memory", {}).values()) for r in rows if r.get("memory")]
         p = plan.placements[call]
         args = (call, meshes[call], p.strategy, p.n_mbs, p.recompute)
-        t_meas = sum(secs) / len(secs)
+        t_meas = secs[len(secs) // 2]  # the median: one iteration's allocator growth or autotuning is not the call
         est_p, est_r = measured.call_cost(*args).time, roofline.call_cost(*args).time
         est_mem = max(mem[call].values()) if mem.get(call) else None
         out[call] = {"strategy": f"{p.strategy} x{p.n_mbs}", "measured_s": t_meas, "est_profile_s": est_p,
@@ -359,8 +394,13 @@ def table(results: dict[str, Any]) -> str:
                 lines.append(f"{label:<44}"
                              f"{d[mode]['tokens_per_s']:>30.0f} tok/s")
         if "graph_speedup_vs_eager" in d:
-            lines.append(f"{'decode graph vs eager: speed-up, tokens':<44}{d['graph_speedup_vs_eager']:>29.2f}x "
-                         f"{'identical' if d['graph_equals_static_tokens'] else 'DIFFER':>9}")
+            lines.append(f"{'decode graph vs eager: speed-up':<44}{d['graph_speedup_vs_eager']:>39.2f}x")
+        for key, what in (("graph_vs_static", "graph vs static step"), ("graph_vs_static_math_sdpa",
+                                                                          "graph vs static, math SDPA")):
+            if key in d:
+                x = d[key]
+                lines.append(f"{'decode ' + what + ': identical rows, max dlogp':<44}"
+                             f"{x['identical_rows']:>24}/{x['rows']:<4}{x['max_logprob_diff_before']:>11.2e}")
     p = results.get("profile", {})
     lines.append(f"{'realloc profile':<44}{('ERROR ' + p['error'][:34]) if 'error' in p else p.get('file', ''):>40}")
     r = results.get("run", {})
@@ -384,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="folder for gpu_check.json, the profile table and the run's records")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu rehearses with small shapes")
     ap.add_argument("--only", default="", help="comma-separated sections: parity,decode,profile,run")
-    ap.add_argument("--iterations", type=int, default=4)
+    ap.add_argument("--iterations", type=int, default=6)
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -418,4 +458,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # An NCCL group left to the interpreter's exit can hang there (seen on an H200): end it, then leave at once.
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -174,20 +174,23 @@ def test_plan_memory_applies_the_rules(model):
     ref = model.call_memory("ref_inf", model.cluster.mesh("localhost:2-3"), S(2, 1, 1), 1)
     tp2_full = L * LAYER_TP2 + V * H // 2 + H + V * H // 2
     assert train.params == tp2_full * 4 and ref.params == FULL * 4
-    # trainable: params + grads + Adam state, on all 4 devices; at dp 2 the distributed optimizer holds half of
-    # the Adam state (m and v, fp32) on each dp rank (every tensor here has an even number of elements)
-    static_actor = tp2_full * (4 + 4 + 8 // 2)
+    # trainable: params + Adam state stay, on all 4 devices; at dp 2 the distributed optimizer holds half of
+    # the Adam state (m and v, fp32) on each dp rank (every tensor here has an even number of elements); the
+    # fp32 gradient buffers exist only while the train step runs (its dynamic memory)
+    static_actor = tp2_full * (4 + 8 // 2)
+    train_dyn = train.activations + tp2_full * 4
+    assert train.grads == tp2_full * 4
     peak = model.plan_memory(_plan(model))
     # devices 0, 1: the generation layout (tp2 on 2 devices) differs from the training layout
     # (dp2 x tp2 on 4), so generation runs on a reallocated copy that exists only while it runs
     gen_dyn = gen.activations + gen.kv_cache + gen.params
-    assert peak[0] == peak[1] == static_actor + max(train.activations, gen_dyn)
+    assert peak[0] == peak[1] == static_actor + max(train_dyn, gen_dyn)
     # devices 2, 3: the frozen ref model lives there (its home layout), static
-    assert peak[2] == peak[3] == static_actor + ref.params + max(train.activations, ref.activations)
+    assert peak[2] == peak[3] == static_actor + ref.params + max(train_dyn, ref.activations)
     # offloading ref turns its parameters into a copy loaded only while ref_inf runs
     off = model.plan_memory(_plan(model, offload=True))
     assert off[0] == peak[0]
-    assert off[2] == static_actor + max(train.activations, ref.activations + ref.params)
+    assert off[2] == static_actor + max(train_dyn, ref.activations + ref.params)
 
 
 def test_llama3_70b_per_token_counts_by_hand():

@@ -69,7 +69,8 @@ def optimizer_step(ctx: CallContext, micro: list[dict[str, torch.Tensor]], loss_
 def generation_config(ctx: CallContext) -> GenerationConfig:
     cfg = ctx.config
     # One seed per iteration; per-sequence streams come from the sequence's global index.
-    return GenerationConfig(max_new_tokens=ctx.gen_len, temperature=cfg.temperature, top_k=cfg.top_k,
+    return GenerationConfig(max_new_tokens=ctx.gen_len, min_new_tokens=min(cfg.min_new_tokens, ctx.gen_len),
+                            temperature=cfg.temperature, top_k=cfg.top_k,
                             top_p=cfg.top_p, greedy=ctx.greedy, seed=param_seed(ctx.seed, f"{ctx.purpose}/{ctx.iteration}"),
                             eos_token_ids=ctx.eos_token_ids, pad_token_id=ctx.pad_token_id,
                             vocab_limit=ctx.vocab_limit)

@@ -30,6 +30,9 @@ class TrainConfig:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    # Tokens every response gets before EOS may end it (capped at the experiment's gen_len): fixed-length
+    # responses, e.g. to benchmark a plan at the workload the estimator prices (gen_len tokens per response).
+    min_new_tokens: int = 0
     # Learning-rate schedule over the run's optimizer steps (iterations x n_minibatches): a linear
     # warmup over the first warmup_proportion of the steps, then constant, or linear or cosine decay
     # to min_lr_ratio x lr at the last step.
@@ -49,6 +52,8 @@ class TrainConfig:
         for field in ("lr", "adam_eps", "temperature"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"{name}.{field} must be positive, got {getattr(self, field)!r}")
+        if not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
+            raise ValueError(f"{name}.min_new_tokens must be a non-negative integer, got {self.min_new_tokens!r}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"{name}.lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
         if self.grad_dtype not in GRAD_DTYPES:

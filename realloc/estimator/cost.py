@@ -240,7 +240,7 @@ class CostModel:
             stages = self._stage_memory(hc, p.strategy, p.n_mbs, p.recompute)
             for rank, dev in enumerate(meshes[hc].device_ids):
                 m = stages[p.strategy.coords(rank)[2]]
-                static[dev] += (0 if offloaded else m.params) + (m.grads + m.optimizer if trainable else 0)
+                static[dev] += (0 if offloaded else m.params) + (m.optimizer if trainable else 0)
         per_call: dict[str, dict[int, int]] = {}
         for c in graph.spec.call_names:
             p = plan.placements[c]

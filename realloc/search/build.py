@@ -120,7 +120,7 @@ def price_options(graph: DataflowGraph, cost: CostModel, call: str, options: Seq
                 mem = (zeros, zeros, zeros)
             else:
                 st = [stage_call_memory(cfg, work, s, m, k, cost.call_precision(call), rc) for k in range(s.pp)]
-                mem = (np.array([x.params + ((x.grads + x.optimizer) if trainable else 0) for x in st], np.int64)
+                mem = (np.array([x.params + (x.optimizer if trainable else 0) for x in st], np.int64)
                        if is_home else np.zeros(s.pp, np.int64),
                        np.array([x.dynamic for x in st], np.int64),
                        np.array([x.params for x in st], np.int64))
