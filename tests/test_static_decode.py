@@ -109,3 +109,22 @@ def test_drawing_all_uniforms_at_once_equals_one_draw_per_step():
     one_by_one = torch.tensor([[torch.rand((), generator=g, dtype=torch.float64).item() for _ in range(37)]
                                for g in again], dtype=torch.float64)
     assert torch.equal(ahead, one_by_one)
+
+
+def test_min_new_tokens_setting_reaches_generation_capped_at_gen_len():
+    """TrainConfig.min_new_tokens (fixed-length responses, gpu_check's workload) becomes the generation's
+    min_new_tokens, never more than the experiment's gen_len; a negative value is refused by name."""
+    import types
+
+    from realloc.algorithms.common import generation_config
+    from realloc.algorithms.grpo import GRPOConfig
+
+    def ctx(cfg, gen_len):
+        return types.SimpleNamespace(config=cfg, gen_len=gen_len, greedy=False, seed=1, purpose="gen", iteration=0,
+                                     eos_token_ids=(2,), pad_token_id=0, vocab_limit=None)
+
+    assert generation_config(ctx(GRPOConfig(min_new_tokens=16), 32)).min_new_tokens == 16
+    assert generation_config(ctx(GRPOConfig(min_new_tokens=64), 32)).min_new_tokens == 32
+    assert generation_config(ctx(GRPOConfig(), 32)).min_new_tokens == 0
+    with pytest.raises(ValueError, match="GRPOConfig.min_new_tokens must be a non-negative integer"):
+        GRPOConfig(min_new_tokens=-1)

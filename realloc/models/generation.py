@@ -43,29 +43,18 @@ what it would alone, so the tokens depend neither on pp nor on the schedule.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Protocol, Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from realloc.models.batch import token_layout
-from realloc.models.config import ModelConfig
-from realloc.models.groups import ModelParallelGroups
-from realloc.models.llama import KVCache, LlamaStage, cache_mask
+from realloc.models.llama import KVCache, cache_mask
 from realloc.models.sampling import GenerationConfig, sample_tokens, sequence_generators
-from realloc.models.static_decode import StaticDecoder, decode_static, uses_static, wants_graph
+# DecodingModel: what generation reads of a model, defined beside the static step that reads it too
+from realloc.models.static_decode import DecodingModel, StaticDecoder, decode_static, uses_static, wants_graph
 from realloc.models.vocab_parallel import gather_vocab
 from realloc.strategy import even_ranges
-
-
-class DecodingModel(Protocol):
-    """What generation reads of a model; ``engine.ParallelModel`` is one."""
-
-    cfg: ModelConfig
-    groups: ModelParallelGroups
-    device: torch.device
-    dtype: torch.dtype
-    stage: LlamaStage
 
 
 @dataclasses.dataclass

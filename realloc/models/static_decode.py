@@ -27,16 +27,46 @@ the same step runs op by op: that path is the reference the graph's tokens are c
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from realloc.models.llama import KVCache, cache_mask
+from realloc.models.config import ModelConfig
+from realloc.models.groups import ModelParallelGroups
+from realloc.models.llama import KVCache, LlamaStage, cache_mask
 from realloc.models.sampling import GenerationConfig, draw_uniforms, sample_from_uniforms
 from realloc.models.vocab_parallel import gather_vocab
 
-if TYPE_CHECKING:
-    from realloc.models.generation import DecodingModel, _MicroBatch
+
+class DecodingModel(Protocol):
+    """What generation reads of a model; ``engine.ParallelModel`` is one (``generation.py`` re-exports it)."""
+
+    cfg: ModelConfig
+    groups: ModelParallelGroups
+    device: torch.device
+    dtype: torch.dtype
+    stage: LlamaStage
+
+
+class MicroBatchState(Protocol):
+    """What a static decode reads and fills of one micro-batch (``generation._MicroBatch``)."""
+
+    model: DecodingModel
+    gconfig: GenerationConfig
+    rows: list[torch.Tensor]
+    P: int  # longest prompt: prompts are left-padded into slots [0, P)
+    N: int  # max new tokens
+    key_valid: torch.Tensor  # [rows, P + N] bool, real prompt tokens
+    inputs: tuple  # the prefill's (ids, positions, mask, start)
+    generators: list[torch.Generator]
+    plen_d: torch.Tensor  # [rows] prompt lengths, on the device
+    eos: torch.Tensor
+    out_tok: torch.Tensor  # [rows, N], filled
+    out_lp: torch.Tensor
+    gen_len: torch.Tensor
+    hit_eos: torch.Tensor
+    done: bool
+    finished_step: int
 
 # Cache lengths are rounded up to a multiple of this, so micro-batches of nearby prompt lengths share a graph.
 CACHE_BUCKET = 64
@@ -44,7 +74,7 @@ CACHE_BUCKET = 64
 CHECK_EVERY = 16
 
 
-def wants_graph(model: "DecodingModel", gconfig: GenerationConfig) -> bool:
+def wants_graph(model: DecodingModel, gconfig: GenerationConfig) -> bool:
     """Whether ``generate()`` decodes with a captured CUDA graph: on a GPU with one pipeline stage, unless the
     config asks otherwise (``decode``: "auto", "graph", "static" or "eager")."""
     if gconfig.decode in ("eager", "static"):
@@ -56,7 +86,7 @@ def wants_graph(model: "DecodingModel", gconfig: GenerationConfig) -> bool:
     return on_gpu
 
 
-def uses_static(model: "DecodingModel", gconfig: GenerationConfig) -> bool:
+def uses_static(model: DecodingModel, gconfig: GenerationConfig) -> bool:
     """Whether ``generate()`` runs the static-shape step (with or without a graph)."""
     if gconfig.decode == "static" and model.groups.pp != 1:
         raise ValueError("GenerationConfig.decode='static' needs one pipeline stage (pp = 1); pipelined "
@@ -68,7 +98,7 @@ class StaticDecoder:
     """The buffers and (optionally) the CUDA graph of one decode step of ``rows`` sequences over ``length``
     cache slots; reused by every micro-batch of that shape in one ``generate()`` call."""
 
-    def __init__(self, model: "DecodingModel", rows: int, length: int, graph: bool) -> None:
+    def __init__(self, model: DecodingModel, rows: int, length: int, graph: bool) -> None:
         dev = model.device
         self.model, self.rows, self.length = model, rows, length
         self.caches: list[KVCache] = model.stage.new_kv_caches(rows, length)
@@ -118,7 +148,7 @@ class StaticDecoder:
         self.graph = graph
 
 
-def decode_static(mb: "_MicroBatch", decoders: dict[tuple[int, int], StaticDecoder], graph: bool) -> None:
+def decode_static(mb: MicroBatchState, decoders: dict[tuple[int, int], StaticDecoder], graph: bool) -> None:
     """Generate micro-batch ``mb`` (pp = 1) with a static-shape step; fills ``mb``'s outputs as the eager
     path does (``out_tok``, ``out_lp``, ``gen_len``, ``hit_eos``)."""
     model, gconfig = mb.model, mb.gconfig
