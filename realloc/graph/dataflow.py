@@ -19,6 +19,7 @@ from typing import Mapping
 
 import networkx as nx
 
+from realloc.algorithms.lora_graph import apply_lora, lora_digest, lora_setting
 from realloc.algorithms.registry import Interface, Table, interfaces_of, resolve_minibatches
 from realloc.api import ExperimentSpec, HFModel, ModelFunctionCallDef
 from realloc.graph.contracts import check_contracts
@@ -109,6 +110,9 @@ class DataflowGraph:
         shapes = {m: _shape_key(self.model_configs[m]) for m in self.spec.models}
         if shapes:
             body["checkpoint_shapes"] = shapes
+        lora = lora_digest(self.model_configs)  # adapters change the parameters a checkpoint holds
+        if lora:
+            body["lora"] = lora
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
     def unroll(self, n_iterations: int) -> nx.DiGraph:
@@ -144,7 +148,7 @@ class DataflowGraph:
 def _shape_key(cfg: ModelConfig | None) -> dict:
     # explicit_head_dim only when set, so that the digests of models without one stay what they were
     return {} if cfg is None else {k: v for k, v in dataclasses.asdict(cfg).items()
-                                   if k not in ("name", "special_tokens")
+                                   if k not in ("name", "special_tokens", "lora")
                                    and not (k == "explicit_head_dim" and v is None)}
 
 
@@ -230,6 +234,7 @@ def build_graph(spec: ExperimentSpec) -> DataflowGraph:
     rpcs = spec.rpcs
     table = interfaces_of(spec)
     model_types, model_configs = _resolve_model_types(spec, table)
+    apply_lora(spec.name, rpcs, model_configs, lora_setting(spec.config, spec.name))
     for r in rpcs:
         n = spec.n_seqs(r)
         if n % r.n_minibatches:
