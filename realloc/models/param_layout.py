@@ -246,7 +246,12 @@ def shard_numel(cfg: ModelConfig, tp: int, pp: int, pp_rank: int) -> int:
 
 
 def replicated_shard_numel(cfg: ModelConfig, tp: int, pp: int, pp_rank: int) -> int:
-    """Elements of split tensors (the k/v projections when tp exceeds the KV heads) one device of
+    """Elements of split trained tensors (the k/v projections when tp exceeds the KV heads) one device of
     (tp, pp_rank) shares with other tp ranks: their gradients are summed over those ranks each step."""
     return sum(s.shard_numel(tp) for s in stage_param_specs(cfg, pp, pp_rank)
-               if s.tp_dim is not None and s.tp_replicas(tp) > 1)
+               if s.tp_dim is not None and s.tp_replicas(tp) > 1 and is_trained(cfg, s))
+
+
+def trained_shard_numel(cfg: ModelConfig, tp: int, pp: int, pp_rank: int) -> int:
+    """Elements one device of (tp, pp_rank) trains: ``shard_numel``, or with LoRA its adapters' shards."""
+    return sum(s.shard_numel(tp) for s in stage_param_specs(cfg, pp, pp_rank) if is_trained(cfg, s))
