@@ -19,7 +19,7 @@ from typing import Mapping
 
 import networkx as nx
 
-from realloc.algorithms.lora_graph import apply_lora, lora_digest, lora_setting
+from realloc.algorithms.lora_graph import adapters_off, apply_lora, lora_digest, lora_setting
 from realloc.algorithms.registry import Interface, Table, interfaces_of, resolve_minibatches
 from realloc.api import ExperimentSpec, HFModel, ModelFunctionCallDef
 from realloc.graph.contracts import check_contracts
@@ -137,8 +137,11 @@ class DataflowGraph:
             parents = sorted(self.graph.predecessors(name))
             impl = self.interfaces[name].name if name in self.interfaces else r.interface_impl
             group = f" x{r.n_samples}" if r.n_samples > 1 else ""
+            cfg = self.model_configs.get(r.model_name)
+            lora = "" if cfg is None or cfg.lora is None else (
+                " base (LoRA adapters off)" if adapters_off(r) else f" + LoRA r={cfg.lora.rank}")
             lines.append(f"{name:<16} {r.interface_type.name:<10} {impl}{group} on {r.model_name}"
-                         f"({self.model_types[r.model_name]}) in={list(r.input_data)} out={list(r.output_data)} "
+                         f"({self.model_types[r.model_name]}){lora} in={list(r.input_data)} out={list(r.output_data)} "
                          f"after={parents}")
         if self.carry_edges:
             lines.append("next iteration: " + ", ".join(f"{u} -> {v}" for u, v in self.carry_edges))
