@@ -238,3 +238,72 @@ def test_dropout_masks_are_the_same_in_every_tp_layout_and_under_recomputation(p
         for n in got:
             assert (got[n] - base[n]).abs().max() < 1e-5, (key, n)
         assert abs(stats[1]["loss"] - base_stats[1]["loss"]) < 1e-5, key
+
+
+def _train_critic(ctx, cfg, tp, pp, path, adapters, mbs):
+    model = build_model(ctx, cfg, 1, tp, pp, hf_path=path)
+    if model is None:
+        return None
+    _set_adapters(model, adapters)
+    opt = torch.optim.SGD(list(model.trained_params().values()), lr=1.0)
+
+    def value_loss(out, mb):
+        valid = (out.layout.segment_ids >= 0).float()
+        return (((out.values - mb["targets"]) ** 2) * valid).sum() / valid.sum(), {}
+
+    model.train_step(mbs, value_loss, opt)
+    return {**local_shards(model), "trained": sorted(model.trained_params())}
+
+
+def test_a_lora_critic_trains_its_adapters_and_its_scalar_head_like_the_dense_formula(pool, tmp_path):
+    hf = tiny_hf_model(tmp_path, seed=5, critic=True)
+    cfg = dataclasses.replace(model_config_from_hf(tmp_path), lora=LORA)
+    adapters = _adapters(cfg, seed=7)
+    g = torch.Generator().manual_seed(8)
+    mbs = [dict(mb, targets=torch.randn(mb["input_ids"].shape, generator=g)) for mb in _micro_batches(seed=9, n=2)]
+    dense = DenseLoRA(hf, LORA, adapters)
+    score = dense.hf.score.weight
+    score.requires_grad_(True)  # the head is new for a critic: it trains with the adapters
+    for mb in mbs:
+        ids, lens = mb["input_ids"], mb["lengths"]
+        mask = (torch.arange(ids.shape[1])[None] < lens[:, None]).long()
+        values = dense.hf.score(dense.hf.model(input_ids=ids, attention_mask=mask).last_hidden_state)[..., 0]
+        ((((values - mb["targets"]) ** 2) * mask).sum() / mask.sum() / len(mbs)).backward()
+    want = {n: (p - p.grad).detach() for n, p in dense.params.items()}
+    want["score.weight"] = (score - score.grad).detach()
+    for tp, pp in [(1, 1), (2, 2)]:
+        res = [r for r in pool.run(_train_critic, cfg, tp, pp, str(tmp_path), adapters, mbs) if r is not None]
+        for r in res:
+            assert r["trained"] == sorted(n for n in r["shards"] if is_adapter(n) or n == "score.weight")
+            assert ("score.weight" in r["trained"]) == (r["pp"] == pp - 1)
+        got = _assemble_adapters(res, cfg)
+        head = next(r["shards"]["score.weight"] for r in res if "score.weight" in r["shards"])
+        assert (head - want["score.weight"]).abs().max() < 1e-5, (tp, pp)
+        for name, t in got.items():
+            assert (t - want[name]).abs().max() < 1e-5, (tp, pp, name)
+
+
+def _train_adamw(ctx, cfg, dp, path, adapters, mbs):
+    model = build_model(ctx, cfg, dp, 1, 1, hf_path=path)
+    if model is None:
+        return None
+    _set_adapters(model, adapters)
+    before = {n: p.detach().clone() for n, p in model.params().items()}
+    opt = model.make_optimizer(lr=1e-2)  # DistributedAdamW over the adapters at dp 2
+    per = len(mbs) // dp
+    model.train_step(mbs[model.groups.dp_rank * per:(model.groups.dp_rank + 1) * per], nll_loss, opt)
+    moved = sorted(n for n, p in model.params().items() if not torch.equal(p, before[n]))
+    return {**local_shards(model), "moved": moved, "opt": type(opt).__name__}
+
+
+def test_model_optimizers_hold_and_step_the_adapters_only(pool, gqa):
+    # AdamW's first step moves every element it owns by about lr; the frozen base stays bit for bit.
+    _, path = gqa
+    cfg = dataclasses.replace(model_config_from_hf(path), lora=LORA)
+    adapters = _adapters(cfg, seed=10)
+    mbs = _micro_batches(seed=13)
+    for dp in (1, 2):
+        res = [r for r in pool.run(_train_adamw, cfg, dp, str(path), adapters, mbs) if r is not None]
+        assert {r["opt"] for r in res} == {"AdamW" if dp == 1 else "DistributedAdamW"}
+        for r in res:
+            assert r["moved"] == sorted(adapters), dp
