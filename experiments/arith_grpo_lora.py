@@ -1,7 +1,7 @@
 """LoRA GRPO on the arithmetic task from the demo's SFT checkpoint (2 CPU devices).
 
 ``arith_grpo.py`` with the actor's base frozen: rank-8 LoRA adapters on every projection of its blocks are all
-that trains (30k parameters of the 0.2M-parameter model, with their AdamW state), and the reference is the
+that trains (39k parameters next to the 0.2M-parameter base, with their AdamW state), and the reference is the
 actor's own base with the adapters switched off (``reference_from_base``), so the graph has no reference model
 to load, place or reallocate.
 
