@@ -111,3 +111,42 @@ def test_lora_grpo_learns_the_task_and_its_exports_agree(tmp_path):
     first = _metrics(other)[0]
     assert first["reward"] == m[0]["reward"]
     assert abs(first["actor_loss"] - m[0]["actor_loss"]) < 1e-5 and abs(first["kl"] - m[0]["kl"]) < 1e-4
+
+
+PPO_LORA = '''
+import dataclasses, sys
+sys.path.insert(0, {experiments!r})
+from ppo_tiny import TinyPPO
+from realloc.algorithms.ppo_config import PPOConfig
+from realloc.api import LoRAConfig, auto, reference_from_base
+
+
+@auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size=32, prompt_len=8, gen_len=8)
+@dataclasses.dataclass
+class TinyPPOLoRA(TinyPPO):
+    dataset: str = {dataset!r}
+    ppo: PPOConfig = PPOConfig(n_minibatches=2, lr=2e-2, critic_lr=2e-2, kl_coef=0.01)
+    lora: LoRAConfig = LoRAConfig(rank=8, alpha=16, models=("actor", "critic"))
+
+    @property
+    def rpcs(self):
+        return reference_from_base(super().rpcs)
+'''
+
+
+def test_ppo_with_a_lora_actor_and_a_lora_critic_runs_with_the_base_as_reference(tmp_path):
+    exp = tmp_path / "ppo_lora.py"
+    exp.write_text(PPO_LORA.format(experiments=str(REPO / "experiments"),
+                                   dataset=str(REPO / "experiments" / "data" / "ppo_tiny_prompts.jsonl")))
+    target = f"{exp}:TinyPPOLoRA"
+    graph = build_graph(load_with_overrides(target))
+    assert set(graph.model_configs) == {"actor", "critic", "reward"}
+    assert graph.model_configs["critic"].lora is not None and graph.model_configs["critic"].is_critic
+    plan = tmp_path / "plan.json"
+    ExecutionPlan.by_hand(graph, {c: TP2 if c == "critic_train" else DP2 for c in graph.spec.call_names}).save(plan)
+    run = tmp_path / "run"
+    _realloc(tmp_path, "run", target, "--plan", str(plan), "--quiet", "--iterations", "10", "--run-dir", str(run))
+    m = _metrics(run)
+    assert abs(m[0]["kl"]) < 1e-4  # the actor starts as its base
+    assert max(abs(x["kl"]) for x in m[3:]) > 1e-3
+    assert m[-1]["critic_loss"] < 0.5 * m[0]["critic_loss"], [x["critic_loss"] for x in m]

@@ -304,6 +304,10 @@ def save_hf_checkpoint(model: "ParallelModel", path: str | os.PathLike, *, dtype
     ``hf_extra`` adds keys to config.json (e.g. ``bos_token_id``, ``eos_token_id``).
     """
     model._require("ready", "save_hf_checkpoint")
+    if model.cfg.lora is not None:
+        raise ValueError(f"save_hf_checkpoint: model {model.cfg.name!r} has LoRA adapters, which an HF checkpoint "
+                         f"has no place for; write a run checkpoint and `realloc export` it (merged, or --format "
+                         f"peft for the adapters alone)")
     path = Path(path)
     g, cfg = model.groups, model.cfg
     dtype = dtype or model.dtype
