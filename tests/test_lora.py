@@ -283,10 +283,19 @@ def test_a_lora_critic_trains_its_adapters_and_its_scalar_head_like_the_dense_fo
             assert (t - want[name]).abs().max() < 1e-5, (tp, pp, name)
 
 
-def _train_adamw(ctx, cfg, dp, path, adapters, mbs):
-    model = build_model(ctx, cfg, dp, 1, 1, hf_path=path)
-    if model is None:
+def _train_adamw(ctx, cfg, dp, path, adapters, mbs, bf16=False):
+    from realloc.models.engine import ParallelModel
+    from realloc.models.groups import ModelLayout
+    from realloc.models.hf_io import load_hf_checkpoint
+    from realloc.strategy import ParallelStrategy
+
+    layout = ModelLayout.for_model(cfg, tuple(range(dp)), ParallelStrategy(dp, 1, 1))
+    ctx.groups.ensure_layouts([layout])
+    if ctx.rank >= dp:
         return None
+    model = ParallelModel(cfg, ctx.groups.model_groups(layout), init="empty",
+                          dtype=torch.bfloat16 if bf16 else torch.float32)
+    load_hf_checkpoint(model, path)
     _set_adapters(model, adapters)
     before = {n: p.detach().clone() for n, p in model.params().items()}
     opt = model.make_optimizer(lr=1e-2)  # DistributedAdamW over the adapters at dp 2
@@ -302,8 +311,10 @@ def test_model_optimizers_hold_and_step_the_adapters_only(pool, gqa):
     cfg = dataclasses.replace(model_config_from_hf(path), lora=LORA)
     adapters = _adapters(cfg, seed=10)
     mbs = _micro_batches(seed=13)
-    for dp in (1, 2):
-        res = [r for r in pool.run(_train_adamw, cfg, dp, str(path), adapters, mbs) if r is not None]
-        assert {r["opt"] for r in res} == {"AdamW" if dp == 1 else "DistributedAdamW"}
+    kinds = {(1, False): "AdamW", (2, False): "DistributedAdamW", (1, True): "MasterWeightAdamW",
+             (2, True): "DistributedAdamW"}
+    for (dp, bf16), kind in kinds.items():
+        res = [r for r in pool.run(_train_adamw, cfg, dp, str(path), adapters, mbs, bf16) if r is not None]
+        assert {r["opt"] for r in res} == {kind}
         for r in res:
-            assert r["moved"] == sorted(adapters), dp
+            assert r["moved"] == sorted(adapters), (dp, bf16)
