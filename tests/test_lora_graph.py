@@ -153,3 +153,33 @@ def test_search_dry_run_on_a_7b_lora_experiment_places_no_reference_model_and_a_
     assert lora_mem < full_mem, line
     graph = build_graph(load_with_overrides(BIG_LORA))
     assert "ref" not in graph.model_configs
+
+
+def test_a_measured_profile_prices_a_lora_backward_without_the_frozen_weight_gradients():
+    # profiles measure full models: a LoRA model's backward is the measured time scaled by the roofline's
+    # LoRA/full compute ratio; forwards are measured as they are
+    from realloc.estimator.comm import CommModel
+    from realloc.estimator.profile_table import ProfiledCosts
+    from realloc.estimator.roofline import RooflineCosts
+    from test_profile_table import TINY, make_table
+
+    cluster = load_experiment(str(REPO / "experiments" / "ppo_tiny.py")).cluster
+    comm = CommModel(cluster)
+    full_roof = RooflineCosts(TINY, cluster.hardware, comm)
+
+    def measured(key, tp, b, s):
+        part, phase = key.split(".")
+        return 3 * sum(full_roof.op(Part(part), Phase(phase), tp, b, s)) + 1e-5
+
+    lora_cfg = dataclasses.replace(TINY, lora=LoRAConfig(rank=8))
+    lora_roof = RooflineCosts(lora_cfg, cluster.hardware, comm)
+    table = make_table(measured, tps=(1, 2))
+    full, lora = ProfiledCosts(table, TINY, full_roof, comm), ProfiledCosts(table, lora_cfg, lora_roof, comm)
+    for tp, b, s in [(1, 4, 16), (2, 8, 32), (4, 2, 16)]:
+        assert lora.op(Part.BLOCK, Phase.FWD, tp, b, s) == full.op(Part.BLOCK, Phase.FWD, tp, b, s)
+        fc, fx = full.op(Part.BLOCK, Phase.BWD, tp, b, s)
+        lc, lx = lora.op(Part.BLOCK, Phase.BWD, tp, b, s)
+        # measured at tp 1 and 2; tp 4 is scaled from tp 2 by the roofline, which comes to the same ratio
+        ratio = lora_roof.op(Part.BLOCK, Phase.BWD, tp, b, s)[0] / full_roof.op(Part.BLOCK, Phase.BWD, tp, b, s)[0]
+        assert lc == pytest.approx(fc * ratio, rel=1e-9) and lx <= fx, (tp, lc, fc, ratio)
+        assert ratio < 0.97 or tp > 1  # rank 8 next to 64/tp columns: the adapters are no longer small
