@@ -99,6 +99,10 @@ def test_a_frozen_lora_model_and_a_train_step_without_adapters_are_refused():
                  for r in reference_from_base(rpcs)]
     with pytest.raises(ValueError, match="a train step cannot run with the adapters off"):
         build_graph(_with(spec, LoRAConfig(), train_off))
+    gen_off = [dataclasses.replace(r, interface_args={"adapters": "off"}) if r.name == "actor_gen" else r
+               for r in reference_from_base(rpcs)]
+    with pytest.raises(ValueError, match="'off' is for INFERENCE calls"):
+        build_graph(_with(spec, LoRAConfig(), gen_off))
     bad = [dataclasses.replace(r, interface_args={"adapters": "no"}) if r.name == "ref_inf" else r
            for r in reference_from_base(rpcs)]
     with pytest.raises(ValueError, match="must be 'on' or 'off'"):

@@ -87,6 +87,11 @@ def apply_lora(name: str, rpcs: tuple[ModelFunctionCallDef, ...], configs: dict[
             if r.interface_type is InterfaceType.TRAIN_STEP:
                 raise ValueError(f"call {r.name!r}: a train step cannot run with the adapters off (they are what "
                                  f"it trains); drop interface_args['{ADAPTERS_ARG}']")
+            if r.interface_type is InterfaceType.GENERATE:
+                # generation may replay captured decode steps (CUDA graphs) that the adapter switch cannot reach
+                raise ValueError(f"call {r.name!r}: interface_args['{ADAPTERS_ARG}']='off' is for INFERENCE calls "
+                                 f"(the base model's log-probs or values); generation samples from the trained "
+                                 f"model")
 
 
 def lora_digest(configs: Mapping[str, ModelConfig | None]) -> dict[str, Any]:
