@@ -5,8 +5,11 @@ where an installed realloc looks for them (``realloc.estimator.hardware.shipped_
 from glob import glob
 from pathlib import Path
 
-from pybind11.setup_helpers import Pybind11Extension, build_ext
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import find_packages, setup
+
+# every core compiles (NPY_NUM_BUILD_JOBS=N to limit): the six sources build in the time of the largest
+ParallelCompile("NPY_NUM_BUILD_JOBS").install()
 
 ext = Pybind11Extension(
     "realloc._C",

@@ -209,11 +209,22 @@ class CostModel:
 
     def plan_memory(self, plan: ExecutionPlan) -> dict[int, int]:
         """Peak bytes of every device of the cluster under ``plan`` (rules in ``memory.py``)."""
+        static, per_call = self._plan_memory_parts(plan)
+        return {d: static[d] + max((m.get(d, 0) for m in per_call.values()), default=0) for d in static}
+
+    def plan_call_memory(self, plan: ExecutionPlan) -> dict[str, dict[int, int]]:
+        """Bytes of each device of each call's mesh while that call runs under ``plan``: what stays on the
+        device (every model's parameters, gradients and optimizer state placed there) plus the call's own
+        activations and caches (and its parameter copy when it runs off its model's home layout). A GPU
+        worker's per-request peak (``requests.jsonl`` "memory") measures the same thing."""
+        static, per_call = self._plan_memory_parts(plan)
+        return {c: {d: static[d] + b for d, b in m.items()} for c, m in per_call.items()}
+
+    def _plan_memory_parts(self, plan: ExecutionPlan) -> tuple[dict[int, int], dict[str, dict[int, int]]]:
         meshes = validate_plan(plan, self.graph)
         graph = self.graph
         layouts = {c: (meshes[c].name, plan.placements[c].strategy) for c in graph.spec.call_names}
         static: dict[int, int] = {d: 0 for d in range(self.cluster.n_devices)}
-        dynamic: dict[int, int] = dict(static)
         home: dict[str, str] = {}
         for model in graph.model_types:
             calls = [c for c in graph.topo_order if graph.call(c).model_name == model]
@@ -230,16 +241,17 @@ class CostModel:
             for rank, dev in enumerate(meshes[hc].device_ids):
                 m = stages[p.strategy.coords(rank)[2]]
                 static[dev] += (0 if offloaded else m.params) + (m.grads + m.optimizer if trainable else 0)
+        per_call: dict[str, dict[int, int]] = {}
         for c in graph.spec.call_names:
             p = plan.placements[c]
             model = graph.call(c).model_name
             copy = layouts[c] != layouts[home[model]] or (bool(plan.offload.get(model))
                                                           and not graph.call(home[model]).is_train)
             stages = self._stage_memory(c, p.strategy, p.n_mbs, p.recompute)
-            for rank, dev in enumerate(meshes[c].device_ids):
-                m = stages[p.strategy.coords(rank)[2]]
-                dynamic[dev] = max(dynamic[dev], m.dynamic + (m.params if copy else 0))
-        return {d: static[d] + dynamic[d] for d in static}
+            per_call[c] = {dev: stages[p.strategy.coords(rank)[2]].dynamic
+                           + (stages[p.strategy.coords(rank)[2]].params if copy else 0)
+                           for rank, dev in enumerate(meshes[c].device_ids)}
+        return static, per_call
 
     # -- moving parameters and data (realhf.txt section 6) -----------------------
     def model_config_of(self, model_name: str) -> ModelConfig | None:

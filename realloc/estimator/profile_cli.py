@@ -119,9 +119,18 @@ def build_job(args: argparse.Namespace) -> ProfileJob:
         raise ValueError(f"sequence/cache length {longest} exceeds the {cfg.max_position_embeddings} positions of "
                          f"{cfg.name}; lower --seq-lens/--ctx-lens")
     n_coll = getattr(args, "collectives", None)
-    world = max(max(tps), 2)
+    # one process per device: on CPU two at least (collectives need a pair), on GPUs as many as there are
+    world = max(max(tps), 2) if args.device == "cpu" else max(tps)
     sizes = _powers_of_two(2, world) if n_coll is None else tuple(s for s in _parse_ints(n_coll, "collectives")
                                                                   if s >= 2)
+    if args.device == "cuda":
+        import torch
+
+        n_gpus = torch.cuda.device_count()
+        need = max([world, *sizes])
+        if need > n_gpus:
+            raise ValueError(f"--tp/--collectives need {need} GPUs (one process per GPU) but this machine has "
+                             f"{n_gpus}; lower --tp or --collectives")
     return ProfileJob(model_type=args.model, device=args.device, kind=kind, dtype=hw.dtype, tps=tps, grid=grid,
                       collective_sizes=sizes, max_collective_bytes=getattr(args, "max_bytes", None)
                       or DEFAULT_MAX_COLLECTIVE_BYTES, collective_repeats=max(repeats - 2, 3))

@@ -66,18 +66,41 @@ GROUP_SAMPLE_SECONDS = 0.005
 GROUP_MAX_RUNS = 16
 
 
+def _no_sync() -> None:
+    return None
+
+
+def graphed(run: Callable[[], object], device: torch.device) -> Callable[[], object]:
+    """``run`` captured as a CUDA graph, returned as its replay: the runtime replays its decode steps so
+    (``models/static_decode.py``), and a graph's time is its kernels' without the host's launches."""
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        run()  # warm-up outside the capture, as torch.cuda.graphs asks
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph.replay
+
+
 def timed(run: Callable[[], object], group: dist.ProcessGroup | None, warmup: int, repeats: int,
           setup: Callable[[], object] | None = None) -> float:
     """Median seconds of ``run()`` over ``repeats`` samples, each the max over ``group`` (a sample over a
     group of 2+ is the mean of consecutive runs, see GROUP_SAMPLE_SECONDS); ``setup()`` runs untimed
     before every run."""
     multi = group is not None and group.size() > 1
+    # A GPU runs kernels after the host queued them: wait for the device before and after each timed run,
+    # or the clock measures the launches only.
+    sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else _no_sync
     last = 0.0
     for _ in range(warmup):
         if setup:
             setup()
+        sync()
         t0 = time.perf_counter()
         run()
+        sync()
         last = time.perf_counter() - t0
     runs = 1
     if multi:
@@ -93,8 +116,10 @@ def timed(run: Callable[[], object], group: dist.ProcessGroup | None, warmup: in
         for _ in range(runs):
             if setup:
                 setup()
+            sync()
             t0 = time.perf_counter()
             run()
+            sync()
             total += time.perf_counter() - t0
         times.append(total / runs)
     if multi:
@@ -227,6 +252,8 @@ class LayerProfiler:
             def run():
                 with torch.no_grad():
                     stage.embed(ids)
+            if phase is Phase.DECODE and self.device.type == "cuda":
+                return graphed(run, self.device), None  # inside the decode step's graph at run time
             return run, None
         if part is Part.BLOCK:
             x = self._hidden(b, new)
@@ -236,6 +263,18 @@ class LayerProfiler:
             pos = (torch.arange(new, device=self.device) + start).expand(b, new)
             cos, sin = self._rope(pos)
             mask = cache_mask(torch.ones(b, s, dtype=torch.bool, device=self.device), start, new)
+
+            if phase is Phase.DECODE and self.device.type == "cuda":
+                # as the runtime decodes on a GPU: the step's shapes fixed, the slot a device tensor, replayed
+                # as a CUDA graph (static_decode.py); the whole cache is attended under the mask
+                slot = torch.full((1,), start, dtype=torch.long, device=self.device)
+
+                def step():
+                    with torch.no_grad():
+                        h = x
+                        for layer, cache in zip(layers, caches):
+                            h = layer(h, cos, sin, mask, cache, slot)
+                return graphed(step, self.device), None
 
             def run():
                 with torch.no_grad():

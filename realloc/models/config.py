@@ -245,6 +245,10 @@ _BASE_CONFIGS: tuple[ModelConfig, ...] = (
     _llama3("llama3-13b", 5120, 13824, 40, 40, 40),
     _llama3("llama3-34b", 8192, 22016, 48, 64, 8),
     _llama3("llama3-70b", 8192, 28672, 80, 64, 8),
+    # Qwen2-0.5B's shape (Qwen/Qwen2-0.5B config.json): the model of benchmarks/gpu_check.py and of the
+    # measured GPU profiles under profiles/<gpu kind>/.
+    ModelConfig("qwen2-0.5b", 151936, 896, 4864, 24, 14, 2, max_position_embeddings=32768, rope_theta=1e6,
+                norm_eps=1e-6, tie_embeddings=True, family="qwen2", qkv_bias=True),
     # Tiny shapes for the local CPU cluster. Head counts are divisible by 2 and 4
     # so every tp in {1, 2, 4} is legal.
     ModelConfig("tiny", 64, 64, 176, 4, 4, 4, max_position_embeddings=256),

@@ -53,6 +53,7 @@ from realloc.models.config import ModelConfig
 from realloc.models.groups import ModelParallelGroups
 from realloc.models.llama import KVCache, LlamaStage, cache_mask
 from realloc.models.sampling import GenerationConfig, sample_tokens, sequence_generators
+from realloc.models.static_decode import StaticDecoder, decode_static, uses_static, wants_graph
 from realloc.models.vocab_parallel import gather_vocab
 from realloc.strategy import even_ranges
 
@@ -238,8 +239,9 @@ class _MicroBatch:
         width = int(lengths.max())
         seqs = torch.full((bsz, width), self.gconfig.pad_token_id, dtype=torch.long, device=dev)
         lps = torch.zeros((bsz, width), dtype=torch.float32, device=dev)
+        gen_len = self.gen_len.tolist()  # one device-to-host copy per micro-batch, not one per row
         for b in range(bsz):
-            p, n = int(self.plen[b]), int(self.gen_len[b])
+            p, n = int(self.plen[b]), gen_len[b]
             seqs[b, :p] = self.rows[b].to(dev)
             seqs[b, p:p + n] = self.out_tok[b, :n]
             lps[b, p:p + n] = self.out_lp[b, :n]
@@ -285,7 +287,14 @@ def generate(model: DecodingModel, prompts: Sequence[Sequence[int]] | Mapping[st
     model.stage.eval()
     mbs = [_MicroBatch(model, rows[lo:hi], seq_ids[lo:hi], gconfig) for lo, hi in even_ranges(bsz, n_mbs)]
     wire = _Wire(model)
-    if model.groups.pp == 1:
+    if uses_static(model, gconfig):
+        # static shapes, a CUDA graph per (rows, cache length) on a GPU (static_decode.py); freed on return
+        decoders: dict[tuple[int, int], StaticDecoder] = {}
+        graph = wants_graph(model, gconfig)
+        for mb in mbs:
+            decode_static(mb, decoders, graph)
+        del decoders
+    elif model.groups.pp == 1:
         for mb in mbs:  # one after another: only this micro-batch's cache is alive
             t = 0
             while not mb.done:

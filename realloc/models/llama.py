@@ -192,7 +192,8 @@ class Attention(nn.Module):
                                         **common)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                cache: KVCache | None = None, cache_start: int = 0, split: TokenSplit | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, cache_start: int | torch.Tensor = 0,
+                split: TokenSplit | None = None) -> torch.Tensor:
         if split is None:
             b, t, _ = x.shape
             q, k, v = (p(x)[0] for p in (self.q_proj, self.k_proj, self.v_proj))
@@ -207,7 +208,14 @@ class Attention(nn.Module):
         # opcount.attention_working_bytes_per_token counts it).
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        if cache is not None:
+        if isinstance(cache_start, torch.Tensor):
+            # static-shape decoding (static_decode.py): the slot is a device tensor, so a CUDA graph replays
+            # the write at whatever slot it names, and attention covers every slot under the mask
+            assert cache is not None and t == 1
+            cache.k.index_copy_(2, cache_start, k)
+            cache.v.index_copy_(2, cache_start, v)
+            k, v = cache.k, cache.v
+        elif cache is not None:
             end = cache_start + t
             cache.k[:, :, cache_start:end] = k
             cache.v[:, :, cache_start:end] = v
@@ -257,7 +265,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, tp_group, mcfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                cache: KVCache | None = None, cache_start: int = 0, split: TokenSplit | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, cache_start: int | torch.Tensor = 0,
+                split: TokenSplit | None = None) -> torch.Tensor:
         """``x``: ``[B, T, h]``, or with ``split`` (sequence parallelism) the rank's ``[local, h]`` tokens,
         which the norms and residual adds work on; attention and the MLP gather them."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_start, split)
@@ -323,7 +332,7 @@ class LlamaStage(nn.Module):
         return out if split is None else split.scatter(out)
 
     def run_layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
-                   caches: list[KVCache] | None = None, cache_start: int = 0, recompute: bool = False,
+                   caches: list[KVCache] | None = None, cache_start: int | torch.Tensor = 0, recompute: bool = False,
                    split: TokenSplit | None = None) -> torch.Tensor:
         """The stage's decoder layers. ``recompute`` (training only) keeps just each layer's input for the
         backward and runs the layer's forward again there (full per-layer activation recomputation,
@@ -369,7 +378,7 @@ class LlamaStage(nn.Module):
         return logits
 
     def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
-                caches: list[KVCache] | None = None, cache_start: int = 0, recompute: bool = False,
+                caches: list[KVCache] | None = None, cache_start: int | torch.Tensor = 0, recompute: bool = False,
                 split: TokenSplit | None = None) -> torch.Tensor:
         """Token ids (first stage) or hidden states (later stages) in; hidden states (or head output on the last
         stage) out. With ``split`` the hidden states are the rank's ``[local, h]`` tokens."""

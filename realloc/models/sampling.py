@@ -18,6 +18,9 @@ from realloc.models.vocab_parallel import vocab_parallel_token_logprobs
 from realloc.models.weights import param_seed
 
 
+DECODE_MODES = ("auto", "graph", "static", "eager")
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerationConfig:
     """How to generate. ``greedy=True`` ignores temperature, top_k and top_p."""
@@ -34,6 +37,10 @@ class GenerationConfig:
     # Ids >= this are never chosen (None: every id of the model): the tokenizer's length, so that the
     # padding rows of a checkpoint's vocabulary cannot produce an id no other model or tokenizer knows.
     vocab_limit: int | None = None
+    # How decode steps run (static_decode.py): "auto" captures them in a CUDA graph on a GPU with pp = 1
+    # and runs the eager, shrinking-batch loop elsewhere; "graph" insists on the graph; "static" runs the
+    # graph's static-shape step op by op (its reference); "eager" is the shrinking-batch loop everywhere.
+    decode: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
@@ -48,6 +55,8 @@ class GenerationConfig:
             raise ValueError(f"GenerationConfig.top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"GenerationConfig.top_p must be in (0, 1], got {self.top_p}")
+        if self.decode not in DECODE_MODES:
+            raise ValueError(f"GenerationConfig.decode must be one of {', '.join(DECODE_MODES)}, got {self.decode!r}")
         if self.vocab_limit is not None and self.vocab_limit < 1:
             raise ValueError(f"GenerationConfig.vocab_limit must be >= 1 (None: no limit), got {self.vocab_limit}")
 
@@ -79,9 +88,27 @@ def filtered_sorted(logits: torch.Tensor, g: GenerationConfig) -> tuple[torch.Te
     return probs, order
 
 
+def draw_uniforms(generators: Sequence[torch.Generator], n: int) -> torch.Tensor:
+    """[rows, n] float64: each row's next ``n`` draws, the ones ``sample_tokens`` would take at n steps
+    (a generator's vector draw equals its draws one at a time; tests/test_static_decode.py checks it)."""
+    return torch.stack([torch.rand(n, generator=gen, dtype=torch.float64) for gen in generators])
+
+
 def sample_tokens(logits: torch.Tensor, g: GenerationConfig, generators: Sequence[torch.Generator],
                   ban: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next tokens [B] and their log-probs [B] from full-vocabulary logits [B, V].
+    """Next tokens [B] and their log-probs [B] from full-vocabulary logits [B, V], one draw from each row's
+    generator (``sample_from_uniforms``)."""
+    u = None
+    if not g.greedy:
+        u = torch.stack([torch.rand((), generator=gen, dtype=torch.float64) for gen in generators])
+        u = u.to(logits.device)
+    return sample_from_uniforms(logits, g, u, ban)
+
+
+def sample_from_uniforms(logits: torch.Tensor, g: GenerationConfig, u: torch.Tensor | None,
+                         ban: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next tokens [B] and their log-probs [B] from full-vocabulary logits [B, V] and one uniform per row
+    (``u`` [B] float64 on the logits' device; None when greedy), all on the device: no host synchronization.
 
     ``ban`` lists token ids that may not be chosen (EOS before ``min_new_tokens``), as do ids at or past
     ``g.vocab_limit``. The logits are the full vocabulary (gathered over tp), so the limit is by global id
@@ -96,8 +123,8 @@ def sample_tokens(logits: torch.Tensor, g: GenerationConfig, generators: Sequenc
     if g.greedy:
         tokens = torch.argmax(logits, dim=-1)
     else:
+        assert u is not None, "sampling needs one uniform per row"
         probs, order = filtered_sorted(logits, g)
-        u = torch.stack([torch.rand((), generator=gen, dtype=torch.float64) for gen in generators]).to(probs.device)
         cdf = torch.cumsum(probs.double(), dim=-1)
         # Last kept index bounds the pick so rounding in the cdf cannot select a filtered-out token.
         n_kept = (probs > 0).sum(dim=-1)

@@ -143,6 +143,8 @@ class MasterLink:
         rec.completed = time.time()
         for rep in replies:
             rec.spans[rep.rank] = (rep.start, rep.end)
+            if rep.memory:
+                rec.memory[rep.rank] = dict(rep.memory)
         self.trace.add(rec)
         self.requests.write(rec)
         bad = next((rep for rep in replies if not rep.ok), None)

@@ -200,12 +200,19 @@ class ModelWorker:
                 continue
             req = env.body
             self.heartbeat.busy_req = req.req
+            on_gpu = self.device.type == "cuda"
+            if on_gpu:
+                torch.cuda.reset_peak_memory_stats(self.device)  # each request's own peak
             start = time.time()
             self.sample_parts = []
             try:
                 stats, outputs = self.handle(req)
+                if on_gpu:
+                    torch.cuda.synchronize(self.device)  # the request's kernels end inside its span
+                memory = ({"peak_bytes": torch.cuda.max_memory_allocated(self.device),
+                           "allocated_bytes": torch.cuda.memory_allocated(self.device)} if on_gpu else {})
                 reply = protocol.Reply(req=req.req, rank=self.rank, ok=True, start=start, end=time.time(),
-                                       stats=stats, outputs=outputs, samples=self.sample_parts)
+                                       stats=stats, outputs=outputs, samples=self.sample_parts, memory=memory)
             except Exception as e:  # noqa: BLE001 - report any failure to the master, which stops the run
                 log.error("request %d (%s) failed:\n%s", req.req, req.type, traceback.format_exc())
                 reply = protocol.Reply(req=req.req, rank=self.rank, ok=False, error=f"{type(e).__name__}: {e}",

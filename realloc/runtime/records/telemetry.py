@@ -32,6 +32,8 @@ class RequestRecord:
     completed: float = 0.0
     spans: dict[int, tuple[float, float]] = dataclasses.field(default_factory=dict)  # rank -> (start, end)
     received: dict[int, float] = dataclasses.field(default_factory=dict)  # rank -> when its reply arrived
+    # rank -> device memory of the request on a GPU: {"peak_bytes", "allocated_bytes"} (torch.cuda counters)
+    memory: dict[int, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     @property
     def worker_time(self) -> float:
@@ -100,7 +102,8 @@ class Trace:
         for rank, (s, e) in sorted(rec.spans.items()):
             self._event({"name": rec.label, "cat": rec.kind, "ph": "X", "pid": 0, "tid": rank,
                          "ts": self._us(s), "dur": round((e - s) * 1e6, 1),
-                         "args": {"iteration": iteration_number(rec.iteration), "req": rec.req}})
+                         "args": {"iteration": iteration_number(rec.iteration), "req": rec.req,
+                                  **{f"{k}_gib": round(v / 2**30, 3) for k, v in rec.memory.get(rank, {}).items()}}})
 
     def add_node(self, name: str, kind: str, iteration: int, start: float, end: float) -> None:
         self._event({"name": name, "cat": kind, "ph": "X", "pid": 1, "tid": 0, "ts": self._us(start),
@@ -128,7 +131,9 @@ class RequestLog:
                                   "iteration": iteration_number(r.iteration),
                                   "dispatched": r.dispatched, "completed": r.completed,
                                   "spans": {str(k): v for k, v in r.spans.items()},
-                                  "received": {str(k): v for k, v in r.received.items()}}) + "\n")
+                                  "received": {str(k): v for k, v in r.received.items()},
+                                  **({"memory": {str(k): v for k, v in r.memory.items()}} if r.memory else {})})
+                      + "\n")
 
     def flush(self) -> None:
         self._f.flush()

@@ -195,6 +195,8 @@ class Reply(_Msg):
     stats: dict[str, float] = Field(default_factory=dict)
     outputs: list[OutputMeta] = Field(default_factory=list)
     samples: list[SamplePart] = Field(default_factory=list)
+    # GPU workers: the request's peak and the allocation after it ("peak_bytes", "allocated_bytes"); empty on CPU
+    memory: dict[str, int] = Field(default_factory=dict)
 
     @field_validator("error")
     @classmethod
