@@ -318,3 +318,37 @@ def test_model_optimizers_hold_and_step_the_adapters_only(pool, gqa):
         assert {r["opt"] for r in res} == {kind}
         for r in res:
             assert r["moved"] == sorted(adapters), (dp, bf16)
+
+
+def _generate(ctx, cfg, tp, adapters, mode, base):
+    from realloc.models.sampling import GenerationConfig
+
+    model = build_model(ctx, cfg, 1, tp, 1, seed=3)
+    if model is None:
+        return None
+    _set_adapters(model, adapters)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 64, (n,), generator=g).tolist() for n in (3, 7, 1, 5)]
+    gconfig = GenerationConfig(max_new_tokens=12, seed=5, greedy=True, decode=mode)
+    if base:
+        with model.adapters_disabled():
+            out = model.generate(prompts, gconfig)
+    else:
+        out = model.generate(prompts, gconfig)
+    return [out.sequences[b, :out.lengths[b]].tolist() for b in range(len(prompts))]
+
+
+def test_generation_decodes_with_the_adapters_in_eager_and_static_steps(pool):
+    # the KV-cache path runs the adapters too: static-shape decoding (the step a CUDA graph captures) gives the
+    # eager loop's tokens, and both differ from the base model's
+    from realloc.models.config import get_model_config
+
+    cfg = dataclasses.replace(get_model_config("tiny-gqa"), lora=LORA)
+    adapters = {n: t * 5 for n, t in _adapters(cfg, seed=11).items()}  # large enough to change greedy tokens
+    runs = {}
+    for mode, base in (("eager", False), ("static", False), ("eager", True)):
+        res = [r for r in pool.run(_generate, cfg, 2, adapters, mode, base) if r is not None]
+        assert all(r == res[0] for r in res)
+        runs[mode, base] = res[0]
+    assert runs["static", False] == runs["eager", False]
+    assert runs["eager", True] != runs["eager", False]
