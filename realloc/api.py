@@ -17,6 +17,8 @@ from typing import Any, Callable, Mapping, Sequence
 from realloc.algorithms.registry import resolve_minibatches
 # Re-exported: experiments import the graph's node types from here.
 from realloc.calls import GENERATE, INFERENCE, TRAIN_STEP, InterfaceType, ModelFunctionCallDef  # noqa: F401
+from realloc.algorithms.lora_graph import reference_from_base  # noqa: F401
+from realloc.models.lora_config import LoRAConfig  # noqa: F401
 from realloc.cluster import ClusterSpec
 
 AUTO_ATTR = "__realloc_auto__"

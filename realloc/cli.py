@@ -164,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight dtype of the files (default: the checkpoint's)")
     s.add_argument("--skip-checkpoint-checks", action="store_true",
                    help="do not check the shards against the SHA-256 recorded when they were saved")
+    s.add_argument("--format", default="hf", choices=["hf", "peft"],
+                   help="hf: a full checkpoint (LoRA adapters merged into the base); peft: a LoRA model's adapters "
+                        "as PEFT writes them (adapter_config.json + adapter_model.safetensors)")
     s.set_defaults(func=export_cli.main)
     return p
 

@@ -39,7 +39,7 @@ from realloc.estimator.hardware import HardwareSpec, Precision
 from realloc.estimator.memory import Workload, max_local_params
 from realloc.estimator.opcount import Part, Phase, head_part
 from realloc.models.config import ModelConfig
-from realloc.models.param_layout import replicated_shard_numel, stage_layer_ranges
+from realloc.models.param_layout import replicated_shard_numel, stage_layer_ranges, trained_shard_numel
 from realloc.strategy import ParallelStrategy
 
 
@@ -297,8 +297,10 @@ class CallTimer:
         """Local parameters of the stage holding the most, over those of the one-layer model the
         profiler measured the train step's overhead on: that overhead (gradient norm, clipping,
         zeroing) is passes over every parameter."""
-        one = dataclasses.replace(self.cfg, n_layers=1, is_critic=False, tie_embeddings=False)
-        return max_local_params(self.cfg, strategy.tp, strategy.pp) / max_local_params(one, strategy.tp, 1)
+        one = dataclasses.replace(self.cfg, n_layers=1, is_critic=False, tie_embeddings=False, lora=None)
+        # LoRA: those passes cover only the trained adapters
+        trained = max(trained_shard_numel(self.cfg, strategy.tp, strategy.pp, k) for k in range(strategy.pp))
+        return trained / max_local_params(one, strategy.tp, 1)
 
     def _optimizer_step(self, strategy: ParallelStrategy, links: GroupLinks) -> CallCost:
         """After the last backward (``realloc.models.grads``): the sum of replicated KV heads'
@@ -306,7 +308,8 @@ class CallTimer:
         holding the most parameters. With dp 1 AdamW steps every local parameter. With dp > 1 the distributed
         optimizer (``realloc.models.zero``) reduce-scatters the gradients (fp32 or bf16) and all-gathers the updated
         parameters in buckets of GRAD_BUCKET_NUMEL elements, and AdamW steps a 1/dp chunk."""
-        n_local = max_local_params(self.cfg, strategy.tp, strategy.pp)
+        # what the optimizer steps and dp reduces: every parameter, or with LoRA the adapters
+        n_local = max(trained_shard_numel(self.cfg, strategy.tp, strategy.pp, k) for k in range(strategy.pp))
         dp = 0.0
         n_step = n_local
         if strategy.dp > 1:

@@ -100,7 +100,8 @@ from realloc.estimator.opcount import (block_backward_bytes_per_token, head_save
                                        saved_activation_bytes_per_token, stage_saved_bytes_per_token,
                                        transient_activation_bytes_per_token)
 from realloc.models.config import ModelConfig
-from realloc.models.param_layout import shard_numel, stage_layer_ranges, stage_param_specs
+from realloc.models.param_layout import (is_trained, shard_numel, stage_layer_ranges, stage_param_specs,
+                                         trained_shard_numel)
 from realloc.models.zero import chunk_numel, plan_buckets
 from realloc.strategy import ParallelStrategy
 
@@ -155,7 +156,7 @@ def local_params(cfg: ModelConfig, tp: int, pp: int, pp_rank: int) -> int:
 def local_optimizer_elems(cfg: ModelConfig, tp: int, pp: int, pp_rank: int, dp: int) -> int:
     """Elements of optimizer state (per kind: master, m, v) on a device of stage ``pp_rank``: its dp rank's
     chunk of every local tensor (``models/zero.py``; every tensor whole at dp 1)."""
-    return sum(chunk_numel(s.shard_numel(tp), dp) for s in stage_param_specs(cfg, pp, pp_rank))
+    return sum(chunk_numel(s.shard_numel(tp), dp) for s in stage_param_specs(cfg, pp, pp_rank) if is_trained(cfg, s))
 
 
 @lru_cache(maxsize=4096)
@@ -172,7 +173,7 @@ def optimizer_step_bytes(cfg: ModelConfig, tp: int, pp: int, pp_rank: int, dp: i
       reduce-scatter's in ``grad_bytes`` per element, the parameters' all-gather's (in the parameter dtype,
       never wider than the fp32 gradients) after it.
     """
-    specs = stage_param_specs(cfg, pp, pp_rank)
+    specs = [s for s in stage_param_specs(cfg, pp, pp_rank) if is_trained(cfg, s)]  # LoRA: the adapters
     if dp > 1:
         specs = sorted(specs, key=lambda s: s.name)
     peak = 0
@@ -233,13 +234,14 @@ def train_activation_bytes(cfg: ModelConfig, strategy: ParallelStrategy, n_mbs: 
     if pp > 1:
         kept += min(n_mbs, pp - pp_rank) * pipeline_held_bytes_per_token(cfg, precision, last, t)
     h, e = cfg.hidden_size, precision.param
-    weight_grad = h * max(h, cfg.q_dim, cfg.intermediate_size) / t * e
+    # LoRA: the frozen weights get no gradient (an adapter's r-wide one is negligible)
+    weight_grad = h * max(h, cfg.q_dim, cfg.intermediate_size) / t * e if cfg.lora is None else 0.0
     work = (redo + block_backward_bytes_per_token(cfg, t, precision, recompute)) * n_tok + weight_grad
     if last:
         head = norm_saved_bytes_per_token(cfg, precision, t) * n_tok + logprob_peak_bytes(cfg, t, precision, True,
                                                                                          n_tok)
         work = max(work, head)
-    if first:
+    if first and cfg.lora is None:
         work = max(work, cfg.padded_vocab_size / t * h * e)  # the embedding's gradient, after the blocks' backward
     return int(max(kept * n_tok + work, optimizer_step_bytes(cfg, t, pp, pp_rank, strategy.dp, precision.grad)))
 
@@ -260,7 +262,9 @@ def stage_call_memory(cfg: ModelConfig, work: Workload, strategy: ParallelStrate
     if work.interface is InterfaceType.TRAIN_STEP:
         act = train_activation_bytes(cfg, strategy, n_mbs, pp_rank, b * work.seq_len, precision, recompute)
         optimizer = local_optimizer_elems(cfg, t, pp, pp_rank, strategy.dp) * precision.optimizer
-        return CallMemory(params=params, grads=n_param * precision.grad, optimizer=optimizer, activations=act)
+        # gradients and optimizer state of the trained parameters only (LoRA: the adapters; lora_config.py)
+        grads = trained_shard_numel(cfg, t, pp, pp_rank) * precision.grad
+        return CallMemory(params=params, grads=grads, optimizer=optimizer, activations=act)
     if work.interface is InterfaceType.INFERENCE:
         # a stage's output (its n/t tokens, sequence parallel) stays referenced by its send until the next
         # stage has received it

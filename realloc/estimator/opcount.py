@@ -102,6 +102,20 @@ def local_block_matmul_params(cfg: ModelConfig, tp: int) -> float:
     return (2 * h * q + 3 * h * inter) / tp + 2 * h * local_kv_width(cfg, tp)
 
 
+def lora_backward_flops(cfg: ModelConfig, tp: int, n_tok: int) -> float:
+    """FLOPs of one block's LoRA adapters in a backward on one tp rank: per adapted linear the forward's two
+    r-wide GEMMs (input x A^T, then u B^T) again for the input gradients and twice for A's and B's gradients,
+    3 x 2 x n x r x (in + out), with the split factor of each adapter's local shape."""
+    lora = cfg.lora
+    if lora is None:
+        return 0.0
+    h, q, kv, inter = cfg.hidden_size, cfg.q_dim, local_kv_width(cfg, tp) * tp, cfg.intermediate_size
+    # (in, out) with the split side divided by tp: column layers split out, row layers split in
+    shapes = {"q_proj": (h, q / tp), "k_proj": (h, kv / tp), "v_proj": (h, kv / tp), "o_proj": (q / tp, h),
+              "gate_proj": (h, inter / tp), "up_proj": (h, inter / tp), "down_proj": (inter / tp, h)}
+    return sum(6.0 * n_tok * lora.rank * (a + b) for a, b in (shapes[m] for m in lora.target_modules))
+
+
 def _block_fwd(cfg: ModelConfig, t: int, b: int, s: int, c_attn: float, c_read: int, e: int,
                phase: Phase) -> OpWork:
     h, q, kvl, inter = cfg.hidden_size, cfg.q_dim, local_kv_width(cfg, t), cfg.intermediate_size
@@ -156,6 +170,13 @@ def op_work(cfg: ModelConfig, part: Part, phase: Phase, tp: int, b: int, s: int,
         # more all-gathers besides the swapped pairs
         coll = tuple(dataclasses.replace(c, count=2 * c.count) if c.op == "all_gather" else c
                      for c in fwd.tp_collectives)
+        if cfg.lora is not None:
+            # LoRA: the frozen projections compute input gradients only (one GEMM each, no gathered input for a
+            # weight gradient); the adapters' r-wide GEMMs are small next to them (lora_backward_flops)
+            return OpWork(gemm_flops=fwd.gemm_flops + lora_backward_flops(cfg, t, n), gemm_bytes=fwd.gemm_bytes,
+                          attn_flops=2.5 * fwd.attn_flops, attn_bytes=2 * fwd.attn_bytes,
+                          elem_bytes=2 * fwd.elem_bytes, kernels=_KERNELS[(Part.BLOCK, Phase.BWD)],
+                          tp_collectives=fwd.tp_collectives)
         return OpWork(gemm_flops=2 * fwd.gemm_flops,
                       gemm_bytes=2 * (fwd.gemm_bytes - weights * e) + weights * (e + 2 * precision.grad),
                       attn_flops=2.5 * fwd.attn_flops, attn_bytes=2 * fwd.attn_bytes, elem_bytes=2 * fwd.elem_bytes,
@@ -200,6 +221,10 @@ def op_work(cfg: ModelConfig, part: Part, phase: Phase, tp: int, b: int, s: int,
         # softmax grad (r logits, w grad; recomputed per chunk), two GEMMs, the normed tokens gathered again and
         # the input grad's reduce-scatter to the rank's tokens (sequence parallel)
         coll = (Collective("all_gather", n * h * e / t), Collective("reduce_scatter", n * h * e)) if t > 1 else ()
+        if cfg.lora is not None:  # a frozen head: the input gradient only
+            return OpWork(gemm_flops=gemm.gemm_flops, gemm_bytes=gemm.gemm_bytes,
+                          elem_bytes=2 * gemm.elem_bytes + 2 * n * v * lg, kernels=_KERNELS[(part, phase)],
+                          tp_collectives=coll[1:])
         return OpWork(gemm_flops=2 * gemm.gemm_flops, gemm_bytes=2 * gemm.gemm_bytes + h * v * 2 * precision.grad,
                       elem_bytes=2 * gemm.elem_bytes + 2 * n * v * lg, kernels=_KERNELS[(part, phase)],
                       tp_collectives=coll)

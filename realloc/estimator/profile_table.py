@@ -34,6 +34,7 @@ roofline's compute ratio, with its collectives modelled.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 from pathlib import Path
 from typing import Callable, Literal, Sequence
@@ -219,6 +220,9 @@ class ProfiledCosts:
 
     def __init__(self, table: ProfileTable, cfg: ModelConfig, roofline: RooflineCosts, comm: CommModel) -> None:
         self.table, self.cfg, self.roofline, self.comm = table, cfg, roofline, comm
+        # profiles measure full models; a LoRA model's backward skips the frozen weights' gradients (_lora_ratio)
+        self._full = None if cfg.lora is None else RooflineCosts(dataclasses.replace(cfg, lora=None), roofline.hw,
+                                                                 comm, roofline.eager_decode)
         self._opt = {tp: fit_line(t.optimizer) for tp, t in table.tp.items() if t.optimizer}
 
     def decode_grid(self, tp: int) -> tuple[int, ...]:
@@ -241,18 +245,34 @@ class ProfiledCosts:
     def op(self, part: Part, phase: Phase, tp: int, b: int, s: int) -> tuple[float, float]:
         key = f"{part.value}.{phase.value}"
         r_comp, r_comm = self.roofline.op(part, phase, tp, b, s)
+        # the measured model's roofline splits a measurement into compute and collectives: the full model's for
+        # a LoRA model, whose backward then keeps the LoRA share of that compute (_lora_ratio)
+        lora = self._full is not None and phase is Phase.BWD
+        measured_roof = self._full if lora else self.roofline
         measured = self._measured(key, part, phase, tp, b, s)
         if measured is not None:
-            comm = min(r_comm, measured)
-            return measured - comm, comm
+            if not lora:
+                comm = min(r_comm, measured)
+                return measured - comm, comm
+            comp = measured - min(measured_roof.op(part, phase, tp, b, s)[1], measured)
+            return comp * self._lora_ratio(part, phase, tp, b, s), r_comm
         t0 = self._nearest_tp(key, tp)
         if t0 is None:
             return r_comp, r_comm
         # nearest measured tp: its compute (collectives removed), scaled by the roofline's compute ratio
         m0 = self._measured(key, part, phase, t0, b, s)
-        c0, x0 = self.roofline.op(part, phase, t0, b, s)
+        c0, x0 = measured_roof.op(part, phase, t0, b, s)
         comp0 = max(m0 - min(x0, m0), 0.0)
-        return (comp0 * r_comp / c0 if c0 > 0 else comp0), r_comm
+        m_comp = measured_roof.op(part, phase, tp, b, s)[0]
+        comp = comp0 * m_comp / c0 if c0 > 0 else comp0
+        return (comp * self._lora_ratio(part, phase, tp, b, s) if lora else comp), r_comm
+
+    def _lora_ratio(self, part: Part, phase: Phase, tp: int, b: int, s: int) -> float:
+        """What a measured (full-model) backward computes for a LoRA model, relatively: the roofline's compute
+        of the LoRA op over the full one's (a LoRA backward has no weight-gradient GEMMs)."""
+        assert self._full is not None
+        full = self._full.op(part, phase, tp, b, s)[0]
+        return self.roofline.op(part, phase, tp, b, s)[0] / full if full > 0 else 1.0
 
     def _nearest_tp(self, key: str, tp: int) -> int | None:
         """The profiled tp closest to ``tp`` (the smaller on a tie) whose table has ``key``, or None."""

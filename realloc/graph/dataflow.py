@@ -19,6 +19,7 @@ from typing import Mapping
 
 import networkx as nx
 
+from realloc.algorithms.lora_graph import adapters_off, apply_lora, lora_digest, lora_setting
 from realloc.algorithms.registry import Interface, Table, interfaces_of, resolve_minibatches
 from realloc.api import ExperimentSpec, HFModel, ModelFunctionCallDef
 from realloc.graph.contracts import check_contracts
@@ -109,6 +110,9 @@ class DataflowGraph:
         shapes = {m: _shape_key(self.model_configs[m]) for m in self.spec.models}
         if shapes:
             body["checkpoint_shapes"] = shapes
+        lora = lora_digest(self.model_configs)  # adapters change the parameters a checkpoint holds
+        if lora:
+            body["lora"] = lora
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
     def unroll(self, n_iterations: int) -> nx.DiGraph:
@@ -133,8 +137,11 @@ class DataflowGraph:
             parents = sorted(self.graph.predecessors(name))
             impl = self.interfaces[name].name if name in self.interfaces else r.interface_impl
             group = f" x{r.n_samples}" if r.n_samples > 1 else ""
+            cfg = self.model_configs.get(r.model_name)
+            lora = "" if cfg is None or cfg.lora is None else (
+                " base (LoRA adapters off)" if adapters_off(r) else f" + LoRA r={cfg.lora.rank}")
             lines.append(f"{name:<16} {r.interface_type.name:<10} {impl}{group} on {r.model_name}"
-                         f"({self.model_types[r.model_name]}) in={list(r.input_data)} out={list(r.output_data)} "
+                         f"({self.model_types[r.model_name]}){lora} in={list(r.input_data)} out={list(r.output_data)} "
                          f"after={parents}")
         if self.carry_edges:
             lines.append("next iteration: " + ", ".join(f"{u} -> {v}" for u, v in self.carry_edges))
@@ -144,7 +151,7 @@ class DataflowGraph:
 def _shape_key(cfg: ModelConfig | None) -> dict:
     # explicit_head_dim only when set, so that the digests of models without one stay what they were
     return {} if cfg is None else {k: v for k, v in dataclasses.asdict(cfg).items()
-                                   if k not in ("name", "special_tokens")
+                                   if k not in ("name", "special_tokens", "lora")
                                    and not (k == "explicit_head_dim" and v is None)}
 
 
@@ -230,6 +237,7 @@ def build_graph(spec: ExperimentSpec) -> DataflowGraph:
     rpcs = spec.rpcs
     table = interfaces_of(spec)
     model_types, model_configs = _resolve_model_types(spec, table)
+    apply_lora(spec.name, rpcs, model_configs, lora_setting(spec.config, spec.name))
     for r in rpcs:
         n = spec.n_seqs(r)
         if n % r.n_minibatches:

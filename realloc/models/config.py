@@ -31,6 +31,8 @@ import math
 from types import MappingProxyType
 from typing import Any, Iterable
 
+from realloc.models.lora_config import LoRAConfig
+
 CRITIC_SUFFIX = "-critic"
 
 # A parameter-free model type: a rule-based function (e.g. a reward computed
@@ -66,6 +68,9 @@ class ModelConfig:
     # HF's head_dim when it differs from hidden_size / n_heads (None: that quotient). The q and o
     # projections are then n_heads * head_dim wide rather than hidden_size (``q_dim``).
     explicit_head_dim: int | None = None
+    # LoRA adapters on the block's linears (``lora_config.py``): the base is frozen, only the adapters (and a
+    # critic's scalar head) train. None: a plain model, every parameter trained.
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "hidden_size", "intermediate_size", "n_layers", "n_heads", "n_kv_heads"):
@@ -162,7 +167,24 @@ class ModelConfig:
         """What the engine holds: ``total_params`` plus the vocabulary padding of the embedding and, if it has
         its own, the LM head (the memory and checkpoint-size estimates use this; users see ``total_params``)."""
         padded_tables = 1 if self.is_critic or self.tie_embeddings else 2
-        return self.total_params + padded_tables * self.vocab_padding * self.hidden_size
+        return self.total_params + padded_tables * self.vocab_padding * self.hidden_size + self.adapter_params
+
+    @property
+    def adapter_params(self) -> int:
+        """Elements of the LoRA adapters (0 without LoRA): r x (in + out) per adapted linear."""
+        if self.lora is None:
+            return 0
+        h, q, kv, inter = self.hidden_size, self.q_dim, self.kv_dim, self.intermediate_size
+        shape = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                 "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+        return self.n_layers * self.lora.rank * sum(sum(shape[m]) for m in self.lora.target_modules)
+
+    @property
+    def trained_params(self) -> int:
+        """What a train step updates: everything, or with LoRA the adapters plus a critic's scalar head."""
+        if self.lora is None:
+            return self.allocated_params
+        return self.adapter_params + (self.hidden_size if self.is_critic else 0)
 
     def as_critic(self) -> "ModelConfig":
         return dataclasses.replace(self, name=self.name + CRITIC_SUFFIX, is_critic=True, tie_embeddings=False)

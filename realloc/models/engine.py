@@ -42,9 +42,10 @@ offload of a frozen model is ``realloc.runtime.transfer.offload.HostOffload(mode
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,7 @@ from realloc.models.config import ModelConfig
 from realloc.models.generation import GenerationOutput, generate
 from realloc.models.groups import ModelParallelGroups
 from realloc.models.llama import LlamaStage
+from realloc.models.lora import LoRAState, adapters_disabled, attach_adapters
 from realloc.models.megatron_shim import prepare_device
 from realloc.models.optim import MasterWeightAdamW
 from realloc.models.packing import PackPlan, pack_layout, token_balanced_ranges
@@ -62,7 +64,7 @@ from realloc.models.param_layout import ParamSpec, stage_param_specs
 from realloc.models.pipeline import StageLink, run_1f1b, run_forward_only
 from realloc.models.sequence_parallel import TokenSplit
 from realloc.models.vocab_parallel import gather_vocab, vocab_parallel_entropy, vocab_parallel_token_logprobs
-from realloc.models.weights import init_shard
+from realloc.models.weights import init_shard, param_seed
 from realloc.models.zero import DistributedAdamW
 
 if TYPE_CHECKING:
@@ -181,12 +183,20 @@ class ParallelModel:
         # off only to compare against plain tp. Generation decodes without it.
         self.sequence_parallel = sequence_parallel and groups.tp > 1
         self.stage = LlamaStage(cfg, groups.pp, groups.pp_rank, groups.tp_group, dtype, self.device)
+        # LoRA (lora.py): adapters on the block's linears, the base frozen; the same dropout seed on every tp
+        # rank of a (dp, pp) coordinate, so they drop the same inputs
+        self.lora: LoRAState | None = None
+        if cfg.lora is not None:
+            self.lora = attach_adapters(self.stage, cfg, groups.tp_group, dtype, self.device,
+                                        param_seed(seed, f"lora-dropout/dp{groups.dp_rank}/pp{groups.pp_rank}"))
         if groups.layout.kv_replicas != cfg.kv_replicas(groups.tp):
             raise ValueError(f"model {cfg.name!r}: layout.kv_replicas={groups.layout.kv_replicas} must be "
                              f"{cfg.kv_replicas(groups.tp)} ({cfg.n_kv_heads} KV heads at tp={groups.tp}); build the "
                              f"layout with ModelLayout.for_model")
         self.specs: dict[str, ParamSpec] = {s.name: s for s in stage_param_specs(cfg, groups.pp, groups.pp_rank)}
         self._params: dict[str, torch.nn.Parameter] = dict(self.stage.named_parameters())
+        # what train steps update: all parameters, or with LoRA the adapters (and a critic's head)
+        self._trained: dict[str, torch.nn.Parameter] = {n: p for n, p in self._params.items() if p.requires_grad}
         self._check_contract()
         self.state: ParamState = "ready"
         # bf16 models accumulate micro-batch gradients in fp32 (or bf16: the optimizer's grad_dtype) buffers
@@ -194,7 +204,7 @@ class ParallelModel:
         self._low_precision = dtype != torch.float32
         self._main_grads: dict[str, torch.Tensor] | None = None
         if self._low_precision:
-            for name, p in self._params.items():
+            for name, p in self._trained.items():
                 p.register_post_accumulate_grad_hook(self._accumulate_hook(name))
         if init == "random":
             self.init_random(seed)
@@ -212,6 +222,20 @@ class ParallelModel:
     def params(self) -> dict[str, torch.nn.Parameter]:
         """HF name -> this rank's shard (``full[spec.shard_slices(tp, tp_rank)]``), the live Parameters."""
         return dict(self._params)
+
+    def trained_params(self) -> dict[str, torch.nn.Parameter]:
+        """The parameters a train step updates: all of ``params()``, or with LoRA its adapters (and a critic's
+        scalar head)."""
+        return dict(self._trained)
+
+    @contextlib.contextmanager
+    def adapters_disabled(self) -> Iterator[None]:
+        """Run the base model, LoRA adapters off (a LoRA actor's reference); a no-op without LoRA."""
+        if self.lora is None:
+            yield
+            return
+        with adapters_disabled(self.lora):
+            yield
 
     def _accumulate_hook(self, name: str) -> Callable[[torch.nn.Parameter], None]:
         def hook(p: torch.nn.Parameter) -> None:
@@ -278,13 +302,14 @@ class ParallelModel:
         if grad_dtype != torch.float32 and not self._low_precision:
             raise ValueError(f"make_optimizer: grad_dtype={grad_dtype} needs a bf16 model; this one is {self.dtype} "
                              f"and keeps fp32 gradients (set grad_dtype to fp32)")
+        trained = self._trained
         if self.groups.dp > 1:
-            return DistributedAdamW(self._params, self.groups.dp_group, lr, weight_decay, betas, eps,
+            return DistributedAdamW(trained, self.groups.dp_group, lr, weight_decay, betas, eps,
                                     masters=self._low_precision, grad_dtype=grad_dtype)
         if self._low_precision:
-            return MasterWeightAdamW(self._params, lr, weight_decay, betas, eps, grad_dtype=grad_dtype)
-        decay = [p for n, p in self._params.items() if p.dim() >= 2]
-        no_decay = [p for n, p in self._params.items() if p.dim() < 2]
+            return MasterWeightAdamW(trained, lr, weight_decay, betas, eps, grad_dtype=grad_dtype)
+        decay = [p for n, p in trained.items() if p.dim() >= 2]
+        no_decay = [p for n, p in trained.items() if p.dim() < 2]
         return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                                   {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps,
                                  foreach=False)  # bounded temporaries, as MasterWeightAdamW
@@ -339,7 +364,7 @@ class ParallelModel:
         if self.dtype == torch.float16:
             raise ValueError("train_step: float16 training needs loss scaling, which is not implemented; use bfloat16")
         distributed = isinstance(optimizer, DistributedAdamW)
-        if distributed and (optimizer.params.keys() != self._params.keys() or optimizer.dp != self.groups.dp):
+        if distributed and (optimizer.params.keys() != self._trained.keys() or optimizer.dp != self.groups.dp):
             raise ValueError("train_step: the DistributedAdamW was made for another model; pass model.make_optimizer()")
         masters = isinstance(optimizer, MasterWeightAdamW) or (distributed and optimizer.keeps_masters)
         if self._low_precision and not masters:
@@ -369,12 +394,13 @@ class ParallelModel:
             return loss * weights[i]
 
         self.stage.train()
-        for p in self._params.values():
+        trained = self._trained
+        for p in trained.values():
             p.grad = None
         if self._low_precision:
             # masters is true here, so the optimizer is one of ours and says which buffers it steps from
             self._main_grads = {name: torch.zeros(p.shape, dtype=optimizer.grad_dtype, device=self.device)
-                                for name, p in self._params.items()}
+                                for name, p in trained.items()}
         try:
             with torch.enable_grad():
                 if g.pp == 1:
@@ -385,11 +411,11 @@ class ParallelModel:
             if self._main_grads is not None:
                 main = self._main_grads
             else:
-                grads.ensure_grads(self._params)
-                main = grads.param_grads(self._params)
+                grads.ensure_grads(trained)
+                main = grads.param_grads(trained)
             if self.sequence_parallel:
                 grads.sync_sequence_parallel(main, self.specs, g)
-            if self.cfg.tie_embeddings:
+            if self.cfg.tie_embeddings and "model.embed_tokens.weight" in main:  # frozen under LoRA
                 grads.sync_tied_embedding(main, g, "model.embed_tokens.weight")
             grads.sync_kv_replicas(main, self.specs, g)
             if distributed:
@@ -408,7 +434,9 @@ class ParallelModel:
                     optimizer.step()
         finally:
             self._main_grads = None
-            for p in self._params.values():
+            if self.lora is not None:
+                self.lora.clear()
+            for p in trained.values():
                 p.grad = None
         out = {"grad_norm": norm, "skipped": 0.0 if finite else 1.0}
         if g.is_last_stage:

@@ -41,6 +41,7 @@ from safetensors.torch import save_file
 
 from realloc.models.config import ModelConfig
 from realloc.models.families import config_from_hf, hf_from_config
+from realloc.models.lora_config import is_adapter
 from realloc.models.param_layout import ParamSpec, param_specs, stage_of_layer
 from realloc.models.weights import init_shard
 
@@ -177,8 +178,8 @@ def check_hf_weights(cfg: ModelConfig, path: str | os.PathLike, *, new_value_hea
             raise ValueError(f"{at}: {fname} is not a readable safetensors file ({type(e).__name__}: "
                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
     for spec in param_specs(cfg):
-        if spec.name == "score.weight" and new_value_head:
-            continue
+        if (spec.name == "score.weight" and new_value_head) or is_adapter(spec.name):
+            continue  # made, not read (LoRA adapters start from their own init)
         fname = wmap.get(spec.name, SINGLE_FILE)
         if (fname, spec.name) not in found:
             hint = (" (a causal LM: start a critic from it with new_value_head=True)" if spec.name == "score.weight"
@@ -199,11 +200,14 @@ def check_hf_weights(cfg: ModelConfig, path: str | os.PathLike, *, new_value_hea
 
 
 @torch.no_grad()
-def load_hf_checkpoint(model: "ParallelModel", path: str | os.PathLike, *, score_init_seed: int | None = None) -> None:
+def load_hf_checkpoint(model: "ParallelModel", path: str | os.PathLike, *, score_init_seed: int | None = None,
+                       adapter_init_seed: int = 0) -> None:
     """Fill ``model``'s local shards from a HF checkpoint; each rank reads only its slices.
 
     Loading a critic from a causal-LM checkpoint (no ``score.weight``) needs
-    ``score_init_seed`` to initialize the new value head deterministically.
+    ``score_init_seed`` to initialize the new value head deterministically. A LoRA model's adapters are not in
+    an HF checkpoint: they start from ``weights.init_shard`` with ``adapter_init_seed`` (B = 0, so the model
+    starts as the checkpoint).
     """
     path = Path(path)
     model._require("ready", "load_hf_checkpoint")
@@ -213,7 +217,7 @@ def load_hf_checkpoint(model: "ParallelModel", path: str | os.PathLike, *, score
     for name in model.params():
         if name in wmap:
             by_file[wmap[name]].append(name)
-        elif name == "score.weight" and score_init_seed is not None:
+        elif (name == "score.weight" and score_init_seed is not None) or is_adapter(name):
             continue
         else:
             hint = " (pass score_init_seed= to initialize a new value head)" if name == "score.weight" else ""
@@ -229,6 +233,9 @@ def load_hf_checkpoint(model: "ParallelModel", path: str | os.PathLike, *, score
                     raise ValueError(f"HF checkpoint {path}: {name} has shape {shape}, the model expects "
                                      f"{spec.hf_shape}; does config.json match the weights?")
                 _read_shard(params[name], sl, spec, g.tp, g.tp_rank)
+    for name in params:
+        if is_adapter(name) and name not in wmap:
+            params[name].copy_(init_shard(model.specs[name], adapter_init_seed, g.tp, g.tp_rank, model.dtype))
     if "score.weight" in params and "score.weight" not in wmap:
         spec = model.specs["score.weight"]
         params["score.weight"].copy_(init_shard(spec, score_init_seed, g.tp, g.tp_rank, model.dtype))
@@ -297,6 +304,10 @@ def save_hf_checkpoint(model: "ParallelModel", path: str | os.PathLike, *, dtype
     ``hf_extra`` adds keys to config.json (e.g. ``bos_token_id``, ``eos_token_id``).
     """
     model._require("ready", "save_hf_checkpoint")
+    if model.cfg.lora is not None:
+        raise ValueError(f"save_hf_checkpoint: model {model.cfg.name!r} has LoRA adapters, which an HF checkpoint "
+                         f"has no place for; write a run checkpoint and `realloc export` it (merged, or --format "
+                         f"peft for the adapters alone)")
     path = Path(path)
     g, cfg = model.groups, model.cfg
     dtype = dtype or model.dtype

@@ -31,6 +31,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Sequence
 
 from realloc.models.config import ModelConfig
+from realloc.models.lora_config import COLUMN_MODULES, is_adapter, module_prefix
 from realloc.strategy import even_ranges
 
 if TYPE_CHECKING:
@@ -151,7 +152,7 @@ def _block_specs(cfg: ModelConfig, i: int) -> list[ParamSpec]:
         attn.append(ParamSpec(f"{p}self_attn.{proj}.weight", (rows, h), 0, i, units))
         if cfg.qkv_bias:
             attn.append(ParamSpec(f"{p}self_attn.{proj}.bias", (rows,), 0, i, units))
-    return [
+    base = [
         ParamSpec(p + "input_layernorm.weight", (h,), None, i),
         *attn,
         ParamSpec(p + "self_attn.o_proj.weight", (h, q), 1, i),
@@ -160,6 +161,31 @@ def _block_specs(cfg: ModelConfig, i: int) -> list[ParamSpec]:
         ParamSpec(p + "mlp.up_proj.weight", (inter, h), 0, i),
         ParamSpec(p + "mlp.down_proj.weight", (h, inter), 1, i),
     ]
+    return base + _adapter_specs(cfg, i, {s.name: s for s in base})
+
+
+def _adapter_specs(cfg: ModelConfig, i: int, base: dict[str, ParamSpec]) -> list[ParamSpec]:
+    """LoRA's A [r, in] and B [out, r] of each target linear of block ``i`` (``lora_config.py``): a column-parallel
+    base keeps A whole and splits B's output rows like its own (whole KV heads for k/v); a row-parallel base
+    splits A's input columns like its own and keeps B whole."""
+    if cfg.lora is None:
+        return []
+    r, out = cfg.lora.rank, []
+    for m in cfg.lora.target_modules:
+        w = base[module_prefix(i, m) + ".weight"]
+        n_out, n_in = w.shape
+        a, b = module_prefix(i, m) + ".lora_A.weight", module_prefix(i, m) + ".lora_B.weight"
+        if m in COLUMN_MODULES:
+            out += [ParamSpec(a, (r, n_in), None, i), ParamSpec(b, (n_out, r), 0, i, w.tp_units)]
+        else:
+            out += [ParamSpec(a, (r, n_in), 1, i), ParamSpec(b, (n_out, r), None, i)]
+    return out
+
+
+def is_trained(cfg: ModelConfig, spec: ParamSpec) -> bool:
+    """Whether a train step updates ``spec``: every parameter, or with LoRA only the adapters and a critic's
+    scalar head (new for a critic or reward model, so LoRA on the trunk alone could not fit it)."""
+    return cfg.lora is None or is_adapter(spec.name) or spec.name == "score.weight"
 
 
 @lru_cache(maxsize=64)
@@ -220,7 +246,12 @@ def shard_numel(cfg: ModelConfig, tp: int, pp: int, pp_rank: int) -> int:
 
 
 def replicated_shard_numel(cfg: ModelConfig, tp: int, pp: int, pp_rank: int) -> int:
-    """Elements of split tensors (the k/v projections when tp exceeds the KV heads) one device of
+    """Elements of split trained tensors (the k/v projections when tp exceeds the KV heads) one device of
     (tp, pp_rank) shares with other tp ranks: their gradients are summed over those ranks each step."""
     return sum(s.shard_numel(tp) for s in stage_param_specs(cfg, pp, pp_rank)
-               if s.tp_dim is not None and s.tp_replicas(tp) > 1)
+               if s.tp_dim is not None and s.tp_replicas(tp) > 1 and is_trained(cfg, s))
+
+
+def trained_shard_numel(cfg: ModelConfig, tp: int, pp: int, pp_rank: int) -> int:
+    """Elements one device of (tp, pp_rank) trains: ``shard_numel``, or with LoRA its adapters' shards."""
+    return sum(s.shard_numel(tp) for s in stage_param_specs(cfg, pp, pp_rank) if is_trained(cfg, s))

@@ -154,7 +154,17 @@ class _ScatterTokens(torch.autograd.Function):
 def row_parallel(layer: torch.nn.Module, x: torch.Tensor, split: TokenSplit) -> torch.Tensor:
     """A RowParallelLinear (no bias) whose partial sums are reduce-scattered over the tokens."""
     assert layer.bias is None, "row-parallel biases would be added once per rank"
-    return split.reduce_scatter(torch.nn.functional.linear(x, layer.weight))
+    out = split.reduce_scatter(torch.nn.functional.linear(x, layer.weight))
+    delta = _lora_delta(layer, x, split)
+    return out if delta is None else out + delta
+
+
+def _lora_delta(layer: torch.nn.Module, x: torch.Tensor, split: TokenSplit) -> torch.Tensor | None:
+    """A LoRA adapter's term on ``layer`` (``models/lora.py`` attaches it as ``layer.lora``), or None."""
+    adapter = getattr(layer, "lora", None)
+    if adapter is None or not adapter.active():
+        return None
+    return adapter.delta_sp(x, split)
 
 
 def gather_project(split: TokenSplit, x: torch.Tensor, layers: "tuple[torch.nn.Module, ...]",
@@ -167,7 +177,9 @@ def gather_project(split: TokenSplit, x: torch.Tensor, layers: "tuple[torch.nn.M
     h-wide tensor a block saves. The input gradient is summed over the layers, then reduce-scattered."""
     weights = [layer.weight if weight is None else weight for layer in layers]
     biases = [layer.bias for layer in layers]
-    return _GatherProject.apply(x, split, len(layers), *weights, *biases)
+    outs = _GatherProject.apply(x, split, len(layers), *weights, *biases)
+    deltas = [_lora_delta(layer, x, split) for layer in layers]
+    return tuple(o if d is None else o + d for o, d in zip(outs, deltas))
 
 
 class _GatherProject(torch.autograd.Function):
@@ -184,13 +196,15 @@ class _GatherProject(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         split: TokenSplit = ctx.split
         x, *weights = ctx.saved_tensors
-        full = split._unpad(split._all_gather(x)).reshape(split.tokens, -1)
+        need_w = any(ctx.needs_input_grad[3:3 + len(weights)])
+        full = split._unpad(split._all_gather(x)).reshape(split.tokens, -1) if need_w else None
         grad_x = None
         grad_w, grad_b = [], []
-        for g, w, has_bias in zip(grads, weights, ctx.has_bias):
+        for i, (g, w, has_bias) in enumerate(zip(grads, weights, ctx.has_bias)):
             g = g.reshape(split.tokens, -1)
             grad_x = g @ w if grad_x is None else grad_x.addmm_(g, w)
-            grad_w.append(g.t() @ full)
+            # a frozen weight (LoRA's base) needs no gradient
+            grad_w.append(g.t() @ full if ctx.needs_input_grad[3 + i] else None)
             grad_b.append(g.sum(0) if has_bias else None)
         del full
         return (split._reduce_scatter(split._pad(grad_x)), None, None, *grad_w, *grad_b)

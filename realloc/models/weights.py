@@ -31,13 +31,17 @@ def param_seed(seed: int, name: str) -> int:
 def init_full_tensor(spec: ParamSpec, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The full (unsharded) initial value of ``spec``: ones for norms, zeros for biases, N(0, 0.02) for matrices,
     and zeros for the vocabulary padding rows (drawn after the real rows, which are thus what they would be
-    without padding)."""
-    if spec.name.endswith(".bias"):
+    without padding). LoRA: A uniform in +-1/sqrt(in) (PEFT's kaiming_uniform_(a=sqrt(5)) bound), B zeros, so
+    the adapted model starts as the base (Hu et al. 2021, §4.1)."""
+    if spec.name.endswith(".bias") or spec.name.endswith(".lora_B.weight"):
         return torch.zeros(spec.shape, dtype=dtype)
     if len(spec.shape) == 1:
         return torch.ones(spec.shape, dtype=dtype)
     gen = torch.Generator().manual_seed(param_seed(seed, spec.name))
     full = torch.empty(spec.hf_shape, dtype=torch.float32)
+    if spec.name.endswith(".lora_A.weight"):
+        bound = 1.0 / spec.shape[1] ** 0.5
+        return full.uniform_(-bound, bound, generator=gen).to(dtype)
     full.normal_(0.0, INIT_STD, generator=gen)
     return spec.pad(full.to(dtype))
 

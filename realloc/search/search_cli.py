@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from realloc.overrides import load_with_overrides
+from realloc.search.lora_report import lora_summary
 from realloc.search.planner import SearchReport, baseline, experiment_of, plan_search
 from realloc.search.timeline import check_suffix
 
@@ -56,6 +57,8 @@ def print_report(report: SearchReport, n_threads: int) -> None:
     print(rp.comparison_table(report))
     print()
     print(rp.memory_summary(report))
+    for line in lora_summary(report.graph, report.space.cost, report.plan):
+        print(line)
     print(f"search: {rp.search_summary(report, n_threads)}")
 
 

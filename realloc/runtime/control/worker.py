@@ -33,6 +33,7 @@ import torch.distributed as dist
 import zmq
 
 from realloc.algorithms.context import CallContext, CallResult, Data
+from realloc.algorithms.lora_graph import adapters_off
 from realloc.data.prompts import PromptDataset
 from realloc.data.tokenizer import Tokenizer
 from realloc.graph.dataflow import build_graph
@@ -270,7 +271,8 @@ class ModelWorker:
             if home and source is not None and not (resume and prog.is_trained(cl.model)):
                 t0 = time.time()
                 load_hf_checkpoint(model, source.path, score_init_seed=(
-                    param_seed(self.config.seed, f"{cl.model}/value-head") if source.new_value_head else None))
+                    param_seed(self.config.seed, f"{cl.model}/value-head") if source.new_value_head else None),
+                    adapter_init_seed=self.config.seed)
                 log.info("loaded %s from %s into %s in %.1f s", cl.model, source.path, _layout_name(cl),
                          time.time() - t0)
             if not home:
@@ -362,7 +364,12 @@ class ModelWorker:
                                 purpose=f"eval{eval_batch}" if evaluating else "generate", recompute=cl.recompute,
                                 group_size=spec.group_size, tokenizer=self.tokenizer,
                                 records=self._records(evaluating) if iface.records else None)
-        result = fn(ctx, inputs)
+        if adapters_off(rpc):  # a LoRA model's base (the reference of a LoRA actor): lora_graph.py
+            assert handle is not None
+            with handle.model.adapters_disabled():
+                result = fn(ctx, inputs)
+        else:
+            result = fn(ctx, inputs)
         CallResult.check(result, call, iface.name, out_keys, self.rank, early_stage=pp_rank < pp - 1)
         metas = []
         for role, key in out_keys.items():

@@ -28,8 +28,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from realloc.models.config import ModelConfig
+from realloc.models.lora_config import LoRAConfig
 from realloc.models.param_layout import param_specs, stage_of_layer
-from realloc.runtime.persist import checkpoint
+from realloc.runtime.persist import checkpoint, lora_export
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -46,6 +47,8 @@ def _model_config(record: Mapping[str, Any]) -> ModelConfig:
     raw = {k: v for k, v in record["config"].items() if k in fields}
     if raw.get("rope_scaling") is not None:
         raw["rope_scaling"] = tuple(raw["rope_scaling"])
+    if raw.get("lora") is not None:
+        raw["lora"] = LoRAConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw["lora"].items()})
     return ModelConfig(**raw)
 
 
@@ -78,10 +81,12 @@ def _full_tensors(ckpt: Path, model: str, cfg: ModelConfig, tp: int, pp: int, na
 
 
 def export_checkpoint(ckpt: str | Path, model: str, out: str | Path, *, dtype: str | None = None,
-                      max_file_bytes: int = 4 << 30, verify: bool = True) -> Path:
+                      max_file_bytes: int = 4 << 30, verify: bool = True, fmt: str = "hf") -> Path:
     """Write ``model`` of checkpoint ``ckpt`` as a HF directory ``out``; returns ``out``.
 
-    Every shard is checked against the SHA-256 recorded when it was saved (``verify=False`` skips that)."""
+    A LoRA model is written with its adapters merged into the base (``fmt="hf"``), or as a PEFT adapter
+    directory (``fmt="peft"``: ``lora_export.py``). Every shard is checked against the SHA-256 recorded when
+    it was saved (``verify=False`` skips that)."""
     from realloc.models.hf_io import (CONFIG_FILE, GENERATION_CONFIG_FILE, INDEX_FILE, hf_config_from_model_config,
                                       shard_file_plan, write_generation_config)
 
@@ -94,8 +99,14 @@ def export_checkpoint(ckpt: str | Path, model: str, out: str | Path, *, dtype: s
                          f"model's weights are the checkpoint it was loaded from")
     if dtype is not None and dtype not in _DTYPES:
         raise ValueError(f"--dtype {dtype!r}: use one of {', '.join(_DTYPES)}")
+    if fmt not in ("hf", "peft"):
+        raise ValueError(f"--format {fmt!r}: use hf (a full checkpoint, LoRA adapters merged) or peft")
     rec = records[model]
     cfg = _model_config(rec)
+    if fmt == "peft" and cfg.lora is None:
+        raise ValueError(f"--format peft: model {model!r} of checkpoint {ckpt} was trained without LoRA, so it has "
+                         f"no adapters to write; export it with --format hf")
+    base = dataclasses.replace(cfg, lora=None)  # what HF files hold
     tp, pp = int(rec["tp"]), int(rec["pp"])
     torch_dtype = _DTYPES[dtype] if dtype else None
     if out.exists() and any(out.iterdir()):
@@ -105,28 +116,40 @@ def export_checkpoint(ckpt: str | Path, model: str, out: str | Path, *, dtype: s
     tmp.mkdir(parents=True)
     try:
         written_dtype = None
-        plan = shard_file_plan(cfg, pp, torch_dtype or torch.float32, max_file_bytes)
         verified: set[Path] | None = set() if verify else None
+        if fmt == "peft":
+            tensors = _full_tensors(ckpt, model, cfg, tp, pp, lora_export.trained_names(cfg), torch_dtype, verified)
+            lora_export.write_peft(tmp, cfg, tensors, rec.get("source"))
+            plan = []
+        else:
+            plan = shard_file_plan(base, pp, torch_dtype or torch.float32, max_file_bytes)
         for _, fname, names in plan:
-            tensors = _full_tensors(ckpt, model, cfg, tp, pp, names, torch_dtype, verified)
+            if cfg.lora is None:
+                tensors = _full_tensors(ckpt, model, cfg, tp, pp, names, torch_dtype, verified)
+            else:  # read in fp32 and merge there, then cast
+                names = names + lora_export.adapter_names(cfg, names)
+                tensors = lora_export.merge(cfg, _full_tensors(ckpt, model, cfg, tp, pp, names, None, verified))
+                tensors = {n: t.to(torch_dtype or t.dtype) for n, t in tensors.items()}
             written_dtype = next(iter(tensors.values())).dtype
             save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
             del tensors
         if len(plan) > 1:
             elem = torch.tensor([], dtype=written_dtype).element_size()
-            index = {"metadata": {"total_size": sum(s.hf_numel for s in param_specs(cfg)) * elem},
+            index = {"metadata": {"total_size": sum(s.hf_numel for s in param_specs(base)) * elem},
                      "weight_map": {n: fname for _, fname, names in plan for n in names}}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
         ids = {k: v for k, v in (rec.get("token_ids") or {}).items() if v is not None}
-        hf = hf_config_from_model_config(cfg, written_dtype or torch.float32, ids)
-        (tmp / CONFIG_FILE).write_text(json.dumps(hf, indent=2))
+        hf = hf_config_from_model_config(base, written_dtype or torch.float32, ids)
+        if fmt == "hf":
+            (tmp / CONFIG_FILE).write_text(json.dumps(hf, indent=2))
         source_gen = Path(rec["source"]) / GENERATION_CONFIG_FILE if rec.get("source") else None
         write_generation_config(tmp, ids, json.loads(source_gen.read_text()) if source_gen and source_gen.is_file()
                                 else None)
         _copy_tokenizer(tmp, rec.get("tokenizer"))
         (tmp / "realloc_export.json").write_text(json.dumps(
             {"checkpoint": str(ckpt.resolve()), "iteration": meta.get("iteration"), "model": model,
-             "experiment": meta.get("experiment"), "layout": {"tp": tp, "pp": pp}}, indent=2))
+             "experiment": meta.get("experiment"), "layout": {"tp": tp, "pp": pp}, "format": fmt,
+             **({"lora": dataclasses.asdict(cfg.lora), "merged": fmt == "hf"} if cfg.lora else {})}, indent=2))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed export leaves nothing behind
         raise
