@@ -165,3 +165,47 @@ def test_train_step_and_scores_match_transformers_in_every_layout(pool, assets):
             assert scored[k] == pytest.approx(want[k], abs=1e-4), (where, "scores", k)
         norm = next(r["globals"]["rm_grad_norm"] for r in res if r["reporter"])
         assert norm == pytest.approx(want_norm, rel=1e-4), where
+
+
+# -- the planner's view and the evaluation's calls ----------------------------------------------------------------
+def test_estimator_prices_both_responses_of_every_pair_and_the_search_places_the_step(capsys):
+    import dataclasses
+    import types
+
+    from hf_assets import REPO
+    from realloc.algorithms.registry import builtin_interfaces
+    from realloc.api import load_experiment
+    from realloc.cli import main
+    from realloc.estimator.cost import CostModel
+    from realloc.graph.dataflow import build_graph
+    from realloc.strategy import ParallelStrategy
+
+    experiment = str(REPO / "experiments/rm_7b.py")
+    spec = load_experiment(experiment)
+    rm = CostModel(build_graph(spec), discover=False)
+    # 512 pairs, 4 mini-batches: 128 pairs a step, 256 sequences through the model.
+    assert rm.workload("rm_train").n_seqs == 256
+    # The same cost as a train step of the same model on 1,024 single sequences.
+    flat_iface = dataclasses.replace(builtin_interfaces()[("rm", TRAIN_STEP)], name="flat_rm", rows_per_seq=1)
+    flat_spec = dataclasses.replace(spec, batch_size=2 * spec.batch_size,
+                                    rpcs=tuple(dataclasses.replace(r, interface_impl="flat_rm") for r in spec.rpcs),
+                                    config=types.SimpleNamespace(rm=spec.config.rm, interfaces=[flat_iface]))
+    flat = CostModel(build_graph(flat_spec), discover=False)
+    mesh = spec.cluster.whole
+    for strategy, n_mbs in ((ParallelStrategy(8, 1, 1), 4), (ParallelStrategy(2, 2, 2), 8)):
+        assert rm.call_cost("rm_train", mesh, strategy, n_mbs) == flat.call_cost("rm_train", mesh, strategy, n_mbs)
+    assert main(["search", experiment, "--dry-run", "--evals", "1500", "--threads", "1"]) == 0
+    table = capsys.readouterr().out.split("searched plan", 1)[1]
+    assert "\nrm_train " in table and "fits in" in table
+
+
+def test_evaluation_of_a_graph_without_generation_scores_pairs_in_the_train_layout():
+    from hf_assets import REPO
+    from realloc.api import load_experiment
+    from realloc.runtime.inputs.evaluation import eval_calls
+
+    ec = eval_calls(load_experiment(str(REPO / "experiments/arith_rm.py")))
+    assert (ec.generate, ec.train, ec.reward, ec.scorer) == ("rm_train", "rm_train", "rm_train", "rm")
+    # DPO's train step has no scoring namesake: an eval set there is refused, naming what is missing.
+    with pytest.raises(ValueError, match="evaluation needs a GENERATE call that reads the prompts"):
+        eval_calls(load_experiment(str(REPO / "experiments/dpo_tiny.py")))
