@@ -32,7 +32,9 @@ class ArithPPOWithRewardModel:
     dataset: str = "data/arith_train.jsonl"  # {"prompt": "1+63=", "answer": "64"} per line
     tokenizer: str = "data/arith_tokenizer"
     iterations: int = 40
-    ppo: PPOConfig = PPOConfig(n_minibatches=2, lr=2e-4, critic_lr=1e-3, kl_coef=0.02, warmup_proportion=0.1)
+    # kl_coef 0.1: the reward model is right on ~80% of held-out pairs, and a policy free to leave the SFT model
+    # finds the answers it wrongly scores high (0.02 lets numerically right answers fall 0.70 -> 0.53, 0.1 -> 0.58).
+    ppo: PPOConfig = PPOConfig(n_minibatches=2, lr=2e-4, critic_lr=1e-3, kl_coef=0.1, warmup_proportion=0.1)
     eval: EvalConfig = EvalConfig(dataset="data/arith_eval.jsonl", every=10, greedy=True, batches=4)
     sample_every: int = 10
     reward_model: str = RM  # a sequence-classification checkpoint, relative to this file
