@@ -209,3 +209,23 @@ def test_evaluation_of_a_graph_without_generation_scores_pairs_in_the_train_layo
     # DPO's train step has no scoring namesake: an eval set there is refused, naming what is missing.
     with pytest.raises(ValueError, match="evaluation needs a GENERATE call that reads the prompts"):
         eval_calls(load_experiment(str(REPO / "experiments/dpo_tiny.py")))
+
+
+def test_a_wrong_eval_set_or_margin_field_is_one_clear_error(capsys):
+    from hf_assets import REPO
+    from realloc.algorithms.context import CallContext
+    from realloc.algorithms.rm_train import pair_margins
+    from realloc.cli import main
+
+    # Held-out prompts (no responses) where the evaluation scores pairs: refused before any worker starts.
+    assert main(["show", str(REPO / "experiments/arith_rm.py"), "--set", "eval.dataset=data/arith_eval.jsonl"]) != 0
+    assert "arith_eval.jsonl:1: 'chosen' is missing" in capsys.readouterr().err
+    call = rm_rpcs()[0]
+    pairs = {"prompt_lens": torch.tensor([2, 3]), "rows": torch.tensor([0, 1])}
+    records = {0: {"strength": 1.5}, 1: {"strength": "high"}}
+    ctx = CallContext(call=call, model=None, optimizer=None, config=CFG, prompt_len=P, gen_len=T, seed=0, iteration=0,
+                      ids=range(2), batch_size=2, n_mbs=1, records=records.__getitem__)
+    with pytest.raises(ValueError, match=r"call 'rm_train': rm.margin_field='strength': dataset row 1 has 'high'"):
+        pair_margins(ctx, pairs)
+    records[1] = {"strength": 2}
+    assert pair_margins(ctx, pairs).tolist() == [CFG.margin + 1.5, CFG.margin + 2.0]
