@@ -187,8 +187,9 @@ class IterationSchedule:
             self.iter_end[k] = max(self.iter_end[k], begin)
             m = iteration_metrics(k, self.call_stats.pop(k), self.node_times.pop(k), self.iter_end[k] - begin,
                                   self.program.batch_size * self.spec.seq_len, self.graph.headline_calls)
-            if k in self.eval_stats and self.eval_calls.scorer:
-                m["eval"] = pair_metrics(self.eval_stats.pop(k))
+            if k in self.eval_stats and self.eval_calls.scorer:  # scored records: the scorer's sums
+                ev = self.eval_stats.pop(k)
+                m["eval"] = pair_metrics(ev) if "n_pairs" in ev else ev
             elif k in self.eval_stats:
                 ev = self.eval_stats.pop(k)
                 m["eval"] = {"reward": ev["score_sum"] / ev["n_seqs_scored"], "n": int(ev["n_seqs_scored"]),
