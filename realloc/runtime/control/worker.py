@@ -290,7 +290,8 @@ class ModelWorker:
         ev = self.config.eval
         ec = eval_calls(self.spec) if ev.every else None
         if ec is not None and self.rank in prog.calls[ec.train].ranks:  # evaluation generates (or scores) there
-            self.eval_dataset = load_dataset(graph.dataset_kind if ec.scorer else "prompts", ev.dataset, self.spec, self.config, self.tokenizer,
+            kind = graph.dataset_kind if ec.scorer else "prompts"
+            self.eval_dataset = load_dataset(kind, ev.dataset, self.spec, self.config, self.tokenizer,
                                              prog.generation_vocab_size(), RunPaths(self.run_dir).prompt_cache)
         if resume:
             self.load(Path(resume), verify_checkpoint)
