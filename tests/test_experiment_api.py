@@ -31,7 +31,7 @@ BUILT_ELSEWHERE = {"experiments/arith_grpo.py", "experiments/arith_sft.py"}  # m
 def test_shipped_experiments_validate(path, arith_init):
     spec = load_with_overrides(path, [f"init={arith_init}"] if path in BUILT_ELSEWHERE else [])
     graph = build_graph(spec)
-    assert "actor_train" in spec.call_names
+    assert "actor_train" in spec.call_names or spec.call_names == ("rm_train",)  # a reward model trains alone
     if Path(path).name.startswith("ppo_"):
         assert set(spec.call_names) == {"actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train",
                                         "critic_train"}

@@ -5,12 +5,12 @@ Data kinds (see ``common.py`` for the tensors of each):
 ``prompts`` (from the dataset), ``seq`` (prompt + response tokens; from generation, or from an SFT
 dataset), ``logp`` (per response token), ``values`` (per response token), ``rewards`` (one score per
 sequence), ``pairs`` (DPO's chosen and rejected responses, from the dataset), ``pair_logp`` (their summed
-log-probs).
+log-probs), ``pair_scores`` (a reward model's score of each pair's chosen and rejected response).
 """
 
 from __future__ import annotations
 
-from realloc.algorithms import dpo, grpo
+from realloc.algorithms import dpo, grpo, reward_model
 from realloc.algorithms.interface import Interface
 from realloc.algorithms.ppo_config import PPOConfig
 from realloc.calls import GENERATE, INFERENCE, TRAIN_STEP
@@ -39,4 +39,5 @@ BUILTIN: tuple[Interface, ...] = (
               head="none", records=True),
     *grpo.INTERFACES,
     *dpo.INTERFACES,
+    *reward_model.INTERFACES,
 )

@@ -8,7 +8,8 @@ every answer is a non-negative number of one to three digits. All 15,050 problem
 with the seed and cut into disjoint parts: the held-out prompts, the SFT pairs, and the prompts for
 RL. Each prompt record carries its ``answer`` (a string); an SFT record is ``{"prompt", "response"}``; a
 preference record (DPO) is ``{"prompt", "chosen", "rejected"}``: the right answer and a wrong one
-(``arith_pairs_small.jsonl``: the first 64, which a tiny model can learn to rank in a short run).
+(``arith_pairs_small.jsonl``: the first 64, which a tiny model can learn to rank in a short run;
+``arith_pairs_eval.jsonl``: one pair per held-out prompt, a reward model's eval set).
 The demo's SFT data (``arith_sft_padded.jsonl``) is the SFT pairs with most answers zero-padded to
 three digits, the way a fixed-width source prints them; the grader wants the number as written.
 Everything is a pure function of the seed, so the files in ``experiments/data/`` are re-made byte for
@@ -42,6 +43,7 @@ SFT_FILE = "arith_sft.jsonl"  # prompt/response pairs
 PAIRS_FILE = "arith_pairs.jsonl"  # prompt/chosen/rejected preference pairs (DPO)
 SMALL_PAIRS_FILE = "arith_pairs_small.jsonl"  # the first SMALL_PAIRS of them (dpo_tiny.py)
 SMALL_PAIRS = 64
+EVAL_PAIRS_FILE = "arith_pairs_eval.jsonl"  # pairs on the held-out prompts (a reward model's eval set)
 PADDED_FILE = "arith_sft_padded.jsonl"  # the SFT pairs as a fixed-width source writes them (the demo's SFT data)
 
 
@@ -107,6 +109,13 @@ def preference_pairs(cfg: Split = Split()) -> list[dict[str, str]]:
     return [{"prompt": p, "chosen": a, "rejected": wrong_answer(p, a, rng)} for p, a in sft[:cfg.n_pairs]]
 
 
+def eval_preference_pairs(cfg: Split = Split()) -> list[dict[str, str]]:
+    """Preference pairs on the held-out prompts (one per eval problem, wrong answers drawn as in
+    ``preference_pairs`` from their own stream): a reward model trained on ``PAIRS_FILE`` never saw them."""
+    rng = random.Random(f"eval-pairs/{cfg.seed}")
+    return [{"prompt": p, "chosen": a, "rejected": wrong_answer(p, a, rng)} for p, a in split(cfg)["eval"]]
+
+
 def padded_sft(cfg: Split = Split()) -> list[dict[str, str]]:
     """The SFT pairs with a ``pad_share`` of the answers zero-padded to three digits (drawn with the split's
     seed), as a source that prints fixed-width numbers would write them. The exact-match grader reads
@@ -128,6 +137,7 @@ def files(cfg: Split = Split()) -> dict[str, str]:
             SFT_FILE: _jsonl([{"prompt": p, "response": a} for p, a in parts["sft"]]),
             PAIRS_FILE: _jsonl(preference_pairs(cfg)),
             SMALL_PAIRS_FILE: _jsonl(preference_pairs(cfg)[:SMALL_PAIRS]),
+            EVAL_PAIRS_FILE: _jsonl(eval_preference_pairs(cfg)),
             PADDED_FILE: _jsonl(padded_sft(cfg))}
 
 

@@ -1,5 +1,6 @@
 """Evaluation passes during a run (``inputs/evaluation.py``): the actor generates on the eval batches in
-its train step's layout, and the reward call scores them.
+its train step's layout, and the reward call scores them; or, without generation (a reward model), the train
+step's scoring namesake scores the eval records in the train step's layout.
 
 ``EvaluationPasses`` is one part of ``Master`` (``master.py``), which creates the state these methods share.
 """
@@ -23,6 +24,9 @@ class EvaluationPasses:
         """An evaluation pass (``evaluation.py``): generate on the eval batches at the actor's home, then
         move the sequences to the reward call and score them."""
         ec, t, prog = self.eval_calls, n.t, self.program
+        if ec.scorer:
+            await self._eval_scores(n)
+            return
         seq_key = self.graph.call(ec.generate).output_data[0]
         for j in range(self.config.eval.batches):
             if n.name == "generate":
@@ -51,3 +55,17 @@ class EvaluationPasses:
         if n.name == "reward":  # the other outputs of the eval generation (logp) are not needed
             for k in [k for k in self.data_meta if k[1] == t and k[0].startswith("eval")]:
                 self.data_meta.pop(k)
+
+    async def _eval_scores(self, n: Node) -> None:
+        """An evaluation without generation: the train step's interface's INFERENCE namesake scores the eval
+        batches in the train step's layout (its "generate" node; the "reward" node has nothing left to do)."""
+        ec, t = self.eval_calls, n.t
+        if n.name != "generate":
+            return
+        stats = self.eval_stats.setdefault(t, {})
+        for j in range(self.config.eval.batches):
+            rec = self._send(self.program.calls[ec.train].ranks, "eval", f"eval score {j}", t, n.label,
+                             lambda req, j=j: protocol.RunCall(req=req, call=ec.train, iteration=t, eval_batch=j))
+            for rep in await self._wait(rec):
+                for k, v in rep.stats.items():
+                    stats[k] = stats.get(k, 0.0) + v

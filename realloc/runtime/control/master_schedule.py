@@ -27,6 +27,7 @@ import json
 import time
 from typing import Any
 
+from realloc.algorithms.reward_model import pair_metrics
 from realloc.graph.transfer_plan import TransferPlan, dp_ranges
 from realloc.runtime.control.master_link import RunFailed
 from realloc.runtime.control.program import Realloc
@@ -186,7 +187,10 @@ class IterationSchedule:
             self.iter_end[k] = max(self.iter_end[k], begin)
             m = iteration_metrics(k, self.call_stats.pop(k), self.node_times.pop(k), self.iter_end[k] - begin,
                                   self.program.batch_size * self.spec.seq_len, self.graph.headline_calls)
-            if k in self.eval_stats:
+            if k in self.eval_stats and self.eval_calls.scorer:  # scored records: the scorer's sums
+                ev = self.eval_stats.pop(k)
+                m["eval"] = pair_metrics(ev) if "n_pairs" in ev else ev
+            elif k in self.eval_stats:
                 ev = self.eval_stats.pop(k)
                 m["eval"] = {"reward": ev["score_sum"] / ev["n_seqs_scored"], "n": int(ev["n_seqs_scored"]),
                              "greedy": self.config.eval.greedy}

@@ -34,6 +34,8 @@ import zmq
 
 from realloc.algorithms.context import CallContext, CallResult, Data
 from realloc.algorithms.lora_graph import adapters_off
+from realloc.algorithms.registry import interfaces_of
+from realloc.calls import InterfaceType
 from realloc.data.prompts import PromptDataset
 from realloc.data.tokenizer import Tokenizer
 from realloc.graph.dataflow import build_graph
@@ -295,8 +297,10 @@ class ModelWorker:
                                         self.tokenizer, prog.generation_vocab_size(),
                                         RunPaths(self.run_dir).prompt_cache)
         ev = self.config.eval
-        if ev.every and self.rank in prog.calls[eval_calls(self.spec).train].ranks:  # evaluation generates there
-            self.eval_dataset = load_dataset("prompts", ev.dataset, self.spec, self.config, self.tokenizer,
+        ec = eval_calls(self.spec) if ev.every else None
+        if ec is not None and self.rank in prog.calls[ec.train].ranks:  # evaluation generates (or scores) there
+            kind = graph.dataset_kind if ec.scorer else "prompts"
+            self.eval_dataset = load_dataset(kind, ev.dataset, self.spec, self.config, self.tokenizer,
                                              prog.generation_vocab_size(), RunPaths(self.run_dir).prompt_cache)
         if resume:
             self.load(Path(resume), verify_checkpoint)
@@ -333,9 +337,12 @@ class ModelWorker:
         rpc = spec.call(call)
         cfg = prog.model_config(cl.model)
         iface = prog.graph.interfaces[call]
+        out_keys = {slot.role: key for slot, key in zip(iface.out_slots, rpc.output_data)}
+        if evaluating and rpc.is_train:  # an evaluation without generation: the scoring namesake, no step
+            iface = interfaces_of(spec)[(eval_calls(spec).scorer, InterfaceType.INFERENCE)]
+            out_keys = {slot.role: f"{call}/{slot.role}" for slot in iface.out_slots}
         fn = iface.resolve()
         in_keys = {slot.role: key for slot, key in zip(iface.in_slots, rpc.input_data)}
-        out_keys = {slot.role: key for slot, key in zip(iface.out_slots, rpc.output_data)}
         if cfg is None:  # a rule function: every device of the mesh is one dp rank
             handle, (dp_rank, tp_rank, pp_rank) = None, (cl.ranks.index(self.rank), 0, 0)
             dp, pp = cl.strategy.dp, 1

@@ -10,6 +10,11 @@ training, and the experiment's reward call scores them. metrics.jsonl then carri
 ``"eval": {"reward": mean score, "n": prompts}`` for that iteration, and each scoring worker writes
 the scored sequences to ``RUN/eval/iter_<t>.rank<r>.jsonl``.
 
+A graph without generation whose train step's interface has an INFERENCE namesake (the reward model's
+``rm``) evaluates by running that interface in the train step's layout on ``batches`` batches of the eval
+set, which holds records of the training data's kind (held-out preference pairs): metrics.jsonl then
+carries ``"eval": {"rm_loss", "rm_accuracy", "rm_margin", "rm_chosen", "rm_rejected", "n": pairs}``.
+
 The eval batches are read from the set in a fixed seeded order (the same prompts at every evaluation),
 and their data lives under keys ``eval<j>/<key>`` so it never mixes with the training batch. The eval
 passes are nodes of the master's graph anchored to the actor's train step and the reward call: every
@@ -56,19 +61,44 @@ def eval_key(batch: int, key: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class EvalCalls:
     """The calls an evaluation reuses: generation (its interface), the actor's train step (where the
-    trained parameters are) and the reward call."""
+    trained parameters are) and the reward call.
+
+    Without generation (a reward model trained on preference pairs), ``scorer`` names the INFERENCE interface
+    that scores the eval records in the train step's layout (the train interface's namesake, e.g. ``rm``);
+    ``generate`` and ``reward`` are then the train call too, and the eval set has the training data's kind."""
 
     generate: str
     train: str
     reward: str
     reward_key: str  # the reward call's output key that holds the scores
+    scorer: str = ""
+
+
+def _scoring_eval(spec: ExperimentSpec) -> EvalCalls | None:
+    """A train call that reads the dataset and whose interface has an INFERENCE namesake reading the same."""
+    from realloc.algorithms.registry import interfaces_of
+
+    table = interfaces_of(spec)
+    for r in spec.rpcs:
+        if not r.is_train or not r.interface_impl or not all(k in spec.dataset_keys for k in r.input_data):
+            continue
+        twin = table.get((r.interface_impl, InterfaceType.INFERENCE))
+        train = table.get((r.interface_impl, InterfaceType.TRAIN_STEP))
+        if twin is not None and train is not None and twin.inputs == train.inputs:
+            return EvalCalls(r.name, r.name, r.name, "", scorer=twin.name)
+    return None
 
 
 def eval_calls(spec: ExperimentSpec) -> EvalCalls:
     gen = next((r for r in spec.rpcs if r.interface_type is InterfaceType.GENERATE
                 and any(k in spec.dataset_keys for k in r.input_data)), None)
     if gen is None:
-        raise ValueError(f"experiment {spec.name!r}: evaluation needs a GENERATE call that reads the prompts")
+        scoring = _scoring_eval(spec)
+        if scoring is not None:
+            return scoring
+        raise ValueError(f"experiment {spec.name!r}: evaluation needs a GENERATE call that reads the prompts (or a "
+                         f"train step on dataset records whose interface scores them, as the reward model's `rm` "
+                         f"does)")
     train = next((r for r in spec.rpcs if r.model_name == gen.model_name and r.is_train), None)
     seq = gen.output_data[0] if gen.output_data else None
     reward = next((r for r in spec.rpcs if seq in r.input_data and r.interface_type is InterfaceType.INFERENCE

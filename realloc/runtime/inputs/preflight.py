@@ -97,5 +97,20 @@ def preflight(spec: ExperimentSpec, config: Any, graph: "DataflowGraph", cache_d
     # Token ids must fit every model: they all read the same sequences.
     data = load_dataset(graph.dataset_kind, config.dataset, spec, config, tokenizer,
                         min(vocab_sizes.values()) if vocab_sizes else None, cache_dir)
+    _check_eval_set(spec, config, graph, tokenizer, min(vocab_sizes.values()) if vocab_sizes else None)
     where = f"tokenizer {config.tokenizer}" if tokenizer is not None else "token ids"
     return Preflight((f"{data.stats.describe()} ({where})", *lines), data.stats)
+
+
+def _check_eval_set(spec: ExperimentSpec, config: Any, graph: "DataflowGraph", tokenizer: Any,
+                    vocab_size: int | None) -> None:
+    """The eval set loads as the workers will load it (prompts, or the training data's kind when the evaluation
+    scores records without generating, e.g. held-out preference pairs), so a wrong file fails here, not mid-run."""
+    from realloc.runtime.inputs.datasets import load_dataset
+    from realloc.runtime.inputs.evaluation import eval_calls
+
+    ev = getattr(config, "eval", None)
+    if ev is None or not ev.every:
+        return
+    kind = graph.dataset_kind if eval_calls(spec).scorer else "prompts"
+    load_dataset(kind, ev.dataset, spec, config, tokenizer, vocab_size, None)

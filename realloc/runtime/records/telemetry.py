@@ -15,7 +15,8 @@ import statistics
 from pathlib import Path
 from typing import Any, Collection, Iterable
 
-HEADLINE = ("reward", "kl", "actor_loss", "critic_loss", "dpo_loss", "dpo_accuracy", "sft_loss")
+HEADLINE = ("reward", "kl", "actor_loss", "critic_loss", "dpo_loss", "dpo_accuracy", "sft_loss", "rm_loss",
+            "rm_accuracy")
 
 
 @dataclasses.dataclass
@@ -150,7 +151,8 @@ def iteration_number(t: int) -> int:
 
 HEADLINE_STATS = ("kl", "actor_loss", "critic_loss", "approx_kl", "k3_kl", "actor_clip_frac", "critic_clip_frac",
                   "actor_grad_norm", "critic_grad_norm", "value_mean", "return_mean", "adv_abs_mean", "actor_lr",
-                  "critic_lr", "dpo_loss", "dpo_accuracy", "dpo_margin", "chosen_reward", "rejected_reward", "sft_loss")
+                  "critic_lr", "dpo_loss", "dpo_accuracy", "dpo_margin", "chosen_reward", "rejected_reward", "sft_loss",
+                  "rm_loss", "rm_accuracy", "rm_margin", "rm_chosen", "rm_rejected", "rm_grad_norm", "rm_lr")
 
 
 def iteration_metrics(iteration: int, call_stats: dict[str, dict[str, float]], node_times: dict[str, float],
@@ -191,7 +193,9 @@ def format_line(m: dict[str, Any], total: int) -> str:
     for k in HEADLINE:
         if k in m:
             parts.append(f"{k} {m[k]:+.4f}" if k != "reward" else f"{k} {m[k]:.4f}")
-    if "eval" in m:
+    if "eval" in m and "rm_accuracy" in m["eval"]:  # a reward model's held-out pairs
+        parts.append(f"eval rm_accuracy {m['eval']['rm_accuracy']:.4f} rm_loss {m['eval']['rm_loss']:.4f}")
+    elif "eval" in m:
         parts.append(f"eval reward {m['eval']['reward']:.4f} ({'greedy' if m['eval']['greedy'] else 'sampled'})")
     times = " ".join(f"{n} {t:.2f}s" for n, t in m["time"].items())
     parts.append(times)

@@ -1,0 +1,123 @@
+"""Reward-model training (Bradley-Terry) on a ``ParallelModel`` with a scalar head (settings and declarations
+in ``reward_model.py``).
+
+A response's reward is the scalar head's output at the last token of prompt + response, as
+``common.model_reward`` scores a PPO graph's sequences. The train step follows the layout-invariance rules
+of ``supervised.py``: mini-batch k is the set of pairs whose global index is k mod M, the loss is divided by
+the mini-batch's pair count all-reduced over dp, and a micro-batch holds the chosen and the rejected
+responses of the same pairs (chosen rows first), since the loss needs both.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from realloc.algorithms.common import forward_batch, optimizer_step
+from realloc.algorithms.context import CallContext, CallResult, Data
+from realloc.algorithms.reward_model import PAIR_SUMS, STATS
+from realloc.algorithms.supervised import _both, _minibatches, _set_lr
+from realloc.strategy import even_ranges
+
+
+def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | float = 0.0,
+                       center_coef: float = 0.0) -> torch.Tensor:
+    """Per-pair loss ``-log sigmoid(r_c - r_r - m) + center_coef * (r_c + r_r)^2`` from the rewards [n] of each
+    pair's chosen and rejected response (InstructGPT eq. 1; the margin of Llama 2 eq. 1; the centring term of
+    Eisenstein et al. 2023)."""
+    loss = -F.logsigmoid(chosen - rejected - margin)
+    if center_coef:
+        loss = loss + center_coef * (chosen + rejected) ** 2
+    return loss
+
+
+def last_token_scores(values: torch.Tensor, seq: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """[n] the scalar head's output at the last token of each row (prompt + response)."""
+    last = seq["prompt_lens"] + seq["gen_mask"].sum(dim=1) - 1
+    return values.gather(1, last.view(-1, 1).to(values.device)).squeeze(1)
+
+
+def pair_margins(ctx: CallContext, pairs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """[n] float64: the constant margin plus, with ``margin_field``, each pair's record value."""
+    cfg = ctx.config
+    n = pairs["prompt_lens"].shape[0]
+    margin = torch.full((n,), float(cfg.margin), dtype=torch.float64)
+    if cfg.margin_field is None:
+        return margin
+    if ctx.records is None or "rows" not in pairs:
+        raise ValueError(f"call {ctx.call.name!r}: rm.margin_field={cfg.margin_field!r} reads each pair's dataset "
+                         f"record, which this call does not get")
+    for i, row in enumerate(pairs["rows"].tolist()):
+        rec = ctx.records(int(row))
+        value = rec.get(cfg.margin_field)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"call {ctx.call.name!r}: rm.margin_field={cfg.margin_field!r}: dataset row {row} has "
+                             f"{value!r}, not a finite number; give every record a numeric {cfg.margin_field!r} or "
+                             f"set rm.margin_field=None")
+        margin[i] += float(value)
+    return margin
+
+
+def _pair_sums(chosen: torch.Tensor, rejected: torch.Tensor, loss: torch.Tensor) -> dict[str, float]:
+    c, r = chosen.detach().double(), rejected.detach().double()
+    return {"rm_loss": float(loss.detach().double().sum()), "rm_accuracy": float((c > r).double().sum()),
+            "rm_margin": float((c - r).sum()), "rm_chosen": float(c.sum()), "rm_rejected": float(r.sum())}
+
+
+def rm_train(ctx: CallContext, inputs: Data) -> CallResult:
+    model, cfg = ctx.model, ctx.config
+    assert model is not None and ctx.optimizer is not None
+    pairs = inputs["pairs"]
+    margins = pair_margins(ctx, pairs)
+    mb_of_row, counts = _minibatches(ctx)
+    M = ctx.call.n_minibatches
+    sums = dict.fromkeys(STATS, 0.0)
+    grad_norm, lr0 = 0.0, 0.0
+    for k in range(M):
+        lr = _set_lr(ctx, k)
+        lr0 = lr if k == 0 else lr0
+        rows = torch.nonzero(mb_of_row == k).view(-1)
+        n_pairs = max(float(counts[k]), 1.0)
+        micro = []
+        for lo, hi in even_ranges(rows.numel(), min(ctx.n_mbs, rows.numel())):
+            r = rows[lo:hi]
+            seq = _both(pairs, r)
+            micro.append({**forward_batch(seq), "prompt_lens": seq["prompt_lens"], "gen_mask": seq["gen_mask"],
+                          "margin": margins[r]})
+        parts: list[dict[str, float]] = []
+
+        def loss_fn(head: Any, m: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+            scores = last_token_scores(head.values, m)
+            n = scores.shape[0] // 2
+            chosen, rejected = scores[:n], scores[n:]
+            per_pair = bradley_terry_loss(chosen, rejected, m["margin"].to(scores), cfg.center_coef)
+            parts.append(_pair_sums(chosen, rejected, per_pair))
+            return per_pair.sum() / n_pairs, {}
+
+        grad_norm += optimizer_step(ctx, micro, loss_fn) / M
+        for key in sums:
+            sums[key] += sum(p[key] for p in parts) / n_pairs / M
+    if not model.groups.is_last_stage:
+        return CallResult({}, {}, {"grad_norm": grad_norm})
+    return CallResult({}, sums, {"rm_grad_norm": grad_norm, "rm_lr": lr0})
+
+
+def rm_pair_scores(ctx: CallContext, inputs: Data) -> CallResult:
+    """Both responses' rewards of each pair (``pair_scores``: ``chosen`` [n], ``rejected`` [n]) and the pair
+    metrics as sums over the pairs (``reward_model.PAIR_SUMS`` and ``n_pairs``; ``reward_model.pair_metrics``
+    turns them into means)."""
+    assert ctx.model is not None
+    pairs = inputs["pairs"]
+    seq = _both(pairs, slice(None))
+    out = ctx.model.forward(forward_batch(seq), n_mbs=min(ctx.n_mbs, seq["tokens"].shape[0]), output="values")
+    if out is None:
+        return CallResult({}, {}, {})
+    scores = last_token_scores(out.cpu(), seq)
+    n = scores.shape[0] // 2
+    chosen, rejected = scores[:n], scores[n:]
+    loss = bradley_terry_loss(chosen.double(), rejected.double(), pair_margins(ctx, pairs), ctx.config.center_coef)
+    sums = {PAIR_SUMS[k]: v for k, v in _pair_sums(chosen, rejected, loss).items()}
+    return CallResult({"pair_rewards": {"chosen": chosen, "rejected": rejected}}, {**sums, "n_pairs": float(n)}, {})
