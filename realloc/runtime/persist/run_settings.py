@@ -1,0 +1,78 @@
+"""The settings a checkpoint was trained with, and what ``--resume`` does with them.
+
+Every checkpoint's meta.json records ``settings``: the ``--set`` overrides in force, the fully resolved
+experiment (``records/run_record.resolved_experiment``) and the SHA-256 of the experiment's files. Resuming
+reapplies those overrides (a ``--set`` given again replaces its own key), resolves the experiment again and
+compares: any setting that differs (a new ``--set``, an edited experiment file, another default) is refused
+in one error naming each difference, unless the user passes ``--allow-changed-settings``; then the
+differences are printed and recorded in run.json. A checkpoint written before realloc recorded settings
+falls back to its run directory's run.json, and compares the overrides only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from realloc.api import ExperimentSpec
+from realloc.overrides import load_with_overrides, parse_sets
+from realloc.runtime.records.run_record import (RUN_JSON, differences, read_run_json, resolved_experiment,
+                                                source_differences, source_digests)
+
+ALLOW_FLAG = "--allow-changed-settings"
+
+
+def checkpoint_settings(spec: ExperimentSpec, run_root: Path) -> dict[str, Any]:
+    """meta.json's ``settings`` of a checkpoint of ``spec`` (the experiment as the master loaded it, overrides
+    applied); the overrides are run.json's, which ``realloc run`` writes before the master starts."""
+    recorded = read_run_json(run_root) if (run_root / RUN_JSON).is_file() else {}
+    return {"overrides": list(recorded.get("overrides", [])), "experiment": resolved_experiment(spec),
+            "sources": source_digests(spec)}
+
+
+def merge_overrides(recorded: Sequence[str], given: Sequence[str]) -> tuple[str, ...]:
+    """The recorded overrides with the given ones applied on top: one ``KEY=VALUE`` per key, a given one
+    replacing the recorded one of its key, in first-set order."""
+    merged = {**parse_sets(recorded), **parse_sets(given)}
+    return tuple(f"{k}={v}" for k, v in merged.items())
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumedSettings:
+    spec: ExperimentSpec  # the experiment with ``overrides`` applied
+    overrides: tuple[str, ...]  # in force: the checkpoint's run's, then this command's
+    recorded: tuple[str, ...]  # the checkpoint's run's
+    changed: tuple[str, ...]  # ``key: old -> new`` per difference from the checkpoint's run (allowed by the flag)
+
+
+def _recorded(ckpt: Path, meta: Mapping[str, Any]) -> tuple[tuple[str, ...], dict[str, Any] | None, dict | None]:
+    """(overrides, resolved experiment or None, source digests or None) of the run that wrote ``ckpt``."""
+    settings = meta.get("settings")
+    if isinstance(settings, dict) and isinstance(settings.get("overrides"), list):
+        return (tuple(settings["overrides"]), settings.get("experiment"), settings.get("sources"))
+    run_root = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
+    return tuple(read_run_json(run_root).get("overrides", [])), None, None
+
+
+def resume_settings(experiment: str, ckpt: Path, meta: Mapping[str, Any], given: Sequence[str],
+                    allow_changed: bool) -> ResumedSettings:
+    """The experiment a resume of ``ckpt`` trains: its run's overrides reapplied, ``given`` on top; refused when
+    a setting differs from that run's unless ``allow_changed`` (one ValueError naming every difference)."""
+    recorded, resolved_before, sources_before = _recorded(ckpt, meta)
+    overrides = merge_overrides(recorded, given)
+    spec = load_with_overrides(experiment, overrides)
+    if resolved_before is not None:
+        changed = differences(resolved_before, json.loads(json.dumps(resolved_experiment(spec))))
+    else:  # an older checkpoint: only the overrides can be compared
+        before = load_with_overrides(experiment, recorded)
+        changed = differences(resolved_experiment(before), resolved_experiment(spec))
+    if sources_before is not None:
+        changed += source_differences(sources_before, source_digests(spec))
+    if changed and not allow_changed:
+        why = "; ".join(changed)
+        kept = f" (its overrides, reapplied: {' '.join(recorded)})" if recorded else ""
+        raise ValueError(f"--resume {ckpt}: settings differ from the run that wrote the checkpoint{kept}: {why}; "
+                         f"pass {ALLOW_FLAG} to train on with them, or resume without the change")
+    return ResumedSettings(spec, overrides, recorded, tuple(changed))
