@@ -151,8 +151,9 @@ def find_checkpoint(run_dir: str | Path, iteration: int | None, skip_checks: boo
     if iteration is None:
         found = checkpoint.find_newest(root, skip_checks, "--iteration")
         if found is None:
-            what = "no run directory" if not root.exists() else "no checkpoint"
-            raise ValueError(f"{root}: {what} to export from (looked for iter_*/{checkpoint.META} in {root} and "
+            if not root.exists():
+                raise ValueError(f"{root} does not exist; give the run directory of a `realloc run`")
+            raise ValueError(f"{root}: no checkpoint to export from (looked for iter_*/{checkpoint.META} in {root} and "
                              f"{root / 'checkpoints'}); a run saves its final state there unless it ran with "
                              f"--no-final-checkpoint or stopped before its first save: give a run directory, its "
                              f"checkpoints/ or one checkpoint directory")
