@@ -140,10 +140,10 @@ def experiment_files(spec: ExperimentSpec) -> tuple[Path | None, list[Path]]:
     package_root = Path(__file__).resolve().parents[2]  # realloc/: its own modules are not the user's
     files = {main}
     if not base.is_relative_to(package_root):
-        for module in list(sys.modules.values()):
+        for name, module in list(sys.modules.items()):
             file = getattr(module, "__file__", None)
-            if not file or not file.endswith(".py"):
-                continue
+            if not file or not file.endswith(".py") or name.startswith("realloc_experiment_"):
+                continue  # another experiment file this process loaded (api._import_file's names) is not this one's
             p = Path(file).resolve()
             if p.is_relative_to(base) and p.is_file() and "site-packages" not in p.parts:
                 files.add(p)
