@@ -319,3 +319,19 @@ def test_resume_copy_of_sources_keeps_the_earlier_files(tmp_path):
     assert (run / "config/source.session2/e.py").read_bytes() == Path(TINY).read_bytes()
     assert (run / "config/source/e.py").read_text().endswith("# edited\n")
     assert len(json.loads((run / "run.json").read_text())["sessions"]) == 3
+
+
+def test_wandb_gets_the_resolved_config(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")  # an optional extra for installs; the test environment has it
+    from realloc.overrides import load_with_overrides
+    from realloc.runtime.records.metric_sinks import MetricSinks
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    resolved = resolved_experiment(load_with_overrides(TINY, ["ppo.clip_eps=0.375"]))
+    sinks = MetricSinks.open(tmp_path, tensorboard=False, wandb_project="realloc-test", run_name="t",
+                             config={"experiment": TINY, "overrides": ["ppo.clip_eps=0.375"], "resolved": resolved})
+    sinks.close()
+    (run,) = (tmp_path / "wandb").glob("offline-run-*")
+    data = next(run.glob("run-*.wandb")).read_bytes()
+    assert b"clip_eps" in data and b"0.375" in data and b"gae_lambda" in data  # the override and a default
