@@ -335,3 +335,18 @@ def test_wandb_gets_the_resolved_config(tmp_path, monkeypatch):
     (run,) = (tmp_path / "wandb").glob("offline-run-*")
     data = next(run.glob("run-*.wandb")).read_bytes()
     assert b"clip_eps" in data and b"0.375" in data and b"gae_lambda" in data  # the override and a default
+
+
+def test_checkpoints_record_the_files_as_the_run_loaded_them(tmp_path):
+    """An experiment file edited while the run trains: the checkpoints still record the loaded one's digest, so
+    resuming with the edited file is a change."""
+    from realloc.overrides import load_with_overrides
+
+    exp = tmp_path / "e.py"
+    shutil.copy(TINY, exp)
+    spec = load_with_overrides(str(exp))
+    write_run_record(tmp_path / "run", spec, Session(str(exp), (), ()))
+    loaded = checkpoint_settings(spec, tmp_path / "run")["sources"]
+    exp.write_text(exp.read_text() + "\n# edited during the run\n")
+    assert checkpoint_settings(spec, tmp_path / "run")["sources"] == loaded != {"e.py": "0" * 64}
+    assert loaded["e.py"] == __import__("hashlib").sha256(Path(TINY).read_bytes()).hexdigest()

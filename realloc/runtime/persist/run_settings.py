@@ -26,10 +26,13 @@ ALLOW_FLAG = "--allow-changed-settings"
 
 def checkpoint_settings(spec: ExperimentSpec, run_root: Path) -> dict[str, Any]:
     """meta.json's ``settings`` of a checkpoint of ``spec`` (the experiment as the master loaded it, overrides
-    applied); the overrides are run.json's, which ``realloc run`` writes before the master starts."""
+    applied). The overrides and the files' digests are run.json's, which ``realloc run`` wrote before the master
+    started: the files as this run loaded them, even if someone edits them while it trains."""
     recorded = read_run_json(run_root) if (run_root / RUN_JSON).is_file() else {}
+    sessions = recorded.get("sessions") or [{}]
+    sources = sessions[-1].get("sources")
     return {"overrides": list(recorded.get("overrides", [])), "experiment": resolved_experiment(spec),
-            "sources": source_digests(spec)}
+            "sources": sources if isinstance(sources, dict) else source_digests(spec)}
 
 
 def merge_overrides(recorded: Sequence[str], given: Sequence[str]) -> tuple[str, ...]:
