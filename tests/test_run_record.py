@@ -4,6 +4,7 @@ about how it was made, and how a resumed run appends to its requests.jsonl and t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import textwrap
@@ -349,4 +350,4 @@ def test_checkpoints_record_the_files_as_the_run_loaded_them(tmp_path):
     loaded = checkpoint_settings(spec, tmp_path / "run")["sources"]
     exp.write_text(exp.read_text() + "\n# edited during the run\n")
     assert checkpoint_settings(spec, tmp_path / "run")["sources"] == loaded != {"e.py": "0" * 64}
-    assert loaded["e.py"] == __import__("hashlib").sha256(Path(TINY).read_bytes()).hexdigest()
+    assert loaded["e.py"] == hashlib.sha256(Path(TINY).read_bytes()).hexdigest()
