@@ -40,8 +40,8 @@ from realloc.runtime.inputs.preflight import Preflight, preflight
 from realloc.runtime.inputs.run_config import RunConfig
 from realloc.runtime.launch.launcher import (LocalLauncher, SlurmOptions, WorkerConfig, slurm_script, submit_slurm,
                                       write_job_script)
-from realloc.runtime.records.metric_sinks import MetricSinks, check_wandb_installed
 from realloc.runtime.persist.run_settings import resume_settings
+from realloc.runtime.records.metric_sinks import MetricSinks, check_wandb_installed
 from realloc.runtime.records.run_paths import RunPaths
 from realloc.runtime.records.run_record import Session, data_record, resolved_experiment, write_run_record
 from realloc.runtime.wire import protocol
@@ -201,11 +201,12 @@ def main(args: argparse.Namespace) -> int:
     sets = tuple(args.set)
     ckpt = checkpoint.resolve_resume(args.resume, args.skip_checkpoint_checks) if args.resume else None
     changed: tuple[str, ...] = ()
+    reapplied: tuple[str, ...] = ()
     if ckpt is None:
         spec = load_with_overrides(args.experiment, sets)
     else:  # the checkpoint's run's overrides again; a changed setting only with --allow-changed-settings
         resumed = resume_settings(args.experiment, ckpt, checkpoint.read_meta(ckpt), sets, args.allow_changed_settings)
-        spec, sets, changed = resumed.spec, resumed.overrides, resumed.changed
+        spec, sets, changed, reapplied = resumed.spec, resumed.overrides, resumed.changed, resumed.recorded
     graph = build_graph(spec)
     config = RunConfig.of(spec)
     start = 0
@@ -340,8 +341,8 @@ def main(args: argparse.Namespace) -> int:
               f"iterations {start + 1}..{total}, plan {plan_source}")
         if sets:
             print(f"overrides: {' '.join(sets)}")
-        if ckpt is not None and set(sets) - set(args.set):
-            print(f"reapplied the checkpoint's run's overrides: {' '.join(x for x in sets if x not in args.set)}")
+        if reapplied:
+            print(f"reapplied the checkpoint's run's overrides: {' '.join(reapplied)}")
         if changed:
             print(f"settings changed from the checkpoint's run (--allow-changed-settings): {'; '.join(changed)}")
         for line in pre.lines:
