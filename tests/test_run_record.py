@@ -94,6 +94,11 @@ def test_differences_name_the_set_key_and_both_values():
              "cluster": {"nodelist": "localhost"}}
     assert differences(before, after) == ["ppo.lr: 0.001 -> 0.002", "batch_size: 32 -> 64"]
     assert differences(before, before) == []
+    # A field only one realloc version records is no change; an empty group that got entries is.
+    newer = {**after, "config": {**after["config"], "ppo": {**after["config"]["ppo"], "entropy_coef": 0.0}}}
+    assert differences(after, newer) == []
+    assert differences({"config": {"models": {}}}, {"config": {"models": {"rm": "/x"}}}) == ['models.rm: <unset> -> "/x"']
+    assert differences({"config": {"m": 1}}, {"config": {"m": {"a": 2}}}) == ['m.a: <unset> -> 2']
 
 
 def _checkpoint_with_settings(tmp_path: Path, experiment: str, overrides: list[str], done: int = 2) -> Path:
@@ -351,3 +356,20 @@ def test_checkpoints_record_the_files_as_the_run_loaded_them(tmp_path):
     exp.write_text(exp.read_text() + "\n# edited during the run\n")
     assert checkpoint_settings(spec, tmp_path / "run")["sources"] == loaded != {"e.py": "0" * 64}
     assert loaded["e.py"] == hashlib.sha256(Path(TINY).read_bytes()).hexdigest()
+
+
+def test_an_algorithms_settings_are_recorded_with_defaults_when_the_experiment_has_no_field(tmp_path):
+    from realloc.algorithms.ppo_config import PPOConfig
+    from realloc.overrides import load_with_overrides
+    from realloc.runtime.persist.run_settings import full_resolved
+
+    text = Path(TINY).read_text()
+    text = text.replace("    ppo: PPOConfig = PPOConfig(n_minibatches=2, lr=2e-3, critic_lr=2e-3, kl_coef=0.01)\n", "")
+    text = text.replace("n_minibatches=self.ppo.n_minibatches", "n_minibatches=2")
+    assert "self.ppo" not in text
+    (tmp_path / "noppo.py").write_text(text)
+    resolved = full_resolved(load_with_overrides(str(tmp_path / "noppo.py")))
+    assert "ppo" not in resolved["config"] and resolved["settings"]["ppo"] == jsonable(PPOConfig())
+    assert resolved["interfaces"]["critic_train"] == "ppo_critic (train_step)"
+    assert resolved["run"]["dataset"] == str(tmp_path / "data/ppo_tiny_prompts.jsonl")  # resolved on this machine
+    assert resolved["run"]["sample_every"] == 10 and resolved["run"]["eval"]["every"] == 0

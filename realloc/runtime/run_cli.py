@@ -236,6 +236,7 @@ def main(args: argparse.Namespace) -> int:
     program = RuntimeProgram(graph, plan)  # validates the plan against the experiment and cluster
     run_id = args.run_id or secrets.token_hex(8)
     experiment = spec.source or args.experiment
+    resolved = resolved_experiment(spec, graph, config)  # every setting: run dir, checkpoints, TensorBoard, W&B
     session = Session(experiment=experiment, overrides=sets, given=tuple(args.set),
                       resumed_from=str(ckpt) if ckpt is not None else None, first_iteration=start + 1,
                       last_iteration=total, changed=changed)
@@ -275,7 +276,7 @@ def main(args: argparse.Namespace) -> int:
         if args.dry_run and not args.prepare:
             print(script, end="")  # nothing is written: --prepare writes the run directory
             return 0
-        _prepare_run_dir(run, plan, spec, session, pre)
+        _prepare_run_dir(run, plan, spec, session, pre, resolved)
         _fresh_secret(run)
         if args.prepare or args.dry_run:
             path = write_job_script(script, run)
@@ -291,7 +292,7 @@ def main(args: argparse.Namespace) -> int:
     sinks = MetricSinks.open(run.root, tensorboard=args.tensorboard, wandb_project=args.wandb,
                              run_name=run.root.name, config={"experiment": experiment, "overrides": list(sets),
                                                              "plan": plan_source, "iterations": total,
-                                                             "resolved": resolved_experiment(spec)},
+                                                             "resolved": resolved},
                              first_iteration=start + 1)
     previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)  # the master takes it over while it runs
     ray = None
@@ -299,10 +300,10 @@ def main(args: argparse.Namespace) -> int:
     try:
         if args.launcher == "external":
             if not run.plan.is_file():
-                _prepare_run_dir(run, plan, spec, session, pre)
+                _prepare_run_dir(run, plan, spec, session, pre, resolved)
             secret = protocol.read_secret()
         else:
-            _prepare_run_dir(run, plan, spec, session, pre)
+            _prepare_run_dir(run, plan, spec, session, pre, resolved)
             secret = _fresh_secret(run)
         # The run's own secret file goes when the master exits, however it exits short of SIGKILL (the
         # finally below, or atexit when interrupted before it). Workers read it only at start, and none
@@ -371,14 +372,14 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _prepare_run_dir(run: RunPaths, plan: ExecutionPlan, spec: ExperimentSpec, session: Session,
-                     pre: Preflight) -> None:
+                     pre: Preflight, resolved: dict[str, Any]) -> None:
     """The run directory with its plan and what ran it (run.json, which ``realloc trace`` and ``--resume`` read,
     and config/: ``records/run_record.py``), and what loading the dataset kept and cut (data.json: the console
     line's counts, for whoever reads the run later)."""
     run.root.mkdir(parents=True, exist_ok=True)
     run.logs.mkdir(parents=True, exist_ok=True)
     plan.save(run.plan)
-    write_run_record(run.root, spec, session)
+    write_run_record(run.root, spec, session, resolved=resolved)
     if pre.data is not None:
         run.data.write_text(json.dumps(data_record(pre.data, spec), indent=2))
 

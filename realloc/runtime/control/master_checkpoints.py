@@ -17,6 +17,7 @@ from realloc.runtime.control.master_link import RunFailed
 from realloc.runtime.control.stop_signals import SAVE_SAFETY, checkpoint_seconds
 from realloc.runtime.persist import checkpoint
 from realloc.runtime.persist.run_settings import checkpoint_settings
+from realloc.runtime.records.run_record import resolved_experiment
 from realloc.runtime.wire import protocol
 
 log = logging.getLogger("realloc.master")
@@ -65,7 +66,8 @@ class CheckpointSaves:
         meta = {"next_iteration": done, "prompts_consumed": done * prog.batch_size, "seed": self.config.seed,
                 "experiment": self.spec.name, "graph_digest": self.graph.digest, "run_id": self.run_id,
                 "layouts": layouts, "models": self.model_records, "schedule_iterations": self.schedule_iterations,
-                "settings": checkpoint_settings(self.spec, self.paths.root)}
+                "settings": checkpoint_settings(self.spec, self.paths.root,
+                                                resolved_experiment(self.spec, self.graph, self.config))}
         final = await asyncio.to_thread(checkpoint.commit, tmp, self.paths.checkpoints, done, meta,
                                         prog.plan.to_json())
         self.longest_save = max(self.longest_save or 0.0, time.monotonic() - began)

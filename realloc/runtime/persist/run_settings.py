@@ -18,20 +18,32 @@ from typing import Any, Mapping, Sequence
 
 from realloc.api import ExperimentSpec
 from realloc.overrides import load_with_overrides, parse_sets
+from realloc.runtime.inputs.run_config import RunConfig
 from realloc.runtime.records.run_record import (RUN_JSON, differences, read_run_json, resolved_experiment,
                                                 source_differences, source_digests)
 
 ALLOW_FLAG = "--allow-changed-settings"
 
 
-def checkpoint_settings(spec: ExperimentSpec, run_root: Path) -> dict[str, Any]:
+def full_resolved(spec: ExperimentSpec) -> dict[str, Any]:
+    """``resolved_experiment`` with the graph's interface settings and the resolved ``RunConfig``: what the run
+    records in config/experiment.json and every checkpoint, and what ``--resume`` compares."""
+    from realloc.graph.dataflow import build_graph
+
+    return json.loads(json.dumps(resolved_experiment(spec, build_graph(spec), RunConfig.of(spec))))
+
+
+def checkpoint_settings(spec: ExperimentSpec, run_root: Path, resolved: Mapping[str, Any] | None = None
+                        ) -> dict[str, Any]:
     """meta.json's ``settings`` of a checkpoint of ``spec`` (the experiment as the master loaded it, overrides
-    applied). The overrides and the files' digests are run.json's, which ``realloc run`` wrote before the master
-    started: the files as this run loaded them, even if someone edits them while it trains."""
+    applied; ``resolved``: its ``full_resolved``, computed once by the caller). The overrides and the files'
+    digests are run.json's, which ``realloc run`` wrote before the master started: the files as this run loaded
+    them, even if someone edits them while it trains."""
     recorded = read_run_json(run_root) if (run_root / RUN_JSON).is_file() else {}
     sessions = recorded.get("sessions") or [{}]
     sources = sessions[-1].get("sources")
-    return {"overrides": list(recorded.get("overrides", [])), "experiment": resolved_experiment(spec),
+    return {"overrides": list(recorded.get("overrides", [])),
+            "experiment": dict(resolved) if resolved is not None else full_resolved(spec),
             "sources": sources if isinstance(sources, dict) else source_digests(spec)}
 
 
@@ -67,10 +79,9 @@ def resume_settings(experiment: str, ckpt: Path, meta: Mapping[str, Any], given:
     overrides = merge_overrides(recorded, given)
     spec = load_with_overrides(experiment, overrides)
     if resolved_before is not None:
-        changed = differences(resolved_before, json.loads(json.dumps(resolved_experiment(spec))))
+        changed = differences(resolved_before, full_resolved(spec))
     else:  # an older checkpoint: only the overrides can be compared
-        before = load_with_overrides(experiment, recorded)
-        changed = differences(resolved_experiment(before), resolved_experiment(spec))
+        changed = differences(full_resolved(load_with_overrides(experiment, recorded)), full_resolved(spec))
     if sources_before is not None:
         changed += source_differences(sources_before, source_digests(spec))
     if changed and not allow_changed:

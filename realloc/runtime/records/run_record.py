@@ -34,9 +34,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from realloc.api import ExperimentSpec
+
+if TYPE_CHECKING:
+    from realloc.graph.dataflow import DataflowGraph
 
 RUN_JSON = "run.json"
 CONFIG_DIR = "config"
@@ -75,16 +78,28 @@ def jsonable(x: Any, depth: int = 0) -> Any:
     return _ADDRESS.sub("", repr(x))
 
 
-def resolved_experiment(spec: ExperimentSpec) -> dict[str, Any]:
+def resolved_experiment(spec: ExperimentSpec, graph: "DataflowGraph | None" = None,
+                        run_config: Any = None) -> dict[str, Any]:
     """Every setting the run trains with: the experiment dataclass's fields (``--set`` keys; defaults filled
-    in), the workload, the cluster, the calls and the models. Paths are as resolved on this machine."""
-    return {"experiment": spec.name,
-            "config": jsonable(spec.config) if spec.config is not None else {},
-            "workload": {"batch_size": spec.batch_size, "prompt_len": spec.prompt_len, "gen_len": spec.gen_len},
-            "cluster": jsonable(spec.cluster),
-            "calls": {r.name: jsonable(r) for r in spec.rpcs},
-            "models": jsonable(dict(spec.models)),
-            "dataset_keys": list(spec.dataset_keys)}
+    in), the workload, the cluster, the calls and the models; with ``graph``, what each call runs and the
+    settings of each interface the experiment has no field for (the type's defaults, as its calls read them:
+    ``settings``); with ``run_config`` (a ``RunConfig``), the run settings as resolved (``run``: dataset and
+    tokenizer paths on this machine, sample and eval schedule)."""
+    out = {"experiment": spec.name,
+           "config": jsonable(spec.config) if spec.config is not None else {},
+           "workload": {"batch_size": spec.batch_size, "prompt_len": spec.prompt_len, "gen_len": spec.gen_len},
+           "cluster": jsonable(spec.cluster),
+           "calls": {r.name: jsonable(r) for r in spec.rpcs},
+           "models": jsonable(dict(spec.models)),
+           "dataset_keys": list(spec.dataset_keys)}
+    if graph is not None:
+        # An interface's settings the experiment has no field for: the type's defaults (the others are in config).
+        out["settings"] = {i.config: jsonable(i.settings(spec.config)) for i in graph.interfaces.values()
+                           if i.config is not None and getattr(spec.config, i.config, None) is None}
+        out["interfaces"] = {call: f"{i.name} ({i.type.value})" for call, i in graph.interfaces.items()}
+    if run_config is not None:
+        out["run"] = jsonable(run_config)
+    return out
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -106,13 +121,29 @@ def _key(path: str) -> str:
 
 
 def differences(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[str]:
-    """``key: old -> new`` for every setting of two resolved experiments that differs, in key order."""
+    """``key: old -> new`` for every setting of two resolved experiments that differs, in key order.
+
+    A key on one side only is a difference when its parent is a value on the other (an empty dict that got
+    entries, a number that became a group); otherwise it is a field one realloc version records and the other
+    does not (a new algorithm option with its default), which no user changed: an edit of the experiment's
+    own fields shows in its file's digest (``source_differences``)."""
     a, b = _flatten(dict(before)), _flatten(dict(after))
     out = []
     for k in sorted(set(a) | set(b)):
-        if a.get(k, "<unset>") != b.get(k, "<unset>"):
+        if k in a and k in b:
+            changed = a[k] != b[k]
+        else:
+            other = b if k in a else a
+            changed = any(p in other for p in _parents(k))
+        if changed:
             out.append(f"{_key(k)}: {_show(a.get(k, '<unset>'))} -> {_show(b.get(k, '<unset>'))}")
     return out
+
+
+def _parents(key: str) -> list[str]:
+    """The flattened keys a parent of ``key`` has as a leaf: ``a.b.`` (an empty dict) or ``a.b`` (a value)."""
+    parts = key.rstrip(".").split(".")
+    return [f"{'.'.join(parts[:i])}{end}" for i in range(1, len(parts)) for end in (".", "")]
 
 
 def _show(v: Any) -> str:
@@ -235,9 +266,10 @@ class Session:
     changed: tuple[str, ...] = ()  # settings that differ from the checkpoint's run (--allow-changed-settings)
 
 
-def write_run_record(root: Path, spec: ExperimentSpec, session: Session, argv: Sequence[str] | None = None) -> None:
-    """run.json (with this session appended to the history), config/experiment.json, config/environment.json
-    and config/source/ (see the module docstring)."""
+def write_run_record(root: Path, spec: ExperimentSpec, session: Session, argv: Sequence[str] | None = None,
+                     resolved: Mapping[str, Any] | None = None) -> None:
+    """run.json (with this session appended to the history), config/experiment.json (``resolved``, by default
+    ``resolved_experiment(spec)``), config/environment.json and config/source/ (see the module docstring)."""
     recorded = read_run_json(root)
     sessions = list(recorded.get("sessions") or [])
     if recorded and not sessions:  # a run.json written before realloc kept sessions: its run was the first
@@ -256,7 +288,8 @@ def write_run_record(root: Path, spec: ExperimentSpec, session: Session, argv: S
     body = {"experiment": session.experiment, "overrides": list(session.overrides), "sessions": sessions}
     config = root / CONFIG_DIR
     config.mkdir(parents=True, exist_ok=True)
-    (config / "experiment.json").write_text(json.dumps(resolved_experiment(spec), indent=2) + "\n")
+    body_resolved = resolved if resolved is not None else resolved_experiment(spec)
+    (config / "experiment.json").write_text(json.dumps(body_resolved, indent=2) + "\n")
     (config / "environment.json").write_text(json.dumps(env, indent=2) + "\n")
     _copy_sources(spec, config, digests, number)
     (root / RUN_JSON).write_text(json.dumps(body, indent=2) + "\n")
