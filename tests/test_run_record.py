@@ -97,6 +97,8 @@ def test_differences_name_the_set_key_and_both_values():
     # A field only one realloc version records is no change; an empty group that got entries is.
     newer = {**after, "config": {**after["config"], "ppo": {**after["config"]["ppo"], "entropy_coef": 0.0}}}
     assert differences(after, newer) == []
+    # Derived sections (the run settings as resolved, e.g. an absolute dataset path) are not compared.
+    assert differences({**before, "run": {"dataset": "/a/p.jsonl"}}, {**before, "run": {"dataset": "/b/p.jsonl"}}) == []
     assert differences({"config": {"models": {}}}, {"config": {"models": {"rm": "/x"}}}) == ['models.rm: <unset> -> "/x"']
     assert differences({"config": {"m": 1}}, {"config": {"m": {"a": 2}}}) == ['m.a: <unset> -> 2']
 

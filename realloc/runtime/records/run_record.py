@@ -47,6 +47,9 @@ PACKAGES = ("realloc", "torch", "megatron-core", "numpy", "safetensors", "transf
             "pydantic", "networkx", "rich", "tensorboard", "wandb", "ray")
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # a repr's memory address differs per process: not a setting
 _MAX_DEPTH = 16
+# Sections of a resolved experiment that follow from the others (the run settings from the config, as resolved
+# where the experiment file is; the interfaces from the calls): a change shows once, where the user made it.
+DERIVED = ("run", "interfaces")
 
 
 def jsonable(x: Any, depth: int = 0) -> Any:
@@ -126,8 +129,8 @@ def differences(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[str
     A key on one side only is a difference when its parent is a value on the other (an empty dict that got
     entries, a number that became a group); otherwise it is a field one realloc version records and the other
     does not (a new algorithm option with its default), which no user changed: an edit of the experiment's
-    own fields shows in its file's digest (``source_differences``)."""
-    a, b = _flatten(dict(before)), _flatten(dict(after))
+    own fields shows in its file's digest (``source_differences``). ``DERIVED`` sections are not compared."""
+    a, b = ({k: v for k, v in _flatten(dict(d)).items() if k.split(".")[0] not in DERIVED} for d in (before, after))
     out = []
     for k in sorted(set(a) | set(b)):
         if k in a and k in b:
