@@ -375,3 +375,16 @@ def test_an_algorithms_settings_are_recorded_with_defaults_when_the_experiment_h
     assert resolved["interfaces"]["critic_train"] == "ppo_critic (train_step)"
     assert resolved["run"]["dataset"] == str(tmp_path / "data/ppo_tiny_prompts.jsonl")  # resolved on this machine
     assert resolved["run"]["sample_every"] == 10 and resolved["run"]["eval"]["every"] == 0
+
+
+def test_a_recorded_override_the_experiment_no_longer_has_is_one_error_saying_so(tmp_path):
+    exp = tmp_path / "e.py"
+    exp.write_text(Path(TINY).read_text().replace("    seed: int = 1\n", "    seed: int = 1\n    extra: int = 0\n"))
+    ckpt = _checkpoint_with_settings(tmp_path, str(exp), ["extra=3"])
+    assert resume_settings(str(exp), ckpt, C.read_meta(ckpt), [], allow_changed=False).spec.config.extra == 3
+    with pytest.raises(ValueError, match=r"^--set nope: experiment TinyPPO has no field 'nope'"):
+        resume_settings(str(exp), ckpt, C.read_meta(ckpt), ["nope=1"], allow_changed=True)  # the command's own
+    shutil.copy(TINY, exp)
+    with pytest.raises(ValueError, match=r"overrides of the run that wrote the checkpoint \(extra=3\) no longer "
+                                         r"apply .*has no field 'extra'"):
+        resume_settings(str(exp), ckpt, C.read_meta(ckpt), [], allow_changed=True)

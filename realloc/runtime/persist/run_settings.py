@@ -77,7 +77,13 @@ def resume_settings(experiment: str, ckpt: Path, meta: Mapping[str, Any], given:
     a setting differs from that run's unless ``allow_changed`` (one ValueError naming every difference)."""
     recorded, resolved_before, sources_before = _recorded(ckpt, meta)
     overrides = merge_overrides(recorded, given)
-    spec = load_with_overrides(experiment, overrides)
+    try:
+        spec = load_with_overrides(experiment, overrides)
+    except ValueError as e:
+        load_with_overrides(experiment, given)  # the command's own --set is at fault: its error as usual
+        raise ValueError(f"--resume {ckpt}: the overrides of the run that wrote the checkpoint ({' '.join(recorded)}) "
+                         f"no longer apply to {experiment}: {e}; the experiment changed since (resume with the "
+                         f"version that wrote the checkpoint, or start a new run)") from None
     if resolved_before is not None:
         changed = differences(resolved_before, full_resolved(spec))
     else:  # an older checkpoint: only the overrides can be compared
