@@ -17,7 +17,7 @@ from realloc.runtime.persist import checkpoint as C
 from realloc.runtime.persist.run_settings import checkpoint_settings, merge_overrides, resume_settings
 from realloc.runtime.records.run_record import (Session, data_record, differences, jsonable, resolved_experiment,
                                                 write_run_record)
-from realloc.runtime.records.telemetry import RequestLog, RequestRecord, Trace, join_sessions
+from realloc.runtime.records.telemetry import TRACE_HEAD, RequestLog, RequestRecord, Trace, join_sessions
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "experiments/ppo_tiny.py")
@@ -287,8 +287,20 @@ def test_a_resumed_run_appends_to_the_request_log_and_trace(tmp_path):
     joined = join_sessions(lines)
     assert joined[4]["spans"]["0"] == [103.0, 104.0] and joined[4]["dispatched"] == 103.0
     assert joined[:3] == lines[:3]
-    # A third session numbers on.
+    # A third session numbers on. Resuming from further back (after iteration 1) keeps session 2's set-up and
+    # its marker, drops its iteration 3 and session 1's iteration 2.
     assert RequestLog(log_path, resume_after=3).session == 3
+    Trace(trace_path, 1, ["n:0"], t0=9000.0, resume_after=1).close()
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    assert [e["name"] for e in events if e["ph"] == "i"] == ["resumed after iteration 2", "resumed after iteration 1"]
+    assert [e["args"]["iteration"] for e in events if e["ph"] == "X"] == [0, 1, 0]
+    # A marker after the last kept event goes (here: every event after iteration 0 of session 1 is dropped).
+    kept = [json.loads(x.rstrip(",")) for x in trace_path.read_text().splitlines()[1:-1]]
+    trace_path.write_text(TRACE_HEAD + ",\n".join(json.dumps(e) for e in kept if e.get("args", {}).get("iteration")
+                                                    != 0 or e["ts"] < 1e6))
+    Trace(trace_path, 1, ["n:0"], t0=9000.0, resume_after=0).close()
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    assert [e["name"] for e in events if e["ph"] == "i"] == ["resumed after iteration 0"]
 
 
 def test_trace_cli_draws_iterations_from_before_and_after_a_resume(tmp_path, capsys):

@@ -152,7 +152,9 @@ def _earlier_events(path: Path, resume_after: int) -> list[dict[str, Any]]:
             continue  # names of processes and rows: this session writes them again
         if ev.get("ph") == "i" or ev.get("args", {}).get("iteration", 0) <= resume_after:
             out.append(ev)
-    return out
+    # An earlier resume's marker stays only if the events before it do (not when this run resumes from further back).
+    end = max((ev.get("ts", 0.0) + ev.get("dur", 0.0) for ev in out if ev.get("ph") != "i"), default=0.0)
+    return [ev for ev in out if ev.get("ph") != "i" or ev.get("ts", 0.0) <= end]
 
 
 class RequestLog:
