@@ -103,7 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--skip-checkpoint-checks", action="store_true",
                    help="with --resume: load the checkpoint without checking its files' SHA-256 and presence")
     s.add_argument("--run-dir", default=None, help="output directory (default runs/<experiment>-<time>)")
-    s.add_argument("--save-every", type=int, default=0, help="checkpoint every N iterations (0: never)")
+    s.add_argument("--save-every", type=int, default=0, help="also checkpoint every N iterations (0: only the "
+                   "final state)")
+    s.add_argument("--final-checkpoint", action=argparse.BooleanOptionalAction, default=True,
+                   help="checkpoint the state after the last iteration, for `realloc export` and --resume (default on)")
+    s.add_argument("--keep-checkpoints", type=int, default=3, metavar="N",
+                   help="after each checkpoint, delete all but the newest N (default 3; 0 keeps all)")
+    s.add_argument("--allow-changed-settings", action="store_true",
+                   help="with --resume: train on although a setting differs from the checkpoint's run (a new --set "
+                        "or an edited experiment file); without it such a resume is refused, naming the difference")
     s.add_argument("--export-every", type=int, default=0, help="every N iterations (and after the last), also "
                    "write each trained model as a HuggingFace directory under RUN_DIR/exports/ (0: never)")
     s.add_argument("--launcher", default="local", choices=["local", "slurm", "ray", "external"],

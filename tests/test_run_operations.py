@@ -162,15 +162,17 @@ def test_eval_set_every_n_iterations_matches_transformers_greedy(run):
 @pytest.fixture(scope="module")
 def resumed(run, tmp_path_factory):
     """A copy of the run resumed from its checkpoint after iteration 2 with more iterations (5) than the first
-    run's schedule (4), and sampled evaluation (eval.greedy=false)."""
+    run's schedule (4), and sampled evaluation (eval.greedy=false, a changed setting: --allow-changed-settings).
+    The first run's overrides are not given again: --resume reapplies them. No --save-every: the final state is
+    saved, and --keep-checkpoints 2 leaves two."""
     import shutil
 
     base = tmp_path_factory.mktemp("resumed")
     run_dir = base / "run"
     shutil.copytree(run[0], run_dir)
     cmd = [sys.executable, "-m", "realloc.cli", "run", EXPERIMENT, "--resume", str(run_dir / "checkpoints/iter_00000002"),
-           "--iterations", "5", "--run-dir", str(run_dir), "--quiet",
-           *(x for s in [*SETS, "eval.greedy=false"] for x in ("--set", s))]
+           "--iterations", "5", "--run-dir", str(run_dir), "--quiet", "--set", "eval.greedy=false",
+           "--allow-changed-settings", "--keep-checkpoints", "2"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "TMPDIR": str(base), "PYTHONPATH": str(REPO)})
     assert r.returncode == 0, r.stdout + r.stderr
@@ -184,7 +186,7 @@ def test_a_resumed_run_keeps_the_checkpoints_schedule(run, resumed):
     _, _, first = run
     run_dir, out, metrics = resumed
     assert [m["iteration"] for m in metrics] == [1, 2, 3, 4, 5]
-    assert json.loads((run_dir / "checkpoints/iter_00000002/meta.json").read_text())["schedule_iterations"] == 4
+    assert json.loads((run[0] / "checkpoints/iter_00000002/meta.json").read_text())["schedule_iterations"] == 4
     for m, ref in zip(metrics[2:4], first[2:4]):
         assert (m["actor_lr"], m["critic_lr"]) == (ref["actor_lr"], ref["critic_lr"])
         assert m["reward"] == pytest.approx(ref["reward"], rel=1e-6)  # the same training, resumed
@@ -232,3 +234,52 @@ def test_sampled_eval_scores_sampled_responses(run, resumed):
     samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
     keys = [(s["iteration"], s.get("key", "seq"), s["seq"]) for s in samples]
     assert samples and len(keys) == len(set(keys))
+
+
+def test_a_run_records_its_resolved_settings_and_data(run):
+    run_dir = run[0]
+    resolved = json.loads((run_dir / "config/experiment.json").read_text())
+    assert resolved["config"]["ppo"]["lr"] == 1e-3 and resolved["config"]["ppo"]["lr_schedule"] == "cosine"
+    assert resolved["config"]["ppo"]["clip_eps"] == 0.2  # a default, recorded too
+    assert (run_dir / "config/source/ppo_tiny.py").read_bytes() == (REPO / "experiments/ppo_tiny.py").read_bytes()
+    meta = json.loads((run_dir / "checkpoints/iter_00000004/meta.json").read_text())
+    assert meta["settings"]["overrides"] == SETS and meta["settings"]["experiment"] == resolved
+    data = json.loads((run_dir / "data.json").read_text())
+    assert data["gen_len"] == 8 and data["has_responses"] is False  # ppo_tiny's gen_len, a prompt dataset
+
+
+def test_a_resumed_run_reapplies_its_settings_keeps_its_history_and_exports(run, resumed, tmp_path, capsys):
+    """Issue 22, items 8, 9 and 11: the resumed run trained with the first run's overrides (the schedule test
+    above), said so, recorded its session beside the first one, saved its final state without --save-every,
+    kept the newest 2 checkpoints, appended to requests.jsonl and trace.json, and `realloc export RUN_DIR` and
+    `realloc trace RUN_DIR` read it with no more flags."""
+    from realloc.cli import main
+
+    run_dir, out, _ = resumed
+    assert "reapplied the checkpoint's run's overrides: " + " ".join(SETS) in out
+    assert "settings changed from the checkpoint's run (--allow-changed-settings): eval.greedy: true -> false" in out
+    recorded = json.loads((run_dir / "run.json").read_text())
+    assert recorded["overrides"] == [*SETS, "eval.greedy=false"]
+    first, second = recorded["sessions"]
+    assert first["given"] == SETS and first["resumed_from"] is None and first["iterations"] == [1, 4]
+    assert second["given"] == ["eval.greedy=false"] and second["changed"] == ["eval.greedy: true -> false"]
+    assert second["resumed_from"].endswith("checkpoints/iter_00000002") and second["iterations"] == [3, 5]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["iter_00000004", "iter_00000005"]
+    meta = json.loads((run_dir / "checkpoints/iter_00000005/meta.json").read_text())
+    assert meta["settings"]["overrides"] == [*SETS, "eval.greedy=false"]
+
+    assert main(["export", str(run_dir), "--model", "actor", "--out", str(tmp_path / "hf")]) == 0
+    assert json.loads((tmp_path / "hf/realloc_export.json").read_text())["iteration"] == 5
+
+    requests = [json.loads(x) for x in (run_dir / "requests.jsonl").read_text().splitlines()]
+    calls = sorted({(r["session"], r["iteration"]) for r in requests if r["kind"] == "call"})
+    assert calls == [(1, 1), (1, 2), (2, 3), (2, 4), (2, 5)]  # the first run's 3 and 4 were done again
+    events = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+    (marker,) = [e for e in events if e["ph"] == "i"]
+    boxes = [e for e in events if e["ph"] == "X" and e["cat"] == "call"]
+    assert {e["args"]["iteration"] for e in boxes if e["ts"] < marker["ts"]} == {1, 2}
+    assert {e["args"]["iteration"] for e in boxes if e["ts"] > marker["ts"]} == {3, 4, 5}
+    capsys.readouterr()
+    assert main(["trace", str(run_dir), "--timeline", str(tmp_path / "t.svg"), "--iterations", "1..5",
+                 "--no-estimate"]) == 0
+    assert "measured, iterations 1..5" in capsys.readouterr().out

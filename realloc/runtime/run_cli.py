@@ -7,9 +7,12 @@
     realloc run EXP --launcher slurm --dry-run          # prints the sbatch script, writes nothing
     realloc run EXP --launcher slurm --partition gpu --time 4:00:00 --setup "module load cuda"
 
-A run directory holds run.json (the command's experiment and overrides), plan.json, metrics.jsonl (one
-line per iteration, counted from 1), trace.json (Chrome trace of every device), logs/worker<r>.log and
-checkpoints/iter_<N> (the state after iteration N).
+A run directory holds run.json (the experiment, the overrides in force and every session's history),
+config/ (the fully resolved experiment, a copy of its files, versions: ``records/run_record.py``), plan.json,
+metrics.jsonl (one line per iteration, counted from 1), trace.json (Chrome trace of every device),
+logs/worker<r>.log and checkpoints/iter_<N> (the state after iteration N: every --save-every N iterations and
+after the last one, the newest --keep-checkpoints of them kept). ``--resume`` reapplies the checkpoint's
+overrides and refuses a changed setting unless --allow-changed-settings (``persist/run_settings.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
-import dataclasses
 import json
 import os
 import secrets
@@ -38,8 +40,10 @@ from realloc.runtime.inputs.preflight import Preflight, preflight
 from realloc.runtime.inputs.run_config import RunConfig
 from realloc.runtime.launch.launcher import (LocalLauncher, SlurmOptions, WorkerConfig, slurm_script, submit_slurm,
                                       write_job_script)
+from realloc.runtime.persist.run_settings import resume_settings
 from realloc.runtime.records.metric_sinks import MetricSinks, check_wandb_installed
 from realloc.runtime.records.run_paths import RunPaths
+from realloc.runtime.records.run_record import Session, data_record, resolved_experiment, write_run_record
 from realloc.runtime.wire import protocol
 
 DEFAULT_SEARCH_TIME = 10.0
@@ -190,11 +194,21 @@ def main(args: argparse.Namespace) -> int:
                          f"run, `realloc search EXP --dry-run` shows the plan")
     if args.export_every < 0:
         raise ValueError(f"--export-every must be >= 0, got {args.export_every}")
+    if args.keep_checkpoints < 0:
+        raise ValueError(f"--keep-checkpoints must be >= 0 (0 keeps all), got {args.keep_checkpoints}")
+    if args.allow_changed_settings and not args.resume:
+        raise ValueError("--allow-changed-settings applies to --resume (a fresh run has no earlier settings)")
     sets = tuple(args.set)
-    spec = load_with_overrides(args.experiment, sets)
+    ckpt = checkpoint.resolve_resume(args.resume, args.skip_checkpoint_checks) if args.resume else None
+    changed: tuple[str, ...] = ()
+    reapplied: tuple[str, ...] = ()
+    if ckpt is None:
+        spec = load_with_overrides(args.experiment, sets)
+    else:  # the checkpoint's run's overrides again; a changed setting only with --allow-changed-settings
+        resumed = resume_settings(args.experiment, ckpt, checkpoint.read_meta(ckpt), sets, args.allow_changed_settings)
+        spec, sets, changed, reapplied = resumed.spec, resumed.overrides, resumed.changed, resumed.recorded
     graph = build_graph(spec)
     config = RunConfig.of(spec)
-    ckpt = checkpoint.resolve_resume(args.resume, args.skip_checkpoint_checks) if args.resume else None
     start = 0
     meta: dict[str, Any] | None = None
     if ckpt is not None:
@@ -222,10 +236,19 @@ def main(args: argparse.Namespace) -> int:
     program = RuntimeProgram(graph, plan)  # validates the plan against the experiment and cluster
     run_id = args.run_id or secrets.token_hex(8)
     experiment = spec.source or args.experiment
+    resolved = resolved_experiment(spec, graph, config)  # every setting: run dir, checkpoints, TensorBoard, W&B
+    session = Session(experiment=experiment, overrides=sets, given=tuple(args.set),
+                      resumed_from=str(ckpt) if ckpt is not None else None, first_iteration=start + 1,
+                      last_iteration=total, changed=changed)
 
     if slurm is not None:
         master_args = ["--plan", str(run.plan), "--iterations", str(total), "--save-every", str(args.save_every),
-                       "--export-every", str(args.export_every), "--quiet", *(x for item in sets for x in ("--set", item))]
+                       "--export-every", str(args.export_every), "--quiet", *(x for item in sets for x in ("--set", item)),
+                       "--keep-checkpoints", str(args.keep_checkpoints)]
+        if not args.final_checkpoint:
+            master_args.append("--no-final-checkpoint")
+        if args.allow_changed_settings:
+            master_args.append("--allow-changed-settings")
         if not args.tensorboard:
             master_args.append("--no-tensorboard")
         if args.wandb:
@@ -253,7 +276,7 @@ def main(args: argparse.Namespace) -> int:
         if args.dry_run and not args.prepare:
             print(script, end="")  # nothing is written: --prepare writes the run directory
             return 0
-        _prepare_run_dir(run, plan, experiment, sets, pre)
+        _prepare_run_dir(run, plan, spec, session, pre, resolved)
         _fresh_secret(run)
         if args.prepare or args.dry_run:
             path = write_job_script(script, run)
@@ -268,7 +291,8 @@ def main(args: argparse.Namespace) -> int:
     # Before anything starts: a missing wandb package is one error with no worker to stop.
     sinks = MetricSinks.open(run.root, tensorboard=args.tensorboard, wandb_project=args.wandb,
                              run_name=run.root.name, config={"experiment": experiment, "overrides": list(sets),
-                                                             "plan": plan_source, "iterations": total},
+                                                             "plan": plan_source, "iterations": total,
+                                                             "resolved": resolved},
                              first_iteration=start + 1)
     previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)  # the master takes it over while it runs
     ray = None
@@ -276,10 +300,10 @@ def main(args: argparse.Namespace) -> int:
     try:
         if args.launcher == "external":
             if not run.plan.is_file():
-                _prepare_run_dir(run, plan, experiment, sets, pre)
+                _prepare_run_dir(run, plan, spec, session, pre, resolved)
             secret = protocol.read_secret()
         else:
-            _prepare_run_dir(run, plan, experiment, sets, pre)
+            _prepare_run_dir(run, plan, spec, session, pre, resolved)
             secret = _fresh_secret(run)
         # The run's own secret file goes when the master exits, however it exits short of SIGKILL (the
         # finally below, or atexit when interrupted before it). Workers read it only at start, and none
@@ -300,6 +324,7 @@ def main(args: argparse.Namespace) -> int:
             bind = ray.node_ip  # the actors reach the master here (127.0.0.1 for a private local instance)
         master = Master(program, config, run, run_id, secret, iterations=total - start, start_iteration=start,
                         resume=ckpt, save_every=args.save_every, export_every=args.export_every,
+                        save_final=args.final_checkpoint, keep_checkpoints=args.keep_checkpoints,
                         bind_host=bind, master_port=args.master_port,
                         store_port=args.store_port, stop_signals=stop_signals,
                         verify_checkpoint=not args.skip_checkpoint_checks, schedule_iterations=horizon, **timeouts)
@@ -317,6 +342,10 @@ def main(args: argparse.Namespace) -> int:
               f"iterations {start + 1}..{total}, plan {plan_source}")
         if sets:
             print(f"overrides: {' '.join(sets)}")
+        if reapplied:
+            print(f"reapplied the checkpoint's run's overrides: {' '.join(reapplied)}")
+        if changed:
+            print(f"settings changed from the checkpoint's run (--allow-changed-settings): {'; '.join(changed)}")
         for line in pre.lines:
             print(line)
         if horizon_line:
@@ -342,19 +371,17 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prepare_run_dir(run: RunPaths, plan: ExecutionPlan, experiment: str, sets: tuple[str, ...],
-                     pre: Preflight) -> None:
-    """The run directory with its plan and what ran it (``realloc trace`` reads run.json), and what loading the
-    dataset kept and cut (data.json: the console line's counts, for whoever reads the run later)."""
+def _prepare_run_dir(run: RunPaths, plan: ExecutionPlan, spec: ExperimentSpec, session: Session,
+                     pre: Preflight, resolved: dict[str, Any]) -> None:
+    """The run directory with its plan and what ran it (run.json, which ``realloc trace`` and ``--resume`` read,
+    and config/: ``records/run_record.py``), and what loading the dataset kept and cut (data.json: the console
+    line's counts, for whoever reads the run later)."""
     run.root.mkdir(parents=True, exist_ok=True)
     run.logs.mkdir(parents=True, exist_ok=True)
     plan.save(run.plan)
-    (run.root / "run.json").write_text(json.dumps({"experiment": experiment, "overrides": list(sets)}, indent=2))
+    write_run_record(run.root, spec, session, resolved=resolved)
     if pre.data is not None:
-        stats = pre.data
-        body = {**dataclasses.asdict(stats), "n_too_long": stats.n_too_long,
-                "n_response_too_long": stats.n_response_too_long}
-        run.data.write_text(json.dumps(body, indent=2))
+        run.data.write_text(json.dumps(data_record(pre.data, spec), indent=2))
 
 
 def slurm_options(args: argparse.Namespace) -> SlurmOptions:

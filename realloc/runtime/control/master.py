@@ -50,7 +50,7 @@ log = logging.getLogger("realloc.master")
 class Master(MasterLink, IterationSchedule, EvaluationPasses, CheckpointSaves):
     def __init__(self, program: RuntimeProgram, config: RunConfig, run: RunPaths, run_id: str, secret: bytes,
                  *, iterations: int, start_iteration: int = 0, resume: Path | None = None, save_every: int = 0,
-                 export_every: int = 0,
+                 export_every: int = 0, save_final: bool = False, keep_checkpoints: int = 0,
                  launcher: WorkerLauncher | None = None, bind_host: str = "127.0.0.1", master_port: int = 0,
                  store_port: int = 0, heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
                  call_timeout: float = CALL_TIMEOUT, window: int = 2,
@@ -77,6 +77,8 @@ class Master(MasterLink, IterationSchedule, EvaluationPasses, CheckpointSaves):
         self.resume = resume
         self.save_every = save_every
         self.export_every = export_every
+        self.save_final = save_final  # a checkpoint after the last iteration, whatever save_every says
+        self.keep_checkpoints = keep_checkpoints  # delete older ones after each save (0: keep all)
         self.exports: list[asyncio.Task] = []
         self.model_records = self._model_records()
         self.launcher = launcher
@@ -160,8 +162,10 @@ class Master(MasterLink, IterationSchedule, EvaluationPasses, CheckpointSaves):
         self.abort = asyncio.Event()
         cluster = self.spec.cluster
         names = [f"{cluster.nodes[cluster.node_of(r)]}:{r % cluster.n_devices_per_node}" for r in range(self.n_workers)]
-        self.trace = Trace(self.paths.trace, self.n_workers, names, t0=time.time())
-        self.requests = RequestLog(self.paths.root / "requests.jsonl")
+        # A resumed run appends to the earlier sessions' records (dropping their iterations after its checkpoint).
+        after = self.start if self.resume is not None else None
+        self.trace = Trace(self.paths.trace, self.n_workers, names, t0=time.time(), resume_after=after)
+        self.requests = RequestLog(self.paths.root / "requests.jsonl", resume_after=after)
         self.stats = RunStats(self.n_workers)
         receiver = asyncio.create_task(self._receive())
         monitor = asyncio.create_task(self._monitor())

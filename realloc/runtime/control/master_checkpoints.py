@@ -16,6 +16,8 @@ from typing import Any
 from realloc.runtime.control.master_link import RunFailed
 from realloc.runtime.control.stop_signals import SAVE_SAFETY, checkpoint_seconds
 from realloc.runtime.persist import checkpoint
+from realloc.runtime.persist.run_settings import checkpoint_settings
+from realloc.runtime.records.run_record import resolved_experiment
 from realloc.runtime.wire import protocol
 
 log = logging.getLogger("realloc.master")
@@ -25,7 +27,10 @@ class CheckpointSaves:
     """When to save, saving, exporting, and the stop's final save (a part of ``Master``)."""
 
     def _saves_after(self, t: int) -> bool:
-        return self._every(self.save_every, t) or self._every(self.export_every, t)
+        """A checkpoint after iteration ``t``: the plan's every N (the last iteration included), or the run's
+        final state (``save_final``: ``realloc run`` saves it unless ``--no-final-checkpoint``)."""
+        return (self._every(self.save_every, t) or self._every(self.export_every, t)
+                or (self.save_final and t == self.end - 1))
 
     def _every(self, n: int, t: int) -> bool:
         return n > 0 and ((t + 1) % n == 0 or t == self.end - 1)
@@ -60,13 +65,19 @@ class CheckpointSaves:
                    for m in prog.models if prog.is_trained(m)}
         meta = {"next_iteration": done, "prompts_consumed": done * prog.batch_size, "seed": self.config.seed,
                 "experiment": self.spec.name, "graph_digest": self.graph.digest, "run_id": self.run_id,
-                "layouts": layouts, "models": self.model_records, "schedule_iterations": self.schedule_iterations}
+                "layouts": layouts, "models": self.model_records, "schedule_iterations": self.schedule_iterations,
+                "settings": checkpoint_settings(self.spec, self.paths.root,
+                                                resolved_experiment(self.spec, self.graph, self.config))}
         final = await asyncio.to_thread(checkpoint.commit, tmp, self.paths.checkpoints, done, meta,
                                         prog.plan.to_json())
         self.longest_save = max(self.longest_save or 0.0, time.monotonic() - began)
         if self._every(self.export_every, t):
-            # The export reads the committed checkpoint on a thread while training goes on.
-            self.exports.append(asyncio.create_task(asyncio.to_thread(self._export, final, done)))
+            # The export reads the committed checkpoint on a thread while training goes on (the task is named
+            # after it, so that pruning leaves it alone until the export is done).
+            self.exports.append(asyncio.create_task(asyncio.to_thread(self._export, final, done), name=str(final)))
+        if self.keep_checkpoints:
+            busy = [Path(task.get_name()) for task in self.exports if not task.done()]
+            await asyncio.to_thread(checkpoint.prune, self.paths.checkpoints, final, self.keep_checkpoints, busy)
 
     def _export(self, ckpt: Path, done: int) -> None:
         from realloc.runtime.persist.export import export_checkpoint

@@ -40,7 +40,7 @@ import re
 import secrets
 import shutil
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 import torch
 from safetensors import safe_open
@@ -202,13 +202,14 @@ def verify_file(ckpt: Path, path: Path) -> None:
     _check_digest(path, want["sha256"])
 
 
-def latest(root: Path, skip_checks: bool = False) -> Path | None:
+def latest(root: Path, skip_checks: bool = False, use: str = "--resume") -> Path | None:
     """The newest checkpoint under ``root`` (a checkpoints directory), or None.
 
     commit() writes meta.json before the directory gets its ``iter_*`` name, so a named directory
     without one is damaged, not in progress: the newest being so is an error (a silent fall-back
     would resume from older state than the user expects) unless ``skip_checks``, which warns and
-    takes the newest one that has its meta.json.
+    takes the newest one that has its meta.json. ``use`` is how the command picks another checkpoint
+    (``--resume`` takes its path, ``realloc export`` an ``--iteration``), for the error's advice.
     """
     if not root.is_dir():
         return None
@@ -218,28 +219,67 @@ def latest(root: Path, skip_checks: bool = False) -> Path | None:
             return ckpt
         older = next((p for p in reversed(named[:len(named) - 1 - i]) if (p / META).is_file()), None)
         if not skip_checks:
-            fix = (f"resume from the one before it (--resume {older}) or pass --skip-checkpoint-checks to fall "
-                   f"back to it" if older else "no older checkpoint has one either")
+            pick = f"--resume {older}" if use == "--resume" else f"{use} {iterations_of(older)}" if older else ""
+            fix = (f"use the one before it ({pick}) or pass --skip-checkpoint-checks to fall back to it" if older
+                   else "no older checkpoint has one either")
             raise ValueError(f"checkpoint {ckpt} has no {META}: it is damaged (a committed checkpoint always has "
                              f"one); {fix}")
         log.warning("checkpoint %s has no %s (damaged): skipped", ckpt, META)
     return None
 
 
+def iterations_of(ckpt: Path) -> int:
+    """The iterations a committed checkpoint holds, from its name (``iter_00000012``: 12)."""
+    return int(ckpt.name.removeprefix("iter_"))
+
+
 def resolve_resume(path: str | Path, skip_checks: bool = False) -> Path:
     """``--resume`` accepts a checkpoint directory, a checkpoints directory, or a run directory."""
+    found = find_newest(path, skip_checks, "--resume")
+    if found is None:
+        raise ValueError(f"--resume {path}: no complete checkpoint found (looked for iter_*/{META} in {path} and "
+                         f"{Path(path) / 'checkpoints'})")
+    return found
+
+
+def find_newest(path: str | Path, skip_checks: bool = False, use: str = "--resume") -> Path | None:
+    """The checkpoint ``path`` names: itself, or the newest in it or in its ``checkpoints/``; None if none."""
     p = Path(path)
     if (p / META).is_file():
         return p
     if _NAME.fullmatch(p.name) and p.is_dir():
-        raise ValueError(f"--resume {path}: {p / META} is missing: the checkpoint is damaged (a committed "
-                         f"checkpoint always has one); resume from another checkpoint")
+        raise ValueError(f"{p}: {p / META} is missing: the checkpoint is damaged (a committed checkpoint always "
+                         f"has one); use another checkpoint")
     for root in (p / "checkpoints", p):
-        found = latest(root, skip_checks)
+        found = latest(root, skip_checks, use)
         if found is not None:
             return found
-    raise ValueError(f"--resume {path}: no complete checkpoint found (looked for iter_*/{META} in {p} and "
-                     f"{p / 'checkpoints'})")
+    return None
+
+
+def prune(root: Path, newest: Path, keep: int, busy: Collection[Path] = ()) -> list[Path]:
+    """Delete the committed checkpoints under ``root`` older than the ``keep`` newest up to ``newest`` (the one
+    just committed), so that saving often cannot fill the disk; ``keep`` 0 keeps all. Checkpoints after
+    ``newest`` (left by a run this one resumed before their iterations) are not this run's to judge and stay,
+    as do those in ``busy`` (an export still reading them; the next save prunes them). Returns the deleted."""
+    if keep <= 0:
+        return []
+    done = iterations_of(newest)
+    named = sorted((p for p in root.glob("iter_*") if p.is_dir() and _NAME.fullmatch(p.name)
+                    and iterations_of(p) <= done), key=iterations_of, reverse=True)
+    busy = {Path(b).resolve() for b in busy}
+    deleted = []
+    for old in named[keep:]:
+        if old.resolve() in busy:
+            continue
+        try:
+            shutil.rmtree(old)
+        except OSError as e:  # a checkpoint we cannot delete costs disk, not the run
+            log.warning("could not delete old checkpoint %s (%s); delete it by hand", old, e)
+            continue
+        log.info("deleted checkpoint %s (keeping the newest %d)", old, keep)
+        deleted.append(old)
+    return deleted
 
 
 # -- worker side -------------------------------------------------------------------------------------------------

@@ -172,7 +172,15 @@ def find_checkpoint(run_dir: str | Path, iteration: int | None, skip_checks: boo
     """The checkpoint written after ``iteration`` completed iterations (the newest when None)."""
     root = Path(run_dir)
     if iteration is None:
-        return checkpoint.resolve_resume(root, skip_checks)
+        found = checkpoint.find_newest(root, skip_checks, "--iteration")
+        if found is None:
+            if not root.exists():
+                raise ValueError(f"{root} does not exist; give the run directory of a `realloc run`")
+            raise ValueError(f"{root}: no checkpoint to export from (looked for iter_*/{checkpoint.META} in {root} and "
+                             f"{root / 'checkpoints'}); a run saves its final state there unless it ran with "
+                             f"--no-final-checkpoint or stopped before its first save: give a run directory, its "
+                             f"checkpoints/ or one checkpoint directory")
+        return found
     if iteration < 1:
         raise ValueError(f"--iteration must be a positive number of completed iterations, got {iteration}")
     found = []

@@ -6,6 +6,9 @@
   is configured (``WANDB_API_KEY``), so a run on a cluster without network still keeps its log in
   ``RUN/wandb/``; ``wandb sync`` uploads it later.
 
+Both get the run's configuration (the command's experiment, overrides and plan, and the fully resolved
+experiment): W&B as the run's config, TensorBoard as text under ``config`` (the Text tab).
+
 Every number of a metrics line is logged under its name at step = iteration (counted from 1):
 headline PPO values under ``train/``, seconds per node under ``time/``, evaluation under ``eval/``.
 ``tokens`` (the same count every iteration) is left to metrics.jsonl. A resumed run (from the state after
@@ -15,6 +18,7 @@ iteration N) purges the TensorBoard steps after N that the killed run had writte
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 from typing import Any, Protocol
@@ -29,6 +33,13 @@ class Sink(Protocol):
 
 
 NOT_LOGGED = frozenset({"iteration", "tokens"})  # the step itself, and a constant of the run
+CONFIG_TAG = "config"
+
+
+def config_markdown(config: dict[str, Any]) -> str:
+    """The run's config as TensorBoard text: markdown, so the JSON keeps its indentation (a code block)."""
+    body = json.dumps(config, indent=2, default=str)
+    return "\n".join("    " + line for line in body.splitlines())
 
 
 def scalars_of(m: dict[str, Any]) -> dict[str, float]:
@@ -47,13 +58,16 @@ def scalars_of(m: dict[str, Any]) -> dict[str, float]:
 
 
 class TensorBoardSink:
-    def __init__(self, folder: Path, first_step: int = 1) -> None:
+    def __init__(self, folder: Path, first_step: int = 1, config: dict[str, Any] | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self.folder = folder
         # A resumed run: readers drop the earlier files' events from first_step on (the killed run's
         # iterations after the checkpoint, which this run writes again).
         self.writer = SummaryWriter(str(folder), purge_step=first_step if first_step > 1 else None)
+        if config:  # the run's settings, on TensorBoard's Text tab (a resumed run adds its own at its first step)
+            self.writer.add_text(CONFIG_TAG, config_markdown(config), global_step=first_step)
+            self.writer.flush()
 
     def describe(self) -> str:
         return f"tensorboard {self.folder}"
@@ -117,7 +131,7 @@ class MetricSinks:
         sinks: list[Sink] = []
         try:
             if tensorboard:
-                sinks.append(TensorBoardSink(run_dir / "tensorboard", first_iteration))
+                sinks.append(TensorBoardSink(run_dir / "tensorboard", first_iteration, config))
             if wandb_project:
                 sinks.append(WandbSink(run_dir, wandb_project, run_name, config))
         except BaseException:

@@ -71,20 +71,37 @@ def dispatch_overhead(dispatched: float, prev_end: float, start: float, end: flo
     return max(0.0, start - max(dispatched, prev_end)) + max(0.0, received - end)
 
 
+TRACE_HEAD = '{"displayTimeUnit": "ms", "traceEvents": [\n'
+RESUME_GAP = 1.0  # seconds of trace time between a resumed session and the events before it
+
+
 class Trace:
     """The Chrome trace, written to ``path`` as the run goes (the master keeps no events in memory).
 
     The JSON object is closed by ``close()``; ``flush()`` after each iteration puts everything so far
     on disk, so a killed master leaves all but the closing brackets.
+
+    A resumed run (``resume_after``: the iterations its checkpoint holds) keeps the earlier sessions' events
+    of those iterations and of none (set-up, shutdown), drops the later ones (this run does them again), and
+    continues the timeline ``RESUME_GAP`` after the last kept event, with a marker where it resumed.
     """
 
-    def __init__(self, path: Path, n_devices: int, device_names: list[str], t0: float) -> None:
+    def __init__(self, path: Path, n_devices: int, device_names: list[str], t0: float,
+                 resume_after: int | None = None) -> None:
         """``t0``: wall-clock time zero, before any request (else a participant that started a request
         before the one whose span was recorded first would get a negative timestamp)."""
+        kept = _earlier_events(path, resume_after) if resume_after is not None else []
         self._f = open(path, "w")
-        self._f.write('{"displayTimeUnit": "ms", "traceEvents": [\n')
+        self._f.write(TRACE_HEAD)
         self._first = True
         self.t0 = t0
+        if kept:
+            for ev in kept:
+                self._event(ev)
+            end = max(ev.get("ts", 0.0) + ev.get("dur", 0.0) for ev in kept) / 1e6
+            self.t0 = t0 - end - RESUME_GAP  # this session's events follow the kept ones
+            self._event({"name": f"resumed after iteration {resume_after}", "ph": "i", "s": "g", "pid": 1, "tid": 0,
+                         "ts": round((end + RESUME_GAP / 2) * 1e6, 1)})
         self._event({"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "devices"}})
         self._event({"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "master"}})
         for r in range(n_devices):
@@ -120,15 +137,57 @@ class Trace:
             self._f.close()
 
 
+def _earlier_events(path: Path, resume_after: int) -> list[dict[str, Any]]:
+    """The duration events of an earlier session's trace that a run resumed after iteration ``resume_after``
+    keeps. The file is read line by line (one event a line), so a trace a killed master left unclosed, or
+    whose last line it was writing, still gives every complete event."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        line = line.strip().rstrip(",")
+        if not line.startswith("{") or line.startswith('{"displayTimeUnit"'):
+            continue
+        try:
+            ev = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if ev.get("ph") == "M":
+            continue  # names of processes and rows: this session writes them again
+        if ev.get("ph") == "i" or ev.get("args", {}).get("iteration", 0) <= resume_after:
+            out.append(ev)
+    # An earlier resume's marker stays only if the events before it do (not when this run resumes from further back).
+    end = max((ev.get("ts", 0.0) + ev.get("dur", 0.0) for ev in out if ev.get("ph") != "i"), default=0.0)
+    return [ev for ev in out if ev.get("ph") != "i" or ev.get("ts", 0.0) <= end]
+
+
 class RequestLog:
     """``requests.jsonl``: one line per request with its per-worker spans and reply arrival times, written
-    when the request completes (and, at the end, for requests that never did)."""
+    when the request completes (and, at the end, for requests that never did).
 
-    def __init__(self, path: Path) -> None:
-        self._f = open(path, "w")
+    Each line carries its ``session``: 1 for a fresh run; a run resumed after iteration ``resume_after`` keeps
+    the earlier sessions' lines of those iterations and of none (set-up, shutdown), drops the later ones (this
+    run does them again) and appends its own as the next session (``join_sessions`` draws them end to end)."""
+
+    def __init__(self, path: Path, resume_after: int | None = None) -> None:
+        self.session = 1
+        if resume_after is not None and path.is_file():
+            kept = []
+            for line in path.read_text(errors="replace").splitlines():
+                try:
+                    r = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # the half-written last line of a killed master
+                if isinstance(r, dict) and r.get("iteration", 0) <= resume_after:
+                    kept.append(line)
+                    self.session = max(self.session, int(r.get("session", 1)) + 1)
+            path.write_text("".join(line + "\n" for line in kept))
+            self._f = open(path, "a")
+        else:
+            self._f = open(path, "w")
 
     def write(self, r: RequestRecord) -> None:
-        self._f.write(json.dumps({"req": r.req, "kind": r.kind, "label": r.label,
+        self._f.write(json.dumps({"req": r.req, "session": self.session, "kind": r.kind, "label": r.label,
                                   "iteration": iteration_number(r.iteration),
                                   "dispatched": r.dispatched, "completed": r.completed,
                                   "spans": {str(k): v for k, v in r.spans.items()},
@@ -141,6 +200,34 @@ class RequestLog:
 
     def close(self) -> None:
         self._f.close()
+
+
+def join_sessions(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """requests.jsonl's lines with each resumed session's times moved back so that its first iteration's
+    requests start where the previous session's last iteration ended (wall-clock time between them, worker
+    start-up included, is not the plan's), for drawing iterations from before and after a resume together."""
+    by_session: dict[int, list[dict[str, Any]]] = {}
+    for r in requests:
+        by_session.setdefault(int(r.get("session", 1)), []).append(r)
+    out: list[dict[str, Any]] = []
+    prev_end: float | None = None
+    for session in sorted(by_session):
+        rows = by_session[session]
+        spans = [tuple(v) for r in rows if r.get("iteration", 0) > 0 for v in r.get("spans", {}).values()]
+        shift = 0.0
+        if prev_end is not None and spans:
+            shift = min(s for s, _ in spans) - prev_end
+        for r in rows:
+            out.append(_shifted(r, shift) if shift else r)
+        if spans:
+            prev_end = max(e for _, e in spans) - shift
+    return out
+
+
+def _shifted(r: dict[str, Any], by: float) -> dict[str, Any]:
+    return {**r, "dispatched": r["dispatched"] - by, "completed": r["completed"] - by if r.get("completed") else 0.0,
+            "spans": {k: [s - by, e - by] for k, (s, e) in r.get("spans", {}).items()},
+            "received": {k: t - by for k, t in r.get("received", {}).items()}}
 
 
 def iteration_number(t: int) -> int:

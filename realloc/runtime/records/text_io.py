@@ -17,6 +17,11 @@ ends. Iterations count from 1 as in metrics.jsonl::
      "prompt_ids": [...], "response_ids": [...], "logp": [-0.3, ...]}
 
 A line of another sequence key than ``seq`` (ReMax's greedy baseline) carries ``"key": "greedy_seq"``.
+
+``logp`` is each response token's log-prob as the generation sampled it: ``log_softmax(logits / T)`` at the
+generating call's sampling temperature ``T`` (the algorithm settings' ``temperature``), before top-k/top-p
+filtering; 1.0 for greedy responses (ReMax's baseline). It is what the PPO-family losses use as the old
+policy's log-prob (they score at the same temperature); at T != 1 it is not the model's log-prob at T = 1.
 """
 
 from __future__ import annotations
