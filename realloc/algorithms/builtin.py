@@ -10,7 +10,7 @@ log-probs).
 
 from __future__ import annotations
 
-from realloc.algorithms import dpo, grpo
+from realloc.algorithms import dpo, grpo, pg_algorithms
 from realloc.algorithms.interface import Interface
 from realloc.algorithms.ppo_config import PPOConfig
 from realloc.calls import GENERATE, INFERENCE, TRAIN_STEP
@@ -38,5 +38,6 @@ BUILTIN: tuple[Interface, ...] = (
     Interface("verifiable_reward", INFERENCE, f"{_COMMON}:verifiable_scores", inputs=("seq",), outputs=("rewards",),
               head="none", records=True),
     *grpo.INTERFACES,
+    *pg_algorithms.INTERFACES,
     *dpo.INTERFACES,
 )
