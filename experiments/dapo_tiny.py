@@ -3,8 +3,9 @@
 The reward is binary, as DAPO's verifiable rewards are: 1 when at least 3 of a response's tokens are in a target
 set of 16 of the 64 token ids (about a third of the random model's responses), else 0. So whole groups often
 score alike (all 0 at first, all 1 later); dynamic sampling drops them and refills the train batch of 8 groups
-from the 12 prompts generated per iteration. Clip-higher (0.2 / 0.28), a token-level loss, no KL, and the
-overlong penalty over the last 2 of the 8 response tokens (half weight). Prompts are the 8-token ones of ppo_tiny.
+from the 12 prompts generated per iteration. Clip-higher (0.2 / 0.28), a token-level loss, no KL. The overlong
+penalty is off (``overlong_buffer`` 0): the random tiny model never samples its EOS, so every response is 8
+tokens and the penalty would be the same for all. Prompts are the 8-token ones of ppo_tiny.
 """
 
 import dataclasses
@@ -30,7 +31,7 @@ class TinyDAPO:
     seed: int = 1
     dataset: str = "data/ppo_tiny_prompts.jsonl"
     iterations: int = 30
-    dapo: DAPOConfig = DAPOConfig(n_minibatches=2, lr=2e-3, train_prompts=8, overlong_buffer=2, overlong_penalty=0.5)
+    dapo: DAPOConfig = DAPOConfig(n_minibatches=2, lr=2e-3, train_prompts=8)
 
     @property
     def rpcs(self):

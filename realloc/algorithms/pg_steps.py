@@ -8,6 +8,8 @@ the tests check against the papers' formulas.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from realloc.algorithms import losses, ppo
@@ -27,21 +29,26 @@ def reinforce_pp_returns(scores: torch.Tensor, logp: torch.Tensor, ref_logp: tor
     return returns
 
 
-def _reinforce_pp(ctx: CallContext, inputs: Data, baseline: bool) -> CallResult:
-    model, cfg = ctx.model, ctx.config
-    assert model is not None
+def reinforce_pp_advantages(ctx: CallContext, inputs: Data, baseline: bool) -> torch.Tensor:
+    """[n, T] REINFORCE++'s advantages of this rank's rows: return-to-go of the KL-shaped token rewards, normalized
+    over every token of the batch (all dp ranks). ``baseline``: REINFORCE++-baseline, each response's reward minus
+    its group's mean first."""
+    cfg = ctx.config
     mask = inputs["seq"]["gen_mask"]
     logp, ref_logp = inputs["logp"]["logp"], inputs["ref_logp"]["logp"]
     score = inputs["rewards"]["score"]
-    if baseline:  # REINFORCE++-baseline: the group's mean reward as the baseline of each response
+    if baseline:
         g = _group(ctx, score.numel())
         groups = score.double().view(-1, g)
         score = (groups - groups.mean(dim=1, keepdim=True)).view(-1).to(score.dtype)
     returns = reinforce_pp_returns(score, logp, ref_logp, mask, cfg.kl_in_reward, cfg.kl_estimator, cfg.gamma)
-    # Global advantage normalization: moments over every token of the batch, on every dp rank.
-    adv = ppo.whiten(returns, mask, dp_all_reduce(model, ppo.masked_moments(returns, mask)))
+    return ppo.whiten(returns, mask, dp_all_reduce(ctx.model, ppo.masked_moments(returns, mask)))
+
+
+def _reinforce_pp(ctx: CallContext, inputs: Data, baseline: bool) -> CallResult:
+    adv = reinforce_pp_advantages(ctx, inputs, baseline)
     steps = policy_steps(ctx, inputs, adv)
-    return _result(ctx, steps, inputs, adv, n_tokens_of=mask)
+    return _result(ctx, steps, inputs, adv, n_tokens_of=inputs["seq"]["gen_mask"])
 
 
 def reinforce_pp_train(ctx: CallContext, inputs: Data) -> CallResult:
@@ -75,11 +82,20 @@ def dynamic_sampling_positions(keep: torch.Tensor, group: int, n_train: int) -> 
     return pos.reshape(-1)
 
 
-def dapo_train(ctx: CallContext, inputs: Data) -> CallResult:
-    model, cfg = ctx.model, ctx.config
-    assert model is not None
-    seq = inputs["seq"]
-    mask = seq["gen_mask"]
+@dataclasses.dataclass
+class DAPOSelection:
+    position: torch.Tensor  # [n] each row's place in the train batch, -1: dropped
+    advantages: torch.Tensor  # [n] group-normalized, 0 for a dropped row
+    shaping: torch.Tensor  # [n] the overlong penalty added to each reward
+    groups_kept: int  # groups of the whole batch whose rewards differ
+    groups_trained: int
+
+
+def dapo_selection(ctx: CallContext, inputs: Data) -> DAPOSelection:
+    """DAPO's rewards (plus the overlong penalty), its dynamic sampling over the whole batch, and the group-normalized
+    advantages of this rank's rows."""
+    cfg = ctx.config
+    mask = inputs["seq"]["gen_mask"]
     logp, ref_logp = inputs["logp"]["logp"], inputs["ref_logp"]["logp"]
     if cfg.overlong_buffer >= ctx.gen_len:
         raise ValueError(f"call {ctx.call.name!r}: dapo.overlong_buffer={cfg.overlong_buffer} must be below gen_len="
@@ -90,26 +106,34 @@ def dapo_train(ctx: CallContext, inputs: Data) -> CallResult:
     n_groups = ctx.batch_size // g
     first = ctx.ids.start // g
     local_groups = score.view(-1, g)
-    # A group whose (shaped) rewards are all equal has advantage 0 for every response: no gradient, only noise in
-    # the loss's normalization. Whether a group is kept is decided on every rank alike, from all ranks' flags.
+    # A group whose (shaped) rewards are all equal has advantage 0 for every response: no gradient, only a dilution
+    # of the loss's normalization. Whether a group is kept is decided on every rank alike, from all ranks' flags.
     keep_local = (local_groups.max(dim=1).values != local_groups.min(dim=1).values) if cfg.dynamic_sampling \
         else torch.ones(local_groups.shape[0], dtype=torch.bool)
     flags = torch.zeros(n_groups, dtype=torch.float64)
     flags[first:first + local_groups.shape[0]] = keep_local.double()
-    keep = dp_all_reduce(model, flags) > 0.5
+    keep = dp_all_reduce(ctx.model, flags) > 0.5
     n_train = cfg.trained_prompts(n_groups)
     position = dynamic_sampling_positions(keep, g, n_train)[ctx.ids.start:ctx.ids.stop]
-    adv_seq = losses.group_advantages(score - cfg.kl_coef * reward_kl(cfg, logp, ref_logp, mask), g, scale=True)
-    adv_seq = torch.where(position >= 0, adv_seq, torch.zeros_like(adv_seq))
-    steps = policy_steps(ctx, inputs, adv_seq.view(-1, 1).to(logp.dtype) * mask, position=position)
-    trained = position >= 0
-    n_trained = float(min(int(keep.sum()), n_train) * g)
-    out = _result(ctx, steps, inputs, adv_seq.view(-1, 1) * mask, n_tokens_of=mask & trained.view(-1, 1))
+    adv = losses.group_advantages(score - cfg.kl_coef * reward_kl(cfg, logp, ref_logp, mask), g, scale=True)
+    adv = torch.where(position >= 0, adv, torch.zeros_like(adv))
+    return DAPOSelection(position, adv, shaping, int(keep.sum()), min(int(keep.sum()), n_train))
+
+
+def dapo_train(ctx: CallContext, inputs: Data) -> CallResult:
+    mask = inputs["seq"]["gen_mask"]
+    sel = dapo_selection(ctx, inputs)
+    adv = sel.advantages.view(-1, 1).to(inputs["logp"]["logp"].dtype) * mask
+    steps = policy_steps(ctx, inputs, adv, position=sel.position)
+    trained = sel.position >= 0
+    out = _result(ctx, steps, inputs, adv, n_tokens_of=mask & trained.view(-1, 1))
     if out.sums:
-        out.sums["trained_reward"] = float(score[trained].double().sum()) / max(n_trained, 1.0)
-        out.sums["overlong_penalty"] = float(shaping.double().sum()) / ctx.batch_size
-        out.globals.update({"groups_kept": float(keep.sum()), "groups_trained": n_trained / g,
-                            "groups_generated": float(n_groups)})
+        n_trained = sel.groups_trained * ctx.group_size
+        # the reward (before the length penalty) of the sequences trained on: dropped groups left out
+        out.sums["trained_reward"] = float(inputs["rewards"]["score"][trained].double().sum()) / max(n_trained, 1)
+        out.sums["overlong_penalty"] = float(sel.shaping.double().sum()) / ctx.batch_size
+        out.globals.update({"groups_kept": float(sel.groups_kept), "groups_trained": float(sel.groups_trained),
+                            "groups_generated": float(ctx.batch_size // ctx.group_size)})
     return out
 
 
