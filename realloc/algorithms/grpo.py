@@ -24,7 +24,7 @@ from typing import Literal
 
 from realloc.algorithms.interface import Interface
 from realloc.algorithms.losses import LOSS_NORMS
-from realloc.algorithms.pg_loss import PGLossConfig
+from realloc.algorithms.pg_config import PGLossConfig
 from realloc.calls import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef
 
 

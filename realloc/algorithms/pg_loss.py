@@ -1,6 +1,6 @@
 """The policy-gradient loss options every policy-gradient algorithm shares, and the loss they configure.
 
-Settings (:class:`PGLossConfig`, the base of ``PPOConfig`` and of the critic-free configs):
+Settings (:class:`PGLossConfig` in ``pg_config.py``, the base of ``PPOConfig`` and of the critic-free configs):
 
 - ``clip_eps`` / ``clip_eps_high``: the trust region ``clip(r, 1 - eps_low, 1 + eps_high)``; a larger upper
   bound is DAPO's clip-higher (Yu et al. 2025, §3.1), None keeps it symmetric.
@@ -18,65 +18,13 @@ All per-token tensors are ``[n, T]`` and aligned with the response tokens (``com
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
 
 import torch
 
-from realloc.algorithms.train_config import TrainConfig
+from realloc.algorithms.pg_config import KL_ESTIMATORS, KL_PLACEMENTS, PGLossConfig
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
-KL_PLACEMENTS = ("reward", "loss")
-KLEstimator = Literal["k1", "k2", "k3"]
-KLPlacement = Literal["reward", "loss"]
-
-
-@dataclasses.dataclass(frozen=True)
-class PGLossConfig(TrainConfig):
-    """Loss options of a policy-gradient train step (see the module docstring)."""
-
-    kl_coef: float = 0.0
-    clip_eps: float = 0.2
-    clip_eps_high: float | None = None  # None: clip_eps (symmetric)
-    dual_clip: float | None = None
-    entropy_coef: float = 0.0
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    kl_placement: Literal["reward", "loss"] = "reward"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        name = type(self).__name__
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"{name}.kl_estimator must be one of {', '.join(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
-        if self.kl_placement not in KL_PLACEMENTS:
-            raise ValueError(f"{name}.kl_placement must be 'reward' (subtracted from the reward) or 'loss' (added to "
-                             f"the loss), got {self.kl_placement!r}")
-        if not self.kl_coef >= 0:
-            raise ValueError(f"{name}.kl_coef must be >= 0, got {self.kl_coef!r}")
-        if not 0 < self.clip_eps < 1:
-            raise ValueError(f"{name}.clip_eps must be in (0, 1), got {self.clip_eps!r}")
-        if self.clip_eps_high is not None and not self.clip_eps_high > 0:
-            raise ValueError(f"{name}.clip_eps_high must be positive (the upper clip 1 + clip_eps_high), or None for "
-                             f"clip_eps; got {self.clip_eps_high!r}")
-        if self.dual_clip is not None and not self.dual_clip > 1:
-            raise ValueError(f"{name}.dual_clip must be > 1 (the bound c x A on a negative advantage; 3 in Ye et al. "
-                             f"2020), or None for off; got {self.dual_clip!r}")
-        if not self.entropy_coef >= 0:
-            raise ValueError(f"{name}.entropy_coef must be >= 0, got {self.entropy_coef!r}")
-
-    @property
-    def eps_high(self) -> float:
-        return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
-
-    @property
-    def kl_in_reward(self) -> float:
-        """The KL coefficient applied to the reward (0 when the KL is in the loss)."""
-        return self.kl_coef if self.kl_placement == "reward" else 0.0
-
-    @property
-    def kl_in_loss(self) -> float:
-        """The KL coefficient applied to the loss (0 when the KL is in the reward)."""
-        return self.kl_coef if self.kl_placement == "loss" else 0.0
-
+__all__ = ["KL_ESTIMATORS", "KL_PLACEMENTS", "LossOptions", "PGLossConfig", "kl_estimate", "loss_options",
+           "policy_loss"]
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from the sampled token, with ``d = log pi - log pi_ref``:

@@ -17,6 +17,8 @@ import dataclasses
 
 import torch
 
+from realloc.algorithms.pg_loss import kl_estimate
+
 
 @dataclasses.dataclass(frozen=True)
 class LossStats:
@@ -36,8 +38,6 @@ def kl_penalized_rewards(scores: torch.Tensor, logp: torch.Tensor, ref_logp: tor
 
     Returns ``(rewards, kl)``; both are zero on masked positions.
     """
-    from realloc.algorithms.pg_loss import kl_estimate
-
     maskf = mask.to(logp.dtype)
     kl = kl_estimate(logp, ref_logp, estimator) * maskf
     rewards = -kl_coef * kl
