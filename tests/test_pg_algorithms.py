@@ -291,8 +291,9 @@ def test_estimator_prices_dapo_oversampling():
     assert over.call_cost(*gen).time > 1.2 * fit.call_cost(*gen).time
 
 
-def test_dry_run_search_places_the_dapo_graph(capsys):
-    assert main(["search", str(REPO / "experiments/dapo_7b_7b.py"), "--dry-run", "--evals", "1500",
+@pytest.mark.parametrize("name", ["dapo_7b_7b", "gspo_7b_7b", "reinforce_pp_7b_7b"])
+def test_dry_run_search_places_the_graph(name, capsys):
+    assert main(["search", str(REPO / f"experiments/{name}.py"), "--dry-run", "--evals", "1500",
                  "--threads", "1"]) == 0
     table = capsys.readouterr().out.split("searched plan", 1)[1]
     for call in ("actor_gen", "rew_inf", "ref_inf", "actor_train"):
