@@ -74,7 +74,7 @@ def test_dapo_learns_and_trains_the_first_groups_whose_rewards_differ_and_no_oth
         for k in DAPO_STATS:
             assert b["calls"]["actor_train"][k] == pytest.approx(a["calls"]["actor_train"][k], rel=1e-6), k
     samples = [json.loads(line) for line in (tmp_path / "dapo_logged-dp2" / "samples.jsonl").read_text().splitlines()]
-    saw_drop = False
+    saw_drop = saw_refill = False
     for m in metrics:
         batch = sorted((s for s in samples if s["iteration"] == m["iteration"]), key=lambda s: s["seq"])
         assert [s["seq"] for s in batch] == list(range(48))  # 12 prompts x 4 responses
@@ -82,6 +82,7 @@ def test_dapo_learns_and_trains_the_first_groups_whose_rewards_differ_and_no_oth
         differ = [g for g in range(12) if len(set(groups[g])) > 1]
         trained = differ[:8]
         saw_drop |= len(differ) < 12
+        saw_refill |= 8 <= len(differ) < 12  # groups dropped, and the train batch still full from the extra prompts
         st = m["calls"]["actor_train"]
         assert (st["groups_generated"], st["groups_kept"], st["groups_trained"]) == (12, len(differ), len(trained))
         rewards = [r for g in trained for r in groups[g]]
@@ -97,7 +98,7 @@ def test_dapo_learns_and_trains_the_first_groups_whose_rewards_differ_and_no_oth
             std = math.sqrt(sum((x - mean) ** 2 for x in r) / 3)
             adv += [abs(x - mean) / (std + 1e-6) for x in r]
         assert m["adv_abs_mean"] == pytest.approx(sum(adv) / len(adv), rel=1e-4)
-    assert saw_drop  # some group was dropped: the check is not vacuous
+    assert saw_drop and saw_refill  # some group was dropped and replaced: the checks are not vacuous
 
 
 def test_loss_options_on_grpo_do_not_depend_on_the_plan(tmp_path):
