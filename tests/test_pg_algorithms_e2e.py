@@ -105,9 +105,10 @@ def test_loss_options_on_grpo_do_not_depend_on_the_plan(tmp_path):
     experiment = str(REPO / "experiments/grpo_tiny.py")
     sets = ["--set", "grpo.entropy_coef=0.01", "--set", "grpo.dual_clip=3", "--set", "grpo.clip_eps_high=0.28",
             "--set", "grpo.kl_estimator=k2", "--set", "grpo.kl_placement=reward"]
-    spread = _run(experiment, "spread", N_COMPARE, tmp_path, *sets)
-    one = _run(experiment, "one_device", N_COMPARE, tmp_path, *sets)
+    spread = _run(experiment, "spread", 2, tmp_path, *sets)
+    one = _run(experiment, "one_device", 2, tmp_path, *sets)
     _same(spread, one, HEADLINE, "one_device")
+    assert spread[1]["kl"] > 0.01  # the policy moved: not a degenerate comparison
     keys = ("entropy", "actor_dual_clip_frac", "actor_clip_frac")
     for a, b in zip(spread, one):
         for k in keys:
