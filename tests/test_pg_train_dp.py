@@ -32,7 +32,9 @@ def _batch() -> dict[str, torch.Tensor]:
     return {"tokens": tokens, "prompt_lens": torch.full((8,), P), "gen_mask": torch.arange(T).view(1, T) < lens.view(-1, 1)}
 
 
-def _train(ctx, dp: int, rows: list[int], dynamic_sampling: bool):
+def _train(ctx, dp: int, rows: list[int], dynamic_sampling: bool, steps: tuple[list[float], ...] = (SCORES,)):
+    """DAPO train steps (one per reward list of ``steps``, iterations 0, 1, ...) on one batch; the last step's
+    shards and stats, and the shards after each step under "history"."""
     from realloc.algorithms.common import forward_batch, response_columns
     from realloc.algorithms.context import CallContext
     from realloc.algorithms.pg_algorithms import DAPOConfig
@@ -54,13 +56,17 @@ def _train(ctx, dp: int, rows: list[int], dynamic_sampling: bool):
                      dynamic_sampling=dynamic_sampling)
     call = ModelFunctionCallDef(name="actor_train", model_name="actor", interface_type=TRAIN_STEP, n_minibatches=2)
     lo = model.groups.dp_rank * n
-    cctx = CallContext(call=call, model=model, optimizer=model.make_optimizer(cfg.lr, eps=cfg.adam_eps), config=cfg,
-                       prompt_len=P, gen_len=T, seed=0, iteration=0, ids=range(lo, lo + n), batch_size=len(rows),
-                       n_mbs=1, total_iterations=1, group_size=2)
-    inputs = {"seq": seq, "logp": {"logp": old}, "ref_logp": {"logp": old},
-              "rewards": {"score": torch.tensor([SCORES[r] for r in mine])}}
-    out = dapo_train(cctx, inputs)
-    return {**local_shards(model), "sums": out.sums, "globals": out.globals}
+    opt = model.make_optimizer(cfg.lr, eps=cfg.adam_eps)
+    history = []
+    for it, scores in enumerate(steps):
+        cctx = CallContext(call=call, model=model, optimizer=opt, config=cfg, prompt_len=P, gen_len=T, seed=0,
+                           iteration=it, ids=range(lo, lo + n), batch_size=len(rows), n_mbs=1,
+                           total_iterations=len(steps), group_size=2)
+        inputs = {"seq": seq, "logp": {"logp": old}, "ref_logp": {"logp": old},
+                  "rewards": {"score": torch.tensor([scores[r] for r in mine])}}
+        out = dapo_train(cctx, inputs)
+        history.append(local_shards(model)["shards"])
+    return {**local_shards(model), "sums": out.sums, "globals": out.globals, "history": history}
 
 
 def test_dropped_groups_change_nothing_even_when_a_rank_keeps_none(pool):
@@ -69,7 +75,6 @@ def test_dropped_groups_change_nothing_even_when_a_rank_keeps_none(pool):
     kept = pool.run(_train, 1, [0, 1, 2, 3], False)[0]
     assert dp2[0]["globals"]["groups_kept"] == 2 and dp2[0]["globals"]["groups_trained"] == 2
     assert whole["globals"]["groups_kept"] == 2
-    moved = 0.0
     for name, w in whole["shards"].items():
         for other in (dp2[0]["shards"][name], dp2[1]["shards"][name], kept["shards"][name]):
             torch.testing.assert_close(other, w, rtol=1e-5, atol=1e-6)
@@ -88,3 +93,16 @@ def _start(ctx, dp: int):
 
     model = build_model(ctx, get_model_config("tiny"), dp, 1, 1, seed=5, device_ids=tuple(range(dp)))
     return None if model is None else local_shards(model)["shards"]
+
+
+def test_a_batch_of_all_equal_groups_takes_no_step(pool):
+    """A first step that trains, then a batch whose groups all scored alike: nothing is trained in the second, and
+    its optimizer steps leave the weights as the first left them (an Adam step on a zero gradient would still move
+    them by the first step's momentum)."""
+    res = pool.run(_train, 2, list(range(8)), True, (SCORES, [1.0] * 8))
+    assert res[0]["globals"]["groups_trained"] == 0
+    for r, start in zip(res, pool.run(_start, 2)):
+        first, second = r["history"]
+        assert any(not torch.equal(first[n], w) for n, w in start.items())  # the first step moved them
+        for name, w in first.items():
+            assert torch.equal(second[name], w), name

@@ -60,6 +60,8 @@ def policy_steps(ctx: CallContext, inputs: Data, adv: torch.Tensor, position: to
     sums: dict[str, float] = {}
     grad_norm = 0.0
     for k in range(M):
+        if counts[k, 1] == 0:  # nothing to train on anywhere (dynamic sampling dropped it all): no step, not an
+            continue           # Adam step of zero gradient that would still move the weights by its momentum
         for group in ctx.optimizer.param_groups:
             group["lr"] = lrs[k]
         rows, live = _padded(torch.nonzero(mb_of_row == k).view(-1), ctx.n_mbs, fallback=0)
