@@ -14,6 +14,7 @@ search see them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -229,6 +230,25 @@ def test_dapo_drops_all_equal_groups_and_refills_the_train_batch():
     # Without dynamic sampling every group trains (the all-equal ones with advantage 0).
     sel = dapo_selection(_ctx(DAPOConfig(dynamic_sampling=False), 15, 3, 4), inputs)
     assert sel.position.tolist() == list(range(15)) and sel.groups_kept == 5
+
+
+def test_dapo_overlong_filter_leaves_truncated_responses_out_of_the_loss():
+    """Responses of gen_len tokens that do not end in EOS (id 63) were cut off: with overlong_filter their loss is
+    masked (position -1, advantage 0), while their group's baseline still counts their reward."""
+    inputs = _dapo_inputs([1.0, 0.0, 0.0, 1.0], [3, 3, 2, 3], 3)
+    P = 2
+    tokens = torch.tensor([[5, 6, 7, 8, 63], [5, 6, 7, 8, 9], [5, 6, 7, 63, 0], [5, 6, 63, 63, 63]])
+    inputs["seq"].update(tokens=tokens, prompt_lens=torch.full((4,), P))
+    ctx = dataclasses.replace(_ctx(DAPOConfig(overlong_filter=True), 4, 2, 3), eos_token_ids=(63,))
+    sel = dapo_selection(ctx, inputs)
+    # Row 1 (3 tokens ending in 9) is truncated; rows 0 and 3 end in EOS, row 2 stopped early.
+    assert sel.position.tolist() == [0, -1, 2, 3] and sel.truncated_filtered == 1
+    assert sel.in_trained_group.tolist() == [True] * 4
+    # Groups (1, 0) and (0, 1): mean 0.5, Bessel std sqrt(1/2), so +-0.5 / sqrt(1/2); row 1's is masked.
+    torch.testing.assert_close(sel.advantages, torch.tensor([0.5 / math.sqrt(0.5), 0.0, -0.5 / math.sqrt(0.5),
+                                                             0.5 / math.sqrt(0.5)]), atol=1e-5, rtol=1e-5)
+    off = dapo_selection(dataclasses.replace(ctx, config=DAPOConfig()), inputs)
+    assert off.position.tolist() == [0, 1, 2, 3] and off.truncated_filtered == 0
 
 
 def test_dapo_selection_on_one_dp_rank_numbers_its_rows_in_the_whole_batch():

@@ -9,7 +9,8 @@ generation, reward, reference, train step.
   prompt's group from each response's reward (``n_samples`` >= 2).
 - DAPO (Yu et al. 2025): GRPO's group advantages with clip-higher (``clip_eps`` 0.2 below, ``clip_eps_high`` 0.28
   above), a token-level loss (``loss_norm="token"``), no KL (``kl_coef`` 0), overlong reward shaping (``overlong_buffer``
-  tokens before ``gen_len``: a linear penalty down to ``-overlong_penalty``, eq. 13) and dynamic sampling: groups whose
+  tokens before ``gen_len``: a linear penalty down to ``-overlong_penalty``, eq. 13; with ``overlong_filter`` also
+  truncated responses -- no EOS by ``gen_len`` -- left out of the loss, §3.4) and dynamic sampling: groups whose
   rewards are all equal carry no gradient and are dropped, the train batch being refilled from the other prompts
   of the generation batch. The experiment's ``batch_size`` is the generation batch (prompts sampled per
   iteration); ``train_prompts`` is the train batch, the first ``train_prompts`` groups with unequal rewards (as
@@ -54,6 +55,8 @@ class DAPOConfig(CriticFreeConfig):
     train_prompts: int | None = None
     overlong_buffer: int = 0  # L_cache: the last tokens before gen_len where the length penalty ramps (0: off)
     overlong_penalty: float = 1.0  # the penalty at gen_len
+    # Overlong filtering (§3.4): responses that generation cut off at gen_len (no EOS) are left out of the loss.
+    overlong_filter: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -89,6 +89,17 @@ class DAPOSelection:
     shaping: torch.Tensor  # [n] the overlong penalty added to each reward
     groups_kept: int  # groups of the whole batch whose rewards differ
     groups_trained: int
+    in_trained_group: torch.Tensor  # [n] the row's group is trained (the row itself may be filtered as truncated)
+    truncated_filtered: int = 0  # rows of the trained groups left out as truncated (overlong_filter), whole batch
+
+
+def truncated_responses(seq: dict[str, torch.Tensor], eos_token_ids: tuple[int, ...]) -> torch.Tensor:
+    """[n] bool: the response filled ``gen_len`` without ending in an EOS token (generation cut it off)."""
+    mask = seq["gen_mask"]
+    n_tok = mask.sum(dim=1)
+    last = seq["tokens"].gather(1, (seq["prompt_lens"] + n_tok - 1).clamp(min=0).view(-1, 1)).view(-1)
+    eos = torch.as_tensor(list(eos_token_ids), dtype=last.dtype)
+    return (n_tok == mask.shape[1]) & ~torch.isin(last, eos)
 
 
 def dapo_selection(ctx: CallContext, inputs: Data) -> DAPOSelection:
@@ -115,9 +126,15 @@ def dapo_selection(ctx: CallContext, inputs: Data) -> DAPOSelection:
     keep = dp_all_reduce(ctx.model, flags) > 0.5
     n_train = cfg.trained_prompts(n_groups)
     position = dynamic_sampling_positions(keep, g, n_train)[ctx.ids.start:ctx.ids.stop]
+    in_group = position >= 0
+    filtered = 0
+    if cfg.overlong_filter:  # DAPO §3.4: a truncated response's loss is masked (its group's baseline still counts it)
+        cut = truncated_responses(inputs["seq"], ctx.eos_token_ids) & in_group
+        position = torch.where(cut, torch.full_like(position, -1), position)
+        filtered = int(dp_all_reduce(ctx.model, cut.sum().double().view(1))[0])
     adv = losses.group_advantages(score - cfg.kl_coef * reward_kl(cfg, logp, ref_logp, mask), g, scale=True)
     adv = torch.where(position >= 0, adv, torch.zeros_like(adv))
-    return DAPOSelection(position, adv, shaping, int(keep.sum()), min(int(keep.sum()), n_train))
+    return DAPOSelection(position, adv, shaping, int(keep.sum()), min(int(keep.sum()), n_train), in_group, filtered)
 
 
 def dapo_train(ctx: CallContext, inputs: Data) -> CallResult:
@@ -125,15 +142,17 @@ def dapo_train(ctx: CallContext, inputs: Data) -> CallResult:
     sel = dapo_selection(ctx, inputs)
     adv = sel.advantages.view(-1, 1).to(inputs["logp"]["logp"].dtype) * mask
     steps = policy_steps(ctx, inputs, adv, position=sel.position)
-    trained = sel.position >= 0
-    out = _result(ctx, steps, inputs, adv, n_tokens_of=mask & trained.view(-1, 1))
+    out = _result(ctx, steps, inputs, adv, n_tokens_of=mask & (sel.position >= 0).view(-1, 1))
     if out.sums:
         n_trained = sel.groups_trained * ctx.group_size
-        # the reward (before the length penalty) of the sequences trained on: dropped groups left out
-        out.sums["trained_reward"] = float(inputs["rewards"]["score"][trained].double().sum()) / max(n_trained, 1)
+        # the reward (before the length penalty) of the trained groups' sequences: dropped groups left out
+        score = inputs["rewards"]["score"][sel.in_trained_group]
+        out.sums["trained_reward"] = float(score.double().sum()) / max(n_trained, 1)
         out.sums["overlong_penalty"] = float(sel.shaping.double().sum()) / ctx.batch_size
         out.globals.update({"groups_kept": float(sel.groups_kept), "groups_trained": float(sel.groups_trained),
                             "groups_generated": float(ctx.batch_size // ctx.group_size)})
+        if ctx.config.overlong_filter:
+            out.globals["truncated_filtered"] = float(sel.truncated_filtered)
     return out
 
 
