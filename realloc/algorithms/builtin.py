@@ -10,7 +10,7 @@ log-probs), ``pair_scores`` (a reward model's score of each pair's chosen and re
 
 from __future__ import annotations
 
-from realloc.algorithms import dpo, grpo, reward_model
+from realloc.algorithms import dpo, grpo, pg_algorithms, reward_model
 from realloc.algorithms.interface import Interface
 from realloc.algorithms.ppo_config import PPOConfig
 from realloc.calls import GENERATE, INFERENCE, TRAIN_STEP
@@ -38,6 +38,7 @@ BUILTIN: tuple[Interface, ...] = (
     Interface("verifiable_reward", INFERENCE, f"{_COMMON}:verifiable_scores", inputs=("seq",), outputs=("rewards",),
               head="none", records=True),
     *grpo.INTERFACES,
+    *pg_algorithms.INTERFACES,
     *dpo.INTERFACES,
     *reward_model.INTERFACES,
 )

@@ -24,12 +24,15 @@ from typing import Literal
 
 from realloc.algorithms.interface import Interface
 from realloc.algorithms.losses import LOSS_NORMS
-from realloc.algorithms.train_config import TrainConfig
+from realloc.algorithms.pg_config import PGLossConfig
 from realloc.calls import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef
 
 
 @dataclasses.dataclass(frozen=True)
-class CriticFreeConfig(TrainConfig):
+class CriticFreeConfig(PGLossConfig):
+    """The critic-free algorithms' settings: the loss options (``PGLossConfig``: clip, dual clip, entropy bonus, KL
+    estimator and placement) and the loss normalization."""
+
     n_minibatches: int = 1
     lr: float = 1e-6
     kl_coef: float = 0.04
@@ -41,14 +44,15 @@ class CriticFreeConfig(TrainConfig):
         if self.loss_norm not in LOSS_NORMS:
             raise ValueError(f"{type(self).__name__}.loss_norm must be one of {', '.join(LOSS_NORMS)}, "
                              f"got {self.loss_norm!r}")
-        if self.kl_coef < 0 or not 0 < self.clip_eps < 1:
-            raise ValueError(f"{type(self).__name__}: kl_coef must be >= 0 and clip_eps in (0, 1)")
 
 
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig(CriticFreeConfig):
     scale_rewards: bool = True  # divide by the group's std (False: Dr. GRPO)
     loss_norm: Literal["sequence", "token", "constant"] = "sequence"
+    # GRPO's KL is Schulman's k3, in the loss (DeepSeekMath eq. 4)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_placement: Literal["reward", "loss"] = "loss"
 
     @classmethod
     def dr_grpo(cls, **kw: object) -> "GRPOConfig":
@@ -67,16 +71,16 @@ class ReMaxConfig(CriticFreeConfig):
 
 
 _COMMON = "realloc.algorithms.common"
-_TRAIN = "realloc.algorithms.critic_free"
 
 
 def _actor(name: str, field: str, cfg: type, train: str, train_inputs: tuple[str, ...],
-           min_group_size: int = 1) -> tuple[Interface, ...]:
+           min_group_size: int = 1, module: str = "critic_free") -> tuple[Interface, ...]:
     return (Interface(name, GENERATE, f"{_COMMON}:actor_generate", inputs=("prompts",), outputs=("seq", "logp"),
                       config=field, config_type=cfg),
             Interface(name, INFERENCE, f"{_COMMON}:actor_logprobs", inputs=("seq",), outputs=("logp",),
                       config=field, config_type=cfg),
-            Interface(name, TRAIN_STEP, f"{_TRAIN}:{train}", inputs=train_inputs, config=field, config_type=cfg,
+            Interface(name, TRAIN_STEP, f"realloc.algorithms.{module}:{train}", inputs=train_inputs, config=field,
+                      config_type=cfg,
                       min_group_size=min_group_size))
 
 
@@ -96,14 +100,22 @@ def _reward_call(name: str, seq: str, out: str, reward: str | None, impl: str, a
                                 interface_impl=impl, input_data=[seq], output_data=[out], interface_args=args or {})
 
 
-def critic_free_rpcs(algorithm: Literal["grpo", "rloo", "remax"], actor: str | None = None, reward: str | None = None,
+CRITIC_FREE = ("grpo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline", "dapo", "gspo")
+
+
+def critic_free_rpcs(algorithm: Literal["grpo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline", "dapo",
+                                        "gspo"],
+                     actor: str | None = None, reward: str | None = None,
                      ref: str | None = None, n_samples: int = 8, n_minibatches: int | None = None,
                      reward_impl: str = "reward", reward_args: dict | None = None) -> list[ModelFunctionCallDef]:
-    """The calls of GRPO, RLOO or ReMax on models named actor, ref and reward (types None: from `models`).
+    """The calls of GRPO, RLOO, ReMax, REINFORCE++ (``reinforce_pp``, ``reinforce_pp_baseline``), DAPO or GSPO on
+    models named actor, ref and reward (types None: from `models`).
 
-    GRPO and RLOO sample ``n_samples`` responses per prompt; ReMax samples one and adds a greedy one.
+    All but ReMax sample ``n_samples`` responses per prompt; ReMax samples one and adds a greedy one.
     ``n_minibatches`` None: the settings' (``grpo.n_minibatches``, ...); a number must equal theirs.
     """
+    if algorithm not in CRITIC_FREE:
+        raise ValueError(f"critic_free_rpcs: unknown algorithm {algorithm!r}; one of {', '.join(CRITIC_FREE)}")
     impl = f"{algorithm}_actor"
     n = 1 if algorithm == "remax" else n_samples
     rpcs = [

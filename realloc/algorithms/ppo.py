@@ -17,6 +17,8 @@ import dataclasses
 
 import torch
 
+from realloc.algorithms.pg_loss import kl_estimate
+
 
 @dataclasses.dataclass(frozen=True)
 class LossStats:
@@ -29,14 +31,15 @@ class LossStats:
 
 
 def kl_penalized_rewards(scores: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor,
-                         kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token rewards: ``-kl_coef * (logp - ref_logp)`` on every token, plus the sequence score on the
-    last valid token (the usual RLHF reward shaping with a per-token KL penalty against the reference).
+                         kl_coef: float, estimator: str = "k1") -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards: ``-kl_coef * kl_t`` on every token, plus the sequence score on the last valid token (the
+    usual RLHF reward shaping with a per-token KL penalty against the reference); ``kl_t`` is the ``estimator``'s
+    (``pg_loss.kl_estimate``; k1: ``logp - ref_logp``).
 
     Returns ``(rewards, kl)``; both are zero on masked positions.
     """
     maskf = mask.to(logp.dtype)
-    kl = (logp - ref_logp) * maskf
+    kl = kl_estimate(logp, ref_logp, estimator) * maskf
     rewards = -kl_coef * kl
     n_valid = mask.sum(dim=1)
     has_tokens = n_valid > 0

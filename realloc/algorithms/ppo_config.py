@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from realloc.algorithms.pg_config import PGLossConfig
 from realloc.algorithms.train_config import LR_SCHEDULES, TrainConfig
 from realloc.calls import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef
 
@@ -14,8 +15,9 @@ __all__ = ["LR_SCHEDULES", "PPOConfig", "TrainConfig", "ppo_rpcs"]
 
 
 @dataclasses.dataclass(frozen=True)
-class PPOConfig(TrainConfig):
-    """PPO's settings: the shared ones (``TrainConfig``: lr, schedule, sampling, ...) and PPO's own."""
+class PPOConfig(PGLossConfig):
+    """PPO's settings: the shared ones (``TrainConfig``: lr, schedule, sampling, ...), the policy-gradient loss
+    options (``PGLossConfig``: clip-higher, dual clip, entropy bonus, KL estimator and placement) and PPO's own."""
 
     n_minibatches: int = 8
     critic_lr: float = 5e-6

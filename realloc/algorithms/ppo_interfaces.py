@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 import torch
 
-from realloc.algorithms import ppo
+from realloc.algorithms import pg_loss, ppo
 from realloc.algorithms.common import forward_batch, optimizer_step, response_columns
 from realloc.algorithms.context import CallContext, CallResult, Data, dp_all_reduce
 from realloc.models.batch import split_batch
@@ -32,6 +32,7 @@ class _Rollout:
     advantages: torch.Tensor  # whitened with batch-wide moments
     returns: torch.Tensor
     kl: torch.Tensor  # [n, T] logp - ref_logp on valid tokens
+    ref_logp: torch.Tensor
     n_tokens: list[float]  # per mini-batch, over the whole batch
 
 
@@ -41,7 +42,9 @@ def _rollout(ctx: CallContext, inputs: Data, whiten: bool) -> _Rollout:
     mask = seq["gen_mask"]
     logp, ref_logp = inputs["logp"]["logp"], inputs["ref_logp"]["logp"]
     values = inputs["values"]["values"]
-    rewards, kl = ppo.kl_penalized_rewards(inputs["rewards"]["score"], logp, ref_logp, mask, cfg.kl_coef)
+    rewards, _ = ppo.kl_penalized_rewards(inputs["rewards"]["score"], logp, ref_logp, mask, cfg.kl_in_reward,
+                                          cfg.kl_estimator)
+    kl = (logp - ref_logp) * mask.to(logp.dtype)
     adv, returns = ppo.gae(rewards, values, mask, cfg.gamma, cfg.gae_lambda)
     M = ctx.call.n_minibatches
     mb_of_row = torch.tensor([i % M for i in ctx.ids])
@@ -50,7 +53,7 @@ def _rollout(ctx: CallContext, inputs: Data, whiten: bool) -> _Rollout:
     total = dp_all_reduce(ctx.model, local)
     if whiten:
         adv = ppo.whiten(adv, mask, total[:3])
-    return _Rollout(seq, logp, values, mask, adv, returns, kl, [float(x) for x in total[3:]])
+    return _Rollout(seq, logp, values, mask, adv, returns, kl, ref_logp, [float(x) for x in total[3:]])
 
 
 def _train(ctx: CallContext, inputs: Data, actor: bool) -> CallResult:
@@ -59,6 +62,7 @@ def _train(ctx: CallContext, inputs: Data, actor: bool) -> CallResult:
     ro = _rollout(ctx, inputs, whiten=actor)
     M = ctx.call.n_minibatches
     loss_sum = clipped = approx_kl = grad_norm = 0.0
+    extra: dict[str, float] = {}  # the actor's loss options' stats (pg_loss.policy_loss), means over mini-batches
     base_lr = cfg.lr if actor else cfg.critic_lr
     total_steps = ctx.schedule_steps
     lrs = [cfg.lr_at(base_lr, ctx.iteration * M + k, total_steps) for k in range(M)]
@@ -69,13 +73,12 @@ def _train(ctx: CallContext, inputs: Data, actor: bool) -> CallResult:
         n_tok = max(ro.n_tokens[k], 1.0)
         mb = {**forward_batch({n: t[rows] for n, t in ro.seq.items()}),
               "prompt_lens": ro.seq["prompt_lens"][rows], "mask": ro.mask[rows], "old_logp": ro.old_logp[rows], "old_values": ro.old_values[rows],
-              "advantages": ro.advantages[rows], "returns": ro.returns[rows]}
+              "advantages": ro.advantages[rows], "returns": ro.returns[rows], "ref_logp": ro.ref_logp[rows]}
         parts: list[ppo.LossStats] = []
 
         def loss_fn(head: Any, m: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
             if actor:
-                new = response_columns(head.logprobs(cfg.temperature), m["prompt_lens"], m["mask"])
-                loss, st = ppo.actor_loss(new, m["old_logp"], m["advantages"], m["mask"], cfg.clip_eps, n_tok)
+                loss, st = _actor_loss(head, m, cfg, n_tok, extra)
             else:
                 new = response_columns(head.values, m["prompt_lens"], m["mask"], shift=-1)
                 loss, st = ppo.critic_loss(new, m["old_values"], m["returns"], m["mask"], cfg.value_clip_eps, n_tok)
@@ -92,12 +95,40 @@ def _train(ctx: CallContext, inputs: Data, actor: bool) -> CallResult:
     sums = {f"{prefix}_loss": loss_sum, f"{prefix}_clip_frac": clipped}
     if actor:
         sums["approx_kl"] = approx_kl
+        sums.update(_option_sums(extra, cfg, M))
         sums["kl"] = float(ro.kl.double().sum()) / ctx.batch_size  # per sequence, summed over its tokens
         sums["adv_abs_mean"] = float((ro.advantages.abs() * ro.mask).double().sum()) / max(sum(ro.n_tokens), 1.0)
     else:
         sums["value_mean"] = float((ro.old_values * ro.mask).double().sum()) / max(sum(ro.n_tokens), 1.0)
         sums["return_mean"] = float((ro.returns * ro.mask).double().sum()) / max(sum(ro.n_tokens), 1.0)
     return CallResult({}, sums, {f"{prefix}_grad_norm": grad_norm, f"{prefix}_lr": lrs[0]})
+
+
+def _actor_loss(head: Any, m: Mapping[str, torch.Tensor], cfg: Any, n_tok: float,
+                extra: dict[str, float]) -> tuple[torch.Tensor, ppo.LossStats]:
+    """The clipped surrogate with the loss options (``pg_loss.py``: clip-higher, dual clip, entropy bonus, the KL
+    in the loss), over the mini-batch's ``n_tok`` tokens; the options' stats are added to ``extra``."""
+    opts = pg_loss.loss_options(cfg)
+    new = response_columns(head.logprobs(cfg.temperature), m["prompt_lens"], m["mask"])
+    ent = response_columns(head.entropy(cfg.temperature), m["prompt_lens"], m["mask"]) if opts.entropy_coef else None
+    loss, st = pg_loss.policy_loss(new, m["old_logp"], m["advantages"], m["mask"].to(new.dtype) / n_tok, m["mask"],
+                                   opts, ref_logp=m["ref_logp"], entropy=ent)
+    for k in ("kl", "entropy", "dual_clipped"):
+        if k in st:
+            extra[k] = extra.get(k, 0.0) + st[k]
+    return loss, ppo.LossStats(loss_sum=st["loss"] * n_tok, clipped_tokens=st["clipped"] * n_tok,
+                               approx_kl_sum=st["approx_kl"] * n_tok, n_tokens=float(m["mask"].sum()))
+
+
+def _option_sums(extra: dict[str, float], cfg: Any, M: int) -> dict[str, float]:
+    out = {}
+    if cfg.dual_clip is not None:
+        out["actor_dual_clip_frac"] = extra.get("dual_clipped", 0.0) / M
+    if cfg.kl_in_loss:
+        out[f"{cfg.kl_estimator}_kl"] = extra.get("kl", 0.0) / M
+    if cfg.entropy_coef:
+        out["entropy"] = extra.get("entropy", 0.0) / M
+    return out
 
 
 def actor_train(ctx: CallContext, inputs: Data) -> CallResult:

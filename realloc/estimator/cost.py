@@ -101,7 +101,14 @@ class CostModel:
         n_steps = rpc.n_minibatches if rpc.interface_type is InterfaceType.TRAIN_STEP else 1
         # A DPO pair is two sequences through the model (its interface says so).
         rows = self.graph.interfaces[call].rows_per_seq if call in self.graph.interfaces else 1
-        return Workload(interface=rpc.interface_type, n_seqs=self.graph.steps_n_seqs(rpc) * rows, n_steps=n_steps,
+        n_seqs = self.graph.steps_n_seqs(rpc)
+        # A train step that trains on part of the generated batch (DAPO's dynamic sampling: its settings'
+        # trained_prompts) costs that part; the calls before it process the whole generation batch.
+        settings = self.graph.interfaces[call].settings(spec.config) if call in self.graph.interfaces else None
+        trained = getattr(settings, "trained_prompts", None)
+        if rpc.interface_type is InterfaceType.TRAIN_STEP and callable(trained):
+            n_seqs = max(1, n_seqs * trained(spec.batch_size) // spec.batch_size)
+        return Workload(interface=rpc.interface_type, n_seqs=n_seqs * rows, n_steps=n_steps,
                         prompt_len=spec.prompt_len, gen_len=spec.gen_len)
 
     def _precision(self, call: str) -> Precision:

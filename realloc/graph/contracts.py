@@ -110,6 +110,9 @@ def check_contracts(spec: ExperimentSpec, table: Table,
             # bf16 gradient buffers are for bf16 models (engine.make_optimizer); say so before any worker starts
             raise ValueError(f"call {r.name!r}: {i.config}.grad_dtype='bf16' needs a bf16 model, but the cluster's "
                              f"{spec.cluster.device} devices train in fp32; set {i.config}.grad_dtype to fp32")
+        check = getattr(settings, "check_experiment", None)  # settings that depend on the experiment's shape
+        if callable(check):
+            check(spec, r.name, i.config)
         chosen[r.name] = i
     _check_settings_are_read(spec, table, chosen)
     # What each key holds, from its producer's output slot (or the first reader of a dataset key).

@@ -1,0 +1,116 @@
+"""The policy-gradient loss options every policy-gradient algorithm shares, and the loss they configure.
+
+Settings (:class:`PGLossConfig` in ``pg_config.py``, the base of ``PPOConfig`` and of the critic-free configs):
+
+- ``clip_eps`` / ``clip_eps_high``: the trust region ``clip(r, 1 - eps_low, 1 + eps_high)``; a larger upper
+  bound is DAPO's clip-higher (Yu et al. 2025, §3.1), None keeps it symmetric.
+- ``dual_clip``: dual-clip PPO (Ye et al. 2020, eq. 5): for a negative advantage the surrogate is bounded by
+  ``c x A`` as well, so a huge ratio on a bad token cannot blow the loss up (c > 1; None: off).
+- ``entropy_coef``: an entropy bonus, ``- coef x H(pi(. | s_t))`` per response token.
+- ``kl_coef``, ``kl_estimator`` (k1, k2, k3) and ``kl_placement``: the KL to the reference, estimated per token
+  from the sampled token (Schulman 2020, "Approximating KL divergence"), subtracted from the reward
+  (``"reward"``: the algorithm's advantage sees it) or added to the loss (``"loss"``: its gradient does).
+
+All per-token tensors are ``[n, T]`` and aligned with the response tokens (``common.py``); the loss is
+``sum_t w_t loss_t`` with the mini-batch normalization in the weights (``losses.token_weights``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from realloc.algorithms.pg_config import KL_ESTIMATORS, KL_PLACEMENTS, PGLossConfig
+
+__all__ = ["KL_ESTIMATORS", "KL_PLACEMENTS", "LossOptions", "PGLossConfig", "kl_estimate", "loss_options",
+           "policy_loss"]
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from the sampled token, with ``d = log pi - log pi_ref``:
+    k1 = d (unbiased, may be negative), k2 = d^2 / 2 (biased, low variance; its gradient is that of KL's),
+    k3 = exp(-d) - 1 + d (unbiased and non-negative) (Schulman 2020)."""
+    d = logp - ref_logp
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d * d
+    if estimator == "k3":
+        return torch.exp(-d) - 1.0 + d
+    raise ValueError(f"kl_estimator must be one of {', '.join(KL_ESTIMATORS)}, got {estimator!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossOptions:
+    """What ``policy_loss`` applies (built from a ``PGLossConfig`` by ``loss_options``)."""
+
+    eps_low: float
+    eps_high: float
+    dual_clip: float | None = None
+    kl_coef: float = 0.0  # in the loss
+    kl_estimator: str = "k1"
+    entropy_coef: float = 0.0
+    sequence_ratio: bool = False  # GSPO: one length-normalized ratio per response
+
+
+def loss_options(cfg: PGLossConfig, sequence_ratio: bool = False) -> LossOptions:
+    return LossOptions(eps_low=cfg.clip_eps, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip, kl_coef=cfg.kl_in_loss,
+                       kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef, sequence_ratio=sequence_ratio)
+
+
+def _surrogate(ratio: torch.Tensor, adv: torch.Tensor, opts: LossOptions) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                   torch.Tensor]:
+    """(loss, clipped, dual-clipped): ``max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``, and with dual clip
+    ``min(that, -c A)`` where A < 0."""
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - opts.eps_low, 1.0 + opts.eps_high)
+    loss = torch.maximum(unclipped, clipped)
+    was_clipped = clipped > unclipped
+    dual = torch.zeros_like(was_clipped)
+    if opts.dual_clip is not None:
+        bound = -opts.dual_clip * adv
+        dual = (adv < 0) & (loss > bound)
+        loss = torch.where(dual, bound, loss)
+    return loss, was_clipped, dual
+
+
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, weights: torch.Tensor,
+                mask: torch.Tensor, opts: LossOptions, ref_logp: torch.Tensor | None = None,
+                entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The clipped policy-gradient loss with its options; ``adv`` [n, T] per token.
+
+    Token ratio (PPO): ``sum_t w_t [surrogate(r_t, A_t) + kl_coef k_t - entropy_coef H_t]`` with
+    ``r_t = exp(logp_t - old_t)``.
+    Sequence ratio (GSPO, Zheng et al. 2025 eq. 7): ``s_i = exp(mean_t (logp_t - old_t))`` over response i's
+    tokens, one surrogate per response ``surrogate(s_i, A_i)`` weighted by ``sum_t w_t`` (A_i: the response's
+    advantage, constant over its tokens), plus the per-token KL and entropy terms.
+
+    Stats are weighted sums (means once divided by the total weight): loss, clipped, dual_clipped, approx_kl,
+    kl (the loss's KL term, when it has one), entropy (when it has a bonus).
+    """
+    maskf = mask.to(logp.dtype)
+    log_ratio = (logp - old_logp) * maskf
+    if opts.sequence_ratio:
+        n_tok = maskf.sum(dim=1).clamp(min=1.0)
+        seq_ratio = torch.exp(log_ratio.sum(dim=1) / n_tok)
+        seq_adv = (adv * maskf).sum(dim=1) / n_tok
+        seq_w = weights.sum(dim=1)
+        surr, was_clipped, dual = _surrogate(seq_ratio, seq_adv, opts)
+        loss = (surr * seq_w).sum()
+        clip_w, dual_w = (was_clipped.to(weights.dtype) * seq_w).sum(), (dual.to(weights.dtype) * seq_w).sum()
+    else:
+        surr, was_clipped, dual = _surrogate(torch.exp(log_ratio), adv, opts)
+        loss = (surr * weights).sum()
+        clip_w, dual_w = (was_clipped.to(weights.dtype) * weights).sum(), (dual.to(weights.dtype) * weights).sum()
+    stats = {}
+    if opts.kl_coef and ref_logp is not None:
+        kl = kl_estimate(logp, ref_logp, opts.kl_estimator)
+        loss = loss + opts.kl_coef * (kl * weights).sum()
+        stats["kl"] = float((kl.detach() * weights).sum())
+    if opts.entropy_coef and entropy is not None:
+        loss = loss - opts.entropy_coef * (entropy * weights).sum()
+        stats["entropy"] = float((entropy.detach() * weights).sum())
+    with torch.no_grad():
+        stats.update({"loss": float(loss), "clipped": float(clip_w), "dual_clipped": float(dual_w),
+                      "approx_kl": float(((old_logp - logp) * weights).sum())})
+    return loss, stats
