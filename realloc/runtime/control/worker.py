@@ -32,7 +32,9 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from realloc.algorithms.context import CallContext, CallResult, Data
+from realloc import user_code
+from realloc.algorithms.common import set_step_lr
+from realloc.algorithms.context import CallContext, CallResult, Data, reward_sums
 from realloc.data.prompts import PromptDataset
 from realloc.data.tokenizer import Tokenizer
 from realloc.graph.dataflow import build_graph
@@ -207,7 +209,8 @@ class ModelWorker:
                                        stats=stats, outputs=outputs, samples=self.sample_parts)
             except Exception as e:  # noqa: BLE001 - report any failure to the master, which stops the run
                 log.error("request %d (%s) failed:\n%s", req.req, req.type, traceback.format_exc())
-                reply = protocol.Reply(req=req.req, rank=self.rank, ok=False, error=f"{type(e).__name__}: {e}",
+                reply = protocol.Reply(req=req.req, rank=self.rank, ok=False,
+                                       error=f"{type(e).__name__}: {e}{user_code.where(e)}",
                                        start=start, end=time.time())
             self.heartbeat.busy_req = -1
             if reply.ok:
@@ -354,9 +357,17 @@ class ModelWorker:
                                 greedy=evaluating and self.config.eval.greedy,
                                 purpose=f"eval{eval_batch}" if evaluating else "generate", recompute=cl.recompute,
                                 group_size=spec.group_size, tokenizer=self.tokenizer,
-                                records=self._records(evaluating) if iface.records else None)
+                                records=self._records(evaluating) if iface.records else None,
+                                lr_field=iface.lr if rpc.is_train else None)
+        if rpc.is_train:  # the schedule holds for every train step, a custom one included (common.set_step_lr)
+            set_step_lr(ctx, 0)
         result = fn(ctx, inputs)
         CallResult.check(result, call, iface.name, out_keys, self.rank, early_stage=pp_rank < pp - 1)
+        # The framework, not the reward function, makes the reward stats (context.reward_sums)
+        result.sums.update(reward_sums(call, iface.name, result, [s.role for s in iface.out_slots
+                                                                   if s.kind == "rewards"], hi - lo))
+        if rpc.is_train and ctx.optimizer is not None:
+            result.globals.setdefault(f"{rpc.model_name}_lr", float(ctx.optimizer.param_groups[0]["lr"]))
         metas = []
         for role, key in out_keys.items():
             if role in result.outputs:
