@@ -33,7 +33,7 @@ import torch.distributed as dist
 import zmq
 
 from realloc import user_code
-from realloc.algorithms.common import set_step_lr
+from realloc.algorithms.common import set_step_lr, step_lr
 from realloc.algorithms.context import CallContext, CallResult, Data, reward_sums
 from realloc.data.prompts import PromptDataset
 from realloc.data.tokenizer import Tokenizer
@@ -367,7 +367,7 @@ class ModelWorker:
         result.sums.update(reward_sums(call, iface.name, result, [s.role for s in iface.out_slots
                                                                    if s.kind == "rewards"], hi - lo))
         if rpc.is_train and ctx.optimizer is not None:
-            result.globals.setdefault(f"{rpc.model_name}_lr", float(ctx.optimizer.param_groups[0]["lr"]))
+            result.globals.setdefault(f"{rpc.model_name}_lr", step_lr(ctx, 0))
         metas = []
         for role, key in out_keys.items():
             if role in result.outputs:
