@@ -181,3 +181,11 @@ def test_schedule_and_eval_reward_with_a_raw_train_step_and_a_users_reward_funct
         by_hand = [sum(t in TARGET for t in s["response"]) / max(len(s["response"]), 1) for s in lines]
         assert [s["score"] for s in lines] == pytest.approx(by_hand)
         assert m["eval"]["reward"] == pytest.approx(sum(by_hand) / len(by_hand))
+
+
+def test_the_readme_example_is_the_file_the_tests_run():
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("### Your own train step"):]
+    block = section[section.index("```python\n") + len("```python\n"):]
+    block = block[:block.index("```")]
+    assert "TrainStep(loss" in block and block in (REPO / "experiments/custom_algorithm/my_reinforce.py").read_text()

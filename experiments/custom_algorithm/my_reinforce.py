@@ -13,45 +13,37 @@ declares; realloc does the mini-batches, the dp/pp reductions, clipping and the 
 from __future__ import annotations
 
 import dataclasses
-
 import torch
-
 from realloc.algorithms.common import actor_generate, actor_logprobs
 from realloc.algorithms.registry import Interface
 from realloc.algorithms.train_config import TrainConfig
 from realloc.algorithms.train_step import MiniBatch, Rollout, TrainStep
-from realloc.api import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef
-
+from realloc.api import GENERATE, INFERENCE, TRAIN_STEP
 
 @dataclasses.dataclass(frozen=True)
 class MyReinforceConfig(TrainConfig):  # lr, lr_schedule, n_minibatches, max_grad_norm, temperature, ...
     kl_coef: float = 0.01
     clip_eps: float = 0.2
 
-
 def advantages(ro: Rollout) -> dict[str, torch.Tensor]:
     """Once per call, on this dp rank's whole batch: per-token returns, whitened over the whole batch."""
-    mask = ro.mask
+    mask = ro.mask                                                  # [n, T] response tokens
     kl = (ro["logp"]["logp"] - ro["ref_logp"]["logp"]) * mask
-    reward = -ro.config.kl_coef * kl
+    reward = -ro.config.kl_coef * kl                                # KL penalty at every token ...
     last = (mask.sum(dim=1) - 1).clamp(min=0)
-    reward[torch.arange(len(last)), last] += ro["rewards"]["score"] * mask.any(dim=1)
-    returns = reward.flip(1).cumsum(dim=1).flip(1) * mask
-    return {"adv": ro.whiten(returns), "kl": kl.sum(dim=1)}
-
+    reward[torch.arange(len(last)), last] += ro["rewards"]["score"] * mask.any(dim=1)  # ... score at the last
+    returns = reward.flip(1).cumsum(dim=1).flip(1) * mask          # gamma = 1
+    return {"adv": ro.whiten(returns), "kl": kl.sum(dim=1)}        # whiten: mean/std over every dp rank's tokens
 
 def loss(mb: MiniBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per micro-batch: the clipped surrogate per response token, and the declared stats."""
     eps, adv = mb.config.clip_eps, mb.extra["adv"]
-    ratio = torch.exp(mb.logprobs() - mb["logp"]["logp"])
+    ratio = torch.exp(mb.logprobs() - mb["logp"]["logp"])          # logprobs(): the model being trained
     unclipped, clipped = -adv * ratio, -adv * ratio.clamp(1 - eps, 1 + eps)
-    per_token = torch.maximum(unclipped, clipped)
-    return per_token, {"clip_frac": (clipped > unclipped).float(), "kl": mb.extra["kl"]}
-
+    return torch.maximum(unclipped, clipped), {"clip_frac": (clipped > unclipped).float(), "kl": mb.extra["kl"]}
 
 TRAIN = TrainStep(loss, stats=("clip_frac", "kl"), prepare=advantages, loss_norm="token")
-# Generation and log-probs are realloc's own functions, run with this algorithm's settings (temperature, ...).
-INTERFACES = [
+INTERFACES = [  # generation and log-probs: realloc's own functions, with this algorithm's settings
     Interface("my_reinforce", GENERATE, actor_generate, inputs=("prompts",), outputs=("seq", "logp"),
               config="my_reinforce", config_type=MyReinforceConfig),
     Interface("my_reinforce", INFERENCE, actor_logprobs, inputs=("seq",), outputs=("logp",),
@@ -59,6 +51,9 @@ INTERFACES = [
     Interface("my_reinforce", TRAIN_STEP, TRAIN, inputs=("seq", "logp", "ref_logp:logp", "rewards"),
               config="my_reinforce", config_type=MyReinforceConfig),
 ]
+
+
+from realloc.api import ModelFunctionCallDef  # noqa: E402 - the README's example ends above
 
 
 def rpcs(actor: str, reward: str, reward_impl: str, reward_args: dict) -> list[ModelFunctionCallDef]:
