@@ -1,7 +1,7 @@
 """A user's own algorithm and reward, end to end on the local 2-device CPU cluster (real workers, gloo, ZMQ).
 
 - The README's example (``experiments/custom_algorithm``: REINFORCE++ on the train-step API) learns the tiny
-  token-set task, and its first iterations give the same numbers under a plan with dp=2 training as on one device.
+  token-set task, and its first iterations give the same numbers with dp=2 training as with a pp=2 pipeline.
 - The learning-rate schedule applies to every train step: to a ``TrainStep`` and to a train step written
   against the engine directly; both are checked against the warmup + cosine formula computed here by hand.
 - Evaluation with a user's reward function, which reports no stats itself, works and reports ``reward``: the
@@ -45,6 +45,9 @@ ONE_DEVICE = {"*": ("localhost:0", 1, 1, 1, 1)}
 # Generation on device 0, the reference on device 1, the rule and the train step data-parallel over both.
 SPREAD = {"*": ("localhost", 2, 1, 1, 1), "actor_gen": ("localhost:0", 1, 1, 1, 1),
           "ref_inf": ("localhost:1", 1, 1, 1, 1)}
+# The reference split over tp, the train step over a 2-stage pipeline with 2 micro-batches.
+TP_PP = {"*": ("localhost:0", 1, 1, 1, 1), "ref_inf": ("localhost", 1, 2, 1, 1),
+         "actor_train": ("localhost", 1, 1, 2, 2)}
 
 
 def _cosine(base: float, step: int, total: int, warmup_proportion: float, low_ratio: float) -> float:
@@ -64,8 +67,9 @@ def test_readme_custom_algorithm_learns_and_does_not_depend_on_the_plan(tmp_path
     assert {"actor_loss", "actor_grad_norm", "actor_lr", "actor_clip_frac"} <= set(spread[0])
     train = [m["calls"]["actor_train"] for m in spread]
     assert abs(train[0]["actor_kl"]) < 1e-4 and train[3]["actor_kl"] > 0.05  # declared stat: KL to the reference
-    one = _run(EXAMPLE, ONE_DEVICE, 3, tmp_path / "one")
-    for a, b in zip(spread[:3], one):
+    # dp=2 (batch-wide whitening and normalizers over two ranks) against a pipeline (the loss on its last stage)
+    other = _run(EXAMPLE, TP_PP, 3, tmp_path / "tp_pp")
+    for a, b in zip(spread[:3], other):
         for k in ("reward", "actor_loss", "actor_grad_norm", "actor_clip_frac"):
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (a["iteration"], k)
         assert b["calls"]["actor_train"]["actor_kl"] == pytest.approx(a["calls"]["actor_train"]["actor_kl"],
