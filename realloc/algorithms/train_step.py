@@ -206,7 +206,7 @@ class TrainStep:
                     raise ValueError(f"{where}: the loss function reported stats {sorted(stats)}, but its TrainStep "
                                      f"declares {sorted(self.stats)}; report exactly the declared ones")
                 with torch.no_grad():
-                    got = {"loss": float(loss)}
+                    got = {"loss": float(loss.detach())}
                     for name, v in stats.items():
                         got[name] = _stat_sum(where, name, v, m_mask) / (n_tok if v.dim() == 2 else n_seq or 1.0)
                 parts.append(got)
