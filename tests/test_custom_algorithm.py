@@ -4,6 +4,7 @@
   token-set task, and its first iterations give the same numbers with dp=2 training as with a pp=2 pipeline.
 - The learning-rate schedule applies to every train step: to a ``TrainStep`` and to a train step written
   against the engine directly; both are checked against the warmup + cosine formula computed here by hand.
+- A remote reward service (a local http.server) scores in a real run.
 - Evaluation with a user's reward function, which reports no stats itself, works and reports ``reward``: the
   mean of the eval samples' scores, recomputed here from their response tokens.
 """
@@ -22,6 +23,7 @@ import pytest
 from realloc.api import load_experiment
 from realloc.graph.dataflow import build_graph
 from realloc.graph.plan import ExecutionPlan
+from reward_service import Service
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = str(REPO / "experiments/custom_algorithm/my_reinforce_tiny.py")
@@ -157,15 +159,28 @@ class Raw:
                                      interface_impl="raw", input_data=["prompts"], output_data=["seq", "logp"]),
                 ModelFunctionCallDef(name="rew_inf", model_name="reward", model_type="rule", interface_type=INFERENCE,
                                      interface_impl="in_target", input_data=["seq"], output_data=["rewards"]),
+                ModelFunctionCallDef(name="rew_remote", model_name="reward", interface_type=INFERENCE,
+                                     interface_impl="remote_reward", input_data=["seq"], output_data=["remote"],
+                                     interface_args={"url": "{URL}", "batch": 3, "concurrency": 2}),
                 ModelFunctionCallDef(name="actor_train", model_name="actor", interface_type=TRAIN_STEP,
                                      interface_impl="raw", input_data=["seq"])]
 '''
 
 
-def test_schedule_and_eval_reward_with_a_raw_train_step_and_a_users_reward_function(tmp_path):
+def _in_target(response: list[int], record: dict | None = None) -> float:
+    return sum(t in TARGET for t in response) / max(len(response), 1)
+
+
+def test_schedule_eval_and_rewards_with_a_raw_train_step_a_users_reward_function_and_a_service(tmp_path):
+    """Also a remote reward service (a local http.server) in a real run: the workers' requests arrive in chunks of
+    3, and its scores are the run's ``reward_rew_remote``, the same as the user's function's for the same rule."""
     exp = tmp_path / "raw_step.py"
-    exp.write_text(RAW_STEP.replace("{DATA}", str(REPO / "experiments/data")))
-    metrics = _run(str(exp), ONE_DEVICE, 5, tmp_path / "raw")
+    with Service(score=_in_target) as svc:
+        exp.write_text(RAW_STEP.replace("{DATA}", str(REPO / "experiments/data")).replace("{URL}", svc.url))
+        metrics = _run(str(exp), ONE_DEVICE, 5, tmp_path / "raw")
+    assert svc.requests == 5 * 3 and max(svc.sizes) == 3 and sum(svc.sizes) == 5 * 8
+    for m in metrics:
+        assert m["reward_rew_remote"] == pytest.approx(m["reward_rew_inf"], rel=1e-6)
     # 5 iterations x 2 mini-batches = 10 steps: 2 of warmup, then cosine to 0
     for i, m in enumerate(metrics):
         train = m["calls"]["actor_train"]
@@ -182,7 +197,7 @@ def test_schedule_and_eval_reward_with_a_raw_train_step_and_a_users_reward_funct
         lines = [json.loads(x) for p in sorted((tmp_path / "raw" / "eval").glob(f"iter_{it:08d}.rank*.jsonl"))
                  for x in p.read_text().splitlines()]
         assert len(lines) == 8 == m["eval"]["n"]
-        by_hand = [sum(t in TARGET for t in s["response"]) / max(len(s["response"]), 1) for s in lines]
+        by_hand = [_in_target(s["response"]) for s in lines]
         assert [s["score"] for s in lines] == pytest.approx(by_hand)
         assert m["eval"]["reward"] == pytest.approx(sum(by_hand) / len(by_hand))
 
