@@ -146,3 +146,28 @@ def test_whiten_uses_the_batch_mean_and_std_over_response_tokens():
     for i, n in enumerate(LENGTHS):
         assert got[i, :n].tolist() == pytest.approx(((x[i, :n] - mean) / (std + 1e-8)).tolist(), rel=1e-6)
         assert (got[i, n:] == 0).all()
+
+
+def _raw_step(ctx, set_own: list[float] | None):
+    """A train step on common.optimizer_step directly, optionally setting its own lr before each step."""
+    from realloc.algorithms.common import optimizer_step
+
+    seq = _inputs(LENGTHS)["seq"]
+    mb = {"input_ids": seq["tokens"], "lengths": seq["prompt_lens"] + seq["gen_mask"].sum(dim=1)}
+    for k in range(ctx.call.n_minibatches):
+        if set_own is not None:
+            ctx.optimizer.param_groups[0]["lr"] = set_own[k]
+        optimizer_step(ctx, [mb], lambda head, m: (head.logprobs().sum() * 0, {}))
+
+
+@pytest.mark.parametrize("own", [None, [5e-3, 7e-3, 5e-3]])
+def test_a_raw_train_step_gets_the_schedule_unless_it_sets_its_own(own):
+    from realloc.algorithms.common import set_step_lr
+
+    engine = Engine()
+    ctx = _ctx(engine, 6, 3, Cfg(n_minibatches=3, lr=1e-2, lr_schedule="linear", min_lr_ratio=0.1))
+    set_step_lr(ctx, 0)  # what the worker does before any train step
+    _raw_step(ctx, own)
+    # linear from 1e-2 to 1e-3 over 9 steps (3 iterations x 3): steps 0, 1, 2
+    want = own or [1e-2 - (1e-2 - 1e-3) * s / 8 for s in range(3)]
+    assert [s["lr"] for s in engine.steps] == pytest.approx(want)

@@ -79,13 +79,18 @@ def step_lr(ctx: CallContext, k: int) -> float:
 
 def set_step_lr(ctx: CallContext, k: int) -> None:
     """Put step ``k``'s learning rate into the optimizer. Every train step gets the schedule this way, a custom
-    one included (the worker sets step 0's before the call; ``optimizer_step`` sets each step's). A context
-    built without ``lr_field`` (outside a run) leaves the optimizer's learning rate alone."""
-    if ctx.lr_field is None or ctx.optimizer is None:
+    one included (the worker sets step 0's before the call; ``optimizer_step`` sets each step's). A train step
+    that sets the optimizer's learning rate itself keeps it, from then on for the rest of the call; a context
+    built without ``lr_field`` (outside a run) leaves it alone."""
+    if ctx.lr_field is None or ctx.optimizer is None or not ctx.lr_managed:
+        return
+    if ctx.lr_set is not None and ctx.optimizer.param_groups[0]["lr"] != ctx.lr_set:
+        ctx.lr_managed = False  # the train step set its own
         return
     lr = step_lr(ctx, k)
     for group in ctx.optimizer.param_groups:
         group["lr"] = lr
+    ctx.lr_set = lr
 
 
 def generation_config(ctx: CallContext) -> GenerationConfig:

@@ -47,6 +47,8 @@ class CallContext:
     records: Any = None  # row -> the dataset record of that row (Interface.records), else None
     lr_field: str | None = None  # TRAIN_STEP: the settings' field with the base learning rate (Interface.lr)
     optimizer_steps: int = 0  # optimizer steps this call has taken (common.optimizer_step counts them)
+    lr_set: float | None = None  # the learning rate common.set_step_lr last put into the optimizer
+    lr_managed: bool = True  # False once the train step set the learning rate itself
 
     @property
     def schedule_steps(self) -> int:
