@@ -176,3 +176,19 @@ def test_a_mixed_reward_graph_validates_and_its_mix_is_the_headline():
     assert {"rew_inf", "rm_inf"} <= set(g.graph.predecessors("mix"))
     with pytest.raises(ValueError, match="call 'mix': mix_rewards needs interface_args\\['weights'\\], two numbers"):
         build_graph(inline_spec(_mixed([1.0]), ()))
+
+
+def test_evaluation_finds_the_reward_call_by_what_it_writes_not_by_its_key_name():
+    from realloc.algorithms.registry import Interface
+    from realloc.runtime.inputs.evaluation import eval_calls
+
+    mine = Interface("judge", INFERENCE, lambda ctx, inputs: None, inputs=("seq",), outputs=("verdict:rewards",),
+                     head="none")
+    rpcs = critic_free_rpcs("grpo", actor="tiny", reward="rule", n_samples=2, reward_impl="judge")
+    rpcs = [dataclasses.replace(r, output_data=["verdicts"]) if r.name == "rew_inf" else
+            dataclasses.replace(r, input_data=["seq", "logp", "ref_logp", "verdicts"]) if r.is_train else r
+            for r in rpcs]
+    spec = inline_spec(rpcs, [mine])
+    build_graph(spec)
+    ec = eval_calls(spec)
+    assert (ec.reward, ec.reward_key) == ("rew_inf", "verdicts")

@@ -364,8 +364,8 @@ class ModelWorker:
         result = fn(ctx, inputs)
         CallResult.check(result, call, iface.name, out_keys, self.rank, early_stage=pp_rank < pp - 1)
         # The framework, not the reward function, makes the reward stats (context.reward_sums)
-        result.sums.update(reward_sums(call, iface.name, result, [s.role for s in iface.out_slots
-                                                                   if s.kind == "rewards"], hi - lo))
+        reward_roles = [s.role for s in iface.out_slots if s.kind == "rewards"]
+        result.sums.update(reward_sums(call, iface.name, result, reward_roles, hi - lo))
         if rpc.is_train and ctx.optimizer is not None:
             result.globals.setdefault(f"{rpc.model_name}_lr", step_lr(ctx, 0))
         metas = []
@@ -375,12 +375,13 @@ class ModelWorker:
                 self.store.put(key_of(key), iteration, lo, hi, tensors)
                 metas.append(protocol.OutputMeta(key=key_of(key), tensors=self.store.meta(key_of(key), iteration)))
         reporter = tp_rank == 0 and pp_rank == pp - 1
-        if evaluating and reporter and "rewards" in result.outputs:
+        scored = reward_roles[0] if reward_roles and reward_roles[0] in result.outputs else None
+        if evaluating and reporter and scored and "seq" in inputs:
             write_eval_samples(self.run_dir, iteration, self.rank, eval_batch, range(lo, hi), inputs["seq"],
-                               result.outputs["rewards"]["score"], self.tokenizer)
-        elif reporter and "rewards" in result.outputs and "seq" in inputs:
+                               result.outputs[scored]["score"], self.tokenizer)
+        elif reporter and scored and "seq" in inputs:
             self.sample_parts = self.samples.parts(iteration, range(lo, hi), in_keys["seq"], inputs["seq"],
-                                                   scores=result.outputs["rewards"]["score"])
+                                                   scores=result.outputs[scored]["score"])
         elif reporter and not evaluating and {"seq", "logp"} <= set(result.outputs):
             self.sample_parts = self.samples.parts(iteration, range(lo, hi), out_keys["seq"], result.outputs["seq"],
                                                    logp=result.outputs["logp"]["logp"])
