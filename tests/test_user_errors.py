@@ -153,3 +153,15 @@ def test_keys_written_and_never_read_are_flagged():
     extra = dataclasses.replace(extra, output_data=["side_scores"])
     w = build_graph(inline_spec(rpcs + [extra])).warnings()
     assert len(w) == 1 and "'side_scores', which no call reads, so its work is dropped" in w[0]
+
+
+def test_a_run_whose_reward_function_raises_names_the_users_line(tmp_path):
+    """In real workers: the reward function (in the experiment file) raises on dp rank 1; the run's one error line
+    names the worker, the call and the user's file and line."""
+    from test_algorithms_e2e import _failing_run
+
+    err, _ = _failing_run(tmp_path, 'raise KeyError("answer")')
+    exp = tmp_path / "own_reward.py"
+    line = _line(exp, 'raise KeyError("answer")')
+    assert err[0].startswith("realloc run: error: worker 1 failed in call rew_inf (iteration 1): KeyError: 'answer'"), err
+    assert f"(in {exp}, line {line}: raise KeyError(\"answer\"))" in err[0], err
