@@ -130,6 +130,8 @@ def test_a_loss_function_that_breaks_the_contract_gets_one_clear_error(loss, sta
 def test_bad_declarations_are_refused():
     with pytest.raises(ValueError, match="stats must be a tuple of identifiers"):
         TrainStep(lambda mb: None, stats="clip_frac")
+    with pytest.raises(ValueError, match="stats \\['loss'\\] would collide"):
+        TrainStep(lambda mb: None, stats=("loss", "kl"))
     with pytest.raises(ValueError, match="loss_norm must be one of"):
         TrainStep(lambda mb: None, loss_norm="mean")
     with pytest.raises(ValueError, match="prepare must return per-sequence tensors.*'adv' is a tensor of shape \\(2,\\)"):

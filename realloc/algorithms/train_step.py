@@ -149,6 +149,10 @@ class TrainStep:
             raise ValueError(f"TrainStep: stats must be a tuple of identifiers (the names the loss reports), got "
                              f"{self.stats!r}")
         object.__setattr__(self, "stats", tuple(self.stats))
+        taken = sorted(set(self.stats) & {"loss", "grad_norm", "lr"})
+        if taken:
+            raise ValueError(f"TrainStep: stats {taken} would collide with what realloc reports itself (<model>_loss, "
+                             f"<model>_grad_norm, <model>_lr); name them otherwise")
         if self.loss_norm is not None and self.loss_norm not in losses.LOSS_NORMS:
             raise ValueError(f"TrainStep: loss_norm must be one of {', '.join(losses.LOSS_NORMS)} or None, got "
                              f"{self.loss_norm!r}")
