@@ -173,3 +173,14 @@ def test_a_raw_train_step_gets_the_schedule_unless_it_sets_its_own(own):
     # linear from 1e-2 to 1e-3 over 9 steps (3 iterations x 3): steps 0, 1, 2
     want = own or [1e-2 - (1e-2 - 1e-3) * s / 8 for s in range(3)]
     assert [s["lr"] for s in engine.steps] == pytest.approx(want)
+
+
+def test_padding_positions_count_for_nothing_even_when_not_finite():
+    engine = Engine()
+
+    def loss(mb: MiniBatch):
+        per = torch.where(mb.mask, mb.logprobs() * 0 + 2.0, torch.full(mb.mask.shape, float("nan")))
+        return per, {"junk": torch.where(mb.mask, per, torch.full(mb.mask.shape, float("inf")))}
+
+    out = TrainStep(loss, stats=("junk",))(_ctx(engine, 6, 1, Cfg()), _inputs(LENGTHS))
+    assert engine.steps[0]["losses"][0] == pytest.approx(2.0) and out.sums["policy_junk"] == pytest.approx(2.0)

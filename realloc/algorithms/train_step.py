@@ -205,7 +205,8 @@ class TrainStep:
                 per, stats = out
                 m_mask = batch.mask
                 weights = self._weights(where, per, m_mask, norm, n_tok, n_seq, ctx.gen_len)
-                loss = (per * weights).sum()
+                # padding positions count for nothing, even where the loss function left a NaN or inf there
+                loss = torch.where(weights > 0, per * weights, torch.zeros_like(per)).sum()
                 if set(stats) != set(self.stats):
                     raise ValueError(f"{where}: the loss function reported stats {sorted(stats)}, but its TrainStep "
                                      f"declares {sorted(self.stats)}; report exactly the declared ones")
@@ -237,7 +238,8 @@ class TrainStep:
 
 def _stat_sum(where: str, name: str, v: Any, mask: torch.Tensor) -> float:
     if isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape == mask.shape:
-        return float((v.detach().double() * mask.to(v.device)).sum())
+        v = v.detach().double()
+        return float(torch.where(mask.to(v.device), v, torch.zeros_like(v)).sum())
     if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape[0] == mask.shape[0]:
         return float(v.detach().double().sum())
     raise ValueError(f"{where}: stat {name!r} is {_describe(v)}; a stat is one value per response token "
