@@ -4,7 +4,8 @@
   token-set task, and its first iterations give the same numbers with dp=2 training as with a pp=2 pipeline.
 - The learning-rate schedule applies to every train step: to a ``TrainStep`` and to a train step written
   against the engine directly; both are checked against the warmup + cosine formula computed here by hand.
-- A remote reward service (a local http.server) scores in a real run.
+- A remote reward service (a local http.server) and a batched reward function reading the records score in a
+  real run.
 - Evaluation with a user's reward function, which reports no stats itself, works and reports ``reward``: the
   mean of the eval samples' scores, recomputed here from their response tokens.
 """
@@ -135,6 +136,11 @@ def in_target(ctx, inputs):
                       {}, {})
 
 
+def with_bonus(prompts, responses, records):
+    """A batched reward (batch_reward): token id lists here (no tokenizer), and each prompt's record."""
+    return [sum(16 <= t < 32 for t in r) / max(len(r), 1) + rec["bonus"] for r, rec in zip(responses, records)]
+
+
 def _iface(t, fn, **kw):
     return Interface("raw", t, fn, config="raw", config_type=RawConfig, **kw)
 
@@ -143,7 +149,7 @@ def _iface(t, fn, **kw):
 @dataclasses.dataclass
 class Raw:
     seed: int = 3
-    dataset: str = "{DATA}/ppo_tiny_prompts.jsonl"
+    dataset: str = "{PROMPTS}"
     raw: RawConfig = RawConfig(n_minibatches=2, lr=1e-3, lr_schedule="cosine", warmup_proportion=0.2)
     eval: EvalConfig = EvalConfig(dataset="{DATA}/ppo_tiny_eval.jsonl", every=1)
 
@@ -159,6 +165,9 @@ class Raw:
                                      interface_impl="raw", input_data=["prompts"], output_data=["seq", "logp"]),
                 ModelFunctionCallDef(name="rew_inf", model_name="reward", model_type="rule", interface_type=INFERENCE,
                                      interface_impl="in_target", input_data=["seq"], output_data=["rewards"]),
+                ModelFunctionCallDef(name="rew_batch", model_name="reward", interface_type=INFERENCE,
+                                     interface_impl="batch_reward", input_data=["seq"], output_data=["batch_r"],
+                                     interface_args={"fn": with_bonus}),
                 ModelFunctionCallDef(name="rew_remote", model_name="reward", interface_type=INFERENCE,
                                      interface_impl="remote_reward", input_data=["seq"], output_data=["remote"],
                                      interface_args={"url": "{URL}", "batch": 3, "concurrency": 2}),
@@ -175,12 +184,18 @@ def test_schedule_eval_and_rewards_with_a_raw_train_step_a_users_reward_function
     """Also a remote reward service (a local http.server) in a real run: the workers' requests arrive in chunks of
     3, and its scores are the run's ``reward_rew_remote``, the same as the user's function's for the same rule."""
     exp = tmp_path / "raw_step.py"
+    # the tiny prompts, each record with one more field, for the batched reward
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({**json.loads(line), "bonus": 0.25}) + "\n" for line in
+                               (REPO / "experiments/data/ppo_tiny_prompts.jsonl").read_text().splitlines()))
     with Service(score=_in_target) as svc:
-        exp.write_text(RAW_STEP.replace("{DATA}", str(REPO / "experiments/data")).replace("{URL}", svc.url))
+        exp.write_text(RAW_STEP.replace("{DATA}", str(REPO / "experiments/data")).replace("{URL}", svc.url)
+                       .replace("{PROMPTS}", str(prompts)))
         metrics = _run(str(exp), ONE_DEVICE, 5, tmp_path / "raw")
     assert svc.requests == 5 * 3 and max(svc.sizes) == 3 and sum(svc.sizes) == 5 * 8
     for m in metrics:
         assert m["reward_rew_remote"] == pytest.approx(m["reward_rew_inf"], rel=1e-6)
+        assert m["reward_rew_batch"] == pytest.approx(m["reward_rew_inf"] + 0.25, rel=1e-6)
     # 5 iterations x 2 mini-batches = 10 steps: 2 of warmup, then cosine to 0
     for i, m in enumerate(metrics):
         train = m["calls"]["actor_train"]
