@@ -5,7 +5,7 @@
 - The learning-rate schedule applies to every train step: to a ``TrainStep`` and to a train step written
   against the engine directly; both are checked against the warmup + cosine formula computed here by hand.
 - A remote reward service (a local http.server) and a batched reward function reading the records score in a
-  real run.
+  real run, and a weighted mix of the two.
 - Evaluation with a user's reward function, which reports no stats itself, works and reports ``reward``: the
   mean of the eval samples' scores, recomputed here from their response tokens.
 """
@@ -171,6 +171,9 @@ class Raw:
                 ModelFunctionCallDef(name="rew_remote", model_name="reward", interface_type=INFERENCE,
                                      interface_impl="remote_reward", input_data=["seq"], output_data=["remote"],
                                      interface_args={"url": "{URL}", "batch": 3, "concurrency": 2}),
+                ModelFunctionCallDef(name="mix", model_name="reward", interface_type=INFERENCE,
+                                     interface_impl="mix_rewards", input_data=["batch_r", "remote"],
+                                     output_data=["mixed"], interface_args={"weights": [0.5, 2.0]}),
                 ModelFunctionCallDef(name="actor_train", model_name="actor", interface_type=TRAIN_STEP,
                                      interface_impl="raw", input_data=["seq"])]
 '''
@@ -196,6 +199,7 @@ def test_schedule_eval_and_rewards_with_a_raw_train_step_a_users_reward_function
     for m in metrics:
         assert m["reward_rew_remote"] == pytest.approx(m["reward_rew_inf"], rel=1e-6)
         assert m["reward_rew_batch"] == pytest.approx(m["reward_rew_inf"] + 0.25, rel=1e-6)
+        assert m["reward_mix"] == pytest.approx(0.5 * m["reward_rew_batch"] + 2.0 * m["reward_rew_remote"], rel=1e-6)
     # 5 iterations x 2 mini-batches = 10 steps: 2 of warmup, then cosine to 0
     for i, m in enumerate(metrics):
         train = m["calls"]["actor_train"]
