@@ -14,6 +14,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from realloc import user_code
 from realloc.algorithms.registry import resolve_minibatches
 # Re-exported: experiments import the graph's node types from here.
 from realloc.calls import GENERATE, INFERENCE, TRAIN_STEP, InterfaceType, ModelFunctionCallDef  # noqa: F401
@@ -239,8 +240,11 @@ def _import_error(what: str, e: BaseException, path: Path | None) -> str:
     frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith("<")]  # not importlib's
     own = [f.lineno for f in frames if is_own(f.filename)]
     where = f", line {own[-1]}" if own else ""
-    # Raised deeper, in a module the experiment imports: name that place too.
-    inner = f" (in {frames[-1].filename}, line {frames[-1].lineno})" if frames and not is_own(frames[-1].filename) else ""
+    # Raised deeper, in a module the experiment imports: name the innermost line of the user's own code there
+    # (not realloc's or a library's frame that raised on the user's behalf); else the innermost frame.
+    user = [f for f in frames if user_code.is_user_file(f.filename)]
+    deep = user[-1] if user else frames[-1] if frames else None
+    inner = f" (in {deep.filename}, line {deep.lineno})" if deep is not None and not is_own(deep.filename) else ""
     if isinstance(e, SystemExit):
         return (f"{what}{where}: called sys.exit({e.code!r}) while being imported{inner}; an experiment file should "
                 f"only define the experiment")

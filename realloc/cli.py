@@ -13,6 +13,7 @@ import os
 import sys
 from typing import Sequence
 
+from realloc import user_code
 from realloc.estimator import profile_cli
 from realloc.runtime import export_cli, run_cli, show_cli, trace_cli
 from realloc.search import search_cli
@@ -197,7 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _use_profiles(args)
         return int(args.func(args) or 0)
     except ValueError as e:
-        print(f"realloc {args.command}: error: {e}", file=sys.stderr)
+        # Raised in (or through) the user's own code, e.g. a module the experiment imports: name their line.
+        print(f"realloc {args.command}: error: {e}{user_code.where(e)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"realloc {args.command}: interrupted", file=sys.stderr)
@@ -205,6 +207,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - the CLI promises no tracebacks
         if os.environ.get("REALLOC_DEBUG"):
             raise
+        if user_code.user_frame(e.__traceback__) is not None:  # the user's code failed, not realloc
+            print(f"realloc {args.command}: error: {type(e).__name__}: {e}{user_code.where(e)}", file=sys.stderr)
+            return EXIT_USAGE
         print(f"realloc {args.command}: internal error: {type(e).__name__}: {e} "
               f"(set REALLOC_DEBUG=1 for a traceback)", file=sys.stderr)
         return 1

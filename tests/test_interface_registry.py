@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from realloc.algorithms.context import CallResult
+from realloc.algorithms.context import CallResult, reward_sums
 from realloc.algorithms.grpo import GRPOConfig, critic_free_rpcs
 from realloc.algorithms.ppo_config import PPOConfig, ppo_rpcs
 from realloc.algorithms.registry import Interface, builtin_interfaces
@@ -160,7 +160,9 @@ def test_the_readme_example_of_an_own_interface_validates_and_scores_by_hand(tmp
            "gen_mask": torch.tensor([[True, True, True, False], [True, True, True, False]])}
     out = variety.resolve()(None, {"seq": seq})  # responses [5, 5, 7] and [4, 4, 4]: 2 and 1 distinct of 3
     torch.testing.assert_close(out.outputs["rewards"]["score"], torch.tensor([2 / 3, 1 / 3]))
-    assert out.sums == {"score_sum": pytest.approx(1.0), "n_seqs_scored": 2.0}
+    assert out.sums == {}  # the function reports nothing; the framework makes the reward stats from its scores
+    assert reward_sums("rew_inf", "variety", out, ["rewards"], 2) == {"score_sum": pytest.approx(1.0),
+                                                                      "n_seqs_scored": 2.0}
 
 
 RULE = dict(reward="rule", reward_impl="rule_reward", reward_args={"rule": "token_set", "tokens": [1]})

@@ -17,6 +17,8 @@ from realloc.calls import GENERATE, INFERENCE, TRAIN_STEP
 
 _PPO = "realloc.algorithms.ppo_interfaces"
 _COMMON = "realloc.algorithms.common"
+_REWARDS = "realloc.algorithms.reward_fns"
+_REWARD_ARGS = "realloc.algorithms.reward_args"
 PPO_TRAIN_INPUTS = ("seq", "logp", "ref_logp:logp", "rewards", "values")
 
 BUILTIN: tuple[Interface, ...] = (
@@ -37,6 +39,14 @@ BUILTIN: tuple[Interface, ...] = (
     # A rule on the decoded text and the prompt's dataset record (e.g. exact match with its answer).
     Interface("verifiable_reward", INFERENCE, f"{_COMMON}:verifiable_scores", inputs=("seq",), outputs=("rewards",),
               head="none", records=True),
+    # Rewards users bring (reward_fns.py): a batched function of the texts and records, a remote HTTP service,
+    # and a weighted mix of two reward keys (a rule and a reward model, say).
+    Interface("batch_reward", INFERENCE, f"{_REWARDS}:batch_scores", inputs=("seq",), outputs=("rewards",),
+              head="none", records=True, check_args=f"{_REWARD_ARGS}:check_batch"),
+    Interface("remote_reward", INFERENCE, f"{_REWARDS}:remote_scores", inputs=("seq",), outputs=("rewards",),
+              head="none", records=True, check_args=f"{_REWARD_ARGS}:check_remote"),
+    Interface("mix_rewards", INFERENCE, f"{_REWARDS}:mix_scores", inputs=("rewards", "other:rewards"),
+              outputs=("rewards",), head="none", check_args=f"{_REWARD_ARGS}:check_mix"),
     *grpo.INTERFACES,
     *pg_algorithms.INTERFACES,
     *dpo.INTERFACES,

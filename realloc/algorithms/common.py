@@ -58,12 +58,39 @@ def optimizer_step(ctx: CallContext, micro: list[dict[str, torch.Tensor]], loss_
 
     Every shipped loss is already normalized over the whole mini-batch (all dp ranks, all micro-batches). The
     engine averages gradients over dp replicas, so weighting each micro-batch by dp turns that average into the
-    sum the mini-batch normalization expects."""
+    sum the mini-batch normalization expects. The step's learning rate is the settings' schedule at this step
+    (``set_step_lr``); gradients are clipped at ``max_grad_norm``."""
     model = ctx.model
     assert model is not None and ctx.optimizer is not None
+    set_step_lr(ctx, ctx.optimizer_steps)
+    ctx.optimizer_steps += 1
     out = model.train_step(micro, loss_fn, ctx.optimizer, max_grad_norm=ctx.config.max_grad_norm,
                            loss_weights=[float(model.groups.dp)] * len(micro), recompute=ctx.recompute)
     return float(out["grad_norm"])
+
+
+def step_lr(ctx: CallContext, k: int) -> float:
+    """The learning rate of the call's optimizer step ``k`` (0-based within the call) under the settings'
+    schedule: step ``iteration * n_minibatches + k`` of the run's ``schedule_steps`` (``TrainConfig.lr_at``)."""
+    cfg = ctx.config
+    return cfg.lr_at(getattr(cfg, ctx.lr_field or "lr"), ctx.iteration * ctx.call.n_minibatches + k,
+                     ctx.schedule_steps)
+
+
+def set_step_lr(ctx: CallContext, k: int) -> None:
+    """Put step ``k``'s learning rate into the optimizer. Every train step gets the schedule this way, a custom
+    one included (the worker sets step 0's before the call; ``optimizer_step`` sets each step's). A train step
+    that sets the optimizer's learning rate itself keeps it, from then on for the rest of the call; a context
+    built without ``lr_field`` (outside a run) leaves it alone."""
+    if ctx.lr_field is None or ctx.optimizer is None or not ctx.lr_managed:
+        return
+    if ctx.lr_set is not None and ctx.optimizer.param_groups[0]["lr"] != ctx.lr_set:
+        ctx.lr_managed = False  # the train step set its own
+        return
+    lr = step_lr(ctx, k)
+    for group in ctx.optimizer.param_groups:
+        group["lr"] = lr
+    ctx.lr_set = lr
 
 
 def generation_config(ctx: CallContext) -> GenerationConfig:

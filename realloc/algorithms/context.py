@@ -45,6 +45,10 @@ class CallContext:
     group_size: int = 1  # responses per prompt: sequences group*n .. group*n + n-1 answer one prompt
     tokenizer: Any = None  # realloc.data.Tokenizer when the experiment has one (decoding, text rules)
     records: Any = None  # row -> the dataset record of that row (Interface.records), else None
+    lr_field: str | None = None  # TRAIN_STEP: the settings' field with the base learning rate (Interface.lr)
+    optimizer_steps: int = 0  # optimizer steps this call has taken (common.optimizer_step counts them)
+    lr_set: float | None = None  # the learning rate common.set_step_lr last put into the optimizer
+    lr_managed: bool = True  # False once the train step set the learning rate itself
 
     @property
     def schedule_steps(self) -> int:
@@ -85,3 +89,25 @@ def dp_all_reduce(model: ParallelModel | None, t: torch.Tensor) -> torch.Tensor:
     t = t.to(model.device)
     dist.all_reduce(t, group=model.groups.dp_group)
     return t.cpu()
+
+
+def reward_sums(call: str, interface: str, result: CallResult, roles: list[str], n_rows: int) -> dict[str, float]:
+    """The reward contract: a call that writes a ``rewards`` key returns one finite score per sequence
+    (``{"score": [n]}``); from it the framework makes the stats behind the ``reward`` metrics (``score_sum`` and
+    ``n_seqs_scored``, summed over dp ranks), so a reward function reports nothing itself. ``roles``: the call's
+    output slots of kind ``rewards`` (the first one is the call's reward). {} on a rank that holds no results."""
+    if not roles or roles[0] not in result.outputs:
+        return {}
+    got = result.outputs[roles[0]]
+    score = got.get("score") if isinstance(got, dict) else None
+    if not isinstance(score, torch.Tensor) or score.dim() != 1 or score.shape[0] != n_rows:
+        what = (f"shape {tuple(score.shape)}" if isinstance(score, torch.Tensor)
+                else f"tensors {sorted(got)}" if isinstance(got, dict) else f"a {type(got).__name__}")
+        raise ValueError(f"call {call!r}: interface {interface!r} must return one score per sequence as "
+                         f"{{{roles[0]!r}: {{'score': tensor of shape ({n_rows},)}}}}, got {what}")
+    if not torch.isfinite(score).all():
+        bad = int((~torch.isfinite(score)).nonzero()[0])
+        raise ValueError(f"call {call!r}: interface {interface!r} returned a non-finite score ({float(score[bad])}) "
+                         f"for sequence {bad} of this rank's {n_rows}; a reward must be a finite number")
+    return {"score_sum": float(score.double().sum()), "n_seqs_scored": float(n_rows)}
+

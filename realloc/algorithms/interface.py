@@ -40,6 +40,9 @@ class Interface:
     records: bool = False  # reads the dataset record of each sequence (e.g. a reference answer)
     rows_per_seq: int = 1  # model rows per sequence, for the cost estimate (a DPO pair: chosen + rejected)
     min_group_size: int = 1  # fewest responses per prompt it needs (a group baseline needs 2)
+    # Checks a call's interface_args at `realloc show`, before anything runs: (call name, args) -> None, raising
+    # ValueError; a function or "module:function" (torch-free, like the registry)
+    check_args: str | Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         where = f"Interface {self.name!r}"
@@ -58,6 +61,9 @@ class Interface:
             raise ValueError(f"{where}: head must be one of {', '.join(HEADS)}, got {self.head!r}")
         if not (callable(self.fn) or (isinstance(self.fn, str) and ":" in self.fn)):
             raise ValueError(f"{where}: fn must be a function or 'module:function'")
+        if self.check_args is not None and not (callable(self.check_args) or
+                                                 (isinstance(self.check_args, str) and ":" in self.check_args)):
+            raise ValueError(f"{where}: check_args must be a function or 'module:function'")
         if (self.config is None) != (self.config_type is None):
             raise ValueError(f"{where}: give config (the experiment field) and config_type together")
         if not isinstance(self.min_group_size, int) or isinstance(self.min_group_size, bool) or self.min_group_size < 1:
@@ -88,6 +94,16 @@ class Interface:
             return self.fn
         module, _, attr = self.fn.partition(":")
         return getattr(importlib.import_module(module), attr)
+
+    def check(self, call: str, args: Any) -> None:
+        """Run ``check_args`` on a call's ``interface_args`` (nothing when the interface has none)."""
+        if self.check_args is None:
+            return
+        fn = self.check_args
+        if isinstance(fn, str):
+            module, _, attr = fn.partition(":")
+            fn = getattr(importlib.import_module(module), attr)
+        fn(call, args)
 
     def settings(self, experiment: Any) -> Any:
         """This interface's settings object of an experiment instance (the type's defaults when absent)."""

@@ -26,8 +26,7 @@ themselves, so the function travels as code on disk, never over the network::
     def length_reward(ctx, inputs):              # any function of the experiment file
         seq = inputs["seq"]
         score = seq["gen_mask"].sum(dim=1).float() / ctx.gen_len
-        return CallResult({"rewards": {"score": score}}, {"score_sum": float(score.sum()),
-                                                          "n_seqs_scored": float(len(score))}, {})
+        return CallResult({"rewards": {"score": score}}, {}, {})   # the reward stats are made for you
 
     interfaces = [Interface("length_reward", INFERENCE, length_reward, inputs=("seq",),
                             outputs=("rewards",), head="none")]

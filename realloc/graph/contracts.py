@@ -105,6 +105,7 @@ def check_contracts(spec: ExperimentSpec, table: Table,
                              f"model {r.model_name!r} has {HEAD_NAMES[have]}")
         _check_arity(r, i)
         _check_group_size(spec, r, i)
+        i.check(r.name, r.interface_args)
         settings = i.settings(spec.config)  # the experiment's settings for it have the right type
         if r.is_train and settings.grad_dtype == "bf16" and spec.cluster.hardware.dtype == "fp32":
             # bf16 gradient buffers are for bf16 models (engine.make_optimizer); say so before any worker starts

@@ -10,6 +10,7 @@ Edges (realhf.txt section 4, Figure 4):
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 from functools import cached_property
@@ -74,6 +75,30 @@ class DataflowGraph:
                for slot, key in zip(self.interfaces[r.name].in_slots, r.input_data)
                if slot.role in ("rewards", "seq") and key in producers}
         return frozenset(out) if out else frozenset(self.spec.call_names)
+
+    @cached_property
+    def unread_keys(self) -> tuple[tuple[str, str], ...]:
+        """(key, producing call) of every key a call writes and no call reads."""
+        read = {k for r in self.calls for k in r.input_data}
+        return tuple((k, r.name) for r in self.calls for k in r.output_data if k not in read)
+
+    def warnings(self) -> tuple[str, ...]:
+        """What ``realloc show`` warns about: a key written and never read that looks like a key some call reads
+        (a misspelling: ``reward`` written, ``rewards`` read), or a call none of whose keys is read (its work is
+        dropped). Other unread keys are outputs an interface must declare (ReMax's greedy log-probs)."""
+        read = sorted({k for r in self.calls for k in r.input_data})
+        unread = dict.fromkeys(self.unread_keys)
+        out = []
+        for key, call in unread:
+            close = difflib.get_close_matches(key, read, n=1, cutoff=0.8)
+            if close:
+                out.append(f"warning: call {call!r} writes key {key!r}, which no call reads; did you mean "
+                           f"{close[0]!r}, which {', '.join(repr(r.name) for r in self.calls if close[0] in r.input_data)} "
+                           f"read(s)?")
+            elif all((k, call) in unread for k in self.call(call).output_data):
+                out.append(f"warning: call {call!r} writes key {key!r}, which no call reads, so its work is dropped; "
+                           f"read it in some call's input_data, or remove the call")
+        return tuple(out)
 
     def dp_error(self, dp: int) -> str | None:
         """Why ``dp`` ranks cannot share this graph's sequences: with groups of responses (``n_samples``) each
@@ -264,9 +289,12 @@ def build_graph(spec: ExperimentSpec) -> DataflowGraph:
             if src is None:
                 if key in spec.dataset_keys:
                     continue
+                close = difflib.get_close_matches(key, list(producers) + list(spec.dataset_keys), n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
                 raise ValueError(f"call {r.name!r} reads key {key!r}, which no call produces and the dataset does not "
-                                 f"supply (dataset keys: {', '.join(spec.dataset_keys)}); produce it in some call's "
-                                 f"output_data or fix the name")
+                                 f"supply (dataset keys: {', '.join(spec.dataset_keys)}; produced: "
+                                 f"{', '.join(producers) or 'none'}); {hint}produce it in some call's output_data or "
+                                 f"fix the name")
             if src == r.name:
                 raise ValueError(f"call {r.name!r} reads key {key!r} that it produces itself")
             if g.has_edge(src, r.name):

@@ -22,7 +22,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"graph      {len(spec.rpcs)} calls, {graph.graph.number_of_edges()} edges, digest {graph.digest}")
     for model, src in spec.models.items():
         print(f"checkpoint {model}: {src.path}{' (new value head)' if src.new_value_head else ''}")
-    for line in _preflight(spec, graph):
+    for line in _preflight(spec, graph) + graph.warnings():
         print(line)
     print()
     print(graph.describe())

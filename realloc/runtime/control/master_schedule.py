@@ -187,11 +187,10 @@ class IterationSchedule:
             self.iter_end[k] = max(self.iter_end[k], begin)
             m = iteration_metrics(k, self.call_stats.pop(k), self.node_times.pop(k), self.iter_end[k] - begin,
                                   self.program.batch_size * self.spec.seq_len, self.graph.headline_calls)
-            if k in self.eval_stats and self.eval_calls.scorer:  # scored records: the scorer's sums
-                ev = self.eval_stats.pop(k)
+            ev = self.eval_stats.pop(k, None)
+            if ev and self.eval_calls.scorer:  # scored records (a reward model's held-out pairs): the scorer's sums
                 m["eval"] = pair_metrics(ev) if "n_pairs" in ev else ev
-            elif k in self.eval_stats:
-                ev = self.eval_stats.pop(k)
+            elif ev and ev.get("n_seqs_scored"):  # the reward call's workers make these (context.reward_sums)
                 m["eval"] = {"reward": ev["score_sum"] / ev["n_seqs_scored"], "n": int(ev["n_seqs_scored"]),
                              "greedy": self.config.eval.greedy}
             self.n_reported += 1

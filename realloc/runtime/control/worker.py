@@ -32,7 +32,9 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from realloc.algorithms.context import CallContext, CallResult, Data
+from realloc import user_code
+from realloc.algorithms.common import set_step_lr, step_lr
+from realloc.algorithms.context import CallContext, CallResult, Data, reward_sums
 from realloc.algorithms.lora_graph import adapters_off
 from realloc.algorithms.registry import interfaces_of
 from realloc.calls import InterfaceType
@@ -217,7 +219,8 @@ class ModelWorker:
                                        stats=stats, outputs=outputs, samples=self.sample_parts, memory=memory)
             except Exception as e:  # noqa: BLE001 - report any failure to the master, which stops the run
                 log.error("request %d (%s) failed:\n%s", req.req, req.type, traceback.format_exc())
-                reply = protocol.Reply(req=req.req, rank=self.rank, ok=False, error=f"{type(e).__name__}: {e}",
+                reply = protocol.Reply(req=req.req, rank=self.rank, ok=False,
+                                       error=f"{type(e).__name__}: {e}{user_code.where(e)}",
                                        start=start, end=time.time())
             self.heartbeat.busy_req = -1
             if reply.ok:
@@ -370,7 +373,10 @@ class ModelWorker:
                                 greedy=evaluating and self.config.eval.greedy,
                                 purpose=f"eval{eval_batch}" if evaluating else "generate", recompute=cl.recompute,
                                 group_size=spec.group_size, tokenizer=self.tokenizer,
-                                records=self._records(evaluating) if iface.records else None)
+                                records=self._records(evaluating) if iface.records else None,
+                                lr_field=iface.lr if rpc.is_train else None)
+        if rpc.is_train:  # the schedule holds for every train step, a custom one included (common.set_step_lr)
+            set_step_lr(ctx, 0)
         if adapters_off(rpc):  # a LoRA model's base (the reference of a LoRA actor): lora_graph.py
             assert handle is not None
             with handle.model.adapters_disabled():
@@ -378,6 +384,11 @@ class ModelWorker:
         else:
             result = fn(ctx, inputs)
         CallResult.check(result, call, iface.name, out_keys, self.rank, early_stage=pp_rank < pp - 1)
+        # The framework, not the reward function, makes the reward stats (context.reward_sums)
+        reward_roles = [s.role for s in iface.out_slots if s.kind == "rewards"]
+        result.sums.update(reward_sums(call, iface.name, result, reward_roles, hi - lo))
+        if rpc.is_train and ctx.optimizer is not None:
+            result.globals.setdefault(f"{rpc.model_name}_lr", step_lr(ctx, 0))
         metas = []
         for role, key in out_keys.items():
             if role in result.outputs:
@@ -385,12 +396,13 @@ class ModelWorker:
                 self.store.put(key_of(key), iteration, lo, hi, tensors)
                 metas.append(protocol.OutputMeta(key=key_of(key), tensors=self.store.meta(key_of(key), iteration)))
         reporter = tp_rank == 0 and pp_rank == pp - 1
-        if evaluating and reporter and "rewards" in result.outputs:
+        scored = reward_roles[0] if reward_roles and reward_roles[0] in result.outputs else None
+        if evaluating and reporter and scored and "seq" in inputs:
             write_eval_samples(self.run_dir, iteration, self.rank, eval_batch, range(lo, hi), inputs["seq"],
-                               result.outputs["rewards"]["score"], self.tokenizer)
-        elif reporter and "rewards" in result.outputs and "seq" in inputs:
+                               result.outputs[scored]["score"], self.tokenizer)
+        elif reporter and scored and "seq" in inputs:
             self.sample_parts = self.samples.parts(iteration, range(lo, hi), in_keys["seq"], inputs["seq"],
-                                                   scores=result.outputs["rewards"]["score"])
+                                                   scores=result.outputs[scored]["score"])
         elif reporter and not evaluating and {"seq", "logp"} <= set(result.outputs):
             self.sample_parts = self.samples.parts(iteration, range(lo, hi), out_keys["seq"], result.outputs["seq"],
                                                    logp=result.outputs["logp"]["logp"])

@@ -28,7 +28,8 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from realloc.api import ExperimentSpec, InterfaceType
+from realloc.algorithms.registry import interfaces_of
+from realloc.api import ExperimentSpec, InterfaceType, ModelFunctionCallDef
 
 EVAL_SEED = 0x5EED  # eval prompt order: fixed, independent of the run's seed
 
@@ -101,12 +102,23 @@ def eval_calls(spec: ExperimentSpec) -> EvalCalls:
                          f"does)")
     train = next((r for r in spec.rpcs if r.model_name == gen.model_name and r.is_train), None)
     seq = gen.output_data[0] if gen.output_data else None
+    table = interfaces_of(spec)
+
+    def reward_key(r: ModelFunctionCallDef) -> str | None:
+        """The key a call writes as its reward (an output slot of kind ``rewards``), or None."""
+        found = table.get((r.interface_impl or "", r.interface_type))
+        if found is None:  # an unknown interface: the graph's check names it; go by the key's name
+            return next((k for k in r.output_data if "reward" in k), None)
+        return next((k for slot, k in zip(found.out_slots, r.output_data) if slot.kind == "rewards"), None)
+
     reward = next((r for r in spec.rpcs if seq in r.input_data and r.interface_type is InterfaceType.INFERENCE
-                   and any("reward" in k for k in r.output_data)), None)
+                   and reward_key(r) is not None), None)
     if train is None or reward is None:
         raise ValueError(f"experiment {spec.name!r}: evaluation needs the generating model's train step and a "
                          f"reward call reading {seq!r}")
-    return EvalCalls(gen.name, train.name, reward.name, next(k for k in reward.output_data if "reward" in k))
+    key = reward_key(reward)
+    assert key is not None
+    return EvalCalls(gen.name, train.name, reward.name, key)
 
 
 def write_eval_samples(run_dir: Path, t: int, rank: int, batch: int, ids: Sequence[int], seq: dict[str, Any],

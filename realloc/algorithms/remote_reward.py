@@ -1,0 +1,125 @@
+"""A reward service over HTTP (the ``remote_reward`` interface), with the standard library only.
+
+    interface_args={"url": "http://127.0.0.1:8000/score", "timeout": 30, "retries": 3, "concurrency": 4,
+                    "batch": 64}
+
+Each request is a POST of JSON ``{"prompts": [...], "responses": [...], "records": [...]}`` (decoded texts, or
+token id lists without a tokenizer; each prompt's dataset record) for up to ``batch`` sequences; the service
+answers ``{"scores": [...]}`` (``{"rewards": [...]}`` as OpenRLHF's ``--remote_rm_url`` servers do is accepted
+too), one number per sequence, in order. At most ``concurrency`` requests are in flight per worker. A request
+that times out after ``timeout`` seconds, cannot connect, or gets a 5xx or 429 answer is tried again, up to
+``retries`` more times with a doubling pause from ``backoff`` seconds; any other answer (4xx, malformed JSON,
+the wrong number of scores) fails at once. Either way the run stops with one error naming the URL.
+
+Data goes to the URL as JSON and only numbers come back: nothing received is executed. Point it at a service you
+trust, on a network you trust (the request carries the prompts and responses in clear text over ``http``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import socket
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any, Mapping, Sequence
+
+_RETRY_STATUS = {429, 500, 502, 503, 504}
+
+
+class RewardServiceError(RuntimeError):
+    """The reward service could not score a batch; the message names the URL and why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteReward:
+    url: str
+    timeout: float = 30.0
+    retries: int = 3
+    concurrency: int = 4
+    batch: int = 64
+    backoff: float = 0.5
+    headers: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, call: str, args: Mapping[str, Any]) -> "RemoteReward":
+        """The service of call ``call``'s ``interface_args``, checked (one ValueError naming the call and field)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(args) - known)
+        if unknown:
+            raise ValueError(f"call {call!r}: remote_reward does not know interface_args {unknown}; it takes "
+                             f"{', '.join(sorted(known))}")
+        url = args.get("url")
+        parsed = urllib.parse.urlparse(url) if isinstance(url, str) else None
+        if parsed is None or parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise ValueError(f"call {call!r}: remote_reward needs interface_args['url'], an http:// or https:// URL "
+                             f"of the reward service (e.g. 'http://127.0.0.1:8000/score'); got {url!r}")
+        for field, kind, low in (("timeout", (int, float), 0), ("backoff", (int, float), -1), ("retries", int, -1),
+                                 ("concurrency", int, 0), ("batch", int, 0)):
+            v = args.get(field, getattr(cls, field))
+            if isinstance(v, bool) or not isinstance(v, kind) or not v > low:
+                bound = "positive" if low == 0 else "zero or more"
+                raise ValueError(f"call {call!r}: remote_reward interface_args[{field!r}] must be {bound}, got {v!r}")
+        headers = args.get("headers", {})
+        if not isinstance(headers, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
+                                                       for k, v in headers.items()):
+            raise ValueError(f"call {call!r}: remote_reward interface_args['headers'] must map header names to "
+                             f"strings")
+        return cls(**{k: v for k, v in args.items() if k in known})
+
+    def score(self, prompts: Sequence[Any], responses: Sequence[Any], records: Sequence[Mapping[str, Any]]
+              ) -> list[float]:
+        """One score per sequence, in order: the batch split into requests of ``batch``, ``concurrency`` at a time."""
+        chunks = [range(i, min(i + self.batch, len(prompts))) for i in range(0, len(prompts), self.batch)]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+            futures = [pool.submit(self._request, {"prompts": [prompts[i] for i in c],
+                                                   "responses": [responses[i] for i in c],
+                                                   "records": [dict(records[i]) for i in c]}, len(c))
+                       for c in chunks]
+            return [s for f in futures for s in f.result()]
+
+    def _request(self, body: dict[str, Any], n: int) -> list[float]:
+        data = json.dumps(body).encode()
+        headers = {"Content-Type": "application/json", **self.headers}
+        pause, why = self.backoff, ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(pause)
+                pause *= 2
+            req = urllib.request.Request(self.url, data=data, headers=headers, method="POST")
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                    raw = resp.read()
+            except urllib.error.HTTPError as e:
+                detail = e.read(200).decode(errors="replace").strip()
+                why = f"HTTP {e.code} {e.reason}" + (f": {detail}" if detail else "")
+                if e.code in _RETRY_STATUS:
+                    continue
+                raise RewardServiceError(f"reward service {self.url} refused the request: {why}") from None
+            except (TimeoutError, socket.timeout):
+                why = f"no answer within timeout={self.timeout} s"
+                continue
+            except (urllib.error.URLError, ConnectionError, OSError) as e:
+                reason = getattr(e, "reason", e)
+                why = f"cannot connect ({reason})" if not isinstance(reason, (TimeoutError, socket.timeout)) \
+                    else f"no answer within timeout={self.timeout} s"
+                continue
+            return self._parse(raw, n)
+        raise RewardServiceError(f"reward service {self.url} failed {self.retries + 1} time(s): {why}; check that it "
+                                 f"is running and reachable, or raise interface_args 'timeout'/'retries'")
+
+    def _parse(self, raw: bytes, n: int) -> list[float]:
+        try:
+            got = json.loads(raw)
+        except ValueError:
+            raise RewardServiceError(f"reward service {self.url} answered with something other than JSON: "
+                                     f"{raw[:80]!r}") from None
+        scores = got.get("scores", got.get("rewards")) if isinstance(got, dict) else None
+        if (not isinstance(scores, list) or len(scores) != n
+                or not all(isinstance(s, (int, float)) and not isinstance(s, bool) for s in scores)):
+            raise RewardServiceError(f"reward service {self.url} must answer {{\"scores\": [{n} numbers]}} for "
+                                     f"{n} sequences; got {str(got)[:120]}")
+        return [float(s) for s in scores]

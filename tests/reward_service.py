@@ -1,0 +1,68 @@
+"""A reward service on loopback (stdlib http.server in a thread), for the remote-reward tests."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+import time
+
+
+class Service:
+    """Scores each response with ``score(response, record)`` (default: its number of tokens, token id lists in
+    the runs here, times the record's "weight"); the first ``slow`` requests sleep ``delay`` s first, the first
+    ``fail`` answer ``status``; it counts requests, their sizes and how many were in flight at once."""
+
+    def __init__(self, slow: int = 0, delay: float = 0.0, fail: int = 0, status: int = 503, score=None) -> None:
+        self.score = score or (lambda r, rec: len(r) * rec.get("weight", 1.0))
+        self.slow, self.delay, self.fail, self.status = slow, delay, fail, status
+        self.requests = 0
+        self.sizes: list[int] = []
+        self.active = self.max_active = 0
+        self.lock = threading.Lock()
+        service = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - http.server's name
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with service.lock:
+                    service.requests += 1
+                    n = service.requests
+                    service.active += 1
+                    service.max_active = max(service.max_active, service.active)
+                try:
+                    if n <= service.slow:
+                        time.sleep(service.delay)
+                    if n <= service.fail:
+                        self.send_error(service.status, "busy")
+                        return
+                    time.sleep(0.05)  # long enough for concurrent requests to overlap
+                    with service.lock:
+                        service.sizes.append(len(body["responses"]))
+                    scores = [service.score(r, rec) for r, rec in zip(body["responses"], body["records"])]
+                    out = json.dumps({"scores": scores}).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(out)))
+                    self.end_headers()
+                    self.wfile.write(out)
+                except (BrokenPipeError, ConnectionResetError):  # the client timed out and left
+                    pass
+                finally:
+                    with service.lock:
+                        service.active -= 1
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/score"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> "Service":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
