@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from realloc.algorithms.decoupled_config import check_decoupled
 from realloc.algorithms.interface import Interface
 from realloc.algorithms.losses import LOSS_NORMS
 from realloc.algorithms.train_config import TrainConfig
@@ -35,9 +36,14 @@ class CriticFreeConfig(TrainConfig):
     kl_coef: float = 0.04
     clip_eps: float = 0.2
     loss_norm: Literal["sequence", "token", "constant"] = "token"
+    # Asynchronous RL (README): the decoupled objective (``decoupled.py``, AReaL) clips the ratio against the
+    # parameters before this train step and weights it by their ratio to the generation's, capped.
+    decoupled: bool = False
+    behav_weight_cap: float | None = 5.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_decoupled(type(self).__name__, self.decoupled, self.behav_weight_cap)
         if self.loss_norm not in LOSS_NORMS:
             raise ValueError(f"{type(self).__name__}.loss_norm must be one of {', '.join(LOSS_NORMS)}, "
                              f"got {self.loss_norm!r}")

@@ -126,6 +126,10 @@ class SearchProblem:
     # Hosts of ``devices_per_node`` consecutive devices share ``cores_per_node`` CPU cores; 0: enough.
     devices_per_node: int = 0
     cores_per_node: float = 0.0
+    # Bounded staleness (csrc/problem.h): generation runs ``staleness`` iterations ahead; ``stale_calls`` are
+    # the generation calls of trained models (call indices), read only when staleness > 0.
+    staleness: int = 0
+    stale_calls: tuple[int, ...] = ()
 
     @property
     def host_size(self) -> int:
@@ -172,6 +176,8 @@ class SearchProblem:
             copy_pair_costs(p, table_id, t.known)
         p.set_edges(np.asarray(self.order_edges, np.int32).reshape(-1, 2),
                     np.asarray(self.carry_edges, np.int32).reshape(-1, 2))
+        if self.staleness:
+            p.set_staleness(self.staleness, np.asarray(self.stale_calls, np.int32))
         p.finalize()
         return p
 
