@@ -287,11 +287,14 @@ def device_memory(p: SearchProblem, plan: Sequence[int]) -> tuple[list[int], lis
         lo, hi, w = int(k.dev_lo[i]), int(k.dev_hi[i]), int(k.stage_width[i])
         home = p.model_home[p.call_model[c]]
         copy = c != home and int(k.layout[i]) != int(p.candidates[home].layout[int(plan[home])])
+        keep = copy and p.staleness > 0 and c in p.stale_calls  # generation's copy stays (bounded staleness)
         for x in range(lo, hi):
             stage = (x - lo) // w
             d = int(k.stage_memory(i, "dynamic")[stage])
             if c == home:
                 static[x] += int(k.stage_memory(i, "static")[stage])
+            elif keep:
+                static[x] += int(k.stage_memory(i, "param")[stage])
             elif copy:
                 d += int(k.stage_memory(i, "param")[stage])
             if d > dynamic[x]:

@@ -1,0 +1,119 @@
+"""Bounded staleness (issue 25): the unrolled graph, the plan's checks, and the master running generation ahead.
+
+The master is driven by fake workers (tests/fake_workers.py) that keep each rank's parameter versions as a
+real worker does: a train step adds one at home, a snapshot copies the version the schedule names (and the
+source ranks check that it is the version they hold), a generation reports the version of the copy it
+reads. The run's records then say how stale every iteration's samples were; they must be exactly
+min(t, eta) for the 0-based iteration t (generation of t uses the parameters after train step t - 1 - eta,
+or the first ones), never more than eta.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import threading
+
+import pytest
+
+from fake_workers import FakeWorkers
+from realloc.api import AutoConfig, load_experiment
+from realloc.graph.dataflow import build_graph
+from realloc.graph.plan import ExecutionPlan, validate_plan
+from realloc.runtime.control.master import Master
+from realloc.runtime.control.program import RuntimeProgram
+from realloc.runtime.inputs.run_config import RunConfig
+from realloc.runtime.records.run_paths import RunPaths
+from realloc.runtime.wire import protocol
+from run_helpers import DISJOINT, REPO, TINY
+
+GRPO = str(REPO / "experiments/grpo_tiny.py")
+SFT = str(REPO / "experiments/sft_tiny.py")
+
+
+def _spec(path: str = TINY, max_staleness: int = 2):
+    return dataclasses.replace(load_experiment(path), max_staleness=max_staleness)
+
+
+def test_unrolled_graph_waits_for_the_train_step_eta_iterations_back():
+    g = build_graph(_spec(GRPO))
+    assert g.stale_calls == {"actor_gen"}
+    sync = g.unroll(6)
+    assert set(g.unroll(6, staleness=0).edges) == set(sync.edges)
+    for eta in (1, 2):
+        u = g.unroll(6, staleness=eta)
+        for t in range(6):
+            gen_parents = {p for p in u.predecessors(("actor_gen", t)) if p[0] == "actor_train"}
+            assert gen_parents == ({("actor_train", t - 1 - eta)} if t - 1 - eta >= 0 else set())
+            # the train step that replaces version t waits for the generation reading it, eta iterations on
+            train_after = {p for p in u.predecessors(("actor_train", t)) if p[0] == "actor_gen"}
+            assert train_after == {("actor_gen", t)} | ({("actor_gen", t + eta)} if t + eta < 6 else set())
+        # the frozen models and the train step's own chain are as in the synchronous graph
+        assert ("actor_train", 0) in u.predecessors(("actor_train", 1))
+        assert set(u.predecessors(("ref_inf", 3))) == set(sync.predecessors(("ref_inf", 3)))
+
+
+def test_staleness_is_checked_against_the_experiment_and_the_graph():
+    spec = _spec(GRPO, max_staleness=1)
+    g = build_graph(spec)
+    plan = ExecutionPlan.by_hand(g, {c: ("localhost:0", 1, 1, 1, 1) for c in spec.call_names}, staleness=2)
+    with pytest.raises(ValueError, match=r"staleness 2.*at most 1.*max_staleness=2"):
+        validate_plan(plan, g)
+    sft = build_graph(_spec(SFT))
+    assert sft.staleness_error(0) is None
+    assert "needs a GENERATE call of a trained model" in sft.staleness_error(1)
+    with pytest.raises(ValueError, match="max_staleness must be an integer >= 0"):
+        AutoConfig("localhost", 8, max_staleness=-1)
+
+
+def _versions_play(errors: list[str]):
+    """reply_stats for FakeWorkers: each rank's home version (train steps it ran) and copy version."""
+    state: dict[int, dict[str, int]] = {}
+    lock = threading.Lock()
+
+    def stats(req, rank):
+        with lock:
+            st = state.setdefault(rank, {"home": 0, "copy": 0})
+            if isinstance(req, protocol.RunCall) and req.eval_batch < 0:
+                if req.call == "actor_train":
+                    st["home"] += 1
+                if req.call == "actor_gen" and rank == 0:
+                    return {"param_version": float(st["copy"])}
+            if isinstance(req, protocol.Reallocate) and req.version >= 0:
+                # actor_train runs on both devices: every rank is a source of the snapshot
+                if st["home"] != req.version:
+                    errors.append(f"rank {rank}: snapshot of version {req.version} while home holds {st['home']}")
+                st["copy"] = req.version
+            return {}
+    return stats
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2])
+def test_master_runs_generation_ahead_with_bounded_staleness(tmp_path, eta):
+    spec = _spec()
+    graph = build_graph(spec)
+    plan = ExecutionPlan.by_hand(graph, {c: (m, dp, 1, 1, 1) for c, (m, dp) in DISJOINT.items()}, staleness=eta)
+    program = RuntimeProgram(graph, plan)
+    # actor_gen has a layout of its own: at eta > 0 it reads a snapshot and the parameters stay at home
+    kinds = [(r.src_call, r.dst_call, r.snapshot) for r in program.reallocs("actor")]
+    assert kinds == ([("actor_train", "actor_gen", False), ("actor_gen", "actor_train", False)] if eta == 0
+                     else [("actor_train", "actor_gen", True)])
+    secret, errors, n = protocol.new_secret(), [], 10
+    master = Master(program, RunConfig.of(spec), RunPaths(tmp_path), "r1", secret, iterations=n,
+                    heartbeat_timeout=600.0)
+    assert master.window >= eta + 2
+    outputs = {c: list(graph.call(c).output_data) for c in graph.topo_order}
+    with FakeWorkers(f"tcp://127.0.0.1:{master.port}", secret, "r1", spec.cluster.n_devices, outputs,
+                     reply_stats=_versions_play(errors), delays={"call": 0.002}):
+        asyncio.run(master.run())
+    assert errors == []
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["iteration"] for m in metrics] == list(range(1, n + 1))
+    if eta == 0:
+        assert all("staleness" not in m for m in metrics)  # the synchronous records are unchanged
+        return
+    for t, m in enumerate(metrics):
+        st = m["staleness"]
+        assert st["versions"] == {"actor_gen": max(0, t - eta)}
+        assert st["max"] == st["mean"] == min(t, eta) <= eta
