@@ -17,7 +17,7 @@ import torch
 from realloc.algorithms import losses
 from realloc.algorithms.common import forward_batch, optimizer_step, response_columns
 from realloc.algorithms.context import CallContext, CallResult, Data, dp_all_reduce
-from realloc.algorithms.decoupled import decoupled_pg_loss
+from realloc.algorithms.decoupled import decoupled_pg_loss, proximal_logprobs
 from realloc.models.batch import split_batch
 
 Advantages = Callable[[CallContext, Data, torch.Tensor], torch.Tensor]  # (ctx, inputs, seq KL [n]) -> [n]
@@ -61,7 +61,7 @@ def _train(ctx: CallContext, inputs: Data, advantages: Advantages, kl_in_loss: b
     total_steps = ctx.schedule_steps
     lrs = [cfg.lr_at(cfg.lr, ctx.iteration * M + k, total_steps) for k in range(M)]
     sums = {"actor_loss": 0.0, "actor_clip_frac": 0.0, "approx_kl": 0.0, "k3_kl": 0.0}
-    prox = _proximal_logprobs(ctx, seq, mb_of_row) if cfg.decoupled else None
+    prox = proximal_logprobs(ctx, seq, mb_of_row) if cfg.decoupled else None
     if cfg.decoupled:
         sums.update(behav_weight=0.0, behav_capped=0.0)
     grad_norm = 0.0
@@ -86,7 +86,7 @@ def _train(ctx: CallContext, inputs: Data, advantages: Advantages, kl_in_loss: b
                                                   cfg.kl_coef)
             else:
                 # Before the first optimizer step the parameters are the proximal policy's: its log-probs are
-                # this forward's, with no pass of their own (later mini-batches use _proximal_logprobs').
+                # this forward's, with no pass of their own (later mini-batches use proximal_logprobs').
                 p = new.detach() if k == 0 else m["prox_logp"]
                 loss, st = decoupled_pg_loss(new, p, m["old_logp"], m["adv"], m["weights"], cfg.clip_eps,
                                              cfg.behav_weight_cap, ref, cfg.kl_coef)
@@ -108,25 +108,6 @@ def _train(ctx: CallContext, inputs: Data, advantages: Advantages, kl_in_loss: b
     if not kl_in_loss:
         del sums["k3_kl"]
     return CallResult({}, sums, {"actor_grad_norm": grad_norm, "actor_lr": lrs[0]})
-
-
-def _proximal_logprobs(ctx: CallContext, seq: Mapping[str, torch.Tensor], mb_of_row: torch.Tensor) -> torch.Tensor:
-    """[n, T] log-probs of the responses under the parameters before this train step (the decoupled
-    objective's proximal policy), for the rows of mini-batches 1.. (mini-batch 0 takes them from its own
-    forward); zeros elsewhere, and on pipeline stages other than the last (which computes no loss)."""
-    mask = seq["gen_mask"]
-    out = torch.zeros(mask.shape, dtype=torch.float32)
-    rows = torch.nonzero(mb_of_row != 0).view(-1)
-    if rows.numel() == 0:
-        return out
-    assert ctx.model is not None
-    part = {n: t[rows] for n, t in seq.items()}
-    with torch.no_grad():
-        lp = ctx.model.forward(forward_batch(part), n_mbs=min(ctx.n_mbs, rows.numel()), output="logprobs",
-                               temperature=ctx.config.temperature)
-    if lp is not None:
-        out[rows] = response_columns(lp.cpu(), part["prompt_lens"], part["gen_mask"]).to(out.dtype)
-    return out
 
 
 def grpo_train(ctx: CallContext, inputs: Data) -> CallResult:

@@ -17,8 +17,12 @@ token the behaviour policy found far less likely than the current policy cannot 
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import torch
 
+from realloc.algorithms.common import forward_batch, response_columns
+from realloc.algorithms.context import CallContext
 from realloc.algorithms.losses import k3_kl
 
 
@@ -49,3 +53,21 @@ def decoupled_pg_loss(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: t
                  "behav_capped": float(((raw > behav).to(weights.dtype) * valid * weights).sum())}
     return loss, stats
 
+
+def proximal_logprobs(ctx: CallContext, seq: Mapping[str, torch.Tensor], mb_of_row: torch.Tensor) -> torch.Tensor:
+    """[n, T] log-probs of the responses under the parameters before this train step (the decoupled
+    objective's proximal policy), for the rows of mini-batches 1.. (mini-batch 0 takes them from its own
+    forward); zeros elsewhere, and on pipeline stages other than the last (which computes no loss)."""
+    mask = seq["gen_mask"]
+    out = torch.zeros(mask.shape, dtype=torch.float32)
+    rows = torch.nonzero(mb_of_row != 0).view(-1)
+    if rows.numel() == 0:
+        return out
+    assert ctx.model is not None
+    part = {n: t[rows] for n, t in seq.items()}
+    with torch.no_grad():
+        lp = ctx.model.forward(forward_batch(part), n_mbs=min(ctx.n_mbs, rows.numel()), output="logprobs",
+                               temperature=ctx.config.temperature)
+    if lp is not None:
+        out[rows] = response_columns(lp.cpu(), part["prompt_lens"], part["gen_mask"]).to(out.dtype)
+    return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from realloc.algorithms.decoupled_config import check_decoupled
 from realloc.algorithms.train_config import LR_SCHEDULES, TrainConfig
 from realloc.calls import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef
 
@@ -24,6 +25,13 @@ class PPOConfig(TrainConfig):
     value_clip_eps: float = 0.2
     gamma: float = 1.0
     gae_lambda: float = 0.95
+    # Asynchronous RL (README): the decoupled actor objective (``decoupled.py``, AReaL).
+    decoupled: bool = False
+    behav_weight_cap: float | None = 5.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_decoupled(type(self).__name__, self.decoupled, self.behav_weight_cap)
 
 
 def ppo_rpcs(actor: str | None = None, critic: str | None = None, reward: str | None = None,

@@ -19,6 +19,7 @@ import torch
 from realloc.algorithms import ppo
 from realloc.algorithms.common import forward_batch, optimizer_step, response_columns
 from realloc.algorithms.context import CallContext, CallResult, Data, dp_all_reduce
+from realloc.algorithms.decoupled import decoupled_pg_loss, proximal_logprobs
 from realloc.models.batch import split_batch
 
 
@@ -62,6 +63,9 @@ def _train(ctx: CallContext, inputs: Data, actor: bool) -> CallResult:
     base_lr = cfg.lr if actor else cfg.critic_lr
     total_steps = ctx.schedule_steps
     lrs = [cfg.lr_at(base_lr, ctx.iteration * M + k, total_steps) for k in range(M)]
+    decoupled = actor and cfg.decoupled
+    prox = proximal_logprobs(ctx, ro.seq, torch.tensor([i % M for i in ctx.ids])) if decoupled else None
+    behav = [0.0, 0.0]  # the decoupled objective's importance weight and capped share, token means
     for k in range(M):
         for group in ctx.optimizer.param_groups:
             group["lr"] = lrs[k]
@@ -70,10 +74,23 @@ def _train(ctx: CallContext, inputs: Data, actor: bool) -> CallResult:
         mb = {**forward_batch({n: t[rows] for n, t in ro.seq.items()}),
               "prompt_lens": ro.seq["prompt_lens"][rows], "mask": ro.mask[rows], "old_logp": ro.old_logp[rows], "old_values": ro.old_values[rows],
               "advantages": ro.advantages[rows], "returns": ro.returns[rows]}
+        if prox is not None:
+            mb["prox_logp"] = prox[rows]
         parts: list[ppo.LossStats] = []
 
-        def loss_fn(head: Any, m: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-            if actor:
+        def loss_fn(head: Any, m: Mapping[str, torch.Tensor], k: int = k) -> tuple[torch.Tensor, dict[str, float]]:
+            if decoupled:
+                new = response_columns(head.logprobs(cfg.temperature), m["prompt_lens"], m["mask"])
+                # mini-batch 0 runs on the proximal parameters themselves (critic_free.py says why)
+                p = new.detach() if k == 0 else m["prox_logp"]
+                w = m["mask"].to(new.dtype) / n_tok
+                loss, d = decoupled_pg_loss(new, p, m["old_logp"], m["advantages"], w, cfg.clip_eps,
+                                            cfg.behav_weight_cap)
+                st = ppo.LossStats(loss_sum=d["loss"] * n_tok, clipped_tokens=d["clipped"] * n_tok,
+                                   approx_kl_sum=d["approx_kl"] * n_tok, n_tokens=float(m["mask"].sum()))
+                behav[0] += d["behav_weight"] / M
+                behav[1] += d["behav_capped"] / M
+            elif actor:
                 new = response_columns(head.logprobs(cfg.temperature), m["prompt_lens"], m["mask"])
                 loss, st = ppo.actor_loss(new, m["old_logp"], m["advantages"], m["mask"], cfg.clip_eps, n_tok)
             else:
@@ -94,6 +111,8 @@ def _train(ctx: CallContext, inputs: Data, actor: bool) -> CallResult:
         sums["approx_kl"] = approx_kl
         sums["kl"] = float(ro.kl.double().sum()) / ctx.batch_size  # per sequence, summed over its tokens
         sums["adv_abs_mean"] = float((ro.advantages.abs() * ro.mask).double().sum()) / max(sum(ro.n_tokens), 1.0)
+        if decoupled:
+            sums["behav_weight"], sums["behav_capped"] = behav
     else:
         sums["value_mean"] = float((ro.old_values * ro.mask).double().sum()) / max(sum(ro.n_tokens), 1.0)
         sums["return_mean"] = float((ro.returns * ro.mask).double().sum()) / max(sum(ro.n_tokens), 1.0)
