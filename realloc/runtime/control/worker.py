@@ -290,7 +290,10 @@ class ModelWorker:
                                         self.tokenizer, prog.generation_vocab_size(),
                                         RunPaths(self.run_dir).prompt_cache)
         ev = self.config.eval
-        if ev.every and self.rank in prog.calls[eval_calls(self.spec).train].ranks:  # evaluation generates there
+        ec = eval_calls(self.spec) if ev.every else None
+        # evaluation generates in the train step's layout; a reward reading the records (answers) needs them
+        # where the reward call runs, which a disaggregated plan puts elsewhere
+        if ec is not None and self.rank in set(prog.calls[ec.train].ranks) | set(prog.calls[ec.reward].ranks):
             self.eval_dataset = load_dataset("prompts", ev.dataset, self.spec, self.config, self.tokenizer,
                                              prog.generation_vocab_size(), RunPaths(self.run_dir).prompt_cache)
         if resume:
