@@ -117,3 +117,34 @@ def test_master_runs_generation_ahead_with_bounded_staleness(tmp_path, eta):
         st = m["staleness"]
         assert st["versions"] == {"actor_gen": max(0, t - eta)}
         assert st["max"] == st["mean"] == min(t, eta) <= eta
+
+
+def test_a_stop_while_generation_runs_ahead_ends_cleanly_with_a_checkpoint(tmp_path):
+    """A train step waits for a generation eta iterations later; a stopping run starts no more iterations,
+    so those waits are released and the iterations in flight finish, save and shut down (no hang)."""
+    import signal
+
+    from realloc.runtime.control.stop_signals import StopSignals
+
+    spec = _spec()
+    graph = build_graph(spec)
+    plan = ExecutionPlan.by_hand(graph, {c: (m, dp, 1, 1, 1) for c, (m, dp) in DISJOINT.items()}, staleness=2)
+    secret, errors = protocol.new_secret(), []
+
+    def stop_at_2(m: dict) -> None:
+        if m["iteration"] == 2:
+            master.request_stop(signal.SIGUSR1)
+
+    master = Master(RuntimeProgram(graph, plan), RunConfig.of(spec), RunPaths(tmp_path), "r1", secret,
+                    iterations=20, save_every=3, heartbeat_timeout=600.0, on_iteration=stop_at_2,
+                    stop_signals=StopSignals(signal.SIGUSR1, warning_lead=60.0))
+    outputs = {c: list(graph.call(c).output_data) for c in graph.topo_order}
+    with FakeWorkers(f"tcp://127.0.0.1:{master.port}", secret, "r1", spec.cluster.n_devices, outputs,
+                     reply_stats=_versions_play(errors), delays={"call": 0.01}) as workers:
+        asyncio.run(asyncio.wait_for(master.run(), 120))
+    assert errors == [] and workers.requests[-1] == "shutdown"
+    its = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    stop = master.stop
+    assert stop is not None and [m["iteration"] for m in its] == list(range(1, stop.after_iteration + 1))
+    assert 2 <= stop.after_iteration < 20 and all(m["staleness"]["max"] <= 2 for m in its)
+    assert stop.checkpoint is not None
