@@ -67,8 +67,9 @@ def test_staleness_is_checked_against_the_experiment_and_the_graph():
         AutoConfig("localhost", 8, max_staleness=-1)
 
 
-def _versions_play(errors: list[str]):
-    """reply_stats for FakeWorkers: each rank's home version (train steps it ran) and copy version."""
+def _versions_play(errors: list[str], in_place: bool = False):
+    """reply_stats for FakeWorkers: each rank's home version (train steps it ran) and copy version; a
+    generation in the train step's layout (``in_place``) reads home."""
     state: dict[int, dict[str, int]] = {}
     lock = threading.Lock()
 
@@ -79,7 +80,7 @@ def _versions_play(errors: list[str]):
                 if req.call == "actor_train":
                     st["home"] += 1
                 if req.call == "actor_gen" and rank == 0:
-                    return {"param_version": float(st["copy"])}
+                    return {"param_version": float(st["home" if in_place else "copy"])}
             if isinstance(req, protocol.Reallocate) and req.version >= 0:
                 # actor_train runs on both devices: every rank is a source of the snapshot
                 if st["home"] != req.version:
@@ -148,3 +149,22 @@ def test_a_stop_while_generation_runs_ahead_ends_cleanly_with_a_checkpoint(tmp_p
     assert stop is not None and [m["iteration"] for m in its] == list(range(1, stop.after_iteration + 1))
     assert 2 <= stop.after_iteration < 20 and all(m["staleness"]["max"] <= 2 for m in its)
     assert stop.checkpoint is not None
+
+
+def test_generation_in_the_train_layout_reads_home_in_place_in_order(tmp_path):
+    """Everything on one device: no snapshot; the train step of iteration s waits for the generation of
+    s + eta, which reads the parameters in place, so the versions are still exactly max(0, t - eta)."""
+    spec = _spec()
+    graph = build_graph(spec)
+    plan = ExecutionPlan.by_hand(graph, {c: ("localhost:0", 1, 1, 1, 1) for c in spec.call_names}, staleness=2)
+    program = RuntimeProgram(graph, plan)
+    assert program.snapshots("actor") == () and program.reallocs("actor") == ()
+    secret, errors = protocol.new_secret(), []
+    master = Master(program, RunConfig.of(spec), RunPaths(tmp_path), "r1", secret, iterations=8,
+                    heartbeat_timeout=600.0)
+    outputs = {c: list(graph.call(c).output_data) for c in graph.topo_order}
+    with FakeWorkers(f"tcp://127.0.0.1:{master.port}", secret, "r1", spec.cluster.n_devices, outputs,
+                     reply_stats=_versions_play(errors, in_place=True)):
+        asyncio.run(asyncio.wait_for(master.run(), 120))
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["staleness"]["versions"]["actor_gen"] for m in metrics] == [max(0, t - 2) for t in range(8)]
