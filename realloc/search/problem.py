@@ -9,7 +9,8 @@ memory sits on the layout of its *home* call (its first train call, else its fir
 call); every call adds its dynamic memory while it runs, plus a copy of the
 parameters when its layout differs from the home layout. A device's peak is its
 static memory plus the largest dynamic memory of the calls that run on it. Memory is
-given per pipeline stage, since stages hold different layers and activations.
+given per pipeline stage, since stages hold different layers and activations. With bounded staleness
+(``staleness`` > 0) a stale generation call's copy stays between its calls: static on its devices.
 
 Transfer costs between two layouts (parameter reallocation per model, from the layout of
 the model's previous call to the call's; data per data edge) are *pair costs*, priced
