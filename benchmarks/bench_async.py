@@ -4,12 +4,14 @@ The arithmetic GRPO task (experiments/arith_grpo.py: 32 prompts x 8 answers per 
 SFT checkpoint) on the local 2-device CPU cluster with a disaggregated plan: generation and the rule reward
 on device 0, the reference and the train step on device 1. Each staleness eta runs the same number of
 iterations with the same seed, one after the other in this one process, through ``realloc run``; eta > 0
-uses the decoupled objective (``grpo.decoupled``). The table gives the measured time per iteration (mean
-over the iterations after the first ``--warmup``), the estimator's figure for the same plan (the simulator
-of the run-ahead pipeline, ``PlanSpace.with_staleness``), both speed-ups over eta = 0, and the greedy
-exact match on the 128 held-out prompts after the last iteration (evaluated every 5 iterations).
+uses the decoupled objective (``grpo.decoupled``). With ``--rounds R`` the etas run in turn R times (0, 1, 2,
+0, 1, 2, ...), so that a change in the machine's load falls on all of them. The table gives the measured time
+per iteration (mean over the iterations after the first ``--warmup``; the median over rounds), the
+estimator's figure for the same plan (the simulator of the run-ahead pipeline, ``PlanSpace.with_staleness``),
+both speed-ups over eta = 0, and the greedy exact match on the 128 held-out prompts after the last iteration
+(evaluated every 5 iterations; the same in every round, which runs the same seed).
 
-    .venv/bin/python benchmarks/bench_async.py --iterations 20
+    .venv/bin/python benchmarks/bench_async.py --iterations 20 --rounds 2
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,11 +44,11 @@ def plan_of(eta: int, sets: list[str]) -> tuple[ExecutionPlan, float]:
     return plan, float(space.evaluate(space.indices_of(plan))["time"])
 
 
-def run(eta: int, iterations: int, base: Path) -> dict:
+def run(eta: int, iterations: int, base: Path, tag: str = "") -> dict:
     sets = [f"max_staleness={eta}", f"iterations={iterations}"] + (["grpo.decoupled=true"] if eta else [])
     plan, estimate = plan_of(eta, sets)
     plan.save(base / f"plan{eta}.json")
-    run_dir = base / f"eta{eta}"
+    run_dir = base / f"eta{eta}{tag}"
     cmd = [sys.executable, "-m", "realloc.cli", "run", EXPERIMENT, "--plan", str(base / f"plan{eta}.json"),
            "--run-dir", str(run_dir), "--iterations", str(iterations), "--quiet",
            *[a for s in sets for a in ("--set", s)]]
@@ -63,14 +66,24 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3, help="iterations left out of the mean time")
     ap.add_argument("--etas", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--rounds", type=int, default=1)
     args = ap.parse_args()
+    load0 = os.getloadavg()[0]
+    times: dict[int, list[float]] = {eta: [] for eta in args.etas}
+    res: dict[int, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp:
-        res = {eta: run(eta, args.iterations, Path(tmp)) for eta in args.etas}
-    meas = {eta: sum(m["iteration_time"] for m in r["metrics"][args.warmup:]) / (len(r["metrics"]) - args.warmup)
-            for eta, r in res.items()}
+        for k in range(args.rounds):
+            for eta in args.etas:
+                res_k = run(eta, args.iterations, Path(tmp), f"_{k}")
+                ms = res_k["metrics"][args.warmup:]
+                times[eta].append(sum(m["iteration_time"] for m in ms) / len(ms))
+                res.setdefault(eta, res_k)
+    meas = {eta: statistics.median(ts) for eta, ts in times.items()}
     b = args.etas[0]
     print(f"arith GRPO, {args.iterations} iterations, generation on device 0, training on device 1 "
-          f"(mean s/iteration after {args.warmup})")
+          f"(mean s/iteration after {args.warmup}, median of {args.rounds} round(s) "
+          f"{', '.join(f'{eta}: ' + '/'.join(f'{t:.3f}' for t in ts) for eta, ts in times.items())}); "
+          f"load average {load0:.1f} before, {os.getloadavg()[0]:.1f} after")
     print(f"{'eta':>4}{'measured s/it':>15}{'speed-up':>10}{'estimated s/it':>16}{'est. speed-up':>15}"
           f"{'max staleness':>15}{'held-out exact match':>22}")
     for eta, r in res.items():
