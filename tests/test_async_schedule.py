@@ -76,6 +76,8 @@ def _versions_play(errors: list[str], in_place: bool = False):
     def stats(req, rank):
         with lock:
             st = state.setdefault(rank, {"home": 0, "copy": 0})
+            if isinstance(req, protocol.Setup):  # a resumed run's parameters have start_iteration train steps
+                st["home"] = st["copy"] = req.start_iteration
             if isinstance(req, protocol.RunCall) and req.eval_batch < 0:
                 if req.call == "actor_train":
                     st["home"] += 1
@@ -168,3 +170,23 @@ def test_generation_in_the_train_layout_reads_home_in_place_in_order(tmp_path):
         asyncio.run(asyncio.wait_for(master.run(), 120))
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["staleness"]["versions"]["actor_gen"] for m in metrics] == [max(0, t - 2) for t in range(8)]
+
+
+def test_a_resumed_run_generates_its_first_iterations_from_the_resumed_parameters(tmp_path):
+    """Resumed at iteration 5 (0-based) with eta = 2: generations 5..7 use version 5 (nothing older exists),
+    then t - 2; staleness is never above eta, and the workers start counting at the resumed version."""
+    spec = _spec()
+    graph = build_graph(spec)
+    plan = ExecutionPlan.by_hand(graph, {c: (m, dp, 1, 1, 1) for c, (m, dp) in DISJOINT.items()}, staleness=2)
+    secret, errors = protocol.new_secret(), []
+    master = Master(RuntimeProgram(graph, plan), RunConfig.of(spec), RunPaths(tmp_path), "r1", secret,
+                    iterations=6, start_iteration=5, heartbeat_timeout=600.0)
+    outputs = {c: list(graph.call(c).output_data) for c in graph.topo_order}
+    with FakeWorkers(f"tcp://127.0.0.1:{master.port}", secret, "r1", spec.cluster.n_devices, outputs,
+                     reply_stats=_versions_play(errors)):
+        asyncio.run(asyncio.wait_for(master.run(), 120))
+    assert errors == []
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["iteration"] for m in metrics] == list(range(6, 12))
+    assert [m["staleness"]["versions"]["actor_gen"] for m in metrics] == [5, 5, 5, 6, 7, 8]
+    assert [m["staleness"]["max"] for m in metrics] == [0, 1, 2, 2, 2, 2]
