@@ -179,6 +179,18 @@ PYBIND11_MODULE(_C, m) {
                 p.finalized = false;
             },
             py::arg("order"), py::arg("carry"))
+        .def(
+            "set_staleness",
+            [](rl::Problem& p, int staleness, const Array<int32_t>& stale_calls) {
+                p.staleness = staleness;
+                p.stale.assign(p.n_calls(), 0);
+                for (int32_t c : to_vector(stale_calls, "stale_calls")) {
+                    if (c < 0 || c >= p.n_calls()) throw std::invalid_argument("stale call index out of range");
+                    p.stale[c] = 1;
+                }
+                p.finalized = false;
+            },
+            py::arg("staleness"), py::arg("stale_calls"))
         .def("finalize", &rl::Problem::finalize)
         .def_property_readonly("n_calls", &rl::Problem::n_calls)
         .def_property_readonly("n_nodes", &rl::Problem::n_nodes)

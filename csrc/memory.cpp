@@ -24,6 +24,8 @@ void Evaluator::check_memory(const int32_t* plan, Evaluation& ev) {
         const int i = plan[c];
         const int home = p_.model_home[p_.call_model[c]];
         mem_copy_[c] = c != home && k.layout[i] != p_.cands[home].layout[plan[home]];
+        // A stale call's copy (bounded staleness) stays between its calls: generation runs ahead on it.
+        mem_keep_[c] = mem_copy_[c] && p_.staleness > 0 && !p_.stale.empty() && p_.stale[c];
         next_of[c] = k.dev_lo[i];
         run[c] = k.run_offset[i];
         stat_of[c] = dyn_of[c] = 0;
@@ -47,8 +49,8 @@ void Evaluator::check_memory(const int32_t* plan, Evaluation& ev) {
                     const int64_t r = run[c]++;
                     const int64_t s = k.run_stage[r];
                     next_of[c] = r + 1 < k.run_offset[i + 1] ? k.run_device[r + 1] : k.dev_hi[i];
-                    stat_of[c] = mem_home_[c] ? k.mem_static[s] : 0;
-                    dyn_of[c] = k.mem_dynamic[s] + (mem_copy_[c] ? k.mem_param[s] : 0);
+                    stat_of[c] = mem_home_[c] ? k.mem_static[s] : mem_keep_[c] ? k.mem_param[s] : 0;
+                    dyn_of[c] = k.mem_dynamic[s] + (mem_copy_[c] && !mem_keep_[c] ? k.mem_param[s] : 0);
                 }
                 stat += stat_of[c];
             }
@@ -86,10 +88,11 @@ MemoryReport Evaluator::memory(const int32_t* plan) {
         for (int x = lo; x < hi; ++x) {
             const int64_t s = k.mem_offset[i] + (x - lo) / k.stage_width[i];
             int64_t d = k.mem_dynamic[s];
+            const bool keep = p_.staleness > 0 && !p_.stale.empty() && p_.stale[c];
             if (c == home)
                 r.device_static[x] += k.mem_static[s];
             else if (k.layout[i] != p_.cands[home].layout[plan[home]])
-                d += k.mem_param[s];
+                (keep ? r.device_static[x] : d) += k.mem_param[s];
             own[c][x] = d;
             dyn[x] = std::max(dyn[x], d);
         }

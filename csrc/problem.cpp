@@ -153,11 +153,26 @@ void Problem::finalize() {
     // the previous iteration: the runtime moves the parameters along the chain of calls, so a
     // generation layout costs a move there and one back), and one transfer node per incoming
     // data edge. This order is topological.
+    if (staleness < 0) fail("staleness must be >= 0");
+    if (!stale.empty() && static_cast<int>(stale.size()) != n) fail("stale needs one entry per call");
+    const bool async = staleness > 0 && !stale.empty();
+    auto is_stale = [&](int c) { return async && stale[c] != 0; };
+    // Each model's chain of reallocations: its calls, without the stale ones.
+    std::vector<std::vector<int>> chain(n_m);
+    for (int m = 0; m < n_m; ++m)
+        for (int c : model_calls[m])
+            if (!is_stale(c)) chain[m].push_back(c);
+    for (int c = 0; c < n; ++c)
+        if (is_stale(c)) {
+            const auto& fresh = chain[call_model[c]];
+            if (fresh.empty() || fresh.front() < c)
+                fail("call " + std::to_string(c) + ": a stale call must come before its model's other calls");
+        }
     iter_nodes.clear();
-    std::vector<int> call_pos(n), realloc_pos(n, -1), data_pos(data_edges.size());
+    std::vector<int> call_pos(n), realloc_pos(n, -1), snap_pos(n, -1), data_pos(data_edges.size());
     for (int c = 0; c < n; ++c) {
-        const auto& seq = model_calls[call_model[c]];
-        if (seq.size() > 1) {
+        const auto& seq = chain[call_model[c]];
+        if (!is_stale(c) && seq.size() > 1) {
             const auto at = std::find(seq.begin(), seq.end(), c);
             const int prev = at == seq.begin() ? seq.back() : *(at - 1);
             realloc_pos[c] = static_cast<int>(iter_nodes.size());
@@ -170,6 +185,10 @@ void Problem::finalize() {
             }
         call_pos[c] = static_cast<int>(iter_nodes.size());
         iter_nodes.push_back({NodeKind::kCall, c, -1, -1});
+        if (is_stale(c)) {
+            snap_pos[c] = static_cast<int>(iter_nodes.size());
+            iter_nodes.push_back({NodeKind::kRealloc, c, chain[call_model[c]].back(), call_model[c]});
+        }
     }
 
     const int per = static_cast<int>(iter_nodes.size());
@@ -182,7 +201,7 @@ void Problem::finalize() {
             // Parameters move after the model's previous call, e.g. after the train step that
             // produced the parameter version (realhf.txt §4: "consecutive function calls from the
             // same model ... across two consecutive iterations").
-            const auto& seq = model_calls[call_model[c]];
+            const auto& seq = chain[call_model[c]];
             const int i = static_cast<int>(std::find(seq.begin(), seq.end(), c) - seq.begin());
             const int r = base + realloc_pos[c];
             if (i > 0)
@@ -196,9 +215,23 @@ void Problem::finalize() {
             kids[base + call_pos[data_edges[e].src]].push_back(d);
             kids[d].push_back(base + call_pos[data_edges[e].dst]);
         }
-        for (const auto& e : order_edges) kids[base + call_pos[e[0]]].push_back(base + call_pos[e[1]]);
+        for (int c = 0; c < n; ++c) {
+            if (snap_pos[c] < 0) continue;
+            const auto& seq = chain[call_model[c]];
+            const int r = base + snap_pos[c];
+            if (t > 0) kids[base - per + call_pos[seq.back()]].push_back(r);
+            if (staleness == 1) kids[base + call_pos[c]].push_back(r);
+            if (t + staleness < n_iterations) kids[r].push_back(base + staleness * per + call_pos[c]);
+            const int first = seq.front();
+            kids[r].push_back(base + (realloc_pos[first] >= 0 ? realloc_pos[first] : call_pos[first]));
+        }
+        // A stale call's parameter edges (it before the train step; the train step before it in the next
+        // iteration) are the snapshot's above.
+        for (const auto& e : order_edges)
+            if (!is_stale(e[0])) kids[base + call_pos[e[0]]].push_back(base + call_pos[e[1]]);
         if (t + 1 < n_iterations)
-            for (const auto& e : carry_edges) kids[base + call_pos[e[0]]].push_back(base + per + call_pos[e[1]]);
+            for (const auto& e : carry_edges)
+                if (!is_stale(e[1])) kids[base + call_pos[e[0]]].push_back(base + per + call_pos[e[1]]);
     }
     child_start.assign(total + 1, 0);
     children.clear();

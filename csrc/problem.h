@@ -131,6 +131,14 @@ struct Problem {
     std::vector<std::array<int, 2>> carry_edges;  // (u at t, v at t+1): parameter versions
     std::vector<DataEdge> data_edges;             // (u, v) inside one iteration, with a transfer node
     std::vector<PairCosts> realloc;               // per model: home layout -> call layout
+    // Bounded staleness (asynchronous RL, issue 25): with staleness eta > 0 the calls marked in `stale`
+    // (generation of a trained model) leave their model's chain of reallocations. After each call c of them
+    // a snapshot node copies the parameters from the model's last non-stale call (its train step, home) to
+    // c's layout: after that train step of iteration t - 1, before the model's first non-stale node of
+    // iteration t changes them, for c of iteration t + eta (and, at eta = 1, once c of iteration t has
+    // read the previous copy). Empty or eta = 0: the synchronous graph.
+    int staleness = 0;
+    std::vector<uint8_t> stale;
     // Bumped whenever a pair cost or a provisional cost changes (bump_pair_costs), so that evaluators
     // drop the pair costs they cached from earlier evaluations.
     uint64_t pair_version = 0;

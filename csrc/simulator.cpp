@@ -80,6 +80,7 @@ Evaluator::Evaluator(const Problem& problem) : p_(problem) {
     mem_stat_.resize(n);
     mem_dyn_.resize(n);
     mem_copy_.resize(n);
+    mem_keep_.resize(n);
     mem_home_.resize(n);
     for (int c = 0; c < n; ++c) mem_home_[c] = c == p_.model_home[p_.call_model[c]];
     if (p_.shares_cores()) {

@@ -206,7 +206,7 @@ private:
     // per call while sweeping the device line for memory: next boundary, next run, static and dynamic bytes
     std::vector<int32_t> mem_next_;
     std::vector<int64_t> mem_run_, mem_stat_, mem_dyn_;
-    std::vector<uint8_t> mem_copy_, mem_home_;
+    std::vector<uint8_t> mem_copy_, mem_keep_, mem_home_;
 };
 
 }  // namespace rl

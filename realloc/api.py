@@ -67,25 +67,31 @@ class AutoConfig:
     gen_len: int = 1024
     dataset_keys: tuple[str, ...] = ("prompts",)
     cluster_overrides: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    max_staleness: int = 0
 
     def __post_init__(self) -> None:
         for field in ("batch_size", "prompt_len", "gen_len"):
             v = getattr(self, field)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"@auto: {field} must be a positive integer, got {v!r}")
+        v = self.max_staleness
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"@auto: max_staleness must be an integer >= 0 (0: synchronous RL), got {v!r}")
 
 
 def auto(nodelist: str, batch_size: int, n_devices_per_node: int | None = None, device: str = "cpu",
          prompt_len: int = 1024, gen_len: int = 1024, dataset_keys: Sequence[str] = ("prompts",),
-         **cluster_overrides: float) -> Callable[[type], type]:
+         max_staleness: int = 0, **cluster_overrides: float) -> Callable[[type], type]:
     """Mark a dataclass as a realloc experiment (realhf.txt Figure 5).
 
     ``prompt_len`` and ``gen_len`` give the workload shape the planner costs:
     generation extends each prompt by up to ``gen_len`` tokens, and every later
-    call sees ``prompt_len + gen_len`` tokens per sequence.
+    call sees ``prompt_len + gen_len`` tokens per sequence. ``max_staleness`` bounds
+    asynchronous RL: a plan may let generation run that many train steps ahead of
+    training (the search chooses how far, 0 to the bound; README, Asynchronous RL).
     """
     cfg = AutoConfig(nodelist, batch_size, n_devices_per_node, device, prompt_len, gen_len, tuple(dataset_keys),
-                     dict(cluster_overrides))
+                     dict(cluster_overrides), max_staleness)
 
     def wrap(cls: type) -> type:
         if not dataclasses.is_dataclass(cls):
@@ -113,6 +119,8 @@ class ExperimentSpec:
     source: str = ""
     # model name -> checkpoint, paths resolved against the experiment file (the ``models`` field).
     models: Mapping[str, HFModel] = dataclasses.field(default_factory=dict)
+    # How many train steps generation may run ahead of training (a plan's ``staleness`` is at most this).
+    max_staleness: int = 0
 
     def resolve_path(self, path: str | Path) -> Path:
         """A user path: absolute, or relative to the experiment file (to the working directory for a module)."""
@@ -178,7 +186,7 @@ def experiment_spec(experiment: Any, source: str = "", auto_config: AutoConfig |
     cluster = ClusterSpec.from_nodelist(cfg.nodelist, cfg.n_devices_per_node, cfg.device, **cfg.cluster_overrides)
     spec = ExperimentSpec(name=cls.__name__, rpcs=tuple(rpcs), cluster=cluster, batch_size=cfg.batch_size,
                           prompt_len=cfg.prompt_len, gen_len=cfg.gen_len, dataset_keys=cfg.dataset_keys,
-                          config=instance, source=source)
+                          config=instance, source=source, max_staleness=cfg.max_staleness)
 
     return dataclasses.replace(spec, rpcs=resolve_minibatches(spec),
                                models=_checkpoint_models(spec, getattr(instance, "models", None)))

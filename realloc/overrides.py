@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 from realloc.api import AUTO_ATTR, ExperimentSpec, experiment_spec, load_experiment
 
-WORKLOAD_FIELDS = ("batch_size", "prompt_len", "gen_len")  # of @auto; the rest of @auto is the cluster
+WORKLOAD_FIELDS = ("batch_size", "prompt_len", "gen_len", "max_staleness")  # of @auto; the rest is the cluster
 
 
 def load_with_overrides(target: str, sets: Sequence[str] = ()) -> ExperimentSpec:

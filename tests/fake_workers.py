@@ -5,7 +5,8 @@ Each rank answers every request at once with success. A call's reply carries a o
 key of the call (what the master needs to plan the transfers), plus any sample-log parts ``samples(call,
 iteration, rank)`` returns. ``delays`` (request type -> seconds) makes some requests slow, e.g. saves;
 ``held(request, rank)`` -> seconds holds a request's reply that long while the rank answers later requests
-(replies out of order, as a master on slow links or busy devices can see them).
+(replies out of order, as a master on slow links or busy devices can see them). ``reply_stats(request, rank)``
+adds stats to a reply (e.g. the parameter version a generation reports under bounded staleness).
 """
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ Held = Callable[[Any, int], float]  # (request message, rank) -> seconds
 class FakeWorkers:
     def __init__(self, endpoint: str, secret: bytes, run_id: str, n_workers: int, outputs: dict[str, list[str]],
                  samples: SampleParts = lambda call, t, rank: [], delays: dict[str, float] | None = None,
-                 held: Held = lambda req, rank: 0.0) -> None:
+                 held: Held = lambda req, rank: 0.0,
+                 reply_stats: Callable[[Any, int], dict[str, float]] = lambda req, rank: {}) -> None:
         self.ctx = zmq.Context()
         self.delays = delays or {}
         self.held = held
         self.outputs = outputs
         self.samples = samples
+        self.reply_stats = reply_stats  # (request, rank) -> extra stats of the reply (answered in order per rank)
         self.requests: list[str] = []  # kinds received by rank 0, in order
         self.threads = [threading.Thread(target=self._serve, args=(endpoint, secret, run_id, r), daemon=True)
                         for r in range(n_workers)]
@@ -88,6 +91,7 @@ class FakeWorkers:
                         stats = {"score_sum": 0.5, "n_seqs_scored": 1.0}
                     outputs = [protocol.OutputMeta(key=k, tensors=meta) for k in keys]
                     samples = self.samples(req.call, req.iteration, rank)
+                stats = {**stats, **self.reply_stats(req, rank)}
                 time.sleep(self.delays.get(req.type, 0.0))
                 reply = protocol.Reply(req=req.req, rank=rank, ok=True, outputs=outputs, samples=samples,
                                        stats=stats)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from realloc.algorithms.decoupled_config import check_decoupled
 from realloc.algorithms.train_config import TrainConfig
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -23,10 +24,15 @@ class PGLossConfig(TrainConfig):
     entropy_coef: float = 0.0
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     kl_placement: Literal["reward", "loss"] = "reward"
+    # Asynchronous RL (README): the decoupled objective (``decoupled.py``, AReaL) clips the ratio against the
+    # parameters before this train step and weights it by their ratio to the generation's, capped.
+    decoupled: bool = False
+    behav_weight_cap: float | None = 5.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         name = type(self).__name__
+        check_decoupled(name, self.decoupled, self.behav_weight_cap)
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"{name}.kl_estimator must be one of {', '.join(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
         if self.kl_placement not in KL_PLACEMENTS:

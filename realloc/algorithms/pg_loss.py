@@ -76,7 +76,8 @@ def _surrogate(ratio: torch.Tensor, adv: torch.Tensor, opts: LossOptions) -> tup
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, weights: torch.Tensor,
                 mask: torch.Tensor, opts: LossOptions, ref_logp: torch.Tensor | None = None,
-                entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                entropy: torch.Tensor | None = None, prox_logp: torch.Tensor | None = None,
+                behav_cap: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped policy-gradient loss with its options; ``adv`` [n, T] per token.
 
     Token ratio (PPO): ``sum_t w_t [surrogate(r_t, A_t) + kl_coef k_t - entropy_coef H_t]`` with
@@ -85,24 +86,36 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, w
     tokens, one surrogate per response ``surrogate(s_i, A_i)`` weighted by ``sum_t w_t`` (A_i: the response's
     advantage, constant over its tokens), plus the per-token KL and entropy terms.
 
+    Decoupled (``prox_logp`` given; AReaL, ``decoupled.py``): the ratio is taken against the proximal policy
+    ``prox_logp`` instead of ``old_logp`` (the behaviour policy that sampled), and each surrogate is weighted by
+    ``min(pi_prox / pi_behav, behav_cap)`` (per token, or per response under the sequence ratio); with
+    ``prox_logp == old_logp`` the weight is 1 and the loss is the plain one, bit for bit.
+
     Stats are weighted sums (means once divided by the total weight): loss, clipped, dual_clipped, approx_kl,
-    kl (the loss's KL term, when it has one), entropy (when it has a bonus).
+    kl (the loss's KL term, when it has one), entropy (when it has a bonus), behav_weight and behav_capped
+    (decoupled: the mean weight after the cap, and the share the cap cut).
     """
     maskf = mask.to(logp.dtype)
-    log_ratio = (logp - old_logp) * maskf
+    anchor = old_logp if prox_logp is None else prox_logp
+    log_ratio = (logp - anchor) * maskf
+    behav_log = None if prox_logp is None else ((prox_logp - old_logp) * maskf).detach()
+    stats = {}
     if opts.sequence_ratio:
         n_tok = maskf.sum(dim=1).clamp(min=1.0)
         seq_ratio = torch.exp(log_ratio.sum(dim=1) / n_tok)
         seq_adv = (adv * maskf).sum(dim=1) / n_tok
         seq_w = weights.sum(dim=1)
         surr, was_clipped, dual = _surrogate(seq_ratio, seq_adv, opts)
+        if behav_log is not None:
+            surr = surr * _behaviour_weight(torch.exp(behav_log.sum(dim=1) / n_tok), behav_cap, seq_w, stats)
         loss = (surr * seq_w).sum()
         clip_w, dual_w = (was_clipped.to(weights.dtype) * seq_w).sum(), (dual.to(weights.dtype) * seq_w).sum()
     else:
         surr, was_clipped, dual = _surrogate(torch.exp(log_ratio), adv, opts)
+        if behav_log is not None:
+            surr = surr * _behaviour_weight(torch.exp(behav_log), behav_cap, weights, stats)
         loss = (surr * weights).sum()
         clip_w, dual_w = (was_clipped.to(weights.dtype) * weights).sum(), (dual.to(weights.dtype) * weights).sum()
-    stats = {}
     if opts.kl_coef and ref_logp is not None:
         kl = kl_estimate(logp, ref_logp, opts.kl_estimator)
         loss = loss + opts.kl_coef * (kl * weights).sum()
@@ -112,5 +125,14 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, w
         stats["entropy"] = float((entropy.detach() * weights).sum())
     with torch.no_grad():
         stats.update({"loss": float(loss), "clipped": float(clip_w), "dual_clipped": float(dual_w),
-                      "approx_kl": float(((old_logp - logp) * weights).sum())})
+                      "approx_kl": float(((anchor - logp) * weights).sum())})
     return loss, stats
+
+
+def _behaviour_weight(raw: torch.Tensor, cap: float | None, weights: torch.Tensor,
+                      stats: dict[str, float]) -> torch.Tensor:
+    """``min(raw, cap)`` (truncated importance sampling, AReaL's ``behav_imp_weight_cap``), its stats added."""
+    w = raw.clamp(max=cap) if cap is not None else raw
+    stats["behav_weight"] = float((w * weights).sum())
+    stats["behav_capped"] = float(((raw > w).to(weights.dtype) * (weights > 0).to(weights.dtype) * weights).sum())
+    return w

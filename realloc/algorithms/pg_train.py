@@ -17,6 +17,7 @@ import torch
 from realloc.algorithms import losses, pg_loss
 from realloc.algorithms.common import forward_batch, optimizer_step, response_columns
 from realloc.algorithms.context import CallContext, Data, dp_all_reduce
+from realloc.algorithms.decoupled import proximal_logprobs
 from realloc.models.batch import split_batch
 
 
@@ -57,8 +58,11 @@ def policy_steps(ctx: CallContext, inputs: Data, adv: torch.Tensor, position: to
     lrs = [cfg.lr_at(cfg.lr, ctx.iteration * M + k, ctx.schedule_steps) for k in range(M)]
     opts = pg_loss.loss_options(cfg, sequence_ratio=sequence_ratio)
     want_entropy = opts.entropy_coef > 0
+    # decoupled objective: the log-probs under the parameters before this step, for mini-batches 1.. (0 runs on them)
+    prox = proximal_logprobs(ctx, seq, mb_of_row) if cfg.decoupled else None
     sums: dict[str, float] = {}
     grad_norm = 0.0
+    first = next((k for k in range(M) if counts[k, 1] > 0), 0)  # the first mini-batch that steps
     for k in range(M):
         if counts[k, 1] == 0:  # nothing to train on anywhere (dynamic sampling dropped it all): no step, not an
             continue           # Adam step of zero gradient that would still move the weights by its momentum
@@ -70,13 +74,18 @@ def policy_steps(ctx: CallContext, inputs: Data, adv: torch.Tensor, position: to
         mb = {**forward_batch({n: t[rows] for n, t in seq.items()}), "prompt_lens": seq["prompt_lens"][rows],
               "mask": mask[rows], "old_logp": logp[rows], "ref_logp": ref_logp[rows], "adv": adv[rows],
               "weights": weights}
+        if prox is not None:
+            mb["prox_logp"] = prox[rows]
         parts: list[dict[str, float]] = []
 
-        def loss_fn(head: Any, m: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        def loss_fn(head: Any, m: Mapping[str, torch.Tensor], k: int = k) -> tuple[torch.Tensor, dict[str, float]]:
             new = response_columns(head.logprobs(cfg.temperature), m["prompt_lens"], m["mask"])
             ent = response_columns(head.entropy(cfg.temperature), m["prompt_lens"], m["mask"]) if want_entropy else None
+            # before the first optimizer step the parameters are the proximal policy's: this forward's log-probs
+            p = None if prox is None else (new.detach() if k == first else m["prox_logp"])
             loss, st = pg_loss.policy_loss(new, m["old_logp"], m["adv"], m["weights"], m["mask"], opts,
-                                           ref_logp=m["ref_logp"], entropy=ent)
+                                           ref_logp=m["ref_logp"], entropy=ent, prox_logp=p,
+                                           behav_cap=cfg.behav_weight_cap)
             parts.append(st)
             return loss, {}
 
@@ -98,4 +107,6 @@ def actor_sums(steps: StepsResult, cfg: pg_loss.PGLossConfig) -> dict[str, float
         out[f"{cfg.kl_estimator}_kl"] = s.get("kl", 0.0)
     if cfg.entropy_coef:
         out["entropy"] = s.get("entropy", 0.0)
+    if cfg.decoupled:
+        out["behav_weight"], out["behav_capped"] = s.get("behav_weight", 0.0), s.get("behav_capped", 0.0)
     return out

@@ -19,6 +19,7 @@ import torch
 from realloc.algorithms import pg_loss, ppo
 from realloc.algorithms.common import forward_batch, optimizer_step, response_columns
 from realloc.algorithms.context import CallContext, CallResult, Data, dp_all_reduce
+from realloc.algorithms.decoupled import proximal_logprobs
 from realloc.models.batch import split_batch
 
 
@@ -66,6 +67,8 @@ def _train(ctx: CallContext, inputs: Data, actor: bool) -> CallResult:
     base_lr = cfg.lr if actor else cfg.critic_lr
     total_steps = ctx.schedule_steps
     lrs = [cfg.lr_at(base_lr, ctx.iteration * M + k, total_steps) for k in range(M)]
+    decoupled = actor and cfg.decoupled
+    prox = proximal_logprobs(ctx, ro.seq, torch.tensor([i % M for i in ctx.ids])) if decoupled else None
     for k in range(M):
         for group in ctx.optimizer.param_groups:
             group["lr"] = lrs[k]
@@ -74,11 +77,14 @@ def _train(ctx: CallContext, inputs: Data, actor: bool) -> CallResult:
         mb = {**forward_batch({n: t[rows] for n, t in ro.seq.items()}),
               "prompt_lens": ro.seq["prompt_lens"][rows], "mask": ro.mask[rows], "old_logp": ro.old_logp[rows], "old_values": ro.old_values[rows],
               "advantages": ro.advantages[rows], "returns": ro.returns[rows], "ref_logp": ro.ref_logp[rows]}
+        if prox is not None:
+            mb["prox_logp"] = prox[rows]
         parts: list[ppo.LossStats] = []
 
-        def loss_fn(head: Any, m: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        def loss_fn(head: Any, m: Mapping[str, torch.Tensor], k: int = k) -> tuple[torch.Tensor, dict[str, float]]:
             if actor:
-                loss, st = _actor_loss(head, m, cfg, n_tok, extra)
+                # decoupled: mini-batch 0 runs on the proximal parameters themselves (pg_train.py says why)
+                loss, st = _actor_loss(head, m, cfg, n_tok, extra, proximal=None if prox is None else k > 0)
             else:
                 new = response_columns(head.values, m["prompt_lens"], m["mask"], shift=-1)
                 loss, st = ppo.critic_loss(new, m["old_values"], m["returns"], m["mask"], cfg.value_clip_eps, n_tok)
@@ -104,16 +110,19 @@ def _train(ctx: CallContext, inputs: Data, actor: bool) -> CallResult:
     return CallResult({}, sums, {f"{prefix}_grad_norm": grad_norm, f"{prefix}_lr": lrs[0]})
 
 
-def _actor_loss(head: Any, m: Mapping[str, torch.Tensor], cfg: Any, n_tok: float,
-                extra: dict[str, float]) -> tuple[torch.Tensor, ppo.LossStats]:
+def _actor_loss(head: Any, m: Mapping[str, torch.Tensor], cfg: Any, n_tok: float, extra: dict[str, float],
+                proximal: bool | None = None) -> tuple[torch.Tensor, ppo.LossStats]:
     """The clipped surrogate with the loss options (``pg_loss.py``: clip-higher, dual clip, entropy bonus, the KL
     in the loss), over the mini-batch's ``n_tok`` tokens; the options' stats are added to ``extra``."""
     opts = pg_loss.loss_options(cfg)
     new = response_columns(head.logprobs(cfg.temperature), m["prompt_lens"], m["mask"])
     ent = response_columns(head.entropy(cfg.temperature), m["prompt_lens"], m["mask"]) if opts.entropy_coef else None
+    # decoupled (``proximal`` not None): the proximal log-probs are this forward's (mini-batch 0) or m's
+    prox = None if proximal is None else (m["prox_logp"] if proximal else new.detach())
     loss, st = pg_loss.policy_loss(new, m["old_logp"], m["advantages"], m["mask"].to(new.dtype) / n_tok, m["mask"],
-                                   opts, ref_logp=m["ref_logp"], entropy=ent)
-    for k in ("kl", "entropy", "dual_clipped"):
+                                   opts, ref_logp=m["ref_logp"], entropy=ent, prox_logp=prox,
+                                   behav_cap=cfg.behav_weight_cap)
+    for k in ("kl", "entropy", "dual_clipped", "behav_weight", "behav_capped"):
         if k in st:
             extra[k] = extra.get(k, 0.0) + st[k]
     return loss, ppo.LossStats(loss_sum=st["loss"] * n_tok, clipped_tokens=st["clipped"] * n_tok,
@@ -128,6 +137,9 @@ def _option_sums(extra: dict[str, float], cfg: Any, M: int) -> dict[str, float]:
         out[f"{cfg.kl_estimator}_kl"] = extra.get("kl", 0.0) / M
     if cfg.entropy_coef:
         out["entropy"] = extra.get("entropy", 0.0) / M
+    if cfg.decoupled:
+        out["behav_weight"] = extra.get("behav_weight", 0.0) / M
+        out["behav_capped"] = extra.get("behav_capped", 0.0) / M
     return out
 
 

@@ -5,6 +5,12 @@ Edges (realhf.txt section 4, Figure 4):
 - parameter version: a model's train step waits for every call that reads the
   version it is about to replace, and in the next iteration those calls wait
   for that train step ("carry" edges, which cross an iteration boundary).
+
+Bounded staleness eta (asynchronous RL, issue 25; AReaL, Fu et al. 2025): the generation calls of a
+trained model (``stale_calls``) may use parameters up to eta train steps old. In the unrolled graph a
+stale call of iteration t waits for the train step of iteration t - 1 - eta instead of t - 1, and the
+train step of iteration t - eta waits for it (it must not replace the version the call reads). eta = 0
+is the synchronous graph.
 """
 
 from __future__ import annotations
@@ -140,19 +146,62 @@ class DataflowGraph:
             body["lora"] = lora
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
-    def unroll(self, n_iterations: int) -> nx.DiGraph:
-        """The concatenated graph of ``n_iterations`` iterations; nodes are (call, iteration)."""
+    @cached_property
+    def stale_calls(self) -> frozenset[str]:
+        """The calls that may read an old parameter version under bounded staleness: the GENERATE calls of
+        trained models (the responses the train steps learn from)."""
+        trained = {r.model_name for r in self.calls if r.is_train}
+        return frozenset(r.name for r in self.calls if r.interface_type.value == "generate" and r.model_name in trained)
+
+    def first_train(self, model: str) -> str:
+        """The model's first TRAIN_STEP call in an iteration: what replaces the version its readers read."""
+        return next(c for c in self.topo_order if self.call(c).model_name == model and self.call(c).is_train)
+
+    def staleness_error(self, staleness: int) -> str | None:
+        """Why this graph cannot run with generation ``staleness`` train steps ahead; None if it can.
+
+        A stale call must come before every other call of its model in an iteration: the others read the
+        current version, and the stale call's snapshot of the parameters is taken before they change it."""
+        if staleness == 0:
+            return None
+        if not self.stale_calls:
+            return (f"staleness {staleness} needs a GENERATE call of a trained model (generation running ahead "
+                    f"of training), and experiment {self.spec.name!r} has none; use staleness 0")
+        order = {c: i for i, c in enumerate(self.topo_order)}
+        for c in sorted(self.stale_calls, key=order.__getitem__):
+            model = self.call(c).model_name
+            fresh = [x for x in self.calls_of_model(model) if x not in self.stale_calls]
+            early = [x for x in fresh if order[x] < order[c]]
+            if early:
+                return (f"staleness {staleness}: call {early[0]!r} reads model {model!r} before its generation "
+                        f"call {c!r} in an iteration; generation must come first among a model's calls to run "
+                        f"ahead (make {early[0]!r} read {c!r}'s output, or use staleness 0)")
+        return None
+
+    def unroll(self, n_iterations: int, staleness: int = 0) -> nx.DiGraph:
+        """The concatenated graph of ``n_iterations`` iterations; nodes are (call, iteration). With
+        ``staleness`` eta > 0 a stale call of iteration t waits for the train step of t - 1 - eta, and that
+        model's first train step of iteration t - eta waits for it (the module docstring)."""
         if n_iterations < 1:
             raise ValueError(f"n_iterations must be at least 1, got {n_iterations}")
+        why = self.staleness_error(staleness)
+        if why:
+            raise ValueError(why)
         g = nx.DiGraph()
         for t in range(n_iterations):
             for n, attrs in self.graph.nodes(data=True):
                 g.add_node((n, t), **attrs)
             for u, v, attrs in self.graph.edges(data=True):
-                g.add_edge((u, t), (v, t), **attrs)
-            if t:
-                for u, v in self.carry_edges:
-                    g.add_edge((u, t - 1), (v, t), kind=PARAM, keys=())
+                if not (staleness and u in self.stale_calls and attrs["kind"] == PARAM):
+                    g.add_edge((u, t), (v, t), **attrs)
+            if staleness and t - staleness >= 0:  # the write-after-read edge moves back eta iterations
+                for u in self.stale_calls:
+                    g.add_edge((u, t), (self.first_train(self.call(u).model_name), t - staleness), kind=PARAM,
+                               keys=())
+            for u, v in self.carry_edges:
+                lag = 1 + staleness if v in self.stale_calls else 1
+                if t - lag >= 0:
+                    g.add_edge((u, t - lag), (v, t), kind=PARAM, keys=())
         return g
 
     def describe(self) -> str:

@@ -53,6 +53,9 @@ class ExecutionPlan(BaseModel):
     # model_name -> keep a frozen model's parameters in host memory between its calls
     offload: dict[str, bool] = Field(default_factory=dict)
     source: str = "manual"
+    # Bounded staleness eta (asynchronous RL): generation of iteration t uses the parameters after the train
+    # step of iteration t - 1 - eta (README, Asynchronous RL). 0: synchronous.
+    staleness: int = Field(default=0, ge=0)
     estimated_time: float | None = None  # seconds per iteration, steady state
     estimated_peak_memory: int | None = None  # bytes, the most loaded device
     call_times: dict[str, float] = Field(default_factory=dict)  # seconds, standalone estimate per call
@@ -61,7 +64,7 @@ class ExecutionPlan(BaseModel):
     @classmethod
     def by_hand(cls, graph: "DataflowGraph", placements: Mapping[str, "tuple[str, int, int, int, int] | CallPlacement"],
                 *, recompute: Iterable[str] = (), offload: Mapping[str, bool] | None = None,
-                source: str = "manual") -> "ExecutionPlan":
+                source: str = "manual", staleness: int = 0) -> "ExecutionPlan":
         """A plan written in Python: call -> (mesh, dp, tp, pp, n_mbs) or a CallPlacement; ``recompute`` names
         the train calls that recompute activations. Check it with ``validate_plan`` (the runtime does)."""
         spec, redo = graph.spec, set(recompute)
@@ -70,7 +73,7 @@ class ExecutionPlan(BaseModel):
                   for c, p in placements.items()}
         return cls(experiment=spec.name, graph_digest=graph.digest, nodelist=spec.cluster.nodelist,
                    n_devices_per_node=spec.cluster.n_devices_per_node, device=spec.cluster.device,
-                   placements=places, offload=dict(offload or {}), source=source)
+                   placements=places, offload=dict(offload or {}), source=source, staleness=staleness)
 
     # -- serialization -------------------------------------------------------
     def to_json(self) -> str:
@@ -123,6 +126,8 @@ class ExecutionPlan(BaseModel):
             m = self.call_memory.get(n)
             rows.append(f"{n:<{cw}}{p.mesh:<{mw}}{p.dp:>4}{p.tp:>4}{p.pp:>4}{p.n_mbs:>5}{'yes' if p.recompute else '-':>8}"
                         f"{'' if t is None else f'{t:.3f}':>10}{'' if m is None else f'{m / 2**30:.2f}':>10}")
+        if self.staleness:
+            rows.append(f"staleness: generation runs up to {self.staleness} train step(s) ahead")
         if self.estimated_time is not None:
             rows.append(f"estimated time per iteration: {self.estimated_time:.3f} s")
         return "\n".join(rows)
@@ -144,6 +149,13 @@ def validate_plan(plan: ExecutionPlan, graph: "DataflowGraph") -> dict[str, Devi
     if plan.graph_digest != graph.digest:
         raise ValueError(f"plan was made for a different version of experiment {spec.name!r} (graph digest "
                          f"{plan.graph_digest} != {graph.digest}); search again")
+    if plan.staleness > spec.max_staleness:
+        raise ValueError(f"plan has staleness {plan.staleness}, but experiment {spec.name!r} allows at most "
+                         f"{spec.max_staleness}; set @auto(max_staleness={plan.staleness}) (or --set "
+                         f"max_staleness={plan.staleness}), or use a plan of staleness <= {spec.max_staleness}")
+    why = graph.staleness_error(plan.staleness)
+    if why:
+        raise ValueError(f"plan: {why}")
     for model in plan.offload:
         if model not in graph.model_types:
             raise ValueError(f"plan offloads model {model!r}, which the experiment does not have")

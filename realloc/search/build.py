@@ -32,6 +32,9 @@ Layout = tuple[DeviceMesh, ParallelStrategy]
 # realhf.txt §4 unrolls the graph over iterations; 4 gives a steady state (T_4 - T_1) / 3
 # even when calls of consecutive iterations overlap.
 DEFAULT_ITERATIONS = 4
+# Iterations simulated per unit of staleness on top: generation running ahead starts on the first parameters
+# for eta iterations, a transient that (T_K - T_1) / (K - 1) spreads over K - 1 iterations.
+ASYNC_EXTRA_ITERATIONS = 3
 # Priced pairs a table needs before its median stands in for unpriced ones.
 PROVISIONAL_MIN_KNOWN = 5
 # realhf.txt §5.2: "alpha is a large integer representing the OOM penalty".
@@ -283,7 +286,25 @@ class PlanSpace:
                                     tuple(k.stage_memory(i, "dynamic") for i in rows),
                                     tuple(k.stage_memory(i, "param") for i in rows)))
         tables = {t: p.table(t) for t in range(p.n_models + len(p.data_edges))}
-        return PlanSpace._assemble(self.graph, self.cost, priced, self.pruned, p.n_iterations, tables, self.layouts)
+        out = PlanSpace._assemble(self.graph, self.cost, priced, self.pruned,
+                                  p.n_iterations - ASYNC_EXTRA_ITERATIONS * p.staleness, tables, self.layouts)
+        return out.with_staleness(p.staleness) if p.staleness else out
+
+    def with_staleness(self, staleness: int) -> "PlanSpace":
+        """The same space with generation running ``staleness`` iterations ahead (asynchronous RL): the
+        simulators price the run-ahead pipeline (csrc/problem.h). It is simulated over more iterations, so
+        that the steady state outweighs the start, where generation runs ahead on the first parameters."""
+        why = self.graph.staleness_error(staleness)
+        if why:
+            raise ValueError(why)
+        p = self.problem
+        if staleness == p.staleness:
+            return self
+        base = p.n_iterations - ASYNC_EXTRA_ITERATIONS * p.staleness
+        stale = tuple(i for i, c in enumerate(p.call_names) if c in self.graph.stale_calls) if staleness else ()
+        problem = dataclasses.replace(p, staleness=staleness, stale_calls=stale,
+                                      n_iterations=base + ASYNC_EXTRA_ITERATIONS * staleness)
+        return dataclasses.replace(self, problem=problem)
 
     @cached_property
     def cpp(self):
@@ -395,7 +416,7 @@ class PlanSpace:
                              nodelist=cluster.nodelist, n_devices_per_node=cluster.n_devices_per_node,
                              device=cluster.device, placements=placements, offload=offload, source=source,
                              estimated_time=float(ev["time"]), estimated_peak_memory=int(ev["peak_memory"]),
-                             call_times=times, call_memory=memory)
+                             call_times=times, call_memory=memory, staleness=p.staleness)
 
     def fastest(self) -> np.ndarray:
         """The greedy plan of realhf.txt §5.2: each call at its fastest standalone candidate."""

@@ -103,6 +103,13 @@ class SearchReport:
     stats: SearchStats
     prepare_seconds: float
     n_candidates_before_time_pruning: tuple[int, ...]
+    # Asynchronous RL (max_staleness > 0): the best plan found at each staleness, 0 (synchronous) first.
+    by_staleness: dict[int, ExecutionPlan] = dataclasses.field(default_factory=dict)
+
+    @property
+    def sync_plan(self) -> ExecutionPlan | None:
+        """The best synchronous plan, when the search also tried running generation ahead."""
+        return self.by_staleness.get(0)
 
     def baseline_indices(self, name: str) -> np.ndarray | None:
         b = self.baselines.get(name)
@@ -140,15 +147,37 @@ def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int =
         space = full.restrict(rows)
         starts = [space.indices_of(p) for p in fitting]
     prepare = time.perf_counter() - t0
-    outcome = run_mcmc(space, time_limit=time_limit, max_evals=max_evals, seed=seed, n_threads=n_threads,
-                       n_chains=n_chains or n_threads, starts=starts, progress=progress)
+    # Bounded staleness is one more plan dimension (issue 25): the placement is searched at every staleness
+    # up to the experiment's bound, each with its share of the time, and the fastest plan wins.
+    etas = [0] + ([e for e in range(1, spec.max_staleness + 1) if graph.staleness_error(e) is None]
+                  if spec.max_staleness else [])
+    share = None if time_limit is None else time_limit / len(etas)
+    evals = None if max_evals is None else max(1, max_evals // len(etas))
+    best = None
+    by_staleness: dict[int, ExecutionPlan] = {}
+    for eta in etas:
+        sp = space.with_staleness(eta)
+        # the synchronous winner starts the chains of the others: its placement is a good one at any eta
+        extra = [best[1].indices] if best is not None else []
+        outcome = run_mcmc(sp, time_limit=share, max_evals=evals, seed=seed, n_threads=n_threads,
+                           n_chains=n_chains or n_threads, starts=starts + extra, progress=progress)
+        if len(etas) > 1:
+            by_staleness[eta] = sp.to_plan(outcome.indices, "search")
+        if best is None or _better(outcome.evaluation, best[1].evaluation):
+            best = (sp, outcome)
+    space, outcome = best
     ev = outcome.evaluation
     if not ev["feasible"]:
         raise NoFitError(oom_message(space, outcome.indices, ev))
     plan = space.to_plan(outcome.indices, "search")
     return SearchReport(spec=spec, graph=graph, space=space, plan=plan, indices=outcome.indices, evaluation=ev,
                         baselines=results, stats=outcome.stats, prepare_seconds=prepare,
-                        n_candidates_before_time_pruning=before)
+                        n_candidates_before_time_pruning=before, by_staleness=by_staleness)
+
+
+def _better(a: dict, b: dict) -> bool:
+    """Fitting first, then cost (as the engine ranks plans, csrc/mcmc.h)."""
+    return a["feasible"] > b["feasible"] or (a["feasible"] == b["feasible"] and a["cost"] < b["cost"])
 
 
 def oom_message(space: PlanSpace, indices: np.ndarray, ev: dict) -> str:

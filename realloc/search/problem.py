@@ -9,7 +9,8 @@ memory sits on the layout of its *home* call (its first train call, else its fir
 call); every call adds its dynamic memory while it runs, plus a copy of the
 parameters when its layout differs from the home layout. A device's peak is its
 static memory plus the largest dynamic memory of the calls that run on it. Memory is
-given per pipeline stage, since stages hold different layers and activations.
+given per pipeline stage, since stages hold different layers and activations. With bounded staleness
+(``staleness`` > 0) a stale generation call's copy stays between its calls: static on its devices.
 
 Transfer costs between two layouts (parameter reallocation per model, from the layout of
 the model's previous call to the call's; data per data edge) are *pair costs*, priced
@@ -126,6 +127,10 @@ class SearchProblem:
     # Hosts of ``devices_per_node`` consecutive devices share ``cores_per_node`` CPU cores; 0: enough.
     devices_per_node: int = 0
     cores_per_node: float = 0.0
+    # Bounded staleness (csrc/problem.h): generation runs ``staleness`` iterations ahead; ``stale_calls`` are
+    # the generation calls of trained models (call indices), read only when staleness > 0.
+    staleness: int = 0
+    stale_calls: tuple[int, ...] = ()
 
     @property
     def host_size(self) -> int:
@@ -172,6 +177,8 @@ class SearchProblem:
             copy_pair_costs(p, table_id, t.known)
         p.set_edges(np.asarray(self.order_edges, np.int32).reshape(-1, 2),
                     np.asarray(self.carry_edges, np.int32).reshape(-1, 2))
+        if self.staleness:
+            p.set_staleness(self.staleness, np.asarray(self.stale_calls, np.int32))
         p.finalize()
         return p
 

@@ -12,6 +12,12 @@ iteration, for each call in topological order:
      a move there and one back);
   2. one data-transfer node per incoming data edge, on the union of both meshes;
   3. the call node.
+With bounded staleness eta > 0 (``staleness``; csrc/problem.h) the ``stale_calls`` (generation of a
+trained model) leave their model's chain in step 1, and after each of them comes a snapshot node: a
+reallocation from the layout of the chain's last call (the train step, home) to the stale call's, after
+that call of the previous iteration, before the chain's first node of this iteration, and before the
+stale call of iteration t + eta (at eta = 1 also after the stale call of this iteration, whose copy it
+replaces). The stale calls' own parameter edges (order and carry) give way to it.
 A transfer node of zero cost occupies no device; a pair cost not priced yet counts
 as its table's provisional cost and makes the evaluation inexact. A node becomes ready
 ``dispatch_latency`` after the end of a call or (non-free) reallocation it depends on, and
@@ -70,13 +76,15 @@ def _build_nodes(p: SearchProblem, plan: Sequence[int], missing: set | None = No
     def layout(c: int) -> int:
         return int(p.candidates[c].layout[cand(c)])
 
-    model_calls = [[c for c in range(n) if p.call_model[c] == m] for m in range(len(p.model_home))]
+    eta = p.staleness
+    stale = set(p.stale_calls) if eta > 0 else set()
+    model_calls = [[c for c in range(n) if p.call_model[c] == m and c not in stale] for m in range(len(p.model_home))]
     nodes: list[_Node] = []
     index: dict[tuple[str, int, int], int] = {}
     for t in range(K):
         for c in range(n):
             seq = model_calls[p.call_model[c]]
-            if len(seq) > 1:
+            if c not in stale and len(seq) > 1:
                 prev = seq[seq.index(c) - 1]  # the last call for the first one
                 lp, lc = layout(prev), layout(c)
                 cost = 0.0
@@ -95,6 +103,16 @@ def _build_nodes(p: SearchProblem, plan: Sequence[int], missing: set | None = No
                     nodes.append(_Node(DATA, c, u, t, cost, mesh(u) | mesh(v)))
             index["call", c, t] = len(nodes)
             nodes.append(_Node(CALL, c, -1, t, float(p.candidates[c].time[cand(c)]), mesh(c)))
+            if c in stale:
+                home = model_calls[p.call_model[c]][-1]
+                lh, lc = layout(home), layout(c)
+                cost = 0.0
+                if lh != lc:
+                    cost, known = p.realloc_costs[p.call_model[c]].get(lh, lc)
+                    if not known and missing is not None:
+                        missing.add((p.call_model[c], lh, lc))
+                index["snapshot", c, t] = len(nodes)
+                nodes.append(_Node(REALLOC, c, home, t, cost, mesh(home) | mesh(c)))
 
     def link(a: int, b: int) -> None:
         if b not in nodes[a].children:
@@ -116,11 +134,24 @@ def _build_nodes(p: SearchProblem, plan: Sequence[int], missing: set | None = No
             d = index["data", e, t]
             link(index["call", u, t], d)
             link(d, index["call", v, t])
+        for c in sorted(stale):
+            seq = model_calls[p.call_model[c]]
+            r = index["snapshot", c, t]
+            if t > 0:
+                link(index["call", seq[-1], t - 1], r)
+            if eta == 1:
+                link(index["call", c, t], r)
+            if t + eta < K:
+                link(r, index["call", c, t + eta])
+            first = ("realloc", seq[0], t) if ("realloc", seq[0], t) in index else ("call", seq[0], t)
+            link(r, index[first])
         for u, v in p.order_edges:
-            link(index["call", u, t], index["call", v, t])
+            if u not in stale:
+                link(index["call", u, t], index["call", v, t])
         if t + 1 < K:
             for u, v in p.carry_edges:
-                link(index["call", u, t], index["call", v, t + 1])
+                if v not in stale:
+                    link(index["call", u, t], index["call", v, t + 1])
     return nodes
 
 
@@ -256,11 +287,14 @@ def device_memory(p: SearchProblem, plan: Sequence[int]) -> tuple[list[int], lis
         lo, hi, w = int(k.dev_lo[i]), int(k.dev_hi[i]), int(k.stage_width[i])
         home = p.model_home[p.call_model[c]]
         copy = c != home and int(k.layout[i]) != int(p.candidates[home].layout[int(plan[home])])
+        keep = copy and p.staleness > 0 and c in p.stale_calls  # generation's copy stays (bounded staleness)
         for x in range(lo, hi):
             stage = (x - lo) // w
             d = int(k.stage_memory(i, "dynamic")[stage])
             if c == home:
                 static[x] += int(k.stage_memory(i, "static")[stage])
+            elif keep:
+                static[x] += int(k.stage_memory(i, "param")[stage])
             elif copy:
                 d += int(k.stage_memory(i, "param")[stage])
             if d > dynamic[x]:

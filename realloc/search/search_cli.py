@@ -52,6 +52,14 @@ def print_report(report: SearchReport, n_threads: int) -> None:
     print(rp.plan_table(report.plan, report.space, report.indices))
     for line in rp.transfer_summary(report.space, report.indices):
         print(f"  {line}")
+    if report.by_staleness:
+        print()
+        print(staleness_table(report))
+        sync = report.sync_plan
+        if report.plan.staleness and sync is not None:
+            print()
+            print("best synchronous plan (staleness 0)")
+            print(sync.table(report.graph.topo_order))
     print()
     print("estimated time per iteration (steady state)")
     print(rp.comparison_table(report))
@@ -60,6 +68,18 @@ def print_report(report: SearchReport, n_threads: int) -> None:
     for line in lora_summary(report.graph, report.space.cost, report.plan):
         print(line)
     print(f"search: {rp.search_summary(report, n_threads)}")
+
+
+def staleness_table(report: SearchReport) -> str:
+    """The best plan found at each staleness (asynchronous RL), its estimate and speed-up over synchronous."""
+    plans = report.by_staleness
+    base = plans[0].estimated_time
+    rows = [f"staleness (generation runs up to eta train steps ahead; max_staleness={report.spec.max_staleness})",
+            f"{'eta':>5}{'est. s/iter':>14}{'vs eta=0':>10}"]
+    for eta, plan in sorted(plans.items()):
+        mark = "  <- chosen" if eta == report.plan.staleness else ""
+        rows.append(f"{eta:>5}{plan.estimated_time:>14.3f}{base / plan.estimated_time:>9.2f}x{mark}")
+    return "\n".join(rows)
 
 
 def _estimator_source(report: SearchReport) -> str:

@@ -88,7 +88,7 @@ def estimate_plan(graph: DataflowGraph, plan: ExecutionPlan, cost: object | None
     want = {c: Option(meshes[c], p.strategy, p.n_mbs, p.recompute)
             for c, p in ((c, plan.placements[c]) for c in graph.topo_order)}
     space = PlanSpace.build(graph, cost or CostModel(graph), option_filter=lambda c, o: o == want[c],
-                            prune_memory=False, offload=False)
+                            prune_memory=False, offload=False).with_staleness(plan.staleness)
     indices = space.fastest()
     space.evaluate(indices)  # prices the reallocations and transfers the schedule needs
     return space, indices

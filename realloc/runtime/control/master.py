@@ -84,7 +84,9 @@ class Master(MasterLink, IterationSchedule, EvaluationPasses, CheckpointSaves):
         self.launcher = launcher
         self.heartbeat_timeout = heartbeat_timeout
         self.call_timeout = call_timeout
-        self.window = max(1, window)
+        # Generation may run eta iterations ahead, and a train step waits for the generation eta iterations
+        # later: that many more iterations are in flight.
+        self.window = max(1, window, program.staleness + 2)
         self.on_iteration = on_iteration
         self.n_workers = self.spec.cluster.n_devices
         self.offloaded = {m for m, on in program.plan.offload.items() if on and not program.is_rule(m)}
@@ -144,6 +146,7 @@ class Master(MasterLink, IterationSchedule, EvaluationPasses, CheckpointSaves):
         self.eval_calls = eval_calls(self.spec) if config.eval.every else None
         self.eval_stats: dict[int, dict[str, float]] = {}
         self.samples: dict[int, dict[tuple[str, int], dict[str, Any]]] = {}  # t -> (key, seq) -> merged fields
+        self.versions: dict[int, dict[str, int]] = {}  # t -> stale call -> the parameter version it generated with
         self.tasks: set[asyncio.Task] = set()
         # Created by run(): they stream to the run directory, so a long run keeps a flat memory footprint.
         self.trace: Trace | None = None
@@ -183,7 +186,8 @@ class Master(MasterLink, IterationSchedule, EvaluationPasses, CheckpointSaves):
             setup = self._send(range(self.n_workers), "setup", "setup", -1, "setup",
                                lambda req: protocol.Setup(req=req, resume=str(self.resume) if self.resume else None,
                                                           total_iterations=self.schedule_iterations,
-                                                          verify_checkpoint=self.verify_checkpoint))
+                                                          verify_checkpoint=self.verify_checkpoint,
+                                                          start_iteration=self.start))
             await self._guard(self._wait(setup))
             self.t_start = time.time()
             self.stats.start(self.t_start)
@@ -232,6 +236,7 @@ class Master(MasterLink, IterationSchedule, EvaluationPasses, CheckpointSaves):
             return
         log.warning("master: %s (%s): finishing the iterations in flight, then saving a checkpoint if one fits in "
                     "the %.0f s left", sig.name, source, left)
+        self._release_unspawned()
 
     def fail(self, message: str) -> None:
         if self.failure is None:

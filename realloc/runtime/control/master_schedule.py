@@ -75,24 +75,35 @@ class IterationSchedule:
     def _deps(self, n: Node) -> list[Node]:
         prog, t = self.program, n.t
         out: list[Node] = []
+        stale = (n.kind == "call" and prog.is_stale(n.name)) or (n.kind == "realloc" and n.src != "" and
+                                                                  self._is_snapshot(n))
         if n.kind in ("call", "realloc"):
             model = prog.calls[n.name].model if n.kind == "call" else n.name
             if model in self.offloaded and t > self.start:
                 out.append(Node("reload", model, t))
-            if t > self.start and self._saves_after(t - 1):
+            # A save reads home after iteration t - 1; what runs ahead only reads it, and must not wait (the
+            # save waits for the train step that waits for the generation running ahead).
+            if t > self.start and self._saves_after(t - 1) and not stale:
                 out.append(Node("save", "", t - 1))
         if n.kind == "call":
-            out += [Node("call", u, t) for u in self.graph.graph.predecessors(n.name)]
-            if t > self.start:
-                out += [Node("call", u, t - 1) for u, v in self.graph.carry_edges if v == n.name]
-            r = self._realloc_into(n.name)
+            out += [Node("call", u, t) for u in self.graph.graph.predecessors(n.name)
+                    if not (prog.is_stale(u) and self.graph.graph.edges[u, n.name]["kind"] == "param")]
+            lag = 1 + prog.staleness if prog.is_stale(n.name) else 1
+            if t - lag >= self.start:
+                out += [Node("call", u, t - lag) for u, v in self.graph.carry_edges if v == n.name]
+            r = prog.snapshot_of(n.name) if prog.is_stale(n.name) else self._realloc_into(n.name)
             if r is not None:
                 out.append(Node("realloc", r.model, t, r.src_call, r.dst_call))
+            out += self._stale_readers(n)
         elif n.kind == "realloc":
             r = next(x for x in prog.reallocs(n.name) if (x.src_call, x.dst_call) == (n.src, n.dst))
-            tt = t - 1 if r.wraps else t
-            if tt >= self.start:
-                out += [Node("call", c, tt) for c in r.after]
+            if r.snapshot:
+                out += self._snapshot_deps(r, t)
+            else:
+                tt = t - 1 if r.wraps else t
+                if tt >= self.start:
+                    out += [Node("call", c, tt) for c in r.after]
+                out += self._stale_readers(n)
         elif n.kind == "offload":
             out += [Node("call", c, t) for c in prog.chain_calls(n.name)]
             out += [Node("realloc", n.name, t, r.src_call, r.dst_call) for r in prog.reallocs(n.name)]
@@ -115,6 +126,50 @@ class IterationSchedule:
                 and (n.kind in ("realloc", "offload") or d.t < n.t)]
         return out
 
+    # -- bounded staleness (program.py): generation runs ahead, reading home in place or a snapshot ----------
+    def _is_snapshot(self, n: Node) -> bool:
+        return any(r.snapshot and (r.src_call, r.dst_call) == (n.src, n.dst) for r in self.program.reallocs(n.name))
+
+    def _snapshot_deps(self, r: Realloc, t: int) -> list[Node]:
+        """A snapshot for the generation of iteration t copies the version after the train step of iteration
+        t - 1 - eta (the home segment's calls then), once the generation of t - 1 has read the last copy."""
+        prog = self.program
+        out: list[Node] = []
+        src_t = t - 1 - prog.staleness
+        if src_t >= self.start:
+            out += [Node("call", c, src_t) for c in prog.segments(r.model)[-1].calls]
+        if t - 1 >= self.start:
+            key = prog.calls[r.dst_call].key
+            out += [Node("call", c, t - 1) for c in prog.stale_calls_of(r.model) if prog.calls[c].key == key]
+        return out
+
+    def _first_fresh(self, model: str, t: int) -> Node:
+        """The first node of iteration t that may change (or move away) the model's home parameters."""
+        prog = self.program
+        wrap = next((r for r in prog.reallocs(model) if r.wraps and not r.snapshot), None)
+        if wrap is not None:
+            return Node("realloc", model, t, wrap.src_call, wrap.dst_call)
+        return Node("call", prog.fresh_calls(model)[0], t)
+
+    def _stale_readers(self, n: Node) -> list[Node]:
+        """For the first node of iteration s that changes a model's home: everything that reads home's
+        version s for generation (snapshots, or stale calls in place), i.e. the generations of iteration
+        s + eta, and at the run's first iteration S all of S .. S + eta (they read the version it starts with)."""
+        prog = self.program
+        model = prog.calls[n.name].model if n.kind == "call" else n.name
+        if prog.staleness == 0 or not prog.stale_calls_of(model) or n != self._first_fresh(model, n.t):
+            return []
+        s, eta = n.t, prog.staleness
+        its = range(s + eta, s + eta + 1) if s > self.start else range(s, s + eta + 1)
+        home = prog.calls[prog.home_call(model)].key
+        out: list[Node] = []
+        for t in its:
+            if t >= self.end:
+                break
+            out += [Node("realloc", r.model, t, r.src_call, r.dst_call) for r in prog.snapshots(model)]
+            out += [Node("call", c, t) for c in prog.stale_calls_of(model) if prog.calls[c].key == home]
+        return out
+
     def _realloc_into(self, call: str) -> Realloc | None:
         m = self.program.calls[call].model
         seg = next(s for s in self.program.segments(m) if call in s.calls)
@@ -133,22 +188,44 @@ class IterationSchedule:
         self.remaining[t] = len(nodes)
         self.call_stats[t] = {}
         self.node_times[t] = {}
-        self.done[t] = {n: asyncio.Event() for n in nodes}
+        # Events may exist already: with bounded staleness a train step waits for a later iteration's
+        # generation, before that iteration is spawned.
+        events = self.done.setdefault(t, {})
+        for n in nodes:
+            events.setdefault(n, asyncio.Event())
         for n in nodes:
             self._task(self._node(n))
+
+    def _event(self, d: Node) -> asyncio.Event | None:
+        """The event of dependency ``d``; None when it needs no waiting: it is before the run, in an iteration
+        already reported, or in one a stopping run never starts."""
+        if d.t < self.start + self.n_reported or (self.stop is not None and d.t > self.last_spawned):
+            return None
+        return self.done.setdefault(d.t, {}).setdefault(d, asyncio.Event())
+
+    def _release_unspawned(self) -> None:
+        """A stopping run spawns no more iterations: what waits for their nodes goes ahead."""
+        for t, events in self.done.items():
+            if t > self.last_spawned:
+                for ev in events.values():
+                    ev.set()
 
     async def _node(self, n: Node) -> None:
         try:
             for d in self._deps(n):
-                if d.t >= self.start:
-                    await self.done[d.t][d].wait()
+                ev = self._event(d)
+                if ev is not None:
+                    await ev.wait()
             t0 = time.time()
             if n.kind == "call":
                 await self._call(n)
             elif n.kind == "realloc":
+                snap = self._is_snapshot(n)
+                version = max(self.start, n.t - self.program.staleness) if snap else -1
                 rec = self._send(self._realloc_ranks(n), "realloc", n.label, n.t, n.label,
                                  lambda req: protocol.Reallocate(req=req, model=n.name, src_call=n.src,
-                                                                 dst_call=n.dst, iteration=n.t))
+                                                                 dst_call=n.dst, iteration=n.t, drop_src=not snap,
+                                                                 version=version))
                 await self._wait(rec)
             elif n.kind in ("offload", "reload"):
                 home = self.program.home_call(n.name)
@@ -187,6 +264,8 @@ class IterationSchedule:
             self.iter_end[k] = max(self.iter_end[k], begin)
             m = iteration_metrics(k, self.call_stats.pop(k), self.node_times.pop(k), self.iter_end[k] - begin,
                                   self.program.batch_size * self.spec.seq_len, self.graph.headline_calls)
+            if self.program.staleness:
+                m["staleness"] = self._staleness(k)
             ev = self.eval_stats.pop(k, None)
             if ev and self.eval_calls.scorer:  # scored records (a reward model's held-out pairs): the scorer's sums
                 m["eval"] = pair_metrics(ev) if "n_pairs" in ev else ev
@@ -222,6 +301,21 @@ class IterationSchedule:
                 self.stats.close()
                 self.all_done.set()
 
+    def _staleness(self, k: int) -> dict[str, Any]:
+        """How old the parameters were that generated iteration k's samples, in train steps (AReaL's
+        staleness: the current version k minus the sample's version), max and mean over the samples."""
+        versions = self.versions.pop(k, {})
+        if not versions:
+            return {}
+        lag = {c: k - v for c, v in versions.items()}
+        worst = max(lag, key=lag.__getitem__)
+        if lag[worst] > self.program.staleness or lag[worst] < 0:  # the schedule's invariant (master_schedule)
+            self.fail(f"call {worst} (iteration {k + 1}) generated with parameter version {versions[worst]}: "
+                      f"staleness {lag[worst]}, outside 0..{self.program.staleness}")
+        n = {c: self.spec.n_seqs(self.graph.call(c)) for c in versions}
+        mean = sum(lag[c] * n[c] for c in versions) / sum(n.values())
+        return {"max": lag[worst], "mean": mean, "versions": versions}
+
     def _task(self, coro: Any) -> None:
         """Run ``coro`` as a task the master cancels at the end; it forgets the task when it finishes."""
         task = asyncio.create_task(coro)
@@ -247,6 +341,12 @@ class IterationSchedule:
                 self.data_meta.setdefault((out.key, t), out.tensors)
             for part in rep.samples:
                 self.samples.setdefault(t, {}).setdefault((part.key, part.seq), {}).update(part.fields)
+        if self.program.is_stale(c):
+            version = stats.pop("param_version", None)
+            if version is None:
+                self.fail(f"call {c} (iteration {t + 1}) reported no parameter version")
+                raise RunFailed(self.failure)
+            self.versions.setdefault(t, {})[c] = int(version)
         missing = [k for k in rpc.output_data if (k, t) not in self.data_meta]
         if missing:
             self.fail(f"call {c} (iteration {t + 1}) produced no data for key {missing[0]!r}")

@@ -12,6 +12,13 @@ Both sides compute it from the same (experiment, plan), so they agree without ta
 - where each call's outputs live (producer data layout) and where its inputs are needed
   (consumer data layout), for the data-transfer planner;
 - every process group the run needs, so all workers create them at start-up, in one order.
+
+With bounded staleness (``plan.staleness`` eta > 0, asynchronous RL) a trained model's generation calls
+(``DataflowGraph.stale_calls``) leave its chain: the chain and its segments hold the other calls only, and
+the parameters stay at home between them. A generation call in the home layout reads the parameters in
+place; one in a layout of its own gets a *snapshot*, a reallocation from home that copies (keeps the
+source), after the train step of iteration t - 1 - eta, into a copy that only the generation calls read
+while training goes on elsewhere (``master_schedule.py`` orders them).
 """
 
 from __future__ import annotations
@@ -80,6 +87,7 @@ class Realloc:
     dst_call: str
     after: tuple[str, ...]
     wraps: bool
+    snapshot: bool = False  # a copy for generation running ahead: the source keeps its parameters
 
 
 class RuntimeProgram:
@@ -93,12 +101,15 @@ class RuntimeProgram:
             raise ValueError(f"experiment {spec.name!r}: the runtime needs every call to process the same batch "
                              f"(n_seqs differs: {sorted(sizes)}); leave n_seqs unset or make them equal")
         self.batch_size = sizes.pop()
+        self.staleness = plan.staleness
         self.param_dtype, self.bytes_per_param = PARAM_DTYPES.get(spec.cluster.device, GPU_PARAM_DTYPE)
         self.calls: dict[str, CallLayout] = {}
         for name in graph.topo_order:
             p = plan.placements[name]
             self.calls[name] = CallLayout(name, graph.call(name).model_name, meshes[name], p.strategy, p.n_mbs,
                                           p.recompute)
+        for m in self.models:  # a generation layout that training also uses cannot hold a stale copy
+            self.snapshots(m)
 
     # -- models and layouts ---------------------------------------------------------------------------
     @cached_property
@@ -126,9 +137,44 @@ class RuntimeProgram:
     def chain_calls(self, model: str) -> tuple[str, ...]:
         return tuple(c for c in self.graph.topo_order if self.calls[c].model == model)
 
+    def is_stale(self, call: str) -> bool:
+        """A generation call that runs ahead of training (only with staleness > 0)."""
+        return self.staleness > 0 and call in self.graph.stale_calls
+
+    def fresh_calls(self, model: str) -> tuple[str, ...]:
+        """The model's chain without its stale calls: the calls that read the current parameter version."""
+        return tuple(c for c in self.chain_calls(model) if not self.is_stale(c))
+
+    def stale_calls_of(self, model: str) -> tuple[str, ...]:
+        return tuple(c for c in self.chain_calls(model) if self.is_stale(c))
+
+    def snapshots(self, model: str) -> tuple[Realloc, ...]:
+        """One copy from home per layout of the model's stale calls, unless that layout is home itself."""
+        stale = self.stale_calls_of(model)
+        if not stale:
+            return ()
+        home = self.home_call(model)
+        fresh_keys = {self.calls[c].key: c for c in self.fresh_calls(model)}
+        out: dict[LayoutKey, Realloc] = {}
+        for c in stale:
+            key = self.calls[c].key
+            if key == self.calls[home].key or key in out:
+                continue
+            if key in fresh_keys:
+                raise ValueError(f"staleness {self.staleness}: generation call {c!r} shares its layout with call "
+                                 f"{fresh_keys[key]!r}, which reads the current parameters of {model!r}; give "
+                                 f"{c!r} the layout of the train step or one of its own")
+            out[key] = Realloc(model, home, c, (), wraps=True, snapshot=True)
+        return tuple(out.values())
+
+    def snapshot_of(self, call: str) -> Realloc | None:
+        """The snapshot a stale call reads (None: it reads home in place)."""
+        key = self.calls[call].key
+        return next((r for r in self.snapshots(self.calls[call].model) if self.calls[r.dst_call].key == key), None)
+
     def segments(self, model: str) -> tuple[Segment, ...]:
         out: list[Segment] = []
-        for c in self.chain_calls(model):
+        for c in self.fresh_calls(model):
             key = self.calls[c].key
             if out and out[-1].key == key:
                 out[-1] = Segment(model, key, out[-1].calls + (c,))
@@ -150,7 +196,7 @@ class RuntimeProgram:
             out.append(Realloc(model, segs[-1].calls[-1], segs[0].calls[0], segs[-1].calls, wraps=True))
         for prev, cur in zip(segs, segs[1:]):
             out.append(Realloc(model, prev.calls[-1], cur.calls[0], prev.calls, wraps=False))
-        return tuple(out)
+        return tuple(out) + self.snapshots(model)
 
     def layouts_on(self, rank: int) -> dict[LayoutKey, CallLayout]:
         """Distinct model layouts that include ``rank``, each named by its first call."""

@@ -78,6 +78,8 @@ class ModelHandle:
         self.model = model
         self.optimizer = optimizer
         self.offloader: HostOffload | None = None
+        # Train steps applied to the parameters held here (set at home; a snapshot copies it with them).
+        self.version = 0
 
     @property
     def coords(self) -> tuple[int, int, int]:
@@ -233,6 +235,8 @@ class ModelWorker:
         if isinstance(req, protocol.Setup):
             self.total_iterations = req.total_iterations
             self.setup(req.resume, req.verify_checkpoint)
+            for h in self.handles.values():
+                h.version = req.start_iteration
         elif isinstance(req, protocol.RunCall):
             return self.run_call(req.call, req.iteration, req.eval_batch, req.layout_call)
         elif isinstance(req, protocol.Reallocate):
@@ -301,7 +305,9 @@ class ModelWorker:
                                         RunPaths(self.run_dir).prompt_cache)
         ev = self.config.eval
         ec = eval_calls(self.spec) if ev.every else None
-        if ec is not None and self.rank in prog.calls[ec.train].ranks:  # evaluation generates (or scores) there
+        # evaluation generates (or scores) in the train step's layout; a reward reading the records (answers)
+        # needs them where the reward call runs, which a disaggregated plan puts elsewhere
+        if ec is not None and self.rank in set(prog.calls[ec.train].ranks) | set(prog.calls[ec.reward].ranks):
             kind = graph.dataset_kind if ec.scorer else "prompts"
             self.eval_dataset = load_dataset(kind, ev.dataset, self.spec, self.config, self.tokenizer,
                                              prog.generation_vocab_size(), RunPaths(self.run_dir).prompt_cache)
@@ -389,6 +395,9 @@ class ModelWorker:
         result.sums.update(reward_sums(call, iface.name, result, reward_roles, hi - lo))
         if rpc.is_train and ctx.optimizer is not None:
             result.globals.setdefault(f"{rpc.model_name}_lr", step_lr(ctx, 0))
+        stale = prog.is_stale(call) and not evaluating
+        if handle is not None and not evaluating and call == prog.train_call(cl.model):
+            handle.version += 1
         metas = []
         for role, key in out_keys.items():
             if role in result.outputs:
@@ -411,6 +420,12 @@ class ModelWorker:
             stats.update(result.sums)
             if dp_rank == 0:
                 stats.update(result.globals)
+                if stale:  # generation running ahead: the version its samples came from (master_schedule.py)
+                    assert handle is not None
+                    stats["param_version"] = float(handle.version)
+        if stale and handle is not None:
+            for part in self.sample_parts:
+                part.fields["version"] = handle.version
         return stats, metas
 
     # -- parameters --------------------------------------------------------------------------------------------
@@ -426,8 +441,13 @@ class ModelWorker:
                                f"parameters here ({src.model.state})")
         if dst is not None and dst.model.state == "released":
             dst.model.materialize()
+        if src is not None and req.version >= 0 and src.version != req.version:
+            raise RuntimeError(f"snapshot {req.model} {req.src_call}->{req.dst_call} (iteration {req.iteration + 1}): "
+                               f"home holds parameter version {src.version}, the schedule expects {req.version}")
         _, st = self.reallocator.reallocate(plan, src.model.params() if src else None,
                                             dst.model.params() if dst else None)
+        if dst is not None:
+            dst.version = req.version if req.version >= 0 else (src.version if src is not None else dst.version)
         if src is not None and req.drop_src:
             src.model.release()
         return {"sent_bytes": float(st.sent_bytes), "received_bytes": float(st.received_bytes)}

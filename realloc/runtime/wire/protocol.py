@@ -96,6 +96,7 @@ class Setup(_Msg):
     resume: str | None = None  # checkpoint directory to load after building the models
     total_iterations: int = 0  # the learning-rate schedule's horizon in iterations (the run's end unless resumed)
     verify_checkpoint: bool = True  # check the SHA-256 of every checkpoint file read (checkpoint.py)
+    start_iteration: int = 0  # 0-based; trained parameters start at this version (train steps applied)
 
 
 class RunCall(_Msg):
@@ -115,6 +116,7 @@ class Reallocate(_Msg):
     dst_call: str  # the call whose layout needs them next
     iteration: int
     drop_src: bool = True
+    version: int = -1  # a snapshot (bounded staleness): the parameter version it copies (train steps applied)
 
 
 class TransferData(_Msg):
