@@ -173,7 +173,10 @@ class MasterLink:
 
     def _handle_incoming(self, frames: list[bytes]) -> None:
         ident, name = frames[0], protocol.endpoint_name(frames[0])
-        env = self.channel.try_unpack(frames[1:], expect_src=name)
+        # Replay counters are kept per connection (``peer``): a message that another connection claiming this
+        # name gets through verification, and that the checks below then drop, cannot move the real worker's
+        # counter (its next messages would look replayed: a false heartbeat timeout, or replies never read).
+        env = self.channel.try_unpack(frames[1:], expect_src=name, peer=ident)
         if env is None:
             return
         body = env.body
