@@ -360,7 +360,8 @@ def _prepare_run_dir(run: RunPaths, plan: ExecutionPlan, experiment: str, sets: 
 def slurm_options(args: argparse.Namespace) -> SlurmOptions:
     return SlurmOptions(partition=args.partition, account=args.account, time_limit=args.time,
                         job_name=args.job_name, extra_sbatch=tuple(args.sbatch), setup=tuple(args.setup),
-                        srun_args=tuple(args.srun_arg), cpus_per_task=args.cpus_per_task, nodelist=args.nodelist)
+                        srun_args=tuple(args.srun_arg), cpus_per_task=args.cpus_per_task, nodelist=args.nodelist,
+                        python=args.python, mem=args.mem, gres=args.gres)
 
 
 def _check_local(spec: ExperimentSpec) -> None:
