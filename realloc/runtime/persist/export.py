@@ -25,7 +25,6 @@ from typing import Any, Mapping
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from realloc.models.config import ModelConfig
 from realloc.models.param_layout import param_specs, stage_of_layer
@@ -83,7 +82,7 @@ def export_checkpoint(ckpt: str | Path, model: str, out: str | Path, *, dtype: s
 
     Every shard is checked against the SHA-256 recorded when it was saved (``verify=False`` skips that)."""
     from realloc.models.hf_io import (CONFIG_FILE, GENERATION_CONFIG_FILE, INDEX_FILE, hf_config_from_model_config,
-                                      shard_file_plan, write_generation_config)
+                                      save_weights, shard_file_plan, write_generation_config)
 
     ckpt, out = Path(ckpt), Path(out)
     meta = checkpoint.read_meta(ckpt)
@@ -110,7 +109,7 @@ def export_checkpoint(ckpt: str | Path, model: str, out: str | Path, *, dtype: s
         for _, fname, names in plan:
             tensors = _full_tensors(ckpt, model, cfg, tp, pp, names, torch_dtype, verified)
             written_dtype = next(iter(tensors.values())).dtype
-            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            save_weights(tensors, tmp / fname)
             del tensors
         if len(plan) > 1:
             elem = torch.tensor([], dtype=written_dtype).element_size()
@@ -142,7 +141,7 @@ def _copy_tokenizer(out: Path, tokenizer: str | None) -> None:
     from realloc.data.tokenizer import Tokenizer
 
     for f in Tokenizer.load(tokenizer).files():
-        shutil.copy2(f, out / f.name)
+        shutil.copyfile(f, out / f.name)  # a new file of this umask, like the rest (copy2 keeps the source's mode)
 
 
 def find_checkpoint(run_dir: str | Path, iteration: int | None, skip_checks: bool = False) -> Path:
