@@ -15,6 +15,7 @@ from typing import Sequence
 
 from realloc.estimator import profile_cli
 from realloc.runtime import export_cli, run_cli, show_cli, trace_cli
+from realloc.runtime.run_cli import DEFAULT_SEARCH_TIME
 from realloc.search import search_cli
 
 EXIT_USAGE = 2
@@ -43,9 +44,28 @@ def _use_profiles(args: argparse.Namespace) -> None:
     os.environ[PROFILES_ENV] = os.path.abspath(folder)
 
 
+def version() -> str:
+    """``realloc --version``: the installed distribution's version, else the source tree's pyproject.toml."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("realloc")
+    except PackageNotFoundError:
+        import tomllib
+        from pathlib import Path
+
+        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+        try:
+            return tomllib.loads(pyproject.read_text())["project"]["version"] + " (source tree, not installed)"
+        except (OSError, KeyError, tomllib.TOMLDecodeError):
+            return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="realloc", description="Plan and run RLHF dataflow graphs with parameter "
                                 "reallocation.")
+    p.add_argument("--version", action="version", version=f"realloc {version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser("show", help="validate an experiment and print its graph and candidate counts")
@@ -55,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("profile", help="measure per-layer and collective costs on this machine")
     s.add_argument("--model", required=True, help="model type, e.g. tiny or llama3-8b")
-    s.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    s.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to measure (default cpu)")
     s.add_argument("--tp", default="1", help="comma-separated tensor-parallel degrees to profile")
     s.add_argument("--out", default=None, help="output JSON path (default: <--profiles DIR>/<device>/<model>.json)")
     s.add_argument("--kind", default=None, help="device kind of profiles/hardware/<kind>.json (cpu by default; "
@@ -72,15 +92,17 @@ def build_parser() -> argparse.ArgumentParser:
     _profiles_option(s)
     s.set_defaults(func=profile_cli.main)
 
-    s = sub.add_parser("search", help="search an execution plan and report it")
-    s.add_argument("experiment")
-    s.add_argument("--dry-run", action="store_true", help="only plan; do not launch workers")
-    s.add_argument("--time", type=float, default=None, help="search time limit in seconds (default 10, or none "
-                   "with --evals)")
+    s = sub.add_parser("search", help="search an execution plan and report it (plans only; `realloc run` trains)")
+    s.add_argument("experiment", help="experiment file (path/exp.py[:Class]) or module")
+    # search never launches workers: --dry-run changes nothing (kept so old command lines work; it says so)
+    s.add_argument("--dry-run", action="store_true", help=argparse.SUPPRESS)
+    s.add_argument("--search-time", dest="time", type=float, default=None, metavar="SECONDS",
+                   help="search time limit in seconds (default 10, or none with --evals); `run --search-time` alike")
+    s.add_argument("--time", dest="time", type=float, help=argparse.SUPPRESS)  # the old name of --search-time
     s.add_argument("--evals", type=int, default=None, help="evaluation budget; with no --time the result depends "
                    "only on --seed and --threads")
     s.add_argument("--threads", type=int, default=2, help="search threads (one MCMC chain each)")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int, default=0, help="random seed of the search's chains (default 0)")
     s.add_argument("--baseline", default=None, choices=["heuristic", "colocate-dp", "split"],
                    help="print (and --out) this baseline plan instead of searching")
     s.add_argument("--out", default=None, help="write the plan JSON here")
@@ -90,13 +112,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=search_cli.main)
 
     s = sub.add_parser("run", help="run the experiment on its cluster")
-    s.add_argument("experiment")
+    s.add_argument("experiment", help="experiment file (path/exp.py[:Class]) or module")
     g = s.add_mutually_exclusive_group()
-    g.add_argument("--plan", default=None, help="execution plan JSON to run")
-    g.add_argument("--search-time", type=float, default=None)
-    g.add_argument("--baseline", default=None)
-    s.add_argument("--iterations", type=int, default=None)
-    s.add_argument("--resume", default=None, help="checkpoint directory to resume from")
+    g.add_argument("--plan", default=None, help="execution plan JSON to run (from `realloc search --out`, or "
+                   "written by hand: README, Planning)")
+    g.add_argument("--search-time", type=float, default=None, metavar="SECONDS",
+                   help=f"search a plan for this many seconds before training (default {DEFAULT_SEARCH_TIME:g} "
+                        f"when neither --plan nor --baseline is given)")
+    g.add_argument("--baseline", default=None, choices=["heuristic", "colocate-dp", "split"],
+                   help="run this baseline plan instead of searching (`realloc search EXP --baseline NAME` "
+                        "prints it)")
+    s.add_argument("--iterations", type=int, default=None, help="iterations to run up to, counted from 1 "
+                   "(default: the experiment's `iterations`)")
+    s.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue from a checkpoint: a run directory (its newest checkpoint), its checkpoints/ "
+                        "folder, or one checkpoints/iter_<N> directory")
     s.add_argument("--schedule-iterations", type=int, default=None, metavar="N",
                    help="iterations the learning-rate schedule spans (default: this run's --iterations; a resumed "
                         "run keeps its checkpoint's)")
@@ -117,10 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "secret, job.sbatch) but do not submit")
     _set_option(s)
     g = s.add_argument_group("SLURM (--launcher slurm)")
-    g.add_argument("--partition", default=None)
-    g.add_argument("--account", default=None)
-    g.add_argument("--time", default="24:00:00", help="time limit (default 24:00:00)")
-    g.add_argument("--job-name", default="realloc")
+    g.add_argument("--partition", default=None, help="SLURM partition (default: the cluster's)")
+    g.add_argument("--account", default=None, help="SLURM account to charge")
+    g.add_argument("--time", default="24:00:00", metavar="D-HH:MM:SS",
+                   help="the job's wall-clock limit, SLURM's --time (default 24:00:00); not the plan search's "
+                        "time, which is --search-time")
+    g.add_argument("--job-name", default="realloc", help="SLURM job name (default realloc)")
     g.add_argument("--nodelist", default=None, help="pin the job to these hosts (by default SLURM picks; node i "
                    "of the plan runs on the i-th allocated node)")
     g.add_argument("--cpus-per-task", type=int, default=None, help="CPUs per device (default: the whole node, "

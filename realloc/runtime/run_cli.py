@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import secrets
+import shutil
 import signal
 import sys
 import time
@@ -115,6 +116,17 @@ def _check_run_dir(root: Path, create: bool) -> None:
         raise ValueError(f"run directory {root}: {ancestor} is a file; pass --run-dir a folder you can write to")
 
 
+def _first_missing(root: Path) -> Path | None:
+    """The outermost folder of ``root`` (itself or an ancestor) that does not exist yet: what this command
+    creates, and removes again when it fails before launching anything."""
+    missing = None
+    for p in (root, *root.parents):
+        if p.exists():
+            return missing
+        missing = p
+    return missing
+
+
 def _truncate_metrics(path: Path, start: int) -> None:
     """A resumed run rewrites the iterations after its checkpoint: drop the killed run's lines for them
     (``start`` iterations are done; metrics.jsonl counts iterations from 1). A half-written last line
@@ -187,7 +199,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--run-dir {args.run_dir} is a file; give a directory (created if missing)")
     if args.launcher != "slurm" and (args.dry_run or args.prepare):
         raise ValueError(f"{'--dry-run' if args.dry_run else '--prepare'} applies to --launcher slurm; for a local "
-                         f"run, `realloc search EXP --dry-run` shows the plan")
+                         f"run, `realloc search EXP` shows the plan")
     if args.export_every < 0:
         raise ValueError(f"--export-every must be >= 0, got {args.export_every}")
     sets = tuple(args.set)
@@ -214,12 +226,24 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--iterations {total}: the checkpoint already completed {start} iterations; ask for more")
     horizon, horizon_line = _schedule_horizon(args, total, meta)
     run = RunPaths(_run_dir(args, spec, ckpt).resolve())
-    _check_run_dir(run.root, create=not args.dry_run or args.prepare)
-    # Fail here, in one line, rather than in every worker; and tokenize once: the workers read the cache.
-    pre = preflight(spec, config, graph, cache_dir=None if args.dry_run else run.prompt_cache)
-    slurm = slurm_options(args) if args.launcher == "slurm" else None
-    plan, plan_source = _choose_plan(args, spec, ckpt)
-    program = RuntimeProgram(graph, plan)  # validates the plan against the experiment and cluster
+    created = _first_missing(run.root)
+    try:  # a command that fails before it launches anything leaves no directory behind
+        _check_run_dir(run.root, create=not args.dry_run or args.prepare)
+        # Fail here, in one line, rather than in every worker; and tokenize once: the workers read the cache.
+        pre = preflight(spec, config, graph, cache_dir=None if args.dry_run else run.prompt_cache)
+        slurm = slurm_options(args) if args.launcher == "slurm" else None
+        plan, plan_source = _choose_plan(args, spec, ckpt)
+        program = RuntimeProgram(graph, plan)  # validates the plan against the experiment and cluster
+        if slurm is not None:
+            slurm.check(spec.cluster)
+        elif args.launcher == "local":
+            _check_local(spec)
+        if args.wandb and (slurm is None or not slurm.setup):
+            check_wandb_installed()
+    except BaseException:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
     run_id = args.run_id or secrets.token_hex(8)
     experiment = spec.source or args.experiment
 
@@ -263,8 +287,6 @@ def main(args: argparse.Namespace) -> int:
         print(f"submitted SLURM job {job}; run directory {run.root}")
         return 0
 
-    if args.launcher == "local":
-        _check_local(spec)
     # Before anything starts: a missing wandb package is one error with no worker to stop.
     sinks = MetricSinks.open(run.root, tensorboard=args.tensorboard, wandb_project=args.wandb,
                              run_name=run.root.name, config={"experiment": experiment, "overrides": list(sets),

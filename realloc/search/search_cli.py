@@ -1,4 +1,4 @@
-"""``realloc search EXP [--dry-run] [--time S] [--seed N] [--out plan.json] [--timeline plan.svg]``.
+"""``realloc search EXP [--search-time S | --evals N] [--seed N] [--out plan.json] [--timeline plan.svg]``.
 
 Plans only; ``realloc run`` launches workers. Prints the cluster, the searched plan
 per call, its estimated time per iteration next to every baseline, peak memory
@@ -70,7 +70,10 @@ def main(args: argparse.Namespace) -> int:
     max_evals = getattr(args, "evals", None)
     time_limit = args.time if args.time is not None else (None if max_evals else DEFAULT_TIME)
     if time_limit is not None and time_limit <= 0:
-        raise ValueError(f"--time must be positive, got {args.time}")
+        raise ValueError(f"--search-time must be positive, got {args.time:g}")
+    if getattr(args, "dry_run", False):
+        print("realloc search: --dry-run changes nothing (search only plans; `realloc run` launches workers)",
+              file=sys.stderr)
     if max_evals is not None and max_evals < 1:
         raise ValueError(f"--evals must be positive, got {max_evals}")
     n_threads = getattr(args, "threads", 2)

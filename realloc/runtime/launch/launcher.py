@@ -196,6 +196,14 @@ class SlurmOptions:
                              f"(e.g. 200G; 0 asks for all of a node's memory)")
         if self.gres is not None and not _GRES.fullmatch(self.gres.strip()):
             raise ValueError(f"--gres {self.gres!r}: give SLURM's form NAME[:TYPE][:COUNT], e.g. gpu:8 or gpu:a100:8")
+
+    def check(self, cluster: ClusterSpec) -> None:
+        """The options that depend on the cluster: one error before anything is written or submitted."""
+        if self.gres is not None:
+            if cluster.device == "cpu":
+                raise ValueError(f"--gres {self.gres!r}: cluster {cluster.nodelist!r} runs on CPUs and needs no GPUs; "
+                                 f"other resources go in --sbatch gres=...")
+            _gres_line(self.gres, cluster.n_devices_per_node)
         object.__setattr__(self, "extra_sbatch", tuple(_long_option(x) for x in self.extra_sbatch))
         object.__setattr__(self, "srun_args", tuple(_long_option(x) for x in self.srun_args))
 
@@ -256,10 +264,8 @@ def slurm_script(cluster: ClusterSpec, experiment: str, run: RunPaths, run_id: s
         lines.append(f"#SBATCH --cpus-per-task={opts.cpus_per_task}")
     else:
         lines.append("#SBATCH --exclusive")
+    opts.check(cluster)
     if opts.gres is not None:
-        if not gpu:
-            raise ValueError(f"--gres {opts.gres!r}: cluster {cluster.nodelist!r} runs on CPUs and needs no GPUs; "
-                             f"other resources go in --sbatch gres=...")
         lines.append(_gres_line(opts.gres, n))
     elif gpu:
         lines.append(f"#SBATCH --gpus-per-node={n}")
