@@ -8,6 +8,7 @@ the package whose code it drives: ``estimator/profile_cli.py``, ``search/search_
 from __future__ import annotations
 
 import argparse
+import errno
 import gc
 import os
 import sys
@@ -19,6 +20,8 @@ from realloc.runtime.run_cli import DEFAULT_SEARCH_TIME
 from realloc.search import search_cli
 
 EXIT_USAGE = 2
+# OSErrors of the machine's storage, reported as one line naming the path and the cause
+_STORAGE_ERRORS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG})
 
 
 def _set_option(s: argparse.ArgumentParser) -> None:
@@ -230,12 +233,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"realloc {args.command}: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # noqa: BLE001 - the CLI promises no tracebacks
-        if os.environ.get("REALLOC_DEBUG"):
-            raise
-        print(f"realloc {args.command}: internal error: {type(e).__name__}: {e} "
-              f"(set REALLOC_DEBUG=1 for a traceback)", file=sys.stderr)
+    except OSError as e:
+        if e.errno not in _STORAGE_ERRORS or os.environ.get("REALLOC_DEBUG"):
+            return _internal_error(args.command, e)
+        # A full disk, a quota, a read-only or forbidden folder: the user's machine, not realloc, named as such.
+        from realloc.runtime.records.run_paths import os_error_line
+
+        print(f"realloc {args.command}: error: {os_error_line(e)}", file=sys.stderr)
         return 1
+    except Exception as e:  # noqa: BLE001 - the CLI promises no tracebacks
+        return _internal_error(args.command, e)
+
+
+def _internal_error(command: str, e: Exception) -> int:
+    if os.environ.get("REALLOC_DEBUG"):
+        raise e
+    print(f"realloc {command}: internal error: {type(e).__name__}: {e} (set REALLOC_DEBUG=1 for a traceback)",
+          file=sys.stderr)
+    return 1
 
 
 def entry() -> None:

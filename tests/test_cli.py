@@ -136,3 +136,26 @@ def test_a_run_that_fails_before_launching_leaves_no_directory(tmp_path):
     target.mkdir(parents=True)
     out = run_cli("run", "experiments/ppo_tiny.py", "--iterations", "1", "--run-dir", str(target), "--plan", str(wrong))
     assert out.returncode == EXIT_USAGE and target.is_dir()
+
+
+def test_storage_errors_are_one_line_naming_the_path(monkeypatch, capsys):
+    """A full disk or a forbidden folder is the machine's state, not a realloc bug: one line with the path and
+    the cause, exit 1; any other OSError stays an internal error."""
+    import errno
+    import os
+
+    from realloc.runtime import show_cli
+
+    def full(args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/runs/a/metrics.jsonl")
+
+    monkeypatch.setattr(show_cli, "main", full)
+    assert main(["show", "e.py"]) == 1
+    assert capsys.readouterr().err == "realloc show: error: /runs/a/metrics.jsonl: No space left on device\n"
+
+    def odd(args):
+        raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+
+    monkeypatch.setattr(show_cli, "main", odd)
+    assert main(["show", "e.py"]) == 1
+    assert "internal error: OSError" in capsys.readouterr().err

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -330,3 +331,48 @@ def _forged_counter_case(tmp_path: Path) -> None:
         master.zctx.term()
         ctx.term()
     print("real worker served")
+
+
+def test_a_full_disk_is_reported_as_itself_and_everything_still_closes(tmp_path, monkeypatch):
+    """Issue 22 item 22, with ENOSPC simulated in-process: committing checkpoint 2 fails for want of space, and so
+    does closing requests.jsonl afterwards. The run fails with one message naming the checkpoint and the real
+    cause (not the cleanup's error), trace.json and the sockets are closed anyway, and the secret file the
+    workers read at start is gone as soon as they have all connected."""
+    import errno
+
+    from realloc.runtime.persist import checkpoint
+    from realloc.runtime.records.telemetry import RequestLog
+    from realloc.runtime.control.master_link import RunFailed
+
+    spec = load_experiment(TINY)
+    graph = build_graph(spec)
+    secret = protocol.new_secret()
+    run = RunPaths(tmp_path)
+    protocol.write_secret_file(run.secret, secret)
+    full = tmp_path / "checkpoints" / "iter_00000002" / "meta.json"
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(full))
+
+    closed = []
+    real_close = RequestLog.close
+
+    def close_on_a_full_disk(self):
+        real_close(self)
+        closed.append(True)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "requests.jsonl"))
+
+    monkeypatch.setattr(checkpoint, "commit", no_space)
+    monkeypatch.setattr(RequestLog, "close", close_on_a_full_disk)
+    seen_secret = []
+    master = Master(RuntimeProgram(graph, disjoint_plan()), RunConfig.of(spec), run, "r1", secret, iterations=4,
+                    save_every=2, heartbeat_timeout=600.0, secret_file=run.secret,
+                    on_iteration=lambda m: seen_secret.append(run.secret.exists()))
+    outputs = {c: list(graph.call(c).output_data) for c in graph.topo_order}
+    with FakeWorkers(f"tcp://127.0.0.1:{master.port}", secret, "r1", spec.cluster.n_devices, outputs):
+        with pytest.raises(RunFailed) as failed:
+            asyncio.run(master.run())
+    assert str(failed.value) == f"checkpoint 2 could not be written: {full}: No space left on device"
+    assert closed and seen_secret and not any(seen_secret) and not run.secret.exists()
+    assert master.sock.closed and master.zctx.closed
+    assert json.loads((tmp_path / "trace.json").read_text())  # closed: a complete JSON document

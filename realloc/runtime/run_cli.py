@@ -40,7 +40,7 @@ from realloc.runtime.inputs.run_config import RunConfig
 from realloc.runtime.launch.launcher import (LocalLauncher, SlurmOptions, WorkerConfig, slurm_script, submit_slurm,
                                       write_job_script)
 from realloc.runtime.records.metric_sinks import MetricSinks, check_wandb_installed
-from realloc.runtime.records.run_paths import RunPaths
+from realloc.runtime.records.run_paths import RunPaths, remove_secret
 from realloc.runtime.wire import protocol
 
 DEFAULT_SEARCH_TIME = 10.0
@@ -306,7 +306,7 @@ def main(args: argparse.Namespace) -> int:
         # The run's own secret file goes when the master exits, however it exits short of SIGKILL (the
         # finally below, or atexit when interrupted before it). Workers read it only at start, and none
         # outlives the master. Under SLURM the job script removes it too, and a requeued job makes a new one.
-        atexit.register(run.secret.unlink, missing_ok=True)
+        atexit.register(remove_secret, run.secret)
         _truncate_metrics(run.metrics, start)
         if start == 0:
             run.metrics.unlink(missing_ok=True)
@@ -324,7 +324,8 @@ def main(args: argparse.Namespace) -> int:
                         resume=ckpt, save_every=args.save_every, export_every=args.export_every,
                         bind_host=bind, master_port=args.master_port,
                         store_port=args.store_port, stop_signals=stop_signals,
-                        verify_checkpoint=not args.skip_checkpoint_checks, schedule_iterations=horizon, **timeouts)
+                        verify_checkpoint=not args.skip_checkpoint_checks, schedule_iterations=horizon,
+                        secret_file=None if args.launcher == "external" else run.secret, **timeouts)
         if args.launcher in ("local", "ray"):
             wc = WorkerConfig(experiment=experiment, run_dir=str(run.root), run_id=run_id,
                               world_size=spec.cluster.n_devices, store=f"{bind}:{master.store.port}",
@@ -353,15 +354,29 @@ def main(args: argparse.Namespace) -> int:
         return master.stop.exit_code if master is not None and master.stop is not None else 1
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)
-        sinks.close()
-        if ray is not None:
-            ray.close()
-        run.secret.unlink(missing_ok=True)
+        late = _close_all(sinks, ray, run)
+    if late is not None:  # the run went well up to its last writes: they are the error
+        raise late
     _summary(summary, run)
     if master.stop is not None:
         print(f"realloc run: {master.stop.describe(str(run.root))}", file=sys.stderr)
         return master.stop.exit_code
     return 0
+
+
+def _close_all(sinks: MetricSinks, ray: Any, run: RunPaths) -> OSError | None:
+    """Close the metric sinks and Ray, and remove the secret, whatever fails (a full disk, a read-only run
+    directory); never raises, so the run's own error is the one the user sees. Returns the first OSError."""
+    first = None
+    for close in (sinks.close, *((ray.close,) if ray is not None else ())):
+        try:
+            close()
+        except OSError as e:
+            first = first or e
+    note = remove_secret(run.secret)
+    if note:
+        print(f"realloc run: warning: {note}", file=sys.stderr)
+    return first
 
 
 def _prepare_run_dir(run: RunPaths, plan: ExecutionPlan, experiment: str, sets: tuple[str, ...],

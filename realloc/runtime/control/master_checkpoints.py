@@ -16,6 +16,7 @@ from typing import Any
 from realloc.runtime.control.master_link import RunFailed
 from realloc.runtime.control.stop_signals import SAVE_SAFETY, checkpoint_seconds
 from realloc.runtime.persist import checkpoint
+from realloc.runtime.records.run_paths import os_error_line
 from realloc.runtime.wire import protocol
 
 log = logging.getLogger("realloc.master")
@@ -96,5 +97,7 @@ class CheckpointSaves:
                                  f"the newest is in {self.paths.checkpoints}")
         except RunFailed:
             pass  # recorded; run() raises it
+        except OSError as e:  # the master's part of the save: a full disk or a read-only run directory
+            self.fail(f"checkpoint {t + 1} could not be written: {os_error_line(e)}")
         finally:
             self.all_done.set()

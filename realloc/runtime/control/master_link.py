@@ -148,6 +148,10 @@ class MasterLink:
         bad = next((rep for rep in replies if not rep.ok), None)
         if bad is not None:
             it = f" (iteration {rec.iteration + 1})" if rec.iteration >= 0 else ""
+            if rec.kind == "save":  # the label names it: "checkpoint 4 could not be written: worker 0: OSError: ..."
+                self.fail(f"{rec.label} could not be written: worker {bad.rank}: {bad.error}; see "
+                          f"{self.paths.worker_log(bad.rank)}")
+                raise RunFailed(self.failure)
             where = f"call {rec.label}{it}" if rec.kind == "call" else f"{rec.label}{it}"
             self.fail(f"worker {bad.rank} failed in {where}: {bad.error}; see {self.paths.worker_log(bad.rank)}")
             raise RunFailed(self.failure)

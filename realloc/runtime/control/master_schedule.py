@@ -30,6 +30,7 @@ from typing import Any
 from realloc.graph.transfer_plan import TransferPlan, dp_ranges
 from realloc.runtime.control.master_link import RunFailed
 from realloc.runtime.control.program import Realloc
+from realloc.runtime.records.run_paths import os_error_line
 from realloc.runtime.records.telemetry import RequestRecord, iteration_metrics
 from realloc.runtime.records.text_io import write_samples
 from realloc.runtime.transfer.data_store import row_bytes
@@ -167,6 +168,12 @@ class IterationSchedule:
             self._finished(n.t)
         except RunFailed:
             pass  # already recorded; run() raises it
+        except OSError as e:  # the master's own writes: a full disk or a read-only run directory
+            if n.kind == "save":
+                self.fail(f"checkpoint {n.t + 1} could not be written: {os_error_line(e)}")
+            else:
+                self.fail(f"the run's records could not be written after {n.label} (iteration {n.t + 1}): "
+                          f"{os_error_line(e)}")
         except Exception as e:  # noqa: BLE001 - a bug here must stop the run, not hang it
             self.fail(f"master error in {n.label} (iteration {n.t + 1}): {type(e).__name__}: {e}")
 
