@@ -40,6 +40,7 @@ from realloc.runtime.inputs.run_config import RunConfig
 from realloc.runtime.launch.launcher import (LocalLauncher, SlurmOptions, WorkerConfig, slurm_script, submit_slurm,
                                       write_job_script)
 from realloc.runtime.records.metric_sinks import MetricSinks, check_wandb_installed
+from realloc.runtime.records.progress import LONG_CALL_S, RunProgress
 from realloc.runtime.records.run_paths import RunPaths, remove_secret
 from realloc.runtime.wire import protocol
 
@@ -421,16 +422,30 @@ def _device(spec: ExperimentSpec) -> str:
     return "cpu" if spec.cluster.device == "cpu" else "cuda"
 
 
-def _drive(master: Any, total: int, start: int, sinks: MetricSinks, quiet: bool) -> dict[str, Any]:
+def _drive(master: Any, total: int, start: int, sinks: MetricSinks, quiet: bool,
+           long_call: float = LONG_CALL_S) -> dict[str, Any]:
+    """Run the master, printing each iteration's line and the progress inside iterations (``progress.py``):
+    a rich bar whose status names the running calls and the ETA on a terminal, plain lines otherwise."""
     from realloc.runtime.records.telemetry import format_line
 
+    progress = RunProgress(total, start, long_call=long_call)
     if quiet:
         def on_line(m: dict[str, Any]) -> None:
-            print(format_line(m, total), flush=True)
+            progress.iteration_done()
+            print(f"{format_line(m, total)} | {progress.eta_text()}", flush=True)
             sinks.write(m)
 
-        master.on_iteration = on_line
-        return asyncio.run(master.run())
+        def on_node(label: str, iteration: int, seconds: float | None) -> None:
+            line = progress.node(label, iteration, seconds)
+            if line:
+                print(line, flush=True)
+
+        def tick() -> None:
+            for line in progress.long_lines():
+                print(line, flush=True)
+
+        master.on_iteration, master.on_node = on_line, on_node
+        return asyncio.run(_with_ticker(master, tick))
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -440,13 +455,31 @@ def _drive(master: Any, total: int, start: int, sinks: MetricSinks, quiet: bool)
         task = bar.add_task("iterations", total=total, completed=start, status="starting workers")
 
         def on_iteration(m: dict[str, Any]) -> None:
+            progress.iteration_done()
             console.print(format_line(m, total))
             sinks.write(m)
-            reward = f"reward {m['reward']:.3f}" if "reward" in m else ""
-            bar.update(task, advance=1, status=reward)
+            bar.update(task, advance=1, status=progress.status())
 
-        master.on_iteration = on_iteration
-        return asyncio.run(master.run())
+        def on_node_bar(label: str, iteration: int, seconds: float | None) -> None:
+            progress.node(label, iteration, seconds)
+            bar.update(task, status=progress.status())
+
+        master.on_iteration, master.on_node = on_iteration, on_node_bar
+        return asyncio.run(_with_ticker(master, lambda: bar.update(task, status=progress.status())))
+
+
+async def _with_ticker(master: Any, tick: Any, every: float = 1.0) -> dict[str, Any]:
+    """``master.run()``, calling ``tick()`` every ``every`` seconds while it runs (the running calls' times)."""
+    async def ticker() -> None:
+        while True:
+            await asyncio.sleep(every)
+            tick()
+
+    task = asyncio.create_task(ticker())
+    try:
+        return await master.run()
+    finally:
+        task.cancel()
 
 
 def _summary(summary: dict[str, Any], run: RunPaths) -> None:

@@ -57,7 +57,8 @@ class Master(MasterLink, IterationSchedule, EvaluationPasses, CheckpointSaves):
                  stop_signals: StopSignals = StopSignals(), verify_checkpoint: bool = True,
                  schedule_iterations: int | None = None,
                  on_iteration: Callable[[dict[str, Any]], None] | None = None,
-                 secret_file: Path | None = None) -> None:
+                 secret_file: Path | None = None,
+                 on_node: Callable[[str, int, float | None], None] | None = None) -> None:
         if iterations < 1:
             raise ValueError(f"iterations must be at least 1, got {iterations}")
         for m, on in program.plan.offload.items():
@@ -85,6 +86,9 @@ class Master(MasterLink, IterationSchedule, EvaluationPasses, CheckpointSaves):
         self.call_timeout = call_timeout
         self.window = max(1, window)
         self.on_iteration = on_iteration
+        # (node label, iteration from 1, None) as a node of the schedule starts, (..., seconds) as it ends: the
+        # console's progress inside an iteration (records/progress.py)
+        self.on_node = on_node
         # The secret file this run's launcher gave its workers: removed once every worker has read it (connected),
         # so a run directory that later fills up or turns read-only holds no secret whatever happens next.
         self.secret_file = secret_file

@@ -143,6 +143,8 @@ class IterationSchedule:
                 if d.t >= self.start:
                     await self.done[d.t][d].wait()
             t0 = time.time()
+            if self.on_node is not None:
+                self.on_node(n.label, n.t + 1, None)
             if n.kind == "call":
                 await self._call(n)
             elif n.kind == "realloc":
@@ -161,6 +163,8 @@ class IterationSchedule:
             elif n.kind == "eval":
                 await self._eval(n)
             t1 = time.time()
+            if self.on_node is not None:
+                self.on_node(n.label, n.t + 1, t1 - t0)
             self.trace.add_node(n.label, n.kind, n.t, t0, t1)
             key = n.name if n.kind == "call" else n.kind
             self.node_times[n.t][key] = self.node_times[n.t].get(key, 0.0) + (t1 - t0)
