@@ -4,7 +4,6 @@ console of a real ``Master`` driven by fake workers whose calls are slow."""
 
 from __future__ import annotations
 
-import asyncio
 import re
 
 from fake_workers import FakeWorkers
