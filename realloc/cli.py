@@ -217,6 +217,8 @@ def _add_trace(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--iterations", default="1..3", help="which iterations, A..B counted from 1 (default 1..3)")
     s.add_argument("--experiment", default=None, help="the experiment, if the run has no run.json")
     s.add_argument("--no-estimate", action="store_true", help="only the measured timeline")
+    s.add_argument("--common-scale", action="store_true", help="draw the measured and estimated panels on one time "
+                   "axis (default: each on its own, which the titles say)")
     _profiles_option(s)
     s.set_defaults(func=trace_cli.main)
 
