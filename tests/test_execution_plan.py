@@ -158,7 +158,6 @@ def test_the_readmes_plan_file_and_by_hand_examples_are_valid(tmp_path, monkeypa
     import re
     from pathlib import Path
 
-    from realloc.graph.dataflow import build_graph
     from realloc.graph.plan import check_placement
     from realloc.overrides import load_with_overrides
 
