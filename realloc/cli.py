@@ -20,8 +20,9 @@ from realloc.runtime.run_cli import DEFAULT_SEARCH_TIME
 from realloc.search import search_cli
 
 EXIT_USAGE = 2
-# OSErrors of the machine's storage, reported as one line naming the path and the cause
-_STORAGE_ERRORS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG})
+# OSErrors of the machine's storage and of paths the user gave, reported as one line naming the path and the cause
+_STORAGE_ERRORS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG,
+                             errno.ENOENT, errno.ENOTDIR, errno.EISDIR})
 
 
 def _set_option(s: argparse.ArgumentParser) -> None:

@@ -159,3 +159,12 @@ def test_storage_errors_are_one_line_naming_the_path(monkeypatch, capsys):
     monkeypatch.setattr(show_cli, "main", odd)
     assert main(["show", "e.py"]) == 1
     assert "internal error: OSError" in capsys.readouterr().err
+
+
+def test_search_refuses_an_output_in_a_missing_folder_before_searching(tmp_path, capsys):
+    for option in ("--out", "--timeline"):
+        target = tmp_path / "missing" / ("p.json" if option == "--out" else "t.svg")
+        assert main(["search", "experiments/ppo_tiny.py", "--evals", "10", option, str(target)]) == EXIT_USAGE
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"realloc search: error: {option} {target}: folder {target.parent} does not exist; create "
+                       f"it first"]

@@ -141,3 +141,14 @@ def test_exported_files_all_get_the_umasks_mode(tmp_path):
     modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in out.iterdir()}
     assert "model.safetensors" in modes and "config.json" in modes
     assert set(modes.values()) == {0o640}, modes
+
+
+def test_a_failed_export_removes_the_folders_it_created(tmp_path):
+    ckpt, _ = _fake_checkpoint(tmp_path / "run", CFG, 2, 1, iteration=0)
+    shard = checkpoint.shard_file(ckpt, "actor", 1, 0)
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="corrupted"):
+        export_checkpoint(ckpt, "actor", tmp_path / "new" / "deeper" / "hf")
+    assert not (tmp_path / "new").exists()

@@ -111,10 +111,14 @@ def _check_run_dir(root: Path, create: bool) -> None:
         except OSError as e:
             raise ValueError(f"run directory {root}: cannot create it ({e.strerror}: {e.filename}); pass --run-dir "
                              f"a folder you can write to") from None
+        if not os.access(root, os.W_OK | os.X_OK):  # (root may write anywhere: then the writes themselves say so)
+            raise ValueError(f"run directory {root} is not writable; pass --run-dir a folder you can write to")
         return
     ancestor = next(p for p in (root, *root.parents) if p.exists())
     if not ancestor.is_dir():
         raise ValueError(f"run directory {root}: {ancestor} is a file; pass --run-dir a folder you can write to")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ValueError(f"run directory {root}: {ancestor} is not writable; pass --run-dir a folder you can write to")
 
 
 def _first_missing(root: Path) -> Path | None:

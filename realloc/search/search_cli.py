@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from realloc.overrides import load_with_overrides
 from realloc.search.planner import SearchReport, baseline, experiment_of, plan_search
@@ -81,6 +82,10 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--threads must be at least 1, got {n_threads}")
     if args.timeline:
         check_suffix(args.timeline)
+    for option, path in (("--out", args.out), ("--timeline", args.timeline)):
+        # before the search: a wrong folder must not cost the search's time first
+        if path and not Path(path).resolve().parent.is_dir():
+            raise ValueError(f"{option} {path}: folder {Path(path).resolve().parent} does not exist; create it first")
     experiment = load_with_overrides(args.experiment, getattr(args, "set", None) or ())
     name = getattr(args, "baseline", None)
     if name:

@@ -101,6 +101,7 @@ def export_checkpoint(ckpt: str | Path, model: str, out: str | Path, *, dtype: s
         raise ValueError(f"export directory {out} is not empty; choose a new --out")
     tmp = out.with_name(f".{out.name}.part")
     shutil.rmtree(tmp, ignore_errors=True)
+    created = next((a for a in reversed(out.parents) if not a.exists()), None)  # removed again on failure
     tmp.mkdir(parents=True)
     try:
         written_dtype = None
@@ -128,6 +129,8 @@ def export_checkpoint(ckpt: str | Path, model: str, out: str | Path, *, dtype: s
              "experiment": meta.get("experiment"), "layout": {"tp": tp, "pp": pp}}, indent=2))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed export leaves nothing behind
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
         raise
     if out.exists():
         out.rmdir()
