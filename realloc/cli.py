@@ -171,10 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the interpreter of the master and workers in the job (default: this one, by its absolute "
                         "path; python3 from the job's PATH when --setup lines or a container image are given)")
     g.add_argument("--mem", default=None, metavar="SIZE", help="memory per node, SLURM's --mem (e.g. 200G; 0: all)")
-    g.add_argument("--gres", default=None, metavar="gpu[:TYPE][:COUNT]",
-                   help="request the GPUs as --gres (e.g. gpu:a100; the count is the devices per node) instead of "
-                        "--gpus-per-node")
-    s.add_argument("--quiet", action="store_true", help="no progress bar: one plain line per iteration")
+    g.add_argument("--gres", default=None, metavar="SPEC",
+                   help="request the GPUs as --gres gpu[:TYPE][:COUNT] (e.g. gpu:a100; the count is the devices per node) "
+                        "instead of --gpus-per-node")
+    s.add_argument("--quiet", action="store_true", help="no progress bar: plain lines (one per iteration, with the "
+                   "ETA, and one per call running over a minute), as without a terminal")
     s.add_argument("--heartbeat-timeout", type=float, default=None, metavar="SECONDS",
                    help="a worker silent this long counts as hung and the run stops about 1 s later (default 6; "
                    "raise it if workers hold the GIL for long, e.g. while writing huge checkpoints)")
