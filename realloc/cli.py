@@ -172,8 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "path; python3 from the job's PATH when --setup lines or a container image are given)")
     g.add_argument("--mem", default=None, metavar="SIZE", help="memory per node, SLURM's --mem (e.g. 200G; 0: all)")
     g.add_argument("--gres", default=None, metavar="SPEC",
-                   help="request the GPUs as --gres gpu[:TYPE][:COUNT] (e.g. gpu:a100; the count is the devices per node) "
-                        "instead of --gpus-per-node")
+                   help="request the GPUs as --gres gpu[:TYPE][:COUNT] (e.g. gpu:a100; the count is the devices per "
+                        "node) instead of --gpus-per-node")
     s.add_argument("--quiet", action="store_true", help="no progress bar: plain lines (one per iteration, with the "
                    "ETA, and one per call running over a minute), as without a terminal")
     s.add_argument("--heartbeat-timeout", type=float, default=None, metavar="SECONDS",
