@@ -44,8 +44,8 @@ def test_a_run_directory_made_read_only_mid_run_ends_in_one_line_with_nothing_le
     try:
         run_dir.mkdir()
         cmd = [*(NO_OVERRIDE if ROOT else []), sys.executable, "-m", "realloc.cli", "run",
-               str(REPO / "experiments/ppo_tiny.py"), "--baseline", "heuristic", "--iterations", "4", "--save-every", "4", "--run-dir", str(run_dir), "--quiet",
-               "--no-tensorboard"]
+               str(REPO / "experiments/ppo_tiny.py"), "--baseline", "heuristic", "--iterations", "4", "--save-every",
+               "4", "--run-dir", str(run_dir), "--quiet", "--no-tensorboard"]
         env = {**os.environ, "HOME": str(run_dir), "PYTHONDONTWRITEBYTECODE": "1"}
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
