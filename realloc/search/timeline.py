@@ -220,7 +220,7 @@ def draw_panel(ax: object, panel: Panel, span: float, title: str | None = None) 
     for t, e in panel.iteration_ends:
         ax.axvline(e, color="black", linewidth=1.0)
         ax.text(e, -0.02 * n_dev, f"iteration {t}", ha="right", va="bottom", fontsize=7)
-    ax.set_ylim(n_dev, -0.14 * n_dev)
+    ax.set_ylim(n_dev, -(0.3 + 0.02 * n_dev))  # room above the rows for the "iteration N" labels
     step = max(1, n_dev // 32)
     ax.set_yticks([d + 0.5 for d in range(0, n_dev, step)])
     ax.set_yticklabels(panel.devices[::step], fontsize=7)
@@ -233,8 +233,7 @@ LABEL_PAD = 4  # pixels kept free on each side of a label
 
 def _label_boxes(ax: object, panel: Panel, renderer: object) -> None:
     """Name each call box with the longest text that fits inside it: name and strategy on two lines, the name
-    alone, or nothing (the legend and the colour still say which call it is). Boxes of one call spanning the
-    same devices side by side (a call's devices in one row each) get the text once per box."""
+    alone, the name upright in a tall narrow box, or nothing (the colour and the legend still say which call)."""
     from matplotlib.font_manager import FontProperties
 
     prop = FontProperties(size=LABEL_FONT)
@@ -253,6 +252,10 @@ def _label_boxes(ax: object, panel: Panel, renderer: object) -> None:
             if w <= room_w and h <= room_h:
                 ax.text((b.start + b.end) / 2, (b.lo + b.hi) / 2, "\n".join(lines), ha="center", va="center",
                         fontsize=LABEL_FONT, clip_on=True)
+                break
+            if len(lines) == 1 and h <= room_w and w <= room_h:  # a narrow, tall box: the name upright
+                ax.text((b.start + b.end) / 2, (b.lo + b.hi) / 2, lines[0], ha="center", va="center",
+                        fontsize=LABEL_FONT, rotation=90, clip_on=True)
                 break
 
 
