@@ -67,14 +67,18 @@ def _estimator_source(report: SearchReport) -> str:
     return ", ".join(sources) or "no models"
 
 
+def _dry_run_note(args: argparse.Namespace) -> None:
+    """After a search that went well (an error stays one line): the old --dry-run flag did nothing."""
+    if getattr(args, "dry_run", False):
+        print("realloc search: note: --dry-run changes nothing (search only plans; `realloc run` launches workers)",
+              file=sys.stderr)
+
+
 def main(args: argparse.Namespace) -> int:
     max_evals = getattr(args, "evals", None)
     time_limit = args.time if args.time is not None else (None if max_evals else DEFAULT_TIME)
     if time_limit is not None and time_limit <= 0:
         raise ValueError(f"--search-time must be positive, got {args.time:g}")
-    if getattr(args, "dry_run", False):
-        print("realloc search: --dry-run changes nothing (search only plans; `realloc run` launches workers)",
-              file=sys.stderr)
     if max_evals is not None and max_evals < 1:
         raise ValueError(f"--evals must be positive, got {max_evals}")
     n_threads = getattr(args, "threads", 2)
@@ -102,6 +106,7 @@ def main(args: argparse.Namespace) -> int:
         if args.out:
             plan.save(args.out)
             print(f"wrote {args.out}")
+        _dry_run_note(args)
         return 0
     bar, update = _progress(True, time_limit, max_evals)
     if bar is not None:
@@ -119,4 +124,5 @@ def main(args: argparse.Namespace) -> int:
 
         draw_timeline(report.space, report.indices, args.timeline)
         print(f"wrote timeline {args.timeline}")
+    _dry_run_note(args)
     return 0
