@@ -34,8 +34,7 @@ class ArithSFT:
     def models(self):
         # Its tokenizer files are the run's tokenizer. Loading this file builds nothing: `realloc show` writes
         # no files; a missing directory is one error that says how to make it again.
-        hint = (f"make it again with `python -m realloc.demo.arith_demo init --out experiments/{INIT}`"
-                if self.init == INIT else "")
+        hint = "make it again with `python -m realloc.demo.arith_demo init`" if self.init == INIT else ""
         return {"actor": HFModel(self.init, build_hint=hint)}
 
     @property
