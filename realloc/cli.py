@@ -8,6 +8,7 @@ the package whose code it drives: ``estimator/profile_cli.py``, ``search/search_
 from __future__ import annotations
 
 import argparse
+import errno
 import gc
 import os
 import sys
@@ -16,9 +17,13 @@ from typing import Sequence
 from realloc import user_code
 from realloc.estimator import profile_cli
 from realloc.runtime import export_cli, run_cli, show_cli, trace_cli
+from realloc.runtime.run_cli import DEFAULT_SEARCH_TIME
 from realloc.search import search_cli
 
 EXIT_USAGE = 2
+# OSErrors of the machine's storage and of paths the user gave, reported as one line naming the path and the cause
+_STORAGE_ERRORS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG,
+                             errno.ENOENT, errno.ENOTDIR, errno.EISDIR})
 
 
 def _set_option(s: argparse.ArgumentParser) -> None:
@@ -44,9 +49,28 @@ def _use_profiles(args: argparse.Namespace) -> None:
     os.environ[PROFILES_ENV] = os.path.abspath(folder)
 
 
+def version() -> str:
+    """``realloc --version``: the installed distribution's version, else the source tree's pyproject.toml."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("realloc")
+    except PackageNotFoundError:
+        import tomllib
+        from pathlib import Path
+
+        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+        try:
+            return tomllib.loads(pyproject.read_text())["project"]["version"] + " (source tree, not installed)"
+        except (OSError, KeyError, tomllib.TOMLDecodeError):
+            return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="realloc", description="Plan and run RLHF dataflow graphs with parameter "
                                 "reallocation.")
+    p.add_argument("--version", action="version", version=f"realloc {version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser("show", help="validate an experiment and print its graph and candidate counts")
@@ -56,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("profile", help="measure per-layer and collective costs on this machine")
     s.add_argument("--model", required=True, help="model type, e.g. tiny or llama3-8b")
-    s.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    s.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to measure (default cpu)")
     s.add_argument("--tp", default="1", help="comma-separated tensor-parallel degrees to profile")
     s.add_argument("--out", default=None, help="output JSON path (default: <--profiles DIR>/<device>/<model>.json)")
     s.add_argument("--kind", default=None, help="device kind of profiles/hardware/<kind>.json (cpu by default; "
@@ -73,15 +97,17 @@ def build_parser() -> argparse.ArgumentParser:
     _profiles_option(s)
     s.set_defaults(func=profile_cli.main)
 
-    s = sub.add_parser("search", help="search an execution plan and report it")
-    s.add_argument("experiment")
-    s.add_argument("--dry-run", action="store_true", help="only plan; do not launch workers")
-    s.add_argument("--time", type=float, default=None, help="search time limit in seconds (default 10, or none "
-                   "with --evals)")
+    s = sub.add_parser("search", help="search an execution plan and report it (plans only; `realloc run` trains)")
+    s.add_argument("experiment", help="experiment file (path/exp.py[:Class]) or module")
+    # search never launches workers: --dry-run changes nothing (kept so old command lines work; it says so)
+    s.add_argument("--dry-run", action="store_true", help=argparse.SUPPRESS)
+    s.add_argument("--search-time", dest="time", type=float, default=None, metavar="SECONDS",
+                   help="search time limit in seconds (default 10, or none with --evals); `run --search-time` alike")
+    s.add_argument("--time", dest="time", type=float, help=argparse.SUPPRESS)  # the old name of --search-time
     s.add_argument("--evals", type=int, default=None, help="evaluation budget; with no --time the result depends "
                    "only on --seed and --threads")
     s.add_argument("--threads", type=int, default=2, help="search threads (one MCMC chain each)")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int, default=0, help="random seed of the search's chains (default 0)")
     s.add_argument("--baseline", default=None, choices=["heuristic", "colocate-dp", "split"],
                    help="print (and --out) this baseline plan instead of searching")
     s.add_argument("--out", default=None, help="write the plan JSON here")
@@ -91,13 +117,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=search_cli.main)
 
     s = sub.add_parser("run", help="run the experiment on its cluster")
-    s.add_argument("experiment")
+    s.add_argument("experiment", help="experiment file (path/exp.py[:Class]) or module")
     g = s.add_mutually_exclusive_group()
-    g.add_argument("--plan", default=None, help="execution plan JSON to run")
-    g.add_argument("--search-time", type=float, default=None)
-    g.add_argument("--baseline", default=None)
-    s.add_argument("--iterations", type=int, default=None)
-    s.add_argument("--resume", default=None, help="checkpoint directory to resume from")
+    g.add_argument("--plan", default=None, help="execution plan JSON to run (from `realloc search --out`, or "
+                   "written by hand: README, Planning)")
+    g.add_argument("--search-time", type=float, default=None, metavar="SECONDS",
+                   help=f"search a plan for this many seconds before training (default {DEFAULT_SEARCH_TIME:g} "
+                        f"when neither --plan nor --baseline is given)")
+    g.add_argument("--baseline", default=None, choices=["heuristic", "colocate-dp", "split"],
+                   help="run this baseline plan instead of searching (`realloc search EXP --baseline NAME` "
+                        "prints it)")
+    s.add_argument("--iterations", type=int, default=None, help="iterations to run up to, counted from 1 "
+                   "(default: the experiment's `iterations`)")
+    s.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue from a checkpoint: a run directory (its newest checkpoint), its checkpoints/ "
+                        "folder, or one checkpoints/iter_<N> directory")
     s.add_argument("--schedule-iterations", type=int, default=None, metavar="N",
                    help="iterations the learning-rate schedule spans (default: this run's --iterations; a resumed "
                         "run keeps its checkpoint's)")
@@ -126,10 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "secret, job.sbatch) but do not submit")
     _set_option(s)
     g = s.add_argument_group("SLURM (--launcher slurm)")
-    g.add_argument("--partition", default=None)
-    g.add_argument("--account", default=None)
-    g.add_argument("--time", default="24:00:00", help="time limit (default 24:00:00)")
-    g.add_argument("--job-name", default="realloc")
+    g.add_argument("--partition", default=None, help="SLURM partition (default: the cluster's)")
+    g.add_argument("--account", default=None, help="SLURM account to charge")
+    g.add_argument("--time", default="24:00:00", metavar="D-HH:MM:SS",
+                   help="the job's wall-clock limit, SLURM's --time (default 24:00:00); not the plan search's "
+                        "time, which is --search-time")
+    g.add_argument("--job-name", default="realloc", help="SLURM job name (default realloc)")
     g.add_argument("--nodelist", default=None, help="pin the job to these hosts (by default SLURM picks; node i "
                    "of the plan runs on the i-th allocated node)")
     g.add_argument("--cpus-per-task", type=int, default=None, help="CPUs per device (default: the whole node, "
@@ -140,7 +176,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a shell line run first in the job, e.g. --setup 'module load cuda' (repeatable)")
     g.add_argument("--srun-arg", action="append", default=[], metavar="OPTION",
                    help="an srun option for the workers, e.g. --srun-arg container-image=IMAGE (repeatable)")
-    s.add_argument("--quiet", action="store_true", help="no progress bar: one plain line per iteration")
+    g.add_argument("--python", default=None, metavar="PATH",
+                   help="the interpreter of the master and workers in the job (default: this one, by its absolute "
+                        "path; python3 from the job's PATH when --setup lines or a container image are given)")
+    g.add_argument("--mem", default=None, metavar="SIZE", help="memory per node, SLURM's --mem (e.g. 200G; 0: all)")
+    g.add_argument("--gres", default=None, metavar="SPEC",
+                   help="request the GPUs as --gres gpu[:TYPE][:COUNT] (e.g. gpu:a100; the count is the devices per "
+                        "node) instead of --gpus-per-node")
+    s.add_argument("--quiet", action="store_true", help="no progress bar: plain lines (one per iteration, with the "
+                   "ETA, and one per call running over a minute), as without a terminal")
     s.add_argument("--heartbeat-timeout", type=float, default=None, metavar="SECONDS",
                    help="a worker silent this long counts as hung and the run stops about 1 s later (default 6; "
                    "raise it if workers hold the GIL for long, e.g. while writing huge checkpoints)")
@@ -187,6 +231,8 @@ def _add_trace(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--iterations", default="1..3", help="which iterations, A..B counted from 1 (default 1..3)")
     s.add_argument("--experiment", default=None, help="the experiment, if the run has no run.json")
     s.add_argument("--no-estimate", action="store_true", help="only the measured timeline")
+    s.add_argument("--common-scale", action="store_true", help="draw the measured and estimated panels on one time "
+                   "axis (default: each on its own, which the titles say)")
     _profiles_option(s)
     s.set_defaults(func=trace_cli.main)
 
@@ -204,15 +250,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"realloc {args.command}: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # noqa: BLE001 - the CLI promises no tracebacks
-        if os.environ.get("REALLOC_DEBUG"):
-            raise
-        if user_code.user_frame(e.__traceback__) is not None:  # the user's code failed, not realloc
-            print(f"realloc {args.command}: error: {type(e).__name__}: {e}{user_code.where(e)}", file=sys.stderr)
-            return EXIT_USAGE
-        print(f"realloc {args.command}: internal error: {type(e).__name__}: {e} "
-              f"(set REALLOC_DEBUG=1 for a traceback)", file=sys.stderr)
+    except OSError as e:
+        if e.errno not in _STORAGE_ERRORS or os.environ.get("REALLOC_DEBUG"):
+            return _internal_error(args.command, e)
+        # A full disk, a quota, a read-only or forbidden folder: the user's machine, not realloc, named as such.
+        from realloc.runtime.records.run_paths import os_error_line
+
+        print(f"realloc {args.command}: error: {os_error_line(e)}", file=sys.stderr)
         return 1
+    except Exception as e:  # noqa: BLE001 - the CLI promises no tracebacks
+        return _internal_error(args.command, e)
+
+
+def _internal_error(command: str, e: Exception) -> int:
+    if os.environ.get("REALLOC_DEBUG"):
+        raise e
+    if user_code.user_frame(e.__traceback__) is not None:  # the user's code failed, not realloc
+        print(f"realloc {command}: error: {type(e).__name__}: {e}{user_code.where(e)}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"realloc {command}: internal error: {type(e).__name__}: {e} (set REALLOC_DEBUG=1 for a traceback)",
+          file=sys.stderr)
+    return 1
 
 
 def entry() -> None:

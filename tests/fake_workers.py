@@ -41,6 +41,7 @@ class FakeWorkers:
         self.samples = samples
         self.reply_stats = reply_stats  # (request, rank) -> extra stats of the reply (answered in order per rank)
         self.requests: list[str] = []  # kinds received by rank 0, in order
+        self.closing = threading.Event()  # set on leaving the with block: a failed run sends no shutdown
         self.threads = [threading.Thread(target=self._serve, args=(endpoint, secret, run_id, r), daemon=True)
                         for r in range(n_workers)]
 
@@ -50,6 +51,7 @@ class FakeWorkers:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.closing.set()
         for t in self.threads:
             t.join(timeout=10)
         self.ctx.term()
@@ -66,16 +68,20 @@ class FakeWorkers:
         send(protocol.Hello(rank=rank, pid=os.getpid(), host=socket.gethostname()))
         later: list[tuple[float, int, protocol.Reply]] = []  # held replies: (when, order, reply)
         order = itertools.count()
+        last_request = time.monotonic()
         try:
             while True:
                 holding = bool(later)
-                ready = sock.poll(max(0, int((later[0][0] - time.monotonic()) * 1000)) if holding else 30_000)
+                ready = sock.poll(max(0, int((later[0][0] - time.monotonic()) * 1000)) if holding else 200)
+                if self.closing.is_set():
+                    return
                 while later and later[0][0] <= time.monotonic():
                     send(heapq.heappop(later)[2])
                 if not ready:
-                    if holding:  # the poll only waited for a held reply
+                    if holding or time.monotonic() - last_request < 30:  # the poll only waited for a held reply
                         continue
                     return  # 30 s without a request: the master is gone
+                last_request = time.monotonic()
                 env = channel.try_unpack(sock.recv_multipart(), protocol.MASTER)
                 if env is None:
                     continue

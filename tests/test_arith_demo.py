@@ -111,3 +111,23 @@ def test_the_shipped_sft_checkpoint_is_the_sft_stage_the_readme_describes():
     # Nearly all of the gap is the padding habit ("007" for 7; "000" for 0 and the like are the rest).
     padded = sum(r.lstrip("0") == a and r != a for _, r, a in before.examples)
     assert padded >= 0.95 * (before.right_value - before.correct), (padded, before.examples[:20])
+
+
+def test_the_shipped_random_start_is_what_the_init_stage_makes(tmp_path):
+    """experiments/data/arith_init (shipped so that arith_sft.py validates on a fresh clone) holds the weights and
+    config the seeded init stage makes again."""
+    from safetensors.torch import load_file
+
+    made = arith_demo.init_checkpoint(target=tmp_path / "init")
+    shipped = arith_demo.SHIPPED_INIT
+    assert json.loads((made / "config.json").read_text()) == json.loads((shipped / "config.json").read_text())
+    a, b = load_file(str(made / "model.safetensors")), load_file(str(shipped / "model.safetensors"))
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    assert (made / "tokenizer.json").read_bytes() == (shipped / "tokenizer.json").read_bytes()
+
+
+def test_the_demo_outside_a_source_tree_says_it_needs_one(monkeypatch, capsys):
+    monkeypatch.setattr(arith_demo, "GRPO_EXPERIMENT", REPO / "nowhere" / "arith_grpo.py")
+    assert arith_demo.main([]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "runs from a source checkout" in err and "nowhere" in err

@@ -87,3 +87,84 @@ def test_python_dash_m_realloc_runs_the_realloc_program():
     bad = subprocess.run([sys.executable, "-m", "realloc", "show", "experiments/grpo_tiny.py", "--set", "grpo.lrr=1"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == EXIT_USAGE and bad.stderr.strip().count("\n") == 0 and "no field 'lrr'" in bad.stderr
+
+
+def test_version_and_the_help_of_every_run_and_search_option():
+    """Issue 22 item 19: --version; every option of run and search has help, and --time says which time it is."""
+    import tomllib
+    from pathlib import Path
+
+    out = run_cli("--version")
+    want = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["version"]
+    assert out.returncode == 0 and out.stdout.startswith(f"realloc {want}"), out.stdout
+    parser = build_parser()
+    subs = next(a for a in parser._actions if a.dest == "command").choices
+    for cmd in ("run", "search"):
+        for action in subs[cmd]._actions:
+            if action.help == "==SUPPRESS==" or action.dest in ("help", "experiment"):
+                continue
+            assert action.help, f"realloc {cmd} {action.option_strings}: no help"
+    run_help = {o: a.help for a in subs["run"]._actions for o in a.option_strings}
+    assert "wall-clock" in run_help["--time"] and "--search-time" in run_help["--time"]
+    assert "run directory" in run_help["--resume"] and "checkpoints/iter_<N>" in run_help["--resume"]
+    search_help = {o: a.help for a in subs["search"]._actions for o in a.option_strings}
+    assert "search time" in search_help["--search-time"]
+    # --time and --dry-run of `search` still parse (old command lines) but are not advertised
+    args = parser.parse_args(["search", "e.py", "--time", "3", "--dry-run"])
+    assert args.time == 3.0 and search_help["--time"] == search_help["--dry-run"] == "==SUPPRESS=="
+    assert parser.parse_args(["search", "e.py", "--search-time", "4"]).time == 4.0
+
+
+def test_search_dry_run_says_it_changes_nothing(capsys):
+    assert main(["search", "experiments/ppo_tiny.py", "--dry-run", "--evals", "50", "--threads", "1"]) == 0
+    assert "--dry-run changes nothing" in capsys.readouterr().err
+
+
+def test_a_run_that_fails_before_launching_leaves_no_directory(tmp_path):
+    """Issue 22 item 19: `--run-dir X` with a plan the experiment cannot run (or a bad --baseline) fails in one
+    line and leaves neither X nor X/prompt_cache; an existing run directory is kept."""
+    wrong = tmp_path / "wrong_plan.json"
+    out = run_cli("search", "experiments/grpo_tiny.py", "--baseline", "heuristic", "--out", str(wrong))
+    assert out.returncode == 0, out.stderr
+    target = tmp_path / "a" / "b"
+    for extra in (["--plan", str(wrong)], ["--baseline", "nope"]):
+        out = run_cli("run", "experiments/ppo_tiny.py", "--iterations", "1", "--run-dir", str(target), *extra)
+        assert out.returncode == EXIT_USAGE and "Traceback" not in out.stderr
+        last = out.stderr.strip().splitlines()[-1]  # argparse prints its usage first
+        assert last.startswith("realloc run: error:") and ("no placement" in last or "choose from" in last), out.stderr
+        assert not (tmp_path / "a").exists()
+    target.mkdir(parents=True)
+    out = run_cli("run", "experiments/ppo_tiny.py", "--iterations", "1", "--run-dir", str(target), "--plan", str(wrong))
+    assert out.returncode == EXIT_USAGE and target.is_dir()
+
+
+def test_storage_errors_are_one_line_naming_the_path(monkeypatch, capsys):
+    """A full disk or a forbidden folder is the machine's state, not a realloc bug: one line with the path and
+    the cause, exit 1; any other OSError stays an internal error."""
+    import errno
+    import os
+
+    from realloc.runtime import show_cli
+
+    def full(args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/runs/a/metrics.jsonl")
+
+    monkeypatch.setattr(show_cli, "main", full)
+    assert main(["show", "e.py"]) == 1
+    assert capsys.readouterr().err == "realloc show: error: /runs/a/metrics.jsonl: No space left on device\n"
+
+    def odd(args):
+        raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+
+    monkeypatch.setattr(show_cli, "main", odd)
+    assert main(["show", "e.py"]) == 1
+    assert "internal error: OSError" in capsys.readouterr().err
+
+
+def test_search_refuses_an_output_in_a_missing_folder_before_searching(tmp_path, capsys):
+    for option in ("--out", "--timeline"):
+        target = tmp_path / "missing" / ("p.json" if option == "--out" else "t.svg")
+        assert main(["search", "experiments/ppo_tiny.py", "--evals", "10", option, str(target)]) == EXIT_USAGE
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"realloc search: error: {option} {target}: folder {target.parent} does not exist; create "
+                       f"it first"]

@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import re
 
 import pytest
 
@@ -15,6 +16,7 @@ from realloc.estimator.memory import local_optimizer_elems, local_params
 from realloc.estimator.opcount import Part, Phase, op_work
 from realloc.estimator.transfer_cost import BUCKET_BYTES, DIRECT_BYTES, plan_seconds
 from realloc.graph.dataflow import build_graph
+from realloc.graph.plan import ExecutionPlan, validate_plan
 from realloc.graph.transfer_plan import Layout, plan_param_realloc
 from realloc.models.config import get_model_config
 from realloc.overrides import apply_overrides
@@ -170,7 +172,7 @@ def test_pipeline_bubble_formula():
     assert decode_round([t], 3, 0.0).time == pytest.approx(3 * 4.0)  # pp = 1: one after another
 
 
-@pytest.mark.parametrize("strategy, n_mbs", [(S(1, 2, 1), 4), (S(1, 1, 2), 3), (S(2, 1, 1), 2)])
+@pytest.mark.parametrize("strategy, n_mbs", [(S(1, 2, 1), 4), (S(1, 1, 2), 8), (S(2, 1, 1), 2)])
 def test_recomputation_costs_one_more_forward_of_the_blocks_per_micro_batch(tiny, strategy, n_mbs):
     """Recomputing activations adds one forward of a stage's L_k blocks (compute and their 2 tp all-reduces,
     no embedding, no head) to every micro-batch on every stage; through 1F1B that is (pp + m - 1) of them
@@ -397,3 +399,38 @@ def test_bf16_gradient_buffers_halve_the_trained_models_gradient_bytes_and_dp_tr
     saved = (2 - 1) * n / 2 * 2 / bw + 2 * n * 2 / (hw.memory_bandwidth * hw.memory_efficiency)
     a, b = fp32.call_cost("train", mesh, s, 1), bf16.call_cost("train", mesh, s, 1)
     assert a.dp_allreduce - b.dp_allreduce == pytest.approx(2 * saved)
+
+
+@pytest.mark.parametrize("call, mesh, strategy, n_mbs, match", [
+    # 512 prompts / 8 mini-batches = 64 sequences per optimizer step: dp 4 x 3 micro-batches does not split them
+    ("actor_train", "trainer[01-02]", S(4, 4, 1), 3, "64 sequences per step cannot be split over dp=4 into n_mbs=3"),
+    ("actor_gen", "trainer[01-02]", S(1, 16, 1), 1, "tp=16 must divide the 8 devices the mesh uses per node"),
+    ("ref_inf", "trainer[01-02]", S(16, 1, 1), 64, "512 sequences per step cannot be split over dp=16 into n_mbs=64"),
+    ("actor_train", "trainer[01-02]", S(1, 1, 16), 4, "pp=16 exceeds the"),  # fine: 32 layers; see below
+    ("actor_gen", "trainer01", S(8, 1, 1), 1, "recompute applies to TRAIN_STEP calls only"),
+    ("actor_train", "trainer01", S(8, 1, 1), 0, "n_mbs must be at least 1"),
+])
+def test_the_estimator_api_refuses_placements_the_planner_rejects(big, call, mesh, strategy, n_mbs, match):
+    """Issue 22 item 23: call_cost and call_memory raise the planner's own error for a placement that no plan could
+    use, instead of pricing it; the same placement in a plan fails validate_plan with the same words."""
+    m = big.cluster.mesh(mesh)
+    recompute = "recompute" in match
+    if strategy.pp == 16:  # llama3-8b has 32 layers, so pp=16 is valid: priced, and the plan validates
+        assert big.call_cost(call, m, strategy, n_mbs).time > 0
+        assert big.call_memory(call, m, strategy, n_mbs).total > 0
+        return
+    for fn in (big.call_cost, big.call_memory):
+        with pytest.raises(ValueError, match=re.escape(match)):
+            fn(call, m, strategy, n_mbs, recompute=recompute)
+    if n_mbs >= 1:  # ExecutionPlan itself refuses n_mbs < 1
+        plan = big_plan(big, call, mesh, strategy, n_mbs, recompute)
+        with pytest.raises(ValueError, match=re.escape(match)):
+            validate_plan(plan, big.graph)
+
+
+def big_plan(model: CostModel, call: str, mesh: str, strategy: S, n_mbs: int, recompute: bool) -> ExecutionPlan:
+    """A plan of ``model``'s experiment with every call on the whole cluster at dp 16, except ``call``."""
+    whole = model.cluster.whole.name
+    places = {c: (whole, 16, 1, 1, 1) for c in model.graph.spec.call_names}
+    places[call] = (mesh, strategy.dp, strategy.tp, strategy.pp, n_mbs)
+    return ExecutionPlan.by_hand(model.graph, places, recompute=[call] if recompute else [])

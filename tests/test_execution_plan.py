@@ -150,3 +150,27 @@ def test_rule_calls_are_data_parallel_only(tp, pp):
     placements["rew_inf"] = CallPlacement(mesh="localhost", dp=1, tp=tp, pp=pp, n_mbs=1)
     with pytest.raises(ValueError, match="call 'rew_inf' runs a rule function, which is data-parallel only"):
         validate_plan(plan.model_copy(update={"placements": placements}), g)
+
+
+def test_the_readmes_plan_file_and_by_hand_examples_are_valid(tmp_path, monkeypatch):
+    """README, Planning: the plan-file example parses, its meshes and placements pass the runtime's checks, and
+    the ExecutionPlan.by_hand example runs as written (issue 22 item 20)."""
+    import re
+    from pathlib import Path
+
+    from realloc.graph.plan import check_placement
+    from realloc.overrides import load_with_overrides
+
+    repo = Path(__file__).resolve().parents[1]
+    readme = (repo / "README.md").read_text()
+    section = readme[readme.index("**Plan files and hand-written plans.**"):readme.index("Searching from Python:")]
+    text = re.search(r"```json\n(.*?)```", section, re.S).group(1)
+    plan = ExecutionPlan.from_json(text)
+    graph = build_graph(load_with_overrides(str(repo / "experiments/ppo_tiny.py"), []))
+    assert plan.graph_digest == graph.digest and plan.experiment == graph.spec.name
+    for call, p in plan.placements.items():
+        check_placement(graph, call, graph.spec.cluster.mesh(p.mesh), p.strategy, p.n_mbs, p.recompute)
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    exec(code.replace('"experiments/ppo_tiny.py"', repr(str(repo / "experiments/ppo_tiny.py"))), {})
+    assert ExecutionPlan.load(tmp_path / "plan.json").placements["actor_train"].recompute

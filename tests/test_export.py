@@ -9,6 +9,8 @@ exported and compared with transformers) is in test_runtime_hf_e2e.py.
 from __future__ import annotations
 
 import json
+import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -124,3 +126,29 @@ def test_cli_picks_the_checkpoint_by_completed_iterations(tmp_path):
                          text=True, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert bad.returncode == 2 and "no checkpoint after iteration 7" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_exported_files_all_get_the_umasks_mode(tmp_path):
+    """Issue 22 item 19: safetensors creates its files 0600; an export's weights get the same mode as its config
+    (0666 minus the umask), here under umask 027 so that neither the old 0600 nor a fixed 0644 passes."""
+    run = tmp_path / "run"
+    _fake_checkpoint(run, CFG, 1, 1, iteration=1, seed=1)
+    out = tmp_path / "o"
+    cmd = [sys.executable, "-m", "realloc.cli", "export", str(run), "--model", "actor", "--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+                       preexec_fn=lambda: os.umask(0o027))
+    assert r.returncode == 0, r.stderr
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in out.iterdir()}
+    assert "model.safetensors" in modes and "config.json" in modes
+    assert set(modes.values()) == {0o640}, modes
+
+
+def test_a_failed_export_removes_the_folders_it_created(tmp_path):
+    ckpt, _ = _fake_checkpoint(tmp_path / "run", CFG, 2, 1, iteration=0)
+    shard = checkpoint.shard_file(ckpt, "actor", 1, 0)
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="corrupted"):
+        export_checkpoint(ckpt, "actor", tmp_path / "new" / "deeper" / "hf")
+    assert not (tmp_path / "new").exists()

@@ -293,3 +293,65 @@ def test_plan_nodes_map_onto_the_hosts_the_workers_report():
         plan_node_hosts(gpu, {r: "gpu-a" for r in range(16)})
     cpu = load_experiment(str(REPO / "experiments/ppo_tiny.py")).cluster
     assert plan_node_hosts(cpu, {0: "here", 1: "here"}) == ["here"]  # CPU nodes may share a host
+
+
+def _master_and_workers_python(script: str) -> tuple[str, str]:
+    lines = script.splitlines()
+    master = next(line for line in lines if "realloc.cli run" in line)
+    workers = next(line for line in lines if line.startswith("srun --kill-on-bad-exit"))
+    py_master = master.split(" -m realloc.cli")[0].split()[-1]
+    py_worker = workers.split("'exec ")[1].split()[0]
+    return py_master, py_worker
+
+
+@pytest.mark.parametrize("opts, python", [
+    (SlurmOptions(), sys.executable),  # the job runs in this environment: this interpreter
+    (SlurmOptions(setup=("source /opt/env/bin/activate",)), "python3"),  # another environment: its PATH
+    (SlurmOptions(srun_args=("container-image=nvcr.io/realloc:1",)), "python3"),
+    (SlurmOptions(srun_args=("--container-image=x",), python="/opt/venv/bin/python"), "/opt/venv/bin/python"),
+])
+def test_slurm_python_is_the_jobs_own_when_it_has_another_environment(tmp_path, opts, python):
+    """Issue 22 item 14: with --setup lines or a container image the job must not run the submit host's
+    interpreter by absolute path; --python overrides, and master and workers use the same one."""
+    spec = load_experiment(str(REPO / "experiments/ppo_7b_7b.py"))
+    script = slurm_script(spec.cluster, spec.source, RunPaths(tmp_path), "x", [], opts)
+    assert _master_and_workers_python(script) == (python, python)
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+
+
+def test_slurm_mem_and_gres(tmp_path):
+    spec = load_experiment(str(REPO / "experiments/ppo_7b_7b.py"))  # 2 nodes x 8 GPUs
+
+    def sbatch(**kw) -> list[str]:
+        script = slurm_script(spec.cluster, spec.source, RunPaths(tmp_path), "x", [], SlurmOptions(**kw))
+        return [x for x in script.splitlines() if x.startswith("#SBATCH")]
+
+    assert "#SBATCH --gpus-per-node=8" in sbatch() and not any("--mem" in x or "--gres" in x for x in sbatch())
+    lines = sbatch(mem="200G", gres="gpu:a100")
+    assert "#SBATCH --mem=200G" in lines and "#SBATCH --gres=gpu:a100:8" in lines
+    assert not any("--gpus-per-node" in x for x in lines)  # one GPU request, not two
+    assert "#SBATCH --gres=gpu:8" in sbatch(gres="gpu") and "#SBATCH --gres=gpu:h100:8" in sbatch(gres="gpu:h100:8")
+    with pytest.raises(ValueError, match="asks for 4 GPUs per node, but the cluster's nodes run 8"):
+        sbatch(gres="gpu:4")
+    with pytest.raises(ValueError, match="--mem '2 GB'"):
+        SlurmOptions(mem="2 GB")
+    tiny = load_experiment(str(REPO / "experiments/ppo_tiny.py"))
+    with pytest.raises(ValueError, match="runs on CPUs"):
+        slurm_script(tiny.cluster, tiny.source, RunPaths(tmp_path), "x", [], SlurmOptions(gres="gpu"))
+
+
+def test_cli_slurm_python_mem_and_gres_reach_the_script(tmp_path):
+    exp = tmp_path / "gpu_ppo.py"
+    exp.write_text(GPU_EXPERIMENT.format(dataset=REPO / "experiments/data/ppo_tiny_prompts.jsonl"))
+    plan = whole_cluster_plan(str(exp), dp=4, tp=4)
+    plan.save(tmp_path / "plan.json")
+    out = realloc_cli("run", str(exp), "--plan", str(tmp_path / "plan.json"), "--iterations", "2", "--launcher",
+                      "slurm", "--dry-run", "--python", "/opt/py/bin/python3", "--mem", "0", "--gres", "gpu:a100",
+                      "--run-dir", str(tmp_path / "run"))
+    assert out.returncode == 0, out.stderr
+    assert "#SBATCH --mem=0" in out.stdout and "#SBATCH --gres=gpu:a100:8" in out.stdout
+    assert _master_and_workers_python(out.stdout) == ("/opt/py/bin/python3", "/opt/py/bin/python3")
+    bad = realloc_cli("run", str(exp), "--plan", str(tmp_path / "plan.json"), "--iterations", "2", "--launcher",
+                      "slurm", "--dry-run", "--gres", "gpu:2", "--run-dir", str(tmp_path / "run"))
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "--gres 'gpu:2'" in bad.stderr
+    assert not (tmp_path / "run").exists()

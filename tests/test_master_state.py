@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -260,3 +261,118 @@ def _second_connection_case(tmp_path: Path) -> None:
     assert dropped == [f"master: dropped a hello from a second connection claiming '{name}'",
                        f"master: dropped a reply from a second connection claiming '{name}'"]
     print("second connection dropped")
+
+
+def test_forged_traffic_on_a_second_connection_does_not_make_the_real_worker_stale(tmp_path):
+    """Issue 22 item 21, with the secret: a second connection claiming worker 0's name, before and after the real
+    worker binds it, numbers its messages far ahead. Its messages are dropped, and the real worker's next
+    messages (numbered 1, 2, ... over its own connection) are still accepted: its hello arrives and its reply
+    answers the request. (Before, the forged sequence numbers moved worker 0's one counter, so every real
+    message looked replayed: a false heartbeat timeout, or a stall until --call-timeout.)"""
+    import subprocess
+    import sys
+
+    code = ("import sys, pathlib; sys.path.insert(0, sys.argv[1]); import test_master_state as t; "
+            "t._forged_counter_case(pathlib.Path(sys.argv[2]))")
+    run = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code, str(Path(__file__).parent), str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip().endswith("real worker served"), run.stdout + run.stderr
+
+
+def _forged_counter_case(tmp_path: Path) -> None:
+    import zmq
+
+    from realloc.runtime.wire.curve import CurveKeys, secure_client
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    spec = load_experiment(TINY)
+    secret = protocol.new_secret()
+    master = Master(RuntimeProgram(build_graph(spec), disjoint_plan()), RunConfig.of(spec), RunPaths(tmp_path), "r1",
+                    secret, iterations=1, heartbeat_timeout=600.0)
+    ctx = zmq.Context()
+    name = protocol.worker_name(0)
+    socks: list[zmq.Socket] = []
+
+    def connect() -> tuple[zmq.Socket, protocol.Channel]:
+        s = ctx.socket(zmq.DEALER)
+        socks.append(s)
+        s.setsockopt(zmq.IDENTITY, protocol.socket_identity(name))
+        s.setsockopt(zmq.LINGER, 0)
+        secure_client(s, CurveKeys.of(secret))
+        s.connect(f"tcp://127.0.0.1:{master.port}")
+        return s, protocol.Channel(secret, "r1", name)
+
+    async def exchange() -> None:
+        async def deliver(s: zmq.Socket, ch: protocol.Channel, body: protocol._Msg) -> None:
+            s.send_multipart(ch.pack(protocol.MASTER, body))
+            master._handle_incoming(await asyncio.wait_for(master.sock.recv_multipart(), 10))
+
+        (forger, forged), (real, honest) = connect(), connect()
+        forged._next_seq = 10**6
+        # Before the real worker binds the name: a signed message the master drops (a heartbeat must come from
+        # hb0, not worker0), so it binds nothing.
+        await deliver(forger, forged, protocol.Heartbeat(rank=0))
+        assert name not in master.routes
+        await deliver(real, honest, protocol.Hello(rank=0, pid=111, host="h"))  # seq 1
+        assert master.hello[0].pid == 111
+        await deliver(forger, forged, protocol.Hello(rank=0, pid=222, host="h"))  # after binding
+        fut = asyncio.get_running_loop().create_future()
+        master.futures[(5, 0)] = fut
+        await deliver(real, honest, protocol.Reply(req=5, rank=0, ok=True))  # seq 2
+        assert fut.done() and fut.result().ok and master.hello[0].pid == 111
+
+    try:
+        asyncio.run(asyncio.wait_for(exchange(), 60))
+    finally:
+        for s in socks:
+            s.close(linger=0)
+        master.gate.close(master.sock)
+        master.sock.close(linger=0)
+        master.zctx.term()
+        ctx.term()
+    print("real worker served")
+
+
+def test_a_full_disk_is_reported_as_itself_and_everything_still_closes(tmp_path, monkeypatch):
+    """Issue 22 item 22, with ENOSPC simulated in-process: committing checkpoint 2 fails for want of space, and so
+    does closing requests.jsonl afterwards. The run fails with one message naming the checkpoint and the real
+    cause (not the cleanup's error), trace.json and the sockets are closed anyway, and the secret file the
+    workers read at start is gone as soon as they have all connected."""
+    import errno
+
+    from realloc.runtime.persist import checkpoint
+    from realloc.runtime.records.telemetry import RequestLog
+    from realloc.runtime.control.master_link import RunFailed
+
+    spec = load_experiment(TINY)
+    graph = build_graph(spec)
+    secret = protocol.new_secret()
+    run = RunPaths(tmp_path)
+    protocol.write_secret_file(run.secret, secret)
+    full = tmp_path / "checkpoints" / "iter_00000002" / "meta.json"
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(full))
+
+    closed = []
+    real_close = RequestLog.close
+
+    def close_on_a_full_disk(self):
+        real_close(self)
+        closed.append(True)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "requests.jsonl"))
+
+    monkeypatch.setattr(checkpoint, "commit", no_space)
+    monkeypatch.setattr(RequestLog, "close", close_on_a_full_disk)
+    seen_secret = []
+    master = Master(RuntimeProgram(graph, disjoint_plan()), RunConfig.of(spec), run, "r1", secret, iterations=4,
+                    save_every=2, heartbeat_timeout=600.0, secret_file=run.secret,
+                    on_iteration=lambda m: seen_secret.append(run.secret.exists()))
+    outputs = {c: list(graph.call(c).output_data) for c in graph.topo_order}
+    with FakeWorkers(f"tcp://127.0.0.1:{master.port}", secret, "r1", spec.cluster.n_devices, outputs):
+        with pytest.raises(RunFailed) as failed:
+            asyncio.run(master.run())
+    assert str(failed.value) == f"checkpoint 2 could not be written: {full}: No space left on device"
+    assert closed and seen_secret and not any(seen_secret) and not run.secret.exists()
+    assert master.sock.closed and master.zctx.closed
+    assert json.loads((tmp_path / "trace.json").read_text())  # closed: a complete JSON document

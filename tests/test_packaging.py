@@ -76,3 +76,11 @@ def test_wheel_ships_profiles_and_search_runs_from_an_install(tmp_path):
                        capture_output=True, text=True, env=run_env, cwd=exp.parent, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "h100-80g" in r.stdout and "searched plan" in r.stdout and "actor_train" in r.stdout
+    # The demo needs the source tree's experiments/ (issue 22 item 17): from the install it says so in one line.
+    demo = subprocess.run([sys.executable, "-m", "realloc.demo.arith_demo"], capture_output=True, text=True,
+                          env=run_env, cwd=exp.parent, timeout=300)
+    assert demo.returncode == 2 and "Traceback" not in demo.stderr, demo.stderr
+    assert demo.stderr.count("\n") == 1 and "runs from a source checkout" in demo.stderr, demo.stderr
+    version = subprocess.run([sys.executable, "-m", "realloc.cli", "--version"], capture_output=True, text=True,
+                             env=run_env, cwd=exp.parent, timeout=300)
+    assert version.stdout.strip() == "realloc 0.1.0", version  # the installed distribution's, not the source's

@@ -97,6 +97,18 @@ def test_replay_and_reorder_are_rejected():
         worker.unpack(first)
 
 
+def test_replay_counters_are_per_connection():
+    """Issue 22 item 21: a message over one connection moves only that connection's counter for its sender."""
+    master, worker = pair()
+    real = worker.pack(P.MASTER, P.Hello(rank=0, pid=1, host="h"))  # seq 1
+    forger = P.Channel(SECRET, "run-1", P.worker_name(0))
+    forger._next_seq = 10**9
+    master.unpack(forger.pack(P.MASTER, P.Hello(rank=0, pid=2, host="h")), "worker0", peer=b"worker0.evil")
+    assert master.unpack(real, "worker0", peer=b"worker0.real").body.pid == 1
+    with pytest.raises(P.ProtocolError, match="replayed"):  # each connection still refuses its own replays
+        master.unpack(real, "worker0", peer=b"worker0.real")
+
+
 def test_message_for_another_receiver_or_run_is_rejected():
     master, _ = pair()
     other_worker = P.Channel(SECRET, "run-1", P.worker_name(1))

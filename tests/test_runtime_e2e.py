@@ -257,8 +257,14 @@ def test_intruders_do_not_disturb_the_run_and_a_killed_worker_stops_it(tmp_path)
 
     ctx = zmq.Context()
     socks = []
+    secrets = []
 
     def claim_names(port: int) -> None:
+        # The secret file goes once every worker has connected: read it (as a local process of the same user
+        # could) while it is there, before the workers start.
+        secret_file = tmp_path / "run" / "secret"
+        _wait_for(lambda: secret_file.is_file() and secret_file.stat().st_size > 0, 120, "the run's secret")
+        secrets.append(protocol.read_secret({protocol.SECRET_FILE_ENV: str(secret_file)}))
         for ident in (b"worker0", b"hb0"):
             s = ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.IDENTITY, ident)
@@ -271,7 +277,8 @@ def test_intruders_do_not_disturb_the_run_and_a_killed_worker_stops_it(tmp_path)
     pids = [w["pid"] for w in info["workers"].values()]
     port = info["master_port"]
     try:
-        server_public = CurveKeys.of(protocol.read_secret({protocol.SECRET_FILE_ENV: str(run_dir / "secret")})).server_public
+        assert not (run_dir / "secret").exists()  # removed once the workers had read it
+        server_public = CurveKeys.of(secrets[0]).server_public
         Path(f"/proc/{proc.pid}/clear_refs").write_text("5")  # restart the peak-RSS count from now
         before = _peak_rss_mib(proc.pid)
         under = b"\x00" * (protocol.MAX_PAYLOAD_BYTES - 1)

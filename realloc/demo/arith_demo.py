@@ -3,10 +3,15 @@
     python -m realloc.demo.arith_demo                 # what `make demo` runs (from the shipped SFT checkpoint)
     python -m realloc.demo.arith_demo --rebuild-sft   # train the SFT stage again first, and start from that
     python -m realloc.demo.arith_demo sft [--out DIR] # only the SFT stage (default DIR experiments/data/arith/sft)
-    python -m realloc.demo.arith_demo init            # only the random model the SFT stage starts from
+    python -m realloc.demo.arith_demo init [--out DIR] # the random model the SFT stage starts from (shipped in
+                                                       # experiments/data/arith_init; this makes it again)
+
+The demo runs from a source checkout (``git clone``, then ``make demo``): its experiments and data files live in
+the repository's ``experiments/`` folder, which an installed wheel does not carry; from a wheel it says so.
 
 1. **SFT stage** (shipped in ``experiments/data/arith_sft``, 0.8 MB; made by the ``sft`` stage, about
-   100 s on 2 cores): a random 4-layer LLaMA (``init``) carrying the task's shipped character tokenizer
+   100 s on 2 cores): a random 4-layer LLaMA (``init``, shipped in ``experiments/data/arith_init``) carrying
+   the task's shipped character tokenizer
    (``experiments/data/arith_tokenizer``), then ``realloc run experiments/arith_sft.py`` and
    ``realloc export``. Its data,
    ``arith_sft_padded.jsonl``, writes three quarters of the answers zero-padded to three digits
@@ -44,6 +49,9 @@ ROOT = REPO / "experiments" / "data" / "arith"  # built assets (gitignored)
 SHIPPED_SFT = REPO / "experiments" / "data" / "arith_sft"
 # Shipped: `python -m realloc.demo.arith_task tokenizer --out experiments/data/arith_tokenizer` re-makes it.
 TOKENIZER = REPO / "experiments" / "data" / "arith_tokenizer"
+# The random model arith_sft.py starts from, as shipped: `python -m realloc.demo.arith_demo init --out DIR` makes
+# it again (seeded: the same weights; tests/test_arith_demo.py compares them).
+SHIPPED_INIT = REPO / "experiments" / "data" / "arith_init"
 SFT_EXPERIMENT = REPO / "experiments" / "arith_sft.py"
 GRPO_EXPERIMENT = REPO / "experiments" / "arith_grpo.py"
 EVAL_PROMPTS = REPO / "experiments" / "data" / "arith_eval.jsonl"
@@ -54,15 +62,25 @@ MODEL = dict(arch="llama", vocab_size=32, hidden=64, layers=4, heads=4, kv_heads
 MAX_NEW_TOKENS = 4  # three digits and EOS
 
 
-def init_checkpoint(root: Path = ROOT) -> Path:
-    """The random LLaMA the SFT stage starts from (built once; a second)."""
+def init_checkpoint(root: Path = ROOT, target: Path | None = None) -> Path:
+    """The random LLaMA the SFT stage starts from, built once into ``target`` (default ``root/init``; a second)."""
     from transformers.utils import logging as hf_logging
 
     from realloc.tiny_assets.hf import make_tiny_checkpoint
 
     hf_logging.disable_progress_bar()
-    root.mkdir(parents=True, exist_ok=True)
-    return build_once(root / "init", lambda d: make_tiny_checkpoint(d, tokenizer_dir=TOKENIZER, **MODEL))
+    target = target or root / "init"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return build_once(target, lambda d: make_tiny_checkpoint(d, tokenizer_dir=TOKENIZER, **MODEL))
+
+
+def check_source_tree() -> None:
+    """One error when the demo's files are not there: it runs from a source checkout, not from a wheel."""
+    missing = [p for p in (SFT_EXPERIMENT, GRPO_EXPERIMENT, TOKENIZER, EVAL_PROMPTS) if not p.exists()]
+    if missing:
+        raise ValueError(f"the arithmetic demo runs from a source checkout of realloc (git clone, then `make demo`): "
+                         f"its experiments and data are in the repository's experiments/ folder, which the installed "
+                         f"package does not carry ({missing[0]} is missing)")
 
 
 def _realloc(args: list[str], log: Path | None = None) -> None:
@@ -147,7 +165,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("stage", nargs="?", choices=["demo", "sft", "init"], default="demo")
     p.add_argument("--rebuild-sft", action="store_true",
                    help="train the SFT stage again (into experiments/data/arith/sft) and start GRPO from it")
-    p.add_argument("--out", default=None, help="the sft stage's checkpoint directory (default experiments/data/arith/sft)")
+    p.add_argument("--out", default=None, help="the sft stage's checkpoint directory (default "
+                   "experiments/data/arith/sft); the init stage's (default experiments/data/arith_init, kept if it "
+                   "exists)")
     p.add_argument("--search-time", type=float, default=5.0, help="seconds of plan search per run")
     p.add_argument("--iterations", type=int, default=None, help="GRPO iterations (default: the experiment's)")
     p.add_argument("--run-dir", default=None, help="GRPO run directory (default runs/arith_demo)")
@@ -157,8 +177,9 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
+        check_source_tree()
         if args.stage == "init":
-            print(init_checkpoint())
+            print(init_checkpoint(target=Path(args.out) if args.out else SHIPPED_INIT))
         elif args.stage == "sft":
             build_sft(search_time=args.search_time, out=Path(args.out) if args.out else None)
         else:

@@ -36,7 +36,7 @@ from realloc.estimator.profile_table import ProfileTable, ProfiledCosts, discove
 from realloc.estimator.roofline import RooflineCosts
 from realloc.estimator.transfer_cost import plan_seconds
 from realloc.graph.dataflow import DataflowGraph
-from realloc.graph.plan import ExecutionPlan, validate_plan
+from realloc.graph.plan import ExecutionPlan, check_placement, validate_plan
 from realloc.graph.transfer_plan import DataLayout
 from realloc.graph.transfer_plan import Layout as PlanLayout
 from realloc.graph.transfer_plan import plan_data_transfer, plan_param_realloc
@@ -173,13 +173,17 @@ class CostModel:
 
     def _check(self, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, n_mbs: int,
                recompute: bool = False) -> None:
+        """The placement checks of the planner and the runtime (``plan.check_placement``: tp inside a node and
+        dividing the heads, pp within the layers, dp and n_mbs splitting the sequences), so the public API
+        prices no layout that a plan could not use."""
+        self.workload(call)  # a clear error for an unknown call
         if strategy.world_size != mesh.size:
             raise ValueError(f"call {call!r}: dp*tp*pp = {strategy.world_size} but mesh {mesh.name} has "
                              f"{mesh.size} devices")
-        if n_mbs < 1:
-            raise ValueError(f"call {call!r}: n_mbs must be at least 1, got {n_mbs}")
-        if recompute and self.workload(call).interface is not InterfaceType.TRAIN_STEP:
-            raise ValueError(f"call {call!r}: recompute applies to TRAIN_STEP calls only")
+        if mesh.n_devs > self.cluster.n_devices_per_node or mesh.n_nodes > self.cluster.n_nodes:
+            raise ValueError(f"call {call!r}: mesh {mesh.name} ({mesh.n_nodes} x {mesh.n_devs}) does not fit cluster "
+                             f"{self.cluster.nodelist!r} ({self.cluster.n_nodes} x {self.cluster.n_devices_per_node})")
+        check_placement(self.graph, call, mesh, strategy, n_mbs, recompute)
 
     def _call_cost(self, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, n_mbs: int,
                    recompute: bool) -> CallCost:

@@ -170,24 +170,33 @@ def validate_plan(plan: ExecutionPlan, graph: "DataflowGraph") -> dict[str, Devi
         if s.world_size != mesh.size:
             raise ValueError(f"call {name!r}: dp*tp*pp = {s.dp}*{s.tp}*{s.pp} = {s.world_size} but mesh {p.mesh!r} "
                              f"has {mesh.size} devices")
-        cfg = graph.model_config(name)
-        if cfg is not None:
-            why = strategy_error(cfg, s, mesh.n_devs)
-            if why:
-                raise ValueError(f"call {name!r}: {why}")
-        elif s.tp != 1 or s.pp != 1:
-            # A parameter-free rule function has nothing to shard: each device scores its own sequences.
-            raise ValueError(f"call {name!r} runs a rule function, which is data-parallel only; give it tp=1, pp=1 "
-                             f"and dp={mesh.size} (the mesh's devices), not tp={s.tp}, pp={s.pp}")
-        if p.recompute and not graph.call(name).is_train:
-            raise ValueError(f"call {name!r}: recompute applies to TRAIN_STEP calls only (activations are kept for "
-                             f"a backward); remove 'recompute' from its placement")
-        why = graph.dp_error(s.dp)
-        if why:
-            raise ValueError(f"call {name!r}: {why}")
-        n_seqs = graph.steps_n_seqs(name)
-        if n_seqs % (s.dp * p.n_mbs):
-            raise ValueError(f"call {name!r}: {n_seqs} sequences per step cannot be split over dp={s.dp} into "
-                             f"n_mbs={p.n_mbs} equal micro-batches")
+        check_placement(graph, name, mesh, s, p.n_mbs, p.recompute)
         meshes[name] = mesh
     return meshes
+
+
+def check_placement(graph: "DataflowGraph", name: str, mesh: DeviceMesh, strategy: ParallelStrategy, n_mbs: int,
+                    recompute: bool = False) -> None:
+    """Raise ValueError if call ``name`` cannot run with ``strategy`` and ``n_mbs`` micro-batches on ``mesh`` (whose
+    size must already equal the strategy's): what the planner, the runtime and the estimator's API all refuse."""
+    if n_mbs < 1:
+        raise ValueError(f"call {name!r}: n_mbs must be at least 1, got {n_mbs}")
+    cfg = graph.model_config(name)
+    if cfg is not None:
+        why = strategy_error(cfg, strategy, mesh.n_devs)
+        if why:
+            raise ValueError(f"call {name!r}: {why}")
+    elif strategy.tp != 1 or strategy.pp != 1:
+        # A parameter-free rule function has nothing to shard: each device scores its own sequences.
+        raise ValueError(f"call {name!r} runs a rule function, which is data-parallel only; give it tp=1, pp=1 "
+                         f"and dp={mesh.size} (the mesh's devices), not tp={strategy.tp}, pp={strategy.pp}")
+    if recompute and not graph.call(name).is_train:
+        raise ValueError(f"call {name!r}: recompute applies to TRAIN_STEP calls only (activations are kept for "
+                         f"a backward); remove 'recompute' from its placement")
+    why = graph.dp_error(strategy.dp)
+    if why:
+        raise ValueError(f"call {name!r}: {why}")
+    n_seqs = graph.steps_n_seqs(name)
+    if n_seqs % (strategy.dp * n_mbs):
+        raise ValueError(f"call {name!r}: {n_seqs} sequences per step cannot be split over dp={strategy.dp} into "
+                         f"n_mbs={n_mbs} equal micro-batches")

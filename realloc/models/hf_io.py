@@ -296,6 +296,26 @@ def _gather_full(t: torch.Tensor, spec: ParamSpec, g: "ModelParallelGroups") -> 
     return spec.unpad(spec.merge_shards(parts)) if parts is not None else None
 
 
+def _umask() -> int:
+    """This process's umask, read without changing it where Linux shows it (``os.umask`` sets it to read it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def save_weights(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """``safetensors.save_file`` with the mode any file written here gets (0644 under the usual umask):
+    safetensors creates its files 0600, so an export's weights were private beside a world-readable config."""
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    os.chmod(path, 0o666 & ~_umask())
+
+
 @torch.no_grad()
 def save_hf_checkpoint(model: "ParallelModel", path: str | os.PathLike, *, dtype: torch.dtype | None = None,
                        hf_extra: Mapping[str, Any] | None = None, max_file_bytes: int = 4 << 30) -> None:
@@ -325,7 +345,7 @@ def save_hf_checkpoint(model: "ParallelModel", path: str | os.PathLike, *, dtype
                     tensors[name] = full.to(device="cpu", dtype=dtype).contiguous()
             if writer:
                 path.mkdir(parents=True, exist_ok=True)
-                save_file(tensors, str(path / fname), metadata={"format": "pt"})
+                save_weights(tensors, path / fname)
         if writer and g.pp_rank == 0:
             path.mkdir(parents=True, exist_ok=True)
             hf = hf_config_from_model_config(cfg, dtype, hf_extra)

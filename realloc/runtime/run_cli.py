@@ -23,6 +23,7 @@ import atexit
 import json
 import os
 import secrets
+import shutil
 import signal
 import sys
 import time
@@ -42,7 +43,8 @@ from realloc.runtime.launch.launcher import (LocalLauncher, SlurmOptions, Worker
                                       write_job_script)
 from realloc.runtime.persist.run_settings import resume_settings
 from realloc.runtime.records.metric_sinks import MetricSinks, check_wandb_installed
-from realloc.runtime.records.run_paths import RunPaths
+from realloc.runtime.records.progress import LONG_CALL_S, RunProgress
+from realloc.runtime.records.run_paths import RunPaths, remove_secret
 from realloc.runtime.records.run_record import Session, data_record, resolved_experiment, write_run_record
 from realloc.runtime.wire import protocol
 
@@ -113,10 +115,25 @@ def _check_run_dir(root: Path, create: bool) -> None:
         except OSError as e:
             raise ValueError(f"run directory {root}: cannot create it ({e.strerror}: {e.filename}); pass --run-dir "
                              f"a folder you can write to") from None
+        if not os.access(root, os.W_OK | os.X_OK):  # (root may write anywhere: then the writes themselves say so)
+            raise ValueError(f"run directory {root} is not writable; pass --run-dir a folder you can write to")
         return
     ancestor = next(p for p in (root, *root.parents) if p.exists())
     if not ancestor.is_dir():
         raise ValueError(f"run directory {root}: {ancestor} is a file; pass --run-dir a folder you can write to")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ValueError(f"run directory {root}: {ancestor} is not writable; pass --run-dir a folder you can write to")
+
+
+def _first_missing(root: Path) -> Path | None:
+    """The outermost folder of ``root`` (itself or an ancestor) that does not exist yet: what this command
+    creates, and removes again when it fails before launching anything."""
+    missing = None
+    for p in (root, *root.parents):
+        if p.exists():
+            return missing
+        missing = p
+    return missing
 
 
 def _truncate_metrics(path: Path, start: int) -> None:
@@ -191,7 +208,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--run-dir {args.run_dir} is a file; give a directory (created if missing)")
     if args.launcher != "slurm" and (args.dry_run or args.prepare):
         raise ValueError(f"{'--dry-run' if args.dry_run else '--prepare'} applies to --launcher slurm; for a local "
-                         f"run, `realloc search EXP --dry-run` shows the plan")
+                         f"run, `realloc search EXP` shows the plan")
     if args.export_every < 0:
         raise ValueError(f"--export-every must be >= 0, got {args.export_every}")
     if args.keep_checkpoints < 0:
@@ -228,12 +245,24 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--iterations {total}: the checkpoint already completed {start} iterations; ask for more")
     horizon, horizon_line = _schedule_horizon(args, total, meta)
     run = RunPaths(_run_dir(args, spec, ckpt).resolve())
-    _check_run_dir(run.root, create=not args.dry_run or args.prepare)
-    # Fail here, in one line, rather than in every worker; and tokenize once: the workers read the cache.
-    pre = preflight(spec, config, graph, cache_dir=None if args.dry_run else run.prompt_cache)
-    slurm = slurm_options(args) if args.launcher == "slurm" else None
-    plan, plan_source = _choose_plan(args, spec, ckpt)
-    program = RuntimeProgram(graph, plan)  # validates the plan against the experiment and cluster
+    created = _first_missing(run.root)
+    try:  # a command that fails before it launches anything leaves no directory behind
+        _check_run_dir(run.root, create=not args.dry_run or args.prepare)
+        # Fail here, in one line, rather than in every worker; and tokenize once: the workers read the cache.
+        pre = preflight(spec, config, graph, cache_dir=None if args.dry_run else run.prompt_cache)
+        slurm = slurm_options(args) if args.launcher == "slurm" else None
+        plan, plan_source = _choose_plan(args, spec, ckpt)
+        program = RuntimeProgram(graph, plan)  # validates the plan against the experiment and cluster
+        if slurm is not None:
+            slurm.check(spec.cluster)
+        elif args.launcher == "local":
+            _check_local(spec)
+        if args.wandb and (slurm is None or not slurm.setup):
+            check_wandb_installed()
+    except BaseException:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
     run_id = args.run_id or secrets.token_hex(8)
     experiment = spec.source or args.experiment
     resolved = resolved_experiment(spec, graph, config)  # every setting: run dir, checkpoints, TensorBoard, W&B
@@ -286,8 +315,6 @@ def main(args: argparse.Namespace) -> int:
         print(f"submitted SLURM job {job}; run directory {run.root}")
         return 0
 
-    if args.launcher == "local":
-        _check_local(spec)
     # Before anything starts: a missing wandb package is one error with no worker to stop.
     sinks = MetricSinks.open(run.root, tensorboard=args.tensorboard, wandb_project=args.wandb,
                              run_name=run.root.name, config={"experiment": experiment, "overrides": list(sets),
@@ -308,7 +335,7 @@ def main(args: argparse.Namespace) -> int:
         # The run's own secret file goes when the master exits, however it exits short of SIGKILL (the
         # finally below, or atexit when interrupted before it). Workers read it only at start, and none
         # outlives the master. Under SLURM the job script removes it too, and a requeued job makes a new one.
-        atexit.register(run.secret.unlink, missing_ok=True)
+        atexit.register(remove_secret, run.secret)
         _truncate_metrics(run.metrics, start)
         if start == 0:
             run.metrics.unlink(missing_ok=True)
@@ -327,7 +354,8 @@ def main(args: argparse.Namespace) -> int:
                         save_final=args.final_checkpoint, keep_checkpoints=args.keep_checkpoints,
                         bind_host=bind, master_port=args.master_port,
                         store_port=args.store_port, stop_signals=stop_signals,
-                        verify_checkpoint=not args.skip_checkpoint_checks, schedule_iterations=horizon, **timeouts)
+                        verify_checkpoint=not args.skip_checkpoint_checks, schedule_iterations=horizon,
+                        secret_file=None if args.launcher == "external" else run.secret, **timeouts)
         if args.launcher in ("local", "ray"):
             wc = WorkerConfig(experiment=experiment, run_dir=str(run.root), run_id=run_id,
                               world_size=spec.cluster.n_devices, store=f"{bind}:{master.store.port}",
@@ -360,15 +388,29 @@ def main(args: argparse.Namespace) -> int:
         return master.stop.exit_code if master is not None and master.stop is not None else 1
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)
-        sinks.close()
-        if ray is not None:
-            ray.close()
-        run.secret.unlink(missing_ok=True)
+        late = _close_all(sinks, ray, run)
+    if late is not None:  # the run went well up to its last writes: they are the error
+        raise late
     _summary(summary, run)
     if master.stop is not None:
         print(f"realloc run: {master.stop.describe(str(run.root))}", file=sys.stderr)
         return master.stop.exit_code
     return 0
+
+
+def _close_all(sinks: MetricSinks, ray: Any, run: RunPaths) -> OSError | None:
+    """Close the metric sinks and Ray, and remove the secret, whatever fails (a full disk, a read-only run
+    directory); never raises, so the run's own error is the one the user sees. Returns the first OSError."""
+    first = None
+    for close in (sinks.close, *((ray.close,) if ray is not None else ())):
+        try:
+            close()
+        except OSError as e:
+            first = first or e
+    note = remove_secret(run.secret)
+    if note:
+        print(f"realloc run: warning: {note}", file=sys.stderr)
+    return first
 
 
 def _prepare_run_dir(run: RunPaths, plan: ExecutionPlan, spec: ExperimentSpec, session: Session,
@@ -387,7 +429,8 @@ def _prepare_run_dir(run: RunPaths, plan: ExecutionPlan, spec: ExperimentSpec, s
 def slurm_options(args: argparse.Namespace) -> SlurmOptions:
     return SlurmOptions(partition=args.partition, account=args.account, time_limit=args.time,
                         job_name=args.job_name, extra_sbatch=tuple(args.sbatch), setup=tuple(args.setup),
-                        srun_args=tuple(args.srun_arg), cpus_per_task=args.cpus_per_task, nodelist=args.nodelist)
+                        srun_args=tuple(args.srun_arg), cpus_per_task=args.cpus_per_task, nodelist=args.nodelist,
+                        python=args.python, mem=args.mem, gres=args.gres)
 
 
 def _check_local(spec: ExperimentSpec) -> None:
@@ -410,16 +453,30 @@ def _device(spec: ExperimentSpec) -> str:
     return "cpu" if spec.cluster.device == "cpu" else "cuda"
 
 
-def _drive(master: Any, total: int, start: int, sinks: MetricSinks, quiet: bool) -> dict[str, Any]:
+def _drive(master: Any, total: int, start: int, sinks: MetricSinks, quiet: bool,
+           long_call: float = LONG_CALL_S) -> dict[str, Any]:
+    """Run the master, printing each iteration's line and the progress inside iterations (``progress.py``):
+    a rich bar whose status names the running calls and the ETA on a terminal, plain lines otherwise."""
     from realloc.runtime.records.telemetry import format_line
 
+    progress = RunProgress(total, start, long_call=long_call)
     if quiet:
         def on_line(m: dict[str, Any]) -> None:
-            print(format_line(m, total), flush=True)
+            progress.iteration_done()
+            print(f"{format_line(m, total)} | {progress.eta_text()}", flush=True)
             sinks.write(m)
 
-        master.on_iteration = on_line
-        return asyncio.run(master.run())
+        def on_node(label: str, iteration: int, seconds: float | None) -> None:
+            line = progress.node(label, iteration, seconds)
+            if line:
+                print(line, flush=True)
+
+        def tick() -> None:
+            for line in progress.long_lines():
+                print(line, flush=True)
+
+        master.on_iteration, master.on_node = on_line, on_node
+        return asyncio.run(_with_ticker(master, tick))
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -429,13 +486,31 @@ def _drive(master: Any, total: int, start: int, sinks: MetricSinks, quiet: bool)
         task = bar.add_task("iterations", total=total, completed=start, status="starting workers")
 
         def on_iteration(m: dict[str, Any]) -> None:
+            progress.iteration_done()
             console.print(format_line(m, total))
             sinks.write(m)
-            reward = f"reward {m['reward']:.3f}" if "reward" in m else ""
-            bar.update(task, advance=1, status=reward)
+            bar.update(task, advance=1, status=progress.status())
 
-        master.on_iteration = on_iteration
-        return asyncio.run(master.run())
+        def on_node_bar(label: str, iteration: int, seconds: float | None) -> None:
+            progress.node(label, iteration, seconds)
+            bar.update(task, status=progress.status())
+
+        master.on_iteration, master.on_node = on_iteration, on_node_bar
+        return asyncio.run(_with_ticker(master, lambda: bar.update(task, status=progress.status())))
+
+
+async def _with_ticker(master: Any, tick: Any, every: float = 1.0) -> dict[str, Any]:
+    """``master.run()``, calling ``tick()`` every ``every`` seconds while it runs (the running calls' times)."""
+    async def ticker() -> None:
+        while True:
+            await asyncio.sleep(every)
+            tick()
+
+    task = asyncio.create_task(ticker())
+    try:
+        return await master.run()
+    finally:
+        task.cancel()
 
 
 def _summary(summary: dict[str, Any], run: RunPaths) -> None:

@@ -6,8 +6,9 @@
 The measured panel comes from the run's requests.jsonl (every request's span on every device), the
 estimated one from the simulator's schedule of the run's own plan (plan.json) for the experiment and
 ``--set`` overrides the run recorded in run.json. Both are drawn alike (``realloc.search.timeline``):
-call boxes labelled with the call's dp/tp/pp and micro-batches, iteration ends marked, short
-reallocations and transfers widened to stay visible; ``.html`` shows each box's details on hover.
+call boxes labelled with the call's dp/tp/pp and micro-batches where the text fits, iteration ends marked,
+short reallocations and transfers widened to stay visible, a legend; each panel on its own time axis
+(``--common-scale``: one for both); ``.html`` shows each box's details on hover.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def main(args: argparse.Namespace) -> int:
         n = min(len(its), space.problem.n_iterations)  # the simulator unrolls a few iterations
         panels.append(estimated_panel(space, indices, plan, iterations=n,
                                       skip=min(its.start - 1, space.problem.n_iterations - n)))
-    write_timeline(panels, out)
+    write_timeline(panels, out, common_scale=args.common_scale)
     for p in panels:
         print(p.title)
     print(f"wrote timeline {out}")

@@ -1,4 +1,4 @@
-"""What ``realloc search --dry-run`` prints and draws: plan tables, comparisons, the timeline."""
+"""What ``realloc search`` prints and draws: plan tables, comparisons, the timeline."""
 
 from __future__ import annotations
 

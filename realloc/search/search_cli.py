@@ -1,4 +1,4 @@
-"""``realloc search EXP [--dry-run] [--time S] [--seed N] [--out plan.json] [--timeline plan.svg]``.
+"""``realloc search EXP [--search-time S | --evals N] [--seed N] [--out plan.json] [--timeline plan.svg]``.
 
 Plans only; ``realloc run`` launches workers. Prints the cluster, the searched plan
 per call, its estimated time per iteration next to every baseline, peak memory
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from realloc.overrides import load_with_overrides
 from realloc.search.lora_report import lora_summary
@@ -89,11 +90,18 @@ def _estimator_source(report: SearchReport) -> str:
     return ", ".join(sources) or "no models"
 
 
+def _dry_run_note(args: argparse.Namespace) -> None:
+    """After a search that went well (an error stays one line): the old --dry-run flag did nothing."""
+    if getattr(args, "dry_run", False):
+        print("realloc search: note: --dry-run changes nothing (search only plans; `realloc run` launches workers)",
+              file=sys.stderr)
+
+
 def main(args: argparse.Namespace) -> int:
     max_evals = getattr(args, "evals", None)
     time_limit = args.time if args.time is not None else (None if max_evals else DEFAULT_TIME)
     if time_limit is not None and time_limit <= 0:
-        raise ValueError(f"--time must be positive, got {args.time}")
+        raise ValueError(f"--search-time must be positive, got {args.time:g}")
     if max_evals is not None and max_evals < 1:
         raise ValueError(f"--evals must be positive, got {max_evals}")
     n_threads = getattr(args, "threads", 2)
@@ -101,6 +109,10 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--threads must be at least 1, got {n_threads}")
     if args.timeline:
         check_suffix(args.timeline)
+    for option, path in (("--out", args.out), ("--timeline", args.timeline)):
+        # before the search: a wrong folder must not cost the search's time first
+        if path and not Path(path).resolve().parent.is_dir():
+            raise ValueError(f"{option} {path}: folder {Path(path).resolve().parent} does not exist; create it first")
     experiment = load_with_overrides(args.experiment, getattr(args, "set", None) or ())
     name = getattr(args, "baseline", None)
     if name:
@@ -117,6 +129,7 @@ def main(args: argparse.Namespace) -> int:
         if args.out:
             plan.save(args.out)
             print(f"wrote {args.out}")
+        _dry_run_note(args)
         return 0
     bar, update = _progress(True, time_limit, max_evals)
     if bar is not None:
@@ -134,4 +147,5 @@ def main(args: argparse.Namespace) -> int:
 
         draw_timeline(report.space, report.indices, args.timeline)
         print(f"wrote timeline {args.timeline}")
+    _dry_run_note(args)
     return 0

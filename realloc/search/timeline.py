@@ -4,8 +4,11 @@ One row per device, one box per call, parameter reallocation (hatched), data tra
 offload/reload and checkpoint, like realhf.txt Figure 13. Call boxes carry the call's name and its
 dp/tp/pp and micro-batches; a vertical line marks where each iteration ends. Reallocations and
 transfers are often far shorter than calls, so every box is at least ``MIN_WIDTH`` of the time axis
-wide. ``.svg`` and ``.png`` are drawn with matplotlib, panels stacked on one time axis; ``.html`` is
-an SVG written here whose boxes show call, strategy, iteration and times on hover.
+wide. Each panel has its own time axis (a run's measured seconds and the estimate's can differ several
+times over, and a shared axis squeezed the shorter to a sliver); ``common_scale`` puts them on one, and the
+titles say which. A legend names the colours, and a box carries its call's name (and strategy) only where the
+text fits inside it. ``.svg`` and ``.png`` are drawn with matplotlib; ``.html`` is an SVG written here whose
+boxes show call, strategy, iteration and times on hover.
 """
 
 from __future__ import annotations
@@ -155,77 +158,152 @@ def _tooltip(b: Box) -> str:
             f"({(b.end - b.start) * 1e3:.1f} ms)")
 
 
-def write_timeline(panels: Sequence[Panel], path: str | Path) -> Path:
+def write_timeline(panels: Sequence[Panel], path: str | Path, common_scale: bool = False) -> Path:
+    """Draw ``panels`` stacked, each on its own time axis unless ``common_scale``."""
     path = check_suffix(path)
     if path.suffix == ".html":
-        path.write_text(timeline_html(panels))
+        path.write_text(timeline_html(panels, common_scale=common_scale))
     else:
-        _draw_matplotlib(panels, path)
+        _draw_matplotlib(panels, path, common_scale)
     return path
 
 
-def _draw_matplotlib(panels: Sequence[Panel], path: Path) -> None:
+def _axis_note(panels: Sequence[Panel], common_scale: bool) -> str:
+    if len(panels) < 2:
+        return ""
+    return "  [common time scale]" if common_scale else "  [own time axis]"
+
+
+def _draw_matplotlib(panels: Sequence[Panel], path: Path, common_scale: bool = False) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = timeline_figure(panels, common_scale)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def timeline_figure(panels: Sequence[Panel], common_scale: bool = False) -> object:
+    """The matplotlib figure of ``panels`` (at 110 dpi, as saved), one axis per panel."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    span = max(p.span for p in panels)
-    heights = [min(12.0, 1.2 + 0.28 * len(p.devices)) for p in panels]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(14, sum(heights) + 0.6), sharex=True, squeeze=False,
-                             gridspec_kw={"height_ratios": heights})
+    common = max(p.span for p in panels)
+    heights = [min(12.0, 1.4 + 0.28 * len(p.devices)) for p in panels]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(14, sum(heights) + 0.8), sharex=common_scale, squeeze=False,
+                             gridspec_kw={"height_ratios": heights}, dpi=110)
+    note = _axis_note(panels, common_scale)
     for ax, panel in zip(axes[:, 0], panels):
-        draw_panel(ax, panel, span)
+        span = common if common_scale else panel.span
+        draw_panel(ax, panel, span, title=panel.title + note)
+        ax.set_xlim(0, span * 1.01)
+        ax.set_xlabel("seconds", fontsize=8)
+        ax.tick_params(axis="x", labelsize=7, labelbottom=True)
     axes[0, 0].legend(handles=legend_handles(panels), loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-    axes[-1, 0].set_xlabel("seconds")
-    axes[-1, 0].set_xlim(0, span * 1.01)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    renderer = fig.canvas.get_renderer()
+    for ax, panel in zip(axes[:, 0], panels):
+        _label_boxes(ax, panel, renderer)
+    return fig
 
 
-def draw_panel(ax: object, panel: Panel, span: float) -> None:
-    """One panel on a matplotlib axis whose time axis covers ``span`` seconds."""
+def draw_panel(ax: object, panel: Panel, span: float, title: str | None = None) -> None:
+    """One panel's boxes on a matplotlib axis whose time axis covers ``span`` seconds (labels: ``_label_boxes``,
+    once the figure's layout fixes how wide a second is)."""
     n_dev = len(panel.devices)
     for b in panel.boxes:
         width = max(b.end - b.start, MIN_WIDTH * span)
         ax.barh(b.lo, width, left=b.start, height=b.hi - b.lo, align="edge", color=_colour(panel, b),
                 hatch="////" if b.kind == "realloc" else None, edgecolor="black",
                 linewidth=0.4 if b.kind == "call" else 0.3)
-        if b.kind == "call" and b.end - b.start > 0.05 * span and b.hi - b.lo >= max(1, n_dev // 16):
-            text = f"{b.label}\n{b.detail}" if b.detail else b.label
-            ax.text((b.start + b.end) / 2, (b.lo + b.hi) / 2, text, ha="center", va="center", fontsize=6,
-                    clip_on=True)
     for t, e in panel.iteration_ends:
         ax.axvline(e, color="black", linewidth=1.0)
         ax.text(e, -0.02 * n_dev, f"iteration {t}", ha="right", va="bottom", fontsize=7)
-    ax.set_ylim(n_dev, -0.12 * n_dev)
+    ax.set_ylim(n_dev, -(0.3 + 0.02 * n_dev))  # room above the rows for the "iteration N" labels
     step = max(1, n_dev // 32)
     ax.set_yticks([d + 0.5 for d in range(0, n_dev, step)])
     ax.set_yticklabels(panel.devices[::step], fontsize=7)
-    ax.set_title(panel.title, fontsize=9)
+    ax.set_title(panel.title if title is None else title, fontsize=9)
+
+
+LABEL_FONT = 6  # points
+LABEL_PAD = 4  # pixels kept free on each side of a label
+
+
+def _label_boxes(ax: object, panel: Panel, renderer: object) -> None:
+    """Name each call box with the longest text that fits inside it: name and strategy on two lines, the name
+    alone, the name upright in a tall narrow box, or nothing (the colour and the legend still say which call)."""
+    from matplotlib.font_manager import FontProperties
+
+    prop = FontProperties(size=LABEL_FONT)
+    to_px = ax.transData.transform
+    for b in panel.boxes:
+        if b.kind != "call":
+            continue
+        (x0, y0), (x1, y1) = to_px((b.start, b.lo)), to_px((b.end, b.hi))
+        room_w, room_h = abs(x1 - x0) - 2 * LABEL_PAD, abs(y1 - y0) - 2
+        for lines in ([b.label, b.detail] if b.detail else None, [b.label]):
+            if not lines:
+                continue
+            sizes = [renderer.get_text_width_height_descent(line, prop, ismath=False) for line in lines]
+            w = max(s[0] for s in sizes)
+            h = sum(s[1] for s in sizes) * 1.25
+            if w <= room_w and h <= room_h:
+                ax.text((b.start + b.end) / 2, (b.lo + b.hi) / 2, "\n".join(lines), ha="center", va="center",
+                        fontsize=LABEL_FONT, clip_on=True)
+                break
+            if len(lines) == 1 and h <= room_w and w <= room_h:  # a narrow, tall box: the name upright
+                ax.text((b.start + b.end) / 2, (b.lo + b.hi) / 2, lines[0], ha="center", va="center",
+                        fontsize=LABEL_FONT, rotation=90, clip_on=True)
+                break
 
 
 def legend_handles(panels: Sequence[Panel]) -> list:
     from matplotlib.patches import Patch
 
+    return [Patch(facecolor=colour, hatch="////" if hatched else None, edgecolor="black", label=name)
+            for name, colour, hatched in legend_entries(panels)]
+
+
+def legend_entries(panels: Sequence[Panel]) -> list[tuple[str, str, bool]]:
+    """(name, colour, hatched) of every call and every other kind of box the panels draw."""
     calls = list(dict.fromkeys(c for p in panels for c in p.calls))
     kinds = sorted({b.kind for p in panels for b in p.boxes if b.kind not in ("call", "reload")})
-    handles = [Patch(facecolor=TAB10[i % 10], edgecolor="black", label=c) for i, c in enumerate(calls)]
-    return handles + [Patch(facecolor=OTHER_COLOURS[k], hatch="////" if k == "realloc" else None, edgecolor="black",
-                            label=KIND_NAMES.get(k, k)) for k in kinds]
+    return ([(c, TAB10[i % 10], False) for i, c in enumerate(calls)]
+            + [(KIND_NAMES.get(k, k), OTHER_COLOURS[k], k == "realloc") for k in kinds])
 
 
-def timeline_html(panels: Sequence[Panel], width: int = 1200) -> str:
-    """A page with one SVG per panel on a shared time axis; hovering a box shows what it was."""
-    span = max(p.span for p in panels) * 1.01
-    left, row, top = 150, 18, 28
-    plot_w = width - left - 10
-    x = lambda t: left + plot_w * t / span  # noqa: E731 - seconds to pixels
-    parts = []
+HTML_CHAR_PX = 6.6  # width of a character of the 11 px sans-serif labels, generously
+
+
+def _nice_step(span: float, n: int = 6) -> float:
+    """A tick step of 1, 2 or 5 times a power of ten giving about ``n`` ticks over ``span``."""
+    import math
+
+    raw = span / n
+    mag = 10 ** math.floor(math.log10(raw))
+    return next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
+
+
+def timeline_html(panels: Sequence[Panel], width: int = 1200, common_scale: bool = False) -> str:
+    """A page with a legend and one SVG per panel, each on its own time axis unless ``common_scale``; hovering a
+    box shows what it was. A box is labelled only where its label fits."""
+    common = max(p.span for p in panels) * 1.01
+    left, right, row, top = 150, 30, 18, 28
+    plot_w = width - left - right
+    note = _axis_note(panels, common_scale)
+    dashed = ' stroke-dasharray="2,1"'
+    legend = " ".join(
+        f'<span style="white-space:nowrap;margin-right:14px"><svg width="14" height="12"><rect x="0.5" y="0.5" '
+        f'width="13" height="11" fill="{colour}" stroke="black" stroke-width="0.5"{dashed if hatched else ""}/>'
+        f'</svg> {html.escape(name)}</span>' for name, colour, hatched in legend_entries(panels))
+    parts = [f'<p style="font-family:sans-serif;font-size:12px">{legend}</p>']
     for panel in panels:
+        span = common if common_scale else panel.span * 1.01
+        x = lambda t, span=span: left + plot_w * t / span  # noqa: E731 - seconds to pixels
         n_dev = len(panel.devices)
-        height = top + row * n_dev + 24
+        height = top + row * n_dev + 30
         svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
                f'font-family="sans-serif" font-size="11">']
         for d, name in enumerate(panel.devices):
@@ -237,7 +315,7 @@ def timeline_html(panels: Sequence[Panel], width: int = 1200) -> str:
             style = ' stroke-dasharray="2,1"' if b.kind == "realloc" else ""
             svg.append(f'<g><title>{html.escape(_tooltip(b))}</title><rect x="{x(b.start):.1f}" y="{y}" '
                        f'width="{w:.1f}" height="{h}" fill="{fill}" stroke="black" stroke-width="0.5"{style}/>')
-            if b.kind == "call" and w > 70:
+            if b.kind == "call" and len(b.label) * HTML_CHAR_PX + 8 <= w:
                 svg.append(f'<text x="{x(b.start) + w / 2:.1f}" y="{y + h / 2 + 4:.1f}" text-anchor="middle" '
                            f'pointer-events="none">{html.escape(b.label)}</text>')
             svg.append("</g>")
@@ -246,11 +324,15 @@ def timeline_html(panels: Sequence[Panel], width: int = 1200) -> str:
                        f'stroke="black"/><text x="{x(e) - 3:.1f}" y="{top - 9}" text-anchor="end">'
                        f'iteration {t}</text>')
         axis_y = top + row * n_dev + 16
-        for k in range(6):
-            t = span * k / 5
-            svg.append(f'<text x="{x(t):.1f}" y="{axis_y}" text-anchor="middle">{t:.2f} s</text>')
+        step = _nice_step(span)
+        ticks = [k * step for k in range(int(span / step + 1e-9) + 1)]
+        for t in ticks:  # anchored so that the first and last labels stay inside the picture
+            anchor = "start" if t == 0 else "end" if x(t) + 30 > width else "middle"
+            svg.append(f'<line x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{top + row * n_dev}" y2="{top + row * n_dev + 4}" '
+                       f'stroke="black"/><text x="{x(t):.1f}" y="{axis_y}" text-anchor="{anchor}">{t:g} s</text>')
+        svg.append(f'<text x="{left + plot_w / 2:.1f}" y="{axis_y + 13}" text-anchor="middle">seconds</text>')
         svg.append("</svg>")
-        parts.append(f"<h3>{html.escape(panel.title)}</h3>\n" + "\n".join(svg))
+        parts.append(f"<h3>{html.escape(panel.title + note)}</h3>\n" + "\n".join(svg))
     title = html.escape(panels[0].title)
     return (f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>{title}</title></head><body>\n"
             f"<p>Hover over a box for its call, strategy, iteration and times.</p>\n" + "\n".join(parts)

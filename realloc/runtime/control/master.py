@@ -37,7 +37,7 @@ from realloc.runtime.control.program import RuntimeProgram
 from realloc.runtime.control.stop_signals import StopRequest, StopSignals
 from realloc.runtime.inputs.evaluation import eval_calls
 from realloc.runtime.inputs.run_config import RunConfig
-from realloc.runtime.records.run_paths import RunPaths
+from realloc.runtime.records.run_paths import RunPaths, os_error_line, remove_secret
 from realloc.runtime.records.telemetry import RequestLog, RequestRecord, RunStats, Trace
 from realloc.runtime.wire import protocol
 from realloc.runtime.wire.curve import CurveKeys, Gatekeeper, secure_server
@@ -56,7 +56,9 @@ class Master(MasterLink, IterationSchedule, EvaluationPasses, CheckpointSaves):
                  call_timeout: float = CALL_TIMEOUT, window: int = 2,
                  stop_signals: StopSignals = StopSignals(), verify_checkpoint: bool = True,
                  schedule_iterations: int | None = None,
-                 on_iteration: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 on_iteration: Callable[[dict[str, Any]], None] | None = None,
+                 secret_file: Path | None = None,
+                 on_node: Callable[[str, int, float | None], None] | None = None) -> None:
         if iterations < 1:
             raise ValueError(f"iterations must be at least 1, got {iterations}")
         for m, on in program.plan.offload.items():
@@ -88,6 +90,12 @@ class Master(MasterLink, IterationSchedule, EvaluationPasses, CheckpointSaves):
         # later: that many more iterations are in flight.
         self.window = max(1, window, program.staleness + 2)
         self.on_iteration = on_iteration
+        # (node label, iteration from 1, None) as a node of the schedule starts, (..., seconds) as it ends: the
+        # console's progress inside an iteration (records/progress.py)
+        self.on_node = on_node
+        # The secret file this run's launcher gave its workers: removed once every worker has read it (connected),
+        # so a run directory that later fills up or turns read-only holds no secret whatever happens next.
+        self.secret_file = secret_file
         self.n_workers = self.spec.cluster.n_devices
         self.offloaded = {m for m, on in program.plan.offload.items() if on and not program.is_rule(m)}
 
@@ -177,6 +185,10 @@ class Master(MasterLink, IterationSchedule, EvaluationPasses, CheckpointSaves):
         restore_signals = self.stop_signals.catch(lambda sig: loop.call_soon_threadsafe(self.request_stop, sig))
         try:
             await self._guard(self._wait_for_workers())
+            if self.secret_file is not None:
+                note = remove_secret(self.secret_file)
+                if note:
+                    log.warning("master: %s", note)
             try:
                 self.node_hosts = plan_node_hosts(self.spec.cluster, {r: h.host for r, h in self.hello.items()})
             except ValueError as e:
@@ -212,16 +224,31 @@ class Master(MasterLink, IterationSchedule, EvaluationPasses, CheckpointSaves):
             restore_signals()
             for t in (receiver, monitor, refusals, *self.tasks):
                 t.cancel()
-            unfinished = {rec.req: rec for per_rank in self.pending.values() for rec in per_rank.values()}
-            for req in sorted(unfinished):
-                self.requests.write(unfinished[req])
-            self.requests.close()
-            self.trace.close()
+            # A full or read-only run directory makes these raise: that must neither replace the run's own
+            # error nor skip closing the sockets below.
+            late = self._close_records()
             await asyncio.sleep(0)  # let the cancelled tasks finish before their sockets close
             self.gate.close(self.sock)
             self.sock.close(linger=500)  # lets abort messages reach the workers
             self.zctx.term()
+        if late is not None:  # the run itself went well: the records' last write is the failure
+            raise RunFailed(f"the run's records could not be written: {os_error_line(late)}")
         return self.stats.summary()
+
+    def _close_records(self) -> OSError | None:
+        """Write the unfinished requests and close requests.jsonl and trace.json; never raises. Returns the
+        first OSError (each file is closed even when its last write fails)."""
+        first: OSError | None = None
+        unfinished = {rec.req: rec for per_rank in self.pending.values() for rec in per_rank.values()}
+        steps = [*(lambda r=unfinished[req]: self.requests.write(r) for req in sorted(unfinished)),
+                 self.requests.close, self.trace.close]
+        for step in steps:
+            try:
+                step()
+            except OSError as e:
+                first = first or e
+                log.warning("master: %s", os_error_line(e))
+        return first
 
     def request_stop(self, signum: int, source: str = "master") -> None:
         """Stop after the iterations already running, with a checkpoint if one fits in the time left."""

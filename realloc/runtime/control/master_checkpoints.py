@@ -18,6 +18,7 @@ from realloc.runtime.control.stop_signals import SAVE_SAFETY, checkpoint_seconds
 from realloc.runtime.persist import checkpoint
 from realloc.runtime.persist.run_settings import checkpoint_settings
 from realloc.runtime.records.run_record import resolved_experiment
+from realloc.runtime.records.run_paths import os_error_line
 from realloc.runtime.wire import protocol
 
 log = logging.getLogger("realloc.master")
@@ -107,5 +108,7 @@ class CheckpointSaves:
                                  f"the newest is in {self.paths.checkpoints}")
         except RunFailed:
             pass  # recorded; run() raises it
+        except OSError as e:  # the master's part of the save: a full disk or a read-only run directory
+            self.fail(f"checkpoint {t + 1} could not be written: {os_error_line(e)}")
         finally:
             self.all_done.set()

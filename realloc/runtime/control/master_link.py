@@ -150,6 +150,10 @@ class MasterLink:
         bad = next((rep for rep in replies if not rep.ok), None)
         if bad is not None:
             it = f" (iteration {rec.iteration + 1})" if rec.iteration >= 0 else ""
+            if rec.kind == "save":  # the label names it: "checkpoint 4 could not be written: worker 0: OSError: ..."
+                self.fail(f"{rec.label} could not be written: worker {bad.rank}: {bad.error}; see "
+                          f"{self.paths.worker_log(bad.rank)}")
+                raise RunFailed(self.failure)
             where = f"call {rec.label}{it}" if rec.kind == "call" else f"{rec.label}{it}"
             self.fail(f"worker {bad.rank} failed in {where}: {bad.error}; see {self.paths.worker_log(bad.rank)}")
             raise RunFailed(self.failure)
@@ -175,7 +179,10 @@ class MasterLink:
 
     def _handle_incoming(self, frames: list[bytes]) -> None:
         ident, name = frames[0], protocol.endpoint_name(frames[0])
-        env = self.channel.try_unpack(frames[1:], expect_src=name)
+        # Replay counters are kept per connection (``peer``): a message that another connection claiming this
+        # name gets through verification, and that the checks below then drop, cannot move the real worker's
+        # counter (its next messages would look replayed: a false heartbeat timeout, or replies never read).
+        env = self.channel.try_unpack(frames[1:], expect_src=name, peer=ident)
         if env is None:
             return
         body = env.body

@@ -31,6 +31,7 @@ from realloc.algorithms.reward_model import pair_metrics
 from realloc.graph.transfer_plan import TransferPlan, dp_ranges
 from realloc.runtime.control.master_link import RunFailed
 from realloc.runtime.control.program import Realloc
+from realloc.runtime.records.run_paths import os_error_line
 from realloc.runtime.records.telemetry import RequestRecord, iteration_metrics
 from realloc.runtime.records.text_io import write_samples
 from realloc.runtime.transfer.data_store import row_bytes
@@ -217,6 +218,8 @@ class IterationSchedule:
                 if ev is not None:
                     await ev.wait()
             t0 = time.time()
+            if self.on_node is not None:
+                self.on_node(n.label, n.t + 1, None)
             if n.kind == "call":
                 await self._call(n)
             elif n.kind == "realloc":
@@ -238,6 +241,8 @@ class IterationSchedule:
             elif n.kind == "eval":
                 await self._eval(n)
             t1 = time.time()
+            if self.on_node is not None:
+                self.on_node(n.label, n.t + 1, t1 - t0)
             self.trace.add_node(n.label, n.kind, n.t, t0, t1)
             key = n.name if n.kind == "call" else n.kind
             self.node_times[n.t][key] = self.node_times[n.t].get(key, 0.0) + (t1 - t0)
@@ -245,6 +250,12 @@ class IterationSchedule:
             self._finished(n.t)
         except RunFailed:
             pass  # already recorded; run() raises it
+        except OSError as e:  # the master's own writes: a full disk or a read-only run directory
+            if n.kind == "save":
+                self.fail(f"checkpoint {n.t + 1} could not be written: {os_error_line(e)}")
+            else:
+                self.fail(f"the run's records could not be written after {n.label} (iteration {n.t + 1}): "
+                          f"{os_error_line(e)}")
         except Exception as e:  # noqa: BLE001 - a bug here must stop the run, not hang it
             self.fail(f"master error in {n.label} (iteration {n.t + 1}): {type(e).__name__}: {e}")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -174,13 +175,56 @@ class SlurmOptions:
     srun_args: tuple[str, ...] = ()  # e.g. "--container-image=..." (pyxis) for the workers' step
     cpus_per_task: int | None = None  # None: the whole node (--exclusive), split evenly among its devices
     nodelist: str | None = None  # pin the job to these hosts; by default SLURM picks any free nodes
-    python: str = sys.executable
+    # The interpreter of the master and the workers inside the job. None: this one (its absolute path) for a
+    # job in this environment; ``python3`` from the job's PATH when --setup lines or a container image make
+    # another environment, where this machine's path may not exist or be another installation.
+    python: str | None = None
+    mem: str | None = None  # #SBATCH --mem (memory per node, e.g. 200G; 0 is all of it)
+    gres: str | None = None  # #SBATCH --gres for the GPUs (e.g. gpu:a100:8) instead of --gpus-per-node
 
     def __post_init__(self) -> None:
         if self.cpus_per_task is not None and self.cpus_per_task < 1:
             raise ValueError(f"--cpus-per-task must be a positive integer, got {self.cpus_per_task}")
+        if self.python is not None and not self.python.strip():
+            raise ValueError("--python is empty; give an interpreter, e.g. --python python3 or --python "
+                             "/opt/venv/bin/python")
+        if self.python is None:
+            elsewhere = bool(self.setup) or any(a.lstrip("-").startswith("container") for a in self.srun_args)
+            object.__setattr__(self, "python", "python3" if elsewhere else sys.executable)
+        if self.mem is not None and not _MEM.fullmatch(self.mem.strip()):
+            raise ValueError(f"--mem {self.mem!r}: give SLURM's form, a number with an optional unit K, M, G or T "
+                             f"(e.g. 200G; 0 asks for all of a node's memory)")
+        if self.gres is not None and not _GRES.fullmatch(self.gres.strip()):
+            raise ValueError(f"--gres {self.gres!r}: give SLURM's form NAME[:TYPE][:COUNT], e.g. gpu:8 or gpu:a100:8")
+
+    def check(self, cluster: ClusterSpec) -> None:
+        """The options that depend on the cluster: one error before anything is written or submitted."""
+        if self.gres is not None:
+            if cluster.device == "cpu":
+                raise ValueError(f"--gres {self.gres!r}: cluster {cluster.nodelist!r} runs on CPUs and needs no GPUs; "
+                                 f"other resources go in --sbatch gres=...")
+            _gres_line(self.gres, cluster.n_devices_per_node)
         object.__setattr__(self, "extra_sbatch", tuple(_long_option(x) for x in self.extra_sbatch))
         object.__setattr__(self, "srun_args", tuple(_long_option(x) for x in self.srun_args))
+
+
+_MEM = re.compile(r"\d+[KMGT]?B?", re.IGNORECASE)
+_GRES = re.compile(r"[A-Za-z][\w.-]*(:[\w.-]+)*")
+
+
+def _gres_line(gres: str, n_gpus: int) -> str:
+    """``#SBATCH --gres`` for ``n_gpus`` per node: ``gpu`` or ``gpu:a100`` get the count added; a count given
+    must be the plan's devices per node (one worker per device)."""
+    parts = gres.strip().split(":")
+    if parts[0] != "gpu":
+        raise ValueError(f"--gres {gres!r}: the GPUs are requested as gpu[:TYPE][:COUNT], e.g. gpu:{n_gpus}; other "
+                         f"resources go in --sbatch gres=...")
+    if parts[-1].isdigit():
+        if int(parts[-1]) != n_gpus:
+            raise ValueError(f"--gres {gres!r} asks for {parts[-1]} GPUs per node, but the cluster's nodes run "
+                             f"{n_gpus} workers each (one per GPU); give gpu:{n_gpus} or leave the count out")
+        return f"#SBATCH --gres={gres.strip()}"
+    return f"#SBATCH --gres={gres.strip()}:{n_gpus}"
 
 
 def _long_option(text: str) -> str:
@@ -220,8 +264,13 @@ def slurm_script(cluster: ClusterSpec, experiment: str, run: RunPaths, run_id: s
         lines.append(f"#SBATCH --cpus-per-task={opts.cpus_per_task}")
     else:
         lines.append("#SBATCH --exclusive")
-    if gpu:
+    opts.check(cluster)
+    if opts.gres is not None:
+        lines.append(_gres_line(opts.gres, n))
+    elif gpu:
         lines.append(f"#SBATCH --gpus-per-node={n}")
+    if opts.mem is not None:
+        lines.append(f"#SBATCH --mem={opts.mem.strip()}")
     if opts.partition:
         lines.append(f"#SBATCH --partition={opts.partition}")
     if opts.account:

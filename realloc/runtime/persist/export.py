@@ -25,7 +25,6 @@ from typing import Any, Mapping
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from realloc.models.config import ModelConfig
 from realloc.models.lora_config import LoRAConfig
@@ -88,7 +87,7 @@ def export_checkpoint(ckpt: str | Path, model: str, out: str | Path, *, dtype: s
     directory (``fmt="peft"``: ``lora_export.py``). Every shard is checked against the SHA-256 recorded when
     it was saved (``verify=False`` skips that)."""
     from realloc.models.hf_io import (CONFIG_FILE, GENERATION_CONFIG_FILE, INDEX_FILE, hf_config_from_model_config,
-                                      shard_file_plan, write_generation_config)
+                                      save_weights, shard_file_plan, write_generation_config)
 
     ckpt, out = Path(ckpt), Path(out)
     meta = checkpoint.read_meta(ckpt)
@@ -113,6 +112,7 @@ def export_checkpoint(ckpt: str | Path, model: str, out: str | Path, *, dtype: s
         raise ValueError(f"export directory {out} is not empty; choose a new --out")
     tmp = out.with_name(f".{out.name}.part")
     shutil.rmtree(tmp, ignore_errors=True)
+    created = next((a for a in reversed(out.parents) if not a.exists()), None)  # removed again on failure
     tmp.mkdir(parents=True)
     try:
         written_dtype = None
@@ -131,7 +131,7 @@ def export_checkpoint(ckpt: str | Path, model: str, out: str | Path, *, dtype: s
                 tensors = lora_export.merge(cfg, _full_tensors(ckpt, model, cfg, tp, pp, names, None, verified))
                 tensors = {n: t.to(torch_dtype or t.dtype) for n, t in tensors.items()}
             written_dtype = next(iter(tensors.values())).dtype
-            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            save_weights(tensors, tmp / fname)
             del tensors
         if len(plan) > 1:
             elem = torch.tensor([], dtype=written_dtype).element_size()
@@ -152,6 +152,8 @@ def export_checkpoint(ckpt: str | Path, model: str, out: str | Path, *, dtype: s
              **({"lora": dataclasses.asdict(cfg.lora), "merged": fmt == "hf"} if cfg.lora else {})}, indent=2))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed export leaves nothing behind
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
         raise
     if out.exists():
         out.rmdir()
@@ -165,7 +167,7 @@ def _copy_tokenizer(out: Path, tokenizer: str | None) -> None:
     from realloc.data.tokenizer import Tokenizer
 
     for f in Tokenizer.load(tokenizer).files():
-        shutil.copy2(f, out / f.name)
+        shutil.copyfile(f, out / f.name)  # a new file of this umask, like the rest (copy2 keeps the source's mode)
 
 
 def find_checkpoint(run_dir: str | Path, iteration: int | None, skip_checks: bool = False) -> Path:

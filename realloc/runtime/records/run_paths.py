@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 
@@ -53,3 +54,25 @@ class RunPaths:
 
     def worker_log(self, rank: int) -> Path:
         return self.logs / f"worker{rank}.log"
+
+
+def os_error_line(e: OSError) -> str:
+    """An OSError as the user needs it: the path and the cause (``/runs/a/metrics.jsonl: No space left on
+    device``), without Python's ``[Errno 28]``."""
+    cause = e.strerror or str(e) or type(e).__name__
+    return f"{e.filename}: {cause}" if e.filename else cause
+
+
+def remove_secret(path: Path) -> str | None:
+    """Remove a run's secret file; never raises. Where its folder forbids removing it (made read-only), the
+    file is emptied instead, so no secret stays behind either way. Returns a line for the user when the file
+    could not be removed, else None."""
+    try:
+        path.unlink(missing_ok=True)
+        return None
+    except OSError as e:
+        try:
+            os.truncate(path, 0)  # frees its blocks: works on a full disk, and in a read-only folder
+            return f"could not remove the run secret {path} ({e.strerror}); it was emptied instead"
+        except OSError:
+            return f"could not remove the run secret {path} ({e.strerror}); delete it by hand"

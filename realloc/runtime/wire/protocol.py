@@ -7,8 +7,11 @@ A message is two ZMQ frames: ``[payload, mac]``.
 - ``mac`` is HMAC-SHA256 over the payload with the per-run secret. The secret reaches workers through a
   0600 file or the environment (``REALLOC_SECRET_FILE`` / ``REALLOC_SECRET``), never over the wire.
 - Replay protection: every sender numbers its messages with a strictly increasing ``seq``; a receiver
-  drops any message whose ``seq`` is not above the last one it accepted from that sender. ``run`` and
-  ``dst`` stop a message from being replayed into another run or at another receiver.
+  drops any message whose ``seq`` is not above the last one it accepted from that sender over that
+  connection. The counter is per (connection, sender): a message that arrives over another connection
+  (dropped by the master's ownership check) cannot move the real sender's counter and make its next
+  messages look replayed. ``run`` and ``dst`` stop a message from being replayed into another run or at
+  another receiver.
 - Identities: a worker's sockets connect as ``<name>.<random>`` (``socket_identity``). The master binds
   each name to the socket identity of the first *signed* message from it and routes to that one only,
   so a local process cannot take a worker's name by connecting first.
@@ -290,7 +293,7 @@ class Channel:
         self.run_id = run_id
         self.name = name
         self._next_seq = 1
-        self._last_seen: dict[str, int] = {}
+        self._last_seen: dict[tuple[bytes, str], int] = {}  # (connection, sender) -> last accepted seq
         self.n_rejected = 0
 
     def _mac(self, payload: bytes) -> bytes:
@@ -309,8 +312,12 @@ class Channel:
         self._next_seq += 1
         return [payload, self._mac(payload)]
 
-    def unpack(self, frames: list[bytes], expect_src: str | None = None) -> Envelope:
-        """Verify and decode; raise ProtocolError (never anything else) for a message to drop."""
+    def unpack(self, frames: list[bytes], expect_src: str | None = None, peer: bytes = b"") -> Envelope:
+        """Verify and decode; raise ProtocolError (never anything else) for a message to drop.
+
+        ``peer`` names the connection the frames came over (a ROUTER's socket identity; a DEALER has one
+        peer): sequence numbers are checked and recorded per connection and sender.
+        """
         if len(frames) != 2:
             raise ProtocolError(f"expected 2 frames (payload, mac), got {len(frames)}")
         payload, mac = bytes(frames[0]), bytes(frames[1])
@@ -335,9 +342,9 @@ class Channel:
             raise ProtocolError("bad src or seq field")
         if expect_src is not None and src != expect_src:
             raise ProtocolError(f"message claims sender {src!r} but arrived from {expect_src!r}")
-        if seq <= self._last_seen.get(src, 0):
-            raise ProtocolError(f"replayed or reordered message from {src!r} (seq {seq} <= "
-                                f"{self._last_seen.get(src, 0)})")
+        last = self._last_seen.get((peer, src), 0)
+        if seq <= last:
+            raise ProtocolError(f"replayed or reordered message from {src!r} (seq {seq} <= {last})")
         kind = env["type"]
         cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
         if cls is None or not isinstance(env["body"], dict):
@@ -348,13 +355,13 @@ class Channel:
             first = e.errors()[0]
             raise ProtocolError(f"{kind} message: field {'.'.join(map(str, first['loc']))!r}: {first['msg']}") \
                 from None
-        self._last_seen[src] = seq
+        self._last_seen[peer, src] = seq
         return Envelope(src=src, dst=self.name, seq=seq, body=body)
 
-    def try_unpack(self, frames: list[bytes], expect_src: str | None = None) -> Envelope | None:
+    def try_unpack(self, frames: list[bytes], expect_src: str | None = None, peer: bytes = b"") -> Envelope | None:
         """``unpack`` that logs and drops a bad message instead of raising."""
         try:
-            return self.unpack(frames, expect_src)
+            return self.unpack(frames, expect_src, peer)
         except ProtocolError as e:
             self.n_rejected += 1
             # The first few rejections are the interesting ones; after that a flood must not fill the log.
