@@ -16,11 +16,10 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
-from realloc.algorithms.common import forward_batch, optimizer_step
+from realloc.algorithms.common import forward_batch
 from realloc.algorithms.context import CallContext, CallResult, Data
 from realloc.algorithms.reward_model import PAIR_SUMS, STATS
-from realloc.algorithms.supervised import _both, _minibatches, _set_lr
-from realloc.strategy import even_ranges
+from realloc.algorithms.supervised import _both, pair_steps
 
 
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | float = 0.0,
@@ -72,34 +71,15 @@ def rm_train(ctx: CallContext, inputs: Data) -> CallResult:
     assert model is not None and ctx.optimizer is not None
     pairs = inputs["pairs"]
     margins = pair_margins(ctx, pairs)
-    mb_of_row, counts = _minibatches(ctx)
-    M = ctx.call.n_minibatches
-    sums = dict.fromkeys(STATS, 0.0)
-    grad_norm, lr0 = 0.0, 0.0
-    for k in range(M):
-        lr = _set_lr(ctx, k)
-        lr0 = lr if k == 0 else lr0
-        rows = torch.nonzero(mb_of_row == k).view(-1)
-        n_pairs = max(float(counts[k]), 1.0)
-        micro = []
-        for lo, hi in even_ranges(rows.numel(), min(ctx.n_mbs, rows.numel())):
-            r = rows[lo:hi]
-            seq = _both(pairs, r)
-            micro.append({**forward_batch(seq), "prompt_lens": seq["prompt_lens"], "gen_mask": seq["gen_mask"],
-                          "margin": margins[r]})
-        parts: list[dict[str, float]] = []
 
-        def loss_fn(head: Any, m: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-            scores = last_token_scores(head.values, m)
-            n = scores.shape[0] // 2
-            chosen, rejected = scores[:n], scores[n:]
-            per_pair = bradley_terry_loss(chosen, rejected, m["margin"].to(scores), cfg.center_coef)
-            parts.append(_pair_sums(chosen, rejected, per_pair))
-            return per_pair.sum() / n_pairs, {}
+    def bt_pair_loss(head: Any, m: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        scores = last_token_scores(head.values, m)
+        n = scores.shape[0] // 2
+        chosen, rejected = scores[:n], scores[n:]
+        per_pair = bradley_terry_loss(chosen, rejected, m["margin"].to(scores), cfg.center_coef)
+        return per_pair, _pair_sums(chosen, rejected, per_pair)
 
-        grad_norm += optimizer_step(ctx, micro, loss_fn) / M
-        for key in sums:
-            sums[key] += sum(p[key] for p in parts) / n_pairs / M
+    sums, grad_norm, lr0 = pair_steps(ctx, pairs, lambda r: {"margin": margins[r]}, bt_pair_loss, STATS)
     if not model.groups.is_last_stage:
         return CallResult({}, {}, {"grad_norm": grad_norm})
     return CallResult({}, sums, {"rm_grad_norm": grad_norm, "rm_lr": lr0})

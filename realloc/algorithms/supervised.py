@@ -13,7 +13,7 @@ response of the same pairs (chosen rows first), since the loss needs both.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -67,13 +67,21 @@ def _set_lr(ctx: CallContext, k: int) -> float:
     return lr
 
 
-def dpo_train(ctx: CallContext, inputs: Data) -> CallResult:
-    model, cfg = ctx.model, ctx.config
-    assert model is not None and ctx.optimizer is not None
-    pairs, ref = inputs["pairs"], inputs["ref_logp"]
+# (head, a micro-batch of pairs) -> (per-pair loss [n], the stats of these pairs as sums)
+PairLoss = Callable[[Any, Mapping[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
+
+
+def pair_steps(ctx: CallContext, pairs: Mapping[str, torch.Tensor],
+               per_rows: Callable[[torch.Tensor], dict[str, torch.Tensor]], pair_loss: PairLoss,
+               stats: Sequence[str]) -> tuple[dict[str, float], float, float]:
+    """The ``n_minibatches`` optimizer steps of a train step on preference pairs (DPO, reward models): mini-batch
+    k is the pairs whose global index is k mod M, its loss the mean over its pairs of the whole batch (all dp
+    ranks), each micro-batch the chosen and then the rejected responses of its pairs (``_both``) plus
+    ``per_rows(rows)``. Returns (the ``stats`` as means over the pairs and mini-batches, the mean grad norm, the
+    first mini-batch's learning rate)."""
     mb_of_row, counts = _minibatches(ctx)
     M = ctx.call.n_minibatches
-    sums = {"dpo_loss": 0.0, "dpo_accuracy": 0.0, "dpo_margin": 0.0, "chosen_reward": 0.0, "rejected_reward": 0.0}
+    sums = dict.fromkeys(stats, 0.0)
     grad_norm, lr0 = 0.0, 0.0
     for k in range(M):
         lr = _set_lr(ctx, k)
@@ -85,23 +93,42 @@ def dpo_train(ctx: CallContext, inputs: Data) -> CallResult:
             r = rows[lo:hi]
             seq = _both(pairs, r)
             micro.append({**forward_batch(seq), "prompt_lens": seq["prompt_lens"], "gen_mask": seq["gen_mask"],
-                          "ref_chosen": ref["chosen"][r], "ref_rejected": ref["rejected"][r]})
+                          **per_rows(r)})
         parts: list[dict[str, float]] = []
 
-        def loss_fn(head: Any, m: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-            chosen, rejected = _summed(head.logprobs(cfg.temperature), m)
-            per_pair, st = losses.dpo_loss(chosen, rejected, m["ref_chosen"], m["ref_rejected"], cfg.beta,
-                                           cfg.label_smoothing)
-            parts.append({"dpo_loss": float(per_pair.detach().sum()),
-                          "dpo_accuracy": float((st["margin"] > 0).double().sum()),
-                          "dpo_margin": float(st["margin"].double().sum()),
-                          "chosen_reward": float(st["chosen_reward"].double().sum()),
-                          "rejected_reward": float(st["rejected_reward"].double().sum())})
+        def loss_fn(head: Any, m: Mapping[str, torch.Tensor], n_pairs: float = n_pairs
+                    ) -> tuple[torch.Tensor, dict[str, float]]:
+            per_pair, st = pair_loss(head, m)
+            parts.append(st)
             return per_pair.sum() / n_pairs, {}
 
         grad_norm += optimizer_step(ctx, micro, loss_fn) / M
         for key in sums:
             sums[key] += sum(p[key] for p in parts) / n_pairs / M
+    return sums, grad_norm, lr0
+
+
+DPO_STATS = ("dpo_loss", "dpo_accuracy", "dpo_margin", "chosen_reward", "rejected_reward")
+
+
+def dpo_train(ctx: CallContext, inputs: Data) -> CallResult:
+    model, cfg = ctx.model, ctx.config
+    assert model is not None and ctx.optimizer is not None
+    ref = inputs["ref_logp"]
+
+    def dpo_pair_loss(head: Any, m: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        chosen, rejected = _summed(head.logprobs(cfg.temperature), m)
+        per_pair, st = losses.dpo_loss(chosen, rejected, m["ref_chosen"], m["ref_rejected"], cfg.beta,
+                                       cfg.label_smoothing)
+        return per_pair, {"dpo_loss": float(per_pair.detach().sum()),
+                          "dpo_accuracy": float((st["margin"] > 0).double().sum()),
+                          "dpo_margin": float(st["margin"].double().sum()),
+                          "chosen_reward": float(st["chosen_reward"].double().sum()),
+                          "rejected_reward": float(st["rejected_reward"].double().sum())}
+
+    sums, grad_norm, lr0 = pair_steps(ctx, inputs["pairs"],
+                                      lambda r: {"ref_chosen": ref["chosen"][r], "ref_rejected": ref["rejected"][r]},
+                                      dpo_pair_loss, DPO_STATS)
     if not model.groups.is_last_stage:
         return CallResult({}, {}, {"grad_norm": grad_norm})
     return CallResult({}, sums, {"actor_grad_norm": grad_norm, "actor_lr": lr0})
