@@ -46,11 +46,11 @@ _ROWS = "_rows"  # the micro-batch's rows of this dp rank's batch, travelling th
 
 
 @dataclasses.dataclass
-class Rollout:
-    """This dp rank's whole batch, as ``prepare`` sees it."""
+class _Rows:
+    """Rows of a train step's inputs: ``rows["role"]["tensor"]``, the settings, the response mask."""
 
     ctx: CallContext
-    inputs: Data  # {slot role: {tensor name: [n, ...]}}: this dp rank's rows
+    inputs: Data  # {slot role: {tensor name: [n, ...]}}
 
     def __getitem__(self, role: str) -> dict[str, torch.Tensor]:
         return self.inputs[role]
@@ -63,6 +63,11 @@ class Rollout:
     def mask(self) -> torch.Tensor:
         """[n, T] bool: the response tokens (``seq.gen_mask``)."""
         return self.inputs["seq"]["gen_mask"]
+
+
+@dataclasses.dataclass
+class Rollout(_Rows):
+    """This dp rank's whole batch, as ``prepare`` sees it."""
 
     def batch_sum(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` summed over the data-parallel ranks (every rank of the call gets the whole batch's sum)."""
@@ -85,25 +90,12 @@ class Rollout:
 
 
 @dataclasses.dataclass
-class MiniBatch:
-    """One micro-batch of one optimizer step, as the loss function sees it: this rank's rows of it."""
+class MiniBatch(_Rows):
+    """One micro-batch of one optimizer step, as the loss function sees it: this rank's rows of it (``inputs`` on
+    the model's device)."""
 
-    ctx: CallContext
-    head: Any  # the model's output on these rows (engine.HeadOutput)
-    inputs: Data  # {slot role: {tensor name: [n, ...]}}, these rows, on the model's device
-    extra: dict[str, torch.Tensor]  # what ``prepare`` returned, these rows
-
-    def __getitem__(self, role: str) -> dict[str, torch.Tensor]:
-        return self.inputs[role]
-
-    @property
-    def config(self) -> Any:
-        return self.ctx.config
-
-    @property
-    def mask(self) -> torch.Tensor:
-        """[n, T] bool: the response tokens."""
-        return self.inputs["seq"]["gen_mask"]
+    head: Any = None  # the model's output on these rows (engine.HeadOutput)
+    extra: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # what ``prepare`` returned, these rows
 
     def _columns(self, per_position: torch.Tensor, shift: int = 0) -> torch.Tensor:
         seq = self.inputs["seq"]
@@ -194,9 +186,9 @@ class TrainStep:
             def loss_fn(head: Any, m: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
                 r = m[_ROWS].cpu()
                 dev = head.raw.device
-                batch = MiniBatch(ctx, head, {role: {name: t[r].to(dev) for name, t in d.items()}
-                                              for role, d in inputs.items()},
-                                  {name: t[r].to(dev) for name, t in extra.items()})
+                batch = MiniBatch(ctx, {role: {name: t[r].to(dev) for name, t in d.items()}
+                                        for role, d in inputs.items()},
+                                  head=head, extra={name: t[r].to(dev) for name, t in extra.items()})
                 out = self.loss(batch)
                 if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.Tensor)
                         and isinstance(out[1], Mapping)):
