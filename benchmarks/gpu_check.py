@@ -205,7 +205,10 @@ def decode(chk: Check, rows: int, prompt_len: int, new_tokens: int) -> dict[str,
         res["graph_equals_static_tokens"] = bool(torch.equal(toks["graph"], toks["static"]))
         res["graph_eager_agree_frac"] = (toks["graph"] == toks["eager"]).float().mean().item()
         res["graph_speedup_vs_eager"] = res["eager"]["seconds"] / res["graph"]["seconds"]
-        res["ok"] = res["graph_equals_static_tokens"] and res["graph_speedup_vs_eager"] > 1.0
+        # the graph replays the static step exactly: checked where attention is deterministic (the math backend;
+        # the fused kernel differs from run to run on its own, see "repeat_identical")
+        exact = res["graph_vs_static_math_sdpa"]
+        res["ok"] = exact["identical_rows"] == exact["rows"] and res["graph_speedup_vs_eager"] > 1.0
     else:
         res["ok"] = res["static_equals_eager_tokens"]
     del model

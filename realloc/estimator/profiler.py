@@ -73,15 +73,9 @@ def _no_sync() -> None:
 def graphed(run: Callable[[], object], device: torch.device) -> Callable[[], object]:
     """``run`` captured as a CUDA graph, returned as its replay: the runtime replays its decode steps so
     (``models/static_decode.py``), and a graph's time is its kernels' without the host's launches."""
-    side = torch.cuda.Stream(device=device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        run()  # warm-up outside the capture, as torch.cuda.graphs asks
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return graph.replay
+    from realloc.models.static_decode import capture_graph
+
+    return capture_graph(run, device).replay
 
 
 def timed(run: Callable[[], object], group: dist.ProcessGroup | None, warmup: int, repeats: int,

@@ -27,7 +27,7 @@ the same step runs op by op: that path is the reference the graph's tokens are c
 from __future__ import annotations
 
 import warnings
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -130,22 +130,34 @@ class StaticDecoder:
         self.graph.replay()
 
     def _capture(self) -> None:
-        # Warm up on a side stream (the allocator and cuBLAS settle there, as torch.cuda.graphs asks), which
-        # also computes this step: it writes the same slot with the same values as a replay would.
-        side = torch.cuda.Stream(device=self.model.device)
-        side.wait_stream(torch.cuda.current_stream(self.model.device))
-        with torch.cuda.stream(side):
-            self._step()
-        torch.cuda.current_stream(self.model.device).wait_stream(side)
+        # The warm-up computes this step: it writes the same slot with the same values as a replay would.
         try:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self._step()
-        except RuntimeError as e:  # e.g. a collective backend that cannot be captured
+            self.graph = capture_graph(self._step, self.model.device)
+        except GraphCaptureError as e:  # e.g. a collective backend that cannot be captured
             warnings.warn(f"CUDA-graph capture of the decode step failed ({e}); decoding op by op", stacklevel=2)
             self.want_graph = False
-            return
-        self.graph = graph
+
+
+class GraphCaptureError(RuntimeError):
+    """The capture failed; the warm-up run before it had run (and its effects stand)."""
+
+
+def capture_graph(run: Callable[[], object], device: torch.device) -> torch.cuda.CUDAGraph:
+    """``run`` once on a side stream (the warm-up torch.cuda.graphs asks for: the allocator and cuBLAS settle
+    there; its effects are real), then captured as a CUDA graph to replay. The runtime's decode steps and the
+    profiler's timing of them (``estimator/profiler.py``) both capture so."""
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            run()
+    except RuntimeError as e:
+        raise GraphCaptureError(str(e)) from e
+    return graph
 
 
 def decode_static(mb: MicroBatchState, decoders: dict[tuple[int, int], StaticDecoder], graph: bool) -> None:
