@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import engine_workers  # beside this script
+
 LAYOUTS = [(1, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 1), (1, 2, 2), (2, 2, 1), (4, 1, 1), (1, 4, 1), (1, 1, 4)]
 
 
@@ -41,28 +43,14 @@ def _timed(fn, repeats: int, group) -> float:
     return (time.perf_counter() - t0) / repeats
 
 
-def _loss(out, mb):
-    mask = out.token_mask
-    return -(out.logprobs() * mask).sum() / mask.sum(), {}
-
-
 def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results) -> None:
-    torch.set_num_threads(1)
-    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", init_method=f"file://{store}",
-                            rank=rank, world_size=world)
+    device = engine_workers.start(rank, world, store, args.device)
     from realloc.models.config import get_model_config
     from realloc.models.engine import ParallelModel
-    from realloc.models.groups import ModelLayout, ProcessGroupCache
     from realloc.models.sampling import GenerationConfig
-    from realloc.strategy import ParallelStrategy, strategy_error
 
     cfg = get_model_config(args.model)
-    cache = ProcessGroupCache()
-    layouts = [ModelLayout.for_model(cfg, tuple(range(dp * tp * pp)), ParallelStrategy(dp, tp, pp))
-               for dp, tp, pp in LAYOUTS if dp * tp * pp <= world
-               and strategy_error(cfg, ParallelStrategy(dp, tp, pp), world) is None]
-    cache.ensure_layouts(layouts)
+    cache, layouts = engine_workers.model_layouts(cfg, LAYOUTS, world)
     world_group = dist.group.WORLD
     for lay in layouts:
         s = lay.strategy
@@ -78,7 +66,8 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results
             row["forward"] = args.rows * args.seq / dt
             opt = model.make_optimizer(lr=1e-5)
             mbs = [_batch(cfg, args.rows // s.dp // 4, args.seq, seed=10 * g.dp_rank + i) for i in range(4)]
-            dt = _timed(lambda: model.train_step(mbs, _loss, opt, max_grad_norm=1.0), args.repeats, mesh)
+            dt = _timed(lambda: model.train_step(mbs, engine_workers.nll_loss, opt, max_grad_norm=1.0), args.repeats,
+                        mesh)
             row["train"] = args.rows * args.seq / dt
             prompts = _batch(cfg, args.gen_rows // s.dp, args.prompt, seed=g.dp_rank)["input_ids"].tolist()
             gc = GenerationConfig(max_new_tokens=args.new_tokens, greedy=True)

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import engine_workers  # beside this script
+
 LAYOUTS = [(1, 2, 1), (1, 1, 2)]
 
 
@@ -43,28 +45,14 @@ def _timed(fn, group) -> float:
     return time.perf_counter() - t0
 
 
-def _loss(out, mb):
-    mask = out.token_mask
-    return -(out.logprobs() * mask).sum() / mask.sum(), {}
-
-
 def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results) -> None:
-    torch.set_num_threads(1)
-    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", init_method=f"file://{store}",
-                            rank=rank, world_size=world)
+    device = engine_workers.start(rank, world, store, args.device)
     from realloc.models.batch import split_batch
     from realloc.models.config import get_model_config
     from realloc.models.engine import ParallelModel
-    from realloc.models.groups import ModelLayout, ProcessGroupCache
-    from realloc.strategy import ParallelStrategy, strategy_error
 
     cfg = get_model_config(args.model)
-    cache = ProcessGroupCache()
-    layouts = [ModelLayout.for_model(cfg, tuple(range(dp * tp * pp)), ParallelStrategy(dp, tp, pp))
-               for dp, tp, pp in LAYOUTS if dp * tp * pp <= world
-               and strategy_error(cfg, ParallelStrategy(dp, tp, pp), world) is None]
-    cache.ensure_layouts(layouts)
+    cache, layouts = engine_workers.model_layouts(cfg, LAYOUTS, world)
     batch = skewed_batch(cfg.vocab_size, args.rows, args.seq, seed=0)
     tokens = int(batch["lengths"].sum())
     for lay in layouts:
@@ -75,7 +63,7 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results
             opt = torch.optim.SGD(list(model.params().values()), lr=0.0)  # the step's cost, weights unchanged
             mbs = split_batch(batch, args.n_mbs)
             calls = {"forward": lambda: model.forward(batch, n_mbs=args.n_mbs),
-                     "train": lambda: model.train_step(mbs, _loss, opt)}
+                     "train": lambda: model.train_step(mbs, engine_workers.nll_loss, opt)}
             best: dict[str, float] = {}
             # Padded and packed alternate, and each keeps its fastest run: on a shared machine a slow
             # moment then hits both, and the first run of each (warm-up) is not timed.

@@ -57,21 +57,6 @@ class LoRAState:
         self.replay.clear()
 
 
-class _GatherTokens(torch.autograd.Function):
-    """``[local, r]`` -> ``[B, T, r]`` over the tp group; the backward reduce-scatters (sums the ranks' partial
-    gradients of the gathered tokens, as ``gather_project`` does for the h-wide input)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, split: TokenSplit) -> torch.Tensor:
-        ctx.split = split
-        return split._unpad(split._all_gather(x))
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        split: TokenSplit = ctx.split
-        return split._reduce_scatter(split._pad(grad.reshape((split.tokens,) + tuple(grad.shape[2:])))), None
-
-
 class Adapter:
     """The adapter path of one megatron linear (not a module: its matrices are the layer's ``lora_A``/``lora_B``
     sub-modules, so the layer's parameter names stay PEFT's)."""
@@ -137,7 +122,7 @@ class Adapter:
             lo = rank * split.local
             x = self._dropout(x, (split.tokens, x.shape[-1]), (slice(lo, lo + split.local),),
                               split.padded - split.tokens)
-            u = _GatherTokens.apply(F.linear(x, self.A), split)
+            u = split.gather(F.linear(x, self.A))
             return F.linear(u, self.B) * self.scaling
         n = x.shape[-1]
         x = self._dropout(x, tuple(x.shape[:-1]) + (n * split.group.size(),),

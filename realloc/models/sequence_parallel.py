@@ -69,6 +69,12 @@ class TokenSplit:
         (The column-parallel projections gather with ``gather_project``, whose backward reduce-scatters.)"""
         return _GatherReplicated.apply(x, self)
 
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """``[local, ...]`` -> ``[B, T, ...]`` for work the ranks then split (a LoRA adapter's r-wide input to
+        its column-parallel B): the backward reduce-scatters the ranks' partial gradients, as
+        ``gather_project`` does for the h-wide input."""
+        return _GatherTokens.apply(x, self)
+
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         """Partial sums ``[B, T, h]`` of a row-parallel projection -> the rank's summed ``[local, h]``;
         backward all-gathers."""
@@ -119,6 +125,18 @@ class _GatherReplicated(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         split: TokenSplit = ctx.split
         return split._slice(split._pad(grad.reshape((split.tokens,) + tuple(grad.shape[2:])))).clone(), None
+
+
+class _GatherTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, split: TokenSplit) -> torch.Tensor:
+        ctx.split = split
+        return split._unpad(split._all_gather(x))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        split: TokenSplit = ctx.split
+        return split._reduce_scatter(split._pad(grad.reshape((split.tokens,) + tuple(grad.shape[2:])))), None
 
 
 class _ReduceScatterTokens(torch.autograd.Function):

@@ -76,6 +76,17 @@ def _build_nodes(p: SearchProblem, plan: Sequence[int], missing: set | None = No
     def layout(c: int) -> int:
         return int(p.candidates[c].layout[cand(c)])
 
+    def realloc_cost(src: int, dst: int) -> float:
+        """Moving ``dst``'s model from ``src``'s layout to ``dst``'s (0 within one layout); an unknown price is
+        recorded in ``missing``."""
+        m, ls, ld = p.call_model[dst], layout(src), layout(dst)
+        if ls == ld:
+            return 0.0
+        cost, known = p.realloc_costs[m].get(ls, ld)
+        if not known and missing is not None:
+            missing.add((m, ls, ld))
+        return cost
+
     eta = p.staleness
     stale = set(p.stale_calls) if eta > 0 else set()
     model_calls = [[c for c in range(n) if p.call_model[c] == m and c not in stale] for m in range(len(p.model_home))]
@@ -86,14 +97,8 @@ def _build_nodes(p: SearchProblem, plan: Sequence[int], missing: set | None = No
             seq = model_calls[p.call_model[c]]
             if c not in stale and len(seq) > 1:
                 prev = seq[seq.index(c) - 1]  # the last call for the first one
-                lp, lc = layout(prev), layout(c)
-                cost = 0.0
-                if lp != lc:
-                    cost, known = p.realloc_costs[p.call_model[c]].get(lp, lc)
-                    if not known and missing is not None:
-                        missing.add((p.call_model[c], lp, lc))
                 index["realloc", c, t] = len(nodes)
-                nodes.append(_Node(REALLOC, c, prev, t, cost, mesh(prev) | mesh(c)))
+                nodes.append(_Node(REALLOC, c, prev, t, realloc_cost(prev, c), mesh(prev) | mesh(c)))
             for e, (u, v) in enumerate(p.data_edges):
                 if v == c:
                     cost, known = p.data_costs[e].get(layout(u), layout(v))
@@ -105,14 +110,8 @@ def _build_nodes(p: SearchProblem, plan: Sequence[int], missing: set | None = No
             nodes.append(_Node(CALL, c, -1, t, float(p.candidates[c].time[cand(c)]), mesh(c)))
             if c in stale:
                 home = model_calls[p.call_model[c]][-1]
-                lh, lc = layout(home), layout(c)
-                cost = 0.0
-                if lh != lc:
-                    cost, known = p.realloc_costs[p.call_model[c]].get(lh, lc)
-                    if not known and missing is not None:
-                        missing.add((p.call_model[c], lh, lc))
                 index["snapshot", c, t] = len(nodes)
-                nodes.append(_Node(REALLOC, c, home, t, cost, mesh(home) | mesh(c)))
+                nodes.append(_Node(REALLOC, c, home, t, realloc_cost(home, c), mesh(home) | mesh(c)))
 
     def link(a: int, b: int) -> None:
         if b not in nodes[a].children:
