@@ -52,7 +52,8 @@ from realloc.models.batch import token_layout
 from realloc.models.llama import KVCache, cache_mask
 from realloc.models.sampling import GenerationConfig, sample_tokens, sequence_generators
 # DecodingModel: what generation reads of a model, defined beside the static step that reads it too
-from realloc.models.static_decode import DecodingModel, StaticDecoder, decode_static, uses_static, wants_graph
+from realloc.models.static_decode import (DecodingModel, StaticDecoder, decode_static, wants_graph,
+                                          wants_static_op_by_op)
 from realloc.models.vocab_parallel import gather_vocab
 from realloc.strategy import even_ranges
 
@@ -276,10 +277,10 @@ def generate(model: DecodingModel, prompts: Sequence[Sequence[int]] | Mapping[st
     model.stage.eval()
     mbs = [_MicroBatch(model, rows[lo:hi], seq_ids[lo:hi], gconfig) for lo, hi in even_ranges(bsz, n_mbs)]
     wire = _Wire(model)
-    if uses_static(model, gconfig):
+    graph = wants_graph(model, gconfig)
+    if graph or wants_static_op_by_op(model, gconfig):
         # static shapes, a CUDA graph per (rows, cache length) on a GPU (static_decode.py); freed on return
         decoders: dict[tuple[int, int], StaticDecoder] = {}
-        graph = wants_graph(model, gconfig)
         for mb in mbs:
             decode_static(mb, decoders, graph)
         del decoders

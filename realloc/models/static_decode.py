@@ -86,12 +86,12 @@ def wants_graph(model: DecodingModel, gconfig: GenerationConfig) -> bool:
     return on_gpu
 
 
-def uses_static(model: DecodingModel, gconfig: GenerationConfig) -> bool:
-    """Whether ``generate()`` runs the static-shape step (with or without a graph)."""
+def wants_static_op_by_op(model: DecodingModel, gconfig: GenerationConfig) -> bool:
+    """Whether the config asks for the static-shape step without a graph (``decode="static"``)."""
     if gconfig.decode == "static" and model.groups.pp != 1:
         raise ValueError("GenerationConfig.decode='static' needs one pipeline stage (pp = 1); pipelined "
                          "generation decodes eagerly")
-    return wants_graph(model, gconfig) or gconfig.decode == "static"
+    return gconfig.decode == "static"
 
 
 class StaticDecoder:
