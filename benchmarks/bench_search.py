@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from realloc.algorithms.ppo_config import ppo_rpcs
+from realloc.algorithms.ppo.ppo_config import ppo_rpcs
 from realloc.api import ExperimentSpec, load_experiment
 from realloc.estimator.cost import CostModel
 from realloc.graph.dataflow import build_graph

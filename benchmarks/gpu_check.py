@@ -259,7 +259,7 @@ def profile(chk: Check, kind: str) -> dict[str, Any]:
 EXPERIMENT = '''"""GRPO on the arithmetic task with a {params}-parameter random-weight model, one {kind} device."""
 import dataclasses
 
-from realloc.algorithms.grpo import GRPOConfig, critic_free_rpcs
+from realloc.algorithms.critic_free.grpo import GRPOConfig, critic_free_rpcs
 from realloc.api import HFModel, auto
 
 

@@ -13,11 +13,11 @@ to load, place or reallocate.
 
 import dataclasses
 
-from realloc.algorithms.grpo import GRPOConfig, critic_free_rpcs
+from realloc.algorithms.critic_free.grpo import GRPOConfig, critic_free_rpcs
 from realloc.api import HFModel, LoRAConfig, auto, reference_from_base
 from realloc.runtime.inputs.evaluation import EvalConfig
 
-EXACT_MATCH = {"rule": "exact_match", "field": "answer"}  # realloc/algorithms/verifiable.py
+EXACT_MATCH = {"rule": "exact_match", "field": "answer"}  # realloc/algorithms/rewards/verifiable.py
 SFT = "data/arith_sft"  # shipped (0.8 MB)
 
 

@@ -16,13 +16,13 @@ holds the reward model's mean score of greedy answers to 128 held-out prompts.
 
 import dataclasses
 
-from realloc.algorithms.ppo_config import PPOConfig, ppo_rpcs
+from realloc.algorithms.ppo.ppo_config import PPOConfig, ppo_rpcs
 from realloc.api import INFERENCE, HFModel, ModelFunctionCallDef, auto
 from realloc.runtime.inputs.evaluation import EvalConfig
 
 SFT = "data/arith_sft"  # shipped; see arith_sft.py
 RM = "data/arith_rm"  # shipped; made by the first two commands above
-EXACT_MATCH = {"rule": "exact_match", "field": "answer"}  # realloc/algorithms/verifiable.py
+EXACT_MATCH = {"rule": "exact_match", "field": "answer"}  # realloc/algorithms/rewards/verifiable.py
 
 
 @auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size=32, prompt_len=8, gen_len=4)

@@ -16,7 +16,7 @@ pairs. Then ``realloc export`` writes it as a LlamaForSequenceClassification che
 
 import dataclasses
 
-from realloc.algorithms.reward_model import RewardModelConfig, rm_rpcs
+from realloc.algorithms.pairs.reward_model import RewardModelConfig, rm_rpcs
 from realloc.api import HFModel, auto
 from realloc.runtime.inputs.evaluation import EvalConfig
 

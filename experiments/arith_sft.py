@@ -14,7 +14,7 @@ runs this and exports the result to DIR; the repository ships that result in ``d
 
 import dataclasses
 
-from realloc.algorithms.dpo import SFTConfig, sft_rpcs
+from realloc.algorithms.pairs.dpo import SFTConfig, sft_rpcs
 from realloc.api import HFModel, auto
 
 INIT = "data/arith_init"  # shipped, so that `realloc show` validates this file on a fresh clone

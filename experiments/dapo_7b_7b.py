@@ -2,14 +2,14 @@
 
 96 prompts generated per iteration, 8 responses each (768 sequences); dynamic sampling trains on the first 64
 groups whose rewards differ (512 sequences, the GRPO setting's batch), so the plan pays for half as much
-generation, reward and reference inference again as GRPO's (realloc/algorithms/pg_algorithms.py). Clip-higher,
-token-level loss, no KL, the overlong penalty over the last 256 of the 1024 response tokens.
+generation, reward and reference inference again as GRPO's (realloc/algorithms/critic_free/pg_algorithms.py).
+Clip-higher, token-level loss, no KL, the overlong penalty over the last 256 of the 1024 response tokens.
 """
 
 import dataclasses
 
-from realloc.algorithms.grpo import critic_free_rpcs
-from realloc.algorithms.pg_algorithms import DAPOConfig
+from realloc.algorithms.critic_free.grpo import critic_free_rpcs
+from realloc.algorithms.critic_free.pg_algorithms import DAPOConfig
 from realloc.api import auto
 
 

@@ -12,8 +12,8 @@ import dataclasses
 
 import torch
 
-from realloc.algorithms.grpo import critic_free_rpcs
-from realloc.algorithms.pg_algorithms import DAPOConfig
+from realloc.algorithms.critic_free.grpo import critic_free_rpcs
+from realloc.algorithms.critic_free.pg_algorithms import DAPOConfig
 from realloc.api import auto
 
 TARGET_TOKENS = list(range(16, 32))

@@ -1,12 +1,12 @@
 """DPO, 7B actor and its frozen 7B reference on 2 nodes of 8 A100s.
 
 512 preference pairs per iteration, prompt up to 1024 tokens and responses up to 1024; the reference
-scores each pair once, the actor takes the DPO step (realloc/algorithms/dpo.py). No generation.
+scores each pair once, the actor takes the DPO step (realloc/algorithms/pairs/dpo.py). No generation.
 """
 
 import dataclasses
 
-from realloc.algorithms.dpo import DPOConfig, dpo_rpcs
+from realloc.algorithms.pairs.dpo import DPOConfig, dpo_rpcs
 from realloc.api import auto
 
 

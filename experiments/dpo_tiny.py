@@ -16,7 +16,7 @@ dataset=data/arith_pairs.jsonl``, each seen under once) the accuracy only wander
 
 import dataclasses
 
-from realloc.algorithms.dpo import DPOConfig, dpo_rpcs
+from realloc.algorithms.pairs.dpo import DPOConfig, dpo_rpcs
 from realloc.api import auto
 
 

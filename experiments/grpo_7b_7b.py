@@ -1,13 +1,13 @@
 """GRPO, 7B actor + 7B reward model on 2 nodes of 8 A100s (the appendix's 7B+7B cluster), no critic.
 
 64 prompts per iteration, 8 responses each (512 sequences, the PPO setting's batch), group-normalized
-advantages and a k3 KL term to the reference (realloc/algorithms/grpo.py). A rule reward instead of
-the model: model_type="rule", interface_impl="verifiable_reward" (see realloc/algorithms/text_rules.py).
+advantages and a k3 KL term to the reference (realloc/algorithms/critic_free/grpo.py). A rule reward instead of
+the model: model_type="rule", interface_impl="verifiable_reward" (see realloc/algorithms/rewards/text_rules.py).
 """
 
 import dataclasses
 
-from realloc.algorithms.grpo import GRPOConfig, critic_free_rpcs
+from realloc.algorithms.critic_free.grpo import GRPOConfig, critic_free_rpcs
 from realloc.api import auto
 
 

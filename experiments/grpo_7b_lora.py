@@ -8,7 +8,7 @@ adapters off (``reference_from_base``), so there is no reference model to place 
 
 import dataclasses
 
-from realloc.algorithms.grpo import GRPOConfig, critic_free_rpcs
+from realloc.algorithms.critic_free.grpo import GRPOConfig, critic_free_rpcs
 from realloc.api import LoRAConfig, auto, reference_from_base
 
 

@@ -6,7 +6,7 @@ advantage needs no value model. Prompts are the 8-token ones of ppo_tiny.
 
 import dataclasses
 
-from realloc.algorithms.grpo import GRPOConfig, critic_free_rpcs
+from realloc.algorithms.critic_free.grpo import GRPOConfig, critic_free_rpcs
 from realloc.api import auto
 
 TARGET_TOKENS = list(range(16, 32))

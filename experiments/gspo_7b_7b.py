@@ -1,14 +1,14 @@
 """GSPO, 7B actor + 7B reward model on 2 nodes of 8 A100s (the appendix's 7B+7B cluster), no critic.
 
 64 prompts per iteration, 8 responses each (512 sequences): group-normalized advantages, one length-normalized
-importance ratio per response clipped at the sequence level (realloc/algorithms/pg_algorithms.py), 4 optimizer
-steps per iteration so that the later ones are off-policy and the clipping matters.
+importance ratio per response clipped at the sequence level (realloc/algorithms/critic_free/pg_algorithms.py), 4
+optimizer steps per iteration so that the later ones are off-policy and the clipping matters.
 """
 
 import dataclasses
 
-from realloc.algorithms.grpo import critic_free_rpcs
-from realloc.algorithms.pg_algorithms import GSPOConfig
+from realloc.algorithms.critic_free.grpo import critic_free_rpcs
+from realloc.algorithms.critic_free.pg_algorithms import GSPOConfig
 from realloc.api import auto
 
 

@@ -7,8 +7,8 @@ of the 64 token ids. Prompts are the 8-token ones of ppo_tiny.
 
 import dataclasses
 
-from realloc.algorithms.grpo import critic_free_rpcs
-from realloc.algorithms.pg_algorithms import GSPOConfig
+from realloc.algorithms.critic_free.grpo import critic_free_rpcs
+from realloc.algorithms.critic_free.pg_algorithms import GSPOConfig
 from realloc.api import auto
 
 TARGET_TOKENS = list(range(16, 32))

@@ -10,7 +10,7 @@ same layout but needs more micro-batches and activation recomputation to fit its
 
 import dataclasses
 
-from realloc.algorithms.ppo_config import PPOConfig, ppo_rpcs
+from realloc.algorithms.ppo.ppo_config import PPOConfig, ppo_rpcs
 from realloc.api import auto
 
 

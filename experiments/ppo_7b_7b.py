@@ -5,7 +5,7 @@ The appendix's "7B" is the LLaMA-3-8B shape of its Table 1.
 
 import dataclasses
 
-from realloc.algorithms.ppo_config import PPOConfig, ppo_rpcs
+from realloc.algorithms.ppo.ppo_config import PPOConfig, ppo_rpcs
 from realloc.api import auto
 
 

@@ -16,7 +16,7 @@ prompts to an exported HF checkpoint:
 import dataclasses
 from pathlib import Path
 
-from realloc.algorithms.ppo_config import PPOConfig, ppo_rpcs
+from realloc.algorithms.ppo.ppo_config import PPOConfig, ppo_rpcs
 from realloc.api import HFModel, auto
 from realloc.data.config import DataConfig
 from realloc.demo.demo_assets import demo_assets

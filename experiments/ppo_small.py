@@ -13,7 +13,7 @@ Prompts are the tiny experiment's 8-token prompts (token ids below 64, valid her
 
 import dataclasses
 
-from realloc.algorithms.ppo_config import PPOConfig, ppo_rpcs
+from realloc.algorithms.ppo.ppo_config import PPOConfig, ppo_rpcs
 from realloc.api import auto
 
 TARGET_TOKENS = list(range(16, 32))

@@ -14,7 +14,7 @@ Prompts are 256 random 8-token sequences shipped in ``data/ppo_tiny_prompts.json
 
 import dataclasses
 
-from realloc.algorithms.ppo_config import PPOConfig
+from realloc.algorithms.ppo.ppo_config import PPOConfig
 from realloc.api import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef, auto
 from realloc.runtime.inputs.evaluation import EvalConfig
 

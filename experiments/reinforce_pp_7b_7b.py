@@ -2,14 +2,14 @@
 
 128 prompts per iteration, 4 responses each (512 sequences, the PPO setting's batch): each response's reward minus
 its group's mean, a per-token k1 KL penalty in the reward, return-to-go advantages normalized over the batch
-(realloc/algorithms/pg_algorithms.py). For plain REINFORCE++ (no group), use "reinforce_pp" with n_samples=1 and
-batch_size=512.
+(realloc/algorithms/critic_free/pg_algorithms.py). For plain REINFORCE++ (no group), use "reinforce_pp" with
+n_samples=1 and batch_size=512.
 """
 
 import dataclasses
 
-from realloc.algorithms.grpo import critic_free_rpcs
-from realloc.algorithms.pg_algorithms import ReinforcePPConfig
+from realloc.algorithms.critic_free.grpo import critic_free_rpcs
+from realloc.algorithms.critic_free.pg_algorithms import ReinforcePPConfig
 from realloc.api import auto
 
 

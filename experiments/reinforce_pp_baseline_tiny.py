@@ -8,8 +8,8 @@ target set of 16 of the 64 token ids. Prompts are the 8-token ones of ppo_tiny.
 
 import dataclasses
 
-from realloc.algorithms.grpo import critic_free_rpcs
-from realloc.algorithms.pg_algorithms import ReinforcePPConfig
+from realloc.algorithms.critic_free.grpo import critic_free_rpcs
+from realloc.algorithms.critic_free.pg_algorithms import ReinforcePPConfig
 from realloc.api import auto
 
 TARGET_TOKENS = list(range(16, 32))

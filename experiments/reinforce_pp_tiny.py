@@ -7,8 +7,8 @@ normalized over the whole batch (Hu et al. 2025). Prompts are the 8-token ones o
 
 import dataclasses
 
-from realloc.algorithms.grpo import critic_free_rpcs
-from realloc.algorithms.pg_algorithms import ReinforcePPConfig
+from realloc.algorithms.critic_free.grpo import critic_free_rpcs
+from realloc.algorithms.critic_free.pg_algorithms import ReinforcePPConfig
 from realloc.api import auto
 
 TARGET_TOKENS = list(range(16, 32))

@@ -1,13 +1,13 @@
 """ReMax, 7B actor + 7B reward model on 2 nodes of 8 A100s, no critic.
 
 512 prompts per iteration, one sampled and one greedy response each; the greedy response's reward is
-the baseline (realloc/algorithms/grpo.py). The greedy generation is a second GENERATE call the planner
+the baseline (realloc/algorithms/critic_free/grpo.py). The greedy generation is a second GENERATE call the planner
 places like any other.
 """
 
 import dataclasses
 
-from realloc.algorithms.grpo import ReMaxConfig, critic_free_rpcs
+from realloc.algorithms.critic_free.grpo import ReMaxConfig, critic_free_rpcs
 from realloc.api import auto
 
 

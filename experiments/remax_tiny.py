@@ -7,7 +7,7 @@ ones of ppo_tiny.
 
 import dataclasses
 
-from realloc.algorithms.grpo import ReMaxConfig, critic_free_rpcs
+from realloc.algorithms.critic_free.grpo import ReMaxConfig, critic_free_rpcs
 from realloc.api import auto
 
 TARGET_TOKENS = list(range(16, 32))

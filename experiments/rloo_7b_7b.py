@@ -1,13 +1,13 @@
 """RLOO, 7B actor + 7B reward model on 2 nodes of 8 A100s (the appendix's 7B+7B cluster), no critic.
 
 64 prompts per iteration, 8 responses each (512 sequences, the PPO setting's batch), leave-one-out
-baselines; the KL to the reference is part of the reward (realloc/algorithms/grpo.py). A rule reward
-instead of the model: model_type="rule", interface_impl="verifiable_reward" (realloc/algorithms/text_rules.py).
+baselines; the KL to the reference is part of the reward (realloc/algorithms/critic_free/grpo.py). A rule reward
+instead of the model: model_type="rule", interface_impl="verifiable_reward" (realloc/algorithms/rewards/text_rules.py).
 """
 
 import dataclasses
 
-from realloc.algorithms.grpo import RLOOConfig, critic_free_rpcs
+from realloc.algorithms.critic_free.grpo import RLOOConfig, critic_free_rpcs
 from realloc.api import auto
 
 

@@ -7,7 +7,7 @@ ppo_tiny.
 
 import dataclasses
 
-from realloc.algorithms.grpo import RLOOConfig, critic_free_rpcs
+from realloc.algorithms.critic_free.grpo import RLOOConfig, critic_free_rpcs
 from realloc.api import auto
 
 TARGET_TOKENS = list(range(16, 32))

@@ -2,12 +2,12 @@
 
 512 preference pairs per iteration, prompt up to 1024 tokens and responses up to 1024; each step scores both
 responses of every pair at their last token and minimizes -log sigmoid(r_chosen - r_rejected)
-(realloc/algorithms/reward_model.py). No generation and no second model: the search places one train step.
+(realloc/algorithms/pairs/reward_model.py). No generation and no second model: the search places one train step.
 """
 
 import dataclasses
 
-from realloc.algorithms.reward_model import RewardModelConfig, rm_rpcs
+from realloc.algorithms.pairs.reward_model import RewardModelConfig, rm_rpcs
 from realloc.api import auto
 
 

@@ -1,13 +1,13 @@
 """SFT, a 7B model on one node of 8 A100s: the warm-start stage before RL.
 
-256 (prompt, response) pairs per iteration, loss on the response tokens only (realloc/algorithms/dpo.py).
+256 (prompt, response) pairs per iteration, loss on the response tokens only (realloc/algorithms/pairs/dpo.py).
 Export the result with `realloc export RUN --model actor --out DIR` and name DIR in an RL experiment's
 `models`.
 """
 
 import dataclasses
 
-from realloc.algorithms.dpo import SFTConfig, sft_rpcs
+from realloc.algorithms.pairs.dpo import SFTConfig, sft_rpcs
 from realloc.api import auto
 
 

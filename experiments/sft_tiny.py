@@ -10,7 +10,7 @@ is the task's, shipped in data/arith_tokenizer/.
 
 import dataclasses
 
-from realloc.algorithms.dpo import SFTConfig, sft_rpcs
+from realloc.algorithms.pairs.dpo import SFTConfig, sft_rpcs
 from realloc.api import auto
 
 

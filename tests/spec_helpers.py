@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable
 
-from realloc.algorithms.ppo_config import PPOConfig
+from realloc.algorithms.ppo.ppo_config import PPOConfig
 from realloc.algorithms.registry import Interface
 from realloc.api import GENERATE, TRAIN_STEP, ExperimentSpec, ModelFunctionCallDef, auto, experiment_spec
 
@@ -13,7 +13,7 @@ from realloc.api import GENERATE, TRAIN_STEP, ExperimentSpec, ModelFunctionCallD
 COST_ONLY_INTERFACES = [
     Interface("gen_seq", GENERATE, "realloc.algorithms.common:actor_generate", inputs=("prompts",), outputs=("seq",),
               config="ppo", config_type=PPOConfig),
-    Interface("train_on_ref", TRAIN_STEP, "realloc.algorithms.ppo_interfaces:actor_train",
+    Interface("train_on_ref", TRAIN_STEP, "realloc.algorithms.ppo.ppo_interfaces:actor_train",
               inputs=("seq", "ref_logp:logp"), config="ppo", config_type=PPOConfig),
 ]
 

@@ -17,8 +17,8 @@ import torch
 
 from realloc.algorithms import losses
 from realloc.algorithms.context import CallContext
-from realloc.algorithms.critic_free import grpo_advantages
-from realloc.algorithms.grpo import GRPOConfig
+from realloc.algorithms.critic_free.critic_free import grpo_advantages
+from realloc.algorithms.critic_free.grpo import GRPOConfig
 from realloc.api import load_experiment
 from realloc.cli import main
 from realloc.estimator.cost import CostModel
@@ -136,8 +136,8 @@ def test_dr_grpo_normalization_against_hand_values():
 def test_remax_advantages_against_hand_values():
     """ReMax: a response's reward minus kl_coef x its summed log-ratio to the reference, minus the greedy response's
     reward for the same prompt (sequence i of the greedy call)."""
-    from realloc.algorithms.critic_free import remax_advantages
-    from realloc.algorithms.grpo import ReMaxConfig
+    from realloc.algorithms.critic_free.critic_free import remax_advantages
+    from realloc.algorithms.critic_free.grpo import ReMaxConfig
 
     cfg = ReMaxConfig(kl_coef=0.5)
     logp = torch.tensor([[-1.0, -2.0, -9.0], [-0.5, -0.5, -0.5], [-3.0, -1.0, -1.0]])

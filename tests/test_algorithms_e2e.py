@@ -112,7 +112,7 @@ import dataclasses
 import torch
 
 from realloc.algorithms.context import CallResult
-from realloc.algorithms.grpo import GRPOConfig, critic_free_rpcs
+from realloc.algorithms.critic_free.grpo import GRPOConfig, critic_free_rpcs
 from realloc.algorithms.registry import Interface
 from realloc.api import INFERENCE, auto
 

@@ -3,7 +3,7 @@
 import networkx as nx
 import pytest
 
-from realloc.algorithms.ppo_config import PPOConfig, ppo_rpcs
+from realloc.algorithms.ppo.ppo_config import PPOConfig, ppo_rpcs
 from realloc.algorithms.registry import Interface
 from realloc.api import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef
 from realloc.graph.dataflow import DATA, PARAM, build_graph
@@ -82,7 +82,7 @@ def test_digest_names_the_interface_each_call_runs():
     """GRPO and RLOO graphs have the same shape: a plan (or a checkpoint) of one must not pass for the other."""
     import dataclasses
 
-    from realloc.algorithms.grpo import critic_free_rpcs
+    from realloc.algorithms.critic_free.grpo import critic_free_rpcs
     from realloc.graph.plan import ExecutionPlan, validate_plan
 
     rule = dict(actor="tiny", reward="rule", n_samples=4, reward_impl="rule_reward",

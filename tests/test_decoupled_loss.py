@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from realloc.algorithms.grpo import GRPOConfig
-from realloc.algorithms.pg_loss import LossOptions, policy_loss
+from realloc.algorithms.critic_free.grpo import GRPOConfig
+from realloc.algorithms.pg.pg_loss import LossOptions, policy_loss
 
 OPTS = LossOptions(eps_low=0.2, eps_high=0.2)
 

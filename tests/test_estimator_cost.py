@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from realloc.algorithms.ppo_config import PPOConfig
+from realloc.algorithms.ppo.ppo_config import PPOConfig
 from realloc.api import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef, auto, experiment_spec, load_experiment
 from realloc.estimator.call_time import (GRAD_BUCKET_NUMEL, CallCost, StageTime, decode_round, pipeline_makespan,
                                          sum_over_range)

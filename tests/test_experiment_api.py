@@ -237,7 +237,7 @@ def test_a_missing_checkpoint_says_how_to_build_it(tmp_path):
 
         @property
         def rpcs(self):
-            from realloc.algorithms.dpo import sft_rpcs
+            from realloc.algorithms.pairs.dpo import sft_rpcs
 
             return sft_rpcs()
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from realloc.algorithms.context import CallResult, reward_sums
-from realloc.algorithms.grpo import GRPOConfig, critic_free_rpcs
-from realloc.algorithms.ppo_config import PPOConfig, ppo_rpcs
+from realloc.algorithms.critic_free.grpo import GRPOConfig, critic_free_rpcs
+from realloc.algorithms.ppo.ppo_config import PPOConfig, ppo_rpcs
 from realloc.algorithms.registry import Interface, builtin_interfaces
 from realloc.api import GENERATE, INFERENCE, TRAIN_STEP
 from realloc.graph.dataflow import build_graph
@@ -117,7 +117,7 @@ def test_show_reports_a_contract_error_in_one_line(tmp_path):
     exp = tmp_path / "grpo_bad.py"
     exp.write_text(textwrap.dedent('''
         import dataclasses
-        from realloc.algorithms.ppo_config import PPOConfig
+        from realloc.algorithms.ppo.ppo_config import PPOConfig
         from realloc.api import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef, auto
 
         @auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size=8, prompt_len=8, gen_len=8)

@@ -105,7 +105,7 @@ def test_ports_stay_below_the_ephemeral_range():
 
 GPU_EXPERIMENT = """
 import dataclasses
-from realloc.algorithms.ppo_config import ppo_rpcs
+from realloc.algorithms.ppo.ppo_config import ppo_rpcs
 from realloc.api import auto
 
 @auto(nodelist="gpu[01-02]", n_devices_per_node=8, device="a100-80g", batch_size=64, prompt_len=8, gen_len=8)

@@ -85,7 +85,7 @@ def test_lora_on_a_model_that_is_not_trained_or_not_there_is_refused():
 
 
 def test_a_frozen_lora_model_and_a_train_step_without_adapters_are_refused():
-    from realloc.algorithms.grpo import critic_free_rpcs
+    from realloc.algorithms.critic_free.grpo import critic_free_rpcs
 
     spec = load_experiment(TINY_LORA)
     rpcs = critic_free_rpcs("grpo", reward="rule", n_samples=8, reward_impl="verifiable_reward",

@@ -117,7 +117,7 @@ PPO_LORA = '''
 import dataclasses, sys
 sys.path.insert(0, {experiments!r})
 from ppo_tiny import TinyPPO
-from realloc.algorithms.ppo_config import PPOConfig
+from realloc.algorithms.ppo.ppo_config import PPOConfig
 from realloc.api import LoRAConfig, auto, reference_from_base
 
 

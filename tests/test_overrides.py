@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from realloc.algorithms.ppo_config import PPOConfig
+from realloc.algorithms.ppo.ppo_config import PPOConfig
 from realloc.cli import main
 from realloc.graph.dataflow import build_graph
 from realloc.overrides import load_with_overrides
@@ -109,7 +109,7 @@ def test_eval_overrides_are_checked():
 
 OLD_N_SAMPLES = '''
 import dataclasses
-from realloc.algorithms.grpo import GRPOConfig, critic_free_rpcs
+from realloc.algorithms.critic_free.grpo import GRPOConfig, critic_free_rpcs
 from realloc.api import auto
 
 @auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size=8, prompt_len=8, gen_len=8)

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 GPU_EXPERIMENT = """
 import dataclasses
-from realloc.algorithms.ppo_config import ppo_rpcs
+from realloc.algorithms.ppo.ppo_config import ppo_rpcs
 from realloc.api import auto
 
 @auto(nodelist="gpu[01-02]", n_devices_per_node=8, device="h100-80g", batch_size=256, prompt_len=512, gen_len=512)

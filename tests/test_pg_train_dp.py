@@ -37,8 +37,8 @@ def _train(ctx, dp: int, rows: list[int], dynamic_sampling: bool, steps: tuple[l
     shards and stats, and the shards after each step under "history"."""
     from realloc.algorithms.common import forward_batch, response_columns
     from realloc.algorithms.context import CallContext
-    from realloc.algorithms.pg_algorithms import DAPOConfig
-    from realloc.algorithms.pg_steps import dapo_train
+    from realloc.algorithms.critic_free.pg_algorithms import DAPOConfig
+    from realloc.algorithms.critic_free.pg_steps import dapo_train
     from realloc.calls import TRAIN_STEP, ModelFunctionCallDef
     from realloc.models.config import get_model_config
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from realloc.algorithms import ppo
+from realloc.algorithms.ppo import ppo
 
 
 def random_batch(n=5, T=7, seed=0):

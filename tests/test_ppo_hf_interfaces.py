@@ -18,7 +18,7 @@ import torch
 
 from model_helpers import build_model, tiny_hf_model
 from mp_pool import GlooPool
-from realloc.algorithms.ppo_config import PPOConfig
+from realloc.algorithms.ppo.ppo_config import PPOConfig
 from realloc.api import GENERATE, INFERENCE, ModelFunctionCallDef
 from realloc.models.hf_io import model_config_from_hf
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from realloc.algorithms import rule_reward
+from realloc.algorithms.rewards import rule_reward
 
 
 def test_token_set_fraction_counts_only_valid_response_tokens():

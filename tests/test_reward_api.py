@@ -10,10 +10,10 @@ import socket
 import pytest
 import torch
 
-from realloc.algorithms import reward_fns
+from realloc.algorithms.rewards import reward_fns
 from realloc.algorithms.context import CallContext, CallResult, reward_sums
-from realloc.algorithms.grpo import critic_free_rpcs
-from realloc.algorithms.remote_reward import RemoteReward, RewardServiceError
+from realloc.algorithms.critic_free.grpo import critic_free_rpcs
+from realloc.algorithms.rewards.remote_reward import RemoteReward, RewardServiceError
 from realloc.api import INFERENCE, ModelFunctionCallDef
 from realloc.graph.dataflow import build_graph
 from reward_service import Service

@@ -1,4 +1,4 @@
-"""Reward-model training (Bradley-Terry, ``realloc/algorithms/rm_train.py``) against hand-computed references.
+"""Reward-model training (Bradley-Terry, ``realloc/algorithms/pairs/rm_train.py``) against hand-computed references.
 
 - The loss formula and the settings' checks, on small tensors.
 - The train step and the pair scoring on a tiny HF sequence-classification model, with prompts and responses
@@ -18,7 +18,7 @@ import torch
 
 from model_helpers import build_model, tiny_hf_model
 from mp_pool import GlooPool
-from realloc.algorithms.reward_model import PAIR_SUMS, STATS, RewardModelConfig, pair_metrics, rm_rpcs
+from realloc.algorithms.pairs.reward_model import PAIR_SUMS, STATS, RewardModelConfig, pair_metrics, rm_rpcs
 from realloc.api import INFERENCE, TRAIN_STEP, ModelFunctionCallDef
 
 P, T, N, SEED = 8, 6, 8, 3
@@ -27,7 +27,7 @@ CFG = RewardModelConfig(lr=1e-3, margin=0.25, margin_field="strength", center_co
 
 
 def test_bradley_terry_loss_is_the_formula():
-    from realloc.algorithms.rm_train import bradley_terry_loss
+    from realloc.algorithms.pairs.rm_train import bradley_terry_loss
 
     c, r = torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64), torch.tensor([0.0, 0.5, 2.0], dtype=torch.float64)
     m = torch.tensor([0.0, 0.3, -1.0], dtype=torch.float64)
@@ -88,7 +88,7 @@ def assets(tmp_path_factory):
 
 def _rm_case(pctx, model_dir, pairs_path, dp, tp, pp, cfg, n_mbs):
     from realloc.algorithms.context import CallContext
-    from realloc.algorithms.rm_train import rm_pair_scores, rm_train
+    from realloc.algorithms.pairs.rm_train import rm_pair_scores, rm_train
     from realloc.data.pairs import PreferenceDataset
     from realloc.models.hf_io import model_config_from_hf
     from realloc.runtime.inputs.datasets import dataset_rows
@@ -214,7 +214,7 @@ def test_evaluation_of_a_graph_without_generation_scores_pairs_in_the_train_layo
 def test_a_wrong_eval_set_or_margin_field_is_one_clear_error(capsys):
     from hf_assets import REPO
     from realloc.algorithms.context import CallContext
-    from realloc.algorithms.rm_train import pair_margins
+    from realloc.algorithms.pairs.rm_train import pair_margins
     from realloc.cli import main
 
     # Held-out prompts (no responses) where the evaluation scores pairs: refused before any worker starts.

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 EXPERIMENT = '''
 import dataclasses
-from realloc.algorithms.ppo_config import PPOConfig, ppo_rpcs
+from realloc.algorithms.ppo.ppo_config import PPOConfig, ppo_rpcs
 from realloc.api import HFModel, auto
 from realloc.data.config import DataConfig
 

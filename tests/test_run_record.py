@@ -373,7 +373,7 @@ def test_checkpoints_record_the_files_as_the_run_loaded_them(tmp_path):
 
 
 def test_an_algorithms_settings_are_recorded_with_defaults_when_the_experiment_has_no_field(tmp_path):
-    from realloc.algorithms.ppo_config import PPOConfig
+    from realloc.algorithms.ppo.ppo_config import PPOConfig
     from realloc.overrides import load_with_overrides
     from realloc.runtime.persist.run_settings import full_resolved
 

@@ -49,7 +49,7 @@ HEADLINE = ("reward", "kl", "actor_loss", "critic_loss", "approx_kl", "actor_gra
 
 EXPERIMENT = '''
 import dataclasses
-from realloc.algorithms.ppo_config import PPOConfig, ppo_rpcs
+from realloc.algorithms.ppo.ppo_config import PPOConfig, ppo_rpcs
 from realloc.api import auto
 from realloc.data.config import DataConfig
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from realloc.algorithms.ppo_config import ppo_rpcs
+from realloc.algorithms.ppo.ppo_config import ppo_rpcs
 from realloc.api import auto, experiment_spec, load_experiment
 from realloc.estimator.cost import CostModel
 from realloc.graph.dataflow import build_graph

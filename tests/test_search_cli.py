@@ -41,7 +41,7 @@ def test_nothing_fits_exits_nonzero_with_the_shortfall(tmp_path, capsys):
     exp = tmp_path / "too_big.py"
     exp.write_text(
         "import dataclasses\n"
-        "from realloc.algorithms.ppo_config import ppo_rpcs\n"
+        "from realloc.algorithms.ppo.ppo_config import ppo_rpcs\n"
         "from realloc.api import auto\n\n"
         "@auto(nodelist='localhost', n_devices_per_node=2, device='cpu', batch_size=32, prompt_len=8, gen_len=8)\n"
         "@dataclasses.dataclass\n"
@@ -65,7 +65,7 @@ def test_long_call_and_mesh_names_keep_their_columns(tmp_path, capsys):
     exp = tmp_path / "long_names.py"
     exp.write_text(
         "import dataclasses\n"
-        "from realloc.algorithms.ppo_config import ppo_rpcs\n"
+        "from realloc.algorithms.ppo.ppo_config import ppo_rpcs\n"
         "from realloc.api import auto\n\n"
         "LONG = {'actor_gen': 'actor_generation_step', 'actor_train': 'actor_training_step_xx'}\n\n"
         "@auto(nodelist='very-long-hostname-01', n_devices_per_node=2, device='cpu', batch_size=32, prompt_len=8,"

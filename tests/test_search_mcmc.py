@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from realloc.algorithms.ppo_config import ppo_rpcs
+from realloc.algorithms.ppo.ppo_config import ppo_rpcs
 from realloc.api import auto, experiment_spec
 from realloc.graph.dataflow import build_graph
 from realloc.search.build import PlanSpace

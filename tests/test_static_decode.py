@@ -117,7 +117,7 @@ def test_min_new_tokens_setting_reaches_generation_capped_at_gen_len():
     import types
 
     from realloc.algorithms.common import generation_config
-    from realloc.algorithms.grpo import GRPOConfig
+    from realloc.algorithms.critic_free.grpo import GRPOConfig
 
     def ctx(cfg, gen_len):
         return types.SimpleNamespace(config=cfg, gen_len=gen_len, greedy=False, seed=1, purpose="gen", iteration=0,

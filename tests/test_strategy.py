@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 
-from realloc.algorithms.ppo_config import PPOConfig
+from realloc.algorithms.ppo.ppo_config import PPOConfig
 from realloc.algorithms.registry import Interface
 from realloc.api import ModelFunctionCallDef, TRAIN_STEP, GENERATE, auto, experiment_spec
 from realloc.graph.dataflow import build_graph

@@ -10,15 +10,16 @@ log-probs), ``pair_scores`` (a reward model's score of each pair's chosen and re
 
 from __future__ import annotations
 
-from realloc.algorithms import dpo, grpo, pg_algorithms, reward_model
+from realloc.algorithms.critic_free import grpo, pg_algorithms
+from realloc.algorithms.pairs import dpo, reward_model
 from realloc.algorithms.interface import Interface
-from realloc.algorithms.ppo_config import PPOConfig
+from realloc.algorithms.ppo.ppo_config import PPOConfig
 from realloc.calls import GENERATE, INFERENCE, TRAIN_STEP
 
-_PPO = "realloc.algorithms.ppo_interfaces"
+_PPO = "realloc.algorithms.ppo.ppo_interfaces"
 _COMMON = "realloc.algorithms.common"
-_REWARDS = "realloc.algorithms.reward_fns"
-_REWARD_ARGS = "realloc.algorithms.reward_args"
+_REWARDS = "realloc.algorithms.rewards.reward_fns"
+_REWARD_ARGS = "realloc.algorithms.rewards.reward_args"
 PPO_TRAIN_INPUTS = ("seq", "logp", "ref_logp:logp", "rewards", "values")
 
 BUILTIN: tuple[Interface, ...] = (

@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from realloc.algorithms import rule_reward
+from realloc.algorithms.rewards import rule_reward
 from realloc.algorithms.context import CallContext, CallResult, Data
 from realloc.models.generation import GenerationOutput
 from realloc.models.sampling import GenerationConfig
@@ -210,7 +210,7 @@ def split_prompt_response(seq: Mapping[str, torch.Tensor], pad_token_id: int) ->
 def verifiable_scores(ctx: CallContext, inputs: Data) -> CallResult:
     """A rule on the decoded prompt and response and the prompt's dataset record (``interface_args``: ``rule``,
     a built-in name or a function of the experiment file, and ``field``, the record's reference answer)."""
-    from realloc.algorithms.text_rules import resolve_text_rule
+    from realloc.algorithms.rewards.text_rules import resolve_text_rule
 
     seq = inputs["seq"]
     if ctx.tokenizer is None or ctx.records is None:

@@ -247,7 +247,7 @@ class CallTimer:
             return pipeline_makespan(self._stages(Phase.FWD, strategy, links, b, seq, host=host), n_mbs) + overhead
         if work.interface is InterfaceType.TRAIN_STEP:
             step = self.train_step(strategy, links, b, seq, n_mbs, recompute)
-            # PPO's interface (realloc.algorithms.ppo_interfaces): the rollout (GAE over the generated
+            # PPO's interface (realloc.algorithms.ppo.ppo_interfaces): the rollout (GAE over the generated
             # tokens, whitening) once per call, and the dp all-reduce of its advantage moments and
             # mini-batch token counts (3 + n_steps float64s)
             iface = self.costs.interface("interface.train", t, work.gen_len) or 0.0

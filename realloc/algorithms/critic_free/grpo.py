@@ -24,7 +24,7 @@ from typing import Literal
 
 from realloc.algorithms.interface import Interface
 from realloc.algorithms.losses import LOSS_NORMS
-from realloc.algorithms.pg_config import PGLossConfig
+from realloc.algorithms.pg.pg_config import PGLossConfig
 from realloc.calls import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef
 
 
@@ -79,9 +79,8 @@ def _actor(name: str, field: str, cfg: type, train: str, train_inputs: tuple[str
                       config=field, config_type=cfg),
             Interface(name, INFERENCE, f"{_COMMON}:actor_logprobs", inputs=("seq",), outputs=("logp",),
                       config=field, config_type=cfg),
-            Interface(name, TRAIN_STEP, f"realloc.algorithms.{module}:{train}", inputs=train_inputs, config=field,
-                      config_type=cfg,
-                      min_group_size=min_group_size))
+            Interface(name, TRAIN_STEP, f"realloc.algorithms.critic_free.{module}:{train}", inputs=train_inputs,
+                      config=field, config_type=cfg, min_group_size=min_group_size))
 
 
 PG_INPUTS = ("seq", "logp", "ref_logp:logp", "rewards")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from realloc.algorithms.grpo import PG_INPUTS, CriticFreeConfig, _actor
+from realloc.algorithms.critic_free.grpo import PG_INPUTS, CriticFreeConfig, _actor
 from realloc.algorithms.interface import Interface
 
 

@@ -35,7 +35,7 @@ class SFTConfig(TrainConfig):
     lr: float = 1e-5
 
 
-_IMPL = "realloc.algorithms.supervised"
+_IMPL = "realloc.algorithms.pairs.supervised"
 INTERFACES: tuple[Interface, ...] = (
     Interface("dpo_ref", INFERENCE, f"{_IMPL}:pair_logprobs", inputs=("pairs",), outputs=("ref_logp:pair_logp",),
               config="dpo", config_type=DPOConfig, rows_per_seq=2),

@@ -59,7 +59,7 @@ def pair_metrics(sums: dict[str, float]) -> dict[str, float]:
     return {**{k: sums.get(s, 0.0) / n for k, s in PAIR_SUMS.items()}, "n": int(sums.get("n_pairs", 0.0))}
 
 
-_IMPL = "realloc.algorithms.rm_train"
+_IMPL = "realloc.algorithms.pairs.rm_train"
 INTERFACES: tuple[Interface, ...] = (
     Interface("rm", TRAIN_STEP, f"{_IMPL}:rm_train", inputs=("pairs",), head="value", config="rm",
               config_type=RewardModelConfig, records=True, rows_per_seq=2),

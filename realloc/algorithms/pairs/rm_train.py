@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from realloc.algorithms.common import forward_batch
 from realloc.algorithms.context import CallContext, CallResult, Data
-from realloc.algorithms.reward_model import PAIR_SUMS, STATS
-from realloc.algorithms.supervised import _both, pair_steps
+from realloc.algorithms.pairs.reward_model import PAIR_SUMS, STATS
+from realloc.algorithms.pairs.supervised import _both, pair_steps
 
 
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | float = 0.0,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from realloc.algorithms.decoupled_config import check_decoupled
+from realloc.algorithms.pg.decoupled_config import check_decoupled
 from realloc.algorithms.train_config import TrainConfig
 
 KL_ESTIMATORS = ("k1", "k2", "k3")

@@ -21,7 +21,7 @@ import dataclasses
 
 import torch
 
-from realloc.algorithms.pg_config import KL_ESTIMATORS, KL_PLACEMENTS, PGLossConfig
+from realloc.algorithms.pg.pg_config import KL_ESTIMATORS, KL_PLACEMENTS, PGLossConfig
 
 __all__ = ["KL_ESTIMATORS", "KL_PLACEMENTS", "LossOptions", "PGLossConfig", "kl_estimate", "loss_options",
            "policy_loss"]

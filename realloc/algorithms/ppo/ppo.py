@@ -17,7 +17,7 @@ import dataclasses
 
 import torch
 
-from realloc.algorithms.pg_loss import kl_estimate
+from realloc.algorithms.pg.pg_loss import kl_estimate
 
 
 @dataclasses.dataclass(frozen=True)

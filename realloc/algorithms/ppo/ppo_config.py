@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from realloc.algorithms.pg_config import PGLossConfig
+from realloc.algorithms.pg.pg_config import PGLossConfig
 from realloc.algorithms.train_config import LR_SCHEDULES, TrainConfig
 from realloc.calls import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef
 

@@ -15,7 +15,7 @@ def check_batch(call: str, args: Mapping[str, Any]) -> None:
 
 
 def check_remote(call: str, args: Mapping[str, Any]) -> None:
-    from realloc.algorithms.remote_reward import RemoteReward
+    from realloc.algorithms.rewards.remote_reward import RemoteReward
 
     RemoteReward.of(call, args)
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from realloc.algorithms import reward_args
+from realloc.algorithms.rewards import reward_args
 from realloc.algorithms.context import CallContext, CallResult, Data
 
 BatchRewardFn = Callable[..., Any]  # (prompts, responses, records, **kw) -> [n] scores
@@ -95,7 +95,7 @@ def from_compute_score(compute_score: Callable[..., Any], ground_truth: str = "g
 
 
 def remote_scores(ctx: CallContext, inputs: Data) -> CallResult:
-    from realloc.algorithms.remote_reward import RemoteReward
+    from realloc.algorithms.rewards.remote_reward import RemoteReward
 
     service = RemoteReward.of(ctx.call.name, ctx.call.interface_args)
     seq = inputs["seq"]

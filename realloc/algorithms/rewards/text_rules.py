@@ -18,7 +18,7 @@ TextRule = Callable[[str, str, str], float]
 
 
 def _builtin_rules() -> dict[str, TextRule]:
-    from realloc.algorithms.verifiable import exact_number_match
+    from realloc.algorithms.rewards.verifiable import exact_number_match
 
     return {"exact_match": exact_number_match}
 

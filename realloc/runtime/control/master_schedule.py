@@ -27,7 +27,7 @@ import json
 import time
 from typing import Any
 
-from realloc.algorithms.reward_model import pair_metrics
+from realloc.algorithms.pairs.reward_model import pair_metrics
 from realloc.graph.transfer_plan import TransferPlan, dp_ranges
 from realloc.runtime.control.master_link import RunFailed
 from realloc.runtime.control.program import Realloc
