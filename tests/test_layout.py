@@ -14,6 +14,10 @@ MAX_LINES = 600
 # runtime/'s rooms, lowest first: a room imports only rooms before it; the subcommands at runtime/'s top
 # level may import any room (realloc/runtime/__init__.py).
 RUNTIME_ROOMS = ("wire", "records", "inputs", "transfer", "persist", "control", "launch")
+# algorithms/'s rooms, lowest first, the same way; its top level holds the ground every room stands on (which imports
+# no room) and, above every room, the table of shipped interfaces (ALGORITHMS_TABLE, which no room imports).
+ALGORITHMS_ROOMS = ("rewards", "pg", "ppo", "critic_free", "pairs")
+ALGORITHMS_TABLE = ("realloc.algorithms.builtin", "realloc.algorithms.registry")
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -159,3 +163,62 @@ def test_lower_packages_never_import_the_runtime(name):
     bad = sorted(f"{m} -> {d}" for m, deps in import_graph().items() if m.startswith(name)
                  for d in deps if d.startswith("realloc.runtime"))
     assert not bad
+
+
+def algorithms_room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["realloc", "algorithms"] and parts[2] in ALGORITHMS_ROOMS \
+        else None
+
+
+def algorithms_room_errors(graph: dict[str, set[str]]) -> list[str]:
+    """Imports that break algorithms/'s order: a room importing a later room or the table, the ground a room."""
+    wrong = []
+    for m, deps in graph.items():
+        if not m.startswith("realloc.algorithms."):
+            continue
+        here = algorithms_room(m)
+        for d in deps:
+            there = algorithms_room(d)
+            if here is None and there is not None and m not in ALGORITHMS_TABLE:
+                wrong.append(f"{m} -> {d} (the top level below the rooms)")
+            elif here is not None and d in ALGORITHMS_TABLE:
+                wrong.append(f"{m} -> {d} (the table)")
+            elif here is not None and there is not None and ALGORITHMS_ROOMS.index(there) > ALGORITHMS_ROOMS.index(here):
+                wrong.append(f"{m} -> {d}")
+    return sorted(wrong)
+
+
+def test_algorithms_rooms_import_one_way():
+    folders = {p.name for p in (ROOT / "algorithms").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == set(ALGORITHMS_ROOMS)
+    wrong = algorithms_room_errors(import_graph())
+    assert not wrong, "algorithms rooms import only the top level's ground and the rooms before them: " + \
+        "; ".join(wrong)
+
+
+def test_the_algorithms_room_check_names_each_wrong_way():
+    graph = {
+        "realloc.algorithms.rewards.a": {"realloc.algorithms.context", "realloc.algorithms.pairs.b"},  # a later room
+        "realloc.algorithms.pairs.b": {"realloc.algorithms.ppo.c", "realloc.algorithms.registry"},  # the table
+        "realloc.algorithms.common": {"realloc.algorithms.rewards.a"},  # the ground on a room
+        "realloc.algorithms.builtin": {"realloc.algorithms.pairs.b"},  # the table may
+    }
+    assert algorithms_room_errors(graph) == [
+        "realloc.algorithms.common -> realloc.algorithms.rewards.a (the top level below the rooms)",
+        "realloc.algorithms.pairs.b -> realloc.algorithms.registry (the table)",
+        "realloc.algorithms.rewards.a -> realloc.algorithms.pairs.b",
+    ]
+
+
+def test_the_user_apis_old_import_paths_give_the_moved_modules():
+    import importlib
+
+    import realloc.algorithms as algorithms
+
+    for old, new in algorithms.OLD_PATHS.items():
+        module = importlib.import_module(old)
+        assert module is importlib.import_module(new) and module.__spec__.name == new, old
+    from realloc.algorithms.ppo.ppo_config import PPOConfig
+    from realloc.algorithms.ppo_config import PPOConfig as old_name
+    assert old_name is PPOConfig

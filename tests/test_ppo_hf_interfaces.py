@@ -211,7 +211,7 @@ def test_greedy_evaluation_decodes_each_prompt_of_a_group_once(pool, models):
 
 
 def test_rule_reward_sees_prompt_and_response_split_per_row():
-    from realloc.algorithms.common import split_prompt_response
+    from realloc.algorithms.rewards.rule_reward import split_prompt_response
 
     tokens = torch.tensor([[5, 6, 7, 8, 9, 0, 0], [5, 1, 2, 3, 0, 0, 0]])
     seq = {"tokens": tokens, "prompt_lens": torch.tensor([2, 1]),

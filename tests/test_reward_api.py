@@ -10,9 +10,9 @@ import socket
 import pytest
 import torch
 
-from realloc.algorithms.rewards import reward_fns
 from realloc.algorithms.context import CallContext, CallResult, reward_sums
 from realloc.algorithms.critic_free.grpo import critic_free_rpcs
+from realloc.algorithms.rewards import reward_fns
 from realloc.algorithms.rewards.remote_reward import RemoteReward, RewardServiceError
 from realloc.api import INFERENCE, ModelFunctionCallDef
 from realloc.graph.dataflow import build_graph

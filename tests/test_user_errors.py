@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from realloc import cli, user_code
-from realloc.algorithms.rewards import reward_fns
 from realloc.algorithms.context import CallContext
 from realloc.algorithms.critic_free.grpo import critic_free_rpcs
+from realloc.algorithms.rewards import reward_fns
 from realloc.api import INFERENCE, ModelFunctionCallDef, load_experiment
 from realloc.graph.dataflow import build_graph
 from spec_helpers import inline_spec

@@ -11,14 +11,15 @@ log-probs), ``pair_scores`` (a reward model's score of each pair's chosen and re
 from __future__ import annotations
 
 from realloc.algorithms.critic_free import grpo, pg_algorithms
-from realloc.algorithms.pairs import dpo, reward_model
 from realloc.algorithms.interface import Interface
+from realloc.algorithms.pairs import dpo, reward_model
 from realloc.algorithms.ppo.ppo_config import PPOConfig
 from realloc.calls import GENERATE, INFERENCE, TRAIN_STEP
 
 _PPO = "realloc.algorithms.ppo.ppo_interfaces"
 _COMMON = "realloc.algorithms.common"
 _REWARDS = "realloc.algorithms.rewards.reward_fns"
+_RULES = "realloc.algorithms.rewards.rule_reward"
 _REWARD_ARGS = "realloc.algorithms.rewards.reward_args"
 PPO_TRAIN_INPUTS = ("seq", "logp", "ref_logp:logp", "rewards", "values")
 
@@ -36,9 +37,9 @@ BUILTIN: tuple[Interface, ...] = (
               config="ppo", config_type=PPOConfig, lr="critic_lr"),
     # Rewards: a neural reward model (a scalar head at the last token), or a rule on token ids.
     Interface("reward", INFERENCE, f"{_COMMON}:model_reward", inputs=("seq",), outputs=("rewards",), head="value"),
-    Interface("rule_reward", INFERENCE, f"{_COMMON}:rule_scores", inputs=("seq",), outputs=("rewards",), head="none"),
+    Interface("rule_reward", INFERENCE, f"{_RULES}:rule_scores", inputs=("seq",), outputs=("rewards",), head="none"),
     # A rule on the decoded text and the prompt's dataset record (e.g. exact match with its answer).
-    Interface("verifiable_reward", INFERENCE, f"{_COMMON}:verifiable_scores", inputs=("seq",), outputs=("rewards",),
+    Interface("verifiable_reward", INFERENCE, f"{_RULES}:verifiable_scores", inputs=("seq",), outputs=("rewards",),
               head="none", records=True),
     # Rewards users bring (reward_fns.py): a batched function of the texts and records, a remote HTTP service,
     # and a weighted mix of two reward keys (a rule and a reward model, say).

@@ -1,5 +1,5 @@
-"""The model calls every RL algorithm shares: sample responses, score them with a policy, a critic, a
-reward model or a rule (registry declarations in ``builtin.py``).
+"""The model calls every RL algorithm shares: sample responses, score them with a policy, a critic or a
+reward model (registry declarations in ``builtin.py``; the rule rewards are in ``rewards/``).
 
 A call sees only its dp rank's sequences: ``ctx.ids`` (a contiguous range of the global batch)
 and the matching rows of its input keys. Data keys hold named tensors whose first dimension is
@@ -29,7 +29,6 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from realloc.algorithms.rewards import rule_reward
 from realloc.algorithms.context import CallContext, CallResult, Data
 from realloc.models.generation import GenerationOutput
 from realloc.models.sampling import GenerationConfig
@@ -179,7 +178,8 @@ def critic_values(ctx: CallContext, inputs: Data) -> CallResult:
     return CallResult({"values": {"values": values}}, {}, {})
 
 
-def _scores(score: torch.Tensor) -> CallResult:
+def score_result(score: torch.Tensor) -> CallResult:
+    """A reward call's result: one score per sequence (the reward interfaces of ``rewards/`` return it too)."""
     return CallResult({"rewards": {"score": score}}, {"score_sum": float(score.double().sum()),
                                                       "n_seqs_scored": float(score.numel())}, {})
 
@@ -193,44 +193,4 @@ def model_reward(ctx: CallContext, inputs: Data) -> CallResult:
     if out is None:
         return CallResult({}, {}, {})
     last = seq["prompt_lens"] + seq["gen_mask"].sum(dim=1) - 1
-    return _scores(out.cpu().gather(1, last.view(-1, 1)).squeeze(1))
-
-
-def split_prompt_response(seq: Mapping[str, torch.Tensor], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(prompt tokens [n, P] right-padded, response tokens [n, T] aligned with gen_mask; pad elsewhere)."""
-    tokens, plen, mask = seq["tokens"], seq["prompt_lens"], seq["gen_mask"]
-    P = tokens.shape[1] - mask.shape[1]
-    prompt_mask = torch.arange(P).view(1, P) < plen.view(-1, 1)
-    prompt = torch.where(prompt_mask, tokens[:, :P], torch.full_like(tokens[:, :P], pad_token_id))
-    response = torch.where(mask, response_columns(tokens, plen, mask), torch.full_like(mask, pad_token_id,
-                                                                                       dtype=tokens.dtype))
-    return prompt, response
-
-
-def verifiable_scores(ctx: CallContext, inputs: Data) -> CallResult:
-    """A rule on the decoded prompt and response and the prompt's dataset record (``interface_args``: ``rule``,
-    a built-in name or a function of the experiment file, and ``field``, the record's reference answer)."""
-    from realloc.algorithms.rewards.text_rules import resolve_text_rule
-
-    seq = inputs["seq"]
-    if ctx.tokenizer is None or ctx.records is None:
-        raise ValueError(f"call {ctx.call.name!r}: verifiable_reward decodes text and reads each prompt's dataset "
-                         f"record; the experiment needs a tokenizer and a prompt dataset")
-    rule, field = resolve_text_rule(ctx.call.name, ctx.call.interface_args)
-    scores = []
-    for b in range(seq["tokens"].shape[0]):
-        plen, n = int(seq["prompt_lens"][b]), int(seq["gen_mask"][b].sum())
-        prompt = ctx.tokenizer.decode(seq["tokens"][b, :plen].tolist(), skip_special_tokens=True)
-        response = ctx.tokenizer.decode(seq["tokens"][b, plen:plen + n].tolist(), skip_special_tokens=True)
-        record = ctx.records(int(seq["rows"][b]))
-        if field not in record:
-            raise ValueError(f"call {ctx.call.name!r}: the prompt record has no field {field!r} (it has "
-                             f"{', '.join(sorted(record)) or 'none'}); set interface_args['field']")
-        scores.append(float(rule(prompt, response, str(record[field]))))
-    return _scores(torch.tensor(scores, dtype=torch.float32))
-
-
-def rule_scores(ctx: CallContext, inputs: Data) -> CallResult:
-    seq = inputs["seq"]
-    prompt, response = split_prompt_response(seq, ctx.pad_token_id)
-    return _scores(rule_reward.score(ctx.call.name, ctx.call.interface_args, prompt, response, seq["gen_mask"]))
+    return score_result(out.cpu().gather(1, last.view(-1, 1)).squeeze(1))

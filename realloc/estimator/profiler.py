@@ -349,8 +349,8 @@ class LayerProfiler:
         PPO_PROMPT_LEN + ``gen_len`` tokens, and the engine's train_step on the same sequences: the
         difference is the interface's own host work (KL-shaped rewards, GAE over the generated tokens,
         whitening, mini-batch assembly)."""
-        from realloc.algorithms.ppo import ppo_interfaces as impl
         from realloc.algorithms.context import CallContext
+        from realloc.algorithms.ppo import ppo_interfaces as impl
         from realloc.algorithms.ppo.ppo_config import PPOConfig
         from realloc.calls import InterfaceType, ModelFunctionCallDef
 

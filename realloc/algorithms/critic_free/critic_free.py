@@ -15,9 +15,9 @@ from typing import Any, Callable
 import torch
 
 from realloc.algorithms import losses
-from realloc.algorithms.pg import pg_loss
 from realloc.algorithms.context import CallContext, CallResult, Data
 from realloc.algorithms.critic_free.pg_train import actor_sums, policy_steps
+from realloc.algorithms.pg import pg_loss
 
 # (ctx, inputs, the KL each response's reward pays [n]: 0 when the KL is in the loss) -> [n]
 Advantages = Callable[[CallContext, Data, torch.Tensor], torch.Tensor]

@@ -13,10 +13,10 @@ import dataclasses
 import torch
 
 from realloc.algorithms import losses
-from realloc.algorithms.ppo import ppo
 from realloc.algorithms.context import CallContext, CallResult, Data, dp_all_reduce
 from realloc.algorithms.critic_free.critic_free import _group, reward_kl
 from realloc.algorithms.critic_free.pg_train import StepsResult, actor_sums, policy_steps
+from realloc.algorithms.ppo import ppo
 
 
 # -- REINFORCE++ ------------------------------------------------------------------------------------------------

@@ -15,9 +15,9 @@ from typing import Any, Mapping
 import torch
 
 from realloc.algorithms import losses
-from realloc.algorithms.pg import pg_loss
 from realloc.algorithms.common import forward_batch, optimizer_step, response_columns
 from realloc.algorithms.context import CallContext, Data, dp_all_reduce
+from realloc.algorithms.pg import pg_loss
 from realloc.algorithms.pg.decoupled import proximal_logprobs
 from realloc.models.batch import split_batch
 

@@ -22,8 +22,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from realloc.algorithms.rewards import reward_args
 from realloc.algorithms.context import CallContext, CallResult, Data
+from realloc.algorithms.rewards import reward_args
 
 BatchRewardFn = Callable[..., Any]  # (prompts, responses, records, **kw) -> [n] scores
 

@@ -1,4 +1,6 @@
-"""Rule-based rewards: parameter-free functions of token ids (model_type "rule", interface_impl "rule_reward").
+"""Rule-based rewards: parameter-free functions of token ids (model_type "rule", interface_impl "rule_reward"), and
+the interface functions of both rule rewards (``rule_scores``; ``verifiable_scores``, whose rules on decoded text are
+in ``text_rules.py``).
 
 A call selects its rule through ``interface_args``::
 
@@ -17,6 +19,10 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 import torch
+
+from realloc.algorithms.common import response_columns, score_result
+from realloc.algorithms.context import CallContext, CallResult, Data
+from realloc.algorithms.rewards.text_rules import resolve_text_rule
 
 RuleFn = Callable[..., torch.Tensor]
 
@@ -64,3 +70,41 @@ def score(call: str, args: Mapping[str, Any], prompt_tokens: torch.Tensor, respo
         raise ValueError(f"call {call!r}: the reward rule returned shape {tuple(out.shape)}, expected one score per "
                          f"sequence ({response_tokens.shape[0]},)")
     return out
+
+
+def split_prompt_response(seq: Mapping[str, torch.Tensor], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompt tokens [n, P] right-padded, response tokens [n, T] aligned with gen_mask; pad elsewhere)."""
+    tokens, plen, mask = seq["tokens"], seq["prompt_lens"], seq["gen_mask"]
+    P = tokens.shape[1] - mask.shape[1]
+    prompt_mask = torch.arange(P).view(1, P) < plen.view(-1, 1)
+    prompt = torch.where(prompt_mask, tokens[:, :P], torch.full_like(tokens[:, :P], pad_token_id))
+    response = torch.where(mask, response_columns(tokens, plen, mask), torch.full_like(mask, pad_token_id,
+                                                                                       dtype=tokens.dtype))
+    return prompt, response
+
+
+def rule_scores(ctx: CallContext, inputs: Data) -> CallResult:
+    seq = inputs["seq"]
+    prompt, response = split_prompt_response(seq, ctx.pad_token_id)
+    return score_result(score(ctx.call.name, ctx.call.interface_args, prompt, response, seq["gen_mask"]))
+
+
+def verifiable_scores(ctx: CallContext, inputs: Data) -> CallResult:
+    """A rule on the decoded prompt and response and the prompt's dataset record (``interface_args``: ``rule``,
+    a built-in name or a function of the experiment file, and ``field``, the record's reference answer)."""
+    seq = inputs["seq"]
+    if ctx.tokenizer is None or ctx.records is None:
+        raise ValueError(f"call {ctx.call.name!r}: verifiable_reward decodes text and reads each prompt's dataset "
+                         f"record; the experiment needs a tokenizer and a prompt dataset")
+    rule, field = resolve_text_rule(ctx.call.name, ctx.call.interface_args)
+    scores = []
+    for b in range(seq["tokens"].shape[0]):
+        plen, n = int(seq["prompt_lens"][b]), int(seq["gen_mask"][b].sum())
+        prompt = ctx.tokenizer.decode(seq["tokens"][b, :plen].tolist(), skip_special_tokens=True)
+        response = ctx.tokenizer.decode(seq["tokens"][b, plen:plen + n].tolist(), skip_special_tokens=True)
+        record = ctx.records(int(seq["rows"][b]))
+        if field not in record:
+            raise ValueError(f"call {ctx.call.name!r}: the prompt record has no field {field!r} (it has "
+                             f"{', '.join(sorted(record)) or 'none'}); set interface_args['field']")
+        scores.append(float(rule(prompt, response, str(record[field]))))
+    return score_result(torch.tensor(scores, dtype=torch.float32))
