@@ -17,7 +17,7 @@ from realloc.algorithms.critic_free.grpo import GRPOConfig, critic_free_rpcs
 from realloc.api import HFModel, LoRAConfig, auto, reference_from_base
 from realloc.runtime.inputs.evaluation import EvalConfig
 
-EXACT_MATCH = {"rule": "exact_match", "field": "answer"}  # realloc/algorithms/rewards/verifiable.py
+EXACT_MATCH = {"rule": "exact_match", "field": "answer"}  # realloc/algorithms/rewards/text_rules.py
 SFT = "data/arith_sft"  # shipped (0.8 MB)
 
 

@@ -22,7 +22,7 @@ from realloc.runtime.inputs.evaluation import EvalConfig
 
 SFT = "data/arith_sft"  # shipped; see arith_sft.py
 RM = "data/arith_rm"  # shipped; made by the first two commands above
-EXACT_MATCH = {"rule": "exact_match", "field": "answer"}  # realloc/algorithms/rewards/verifiable.py
+EXACT_MATCH = {"rule": "exact_match", "field": "answer"}  # realloc/algorithms/rewards/text_rules.py
 
 
 @auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size=32, prompt_len=8, gen_len=4)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hf_assets import REPO
-from realloc.algorithms.rewards.verifiable import exact_number_match, first_number
+from realloc.algorithms.rewards.text_rules import exact_number_match, first_number
 from realloc.demo import arith_task
 
 

@@ -184,7 +184,8 @@ def algorithms_room_errors(graph: dict[str, set[str]]) -> list[str]:
                 wrong.append(f"{m} -> {d} (the top level below the rooms)")
             elif here is not None and d in ALGORITHMS_TABLE:
                 wrong.append(f"{m} -> {d} (the table)")
-            elif here is not None and there is not None and ALGORITHMS_ROOMS.index(there) > ALGORITHMS_ROOMS.index(here):
+            elif here is not None and there is not None and \
+                    ALGORITHMS_ROOMS.index(there) > ALGORITHMS_ROOMS.index(here):
                 wrong.append(f"{m} -> {d}")
     return sorted(wrong)
 

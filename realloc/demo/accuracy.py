@@ -4,7 +4,7 @@
     exact_match_accuracy("ckpt/sft", "experiments/data/arith_eval.jsonl").accuracy
 
 Each record needs a prompt (text, chat or token ids, read like a run's prompts with ``DataConfig``) and an
-``answer``; a response scores 1 when :func:`realloc.algorithms.rewards.verifiable.exact_number_match` accepts it.
+``answer``; a response scores 1 when :func:`realloc.algorithms.rewards.text_rules.exact_number_match` accepts it.
 ``right_value`` also counts responses whose first number has the answer's value in another form ("007" for
 "7"), so that a gain in exact match can be told apart from a gain in arithmetic.
 The tokenizer is the checkpoint's own (or ``tokenizer=``). This is an independent check of a run's
@@ -50,7 +50,7 @@ def exact_match_accuracy(checkpoint: str | Path, prompts: str | Path, *, tokeniz
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from realloc.algorithms.rewards.verifiable import exact_number_match, first_number
+    from realloc.algorithms.rewards.text_rules import exact_number_match, first_number
     from realloc.data.prompts import PromptDataset
     from realloc.data.tokenizer import Tokenizer
 
