@@ -6,11 +6,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from realloc.algorithms.pg.decoupled_config import check_decoupled
 from realloc.algorithms.train_config import TrainConfig
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_PLACEMENTS = ("reward", "loss")
+
+
+def check_decoupled(owner: str, decoupled: object, cap: object) -> None:
+    """The decoupled objective's settings (``decoupled.py``): ``decoupled`` is a bool; ``behav_weight_cap`` a number
+    >= 1 or None (no cap)."""
+    if not isinstance(decoupled, bool):
+        raise ValueError(f"{owner}.decoupled must be True or False, got {decoupled!r}")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap >= 1.0):
+        raise ValueError(f"{owner}.behav_weight_cap must be a number >= 1 (or None: no cap), got {cap!r}")
 
 
 @dataclasses.dataclass(frozen=True)
