@@ -4,8 +4,8 @@ context 2048 with prompts of 1024, the batch split into 8 PPO mini-batches. The 
 shapes (vocabulary 128256).
 
 The authors ran the heuristic plan here at TP 8 / PP 4 / DP 4 with 8 micro-batches. realloc's heuristic takes the
-same layout but needs more micro-batches and activation recomputation to fit its engine's memory; README,
-"Weak scaling at 70B", says why.
+same layout but needs more micro-batches and activation recomputation to fit its engine's memory;
+docs/performance.md, "Weak scaling at 70B", says why.
 """
 
 import dataclasses

@@ -88,7 +88,7 @@ def auto(nodelist: str, batch_size: int, n_devices_per_node: int | None = None, 
     generation extends each prompt by up to ``gen_len`` tokens, and every later
     call sees ``prompt_len + gen_len`` tokens per sequence. ``max_staleness`` bounds
     asynchronous RL: a plan may let generation run that many train steps ahead of
-    training (the search chooses how far, 0 to the bound; README, Asynchronous RL).
+    training (the search chooses how far, 0 to the bound; docs/async-rl.md).
     """
     cfg = AutoConfig(nodelist, batch_size, n_devices_per_node, device, prompt_len, gen_len, tuple(dataset_keys),
                      dict(cluster_overrides), max_staleness)

@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("experiment", help="experiment file (path/exp.py[:Class]) or module")
     g = s.add_mutually_exclusive_group()
     g.add_argument("--plan", default=None, help="execution plan JSON to run (from `realloc search --out`, or "
-                   "written by hand: README, Planning)")
+                   "written by hand: docs/search.md)")
     g.add_argument("--search-time", type=float, default=None, metavar="SECONDS",
                    help=f"search a plan for this many seconds before training (default {DEFAULT_SEARCH_TIME:g} "
                         f"when neither --plan nor --baseline is given)")

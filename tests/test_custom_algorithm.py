@@ -1,6 +1,6 @@
 """A user's own algorithm and reward, end to end on the local 2-device CPU cluster (real workers, gloo, ZMQ).
 
-- The README's example (``experiments/custom_algorithm``: REINFORCE++ on the train-step API) learns the tiny
+- The docs' example (``docs/algorithms.md``, ``experiments/custom_algorithm``: REINFORCE++ on the train-step API) learns the tiny
   token-set task, and its first iterations give the same numbers with dp=2 training as with a pp=2 pipeline.
 - The learning-rate schedule applies to every train step: to a ``TrainStep`` and to a train step written
   against the engine directly; both are checked against the warmup + cosine formula computed here by hand.
@@ -222,8 +222,8 @@ def test_schedule_eval_and_rewards_with_a_raw_train_step_a_users_reward_function
 
 
 def test_the_readme_example_is_the_file_the_tests_run():
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("### Your own train step"):]
+    readme = (REPO / "docs/algorithms.md").read_text()
+    section = readme[readme.index("## Your own train step"):]
     block = section[section.index("```python\n") + len("```python\n"):]
     block = block[:block.index("```")]
     assert "TrainStep(loss" in block and block in (REPO / "experiments/custom_algorithm/my_reinforce.py").read_text()

@@ -194,7 +194,7 @@ def test_plan_memory_applies_the_rules(model):
 
 
 def test_llama3_70b_per_token_counts_by_hand():
-    """The per-token byte counts behind the 70B weak-scaling plans (README), at tp 8 in bf16."""
+    """The per-token byte counts behind the 70B weak-scaling plans (docs/performance.md), at tp 8 in bf16."""
     from realloc.estimator import opcount as oc
     from realloc.estimator.hardware import Precision
     from realloc.models.config import get_model_config

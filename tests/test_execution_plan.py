@@ -153,7 +153,7 @@ def test_rule_calls_are_data_parallel_only(tp, pp):
 
 
 def test_the_readmes_plan_file_and_by_hand_examples_are_valid(tmp_path, monkeypatch):
-    """README, Planning: the plan-file example parses, its meshes and placements pass the runtime's checks, and
+    """docs/search.md (Planning): the plan-file example parses, its meshes and placements pass the runtime's checks, and
     the ExecutionPlan.by_hand example runs as written (issue 22 item 20)."""
     import re
     from pathlib import Path
@@ -162,7 +162,7 @@ def test_the_readmes_plan_file_and_by_hand_examples_are_valid(tmp_path, monkeypa
     from realloc.overrides import load_with_overrides
 
     repo = Path(__file__).resolve().parents[1]
-    readme = (repo / "README.md").read_text()
+    readme = (repo / "docs/search.md").read_text()
     section = readme[readme.index("**Plan files and hand-written plans.**"):readme.index("Searching from Python:")]
     text = re.search(r"```json\n(.*?)```", section, re.S).group(1)
     plan = ExecutionPlan.from_json(text)

@@ -148,8 +148,8 @@ def test_show_reports_a_contract_error_in_one_line(tmp_path):
 def test_the_readme_example_of_an_own_interface_validates_and_scores_by_hand(tmp_path):
     from realloc.api import load_experiment
 
-    text = (REPO / "README.md").read_text()
-    start = text.index("```python\n", text.index("### Your own interface")) + len("```python\n")
+    text = (REPO / "docs/algorithms.md").read_text()
+    start = text.index("```python\n", text.index("## Your own interface")) + len("```python\n")
     exp = tmp_path / "no_repeats.py"
     exp.write_text(text[start:text.index("```", start)].replace("data/ppo_tiny_prompts.jsonl",
                                                                 str(REPO / "experiments/data/ppo_tiny_prompts.jsonl")))

@@ -35,7 +35,7 @@ def test_wheel_ships_profiles_and_search_runs_from_an_install(tmp_path):
     for name in ("setup.py", "pyproject.toml", "MANIFEST.in", "README.md", "DEVELOPERS.md", "requirements.txt",
                  "Makefile"):
         shutil.copy(REPO / name, src / name)
-    for folder in ("csrc", "realloc", "profiles", "experiments"):
+    for folder in ("csrc", "realloc", "profiles", "experiments", "docs"):
         shutil.copytree(REPO / folder, src / folder, ignore=shutil.ignore_patterns(
             "__pycache__", "*.so", "*.pyc", "*.egg-info", "hf_tiny", "arith"))
     env = {**os.environ, "TMPDIR": str(tmp_path)}
@@ -46,7 +46,8 @@ def test_wheel_ships_profiles_and_search_runs_from_an_install(tmp_path):
         members = {m.split("/", 1)[1] for m in tar.getnames() if "/" in m}
     for want in ("csrc/problem.h", "csrc/simulator.h", "csrc/mcmc.h", "csrc/bindings.cpp", "MANIFEST.in",
                  "profiles/hardware/h100-80g.json", "experiments/ppo_tiny.py",
-                 "experiments/data/ppo_tiny_prompts.jsonl", "experiments/data/tiny_corpus.txt", "README.md"):
+                 "experiments/data/ppo_tiny_prompts.jsonl", "experiments/data/tiny_corpus.txt", "README.md",
+                 "docs/README.md", "docs/performance.md"):
         assert want in members, want
     assert {f"csrc/{p.name}" for p in (REPO / "csrc").iterdir() if p.suffix in (".h", ".cpp")} <= members
     assert not any(m.endswith(".so") or "__pycache__" in m for m in members)

@@ -61,8 +61,8 @@ def test_weak_scaling_70b_heuristic_fits_in_two_stages_and_in_the_authors_layout
     """The 128-GPU point of the appendix's weak scaling (section A): 70B + 7B, batch 4096. The authors ran the
     heuristic at TP 8 / PP 4 / DP 4 with 8 micro-batches on 80 GB A100s. With the distributed optimizer (the
     70B actor's training state at dp 8 is 7.5 B per parameter, not 18) realloc's heuristic already fits with
-    two stages; the authors' layout fits with more micro-batches and recomputation (README, "Weak scaling at
-    70B")."""
+    two stages; the authors' layout fits with more micro-batches and recomputation (docs/performance.md,
+    "Weak scaling at 70B")."""
     spec = load_experiment("experiments/ppo_70b_7b_weak_scaling.py")
     assert (spec.batch_size, spec.cluster.n_devices, spec.prompt_len, spec.gen_len) == (4096, 128, 1024, 1024)
     graph = build_graph(spec)

@@ -53,7 +53,7 @@ INTERFACES = [  # generation and log-probs: realloc's own functions, with this a
 ]
 
 
-from realloc.api import ModelFunctionCallDef  # noqa: E402 - the README's example ends above
+from realloc.api import ModelFunctionCallDef  # noqa: E402 - the example in docs/algorithms.md ends above
 
 
 def rpcs(actor: str, reward: str, reward_impl: str, reward_args: dict) -> list[ModelFunctionCallDef]:

@@ -54,7 +54,7 @@ class ExecutionPlan(BaseModel):
     offload: dict[str, bool] = Field(default_factory=dict)
     source: str = "manual"
     # Bounded staleness eta (asynchronous RL): generation of iteration t uses the parameters after the train
-    # step of iteration t - 1 - eta (README, Asynchronous RL). 0: synchronous.
+    # step of iteration t - 1 - eta (docs/async-rl.md). 0: synchronous.
     staleness: int = Field(default=0, ge=0)
     estimated_time: float | None = None  # seconds per iteration, steady state
     estimated_peak_memory: int | None = None  # bytes, the most loaded device
@@ -87,7 +87,7 @@ class ExecutionPlan(BaseModel):
             first = e.errors()[0]
             if first["type"] == "json_invalid":
                 raise ValueError(f"{where}: not a plan file ({first['msg']}); write it with `realloc search --out` "
-                                 f"or as ExecutionPlan JSON (README, Planning)") from None
+                                 f"or as ExecutionPlan JSON (docs/search.md)") from None
             loc = ".".join(map(str, first["loc"]))
             raise ValueError(f"{where}: field {loc!r}: {first['msg']}") from None
         if plan.format_version != PLAN_FORMAT_VERSION:
