@@ -23,9 +23,9 @@ import torch
 from realloc.algorithms.context import CallContext
 from realloc.algorithms.critic_free.grpo import GRPOConfig, RLOOConfig
 from realloc.algorithms.critic_free.pg_algorithms import DAPOConfig, GSPOConfig, ReinforcePPConfig
+from realloc.algorithms.critic_free.pg_steps import (dapo_selection, dynamic_sampling_positions,
+                                                      overlong_penalty, reinforce_pp_advantages, reinforce_pp_returns)
 from realloc.algorithms.pg import pg_loss
-from realloc.algorithms.critic_free.pg_steps import (dapo_selection, dynamic_sampling_positions, overlong_penalty,
-                                         reinforce_pp_advantages, reinforce_pp_returns)
 from realloc.algorithms.ppo.ppo_config import PPOConfig
 from realloc.api import load_experiment
 from realloc.cli import main
