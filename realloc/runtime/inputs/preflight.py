@@ -79,9 +79,11 @@ def special_tokens(spec: ExperimentSpec, graph: "DataflowGraph",
     return tokens, warnings
 
 
-def preflight(spec: ExperimentSpec, config: Any, graph: "DataflowGraph", cache_dir: Path | None = None) -> Preflight:
+def preflight(spec: ExperimentSpec, config: Any, graph: "DataflowGraph", cache_dir: Path | None = None,
+              probe_rewards: bool = False) -> Preflight:
     """Checkpoint weights, tokenizer, EOS ids and dataset, loaded as the workers will (``config``: a
-    ``RunConfig``). ``cache_dir``: tokenize the prompts once there for the workers."""
+    ``RunConfig``). ``cache_dir``: tokenize the prompts once there for the workers. ``probe_rewards``: also call
+    each reward function or service the user brings on the first prompt (``reward_probe.py``; `realloc show`)."""
     from realloc.data.tokenizer import Tokenizer
     from realloc.runtime.inputs.datasets import load_dataset
 
@@ -98,6 +100,10 @@ def preflight(spec: ExperimentSpec, config: Any, graph: "DataflowGraph", cache_d
     data = load_dataset(graph.dataset_kind, config.dataset, spec, config, tokenizer,
                         min(vocab_sizes.values()) if vocab_sizes else None, cache_dir)
     _check_eval_set(spec, config, graph, tokenizer, min(vocab_sizes.values()) if vocab_sizes else None)
+    if probe_rewards and graph.dataset_kind == "prompts":
+        from realloc.runtime.inputs.reward_probe import probe_rewards as probe
+
+        lines += probe(spec, data, tokenizer)
     where = f"tokenizer {config.tokenizer}" if tokenizer is not None else "token ids"
     return Preflight((f"{data.stats.describe()} ({where})", *lines), data.stats)
 
