@@ -78,8 +78,8 @@ def _svg_panels(page: str) -> list[str]:
 @pytest.mark.parametrize("common", [False, True])
 def test_html_has_a_legend_per_panel_axes_and_ticks_inside_the_picture(common):
     page = timeline_html([MEASURED, ESTIMATED], width=1200, common_scale=common)
-    for name in (*CALLS, KIND_NAMES["realloc"]):
-        assert f"</svg> {name}</span>" in page.split("<h3>")[0], name  # the legend, above the panels
+    for name in (*[f"{i} {c}" for i, c in enumerate(CALLS, start=1)], KIND_NAMES["realloc"]):
+        assert f"</svg> {name}</span>" in page.split("<h3>")[0], name  # the legend (calls numbered), above the panels
     ends = []
     for svg in _svg_panels(page):
         ticks = [(float(x), anchor, float(v)) for x, anchor, v in
@@ -88,16 +88,20 @@ def test_html_has_a_legend_per_panel_axes_and_ticks_inside_the_picture(common):
         x, anchor, _ = ticks[-1]
         assert anchor == "end" or x + 30 <= 1200  # the last tick's label is not cut off at the right edge
         ends.append(ticks[-1][2])
-        # every call label fits inside its box (6.6 px a character of the 11 px font)
-        for w, label in re.findall(r'width="([\d.]+)" height="\d+" fill="#\w+" stroke="black" stroke-width="0.5"/>'
-                                   r'<text [^>]*>([^<]+)</text>', svg):
-            assert len(label) * 6.6 + 8 <= float(w), (label, w)
+        # every label fits inside its box (6.6 px a character of the 11 px font; a real browser's widths:
+        # test_timeline_browser.py)
+        for w, h, spans in re.findall(r'width="([\d.]+)" height="(\d+)" fill="#\w+" stroke="black" '
+                                      r'stroke-width="0.5"/><text class="label"[^>]*>(.*?)</text>', svg):
+            lines = re.findall(r"<tspan [^>]*>([^<]+)</tspan>", spans)
+            assert max(map(len, lines)) * 6.6 + 8 <= float(w) and len(lines) * 13 + 4 <= int(h), (lines, w)
     if common:
         assert ends[0] == ends[1]
     else:
         assert ends[0] >= 10 and ends[1] == pytest.approx(2.0)  # the estimate's own axis ends near its 2 s
-    labels = re.findall(r'pointer-events="none">([^<]+)</text>', page)
-    assert "actor_gen" in labels and "ref_inf" not in labels  # the HTML labels across only
+    labels = re.findall(r'<tspan [^>]*>([^<]+)</tspan>', page)
+    assert "actor_gen" in labels and DETAIL in labels  # two rows high: name and strategy on two lines
+    # the narrow inference box gets its name cut short, or its number in the legend
+    assert any(x in labels for x in ("2", *(f"ref_inf"[:k] + "…" for k in range(2, 6))))
 
 
 def test_write_timeline_png_and_html(tmp_path):

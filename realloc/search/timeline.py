@@ -275,6 +275,23 @@ def legend_entries(panels: Sequence[Panel]) -> list[tuple[str, str, bool]]:
 
 
 HTML_CHAR_PX = 6.6  # width of a character of the 11 px sans-serif labels, generously
+HTML_LINE_PX = 13  # a line of those labels
+
+
+def html_label(b: Box, width: float, height: float, calls: Sequence[str]) -> list[str]:
+    """The lines a box of ``width`` x ``height`` px shows: the longest of the call's name and strategy on two lines,
+    on one, the name alone, the name cut short ("actor_t…"), or the call's number in the legend; a reallocation or
+    transfer its text or a cut of it. Nothing where not even that fits (the tooltip still says what it was)."""
+    def fits(lines: list[str], pad: float = 8) -> bool:
+        return max(map(len, lines)) * HTML_CHAR_PX + pad <= width and len(lines) * HTML_LINE_PX + 4 <= height
+
+    options = [[b.label, b.detail], [f"{b.label} · {b.detail}"]] if b.detail else []
+    options += [[b.label]] + [[b.label[:k] + "…"] for k in range(len(b.label) - 2, 1, -1)]
+    got = next((lines for lines in options if fits(lines)), [])
+    if not got and b.kind == "call" and b.label in calls:  # a number needs no margin to be read
+        number = [str(calls.index(b.label) + 1)]
+        got = number if fits(number, pad=2) else []
+    return got
 
 
 def _nice_step(span: float, n: int = 6) -> float:
@@ -286,18 +303,25 @@ def _nice_step(span: float, n: int = 6) -> float:
     return next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
 
 
+def _numbered(entries: list[tuple[str, str, bool]], calls: list[str]) -> list[tuple[str, str, bool]]:
+    """The legend with each call's number, the label of its boxes too narrow for a name."""
+    return [(f"{calls.index(n) + 1} {n}" if n in calls else n, c, h) for n, c, h in entries]
+
+
 def timeline_html(panels: Sequence[Panel], width: int = 1200, common_scale: bool = False) -> str:
     """A page with a legend and one SVG per panel, each on its own time axis unless ``common_scale``; hovering a
-    box shows what it was. A box is labelled only where its label fits."""
+    box shows what it was. Each box is a ``<g class="box">`` carrying its call, strategy, iteration and kind as
+    ``data-`` attributes and a tooltip, and the longest label that fits (``html_label``)."""
     common = max(p.span for p in panels) * 1.01
     left, right, row, top = 150, 30, 18, 28
     plot_w = width - left - right
     note = _axis_note(panels, common_scale)
+    calls = list(dict.fromkeys(c for p in panels for c in p.calls))  # numbered as in the legend
     dashed = ' stroke-dasharray="2,1"'
     legend = " ".join(
         f'<span style="white-space:nowrap;margin-right:14px"><svg width="14" height="12"><rect x="0.5" y="0.5" '
         f'width="13" height="11" fill="{colour}" stroke="black" stroke-width="0.5"{dashed if hatched else ""}/>'
-        f'</svg> {html.escape(name)}</span>' for name, colour, hatched in legend_entries(panels))
+        f'</svg> {html.escape(name)}</span>' for name, colour, hatched in _numbered(legend_entries(panels), calls))
     parts = [f'<p style="font-family:sans-serif;font-size:12px">{legend}</p>']
     for panel in panels:
         span = common if common_scale else panel.span * 1.01
@@ -313,11 +337,16 @@ def timeline_html(panels: Sequence[Panel], width: int = 1200, common_scale: bool
             y, h = top + row * b.lo, row * (b.hi - b.lo)
             fill = _colour(panel, b)
             style = ' stroke-dasharray="2,1"' if b.kind == "realloc" else ""
-            svg.append(f'<g><title>{html.escape(_tooltip(b))}</title><rect x="{x(b.start):.1f}" y="{y}" '
+            svg.append(f'<g class="box" data-kind="{b.kind}" data-call="{html.escape(b.label)}" '
+                       f'data-strategy="{html.escape(b.detail)}" data-iteration="{b.iteration}">'
+                       f'<title>{html.escape(_tooltip(b))}</title><rect x="{x(b.start):.1f}" y="{y}" '
                        f'width="{w:.1f}" height="{h}" fill="{fill}" stroke="black" stroke-width="0.5"{style}/>')
-            if b.kind == "call" and len(b.label) * HTML_CHAR_PX + 8 <= w:
-                svg.append(f'<text x="{x(b.start) + w / 2:.1f}" y="{y + h / 2 + 4:.1f}" text-anchor="middle" '
-                           f'pointer-events="none">{html.escape(b.label)}</text>')
+            lines = html_label(b, w, h, calls)
+            if lines:
+                cx, first = x(b.start) + w / 2, y + h / 2 + 4 - HTML_LINE_PX * (len(lines) - 1) / 2
+                spans = "".join(f'<tspan x="{cx:.1f}" y="{first + HTML_LINE_PX * i:.1f}">{html.escape(line)}</tspan>'
+                                for i, line in enumerate(lines))
+                svg.append(f'<text class="label" text-anchor="middle" pointer-events="none">{spans}</text>')
             svg.append("</g>")
         for t, e in panel.iteration_ends:
             svg.append(f'<line x1="{x(e):.1f}" x2="{x(e):.1f}" y1="{top - 6}" y2="{top + row * n_dev}" '
