@@ -39,15 +39,17 @@ def _records() -> list[dict]:
     return [json.loads(x) for x in (REPO / "experiments/data/text_prompts.jsonl").read_text().splitlines()]
 
 
-def _check_rewards(run: Path, score) -> None:
-    """Each logged sample's reward is the reward function's score of its prompt, response and record (a left-
-    truncated prompt is the end of its record's)."""
+def _check_rewards(run: Path, score, tokenizer) -> None:
+    """Each logged sample's reward is the reward function's score of its prompt and response, decoded from their
+    ids as a reward call decodes them, and its record (a left-truncated prompt is the end of its record's)."""
     samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
     assert samples
     for s in samples:
-        [rec] = [r for r in _records() if r["prompt"].strip().endswith(s["prompt"].strip())][:1]
+        prompt = tokenizer.decode(s["prompt_ids"], skip_special_tokens=True)
+        response = tokenizer.decode(s["response_ids"], skip_special_tokens=True)
+        [rec] = [r for r in _records() if r["prompt"].strip().endswith(prompt.strip())][:1]
         record = {k: v for k, v in rec.items() if k != "prompt"}
-        assert s["reward"] == pytest.approx(score([s["prompt"]], [s["response"]], [record])[0], abs=1e-6), s
+        assert s["reward"] == pytest.approx(score([prompt], [response], [record])[0], abs=1e-6), s
 
 
 def test_every_command_of_the_recipe_runs(tmp_path):
@@ -61,11 +63,13 @@ def test_every_command_of_the_recipe_runs(tmp_path):
     port = str(_free_port())
     script = [f'realloc() {{ "{sys.executable}" -m realloc.cli "$@" --quiet 2>&1 | tail -n 3; '
               f'return "${{PIPESTATUS[0]}}"; }}',
-              f'python() {{ "{sys.executable}" "$@"; }}', "set -e"]
+              "set -e", "trap 'kill $(jobs -p) 2>/dev/null' EXIT"]  # the service, should a command fail
     for c in commands:
         c = c.replace("--iterations 20", "--iterations 2").replace("8123", port)
         if c.startswith("realloc") and not c.startswith("realloc run"):
             c = c.replace("realloc ", f'"{sys.executable}" -m realloc.cli ', 1)  # no --quiet for show/export
+        if c.startswith("python "):  # the interpreter itself (not a shell function): `kill %1` then stops it
+            c = c.replace("python ", f'"{sys.executable}" ', 1)
         script.append(c)
     r = subprocess.run(["bash", "-c", "\n".join(script)], cwd=root, capture_output=True, text=True, timeout=900,
                        env={**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(REPO)})
@@ -78,7 +82,10 @@ def test_every_command_of_the_recipe_runs(tmp_path):
     spec = importlib.util.spec_from_file_location("my_reward", root / "experiments/own_model/my_reward.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    _check_rewards(runs / "own-grpo", mod.score)
-    _check_rewards(runs / "own-sft-grpo", mod.score)  # scored by the service
+    from realloc.data.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load(root / "experiments/data/hf_tiny/sft")
+    _check_rewards(runs / "own-grpo", mod.score, tokenizer)
+    _check_rewards(runs / "own-sft-grpo", mod.score, tokenizer)  # scored by the service
     run_json = json.loads((runs / "own-sft-grpo" / "run.json").read_text())
     assert str(runs / "own-sft-actor") in json.dumps(run_json)

@@ -126,3 +126,21 @@ def test_a_tall_narrow_box_gets_its_name_upright():
         assert x0 <= bb.x0 and bb.x1 <= x1
     finally:
         plt.close(fig)
+
+
+def test_a_panel_shows_what_other_iterations_run_meanwhile_and_says_which_iteration_runs_ahead():
+    """Run-ahead (staleness 1): iteration 2's generation runs during iteration 1's train step. The panel of
+    iteration 2 alone used to leave that train step out, drawing device 1 idle; now it is drawn (clipped to the
+    panel's time), and boxes of other iterations, and every generation running ahead, name their iteration."""
+    from realloc.search.timeline import _overlapping, shown_label
+
+    boxes = [Box("call", "actor_gen", 0, 1, 0.0, 1.0, 1), Box("call", "actor_train", 1, 2, 1.0, 3.0, 1),
+             Box("call", "actor_gen", 0, 1, 1.0, 2.0, 2), Box("call", "actor_train", 1, 2, 3.0, 5.0, 2),
+             Box("call", "actor_gen", 0, 1, 3.0, 4.0, 3), Box("call", "actor_train", 1, 2, 5.0, 7.0, 3)]
+    shown, span = _overlapping(boxes, range(2, 3))
+    assert span == 4.0
+    assert [(b.label, b.iteration, b.start, b.end) for b in shown] == [
+        ("actor_train", 1, 0.0, 2.0), ("actor_gen", 2, 0.0, 1.0), ("actor_train", 2, 2.0, 4.0), ("actor_gen", 3, 2.0, 3.0)]
+    panel = Panel("p", tuple(shown), ((2, 4.0),), ("d:0", "d:1"), ("actor_gen", "actor_train"), ahead=("actor_gen",))
+    assert [shown_label(panel, b) for b in shown] == ["actor_train (it 1)", "actor_gen (it 2)", "actor_train",
+                                                      "actor_gen (it 3)"]

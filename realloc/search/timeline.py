@@ -53,10 +53,32 @@ class Panel:
     iteration_ends: tuple[tuple[int, float], ...]  # (iteration, when it ended)
     devices: tuple[str, ...]  # row names
     calls: tuple[str, ...]  # colour order
+    ahead: tuple[str, ...] = ()  # calls that run ahead of training (bounded staleness): labelled with their iteration
 
     @property
     def span(self) -> float:
         return max([b.end for b in self.boxes] + [e for _, e in self.iteration_ends] + [1e-9])
+
+
+def shown_label(panel: Panel, b: Box) -> str:
+    """A box's name as drawn: a call that runs ahead (a generation under bounded staleness, which lies in an
+    earlier iteration's stretch of time) or belongs to an iteration outside the panel's says which iteration."""
+    first, last = (panel.iteration_ends[0][0], panel.iteration_ends[-1][0]) if panel.iteration_ends else (0, 0)
+    if b.kind == "call" and (b.label in panel.ahead or not first <= b.iteration <= last):
+        return f"{b.label} (it {b.iteration})"
+    return b.label
+
+
+def _overlapping(boxes: list[Box], iterations: range) -> tuple[list[Box], float]:
+    """The boxes of ``iterations`` and those of other iterations that run during them (with run-ahead, the
+    previous iteration's train step beside this one's generation), clipped to that stretch of time, which starts
+    at zero; and its end. Leaving the others out drew their devices idle."""
+    own = [b for b in boxes if b.iteration in iterations]
+    t0 = min((b.start for b in own), default=0.0)
+    t1 = max((b.end for b in own), default=0.0)
+    out = [dataclasses.replace(b, start=max(b.start, t0) - t0, end=min(b.end, t1) - t0) for b in boxes
+           if b.iteration in iterations or (b.end > t0 and b.start < t1)]
+    return out, t1 - t0
 
 
 def check_suffix(path: str | Path, option: str = "--timeline") -> Path:
@@ -101,8 +123,7 @@ def estimated_panel(space: object, indices: np.ndarray, plan: ExecutionPlan, ite
                     title: str = "", skip: int = 0) -> Panel:
     """The simulator's schedule of iterations ``skip+1 .. skip+iterations``, time zero at their first start."""
     p = space.problem
-    records = [r for r in space.cpp.schedule(np.asarray(indices, np.int32)) if skip <= r[3] < skip + iterations]
-    t0 = min((r[4] for r in records if r[5] > r[4]), default=0.0)
+    records = space.cpp.schedule(np.asarray(indices, np.int32))
     kinds = {_C.NODE_CALL: "call", _C.NODE_REALLOC: "realloc", _C.NODE_DATA: "data"}
     boxes = []
     for kind, call, other, it, start, end, lo1, hi1, lo2, hi2 in records:
@@ -114,35 +135,40 @@ def estimated_panel(space: object, indices: np.ndarray, plan: ExecutionPlan, ite
                  else f"data -> {name}")
         detail = strategy_text(plan, name) if k == "call" else ""
         for lo, hi in [(lo1, hi1)] + ([(lo2, hi2)] if hi2 > lo2 else []):
-            boxes.append(Box(k, label, lo, hi, start - t0, end - t0, it + 1, detail))
+            boxes.append(Box(k, label, lo, hi, start, end, it + 1, detail))
+    boxes, _ = _overlapping(boxes, range(skip + 1, skip + iterations + 1))
     its = range(skip + 1, skip + iterations + 1)
     ends = tuple((t, max((b.end for b in boxes if b.iteration == t), default=0.0)) for t in its)
     spec = space.graph.spec
+    ahead = tuple(sorted(space.graph.stale_calls)) if plan.staleness else ()
     return Panel(title or f"{spec.name}: estimated, iterations {its.start}..{its.stop - 1} "
                  f"({ends[-1][1] / iterations:.3f} s/it)", tuple(boxes), ends, device_names(space.graph),
-                 tuple(p.call_names))
+                 tuple(p.call_names), ahead)
 
 
 def measured_panel(requests: Iterable[dict], plan: ExecutionPlan, graph: DataflowGraph, iterations: range,
                    title: str = "") -> Panel:
-    """Boxes of requests.jsonl (one per request and participating device) of ``iterations`` (from 1)."""
-    rows = [r for r in requests if r["iteration"] in iterations and r["spans"] and r["kind"] in
+    """Boxes of requests.jsonl (one per request and participating device) of ``iterations`` (from 1), and those of
+    neighbouring iterations that ran meanwhile (``_overlapping``)."""
+    near = range(iterations.start - 2 - plan.staleness, iterations.stop + 2 + plan.staleness)
+    rows = [r for r in requests if r["iteration"] in near and r["spans"] and r["kind"] in
             ("call", "realloc", "data", "offload", "reload", "save", "eval")]
-    if not rows:
+    if not any(r["iteration"] in iterations for r in rows):
         raise ValueError(f"the run recorded no requests for iterations {iterations.start}..{iterations.stop - 1}")
-    t0 = min(s for r in rows for s, _ in r["spans"].values())
     boxes = []
     for r in rows:
         detail = strategy_text(plan, r["label"]) if r["kind"] == "call" and r["label"] in plan.placements else ""
         for dev, (s, e) in r["spans"].items():
-            boxes.append(Box(r["kind"], r["label"], int(dev), int(dev) + 1, s - t0, e - t0, r["iteration"], detail))
+            boxes.append(Box(r["kind"], r["label"], int(dev), int(dev) + 1, s, e, r["iteration"], detail))
+    boxes, _ = _overlapping(boxes, iterations)
     ends = tuple((t, max(b.end for b in boxes if b.iteration == t)) for t in iterations
                  if any(b.iteration == t for b in boxes))
     n = len(ends)
     per_it = (ends[-1][1] - (ends[0][1] if n > 1 else 0.0)) / max(n - 1, 1)
+    ahead = tuple(sorted(graph.stale_calls)) if plan.staleness else ()
     return Panel(title or f"{graph.spec.name}: measured, iterations {ends[0][0]}..{ends[-1][0]} "
                  f"({per_it:.3f} s/it{' after the first' if n > 1 else ''})", tuple(boxes), ends,
-                 device_names(graph), tuple(graph.topo_order))
+                 device_names(graph), tuple(graph.topo_order), ahead)
 
 
 # -- drawing -------------------------------------------------------------------------------------------------
@@ -243,7 +269,8 @@ def _label_boxes(ax: object, panel: Panel, renderer: object) -> None:
             continue
         (x0, y0), (x1, y1) = to_px((b.start, b.lo)), to_px((b.end, b.hi))
         room_w, room_h = abs(x1 - x0) - 2 * LABEL_PAD, abs(y1 - y0) - 2
-        for lines in ([b.label, b.detail] if b.detail else None, [b.label]):
+        name = shown_label(panel, b)
+        for lines in ([name, b.detail] if b.detail else None, [name]):
             if not lines:
                 continue
             sizes = [renderer.get_text_width_height_descent(line, prop, ismath=False) for line in lines]
@@ -278,15 +305,15 @@ HTML_CHAR_PX = 6.6  # width of a character of the 11 px sans-serif labels, gener
 HTML_LINE_PX = 13  # a line of those labels
 
 
-def html_label(b: Box, width: float, height: float, calls: Sequence[str]) -> list[str]:
-    """The lines a box of ``width`` x ``height`` px shows: the longest of the call's name and strategy on two lines,
+def html_label(b: Box, name: str, width: float, height: float, calls: Sequence[str]) -> list[str]:
+    """The lines a box of ``width`` x ``height`` px shows: the longest of the call's ``name`` and strategy on two lines,
     on one, the name alone, the name cut short ("actor_t…"), or the call's number in the legend; a reallocation or
     transfer its text or a cut of it. Nothing where not even that fits (the tooltip still says what it was)."""
     def fits(lines: list[str], pad: float = 8) -> bool:
         return max(map(len, lines)) * HTML_CHAR_PX + pad <= width and len(lines) * HTML_LINE_PX + 4 <= height
 
-    options = [[b.label, b.detail], [f"{b.label} · {b.detail}"]] if b.detail else []
-    options += [[b.label]] + [[b.label[:k] + "…"] for k in range(len(b.label) - 2, 1, -1)]
+    options = [[name, b.detail], [f"{name} · {b.detail}"]] if b.detail else []
+    options += [[name]] + [[name[:k] + "…"] for k in range(len(name) - 2, 1, -1)]
     got = next((lines for lines in options if fits(lines)), [])
     if not got and b.kind == "call" and b.label in calls:  # a number needs no margin to be read
         number = [str(calls.index(b.label) + 1)]
@@ -341,7 +368,7 @@ def timeline_html(panels: Sequence[Panel], width: int = 1200, common_scale: bool
                        f'data-strategy="{html.escape(b.detail)}" data-iteration="{b.iteration}">'
                        f'<title>{html.escape(_tooltip(b))}</title><rect x="{x(b.start):.1f}" y="{y}" '
                        f'width="{w:.1f}" height="{h}" fill="{fill}" stroke="black" stroke-width="0.5"{style}/>')
-            lines = html_label(b, w, h, calls)
+            lines = html_label(b, shown_label(panel, b), w, h, calls)
             if lines:
                 cx, first = x(b.start) + w / 2, y + h / 2 + 4 - HTML_LINE_PX * (len(lines) - 1) / 2
                 spans = "".join(f'<tspan x="{cx:.1f}" y="{first + HTML_LINE_PX * i:.1f}">{html.escape(line)}</tspan>'
