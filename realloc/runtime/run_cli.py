@@ -382,6 +382,9 @@ def main(args: argparse.Namespace) -> int:
         if sink_line:
             print(sink_line)
         print(plan.table(graph.topo_order))
+        tight = plan.memory_warning(spec.cluster.device_memory)
+        if tight:
+            print(tight)
         summary = _drive(master, total, start, sinks, quiet=args.quiet or not sys.stdout.isatty())
     except RunFailed as e:
         print(f"realloc run: error: {e}", file=sys.stderr)

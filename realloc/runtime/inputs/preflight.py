@@ -47,6 +47,19 @@ def model_vocab_sizes(graph: "DataflowGraph") -> dict[str, int]:
     return {m: cfg.vocab_size for m, cfg in graph.model_configs.items() if cfg is not None}
 
 
+def vocab_warnings(vocab_sizes: dict[str, int], tokenizer: "Tokenizer | None") -> list[str]:
+    """A warning when the models' vocabularies differ (an actor and a critic or reward model from different
+    families, say): they all read the same token ids, which mean different tokens to models of different
+    tokenizers; only ids below the smallest vocabulary are generated, so nothing fails, it just learns nothing."""
+    if len(set(vocab_sizes.values())) < 2:
+        return []
+    sizes = ", ".join(f"{m} {v}" for m, v in sorted(vocab_sizes.items(), key=lambda kv: (kv[1], kv[0])))
+    limit = vocab_limit(tokenizer, min(vocab_sizes.values()))
+    return [f"warning: the models' vocabularies differ ({sizes} tokens); they all read the same token ids, so they "
+            f"must share one tokenizer (a padded vocabulary of the same tokenizer is fine); generation emits ids below "
+            f"{limit}"]
+
+
 def vocab_limit(tokenizer: "Tokenizer | None", model_vocab: int | None) -> int | None:
     """How many token ids generation may emit: the tokenizer's length (added tokens included), else the
     smallest vocabulary of the models (they all read the generated ids). A checkpoint's vocabulary is often
@@ -94,6 +107,14 @@ def preflight(spec: ExperimentSpec, config: Any, graph: "DataflowGraph", cache_d
         for m, v in vocab_sizes.items():
             tokenizer.check_model_vocab(v, f"model {m!r}")  # every model reads the tokenizer's ids
     _, lines = special_tokens(spec, graph, tokenizer)
+    lines += vocab_warnings(vocab_sizes, tokenizer)
+    plain = config.data.add_special_tokens and not config.data.use_chat_template
+    bos = tokenizer.bos_missing() if tokenizer is not None and plain else None
+    if bos is not None:
+        lines.append(f"warning: tokenizer {tokenizer.path} defines a BOS token ({bos!r}, id {tokenizer.bos_token_id}) "
+                     f"but does not add it when encoding text (its post-processor adds none): plain-text prompts and "
+                     f"responses start without it, as with transformers' tokenizer(text); if your model expects it, "
+                     f"put it at the start of the text or use a chat template (DataConfig(use_chat_template=True))")
     if config.dataset is None:
         return Preflight(tuple(lines), None)
     # Token ids must fit every model: they all read the same sequences.
