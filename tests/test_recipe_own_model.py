@@ -1,6 +1,6 @@
 """docs/recipe-own-model-grpo.md runs as written: every ```bash block of the page, in order, in one shell, on a
 copy of experiments/own_model/ (so the tiny checkpoint it builds on first use lands in a temporary folder), with
-2 iterations instead of 20 and a free port instead of 8123.
+2 iterations instead of 20, 1 s of plan search instead of 5 and a free port instead of 8123.
 
 Checked against the reward function itself: every logged sample's reward in the runs with the function in the
 workers and with the same function behind the URL is ``my_reward.score`` of that sample's texts and record, and
@@ -65,7 +65,8 @@ def test_every_command_of_the_recipe_runs(tmp_path):
               f'return "${{PIPESTATUS[0]}}"; }}',
               "set -e", "trap 'kill $(jobs -p) 2>/dev/null || true' EXIT"]  # the service, should a command fail
     for c in commands:
-        c = c.replace("--iterations 20", "--iterations 2").replace("8123", port)
+        c = c.replace("--iterations 20", "--iterations 2").replace("--search-time 5", "--search-time 1")
+        c = c.replace("8123", port)
         if c.startswith("realloc") and not c.startswith("realloc run"):
             c = c.replace("realloc ", f'"{sys.executable}" -m realloc.cli ', 1)  # no --quiet for show/export
         if c.startswith("python "):  # the interpreter itself (not a shell function): `kill %1` then stops it
