@@ -39,16 +39,18 @@ document.body.appendChild(pre);
 
 
 def _panel() -> Panel:
-    """A wide two-device generation (room for name and strategy), a one-device train step (one line), a narrow
+    """Run-ahead generations (their labels name their iteration): a wide two-device one (room for name and
+    strategy), a narrow one (its name cut short, its iteration kept); a one-device train step (one line), a narrow
     inference (its name cut short), a call 9 px wide (its number) and a reallocation 2 px wide (a tooltip only)."""
     boxes = (Box("call", "actor_gen", 0, 2, 0.0, 4.0, 1, "dp1 tp2 pp1, 4 mb"),
              Box("call", "ref_inf", 0, 1, 4.0, 4.3, 1, "dp1 tp1 pp1, 1 mb"),
              Box("call", "rew_inf", 1, 2, 4.0, 4.08, 1, "dp1 tp1 pp1, 1 mb"),
              Box("realloc", "realloc actor -> actor_train", 0, 2, 4.3, 4.32, 1),
-             Box("call", "actor_train", 0, 1, 4.32, 9.0, 1, "dp2 tp1 pp1, 2 mb, recompute"),
+             Box("call", "actor_gen", 0, 1, 4.4, 5.4, 2, "dp1 tp2 pp1, 4 mb"),
+             Box("call", "actor_train", 0, 1, 5.5, 9.0, 1, "dp2 tp1 pp1, 2 mb, recompute"),
              Box("call", "actor_train", 1, 2, 4.32, 9.0, 1, "dp2 tp1 pp1, 2 mb, recompute"))
     return Panel("estimated", boxes, ((1, 9.0),), ("node:0", "node:1"), ("actor_gen", "ref_inf", "rew_inf",
-                                                                           "actor_train"))
+                                                                           "actor_train"), ahead=("actor_gen",))
 
 
 def test_every_box_carries_its_call_and_strategy_and_labels_fit_in_chromium(tmp_path):
@@ -74,9 +76,11 @@ def test_every_box_carries_its_call_and_strategy_and_labels_fit_in_chromium(tmp_
             lx, ly, lw, lh = got["label"]
             assert x <= lx and lx + lw <= x + w and y <= ly and ly + lh <= y + h, (got["lines"], got["rect"],
                                                                                    got["label"])
+    by_call = {(g["call"], g["iteration"]): g["lines"] for g in measured}
+    assert by_call["actor_gen", "1"] == ["actor_gen (it 1)", "dp1 tp2 pp1, 4 mb"]  # two rows high: name, strategy
+    assert by_call["actor_gen", "2"] == ["actor_g… (it 2)"]  # 1 s wide: the name cut, the iteration kept
+    assert by_call["actor_train", "1"] == ["actor_train · dp2 tp1 pp1, 2 mb, recompute"]  # one row: on one line
     by_call = {g["call"]: g["lines"] for g in measured}
-    assert by_call["actor_gen"] == ["actor_gen", "dp1 tp2 pp1, 4 mb"]  # two rows high: name and strategy
-    assert by_call["actor_train"] == ["actor_train · dp2 tp1 pp1, 2 mb, recompute"]  # one row: on one line
     assert by_call["ref_inf"][0].endswith("…") and "ref_inf".startswith(by_call["ref_inf"][0][:-1])
     assert by_call["rew_inf"] == ["3"]  # its number in the legend
     assert "3 rew_inf" in page

@@ -307,13 +307,18 @@ HTML_LINE_PX = 13  # a line of those labels
 
 def html_label(b: Box, name: str, width: float, height: float, calls: Sequence[str]) -> list[str]:
     """The lines a box of ``width`` x ``height`` px shows: the longest of the call's ``name`` and strategy on two lines,
-    on one, the name alone, the name cut short ("actor_t…"), or the call's number in the legend; a reallocation or
+    on one, the name alone, the name cut short ("actor_t…", keeping a run-ahead box's "(it 5)", else "it 5"), or
+    the call's number in the legend; a reallocation or
     transfer its text or a cut of it. Nothing where not even that fits (the tooltip still says what it was)."""
     def fits(lines: list[str], pad: float = 8) -> bool:
         return max(map(len, lines)) * HTML_CHAR_PX + pad <= width and len(lines) * HTML_LINE_PX + 4 <= height
 
     options = [[name, b.detail], [f"{name} · {b.detail}"]] if b.detail else []
-    options += [[name]] + [[name[:k] + "…"] for k in range(len(name) - 2, 1, -1)]
+    base, sep, rest = name.partition(" (it ")  # a run-ahead box keeps its iteration when its name is cut
+    suffix = sep + rest
+    options += [[name]] + [[base[:k] + "…" + suffix] for k in range(len(base) - 2, 1, -1)]
+    if suffix:
+        options.append([f"it {b.iteration}"])
     got = next((lines for lines in options if fits(lines)), [])
     if not got and b.kind == "call" and b.label in calls:  # a number needs no margin to be read
         number = [str(calls.index(b.label) + 1)]
