@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--search-time", dest="time", type=float, default=None, metavar="SECONDS",
                    help="search time limit in seconds (default 10, or none with --evals); `run --search-time` alike")
     s.add_argument("--time", dest="time", type=float, help=argparse.SUPPRESS)  # the old name of --search-time
-    s.add_argument("--evals", type=int, default=None, help="evaluation budget; with no --time the result depends "
+    s.add_argument("--evals", type=int, default=None, help="evaluation budget; with no --search-time the result depends "
                    "only on --seed and --threads")
     s.add_argument("--threads", type=int, default=2, help="search threads (one MCMC chain each)")
     s.add_argument("--seed", type=int, default=0, help="random seed of the search's chains (default 0)")
@@ -237,8 +237,26 @@ def _add_trace(sub: argparse._SubParsersAction) -> None:
     s.set_defaults(func=trace_cli.main)
 
 
+def _unknown_command(parser: argparse.ArgumentParser, argv: Sequence[str]) -> str | None:
+    """One line for a first word that is no command, with the nearest one (``realloc serach``); None otherwise."""
+    import difflib
+
+    first = next((a for a in argv if not a.startswith("-")), None)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    if first is None or first in sub.choices or argv[0] != first:
+        return None
+    near = difflib.get_close_matches(first, list(sub.choices), n=1, cutoff=0.6)
+    hint = f"; did you mean {near[0]!r}?" if near else ""
+    return f"realloc: error: unknown command {first!r}{hint} (commands: {', '.join(sub.choices)})"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    unknown = _unknown_command(parser, argv)
+    if unknown:
+        print(unknown, file=sys.stderr)
+        return EXIT_USAGE
     args = parser.parse_args(argv)
     try:
         _use_profiles(args)

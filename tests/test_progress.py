@@ -36,7 +36,7 @@ def test_durations_read_like_a_person_writes_them():
 def test_status_eta_and_long_call_lines_on_a_hand_driven_clock():
     clock = Clock()
     p = RunProgress(total=10, start=2, long_call=60.0, clock=clock)  # resumed after 2: 8 iterations to go
-    assert p.status() == "ETA ?" and p.eta() is None
+    assert p.status().startswith("starting workers") and p.eta() is None
     p.node("actor_gen", 3, None)
     clock.now += 12
     p.node("ref_inf", 3, None)
@@ -62,6 +62,20 @@ def test_status_eta_and_long_call_lines_on_a_hand_driven_clock():
     assert p.status() == "iteration 4: actor_gen 2m03s | ETA 1m00s"  # started at 112, now 235
 
 
+def test_the_first_eta_does_not_count_starting_the_workers():
+    """Workers take 40 s to load, the first iteration 10 s: the ETA after it is 10 s per iteration left, not 50;
+    while they load the status says so instead of ``ETA ?``."""
+    clock = Clock()
+    p = RunProgress(total=5, start=0, clock=clock)
+    clock.now += 40
+    assert p.status() == "starting workers: importing, loading models and data (40 s)"
+    assert p.workers_ready() == "workers ready after 40 s; training"
+    assert p.status() == "ETA ?"
+    clock.now += 10
+    p.iteration_done()
+    assert p.eta() == 4 * 10.0
+
+
 def test_plain_output_names_each_long_call_and_ends_iterations_with_the_eta(tmp_path, capsys):
     spec = load_experiment(TINY)
     graph = build_graph(spec)
@@ -85,3 +99,41 @@ def test_plain_output_names_each_long_call_and_ends_iterations_with_the_eta(tmp_
         for call in graph.topo_order:
             assert any(x.startswith(f"iter {t}/3 | {call} done in ") for x in done), (t, call, lines)
     assert not any("\x1b" in x for x in lines)  # plain text: no terminal control codes
+    # the workers' start is said, before the first iteration's line
+    start = lines.index("starting 2 workers (importing, loading models and data)")
+    ready = next(i for i, x in enumerate(lines) if re.fullmatch(r"workers ready after \d+ s; training", x))
+    assert start < ready < lines.index(iters[0])
+
+
+def test_async_runs_show_staleness_on_the_console_line_and_in_the_done_summary(tmp_path, capsys):
+    """Bounded staleness: each iteration's line says how many train steps behind its samples' parameters were,
+    an iteration that took no time of its own says why, and the ``done:`` line gives the run's largest and mean
+    staleness (the mean of the iterations' means, by hand: (1 + 0.5) / 2)."""
+    from realloc.runtime.records.telemetry import RunStats, format_line
+    from realloc.runtime.run_cli import _summary
+
+    def metrics(it: int, time: float, worst: int, mean: float) -> dict:
+        return {"iteration": it, "reward": 0.5, "time": {"actor_gen": 0.2}, "iteration_time": time, "tokens": 64,
+                "tokens_per_s": 64 / time if time else None,
+                "staleness": {"max": worst, "mean": mean, "versions": {"actor_gen": it - 1 - worst}}}
+
+    first, second = metrics(2, 1.0, 1, 1.0), metrics(3, 0.0, 0, 0.5)
+    assert "| staleness 1 (mean 1.00) |" in format_line(first, 10)
+    line = format_line(second, 10)
+    assert "staleness 0 (mean 0.50)" in line and line.endswith("0 s of its own: done before the previous iteration "
+                                                               "finished (its work overlapped it)")
+    no_async = {k: v for k, v in first.items() if k != "staleness"}
+    assert "staleness" not in format_line(no_async, 10)
+    stats = RunStats(2)
+    stats.start(0.0)
+    stats.on_iteration(first, 1.0)
+    stats.on_iteration(second, 1.0)
+    summary = stats.summary()
+    assert summary["staleness"] == {"max": 1, "mean": 0.75}
+    _summary(summary, RunPaths(tmp_path))
+    [done] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("done:")]
+    assert ", staleness max 1 mean 0.75," in done
+    stats = RunStats(2)
+    stats.start(0.0)
+    stats.on_iteration(no_async, 1.0)
+    assert "staleness" not in stats.summary()

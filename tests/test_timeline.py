@@ -78,8 +78,8 @@ def _svg_panels(page: str) -> list[str]:
 @pytest.mark.parametrize("common", [False, True])
 def test_html_has_a_legend_per_panel_axes_and_ticks_inside_the_picture(common):
     page = timeline_html([MEASURED, ESTIMATED], width=1200, common_scale=common)
-    for name in (*CALLS, KIND_NAMES["realloc"]):
-        assert f"</svg> {name}</span>" in page.split("<h3>")[0], name  # the legend, above the panels
+    for name in (*[f"{i} {c}" for i, c in enumerate(CALLS, start=1)], KIND_NAMES["realloc"]):
+        assert f"</svg> {name}</span>" in page.split("<h3>")[0], name  # the legend (calls numbered), above the panels
     ends = []
     for svg in _svg_panels(page):
         ticks = [(float(x), anchor, float(v)) for x, anchor, v in
@@ -88,16 +88,20 @@ def test_html_has_a_legend_per_panel_axes_and_ticks_inside_the_picture(common):
         x, anchor, _ = ticks[-1]
         assert anchor == "end" or x + 30 <= 1200  # the last tick's label is not cut off at the right edge
         ends.append(ticks[-1][2])
-        # every call label fits inside its box (6.6 px a character of the 11 px font)
-        for w, label in re.findall(r'width="([\d.]+)" height="\d+" fill="#\w+" stroke="black" stroke-width="0.5"/>'
-                                   r'<text [^>]*>([^<]+)</text>', svg):
-            assert len(label) * 6.6 + 8 <= float(w), (label, w)
+        # every label fits inside its box (6.6 px a character of the 11 px font; a real browser's widths:
+        # test_timeline_browser.py)
+        for w, h, spans in re.findall(r'width="([\d.]+)" height="(\d+)" fill="#\w+" stroke="black" '
+                                      r'stroke-width="0.5"/><text class="label"[^>]*>(.*?)</text>', svg):
+            lines = re.findall(r"<tspan [^>]*>([^<]+)</tspan>", spans)
+            assert max(map(len, lines)) * 6.6 + 8 <= float(w) and len(lines) * 13 + 4 <= int(h), (lines, w)
     if common:
         assert ends[0] == ends[1]
     else:
         assert ends[0] >= 10 and ends[1] == pytest.approx(2.0)  # the estimate's own axis ends near its 2 s
-    labels = re.findall(r'pointer-events="none">([^<]+)</text>', page)
-    assert "actor_gen" in labels and "ref_inf" not in labels  # the HTML labels across only
+    labels = re.findall(r'<tspan [^>]*>([^<]+)</tspan>', page)
+    assert "actor_gen" in labels and DETAIL in labels  # two rows high: name and strategy on two lines
+    # the narrow inference box gets its name cut short, or its number in the legend
+    assert any(x in labels for x in ("2", *(f"ref_inf"[:k] + "…" for k in range(2, 6))))
 
 
 def test_write_timeline_png_and_html(tmp_path):
@@ -122,3 +126,21 @@ def test_a_tall_narrow_box_gets_its_name_upright():
         assert x0 <= bb.x0 and bb.x1 <= x1
     finally:
         plt.close(fig)
+
+
+def test_a_panel_shows_what_other_iterations_run_meanwhile_and_says_which_iteration_runs_ahead():
+    """Run-ahead (staleness 1): iteration 2's generation runs during iteration 1's train step. The panel of
+    iteration 2 alone used to leave that train step out, drawing device 1 idle; now it is drawn (clipped to the
+    panel's time), and boxes of other iterations, and every generation running ahead, name their iteration."""
+    from realloc.search.timeline import _overlapping, shown_label
+
+    boxes = [Box("call", "actor_gen", 0, 1, 0.0, 1.0, 1), Box("call", "actor_train", 1, 2, 1.0, 3.0, 1),
+             Box("call", "actor_gen", 0, 1, 1.0, 2.0, 2), Box("call", "actor_train", 1, 2, 3.0, 5.0, 2),
+             Box("call", "actor_gen", 0, 1, 3.0, 4.0, 3), Box("call", "actor_train", 1, 2, 5.0, 7.0, 3)]
+    shown, span = _overlapping(boxes, range(2, 3))
+    assert span == 4.0
+    assert [(b.label, b.iteration, b.start, b.end) for b in shown] == [
+        ("actor_train", 1, 0.0, 2.0), ("actor_gen", 2, 0.0, 1.0), ("actor_train", 2, 2.0, 4.0), ("actor_gen", 3, 2.0, 3.0)]
+    panel = Panel("p", tuple(shown), ((2, 4.0),), ("d:0", "d:1"), ("actor_gen", "actor_train"), ahead=("actor_gen",))
+    assert [shown_label(panel, b) for b in shown] == ["actor_train (it 1)", "actor_gen (it 2)", "actor_train",
+                                                      "actor_gen (it 3)"]

@@ -83,6 +83,15 @@ class Tokenizer:
         return (f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, eos={list(self.eos_token_ids)}, "
                 f"pad={self.pad_token_id}, bos={self.bos_token_id}, chat_template={self.has_chat_template})")
 
+    def bos_missing(self) -> str | None:
+        """The BOS token a plain-text encoding leaves out, or None: a tokenizer that defines one but whose
+        post-processor does not add it (transformers' ``tokenizer(text)`` leaves it out alike). None also when it
+        defines no BOS (Qwen2: its models have none)."""
+        if self.bos_token_id is None:
+            return None
+        ids = self.encode("a")
+        return None if ids and ids[0] == self.bos_token_id else str(self._hf.bos_token)
+
     # -- text -> ids ------------------------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.encode_batch([text], add_special_tokens)[0]

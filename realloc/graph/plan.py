@@ -40,6 +40,9 @@ class CallPlacement(BaseModel):
         return cls(mesh=str(mesh), dp=strategy.dp, tp=strategy.tp, pp=strategy.pp, n_mbs=n_mbs, recompute=recompute)
 
 
+TIGHT_MEMORY = 0.95  # a plan using this share of usable memory or more gets a warning
+
+
 class ExecutionPlan(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -113,6 +116,18 @@ class ExecutionPlan(BaseModel):
         return cls.from_json(text, where=str(path))
 
     # -- presentation --------------------------------------------------------
+    def memory_warning(self, usable: int) -> str | None:
+        """A warning when the estimated peak is within ``TIGHT_MEMORY`` of the devices' usable memory (``usable``,
+        bytes): the estimate counts tensors only (Table 2), so a plan at 100% has no room for the allocator's
+        fragmentation or a longer-than-average batch; None when there is room or no estimate."""
+        peak = self.estimated_peak_memory
+        if peak is None or peak < TIGHT_MEMORY * usable:
+            return None
+        return (f"warning: this plan's estimated peak memory is {peak / 2**30:.2f} of {usable / 2**30:.2f} GiB usable "
+                f"per device ({peak / usable:.0%}): no margin for allocator fragmentation or estimate error; if the run "
+                f"runs out of memory, lower usable_memory_fraction of the device's profiles/hardware JSON (or "
+                f"device_memory in @auto) so that the search keeps a margin")
+
     def table(self, order: tuple[str, ...] | None = None) -> str:
         names = order or tuple(self.placements)
         cw = max(len("call"), *map(len, names)) + 2

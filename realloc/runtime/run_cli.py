@@ -382,6 +382,9 @@ def main(args: argparse.Namespace) -> int:
         if sink_line:
             print(sink_line)
         print(plan.table(graph.topo_order))
+        tight = plan.memory_warning(spec.cluster.device_memory)
+        if tight:
+            print(tight)
         summary = _drive(master, total, start, sinks, quiet=args.quiet or not sys.stdout.isatty())
     except RunFailed as e:
         print(f"realloc run: error: {e}", file=sys.stderr)
@@ -475,7 +478,9 @@ def _drive(master: Any, total: int, start: int, sinks: MetricSinks, quiet: bool,
             for line in progress.long_lines():
                 print(line, flush=True)
 
+        print(f"starting {master.n_workers} workers (importing, loading models and data)", flush=True)
         master.on_iteration, master.on_node = on_line, on_node
+        master.on_ready = lambda: print(progress.workers_ready(), flush=True)
         return asyncio.run(_with_ticker(master, tick))
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -496,6 +501,7 @@ def _drive(master: Any, total: int, start: int, sinks: MetricSinks, quiet: bool,
             bar.update(task, status=progress.status())
 
         master.on_iteration, master.on_node = on_iteration, on_node_bar
+        master.on_ready = lambda: (progress.workers_ready(), bar.update(task, status=progress.status()))
         return asyncio.run(_with_ticker(master, lambda: bar.update(task, status=progress.status())))
 
 
@@ -520,6 +526,8 @@ def _summary(summary: dict[str, Any], run: RunPaths) -> None:
     line = f"done: {summary['iterations']} iterations, {summary['iteration_time']:.2f} s/iteration (after the first)"
     if summary.get("last_reward") is not None:
         line += f", reward {summary['first_reward']:.3f} -> {summary['last_reward']:.3f}"
+    if summary.get("staleness"):
+        line += f", staleness max {summary['staleness']['max']} mean {summary['staleness']['mean']:.2f}"
     shares = summary["device_time_shares"]
     line += f", reallocation {shares.get('realloc', 0.0):.1%} of device time"
     if summary["overhead"]:

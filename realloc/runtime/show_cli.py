@@ -41,5 +41,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _preflight(spec: ExperimentSpec, graph: DataflowGraph) -> tuple[str, ...]:
-    """Weights, tokenizer and prompts checked as a run would (errors here, before anything starts)."""
-    return preflight(spec, RunConfig.of(spec, require_dataset=False), graph).lines
+    """Weights, tokenizer and prompts checked as a run would, and the user's rewards called on the first prompt
+    (errors here, before anything starts)."""
+    return preflight(spec, RunConfig.of(spec, require_dataset=False), graph, probe_rewards=True).lines

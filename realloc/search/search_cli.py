@@ -66,6 +66,9 @@ def print_report(report: SearchReport, n_threads: int) -> None:
     print(rp.comparison_table(report))
     print()
     print(rp.memory_summary(report))
+    tight = report.plan.memory_warning(report.spec.cluster.device_memory)
+    if tight:
+        print(tight)
     for line in lora_summary(report.graph, report.space.cost, report.plan):
         print(line)
     print(f"search: {rp.search_summary(report, n_threads)}")

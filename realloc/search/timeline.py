@@ -53,10 +53,32 @@ class Panel:
     iteration_ends: tuple[tuple[int, float], ...]  # (iteration, when it ended)
     devices: tuple[str, ...]  # row names
     calls: tuple[str, ...]  # colour order
+    ahead: tuple[str, ...] = ()  # calls that run ahead of training (bounded staleness): labelled with their iteration
 
     @property
     def span(self) -> float:
         return max([b.end for b in self.boxes] + [e for _, e in self.iteration_ends] + [1e-9])
+
+
+def shown_label(panel: Panel, b: Box) -> str:
+    """A box's name as drawn: a call that runs ahead (a generation under bounded staleness, which lies in an
+    earlier iteration's stretch of time) or belongs to an iteration outside the panel's says which iteration."""
+    first, last = (panel.iteration_ends[0][0], panel.iteration_ends[-1][0]) if panel.iteration_ends else (0, 0)
+    if b.kind == "call" and (b.label in panel.ahead or not first <= b.iteration <= last):
+        return f"{b.label} (it {b.iteration})"
+    return b.label
+
+
+def _overlapping(boxes: list[Box], iterations: range) -> tuple[list[Box], float]:
+    """The boxes of ``iterations`` and those of other iterations that run during them (with run-ahead, the
+    previous iteration's train step beside this one's generation), clipped to that stretch of time, which starts
+    at zero; and its end. Leaving the others out drew their devices idle."""
+    own = [b for b in boxes if b.iteration in iterations]
+    t0 = min((b.start for b in own), default=0.0)
+    t1 = max((b.end for b in own), default=0.0)
+    out = [dataclasses.replace(b, start=max(b.start, t0) - t0, end=min(b.end, t1) - t0) for b in boxes
+           if b.iteration in iterations or (b.end > t0 and b.start < t1)]
+    return out, t1 - t0
 
 
 def check_suffix(path: str | Path, option: str = "--timeline") -> Path:
@@ -101,8 +123,7 @@ def estimated_panel(space: object, indices: np.ndarray, plan: ExecutionPlan, ite
                     title: str = "", skip: int = 0) -> Panel:
     """The simulator's schedule of iterations ``skip+1 .. skip+iterations``, time zero at their first start."""
     p = space.problem
-    records = [r for r in space.cpp.schedule(np.asarray(indices, np.int32)) if skip <= r[3] < skip + iterations]
-    t0 = min((r[4] for r in records if r[5] > r[4]), default=0.0)
+    records = space.cpp.schedule(np.asarray(indices, np.int32))
     kinds = {_C.NODE_CALL: "call", _C.NODE_REALLOC: "realloc", _C.NODE_DATA: "data"}
     boxes = []
     for kind, call, other, it, start, end, lo1, hi1, lo2, hi2 in records:
@@ -114,35 +135,40 @@ def estimated_panel(space: object, indices: np.ndarray, plan: ExecutionPlan, ite
                  else f"data -> {name}")
         detail = strategy_text(plan, name) if k == "call" else ""
         for lo, hi in [(lo1, hi1)] + ([(lo2, hi2)] if hi2 > lo2 else []):
-            boxes.append(Box(k, label, lo, hi, start - t0, end - t0, it + 1, detail))
+            boxes.append(Box(k, label, lo, hi, start, end, it + 1, detail))
+    boxes, _ = _overlapping(boxes, range(skip + 1, skip + iterations + 1))
     its = range(skip + 1, skip + iterations + 1)
     ends = tuple((t, max((b.end for b in boxes if b.iteration == t), default=0.0)) for t in its)
     spec = space.graph.spec
+    ahead = tuple(sorted(space.graph.stale_calls)) if plan.staleness else ()
     return Panel(title or f"{spec.name}: estimated, iterations {its.start}..{its.stop - 1} "
                  f"({ends[-1][1] / iterations:.3f} s/it)", tuple(boxes), ends, device_names(space.graph),
-                 tuple(p.call_names))
+                 tuple(p.call_names), ahead)
 
 
 def measured_panel(requests: Iterable[dict], plan: ExecutionPlan, graph: DataflowGraph, iterations: range,
                    title: str = "") -> Panel:
-    """Boxes of requests.jsonl (one per request and participating device) of ``iterations`` (from 1)."""
-    rows = [r for r in requests if r["iteration"] in iterations and r["spans"] and r["kind"] in
+    """Boxes of requests.jsonl (one per request and participating device) of ``iterations`` (from 1), and those of
+    neighbouring iterations that ran meanwhile (``_overlapping``)."""
+    near = range(iterations.start - 2 - plan.staleness, iterations.stop + 2 + plan.staleness)
+    rows = [r for r in requests if r["iteration"] in near and r["spans"] and r["kind"] in
             ("call", "realloc", "data", "offload", "reload", "save", "eval")]
-    if not rows:
+    if not any(r["iteration"] in iterations for r in rows):
         raise ValueError(f"the run recorded no requests for iterations {iterations.start}..{iterations.stop - 1}")
-    t0 = min(s for r in rows for s, _ in r["spans"].values())
     boxes = []
     for r in rows:
         detail = strategy_text(plan, r["label"]) if r["kind"] == "call" and r["label"] in plan.placements else ""
         for dev, (s, e) in r["spans"].items():
-            boxes.append(Box(r["kind"], r["label"], int(dev), int(dev) + 1, s - t0, e - t0, r["iteration"], detail))
+            boxes.append(Box(r["kind"], r["label"], int(dev), int(dev) + 1, s, e, r["iteration"], detail))
+    boxes, _ = _overlapping(boxes, iterations)
     ends = tuple((t, max(b.end for b in boxes if b.iteration == t)) for t in iterations
                  if any(b.iteration == t for b in boxes))
     n = len(ends)
     per_it = (ends[-1][1] - (ends[0][1] if n > 1 else 0.0)) / max(n - 1, 1)
+    ahead = tuple(sorted(graph.stale_calls)) if plan.staleness else ()
     return Panel(title or f"{graph.spec.name}: measured, iterations {ends[0][0]}..{ends[-1][0]} "
                  f"({per_it:.3f} s/it{' after the first' if n > 1 else ''})", tuple(boxes), ends,
-                 device_names(graph), tuple(graph.topo_order))
+                 device_names(graph), tuple(graph.topo_order), ahead)
 
 
 # -- drawing -------------------------------------------------------------------------------------------------
@@ -243,7 +269,8 @@ def _label_boxes(ax: object, panel: Panel, renderer: object) -> None:
             continue
         (x0, y0), (x1, y1) = to_px((b.start, b.lo)), to_px((b.end, b.hi))
         room_w, room_h = abs(x1 - x0) - 2 * LABEL_PAD, abs(y1 - y0) - 2
-        for lines in ([b.label, b.detail] if b.detail else None, [b.label]):
+        name = shown_label(panel, b)
+        for lines in ([name, b.detail] if b.detail else None, [name]):
             if not lines:
                 continue
             sizes = [renderer.get_text_width_height_descent(line, prop, ismath=False) for line in lines]
@@ -275,6 +302,28 @@ def legend_entries(panels: Sequence[Panel]) -> list[tuple[str, str, bool]]:
 
 
 HTML_CHAR_PX = 6.6  # width of a character of the 11 px sans-serif labels, generously
+HTML_LINE_PX = 13  # a line of those labels
+
+
+def html_label(b: Box, name: str, width: float, height: float, calls: Sequence[str]) -> list[str]:
+    """The lines a box of ``width`` x ``height`` px shows: the longest of the call's ``name`` and strategy on two lines,
+    on one, the name alone, the name cut short ("actor_t…", keeping a run-ahead box's "(it 5)", else "it 5"), or
+    the call's number in the legend; a reallocation or
+    transfer its text or a cut of it. Nothing where not even that fits (the tooltip still says what it was)."""
+    def fits(lines: list[str], pad: float = 8) -> bool:
+        return max(map(len, lines)) * HTML_CHAR_PX + pad <= width and len(lines) * HTML_LINE_PX + 4 <= height
+
+    options = [[name, b.detail], [f"{name} · {b.detail}"]] if b.detail else []
+    base, sep, rest = name.partition(" (it ")  # a run-ahead box keeps its iteration when its name is cut
+    suffix = sep + rest
+    options += [[name]] + [[base[:k] + "…" + suffix] for k in range(len(base) - 2, 1, -1)]
+    if suffix:
+        options.append([f"it {b.iteration}"])
+    got = next((lines for lines in options if fits(lines)), [])
+    if not got and b.kind == "call" and b.label in calls:  # a number needs no margin to be read
+        number = [str(calls.index(b.label) + 1)]
+        got = number if fits(number, pad=2) else []
+    return got
 
 
 def _nice_step(span: float, n: int = 6) -> float:
@@ -286,18 +335,25 @@ def _nice_step(span: float, n: int = 6) -> float:
     return next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
 
 
+def _numbered(entries: list[tuple[str, str, bool]], calls: list[str]) -> list[tuple[str, str, bool]]:
+    """The legend with each call's number, the label of its boxes too narrow for a name."""
+    return [(f"{calls.index(n) + 1} {n}" if n in calls else n, c, h) for n, c, h in entries]
+
+
 def timeline_html(panels: Sequence[Panel], width: int = 1200, common_scale: bool = False) -> str:
     """A page with a legend and one SVG per panel, each on its own time axis unless ``common_scale``; hovering a
-    box shows what it was. A box is labelled only where its label fits."""
+    box shows what it was. Each box is a ``<g class="box">`` carrying its call, strategy, iteration and kind as
+    ``data-`` attributes and a tooltip, and the longest label that fits (``html_label``)."""
     common = max(p.span for p in panels) * 1.01
     left, right, row, top = 150, 30, 18, 28
     plot_w = width - left - right
     note = _axis_note(panels, common_scale)
+    calls = list(dict.fromkeys(c for p in panels for c in p.calls))  # numbered as in the legend
     dashed = ' stroke-dasharray="2,1"'
     legend = " ".join(
         f'<span style="white-space:nowrap;margin-right:14px"><svg width="14" height="12"><rect x="0.5" y="0.5" '
         f'width="13" height="11" fill="{colour}" stroke="black" stroke-width="0.5"{dashed if hatched else ""}/>'
-        f'</svg> {html.escape(name)}</span>' for name, colour, hatched in legend_entries(panels))
+        f'</svg> {html.escape(name)}</span>' for name, colour, hatched in _numbered(legend_entries(panels), calls))
     parts = [f'<p style="font-family:sans-serif;font-size:12px">{legend}</p>']
     for panel in panels:
         span = common if common_scale else panel.span * 1.01
@@ -313,11 +369,16 @@ def timeline_html(panels: Sequence[Panel], width: int = 1200, common_scale: bool
             y, h = top + row * b.lo, row * (b.hi - b.lo)
             fill = _colour(panel, b)
             style = ' stroke-dasharray="2,1"' if b.kind == "realloc" else ""
-            svg.append(f'<g><title>{html.escape(_tooltip(b))}</title><rect x="{x(b.start):.1f}" y="{y}" '
+            svg.append(f'<g class="box" data-kind="{b.kind}" data-call="{html.escape(b.label)}" '
+                       f'data-strategy="{html.escape(b.detail)}" data-iteration="{b.iteration}">'
+                       f'<title>{html.escape(_tooltip(b))}</title><rect x="{x(b.start):.1f}" y="{y}" '
                        f'width="{w:.1f}" height="{h}" fill="{fill}" stroke="black" stroke-width="0.5"{style}/>')
-            if b.kind == "call" and len(b.label) * HTML_CHAR_PX + 8 <= w:
-                svg.append(f'<text x="{x(b.start) + w / 2:.1f}" y="{y + h / 2 + 4:.1f}" text-anchor="middle" '
-                           f'pointer-events="none">{html.escape(b.label)}</text>')
+            lines = html_label(b, shown_label(panel, b), w, h, calls)
+            if lines:
+                cx, first = x(b.start) + w / 2, y + h / 2 + 4 - HTML_LINE_PX * (len(lines) - 1) / 2
+                spans = "".join(f'<tspan x="{cx:.1f}" y="{first + HTML_LINE_PX * i:.1f}">{html.escape(line)}</tspan>'
+                                for i, line in enumerate(lines))
+                svg.append(f'<text class="label" text-anchor="middle" pointer-events="none">{spans}</text>')
             svg.append("</g>")
         for t, e in panel.iteration_ends:
             svg.append(f'<line x1="{x(e):.1f}" x2="{x(e):.1f}" y1="{top - 6}" y2="{top + row * n_dev}" '

@@ -93,6 +93,7 @@ class Master(MasterLink, IterationSchedule, EvaluationPasses, CheckpointSaves):
         # (node label, iteration from 1, None) as a node of the schedule starts, (..., seconds) as it ends: the
         # console's progress inside an iteration (records/progress.py)
         self.on_node = on_node
+        self.on_ready: Callable[[], None] | None = None  # the workers are set up: the iterations begin (the console)
         # The secret file this run's launcher gave its workers: removed once every worker has read it (connected),
         # so a run directory that later fills up or turns read-only holds no secret whatever happens next.
         self.secret_file = secret_file
@@ -201,6 +202,8 @@ class Master(MasterLink, IterationSchedule, EvaluationPasses, CheckpointSaves):
                                                           verify_checkpoint=self.verify_checkpoint,
                                                           start_iteration=self.start))
             await self._guard(self._wait(setup))
+            if self.on_ready is not None:
+                self.on_ready()
             self.t_start = time.time()
             self.stats.start(self.t_start)
             await self._guard(self._run_iterations())

@@ -47,6 +47,19 @@ def model_vocab_sizes(graph: "DataflowGraph") -> dict[str, int]:
     return {m: cfg.vocab_size for m, cfg in graph.model_configs.items() if cfg is not None}
 
 
+def vocab_warnings(vocab_sizes: dict[str, int], tokenizer: "Tokenizer | None") -> list[str]:
+    """A warning when the models' vocabularies differ (an actor and a critic or reward model from different
+    families, say): they all read the same token ids, which mean different tokens to models of different
+    tokenizers; only ids below the smallest vocabulary are generated, so nothing fails, it just learns nothing."""
+    if len(set(vocab_sizes.values())) < 2:
+        return []
+    sizes = ", ".join(f"{m} {v}" for m, v in sorted(vocab_sizes.items(), key=lambda kv: (kv[1], kv[0])))
+    limit = vocab_limit(tokenizer, min(vocab_sizes.values()))
+    return [f"warning: the models' vocabularies differ ({sizes} tokens); they all read the same token ids, so they "
+            f"must share one tokenizer (a padded vocabulary of the same tokenizer is fine); generation emits ids below "
+            f"{limit}"]
+
+
 def vocab_limit(tokenizer: "Tokenizer | None", model_vocab: int | None) -> int | None:
     """How many token ids generation may emit: the tokenizer's length (added tokens included), else the
     smallest vocabulary of the models (they all read the generated ids). A checkpoint's vocabulary is often
@@ -79,9 +92,11 @@ def special_tokens(spec: ExperimentSpec, graph: "DataflowGraph",
     return tokens, warnings
 
 
-def preflight(spec: ExperimentSpec, config: Any, graph: "DataflowGraph", cache_dir: Path | None = None) -> Preflight:
+def preflight(spec: ExperimentSpec, config: Any, graph: "DataflowGraph", cache_dir: Path | None = None,
+              probe_rewards: bool = False) -> Preflight:
     """Checkpoint weights, tokenizer, EOS ids and dataset, loaded as the workers will (``config``: a
-    ``RunConfig``). ``cache_dir``: tokenize the prompts once there for the workers."""
+    ``RunConfig``). ``cache_dir``: tokenize the prompts once there for the workers. ``probe_rewards``: also call
+    each reward function or service the user brings on the first prompt (``reward_probe.py``; `realloc show`)."""
     from realloc.data.tokenizer import Tokenizer
     from realloc.runtime.inputs.datasets import load_dataset
 
@@ -92,12 +107,24 @@ def preflight(spec: ExperimentSpec, config: Any, graph: "DataflowGraph", cache_d
         for m, v in vocab_sizes.items():
             tokenizer.check_model_vocab(v, f"model {m!r}")  # every model reads the tokenizer's ids
     _, lines = special_tokens(spec, graph, tokenizer)
+    lines += vocab_warnings(vocab_sizes, tokenizer)
+    plain = config.data.add_special_tokens and not config.data.use_chat_template
+    bos = tokenizer.bos_missing() if tokenizer is not None and plain else None
+    if bos is not None:
+        lines.append(f"warning: tokenizer {tokenizer.path} defines a BOS token ({bos!r}, id {tokenizer.bos_token_id}) "
+                     f"but does not add it when encoding text (its post-processor adds none): plain-text prompts and "
+                     f"responses start without it, as with transformers' tokenizer(text); if your model expects it, "
+                     f"put it at the start of the text or use a chat template (DataConfig(use_chat_template=True))")
     if config.dataset is None:
         return Preflight(tuple(lines), None)
     # Token ids must fit every model: they all read the same sequences.
     data = load_dataset(graph.dataset_kind, config.dataset, spec, config, tokenizer,
                         min(vocab_sizes.values()) if vocab_sizes else None, cache_dir)
     _check_eval_set(spec, config, graph, tokenizer, min(vocab_sizes.values()) if vocab_sizes else None)
+    if probe_rewards and graph.dataset_kind == "prompts":
+        from realloc.runtime.inputs.reward_probe import probe_rewards as probe
+
+        lines += probe(spec, data, tokenizer)
     where = f"tokenizer {config.tokenizer}" if tokenizer is not None else "token ids"
     return Preflight((f"{data.stats.describe()} ({where})", *lines), data.stats)
 

@@ -7,7 +7,9 @@ ETA), one when a node has run ``long_call`` seconds and every ``long_call`` seco
 and one when such a long node ends; so a log shows where a slow run is, with no control characters.
 
 ETA: the iterations left times the mean time of the iterations finished in this process after its first (the
-first includes starting the workers and the first reallocations); after only one, that one's time.
+first includes the first reallocations and warm-up); after only one, that one's time, counted from when the workers
+were ready (``workers_ready``), so that starting them (seconds to minutes: importing torch, loading checkpoints) is
+not taken for an iteration's time. Until they are ready the status says so instead of ``ETA ?``.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class RunProgress:
         self.running: dict[tuple[str, int], float] = {}  # (node label, iteration from 1) -> start time
         self.reported: dict[tuple[str, int], float] = {}  # long nodes: when their last line was printed
         self.ends: list[float] = []  # end time of each iteration finished in this process
+        self.ready: float | None = None  # when the workers had loaded and the iterations began
 
     # -- events ---------------------------------------------------------------------------------------------
     def node(self, label: str, iteration: int, seconds: float | None) -> str | None:
@@ -56,6 +59,11 @@ class RunProgress:
             return f"iter {iteration}/{self.total} | {label} done in {duration(seconds)}"
         return None
 
+    def workers_ready(self) -> str:
+        """The workers are set up (models loaded): the iterations begin. Returns the plain line saying so."""
+        self.ready = self.clock()
+        return f"workers ready after {duration(self.ready - self.began)}; training"
+
     def iteration_done(self) -> None:
         self.ends.append(self.clock())
 
@@ -67,7 +75,7 @@ class RunProgress:
             return None
         left = self.total - self.start - done
         if done == 1:
-            per = self.ends[0] - self.began
+            per = self.ends[0] - (self.began if self.ready is None else self.ready)
         else:
             per = (self.ends[-1] - self.ends[0]) / (done - 1)
         return max(0.0, left * per)
@@ -79,6 +87,8 @@ class RunProgress:
     def status(self) -> str:
         """``iteration 3: actor_gen 12 s, ref_inf 2 s | ETA 4m10s``: the oldest iteration's running nodes."""
         now = self.clock()
+        if self.ready is None and not self.ends and not self.running:
+            return f"starting workers: importing, loading models and data ({duration(now - self.began)})"
         if not self.running:
             return self.eta_text()
         first = min(t for _, t in self.running)

@@ -284,10 +284,14 @@ def format_line(m: dict[str, Any], total: int) -> str:
         parts.append(f"eval rm_accuracy {m['eval']['rm_accuracy']:.4f} rm_loss {m['eval']['rm_loss']:.4f}")
     elif "eval" in m:
         parts.append(f"eval reward {m['eval']['reward']:.4f} ({'greedy' if m['eval']['greedy'] else 'sampled'})")
+    if m.get("staleness"):  # bounded staleness: how many train steps behind the samples' parameters were
+        parts.append(f"staleness {m['staleness']['max']} (mean {m['staleness']['mean']:.2f})")
     times = " ".join(f"{n} {t:.2f}s" for n, t in m["time"].items())
     parts.append(times)
     if m["tokens_per_s"] is None:
-        parts.append("finished with the previous iteration")
+        # Its last node ended before the previous iteration's did (generation running ahead, an evaluation of
+        # the previous iteration still going): it took no wall time of its own.
+        parts.append("0 s of its own: done before the previous iteration finished (its work overlapped it)")
     else:
         parts.append(f"{m['iteration_time']:.2f}s/it {m['tokens_per_s']:.0f} tok/s")
     return " | ".join(parts)
@@ -341,6 +345,7 @@ class RunStats:
         self.first: dict[str, Any] | None = None
         self.last: dict[str, Any] | None = None
         self.n_iterations = 0
+        self.stale: list[float] = []  # bounded staleness: [largest, sum of the per-iteration means, iterations]
 
     def on_reply(self, kind: str, rank: int, dispatched: float, start: float, end: float, received: float) -> None:
         """One worker's reply. Replies of one worker arrive in its execution order."""
@@ -365,6 +370,10 @@ class RunStats:
         self.first = self.first or m
         self.last = m
         self.end = end
+        st = m.get("staleness") or {}
+        if st:
+            worst, total, n = self.stale or [0.0, 0.0, 0.0]
+            self.stale = [max(worst, st["max"]), total + st["mean"], n + 1]
         row = (m["iteration_time"], m["tokens"])
         self.times["all"].append(row)
         if self.n_iterations > self.warmup:
@@ -395,4 +404,6 @@ class RunStats:
                 "tokens_per_s": sum(n for _, n in rows) / sum(times) if sum(times) > 0 else None,
                 "device_time_shares": shares,
                 "overhead": overhead,
-                "first_reward": self.first.get("reward"), "last_reward": self.last.get("reward")}
+                "first_reward": self.first.get("reward"), "last_reward": self.last.get("reward"),
+                **({"staleness": {"max": int(self.stale[0]), "mean": self.stale[1] / self.stale[2]}}
+                   if self.stale else {})}
