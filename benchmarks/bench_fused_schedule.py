@@ -50,6 +50,11 @@ def main() -> None:
     ap.add_argument("--memory-iterations", type=int, default=10000)
     ap.add_argument("--restarts", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reach", type=int, default=None, help="places one move may carry a pass")
+    ap.add_argument("--t-start", type=float, default=None, help="start temperature / start energy")
+    ap.add_argument("--t-end", type=float, default=None)
+    ap.add_argument("--memory-cap", type=float, default=None,
+                    help="cap every device's activations at this multiple of the serial 1F1B peak")
     args = ap.parse_args()
     head = (f"{'models':8} {'PP0/PP1':>7} {'GBS':>4} | {'start':>5} {'ours':>5} {'LB':>5} {'ours/LB':>7} | "
             f"{'paper ours':>10} {'ours/paper':>10} | {'mem start':>9} {'mem ours':>8} {'paper':>5} | {'s':>5}")
@@ -58,8 +63,14 @@ def main() -> None:
     t_all = time.perf_counter()
     for (a, b, pp0, pp1, gbs), (_, p_ours, _, _, p_mem) in TABLE3.items():
         t = time.perf_counter()
-        r = problem(a, b, pp0, pp1, gbs).search(iterations=args.iterations, memory_iterations=args.memory_iterations,
-                                                restarts=args.restarts, seed=args.seed)
+        p = problem(a, b, pp0, pp1, gbs)
+        cap = float("inf")
+        if args.memory_cap is not None:
+            cap = args.memory_cap * p.search(iterations=0, memory_iterations=0, restarts=1)["serial"]["peak"]
+        tuning = {k: v for k, v in (("reach", args.reach), ("t_start", args.t_start), ("t_end", args.t_end))
+                  if v is not None}  # else the engine's defaults
+        r = p.search(memory_cap=cap, iterations=args.iterations, memory_iterations=args.memory_iterations,
+                     restarts=args.restarts, seed=args.seed, **tuning)
         serial, peak = r["serial"]["makespan"], r["serial"]["peak"]
         ours, lb = serial / r["eval"]["makespan"], serial / r["lower_bound"]
         print(f"{a + '/' + b:8} {f'{pp0}/{pp1}':>7} {gbs:>4} | {serial / r['start']['makespan']:5.2f} {ours:5.2f} "

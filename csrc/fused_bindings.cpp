@@ -124,5 +124,5 @@ void bind_fused(py::module_& m) {
             },
             py::arg("iterations") = 20000, py::arg("memory_iterations") = 20000, py::arg("restarts") = 2,
             py::arg("seed") = 0, py::arg("memory_cap") = std::numeric_limits<double>::infinity(),
-            py::arg("t_start") = 0.02, py::arg("t_end") = 1e-4, py::arg("tie_share") = 0.01, py::arg("reach") = 16);
+            py::arg("t_start") = 2e-4, py::arg("t_end") = 1e-6, py::arg("tie_share") = 0.01, py::arg("reach") = 64);
 }

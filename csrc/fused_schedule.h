@@ -100,10 +100,10 @@ struct SearchOptions {
     int restarts = 2;
     uint64_t seed = 0;
     double memory_cap = std::numeric_limits<double>::infinity();  // per device
-    double t_start = 0.02;  // initial temperature, a fraction of the start makespan (or peak)
-    double t_end = 1e-4;
+    double t_start = 2e-4;  // initial temperature, a fraction of the start makespan (or peak)
+    double t_end = 1e-6;
     double tie_share = 0.01;  // weight of the devices' mean end (or peak) in the energy
-    int reach = 16;  // a move carries one pass up to this many places (1: adjacent swaps)
+    int reach = 64;  // a move carries one pass up to this many places (1: adjacent swaps)
 };
 
 struct SearchResult {
