@@ -66,3 +66,17 @@ def test_unfusable_pair_is_one_value_error(setup):
         price_fused_pair(cost, plan, "actor_train", "critic_train")
     with pytest.raises(ValueError, match="not the TRAIN_STEP call"):
         cost.train_passes("ref_inf", graph.spec.cluster.mesh("trainer[01-02]"), plan.placements["ref_inf"].strategy, 4)
+
+
+def test_search_report_prices_an_eligible_pair_and_names_an_ineligible_one(setup):
+    from realloc.search.fused_report import fused_summary
+
+    graph, cost = setup
+    places = {n: ("trainer[01-02]", 4, 2, 2, 4) for n in graph.spec.call_names}
+    plan = ExecutionPlan.by_hand(graph, places)
+    r = price_fused_pair(cost, plan, "actor_train", "critic_train")
+    (line,) = fused_summary(graph, cost, plan)
+    assert f"{r.serial_time:.3f} s one after the other, {r.time:.3f} s fused ({r.speedup:.2f}x" in line
+    places["critic_train"] = ("trainer01", 2, 2, 2, 4)
+    (line,) = fused_summary(graph, cost, ExecutionPlan.by_hand(graph, places))
+    assert "not eligible in this plan" in line
