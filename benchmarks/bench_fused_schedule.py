@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--reach", type=int, default=None, help="places one move may carry a pass")
     ap.add_argument("--t-start", type=float, default=None, help="start temperature / start energy")
     ap.add_argument("--t-end", type=float, default=None)
+    ap.add_argument("--timeline", default=None, help="draw the 65B/33B PP 16/8 GBS 16 schedule here (.svg/.png/.html)")
     ap.add_argument("--memory-cap", type=float, default=None,
                     help="cap every device's activations at this multiple of the serial 1F1B peak")
     args = ap.parse_args()
@@ -78,6 +79,25 @@ def main() -> None:
               f"{r['start']['peak'] / peak:9.2f} {r['eval']['peak'] / peak:8.2f} {p_mem:5.2f} | "
               f"{time.perf_counter() - t:5.1f}", flush=True)
     print(f"total {time.perf_counter() - t_all:.1f} s (one thread)")
+    if args.timeline:
+        draw(args.timeline, ("65B", "33B", 16, 8, 16), args.iterations)
+
+
+def draw(path: str, setting: tuple[str, str, int, int, int], iterations: int) -> None:
+    """RLHFuse Figure 10's setting: the searched schedule as a timeline, one row per device."""
+    from realloc.search.fused_reference import RefModel, RefProblem
+    from realloc.search.fused_report import fused_panel
+    from realloc.search.timeline import write_timeline
+
+    a, b, pp0, pp1, gbs = setting
+    n, fa, fb = pp0, SIZE_B[a] / pp0, SIZE_B[b] / pp1
+    ref = RefProblem(n, RefModel(pp0, gbs, [fa] * pp0, [2 * fa] * pp0, [fa] * pp0),
+                     RefModel(pp1, gbs // (n // pp1), [fb] * pp1, [2 * fb] * pp1, [fb] * pp1))
+    r = problem(*setting).search(iterations=iterations)
+    panel = fused_panel(ref, [[tuple(p) for p in s] for s in r["order"]], (a, b),
+                        f"{a}/{b} PP {pp0}/{pp1}, {gbs} micro-batches: fused makespan {r['eval']['makespan']:.1f} "
+                        f"(serial {r['serial']['makespan']:.1f}, bound {r['lower_bound']:.1f})")
+    print(f"timeline: {write_timeline([panel], path)}")
 
 
 if __name__ == "__main__":

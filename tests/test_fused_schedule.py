@@ -135,3 +135,19 @@ def test_bad_input_is_one_value_error():
         cpp.evaluate(order)
     with pytest.raises(ValueError, match="memory_cap"):
         cpp.search(memory_cap=1e-6)
+
+
+def test_timeline_panel_has_every_pass_at_the_reference_times():
+    from realloc.search.fused_reference import pass_times
+    from realloc.search.fused_report import fused_panel
+
+    cpp, ref = make(4, 4, 3, 2, 2, seed=11, p2p=0.1)
+    order = [[tuple(p) for p in s] for s in cpp.search(iterations=500, memory_iterations=0)["order"]]
+    panel = fused_panel(ref, order, ("actor", "critic"))
+    times = pass_times(ref, order)
+    assert len(panel.boxes) == len(times) == 4 * 2 * (3 + 2)
+    for b in panel.boxes:
+        model = 0 if b.label.startswith("actor") else 1
+        bw = int(b.label.endswith("backward"))
+        assert times[(b.lo, (model, bw, int(b.detail.split()[-1])))] == (b.start, b.end)
+    assert panel.iteration_ends[0][1] == pytest.approx(cpp.evaluate(order)["makespan"])

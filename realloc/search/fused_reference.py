@@ -70,7 +70,8 @@ class RefEval:
     device_peak: list[float]
 
 
-def evaluate(p: RefProblem, order: Order) -> RefEval:
+def pass_times(p: RefProblem, order: Order) -> dict[tuple[int, Pass], tuple[float, float]] | None:
+    """(start, end) of every (device, pass) of ``order``, or None if it deadlocks."""
     preds: dict[tuple[int, Pass], list[tuple[tuple[int, Pass], float]]] = {}
     for d, seq in enumerate(order):
         for i, ps in enumerate(seq):
@@ -81,6 +82,18 @@ def evaluate(p: RefProblem, order: Order) -> RefEval:
             if src is not None:
                 deps.append((src, p.p2p if src[0] != d else 0.0))
             preds[(d, ps)] = deps
+    try:
+        topo = list(graphlib.TopologicalSorter({k: [s for s, _ in v] for k, v in preds.items()}).static_order())
+    except graphlib.CycleError:
+        return None
+    times: dict[tuple[int, Pass], tuple[float, float]] = {}
+    for node in topo:
+        start = max((times[s][1] + w for s, w in preds[node]), default=0.0)
+        times[node] = (start, start + p.length(node[0], node[1]))
+    return times
+
+
+def evaluate(p: RefProblem, order: Order) -> RefEval:
     peaks = []
     for d, seq in enumerate(order):
         cur = peak = 0.0
@@ -89,15 +102,10 @@ def evaluate(p: RefProblem, order: Order) -> RefEval:
             cur += -a if bw else a
             peak = max(peak, cur)
         peaks.append(peak)
-    try:
-        topo = list(graphlib.TopologicalSorter({k: [s for s, _ in v] for k, v in preds.items()}).static_order())
-    except graphlib.CycleError:
+    times = pass_times(p, order)
+    if times is None:
         return RefEval(False, float("inf"), [], peaks)
-    end: dict[tuple[int, Pass], float] = {}
-    for node in topo:
-        ready = max((end[s] + w for s, w in preds[node]), default=0.0)
-        end[node] = ready + p.length(node[0], node[1])
-    device_end = [end[(d, seq[-1])] if seq else 0.0 for d, seq in enumerate(order)]
+    device_end = [times[(d, seq[-1])][1] if seq else 0.0 for d, seq in enumerate(order)]
     return RefEval(True, max(device_end), device_end, peaks)
 
 
