@@ -80,3 +80,26 @@ def test_search_report_prices_an_eligible_pair_and_names_an_ineligible_one(setup
     places["critic_train"] = ("trainer01", 2, 2, 2, 4)
     (line,) = fused_summary(graph, cost, ExecutionPlan.by_hand(graph, places))
     assert "not eligible in this plan" in line
+
+
+def test_fused_alternative_is_the_coplaced_plans_simulated_time_less_the_saving(setup):
+    from realloc.search.fused_report import fused_alternative, fused_summary
+    from realloc.search.timeline import estimate_plan
+
+    graph, cost = setup
+    places = {n: ("trainer[01-02]", 4, 2, 2, 4) for n in graph.spec.call_names}
+    places["critic_train"] = ("trainer01", 2, 2, 2, 4)
+    plan = ExecutionPlan.by_hand(graph, places)
+    alt = fused_alternative(graph, cost, plan, "actor_train", "critic_train")
+    a, b = alt.plan.placements["actor_train"], alt.plan.placements["critic_train"]
+    assert (a.mesh, a.dp, a.tp, a.pp, a.n_mbs) == (b.mesh, b.dp, b.tp, b.pp, b.n_mbs)
+    assert alt.plan.fused == (("actor_train", "critic_train"),)
+    space, idx = estimate_plan(graph, alt.plan, cost)
+    simulated = space.evaluate(idx)["time"]
+    pair = price_fused_pair(cost, alt.plan, "actor_train", "critic_train")
+    assert alt.serial_time == pytest.approx(simulated)
+    assert alt.time == pytest.approx(simulated - (pair.serial_time - pair.time))
+    assert alt.time < alt.serial_time  # pp 2: fusion fills bubbles
+    lines = fused_summary(graph, cost, plan, estimated_time=123.0)
+    assert f"at best {alt.time:.3f} s/iteration ({alt.serial_time:.3f} s unfused there; searched plan 123.000 s)" \
+        in lines[1]

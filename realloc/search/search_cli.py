@@ -69,7 +69,7 @@ def print_report(report: SearchReport, n_threads: int) -> None:
     print(rp.memory_summary(report))
     for line in lora_summary(report.graph, report.space.cost, report.plan):
         print(line)
-    for line in fused_summary(report.graph, report.space.cost, report.plan):
+    for line in fused_summary(report.graph, report.space.cost, report.plan, report.plan.estimated_time):
         print(line)
     print(f"search: {rp.search_summary(report, n_threads)}")
 
