@@ -15,9 +15,10 @@
 // Memory: a micro-batch's activations on a stage live from its forward to its backward; a device's
 // peak is the largest sum of `act` over the passes in flight, a function of the order alone.
 //
-// The search (§5.2): a greedy list schedule as the start, simulated annealing over swaps of two
-// adjacent passes of one device (Algorithms 1, 2) to lower the makespan under a memory cap, then a
-// second annealing that lowers the peak memory without raising the makespan. The lower bound is the
+// The search (§5.2): greedy list schedules as starts, simulated annealing over moves of one pass of one
+// device by up to `reach` places, i.e. chains of adjacent swaps (Algorithms 1, 2; reach 1 is the paper's
+// neighbourhood), to lower the makespan under a memory cap, then a second annealing that lowers the peak
+// memory without raising the makespan. The lower bound is the
 // one of §7.3: per device, earliest first arrival + all its work + the shortest tail after its last pass.
 #pragma once
 
