@@ -13,6 +13,8 @@
 
 namespace py = pybind11;
 
+void bind_fused(py::module_& m);  // fused_bindings.cpp
+
 namespace {
 
 template <typename T>
@@ -344,4 +346,5 @@ PYBIND11_MODULE(_C, m) {
                 out.append(py::make_tuple(h.seconds, h.evals, h.cost, h.time, h.feasible));
             return out;
         });
+    bind_fused(m);
 }

@@ -265,6 +265,16 @@ class CallTimer:
         return pipeline_makespan(stages, n_mbs) + self._optimizer_step(strategy, links) + CallCost.of(
             overhead=self._engine("engine.train_step", t, b, seq) * self._param_ratio(strategy))
 
+    def train_stage_passes(self, strategy: ParallelStrategy, links: GroupLinks, b: int, seq: int,
+                           recompute: bool = False) -> tuple[list[float], list[float]]:
+        """Per pipeline stage, seconds of one micro-batch's forward and of its backward in a train step (the
+        backward: ``train_step``'s stage time less the forward; recomputation and the engine's per-micro-batch
+        host work count there). The fused schedule (estimator/fused_cost.py) orders these passes."""
+        host = self._engine("engine.train_mb", strategy.tp, b, seq)
+        both = self._stages(Phase.FWD, strategy, links, b, seq, backward=True, host=host, recompute=recompute)
+        fwd = [st.total for st in self._stages(Phase.FWD, strategy, links, b, seq)]
+        return fwd, [st.total - f for st, f in zip(both, fwd)]
+
     def generate(self, strategy: ParallelStrategy, links: GroupLinks, b: int, prompt: int, gen_len: int,
                  n_mbs: int) -> CallCost:
         """One ``ParallelModel.generate`` of ``n_mbs`` micro-batches of ``b`` prompts (realloc.models.generation).

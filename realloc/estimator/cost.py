@@ -31,7 +31,8 @@ from realloc.cluster import ClusterSpec, DeviceMesh
 from realloc.estimator.call_time import ZERO, CallCost, CallTimer, LayerCosts
 from realloc.estimator.comm import CommModel, GroupLinks, group_links
 from realloc.estimator.hardware import Precision
-from realloc.estimator.memory import CallMemory, Workload, local_params, max_local_params, stage_call_memory
+from realloc.estimator.memory import (CallMemory, Workload, local_params, max_local_params, stage_call_memory,
+                                      train_inflight_bytes)
 from realloc.estimator.profile_table import ProfileTable, ProfiledCosts, discover_profiles
 from realloc.estimator.roofline import RooflineCosts
 from realloc.estimator.transfer_cost import plan_seconds
@@ -195,6 +196,23 @@ class CostModel:
             return CallCost.of(overhead=self.hw.call_overhead) if self.hw.call_overhead else ZERO
         timer = self._timer(cfg, self._precisions[call])
         return timer.time(work, strategy, self.links(mesh, strategy), n_mbs, recompute)
+
+    def train_passes(self, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, n_mbs: int,
+                     recompute: bool = False) -> tuple[list[float], list[float], list[int]]:
+        """A TRAIN_STEP call's per-stage seconds of one micro-batch's forward and backward, and the bytes one
+        in-flight micro-batch holds per stage (``call_time.CallTimer.train_stage_passes``,
+        ``memory.train_inflight_bytes``): what the fused schedule (estimator/fused_cost.py) needs."""
+        self._check(call, mesh, strategy, n_mbs, recompute)
+        cfg = self.graph.model_config(call)
+        if cfg is None or self.graph.call(call).interface_type is not InterfaceType.TRAIN_STEP:
+            raise ValueError(f"call {call!r} is not the TRAIN_STEP call of a model; it has no forward/backward passes")
+        work, precision = self.workload(call), self._precisions[call]
+        b = work.micro_batch(strategy.dp, n_mbs)
+        fwd, bwd = self._timer(cfg, precision).train_stage_passes(strategy, self.links(mesh, strategy), b,
+                                                                  work.seq_len, recompute)
+        act = [train_inflight_bytes(cfg, strategy, k, b * work.seq_len, precision, recompute)
+               for k in range(strategy.pp)]
+        return fwd, bwd, act
 
     # -- memory ------------------------------------------------------------------
     def _stage_memory(self, call: str, strategy: ParallelStrategy, n_mbs: int,

@@ -213,6 +213,16 @@ def _train_parts(cfg: ModelConfig, strategy: ParallelStrategy, n_mbs: int, pp_ra
     return min(n_mbs, pp - pp_rank) * per_mb, redo, head
 
 
+def train_inflight_bytes(cfg: ModelConfig, strategy: ParallelStrategy, pp_rank: int, n_tok: int,
+                         precision: Precision, recompute: bool = False) -> int:
+    """Bytes one in-flight micro-batch of ``n_tok`` tokens holds on a device of stage ``pp_rank`` from its forward
+    to its backward (what 1F1B multiplies by min(n_mbs, pp - pp_rank)): the fused schedule's activation unit."""
+    kept, _, _ = _train_parts(cfg, strategy, 1, pp_rank, precision, recompute)
+    if strategy.pp > 1:
+        kept += pipeline_held_bytes_per_token(cfg, precision, pp_rank == strategy.pp - 1, strategy.tp)
+    return int(kept * n_tok)
+
+
 def train_saved_bytes(cfg: ModelConfig, strategy: ParallelStrategy, n_mbs: int, pp_rank: int, n_tok: int,
                       precision: Precision, recompute: bool = False) -> int:
     """Peak bytes a training step keeps for its backward on a device of stage ``pp_rank`` (module docstring),

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Iterable, Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from realloc.cluster import DeviceMesh
+from realloc.graph.fused import check_fused
 from realloc.strategy import ParallelStrategy, strategy_error
 
 if TYPE_CHECKING:
@@ -63,20 +64,26 @@ class ExecutionPlan(BaseModel):
     estimated_peak_memory: int | None = None  # bytes, the most loaded device
     call_times: dict[str, float] = Field(default_factory=dict)  # seconds, standalone estimate per call
     call_memory: dict[str, int] = Field(default_factory=dict)  # bytes per device, peak while the call runs
+    # Fused train pairs (first, second): one pipeline schedule for both, the second's stages in reverse order
+    # (rlhfuse.txt §5; graph/fused.py, docs/fused-training.md). Plans without the field fuse nothing.
+    fused: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def by_hand(cls, graph: "DataflowGraph", placements: Mapping[str, "tuple[str, int, int, int, int] | CallPlacement"],
                 *, recompute: Iterable[str] = (), offload: Mapping[str, bool] | None = None,
-                source: str = "manual", staleness: int = 0) -> "ExecutionPlan":
+                source: str = "manual", staleness: int = 0,
+                fused: Iterable[tuple[str, str]] = ()) -> "ExecutionPlan":
         """A plan written in Python: call -> (mesh, dp, tp, pp, n_mbs) or a CallPlacement; ``recompute`` names
-        the train calls that recompute activations. Check it with ``validate_plan`` (the runtime does)."""
+        the train calls that recompute activations; ``fused`` the train-call pairs that share one pipeline
+        schedule. Check it with ``validate_plan`` (the runtime does)."""
         spec, redo = graph.spec, set(recompute)
         places = {c: p if isinstance(p, CallPlacement) else
                   CallPlacement(mesh=p[0], dp=p[1], tp=p[2], pp=p[3], n_mbs=p[4], recompute=c in redo)
                   for c, p in placements.items()}
         return cls(experiment=spec.name, graph_digest=graph.digest, nodelist=spec.cluster.nodelist,
                    n_devices_per_node=spec.cluster.n_devices_per_node, device=spec.cluster.device,
-                   placements=places, offload=dict(offload or {}), source=source, staleness=staleness)
+                   placements=places, offload=dict(offload or {}), source=source, staleness=staleness,
+                   fused=tuple((a, b) for a, b in fused))
 
     # -- serialization -------------------------------------------------------
     def to_json(self) -> str:
@@ -141,6 +148,8 @@ class ExecutionPlan(BaseModel):
             m = self.call_memory.get(n)
             rows.append(f"{n:<{cw}}{p.mesh:<{mw}}{p.dp:>4}{p.tp:>4}{p.pp:>4}{p.n_mbs:>5}{'yes' if p.recompute else '-':>8}"
                         f"{'' if t is None else f'{t:.3f}':>10}{'' if m is None else f'{m / 2**30:.2f}':>10}")
+        for a, b in self.fused:
+            rows.append(f"fused: {a} + {b} (one pipeline schedule; {b}'s stages in reverse order)")
         if self.staleness:
             rows.append(f"staleness: generation runs up to {self.staleness} train step(s) ahead")
         if self.estimated_time is not None:
@@ -187,6 +196,7 @@ def validate_plan(plan: ExecutionPlan, graph: "DataflowGraph") -> dict[str, Devi
                              f"has {mesh.size} devices")
         check_placement(graph, name, mesh, s, p.n_mbs, p.recompute)
         meshes[name] = mesh
+    check_fused(graph, plan.placements, plan.fused)
     return meshes
 
 

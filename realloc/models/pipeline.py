@@ -40,10 +40,13 @@ BACKWARD_TAG = 12
 class StageLink:
     """Point-to-point traffic of one pipeline stage with its neighbours."""
 
-    def __init__(self, groups: ModelParallelGroups, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, groups: ModelParallelGroups, device: torch.device, dtype: torch.dtype,
+                 tag_offset: int = 0) -> None:
         self.groups = groups
         self.device = device
         self.dtype = dtype
+        # Two models whose pipelines share devices (fused_pipeline.py) tag their messages apart.
+        self.forward_tag, self.backward_tag = FORWARD_TAG + tag_offset, BACKWARD_TAG + tag_offset
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
         # NCCL runs p2p as kernels in stream order, so a send that waits for its receiver can block a
         # later receive; posting the pair in one batch avoids it. gloo has no batched p2p, but its
@@ -84,24 +87,24 @@ class StageLink:
         return buf
 
     def recv_forward(self, shape: Sequence[int]) -> torch.Tensor:
-        return self._recv(shape, self.groups.prev_stage_rank, FORWARD_TAG)
+        return self._recv(shape, self.groups.prev_stage_rank, self.forward_tag)
 
     def send_forward(self, tensor: torch.Tensor) -> None:
-        self._send(tensor, self.groups.next_stage_rank, FORWARD_TAG)
+        self._send(tensor, self.groups.next_stage_rank, self.forward_tag)
 
     def recv_backward(self, shape: Sequence[int]) -> torch.Tensor:
-        return self._recv(shape, self.groups.next_stage_rank, BACKWARD_TAG)
+        return self._recv(shape, self.groups.next_stage_rank, self.backward_tag)
 
     def send_backward(self, tensor: torch.Tensor) -> None:
-        self._send(tensor, self.groups.prev_stage_rank, BACKWARD_TAG)
+        self._send(tensor, self.groups.prev_stage_rank, self.backward_tag)
 
     def send_forward_recv_backward(self, tensor: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
         nxt = self.groups.next_stage_rank
-        return self._send_recv(tensor, nxt, FORWARD_TAG, shape, nxt, BACKWARD_TAG)
+        return self._send_recv(tensor, nxt, self.forward_tag, shape, nxt, self.backward_tag)
 
     def send_backward_recv_forward(self, tensor: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
         prev = self.groups.prev_stage_rank
-        return self._send_recv(tensor, prev, BACKWARD_TAG, shape, prev, FORWARD_TAG)
+        return self._send_recv(tensor, prev, self.backward_tag, shape, prev, self.forward_tag)
 
     def wait_sends(self) -> None:
         for work, _ in self._pending:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from realloc.overrides import load_with_overrides
+from realloc.search.fused_report import fused_summary
 from realloc.search.lora_report import lora_summary
 from realloc.search.planner import SearchReport, baseline, experiment_of, plan_search
 from realloc.search.timeline import check_suffix
@@ -70,6 +71,8 @@ def print_report(report: SearchReport, n_threads: int) -> None:
     if tight:
         print(tight)
     for line in lora_summary(report.graph, report.space.cost, report.plan):
+        print(line)
+    for line in fused_summary(report.graph, report.space.cost, report.plan, report.plan.estimated_time):
         print(line)
     print(f"search: {rp.search_summary(report, n_threads)}")
 
