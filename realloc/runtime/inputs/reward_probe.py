@@ -46,7 +46,7 @@ def _score(call: str, impl: str, args: dict[str, Any], prompt: Any, response: An
            record: dict[str, Any]) -> tuple[Any, str]:
     where = "on the dataset's first record with an empty response (`realloc show` tries every reward so)"
     if impl == "batch_reward":
-        from realloc.algorithms.reward_args import check_batch
+        from realloc.algorithms.rewards.reward_args import check_batch
 
         check_batch(call, args)
         fn = args.pop("fn")
@@ -56,7 +56,7 @@ def _score(call: str, impl: str, args: dict[str, Any], prompt: Any, response: An
         except Exception as e:  # noqa: BLE001 - the user's code: any error is theirs, reported as one line
             raise ValueError(f"call {call!r}: the reward function {name} raised {type(e).__name__}: {e} {where}"
                              f"{user_code.where(e)}") from None
-    from realloc.algorithms.remote_reward import RemoteReward, RewardServiceError
+    from realloc.algorithms.rewards.remote_reward import RemoteReward, RewardServiceError
 
     service = RemoteReward.of(call, args)
     service = dataclasses.replace(service, timeout=min(service.timeout, PROBE_TIMEOUT),
