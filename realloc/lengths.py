@@ -202,7 +202,7 @@ def lengths_from_run(run_dir: str | Path) -> ResponseLengths:
     """The empirical distribution of the response lengths an earlier run logged (``samples.jsonl``: each
     logged sequence's ``response_ids``, else its generation's ``logp``, one per response token). The run logs
     ``log_samples`` sequences every ``sample_every`` iterations (runtime/inputs/run_config.py); for a full
-    histogram run with ``--set sample_every=1 --set log_samples=<batch>``."""
+    histogram give the experiment ``sample_every = 1`` and ``log_samples = <sequences per batch>``."""
     root = Path(run_dir)
     if not root.is_dir():
         raise ValueError(f"--lengths-from {run_dir}: no such run directory")

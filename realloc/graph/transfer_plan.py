@@ -116,9 +116,15 @@ class DataLayout:
     mesh: DeviceMesh
     strategy: ParallelStrategy
     stages: tuple[int, ...]
+    # Each dp rank's [lo, hi) of the batch when they are not ``dp_ranges`` (token-balanced ranks,
+    # ``row_balance.py``); None: the even split.
+    ranges: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         Layout(self.mesh, self.strategy)  # validates the sizes
+        if self.ranges is not None and len(self.ranges) != self.strategy.dp:
+            raise ValueError(f"data layout {self.mesh.name} {self.strategy}: {len(self.ranges)} row ranges for "
+                             f"{self.strategy.dp} dp ranks")
         if not self.stages or any(not 0 <= s < self.strategy.pp for s in self.stages):
             raise ValueError(f"data layout {self.mesh.name} {self.strategy}: stages {self.stages} must be a "
                              f"non-empty list of pipeline stages in 0..{self.strategy.pp - 1}")
@@ -126,6 +132,16 @@ class DataLayout:
     @property
     def layout(self) -> Layout:
         return Layout(self.mesh, self.strategy)
+
+    def row_ranges(self, n: int) -> tuple[tuple[int, int], ...]:
+        """Each dp rank's [lo, hi) of a batch of ``n`` sequences."""
+        if self.ranges is None:
+            return dp_ranges(n, self.strategy.dp)
+        if self.ranges[0][0] != 0 or self.ranges[-1][1] != n or any(
+                a[1] != b[0] or a[0] > a[1] for a, b in zip(self.ranges, self.ranges[1:])):
+            raise ValueError(f"data layout {self.mesh.name} {self.strategy}: row ranges {self.ranges} do not tile "
+                             f"the batch of {n} sequences")
+        return self.ranges
 
 
 def dp_ranges(n: int, dp: int) -> tuple[tuple[int, int], ...]:
@@ -508,8 +524,9 @@ def plan_data_transfer(seq_bytes: Mapping[str, Sequence[int]], producer: DataLay
 
     ``seq_bytes[key][i]`` is the size in bytes of sequence i of ``key`` (use
     ``[nbytes] * n`` for fixed-size rows). Producer dp rank k holds sequences
-    ``dp_ranges(n, dp)[k]`` on all its tp ranks and ``producer.stages``; each device of
-    consumer dp rank c on ``consumer.stages`` needs ``dp_ranges(n, dp_c)[c]``.
+    ``producer.row_ranges(n)[k]`` (``dp_ranges`` unless the layout has ranges of its own) on all its tp
+    ranks and ``producer.stages``; each device of
+    consumer dp rank c on ``consumer.stages`` needs ``consumer.row_ranges(n)[c]``.
     ``cached[device]`` lists (key, lo, hi) sequence ranges a device already holds from an
     earlier transfer (the paper's local data cache); they are never sent again to it.
     """
@@ -528,11 +545,11 @@ def plan_data_transfer(seq_bytes: Mapping[str, Sequence[int]], producer: DataLay
             offsets.append(offsets[-1] + int(b))
         all_offsets[key] = tuple(offsets)
         groups = []
-        for k, (lo, hi) in enumerate(dp_ranges(n, ps.dp)):
+        for k, (lo, hi) in enumerate(producer.row_ranges(n)):
             devs = tuple(pl.device(k, t, st) for st in producer.stages for t in range(ps.tp))
             groups.append((lo, hi, devs, k))
         needs = []
-        for c, (lo, hi) in enumerate(dp_ranges(n, cs.dp)):
+        for c, (lo, hi) in enumerate(consumer.row_ranges(n)):
             if lo < hi:
                 needs.extend((cl.device(c, t, st), lo, hi) for st in consumer.stages for t in range(cs.tp))
         held: dict[int, list[tuple[int, int]]] = defaultdict(list)
