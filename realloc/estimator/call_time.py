@@ -291,10 +291,8 @@ class CallTimer:
             iface = self.costs.interface("interface.train", t, work.gen_len) or 0.0
             moments = self.comm.time("all_reduce", strategy.dp, 8 * (3 + work.n_steps), links.dp)
             return step.scaled(work.n_steps) + overhead + CallCost.of(overhead=iface, dp_allreduce=moments)
-        if not work.lengths.is_fixed:
-            ends = work.lengths.order_statistics(work.gen_len, b)
-            return self.generate_varied(strategy, links, b, prompt, ends, n_mbs) + overhead
-        return self.generate(strategy, links, b, prompt, work.gen_len, n_mbs) + overhead
+        ends = work.lengths.order_statistics(work.gen_len, b)  # all gen_len for fixed lengths
+        return self.generate_varied(strategy, links, b, prompt, ends, n_mbs) + overhead
 
     def train_step(self, strategy: ParallelStrategy, links: GroupLinks, b: int, seq: int, n_mbs: int,
                    recompute: bool = False) -> CallCost:
@@ -317,22 +315,7 @@ class CallTimer:
         finished rows, the next step's mask; sampling is in the head op) runs on every stage for
         every micro-batch, and the sampled tokens travel from the last stage back to the others.
         """
-        if strategy.pp > 1 and n_mbs > strategy.pp:
-            # At most pp micro-batches hold a KV cache at once: with equal lengths they go in waves of pp, each
-            # filling and draining the pipeline (models/generation.py).
-            full, rest = divmod(n_mbs, strategy.pp)
-            wave = self.generate(strategy, links, b, prompt, gen_len, strategy.pp).scaled(full)
-            return wave + self.generate(strategy, links, b, prompt, gen_len, rest) if rest else wave
-        t = strategy.tp
-        host = self._engine("engine.decode_step", t, b, prompt, default=self.hw.decode_step_overhead)
-        back = self.comm.time("p2p", 2, 16 * b, links.pp_any) if strategy.pp > 1 else 0.0
-        prefill = pipeline_makespan(self._stages(Phase.PREFILL, strategy, links, b, prompt, host=host), n_mbs)
-        per_call = CallCost.of(overhead=n_mbs * self._engine("engine.gen_call", t, b, prompt))
-
-        def step(ctx: int) -> CallCost:
-            return decode_round(self._stages(Phase.DECODE, strategy, links, b, ctx, host=host), n_mbs, back)
-
-        return prefill + per_call + sum_over_range(step, prompt + 1, prompt + gen_len - 1, self.decode_grid)
+        return self.generate_varied(strategy, links, b, prompt, (gen_len,) * b, n_mbs)
 
     def generate_varied(self, strategy: ParallelStrategy, links: GroupLinks, b: int, prompt: int,
                         ends: Sequence[int], n_mbs: int) -> CallCost:
@@ -340,12 +323,12 @@ class CallTimer:
         ``ends[i]`` tokens (ascending: the expected order statistics, ``ResponseLengths.order_statistics``).
 
         Finished rows leave the micro-batch (``models/generation.py``), so decode step j (its KV cache at
-        prompt + j positions) runs the rows with ends > j, and the micro-batch ends with its longest row. Steps
-        of equal row count are summed as in ``generate`` (``sum_over_range``); the prefill, the per-call
-        overhead and the waves of pp micro-batches are ``generate``'s. With every end at gen_len this is
-        ``generate``.
+        prompt + j positions) runs the rows with ends > j, and the micro-batch ends with its longest row. Runs
+        of steps with one row count are summed with ``sum_over_range``.
         """
         if strategy.pp > 1 and n_mbs > strategy.pp:
+            # At most pp micro-batches hold a KV cache at once: with equal lengths they go in waves of pp, each
+            # filling and draining the pipeline (models/generation.py); priced so for any lengths.
             full, rest = divmod(n_mbs, strategy.pp)
             wave = self.generate_varied(strategy, links, b, prompt, ends, strategy.pp).scaled(full)
             return wave + self.generate_varied(strategy, links, b, prompt, ends, rest) if rest else wave
