@@ -151,3 +151,46 @@ def test_a_balanced_run_deals_rows_by_tokens_and_matches_the_unbalanced_run(tmp_
         for k in ("reward", "response_len", "kl", "actor_loss", "critic_loss", "actor_grad_norm", "critic_grad_norm"):
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
     assert (balanced / "samples.jsonl").read_text() == (even / "samples.jsonl").read_text()
+
+
+def test_transfer_plans_move_lists_of_rows_exactly_by_brute_force():
+    """Ranks holding and needing arbitrary row lists (issue 31, item 2's planner): every consumer device gets
+    exactly its rows, none it holds or twice, each from a device that holds it; nothing moves twice."""
+    import numpy as np
+
+    rng = np.random.default_rng(4)
+    cluster = ClusterSpec.from_nodelist("n[1-2]", 4, "cpu")
+    strategies = [S(1, 1, 1), S(2, 1, 1), S(4, 1, 1), S(2, 2, 1), S(2, 1, 2), S(1, 2, 2)]
+    meshes = [m for m in cluster.device_meshes()]
+    for trial in range(60):
+        n = int(rng.integers(1, 14))
+        lays = []
+        for _ in range(2):
+            s = strategies[int(rng.integers(len(strategies)))]
+            mesh = next(m for m in rng.permutation(meshes) if m.size == s.world_size)
+            owner = rng.integers(0, s.dp, size=n)
+            rows = tuple(tuple(int(i) for i in np.flatnonzero(owner == k)) for k in range(s.dp))
+            lays.append((mesh, s, rows))
+        (pm, ps, prows), (cm, cs, crows) = lays
+        producer = DataLayout(pm, ps, (ps.pp - 1,), rows=prows)
+        consumer = DataLayout(cm, cs, tuple(range(cs.pp)), rows=crows)
+        plan = plan_data_transfer({"seq": [int(b) for b in rng.integers(1, 9, size=n)]}, producer, consumer)
+        holds = {producer.layout.device(k, t, ps.pp - 1): set(r) for k, r in enumerate(prows) for t in range(ps.tp)}
+        got: dict[int, list[int]] = {}
+        for t in plan.transfers:
+            assert set(range(t.lo, t.hi)) <= holds[t.src], trial
+            for d in t.dsts:
+                got.setdefault(d, []).extend(range(t.lo, t.hi))
+        for c in plan.local_copies:
+            assert set(range(c.lo, c.hi)) <= holds.get(c.device, set()), trial
+            got.setdefault(c.device, []).extend(range(c.lo, c.hi))
+        for k, r in enumerate(crows):
+            for st in range(cs.pp):
+                for t in range(cs.tp):
+                    dev = consumer.layout.device(k, t, st)
+                    assert sorted(got.get(dev, [])) == sorted(r), trial
+        assert plan.redundancy_ratio == 1.0
+    with pytest.raises(ValueError, match="each of the batch's 3 sequences exactly once"):
+        DataLayout(meshes[0], S(1, 1, 1), (0,), rows=((0, 2),)).row_runs(3)
+    with pytest.raises(ValueError, match="not contiguous"):
+        DataLayout(cluster.whole, S(8, 1, 1), (0,), rows=((0, 2),) + ((1,),) + ((),) * 6).row_ranges(3)

@@ -79,3 +79,21 @@ def token_balanced_ranges(tokens: Sequence[int], dp: int, unit: int = 1,
 def rank_tokens(tokens: Sequence[int], ranges: Sequence[tuple[int, int]]) -> list[int]:
     """Tokens per rank under ``ranges``."""
     return [sum(int(x) for x in tokens[lo:hi]) for lo, hi in ranges]
+
+
+def row_runs(rows: Sequence[Sequence[int]], n: int, where: str) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Each rank's rows (global indices) as runs [lo, hi) of consecutive rows; the ranks' rows must be a
+    partition of the batch's ``n`` (a ValueError naming ``where`` otherwise)."""
+    seen = sorted(int(i) for r in rows for i in r)
+    if seen != list(range(n)):
+        raise ValueError(f"{where}: the ranks' row lists must hold each of the batch's {n} sequences exactly once")
+    out = []
+    for r in rows:
+        runs: list[list[int]] = []
+        for i in sorted(int(x) for x in r):
+            if runs and runs[-1][1] == i:
+                runs[-1][1] = i + 1
+            else:
+                runs.append([i, i + 1])
+        out.append(tuple((lo, hi) for lo, hi in runs))
+    return tuple(out)
