@@ -15,7 +15,7 @@ from realloc.graph.dataflow import build_graph
 from realloc.graph.plan import ExecutionPlan
 from realloc.graph.row_balance import rank_tokens, token_balanced_ranges
 from realloc.graph.transfer_plan import DataLayout, dp_ranges, plan_data_transfer
-from realloc.lengths import ResponseLengths
+from realloc.lengths import ResponseLengths, lengths_from_run
 from realloc.models.length_schedule import scheduled_lengths
 from realloc.cluster import ClusterSpec
 from realloc.strategy import ParallelStrategy as S
@@ -146,6 +146,12 @@ def test_a_balanced_run_deals_rows_by_tokens_and_matches_the_unbalanced_run(tmp_
         for call in ("actor_train", "critic_train"):  # two mini-batches of at least one row on each rank
             assert seen[t, call] == token_balanced_ranges(tokens, 2, min_rows=2)
     assert moved  # some iteration's balanced split is not the even one
+    # realloc search --lengths-from reads the lengths back: the schedule's, drawn per sequence
+    schedule = ResponseLengths.lognormal(median=2, p99=7)
+    lens = [len(x["response_ids"]) for x in samples if "response_ids" in x]
+    assert len(lens) == 32 * N_ITER and len(set(lens)) > 3 and max(lens) <= 8
+    assert lengths_from_run(balanced) == ResponseLengths.empirical(lens)
+    assert schedule.quantile(0.5, 8) - 1 <= sorted(lens)[len(lens) // 2] <= schedule.quantile(0.5, 8) + 1
     # the same samples, rewards and losses as the run that deals equal rows
     for a, b in zip(metrics(balanced), metrics(even)):
         for k in ("reward", "response_len", "kl", "actor_loss", "critic_loss", "actor_grad_norm", "critic_grad_norm"):

@@ -417,7 +417,8 @@ class ModelWorker:
         elif reporter and not evaluating and {"seq", "logp"} <= set(result.outputs):
             self.sample_parts = self.samples.parts(iteration, range(lo, hi), out_keys["seq"], result.outputs["seq"],
                                                    logp=result.outputs["logp"]["logp"])
-            self.row_tokens = (lo, row_tokens(result.outputs["seq"]))
+            if self.config.balance_tokens:  # the master balances the later calls' dp ranks by them
+                self.row_tokens = (lo, row_tokens(result.outputs["seq"]))
         stats: dict[str, float] = {}
         if reporter:
             stats.update(result.sums)
