@@ -21,6 +21,7 @@ from realloc.calls import GENERATE, INFERENCE, TRAIN_STEP, InterfaceType, ModelF
 from realloc.algorithms.lora_graph import reference_from_base  # noqa: F401
 from realloc.models.lora_config import LoRAConfig  # noqa: F401
 from realloc.cluster import ClusterSpec
+from realloc.lengths import ResponseLengths  # noqa: F401  (experiments declare their lengths with it)
 
 AUTO_ATTR = "__realloc_auto__"
 
@@ -68,8 +69,12 @@ class AutoConfig:
     dataset_keys: tuple[str, ...] = ("prompts",)
     cluster_overrides: Mapping[str, float] = dataclasses.field(default_factory=dict)
     max_staleness: int = 0
+    response_lengths: ResponseLengths = ResponseLengths()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.response_lengths, ResponseLengths):
+            raise ValueError(f"@auto: response_lengths must be a ResponseLengths (ResponseLengths.lognormal(median, "
+                             f"p99), ...), got {type(self.response_lengths).__name__}")
         for field in ("batch_size", "prompt_len", "gen_len"):
             v = getattr(self, field)
             if not isinstance(v, int) or v < 1:
@@ -77,21 +82,26 @@ class AutoConfig:
         v = self.max_staleness
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ValueError(f"@auto: max_staleness must be an integer >= 0 (0: synchronous RL), got {v!r}")
+        self.response_lengths.check(self.gen_len)
 
 
 def auto(nodelist: str, batch_size: int, n_devices_per_node: int | None = None, device: str = "cpu",
          prompt_len: int = 1024, gen_len: int = 1024, dataset_keys: Sequence[str] = ("prompts",),
-         max_staleness: int = 0, **cluster_overrides: float) -> Callable[[type], type]:
+         max_staleness: int = 0, response_lengths: ResponseLengths | None = None,
+         **cluster_overrides: float) -> Callable[[type], type]:
     """Mark a dataclass as a realloc experiment (realhf.txt Figure 5).
 
     ``prompt_len`` and ``gen_len`` give the workload shape the planner costs:
     generation extends each prompt by up to ``gen_len`` tokens, and every later
     call sees ``prompt_len + gen_len`` tokens per sequence. ``max_staleness`` bounds
     asynchronous RL: a plan may let generation run that many train steps ahead of
-    training (the search chooses how far, 0 to the bound; docs/async-rl.md).
+    training (the search chooses how far, 0 to the bound; docs/async-rl.md). ``response_lengths``
+    says how long responses are (``realloc.lengths``; default: every one ``gen_len`` tokens), which the
+    planner prices (docs/long-tail.md).
     """
     cfg = AutoConfig(nodelist, batch_size, n_devices_per_node, device, prompt_len, gen_len, tuple(dataset_keys),
-                     dict(cluster_overrides), max_staleness)
+                     dict(cluster_overrides), max_staleness,
+                     ResponseLengths() if response_lengths is None else response_lengths)
 
     def wrap(cls: type) -> type:
         if not dataclasses.is_dataclass(cls):
@@ -121,6 +131,8 @@ class ExperimentSpec:
     models: Mapping[str, HFModel] = dataclasses.field(default_factory=dict)
     # How many train steps generation may run ahead of training (a plan's ``staleness`` is at most this).
     max_staleness: int = 0
+    # How long responses are (realloc.lengths): what the estimator prices; fixed = gen_len each.
+    response_lengths: ResponseLengths = ResponseLengths()
 
     def resolve_path(self, path: str | Path) -> Path:
         """A user path: absolute, or relative to the experiment file (to the working directory for a module)."""
@@ -186,7 +198,8 @@ def experiment_spec(experiment: Any, source: str = "", auto_config: AutoConfig |
     cluster = ClusterSpec.from_nodelist(cfg.nodelist, cfg.n_devices_per_node, cfg.device, **cfg.cluster_overrides)
     spec = ExperimentSpec(name=cls.__name__, rpcs=tuple(rpcs), cluster=cluster, batch_size=cfg.batch_size,
                           prompt_len=cfg.prompt_len, gen_len=cfg.gen_len, dataset_keys=cfg.dataset_keys,
-                          config=instance, source=source, max_staleness=cfg.max_staleness)
+                          config=instance, source=source, max_staleness=cfg.max_staleness,
+                          response_lengths=cfg.response_lengths)
 
     return dataclasses.replace(spec, rpcs=resolve_minibatches(spec),
                                models=_checkpoint_models(spec, getattr(instance, "models", None)))

@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print (and --out) this baseline plan instead of searching")
     s.add_argument("--out", default=None, help="write the plan JSON here")
     s.add_argument("--timeline", default=None, help="write a timeline picture (.svg/.png/.html)")
+    s.add_argument("--lengths-from", default=None, metavar="RUN_DIR",
+                   help="price the response lengths an earlier run logged (its samples.jsonl) instead of the "
+                        "experiment's response_lengths (docs/long-tail.md)")
     _set_option(s)
     _profiles_option(s)
     s.set_defaults(func=search_cli.main)

@@ -99,7 +99,8 @@ def generation_config(ctx: CallContext) -> GenerationConfig:
                             temperature=cfg.temperature, top_k=cfg.top_k,
                             top_p=cfg.top_p, greedy=ctx.greedy, seed=param_seed(ctx.seed, f"{ctx.purpose}/{ctx.iteration}"),
                             eos_token_ids=ctx.eos_token_ids, pad_token_id=ctx.pad_token_id,
-                            vocab_limit=ctx.vocab_limit)
+                            vocab_limit=ctx.vocab_limit,
+                            length_schedule=None if ctx.greedy else getattr(cfg, "length_schedule", None))
 
 
 # -- generation and inference ----------------------------------------------------------------------------------

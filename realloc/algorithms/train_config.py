@@ -10,6 +10,8 @@ import dataclasses
 import math
 from typing import Literal
 
+from realloc.lengths import ResponseLengths
+
 LR_SCHEDULES = ("constant", "linear", "cosine")
 GRAD_DTYPES = ("fp32", "bf16")
 
@@ -33,6 +35,10 @@ class TrainConfig:
     # Tokens every response gets before EOS may end it (capped at the experiment's gen_len): fixed-length
     # responses, e.g. to benchmark a plan at the workload the estimator prices (gen_len tokens per response).
     min_new_tokens: int = 0
+    # Force response lengths to follow this distribution (realloc.models.length_schedule): each response's
+    # length is drawn from the run's seed and its sequence id, and EOS comes exactly there. A seeded,
+    # long-tailed workload for tests and benchmarks (docs/long-tail.md); None: the model decides.
+    length_schedule: ResponseLengths | None = None
     # Learning-rate schedule over the run's optimizer steps (iterations x n_minibatches): a linear
     # warmup over the first warmup_proportion of the steps, then constant, or linear or cosine decay
     # to min_lr_ratio x lr at the last step.
@@ -54,6 +60,11 @@ class TrainConfig:
                 raise ValueError(f"{name}.{field} must be positive, got {getattr(self, field)!r}")
         if not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
             raise ValueError(f"{name}.min_new_tokens must be a non-negative integer, got {self.min_new_tokens!r}")
+        if self.length_schedule is not None and not isinstance(self.length_schedule, ResponseLengths):
+            raise ValueError(f"{name}.length_schedule must be a ResponseLengths (e.g. ResponseLengths.lognormal("
+                             f"median=8, p99=96)) or None, got {type(self.length_schedule).__name__}")
+        if self.length_schedule is not None and self.min_new_tokens:
+            raise ValueError(f"{name}: length_schedule and min_new_tokens both decide where EOS may come; set one")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"{name}.lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
         if self.grad_dtype not in GRAD_DTYPES:

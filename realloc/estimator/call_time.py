@@ -25,12 +25,18 @@ the collective model and the call's workload. Terms:
   pp > 1 the micro-batches are pipelined through the stages (``decode_round``), at most
   pp at a time (waves of pp micro-batches);
 - host overheads from the hardware spec: one dispatch per call, and per decode
-  step per micro-batch and stage the sampling bookkeeping.
+  step per micro-batch and stage the sampling bookkeeping;
+- response lengths (``realloc.lengths``, issue 31): with lengths that vary, a micro-batch's rows finish
+  at the expected order statistics of the distribution and decode steps run only the rows still going
+  (``generate_varied``); inference and training run a micro-batch's packed rows, as wide as its expected
+  longest sequence and as many as its expected tokens fill (``Workload.packed``). Fixed lengths (the
+  default) price exactly the formulas above.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Protocol, Sequence
 
 from realloc.calls import InterfaceType
@@ -179,6 +185,35 @@ def _series(v0: CallCost, v1: CallCost, n: int) -> CallCost:
     return v0.scaled(n) + (v1 + v0.scaled(-1)).scaled((n + 1) / 2)
 
 
+# Decode segments (runs of steps with one row count) priced one by one; more are merged (decode_segments).
+MAX_DECODE_SEGMENTS = 16
+
+
+def decode_segments(ends: Sequence[int], max_segments: int = MAX_DECODE_SEGMENTS) -> list[tuple[int, int, int]]:
+    """(first step, last step, rows running) of a micro-batch's decode steps 1 .. max(ends) - 1, where row i stops
+    after ``ends[i]`` tokens (ascending): step j runs the rows with ends > j.
+
+    Beyond ``max_segments`` runs, consecutive runs merge into ``max_segments`` groups, each priced at its mean
+    row count (rounded), so that the rows x steps it decodes stay the same up to rounding: a decode step's
+    cost is nearly affine in its rows, and a micro-batch of hundreds of rows would otherwise price hundreds of
+    runs."""
+    b = len(ends)
+    runs, first = [], 1
+    for i, end in enumerate(ends):
+        if end - 1 >= first:
+            runs.append((first, end - 1, b - i))
+            first = end
+    if len(runs) <= max_segments:
+        return runs
+    out = []
+    for k in range(max_segments):
+        group = runs[k * len(runs) // max_segments:(k + 1) * len(runs) // max_segments]
+        steps = sum(hi - lo + 1 for lo, hi, _ in group)
+        row_steps = sum((hi - lo + 1) * r for lo, hi, r in group)
+        out.append((group[0][0], group[-1][1], max(1, math.floor(row_steps / steps + 0.5))))
+    return out
+
+
 class CallTimer:
     """Time of calls of one model on one layout; all inputs explicit, nothing cached."""
 
@@ -242,6 +277,9 @@ class CallTimer:
         b, t = work.micro_batch(strategy.dp, n_mbs), strategy.tp
         seq, prompt = work.seq_len, work.prompt_len
         overhead = CallCost.of(overhead=self.hw.call_overhead)
+        if work.interface is not InterfaceType.GENERATE:
+            # the packed rows of a micro-batch: with varying lengths, fewer rows than sequences (issue 31)
+            b, seq = work.packed(b)
         if work.interface is InterfaceType.INFERENCE:
             host = self._engine("engine.fwd", t, b, seq)
             return pipeline_makespan(self._stages(Phase.FWD, strategy, links, b, seq, host=host), n_mbs) + overhead
@@ -253,7 +291,8 @@ class CallTimer:
             iface = self.costs.interface("interface.train", t, work.gen_len) or 0.0
             moments = self.comm.time("all_reduce", strategy.dp, 8 * (3 + work.n_steps), links.dp)
             return step.scaled(work.n_steps) + overhead + CallCost.of(overhead=iface, dp_allreduce=moments)
-        return self.generate(strategy, links, b, prompt, work.gen_len, n_mbs) + overhead
+        ends = work.lengths.order_statistics(work.gen_len, b)  # all gen_len for fixed lengths
+        return self.generate_varied(strategy, links, b, prompt, ends, n_mbs) + overhead
 
     def train_step(self, strategy: ParallelStrategy, links: GroupLinks, b: int, seq: int, n_mbs: int,
                    recompute: bool = False) -> CallCost:
@@ -286,22 +325,37 @@ class CallTimer:
         finished rows, the next step's mask; sampling is in the head op) runs on every stage for
         every micro-batch, and the sampled tokens travel from the last stage back to the others.
         """
+        return self.generate_varied(strategy, links, b, prompt, (gen_len,) * b, n_mbs)
+
+    def generate_varied(self, strategy: ParallelStrategy, links: GroupLinks, b: int, prompt: int,
+                        ends: Sequence[int], n_mbs: int) -> CallCost:
+        """``generate`` when responses differ in length (issue 31): row i of a micro-batch stops after
+        ``ends[i]`` tokens (ascending: the expected order statistics, ``ResponseLengths.order_statistics``).
+
+        Finished rows leave the micro-batch (``models/generation.py``), so decode step j (its KV cache at
+        prompt + j positions) runs the rows with ends > j, and the micro-batch ends with its longest row. Runs
+        of steps with one row count are summed with ``sum_over_range``.
+        """
         if strategy.pp > 1 and n_mbs > strategy.pp:
             # At most pp micro-batches hold a KV cache at once: with equal lengths they go in waves of pp, each
-            # filling and draining the pipeline (models/generation.py).
+            # filling and draining the pipeline (models/generation.py); priced so for any lengths.
             full, rest = divmod(n_mbs, strategy.pp)
-            wave = self.generate(strategy, links, b, prompt, gen_len, strategy.pp).scaled(full)
-            return wave + self.generate(strategy, links, b, prompt, gen_len, rest) if rest else wave
+            wave = self.generate_varied(strategy, links, b, prompt, ends, strategy.pp).scaled(full)
+            return wave + self.generate_varied(strategy, links, b, prompt, ends, rest) if rest else wave
         t = strategy.tp
         host = self._engine("engine.decode_step", t, b, prompt, default=self.hw.decode_step_overhead)
-        back = self.comm.time("p2p", 2, 16 * b, links.pp_any) if strategy.pp > 1 else 0.0
         prefill = pipeline_makespan(self._stages(Phase.PREFILL, strategy, links, b, prompt, host=host), n_mbs)
-        per_call = CallCost.of(overhead=n_mbs * self._engine("engine.gen_call", t, b, prompt))
+        total = prefill + CallCost.of(overhead=n_mbs * self._engine("engine.gen_call", t, b, prompt))
+        for first, last, rows in decode_segments(ends):
+            r_host = self._engine("engine.decode_step", t, rows, prompt, default=self.hw.decode_step_overhead)
+            back = self.comm.time("p2p", 2, 16 * rows, links.pp_any) if strategy.pp > 1 else 0.0
 
-        def step(ctx: int) -> CallCost:
-            return decode_round(self._stages(Phase.DECODE, strategy, links, b, ctx, host=host), n_mbs, back)
+            def step(ctx: int, rows: int = rows, r_host: float = r_host, back: float = back) -> CallCost:
+                stages = self._stages(Phase.DECODE, strategy, links, rows, ctx, host=r_host)
+                return decode_round(stages, n_mbs, back)
 
-        return prefill + per_call + sum_over_range(step, prompt + 1, prompt + gen_len - 1, self.decode_grid)
+            total = total + sum_over_range(step, prompt + first, prompt + last, self.decode_grid)
+        return total
 
     def _param_ratio(self, strategy: ParallelStrategy) -> float:
         """Local parameters of the stage holding the most, over those of the one-layer model the

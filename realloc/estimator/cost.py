@@ -110,7 +110,7 @@ class CostModel:
         if rpc.interface_type is InterfaceType.TRAIN_STEP and callable(trained):
             n_seqs = max(1, n_seqs * trained(spec.batch_size) // spec.batch_size)
         return Workload(interface=rpc.interface_type, n_seqs=n_seqs * rows, n_steps=n_steps,
-                        prompt_len=spec.prompt_len, gen_len=spec.gen_len)
+                        prompt_len=spec.prompt_len, gen_len=spec.gen_len, lengths=spec.response_lengths)
 
     def _precision(self, call: str) -> Precision:
         # A train call's settings choose its gradient buffers' dtype (TrainConfig.grad_dtype); its model's

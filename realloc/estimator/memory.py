@@ -99,6 +99,7 @@ from realloc.estimator.opcount import (block_backward_bytes_per_token, head_save
                                        pipeline_held_bytes_per_token, rope_bytes_per_token, sampling_bytes_per_row,
                                        saved_activation_bytes_per_token, stage_saved_bytes_per_token,
                                        transient_activation_bytes_per_token)
+from realloc.lengths import ResponseLengths
 from realloc.models.config import ModelConfig
 from realloc.models.param_layout import (is_trained, shard_numel, stage_layer_ranges, stage_param_specs,
                                          trained_shard_numel)
@@ -136,10 +137,23 @@ class Workload:
     n_steps: int  # optimizer steps per call (n_minibatches); 1 otherwise
     prompt_len: int
     gen_len: int
+    # How long responses are (issue 31): time is priced on the lengths that exist (call_time.py); memory stays
+    # at the longest, gen_len, which any one row may reach.
+    lengths: ResponseLengths = ResponseLengths()
 
     @property
     def seq_len(self) -> int:
         return self.prompt_len + self.gen_len
+
+    def packed(self, b: int) -> tuple[int, int]:
+        """(rows, tokens per row) a packed micro-batch of ``b`` sequences runs as (``models/packing.py``): rows as
+        wide as its longest sequence (the expected longest of b responses), as many as its expected tokens fill.
+        Fixed lengths: b rows of seq_len."""
+        if self.lengths.is_fixed:
+            return b, self.seq_len
+        width = self.prompt_len + self.lengths.order_statistics(self.gen_len, b)[-1]
+        tokens = b * (self.prompt_len + self.lengths.mean(self.gen_len))
+        return max(1, min(b, math.ceil(tokens / width))), width
 
     def micro_batch(self, dp: int, n_mbs: int) -> int:
         """Sequences in one micro-batch of one dp rank; the largest one when the split is uneven."""

@@ -64,6 +64,7 @@ from types import MappingProxyType
 from typing import Hashable, Iterable, Mapping, Sequence
 
 from realloc.cluster import DeviceMesh
+from realloc.graph.row_balance import row_runs
 from realloc.models.config import ModelConfig, tp_error
 from realloc.models.param_layout import ParamSpec, param_specs, stage_param_specs
 from realloc.strategy import ParallelStrategy, even_ranges
@@ -116,9 +117,21 @@ class DataLayout:
     mesh: DeviceMesh
     strategy: ParallelStrategy
     stages: tuple[int, ...]
+    # Each dp rank's [lo, hi) of the batch when they are not ``dp_ranges`` (token-balanced ranks,
+    # ``row_balance.py``); None: the even split.
+    ranges: tuple[tuple[int, int], ...] | None = None
+    # Or each dp rank's rows as global sequence indices, in any pattern (issue 31: rows dealt by tokens);
+    # the planner moves them as runs of consecutive rows (``row_balance.row_runs``).
+    rows: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         Layout(self.mesh, self.strategy)  # validates the sizes
+        for what, v in (("row ranges", self.ranges), ("row lists", self.rows)):
+            if v is not None and len(v) != self.strategy.dp:
+                raise ValueError(f"data layout {self.mesh.name} {self.strategy}: {len(v)} {what} for "
+                                 f"{self.strategy.dp} dp ranks")
+        if self.ranges is not None and self.rows is not None:
+            raise ValueError(f"data layout {self.mesh.name} {self.strategy}: give row ranges or row lists, not both")
         if not self.stages or any(not 0 <= s < self.strategy.pp for s in self.stages):
             raise ValueError(f"data layout {self.mesh.name} {self.strategy}: stages {self.stages} must be a "
                              f"non-empty list of pipeline stages in 0..{self.strategy.pp - 1}")
@@ -126,6 +139,27 @@ class DataLayout:
     @property
     def layout(self) -> Layout:
         return Layout(self.mesh, self.strategy)
+
+    def row_runs(self, n: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Each dp rank's rows of a batch of ``n`` sequences, as runs [lo, hi) of consecutive ones."""
+        if self.rows is not None:
+            return row_runs(self.rows, n, f"data layout {self.mesh.name} {self.strategy}")
+        return tuple(((lo, hi),) if lo < hi else () for lo, hi in self.row_ranges(n))
+
+    def row_ranges(self, n: int) -> tuple[tuple[int, int], ...]:
+        """Each dp rank's [lo, hi) of a batch of ``n`` sequences (the runtime moves contiguous shares only)."""
+        if self.rows is not None:
+            runs = self.row_runs(n)
+            if any(len(r) > 1 for r in runs):
+                raise ValueError(f"data layout {self.mesh.name} {self.strategy}: its row lists are not contiguous")
+            return tuple(r[0] if r else (0, 0) for r in runs)
+        if self.ranges is None:
+            return dp_ranges(n, self.strategy.dp)
+        if self.ranges[0][0] != 0 or self.ranges[-1][1] != n or any(
+                a[1] != b[0] or a[0] > a[1] for a, b in zip(self.ranges, self.ranges[1:])):
+            raise ValueError(f"data layout {self.mesh.name} {self.strategy}: row ranges {self.ranges} do not tile "
+                             f"the batch of {n} sequences")
+        return self.ranges
 
 
 def dp_ranges(n: int, dp: int) -> tuple[tuple[int, int], ...]:
@@ -507,9 +541,9 @@ def plan_data_transfer(seq_bytes: Mapping[str, Sequence[int]], producer: DataLay
     """Plan moving a batch's keys from the devices that produced them to those that consume them.
 
     ``seq_bytes[key][i]`` is the size in bytes of sequence i of ``key`` (use
-    ``[nbytes] * n`` for fixed-size rows). Producer dp rank k holds sequences
-    ``dp_ranges(n, dp)[k]`` on all its tp ranks and ``producer.stages``; each device of
-    consumer dp rank c on ``consumer.stages`` needs ``dp_ranges(n, dp_c)[c]``.
+    ``[nbytes] * n`` for fixed-size rows). Producer dp rank k holds its rows (``producer.row_runs(n)[k]``: the
+    even split ``dp_ranges``, or the layout's ranges or row lists) on all its tp ranks and ``producer.stages``;
+    each device of consumer dp rank c on ``consumer.stages`` needs ``consumer.row_runs(n)[c]``.
     ``cached[device]`` lists (key, lo, hi) sequence ranges a device already holds from an
     earlier transfer (the paper's local data cache); they are never sent again to it.
     """
@@ -527,19 +561,19 @@ def plan_data_transfer(seq_bytes: Mapping[str, Sequence[int]], producer: DataLay
         for b in sizes:
             offsets.append(offsets[-1] + int(b))
         all_offsets[key] = tuple(offsets)
-        groups = []
-        for k, (lo, hi) in enumerate(dp_ranges(n, ps.dp)):
+        groups, needs = [], []
+        p_runs = producer.row_runs(n)
+        for k, runs in enumerate(p_runs):
             devs = tuple(pl.device(k, t, st) for st in producer.stages for t in range(ps.tp))
-            groups.append((lo, hi, devs, k))
-        needs = []
-        for c, (lo, hi) in enumerate(dp_ranges(n, cs.dp)):
-            if lo < hi:
+            groups.extend((lo, hi, devs, k) for lo, hi in runs)
+        for c, runs in enumerate(consumer.row_runs(n)):
+            for lo, hi in runs:
                 needs.extend((cl.device(c, t, st), lo, hi) for st in consumer.stages for t in range(cs.tp))
         held: dict[int, list[tuple[int, int]]] = defaultdict(list)
-        for dev, _, _ in needs:
+        for dev in dict.fromkeys(dev for dev, _, _ in needs):  # a device may need several runs
             coords = pl.coords_by_device.get(dev)
             if coords is not None and coords[2] in producer.stages:
-                held[dev].append(groups[coords[0]][:2])
+                held[dev].extend(p_runs[coords[0]])
             for ck, lo, hi in cached.get(dev, ()):
                 if ck == key:
                     if not 0 <= lo <= hi <= n:

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from realloc.models.batch import token_layout
+from realloc.models.length_schedule import force_lengths, scheduled_lengths
 from realloc.models.llama import KVCache, cache_mask
 from realloc.models.sampling import GenerationConfig, sample_tokens, sequence_generators
 # DecodingModel: what generation reads of a model, defined beside the static step that reads it too
@@ -164,6 +165,10 @@ class _MicroBatch:
             key_valid[b, self.P - r.numel():self.P] = True
         self.key_valid, self.plen_d = key_valid.to(dev), self.plen.to(dev)
         self.generators = sequence_generators(gconfig.seed, seq_ids)
+        # length_schedule: each row's response length, where its EOS is forced (length_schedule.py)
+        self.target = (torch.tensor(scheduled_lengths(gconfig.length_schedule, gconfig.max_new_tokens, gconfig.seed,
+                                                      seq_ids), dtype=torch.long, device=dev)
+                       if gconfig.length_schedule is not None else None)
         self.eos = torch.tensor(gconfig.eos_token_ids, dtype=torch.long, device=dev)
         self.out_tok = torch.full((bsz, self.N), gconfig.pad_token_id, dtype=torch.long, device=dev)
         self.out_lp = torch.zeros((bsz, self.N), dtype=torch.float32, device=dev)
@@ -199,7 +204,13 @@ class _MicroBatch:
     def sample(self, logits: torch.Tensor, t: int) -> torch.Tensor:
         """The last stage's draw for step ``t``: [2, rows] float64 (tokens, log-probs)."""
         ban = self.eos if t < self.gconfig.min_new_tokens else None
+        scheduled = self.target is not None and self.eos.numel() > 0
+        if scheduled:
+            ban = self.eos  # a scheduled row ends only where its schedule says
         tok, lp = sample_tokens(logits, self.gconfig, [self.generators[i] for i in self.active.tolist()], ban)
+        if scheduled:
+            tok, lp = force_lengths(logits, tok, self.target[self.active] == t + 1, self.eos,
+                                    self.gconfig.temperature)
         return torch.stack([tok.double(), lp.double()])
 
     def apply(self, msg: torch.Tensor, t: int) -> None:
@@ -211,6 +222,8 @@ class _MicroBatch:
         self.gen_len[active] = t + 1
         stop = torch.isin(tok, self.eos) if self.eos.numel() else torch.zeros_like(tok, dtype=torch.bool)
         self.hit_eos[active] = stop
+        if self.target is not None:  # a scheduled row ends at its length, with EOS where there is one
+            stop = stop | (self.target[active] == t + 1)
         keep = ~stop
         if t == self.N - 1 or not bool(keep.any()):
             self.done, self.caches, self.finished_step = True, [], t
@@ -277,7 +290,7 @@ def generate(model: DecodingModel, prompts: Sequence[Sequence[int]] | Mapping[st
     model.stage.eval()
     mbs = [_MicroBatch(model, rows[lo:hi], seq_ids[lo:hi], gconfig) for lo, hi in even_ranges(bsz, n_mbs)]
     wire = _Wire(model)
-    graph = wants_graph(model, gconfig)
+    graph = wants_graph(model, gconfig) and gconfig.length_schedule is None  # a schedule decodes eagerly
     if graph or wants_static_op_by_op(model, gconfig):
         # static shapes, a CUDA graph per (rows, cache length) on a GPU (static_decode.py); freed on return
         decoders: dict[tuple[int, int], StaticDecoder] = {}

@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from realloc.lengths import ResponseLengths
 from realloc.models.vocab_parallel import vocab_parallel_token_logprobs
 from realloc.models.weights import param_seed
 
@@ -41,6 +42,10 @@ class GenerationConfig:
     # and runs the eager, shrinking-batch loop elsewhere; "graph" insists on the graph; "static" runs the
     # graph's static-shape step op by op (its reference); "eager" is the shrinking-batch loop everywhere.
     decode: str = "auto"
+    # Force each row's response length to follow this distribution, drawn from (seed, sequence id)
+    # (length_schedule.py): a deterministic long-tailed workload for tests and benchmarks. None: the
+    # model's own EOS decides.
+    length_schedule: ResponseLengths | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
@@ -57,6 +62,18 @@ class GenerationConfig:
             raise ValueError(f"GenerationConfig.top_p must be in (0, 1], got {self.top_p}")
         if self.decode not in DECODE_MODES:
             raise ValueError(f"GenerationConfig.decode must be one of {', '.join(DECODE_MODES)}, got {self.decode!r}")
+        if self.length_schedule is not None:
+            if not isinstance(self.length_schedule, ResponseLengths):
+                raise ValueError(f"GenerationConfig.length_schedule must be a ResponseLengths or None, got "
+                                 f"{type(self.length_schedule).__name__}")
+            if self.min_new_tokens:
+                raise ValueError("GenerationConfig: length_schedule and min_new_tokens both decide where EOS may "
+                                 "come; set one of them")
+            if self.greedy:
+                raise ValueError("GenerationConfig.length_schedule needs sampling (greedy=False)")
+            if self.decode in ("graph", "static"):
+                raise ValueError("GenerationConfig.length_schedule runs the eager decode loop; use decode='auto' "
+                                 "or 'eager'")
         if self.vocab_limit is not None and self.vocab_limit < 1:
             raise ValueError(f"GenerationConfig.vocab_limit must be >= 1 (None: no limit), got {self.vocab_limit}")
 

@@ -8,9 +8,11 @@ against device memory, and search statistics.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
+from realloc.lengths import lengths_from_run
 from realloc.overrides import load_with_overrides
 from realloc.search.fused_report import fused_summary
 from realloc.search.lora_report import lora_summary
@@ -48,6 +50,8 @@ def print_report(report: SearchReport, n_threads: int) -> None:
     print(f"cluster    {cluster.describe()}")
     print(f"workload   batch {spec.describe_batch()}, prompt {spec.prompt_len} + generation {spec.gen_len} tokens, "
           f"{len(spec.rpcs)} calls; estimator: {_estimator_source(report)}")
+    if not spec.response_lengths.is_fixed:
+        print(f"           response lengths {spec.response_lengths.describe(spec.gen_len)}")
     print(f"           {rp.candidate_summary(report)}")
     print()
     print("searched plan")
@@ -120,6 +124,10 @@ def main(args: argparse.Namespace) -> int:
         if path and not Path(path).resolve().parent.is_dir():
             raise ValueError(f"{option} {path}: folder {Path(path).resolve().parent} does not exist; create it first")
     experiment = load_with_overrides(args.experiment, getattr(args, "set", None) or ())
+    if getattr(args, "lengths_from", None):
+        lengths = lengths_from_run(args.lengths_from)
+        lengths.check(experiment.gen_len)
+        experiment = dataclasses.replace(experiment, response_lengths=lengths)
     name = getattr(args, "baseline", None)
     if name:
         spec = experiment_of(experiment)

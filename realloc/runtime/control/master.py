@@ -145,6 +145,9 @@ class Master(MasterLink, IterationSchedule, EvaluationPasses, CheckpointSaves):
         self.data_meta: dict[tuple[str, int], list[protocol.TensorMeta]] = {}
         self.cached: dict[tuple[str, int], dict[int, list[tuple[str, int, int]]]] = {}
         self.pushed: dict[tuple[str, int], list[RequestRecord]] = {}  # (consumer, t) -> its input transfers
+        # balance_tokens: t -> sequence -> its tokens (the generation's reply), and each (call, t)'s dp ranges
+        self.row_tokens: dict[int, dict[int, int]] = {}
+        self.row_ranges: dict[tuple[str, int], tuple[tuple[int, int], ...] | None] = {}
         self.known_groups = self._startup_groups()
         self.call_stats: dict[int, dict[str, dict[str, float]]] = {}
         self.node_times: dict[int, dict[str, float]] = {}

@@ -28,6 +28,8 @@ import time
 from typing import Any
 
 from realloc.algorithms.pairs.reward_model import pair_metrics
+from realloc.calls import InterfaceType
+from realloc.graph.row_balance import token_balanced_ranges
 from realloc.graph.transfer_plan import TransferPlan, dp_ranges
 from realloc.runtime.control.master_link import RunFailed
 from realloc.runtime.control.program import Realloc
@@ -302,6 +304,9 @@ class IterationSchedule:
                 if c[1] <= k:
                     self.cached.pop(c, None)
                     self.data_meta.pop(c, None)
+            self.row_tokens.pop(k, None)
+            for c in [c for c in self.row_ranges if c[1] <= k]:
+                del self.row_ranges[c]
             nxt = k + self.window
             if nxt < self.end and self.stop is None:
                 self._spawn(nxt)
@@ -339,8 +344,9 @@ class IterationSchedule:
         # The inputs were sent when their producers finished (``_push_outputs``); each worker runs them
         # before this call, which it received later.
         recs = self.pushed.pop((c, t), [])
+        ranges = [list(r) for r in self._row_ranges(c, t) or ()]
         call = self._send(self.program.calls[c].ranks, "call", c, t, c,
-                          lambda req: protocol.RunCall(req=req, call=c, iteration=t))
+                          lambda req: protocol.RunCall(req=req, call=c, iteration=t, ranges=ranges))
         for rec in recs:
             await self._wait(rec)
         replies = await self._wait(call)
@@ -352,6 +358,8 @@ class IterationSchedule:
                 self.data_meta.setdefault((out.key, t), out.tensors)
             for part in rep.samples:
                 self.samples.setdefault(t, {}).setdefault((part.key, part.seq), {}).update(part.fields)
+            if rep.row_tokens and c == self._balanced_generation():
+                self.row_tokens.setdefault(t, {}).update(enumerate(rep.row_tokens, rep.rows_lo))
         if self.program.is_stale(c):
             version = stats.pop("param_version", None)
             if version is None:
@@ -381,9 +389,12 @@ class IterationSchedule:
     def _transfer(self, key: str, consumer: str, t: int) -> list[RequestRecord]:
         metas = self.data_meta[(key, t)]
         cached = self.cached.setdefault((key, t), {})
-        plan = self.program.data_plan(key, consumer, row_bytes(metas), cached={d: list(v) for d, v in cached.items()})
+        src = self.program.producer_of(key)
+        dst_ranges = self._row_ranges(consumer, t)
+        plan = self.program.data_plan(key, consumer, row_bytes(metas), cached={d: list(v) for d, v in cached.items()},
+                                      src_ranges=self._row_ranges(src, t) if src else None, dst_ranges=dst_ranges)
         dl = self.program.consumer(consumer)
-        ranges = dp_ranges(self.program.batch_size, dl.strategy.dp)
+        ranges = dst_ranges or dp_ranges(self.program.batch_size, dl.strategy.dp)
         for dev, (dp_rank, _, pp_rank) in dl.layout.coords_by_device.items():
             entry = (key, *ranges[dp_rank])
             if entry not in cached.setdefault(dev, []):
@@ -406,3 +417,26 @@ class IterationSchedule:
                                lambda req: protocol.TransferData(req=req, key=key, iteration=t, dst_call=consumer,
                                                                  tensors=metas, broadcasts=pieces)))
         return recs
+
+    # -- token-balanced dp ranks (RunConfig.balance_tokens; graph/row_balance.py) ----------------------------------
+    def _balanced_generation(self) -> str | None:
+        """The generation call whose lengths balance the later calls: the graph's only one (with several, the
+        rows' lengths are ambiguous and every call keeps the even split)."""
+        gens = [c for c in self.graph.topo_order if self.graph.call(c).interface_type is InterfaceType.GENERATE]
+        return gens[0] if self.config.balance_tokens and len(gens) == 1 else None
+
+    def _row_ranges(self, call: str, t: int) -> tuple[tuple[int, int], ...] | None:
+        """``call``'s dp ranks' shares of iteration t's batch, balanced by tokens once its generation reported
+        them; None: the even split. Decided once per (call, t), so its transfers and its request agree."""
+        if (call, t) not in self.row_ranges:
+            tokens = self.row_tokens.get(t, {})
+            n = self.program.batch_size
+            cl, rpc = self.program.calls[call], self.graph.call(call)
+            ranges = None
+            if (self._balanced_generation() and rpc.interface_type is not InterfaceType.GENERATE
+                    and len(tokens) == n and cl.strategy.dp > 1):
+                # a train step's mini-batches (index mod n_minibatches) need n_mbs rows on every rank
+                ranges = token_balanced_ranges([tokens[i] for i in range(n)], cl.strategy.dp,
+                                               unit=self.spec.group_size, min_rows=rpc.n_minibatches * cl.n_mbs)
+            self.row_ranges[call, t] = ranges
+        return self.row_ranges[call, t]

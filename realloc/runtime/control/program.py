@@ -222,19 +222,20 @@ class RuntimeProgram:
                                   bytes_per_element=self.bytes_per_param)
 
     # -- data ----------------------------------------------------------------------------------------
-    def producer(self, call: str) -> DataLayout:
-        """Where a call's outputs live: generation leaves them on every stage, a forward pass on the last."""
+    def producer(self, call: str, ranges: tuple[tuple[int, int], ...] | None = None) -> DataLayout:
+        """Where a call's outputs live: generation leaves them on every stage, a forward pass on the last;
+        ``ranges``: its dp ranks' shares of the batch when not the even split (token-balanced)."""
         cl = self.calls[call]
         s = cl.strategy
         gen = self.graph.call(call).interface_type is InterfaceType.GENERATE
         stages = tuple(range(s.pp)) if gen else (s.pp - 1,)
-        return DataLayout(cl.mesh, s, stages)
+        return DataLayout(cl.mesh, s, stages, ranges)
 
-    def consumer(self, call: str) -> DataLayout:
+    def consumer(self, call: str, ranges: tuple[tuple[int, int], ...] | None = None) -> DataLayout:
         """Every stage of a consumer gets its dp rank's inputs: the first stage embeds the tokens, the last
         computes losses from the other keys, and the pipeline derives positions from the tokens on all."""
         cl = self.calls[call]
-        return DataLayout(cl.mesh, cl.strategy, tuple(range(cl.strategy.pp)))
+        return DataLayout(cl.mesh, cl.strategy, tuple(range(cl.strategy.pp)), ranges)
 
     def producer_of(self, key: str) -> str | None:
         for r in self.graph.calls:
@@ -243,11 +244,13 @@ class RuntimeProgram:
         return None  # a dataset key
 
     def data_plan(self, key: str, consumer: str, seq_bytes: int,
-                  cached: dict[int, list[tuple[str, int, int]]] | None = None) -> TransferPlan:
+                  cached: dict[int, list[tuple[str, int, int]]] | None = None,
+                  src_ranges: tuple[tuple[int, int], ...] | None = None,
+                  dst_ranges: tuple[tuple[int, int], ...] | None = None) -> TransferPlan:
         src = self.producer_of(key)
         assert src is not None, key
-        return plan_data_transfer({key: [seq_bytes] * self.batch_size}, self.producer(src), self.consumer(consumer),
-                                  cached=cached)
+        return plan_data_transfer({key: [seq_bytes] * self.batch_size}, self.producer(src, src_ranges),
+                                  self.consumer(consumer, dst_ranges), cached=cached)
 
     # -- process groups --------------------------------------------------------------------------------
     def startup_rank_sets(self) -> list[tuple[int, ...]]:

@@ -57,7 +57,7 @@ from realloc.runtime.inputs.run_config import RunConfig
 from realloc.runtime.persist import checkpoint
 from realloc.runtime.records.run_paths import RunPaths
 from realloc.runtime.records.text_io import SampleLog, SpecialTokens
-from realloc.runtime.transfer.data_store import DataStore, pack_rows, row_bytes, unpack_rows
+from realloc.runtime.transfer.data_store import DataStore, pack_rows, row_bytes, row_tokens, unpack_rows
 from realloc.runtime.transfer.offload import HostOffload
 from realloc.runtime.transfer.param_realloc import Reallocator
 from realloc.runtime.wire import protocol
@@ -186,6 +186,7 @@ class ModelWorker:
         self.tokens = SpecialTokens.of(spec, self.tokenizer)
         self.samples = SampleLog(self.tokenizer, self.config.sample_every, self.config.log_samples)
         self.sample_parts: list[protocol.SamplePart] = []  # the current call's, sent with its reply
+        self.row_tokens: tuple[int, list[int]] = (0, [])  # a generation's (first row, tokens per row), likewise
 
     def on_stop_signal(self, signum: int, frame: object) -> None:
         """SIGTERM (a cluster ending the job) does not end this worker: the master is told with the next
@@ -210,7 +211,7 @@ class ModelWorker:
             if on_gpu:
                 torch.cuda.reset_peak_memory_stats(self.device)  # each request's own peak
             start = time.time()
-            self.sample_parts = []
+            self.sample_parts, self.row_tokens = [], (0, [])
             try:
                 stats, outputs = self.handle(req)
                 if on_gpu:
@@ -218,7 +219,8 @@ class ModelWorker:
                 memory = ({"peak_bytes": torch.cuda.max_memory_allocated(self.device),
                            "allocated_bytes": torch.cuda.memory_allocated(self.device)} if on_gpu else {})
                 reply = protocol.Reply(req=req.req, rank=self.rank, ok=True, start=start, end=time.time(),
-                                       stats=stats, outputs=outputs, samples=self.sample_parts, memory=memory)
+                                       stats=stats, outputs=outputs, samples=self.sample_parts, memory=memory,
+                                       rows_lo=self.row_tokens[0], row_tokens=self.row_tokens[1])
             except Exception as e:  # noqa: BLE001 - report any failure to the master, which stops the run
                 log.error("request %d (%s) failed:\n%s", req.req, req.type, traceback.format_exc())
                 reply = protocol.Reply(req=req.req, rank=self.rank, ok=False,
@@ -238,7 +240,7 @@ class ModelWorker:
             for h in self.handles.values():
                 h.version = req.start_iteration
         elif isinstance(req, protocol.RunCall):
-            return self.run_call(req.call, req.iteration, req.eval_batch, req.layout_call)
+            return self.run_call(req.call, req.iteration, req.eval_batch, req.layout_call, req.ranges)
         elif isinstance(req, protocol.Reallocate):
             return self.reallocate(req), []
         elif isinstance(req, protocol.TransferData):
@@ -335,8 +337,8 @@ class ModelWorker:
         return self.handles.get(self.program.calls[self.program.home_call(model)].key)
 
     # -- calls ------------------------------------------------------------------------------------------------
-    def run_call(self, call: str, iteration: int, eval_batch: int = -1,
-                 layout_call: str = "") -> tuple[dict[str, float], list[protocol.OutputMeta]]:
+    def run_call(self, call: str, iteration: int, eval_batch: int = -1, layout_call: str = "",
+                 ranges: list[list[int]] | None = None) -> tuple[dict[str, float], list[protocol.OutputMeta]]:
         """Run ``call``'s interface in its own layout (or ``layout_call``'s). With ``eval_batch`` >= 0, an
         evaluation pass: prompts from the eval set, data under ``eval<j>/`` keys (``evaluation.py``)."""
         prog, spec = self.program, self.spec
@@ -359,7 +361,7 @@ class ModelWorker:
             handle = self.handles[cl.key]
             dp_rank, tp_rank, pp_rank = handle.coords
             dp, pp = cl.strategy.dp, cl.strategy.pp
-        lo, hi = dp_ranges(prog.batch_size, dp)[dp_rank]
+        lo, hi = ranges[dp_rank] if ranges else dp_ranges(prog.batch_size, dp)[dp_rank]  # token-balanced, or even
         inputs: Data = {}
         for role, key in in_keys.items():
             if key in spec.dataset_keys:
@@ -415,6 +417,8 @@ class ModelWorker:
         elif reporter and not evaluating and {"seq", "logp"} <= set(result.outputs):
             self.sample_parts = self.samples.parts(iteration, range(lo, hi), out_keys["seq"], result.outputs["seq"],
                                                    logp=result.outputs["logp"]["logp"])
+            if self.config.balance_tokens:  # the master balances the later calls' dp ranks by them
+                self.row_tokens = (lo, row_tokens(result.outputs["seq"]))
         stats: dict[str, float] = {}
         if reporter:
             stats.update(result.sums)
@@ -541,7 +545,7 @@ def _describe(req: protocol._Msg) -> str:
     it = getattr(req, "iteration", None)
     where = f"iteration {it + 1} " if isinstance(it, int) and it >= 0 else ""
     if isinstance(req, protocol.RunCall):
-        return f"{where}call {req.call}"
+        return f"{where}call {req.call}" + (f" rows {[tuple(r) for r in req.ranges]}" if req.ranges else "")
     if isinstance(req, protocol.Reallocate):
         return f"{where}realloc {req.model} {req.src_call}->{req.dst_call}"
     if isinstance(req, protocol.TransferData):

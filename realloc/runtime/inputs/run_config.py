@@ -15,6 +15,9 @@ The ``@auto`` dataclass may define (all optional):
   reward) to ``samples.jsonl`` in the run directory; 0 turns it off; ``log_samples`` of them (default 4).
   (Not ``n_samples``: that is a GENERATE call's responses per prompt, and on the experiment an error.);
 - ``eval: EvalConfig``: an eval prompt set run every N iterations (``realloc.runtime.inputs.evaluation``);
+- ``balance_tokens: bool`` (default False): deal the batch to the dp ranks of every call after generation by
+  tokens, not by rows (``realloc.graph.row_balance``; docs/long-tail.md); results change only by float
+  summation order;
 - the settings of the interfaces its calls run, e.g. ``ppo: PPOConfig`` or ``grpo: GRPOConfig``
   (``registry.Interface.config``; the type's defaults when absent).
 """
@@ -41,6 +44,7 @@ class RunConfig:
     sample_every: int = 10
     log_samples: int = 4  # sequences of a logged iteration that go to samples.jsonl
     eval: EvalConfig = EvalConfig()
+    balance_tokens: bool = False
 
     @classmethod
     def of(cls, spec: ExperimentSpec, require_dataset: bool = True) -> "RunConfig":
@@ -79,9 +83,12 @@ class RunConfig:
             v = getattr(cfg, field, getattr(cls, field))
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"experiment {spec.name!r}: {field} must be a non-negative integer, got {v!r}")
+        balance = getattr(cfg, "balance_tokens", False)
+        if not isinstance(balance, bool):
+            raise ValueError(f"experiment {spec.name!r}: balance_tokens must be True or False, got {balance!r}")
         return cls(seed=seed, dataset=dataset, iterations=iterations, tokenizer=_tokenizer_dir(spec),
                    data=data, sample_every=getattr(cfg, "sample_every", cls.sample_every),
-                   log_samples=getattr(cfg, "log_samples", cls.log_samples), eval=ev)
+                   log_samples=getattr(cfg, "log_samples", cls.log_samples), eval=ev, balance_tokens=balance)
 
 
 def _tokenizer_dir(spec: ExperimentSpec) -> str | None:

@@ -100,3 +100,9 @@ def unpack_rows(buf: torch.Tensor, metas: list[TensorMeta], n: int) -> Rows:
         out[m.name] = table[:, off:off + width].contiguous().view(dtype).reshape(n, *m.shape)
         off += width
     return out
+
+
+def row_tokens(seq: Rows) -> list[int]:
+    """Tokens of each generated sequence (prompt and response): what token-balanced dp ranks balance
+    (``graph/row_balance.py``)."""
+    return (seq["prompt_lens"].long() + seq["gen_mask"].long().sum(dim=1)).tolist()

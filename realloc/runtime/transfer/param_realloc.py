@@ -42,7 +42,7 @@ from typing import Callable, Iterable, Mapping, MutableMapping, Protocol, Sequen
 import torch
 import torch.distributed as dist
 
-from realloc.graph.transfer_plan import (DataLayout, Layout, LocalCopy, Transfer, TransferPlan, dp_ranges,
+from realloc.graph.transfer_plan import (DataLayout, Layout, LocalCopy, Transfer, TransferPlan,
                                          shard_intervals)
 from realloc.models.param_layout import param_specs
 from realloc.runtime.transfer.offload import free_tensors
@@ -272,7 +272,7 @@ class Reallocator:
         have: dict[str, tuple[torch.Tensor, int]] = {}
         if p_rng is not None:
             for key, offs in offsets.items():
-                lo, hi = dp_ranges(len(offs) - 1, plan.src.strategy.dp)[p_rng]
+                lo, hi = plan.src.row_ranges(len(offs) - 1)[p_rng]
                 if key not in held:
                     raise ValueError(f"transfer_data on rank {me}: this rank produced data key {key!r} but it is "
                                      f"not among the held tensors")
@@ -285,7 +285,7 @@ class Reallocator:
         need_start: dict[str, int] = {}
         if c_rng is not None:
             for key, offs in offsets.items():
-                lo, hi = dp_ranges(len(offs) - 1, plan.dst.strategy.dp)[c_rng]
+                lo, hi = plan.dst.row_ranges(len(offs) - 1)[c_rng]
                 out[key] = torch.empty(offs[hi] - offs[lo], dtype=torch.uint8, device=device)
                 need_start[key] = offs[lo]
 

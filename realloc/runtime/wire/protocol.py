@@ -109,6 +109,9 @@ class RunCall(_Msg):
     iteration: int
     eval_batch: int = -1  # >= 0: an evaluation pass over eval batch j (realloc/runtime/inputs/evaluation.py)
     layout_call: str = ""  # run ``call``'s interface in this call's layout (evaluation generates at home)
+    # Each dp rank's [lo, hi) of the batch when the master balanced them by tokens (graph/row_balance.py);
+    # empty: the even split (transfer_plan.dp_ranges)
+    ranges: list[list[int]] = Field(default_factory=list)
 
 
 class Reallocate(_Msg):
@@ -202,6 +205,10 @@ class Reply(_Msg):
     samples: list[SamplePart] = Field(default_factory=list)
     # GPU workers: the request's peak and the allocation after it ("peak_bytes", "allocated_bytes"); empty on CPU
     memory: dict[str, int] = Field(default_factory=dict)
+    # A generation's reporting rank: the tokens of each of its sequences, from sequence rows_lo on (the
+    # master balances later calls' dp ranks by them, graph/row_balance.py)
+    row_tokens: list[int] = Field(default_factory=list)
+    rows_lo: int = 0
 
     @field_validator("error")
     @classmethod
