@@ -32,6 +32,7 @@ from realloc.estimator.call_time import ZERO, CallCost, CallTimer, LayerCosts
 from realloc.estimator.comm import CommModel, GroupLinks, group_links
 from realloc.estimator.hardware import Precision
 from realloc.estimator.memory import CallMemory, Workload, local_params, max_local_params, stage_call_memory
+from realloc.estimator.pool_link import pooled_plan_seconds
 from realloc.estimator.profile_table import ProfileTable, ProfiledCosts, discover_profiles
 from realloc.estimator.roofline import RooflineCosts
 from realloc.estimator.transfer_cost import plan_seconds
@@ -68,13 +69,17 @@ class CostModel:
                  profiles_root: Path | None = None) -> None:
         self.graph = graph
         self.cluster = cluster or graph.spec.cluster
+        # A cluster of pools: one model per pool prices the calls whose mesh lies there, on the pool's kind,
+        # dtype, profiles and links; transfers between pools go over the pool link (pool_link.py).
+        self.pool_models = tuple(CostModel(graph, profile, pool, discover=discover, eager_decode=eager_decode,
+                                           profiles_root=profiles_root) for pool in self.cluster.pools)
         self.hw = self.cluster.hardware
         self.precision = self.hw.precision
         if isinstance(profile, ProfileTable):
             tables = [profile]
         elif profile is not None:
             tables = list(profile)
-        elif discover:
+        elif discover and not self.pool_models:
             tables = discover_profiles(self.cluster.device, profiles_root)
         else:
             tables = []
@@ -134,6 +139,10 @@ class CostModel:
             raise ValueError(f"experiment {self.graph.spec.name!r} has no call {call!r}; calls: "
                              f"{', '.join(self._workloads)}") from None
 
+    def at(self, mesh: DeviceMesh) -> "CostModel":
+        """The model that prices calls on ``mesh``: its pool's (with pools), else this one."""
+        return self.pool_models[mesh.pool] if self.pool_models else self
+
     def layer_costs(self, cfg: ModelConfig) -> LayerCosts:
         """The cost source of one model: its measured profile if one matches, else the roofline."""
         return self._timer(cfg).costs
@@ -165,6 +174,8 @@ class CostModel:
                   recompute: bool = False) -> CallCost:
         """Seconds ``call`` takes on ``mesh`` under ``strategy`` with ``n_mbs`` micro-batches per dp rank
         (``recompute``: a TRAIN_STEP call recomputes activations)."""
+        if self.pool_models:
+            return self.at(mesh).call_cost(call, mesh.in_pool, strategy, n_mbs, recompute)
         key = (call, mesh.n_nodes, mesh.n_devs, strategy, n_mbs, recompute)
         cost = self._time_cache.get(key)
         if cost is None:
@@ -215,6 +226,8 @@ class CostModel:
     def call_memory(self, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, n_mbs: int,
                     recompute: bool = False) -> CallMemory:
         """Bytes on the most loaded device while ``call`` runs alone in this layout (its parameters included)."""
+        if self.pool_models:
+            return self.at(mesh).call_memory(call, mesh.in_pool, strategy, n_mbs, recompute)
         self._check(call, mesh, strategy, n_mbs, recompute)
         return max(self._stage_memory(call, strategy, n_mbs, recompute), key=lambda m: m.total)
 
@@ -248,7 +261,7 @@ class CostModel:
             trainable = graph.call(hc).is_train
             offloaded = bool(plan.offload.get(model)) and not trainable
             p = plan.placements[hc]
-            stages = self._stage_memory(hc, p.strategy, p.n_mbs, p.recompute)
+            stages = self.at(meshes[hc])._stage_memory(hc, p.strategy, p.n_mbs, p.recompute)
             for rank, dev in enumerate(meshes[hc].device_ids):
                 m = stages[p.strategy.coords(rank)[2]]
                 static[dev] += (0 if offloaded else m.params) + (m.optimizer if trainable else 0)
@@ -258,7 +271,7 @@ class CostModel:
             model = graph.call(c).model_name
             copy = layouts[c] != layouts[home[model]] or (bool(plan.offload.get(model))
                                                           and not graph.call(home[model]).is_train)
-            stages = self._stage_memory(c, p.strategy, p.n_mbs, p.recompute)
+            stages = self.at(meshes[c])._stage_memory(c, p.strategy, p.n_mbs, p.recompute)
             per_call[c] = {dev: stages[p.strategy.coords(rank)[2]].dynamic
                            + (stages[p.strategy.coords(rank)[2]].params if copy else 0)
                            for rank, dev in enumerate(meshes[c].device_ids)}
@@ -280,6 +293,10 @@ class CostModel:
         (m1, s1), (m2, s2) = src, dst
         if m1.name == m2.name and s1 == s2:
             return 0.0
+        if self.pool_models:
+            if m1.pool == m2.pool:
+                return self.at(m1).realloc_cost(model_name, (m1.in_pool, s1), (m2.in_pool, s2))
+            return cross_pool_realloc_cost(self, model_name, src, dst)
         key = (model_name, m1.name, s1, m2.name, s2)
         cost = self._realloc_cache.get(key)
         if cost is None:
@@ -304,6 +321,8 @@ class CostModel:
     def offload_cost(self, model_name: str, layout: Layout) -> float:
         """Seconds to copy the model's parameters between host memory and the devices of ``layout``
         (each device copies its own shard, all at once)."""
+        if self.pool_models:
+            return self.at(layout[0]).offload_cost(model_name, (layout[0].in_pool, layout[1]))
         cfg = self.model_config_of(model_name)
         if cfg is None:
             return 0.0
@@ -327,6 +346,10 @@ class CostModel:
         if not keys:
             return 0.0
         (m1, s1), (m2, s2) = src_layout, dst_layout
+        if self.pool_models:
+            if m1.pool == m2.pool:
+                return self.at(m1).data_transfer_cost(src_call, dst_call, (m1.in_pool, s1), (m2.in_pool, s2))
+            return cross_pool_data_cost(self, src_call, dst_call, src_layout, dst_layout)
         cache_key = (src_call, dst_call, m1.name, s1, m2.name, s2)
         cost = self._data_cache.get(cache_key)
         if cost is None:
@@ -344,3 +367,48 @@ class CostModel:
                     cost += plan_seconds(plan, self.comm, self.cluster.n_devices_per_node) + self.hw.call_overhead
             self._data_cache[cache_key] = cost
         return cost
+
+
+# -- between the pools of a heterogeneous cluster (docs/heterogeneous.md) --------------
+def cross_pool_realloc_cost(model: CostModel, model_name: str, src: Layout, dst: Layout) -> float:
+    """Seconds to move parameters from a layout on one pool to a layout on another: the runtime's broadcast
+    plan, priced with the pool link between pools (``pool_link.py``), in the source pool's dtype."""
+    (m1, s1), (m2, s2) = src, dst
+    key = (model_name, m1.name, s1, m2.name, s2)
+    cost = model._realloc_cache.get(key)
+    if cost is None:
+        cfg = model.model_config_of(model_name)
+        if cfg is None:
+            cost = 0.0
+        else:
+            sender, receiver = model.at(m1), model.at(m2)
+            plan = plan_param_realloc(cfg, PlanLayout(m1, s1), PlanLayout(m2, s2),
+                                      bytes_per_element=sender.precision.param,
+                                      devices_per_node=receiver.cluster.n_devices_per_node)
+            cost = pooled_plan_seconds(plan, model.cluster, [p.comm for p in model.pool_models])
+            cost += receiver.hw.call_overhead
+        model._realloc_cache[key] = cost
+    return cost
+
+
+def cross_pool_data_cost(model: CostModel, src_call: str, dst_call: str, src: Layout, dst: Layout) -> float:
+    """``CostModel.data_transfer_cost`` between layouts on two pools, priced on the pool link."""
+    (m1, s1), (m2, s2) = src, dst
+    cache_key = (src_call, dst_call, m1.name, s1, m2.name, s2)
+    cost = model._data_cache.get(cache_key)
+    if cost is None:
+        spec = model.graph.spec
+        n = spec.n_seqs(model.graph.call(src_call))
+        row = spec.seq_len * DATA_BYTES_PER_TOKEN
+        generated = model.graph.call(src_call).interface_type is InterfaceType.GENERATE
+        producer = DataLayout(m1, s1, stages=tuple(range(s1.pp)) if generated else (s1.pp - 1,))
+        consumer = DataLayout(m2, s2, stages=tuple(range(s2.pp)))
+        comms = [p.comm for p in model.pool_models]
+        cost = 0.0
+        for k in model.transferred_keys(src_call, dst_call):
+            plan = plan_data_transfer({k: [row] * n}, producer, consumer,
+                                      devices_per_node=model.at(m2).cluster.n_devices_per_node)
+            if not plan.empty:
+                cost += pooled_plan_seconds(plan, model.cluster, comms) + model.at(m2).hw.call_overhead
+        model._data_cache[cache_key] = cost
+    return cost

@@ -224,6 +224,10 @@ def main(args: argparse.Namespace) -> int:
     else:  # the checkpoint's run's overrides again; a changed setting only with --allow-changed-settings
         resumed = resume_settings(args.experiment, ckpt, checkpoint.read_meta(ckpt), sets, args.allow_changed_settings)
         spec, sets, changed, reapplied = resumed.spec, resumed.overrides, resumed.changed, resumed.recorded
+    if spec.cluster.pools:
+        raise ValueError(f"cluster {spec.cluster.nodelist!r} has {len(spec.cluster.pools)} pools of different device "
+                         f"kinds: realloc show and realloc search plan it, but realloc run does not run pools yet "
+                         f"(docs/heterogeneous.md); run on one pool (@auto(nodelist=..., device=...))")
     graph = build_graph(spec)
     config = RunConfig.of(spec)
     start = 0

@@ -25,6 +25,7 @@ from realloc.graph.plan import CallPlacement, ExecutionPlan
 from realloc.search import baselines as bl
 from realloc.search.build import NoFitError, PlanSpace, fmt_bytes
 from realloc.search.engine import Progress, SearchStats, run_mcmc
+from realloc.search.pool_space import on_cluster, pool_alone, strongest_pool
 
 
 def experiment_of(experiment: Any) -> ExperimentSpec:
@@ -105,6 +106,9 @@ class SearchReport:
     n_candidates_before_time_pruning: tuple[int, ...]
     # Asynchronous RL (max_staleness > 0): the best plan found at each staleness, 0 (synchronous) first.
     by_staleness: dict[int, ExecutionPlan] = dataclasses.field(default_factory=dict)
+    # A cluster of pools: the search on the strongest pool alone (its plan also starts this search's chains).
+    alone: "SearchReport | None" = None
+    alone_pool: int | None = None
 
     @property
     def sync_plan(self) -> ExecutionPlan | None:
@@ -125,6 +129,13 @@ def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int =
     graph = build_graph(spec)
     cost = cost or CostModel(graph)
     mem = spec.cluster.device_memory
+    alone, alone_pool = None, None
+    if spec.cluster.pools:
+        # The strongest pool alone first (a third of the time): the plan to beat, and a start of the chains.
+        alone_pool = strongest_pool(spec.cluster)
+        alone = plan_search(pool_alone(spec, alone_pool), None if time_limit is None else time_limit / 3,
+                            seed=seed, max_evals=max_evals, n_threads=n_threads, n_chains=n_chains)
+        time_limit = None if time_limit is None else time_limit * 2 / 3
     results: dict[str, BaselineResult] = {}
     for name in bl.BASELINES:
         try:
@@ -132,6 +143,8 @@ def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int =
         except ValueError as e:  # the baseline does not apply to this experiment
             results[name] = BaselineResult(name, None, str(e), device_memory=mem)
     fitting = [r.plan for r in results.values() if r.fits]
+    if alone is not None:
+        fitting.append(on_cluster(alone.plan, graph))
     full = PlanSpace.build(graph, cost, keep=fitting)
     before = full.n_candidates
     # A call slower alone than a feasible baseline's whole iteration can be in no plan that
@@ -172,7 +185,8 @@ def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int =
     plan = space.to_plan(outcome.indices, "search")
     return SearchReport(spec=spec, graph=graph, space=space, plan=plan, indices=outcome.indices, evaluation=ev,
                         baselines=results, stats=outcome.stats, prepare_seconds=prepare,
-                        n_candidates_before_time_pruning=before, by_staleness=by_staleness)
+                        n_candidates_before_time_pruning=before, by_staleness=by_staleness, alone=alone,
+                        alone_pool=alone_pool)
 
 
 def _better(a: dict, b: dict) -> bool:

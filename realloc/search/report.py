@@ -10,6 +10,7 @@ from realloc import _C
 from realloc.graph.plan import ExecutionPlan
 from realloc.search.build import PlanSpace
 from realloc.search.planner import SearchReport
+from realloc.search.pool_space import pool_label
 
 GiB = 2**30
 
@@ -26,12 +27,17 @@ def plan_table(plan: ExecutionPlan, space: PlanSpace, indices: np.ndarray) -> st
     # Columns as wide as their longest entry plus two spaces, so long call or mesh names never run together.
     cw = max(len("call"), *map(len, names)) + 2
     mw = max(len("mesh"), *(len(plan.placements[n].mesh) for n in names)) + 2
-    header = (f"{'call':<{cw}}{'mesh':<{mw}}{'devices':>8}{'dp':>4}{'tp':>4}{'pp':>4}{'mbs':>5}{'recomp':>8}"
+    cluster = space.graph.spec.cluster
+    # a cluster of pools: which pool (and device kind) each call runs on
+    pools = [pool_label(cluster, space.options[c][int(indices[c])].mesh.pool) if cluster.pools else ""
+             for c in range(len(names))]
+    pw = max(map(len, pools)) + 2 if cluster.pools else 0
+    header = (f"{'call':<{cw}}{'mesh':<{mw}}{'pool' if pw else '':<{pw}}{'devices':>8}{'dp':>4}{'tp':>4}{'pp':>4}{'mbs':>5}{'recomp':>8}"
               f"{'est. s':>10}{'peak GiB/dev':>14}")
     rows = [header, "-" * len(header)]
     for c, name in enumerate(names):
         p = plan.placements[name]
-        rows.append(f"{name:<{cw}}{p.mesh:<{mw}}{p.dp * p.tp * p.pp:>8}{p.dp:>4}{p.tp:>4}{p.pp:>4}{p.n_mbs:>5}"
+        rows.append(f"{name:<{cw}}{p.mesh:<{mw}}{pools[c]:<{pw}}{p.dp * p.tp * p.pp:>8}{p.dp:>4}{p.tp:>4}{p.pp:>4}{p.n_mbs:>5}"
                     f"{'yes' if p.recompute else '-':>8}{plan.call_times[name]:>10.3f}{_gib(mem['call_peak'][c]):>14}")
     offloaded = sorted(m for m, on in plan.offload.items() if on)
     if offloaded:
@@ -63,7 +69,8 @@ def comparison_table(report: SearchReport) -> str:
     ref = report.baselines.get("heuristic")
     ref_time = ref.plan.estimated_time if ref and ref.plan and ref.fits else None
     mem = report.spec.cluster.device_memory
-    w = max(len("searched"), *map(len, report.baselines)) + 2
+    alone = f"pool {pool_label(report.spec.cluster, report.alone_pool)} alone" if report.alone is not None else ""
+    w = max(len("searched"), len(alone), *map(len, report.baselines)) + 2
     header = f"{'plan':<{w}}{'s/iteration':>12}{'vs heuristic':>14}{'peak GiB/dev':>14}  fits in {_gib(mem)} GiB"
     rows = [header, "-" * len(header)]
 
@@ -74,6 +81,11 @@ def comparison_table(report: SearchReport) -> str:
                 f"{'yes' if fits else 'NO (out of memory)'}")
 
     rows.append(row("searched", report.plan))
+    if report.alone is not None:
+        gain = report.alone.plan.estimated_time / report.plan.estimated_time
+        rows.append(f"{alone:<{w}}{report.alone.plan.estimated_time:>12.3f}{'-':>14}"
+                    f"{_gib(report.alone.plan.estimated_peak_memory):>14}  searched on the strongest pool alone; "
+                    f"the pools together are {gain:.3f}x as fast")
     for name, b in report.baselines.items():
         rows.append(row(name, b.plan) if b.plan else f"{name:<{w}}{'n/a':>12}  ({b.error})")
     return "\n".join(rows)

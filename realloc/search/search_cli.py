@@ -61,6 +61,11 @@ def print_report(report: SearchReport, n_threads: int) -> None:
             print()
             print("best synchronous plan (staleness 0)")
             print(sync.table(report.graph.topo_order))
+    if report.alone is not None:
+        print()
+        print(f"best plan on the strongest pool alone (pool {report.alone_pool}: "
+              f"{cluster.pool_cluster(report.alone_pool).device})")
+        print(report.alone.plan.table(report.graph.topo_order))
     print()
     print("estimated time per iteration (steady state)")
     print(rp.comparison_table(report))
