@@ -138,6 +138,10 @@ def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int =
         time_limit = None if time_limit is None else time_limit * 2 / 3
     results: dict[str, BaselineResult] = {}
     for name in bl.BASELINES:
+        if alone is not None:  # the baselines place calls on one cluster of one kind: the strongest pool's
+            b = alone.baselines[name]
+            results[name] = dataclasses.replace(b, plan=b.plan and on_cluster(b.plan, graph))
+            continue
         try:
             results[name] = BaselineResult(name, _baseline(graph, cost, name, seed), device_memory=mem)
         except ValueError as e:  # the baseline does not apply to this experiment
@@ -199,8 +203,7 @@ def oom_message(space: PlanSpace, indices: np.ndarray, ev: dict) -> str:
     cluster = space.graph.spec.cluster
     dev = int(ev["peak_device"])
     call = p.call_names[ev["peak_call"]] if ev["peak_call"] >= 0 else None
-    node, local = divmod(dev, cluster.n_devices_per_node)
-    where = f"device {dev} ({cluster.nodes[node]}:{local})"
+    where = f"device {dev} ({cluster.device_name(dev)})"
     what = f"while call {call!r} runs there" if call else "from the models resident there"
     return (f"nothing fits in memory: the best plan found still needs {fmt_bytes(ev['peak_memory'])} on {where} "
             f"{what}, {fmt_bytes(ev['overflow'])} more than the {fmt_bytes(cluster.device_memory)} a device "

@@ -71,21 +71,27 @@ def comparison_table(report: SearchReport) -> str:
     mem = report.spec.cluster.device_memory
     alone = f"pool {pool_label(report.spec.cluster, report.alone_pool)} alone" if report.alone is not None else ""
     w = max(len("searched"), len(alone), *map(len, report.baselines)) + 2
-    header = f"{'plan':<{w}}{'s/iteration':>12}{'vs heuristic':>14}{'peak GiB/dev':>14}  fits in {_gib(mem)} GiB"
+    fits_in = (f"fits in {_gib(mem)} GiB" if report.alone is None else  # each pool's memory, each pool's plans
+               "fits (" + ", ".join(f"{_gib(p.device_memory)} GiB on pool {i}"
+                                    for i, p in enumerate(report.spec.cluster.pools)) + ")")
+    header = f"{'plan':<{w}}{'s/iteration':>12}{'vs heuristic':>14}{'peak GiB/dev':>14}  {fits_in}"
     rows = [header, "-" * len(header)]
+    if report.alone is not None:
+        mem = report.alone.spec.cluster.device_memory  # the baselines and the pool alone run on that pool
 
-    def row(name: str, plan: ExecutionPlan) -> str:
+    def row(name: str, plan: ExecutionPlan, fits: bool | None = None) -> str:
         speed = f"{ref_time / plan.estimated_time:.2f}x" if ref_time else "-"
-        fits = plan.estimated_peak_memory <= mem
+        fits = plan.estimated_peak_memory <= mem if fits is None else fits
         return (f"{name:<{w}}{plan.estimated_time:>12.3f}{speed:>14}{_gib(plan.estimated_peak_memory):>14}  "
                 f"{'yes' if fits else 'NO (out of memory)'}")
 
-    rows.append(row("searched", report.plan))
+    rows.append(row("searched", report.plan, bool(report.evaluation["feasible"])))
     if report.alone is not None:
         gain = report.alone.plan.estimated_time / report.plan.estimated_time
-        rows.append(f"{alone:<{w}}{report.alone.plan.estimated_time:>12.3f}{'-':>14}"
-                    f"{_gib(report.alone.plan.estimated_peak_memory):>14}  searched on the strongest pool alone; "
-                    f"the pools together are {gain:.3f}x as fast")
+        speed = f"{ref_time / report.alone.plan.estimated_time:.2f}x" if ref_time else "-"
+        rows.append(f"{alone:<{w}}{report.alone.plan.estimated_time:>12.3f}{speed:>14}"
+                    f"{_gib(report.alone.plan.estimated_peak_memory):>14}  yes (searched on the strongest pool "
+                    f"alone; the pools together: {gain:.3f}x as fast); the baselines below run on that pool")
     for name, b in report.baselines.items():
         rows.append(row(name, b.plan) if b.plan else f"{name:<{w}}{'n/a':>12}  ({b.error})")
     return "\n".join(rows)
@@ -96,10 +102,10 @@ def memory_summary(report: SearchReport) -> str:
     cluster = report.spec.cluster
     peaks = np.asarray(space.cpp.memory(report.indices)["device_peak"])
     dev = int(ev["peak_device"])
-    node, local = divmod(dev, cluster.n_devices_per_node)
     during = (f", while {space.problem.call_names[ev['peak_call']]} runs" if ev["peak_call"] >= 0 else "")
-    return (f"peak memory {_gib(ev['peak_memory'])} of {_gib(cluster.device_memory)} GiB "
-            f"({100 * ev['peak_memory'] / cluster.device_memory:.0f}%) on device {dev} ({cluster.nodes[node]}:{local})"
+    cap = cluster.pool_cluster(cluster.pool_of_device(dev)).device_memory if cluster.pools else cluster.device_memory
+    return (f"peak memory {_gib(ev['peak_memory'])} of {_gib(cap)} GiB "
+            f"({100 * ev['peak_memory'] / cap:.0f}%) on device {dev} ({cluster.device_name(dev)})"
             f"{during}; over all devices min {_gib(peaks.min())}, mean {_gib(peaks.mean())} GiB")
 
 
