@@ -1,11 +1,10 @@
-"""GRPO of an 8B LLaMA-3 with an 8B reward model: training on a node of 8 H100s, with a node of 8 H20s (or
-8 L40Ss) beside it for generation, over a slower link between the two (100 Gb/s Ethernet) -- what users
+"""GRPO of an 8B LLaMA-3 with an 8B reward model: training on a node of 8 H100s, with a node of 8 H20s beside
+it (``grpo_h100_l40s.py``: 8 L40Ss), over a slower link between the two (100 Gb/s Ethernet) -- what users
 of RL frameworks ask for (NVIDIA-NeMo/RL issue #824; docs/heterogeneous.md). The search chooses which calls
 run on which pool. Generation may run one train step ahead (``max_staleness=1``, asynchronous RL), so that
 the generation pool works while the training pool trains; the strongest pool alone gets the same choice.
 
-    realloc search experiments/grpo_h100_h20.py:GRPOH100H20
-    realloc search experiments/grpo_h100_h20.py:GRPOH100L40S
+    realloc search experiments/grpo_h100_h20.py
 """
 
 import dataclasses
@@ -27,9 +26,3 @@ class GRPOH100H20:
     def rpcs(self):
         return critic_free_rpcs("grpo", actor="llama3-8b", reward="llama3-8b-critic", n_samples=8)
 
-
-@auto(pools=[Pool("h100-01", "h100-80g", 8), Pool("l40s-01", "l40s-48g", 8)], batch_size=64, prompt_len=1024,
-      gen_len=1024, max_staleness=1, **LINK)
-@dataclasses.dataclass
-class GRPOH100L40S(GRPOH100H20):
-    pass
