@@ -175,6 +175,11 @@ def test_reallocation_between_pools_is_priced_on_the_pool_link(het):
     # and serialize, so the hand formula is bytes / bandwidth, plus the receiver's request overhead
     want = local_params(cfg, 1, 1, 0) * 2 / 5e9 + load_hardware_spec("v100-32g").call_overhead
     assert cost.realloc_cost("actor", src, dst) == pytest.approx(want, rel=1e-9)
+    # data between pools: what ref_inf reads of actor_gen's outputs (the sequences, 8 bytes per token) crosses once
+    seqs = graph.steps_n_seqs("actor_gen") * spec.seq_len * 8
+    assert cost.transferred_keys("actor_gen", "ref_inf") == ("seq",)
+    want = seqs / 5e9 + load_hardware_spec("v100-32g").call_overhead
+    assert cost.data_transfer_cost("actor_gen", "ref_inf", src, dst) == pytest.approx(want, rel=1e-9)
     # inside one pool: exactly what the pool alone prices
     a, b = (c.mesh("v100-01"), ParallelStrategy(1, 4, 1)), (c.mesh("v100-02"), ParallelStrategy(2, 2, 1))
     alone = CostModel(build_graph(pool_alone(dataclasses.replace(spec, cluster=c), 1)))

@@ -346,10 +346,8 @@ class CostModel:
         if not keys:
             return 0.0
         (m1, s1), (m2, s2) = src_layout, dst_layout
-        if self.pool_models:
-            if m1.pool == m2.pool:
-                return self.at(m1).data_transfer_cost(src_call, dst_call, (m1.in_pool, s1), (m2.in_pool, s2))
-            return cross_pool_data_cost(self, src_call, dst_call, src_layout, dst_layout)
+        if self.pool_models and m1.pool == m2.pool:
+            return self.at(m1).data_transfer_cost(src_call, dst_call, (m1.in_pool, s1), (m2.in_pool, s2))
         cache_key = (src_call, dst_call, m1.name, s1, m2.name, s2)
         cost = self._data_cache.get(cache_key)
         if cost is None:
@@ -359,12 +357,18 @@ class CostModel:
             generated = self.graph.call(src_call).interface_type is InterfaceType.GENERATE
             producer = DataLayout(m1, s1, stages=tuple(range(s1.pp)) if generated else (s1.pp - 1,))
             consumer = DataLayout(m2, s2, stages=tuple(range(s2.pp)))
+            receiver = self.at(m2)
+            per_node = receiver.cluster.n_devices_per_node
+            if self.pool_models:  # between two pools: messages cross the pool link (pool_link.py)
+                comms = [p.comm for p in self.pool_models]
+                seconds = lambda plan: pooled_plan_seconds(plan, self.cluster, comms)  # noqa: E731
+            else:
+                seconds = lambda plan: plan_seconds(plan, self.comm, per_node)  # noqa: E731
             cost = 0.0
             for k in keys:  # one request per key that moves anything
-                plan = plan_data_transfer({k: [row] * n}, producer, consumer,
-                                          devices_per_node=self.cluster.n_devices_per_node)
+                plan = plan_data_transfer({k: [row] * n}, producer, consumer, devices_per_node=per_node)
                 if not plan.empty:
-                    cost += plan_seconds(plan, self.comm, self.cluster.n_devices_per_node) + self.hw.call_overhead
+                    cost += seconds(plan) + receiver.hw.call_overhead
             self._data_cache[cache_key] = cost
         return cost
 
@@ -390,25 +394,3 @@ def cross_pool_realloc_cost(model: CostModel, model_name: str, src: Layout, dst:
         model._realloc_cache[key] = cost
     return cost
 
-
-def cross_pool_data_cost(model: CostModel, src_call: str, dst_call: str, src: Layout, dst: Layout) -> float:
-    """``CostModel.data_transfer_cost`` between layouts on two pools, priced on the pool link."""
-    (m1, s1), (m2, s2) = src, dst
-    cache_key = (src_call, dst_call, m1.name, s1, m2.name, s2)
-    cost = model._data_cache.get(cache_key)
-    if cost is None:
-        spec = model.graph.spec
-        n = spec.n_seqs(model.graph.call(src_call))
-        row = spec.seq_len * DATA_BYTES_PER_TOKEN
-        generated = model.graph.call(src_call).interface_type is InterfaceType.GENERATE
-        producer = DataLayout(m1, s1, stages=tuple(range(s1.pp)) if generated else (s1.pp - 1,))
-        consumer = DataLayout(m2, s2, stages=tuple(range(s2.pp)))
-        comms = [p.comm for p in model.pool_models]
-        cost = 0.0
-        for k in model.transferred_keys(src_call, dst_call):
-            plan = plan_data_transfer({k: [row] * n}, producer, consumer,
-                                      devices_per_node=model.at(m2).cluster.n_devices_per_node)
-            if not plan.empty:
-                cost += pooled_plan_seconds(plan, model.cluster, comms) + model.at(m2).hw.call_overhead
-        model._data_cache[cache_key] = cost
-    return cost
