@@ -236,3 +236,30 @@ def test_search_on_pools_is_never_slower_than_the_strongest_pool_alone(het):
     validate_plan(lifted, graph)
     assert report.space.evaluate(report.space.indices_of(lifted))["time"] == pytest.approx(
         report.alone.plan.estimated_time, rel=1e-12)
+
+
+# -- runtime -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("pool,want", [
+    (Pool("localhost", "cpu", 2), ("float32", 4)),
+    (Pool("localhost", "cpu-bf16", 2), ("bfloat16", 2)),
+    (Pool("com01", "a100-80g", 8), ("bfloat16", 2)),
+    (Pool("com01", "a100-80g", 8, dtype="fp16"), ("float16", 2)),
+    (Pool("com01", "v100-32g", 8), ("float16", 2)),
+])
+def test_workers_hold_parameters_in_the_pools_dtype(pool, want):
+    from realloc.runtime.control.program import RuntimeProgram
+
+    spec = dataclasses.replace(load_experiment("experiments/grpo_tiny.py"), cluster=ClusterSpec.from_pools([pool]))
+    graph = build_graph(spec)
+    mesh = spec.cluster.device_meshes()[-1].name  # the whole cluster
+    n = spec.cluster.n_devices
+    plan = ExecutionPlan.by_hand(graph, {c: (mesh, n, 1, 1, 1) for c in spec.call_names})
+    program = RuntimeProgram(graph, plan)
+    assert (program.param_dtype, program.bytes_per_param) == want
+
+
+def test_run_refuses_several_pools_in_one_line(het, capsys):
+    path, _, _ = het
+    assert cli.main(["run", str(path), "--iterations", "1"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has 2 pools" in err[0] and "does not run pools yet" in err[0]

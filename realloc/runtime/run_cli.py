@@ -440,7 +440,7 @@ def slurm_options(args: argparse.Namespace) -> SlurmOptions:
 def _check_local(spec: ExperimentSpec) -> None:
     """The local launcher runs every worker on this machine: refuse clusters it cannot be."""
     c = spec.cluster
-    if c.device == "cpu":
+    if c.hardware.kind == "cpu":
         return  # CPU "devices" are processes; any nodelist can be simulated here
     hint = "submit it with --launcher slurm (add --dry-run to see the script)"
     if c.n_nodes > 1:
@@ -454,7 +454,7 @@ def _check_local(spec: ExperimentSpec) -> None:
 
 
 def _device(spec: ExperimentSpec) -> str:
-    return "cpu" if spec.cluster.device == "cpu" else "cuda"
+    return "cpu" if spec.cluster.hardware.kind == "cpu" else "cuda"
 
 
 def _drive(master: Any, total: int, start: int, sinks: MetricSinks, quiet: bool,
