@@ -263,3 +263,13 @@ def test_run_refuses_several_pools_in_one_line(het, capsys):
     assert cli.main(["run", str(path), "--iterations", "1"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has 2 pools" in err[0] and "does not run pools yet" in err[0]
+
+
+def test_baselines_of_a_cluster_of_pools_run_on_its_strongest_pool(het):
+    from realloc.search.planner import baseline
+
+    _, spec, graph = het
+    plan = baseline(spec, "heuristic")
+    alone = baseline(pool_alone(spec, 0), "heuristic")
+    assert {m.pool for m in validate_plan(plan, graph).values()} == {0}
+    assert plan.placements == alone.placements and plan.estimated_time == alone.estimated_time

@@ -293,10 +293,8 @@ class CostModel:
         (m1, s1), (m2, s2) = src, dst
         if m1.name == m2.name and s1 == s2:
             return 0.0
-        if self.pool_models:
-            if m1.pool == m2.pool:
-                return self.at(m1).realloc_cost(model_name, (m1.in_pool, s1), (m2.in_pool, s2))
-            return cross_pool_realloc_cost(self, model_name, src, dst)
+        if self.pool_models and m1.pool == m2.pool:
+            return self.at(m1).realloc_cost(model_name, (m1.in_pool, s1), (m2.in_pool, s2))
         key = (model_name, m1.name, s1, m2.name, s2)
         cost = self._realloc_cache.get(key)
         if cost is None:
@@ -304,17 +302,21 @@ class CostModel:
             if cfg is None:
                 cost = 0.0
             else:
-                plan = plan_param_realloc(cfg, PlanLayout(m1, s1), PlanLayout(m2, s2),
-                                          bytes_per_element=self.precision.param,
-                                          devices_per_node=self.cluster.n_devices_per_node)
+                # Between two pools the sender sends its own dtype (the receiver casts) and messages cross the
+                # pool link (pool_link.py); inside one pool sender and receiver are this model.
+                sender, receiver = self.at(m1), self.at(m2)
+                per_node, bpe = receiver.cluster.n_devices_per_node, sender.precision.param
+                plan = plan_param_realloc(cfg, PlanLayout(m1, s1), PlanLayout(m2, s2), bytes_per_element=bpe,
+                                          devices_per_node=per_node)
                 # Every destination element arrives in a message or is copied from the device's own
                 # source shard; the copies overlap the messages (param_realloc), so a device takes the
                 # longer of the two, and the plan its slowest device. One request to the workers.
-                copy_bw = self.hw.memory_bandwidth * self.hw.memory_efficiency
-                copies = max((local_params(cfg, s2.tp, s2.pp, s2.coords(r)[2]) * self.precision.param
+                copy_bw = receiver.hw.memory_bandwidth * receiver.hw.memory_efficiency
+                copies = max((local_params(cfg, s2.tp, s2.pp, s2.coords(r)[2]) * bpe
                               - plan.received_bytes.get(dev, 0)) / copy_bw for r, dev in enumerate(m2.device_ids))
-                cost = max(plan_seconds(plan, self.comm, self.cluster.n_devices_per_node), copies)
-                cost += self.hw.call_overhead
+                messages = (pooled_plan_seconds(plan, self.cluster, [p.comm for p in self.pool_models])
+                            if self.pool_models else plan_seconds(plan, self.comm, per_node))
+                cost = max(messages, copies) + receiver.hw.call_overhead
             self._realloc_cache[key] = cost
         return cost
 
@@ -371,26 +373,4 @@ class CostModel:
                     cost += seconds(plan) + receiver.hw.call_overhead
             self._data_cache[cache_key] = cost
         return cost
-
-
-# -- between the pools of a heterogeneous cluster (docs/heterogeneous.md) --------------
-def cross_pool_realloc_cost(model: CostModel, model_name: str, src: Layout, dst: Layout) -> float:
-    """Seconds to move parameters from a layout on one pool to a layout on another: the runtime's broadcast
-    plan, priced with the pool link between pools (``pool_link.py``), in the source pool's dtype."""
-    (m1, s1), (m2, s2) = src, dst
-    key = (model_name, m1.name, s1, m2.name, s2)
-    cost = model._realloc_cache.get(key)
-    if cost is None:
-        cfg = model.model_config_of(model_name)
-        if cfg is None:
-            cost = 0.0
-        else:
-            sender, receiver = model.at(m1), model.at(m2)
-            plan = plan_param_realloc(cfg, PlanLayout(m1, s1), PlanLayout(m2, s2),
-                                      bytes_per_element=sender.precision.param,
-                                      devices_per_node=receiver.cluster.n_devices_per_node)
-            cost = pooled_plan_seconds(plan, model.cluster, [p.comm for p in model.pool_models])
-            cost += receiver.hw.call_overhead
-        model._realloc_cache[key] = cost
-    return cost
 

@@ -89,6 +89,9 @@ def baseline(experiment: Any, name: str, cost: CostModel | None = None) -> Execu
     """A baseline plan by name (``realloc.search.baselines``), with the estimator's numbers filled in."""
     spec = experiment_of(experiment)
     graph = build_graph(spec)
+    if spec.cluster.pools:  # a baseline places calls on one kind of device: the strongest pool's
+        alone = build_graph(pool_alone(spec, strongest_pool(spec.cluster)))
+        return on_cluster(_baseline(alone, CostModel(alone), name), graph)
     return _baseline(graph, cost or CostModel(graph), name)
 
 
