@@ -90,7 +90,8 @@ def staleness_table(report: SearchReport) -> str:
 
 def _estimator_source(report: SearchReport) -> str:
     cost = report.space.cost
-    sources = sorted({cost.layer_costs(cfg).source for c in report.graph.topo_order
+    models = cost.pool_models or (cost,)  # a cluster of pools: each pool's own profiles or roofline
+    sources = sorted({m.layer_costs(cfg).source for m in models for c in report.graph.topo_order
                       if (cfg := report.graph.model_config(c)) is not None})
     return ", ".join(sources) or "no models"
 
