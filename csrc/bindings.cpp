@@ -193,6 +193,14 @@ PYBIND11_MODULE(_C, m) {
                 p.finalized = false;
             },
             py::arg("staleness"), py::arg("stale_calls"))
+        .def(
+            "set_pools",
+            [](rl::Problem& p, const Array<int32_t>& pool_start, const Array<int64_t>& pool_memory) {
+                p.pool_start = to_vector(pool_start, "pool_start");
+                p.pool_memory = to_vector(pool_memory, "pool_memory");
+                p.finalized = false;
+            },
+            py::arg("pool_start"), py::arg("pool_memory"))
         .def("finalize", &rl::Problem::finalize)
         .def_property_readonly("n_calls", &rl::Problem::n_calls)
         .def_property_readonly("n_nodes", &rl::Problem::n_nodes)

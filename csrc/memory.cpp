@@ -33,6 +33,10 @@ void Evaluator::check_memory(const int32_t* plan, Evaluation& ev) {
     // Peak = static memory of every model resident on the device + the largest dynamic memory
     // of any call running there (memory.py rules 2-4: calls on one device never overlap in time).
     int64_t peak = -1, stat = 0;
+    // With pools, the largest excess of a device's bytes over its pool's memory (segments end at pool starts).
+    const int n_pools = static_cast<int>(p_.pool_start.size());
+    int64_t excess = INT64_MIN;
+    int pool = 0;
     int x = 0;
     while (x < p_.n_devices) {
         int64_t dyn = 0;
@@ -65,11 +69,16 @@ void Evaluator::check_memory(const int32_t* plan, Evaluation& ev) {
             ev.peak_device = x;
             ev.peak_call = dyn_call;
         }
+        if (n_pools) {
+            while (pool + 1 < n_pools && p_.pool_start[pool + 1] <= x) ++pool;
+            if (pool + 1 < n_pools) next = std::min(next, p_.pool_start[pool + 1]);
+            excess = std::max(excess, stat + dyn - p_.pool_memory[pool]);
+        }
         x = next;
     }
     ev.peak_memory = peak;
-    ev.overflow = std::max<int64_t>(0, peak - p_.device_memory);
-    ev.feasible = peak <= p_.device_memory;
+    ev.overflow = std::max<int64_t>(0, n_pools ? excess : peak - p_.device_memory);
+    ev.feasible = n_pools ? excess <= 0 : peak <= p_.device_memory;
 }
 
 MemoryReport Evaluator::memory(const int32_t* plan) {

@@ -91,6 +91,12 @@ void Problem::finalize() {
     if (devices_per_node < 0 || (devices_per_node > 0 && n_devices % devices_per_node))
         fail("devices_per_node must divide n_devices (or be 0 for one host)");
     if (!(cores_per_node >= 0.0) || !std::isfinite(cores_per_node)) fail("cores_per_node must be finite and >= 0");
+    if (pool_start.size() != pool_memory.size()) fail("pool_start and pool_memory must have one entry per pool");
+    for (size_t i = 0; i < pool_start.size(); ++i) {
+        if (i == 0 ? pool_start[0] != 0 : pool_start[i] <= pool_start[i - 1] || pool_start[i] >= n_devices)
+            fail("pool_start must begin at 0 and increase below n_devices");
+        if (pool_memory[i] < 1) fail("pool_memory must be positive");
+    }
     if (n < 1) fail("the problem has no calls");
     if (static_cast<int>(cands.size()) != n) fail("need one candidate table per call");
     if (static_cast<int>(realloc.size()) != n_m) fail("need one reallocation table per model");

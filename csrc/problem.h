@@ -139,6 +139,11 @@ struct Problem {
     // read the previous copy). Empty or eta = 0: the synchronous graph.
     int staleness = 0;
     std::vector<uint8_t> stale;
+    // Heterogeneous clusters (docs/heterogeneous.md): pool i holds devices [pool_start[i], pool_start[i + 1])
+    // (the last to n_devices) with pool_memory[i] usable bytes each; a plan fits when every device's peak fits
+    // its pool. Empty: one pool, device_memory each. device_memory stays the scale of the OOM penalty.
+    std::vector<int32_t> pool_start;
+    std::vector<int64_t> pool_memory;
     // Bumped whenever a pair cost or a provisional cost changes (bump_pair_costs), so that evaluators
     // drop the pair costs they cached from earlier evaluations.
     uint64_t pair_version = 0;

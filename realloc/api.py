@@ -20,7 +20,7 @@ from realloc.algorithms.registry import resolve_minibatches
 from realloc.calls import GENERATE, INFERENCE, TRAIN_STEP, InterfaceType, ModelFunctionCallDef  # noqa: F401
 from realloc.algorithms.lora_graph import reference_from_base  # noqa: F401
 from realloc.models.lora_config import LoRAConfig  # noqa: F401
-from realloc.cluster import ClusterSpec
+from realloc.cluster import ClusterSpec, Pool  # noqa: F401 (Pool: experiments import it from here)
 from realloc.lengths import ResponseLengths  # noqa: F401  (experiments declare their lengths with it)
 
 AUTO_ATTR = "__realloc_auto__"
@@ -60,7 +60,7 @@ class HFModel:
 class AutoConfig:
     """What ``@auto`` records: the cluster and the workload shape."""
 
-    nodelist: str
+    nodelist: str | None
     batch_size: int
     n_devices_per_node: int | None = None
     device: str = "cpu"
@@ -70,11 +70,18 @@ class AutoConfig:
     cluster_overrides: Mapping[str, float] = dataclasses.field(default_factory=dict)
     max_staleness: int = 0
     response_lengths: ResponseLengths = ResponseLengths()
+    # A heterogeneous cluster instead of nodelist/device (docs/heterogeneous.md): pools of device kinds.
+    pools: tuple[Pool | Mapping[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.response_lengths, ResponseLengths):
             raise ValueError(f"@auto: response_lengths must be a ResponseLengths (ResponseLengths.lognormal(median, "
                              f"p99), ...), got {type(self.response_lengths).__name__}")
+        if (self.nodelist is None) == (not self.pools):
+            raise ValueError("@auto: give either nodelist (one device kind) or pools (a list of Pool(nodelist, "
+                             "device, ...)), not both" if self.pools else "@auto: nodelist is required (or pools)")
+        if self.pools and (self.n_devices_per_node is not None or self.device != "cpu"):
+            raise ValueError("@auto: with pools, set n_devices_per_node and device on each Pool, not in @auto")
         for field in ("batch_size", "prompt_len", "gen_len"):
             v = getattr(self, field)
             if not isinstance(v, int) or v < 1:
@@ -85,9 +92,10 @@ class AutoConfig:
         self.response_lengths.check(self.gen_len)
 
 
-def auto(nodelist: str, batch_size: int, n_devices_per_node: int | None = None, device: str = "cpu",
-         prompt_len: int = 1024, gen_len: int = 1024, dataset_keys: Sequence[str] = ("prompts",),
+def auto(nodelist: str | None = None, batch_size: int = 0, n_devices_per_node: int | None = None,
+         device: str = "cpu", prompt_len: int = 1024, gen_len: int = 1024, dataset_keys: Sequence[str] = ("prompts",),
          max_staleness: int = 0, response_lengths: ResponseLengths | None = None,
+         pools: Sequence[Pool | Mapping[str, Any]] = (),
          **cluster_overrides: float) -> Callable[[type], type]:
     """Mark a dataclass as a realloc experiment (realhf.txt Figure 5).
 
@@ -97,11 +105,13 @@ def auto(nodelist: str, batch_size: int, n_devices_per_node: int | None = None, 
     asynchronous RL: a plan may let generation run that many train steps ahead of
     training (the search chooses how far, 0 to the bound; docs/async-rl.md). ``response_lengths``
     says how long responses are (``realloc.lengths``; default: every one ``gen_len`` tokens), which the
-    planner prices (docs/long-tail.md).
+    planner prices (docs/long-tail.md). ``pools`` replaces ``nodelist``/``device`` with pools of several
+    device kinds; then ``cluster_overrides`` may set only ``pool_link_bandwidth`` and ``pool_link_latency``
+    (docs/heterogeneous.md).
     """
     cfg = AutoConfig(nodelist, batch_size, n_devices_per_node, device, prompt_len, gen_len, tuple(dataset_keys),
                      dict(cluster_overrides), max_staleness,
-                     ResponseLengths() if response_lengths is None else response_lengths)
+                     ResponseLengths() if response_lengths is None else response_lengths, tuple(pools))
 
     def wrap(cls: type) -> type:
         if not dataclasses.is_dataclass(cls):
@@ -195,7 +205,7 @@ def experiment_spec(experiment: Any, source: str = "", auto_config: AutoConfig |
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup:
         raise ValueError(f"experiment {cls.__name__}: two calls are named {dup!r}; call names must be unique")
-    cluster = ClusterSpec.from_nodelist(cfg.nodelist, cfg.n_devices_per_node, cfg.device, **cfg.cluster_overrides)
+    cluster = _cluster(cfg)
     spec = ExperimentSpec(name=cls.__name__, rpcs=tuple(rpcs), cluster=cluster, batch_size=cfg.batch_size,
                           prompt_len=cfg.prompt_len, gen_len=cfg.gen_len, dataset_keys=cfg.dataset_keys,
                           config=instance, source=source, max_staleness=cfg.max_staleness,
@@ -203,6 +213,17 @@ def experiment_spec(experiment: Any, source: str = "", auto_config: AutoConfig |
 
     return dataclasses.replace(spec, rpcs=resolve_minibatches(spec),
                                models=_checkpoint_models(spec, getattr(instance, "models", None)))
+
+
+def _cluster(cfg: AutoConfig) -> ClusterSpec:
+    if not cfg.pools:
+        return ClusterSpec.from_nodelist(cfg.nodelist, cfg.n_devices_per_node, cfg.device, **cfg.cluster_overrides)
+    link = dict(cfg.cluster_overrides)
+    unknown = sorted(set(link) - {"pool_link_bandwidth", "pool_link_latency"})
+    if unknown:
+        raise ValueError(f"@auto: {unknown[0]!r} is a setting of one pool; with pools, set it on the Pool (the "
+                         f"cluster takes only pool_link_bandwidth and pool_link_latency)")
+    return ClusterSpec.from_pools(cfg.pools, link.get("pool_link_bandwidth"), link.get("pool_link_latency"))
 
 
 def _checkpoint_models(spec: ExperimentSpec, models: Any) -> dict[str, HFModel]:

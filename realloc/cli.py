@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("show", help="validate an experiment and print its graph and candidate counts")
     s.add_argument("experiment", help="experiment file (path/exp.py[:Class]) or module")
+    s.add_argument("--plan", default=None, help="also check this execution plan JSON against the experiment and "
+                   "its cluster (a hand-written plan: meshes, pools, strategies)")
     _set_option(s)
     s.set_defaults(func=show_cli.main)
 

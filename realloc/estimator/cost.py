@@ -33,6 +33,7 @@ from realloc.estimator.comm import CommModel, GroupLinks, group_links
 from realloc.estimator.hardware import Precision
 from realloc.estimator.memory import (CallMemory, Workload, local_params, max_local_params, stage_call_memory,
                                       train_inflight_bytes)
+from realloc.estimator.pool_link import pooled_plan_seconds
 from realloc.estimator.profile_table import ProfileTable, ProfiledCosts, discover_profiles
 from realloc.estimator.roofline import RooflineCosts
 from realloc.estimator.transfer_cost import plan_seconds
@@ -69,13 +70,17 @@ class CostModel:
                  profiles_root: Path | None = None) -> None:
         self.graph = graph
         self.cluster = cluster or graph.spec.cluster
+        # A cluster of pools: one model per pool prices the calls whose mesh lies there, on the pool's kind,
+        # dtype, profiles and links; transfers between pools go over the pool link (pool_link.py).
+        self.pool_models = tuple(CostModel(graph, profile, pool, discover=discover, eager_decode=eager_decode,
+                                           profiles_root=profiles_root) for pool in self.cluster.pools)
         self.hw = self.cluster.hardware
         self.precision = self.hw.precision
         if isinstance(profile, ProfileTable):
             tables = [profile]
         elif profile is not None:
             tables = list(profile)
-        elif discover:
+        elif discover and not self.pool_models:
             tables = discover_profiles(self.cluster.device, profiles_root)
         else:
             tables = []
@@ -135,6 +140,10 @@ class CostModel:
             raise ValueError(f"experiment {self.graph.spec.name!r} has no call {call!r}; calls: "
                              f"{', '.join(self._workloads)}") from None
 
+    def at(self, mesh: DeviceMesh) -> "CostModel":
+        """The model that prices calls on ``mesh``: its pool's (with pools), else this one."""
+        return self.pool_models[mesh.pool] if self.pool_models else self
+
     def layer_costs(self, cfg: ModelConfig) -> LayerCosts:
         """The cost source of one model: its measured profile if one matches, else the roofline."""
         return self._timer(cfg).costs
@@ -166,6 +175,8 @@ class CostModel:
                   recompute: bool = False) -> CallCost:
         """Seconds ``call`` takes on ``mesh`` under ``strategy`` with ``n_mbs`` micro-batches per dp rank
         (``recompute``: a TRAIN_STEP call recomputes activations)."""
+        if self.pool_models:
+            return self.at(mesh).call_cost(call, mesh.in_pool, strategy, n_mbs, recompute)
         key = (call, mesh.n_nodes, mesh.n_devs, strategy, n_mbs, recompute)
         cost = self._time_cache.get(key)
         if cost is None:
@@ -233,6 +244,8 @@ class CostModel:
     def call_memory(self, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, n_mbs: int,
                     recompute: bool = False) -> CallMemory:
         """Bytes on the most loaded device while ``call`` runs alone in this layout (its parameters included)."""
+        if self.pool_models:
+            return self.at(mesh).call_memory(call, mesh.in_pool, strategy, n_mbs, recompute)
         self._check(call, mesh, strategy, n_mbs, recompute)
         return max(self._stage_memory(call, strategy, n_mbs, recompute), key=lambda m: m.total)
 
@@ -266,7 +279,7 @@ class CostModel:
             trainable = graph.call(hc).is_train
             offloaded = bool(plan.offload.get(model)) and not trainable
             p = plan.placements[hc]
-            stages = self._stage_memory(hc, p.strategy, p.n_mbs, p.recompute)
+            stages = self.at(meshes[hc])._stage_memory(hc, p.strategy, p.n_mbs, p.recompute)
             for rank, dev in enumerate(meshes[hc].device_ids):
                 m = stages[p.strategy.coords(rank)[2]]
                 static[dev] += (0 if offloaded else m.params) + (m.optimizer if trainable else 0)
@@ -276,7 +289,7 @@ class CostModel:
             model = graph.call(c).model_name
             copy = layouts[c] != layouts[home[model]] or (bool(plan.offload.get(model))
                                                           and not graph.call(home[model]).is_train)
-            stages = self._stage_memory(c, p.strategy, p.n_mbs, p.recompute)
+            stages = self.at(meshes[c])._stage_memory(c, p.strategy, p.n_mbs, p.recompute)
             per_call[c] = {dev: stages[p.strategy.coords(rank)[2]].dynamic
                            + (stages[p.strategy.coords(rank)[2]].params if copy else 0)
                            for rank, dev in enumerate(meshes[c].device_ids)}
@@ -298,6 +311,8 @@ class CostModel:
         (m1, s1), (m2, s2) = src, dst
         if m1.name == m2.name and s1 == s2:
             return 0.0
+        if self.pool_models and m1.pool == m2.pool:
+            return self.at(m1).realloc_cost(model_name, (m1.in_pool, s1), (m2.in_pool, s2))
         key = (model_name, m1.name, s1, m2.name, s2)
         cost = self._realloc_cache.get(key)
         if cost is None:
@@ -305,23 +320,29 @@ class CostModel:
             if cfg is None:
                 cost = 0.0
             else:
-                plan = plan_param_realloc(cfg, PlanLayout(m1, s1), PlanLayout(m2, s2),
-                                          bytes_per_element=self.precision.param,
-                                          devices_per_node=self.cluster.n_devices_per_node)
+                # Between two pools the sender sends its own dtype (the receiver casts) and messages cross the
+                # pool link (pool_link.py); inside one pool sender and receiver are this model.
+                sender, receiver = self.at(m1), self.at(m2)
+                per_node, bpe = receiver.cluster.n_devices_per_node, sender.precision.param
+                plan = plan_param_realloc(cfg, PlanLayout(m1, s1), PlanLayout(m2, s2), bytes_per_element=bpe,
+                                          devices_per_node=per_node)
                 # Every destination element arrives in a message or is copied from the device's own
                 # source shard; the copies overlap the messages (param_realloc), so a device takes the
                 # longer of the two, and the plan its slowest device. One request to the workers.
-                copy_bw = self.hw.memory_bandwidth * self.hw.memory_efficiency
-                copies = max((local_params(cfg, s2.tp, s2.pp, s2.coords(r)[2]) * self.precision.param
+                copy_bw = receiver.hw.memory_bandwidth * receiver.hw.memory_efficiency
+                copies = max((local_params(cfg, s2.tp, s2.pp, s2.coords(r)[2]) * bpe
                               - plan.received_bytes.get(dev, 0)) / copy_bw for r, dev in enumerate(m2.device_ids))
-                cost = max(plan_seconds(plan, self.comm, self.cluster.n_devices_per_node), copies)
-                cost += self.hw.call_overhead
+                messages = (pooled_plan_seconds(plan, self.cluster, [p.comm for p in self.pool_models])
+                            if self.pool_models else plan_seconds(plan, self.comm, per_node))
+                cost = max(messages, copies) + receiver.hw.call_overhead
             self._realloc_cache[key] = cost
         return cost
 
     def offload_cost(self, model_name: str, layout: Layout) -> float:
         """Seconds to copy the model's parameters between host memory and the devices of ``layout``
         (each device copies its own shard, all at once)."""
+        if self.pool_models:
+            return self.at(layout[0]).offload_cost(model_name, (layout[0].in_pool, layout[1]))
         cfg = self.model_config_of(model_name)
         if cfg is None:
             return 0.0
@@ -345,6 +366,8 @@ class CostModel:
         if not keys:
             return 0.0
         (m1, s1), (m2, s2) = src_layout, dst_layout
+        if self.pool_models and m1.pool == m2.pool:
+            return self.at(m1).data_transfer_cost(src_call, dst_call, (m1.in_pool, s1), (m2.in_pool, s2))
         cache_key = (src_call, dst_call, m1.name, s1, m2.name, s2)
         cost = self._data_cache.get(cache_key)
         if cost is None:
@@ -354,11 +377,18 @@ class CostModel:
             generated = self.graph.call(src_call).interface_type is InterfaceType.GENERATE
             producer = DataLayout(m1, s1, stages=tuple(range(s1.pp)) if generated else (s1.pp - 1,))
             consumer = DataLayout(m2, s2, stages=tuple(range(s2.pp)))
+            receiver = self.at(m2)
+            per_node = receiver.cluster.n_devices_per_node
+            if self.pool_models:  # between two pools: messages cross the pool link (pool_link.py)
+                comms = [p.comm for p in self.pool_models]
+                seconds = lambda plan: pooled_plan_seconds(plan, self.cluster, comms)  # noqa: E731
+            else:
+                seconds = lambda plan: plan_seconds(plan, self.comm, per_node)  # noqa: E731
             cost = 0.0
             for k in keys:  # one request per key that moves anything
-                plan = plan_data_transfer({k: [row] * n}, producer, consumer,
-                                          devices_per_node=self.cluster.n_devices_per_node)
+                plan = plan_data_transfer({k: [row] * n}, producer, consumer, devices_per_node=per_node)
                 if not plan.empty:
-                    cost += plan_seconds(plan, self.comm, self.cluster.n_devices_per_node) + self.hw.call_overhead
+                    cost += seconds(plan) + receiver.hw.call_overhead
             self._data_cache[cache_key] = cost
         return cost
+

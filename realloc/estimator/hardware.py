@@ -48,6 +48,9 @@ class HardwareSpec(BaseModel):
     name: str
     kind: Literal["cpu", "gpu"]
     dtype: Literal["fp32", "bf16", "fp16"]
+    dtypes: tuple[Literal["fp32", "bf16", "fp16"], ...] = Field(
+        default=(), description="the dtypes a pool of this kind may compute in at peak_flops (ClusterSpec.dtype); "
+                                "empty: `dtype` only")
     memory_bytes: int = Field(gt=0)
     usable_memory_fraction: float = Field(default=1.0, gt=0, le=1,
                                           description="share of memory_bytes that tensors can use: the rest goes to "
@@ -93,6 +96,10 @@ class HardwareSpec(BaseModel):
     host_bandwidth: float = Field(default=2.5e10, gt=0,
                                   description="bytes/s of device<->host copies (offloaded parameters)")
     notes: str = ""
+
+    @property
+    def compute_dtypes(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys((self.dtype, *self.dtypes)))
 
     @property
     def bytes_per_param(self) -> int:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from typing import Callable
 
 from realloc.estimator.comm import CommModel, Link
 from realloc.graph.transfer_plan import TransferPlan
@@ -33,8 +34,10 @@ BUCKET_BYTES = 64 * 2**20
 DIRECT_BYTES = 256 * 2**10
 
 
-def plan_seconds(plan: TransferPlan, comm: CommModel, devices_per_node: int) -> float:
-    """Wall time of ``plan``: the busiest device's serialized messages."""
+def plan_seconds(plan: TransferPlan, comm: CommModel, devices_per_node: int,
+                 message_time: Callable[[str, int, tuple[int, ...], float], float] | None = None) -> float:
+    """Wall time of ``plan``: the busiest device's serialized messages. ``message_time(op, src, dsts, nbytes)``,
+    if given, prices one message instead of ``comm`` (a cluster of pools: ``pool_link.py``)."""
     if plan.empty:
         return 0.0
     # (src, dsts) -> bucketed bytes, and the number of direct messages with their bytes
@@ -50,9 +53,12 @@ def plan_seconds(plan: TransferPlan, comm: CommModel, devices_per_node: int) -> 
     busy: dict[int, float] = defaultdict(float)
 
     def add(src: int, dsts: tuple[int, ...], nbytes: float, count: int) -> None:
-        link = Link.INTER if any(d // devices_per_node != src // devices_per_node for d in dsts) else Link.INTRA
         op = "p2p" if len(dsts) == 1 else "broadcast"
-        t = count * comm.time(op, len(dsts) + 1, nbytes, link)
+        if message_time is not None:
+            t = count * message_time(op, src, dsts, nbytes)
+        else:
+            link = Link.INTER if any(d // devices_per_node != src // devices_per_node for d in dsts) else Link.INTRA
+            t = count * comm.time(op, len(dsts) + 1, nbytes, link)
         busy[src] += t
         for d in dsts:
             busy[d] += t

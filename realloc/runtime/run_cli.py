@@ -224,6 +224,10 @@ def main(args: argparse.Namespace) -> int:
     else:  # the checkpoint's run's overrides again; a changed setting only with --allow-changed-settings
         resumed = resume_settings(args.experiment, ckpt, checkpoint.read_meta(ckpt), sets, args.allow_changed_settings)
         spec, sets, changed, reapplied = resumed.spec, resumed.overrides, resumed.changed, resumed.recorded
+    if spec.cluster.pools:
+        raise ValueError(f"cluster {spec.cluster.nodelist!r} has {len(spec.cluster.pools)} pools of different device "
+                         f"kinds: realloc show and realloc search plan it, but realloc run does not run pools yet "
+                         f"(docs/heterogeneous.md); run on one pool (@auto(nodelist=..., device=...))")
     graph = build_graph(spec)
     config = RunConfig.of(spec)
     start = 0
@@ -439,7 +443,7 @@ def slurm_options(args: argparse.Namespace) -> SlurmOptions:
 def _check_local(spec: ExperimentSpec) -> None:
     """The local launcher runs every worker on this machine: refuse clusters it cannot be."""
     c = spec.cluster
-    if c.device == "cpu":
+    if c.hardware.kind == "cpu":
         return  # CPU "devices" are processes; any nodelist can be simulated here
     hint = "submit it with --launcher slurm (add --dry-run to see the script)"
     if c.n_nodes > 1:
@@ -453,7 +457,7 @@ def _check_local(spec: ExperimentSpec) -> None:
 
 
 def _device(spec: ExperimentSpec) -> str:
-    return "cpu" if spec.cluster.device == "cpu" else "cuda"
+    return "cpu" if spec.cluster.hardware.kind == "cpu" else "cuda"
 
 
 def _drive(master: Any, total: int, start: int, sinks: MetricSinks, quiet: bool,

@@ -6,6 +6,7 @@ import argparse
 
 from realloc.api import ExperimentSpec
 from realloc.graph.dataflow import DataflowGraph, build_graph
+from realloc.graph.plan import ExecutionPlan, validate_plan
 from realloc.overrides import load_with_overrides
 from realloc.runtime.inputs.preflight import preflight
 from realloc.runtime.inputs.run_config import RunConfig
@@ -24,6 +25,12 @@ def main(args: argparse.Namespace) -> int:
         print(f"checkpoint {model}: {src.path}{' (new value head)' if src.new_value_head else ''}")
     for line in _preflight(spec, graph) + graph.warnings():
         print(line)
+    plan_path = getattr(args, "plan", None)
+    if plan_path:
+        plan = ExecutionPlan.load(plan_path)
+        meshes = validate_plan(plan, graph)  # a mesh across pools, a mistyped node or strategy: one error
+        print(f"plan       {plan_path}: valid"
+              + (f"; pools: {', '.join(f'{c} on pool {m.pool}' for c, m in meshes.items())}" if cluster.pools else ""))
     print()
     print(graph.describe())
     print()

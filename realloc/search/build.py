@@ -24,6 +24,7 @@ from realloc.estimator.memory import stage_call_memory
 from realloc.graph.dataflow import DATA, DataflowGraph
 from realloc.graph.plan import CallPlacement, ExecutionPlan, validate_plan
 from realloc.search.candidates import CallCosts, Candidate, Option, call_options, footprint, prune
+from realloc.search.pool_space import pool_fields
 from realloc.search.problem import CandidateArrays, PairCosts, SearchProblem, copy_pair_costs
 from realloc.strategy import ParallelStrategy
 
@@ -67,6 +68,8 @@ def canonical_layouts(graph: DataflowGraph, src: Layout, dst: Layout) -> tuple[L
     they sit then share one estimate.
     """
     cluster = graph.spec.cluster
+    if cluster.pools:  # kinds and links differ between pools: only the layouts themselves say what it costs
+        return src, dst
     used = sorted({n for mesh, _ in (src, dst) for n in range(mesh.first_node, mesh.first_node + mesh.n_nodes)})
     rank = {n: i for i, n in enumerate(used)}
 
@@ -113,27 +116,31 @@ def price_options(graph: DataflowGraph, cost: CostModel, call: str, options: Seq
     model = graph.call(call).model_name
     trainable = graph.call(call).is_train
     work = cost.workload(call)
-    memo: dict[tuple[ParallelStrategy, int, bool], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    memo: dict[tuple[int, ParallelStrategy, int, bool], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
     kept, static, dynamic, param = [], [], [], []
+    cluster = graph.spec.cluster
     for mesh, s, m, rc in options:
-        mem = memo.get((s, m, rc))
+        # memory depends on the pool's dtype; the memory a device has, on the pool's kind
+        mem = memo.get((mesh.pool, s, m, rc))
+        limit = None if device_memory is None else min(device_memory, cluster.memory_of(mesh))
         if mem is None:
             if cfg is None:
                 zeros = np.zeros(s.pp, np.int64)
                 mem = (zeros, zeros, zeros)
             else:
-                st = [stage_call_memory(cfg, work, s, m, k, cost.call_precision(call), rc) for k in range(s.pp)]
+                st = [stage_call_memory(cfg, work, s, m, k, cost.at(mesh).call_precision(call), rc)
+                      for k in range(s.pp)]
                 mem = (np.array([x.params + (x.optimizer if trainable else 0) for x in st], np.int64)
                        if is_home else np.zeros(s.pp, np.int64),
                        np.array([x.dynamic for x in st], np.int64),
                        np.array([x.params for x in st], np.int64))
-            memo[s, m, rc] = mem
+            memo[mesh.pool, s, m, rc] = mem
         variants = [(False, mem)]
         if offload:
             variants.append((True, (np.zeros_like(mem[0]), mem[1] + mem[2], mem[2])))
         for off, (st_, dy, pa) in variants:
             cand = Candidate(mesh, s, m, rc, off)
-            if device_memory is not None and footprint(st_, dy, pa) > device_memory and cand not in keep:
+            if limit is not None and footprint(st_, dy, pa) > limit and cand not in keep:
                 continue
             kept.append(cand)
             static.append(st_)
@@ -267,8 +274,7 @@ class PlanSpace:
             model_home=tuple(index[homes[m]] for m in models), candidates=tuple(arrays),
             order_edges=tuple(order_edges), carry_edges=carry, data_edges=tuple(data_edges), data_costs=data,
             realloc_costs=realloc, n_iterations=n_iterations, oom_alpha=OOM_ALPHA,
-            dispatch_latency=cost.hw.dispatch_latency, devices_per_node=cluster.n_devices_per_node,
-            cores_per_node=cluster.cores_per_device * cluster.n_devices_per_node)
+            dispatch_latency=cost.hw.dispatch_latency, **pool_fields(cluster))
         return cls(graph=graph, cost=cost, problem=problem, options=tuple(cc.options for cc in priced),
                    layouts=layouts, pruned=pruned)
 

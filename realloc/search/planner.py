@@ -25,6 +25,7 @@ from realloc.graph.plan import CallPlacement, ExecutionPlan
 from realloc.search import baselines as bl
 from realloc.search.build import NoFitError, PlanSpace, fmt_bytes
 from realloc.search.engine import Progress, SearchStats, run_mcmc
+from realloc.search.pool_space import on_cluster, pool_alone, strongest_pool
 
 
 def experiment_of(experiment: Any) -> ExperimentSpec:
@@ -88,6 +89,9 @@ def baseline(experiment: Any, name: str, cost: CostModel | None = None) -> Execu
     """A baseline plan by name (``realloc.search.baselines``), with the estimator's numbers filled in."""
     spec = experiment_of(experiment)
     graph = build_graph(spec)
+    if spec.cluster.pools:  # a baseline places calls on one kind of device: the strongest pool's
+        alone = build_graph(pool_alone(spec, strongest_pool(spec.cluster)))
+        return on_cluster(_baseline(alone, CostModel(alone), name), graph)
     return _baseline(graph, cost or CostModel(graph), name)
 
 
@@ -105,6 +109,9 @@ class SearchReport:
     n_candidates_before_time_pruning: tuple[int, ...]
     # Asynchronous RL (max_staleness > 0): the best plan found at each staleness, 0 (synchronous) first.
     by_staleness: dict[int, ExecutionPlan] = dataclasses.field(default_factory=dict)
+    # A cluster of pools: the search on the strongest pool alone (its plan also starts this search's chains).
+    alone: "SearchReport | None" = None
+    alone_pool: int | None = None
 
     @property
     def sync_plan(self) -> ExecutionPlan | None:
@@ -125,13 +132,26 @@ def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int =
     graph = build_graph(spec)
     cost = cost or CostModel(graph)
     mem = spec.cluster.device_memory
+    alone, alone_pool = None, None
+    if spec.cluster.pools:
+        # The strongest pool alone first (a third of the time): the plan to beat, and a start of the chains.
+        alone_pool = strongest_pool(spec.cluster)
+        alone = plan_search(pool_alone(spec, alone_pool), None if time_limit is None else time_limit / 3,
+                            seed=seed, max_evals=max_evals, n_threads=n_threads, n_chains=n_chains)
+        time_limit = None if time_limit is None else time_limit * 2 / 3
     results: dict[str, BaselineResult] = {}
     for name in bl.BASELINES:
+        if alone is not None:  # the baselines place calls on one cluster of one kind: the strongest pool's
+            b = alone.baselines[name]
+            results[name] = dataclasses.replace(b, plan=b.plan and on_cluster(b.plan, graph))
+            continue
         try:
             results[name] = BaselineResult(name, _baseline(graph, cost, name, seed), device_memory=mem)
         except ValueError as e:  # the baseline does not apply to this experiment
             results[name] = BaselineResult(name, None, str(e), device_memory=mem)
     fitting = [r.plan for r in results.values() if r.fits]
+    if alone is not None:
+        fitting.append(on_cluster(alone.plan, graph))
     full = PlanSpace.build(graph, cost, keep=fitting)
     before = full.n_candidates
     # A call slower alone than a feasible baseline's whole iteration can be in no plan that
@@ -172,7 +192,8 @@ def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int =
     plan = space.to_plan(outcome.indices, "search")
     return SearchReport(spec=spec, graph=graph, space=space, plan=plan, indices=outcome.indices, evaluation=ev,
                         baselines=results, stats=outcome.stats, prepare_seconds=prepare,
-                        n_candidates_before_time_pruning=before, by_staleness=by_staleness)
+                        n_candidates_before_time_pruning=before, by_staleness=by_staleness, alone=alone,
+                        alone_pool=alone_pool)
 
 
 def _better(a: dict, b: dict) -> bool:
@@ -185,8 +206,7 @@ def oom_message(space: PlanSpace, indices: np.ndarray, ev: dict) -> str:
     cluster = space.graph.spec.cluster
     dev = int(ev["peak_device"])
     call = p.call_names[ev["peak_call"]] if ev["peak_call"] >= 0 else None
-    node, local = divmod(dev, cluster.n_devices_per_node)
-    where = f"device {dev} ({cluster.nodes[node]}:{local})"
+    where = f"device {dev} ({cluster.device_name(dev)})"
     what = f"while call {call!r} runs there" if call else "from the models resident there"
     return (f"nothing fits in memory: the best plan found still needs {fmt_bytes(ev['peak_memory'])} on {where} "
             f"{what}, {fmt_bytes(ev['overflow'])} more than the {fmt_bytes(cluster.device_memory)} a device "

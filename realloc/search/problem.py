@@ -131,6 +131,16 @@ class SearchProblem:
     # the generation calls of trained models (call indices), read only when staleness > 0.
     staleness: int = 0
     stale_calls: tuple[int, ...] = ()
+    # A cluster of pools (docs/heterogeneous.md): pool i holds devices [pool_start[i], pool_start[i + 1]) (the
+    # last to n_devices), each with pool_memory[i] usable bytes. Empty: every device has device_memory.
+    pool_start: tuple[int, ...] = ()
+    pool_memory: tuple[int, ...] = ()
+
+    def capacity(self, device: int) -> int:
+        """Usable bytes of ``device`` (its pool's)."""
+        if not self.pool_start:
+            return self.device_memory
+        return self.pool_memory[max(i for i, lo in enumerate(self.pool_start) if lo <= device)]
 
     @property
     def host_size(self) -> int:
@@ -179,6 +189,8 @@ class SearchProblem:
                     np.asarray(self.carry_edges, np.int32).reshape(-1, 2))
         if self.staleness:
             p.set_staleness(self.staleness, np.asarray(self.stale_calls, np.int32))
+        if self.pool_start:
+            p.set_pools(np.asarray(self.pool_start, np.int32), np.asarray(self.pool_memory, np.int64))
         p.finalize()
         return p
 

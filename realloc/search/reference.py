@@ -312,8 +312,12 @@ def evaluate(p: SearchProblem, plan: Sequence[int]) -> dict:
     _, peak, dyn_call = device_memory(p, plan)
     top = max(peak)
     dev = peak.index(top)
-    overflow = max(0, top - p.device_memory)
-    feasible = top <= p.device_memory
+    if p.pool_start:  # heterogeneous pools: each device against its pool's memory
+        excess = max(b - p.capacity(x) for x, b in enumerate(peak))
+        overflow, feasible = max(0, excess), excess <= 0
+    else:
+        overflow = max(0, top - p.device_memory)
+        feasible = top <= p.device_memory
     cost = time if feasible else time * p.oom_alpha * (1.0 + overflow / p.device_memory)
     return dict(time=time, makespan=ends[K - 1], cost=cost, peak_memory=top, overflow=overflow, peak_device=dev,
                 peak_call=dyn_call[dev], feasible=feasible, exact=not missing_pairs(p, plan))

@@ -10,6 +10,7 @@ from realloc import _C
 from realloc.graph.plan import ExecutionPlan
 from realloc.search.build import PlanSpace
 from realloc.search.planner import SearchReport
+from realloc.search.pool_space import pool_label
 
 GiB = 2**30
 
@@ -26,12 +27,17 @@ def plan_table(plan: ExecutionPlan, space: PlanSpace, indices: np.ndarray) -> st
     # Columns as wide as their longest entry plus two spaces, so long call or mesh names never run together.
     cw = max(len("call"), *map(len, names)) + 2
     mw = max(len("mesh"), *(len(plan.placements[n].mesh) for n in names)) + 2
-    header = (f"{'call':<{cw}}{'mesh':<{mw}}{'devices':>8}{'dp':>4}{'tp':>4}{'pp':>4}{'mbs':>5}{'recomp':>8}"
+    cluster = space.graph.spec.cluster
+    # a cluster of pools: which pool (and device kind) each call runs on
+    pools = [pool_label(cluster, space.options[c][int(indices[c])].mesh.pool) if cluster.pools else ""
+             for c in range(len(names))]
+    pw = max(map(len, pools)) + 2 if cluster.pools else 0
+    header = (f"{'call':<{cw}}{'mesh':<{mw}}{'pool' if pw else '':<{pw}}{'devices':>8}{'dp':>4}{'tp':>4}{'pp':>4}{'mbs':>5}{'recomp':>8}"
               f"{'est. s':>10}{'peak GiB/dev':>14}")
     rows = [header, "-" * len(header)]
     for c, name in enumerate(names):
         p = plan.placements[name]
-        rows.append(f"{name:<{cw}}{p.mesh:<{mw}}{p.dp * p.tp * p.pp:>8}{p.dp:>4}{p.tp:>4}{p.pp:>4}{p.n_mbs:>5}"
+        rows.append(f"{name:<{cw}}{p.mesh:<{mw}}{pools[c]:<{pw}}{p.dp * p.tp * p.pp:>8}{p.dp:>4}{p.tp:>4}{p.pp:>4}{p.n_mbs:>5}"
                     f"{'yes' if p.recompute else '-':>8}{plan.call_times[name]:>10.3f}{_gib(mem['call_peak'][c]):>14}")
     offloaded = sorted(m for m, on in plan.offload.items() if on)
     if offloaded:
@@ -63,17 +69,29 @@ def comparison_table(report: SearchReport) -> str:
     ref = report.baselines.get("heuristic")
     ref_time = ref.plan.estimated_time if ref and ref.plan and ref.fits else None
     mem = report.spec.cluster.device_memory
-    w = max(len("searched"), *map(len, report.baselines)) + 2
-    header = f"{'plan':<{w}}{'s/iteration':>12}{'vs heuristic':>14}{'peak GiB/dev':>14}  fits in {_gib(mem)} GiB"
+    alone = f"pool {pool_label(report.spec.cluster, report.alone_pool)} alone" if report.alone is not None else ""
+    w = max(len("searched"), len(alone), *map(len, report.baselines)) + 2
+    fits_in = (f"fits in {_gib(mem)} GiB" if report.alone is None else  # each pool's memory, each pool's plans
+               "fits (" + ", ".join(f"{_gib(p.device_memory)} GiB on pool {i}"
+                                    for i, p in enumerate(report.spec.cluster.pools)) + ")")
+    header = f"{'plan':<{w}}{'s/iteration':>12}{'vs heuristic':>14}{'peak GiB/dev':>14}  {fits_in}"
     rows = [header, "-" * len(header)]
+    if report.alone is not None:
+        mem = report.alone.spec.cluster.device_memory  # the baselines and the pool alone run on that pool
 
-    def row(name: str, plan: ExecutionPlan) -> str:
+    def row(name: str, plan: ExecutionPlan, fits: bool | None = None) -> str:
         speed = f"{ref_time / plan.estimated_time:.2f}x" if ref_time else "-"
-        fits = plan.estimated_peak_memory <= mem
+        fits = plan.estimated_peak_memory <= mem if fits is None else fits
         return (f"{name:<{w}}{plan.estimated_time:>12.3f}{speed:>14}{_gib(plan.estimated_peak_memory):>14}  "
                 f"{'yes' if fits else 'NO (out of memory)'}")
 
-    rows.append(row("searched", report.plan))
+    rows.append(row("searched", report.plan, bool(report.evaluation["feasible"])))
+    if report.alone is not None:
+        gain = report.alone.plan.estimated_time / report.plan.estimated_time
+        speed = f"{ref_time / report.alone.plan.estimated_time:.2f}x" if ref_time else "-"
+        rows.append(f"{alone:<{w}}{report.alone.plan.estimated_time:>12.3f}{speed:>14}"
+                    f"{_gib(report.alone.plan.estimated_peak_memory):>14}  yes (searched on the strongest pool "
+                    f"alone; the pools together: {gain:.3f}x as fast); the baselines below run on that pool")
     for name, b in report.baselines.items():
         rows.append(row(name, b.plan) if b.plan else f"{name:<{w}}{'n/a':>12}  ({b.error})")
     return "\n".join(rows)
@@ -84,10 +102,10 @@ def memory_summary(report: SearchReport) -> str:
     cluster = report.spec.cluster
     peaks = np.asarray(space.cpp.memory(report.indices)["device_peak"])
     dev = int(ev["peak_device"])
-    node, local = divmod(dev, cluster.n_devices_per_node)
     during = (f", while {space.problem.call_names[ev['peak_call']]} runs" if ev["peak_call"] >= 0 else "")
-    return (f"peak memory {_gib(ev['peak_memory'])} of {_gib(cluster.device_memory)} GiB "
-            f"({100 * ev['peak_memory'] / cluster.device_memory:.0f}%) on device {dev} ({cluster.nodes[node]}:{local})"
+    cap = cluster.pool_cluster(cluster.pool_of_device(dev)).device_memory if cluster.pools else cluster.device_memory
+    return (f"peak memory {_gib(ev['peak_memory'])} of {_gib(cap)} GiB "
+            f"({100 * ev['peak_memory'] / cap:.0f}%) on device {dev} ({cluster.device_name(dev)})"
             f"{during}; over all devices min {_gib(peaks.min())}, mean {_gib(peaks.mean())} GiB")
 
 

@@ -66,6 +66,11 @@ def print_report(report: SearchReport, n_threads: int) -> None:
             print()
             print("best synchronous plan (staleness 0)")
             print(sync.table(report.graph.topo_order))
+    if report.alone is not None:
+        print()
+        print(f"best plan on the strongest pool alone (pool {report.alone_pool}: "
+              f"{cluster.pool_cluster(report.alone_pool).device})")
+        print(report.alone.plan.table(report.graph.topo_order))
     print()
     print("estimated time per iteration (steady state)")
     print(rp.comparison_table(report))
@@ -95,7 +100,8 @@ def staleness_table(report: SearchReport) -> str:
 
 def _estimator_source(report: SearchReport) -> str:
     cost = report.space.cost
-    sources = sorted({cost.layer_costs(cfg).source for c in report.graph.topo_order
+    models = cost.pool_models or (cost,)  # a cluster of pools: each pool's own profiles or roofline
+    sources = sorted({m.layer_costs(cfg).source for m in models for c in report.graph.topo_order
                       if (cfg := report.graph.model_config(c)) is not None})
     return ", ".join(sources) or "no models"
 

@@ -95,7 +95,7 @@ def strategy_text(plan: ExecutionPlan, call: str) -> str:
 
 def device_names(graph: DataflowGraph) -> tuple[str, ...]:
     c = graph.spec.cluster
-    return tuple(f"{c.nodes[d // c.n_devices_per_node]}:{d % c.n_devices_per_node}" for d in range(c.n_devices))
+    return tuple(c.device_name(d) for d in range(c.n_devices))
 
 
 # -- panels --------------------------------------------------------------------------------------------------

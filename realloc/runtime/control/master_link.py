@@ -74,7 +74,7 @@ def plan_node_hosts(cluster: ClusterSpec, hosts: dict[int, str]) -> list[str]:
                              f"{i * n}..{(i + 1) * n - 1} run on {', '.join(seen)}; the launcher must place ranks in "
                              f"blocks of {n} per node (srun --distribution=block)")
         out.append(seen[0] if seen else "?")
-    if cluster.device != "cpu" and len(set(out)) < len(out):
+    if cluster.hardware.kind != "cpu" and len(set(out)) < len(out):
         shared = sorted({h for h in out if out.count(h) > 1})
         raise ValueError(f"plan nodes {[i for i, h in enumerate(out) if h in shared]} all run on {', '.join(shared)}; "
                          f"each node of the plan needs a machine of its own")

@@ -34,10 +34,10 @@ from realloc.graph.transfer_plan import DataLayout, Layout, TransferPlan, plan_d
 from realloc.models.config import ModelConfig
 from realloc.strategy import ParallelStrategy
 
-# Parameters are float32 on CPU devices (gloo, exact comparisons) and bfloat16 on GPUs (with fp32
-# master weights in the optimizer); reallocation plans count bytes with the element size.
-PARAM_DTYPES = {"cpu": ("float32", 4)}
-GPU_PARAM_DTYPE = ("bfloat16", 2)
+# Parameters are in the dtype the cluster's devices compute in (its hardware spec, or its pool's ``dtype``):
+# float32 on the CPU devices (gloo, exact comparisons), bfloat16 on GPUs (with fp32 master weights in the
+# optimizer), float16 on kinds without bf16 (V100); reallocation plans count bytes with the element size.
+PARAM_DTYPES = {"fp32": ("float32", 4), "bf16": ("bfloat16", 2), "fp16": ("float16", 2)}
 
 LayoutKey = tuple[str, str, int, int, int]  # (model, mesh name, dp, tp, pp)
 
@@ -102,7 +102,7 @@ class RuntimeProgram:
                              f"(n_seqs differs: {sorted(sizes)}); leave n_seqs unset or make them equal")
         self.batch_size = sizes.pop()
         self.staleness = plan.staleness
-        self.param_dtype, self.bytes_per_param = PARAM_DTYPES.get(spec.cluster.device, GPU_PARAM_DTYPE)
+        self.param_dtype, self.bytes_per_param = PARAM_DTYPES[spec.cluster.hardware.dtype]
         self.calls: dict[str, CallLayout] = {}
         for name in graph.topo_order:
             p = plan.placements[name]

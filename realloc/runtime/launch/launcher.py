@@ -200,7 +200,7 @@ class SlurmOptions:
     def check(self, cluster: ClusterSpec) -> None:
         """The options that depend on the cluster: one error before anything is written or submitted."""
         if self.gres is not None:
-            if cluster.device == "cpu":
+            if cluster.hardware.kind == "cpu":
                 raise ValueError(f"--gres {self.gres!r}: cluster {cluster.nodelist!r} runs on CPUs and needs no GPUs; "
                                  f"other resources go in --sbatch gres=...")
             _gres_line(self.gres, cluster.n_devices_per_node)
@@ -248,7 +248,7 @@ def slurm_script(cluster: ClusterSpec, experiment: str, run: RunPaths, run_id: s
     same ``srun_args``, so a container image or other step environment holds for it too. ``profiles``
     (``--profiles DIR``) is exported as ``$REALLOC_PROFILES`` to the master and the workers.
     """
-    gpu = cluster.device != "cpu"
+    gpu = cluster.hardware.kind != "cpu"
     n = cluster.n_devices_per_node
     q = shlex.quote
     lines = ["#!/bin/bash",

@@ -100,7 +100,7 @@ class RayLauncher:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         c = self.cluster
-        gpu = c.device != "cpu"
+        gpu = c.hardware.kind != "cpu"
         n = c.n_devices_per_node
         bundle = {"CPU": float(n), **({"GPU": float(n)} if gpu else {})}
         strategy = "STRICT_SPREAD" if gpu and c.n_nodes > 1 else "PACK"
