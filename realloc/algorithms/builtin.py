@@ -10,7 +10,7 @@ log-probs), ``pair_scores`` (a reward model's score of each pair's chosen and re
 
 from __future__ import annotations
 
-from realloc.algorithms import dpo, grpo, pg_algorithms, reward_model
+from realloc.algorithms import dpo, grpo, multiturn_graph, pg_algorithms, reward_model
 from realloc.algorithms.interface import Interface
 from realloc.algorithms.ppo_config import PPOConfig
 from realloc.calls import GENERATE, INFERENCE, TRAIN_STEP
@@ -48,6 +48,7 @@ BUILTIN: tuple[Interface, ...] = (
     Interface("mix_rewards", INFERENCE, f"{_REWARDS}:mix_scores", inputs=("rewards", "other:rewards"),
               outputs=("rewards",), head="none", check_args=f"{_REWARD_ARGS}:check_mix"),
     *grpo.INTERFACES,
+    *multiturn_graph.INTERFACES,  # multi-turn rollouts with an environment (multiturn.py)
     *pg_algorithms.INTERFACES,
     *dpo.INTERFACES,
     *reward_model.INTERFACES,
