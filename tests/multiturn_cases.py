@@ -34,3 +34,12 @@ class LengthEnv:
 
 def make_env(**kw: object) -> LengthEnv:
     return LengthEnv(**kw)  # type: ignore[arg-type]
+
+
+class BrokenEnv(LengthEnv):
+    def step(self, text: str) -> tuple[str | None, float, bool]:
+        raise RuntimeError("the grader is down")
+
+
+def make_broken(**kw: object) -> BrokenEnv:
+    return BrokenEnv(**kw)  # type: ignore[arg-type]

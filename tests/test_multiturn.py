@@ -52,7 +52,7 @@ def _prompts(lo: int, hi: int) -> dict[str, torch.Tensor]:
             "rows": torch.tensor([b // GROUP for b in range(N)])[lo:hi]}
 
 
-def _generate(ctx, tokenizer_dir: str, dp: int, tp: int, pp: int):
+def _generate(ctx, tokenizer_dir: str, dp: int, tp: int, pp: int, env: dict = ENV):
     from realloc.algorithms.grpo import GRPOConfig
     from realloc.algorithms.multiturn import multiturn_generate
     from realloc.calls import GENERATE, ModelFunctionCallDef
@@ -64,7 +64,7 @@ def _generate(ctx, tokenizer_dir: str, dp: int, tp: int, pp: int):
         return None
     tok = Tokenizer.load(tokenizer_dir)
     call = ModelFunctionCallDef(name="actor_gen", model_name="actor", interface_type=GENERATE,
-                                interface_impl="grpo_multiturn", interface_args=ENV)
+                                interface_impl="grpo_multiturn", interface_args=env)
     n = N // dp
     lo = model.groups.dp_rank * n
     out = multiturn_generate(_ctx(model, tok, call, lo, lo + n, GRPOConfig()), {"prompts": _prompts(lo, lo + n)})
@@ -198,3 +198,17 @@ def test_the_gradient_of_every_environment_token_log_prob_is_exactly_zero(pool, 
         assert (g[~policy] == 0).all()  # exactly zero, not small
         assert (g[policy] != 0).all()  # the policy's tokens do learn
         assert (grad[b, :plen] == 0).all() and (grad[b, plen + k:] == 0).all()
+
+
+def _error_of(ctx, tokenizer_dir: str):
+    try:
+        _generate(ctx, tokenizer_dir, 1, 2, 1, {**ENV, "env": "multiturn_cases:make_broken"})
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def test_an_environment_error_stops_every_rank_of_the_replica(pool, tokenizer_dir):
+    errors = pool.run(_error_of, tokenizer_dir)  # tp 2: only rank 0 runs the environment; neither rank hangs
+    assert errors[0] == "RuntimeError: the grader is down"
+    assert errors[1].startswith("ValueError: the environment raised on the replica's reporting rank")

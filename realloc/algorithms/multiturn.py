@@ -70,13 +70,16 @@ def multiturn_generate(ctx: CallContext, inputs: Data) -> CallResult:
     rolls = [Rollout(prompts["tokens"][b, :int(plen[b])].tolist(), T) for b in range(n)]
     reporter = model.groups.tp_rank == 0 and model.groups.is_last_stage
     envs: list[Environment] = []
-    first: list[list[int]] | None = None
+    first: list[list[int]] | BaseException | None = None
     if reporter:
-        make = env_factory(where, args.env)
-        rows = prompts["rows"].tolist() if "rows" in prompts and ctx.records is not None else [None] * n
-        envs = [make(**args.env_args) for _ in range(n)]
-        first = [_encode(tok, _first_observation(where, e, {} if r is None else dict(ctx.records(int(r)))))
-                 for e, r in zip(envs, rows)]
+        try:
+            make = env_factory(where, args.env)
+            rows = prompts["rows"].tolist() if "rows" in prompts and ctx.records is not None else [None] * n
+            envs = [make(**args.env_args) for _ in range(n)]
+            first = [_encode(tok, _first_observation(where, e, {} if r is None else dict(ctx.records(int(r)))))
+                     for e, r in zip(envs, rows)]
+        except Exception as e:  # noqa: BLE001  (re-raised on every rank by _share_tokens)
+            first = e
     for r, obs in zip(rolls, _share_tokens(model, first)):
         r.add(obs, None)
     base = generation_config(ctx)
@@ -124,8 +127,8 @@ def _encode(tok: Any, text: str | None) -> list[int]:
 
 
 def _steps(where: str, pool: ThreadPoolExecutor, envs: list[Environment], texts: list[str]
-           ) -> list[tuple[list[int] | None, float, bool]] | BaseException:
-    """Each environment's answer to its rollout's turn (observation encoded later), or the first error raised."""
+           ) -> list[tuple[str | None, float, bool]] | BaseException:
+    """Each environment's answer to its rollout's turn, or the first error raised."""
     try:
         return [check_step(where, got) for got in pool.map(lambda e, t: e.step(t), envs, texts)]
     except Exception as e:  # noqa: BLE001  (re-raised on every rank by _share_answers)
@@ -190,9 +193,24 @@ def _broadcast_in(values: list[int] | None, src: int, group: Any, device: torch.
     return buf.cpu().tolist()
 
 
-def _share_tokens(model: ParallelModel, rows: list[list[int]] | None) -> list[list[int]]:
-    flat = None if rows is None else [len(rows)] + [x for r in rows for x in [len(r), *r]]
+def _raise_everywhere(flat: list[int], mine: Any) -> None:
+    """An environment's error on the reporting rank (``FAILED`` header) raised on every rank of the replica."""
+    if flat[0] != FAILED:
+        return
+    if isinstance(mine, BaseException):
+        raise mine
+    raise ValueError("the environment raised on the replica's reporting rank (tp 0 of the last stage); see that "
+                     "rank's error")
+
+
+def _share_tokens(model: ParallelModel, rows: list[list[int]] | BaseException | None) -> list[list[int]]:
+    flat = None
+    if isinstance(rows, BaseException):
+        flat = [FAILED]
+    elif rows is not None:
+        flat = [len(rows)] + [x for r in rows for x in [len(r), *r]]
     flat = _broadcast(flat, model)
+    _raise_everywhere(flat, rows)
     out, i = [], 1
     for _ in range(flat[0]):
         k = flat[i]
@@ -214,11 +232,7 @@ def _share_answers(model: ParallelModel, answers: Any, n: int) -> list[tuple[str
                 bits = int(torch.tensor([reward], dtype=torch.float64).view(torch.int64)[0])
                 flat += [bits, int(done), int(obs is None), len(data), *data]
     flat = _broadcast(flat, model)
-    if flat[0] == FAILED:
-        if isinstance(answers, BaseException):
-            raise answers
-        raise ValueError("the environment raised on the replica's reporting rank (tp 0 of the last stage); see "
-                         "that rank's error")
+    _raise_everywhere(flat, answers)
     out, i = [], 1
     for _ in range(flat[0]):
         bits, done, none, k = flat[i:i + 4]
