@@ -1,6 +1,6 @@
 """The tool demo's SFT stage: the tiny model learns to multiply through a calculator tool from a few traces.
 
-The model starts from random weights (model type "tiny"). Its data, ``data/calc_sft_tool.jsonl``, are 256
+The model starts from random weights (model type "tiny"). Its data, ``data/calc_sft_tool.jsonl``, are 1,000
 conversations: ``123*45=`` -> ``<c>123*45</c>`` EOS ``<r>5535</r>5535`` (the call, the tool's answer as ToolEnv
 writes it, the final answer). The loss covers the whole response, the tool's answer included; the model learns
 the format and the copying, not the multiplication. ``--set dataset=data/calc_sft_direct.jsonl`` trains the
@@ -23,7 +23,7 @@ class CalcSFT:
     seed: int = 1
     dataset: str = "data/calc_sft_tool.jsonl"
     tokenizer: str = "data/calc_tokenizer"  # one token per character (shipped)
-    iterations: int = 100
+    iterations: int = 300
     sft: SFTConfig = SFTConfig(n_minibatches=1, lr=3e-3, warmup_proportion=0.05)
 
     @property
