@@ -18,7 +18,7 @@ class LengthEnv:
 
     def reset(self, record: dict) -> str:
         self.t = 0
-        return "q" + str(record.get("answer", ""))
+        return "<" + str(record.get("answer", "")) + ">"
 
     def step(self, text: str) -> tuple[str | None, float, bool]:
         self.t += 1
