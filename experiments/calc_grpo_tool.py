@@ -27,7 +27,7 @@ class CalcGRPOTool:
     seed: int = 1
     dataset: str = "data/calc_train.jsonl"  # {"prompt": "163*16=", "answer": "2608"} per line
     tokenizer: str = "data/calc_tokenizer"
-    iterations: int = 30
+    iterations: int = 50
     grpo: GRPOConfig = GRPOConfig(n_minibatches=2, lr=5e-4, kl_coef=0.01)
     init: str = ""  # the SFT stage's export ("": random weights)
 

@@ -23,8 +23,9 @@ ranks get the observations from it), so they may be stateful and slow (tools) bu
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Callable, Mapping, Protocol
+
+from realloc.envs.resolve import resolve_function
 
 
 class Environment(Protocol):
@@ -34,22 +35,6 @@ class Environment(Protocol):
 
 
 EnvFactory = Callable[..., Environment]
-
-
-def resolve_function(where: str, spec: Any, what: str) -> Callable[..., Any]:
-    """A function given as itself or as ``"module:function"``; one ValueError naming ``where`` otherwise."""
-    if callable(spec):
-        return spec
-    if not isinstance(spec, str) or ":" not in spec:
-        raise ValueError(f"{where}: {what} must be a function or 'module:function', got {spec!r}")
-    module, _, attr = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"{where}: cannot load {what} {spec!r}: {e}") from None
-    if not callable(fn):
-        raise ValueError(f"{where}: {what} {spec!r} is not a function")
-    return fn
 
 
 def env_factory(where: str, spec: Any) -> EnvFactory:

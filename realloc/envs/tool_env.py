@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping
 
-from realloc.envs.base import resolve_function
+from realloc.envs.resolve import resolve_function
 from realloc.tools.builtin import BUILTIN_TOOLS
 from realloc.tools.sandbox import STATUSES, Sandbox, ToolLimits, network_isolation
 
