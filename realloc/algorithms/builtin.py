@@ -10,7 +10,7 @@ log-probs), ``pair_scores`` (a reward model's score of each pair's chosen and re
 
 from __future__ import annotations
 
-from realloc.algorithms.critic_free import grpo, pg_algorithms
+from realloc.algorithms.critic_free import grpo, multiturn_graph, pg_algorithms
 from realloc.algorithms.interface import Interface
 from realloc.algorithms.pairs import dpo, reward_model
 from realloc.algorithms.ppo.ppo_config import PPOConfig
@@ -50,6 +50,7 @@ BUILTIN: tuple[Interface, ...] = (
     Interface("mix_rewards", INFERENCE, f"{_REWARDS}:mix_scores", inputs=("rewards", "other:rewards"),
               outputs=("rewards",), head="none", check_args=f"{_REWARD_ARGS}:check_mix"),
     *grpo.INTERFACES,
+    *multiturn_graph.INTERFACES,  # multi-turn rollouts with an environment (multiturn.py)
     *pg_algorithms.INTERFACES,
     *dpo.INTERFACES,
     *reward_model.INTERFACES,

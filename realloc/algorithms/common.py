@@ -9,7 +9,8 @@ a prompt has 1..P tokens and a response stops at EOS or after T tokens.
     prompts   tokens [n, P] int64 (right-padded), lengths [n] int64
     seq       tokens [n, P+T] int64: row b is its prompt (prompt_lens[b] tokens), then its response
               (gen_mask[b].sum() tokens, an EOS included), then padding;
-              prompt_lens [n] int64, gen_mask [n, T] bool (a prefix of each row)
+              prompt_lens [n] int64, gen_mask [n, T] bool (a prefix of each row);
+              a multi-turn rollout adds loss_mask [n, T] bool: its policy's tokens (``loss_mask()``)
     logp      logp [n, T] float32      per response token, under the sampling policy
     ref_logp  logp [n, T] float32
     rewards   score [n] float32        one scalar per sequence
@@ -40,6 +41,12 @@ LossFn = Callable[[Any, Mapping[str, torch.Tensor]], tuple[torch.Tensor, dict[st
 
 def forward_batch(seq: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"input_ids": seq["tokens"], "lengths": seq["prompt_lens"] + seq["gen_mask"].sum(dim=1)}
+
+
+def loss_mask(seq: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """[n, T] the response tokens a train step learns from: the policy's own (``seq["loss_mask"]``, which a
+    multi-turn rollout writes with its environment's tokens False: ``multiturn.py``), else all (``gen_mask``)."""
+    return seq["loss_mask"] if "loss_mask" in seq else seq["gen_mask"]
 
 
 def response_columns(per_position: torch.Tensor, prompt_lens: torch.Tensor, gen_mask: torch.Tensor,

@@ -151,8 +151,9 @@ def write_data(out_dir: str | Path, cfg: Split = Split()) -> list[Path]:
     return written
 
 
-def train_tokenizer(out_dir: str | Path) -> Path:
-    """Train the task's character-level tokenizer and save it as an HF tokenizer directory."""
+def train_tokenizer(out_dir: str | Path, characters: str = CHARACTERS) -> Path:
+    """Train the task's character-level tokenizer (one token per character of ``characters``) and save it as an
+    HF tokenizer directory."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -164,7 +165,7 @@ def train_tokenizer(out_dir: str | Path) -> Path:
     # Trained on the alphabet itself: every character once, so the trainer keeps them all and, with equal
     # counts, orders them lexicographically (" +-0123456789=" -> ids 4..17) whatever the task's text.
     trainer = trainers.WordLevelTrainer(special_tokens=list(SPECIAL_TOKENS), show_progress=False)
-    tok.train_from_iterator(list(CHARACTERS), trainer)
+    tok.train_from_iterator(list(characters), trainer)
     bos = SPECIAL_TOKENS[BOS_ID]
     tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
                                                        special_tokens=[(bos, BOS_ID)])

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 
 from realloc.algorithms import losses
+from realloc.algorithms.common import loss_mask
 from realloc.algorithms.context import CallContext, CallResult, Data
 from realloc.algorithms.critic_free.pg_train import actor_sums, policy_steps
 from realloc.algorithms.pg import pg_loss
@@ -54,7 +55,7 @@ def reward_kl(cfg: Any, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.
 def _train(ctx: CallContext, inputs: Data, advantages: Advantages) -> CallResult:
     model, cfg = ctx.model, ctx.config
     assert model is not None
-    mask = inputs["seq"]["gen_mask"]
+    mask = loss_mask(inputs["seq"])
     logp, ref_logp = inputs["logp"]["logp"], inputs["ref_logp"]["logp"]
     adv_seq = advantages(ctx, inputs, reward_kl(cfg, logp, ref_logp, mask))
     steps = policy_steps(ctx, inputs, adv_seq.view(-1, 1).to(logp.dtype) * mask)

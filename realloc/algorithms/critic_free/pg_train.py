@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import torch
 
 from realloc.algorithms import losses
-from realloc.algorithms.common import forward_batch, optimizer_step, response_columns
+from realloc.algorithms.common import forward_batch, loss_mask, optimizer_step, response_columns
 from realloc.algorithms.context import CallContext, Data, dp_all_reduce
 from realloc.algorithms.pg import pg_loss
 from realloc.algorithms.pg.decoupled import proximal_logprobs
@@ -47,7 +47,7 @@ def policy_steps(ctx: CallContext, inputs: Data, adv: torch.Tensor, position: to
     model, cfg = ctx.model, ctx.config
     assert model is not None and ctx.optimizer is not None
     seq = inputs["seq"]
-    mask = seq["gen_mask"]
+    mask = loss_mask(seq)  # the policy's tokens: a multi-turn rollout's environment tokens weigh 0
     logp, ref_logp = inputs["logp"]["logp"], inputs["ref_logp"]["logp"]
     if position is None:
         position = torch.tensor(list(ctx.ids), dtype=torch.long)

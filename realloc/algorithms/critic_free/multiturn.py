@@ -1,0 +1,243 @@
+"""Multi-turn rollouts as a GENERATE interface: the policy and an environment take turns in one sequence.
+
+A rollout is its prompt, then the environment's first observation, then turns: the policy samples until EOS (or
+``turn_tokens``), the environment (``realloc/envs/base.py``: ``reset``/``step``) answers with an observation, and
+so on until it is done, the turn limit or the token budget (``gen_len``, observations included). Everything after
+the prompt is the response of the ``seq`` key (``common.py``): ``gen_mask`` covers the whole conversation (so every
+forward pass sees it), and ``seq["loss_mask"]`` [n, T] marks the policy's own tokens. The train steps learn from
+``common.loss_mask(seq)``, so environment tokens get zero weight, and their log-probs are 0 in ``logp`` (this call)
+and ``ref_logp`` (``policy_logprobs``), so none is ever used. The call also writes the rollout's reward (the sum
+of its turns' rewards) under ``rewards``, as a reward call would.
+
+Layout invariance: each turn is one ``generate`` over the still-running rollouts with their conversation so far
+as the prompt, seeded per (iteration, turn) and per sequence's global index, so the tokens depend neither on
+dp, tp, pp nor the micro-batches. Rows with less budget left than the turn's cap keep only their budget's prefix
+(a prefix of a sampled sequence is what a shorter generation draws). The environments run on the replica's
+reporting rank (tp rank 0 of the last stage), which broadcasts their observations, rewards and ends to the other
+ranks, so a tool runs once per rollout whatever the layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from realloc.algorithms.common import actor_logprobs, generation_config, loss_mask
+from realloc.algorithms.context import CallContext, CallResult, Data
+from realloc.envs.base import Environment, check_step, env_factory
+from realloc.envs.rollout_args import rollout_args
+from realloc.models.engine import ParallelModel
+from realloc.models.weights import param_seed
+
+FAILED = -1  # the broadcast header of a turn whose environment raised on the reporting rank
+
+
+@dataclasses.dataclass
+class Rollout:
+    prompt: list[int]
+    budget: int  # response tokens it may still add (policy and environment)
+    tokens: list[int] = dataclasses.field(default_factory=list)  # the response: every token after the prompt
+    policy: list[bool] = dataclasses.field(default_factory=list)  # token sampled by the policy
+    logp: list[float] = dataclasses.field(default_factory=list)
+    reward: float = 0.0
+    turns: int = 0
+    done: bool = False
+    ended_by_env: bool = False
+
+    def add(self, tokens: Sequence[int], logp: Sequence[float] | None) -> None:
+        tokens = list(tokens)[:self.budget]
+        self.tokens += tokens
+        self.policy += [logp is not None] * len(tokens)
+        self.logp += list(logp)[:len(tokens)] if logp is not None else [0.0] * len(tokens)
+        self.budget -= len(tokens)
+
+
+def multiturn_generate(ctx: CallContext, inputs: Data) -> CallResult:
+    model, tok = ctx.model, ctx.tokenizer
+    assert model is not None
+    where = f"call {ctx.call.name!r}"
+    args = rollout_args(ctx.call.name, ctx.call.interface_args)
+    if tok is None:
+        raise ValueError(f"{where}: a multi-turn rollout decodes the policy's turns and encodes observations; the "
+                         f"experiment needs a tokenizer")
+    prompts = inputs["prompts"]
+    plen = prompts["lengths"]
+    n, P, T = plen.shape[0], ctx.prompt_len, ctx.gen_len
+    rolls = [Rollout(prompts["tokens"][b, :int(plen[b])].tolist(), T) for b in range(n)]
+    reporter = model.groups.tp_rank == 0 and model.groups.is_last_stage
+    envs: list[Environment] = []
+    first: list[list[int]] | BaseException | None = None
+    if reporter:
+        try:
+            make = env_factory(where, args.env)
+            rows = prompts["rows"].tolist() if "rows" in prompts and ctx.records is not None else [None] * n
+            envs = [make(**args.env_args) for _ in range(n)]
+            first = [_encode(tok, _first_observation(where, e, {} if r is None else dict(ctx.records(int(r)))))
+                     for e, r in zip(envs, rows)]
+        except Exception as e:  # noqa: BLE001  (re-raised on every rank by _share_tokens)
+            first = e
+    for r, obs in zip(rolls, _share_tokens(model, first)):
+        r.add(obs, None)
+    base = generation_config(ctx)
+    cap = min(args.turn_tokens or T, T)
+    with ThreadPoolExecutor(max_workers=args.env_workers) as pool:
+        for turn in range(args.max_turns):
+            active = [b for b, r in enumerate(rolls) if not r.done and r.budget > 0]
+            if not active:
+                break
+            new = min(cap, max(rolls[b].budget for b in active))
+            gconfig = dataclasses.replace(base, max_new_tokens=new, min_new_tokens=min(base.min_new_tokens, new),
+                                          seed=param_seed(ctx.seed, f"{ctx.purpose}/{ctx.iteration}/turn{turn}"))
+            out = model.generate([rolls[b].prompt + rolls[b].tokens for b in active], gconfig,
+                                 seq_ids=[ctx.ids[b] for b in active], n_mbs=min(ctx.n_mbs, len(active)))
+            said: list[list[int]] = []
+            for i, b in enumerate(active):
+                start, g = int(out.prompt_lengths[i]), int(out.gen_lengths[i])
+                said.append(out.sequences[i, start:start + g].tolist()[:rolls[b].budget])
+                rolls[b].add(said[-1], out.logprobs[i, start:start + g].tolist())
+                rolls[b].turns += 1
+            answers = None
+            if reporter:
+                answers = _steps(where, pool, [envs[b] for b in active], [tok.decode(s) for s in said])
+            last = turn == args.max_turns - 1
+            for b, (obs, reward, done) in zip(active, _share_answers(model, answers, len(active))):
+                r = rolls[b]
+                r.reward += reward
+                r.ended_by_env = done or obs is None
+                r.done = r.ended_by_env or last
+                if not r.done:
+                    r.add(_encode(tok, obs), None)
+    return _result(ctx, rolls, prompts, envs)
+
+
+def _first_observation(where: str, env: Environment, record: dict[str, Any]) -> str:
+    obs = env.reset(record)
+    if not isinstance(obs, str):
+        raise ValueError(f"{where}: the environment's reset() must return the first observation as a str ('' for "
+                         f"none), got {type(obs).__name__}")
+    return obs
+
+
+def _encode(tok: Any, text: str | None) -> list[int]:
+    return tok.encode(text, add_special_tokens=False) if text else []
+
+
+def _steps(where: str, pool: ThreadPoolExecutor, envs: list[Environment], texts: list[str]
+           ) -> list[tuple[str | None, float, bool]] | BaseException:
+    """Each environment's answer to its rollout's turn, or the first error raised."""
+    try:
+        return [check_step(where, got) for got in pool.map(lambda e, t: e.step(t), envs, texts)]
+    except Exception as e:  # noqa: BLE001  (re-raised on every rank by _share_answers)
+        return e
+
+
+def _result(ctx: CallContext, rolls: list[Rollout], prompts: dict[str, torch.Tensor], envs: list[Environment]
+            ) -> CallResult:
+    n, P, T = len(rolls), ctx.prompt_len, ctx.gen_len
+    tokens = torch.full((n, P + T), ctx.pad_token_id, dtype=torch.long)
+    gen_mask = torch.zeros(n, T, dtype=torch.bool)
+    policy = torch.zeros(n, T, dtype=torch.bool)
+    logp = torch.zeros(n, T, dtype=torch.float32)
+    plen = prompts["lengths"].clone()
+    for b, r in enumerate(rolls):
+        p, k = len(r.prompt), len(r.tokens)
+        tokens[b, :p + k] = torch.tensor(r.prompt + r.tokens, dtype=torch.long)
+        gen_mask[b, :k] = True
+        policy[b, :k] = torch.tensor(r.policy, dtype=torch.bool)
+        logp[b, :k] = torch.tensor(r.logp, dtype=torch.float32) * policy[b, :k]
+    seq = {"tokens": tokens, "prompt_lens": plen, "gen_mask": gen_mask, "loss_mask": policy}
+    if "rows" in prompts:
+        seq["rows"] = prompts["rows"].clone()
+    score = torch.tensor([r.reward for r in rolls], dtype=torch.float32)
+    stats = {"gen_tokens": float(gen_mask.sum()), "n_seqs": float(n), "prompt_tokens": float(plen.sum()),
+             # a rollout the environment ended (not the turn limit or the budget) counts as stopped
+             "eos_stops": float(sum(r.ended_by_env for r in rolls)),
+             "policy_tokens": float(policy.sum()), "env_tokens": float((gen_mask & ~policy).sum()),
+             "turns": float(sum(r.turns for r in rolls))}
+    for e in envs:  # tool outcomes, counted on the reporting rank (the one whose stats the master reads)
+        for status, c in getattr(e, "tool_counts", {}).items():
+            stats[f"tool_{status}"] = stats.get(f"tool_{status}", 0.0) + float(c)
+    return CallResult({"seq": seq, "logp": {"logp": logp}, "rewards": {"score": score}}, stats, {})
+
+
+def policy_logprobs(ctx: CallContext, inputs: Data) -> CallResult:
+    """The actor's (or the reference's) log-probs of the policy's tokens; 0 on the environment's."""
+    out = actor_logprobs(ctx, inputs)
+    if "logp" in out.outputs:
+        out.outputs["logp"]["logp"] = out.outputs["logp"]["logp"] * loss_mask(inputs["seq"])
+    return out
+
+
+# -- sharing the reporting rank's answers with the replica's other ranks ----------------------------------------
+def _broadcast(values: list[int] | None, model: ParallelModel) -> list[int]:
+    """``values`` of the reporting rank (tp 0 of the last stage) on every rank of its replica."""
+    g = model.groups
+    if g.tp > 1 and g.is_last_stage:
+        values = _broadcast_in(values, g.tp_ranks[0], g.tp_group, model.device)
+    if g.pp > 1:
+        values = _broadcast_in(values, g.pp_ranks[-1], g.pp_group, model.device)
+    assert values is not None
+    return values
+
+
+def _broadcast_in(values: list[int] | None, src: int, group: Any, device: torch.device) -> list[int]:
+    size = torch.tensor([len(values) if values is not None else 0], dtype=torch.long, device=device)
+    dist.broadcast(size, src=src, group=group)
+    buf = (torch.tensor(values, dtype=torch.long, device=device) if values is not None
+           else torch.empty(int(size), dtype=torch.long, device=device))
+    dist.broadcast(buf, src=src, group=group)
+    return buf.cpu().tolist()
+
+
+def _raise_everywhere(flat: list[int], mine: Any) -> None:
+    """An environment's error on the reporting rank (``FAILED`` header) raised on every rank of the replica."""
+    if flat[0] != FAILED:
+        return
+    if isinstance(mine, BaseException):
+        raise mine
+    raise ValueError("the environment raised on the replica's reporting rank (tp 0 of the last stage); see that "
+                     "rank's error")
+
+
+def _share_tokens(model: ParallelModel, rows: list[list[int]] | BaseException | None) -> list[list[int]]:
+    flat = None
+    if isinstance(rows, BaseException):
+        flat = [FAILED]
+    elif rows is not None:
+        flat = [len(rows)] + [x for r in rows for x in [len(r), *r]]
+    flat = _broadcast(flat, model)
+    _raise_everywhere(flat, rows)
+    out, i = [], 1
+    for _ in range(flat[0]):
+        k = flat[i]
+        out.append(flat[i + 1:i + 1 + k])
+        i += 1 + k
+    return out
+
+
+def _share_answers(model: ParallelModel, answers: Any, n: int) -> list[tuple[str | None, float, bool]]:
+    """(observation, reward, done) per active rollout on every rank; an environment's error raises everywhere."""
+    flat = None
+    if answers is not None:
+        if isinstance(answers, BaseException):
+            flat = [FAILED]
+        else:
+            flat = [n]
+            for obs, reward, done in answers:
+                data = list(obs.encode("utf-8")) if obs is not None else []
+                bits = int(torch.tensor([reward], dtype=torch.float64).view(torch.int64)[0])
+                flat += [bits, int(done), int(obs is None), len(data), *data]
+    flat = _broadcast(flat, model)
+    _raise_everywhere(flat, answers)
+    out, i = [], 1
+    for _ in range(flat[0]):
+        bits, done, none, k = flat[i:i + 4]
+        reward = float(torch.tensor([bits], dtype=torch.int64).view(torch.float64)[0])
+        text = None if none else bytes(flat[i + 4:i + 4 + k]).decode("utf-8")
+        out.append((text, reward, bool(done)))
+        i += 4 + k
+    return out

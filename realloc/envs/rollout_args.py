@@ -1,0 +1,61 @@
+"""The ``interface_args`` of a multi-turn GENERATE call, checked torch-free (``realloc show`` runs the check)::
+
+    interface_args={"env": "tools", "env_args": {"tools": ["calculator"]}, "max_turns": 4, "turn_tokens": 32}
+
+- ``env``: ``"tools"`` (``tool_env.ToolEnv``), or a factory ``"module:function"`` / a function of the experiment
+  file, called as ``env(**env_args)`` once per rollout;
+- ``max_turns``: the most policy turns of a rollout (default 4);
+- ``turn_tokens``: the most tokens of one policy turn (default: the rollout's whole budget, ``gen_len``);
+- ``env_workers``: rollouts whose ``step`` runs at once on a replica's environment rank (default 4; tools are
+  processes, so threads that wait on them are cheap).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+KNOWN = ("env", "env_args", "max_turns", "turn_tokens", "env_workers")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutArgs:
+    env: Any
+    env_args: Mapping[str, Any]
+    max_turns: int = 4
+    turn_tokens: int | None = None
+    env_workers: int = 4
+
+
+def _positive(call: str, name: str, v: Any, none_ok: bool = False) -> None:
+    if v is None and none_ok:
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"call {call!r}: interface_args[{name!r}] must be a positive integer, got {v!r}")
+
+
+def rollout_args(call: str, args: Mapping[str, Any]) -> RolloutArgs:
+    """The checked arguments, or one ValueError naming the call and the key."""
+    if not isinstance(args, Mapping):
+        raise ValueError(f"call {call!r}: interface_args must be a dict")
+    unknown = sorted(set(args) - set(KNOWN))
+    if unknown:
+        raise ValueError(f"call {call!r}: unknown interface_args {', '.join(map(repr, unknown))} of a multi-turn "
+                         f"rollout; known: {', '.join(KNOWN)}")
+    env = args.get("env")
+    if not (env == "tools" or callable(env) or (isinstance(env, str) and ":" in env)):
+        raise ValueError(f"call {call!r}: interface_args['env'] must be 'tools' or an environment factory "
+                         f"('module:function' or a function of the experiment file), got {env!r}")
+    env_args = args.get("env_args", {})
+    if not isinstance(env_args, Mapping):
+        raise ValueError(f"call {call!r}: interface_args['env_args'] must be a dict of the factory's keywords")
+    out = RolloutArgs(env, dict(env_args), args.get("max_turns", 4), args.get("turn_tokens"),
+                      args.get("env_workers", 4))
+    _positive(call, "max_turns", out.max_turns)
+    _positive(call, "turn_tokens", out.turn_tokens, none_ok=True)
+    _positive(call, "env_workers", out.env_workers)
+    return out
+
+
+def check(call: str, args: Mapping[str, Any]) -> None:
+    rollout_args(call, args)

@@ -1,0 +1,81 @@
+"""The child side of a tool call (``sandbox.py`` is the parent): a fresh ``python -I`` runs this file by path.
+
+Standard library only, and nothing imported before the limits are in place, so the tool starts small. It reads
+one JSON request from stdin, blocks socket creation when the parent could not give it an empty network namespace,
+imports the tool's module, lowers its own resource limits, gives up root (to ``nobody``) when it has it and calls
+the tool on the call's text. Whatever the tool prints goes to stdout as it is written; the result follows as one
+line ``<marker> <json>``, where the marker carries a nonce of this call so that printed text cannot forge it.
+"""
+
+import json
+import os
+import resource
+import sys
+import traceback
+
+NOBODY = 65534
+
+
+def _limit(which: int, value: int) -> None:
+    resource.setrlimit(which, (value, value))
+
+
+def _apply_limits(req: dict) -> None:
+    """Lower this process's limits; as root, become nobody (after the tool's module is imported: a Python
+    installed under a private home, as /root/.pyenv is, cannot be read by nobody)."""
+    # CPU: the soft limit sends SIGXCPU (the parent reports it), the hard one a second later SIGKILL.
+    resource.setrlimit(resource.RLIMIT_CPU, (req["cpu_s"], req["cpu_s"] + 1))
+    _limit(resource.RLIMIT_AS, req["memory_bytes"])
+    _limit(resource.RLIMIT_FSIZE, req["file_bytes"])
+    _limit(resource.RLIMIT_CORE, 0)
+    if req["drop_root"] and os.geteuid() == 0:
+        # RLIMIT_NPROC binds only a user without CAP_SYS_RESOURCE: become nobody first, then the count holds.
+        os.setgroups([])
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+    _limit(resource.RLIMIT_NPROC, req["max_procs"])
+
+
+def _block_network() -> None:
+    import socket
+
+    def refuse(*_a: object, **_k: object) -> None:
+        raise PermissionError("network access is disabled for tools")
+
+    socket.socket = refuse  # type: ignore[assignment, misc]
+    socket.create_connection = refuse  # type: ignore[assignment]
+    socket.socketpair = refuse  # type: ignore[assignment]
+    import _socket
+    _socket.socket = refuse  # type: ignore[assignment, misc]
+
+
+def _error(e: BaseException) -> str:
+    line = traceback.format_exception_only(type(e), e)[-1].strip()
+    return line if len(line) <= 500 else line[:500] + "..."
+
+
+def main() -> None:
+    req = json.loads(sys.stdin.read(1 << 20))
+    marker = req["marker"]
+    try:
+        sys.path[:] = req["path"]
+        module, _, attr = req["fn"].partition(":")
+        import importlib
+        if req["block_network"]:
+            _block_network()
+        fn = getattr(importlib.import_module(module), attr)
+        _apply_limits(req)
+        value = fn(req["text"])
+        out = {"ok": True, "value": "" if value is None else str(value)}
+    except MemoryError:
+        out = {"ok": False, "error": "MemoryError: the tool exceeded its memory limit", "memory": True}
+    except BaseException as e:  # noqa: BLE001  (SystemExit and KeyboardInterrupt of the tool are its errors too)
+        out = {"ok": False, "error": _error(e)}
+    sys.stdout.flush()
+    sys.stdout.write("\n" + marker + " " + json.dumps(out) + "\n")
+    sys.stdout.flush()
+    os._exit(0)  # no atexit handlers or threads of the tool's
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""Run one tool call in a contained child process: the parent side (``child.py`` is the child).
+
+A tool is a Python function ``tool(text: str) -> str | None`` named ``"module:function"`` (as rewards are): it
+gets the text of the policy's call and returns the observation; what it prints is part of the observation too.
+Each call spawns a fresh ``python -I`` (never a fork of the training process: no copy of its memory, its CUDA
+context or the run's secret, whose environment variables the child does not get) in a new session, so that
+every process the tool starts belongs to one process group, which is killed as a whole when the call ends.
+
+Limits (``ToolLimits``): wall time (the parent kills the group), CPU time (``RLIMIT_CPU``), address space
+(``RLIMIT_AS``), bytes of output (the parent reads at most that many, then kills), processes (``RLIMIT_NPROC``;
+when the parent is root the child first becomes ``nobody``, since root ignores that limit, which also keeps it
+from writing to the user's files), file size (``RLIMIT_FSIZE``) and no network: an empty network namespace
+(``unshare -n``) where this machine allows it, else socket creation is blocked inside the child before the tool
+runs (``network_isolation`` says which). Whatever happens, the caller gets a ``ToolResult`` whose ``text`` is
+what the policy sees (``error: ...`` for a failure) and whose ``status`` is counted; no tool stops the run.
+
+This contains a policy's mistakes (loops, huge allocations, floods of output, fork loops, network calls); it is
+not a security boundary against deliberately malicious code (Python-level blocks can be undone from Python):
+run untrusted code in a container or VM as well.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Literal
+
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child.py")
+Status = Literal["ok", "error", "timeout", "cpu", "memory", "output", "crash"]
+STATUSES: tuple[str, ...] = ("ok", "error", "timeout", "cpu", "memory", "output", "crash")
+NOBODY = 65534
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolLimits:
+    """What one tool call may use. ``memory_mb`` bounds the child's address space, Python's own ~30 MB
+    included; ``output_bytes`` bounds everything it writes (prints and result)."""
+
+    wall_s: float = 10.0
+    cpu_s: int = 5
+    memory_mb: int = 512
+    output_bytes: int = 16384
+    max_procs: int = 32
+    file_mb: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("wall_s", "cpu_s", "memory_mb", "output_bytes", "max_procs", "file_mb"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                raise ValueError(f"ToolLimits.{name} must be a positive number, got {v!r}")
+        if not isinstance(self.cpu_s, int):
+            raise ValueError(f"ToolLimits.cpu_s must be a whole number of seconds, got {self.cpu_s!r}")
+
+    @classmethod
+    def of(cls, where: str, value: object) -> "ToolLimits":
+        """From a dict of ``interface_args`` (or a ToolLimits), with one clear error naming ``where``."""
+        if isinstance(value, ToolLimits):
+            return value
+        if value is None:
+            return cls()
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: limits must be a dict of ToolLimits fields, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        bad = sorted(set(value) - known)
+        if bad:
+            raise ValueError(f"{where}: unknown tool limit(s) {', '.join(bad)}; known: {', '.join(sorted(known))}")
+        try:
+            return cls(**value)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolResult:
+    text: str  # the observation the policy sees
+    status: Status
+    seconds: float
+
+
+@functools.lru_cache(maxsize=1)  # a fact about this machine, probed once per process
+def network_isolation() -> Literal["namespace", "socket_block"]:
+    """``namespace`` when ``unshare -n`` works here (root, or unprivileged user namespaces), else
+    ``socket_block``."""
+    exe = shutil.which("unshare")
+    if exe is not None:
+        try:
+            ok = subprocess.run([exe, "-n", "true"], capture_output=True, timeout=10).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            ok = False
+        if ok:
+            return "namespace"
+    return "socket_block"
+
+
+@dataclasses.dataclass(frozen=True)
+class Sandbox:
+    """Runs tool calls under ``limits``; ``isolation`` from ``network_isolation()`` (probe once, reuse)."""
+
+    limits: ToolLimits = ToolLimits()
+    isolation: Literal["namespace", "socket_block"] = "socket_block"
+
+    @classmethod
+    def probe(cls, limits: ToolLimits = ToolLimits()) -> "Sandbox":
+        return cls(limits, network_isolation())
+
+    def run(self, fn: str, text: str) -> ToolResult:
+        """Call tool ``fn`` ("module:function") on ``text`` in a fresh contained process."""
+        start = time.monotonic()
+        status, observation = self._run(fn, text)
+        return ToolResult(observation, status, time.monotonic() - start)
+
+    def _command(self) -> list[str]:
+        cmd = [sys.executable, "-I", CHILD]
+        return ["unshare", "-n", *cmd] if self.isolation == "namespace" else cmd
+
+    def _run(self, fn: str, text: str) -> tuple[Status, str]:
+        lim = self.limits
+        marker = "\x00realloc-tool-result-" + os.urandom(8).hex()
+        drop_root = os.geteuid() == 0
+        req = {"marker": marker, "fn": fn, "text": text, "path": [p for p in sys.path if p], "cpu_s": lim.cpu_s,
+               "memory_bytes": lim.memory_mb << 20, "file_bytes": lim.file_mb << 20, "max_procs": lim.max_procs,
+               "drop_root": drop_root, "block_network": self.isolation != "namespace"}
+        work = tempfile.mkdtemp(prefix="realloc-tool-")
+        try:
+            if drop_root:
+                os.chown(work, NOBODY, NOBODY)
+            # A minimal environment: none of the run's variables (its secret among them) reach the tool.
+            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": work, "TMPDIR": work,
+                   "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
+            proc = subprocess.Popen(self._command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, cwd=work, env=env, start_new_session=True)
+            try:
+                return self._watch(proc, json.dumps(req).encode(), marker)
+            finally:
+                if proc.returncode is None:  # not reaped yet: the group id is still this call's
+                    _kill_group(proc.pid)
+                    proc.wait()
+                assert proc.stdout is not None and proc.stdin is not None
+                proc.stdout.close()
+                proc.stdin.close()
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    def _watch(self, proc: subprocess.Popen, request: bytes, marker: str) -> tuple[Status, str]:
+        lim = self.limits
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            proc.stdin.write(request)
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        fd = proc.stdout.fileno()
+        os.set_blocking(fd, False)
+        deadline = time.monotonic() + lim.wall_s
+        budget = lim.output_bytes + len(marker) + 4096  # the result line is not the tool's output
+        buf = bytearray()
+        exited = False
+        while True:
+            if not exited and _has_exited(proc.pid):
+                # The tool's own process ended: its group goes now (forked children keep the pipe open).
+                exited = True
+                _kill_group(proc.pid)
+            left = deadline - time.monotonic()
+            if left <= 0 and not exited:
+                return "timeout", f"error: the tool ran past its wall-time limit of {lim.wall_s:g} s and was stopped"
+            ready, _, _ = select.select([fd], [], [], 0.02 if exited else min(left, 0.05))
+            if not ready:
+                if exited:
+                    break
+                continue
+            try:
+                chunk = os.read(fd, 65536)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                break
+            buf += chunk
+            if len(buf) > budget:
+                return "output", f"error: the tool wrote more than {lim.output_bytes} bytes of output and was stopped"
+        proc.wait()
+        return _verdict(proc.returncode, buf.decode("utf-8", errors="replace"), marker, lim)
+
+
+def _verdict(rc: int, out: str, marker: str, lim: ToolLimits) -> tuple[Status, str]:
+    head, found, tail = out.partition("\n" + marker + " ")
+    printed = head if found else out
+    if len(printed.encode()) > lim.output_bytes:
+        return "output", f"error: the tool wrote more than {lim.output_bytes} bytes of output and was stopped"
+    if rc == -signal.SIGXCPU:
+        return "cpu", f"error: the tool ran past its CPU-time limit of {lim.cpu_s} s and was stopped"
+    if not found:
+        return "crash", (printed + "\n" if printed else "") + f"error: the tool's process ended without a result " \
+                        f"({_how(rc)})"
+    try:
+        res = json.loads(tail.split("\n", 1)[0])
+    except ValueError:
+        return "crash", "error: the tool's result could not be read"
+    if res.get("ok"):
+        return "ok", printed + res.get("value", "")
+    status: Status = "memory" if res.get("memory") else "error"
+    return status, (printed + "\n" if printed else "") + "error: " + str(res.get("error", "unknown"))
+
+
+def _how(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exit status {rc}"
+
+
+def _has_exited(pid: int) -> bool:
+    """Whether the tool's process has ended, without reaping it (its pid, the group's id, stays ours)."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return True
+    return info is not None
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,45 @@
+"""Environments for tests/test_multiturn.py (workers import them by module path)."""
+
+from __future__ import annotations
+
+from realloc.tools.sandbox import Sandbox, ToolLimits
+
+CHARACTERS = "0123456789+-*=<>/ abcdefghijklmnopqrstuvwxyz"  # with 4 specials: 49 ids, under the tiny model's 64
+
+
+class LengthEnv:
+    """Answers each turn with the length of what the policy said (through the calculator tool when ``tool``),
+    rewards 0.25 per turn and, on the last turn, the turn's length mod 3."""
+
+    def __init__(self, turns: int = 3, tool: bool = False) -> None:
+        self.turns, self.tool, self.t = turns, tool, 0
+        self.sandbox = Sandbox(ToolLimits(wall_s=20.0)) if tool else None
+        self.tool_counts: dict[str, int] = {}  # read by the generation's stats, as ToolEnv's
+
+    def reset(self, record: dict) -> str:
+        self.t = 0
+        return "<" + str(record.get("answer", "")) + ">"
+
+    def step(self, text: str) -> tuple[str | None, float, bool]:
+        self.t += 1
+        if self.t >= self.turns:
+            return None, float(len(text) % 3), True
+        n = str(len(text))
+        if self.sandbox is not None:
+            result = self.sandbox.run("realloc.tools.builtin:calculator", f"{n}*1")
+            self.tool_counts[result.status] = self.tool_counts.get(result.status, 0) + 1
+            n = result.text
+        return f"<{n}>", 0.25, False
+
+
+def make_env(**kw: object) -> LengthEnv:
+    return LengthEnv(**kw)  # type: ignore[arg-type]
+
+
+class BrokenEnv(LengthEnv):
+    def step(self, text: str) -> tuple[str | None, float, bool]:
+        raise RuntimeError("the grader is down")
+
+
+def make_broken(**kw: object) -> BrokenEnv:
+    return BrokenEnv(**kw)  # type: ignore[arg-type]
