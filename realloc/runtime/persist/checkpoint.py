@@ -367,7 +367,9 @@ def load_model_shard(ckpt: Path, model: str, tp_rank: int, pp_rank: int, layout:
             raise ValueError(f"checkpoint {ckpt}: model {model!r} was saved in layout {meta.get('layout')}, but this "
                              f"plan keeps it in {layout}; resume with the checkpoint's plan (omit --plan) or a plan "
                              f"that keeps the model's tp and pp (its dp and devices may change)")
-        keys = set(f.keys())
+        # Sorted, never a set: a set's order follows the process's string-hash seed, and the distributed
+        # optimizer's state must be built (and later gathered, ``zero.gathered_state``) alike on every dp rank.
+        keys = sorted(f.keys())
         for n, p in params.items():
             if f"param/{n}" not in keys:
                 raise ValueError(f"checkpoint {path}: parameter {n!r} is missing")
@@ -404,7 +406,7 @@ def _load_hyper(meta: Mapping[str, str], param_groups: list[dict[str, Any]]) -> 
             g.update({k: tuple(v) if isinstance(v, list) else v for k, v in h.items()})
 
 
-def _load_sharded(f: Any, path: Path, keys: set[str], meta: Mapping[str, str], optimizer: Any) -> None:
+def _load_sharded(f: Any, path: Path, keys: list[str], meta: Mapping[str, str], optimizer: Any) -> None:
     """Each rank reads the whole state of one tensor at a time and keeps its chunk (``DistributedAdamW``)."""
     _load_hyper(meta, optimizer.param_groups)
     for n in optimizer.params:
