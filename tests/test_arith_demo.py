@@ -87,6 +87,8 @@ def test_sft_through_realloc_then_grpo_from_its_checkpoint(tmp_path):
     assert len(evals) == GRPO_ITERATIONS // 5 and last > first + 0.1, ([round(x["reward"], 3) for x in m], evals)
     _realloc(tmp_path, "export", str(grpo_run), "--model", "actor", "--out", str(tmp_path / "grpo-hf"))
     after = exact_match_accuracy(tmp_path / "grpo-hf", data["prompts"], max_new_tokens=4)
+    print("sft loss", round(losses[0], 3), "->", round(max(losses[-5:]), 3), "exact match", start.accuracy, "->",
+          sft.accuracy, "->", after.accuracy, "grpo reward", round(first, 3), "->", round(last, 3), "eval", evals)
     assert after.accuracy > sft.accuracy + 0.1 and evals[-1] > sft.accuracy, (sft.describe(), after.describe(), evals)
 
 
