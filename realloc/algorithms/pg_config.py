@@ -28,11 +28,12 @@ class PGLossConfig(TrainConfig):
     # parameters before this train step and weights it by their ratio to the generation's, capped.
     decoupled: bool = False
     behav_weight_cap: float | None = 5.0
+    behav_cap_mode: Literal["truncate", "mask"] = "truncate"  # above the cap: the cap, or weight 0 (AReaL)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         name = type(self).__name__
-        check_decoupled(name, self.decoupled, self.behav_weight_cap)
+        check_decoupled(name, self.decoupled, self.behav_weight_cap, self.behav_cap_mode)
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"{name}.kl_estimator must be one of {', '.join(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
         if self.kl_placement not in KL_PLACEMENTS:
