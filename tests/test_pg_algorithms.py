@@ -289,8 +289,13 @@ def test_show_refuses_dapo_settings_that_do_not_fit_the_experiment(capsys):
     assert main(["show", exp, "--set", "dapo.train_prompts=20"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "dapo.train_prompts=20 exceeds the experiment's batch_size=12" in err[0], err
+    assert "call 'actor_train'" in err[0], err
     assert main(["show", exp, "--set", "dapo.overlong_buffer=8"]) != 0
-    assert "overlong_buffer=8 must be below gen_len=8" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "overlong_buffer=8 must be below gen_len=8" in err and "call 'actor_train'" in err, err
+    # Issue 30, defect 6: clip-higher below clip_eps is refused, naming both.
+    assert main(["show", exp, "--set", "dapo.clip_eps_high=0.1"]) != 0
+    assert "clip_eps_high=0.1 is below clip_eps=0.2" in capsys.readouterr().err
     assert main(["show", exp, "--set", "dapo.dual_clip=0.5"]) != 0
     assert "dual_clip must be > 1" in capsys.readouterr().err
 

@@ -111,6 +111,15 @@ def test_an_answer_over_max_bytes_is_one_error_at_once(length):
         assert RemoteReward.of("rew_inf", {"url": svc.url}).score(["p"], [[1]], [{}]) == [1.0]
 
 
+def test_a_wrong_count_of_scores_says_how_many_came_back():
+    with Service(score=lambda r, rec: 1.0) as svc:
+        short = RemoteReward.of("rew_inf", {"url": svc.url})
+        short._parse(b'{"scores": [1.0, 2.0]}', 2)  # the right count parses
+        with pytest.raises(RewardServiceError, match=r"answered 1 score\(s\) for 3 sequences") as e:
+            short._parse(b'{"scores": [1.0]}', 3)
+    assert svc.url in str(e.value)
+
+
 def test_busy_answers_are_retried_and_client_errors_are_not():
     with Service(fail=2) as svc:  # 503 twice, then scores
         assert RemoteReward.of("r", {"url": svc.url, "retries": 2, "backoff": 0.01}).score(

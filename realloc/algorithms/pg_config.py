@@ -46,6 +46,10 @@ class PGLossConfig(TrainConfig):
         if self.clip_eps_high is not None and not self.clip_eps_high > 0:
             raise ValueError(f"{name}.clip_eps_high must be positive (the upper clip 1 + clip_eps_high), or None for "
                              f"clip_eps; got {self.clip_eps_high!r}")
+        if self.clip_eps_high is not None and self.clip_eps_high < self.clip_eps:
+            raise ValueError(f"{name}.clip_eps_high={self.clip_eps_high!r} is below clip_eps={self.clip_eps!r}: "
+                             f"clip-higher widens the upper clip (DAPO §3.1), so clip_eps_high must be >= clip_eps "
+                             f"(or None for clip_eps)")
         if self.dual_clip is not None and not self.dual_clip > 1:
             raise ValueError(f"{name}.dual_clip must be > 1 (the bound c x A on a negative advantage; 3 in Ye et al. "
                              f"2020), or None for off; got {self.dual_clip!r}")

@@ -172,8 +172,12 @@ class RemoteReward:
             raise RewardServiceError(f"reward service {self.url} answered with something other than JSON: "
                                      f"{raw[:80]!r}") from None
         scores = got.get("scores", got.get("rewards")) if isinstance(got, dict) else None
-        if (not isinstance(scores, list) or len(scores) != n
-                or not all(isinstance(s, (int, float)) and not isinstance(s, bool) for s in scores)):
+        if isinstance(scores, list) and len(scores) != n:
+            raise RewardServiceError(f"reward service {self.url} answered {len(scores)} score(s) for {n} sequences "
+                                     f"(a request carries up to interface_args 'batch' of them); it must answer one "
+                                     f"number per sequence, in order")
+        if not isinstance(scores, list) or not all(isinstance(s, (int, float)) and not isinstance(s, bool)
+                                                   for s in scores):
             raise RewardServiceError(f"reward service {self.url} must answer {{\"scores\": [{n} numbers]}} for "
                                      f"{n} sequences; got {str(got)[:120]}")
         return [float(s) for s in scores]
