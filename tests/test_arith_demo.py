@@ -75,7 +75,11 @@ def test_sft_through_realloc_then_grpo_from_its_checkpoint(tmp_path):
     start = exact_match_accuracy(init, data["prompts"], max_new_tokens=4)
     sft = exact_match_accuracy(ckpt, data["prompts"], max_new_tokens=4)
     padded = sum(r.lstrip("0") == a and r != a for _, r, a in sft.examples)
-    assert sft.accuracy > start.accuracy + 0.1 and padded, (start.describe(), sft.describe(), sft.examples)
+    # The right value in any form (the data zero-pads three quarters of the answers, so exact match alone stays
+    # low and its gain is thin: +0.13 measured under one CPU instruction set; docs/machine-variance.md).
+    print("SFT:", start.describe(), "->", sft.describe())
+    assert sft.value_accuracy > start.value_accuracy + 0.2 and sft.accuracy > start.accuracy and padded, \
+        (start.describe(), sft.describe(), sft.examples)
 
     sets = ("--set", f"init={ckpt}", "--set", f"dataset={data['prompts']}", "--set",
             f"eval.dataset={data['prompts']}", "--set", "eval.batches=2")
