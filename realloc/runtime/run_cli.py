@@ -253,6 +253,10 @@ def main(args: argparse.Namespace) -> int:
         slurm = slurm_options(args) if args.launcher == "slurm" else None
         plan, plan_source = _choose_plan(args, spec, ckpt)
         program = RuntimeProgram(graph, plan)  # validates the plan against the experiment and cluster
+        if ckpt is not None and meta is not None:  # the workers would refuse the shards; say so before they start
+            checkpoint.check_resume_layouts(ckpt, meta.get("layouts", {}), {
+                m: (program.calls[program.home_call(m)].strategy.tp, program.calls[program.home_call(m)].strategy.pp)
+                for m in program.models if program.is_trained(m)})
         if slurm is not None:
             slurm.check(spec.cluster)
         elif args.launcher == "local":

@@ -228,6 +228,18 @@ def latest(root: Path, skip_checks: bool = False, use: str = "--resume") -> Path
     return None
 
 
+def check_resume_layouts(ckpt: Path, saved: Mapping[str, str], wanted: Mapping[str, tuple[int, int]]) -> None:
+    """Refuse a plan that keeps a trained model at another (tp, pp) than the checkpoint saved it in (its shards
+    are tp x pp files; dp and the devices may change): one ValueError naming the model and both layouts."""
+    for model, (tp, pp) in sorted(wanted.items()):
+        m = re.search(r"tp(\d+)\D+pp(\d+)", str(saved.get(model, "")))
+        if m is not None and (int(m.group(1)), int(m.group(2))) != (tp, pp):
+            raise ValueError(f"--resume {ckpt}: model {model!r} was saved at tp={m.group(1)}, pp={m.group(2)} "
+                             f"({saved[model]}), but this plan trains it at tp={tp}, pp={pp}; resume with the "
+                             f"checkpoint's plan (omit --plan) or a plan that keeps the model's tp and pp (its dp "
+                             f"and devices may change)")
+
+
 def iterations_of(ckpt: Path) -> int:
     """The iterations a committed checkpoint holds, from its name (``iter_00000012``: 12)."""
     return int(ckpt.name.removeprefix("iter_"))
