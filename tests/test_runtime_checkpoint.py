@@ -177,6 +177,10 @@ def test_a_missing_or_truncated_file_is_one_error_unless_checks_are_skipped(tmp_
     shard.write_bytes(shard.read_bytes()[:-1])
     with pytest.raises(ValueError, match="has .* bytes, but .* were saved"):
         C.check_files(final)
+    # Unchecked (--skip-checkpoint-checks), loading the truncated shard is one error naming it (issue 30, defect 6).
+    params, opt = make()
+    with pytest.raises(ValueError, match=f"checkpoint file {shard} cannot be read .*truncated or damaged"):
+        C.load_model_shard(final, "actor", 0, 0, "L", params, opt, verify=False)
 
 
 def test_a_checkpoint_without_checksums_needs_the_explicit_flag(tmp_path):

@@ -372,6 +372,9 @@ def main(args: argparse.Namespace) -> int:
                 master.launcher.start()
         print(f"run {run.root}: {spec.name} on {spec.cluster.nodelist} ({spec.cluster.n_devices} devices), "
               f"iterations {start + 1}..{total}, plan {plan_source}")
+        if ckpt is not None and args.skip_checkpoint_checks:
+            print(f"checkpoint checks skipped (--skip-checkpoint-checks): the files of {ckpt} are read without "
+                  f"checking their recorded sizes and SHA-256")
         if sets:
             print(f"overrides: {' '.join(sets)}")
         if reapplied:

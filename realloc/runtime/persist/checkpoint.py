@@ -32,6 +32,7 @@ optimizer state): resuming copies them back unchanged, so it is exact; ``export.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -40,10 +41,10 @@ import re
 import secrets
 import shutil
 from pathlib import Path
-from typing import Any, Collection, Mapping
+from typing import Any, Collection, Iterator, Mapping
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 CHECKPOINT_FORMAT = 1
@@ -372,7 +373,7 @@ def load_model_shard(ckpt: Path, model: str, tp_rank: int, pp_rank: int, layout:
                          f"another layout?")
     if verify:
         verify_file(ckpt, path)
-    with safe_open(str(path), framework="pt") as f:
+    with _open_shard(path) as f:
         meta = f.metadata() or {}
         same_shards = tp_pp is not None and json.loads(meta.get("tp_pp", "null")) == list(tp_pp)
         if meta.get("layout") != layout and not same_shards:
@@ -411,6 +412,18 @@ def load_model_shard(ckpt: Path, model: str, tp_rank: int, pp_rank: int, layout:
                 torch_opt.state[p] = state
 
 
+@contextlib.contextmanager
+def _open_shard(path: Path) -> Iterator[Any]:
+    """``safe_open`` whose failures (a truncated or damaged file, read without its digest under
+    --skip-checkpoint-checks) are one ValueError naming the file."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except (SafetensorError, OSError) as e:  # a bad header, or a tensor past the end of a truncated file
+        raise ValueError(f"checkpoint file {path} cannot be read ({e}); it is truncated or damaged (it was not "
+                         f"verified: --skip-checkpoint-checks?); resume from another checkpoint") from None
+
+
 def _load_hyper(meta: Mapping[str, str], param_groups: list[dict[str, Any]]) -> None:
     hyper = json.loads(meta.get("optimizer_groups", "[]"))
     if hyper and len(hyper) == len(param_groups):
@@ -443,5 +456,5 @@ def load_rng(ckpt: Path, rank: int, verify: bool = True) -> None:
     elif not path.is_file():
         log.warning("checkpoint file %s is missing: rank %d continues with a fresh RNG state", path, rank)
         return
-    with safe_open(str(path), framework="pt") as f:
+    with _open_shard(path) as f:
         torch.set_rng_state(f.get_tensor("torch"))
