@@ -51,11 +51,13 @@ class LossOptions:
     kl_estimator: str = "k1"
     entropy_coef: float = 0.0
     sequence_ratio: bool = False  # GSPO: one length-normalized ratio per response
+    token_level: bool = False  # with sequence_ratio, GSPO-token: the response's ratio, a surrogate per token
 
 
 def loss_options(cfg: PGLossConfig, sequence_ratio: bool = False) -> LossOptions:
     return LossOptions(eps_low=cfg.clip_eps, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip, kl_coef=cfg.kl_in_loss,
-                       kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef, sequence_ratio=sequence_ratio)
+                       kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef, sequence_ratio=sequence_ratio,
+                       token_level=sequence_ratio and bool(getattr(cfg, "token_level", False)))
 
 
 def _surrogate(ratio: torch.Tensor, adv: torch.Tensor, opts: LossOptions) -> tuple[torch.Tensor, torch.Tensor,
@@ -86,6 +88,10 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, w
     Sequence ratio (GSPO, Zheng et al. 2025 eq. 7): ``s_i = exp(mean_t (logp_t - old_t))`` over response i's
     tokens, one surrogate per response ``surrogate(s_i, A_i)`` weighted by ``sum_t w_t`` (A_i: the response's
     advantage, constant over its tokens), plus the per-token KL and entropy terms.
+    GSPO-token (Zheng et al. 2025, the token-level variant; ``token_level``): per token
+    ``s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)]`` (the value of s_i, the gradient of token t's log-prob scaled by
+    it) and ``sum_t w_t surrogate(s_i,t, A_i,t)``: per-token advantages; with A constant over a response, the
+    loss and its gradient are GSPO's.
 
     Decoupled (``prox_logp`` given; AReaL, ``decoupled.py``): the ratio is taken against the proximal policy
     ``prox_logp`` instead of ``old_logp`` (the behaviour policy that sampled), and each surrogate is weighted by
@@ -102,7 +108,17 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, w
     log_ratio = (logp - anchor) * maskf
     behav_log = None if prox_logp is None else ((prox_logp - old_logp) * maskf).detach()
     stats = {}
-    if opts.sequence_ratio:
+    if opts.sequence_ratio and opts.token_level:
+        n_tok = maskf.sum(dim=1).clamp(min=1.0)
+        seq_ratio = torch.exp(log_ratio.sum(dim=1) / n_tok).detach()
+        tok_ratio = seq_ratio.view(-1, 1) * torch.exp(logp - logp.detach())
+        surr, was_clipped, dual = _surrogate(tok_ratio, adv, opts)
+        if behav_log is not None:
+            surr = surr * _behaviour_weight(torch.exp(behav_log.sum(dim=1) / n_tok), behav_cap, behav_cap_mode,
+                                            weights.sum(dim=1), stats).view(-1, 1)
+        loss = (surr * weights).sum()
+        clip_w, dual_w = (was_clipped.to(weights.dtype) * weights).sum(), (dual.to(weights.dtype) * weights).sum()
+    elif opts.sequence_ratio:
         n_tok = maskf.sum(dim=1).clamp(min=1.0)
         seq_ratio = torch.exp(log_ratio.sum(dim=1) / n_tok)
         seq_adv = (adv * maskf).sum(dim=1) / n_tok
