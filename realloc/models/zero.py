@@ -225,7 +225,8 @@ class DistributedAdamW:
         names = {n: tuple(sorted(self.inner.state.get(c, {}))) for n, c in self.chunks.items()}
         # One collective for all parameters: every rank's entries hashed the same way (a CRC, not Python's
         # per-process string hash), compared by their min and max over dp.
-        code = torch.tensor([zlib.crc32(repr(sorted(names.items())).encode())], dtype=torch.int64)
+        device = next(iter(self.chunks.values())).device if self.chunks else torch.device("cpu")  # NCCL: the GPU
+        code = torch.tensor([zlib.crc32(repr(sorted(names.items())).encode())], dtype=torch.int64, device=device)
         lo, hi = code.clone(), code.clone()
         dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.group)
         dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.group)
