@@ -5,8 +5,9 @@
 
 Two gloo processes (one thread each) run the ``small`` model (8 layers, hidden 256, vocabulary 256) in
 bf16, the GPUs' precision, on each layout of the 2 local devices: dp 2, tp 2 and pp 2, training with and
-without activation recomputation, training on rows of 16..128 tokens (1-8x) padded and packed (a revision
-without packing has the padded row only; the estimate prices full-length rows, an upper bound), inference, and
+without activation recomputation, training on rows of 16..128 tokens (1-8x) padded to each micro-batch's longest row and packed (a revision
+without packing has the padded row only; the estimate prices the padded micro-batches' width, and for packed
+rows the tokens that exist: the largest micro-batch's), inference, and
 pipelined generation of 8 micro-batches at pp 2; at dp 2
 also training with bf16 gradient buffers (``TrainConfig.grad_dtype="bf16"``; a revision without the setting
 has no such row).
@@ -78,8 +79,8 @@ def _measure(rank: int, store: str, results) -> None:
         # rows of 16..128 tokens (1-8x), padded to the longest of their micro-batch, or packed
         lens = [torch.randint(TRAIN["seq"] // 8, TRAIN["seq"] + 1, (TRAIN["rows"],), generator=g)
                 for _ in range(TRAIN["n_mbs"])]
-        skewed = [{"input_ids": mb["input_ids"] * (torch.arange(TRAIN["seq"])[None] < n[:, None]), "lengths": n}
-                  for mb, n in zip(mbs, lens)]
+        skewed = [{"input_ids": (mb["input_ids"] * (torch.arange(TRAIN["seq"])[None] < n[:, None]))[:, :int(n.max())],
+                   "lengths": n} for mb, n in zip(mbs, lens)]  # each micro-batch as wide as its longest row
         packs = "pack_sequences" in inspect.signature(ParallelModel).parameters
         runs = [(False, False, None), (True, False, None), (False, False, "padded")]
         if packs:
@@ -103,7 +104,12 @@ def _measure(rank: int, store: str, results) -> None:
             key = (f"{name} train{' recompute' if recompute else ''}{' bf16 grads' if bf16_grads else ''}"
                    f"{f' 1-8x {skew}' if skew else ''}")
             out[key] = dict(stage=groups.pp_rank, steady=steady.current, peak=steady.current + step.peak,
-                            params=n_params, state=steady.current + grad_bytes * n_params)
+                            params=n_params, state=steady.current + grad_bytes * n_params,
+                            # the row length the estimate prices: the widest padded micro-batch, or the tokens of
+                            # the largest packed one spread over its rows
+                            seq=(max(int(n.max()) for n in lens) if skew == "padded" else
+                                 -(-max(int(n.sum()) for n in lens) // TRAIN["rows"]) if skew == "packed" else
+                                 TRAIN["seq"]))
             del model, opt
         with LiveTensorMeter() as steady:
             model = ParallelModel(cfg, groups, dtype=torch.bfloat16, seed=1)
@@ -153,8 +159,9 @@ def measure_tree(root: Path) -> dict:
     return json.loads(line[4:])
 
 
-def estimate(config: str, stage: int) -> tuple[int, int]:
-    """(static, total) bytes of the estimator for one config's call on a device of pipeline stage ``stage``."""
+def estimate(config: str, stage: int, seq: int = TRAIN["seq"]) -> tuple[int, int]:
+    """(static, total) bytes of the estimator for one config's call on a device of pipeline stage ``stage``, its
+    train rows ``seq`` tokens long."""
     from realloc.calls import InterfaceType
     from realloc.estimator.hardware import Precision
     from realloc.estimator.memory import Workload, stage_call_memory
@@ -173,8 +180,8 @@ def estimate(config: str, stage: int) -> tuple[int, int]:
         m = stage_call_memory(cfg, work, s, GEN["n_mbs"], stage, bf16)
     else:
         kind = InterfaceType.TRAIN_STEP if what == "train" else InterfaceType.INFERENCE
-        work = Workload(kind, n_seqs=TRAIN["rows"] * TRAIN["n_mbs"] * dp, n_steps=1, prompt_len=TRAIN["seq"] // 2,
-                        gen_len=TRAIN["seq"] // 2)
+        work = Workload(kind, n_seqs=TRAIN["rows"] * TRAIN["n_mbs"] * dp, n_steps=1, prompt_len=seq // 2,
+                        gen_len=seq - seq // 2)
         m = stage_call_memory(cfg, work, s, TRAIN["n_mbs"], stage, bf16, recompute="recompute" in config)
     return m.params + m.optimizer, m.total
 
@@ -201,7 +208,7 @@ def main() -> None:
     for config, ranks in now.items():
         r = max(range(2), key=lambda i: ranks[i]["peak"])
         cur, old = ranks[r], base.get(config, [None, None])[r]
-        static, total = estimate(config, cur["stage"])
+        static, total = estimate(config, cur["stage"], cur.get("seq", TRAIN["seq"]))
         row = f"{config:<26}{cur['steady'] / mib:>9.2f}{static / mib:>9.2f}"
         row += (f"{old['steady'] / mib:>9.2f}{cur['steady'] / old['steady']:>9.2f}" if old else f"{'-':>9}{'-':>9}")
         if "state" in cur:

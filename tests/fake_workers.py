@@ -72,7 +72,8 @@ class FakeWorkers:
         try:
             while True:
                 holding = bool(later)
-                ready = sock.poll(max(0, int((later[0][0] - time.monotonic()) * 1000)) if holding else 200)
+                # at most 200 ms, so that leaving the with block ends a rank that holds a reply for long
+                ready = sock.poll(min(200, max(0, int((later[0][0] - time.monotonic()) * 1000))) if holding else 200)
                 if self.closing.is_set():
                     return
                 while later and later[0][0] <= time.monotonic():

@@ -66,3 +66,58 @@ class Service:
     def __exit__(self, *exc) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+class RawService:
+    """A loopback HTTP service written on raw sockets, for answers http.server cannot give: after reading a
+    request it sends ``head`` (status line and headers), then ``body`` ``drip`` bytes at a time with ``pause`` s
+    between them, then closes. It counts the requests it accepted."""
+
+    def __init__(self, head: bytes, body: bytes, drip: int = 1 << 20, pause: float = 0.0) -> None:
+        import socket
+
+        self.head, self.body, self.drip, self.pause = head, body, drip, pause
+        self.requests = 0
+        self.stop = threading.Event()
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/score"
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            self.requests += 1
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn) -> None:
+        with conn:
+            try:
+                conn.settimeout(5)
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                head, _, rest = data.partition(b"\r\n\r\n")
+                length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                                  if line.lower().startswith(b"content-length")))
+                while len(rest) < length:
+                    rest += conn.recv(65536)
+                conn.sendall(self.head)
+                for i in range(0, len(self.body), self.drip):
+                    if self.stop.wait(self.pause if i else 0):
+                        return
+                    conn.sendall(self.body[i:i + self.drip])
+            except OSError:  # the client gave up and closed
+                pass
+
+    def __enter__(self) -> "RawService":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.sock.close()

@@ -83,8 +83,9 @@ def test_sft_lowers_its_loss_and_does_not_depend_on_the_plan(tmp_path):
     experiment = str(REPO / "experiments/sft_tiny.py")
     spread = _run(experiment, "spread", 12, tmp_path)
     loss = [m["sft_loss"] for m in spread]
-    # From about log(64) (a uniform guess over the tiny model's vocabulary) to under 60% of it.
-    assert loss[0] > 3.5 and max(loss[-3:]) < 0.6 * loss[0], loss
+    # From about log(64) (a uniform guess over the tiny model's vocabulary) to under 70% of it (measured 51-55%
+    # over three CPU instruction sets and three seeds: docs/machine-variance.md).
+    assert loss[0] > 3.5 and max(loss[-3:]) < 0.7 * loss[0], loss
     for plan in ("one_device", "tp_pp"):
         _same(spread[:N_COMPARE], _run(experiment, plan, N_COMPARE, tmp_path), ("sft_loss", "actor_grad_norm"), plan)
 
@@ -97,7 +98,9 @@ def test_dpo_raises_preference_accuracy_and_margin_and_does_not_depend_on_the_pl
     spread = _run(experiment, "spread", 12, tmp_path)
     acc, margin = [m["dpo_accuracy"] for m in spread], [m["dpo_margin"] for m in spread]
     assert abs(spread[0]["dpo_loss"] - 0.6931) < 0.02  # the actor starts as its reference: margins near 0
-    assert sum(acc[-3:]) / 3 > 0.85 and sum(margin[-3:]) / 3 > 1.0 and abs(margin[0]) < 0.1, (acc, margin)
+    # From chance (accuracy ~0.5, margin ~0) to clearly above it. Measured over three CPU instruction sets and
+    # three seeds: accuracy 0.885-0.938, margin 1.00-1.64 (docs/machine-variance.md): the bars sit well below.
+    assert sum(acc[-3:]) / 3 > 0.75 and sum(margin[-3:]) / 3 > 0.5 and abs(margin[0]) < 0.1, (acc, margin)
     # Iteration 1's first mini-batch scores pairs while actor == reference: its margins are rounding noise around
     # 0, whose sign (the accuracy) may differ between layouts. Every other number must agree.
     for plan in ("one_device", "tp_pp"):

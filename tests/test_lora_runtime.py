@@ -101,7 +101,10 @@ def test_lora_grpo_learns_the_task_and_its_exports_agree(tmp_path):
         want = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()(input_ids=ids).logits
         base = AutoModelForCausalLM.from_pretrained(SFT, dtype=torch.float32).eval()(input_ids=ids).logits
     got = _peft_logits(SFT, peft, ids)
-    assert (got - want).abs().max() < 1e-4
+    # Merged weights against adapters applied beside them: float rounding only, which depends on the CPU's kernels
+    # (2e-4 on logits up to 14 under ATEN_CPU_CAPABILITY=default; docs/machine-variance.md). A wrong merge is off
+    # by the adapters' whole effect, above 0.1.
+    assert (got - want).abs().max() < 1e-3
     assert (want - base).abs().max() > 0.1  # the adapters changed the model
 
     # the first iteration under another plan: the same samples and rewards, the same loss up to rounding

@@ -88,8 +88,8 @@ def test_master_holds_only_the_iterations_in_flight(tmp_path):
 
 
 def test_a_stop_without_time_for_a_checkpoint_ends_cleanly_and_says_so(tmp_path):
-    """Saves take 1 s (the fake workers' save is slow; the run saves after iteration 2), and the warning
-    signal leaves 1 s: a checkpoint needs 1.5 x its measured time, so none is attempted. The iteration
+    """Saves take 2.1 s (the fake workers' save is slow; the run saves after iteration 2), and the warning
+    signal leaves 3 s: a checkpoint needs 1.5 x its measured time, so none is attempted. The iteration
     in flight when the signal came (3) finishes, no further one starts, and the stop says why."""
     spec = load_experiment(TINY)
     graph = build_graph(spec)
@@ -97,15 +97,15 @@ def test_a_stop_without_time_for_a_checkpoint_ends_cleanly_and_says_so(tmp_path)
 
     def stop_after_the_save(m: dict) -> None:
         if m["iteration"] == 2:
-            assert master.longest_save is not None and master.longest_save >= 1.0
+            assert master.longest_save is not None and master.longest_save >= 2.1
             master.request_stop(signal.SIGUSR1)
 
     master = Master(RuntimeProgram(graph, disjoint_plan()), RunConfig.of(spec), RunPaths(tmp_path), "r1", secret,
                     iterations=10, save_every=2, heartbeat_timeout=600.0, on_iteration=stop_after_the_save,
-                    stop_signals=StopSignals(signal.SIGUSR1, warning_lead=1.0))
+                    stop_signals=StopSignals(signal.SIGUSR1, warning_lead=3.0))
     outputs = {c: list(graph.call(c).output_data) for c in graph.topo_order}
     with FakeWorkers(f"tcp://127.0.0.1:{master.port}", secret, "r1", spec.cluster.n_devices, outputs,
-                     delays={"save": 1.0}) as workers:
+                     delays={"save": 2.1}) as workers:
         asyncio.run(master.run())  # returns: a clean end, not RunFailed
     assert workers.requests.count("save") == 1 and workers.requests[-1] == "shutdown"
     assert [json.loads(x)["iteration"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
@@ -113,8 +113,76 @@ def test_a_stop_without_time_for_a_checkpoint_ends_cleanly_and_says_so(tmp_path)
     stop = master.stop
     assert stop is not None and stop.checkpoint is None and stop.after_iteration == 3 and stop.exit_code == 128 + 10
     said = stop.describe(str(tmp_path))
-    assert said.startswith("stopped by SIGUSR1 after iteration 3; no checkpoint: one takes about 1.") and \
+    assert said.startswith("stopped by SIGUSR1 after iteration 3; no checkpoint: one takes about 2.") and \
         f"the newest is in {tmp_path / 'checkpoints'}" in said, said
+
+
+class _Processes:
+    """The master's view of local worker processes (launcher.LocalLauncher): none dies; records its stops."""
+
+    def __init__(self) -> None:
+        self.stops: list[tuple[float, set[int]]] = []
+
+    def pid(self, rank: int) -> None:
+        return None
+
+    def dead(self) -> dict[int, int]:
+        return {}
+
+    def stop(self, grace: float = 5.0, hung=()) -> None:
+        self.stops.append((grace, set(hung)))
+
+    def wait_exit(self, timeout: float) -> bool:
+        return True
+
+
+def test_sigterm_while_a_call_is_stuck_ends_the_run_within_the_grace_naming_the_newest_checkpoint(tmp_path):
+    """Issue 30, defect 3: iteration 2's reward call never answers. SIGTERM (to this process, where the master
+    runs) after iteration 1's checkpoint: the master waits for the call only until STOP_MARGIN s before the grace
+    runs out, then stops the workers, says that no new checkpoint was written and which is the newest, and the
+    run exits with 128 + SIGTERM."""
+    import threading
+
+    from realloc.runtime.control.master_link import RunFailed
+    from realloc.runtime.control.stop_signals import STOP_MARGIN
+
+    spec = load_experiment(TINY)
+    graph = build_graph(spec)
+    secret = protocol.new_secret()
+    grace = STOP_MARGIN + 4.0
+    master = Master(RuntimeProgram(graph, disjoint_plan()), RunConfig.of(spec), RunPaths(tmp_path), "r1", secret,
+                    iterations=10, save_every=1, heartbeat_timeout=600.0,
+                    stop_signals=StopSignals(term_grace=grace))
+    master.launcher = processes = _Processes()
+    newest = tmp_path / "checkpoints/iter_00000001"
+    sent: list[float] = []
+
+    def term_after_the_first_checkpoint() -> None:
+        while not (newest / "meta.json").exists():
+            time.sleep(0.05)
+        sent.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def stuck(req, rank: int) -> float:
+        return 3600.0 if isinstance(req, protocol.RunCall) and req.call == "rew_inf" and req.iteration == 1 else 0.0
+
+    outputs = {c: list(graph.call(c).output_data) for c in graph.topo_order}
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with FakeWorkers(f"tcp://127.0.0.1:{master.port}", secret, "r1", spec.cluster.n_devices, outputs,
+                         held=stuck):
+            threading.Thread(target=term_after_the_first_checkpoint, daemon=True).start()
+            with pytest.raises(RunFailed) as e:
+                asyncio.run(master.run())
+            took = time.monotonic() - sent[0]
+    finally:
+        assert signal.getsignal(signal.SIGTERM) is previous  # the master restored the handler
+    said = str(e.value)
+    assert said.startswith("stopped by SIGTERM: rew_inf (iteration 2)") and \
+        f"no new checkpoint was written; the newest is {newest}" in said, said
+    assert master.stop is not None and master.stop.exit_code == 128 + signal.SIGTERM
+    assert processes.stops and took < grace, (processes.stops, took)  # the workers were stopped in time
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["iter_00000001"]
 
 
 def test_an_iteration_that_overtakes_the_previous_ones_evaluation_gets_no_negative_time(tmp_path):

@@ -128,6 +128,24 @@ def test_bad_batches_raise_one_value_error(batch, msg):
         token_layout(batch, "forward")
 
 
+def test_rows_longer_than_the_models_maximum_are_refused():
+    """Issue 30, defect 6: forward and train_step pass the model's max_position_embeddings (engine.py); a row of
+    more tokens is one error, whatever the input form; a row of exactly that many is accepted."""
+    ids = torch.ones(2, 6, dtype=torch.long)
+    for batch in ({"input_ids": ids, "lengths": torch.tensor([6, 2])},
+                  {"input_ids": ids, "attention_mask": torch.ones(2, 6)},
+                  {"input_ids": torch.ones(8, dtype=torch.long), "cu_seqlens": torch.tensor([0, 2, 8])}):
+        with pytest.raises(ValueError, match="forward: a sequence of 6 tokens exceeds the model's "
+                                             "max_position_embeddings=5"):
+            token_layout(batch, "forward", max_positions=5)
+        token_layout(batch, "forward", max_positions=6)
+    import inspect
+
+    from realloc.models.engine import ParallelModel
+    for method in (ParallelModel.forward, ParallelModel.train_step):
+        assert "self.cfg.max_position_embeddings)" in inspect.getsource(method), method
+
+
 def test_split_batch_splits_row_tensors_only():
     b = {"input_ids": torch.arange(10).view(5, 2), "lengths": torch.full((5,), 2), "scale": torch.tensor(3.0)}
     parts = split_batch(b, 2)

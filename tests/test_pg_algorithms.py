@@ -289,8 +289,13 @@ def test_show_refuses_dapo_settings_that_do_not_fit_the_experiment(capsys):
     assert main(["show", exp, "--set", "dapo.train_prompts=20"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "dapo.train_prompts=20 exceeds the experiment's batch_size=12" in err[0], err
+    assert "call 'actor_train'" in err[0], err
     assert main(["show", exp, "--set", "dapo.overlong_buffer=8"]) != 0
-    assert "overlong_buffer=8 must be below gen_len=8" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "overlong_buffer=8 must be below gen_len=8" in err and "call 'actor_train'" in err, err
+    # Issue 30, defect 6: clip-higher below clip_eps is refused, naming both.
+    assert main(["show", exp, "--set", "dapo.clip_eps_high=0.1"]) != 0
+    assert "clip_eps_high=0.1 is below clip_eps=0.2" in capsys.readouterr().err
     assert main(["show", exp, "--set", "dapo.dual_clip=0.5"]) != 0
     assert "dual_clip must be > 1" in capsys.readouterr().err
 
@@ -319,3 +324,54 @@ def test_dry_run_search_places_the_graph(name, capsys):
     for call in ("actor_gen", "rew_inf", "ref_inf", "actor_train"):
         assert f"\n{call} " in table, call
     assert "critic" not in table
+
+
+def test_gspo_token_is_gspo_with_a_surrogate_per_token():
+    """Issue 30, defect 6: GSPO-token (Zheng et al. 2025): s_i,t = sg[s_i] pi(y_t) / sg[pi(y_t)]. Against a
+    hand-written formula in plain floats with per-token advantages (loss and gradient, some responses clipped), and
+    equal to GSPO, loss and gradient, when the advantage is constant over each response (the paper's remark)."""
+    import math
+
+    import torch
+
+    from realloc.algorithms.critic_free.pg_algorithms import GSPOConfig
+    from realloc.algorithms.pg.pg_loss import LossOptions, policy_loss
+
+    g = torch.Generator().manual_seed(7)
+    n, T = 4, 5
+    old = -torch.rand(n, T, generator=g) * 2
+    logp0 = old + 0.15 * torch.randn(n, T, generator=g)
+    mask = torch.ones(n, T, dtype=torch.bool)
+    mask[1, 3:] = False
+    w = torch.rand(n, T, generator=g) * mask
+    adv = torch.randn(n, T, generator=g) * mask
+    eps = 0.05
+    token = LossOptions(eps_low=eps, eps_high=eps, sequence_ratio=True, token_level=True)
+    logp = logp0.clone().requires_grad_(True)
+    loss, _ = policy_loss(logp, old, adv, w, mask, token)
+    loss.backward()
+    want, grad, clipped = 0.0, [[0.0] * T for _ in range(n)], 0
+    for i in range(n):
+        toks = [t for t in range(T) if mask[i, t]]
+        s = math.exp(sum(float(logp0[i, t] - old[i, t]) for t in toks) / len(toks))
+        clipped += not 1 - eps <= s <= 1 + eps
+        for t in toks:
+            a, wt = float(adv[i, t]), float(w[i, t])
+            plain, clip = -a * s, -a * min(max(s, 1 - eps), 1 + eps)
+            want += wt * max(plain, clip)
+            grad[i][t] = -a * wt * s if plain >= clip else 0.0  # d s_i,t / d logp_t = s_i
+    assert float(loss) == pytest.approx(want, rel=1e-5) and 0 < clipped < n
+    torch.testing.assert_close(logp.grad, torch.tensor(grad), rtol=1e-5, atol=1e-7)
+
+    seq_adv = torch.randn(n, 1, generator=g) * mask  # constant over each response: GSPO's own case
+    w_seq = (mask / mask.sum(dim=1, keepdim=True)).float()
+    got = []
+    for level in (False, True):
+        lp = logp0.clone().requires_grad_(True)
+        opts = LossOptions(eps_low=eps, eps_high=eps, sequence_ratio=True, token_level=level)
+        out, _ = policy_loss(lp, old, seq_adv, w_seq, mask, opts)
+        out.backward()
+        got.append((out.detach(), lp.grad))
+    torch.testing.assert_close(got[1][0], got[0][0])
+    torch.testing.assert_close(got[1][1], got[0][1])
+    assert GSPOConfig().token_level is False and GSPOConfig(token_level=True).token_level

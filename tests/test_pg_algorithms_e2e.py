@@ -24,6 +24,10 @@ from test_algorithms_e2e import REPO, _run
 N_COMPARE = 3
 HEADLINE = ("kl", "actor_loss", "approx_kl", "actor_grad_norm", "adv_abs_mean", "response_len")
 N_LEARN = 10
+# GSPO's sequence-level clip (3e-4) moves the policy less per step: over 10 iterations its reward gain was 0.23 at
+# seed 0 but 0.12 at seed 2 (a stand-in for another CPU's rounding); over 16, 0.44 / 0.23 / 0.38 at seeds 0 / 2 / 3
+# (docs/machine-variance.md).
+N_LEARN_OF = {"gspo": 16}
 # DAPO's second plan is the dp2 one of test_dapo_learns_and_trains_the_first_groups_whose_rewards_differ.
 OTHER_PLAN = {"reinforce_pp": "one_device", "reinforce_pp_baseline": "one_device", "gspo": "tp_pp"}
 DAPO_STATS = ("groups_kept", "groups_trained", "trained_reward")
@@ -45,7 +49,7 @@ def _learns(spread: list[dict], algo: str) -> None:
 @pytest.mark.parametrize("algo", sorted(OTHER_PLAN))
 def test_algorithm_learns_and_does_not_depend_on_the_plan(algo, tmp_path):
     experiment = str(REPO / f"experiments/{algo}_tiny.py")
-    spread = _run(experiment, "spread", N_LEARN, tmp_path)
+    spread = _run(experiment, "spread", N_LEARN_OF.get(algo, N_LEARN), tmp_path)
     _learns(spread, algo)
     other = _run(experiment, OTHER_PLAN[algo], N_COMPARE, tmp_path)
     _same(spread[:N_COMPARE], other, HEADLINE, OTHER_PLAN[algo])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+import time
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from realloc.algorithms.rewards import reward_fns
 from realloc.algorithms.rewards.remote_reward import RemoteReward, RewardServiceError
 from realloc.api import INFERENCE, ModelFunctionCallDef
 from realloc.graph.dataflow import build_graph
-from reward_service import Service
+from reward_service import RawService, Service
 from spec_helpers import inline_spec
 
 
@@ -77,6 +78,46 @@ def test_slow_answers_time_out_and_are_retried():
             RemoteReward.of("r", {"url": svc.url, "timeout": 0.3, "retries": 1, "backoff": 0.01}).score(
                 ["p"], [[1]], [{}])
         assert svc.url in str(e.value) and svc.requests == 2
+
+
+def test_a_service_that_drips_its_answer_is_cut_off_at_each_requests_deadline():
+    """Issue 30, defect 2: headers at once, then a byte a second (every read returns within any socket timeout):
+    the call still ends after timeout x (retries + 1) plus the pauses, not when the 60-byte answer is done."""
+    body = b'{"scores": [1.0]}'.ljust(60)
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 60\r\n\r\n"
+    with RawService(head, body, drip=1, pause=1.0) as svc:
+        service = RemoteReward.of("rew_inf", {"url": svc.url, "timeout": 1.5, "retries": 1, "backoff": 0.01})
+        start = time.monotonic()
+        with pytest.raises(RewardServiceError, match=r"failed 2 time\(s\): no answer within timeout=1.5 s") as e:
+            service.score(["p"], [[1]], [{}])
+        took = time.monotonic() - start
+    assert svc.url in str(e.value) and svc.requests == 2
+    # 2 x 1.5 s plus a pause of 0.01 s; the answer alone would take a minute. A generous bound, not a timing.
+    assert took < 3.0 + 10, took
+
+
+@pytest.mark.parametrize("length", [True, False], ids=["content-length", "until-close"])
+def test_an_answer_over_max_bytes_is_one_error_at_once(length):
+    """A valid answer bigger than ``max_bytes`` is refused without reading it whole or trying again, whether the
+    service announces its size or streams until it closes."""
+    body = b'{"scores": [1.0], "pad": "' + b"x" * 5000 + b'"}'
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n" + (
+        b"Content-Length: %d\r\n" % len(body) if length else b"Connection: close\r\n") + b"\r\n"
+    with RawService(head, body, drip=1000) as svc:
+        with pytest.raises(RewardServiceError, match="over interface_args max_bytes=4096") as e:
+            RemoteReward.of("rew_inf", {"url": svc.url, "max_bytes": 4096, "retries": 3}).score(["p"], [[1]], [{}])
+        assert svc.url in str(e.value) and svc.requests == 1
+    with RawService(head, body) as svc:  # under the default cap the same answer scores
+        assert RemoteReward.of("rew_inf", {"url": svc.url}).score(["p"], [[1]], [{}]) == [1.0]
+
+
+def test_a_wrong_count_of_scores_says_how_many_came_back():
+    with Service(score=lambda r, rec: 1.0) as svc:
+        short = RemoteReward.of("rew_inf", {"url": svc.url})
+        short._parse(b'{"scores": [1.0, 2.0]}', 2)  # the right count parses
+        with pytest.raises(RewardServiceError, match=r"answered 1 score\(s\) for 3 sequences") as e:
+            short._parse(b'{"scores": [1.0]}', 3)
+    assert svc.url in str(e.value)
 
 
 def test_busy_answers_are_retried_and_client_errors_are_not():

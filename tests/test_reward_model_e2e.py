@@ -72,6 +72,21 @@ def _hf_scores(model, seqs: list[list[int]]) -> list[float]:
         return [float(model(input_ids=torch.tensor([s])).logits[0, 0]) for s in seqs]
 
 
+def _hf_scores_batched(model, seqs: list[list[int]]) -> list[float]:
+    """``_hf_scores`` with the sequences of one length in one forward pass: transformers' trunk, then its score
+    head on the last token (what LlamaForSequenceClassification reads for an unpadded row)."""
+    out = [0.0] * len(seqs)
+    by_length: dict[int, list[int]] = {}
+    for i, s in enumerate(seqs):
+        by_length.setdefault(len(s), []).append(i)
+    with torch.no_grad():
+        for rows in by_length.values():
+            hidden = model.model(input_ids=torch.tensor([seqs[i] for i in rows])).last_hidden_state
+            for i, v in zip(rows, model.score(hidden[:, -1]).view(-1).tolist()):
+                out[i] = v
+    return out
+
+
 def test_reward_model_learns_held_out_pairs_and_its_export_gives_the_reported_metrics(learned):
     from transformers import AutoModelForSequenceClassification
 
@@ -87,8 +102,10 @@ def test_reward_model_learns_held_out_pairs_and_its_export_gives_the_reported_me
     assert last["n"] == 4 * 32
     print("held-out accuracy", first["rm_accuracy"], "->", last["rm_accuracy"], "loss", first["rm_loss"], "->",
           last["rm_loss"])
-    assert first["rm_accuracy"] < 0.65 and last["rm_accuracy"] >= 0.7  # chance is 0.5
-    assert last["rm_loss"] < first["rm_loss"] - 0.1 and last["rm_margin"] > 1.0
+    # Learning claims with wide margins (docs/machine-variance.md): the run's exact numbers differ between CPUs
+    # (float rounding compounds over 96 Adam steps), measured 0.41-0.49 for the held-out loss and 1.7-2.4 for
+    # the margin over three CPU instruction sets and four seeds. The held-out accuracy is checked below on 480 pairs.
+    assert last["rm_loss"] < min(first["rm_loss"] - 0.1, 0.6) and last["rm_margin"] > 1.0
 
     # The reference: transformers on the exported model, the eval batches read as the workers read them.
     spec = load_experiment(RM)
@@ -103,12 +120,26 @@ def test_reward_model_learns_held_out_pairs_and_its_export_gives_the_reported_me
             p = int(b["prompt_lens"][i])
             chosen.append(b["chosen_tokens"][i, :p + int(b["chosen_mask"][i].sum())].tolist())
             rejected.append(b["rejected_tokens"][i, :p + int(b["rejected_mask"][i].sum())].tolist())
-    c, r = torch.tensor(_hf_scores(hf, chosen), dtype=torch.float64), torch.tensor(_hf_scores(hf, rejected),
-                                                                                   dtype=torch.float64)
+    c, r = (torch.tensor(_hf_scores_batched(hf, x), dtype=torch.float64) for x in (chosen, rejected))
     want = {"rm_loss": float(torch.log1p(torch.exp(-(c - r))).mean()), "rm_accuracy": float((c > r).double().mean()),
             "rm_margin": float((c - r).mean()), "rm_chosen": float(c.mean()), "rm_rejected": float(r.mean())}
     for k, v in want.items():
         assert last[k] == pytest.approx(v, abs=1e-4), k
+
+    # Held-out accuracy on all 480 pairs of the shipped eval set (a run's 128 pairs alone vary by +-0.04 with the
+    # sample): measured 0.69-0.75 over three CPU instruction sets and four seeds; chance is 0.5, and 0.62 on 480
+    # pairs is 5 standard deviations above it.
+    pairs = []
+    for j in range(15):
+        b = ds.batch(j, spec.batch_size, EVAL_SEED)
+        for i in range(spec.batch_size):
+            p = int(b["prompt_lens"][i])
+            pairs += [b["chosen_tokens"][i, :p + int(b["chosen_mask"][i].sum())].tolist(),
+                      b["rejected_tokens"][i, :p + int(b["rejected_mask"][i].sum())].tolist()]
+    scores = _hf_scores_batched(hf, pairs)
+    accuracy = sum(c > r for c, r in zip(scores[::2], scores[1::2])) / 480
+    print("held-out accuracy on 480 pairs", accuracy)
+    assert accuracy >= 0.62
 
 
 def test_reward_model_metrics_do_not_depend_on_the_plan(learned):

@@ -142,6 +142,16 @@ def test_resume_refuses_a_changed_setting_naming_it_unless_allowed(tmp_path, cap
     assert "applies to --resume" in capsys.readouterr().err
 
 
+def test_resume_refuses_a_changed_max_staleness_like_the_other_workload_settings(tmp_path):
+    """Issue 30, defect 4: --set max_staleness=2 on a run made with 1 is a change, named, and recorded as one."""
+    ckpt = _checkpoint_with_settings(tmp_path, TINY, ["max_staleness=1"])
+    assert resume_settings(TINY, ckpt, C.read_meta(ckpt), [], allow_changed=False).spec.max_staleness == 1
+    with pytest.raises(ValueError, match="max_staleness: 1 -> 2"):
+        resume_settings(TINY, ckpt, C.read_meta(ckpt), ["max_staleness=2"], allow_changed=False)
+    got = resume_settings(TINY, ckpt, C.read_meta(ckpt), ["max_staleness=2"], allow_changed=True)
+    assert got.spec.max_staleness == 2 and any("max_staleness: 1 -> 2" in c for c in got.changed), got.changed
+
+
 def test_resume_refuses_an_edited_experiment_or_module(tmp_path):
     exp_dir = tmp_path / "exp"
     exp_dir.mkdir()
@@ -197,7 +207,7 @@ def test_the_run_directory_records_every_setting_versions_and_sessions(tmp_path)
     # Overrides applied, every default filled in (PPOConfig's clip_eps, the eval settings), workload and calls.
     assert resolved["config"]["ppo"]["lr"] == 1e-3 and resolved["config"]["ppo"]["clip_eps"] == 0.2
     assert resolved["config"]["ppo"]["critic_lr"] == 2e-3 and resolved["config"]["eval"]["every"] == 0
-    assert resolved["workload"] == {"batch_size": 16, "prompt_len": 8, "gen_len": 8}
+    assert resolved["workload"] == {"batch_size": 16, "prompt_len": 8, "gen_len": 8, "max_staleness": 0}
     assert resolved["calls"]["actor_train"]["n_minibatches"] == 2
     assert resolved["calls"]["rew_inf"]["interface_args"]["tokens"] == list(range(16, 32))
     assert resolved == json.loads(json.dumps(resolved_experiment(spec)))

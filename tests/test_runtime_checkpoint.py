@@ -177,6 +177,10 @@ def test_a_missing_or_truncated_file_is_one_error_unless_checks_are_skipped(tmp_
     shard.write_bytes(shard.read_bytes()[:-1])
     with pytest.raises(ValueError, match="has .* bytes, but .* were saved"):
         C.check_files(final)
+    # Unchecked (--skip-checkpoint-checks), loading the truncated shard is one error naming it (issue 30, defect 6).
+    params, opt = make()
+    with pytest.raises(ValueError, match=f"checkpoint file {shard} cannot be read .*truncated or damaged"):
+        C.load_model_shard(final, "actor", 0, 0, "L", params, opt, verify=False)
 
 
 def test_a_checkpoint_without_checksums_needs_the_explicit_flag(tmp_path):
@@ -306,3 +310,24 @@ def test_the_newest_checkpoint_without_meta_json_is_an_error_not_a_silent_fallba
     (older / C.META).unlink()
     with pytest.raises(ValueError, match="no older checkpoint has one either"):
         C.resolve_resume(root)
+
+
+def test_a_resume_at_another_tp_is_refused_before_any_worker_starts(tmp_path):
+    """Issue 30, defect 6: the checkpoint holds the actor at tp 2, the plan trains it at tp 1: one line naming the
+    model and both layouts, from the command itself (the workers would refuse the shards only after starting)."""
+    from realloc.api import load_experiment
+    from realloc.graph.dataflow import build_graph
+    from run_helpers import disjoint_plan
+
+    digest = build_graph(load_experiment(EXPERIMENT)).digest
+    root = tmp_path / "run" / "checkpoints"
+    tmp = C.begin(root, 3)
+    C.save_rng(tmp, 0)
+    layouts = {"actor": "localhost dp1·tp2·pp1", "critic": "localhost:1 dp1·tp1·pp1"}
+    ckpt = C.commit(tmp, root, 3, {"next_iteration": 3, "graph_digest": digest, "layouts": layouts},
+                    disjoint_plan().to_json())
+    code, err = resume_cli(ckpt)
+    assert code == 2 and len(err) == 1, err
+    assert "model 'actor' was saved at tp=2, pp=1 (localhost dp1·tp2·pp1), but this plan trains it at tp=1, pp=1" \
+        in err[0] and "--resume" in err[0], err
+    C.check_resume_layouts(ckpt, layouts, {"actor": (2, 1), "critic": (1, 1)})  # the same tp and pp: accepted

@@ -187,6 +187,14 @@ def test_a_corrupted_checkpoint_is_refused_naming_the_file(runs, tmp_path):
     line = [x for x in r.stderr.splitlines() if x.startswith("realloc run: error:")]
     assert line and "in setup" in line[0] and f"checkpoint file {shard} is corrupted: its SHA-256" in line[0], r.stderr
     assert not (tmp_path / "flipped" / "metrics.jsonl").exists()
+    # Issue 30, defect 6: unchecked, a truncated shard is still one error naming it, and the run said it skipped
+    # the checks.
+    shard.write_bytes(bytes(data[:-100]))
+    r = realloc_run(tmp_path / "truncated", "--resume", str(ckpt), "--iterations", "11", "--skip-checkpoint-checks")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"checkpoint checks skipped (--skip-checkpoint-checks): the files of {ckpt}" in r.stdout, r.stdout
+    line = [x for x in r.stderr.splitlines() if x.startswith("realloc run: error:")]
+    assert line and f"checkpoint file {shard} cannot be read" in line[0] and "truncated" in line[0], r.stderr
 
 
 def _wait_for(pred, timeout: float, what: str) -> None:

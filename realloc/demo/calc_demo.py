@@ -56,7 +56,7 @@ def tool_accuracy(checkpoint: Path, use_tool: bool, limit: int | None = None) ->
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from realloc.algorithms.verifiable import exact_number_match
+    from realloc.algorithms.rewards.text_rules import exact_number_match
     from realloc.data.tokenizer import Tokenizer
     from realloc.tools.builtin import calculate
 

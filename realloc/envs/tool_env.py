@@ -72,7 +72,7 @@ class ToolEnv:
 
 def _rule(rule: Any) -> Any:
     if rule == "exact_match":
-        from realloc.algorithms.verifiable import exact_number_match
+        from realloc.algorithms.rewards.text_rules import exact_number_match
 
         return exact_number_match
     return resolve_function("ToolEnv", rule, "rule")

@@ -90,6 +90,7 @@ def check_contracts(spec: ExperimentSpec, table: Table,
                     configs: Mapping[str, ModelConfig | None]) -> dict[str, Interface]:
     """The interface of every call; raises one ValueError naming the call and the slot or key at fault."""
     chosen: dict[str, Interface] = {}
+    owners: dict[str, list] = {}  # config name -> [(call, its check_experiment)]
     for r in spec.rpcs:
         cfg = configs[r.model_name]
         if cfg is None and r.is_train:
@@ -113,8 +114,12 @@ def check_contracts(spec: ExperimentSpec, table: Table,
                              f"{spec.cluster.device} devices train in fp32; set {i.config}.grad_dtype to fp32")
         check = getattr(settings, "check_experiment", None)  # settings that depend on the experiment's shape
         if callable(check):
-            check(spec, r.name, i.config)
+            owners.setdefault(i.config, []).append((r, check))
         chosen[r.name] = i
+    # Each config once, named after the call that owns it: its train call (the one a user tunes), else the first.
+    for calls in owners.values():
+        r, check = next(((r, c) for r, c in calls if r.is_train), calls[0])
+        check(spec, r.name, chosen[r.name].config)
     _check_settings_are_read(spec, table, chosen)
     # What each key holds, from its producer's output slot (or the first reader of a dataset key).
     kinds: dict[str, tuple[str, str]] = {}  # key -> (kind, who says so)

@@ -61,8 +61,21 @@ class TokenLayout:
         return TokenLayout(self.input_ids.to(device), self.position_ids.to(device), self.segment_ids.to(device))
 
 
-def token_layout(batch: Batch, where: str = "batch") -> TokenLayout:
-    """Normalize a batch; raises ValueError naming the missing or malformed key."""
+def token_layout(batch: Batch, where: str = "batch", max_positions: int | None = None) -> TokenLayout:
+    """Normalize a batch; raises ValueError naming the missing or malformed key, or a sequence longer than
+    ``max_positions`` (the model's ``max_position_embeddings``: RoPE and the checkpoint are defined up to it)."""
+    layout = _token_layout(batch, where)
+    if max_positions is not None:
+        valid = layout.segment_ids >= 0
+        longest = int(layout.position_ids[valid].max()) + 1 if bool(valid.any()) else 0
+        if longest > max_positions:
+            raise ValueError(f"{where}: a sequence of {longest} tokens exceeds the model's max_position_embeddings="
+                             f"{max_positions}; shorten the rows (prompt_len + gen_len) or use a model with a "
+                             f"longer context")
+    return layout
+
+
+def _token_layout(batch: Batch, where: str) -> TokenLayout:
     if "input_ids" not in batch:
         raise ValueError(f"{where}: missing key 'input_ids' (token ids, [batch, seq] long)")
     ids = torch.as_tensor(batch["input_ids"])

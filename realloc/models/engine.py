@@ -376,7 +376,8 @@ class ParallelModel:
         if len(weights) != n:
             raise ValueError(f"train_step: {len(weights)} loss_weights for {n} micro-batches")
         mbs = [self._to_device(mb) for mb in micro_batches]
-        layouts = [token_layout(mb, f"train_step micro-batch {i}") for i, mb in enumerate(mbs)]
+        layouts = [token_layout(mb, f"train_step micro-batch {i}", self.cfg.max_position_embeddings)
+                   for i, mb in enumerate(mbs)]
         # What the stages run: every stage derives the same packed shapes from the same lengths.
         plans = [self._pack(lay) for lay in layouts]
         runs = [lay if p is None else p.layout for lay, p in zip(layouts, plans)]
@@ -478,7 +479,7 @@ class ParallelModel:
         if (output == "values") != self.cfg.is_critic:
             raise ValueError(f"forward: output={output!r} does not fit a "
                              f"{'critic' if self.cfg.is_critic else 'vocabulary'} head")
-        full = token_layout(batch, "forward").to(self.device)
+        full = token_layout(batch, "forward", self.cfg.max_position_embeddings).to(self.device)
         ranges = split_rows(full, n_mbs)
         if self.pack_sequences and full.causal_suffices:
             ranges = token_balanced_ranges((full.segment_ids >= 0).sum(dim=1).tolist(), n_mbs)

@@ -34,6 +34,7 @@ it loads (``load_full_state``): a checkpoint written at one dp resumes at anothe
 
 from __future__ import annotations
 
+import zlib
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
@@ -215,16 +216,36 @@ class DistributedAdamW:
         dist.all_gather_single(flat, mine, group=self.group)
         return flat[:p.numel()].view(p.shape)
 
+    def _state_names(self) -> dict[str, tuple[str, ...]]:
+        """Each parameter's AdamW state entries by name, in name order, checked to be the same on every dp rank.
+
+        The gathers below pair up the ranks' tensors by the order of their calls, so every rank must gather the
+        same entry of the same parameter at the same time. A state dict's own order is no guide: a loaded
+        one's follows the order its keys were read in, which may differ between processes."""
+        names = {n: tuple(sorted(self.inner.state.get(c, {}))) for n, c in self.chunks.items()}
+        # One collective for all parameters: every rank's entries hashed the same way (a CRC, not Python's
+        # per-process string hash), compared by their min and max over dp.
+        device = next(iter(self.chunks.values())).device if self.chunks else torch.device("cpu")  # NCCL: the GPU
+        code = torch.tensor([zlib.crc32(repr(sorted(names.items())).encode())], dtype=torch.int64, device=device)
+        lo, hi = code.clone(), code.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.group)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.group)
+        assert int(lo) == int(hi), f"DistributedAdamW: dp ranks hold different optimizer state entries: {names}"
+        return names
+
     @torch.no_grad()
     def gathered_state(self) -> Iterator[tuple[str, torch.Tensor | None, dict[str, torch.Tensor]]]:
         """(name, fp32 master or None, AdamW state: step and whole moments) of every parameter, one at a time
         and on the host, so device memory holds one gathered tensor at most. Collective over dp: every dp rank
-        iterates it to the end."""
+        iterates it to the end, gathering parameters and state entries by name, in name order."""
         self._chunk_views()
+        entries = self._state_names()
         for n, c in self.chunks.items():
             master = self._gather(n, c).cpu() if self.keeps_masters else None
+            own = self.inner.state.get(c, {})
             state = {}
-            for k, v in self.inner.state.get(c, {}).items():
+            for k in entries[n]:
+                v = own[k]
                 # the moments are chunk-shaped; the step count is a scalar, the same on every rank
                 state[k] = self._gather(n, v).cpu() if v.dim() > 0 else v.detach().cpu().clone()
             yield n, master, state
@@ -240,5 +261,5 @@ class DistributedAdamW:
                 raise ValueError(f"DistributedAdamW: no fp32 master weight for {name!r}")
             c.copy_(master.reshape(-1)[lo:hi])
         if state:
-            self.inner.state[c] = {k: v.to(c.device).reshape(-1)[lo:hi].clone() if v.dim() > 0 else v.clone()
-                                   for k, v in state.items()}
+            self.inner.state[c] = {k: state[k].to(c.device).reshape(-1)[lo:hi].clone() if state[k].dim() > 0
+                                   else state[k].clone() for k in sorted(state)}  # name order on every rank

@@ -257,6 +257,10 @@ def main(args: argparse.Namespace) -> int:
         slurm = slurm_options(args) if args.launcher == "slurm" else None
         plan, plan_source = _choose_plan(args, spec, ckpt)
         program = RuntimeProgram(graph, plan)  # validates the plan against the experiment and cluster
+        if ckpt is not None and meta is not None:  # the workers would refuse the shards; say so before they start
+            checkpoint.check_resume_layouts(ckpt, meta.get("layouts", {}), {
+                m: (program.calls[program.home_call(m)].strategy.tp, program.calls[program.home_call(m)].strategy.pp)
+                for m in program.models if program.is_trained(m)})
         if slurm is not None:
             slurm.check(spec.cluster)
         elif args.launcher == "local":
@@ -372,6 +376,9 @@ def main(args: argparse.Namespace) -> int:
                 master.launcher.start()
         print(f"run {run.root}: {spec.name} on {spec.cluster.nodelist} ({spec.cluster.n_devices} devices), "
               f"iterations {start + 1}..{total}, plan {plan_source}")
+        if ckpt is not None and args.skip_checkpoint_checks:
+            print(f"checkpoint checks skipped (--skip-checkpoint-checks): the files of {ckpt} are read without "
+                  f"checking their recorded sizes and SHA-256")
         if sets:
             print(f"overrides: {' '.join(sets)}")
         if reapplied:

@@ -97,6 +97,14 @@ class GSPOConfig(CriticFreeConfig):
     loss_norm: Literal["sequence", "token", "constant"] = "sequence"
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     kl_placement: Literal["reward", "loss"] = "loss"
+    # GSPO-token (pg_loss.py): the sequence ratio with a surrogate and gradient per token; with GSPO's group
+    # advantages (constant over a response) it trains exactly as GSPO.
+    token_level: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.token_level, bool):
+            raise ValueError(f"GSPOConfig.token_level must be True or False, got {self.token_level!r}")
 
 
 _STEPS = "pg_steps"

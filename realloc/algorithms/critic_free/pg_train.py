@@ -86,7 +86,8 @@ def policy_steps(ctx: CallContext, inputs: Data, adv: torch.Tensor, position: to
             p = None if prox is None else (new.detach() if k == first else m["prox_logp"])
             loss, st = pg_loss.policy_loss(new, m["old_logp"], m["adv"], m["weights"], m["mask"], opts,
                                            ref_logp=m["ref_logp"], entropy=ent, prox_logp=p,
-                                           behav_cap=cfg.behav_weight_cap)
+                                           behav_cap=cfg.behav_weight_cap,
+                                           behav_cap_mode=cfg.behav_cap_mode)
             parts.append(st)
             return loss, {}
 

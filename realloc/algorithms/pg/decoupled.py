@@ -5,14 +5,16 @@ With bounded staleness the responses a train step learns from were sampled by an
 *proximal* policy pi_prox that the trust region is taken around: the parameters before this train step's
 first update (the current version). Per token, with A the advantage,
 
-    w = pi_prox / pi_behav                      (importance weight, capped at ``cap``)
+    w = pi_prox / pi_behav                      (importance weight, capped at ``cap``: see below)
     r = pi_theta / pi_prox                      (the ratio PPO clips)
     loss_t = w * max(-A r, -A clip(r, 1 - eps, 1 + eps))
 
 When the responses are on-policy (staleness 0 and the generation's log-probs equal the train step's),
-pi_prox = pi_behav, w = 1 and this is the standard clipped surrogate. The cap truncates the weight, as
-truncated importance sampling does (IMPALA's rho-bar; AReaL's ``behav_imp_weight_cap``), so that a
-token the behaviour policy found far less likely than the current policy cannot dominate a step.
+pi_prox = pi_behav, w = 1 and this is the standard clipped surrogate. The cap keeps a token the behaviour
+policy found far less likely than the proximal one from dominating a step, in one of two ways
+(``behav_cap_mode``): "truncate" (the default) uses ``min(w, cap)``, truncated importance sampling (IMPALA's
+rho-bar); "mask" gives such a token weight 0, as AReaL's ``behav_imp_weight_cap`` does (its loss keeps only
+tokens with ``w <= cap``). Truncation keeps a bounded gradient from those tokens; masking drops them.
 
 The loss itself is ``pg_loss.policy_loss`` with ``prox_logp`` (so every loss option applies to it too); this
 module computes the proximal log-probs.

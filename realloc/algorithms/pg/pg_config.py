@@ -12,13 +12,21 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_PLACEMENTS = ("reward", "loss")
 
 
-def check_decoupled(owner: str, decoupled: object, cap: object) -> None:
+# What a token whose importance weight exceeds ``behav_weight_cap`` gets (``decoupled.py``): "truncate", the
+# cap itself (truncated importance sampling); "mask", weight 0 (AReaL's ``behav_imp_weight_cap``).
+BEHAV_CAP_MODES = ("truncate", "mask")
+
+
+def check_decoupled(owner: str, decoupled: object, cap: object, mode: object = "truncate") -> None:
     """The decoupled objective's settings (``decoupled.py``): ``decoupled`` is a bool; ``behav_weight_cap`` a number
-    >= 1 or None (no cap)."""
+    >= 1 or None (no cap); ``behav_cap_mode`` one of ``BEHAV_CAP_MODES``."""
     if not isinstance(decoupled, bool):
         raise ValueError(f"{owner}.decoupled must be True or False, got {decoupled!r}")
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap >= 1.0):
         raise ValueError(f"{owner}.behav_weight_cap must be a number >= 1 (or None: no cap), got {cap!r}")
+    if mode not in BEHAV_CAP_MODES:
+        raise ValueError(f"{owner}.behav_cap_mode must be 'truncate' (a weight above the cap becomes the cap) or "
+                         f"'mask' (the token gets weight 0, as AReaL does), got {mode!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,11 +44,12 @@ class PGLossConfig(TrainConfig):
     # parameters before this train step and weights it by their ratio to the generation's, capped.
     decoupled: bool = False
     behav_weight_cap: float | None = 5.0
+    behav_cap_mode: Literal["truncate", "mask"] = "truncate"  # above the cap: the cap, or weight 0 (AReaL)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         name = type(self).__name__
-        check_decoupled(name, self.decoupled, self.behav_weight_cap)
+        check_decoupled(name, self.decoupled, self.behav_weight_cap, self.behav_cap_mode)
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"{name}.kl_estimator must be one of {', '.join(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
         if self.kl_placement not in KL_PLACEMENTS:
@@ -53,6 +62,10 @@ class PGLossConfig(TrainConfig):
         if self.clip_eps_high is not None and not self.clip_eps_high > 0:
             raise ValueError(f"{name}.clip_eps_high must be positive (the upper clip 1 + clip_eps_high), or None for "
                              f"clip_eps; got {self.clip_eps_high!r}")
+        if self.clip_eps_high is not None and self.clip_eps_high < self.clip_eps:
+            raise ValueError(f"{name}.clip_eps_high={self.clip_eps_high!r} is below clip_eps={self.clip_eps!r}: "
+                             f"clip-higher widens the upper clip (DAPO §3.1), so clip_eps_high must be >= clip_eps "
+                             f"(or None for clip_eps)")
         if self.dual_clip is not None and not self.dual_clip > 1:
             raise ValueError(f"{name}.dual_clip must be > 1 (the bound c x A on a negative advantage; 3 in Ye et al. "
                              f"2020), or None for off; got {self.dual_clip!r}")

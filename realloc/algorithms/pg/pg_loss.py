@@ -51,11 +51,13 @@ class LossOptions:
     kl_estimator: str = "k1"
     entropy_coef: float = 0.0
     sequence_ratio: bool = False  # GSPO: one length-normalized ratio per response
+    token_level: bool = False  # with sequence_ratio, GSPO-token: the response's ratio, a surrogate per token
 
 
 def loss_options(cfg: PGLossConfig, sequence_ratio: bool = False) -> LossOptions:
     return LossOptions(eps_low=cfg.clip_eps, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip, kl_coef=cfg.kl_in_loss,
-                       kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef, sequence_ratio=sequence_ratio)
+                       kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef, sequence_ratio=sequence_ratio,
+                       token_level=sequence_ratio and bool(getattr(cfg, "token_level", False)))
 
 
 def _surrogate(ratio: torch.Tensor, adv: torch.Tensor, opts: LossOptions) -> tuple[torch.Tensor, torch.Tensor,
@@ -77,7 +79,8 @@ def _surrogate(ratio: torch.Tensor, adv: torch.Tensor, opts: LossOptions) -> tup
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, weights: torch.Tensor,
                 mask: torch.Tensor, opts: LossOptions, ref_logp: torch.Tensor | None = None,
                 entropy: torch.Tensor | None = None, prox_logp: torch.Tensor | None = None,
-                behav_cap: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                behav_cap: float | None = None, behav_cap_mode: str = "truncate"
+                ) -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped policy-gradient loss with its options; ``adv`` [n, T] per token.
 
     Token ratio (PPO): ``sum_t w_t [surrogate(r_t, A_t) + kl_coef k_t - entropy_coef H_t]`` with
@@ -85,10 +88,15 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, w
     Sequence ratio (GSPO, Zheng et al. 2025 eq. 7): ``s_i = exp(mean_t (logp_t - old_t))`` over response i's
     tokens, one surrogate per response ``surrogate(s_i, A_i)`` weighted by ``sum_t w_t`` (A_i: the response's
     advantage, constant over its tokens), plus the per-token KL and entropy terms.
+    GSPO-token (Zheng et al. 2025, the token-level variant; ``token_level``): per token
+    ``s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)]`` (the value of s_i, the gradient of token t's log-prob scaled by
+    it) and ``sum_t w_t surrogate(s_i,t, A_i,t)``: per-token advantages; with A constant over a response, the
+    loss and its gradient are GSPO's.
 
     Decoupled (``prox_logp`` given; AReaL, ``decoupled.py``): the ratio is taken against the proximal policy
     ``prox_logp`` instead of ``old_logp`` (the behaviour policy that sampled), and each surrogate is weighted by
-    ``min(pi_prox / pi_behav, behav_cap)`` (per token, or per response under the sequence ratio); with
+    ``w = pi_prox / pi_behav`` (per token, or per response under the sequence ratio), capped: ``min(w, behav_cap)``
+    with ``behav_cap_mode="truncate"``, ``w if w <= behav_cap else 0`` with ``"mask"`` (AReaL's); with
     ``prox_logp == old_logp`` the weight is 1 and the loss is the plain one, bit for bit.
 
     Stats are weighted sums (means once divided by the total weight): loss, clipped, dual_clipped, approx_kl,
@@ -100,20 +108,31 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, w
     log_ratio = (logp - anchor) * maskf
     behav_log = None if prox_logp is None else ((prox_logp - old_logp) * maskf).detach()
     stats = {}
-    if opts.sequence_ratio:
+    if opts.sequence_ratio and opts.token_level:
+        n_tok = maskf.sum(dim=1).clamp(min=1.0)
+        seq_ratio = torch.exp(log_ratio.sum(dim=1) / n_tok).detach()
+        tok_ratio = seq_ratio.view(-1, 1) * torch.exp(logp - logp.detach())
+        surr, was_clipped, dual = _surrogate(tok_ratio, adv, opts)
+        if behav_log is not None:
+            surr = surr * _behaviour_weight(torch.exp(behav_log.sum(dim=1) / n_tok), behav_cap, behav_cap_mode,
+                                            weights.sum(dim=1), stats).view(-1, 1)
+        loss = (surr * weights).sum()
+        clip_w, dual_w = (was_clipped.to(weights.dtype) * weights).sum(), (dual.to(weights.dtype) * weights).sum()
+    elif opts.sequence_ratio:
         n_tok = maskf.sum(dim=1).clamp(min=1.0)
         seq_ratio = torch.exp(log_ratio.sum(dim=1) / n_tok)
         seq_adv = (adv * maskf).sum(dim=1) / n_tok
         seq_w = weights.sum(dim=1)
         surr, was_clipped, dual = _surrogate(seq_ratio, seq_adv, opts)
         if behav_log is not None:
-            surr = surr * _behaviour_weight(torch.exp(behav_log.sum(dim=1) / n_tok), behav_cap, seq_w, stats)
+            surr = surr * _behaviour_weight(torch.exp(behav_log.sum(dim=1) / n_tok), behav_cap, behav_cap_mode, seq_w,
+                                            stats)
         loss = (surr * seq_w).sum()
         clip_w, dual_w = (was_clipped.to(weights.dtype) * seq_w).sum(), (dual.to(weights.dtype) * seq_w).sum()
     else:
         surr, was_clipped, dual = _surrogate(torch.exp(log_ratio), adv, opts)
         if behav_log is not None:
-            surr = surr * _behaviour_weight(torch.exp(behav_log), behav_cap, weights, stats)
+            surr = surr * _behaviour_weight(torch.exp(behav_log), behav_cap, behav_cap_mode, weights, stats)
         loss = (surr * weights).sum()
         clip_w, dual_w = (was_clipped.to(weights.dtype) * weights).sum(), (dual.to(weights.dtype) * weights).sum()
     if opts.kl_coef and ref_logp is not None:
@@ -129,10 +148,18 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, w
     return loss, stats
 
 
-def _behaviour_weight(raw: torch.Tensor, cap: float | None, weights: torch.Tensor,
+def _behaviour_weight(raw: torch.Tensor, cap: float | None, mode: str, weights: torch.Tensor,
                       stats: dict[str, float]) -> torch.Tensor:
-    """``min(raw, cap)`` (truncated importance sampling, AReaL's ``behav_imp_weight_cap``), its stats added."""
-    w = raw.clamp(max=cap) if cap is not None else raw
+    """The capped importance weight, its stats added: ``min(raw, cap)`` ("truncate": truncated importance
+    sampling, IMPALA's rho-bar) or ``raw`` where ``raw <= cap`` and 0 above ("mask": AReaL's
+    ``behav_imp_weight_cap`` drops those tokens from the loss)."""
+    if cap is None:
+        w = raw
+    elif mode == "mask":
+        w = torch.where(raw > cap, torch.zeros_like(raw), raw)
+    else:
+        w = raw.clamp(max=cap)
     stats["behav_weight"] = float((w * weights).sum())
-    stats["behav_capped"] = float(((raw > w).to(weights.dtype) * (weights > 0).to(weights.dtype) * weights).sum())
+    cut = raw > cap if cap is not None else torch.zeros_like(raw, dtype=torch.bool)
+    stats["behav_capped"] = float((cut.to(weights.dtype) * (weights > 0).to(weights.dtype) * weights).sum())
     return w

@@ -122,7 +122,8 @@ def _actor_loss(head: Any, m: Mapping[str, torch.Tensor], cfg: Any, n_tok: float
     prox = None if proximal is None else (m["prox_logp"] if proximal else new.detach())
     loss, st = pg_loss.policy_loss(new, m["old_logp"], m["advantages"], m["mask"].to(new.dtype) / n_tok, m["mask"],
                                    opts, ref_logp=m["ref_logp"], entropy=ent, prox_logp=prox,
-                                   behav_cap=cfg.behav_weight_cap)
+                                   behav_cap=cfg.behav_weight_cap,
+                                   behav_cap_mode=cfg.behav_cap_mode)
     for k in ("kl", "entropy", "dual_clipped", "behav_weight", "behav_capped"):
         if k in st:
             extra[k] = extra.get(k, 0.0) + st[k]

@@ -6,10 +6,15 @@
 Each request is a POST of JSON ``{"prompts": [...], "responses": [...], "records": [...]}`` (decoded texts, or
 token id lists without a tokenizer; each prompt's dataset record) for up to ``batch`` sequences; the service
 answers ``{"scores": [...]}`` (``{"rewards": [...]}`` as OpenRLHF's ``--remote_rm_url`` servers do is accepted
-too), one number per sequence, in order. At most ``concurrency`` requests are in flight per worker. A request
-that times out after ``timeout`` seconds, cannot connect, or gets a 5xx or 429 answer is tried again, up to
-``retries`` more times with a doubling pause from ``backoff`` seconds; any other answer (4xx, malformed JSON,
-the wrong number of scores) fails at once. Either way the run stops with one error naming the URL.
+too), one number per sequence, in order. At most ``concurrency`` requests are in flight per worker.
+
+``timeout`` is each request's deadline, from connecting to the answer's last byte: a service that sends its
+headers and then drips the body a byte at a time is cut off there too (a socket timeout alone bounds only each
+read). A request that misses its deadline, cannot connect, or gets a 5xx or 429 answer is tried again, up to
+``retries`` more times with a doubling pause from ``backoff`` seconds, so a call ends within about
+``timeout × (retries + 1)`` plus the pauses. Any other answer (another status, malformed JSON, the wrong number of
+scores, a body over ``max_bytes``, 16 MiB by default: scores are a few bytes each) fails at once. Either way the
+run stops with one error naming the URL. The URL is reached directly (no proxy, no redirects).
 
 Data goes to the URL as JSON and only numbers come back: nothing received is executed. Point it at a service you
 trust, on a network you trust (the request carries the prompts and responses in clear text over ``http``).
@@ -19,15 +24,20 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import http.client
 import json
 import socket
+import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from typing import Any, Mapping, Sequence
 
 _RETRY_STATUS = {429, 500, 502, 503, 504}
+_READ = 1 << 16  # bytes per read of the answer's body
+
+
+class _Retry(Exception):
+    """A failure worth another try; its text says why."""
 
 
 class RewardServiceError(RuntimeError):
@@ -43,6 +53,7 @@ class RemoteReward:
     batch: int = 64
     backoff: float = 0.5
     headers: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    max_bytes: int = 16 << 20
 
     @classmethod
     def of(cls, call: str, args: Mapping[str, Any]) -> "RemoteReward":
@@ -58,7 +69,7 @@ class RemoteReward:
             raise ValueError(f"call {call!r}: remote_reward needs interface_args['url'], an http:// or https:// URL "
                              f"of the reward service (e.g. 'http://127.0.0.1:8000/score'); got {url!r}")
         for field, kind, low in (("timeout", (int, float), 0), ("backoff", (int, float), -1), ("retries", int, -1),
-                                 ("concurrency", int, 0), ("batch", int, 0)):
+                                 ("concurrency", int, 0), ("batch", int, 0), ("max_bytes", int, 0)):
             v = args.get(field, getattr(cls, field))
             if isinstance(v, bool) or not isinstance(v, kind) or not v > low:
                 bound = "positive" if low == 0 else "zero or more"
@@ -83,33 +94,76 @@ class RemoteReward:
 
     def _request(self, body: dict[str, Any], n: int) -> list[float]:
         data = json.dumps(body).encode()
-        headers = {"Content-Type": "application/json", **self.headers}
         pause, why = self.backoff, ""
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(pause)
                 pause *= 2
-            req = urllib.request.Request(self.url, data=data, headers=headers, method="POST")
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                    raw = resp.read()
-            except urllib.error.HTTPError as e:
-                detail = e.read(200).decode(errors="replace").strip()
-                why = f"HTTP {e.code} {e.reason}" + (f": {detail}" if detail else "")
-                if e.code in _RETRY_STATUS:
-                    continue
-                raise RewardServiceError(f"reward service {self.url} refused the request: {why}") from None
-            except (TimeoutError, socket.timeout):
-                why = f"no answer within timeout={self.timeout} s"
-                continue
-            except (urllib.error.URLError, ConnectionError, OSError) as e:
-                reason = getattr(e, "reason", e)
-                why = f"cannot connect ({reason})" if not isinstance(reason, (TimeoutError, socket.timeout)) \
-                    else f"no answer within timeout={self.timeout} s"
-                continue
-            return self._parse(raw, n)
+                return self._parse(self._post(data), n)
+            except _Retry as e:
+                why = str(e)
         raise RewardServiceError(f"reward service {self.url} failed {self.retries + 1} time(s): {why}; check that it "
                                  f"is running and reachable, or raise interface_args 'timeout'/'retries'")
+
+    def _post(self, data: bytes) -> bytes:
+        """One POST and its whole answer within ``timeout`` seconds; raises ``_Retry`` or ``RewardServiceError``."""
+        u = urllib.parse.urlsplit(self.url)
+        kind = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+        conn = kind(u.hostname, u.port, timeout=self.timeout)
+        late = threading.Event()
+
+        def cut_off() -> None:  # the deadline: wake whatever read is waiting on the socket, at once
+            late.set()
+            sock = conn.sock
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+        timer = threading.Timer(self.timeout, cut_off)
+        timer.daemon = True
+        timer.start()
+        try:
+            conn.request("POST", (u.path or "/") + (f"?{u.query}" if u.query else ""), body=data,
+                         headers={"Content-Type": "application/json", **self.headers})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                detail = resp.read(200).decode(errors="replace").strip()
+                why = f"HTTP {resp.status} {resp.reason}" + (f": {detail}" if detail else "")
+                if resp.status in _RETRY_STATUS:
+                    raise _Retry(why)
+                raise RewardServiceError(f"reward service {self.url} refused the request: {why}")
+            size = resp.getheader("Content-Length")
+            if size is not None and size.strip().isdigit() and int(size) > self.max_bytes:
+                raise self._too_big(f"{int(size)} bytes")
+            parts, got = [], 0
+            while True:
+                part = resp.read1(_READ)
+                if not part:
+                    break
+                got += len(part)
+                if got > self.max_bytes:
+                    raise self._too_big(f"more than {self.max_bytes} bytes")
+                parts.append(part)
+            if late.is_set():  # the cut-off's end of stream, not the answer's
+                raise _Retry(f"no answer within timeout={self.timeout} s (a deadline for the whole request)")
+            return b"".join(parts)
+        except (http.client.HTTPException, OSError) as e:
+            if late.is_set() or isinstance(e, (TimeoutError, socket.timeout)):
+                raise _Retry(f"no answer within timeout={self.timeout} s (a deadline for the whole request)") from None
+            if isinstance(e, (ConnectionRefusedError, socket.gaierror)) or conn.sock is None:
+                raise _Retry(f"cannot connect ({e})") from None
+            raise _Retry(f"the connection failed ({e!r})") from None
+        finally:
+            timer.cancel()
+            conn.close()
+
+    def _too_big(self, what: str) -> RewardServiceError:
+        return RewardServiceError(f"reward service {self.url} answered with {what}, over interface_args "
+                                  f"max_bytes={self.max_bytes}; a score is a few bytes: check the service, or raise "
+                                  f"'max_bytes'")
 
     def _parse(self, raw: bytes, n: int) -> list[float]:
         try:
@@ -118,8 +172,12 @@ class RemoteReward:
             raise RewardServiceError(f"reward service {self.url} answered with something other than JSON: "
                                      f"{raw[:80]!r}") from None
         scores = got.get("scores", got.get("rewards")) if isinstance(got, dict) else None
-        if (not isinstance(scores, list) or len(scores) != n
-                or not all(isinstance(s, (int, float)) and not isinstance(s, bool) for s in scores)):
+        if isinstance(scores, list) and len(scores) != n:
+            raise RewardServiceError(f"reward service {self.url} answered {len(scores)} score(s) for {n} sequences "
+                                     f"(a request carries up to interface_args 'batch' of them); it must answer one "
+                                     f"number per sequence, in order")
+        if not isinstance(scores, list) or not all(isinstance(s, (int, float)) and not isinstance(s, bool)
+                                                   for s in scores):
             raise RewardServiceError(f"reward service {self.url} must answer {{\"scores\": [{n} numbers]}} for "
                                      f"{n} sequences; got {str(got)[:120]}")
         return [float(s) for s in scores]

@@ -34,9 +34,10 @@ from realloc.runtime.control.master_link import (CALL_TIMEOUT, HEARTBEAT_TIMEOUT
                                                  MasterLink, RunFailed, WorkerLauncher, plan_node_hosts)
 from realloc.runtime.control.master_schedule import IterationSchedule, Node
 from realloc.runtime.control.program import RuntimeProgram
-from realloc.runtime.control.stop_signals import StopRequest, StopSignals
+from realloc.runtime.control.stop_signals import STOP_MARGIN, StopRequest, StopSignals
 from realloc.runtime.inputs.evaluation import eval_calls
 from realloc.runtime.inputs.run_config import RunConfig
+from realloc.runtime.persist import checkpoint
 from realloc.runtime.records.run_paths import RunPaths, os_error_line, remove_secret
 from realloc.runtime.records.telemetry import RequestLog, RequestRecord, RunStats, Trace
 from realloc.runtime.wire import protocol
@@ -270,6 +271,27 @@ class Master(MasterLink, IterationSchedule, EvaluationPasses, CheckpointSaves):
         log.warning("master: %s (%s): finishing the iterations in flight, then saving a checkpoint if one fits in "
                     "the %.0f s left", sig.name, source, left)
         self._release_unspawned()
+        # A short lead (a warning signal given little time) still gives the calls half of it.
+        wait = max(left - STOP_MARGIN, left / 2)
+        asyncio.get_running_loop().call_later(wait, self._stop_overdue, wait, left - wait)
+
+    def _stop_overdue(self, waited: float, left: float) -> None:
+        """The stop's grace is almost over and the run has not ended: a call is stuck. Fail the run now (the
+        workers are killed) rather than wait for the SIGKILL that would leave them behind."""
+        stop = self.stop
+        if stop is None or self.failure is not None or (self.all_done is not None and self.all_done.is_set()):
+            return
+        try:
+            newest = checkpoint.latest(self.paths.checkpoints, skip_checks=True)
+        except OSError:
+            newest = None
+        stop.note = (f"no new checkpoint was written; the newest is {newest}" if newest is not None
+                     else "no checkpoint was written, and the run has none")
+        busy = sorted({f"{rec.label} (iteration {rec.iteration + 1})" for per_rank in self.pending.values()
+                       for rec in per_rank.values()})
+        self.fail(f"stopped by {stop.signal.name}: {', '.join(busy) or 'the iterations in flight'} still running "
+                  f"{waited:.0f} s after the signal, {left:.0f} s before the run is killed; "
+                  f"{stop.note}")
 
     def fail(self, message: str) -> None:
         if self.failure is None:

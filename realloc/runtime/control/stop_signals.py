@@ -8,6 +8,11 @@ On either signal the master stops dispatching new iterations, lets the ones alre
 saves a checkpoint if its estimated duration fits in the time left, shuts the workers down and exits
 with status 128 + the signal's number. Workers that receive SIGTERM keep going and report it with
 their heartbeat, so the master decides for the whole run. Ctrl-C (SIGINT) still stops at once.
+
+A call stuck in flight (a reward service that never answers, a collective that hangs) must not outlast
+the grace: ``STOP_MARGIN`` s before the time left runs out, the master gives up waiting, kills the
+workers, says that no new checkpoint was written and which one is the newest, and exits with the same
+status, before SLURM's SIGKILL could leave processes behind.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ if TYPE_CHECKING:
 # Seconds between SIGTERM and SIGKILL: SLURM's default KillWait (clusters may configure another value).
 TERM_GRACE = 30.0
 DEFAULT_WARNING = "USR1@120"
+# Seconds before the time left runs out at which a stop still waiting for a call gives up: enough to kill the
+# workers (master_link.KILL_GRACE) and close the run's records.
+STOP_MARGIN = 3.0
 # A checkpoint is saved only if this multiple of its estimated duration fits in the time left.
 SAVE_SAFETY = 1.5
 # Write rate assumed for a first checkpoint, before one has been measured (bytes/s per worker).
@@ -38,6 +46,7 @@ class StopSignals:
 
     warning: signal.Signals = signal.SIGUSR1
     warning_lead: float = 120.0
+    term_grace: float = TERM_GRACE  # SLURM's KillWait; shorter in tests
 
     @classmethod
     def parse(cls, text: str) -> "StopSignals":
@@ -59,7 +68,7 @@ class StopSignals:
     @property
     def time_left(self) -> dict[signal.Signals, float]:
         """Seconds the run has left after each stop signal arrives."""
-        return {signal.SIGTERM: TERM_GRACE, self.warning: self.warning_lead}
+        return {signal.SIGTERM: self.term_grace, self.warning: self.warning_lead}
 
     def sbatch_directive(self) -> str:
         """Ask SLURM to send the warning signal to the batch script (``B:``) ahead of the time limit."""

@@ -32,6 +32,7 @@ optimizer state): resuming copies them back unchanged, so it is exact; ``export.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -40,10 +41,10 @@ import re
 import secrets
 import shutil
 from pathlib import Path
-from typing import Any, Collection, Mapping
+from typing import Any, Collection, Iterator, Mapping
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 CHECKPOINT_FORMAT = 1
@@ -228,6 +229,18 @@ def latest(root: Path, skip_checks: bool = False, use: str = "--resume") -> Path
     return None
 
 
+def check_resume_layouts(ckpt: Path, saved: Mapping[str, str], wanted: Mapping[str, tuple[int, int]]) -> None:
+    """Refuse a plan that keeps a trained model at another (tp, pp) than the checkpoint saved it in (its shards
+    are tp x pp files; dp and the devices may change): one ValueError naming the model and both layouts."""
+    for model, (tp, pp) in sorted(wanted.items()):
+        m = re.search(r"tp(\d+)\D+pp(\d+)", str(saved.get(model, "")))
+        if m is not None and (int(m.group(1)), int(m.group(2))) != (tp, pp):
+            raise ValueError(f"--resume {ckpt}: model {model!r} was saved at tp={m.group(1)}, pp={m.group(2)} "
+                             f"({saved[model]}), but this plan trains it at tp={tp}, pp={pp}; resume with the "
+                             f"checkpoint's plan (omit --plan) or a plan that keeps the model's tp and pp (its dp "
+                             f"and devices may change)")
+
+
 def iterations_of(ckpt: Path) -> int:
     """The iterations a committed checkpoint holds, from its name (``iter_00000012``: 12)."""
     return int(ckpt.name.removeprefix("iter_"))
@@ -360,14 +373,16 @@ def load_model_shard(ckpt: Path, model: str, tp_rank: int, pp_rank: int, layout:
                          f"another layout?")
     if verify:
         verify_file(ckpt, path)
-    with safe_open(str(path), framework="pt") as f:
+    with _open_shard(path) as f:
         meta = f.metadata() or {}
         same_shards = tp_pp is not None and json.loads(meta.get("tp_pp", "null")) == list(tp_pp)
         if meta.get("layout") != layout and not same_shards:
             raise ValueError(f"checkpoint {ckpt}: model {model!r} was saved in layout {meta.get('layout')}, but this "
                              f"plan keeps it in {layout}; resume with the checkpoint's plan (omit --plan) or a plan "
                              f"that keeps the model's tp and pp (its dp and devices may change)")
-        keys = set(f.keys())
+        # Sorted, never a set: a set's order follows the process's string-hash seed, and the distributed
+        # optimizer's state must be built (and later gathered, ``zero.gathered_state``) alike on every dp rank.
+        keys = sorted(f.keys())
         for n, p in params.items():
             if f"param/{n}" not in keys:
                 raise ValueError(f"checkpoint {path}: parameter {n!r} is missing")
@@ -397,6 +412,18 @@ def load_model_shard(ckpt: Path, model: str, tp_rank: int, pp_rank: int, layout:
                 torch_opt.state[p] = state
 
 
+@contextlib.contextmanager
+def _open_shard(path: Path) -> Iterator[Any]:
+    """``safe_open`` whose failures (a truncated or damaged file, read without its digest under
+    --skip-checkpoint-checks) are one ValueError naming the file."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except (SafetensorError, OSError) as e:  # a bad header, or a tensor past the end of a truncated file
+        raise ValueError(f"checkpoint file {path} cannot be read ({e}); it is truncated or damaged (it was not "
+                         f"verified: --skip-checkpoint-checks?); resume from another checkpoint") from None
+
+
 def _load_hyper(meta: Mapping[str, str], param_groups: list[dict[str, Any]]) -> None:
     hyper = json.loads(meta.get("optimizer_groups", "[]"))
     if hyper and len(hyper) == len(param_groups):
@@ -404,7 +431,7 @@ def _load_hyper(meta: Mapping[str, str], param_groups: list[dict[str, Any]]) -> 
             g.update({k: tuple(v) if isinstance(v, list) else v for k, v in h.items()})
 
 
-def _load_sharded(f: Any, path: Path, keys: set[str], meta: Mapping[str, str], optimizer: Any) -> None:
+def _load_sharded(f: Any, path: Path, keys: list[str], meta: Mapping[str, str], optimizer: Any) -> None:
     """Each rank reads the whole state of one tensor at a time and keeps its chunk (``DistributedAdamW``)."""
     _load_hyper(meta, optimizer.param_groups)
     for n in optimizer.params:
@@ -429,5 +456,5 @@ def load_rng(ckpt: Path, rank: int, verify: bool = True) -> None:
     elif not path.is_file():
         log.warning("checkpoint file %s is missing: rank %d continues with a fresh RNG state", path, rank)
         return
-    with safe_open(str(path), framework="pt") as f:
+    with _open_shard(path) as f:
         torch.set_rng_state(f.get_tensor("torch"))

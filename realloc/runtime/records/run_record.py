@@ -90,7 +90,8 @@ def resolved_experiment(spec: ExperimentSpec, graph: "DataflowGraph | None" = No
     tokenizer paths on this machine, sample and eval schedule)."""
     out = {"experiment": spec.name,
            "config": jsonable(spec.config) if spec.config is not None else {},
-           "workload": {"batch_size": spec.batch_size, "prompt_len": spec.prompt_len, "gen_len": spec.gen_len},
+           "workload": {"batch_size": spec.batch_size, "prompt_len": spec.prompt_len, "gen_len": spec.gen_len,
+                        "max_staleness": spec.max_staleness},
            "cluster": jsonable(spec.cluster),
            "calls": {r.name: jsonable(r) for r in spec.rpcs},
            "models": jsonable(dict(spec.models)),
