@@ -14,8 +14,9 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from realloc.algorithms.pg_config import LOSS_NORMS  # torch-free, for the settings' checks
+
 LossNorm = Literal["sequence", "token", "constant"]
-LOSS_NORMS = ("sequence", "token", "constant")
 
 
 # -- advantages ------------------------------------------------------------------------------------------------

@@ -9,6 +9,9 @@ from typing import Literal
 from realloc.algorithms.decoupled_config import check_decoupled
 from realloc.algorithms.train_config import TrainConfig
 
+# How a loss over tokens is normalized (losses.py); here so that settings check it without importing torch.
+LOSS_NORMS = ("sequence", "token", "constant")
+
 KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_PLACEMENTS = ("reward", "loss")
 
