@@ -90,7 +90,8 @@ class StartupClock:
             if name in self.marks:
                 phases[name] = round(max(0.0, self.marks[name] - last), 3)
                 last = max(last, self.marks[name])
-        out: dict[str, Any] = {"total_s": round(last - self.launched, 3), "phases_s": phases}
+        out: dict[str, Any] = {"launched": self.launched, "first_call": self.marks.get("first_call"),
+                               "total_s": round(last - self.launched, 3), "phases_s": phases}
         known = [w for w in self.workers.values() if w.started > 0]
         if known:
             slow = max(known, key=lambda w: w.imported - w.started)
