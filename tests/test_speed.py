@@ -125,3 +125,28 @@ def test_the_master_plans_without_torch_and_workers_load_megatron_without_dynamo
     lines = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
     assert lines[0] == {"torch": False}
     assert lines[1] == {"dynamo": False, "wandb_blocked": False, "compile": True}
+
+
+@pytest.mark.parametrize("which", ["arith", "tiny_bpe"])
+def test_a_generic_fast_tokenizer_loads_as_autotokenizer_would_load_it(which, hf_assets):
+    """The start-up shortcut (data/tokenizer.py): a directory naming transformers' generic fast class loads through
+    it directly; the result is what AutoTokenizer gives: class, vocabulary, special tokens, ids with and without
+    special tokens, the chat template's rendering and decoding."""
+    from transformers import AutoTokenizer
+
+    from realloc.data.tokenizer import Tokenizer
+
+    path = REPO / "experiments" / "data" / "arith_tokenizer" if which == "arith" else hf_assets.tokenizer
+    ours, ref = Tokenizer.load(path)._hf, AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    assert type(ours) is type(ref) and ours.get_vocab() == ref.get_vocab()
+    assert ours.special_tokens_map == ref.special_tokens_map and ours.chat_template == ref.chat_template
+    texts = ["1+63=", "45-38=007", "What is 2 + 3?", ""]
+    for special in (True, False):
+        assert ours(texts, add_special_tokens=special)["input_ids"] == ref(texts, add_special_tokens=special)["input_ids"]
+    ids = ref("12+30=42")["input_ids"]
+    assert ours.decode(ids) == ref.decode(ids) and ours.decode(ids, skip_special_tokens=True) == ref.decode(
+        ids, skip_special_tokens=True)
+    if ref.chat_template:
+        chat = [{"role": "user", "content": "Hi there"}]
+        assert ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == \
+            ref.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
