@@ -2,6 +2,7 @@
 repository's ``profiles/`` (hardware specs and measured profiles) inside the package as ``realloc/profiles``,
 where an installed realloc looks for them (``realloc.estimator.hardware.shipped_profiles_dir``)."""
 
+import os
 from glob import glob
 from pathlib import Path
 
@@ -24,7 +25,9 @@ profiles = ["realloc.profiles", *(f"realloc.profiles.{d.name}" for d in sorted(P
                                   if d.is_dir())]
 
 setup(
-    ext_modules=[ext],
+    # REALLOC_SKIP_EXT=1: the Makefile's editable install, which leaves the extension to `build_ext --inplace`
+    # (compiled once, in place; pip's editable build would compile it in a temporary folder first).
+    ext_modules=[] if os.environ.get("REALLOC_SKIP_EXT") == "1" else [ext],
     cmdclass={"build_ext": build_ext},
     packages=[*find_packages(include=["realloc", "realloc.*"]), *profiles],
     package_dir={"realloc.profiles": "profiles"},

@@ -1,6 +1,12 @@
-"""Runtime benchmark on the local CPU cluster: measured iteration time and tokens/s per plan.
+"""Runtime benchmark on the local CPU cluster: the demo's per-iteration overhead, and iteration time per plan.
 
     .venv/bin/python benchmarks/bench_runtime.py [--iterations 10] [--warmup 2] [--search-time 10]
+    .venv/bin/python benchmarks/bench_runtime.py --demo-only [--demo-iterations 20]
+
+First the demo's GRPO stage (``experiments/arith_grpo.py``, what ``make demo`` trains), one line per iteration:
+its time, the workers' compute in it, and the rest, the overhead (``realloc/runtime/records/overhead.py``): in-run
+evaluation outside compute, reallocations and data transfers, and the master's share (scheduling, messaging,
+replies on their way, gaps between calls); then the run's start-up breakdown (``startup.json``).
 
 For the tiny PPO experiment (2 gloo devices) it runs the heuristic plan, the searched plan and a
 few hand-written ones with ``realloc run`` and prints, from one invocation:
@@ -32,9 +38,11 @@ sys.path.insert(0, str(REPO))
 from realloc.api import load_experiment  # noqa: E402
 from realloc.graph.dataflow import build_graph  # noqa: E402
 from realloc.graph.plan import ExecutionPlan  # noqa: E402
+from realloc.runtime.records.overhead import iteration_overheads  # noqa: E402
 from realloc.runtime.records.telemetry import RequestRecord, dispatch_overheads  # noqa: E402
 
 EXPERIMENT = str(REPO / "experiments/ppo_tiny.py")
+DEMO = str(REPO / "experiments/arith_grpo.py")
 CALLS = ("actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train", "critic_train")
 HAND = {
     "one device": {c: ("localhost:0", 1, 1, 1, 1) for c in CALLS},
@@ -99,8 +107,47 @@ def steady(res: dict, warmup: int) -> dict:
             "estimated": res["plan"].get("estimated_time")}
 
 
+def demo_overhead(iterations: int, base: Path) -> None:
+    """The demo's GRPO stage: per iteration its time, the workers' compute and the overhead's parts."""
+    run_dir = base / "demo"
+    r = subprocess.run([sys.executable, "-m", "realloc.cli", "run", DEMO, "--iterations", str(iterations),
+                        "--run-dir", str(run_dir), "--quiet"], capture_output=True, text=True,
+                       env={**os.environ, "TMPDIR": str(base)})
+    if r.returncode != 0:
+        print(f"demo run failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+        return
+    records = [json.loads(x) for x in (run_dir / "requests.jsonl").read_text().splitlines()]
+    evals = {rec["iteration"] for rec in records if rec["kind"] == "eval"}
+    rows = iteration_overheads(records)
+    print(f"demo GRPO stage ({DEMO.split('/')[-1]}: 32 prompts x 8 samples, 4 new tokens) on 2 CPU devices, "
+          f"{iterations} iterations; seconds")
+    header = f"{'iter':>4}{'time':>8}{'compute':>9}{'overhead':>10}{'share':>7}{'eval':>7}{'moves':>7}{'master':>8}"
+    print(header)
+    print("-" * len(header))
+    for o in rows:
+        mark = "  (evaluates)" if o.iteration in evals else ""
+        print(f"{o.iteration:>4}{o.window:>8.3f}{o.compute:>9.3f}{o.overhead:>10.3f}{o.overhead / o.window:>7.1%}"
+              f"{o.eval:>7.3f}{o.moves:>7.3f}{o.master:>8.3f}{mark}")
+    # steady state: after the first iteration, the evaluating ones and the one their passes overlap left out
+    steady = [o for o in rows[1:] if o.iteration not in evals and o.iteration - 1 not in evals]
+    if steady:
+        ov = statistics.median(o.overhead / o.window for o in steady)
+        master = statistics.median(o.master for o in steady)
+        print(f"median over {len(steady)} iterations without evaluation (and not the first): "
+              f"{statistics.median(o.window for o in steady):.3f} s/iteration, overhead {ov:.1%} of it, the "
+              f"master's share {master * 1e3:.1f} ms")
+    startup = run_dir / "startup.json"
+    line = next((x for x in r.stdout.splitlines() if x.startswith("start-up")), None)
+    if line:
+        print(line)
+    elif startup.is_file():
+        print(f"start-up: {startup.read_text()}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--demo-iterations", type=int, default=20, help="iterations of the demo's overhead table")
+    p.add_argument("--demo-only", action="store_true", help="only the demo's per-iteration overhead")
     p.add_argument("--iterations", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--search-time", type=float, default=10.0)
@@ -108,7 +155,10 @@ def main() -> None:
     args = p.parse_args()
     base = Path(tempfile.mkdtemp(prefix="bench_runtime_"))
     try:
-        report(args, base)
+        demo_overhead(args.demo_iterations, base)
+        if not args.demo_only:
+            print()
+            report(args, base)
     finally:
         if args.keep:
             print(f"\nrun directories: {base}")

@@ -12,7 +12,7 @@ no-tool arm of the demo on the same problems answered directly (``123*45=`` -> `
 
 import dataclasses
 
-from realloc.algorithms.dpo import SFTConfig, sft_rpcs
+from realloc.algorithms.pairs.dpo import SFTConfig, sft_rpcs
 from realloc.api import auto
 
 

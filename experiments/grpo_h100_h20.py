@@ -9,7 +9,7 @@ the generation pool works while the training pool trains; the strongest pool alo
 
 import dataclasses
 
-from realloc.algorithms.grpo import GRPOConfig, critic_free_rpcs
+from realloc.algorithms.critic_free.grpo import GRPOConfig, critic_free_rpcs
 from realloc.api import Pool, auto
 
 LINK = dict(pool_link_bandwidth=12.5e9, pool_link_latency=5e-5)  # 100 Gb/s RoCE between the pools

@@ -5,7 +5,7 @@
 
 import dataclasses
 
-from realloc.algorithms.grpo import GRPOConfig, critic_free_rpcs
+from realloc.algorithms.critic_free.grpo import GRPOConfig, critic_free_rpcs
 from realloc.api import Pool, auto
 
 LINK = dict(pool_link_bandwidth=12.5e9, pool_link_latency=5e-5)  # 100 Gb/s RoCE between the pools

@@ -10,7 +10,7 @@ to the best plan on the A100s alone.
 
 import dataclasses
 
-from realloc.algorithms.ppo_config import PPOConfig, ppo_rpcs
+from realloc.algorithms.ppo.ppo_config import PPOConfig, ppo_rpcs
 from realloc.api import LoRAConfig, Pool, auto
 
 

@@ -8,17 +8,19 @@ the package whose code it drives: ``estimator/profile_cli.py``, ``search/search_
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import gc
+import importlib
 import os
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 from realloc import user_code
-from realloc.estimator import profile_cli
-from realloc.runtime import export_cli, run_cli, show_cli, trace_cli
-from realloc.runtime.run_cli import DEFAULT_SEARCH_TIME
-from realloc.search import search_cli
+
+# `realloc run` without --search-time searches until the plan stops improving, for at most this long
+# (search/planner.py); kept here so that the parser needs no subcommand's imports.
+DEFAULT_SEARCH_TIME = 10.0
 
 EXIT_USAGE = 2
 # OSErrors of the machine's storage and of paths the user gave, reported as one line naming the path and the cause
@@ -67,6 +69,17 @@ def version() -> str:
             return "unknown (not installed)"
 
 
+@dataclasses.dataclass(frozen=True)
+class _Command:
+    """A subcommand's ``main`` in ``module``, imported when it runs: each command imports only what it uses
+    (``realloc run`` never loads the profiler's torch code)."""
+
+    module: str
+
+    def __call__(self, args: argparse.Namespace) -> Any:
+        return importlib.import_module(self.module).main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="realloc", description="Plan and run RLHF dataflow graphs with parameter "
                                 "reallocation.")
@@ -78,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--plan", default=None, help="also check this execution plan JSON against the experiment and "
                    "its cluster (a hand-written plan: meshes, pools, strategies)")
     _set_option(s)
-    s.set_defaults(func=show_cli.main)
+    s.set_defaults(func=_Command("realloc.runtime.show_cli"))
 
     s = sub.add_parser("profile", help="measure per-layer and collective costs on this machine")
     s.add_argument("--model", required=True, help="model type, e.g. tiny or llama3-8b")
@@ -97,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--repeats", type=int, default=None, help="timed runs per point; the median is kept (default 7)")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     _profiles_option(s)
-    s.set_defaults(func=profile_cli.main)
+    s.set_defaults(func=_Command("realloc.estimator.profile_cli"))
 
     s = sub.add_parser("search", help="search an execution plan and report it (plans only; `realloc run` trains)")
     s.add_argument("experiment", help="experiment file (path/exp.py[:Class]) or module")
@@ -119,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "experiment's response_lengths (docs/long-tail.md)")
     _set_option(s)
     _profiles_option(s)
-    s.set_defaults(func=search_cli.main)
+    s.set_defaults(func=_Command("realloc.search.search_cli"))
 
     s = sub.add_parser("run", help="run the experiment on its cluster")
     s.add_argument("experiment", help="experiment file (path/exp.py[:Class]) or module")
@@ -127,8 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--plan", default=None, help="execution plan JSON to run (from `realloc search --out`, or "
                    "written by hand: docs/search.md)")
     g.add_argument("--search-time", type=float, default=None, metavar="SECONDS",
-                   help=f"search a plan for this many seconds before training (default {DEFAULT_SEARCH_TIME:g} "
-                        f"when neither --plan nor --baseline is given)")
+                   help=f"search a plan for this many seconds before training (default: until the plan stops "
+                        f"improving, at most {DEFAULT_SEARCH_TIME:g} s, when neither --plan nor --baseline is given)")
     g.add_argument("--baseline", default=None, choices=["heuristic", "colocate-dp", "split"],
                    help="run this baseline plan instead of searching (`realloc search EXP --baseline NAME` "
                         "prints it)")
@@ -209,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
                                   ("--master-port", int, 0)):
         s.add_argument(hidden, type=kind, default=default, help=argparse.SUPPRESS)  # set by the SLURM script
     _profiles_option(s)
-    s.set_defaults(func=run_cli.main)
+    s.set_defaults(func=_Command("realloc.runtime.run_cli"))
     _add_trace(sub)
 
     s = sub.add_parser("export", help="write a trained model of a run's checkpoint as a HuggingFace directory")
@@ -225,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--format", default="hf", choices=["hf", "peft"],
                    help="hf: a full checkpoint (LoRA adapters merged into the base); peft: a LoRA model's adapters "
                         "as PEFT writes them (adapter_config.json + adapter_model.safetensors)")
-    s.set_defaults(func=export_cli.main)
+    s.set_defaults(func=_Command("realloc.runtime.export_cli"))
     return p
 
 
@@ -239,7 +252,7 @@ def _add_trace(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--common-scale", action="store_true", help="draw the measured and estimated panels on one time "
                    "axis (default: each on its own, which the titles say)")
     _profiles_option(s)
-    s.set_defaults(func=trace_cli.main)
+    s.set_defaults(func=_Command("realloc.runtime.trace_cli"))
 
 
 def _unknown_command(parser: argparse.ArgumentParser, argv: Sequence[str]) -> str | None:

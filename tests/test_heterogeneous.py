@@ -31,7 +31,7 @@ A100, V100 = Pool("a100-01", "a100-80g", 8), Pool("v100-[01-02]", "v100-32g", 4)
 
 EXPERIMENT = """
 import dataclasses
-from realloc.algorithms.ppo_config import PPOConfig, ppo_rpcs
+from realloc.algorithms.ppo.ppo_config import PPOConfig, ppo_rpcs
 from realloc.api import Pool, auto
 
 @auto(pools=[Pool("a100-01", "a100-80g", 8), Pool("v100-[01-02]", "v100-32g", 4{dtype})], batch_size=64,

@@ -60,7 +60,7 @@ def test_show_warns_once_about_different_vocabularies_and_a_tokenizer_that_adds_
     exp = tmp_path / "exp.py"
     exp.write_text(textwrap.dedent(f"""\
         import dataclasses
-        from realloc.algorithms.grpo import GRPOConfig, critic_free_rpcs
+        from realloc.algorithms.critic_free.grpo import GRPOConfig, critic_free_rpcs
         from realloc.api import auto
 
         @auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size=2, prompt_len=16, gen_len=8)

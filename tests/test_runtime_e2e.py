@@ -454,3 +454,18 @@ def test_sigterm_to_the_master_before_training_stops_it_and_restores_the_handler
         signal.signal(signal.SIGTERM, previous)
     assert master.stop is not None and master.stop.exit_code == 143
     assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+
+
+def test_startup_breakdown_adds_up_to_the_first_call_and_the_workers_start_before_the_master_listens(runs):
+    """startup.json (printed at the end of the run) splits launch -> first call into consecutive phases; the first
+    call is the one requests.jsonl records, and the workers started before the master was ready (prestart)."""
+    run_dir = runs["heuristic"]
+    s = json.loads((run_dir / "startup.json").read_text())
+    first = min(json.loads(x)["dispatched"] for x in (run_dir / "requests.jsonl").read_text().splitlines()
+                if json.loads(x)["kind"] == "call")
+    assert abs(s["first_call"] - first) < 0.01 and abs(s["first_call"] - s["launched"] - s["total_s"]) < 0.01
+    assert list(s["phases_s"]) == ["imports", "experiment", "search", "master", "workers", "setup", "first_call"]
+    assert abs(sum(s["phases_s"].values()) - s["total_s"]) < 0.01
+    before_master = sum(s["phases_s"][k] for k in ("imports", "experiment", "search", "master"))
+    assert 0 <= s["workers"]["started_s"] < before_master and s["workers"]["imports_s"] > 0
+    assert json.loads((run_dir / "summary.json").read_text())["startup"]["total_s"] == s["total_s"]

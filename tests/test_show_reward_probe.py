@@ -26,7 +26,7 @@ def _experiment(tmp_path: Path, reward_body: str, impl: str = "batch_reward", ar
     exp.write_text(textwrap.dedent(f"""\
         import dataclasses
         from {module} import score
-        from realloc.algorithms.grpo import GRPOConfig, critic_free_rpcs
+        from realloc.algorithms.critic_free.grpo import GRPOConfig, critic_free_rpcs
         from realloc.api import auto
 
         @auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size=8, prompt_len=8, gen_len=8)

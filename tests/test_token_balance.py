@@ -88,7 +88,7 @@ EXPERIMENT_FILE = f'''
 import dataclasses
 import importlib.util
 
-from realloc.algorithms.ppo_config import PPOConfig
+from realloc.algorithms.ppo.ppo_config import PPOConfig
 from realloc.api import ResponseLengths, auto
 
 _spec = importlib.util.spec_from_file_location("ppo_tiny_base", {EXPERIMENT!r})

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from my_reward import score  # a module beside the experiment file is importable, for the workers too
 
-from realloc.algorithms.grpo import GRPOConfig, critic_free_rpcs
+from realloc.algorithms.critic_free.grpo import GRPOConfig, critic_free_rpcs
 from realloc.api import HFModel, auto
 from realloc.data.config import DataConfig
 from realloc.demo.demo_assets import demo_assets

@@ -12,7 +12,7 @@ import dataclasses
 
 from grpo import TINY
 
-from realloc.algorithms.dpo import SFTConfig, sft_rpcs
+from realloc.algorithms.pairs.dpo import SFTConfig, sft_rpcs
 from realloc.api import auto
 from realloc.data.config import DataConfig
 

@@ -14,8 +14,9 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from realloc.algorithms.train_config import LOSS_NORMS  # noqa: F401  (torch-free, for the settings' checks)
+
 LossNorm = Literal["sequence", "token", "constant"]
-LOSS_NORMS = ("sequence", "token", "constant")
 
 
 # -- advantages ------------------------------------------------------------------------------------------------

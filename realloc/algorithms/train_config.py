@@ -12,6 +12,8 @@ from typing import Literal
 
 from realloc.lengths import ResponseLengths
 
+# How a loss over tokens is normalized (losses.py); here so that settings check it without importing torch.
+LOSS_NORMS = ("sequence", "token", "constant")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 GRAD_DTYPES = ("fp32", "bf16")
 

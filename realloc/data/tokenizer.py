@@ -24,6 +24,26 @@ _ESSENTIAL = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "voc
 GENERATION_CONFIG = "generation_config.json"
 
 Messages = Sequence[Mapping[str, str]]
+# tokenizer_config.json classes that AutoTokenizer maps to transformers' generic fast tokenizer: such a directory
+# loads through that class directly, which skips AutoTokenizer's scan of every model family's module (1.2 of
+# 1.7 CPU seconds, in the master and in every worker at start-up: docs/speed.md).
+GENERIC_FAST = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
+
+
+def _from_pretrained(path: Path) -> Any:
+    """transformers' tokenizer of ``path``, offline: the generic fast class when the directory names it (and has
+    its tokenizer.json), else whatever AutoTokenizer picks."""
+    try:
+        cls = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        cls = None
+    if cls in GENERIC_FAST and (path / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
 def _generation_eos(path: Path) -> list[int]:
@@ -70,10 +90,8 @@ class Tokenizer:
         if not any((path / f).is_file() for f in _ESSENTIAL):
             raise ValueError(f"tokenizer {str(path)!r} has none of {', '.join(_ESSENTIAL)}; point it at a directory "
                              f"written by an HF tokenizer's save_pretrained")
-        from transformers import AutoTokenizer
-
         try:
-            hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            hf = _from_pretrained(path)
         except Exception as e:  # transformers raises OSError, ValueError, KeyError, ... for bad directories
             raise ValueError(f"tokenizer {str(path)!r}: transformers cannot load it "
                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None

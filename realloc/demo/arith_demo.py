@@ -96,7 +96,13 @@ def _realloc(args: list[str], log: Path | None = None) -> None:
         raise RuntimeError(f"`realloc {' '.join(args)}` failed with exit code {r.returncode}{where}")
 
 
-def build_sft(root: Path = ROOT, run_dir: Path | None = None, search_time: float = 5.0,
+def _search(search_time: float | None) -> list[str]:
+    """``--search-time`` when one is given; else realloc searches until the plan stops improving (well under a
+    second for the demo's 2 devices, where a fixed 5 s search made start-up 5 s longer)."""
+    return [] if search_time is None else ["--search-time", str(search_time)]
+
+
+def build_sft(root: Path = ROOT, run_dir: Path | None = None, search_time: float | None = None,
               out: Path | None = None) -> Path:
     """Run the SFT experiment through realloc (its own iterations) and export the actor into ``out``
     (default ``root/sft``)."""
@@ -106,7 +112,7 @@ def build_sft(root: Path = ROOT, run_dir: Path | None = None, search_time: float
     run_dir.mkdir(parents=True)
     t0 = time.time()
     # The initial model named explicitly: `root` need not be where the experiment file looks by default.
-    _realloc(["run", str(SFT_EXPERIMENT), "--search-time", str(search_time), "--run-dir", str(run_dir),
+    _realloc(["run", str(SFT_EXPERIMENT), *_search(search_time), "--run-dir", str(run_dir),
               "--save-every", str(_default_iterations(SFT_EXPERIMENT)), "--quiet", "--set", f"init={root / 'init'}"],
              log=run_dir / "sft.log")
     target = (out or root / "sft").resolve()
@@ -132,7 +138,7 @@ def accuracy(checkpoint: Path) -> Accuracy:
     return exact_match_accuracy(checkpoint, EVAL_PROMPTS, max_new_tokens=MAX_NEW_TOKENS)
 
 
-def demo(root: Path = ROOT, run_dir: Path | None = None, rebuild_sft: bool = False, search_time: float = 5.0,
+def demo(root: Path = ROOT, run_dir: Path | None = None, rebuild_sft: bool = False, search_time: float | None = None,
          iterations: int | None = None) -> tuple[float, float]:
     """The whole demo; returns the held-out exact-match accuracy before and after GRPO."""
     t0 = time.time()
@@ -148,7 +154,7 @@ def demo(root: Path = ROOT, run_dir: Path | None = None, rebuild_sft: bool = Fal
     shutil.rmtree(run_dir, ignore_errors=True)
     n = iterations or _default_iterations(GRPO_EXPERIMENT)
     t1 = time.time()
-    _realloc(["run", str(GRPO_EXPERIMENT), "--search-time", str(search_time), "--run-dir", str(run_dir),
+    _realloc(["run", str(GRPO_EXPERIMENT), *_search(search_time), "--run-dir", str(run_dir),
               "--iterations", str(n), "--save-every", str(n), "--quiet", *start])
     grpo_seconds = time.time() - t1
     _realloc(["export", str(run_dir), "--model", "actor", "--out", str(run_dir / "actor-hf")], log=run_dir / "export.log")
@@ -168,7 +174,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="the sft stage's checkpoint directory (default "
                    "experiments/data/arith/sft); the init stage's (default experiments/data/arith_init, kept if it "
                    "exists)")
-    p.add_argument("--search-time", type=float, default=5.0, help="seconds of plan search per run")
+    p.add_argument("--search-time", type=float, default=None, help="seconds of plan search per run (default: "
+                   "until the plan stops improving)")
     p.add_argument("--iterations", type=int, default=None, help="GRPO iterations (default: the experiment's)")
     p.add_argument("--run-dir", default=None, help="GRPO run directory (default runs/arith_demo)")
     return p

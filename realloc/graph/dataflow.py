@@ -265,7 +265,7 @@ def _resolve_model_types(spec: ExperimentSpec, table: Table) -> tuple[dict[str, 
 
 def _checkpoint_config(spec: ExperimentSpec, model: str, src: HFModel, table: Table) -> ModelConfig:
     """The shape of a checkpoint model, checked against what its calls need (a vocabulary or a scalar head)."""
-    from realloc.models.hf_io import model_config_from_hf, read_hf_config
+    from realloc.models.hf_config import model_config_from_hf, read_hf_config
 
     if not Path(src.path).is_dir():
         hint = f"; {src.build_hint}" if src.build_hint else ""

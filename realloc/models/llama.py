@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils.checkpoint
+import realloc.models.megatron_import  # noqa: F401  (first: megatron-core without torch.compile, wandb)
 from megatron.core import ModelParallelConfig
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from torch import nn

@@ -27,6 +27,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import realloc.models.megatron_import  # noqa: F401  (first: megatron-core without torch.compile, wandb)
 from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                     reduce_from_tensor_model_parallel_region)
 from torch import nn

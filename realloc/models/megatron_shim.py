@@ -54,6 +54,7 @@ def apply_cpu_shim(seed: int = TRACKER_SEED) -> bool:
         raise RuntimeError("apply_cpu_shim() must not run on a CUDA machine; use prepare_device(torch.device('cuda'))")
     if cpu_shim_applied():
         return False
+    import realloc.models.megatron_import  # noqa: F401  (a lean import of megatron-core)
     from megatron.core.tensor_parallel import random as mrandom
 
     torch.cuda.current_device = _cpu_current_device

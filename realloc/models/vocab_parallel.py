@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import realloc.models.megatron_import  # noqa: F401  (first: megatron-core without torch.compile, wandb)
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
 from realloc.models.config import logprob_chunk_tokens

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from realloc.api import ExperimentSpec
+from realloc.cli import DEFAULT_SEARCH_TIME
 from realloc.estimator.hardware import PROFILES_ENV
 from realloc.graph.dataflow import build_graph
 from realloc.graph.plan import ExecutionPlan
@@ -39,6 +40,7 @@ from realloc.runtime.control.program import RuntimeProgram
 from realloc.runtime.control.stop_signals import StopSignals
 from realloc.runtime.inputs.preflight import Preflight, preflight
 from realloc.runtime.inputs.run_config import RunConfig
+from realloc.runtime.control.master_link import KILL_GRACE
 from realloc.runtime.launch.launcher import (LocalLauncher, SlurmOptions, WorkerConfig, slurm_script, submit_slurm,
                                       write_job_script)
 from realloc.runtime.persist.run_settings import resume_settings
@@ -46,9 +48,9 @@ from realloc.runtime.records.metric_sinks import MetricSinks, check_wandb_instal
 from realloc.runtime.records.progress import LONG_CALL_S, RunProgress
 from realloc.runtime.records.run_paths import RunPaths, remove_secret
 from realloc.runtime.records.run_record import Session, data_record, resolved_experiment, write_run_record
+from realloc.runtime.records.startup import StartupClock
 from realloc.runtime.wire import protocol
 
-DEFAULT_SEARCH_TIME = 10.0
 MIN_HEARTBEAT_TIMEOUT = 2.0
 
 
@@ -71,8 +73,12 @@ def _choose_plan(args: argparse.Namespace, spec: ExperimentSpec, ckpt: Path | No
     if fn is None:
         raise ValueError("plan search (realloc.search.search) is not available yet; pass --plan plan.json or "
                          "--baseline heuristic")
-    seconds = args.search_time if args.search_time is not None else DEFAULT_SEARCH_TIME
-    return fn(spec, seconds), f"searched for {seconds:g} s"
+    if args.search_time is not None:
+        return fn(spec, args.search_time), f"searched for {args.search_time:g} s"
+    # No time given: search until the best plan stops improving, at most DEFAULT_SEARCH_TIME (engine.converged).
+    t0 = time.perf_counter()
+    plan = fn(spec, DEFAULT_SEARCH_TIME, converge=True)
+    return plan, f"searched for {time.perf_counter() - t0:.1f} s (until it converged, at most {DEFAULT_SEARCH_TIME:g} s)"
 
 
 def _run_dir(args: argparse.Namespace, spec: ExperimentSpec, ckpt: Path | None) -> Path:
@@ -192,8 +198,11 @@ def _fresh_secret(run: RunPaths) -> bytes:
 
 
 def main(args: argparse.Namespace) -> int:
-    from realloc.runtime.persist import checkpoint
-    from realloc.runtime.control.master import Master, RunFailed
+    # torch loads in the master only after the workers started (they load it too, meanwhile): the master's
+    # torch imports (Master, checkpoints, preflight's tokenizer) come below the launcher's prestart.
+    clock = StartupClock()
+    clock.mark("imports")
+    from realloc.runtime.control.master_link import RunFailed
 
     if args.save_every < 0:
         raise ValueError(f"--save-every must be >= 0, got {args.save_every}")
@@ -216,7 +225,12 @@ def main(args: argparse.Namespace) -> int:
     if args.allow_changed_settings and not args.resume:
         raise ValueError("--allow-changed-settings applies to --resume (a fresh run has no earlier settings)")
     sets = tuple(args.set)
-    ckpt = checkpoint.resolve_resume(args.resume, args.skip_checkpoint_checks) if args.resume else None
+    if args.resume:
+        from realloc.runtime.persist import checkpoint
+
+        ckpt = checkpoint.resolve_resume(args.resume, args.skip_checkpoint_checks)
+    else:
+        ckpt = None
     changed: tuple[str, ...] = ()
     reapplied: tuple[str, ...] = ()
     if ckpt is None:
@@ -250,12 +264,20 @@ def main(args: argparse.Namespace) -> int:
     horizon, horizon_line = _schedule_horizon(args, total, meta)
     run = RunPaths(_run_dir(args, spec, ckpt).resolve())
     created = _first_missing(run.root)
+    local: LocalLauncher | None = None
     try:  # a command that fails before it launches anything leaves no directory behind
         _check_run_dir(run.root, create=not args.dry_run or args.prepare)
+        if args.launcher == "local":
+            # The workers start now and import torch and megatron while the master checks the prompts and
+            # searches; they get their arguments once the master listens (launcher.py).
+            local = LocalLauncher(run, spec.cluster.n_devices)
+            local.prestart()
         # Fail here, in one line, rather than in every worker; and tokenize once: the workers read the cache.
         pre = preflight(spec, config, graph, cache_dir=None if args.dry_run else run.prompt_cache)
+        clock.mark("experiment")
         slurm = slurm_options(args) if args.launcher == "slurm" else None
         plan, plan_source = _choose_plan(args, spec, ckpt)
+        clock.mark("search")
         program = RuntimeProgram(graph, plan)  # validates the plan against the experiment and cluster
         if ckpt is not None and meta is not None:  # the workers would refuse the shards; say so before they start
             checkpoint.check_resume_layouts(ckpt, meta.get("layouts", {}), {
@@ -268,6 +290,8 @@ def main(args: argparse.Namespace) -> int:
         if args.wandb and (slurm is None or not slurm.setup):
             check_wandb_installed()
     except BaseException:
+        if local is not None:
+            local.stop(grace=KILL_GRACE)
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)
         raise
@@ -357,13 +381,15 @@ def main(args: argparse.Namespace) -> int:
 
             ray = RayLauncher(spec.cluster, run, args.ray_address)
             bind = ray.node_ip  # the actors reach the master here (127.0.0.1 for a private local instance)
+        from realloc.runtime.control.master import Master
+
         master = Master(program, config, run, run_id, secret, iterations=total - start, start_iteration=start,
                         resume=ckpt, save_every=args.save_every, export_every=args.export_every,
                         save_final=args.final_checkpoint, keep_checkpoints=args.keep_checkpoints,
                         bind_host=bind, master_port=args.master_port,
                         store_port=args.store_port, stop_signals=stop_signals,
                         verify_checkpoint=not args.skip_checkpoint_checks, schedule_iterations=horizon,
-                        secret_file=None if args.launcher == "external" else run.secret, **timeouts)
+                        secret_file=None if args.launcher == "external" else run.secret, startup=clock, **timeouts)
         if args.launcher in ("local", "ray"):
             wc = WorkerConfig(experiment=experiment, run_dir=str(run.root), run_id=run_id,
                               world_size=spec.cluster.n_devices, store=f"{bind}:{master.store.port}",
@@ -372,8 +398,10 @@ def main(args: argparse.Namespace) -> int:
                 master.launcher = ray
                 ray.start(wc)
             else:
-                master.launcher = LocalLauncher(wc, run)
-                master.launcher.start()
+                assert local is not None
+                local.start(wc)
+                master.launcher, local = local, None
+        clock.mark("master")
         print(f"run {run.root}: {spec.name} on {spec.cluster.nodelist} ({spec.cluster.n_devices} devices), "
               f"iterations {start + 1}..{total}, plan {plan_source}")
         if ckpt is not None and args.skip_checkpoint_checks:
@@ -401,11 +429,13 @@ def main(args: argparse.Namespace) -> int:
         print(f"realloc run: error: {e}", file=sys.stderr)
         return master.stop.exit_code if master is not None and master.stop is not None else 1
     finally:
+        if local is not None:  # failed before the master took the workers over
+            local.stop(grace=KILL_GRACE)
         signal.signal(signal.SIGTERM, previous_sigterm)
         late = _close_all(sinks, ray, run)
     if late is not None:  # the run went well up to its last writes: they are the error
         raise late
-    _summary(summary, run)
+    _summary(summary, run, clock)
     if master.stop is not None:
         print(f"realloc run: {master.stop.describe(str(run.root))}", file=sys.stderr)
         return master.stop.exit_code
@@ -530,10 +560,12 @@ async def _with_ticker(master: Any, tick: Any, every: float = 1.0) -> dict[str, 
         task.cancel()
 
 
-def _summary(summary: dict[str, Any], run: RunPaths) -> None:
+def _summary(summary: dict[str, Any], run: RunPaths, clock: StartupClock) -> None:
     if not summary:
         return
+    summary = {**summary, "startup": clock.report()}
     (run.root / "summary.json").write_text(json.dumps(summary, indent=2))
+    clock.write(run.root / "startup.json")
     line = f"done: {summary['iterations']} iterations, {summary['iteration_time']:.2f} s/iteration (after the first)"
     if summary.get("last_reward") is not None:
         line += f", reward {summary['first_reward']:.3f} -> {summary['last_reward']:.3f}"
@@ -544,4 +576,5 @@ def _summary(summary: dict[str, Any], run: RunPaths) -> None:
     if summary["overhead"]:
         line += f", master overhead {summary['overhead']['mean_overhead_s'] * 1e3:.1f} ms/request"
     print(line)
+    print(clock.line())
     print(f"metrics {run.metrics}\ntrace   {run.trace} (open in chrome://tracing or ui.perfetto.dev)")

@@ -125,8 +125,9 @@ class SearchReport:
 
 def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int = 0, max_evals: int | None = None,
                 n_threads: int = 2, n_chains: int | None = None, progress: Progress | None = None,
-                cost: CostModel | None = None) -> SearchReport:
-    """Search the fastest plan of ``experiment`` and compare it with every baseline."""
+                cost: CostModel | None = None, converge: bool = False) -> SearchReport:
+    """Search the fastest plan of ``experiment`` and compare it with every baseline; with ``converge``, stop
+    before ``time_limit`` once the best plan stops improving (``engine.converged``)."""
     t0 = time.perf_counter()
     spec = experiment_of(experiment)
     graph = build_graph(spec)
@@ -180,7 +181,8 @@ def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int =
         # the synchronous winner starts the chains of the others: its placement is a good one at any eta
         extra = [best[1].indices] if best is not None else []
         outcome = run_mcmc(sp, time_limit=share, max_evals=evals, seed=seed, n_threads=n_threads,
-                           n_chains=n_chains or n_threads, starts=starts + extra, progress=progress)
+                           n_chains=n_chains or n_threads, starts=starts + extra, progress=progress,
+                           converge=converge)
         if len(etas) > 1:
             by_staleness[eta] = sp.to_plan(outcome.indices, "search")
         if best is None or _better(outcome.evaluation, best[1].evaluation):

@@ -23,8 +23,7 @@ import dataclasses
 from typing import Literal
 
 from realloc.algorithms.interface import Interface
-from realloc.algorithms.losses import LOSS_NORMS
-from realloc.algorithms.pg.pg_config import PGLossConfig
+from realloc.algorithms.pg.pg_config import LOSS_NORMS, PGLossConfig
 from realloc.calls import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef
 
 

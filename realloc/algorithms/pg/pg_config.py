@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from realloc.algorithms.train_config import TrainConfig
+from realloc.algorithms.train_config import LOSS_NORMS, TrainConfig  # noqa: F401  (LOSS_NORMS: the settings' check)
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_PLACEMENTS = ("reward", "loss")

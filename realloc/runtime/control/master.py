@@ -39,6 +39,7 @@ from realloc.runtime.inputs.evaluation import eval_calls
 from realloc.runtime.inputs.run_config import RunConfig
 from realloc.runtime.persist import checkpoint
 from realloc.runtime.records.run_paths import RunPaths, os_error_line, remove_secret
+from realloc.runtime.records.startup import StartupClock
 from realloc.runtime.records.telemetry import RequestLog, RequestRecord, RunStats, Trace
 from realloc.runtime.wire import protocol
 from realloc.runtime.wire.curve import CurveKeys, Gatekeeper, secure_server
@@ -59,7 +60,8 @@ class Master(MasterLink, IterationSchedule, EvaluationPasses, CheckpointSaves):
                  schedule_iterations: int | None = None,
                  on_iteration: Callable[[dict[str, Any]], None] | None = None,
                  secret_file: Path | None = None,
-                 on_node: Callable[[str, int, float | None], None] | None = None) -> None:
+                 on_node: Callable[[str, int, float | None], None] | None = None,
+                 startup: StartupClock | None = None) -> None:
         if iterations < 1:
             raise ValueError(f"iterations must be at least 1, got {iterations}")
         for m, on in program.plan.offload.items():
@@ -99,6 +101,8 @@ class Master(MasterLink, IterationSchedule, EvaluationPasses, CheckpointSaves):
         # so a run directory that later fills up or turns read-only holds no secret whatever happens next.
         self.secret_file = secret_file
         self.n_workers = self.spec.cluster.n_devices
+        # where the run's seconds before its first call went (records/startup.py); run_cli marks its own phases
+        self.startup = startup if startup is not None else StartupClock()
         self.offloaded = {m for m, on in program.plan.offload.items() if on and not program.is_rule(m)}
 
         self.zctx = zmq.asyncio.Context()
@@ -190,6 +194,7 @@ class Master(MasterLink, IterationSchedule, EvaluationPasses, CheckpointSaves):
         restore_signals = self.stop_signals.catch(lambda sig: loop.call_soon_threadsafe(self.request_stop, sig))
         try:
             await self._guard(self._wait_for_workers())
+            self.startup.mark("workers")
             if self.secret_file is not None:
                 note = remove_secret(self.secret_file)
                 if note:
@@ -206,6 +211,7 @@ class Master(MasterLink, IterationSchedule, EvaluationPasses, CheckpointSaves):
                                                           verify_checkpoint=self.verify_checkpoint,
                                                           start_iteration=self.start))
             await self._guard(self._wait(setup))
+            self.startup.mark("setup")
             if self.on_ready is not None:
                 self.on_ready()
             self.t_start = time.time()

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable, Protocol
 import zmq
 
 from realloc.cluster import ClusterSpec
+from realloc.runtime.records.startup import WorkerStart
 from realloc.runtime.records.telemetry import RequestRecord
 from realloc.runtime.wire import protocol
 
@@ -113,6 +114,8 @@ class MasterLink:
         ranks = tuple(sorted(ranks))
         rec = RequestRecord(req=req, kind=kind, label=label, iteration=iteration, node=node, dispatched=time.time(),
                             ranks=ranks)
+        if kind == "call":
+            self.startup.mark("first_call")  # (only the first counts)
         body = make(req)
         loop = asyncio.get_running_loop()
         for r in ranks:
@@ -212,6 +215,7 @@ class MasterLink:
             self.sock.send_multipart([ident, *self.channel.pack(name, protocol.Heartbeat(rank=-1))])
         elif isinstance(body, protocol.Hello):
             self.hello[rank] = body
+            self.startup.workers[rank] = WorkerStart(rank, body.started, body.imported, body.ready)
             self.last_heartbeat.setdefault(rank, time.monotonic())
         elif isinstance(body, protocol.Reply):
             fut = self.futures.get((body.req, rank))

@@ -56,6 +56,7 @@ from realloc.runtime.inputs.preflight import vocab_limit
 from realloc.runtime.inputs.run_config import RunConfig
 from realloc.runtime.persist import checkpoint
 from realloc.runtime.records.run_paths import RunPaths
+from realloc.runtime.records.startup import process_start_time, worker_argv
 from realloc.runtime.records.text_io import SampleLog, SpecialTokens
 from realloc.runtime.transfer.data_store import DataStore, pack_rows, row_bytes, row_tokens, unpack_rows
 from realloc.runtime.transfer.offload import HostOffload
@@ -169,7 +170,9 @@ class ModelWorker:
         self.channel = protocol.Channel(secret, args.run_id, protocol.worker_name(self.rank))
         self.heartbeat = Heartbeat(self.zctx, args.master, secret, args.run_id, self.rank)
         self.heartbeat.start()
-        self._send(protocol.Hello(rank=self.rank, pid=os.getpid(), host=socket.gethostname()))
+        started, imported, ready = getattr(args, "times", (0.0, 0.0, 0.0))
+        self._send(protocol.Hello(rank=self.rank, pid=os.getpid(), host=socket.gethostname(), started=started,
+                                  imported=imported, ready=ready))
 
         host, port = args.store.rsplit(":", 1)
         store = dist.TCPStore(host, int(port), None, False, timeout=PROCESS_GROUP_TIMEOUT)
@@ -575,7 +578,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--master", required=True, help="tcp://host:port of the master")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--set", action="append", default=[], help="KEY=VALUE experiment override (as the master's)")
+    imported = time.time()  # this module's imports (torch, megatron) are done
+    argv = worker_argv(sys.argv[1:] if argv is None else argv)
+    if argv is None:
+        return 0  # started early, and the master stopped before the run did
     args = p.parse_args(argv)
+    args.times = (process_start_time() or 0.0, imported, time.time())
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker{args.rank} %(levelname)s %(message)s",
                         force=True)  # a Ray actor's process may come with handlers of its own
     torch.set_num_threads(1)

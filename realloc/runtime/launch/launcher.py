@@ -11,6 +11,7 @@ The run secret (see ``protocol.py``) is a 0600 file in the run directory, named 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import shlex
@@ -25,6 +26,7 @@ from realloc.cluster import ClusterSpec
 from realloc.estimator.hardware import PROFILES_ENV
 from realloc.runtime.control.stop_signals import StopSignals
 from realloc.runtime.records.run_paths import RunPaths
+from realloc.runtime.records.startup import ARGS_FROM_STDIN
 from realloc.runtime.wire.protocol import SECRET_FILE_ENV
 
 WORKER_MODULE = "realloc.runtime.control.worker"
@@ -80,15 +82,21 @@ def _die_with_parent() -> None:
 
 
 class LocalLauncher:
-    """One subprocess per device on this machine."""
+    """One subprocess per device on this machine.
 
-    def __init__(self, config: WorkerConfig, run: RunPaths) -> None:
-        self.config = config
+    The processes start before the master knows its plan (``prestart``, while it loads the experiment and
+    searches): Python, torch and megatron load meanwhile, the largest part of a worker's start-up. Each then
+    waits for its arguments on stdin (``--args-from-stdin``), which ``start`` writes once the master listens.
+    A worker whose stdin closes without them (the master stopped first) exits at once."""
+
+    def __init__(self, run: RunPaths, world_size: int, python: str = sys.executable) -> None:
         self.run = run
+        self.world_size = world_size
+        self.python = python
         self.procs: dict[int, subprocess.Popen] = {}
         self._logs: list = []
 
-    def start(self) -> None:
+    def prestart(self) -> None:
         self.run.logs.mkdir(parents=True, exist_ok=True)
         self.run.tmp.mkdir(parents=True, exist_ok=True)
         env = worker_env(self.run)
@@ -97,12 +105,27 @@ class LocalLauncher:
             # otherwise use the interface the hostname resolves to).
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
             env.setdefault("NCCL_SOCKET_IFNAME", "lo")
-        for rank in range(self.config.world_size):
+        for rank in range(self.world_size):
             log = open(self.run.worker_log(rank), "ab")
             self._logs.append(log)
-            self.procs[rank] = subprocess.Popen(self.config.argv(rank), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                                stdin=subprocess.DEVNULL, start_new_session=True,
+            self.procs[rank] = subprocess.Popen([self.python, "-m", WORKER_MODULE, ARGS_FROM_STDIN], env=env,
+                                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
+                                                start_new_session=True,
                                                 preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+
+    def start(self, config: WorkerConfig) -> None:
+        """Hand every worker its arguments (starting the processes first if ``prestart`` did not)."""
+        if config.world_size != self.world_size:
+            raise ValueError(f"the launcher has {self.world_size} workers; the run needs {config.world_size}")
+        if not self.procs:
+            self.prestart()
+        for rank, p in sorted(self.procs.items()):
+            assert p.stdin is not None
+            try:
+                p.stdin.write(json.dumps(config.worker_args(rank)).encode() + b"\n")
+                p.stdin.close()
+            except BrokenPipeError:
+                pass  # it died while importing: the master's monitor reports its exit code and log
 
     def pid(self, rank: int) -> int | None:
         p = self.procs.get(rank)

@@ -179,6 +179,8 @@ def experiment_files(spec: ExperimentSpec) -> tuple[Path | None, list[Path]]:
             file = getattr(module, "__file__", None)
             if not file or not file.endswith(".py") or name.startswith("realloc_experiment_"):
                 continue  # another experiment file this process loaded (api._import_file's names) is not this one's
+            if "site-packages" in file:
+                continue  # an installed package's (most of the thousands torch brings): no path to resolve
             p = Path(file).resolve()
             if p.is_relative_to(base) and p.is_file() and "site-packages" not in p.parts:
                 files.add(p)

@@ -32,13 +32,13 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-import torch
-
 from realloc.api import ExperimentSpec, InterfaceType
 from realloc.runtime.records.telemetry import iteration_number
 from realloc.runtime.wire.protocol import SamplePart
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch only types the workers' tensors here: `realloc run`'s master starts without it
+    import torch
+
     from realloc.data.tokenizer import Tokenizer
 
 SAMPLES_FILE = "samples.jsonl"

@@ -176,6 +176,10 @@ class Hello(_Msg):
     rank: int
     pid: int
     host: str
+    # the worker's start-up (time.time(); 0 when unknown): process start, imports done, arguments in hand
+    started: float = 0.0
+    imported: float = 0.0
+    ready: float = 0.0
 
 
 class OutputMeta(_Msg):

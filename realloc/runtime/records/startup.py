@@ -1,0 +1,115 @@
+"""Where ``realloc run`` spends the seconds before its first call (torch-free).
+
+The master marks the end of each of its start-up phases; the workers report in their hello when their process
+started, when their imports were done and when they had their arguments. ``StartupClock.report`` turns these into
+the breakdown the run prints at its end and writes to ``startup.json`` (docs/speed.md):
+
+    start-up 9.8 s to the first call: master imports 1.1 s, experiment and prompts 0.9 s, plan search 0.4 s,
+    master ready 0.6 s, workers ready 5.9 s, setup 0.7 s, first reallocation 0.0 s;
+    workers: started 1.2 s in, imports 4.9 s (slowest worker 1), waited 0.0 s for the master
+
+Phases follow one another on the master's clock (they add up to the total); the workers' line says where in
+them the workers were, since they start before the search and import while the master works (launcher.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+# A worker started by LocalLauncher.prestart reads its arguments as one JSON line on stdin (worker.main).
+ARGS_FROM_STDIN = "--args-from-stdin"
+
+# The master's phases, in order, with the words the report uses.
+PHASES = (
+    ("imports", "master imports"),
+    ("experiment", "experiment and prompts"),
+    ("search", "plan search"),
+    ("master", "master ready"),
+    ("workers", "workers ready"),
+    ("setup", "setup"),
+    ("first_call", "first reallocation"),
+)
+
+
+def process_start_time(pid: int | str = "self") -> float | None:
+    """When process ``pid`` started, in ``time.time()`` seconds (Linux's /proc); None where there is no /proc.
+
+    The interpreter's own start (before any import) is part of start-up and no Python code runs that early."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, starttime, after the command name
+        btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                     if line.startswith("btime "))
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def worker_argv(argv: list[str]) -> list[str] | None:
+    """A worker's arguments: ``argv`` itself, or for a worker started early (``[ARGS_FROM_STDIN]``) the JSON list
+    the launcher writes on its stdin; None when stdin closes first (the master stopped before the run started)."""
+    if argv != [ARGS_FROM_STDIN]:
+        return argv
+    line = sys.stdin.readline()
+    return [str(a) for a in json.loads(line)] if line else None
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerStart:
+    """A worker's own start-up times (``time.time()``), from its hello."""
+
+    rank: int
+    started: float  # the process started (0: unknown)
+    imported: float  # its imports (torch, megatron) were done
+    ready: float  # it had its arguments and connects to the master
+
+
+@dataclasses.dataclass
+class StartupClock:
+    """The master's start-up marks: ``mark(phase)`` as each phase of ``PHASES`` ends (one clock per run)."""
+
+    launched: float = dataclasses.field(default_factory=lambda: process_start_time() or time.time())
+    marks: dict[str, float] = dataclasses.field(default_factory=dict)
+    workers: dict[int, WorkerStart] = dataclasses.field(default_factory=dict)
+
+    def mark(self, phase: str) -> None:
+        assert phase in dict(PHASES), phase
+        self.marks.setdefault(phase, time.time())  # the first time counts (a first call is marked once)
+
+    def report(self) -> dict[str, Any]:
+        """Seconds per phase (phases not reached are left out), the total to the first call, and the workers'."""
+        phases: dict[str, float] = {}
+        last = self.launched
+        for name, _ in PHASES:
+            if name in self.marks:
+                phases[name] = round(max(0.0, self.marks[name] - last), 3)
+                last = max(last, self.marks[name])
+        out: dict[str, Any] = {"launched": self.launched, "first_call": self.marks.get("first_call"),
+                               "total_s": round(last - self.launched, 3), "phases_s": phases}
+        known = [w for w in self.workers.values() if w.started > 0]
+        if known:
+            slow = max(known, key=lambda w: w.imported - w.started)
+            out["workers"] = {"started_s": round(min(w.started for w in known) - self.launched, 3),
+                              "imports_s": round(slow.imported - slow.started, 3), "slowest": slow.rank,
+                              "waited_s": round(max(w.ready - w.imported for w in known), 3)}
+        return out
+
+    def line(self) -> str:
+        r = self.report()
+        words = dict(PHASES)
+        parts = ", ".join(f"{words[k]} {v:.1f} s" for k, v in r["phases_s"].items())
+        text = f"start-up {r['total_s']:.1f} s to the first call: {parts}"
+        w = r.get("workers")
+        if w:
+            text += (f"; workers: started {w['started_s']:.1f} s in, imports {w['imports_s']:.1f} s (slowest worker "
+                     f"{w['slowest']}), waited {w['waited_s']:.1f} s for the master")
+        return text
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(self.report(), indent=2) + "\n")
