@@ -25,7 +25,7 @@ install: $(STAMP)
 
 # Compiles realloc._C in place, once: again only when csrc/ or setup.py changed (make compares the times).
 $(EXT): $(CSRC) setup.py | $(STAMP)
-	@echo "make: compiling realloc._C from csrc/ (6 C++ files at -O3, on every core: about 30 s on 2 free cores," \
+	@echo "make: compiling realloc._C from csrc/ (its C++ files at -O3, on every core: about a minute on 2 free cores," \
 	      "a few minutes on a busy machine)"
 	@start=$$(date +%s); $(PY) setup.py -q build_ext --inplace && touch $@ && \
 	  echo "make: realloc._C compiled in $$(( $$(date +%s) - start )) s"

@@ -110,6 +110,7 @@ def test_async_runs_show_staleness_on_the_console_line_and_in_the_done_summary(t
     an iteration that took no time of its own says why, and the ``done:`` line gives the run's largest and mean
     staleness (the mean of the iterations' means, by hand: (1 + 0.5) / 2)."""
     from realloc.runtime.records.telemetry import RunStats, format_line
+    from realloc.runtime.records.startup import StartupClock
     from realloc.runtime.run_cli import _summary
 
     def metrics(it: int, time: float, worst: int, mean: float) -> dict:
@@ -130,7 +131,7 @@ def test_async_runs_show_staleness_on_the_console_line_and_in_the_done_summary(t
     stats.on_iteration(second, 1.0)
     summary = stats.summary()
     assert summary["staleness"] == {"max": 1, "mean": 0.75}
-    _summary(summary, RunPaths(tmp_path))
+    _summary(summary, RunPaths(tmp_path), StartupClock())
     [done] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("done:")]
     assert ", staleness max 1 mean 0.75," in done
     stats = RunStats(2)

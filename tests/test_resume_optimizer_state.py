@@ -31,11 +31,13 @@ HASH_SEEDS = (1, 2)  # per worker rank; the test checks that they order the chec
 
 # `realloc run` with each local worker started under its own PYTHONHASHSEED (HASH_SEEDS[rank]).
 RUN_WITH_HASH_SEEDS = """
-import subprocess, sys, types
+import itertools, subprocess, sys, types
 from realloc.runtime.launch import launcher
 
+ranks = itertools.count()  # the launcher starts the workers in rank order (they read their arguments later)
+
 def popen(argv, env=None, **kw):
-    rank = int(argv[argv.index("--rank") + 1])
+    rank = int(argv[argv.index("--rank") + 1]) if "--rank" in argv else next(ranks)
     return subprocess.Popen(argv, env={**env, "PYTHONHASHSEED": str(%r[rank])}, **kw)
 
 launcher.subprocess = types.SimpleNamespace(**{**vars(subprocess), "Popen": popen})

@@ -25,8 +25,8 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,8 +44,7 @@ from realloc.graph.dataflow import build_graph
 from realloc.graph.plan import ExecutionPlan
 from realloc.graph.transfer_plan import dp_ranges
 from realloc.models.engine import ParallelModel
-from realloc.models.groups import ModelLayout
-from realloc.models.groups import ProcessGroupCache
+from realloc.models.groups import ModelLayout, ProcessGroupCache
 from realloc.models.hf_io import load_hf_checkpoint
 from realloc.models.weights import param_seed
 from realloc.overrides import load_with_overrides
