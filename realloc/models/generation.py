@@ -203,10 +203,9 @@ class _MicroBatch:
 
     def sample(self, logits: torch.Tensor, t: int) -> torch.Tensor:
         """The last stage's draw for step ``t``: [2, rows] float64 (tokens, log-probs)."""
-        ban = self.eos if t < self.gconfig.min_new_tokens else None
+        # a scheduled row ends only where its schedule says: EOS is banned until force_lengths places it
         scheduled = self.target is not None and self.eos.numel() > 0
-        if scheduled:
-            ban = self.eos  # a scheduled row ends only where its schedule says
+        ban = self.eos if scheduled or t < self.gconfig.min_new_tokens else None
         tok, lp = sample_tokens(logits, self.gconfig, [self.generators[i] for i in self.active.tolist()], ban)
         if scheduled:
             tok, lp = force_lengths(logits, tok, self.target[self.active] == t + 1, self.eos,
