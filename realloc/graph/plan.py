@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from realloc.cluster import DeviceMesh
 from realloc.graph.fused import check_fused
+from realloc.graph.tail import TailMigration, check_tail
 from realloc.strategy import ParallelStrategy, strategy_error
 
 if TYPE_CHECKING:
@@ -67,15 +68,19 @@ class ExecutionPlan(BaseModel):
     # Fused train pairs (first, second): one pipeline schedule for both, the second's stages in reverse order
     # (rlhfuse.txt §5; graph/fused.py, docs/fused-training.md). Plans without the field fuse nothing.
     fused: tuple[tuple[str, str], ...] = ()
+    # Long-tail migration per GENERATE call (rlhfuse.txt §4; graph/tail.py, docs/long-tail.md): R_t rows and m dp
+    # replicas. Plans without the field migrate nothing.
+    tail: dict[str, TailMigration] = Field(default_factory=dict)
 
     @classmethod
     def by_hand(cls, graph: "DataflowGraph", placements: Mapping[str, "tuple[str, int, int, int, int] | CallPlacement"],
                 *, recompute: Iterable[str] = (), offload: Mapping[str, bool] | None = None,
                 source: str = "manual", staleness: int = 0,
-                fused: Iterable[tuple[str, str]] = ()) -> "ExecutionPlan":
+                fused: Iterable[tuple[str, str]] = (),
+                tail: Mapping[str, "TailMigration | tuple[int, int]"] | None = None) -> "ExecutionPlan":
         """A plan written in Python: call -> (mesh, dp, tp, pp, n_mbs) or a CallPlacement; ``recompute`` names
         the train calls that recompute activations; ``fused`` the train-call pairs that share one pipeline
-        schedule. Check it with ``validate_plan`` (the runtime does)."""
+        schedule; ``tail`` a generation call's long-tail migration, (rows, instances) or a TailMigration. Check it with ``validate_plan`` (the runtime does)."""
         spec, redo = graph.spec, set(recompute)
         places = {c: p if isinstance(p, CallPlacement) else
                   CallPlacement(mesh=p[0], dp=p[1], tp=p[2], pp=p[3], n_mbs=p[4], recompute=c in redo)
@@ -83,7 +88,9 @@ class ExecutionPlan(BaseModel):
         return cls(experiment=spec.name, graph_digest=graph.digest, nodelist=spec.cluster.nodelist,
                    n_devices_per_node=spec.cluster.n_devices_per_node, device=spec.cluster.device,
                    placements=places, offload=dict(offload or {}), source=source, staleness=staleness,
-                   fused=tuple((a, b) for a, b in fused))
+                   fused=tuple((a, b) for a, b in fused),
+                   tail={c: t if isinstance(t, TailMigration) else TailMigration(rows=t[0], instances=t[1])
+                         for c, t in (tail or {}).items()})
 
     # -- serialization -------------------------------------------------------
     def to_json(self) -> str:
@@ -150,6 +157,9 @@ class ExecutionPlan(BaseModel):
                         f"{'' if t is None else f'{t:.3f}':>10}{'' if m is None else f'{m / 2**30:.2f}':>10}")
         for a, b in self.fused:
             rows.append(f"fused: {a} + {b} (one pipeline schedule; {b}'s stages in reverse order)")
+        for c, t in self.tail.items():
+            rows.append(f"tail: {c} moves its last {t.rows} running rows to {t.instances} dp replica(s); "
+                        f"the freed devices start the next calls")
         if self.staleness:
             rows.append(f"staleness: generation runs up to {self.staleness} train step(s) ahead")
         if self.estimated_time is not None:
@@ -197,6 +207,7 @@ def validate_plan(plan: ExecutionPlan, graph: "DataflowGraph") -> dict[str, Devi
         check_placement(graph, name, mesh, s, p.n_mbs, p.recompute)
         meshes[name] = mesh
     check_fused(graph, plan.placements, plan.fused)
+    check_tail(graph, plan.placements, plan.tail)
     return meshes
 
 

@@ -1,0 +1,64 @@
+"""Long-tail migration of a generation call (rlhfuse.txt §4, inter-stage fusion): once no more than ``rows`` of
+the call's rows are still decoding, they move to the first ``instances`` of its dp replicas (re-running their
+prefill there, or moving their KV caches), the call's other devices are freed, and calls placed on the freed
+devices start on the rows that have finished. ``ExecutionPlan.tail`` maps a GENERATE call to its migration;
+a call without an entry runs to its end where it started (no fusion), as before the field existed.
+
+The planner chooses ``rows`` (R_t) and ``instances`` (m); the estimator prices them, both simulators simulate
+them and the runtime carries them out (docs/long-tail.md). Finished rows stream to the calls that read them
+whether or not a call migrates."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Mapping, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from realloc.graph.dataflow import DataflowGraph
+
+
+class TailMigration(BaseModel):
+    """R_t and m of one generation call. ``rows`` counts rows of the whole call (all dp ranks together) at or
+    below which the tail migrates; ``instances`` is how many of its dp replicas (the lowest dp ranks) keep
+    decoding the tail."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rows: int = Field(ge=1)
+    instances: int = Field(ge=1)
+
+
+class Placed(Protocol):
+    """What the check reads of a call's placement (graph.plan.CallPlacement has it)."""
+
+    dp: int
+
+
+def tail_error(graph: "DataflowGraph", placements: Mapping[str, Placed], call: str,
+               tail: TailMigration) -> str | None:
+    """Why ``call`` cannot migrate its tail as ``tail`` says under ``placements``, or None if it can."""
+    names = graph.spec.call_names
+    if call not in names:
+        return f"call {call!r} is not in experiment {graph.spec.name!r} (calls: {', '.join(names)})"
+    rpc = graph.call(call)
+    if rpc.interface_type.value != "generate":
+        return f"call {call!r} is a {rpc.interface_type.value} call; only GENERATE calls have a tail to migrate"
+    dp = placements[call].dp
+    if tail.instances >= dp:
+        return (f"call {call!r} runs on {dp} dp replica(s), so its tail can move to at most {dp - 1} of them "
+                f"(instances={tail.instances}); lower 'instances' or drop the call's tail entry")
+    n_rows = graph.spec.n_seqs(rpc)
+    if tail.rows >= n_rows:
+        return (f"call {call!r} generates {n_rows} rows per iteration; the tail threshold rows={tail.rows} must be "
+                f"below that")
+    return None
+
+
+def check_tail(graph: "DataflowGraph", placements: Mapping[str, Placed],
+               tail: Mapping[str, TailMigration]) -> None:
+    """Raise one ValueError naming the first tail entry that cannot be carried out."""
+    for call, t in tail.items():
+        why = tail_error(graph, placements, call, t)
+        if why:
+            raise ValueError(f"plan field 'tail' entry {call!r}: {why}")
