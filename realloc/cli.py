@@ -129,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeline", default=None, help="write a timeline picture (.svg/.png/.html)")
     s.add_argument("--lengths-from", default=None, metavar="RUN_DIR",
                    help="price the response lengths an earlier run logged (its samples.jsonl) instead of the "
-                        "experiment's response_lengths (docs/long-tail.md)")
+                        "experiment's response_lengths (docs/long-tail.md), and a multi-turn rollout's turns and "
+                        "tool time (docs/multi-turn.md)")
     _set_option(s)
     _profiles_option(s)
     s.set_defaults(func=_Command("realloc.search.search_cli"))

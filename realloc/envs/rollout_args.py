@@ -7,7 +7,9 @@
 - ``max_turns``: the most policy turns of a rollout (default 4);
 - ``turn_tokens``: the most tokens of one policy turn (default: the rollout's whole budget, ``gen_len``);
 - ``env_workers``: rollouts whose ``step`` runs at once on a replica's environment rank (default 4; tools are
-  processes, so threads that wait on them are cheap).
+  processes, so threads that wait on them are cheap);
+- ``turn_profile``: what the planner prices (``envs/turn_profile.py``): the policy's tokens per turn, observation
+  tokens, the share of rollouts that take each turn, seconds per tool step; default: the most a rollout may take.
 """
 
 from __future__ import annotations
@@ -15,7 +17,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-KNOWN = ("env", "env_args", "max_turns", "turn_tokens", "env_workers")
+from realloc.envs.turn_profile import TurnProfile, declared_profile, default_profile
+
+KNOWN = ("env", "env_args", "max_turns", "turn_tokens", "env_workers", "turn_profile")
+# Interface.check_args of every multi-turn GENERATE interface: how the planner recognizes one (turn_profile.py)
+ROLLOUT_CHECK = "realloc.envs.rollout_args:check"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +31,7 @@ class RolloutArgs:
     max_turns: int = 4
     turn_tokens: int | None = None
     env_workers: int = 4
+    turn_profile: Any = None  # None, a dict of turn_profile.PROFILE_KEYS or a TurnProfile
 
 
 def _positive(call: str, name: str, v: Any, none_ok: bool = False) -> None:
@@ -50,7 +57,7 @@ def rollout_args(call: str, args: Mapping[str, Any]) -> RolloutArgs:
     if not isinstance(env_args, Mapping):
         raise ValueError(f"call {call!r}: interface_args['env_args'] must be a dict of the factory's keywords")
     out = RolloutArgs(env, dict(env_args), args.get("max_turns", 4), args.get("turn_tokens"),
-                      args.get("env_workers", 4))
+                      args.get("env_workers", 4), args.get("turn_profile"))
     _positive(call, "max_turns", out.max_turns)
     _positive(call, "turn_tokens", out.turn_tokens, none_ok=True)
     _positive(call, "env_workers", out.env_workers)
@@ -58,4 +65,34 @@ def rollout_args(call: str, args: Mapping[str, Any]) -> RolloutArgs:
 
 
 def check(call: str, args: Mapping[str, Any]) -> None:
-    rollout_args(call, args)
+    out = rollout_args(call, args)
+    if out.turn_profile is not None:
+        declared_profile(call, out.turn_profile, out.max_turns)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutShape:
+    """A multi-turn GENERATE call as the estimator sees it: its profile, the turn cap and the environment threads."""
+
+    profile: TurnProfile
+    turn_tokens: int  # the most tokens of one policy turn (interface_args' turn_tokens, at most gen_len)
+    env_workers: int
+
+
+def rollout_shape(call: str, interface: Any, args: Mapping[str, Any], gen_len: int) -> RolloutShape | None:
+    """The shape of ``call`` when its interface is a multi-turn rollout (its ``check_args`` is the rollout
+    arguments' check), else None. A measured profile comes in as ``args["turn_profile"]`` (``with_profile``)."""
+    if not is_multiturn(interface):
+        return None
+    a = rollout_args(call, args)
+    if a.turn_profile is not None:
+        profile = declared_profile(call, a.turn_profile, a.max_turns)
+    else:
+        profile = default_profile(a.max_turns)
+    return RolloutShape(profile, min(a.turn_tokens or gen_len, gen_len), a.env_workers)
+
+
+def is_multiturn(interface: Any) -> bool:
+    """Whether an ``Interface`` is a multi-turn GENERATE (its ``check_args`` is the rollout arguments' check)."""
+    return getattr(interface, "check_args", None) == ROLLOUT_CHECK
+

@@ -33,10 +33,12 @@ from realloc.estimator.comm import CommModel, GroupLinks, group_links
 from realloc.estimator.hardware import Precision
 from realloc.estimator.memory import (CallMemory, Workload, local_params, max_local_params, stage_call_memory,
                                       train_inflight_bytes)
+from realloc.estimator.multiturn_cost import TurnCost, multiturn_time, turn_costs
 from realloc.estimator.pool_link import pooled_plan_seconds
 from realloc.estimator.profile_table import ProfileTable, ProfiledCosts, discover_profiles
 from realloc.estimator.roofline import RooflineCosts
 from realloc.estimator.transfer_cost import plan_seconds
+from realloc.envs.rollout_args import RolloutShape, rollout_shape
 from realloc.graph.dataflow import DataflowGraph
 from realloc.graph.plan import ExecutionPlan, check_placement, validate_plan
 from realloc.graph.transfer_plan import DataLayout
@@ -99,6 +101,9 @@ class CostModel:
         self._data_cache: dict[tuple, float] = {}
         self._workloads = {r.name: self._workload(r.name) for r in graph.calls}
         self._precisions = {r.name: self._precision(r.name) for r in graph.calls}
+        # multi-turn GENERATE calls: priced turn by turn (multiturn_cost.py)
+        self._shapes = {r.name: rollout_shape(r.name, graph.interfaces.get(r.name), r.interface_args,
+                                              graph.spec.gen_len) for r in graph.calls}
 
     # -- inputs ----------------------------------------------------------------
     def _workload(self, call: str) -> Workload:
@@ -206,7 +211,26 @@ class CostModel:
             # a rule function over token ids: host work only
             return CallCost.of(overhead=self.hw.call_overhead) if self.hw.call_overhead else ZERO
         timer = self._timer(cfg, self._precisions[call])
+        shape = self._shapes.get(call)
+        if shape is not None:
+            return multiturn_time(timer, work, shape, strategy, self.links(mesh, strategy), n_mbs)
         return timer.time(work, strategy, self.links(mesh, strategy), n_mbs, recompute)
+
+    def rollout_shape(self, call: str) -> RolloutShape | None:
+        """A multi-turn GENERATE call's turn profile, cap and environment threads (None for any other call)."""
+        self.workload(call)  # a clear error for an unknown call
+        return self._shapes[call]
+
+    def turns(self, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, n_mbs: int) -> list[TurnCost]:
+        """A multi-turn GENERATE call's turns on one dp rank, as ``call_cost`` prices them ([] for other calls)."""
+        if self.pool_models:
+            return self.at(mesh).turns(call, mesh.in_pool, strategy, n_mbs)
+        shape, cfg = self.rollout_shape(call), self.graph.model_config(call)
+        if shape is None or cfg is None:
+            return []
+        self._check(call, mesh, strategy, n_mbs)
+        return turn_costs(self._timer(cfg, self._precisions[call]), self.workload(call), shape, strategy,
+                          self.links(mesh, strategy), n_mbs)
 
     def train_passes(self, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, n_mbs: int,
                      recompute: bool = False) -> tuple[list[float], list[float], list[int]]:

@@ -11,6 +11,7 @@ from realloc.overrides import load_with_overrides
 from realloc.runtime.inputs.preflight import preflight
 from realloc.runtime.inputs.run_config import RunConfig
 from realloc.search.candidates import call_options
+from realloc.search.turns_report import profile_lines
 
 
 def main(args: argparse.Namespace) -> int:
@@ -24,6 +25,8 @@ def main(args: argparse.Namespace) -> int:
     for model, src in spec.models.items():
         print(f"checkpoint {model}: {src.path}{' (new value head)' if src.new_value_head else ''}")
     for line in _preflight(spec, graph) + graph.warnings():
+        print(line)
+    for line in profile_lines(graph):  # multi-turn rollouts: the turns the planner prices
         print(line)
     plan_path = getattr(args, "plan", None)
     if plan_path:

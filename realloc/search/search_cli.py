@@ -18,6 +18,7 @@ from realloc.search.fused_report import fused_summary
 from realloc.search.lora_report import lora_summary
 from realloc.search.planner import SearchReport, baseline, experiment_of, plan_search
 from realloc.search.timeline import check_suffix
+from realloc.search.turns_report import profile_lines, turn_summary, turns_from
 
 DEFAULT_TIME = 10.0  # seconds of search
 
@@ -52,6 +53,8 @@ def print_report(report: SearchReport, n_threads: int) -> None:
           f"{len(spec.rpcs)} calls; estimator: {_estimator_source(report)}")
     if not spec.response_lengths.is_fixed:
         print(f"           response lengths {spec.response_lengths.describe(spec.gen_len)}")
+    for line in profile_lines(report.graph):
+        print(line)
     print(f"           {rp.candidate_summary(report)}")
     print()
     print("searched plan")
@@ -82,6 +85,8 @@ def print_report(report: SearchReport, n_threads: int) -> None:
     for line in lora_summary(report.graph, report.space.cost, report.plan):
         print(line)
     for line in fused_summary(report.graph, report.space.cost, report.plan, report.plan.estimated_time):
+        print(line)
+    for line in turn_summary(report.graph, report.space.cost, report.plan):
         print(line)
     print(f"search: {rp.search_summary(report, n_threads)}")
 
@@ -133,7 +138,7 @@ def main(args: argparse.Namespace) -> int:
     if getattr(args, "lengths_from", None):
         lengths = lengths_from_run(args.lengths_from)
         lengths.check(experiment.gen_len)
-        experiment = dataclasses.replace(experiment, response_lengths=lengths)
+        experiment = turns_from(dataclasses.replace(experiment, response_lengths=lengths), args.lengths_from)
     name = getattr(args, "baseline", None)
     if name:
         spec = experiment_of(experiment)

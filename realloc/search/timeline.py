@@ -23,20 +23,21 @@ import numpy as np
 from realloc import _C
 from realloc.graph.dataflow import DataflowGraph
 from realloc.graph.plan import ExecutionPlan, validate_plan
+from realloc.search.turns_report import turn_boxes
 
 SUFFIXES = (".svg", ".png", ".html")
 MIN_WIDTH = 0.004  # of the time axis: a 5 ms transfer in a 10 s iteration stays visible
 TAB10 = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
          "#17becf")
 OTHER_COLOURS = {"realloc": "#ffffff", "data": "#d3d3d3", "offload": "#add8e6", "reload": "#add8e6",
-                 "save": "#f5deb3", "eval": "#c7e9c0"}
+                 "save": "#f5deb3", "eval": "#c7e9c0", "tools": "#fff7bc"}
 KIND_NAMES = {"realloc": "parameter reallocation", "data": "data transfer", "offload": "offload/reload",
-              "save": "checkpoint", "eval": "evaluation"}
+              "save": "checkpoint", "eval": "evaluation", "tools": "environment steps (multi-turn)"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Box:
-    kind: str  # call | realloc | data | offload | reload | save | eval
+    kind: str  # call | realloc | data | offload | reload | save | eval | tools
     label: str  # the call, or what moved
     lo: int  # device rows [lo, hi)
     hi: int
@@ -136,6 +137,7 @@ def estimated_panel(space: object, indices: np.ndarray, plan: ExecutionPlan, ite
         detail = strategy_text(plan, name) if k == "call" else ""
         for lo, hi in [(lo1, hi1)] + ([(lo2, hi2)] if hi2 > lo2 else []):
             boxes.append(Box(k, label, lo, hi, start, end, it + 1, detail))
+    boxes += turn_boxes(space.cost, plan, boxes)  # a multi-turn call's turns: its environment steps inside it
     boxes, _ = _overlapping(boxes, range(skip + 1, skip + iterations + 1))
     its = range(skip + 1, skip + iterations + 1)
     ends = tuple((t, max((b.end for b in boxes if b.iteration == t), default=0.0)) for t in its)

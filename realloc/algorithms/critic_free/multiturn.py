@@ -20,6 +20,7 @@ ranks, so a tool runs once per rollout whatever the layout.
 from __future__ import annotations
 
 import dataclasses
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
@@ -34,6 +35,9 @@ from realloc.models.engine import ParallelModel
 from realloc.models.weights import param_seed
 
 FAILED = -1  # the broadcast header of a turn whose environment raised on the reporting rank
+# The environment's wall seconds and steps, apart for steps that answer (tool calls) and steps that end a rollout:
+# the GENERATE call's stats, read back by the planner (envs/turn_profile.py: turns_from_run)
+CLOCK = ("env_obs_s", "env_obs_steps", "env_final_s", "env_final_steps")
 
 
 @dataclasses.dataclass
@@ -82,6 +86,7 @@ def multiturn_generate(ctx: CallContext, inputs: Data) -> CallResult:
             first = e
     for r, obs in zip(rolls, _share_tokens(model, first)):
         r.add(obs, None)
+    clock = dict.fromkeys(CLOCK, 0.0)  # the environment's steps, timed on the reporting rank (the planner reads it)
     base = generation_config(ctx)
     cap = min(args.turn_tokens or T, T)
     with ThreadPoolExecutor(max_workers=args.env_workers) as pool:
@@ -102,7 +107,7 @@ def multiturn_generate(ctx: CallContext, inputs: Data) -> CallResult:
                 rolls[b].turns += 1
             answers = None
             if reporter:
-                answers = _steps(where, pool, [envs[b] for b in active], [tok.decode(s) for s in said])
+                answers = _steps(where, pool, [envs[b] for b in active], [tok.decode(s) for s in said], clock)
             last = turn == args.max_turns - 1
             for b, (obs, reward, done) in zip(active, _share_answers(model, answers, len(active))):
                 r = rolls[b]
@@ -111,7 +116,7 @@ def multiturn_generate(ctx: CallContext, inputs: Data) -> CallResult:
                 r.done = r.ended_by_env or last
                 if not r.done:
                     r.add(_encode(tok, obs), None)
-    return _result(ctx, rolls, prompts, envs)
+    return _result(ctx, rolls, prompts, envs, clock)
 
 
 def _first_observation(where: str, env: Environment, record: dict[str, Any]) -> str:
@@ -126,17 +131,31 @@ def _encode(tok: Any, text: str | None) -> list[int]:
     return tok.encode(text, add_special_tokens=False) if text else []
 
 
-def _steps(where: str, pool: ThreadPoolExecutor, envs: list[Environment], texts: list[str]
-           ) -> list[tuple[str | None, float, bool]] | BaseException:
-    """Each environment's answer to its rollout's turn, or the first error raised."""
+def _timed_step(env: Environment, text: str) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    got = env.step(text)
+    return got, time.perf_counter() - t0
+
+
+def _steps(where: str, pool: ThreadPoolExecutor, envs: list[Environment], texts: list[str],
+           clock: dict[str, float]) -> list[tuple[str | None, float, bool]] | BaseException:
+    """Each environment's answer to its rollout's turn, or the first error raised. ``clock`` adds up the steps'
+    wall seconds, those that answer with an observation (tool calls) apart from those that end the rollout."""
     try:
-        return [check_step(where, got) for got in pool.map(lambda e, t: e.step(t), envs, texts)]
+        out = []
+        for got, seconds in pool.map(_timed_step, envs, texts):
+            obs, reward, done = check_step(where, got)
+            kind = "final" if done or obs is None else "obs"
+            clock[f"env_{kind}_s"] += seconds
+            clock[f"env_{kind}_steps"] += 1
+            out.append((obs, reward, done))
+        return out
     except Exception as e:  # noqa: BLE001  (re-raised on every rank by _share_answers)
         return e
 
 
-def _result(ctx: CallContext, rolls: list[Rollout], prompts: dict[str, torch.Tensor], envs: list[Environment]
-            ) -> CallResult:
+def _result(ctx: CallContext, rolls: list[Rollout], prompts: dict[str, torch.Tensor], envs: list[Environment],
+            clock: dict[str, float]) -> CallResult:
     n, P, T = len(rolls), ctx.prompt_len, ctx.gen_len
     tokens = torch.full((n, P + T), ctx.pad_token_id, dtype=torch.long)
     gen_mask = torch.zeros(n, T, dtype=torch.bool)
@@ -158,6 +177,8 @@ def _result(ctx: CallContext, rolls: list[Rollout], prompts: dict[str, torch.Ten
              "eos_stops": float(sum(r.ended_by_env for r in rolls)),
              "policy_tokens": float(policy.sum()), "env_tokens": float((gen_mask & ~policy).sum()),
              "turns": float(sum(r.turns for r in rolls))}
+    if envs:  # the reporting rank's: the master reads its stats
+        stats.update(clock)
     for e in envs:  # tool outcomes, counted on the reporting rank (the one whose stats the master reads)
         for status, c in getattr(e, "tool_counts", {}).items():
             stats[f"tool_{status}"] = stats.get(f"tool_{status}", 0.0) + float(c)

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from realloc.algorithms.critic_free.grpo import PG_INPUTS, GRPOConfig, RLOOConfig
 from realloc.algorithms.interface import Interface
 from realloc.calls import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef
+from realloc.envs.rollout_args import ROLLOUT_CHECK
 
 _MT = "realloc.algorithms.critic_free.multiturn"
 
@@ -21,7 +22,7 @@ _MT = "realloc.algorithms.critic_free.multiturn"
 def _interfaces(name: str, field: str, cfg: type, train: str) -> tuple[Interface, ...]:
     return (Interface(name, GENERATE, f"{_MT}:multiturn_generate", inputs=("prompts",),
                       outputs=("seq", "logp", "rewards"), config=field, config_type=cfg, records=True,
-                      check_args="realloc.envs.rollout_args:check"),
+                      check_args=ROLLOUT_CHECK),
             Interface(name, INFERENCE, f"{_MT}:policy_logprobs", inputs=("seq",), outputs=("logp",), config=field,
                       config_type=cfg),
             Interface(name, TRAIN_STEP, f"realloc.algorithms.critic_free.critic_free:{train}", inputs=PG_INPUTS, config=field,

@@ -17,6 +17,9 @@ ends. Iterations count from 1 as in metrics.jsonl::
      "prompt_ids": [...], "response_ids": [...], "logp": [-0.3, ...]}
 
 A line of another sequence key than ``seq`` (ReMax's greedy baseline) carries ``"key": "greedy_seq"``.
+A multi-turn rollout (its ``seq`` has a ``loss_mask``; no later call scores it) gets its text and ids from the
+generation, and ``turn_segments``: the lengths of the response's alternating runs of environment and policy
+tokens, the environment's first (docs/multi-turn.md; the planner reads them, envs/turn_profile.py).
 
 ``logp`` is each response token's log-prob as the generation sampled it: ``log_softmax(logits / T)`` at the
 generating call's sampling temperature ``T`` (the algorithm settings' ``temperature``), before top-k/top-p
@@ -33,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from realloc.api import ExperimentSpec, InterfaceType
+from realloc.envs.turn_profile import SEGMENTS, segments_of
 from realloc.runtime.records.telemetry import iteration_number
 from realloc.runtime.wire.protocol import SamplePart
 
@@ -43,7 +47,7 @@ if TYPE_CHECKING:  # torch only types the workers' tensors here: `realloc run`'s
 
 SAMPLES_FILE = "samples.jsonl"
 SAMPLE_BYTES = 1 << 20  # per call and worker: the sample log must not push a reply towards the message limit
-_FIELD_ORDER = ("prompt", "response", "reward", "prompt_ids", "response_ids", "logp")
+_FIELD_ORDER = ("prompt", "response", "reward", "prompt_ids", "response_ids", "logp", SEGMENTS)
 
 log = logging.getLogger("realloc.samples")
 
@@ -116,13 +120,18 @@ class SampleLog:
         for r in self.wanted(iteration, ids):
             plen, n = int(seq["prompt_lens"][r]), int(seq["gen_mask"][r].sum())
             fields: dict[str, Any] = {}
-            if scores is not None:
+            multiturn = "loss_mask" in seq and scores is None
+            if "loss_mask" in seq:
+                fields[SEGMENTS] = segments_of(seq["loss_mask"][r, :n].tolist())
+            if scores is not None or multiturn:
                 prompt = seq["tokens"][r, :plen].tolist()
                 response = seq["tokens"][r, plen:plen + n].tolist()
                 if self.tokenizer is not None:
                     fields["prompt"] = self.tokenizer.decode(prompt, skip_special_tokens=False)
                     fields["response"] = self.tokenizer.decode(response, skip_special_tokens=False)
-                fields.update({"reward": float(scores[r]), "prompt_ids": prompt, "response_ids": response})
+                fields.update({"prompt_ids": prompt, "response_ids": response})
+                if scores is not None:
+                    fields["reward"] = float(scores[r])
             if logp is not None:
                 fields["logp"] = [float(x) for x in logp[r, :n]]
             budget -= len(json.dumps(fields))

@@ -1,0 +1,77 @@
+"""Time of a multi-turn GENERATE call (issue 34, item 4): its turns priced one by one.
+
+The call (``algorithms/critic_free/multiturn.py``) runs, per turn, one ``generate`` over the rollouts still going,
+with their conversation so far as the prompt, then the environment's steps on the replica's reporting rank,
+``env_workers`` at a time. Per dp rank of ``n`` rollouts, turn k of the profile (``envs/turn_profile.py``) is:
+
+- ``rows = reach[k] * n`` rollouts, in ``min(n_mbs, rows)`` micro-batches of ``b`` rows;
+- a generation (``CallTimer.generate_varied``) whose prompt is the prompt plus the longest conversation so far
+  (first observation, then each earlier turn's longest policy turn and its observation: rows are padded to the
+  micro-batch's longest), and whose rows stop at the expected order statistics of the turn's policy lengths,
+  capped at ``turn_tokens`` and the budget left (``gen_len`` less the mean conversation so far);
+- the environment: ``ceil(rows / env_workers)`` rounds of steps, each ``step_s`` for a step that answers with an
+  observation (a tool call) and ``final_s`` for one that ends the rollout, in the share the profile's reach says.
+
+Tool time is host time (``CallCost.overhead``). The call's own dispatch overhead is added once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from realloc.envs.rollout_args import RolloutShape
+from realloc.estimator.call_time import ZERO, CallCost, CallTimer
+from realloc.estimator.comm import GroupLinks
+from realloc.estimator.memory import Workload
+from realloc.strategy import ParallelStrategy
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnCost:
+    turn: int  # counted from 1
+    rows: int  # rollouts of one dp rank that take the turn
+    prompt: int  # the turn's prompt: the prompt and the longest conversation so far
+    tokens: int  # the longest policy turn of a micro-batch
+    generate: CallCost
+    env_s: float  # the environment's steps of the turn
+
+    @property
+    def time(self) -> float:
+        return self.generate.time + self.env_s
+
+
+def turn_costs(timer: CallTimer, work: Workload, shape: RolloutShape, strategy: ParallelStrategy,
+               links: GroupLinks, n_mbs: int) -> list[TurnCost]:
+    """Each turn's generation and environment time on one dp rank (the module docstring's formulas)."""
+    prof = shape.profile
+    n = work.micro_batch(strategy.dp, 1)  # rollouts of one dp rank
+    P, T = work.prompt_len, work.gen_len
+    mean_ctx = longest_ctx = prof.first_observation
+    out = []
+    for k in range(prof.turns):
+        left = T - mean_ctx
+        rows = round(prof.reach[k] * n)
+        if left < 1 or rows < 1:
+            break
+        mbs = min(n_mbs, rows)
+        b = math.ceil(rows / mbs)
+        cap = max(1, min(shape.turn_tokens, int(left)))
+        ends = prof.policy[k].order_statistics(cap, b)
+        prompt = P + math.ceil(min(longest_ctx, T))
+        gen = timer.generate_varied(strategy, links, b, prompt, ends, mbs)
+        on = prof.goes_on(k)
+        env = math.ceil(rows / shape.env_workers) * (on * prof.step_s + (1 - on) * prof.final_s)
+        out.append(TurnCost(k + 1, rows, prompt, ends[-1], gen, env))
+        mean_ctx += prof.policy[k].mean(cap) + prof.observations[k]
+        longest_ctx += ends[-1] + prof.observations[k]
+    return out
+
+
+def multiturn_time(timer: CallTimer, work: Workload, shape: RolloutShape, strategy: ParallelStrategy,
+                   links: GroupLinks, n_mbs: int) -> CallCost:
+    """The whole call: its turns, their environment steps and one dispatch."""
+    total = CallCost.of(overhead=timer.hw.call_overhead)
+    for t in turn_costs(timer, work, shape, strategy, links, n_mbs):
+        total = total + t.generate + CallCost.of(overhead=t.env_s)
+    return total if total.time else ZERO

@@ -1,0 +1,72 @@
+"""Multi-turn rollouts in the planner's output (issue 34, item 4): the turn profile a search prices, each turn's
+estimated time in the plan, the turns on the estimated timeline, and ``--lengths-from`` for multi-turn runs."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Sequence
+
+from realloc.envs.rollout_args import is_multiturn, rollout_shape
+from realloc.envs.turn_profile import has_turns, turns_from_run, with_profile
+from realloc.graph.dataflow import DataflowGraph, build_graph
+from realloc.graph.plan import ExecutionPlan, validate_plan
+
+
+def turns_from(spec: Any, run_dir: str | Path) -> Any:
+    """``spec`` with its multi-turn GENERATE calls priced on the turns an earlier run logged (when it logged any)."""
+    graph = build_graph(spec)
+    calls = [c for c in graph.topo_order if is_multiturn(graph.interfaces.get(c))]
+    if not calls or not has_turns(run_dir):
+        return spec
+    return with_profile(spec, calls, turns_from_run(run_dir))
+
+
+def profile_lines(graph: DataflowGraph) -> list[str]:
+    """One line per multi-turn GENERATE call: the turn profile its estimate uses."""
+    out = []
+    for c in graph.topo_order:
+        rpc = graph.call(c)
+        shape = rollout_shape(c, graph.interfaces.get(c), rpc.interface_args, graph.spec.gen_len)
+        if shape is not None:
+            out.append(f"turns      {c}: {shape.profile.describe(shape.turn_tokens)}; at most {shape.turn_tokens} "
+                       f"tokens a turn, {shape.env_workers} environment threads")
+    return out
+
+
+def turn_summary(graph: DataflowGraph, cost: Any, plan: ExecutionPlan) -> list[str]:
+    """Each multi-turn call's turns as the plan's estimate prices them, on one dp rank."""
+    out = []
+    calls = [c for c in graph.topo_order if cost.rollout_shape(c) is not None and c in plan.placements]
+    meshes = validate_plan(plan, graph) if calls else {}
+    for c in calls:
+        p = plan.placements[c]
+        turns = cost.turns(c, meshes[c], p.strategy, p.n_mbs)
+        parts = [f"turn {t.turn}: {t.rows} rollouts, prompt {t.prompt} + {t.tokens} tokens, generation "
+                 f"{t.generate.time:.3f} s, environment {t.env_s:.3f} s" for t in turns]
+        out.append(f"{c} per dp rank: " + "; ".join(parts))
+    return out
+
+
+def turn_boxes(cost: Any, plan: ExecutionPlan, boxes: Sequence[Any]) -> list[Any]:
+    """For each call box of a multi-turn call on the estimated timeline, a box per turn's environment steps
+    (kind ``tools``) inside it, in proportion: the generation of each turn is what stays in the call's colour."""
+    out, meshes = [], None
+    for b in boxes:
+        if b.kind != "call" or b.label not in plan.placements or cost.rollout_shape(b.label) is None:
+            continue
+        p = plan.placements[b.label]
+        meshes = meshes or validate_plan(plan, cost.graph)
+        mesh = meshes[b.label]
+        turns = cost.turns(b.label, mesh, p.strategy, p.n_mbs)
+        total = cost.call_cost(b.label, mesh, p.strategy, p.n_mbs).time
+        scale = (b.end - b.start) / total if total > 0 else 0.0
+        t = b.start + scale * (total - sum(x.time for x in turns))  # the call's own overhead first
+        for x in turns:
+            t += scale * x.generate.time
+            if x.env_s > 0:
+                out.append(dataclasses.replace(b, kind="tools", label=f"{b.label} turn {x.turn}: environment",
+                                               start=t, end=t + scale * x.env_s, detail=""))
+            t += scale * x.env_s
+    return out
+
