@@ -212,3 +212,11 @@ def test_an_environment_error_stops_every_rank_of_the_replica(pool, tokenizer_di
     errors = pool.run(_error_of, tokenizer_dir)  # tp 2: only rank 0 runs the environment; neither rank hangs
     assert errors[0] == "RuntimeError: the grader is down"
     assert errors[1].startswith("ValueError: the environment raised on the replica's reporting rank")
+
+
+def test_the_call_times_the_environment_s_steps_for_the_planner(single):
+    sums = single["sums"][0]  # one dp rank: the reporting rank's stats
+    assert sums["env_obs_steps"] + sums["env_final_steps"] == sums["turns"]  # one step per policy turn
+    assert sums["env_obs_steps"] == sums["tool_ok"] > 0  # LengthEnv calls the tool on every step that goes on
+    assert 0 < sums["env_final_steps"] <= N  # a rollout ends in a step of its own unless the budget ends it
+    assert sums["env_obs_s"] > 0 and sums["env_final_s"] >= 0

@@ -1,0 +1,118 @@
+"""The multi-turn rollout call (issue 34, item 4): estimated against measured, on the CPU calc demo.
+
+1. The tool SFT model of the calc demo (``experiments/calc_sft.py``, 150 iterations; ``--sft DIR`` reuses one).
+2. A profile run: ``experiments/calc_grpo_tool.py`` for a few iterations with every rollout logged; its
+   ``samples.jsonl`` (turn segments) and ``metrics.jsonl`` (the environment's seconds per step) give the turn
+   profile, as ``realloc search --lengths-from RUN_DIR`` reads it.
+3. Measured runs under three plans with another seed: the GENERATE call's time (``requests.jsonl``, the slowest
+   rank, iterations after the first) next to the estimate of that plan's placement from the profile run.
+
+    .venv/bin/python benchmarks/bench_multiturn_plan.py [--sft runs/calc_demo/sft_tool] [--iterations 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PLANS = {  # call -> (mesh, dp, tp, pp, n_mbs)
+    "dp2": {"actor_gen": ("localhost", 2, 1, 1, 1), "ref_inf": ("localhost", 2, 1, 1, 1),
+            "actor_train": ("localhost", 2, 1, 1, 1)},
+    "dp1, one device": {c: ("localhost:0", 1, 1, 1, 1) for c in ("actor_gen", "ref_inf", "actor_train")},
+    "dp1, 4 micro-batches": {"actor_gen": ("localhost:0", 1, 1, 1, 4), "ref_inf": ("localhost:1", 1, 1, 1, 1),
+                             "actor_train": ("localhost:1", 1, 1, 1, 1)},
+}
+
+
+def _realloc(args: list[str], tmp: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "realloc.cli", *args], capture_output=True, text=True,
+                       env={**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(REPO)})
+    if r.returncode:
+        raise RuntimeError(f"realloc {' '.join(args)} failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+
+
+def _experiment(tmp: Path, seed: int) -> Path:
+    """calc_grpo_tool.py logging every rollout (its paths made absolute), with ``seed``."""
+    src = (REPO / "experiments" / "calc_grpo_tool.py").read_text()
+    src = src.replace('"data/', f'"{REPO}/experiments/data/').replace("    seed: int = 1", f"    seed: int = {seed}")
+    src = src.replace('    init: str = ""', '    sample_every: int = 1\n    log_samples: int = 128\n    init: str = ""')
+    path = tmp / f"calc_tool_seed{seed}.py"
+    path.write_text(src)
+    return path
+
+
+def _run(experiment: Path, run_dir: Path, plan: Path | None, iterations: int, sft: Path, tmp: Path) -> None:
+    _realloc(["run", str(experiment), "--run-dir", str(run_dir), "--iterations", str(iterations), "--quiet",
+              "--set", f"init={sft}", *(["--plan", str(plan)] if plan else ["--search-time", "2"])], tmp)
+
+
+def _call_times(run_dir: Path, call: str) -> list[float]:
+    """The call's seconds per iteration after the first: its slowest rank's span."""
+    out = []
+    for line in (run_dir / "requests.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if r["kind"] == "call" and r["label"] == call and r["iteration"] > 1 and r["spans"]:
+            out.append(max(e - s for s, e in r["spans"].values()))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sft", default=None, help="the tool SFT model's export (default: train it, ~2 min)")
+    ap.add_argument("--iterations", type=int, default=4)
+    args = ap.parse_args()
+    from realloc.estimator.cost import CostModel
+    from realloc.graph.dataflow import build_graph
+    from realloc.graph.plan import ExecutionPlan, validate_plan
+    from realloc.lengths import lengths_from_run
+    from realloc.overrides import load_with_overrides
+    from realloc.search.turns_report import profile_lines, turns_from
+
+    load = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as d:
+        tmp = Path(d)
+        sft = Path(args.sft).resolve() if args.sft else tmp / "sft_tool"
+        if not args.sft:
+            _realloc(["run", str(REPO / "experiments" / "calc_sft.py"), "--run-dir", str(tmp / "sft_run"),
+                      "--iterations", "150", "--quiet", "--search-time", "2"], tmp)
+            _realloc(["export", str(tmp / "sft_run"), "--model", "actor", "--out", str(sft)], tmp)
+        profile_run = tmp / "profile"
+        _run(_experiment(tmp, 1), profile_run, None, 3, sft, tmp)
+        measured = _experiment(tmp, 2)
+        spec = load_with_overrides(str(measured), [f"init={sft}"])
+        spec = turns_from(dataclasses.replace(spec, response_lengths=lengths_from_run(profile_run)), profile_run)
+        graph = build_graph(spec)
+        cost = CostModel(graph)
+        print(f"calc demo, GRPO with the calculator tool: 16 prompts x 8 rollouts, at most 2 turns of 16 tokens; "
+              f"load average {load:.1f} at the start")
+        for line in profile_lines(graph):
+            print(line)
+        print(f"{'plan (actor_gen)':<24}{'measured s':>11}{'range':>15}{'estimated s':>13}{'est/meas':>10}"
+              f"{'of it tools':>13}")
+        for name, placements in PLANS.items():
+            plan = ExecutionPlan.by_hand(graph, placements, source=name)
+            path = tmp / f"{name.replace(' ', '_').replace(',', '')}.json"
+            plan.save(path)
+            run_dir = tmp / path.stem
+            _run(measured, run_dir, path, args.iterations, sft, tmp)
+            times = _call_times(run_dir, "actor_gen")
+            p = plan.placements["actor_gen"]
+            mesh = validate_plan(plan, graph)["actor_gen"]
+            est = cost.call_cost("actor_gen", mesh, p.strategy, p.n_mbs).time
+            tools = sum(t.env_s for t in cost.turns("actor_gen", mesh, p.strategy, p.n_mbs))
+            meas = statistics.mean(times)
+            print(f"{name:<24}{meas:>11.2f}{f'{min(times):.2f}-{max(times):.2f}':>15}{est:>13.2f}{est / meas:>10.2f}"
+                  f"{tools:>13.2f}")
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
+
+
+if __name__ == "__main__":
+    main()
