@@ -418,7 +418,7 @@ class ModelWorker:
                                                    scores=result.outputs[scored]["score"])
         elif reporter and not evaluating and {"seq", "logp"} <= set(result.outputs):
             self.sample_parts = self.samples.parts(iteration, range(lo, hi), out_keys["seq"], result.outputs["seq"],
-                                                   logp=result.outputs["logp"]["logp"])
+                                                   logp=result.outputs["logp"]["logp"], rewards=result.outputs.get(scored))
             if self.config.balance_tokens:  # the master balances the later calls' dp ranks by them
                 self.row_tokens = (lo, row_tokens(result.outputs["seq"]))
         stats: dict[str, float] = {}

@@ -17,8 +17,8 @@ ends. Iterations count from 1 as in metrics.jsonl::
      "prompt_ids": [...], "response_ids": [...], "logp": [-0.3, ...]}
 
 A line of another sequence key than ``seq`` (ReMax's greedy baseline) carries ``"key": "greedy_seq"``.
-A multi-turn rollout (its ``seq`` has a ``loss_mask``; no later call scores it) gets its text and ids from the
-generation, and ``turn_segments``: the lengths of the response's alternating runs of environment and policy
+A multi-turn rollout (its ``seq`` has a ``loss_mask``; no later call scores it) gets its text, ids and reward from
+the generation, and ``turn_segments``: the lengths of the response's alternating runs of environment and policy
 tokens, the environment's first (docs/multi-turn.md; the planner reads them, envs/turn_profile.py).
 
 ``logp`` is each response token's log-prob as the generation sampled it: ``log_softmax(logits / T)`` at the
@@ -113,15 +113,19 @@ class SampleLog:
         return [i - ids.start for i in ids if i < self.count]
 
     def parts(self, iteration: int, ids: range, key: str, seq: Mapping[str, torch.Tensor],
-              scores: torch.Tensor | None = None, logp: torch.Tensor | None = None) -> list[SamplePart]:
+              scores: torch.Tensor | None = None, logp: torch.Tensor | None = None,
+              rewards: Mapping[str, torch.Tensor] | None = None) -> list[SamplePart]:
         """The reward call's fields (text, ids, reward: ``scores``) or the generation's (per-token ``logp``)
-        of the rows to log; at most ``SAMPLE_BYTES`` of them, so a reply stays far below the message limit."""
+        of the rows to log; at most ``SAMPLE_BYTES`` of them, so a reply stays far below the message limit. A
+        multi-turn generation (``loss_mask`` in ``seq``) scores its rollouts itself: ``rewards`` (its ``score``)."""
+        if scores is None and rewards is not None and "loss_mask" in seq:
+            scores = rewards["score"]
         out, budget = [], SAMPLE_BYTES
         for r in self.wanted(iteration, ids):
             plen, n = int(seq["prompt_lens"][r]), int(seq["gen_mask"][r].sum())
             fields: dict[str, Any] = {}
-            multiturn = "loss_mask" in seq and scores is None
-            if "loss_mask" in seq:
+            multiturn = "loss_mask" in seq
+            if multiturn:
                 fields[SEGMENTS] = segments_of(seq["loss_mask"][r, :n].tolist())
             if scores is not None or multiturn:
                 prompt = seq["tokens"][r, :plen].tolist()
