@@ -7,6 +7,10 @@ next observation, ``<result>5535</result>`` (``result_format``; a failure reads 
 A turn without a tool call is the final answer: the rollout ends and ``rule(prompt, answer_text, reference)``
 scores it against the record's ``field`` (``exact_match`` by default: the answer's first number). Each tool call
 may add ``call_reward`` (a small cost or bonus; 0 by default), so rewards can be per turn as well as final.
+
+``call_format="chat"`` reads a chat model's own tool calls instead, ``<tool_call>{"name": ..., "arguments": ...}
+</tool_call>`` (Qwen2, Hermes), and writes each answer as the ``chat_template`` renders a ``tool`` message, the next
+assistant turn's prompt included (``chat_tools.py``); without a template, ``result_format`` as above.
 """
 
 from __future__ import annotations
@@ -14,17 +18,24 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping
 
+from realloc.envs.chat_tools import ChatObservation, parse_tool_call
 from realloc.envs.resolve import resolve_function
 from realloc.tools.builtin import BUILTIN_TOOLS
 from realloc.tools.sandbox import STATUSES, Sandbox, ToolLimits, network_isolation
+
+
+FORMATS = ("tags", "chat")
 
 
 class ToolEnv:
     def __init__(self, tools: Mapping[str, str] | list[str] = ("calculator",), field: str = "answer",
                  rule: Any = "exact_match", limits: Mapping[str, Any] | ToolLimits | None = None,
                  result_format: str = "<result>{}</result>", call_reward: float = 0.0,
-                 first_observation: str = "") -> None:
+                 first_observation: str = "", call_format: str = "tags", chat_template: str | None = None,
+                 end_of_turn: str = "<|im_end|>") -> None:
         where = "ToolEnv"
+        if call_format not in FORMATS:
+            raise ValueError(f"{where}: call_format must be one of {', '.join(FORMATS)}, got {call_format!r}")
         if isinstance(tools, str) or not tools:
             raise ValueError(f"{where}: tools must be a list of built-in names ({', '.join(BUILTIN_TOOLS)}) or a "
                              f"dict name -> 'module:function'")
@@ -48,6 +59,9 @@ class ToolEnv:
         self._call = re.compile(rf"<({names})>(.*?)</\1>", re.DOTALL)
         self.counts = {s: 0 for s in STATUSES}
         self.reference = ""
+        self.chat = call_format == "chat"
+        self.render = (ChatObservation(where, chat_template, end_of_turn).observation if chat_template is not None
+                       else result_format.format)
 
     def reset(self, record: Mapping[str, Any]) -> str:
         if self.field not in record:
@@ -57,12 +71,22 @@ class ToolEnv:
         return self.first_observation
 
     def step(self, text: str) -> tuple[str | None, float, bool]:
-        m = self._call.search(text)
-        if m is None:
+        call = self._find(text)
+        if call is None:
             return None, float(self.rule("", text, self.reference)), True
-        result = self.sandbox.run(self.tools[m.group(1)], m.group(2))
+        if isinstance(call, str):  # a malformed chat tool call: the policy reads why
+            self.counts["error"] += 1
+            return self.render(call), self.call_reward, False
+        result = self.sandbox.run(self.tools[call[0]], call[1])
         self.counts[result.status] += 1
-        return self.result_format.format(result.text.strip()), self.call_reward, False
+        return self.render(result.text.strip()), self.call_reward, False
+
+    def _find(self, text: str) -> tuple[str, str] | str | None:
+        """The turn's first tool call as (tool, input), an error text, or None (a final answer)."""
+        if self.chat:
+            return parse_tool_call(text, self.tools)
+        m = self._call.search(text)
+        return None if m is None else (m.group(1), m.group(2))
 
     @property
     def tool_counts(self) -> dict[str, int]:
