@@ -1,5 +1,8 @@
 """The train steps of REINFORCE++, DAPO and GSPO (settings and formulas: ``pg_algorithms.py``).
 
+On multi-turn rollouts every token-level quantity (returns, KL, advantages, token counts) is over the policy's
+tokens (``common.loss_mask``); DAPO's overlong shaping and filter count the whole conversation against gen_len.
+
 Each computes its advantages on this dp rank's rows (with batch-wide numbers all-reduced over dp where the
 formula needs the whole batch) and hands them to ``pg_train.policy_steps``, which runs the optimizer steps.
 The pure functions (``reinforce_pp_advantages``, ``overlong_penalty``, ``dynamic_sampling_positions``) are what
@@ -13,21 +16,25 @@ import dataclasses
 import torch
 
 from realloc.algorithms import losses
+from realloc.algorithms.common import loss_mask
 from realloc.algorithms.context import CallContext, CallResult, Data, dp_all_reduce
 from realloc.algorithms.critic_free.critic_free import _group, reward_kl
 from realloc.algorithms.critic_free.pg_train import StepsResult, actor_sums, policy_steps
-from realloc.algorithms.ppo import ppo
+from realloc.algorithms.ppo import policy_tokens, ppo
 
 
 # -- REINFORCE++ ------------------------------------------------------------------------------------------------
 def reinforce_pp_returns(scores: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor,
                          kl_coef: float, estimator: str, gamma: float) -> torch.Tensor:
     """[n, T] return-to-go ``G_t = sum_{i >= t} gamma^(i - t) r_i`` of the token rewards
-    ``r_i = 1[i is the last token] score - kl_coef kl_i`` (Hu et al. 2025, eqs. 1-2); 0 past the response."""
-    rewards, _ = ppo.kl_penalized_rewards(scores, logp, ref_logp, mask, kl_coef, estimator)
+    ``r_i = 1[i is the last token] score - kl_coef kl_i`` (Hu et al. 2025, eqs. 1-2); 0 past the response. The tokens
+    are ``mask``'s: on a multi-turn rollout the policy's alone, i and t counting them only (``policy_tokens.py``)."""
+    c_logp, prefix = policy_tokens.compact(logp, mask)
+    rewards, _ = ppo.kl_penalized_rewards(scores, c_logp, policy_tokens.compact(ref_logp, mask)[0], prefix, kl_coef,
+                                          estimator)
     # GAE with zero values and lambda 1 is the discounted return-to-go.
-    returns, _ = ppo.gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)
-    return returns
+    returns, _ = ppo.gae(rewards, torch.zeros_like(rewards), prefix, gamma, 1.0)
+    return policy_tokens.expand(returns, mask)
 
 
 def reinforce_pp_advantages(ctx: CallContext, inputs: Data, baseline: bool) -> torch.Tensor:
@@ -35,7 +42,7 @@ def reinforce_pp_advantages(ctx: CallContext, inputs: Data, baseline: bool) -> t
     over every token of the batch (all dp ranks). ``baseline``: REINFORCE++-baseline, each response's reward minus
     its group's mean first."""
     cfg = ctx.config
-    mask = inputs["seq"]["gen_mask"]
+    mask = loss_mask(inputs["seq"])
     logp, ref_logp = inputs["logp"]["logp"], inputs["ref_logp"]["logp"]
     score = inputs["rewards"]["score"]
     if baseline:
@@ -49,7 +56,7 @@ def reinforce_pp_advantages(ctx: CallContext, inputs: Data, baseline: bool) -> t
 def _reinforce_pp(ctx: CallContext, inputs: Data, baseline: bool) -> CallResult:
     adv = reinforce_pp_advantages(ctx, inputs, baseline)
     steps = policy_steps(ctx, inputs, adv)
-    return _result(ctx, steps, inputs, adv, n_tokens_of=inputs["seq"]["gen_mask"])
+    return _result(ctx, steps, inputs, adv, n_tokens_of=loss_mask(inputs["seq"]))
 
 
 def reinforce_pp_train(ctx: CallContext, inputs: Data) -> CallResult:
@@ -107,12 +114,13 @@ def dapo_selection(ctx: CallContext, inputs: Data) -> DAPOSelection:
     """DAPO's rewards (plus the overlong penalty), its dynamic sampling over the whole batch, and the group-normalized
     advantages of this rank's rows."""
     cfg = ctx.config
-    mask = inputs["seq"]["gen_mask"]
+    mask = loss_mask(inputs["seq"])  # the policy's tokens (multi-turn); lengths count the whole conversation
     logp, ref_logp = inputs["logp"]["logp"], inputs["ref_logp"]["logp"]
     if cfg.overlong_buffer >= ctx.gen_len:
         raise ValueError(f"call {ctx.call.name!r}: dapo.overlong_buffer={cfg.overlong_buffer} must be below gen_len="
                          f"{ctx.gen_len}")
-    shaping = overlong_penalty(mask.sum(dim=1), ctx.gen_len, cfg.overlong_buffer, cfg.overlong_penalty)
+    lengths = inputs["seq"]["gen_mask"].sum(dim=1)
+    shaping = overlong_penalty(lengths, ctx.gen_len, cfg.overlong_buffer, cfg.overlong_penalty)
     score = inputs["rewards"]["score"] + shaping
     g = _group(ctx, score.numel())
     n_groups = ctx.batch_size // g
@@ -139,7 +147,7 @@ def dapo_selection(ctx: CallContext, inputs: Data) -> DAPOSelection:
 
 
 def dapo_train(ctx: CallContext, inputs: Data) -> CallResult:
-    mask = inputs["seq"]["gen_mask"]
+    mask = loss_mask(inputs["seq"])
     sel = dapo_selection(ctx, inputs)
     adv = sel.advantages.view(-1, 1).to(inputs["logp"]["logp"].dtype) * mask
     steps = policy_steps(ctx, inputs, adv, position=sel.position)
@@ -161,7 +169,7 @@ def dapo_train(ctx: CallContext, inputs: Data) -> CallResult:
 def gspo_train(ctx: CallContext, inputs: Data) -> CallResult:
     model, cfg = ctx.model, ctx.config
     assert model is not None
-    mask = inputs["seq"]["gen_mask"]
+    mask = loss_mask(inputs["seq"])
     logp, ref_logp = inputs["logp"]["logp"], inputs["ref_logp"]["logp"]
     score = inputs["rewards"]["score"] - cfg.kl_coef * reward_kl(cfg, logp, ref_logp, mask)
     adv_seq = losses.group_advantages(score, _group(ctx, score.numel()), scale=True)
@@ -178,7 +186,7 @@ def _result(ctx: CallContext, steps: StepsResult, inputs: Data, adv: torch.Tenso
     assert model is not None
     if not model.groups.is_last_stage:
         return CallResult({}, {}, {"grad_norm": steps.grad_norm})
-    mask = inputs["seq"]["gen_mask"]
+    mask = loss_mask(inputs["seq"])
     logp, ref_logp = inputs["logp"]["logp"], inputs["ref_logp"]["logp"]
     sums = actor_sums(steps, ctx.config)
     sums["kl"] = float(losses.sequence_kl(logp, ref_logp, mask).double().sum()) / ctx.batch_size

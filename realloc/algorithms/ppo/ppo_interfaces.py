@@ -16,11 +16,11 @@ from typing import Any, Mapping
 
 import torch
 
-from realloc.algorithms.common import forward_batch, optimizer_step, response_columns
+from realloc.algorithms.common import forward_batch, loss_mask, optimizer_step, response_columns
 from realloc.algorithms.context import CallContext, CallResult, Data, dp_all_reduce
 from realloc.algorithms.pg import pg_loss
 from realloc.algorithms.pg.decoupled import proximal_logprobs
-from realloc.algorithms.ppo import ppo
+from realloc.algorithms.ppo import policy_tokens, ppo
 from realloc.models.batch import split_batch
 
 
@@ -41,13 +41,17 @@ class _Rollout:
 def _rollout(ctx: CallContext, inputs: Data, whiten: bool) -> _Rollout:
     cfg = ctx.config
     seq = inputs["seq"]
-    mask = seq["gen_mask"]
+    mask = loss_mask(seq)  # the response, or a multi-turn rollout's policy tokens
     logp, ref_logp = inputs["logp"]["logp"], inputs["ref_logp"]["logp"]
     values = inputs["values"]["values"]
-    rewards, _ = ppo.kl_penalized_rewards(inputs["rewards"]["score"], logp, ref_logp, mask, cfg.kl_in_reward,
-                                          cfg.kl_estimator)
+    if "loss_mask" in seq:  # multi-turn: GAE over the policy's tokens alone (policy_tokens.py)
+        adv, returns = policy_tokens.advantages(inputs["rewards"]["score"], logp, ref_logp, values, mask,
+                                                cfg.kl_in_reward, cfg.kl_estimator, cfg.gamma, cfg.gae_lambda)
+    else:
+        rewards, _ = ppo.kl_penalized_rewards(inputs["rewards"]["score"], logp, ref_logp, mask, cfg.kl_in_reward,
+                                              cfg.kl_estimator)
+        adv, returns = ppo.gae(rewards, values, mask, cfg.gamma, cfg.gae_lambda)
     kl = (logp - ref_logp) * mask.to(logp.dtype)
-    adv, returns = ppo.gae(rewards, values, mask, cfg.gamma, cfg.gae_lambda)
     M = ctx.call.n_minibatches
     mb_of_row = torch.tensor([i % M for i in ctx.ids])
     local = torch.cat([ppo.masked_moments(adv, mask),
