@@ -1,11 +1,12 @@
 """The multi-turn rollout call (issue 34, item 4): estimated against measured, on the CPU calc demo.
 
 1. The tool SFT model of the calc demo (``experiments/calc_sft.py``, 150 iterations; ``--sft DIR`` reuses one).
-2. A profile run: ``experiments/calc_grpo_tool.py`` for a few iterations with every rollout logged; its
-   ``samples.jsonl`` (turn segments) and ``metrics.jsonl`` (the environment's seconds per step) give the turn
-   profile, as ``realloc search --lengths-from RUN_DIR`` reads it.
-3. Measured runs under three plans with another seed: the GENERATE call's time (``requests.jsonl``, the slowest
-   rank, iterations after the first) next to the estimate of that plan's placement from the profile run.
+2. Profile runs: ``experiments/calc_grpo_tool.py`` for 3 iterations with every rollout logged, under each of three
+   plans; a run's ``samples.jsonl`` (turn segments) and ``metrics.jsonl`` (the environment's seconds per step)
+   give the turn profile, as ``realloc search --lengths-from RUN_DIR`` reads it.
+3. Measured runs under the three plans with another seed: the GENERATE call's time (``requests.jsonl``, the
+   slowest rank, iterations after the first) next to the estimate of that plan's placement, priced from the dp2
+   plan's profile run (what a search prices every plan with) and from the same plan's.
 
     .venv/bin/python benchmarks/bench_multiturn_plan.py [--sft runs/calc_demo/sft_tool] [--iterations 4]
 """
@@ -84,33 +85,35 @@ def main() -> None:
             _realloc(["run", str(REPO / "experiments" / "calc_sft.py"), "--run-dir", str(tmp / "sft_run"),
                       "--iterations", "150", "--quiet", "--search-time", "2"], tmp)
             _realloc(["export", str(tmp / "sft_run"), "--model", "actor", "--out", str(sft)], tmp)
-        profile_run = tmp / "profile"
-        _run(_experiment(tmp, 1), profile_run, None, 3, sft, tmp)
-        measured = _experiment(tmp, 2)
-        spec = load_with_overrides(str(measured), [f"init={sft}"])
-        spec = turns_from(dataclasses.replace(spec, response_lengths=lengths_from_run(profile_run)), profile_run)
-        graph = build_graph(spec)
-        cost = CostModel(graph)
+        seeded = {seed: _experiment(tmp, seed) for seed in (1, 2)}
+        costs, plans = {}, {}
+        for name, placements in PLANS.items():
+            spec = load_with_overrides(str(seeded[2]), [f"init={sft}"])
+            plans[name] = ExecutionPlan.by_hand(build_graph(spec), placements, source=name)
+            path = tmp / f"{name.replace(' ', '_').replace(',', '')}.json"
+            plans[name].save(path)
+            profile = tmp / f"profile-{path.stem}"
+            _run(seeded[1], profile, path, 3, sft, tmp)
+            priced = turns_from(dataclasses.replace(spec, response_lengths=lengths_from_run(profile)), profile)
+            costs[name] = CostModel(build_graph(priced))
+        graph = costs["dp2"].graph
         print(f"calc demo, GRPO with the calculator tool: 16 prompts x 8 rollouts, at most 2 turns of 16 tokens; "
               f"load average {load:.1f} at the start")
-        for line in profile_lines(graph):
-            print(line)
-        print(f"{'plan (actor_gen)':<24}{'measured s':>11}{'range':>15}{'estimated s':>13}{'est/meas':>10}"
-              f"{'of it tools':>13}")
-        for name, placements in PLANS.items():
-            plan = ExecutionPlan.by_hand(graph, placements, source=name)
-            path = tmp / f"{name.replace(' ', '_').replace(',', '')}.json"
-            plan.save(path)
-            run_dir = tmp / path.stem
-            _run(measured, run_dir, path, args.iterations, sft, tmp)
+        for name, cost in costs.items():
+            print(f"profile of the {name} run: " + profile_lines(cost.graph)[0].split(": ", 1)[1])
+        print(f"{'plan (actor_gen)':<22}{'measured s':>11}{'range':>12}{'est. (dp2 profile)':>20}{'est/meas':>9}"
+              f"{'est. (own profile)':>20}{'est/meas':>9}")
+        for name, plan in plans.items():
+            run_dir = tmp / f"measured-{name.replace(' ', '_').replace(',', '')}"
+            plan.save(tmp / "plan.json")
+            _run(seeded[2], run_dir, tmp / "plan.json", args.iterations, sft, tmp)
             times = _call_times(run_dir, "actor_gen")
             p = plan.placements["actor_gen"]
             mesh = validate_plan(plan, graph)["actor_gen"]
-            est = cost.call_cost("actor_gen", mesh, p.strategy, p.n_mbs).time
-            tools = sum(t.env_s for t in cost.turns("actor_gen", mesh, p.strategy, p.n_mbs))
+            shared, own = (costs[k].call_cost("actor_gen", mesh, p.strategy, p.n_mbs).time for k in ("dp2", name))
             meas = statistics.mean(times)
-            print(f"{name:<24}{meas:>11.2f}{f'{min(times):.2f}-{max(times):.2f}':>15}{est:>13.2f}{est / meas:>10.2f}"
-                  f"{tools:>13.2f}")
+            print(f"{name:<22}{meas:>11.2f}{f'{min(times):.2f}-{max(times):.2f}':>12}{shared:>20.2f}{shared / meas:>9.2f}"
+                  f"{own:>20.2f}{own / meas:>9.2f}")
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
 
 

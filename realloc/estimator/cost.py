@@ -28,6 +28,7 @@ from typing import Iterable
 
 from realloc.calls import InterfaceType
 from realloc.cluster import ClusterSpec, DeviceMesh
+from realloc.envs.rollout_args import RolloutShape, rollout_shape
 from realloc.estimator.call_time import ZERO, CallCost, CallTimer, LayerCosts
 from realloc.estimator.comm import CommModel, GroupLinks, group_links
 from realloc.estimator.hardware import Precision
@@ -38,7 +39,6 @@ from realloc.estimator.pool_link import pooled_plan_seconds
 from realloc.estimator.profile_table import ProfileTable, ProfiledCosts, discover_profiles
 from realloc.estimator.roofline import RooflineCosts
 from realloc.estimator.transfer_cost import plan_seconds
-from realloc.envs.rollout_args import RolloutShape, rollout_shape
 from realloc.graph.dataflow import DataflowGraph
 from realloc.graph.plan import ExecutionPlan, check_placement, validate_plan
 from realloc.graph.transfer_plan import DataLayout

@@ -23,6 +23,7 @@ from realloc.overrides import load_with_overrides
 from realloc.runtime.records.run_paths import RunPaths
 from realloc.runtime.records.telemetry import join_sessions
 from realloc.search.timeline import check_suffix, estimate_plan, estimated_panel, measured_panel, write_timeline
+from realloc.search.turns_report import turns_from
 
 
 def parse_iterations(text: str) -> range:
@@ -61,7 +62,8 @@ def main(args: argparse.Namespace) -> int:
                          f"{done[0] if done else 0}..{done[-1] if done else 0}")
     panels = [measured_panel(requests, plan, graph, its)]
     if not args.no_estimate:
-        space, indices = estimate_plan(graph, plan)
+        # a multi-turn run's estimate is priced on the turns and tool time it recorded (search/turns_report.py)
+        space, indices = estimate_plan(build_graph(turns_from(spec, run.root)), plan)
         n = min(len(its), space.problem.n_iterations)  # the simulator unrolls a few iterations
         panels.append(estimated_panel(space, indices, plan, iterations=n,
                                       skip=min(its.start - 1, space.problem.n_iterations - n)))

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from realloc.algorithms.critic_free.grpo import PG_INPUTS, GRPOConfig, RLOOConfig
 from realloc.algorithms.interface import Interface
-from realloc.algorithms.ppo.ppo_config import PPOConfig
+from realloc.algorithms.ppo.ppo_config import PPOConfig, critic_and_train_calls
 from realloc.calls import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef
 from realloc.envs.rollout_args import ROLLOUT_CHECK
 
@@ -60,17 +60,11 @@ def multiturn_rpcs(algorithm: Literal["grpo", "rloo", "ppo"], env: dict[str, Any
 
 def _ppo_rpcs(env: dict[str, Any], actor: str | None, ref: str | None, critic: str | None, n_samples: int,
               n_minibatches: int | None) -> list[ModelFunctionCallDef]:
-    inputs = ["seq", "logp", "ref_logp", "rewards", "values"]
     return [
         ModelFunctionCallDef(name="actor_gen", model_name="actor", model_type=actor, interface_type=GENERATE,
                              interface_impl="ppo_multiturn", input_data=["prompts"],
                              output_data=["seq", "logp", "rewards"], n_samples=n_samples, interface_args=dict(env)),
         ModelFunctionCallDef(name="ref_inf", model_name="ref", model_type=ref or actor, interface_type=INFERENCE,
                              interface_impl="ppo_multiturn", input_data=["seq"], output_data=["ref_logp"]),
-        ModelFunctionCallDef(name="critic_inf", model_name="critic", model_type=critic, interface_type=INFERENCE,
-                             interface_impl="ppo_critic", input_data=["seq"], output_data=["values"]),
-        ModelFunctionCallDef(name="actor_train", model_name="actor", interface_type=TRAIN_STEP,
-                             interface_impl="ppo_actor", input_data=inputs, n_minibatches=n_minibatches),
-        ModelFunctionCallDef(name="critic_train", model_name="critic", interface_type=TRAIN_STEP,
-                             interface_impl="ppo_critic", input_data=inputs, n_minibatches=n_minibatches),
+        *critic_and_train_calls(critic, n_minibatches),
     ]

@@ -38,7 +38,6 @@ def ppo_rpcs(actor: str | None = None, critic: str | None = None, reward: str | 
     Leave a type out (None) for a model that comes from a checkpoint in the experiment's ``models``.
     ``n_minibatches`` None: ``ppo.n_minibatches`` (``PPOConfig``'s 8 by default); a number must equal it.
     """
-    inputs = ["seq", "logp", "ref_logp", "rewards", "values"]
     return [
         ModelFunctionCallDef(name="actor_gen", model_name="actor", model_type=actor, interface_type=GENERATE,
                              interface_impl="ppo_actor", input_data=["prompts"], output_data=["seq", "logp"]),
@@ -47,6 +46,14 @@ def ppo_rpcs(actor: str | None = None, critic: str | None = None, reward: str | 
                              output_data=["rewards"], interface_args=reward_args or {}),
         ModelFunctionCallDef(name="ref_inf", model_name="ref", model_type=ref or actor, interface_type=INFERENCE,
                              interface_impl="ppo_actor", input_data=["seq"], output_data=["ref_logp"]),
+        *critic_and_train_calls(critic, n_minibatches),
+    ]
+
+
+def critic_and_train_calls(critic: str | None, n_minibatches: int | None) -> list[ModelFunctionCallDef]:
+    """PPO's critic inference and its two train steps (shared with multi-turn PPO, ``multiturn_graph.py``)."""
+    inputs = ["seq", "logp", "ref_logp", "rewards", "values"]
+    return [
         ModelFunctionCallDef(name="critic_inf", model_name="critic", model_type=critic, interface_type=INFERENCE,
                              interface_impl="ppo_critic", input_data=["seq"], output_data=["values"]),
         ModelFunctionCallDef(name="actor_train", model_name="actor", interface_type=TRAIN_STEP,
