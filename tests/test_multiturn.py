@@ -148,11 +148,14 @@ def test_the_same_rollouts_under_other_layouts(pool, tokenizer_dir, single, layo
     torch.testing.assert_close(other["logp"], single["logp"], rtol=1e-4, atol=1e-4)
 
 
-def _train_grads(ctx, tokenizer_dir: str, outputs: dict):
-    """One GRPO train step on the rollouts; the gradient of the loss with respect to the per-position log-probs."""
+def _train_grads(ctx, tokenizer_dir: str, outputs: dict, algorithm: str = "grpo"):
+    """One GRPO (or PPO actor) train step on the rollouts; the gradient of the loss with respect to the
+    per-position log-probs."""
     from realloc.algorithms.critic_free import pg_train
     from realloc.algorithms.critic_free.critic_free import grpo_train
     from realloc.algorithms.critic_free.grpo import GRPOConfig
+    from realloc.algorithms.ppo import ppo_interfaces
+    from realloc.algorithms.ppo.ppo_config import PPOConfig
     from realloc.calls import TRAIN_STEP, ModelFunctionCallDef
     from realloc.data.tokenizer import Tokenizer
     from realloc.models.config import get_model_config
@@ -169,27 +172,30 @@ def _train_grads(ctx, tokenizer_dir: str, outputs: dict):
             seen.append(per_position)
         return original(per_position, *args, **kw)
 
-    pg_train.response_columns = spy
+    where = pg_train if algorithm == "grpo" else ppo_interfaces
+    where.response_columns = spy
     try:
-        cfg = GRPOConfig(lr=1e-3, kl_coef=0.1)
+        cfg = GRPOConfig(lr=1e-3, kl_coef=0.1) if algorithm == "grpo" else PPOConfig(lr=1e-3, n_minibatches=1)
         call = ModelFunctionCallDef(name="actor_train", model_name="actor", interface_type=TRAIN_STEP,
-                                    interface_impl="grpo_multiturn", n_minibatches=1)
+                                    interface_impl=f"{algorithm}_multiturn", n_minibatches=1)
         cctx = _ctx(model, Tokenizer.load(tokenizer_dir), call, 0, N, cfg)
         cctx.optimizer, cctx.n_mbs = model.make_optimizer(cfg.lr), 1
         logp = outputs["logp"]
         inputs = {"seq": outputs["seq"], "logp": {"logp": logp}, "ref_logp": {"logp": logp * 1.1},
-                  "rewards": {"score": torch.tensor([1.0, 0.0, 0.0, 1.0])}}
-        grpo_train(cctx, inputs)
+                  "rewards": {"score": torch.tensor([1.0, 0.0, 0.0, 1.0])},
+                  "values": {"values": torch.linspace(-1, 1, logp.numel()).view_as(logp)}}
+        (grpo_train if algorithm == "grpo" else ppo_interfaces.actor_train)(cctx, inputs)
     finally:
-        pg_train.response_columns = original
+        where.response_columns = original
     return [s.grad.clone() for s in seen]
 
 
-def test_the_gradient_of_every_environment_token_log_prob_is_exactly_zero(pool, tokenizer_dir, single):
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_the_gradient_of_every_environment_token_log_prob_is_exactly_zero(pool, tokenizer_dir, single, algorithm):
     seq = {"tokens": single["tokens"], "gen_mask": single["gen_mask"], "loss_mask": single["loss_mask"],
            "prompt_lens": torch.tensor([len(p) for p in PROMPTS])}
-    grads = pool.run(_train_grads, tokenizer_dir, {"seq": seq, "logp": single["logp"]})[0]
-    assert len(grads) == 1  # one micro-batch: every row
+    grads = pool.run(_train_grads, tokenizer_dir, {"seq": seq, "logp": single["logp"]}, algorithm)[0]
+    assert len(grads) >= 1
     grad = grads[0]
     for b in range(N):
         plen, k = len(PROMPTS[b]), int(single["gen_mask"][b].sum())
