@@ -188,3 +188,20 @@ def test_the_estimated_timeline_draws_each_turn_s_environment_inside_the_call():
     assert (t.end - t.start) / (call.end - call.start) == pytest.approx(
         want / space.cost.call_cost("actor_gen", graph.spec.cluster.device_meshes()[0], ParallelStrategy(1, 1, 1),
                                     1).time, rel=1e-6)
+
+
+def test_the_measured_timeline_draws_each_turn_s_environment_from_the_run_s_metrics():
+    from realloc.search.timeline import Box
+    from realloc.search.turns_report import measured_turn_boxes
+
+    graph = build_graph(_spec(_env()))
+    plan = ExecutionPlan.by_hand(graph, {c: ("localhost", 2, 1, 1, 1) for c in graph.topo_order})
+    boxes = [Box("call", "actor_gen", 0, 1, 10.0, 14.0, 1), Box("call", "actor_gen", 1, 2, 10.0, 13.5, 1),
+             Box("call", "ref_inf", 0, 1, 14.0, 14.5, 1)]
+    # summed over the 2 replicas: per replica turn 1 is 0.5 s of generation and 2 s of tools, turn 2 0.25 s and 0
+    stats = {"turn1_generate_s": 1.0, "turn1_env_s": 4.0, "turn2_generate_s": 0.5, "turn2_env_s": 0.0}
+    got = measured_turn_boxes(plan, boxes, [{"iteration": 1, "calls": {"actor_gen": stats}}])
+    assert [(b.kind, b.label, b.lo, b.start, b.end) for b in got] == [
+        ("tools", "actor_gen turn 1: environment", 0, 10.5, 12.5),
+        ("tools", "actor_gen turn 1: environment", 1, 10.5, 12.5)]
+    assert measured_turn_boxes(plan, boxes, [{"iteration": 2, "calls": {"actor_gen": stats}}]) == []

@@ -14,6 +14,7 @@ short reallocations and transfers widened to stay visible, a legend; each panel 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from realloc.overrides import load_with_overrides
 from realloc.runtime.records.run_paths import RunPaths
 from realloc.runtime.records.telemetry import join_sessions
 from realloc.search.timeline import check_suffix, estimate_plan, estimated_panel, measured_panel, write_timeline
-from realloc.search.turns_report import turns_from
+from realloc.search.turns_report import measured_turn_boxes, turns_from
 
 
 def parse_iterations(text: str) -> range:
@@ -60,7 +61,12 @@ def main(args: argparse.Namespace) -> int:
     if not its:
         raise ValueError(f"--iterations {args.iterations}: the run recorded iterations "
                          f"{done[0] if done else 0}..{done[-1] if done else 0}")
-    panels = [measured_panel(requests, plan, graph, its)]
+    measured = measured_panel(requests, plan, graph, its)
+    # a multi-turn call's turns, from the seconds its environment rank recorded (search/turns_report.py)
+    metrics = [json.loads(line) for line in run.metrics.read_text().splitlines() if line.strip()] \
+        if run.metrics.is_file() else []
+    panels = [dataclasses.replace(measured, boxes=measured.boxes + tuple(measured_turn_boxes(plan, measured.boxes,
+                                                                                             metrics)))]
     if not args.no_estimate:
         # a multi-turn run's estimate is priced on the turns and tool time it recorded (search/turns_report.py)
         space, indices = estimate_plan(build_graph(turns_from(spec, run.root)), plan)

@@ -70,3 +70,29 @@ def turn_boxes(cost: Any, plan: ExecutionPlan, boxes: Sequence[Any]) -> list[Any
             t += scale * x.env_s
     return out
 
+
+
+def measured_turn_boxes(plan: ExecutionPlan, boxes: Sequence[Any], metrics: Sequence[dict]) -> list[Any]:
+    """The measured timeline's counterpart of ``turn_boxes``: in each box of a multi-turn call, a box per turn's
+    environment time, from the call's ``turn<k>_generate_s`` / ``turn<k>_env_s`` in the iteration's metrics (summed
+    over the dp replicas' environment ranks, so divided by dp: a replica's mean), from the box's start."""
+    calls = {m["iteration"]: m.get("calls") or {} for m in metrics if isinstance(m, dict) and "iteration" in m}
+    out = []
+    for b in boxes:
+        stats = calls.get(b.iteration, {}).get(b.label, {}) if b.kind == "call" else {}
+        turns = sorted(int(k[4:-len("_generate_s")]) for k in stats
+                       if k.startswith("turn") and k.endswith("_generate_s") and k[4:-len("_generate_s")].isdigit())
+        if not turns or b.label not in plan.placements:
+            continue
+        dp = plan.placements[b.label].dp
+        parts = [(stats[f"turn{k}_generate_s"] / dp, stats.get(f"turn{k}_env_s", 0.0) / dp) for k in turns]
+        total = sum(g + e for g, e in parts)
+        scale = min(1.0, (b.end - b.start) / total) if total > 0 else 0.0  # never past the box
+        t = b.start
+        for k, (g, e) in zip(turns, parts):
+            t += scale * g
+            if e > 0:
+                out.append(dataclasses.replace(b, kind="tools", label=f"{b.label} turn {k}: environment", start=t,
+                                               end=t + scale * e, detail=""))
+            t += scale * e
+    return out

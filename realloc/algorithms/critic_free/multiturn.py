@@ -36,7 +36,8 @@ from realloc.models.weights import param_seed
 
 FAILED = -1  # the broadcast header of a turn whose environment raised on the reporting rank
 # The environment's wall seconds and steps, apart for steps that answer (tool calls) and steps that end a rollout:
-# the GENERATE call's stats, read back by the planner (envs/turn_profile.py: turns_from_run)
+# the GENERATE call's stats, read back by the planner (envs/turn_profile.py: turns_from_run); with each turn's
+# seconds of generation and of the environment (turn<k>_generate_s, turn<k>_env_s)
 CLOCK = ("env_obs_s", "env_obs_steps", "env_final_s", "env_final_steps")
 
 
@@ -97,8 +98,10 @@ def multiturn_generate(ctx: CallContext, inputs: Data) -> CallResult:
             new = min(cap, max(rolls[b].budget for b in active))
             gconfig = dataclasses.replace(base, max_new_tokens=new, min_new_tokens=min(base.min_new_tokens, new),
                                           seed=param_seed(ctx.seed, f"{ctx.purpose}/{ctx.iteration}/turn{turn}"))
+            t0 = time.perf_counter()
             out = model.generate([rolls[b].prompt + rolls[b].tokens for b in active], gconfig,
                                  seq_ids=[ctx.ids[b] for b in active], n_mbs=min(ctx.n_mbs, len(active)))
+            t1 = time.perf_counter()
             said: list[list[int]] = []
             for i, b in enumerate(active):
                 start, g = int(out.prompt_lengths[i]), int(out.gen_lengths[i])
@@ -116,6 +119,9 @@ def multiturn_generate(ctx: CallContext, inputs: Data) -> CallResult:
                 r.done = r.ended_by_env or last
                 if not r.done:
                     r.add(_encode(tok, obs), None)
+            # the turn's wall seconds (the timeline draws them, search/turns_report.py)
+            clock[f"turn{turn + 1}_generate_s"] = t1 - t0
+            clock[f"turn{turn + 1}_env_s"] = time.perf_counter() - t1
     return _result(ctx, rolls, prompts, envs, clock)
 
 
