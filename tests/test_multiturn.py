@@ -149,8 +149,8 @@ def test_the_same_rollouts_under_other_layouts(pool, tokenizer_dir, single, layo
 
 
 def _train_grads(ctx, tokenizer_dir: str, outputs: dict, algorithm: str = "grpo"):
-    """One GRPO (or PPO actor) train step on the rollouts; the gradient of the loss with respect to the
-    per-position log-probs."""
+    """One train step of the actor (GRPO, PPO, GSPO or REINFORCE++) on the rollouts; the gradient of the loss with
+    respect to the per-position log-probs."""
     from realloc.algorithms.critic_free import pg_train
     from realloc.algorithms.critic_free.critic_free import grpo_train
     from realloc.algorithms.critic_free.grpo import GRPOConfig
@@ -172,10 +172,17 @@ def _train_grads(ctx, tokenizer_dir: str, outputs: dict, algorithm: str = "grpo"
             seen.append(per_position)
         return original(per_position, *args, **kw)
 
-    where = pg_train if algorithm == "grpo" else ppo_interfaces
+    from realloc.algorithms.critic_free import pg_steps
+    from realloc.algorithms.critic_free.pg_algorithms import GSPOConfig, ReinforcePPConfig
+
+    steps = {"grpo": (GRPOConfig(lr=1e-3, kl_coef=0.1), grpo_train),
+             "ppo": (PPOConfig(lr=1e-3, n_minibatches=1), ppo_interfaces.actor_train),
+             "gspo": (GSPOConfig(lr=1e-3, kl_coef=0.1), pg_steps.gspo_train),
+             "reinforce_pp": (ReinforcePPConfig(lr=1e-3, kl_coef=0.1), pg_steps.reinforce_pp_train)}
+    cfg, train = steps[algorithm]
+    where = ppo_interfaces if algorithm == "ppo" else pg_train
     where.response_columns = spy
     try:
-        cfg = GRPOConfig(lr=1e-3, kl_coef=0.1) if algorithm == "grpo" else PPOConfig(lr=1e-3, n_minibatches=1)
         call = ModelFunctionCallDef(name="actor_train", model_name="actor", interface_type=TRAIN_STEP,
                                     interface_impl=f"{algorithm}_multiturn", n_minibatches=1)
         cctx = _ctx(model, Tokenizer.load(tokenizer_dir), call, 0, N, cfg)
@@ -184,13 +191,13 @@ def _train_grads(ctx, tokenizer_dir: str, outputs: dict, algorithm: str = "grpo"
         inputs = {"seq": outputs["seq"], "logp": {"logp": logp}, "ref_logp": {"logp": logp * 1.1},
                   "rewards": {"score": torch.tensor([1.0, 0.0, 0.0, 1.0])},
                   "values": {"values": torch.linspace(-1, 1, logp.numel()).view_as(logp)}}
-        (grpo_train if algorithm == "grpo" else ppo_interfaces.actor_train)(cctx, inputs)
+        train(cctx, inputs)
     finally:
         where.response_columns = original
     return [s.grad.clone() for s in seen]
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo", "gspo", "reinforce_pp"])
 def test_the_gradient_of_every_environment_token_log_prob_is_exactly_zero(pool, tokenizer_dir, single, algorithm):
     seq = {"tokens": single["tokens"], "gen_mask": single["gen_mask"], "loss_mask": single["loss_mask"],
            "prompt_lens": torch.tensor([len(p) for p in PROMPTS])}
