@@ -6,13 +6,12 @@ older there than the plan's staleness makes them; the experiment's ``max_stalene
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from realloc.graph.dataflow import DataflowGraph
+# the graph is dataflow.DataflowGraph, which calls these (an import of it would be a circle)
 
 
-def partial_rollout_calls(graph: "DataflowGraph") -> list[str]:
+def partial_rollout_calls(graph: Any) -> list[str]:
     """The GENERATE calls whose settings turn partial rollouts on."""
     out = []
     for r in graph.calls:
@@ -22,7 +21,7 @@ def partial_rollout_calls(graph: "DataflowGraph") -> list[str]:
     return out
 
 
-def partial_rollout_error(graph: "DataflowGraph", staleness: int) -> str | None:
+def partial_rollout_error(graph: Any, staleness: int) -> str | None:
     """Why partial rollouts cannot run at plan ``staleness``; None if they can (or are off)."""
     calls = partial_rollout_calls(graph)
     if not calls:
