@@ -153,7 +153,8 @@ def partial_generate(ctx: CallContext, inputs: Data, state: PartialRollouts, gco
     seq = {"tokens": tokens, "prompt_lens": plen, "gen_mask": gen_mask, "loss_mask": gen_mask & trained.view(-1, 1)}
     if "rows" in inputs["prompts"]:
         seq["rows"] = torch.tensor([r.record for r in rows], dtype=inputs["prompts"]["rows"].dtype)
-    stats = {"gen_tokens": float(new_tokens), "n_seqs": float(n), "prompt_tokens": float(plen.sum()),
+    stats = {"gen_tokens": float(gen_mask.sum()), "n_seqs": float(n), "prompt_tokens": float(plen.sum()),
              "eos_stops": float(sum(r.eos for b, r in enumerate(rows) if done[b // G])),
-             "partial_pending": float(n - int(trained.sum())), "partial_continued": float(continued)}
+             "partial_pending": float(n - int(trained.sum())), "partial_continued": float(continued),
+             "partial_new_tokens": float(new_tokens)}
     return CallResult({"seq": seq, "logp": {"logp": logp, "version": version}}, stats, {})

@@ -312,7 +312,8 @@ class ModelWorker:
             kind = graph.dataset_kind if ec.scorer else "prompts"
             self.eval_dataset = load_dataset(kind, ev.dataset, self.spec, self.config, self.tokenizer,
                                              prog.generation_vocab_size(), RunPaths(self.run_dir).prompt_cache)
-        self.partials = PartialStore(self.spec.max_staleness, Path(resume) if resume else None, verify_checkpoint)
+        self.partials = PartialStore(self.spec.max_staleness, prog.staleness, Path(resume) if resume else None,
+                                     verify_checkpoint)
         if resume:
             self.load(Path(resume), verify_checkpoint)
 

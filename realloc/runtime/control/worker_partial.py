@@ -24,8 +24,9 @@ PARTIAL_DIR = "partial"
 
 
 class PartialStore:
-    def __init__(self, max_staleness: int, resume: Path | None = None, verify: bool = True) -> None:
-        self.bound = max_staleness
+    def __init__(self, max_staleness: int, plan_staleness: int, resume: Path | None = None,
+                 verify: bool = True) -> None:
+        self.bound, self.plan_staleness = max_staleness, plan_staleness
         self.states: dict[str, PartialRollouts] = {}
         self.writes: dict[str, tuple[bool, range]] = {}  # call -> (this rank writes its rows, its slots)
         self.loaded: dict[str, list[str]] = {}  # call -> the checkpoint's texts, until its first call
@@ -51,7 +52,9 @@ class PartialStore:
             state.carry = {s: r for s, r in state.carry.items() if s in ctx.ids}
         elif any(s not in ctx.ids for s in state.carry):
             raise RuntimeError(f"call {name!r}: carried rows are outside this rank's slots {ctx.ids}")
-        state.version = handle.version
+        # A synchronous plan's generation of iteration t reads the parameters after t train steps; a layout of its
+        # own is not told the version then (only snapshots carry it), so it is the iteration.
+        state.version = handle.version if self.plan_staleness else ctx.iteration
         ctx.partial = state
         _, tp_rank, pp_rank = handle.coords
         self.writes[name] = (tp_rank == 0 and pp_rank == 0, ctx.ids)
