@@ -181,3 +181,20 @@ def test_partial_rollout_settings_are_checked():
         PPOConfig(partial_rollout_tokens=4)
     with pytest.raises(ValueError, match="cannot be combined with length_schedule or min_new_tokens"):
         GRPOConfig(partial_rollout_tokens=4, min_new_tokens=2)
+
+
+def test_partial_rollouts_need_room_above_the_plans_staleness():
+    from pathlib import Path
+
+    from realloc.graph.dataflow import build_graph
+    from realloc.graph.plan import ExecutionPlan, validate_plan
+    from realloc.overrides import load_with_overrides
+
+    grpo = str(Path(__file__).resolve().parents[1] / "experiments/grpo_tiny.py")
+    with pytest.raises(ValueError, match=r"needs max_staleness above the plan's staleness \(0\).*max_staleness=1"):
+        build_graph(load_with_overrides(grpo, ["grpo.partial_rollout_tokens=3"]))
+    graph = build_graph(load_with_overrides(grpo, ["grpo.partial_rollout_tokens=3", "max_staleness=1"]))
+    place = {c: ("localhost:0", 1, 1, 1, 1) for c in graph.spec.call_names}
+    validate_plan(ExecutionPlan.by_hand(graph, place, staleness=0), graph)
+    with pytest.raises(ValueError, match=r"plan's staleness \(1\)"):
+        validate_plan(ExecutionPlan.by_hand(graph, place, staleness=1), graph)

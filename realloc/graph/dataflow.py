@@ -380,5 +380,8 @@ def build_graph(spec: ExperimentSpec) -> DataflowGraph:
     interfaces = check_contracts(spec, table, model_configs)  # the structure is sound: now what each call runs
     _check_positions(spec, model_configs)
 
-    return DataflowGraph(spec=spec, graph=g, model_types=MappingProxyType(model_types), carry_edges=tuple(carry),
-                         model_configs=MappingProxyType(model_configs), interfaces=MappingProxyType(interfaces))
+    graph = DataflowGraph(spec=spec, graph=g, model_types=MappingProxyType(model_types), carry_edges=tuple(carry),
+                          model_configs=MappingProxyType(model_configs), interfaces=MappingProxyType(interfaces))
+    if why := partial_rollout_error(graph, 0):  # no plan can run them (max_staleness 0)
+        raise ValueError(why)
+    return graph
