@@ -466,10 +466,11 @@ def output_path(args: argparse.Namespace, job: ProfileJob) -> Path:
     """``--out``, or ``<--profiles DIR>/<kind>/<model>.json``; never the shipped profiles by default."""
     if args.out:
         return Path(args.out)
+    name = Path(job.model_type).name  # a model type, or an HF checkpoint directory's name
     if os.environ.get(PROFILES_ENV):
-        return profiles_dir() / job.kind / f"{Path(job.model_type).name}.json"
-    shipped = shipped_profiles_dir() / job.kind / f"{Path(job.model_type).name}.json"
-    raise ValueError(f"where should the profile go? pass --profiles DIR (writes DIR/{job.kind}/{Path(job.model_type).name}.json, "
+        return profiles_dir() / job.kind / f"{name}.json"
+    shipped = shipped_profiles_dir() / job.kind / f"{name}.json"
+    raise ValueError(f"where should the profile go? pass --profiles DIR (writes DIR/{job.kind}/{name}.json, "
                      f"which `realloc search/run --profiles DIR` read before the shipped profiles) or --out FILE; "
                      f"the shipped {shipped} is replaced only when named with --out")
 
