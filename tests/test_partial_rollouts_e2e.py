@@ -67,6 +67,9 @@ def test_a_resumed_partial_rollout_run_ends_in_the_uninterrupted_runs_state(tmp_
 
     gen = [m["calls"]["actor_gen"] for m in _metrics(straight)]
     assert all(g["partial_pending"] > 0 for g in gen[::2]) and sum(g["partial_continued"] for g in gen) > 0
+    # carried tokens are trained one version old, none older (max_staleness 1)
+    assert all(g["partial_age_sum"] <= g["partial_trained_tokens"] for g in gen)
+    assert sum(g["partial_age_sum"] for g in gen) > 0
     mid = _carried(straight / "checkpoints/iter_00000003")
     assert mid and all('"rows": {}' not in text for text in mid.values())  # the checkpoint carries rows
     want, got = (_state(run / "checkpoints/iter_00000005") for run in (straight, resumed))

@@ -153,8 +153,12 @@ def partial_generate(ctx: CallContext, inputs: Data, state: PartialRollouts, gco
     seq = {"tokens": tokens, "prompt_lens": plen, "gen_mask": gen_mask, "loss_mask": gen_mask & trained.view(-1, 1)}
     if "rows" in inputs["prompts"]:
         seq["rows"] = torch.tensor([r.record for r in rows], dtype=inputs["prompts"]["rows"].dtype)
+    # the bound per token (module docstring): this batch's train step starts from version ctx.iteration
+    ages = ctx.iteration - version[gen_mask & trained.view(-1, 1)].long()
+    assert not bool((ages > state.bound).any()), f"a trained token is {int(ages.max())} versions old"
     stats = {"gen_tokens": float(gen_mask.sum()), "n_seqs": float(n), "prompt_tokens": float(plen.sum()),
              "eos_stops": float(sum(r.eos for b, r in enumerate(rows) if done[b // G])),
              "partial_pending": float(n - int(trained.sum())), "partial_continued": float(continued),
-             "partial_new_tokens": float(new_tokens)}
+             "partial_new_tokens": float(new_tokens), "partial_trained_tokens": float(ages.numel()),
+             "partial_age_sum": float(ages.sum())}
     return CallResult({"seq": seq, "logp": {"logp": logp, "version": version}}, stats, {})
