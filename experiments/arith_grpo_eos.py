@@ -10,8 +10,8 @@ from EOS, change as the policy learns, and every response is logged (``log_sampl
     realloc search experiments/arith_grpo_eos.py --lengths-from runs/arith_eos
     .venv/bin/python benchmarks/bench_eos_lengths.py     # estimate vs measured per call, lengths of the previous iteration
 
-``grpo.partial_rollout_tokens=4`` with ``max_staleness=1`` cuts the responses that miss their EOS at 4 tokens
-and continues them in the next iteration (docs/partial-rollouts.md).
+``--set grpo.partial_rollout_tokens=2 --set max_staleness=1`` cuts every response at 2 tokens and continues the
+unfinished ones in the next iteration (docs/partial-rollouts.md).
 """
 
 import dataclasses
