@@ -57,8 +57,9 @@ class PartialRollouts:
     ``carry`` maps slot -> row after the latest call; ``history[t]`` is the carry after iteration t's call (a
     checkpoint after n iterations keeps ``history[n - 1]``: generation may already have run ahead of it)."""
 
-    def __init__(self, cut: int, bound: int, keep: int = 8) -> None:
-        self.cut, self.bound, self.keep = cut, bound, keep
+    def __init__(self, cut: int, bound: int) -> None:
+        # generation runs at most bound (> the plan's staleness) + 1 iterations ahead of a checkpoint being written
+        self.cut, self.bound, self.keep = cut, bound, bound + 4
         self.version = 0  # the parameters' version for the next call (the worker sets it)
         self.carry: dict[int, PartialRow] = {}
         self.history: dict[int, dict[int, PartialRow]] = {}
