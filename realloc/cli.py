@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_Command("realloc.runtime.show_cli"))
 
     s = sub.add_parser("profile", help="measure per-layer and collective costs on this machine")
-    s.add_argument("--model", required=True, help="model type, e.g. tiny or llama3-8b")
+    s.add_argument("--model", required=True, help="model type, e.g. tiny or llama3-8b, or an HF checkpoint directory")
     s.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to measure (default cpu)")
     s.add_argument("--tp", default="1", help="comma-separated tensor-parallel degrees to profile")
     s.add_argument("--out", default=None, help="output JSON path (default: <--profiles DIR>/<device>/<model>.json)")
@@ -108,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-bytes", type=int, default=None, help="largest collective message in bytes (default 64 MiB)")
     s.add_argument("--warmup", type=int, default=None, help="untimed runs per point (default 2)")
     s.add_argument("--repeats", type=int, default=None, help="timed runs per point; the median is kept (default 7)")
+    s.add_argument("--clock", default=None, choices=["wall", "cpu"], help="time layer ops in wall time (default) or "
+                   "in the process's CPU time, which a shared machine's other processes do not inflate (tp 1, cpu)")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     _profiles_option(s)
     s.set_defaults(func=_Command("realloc.estimator.profile_cli"))

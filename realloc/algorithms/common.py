@@ -31,6 +31,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from realloc.algorithms.context import CallContext, CallResult, Data
+from realloc.algorithms.partial_rollout import partial_generate
 from realloc.models.generation import GenerationOutput
 from realloc.models.sampling import GenerationConfig
 from realloc.models.weights import param_seed
@@ -140,6 +141,8 @@ def actor_generate(ctx: CallContext, inputs: Data) -> CallResult:
     n, P, T = tokens_in.shape[0], ctx.prompt_len, ctx.gen_len
     assert ctx.model is not None
     gconfig = generation_config(ctx)
+    if ctx.partial is not None and not ctx.greedy:  # partial rollouts: rows carried between iterations
+        return partial_generate(ctx, inputs, ctx.partial, gconfig)
     # Micro-batches bound the KV cache; sampling depends only on each sequence's global index (the n
     # responses to one prompt are n sequences, ids group*n .. group*n + n-1: each draws its own stream).
     rows = [tokens_in[b, :int(plen[b])].tolist() for b in range(n)]

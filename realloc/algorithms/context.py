@@ -49,6 +49,7 @@ class CallContext:
     optimizer_steps: int = 0  # optimizer steps this call has taken (common.optimizer_step counts them)
     lr_set: float | None = None  # the learning rate common.set_step_lr last put into the optimizer
     lr_managed: bool = True  # False once the train step set the learning rate itself
+    partial: Any = None  # a generation call's partial_rollout.PartialRollouts (partial rollouts on), else None
 
     @property
     def schedule_steps(self) -> int:

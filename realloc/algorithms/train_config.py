@@ -41,6 +41,10 @@ class TrainConfig:
     # length is drawn from the run's seed and its sequence id, and EOS comes exactly there. A seeded,
     # long-tailed workload for tests and benchmarks (docs/long-tail.md); None: the model decides.
     length_schedule: ResponseLengths | None = None
+    # Partial rollouts (docs/partial-rollouts.md): a generation call gives each response at most this many
+    # new tokens; a group of responses unfinished at that cut continues in the next iteration's generation
+    # under the newer parameters. Needs max_staleness above the plan's staleness; None: off.
+    partial_rollout_tokens: int | None = None
     # Learning-rate schedule over the run's optimizer steps (iterations x n_minibatches): a linear
     # warmup over the first warmup_proportion of the steps, then constant, or linear or cosine decay
     # to min_lr_ratio x lr at the last step.
@@ -67,6 +71,8 @@ class TrainConfig:
                              f"median=8, p99=96)) or None, got {type(self.length_schedule).__name__}")
         if self.length_schedule is not None and self.min_new_tokens:
             raise ValueError(f"{name}: length_schedule and min_new_tokens both decide where EOS may come; set one")
+        if self.partial_rollout_tokens is not None:
+            _check_partial(self, name)
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"{name}.lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
         if self.grad_dtype not in GRAD_DTYPES:
@@ -93,3 +99,18 @@ class TrainConfig:
         if self.lr_schedule == "linear":
             return low + (base_lr - low) * (1.0 - progress)
         return low + (base_lr - low) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _check_partial(cfg: TrainConfig, name: str) -> None:
+    """partial_rollout_tokens: a positive integer, on an algorithm whose train step leaves a pending response out
+    (its ``PARTIAL_ROLLOUTS``), with EOS decided by the model alone."""
+    k = cfg.partial_rollout_tokens
+    if type(k) is not int or k < 1:
+        raise ValueError(f"{name}.partial_rollout_tokens must be a positive integer (new tokens per response per "
+                         f"generation call) or None, got {k!r}")
+    if not getattr(type(cfg), "PARTIAL_ROLLOUTS", False):
+        raise ValueError(f"{name}.partial_rollout_tokens: partial rollouts need a train step that leaves pending "
+                         f"responses out through the loss mask (GRPO, RLOO); {name} has none, so set it to None")
+    if cfg.length_schedule is not None or cfg.min_new_tokens:
+        raise ValueError(f"{name}.partial_rollout_tokens cannot be combined with length_schedule or min_new_tokens "
+                         f"(both fix where EOS may come, and a continued response restarts its count); set one")

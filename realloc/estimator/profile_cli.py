@@ -55,13 +55,14 @@ class ProfileJob:
     collective_sizes: tuple[int, ...]  # group sizes
     max_collective_bytes: int
     collective_repeats: int
+    clock: str = "wall"  # layer ops timed in wall time, or "cpu": the process's CPU time (profiler.timed)
 
     @property
     def world(self) -> int:
         return max([*self.tps, *self.collective_sizes, 1])
 
     def n_steps(self) -> int:
-        max_pos = get_model_config(self.model_type).max_position_embeddings
+        max_pos = profiled_config(self.model_type).max_position_embeddings
         layer = (sum(1 for _ in op_plan(self.grid)) + len(OPTIMIZER_LAYERS)
                  + sum(1 for _ in engine_plan(self.grid, max_pos)))
         coll = len(COLLECTIVE_OPS) * len(message_sizes(self.max_collective_bytes))
@@ -96,7 +97,7 @@ def default_grid(cfg: ModelConfig, warmup: int, repeats: int) -> LayerGrid:
 def build_job(args: argparse.Namespace) -> ProfileJob:
     if args.model == RULE_MODEL_TYPE:
         raise ValueError(f"--model {RULE_MODEL_TYPE!r} is a parameter-free function; there is nothing to profile")
-    cfg = get_model_config(args.model)
+    cfg = profiled_config(args.model)
     tps = _parse_ints(args.tp, "tp")
     for tp in tps:
         err = tp_error(cfg, tp)
@@ -133,7 +134,28 @@ def build_job(args: argparse.Namespace) -> ProfileJob:
                              f"{n_gpus}; lower --tp or --collectives")
     return ProfileJob(model_type=args.model, device=args.device, kind=kind, dtype=hw.dtype, tps=tps, grid=grid,
                       collective_sizes=sizes, max_collective_bytes=getattr(args, "max_bytes", None)
-                      or DEFAULT_MAX_COLLECTIVE_BYTES, collective_repeats=max(repeats - 2, 3))
+                      or DEFAULT_MAX_COLLECTIVE_BYTES, collective_repeats=max(repeats - 2, 3),
+                      clock=_clock(args, tps))
+
+
+def profiled_config(model: str) -> ModelConfig:
+    """The config of a registered model type, or of an HF checkpoint directory (its config.json): a model
+    with its own shape (vocabulary, layers) gets a table of its own (``ProfileTable.matches``)."""
+    if (Path(model) / "config.json").is_file():
+        from realloc.models.hf_config import model_config_from_hf
+
+        return model_config_from_hf(model)
+    return get_model_config(model)
+
+
+def _clock(args: argparse.Namespace, tps: tuple[int, ...]) -> str:
+    clock = getattr(args, "clock", None) or "wall"
+    if clock not in ("wall", "cpu"):
+        raise ValueError(f"--clock must be wall or cpu, got {clock!r}")
+    if clock == "cpu" and (tps != (1,) or args.device != "cpu"):
+        raise ValueError("--clock cpu times ops in the process's CPU time, which misses the wait for a peer's "
+                         "collective or a GPU's kernels; use it with --device cpu --tp 1")
+    return clock
 
 
 # -- worker ---------------------------------------------------------------------------------------
@@ -167,7 +189,7 @@ def _run_worker(rank: int, job: ProfileJob, init_file: str, out: "mp.Queue[str]"
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=job.world)
     device = torch.device(f"cuda:{rank}" if job.device == "cuda" else "cpu")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[job.dtype]
-    cfg = get_model_config(job.model_type)
+    cfg = profiled_config(job.model_type)
 
     def tick() -> None:
         if rank == 0:
@@ -183,7 +205,8 @@ def _run_worker(rank: int, job: ProfileJob, init_file: str, out: "mp.Queue[str]"
     g = job.grid
     for tp in job.tps:
         if rank < tp:
-            prof = LayerProfiler(cfg, cache.model_groups(layouts[tp]), dtype=dtype, device=device)
+            prof = LayerProfiler(cfg, cache.model_groups(layouts[tp]), dtype=dtype, device=device,
+                                 clock=time.process_time if job.clock == "cpu" else time.perf_counter)
             ops: dict[str, dict[tuple[int, int], float]] = {}
             for part, phase, b, s in op_plan(g):
                 ops.setdefault(f"{part.value}.{phase.value}", {})[b, s] = prof.time_op(part, phase, b, s, g.warmup,
@@ -276,7 +299,7 @@ def assemble_table(job: ProfileJob, raw: dict[str, Any], meta: dict[str, Any]) -
     from realloc.estimator.comm import Link
     from realloc.estimator.profile_collectives import fit_alpha_beta
 
-    cfg = get_model_config(job.model_type)
+    cfg = profiled_config(job.model_type)
     tps: dict[int, TpTable] = {}
     smoothed: dict[str, dict[str, float]] = {}
     for tp_s, sub in raw["tp"].items():
@@ -334,7 +357,7 @@ def command_line(args: argparse.Namespace) -> str:
     """The ``realloc profile`` command that reproduces this run."""
     parts = ["realloc", "profile", "--model", args.model, "--device", args.device, "--tp", args.tp]
     for opt in ("kind", "batch_sizes", "seq_lens", "ctx_lens", "collectives", "max_bytes", "warmup", "repeats",
-                "out"):
+                "clock", "out"):
         v = getattr(args, opt, None)
         if v is not None:
             parts += ["--" + opt.replace("_", "-"), str(v)]
@@ -443,10 +466,11 @@ def output_path(args: argparse.Namespace, job: ProfileJob) -> Path:
     """``--out``, or ``<--profiles DIR>/<kind>/<model>.json``; never the shipped profiles by default."""
     if args.out:
         return Path(args.out)
+    name = Path(job.model_type).name  # a model type, or an HF checkpoint directory's name
     if os.environ.get(PROFILES_ENV):
-        return profiles_dir() / job.kind / f"{job.model_type}.json"
-    shipped = shipped_profiles_dir() / job.kind / f"{job.model_type}.json"
-    raise ValueError(f"where should the profile go? pass --profiles DIR (writes DIR/{job.kind}/{job.model_type}.json, "
+        return profiles_dir() / job.kind / f"{name}.json"
+    shipped = shipped_profiles_dir() / job.kind / f"{name}.json"
+    raise ValueError(f"where should the profile go? pass --profiles DIR (writes DIR/{job.kind}/{name}.json, "
                      f"which `realloc search/run --profiles DIR` read before the shipped profiles) or --out FILE; "
                      f"the shipped {shipped} is replaced only when named with --out")
 
@@ -482,7 +506,7 @@ def main(args: argparse.Namespace) -> int:
         "load_average_before": load_before,
         "load_average_after": _load_average(),
         "threads_per_process": 1 if job.device == "cpu" else None,
-        "warmup": job.grid.warmup, "repeats": job.grid.repeats,
+        "warmup": job.grid.warmup, "repeats": job.grid.repeats, "clock": job.clock,
         "statistic": "median over repeats; each repeat is the slowest rank of the group",
     }
     table = assemble_table(job, raw, meta)

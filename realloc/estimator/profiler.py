@@ -79,10 +79,11 @@ def graphed(run: Callable[[], object], device: torch.device) -> Callable[[], obj
 
 
 def timed(run: Callable[[], object], group: dist.ProcessGroup | None, warmup: int, repeats: int,
-          setup: Callable[[], object] | None = None) -> float:
+          setup: Callable[[], object] | None = None, clock: Callable[[], float] = time.perf_counter) -> float:
     """Median seconds of ``run()`` over ``repeats`` samples, each the max over ``group`` (a sample over a
     group of 2+ is the mean of consecutive runs, see GROUP_SAMPLE_SECONDS); ``setup()`` runs untimed
-    before every run."""
+    before every run. ``clock``: wall time, or ``time.process_time`` (this process's CPU time, which other
+    processes on a shared machine do not inflate; meaningful at tp 1, where nothing waits for a peer)."""
     multi = group is not None and group.size() > 1
     # A GPU runs kernels after the host queued them: wait for the device before and after each timed run,
     # or the clock measures the launches only.
@@ -92,10 +93,10 @@ def timed(run: Callable[[], object], group: dist.ProcessGroup | None, warmup: in
         if setup:
             setup()
         sync()
-        t0 = time.perf_counter()
+        t0 = clock()
         run()
         sync()
-        last = time.perf_counter() - t0
+        last = clock() - t0
     runs = 1
     if multi:
         # every rank must run the op the same number of times (its collectives pair up)
@@ -111,10 +112,10 @@ def timed(run: Callable[[], object], group: dist.ProcessGroup | None, warmup: in
             if setup:
                 setup()
             sync()
-            t0 = time.perf_counter()
+            t0 = clock()
             run()
             sync()
-            total += time.perf_counter() - t0
+            total += clock() - t0
         times.append(total / runs)
     if multi:
         t = torch.tensor(times, dtype=torch.float64)
@@ -133,7 +134,7 @@ class LayerProfiler:
     """Builds one-layer models of ``cfg`` (actor and critic heads) on this tp group and times their parts."""
 
     def __init__(self, cfg: ModelConfig, groups, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", clock: Callable[[], float] = time.perf_counter) -> None:
         from realloc.models.engine import ParallelModel
 
         one = dataclasses.replace(cfg, n_layers=1, is_critic=False, tie_embeddings=False)
@@ -143,6 +144,7 @@ class LayerProfiler:
         self.actor = ParallelModel(one, groups, device=device, dtype=dtype, seed=1)
         self.critic = ParallelModel(one.as_critic(), groups, device=device, dtype=dtype, seed=2)
         self.device, self.dtype = self.actor.device, dtype
+        self.clock = clock  # timed()'s clock for every op
         self.stage = self.actor.stage
         self.layer = self.stage.layers[0]
         self.n_stack = max(1, min(cfg.n_layers, DECODE_STACK))
@@ -298,12 +300,12 @@ class LayerProfiler:
     def time_op(self, part: Part, phase: Phase, b: int, s: int, warmup: int, repeats: int) -> float:
         run, setup = self.op_runner(part, phase, b, s)
         if (part, phase) == (Part.BLOCK, Phase.DECODE):
-            return timed(run, self.group, warmup, repeats, setup) / self.n_stack
+            return timed(run, self.group, warmup, repeats, setup, clock=self.clock) / self.n_stack
         if phase is not Phase.BWD:
-            return timed(run, self.group, warmup, repeats, setup)
-        total = timed(run, self.group, warmup, repeats, setup)
+            return timed(run, self.group, warmup, repeats, setup, clock=self.clock)
+        total = timed(run, self.group, warmup, repeats, setup, clock=self.clock)
         fwd_run, _ = self.op_runner(part, Phase.FWD, b, s)
-        fwd = timed(fwd_run, self.group, warmup, repeats)
+        fwd = timed(fwd_run, self.group, warmup, repeats, clock=self.clock)
         # never below a tenth of the total: the two medians are of noisy runs
         return max(total - fwd, 0.1 * total)
 
@@ -319,7 +321,7 @@ class LayerProfiler:
         model = self.actor
         if kind == "forward":
             batch = self._batch(b, s)
-            t = timed(lambda: model.forward(batch), self.group, warmup, repeats)
+            t = timed(lambda: model.forward(batch), self.group, warmup, repeats, clock=self.clock)
             return {"engine.fwd": t}
         if kind == "train":
             opt = model.make_optimizer(lr=1e-9)
@@ -328,8 +330,10 @@ class LayerProfiler:
                 return out.logprobs().mean(), {}
 
             one, two = [self._batch(b, s)], [self._batch(b, s), self._batch(b, s)]
-            t1 = timed(lambda: model.train_step(one, loss_fn, opt, max_grad_norm=1.0), self.group, warmup, repeats)
-            t2 = timed(lambda: model.train_step(two, loss_fn, opt, max_grad_norm=1.0), self.group, warmup, repeats)
+            t1 = timed(lambda: model.train_step(one, loss_fn, opt, max_grad_norm=1.0), self.group, warmup, repeats,
+                       clock=self.clock)
+            t2 = timed(lambda: model.train_step(two, loss_fn, opt, max_grad_norm=1.0), self.group, warmup, repeats,
+                       clock=self.clock)
             return {"train1": t1, "train2": t2}
         if kind == "generate":
             # on the stack model, whose decode steps the layer table prices (``layers`` of them)
@@ -338,7 +342,8 @@ class LayerProfiler:
             out = {"layers": float(self.n_stack)}
             for n in GEN_TOKENS:
                 cfg = GenerationConfig(max_new_tokens=n, min_new_tokens=n)
-                out[f"gen{n}"] = timed(lambda: gen_model.generate(prompts, cfg), self.group, warmup, repeats)
+                out[f"gen{n}"] = timed(lambda: gen_model.generate(prompts, cfg), self.group, warmup, repeats,
+                                       clock=self.clock)
             return out
         if kind == "ppo_train":
             return self.time_ppo_train(b, s, warmup, repeats)
@@ -377,9 +382,9 @@ class LayerProfiler:
         def loss_fn(out, mb):
             return out.logprobs().mean(), {}
 
-        t_iface = timed(lambda: impl.actor_train(ctx, inputs), self.group, warmup, repeats)
+        t_iface = timed(lambda: impl.actor_train(ctx, inputs), self.group, warmup, repeats, clock=self.clock)
         t_engine = timed(lambda: model.train_step([batch], loss_fn, opt, max_grad_norm=1.0), self.group, warmup,
-                         repeats)
+                         repeats, clock=self.clock)
         return {"interface": t_iface, "engine": t_engine}
 
     def time_optimizer(self, n_layers: int, warmup: int, repeats: int) -> tuple[int, float]:
@@ -409,7 +414,7 @@ class LayerProfiler:
             else:
                 opt.step()
 
-        t = timed(run, self.group, warmup, repeats, setup)
+        t = timed(run, self.group, warmup, repeats, setup, clock=self.clock)
         for p in params.values():
             p.grad = None
         return sum(p.numel() for p in params.values()), t

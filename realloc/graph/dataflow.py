@@ -30,6 +30,7 @@ from realloc.algorithms.lora_graph import adapters_off, apply_lora, lora_digest,
 from realloc.algorithms.registry import Interface, Table, interfaces_of, resolve_minibatches
 from realloc.api import ExperimentSpec, HFModel, ModelFunctionCallDef
 from realloc.graph.contracts import check_contracts
+from realloc.graph.partial_check import partial_rollout_error
 from realloc.models.config import RULE_MODEL_TYPE, ModelConfig, get_model_config, is_known_model_type, known_model_types
 
 DATA, PARAM = "data", "param"
@@ -161,9 +162,11 @@ class DataflowGraph:
         """Why this graph cannot run with generation ``staleness`` train steps ahead; None if it can.
 
         A stale call must come before every other call of its model in an iteration: the others read the
-        current version, and the stale call's snapshot of the parameters is taken before they change it."""
-        if staleness == 0:
-            return None
+        current version, and the stale call's snapshot of the parameters is taken before they change it.
+        Partial rollouts need max_staleness above it (``partial_check.py``)."""
+        partial = partial_rollout_error(self, staleness)
+        if partial or staleness == 0:
+            return partial
         if not self.stale_calls:
             return (f"staleness {staleness} needs a GENERATE call of a trained model (generation running ahead "
                     f"of training), and experiment {self.spec.name!r} has none; use staleness 0")
@@ -377,5 +380,8 @@ def build_graph(spec: ExperimentSpec) -> DataflowGraph:
     interfaces = check_contracts(spec, table, model_configs)  # the structure is sound: now what each call runs
     _check_positions(spec, model_configs)
 
-    return DataflowGraph(spec=spec, graph=g, model_types=MappingProxyType(model_types), carry_edges=tuple(carry),
-                         model_configs=MappingProxyType(model_configs), interfaces=MappingProxyType(interfaces))
+    graph = DataflowGraph(spec=spec, graph=g, model_types=MappingProxyType(model_types), carry_edges=tuple(carry),
+                          model_configs=MappingProxyType(model_configs), interfaces=MappingProxyType(interfaces))
+    if why := partial_rollout_error(graph, 0):  # no plan can run them (max_staleness 0)
+        raise ValueError(why)
+    return graph

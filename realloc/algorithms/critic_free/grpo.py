@@ -20,7 +20,7 @@ several optimizer steps; with one step the ratio is 1 and it is plain REINFORCE 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import ClassVar, Literal
 
 from realloc.algorithms.interface import Interface
 from realloc.algorithms.pg.pg_config import LOSS_NORMS, PGLossConfig
@@ -47,6 +47,7 @@ class CriticFreeConfig(PGLossConfig):
 
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig(CriticFreeConfig):
+    PARTIAL_ROLLOUTS: ClassVar[bool] = True  # its train step reads loss_mask (partial_rollout_tokens)
     scale_rewards: bool = True  # divide by the group's std (False: Dr. GRPO)
     loss_norm: Literal["sequence", "token", "constant"] = "sequence"
     # GRPO's KL is Schulman's k3, in the loss (DeepSeekMath eq. 4)
@@ -61,6 +62,7 @@ class GRPOConfig(CriticFreeConfig):
 
 @dataclasses.dataclass(frozen=True)
 class RLOOConfig(CriticFreeConfig):
+    PARTIAL_ROLLOUTS: ClassVar[bool] = True
     kl_coef: float = 0.05
 
 

@@ -53,7 +53,8 @@ def policy_steps(ctx: CallContext, inputs: Data, adv: torch.Tensor, position: to
         position = torch.tensor(list(ctx.ids), dtype=torch.long)
     M = ctx.call.n_minibatches
     mb_of_row = torch.where(position >= 0, position % M, torch.full_like(position, -1))
-    local = torch.stack([torch.stack([mask[mb_of_row == k].sum().double(), (mb_of_row == k).sum().double()])
+    learns = mask.any(dim=1)  # a pending response (partial rollouts) has no loss tokens: it neither counts nor steps
+    local = torch.stack([torch.stack([mask[mb_of_row == k].sum().double(), ((mb_of_row == k) & learns).sum().double()])
                          for k in range(M)])
     counts = dp_all_reduce(model, local)  # [M, (tokens, sequences)] of the whole mini-batches
     lrs = [cfg.lr_at(cfg.lr, ctx.iteration * M + k, ctx.schedule_steps) for k in range(M)]

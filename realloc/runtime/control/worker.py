@@ -49,6 +49,7 @@ from realloc.models.hf_io import load_hf_checkpoint
 from realloc.models.weights import param_seed
 from realloc.overrides import load_with_overrides
 from realloc.runtime.control.program import CallLayout, LayoutKey, RuntimeProgram
+from realloc.runtime.control.worker_partial import PartialStore
 from realloc.runtime.inputs.datasets import dataset_rows, load_dataset
 from realloc.runtime.inputs.evaluation import EVAL_SEED, eval_calls, eval_key, write_eval_samples
 from realloc.runtime.inputs.preflight import vocab_limit
@@ -74,9 +75,7 @@ class ModelHandle:
     """One model in one layout on this device."""
 
     def __init__(self, layout: CallLayout, model: ParallelModel, optimizer: torch.optim.Optimizer | None) -> None:
-        self.layout = layout
-        self.model = model
-        self.optimizer = optimizer
+        self.layout, self.model, self.optimizer = layout, model, optimizer
         self.offloader: HostOffload | None = None
         # Train steps applied to the parameters held here (set at home; a snapshot copies it with them).
         self.version = 0
@@ -250,14 +249,12 @@ class ModelWorker:
         elif isinstance(req, protocol.Offload):
             self.offload(req)
         elif isinstance(req, protocol.SaveCheckpoint):
-            self.save(Path(req.directory))
+            self.save(Path(req.directory), req.iteration)
         elif isinstance(req, protocol.ReleaseData):
             self.store.release(req.before_iteration)
         elif isinstance(req, protocol.EnsureGroups):
             self.groups.ensure_rank_sets(req.rank_sets)
-        elif isinstance(req, protocol.Shutdown):
-            pass
-        return {}, []
+        return {}, []  # Shutdown: serve() stops after the reply
 
     # -- setup ----------------------------------------------------------------------------------------------
     def setup(self, resume: str | None, verify_checkpoint: bool = True) -> None:
@@ -315,6 +312,8 @@ class ModelWorker:
             kind = graph.dataset_kind if ec.scorer else "prompts"
             self.eval_dataset = load_dataset(kind, ev.dataset, self.spec, self.config, self.tokenizer,
                                              prog.generation_vocab_size(), RunPaths(self.run_dir).prompt_cache)
+        self.partials = PartialStore(self.spec.max_staleness, prog.staleness, Path(resume) if resume else None,
+                                     verify_checkpoint)
         if resume:
             self.load(Path(resume), verify_checkpoint)
 
@@ -385,6 +384,7 @@ class ModelWorker:
                                 group_size=spec.group_size, tokenizer=self.tokenizer,
                                 records=self._records(evaluating) if iface.records else None,
                                 lr_field=iface.lr if rpc.is_train else None)
+        self.partials.attach(ctx, fn, handle, evaluating)  # partial rollouts: the rows carried between iterations
         if rpc.is_train:  # the schedule holds for every train step, a custom one included (common.set_step_lr)
             set_step_lr(ctx, 0)
         if adapters_off(rpc):  # a LoRA model's base (the reference of a LoRA actor): lora_graph.py
@@ -514,13 +514,14 @@ class ModelWorker:
                     out.append((m, h))
         return out
 
-    def save(self, ckpt: Path) -> None:
+    def save(self, ckpt: Path, iteration: int) -> None:
         for m, h in self._trained_homes():
             dp_rank, tp_rank, pp_rank = h.coords
             # every dp rank takes part: a distributed optimizer gathers its sharded state (a collective)
             checkpoint.save_model_shard(ckpt, m, tp_rank, pp_rank, _layout_name(h.layout), h.model.params(),
                                         h.optimizer, write=dp_rank == 0, tp_pp=_tp_pp(h.layout))
         checkpoint.save_rng(ckpt, self.rank)
+        self.partials.save(ckpt, iteration)
 
     def load(self, ckpt: Path, verify: bool) -> None:
         for m, h in self._trained_homes():
@@ -568,11 +569,10 @@ def _tp_pp(cl: CallLayout) -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="realloc-worker", description="realloc model worker (started by `realloc run`)")
-    p.add_argument("--experiment", required=True)
-    p.add_argument("--run-dir", required=True)
-    p.add_argument("--run-id", required=True)
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--world-size", type=int, required=True)
+    for name in ("--experiment", "--run-dir", "--run-id"):
+        p.add_argument(name, required=True)
+    for name in ("--rank", "--world-size"):
+        p.add_argument(name, type=int, required=True)
     p.add_argument("--store", required=True, help="host:port of the rendezvous TCPStore")
     p.add_argument("--master", required=True, help="tcp://host:port of the master")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
