@@ -49,6 +49,7 @@ from realloc.models.hf_io import load_hf_checkpoint
 from realloc.models.weights import param_seed
 from realloc.overrides import load_with_overrides
 from realloc.runtime.control.program import CallLayout, LayoutKey, RuntimeProgram
+from realloc.runtime.control.pool_dtypes import reallocate_model
 from realloc.runtime.inputs.datasets import dataset_rows, load_dataset
 from realloc.runtime.inputs.evaluation import EVAL_SEED, eval_calls, eval_key, write_eval_samples
 from realloc.runtime.inputs.preflight import vocab_limit
@@ -278,7 +279,7 @@ class ModelWorker:
             source = self.spec.models.get(cl.model)
             # Parameters start at home (from the checkpoint, or seeded random); other layouts are filled by
             # reallocation when their turn comes.
-            model = ParallelModel(cfg, g, device=self.device, dtype=getattr(torch, prog.param_dtype),
+            model = ParallelModel(cfg, g, device=self.device, dtype=getattr(torch, prog.dtype_of(cl.call)[0]),
                                   init="random" if home and source is None else "empty", seed=self.config.seed)
             # A resumed run takes trained models from its own checkpoint; frozen ones always come from theirs.
             if home and source is not None and not (resume and prog.is_trained(cl.model)):
@@ -439,7 +440,6 @@ class ModelWorker:
     def reallocate(self, req: protocol.Reallocate) -> dict[str, float]:
         prog = self.program
         r = next(x for x in prog.reallocs(req.model) if (x.src_call, x.dst_call) == (req.src_call, req.dst_call))
-        plan = prog.realloc_plan(r)
         src = self.handles.get(prog.calls[r.src_call].key)
         dst = self.handles.get(prog.calls[r.dst_call].key)
         if src is not None and src.model.state != "ready":
@@ -450,12 +450,10 @@ class ModelWorker:
         if src is not None and req.version >= 0 and src.version != req.version:
             raise RuntimeError(f"snapshot {req.model} {req.src_call}->{req.dst_call} (iteration {req.iteration + 1}): "
                                f"home holds parameter version {src.version}, the schedule expects {req.version}")
-        _, st = self.reallocator.reallocate(plan, src.model.params() if src else None,
-                                            dst.model.params() if dst else None)
+        st = reallocate_model(self.reallocator, prog, r, src.model if src else None, dst.model if dst else None,
+                              self.device, req.drop_src)  # cast on receive, home kept across dtypes (pool_dtypes.py)
         if dst is not None:
             dst.version = req.version if req.version >= 0 else (src.version if src is not None else dst.version)
-        if src is not None and req.drop_src:
-            src.model.release()
         return {"sent_bytes": float(st.sent_bytes), "received_bytes": float(st.received_bytes)}
 
     def offload(self, req: protocol.Offload) -> None:
