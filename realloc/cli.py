@@ -108,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-bytes", type=int, default=None, help="largest collective message in bytes (default 64 MiB)")
     s.add_argument("--warmup", type=int, default=None, help="untimed runs per point (default 2)")
     s.add_argument("--repeats", type=int, default=None, help="timed runs per point; the median is kept (default 7)")
+    s.add_argument("--clock", default="wall", choices=["wall", "cpu"], help="wall (default), or cpu: each process's "
+                   "CPU time, for a machine other processes load (tp=1; collectives stay on the wall clock)")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     _profiles_option(s)
     s.set_defaults(func=_Command("realloc.estimator.profile_cli"))

@@ -173,3 +173,19 @@ def test_a_local_run_on_two_kinds_matches_one_kind_within_bf16(tmp_path):
     # Later iterations sample from slightly different weights (Adam's first steps amplify any difference), so
     # they are compared by what they are: finite, the same size of numbers.
     assert len(two) == 2 and all(math.isfinite(two[1][k]) for k in HEADLINE)
+
+
+# -- measuring a kind on a loaded machine --------------------------------------------------------------------
+def test_profile_can_time_in_cpu_time():
+    import time
+
+    from realloc.cli import build_parser
+    from realloc.estimator.profile_cli import build_job, command_line
+    from realloc.estimator.profiler import timed
+
+    args = build_parser().parse_args(["profile", "--model", "tiny", "--kind", "cpu-bf16", "--clock", "cpu"])
+    assert build_job(args).clock == "cpu" and "--clock cpu" in command_line(args)
+    assert build_job(build_parser().parse_args(["profile", "--model", "tiny"])).clock == "wall"
+    # a sleep takes wall time and no CPU time: the clock is the thread's CPU time, not the wall's
+    assert timed(lambda: time.sleep(0.05), None, 0, 3) >= 0.05
+    assert timed(lambda: time.sleep(0.05), None, 0, 3, clock=time.thread_time) < 0.025

@@ -55,6 +55,7 @@ class ProfileJob:
     collective_sizes: tuple[int, ...]  # group sizes
     max_collective_bytes: int
     collective_repeats: int
+    clock: str = "wall"  # "cpu": each process's CPU time (time.thread_time) for the layers, on a loaded machine
 
     @property
     def world(self) -> int:
@@ -133,7 +134,8 @@ def build_job(args: argparse.Namespace) -> ProfileJob:
                              f"{n_gpus}; lower --tp or --collectives")
     return ProfileJob(model_type=args.model, device=args.device, kind=kind, dtype=hw.dtype, tps=tps, grid=grid,
                       collective_sizes=sizes, max_collective_bytes=getattr(args, "max_bytes", None)
-                      or DEFAULT_MAX_COLLECTIVE_BYTES, collective_repeats=max(repeats - 2, 3))
+                      or DEFAULT_MAX_COLLECTIVE_BYTES, collective_repeats=max(repeats - 2, 3),
+                      clock=getattr(args, "clock", None) or "wall")
 
 
 # -- worker ---------------------------------------------------------------------------------------
@@ -183,7 +185,8 @@ def _run_worker(rank: int, job: ProfileJob, init_file: str, out: "mp.Queue[str]"
     g = job.grid
     for tp in job.tps:
         if rank < tp:
-            prof = LayerProfiler(cfg, cache.model_groups(layouts[tp]), dtype=dtype, device=device)
+            prof = LayerProfiler(cfg, cache.model_groups(layouts[tp]), dtype=dtype, device=device,
+                                 clock=time.thread_time if job.clock == "cpu" else time.perf_counter)
             ops: dict[str, dict[tuple[int, int], float]] = {}
             for part, phase, b, s in op_plan(g):
                 ops.setdefault(f"{part.value}.{phase.value}", {})[b, s] = prof.time_op(part, phase, b, s, g.warmup,
@@ -334,9 +337,9 @@ def command_line(args: argparse.Namespace) -> str:
     """The ``realloc profile`` command that reproduces this run."""
     parts = ["realloc", "profile", "--model", args.model, "--device", args.device, "--tp", args.tp]
     for opt in ("kind", "batch_sizes", "seq_lens", "ctx_lens", "collectives", "max_bytes", "warmup", "repeats",
-                "out"):
+                "clock", "out"):
         v = getattr(args, opt, None)
-        if v is not None:
+        if v is not None and not (opt == "clock" and v == "wall"):
             parts += ["--" + opt.replace("_", "-"), str(v)]
     return " ".join(shlex.quote(p) for p in parts)
 
@@ -484,6 +487,8 @@ def main(args: argparse.Namespace) -> int:
         "threads_per_process": 1 if job.device == "cpu" else None,
         "warmup": job.grid.warmup, "repeats": job.grid.repeats,
         "statistic": "median over repeats; each repeat is the slowest rank of the group",
+        **({"clock": "layers and engine calls in each process's CPU time (time.thread_time); collectives on the "
+                     "wall clock"} if job.clock == "cpu" else {}),
     }
     table = assemble_table(job, raw, meta)
     table.save(path)

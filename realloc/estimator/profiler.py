@@ -79,10 +79,11 @@ def graphed(run: Callable[[], object], device: torch.device) -> Callable[[], obj
 
 
 def timed(run: Callable[[], object], group: dist.ProcessGroup | None, warmup: int, repeats: int,
-          setup: Callable[[], object] | None = None) -> float:
+          setup: Callable[[], object] | None = None, clock: Callable[[], float] = time.perf_counter) -> float:
     """Median seconds of ``run()`` over ``repeats`` samples, each the max over ``group`` (a sample over a
     group of 2+ is the mean of consecutive runs, see GROUP_SAMPLE_SECONDS); ``setup()`` runs untimed
-    before every run."""
+    before every run. ``clock``: the wall clock, or ``time.thread_time`` (this thread's CPU time: what a run
+    costs on a machine that other processes load, for one thread without collectives)."""
     multi = group is not None and group.size() > 1
     # A GPU runs kernels after the host queued them: wait for the device before and after each timed run,
     # or the clock measures the launches only.
@@ -92,10 +93,10 @@ def timed(run: Callable[[], object], group: dist.ProcessGroup | None, warmup: in
         if setup:
             setup()
         sync()
-        t0 = time.perf_counter()
+        t0 = clock()
         run()
         sync()
-        last = time.perf_counter() - t0
+        last = clock() - t0
     runs = 1
     if multi:
         # every rank must run the op the same number of times (its collectives pair up)
@@ -111,10 +112,10 @@ def timed(run: Callable[[], object], group: dist.ProcessGroup | None, warmup: in
             if setup:
                 setup()
             sync()
-            t0 = time.perf_counter()
+            t0 = clock()
             run()
             sync()
-            total += time.perf_counter() - t0
+            total += clock() - t0
         times.append(total / runs)
     if multi:
         t = torch.tensor(times, dtype=torch.float64)
@@ -133,13 +134,14 @@ class LayerProfiler:
     """Builds one-layer models of ``cfg`` (actor and critic heads) on this tp group and times their parts."""
 
     def __init__(self, cfg: ModelConfig, groups, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", clock: Callable[[], float] = time.perf_counter) -> None:
         from realloc.models.engine import ParallelModel
 
         one = dataclasses.replace(cfg, n_layers=1, is_critic=False, tie_embeddings=False)
         self.cfg = one
         self.groups = groups
         self.group = groups.tp_group
+        self.clock = clock
         self.actor = ParallelModel(one, groups, device=device, dtype=dtype, seed=1)
         self.critic = ParallelModel(one.as_critic(), groups, device=device, dtype=dtype, seed=2)
         self.device, self.dtype = self.actor.device, dtype
@@ -295,15 +297,19 @@ class LayerProfiler:
                 critic.head(h)
         return run, None
 
+    def timed(self, run: Callable[[], object], warmup: int, repeats: int,
+              setup: Callable[[], object] | None = None) -> float:
+        return timed(run, self.group, warmup, repeats, setup, self.clock)
+
     def time_op(self, part: Part, phase: Phase, b: int, s: int, warmup: int, repeats: int) -> float:
         run, setup = self.op_runner(part, phase, b, s)
         if (part, phase) == (Part.BLOCK, Phase.DECODE):
-            return timed(run, self.group, warmup, repeats, setup) / self.n_stack
+            return self.timed(run, warmup, repeats, setup) / self.n_stack
         if phase is not Phase.BWD:
-            return timed(run, self.group, warmup, repeats, setup)
-        total = timed(run, self.group, warmup, repeats, setup)
+            return self.timed(run, warmup, repeats, setup)
+        total = self.timed(run, warmup, repeats, setup)
         fwd_run, _ = self.op_runner(part, Phase.FWD, b, s)
-        fwd = timed(fwd_run, self.group, warmup, repeats)
+        fwd = self.timed(fwd_run, warmup, repeats)
         # never below a tenth of the total: the two medians are of noisy runs
         return max(total - fwd, 0.1 * total)
 
@@ -319,7 +325,7 @@ class LayerProfiler:
         model = self.actor
         if kind == "forward":
             batch = self._batch(b, s)
-            t = timed(lambda: model.forward(batch), self.group, warmup, repeats)
+            t = self.timed(lambda: model.forward(batch), warmup, repeats)
             return {"engine.fwd": t}
         if kind == "train":
             opt = model.make_optimizer(lr=1e-9)
@@ -328,8 +334,8 @@ class LayerProfiler:
                 return out.logprobs().mean(), {}
 
             one, two = [self._batch(b, s)], [self._batch(b, s), self._batch(b, s)]
-            t1 = timed(lambda: model.train_step(one, loss_fn, opt, max_grad_norm=1.0), self.group, warmup, repeats)
-            t2 = timed(lambda: model.train_step(two, loss_fn, opt, max_grad_norm=1.0), self.group, warmup, repeats)
+            t1 = self.timed(lambda: model.train_step(one, loss_fn, opt, max_grad_norm=1.0), warmup, repeats)
+            t2 = self.timed(lambda: model.train_step(two, loss_fn, opt, max_grad_norm=1.0), warmup, repeats)
             return {"train1": t1, "train2": t2}
         if kind == "generate":
             # on the stack model, whose decode steps the layer table prices (``layers`` of them)
@@ -338,7 +344,7 @@ class LayerProfiler:
             out = {"layers": float(self.n_stack)}
             for n in GEN_TOKENS:
                 cfg = GenerationConfig(max_new_tokens=n, min_new_tokens=n)
-                out[f"gen{n}"] = timed(lambda: gen_model.generate(prompts, cfg), self.group, warmup, repeats)
+                out[f"gen{n}"] = self.timed(lambda: gen_model.generate(prompts, cfg), warmup, repeats)
             return out
         if kind == "ppo_train":
             return self.time_ppo_train(b, s, warmup, repeats)
@@ -377,9 +383,8 @@ class LayerProfiler:
         def loss_fn(out, mb):
             return out.logprobs().mean(), {}
 
-        t_iface = timed(lambda: impl.actor_train(ctx, inputs), self.group, warmup, repeats)
-        t_engine = timed(lambda: model.train_step([batch], loss_fn, opt, max_grad_norm=1.0), self.group, warmup,
-                         repeats)
+        t_iface = self.timed(lambda: impl.actor_train(ctx, inputs), warmup, repeats)
+        t_engine = self.timed(lambda: model.train_step([batch], loss_fn, opt, max_grad_norm=1.0), warmup, repeats)
         return {"interface": t_iface, "engine": t_engine}
 
     def time_optimizer(self, n_layers: int, warmup: int, repeats: int) -> tuple[int, float]:
@@ -409,7 +414,7 @@ class LayerProfiler:
             else:
                 opt.step()
 
-        t = timed(run, self.group, warmup, repeats, setup)
+        t = self.timed(run, warmup, repeats, setup)
         for p in params.values():
             p.grad = None
         return sum(p.numel() for p in params.values()), t

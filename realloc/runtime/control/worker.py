@@ -213,7 +213,7 @@ class ModelWorker:
             on_gpu = self.device.type == "cuda"
             if on_gpu:
                 torch.cuda.reset_peak_memory_stats(self.device)  # each request's own peak
-            start = time.time()
+            start, cpu = time.time(), time.thread_time()  # cpu: this thread's CPU time, for a loaded machine
             self.sample_parts, self.row_tokens = [], (0, [])
             try:
                 stats, outputs = self.handle(req)
@@ -231,7 +231,8 @@ class ModelWorker:
                                        start=start, end=time.time())
             self.heartbeat.busy_req = -1
             if reply.ok:
-                log.info("%s: %.3f s, %s", _describe(req), reply.end - reply.start, self._memory())
+                log.info("%s: %.3f s (cpu %.3f s), %s", _describe(req), reply.end - reply.start,
+                         time.thread_time() - cpu, self._memory())
             self.sock.send_multipart(packed_reply(self.channel, reply))
             if isinstance(req, protocol.Shutdown):
                 return
