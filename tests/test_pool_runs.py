@@ -189,3 +189,14 @@ def test_profile_can_time_in_cpu_time():
     # a sleep takes wall time and no CPU time: the clock is the thread's CPU time, not the wall's
     assert timed(lambda: time.sleep(0.05), None, 0, 3) >= 0.05
     assert timed(lambda: time.sleep(0.05), None, 0, 3, clock=time.thread_time) < 0.025
+
+
+def test_an_unknown_kind_is_one_line_at_show(tmp_path, capsys):
+    from realloc import cli
+
+    exp = tmp_path / "typo.py"
+    exp.write_text(textwrap.dedent(ONE_KIND.format(experiments=str(REPO / "experiments"), dataset="x.jsonl"))
+                   .replace('Pool("cpu1", "cpu", 1)', 'Pool("cpu1", "cpu-bf61", 1)'))
+    assert cli.main(["show", str(exp)]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pool 1: unknown device kind 'cpu-bf61'" in err[0] and "cpu-bf16" in err[0]
