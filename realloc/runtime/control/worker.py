@@ -231,7 +231,7 @@ class ModelWorker:
                                        start=start, end=time.time())
             self.heartbeat.busy_req = -1
             if reply.ok:
-                log.info("%s: %.3f s (cpu %.3f s), %s", _describe(req), reply.end - reply.start,
+                log.info("%s: %.3f s (cpu %.4f s), %s", _describe(req), reply.end - reply.start,
                          time.thread_time() - cpu, self._memory())
             self.sock.send_multipart(packed_reply(self.channel, reply))
             if isinstance(req, protocol.Shutdown):
