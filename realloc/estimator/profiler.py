@@ -297,15 +297,19 @@ class LayerProfiler:
                 critic.head(h)
         return run, None
 
+    def timed(self, run: Callable[[], object], warmup: int, repeats: int,
+              setup: Callable[[], object] | None = None) -> float:
+        return timed(run, self.group, warmup, repeats, setup, self.clock)
+
     def time_op(self, part: Part, phase: Phase, b: int, s: int, warmup: int, repeats: int) -> float:
         run, setup = self.op_runner(part, phase, b, s)
         if (part, phase) == (Part.BLOCK, Phase.DECODE):
-            return timed(run, self.group, warmup, repeats, setup, clock=self.clock) / self.n_stack
+            return self.timed(run, warmup, repeats, setup) / self.n_stack
         if phase is not Phase.BWD:
-            return timed(run, self.group, warmup, repeats, setup, clock=self.clock)
-        total = timed(run, self.group, warmup, repeats, setup, clock=self.clock)
+            return self.timed(run, warmup, repeats, setup)
+        total = self.timed(run, warmup, repeats, setup)
         fwd_run, _ = self.op_runner(part, Phase.FWD, b, s)
-        fwd = timed(fwd_run, self.group, warmup, repeats, clock=self.clock)
+        fwd = self.timed(fwd_run, warmup, repeats)
         # never below a tenth of the total: the two medians are of noisy runs
         return max(total - fwd, 0.1 * total)
 
@@ -321,7 +325,7 @@ class LayerProfiler:
         model = self.actor
         if kind == "forward":
             batch = self._batch(b, s)
-            t = timed(lambda: model.forward(batch), self.group, warmup, repeats, clock=self.clock)
+            t = self.timed(lambda: model.forward(batch), warmup, repeats)
             return {"engine.fwd": t}
         if kind == "train":
             opt = model.make_optimizer(lr=1e-9)
@@ -330,10 +334,8 @@ class LayerProfiler:
                 return out.logprobs().mean(), {}
 
             one, two = [self._batch(b, s)], [self._batch(b, s), self._batch(b, s)]
-            t1 = timed(lambda: model.train_step(one, loss_fn, opt, max_grad_norm=1.0), self.group, warmup, repeats,
-                       clock=self.clock)
-            t2 = timed(lambda: model.train_step(two, loss_fn, opt, max_grad_norm=1.0), self.group, warmup, repeats,
-                       clock=self.clock)
+            t1 = self.timed(lambda: model.train_step(one, loss_fn, opt, max_grad_norm=1.0), warmup, repeats)
+            t2 = self.timed(lambda: model.train_step(two, loss_fn, opt, max_grad_norm=1.0), warmup, repeats)
             return {"train1": t1, "train2": t2}
         if kind == "generate":
             # on the stack model, whose decode steps the layer table prices (``layers`` of them)
@@ -342,8 +344,7 @@ class LayerProfiler:
             out = {"layers": float(self.n_stack)}
             for n in GEN_TOKENS:
                 cfg = GenerationConfig(max_new_tokens=n, min_new_tokens=n)
-                out[f"gen{n}"] = timed(lambda: gen_model.generate(prompts, cfg), self.group, warmup, repeats,
-                                       clock=self.clock)
+                out[f"gen{n}"] = self.timed(lambda: gen_model.generate(prompts, cfg), warmup, repeats)
             return out
         if kind == "ppo_train":
             return self.time_ppo_train(b, s, warmup, repeats)
@@ -382,9 +383,8 @@ class LayerProfiler:
         def loss_fn(out, mb):
             return out.logprobs().mean(), {}
 
-        t_iface = timed(lambda: impl.actor_train(ctx, inputs), self.group, warmup, repeats, clock=self.clock)
-        t_engine = timed(lambda: model.train_step([batch], loss_fn, opt, max_grad_norm=1.0), self.group, warmup,
-                         repeats, clock=self.clock)
+        t_iface = self.timed(lambda: impl.actor_train(ctx, inputs), warmup, repeats)
+        t_engine = self.timed(lambda: model.train_step([batch], loss_fn, opt, max_grad_norm=1.0), warmup, repeats)
         return {"interface": t_iface, "engine": t_engine}
 
     def time_optimizer(self, n_layers: int, warmup: int, repeats: int) -> tuple[int, float]:
@@ -414,7 +414,7 @@ class LayerProfiler:
             else:
                 opt.step()
 
-        t = timed(run, self.group, warmup, repeats, setup, clock=self.clock)
+        t = self.timed(run, warmup, repeats, setup)
         for p in params.values():
             p.grad = None
         return sum(p.numel() for p in params.values()), t

@@ -57,6 +57,7 @@ from realloc.models.generation import GenerationOutput, generate
 from realloc.models.groups import ModelParallelGroups
 from realloc.models.llama import LlamaStage
 from realloc.models.lora import LoRAState, adapters_disabled, attach_adapters
+from realloc.models.loss_scale import DynamicLossScale
 from realloc.models.megatron_shim import prepare_device
 from realloc.models.optim import MasterWeightAdamW
 from realloc.models.packing import PackPlan, pack_layout, token_balanced_ranges
@@ -303,11 +304,15 @@ class ParallelModel:
             raise ValueError(f"make_optimizer: grad_dtype={grad_dtype} needs a bf16 model; this one is {self.dtype} "
                              f"and keeps fp32 gradients (set grad_dtype to fp32)")
         trained = self._trained
+        opt: MasterWeightAdamW | DistributedAdamW | None = None
         if self.groups.dp > 1:
-            return DistributedAdamW(trained, self.groups.dp_group, lr, weight_decay, betas, eps,
-                                    masters=self._low_precision, grad_dtype=grad_dtype)
-        if self._low_precision:
-            return MasterWeightAdamW(trained, lr, weight_decay, betas, eps, grad_dtype=grad_dtype)
+            opt = DistributedAdamW(trained, self.groups.dp_group, lr, weight_decay, betas, eps,
+                                   masters=self._low_precision, grad_dtype=grad_dtype)
+        elif self._low_precision:
+            opt = MasterWeightAdamW(trained, lr, weight_decay, betas, eps, grad_dtype=grad_dtype)
+        if opt is not None:
+            opt.loss_scale = DynamicLossScale() if self.dtype == torch.float16 else None
+            return opt
         decay = [p for n, p in trained.items() if p.dim() >= 2]
         no_decay = [p for n, p in trained.items() if p.dim() < 2]
         return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
@@ -361,8 +366,10 @@ class ParallelModel:
         ranks also ``loss`` and the loss function's stats, averaged over micro-batches and dp replicas.
         """
         self._require("ready", "train_step")
-        if self.dtype == torch.float16:
-            raise ValueError("train_step: float16 training needs loss scaling, which is not implemented; use bfloat16")
+        scaler = getattr(optimizer, "loss_scale", None)  # fp16 only (loss_scale.py)
+        if self.dtype == torch.float16 and scaler is None:
+            raise ValueError("train_step: a float16 model trains with loss scaling; pass model.make_optimizer()")
+        scale = scaler.scale if scaler is not None else 1.0
         distributed = isinstance(optimizer, DistributedAdamW)
         if distributed and (optimizer.params.keys() != self._trained.keys() or optimizer.dp != self.groups.dp):
             raise ValueError("train_step: the DistributedAdamW was made for another model; pass model.make_optimizer()")
@@ -392,7 +399,7 @@ class ParallelModel:
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise ValueError("train_step: loss_fn must return (scalar loss tensor, stats dict)")
             mb_stats.append({"loss": float(loss.detach()), **{k: float(v) for k, v in dict(stats).items()}})
-            return loss * weights[i]
+            return loss * (weights[i] * scale)
 
         self.stage.train()
         trained = self._trained
@@ -414,6 +421,9 @@ class ParallelModel:
             else:
                 grads.ensure_grads(trained)
                 main = grads.param_grads(trained)
+            if scale != 1.0:
+                for t in main.values():
+                    t.div_(scale)  # an overflow stays inf: the norm below is not finite, and the step is skipped
             if self.sequence_parallel:
                 grads.sync_sequence_parallel(main, self.specs, g)
             if self.cfg.tie_embeddings and "model.embed_tokens.weight" in main:  # frozen under LoRA
@@ -426,6 +436,8 @@ class ParallelModel:
                 grads.average_data_parallel(main, g)
             norm = grads.global_norm(main, self.specs, g, dp_chunks=distributed)
             finite = math.isfinite(norm)
+            if scaler is not None:
+                scaler.update(finite)
             if finite:
                 if max_grad_norm is not None:
                     grads.clip_(main, norm, max_grad_norm)

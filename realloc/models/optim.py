@@ -14,6 +14,8 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from realloc.models.loss_scale import DynamicLossScale
+
 GRAD_DTYPES = (torch.float32, torch.bfloat16)  # the main_grad buffers a bf16 model may train with
 
 
@@ -39,6 +41,7 @@ class MasterWeightAdamW:
             raise ValueError(f"MasterWeightAdamW: grad_dtype must be torch.float32 or torch.bfloat16, got {grad_dtype}")
         self.grad_dtype = grad_dtype
         self.params = dict(params)
+        self.loss_scale: DynamicLossScale | None = None  # fp16 models: set by make_optimizer (loss_scale.py)
         self.masters = {n: torch.nn.Parameter(p.detach().float().clone()) for n, p in self.params.items()}
         decay = [m for m in self.masters.values() if m.dim() >= 2]
         no_decay = [m for m in self.masters.values() if m.dim() < 2]

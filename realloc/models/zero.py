@@ -40,6 +40,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from realloc.models.loss_scale import DynamicLossScale
 from realloc.models.optim import GRAD_DTYPES, step_each
 
 BUCKET_NUMEL = 1 << 25  # elements per flat reduce-scatter/all-gather buffer (grads.BUCKET_NUMEL's size)
@@ -91,6 +92,7 @@ class DistributedAdamW:
         if grad_dtype != torch.float32 and not masters:
             raise ValueError("DistributedAdamW: bf16 gradients need fp32 master chunks (masters=True)")
         self.grad_dtype = grad_dtype
+        self.loss_scale: DynamicLossScale | None = None  # fp16 models: set by make_optimizer (loss_scale.py)
         self.params = {n: params[n] for n in sorted(params)}
         self.group = dp_group
         self.dp = dp_group.size()

@@ -238,10 +238,7 @@ def main(args: argparse.Namespace) -> int:
     else:  # the checkpoint's run's overrides again; a changed setting only with --allow-changed-settings
         resumed = resume_settings(args.experiment, ckpt, checkpoint.read_meta(ckpt), sets, args.allow_changed_settings)
         spec, sets, changed, reapplied = resumed.spec, resumed.overrides, resumed.changed, resumed.recorded
-    if spec.cluster.pools:
-        raise ValueError(f"cluster {spec.cluster.nodelist!r} has {len(spec.cluster.pools)} pools of different device "
-                         f"kinds: realloc show and realloc search plan it, but realloc run does not run pools yet "
-                         f"(docs/heterogeneous.md); run on one pool (@auto(nodelist=..., device=...))")
+    _check_pools(spec, args.launcher)
     graph = build_graph(spec)
     config = RunConfig.of(spec)
     start = 0
@@ -491,6 +488,18 @@ def _check_local(spec: ExperimentSpec) -> None:
     if torch.cuda.device_count() < c.n_devices_per_node:
         raise ValueError(f"cluster {c.nodelist!r} needs {c.n_devices_per_node} {c.device} GPUs but this machine has "
                          f"{torch.cuda.device_count()}; {hint}")
+
+
+def _check_pools(spec: ExperimentSpec, launcher: str) -> None:
+    """Pools of CPU kinds (``cpu``, ``cpu-bf16``) run with the local launcher: their devices are processes here,
+    each in its pool's dtype (control/pool_dtypes.py). Launchers do not place ranks pool by pool yet."""
+    c = spec.cluster
+    gpu = [f"pool {i} ({p.device})" for i, p in enumerate(c.pools) if p.hardware.kind != "cpu"]
+    if c.pools and (gpu or launcher != "local"):
+        what = f"of GPU kinds ({', '.join(gpu)})" if gpu else f"with --launcher {launcher}"
+        raise ValueError(f"cluster {c.nodelist!r} has {len(c.pools)} pools: realloc run runs pools of CPU kinds with "
+                         f"the local launcher, but does not run pools yet {what} (docs/heterogeneous.md); realloc show "
+                         f"and realloc search plan it, or run on one pool")
 
 
 def _device(spec: ExperimentSpec) -> str:

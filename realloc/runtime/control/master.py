@@ -181,7 +181,7 @@ class Master(MasterLink, IterationSchedule, EvaluationPasses, CheckpointSaves):
         (``RunStats.summary``). Raises RunFailed."""
         self.abort = asyncio.Event()
         cluster = self.spec.cluster
-        names = [f"{cluster.nodes[cluster.node_of(r)]}:{r % cluster.n_devices_per_node}" for r in range(self.n_workers)]
+        names = [cluster.device_name(r) for r in range(self.n_workers)]  # node:index, pool by pool
         # A resumed run appends to the earlier sessions' records (dropping their iterations after its checkpoint).
         after = self.start if self.resume is not None else None
         self.trace = Trace(self.paths.trace, self.n_workers, names, t0=time.time(), resume_after=after)

@@ -66,14 +66,14 @@ def plan_node_hosts(cluster: ClusterSpec, hosts: dict[int, str]) -> list[str]:
     did: a node's devices on one host, and (for GPUs) distinct nodes on distinct hosts, or the plan's
     intra-node bandwidth would be a fiction. CPU clusters may simulate several nodes on one host.
     """
-    n = cluster.n_devices_per_node
     out = []
     for i in range(cluster.n_nodes):
-        seen = sorted({hosts[r] for r in range(i * n, (i + 1) * n) if r in hosts})
+        ranks = [r for r in range(cluster.n_devices) if cluster.node_of(r) == i]  # a block (pools: per pool's size)
+        seen = sorted({hosts[r] for r in ranks if r in hosts})
         if len(seen) > 1:
             raise ValueError(f"plan node {i} ({cluster.nodes[i]}) should be one machine, but its ranks "
-                             f"{i * n}..{(i + 1) * n - 1} run on {', '.join(seen)}; the launcher must place ranks in "
-                             f"blocks of {n} per node (srun --distribution=block)")
+                             f"{ranks[0]}..{ranks[-1]} run on {', '.join(seen)}; the launcher must place ranks in "
+                             f"blocks of {len(ranks)} per node (srun --distribution=block)")
         out.append(seen[0] if seen else "?")
     if cluster.hardware.kind != "cpu" and len(set(out)) < len(out):
         shared = sorted({h for h in out if out.count(h) > 1})

@@ -102,6 +102,7 @@ class RuntimeProgram:
                              f"(n_seqs differs: {sorted(sizes)}); leave n_seqs unset or make them equal")
         self.batch_size = sizes.pop()
         self.staleness = plan.staleness
+        # one pool: its dtype; several pools: the first pool's (each layout's own is ``dtype_of``)
         self.param_dtype, self.bytes_per_param = PARAM_DTYPES[spec.cluster.hardware.dtype]
         self.calls: dict[str, CallLayout] = {}
         for name in graph.topo_order:
@@ -198,6 +199,11 @@ class RuntimeProgram:
             out.append(Realloc(model, prev.calls[-1], cur.calls[0], prev.calls, wraps=False))
         return tuple(out) + self.snapshots(model)
 
+    def dtype_of(self, call: str) -> tuple[str, int]:
+        """The torch dtype name and bytes per element of the parameters in ``call``'s layout: its pool's dtype."""
+        pool = self.graph.spec.cluster.pool_cluster(self.calls[call].mesh.pool)
+        return PARAM_DTYPES[pool.hardware.dtype]
+
     def layouts_on(self, rank: int) -> dict[LayoutKey, CallLayout]:
         """Distinct model layouts that include ``rank``, each named by its first call."""
         out: dict[LayoutKey, CallLayout] = {}
@@ -218,8 +224,9 @@ class RuntimeProgram:
     def realloc_plan(self, r: Realloc) -> TransferPlan:
         cfg = self.model_config(r.model)
         assert cfg is not None
+        # bytes travel in the sender's dtype; a receiver of another dtype casts them (pool_dtypes.py)
         return plan_param_realloc(cfg, self.calls[r.src_call].layout, self.calls[r.dst_call].layout,
-                                  bytes_per_element=self.bytes_per_param)
+                                  bytes_per_element=self.dtype_of(r.src_call)[1])
 
     # -- data ----------------------------------------------------------------------------------------
     def producer(self, call: str, ranges: tuple[tuple[int, int], ...] | None = None) -> DataLayout:

@@ -50,6 +50,7 @@ from realloc.models.weights import param_seed
 from realloc.overrides import load_with_overrides
 from realloc.runtime.control.program import CallLayout, LayoutKey, RuntimeProgram
 from realloc.runtime.control.worker_partial import PartialStore
+from realloc.runtime.control.pool_dtypes import reallocate_model
 from realloc.runtime.inputs.datasets import dataset_rows, load_dataset
 from realloc.runtime.inputs.evaluation import EVAL_SEED, eval_calls, eval_key, write_eval_samples
 from realloc.runtime.inputs.preflight import vocab_limit
@@ -211,7 +212,7 @@ class ModelWorker:
             on_gpu = self.device.type == "cuda"
             if on_gpu:
                 torch.cuda.reset_peak_memory_stats(self.device)  # each request's own peak
-            start = time.time()
+            start, cpu = time.time(), time.thread_time()  # cpu: this thread's CPU time, for a loaded machine
             self.sample_parts, self.row_tokens = [], (0, [])
             try:
                 stats, outputs = self.handle(req)
@@ -229,7 +230,8 @@ class ModelWorker:
                                        start=start, end=time.time())
             self.heartbeat.busy_req = -1
             if reply.ok:
-                log.info("%s: %.3f s, %s", _describe(req), reply.end - reply.start, self._memory())
+                log.info("%s: %.3f s (cpu %.4f s), %s", _describe(req), reply.end - reply.start,
+                         time.thread_time() - cpu, self._memory())
             self.sock.send_multipart(packed_reply(self.channel, reply))
             if isinstance(req, protocol.Shutdown):
                 return
@@ -275,7 +277,7 @@ class ModelWorker:
             source = self.spec.models.get(cl.model)
             # Parameters start at home (from the checkpoint, or seeded random); other layouts are filled by
             # reallocation when their turn comes.
-            model = ParallelModel(cfg, g, device=self.device, dtype=getattr(torch, prog.param_dtype),
+            model = ParallelModel(cfg, g, device=self.device, dtype=getattr(torch, prog.dtype_of(cl.call)[0]),
                                   init="random" if home and source is None else "empty", seed=self.config.seed)
             # A resumed run takes trained models from its own checkpoint; frozen ones always come from theirs.
             if home and source is not None and not (resume and prog.is_trained(cl.model)):
@@ -439,7 +441,6 @@ class ModelWorker:
     def reallocate(self, req: protocol.Reallocate) -> dict[str, float]:
         prog = self.program
         r = next(x for x in prog.reallocs(req.model) if (x.src_call, x.dst_call) == (req.src_call, req.dst_call))
-        plan = prog.realloc_plan(r)
         src = self.handles.get(prog.calls[r.src_call].key)
         dst = self.handles.get(prog.calls[r.dst_call].key)
         if src is not None and src.model.state != "ready":
@@ -450,12 +451,10 @@ class ModelWorker:
         if src is not None and req.version >= 0 and src.version != req.version:
             raise RuntimeError(f"snapshot {req.model} {req.src_call}->{req.dst_call} (iteration {req.iteration + 1}): "
                                f"home holds parameter version {src.version}, the schedule expects {req.version}")
-        _, st = self.reallocator.reallocate(plan, src.model.params() if src else None,
-                                            dst.model.params() if dst else None)
+        st = reallocate_model(self.reallocator, prog, r, src.model if src else None, dst.model if dst else None,
+                              self.device, req.drop_src)  # cast on receive, home kept across dtypes (pool_dtypes.py)
         if dst is not None:
             dst.version = req.version if req.version >= 0 else (src.version if src is not None else dst.version)
-        if src is not None and req.drop_src:
-            src.model.release()
         return {"sent_bytes": float(st.sent_bytes), "received_bytes": float(st.received_bytes)}
 
     def offload(self, req: protocol.Offload) -> None:

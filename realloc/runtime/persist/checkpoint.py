@@ -354,6 +354,9 @@ def save_model_shard(ckpt: Path, model: str, tp_rank: int, pp_rank: int, layout:
             for k, v in st.items():
                 tensors[f"optim/{name_of[id(p)]}/{k}"] = v if isinstance(v, torch.Tensor) else torch.tensor(v)
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in torch_opt.param_groups]
+    scaler = getattr(optimizer, "loss_scale", None)
+    if scaler is not None:  # fp16: the dynamic loss scale resumes where it was (models/loss_scale.py)
+        tensors["loss_scale"] = torch.tensor([scaler.scale, float(scaler.good_steps)], dtype=torch.float64)
     if not write:
         return
     _save(shard_file(ckpt, model, tp_rank, pp_rank), tensors,
@@ -392,6 +395,10 @@ def load_model_shard(ckpt: Path, model: str, tp_rank: int, pp_rank: int, layout:
                                  f"is {tuple(p.shape)}; the checkpoint was saved for another model shape (or "
                                  f"another realloc version's vocabulary padding): resume from a matching checkpoint")
             p.copy_(f.get_tensor(f"param/{n}"))
+        scaler = getattr(optimizer, "loss_scale", None)
+        if scaler is not None and "loss_scale" in keys:
+            scaler.scale, good = f.get_tensor("loss_scale").tolist()
+            scaler.good_steps = int(good)
         if _sharded(optimizer):
             _load_sharded(f, path, keys, meta, optimizer)
             return
