@@ -1,0 +1,107 @@
+"""Fused against serial actor and critic training on the local CPU cluster (issue 33; docs/fused-training.md).
+
+    .venv/bin/python benchmarks/bench_fused_train.py [--experiment experiments/ppo_small.py] [--n-mbs 4]
+        [--iterations 5] [--warmup 2] [--repeats 2]
+
+One PPO experiment on the 2-device cluster, every model call at dp 1, tp 1, pp 2 on both devices (no
+reallocation), the train calls at ``--n-mbs`` micro-batches: once with actor_train and critic_train one after
+the other (each its own 1F1B schedule), once fused (plan field 'fused': one schedule, the critic's stages in
+reverse order). The two plans run with ``realloc run``, ``--repeats`` times each, interleaved. Measured: the
+train calls' worker time per iteration (serial: the two requests' times added; fused: the one request's),
+the median over iterations after ``--warmup``, the fastest repeat (this host's other tenants only add time).
+Estimated: the estimator's call times added (serial), ``estimator/fused_cost.price_fused_pair`` (fused). It
+prints one table with both beside each other, the ratios, and the load average around every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from estimator_accuracy import Run, probe_machine, run_plan  # noqa: E402
+
+from realloc.api import load_experiment  # noqa: E402
+from realloc.estimator.cost import CostModel  # noqa: E402
+from realloc.estimator.fused_cost import price_fused_pair  # noqa: E402
+from realloc.graph.dataflow import build_graph  # noqa: E402
+from realloc.graph.plan import ExecutionPlan, validate_plan  # noqa: E402
+
+PAIR = ("actor_train", "critic_train")
+
+
+def plans(graph, node: str, n_mbs: int) -> dict[str, ExecutionPlan]:
+    pl = {c: (node, 2, 1, 1, 1) if graph.model_config(c) is None else (node, 1, 1, 2, n_mbs)
+          for c in graph.topo_order}
+    return {"serial 1F1B": ExecutionPlan.by_hand(graph, pl, source="bench serial"),
+            "fused": ExecutionPlan.by_hand(graph, pl, fused=[PAIR], source="bench fused")}
+
+
+def train_time(run: Run, fused: bool) -> list[float]:
+    """The pair's worker seconds per steady iteration."""
+    if fused:
+        return run.calls["+".join(PAIR)]
+    a, b = (run.calls[c] for c in PAIR)
+    return [x + y for x, y in zip(a, b)]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--experiment", default="experiments/ppo_small.py")
+    p.add_argument("--n-mbs", type=int, default=4)
+    p.add_argument("--iterations", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2)
+    args = p.parse_args()
+    spec = load_experiment(str(REPO / args.experiment))
+    graph = build_graph(spec)
+    cost = CostModel(graph)
+    ps = plans(graph, spec.cluster.nodes[0], args.n_mbs)
+    serial_plan = ps["serial 1F1B"]
+    meshes = validate_plan(serial_plan, graph)
+    est = {"serial 1F1B": sum(cost.call_cost(c, meshes[c], serial_plan.placements[c].strategy, args.n_mbs).time
+                              for c in PAIR)}
+    priced = price_fused_pair(cost, ps["fused"], *PAIR)
+    est["fused"] = priced.time
+    one, two = probe_machine()
+    runs: dict[str, list[Run]] = {name: [] for name in ps}
+    with tempfile.TemporaryDirectory(prefix="bench_fused_") as tmp:
+        for k in range(args.repeats):
+            for name, plan in ps.items():
+                run = run_plan(str(REPO / args.experiment), graph, name, plan, args.iterations, args.warmup,
+                               Path(tmp), f"r{k}")
+                runs[name].append(run)
+                print(f"  {name} run {k + 1}: pair {statistics.median(train_time(run, name == 'fused')):.3f} s/it, "
+                      f"load {run.load[0]:.1f} -> {run.load[1]:.1f}", flush=True)
+    meas = {name: min(statistics.median(train_time(r, name == "fused")) for r in rs) for name, rs in runs.items()}
+    mid = {name: statistics.median(statistics.median(train_time(r, name == "fused")) for r in rs)
+           for name, rs in runs.items()}
+    print(f"\n{spec.name}: batch {spec.batch_size}, {spec.prompt_len}+{spec.gen_len} tokens, {PAIR[0]} + {PAIR[1]} "
+          f"at dp1 tp1 pp2, {args.n_mbs} micro-batches, {priced.n_steps} optimizer steps each; iterations "
+          f"{args.warmup + 1}..{args.iterations}, fastest of {args.repeats} runs (median run in brackets)")
+    print(f"machine: load average {os.getloadavg()[0]:.1f} at the end; probe {one:.2f} s alone, {two:.2f} s with "
+          f"two processes ({two / one:.2f}x)\n")
+    header = f"{'schedule':<13}{'est. s':>9}{'meas. s':>18}{'est/meas':>10}{'load':>12}"
+    print(header)
+    print("-" * len(header))
+    for name in ps:
+        loads = [r.load for r in runs[name]]
+        print(f"{name:<13}{est[name]:>9.3f}{meas[name]:>9.3f} ({mid[name]:.3f}){est[name] / meas[name]:>10.2f}"
+              f"{min(x for x, _ in loads):>6.1f}-{max(y for _, y in loads):.1f}")
+    s, f = "serial 1F1B", "fused"
+    print(f"\nfused speed-up: measured {meas[s] / meas[f]:.2f}x (median runs {mid[s] / mid[f]:.2f}x), estimated "
+          f"{est[s] / est[f]:.2f}x; schedule: makespan {priced.schedule.makespan:.3f} s per step against "
+          f"{sum(priced.schedule.alone):.3f} s for the two 1F1B pipelines, lower bound "
+          f"{priced.schedule.lower_bound:.3f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
