@@ -75,3 +75,23 @@ def test_one_request_runs_the_pair_and_every_step_is_fused(runs):
         log = (runs["fused"] / f"logs/worker{rank}.log").read_text()
         assert "actor_train + critic_train: 2 optimizer steps of each fused" in log  # ppo_tiny's 2 mini-batches
         assert "critic layout localhost~reversed2 dp1·tp1·pp2" in log
+
+
+def test_the_timeline_draws_both_calls_passes_inside_the_request(runs, tmp_path):
+    """Each device recorded every pass of both calls (2 optimizer steps x (2 + 8 micro-batches) x forward and
+    backward), inside the pair's request on that device; ``realloc trace`` draws them."""
+    from realloc.cli import main as cli
+    from realloc.runtime.records.fused_passes import with_passes
+
+    requests = [json.loads(x) for x in (runs["fused"] / "requests.jsonl").read_text().splitlines()]
+    rows = with_passes(requests, runs["fused"])
+    fused = next(r for r in requests if r["label"] == "+".join(PAIR))
+    for rank in ("0", "1"):
+        passes = [r for r in rows if "pass" in r and rank in r["spans"]]
+        assert len(passes) == 2 * (2 + 8) * 2
+        assert {r["label"] for r in passes} == set(PAIR)
+        lo, hi = fused["spans"][rank]
+        assert all(lo <= r["spans"][rank][0] <= r["spans"][rank][1] <= hi for r in passes)
+    out = tmp_path / "timeline.html"
+    assert cli(["trace", str(runs["fused"]), "--timeline", str(out), "--no-estimate"]) == 0
+    assert "critic_train" in out.read_text() and "actor_train+critic_train" in out.read_text()

@@ -55,10 +55,12 @@ def check_fusable(models: Sequence[ParallelModel]) -> None:
                          f"stage {a.groups.pp_rank} of the first and {b.groups.pp_rank} of the second)")
 
 
-def fused_train_step(models: Sequence[ParallelModel], args: Sequence[TrainArgs],
-                     order: Sequence[Pass]) -> tuple[dict[str, float], dict[str, float]]:
+def fused_train_step(models: Sequence[ParallelModel], args: Sequence[TrainArgs], order: Sequence[Pass],
+                     record: list[tuple[int, int, int, float, float]] | None = None
+                     ) -> tuple[dict[str, float], dict[str, float]]:
     """One optimizer step of each model, their passes in ``order`` (this device's list from the schedule search:
-    ``FusedSchedule.order[pp_rank of the first model]``). Returns each model's ``train_step`` stats."""
+    ``FusedSchedule.order[pp_rank of the first model]``). Returns each model's ``train_step`` stats.
+    ``record``: gets each pass's (model, backward, micro-batch, start, end) (``fused_pipeline.run_fused``)."""
     if len(models) != 2 or len(args) != 2:
         raise ValueError(f"fused_train_step: fuses two models, got {len(models)}")
     check_fusable(models)
@@ -73,7 +75,7 @@ def fused_train_step(models: Sequence[ParallelModel], args: Sequence[TrainArgs],
             if models[0].groups.pp == 1:
                 _run_unpipelined(order, parts)
             else:
-                run_fused(order, parts)
+                run_fused(order, parts, record)
     except BaseException:
         for m in models[:len(runs)]:
             m.abandon_train_step()

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from realloc.models.fused_train import TrainArgs, fused_train_step
+from realloc.runtime.records.fused_passes import write_passes
 from realloc.runtime.wire import protocol
 
 
@@ -118,6 +119,7 @@ def run_fused_pair(worker: Any, req: protocol.RunCall) -> tuple[dict[str, float]
              _Side(1, baton, handles[1].model,
                    lambda: worker.run_call(second, req.iteration, ranges=req.fused_ranges), worker.device)]
     fused = alone = 0
+    passes: list[list[float]] = []  # (step, model, backward, micro-batch, start, end) for the timeline
     try:
         while True:
             for s in sides:
@@ -127,7 +129,9 @@ def run_fused_pair(worker: Any, req: protocol.RunCall) -> tuple[dict[str, float]
                 raise failed
             waiting = [s for s in sides if s.state == "waiting"]
             if len(waiting) == 2:
-                replies = fused_train_step([s.model for s in sides], [s.args for s in sides], order)
+                record: list[tuple[int, int, int, float, float]] = []
+                replies = fused_train_step([s.model for s in sides], [s.args for s in sides], order, record)
+                passes += [[fused, *p] for p in record]
                 for s, r in zip(sides, replies):
                     s.reply = r
                 fused += 1
@@ -151,5 +155,6 @@ def run_fused_pair(worker: Any, req: protocol.RunCall) -> tuple[dict[str, float]
                 s.thread.join()
     log.info("%s + %s: %d optimizer steps of each fused%s", first, second, fused,
              f", {alone} unfused (the calls took different numbers of steps)" if alone else "")
+    write_passes(worker.run_dir, worker.rank, req, passes)
     (stats_a, metas_a), (stats_b, metas_b) = sides[0].result, sides[1].result
     return {**stats_a, **{protocol.FUSED_SECOND_STATS + k: v for k, v in stats_b.items()}}, metas_a + metas_b
