@@ -82,11 +82,12 @@ CASES = [
     (((1, 2, 2), (2, 1, 2)), (2, 4), (True, False), "search"),
     (((2, 1, 2), (1, 2, 2)), (8, 8), (False, True), "greedy"),
     (((1, 2, 2), (1, 2, 2)), (4, 3), (False, False), "search"),
+    (((4, 1, 1), (2, 2, 1)), (2, 3), (False, True), "search"),  # pp 1: nothing to pipeline, same steps
 ]
 
 
 @pytest.mark.parametrize("layouts,n_mbs,recompute,which", CASES,
-                         ids=["tp2-sp+dp2-zero", "dp2-zero+tp2-sp", "tp2+tp2"])
+                         ids=["tp2-sp+dp2-zero", "dp2-zero+tp2-sp", "tp2+tp2", "pp1"])
 def test_fused_steps_leave_both_models_as_their_own_train_steps_do(pool, layouts, n_mbs, recompute, which):
     order = _order(n_mbs, which)
     for worst in pool.run(_both, layouts, n_mbs, recompute, order, timeout=240):
