@@ -47,8 +47,9 @@ class _Baton:
             self._cv.wait_for(lambda: self._turn == mine)
 
 
-class _Abort(Exception):
-    """Ends a call's thread waiting in a train step when the other call or the fused step failed."""
+class _Abort(BaseException):
+    """Ends a call's thread waiting in a train step when the other call or the fused step failed (a
+    BaseException, so that an interface's ``except Exception`` cannot swallow it and step again)."""
 
 
 class _Side:
