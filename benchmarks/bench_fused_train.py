@@ -99,16 +99,22 @@ def _ab_worker(rank: int, store: str, spec_path: str, n_mbs: int, order: list, n
 
     steps = {"serial 1F1B": serial, "fused": lambda: fused_train_step(models, args, mine)}
     times: dict[str, list[float]] = {k: [] for k in steps}
+    cpu = {k: 0.0 for k in steps}  # this process's CPU seconds (its work, whatever the host's load)
     for r in range(n + 1):
         for name, fn in steps.items():
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
+            c1 = time.process_time()
             dist.barrier()
             if r > 0:  # the first round warms up
                 times[name].append(time.perf_counter() - t0)
+                cpu[name] += (c1 - c0) / n
+    both = torch.tensor([cpu[k] for k in steps], dtype=torch.float64)
+    dist.all_reduce(both)  # both processes' work per step
     if rank == 0:
         results.update(times)
+        results.update({f"cpu {k}": float(v) for k, v in zip(steps, both)})
     dist.destroy_process_group()
 
 
@@ -180,17 +186,22 @@ def main() -> int:
         load0 = os.getloadavg()[0]
         ab = engine_ab(str(REPO / args.experiment), args.n_mbs, [[list(x) for x in st] for st in priced.schedule.order],
                        args.ab)
+        cpu = {k: ab.pop(f"cpu {k}") for k in (s, f)}
+        fused_plan = ps["fused"]
+        passes = [cost.train_passes(c, meshes[c], fused_plan.placements[c].strategy, args.n_mbs) for c in PAIR]
+        est_cpu = args.n_mbs * sum(sum(fw) + sum(bw) for fw, bw, _ in passes)  # the passes' work, both devices
         fast = {k: min(v) for k, v in ab.items()}
         mids = {k: statistics.median(v) for k, v in ab.items()}
         print(f"\nengine alone: one optimizer step of each model ({spec.batch_size // graph.call(PAIR[0]).n_minibatches}"
               f" rows of {spec.seq_len} tokens, {args.n_mbs} micro-batches), {args.ab} alternations, load "
               f"{load0:.1f} -> {os.getloadavg()[0]:.1f}")
-        header = f"{'schedule':<13}{'fastest s':>11}{'median s':>10}"
+        header = f"{'schedule':<13}{'fastest s':>11}{'median s':>10}{'CPU s, both processes':>23}"
         print(header)
         print("-" * len(header))
         for k in ab:
-            print(f"{k:<13}{fast[k]:>11.3f}{mids[k]:>10.3f}")
+            print(f"{k:<13}{fast[k]:>11.3f}{mids[k]:>10.3f}{cpu[k]:>23.3f}")
         pairs = statistics.median(x / y for x, y in zip(ab[s], ab[f]))  # neighbours in time see the same load
+        print(f"estimated CPU s of both models' passes (no optimizer step): {est_cpu:.3f}")
         print(f"fused speed-up: {fast[s] / fast[f]:.2f}x fastest, {mids[s] / mids[f]:.2f}x median, {pairs:.2f}x median "
               f"of the alternations' own ratios; the schedule's "
               f"{sum(priced.schedule.alone) / priced.schedule.makespan:.2f}x (pipelines only, estimator's pass times)")
