@@ -202,6 +202,7 @@ class Master(MasterLink, IterationSchedule, EvaluationPasses, CheckpointSaves, F
                     log.warning("master: %s", note)
             try:
                 self.node_hosts = plan_node_hosts(self.spec.cluster, {r: h.host for r, h in self.hello.items()})
+                self.search_fused_orders()  # before any call, not in the middle of the run (master_fused.py)
             except ValueError as e:
                 self.fail(str(e))
                 raise RunFailed(self.failure) from None

@@ -47,6 +47,10 @@ class FusedPairs:
     def _fused_orders(self) -> dict[tuple[str, str], list[list[list[int]]]]:
         return fused_orders(self.graph, self.program.plan)
 
+    def search_fused_orders(self) -> None:
+        """Search the fused pairs' schedules now (a second or two per pair), at start-up."""
+        _ = self._fused_orders
+
     def _fused_deps(self, n: Any) -> list[Any]:
         """A fused call's extra dependencies: the first waits for the second's too, the second for the first."""
         pair = self.program.fused_partner(n.name) if n.kind == "call" else None
