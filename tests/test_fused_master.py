@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from fake_workers import FakeWorkers
 from realloc.api import load_experiment
 from realloc.graph.dataflow import build_graph
@@ -61,3 +63,14 @@ def test_the_pair_is_one_request_after_both_calls_inputs(tmp_path):
     metrics = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["calls"]["actor_train"] for m in metrics] == [{"actor_loss": 1.0}] * ITERS
     assert [m["calls"]["critic_train"] for m in metrics] == [{"critic_loss": 2.0}] * ITERS
+
+
+def test_a_fused_plan_on_gpus_is_refused_at_start_up():
+    from realloc.runtime.control.master_fused import fused_orders
+    from run_helpers import REPO
+
+    graph = build_graph(load_experiment(str(REPO / "experiments/ppo_7b_7b.py")))
+    plan = ExecutionPlan.by_hand(graph, {n: ("trainer[01-02]", 4, 2, 2, 4) for n in graph.spec.call_names},
+                                 fused=[PAIR])
+    with pytest.raises(ValueError, match=r"plan field 'fused' pair \('actor_train', 'critic_train'\): .*CPU devices"):
+        fused_orders(graph, plan)

@@ -27,6 +27,11 @@ def fused_orders(graph: Any, plan: Any) -> dict[tuple[str, str], list[list[list[
     """Per fused pair of ``plan``: each stage group's passes, as the estimator's schedule search orders them."""
     if not plan.fused:
         return {}
+    if graph.spec.cluster.hardware.kind != "cpu":
+        first, second = plan.fused[0]
+        raise ValueError(f"plan field 'fused' pair ({first!r}, {second!r}): fused train pairs run on CPU devices (gloo) "
+                         f"only so far (on NCCL a send that waits for its receiver can block a later receive, which "
+                         f"the fused order does not pair); drop the field to run the calls one after the other")
     from realloc.estimator.cost import CostModel
     from realloc.estimator.fused_cost import price_fused_pair
 
