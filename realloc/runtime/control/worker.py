@@ -49,7 +49,7 @@ from realloc.models.hf_io import load_hf_checkpoint
 from realloc.models.weights import param_seed
 from realloc.overrides import load_with_overrides
 from realloc.runtime.control.program import CallLayout, LayoutKey, RuntimeProgram
-from realloc.runtime.control.worker_fused import run_fused_pair
+from realloc.runtime.control.worker_fused import run_request
 from realloc.runtime.inputs.datasets import dataset_rows, load_dataset
 from realloc.runtime.inputs.evaluation import EVAL_SEED, eval_calls, eval_key, write_eval_samples
 from realloc.runtime.inputs.preflight import vocab_limit
@@ -243,8 +243,7 @@ class ModelWorker:
             for h in self.handles.values():
                 h.version = req.start_iteration
         elif isinstance(req, protocol.RunCall):  # a fused train pair runs both calls as one (worker_fused.py)
-            return (run_fused_pair(self, req) if req.fused_with else
-                    self.run_call(req.call, req.iteration, req.eval_batch, req.layout_call, req.ranges))
+            return run_request(self, req)
         elif isinstance(req, protocol.Reallocate):
             return self.reallocate(req), []
         elif isinstance(req, protocol.TransferData):
@@ -257,7 +256,7 @@ class ModelWorker:
             self.store.release(req.before_iteration)
         elif isinstance(req, protocol.EnsureGroups):
             self.groups.ensure_rank_sets(req.rank_sets)
-        return {}, []  # Shutdown and the rest: nothing to report
+        return {}, []  # Shutdown: serve() stops after the reply
 
     # -- setup ----------------------------------------------------------------------------------------------
     def setup(self, resume: str | None, verify_checkpoint: bool = True) -> None:

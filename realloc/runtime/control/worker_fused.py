@@ -106,6 +106,14 @@ class _Side:
         self.baton.wait(_MAIN)
 
 
+def run_request(worker: Any, req: protocol.RunCall) -> tuple[dict[str, float], list[protocol.OutputMeta]]:
+    """A ``RunCall`` on ``worker`` (the ``ModelWorker``, worker.py): a fused pair's two calls as one
+    (``run_fused_pair``), or its one call."""
+    if req.fused_with:
+        return run_fused_pair(worker, req)
+    return worker.run_call(req.call, req.iteration, req.eval_batch, req.layout_call, req.ranges)
+
+
 def run_fused_pair(worker: Any, req: protocol.RunCall) -> tuple[dict[str, float], list[protocol.OutputMeta]]:
     """``req.call`` and ``req.fused_with`` as one request: their interfaces with every optimizer step fused.
     ``worker``: the ``ModelWorker`` (worker.py, which imports this module) whose ``run_call`` runs each call."""
