@@ -196,6 +196,8 @@ def dispatch_latencies(graph: DataflowGraph, requests: list[dict], iterations: s
         t = r["iteration"]
         if t not in iterations or not r["spans"]:
             continue
+        if r["kind"] == "call" and r["label"] not in graph.graph:
+            continue  # a fused pair's one request ("a+b")
         if r["kind"] == "call":
             waits = [calls.get((u, t)) for u in graph.graph.predecessors(r["label"])]
         elif r["kind"] == "data":

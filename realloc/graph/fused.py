@@ -5,9 +5,13 @@ that each fills the other's bubbles. This module says which pairs a plan may fus
 
 from __future__ import annotations
 
+import dataclasses
+from functools import cached_property
 from typing import TYPE_CHECKING, Mapping, Protocol, Sequence
 
 import networkx as nx
+
+from realloc.cluster import DeviceMesh
 
 if TYPE_CHECKING:
     from realloc.graph.dataflow import DataflowGraph
@@ -72,3 +76,44 @@ def fusable_pairs(graph: "DataflowGraph") -> list[tuple[str, str]]:
             if graph.call(a).model_name != graph.call(b).model_name
             and graph.call(a).n_minibatches == graph.call(b).n_minibatches
             and not nx.has_path(graph.graph, a, b) and not nx.has_path(graph.graph, b, a)]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReversedStageMesh(DeviceMesh):
+    """A mesh whose ``stage_groups`` consecutive groups of devices come in reverse order: a layout on it puts
+    pipeline stage k on the mesh's group pp - 1 - k (the second call of a fused pair). Every layout,
+    reallocation and data plan reads a mesh through ``device_ids``, so they all follow; the name says so."""
+
+    stage_groups: int = 1
+
+    @cached_property
+    def device_ids(self) -> tuple[int, ...]:
+        ids = DeviceMesh.device_ids.func(self)  # type: ignore[attr-defined]
+        size = len(ids) // self.stage_groups
+        return tuple(d for k in reversed(range(self.stage_groups)) for d in ids[k * size:(k + 1) * size])
+
+    @property
+    def name(self) -> str:
+        return f"{DeviceMesh.name.fget(self)}~reversed{self.stage_groups}"  # type: ignore[attr-defined]
+
+
+def reversed_stages(mesh: DeviceMesh, pp: int) -> DeviceMesh:
+    """``mesh`` with its ``pp`` stage groups in reverse order (itself at pp 1)."""
+    if pp == 1:
+        return mesh
+    return ReversedStageMesh(**{f.name: getattr(mesh, f.name) for f in dataclasses.fields(DeviceMesh)},
+                             stage_groups=pp)
+
+
+def second_model_meshes(graph: "DataflowGraph", meshes: Mapping[str, DeviceMesh], pps: Mapping[str, int],
+                        pairs: Sequence[tuple[str, str]]) -> dict[str, DeviceMesh]:
+    """Every call's mesh at run time: the second model of each fused pair runs its stages in reverse order on
+    the pair's mesh, in all of its calls there, so calls that shared one layout still share it and fusing adds
+    no reallocation (a call of that model at another pp on the mesh just holds its devices in another order)."""
+    out = dict(meshes)
+    for first, second in pairs:
+        model, mesh = graph.call(second).model_name, meshes[second]
+        for c in meshes:
+            if graph.call(c).model_name == model and meshes[c] == mesh:
+                out[c] = reversed_stages(mesh, pps[second])
+    return out

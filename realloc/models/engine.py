@@ -62,7 +62,7 @@ from realloc.models.megatron_shim import prepare_device
 from realloc.models.optim import MasterWeightAdamW
 from realloc.models.packing import PackPlan, pack_layout, token_balanced_ranges
 from realloc.models.param_layout import ParamSpec, stage_param_specs
-from realloc.models.pipeline import StageLink, run_1f1b, run_forward_only
+from realloc.models.pipeline import ForwardStep, ShapeFn, StageLink, run_1f1b, run_forward_only
 from realloc.models.sequence_parallel import TokenSplit
 from realloc.models.vocab_parallel import gather_vocab, vocab_parallel_entropy, vocab_parallel_token_logprobs
 from realloc.models.weights import init_shard, param_seed
@@ -162,6 +162,22 @@ def head_output(raw: torch.Tensor, layout: TokenLayout, plan: PackPlan | None, t
 
 
 LossFn = Callable[[HeadOutput, Mapping[str, torch.Tensor]], "tuple[torch.Tensor, Mapping[str, float]]"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainPasses:
+    """A begun train step (``ParallelModel.begin_train_step``): the passes a pipeline schedule runs, and what
+    ``finish_train_step`` needs afterwards."""
+
+    n_mbs: int
+    forward_step: ForwardStep  # (micro-batch, input or None) -> output, or on the last stage the weighted loss
+    activation_shape: ShapeFn  # what crosses stages for a micro-batch
+    optimizer: Any
+    distributed: bool
+    max_grad_norm: float | None
+    mb_stats: list[dict[str, float]]
+    scaler: Any = None  # fp16's DynamicLossScale (loss_scale.py), or None
+    scale: float = 1.0  # the loss scale the passes multiplied every loss by
 
 
 class ParallelModel:
@@ -321,9 +337,6 @@ class ParallelModel:
 
     # -- helpers ----------------------------------------------------------------------------------
 
-    def _link(self) -> StageLink:
-        return StageLink(self.groups, self.device, self.dtype)
-
     def _split(self, layout: TokenLayout) -> TokenSplit | None:
         if not self.sequence_parallel:
             return None
@@ -364,7 +377,35 @@ class ParallelModel:
         Returns on every rank ``grad_norm`` (before clipping)
         and ``skipped`` (1.0 when the norm was not finite and the update was skipped); on last-stage
         ranks also ``loss`` and the loss function's stats, averaged over micro-batches and dp replicas.
+
+        It is ``begin_train_step``, the passes (1F1B), ``finish_train_step``; ``fused_train.py`` runs two models'
+        passes in one fused schedule between the same two halves.
         """
+        run = self.begin_train_step(micro_batches, loss_fn, optimizer, max_grad_norm=max_grad_norm,
+                                    loss_weights=loss_weights, recompute=recompute)
+        try:
+            with torch.enable_grad():
+                if self.groups.pp == 1:
+                    for i in range(run.n_mbs):
+                        torch.autograd.backward(run.forward_step(i, None))
+                else:
+                    run_1f1b(self.stage_link(), run.n_mbs, run.forward_step, run.activation_shape)
+        except BaseException:
+            self.abandon_train_step()
+            raise
+        return self.finish_train_step(run)
+
+    def stage_link(self, tag_offset: int = 0) -> StageLink:
+        """This rank's point-to-point link to its neighbouring stages (``tag_offset``: a second model's
+        messages on the same devices, fused_pipeline.py)."""
+        return StageLink(self.groups, self.device, self.dtype, tag_offset=tag_offset)
+
+    def begin_train_step(self, micro_batches: Sequence[Batch], loss_fn: LossFn, optimizer: torch.optim.Optimizer, *,
+                         max_grad_norm: float | None = None, loss_weights: Sequence[float] | None = None,
+                         recompute: bool = False) -> "TrainPasses":
+        """The first half of :meth:`train_step`: checks, packing, fresh gradient buffers; returns the passes to
+        run. Run them (each micro-batch's forward, then ``torch.autograd.backward`` of what it returned, in
+        micro-batch order), then call ``finish_train_step`` (or ``abandon_train_step`` on failure)."""
         self._require("ready", "train_step")
         scaler = getattr(optimizer, "loss_scale", None)  # fp16 only (loss_scale.py)
         if self.dtype == torch.float16 and scaler is None:
@@ -409,13 +450,15 @@ class ParallelModel:
             # masters is true here, so the optimizer is one of ours and says which buffers it steps from
             self._main_grads = {name: torch.zeros(p.shape, dtype=optimizer.grad_dtype, device=self.device)
                                 for name, p in trained.items()}
+        return TrainPasses(n, step, lambda i: self._hidden_shape(runs[i]), optimizer, distributed, max_grad_norm,
+                           mb_stats, scaler, scale)
+
+    def finish_train_step(self, run: "TrainPasses") -> dict[str, float]:
+        """The second half of :meth:`train_step`, after every pass ran: gradient reductions, clipping, the
+        optimizer step; returns train_step's stats."""
+        g, trained, optimizer, distributed = self.groups, self._trained, run.optimizer, run.distributed
+        scaler, scale = run.scaler, run.scale
         try:
-            with torch.enable_grad():
-                if g.pp == 1:
-                    for i in range(n):
-                        torch.autograd.backward(step(i, None))
-                else:
-                    run_1f1b(self._link(), n, step, lambda i: self._hidden_shape(runs[i]))
             if self._main_grads is not None:
                 main = self._main_grads
             else:
@@ -439,22 +482,26 @@ class ParallelModel:
             if scaler is not None:
                 scaler.update(finite)
             if finite:
-                if max_grad_norm is not None:
-                    grads.clip_(main, norm, max_grad_norm)
+                if run.max_grad_norm is not None:
+                    grads.clip_(main, norm, run.max_grad_norm)
                 if isinstance(optimizer, (MasterWeightAdamW, DistributedAdamW)):
                     optimizer.step_with(main)
                 else:
                     optimizer.step()
         finally:
-            self._main_grads = None
-            if self.lora is not None:
-                self.lora.clear()
-            for p in trained.values():
-                p.grad = None
+            self.abandon_train_step()
         out = {"grad_norm": norm, "skipped": 0.0 if finite else 1.0}
         if g.is_last_stage:
-            out.update(self._mean_stats(mb_stats))
+            out.update(self._mean_stats(run.mb_stats))
         return out
+
+    def abandon_train_step(self) -> None:
+        """Drop what a begun train step holds (gradients, fp32 gradient buffers, LoRA's saved inputs)."""
+        self._main_grads = None
+        if self.lora is not None:
+            self.lora.clear()
+        for p in self._trained.values():
+            p.grad = None
 
     def _mean_stats(self, mb_stats: list[dict[str, float]]) -> dict[str, float]:
         keys = sorted(mb_stats[0])
@@ -521,7 +568,7 @@ class ParallelModel:
         if g.pp == 1:
             outs = [step(i, None) for i in range(len(parts))]
         else:
-            outs = run_forward_only(self._link(), len(parts), step, lambda i: self._hidden_shape(runs[i]))
+            outs = run_forward_only(self.stage_link(), len(parts), step, lambda i: self._hidden_shape(runs[i]))
         shape = full.shape + ((self.cfg.vocab_size,) if output == "logits" else ())
         result = None
         if g.is_last_stage:

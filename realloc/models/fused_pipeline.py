@@ -18,6 +18,7 @@ order does not pair them as run_1f1b's steady phase does.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Sequence
 
 import torch
@@ -51,9 +52,11 @@ def check_order(order: Sequence[tuple[int, int, int]], parts: Sequence[FusedPart
                          f"{parts[missing[0][0]].n_mbs} micro-batches")
 
 
-def run_fused(order: Sequence[tuple[int, int, int]], parts: Sequence[FusedPart]) -> None:
+def run_fused(order: Sequence[tuple[int, int, int]], parts: Sequence[FusedPart],
+              record: list[tuple[int, int, int, float, float]] | None = None) -> None:
     """Forward and backward of every micro-batch of both models in ``order``; gradients accumulate in each
-    model's parameters' ``.grad``."""
+    model's parameters' ``.grad``. ``record``: gets each pass's (model, backward, micro-batch, start, end) in
+    wall-clock seconds, from its input's arrival to its output's posting (the timeline draws them)."""
     if len(parts) != 2:
         raise ValueError(f"run_fused: fuses two models, got {len(parts)}")
     for p in parts:
@@ -68,18 +71,20 @@ def run_fused(order: Sequence[tuple[int, int, int]], parts: Sequence[FusedPart])
             x = None if g.is_first_stage else link.recv_forward(part.activation_shape(mb))
             if x is not None:
                 x.requires_grad_(True)
+            t0 = time.time()
             out = part.forward_step(mb, x)
             in_flight[m].append((x, out))
             if not g.is_last_stage:
                 link.send_forward(out)
-            continue
-        x, out = in_flight[m].pop(0)
-        if g.is_last_stage:
-            torch.autograd.backward(out)
         else:
-            torch.autograd.backward(out, grad_tensors=link.recv_backward(part.activation_shape(mb)))
-        if not g.is_first_stage:
-            link.send_backward(x.grad)
+            x, out = in_flight[m].pop(0)
+            grad = None if g.is_last_stage else link.recv_backward(part.activation_shape(mb))
+            t0 = time.time()
+            torch.autograd.backward(out, grad_tensors=grad)
+            if not g.is_first_stage:
+                link.send_backward(x.grad)
+        if record is not None:
+            record.append((m, backward, mb, t0, time.time()))
     for p in parts:
         p.link.wait_sends()
     assert not in_flight[0] and not in_flight[1]

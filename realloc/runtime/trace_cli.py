@@ -21,6 +21,7 @@ from pathlib import Path
 from realloc.graph.dataflow import build_graph
 from realloc.graph.plan import ExecutionPlan
 from realloc.overrides import load_with_overrides
+from realloc.runtime.records.fused_passes import with_passes
 from realloc.runtime.records.run_paths import RunPaths
 from realloc.runtime.records.telemetry import join_sessions
 from realloc.search.timeline import check_suffix, estimate_plan, estimated_panel, measured_panel, write_timeline
@@ -53,8 +54,8 @@ def main(args: argparse.Namespace) -> int:
     graph = build_graph(spec)
     plan = ExecutionPlan.load(run.plan)
     # A resumed run's sessions end to end (the time between them, worker start-up included, is not the plan's).
-    requests = join_sessions([json.loads(line) for line in (run.root / "requests.jsonl").read_text().splitlines()
-                              if line.strip()])
+    requests = join_sessions(with_passes([json.loads(line) for line in (run.root / "requests.jsonl").read_text()
+                                          .splitlines() if line.strip()], run.root))  # a fused pair's passes
     done = sorted({r["iteration"] for r in requests if r["kind"] == "call"})
     wanted = parse_iterations(args.iterations)
     its = range(wanted.start, min(wanted.stop, (done[-1] + 1) if done else wanted.start))

@@ -30,6 +30,7 @@ import zmq.asyncio
 from realloc.models.groups import ModelLayout
 from realloc.runtime.control.master_checkpoints import CheckpointSaves
 from realloc.runtime.control.master_eval import EvaluationPasses
+from realloc.runtime.control.master_fused import FusedPairs
 from realloc.runtime.control.master_link import (CALL_TIMEOUT, HEARTBEAT_TIMEOUT, KILL_GRACE, SHUTDOWN_TIMEOUT,
                                                  MasterLink, RunFailed, WorkerLauncher, plan_node_hosts)
 from realloc.runtime.control.master_schedule import IterationSchedule, Node
@@ -49,7 +50,7 @@ __all__ = ["Master", "RunFailed"]
 log = logging.getLogger("realloc.master")
 
 
-class Master(MasterLink, IterationSchedule, EvaluationPasses, CheckpointSaves):
+class Master(MasterLink, IterationSchedule, EvaluationPasses, CheckpointSaves, FusedPairs):
     def __init__(self, program: RuntimeProgram, config: RunConfig, run: RunPaths, run_id: str, secret: bytes,
                  *, iterations: int, start_iteration: int = 0, resume: Path | None = None, save_every: int = 0,
                  export_every: int = 0, save_final: bool = False, keep_checkpoints: int = 0,
@@ -201,6 +202,7 @@ class Master(MasterLink, IterationSchedule, EvaluationPasses, CheckpointSaves):
                     log.warning("master: %s", note)
             try:
                 self.node_hosts = plan_node_hosts(self.spec.cluster, {r: h.host for r, h in self.hello.items()})
+                self.search_fused_orders()  # before any call, not in the middle of the run (master_fused.py)
             except ValueError as e:
                 self.fail(str(e))
                 raise RunFailed(self.failure) from None

@@ -127,7 +127,7 @@ class IterationSchedule:
         out += [Node("eval", anchors[d.name], d.t) for d in list(out)
                 if d.kind == "call" and d.name in anchors and self._evaluates(d.t)
                 and (n.kind in ("realloc", "offload") or d.t < n.t)]
-        return out
+        return out + self._fused_deps(n)  # a fused train pair waits for both calls' inputs (master_fused.py)
 
     # -- bounded staleness (program.py): generation runs ahead, reading home in place or a snapshot ----------
     def _is_snapshot(self, n: Node) -> bool:
@@ -344,6 +344,8 @@ class IterationSchedule:
 
     async def _call(self, n: Node) -> None:
         c, t = n.name, n.t
+        if (pair := self.program.fused_partner(c)) is not None:  # one request runs both calls (master_fused.py)
+            return await self._fused_call(n, pair)
         rpc = self.graph.call(c)
         # The inputs were sent when their producers finished (``_push_outputs``); each worker runs them
         # before this call, which it received later.

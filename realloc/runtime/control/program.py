@@ -29,6 +29,7 @@ from functools import cached_property
 from realloc.api import InterfaceType
 from realloc.cluster import DeviceMesh
 from realloc.graph.dataflow import DataflowGraph
+from realloc.graph.fused import second_model_meshes
 from realloc.graph.plan import ExecutionPlan, validate_plan
 from realloc.graph.transfer_plan import DataLayout, Layout, TransferPlan, plan_data_transfer, plan_param_realloc
 from realloc.models.config import ModelConfig
@@ -105,12 +106,19 @@ class RuntimeProgram:
         # one pool: its dtype; several pools: the first pool's (each layout's own is ``dtype_of``)
         self.param_dtype, self.bytes_per_param = PARAM_DTYPES[spec.cluster.hardware.dtype]
         self.calls: dict[str, CallLayout] = {}
+        # a fused pair's second model runs its stages in reverse order (graph/fused.py)
+        meshes = second_model_meshes(graph, meshes, {c: p.strategy.pp for c, p in plan.placements.items()},
+                                     plan.fused)
         for name in graph.topo_order:
             p = plan.placements[name]
             self.calls[name] = CallLayout(name, graph.call(name).model_name, meshes[name], p.strategy, p.n_mbs,
                                           p.recompute)
         for m in self.models:  # a generation layout that training also uses cannot hold a stale copy
             self.snapshots(m)
+
+    def fused_partner(self, call: str) -> tuple[str, str] | None:
+        """The fused pair (first, second) ``call`` belongs to (plan field 'fused'), or None."""
+        return next(((a, b) for a, b in self.plan.fused if call in (a, b)), None)
 
     # -- models and layouts ---------------------------------------------------------------------------
     @cached_property

@@ -49,8 +49,9 @@ from realloc.models.hf_io import load_hf_checkpoint
 from realloc.models.weights import param_seed
 from realloc.overrides import load_with_overrides
 from realloc.runtime.control.program import CallLayout, LayoutKey, RuntimeProgram
-from realloc.runtime.control.worker_partial import PartialStore
 from realloc.runtime.control.pool_dtypes import reallocate_model
+from realloc.runtime.control.worker_fused import run_request
+from realloc.runtime.control.worker_partial import PartialStore
 from realloc.runtime.inputs.datasets import dataset_rows, load_dataset
 from realloc.runtime.inputs.evaluation import EVAL_SEED, eval_calls, eval_key, write_eval_samples
 from realloc.runtime.inputs.preflight import vocab_limit
@@ -242,8 +243,8 @@ class ModelWorker:
             self.setup(req.resume, req.verify_checkpoint)
             for h in self.handles.values():
                 h.version = req.start_iteration
-        elif isinstance(req, protocol.RunCall):
-            return self.run_call(req.call, req.iteration, req.eval_batch, req.layout_call, req.ranges)
+        elif isinstance(req, protocol.RunCall):  # a fused train pair runs both calls as one (worker_fused.py)
+            return run_request(self, req)
         elif isinstance(req, protocol.Reallocate):
             return self.reallocate(req), []
         elif isinstance(req, protocol.TransferData):

@@ -112,6 +112,16 @@ class RunCall(_Msg):
     # Each dp rank's [lo, hi) of the batch when the master balanced them by tokens (graph/row_balance.py);
     # empty: the even split (transfer_plan.dp_ranges)
     ranges: list[list[int]] = Field(default_factory=list)
+    # A fused train pair (plan field 'fused', docs/fused-training.md): ``call`` and ``fused_with`` run as one
+    # schedule; ``fused_ranges`` are the second call's ``ranges``, ``fused_order`` the passes per stage group
+    # as (model 0/1, backward 0/1, micro-batch) lists (estimator/fused_cost.FusedSchedule.order)
+    fused_with: str = ""
+    fused_ranges: list[list[int]] = Field(default_factory=list)
+    fused_order: list[list[list[int]]] = Field(default_factory=list)
+
+
+# The reply to a fused RunCall carries the second call's stats under this prefix (worker_fused.py, master_fused.py)
+FUSED_SECOND_STATS = "fused.second/"
 
 
 class Reallocate(_Msg):
