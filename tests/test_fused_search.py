@@ -1,0 +1,142 @@
+"""Fused train pairs in the plan simulators and the MCMC (csrc/fused_node.h): the C++ engine against the Python
+reference on random problems with random fused pairs, a hand-computed fused node, and the search choosing
+fusion where it pays."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import networkx as nx
+
+from realloc import _C
+from realloc.search import reference
+from realloc.search.problem import CandidateArrays, FusedPairArrays, PairCosts, SearchProblem
+from tests.test_simulator import GiB, random_plan, random_problem
+
+
+def _independent(p: SearchProblem, a: int, b: int) -> bool:
+    # data and order edges, and each model's chain of calls (a reallocation waits for the model's previous call)
+    chain = [(u, v) for u in range(p.n_calls) for v in range(u + 1, p.n_calls) if p.call_model[u] == p.call_model[v]]
+    g = nx.DiGraph([*p.data_edges, *p.order_edges, *chain])
+    g.add_nodes_from(range(p.n_calls))
+    return not nx.has_path(g, a, b) and not nx.has_path(g, b, a)
+
+
+def with_fused_pair(rng: np.random.Generator, p: SearchProblem) -> SearchProblem | None:
+    """``p`` with one random fused pair of independent calls of two models (None if it has none): the second
+    call's candidates are the first's devices and pp with other times and bytes, so that plans co-place them
+    often; about half the pair's savings and extra bytes priced."""
+    pairs = [(a, b) for a in range(p.n_calls) for b in range(a + 1, p.n_calls)
+             if p.call_model[a] != p.call_model[b] and _independent(p, a, b)]
+    if not pairs:
+        return None
+    a, b = pairs[int(rng.integers(len(pairs)))]
+    ka = p.candidates[a]
+    n_layouts_b = p.realloc_costs[p.call_model[b]].n_src
+    kb = dataclasses.replace(ka, time=rng.permutation(ka.time) + rng.choice([0.0, 0.5], size=len(ka)),
+                             layout=ka.layout % n_layouts_b, mem_dynamic=rng.permutation(ka.mem_dynamic))
+    cands = list(p.candidates)
+    cands[b] = kb
+    saving, extra = PairCosts(len(ka), len(kb)), PairCosts(len(ka), len(kb))
+    for i in range(len(ka)):
+        for j in range(len(kb)):
+            if rng.random() < 0.5:
+                saving.known[i, j] = float(rng.choice([0.0, 0.25, 0.5, 1.0]))
+            if rng.random() < 0.5:
+                extra.known[i, j] = float(rng.integers(0, 3) * GiB // 2)
+    pair = FusedPairArrays(a=a, b=b, bound_a=rng.choice([0.0, 0.25, 0.5], size=len(ka)),
+                           bound_b=rng.choice([0.0, 0.25, 0.5], size=len(kb)), saving=saving, extra=extra)
+    # data tables into and out of b keep their shape: b's layouts are still b's model's
+    return dataclasses.replace(p, candidates=tuple(cands), fused=(pair,), cores_per_node=0.0)
+
+
+def fused_plan(rng: np.random.Generator, p: SearchProblem) -> np.ndarray:
+    plan = random_plan(rng, p)
+    f = p.fused[0]
+    if rng.random() < 0.7:
+        plan[f.b] = plan[f.a]  # co-placed
+    return np.r_[plan, int(rng.random() < 0.8)].astype(np.int32)
+
+
+def test_cpp_matches_python_reference_on_random_problems_with_fused_pairs():
+    rng = np.random.default_rng(33)
+    n_on = n_ends_together = n_inexact = n_fused_peak = n_oom = 0
+    trials = 0
+    while trials < 400:
+        p = with_fused_pair(rng, random_problem(rng))
+        if p is None:
+            continue
+        trials += 1
+        cpp = p.to_cpp()
+        for _ in range(3):
+            plan = fused_plan(rng, p)
+            got, want = cpp.evaluate(plan), reference.evaluate(p, plan)
+            assert got == want, (trials, plan, got, want)
+            got_sched = [r[:6] for r in cpp.schedule(plan)]
+            want_sched = [(r["kind"], r["call"], r["other"], r["iteration"], r["start"], r["end"])
+                          for r in reference.schedule(p, plan)]
+            assert got_sched == want_sched, trials
+            mem = cpp.memory(plan)
+            static, peak, _ = reference.device_memory(p, plan)
+            assert mem["device_static"] == static and mem["device_peak"] == peak, trials
+            assert {tuple(r) for r in cpp.missing(plan).tolist()} == reference.missing_pairs(p, plan), trials
+            f = p.fused[0]
+            if f.on(p, plan):
+                n_on += 1
+                calls = {(r[1], r[3]): (r[4], r[5]) for r in cpp.schedule(plan) if r[0] == _C.NODE_CALL}
+                n_ends_together += all(calls[f.a, t] == calls[f.b, t] for t in range(p.n_iterations))
+                n_inexact += not want["exact"]
+                n_fused_peak += want["peak_call"] == f.a
+            n_oom += not want["feasible"]
+    # fused nodes happen often, end both calls together, and sometimes make the memory peak or are unpriced
+    assert n_on > 400 and n_ends_together == n_on and n_inexact > 50 and n_fused_peak > 20 and n_oom > 50
+
+
+def _two_calls(times_a: list[float], times_b: list[float], saving: float, extra: int = 0) -> SearchProblem:
+    """Two independent calls of two models on 2 devices; candidate 0 on devices 0-1 (pp 2), 1 on device 0, 2 on
+    device 1."""
+    def cands(times: list[float]) -> CandidateArrays:
+        return CandidateArrays(dev_lo=[0, 0, 1], dev_hi=[2, 1, 2], stage_width=[1, 1, 1], layout=[0, 1, 2],
+                               mesh_id=[0, 1, 2], shape_class=[0, 1, 1], time=times, mem_offset=[0, 2, 3, 4],
+                               mem_static=[GiB] * 4, mem_dynamic=[GiB] * 4, mem_param=[0] * 4)
+    pair = FusedPairArrays(a=0, b=1, bound_a=np.zeros(3), bound_b=np.zeros(3),
+                           saving=PairCosts(3, 3, {(0, 0): saving}), extra=PairCosts(3, 3, {(0, 0): float(extra)}))
+    return SearchProblem(n_devices=2, device_memory=8 * GiB, call_names=("a", "b"), call_model=(0, 1),
+                         model_names=("A", "B"), model_home=(0, 1), candidates=(cands(times_a), cands(times_b)),
+                         order_edges=(), carry_edges=((0, 0), (1, 1)), data_edges=(), data_costs=(),
+                         realloc_costs=(PairCosts(3, 3), PairCosts(3, 3)), fused=(pair,))
+
+
+def test_fused_node_hand_computed():
+    p = _two_calls([2.0, 5.0, 5.0], [3.0, 5.0, 5.0], saving=1.0, extra=GiB // 2)
+    cpp = p.to_cpp()
+    serial = cpp.evaluate(np.array([0, 0, 0], np.int32))
+    fused = cpp.evaluate(np.array([0, 0, 1], np.int32))
+    assert serial["time"] == 5.0 and fused["time"] == 4.0  # 2 + 3 one after the other; 2 + 3 - 1 fused
+    # memory: static of both models (2 GiB) + the larger dynamic (1 GiB) + what fusion adds (0.5 GiB)
+    assert serial["peak_memory"] == 3 * GiB and fused["peak_memory"] == 3 * GiB + GiB // 2
+    assert fused["peak_call"] == 0 and fused == reference.evaluate(p, [0, 0, 1])
+    # an entry of 1 on calls placed apart fuses nothing
+    apart = cpp.evaluate(np.array([1, 2, 1], np.int32))
+    assert apart == cpp.evaluate(np.array([1, 2, 0], np.int32)) and apart["time"] == 5.0
+
+
+def _search(p: SearchProblem, start: list[int], **opts) -> list[int]:
+    o = _C.SearchOptions()
+    o.n_chains, o.n_threads, o.seed = 1, 1, 3
+    for k, v in opts.items():
+        setattr(o, k, v)
+    s = _C.Search(p.to_cpp(), o, np.array([start], np.int32))
+    s.run(2000)
+    return list(s.best_plan)
+
+
+def test_mcmc_fuses_where_it_pays_and_not_where_it_does_not():
+    # apart: each call alone on one device takes 5 s; together on both devices 2 + 3 s, fused 2.5 s
+    pays = _two_calls([2.0, 5.0, 5.0], [3.0, 5.0, 5.0], saving=2.5)
+    assert _search(pays, [1, 2, 0]) == [0, 0, 1]
+    # co-placed on both devices 3 + 3 s, fused 5.5 s: apart on one device each (5 s) wins
+    loses = _two_calls([3.0, 5.0, 5.0], [3.0, 5.0, 5.0], saving=0.5)
+    best = _search(loses, [0, 0, 1])
+    assert best[:2] in ([1, 2], [2, 1])
