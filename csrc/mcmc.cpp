@@ -133,7 +133,7 @@ double Search::elapsed() const {
 double Search::temperature() const { return tau_ * (best_ev_.time > 0 ? best_ev_.time : 1.0); }
 
 int Search::propose(Chain& ch, const std::vector<int32_t>& cur, int (&calls)[2], int (&to)[2]) {
-    if (!p_.fused.empty() && ch.rng.uniform() < opt_.p_fuse) {
+    if (!p_.fused.empty() && opt_.p_fuse > 0.0 && ch.rng.uniform() < opt_.p_fuse) {
         const int n = propose_fuse(ch, cur, calls, to);
         if (n) return n;
     }

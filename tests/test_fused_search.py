@@ -8,6 +8,7 @@ import dataclasses
 
 import numpy as np
 import networkx as nx
+import pytest
 
 from realloc import _C
 from realloc.search import reference
@@ -140,3 +141,89 @@ def test_mcmc_fuses_where_it_pays_and_not_where_it_does_not():
     loses = _two_calls([3.0, 5.0, 5.0], [3.0, 5.0, 5.0], saving=0.5)
     best = _search(loses, [0, 0, 1])
     assert best[:2] in ([1, 2], [2, 1])
+
+
+# -- the plan space of an experiment ---------------------------------------------------------------------------
+def _ppo(nodelist: str, device: str, n_devices: int, actor: str, critic: str, **batch):
+    from realloc.algorithms.ppo.ppo_config import ppo_rpcs
+    from realloc.api import auto, experiment_spec
+    from realloc.graph.dataflow import build_graph
+
+    @auto(nodelist=nodelist, n_devices_per_node=n_devices, device=device, **batch)
+    @dataclasses.dataclass
+    class PPO:
+        @property
+        def rpcs(self):
+            return ppo_rpcs(actor=actor, critic=critic, n_minibatches=2)
+
+    return build_graph(experiment_spec(PPO))
+
+
+def _by_hand(graph):
+    from realloc.graph.plan import ExecutionPlan
+
+    place = {n: ("trainer01", 4, 1, 2, 4) for n in graph.spec.call_names}
+    return ExecutionPlan.by_hand(graph, place, fused=[("actor_train", "critic_train")])
+
+
+def _gpu_space():
+    """PPO with 7B models on one node of 8 A100s (pipelines pay there), every call's placement of ``_by_hand``
+    kept."""
+    from realloc.search.build import PlanSpace
+
+    graph = _ppo("trainer01", "a100-80g", 8, "llama2-7b", "llama2-7b-critic", batch_size=64, prompt_len=256,
+                 gen_len=256)
+    return PlanSpace.build(graph, max_n_mbs=4, keep=[_by_hand(graph)])
+
+
+@pytest.fixture(scope="module")
+def gpu_space():
+    return _gpu_space()
+
+
+def test_spaces_without_eligible_pairs_have_none():
+    from realloc.search.build import PlanSpace
+
+    # devices sharing CPU cores: the event-driven simulation has no fused node
+    cpu = _ppo("localhost", "cpu", 4, "tiny", "tiny-critic", batch_size=64, prompt_len=32, gen_len=32)
+    assert PlanSpace.build(cpu).problem.fused == ()
+    # GRPO trains one model: nothing to fuse
+    from realloc.api import load_experiment
+    from realloc.graph.dataflow import build_graph
+
+    grpo = build_graph(load_experiment("experiments/grpo_7b_7b.py"))
+    assert PlanSpace.build(grpo, max_n_mbs=2).problem.fused == ()
+
+
+def test_search_without_fuse_moves_is_the_search_without_pairs(gpu_space):
+    """A space with fused pairs searched with no fuse moves takes the same steps as the space without them:
+    plans of experiments with nothing to fuse are those of before."""
+    from realloc.search.engine import run_mcmc
+
+    assert len(gpu_space.problem.fused) == 1
+    other = _gpu_space()  # tables of its own: pairs priced by one search change the other's provisional costs
+    bare = dataclasses.replace(other, problem=dataclasses.replace(other.problem, fused=()))
+    a = run_mcmc(gpu_space, time_limit=None, max_evals=6000, seed=5, n_threads=1, n_chains=1, p_fuse=0.0)
+    b = run_mcmc(bare, time_limit=None, max_evals=6000, seed=5, n_threads=1, n_chains=1)
+    n = gpu_space.problem.n_calls
+    assert list(a.indices[:n]) == list(b.indices) and list(a.indices[n:]) == [0]
+    assert a.evaluation["time"] == b.evaluation["time"]
+
+
+def test_a_fused_plan_round_trips_through_the_space_and_prices_as_the_estimator(gpu_space):
+    from realloc.estimator.fused_cost import price_fused_pair
+    from realloc.search.fused_space import SEARCH_ITERATIONS
+
+    plan = _by_hand(gpu_space.graph)
+    idx = gpu_space.indices_of(plan)
+    n = gpu_space.problem.n_calls
+    assert list(idx[n:]) == [1]
+    fused, serial = gpu_space.evaluate(idx), gpu_space.evaluate(np.r_[idx[:n], 0].astype(np.int32))
+    out = gpu_space.to_plan(idx, "test")
+    assert out.fused == (("actor_train", "critic_train"),) and gpu_space.to_plan(idx[:n].tolist() + [0], "t").fused == ()
+    # both train calls sit on the same devices one after the other unfused, so fusing saves exactly the pair's
+    # saving, the estimator's (serial - fused) for these placements
+    r = price_fused_pair(gpu_space.cost, plan, "actor_train", "critic_train", iterations=SEARCH_ITERATIONS,
+                         memory_iterations=SEARCH_ITERATIONS // 2)
+    assert r.time < r.serial_time
+    assert serial["time"] - fused["time"] == pytest.approx(r.serial_time - r.time, rel=1e-9)
