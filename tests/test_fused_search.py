@@ -227,3 +227,28 @@ def test_a_fused_plan_round_trips_through_the_space_and_prices_as_the_estimator(
                          memory_iterations=SEARCH_ITERATIONS // 2)
     assert r.time < r.serial_time
     assert serial["time"] - fused["time"] == pytest.approx(r.serial_time - r.time, rel=1e-9)
+
+
+def test_the_estimated_timeline_draws_a_fused_pair_as_one_bar_per_device(gpu_space):
+    """realloc show / search --timeline: the fused node is one bar over the mesh per iteration, named after both
+    calls and as long as the simulator's fused node; unfused, the two calls are two bars one after the other."""
+    from realloc.search.timeline import estimated_panel, legend_entries, timeline_html
+
+    plan = _by_hand(gpu_space.graph)
+    idx = gpu_space.indices_of(plan)
+    panel = estimated_panel(gpu_space, idx, plan, iterations=2)
+    bars = [b for b in panel.boxes if b.kind == "call" and b.iteration in (1, 2) and "train" in b.label]
+    assert [b.label for b in bars] == ["actor_train + critic_train"] * 2
+    assert all((b.lo, b.hi) == (0, 8) for b in bars)
+    f = gpu_space.problem.fused[0]
+    ta, tb = (float(gpu_space.problem.candidates[c].time[idx[c]]) for c in (f.a, f.b))
+    saving = f.saving.known[int(idx[f.a]), int(idx[f.b])]
+    assert all(b.end - b.start == pytest.approx(ta + tb - saving) for b in bars) and saving > 0
+    assert "fused with critic_train" in bars[0].detail and "stages in reverse order" in bars[0].detail
+    assert "actor_train + critic_train" in [name for name, _, _ in legend_entries([panel])]
+    assert "actor_train + critic_train" in timeline_html([panel])
+    n = gpu_space.problem.n_calls
+    apart = estimated_panel(gpu_space, np.r_[idx[:n], 0].astype(np.int32), plan.model_copy(update={"fused": ()}),
+                            iterations=2)
+    labels = [b.label for b in apart.boxes if b.kind == "call" and b.iteration == 1 and "train" in b.label]
+    assert sorted(labels) == ["actor_train", "critic_train"]
