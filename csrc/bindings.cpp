@@ -37,8 +37,14 @@ std::vector<std::array<int, 2>> pairs(const Array<int32_t>& a, const char* name)
     return out;
 }
 
+// A plan of n_calls entries fuses nothing: its fused-pair entries (csrc/fused_node.h) read as 0.
+void pad_fused(const rl::Problem& p, std::vector<int32_t>& v) {
+    if (static_cast<int>(v.size()) == p.n_calls()) v.resize(p.plan_size(), 0);
+}
+
 std::vector<int32_t> plan_of(const rl::Problem& p, const Array<int32_t>& plan) {
     auto v = to_vector(plan, "plan");
+    pad_fused(p, v);
     p.check_plan(v);
     return v;
 }
@@ -261,9 +267,16 @@ PYBIND11_MODULE(_C, m) {
             py::arg("plan"), "Unpriced pair costs the plan needs, as rows (table, a, b).")
         .def(
             "evaluate_batch",
-            [](const rl::Problem& p, const Array<int32_t>& plans) {
-                if (plans.ndim() != 2 || plans.shape(1) != p.plan_size())
-                    throw std::invalid_argument("plans must have shape (n_plans, n_calls + n_fused_pairs)");
+            [](const rl::Problem& p, Array<int32_t> plans) {
+                if (plans.ndim() != 2 || (plans.shape(1) != p.plan_size() && plans.shape(1) != p.n_calls()))
+                    throw std::invalid_argument("plans must have shape (n_plans, n_calls [+ n_fused_pairs])");
+                if (plans.shape(1) != p.plan_size()) {  // fusing nothing (pad_fused)
+                    py::array_t<int32_t> padded({plans.shape(0), static_cast<py::ssize_t>(p.plan_size())});
+                    auto m = padded.mutable_unchecked<2>();
+                    for (py::ssize_t i = 0; i < plans.shape(0); ++i)
+                        for (py::ssize_t c = 0; c < p.plan_size(); ++c) m(i, c) = c < p.n_calls() ? plans.at(i, c) : 0;
+                    plans = padded;
+                }
                 const py::ssize_t n = plans.shape(0);
                 for (py::ssize_t i = 0; i < n; ++i)
                     p.check_plan(std::vector<int32_t>(plans.data(i, 0), plans.data(i, 0) + p.plan_size()));
@@ -341,11 +354,13 @@ PYBIND11_MODULE(_C, m) {
 
     py::class_<rl::Search>(m, "Search", "Metropolis-Hastings chains over plans; see csrc/mcmc.h")
         .def(py::init([](const rl::Problem& p, const rl::SearchOptions& o, const Array<int32_t>& starts) {
-                 if (starts.ndim() != 2 || starts.shape(1) != p.plan_size())
-                     throw std::invalid_argument("starts must have shape (n_starts, n_calls + n_fused_pairs)");
+                 if (starts.ndim() != 2 || (starts.shape(1) != p.plan_size() && starts.shape(1) != p.n_calls()))
+                     throw std::invalid_argument("starts must have shape (n_starts, n_calls [+ n_fused_pairs])");
                  std::vector<std::vector<int32_t>> v;
-                 for (py::ssize_t i = 0; i < starts.shape(0); ++i)
-                     v.emplace_back(starts.data(i, 0), starts.data(i, 0) + p.plan_size());
+                 for (py::ssize_t i = 0; i < starts.shape(0); ++i) {
+                     v.emplace_back(starts.data(i, 0), starts.data(i, 0) + starts.shape(1));
+                     pad_fused(p, v.back());
+                 }
                  return std::make_unique<rl::Search>(p, o, v);
              }),
              py::arg("problem"), py::arg("options"), py::arg("starts"), py::keep_alive<1, 2>())

@@ -130,7 +130,7 @@ class FusedPairArrays:
     def on(self, p: "SearchProblem", plan) -> bool:
         """Whether the pair is fused under ``plan``: its entry is 1 and both calls share devices and pp."""
         k = p.fused.index(self)
-        if not int(plan[p.n_calls + k]):
+        if len(plan) <= p.n_calls + k or not int(plan[p.n_calls + k]):  # a plan of n_calls entries fuses nothing
             return False
         ka, kb, i, j = p.candidates[self.a], p.candidates[self.b], int(plan[self.a]), int(plan[self.b])
         return (int(ka.dev_lo[i]), int(ka.dev_hi[i]), ka.pp(i)) == (int(kb.dev_lo[j]), int(kb.dev_hi[j]), kb.pp(j))
