@@ -354,13 +354,12 @@ void Evaluator::record(const int32_t* plan, std::vector<NodeRecord>* records, in
 
 bool Evaluator::simulate(const int32_t* plan, std::vector<NodeRecord>* records, double stop_time) {
     place_atoms_if_stale(plan);
-    if (n_fused_on_) {  // fused pairs on (fused_node.h)
-        if (records) return run<false, true, true>(plan, records, stop_time);
-        if (stop_time < std::numeric_limits<double>::infinity()) return run<true, false, true>(plan, nullptr, stop_time);
-        return run<false, false, true>(plan, nullptr, stop_time);
-    }
+    const bool bounded = stop_time < std::numeric_limits<double>::infinity();
+    if (n_fused_on_)  // fused pairs on (fused_node.h)
+        return records ? run<false, true, true>(plan, records, stop_time)
+                       : bounded ? run<true, false, true>(plan, nullptr, stop_time) : run<false, false, true>(plan, nullptr, stop_time);
     if (records) return run<false, true, false>(plan, records, stop_time);
-    if (stop_time < std::numeric_limits<double>::infinity()) return run<true, false, false>(plan, nullptr, stop_time);
+    if (bounded) return run<true, false, false>(plan, nullptr, stop_time);
     return run<false, false, false>(plan, nullptr, stop_time);
 }
 
