@@ -93,40 +93,44 @@ int64_t capacity(const Problem& p, int x) {
     return cap;
 }
 
+// Calls fn(f, x, extra) for every device x of every fused node on under `plan` (extra: the bytes fusion adds).
+template <typename Fn>
+void for_each_fused_device(const Problem& p, const int32_t* plan, Fn fn) {
+    for (size_t k = 0; k < p.fused.size(); ++k) {
+        const FusedPair& f = p.fused[k];
+        if (!fused_pair_on(p, f, plan[p.n_calls() + k], plan)) continue;
+        bool known = false;
+        const int64_t extra = static_cast<int64_t>(f.extra.get(plan[f.a], plan[f.b], known));
+        for (int x = p.cands[f.a].dev_lo[plan[f.a]]; x < p.cands[f.a].dev_hi[plan[f.a]]; ++x) fn(f, x, extra);
+    }
+}
+
 }  // namespace
 
 // Each device of a fused node's mesh: the peak it would have unfused, and with the fused node; the plan's peak,
 // its device and call, overflow and fit as check_memory() would find them with the fused node's bytes.
 void Evaluator::check_fused_memory(const int32_t* plan, Evaluation& ev) {
-    const int n = p_.n_calls();
     int64_t excess = INT64_MIN;
-    for (size_t k = 0; k < p_.fused.size(); ++k) {
-        const FusedPair& f = p_.fused[k];
-        if (!fused_pair_on(p_, f, plan[n + k], plan)) continue;
-        bool known = false;
-        const int64_t extra = static_cast<int64_t>(f.extra.get(plan[f.a], plan[f.b], known));
-        const Candidates& ka = p_.cands[f.a];
-        for (int x = ka.dev_lo[plan[f.a]]; x < ka.dev_hi[plan[f.a]]; ++x) {
-            int64_t stat = 0, dyn = 0, pair = 0;
-            int call = -1;
-            for (int c = 0; c < n; ++c) {
-                int64_t s, d;
-                bytes_at(p_, plan, c, x, s, d);
-                stat += s;
-                if (d > dyn) dyn = d, call = c;
-                if (c == f.a || c == f.b) pair = std::max(pair, d);
-            }
-            const int64_t fused = stat + pair + extra;
-            const int64_t total = std::max(stat + dyn, fused);
-            if (fused > stat + dyn) call = f.a;
-            if (total > ev.peak_memory || (total == ev.peak_memory && x < ev.peak_device)) {
-                ev.peak_memory = total;
-                ev.peak_device = x;
-                ev.peak_call = call;
-            }
-            excess = std::max(excess, total - capacity(p_, x));
+    for_each_fused_device(p_, plan, [&](const FusedPair& f, int x, int64_t extra) {
+        int64_t stat = 0, dyn = 0, pair = 0;
+        int call = -1;
+        for (int c = 0; c < p_.n_calls(); ++c) {
+            int64_t s, d;
+            bytes_at(p_, plan, c, x, s, d);
+            stat += s;
+            if (d > dyn) dyn = d, call = c;
+            if (c == f.a || c == f.b) pair = std::max(pair, d);
         }
-    }
+        const int64_t fused = stat + pair + extra;
+        const int64_t total = std::max(stat + dyn, fused);
+        if (fused > stat + dyn) call = f.a;
+        if (total > ev.peak_memory || (total == ev.peak_memory && x < ev.peak_device)) {
+            ev.peak_memory = total;
+            ev.peak_device = x;
+            ev.peak_call = call;
+        }
+        excess = std::max(excess, total - capacity(p_, x));
+    });
     if (p_.pool_start.empty()) {
         ev.overflow = std::max<int64_t>(0, ev.peak_memory - p_.device_memory);
         ev.feasible = ev.peak_memory <= p_.device_memory;
@@ -137,23 +141,15 @@ void Evaluator::check_fused_memory(const int32_t* plan, Evaluation& ev) {
 }
 
 void Evaluator::fused_memory_report(const int32_t* plan, MemoryReport& r) {
-    const int n = p_.n_calls();
-    for (size_t k = 0; k < p_.fused.size(); ++k) {
-        const FusedPair& f = p_.fused[k];
-        if (!fused_pair_on(p_, f, plan[n + k], plan)) continue;
-        bool known = false;
-        const int64_t extra = static_cast<int64_t>(f.extra.get(plan[f.a], plan[f.b], known));
-        const Candidates& ka = p_.cands[f.a];
-        for (int x = ka.dev_lo[plan[f.a]]; x < ka.dev_hi[plan[f.a]]; ++x) {
-            int64_t s, da, db;
-            bytes_at(p_, plan, f.a, x, s, da);
-            bytes_at(p_, plan, f.b, x, s, db);
-            const int64_t fused = r.device_static[x] + std::max(da, db) + extra;
-            r.device_peak[x] = std::max(r.device_peak[x], fused);
-            r.call_peak[f.a] = std::max(r.call_peak[f.a], fused);
-            r.call_peak[f.b] = std::max(r.call_peak[f.b], fused);
-        }
-    }
+    for_each_fused_device(p_, plan, [&](const FusedPair& f, int x, int64_t extra) {
+        int64_t s, da, db;
+        bytes_at(p_, plan, f.a, x, s, da);
+        bytes_at(p_, plan, f.b, x, s, db);
+        const int64_t fused = r.device_static[x] + std::max(da, db) + extra;
+        r.device_peak[x] = std::max(r.device_peak[x], fused);
+        r.call_peak[f.a] = std::max(r.call_peak[f.a], fused);
+        r.call_peak[f.b] = std::max(r.call_peak[f.b], fused);
+    });
 }
 
 }  // namespace rl
