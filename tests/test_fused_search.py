@@ -252,3 +252,21 @@ def test_the_estimated_timeline_draws_a_fused_pair_as_one_bar_per_device(gpu_spa
                             iterations=2)
     labels = [b.label for b in apart.boxes if b.kind == "call" and b.iteration == 1 and "train" in b.label]
     assert sorted(labels) == ["actor_train", "critic_train"]
+
+
+def test_search_report_shows_the_plan_without_fusion_beside_a_fused_one():
+    from realloc.search.planner import plan_search
+    from realloc.search.report import comparison_table
+
+    graph = _ppo("trainer01", "a100-80g", 8, "llama2-7b", "llama2-7b-critic", batch_size=64, prompt_len=256,
+                 gen_len=256)
+    report = plan_search(graph.spec, None, max_evals=20000, n_threads=1, seed=1)
+    # 7B models on 8 A100s: the search trains both on all 8 at pp > 1, fused (5.03 s against 5.20 s unfused)
+    assert report.plan.fused == (("actor_train", "critic_train"),) and report.fused is None
+    a, b = (report.plan.placements[c] for c in ("actor_train", "critic_train"))
+    assert (a.mesh, a.pp) == (b.mesh, b.pp) and a.pp > 1
+    unfused = report.unfused
+    assert unfused is not None and unfused.fused == () and unfused.estimated_time > report.plan.estimated_time
+    rows = comparison_table(report).splitlines()
+    assert rows[2].startswith("searched ") and rows[3].startswith("no fusion ")
+    assert f"{unfused.estimated_time:.3f}" in rows[3]
