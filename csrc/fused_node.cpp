@@ -32,6 +32,19 @@ void Evaluator::setup_fused() {
     call_tmpl_.assign(n, -1);
     for (int j = 0; j < per_; ++j)
         if (p_.iter_nodes[j].kind == NodeKind::kCall) call_tmpl_[p_.iter_nodes[j].call] = j;
+    // The pair's calls must not depend on each other within an iteration (graph/fused.py): the fused node would
+    // wait for itself. Template nodes are numbered topologically; children below per_ are in the same iteration.
+    for (size_t k = 0; k < p_.fused.size(); ++k)
+        for (const auto& [from, to] : {std::pair{p_.fused[k].a, p_.fused[k].b}, std::pair{p_.fused[k].b, p_.fused[k].a}}) {
+            std::vector<uint8_t> seen(per_, 0);
+            seen[call_tmpl_[from]] = 1;
+            for (int v = call_tmpl_[from]; v < per_; ++v)
+                for (int i = p_.child_start[v]; seen[v] && i < p_.child_start[v + 1]; ++i)
+                    if (p_.children[i] < per_) seen[p_.children[i]] = 1;
+            if (seen[call_tmpl_[to]])
+                throw std::invalid_argument("fused pair " + std::to_string(k) + ": call " + std::to_string(to) +
+                                            " depends on call " + std::to_string(from) + " within an iteration");
+        }
     joint_.assign(per_, -1);
     fused_on_.assign(p_.fused.size(), 0);
     arrived_.assign(p_.fused.empty() ? 0 : p_.n_nodes(), 0);

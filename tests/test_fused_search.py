@@ -123,6 +123,13 @@ def test_fused_node_hand_computed():
     assert apart == cpp.evaluate(np.array([1, 2, 0], np.int32)) and apart["time"] == 5.0
 
 
+def test_a_fused_pair_of_dependent_calls_is_refused():
+    p = _two_calls([2.0, 5.0, 5.0], [3.0, 5.0, 5.0], saving=1.0)
+    bad = dataclasses.replace(p, data_edges=((0, 1),), data_costs=(PairCosts(3, 3),))
+    with pytest.raises(ValueError, match="fused pair 0: call 1 depends on call 0"):
+        bad.to_cpp().evaluate(np.array([0, 0, 1], np.int32))
+
+
 def _search(p: SearchProblem, start: list[int], **opts) -> list[int]:
     o = _C.SearchOptions()
     o.n_chains, o.n_threads, o.seed = 1, 1, 3
