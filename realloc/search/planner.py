@@ -200,7 +200,7 @@ def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int =
     if plan.fused:  # the best plan without fusion, beside it (half the time again)
         other = unfused_search(space, outcome.indices, starts, time_limit=None if share is None else share / 2,
                                max_evals=None if evals is None else max(1, evals // 2), seed=seed,
-                               n_threads=n_threads, n_chains=n_chains or n_threads)
+                               n_threads=n_threads, n_chains=n_chains or n_threads, converge=converge)
         unfused = space.to_plan(other.indices, "search (no fusion)")
         if _better(other.evaluation, ev):  # the second search found a faster plan without fusion: it wins
             plan, fused, indices, ev = space.to_plan(other.indices, "search"), plan, other.indices, other.evaluation
