@@ -37,8 +37,14 @@ std::vector<std::array<int, 2>> pairs(const Array<int32_t>& a, const char* name)
     return out;
 }
 
+// A plan of n_calls entries fuses nothing: its fused-pair entries (csrc/fused_node.h) read as 0.
+void pad_fused(const rl::Problem& p, std::vector<int32_t>& v) {
+    if (static_cast<int>(v.size()) == p.n_calls()) v.resize(p.plan_size(), 0);
+}
+
 std::vector<int32_t> plan_of(const rl::Problem& p, const Array<int32_t>& plan) {
     auto v = to_vector(plan, "plan");
+    pad_fused(p, v);
     p.check_plan(v);
     return v;
 }
@@ -201,6 +207,22 @@ PYBIND11_MODULE(_C, m) {
                 p.finalized = false;
             },
             py::arg("pool_start"), py::arg("pool_memory"))
+        .def(
+            "add_fused_pair",
+            [](rl::Problem& p, int a, int b, const Array<double>& bound_a, const Array<double>& bound_b) {
+                rl::FusedPair f;
+                f.a = a;
+                f.b = b;
+                f.bound_a = to_vector(bound_a, "bound_a");
+                f.bound_b = to_vector(bound_b, "bound_b");
+                f.saving.rows = f.extra.rows = static_cast<int>(f.bound_a.size());
+                f.saving.cols = f.extra.cols = static_cast<int>(f.bound_b.size());
+                p.fused.push_back(std::move(f));
+                p.finalized = false;
+                return p.n_tables() + 2 * static_cast<int>(p.fused.size()) - 2;
+            },
+            py::arg("a"), py::arg("b"), py::arg("bound_a"), py::arg("bound_b"),
+            "Adds a fused pair (csrc/fused_node.h); returns its saving table id (its extra-bytes table is the next).")
         .def("finalize", &rl::Problem::finalize)
         .def_property_readonly("n_calls", &rl::Problem::n_calls)
         .def_property_readonly("n_nodes", &rl::Problem::n_nodes)
@@ -245,12 +267,19 @@ PYBIND11_MODULE(_C, m) {
             py::arg("plan"), "Unpriced pair costs the plan needs, as rows (table, a, b).")
         .def(
             "evaluate_batch",
-            [](const rl::Problem& p, const Array<int32_t>& plans) {
-                if (plans.ndim() != 2 || plans.shape(1) != p.n_calls())
-                    throw std::invalid_argument("plans must have shape (n_plans, n_calls)");
+            [](const rl::Problem& p, Array<int32_t> plans) {
+                if (plans.ndim() != 2 || (plans.shape(1) != p.plan_size() && plans.shape(1) != p.n_calls()))
+                    throw std::invalid_argument("plans must have shape (n_plans, n_calls [+ n_fused_pairs])");
+                if (plans.shape(1) != p.plan_size()) {  // fusing nothing (pad_fused)
+                    py::array_t<int32_t> padded({plans.shape(0), static_cast<py::ssize_t>(p.plan_size())});
+                    auto m = padded.mutable_unchecked<2>();
+                    for (py::ssize_t i = 0; i < plans.shape(0); ++i)
+                        for (py::ssize_t c = 0; c < p.plan_size(); ++c) m(i, c) = c < p.n_calls() ? plans.at(i, c) : 0;
+                    plans = padded;
+                }
                 const py::ssize_t n = plans.shape(0);
                 for (py::ssize_t i = 0; i < n; ++i)
-                    p.check_plan(std::vector<int32_t>(plans.data(i, 0), plans.data(i, 0) + p.n_calls()));
+                    p.check_plan(std::vector<int32_t>(plans.data(i, 0), plans.data(i, 0) + p.plan_size()));
                 Array<double> time(n), cost(n);
                 Array<int64_t> peak(n);
                 Array<bool> feasible(n);
@@ -320,15 +349,18 @@ PYBIND11_MODULE(_C, m) {
         .def_readwrite("p_heat", &rl::SearchOptions::p_heat)
         .def_readwrite("heat_one", &rl::SearchOptions::heat_one)
         .def_readwrite("heat_two", &rl::SearchOptions::heat_two)
-        .def_readwrite("early_reject", &rl::SearchOptions::early_reject);
+        .def_readwrite("early_reject", &rl::SearchOptions::early_reject)
+        .def_readwrite("p_fuse", &rl::SearchOptions::p_fuse);
 
     py::class_<rl::Search>(m, "Search", "Metropolis-Hastings chains over plans; see csrc/mcmc.h")
         .def(py::init([](const rl::Problem& p, const rl::SearchOptions& o, const Array<int32_t>& starts) {
-                 if (starts.ndim() != 2 || starts.shape(1) != p.n_calls())
-                     throw std::invalid_argument("starts must have shape (n_starts, n_calls)");
+                 if (starts.ndim() != 2 || (starts.shape(1) != p.plan_size() && starts.shape(1) != p.n_calls()))
+                     throw std::invalid_argument("starts must have shape (n_starts, n_calls [+ n_fused_pairs])");
                  std::vector<std::vector<int32_t>> v;
-                 for (py::ssize_t i = 0; i < starts.shape(0); ++i)
-                     v.emplace_back(starts.data(i, 0), starts.data(i, 0) + p.n_calls());
+                 for (py::ssize_t i = 0; i < starts.shape(0); ++i) {
+                     v.emplace_back(starts.data(i, 0), starts.data(i, 0) + starts.shape(1));
+                     pad_fused(p, v.back());
+                 }
                  return std::make_unique<rl::Search>(p, o, v);
              }),
              py::arg("problem"), py::arg("options"), py::arg("starts"), py::keep_alive<1, 2>())

@@ -99,6 +99,7 @@ Search::Search(const Problem& problem, const SearchOptions& options, const std::
         for (int i = 0; i < k.size(); ++i) at_mesh_[c].emplace(mesh_key(k.shape_class[i], k.mesh_id[i]), i);
     }
 
+    setup_fuse_moves();
     Evaluator ev(p_);
     std::vector<Evaluation> start_ev;
     for (const auto& s : starts) {
@@ -132,6 +133,10 @@ double Search::elapsed() const {
 double Search::temperature() const { return tau_ * (best_ev_.time > 0 ? best_ev_.time : 1.0); }
 
 int Search::propose(Chain& ch, const std::vector<int32_t>& cur, int (&calls)[2], int (&to)[2]) {
+    if (!p_.fused.empty() && opt_.p_fuse > 0.0 && ch.rng.uniform() < opt_.p_fuse) {
+        const int n = propose_fuse(ch, cur, calls, to);
+        if (n) return n;
+    }
     const int c = movable_[ch.rng.below(movable_.size())];
     const int a = cur[c];
     const Candidates& k = p_.cands[c];

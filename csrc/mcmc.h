@@ -62,6 +62,9 @@ struct SearchOptions {
     // Stop simulating a proposal once it is proven rejected (Evaluator::evaluate_bounded); the
     // chains take the same steps either way.
     bool early_reject = true;
+    // Fusing or unfusing a fused pair (Problem::fused; fused_node.h), co-placing its calls when they are apart
+    // (probability per step; no draw when the problem has no fused pairs).
+    double p_fuse = 0.1;
 };
 
 struct HistoryPoint {
@@ -143,6 +146,8 @@ private:
     void exchange(Chain& ch, double temperature);
     // Proposes new candidates for one or two calls; returns how many (0: nothing to propose).
     int propose(Chain& ch, const std::vector<int32_t>& cur, int (&calls)[2], int (&to)[2]);
+    int propose_fuse(Chain& ch, const std::vector<int32_t>& cur, int (&calls)[2], int (&to)[2]);  // fused_node.cpp
+    void setup_fuse_moves();                                                                     // fused_node.cpp
     void note_pending(Chain& ch, const Evaluation& ev, const std::vector<int32_t>& plan);
     void improve(Chain& ch, const Evaluation& ev, const std::vector<int32_t>& plan);
     void run_chains(const std::vector<int>& ids, int64_t quota, std::chrono::steady_clock::time_point deadline,
@@ -158,6 +163,10 @@ private:
     std::vector<std::array<std::vector<int32_t>, 3>> group_of_;
     std::vector<std::vector<int32_t>> mesh_group_;  // per call: mesh id -> its group of kind 1, or -1
     std::vector<std::unordered_map<uint64_t, int32_t>> at_mesh_;  // per call: (shape class, mesh id) -> candidate
+    // per fused pair and side (0: a moves to b, 1: b moves to a): the mover's candidates grouped by (devices, pp),
+    // and per candidate of the other call its group (-1: none)
+    std::vector<std::array<std::vector<std::vector<int32_t>>, 2>> coplace_;
+    std::vector<std::array<std::vector<int32_t>, 2>> coplace_of_;
     std::vector<std::unique_ptr<Chain>> chains_;
     std::vector<int32_t> best_;
     Evaluation best_ev_;

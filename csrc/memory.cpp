@@ -79,6 +79,7 @@ void Evaluator::check_memory(const int32_t* plan, Evaluation& ev) {
     ev.peak_memory = peak;
     ev.overflow = std::max<int64_t>(0, n_pools ? excess : peak - p_.device_memory);
     ev.feasible = n_pools ? excess <= 0 : peak <= p_.device_memory;
+    if (!p_.fused.empty()) check_fused_memory(plan, ev);  // fused_node.cpp
 }
 
 MemoryReport Evaluator::memory(const int32_t* plan) {
@@ -112,6 +113,7 @@ MemoryReport Evaluator::memory(const int32_t* plan) {
         for (int x = p_.cands[c].dev_lo[i]; x < p_.cands[c].dev_hi[i]; ++x)
             r.call_peak[c] = std::max(r.call_peak[c], r.device_static[x] + own[c][x]);
     }
+    if (!p_.fused.empty()) fused_memory_report(plan, r);  // fused_node.cpp
     return r;
 }
 

@@ -45,6 +45,10 @@ void PairCosts::grow() {
 }
 
 PairCosts& Problem::table(int id) {
+    if (id >= n_tables() && id < n_tables() + 2 * static_cast<int>(fused.size())) {  // fused_node.h
+        FusedPair& f = fused[(id - n_tables()) / 2];
+        return (id - n_tables()) % 2 ? f.extra : f.saving;
+    }
     if (id < 0 || id >= n_tables()) throw std::invalid_argument("pair-cost table " + std::to_string(id) + " does not exist");
     return id < n_models() ? realloc[id] : data_edges[id - n_models()].cost;
 }
@@ -98,6 +102,7 @@ void Problem::finalize() {
         if (pool_memory[i] < 1) fail("pool_memory must be positive");
     }
     if (n < 1) fail("the problem has no calls");
+    check_fused_pairs(*this);  // fused_node.cpp
     if (static_cast<int>(cands.size()) != n) fail("need one candidate table per call");
     if (static_cast<int>(realloc.size()) != n_m) fail("need one reallocation table per model");
 
@@ -268,11 +273,14 @@ void Problem::finalize() {
 
 void Problem::check_plan(const std::vector<int32_t>& plan) const {
     if (!finalized) fail("problem is not finalized");
-    if (static_cast<int>(plan.size()) != n_calls())
-        fail("plan has " + std::to_string(plan.size()) + " entries for " + std::to_string(n_calls()) + " calls");
+    if (static_cast<int>(plan.size()) != plan_size())
+        fail("plan has " + std::to_string(plan.size()) + " entries for " + std::to_string(n_calls()) + " calls" +
+             (fused.empty() ? "" : " and " + std::to_string(fused.size()) + " fused pairs"));
     for (int c = 0; c < n_calls(); ++c)
         if (plan[c] < 0 || plan[c] >= cands[c].size())
             fail("plan: call " + std::to_string(c) + " has no candidate " + std::to_string(plan[c]));
+    for (int c = n_calls(); c < plan_size(); ++c)
+        if (plan[c] != 0 && plan[c] != 1) fail("plan: fused pair " + std::to_string(c - n_calls()) + " must be 0 or 1");
 }
 
 }  // namespace rl

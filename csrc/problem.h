@@ -109,6 +109,14 @@ struct MissingPair {
     bool operator==(const MissingPair& o) const { return table == o.table && a == o.a && b == o.b; }
 };
 
+// A pair of train calls the plan may fuse (fused_node.h): one plan entry after the calls' says whether it does.
+struct FusedPair {
+    int a = 0, b = 0;                    // the calls (a's stage order; b's stages reversed on the same mesh)
+    PairCosts saving;                    // (a's candidate, b's) -> seconds per iteration fusion saves
+    PairCosts extra;                     // (a's candidate, b's) -> activation bytes fusion adds per device
+    std::vector<double> bound_a, bound_b;  // per candidate: at most what fusion can save (unpriced pairs)
+};
+
 struct Problem {
     int n_devices = 0;
     int n_iterations = 4;
@@ -144,6 +152,9 @@ struct Problem {
     // its pool. Empty: one pool, device_memory each. device_memory stays the scale of the OOM penalty.
     std::vector<int32_t> pool_start;
     std::vector<int64_t> pool_memory;
+    // Fused train pairs (fused_node.h). A plan has n_calls() + fused.size() entries: a candidate per call, then
+    // 0/1 per pair. Pair p's tables are pair-cost tables n_tables() + 2p (saving) and n_tables() + 2p + 1 (extra).
+    std::vector<FusedPair> fused;
     // Bumped whenever a pair cost or a provisional cost changes (bump_pair_costs), so that evaluators
     // drop the pair costs they cached from earlier evaluations.
     uint64_t pair_version = 0;
@@ -164,6 +175,7 @@ struct Problem {
     int n_models() const { return static_cast<int>(model_home.size()); }
     int n_nodes() const { return static_cast<int>(iter_nodes.size()) * n_iterations; }
     int n_tables() const { return n_models() + static_cast<int>(data_edges.size()); }
+    int plan_size() const { return n_calls() + static_cast<int>(fused.size()); }
     int host_size() const { return devices_per_node > 0 ? devices_per_node : n_devices; }
     // True when the devices of a host can be busy in greater number than it has cores.
     bool shares_cores() const { return cores_per_node > 0.0 && cores_per_node < host_size(); }
@@ -175,5 +187,8 @@ struct Problem {
     // Checks that `plan` names one valid candidate per call; throws std::invalid_argument.
     void check_plan(const std::vector<int32_t>& plan) const;
 };
+
+// Checks the fused pairs against the calls (fused_node.cpp); throws std::invalid_argument.
+void check_fused_pairs(const Problem& p);
 
 }  // namespace rl

@@ -58,6 +58,7 @@ Evaluator::Evaluator(const Problem& problem) : p_(problem) {
     }
     for (uint64_t end = 0; end < static_cast<uint64_t>(2 * n); ++end) ends_.push_back(end);  // placed by prepare()
     find_paths();
+    setup_fused();
     atom_lo_.resize(n);
     atom_hi_.resize(n);
     slot_.resize(per_);
@@ -301,6 +302,7 @@ bool Evaluator::prepare(const int32_t* plan, std::vector<MissingPair>* missing) 
             seen_[j] = stamp_;
             price(j, plan);
         }
+    const bool fused_known = p_.fused.empty() || price_fused(plan, missing);  // fused_node.cpp
     if (missing)
         for (int j = 0; j < per_; ++j)
             if (!slot_[j].known) missing->push_back({p_.iter_nodes[j].table, pair_a_[j], pair_b_[j]});
@@ -335,7 +337,7 @@ bool Evaluator::prepare(const int32_t* plan, std::vector<MissingPair>* missing) 
         }
         host_start_[per_] = static_cast<int32_t>(host_load_.size());
     }
-    return n_unknown_ == 0;
+    return n_unknown_ == 0 && fused_known;
 }
 
 void Evaluator::record(const int32_t* plan, std::vector<NodeRecord>* records, int v, double start,
@@ -352,14 +354,18 @@ void Evaluator::record(const int32_t* plan, std::vector<NodeRecord>* records, in
 
 bool Evaluator::simulate(const int32_t* plan, std::vector<NodeRecord>* records, double stop_time) {
     place_atoms_if_stale(plan);
-    if (records) return run<false, true>(plan, records, stop_time);
-    if (stop_time < std::numeric_limits<double>::infinity()) return run<true, false>(plan, nullptr, stop_time);
-    return run<false, false>(plan, nullptr, stop_time);
+    const bool bounded = stop_time < std::numeric_limits<double>::infinity();
+    if (n_fused_on_)  // fused pairs on (fused_node.h)
+        return records ? run<false, true, true>(plan, records, stop_time)
+                       : bounded ? run<true, false, true>(plan, nullptr, stop_time) : run<false, false, true>(plan, nullptr, stop_time);
+    if (records) return run<false, true, false>(plan, records, stop_time);
+    if (bounded) return run<true, false, false>(plan, nullptr, stop_time);
+    return run<false, false, false>(plan, nullptr, stop_time);
 }
 
 // simulate() compiled once per use (MCMC: bounded; evaluate: whole; schedule: recorded), so that each
 // loop carries only what it uses.
-template <bool kBounded, bool kRecords>
+template <bool kBounded, bool kRecords, bool kFused>
 bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, double stop_time) {
     const int total = p_.n_nodes();
     const int K = p_.n_iterations;
@@ -377,6 +383,8 @@ bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, doubl
     std::copy(start_state_.begin(), start_state_.end(), state);
     std::fill(iter, iter + K, IterState{0.0, per_});
     if (kRecords) records->assign(total, NodeRecord{});
+    uint8_t* arrived = arrived_.data();
+    if (kFused) std::fill(arrived, arrived + total, 0);
     // The queue is [head, tail), sorted. Every node enters it at most once, so it never wraps; it holds
     // few nodes and a new one usually becomes ready after those waiting, so insertion is short.
     ReadyKey* head = queue_.data();
@@ -401,7 +409,7 @@ bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, doubl
         std::fill(diff, diff + n_atoms + 1, 0.0);
         for (int j = 0; j < per_; ++j) {
             const Slot& s = slot[j];
-            if (s.pass) continue;
+            if (s.pass || (kFused && s.joined == 2)) continue;  // a fused node's work counts once
             diff[s.a1] += s.cost;
             diff[s.b1] -= s.cost;
             if (s.a2 == s.b2) continue;
@@ -419,7 +427,7 @@ bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, doubl
             // a <= busy < b as one unsigned comparison
             const bool covers = static_cast<unsigned>(busy - s.a1) < static_cast<unsigned>(s.b1 - s.a1) ||
                                 static_cast<unsigned>(busy - s.a2) < static_cast<unsigned>(s.b2 - s.a2);
-            s.busy_cost = !s.pass && covers ? s.cost : 0.0;
+            s.busy_cost = !s.pass && covers && !(kFused && s.joined == 2) ? s.cost : 0.0;
             left += s.busy_cost;
         }
         left *= K;
@@ -435,6 +443,16 @@ bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, doubl
         const int32_t r = static_cast<int32_t>(static_cast<uint32_t>(key));
         const Link node = link[r];
         const Slot& s = slot[node.tmpl];
+        // A fused pair's call nodes run as one node (fused_node.h): the first to leave the queue waits, without
+        // devices, for the other; the node starts when both are ready and ends both.
+        int32_t q = -1;
+        if (kFused && s.joined) {
+            q = pos_[node.iter * per_ + joint_[node.tmpl]];
+            if (!arrived[q]) {
+                arrived[r] = 1;
+                continue;
+            }
+        }
         double start = t_ready, end = t_ready;
         if (!s.pass) {
             const int a1 = s.a1, b1 = s.b1, a2 = s.a2, b2 = s.b2;
@@ -443,39 +461,43 @@ bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, doubl
             end = start + s.cost;
             for (int a = a1; a < b1; ++a) free[a] = end;
             for (int a = a2; a < b2; ++a) free[a] = end;
-            if (kBounded) left -= s.busy_cost;
+            if (kBounded) left -= s.busy_cost + (kFused && q >= 0 ? slot[link[q].tmpl].busy_cost : 0.0);
         }
-        IterState& it = iter[node.iter];
-        it.end = std::max(it.end, end);
-        --it.left;
-        if (kRecords) record(plan, records, order_[r], start, end);
-        const double out = end + s.latency;
-        for (int i = node.child_begin; i < node.child_end; ++i) {
-            const int32_t u = children[i];
-            NodeState& c = state[u];
-            if (c.ready < out) c.ready = out;
-            if (--c.remaining != 0) continue;
-            if (!pass_of[link[u].tmpl]) {
-                push(c.ready, u);
-                continue;
+        auto done = [&](int32_t r, const Link& node, const Slot& s) {
+            IterState& it = iter[node.iter];
+            it.end = std::max(it.end, end);
+            --it.left;
+            if (kRecords) record(plan, records, order_[r], start, end);
+            const double out = end + s.latency;
+            for (int i = node.child_begin; i < node.child_end; ++i) {
+                const int32_t u = children[i];
+                NodeState& c = state[u];
+                if (c.ready < out) c.ready = out;
+                if (--c.remaining != 0) continue;
+                if (!pass_of[link[u].tmpl]) {
+                    push(c.ready, u);
+                    continue;
+                }
+                const Link child = link[u];
+                // A free transfer whose parents are all done completes at once instead of waiting in the
+                // queue: it occupies no device and its children rank after it, so it would leave the queue
+                // before any of them anyway. Its children are calls (finalize builds no transfer after a
+                // transfer), so one more level of release.
+                const double t = c.ready;
+                IterState& ct = iter[child.iter];
+                ct.end = std::max(ct.end, t);
+                --ct.left;
+                if (kRecords) record(plan, records, order_[u], t, t);
+                for (int k = child.child_begin; k < child.child_end; ++k) {
+                    const int32_t w = children[k];
+                    NodeState& g = state[w];
+                    if (g.ready < t) g.ready = t;
+                    if (--g.remaining == 0) push(g.ready, w);
+                }
             }
-            const Link child = link[u];
-            // A free transfer whose parents are all done completes at once instead of waiting in the
-            // queue: it occupies no device and its children rank after it, so it would leave the queue
-            // before any of them anyway. Its children are calls (finalize builds no transfer after a
-            // transfer), so one more level of release.
-            const double t = c.ready;
-            IterState& ct = iter[child.iter];
-            ct.end = std::max(ct.end, t);
-            --ct.left;
-            if (kRecords) record(plan, records, order_[u], t, t);
-            for (int k = child.child_begin; k < child.child_end; ++k) {
-                const int32_t w = children[k];
-                NodeState& g = state[w];
-                if (g.ready < t) g.ready = t;
-                if (--g.remaining == 0) push(g.ready, w);
-            }
-        }
+        };
+        done(r, node, s);
+        if (kFused && q >= 0) done(q, link[q], slot[link[q].tmpl]);
         // T_1 is known once the first iteration is done. While the last one is not, T_K is at least the
         // next ready time (a node of it is still to come, and nodes leave the queue in order of ready
         // time), and max(next ready time, busy's free) + the work left there: no node starts earlier,

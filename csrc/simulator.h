@@ -99,6 +99,7 @@ private:
         int32_t pass = 0;               // a free transfer: no device, no request
         int32_t known = 1;              // its pair cost is priced
         double busy_cost = 0.0;         // bounded runs: the work it takes off the busiest atom (simulator.cpp)
+        int32_t joined = 0;             // call node of a fused pair: 1 the first call's, 2 the second's (fused_node.h)
     };
     // A node of the unrolled graph, numbered by dispatch rank (see rank()): template, iteration and its
     // children (ranks, in children_).
@@ -112,13 +113,18 @@ private:
     // Returns false if it stopped because the steady-state time was proven above `stop_time`.
     bool simulate(const int32_t* plan, std::vector<NodeRecord>* records,
                   double stop_time = std::numeric_limits<double>::infinity());
-    template <bool kBounded, bool kRecords>
+    template <bool kBounded, bool kRecords, bool kFused>
     bool run(const int32_t* plan, std::vector<NodeRecord>* records, double stop_time);
     void finish(Evaluation& ev) const;
     void simulate_shared(const int32_t* plan, std::vector<NodeRecord>* records);  // shared_cores.cpp
     void record(const int32_t* plan, std::vector<NodeRecord>* records, int v, double start, double end) const;
     void release_children(int v, double end);
     void check_memory(const int32_t* plan, Evaluation& ev);  // memory.cpp
+    // Fused pairs (fused_node.cpp): which are on under `plan`, their nodes' price, their memory.
+    void setup_fused();
+    bool price_fused(const int32_t* plan, std::vector<MissingPair>* missing);
+    void check_fused_memory(const int32_t* plan, Evaluation& ev);
+    void fused_memory_report(const int32_t* plan, MemoryReport& r);
     void find_paths();
     // True if the steady-state time is proven above `stop_time` without simulating: see find_paths().
     bool paths_exceed(double stop_time);
@@ -207,6 +213,11 @@ private:
     std::vector<int32_t> mem_next_;
     std::vector<int64_t> mem_run_, mem_stat_, mem_dyn_;
     std::vector<uint8_t> mem_copy_, mem_keep_, mem_home_;
+    // fused pairs: per call its call node's template, per template node its partner's while its pair is on (else
+    // -1), per pair whether it is on, how many are; per rank whether a fused node's first call waits (run())
+    std::vector<int32_t> call_tmpl_, joint_;
+    std::vector<uint8_t> fused_on_, arrived_;
+    int n_fused_on_ = 0;
 };
 
 }  // namespace rl

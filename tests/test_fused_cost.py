@@ -82,8 +82,9 @@ def test_search_report_prices_an_eligible_pair_and_names_an_ineligible_one(setup
     assert "not eligible in this plan" in line
 
 
-def test_fused_alternative_is_the_coplaced_plans_simulated_time_less_the_saving(setup):
+def test_fused_alternative_is_the_coplaced_plan_simulated_unfused_and_fused(setup):
     from realloc.search.fused_report import fused_alternative, fused_summary
+    from realloc.search.fused_space import SEARCH_ITERATIONS
     from realloc.search.timeline import estimate_plan
 
     graph, cost = setup
@@ -94,11 +95,14 @@ def test_fused_alternative_is_the_coplaced_plans_simulated_time_less_the_saving(
     a, b = alt.plan.placements["actor_train"], alt.plan.placements["critic_train"]
     assert (a.mesh, a.dp, a.tp, a.pp, a.n_mbs) == (b.mesh, b.dp, b.tp, b.pp, b.n_mbs)
     assert alt.plan.fused == (("actor_train", "critic_train"),)
-    space, idx = estimate_plan(graph, alt.plan, cost)
-    simulated = space.evaluate(idx)["time"]
-    pair = price_fused_pair(cost, alt.plan, "actor_train", "critic_train")
-    assert alt.serial_time == pytest.approx(simulated)
-    assert alt.time == pytest.approx(simulated - (pair.serial_time - pair.time))
+    space, idx = estimate_plan(graph, alt.plan, cost)  # the simulators' fused node (csrc/fused_node.h)
+    unfused, idx_u = estimate_plan(graph, alt.plan.model_copy(update={"fused": ()}), cost)
+    assert alt.time == pytest.approx(space.evaluate(idx)["time"])
+    assert alt.serial_time == pytest.approx(unfused.evaluate(idx_u)["time"])
+    # every call on one mesh runs one after the other: fusing saves the pair's price, the schedule search's
+    pair = price_fused_pair(cost, alt.plan, "actor_train", "critic_train", iterations=SEARCH_ITERATIONS,
+                            memory_iterations=SEARCH_ITERATIONS // 2)
+    assert alt.time == pytest.approx(alt.serial_time - (pair.serial_time - pair.time))
     assert alt.time < alt.serial_time  # pp 2: fusion fills bubbles
     lines = fused_summary(graph, cost, plan, estimated_time=123.0)
     assert f"at best {alt.time:.3f} s/iteration ({alt.serial_time:.3f} s unfused there; searched plan 123.000 s)" \

@@ -86,12 +86,21 @@ def price_fused_pair(cost: CostModel, plan: ExecutionPlan, first: str, second: s
     why = fused_pair_error(graph, plan.placements, first, second)
     if why:
         raise ValueError(f"price_fused_pair({first!r}, {second!r}): {why}")
+    placed = [plan.placements[c] for c in (first, second)]
+    return price_fused_placed(cost, first, second, *[(cost.cluster.mesh(p.mesh), p.strategy, p.n_mbs, p.recompute)
+                                                     for p in placed], memory_cap=memory_cap, iterations=iterations,
+                              memory_iterations=memory_iterations, seed=seed)
+
+
+def price_fused_placed(cost: CostModel, first: str, second: str, place_first: tuple, place_second: tuple, *,
+                       memory_cap: float | None = 1.3, iterations: int = 4000, memory_iterations: int = 2000,
+                       seed: int = 0) -> FusedPairCost:
+    """``price_fused_pair`` from each call's (mesh, strategy, n_mbs, recompute), both on one mesh with one pp
+    (the search's candidates, search/fused_space.py)."""
     parts, serial = [], 0.0
-    for call in (first, second):
-        p = plan.placements[call]
-        mesh = cost.cluster.mesh(p.mesh)
-        parts.append((*cost.train_passes(call, mesh, p.strategy, p.n_mbs, p.recompute), p.n_mbs))
-        serial += cost.call_cost(call, mesh, p.strategy, p.n_mbs, p.recompute).time
+    for call, (mesh, strategy, n_mbs, recompute) in ((first, place_first), (second, place_second)):
+        parts.append((*cost.train_passes(call, mesh, strategy, n_mbs, recompute), n_mbs))
+        serial += cost.call_cost(call, mesh, strategy, n_mbs, recompute).time
     sched = fused_schedule(parts[0], parts[1], memory_cap=memory_cap, iterations=iterations,
                            memory_iterations=memory_iterations, seed=seed)
     n_steps = cost.workload(first).n_steps

@@ -173,6 +173,7 @@ def best_in(space: PlanSpace, seed: int = 0) -> np.ndarray:
     if int(np.prod(sizes, dtype=np.float64)) <= ENUMERATE_LIMIT:
         plans = np.array(list(itertools.product(*[range(n) for n in sizes])), np.int32).reshape(-1, len(sizes))
         space.price_all_pairs()
+        plans = np.c_[plans, np.zeros((len(plans), len(space.problem.fused)), np.int32)]  # baselines fuse nothing
         res = space.cpp.evaluate_batch(plans)
         order = np.lexsort((res["cost"], ~res["feasible"]))
         return plans[order[0]]

@@ -24,6 +24,7 @@ from realloc.estimator.memory import stage_call_memory
 from realloc.graph.dataflow import DATA, DataflowGraph
 from realloc.graph.plan import CallPlacement, ExecutionPlan, validate_plan
 from realloc.search.candidates import CallCosts, Candidate, Option, call_options, footprint, prune
+from realloc.search.fused_space import fused_pair_arrays, price_fused_entry
 from realloc.search.pool_space import pool_fields
 from realloc.search.problem import CandidateArrays, PairCosts, SearchProblem, copy_pair_costs
 from realloc.strategy import ParallelStrategy
@@ -275,6 +276,8 @@ class PlanSpace:
             order_edges=tuple(order_edges), carry_edges=carry, data_edges=tuple(data_edges), data_costs=data,
             realloc_costs=realloc, n_iterations=n_iterations, oom_alpha=OOM_ALPHA,
             dispatch_latency=cost.hw.dispatch_latency, **pool_fields(cluster))
+        options = tuple(cc.options for cc in priced)
+        problem = dataclasses.replace(problem, fused=fused_pair_arrays(graph, problem, options))  # fused_space.py
         return cls(graph=graph, cost=cost, problem=problem, options=tuple(cc.options for cc in priced),
                    layouts=layouts, pruned=pruned)
 
@@ -329,6 +332,12 @@ class PlanSpace:
         for t, a, b in np.asarray(missing, np.int64).reshape(-1, 3).tolist():
             if (a, b) in p.table(t).known or (a, b) in out.get(t, ()):
                 continue
+            if t >= p.n_tables:  # a fused pair's saving and extra bytes, priced together (fused_space.py)
+                k = (t - p.n_tables) // 2
+                saving, extra = price_fused_entry(self.graph, self.cost, p, self.options, k, a, b)
+                out.setdefault(p.n_tables + 2 * k, {})[a, b] = saving
+                out.setdefault(p.n_tables + 2 * k + 1, {})[a, b] = extra
+                continue
             if t < n_m:
                 src, dst = canonical_layouts(self.graph, self.layouts[t][a], self.layouts[t][b])
                 cost = self.cost.realloc_cost(p.model_names[t], src, dst)
@@ -354,7 +363,7 @@ class PlanSpace:
             table.known.update(new)
             copy_pair_costs(self.cpp, t, new)
             n += len(new)
-            if new and len(table.known) >= PROVISIONAL_MIN_KNOWN:
+            if new and len(table.known) >= PROVISIONAL_MIN_KNOWN and t < self.problem.n_tables:
                 table.provisional = float(np.median(np.fromiter(table.known.values(), np.float64)))
                 self.cpp.set_provisional(t, table.provisional)
         return n
@@ -362,7 +371,7 @@ class PlanSpace:
     def sync_pair_costs(self) -> None:
         """Copy pairs priced through another space sharing these tables into this space's engine."""
         p = self.problem
-        for t in range(p.n_models + len(p.data_edges)):
+        for t in range(p.n_tables + 2 * len(p.fused)):
             if self.cpp.n_known(t) != len(p.table(t).known):
                 copy_pair_costs(self.cpp, t, p.table(t).known)
 
@@ -402,6 +411,8 @@ class PlanSpace:
             except ValueError:
                 raise ValueError(f"call {c!r}: placement {want.describe()} is not among the candidates (it does not "
                                  f"fit in memory or was pruned)") from None
+        names = self.problem.call_names
+        out += [int((names[f.a], names[f.b]) in plan.fused) for f in self.problem.fused]
         return np.asarray(out, np.int32)
 
     def to_plan(self, indices: Sequence[int], source: str) -> ExecutionPlan:
@@ -422,11 +433,13 @@ class PlanSpace:
                              nodelist=cluster.nodelist, n_devices_per_node=cluster.n_devices_per_node,
                              device=cluster.device, placements=placements, offload=offload, source=source,
                              estimated_time=float(ev["time"]), estimated_peak_memory=int(ev["peak_memory"]),
-                             call_times=times, call_memory=memory, staleness=p.staleness)
+                             call_times=times, call_memory=memory, staleness=p.staleness,
+                             fused=tuple((p.call_names[f.a], p.call_names[f.b]) for f in p.fused if f.on(p, idx)))
 
     def fastest(self) -> np.ndarray:
         """The greedy plan of realhf.txt §5.2: each call at its fastest standalone candidate."""
-        return np.asarray([int(np.argmin(k.time)) for k in self.problem.candidates], np.int32)
+        return np.asarray([int(np.argmin(k.time)) for k in self.problem.candidates] + [0] * len(self.problem.fused),
+                          np.int32)
 
     @property
     def n_candidates(self) -> tuple[int, ...]:

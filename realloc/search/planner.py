@@ -112,6 +112,10 @@ class SearchReport:
     # A cluster of pools: the search on the strongest pool alone (its plan also starts this search's chains).
     alone: "SearchReport | None" = None
     alone_pool: int | None = None
+    # When the search's best plan fuses train pairs (docs/fused-training.md): the best plan found without fusion
+    # (the searched plan when faster, and then ``fused`` is the fused one).
+    unfused: ExecutionPlan | None = None
+    fused: ExecutionPlan | None = None
 
     @property
     def sync_plan(self) -> ExecutionPlan | None:
@@ -192,10 +196,26 @@ def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int =
     if not ev["feasible"]:
         raise NoFitError(oom_message(space, outcome.indices, ev))
     plan = space.to_plan(outcome.indices, "search")
-    return SearchReport(spec=spec, graph=graph, space=space, plan=plan, indices=outcome.indices, evaluation=ev,
+    indices, unfused, fused = outcome.indices, None, None
+    if plan.fused:  # the best plan without fusion, beside it (half the time again)
+        other = unfused_search(space, outcome.indices, starts, time_limit=None if share is None else share / 2,
+                               max_evals=None if evals is None else max(1, evals // 2), seed=seed,
+                               n_threads=n_threads, n_chains=n_chains or n_threads, converge=converge)
+        unfused = space.to_plan(other.indices, "search (no fusion)")
+        if _better(other.evaluation, ev):  # the second search found a faster plan without fusion: it wins
+            plan, fused, indices, ev = space.to_plan(other.indices, "search"), plan, other.indices, other.evaluation
+    return SearchReport(spec=spec, graph=graph, space=space, plan=plan, indices=indices, evaluation=ev,
                         baselines=results, stats=outcome.stats, prepare_seconds=prepare,
                         n_candidates_before_time_pruning=before, by_staleness=by_staleness, alone=alone,
-                        alone_pool=alone_pool)
+                        alone_pool=alone_pool, unfused=unfused, fused=fused)
+
+
+def unfused_search(space: PlanSpace, best: np.ndarray, starts: list[np.ndarray], **search: Any):
+    """The search of ``space`` without fusion (docs/fused-training.md): the MCMC again with no fuse moves, from
+    the fused winner's placements unfused and the search's other starts (``search``: run_mcmc's budget)."""
+    n = space.problem.n_calls
+    off = [np.r_[s[:n], np.zeros(len(s) - n, np.int32)].astype(np.int32) for s in [best, *starts]]
+    return run_mcmc(space, starts=off, p_fuse=0.0, **search)
 
 
 def _better(a: dict, b: dict) -> bool:

@@ -105,6 +105,37 @@ class PairCosts:
         return (self.provisional, False) if v is None else (v, True)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class FusedPairArrays:
+    """Two train calls a plan may fuse (csrc/fused_node.h): ``saving`` and ``extra`` are keyed by (a's candidate,
+    b's candidate): the seconds per iteration fusion saves and the activation bytes it adds per device;
+    ``bound_a``/``bound_b`` per candidate bound the saving while it is not priced."""
+
+    a: int
+    b: int
+    bound_a: np.ndarray  # float64, per candidate of a
+    bound_b: np.ndarray
+    saving: PairCosts
+    extra: PairCosts
+
+    def fused_time(self, p: "SearchProblem", i: int, j: int) -> tuple[float, bool]:
+        """Seconds the fused node lasts with candidates (i, j), and whether its saving is priced (unpriced: the
+        bounds); never less than the longer call alone (fused_node.h)."""
+        ta, tb = float(p.candidates[self.a].time[i]), float(p.candidates[self.b].time[j])
+        v, known = self.saving.get(i, j)
+        if not known:
+            v = float(self.bound_a[i]) + float(self.bound_b[j])
+        return max(max(ta, tb), ta + tb - v), known
+
+    def on(self, p: "SearchProblem", plan) -> bool:
+        """Whether the pair is fused under ``plan``: its entry is 1 and both calls share devices and pp."""
+        k = p.fused.index(self)
+        if len(plan) <= p.n_calls + k or not int(plan[p.n_calls + k]):  # a plan of n_calls entries fuses nothing
+            return False
+        ka, kb, i, j = p.candidates[self.a], p.candidates[self.b], int(plan[self.a]), int(plan[self.b])
+        return (int(ka.dev_lo[i]), int(ka.dev_hi[i]), ka.pp(i)) == (int(kb.dev_lo[j]), int(kb.dev_hi[j]), kb.pp(j))
+
+
 @dataclasses.dataclass(frozen=True)
 class SearchProblem:
     n_devices: int
@@ -135,6 +166,8 @@ class SearchProblem:
     # last to n_devices), each with pool_memory[i] usable bytes. Empty: every device has device_memory.
     pool_start: tuple[int, ...] = ()
     pool_memory: tuple[int, ...] = ()
+    # Fused train pairs (csrc/fused_node.h): a plan then has n_calls + len(fused) entries (a 0/1 per pair last).
+    fused: tuple[FusedPairArrays, ...] = ()
 
     def capacity(self, device: int) -> int:
         """Usable bytes of ``device`` (its pool's)."""
@@ -159,8 +192,16 @@ class SearchProblem:
     def n_models(self) -> int:
         return len(self.model_names)
 
+    @property
+    def n_tables(self) -> int:
+        """Reallocation and data tables; fused pair k's are n_tables + 2k (saving) and + 1 (extra bytes)."""
+        return self.n_models + len(self.data_edges)
+
     def table(self, table_id: int) -> PairCosts:
         """Pair-cost table by the engine's id: a model index, or n_models + data edge index."""
+        if table_id >= self.n_tables:
+            f = self.fused[(table_id - self.n_tables) // 2]
+            return f.extra if (table_id - self.n_tables) % 2 else f.saving
         return self.realloc_costs[table_id] if table_id < self.n_models else self.data_costs[table_id - self.n_models]
 
     def to_cpp(self, engine=None):
@@ -191,6 +232,10 @@ class SearchProblem:
             p.set_staleness(self.staleness, np.asarray(self.stale_calls, np.int32))
         if self.pool_start:
             p.set_pools(np.asarray(self.pool_start, np.int32), np.asarray(self.pool_memory, np.int64))
+        for f in self.fused:
+            t = p.add_fused_pair(f.a, f.b, np.asarray(f.bound_a, np.float64), np.asarray(f.bound_b, np.float64))
+            copy_pair_costs(p, t, f.saving.known)
+            copy_pair_costs(p, t + 1, f.extra.known)
         p.finalize()
         return p
 

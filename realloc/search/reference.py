@@ -56,6 +56,7 @@ class _Node:
     devices: frozenset[int] = frozenset()
     parents: list[int] = dataclasses.field(default_factory=list)
     children: list[int] = dataclasses.field(default_factory=list)
+    joint: int = -1  # a fused pair's call node: the other call's node, with which it runs as one (fused_node.h)
 
     @property
     def free(self) -> bool:
@@ -90,6 +91,16 @@ def _build_nodes(p: SearchProblem, plan: Sequence[int], missing: set | None = No
     eta = p.staleness
     stale = set(p.stale_calls) if eta > 0 else set()
     model_calls = [[c for c in range(n) if p.call_model[c] == m and c not in stale] for m in range(len(p.model_home))]
+    fused_cost: dict[int, float] = {}  # call -> its fused node's duration (csrc/fused_node.h)
+    for k, f in enumerate(p.fused):
+        if f.on(p, plan):
+            i, j = cand(f.a), cand(f.b)
+            cost, known = f.fused_time(p, i, j)
+            extra_known = f.extra.get(i, j)[1]
+            if missing is not None:
+                missing.update({(p.n_tables + 2 * k, i, j)} if not known else set())
+                missing.update({(p.n_tables + 2 * k + 1, i, j)} if not extra_known else set())
+            fused_cost[f.a] = fused_cost[f.b] = cost
     nodes: list[_Node] = []
     index: dict[tuple[str, int, int], int] = {}
     for t in range(K):
@@ -108,10 +119,18 @@ def _build_nodes(p: SearchProblem, plan: Sequence[int], missing: set | None = No
                     nodes.append(_Node(DATA, c, u, t, cost, mesh(u) | mesh(v)))
             index["call", c, t] = len(nodes)
             nodes.append(_Node(CALL, c, -1, t, float(p.candidates[c].time[cand(c)]), mesh(c)))
+            if c in fused_cost:
+                nodes[-1].cost = fused_cost[c]
             if c in stale:
                 home = model_calls[p.call_model[c]][-1]
                 index["snapshot", c, t] = len(nodes)
                 nodes.append(_Node(REALLOC, c, home, t, realloc_cost(home, c), mesh(home) | mesh(c)))
+
+    for t in range(K):
+        for f in p.fused:
+            if f.a in fused_cost:
+                x, y = index["call", f.a, t], index["call", f.b, t]
+                nodes[x].joint, nodes[y].joint = y, x
 
     def link(a: int, b: int) -> None:
         if b not in nodes[a].children:
@@ -188,9 +207,15 @@ def schedule(p: SearchProblem, plan: Sequence[int]) -> list[dict]:
     rate: dict[int, float] = {}
     loads = [_host_loads(p, nd.devices) for nd in nodes]
     n_done = 0
+    arrived: set[int] = set()  # a fused pair's call node that left the queue first waits for the other's
 
     def complete(i: int, t: float) -> None:
         nonlocal n_done
+        j = nodes[i].joint
+        if j >= 0 and j in arrived:  # the fused node ends both calls
+            arrived.discard(j)
+            start[j] = start[i]
+            complete(j, t)
         end[i] = t
         n_done += 1
         nd = nodes[i]
@@ -260,6 +285,9 @@ def schedule(p: SearchProblem, plan: Sequence[int]) -> list[dict]:
                 start[i] = r
                 complete(i, r)
                 continue
+            if nodes[i].joint >= 0 and nodes[i].joint not in arrived:
+                arrived.add(i)  # runs with the other call, once that is ready too
+                continue
             for d in sorted(nodes[i].devices):
                 queues[d].append(i)
             if first_in_line(i):
@@ -281,6 +309,7 @@ def device_memory(p: SearchProblem, plan: Sequence[int]) -> tuple[list[int], lis
     static = [0] * p.n_devices
     dynamic = [0] * p.n_devices
     dyn_call = [-1] * p.n_devices
+    own: dict[tuple[int, int], int] = {}  # (call, device) -> its dynamic bytes
     for c in range(p.n_calls):
         k, i = p.candidates[c], int(plan[c])
         lo, hi, w = int(k.dev_lo[i]), int(k.dev_hi[i]), int(k.stage_width[i])
@@ -296,10 +325,20 @@ def device_memory(p: SearchProblem, plan: Sequence[int]) -> tuple[list[int], lis
                 static[x] += int(k.stage_memory(i, "param")[stage])
             elif copy:
                 d += int(k.stage_memory(i, "param")[stage])
+            own[c, x] = d
             if d > dynamic[x]:
                 dynamic[x] = d
                 dyn_call[x] = c
-    return static, [s + d for s, d in zip(static, dynamic)], dyn_call
+    peak = [s + d for s, d in zip(static, dynamic)]
+    for f in p.fused:  # a fused node: the larger of its calls' bytes plus what fusion adds (csrc/fused_node.h)
+        if f.on(p, plan):
+            k, i = p.candidates[f.a], int(plan[f.a])
+            extra = int(f.extra.get(i, int(plan[f.b]))[0])
+            for x in range(int(k.dev_lo[i]), int(k.dev_hi[i])):
+                fused = static[x] + max(own[f.a, x], own[f.b, x]) + extra
+                if fused > peak[x]:
+                    peak[x], dyn_call[x] = fused, f.a
+    return static, peak, dyn_call
 
 
 def evaluate(p: SearchProblem, plan: Sequence[int]) -> dict:

@@ -42,6 +42,8 @@ def plan_table(plan: ExecutionPlan, space: PlanSpace, indices: np.ndarray) -> st
     offloaded = sorted(m for m, on in plan.offload.items() if on)
     if offloaded:
         rows.append(f"offloaded to host memory between calls (load time included above): {', '.join(offloaded)}")
+    for a, b in plan.fused:  # docs/fused-training.md
+        rows.append(f"fused: {a} + {b} (one pipeline schedule; {b}'s stages in reverse order; est. s above unfused)")
     return "\n".join(rows)
 
 
@@ -86,6 +88,10 @@ def comparison_table(report: SearchReport) -> str:
                 f"{'yes' if fits else 'NO (out of memory)'}")
 
     rows.append(row("searched", report.plan, bool(report.evaluation["feasible"])))
+    if report.fused is not None:  # the search's best fused plan lost to one without fusion (docs/fused-training.md)
+        rows.append(row("fused", report.fused))
+    elif report.unfused is not None:  # the searched plan fuses train calls
+        rows.append(row("no fusion", report.unfused))
     if report.alone is not None:
         gain = report.alone.plan.estimated_time / report.plan.estimated_time
         speed = f"{ref_time / report.alone.plan.estimated_time:.2f}x" if ref_time else "-"

@@ -74,6 +74,14 @@ def print_report(report: SearchReport, n_threads: int) -> None:
         print(f"best plan on the strongest pool alone (pool {report.alone_pool}: "
               f"{cluster.pool_cluster(report.alone_pool).device})")
         print(report.alone.plan.table(report.graph.topo_order))
+    if report.fused is not None:
+        print()
+        print("best fused plan found (slower than the searched plan, which fuses nothing)")
+        print(report.fused.table(report.graph.topo_order))
+    elif report.unfused is not None:
+        print()
+        print("best plan without fusion")
+        print(report.unfused.table(report.graph.topo_order))
     print()
     print("estimated time per iteration (steady state)")
     print(rp.comparison_table(report))
@@ -84,7 +92,8 @@ def print_report(report: SearchReport, n_threads: int) -> None:
         print(tight)
     for line in lora_summary(report.graph, report.space.cost, report.plan):
         print(line)
-    for line in fused_summary(report.graph, report.space.cost, report.plan, report.plan.estimated_time):
+    for line in fused_summary(report.graph, report.space.cost, report.fused or report.plan,
+                              (report.fused or report.plan).estimated_time, report.unfused):
         print(line)
     for line in turn_summary(report.graph, report.space.cost, report.plan):
         print(line)

@@ -116,7 +116,10 @@ def estimate_plan(graph: DataflowGraph, plan: ExecutionPlan, cost: object | None
     space = PlanSpace.build(graph, cost or CostModel(graph), option_filter=lambda c, o: o == want[c],
                             prune_memory=False, offload=False).with_staleness(plan.staleness)
     indices = space.fastest()
-    space.evaluate(indices)  # prices the reallocations and transfers the schedule needs
+    names = space.problem.call_names
+    for k, f in enumerate(space.problem.fused):  # the plan's fused pairs (docs/fused-training.md)
+        indices[space.problem.n_calls + k] = (names[f.a], names[f.b]) in plan.fused
+    space.evaluate(indices)  # prices the reallocations, transfers and fused pairs the schedule needs
     return space, indices
 
 
@@ -126,15 +129,20 @@ def estimated_panel(space: object, indices: np.ndarray, plan: ExecutionPlan, ite
     p = space.problem
     records = space.cpp.schedule(np.asarray(indices, np.int32))
     kinds = {_C.NODE_CALL: "call", _C.NODE_REALLOC: "realloc", _C.NODE_DATA: "data"}
+    # A fused pair runs as one node (csrc/fused_node.h): one bar per device, named after both calls.
+    on = {p.call_names[f.a]: p.call_names[f.b] for f in p.fused if f.on(p, indices)}
+    fused = {a: f"{a} + {b}" for a, b in on.items()}
     boxes = []
     for kind, call, other, it, start, end, lo1, hi1, lo2, hi2 in records:
-        if end <= start or kind not in kinds:
+        if end <= start or kind not in kinds or (kind == _C.NODE_CALL and p.call_names[call] in on.values()):
             continue
         name = p.call_names[call]
         k = kinds[kind]
-        label = (name if k == "call" else f"realloc {p.model_names[p.call_model[call]]} -> {name}" if k == "realloc"
-                 else f"data -> {name}")
+        label = (fused.get(name, name) if k == "call" else f"realloc {p.model_names[p.call_model[call]]} -> {name}"
+                 if k == "realloc" else f"data -> {name}")
         detail = strategy_text(plan, name) if k == "call" else ""
+        if name in fused and k == "call":
+            detail += f"; fused with {on[name]} ({strategy_text(plan, on[name])}, stages in reverse order)"
         for lo, hi in [(lo1, hi1)] + ([(lo2, hi2)] if hi2 > lo2 else []):
             boxes.append(Box(k, label, lo, hi, start, end, it + 1, detail))
     boxes += turn_boxes(space.cost, plan, boxes)  # a multi-turn call's turns: its environment steps inside it
@@ -145,7 +153,7 @@ def estimated_panel(space: object, indices: np.ndarray, plan: ExecutionPlan, ite
     ahead = tuple(sorted(space.graph.stale_calls)) if plan.staleness else ()
     return Panel(title or f"{spec.name}: estimated, iterations {its.start}..{its.stop - 1} "
                  f"({ends[-1][1] / iterations:.3f} s/it)", tuple(boxes), ends, device_names(space.graph),
-                 tuple(p.call_names), ahead)
+                 tuple(p.call_names) + tuple(fused.values()), ahead)
 
 
 def measured_panel(requests: Iterable[dict], plan: ExecutionPlan, graph: DataflowGraph, iterations: range,
