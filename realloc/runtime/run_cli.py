@@ -73,11 +73,13 @@ def _choose_plan(args: argparse.Namespace, spec: ExperimentSpec, ckpt: Path | No
     if fn is None:
         raise ValueError("plan search (realloc.search.search) is not available yet; pass --plan plan.json or "
                          "--baseline heuristic")
+    # a plan this runtime can carry out: no fused train pairs where it cannot run them (NCCL, so far)
+    fuse = search_pkg.fused_pairs_run_on(spec)
     if args.search_time is not None:
-        return fn(spec, args.search_time), f"searched for {args.search_time:g} s"
+        return fn(spec, args.search_time, fuse=fuse), f"searched for {args.search_time:g} s"
     # No time given: search until the best plan stops improving, at most DEFAULT_SEARCH_TIME (engine.converged).
     t0 = time.perf_counter()
-    plan = fn(spec, DEFAULT_SEARCH_TIME, converge=True)
+    plan = fn(spec, DEFAULT_SEARCH_TIME, converge=True, fuse=fuse)
     return plan, f"searched for {time.perf_counter() - t0:.1f} s (until it converged, at most {DEFAULT_SEARCH_TIME:g} s)"
 
 

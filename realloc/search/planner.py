@@ -129,9 +129,10 @@ class SearchReport:
 
 def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int = 0, max_evals: int | None = None,
                 n_threads: int = 2, n_chains: int | None = None, progress: Progress | None = None,
-                cost: CostModel | None = None, converge: bool = False) -> SearchReport:
+                cost: CostModel | None = None, converge: bool = False, fuse: bool = True) -> SearchReport:
     """Search the fastest plan of ``experiment`` and compare it with every baseline; with ``converge``, stop
-    before ``time_limit`` once the best plan stops improving (``engine.converged``)."""
+    before ``time_limit`` once the best plan stops improving (``engine.converged``); ``fuse=False`` searches
+    no fused train pairs (what ``realloc run`` asks where the runtime cannot run them, fused_pairs_run_on)."""
     t0 = time.perf_counter()
     spec = experiment_of(experiment)
     graph = build_graph(spec)
@@ -186,7 +187,7 @@ def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int =
         extra = [best[1].indices] if best is not None else []
         outcome = run_mcmc(sp, time_limit=share, max_evals=evals, seed=seed, n_threads=n_threads,
                            n_chains=n_chains or n_threads, starts=starts + extra, progress=progress,
-                           converge=converge)
+                           converge=converge, **({} if fuse else {"p_fuse": 0.0}))
         if len(etas) > 1:
             by_staleness[eta] = sp.to_plan(outcome.indices, "search")
         if best is None or _better(outcome.evaluation, best[1].evaluation):
@@ -233,6 +234,12 @@ def oom_message(space: PlanSpace, indices: np.ndarray, ev: dict) -> str:
     return (f"nothing fits in memory: the best plan found still needs {fmt_bytes(ev['peak_memory'])} on {where} "
             f"{what}, {fmt_bytes(ev['overflow'])} more than the {fmt_bytes(cluster.device_memory)} a device "
             f"has; use more or larger devices, or a smaller batch or model")
+
+
+def fused_pairs_run_on(spec: Any) -> bool:
+    """Whether the runtime can run fused train pairs on ``spec``'s cluster: on CPU devices (gloo) so far
+    (runtime/control/master_fused.py says why not on NCCL)."""
+    return spec.cluster.hardware.kind == "cpu"
 
 
 def search(experiment: Any, time_limit: float | None = 10.0, **kwargs: Any) -> ExecutionPlan:
