@@ -66,3 +66,137 @@ def test_a_tail_continued_after_a_rerun_prefill_gives_the_unmigrated_tokens(pool
     for (a, lpa), (b, lpb) in zip(plain, migrated):
         assert a == b
         assert torch.allclose(lpa, lpb, atol=1e-5)
+
+
+# -- runs: PPO and GRPO on the 2-device CPU cluster, generation at dp 2 migrating its tail to replica 0 ------------
+LONG_TAIL = "ResponseLengths.lognormal(median=2, p99=14)"
+R_T = 4
+EXPERIMENTS = {
+    "ppo": ("ppo_tiny.py", "TinyPPO", "ppo", "PPOConfig(n_minibatches=2, lr=2e-3, critic_lr=2e-3, kl_coef=0.01, "
+            "length_schedule=SCHEDULE)", "from realloc.algorithms.ppo.ppo_config import PPOConfig"),
+    "grpo": ("grpo_tiny.py", "TinyGRPO", "grpo", "GRPOConfig(n_minibatches=2, lr=2e-3, kl_coef=0.01, "
+             "length_schedule=SCHEDULE)", "from realloc.algorithms.critic_free.grpo import GRPOConfig"),
+}
+EXPERIMENT_FILE = '''
+import dataclasses
+import importlib.util
+
+from realloc.api import ResponseLengths, auto
+IMPORT
+
+_spec = importlib.util.spec_from_file_location("base", BASE)
+_base = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_base)
+
+
+@auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size=BATCH, prompt_len=8, gen_len=16)
+@dataclasses.dataclass
+class Streamed(_base.CLASS):
+    dataset: str = DATASET
+    FIELD: object = SETTINGS
+    sample_every: int = 1
+    log_samples: int = 32
+'''
+N_ITER = 2
+
+
+def _experiment(tmp_path, algo: str):
+    from run_helpers import REPO
+
+    base, cls, field, settings, imp = EXPERIMENTS[algo]
+    text = (EXPERIMENT_FILE.replace("IMPORT", imp).replace("BASE", repr(str(REPO / "experiments" / base)))
+            .replace("CLASS", cls).replace("FIELD", field).replace("SETTINGS", settings.replace("SCHEDULE", LONG_TAIL))
+            .replace("DATASET", repr(str(REPO / "experiments/data/ppo_tiny_prompts.jsonl")))
+            .replace("BATCH", "32" if algo == "ppo" else "8"))
+    path = tmp_path / f"streamed_{algo}.py"
+    path.write_text(text)
+    return path
+
+
+def _run(tmp_path, exp, name: str, tail: dict):
+    import subprocess
+    import sys
+
+    from realloc.api import load_experiment
+    from realloc.graph.dataflow import build_graph
+    from realloc.graph.plan import ExecutionPlan
+    from test_runtime_e2e import env
+
+    graph = build_graph(load_experiment(str(exp)))
+    # generation at dp 2 over both devices; the inference calls on device 1 only (a freed replica's device: they
+    # stream), the train steps over both
+    places = {c: (("localhost", 2, 1, 1, 1) if graph.call(c).is_train or c == "actor_gen" else
+                  ("localhost:1", 1, 1, 1, 1)) for c in graph.spec.call_names}
+    plan = tmp_path / f"{name}.json"
+    ExecutionPlan.by_hand(graph, places, source="hand", tail=tail).save(plan)
+    run_dir = tmp_path / name
+    cmd = [sys.executable, "-m", "realloc.cli", "run", str(exp), "--run-dir", str(run_dir), "--quiet", "--plan",
+           str(plan), "--iterations", str(N_ITER)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    return run_dir
+
+
+def _checkpoint(run_dir):
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted((run_dir / f"checkpoints/iter_{N_ITER:08d}").rglob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            out.update({f"{f.name}/{k}": h.get_tensor(k) for k in h.keys()})
+    return out
+
+
+def _samples(run_dir):
+    import json
+
+    rows = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
+    return {(s["iteration"], s["key"] if "key" in s else "", s["seq"]): s for s in rows}
+
+
+@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+def test_a_migrated_and_streamed_run_matches_the_unmigrated_run(tmp_path, algo):
+    import re
+
+    from realloc.models.weights import param_seed
+    from test_runtime_e2e import metrics
+
+    exp = _experiment(tmp_path, algo)
+    fused = _run(tmp_path, exp, "fused", {"actor_gen": (R_T, 1)})
+    plain = _run(tmp_path, exp, "plain", {})
+    # the workers streamed: each inference call ran twice per iteration, first on the rows finished at the
+    # migration point (the first step after which at most R_T rows of the 32 run), then on the rest
+    calls = {}
+    for line in (fused / "logs" / "worker1.log").read_text().splitlines():
+        m = re.search(r"iteration (\d+) call (\w+) rows (\[.*\])", line)
+        if m:
+            calls.setdefault((int(m.group(1)) - 1, m.group(2)), []).append(eval(m.group(3))[0])  # noqa: S307
+    inference = [c for c in ("rew_inf", "ref_inf", "critic_inf") if c in {k[1] for k in calls}]
+    assert len(inference) >= 2
+    for t in range(N_ITER):
+        lengths = scheduled_lengths(ResponseLengths.lognormal(median=2, p99=14), 16,
+                                    param_seed(1, f"generate/{t}"), range(32))
+        step = min(s for s in range(16) if sum(n > s + 1 for n in lengths) <= R_T)
+        part1 = [i for i, n in enumerate(lengths) if n <= step + 1]
+        assert 0 < 32 - len(part1) <= R_T
+        for c in inference:
+            assert calls[t, c] == [part1, [i for i in range(32) if i not in part1]], (t, c)
+    # the same samples, rewards, losses, and final parameters and optimizer state
+    for a, b in zip(metrics(fused), metrics(plain), strict=True):
+        for k, v in b.items():
+            if isinstance(v, float) and k not in ("time", "iteration_time") and not k.endswith("_s"):
+                assert a[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
+    got, want = _samples(fused), _samples(plain)
+    assert got.keys() == want.keys() and len(want) >= 32 * N_ITER
+    for k, s in want.items():
+        for f, v in s.items():
+            if f == "logp":
+                assert got[k][f] == pytest.approx(v, abs=1e-5)
+            elif f != "reward":
+                assert got[k][f] == v, (k, f)
+            else:
+                assert got[k][f] == pytest.approx(v, abs=1e-6)
+    a, b = _checkpoint(fused), _checkpoint(plain)
+    assert a.keys() == b.keys() and a
+    for k in b:
+        assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-4, atol=1e-6), k
