@@ -1,0 +1,166 @@
+"""Long-tail migration and streaming (issue 31; docs/streaming.md), measured on the 2-device local CPU cluster.
+
+PPO (actor, reference and critic of model ``--model``, a rule reward) with lengths from the seeded EOS schedule,
+lognormal with p99 16x the median. Generation runs at dp 2 over both devices. Plans, each one ``realloc run``:
+
+- ``unfused, inference dp 2``: no tail entry; the inference calls at dp 2 over both devices (the natural plan
+  without fusion);
+- ``unfused, inference on dev 1``: no tail entry; the inference calls on device 1 only (the fused plan's placement);
+- ``fused R_t=k``: the same with ``tail = {actor_gen: (k, 1)}``: once at most k rows run, they move to replica 0 and
+  the inference calls on device 1 start on the finished rows; a sweep over k.
+
+Measured per iteration (median over the iterations after the first): generation + inference, from the generation's
+dispatch to the end of the last inference request (``requests.jsonl``), and the whole iteration (``metrics.jsonl``).
+Estimated: the plan's estimated iteration time and the generation's and inference calls' estimates from the
+estimator of this branch, which does not price the tail (the planner side of issue 31 does): both plans get the
+unfused estimate.
+
+    .venv/bin/python benchmarks/bench_fusion.py [--model small --rows 32 --gen-len 128 --iterations 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+INFERENCE = ("rew_inf", "ref_inf", "critic_inf")
+
+EXPERIMENT = '''
+import dataclasses
+import importlib.util
+
+from realloc.algorithms.ppo.ppo_config import PPOConfig
+from realloc.api import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef, ResponseLengths, auto
+
+_spec = importlib.util.spec_from_file_location("ppo_tiny", {base!r})
+_base = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_base)
+
+
+@auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size={rows}, prompt_len=8, gen_len={gen_len},
+      response_lengths=ResponseLengths.lognormal(median={median}, p99={gen_len}))
+@dataclasses.dataclass
+class FusionPPO(_base.TinyPPO):
+    dataset: str = {data!r}
+    ppo: PPOConfig = PPOConfig(n_minibatches=2, lr=2e-3, critic_lr=2e-3, kl_coef=0.01,
+                               length_schedule=ResponseLengths.lognormal(median={median}, p99={gen_len}))
+
+    @property
+    def rpcs(self):
+        out = []
+        for r in super().rpcs:
+            if r.model_type in ("tiny", "tiny-critic"):
+                r = dataclasses.replace(r, model_type=r.model_type.replace("tiny", {model!r}))
+            out.append(r)
+        return out
+'''
+
+
+def _plans(graph, sweep: list[int]):
+    from realloc.graph.plan import ExecutionPlan
+
+    def places(inference_mesh: tuple):
+        return {c: (inference_mesh if c in INFERENCE else ("localhost", 2, 1, 1, 1)) for c in graph.spec.call_names}
+
+    plans = {"unfused, inference dp 2": ExecutionPlan.by_hand(graph, places(("localhost", 2, 1, 1, 1)), source="hand"),
+             "unfused, inference on dev 1": ExecutionPlan.by_hand(graph, places(("localhost:1", 1, 1, 1, 1)),
+                                                                  source="hand")}
+    for k in sweep:
+        plans[f"fused R_t={k}"] = ExecutionPlan.by_hand(graph, places(("localhost:1", 1, 1, 1, 1)), source="hand",
+                                                        tail={"actor_gen": (k, 1)})
+    return plans
+
+
+def _measure(run_dir: Path) -> tuple[float, float]:
+    """Median over iterations 2.. of (generation + inference wall time, iteration time)."""
+    reqs = [json.loads(x) for x in (run_dir / "requests.jsonl").read_text().splitlines() if x.strip()]
+    spans: dict[int, list[float]] = {}
+    for r in reqs:
+        if r.get("kind") != "call":
+            continue
+        it = r["iteration"]
+        if r["label"] == "actor_gen":
+            spans.setdefault(it, [float("inf"), 0.0])[0] = min(spans.get(it, [float("inf")])[0], r["dispatched"])
+        if r["label"] in INFERENCE:
+            s = spans.setdefault(it, [float("inf"), 0.0])
+            s[1] = max(s[1], r["completed"])
+    its = sorted(spans)[1:]
+    gen_inf = statistics.median(spans[i][1] - spans[i][0] for i in its)
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return gen_inf, statistics.median(m["iteration_time"] for m in metrics[1:])
+
+
+def _estimate(graph, plan) -> tuple[float, float]:
+    """The estimator's iteration time and generation + inference (generation, then the inference calls, which
+    share device 1 or run side by side at dp 2) for ``plan``'s placements; the tail is not priced here."""
+    from realloc.search.timeline import estimate_plan
+
+    space, idx = estimate_plan(graph, plan)
+    est = space.to_plan(idx, "estimate")
+    inf = [est.call_times[c] for c in INFERENCE]
+    return float(est.estimated_time or 0.0), est.call_times["actor_gen"] + sum(inf)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="small")
+    p.add_argument("--rows", type=int, default=32)
+    p.add_argument("--gen-len", type=int, default=128)
+    p.add_argument("--iterations", type=int, default=5)
+    p.add_argument("--sweep", default="2,4,8,12,16", help="R_t values, comma-separated")
+    args = p.parse_args()
+    from realloc.api import load_experiment
+    from realloc.graph.dataflow import build_graph
+    from realloc.lengths import ResponseLengths
+    from realloc.models.length_schedule import scheduled_lengths
+    from realloc.models.weights import param_seed
+
+    median = max(1, args.gen_len // 16)
+    sweep = [int(x) for x in args.sweep.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        exp = Path(tmp) / "fusion_ppo.py"
+        exp.write_text(EXPERIMENT.format(base=str(REPO / "experiments/ppo_tiny.py"), rows=args.rows,
+                                         gen_len=args.gen_len, median=median, model=args.model,
+                                         data=str(REPO / "experiments/data/ppo_tiny_prompts.jsonl")))
+        graph = build_graph(load_experiment(str(exp)))
+        env = {**os.environ, "TMPDIR": tmp, "PYTHONPATH": str(REPO)}
+        rows = []
+        for name, plan in _plans(graph, sweep).items():
+            path = Path(tmp) / "plan.json"
+            plan.save(path)
+            run_dir = Path(tmp) / name.replace(" ", "_").replace(",", "").replace("=", "")
+            r = subprocess.run([sys.executable, "-m", "realloc.cli", "run", str(exp), "--run-dir", str(run_dir),
+                                "--quiet", "--plan", str(path), "--iterations", str(args.iterations),
+                                "--no-final-checkpoint"], capture_output=True, text=True, env=env, timeout=1800)
+            if r.returncode:
+                print(r.stdout + r.stderr)
+                return 1
+            rows.append((name, *_measure(run_dir), *_estimate(graph, plan)))
+    lens = scheduled_lengths(ResponseLengths.lognormal(median=median, p99=args.gen_len), args.gen_len,
+                             param_seed(1, "generate/0"), range(args.rows))
+    s = sorted(lens)
+    print(f"PPO, model {args.model} x3 on 2 CPU devices (gloo, 1 thread each), {args.rows} rows of 8 prompt tokens, "
+          f"lengths lognormal median {median}, p99 {args.gen_len} (iteration 1: median {s[len(s) // 2]}, max {s[-1]}); "
+          f"{args.iterations} iterations, medians over 2..{args.iterations}")
+    print(f"{'plan':<28}{'gen+inf s':>10}{'iter s':>9}{'est iter':>10}{'est g+i':>9}")
+    for name, gi, it, est_it, est_gi in rows:
+        print(f"{name:<28}{gi:>10.3f}{it:>9.3f}{est_it:>10.3f}{est_gi:>9.3f}")
+    base = min(rows[:2], key=lambda r: r[1])
+    best = min(rows[2:], key=lambda r: r[1])
+    print(f"best measured R_t: {best[0].split('=')[1]} of {args.rows} rows")
+    print(f"fused ({best[0]}) vs the faster unfused plan ({base[0]}): generation + inference "
+          f"{base[1] / best[1]:.2f}x, iteration {base[2] / best[2]:.2f}x")
+    print("estimates: this branch's estimator does not price the tail, so fused plans show the unfused estimate of "
+          "their placements")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
