@@ -4,7 +4,7 @@ PPO (actor, reference and critic of model ``--model``, a rule reward) with lengt
 lognormal with p99 16x the median. Generation runs at dp 2 over both devices. Plans, each one ``realloc run``:
 
 - ``unfused, inference dp 2``: no tail entry; the inference calls at dp 2 over both devices (the natural plan
-  without fusion);
+  without fusion); the actor trains at dp 2, the critic on device 1 in every plan;
 - ``unfused, inference on dev 1``: no tail entry; the inference calls on device 1 only (the fused plan's placement);
 - ``fused R_t=k``: the same with ``tail = {actor_gen: (k, 1)}``: once at most k rows run, they move to replica 0 and
   the inference calls on device 1 start on the finished rows; a sweep over k.
@@ -67,7 +67,9 @@ def _plans(graph, sweep: list[int]):
     from realloc.graph.plan import ExecutionPlan
 
     def places(inference_mesh: tuple):
-        return {c: (inference_mesh if c in INFERENCE else ("localhost", 2, 1, 1, 1)) for c in graph.spec.call_names}
+        # the critic trains where the fused plan infers with it, so no reallocation of it waits for device 0
+        out = {c: (inference_mesh if c in INFERENCE else ("localhost", 2, 1, 1, 1)) for c in graph.spec.call_names}
+        return {**out, "critic_train": ("localhost:1", 1, 1, 1, 1)}
 
     plans = {"unfused, inference dp 2": ExecutionPlan.by_hand(graph, places(("localhost", 2, 1, 1, 1)), source="hand"),
              "unfused, inference on dev 1": ExecutionPlan.by_hand(graph, places(("localhost:1", 1, 1, 1, 1)),
@@ -115,6 +117,8 @@ def main() -> int:
     p.add_argument("--gen-len", type=int, default=128)
     p.add_argument("--iterations", type=int, default=5)
     p.add_argument("--sweep", default="2,4,8,12,16", help="R_t values, comma-separated")
+    p.add_argument("--keep", default=None, help="keep the runs' directories under this folder")
+    p.add_argument("--only", default=None, help="run only the plans whose name contains this")
     args = p.parse_args()
     from realloc.api import load_experiment
     from realloc.graph.dataflow import build_graph
@@ -124,7 +128,9 @@ def main() -> int:
 
     median = max(1, args.gen_len // 16)
     sweep = [int(x) for x in args.sweep.split(",")]
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = args.keep or scratch
+        Path(tmp).mkdir(parents=True, exist_ok=True)
         exp = Path(tmp) / "fusion_ppo.py"
         exp.write_text(EXPERIMENT.format(base=str(REPO / "experiments/ppo_tiny.py"), rows=args.rows,
                                          gen_len=args.gen_len, median=median, model=args.model,
@@ -133,6 +139,8 @@ def main() -> int:
         env = {**os.environ, "TMPDIR": tmp, "PYTHONPATH": str(REPO)}
         rows = []
         for name, plan in _plans(graph, sweep).items():
+            if args.only and args.only not in name:
+                continue
             path = Path(tmp) / "plan.json"
             plan.save(path)
             run_dir = Path(tmp) / name.replace(" ", "_").replace(",", "").replace("=", "")
@@ -152,8 +160,10 @@ def main() -> int:
     print(f"{'plan':<28}{'gen+inf s':>10}{'iter s':>9}{'est iter':>10}{'est g+i':>9}")
     for name, gi, it, est_it, est_gi in rows:
         print(f"{name:<28}{gi:>10.3f}{it:>9.3f}{est_it:>10.3f}{est_gi:>9.3f}")
-    base = min(rows[:2], key=lambda r: r[1])
-    best = min(rows[2:], key=lambda r: r[1])
+    base = min((r for r in rows if r[0].startswith("unfused")), key=lambda r: r[1], default=None)
+    best = min((r for r in rows if r[0].startswith("fused")), key=lambda r: r[1], default=None)
+    if base is None or best is None:
+        return 0
     print(f"best measured R_t: {best[0].split('=')[1]} of {args.rows} rows")
     print(f"fused ({best[0]}) vs the faster unfused plan ({base[0]}): generation + inference "
           f"{base[1] / best[1]:.2f}x, iteration {base[2] / best[2]:.2f}x")

@@ -68,6 +68,75 @@ def test_a_tail_continued_after_a_rerun_prefill_gives_the_unmigrated_tokens(pool
         assert torch.allclose(lpa, lpb, atol=1e-5)
 
 
+
+# -- the rows' bookkeeping: deals, split consumers, row lists in the data store ---------------------------------------
+def _ppo_plan(places, tail):
+    from realloc.api import load_experiment
+    from realloc.graph.dataflow import build_graph
+    from realloc.graph.plan import ExecutionPlan
+    from run_helpers import TINY
+
+    graph = build_graph(load_experiment(TINY))
+    return graph, ExecutionPlan.by_hand(graph, places, source="hand", tail=tail)
+
+
+def test_split_consumers_are_the_non_train_readers_on_freed_devices_only():
+    from realloc.graph.streaming import deal, part_shares, split_consumers
+
+    assert deal([9, 1, 7, 3, 5], 2) == ((1, 3, 5), (7, 9)) and deal([4], 3) == ((4,), (), ())
+    assert part_shares([0, 2, 3], [1], 2) == (((0, 2), (3,)), ((1,), ()), ((0, 1, 2), (3,)))
+    both, dev0, dev1 = ("localhost", 2, 1, 1, 1), ("localhost:0", 1, 1, 1, 1), ("localhost:1", 1, 1, 1, 1)
+    places = {"actor_gen": both, "rew_inf": dev1, "ref_inf": dev0, "critic_inf": dev1, "actor_train": both,
+              "critic_train": dev1}
+    graph, plan = _ppo_plan(places, {"actor_gen": (4, 1)})
+    # replica 0 (device 0) keeps the tail: ref_inf shares its device, the train steps wait for the whole batch
+    assert split_consumers(plan, graph, "actor_gen") == ["rew_inf", "critic_inf"]
+    graph, plan = _ppo_plan(places, {})
+    assert split_consumers(plan, graph, "actor_gen") == []
+
+
+def test_row_lists_round_trip_through_the_data_store_and_a_single_row_unpacks_at_any_offset():
+    from realloc.runtime.transfer.data_store import DataStore, index_runs, pack_rows, unpack_rows
+    from realloc.runtime.wire.protocol import TensorMeta
+
+    store = DataStore()
+    ids = [0, 2, 3, 7]
+    rows = {"x": torch.arange(8).view(4, 2), "f": torch.tensor([True, False, True, True])}
+    store.put_rows("k", 0, ids, rows)
+    assert index_runs(ids) == [(0, 1), (2, 4), (7, 8)]
+    got = store.get_rows("k", 0, [2, 3, 7])
+    assert torch.equal(got["x"], rows["x"][1:]) and torch.equal(got["f"], rows["f"][1:])
+    assert torch.equal(store.get_rows("k", 0, range(2, 4))["x"], rows["x"][1:3])
+    # one row whose int64 column starts at an odd byte (a bool column before it), in a buffer at an odd offset
+    metas = [TensorMeta(name="a", dtype="bool", shape=[3]), TensorMeta(name="b", dtype="int64", shape=[2])]
+    one = {"a": torch.tensor([[True, False, True]]), "b": torch.tensor([[5, -6]])}
+    buf = torch.cat([torch.zeros(5, dtype=torch.uint8), pack_rows(one, metas)])[5:]
+    back = unpack_rows(buf, metas, 1)
+    assert torch.equal(back["a"], one["a"]) and torch.equal(back["b"], one["b"])
+
+
+def test_what_the_runtime_cannot_migrate_is_one_value_error():
+    from realloc.api import load_experiment
+    from realloc.graph.dataflow import build_graph
+    from realloc.graph.plan import ExecutionPlan
+    from realloc.graph.streaming import check_runtime_tail
+    from realloc.runtime.control.master_tail import split_map
+    from realloc.runtime.control.program import RuntimeProgram
+
+    big = build_graph(load_experiment("experiments/ppo_7b_7b.py"))
+    places = {n: ("trainer[01-02]", 4, 2, 2, 4) for n in big.spec.call_names}
+    with pytest.raises(ValueError, match="'actor_gen'.*pp 1 only, and the call runs at pp 2"):
+        check_runtime_tail(ExecutionPlan.by_hand(big, places, tail={"actor_gen": (100, 1)}), big)
+    check_runtime_tail(ExecutionPlan.by_hand(big, places), big)  # no tail entry: nothing to check
+    places = {c: ("localhost", 2, 1, 1, 1) for c in ("actor_gen", "rew_inf", "ref_inf", "critic_inf",
+                                                     "actor_train", "critic_train")}
+    graph, plan = _ppo_plan(places, {"actor_gen": (4, 1)})
+    program = RuntimeProgram(graph, plan)
+    with pytest.raises(ValueError, match="cannot be combined with balance_tokens"):
+        split_map(program, True)
+    assert split_map(program, False) == {}  # every consumer shares device 0 with the tail replica
+
+
 # -- runs: PPO and GRPO on the 2-device CPU cluster, generation at dp 2 migrating its tail to replica 0 ------------
 LONG_TAIL = "ResponseLengths.lognormal(median=2, p99=14)"
 R_T = 4

@@ -67,3 +67,16 @@ def part_shares(part1: Sequence[int], part2: Sequence[int], dp: int) -> tuple[Sh
     """A split consumer's dp ranks' rows of part 1, of part 2, and of both (its outputs' layout)."""
     a, b = deal(part1, dp), deal(part2, dp)
     return a, b, tuple(tuple(sorted(x + y)) for x, y in zip(a, b))
+
+
+def check_runtime_tail(plan: "ExecutionPlan", graph: "DataflowGraph") -> None:
+    """One ValueError if the runtime cannot carry out a tail entry of ``plan``: the generation must run at pp 1
+    (its replicas count decode steps in lockstep) and not ahead of training (bounded staleness)."""
+    for call in plan.tail:
+        p = plan.placements[call]
+        if p.pp != 1:
+            raise ValueError(f"plan field 'tail' entry {call!r}: the runtime migrates the tail of a generation at "
+                             f"pp 1 only, and the call runs at pp {p.pp}; place it with pp=1 or drop the entry")
+        if plan.staleness:
+            raise ValueError(f"plan field 'tail' entry {call!r}: tail migration does not run with staleness "
+                             f"{plan.staleness} yet; drop the entry or set staleness 0")

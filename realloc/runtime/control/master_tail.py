@@ -75,8 +75,7 @@ class TailStreams:
         freed = [r for r in rec.ranks if lay.coords_by_device[r][0] >= tail.instances]
         early = await asyncio.gather(*(self.futures[rec.req, r] for r in freed))
         if not all(rep.ok for rep in early):
-            self._stream_done(call, t)
-            return  # the whole request's wait reports the failure
+            return  # the whole request's wait reports the failure, which stops the run
         held: dict[int, tuple[int, ...]] = {}
         for rep in early:
             held[lay.coords_by_device[rep.rank][0]] = tuple(rep.rows)

@@ -126,7 +126,9 @@ def unpack_rows(buf: torch.Tensor, metas: list[TensorMeta], n: int) -> Rows:
     for m in metas:
         dtype = getattr(torch, m.dtype)
         width = row_bytes([m])
-        out[m.name] = table[:, off:off + width].contiguous().view(dtype).reshape(n, *m.shape)
+        # a copy: a single row's slice is contiguous already, but may start at an offset the dtype cannot view
+        out[m.name] = table[:, off:off + width].clone(memory_format=torch.contiguous_format).view(dtype).reshape(
+            n, *m.shape)
         off += width
     return out
 
