@@ -69,6 +69,23 @@ def test_a_tail_continued_after_a_rerun_prefill_gives_the_unmigrated_tokens(pool
 
 
 
+
+def _gathered(ctx):
+    import torch.distributed as dist
+
+    from realloc.runtime.control.worker_tail import _gather
+
+    n = 2 if ctx.rank == 0 else 0  # a replica with no rows to send
+    table = {"id": torch.arange(n) + 10 * ctx.rank, "eos": torch.ones(n, dtype=torch.bool),
+             "tok": torch.arange(3 * n).view(n, 3) + 100}
+    return _gather(table, dist.group.WORLD, 2, torch.device("cpu"))
+
+
+def test_the_all_gather_of_rows_takes_replicas_with_none(pool):
+    for got in pool.run(_gathered):
+        assert got["id"].tolist() == [0, 1] and got["eos"].tolist() == [True, True]
+        assert got["tok"].tolist() == [[100, 101, 102], [103, 104, 105]]
+
 # -- the rows' bookkeeping: deals, split consumers, row lists in the data store ---------------------------------------
 def _ppo_plan(places, tail):
     from realloc.api import load_experiment

@@ -127,7 +127,7 @@ def _gather(table: dict[str, torch.Tensor], group: Any, dp: int, device: torch.d
     dist.all_gather_into_tensor(out, buf.to(device), group=group)
     out = out.cpu()
     parts = [unpack_rows(out[k * cap * width:(k * cap + int(counts[k])) * width], metas, int(counts[k]))
-             for k in range(dp)]
+             if int(counts[k]) else {name: t[:0] for name, t in table.items()} for k in range(dp)]
     return {name: torch.cat([p[name] for p in parts]) for name in table}
 
 
