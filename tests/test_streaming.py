@@ -7,26 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mp_pool import GlooPool
 from model_helpers import build_model
 from realloc.lengths import ResponseLengths
 from realloc.models.config import get_model_config
 from realloc.models.length_schedule import scheduled_lengths
 from realloc.models.sampling import GenerationConfig
-
-SCHEDULE = ResponseLengths.lognormal(median=3, p99=30)
-N_ROWS, MAX_NEW = 12, 24
-
-
-@pytest.fixture(scope="module")
-def pool(tmp_path_factory):
-    with GlooPool(2, tmp_path_factory.mktemp("gloo")) as p:
-        yield p
+from test_length_schedule import MAX_NEW, N_ROWS, SCHEDULE, pool  # noqa: F401 - the module's gloo pool
+from test_length_schedule import _prompts as _prompt_lists
 
 
 def _prompts():
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(1, 64, (n,), generator=g) for n in (3, 7, 1, 5, 9, 2, 6, 4, 2, 8, 5, 3)]
+    return [torch.tensor(p) for p in _prompt_lists()]
 
 
 def _responses(out):
