@@ -99,15 +99,31 @@ def _measure(run_dir: Path) -> tuple[float, float]:
     return gen_inf, statistics.median(m["iteration_time"] for m in metrics[1:])
 
 
-def _estimate(graph, plan) -> tuple[float, float]:
-    """The estimator's iteration time and generation + inference (generation, then the inference calls, which
-    share device 1 or run side by side at dp 2) for ``plan``'s placements; the tail is not priced here."""
+def _estimate(graph, plan) -> tuple[float, float, bool]:
+    """The estimator's iteration time for ``plan``'s placements, and its generation + inference: generation, then
+    the inference calls (side by side at dp 2, or one after another on device 1); for a fused plan, with the
+    planner's tail pricing where this checkout has it (``estimator/tail_cost.py``): phase 1, then the tail beside
+    the consumers' part 1, then their part 2. The flag says whether the tail was priced."""
+    from realloc.estimator.cost import CostModel
     from realloc.search.timeline import estimate_plan
 
-    space, idx = estimate_plan(graph, plan)
+    cost = CostModel(graph)
+    space, idx = estimate_plan(graph, plan, cost)
     est = space.to_plan(idx, "estimate")
-    inf = [est.call_times[c] for c in INFERENCE]
-    return float(est.estimated_time or 0.0), est.call_times["actor_gen"] + sum(inf)
+    gen_inf = est.call_times["actor_gen"] + sum(est.call_times[c] for c in INFERENCE)
+    tail = plan.tail.get("actor_gen")
+    if tail is None:
+        return float(est.estimated_time or 0.0), gen_inf, False
+    try:
+        from realloc.estimator.tail_cost import consumer_parts, tail_generation_cost
+    except ImportError:
+        return float(est.estimated_time or 0.0), gen_inf, False
+    cluster, p = graph.spec.cluster, plan.placements["actor_gen"]
+    g = tail_generation_cost(cost, "actor_gen", cluster.mesh(p.mesh), p.strategy, p.n_mbs, tail.rows, tail.instances)
+    parts = [consumer_parts(cost, c, "actor_gen", cluster.mesh(plan.placements[c].mesh), plan.placements[c].strategy,
+                            plan.placements[c].n_mbs, tail.rows) for c in INFERENCE]
+    part1, part2 = sum(x[0] for x in parts), sum(x[1] for x in parts)
+    return float(est.estimated_time or 0.0), g.phase1 + max(g.tail, part1) + part2, True
 
 
 def main() -> int:
@@ -137,7 +153,7 @@ def main() -> int:
                                          data=str(REPO / "experiments/data/ppo_tiny_prompts.jsonl")))
         graph = build_graph(load_experiment(str(exp)))
         env = {**os.environ, "TMPDIR": tmp, "PYTHONPATH": str(REPO)}
-        rows = []
+        rows, priced_tail = [], False
         for name, plan in _plans(graph, sweep).items():
             if args.only and args.only not in name:
                 continue
@@ -151,6 +167,7 @@ def main() -> int:
                 print(r.stdout + r.stderr)
                 return 1
             rows.append((name, *_measure(run_dir), *_estimate(graph, plan)))
+            priced_tail = priced_tail or rows[-1][-1]
     lens = scheduled_lengths(ResponseLengths.lognormal(median=median, p99=args.gen_len), args.gen_len,
                              param_seed(1, "generate/0"), range(args.rows))
     s = sorted(lens)
@@ -158,7 +175,7 @@ def main() -> int:
           f"lengths lognormal median {median}, p99 {args.gen_len} (iteration 1: median {s[len(s) // 2]}, max {s[-1]}); "
           f"{args.iterations} iterations, medians over 2..{args.iterations}")
     print(f"{'plan':<28}{'gen+inf s':>10}{'iter s':>9}{'est iter':>10}{'est g+i':>9}")
-    for name, gi, it, est_it, est_gi in rows:
+    for name, gi, it, est_it, est_gi, _ in rows:
         print(f"{name:<28}{gi:>10.3f}{it:>9.3f}{est_it:>10.3f}{est_gi:>9.3f}")
     base = min((r for r in rows if r[0].startswith("unfused")), key=lambda r: r[1], default=None)
     best = min((r for r in rows if r[0].startswith("fused")), key=lambda r: r[1], default=None)
@@ -167,8 +184,12 @@ def main() -> int:
     print(f"best measured R_t: {best[0].split('=')[1]} of {args.rows} rows")
     print(f"fused ({best[0]}) vs the faster unfused plan ({base[0]}): generation + inference "
           f"{base[1] / best[1]:.2f}x, iteration {base[2] / best[2]:.2f}x")
-    print("estimates: this branch's estimator does not price the tail, so fused plans show the unfused estimate of "
-          "their placements")
+    if not priced_tail:
+        print("estimates: this checkout's estimator does not price the tail (estimator/tail_cost.py), so fused plans "
+              "show the unfused estimate of their placements")
+    else:
+        print("estimates: gen+inf of fused plans priced with estimator/tail_cost.py; iteration estimates as "
+              "estimate_plan prices the placements")
     return 0
 
 
