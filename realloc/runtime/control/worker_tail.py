@@ -233,7 +233,8 @@ def migrating_generation(ctx: CallContext, fn: Callable[[CallContext, Data], Cal
     tails = deal([i for i, t in zip(ids, everyone["tail"].tolist()) if t], m)
     if k >= m:  # a freed replica: its own finished rows and its deal of those of replicas 0..m-1
         moved = deal([i for i, t in zip(ids, everyone["tail"].tolist()) if not t], dp - m)[k - m]
-        table = {n: torch.cat([finished[n], _select(everyone, moved)[n]]) for n in finished}
+        got = _select(everyone, moved)
+        table = {n: torch.cat([finished[n], got[n]]) for n in finished}
         held = sorted(int(i) for i in table["id"].tolist())
         table = _select(table, held)
         return _replay(ctx, fn, table, _output(table, a.gconfig.pad_token_id), call), held
