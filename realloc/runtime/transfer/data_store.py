@@ -67,7 +67,10 @@ class DataStore:
         return {n: torch.cat([p[n] for p in parts]) for n in parts[0]} if parts else {}
 
     def put_rows(self, key: str, iteration: int, ids: Sequence[int], rows: Rows) -> None:
-        """Store rows ``ids`` (ascending), one chunk per run of consecutive sequences."""
+        """Store rows ``ids`` (ascending), one chunk per run of consecutive sequences (no rows: an empty chunk, so
+        the key's tensors are known here, as ``put`` of an empty range keeps them)."""
+        if not ids:
+            self.put(key, iteration, 0, 0, rows)
         at = 0
         for lo, hi in index_runs(ids):
             self.put(key, iteration, lo, hi, {n: t[at:at + hi - lo] for n, t in rows.items()})
