@@ -10,7 +10,8 @@ lognormal with p99 16x the median. Generation runs at dp 2 over both devices. Pl
   the inference calls on device 1 start on the finished rows; a sweep over k.
 
 Measured per iteration (median over the iterations after the first): generation + inference, from the generation's
-dispatch to the end of the last inference request (``requests.jsonl``), and the whole iteration (``metrics.jsonl``).
+dispatch to the end of the last inference request (``requests.jsonl``), the whole iteration (``metrics.jsonl``), and
+the inference calls' work done before the generation ended (seconds of their requests' spans; what streaming overlaps).
 The plans run in turn, ``--repeats`` rounds; each plan's best round counts (on a shared machine the load drifts).
 Estimated: the plan's estimated iteration time and the generation's and inference calls' estimates from the
 estimator of this branch, which does not price the tail (the planner side of issue 31 does): both plans get the
@@ -81,23 +82,21 @@ def _plans(graph, sweep: list[int]):
     return plans
 
 
-def _measure(run_dir: Path) -> tuple[float, float]:
-    """Median over iterations 2.. of (generation + inference wall time, iteration time)."""
+def _measure(run_dir: Path) -> tuple[float, float, float]:
+    """Medians over iterations 2.. of generation + inference wall time, iteration time, and the seconds of inference
+    work done before the generation ended (the overlap streaming buys; 0 without a tail entry)."""
     reqs = [json.loads(x) for x in (run_dir / "requests.jsonl").read_text().splitlines() if x.strip()]
-    spans: dict[int, list[float]] = {}
-    for r in reqs:
-        if r.get("kind") != "call":
-            continue
-        it = r["iteration"]
-        if r["label"] == "actor_gen":
-            spans.setdefault(it, [float("inf"), 0.0])[0] = min(spans.get(it, [float("inf")])[0], r["dispatched"])
-        if r["label"] in INFERENCE:
-            s = spans.setdefault(it, [float("inf"), 0.0])
-            s[1] = max(s[1], r["completed"])
-    its = sorted(spans)[1:]
-    gen_inf = statistics.median(spans[i][1] - spans[i][0] for i in its)
+    calls = [r for r in reqs if r.get("kind") == "call"]
+    its = sorted({r["iteration"] for r in calls})[1:]
+    gen_inf, overlap = [], []
+    for it in its:
+        gen = next(r for r in calls if r["iteration"] == it and r["label"] == "actor_gen")
+        inf = [r for r in calls if r["iteration"] == it and r["label"] in INFERENCE]
+        gen_inf.append(max(r["completed"] for r in inf) - gen["dispatched"])
+        overlap.append(sum(max(0.0, min(b, gen["completed"]) - a) for r in inf for a, b in r["spans"].values()))
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return gen_inf, statistics.median(m["iteration_time"] for m in metrics[1:])
+    return (statistics.median(gen_inf), statistics.median(m["iteration_time"] for m in metrics[1:]),
+            statistics.median(overlap))
 
 
 def _estimate(graph, plan) -> tuple[float, float, bool]:
@@ -179,9 +178,9 @@ def main() -> int:
     print(f"PPO, model {args.model} x3 on 2 CPU devices (gloo, 1 thread each), {args.rows} rows of 8 prompt tokens, "
           f"lengths lognormal median {median}, p99 {args.gen_len} (iteration 1: median {s[len(s) // 2]}, max {s[-1]}); "
           f"{args.iterations} iterations, medians over 2..{args.iterations}, the best of {args.repeats} rounds")
-    print(f"{'plan':<28}{'gen+inf s':>10}{'iter s':>9}{'est iter':>10}{'est g+i':>9}")
-    for name, gi, it, est_it, est_gi, _ in rows:
-        print(f"{name:<28}{gi:>10.3f}{it:>9.3f}{est_it:>10.3f}{est_gi:>9.3f}")
+    print(f"{'plan':<28}{'gen+inf s':>10}{'iter s':>9}{'inf in gen':>11}{'est iter':>10}{'est g+i':>9}")
+    for name, gi, it, ov, est_it, est_gi, _ in rows:
+        print(f"{name:<28}{gi:>10.3f}{it:>9.3f}{ov:>11.3f}{est_it:>10.3f}{est_gi:>9.3f}")
     base = min((r for r in rows if r[0].startswith("unfused")), key=lambda r: r[1], default=None)
     best = min((r for r in rows if r[0].startswith("fused")), key=lambda r: r[1], default=None)
     if base is None or best is None:
