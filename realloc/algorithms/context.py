@@ -11,7 +11,7 @@ every dp rank and reported once.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ class CallContext:
     gen_len: int
     seed: int
     iteration: int
-    ids: range  # global sequence indices of this dp rank's rows
+    ids: "range | Sequence[int]"  # global indices of this dp rank's rows (a list in a streamed call's part)
     batch_size: int  # sequences of the whole batch
     n_mbs: int
     total_iterations: int = 0  # the learning-rate schedule's horizon in iterations (0: iteration + 1)

@@ -34,6 +34,7 @@ from realloc.runtime.control.master_fused import FusedPairs
 from realloc.runtime.control.master_link import (CALL_TIMEOUT, HEARTBEAT_TIMEOUT, KILL_GRACE, SHUTDOWN_TIMEOUT,
                                                  MasterLink, RunFailed, WorkerLauncher, plan_node_hosts)
 from realloc.runtime.control.master_schedule import IterationSchedule, Node
+from realloc.runtime.control.master_tail import TailStreams, split_map
 from realloc.runtime.control.program import RuntimeProgram
 from realloc.runtime.control.stop_signals import STOP_MARGIN, StopRequest, StopSignals
 from realloc.runtime.inputs.evaluation import eval_calls
@@ -50,7 +51,7 @@ __all__ = ["Master", "RunFailed"]
 log = logging.getLogger("realloc.master")
 
 
-class Master(MasterLink, IterationSchedule, EvaluationPasses, CheckpointSaves, FusedPairs):
+class Master(MasterLink, IterationSchedule, TailStreams, EvaluationPasses, CheckpointSaves, FusedPairs):
     def __init__(self, program: RuntimeProgram, config: RunConfig, run: RunPaths, run_id: str, secret: bytes,
                  *, iterations: int, start_iteration: int = 0, resume: Path | None = None, save_every: int = 0,
                  export_every: int = 0, save_final: bool = False, keep_checkpoints: int = 0,
@@ -154,6 +155,10 @@ class Master(MasterLink, IterationSchedule, EvaluationPasses, CheckpointSaves, F
         # balance_tokens: t -> sequence -> its tokens (the generation's reply), and each (call, t)'s dp ranges
         self.row_tokens: dict[int, dict[int, int]] = {}
         self.row_ranges: dict[tuple[str, int], tuple[tuple[int, int], ...] | None] = {}
+        # tail migration (master_tail.py): split consumer -> its generation; (call, t) -> rows per dp rank; parts
+        self.splits = split_map(program, config.balance_tokens)
+        self.row_lists: dict[tuple[str, int], tuple[tuple[int, ...], ...]] = {}
+        self.parts: dict[tuple[str, int], tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]] = {}
         self.known_groups = self._startup_groups()
         self.call_stats: dict[int, dict[str, dict[str, float]]] = {}
         self.node_times: dict[int, dict[str, float]] = {}

@@ -98,6 +98,7 @@ class IterationSchedule:
             if r is not None:
                 out.append(Node("realloc", r.model, t, r.src_call, r.dst_call))
             out += self._stale_readers(n)
+            out = self._stream_deps(n, out)
         elif n.kind == "realloc":
             r = next(x for x in prog.reallocs(n.name) if (x.src_call, x.dst_call) == (n.src, n.dst))
             if r.snapshot:
@@ -309,6 +310,7 @@ class IterationSchedule:
                     self.cached.pop(c, None)
                     self.data_meta.pop(c, None)
             self.row_tokens.pop(k, None)
+            self._forget_streams(k)
             for c in [c for c in self.row_ranges if c[1] <= k]:
                 del self.row_ranges[c]
             nxt = k + self.window
@@ -346,7 +348,8 @@ class IterationSchedule:
         c, t = n.name, n.t
         if (pair := self.program.fused_partner(c)) is not None:  # one request runs both calls (master_fused.py)
             return await self._fused_call(n, pair)
-        rpc = self.graph.call(c)
+        if c in self.splits:  # a consumer streamed in two parts around a generation's tail (master_tail.py)
+            return await self._call_in_parts(n)
         # The inputs were sent when their producers finished (``_push_outputs``); each worker runs them
         # before this call, which it received later.
         recs = self.pushed.pop((c, t), [])
@@ -355,7 +358,13 @@ class IterationSchedule:
                           lambda req: protocol.RunCall(req=req, call=c, iteration=t, ranges=ranges))
         for rec in recs:
             await self._wait(rec)
+        await self._stream_at_migration(c, t, call)  # a generation with a tail entry: its migration point
         replies = await self._wait(call)
+        self._finish_call(c, t, replies)
+
+    def _finish_call(self, c: str, t: int, replies: list[protocol.Reply]) -> None:
+        """A call's replies: its stats, data, samples; then its outputs go to their consumers."""
+        rpc = self.graph.call(c)
         stats: dict[str, float] = {}
         for rep in replies:
             for k, v in rep.stats.items():
@@ -393,6 +402,8 @@ class IterationSchedule:
                     self.pushed.setdefault((consumer, t), []).extend(self._transfer(key, consumer, t))
 
     def _transfer(self, key: str, consumer: str, t: int) -> list[RequestRecord]:
+        if self._streams_rows(key, consumer, t):  # dp ranks holding row lists (master_tail.py)
+            return self._transfer_rows(key, consumer, t)
         metas = self.data_meta[(key, t)]
         cached = self.cached.setdefault((key, t), {})
         src = self.program.producer_of(key)

@@ -31,6 +31,7 @@ from realloc.cluster import DeviceMesh
 from realloc.graph.dataflow import DataflowGraph
 from realloc.graph.fused import second_model_meshes
 from realloc.graph.plan import ExecutionPlan, validate_plan
+from realloc.graph.streaming import check_runtime_tail
 from realloc.graph.transfer_plan import DataLayout, Layout, TransferPlan, plan_data_transfer, plan_param_realloc
 from realloc.models.config import ModelConfig
 from realloc.strategy import ParallelStrategy
@@ -115,6 +116,7 @@ class RuntimeProgram:
                                           p.recompute)
         for m in self.models:  # a generation layout that training also uses cannot hold a stale copy
             self.snapshots(m)
+        check_runtime_tail(plan, graph)  # what the runtime's tail migration supports (graph/streaming.py)
 
     def fused_partner(self, call: str) -> tuple[str, str] | None:
         """The fused pair (first, second) ``call`` belongs to (plan field 'fused'), or None."""

@@ -26,7 +26,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -51,7 +51,9 @@ from realloc.overrides import load_with_overrides
 from realloc.runtime.control.program import CallLayout, LayoutKey, RuntimeProgram
 from realloc.runtime.control.pool_dtypes import reallocate_model
 from realloc.runtime.control.worker_fused import run_request
+from realloc.runtime.control.worker_heartbeat import HEARTBEAT_INTERVAL, Heartbeat
 from realloc.runtime.control.worker_partial import PartialStore
+from realloc.runtime.control.worker_tail import migrating_generation
 from realloc.runtime.inputs.datasets import dataset_rows, load_dataset
 from realloc.runtime.inputs.evaluation import EVAL_SEED, eval_calls, eval_key, write_eval_samples
 from realloc.runtime.inputs.preflight import vocab_limit
@@ -66,8 +68,6 @@ from realloc.runtime.transfer.param_realloc import Reallocator
 from realloc.runtime.wire import protocol
 from realloc.runtime.wire.curve import CurveKeys, secure_client
 
-HEARTBEAT_INTERVAL = 1.0
-MASTER_TIMEOUT = 30.0  # no answer from the master for this long: it is gone, so stop
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 
 log = logging.getLogger("realloc.worker")
@@ -86,44 +86,6 @@ class ModelHandle:
     def coords(self) -> tuple[int, int, int]:
         g = self.model.groups
         return g.dp_rank, g.tp_rank, g.pp_rank
-
-
-class Heartbeat(threading.Thread):
-    def __init__(self, ctx: zmq.Context, endpoint: str, secret: bytes, run_id: str, rank: int) -> None:
-        super().__init__(name="heartbeat", daemon=True)
-        name = protocol.heartbeat_name(rank)
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, protocol.socket_identity(name))
-        self.sock.setsockopt(zmq.LINGER, 0)
-        secure_client(self.sock, CurveKeys.of(secret))
-        self.sock.connect(endpoint)
-        self.channel = protocol.Channel(secret, run_id, name)
-        self.rank = rank
-        self.busy_req = -1
-        self.stop_signal = 0  # reported with every heartbeat once the worker got SIGTERM
-        self._stopping = threading.Event()
-
-    def run(self) -> None:
-        last_answer = time.monotonic()
-        while not self._stopping.is_set():
-            self.sock.send_multipart(self.channel.pack(protocol.MASTER, protocol.Heartbeat(
-                rank=self.rank, busy_req=self.busy_req, stop_signal=self.stop_signal)))
-            deadline = time.monotonic() + HEARTBEAT_INTERVAL
-            while (left := deadline - time.monotonic()) > 0 and not self._stopping.is_set():
-                if self.sock.poll(int(left * 1000)):
-                    env = self.channel.try_unpack(self.sock.recv_multipart(), protocol.MASTER)
-                    if env is not None:
-                        last_answer = time.monotonic()
-                        if isinstance(env.body, protocol.Abort):
-                            log.error("worker %d: the master aborted the run: %s", self.rank, env.body.reason)
-                            os._exit(4)
-            if time.monotonic() - last_answer > MASTER_TIMEOUT:
-                log.error("worker %d: no answer from the master for %.0f s; exiting", self.rank, MASTER_TIMEOUT)
-                os._exit(3)
-        self.sock.close(linger=0)
-
-    def stop(self) -> None:
-        self._stopping.set()
 
 
 def packed_reply(channel: protocol.Channel, reply: protocol.Reply) -> list[bytes]:
@@ -190,6 +152,7 @@ class ModelWorker:
         self.samples = SampleLog(self.tokenizer, self.config.sample_every, self.config.log_samples)
         self.sample_parts: list[protocol.SamplePart] = []  # the current call's, sent with its reply
         self.row_tokens: tuple[int, list[int]] = (0, [])  # a generation's (first row, tokens per row), likewise
+        self.held_rows: list[int] = []  # a migrating generation's rows at its end (worker_tail.py), likewise
 
     def on_stop_signal(self, signum: int, frame: object) -> None:
         """SIGTERM (a cluster ending the job) does not end this worker: the master is told with the next
@@ -214,7 +177,7 @@ class ModelWorker:
             if on_gpu:
                 torch.cuda.reset_peak_memory_stats(self.device)  # each request's own peak
             start, cpu = time.time(), time.thread_time()  # cpu: this thread's CPU time, for a loaded machine
-            self.sample_parts, self.row_tokens = [], (0, [])
+            self.sample_parts, self.row_tokens, self.held_rows = [], (0, []), []
             try:
                 stats, outputs = self.handle(req)
                 if on_gpu:
@@ -223,7 +186,8 @@ class ModelWorker:
                            "allocated_bytes": torch.cuda.memory_allocated(self.device)} if on_gpu else {})
                 reply = protocol.Reply(req=req.req, rank=self.rank, ok=True, start=start, end=time.time(),
                                        stats=stats, outputs=outputs, samples=self.sample_parts, memory=memory,
-                                       rows_lo=self.row_tokens[0], row_tokens=self.row_tokens[1])
+                                       rows_lo=self.row_tokens[0], row_tokens=self.row_tokens[1],
+                                       rows=self.held_rows)
             except Exception as e:  # noqa: BLE001 - report any failure to the master, which stops the run
                 log.error("request %d (%s) failed:\n%s", req.req, req.type, traceback.format_exc())
                 reply = protocol.Reply(req=req.req, rank=self.rank, ok=False,
@@ -342,7 +306,8 @@ class ModelWorker:
 
     # -- calls ------------------------------------------------------------------------------------------------
     def run_call(self, call: str, iteration: int, eval_batch: int = -1, layout_call: str = "",
-                 ranges: list[list[int]] | None = None) -> tuple[dict[str, float], list[protocol.OutputMeta]]:
+                 ranges: list[list[int]] | None = None, rows: list[list[int]] | None = None
+                 ) -> tuple[dict[str, float], list[protocol.OutputMeta]]:
         """Run ``call``'s interface in its own layout (or ``layout_call``'s). With ``eval_batch`` >= 0, an
         evaluation pass: prompts from the eval set, data under ``eval<j>/`` keys (``evaluation.py``)."""
         prog, spec = self.program, self.spec
@@ -366,6 +331,9 @@ class ModelWorker:
             dp_rank, tp_rank, pp_rank = handle.coords
             dp, pp = cl.strategy.dp, cl.strategy.pp
         lo, hi = ranges[dp_rank] if ranges else dp_ranges(prog.batch_size, dp)[dp_rank]  # token-balanced, or even
+        ids: Sequence[int] = rows[dp_rank] if rows else range(lo, hi)  # or a list: a part of a streamed call
+        if rows and not ids:  # this dp rank has no rows in this part
+            return {}, []
         inputs: Data = {}
         for role, key in in_keys.items():
             if key in spec.dataset_keys:
@@ -374,11 +342,11 @@ class ModelWorker:
                 assert ds is not None
                 inputs[role] = dataset_rows(ds, position, spec.batch_size, seed, lo, hi, rpc.n_samples)
             else:
-                inputs[role] = self.store.get(key_of(key), iteration, lo, hi)
+                inputs[role] = self.store.get_rows(key_of(key), iteration, ids)
         ctx = CallContext(call=rpc, model=handle.model if handle else None,
                                 optimizer=handle.optimizer if handle else None, config=iface.settings(spec.config),
                                 prompt_len=spec.prompt_len, gen_len=spec.gen_len, seed=self.config.seed,
-                                iteration=iteration, ids=range(lo, hi), batch_size=prog.batch_size, n_mbs=cl.n_mbs,
+                                iteration=iteration, ids=ids, batch_size=prog.batch_size, n_mbs=cl.n_mbs,
                                 total_iterations=self.total_iterations,
                                 eos_token_ids=self.tokens.eos_token_ids, pad_token_id=self.tokens.pad_token_id,
                                 vocab_limit=vocab_limit(self.tokenizer, prog.generation_vocab_size()),
@@ -390,7 +358,13 @@ class ModelWorker:
         self.partials.attach(ctx, fn, handle, evaluating)  # partial rollouts: the rows carried between iterations
         if rpc.is_train:  # the schedule holds for every train step, a custom one included (common.set_step_lr)
             set_step_lr(ctx, 0)
-        if adapters_off(rpc):  # a LoRA model's base (the reference of a LoRA actor): lora_graph.py
+        tail = prog.plan.tail.get(call) if rpc.interface_type is InterfaceType.GENERATE and not evaluating else None
+        if tail is not None:  # long-tail migration: this replica's rows at the end are others (worker_tail.py)
+            res, self.held_rows = migrating_generation(ctx, fn, inputs, tail, call)
+            if res is None:
+                return {}, []
+            result, ids = res, self.held_rows
+        elif adapters_off(rpc):  # a LoRA model's base (the reference of a LoRA actor): lora_graph.py
             assert handle is not None
             with handle.model.adapters_disabled():
                 result = fn(ctx, inputs)
@@ -399,7 +373,7 @@ class ModelWorker:
         CallResult.check(result, call, iface.name, out_keys, self.rank, early_stage=pp_rank < pp - 1)
         # The framework, not the reward function, makes the reward stats (context.reward_sums)
         reward_roles = [s.role for s in iface.out_slots if s.kind == "rewards"]
-        result.sums.update(reward_sums(call, iface.name, result, reward_roles, hi - lo))
+        result.sums.update(reward_sums(call, iface.name, result, reward_roles, len(ids)))
         if rpc.is_train and ctx.optimizer is not None:
             result.globals.setdefault(f"{rpc.model_name}_lr", step_lr(ctx, 0))
         stale = prog.is_stale(call) and not evaluating
@@ -409,7 +383,7 @@ class ModelWorker:
         for role, key in out_keys.items():
             if role in result.outputs:
                 tensors = result.outputs[role]
-                self.store.put(key_of(key), iteration, lo, hi, tensors)
+                self.store.put_rows(key_of(key), iteration, ids, tensors)
                 metas.append(protocol.OutputMeta(key=key_of(key), tensors=self.store.meta(key_of(key), iteration)))
         reporter = tp_rank == 0 and pp_rank == pp - 1
         scored = reward_roles[0] if reward_roles and reward_roles[0] in result.outputs else None
@@ -417,10 +391,10 @@ class ModelWorker:
             write_eval_samples(self.run_dir, iteration, self.rank, eval_batch, range(lo, hi), inputs["seq"],
                                result.outputs[scored]["score"], self.tokenizer)
         elif reporter and scored and "seq" in inputs:
-            self.sample_parts = self.samples.parts(iteration, range(lo, hi), in_keys["seq"], inputs["seq"],
+            self.sample_parts = self.samples.parts(iteration, ids, in_keys["seq"], inputs["seq"],
                                                    scores=result.outputs[scored]["score"])
         elif reporter and not evaluating and {"seq", "logp"} <= set(result.outputs):
-            self.sample_parts = self.samples.parts(iteration, range(lo, hi), out_keys["seq"], result.outputs["seq"],
+            self.sample_parts = self.samples.parts(iteration, ids, out_keys["seq"], result.outputs["seq"],
                                                    logp=result.outputs["logp"]["logp"], rewards=result.outputs.get(scored))
             if self.config.balance_tokens:  # the master balances the later calls' dp ranks by them
                 self.row_tokens = (lo, row_tokens(result.outputs["seq"]))
@@ -548,7 +522,8 @@ def _describe(req: protocol._Msg) -> str:
     it = getattr(req, "iteration", None)
     where = f"iteration {it + 1} " if isinstance(it, int) and it >= 0 else ""
     if isinstance(req, protocol.RunCall):
-        return f"{where}call {req.call}" + (f" rows {[tuple(r) for r in req.ranges]}" if req.ranges else "")
+        rows = [tuple(r) for r in req.ranges] if req.ranges else [list(r) for r in req.rows] if req.rows else None
+        return f"{where}call {req.call}" + (f" rows {rows}" if rows else "")
     if isinstance(req, protocol.Reallocate):
         return f"{where}realloc {req.model} {req.src_call}->{req.dst_call}"
     if isinstance(req, protocol.TransferData):

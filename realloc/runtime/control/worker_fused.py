@@ -111,7 +111,7 @@ def run_request(worker: Any, req: protocol.RunCall) -> tuple[dict[str, float], l
     (``run_fused_pair``), or its one call."""
     if req.fused_with:
         return run_fused_pair(worker, req)
-    return worker.run_call(req.call, req.iteration, req.eval_batch, req.layout_call, req.ranges)
+    return worker.run_call(req.call, req.iteration, req.eval_batch, req.layout_call, req.ranges, req.rows)
 
 
 def run_fused_pair(worker: Any, req: protocol.RunCall) -> tuple[dict[str, float], list[protocol.OutputMeta]]:

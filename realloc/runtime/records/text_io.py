@@ -33,7 +33,7 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from realloc.api import ExperimentSpec, InterfaceType
 from realloc.envs.turn_profile import SEGMENTS, segments_of
@@ -105,14 +105,14 @@ class SampleLog:
         self.every = every
         self.count = count
 
-    def wanted(self, iteration: int, ids: range) -> list[int]:
+    def wanted(self, iteration: int, ids: Sequence[int]) -> list[int]:
         """Local rows to log (``iteration`` counts from 0 here): the batch's first ``count`` sequences that
         this dp rank holds."""
         if self.every <= 0 or self.count <= 0 or iteration % self.every:
             return []
-        return [i - ids.start for i in ids if i < self.count]
+        return [r for r, i in enumerate(ids) if i < self.count]
 
-    def parts(self, iteration: int, ids: range, key: str, seq: Mapping[str, torch.Tensor],
+    def parts(self, iteration: int, ids: Sequence[int], key: str, seq: Mapping[str, torch.Tensor],
               scores: torch.Tensor | None = None, logp: torch.Tensor | None = None,
               rewards: Mapping[str, torch.Tensor] | None = None) -> list[SamplePart]:
         """The reward call's fields (text, ids, reward: ``scores``) or the generation's (per-token ``logp``)
@@ -143,7 +143,7 @@ class SampleLog:
                 log.warning("%s: logging %d of the %d samples of iteration %d (the rest exceed %d KiB)", key, len(out),
                             len(self.wanted(iteration, ids)), iteration_number(iteration), SAMPLE_BYTES >> 10)
                 break
-            out.append(SamplePart(key=key, seq=ids.start + r, fields=fields))
+            out.append(SamplePart(key=key, seq=ids[r], fields=fields))
         return out
 
 

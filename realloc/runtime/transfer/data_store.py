@@ -8,6 +8,8 @@ again, because the master plans transfers with the ranges each device already ha
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from realloc.runtime.wire.protocol import TensorMeta
@@ -56,6 +58,24 @@ class DataStore:
             return {n: rows[n][a - base:b - base] for n in names}
         return {n: torch.cat([rows[n][a - base:b - base] for base, a, b, rows in pieces]) for n in names}
 
+    def get_rows(self, key: str, iteration: int, ids: Sequence[int]) -> Rows:
+        """Rows ``ids`` (ascending sequence indices, a range or any list) in that order."""
+        runs = index_runs(ids)
+        if len(runs) == 1:
+            return self.get(key, iteration, *runs[0])
+        parts = [self.get(key, iteration, lo, hi) for lo, hi in runs]
+        return {n: torch.cat([p[n] for p in parts]) for n in parts[0]} if parts else {}
+
+    def put_rows(self, key: str, iteration: int, ids: Sequence[int], rows: Rows) -> None:
+        """Store rows ``ids`` (ascending), one chunk per run of consecutive sequences (no rows: an empty chunk, so
+        the key's tensors are known here, as ``put`` of an empty range keeps them)."""
+        if not ids:
+            self.put(key, iteration, 0, 0, rows)
+        at = 0
+        for lo, hi in index_runs(ids):
+            self.put(key, iteration, lo, hi, {n: t[at:at + hi - lo] for n, t in rows.items()})
+            at += hi - lo
+
     def meta(self, key: str, iteration: int) -> list[TensorMeta]:
         _, _, rows = self._chunks[(key, iteration)][0]
         return [TensorMeta(name=n, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape[1:]))
@@ -67,6 +87,18 @@ class DataStore:
 
     def keys(self) -> list[tuple[str, int]]:
         return sorted(self._chunks)
+
+
+def index_runs(ids: Sequence[int]) -> list[tuple[int, int]]:
+    """Ascending sequence indices as runs [lo, hi) of consecutive ones."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and runs[-1][1] == i:
+            runs[-1][1] = i + 1
+        else:
+            assert not runs or i > runs[-1][1], "row lists are ascending"
+            runs.append([i, i + 1])
+    return [(lo, hi) for lo, hi in runs]
 
 
 def row_bytes(metas: list[TensorMeta]) -> int:
@@ -97,7 +129,9 @@ def unpack_rows(buf: torch.Tensor, metas: list[TensorMeta], n: int) -> Rows:
     for m in metas:
         dtype = getattr(torch, m.dtype)
         width = row_bytes([m])
-        out[m.name] = table[:, off:off + width].contiguous().view(dtype).reshape(n, *m.shape)
+        # a copy: a single row's slice is contiguous already, but may start at an offset the dtype cannot view
+        out[m.name] = table[:, off:off + width].clone(memory_format=torch.contiguous_format).view(dtype).reshape(
+            n, *m.shape)
         off += width
     return out
 

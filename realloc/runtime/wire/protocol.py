@@ -112,6 +112,9 @@ class RunCall(_Msg):
     # Each dp rank's [lo, hi) of the batch when the master balanced them by tokens (graph/row_balance.py);
     # empty: the even split (transfer_plan.dp_ranges)
     ranges: list[list[int]] = Field(default_factory=list)
+    # Or each dp rank's rows as a list of sequence indices: one part of a call streamed around a generation's tail
+    # migration (runtime/control/master_tail.py); empty: ``ranges``
+    rows: list[list[int]] = Field(default_factory=list)
     # A fused train pair (plan field 'fused', docs/fused-training.md): ``call`` and ``fused_with`` run as one
     # schedule; ``fused_ranges`` are the second call's ``ranges``, ``fused_order`` the passes per stage group
     # as (model 0/1, backward 0/1, micro-batch) lists (estimator/fused_cost.FusedSchedule.order)
@@ -223,6 +226,8 @@ class Reply(_Msg):
     # master balances later calls' dp ranks by them, graph/row_balance.py)
     row_tokens: list[int] = Field(default_factory=list)
     rows_lo: int = 0
+    # A generation with a tail migration: the rows this rank holds at its end (runtime/control/worker_tail.py)
+    rows: list[int] = Field(default_factory=list)
 
     @field_validator("error")
     @classmethod

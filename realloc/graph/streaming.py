@@ -1,0 +1,82 @@
+"""Which rows go where around a generation call's long-tail migration (rlhfuse.txt §4; docs/streaming.md).
+
+Pure functions the master and the workers share, so both derive the same row lists:
+
+- ``deal``: rows dealt to ``parts`` holders in global row order (contiguous runs of the sorted list, sizes
+  differing by at most one): the tail to dp replicas 0..m-1, the finished rows of replicas 0..m-1 to the freed
+  replicas m..dp-1 (a freed replica keeps its own finished rows), a split consumer's parts to its dp ranks;
+- ``split_consumers``: the calls that run in two parts (part 1 on the rows finished at the migration point, part 2
+  on the tail once the generation ends): non-train calls reading only the generation's outputs (or dataset keys),
+  on devices that no tail replica uses;
+- ``part_shares``: a consumer's dp ranks' rows of each part, and together.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+from realloc.strategy import even_ranges
+
+if TYPE_CHECKING:
+    from realloc.graph.dataflow import DataflowGraph
+    from realloc.graph.plan import ExecutionPlan
+
+Shares = tuple[tuple[int, ...], ...]  # per dp rank, its rows (global sequence indices, ascending)
+
+
+def deal(rows: Sequence[int], parts: int) -> Shares:
+    """``rows`` sorted and cut into ``parts`` contiguous runs of the sorted list (earlier parts take the
+    remainder)."""
+    s = sorted(int(i) for i in rows)
+    return tuple(tuple(s[lo:hi]) for lo, hi in even_ranges(len(s), parts))
+
+
+def tail_devices(plan: "ExecutionPlan", graph: "DataflowGraph", call: str) -> set[int]:
+    """Devices of ``call``'s dp replicas 0..m-1 (all its devices when it has no tail entry)."""
+    from realloc.graph.transfer_plan import Layout
+
+    p = plan.placements[call]
+    mesh = graph.spec.cluster.mesh(p.mesh)
+    lay = Layout(mesh, p.strategy)
+    m = plan.tail[call].instances if call in plan.tail else p.strategy.dp
+    return {d for d, (dp_rank, _, _) in lay.coords_by_device.items() if dp_rank < m}
+
+
+def split_consumers(plan: "ExecutionPlan", graph: "DataflowGraph", call: str) -> list[str]:
+    """The consumers of generation ``call`` that run in two parts under its tail entry (none without one): not a
+    train step, every data input the generation's or the dataset's, and no device shared with a tail replica."""
+    if call not in plan.tail:
+        return []
+    busy = tail_devices(plan, graph, call)
+    produced = set(graph.call(call).output_data)
+    out = []
+    for c in graph.topo_order:
+        rpc = graph.call(c)
+        if c == call or rpc.is_train or not produced & set(rpc.input_data):
+            continue
+        if any(k not in produced and k not in graph.spec.dataset_keys for k in rpc.input_data):
+            continue
+        p = plan.placements[c]
+        if busy & set(graph.spec.cluster.mesh(p.mesh).device_ids):
+            continue
+        out.append(c)
+    return out
+
+
+def part_shares(part1: Sequence[int], part2: Sequence[int], dp: int) -> tuple[Shares, Shares, Shares]:
+    """A split consumer's dp ranks' rows of part 1, of part 2, and of both (its outputs' layout)."""
+    a, b = deal(part1, dp), deal(part2, dp)
+    return a, b, tuple(tuple(sorted(x + y)) for x, y in zip(a, b))
+
+
+def check_runtime_tail(plan: "ExecutionPlan", graph: "DataflowGraph") -> None:
+    """One ValueError if the runtime cannot carry out a tail entry of ``plan``: the generation must run at pp 1
+    (its replicas count decode steps in lockstep) and not ahead of training (bounded staleness)."""
+    for call in plan.tail:
+        p = plan.placements[call]
+        if p.pp != 1:
+            raise ValueError(f"plan field 'tail' entry {call!r}: the runtime migrates the tail of a generation at "
+                             f"pp 1 only, and the call runs at pp {p.pp}; place it with pp=1 or drop the entry")
+        if plan.staleness:
+            raise ValueError(f"plan field 'tail' entry {call!r}: tail migration does not run with staleness "
+                             f"{plan.staleness} yet; drop the entry or set staleness 0")

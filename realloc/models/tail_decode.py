@@ -1,0 +1,156 @@
+"""Generation in two phases around a long-tail migration point (rlhfuse.txt §4; docs/streaming.md).
+
+Phase 1 (``decode_until``) decodes a dp replica's rows like ``generation.generate`` does, but every micro-batch
+advances one step per round (they run side by side instead of one after another), so a "step" means the same on
+every replica: after each step ``global_count`` learns how many rows of the whole call are still decoding (the
+caller sums over the dp replicas), and phase 1 stops at the first step where that count is at most the threshold.
+Every row still decoding then has generated exactly ``step + 1`` tokens.
+
+Phase 2 (``continue_decoding``) takes such rows -- from this replica or another -- and decodes them to their end:
+it rebuilds the KV cache by re-running prefill over prompt + tokens so far, starts each row's sampling generator
+after the draws phase 1 made (one per generated token), and counts steps from ``step + 1``, so the length schedule,
+the EOS ban and the ``max_new_tokens`` cut fall where they would have. The tokens are those of an unmigrated run up
+to the floating-point difference between a prefill and the decode steps it replaces (the log-probs within float
+tolerance; a token flips only if its uniform lands within that difference of a CDF boundary).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import torch
+
+from realloc.models.generation import GenerationOutput, _concat, _MicroBatch
+from realloc.models.length_schedule import scheduled_lengths
+from realloc.models.sampling import GenerationConfig
+from realloc.models.static_decode import DecodingModel
+from realloc.strategy import even_ranges
+
+
+@dataclasses.dataclass
+class TailRows:
+    """Rows still decoding at the migration point: their prompts, and the tokens and log-probs generated so far
+    (``steps`` each)."""
+
+    seq_ids: list[int]
+    prompts: list[torch.Tensor]  # 1-D long, each row's prompt
+    tokens: torch.Tensor  # [rows, steps] long
+    logprobs: torch.Tensor  # [rows, steps] float32
+
+    @property
+    def steps(self) -> int:
+        return int(self.tokens.shape[1])
+
+
+@dataclasses.dataclass
+class PhaseOne:
+    """What phase 1 leaves on a replica: the finished rows' results (local positions ``finished``), the rows still
+    decoding, and the step it stopped after (-1 if it ran to the end)."""
+
+    finished: list[int]
+    output: GenerationOutput  # of the finished rows, in local order
+    tail: TailRows
+    step: int
+
+
+def _check(model: DecodingModel, gconfig: GenerationConfig) -> None:
+    if model.groups.pp != 1:
+        raise ValueError("tail migration: the generation call must run at pp 1 (its decode steps are counted in "
+                         "lockstep over the dp replicas); give the call pp=1 or drop its 'tail' plan entry")
+    if gconfig.greedy:
+        raise ValueError("tail migration needs sampled generation, not greedy decoding")
+
+
+@torch.no_grad()
+def decode_until(model: DecodingModel, rows: list[torch.Tensor], gconfig: GenerationConfig, seq_ids: Sequence[int],
+                 n_mbs: int, global_count: Callable[[int], int], threshold: int) -> PhaseOne:
+    """Phase 1 for this replica's ``rows`` (prompts). ``global_count(local)`` returns the whole call's unfinished
+    rows given this replica's; it is called once per step on every replica, the same number of times."""
+    _check(model, gconfig)
+    model.stage.eval()
+    n_mbs = max(1, min(n_mbs, len(rows)))
+    spans = even_ranges(len(rows), n_mbs) if rows else []
+    mbs = [_MicroBatch(model, rows[lo:hi], list(seq_ids[lo:hi]), gconfig) for lo, hi in spans if hi > lo]
+    t, stop = 0, -1
+    while True:
+        for mb in mbs:
+            if not mb.done:
+                mb.apply(mb.sample(mb.forward(None, t), t), t)
+        left = global_count(sum(mb.n_active for mb in mbs if not mb.done))
+        if left == 0:
+            break
+        if left <= threshold:
+            stop = t
+            break
+        t += 1
+    offsets = [lo for lo, hi in spans if hi > lo]
+    running = [off + int(i) for mb, off in zip(mbs, offsets) if not mb.done for i in mb.active.tolist()]
+    outs = [mb.output() for mb in mbs]
+    full = (outs[0] if len(outs) == 1 else _concat(outs, gconfig.pad_token_id)) if outs else None
+    still = set(running)
+    finished = [i for i in range(len(rows)) if i not in still]
+    steps = stop + 1 if stop >= 0 else 0
+    if full is None:
+        empty = torch.zeros((0, 1), dtype=torch.long)
+        output = GenerationOutput(empty, empty[:, 0], empty[:, 0], empty.float(), empty[:, 0].bool())
+        return PhaseOne([], output, TailRows([], [], empty[:, :0], empty[:, :0].float()), stop)
+    tok = torch.stack([full.sequences[i, len(rows[i]):len(rows[i]) + steps] for i in running]) if running else \
+        torch.zeros((0, steps), dtype=torch.long)
+    lp = torch.stack([full.logprobs[i, len(rows[i]):len(rows[i]) + steps] for i in running]) if running else \
+        torch.zeros((0, steps), dtype=torch.float32)
+    tail = TailRows([int(seq_ids[i]) for i in running], [rows[i] for i in running], tok.cpu(), lp.cpu())
+    return PhaseOne(finished, select_rows(full, finished), tail, stop)
+
+
+def select_rows(out: GenerationOutput, rows: Sequence[int]) -> GenerationOutput:
+    """The rows ``rows`` of ``out``, in that order, trimmed to their longest sequence."""
+    idx = torch.tensor(list(rows), dtype=torch.long, device=out.sequences.device)
+    sel = {f.name: getattr(out, f.name)[idx] for f in dataclasses.fields(out)}
+    width = int(sel["lengths"].max()) if len(rows) else 1
+    sel["sequences"], sel["logprobs"] = sel["sequences"][:, :width], sel["logprobs"][:, :width]
+    return GenerationOutput(**sel)
+
+
+def _advance(gen: torch.Generator, n: int) -> torch.Generator:
+    """The generator after ``n`` single draws (a vector draw of n equals n single ones: test_static_decode.py)."""
+    if n:
+        torch.rand(n, generator=gen, dtype=torch.float64)
+    return gen
+
+
+@torch.no_grad()
+def continue_decoding(model: DecodingModel, tail: TailRows, gconfig: GenerationConfig, n_mbs: int = 1
+                      ) -> GenerationOutput:
+    """Phase 2: decode ``tail``'s rows to their end after re-running their prefill; the result covers the whole
+    response (phase 1's tokens and log-probs, then phase 2's), in ``tail``'s row order."""
+    _check(model, gconfig)
+    g, n = tail.steps, len(tail.seq_ids)
+    assert n and 0 < g < gconfig.max_new_tokens, (n, g)
+    model.stage.eval()
+    rest = dataclasses.replace(gconfig, max_new_tokens=gconfig.max_new_tokens - g,
+                               min_new_tokens=max(0, gconfig.min_new_tokens - g))
+    full_rows = [torch.cat([p.cpu(), tail.tokens[i]]) for i, p in enumerate(tail.prompts)]
+    outs = []
+    for lo, hi in even_ranges(n, max(1, min(n_mbs, n))):
+        mb = _MicroBatch(model, full_rows[lo:hi], tail.seq_ids[lo:hi], rest)
+        mb.generators = [_advance(gen, g) for gen in mb.generators]
+        if gconfig.length_schedule is not None:  # the schedule counts the whole response: phase 2 starts at g
+            whole = scheduled_lengths(gconfig.length_schedule, gconfig.max_new_tokens, gconfig.seed,
+                                      tail.seq_ids[lo:hi])
+            assert mb.target is not None
+            mb.target = mb.target.new_tensor([x - g for x in whole])
+        t = 0
+        while not mb.done:
+            mb.apply(mb.sample(mb.forward(None, t), t), t)
+            t += 1
+        outs.append(mb.output())
+    cont = outs[0] if len(outs) == 1 else _concat(outs, gconfig.pad_token_id)
+    # phase 1's tokens were the prompt of phase 2: give them back their log-probs and the response
+    plen = torch.tensor([p.numel() for p in tail.prompts], dtype=torch.long, device=cont.lengths.device)
+    lps = cont.logprobs.clone()
+    for i in range(n):
+        p = int(plen[i])
+        lps[i, p:p + g] = tail.logprobs[i].to(lps.device)
+    return GenerationOutput(cont.sequences, cont.lengths, plen, lps, cont.stopped_at_eos)
+

@@ -1,0 +1,165 @@
+"""Streaming around a generation's long-tail migration, the master's side (rlhfuse.txt §4; docs/streaming.md).
+
+A part of ``Master`` (``master.py``), beside ``IterationSchedule`` whose state it shares. For a GENERATE call G with
+a ``tail`` entry (R_t, m) in the plan:
+
+- The workers migrate G's tail themselves (``worker_tail.py``). G's freed dp replicas m..dp-1 reply at the migration
+  point, each with the rows it holds then (finished rows only); replicas 0..m-1 reply when G ends, holding the tail.
+  The master learns the migration point from those early replies: part 1 is the freed replicas' rows, part 2 the
+  rest (the tail, dealt to replicas 0..m-1 in row order as the workers deal it, ``graph/streaming.deal``).
+- A split consumer C of G (``graph/streaming.split_consumers``: not a train step, reading only G's outputs, on no
+  device of a tail replica) waits for the migration point instead of G's end: its part-1 inputs are sent at once and
+  it runs on part 1 (its dp ranks dealt part 1's rows in order), then, after G ends, on part 2. Its outputs live as
+  both parts' rows per dp rank.
+- Transfers from or to a call whose dp ranks hold row lists (G after its migration point, a split consumer) are
+  planned with ``DataLayout(rows=...)`` and moved as runs of consecutive rows; what a part needs later counts as held
+  for the planner, so a part-1 transfer moves part 1's rows only.
+
+Every other call runs once, as before. The results are those of the unmigrated run, row by row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from realloc.graph.streaming import Shares, deal, part_shares, split_consumers
+from realloc.graph.transfer_plan import DataLayout, dp_ranges, plan_data_transfer
+from realloc.runtime.records.telemetry import RequestRecord
+from realloc.runtime.transfer.data_store import index_runs, row_bytes
+from realloc.runtime.wire import protocol
+
+if TYPE_CHECKING:
+    from realloc.runtime.control.master_schedule import Node
+
+
+def split_map(program: Any, balance_tokens: bool) -> dict[str, str]:
+    """Split consumer -> the generation it streams from, for every generation with a tail entry."""
+    plan, graph = program.plan, program.graph
+    if plan.tail and balance_tokens:
+        raise ValueError("plan field 'tail' cannot be combined with balance_tokens=True yet (both deal the rows "
+                         "after generation); drop one of them")
+    return {c: g for g in plan.tail for c in split_consumers(plan, graph, g)}
+
+
+class TailStreams:
+    """The migration point of generations with a tail entry, and their split consumers (a part of ``Master``)."""
+
+    def _stream_node(self, call: str, t: int) -> "Node":
+        from realloc.runtime.control.master_schedule import Node
+
+        return Node("stream", call, t)
+
+    def _stream_deps(self, n: "Node", deps: list["Node"]) -> list["Node"]:
+        """A split consumer waits for its generation's migration point, not for its end."""
+        gen = self.splits.get(n.name) if n.kind == "call" else None
+        if gen is None:
+            return deps
+        return [self._stream_node(gen, d.t) if d.kind == "call" and d.name == gen and d.t == n.t else d for d in deps]
+
+    def _shares(self, call: str, t: int) -> Shares:
+        """Each dp rank's rows of ``call``'s data in iteration t."""
+        got = self.row_lists.get((call, t))
+        if got is not None:
+            return got
+        ranges = self._row_ranges(call, t) or dp_ranges(self.program.batch_size, self.program.calls[call].strategy.dp)
+        return tuple(tuple(range(lo, hi)) for lo, hi in ranges)
+
+    async def _stream_at_migration(self, call: str, t: int, rec: RequestRecord) -> None:
+        """For a generation with a tail entry: wait for the freed replicas' replies (the migration point), record
+        where G's rows are, and start the split consumers' part 1."""
+        tail = self.program.plan.tail.get(call)
+        if tail is None:
+            return
+        lay = self.program.producer(call).layout
+        freed = [r for r in rec.ranks if lay.coords_by_device[r][0] >= tail.instances]
+        early = await asyncio.gather(*(self.futures[rec.req, r] for r in freed))
+        if not all(rep.ok for rep in early):
+            return  # the whole request's wait reports the failure, which stops the run
+        held: dict[int, tuple[int, ...]] = {}
+        for rep in early:
+            held[lay.coords_by_device[rep.rank][0]] = tuple(rep.rows)
+            for out in rep.outputs:
+                self.data_meta.setdefault((out.key, t), out.tensors)
+        part1 = sorted({i for rows in held.values() for i in rows})
+        part2 = sorted(set(range(self.program.batch_size)) - set(part1))
+        dp = lay.strategy.dp
+        self.row_lists[call, t] = deal(part2, tail.instances) + tuple(held.get(k, ()) for k in
+                                                                       range(tail.instances, dp))
+        for c, g in self.splits.items():
+            if g != call:
+                continue
+            p1, p2, both = part_shares(part1, part2, self.program.calls[c].strategy.dp)
+            self.parts[c, t] = (p1, p2)
+            self.row_lists[c, t] = both
+            for key in self.graph.call(c).input_data:
+                if key in self.graph.call(call).output_data and (key, t) in self.data_meta:
+                    self.pushed.setdefault((c, t), []).extend(self._transfer_rows(key, c, t, only=set(part1)))
+        self._stream_done(call, t)
+
+    def _stream_done(self, call: str, t: int) -> None:
+        ev = self._event(self._stream_node(call, t))
+        if ev is not None:
+            ev.set()
+
+    async def _call_in_parts(self, n: "Node") -> None:
+        """A split consumer: part 1 on the rows finished at the migration point, part 2 on the tail after the
+        generation ends; its stats, data and samples are both parts'."""
+        from realloc.runtime.control.master_schedule import Node
+
+        c, t = n.name, n.t
+        ranks = self.program.calls[c].ranks
+        p1, p2 = self.parts.pop((c, t))
+        replies: list[protocol.Reply] = []
+        for k, part in enumerate((p1, p2)):
+            if k == 1:
+                ev = self._event(Node("call", self.splits[c], t))
+                if ev is not None:
+                    await ev.wait()
+            recs = self.pushed.pop((c, t), [])
+            if not any(part):
+                for rec in recs:
+                    await self._wait(rec)
+                continue
+            req = self._send(ranks, "call", c, t, c,
+                             lambda req, part=part: protocol.RunCall(req=req, call=c, iteration=t,
+                                                                     rows=[list(r) for r in part]))
+            for rec in recs:
+                await self._wait(rec)
+            replies += await self._wait(req)
+        self._finish_call(c, t, replies)
+
+    def _transfer_rows(self, key: str, consumer: str, t: int, only: set[int] | None = None) -> list[RequestRecord]:
+        """``_transfer`` between dp ranks holding row lists; with ``only``, just those rows move now (the others
+        count as held by the consumer, which gets them with a later transfer)."""
+        metas = self.data_meta[(key, t)]
+        cached = self.cached.setdefault((key, t), {})
+        src = self.program.producer_of(key)
+        assert src is not None, key
+        n = self.program.batch_size
+        prod, dl = self.program.producer(src), self.program.consumer(consumer)
+        dst_rows = self._shares(consumer, t)
+        producer = DataLayout(prod.mesh, prod.strategy, prod.stages, rows=self._shares(src, t))
+        dst = DataLayout(dl.mesh, dl.strategy, dl.stages, rows=dst_rows)
+        known = {d: list(v) for d, v in cached.items()}
+        later = index_runs(sorted(set(range(n)) - only)) if only is not None else []
+        for dev in dl.layout.coords_by_device:
+            known.setdefault(dev, []).extend((key, lo, hi) for lo, hi in later)
+        plan = plan_data_transfer({key: [row_bytes(metas)] * n}, producer, dst, cached=known)
+        for dev, (dp_rank, _, _) in dl.layout.coords_by_device.items():
+            rows = [i for i in dst_rows[dp_rank] if only is None or i in only]
+            for lo, hi in index_runs(rows):
+                if (key, lo, hi) not in cached.setdefault(dev, []):
+                    cached[dev].append((key, lo, hi))
+        return self._send_transfer(key, consumer, t, plan, metas)
+
+    def _streams_rows(self, key: str, consumer: str, t: int) -> bool:
+        """Whether a transfer of ``key`` to ``consumer`` involves dp ranks holding row lists."""
+        src = self.program.producer_of(key)
+        return (src, t) in self.row_lists or (consumer, t) in self.row_lists
+
+    def _forget_streams(self, k: int) -> None:
+        for c in [c for c in self.row_lists if c[1] <= k]:
+            del self.row_lists[c]
+        for c in [c for c in self.parts if c[1] <= k]:
+            del self.parts[c]

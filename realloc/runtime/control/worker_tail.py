@@ -1,0 +1,246 @@
+"""A worker's side of a generation call with a long-tail migration (``ExecutionPlan.tail``; docs/streaming.md).
+
+Every dp replica of the call runs this inside the same ``RunCall`` request:
+
+1. The interface function runs once with a stand-in model that records its ``generate`` call (prompts, sampling
+   config, sequence ids, micro-batches) and stops it there.
+2. Phase 1 (``models/tail_decode.decode_until``): the replica decodes its rows; after every step the replicas sum
+   their unfinished rows over the dp group (an all-reduce), and all stop at the first step where the whole call
+   has at most R_t left: the migration point.
+3. Migration: one all-gather over the dp group carries rows -- each with its inputs, prompt, tokens and log-probs so
+   far -- the tail rows of every replica to replicas 0..m-1, the finished rows of replicas 0..m-1 to the freed
+   replicas m..dp-1 (``graph/streaming.generation_shares``).
+4. A freed replica runs the interface function on the finished rows it holds, with a stand-in model that returns
+   their generation results, and replies: the master streams these rows to the calls on the freed devices while
+   replicas 0..m-1 run phase 2 (``tail_decode.continue_decoding``: prefill re-run, then decoding to the end) and
+   then the interface function on their tail rows.
+
+The interface function must call ``model.generate`` once with one sequence id per input row, in row order (the
+built-in generation interfaces do). If no step ends with 1..R_t rows left (the last rows end together), there is no
+migration: every replica finishes its own rows as without the tail entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from realloc.algorithms.context import CallContext, CallResult, Data
+from realloc.graph.streaming import deal
+from realloc.graph.tail import TailMigration
+from realloc.models.generation import GenerationOutput, _prompt_list
+from realloc.models.sampling import GenerationConfig
+from realloc.models.tail_decode import TailRows, continue_decoding, decode_until
+from realloc.runtime.transfer.data_store import pack_rows, row_bytes, unpack_rows
+from realloc.runtime.wire.protocol import TensorMeta
+
+
+class _Captured(Exception):
+    """Raised by the recording stand-in to stop the interface function at its generate call."""
+
+
+@dataclasses.dataclass
+class _GenerateArgs:
+    prompts: list[torch.Tensor]
+    gconfig: GenerationConfig
+    seq_ids: list[int]
+    n_mbs: int
+
+
+class _Recorder:
+    """The model as the interface function sees it on its first run: ``generate`` records its arguments."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        self.args: _GenerateArgs | None = None
+
+    def generate(self, prompts: Any, gconfig: GenerationConfig, seq_ids: Sequence[int] | None = None,
+                 n_mbs: int = 1, max_in_flight: int | None = None) -> GenerationOutput:
+        rows = _prompt_list(prompts)
+        ids = list(range(len(rows))) if seq_ids is None else [int(i) for i in seq_ids]
+        self.args = _GenerateArgs(rows, gconfig, ids, n_mbs)
+        raise _Captured
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+class _Replay:
+    """The model on the interface function's second run: ``generate`` returns results made already, once."""
+
+    def __init__(self, model: Any, out: GenerationOutput, ids: list[int], call: str) -> None:
+        self._model, self._out, self._ids, self._call = model, out, ids, call
+
+    def generate(self, prompts: Any, gconfig: GenerationConfig, seq_ids: Sequence[int] | None = None,
+                 n_mbs: int = 1, max_in_flight: int | None = None) -> GenerationOutput:
+        if self._out is None or seq_ids is None or [int(i) for i in seq_ids] != self._ids:
+            raise ValueError(f"call {self._call!r}: with a 'tail' plan entry the generation interface must call "
+                             f"model.generate once, with one sequence id per input row in row order (ctx.ids); "
+                             f"drop the call's tail entry to run this interface")
+        out, self._out = self._out, None
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+# -- rows on the wire: inputs, prompt, generated tokens and log-probs, one flat row each -----------------------------
+def _row_table(inputs: Data, pos: Sequence[int], prompts: list[torch.Tensor], ids: Sequence[int],
+               tokens: torch.Tensor, logprobs: torch.Tensor, glen: Sequence[int], eos: Sequence[bool],
+               width: int, n_new: int) -> dict[str, torch.Tensor]:
+    idx = torch.tensor(list(pos), dtype=torch.long)
+    n = len(pos)
+    table = {f"in/{role}/{name}": t.index_select(0, idx) for role, d in inputs.items() for name, t in d.items()}
+    prompt = torch.zeros((n, width), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        prompt[r, :p.numel()] = p.cpu()
+    tok = torch.zeros((n, n_new), dtype=torch.long)
+    lp = torch.zeros((n, n_new), dtype=torch.float32)
+    tok[:, :tokens.shape[1]], lp[:, :logprobs.shape[1]] = tokens.cpu(), logprobs.cpu()
+    table.update({"id": torch.tensor(list(ids), dtype=torch.long).view(n),
+                  "plen": torch.tensor([p.numel() for p in prompts], dtype=torch.long).view(n),
+                  "prompt": prompt, "tok": tok, "lp": lp, "glen": torch.tensor(list(glen), dtype=torch.long).view(n),
+                  "eos": torch.tensor(list(eos), dtype=torch.bool).view(n)})
+    return table
+
+
+def _metas(table: dict[str, torch.Tensor]) -> list[TensorMeta]:
+    return [TensorMeta(name=k, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape[1:]))
+            for k, t in sorted(table.items())]
+
+
+def _gather(table: dict[str, torch.Tensor], group: Any, dp: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every replica's rows, concatenated in dp-rank order (all-gather of the packed rows)."""
+    metas = _metas(table)
+    n = int(table["id"].shape[0])
+    counts = torch.zeros(dp, dtype=torch.long, device=device)
+    counts_in = torch.tensor([n], dtype=torch.long, device=device)
+    dist.all_gather_into_tensor(counts, counts_in, group=group)
+    cap, width = int(counts.max()), row_bytes(metas)
+    buf = torch.zeros(cap * width, dtype=torch.uint8)
+    if n:
+        buf[:n * width] = pack_rows(table, metas)
+    out = torch.empty(dp * cap * width, dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(out, buf.to(device), group=group)
+    out = out.cpu()
+    parts = [unpack_rows(out[k * cap * width:(k * cap + int(counts[k])) * width], metas, int(counts[k]))
+             if int(counts[k]) else {name: t[:0] for name, t in table.items()} for k in range(dp)]
+    return {name: torch.cat([p[name] for p in parts]) for name in table}
+
+
+def _select(table: dict[str, torch.Tensor], ids: Sequence[int]) -> dict[str, torch.Tensor]:
+    where = {int(i): r for r, i in enumerate(table["id"].tolist())}
+    idx = torch.tensor([where[int(i)] for i in ids], dtype=torch.long)
+    return {k: t.index_select(0, idx) for k, t in table.items()}
+
+
+def _unpack_inputs(table: dict[str, torch.Tensor]) -> Data:
+    out: Data = {}
+    for k, t in table.items():
+        if k.startswith("in/"):
+            _, role, name = k.split("/", 2)
+            out.setdefault(role, {})[name] = t
+    return out
+
+
+def _prompts(table: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    return [table["prompt"][r, :int(p)] for r, p in enumerate(table["plen"].tolist())]
+
+
+def _output(table: dict[str, torch.Tensor], pad: int) -> GenerationOutput:
+    """The generation results of finished rows of ``table``."""
+    plen, glen = table["plen"], table["glen"]
+    n, width = plen.numel(), int((plen + glen).max())
+    seqs = torch.full((n, width), pad, dtype=torch.long)
+    lps = torch.zeros((n, width), dtype=torch.float32)
+    for r in range(n):
+        p, g = int(plen[r]), int(glen[r])
+        seqs[r, :p] = table["prompt"][r, :p]
+        seqs[r, p:p + g] = table["tok"][r, :g]
+        lps[r, p:p + g] = table["lp"][r, :g]
+    return GenerationOutput(seqs, plen + glen, plen.clone(), lps, table["eos"].clone())
+
+
+def _responses(out: GenerationOutput, n_new: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's generated tokens and their log-probs, left-aligned in ``n_new`` columns."""
+    n = out.lengths.numel()
+    tok = torch.zeros((n, n_new), dtype=torch.long)
+    lp = torch.zeros((n, n_new), dtype=torch.float32)
+    for r in range(n):
+        p, e = int(out.prompt_lengths[r]), int(out.lengths[r])
+        tok[r, :e - p], lp[r, :e - p] = out.sequences[r, p:e].cpu(), out.logprobs[r, p:e].cpu()
+    return tok, lp
+
+
+def _replay(ctx: CallContext, fn: Callable[[CallContext, Data], CallResult], table: dict[str, torch.Tensor],
+            out: GenerationOutput, call: str) -> CallResult:
+    """The interface function on ``table``'s rows, its generate call answered with ``out``."""
+    ids = [int(i) for i in table["id"].tolist()]
+    return fn(dataclasses.replace(ctx, ids=ids, model=_Replay(ctx.model, out, ids, call)), _unpack_inputs(table))
+
+
+def migrating_generation(ctx: CallContext, fn: Callable[[CallContext, Data], CallResult], inputs: Data,
+                         tail: TailMigration, call: str) -> tuple[CallResult | None, list[int]]:
+    """Run generation call ``call``'s interface ``fn`` on this dp replica with the tail migration ``tail``; the
+    result covers the rows this replica holds at its end (ascending), which it returns beside it (None and no
+    rows: a tail replica that got none of the tail)."""
+    model = ctx.model
+    assert model is not None
+    g = model.groups
+    rec = _Recorder(model)
+    try:
+        fn(dataclasses.replace(ctx, model=rec), inputs)
+    except _Captured:
+        pass
+    if rec.args is None:
+        raise ValueError(f"call {call!r}: its interface never called model.generate, so it cannot migrate a tail; "
+                         f"drop the call's 'tail' plan entry")
+    a = rec.args
+    if a.seq_ids != list(ctx.ids):
+        raise ValueError(f"call {call!r}: with a 'tail' plan entry the generation interface must generate one "
+                         f"sequence per input row, with seq_ids=ctx.ids")
+    dev = model.device
+
+    def global_count(local: int) -> int:
+        t = torch.tensor([local], dtype=torch.long, device=dev)
+        dist.all_reduce(t, group=g.dp_group)
+        return int(t.item())
+
+    one = decode_until(model, a.prompts, a.gconfig, a.seq_ids, a.n_mbs, global_count, tail.rows)
+    if one.step < 0:  # no step left 1..R_t rows (the last ones ended together): as without the tail entry
+        return fn(dataclasses.replace(ctx, model=_Replay(model, one.output, a.seq_ids, call)), inputs), a.seq_ids
+    n_new = a.gconfig.max_new_tokens
+    width = torch.tensor([max(p.numel() for p in a.prompts)], dtype=torch.long, device=dev)
+    dist.all_reduce(width, op=dist.ReduceOp.MAX, group=g.dp_group)
+    tok, lp = _responses(one.output, n_new)
+    finished = _row_table(inputs, one.finished, [a.prompts[i] for i in one.finished],
+                          [a.seq_ids[i] for i in one.finished], tok, lp, one.output.gen_lengths.tolist(),
+                          one.output.stopped_at_eos.tolist(), int(width.item()), n_new)
+    finished["tail"] = torch.zeros(len(one.finished), dtype=torch.bool)
+    t_rows = one.tail
+    pos = [a.seq_ids.index(i) for i in t_rows.seq_ids]
+    running = _row_table(inputs, pos, t_rows.prompts, t_rows.seq_ids, t_rows.tokens, t_rows.logprobs,
+                         [t_rows.steps] * len(pos), [False] * len(pos), int(width.item()), n_new)
+    running["tail"] = torch.ones(len(pos), dtype=torch.bool)
+    m, dp, k = tail.instances, g.dp, g.dp_rank
+    # replicas 0..m-1 send their finished rows to the freed ones; every replica sends its tail rows
+    sent = {n: torch.cat([finished[n], running[n]]) if k < m else running[n] for n in finished}
+    everyone = _gather(sent, g.dp_group, dp, dev)
+    ids = everyone["id"].tolist()
+    tails = deal([i for i, t in zip(ids, everyone["tail"].tolist()) if t], m)
+    if k >= m:  # a freed replica: its own finished rows and its deal of those of replicas 0..m-1
+        moved = deal([i for i, t in zip(ids, everyone["tail"].tolist()) if not t], dp - m)[k - m]
+        got = _select(everyone, moved)
+        table = {n: torch.cat([finished[n], got[n]]) for n in finished}
+        held = sorted(int(i) for i in table["id"].tolist())
+        table = _select(table, held)
+        return _replay(ctx, fn, table, _output(table, a.gconfig.pad_token_id), call), held
+    mine = _select(everyone, tails[k])  # a tail replica: decode its deal of the tail to the end
+    if not tails[k]:  # fewer tail rows than tail replicas
+        return None, []
+    rows = TailRows([int(i) for i in mine["id"].tolist()], _prompts(mine), mine["tok"][:, :t_rows.steps],
+                    mine["lp"][:, :t_rows.steps])
+    return _replay(ctx, fn, mine, continue_decoding(model, rows, a.gconfig, a.n_mbs), call), rows.seq_ids
