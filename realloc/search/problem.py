@@ -24,6 +24,8 @@ import dataclasses
 
 import numpy as np
 
+from realloc.search.tail_problem import TailColumns, TailSplit, tail_to_cpp
+
 
 @dataclasses.dataclass(frozen=True)
 class CandidateArrays:
@@ -135,6 +137,10 @@ class SearchProblem:
     # last to n_devices), each with pool_memory[i] usable bytes. Empty: every device has device_memory.
     pool_start: tuple[int, ...] = ()
     pool_memory: tuple[int, ...] = ()
+    # Long-tail migration (search/tail_problem.py): (call, its candidates' migrations), and the consumers that
+    # may run in two parts. Empty: no call migrates, the graph of before.
+    tail_columns: tuple[tuple[int, TailColumns], ...] = ()
+    tail_splits: tuple[TailSplit, ...] = ()
 
     def capacity(self, device: int) -> int:
         """Usable bytes of ``device`` (its pool's)."""
@@ -191,6 +197,7 @@ class SearchProblem:
             p.set_staleness(self.staleness, np.asarray(self.stale_calls, np.int32))
         if self.pool_start:
             p.set_pools(np.asarray(self.pool_start, np.int32), np.asarray(self.pool_memory, np.int64))
+        tail_to_cpp(self, p)
         p.finalize()
         return p
 
