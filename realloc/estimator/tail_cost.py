@@ -85,40 +85,71 @@ def _decode_from(timer: CallTimer, strategy: ParallelStrategy, links, prompt: in
     return total
 
 
-def tail_generation_cost(cost: CostModel, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, n_mbs: int,
-                         rows: int, instances: int) -> TailCost:
-    """A generation call's phases with a tail migration of ``rows`` rows to ``instances`` dp replicas."""
+def _local(cost: CostModel, mesh: DeviceMesh) -> tuple[CostModel, DeviceMesh]:
+    """The model that prices ``mesh`` and the mesh in its terms (a cluster of pools prices per pool)."""
+    return (cost.at(mesh), mesh.in_pool) if cost.pool_models else (cost, mesh)
+
+
+def migration_step(cost: CostModel, call: str, rows: int) -> int:
+    """The decode step at which no more than ``rows`` rows of ``call`` are running: the (n - R_t)-th order
+    statistic of its n rows' expected lengths."""
+    work = cost.workload(call)
+    n = work.n_seqs
+    if not 1 <= rows < n:
+        raise ValueError(f"call {call!r}: the tail must be 1 .. {n - 1} rows, got {rows}")
+    return work.lengths.order_statistics(work.gen_len, n)[n - rows - 1]
+
+
+def phase1_cost(cost: CostModel, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, n_mbs: int,
+                rows: int) -> float:
+    """Seconds of phase 1: every replica decodes its rows up to the migration step (and the call's dispatch)."""
+    cut = migration_step(cost, call, rows)
+    model, mesh = _local(cost, mesh)
+    work = model.workload(call)
+    timer = model._timer(model.graph.model_config(call), model.call_precision(call))
+    b = work.micro_batch(strategy.dp, n_mbs)
+    ends = tuple(min(e, cut) for e in work.lengths.order_statistics(work.gen_len, b))
+    links = model.links(mesh, strategy)
+    return timer.generate_varied(strategy, links, b, work.prompt_len, ends, n_mbs).time + model.hw.call_overhead
+
+
+def tail_phase_cost(cost: CostModel, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, rows: int,
+                    instances: int) -> tuple[float, float, bool]:
+    """(migration, phase 2, whether the KV caches move) of a tail of ``rows`` rows on ``instances`` replicas."""
     if strategy.pp != 1 or not 1 <= instances < strategy.dp:
         raise ValueError(f"call {call!r}: a tail migrates within a single-stage mesh to 1 .. dp - 1 replicas "
                          f"(pp={strategy.pp}, dp={strategy.dp}, instances={instances})")
-    work = cost.workload(call)
-    cfg = cost.graph.model_config(call)
-    timer = cost._timer(cfg, cost.call_precision(call))
-    links = cost.links(mesh, strategy)
-    n, g, prompt = work.n_seqs, work.gen_len, work.prompt_len
-    if not 1 <= rows < n:
-        raise ValueError(f"call {call!r}: the tail must be 1 .. {n - 1} rows, got {rows}")
-    _, tail = split_ends(work.lengths, g, n, rows)
-    cut = work.lengths.order_statistics(g, n)[n - rows - 1]
-    b = work.micro_batch(strategy.dp, n_mbs)
-    mine = work.lengths.order_statistics(g, b)
-    phase1 = timer.generate_varied(strategy, links, b, prompt, tuple(min(e, cut) for e in mine), n_mbs).time
-    phase1 += cost.hw.call_overhead
+    cut = migration_step(cost, call, rows)
+    model, mesh = _local(cost, mesh)
+    work = model.workload(call)
+    cfg = model.graph.model_config(call)
+    timer = model._timer(cfg, model.call_precision(call))
+    links = model.links(mesh, strategy)
+    prompt = work.prompt_len
+    _, tail = split_ends(work.lengths, work.gen_len, work.n_seqs, rows)
     per = -(-rows // instances)
     held = tail[::-1][::instances][::-1]  # the replica with the longest row: every m-th from the top
     host = timer._engine("engine.decode_step", strategy.tp, per, prompt + cut, default=timer.hw.decode_step_overhead)
     prefill = pipeline_makespan(timer._stages(Phase.PREFILL, strategy, links, per, prompt + cut, host=host), 1).time
     # KV cache of one row per token: k and v of every layer, a tp rank's share of the heads
-    kv = 2 * cfg.n_layers * cfg.kv_dim * cost.precision.param / min(strategy.tp, cfg.n_kv_heads)
-    move = cost.comm.time("p2p", 2, per * (prompt + cut) * kv, links.dp)
-    phase2 = _decode_from(timer, strategy, links, prompt, held, cut)
-    return TailCost(phase1=phase1, migration=min(prefill, move), phase2=phase2, kv_moved=move < prefill)
+    kv = 2 * cfg.n_layers * cfg.kv_dim * model.precision.param / min(strategy.tp, cfg.n_kv_heads)
+    move = model.comm.time("p2p", 2, per * (prompt + cut) * kv, links.dp)
+    return min(prefill, move), _decode_from(timer, strategy, links, prompt, held, cut), move < prefill
+
+
+def tail_generation_cost(cost: CostModel, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, n_mbs: int,
+                         rows: int, instances: int) -> TailCost:
+    """A generation call's phases with a tail migration of ``rows`` rows to ``instances`` dp replicas."""
+    migration, phase2, moved = tail_phase_cost(cost, call, mesh, strategy, rows, instances)
+    return TailCost(phase1=phase1_cost(cost, call, mesh, strategy, n_mbs, rows), migration=migration,
+                    phase2=phase2, kv_moved=moved)
 
 
 def consumer_parts(cost: CostModel, call: str, producer: str, mesh: DeviceMesh, strategy: ParallelStrategy,
                    n_mbs: int, rows: int) -> tuple[float, float]:
     """(part 1, part 2) seconds of consumer ``call`` when ``producer`` migrates a tail of ``rows`` rows."""
     rpc = cost.graph.call(call)
+    cost, mesh = _local(cost, mesh)
     if rpc.interface_type is InterfaceType.TRAIN_STEP:
         raise ValueError(f"call {call!r} is a train call; it runs once, after the generation ends")
     gen = cost.workload(producer)

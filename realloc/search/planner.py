@@ -26,6 +26,7 @@ from realloc.search import baselines as bl
 from realloc.search.build import NoFitError, PlanSpace, fmt_bytes
 from realloc.search.engine import Progress, SearchStats, run_mcmc
 from realloc.search.pool_space import on_cluster, pool_alone, strongest_pool
+from realloc.search.tail_space import without_tails
 
 
 def experiment_of(experiment: Any) -> ExperimentSpec:
@@ -63,7 +64,7 @@ def _baseline(graph: DataflowGraph, cost: CostModel, name: str, seed: int = 0) -
         # fewest stages, then fewest micro-batches, that fit; else the first (reported as OOM)
         chosen = next((t for t in tries if max(cost.plan_memory(_uniform_plan(graph, t)).values()) <= mem), tries[0])
         space = PlanSpace.build(graph, cost, option_filter=lambda c, o: o == chosen[c], prune_memory=False,
-                                offload=False)
+                                offload=False, migrate=False)
         return space.to_plan(space.fastest(), source)
     if name == "colocate-dp":
         keep = bl.colocate_filter(graph)
@@ -72,9 +73,9 @@ def _baseline(graph: DataflowGraph, cost: CostModel, name: str, seed: int = 0) -
     else:
         raise ValueError(f"unknown baseline {name!r}; choose one of {', '.join(bl.BASELINES)}")
     try:
-        space = PlanSpace.build(graph, cost, option_filter=keep, prune_memory=True, offload=False)
+        space = PlanSpace.build(graph, cost, option_filter=keep, prune_memory=True, offload=False, migrate=False)
     except NoFitError:
-        space = PlanSpace.build(graph, cost, option_filter=keep, prune_memory=False, offload=False)
+        space = PlanSpace.build(graph, cost, option_filter=keep, prune_memory=False, offload=False, migrate=False)
     return space.to_plan(bl.best_in(space, seed), source)
 
 
@@ -112,6 +113,8 @@ class SearchReport:
     # A cluster of pools: the search on the strongest pool alone (its plan also starts this search's chains).
     alone: "SearchReport | None" = None
     alone_pool: int | None = None
+    # Long-tail migration (search/tail_space.py): the best plan without any migration, when the space had one.
+    no_tail: ExecutionPlan | None = None
 
     @property
     def sync_plan(self) -> ExecutionPlan | None:
@@ -164,10 +167,24 @@ def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int =
         rows = []
         for c, k in enumerate(full.problem.candidates):
             must = {int(s[c]) for s in starts}
-            rows.append([i for i in range(len(k)) if k.time[i] <= t_ref or i in must])
+            t_alone = full.total_times(c)
+            rows.append([i for i in range(len(k)) if t_alone[i] <= t_ref or i in must])
         space = full.restrict(rows)
         starts = [space.indices_of(p) for p in fitting]
     prepare = time.perf_counter() - t0
+    no_tail = None
+    if space.tails:
+        # The best plan without migration first (a third of the time): shown beside the winner, and a start of its
+        # chains, so the winner is never slower.
+        no_tail_space, no_tail_starts = without_tails(space, starts)
+        third = None if time_limit is None else time_limit / 3
+        found = run_mcmc(no_tail_space, time_limit=third, max_evals=None if max_evals is None else max(1, max_evals // 3),
+                         seed=seed, n_threads=n_threads, n_chains=n_chains or n_threads, starts=no_tail_starts,
+                         progress=progress, converge=converge)
+        no_tail = no_tail_space.to_plan(found.indices, "search")
+        starts = starts + [space.indices_of(no_tail)]
+        time_limit = None if time_limit is None else time_limit - third
+        max_evals = None if max_evals is None else max(1, max_evals - max_evals // 3)
     # Bounded staleness is one more plan dimension (issue 25): the placement is searched at every staleness
     # up to the experiment's bound, each with its share of the time, and the fastest plan wins.
     etas = [0] + ([e for e in range(1, spec.max_staleness + 1) if graph.staleness_error(e) is None]
@@ -195,7 +212,7 @@ def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int =
     return SearchReport(spec=spec, graph=graph, space=space, plan=plan, indices=outcome.indices, evaluation=ev,
                         baselines=results, stats=outcome.stats, prepare_seconds=prepare,
                         n_candidates_before_time_pruning=before, by_staleness=by_staleness, alone=alone,
-                        alone_pool=alone_pool)
+                        alone_pool=alone_pool, no_tail=no_tail)
 
 
 def _better(a: dict, b: dict) -> bool:
