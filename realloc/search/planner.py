@@ -209,6 +209,10 @@ def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int =
     if not ev["feasible"]:
         raise NoFitError(oom_message(space, outcome.indices, ev))
     plan = space.to_plan(outcome.indices, "search")
+    if no_tail is not None and plan.tail:
+        # the winner's placement without its migration may beat the plan found without migration
+        placed = space.to_plan(space.indices_of(plan.model_copy(update={"tail": {}})), "search")
+        no_tail = placed if placed.estimated_time < no_tail.estimated_time else no_tail
     return SearchReport(spec=spec, graph=graph, space=space, plan=plan, indices=outcome.indices, evaluation=ev,
                         baselines=results, stats=outcome.stats, prepare_seconds=prepare,
                         n_candidates_before_time_pruning=before, by_staleness=by_staleness, alone=alone,
