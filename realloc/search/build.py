@@ -26,7 +26,7 @@ from realloc.graph.plan import CallPlacement, ExecutionPlan, validate_plan
 from realloc.search.candidates import CallCosts, Candidate, Option, call_options, footprint, prune
 from realloc.search.pool_space import pool_fields
 from realloc.search.problem import CandidateArrays, PairCosts, SearchProblem, copy_pair_costs
-from realloc.search.tail_space import TailChoice, tail_arrays, with_tail_rows, eligible
+from realloc.search.tail_space import TailChoice, eligible, split_times, tail_arrays, with_tail_rows
 from realloc.strategy import ParallelStrategy
 
 Layout = tuple[DeviceMesh, ParallelStrategy]
@@ -445,6 +445,8 @@ class PlanSpace:
             memory[name] = int(mem["call_peak"][c])
             if off:
                 offload[self.graph.call(name).model_name] = True
+        for c, seconds in split_times(p, idx).items():  # consumers in two parts: both parts
+            times[p.call_names[c]] = seconds
         return ExecutionPlan(experiment=self.graph.spec.name, graph_digest=self.graph.digest,
                              nodelist=cluster.nodelist, n_devices_per_node=cluster.n_devices_per_node,
                              device=cluster.device, placements=placements, offload=offload, source=source,

@@ -26,6 +26,7 @@ from realloc.graph.dataflow import DataflowGraph
 from realloc.graph.tail import TailMigration
 from realloc.search.candidates import CallCosts
 from realloc.search.tail_problem import TailColumns, TailSplit
+from realloc.search.tail_reference import TailView
 
 # Beyond this many dp replicas, m runs over powers of two only (the candidates would grow as dp x grid).
 MAX_DENSE_INSTANCES = 8
@@ -136,3 +137,15 @@ def without_tails(space, starts: Sequence[np.ndarray]):
     rows = [[i for i in range(len(k)) if space.tail_of(c, i) is None] for c, k in enumerate(space.problem.candidates)]
     where = [{i: j for j, i in enumerate(r)} for r in rows]
     return space.restrict(rows), [np.asarray([where[c][int(i)] for c, i in enumerate(s)], np.int32) for s in starts]
+
+
+def split_times(problem, indices: Sequence[int]) -> dict[int, float]:
+    """Seconds of each consumer that runs in two parts under the plan ``indices``: part 1 + part 2, by call index."""
+    view = TailView(problem, indices)
+    out = {}
+    for c in view.split_of:
+        split = view.split(c)
+        if split is not None:
+            s, _, g = split
+            out[c] = float(s.part1[int(indices[c]), g] + s.part2[int(indices[c]), g])
+    return out
