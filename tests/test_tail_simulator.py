@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+from test_async_simulator import _with_staleness
 from test_simulator import random_plan, random_problem
 
 from realloc.search import reference
@@ -49,6 +50,8 @@ def test_cpp_matches_python_reference_on_random_problems_with_random_tails():
     n_tails = n_splits = 0
     for trial in range(400):
         p = random_tails(rng, random_problem(rng))
+        if trial % 4 == 3:  # generation running ahead too (bounded staleness)
+            p = _with_staleness(rng, p)
         cpp = p.to_cpp()
         for _ in range(3):
             plan = random_plan(rng, p)
