@@ -188,6 +188,36 @@ PYBIND11_MODULE(_C, m) {
             },
             py::arg("order"), py::arg("carry"))
         .def(
+            "set_tail_call",  // long-tail migration (csrc/tail.h)
+            [](rl::Problem& p, int call, const Array<int32_t>& grid, const Array<int32_t>& width,
+               const Array<double>& time) {
+                rl::TailColumns t;
+                t.call = call;
+                t.grid = to_vector(grid, "grid");
+                t.width = to_vector(width, "width", static_cast<py::ssize_t>(t.grid.size()));
+                t.time = to_vector(time, "time", static_cast<py::ssize_t>(t.grid.size()));
+                p.tail_cols.push_back(std::move(t));
+                p.finalized = false;
+            },
+            py::arg("call"), py::arg("grid"), py::arg("width"), py::arg("time"))
+        .def(
+            "add_tail_split",
+            [](rl::Problem& p, int edge, const py::array_t<double, py::array::c_style | py::array::forcecast>& part1,
+               const py::array_t<double, py::array::c_style | py::array::forcecast>& part2,
+               const Array<double>& share1, const Array<double>& share2) {
+                if (part1.ndim() != 2 || part2.ndim() != 2) throw std::invalid_argument("part times must be 2-D");
+                rl::TailSplit s;
+                s.edge = edge;
+                s.n_grid = static_cast<int>(part1.shape(1));
+                s.part1.assign(part1.data(), part1.data() + part1.size());
+                s.part2.assign(part2.data(), part2.data() + part2.size());
+                s.share1 = to_vector(share1, "share1");
+                s.share2 = to_vector(share2, "share2");
+                p.tail_splits.push_back(std::move(s));
+                p.finalized = false;
+            },
+            py::arg("edge"), py::arg("part1"), py::arg("part2"), py::arg("share1"), py::arg("share2"))
+        .def(
             "set_staleness",
             [](rl::Problem& p, int staleness, const Array<int32_t>& stale_calls) {
                 p.staleness = staleness;

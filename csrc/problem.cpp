@@ -179,6 +179,8 @@ void Problem::finalize() {
             if (fresh.empty() || fresh.front() < c)
                 fail("call " + std::to_string(c) + ": a stale call must come before its model's other calls");
         }
+    TailPositions tail_at;
+    prepare_tail(*this, tail_at);
     iter_nodes.clear();
     std::vector<int> call_pos(n), realloc_pos(n, -1), snap_pos(n, -1), data_pos(data_edges.size());
     for (int c = 0; c < n; ++c) {
@@ -194,8 +196,10 @@ void Problem::finalize() {
                 data_pos[e] = static_cast<int>(iter_nodes.size());
                 iter_nodes.push_back({NodeKind::kData, c, data_edges[e].src, n_m + static_cast<int>(e)});
             }
+        push_tail_nodes_before(*this, c, tail_at);
         call_pos[c] = static_cast<int>(iter_nodes.size());
         iter_nodes.push_back({NodeKind::kCall, c, -1, -1});
+        push_tail_node_after(*this, c, tail_at);
         if (is_stale(c)) {
             snap_pos[c] = static_cast<int>(iter_nodes.size());
             iter_nodes.push_back({NodeKind::kRealloc, c, chain[call_model[c]].back(), call_model[c]});
@@ -244,6 +248,7 @@ void Problem::finalize() {
             for (const auto& e : carry_edges)
                 if (!is_stale(e[1])) kids[base + call_pos[e[0]]].push_back(base + per + call_pos[e[1]]);
     }
+    rewire_tail(*this, per, call_pos, data_pos, tail_at, kids);
     child_start.assign(total + 1, 0);
     children.clear();
     n_parents.assign(total, 0);

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "tail.h"
+
 namespace rl {
 
 // Every placement (mesh, strategy, n_mbs) one call may take, column by column.
@@ -90,7 +92,9 @@ struct DataEdge {
     PairCosts cost;  // src model layouts x dst model layouts
 };
 
-enum class NodeKind : uint8_t { kCall = 0, kRealloc = 1, kData = 2 };
+// kTail, kPartData, kPart: long-tail migration (tail.h): a migrating call's tail, a split consumer's part-1
+// transfer and part 1.
+enum class NodeKind : uint8_t { kCall = 0, kRealloc = 1, kData = 2, kTail = 3, kPartData = 4, kPart = 5 };
 
 // One node of the augmented graph of one iteration (realhf.txt §4, Figure 6).
 struct NodeTemplate {
@@ -155,6 +159,11 @@ struct Problem {
     // Fused train pairs (fused_node.h). A plan has n_calls() + fused.size() entries: a candidate per call, then
     // 0/1 per pair. Pair p's tables are pair-cost tables n_tables() + 2p (saving) and n_tables() + 2p + 1 (extra).
     std::vector<FusedPair> fused;
+    // Long-tail migration (tail.h): per migrating call its candidates' migrations; the consumers that may run
+    // in two parts. Derived by finalize(): per call its index in each (-1: none).
+    std::vector<TailColumns> tail_cols;
+    std::vector<TailSplit> tail_splits;
+    std::vector<int32_t> tail_of_call, split_of_call;
     // Bumped whenever a pair cost or a provisional cost changes (bump_pair_costs), so that evaluators
     // drop the pair costs they cached from earlier evaluations.
     uint64_t pair_version = 0;

@@ -22,7 +22,7 @@ Evaluator::Evaluator(const Problem& problem) : p_(problem) {
     order_.reserve(total);
     for (int data = 1; data >= 0; --data)
         for (int v = 0; v < total; ++v)
-            if ((p_.iter_nodes[v % per_].kind == NodeKind::kData) == (data == 1)) {
+            if (first_rank(static_cast<uint8_t>(p_.iter_nodes[v % per_].kind)) == (data == 1)) {
                 pos_[v] = static_cast<int32_t>(order_.size());
                 order_.push_back(v);
             }
@@ -45,6 +45,7 @@ Evaluator::Evaluator(const Problem& problem) : p_(problem) {
         nodes_of[nt.call].push_back(j);
         if (nt.other >= 0 && nt.other != nt.call) nodes_of[nt.other].push_back(j);
     }
+    init_tail(nodes_of);  // long-tail migration (tail.cpp)
     call_nodes_start_.push_back(0);
     for (const auto& js : nodes_of) {
         call_nodes_.insert(call_nodes_.end(), js.begin(), js.end());
@@ -54,7 +55,7 @@ Evaluator::Evaluator(const Problem& problem) : p_(problem) {
         const NodeTemplate& nt = p_.iter_nodes[j];
         tmpl_call_.push_back(nt.call);
         tmpl_other_.push_back(nt.kind == NodeKind::kCall ? -1 : nt.other);
-        tmpl_table_.push_back(nt.kind == NodeKind::kCall ? nullptr : &p_.table(nt.table));
+        tmpl_table_.push_back(nt.kind == NodeKind::kCall || nt.table < 0 ? nullptr : &p_.table(nt.table));
     }
     for (uint64_t end = 0; end < static_cast<uint64_t>(2 * n); ++end) ends_.push_back(end);  // placed by prepare()
     find_paths();
@@ -68,8 +69,8 @@ Evaluator::Evaluator(const Problem& problem) : p_(problem) {
     last_plan_.assign(n, -1);
     changed_calls_.reserve(n);
     seen_.assign(per_, 0);
-    free_.resize(2 * n + 1);
-    left_.resize(2 * n + 1);
+    free_.resize(ends_.size() + 1);
+    left_.resize(ends_.size() + 1);
     ready_.resize(total);
     remaining_.resize(total);
     iter_end_.resize(p_.n_iterations);
@@ -202,6 +203,10 @@ void Evaluator::place_atoms_if_stale(const int32_t* plan) {
     uint64_t* e = ends_.data();
     for (int i = 0; i < m; ++i) {
         const uint32_t who = static_cast<uint32_t>(e[i]);
+        if (who >= 2u * p_.n_calls()) {  // a migrating call's first device after the tail (tail.cpp)
+            e[i] = static_cast<uint64_t>(tail_split_device(who - 2 * p_.n_calls(), plan)) << 32 | who;
+            continue;
+        }
         const Candidates& k = p_.cands[who >> 1];
         const int x = who & 1 ? k.dev_hi[plan[who >> 1]] : k.dev_lo[plan[who >> 1]];
         e[i] = static_cast<uint64_t>(x) << 32 | who;
@@ -220,7 +225,10 @@ void Evaluator::place_atoms_if_stale(const int32_t* plan) {
             ++atom;
         }
         const uint32_t who = static_cast<uint32_t>(e[i]);
-        (who & 1 ? atom_hi_ : atom_lo_)[who >> 1] = atom;
+        if (who >= 2u * p_.n_calls())
+            atom_split_[who - 2 * p_.n_calls()] = atom;
+        else
+            (who & 1 ? atom_hi_ : atom_lo_)[who >> 1] = atom;
     }
     n_atoms_ = atom;
     // A call runs on its mesh's atoms; a transfer also occupies the source's.
@@ -241,6 +249,7 @@ void Evaluator::place_atoms_if_stale(const int32_t* plan) {
             s.b2 = hi[o];
         }
     }
+    place_tail_atoms();
 }
 
 // Cost, latency and pass-through of template node j under `plan`.
@@ -248,6 +257,10 @@ inline void Evaluator::price(int j, const int32_t* plan) {
     Slot& s = slot_[j];
     const int c = tmpl_call_[j], o = tmpl_other_[j];
     n_unknown_ -= !s.known;
+    if (tail_tmpl_[j]) {  // long-tail migration (tail.cpp)
+        price_tail(j, plan);
+        return;
+    }
     if (o < 0) {  // a call
         s.cost = p_.cands[c].time[plan[c]];
         s.latency = p_.dispatch_latency;
@@ -287,6 +300,7 @@ bool Evaluator::prepare(const int32_t* plan, std::vector<MissingPair>* missing) 
         changed_calls_.push_back(c);
         const Candidates& k = p_.cands[c];
         if (was < 0 || k.dev_lo[plan[c]] != k.dev_lo[was] || k.dev_hi[plan[c]] != k.dev_hi[was]) meshes_moved = true;
+        if (p_.tail_of_call[c] >= 0) meshes_moved = true;  // its tail devices may have moved
         last_plan_[c] = plan[c];
     }
     // the atoms wait for a simulation: the memory check and the path bound do not need them
@@ -461,6 +475,7 @@ bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, doubl
             end = start + s.cost;
             for (int a = a1; a < b1; ++a) free[a] = end;
             for (int a = a2; a < b2; ++a) free[a] = end;
+            for (int a = a1; a < s.mid && s.hold > 0.0; ++a) free[a] = end + s.hold;  // the tail (tail.cpp)
             if (kBounded) left -= s.busy_cost + (kFused && q >= 0 ? slot[link[q].tmpl].busy_cost : 0.0);
         }
         auto done = [&](int32_t r, const Link& node, const Slot& s) {

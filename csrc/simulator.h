@@ -100,6 +100,9 @@ private:
         int32_t known = 1;              // its pair cost is priced
         double busy_cost = 0.0;         // bounded runs: the work it takes off the busiest atom (simulator.cpp)
         int32_t joined = 0;             // call node of a fused pair: 1 the first call's, 2 the second's (fused_node.h)
+        // a migrating generation's phase 1 (tail.cpp): atoms [a1, mid) stay busy `hold` seconds longer
+        double hold = 0.0;
+        int32_t mid = 0;
     };
     // A node of the unrolled graph, numbered by dispatch rank (see rank()): template, iteration and its
     // children (ranks, in children_).
@@ -126,6 +129,14 @@ private:
     void check_fused_memory(const int32_t* plan, Evaluation& ev);
     void fused_memory_report(const int32_t* plan, MemoryReport& r);
     void find_paths();
+    // long-tail migration (tail.cpp)
+    void init_tail(std::vector<std::vector<int32_t>>& nodes_of);
+    int tail_split_device(int i, const int32_t* plan) const;
+    int split_grid(int s, const int32_t* plan) const;
+    void price_tail(int j, const int32_t* plan);
+    void place_tail_atoms();
+    std::vector<uint8_t> tail_tmpl_;  // per template node: priced by price_tail
+    std::vector<int32_t> tmpl_split_, atom_split_;
     // True if the steady-state time is proven above `stop_time` without simulating: see find_paths().
     bool paths_exceed(double stop_time);
     // Dispatch order among nodes ready at the same time: data transfers first (the master sends a

@@ -139,6 +139,15 @@ class ResponseLengths:
             return (gen_len,) * b
         return _order_statistics(_pmf(self, gen_len), b)
 
+    def slowest_ends(self, gen_len: int, b: int, n: int) -> tuple[int, ...]:
+        """The expected lengths of the micro-batch of ``b`` rows that ends a call of ``n`` rows (issue 31: per
+        micro-batch, per dp rank, the longest row ends it, and the call ends with the rank that holds its longest
+        row): ``b`` rows' order statistics, the longest one that of all ``n`` rows."""
+        ends = self.order_statistics(gen_len, b)
+        if self.is_fixed or n <= b:
+            return ends
+        return ends[:-1] + (max(ends[-1], self.order_statistics(gen_len, n)[-1]),)
+
     def describe(self, gen_len: int | None = None) -> str:
         if self.kind == "fixed":
             return "fixed" + (f" ({gen_len} tokens)" if gen_len else "")

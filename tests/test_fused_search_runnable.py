@@ -1,12 +1,14 @@
-"""`realloc run` searches only plans its runtime can carry out: no fused train pairs where they cannot run
-(NCCL so far, runtime/control/master_fused.py); `realloc search` still shows them, with a note."""
+"""`realloc run` searches only plans its runtime can carry out (search.RunLimits): no fused train pairs where they
+cannot run (NCCL so far, runtime/control/master_fused.py), no tail migration of a generation running ahead or
+beside token balancing (graph/streaming.py); `realloc search` still shows them, with a note."""
 
 import argparse
+import dataclasses
 
 import realloc.search as search_pkg
 from realloc.api import load_experiment
 from realloc.runtime import run_cli
-from realloc.search.planner import fused_pairs_run_on, plan_search
+from realloc.search.planner import RunLimits, fused_pairs_run_on, plan_search
 
 
 def test_fused_pairs_run_on_cpu_clusters_only():
@@ -14,10 +16,34 @@ def test_fused_pairs_run_on_cpu_clusters_only():
     assert not fused_pairs_run_on(load_experiment("experiments/ppo_70b_7b.py"))
 
 
-def test_a_search_without_fusion_fuses_nothing():
-    spec = load_experiment("experiments/ppo_70b_7b.py")
-    report = plan_search(spec, None, max_evals=20_000, n_threads=1, fuse=False)
+def test_a_runnable_search_on_gpus_proposes_no_fusion(monkeypatch):
+    import realloc.search.planner as planner
+
+    seen = []
+
+    def spy(space, **kwargs):
+        seen.append((len(space.problem.fused), kwargs.get("p_fuse")))
+        return run_mcmc(space, **kwargs)
+
+    run_mcmc = planner.run_mcmc
+    monkeypatch.setattr(planner, "run_mcmc", spy)
+    report = plan_search(load_experiment("experiments/ppo_7b_7b.py"), None, max_evals=2_000, n_threads=1,
+                         runnable=RunLimits())
+    assert seen and all(pairs > 0 for pairs, _ in seen)  # the space offers fused pairs...
+    assert all(p_fuse == 0.0 for _, p_fuse in seen)  # ...and no chain proposes one (test_fused_search.py: p_fuse 0)
     assert report.plan.fused == () and report.unfused is None
+
+
+def test_a_runnable_search_migrates_no_tail_the_runtime_refuses():
+    from realloc.lengths import ResponseLengths
+
+    base = load_experiment("experiments/ppo_tiny.py")  # long-tailed as in test_tail_search.py, one step ahead allowed
+    spec = dataclasses.replace(base, gen_len=128, response_lengths=ResponseLengths.lognormal(8, 102.4), max_staleness=1)
+    free = plan_search(spec, None, max_evals=40_000, n_threads=1)
+    assert any(p.tail for p in free.by_staleness.values()), "the space must offer migrations for this test to bite"
+    ran = plan_search(spec, None, max_evals=40_000, n_threads=1, runnable=RunLimits())
+    assert not any(p.tail for eta, p in ran.by_staleness.items() if eta > 0)
+    assert not plan_search(spec, None, max_evals=20_000, n_threads=1, runnable=RunLimits(balance_tokens=True)).plan.tail
 
 
 def test_run_asks_the_search_for_a_plan_it_can_run(monkeypatch):
@@ -29,9 +55,9 @@ def test_run_asks_the_search_for_a_plan_it_can_run(monkeypatch):
 
     monkeypatch.setattr(search_pkg, "search", fake_search)
     args = argparse.Namespace(plan=None, baseline=None, search_time=1.0)
-    for path, fuse in (("experiments/ppo_70b_7b.py", False), ("experiments/ppo_tiny.py", True)):
+    for path in ("experiments/ppo_70b_7b.py", "experiments/ppo_tiny.py"):
         try:
             run_cli._choose_plan(args, load_experiment(path), None)
         except RuntimeError:
             pass
-        assert seen["fuse"] is fuse, path
+        assert seen["runnable"] == search_pkg.RunLimits(), path

@@ -291,7 +291,7 @@ class CallTimer:
             iface = self.costs.interface("interface.train", t, work.gen_len) or 0.0
             moments = self.comm.time("all_reduce", strategy.dp, 8 * (3 + work.n_steps), links.dp)
             return step.scaled(work.n_steps) + overhead + CallCost.of(overhead=iface, dp_allreduce=moments)
-        ends = work.lengths.order_statistics(work.gen_len, b)  # all gen_len for fixed lengths
+        ends = work.lengths.slowest_ends(work.gen_len, b, work.n_seqs)  # all gen_len for fixed lengths
         return self.generate_varied(strategy, links, b, prompt, ends, n_mbs) + overhead
 
     def train_step(self, strategy: ParallelStrategy, links: GroupLinks, b: int, seq: int, n_mbs: int,

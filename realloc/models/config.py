@@ -246,6 +246,11 @@ _BASE_CONFIGS: tuple[ModelConfig, ...] = (
     # LLaMA-1 65B (its params.json: dim 8192, 80 layers, 64 heads, FFN 22016): RLHFuse's 65B actor
     # (rlhfuse.txt §7; experiments/ppo_65b_33b.py).
     ModelConfig("llama-65b", 32000, 8192, 22016, 80, 64, 64, max_position_embeddings=2048, norm_eps=1e-5),
+    # LLaMA-1 13B/33B/65B shapes (rlhfuse.txt Table 2) with a 4096-token context: RLHFuse's settings generate up
+    # to 2048 tokens after the prompt, more than LLaMA-1's 2048 positions hold (experiments/rlhfuse_*.py).
+    ModelConfig("llama-13b-4k", 32000, 5120, 13824, 40, 40, 40, max_position_embeddings=4096, norm_eps=1e-6),
+    ModelConfig("llama-33b-4k", 32000, 6656, 17920, 60, 52, 52, max_position_embeddings=4096, norm_eps=1e-6),
+    ModelConfig("llama-65b-4k", 32000, 8192, 22016, 80, 64, 64, max_position_embeddings=4096, norm_eps=1e-5),
     # realhf-appendix.txt Table 1. Its "7B" column is the LLaMA-3-8B shape.
     _llama3("llama3-8b", 4096, 14336, 32, 32, 8),
     _llama3("llama3-13b", 5120, 13824, 40, 40, 40),

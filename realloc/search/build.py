@@ -27,6 +27,7 @@ from realloc.search.candidates import CallCosts, Candidate, Option, call_options
 from realloc.search.fused_space import fused_pair_arrays, price_fused_entry
 from realloc.search.pool_space import pool_fields
 from realloc.search.problem import CandidateArrays, PairCosts, SearchProblem, copy_pair_costs
+from realloc.search.tail_space import TailChoice, eligible, split_times, tail_arrays, with_tail_rows
 from realloc.strategy import ParallelStrategy
 
 Layout = tuple[DeviceMesh, ParallelStrategy]
@@ -167,18 +168,21 @@ class PlanSpace:
     options: tuple[tuple[Candidate, ...], ...]
     layouts: tuple[tuple[Layout, ...], ...]
     pruned: dict[str, dict[str, int]]  # call -> reason -> count
+    # Long-tail migration (search/tail_space.py): per call and candidate its migration, or None; () when none
+    tails: tuple[tuple[TailChoice | None, ...], ...] = ()
 
     # -- construction ------------------------------------------------------------------
     @classmethod
     def build(cls, graph: DataflowGraph, cost: CostModel | None = None, *, keep: Iterable[ExecutionPlan] = (),
               option_filter: Callable[[str, Option], bool] | None = None, prune_memory: bool = True,
               offload: bool = True, n_iterations: int = DEFAULT_ITERATIONS,
-              max_n_mbs: int | None = None) -> "PlanSpace":
+              max_n_mbs: int | None = None, migrate: bool = True) -> "PlanSpace":
         """Every useful placement of every call; the placements of ``keep`` plans always stay.
 
         ``option_filter(call, option)`` restricts the space (e.g. to a baseline's options);
         ``prune_memory=False`` keeps placements that cannot fit, so that an OOM plan can be reported;
-        ``offload`` lets frozen single-call models wait in host memory (``offloadable``).
+        ``offload`` lets frozen single-call models wait in host memory (``offloadable``); ``migrate`` lets generation
+        calls migrate their long tail (``search/tail_space.py``; baselines do not).
         """
         cost = cost or CostModel(graph)
         cluster = graph.spec.cluster
@@ -214,14 +218,21 @@ class PlanSpace:
                                     tuple(cc.param[i] for i in keep_rows)))
             if not keep_rows:
                 raise NoFitError(_no_fit_message(c, cc, cluster.device_memory, cluster.nodelist))
-        return cls._assemble(graph, cost, priced, pruned, n_iterations)
+        tails = []
+        for i, c in enumerate(calls):  # long-tail migration: one more choice of a generation call's rows
+            priced[i], choices = with_tail_rows(graph, cost, c, priced[i]) if migrate and eligible(graph, c) else (
+                priced[i], (None,) * len(priced[i].options))
+            tails.append(choices)
+        return cls._assemble(graph, cost, priced, pruned, n_iterations, tails=tails)
 
     @classmethod
     def _assemble(cls, graph: DataflowGraph, cost: CostModel, priced: list[CallCosts],
                   pruned: dict[str, dict[str, int]], n_iterations: int,
                   pair_costs: dict[int, PairCosts] | None = None,
-                  layouts_in: tuple[tuple[Layout, ...], ...] | None = None) -> "PlanSpace":
+                  layouts_in: tuple[tuple[Layout, ...], ...] | None = None,
+                  tails: Sequence[Sequence[TailChoice | None]] = ()) -> "PlanSpace":
         cluster = graph.spec.cluster
+        tails = tuple(tuple(t) for t in tails) if any(x is not None for t in tails for x in t) else ()
         calls = graph.topo_order
         models = tuple(dict.fromkeys(graph.call(c).model_name for c in calls))
         homes = home_calls(graph)
@@ -238,9 +249,12 @@ class PlanSpace:
             layouts = layouts_in
             layout_ids = [{(mesh, s): j for j, (mesh, s) in enumerate(lays)} for lays in layouts]
         arrays = []
-        for c, cc in zip(calls, priced):
+        for ci, (c, cc) in enumerate(zip(calls, priced)):
             ids = layout_ids[models.index(graph.call(c).model_name)]
             shapes: dict[tuple, int] = {}
+            # a migration keeps its own shape class: the MCMC's position moves keep it (search/tail_space.py)
+            tail_key = [() if not tails or t is None else (t.grid, t.migration.instances)
+                        for t in (tails[ci] if tails else [None] * len(cc.options))]
             pp = [s.pp for _, s, *_ in cc.options]
             row = {cand: i for i, cand in enumerate(cc.options)}
             twin = [row.get(cand._replace(recompute=not cand.recompute), -1) for cand in cc.options]
@@ -250,8 +264,8 @@ class PlanSpace:
                 stage_width=[s.dp * s.tp for _, s, *_ in cc.options],
                 layout=[ids[mesh, s] for mesh, s, *_ in cc.options],
                 mesh_id=[mesh_index[mesh] for mesh, *_ in cc.options],
-                shape_class=[shapes.setdefault((mesh.shape, s, m, rc, off), len(shapes))
-                             for mesh, s, m, rc, off in cc.options],
+                shape_class=[shapes.setdefault((mesh.shape, s, m, rc, off, *tk), len(shapes))
+                             for (mesh, s, m, rc, off), tk in zip(cc.options, tail_key)],
                 time=cc.time, twin=twin, mem_offset=np.r_[0, np.cumsum(pp)].astype(np.int64),
                 mem_static=np.concatenate(cc.static) if pp else [], mem_dynamic=np.concatenate(cc.dynamic) if pp else [],
                 mem_param=np.concatenate(cc.param) if pp else []))
@@ -269,17 +283,21 @@ class PlanSpace:
         realloc = tuple(pair_costs.get(m) or PairCosts(n_layouts[m], n_layouts[m]) for m in range(n_m))
         data = tuple(pair_costs.get(n_m + e) or PairCosts(n_layouts[model_of[u]], n_layouts[model_of[v]])
                      for e, (u, v) in enumerate(data_edges))
+        tail_fields = {}
+        if tails:
+            columns, splits = tail_arrays(graph, cost, calls, [cc.options for cc in priced], tails, data_edges)
+            tail_fields = dict(tail_columns=columns, tail_splits=splits)
         problem = SearchProblem(
             n_devices=cluster.n_devices, device_memory=cluster.device_memory, call_names=calls,
             call_model=tuple(model_of), model_names=models,
             model_home=tuple(index[homes[m]] for m in models), candidates=tuple(arrays),
             order_edges=tuple(order_edges), carry_edges=carry, data_edges=tuple(data_edges), data_costs=data,
             realloc_costs=realloc, n_iterations=n_iterations, oom_alpha=OOM_ALPHA,
-            dispatch_latency=cost.hw.dispatch_latency, **pool_fields(cluster))
+            dispatch_latency=cost.hw.dispatch_latency, **pool_fields(cluster), **tail_fields)
         options = tuple(cc.options for cc in priced)
         problem = dataclasses.replace(problem, fused=fused_pair_arrays(graph, problem, options))  # fused_space.py
         return cls(graph=graph, cost=cost, problem=problem, options=tuple(cc.options for cc in priced),
-                   layouts=layouts, pruned=pruned)
+                   layouts=layouts, pruned=pruned, tails=tails)
 
     def restrict(self, keep: Sequence[Sequence[int]]) -> "PlanSpace":
         """The space with only candidates ``keep[c]`` of each call; layouts and pair costs are shared."""
@@ -295,8 +313,10 @@ class PlanSpace:
                                     tuple(k.stage_memory(i, "dynamic") for i in rows),
                                     tuple(k.stage_memory(i, "param") for i in rows)))
         tables = {t: p.table(t) for t in range(p.n_models + len(p.data_edges))}
+        tails = [[self.tails[c][i] for i in rows] for c, rows in enumerate(keep)] if self.tails else ()
         out = PlanSpace._assemble(self.graph, self.cost, priced, self.pruned,
-                                  p.n_iterations - ASYNC_EXTRA_ITERATIONS * p.staleness, tables, self.layouts)
+                                  p.n_iterations - ASYNC_EXTRA_ITERATIONS * p.staleness, tables, self.layouts,
+                                  tails=tails)
         return out.with_staleness(p.staleness) if p.staleness else out
 
     def with_staleness(self, staleness: int) -> "PlanSpace":
@@ -407,8 +427,11 @@ class PlanSpace:
             off = bool(plan.offload.get(self.graph.call(c).model_name))
             want = Candidate(meshes[c], p.strategy, p.n_mbs, p.recompute, off)
             try:
-                out.append(opts.index(want))
-            except ValueError:
+                i = opts.index(want)
+                if plan.tail.get(c) is not None or self.tails:  # the row with the plan's migration, if any
+                    i = next(j for j, o in enumerate(opts) if o == want and self.tail_of(c, j) == plan.tail.get(c))
+                out.append(i)
+            except (ValueError, StopIteration):
                 raise ValueError(f"call {c!r}: placement {want.describe()} is not among the candidates (it does not "
                                  f"fit in memory or was pruned)") from None
         names = self.problem.call_names
@@ -421,25 +444,44 @@ class PlanSpace:
         ev = self.evaluate(idx)
         mem = self.cpp.memory(idx)
         p, cluster = self.problem, self.graph.spec.cluster
-        placements, times, memory, offload = {}, {}, {}, {}
+        placements, times, memory, offload, tail = {}, {}, {}, {}, {}
         for c, name in enumerate(p.call_names):
             mesh, s, m, rc, off = self.options[c][int(idx[c])]
             placements[name] = CallPlacement.of(mesh, s, m, rc)
             times[name] = float(p.candidates[c].time[int(idx[c])])
+            migration = self.tail_of(c, int(idx[c]))
+            if migration is not None:
+                tail[name] = migration
+                times[name] += self.tails[c][int(idx[c])].tail
             memory[name] = int(mem["call_peak"][c])
             if off:
                 offload[self.graph.call(name).model_name] = True
+        for c, seconds in split_times(p, idx).items():  # consumers in two parts: both parts
+            times[p.call_names[c]] = seconds
         return ExecutionPlan(experiment=self.graph.spec.name, graph_digest=self.graph.digest,
                              nodelist=cluster.nodelist, n_devices_per_node=cluster.n_devices_per_node,
                              device=cluster.device, placements=placements, offload=offload, source=source,
                              estimated_time=float(ev["time"]), estimated_peak_memory=int(ev["peak_memory"]),
-                             call_times=times, call_memory=memory, staleness=p.staleness,
+                             call_times=times, call_memory=memory, staleness=p.staleness, tail=tail,
                              fused=tuple((p.call_names[f.a], p.call_names[f.b]) for f in p.fused if f.on(p, idx)))
+
+    def tail_of(self, c: int | str, i: int):
+        """The migration (graph.tail.TailMigration) of candidate ``i`` of call ``c``, or None."""
+        c = self.problem.call_names.index(c) if isinstance(c, str) else c
+        t = self.tails[c][i] if self.tails else None
+        return None if t is None else t.migration
 
     def fastest(self) -> np.ndarray:
         """The greedy plan of realhf.txt §5.2: each call at its fastest standalone candidate."""
-        return np.asarray([int(np.argmin(k.time)) for k in self.problem.candidates] + [0] * len(self.problem.fused),
-                          np.int32)
+        return np.asarray([int(np.argmin(self.total_times(c))) for c in range(self.problem.n_calls)]
+                          + [0] * len(self.problem.fused), np.int32)
+
+    def total_times(self, c: int) -> np.ndarray:
+        """Seconds of every candidate of call ``c`` alone: a migrating one's phase 1 and its tail together."""
+        k = self.problem.candidates[c]
+        if not self.tails:
+            return k.time
+        return k.time + np.array([0.0 if t is None else t.tail for t in self.tails[c]])
 
     @property
     def n_candidates(self) -> tuple[int, ...]:

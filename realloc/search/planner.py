@@ -26,6 +26,7 @@ from realloc.search import baselines as bl
 from realloc.search.build import NoFitError, PlanSpace, fmt_bytes
 from realloc.search.engine import Progress, SearchStats, run_mcmc
 from realloc.search.pool_space import on_cluster, pool_alone, strongest_pool
+from realloc.search.tail_space import without_tails
 
 
 def experiment_of(experiment: Any) -> ExperimentSpec:
@@ -63,7 +64,7 @@ def _baseline(graph: DataflowGraph, cost: CostModel, name: str, seed: int = 0) -
         # fewest stages, then fewest micro-batches, that fit; else the first (reported as OOM)
         chosen = next((t for t in tries if max(cost.plan_memory(_uniform_plan(graph, t)).values()) <= mem), tries[0])
         space = PlanSpace.build(graph, cost, option_filter=lambda c, o: o == chosen[c], prune_memory=False,
-                                offload=False)
+                                offload=False, migrate=False)
         return space.to_plan(space.fastest(), source)
     if name == "colocate-dp":
         keep = bl.colocate_filter(graph)
@@ -72,9 +73,9 @@ def _baseline(graph: DataflowGraph, cost: CostModel, name: str, seed: int = 0) -
     else:
         raise ValueError(f"unknown baseline {name!r}; choose one of {', '.join(bl.BASELINES)}")
     try:
-        space = PlanSpace.build(graph, cost, option_filter=keep, prune_memory=True, offload=False)
+        space = PlanSpace.build(graph, cost, option_filter=keep, prune_memory=True, offload=False, migrate=False)
     except NoFitError:
-        space = PlanSpace.build(graph, cost, option_filter=keep, prune_memory=False, offload=False)
+        space = PlanSpace.build(graph, cost, option_filter=keep, prune_memory=False, offload=False, migrate=False)
     return space.to_plan(bl.best_in(space, seed), source)
 
 
@@ -116,6 +117,8 @@ class SearchReport:
     # (the searched plan when faster, and then ``fused`` is the fused one).
     unfused: ExecutionPlan | None = None
     fused: ExecutionPlan | None = None
+    # Long-tail migration (search/tail_space.py): the best plan without any migration, when the space had one.
+    no_tail: ExecutionPlan | None = None
 
     @property
     def sync_plan(self) -> ExecutionPlan | None:
@@ -129,13 +132,15 @@ class SearchReport:
 
 def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int = 0, max_evals: int | None = None,
                 n_threads: int = 2, n_chains: int | None = None, progress: Progress | None = None,
-                cost: CostModel | None = None, converge: bool = False, fuse: bool = True) -> SearchReport:
+                cost: CostModel | None = None, converge: bool = False, runnable: RunLimits | None = None
+                ) -> SearchReport:
     """Search the fastest plan of ``experiment`` and compare it with every baseline; with ``converge``, stop
-    before ``time_limit`` once the best plan stops improving (``engine.converged``); ``fuse=False`` searches
-    no fused train pairs (what ``realloc run`` asks where the runtime cannot run them, fused_pairs_run_on)."""
+    before ``time_limit`` once the best plan stops improving (``engine.converged``). ``runnable`` (what
+    ``realloc run`` passes): only plans its runtime can carry out, see ``RunLimits``."""
     t0 = time.perf_counter()
     spec = experiment_of(experiment)
     graph = build_graph(spec)
+    fuse = runnable is None or fused_pairs_run_on(spec)
     cost = cost or CostModel(graph)
     mem = spec.cluster.device_memory
     alone, alone_pool = None, None
@@ -169,10 +174,26 @@ def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int =
         rows = []
         for c, k in enumerate(full.problem.candidates):
             must = {int(s[c]) for s in starts}
-            rows.append([i for i in range(len(k)) if k.time[i] <= t_ref or i in must])
+            t_alone = full.total_times(c)
+            rows.append([i for i in range(len(k)) if t_alone[i] <= t_ref or i in must])
         space = full.restrict(rows)
         starts = [space.indices_of(p) for p in fitting]
     prepare = time.perf_counter() - t0
+    no_tail = None
+    if space.tails and runnable is not None and runnable.balance_tokens:
+        space, starts = without_tails(space, starts)  # the runtime deals rows by tokens or migrates, not both
+    if space.tails:
+        # The best plan without migration first (a third of the time): shown beside the winner, and a start of its
+        # chains, so the winner is never slower.
+        no_tail_space, no_tail_starts = without_tails(space, starts)
+        third = None if time_limit is None else time_limit / 3
+        found = run_mcmc(no_tail_space, time_limit=third, max_evals=None if max_evals is None else max(1, max_evals // 3),
+                         seed=seed, n_threads=n_threads, n_chains=n_chains or n_threads, starts=no_tail_starts,
+                         progress=progress, converge=converge, **({} if fuse else {"p_fuse": 0.0}))
+        no_tail = no_tail_space.to_plan(found.indices, "search")
+        starts = starts + [space.indices_of(no_tail)]
+        time_limit = None if time_limit is None else time_limit - third
+        max_evals = None if max_evals is None else max(1, max_evals - max_evals // 3)
     # Bounded staleness is one more plan dimension (issue 25): the placement is searched at every staleness
     # up to the experiment's bound, each with its share of the time, and the fastest plan wins.
     etas = [0] + ([e for e in range(1, spec.max_staleness + 1) if graph.staleness_error(e) is None]
@@ -185,8 +206,12 @@ def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int =
         sp = space.with_staleness(eta)
         # the synchronous winner starts the chains of the others: its placement is a good one at any eta
         extra = [best[1].indices] if best is not None else []
+        eta_starts = starts
+        if eta and runnable is not None and sp.tails:  # the runtime migrates no tail of a generation running ahead
+            sp, eta_starts = without_tails(sp, [_no_tail(space, s) for s in starts + extra])
+            extra = []
         outcome = run_mcmc(sp, time_limit=share, max_evals=evals, seed=seed, n_threads=n_threads,
-                           n_chains=n_chains or n_threads, starts=starts + extra, progress=progress,
+                           n_chains=n_chains or n_threads, starts=eta_starts + extra, progress=progress,
                            converge=converge, **({} if fuse else {"p_fuse": 0.0}))
         if len(etas) > 1:
             by_staleness[eta] = sp.to_plan(outcome.indices, "search")
@@ -205,10 +230,20 @@ def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int =
         unfused = space.to_plan(other.indices, "search (no fusion)")
         if _better(other.evaluation, ev):  # the second search found a faster plan without fusion: it wins
             plan, fused, indices, ev = space.to_plan(other.indices, "search"), plan, other.indices, other.evaluation
+    if no_tail is not None and plan.tail:
+        # the winner's placement without its migration may beat the plan found without migration
+        placed = space.to_plan(space.indices_of(plan.model_copy(update={"tail": {}})), "search")
+        no_tail = placed if placed.estimated_time < no_tail.estimated_time else no_tail
     return SearchReport(spec=spec, graph=graph, space=space, plan=plan, indices=indices, evaluation=ev,
                         baselines=results, stats=outcome.stats, prepare_seconds=prepare,
                         n_candidates_before_time_pruning=before, by_staleness=by_staleness, alone=alone,
-                        alone_pool=alone_pool, unfused=unfused, fused=fused)
+                        alone_pool=alone_pool, unfused=unfused, fused=fused, no_tail=no_tail)
+
+
+def _no_tail(space: PlanSpace, indices: np.ndarray) -> np.ndarray:
+    """``indices`` with each call's candidate replaced by the same placement without migration."""
+    plan = space.to_plan(indices, "start")
+    return space.indices_of(plan.model_copy(update={"tail": {}})) if plan.tail else indices
 
 
 def unfused_search(space: PlanSpace, best: np.ndarray, starts: list[np.ndarray], **search: Any):
@@ -234,6 +269,15 @@ def oom_message(space: PlanSpace, indices: np.ndarray, ev: dict) -> str:
     return (f"nothing fits in memory: the best plan found still needs {fmt_bytes(ev['peak_memory'])} on {where} "
             f"{what}, {fmt_bytes(ev['overflow'])} more than the {fmt_bytes(cluster.device_memory)} a device "
             f"has; use more or larger devices, or a smaller batch or model")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunLimits:
+    """What ``realloc run``'s runtime cannot carry out, so its search leaves it out: fused train pairs where
+    they cannot run (``fused_pairs_run_on``), a tail migration of a generation running ahead (staleness > 0)
+    and, with ``balance_tokens``, any tail migration (graph/streaming.py, runtime/control/master_tail.py)."""
+
+    balance_tokens: bool = False
 
 
 def fused_pairs_run_on(spec: Any) -> bool:

@@ -24,6 +24,8 @@ import dataclasses
 
 import numpy as np
 
+from realloc.search.tail_problem import TailColumns, TailSplit, tail_to_cpp
+
 
 @dataclasses.dataclass(frozen=True)
 class CandidateArrays:
@@ -168,6 +170,10 @@ class SearchProblem:
     pool_memory: tuple[int, ...] = ()
     # Fused train pairs (csrc/fused_node.h): a plan then has n_calls + len(fused) entries (a 0/1 per pair last).
     fused: tuple[FusedPairArrays, ...] = ()
+    # Long-tail migration (search/tail_problem.py): (call, its candidates' migrations), and the consumers that
+    # may run in two parts. Empty: no call migrates, the graph of before.
+    tail_columns: tuple[tuple[int, TailColumns], ...] = ()
+    tail_splits: tuple[TailSplit, ...] = ()
 
     def capacity(self, device: int) -> int:
         """Usable bytes of ``device`` (its pool's)."""
@@ -236,6 +242,7 @@ class SearchProblem:
             t = p.add_fused_pair(f.a, f.b, np.asarray(f.bound_a, np.float64), np.asarray(f.bound_b, np.float64))
             copy_pair_costs(p, t, f.saving.known)
             copy_pair_costs(p, t + 1, f.extra.known)
+        tail_to_cpp(self, p)
         p.finalize()
         return p
 

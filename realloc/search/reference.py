@@ -42,6 +42,7 @@ import math
 from typing import Sequence
 
 from realloc.search.problem import SearchProblem
+from realloc.search.tail_reference import PART, PART_DATA, TAIL, TailView, rewire
 
 CALL, REALLOC, DATA = 0, 1, 2
 
@@ -57,6 +58,8 @@ class _Node:
     parents: list[int] = dataclasses.field(default_factory=list)
     children: list[int] = dataclasses.field(default_factory=list)
     joint: int = -1  # a fused pair's call node: the other call's node, with which it runs as one (fused_node.h)
+    hold: frozenset[int] = frozenset()  # a migrating generation: devices kept until its TAIL node ends
+    migrates: bool = False  # a migrating generation: its edges leave from its TAIL node
 
     @property
     def free(self) -> bool:
@@ -88,6 +91,10 @@ def _build_nodes(p: SearchProblem, plan: Sequence[int], missing: set | None = No
             missing.add((m, ls, ld))
         return cost
 
+    def c_producer(c: int) -> int:
+        """The producer of consumer ``c``'s tail split, or -1."""
+        return p.data_edges[tails.split_of[c].edge][0] if c in tails.split_of else -1
+
     eta = p.staleness
     stale = set(p.stale_calls) if eta > 0 else set()
     model_calls = [[c for c in range(n) if p.call_model[c] == m and c not in stale] for m in range(len(p.model_home))]
@@ -103,6 +110,7 @@ def _build_nodes(p: SearchProblem, plan: Sequence[int], missing: set | None = No
             fused_cost[f.a] = fused_cost[f.b] = cost
     nodes: list[_Node] = []
     index: dict[tuple[str, int, int], int] = {}
+    tails = TailView(p, plan)  # long-tail migration (tail_reference.py)
     for t in range(K):
         for c in range(n):
             seq = model_calls[p.call_model[c]]
@@ -115,12 +123,27 @@ def _build_nodes(p: SearchProblem, plan: Sequence[int], missing: set | None = No
                     cost, known = p.data_costs[e].get(layout(u), layout(v))
                     if not known and missing is not None:
                         missing.add((p.n_models + e, layout(u), layout(v)))
+                    split = tails.split(c) if c in tails.split_of and tails.split_of[c].edge == e else None
                     index["data", e, t] = len(nodes)
-                    nodes.append(_Node(DATA, c, u, t, cost, mesh(u) | mesh(v)))
+                    nodes.append(_Node(DATA, c, u, t, cost * split[0].share2[split[2]] if split else cost,
+                                       mesh(u) | mesh(v)))
+            split = tails.split(c)
+            if c in tails.split_of:
+                e, g = tails.split_of[c].edge, c_producer(c)
+                cost = p.data_costs[e].get(layout(g), layout(c))[0] * split[0].share1[split[2]] if split else 0.0
+                index["part_data", c, t] = len(nodes)
+                nodes.append(_Node(PART_DATA, c, g, t, cost, mesh(c)))
+                index["part", c, t] = len(nodes)
+                nodes.append(_Node(PART, c, g, t, float(split[0].part1[cand(c), split[2]]) if split else 0.0, mesh(c)))
             index["call", c, t] = len(nodes)
-            nodes.append(_Node(CALL, c, -1, t, float(p.candidates[c].time[cand(c)]), mesh(c)))
+            time = float(split[0].part2[cand(c), split[2]]) if split else float(p.candidates[c].time[cand(c)])
+            nodes.append(_Node(CALL, c, -1, t, time, mesh(c), hold=tails.tail_devices(c) if tails.tail_time(c) else
+                               frozenset(), migrates=tails.grid(c) >= 0))
             if c in fused_cost:
                 nodes[-1].cost = fused_cost[c]
+            if c in tails.columns:
+                index["tail", c, t] = len(nodes)
+                nodes.append(_Node(TAIL, c, -1, t, tails.tail_time(c)))
             if c in stale:
                 home = model_calls[p.call_model[c]][-1]
                 index["snapshot", c, t] = len(nodes)
@@ -170,6 +193,7 @@ def _build_nodes(p: SearchProblem, plan: Sequence[int], missing: set | None = No
             for u, v in p.carry_edges:
                 if v not in stale:
                     link(index["call", u, t], index["call", v, t + 1])
+    rewire(nodes, index, p, K)
     return nodes
 
 
@@ -197,7 +221,7 @@ def schedule(p: SearchProblem, plan: Sequence[int]) -> list[dict]:
     # ties in ready time: data transfers first (the master sends a finished call's outputs on before
     # dispatching what its end unblocks), then node order
     def key(i: int) -> tuple[int, int]:
-        return (nodes[i].kind != DATA, i)
+        return (nodes[i].kind not in (DATA, TAIL), i)  # a TAIL node hands on the outputs (tail_reference.py)
 
     heap = [(0.0, key(i), i) for i, nd in enumerate(nodes) if not nd.parents]
     heapq.heapify(heap)
@@ -219,7 +243,11 @@ def schedule(p: SearchProblem, plan: Sequence[int]) -> list[dict]:
         end[i] = t
         n_done += 1
         nd = nodes[i]
-        lat = p.dispatch_latency if nd.kind == CALL or (nd.kind == REALLOC and not nd.free) else 0.0
+        # a migrating generation's edges leave from its TAIL node, which carries the latency (tail_reference.py)
+        lat = p.dispatch_latency if (nd.kind == CALL and not nd.migrates) or (
+            nd.kind in (REALLOC, TAIL, PART) and not nd.free) else 0.0
+        if nd.kind == TAIL:  # the generation's call node gives back the tail devices
+            dequeue(nd.parents[0], nodes[nd.parents[0]].hold)
         for u in nd.children:
             ready[u] = max(ready[u], t + lat)
             waiting_parents[u] -= 1
@@ -241,8 +269,8 @@ def schedule(p: SearchProblem, plan: Sequence[int]) -> list[dict]:
                 finish[i] = now + (finish[i] - now) * rate[i] / r
                 rate[i] = r
 
-    def dequeue(i: int) -> None:
-        for d in nodes[i].devices:
+    def dequeue(i: int, devices: frozenset[int] | None = None) -> None:
+        for d in nodes[i].devices if devices is None else devices:
             assert queues[d][0] == i
             queues[d].pop(0)
 
@@ -253,7 +281,7 @@ def schedule(p: SearchProblem, plan: Sequence[int]) -> list[dict]:
         """Start node i; a node of no duration also ends now. Returns whether it ended."""
         start[i] = now
         if nodes[i].cost == 0.0:
-            dequeue(i)
+            dequeue(i, nodes[i].devices - nodes[i].hold)
             complete(i, now)
             return True
         finish[i] = now + nodes[i].cost
@@ -265,7 +293,7 @@ def schedule(p: SearchProblem, plan: Sequence[int]) -> list[dict]:
         # 1. what ends now leaves its queues
         for i in sorted(i for i, f in finish.items() if f <= now):
             del finish[i], rate[i]
-            dequeue(i)
+            dequeue(i, nodes[i].devices - nodes[i].hold)
             complete(i, now)
         # 2. nodes already dispatched start when first in line on all their devices (a node of no
         #    duration ends at once and may let the next ones start)

@@ -17,6 +17,7 @@ from realloc.overrides import load_with_overrides
 from realloc.search.fused_report import fused_summary
 from realloc.search.lora_report import lora_summary
 from realloc.search.planner import SearchReport, baseline, experiment_of, fused_pairs_run_on, plan_search
+from realloc.search.tail_report import tail_summary
 from realloc.search.timeline import check_suffix
 from realloc.search.turns_report import profile_lines, turn_summary, turns_from
 
@@ -61,6 +62,8 @@ def print_report(report: SearchReport, n_threads: int) -> None:
     print(rp.plan_table(report.plan, report.space, report.indices))
     for line in rp.transfer_summary(report.space, report.indices):
         print(f"  {line}")
+    for line in tail_summary(report):
+        print(line)
     if report.by_staleness:
         print()
         print(staleness_table(report))

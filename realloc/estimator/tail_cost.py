@@ -1,0 +1,164 @@
+"""Pricing long-tail migration (issue 31 item 3; rlhfuse.txt §4, inter-stage fusion; docs/long-tail.md).
+
+A generation call of n rows with a tail migration (R_t rows, m dp replicas; ``graph/tail.py``) costs, on its
+layout (single-stage meshes only):
+
+- phase 1: every dp replica decodes its own rows until the migration point, the step at which R_t rows are
+  left: the (n - R_t)-th of the n rows' expected order statistics (``ResponseLengths.order_statistics``);
+- migration: the tail rows rebuild their KV caches on m replicas, ceil(R_t / m) rows each: a prefill over prompt
+  + the tokens generated so far, or moving the KV caches over the dp links, whichever is priced cheaper;
+- phase 2: the replica that holds the longest row decodes from the migration point to that row's end, with every
+  m-th of the R_t longest expected lengths (the longest among them), as ``CallTimer.generate_varied`` prices
+  decode steps over the rows still running.
+
+A consumer that runs in two parts prices part 1 on the n - R_t shortest expected lengths and part 2 on the R_t
+longest, each packed as the estimator packs any call's rows (``memory.Workload.packed``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from realloc.calls import InterfaceType
+from realloc.cluster import DeviceMesh
+from realloc.estimator.call_time import CallTimer, decode_round, decode_segments, pipeline_makespan, sum_over_range
+from realloc.estimator.cost import CostModel
+from realloc.estimator.memory import Workload
+from realloc.estimator.opcount import Phase
+from realloc.lengths import ResponseLengths
+from realloc.strategy import ParallelStrategy
+
+# R_t as a share of the call's rows (rlhfuse.txt Fig. 9: the best is about 20%).
+TAIL_GRID = (0.05, 0.10, 0.20, 0.30, 0.40)
+
+
+@dataclasses.dataclass(frozen=True)
+class TailCost:
+    """Seconds of a migrating generation call's three parts (``time`` of the plan = phase1 + tail)."""
+
+    phase1: float
+    migration: float
+    phase2: float
+    kv_moved: bool  # the migration moves KV caches (else it re-runs prefill)
+
+    @property
+    def tail(self) -> float:
+        return self.migration + self.phase2
+
+    @property
+    def total(self) -> float:
+        return self.phase1 + self.tail
+
+
+def tail_rows(n_rows: int, share: float) -> int:
+    """R_t for a grid share of ``n_rows`` rows: at least 1, below ``n_rows``."""
+    return min(n_rows - 1, max(1, math.floor(n_rows * share + 0.5)))
+
+
+def split_ends(lengths: ResponseLengths, gen_len: int, n_rows: int, rows: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The expected lengths of the n - R_t rows finished at the migration point and of the R_t tail rows."""
+    ends = lengths.order_statistics(gen_len, n_rows)
+    return ends[:n_rows - rows], ends[n_rows - rows:]
+
+
+def part_workload(work: Workload, part_ends: tuple[int, ...], n_rows: int) -> Workload:
+    """A consumer's workload on the rows with expected lengths ``part_ends`` (of the generation's ``n_rows``)."""
+    n = max(1, math.floor(work.n_seqs * len(part_ends) / n_rows + 0.5))
+    return dataclasses.replace(work, n_seqs=n, lengths=ResponseLengths.empirical(part_ends))
+
+
+def _decode_from(timer: CallTimer, strategy: ParallelStrategy, links, prompt: int, ends: tuple[int, ...],
+                 start: int) -> float:
+    """Decode steps start + 1 .. max(ends) - 1 of one micro-batch whose row i stops after ``ends[i]`` tokens."""
+    total = 0.0
+    for first, last, rows in decode_segments(sorted(ends)):
+        first = max(first, start + 1)
+        if first > last:
+            continue
+        host = timer._engine("engine.decode_step", strategy.tp, rows, prompt, default=timer.hw.decode_step_overhead)
+
+        def step(ctx: int, rows: int = rows, host: float = host):
+            return decode_round(timer._stages(Phase.DECODE, strategy, links, rows, ctx, host=host), 1, 0.0)
+
+        total += sum_over_range(step, prompt + first, prompt + last, timer.decode_grid).time
+    return total
+
+
+def _local(cost: CostModel, mesh: DeviceMesh) -> tuple[CostModel, DeviceMesh]:
+    """The model that prices ``mesh`` and the mesh in its terms (a cluster of pools prices per pool)."""
+    return (cost.at(mesh), mesh.in_pool) if cost.pool_models else (cost, mesh)
+
+
+def migration_step(cost: CostModel, call: str, rows: int) -> int:
+    """The decode step at which no more than ``rows`` rows of ``call`` are running: the (n - R_t)-th order
+    statistic of its n rows' expected lengths."""
+    work = cost.workload(call)
+    n = work.n_seqs
+    if not 1 <= rows < n:
+        raise ValueError(f"call {call!r}: the tail must be 1 .. {n - 1} rows, got {rows}")
+    return work.lengths.order_statistics(work.gen_len, n)[n - rows - 1]
+
+
+def phase1_cost(cost: CostModel, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, n_mbs: int,
+                rows: int) -> float:
+    """Seconds of phase 1: every replica decodes its rows up to the migration step (and the call's dispatch)."""
+    cut = migration_step(cost, call, rows)
+    model, mesh = _local(cost, mesh)
+    work = model.workload(call)
+    timer = model._timer(model.graph.model_config(call), model.call_precision(call))
+    b = work.micro_batch(strategy.dp, n_mbs)
+    ends = tuple(min(e, cut) for e in work.lengths.order_statistics(work.gen_len, b))
+    links = model.links(mesh, strategy)
+    return timer.generate_varied(strategy, links, b, work.prompt_len, ends, n_mbs).time + model.hw.call_overhead
+
+
+def tail_phase_cost(cost: CostModel, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, rows: int,
+                    instances: int) -> tuple[float, float, bool]:
+    """(migration, phase 2, whether the KV caches move) of a tail of ``rows`` rows on ``instances`` replicas."""
+    if strategy.pp != 1 or not 1 <= instances < strategy.dp:
+        raise ValueError(f"call {call!r}: a tail migrates within a single-stage mesh to 1 .. dp - 1 replicas "
+                         f"(pp={strategy.pp}, dp={strategy.dp}, instances={instances})")
+    cut = migration_step(cost, call, rows)
+    model, mesh = _local(cost, mesh)
+    work = model.workload(call)
+    cfg = model.graph.model_config(call)
+    timer = model._timer(cfg, model.call_precision(call))
+    links = model.links(mesh, strategy)
+    prompt = work.prompt_len
+    _, tail = split_ends(work.lengths, work.gen_len, work.n_seqs, rows)
+    per = -(-rows // instances)
+    held = tail[::-1][::instances][::-1]  # the replica with the longest row: every m-th from the top
+    host = timer._engine("engine.decode_step", strategy.tp, per, prompt + cut, default=timer.hw.decode_step_overhead)
+    prefill = pipeline_makespan(timer._stages(Phase.PREFILL, strategy, links, per, prompt + cut, host=host), 1).time
+    # KV cache of one row per token: k and v of every layer, a tp rank's share of the heads
+    kv = 2 * cfg.n_layers * cfg.kv_dim * model.precision.param / min(strategy.tp, cfg.n_kv_heads)
+    move = model.comm.time("p2p", 2, per * (prompt + cut) * kv, links.dp)
+    return min(prefill, move), _decode_from(timer, strategy, links, prompt, held, cut), move < prefill
+
+
+def tail_generation_cost(cost: CostModel, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, n_mbs: int,
+                         rows: int, instances: int) -> TailCost:
+    """A generation call's phases with a tail migration of ``rows`` rows to ``instances`` dp replicas."""
+    migration, phase2, moved = tail_phase_cost(cost, call, mesh, strategy, rows, instances)
+    return TailCost(phase1=phase1_cost(cost, call, mesh, strategy, n_mbs, rows), migration=migration,
+                    phase2=phase2, kv_moved=moved)
+
+
+def consumer_parts(cost: CostModel, call: str, producer: str, mesh: DeviceMesh, strategy: ParallelStrategy,
+                   n_mbs: int, rows: int) -> tuple[float, float]:
+    """(part 1, part 2) seconds of consumer ``call`` when ``producer`` migrates a tail of ``rows`` rows."""
+    rpc = cost.graph.call(call)
+    cost, mesh = _local(cost, mesh)
+    if rpc.interface_type is InterfaceType.TRAIN_STEP:
+        raise ValueError(f"call {call!r} is a train call; it runs once, after the generation ends")
+    gen = cost.workload(producer)
+    short, tail = split_ends(gen.lengths, gen.gen_len, gen.n_seqs, rows)
+    cfg = cost.graph.model_config(call)
+    if cfg is None:
+        return (cost.hw.call_overhead,) * 2
+    timer = cost._timer(cfg, cost.call_precision(call))
+    links = cost.links(mesh, strategy)
+    work = cost.workload(call)
+    return tuple(timer.time(part_workload(work, ends, gen.n_seqs), strategy, links, n_mbs).time
+                 for ends in (short, tail))

@@ -1,0 +1,41 @@
+"""What ``realloc search`` prints about long-tail migration (issue 31 item 3; docs/long-tail.md): the chosen R_t
+and m of each migrating generation call, which consumers run in two parts, and the best plan without migration
+beside the winner."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from realloc.estimator.tail_cost import tail_generation_cost
+from realloc.search.tail_reference import TailView
+
+if TYPE_CHECKING:
+    from realloc.search.planner import SearchReport
+
+
+def tail_summary(report: "SearchReport") -> list[str]:
+    """Lines under the searched plan; none when the search had no migration to choose."""
+    if report.no_tail is None:
+        return []
+    space, plan = report.space, report.plan
+    view = TailView(space.problem, report.indices)
+    names = space.problem.call_names
+    lines = []
+    for call, t in plan.tail.items():
+        c = names.index(call)
+        o = space.options[c][int(report.indices[c])]
+        n = space.cost.workload(call).n_seqs
+        cost = tail_generation_cost(space.cost, call, o.mesh, o.strategy, o.n_mbs, t.rows, t.instances)
+        split = [names[v] for v in view.split_of if view.split(v) is not None and names[view.split(v)[1]] == call]
+        lines.append(f"long-tail migration: {call} moves its last {t.rows} of {n} rows ({t.rows / n:.0%}) to "
+                     f"{t.instances} of {o.strategy.dp} dp replicas; phase 1 {cost.phase1:.3f} s, migration "
+                     f"{cost.migration:.3f} s ({'KV caches moved' if cost.kv_moved else 'prefill re-run'}), "
+                     f"phase 2 {cost.phase2:.3f} s")
+        lines.append(f"  in two parts on the freed devices: {', '.join(split) if split else 'no consumer'}")
+    if not plan.tail:
+        lines.append("long-tail migration: none (no migration beats running every generation to its end)")
+    base, won = report.no_tail.estimated_time, plan.estimated_time
+    lines.append(f"best plan without migration: {base:.3f} s per iteration; the searched plan {won:.3f} s "
+                 f"({base / won:.2f}x)")
+    lines.append(report.no_tail.table(report.graph.topo_order))
+    return lines

@@ -1,0 +1,153 @@
+"""Long-tail migration as a plan choice of the search (issue 31 item 3; rlhfuse.txt §4, Fig. 9).
+
+For a GENERATE call whose response lengths vary, every candidate on a single-stage mesh with dp >= 2 also comes
+with each migration (R_t, m): R_t from ``estimator.tail_cost.TAIL_GRID`` (shares of the call's rows), m from 1 to
+dp - 1 (powers of two beyond dp 8), as long as the tail's ceil(R_t / m) rows per replica fit the KV cache the
+replica already holds (so memory stays as priced). Such a row's time is phase 1; ``TailChoice`` keeps the rest
+(``search/tail_problem.py`` says how the simulators read it). The MCMC reaches the choices through its usual
+moves: candidates of one layout (its "n_mbs" move) differ in n_mbs and migration, so a move there turns the tail
+on, off or to another (R_t, m); a migration keeps its own shape class, so a "position" move keeps it.
+
+Every non-train consumer of such a call may run in two parts (``TailSplit``), priced per candidate and grid entry.
+Fixed lengths, or no eligible call: no row is added and the problem is exactly the one of before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from realloc.calls import InterfaceType
+from realloc.estimator.cost import CostModel
+from realloc.estimator.tail_cost import TAIL_GRID, consumer_parts, phase1_cost, tail_phase_cost, tail_rows
+from realloc.graph.dataflow import DataflowGraph
+from realloc.graph.tail import TailMigration
+from realloc.search.candidates import CallCosts
+from realloc.search.tail_problem import TailColumns, TailSplit
+from realloc.search.tail_reference import TailView
+
+# Beyond this many dp replicas, m runs over powers of two only (the candidates would grow as dp x grid).
+MAX_DENSE_INSTANCES = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class TailChoice:
+    """One migrating candidate row: the plan's entry, its grid index, the tail devices and seconds after phase 1."""
+
+    migration: TailMigration
+    grid: int
+    width: int
+    tail: float
+
+
+def eligible(graph: DataflowGraph, call: str) -> bool:
+    """Whether ``call`` may migrate its tail: a model's GENERATE call under response lengths that vary (more than
+    one length possible; with one, every row ends at once and there is no tail)."""
+    spec = graph.spec
+    return (graph.call(call).interface_type is InterfaceType.GENERATE and graph.model_config(call) is not None
+            and np.count_nonzero(spec.response_lengths.pmf(spec.gen_len)) > 1)
+
+
+def instance_choices(dp: int) -> list[int]:
+    if dp <= MAX_DENSE_INSTANCES:
+        return list(range(1, dp))
+    return [m for m in (2 ** k for k in range(dp.bit_length())) if m < dp]
+
+
+def with_tail_rows(graph: DataflowGraph, cost: CostModel, call: str,
+                   cc: CallCosts) -> tuple[CallCosts, tuple[TailChoice | None, ...]]:
+    """``cc`` with a migrating row after the rows for each (candidate, R_t, m) worth trying, and per row its
+    migration (None: the candidate of before)."""
+    n = cost.workload(call).n_seqs
+    rows, choices = [], []
+    phase1: dict[tuple, float] = {}
+    phase2: dict[tuple, tuple[float, float, bool]] = {}
+    for i, cand in enumerate(cc.options):
+        s = cand.strategy
+        if s.pp != 1 or s.dp < 2:
+            continue
+        per_replica = cost.workload(call).micro_batch(s.dp, cand.n_mbs) * cand.n_mbs
+        shape = (cand.mesh.n_nodes, cand.mesh.n_devs)
+        for g, share in enumerate(TAIL_GRID):
+            r_t = tail_rows(n, share)
+            best_tail = float("inf")
+            for m in instance_choices(s.dp):
+                if -(-r_t // m) > per_replica:  # the tail would need a larger KV cache than the replica holds
+                    continue
+                key = (shape, s, r_t, m)
+                if key not in phase2:
+                    phase2[key] = tail_phase_cost(cost, call, cand.mesh, s, r_t, m)
+                tail = phase2[key][0] + phase2[key][1]
+                if tail >= best_tail:  # more replicas keep fewer devices free and are no faster
+                    continue
+                best_tail = tail
+                k1 = (shape, s, cand.n_mbs, r_t)
+                if k1 not in phase1:
+                    phase1[k1] = phase1_cost(cost, call, cand.mesh, s, cand.n_mbs, r_t)
+                rows.append((i, phase1[k1]))
+                choices.append(TailChoice(TailMigration(rows=r_t, instances=m), g, m * s.tp, tail))
+    if not rows:
+        return cc, (None,) * len(cc.options)
+    idx = [i for i, _ in rows]
+    out = CallCosts(cc.options + tuple(cc.options[i] for i in idx), np.r_[cc.time, [t for _, t in rows]],
+                    cc.static + tuple(cc.static[i] for i in idx), cc.dynamic + tuple(cc.dynamic[i] for i in idx),
+                    cc.param + tuple(cc.param[i] for i in idx))
+    return out, (None,) * len(cc.options) + tuple(choices)
+
+
+def tail_arrays(graph: DataflowGraph, cost: CostModel, calls: Sequence[str], options: Sequence[Sequence],
+                tails: Sequence[Sequence[TailChoice | None]], data_edges: Sequence[tuple[int, int]],
+                ) -> tuple[tuple[tuple[int, TailColumns], ...], tuple[TailSplit, ...]]:
+    """The search problem's tail arrays (``SearchProblem.tail_columns``, ``tail_splits``) for the rows' choices."""
+    columns = []
+    for c, choices in enumerate(tails):
+        if any(t is not None for t in choices):
+            columns.append((c, TailColumns([-1 if t is None else t.grid for t in choices],
+                                           [0 if t is None else t.width for t in choices],
+                                           [0.0 if t is None else t.tail for t in choices])))
+    migrating = {c for c, _ in columns}
+    splits, split_calls = [], set()
+    for e, (u, v) in enumerate(data_edges):
+        if u not in migrating or v in migrating or v in split_calls:
+            continue
+        if graph.call(calls[v]).interface_type is InterfaceType.TRAIN_STEP:
+            continue  # a train call runs once, after the generation ends
+        n = cost.workload(calls[u]).n_seqs
+        r_t = [tail_rows(n, share) for share in TAIL_GRID]
+        part1 = np.zeros((len(options[v]), len(TAIL_GRID)))
+        part2 = np.zeros_like(part1)
+        seen: dict[tuple, tuple[float, float]] = {}
+        for i, cand in enumerate(options[v]):
+            for g, rows in enumerate(r_t):
+                key = (cand.mesh.n_nodes, cand.mesh.n_devs, cand.mesh.pool, cand.strategy, cand.n_mbs, rows)
+                if key not in seen:
+                    seen[key] = consumer_parts(cost, calls[v], calls[u], cand.mesh, cand.strategy, cand.n_mbs, rows)
+                part1[i, g], part2[i, g] = seen[key]
+        share1 = np.array([(n - r) / n for r in r_t])
+        splits.append(TailSplit(e, part1, part2, share1, 1.0 - share1))
+        split_calls.add(v)
+    return tuple(columns), tuple(splits)
+
+
+def without_tails(space, starts: Sequence[np.ndarray]):
+    """A PlanSpace (``search/build.py``) restricted to its candidates without migration, and ``starts`` (plans of
+    such candidates) in its numbering."""
+    rows = [[i for i in range(len(k)) if space.tail_of(c, i) is None] for c, k in enumerate(space.problem.candidates)]
+    where = [{i: j for j, i in enumerate(r)} for r in rows]
+    n = space.problem.n_calls  # a plan's entries after its calls' (fused pairs' 0/1) keep their values
+    return space.restrict(rows), [np.asarray([where[c][int(i)] for c, i in enumerate(s[:n])] + [int(x) for x in s[n:]],
+                                             np.int32) for s in starts]
+
+
+def split_times(problem, indices: Sequence[int]) -> dict[int, float]:
+    """Seconds of each consumer that runs in two parts under the plan ``indices``: part 1 + part 2, by call index."""
+    view = TailView(problem, indices)
+    out = {}
+    for c in view.split_of:
+        split = view.split(c)
+        if split is not None:
+            s, _, g = split
+            out[c] = float(s.part1[int(indices[c]), g] + s.part2[int(indices[c]), g])
+    return out
