@@ -578,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--set", action="append", default=[], help="KEY=VALUE experiment override (as the master's)")
     imported = time.time()  # this module's imports (torch, megatron) are done
-    argv = worker_argv(sys.argv[1:] if argv is None else argv)
+    argv = worker_argv(sys.argv[1:] if argv is None else argv, preload=lambda: __import__("torch._dynamo"))
     if argv is None:
         return 0  # started early, and the master stopped before the run did
     args = p.parse_args(argv)

@@ -20,7 +20,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 # A worker started by LocalLauncher.prestart reads its arguments as one JSON line on stdin (worker.main).
 ARGS_FROM_STDIN = "--args-from-stdin"
@@ -51,11 +51,17 @@ def process_start_time(pid: int | str = "self") -> float | None:
         return None
 
 
-def worker_argv(argv: list[str]) -> list[str] | None:
+def worker_argv(argv: list[str], preload: Callable[[], object] | None = None) -> list[str] | None:
     """A worker's arguments: ``argv`` itself, or for a worker started early (``[ARGS_FROM_STDIN]``) the JSON list
-    the launcher writes on its stdin; None when stdin closes first (the master stopped before the run started)."""
+    the launcher writes on its stdin; None when stdin closes first (the master stopped before the run started).
+
+    ``preload`` runs first in a worker started early: work its setup needs anyway (the worker passes the import of
+    ``torch._dynamo``, which torch.optim's first optimizer makes, 0.3 CPU s), done while the master still checks
+    prompts and searches instead of after it sent the arguments (docs/speed.md)."""
     if argv != [ARGS_FROM_STDIN]:
         return argv
+    if preload is not None:
+        preload()
     line = sys.stdin.readline()
     return [str(a) for a in json.loads(line)] if line else None
 
