@@ -1,6 +1,6 @@
-"""The per-call shortcuts of docs/speed.md give the results of the paths they skip, bit for bit: inference at tp 1
-without megatron's autograd Function (``llama.project``) against the same layers run through megatron with autograd
-on; and ``realloc search`` without a time stops once converged and says after how long."""
+"""The per-call shortcuts of docs/speed.md give the results of the paths they skip, bit for bit: megatron's linear
+layers at tp 1 without their per-call Python (``tp1_linear.project``), inference and training, against the same
+layers' own calls; and ``realloc search`` without a time stops once converged and says after how long."""
 
 from __future__ import annotations
 
@@ -20,9 +20,18 @@ def pool(tmp_path_factory):
         yield p
 
 
-def _shortcut_vs_megatron(ctx, hf_path: str, cache: bool) -> tuple[bool, bool]:
-    """Logits of the whole stage and of one cached decode step, without autograd (the shortcut) and with it
-    (megatron's layers and the RMSNorm Function): (equal bit for bit, the megatron path was taken)."""
+def _megatron_layers(stage) -> list:
+    """A no-op forward hook on every megatron linear layer: ``project`` then takes the layer's own call (as for
+    LoRA's hooks), so the same model runs once through the shortcut and once through megatron."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    return [m.register_forward_hook(lambda *a: None) for m in stage.modules()
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+
+
+def _shortcut_vs_megatron(ctx, hf_path: str) -> dict[str, bool]:
+    """Logits of the whole stage and of one cached decode step without autograd, and the loss and every gradient
+    of a train-style forward and backward, through the shortcut and through megatron's layers: equal bit for bit?"""
     from realloc.models.hf_io import model_config_from_hf
     from realloc.models.llama import cache_mask
 
@@ -33,27 +42,40 @@ def _shortcut_vs_megatron(ctx, hf_path: str, cache: bool) -> tuple[bool, bool]:
     ids = torch.randint(1, cfg.vocab_size, (3, 7), generator=g)
     pos = torch.arange(7).expand(3, 7)
     valid = torch.ones(3, 7, dtype=torch.bool)
-    outs = []
-    for grad in (False, True):
-        with torch.set_grad_enabled(grad):
-            if cache:
-                caches = stage.new_kv_caches(3, 8)
-                stage(ids, pos, cache_mask(valid, 0, 7), caches, 0)
-                step = torch.ones(3, 8, dtype=torch.bool)
-                out = stage(ids[:, -1:], pos[:, -1:] + 1, cache_mask(step, 7, 1), caches, 7)
-            else:
-                out = stage(ids, pos, None)
-        outs.append(out)
-    return torch.equal(outs[0], outs[1].detach()), outs[1].requires_grad
+
+    def run() -> dict[str, torch.Tensor]:
+        out = {}
+        with torch.no_grad():
+            out["logits"] = stage(ids, pos, None)
+            caches = stage.new_kv_caches(3, 8)
+            stage(ids, pos, cache_mask(valid, 0, 7), caches, 0)
+            out["decode"] = stage(ids[:, -1:], pos[:, -1:] + 1, cache_mask(torch.ones(3, 8, dtype=torch.bool), 7, 1),
+                                  caches, 7)
+        stage.zero_grad(set_to_none=True)
+        logp = torch.log_softmax(stage(ids, pos, None)[:, :-1, :cfg.vocab_size].float(), -1)
+        loss = -logp.gather(-1, ids[:, 1:, None]).mean()
+        loss.backward()
+        out["loss"] = loss.detach()
+        out.update({n: p.grad.clone() for n, p in stage.named_parameters() if p.grad is not None})
+        return out
+
+    fast = run()
+    hooks = _megatron_layers(stage)
+    slow = run()
+    for h in hooks:
+        h.remove()
+    assert fast.keys() == slow.keys() and len(fast) > 3
+    return {k: torch.equal(fast[k], slow[k]) for k in fast}
 
 
 @pytest.mark.parametrize("family,tie", [("llama", True), ("qwen2", False)])
-@pytest.mark.parametrize("cache", [False, True])
-def test_inference_without_autograd_equals_megatrons_layers_bit_for_bit(pool, tmp_path_factory, family, tie, cache):
+def test_the_tp1_shortcut_equals_megatrons_layers_bit_for_bit(pool, tmp_path_factory, family, tie):
+    """Inference (whole sequences and a cached decode step) and a forward and backward with autograd, on a tied
+    LLaMA (the head's ``weight=``) and a Qwen2 (q/k/v biases)."""
     path = tmp_path_factory.mktemp(f"hf_{family}")
-    tiny_hf_model(path, seed=3, family=family, tie=tie, layers=2)  # qwen2: q/k/v biases; tie: the head's weight=
-    (same, megatron_ran), = pool.run(_shortcut_vs_megatron, str(path), cache)
-    assert megatron_ran and same
+    tiny_hf_model(path, seed=3, family=family, tie=tie, layers=2)
+    (same,) = pool.run(_shortcut_vs_megatron, str(path))
+    assert all(same.values()), [k for k, v in same.items() if not v]
 
 
 def _search_args(**kw) -> argparse.Namespace:
@@ -81,3 +103,20 @@ def test_search_without_a_time_stops_once_converged_and_says_after_how_long(caps
     assert search_cli.main(_search_args(search_time=0.3)) == 0
     out = capsys.readouterr().out
     assert "converged" not in out and reports[1].stats.seconds >= 0.3
+
+
+def test_an_early_started_worker_imports_its_preload_first_and_skips_a_missing_name(monkeypatch):
+    import io
+    import json
+    import sys
+
+    from realloc.runtime.records.startup import ARGS_FROM_STDIN, WORKER_PRELOAD, worker_argv
+
+    assert "torch._dynamo" in WORKER_PRELOAD
+    monkeypatch.delitem(sys.modules, "colorsys", raising=False)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(["--rank", "0"]) + "\n"))
+    assert worker_argv([ARGS_FROM_STDIN], preload=("no_such_module_here", "colorsys")) == ["--rank", "0"]
+    assert "colorsys" in sys.modules
+    monkeypatch.delitem(sys.modules, "colorsys")
+    assert worker_argv(["--rank", "1"], preload=("colorsys",)) == ["--rank", "1"]  # given arguments: no preload
+    assert "colorsys" not in sys.modules

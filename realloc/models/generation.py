@@ -290,7 +290,8 @@ def generate(model: DecodingModel, prompts: Sequence[Sequence[int]] | Mapping[st
     if P + gconfig.max_new_tokens > cfg.max_position_embeddings:
         raise ValueError(f"generate: longest prompt ({P}) + max_new_tokens ({gconfig.max_new_tokens}) exceeds "
                          f"max_position_embeddings ({cfg.max_position_embeddings}) of {cfg.name!r}")
-    model.stage.eval()
+    if model.stage.training:  # eval() walks every module; the stage is only ever switched as a whole
+        model.stage.eval()
     mbs = [_MicroBatch(model, rows[lo:hi], seq_ids[lo:hi], gconfig) for lo, hi in even_ranges(bsz, n_mbs)]
     wire = _Wire(model)
     graph = wants_graph(model, gconfig) and gconfig.length_schedule is None  # a schedule decodes eagerly

@@ -47,6 +47,7 @@ from torch import nn
 from realloc.models.config import ModelConfig, tp_error
 from realloc.models.param_layout import stage_layer_ranges
 from realloc.models.sequence_parallel import TokenSplit, gather_project, row_parallel
+from realloc.models.tp1_linear import project
 
 
 def _no_init(weight: torch.Tensor) -> None:
@@ -79,18 +80,6 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.
     if weight.dtype == normed.dtype:
         return normed.mul_(weight), rinv  # == weight * normed (IEEE products commute); normed is ours
     return weight * normed, rinv
-
-
-def project(layer: nn.Module, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-    """``layer(x)[0]`` of a megatron ``ColumnParallelLinear`` or ``RowParallelLinear`` (``weight``: a tied head's).
-
-    Without autograd, at tp 1 and without hooks (LoRA's), it runs the very arithmetic megatron's forward runs there
-    (``matmul(x, w.t())``, then the bias), without its per-call Python: an autograd Function, identity region
-    copies, checks. Generation and inference of a small model are bound by that overhead (docs/speed.md)."""
-    if torch.is_grad_enabled() or layer.tp_group.size() > 1 or layer._forward_hooks or layer._forward_pre_hooks:
-        return layer(x)[0] if weight is None else layer(x, weight=weight)[0]
-    out = torch.matmul(x, (layer.weight if weight is None else weight).t())
-    return out if layer.bias is None or layer.skip_bias_add else out + layer.bias
 
 
 class _RMSNormFunction(torch.autograd.Function):
