@@ -120,3 +120,20 @@ def test_an_early_started_worker_imports_its_preload_first_and_skips_a_missing_n
     monkeypatch.delitem(sys.modules, "colorsys")
     assert worker_argv(["--rank", "1"], preload=("colorsys",)) == ["--rank", "1"]  # given arguments: no preload
     assert "colorsys" not in sys.modules
+
+
+def test_a_worker_whose_arguments_already_arrived_skips_the_preload(monkeypatch):
+    import json
+    import os
+    import sys
+
+    from realloc.runtime.records.startup import ARGS_FROM_STDIN, worker_argv
+
+    r, w = os.pipe()
+    os.write(w, (json.dumps(["--rank", "2"]) + "\n").encode())
+    os.close(w)
+    with os.fdopen(r) as stdin:
+        monkeypatch.setattr(sys, "stdin", stdin)
+        monkeypatch.delitem(sys.modules, "colorsys", raising=False)
+        assert worker_argv([ARGS_FROM_STDIN], preload=("colorsys",)) == ["--rank", "2"]
+    assert "colorsys" not in sys.modules  # the master was first: setup imports what it needs itself

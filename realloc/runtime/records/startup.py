@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import io
 import json
 import os
+import select
 import sys
 import time
 from pathlib import Path
@@ -58,13 +60,24 @@ def process_start_time(pid: int | str = "self") -> float | None:
 WORKER_PRELOAD = ("torch._dynamo", "transformers.tokenization_utils_tokenizers")
 
 
+def _readable(stream: Any) -> bool:
+    """Whether ``stream`` has input waiting (a pipe's); False where it cannot tell (no file descriptor)."""
+    try:
+        return bool(select.select([stream], [], [], 0)[0])
+    except (OSError, ValueError, io.UnsupportedOperation):
+        return False
+
+
 def worker_argv(argv: list[str], preload: Sequence[str] = ()) -> list[str] | None:
     """A worker's arguments: ``argv`` itself, or for a worker started early (``[ARGS_FROM_STDIN]``) the JSON list
     the launcher writes on its stdin; None when stdin closes first (the master stopped before the run started).
-    A worker started early first imports the modules ``preload`` names (``WORKER_PRELOAD``)."""
+    A worker started early first imports the modules ``preload`` names (``WORKER_PRELOAD``), while its arguments
+    have not arrived: once they are there, setup imports what is left itself, and the run waits for no preload."""
     if argv != [ARGS_FROM_STDIN]:
         return argv
     for name in preload:
+        if _readable(sys.stdin):
+            break
         try:
             importlib.import_module(name)
         except ImportError:
