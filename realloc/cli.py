@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     # search never launches workers: --dry-run changes nothing (kept so old command lines work; it says so)
     s.add_argument("--dry-run", action="store_true", help=argparse.SUPPRESS)
     s.add_argument("--search-time", dest="time", type=float, default=None, metavar="SECONDS",
-                   help="search time limit in seconds (default 10, or none with --evals); `run --search-time` alike")
+                   help="search time limit in seconds (default: until the best plan stops improving, at "
+                   "most 10 s; none with --evals); `run --search-time` alike")
     s.add_argument("--time", dest="time", type=float, help=argparse.SUPPRESS)  # the old name of --search-time
     s.add_argument("--evals", type=int, default=None, help="evaluation budget; with no --search-time the result depends "
                    "only on --seed and --threads")

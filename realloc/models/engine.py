@@ -442,7 +442,8 @@ class ParallelModel:
             mb_stats.append({"loss": float(loss.detach()), **{k: float(v) for k, v in dict(stats).items()}})
             return loss * (weights[i] * scale)
 
-        self.stage.train()
+        if not self.stage.training:  # train() walks every module; the stage is only switched as a whole
+            self.stage.train()
         trained = self._trained
         for p in trained.values():
             p.grad = None
@@ -547,7 +548,8 @@ class ParallelModel:
         plans = [self._pack(lay) for lay, _ in parts]
         runs = [lay if p is None else p.layout for (lay, _), p in zip(parts, plans)]
         g = self.groups
-        self.stage.eval()
+        if self.stage.training:
+            self.stage.eval()
 
         def step(i: int, x: torch.Tensor | None) -> torch.Tensor:
             lay, plan = parts[i][0], plans[i]

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from realloc.models.batch import token_layout
 from realloc.models.length_schedule import force_lengths, scheduled_lengths
 from realloc.models.llama import KVCache, cache_mask
-from realloc.models.sampling import GenerationConfig, sample_tokens, sequence_generators
+from realloc.models.sampling import GenerationConfig, draw_uniforms, sample_from_uniforms, sequence_generators
 # DecodingModel: what generation reads of a model, defined beside the static step that reads it too
 from realloc.models.static_decode import (DecodingModel, StaticDecoder, decode_static, wants_graph,
                                           wants_static_op_by_op)
@@ -164,7 +164,10 @@ class _MicroBatch:
             tokens[b, self.P - r.numel():] = r
             key_valid[b, self.P - r.numel():self.P] = True
         self.key_valid, self.plen_d = key_valid.to(dev), self.plen.to(dev)
-        self.generators = sequence_generators(gconfig.seed, seq_ids)
+        # Every row's draws for all N steps at once: a row draws once per step until it stops, so its draw at step
+        # t is its generator's t-th, which a vector draw yields too (draw_uniforms); one call per row, not per step.
+        self.uniforms = (None if gconfig.greedy else
+                         draw_uniforms(sequence_generators(gconfig.seed, seq_ids), self.N).to(dev))
         # length_schedule: each row's response length, where its EOS is forced (length_schedule.py)
         self.target = (torch.tensor(scheduled_lengths(gconfig.length_schedule, gconfig.max_new_tokens, gconfig.seed,
                                                       seq_ids), dtype=torch.long, device=dev)
@@ -206,7 +209,8 @@ class _MicroBatch:
         # a scheduled row ends only where its schedule says: EOS is banned until force_lengths places it
         scheduled = self.target is not None and self.eos.numel() > 0
         ban = self.eos if scheduled or t < self.gconfig.min_new_tokens else None
-        tok, lp = sample_tokens(logits, self.gconfig, [self.generators[i] for i in self.active.tolist()], ban)
+        u = None if self.uniforms is None else self.uniforms[self.active, t]
+        tok, lp = sample_from_uniforms(logits, self.gconfig, u, ban)
         if scheduled:
             tok, lp = force_lengths(logits, tok, self.target[self.active] == t + 1, self.eos,
                                     self.gconfig.temperature)
@@ -286,7 +290,8 @@ def generate(model: DecodingModel, prompts: Sequence[Sequence[int]] | Mapping[st
     if P + gconfig.max_new_tokens > cfg.max_position_embeddings:
         raise ValueError(f"generate: longest prompt ({P}) + max_new_tokens ({gconfig.max_new_tokens}) exceeds "
                          f"max_position_embeddings ({cfg.max_position_embeddings}) of {cfg.name!r}")
-    model.stage.eval()
+    if model.stage.training:  # eval() walks every module; the stage is only ever switched as a whole
+        model.stage.eval()
     mbs = [_MicroBatch(model, rows[lo:hi], seq_ids[lo:hi], gconfig) for lo, hi in even_ranges(bsz, n_mbs)]
     wire = _Wire(model)
     graph = wants_graph(model, gconfig) and gconfig.length_schedule is None  # a schedule decodes eagerly

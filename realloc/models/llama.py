@@ -47,6 +47,7 @@ from torch import nn
 from realloc.models.config import ModelConfig, tp_error
 from realloc.models.param_layout import stage_layer_ranges
 from realloc.models.sequence_parallel import TokenSplit, gather_project, row_parallel
+from realloc.models.tp1_linear import project
 
 
 def _no_init(weight: torch.Tensor) -> None:
@@ -63,6 +64,22 @@ def megatron_config(tp: int, dtype: torch.dtype, device: torch.device) -> ModelP
         sequence_parallel=False,
         gradient_accumulation_fusion=False,
     )
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm's forward: (weight * x / rms(x), 1 / rms(x)); ``_RMSNormFunction`` says why it computes so."""
+    # fp32 as HF computes, or float64 for a float64 input (gradcheck) instead of HF's downcast
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))  # x itself when x is fp32
+    ms = xf.pow(2).mean(-1, keepdim=True)
+    rinv = ms.add_(eps).rsqrt_()  # == torch.rsqrt(ms + eps), without a second per-token tensor
+    if xf is x:
+        normed = xf * rinv
+    else:
+        normed = xf.mul_(rinv)  # the fp32 copy is ours: normalize it in place
+    normed = normed.to(x.dtype)
+    if weight.dtype == normed.dtype:
+        return normed.mul_(weight), rinv  # == weight * normed (IEEE products commute); normed is ours
+    return weight * normed, rinv
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -86,19 +103,9 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, weight: torch.Tensor,
                 eps: float) -> torch.Tensor:
-        # fp32 as HF computes, or float64 for a float64 input (gradcheck) instead of HF's downcast
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # x itself when x is fp32
-        ms = xf.pow(2).mean(-1, keepdim=True)
-        rinv = ms.add_(eps).rsqrt_()  # == torch.rsqrt(ms + eps), without a second per-token tensor
-        if xf is x:
-            normed = xf * rinv
-        else:
-            normed = xf.mul_(rinv)  # the fp32 copy is ours: normalize it in place
-        normed = normed.to(x.dtype)
+        out, rinv = _rms_norm(x, weight, eps)
         ctx.save_for_backward(x, weight, rinv)
-        if weight.dtype == normed.dtype:
-            return normed.mul_(weight)  # == weight * normed (IEEE products commute); normed is ours
-        return weight * normed
+        return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -127,7 +134,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in fp32 and scale in the input dtype, like HF, so bf16 results match it; the backward
-        # keeps x and 1/rms only (_RMSNormFunction).
+        # keeps x and 1/rms only (_RMSNormFunction). Without autograd the same arithmetic, minus the Function.
+        if not torch.is_grad_enabled():
+            return _rms_norm(x, self.weight, self.eps)[0]
         return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
@@ -197,7 +206,7 @@ class Attention(nn.Module):
                 split: TokenSplit | None = None) -> torch.Tensor:
         if split is None:
             b, t, _ = x.shape
-            q, k, v = (p(x)[0] for p in (self.q_proj, self.k_proj, self.v_proj))
+            q, k, v = (project(p, x) for p in (self.q_proj, self.k_proj, self.v_proj))
         else:
             # sequence parallel: one all-gather of the rank's tokens feeds all three projections
             b, t = split.batch, split.seq
@@ -231,7 +240,7 @@ class Attention(nn.Module):
             raise ValueError("attention with a KV cache needs an explicit mask (cache_mask)")
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         o = o.transpose(1, 2).reshape(b, t, self.n_local_heads * self.head_dim)
-        return self.o_proj(o)[0] if split is None else row_parallel(self.o_proj, o, split)
+        return project(self.o_proj, o) if split is None else row_parallel(self.o_proj, o, split)
 
 
 class MLP(nn.Module):
@@ -245,7 +254,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, split: TokenSplit | None = None) -> torch.Tensor:
         if split is None:
-            return self.down_proj(F.silu(self.gate_proj(x)[0]) * self.up_proj(x)[0])[0]
+            return project(self.down_proj, F.silu(project(self.gate_proj, x)) * project(self.up_proj, x))
         gate, up = gather_project(split, x, (self.gate_proj, self.up_proj))  # one all-gather for both
         # without grad each input is freed once used: at most three inter/tp-wide tensors, as above
         act = F.silu(gate)
@@ -367,10 +376,8 @@ class LlamaStage(nn.Module):
         weight = self.model.embed_tokens.weight if self.cfg.tie_embeddings else None
         if split is not None:
             (logits,) = gather_project(split, x, (self.lm_head,), weight)
-        elif weight is not None:
-            logits = self.lm_head(x, weight=weight)[0]
         else:
-            logits = self.lm_head(x)[0]
+            logits = project(self.lm_head, x, weight)
         if self.real_columns < logits.shape[-1]:
             # -inf before any normalizer: padding ids get probability 0 in every softmax, log-prob and sample,
             # and the fill passes them no gradient, so the padding rows of the head stay zero. In place: the

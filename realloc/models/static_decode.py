@@ -34,7 +34,7 @@ import torch
 from realloc.models.config import ModelConfig
 from realloc.models.groups import ModelParallelGroups
 from realloc.models.llama import KVCache, LlamaStage, cache_mask
-from realloc.models.sampling import GenerationConfig, draw_uniforms, sample_from_uniforms
+from realloc.models.sampling import GenerationConfig, sample_from_uniforms
 from realloc.models.vocab_parallel import gather_vocab
 
 
@@ -58,7 +58,7 @@ class MicroBatchState(Protocol):
     N: int  # max new tokens
     key_valid: torch.Tensor  # [rows, P + N] bool, real prompt tokens
     inputs: tuple  # the prefill's (ids, positions, mask, start)
-    generators: list[torch.Generator]
+    uniforms: torch.Tensor | None  # [rows, N] float64 each row's draws, on the device (None: greedy)
     plen_d: torch.Tensor  # [rows] prompt lengths, on the device
     eos: torch.Tensor
     out_tok: torch.Tensor  # [rows, N], filled
@@ -179,7 +179,7 @@ def decode_static(mb: MicroBatchState, decoders: dict[tuple[int, int], StaticDec
     h = model.stage.embed(ids) if model.groups.is_first_stage else None
     h = model.stage.run_layers(h, positions, cache_mask(dec.key_valid[:, :P], 0, P), dec.caches, 0)
     logits = gather_vocab(model.stage.head(h[:, -1:]), model.groups.tp_group)[:, 0, :model.cfg.vocab_size].float()
-    u = None if gconfig.greedy else draw_uniforms(mb.generators, N).to(dev, non_blocking=True)
+    u = mb.uniforms
     finished = torch.zeros(rows, dtype=torch.bool, device=dev)
     dec.positions.copy_((mb.plen_d - 1).view(rows, 1))
     dec.slot.fill_(P - 1)

@@ -148,7 +148,8 @@ def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int =
         # The strongest pool alone first (a third of the time): the plan to beat, and a start of the chains.
         alone_pool = strongest_pool(spec.cluster)
         alone = plan_search(pool_alone(spec, alone_pool), None if time_limit is None else time_limit / 3,
-                            seed=seed, max_evals=max_evals, n_threads=n_threads, n_chains=n_chains)
+                            seed=seed, max_evals=max_evals, n_threads=n_threads, n_chains=n_chains,
+                            converge=converge)
         time_limit = None if time_limit is None else time_limit * 2 / 3
     results: dict[str, BaselineResult] = {}
     for name in bl.BASELINES:

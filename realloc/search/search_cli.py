@@ -2,7 +2,8 @@
 
 Plans only; ``realloc run`` launches workers. Prints the cluster, the searched plan
 per call, its estimated time per iteration next to every baseline, peak memory
-against device memory, and search statistics.
+against device memory, and search statistics. Without ``--search-time`` or ``--evals`` it searches until the best
+plan stops improving (``engine.converged``), at most ``DEFAULT_TIME`` seconds, as ``realloc run`` does.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 from realloc.lengths import lengths_from_run
+from realloc.search.engine import converged
 from realloc.overrides import load_with_overrides
 from realloc.search.fused_report import fused_summary
 from realloc.search.lora_report import lora_summary
@@ -21,7 +23,7 @@ from realloc.search.tail_report import tail_summary
 from realloc.search.timeline import check_suffix
 from realloc.search.turns_report import profile_lines, turn_summary, turns_from
 
-DEFAULT_TIME = 10.0  # seconds of search
+DEFAULT_TIME = 10.0  # seconds of search at most when the user gives neither a time nor a budget
 
 
 def _progress(enabled: bool, time_limit: float | None, max_evals: int | None):
@@ -133,8 +135,19 @@ def _dry_run_note(args: argparse.Namespace) -> None:
               file=sys.stderr)
 
 
+def convergence_line(report: SearchReport, time_limit: float) -> str:
+    """What a search without a given time did: stopped once converged (after how long), or ran to the limit."""
+    s = report.stats
+    if converged(s.evals, s.evals_to_best):
+        return (f"search: converged after {s.seconds:.1f} s (the best plan, found after {s.evals_to_best:,} plans, "
+                f"stood for {s.evals - s.evals_to_best:,} more; --search-time S searches S seconds)")
+    return (f"search: still improving at the limit of {time_limit:g} s (the best plan found after "
+            f"{s.evals_to_best:,} of {s.evals:,} plans); --search-time S searches longer")
+
+
 def main(args: argparse.Namespace) -> int:
     max_evals = getattr(args, "evals", None)
+    converge = args.time is None and not max_evals  # no time, no budget: until the best plan stops improving
     time_limit = args.time if args.time is not None else (None if max_evals else DEFAULT_TIME)
     if time_limit is not None and time_limit <= 0:
         raise ValueError(f"--search-time must be positive, got {args.time:g}")
@@ -175,10 +188,13 @@ def main(args: argparse.Namespace) -> int:
     if bar is not None:
         with bar:
             report = plan_search(experiment, time_limit, seed=args.seed, max_evals=max_evals,
-                                 n_threads=n_threads, progress=update)
+                                 n_threads=n_threads, progress=update, converge=converge)
     else:
-        report = plan_search(experiment, time_limit, seed=args.seed, max_evals=max_evals, n_threads=n_threads)
+        report = plan_search(experiment, time_limit, seed=args.seed, max_evals=max_evals, n_threads=n_threads,
+                             converge=converge)
     print_report(report, n_threads)
+    if converge:
+        print(convergence_line(report, DEFAULT_TIME))
     if args.out:
         report.plan.save(args.out)
         print(f"wrote plan {args.out}")

@@ -97,12 +97,24 @@ def verifiable_scores(ctx: CallContext, inputs: Data) -> CallResult:
         raise ValueError(f"call {ctx.call.name!r}: verifiable_reward decodes text and reads each prompt's dataset "
                          f"record; the experiment needs a tokenizer and a prompt dataset")
     rule, field = resolve_text_rule(ctx.call.name, ctx.call.interface_args)
+    # One host copy of each column, and each distinct token sequence decoded once: a group's n samples share
+    # their prompt and, on a short answer, often their response (decoding is a pure function of the ids).
+    tokens, plens = seq["tokens"].tolist(), seq["prompt_lens"].tolist()
+    lens, rows = seq["gen_mask"].sum(dim=1).tolist(), seq["rows"].tolist()
+    texts: dict[tuple[int, ...], str] = {}
+    records: dict[int, Mapping[str, Any]] = {}
+
+    def decode(ids: list[int]) -> str:
+        key = tuple(ids)
+        if key not in texts:
+            texts[key] = ctx.tokenizer.decode(ids, skip_special_tokens=True)
+        return texts[key]
+
     scores = []
-    for b in range(seq["tokens"].shape[0]):
-        plen, n = int(seq["prompt_lens"][b]), int(seq["gen_mask"][b].sum())
-        prompt = ctx.tokenizer.decode(seq["tokens"][b, :plen].tolist(), skip_special_tokens=True)
-        response = ctx.tokenizer.decode(seq["tokens"][b, plen:plen + n].tolist(), skip_special_tokens=True)
-        record = ctx.records(int(seq["rows"][b]))
+    for b, ids in enumerate(tokens):
+        plen, n = plens[b], lens[b]
+        prompt, response = decode(ids[:plen]), decode(ids[plen:plen + n])
+        record = records[rows[b]] if rows[b] in records else records.setdefault(rows[b], ctx.records(rows[b]))
         if field not in record:
             raise ValueError(f"call {ctx.call.name!r}: the prompt record has no field {field!r} (it has "
                              f"{', '.join(sorted(record)) or 'none'}); set interface_args['field']")

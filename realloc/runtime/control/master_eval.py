@@ -22,21 +22,30 @@ class EvaluationPasses:
 
     async def _eval(self, n: Node) -> None:
         """An evaluation pass (``evaluation.py``): generate on the eval batches at the actor's home, then
-        move the sequences to the reward call and score them."""
+        move the sequences to the reward call and score them.
+
+        Every batch's request goes out at once and the replies are taken in batch order: the workers run the
+        batches back to back instead of waiting for the master between them, and the reward of a batch can run
+        while the master still takes the others' replies. Each batch is a request of its own with its own seed,
+        and the sums add up in batch order, so the results are those of one batch after another."""
         ec, t, prog = self.eval_calls, n.t, self.program
         if ec.scorer:
             await self._eval_scores(n)
             return
         seq_key = self.graph.call(ec.generate).output_data[0]
-        for j in range(self.config.eval.batches):
-            if n.name == "generate":
-                rec = self._send(prog.calls[ec.train].ranks, "eval", f"eval generate {j}", t, n.label,
-                                 lambda req, j=j: protocol.RunCall(req=req, call=ec.generate, iteration=t,
-                                                                   eval_batch=j, layout_call=ec.train))
+        batches = range(self.config.eval.batches)
+        if n.name == "generate":
+            recs = [self._send(prog.calls[ec.train].ranks, "eval", f"eval generate {j}", t, n.label,
+                               lambda req, j=j: protocol.RunCall(req=req, call=ec.generate, iteration=t,
+                                                                 eval_batch=j, layout_call=ec.train))
+                    for j in batches]
+            for rec in recs:
                 for rep in await self._wait(rec):
                     for out in rep.outputs:
                         self.data_meta.setdefault((out.key, t), out.tensors)
-                continue
+            return
+        sent = []
+        for j in batches:
             key = eval_key(j, seq_key)
             metas = self.data_meta.pop((key, t))
             home = prog.calls[ec.train]
@@ -44,28 +53,32 @@ class EvaluationPasses:
                                       DataLayout(home.mesh, home.strategy, tuple(range(home.strategy.pp))),
                                       prog.consumer(ec.reward))
             moves = self._send_transfer(key, ec.reward, t, plan, metas)
-            rec = self._send(prog.calls[ec.reward].ranks, "eval", f"eval reward {j}", t, n.label,
-                             lambda req, j=j: protocol.RunCall(req=req, call=ec.reward, iteration=t, eval_batch=j))
+            sent.append((moves, self._send(prog.calls[ec.reward].ranks, "eval", f"eval reward {j}", t, n.label,
+                                           lambda req, j=j: protocol.RunCall(req=req, call=ec.reward, iteration=t,
+                                                                             eval_batch=j))))
+        stats = self.eval_stats.setdefault(t, {})
+        for moves, rec in sent:
             for m in moves:
                 await self._wait(m)
-            stats = self.eval_stats.setdefault(t, {})
             for rep in await self._wait(rec):
                 for k, v in rep.stats.items():
                     stats[k] = stats.get(k, 0.0) + v
-        if n.name == "reward":  # the other outputs of the eval generation (logp) are not needed
-            for k in [k for k in self.data_meta if k[1] == t and k[0].startswith("eval")]:
-                self.data_meta.pop(k)
+        # the other outputs of the eval generation (logp) are not needed
+        for k in [k for k in self.data_meta if k[1] == t and k[0].startswith("eval")]:
+            self.data_meta.pop(k)
 
     async def _eval_scores(self, n: Node) -> None:
         """An evaluation without generation: the train step's interface's INFERENCE namesake scores the eval
-        batches in the train step's layout (its "generate" node; the "reward" node has nothing left to do)."""
+        batches in the train step's layout (its "generate" node; the "reward" node has nothing left to do).
+        Every batch's request goes out at once; the sums add up in batch order (as ``_eval``)."""
         ec, t = self.eval_calls, n.t
         if n.name != "generate":
             return
         stats = self.eval_stats.setdefault(t, {})
-        for j in range(self.config.eval.batches):
-            rec = self._send(self.program.calls[ec.train].ranks, "eval", f"eval score {j}", t, n.label,
-                             lambda req, j=j: protocol.RunCall(req=req, call=ec.train, iteration=t, eval_batch=j))
+        recs = [self._send(self.program.calls[ec.train].ranks, "eval", f"eval score {j}", t, n.label,
+                           lambda req, j=j: protocol.RunCall(req=req, call=ec.train, iteration=t, eval_batch=j))
+                for j in range(self.config.eval.batches)]
+        for rec in recs:
             for rep in await self._wait(rec):
                 for k, v in rep.stats.items():
                     stats[k] = stats.get(k, 0.0) + v

@@ -60,7 +60,7 @@ from realloc.runtime.inputs.preflight import vocab_limit
 from realloc.runtime.inputs.run_config import RunConfig
 from realloc.runtime.persist import checkpoint
 from realloc.runtime.records.run_paths import RunPaths
-from realloc.runtime.records.startup import process_start_time, worker_argv
+from realloc.runtime.records.startup import WORKER_PRELOAD, process_start_time, worker_argv
 from realloc.runtime.records.text_io import SampleLog, SpecialTokens
 from realloc.runtime.transfer.data_store import DataStore, pack_rows, row_bytes, row_tokens, unpack_rows
 from realloc.runtime.transfer.offload import HostOffload
@@ -553,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--set", action="append", default=[], help="KEY=VALUE experiment override (as the master's)")
     imported = time.time()  # this module's imports (torch, megatron) are done
-    argv = worker_argv(sys.argv[1:] if argv is None else argv)
+    argv = worker_argv(sys.argv[1:] if argv is None else argv, preload=WORKER_PRELOAD)
     if argv is None:
         return 0  # started early, and the master stopped before the run did
     args = p.parse_args(argv)
