@@ -207,6 +207,22 @@ def _order_statistics(pmf: tuple[float, ...], b: int) -> tuple[int, ...]:
     return tuple(int(min(g, max(1, math.floor(e + 0.5)))) for e in expected)
 
 
+def run_records(path: Path) -> list[dict]:
+    """The JSON objects of a run's ``*.jsonl`` file, one per line (blank lines and non-objects skipped); a line that
+    is not JSON is one ValueError naming the file and line (``--lengths-from`` reads samples and metrics)."""
+    out = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--lengths-from: {path} line {i} is not JSON ({e.msg})") from None
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
 def lengths_from_run(run_dir: str | Path) -> ResponseLengths:
     """The empirical distribution of the response lengths an earlier run logged (``samples.jsonl``: each
     logged sequence's ``response_ids``, else its generation's ``logp``, one per response token). The run logs
@@ -220,14 +236,8 @@ def lengths_from_run(run_dir: str | Path) -> ResponseLengths:
         raise ValueError(f"--lengths-from {run_dir}: no {SAMPLES_FILE} in it; a run logs its samples there unless "
                          f"sample_every=0")
     seen: dict[tuple, int] = {}
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--lengths-from {run_dir}: {SAMPLES_FILE} line {i} is not JSON ({e.msg})") from None
-        tokens = rec.get("response_ids", rec.get("logp")) if isinstance(rec, dict) else None
+    for rec in run_records(path):
+        tokens = rec.get("response_ids", rec.get("logp"))
         if isinstance(tokens, list) and tokens:
             seen[rec.get("iteration"), rec.get("key", "seq"), rec.get("seq")] = len(tokens)
     if not seen:

@@ -19,7 +19,7 @@ import pytest
 
 from realloc.search import reference
 from realloc.search.problem import CandidateArrays, PairCosts, SearchProblem
-from test_simulator import random_plan, random_problem
+from test_simulator import bounded_evaluations, random_plan, random_problem
 
 
 def _with_staleness(rng: np.random.Generator, p: SearchProblem) -> SearchProblem:
@@ -63,24 +63,8 @@ def test_cpp_matches_python_reference_on_random_run_ahead_graphs():
 
 
 def test_bounded_evaluation_stays_sound_on_run_ahead_graphs():
-    rng = np.random.default_rng(77)
-    n_stopped = n_complete = 0
-    for _ in range(200):
-        p = _with_staleness(rng, random_problem(rng))
-        cpp = p.to_cpp()
-        for _ in range(2):
-            plan = random_plan(rng, p)
-            full = cpp.evaluate(plan)
-            best = cpp.evaluate(random_plan(rng, p))
-            limit = full["cost"] * float(rng.choice([0.3, 0.8, 0.99, 1.0, 1.5]))
-            got = cpp.evaluate_bounded(plan, limit, best["cost"], best["feasible"])
-            got.pop("simulated")
-            if got.pop("complete"):
-                n_complete += 1
-                assert got == full
-            else:
-                n_stopped += 1
-                assert full["cost"] > limit
+    n_stopped, n_complete = bounded_evaluations(np.random.default_rng(77),
+                                                lambda rng: _with_staleness(rng, random_problem(rng)))
     assert n_stopped > 25 and n_complete > 100
 
 

@@ -96,6 +96,34 @@ def random_plan(rng: np.random.Generator, p: SearchProblem) -> np.ndarray:
     return np.array([rng.integers(0, len(k)) for k in p.candidates], np.int32)
 
 
+def bounded_evaluations(rng: np.random.Generator, make_problem, n_problems: int = 200,
+                        never_better: bool = False) -> tuple[int, int]:
+    """The MCMC's early rejection on ``n_problems`` problems of ``make_problem(rng)``, two plans each: a bounded run
+    that completes equals evaluate(); one that stops costs more than its limit (and, with ``never_better``, is no
+    better than the best it was given). Returns (stopped, completed)."""
+    n_stopped = n_complete = 0
+    for _ in range(n_problems):
+        p = make_problem(rng)
+        cpp = p.to_cpp()
+        for _ in range(2):
+            plan = random_plan(rng, p)
+            full = cpp.evaluate(plan)
+            best = cpp.evaluate(random_plan(rng, p))
+            limit = full["cost"] * float(rng.choice([0.3, 0.8, 0.99, 1.0, 1.5]))
+            got = cpp.evaluate_bounded(plan, limit, best["cost"], best["feasible"])
+            got.pop("simulated")
+            if got.pop("complete"):
+                n_complete += 1
+                assert got == full
+            else:
+                n_stopped += 1
+                assert full["cost"] > limit
+                if never_better:
+                    better = full["feasible"] if full["feasible"] != best["feasible"] else full["cost"] < best["cost"]
+                    assert not better
+    return n_stopped, n_complete
+
+
 def test_cpp_matches_python_reference_on_1000_random_graphs_and_plans():
     rng = np.random.default_rng(1234)
     n_feasible = n_oom = n_transfers = n_inexact = n_shared = n_stretched = n_recompute = 0

@@ -7,7 +7,7 @@ import dataclasses
 
 import numpy as np
 from test_async_simulator import _with_staleness
-from test_simulator import random_plan, random_problem
+from test_simulator import bounded_evaluations, random_plan, random_problem
 
 from realloc.search import reference
 from realloc.search.problem import CandidateArrays, PairCosts, SearchProblem
@@ -72,26 +72,8 @@ def test_cpp_matches_python_reference_on_random_problems_with_random_tails():
 def test_bounded_evaluation_with_tails_stops_only_above_the_limit():
     """The MCMC's early rejection with tails: a run that completes equals evaluate(); one that stops costs more
     than the limit and is no better than the best (the path and busy-device bounds stay lower bounds)."""
-    rng = np.random.default_rng(77)
-    n_stopped = n_complete = 0
-    for _ in range(200):
-        p = random_tails(rng, random_problem(rng))
-        cpp = p.to_cpp()
-        for _ in range(2):
-            plan = random_plan(rng, p)
-            full = cpp.evaluate(plan)
-            best = cpp.evaluate(random_plan(rng, p))
-            limit = full["cost"] * float(rng.choice([0.3, 0.8, 0.99, 1.0, 1.5]))
-            got = cpp.evaluate_bounded(plan, limit, best["cost"], best["feasible"])
-            got.pop("simulated")
-            if got.pop("complete"):
-                n_complete += 1
-                assert got == full
-            else:
-                n_stopped += 1
-                assert full["cost"] > limit
-                better = full["feasible"] if full["feasible"] != best["feasible"] else full["cost"] < best["cost"]
-                assert not better
+    n_stopped, n_complete = bounded_evaluations(np.random.default_rng(77),
+                                                lambda rng: random_tails(rng, random_problem(rng)), never_better=True)
     assert n_stopped > 50 and n_complete > 50
 
 

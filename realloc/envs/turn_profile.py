@@ -28,12 +28,11 @@ Torch-free: ``realloc show`` and the search read it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from realloc.lengths import SAMPLES_FILE, ResponseLengths
+from realloc.lengths import SAMPLES_FILE, ResponseLengths, run_records
 
 PROFILE_KEYS = ("policy_tokens", "observation_tokens", "reach", "first_observation_tokens", "step_s", "final_s")
 METRICS_FILE = "metrics.jsonl"  # runtime/records/run_paths.py's name (not imported: the runtime sits above)
@@ -141,24 +140,10 @@ def segments_of(policy_mask: Sequence[bool]) -> list[int]:
     return out
 
 
-def _lines(path: Path) -> list[dict[str, Any]]:
-    out = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--lengths-from: {path} line {i} is not JSON ({e.msg})") from None
-        if isinstance(rec, dict):
-            out.append(rec)
-    return out
-
-
 def has_turns(run_dir: str | Path) -> bool:
     """Whether an earlier run logged multi-turn rollouts (``turn_segments`` in its samples)."""
     path = Path(run_dir) / SAMPLES_FILE
-    return path.is_file() and any(SEGMENTS in r for r in _lines(path))
+    return path.is_file() and any(SEGMENTS in r for r in run_records(path))
 
 
 def turns_from_run(run_dir: str | Path, call: str | None = None) -> TurnProfile:
@@ -170,7 +155,7 @@ def turns_from_run(run_dir: str | Path, call: str | None = None) -> TurnProfile:
     if not path.is_file():
         raise ValueError(f"--lengths-from {run_dir}: no {SAMPLES_FILE} in it; a run logs its samples there unless "
                          f"sample_every=0")
-    rollouts = [r[SEGMENTS] for r in _lines(path) if isinstance(r.get(SEGMENTS), list) and r[SEGMENTS]]
+    rollouts = [r[SEGMENTS] for r in run_records(path) if isinstance(r.get(SEGMENTS), list) and r[SEGMENTS]]
     if not rollouts:
         raise ValueError(f"--lengths-from {run_dir}: {path} records no multi-turn rollout ({SEGMENTS})")
     policy: list[list[int]] = []
@@ -192,7 +177,7 @@ def turns_from_run(run_dir: str | Path, call: str | None = None) -> TurnProfile:
     sums = {"env_obs_s": 0.0, "env_obs_steps": 0.0, "env_final_s": 0.0, "env_final_steps": 0.0}
     metrics = root / METRICS_FILE
     if metrics.is_file():
-        for rec in _lines(metrics):
+        for rec in run_records(metrics):
             for name, stats in (rec.get("calls") or {}).items():
                 if (call is None or name == call) and isinstance(stats, dict):
                     for k in sums:

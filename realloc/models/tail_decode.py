@@ -23,7 +23,7 @@ import torch
 
 from realloc.models.generation import GenerationOutput, _concat, _MicroBatch
 from realloc.models.length_schedule import scheduled_lengths
-from realloc.models.sampling import GenerationConfig
+from realloc.models.sampling import GenerationConfig, draw_uniforms, sequence_generators
 from realloc.models.static_decode import DecodingModel
 from realloc.strategy import even_ranges
 
@@ -134,7 +134,9 @@ def continue_decoding(model: DecodingModel, tail: TailRows, gconfig: GenerationC
     outs = []
     for lo, hi in even_ranges(n, max(1, min(n_mbs, n))):
         mb = _MicroBatch(model, full_rows[lo:hi], tail.seq_ids[lo:hi], rest)
-        mb.generators = [_advance(gen, g) for gen in mb.generators]
+        if mb.uniforms is not None:  # each row's draws after the g that phase 1 made (one per generated token)
+            gens = [_advance(gen, g) for gen in sequence_generators(gconfig.seed, tail.seq_ids[lo:hi])]
+            mb.uniforms = draw_uniforms(gens, mb.N).to(mb.uniforms.device)
         if gconfig.length_schedule is not None:  # the schedule counts the whole response: phase 2 starts at g
             whole = scheduled_lengths(gconfig.length_schedule, gconfig.max_new_tokens, gconfig.seed,
                                       tail.seq_ids[lo:hi])
