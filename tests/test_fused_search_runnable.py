@@ -5,6 +5,8 @@ beside token balancing (graph/streaming.py); `realloc search` still shows them, 
 import argparse
 import dataclasses
 
+import pytest
+
 import realloc.search as search_pkg
 from realloc.api import load_experiment
 from realloc.runtime import run_cli
@@ -61,3 +63,21 @@ def test_run_asks_the_search_for_a_plan_it_can_run(monkeypatch):
         except RuntimeError:
             pass
         assert seen["runnable"] == search_pkg.RunLimits(), path
+
+
+def test_no_migration_for_a_rollout_generated_turn_by_turn():
+    """A multi-turn rollout generates turn by turn: the search offers it no migration and the runtime refuses one."""
+    from realloc.graph.dataflow import build_graph
+    from realloc.graph.plan import ExecutionPlan
+    from realloc.graph.streaming import check_runtime_tail
+    from realloc.lengths import ResponseLengths
+    from realloc.search.tail_space import eligible
+
+    base = load_experiment("experiments/calc_grpo_tool.py")
+    graph = build_graph(dataclasses.replace(base, response_lengths=ResponseLengths.lognormal(4, base.gen_len * 0.8)))
+    gen = next(c.name for c in graph.calls if c.interface_type.value == "generate")
+    assert not eligible(graph, gen)
+    plan = ExecutionPlan.by_hand(graph, {c: ("localhost", 2, 1, 1, 1) for c in graph.spec.call_names},
+                                 tail={gen: (2, 1)})
+    with pytest.raises(ValueError, match="generates turn by turn"):
+        check_runtime_tail(plan, graph)

@@ -43,6 +43,10 @@ class Interface:
     # Checks a call's interface_args at `realloc show`, before anything runs: (call name, args) -> None, raising
     # ValueError; a function or "module:function" (torch-free, like the registry)
     check_args: str | Callable[..., Any] | None = None
+    # GENERATE: whether a call can migrate its long tail (graph/tail.py): it generates once, through
+    # common.actor_generate, so its rows can stop at a migration point and continue elsewhere. A rollout that
+    # generates turn by turn (multi-turn) cannot.
+    migrates_tail: bool = True
 
     def __post_init__(self) -> None:
         where = f"Interface {self.name!r}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
+from realloc.graph.partial_check import partial_rollout_calls
 from realloc.strategy import even_ranges
 
 if TYPE_CHECKING:
@@ -69,10 +70,26 @@ def part_shares(part1: Sequence[int], part2: Sequence[int], dp: int) -> tuple[Sh
     return a, b, tuple(tuple(sorted(x + y)) for x, y in zip(a, b))
 
 
+def tail_unsupported(graph: "DataflowGraph", call: str, partial: Sequence[str] = ()) -> str | None:
+    """Why ``call``'s interface cannot migrate its tail at all (the planner offers it no migration, the runtime
+    refuses one), or None: a rollout generated turn by turn, or one whose rows are cut and carried (partial
+    rollouts, ``partial`` = graph/partial_check.partial_rollout_calls)."""
+    iface = graph.interfaces.get(call)
+    if iface is not None and not iface.migrates_tail:
+        return f"interface {iface.name!r} generates turn by turn (multi-turn), so its rows cannot migrate mid-rollout"
+    if call in partial:
+        return "partial rollouts (partial_rollout_tokens) carry unfinished rows to the next iteration instead"
+    return None
+
+
 def check_runtime_tail(plan: "ExecutionPlan", graph: "DataflowGraph") -> None:
     """One ValueError if the runtime cannot carry out a tail entry of ``plan``: the generation must run at pp 1
     (its replicas count decode steps in lockstep) and not ahead of training (bounded staleness)."""
+    partial = partial_rollout_calls(graph)
     for call in plan.tail:
+        why = tail_unsupported(graph, call, partial)
+        if why:
+            raise ValueError(f"plan field 'tail' entry {call!r}: {why}; drop the entry")
         p = plan.placements[call]
         if p.pp != 1:
             raise ValueError(f"plan field 'tail' entry {call!r}: the runtime migrates the tail of a generation at "

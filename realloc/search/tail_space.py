@@ -23,6 +23,8 @@ from realloc.calls import InterfaceType
 from realloc.estimator.cost import CostModel
 from realloc.estimator.tail_cost import TAIL_GRID, consumer_parts, phase1_cost, tail_phase_cost, tail_rows
 from realloc.graph.dataflow import DataflowGraph
+from realloc.graph.partial_check import partial_rollout_calls
+from realloc.graph.streaming import tail_unsupported
 from realloc.graph.tail import TailMigration
 from realloc.search.candidates import CallCosts
 from realloc.search.tail_problem import TailColumns, TailSplit
@@ -47,7 +49,8 @@ def eligible(graph: DataflowGraph, call: str) -> bool:
     one length possible; with one, every row ends at once and there is no tail)."""
     spec = graph.spec
     return (graph.call(call).interface_type is InterfaceType.GENERATE and graph.model_config(call) is not None
-            and np.count_nonzero(spec.response_lengths.pmf(spec.gen_len)) > 1)
+            and np.count_nonzero(spec.response_lengths.pmf(spec.gen_len)) > 1
+            and tail_unsupported(graph, call, partial_rollout_calls(graph)) is None)
 
 
 def instance_choices(dp: int) -> list[int]:
