@@ -118,3 +118,21 @@ def test_fixed_lengths_search_exactly_as_before(path):
             assert getattr(x, f).tolist() == getattr(y, f).tolist()
     plan = np.zeros(a.problem.n_calls, np.int32)
     assert a.evaluate(plan) == b.evaluate(plan)
+
+
+def test_a_plans_migration_is_what_its_estimate_prices():
+    """estimate_plan (realloc show --plan, benchmarks) prices the plan's own migration, not the fastest row: the
+    grid R_t itself, or the nearest grid R_t of the same replicas for a hand-written one."""
+    from realloc.graph.plan import ExecutionPlan
+    from realloc.search.timeline import estimate_plan
+
+    spec = _long_tail()
+    graph = build_graph(spec)
+    places = {c: ("localhost", 2, 1, 1, 1) for c in spec.call_names}
+    priced = {}
+    for rows in (None, 3, 4, 13):
+        plan = ExecutionPlan.by_hand(graph, places, tail={} if rows is None else {"actor_gen": (rows, 1)})
+        space, idx = estimate_plan(graph, plan)
+        priced[rows] = space.to_plan(idx, "x").tail.get("actor_gen")
+    assert priced[None] is None
+    assert priced[3].rows == 3 and priced[4].rows == 3 and priced[13].rows == 13  # 32 rows: the grid holds 3, 13

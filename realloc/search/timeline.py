@@ -104,7 +104,8 @@ def estimate_plan(graph: DataflowGraph, plan: ExecutionPlan, cost: object | None
     """The plan space holding exactly ``plan``'s placements, and its indices (for the simulator).
 
     Offload is not modelled here (as in the search without ``offload``): a plan that offloads is
-    estimated as if its models stayed on the device.
+    estimated as if its models stayed on the device. A long-tail migration is priced at the search's nearest
+    grid R_t (``_tail_row``).
     """
     from realloc.estimator.cost import CostModel
     from realloc.search.build import PlanSpace
@@ -117,10 +118,24 @@ def estimate_plan(graph: DataflowGraph, plan: ExecutionPlan, cost: object | None
                             prune_memory=False, offload=False).with_staleness(plan.staleness)
     indices = space.fastest()
     names = space.problem.call_names
+    for c, name in enumerate(names):  # the plan's long-tail migration, or none (docs/long-tail.md)
+        if space.tails and any(t is not None for t in space.tails[c]):
+            indices[c] = _tail_row(space, c, plan.tail.get(name))
     for k, f in enumerate(space.problem.fused):  # the plan's fused pairs (docs/fused-training.md)
         indices[space.problem.n_calls + k] = (names[f.a], names[f.b]) in plan.fused
     space.evaluate(indices)  # prices the reallocations, transfers and fused pairs the schedule needs
     return space, indices
+
+
+def _tail_row(space: object, c: int, want: object) -> int:
+    """Call ``c``'s candidate row with migration ``want`` (graph.tail.TailMigration, or None: none). The space
+    prices R_t on a grid (estimator/tail_cost.TAIL_GRID); a hand-written R_t off the grid is priced at the nearest
+    grid R_t with the same number of replicas (or, lacking one, the nearest of any)."""
+    rows = range(len(space.problem.candidates[c]))
+    if want is None:
+        return next(i for i in rows if space.tail_of(c, i) is None)
+    tails = [(i, space.tail_of(c, i)) for i in rows if space.tail_of(c, i) is not None]
+    return min(tails, key=lambda it: (it[1].instances != want.instances, abs(it[1].rows - want.rows)))[0]
 
 
 def estimated_panel(space: object, indices: np.ndarray, plan: ExecutionPlan, iterations: int = 3,
