@@ -139,11 +139,42 @@ def test_rows_longer_than_the_models_maximum_are_refused():
                                              "max_position_embeddings=5"):
             token_layout(batch, "forward", max_positions=5)
         token_layout(batch, "forward", max_positions=6)
-    import inspect
 
+
+def _too_long_rows(ctx) -> list[str]:
+    """forward and train_step of a model with max_position_embeddings=8, on rows of 9 tokens and of 8."""
+    from realloc.cluster import ClusterSpec
     from realloc.models.engine import ParallelModel
-    for method in (ParallelModel.forward, ParallelModel.train_step):
-        assert "self.cfg.max_position_embeddings)" in inspect.getsource(method), method
+
+    cfg = dataclasses.replace(get_model_config("tiny"), max_position_embeddings=8)
+    lay = ModelLayout.for_model(cfg, ClusterSpec.from_nodelist("n1", 1).mesh("n1:0"), ParallelStrategy(1, 1, 1))
+    ctx.groups.ensure_layouts([lay])
+    model = ParallelModel(cfg, ctx.groups.model_groups(lay), seed=1)
+    opt = model.make_optimizer(lr=1e-3)
+
+    def loss(out, mb):
+        return out.logprobs().mean(), {}
+
+    errors = []
+    for n in (9, 8):
+        batch = {"input_ids": torch.ones(2, n, dtype=torch.long), "lengths": torch.tensor([n, 2])}
+        for run in (lambda: model.forward(batch), lambda: model.train_step([batch], loss, opt)):
+            try:
+                run()
+                errors.append("")
+            except ValueError as e:
+                errors.append(str(e))
+    return errors
+
+
+def test_forward_and_train_step_refuse_rows_longer_than_the_model_takes(tmp_path):
+    from mp_pool import GlooPool
+
+    with GlooPool(1, tmp_path) as pool:
+        fwd9, train9, fwd8, train8 = pool.run(_too_long_rows)[0]
+    assert "forward: a sequence of 9 tokens exceeds the model's max_position_embeddings=8" in fwd9
+    assert "train_step micro-batch 0: a sequence of 9 tokens exceeds the model's max_position_embeddings=8" in train9
+    assert fwd8 == "" and train8 == ""
 
 
 def test_split_batch_splits_row_tensors_only():
