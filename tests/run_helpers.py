@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from realloc.api import load_experiment
@@ -21,3 +22,23 @@ def disjoint_plan() -> ExecutionPlan:
     spec = load_experiment(TINY)
     g = build_graph(spec)
     return ExecutionPlan.by_hand(g, {c: (m, dp, 1, 1, 1) for c, (m, dp) in DISJOINT.items()}, source="hand")
+
+
+def hash_seeded_cli(seeds: tuple[int, ...]) -> list[str]:
+    """The argv prefix of a `realloc` command whose local worker of rank r runs under PYTHONHASHSEED=seeds[r]: a
+    save/restore test's workers then order sets and string-keyed hashes differently (as on different machines)."""
+    code = """
+import itertools, subprocess, sys, types
+from realloc.runtime.launch import launcher
+
+ranks = itertools.count()  # the launcher starts the workers in rank order (they read their arguments later)
+
+def popen(argv, env=None, **kw):
+    rank = int(argv[argv.index("--rank") + 1]) if "--rank" in argv else next(ranks)
+    return subprocess.Popen(argv, env={**env, "PYTHONHASHSEED": str(%r[rank])}, **kw)
+
+launcher.subprocess = types.SimpleNamespace(**{**vars(subprocess), "Popen": popen})
+from realloc.cli import main
+sys.exit(main(sys.argv[1:]))
+""" % (tuple(seeds),)
+    return [sys.executable, "-c", code]

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_helpers import hash_seeded_cli
 from safetensors import safe_open
 
 from realloc.api import load_experiment
@@ -29,21 +30,6 @@ EXPERIMENT = str(REPO / "experiments/sft_tiny.py")
 PLANS = {"dp2": ("localhost", 2, 1, 1, 1), "dp1": ("localhost:0", 1, 1, 1, 1)}
 HASH_SEEDS = (1, 2)  # per worker rank; the test checks that they order the checkpoint's keys differently
 
-# `realloc run` with each local worker started under its own PYTHONHASHSEED (HASH_SEEDS[rank]).
-RUN_WITH_HASH_SEEDS = """
-import itertools, subprocess, sys, types
-from realloc.runtime.launch import launcher
-
-ranks = itertools.count()  # the launcher starts the workers in rank order (they read their arguments later)
-
-def popen(argv, env=None, **kw):
-    rank = int(argv[argv.index("--rank") + 1]) if "--rank" in argv else next(ranks)
-    return subprocess.Popen(argv, env={**env, "PYTHONHASHSEED": str(%r[rank])}, **kw)
-
-launcher.subprocess = types.SimpleNamespace(**{**vars(subprocess), "Popen": popen})
-from realloc.cli import main
-sys.exit(main(sys.argv[1:]))
-""" % (HASH_SEEDS,)
 
 
 def _plan(name: str, base: Path) -> Path:
@@ -55,7 +41,7 @@ def _plan(name: str, base: Path) -> Path:
 
 
 def _run(base: Path, run_dir: Path, plan: str, iterations: int, *extra: str) -> None:
-    cmd = [sys.executable, "-c", RUN_WITH_HASH_SEEDS, "run", EXPERIMENT, "--plan", str(_plan(plan, base)),
+    cmd = [*hash_seeded_cli(HASH_SEEDS), "run", EXPERIMENT, "--plan", str(_plan(plan, base)),
            "--iterations", str(iterations), "--run-dir", str(run_dir), "--quiet", *extra]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "TMPDIR": str(base), "PYTHONPATH": str(REPO)})
