@@ -274,6 +274,11 @@ inline void Evaluator::price(int j, const int32_t* plan) {
     bool known = true;
     // Parameters already in the call's layout need no move: reallocation is free.
     if (kind == NodeKind::kData || la != lb) cost = tmpl_table_[j]->get(la, lb, known);
+    set_transfer(j, s, la, lb, cost, known);
+    s.latency = kind == NodeKind::kRealloc && !s.pass ? p_.dispatch_latency : 0.0;
+}
+
+void Evaluator::set_transfer(int j, Slot& s, int la, int lb, double cost, bool known) {
     s.cost = cost;
     s.known = known;
     n_unknown_ += !known;
@@ -281,7 +286,6 @@ inline void Evaluator::price(int j, const int32_t* plan) {
     pair_b_[j] = lb;
     // A free transfer occupies no device and is no request: its consumer waits only for the producer.
     s.pass = pass_[j] = cost == 0.0;
-    s.latency = kind == NodeKind::kRealloc && !s.pass ? p_.dispatch_latency : 0.0;
 }
 
 bool Evaluator::prepare(const int32_t* plan, std::vector<MissingPair>* missing) {

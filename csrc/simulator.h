@@ -134,6 +134,8 @@ private:
     int tail_split_device(int i, const int32_t* plan) const;
     int split_grid(int s, const int32_t* plan) const;
     void price_tail(int j, const int32_t* plan);
+    // A transfer template node's price from layouts (la, lb): its slot, and the pair it was priced for.
+    void set_transfer(int j, Slot& s, int la, int lb, double cost, bool known);
     void place_tail_atoms();
     std::vector<uint8_t> tail_tmpl_;  // per template node: priced by price_tail
     std::vector<int32_t> tmpl_split_, atom_split_;

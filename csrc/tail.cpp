@@ -191,12 +191,7 @@ void Evaluator::price_tail(int j, const int32_t* plan) {
     } else if (g >= 0) {
         cost = tmpl_table_[j]->get(la, lb, known) * x.share1[g];
     }
-    s.cost = cost;
-    s.known = known;
-    n_unknown_ += !known;
-    pair_a_[j] = la;
-    pair_b_[j] = lb;
-    s.pass = pass_[j] = cost == 0.0;
+    set_transfer(j, s, la, lb, cost, known);
     s.latency = 0.0;
 }
 
