@@ -91,13 +91,12 @@ def _ab_worker(rank: int, store: str, spec_path: str, n_mbs: int, order: list, n
         return (x * out.token_mask).sum() / out.token_mask.sum(), {}
 
     args = [TrainArgs(mbs, loss, o, max_grad_norm=1.0) for o in opts]
-    mine = [tuple(p) for p in order[models[0].groups.pp_rank]]
 
     def serial():
         for m, a in zip(models, args):
             m.train_step(a.micro_batches, a.loss_fn, a.optimizer, max_grad_norm=a.max_grad_norm)
 
-    steps = {"serial 1F1B": serial, "fused": lambda: fused_train_step(models, args, mine)}
+    steps = {"serial 1F1B": serial, "fused": lambda: fused_train_step(models, args, order)}
     times: dict[str, list[float]] = {k: [] for k in steps}
     cpu = {k: 0.0 for k in steps}  # this process's CPU seconds (its work, whatever the host's load)
     for r in range(n + 1):

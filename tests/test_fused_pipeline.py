@@ -117,7 +117,7 @@ def test_fused_step_equals_serial_step(pool, n_mbs, recompute):
 
 
 def _case_on_rank(ctx, n_mbs, recompute, order):
-    return _case(ctx, n_mbs, recompute, [tuple(p) for p in order[ctx.rank]])
+    return _case(ctx, n_mbs, recompute, [[tuple(p) for p in stage] for stage in order])
 
 
 def test_an_order_that_breaks_micro_batch_order_is_refused():

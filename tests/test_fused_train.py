@@ -57,7 +57,7 @@ def _pair(ctx, layouts, n_mbs, recompute, order, fused):
         args = [TrainArgs(_micro_batches(100 * step + 10 * k + m.groups.dp_rank, n=n_mbs[k], vocab=64), losses[k],
                           opts[k], max_grad_norm=1.0, recompute=recompute[k]) for k, m in enumerate(models)]
         if fused:
-            fused_train_step(models, args, [tuple(p) for p in order[models[0].groups.pp_rank]])
+            fused_train_step(models, args, order)
         else:
             for m, a in zip(models, args):
                 m.train_step(a.micro_batches, a.loss_fn, a.optimizer, max_grad_norm=a.max_grad_norm,

@@ -55,11 +55,12 @@ def check_fusable(models: Sequence[ParallelModel]) -> None:
                          f"stage {a.groups.pp_rank} of the first and {b.groups.pp_rank} of the second)")
 
 
-def fused_train_step(models: Sequence[ParallelModel], args: Sequence[TrainArgs], order: Sequence[Pass],
+def fused_train_step(models: Sequence[ParallelModel], args: Sequence[TrainArgs], orders: Sequence[Sequence[Pass]],
                      record: list[tuple[int, int, int, float, float]] | None = None
                      ) -> tuple[dict[str, float], dict[str, float]]:
-    """One optimizer step of each model, their passes in ``order`` (this device's list from the schedule search:
-    ``FusedSchedule.order[pp_rank of the first model]``). Returns each model's ``train_step`` stats.
+    """One optimizer step of each model, their passes in ``orders`` (every stage group's list from the schedule
+    search, ``FusedSchedule.order``; this device runs the list of the first model's ``pp_rank``, and the
+    others say in which order its messages cross). Returns each model's ``train_step`` stats.
     ``record``: gets each pass's (model, backward, micro-batch, start, end) (``fused_pipeline.run_fused``)."""
     if len(models) != 2 or len(args) != 2:
         raise ValueError(f"fused_train_step: fuses two models, got {len(models)}")
@@ -73,9 +74,9 @@ def fused_train_step(models: Sequence[ParallelModel], args: Sequence[TrainArgs],
                  for k, (m, r) in enumerate(zip(models, runs))]
         with torch.enable_grad():
             if models[0].groups.pp == 1:
-                _run_unpipelined(order, parts)
+                _run_unpipelined(orders[0], parts)
             else:
-                run_fused(order, parts, record)
+                run_fused(orders, parts, record)
     except BaseException:
         for m in models[:len(runs)]:
             m.abandon_train_step()

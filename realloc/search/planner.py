@@ -282,8 +282,9 @@ class RunLimits:
 
 
 def fused_pairs_run_on(spec: Any) -> bool:
-    """Whether the runtime can run fused train pairs on ``spec``'s cluster: on CPU devices (gloo) so far
-    (runtime/control/master_fused.py says why not on NCCL)."""
+    """Whether the runtime can run fused train pairs on ``spec``'s cluster: on CPU devices (gloo) so far. Their
+    protocol (models/fused_protocol.py) is deadlock-free under NCCL's rendezvous semantics but has not run on
+    GPUs: lift this once a multi-GPU run checks it (docs/fused-training.md)."""
     return spec.cluster.hardware.kind == "cpu"
 
 

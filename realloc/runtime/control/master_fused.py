@@ -30,8 +30,9 @@ def fused_orders(graph: Any, plan: Any) -> dict[tuple[str, str], list[list[list[
     if graph.spec.cluster.hardware.kind != "cpu":
         first, second = plan.fused[0]
         raise ValueError(f"plan field 'fused' pair ({first!r}, {second!r}): fused train pairs run on CPU devices (gloo) "
-                         f"only so far (on NCCL a send that waits for its receiver can block a later receive, which "
-                         f"the fused order does not pair); drop the field to run the calls one after the other")
+                         f"only so far (their point-to-point protocol is deadlock-free under NCCL's rendezvous "
+                         f"semantics, tests/test_fused_protocol.py, but has not run on GPUs yet); drop the field to "
+                         f"run the calls one after the other")
     from realloc.estimator.cost import CostModel
     from realloc.estimator.fused_cost import price_fused_pair
 

@@ -120,8 +120,7 @@ def run_fused_pair(worker: Any, req: protocol.RunCall) -> tuple[dict[str, float]
     prog = worker.program
     first, second = req.call, req.fused_with
     handles = [worker.handles[prog.calls[c].key] for c in (first, second)]
-    stage = handles[0].model.groups.pp_rank
-    order = [(int(m), int(b), int(i)) for m, b, i in req.fused_order[stage]]
+    orders = [[(int(m), int(b), int(i)) for m, b, i in stage] for stage in req.fused_order]
     baton = _Baton()
     sides = [_Side(0, baton, handles[0].model,
                    lambda: worker.run_call(first, req.iteration, ranges=req.ranges), worker.device),
@@ -139,7 +138,7 @@ def run_fused_pair(worker: Any, req: protocol.RunCall) -> tuple[dict[str, float]
             waiting = [s for s in sides if s.state == "waiting"]
             if len(waiting) == 2:
                 record: list[tuple[int, int, int, float, float]] = []
-                replies = fused_train_step([s.model for s in sides], [s.args for s in sides], order, record)
+                replies = fused_train_step([s.model for s in sides], [s.args for s in sides], orders, record)
                 passes += [[fused, *p] for p in record]
                 for s, r in zip(sides, replies):
                     s.reply = r
