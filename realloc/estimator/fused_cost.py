@@ -60,7 +60,10 @@ def fused_schedule(first: tuple[list[float], list[float], list[int], int],
                    iterations: int = 4000, memory_iterations: int = 2000, seed: int = 0) -> FusedSchedule:
     """Search the order of one step's passes. Each model is (fwd seconds, bwd seconds, in-flight bytes per
     micro-batch, all per stage; micro-batches). ``memory_cap``: a stage group's activations at most this
-    multiple of the serial 1F1B peak of the most loaded group (None: no cap)."""
+    multiple of the serial 1F1B peak of the most loaded group, or that peak plus one micro-batch's activations
+    of its most loaded stage, whichever is more (None: no cap). The second bound matters at pp 2 or 3 only,
+    where 1F1B holds 2 or 3 micro-batches: there a 1.3x cap in whole micro-batches is no room at all, and
+    filling the bubbles needs one more in flight (rlhfuse.txt Table 3: up to 1.47x the serial peak)."""
     (fa, ba, aa, ma), (fb, bb, ab, mb) = first, second
     if len(fa) != len(fb):
         raise ValueError(f"fused schedule: both calls need the same pp, got {len(fa)} and {len(fb)}")
@@ -68,7 +71,8 @@ def fused_schedule(first: tuple[list[float], list[float], list[int], int],
     prob = _C.FusedProblem(pp, pp, ma, fa, ba, [float(x) for x in aa], pp, mb, fb, bb, [float(x) for x in ab])
     cap = float("inf")
     if memory_cap is not None:
-        cap = memory_cap * prob.search(iterations=0, memory_iterations=0, restarts=1)["serial"]["peak"]
+        serial_peak = prob.search(iterations=0, memory_iterations=0, restarts=1)["serial"]["peak"]
+        cap = max(memory_cap * serial_peak, serial_peak + max(max(aa), max(ab)))
     r = prob.search(iterations=iterations, memory_iterations=memory_iterations, seed=seed, memory_cap=cap)
     one, two = prob.alone_1f1b(0), prob.alone_1f1b(1)
     return FusedSchedule(order=tuple(tuple(map(tuple, s)) for s in r["order"]), makespan=r["eval"]["makespan"],
