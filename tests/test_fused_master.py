@@ -63,6 +63,15 @@ def test_the_pair_is_one_request_after_both_calls_inputs(tmp_path):
     metrics = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["calls"]["actor_train"] for m in metrics] == [{"actor_loss": 1.0}] * ITERS
     assert [m["calls"]["critic_train"] for m in metrics] == [{"critic_loss": 2.0}] * ITERS
+    # the pair's time is booked to both calls, each its estimated time's share (the second's own node is empty)
+    from realloc.estimator.cost import CostModel
+
+    cost = CostModel(graph)
+    est = [cost.call_cost(c, cost.cluster.mesh("localhost"), program.plan.placements[c].strategy, 4).time
+           for c in PAIR]
+    for m in metrics:
+        a, c = (m["time"][k] for k in PAIR)
+        assert c > 0 and abs(a / (a + c) - est[0] / sum(est)) < 0.02
 
 
 def test_a_fused_plan_on_gpus_is_refused_at_start_up():

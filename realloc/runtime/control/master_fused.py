@@ -5,7 +5,8 @@
 sends one ``RunCall`` (``fused_with`` the second) to the mesh's workers once both calls' dependencies are
 met, with both calls' inputs pushed before it and the schedule's order of passes per stage group; its
 reply carries both calls' stats (``worker_fused.py``). The second call's node waits for the first's and
-does nothing itself, so whatever waits for either call waits for the fused request.
+does nothing itself, so whatever waits for either call waits for the fused request. The iteration's times
+book each call its estimated share of the request's time (``_booked``).
 
 The order comes from the estimator (``estimator/fused_cost.price_fused_pair``: the schedule search on the
 estimator's per-stage pass times), computed once per run, here, so every worker runs the same one.
@@ -46,8 +47,37 @@ def fused_orders(graph: Any, plan: Any) -> dict[tuple[str, str], list[list[list[
     return out
 
 
+def fused_shares(graph: Any, plan: Any) -> dict[tuple[str, str], float]:
+    """Per fused pair of ``plan``: the first call's share of the pair's time, its estimated time alone over both
+    calls' (the pair runs as one request; metrics book each call its share of it)."""
+    from realloc.estimator.cost import CostModel
+
+    cost = CostModel(graph)
+    out = {}
+    for first, second in plan.fused:
+        pair = (first, second)
+        times = [cost.call_cost(c, cost.cluster.mesh(p.mesh), p.strategy, p.n_mbs, p.recompute).time
+                 for c, p in ((c, plan.placements[c]) for c in pair)]
+        out[pair] = times[0] / sum(times) if sum(times) > 0 else 0.5
+    return out
+
+
 class FusedPairs:
     """The fused pairs' nodes and requests (a part of ``Master``)."""
+
+    @cached_property
+    def _fused_shares(self) -> dict[tuple[str, str], float]:
+        return fused_shares(self.graph, self.program.plan)
+
+    def _booked(self, n: Any, seconds: float) -> list[tuple[str, float]]:
+        """Where node ``n``'s ``seconds`` go in the iteration's times: a fused pair's first call ran both
+        calls' request, so each call gets its share (``fused_shares``); any other node keeps its own."""
+        key = n.name if n.kind == "call" else n.kind
+        pair = self.program.fused_partner(n.name) if n.kind == "call" else None
+        if pair is None or n.name != pair[0]:
+            return [(key, seconds)]
+        share = self._fused_shares[pair]
+        return [(pair[0], seconds * share), (pair[1], seconds * (1.0 - share))]
 
     @cached_property
     def _fused_orders(self) -> dict[tuple[str, str], list[list[list[int]]]]:

@@ -252,8 +252,8 @@ class IterationSchedule:
             if self.on_node is not None:
                 self.on_node(n.label, n.t + 1, t1 - t0)
             self.trace.add_node(n.label, n.kind, n.t, t0, t1)
-            key = n.name if n.kind == "call" else n.kind
-            self.node_times[n.t][key] = self.node_times[n.t].get(key, 0.0) + (t1 - t0)
+            for key, seconds in self._booked(n, t1 - t0):  # a fused pair's time is split (master_fused.py)
+                self.node_times[n.t][key] = self.node_times[n.t].get(key, 0.0) + seconds
             self._finished(n.t)
         except RunFailed:
             pass  # already recorded; run() raises it
