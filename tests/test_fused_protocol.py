@@ -116,3 +116,54 @@ def test_an_order_that_cannot_run_is_refused():
     order = [[(1, 0, 0), (0, 0, 0), (0, 1, 0), (1, 1, 0)], [(0, 0, 0), (1, 0, 0), (1, 1, 0), (0, 1, 0)]]
     with pytest.raises(ValueError, match="deadlocks"):
         build_programs(order)
+
+
+class _Work:
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("group", [0, 1, 2])
+def test_the_runtime_posts_its_program_in_order(monkeypatch, group):
+    """``run_fused`` issues exactly its group's program: each receive and send, in the program's order, to the
+    program's peer with the model's tag (one process; torch.distributed's isend/irecv recorded)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from realloc.models import fused_pipeline
+    from realloc.models.fused_pipeline import FusedPart
+
+    pp, n_mbs = 3, (3, 2)
+    order = _orders(pp, *n_mbs, seed=7)[-1]
+    issued = []
+    monkeypatch.setattr(fused_pipeline.dist, "irecv",
+                        lambda buf, src, group, tag: issued.append(("recv", src, tag)) or _Work())
+    monkeypatch.setattr(fused_pipeline.dist, "isend",
+                        lambda t, dst, group, tag: issued.append(("send", dst, tag)) or _Work())
+    parts = []
+    for m in (0, 1):
+        stage = group if m == 0 else pp - 1 - group
+        ranks = list(range(pp)) if m == 0 else list(reversed(range(pp)))  # this group is rank ``group``
+        groups = SimpleNamespace(pp_group=None, pp=pp, pp_rank=stage, is_first_stage=stage == 0,
+                                 is_last_stage=stage == pp - 1, prev_stage_rank=ranks[stage - 1] if stage else None,
+                                 next_stage_rank=ranks[stage + 1] if stage < pp - 1 else None)
+        link = SimpleNamespace(groups=groups, dtype=torch.float32, device=torch.device("cpu"),
+                               forward_tag=11 + 100 * m, backward_tag=12 + 100 * m)
+        w = torch.nn.Parameter(torch.ones(2))
+
+        def step(mb, x, w=w, last=stage == pp - 1):
+            out = (torch.ones(2) if x is None else x) * w
+            return out.sum() if last else out
+
+        parts.append(FusedPart(link, n_mbs[m], step, lambda mb: (2,)))
+    fused_pipeline.run_fused(order, parts)
+    expected = []
+    for kind, m, bw, mb in build_programs(order)[group]:
+        if kind != "pass":
+            peer = source(group, (m, bw, mb), pp) if kind == "recv" else target(group, (m, bw, mb), pp)
+            expected.append((kind, peer, (12 if bw else 11) + 100 * m))
+    assert issued == expected and len(issued) > 0
