@@ -94,3 +94,31 @@ def test_search_space_streams_to_the_consumers_off_the_generation_mesh(graph):
         assert got == reference.evaluate(space.problem, idx)
         times[rows] = got["time"]
     assert min(times.values()) < space.evaluate(base)["time"]
+
+
+def test_the_mcmc_streams_a_disaggregated_generation_and_prints_it(graph):
+    """Restricted to the disaggregated placements, the search turns streaming on (the stream plan is priced below
+    the same placement without it), at the grid R_t the simulator prices best; the summary names the consumers."""
+    from types import SimpleNamespace
+
+    from realloc.search.engine import run_mcmc
+    from realloc.search.tail_report import tail_summary
+
+    def keep(call: str, o) -> bool:
+        mesh, dp = DISAGGREGATED[call][0], DISAGGREGATED[call][1]
+        return o.mesh.name == mesh and o.strategy.dp == dp and o.strategy.pp == 1
+    space = PlanSpace.build(graph, CostModel(graph, discover=False), option_filter=keep, max_n_mbs=1)
+    out = run_mcmc(space, max_evals=4000, time_limit=None, n_threads=1)
+    plan = space.to_plan(out.indices, "search")
+    t = plan.tail["actor_gen"]
+    assert t.streams_only
+    # the best stream entry by exhaustive pricing over the grid (placements fixed)
+    base = ExecutionPlan.by_hand(graph, DISAGGREGATED)
+    priced = {r: space.evaluate(space.indices_of(base.model_copy(update={"tail": {"actor_gen": TailMigration(
+        rows=r, instances=0)}})))["time"] for r in {tail_rows(32, s) for s in TAIL_GRID}}
+    assert priced[t.rows] == min(priced.values()) == plan.estimated_time
+    no_tail = space.to_plan(space.indices_of(base), "x")
+    report = SimpleNamespace(no_tail=no_tail, space=space, plan=plan, indices=out.indices, graph=graph)
+    lines = tail_summary(report)
+    assert lines[0].startswith(f"streaming: actor_gen hands its finished rows on once at most {t.rows} of 32 rows")
+    assert lines[1] == "  in two parts off the generation's devices: rew_inf, ref_inf, critic_inf"

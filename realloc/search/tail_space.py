@@ -66,12 +66,14 @@ def with_tail_rows(graph: DataflowGraph, cost: CostModel, call: str,
     """``cc`` with a migrating row after the rows for each (candidate, R_t, m) worth trying, and per row its
     migration (None: the candidate of before)."""
     n = cost.workload(call).n_seqs
+    n_devices = graph.spec.cluster.n_devices
     rows, choices = [], []
     phase1: dict[tuple, float] = {}
     phase2: dict[tuple, tuple[float, float, bool]] = {}
     for i, cand in enumerate(cc.options):
         s = cand.strategy
-        if s.pp == 1:  # streaming without migration (m = 0, estimator/stream_cost.py): at any dp
+        if s.pp == 1 and cand.mesh.size < n_devices:  # streaming without migration (m = 0, stream_cost.py): at
+            # any dp, on a mesh that leaves devices for a consumer to stream to
             rows_stream, choices_stream = stream_rows(cost, call, i, cand, n, phase1)
             rows += rows_stream
             choices += choices_stream

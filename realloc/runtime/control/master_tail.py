@@ -86,9 +86,11 @@ class TailStreams:
             for out in rep.outputs:
                 self.data_meta.setdefault((out.key, t), out.tensors)
         part1 = sorted({i for rows in held.values() for i in rows})
+        part2 = sorted(set(range(self.program.batch_size)) - set(part1))
         dp = lay.strategy.dp
-        self.row_lists[call, t] = deal(self._start_parts(call, t, part1), tail.instances) + tuple(
-            held.get(k, ()) for k in range(tail.instances, dp))
+        self.row_lists[call, t] = deal(part2, tail.instances) + tuple(held.get(k, ()) for k in
+                                                                       range(tail.instances, dp))
+        self._start_parts(call, t, part1, part2)
         return None
 
     async def _stream_at_split(self, call: str, t: int, rec: RequestRecord
@@ -105,16 +107,16 @@ class TailStreams:
             for out in rep.outputs:
                 self.data_meta.setdefault((out.key, t), out.tensors)
         self.row_lists[call, t] = shares
-        self._start_parts(call, t, sorted(i for rows in held.values() for i in rows))
+        part1 = sorted(i for rows in held.values() for i in rows)
+        self._start_parts(call, t, part1, sorted(set(range(self.program.batch_size)) - set(part1)))
         rest = [[i for i in rows if i not in held.get(k, set())] for k, rows in enumerate(shares)]
         nxt = self._send(self.program.calls[call].ranks, "call", call, t, call,
                          lambda req: protocol.RunCall(req=req, call=call, iteration=t, rows=rest))
         return early, nxt
 
-    def _start_parts(self, call: str, t: int, part1: list[int]) -> list[int]:
-        """Deal G's rows finished at the migration (or split) point, ``part1``, and the rest to the split
-        consumers' dp ranks, send their part-1 inputs and let them start; returns the rest (part 2)."""
-        part2 = sorted(set(range(self.program.batch_size)) - set(part1))
+    def _start_parts(self, call: str, t: int, part1: list[int], part2: list[int]) -> None:
+        """Deal G's rows finished at the migration (or split) point, ``part1``, and the rest, ``part2``, to the
+        split consumers' dp ranks, send their part-1 inputs (G's row lists are known) and let them start."""
         for c, g in self.splits.items():
             if g != call:
                 continue
@@ -125,7 +127,6 @@ class TailStreams:
                 if key in self.graph.call(call).output_data and (key, t) in self.data_meta:
                     self.pushed.setdefault((c, t), []).extend(self._transfer_rows(key, c, t, only=set(part1)))
         self._stream_done(call, t)
-        return part2
 
     def _stream_done(self, call: str, t: int) -> None:
         ev = self._event(self._stream_node(call, t))
