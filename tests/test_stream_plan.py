@@ -122,3 +122,19 @@ def test_the_mcmc_streams_a_disaggregated_generation_and_prints_it(graph):
     lines = tail_summary(report)
     assert lines[0].startswith(f"streaming: actor_gen hands its finished rows on once at most {t.rows} of 32 rows")
     assert lines[1] == "  in two parts off the generation's devices: rew_inf, ref_inf, critic_inf"
+
+
+def test_the_runtime_refuses_a_stream_entry_it_cannot_run(graph):
+    from realloc.graph.streaming import check_runtime_tail, split_consumers
+
+    plan = ExecutionPlan.by_hand(graph, DISAGGREGATED, tail={"actor_gen": (6, 0)})
+    check_runtime_tail(plan, graph)
+    assert split_consumers(plan, graph, "actor_gen") == ["rew_inf", "ref_inf", "critic_inf"]
+    with pytest.raises(ValueError, match="plan field 'tail' entry 'actor_gen': .*staleness 1"):
+        check_runtime_tail(plan.model_copy(update={"staleness": 1}), graph)
+    pp2 = dict(DISAGGREGATED, actor_gen=("localhost", 1, 1, 2, 2))
+    with pytest.raises(ValueError, match="plan field 'tail' entry 'actor_gen': .*runs at pp 2"):
+        check_runtime_tail(ExecutionPlan.by_hand(graph, pp2, tail={"actor_gen": (6, 0)}), graph)
+    # generation on both devices: no consumer is off its mesh, nothing splits
+    both = dict(DISAGGREGATED, actor_gen=("localhost", 2, 1, 1, 1))
+    assert split_consumers(ExecutionPlan.by_hand(graph, both, tail={"actor_gen": (6, 0)}), graph, "actor_gen") == []
