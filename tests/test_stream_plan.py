@@ -138,3 +138,15 @@ def test_the_runtime_refuses_a_stream_entry_it_cannot_run(graph):
     # generation on both devices: no consumer is off its mesh, nothing splits
     both = dict(DISAGGREGATED, actor_gen=("localhost", 2, 1, 1, 1))
     assert split_consumers(ExecutionPlan.by_hand(graph, both, tail={"actor_gen": (6, 0)}), graph, "actor_gen") == []
+
+
+def test_estimate_plan_prices_a_stream_entry_as_a_stream_or_as_plain(graph):
+    """estimate_plan (realloc show --plan, benchmarks) prices a stream entry by the nearest grid R of a stream row,
+    and never as a migration: on a mesh that leaves no device free it is the plain call."""
+    from realloc.search.timeline import estimate_plan
+
+    space, idx = estimate_plan(graph, ExecutionPlan.by_hand(graph, DISAGGREGATED, tail={"actor_gen": (5, 0)}))
+    assert space.to_plan(idx, "x").tail == {"actor_gen": TailMigration(rows=tail_rows(32, 0.2), instances=0)}
+    both = dict(DISAGGREGATED, actor_gen=("localhost", 2, 1, 1, 1))
+    space, idx = estimate_plan(graph, ExecutionPlan.by_hand(graph, both, tail={"actor_gen": (6, 0)}))
+    assert space.to_plan(idx, "x").tail == {}
