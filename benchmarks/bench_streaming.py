@@ -79,7 +79,7 @@ def _estimate(graph, plan) -> tuple[float, float]:
     recs = space.cpp.schedule(idx)
     mid = max(r[3] for r in recs) // 2
     start = min(r[4] for r in recs if r[3] == mid and r[1] == gen and r[0] == CALL)  # the generation's call node
-    end = max(r[5] for r in recs if r[3] == mid and r[1] in inf and r[0] in (CALL, PART))  # consumers' call or part-1 node
+    end = max(r[5] for r in recs if r[3] == mid and r[1] in inf and r[0] in (CALL, PART))  # a consumer's parts
     return float(ev["time"]), end - start
 
 

@@ -56,8 +56,8 @@ def tail_error(graph: "DataflowGraph", placements: Mapping[str, Placed], call: s
     dp = placements[call].dp
     if tail.instances and tail.instances >= dp:
         return (f"call {call!r} runs on {dp} dp replica(s), so its tail can move to at most {dp - 1} of them "
-                f"(instances={tail.instances}); lower 'instances' (0: stream only, no migration) or drop the call's tail "
-                f"entry")
+                f"(instances={tail.instances}); lower 'instances' (0: stream only, no migration) or drop the "
+                f"call's tail entry")
     n_rows = graph.spec.n_seqs(rpc)
     if tail.rows >= n_rows:
         return (f"call {call!r} generates {n_rows} rows per iteration; the tail threshold rows={tail.rows} must be "

@@ -3,8 +3,9 @@
 For a GENERATE call whose response lengths vary, every candidate on a single-stage mesh with dp >= 2 also comes
 with each migration (R_t, m): R_t from ``estimator.tail_cost.TAIL_GRID`` (shares of the call's rows), m from 1 to
 dp - 1 (powers of two beyond dp 8), as long as the tail's ceil(R_t / m) rows per replica fit the KV cache the
-replica already holds (so memory stays as priced), and every candidate at pp 1 (any dp) with streaming only
-(m = 0, R_t from the same grid: no row moves, the whole mesh decodes to the end, ``estimator/stream_cost.py``). Such a row's time is phase 1; ``TailChoice`` keeps the rest
+replica already holds (so memory stays as priced), and every candidate at pp 1 (any dp) on a mesh smaller than the
+cluster with streaming only (m = 0, R_t from the same grid: no row moves, the whole mesh decodes to the end,
+``estimator/stream_cost.py``). Such a row's time is phase 1; ``TailChoice`` keeps the rest
 (``search/tail_problem.py`` says how the simulators read it). The MCMC reaches the choices through its usual
 moves: candidates of one layout (its "n_mbs" move) differ in n_mbs and migration, so a move there turns the tail
 on, off or to another (R_t, m); a migration keeps its own shape class, so a "position" move keeps it.
@@ -111,7 +112,8 @@ def with_tail_rows(graph: DataflowGraph, cost: CostModel, call: str,
 def stream_rows(cost: CostModel, call: str, i: int, cand, n: int,
                 phase1: dict[tuple, float]) -> tuple[list[tuple[int, float]], list[TailChoice]]:
     """Candidate ``i``'s stream-only rows, one per grid R_t: phase 1 as a migration's, then the rest of the plain
-    time and one more call overhead (``estimator/stream_cost.py``); the tail devices are the whole mesh (no device is freed)."""
+    time and one more call overhead (``estimator/stream_cost.py``); the tail devices are the whole mesh (none is
+    freed)."""
     s = cand.strategy
     rows, choices = [], []
     for g, share in enumerate(TAIL_GRID):
