@@ -6,22 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_helpers import build_model
-from realloc.models.config import get_model_config
 from realloc.models.length_schedule import scheduled_lengths
 from realloc.models.sampling import GenerationConfig
 from test_length_schedule import MAX_NEW, N_ROWS, SCHEDULE, pool  # noqa: F401 - the module's gloo pool
-from test_streaming import _prompts, _responses
+from test_streaming import _responses, model_and_plain
 
 
 def _split_and_continue(ctx, gconfig, threshold, n_mbs):
     from realloc.models.stream_decode import SplitGeneration
 
-    model = build_model(ctx, get_model_config("tiny"), 1, 1, 1, seed=3)
-    if model is None:
+    got = model_and_plain(ctx, gconfig, n_mbs)
+    if got is None:
         return None
-    rows = _prompts()
-    plain = _responses(model.generate([r.tolist() for r in rows], gconfig, seq_ids=range(N_ROWS), n_mbs=n_mbs))
+    model, rows, plain = got
     gen = SplitGeneration(model, rows, gconfig, range(N_ROWS), n_mbs)
     counts = []
     split = gen.until(lambda n: counts.append(n) or n, threshold)

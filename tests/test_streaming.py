@@ -25,15 +25,24 @@ def _responses(out):
              out.logprobs[b, out.prompt_lengths[b]:out.lengths[b]]) for b in range(out.lengths.numel())]
 
 
-def _two_phases(ctx, gconfig, threshold, n_mbs):
-    """On one replica: plain generation, and phase 1 to ``threshold`` rows then phase 2 on the rest."""
-    from realloc.models.tail_decode import continue_decoding, decode_until
-
+def model_and_plain(ctx, gconfig, n_mbs):
+    """On one replica: the tiny model, the prompts and their plain generation's responses (None off rank 0)."""
     model = build_model(ctx, get_model_config("tiny"), 1, 1, 1, seed=3)
     if model is None:
         return None
     rows = _prompts()
-    plain = _responses(model.generate([r.tolist() for r in rows], gconfig, seq_ids=range(N_ROWS), n_mbs=n_mbs))
+    return model, rows, _responses(model.generate([r.tolist() for r in rows], gconfig, seq_ids=range(N_ROWS),
+                                                  n_mbs=n_mbs))
+
+
+def _two_phases(ctx, gconfig, threshold, n_mbs):
+    """On one replica: plain generation, and phase 1 to ``threshold`` rows then phase 2 on the rest."""
+    from realloc.models.tail_decode import continue_decoding, decode_until
+
+    got = model_and_plain(ctx, gconfig, n_mbs)
+    if got is None:
+        return None
+    model, rows, plain = got
     counts = []
     one = decode_until(model, rows, gconfig, range(N_ROWS), n_mbs, lambda n: counts.append(n) or n, threshold)
     got = dict(zip(one.finished, _responses(one.output)))
