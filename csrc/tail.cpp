@@ -37,8 +37,8 @@ void prepare_tail(Problem& p, TailPositions& at) {
         for (int c = 0; c < k.size(); ++c) {
             if (t.grid[c] < 0) continue;
             if (k.stage_width[c] != k.dev_hi[c] - k.dev_lo[c]) fail("only single-stage meshes migrate their tail");
-            if (t.width[c] < 1 || t.width[c] >= k.dev_hi[c] - k.dev_lo[c])
-                fail("the tail devices must be some but not all of the mesh");
+            if (t.width[c] < 1 || t.width[c] > k.dev_hi[c] - k.dev_lo[c])
+                fail("the tail devices must be some of the mesh (all: stream only)");
             if (!(t.time[c] >= 0.0) || !std::isfinite(t.time[c])) fail("tail times must be finite and >= 0");
         }
         p.tail_of_call[t.call] = static_cast<int32_t>(i);

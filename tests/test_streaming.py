@@ -25,15 +25,24 @@ def _responses(out):
              out.logprobs[b, out.prompt_lengths[b]:out.lengths[b]]) for b in range(out.lengths.numel())]
 
 
-def _two_phases(ctx, gconfig, threshold, n_mbs):
-    """On one replica: plain generation, and phase 1 to ``threshold`` rows then phase 2 on the rest."""
-    from realloc.models.tail_decode import continue_decoding, decode_until
-
+def model_and_plain(ctx, gconfig, n_mbs):
+    """On one replica: the tiny model, the prompts and their plain generation's responses (None off rank 0)."""
     model = build_model(ctx, get_model_config("tiny"), 1, 1, 1, seed=3)
     if model is None:
         return None
     rows = _prompts()
-    plain = _responses(model.generate([r.tolist() for r in rows], gconfig, seq_ids=range(N_ROWS), n_mbs=n_mbs))
+    return model, rows, _responses(model.generate([r.tolist() for r in rows], gconfig, seq_ids=range(N_ROWS),
+                                                  n_mbs=n_mbs))
+
+
+def _two_phases(ctx, gconfig, threshold, n_mbs):
+    """On one replica: plain generation, and phase 1 to ``threshold`` rows then phase 2 on the rest."""
+    from realloc.models.tail_decode import continue_decoding, decode_until
+
+    got = model_and_plain(ctx, gconfig, n_mbs)
+    if got is None:
+        return None
+    model, rows, plain = got
     counts = []
     one = decode_until(model, rows, gconfig, range(N_ROWS), n_mbs, lambda n: counts.append(n) or n, threshold)
     got = dict(zip(one.finished, _responses(one.output)))
@@ -190,7 +199,7 @@ def _experiment(tmp_path, algo: str):
     return path
 
 
-def _run(tmp_path, exp, name: str, tail: dict):
+def _run(tmp_path, exp, name: str, tail: dict, gen_mesh: tuple = ("localhost", 2, 1, 1, 1)):
     import subprocess
     import sys
 
@@ -200,9 +209,9 @@ def _run(tmp_path, exp, name: str, tail: dict):
     from test_runtime_e2e import env
 
     graph = build_graph(load_experiment(str(exp)))
-    # generation at dp 2 over both devices; the inference calls on device 1 only (a freed replica's device: they
-    # stream), the train steps over both
-    places = {c: (("localhost", 2, 1, 1, 1) if graph.call(c).is_train or c == "actor_gen" else
+    # generation at dp 2 over both devices (or on ``gen_mesh``); the inference calls on device 1 only (a freed
+    # replica's device: they stream), the train steps over both
+    places = {c: (("localhost", 2, 1, 1, 1) if graph.call(c).is_train else gen_mesh if c == "actor_gen" else
                   ("localhost:1", 1, 1, 1, 1)) for c in graph.spec.call_names}
     plan = tmp_path / f"{name}.json"
     ExecutionPlan.by_hand(graph, places, source="hand", tail=tail).save(plan)
@@ -233,18 +242,24 @@ def _samples(run_dir):
 
 @pytest.mark.parametrize("algo", ["ppo", "grpo"])
 def test_a_migrated_and_streamed_run_matches_the_unmigrated_run(tmp_path, algo):
-    import re
-
-    from realloc.models.weights import param_seed
-    from test_runtime_e2e import metrics
-
     exp = _experiment(tmp_path, algo)
     fused = _run(tmp_path, exp, "fused", {"actor_gen": (R_T, 1)})
     plain = _run(tmp_path, exp, "plain", {})
     # the workers streamed: each inference call ran twice per iteration, first on the rows finished at the
     # migration point (the first step after which at most R_T rows of the 32 run), then on the rest
+    assert_inference_in_two_parts(fused)
+    assert_same_runs(fused, plain)
+
+
+def assert_inference_in_two_parts(run_dir) -> None:
+    """Device 1's inference calls ran on the rows finished after the first step that left at most R_T of the 32
+    rows running (by the EOS schedule), then on the rest, per iteration (worker1.log)."""
+    import re
+
+    from realloc.models.weights import param_seed
+
     calls = {}
-    for line in (fused / "logs" / "worker1.log").read_text().splitlines():
+    for line in (run_dir / "logs" / "worker1.log").read_text().splitlines():
         m = re.search(r"iteration (\d+) call (\w+) rows (\[.*\])", line)
         if m:
             calls.setdefault((int(m.group(1)) - 1, m.group(2)), []).append(eval(m.group(3))[0])  # noqa: S307
@@ -258,7 +273,12 @@ def test_a_migrated_and_streamed_run_matches_the_unmigrated_run(tmp_path, algo):
         assert 0 < 32 - len(part1) <= R_T
         for c in inference:
             assert calls[t, c] == [part1, [i for i in range(32) if i not in part1]], (t, c)
-    # the same samples, rewards, losses, and final parameters and optimizer state
+
+
+def assert_same_runs(fused, plain) -> None:
+    """The same samples, rewards, losses, and final parameters and optimizer state."""
+    from test_runtime_e2e import metrics
+
     for a, b in zip(metrics(fused), metrics(plain), strict=True):
         for k, v in b.items():
             if isinstance(v, float) and k not in ("time", "iteration_time") and not k.endswith("_s"):

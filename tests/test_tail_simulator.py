@@ -17,8 +17,9 @@ from realloc.search.tail_reference import TailView
 STEPS = [0.0, 0.25, 0.5, 1.0, 1.5]
 
 
-def random_tails(rng: np.random.Generator, p: SearchProblem) -> SearchProblem:
-    """``p`` with random migrations on some calls' single-stage candidates and random splits of their consumers."""
+def random_tails(rng: np.random.Generator, p: SearchProblem, stream: float = 0.0) -> SearchProblem:
+    """``p`` with random migrations on some calls' single-stage candidates and random splits of their consumers;
+    with ``stream`` > 0, that share of the tails keeps the whole mesh (streaming without migration, any size)."""
     if p.shares_cores:
         return p
     n_grid = int(rng.integers(1, 4))
@@ -29,8 +30,13 @@ def random_tails(rng: np.random.Generator, p: SearchProblem) -> SearchProblem:
         grid, width, time = [], [], []
         for i in range(len(k)):
             size = int(k.dev_hi[i] - k.dev_lo[i])
-            on = int(k.stage_width[i]) == size and size > 1 and rng.random() < 0.8
+            whole = bool(stream) and rng.random() < stream
+            on = int(k.stage_width[i]) == size and (size > 1 or whole) and rng.random() < 0.8
             grid.append(int(rng.integers(n_grid)) if on else -1)
+            if whole:
+                width.append(size if on else 0)
+                time.append(float(rng.choice(STEPS)) if on else 0.0)
+                continue
             width.append(int(rng.choice([1, rng.integers(1, size)])) if on else 0)  # often one device: splits
             time.append(float(rng.choice(STEPS)) if on else 0.0)
         columns.append((c, TailColumns(grid, width, time)))
@@ -67,6 +73,31 @@ def test_cpp_matches_python_reference_on_random_problems_with_random_tails():
             n_splits += sum(view.split(c) is not None for c in view.split_of)
     # the random problems migrate tails and split consumers often
     assert n_tails > 150 and n_splits > 30, (n_tails, n_splits)
+
+
+def test_cpp_matches_python_reference_with_stream_only_tails():
+    """Streaming without migration (a tail on the whole mesh, docs/tail-semantics.md): both simulators agree, and
+    streams happen (consumers off the mesh split)."""
+    rng = np.random.default_rng(3132)
+    n_streams = n_splits = 0
+    for trial in range(300):
+        p = random_tails(rng, random_problem(rng), stream=0.5)
+        if trial % 4 == 3:
+            p = _with_staleness(rng, p)
+        cpp = p.to_cpp()
+        for _ in range(3):
+            plan = random_plan(rng, p)
+            assert cpp.evaluate(plan) == reference.evaluate(p, plan), (trial, plan)
+            got_sched = [r[:6] for r in cpp.schedule(plan)]
+            want_sched = [(r["kind"], r["call"], r["other"], r["iteration"], r["start"], r["end"])
+                          for r in reference.schedule(p, plan)]
+            assert got_sched == want_sched, trial
+            view = TailView(p, plan)
+            whole = [c for c in view.columns if view.grid(c) >= 0 and len(view.tail_devices(c)) ==
+                     int(p.candidates[c].dev_hi[plan[c]] - p.candidates[c].dev_lo[plan[c]])]
+            n_streams += len(whole)
+            n_splits += sum(view.split(c) is not None and view.split(c)[1] in whole for c in view.split_of)
+    assert n_streams > 100 and n_splits > 10, (n_streams, n_splits)
 
 
 def test_bounded_evaluation_with_tails_stops_only_above_the_limit():

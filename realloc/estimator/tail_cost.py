@@ -26,6 +26,7 @@ from realloc.estimator.call_time import CallTimer, decode_round, decode_segments
 from realloc.estimator.cost import CostModel
 from realloc.estimator.memory import Workload
 from realloc.estimator.opcount import Phase
+from realloc.estimator.stream_cost import stream_phase2
 from realloc.lengths import ResponseLengths
 from realloc.strategy import ParallelStrategy
 
@@ -139,7 +140,11 @@ def tail_phase_cost(cost: CostModel, call: str, mesh: DeviceMesh, strategy: Para
 
 def tail_generation_cost(cost: CostModel, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, n_mbs: int,
                          rows: int, instances: int) -> TailCost:
-    """A generation call's phases with a tail migration of ``rows`` rows to ``instances`` dp replicas."""
+    """A generation call's phases with a tail migration of ``rows`` rows to ``instances`` dp replicas (0: stream
+    only, ``stream_cost.py``)."""
+    if instances == 0:
+        one = phase1_cost(cost, call, mesh, strategy, n_mbs, rows)
+        return TailCost(one, 0.0, stream_phase2(cost, call, mesh, strategy, n_mbs, one), kv_moved=True)
     migration, phase2, moved = tail_phase_cost(cost, call, mesh, strategy, rows, instances)
     return TailCost(phase1=phase1_cost(cost, call, mesh, strategy, n_mbs, rows), migration=migration,
                     phase2=phase2, kv_moved=moved)

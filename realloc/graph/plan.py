@@ -158,6 +158,10 @@ class ExecutionPlan(BaseModel):
         for a, b in self.fused:
             rows.append(f"fused: {a} + {b} (one pipeline schedule; {b}'s stages in reverse order)")
         for c, t in self.tail.items():
+            if t.streams_only:  # graph/tail.py: no migration, the finished rows stream to the next calls
+                rows.append(f"tail: {c} streams its finished rows to the next calls once at most {t.rows} are "
+                            f"running (no migration)")
+                continue
             rows.append(f"tail: {c} moves its last {t.rows} running rows to {t.instances} dp replica(s); "
                         f"the freed devices start the next calls")
         if self.staleness:

@@ -33,13 +33,13 @@ def deal(rows: Sequence[int], parts: int) -> Shares:
 
 
 def tail_devices(plan: "ExecutionPlan", graph: "DataflowGraph", call: str) -> set[int]:
-    """Devices of ``call``'s dp replicas 0..m-1 (all its devices when it has no tail entry)."""
+    """Devices of ``call``'s dp replicas 0..m-1 (all its devices when it has no tail entry or only streams)."""
     from realloc.graph.transfer_plan import Layout
 
     p = plan.placements[call]
     mesh = graph.spec.cluster.mesh(p.mesh)
     lay = Layout(mesh, p.strategy)
-    m = plan.tail[call].instances if call in plan.tail else p.strategy.dp
+    m = plan.tail[call].instances if call in plan.tail and not plan.tail[call].streams_only else p.strategy.dp
     return {d for d, (dp_rank, _, _) in lay.coords_by_device.items() if dp_rank < m}
 
 

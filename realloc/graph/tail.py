@@ -6,7 +6,11 @@ a call without an entry runs to its end where it started (no fusion), as before 
 
 The planner chooses ``rows`` (R_t) and ``instances`` (m); the estimator prices them, both simulators simulate
 them and the runtime carries them out (docs/long-tail.md). Finished rows stream to the calls that read them
-whether or not a call migrates."""
+whether or not a call migrates.
+
+``instances=0`` is streaming without migration (FlexRLHF's disaggregated placement): no row moves, every dp replica
+keeps decoding its own rows, and at the split point (the step after which at most ``rows`` rows are running) the
+finished rows stream to the consumers on devices outside the generation's mesh (docs/tail-semantics.md)."""
 
 from __future__ import annotations
 
@@ -21,12 +25,17 @@ if TYPE_CHECKING:
 class TailMigration(BaseModel):
     """R_t and m of one generation call. ``rows`` counts rows of the whole call (all dp ranks together) at or
     below which the tail migrates; ``instances`` is how many of its dp replicas (the lowest dp ranks) keep
-    decoding the tail."""
+    decoding the tail; 0 means none move (stream only: the split point hands the finished rows on, every replica
+    keeps decoding its own tail)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     rows: int = Field(ge=1)
-    instances: int = Field(ge=1)
+    instances: int = Field(ge=0)
+
+    @property
+    def streams_only(self) -> bool:
+        return self.instances == 0
 
 
 class Placed(Protocol):
@@ -45,13 +54,14 @@ def tail_error(graph: "DataflowGraph", placements: Mapping[str, Placed], call: s
     if rpc.interface_type.value != "generate":
         return f"call {call!r} is a {rpc.interface_type.value} call; only GENERATE calls have a tail to migrate"
     dp = placements[call].dp
-    if tail.instances >= dp:
+    if tail.instances and tail.instances >= dp:
         return (f"call {call!r} runs on {dp} dp replica(s), so its tail can move to at most {dp - 1} of them "
-                f"(instances={tail.instances}); lower 'instances' or drop the call's tail entry")
+                f"(instances={tail.instances}); lower 'instances' (0: stream only, no migration) or drop the "
+                f"call's tail entry")
     n_rows = graph.spec.n_seqs(rpc)
     if tail.rows >= n_rows:
         return (f"call {call!r} generates {n_rows} rows per iteration; the tail threshold rows={tail.rows} must be "
-                f"below that")
+                f"below that (it is the count of rows still running at the migration or split point)")
     return None
 
 

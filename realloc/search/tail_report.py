@@ -27,6 +27,12 @@ def tail_summary(report: "SearchReport") -> list[str]:
         n = space.cost.workload(call).n_seqs
         cost = tail_generation_cost(space.cost, call, o.mesh, o.strategy, o.n_mbs, t.rows, t.instances)
         split = [names[v] for v in view.split_of if view.split(v) is not None and names[view.split(v)[1]] == call]
+        if t.streams_only:  # no migration: the finished rows stream off the mesh (estimator/stream_cost.py)
+            lines.append(f"streaming: {call} hands its finished rows on once at most {t.rows} of {n} rows "
+                         f"({t.rows / n:.0%}) are running, no migration; before that {cost.phase1:.3f} s, after "
+                         f"{cost.phase2:.3f} s")
+            lines.append(f"  in two parts off the generation's devices: {', '.join(split) if split else 'no consumer'}")
+            continue
         lines.append(f"long-tail migration: {call} moves its last {t.rows} of {n} rows ({t.rows / n:.0%}) to "
                      f"{t.instances} of {o.strategy.dp} dp replicas; phase 1 {cost.phase1:.3f} s, migration "
                      f"{cost.migration:.3f} s ({'KV caches moved' if cost.kv_moved else 'prefill re-run'}), "

@@ -3,7 +3,9 @@
 For a GENERATE call whose response lengths vary, every candidate on a single-stage mesh with dp >= 2 also comes
 with each migration (R_t, m): R_t from ``estimator.tail_cost.TAIL_GRID`` (shares of the call's rows), m from 1 to
 dp - 1 (powers of two beyond dp 8), as long as the tail's ceil(R_t / m) rows per replica fit the KV cache the
-replica already holds (so memory stays as priced). Such a row's time is phase 1; ``TailChoice`` keeps the rest
+replica already holds (so memory stays as priced), and every candidate at pp 1 (any dp) on a mesh smaller than the
+cluster with streaming only (m = 0, R_t from the same grid: no row moves, the whole mesh decodes to the end,
+``estimator/stream_cost.py``). Such a row's time is phase 1; ``TailChoice`` keeps the rest
 (``search/tail_problem.py`` says how the simulators read it). The MCMC reaches the choices through its usual
 moves: candidates of one layout (its "n_mbs" move) differ in n_mbs and migration, so a move there turns the tail
 on, off or to another (R_t, m); a migration keeps its own shape class, so a "position" move keeps it.
@@ -21,6 +23,7 @@ import numpy as np
 
 from realloc.calls import InterfaceType
 from realloc.estimator.cost import CostModel
+from realloc.estimator.stream_cost import stream_phase2
 from realloc.estimator.tail_cost import TAIL_GRID, consumer_parts, phase1_cost, tail_phase_cost, tail_rows
 from realloc.graph.dataflow import DataflowGraph
 from realloc.graph.partial_check import partial_rollout_calls
@@ -64,11 +67,17 @@ def with_tail_rows(graph: DataflowGraph, cost: CostModel, call: str,
     """``cc`` with a migrating row after the rows for each (candidate, R_t, m) worth trying, and per row its
     migration (None: the candidate of before)."""
     n = cost.workload(call).n_seqs
+    n_devices = graph.spec.cluster.n_devices
     rows, choices = [], []
     phase1: dict[tuple, float] = {}
     phase2: dict[tuple, tuple[float, float, bool]] = {}
     for i, cand in enumerate(cc.options):
         s = cand.strategy
+        if s.pp == 1 and cand.mesh.size < n_devices:  # streaming without migration (m = 0, stream_cost.py): at
+            # any dp, on a mesh that leaves devices for a consumer to stream to
+            rows_stream, choices_stream = stream_rows(cost, call, i, cand, n, phase1)
+            rows += rows_stream
+            choices += choices_stream
         if s.pp != 1 or s.dp < 2:
             continue
         per_replica = cost.workload(call).micro_batch(s.dp, cand.n_mbs) * cand.n_mbs
@@ -98,6 +107,24 @@ def with_tail_rows(graph: DataflowGraph, cost: CostModel, call: str,
                     cc.static + tuple(cc.static[i] for i in idx), cc.dynamic + tuple(cc.dynamic[i] for i in idx),
                     cc.param + tuple(cc.param[i] for i in idx))
     return out, (None,) * len(cc.options) + tuple(choices)
+
+
+def stream_rows(cost: CostModel, call: str, i: int, cand, n: int,
+                phase1: dict[tuple, float]) -> tuple[list[tuple[int, float]], list[TailChoice]]:
+    """Candidate ``i``'s stream-only rows, one per grid R_t: phase 1 as a migration's, then the rest of the plain
+    time and one more call overhead (``estimator/stream_cost.py``); the tail devices are the whole mesh (none is
+    freed)."""
+    s = cand.strategy
+    rows, choices = [], []
+    for g, share in enumerate(TAIL_GRID):
+        r_t = tail_rows(n, share)
+        k1 = ((cand.mesh.n_nodes, cand.mesh.n_devs), s, cand.n_mbs, r_t)
+        if k1 not in phase1:
+            phase1[k1] = phase1_cost(cost, call, cand.mesh, s, cand.n_mbs, r_t)
+        rest = stream_phase2(cost, call, cand.mesh, s, cand.n_mbs, phase1[k1])
+        rows.append((i, phase1[k1]))
+        choices.append(TailChoice(TailMigration(rows=r_t, instances=0), g, s.dp * s.tp, rest))
+    return rows, choices
 
 
 def tail_arrays(graph: DataflowGraph, cost: CostModel, calls: Sequence[str], options: Sequence[Sequence],

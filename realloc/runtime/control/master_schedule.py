@@ -358,9 +358,10 @@ class IterationSchedule:
                           lambda req: protocol.RunCall(req=req, call=c, iteration=t, ranges=ranges))
         for rec in recs:
             await self._wait(rec)
-        await self._stream_at_migration(c, t, call)  # a generation with a tail entry: its migration point
+        # a generation with a tail entry: its migration point; streaming only: the first part and the second request
+        early, call = await self._stream_at_migration(c, t, call) or ([], call)
         replies = await self._wait(call)
-        self._finish_call(c, t, replies)
+        self._finish_call(c, t, early + replies)
 
     def _finish_call(self, c: str, t: int, replies: list[protocol.Reply]) -> None:
         """A call's replies: its stats, data, samples; then its outputs go to their consumers."""

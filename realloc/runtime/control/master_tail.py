@@ -65,17 +65,21 @@ class TailStreams:
         ranges = self._row_ranges(call, t) or dp_ranges(self.program.batch_size, self.program.calls[call].strategy.dp)
         return tuple(tuple(range(lo, hi)) for lo, hi in ranges)
 
-    async def _stream_at_migration(self, call: str, t: int, rec: RequestRecord) -> None:
+    async def _stream_at_migration(self, call: str, t: int, rec: RequestRecord
+                                   ) -> tuple[list[protocol.Reply], RequestRecord] | None:
         """For a generation with a tail entry: wait for the freed replicas' replies (the migration point), record
-        where G's rows are, and start the split consumers' part 1."""
+        where G's rows are, and start the split consumers' part 1. A stream-only entry: the first request's
+        replies and the request that continues the call (``_stream_at_split``)."""
         tail = self.program.plan.tail.get(call)
         if tail is None:
-            return
+            return None
+        if tail.streams_only:
+            return await self._stream_at_split(call, t, rec)
         lay = self.program.producer(call).layout
         freed = [r for r in rec.ranks if lay.coords_by_device[r][0] >= tail.instances]
         early = await asyncio.gather(*(self.futures[rec.req, r] for r in freed))
         if not all(rep.ok for rep in early):
-            return  # the whole request's wait reports the failure, which stops the run
+            return None  # the whole request's wait reports the failure, which stops the run
         held: dict[int, tuple[int, ...]] = {}
         for rep in early:
             held[lay.coords_by_device[rep.rank][0]] = tuple(rep.rows)
@@ -86,6 +90,33 @@ class TailStreams:
         dp = lay.strategy.dp
         self.row_lists[call, t] = deal(part2, tail.instances) + tuple(held.get(k, ()) for k in
                                                                        range(tail.instances, dp))
+        self._start_parts(call, t, part1, part2)
+        return None
+
+    async def _stream_at_split(self, call: str, t: int, rec: RequestRecord
+                               ) -> tuple[list[protocol.Reply], RequestRecord]:
+        """A generation that streams without migration (``worker_stream.py``): its first request ends at the split
+        point with the finished rows; the split consumers start on them, and a second request (the rows each dp
+        replica still decodes) continues the call. G's replicas keep their rows (its layout's own shares)."""
+        early = await self._wait(rec)
+        lay = self.program.producer(call).layout
+        shares = self._shares(call, t)
+        held: dict[int, set[int]] = {}
+        for rep in early:
+            held.setdefault(lay.coords_by_device[rep.rank][0], set()).update(int(i) for i in rep.rows)
+            for out in rep.outputs:
+                self.data_meta.setdefault((out.key, t), out.tensors)
+        self.row_lists[call, t] = shares
+        part1 = sorted(i for rows in held.values() for i in rows)
+        self._start_parts(call, t, part1, sorted(set(range(self.program.batch_size)) - set(part1)))
+        rest = [[i for i in rows if i not in held.get(k, set())] for k, rows in enumerate(shares)]
+        nxt = self._send(self.program.calls[call].ranks, "call", call, t, call,
+                         lambda req: protocol.RunCall(req=req, call=call, iteration=t, rows=rest))
+        return early, nxt
+
+    def _start_parts(self, call: str, t: int, part1: list[int], part2: list[int]) -> None:
+        """Deal G's rows finished at the migration (or split) point, ``part1``, and the rest, ``part2``, to the
+        split consumers' dp ranks, send their part-1 inputs (G's row lists are known) and let them start."""
         for c, g in self.splits.items():
             if g != call:
                 continue

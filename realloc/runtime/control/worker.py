@@ -53,6 +53,7 @@ from realloc.runtime.control.pool_dtypes import reallocate_model
 from realloc.runtime.control.worker_fused import run_request
 from realloc.runtime.control.worker_heartbeat import HEARTBEAT_INTERVAL, Heartbeat
 from realloc.runtime.control.worker_partial import PartialStore
+from realloc.runtime.control.worker_stream import Kept, streaming_generation
 from realloc.runtime.control.worker_tail import migrating_generation
 from realloc.runtime.inputs.datasets import dataset_rows, load_dataset
 from realloc.runtime.inputs.evaluation import EVAL_SEED, eval_calls, eval_key, write_eval_samples
@@ -153,6 +154,7 @@ class ModelWorker:
         self.sample_parts: list[protocol.SamplePart] = []  # the current call's, sent with its reply
         self.row_tokens: tuple[int, list[int]] = (0, [])  # a generation's (first row, tokens per row), likewise
         self.held_rows: list[int] = []  # a migrating generation's rows at its end (worker_tail.py), likewise
+        self.streams: Kept = {}  # a streaming generation's decoding between its two requests (worker_stream.py)
 
     def on_stop_signal(self, signum: int, frame: object) -> None:
         """SIGTERM (a cluster ending the job) does not end this worker: the master is told with the next
@@ -360,7 +362,8 @@ class ModelWorker:
             set_step_lr(ctx, 0)
         tail = prog.plan.tail.get(call) if rpc.interface_type is InterfaceType.GENERATE and not evaluating else None
         if tail is not None:  # long-tail migration: this replica's rows at the end are others (worker_tail.py)
-            res, self.held_rows = migrating_generation(ctx, fn, inputs, tail, call)
+            res, self.held_rows = (streaming_generation(ctx, fn, inputs, tail, call, self.streams) if
+                                   tail.streams_only else migrating_generation(ctx, fn, inputs, tail, call))
             if res is None:
                 return {}, []
             result, ids = res, self.held_rows

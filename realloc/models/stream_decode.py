@@ -1,0 +1,74 @@
+"""Generation stopped at a split point and continued in place (streaming without migration, issue 31 item 2;
+docs/tail-semantics.md).
+
+``SplitGeneration`` decodes a dp replica's rows as ``tail_decode.decode_until`` does (its micro-batches advance
+one step each per round, and after every step ``global_count`` sums the whole call's running rows over the dp
+replicas) up to the split point, the first step after which at most a threshold of rows are running. Unlike a
+migration, nothing moves: the micro-batches keep their KV caches and sampling state, hand out the finished rows,
+and later ``finish`` the running ones with the very decode steps an uninterrupted run makes. Sampling is seeded per
+row, so every token and log-prob is the plain generation's.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from realloc.models.generation import GenerationOutput, _concat, _MicroBatch
+from realloc.models.sampling import GenerationConfig
+from realloc.models.static_decode import DecodingModel
+from realloc.models.tail_decode import select_rows
+from realloc.strategy import even_ranges
+
+
+class SplitGeneration:
+    """One replica's rows (prompts ``rows``, sequence ids ``seq_ids``) in ``n_mbs`` micro-batches side by side."""
+
+    def __init__(self, model: DecodingModel, rows: list[torch.Tensor], gconfig: GenerationConfig,
+                 seq_ids: Sequence[int], n_mbs: int) -> None:
+        if model.groups.pp != 1:
+            raise ValueError("streaming: the generation call must run at pp 1 (its decode steps are counted in "
+                             "lockstep over the dp replicas); give the call pp=1 or drop its 'tail' plan entry")
+        model.stage.eval()
+        self.n, self.pad = len(rows), gconfig.pad_token_id
+        spans = [(lo, hi) for lo, hi in even_ranges(len(rows), max(1, min(n_mbs, len(rows)))) if hi > lo] if rows \
+            else []
+        self.mbs = [_MicroBatch(model, rows[lo:hi], list(seq_ids[lo:hi]), gconfig) for lo, hi in spans]
+        self.offsets = [lo for lo, _ in spans]
+        self.t = 0  # the next step
+
+    def _step(self) -> None:
+        for mb in self.mbs:
+            if not mb.done:
+                mb.apply(mb.sample(mb.forward(None, self.t), self.t), self.t)
+        self.t += 1
+
+    def running(self) -> list[int]:
+        """Local positions of the rows still decoding, ascending."""
+        return sorted(off + int(i) for mb, off in zip(self.mbs, self.offsets) if not mb.done
+                      for i in mb.active.tolist())
+
+    @torch.no_grad()
+    def until(self, global_count: Callable[[int], int], threshold: int) -> bool:
+        """Decode to the split point; False if the whole call ended first (no step left 1..threshold rows).
+        ``global_count(local)`` is called once per step on every replica, the same number of times."""
+        while True:
+            self._step()
+            left = global_count(sum(mb.n_active for mb in self.mbs if not mb.done))
+            if left == 0:
+                return False
+            if left <= threshold:
+                return True
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Decode the running rows to their end with the same steps an uninterrupted run makes."""
+        while any(not mb.done for mb in self.mbs):
+            self._step()
+
+    def output(self, positions: Sequence[int]) -> GenerationOutput:
+        """The generation results (so far) of the rows at local ``positions``, in that order."""
+        outs = [mb.output() for mb in self.mbs]
+        full = outs[0] if len(outs) == 1 else _concat(outs, self.pad)
+        return select_rows(full, positions)

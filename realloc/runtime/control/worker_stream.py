@@ -1,0 +1,84 @@
+"""A worker's side of a generation call that streams without migration (a ``tail`` entry with ``instances=0``,
+graph/tail.py; docs/tail-semantics.md). The call takes two ``RunCall`` requests:
+
+1. The first runs the interface function once with a stand-in model that records its ``generate`` call
+   (``worker_tail._Recorder``), decodes this replica's rows to the split point (``models/stream_decode.py``: the
+   replicas count the call's running rows together after every step), runs the interface function on the rows
+   finished by then (its ``generate`` answered with their results) and replies with them. The decoding state
+   (micro-batches, KV caches, sampling streams) stays in ``kept``, keyed by call and iteration.
+2. The second (its ``rows``: this replica's running rows, as the master derives them) continues that state to the
+   end and runs the interface function on those rows. Between the two, the master moves the finished rows to the
+   consumers off the generation's mesh, which start on them.
+
+Every row is decoded by the same steps as without the entry, so the results are the plain run's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from realloc.algorithms.context import CallContext, CallResult, Data
+from realloc.graph.tail import TailMigration
+from realloc.models.stream_decode import SplitGeneration
+from realloc.runtime.control.worker_tail import _Captured, _Recorder, _Replay
+
+Kept = dict[tuple[str, int], tuple[SplitGeneration, list[int], list[int], Data]]
+
+
+def _rows_of(inputs: Data, positions: list[int]) -> Data:
+    idx = torch.tensor(positions, dtype=torch.long)
+    return {role: {name: t.index_select(0, idx) for name, t in d.items()} for role, d in inputs.items()}
+
+
+def _run_on(ctx: CallContext, fn: Callable[[CallContext, Data], CallResult], gen: SplitGeneration,
+            ids: list[int], positions: list[int], inputs: Data, call: str) -> CallResult:
+    """The interface function on the rows at local ``positions`` (sequence ids ``ids``), ``generate`` answered."""
+    replay = _Replay(ctx.model, gen.output(positions), ids, call)
+    return fn(dataclasses.replace(ctx, ids=ids, model=replay), _rows_of(inputs, positions))
+
+
+def streaming_generation(ctx: CallContext, fn: Callable[[CallContext, Data], CallResult], inputs: Data,
+                         tail: TailMigration, call: str, kept: Kept) -> tuple[CallResult | None, list[int]]:
+    """One of the call's two requests on this replica (see the module docstring): the result covers the rows it
+    returns beside it, ascending (None and no rows: this replica has none in this part)."""
+    state = kept.pop((call, ctx.iteration), None)
+    if state is not None:  # the second request: the running rows to their end
+        gen, seq_ids, running, held = state
+        if list(ctx.ids) != [seq_ids[i] for i in running]:
+            raise ValueError(f"call {call!r}: the second part names rows {list(ctx.ids)}, but this replica decodes "
+                             f"{[seq_ids[i] for i in running]}")
+        gen.finish()
+        return _run_on(ctx, fn, gen, list(ctx.ids), running, held, call), list(ctx.ids)
+    model = ctx.model
+    assert model is not None
+    rec = _Recorder(model)
+    try:
+        fn(dataclasses.replace(ctx, model=rec), inputs)
+    except _Captured:
+        pass
+    a = rec.args
+    if a is None or a.seq_ids != list(ctx.ids):
+        raise ValueError(f"call {call!r}: with a 'tail' plan entry the generation interface must call "
+                         f"model.generate once, with one sequence id per input row (seq_ids=ctx.ids); drop the "
+                         f"call's tail entry to run this interface")
+
+    def global_count(local: int) -> int:
+        t = torch.tensor([local], dtype=torch.long, device=model.device)
+        dist.all_reduce(t, group=model.groups.dp_group)
+        return int(t.item())
+
+    gen = SplitGeneration(model, a.prompts, a.gconfig, a.seq_ids, a.n_mbs)
+    gen.until(global_count, tail.rows)  # False: every row ended (the running list is empty)
+    running = gen.running()
+    if running:
+        kept[call, ctx.iteration] = (gen, a.seq_ids, running, inputs)
+    finished = [i for i in range(len(a.seq_ids)) if i not in set(running)]
+    if not finished:
+        return None, []
+    ids = [a.seq_ids[i] for i in finished]
+    return _run_on(ctx, fn, gen, ids, finished, inputs, call), ids
+
