@@ -28,11 +28,11 @@ class CalcGRPOTool:
     seed: int = 1
     dataset: str = "data/calc_train.jsonl"  # {"prompt": "163*16=", "answer": "2608"} per line
     tokenizer: str = "data/calc_tokenizer"
-    iterations: int = 50
+    iterations: int = 100
     grpo: GRPOConfig = GRPOConfig(n_minibatches=2, lr=5e-4, kl_coef=0.01)
     init: str = ""  # the SFT stage's export ("": random weights)
     # held-out exact match with the tool, greedy, the environment in the loop: 12 batches of 16 = 192 of the 200
-    eval: EvalConfig = EvalConfig(dataset="data/calc_eval.jsonl", every=10, batches=12)
+    eval: EvalConfig = EvalConfig(dataset="data/calc_eval.jsonl", every=25, batches=12)
 
     @property
     def models(self):
