@@ -1,28 +1,15 @@
 """Each rollout's KV cache kept across its turns (realloc/models/turn_cache.py) against the conversation prefilled
 again at every turn (``interface_args["kv_cache"] = False``), on real gloo ranks with a tiny random model: the same
-sampled tokens, masks and rewards, the same log-probs, and only the appended tokens prefilled."""
+sampled tokens, masks and rewards, log-probs equal to 1e-6 (the kept keys were computed one decode step at a
+time, the re-prefilled ones in one pass), and only the appended tokens prefilled."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mp_pool import GlooPool
-from multiturn_cases import CHARACTERS
-from test_multiturn import ENV, PROMPTS, _gathered, _generate, _runs
-
-
-@pytest.fixture(scope="module")
-def pool(tmp_path_factory):
-    with GlooPool(2, tmp_path_factory.mktemp("gloo")) as p:
-        yield p
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    from realloc.demo.arith_task import train_tokenizer
-
-    return str(train_tokenizer(tmp_path_factory.mktemp("tok"), CHARACTERS))
+# the fixtures too: a 2-rank gloo pool and the tiny character tokenizer
+from test_multiturn import ENV, PROMPTS, _gathered, _generate, _runs, pool, tokenizer_dir  # noqa: F401
 
 
 def _appended(tokens: list[int], policy: list[bool], plen: int) -> int:
