@@ -19,8 +19,8 @@ class CalcGRPODirect:
     seed: int = 1
     dataset: str = "data/calc_train.jsonl"
     tokenizer: str = "data/calc_tokenizer"
-    iterations: int = 50
-    grpo: GRPOConfig = GRPOConfig(n_minibatches=2, lr=5e-4, kl_coef=0.01)
+    iterations: int = 150
+    grpo: GRPOConfig = GRPOConfig(n_minibatches=2, lr=5e-4, kl_coef=0.01, temperature=0.8)
     init: str = ""
 
     @property

@@ -14,6 +14,7 @@ import dataclasses
 from realloc.algorithms.critic_free.grpo import GRPOConfig
 from realloc.algorithms.critic_free.multiturn_graph import multiturn_rpcs
 from realloc.api import HFModel, auto
+from realloc.runtime.inputs.evaluation import EvalConfig
 
 ENV = {"env": "tools",
        "env_args": {"tools": {"c": "calculator"}, "result_format": "<r>{}</r>", "field": "answer",
@@ -27,9 +28,11 @@ class CalcGRPOTool:
     seed: int = 1
     dataset: str = "data/calc_train.jsonl"  # {"prompt": "163*16=", "answer": "2608"} per line
     tokenizer: str = "data/calc_tokenizer"
-    iterations: int = 50
-    grpo: GRPOConfig = GRPOConfig(n_minibatches=2, lr=5e-4, kl_coef=0.01)
+    iterations: int = 150
+    grpo: GRPOConfig = GRPOConfig(n_minibatches=2, lr=5e-4, kl_coef=0.01, temperature=0.8)
     init: str = ""  # the SFT stage's export ("": random weights)
+    # held-out exact match with the tool, greedy, the environment in the loop: 12 batches of 16 = 192 of the 200
+    eval: EvalConfig = EvalConfig(dataset="data/calc_eval.jsonl", every=25, batches=12)
 
     @property
     def models(self):

@@ -134,23 +134,27 @@ def _run(experiment: str, run_dir: Path, out: Path, sets: list[str], iterations:
     return seconds
 
 
-def demo(root: Path, iterations: int | None = None, sft_iterations: int = SFT_ITERATIONS) -> dict[str, Score]:
+def demo(root: Path, iterations: int | None = None, sft_iterations: int = SFT_ITERATIONS,
+         seed: int | None = None) -> dict[str, Score]:
     t0 = time.time()
+    seeded = [] if seed is None else [f"seed={seed}"]
     seconds = {
-        "sft_tool": _run("calc_sft.py", root / "run_sft_tool", root / "sft_tool", [], sft_iterations),
+        "sft_tool": _run("calc_sft.py", root / "run_sft_tool", root / "sft_tool", seeded, sft_iterations),
         "sft_direct": _run("calc_sft.py", root / "run_sft_direct", root / "sft_direct",
-                           [f"dataset=data/{SFT_DIRECT_FILE}"], sft_iterations),
+                           [f"dataset=data/{SFT_DIRECT_FILE}", *seeded], sft_iterations),
     }
     scores = {"sft_tool": tool_accuracy(root / "sft_tool", True),
               "sft_direct": tool_accuracy(root / "sft_direct", False)}
     print(f"after SFT: with the tool {_line(scores['sft_tool'])}; without {_line(scores['sft_direct'])}", flush=True)
     seconds["grpo_tool"] = _run("calc_grpo_tool.py", root / "run_grpo_tool", root / "grpo_tool",
-                                [f"init={root / 'sft_tool'}"], iterations)
+                                [f"init={root / 'sft_tool'}", *seeded], iterations)
     seconds["grpo_direct"] = _run("calc_grpo_direct.py", root / "run_grpo_direct", root / "grpo_direct",
-                                  [f"init={root / 'sft_direct'}"], iterations)
+                                  [f"init={root / 'sft_direct'}", *seeded], iterations)
     scores["grpo_tool"] = tool_accuracy(root / "grpo_tool", True)
     scores["grpo_direct"] = tool_accuracy(root / "grpo_direct", False)
     print(f"after GRPO: with the tool {_line(scores['grpo_tool'])}; without {_line(scores['grpo_direct'])}")
+    print("in the GRPO run with the tool, evaluated by realloc (its generation, the ToolEnv in the loop, "
+          "greedy, 192 of the held-out problems): " + in_run_eval(root / "run_grpo_tool"))
     print("held-out exact match (200 problems, greedy)   after SFT   after GRPO")
     for arm in ("tool", "direct"):
         print(f"  {'with the calculator tool' if arm == 'tool' else 'without a tool':<44}"
@@ -160,6 +164,13 @@ def demo(root: Path, iterations: int | None = None, sft_iterations: int = SFT_IT
     for e in scores["grpo_tool"].examples:
         print(f"  e.g. {e}")
     return scores
+
+
+def in_run_eval(run_dir: Path) -> str:
+    """The run's own evaluations (``eval`` in metrics.jsonl): exact match by iteration."""
+    evals = [(m["iteration"], m["eval"]["reward"]) for m in map(json.loads, (run_dir / "metrics.jsonl").open())
+             if m.get("eval")]
+    return ", ".join(f"{r:.1%} at iteration {t}" for t, r in evals) or "none"
 
 
 def _line(s: Score) -> str:
@@ -172,9 +183,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--iterations", type=int, default=None, help="GRPO iterations (default: the experiments')")
     p.add_argument("--sft-iterations", type=int, default=SFT_ITERATIONS,
                    help=f"SFT iterations, of calc_sft.py's schedule of 300 (default {SFT_ITERATIONS})")
+    p.add_argument("--seed", type=int, default=None, help="every stage's seed (default: the experiments', 1)")
     args = p.parse_args(argv)
     try:
-        demo(Path(args.run_dir).resolve(), args.iterations, args.sft_iterations)
+        demo(Path(args.run_dir).resolve(), args.iterations, args.sft_iterations, args.seed)
     except (ValueError, RuntimeError) as e:
         print(f"calc_demo: error: {e}", file=sys.stderr)
         return 2

@@ -8,6 +8,8 @@
 - ``turn_tokens``: the most tokens of one policy turn (default: the rollout's whole budget, ``gen_len``);
 - ``env_workers``: rollouts whose ``step`` runs at once on a replica's environment rank (default 4; tools are
   processes, so threads that wait on them are cheap);
+- ``kv_cache``: keep each rollout's KV cache across its turns, so a turn prefills only the tokens appended since
+  the last one (default True; False prefills the whole conversation every turn, ``models/turn_cache.py``);
 - ``turn_profile``: what the planner prices (``envs/turn_profile.py``): the policy's tokens per turn, observation
   tokens, the share of rollouts that take each turn, seconds per tool step; default: the most a rollout may take.
 """
@@ -19,7 +21,7 @@ from typing import Any, Mapping
 
 from realloc.envs.turn_profile import TurnProfile, declared_profile, default_profile
 
-KNOWN = ("env", "env_args", "max_turns", "turn_tokens", "env_workers", "turn_profile")
+KNOWN = ("env", "env_args", "max_turns", "turn_tokens", "env_workers", "turn_profile", "kv_cache")
 # Interface.check_args of every multi-turn GENERATE interface: how the planner recognizes one (turn_profile.py)
 ROLLOUT_CHECK = "realloc.envs.rollout_args:check"
 
@@ -32,6 +34,7 @@ class RolloutArgs:
     turn_tokens: int | None = None
     env_workers: int = 4
     turn_profile: Any = None  # None, a dict of turn_profile.PROFILE_KEYS or a TurnProfile
+    kv_cache: bool = True
 
 
 def _positive(call: str, name: str, v: Any, none_ok: bool = False) -> None:
@@ -57,7 +60,9 @@ def rollout_args(call: str, args: Mapping[str, Any]) -> RolloutArgs:
     if not isinstance(env_args, Mapping):
         raise ValueError(f"call {call!r}: interface_args['env_args'] must be a dict of the factory's keywords")
     out = RolloutArgs(env, dict(env_args), args.get("max_turns", 4), args.get("turn_tokens"),
-                      args.get("env_workers", 4), args.get("turn_profile"))
+                      args.get("env_workers", 4), args.get("turn_profile"), args.get("kv_cache", True))
+    if not isinstance(out.kv_cache, bool):
+        raise ValueError(f"call {call!r}: interface_args['kv_cache'] must be True or False, got {out.kv_cache!r}")
     _positive(call, "max_turns", out.max_turns)
     _positive(call, "turn_tokens", out.turn_tokens, none_ok=True)
     _positive(call, "env_workers", out.env_workers)

@@ -70,6 +70,7 @@ from realloc.models.zero import DistributedAdamW
 
 if TYPE_CHECKING:
     from realloc.models.sampling import GenerationConfig
+    from realloc.models.turn_cache import TurnCache
 
 ParamState = Literal["ready", "released"]
 
@@ -585,7 +586,7 @@ class ParallelModel:
 
     def generate(self, prompts: "Sequence[Sequence[int]] | Batch", gconfig: "GenerationConfig",
                  seq_ids: Sequence[int] | None = None, n_mbs: int = 1,
-                 max_in_flight: int | None = None) -> GenerationOutput:
+                 max_in_flight: int | None = None, turn_cache: "TurnCache | None" = None) -> GenerationOutput:
         """Sample continuations; see :func:`realloc.models.generation.generate`."""
         self._require("ready", "generate")
-        return generate(self, prompts, gconfig, seq_ids, n_mbs, max_in_flight)
+        return generate(self, prompts, gconfig, seq_ids, n_mbs, max_in_flight, turn_cache)

@@ -55,6 +55,7 @@ from realloc.models.sampling import GenerationConfig, draw_uniforms, sample_from
 # DecodingModel: what generation reads of a model, defined beside the static step that reads it too
 from realloc.models.static_decode import (DecodingModel, StaticDecoder, decode_static, wants_graph,
                                           wants_static_op_by_op)
+from realloc.models.turn_cache import TurnCache, restore
 from realloc.models.vocab_parallel import gather_vocab
 from realloc.strategy import even_ranges
 
@@ -152,17 +153,24 @@ class _MicroBatch:
     """One micro-batch's prompts, KV caches, RNG streams and generated tokens on this rank."""
 
     def __init__(self, model: DecodingModel, rows: list[torch.Tensor], seq_ids: list[int],
-                 gconfig: GenerationConfig) -> None:
+                 gconfig: GenerationConfig, turn_cache: TurnCache | None = None) -> None:
         dev = model.device
         self.model, self.rows, self.gconfig = model, rows, gconfig
         bsz = len(rows)
         self.plen = torch.tensor([r.numel() for r in rows], dtype=torch.long)
-        self.P, self.N = int(self.plen.max()), gconfig.max_new_tokens
-        tokens = torch.full((bsz, self.P), gconfig.pad_token_id, dtype=torch.long)
+        # Rows kept from an earlier turn (turn_cache.py): their kept prefix fills slots [C - c, C) and only the
+        # rest is prefilled, left-padded into [C, P). Without kept rows C = 0: the whole left-padded prompt.
+        self.seq_ids, self.turn_cache = seq_ids, turn_cache
+        self.kept = [None if turn_cache is None else turn_cache.take(i, r) for i, r in zip(seq_ids, rows)]
+        cached = [0 if k is None else k.length for k in self.kept]
+        C, W = max(cached), max(r.numel() - c for r, c in zip(rows, cached))
+        self.C, self.P, self.N = C, C + W, gconfig.max_new_tokens
+        tokens = torch.full((bsz, W), gconfig.pad_token_id, dtype=torch.long)
         key_valid = torch.zeros((bsz, self.P + self.N), dtype=torch.bool)
-        for b, r in enumerate(rows):
-            tokens[b, self.P - r.numel():] = r
-            key_valid[b, self.P - r.numel():self.P] = True
+        for b, (r, c) in enumerate(zip(rows, cached)):
+            tokens[b, W - (r.numel() - c):] = r[c:]
+            key_valid[b, C - c:C] = True
+            key_valid[b, self.P - (r.numel() - c):self.P] = True
         self.key_valid, self.plen_d = key_valid.to(dev), self.plen.to(dev)
         # Every row's draws for all N steps at once: a row draws once per step until it stops, so its draw at step
         # t is its generator's t-th, which a vector draw yields too (draw_uniforms); one call per row, not per step.
@@ -183,8 +191,8 @@ class _MicroBatch:
         self.finished_step = -1  # the step (of this micro-batch) whose tokens finished it
         # the next step's inputs: the whole left-padded prompt first
         tokens = tokens.to(dev)
-        positions = (self.key_valid[:, :self.P].long().cumsum(-1) - 1).clamp(min=0)
-        self.inputs = (tokens, positions, cache_mask(self.key_valid[:, :self.P], 0, self.P), 0)
+        positions = (self.key_valid[:, :self.P].long().cumsum(-1) - 1).clamp(min=0)[:, C:]
+        self.inputs = (tokens, positions, cache_mask(self.key_valid[:, :self.P], C, W), C)
 
     @property
     def n_active(self) -> int:
@@ -197,6 +205,8 @@ class _MicroBatch:
         ids, positions, mask, start = self.inputs
         if t == 0:
             self.caches = m.stage.new_kv_caches(ids.shape[0], self.P + self.N)
+            restore(self.caches, self.kept, self.C)
+            self.kept = []  # in the caches now
         h = m.stage.embed(ids) if g.is_first_stage else x
         h = m.stage.run_layers(h, positions, mask, self.caches, start)
         if not g.is_last_stage:
@@ -228,6 +238,8 @@ class _MicroBatch:
         if self.target is not None:  # a scheduled row ends at its length, with EOS where there is one
             stop = stop | (self.target[active] == t + 1)
         keep = ~stop
+        if self.turn_cache is not None:  # the finished rows' caches, for their next turn
+            self._keep_finished(active, stop if t < self.N - 1 else torch.ones_like(stop), t)
         if t == self.N - 1 or not bool(keep.any()):
             self.done, self.caches, self.finished_step = True, [], t
             return
@@ -238,6 +250,16 @@ class _MicroBatch:
         self.key_valid[self.active, slot] = True
         pos = (self.plen_d[self.active] + t).view(-1, 1)
         self.inputs = (tok.view(-1, 1), pos, cache_mask(self.key_valid[self.active, :slot + 1], slot, 1), slot)
+
+    def _keep_finished(self, active: torch.Tensor, finished: torch.Tensor, t: int) -> None:
+        """Hand the rows that finish at step ``t`` to the turn cache: their keys and values in the cache slots
+        [0, P + t) (every token but the last sampled one, which no step fed in)."""
+        assert self.turn_cache is not None
+        for i in finished.nonzero().flatten().tolist():
+            b = int(active[i])
+            tokens = torch.cat([self.rows[b], self.out_tok[b, :t].cpu()])
+            slots = self.key_valid[b, :self.P + t].nonzero().flatten()
+            self.turn_cache.keep(self.seq_ids[b], tokens, self.caches, i, slots)
 
     def output(self) -> GenerationOutput:
         dev, bsz = self.model.device, len(self.rows)
@@ -257,7 +279,7 @@ class _MicroBatch:
 @torch.no_grad()
 def generate(model: DecodingModel, prompts: Sequence[Sequence[int]] | Mapping[str, torch.Tensor],
              gconfig: GenerationConfig, seq_ids: Sequence[int] | None = None, n_mbs: int = 1,
-             max_in_flight: int | None = None) -> GenerationOutput:
+             max_in_flight: int | None = None, turn_cache: TurnCache | None = None) -> GenerationOutput:
     """Generate for this dp replica's ``prompts`` (lists of token ids, or a padded batch mapping).
 
     ``seq_ids`` name each prompt for the sampling RNG (default 0..B-1). Give every
@@ -267,6 +289,10 @@ def generate(model: DecodingModel, prompts: Sequence[Sequence[int]] | Mapping[st
     alive at a time), pipelined through the stages with pp > 1, at most
     ``max_in_flight`` (default pp) at a time; use at least pp micro-batches to keep
     every stage busy. The results depend on neither.
+
+    ``turn_cache`` (``turn_cache.py``, multi-turn rollouts): rows whose earlier turn left their keys and values
+    there prefill only the tokens added since, and every row's are kept for its next turn. Eager decoding only;
+    the static and graph decoders prefill whole prompts and keep nothing.
     """
     cfg = model.cfg
     if cfg.is_critic:
@@ -292,10 +318,12 @@ def generate(model: DecodingModel, prompts: Sequence[Sequence[int]] | Mapping[st
                          f"max_position_embeddings ({cfg.max_position_embeddings}) of {cfg.name!r}")
     if model.stage.training:  # eval() walks every module; the stage is only ever switched as a whole
         model.stage.eval()
-    mbs = [_MicroBatch(model, rows[lo:hi], seq_ids[lo:hi], gconfig) for lo, hi in even_ranges(bsz, n_mbs)]
-    wire = _Wire(model)
     graph = wants_graph(model, gconfig) and gconfig.length_schedule is None  # a schedule decodes eagerly
-    if graph or wants_static_op_by_op(model, gconfig):
+    static = graph or wants_static_op_by_op(model, gconfig)
+    mbs = [_MicroBatch(model, rows[lo:hi], seq_ids[lo:hi], gconfig, None if static else turn_cache)
+           for lo, hi in even_ranges(bsz, n_mbs)]
+    wire = _Wire(model)
+    if static:
         # static shapes, a CUDA graph per (rows, cache length) on a GPU (static_decode.py); freed on return
         decoders: dict[tuple[int, int], StaticDecoder] = {}
         for mb in mbs:

@@ -32,6 +32,7 @@ from realloc.algorithms.context import CallContext, CallResult, Data
 from realloc.envs.base import Environment, check_step, env_factory
 from realloc.envs.rollout_args import rollout_args
 from realloc.models.engine import ParallelModel
+from realloc.models.turn_cache import TurnCache
 from realloc.models.weights import param_seed
 
 FAILED = -1  # the broadcast header of a turn whose environment raised on the reporting rank
@@ -73,26 +74,31 @@ def multiturn_generate(ctx: CallContext, inputs: Data) -> CallResult:
     plen = prompts["lengths"]
     n, P, T = plen.shape[0], ctx.prompt_len, ctx.gen_len
     rolls = [Rollout(prompts["tokens"][b, :int(plen[b])].tolist(), T) for b in range(n)]
+    lead = _leaders(ctx, n)
+    runs = sorted(set(lead))  # the rollouts that run (greedy: one per prompt)
     reporter = model.groups.tp_rank == 0 and model.groups.is_last_stage
-    envs: list[Environment] = []
+    envs: dict[int, Environment] = {}
     first: list[list[int]] | BaseException | None = None
     if reporter:
         try:
             make = env_factory(where, args.env)
             rows = prompts["rows"].tolist() if "rows" in prompts and ctx.records is not None else [None] * n
-            envs = [make(**args.env_args) for _ in range(n)]
-            first = [_encode(tok, _first_observation(where, e, {} if r is None else dict(ctx.records(int(r)))))
-                     for e, r in zip(envs, rows)]
+            envs = {b: make(**args.env_args) for b in runs}
+            first = [_encode(tok, _first_observation(where, envs[b], {} if rows[b] is None
+                                                     else dict(ctx.records(int(rows[b]))))) for b in runs]
         except Exception as e:  # noqa: BLE001  (re-raised on every rank by _share_tokens)
             first = e
-    for r, obs in zip(rolls, _share_tokens(model, first)):
-        r.add(obs, None)
+    for b, obs in zip(runs, _share_tokens(model, first)):
+        rolls[b].add(obs, None)
     clock = dict.fromkeys(CLOCK, 0.0)  # the environment's steps, timed on the reporting rank (the planner reads it)
     base = generation_config(ctx)
     cap = min(args.turn_tokens or T, T)
+    cache = TurnCache() if args.kv_cache else None  # each rollout's keys and values, kept across its turns
     with ThreadPoolExecutor(max_workers=args.env_workers) as pool:
         for turn in range(args.max_turns):
-            active = [b for b, r in enumerate(rolls) if not r.done and r.budget > 0]
+            active = [b for b in runs if not rolls[b].done and rolls[b].budget > 0]
+            if cache is not None:
+                cache.drop([ctx.ids[b] for b in runs if b not in active])
             if not active:
                 break
             new = min(cap, max(rolls[b].budget for b in active))
@@ -100,7 +106,8 @@ def multiturn_generate(ctx: CallContext, inputs: Data) -> CallResult:
                                           seed=param_seed(ctx.seed, f"{ctx.purpose}/{ctx.iteration}/turn{turn}"))
             t0 = time.perf_counter()
             out = model.generate([rolls[b].prompt + rolls[b].tokens for b in active], gconfig,
-                                 seq_ids=[ctx.ids[b] for b in active], n_mbs=min(ctx.n_mbs, len(active)))
+                                 seq_ids=[ctx.ids[b] for b in active], n_mbs=min(ctx.n_mbs, len(active)),
+                                 turn_cache=cache)
             t1 = time.perf_counter()
             said: list[list[int]] = []
             for i, b in enumerate(active):
@@ -122,7 +129,20 @@ def multiturn_generate(ctx: CallContext, inputs: Data) -> CallResult:
             # the turn's wall seconds (the timeline draws them, search/turns_report.py)
             clock[f"turn{turn + 1}_generate_s"] = t1 - t0
             clock[f"turn{turn + 1}_env_s"] = time.perf_counter() - t1
-    return _result(ctx, rolls, prompts, envs, clock)
+    if cache is not None:  # prompt tokens run through the model, and those taken from the kept caches
+        clock.update(prefill_tokens=float(cache.prefilled), cached_tokens=float(cache.reused))
+    return _result(ctx, [rolls[a] for a in lead], prompts, list(envs.values()), clock)
+
+
+def _leaders(ctx: CallContext, n: int) -> list[int]:
+    """The rollout each row copies: itself, or under greedy decoding (evaluation) the first row of its prompt's
+    group, since every row of a group would say the same. The environment is then stepped once per prompt; an
+    environment whose answers are random would have answered each row differently, which an evaluation of the
+    policy does not need."""
+    if not ctx.greedy or ctx.group_size <= 1:
+        return list(range(n))
+    first: dict[int, int] = {}
+    return [first.setdefault(ctx.ids[b] // ctx.group_size, b) for b in range(n)]
 
 
 def _first_observation(where: str, env: Environment, record: dict[str, Any]) -> str:

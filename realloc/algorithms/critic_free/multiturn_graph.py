@@ -1,4 +1,4 @@
-"""Multi-turn rollouts with GRPO, RLOO or PPO: interface declarations and the calls (torch-free; the generation is
+"""Multi-turn rollouts with GRPO, RLOO, PPO, DAPO, GSPO or REINFORCE++: interface declarations and the calls (torch-free; the generation is
 ``multiturn.py``, the environments ``realloc/envs/``).
 
     rpcs = multiturn_rpcs("grpo", env={"env": "tools", "env_args": {"tools": ["calculator"]}, "max_turns": 3})
@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from realloc.algorithms.critic_free.grpo import PG_INPUTS, GRPOConfig, RLOOConfig
+from realloc.algorithms.critic_free.pg_algorithms import DAPOConfig, GSPOConfig, ReinforcePPConfig
 from realloc.algorithms.interface import Interface
 from realloc.algorithms.ppo.ppo_config import PPOConfig, critic_and_train_calls
 from realloc.calls import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef
@@ -21,29 +22,41 @@ from realloc.envs.rollout_args import ROLLOUT_CHECK
 _MT = "realloc.algorithms.critic_free.multiturn"
 
 
-def _interfaces(name: str, field: str, cfg: type, train: str | None) -> tuple[Interface, ...]:
+def _interfaces(name: str, field: str, cfg: type, train: str | None,
+                module: str = "critic_free") -> tuple[Interface, ...]:
     return (Interface(name, GENERATE, f"{_MT}:multiturn_generate", inputs=("prompts",),
                       outputs=("seq", "logp", "rewards"), config=field, config_type=cfg, records=True,
                       check_args=ROLLOUT_CHECK, migrates_tail=False),
             Interface(name, INFERENCE, f"{_MT}:policy_logprobs", inputs=("seq",), outputs=("logp",), config=field,
                       config_type=cfg)) + (() if train is None else (
-            Interface(name, TRAIN_STEP, f"realloc.algorithms.critic_free.critic_free:{train}", inputs=PG_INPUTS,
+            Interface(name, TRAIN_STEP, f"realloc.algorithms.critic_free.{module}:{train}", inputs=PG_INPUTS,
                       config=field, config_type=cfg, min_group_size=2),))
 
 
 INTERFACES: tuple[Interface, ...] = (*_interfaces("grpo_multiturn", "grpo", GRPOConfig, "grpo_train"),
                                      *_interfaces("rloo_multiturn", "rloo", RLOOConfig, "rloo_train"),
+                                     # the train steps of pg_algorithms.py read the loss mask
+                                     *_interfaces("dapo_multiturn", "dapo", DAPOConfig, "dapo_train", "pg_steps"),
+                                     *_interfaces("gspo_multiturn", "gspo", GSPOConfig, "gspo_train", "pg_steps"),
+                                     *_interfaces("reinforce_pp_multiturn", "reinforce_pp", ReinforcePPConfig,
+                                                  "reinforce_pp_train", "pg_steps"),
                                      # PPO trains with its own train steps (ppo_actor, ppo_critic)
                                      *_interfaces("ppo_multiturn", "ppo", PPOConfig, None))
 
 
-def multiturn_rpcs(algorithm: Literal["grpo", "rloo", "ppo"], env: dict[str, Any], actor: str | None = None,
-                   ref: str | None = None, n_samples: int = 8, n_minibatches: int | None = None,
-                   critic: str | None = None) -> list[ModelFunctionCallDef]:
-    """The calls of GRPO, RLOO or PPO on multi-turn rollouts; ``env`` is the GENERATE call's ``interface_args``
-    (``realloc/envs/rollout_args.py``). PPO's ``critic`` is a model type (None: from the experiment's models)."""
-    if algorithm not in ("grpo", "rloo", "ppo"):
-        raise ValueError(f"multiturn_rpcs: algorithm must be 'grpo', 'rloo' or 'ppo', got {algorithm!r}")
+ALGORITHMS = ("grpo", "rloo", "ppo", "dapo", "gspo", "reinforce_pp")
+
+
+def multiturn_rpcs(algorithm: Literal["grpo", "rloo", "ppo", "dapo", "gspo", "reinforce_pp"], env: dict[str, Any],
+                   actor: str | None = None, ref: str | None = None, n_samples: int = 8,
+                   n_minibatches: int | None = None, critic: str | None = None) -> list[ModelFunctionCallDef]:
+    """The calls of GRPO, RLOO, PPO, DAPO, GSPO or REINFORCE++ on multi-turn rollouts; ``env`` is the GENERATE
+    call's ``interface_args`` (``realloc/envs/rollout_args.py``). PPO's ``critic`` is a model type (None: from
+    the experiment's models). Settings come from the experiment's field of the algorithm's name (``dapo:
+    DAPOConfig``, ...)."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"multiturn_rpcs: algorithm must be one of {', '.join(map(repr, ALGORITHMS))}, got "
+                         f"{algorithm!r}")
     impl = f"{algorithm}_multiturn"
     if algorithm == "ppo":
         return _ppo_rpcs(env, actor, ref, critic, n_samples, n_minibatches)

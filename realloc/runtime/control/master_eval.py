@@ -1,5 +1,6 @@
 """Evaluation passes during a run (``inputs/evaluation.py``): the actor generates on the eval batches in
-its train step's layout, and the reward call scores them; or, without generation (a reward model), the train
+its train step's layout, and the reward call scores them (a multi-turn generation scores its own, the
+environment in the loop); or, without generation (a reward model), the train
 step's scoring namesake scores the eval records in the train step's layout.
 
 ``EvaluationPasses`` is one part of ``Master`` (``master.py``), which creates the state these methods share.
@@ -39,10 +40,17 @@ class EvaluationPasses:
                                lambda req, j=j: protocol.RunCall(req=req, call=ec.generate, iteration=t,
                                                                  eval_batch=j, layout_call=ec.train))
                     for j in batches]
+            stats = self.eval_stats.setdefault(t, {})
             for rec in recs:
                 for rep in await self._wait(rec):
                     for out in rep.outputs:
                         self.data_meta.setdefault((out.key, t), out.tensors)
+                    if ec.self_scored:  # a multi-turn rollout: the generation's own scores (the environment's)
+                        for k, v in rep.stats.items():
+                            stats[k] = stats.get(k, 0.0) + v
+            return
+        if ec.self_scored:  # scored already: nothing to move or score
+            self._drop_eval_data(t)
             return
         sent = []
         for j in batches:
@@ -63,7 +71,10 @@ class EvaluationPasses:
             for rep in await self._wait(rec):
                 for k, v in rep.stats.items():
                     stats[k] = stats.get(k, 0.0) + v
-        # the other outputs of the eval generation (logp) are not needed
+        self._drop_eval_data(t)
+
+    def _drop_eval_data(self, t: int) -> None:
+        """Forget the eval generation's outputs that nothing reads (logp; a self-scored one's all)."""
         for k in [k for k in self.data_meta if k[1] == t and k[0].startswith("eval")]:
             self.data_meta.pop(k)
 

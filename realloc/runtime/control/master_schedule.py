@@ -125,6 +125,8 @@ class IterationSchedule:
         # waits for it too. The same iteration's consumers of the reward do not: the evaluation waits for
         # the actor's train step, which needs them.
         anchors = {self.eval_calls.train: "generate", self.eval_calls.reward: "reward"} if self.eval_calls else {}
+        if self.eval_calls and self.eval_calls.self_scored:  # no pass in the (generating) reward call's layout
+            anchors = {self.eval_calls.train: "generate"}
         out += [Node("eval", anchors[d.name], d.t) for d in list(out)
                 if d.kind == "call" and d.name in anchors and self._evaluates(d.t)
                 and (n.kind in ("realloc", "offload") or d.t < n.t)]

@@ -390,9 +390,10 @@ class ModelWorker:
                 metas.append(protocol.OutputMeta(key=key_of(key), tensors=self.store.meta(key_of(key), iteration)))
         reporter = tp_rank == 0 and pp_rank == pp - 1
         scored = reward_roles[0] if reward_roles and reward_roles[0] in result.outputs else None
-        if evaluating and reporter and scored and "seq" in inputs:
-            write_eval_samples(self.run_dir, iteration, self.rank, eval_batch, range(lo, hi), inputs["seq"],
-                               result.outputs[scored]["score"], self.tokenizer)
+        if evaluating and reporter and scored and ("seq" in inputs or "seq" in result.outputs):  # multi-turn: out
+            write_eval_samples(self.run_dir, iteration, self.rank, eval_batch, range(lo, hi),
+                               inputs.get("seq", result.outputs.get("seq")), result.outputs[scored]["score"],
+                               self.tokenizer)
         elif reporter and scored and "seq" in inputs:
             self.sample_parts = self.samples.parts(iteration, ids, in_keys["seq"], inputs["seq"],
                                                    scores=result.outputs[scored]["score"])

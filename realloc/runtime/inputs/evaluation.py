@@ -6,7 +6,8 @@
 After iteration t (counted from 1) with t % every == 0, the actor as trained so far (the parameters in
 its home layout, where its train step left them, i.e. exactly what checkpoint ``iter_t`` holds)
 generates responses to ``batches`` batches of ``batch_size`` eval prompts, greedily or sampled like
-training, and the experiment's reward call scores them. metrics.jsonl then carries
+training, and the experiment's reward call scores them (a multi-turn GENERATE call scores its own
+conversations: the environment runs in the loop and gives the reward). metrics.jsonl then carries
 ``"eval": {"reward": mean score, "n": prompts}`` for that iteration, and each scoring worker writes
 the scored sequences to ``RUN/eval/iter_<t>.rank<r>.jsonl``.
 
@@ -66,13 +67,21 @@ class EvalCalls:
 
     Without generation (a reward model trained on preference pairs), ``scorer`` names the INFERENCE interface
     that scores the eval records in the train step's layout (the train interface's namesake, e.g. ``rm``);
-    ``generate`` and ``reward`` are then the train call too, and the eval set has the training data's kind."""
+    ``generate`` and ``reward`` are then the train call too, and the eval set has the training data's kind.
+
+    A GENERATE call that scores its own rollouts (a multi-turn rollout, whose environment gives the reward:
+    ``algorithms/critic_free/multiturn.py``) is its own ``reward``: the evaluation runs the whole conversation,
+    the environment in the loop, and its scores are the generation's (``self_scored``)."""
 
     generate: str
     train: str
     reward: str
     reward_key: str  # the reward call's output key that holds the scores
     scorer: str = ""
+
+    @property
+    def self_scored(self) -> bool:
+        return self.reward == self.generate and not self.scorer
 
 
 def _scoring_eval(spec: ExperimentSpec) -> EvalCalls | None:
@@ -90,6 +99,15 @@ def _scoring_eval(spec: ExperimentSpec) -> EvalCalls | None:
     return None
 
 
+def _reward_key(r: ModelFunctionCallDef, table: dict) -> str | None:
+    """The key a call writes as its reward (an output slot of kind ``rewards``), or None. A GENERATE call has
+    one when it scores its own rollouts (multi-turn: the environment's score)."""
+    found = table.get((r.interface_impl or "", r.interface_type))
+    if found is None:  # an unknown interface: the graph's check names it; go by the key's name
+        return next((k for k in r.output_data if "reward" in k), None)
+    return next((k for slot, k in zip(found.out_slots, r.output_data) if slot.kind == "rewards"), None)
+
+
 def eval_calls(spec: ExperimentSpec) -> EvalCalls:
     gen = next((r for r in spec.rpcs if r.interface_type is InterfaceType.GENERATE
                 and any(k in spec.dataset_keys for k in r.input_data)), None)
@@ -103,20 +121,15 @@ def eval_calls(spec: ExperimentSpec) -> EvalCalls:
     train = next((r for r in spec.rpcs if r.model_name == gen.model_name and r.is_train), None)
     seq = gen.output_data[0] if gen.output_data else None
     table = interfaces_of(spec)
-
-    def reward_key(r: ModelFunctionCallDef) -> str | None:
-        """The key a call writes as its reward (an output slot of kind ``rewards``), or None."""
-        found = table.get((r.interface_impl or "", r.interface_type))
-        if found is None:  # an unknown interface: the graph's check names it; go by the key's name
-            return next((k for k in r.output_data if "reward" in k), None)
-        return next((k for slot, k in zip(found.out_slots, r.output_data) if slot.kind == "rewards"), None)
-
+    own = _reward_key(gen, table)
+    if own is not None and train is not None:  # a multi-turn rollout: the environment scores it in generation
+        return EvalCalls(gen.name, train.name, gen.name, own)
     reward = next((r for r in spec.rpcs if seq in r.input_data and r.interface_type is InterfaceType.INFERENCE
-                   and reward_key(r) is not None), None)
+                   and _reward_key(r, table) is not None), None)
     if train is None or reward is None:
         raise ValueError(f"experiment {spec.name!r}: evaluation needs the generating model's train step and a "
                          f"reward call reading {seq!r}")
-    key = reward_key(reward)
+    key = _reward_key(reward, table)
     assert key is not None
     return EvalCalls(gen.name, train.name, reward.name, key)
 
