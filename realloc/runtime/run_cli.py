@@ -242,6 +242,8 @@ def main(args: argparse.Namespace) -> int:
         resumed = resume_settings(args.experiment, ckpt, checkpoint.read_meta(ckpt), sets, args.allow_changed_settings)
         spec, sets, changed, reapplied = resumed.spec, resumed.overrides, resumed.changed, resumed.recorded
     check_pools(spec.cluster)  # pools run under every launcher, all CPU or all GPU (launch/pool_launch.py)
+    if spec.cluster.pools and args.launcher == "local":
+        _check_local(spec)  # before the search: GPU pools need their GPUs on this machine
     graph = build_graph(spec)
     config = RunConfig.of(spec)
     start = 0
