@@ -100,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default=None, help="output JSON path (default: <--profiles DIR>/<device>/<model>.json)")
     s.add_argument("--kind", default=None, help="device kind of profiles/hardware/<kind>.json (cpu by default; "
                    "required with --device cuda, e.g. a100-80g)")
+    s.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"], help="measure in another of the "
+                   "kind's dtypes (a pool's dtype; default the kind's own); writes <model>-<dtype>.json")
     s.add_argument("--batch-sizes", default=None, help="comma-separated batch sizes (default 1,2,4,...,64)")
     s.add_argument("--seq-lens", default=None, help="comma-separated sequence lengths (default 8,16,...,256)")
     s.add_argument("--ctx-lens", default=None, help="comma-separated KV-cache lengths for decode (default 8,...,512)")
