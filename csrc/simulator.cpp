@@ -275,7 +275,8 @@ inline void Evaluator::price(int j, const int32_t* plan) {
     bool known = true;
     // Parameters already in the call's layout need no move: reallocation is free.
     // A home that kept its parameters: the way back is skipped (home_keep.cpp).
-    if (kind == NodeKind::kData || (la != lb && !home_skips_return(p_, c, plan))) cost = tmpl_table_[j]->get(la, lb, known);
+    if (kind == NodeKind::kData || (la != lb && !home_skips_return(p_, c, plan)))
+        cost = tmpl_table_[j]->get(la, lb, known);
     set_transfer(j, s, la, lb, cost, known);
     s.latency = kind == NodeKind::kRealloc && !s.pass ? p_.dispatch_latency : 0.0;
 }
