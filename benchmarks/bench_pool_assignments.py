@@ -20,9 +20,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
+
 from realloc.api import load_experiment  # noqa: E402
 from realloc.search.engine import run_mcmc  # noqa: E402
 from realloc.search.planner import plan_search  # noqa: E402
+from realloc.search.pool_space import on_cluster  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,13 +46,22 @@ def main() -> None:
     space = report.space
     names = space.problem.call_names
     found = tuple(space.options[c][int(report.indices[c])].mesh.pool for c in range(len(names)))
+    # Each assignment's chains start from the search's plan and the strongest pool's plan, each call kept where
+    # the assignment allows it and otherwise at its fastest candidate on its assigned pool.
+    plans = [report.indices, space.indices_of(on_cluster(report.alone.plan, report.graph))]
     rows = []
     for assign in itertools.product((0, 1), repeat=len(names)):
         keep = [[i for i, o in enumerate(space.options[c]) if o.mesh.pool == assign[c]] for c in range(len(names))]
         if not all(keep):
             continue  # a call with no candidate on that pool (it fits nowhere there, or is never faster)
-        outcome = run_mcmc(space.restrict(keep), time_limit=args.per_assignment, seed=args.seed, n_threads=2,
-                           n_chains=2)
+        times = [space.problem.candidates[c].time for c in range(len(names))]
+        sub = space.restrict(keep)
+        starts = [np.array([keep[c].index(int(p[c])) if int(p[c]) in keep[c]
+                            else int(np.argmin(times[c][keep[c]])) for c in range(len(names))]
+                           + [0] * len(sub.problem.fused), np.int32)  # fused pairs off at the start
+                  for p in plans]
+        outcome = run_mcmc(sub, time_limit=args.per_assignment, seed=args.seed, n_threads=2, n_chains=2,
+                           starts=starts)
         ev = outcome.evaluation
         rows.append((ev["time"] if ev["feasible"] else float("inf"), assign))
     rows.sort()
