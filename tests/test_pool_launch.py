@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_launcher import FAKE_SCONTROL, FAKE_SRUN, free_job_id, realloc_cli
+from test_launcher import FAKE_SCONTROL, FAKE_SRUN, GPU_EXPERIMENT, free_job_id, realloc_cli
 
 from realloc.api import load_experiment
 from realloc.cluster import ClusterSpec, Pool
@@ -33,20 +33,10 @@ SPLIT = {"actor_gen": "cpu0", "rew_inf": "cpu0", "ref_inf": "cpu1", "critic_inf"
 HEADLINE = ("reward", "kl", "actor_loss", "critic_loss", "approx_kl", "actor_grad_norm", "critic_grad_norm",
             "value_mean", "return_mean")
 
-GPU_POOLS = """
-import dataclasses
-from realloc.algorithms.ppo.ppo_config import ppo_rpcs
-from realloc.api import Pool, auto
-
-@auto(pools=[Pool("a100-01", "a100-80g", 2), Pool("v100-01", "v100-32g", 2)], batch_size=8, prompt_len=8, gen_len=8)
-@dataclasses.dataclass
-class GpuPools:
-    dataset: str = "{dataset}"
-
-    @property
-    def rpcs(self):
-        return ppo_rpcs(actor="tiny", critic="tiny-critic", n_minibatches=1)
-"""
+# test_launcher's GPU experiment on two pools of two GPU kinds
+GPU_POOLS = GPU_EXPERIMENT.replace('nodelist="gpu[01-02]", n_devices_per_node=8, device="a100-80g"',
+                                   'pools=[Pool("a100-01", "a100-80g", 2), Pool("v100-01", "v100-32g", 2)]'
+                                   ).replace("import auto", "import Pool, auto")
 
 
 def _sbatch(script: str) -> list[list[str]]:
