@@ -238,6 +238,18 @@ PYBIND11_MODULE(_C, m) {
             },
             py::arg("pool_start"), py::arg("pool_memory"))
         .def(
+            "set_home_keep",  // csrc/home_keep.cpp
+            [](rl::Problem& p, const Array<uint8_t>& pool_narrows, const Array<int32_t>& train_calls) {
+                p.pool_narrows = to_vector(pool_narrows, "pool_narrows");
+                p.train_call.assign(p.n_calls(), 0);
+                for (int32_t c : to_vector(train_calls, "train_calls")) {
+                    if (c < 0 || c >= p.n_calls()) throw std::invalid_argument("train call index out of range");
+                    p.train_call[c] = 1;
+                }
+                p.finalized = false;
+            },
+            py::arg("pool_narrows"), py::arg("train_calls"))
+        .def(
             "add_fused_pair",
             [](rl::Problem& p, int a, int b, const Array<double>& bound_a, const Array<double>& bound_b) {
                 rl::FusedPair f;

@@ -103,6 +103,7 @@ void Problem::finalize() {
     }
     if (n < 1) fail("the problem has no calls");
     check_fused_pairs(*this);  // fused_node.cpp
+    check_home_keep(*this);    // home_keep.cpp
     if (static_cast<int>(cands.size()) != n) fail("need one candidate table per call");
     if (static_cast<int>(realloc.size()) != n_m) fail("need one reallocation table per model");
 

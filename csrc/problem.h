@@ -156,6 +156,11 @@ struct Problem {
     // its pool. Empty: one pool, device_memory each. device_memory stays the scale of the OOM penalty.
     std::vector<int32_t> pool_start;
     std::vector<int64_t> pool_memory;
+    // A home that keeps its parameters across a narrowing trip (home_keep.cpp): pool_narrows[a * n_pools + b]
+    // when a trip from pool a's dtype into pool b's rounds; train_call[c] when call c is a train step. Empty: the
+    // runtime moves every reallocation (one dtype).
+    std::vector<uint8_t> pool_narrows;
+    std::vector<uint8_t> train_call;
     // Fused train pairs (fused_node.h). A plan has n_calls() + fused.size() entries: a candidate per call, then
     // 0/1 per pair. Pair p's tables are pair-cost tables n_tables() + 2p (saving) and n_tables() + 2p + 1 (extra).
     std::vector<FusedPair> fused;
@@ -199,5 +204,10 @@ struct Problem {
 
 // Checks the fused pairs against the calls (fused_node.cpp); throws std::invalid_argument.
 void check_fused_pairs(const Problem& p);
+// home_keep.cpp: whether the runtime skips `call`'s incoming chain reallocation under `plan` (its home kept the
+// parameters), the template nodes that depend on every call of their model, and the arrays' check.
+bool home_skips_return(const Problem& p, int call, const int32_t* plan);
+void add_home_keep_nodes(const Problem& p, std::vector<std::vector<int32_t>>& nodes_of);
+void check_home_keep(const Problem& p);
 
 }  // namespace rl

@@ -46,6 +46,7 @@ Evaluator::Evaluator(const Problem& problem) : p_(problem) {
         if (nt.other >= 0 && nt.other != nt.call) nodes_of[nt.other].push_back(j);
     }
     init_tail(nodes_of);  // long-tail migration (tail.cpp)
+    add_home_keep_nodes(p_, nodes_of);  // home_keep.cpp
     call_nodes_start_.push_back(0);
     for (const auto& js : nodes_of) {
         call_nodes_.insert(call_nodes_.end(), js.begin(), js.end());
@@ -273,7 +274,9 @@ inline void Evaluator::price(int j, const int32_t* plan) {
     double cost = 0.0;
     bool known = true;
     // Parameters already in the call's layout need no move: reallocation is free.
-    if (kind == NodeKind::kData || la != lb) cost = tmpl_table_[j]->get(la, lb, known);
+    // A home that kept its parameters: the way back is skipped (home_keep.cpp).
+    if (kind == NodeKind::kData || (la != lb && !home_skips_return(p_, c, plan)))
+        cost = tmpl_table_[j]->get(la, lb, known);
     set_transfer(j, s, la, lb, cost, known);
     s.latency = kind == NodeKind::kRealloc && !s.pass ? p_.dispatch_latency : 0.0;
 }

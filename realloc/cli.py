@@ -100,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default=None, help="output JSON path (default: <--profiles DIR>/<device>/<model>.json)")
     s.add_argument("--kind", default=None, help="device kind of profiles/hardware/<kind>.json (cpu by default; "
                    "required with --device cuda, e.g. a100-80g)")
+    s.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"], help="measure in another of the "
+                   "kind's dtypes (a pool's dtype; default the kind's own); writes <model>-<dtype>.json")
     s.add_argument("--batch-sizes", default=None, help="comma-separated batch sizes (default 1,2,4,...,64)")
     s.add_argument("--seq-lens", default=None, help="comma-separated sequence lengths (default 8,16,...,256)")
     s.add_argument("--ctx-lens", default=None, help="comma-separated KV-cache lengths for decode (default 8,...,512)")
@@ -182,14 +184,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "secret, job.sbatch) but do not submit")
     _set_option(s)
     g = s.add_argument_group("SLURM (--launcher slurm)")
-    g.add_argument("--partition", default=None, help="SLURM partition (default: the cluster's)")
+    g.add_argument("--partition", action="append", default=None, help="SLURM partition (default: the cluster's); "
+                   "on a cluster of pools once for all or once per pool, in pool order")
     g.add_argument("--account", default=None, help="SLURM account to charge")
     g.add_argument("--time", default="24:00:00", metavar="D-HH:MM:SS",
                    help="the job's wall-clock limit, SLURM's --time (default 24:00:00); not the plan search's "
                         "time, which is --search-time")
     g.add_argument("--job-name", default="realloc", help="SLURM job name (default realloc)")
-    g.add_argument("--nodelist", default=None, help="pin the job to these hosts (by default SLURM picks; node i "
-                   "of the plan runs on the i-th allocated node)")
+    g.add_argument("--nodelist", action="append", default=None, help="pin the job to these hosts (by default SLURM "
+                   "picks; node i of the plan runs on the i-th allocated node); with pools, once per pool")
     g.add_argument("--cpus-per-task", type=int, default=None, help="CPUs per device (default: the whole node, "
                    "--exclusive, split evenly among its devices)")
     g.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
@@ -202,9 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the interpreter of the master and workers in the job (default: this one, by its absolute "
                         "path; python3 from the job's PATH when --setup lines or a container image are given)")
     g.add_argument("--mem", default=None, metavar="SIZE", help="memory per node, SLURM's --mem (e.g. 200G; 0: all)")
-    g.add_argument("--gres", default=None, metavar="SPEC",
+    g.add_argument("--gres", action="append", default=None, metavar="SPEC",
                    help="request the GPUs as --gres gpu[:TYPE][:COUNT] (e.g. gpu:a100; the count is the devices per "
-                        "node) instead of --gpus-per-node")
+                        "node) instead of --gpus-per-node; with pools, once for all or once per pool")
     s.add_argument("--quiet", action="store_true", help="no progress bar: plain lines (one per iteration, with the "
                    "ETA, and one per call running over a minute), as without a terminal")
     s.add_argument("--heartbeat-timeout", type=float, default=None, metavar="SECONDS",

@@ -276,11 +276,14 @@ class ClusterSpec:
             return before + self.pools[p].node_of(device_id - self.pool_offsets[p])
         return device_id // self.n_devices_per_node
 
+    def local_device(self, device_id: int) -> int:
+        """The index of a global device id inside its node (its pool's node size)."""
+        pool = self.pool_of_device(device_id) if self.pools else 0
+        return (device_id - self.pool_offsets[pool]) % self.pool_cluster(pool).n_devices_per_node
+
     def device_name(self, device_id: int) -> str:
         """``node:local index`` of a global device id (``com02:3``)."""
-        pool = self.pool_of_device(device_id) if self.pools else 0
-        local = (device_id - self.pool_offsets[pool]) % self.pool_cluster(pool).n_devices_per_node
-        return f"{self.nodes[self.node_of(device_id)]}:{local}"
+        return f"{self.nodes[self.node_of(device_id)]}:{self.local_device(device_id)}"
 
     def device_meshes(self) -> list[DeviceMesh]:
         """Every valid mesh: aligned power-of-two blocks inside a node, then runs of whole nodes (pool by pool)."""

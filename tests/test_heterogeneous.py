@@ -258,11 +258,16 @@ def test_workers_hold_parameters_in_the_pools_dtype(pool, want):
     assert (program.param_dtype, program.bytes_per_param) == want
 
 
-def test_run_refuses_several_pools_in_one_line(het, capsys):
-    path, _, _ = het
+def test_run_of_gpu_pools_without_the_gpus_is_one_line(het, capsys):
+    """GPU pools run (tests/test_pool_launch.py); the local launcher says, before searching, what it lacks."""
+    import torch
+
+    path, spec, _ = het
+    if torch.cuda.device_count() >= spec.cluster.n_devices:
+        pytest.skip("this machine has the GPUs")
     assert cli.main(["run", str(path), "--iterations", "1"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "has 2 pools" in err[0] and "does not run pools yet" in err[0]
+    assert len(err) == 1 and "has 2 pools of" in err[0] and "--launcher slurm" in err[0]
 
 
 def test_baselines_of_a_cluster_of_pools_run_on_its_strongest_pool(het):

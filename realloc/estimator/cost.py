@@ -36,7 +36,7 @@ from realloc.estimator.memory import (CallMemory, Workload, local_params, max_lo
                                       train_inflight_bytes)
 from realloc.estimator.multiturn_cost import TurnCost, multiturn_time, turn_costs
 from realloc.estimator.pool_link import pooled_plan_seconds
-from realloc.estimator.profile_table import ProfileTable, ProfiledCosts, discover_profiles
+from realloc.estimator.profile_table import ProfileTable, ProfiledCosts, discover_profiles, sibling_dtype
 from realloc.estimator.roofline import RooflineCosts
 from realloc.estimator.transfer_cost import plan_seconds
 from realloc.graph.dataflow import DataflowGraph
@@ -87,9 +87,13 @@ class CostModel:
         else:
             tables = []
         self.profiles = tuple(t for t in tables if t.device_kind == self.cluster.device and t.dtype == self.hw.dtype)
+        # A pool computing in another of its kind's dtypes prices a model without a table of that dtype from the
+        # kind's table of a sibling dtype, unscaled (profile_table.sibling_dtype), else the roofline.
+        self.siblings = tuple(t for t in tables if t.device_kind == self.cluster.device
+                              and sibling_dtype(self.hw, t.dtype))
         # collectives are a property of the machine, not of the model: where several tables
         # measured the same one, the newest measurement wins
-        newest_last = sorted(self.profiles, key=lambda t: str(t.meta.get("created", "")))
+        newest_last = sorted(self.profiles or self.siblings, key=lambda t: str(t.meta.get("created", "")))
         fits = [c.fit() for t in newest_last for c in t.collectives]
         self.comm = CommModel(self.cluster, fits)
         self.eager_decode = eager_decode
@@ -159,10 +163,13 @@ class CostModel:
         if timer is None:
             roofline = RooflineCosts(cfg, self.hw, self.comm, eager_decode=self.eager_decode)
             table = next((t for t in self.profiles if t.matches(self.cluster.device, cfg, self.hw.dtype)), None)
+            table = table or next((t for t in self.siblings if t.matches(self.cluster.device, cfg, t.dtype)), None)
             if table is None:
                 timer = CallTimer(cfg, roofline, self.comm, self.hw, precision=precision)
             else:
                 costs = ProfiledCosts(table, cfg, roofline, self.comm)
+                if table.dtype != self.hw.dtype:
+                    costs.source = f"profile ({table.dtype} table for {self.hw.dtype})"
                 grid = sorted({c for tp in table.tp for c in costs.decode_grid(tp)})
                 timer = CallTimer(cfg, costs, self.comm, self.hw, decode_grid=grid, precision=precision)
             self._timers[cfg.name, precision] = timer

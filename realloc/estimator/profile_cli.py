@@ -107,6 +107,10 @@ def build_job(args: argparse.Namespace) -> ProfileJob:
     if kind is None:
         raise ValueError("--device cuda needs --kind naming the GPU's hardware spec, e.g. --kind a100-80g")
     hw = load_hardware_spec(kind)
+    dtype = getattr(args, "dtype", None) or hw.dtype  # a pool may compute in another of its kind's dtypes
+    if dtype not in hw.compute_dtypes:
+        raise ValueError(f"--dtype {dtype}: device kind {kind!r} computes in {', '.join(hw.compute_dtypes)}; give "
+                         f"one of those (a pool's dtype, docs/heterogeneous.md)")
     warmup, repeats = getattr(args, "warmup", None) or 2, getattr(args, "repeats", None) or 7
     grid = default_grid(cfg, warmup, repeats)
     if getattr(args, "batch_sizes", None):
@@ -132,7 +136,7 @@ def build_job(args: argparse.Namespace) -> ProfileJob:
         if need > n_gpus:
             raise ValueError(f"--tp/--collectives need {need} GPUs (one process per GPU) but this machine has "
                              f"{n_gpus}; lower --tp or --collectives")
-    return ProfileJob(model_type=args.model, device=args.device, kind=kind, dtype=hw.dtype, tps=tps, grid=grid,
+    return ProfileJob(model_type=args.model, device=args.device, kind=kind, dtype=dtype, tps=tps, grid=grid,
                       collective_sizes=sizes, max_collective_bytes=getattr(args, "max_bytes", None)
                       or DEFAULT_MAX_COLLECTIVE_BYTES, collective_repeats=max(repeats - 2, 3),
                       clock=_clock(args, tps))
@@ -467,6 +471,8 @@ def output_path(args: argparse.Namespace, job: ProfileJob) -> Path:
     if args.out:
         return Path(args.out)
     name = Path(job.model_type).name  # a model type, or an HF checkpoint directory's name
+    if job.dtype != load_hardware_spec(job.kind).dtype:
+        name = f"{name}-{job.dtype}"  # beside the kind's own dtype's table, not over it
     if os.environ.get(PROFILES_ENV):
         return profiles_dir() / job.kind / f"{name}.json"
     shipped = shipped_profiles_dir() / job.kind / f"{name}.json"

@@ -42,7 +42,7 @@ from typing import Callable, Literal, Sequence
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from realloc.estimator.comm import CollectiveFit, CommModel, Link
-from realloc.estimator.hardware import profile_dirs
+from realloc.estimator.hardware import HardwareSpec, profile_dirs
 from realloc.estimator.opcount import Part, Phase
 from realloc.estimator.roofline import RooflineCosts
 from realloc.models.config import ModelConfig
@@ -158,6 +158,16 @@ class ProfileTable(BaseModel):
         if not path.is_file():
             raise ValueError(f"profile file {str(path)!r} does not exist; create it with `realloc profile`")
         return cls.from_json(path.read_text(), where=str(path))
+
+
+def sibling_dtype(hw: HardwareSpec, dtype: str) -> bool:
+    """Whether a table of ``hw``'s kind measured in ``dtype`` prices a pool computing in ``hw.dtype`` when no table
+    of that dtype exists (issue 32): another of the kind's compute dtypes (``HardwareSpec.dtypes``: each runs at
+    the kind's ``peak_flops``) of the same element size, so the same FLOPs at the same rate and the same bytes at
+    the same bandwidth; its times are used unscaled (bf16 and fp16 on every shipped GPU kind). A dtype of
+    another size (fp32 beside bf16) is priced by the roofline until ``realloc profile --dtype`` measures it."""
+    size = {"fp32": 4, "bf16": 2, "fp16": 2}
+    return dtype != hw.dtype and dtype in hw.compute_dtypes and size.get(dtype) == size[hw.dtype]
 
 
 def discover_profiles(device_kind: str, root: Path | None = None) -> list[ProfileTable]:

@@ -43,6 +43,7 @@ from realloc.runtime.inputs.run_config import RunConfig
 from realloc.runtime.control.master_link import KILL_GRACE
 from realloc.runtime.launch.launcher import (LocalLauncher, SlurmOptions, WorkerConfig, slurm_script, submit_slurm,
                                       write_job_script)
+from realloc.runtime.launch.pool_launch import check_pools
 from realloc.runtime.persist.run_settings import resume_settings
 from realloc.runtime.records.metric_sinks import MetricSinks, check_wandb_installed
 from realloc.runtime.records.progress import LONG_CALL_S, RunProgress
@@ -240,7 +241,9 @@ def main(args: argparse.Namespace) -> int:
     else:  # the checkpoint's run's overrides again; a changed setting only with --allow-changed-settings
         resumed = resume_settings(args.experiment, ckpt, checkpoint.read_meta(ckpt), sets, args.allow_changed_settings)
         spec, sets, changed, reapplied = resumed.spec, resumed.overrides, resumed.changed, resumed.recorded
-    _check_pools(spec, args.launcher)
+    check_pools(spec.cluster)  # pools run under every launcher, all CPU or all GPU (launch/pool_launch.py)
+    if spec.cluster.pools and args.launcher == "local":
+        _check_local(spec)  # before the search: GPU pools need their GPUs on this machine
     graph = build_graph(spec)
     config = RunConfig.of(spec)
     start = 0
@@ -470,10 +473,14 @@ def _prepare_run_dir(run: RunPaths, plan: ExecutionPlan, spec: ExperimentSpec, s
 
 
 def slurm_options(args: argparse.Namespace) -> SlurmOptions:
-    return SlurmOptions(partition=args.partition, account=args.account, time_limit=args.time,
+    def one_or_per_pool(values: list[str] | None) -> str | tuple[str, ...] | None:
+        return None if not values else values[0] if len(values) == 1 else tuple(values)
+
+    return SlurmOptions(partition=one_or_per_pool(args.partition), account=args.account, time_limit=args.time,
                         job_name=args.job_name, extra_sbatch=tuple(args.sbatch), setup=tuple(args.setup),
-                        srun_args=tuple(args.srun_arg), cpus_per_task=args.cpus_per_task, nodelist=args.nodelist,
-                        python=args.python, mem=args.mem, gres=args.gres)
+                        srun_args=tuple(args.srun_arg), cpus_per_task=args.cpus_per_task,
+                        nodelist=one_or_per_pool(args.nodelist), python=args.python, mem=args.mem,
+                        gres=one_or_per_pool(args.gres))
 
 
 def _check_local(spec: ExperimentSpec) -> None:
@@ -482,6 +489,13 @@ def _check_local(spec: ExperimentSpec) -> None:
     if c.hardware.kind == "cpu":
         return  # CPU "devices" are processes; any nodelist can be simulated here
     hint = "submit it with --launcher slurm (add --dry-run to see the script)"
+    if c.pools:  # every pool's devices on this machine: rank r on GPU r (LocalLauncher, pool_launch.py)
+        import torch
+
+        if torch.cuda.device_count() < c.n_devices:
+            raise ValueError(f"cluster {c.nodelist!r} has {len(c.pools)} pools of {c.n_devices} GPUs in all, but this "
+                             f"machine has {torch.cuda.device_count()}; {hint}")
+        return
     if c.n_nodes > 1:
         raise ValueError(f"cluster {c.nodelist!r} spans {c.n_nodes} nodes; the local launcher runs on this machine "
                          f"only; {hint}")
@@ -492,20 +506,8 @@ def _check_local(spec: ExperimentSpec) -> None:
                          f"{torch.cuda.device_count()}; {hint}")
 
 
-def _check_pools(spec: ExperimentSpec, launcher: str) -> None:
-    """Pools of CPU kinds (``cpu``, ``cpu-bf16``) run with the local launcher: their devices are processes here,
-    each in its pool's dtype (control/pool_dtypes.py). Launchers do not place ranks pool by pool yet."""
-    c = spec.cluster
-    gpu = [f"pool {i} ({p.device})" for i, p in enumerate(c.pools) if p.hardware.kind != "cpu"]
-    if c.pools and (gpu or launcher != "local"):
-        what = f"of GPU kinds ({', '.join(gpu)})" if gpu else f"with --launcher {launcher}"
-        raise ValueError(f"cluster {c.nodelist!r} has {len(c.pools)} pools: realloc run runs pools of CPU kinds with "
-                         f"the local launcher, but does not run pools yet {what} (docs/heterogeneous.md); realloc show "
-                         f"and realloc search plan it, or run on one pool")
-
-
 def _device(spec: ExperimentSpec) -> str:
-    return "cpu" if spec.cluster.hardware.kind == "cpu" else "cuda"
+    return "cpu" if spec.cluster.hardware.kind == "cpu" else "cuda"  # pools: all CPU or all GPU (check_pools)
 
 
 def _drive(master: Any, total: int, start: int, sinks: MetricSinks, quiet: bool,

@@ -25,6 +25,7 @@ from realloc.graph.dataflow import DATA, DataflowGraph
 from realloc.graph.plan import CallPlacement, ExecutionPlan, validate_plan
 from realloc.search.candidates import CallCosts, Candidate, Option, call_options, footprint, prune
 from realloc.search.fused_space import fused_pair_arrays, price_fused_entry
+from realloc.search.home_keep import home_keep_fields
 from realloc.search.pool_space import pool_fields
 from realloc.search.problem import CandidateArrays, PairCosts, SearchProblem, copy_pair_costs
 from realloc.search.tail_space import TailChoice, eligible, split_times, tail_arrays, with_tail_rows
@@ -293,7 +294,8 @@ class PlanSpace:
             model_home=tuple(index[homes[m]] for m in models), candidates=tuple(arrays),
             order_edges=tuple(order_edges), carry_edges=carry, data_edges=tuple(data_edges), data_costs=data,
             realloc_costs=realloc, n_iterations=n_iterations, oom_alpha=OOM_ALPHA,
-            dispatch_latency=cost.hw.dispatch_latency, **pool_fields(cluster), **tail_fields)
+            dispatch_latency=cost.hw.dispatch_latency, **pool_fields(cluster), **tail_fields,
+            **home_keep_fields(cluster, graph, calls))
         options = tuple(cc.options for cc in priced)
         problem = dataclasses.replace(problem, fused=fused_pair_arrays(graph, problem, options))  # fused_space.py
         return cls(graph=graph, cost=cost, problem=problem, options=tuple(cc.options for cc in priced),

@@ -168,6 +168,10 @@ class SearchProblem:
     # last to n_devices), each with pool_memory[i] usable bytes. Empty: every device has device_memory.
     pool_start: tuple[int, ...] = ()
     pool_memory: tuple[int, ...] = ()
+    # A home that keeps its parameters across a narrowing trip (search/home_keep.py): pool_narrows[a][b] when a
+    # trip from pool a's dtype into pool b's rounds, and the train calls. Empty: no pair of pools narrows.
+    pool_narrows: tuple[tuple[bool, ...], ...] = ()
+    train_calls: tuple[int, ...] = ()
     # Fused train pairs (csrc/fused_node.h): a plan then has n_calls + len(fused) entries (a 0/1 per pair last).
     fused: tuple[FusedPairArrays, ...] = ()
     # Long-tail migration (search/tail_problem.py): (call, its candidates' migrations), and the consumers that
@@ -238,6 +242,8 @@ class SearchProblem:
             p.set_staleness(self.staleness, np.asarray(self.stale_calls, np.int32))
         if self.pool_start:
             p.set_pools(np.asarray(self.pool_start, np.int32), np.asarray(self.pool_memory, np.int64))
+        if self.pool_narrows:
+            p.set_home_keep(np.asarray(self.pool_narrows, np.uint8).reshape(-1), np.asarray(self.train_calls, np.int32))
         for f in self.fused:
             t = p.add_fused_pair(f.a, f.b, np.asarray(f.bound_a, np.float64), np.asarray(f.bound_b, np.float64))
             copy_pair_costs(p, t, f.saving.known)

@@ -41,6 +41,7 @@ import heapq
 import math
 from typing import Sequence
 
+from realloc.search.home_keep import skipped_returns
 from realloc.search.problem import SearchProblem
 from realloc.search.tail_reference import PART, PART_DATA, TAIL, TailView, rewire
 
@@ -84,7 +85,7 @@ def _build_nodes(p: SearchProblem, plan: Sequence[int], missing: set | None = No
         """Moving ``dst``'s model from ``src``'s layout to ``dst``'s (0 within one layout); an unknown price is
         recorded in ``missing``."""
         m, ls, ld = p.call_model[dst], layout(src), layout(dst)
-        if ls == ld:
+        if ls == ld or dst in skipped:  # home kept them, the way back is skipped (search/home_keep.py)
             return 0.0
         cost, known = p.realloc_costs[m].get(ls, ld)
         if not known and missing is not None:
@@ -98,6 +99,7 @@ def _build_nodes(p: SearchProblem, plan: Sequence[int], missing: set | None = No
     eta = p.staleness
     stale = set(p.stale_calls) if eta > 0 else set()
     model_calls = [[c for c in range(n) if p.call_model[c] == m and c not in stale] for m in range(len(p.model_home))]
+    skipped = skipped_returns(p, plan)
     fused_cost: dict[int, float] = {}  # call -> its fused node's duration (csrc/fused_node.h)
     for k, f in enumerate(p.fused):
         if f.on(p, plan):

@@ -206,7 +206,8 @@ class Master(MasterLink, IterationSchedule, TailStreams, EvaluationPasses, Check
                 if note:
                     log.warning("master: %s", note)
             try:
-                self.node_hosts = plan_node_hosts(self.spec.cluster, {r: h.host for r, h in self.hello.items()})
+                self.node_hosts = plan_node_hosts(self.spec.cluster, {r: h.host for r, h in self.hello.items()},
+                                                  one_machine=getattr(self.launcher, "one_machine", False))
                 self.search_fused_orders()  # before any call, not in the middle of the run (master_fused.py)
             except ValueError as e:
                 self.fail(str(e))

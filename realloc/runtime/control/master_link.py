@@ -59,12 +59,13 @@ class WorkerLauncher(Protocol):
     def wait_exit(self, timeout: float) -> bool: ...
 
 
-def plan_node_hosts(cluster: ClusterSpec, hosts: dict[int, str]) -> list[str]:
+def plan_node_hosts(cluster: ClusterSpec, hosts: dict[int, str], one_machine: bool = False) -> list[str]:
     """The host each node of the plan landed on, from the workers' own host names.
 
     Plans name nodes by index and launchers place rank r on node r // devices_per_node; check that they
     did: a node's devices on one host, and (for GPUs) distinct nodes on distinct hosts, or the plan's
-    intra-node bandwidth would be a fiction. CPU clusters may simulate several nodes on one host.
+    intra-node bandwidth would be a fiction. CPU clusters may simulate several nodes on one host, and so may
+    GPU clusters under the local launcher (``one_machine``: one GPU of this machine per rank, issue 32's pools).
     """
     out = []
     for i in range(cluster.n_nodes):
@@ -75,7 +76,7 @@ def plan_node_hosts(cluster: ClusterSpec, hosts: dict[int, str]) -> list[str]:
                              f"{ranks[0]}..{ranks[-1]} run on {', '.join(seen)}; the launcher must place ranks in "
                              f"blocks of {len(ranks)} per node (srun --distribution=block)")
         out.append(seen[0] if seen else "?")
-    if cluster.hardware.kind != "cpu" and len(set(out)) < len(out):
+    if cluster.hardware.kind != "cpu" and not one_machine and len(set(out)) < len(out):
         shared = sorted({h for h in out if out.count(h) > 1})
         raise ValueError(f"plan nodes {[i for i, h in enumerate(out) if h in shared]} all run on {', '.join(shared)}; "
                          f"each node of the plan needs a machine of its own")

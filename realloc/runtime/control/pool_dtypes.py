@@ -17,7 +17,8 @@ dtype keeps the home's parameters (the source is not released), and the realloca
 home is skipped by every rank: home already holds them, and no train step ran in between (every train call of
 the model runs at home, or nothing is kept). Casts to fp32 are exact, so a trip from a 16-bit home through an
 fp32 layout moves as it does on one pool. The kept copy costs the home's devices one copy of the parameters
-while the model runs elsewhere; the planner's memory check does not count it yet.
+while the model runs elsewhere, which the planner counts (home's parameters are home's static memory), and the
+planner prices the skipped way back at 0 with this rule (search/home_keep.py, csrc/home_keep.cpp).
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ import torch
 from realloc.models.engine import ParallelModel
 from realloc.runtime.control.program import Realloc, RuntimeProgram
 from realloc.runtime.transfer.param_realloc import Reallocator, ReallocStats
+
+# The GPU a worker uses when its launcher says (the local launcher: GPU r for rank r, every pool on this machine);
+# otherwise the worker's index inside its pool's node (``ClusterSpec.local_device``).
+LOCAL_DEVICE_ENV = "REALLOC_LOCAL_DEVICE"
 
 RouteKey = tuple[str, str, str]  # (model, src_call, dst_call) of a Realloc
 

@@ -49,7 +49,7 @@ from realloc.models.hf_io import load_hf_checkpoint
 from realloc.models.weights import param_seed
 from realloc.overrides import load_with_overrides
 from realloc.runtime.control.program import CallLayout, LayoutKey, RuntimeProgram
-from realloc.runtime.control.pool_dtypes import reallocate_model
+from realloc.runtime.control.pool_dtypes import LOCAL_DEVICE_ENV, reallocate_model
 from realloc.runtime.control.worker_fused import run_request
 from realloc.runtime.control.worker_heartbeat import HEARTBEAT_INTERVAL, Heartbeat
 from realloc.runtime.control.worker_partial import PartialStore
@@ -115,7 +115,8 @@ class ModelWorker:
         self.spec = spec
         if args.device == "cuda":
             # Ray (and SLURM with --gpus-per-task) shows each worker only its own GPU.
-            local = 0 if torch.cuda.device_count() == 1 else self.rank % spec.cluster.n_devices_per_node
+            local = 0 if torch.cuda.device_count() == 1 else int(os.environ.get(  # pools: the index in its pool's node
+                LOCAL_DEVICE_ENV, spec.cluster.local_device(self.rank)))  # the local launcher: its own GPU
             self.device = torch.device("cuda", local)
             torch.cuda.set_device(self.device)
             backend = "nccl"

@@ -24,7 +24,10 @@ from typing import Iterable
 
 from realloc.cluster import ClusterSpec
 from realloc.estimator.hardware import PROFILES_ENV
+from realloc.runtime.control.pool_dtypes import LOCAL_DEVICE_ENV
 from realloc.runtime.control.stop_signals import StopSignals
+from realloc.runtime.launch.pool_launch import (check_pools, is_gpu, per_pool, sbatch_components, slurm_job_nodes,
+                                                slurm_worker_steps)
 from realloc.runtime.records.run_paths import RunPaths
 from realloc.runtime.records.startup import ARGS_FROM_STDIN
 from realloc.runtime.wire.protocol import SECRET_FILE_ENV
@@ -89,6 +92,8 @@ class LocalLauncher:
     waits for its arguments on stdin (``--args-from-stdin``), which ``start`` writes once the master listens.
     A worker whose stdin closes without them (the master stopped first) exits at once."""
 
+    one_machine = True  # every plan node on this machine (the master's host check allows it on GPUs too)
+
     def __init__(self, run: RunPaths, world_size: int, python: str = sys.executable) -> None:
         self.run = run
         self.world_size = world_size
@@ -108,7 +113,8 @@ class LocalLauncher:
         for rank in range(self.world_size):
             log = open(self.run.worker_log(rank), "ab")
             self._logs.append(log)
-            self.procs[rank] = subprocess.Popen([self.python, "-m", WORKER_MODULE, ARGS_FROM_STDIN], env=env,
+            env[LOCAL_DEVICE_ENV] = str(rank)  # on GPUs, GPU r of this machine (one machine hosts every node here)
+            self.procs[rank] = subprocess.Popen([self.python, "-m", WORKER_MODULE, ARGS_FROM_STDIN], env=dict(env),
                                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
                                                 start_new_session=True,
                                                 preexec_fn=_die_with_parent if sys.platform == "linux" else None)
@@ -189,7 +195,8 @@ def slurm_ports(job_id: int) -> tuple[int, int]:
 class SlurmOptions:
     """What a user sets for their cluster (``realloc run --launcher slurm`` options)."""
 
-    partition: str | None = None
+    # partition, nodelist and gres: one value for every pool, or (a tuple) one per pool of a cluster of pools
+    partition: str | tuple[str, ...] | None = None
     account: str | None = None
     time_limit: str = "24:00:00"
     job_name: str = "realloc"
@@ -197,13 +204,13 @@ class SlurmOptions:
     setup: tuple[str, ...] = ()  # shell lines before anything starts: module load, conda activate, ...
     srun_args: tuple[str, ...] = ()  # e.g. "--container-image=..." (pyxis) for the workers' step
     cpus_per_task: int | None = None  # None: the whole node (--exclusive), split evenly among its devices
-    nodelist: str | None = None  # pin the job to these hosts; by default SLURM picks any free nodes
+    nodelist: str | tuple[str, ...] | None = None  # pin the job to these hosts; by default SLURM picks any free nodes
     # The interpreter of the master and the workers inside the job. None: this one (its absolute path) for a
     # job in this environment; ``python3`` from the job's PATH when --setup lines or a container image make
     # another environment, where this machine's path may not exist or be another installation.
     python: str | None = None
     mem: str | None = None  # #SBATCH --mem (memory per node, e.g. 200G; 0 is all of it)
-    gres: str | None = None  # #SBATCH --gres for the GPUs (e.g. gpu:a100:8) instead of --gpus-per-node
+    gres: str | tuple[str, ...] | None = None  # #SBATCH --gres for the GPUs (e.g. gpu:a100:8) instead of --gpus-per-node
 
     def __post_init__(self) -> None:
         if self.cpus_per_task is not None and self.cpus_per_task < 1:
@@ -217,16 +224,22 @@ class SlurmOptions:
         if self.mem is not None and not _MEM.fullmatch(self.mem.strip()):
             raise ValueError(f"--mem {self.mem!r}: give SLURM's form, a number with an optional unit K, M, G or T "
                              f"(e.g. 200G; 0 asks for all of a node's memory)")
-        if self.gres is not None and not _GRES.fullmatch(self.gres.strip()):
-            raise ValueError(f"--gres {self.gres!r}: give SLURM's form NAME[:TYPE][:COUNT], e.g. gpu:8 or gpu:a100:8")
+        for gres in self.gres if isinstance(self.gres, tuple) else (self.gres,):
+            if gres is not None and not _GRES.fullmatch(gres.strip()):
+                raise ValueError(f"--gres {gres!r}: give SLURM's form NAME[:TYPE][:COUNT], e.g. gpu:8 or gpu:a100:8")
 
     def check(self, cluster: ClusterSpec) -> None:
         """The options that depend on the cluster: one error before anything is written or submitted."""
-        if self.gres is not None:
-            if cluster.hardware.kind == "cpu":
-                raise ValueError(f"--gres {self.gres!r}: cluster {cluster.nodelist!r} runs on CPUs and needs no GPUs; "
+        check_pools(cluster)
+        per_pool(self.partition, cluster, "--partition")
+        per_pool(self.nodelist, cluster, "--nodelist")
+        for c, gres in zip(cluster.pools or (cluster,), per_pool(self.gres, cluster, "--gres")):
+            if gres is None:
+                continue
+            if c.hardware.kind == "cpu":
+                raise ValueError(f"--gres {gres!r}: cluster {c.nodelist!r} runs on CPUs and needs no GPUs; "
                                  f"other resources go in --sbatch gres=...")
-            _gres_line(self.gres, cluster.n_devices_per_node)
+            _gres_line(gres, c.n_devices_per_node)
         object.__setattr__(self, "extra_sbatch", tuple(_long_option(x) for x in self.extra_sbatch))
         object.__setattr__(self, "srun_args", tuple(_long_option(x) for x in self.srun_args))
 
@@ -271,50 +284,52 @@ def slurm_script(cluster: ClusterSpec, experiment: str, run: RunPaths, run_id: s
     same ``srun_args``, so a container image or other step environment holds for it too. ``profiles``
     (``--profiles DIR``) is exported as ``$REALLOC_PROFILES`` to the master and the workers.
     """
-    gpu = cluster.hardware.kind != "cpu"
-    n = cluster.n_devices_per_node
+    gpu = is_gpu(cluster)
     q = shlex.quote
-    lines = ["#!/bin/bash",
-             f"#SBATCH --job-name={opts.job_name}",
-             f"#SBATCH --nodes={cluster.n_nodes}",
-             f"#SBATCH --ntasks-per-node={n}",
-             f"#SBATCH --time={opts.time_limit}",
-             f"#SBATCH --output={run.logs}/slurm-%j.out",
-             stop_signals.sbatch_directive()]
-    if opts.nodelist:
-        lines.append(f"#SBATCH --nodelist={opts.nodelist}")
-    if opts.cpus_per_task is not None:
-        lines.append(f"#SBATCH --cpus-per-task={opts.cpus_per_task}")
-    else:
-        lines.append("#SBATCH --exclusive")
     opts.check(cluster)
-    if opts.gres is not None:
-        lines.append(_gres_line(opts.gres, n))
-    elif gpu:
-        lines.append(f"#SBATCH --gpus-per-node={n}")
-    if opts.mem is not None:
-        lines.append(f"#SBATCH --mem={opts.mem.strip()}")
-    if opts.partition:
-        lines.append(f"#SBATCH --partition={opts.partition}")
-    if opts.account:
-        lines.append(f"#SBATCH --account={opts.account}")
-    lines += [f"#SBATCH {x}" for x in opts.extra_sbatch]
+    nodelists, gres, partitions = (per_pool(v, cluster, o) for v, o in ((opts.nodelist, "--nodelist"),
+                                                                       (opts.gres, "--gres"),
+                                                                       (opts.partition, "--partition")))
+
+    def resources(c: ClusterSpec, i: int) -> list[str]:
+        """A pool's (or the one-kind cluster's) nodes, tasks, CPUs, GPUs, memory and partition."""
+        n = c.n_devices_per_node
+        out = [f"#SBATCH --nodes={c.n_nodes}", f"#SBATCH --ntasks-per-node={n}"]
+        if cluster.pools:  # a heterogeneous job: each component has its own limits (SLURM's hetjob)
+            out.append(f"#SBATCH --time={opts.time_limit}")
+        if nodelists[i]:
+            out.append(f"#SBATCH --nodelist={nodelists[i]}")
+        out.append(f"#SBATCH --cpus-per-task={opts.cpus_per_task}" if opts.cpus_per_task is not None
+                   else "#SBATCH --exclusive")
+        if gres[i] is not None:
+            out.append(_gres_line(gres[i], n))
+        elif c.hardware.kind != "cpu":
+            out.append(f"#SBATCH --gpus-per-node={n}")
+        if opts.mem is not None:
+            out.append(f"#SBATCH --mem={opts.mem.strip()}")
+        if partitions[i]:
+            out.append(f"#SBATCH --partition={partitions[i]}")
+        return out
+
+    head = ["#!/bin/bash", f"#SBATCH --job-name={opts.job_name}"]
+    tail = [f"#SBATCH --output={run.logs}/slurm-%j.out", stop_signals.sbatch_directive()]
+    common = ([f"#SBATCH --account={opts.account}"] if opts.account else []) + [f"#SBATCH {x}" for x in opts.extra_sbatch]
+    if cluster.pools:
+        lines = head + tail + sbatch_components(cluster, resources, common)
+    else:  # one kind: today's script, line for line
+        r = resources(cluster, 0)
+        lines = head + r[:2] + [f"#SBATCH --time={opts.time_limit}"] + tail + r[2:] + common
     worker = WorkerConfig(experiment=experiment, run_dir=str(run.root), run_id=run_id,
                           world_size=cluster.n_devices, store="$MASTER_HOST:$STORE_PORT",
                           master_endpoint="tcp://$MASTER_HOST:$MASTER_PORT", device="cuda" if gpu else "cpu",
                           python=opts.python, overrides=overrides)
     # Expanded by each task's shell: its own $SLURM_PROCID, and the exported master address.
-    placeholders = ("$SLURM_PROCID", worker.store, worker.master_endpoint)
-    inner = " ".join(f'"{a}"' if a in placeholders else q(a) for a in worker.argv("$SLURM_PROCID"))
+    placeholders = (worker.store, worker.master_endpoint)
     master_cmd = " ".join([q(opts.python), "-m", "realloc.cli", "run", q(experiment), *map(q, master_args),
                            "--run-dir", q(str(run.root)), "--run-id", q(run_id), "--launcher", "external",
                            "--bind", "0.0.0.0", "--store-port", "$STORE_PORT", "--master-port", "$MASTER_PORT"])
-    cpus = (f"--cpus-per-task={opts.cpus_per_task}" if opts.cpus_per_task is not None
-            else f"--cpus-per-task=$(( ${{SLURM_CPUS_ON_NODE:-{n}}} / {n} > 0 ? ${{SLURM_CPUS_ON_NODE:-{n}}} / {n} : 1 ))")
-    srun = ["srun", "--kill-on-bad-exit=1", f"--ntasks={cluster.n_devices}", f"--ntasks-per-node={n}",
-            "--distribution=block", cpus, *map(q, opts.srun_args)]
-    master_srun = ["srun", "--nodes=1", "--ntasks=1", "--overlap", '--nodelist="${JOB_NODES[0]}"',
-                   *map(q, opts.srun_args)]
+    master_srun = ["srun", *(["--het-group=0"] if cluster.pools else []), "--nodes=1", "--ntasks=1", "--overlap",
+                   '--nodelist="${JOB_NODES[0]}"', *map(q, opts.srun_args)]
     plan_nodes = " ".join(q(x) for x in cluster.nodes)
     warn = stop_signals.warning.name.removeprefix("SIG")
     secret = f'"${SECRET_FILE_ENV}"'
@@ -328,7 +343,7 @@ def slurm_script(cluster: ClusterSpec, experiment: str, run: RunPaths, run_id: s
               "export MASTER_HOST=$(hostname)",
               "# Node i of the plan is the i-th allocated node; record the mapping for the logs and the master.",
               f"PLAN_NODES=({plan_nodes})",
-              'mapfile -t JOB_NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+              *slurm_job_nodes(cluster),
               'if [ "${#JOB_NODES[@]}" -ne "${#PLAN_NODES[@]}" ]; then',
               '  echo "realloc: the plan has ${#PLAN_NODES[@]} nodes but SLURM allocated ${#JOB_NODES[@]}" >&2; exit 2',
               "fi",
@@ -351,11 +366,10 @@ def slurm_script(cluster: ClusterSpec, experiment: str, run: RunPaths, run_id: s
               f"{' '.join(master_srun)} {master_cmd} &",
               "MASTER_PID=$!",
               "# One worker per device; --kill-on-bad-exit ends the step when one fails, the master reports it.",
-              f"{' '.join(srun)} bash -c {q('exec ' + inner)} &",
-              "SRUN_PID=$!",
+              *slurm_worker_steps(cluster, worker.argv, placeholders, opts.srun_args, opts.cpus_per_task),
               "# A trapped signal interrupts wait: keep waiting until the master has exited.",
               "while :; do wait $MASTER_PID; STATUS=$?; kill -0 $MASTER_PID 2>/dev/null || break; done",
-              "kill $SRUN_PID 2>/dev/null || true",
+              "kill $SRUN_PIDS 2>/dev/null || true",
               "exit $STATUS",
               ""]
     return "\n".join(lines)

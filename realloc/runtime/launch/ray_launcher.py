@@ -2,7 +2,8 @@
 
 One actor per device, placed by a placement group that mirrors the plan's nodes: bundle i holds
 node i's devices ({"GPU": n, "CPU": n}, or {"CPU": n} for CPU devices), and the actor of rank r
-goes to bundle r // n. On GPUs the bundles are spread over distinct Ray nodes (``STRICT_SPREAD``),
+goes to bundle r // n (on a cluster of pools, each node its pool's size and, for GPU kinds Ray knows, its
+``accelerator_type``: ``pool_launch.py``). On GPUs the bundles are spread over distinct Ray nodes (``STRICT_SPREAD``),
 so node i of the plan is one machine, as the cost model assumed; KubeRay clusters work the same way.
 
 Each actor runs the ordinary worker (``realloc.runtime.control.worker.main``) with the same command line as
@@ -24,6 +25,7 @@ from typing import Any, Iterable
 
 from realloc.cluster import ClusterSpec
 from realloc.runtime.launch.launcher import WorkerConfig, worker_env
+from realloc.runtime.launch.pool_launch import is_gpu, ray_bundles
 from realloc.runtime.records.run_paths import RunPaths
 
 # Passed to the actors: the worker's own settings and how to import realloc there.
@@ -100,16 +102,15 @@ class RayLauncher:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         c = self.cluster
-        gpu = c.hardware.kind != "cpu"
-        n = c.n_devices_per_node
-        bundle = {"CPU": float(n), **({"GPU": float(n)} if gpu else {})}
+        gpu = is_gpu(c)
+        bundles = ray_bundles(c)  # one per plan node; pools: each its own size and kind (pool_launch.py)
         strategy = "STRICT_SPREAD" if gpu and c.n_nodes > 1 else "PACK"
-        self.pg = placement_group([dict(bundle) for _ in range(c.n_nodes)], strategy=strategy,
-                                  name=f"realloc-{config.run_id}")
+        self.pg = placement_group(bundles, strategy=strategy, name=f"realloc-{config.run_id}")
         ready, _ = self.ray.wait([self.pg.ready()], timeout=timeout)
         if not ready:
             have = self.ray.cluster_resources()
-            raise ValueError(f"Ray could not place {c.n_nodes} node(s) of {bundle} ({strategy}) within "
+            shown = bundles[0] if all(b == bundles[0] for b in bundles) else bundles
+            raise ValueError(f"Ray could not place {c.n_nodes} node(s) of {shown} ({strategy}) within "
                              f"{timeout:.0f} s; the cluster has {have}")
         self.run.logs.mkdir(parents=True, exist_ok=True)
         self.run.tmp.mkdir(parents=True, exist_ok=True)
@@ -122,7 +123,7 @@ class RayLauncher:
             actor = remote.options(
                 num_cpus=1, num_gpus=1 if gpu else 0, name=f"realloc-{config.run_id}-worker{rank}",
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg,
-                                                                     placement_group_bundle_index=rank // n),
+                                                                     placement_group_bundle_index=c.node_of(rank)),
                 runtime_env={"env_vars": env}).remote()
             self.actors[rank] = actor
         where = self.ray.get([a.where.remote() for a in self.actors.values()], timeout=timeout)
