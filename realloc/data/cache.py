@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import tempfile
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +43,9 @@ def cache_file(cache_dir: Path, path: Path, prompt_len: int, tokenizer: Tokenize
                         sort_keys=True).encode())
     _hash_file(h, path)
     if tokenizer is not None:
-        import tokenizers
-        import transformers
-
-        h.update(f"{transformers.__version__} {tokenizers.__version__}".encode())
+        # The versions from the packages' metadata: the same strings as their __version__, without importing
+        # transformers where the tokenizer does not need it (data/light_tokenizer.py).
+        h.update(f"{version('transformers')} {version('tokenizers')}".encode())
         gen = tokenizer.path / GENERATION_CONFIG
         for f in tokenizer.files() + ([gen] if gen.is_file() else []):
             _hash_file(h, f)
