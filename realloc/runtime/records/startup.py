@@ -54,10 +54,10 @@ def process_start_time(pid: int | str = "self") -> float | None:
         return None
 
 
-# What a worker's setup imports anyway: torch.optim's first optimizer imports torch._dynamo (0.3-0.6 CPU s), a
-# tokenizer directory transformers' fast tokenizer class (0.4-0.6 CPU s). A worker started early imports them while
-# it waits for its arguments, off the path to the first call (a name this transformers lacks is skipped).
-WORKER_PRELOAD = ("torch._dynamo", "transformers.tokenization_utils_tokenizers")
+# What a worker's setup imports anyway: torch.optim's first optimizer imports torch._dynamo (0.3-0.6 CPU s). A worker
+# started early imports it while it waits for its arguments, off the path to the first call. (transformers is no
+# longer preloaded: a plain tokenizer directory loads without it, data/light_tokenizer.py.)
+WORKER_PRELOAD = ("torch._dynamo",)
 
 
 def _readable(stream: Any) -> bool:
