@@ -34,7 +34,7 @@ class Preflight:
 
 def check_checkpoint_weights(graph: "DataflowGraph") -> None:
     """Every checkpoint holds the tensors its model loads, with the shapes config.json implies."""
-    from realloc.models.hf_io import check_hf_weights
+    from realloc.models.hf_check import check_hf_weights
 
     for model, src in graph.spec.models.items():
         cfg = graph.model_configs[model]
