@@ -139,3 +139,11 @@ def test_event_writer_writes_what_torchs_summary_writer_wrote(tmp_path: Path) ->
         mine = _events(tmp_path / f"mine{purge}")
         assert len(mine) == 6 + 2 * (purge is not None)  # version, text, 4 scalars (+ the purge's two)
         assert mine == _events(tmp_path / f"torch{purge}")
+
+
+def test_settle_heap_turns_on_only_a_collector_the_start_up_turned_off() -> None:
+    code = ("import gc; from realloc.runtime.records.startup import settle_heap\n"
+            "before = gc.get_freeze_count(); settle_heap(); untouched = gc.get_freeze_count() == before\n"
+            "gc.disable(); settle_heap(); print(untouched, gc.isenabled(), gc.get_freeze_count() > 1000)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.stdout.split() == ["True", "True", "True"], out.stderr[-2000:]

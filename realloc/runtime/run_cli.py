@@ -49,7 +49,7 @@ from realloc.runtime.records.metric_sinks import MetricSinks, check_wandb_instal
 from realloc.runtime.records.progress import LONG_CALL_S, RunProgress
 from realloc.runtime.records.run_paths import RunPaths, remove_secret
 from realloc.runtime.records.run_record import Session, data_record, resolved_experiment, write_run_record
-from realloc.runtime.records.startup import StartupClock
+from realloc.runtime.records.startup import StartupClock, settle_heap
 from realloc.runtime.wire import protocol
 
 MIN_HEARTBEAT_TIMEOUT = 2.0
@@ -426,6 +426,7 @@ def main(args: argparse.Namespace) -> int:
         tight = plan.memory_warning(spec.cluster.device_memory)
         if tight:
             print(tight)
+        settle_heap()  # the start-up ran without the cyclic collector (cli.entry)
         summary = _drive(master, total, start, sinks, quiet=args.quiet or not sys.stdout.isatty())
     except RunFailed as e:
         print(f"realloc run: error: {e}", file=sys.stderr)

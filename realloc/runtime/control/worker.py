@@ -61,7 +61,7 @@ from realloc.runtime.inputs.preflight import vocab_limit
 from realloc.runtime.inputs.run_config import RunConfig
 from realloc.runtime.persist import checkpoint
 from realloc.runtime.records.run_paths import RunPaths
-from realloc.runtime.records.startup import WORKER_PRELOAD, process_start_time, worker_argv
+from realloc.runtime.records.startup import WORKER_PRELOAD, process_start_time, settle_heap, worker_argv
 from realloc.runtime.records.text_io import SampleLog, SpecialTokens
 from realloc.runtime.transfer.data_store import DataStore, pack_rows, row_bytes, row_tokens, unpack_rows
 from realloc.runtime.transfer.offload import HostOffload
@@ -206,6 +206,7 @@ class ModelWorker:
         if isinstance(req, protocol.Setup):
             self.total_iterations = req.total_iterations
             self.setup(req.resume, req.verify_checkpoint)
+            settle_heap()  # start-up ran without the cyclic collector (worker_main.py)
             for h in self.handles.values():
                 h.version = req.start_iteration
         elif isinstance(req, protocol.RunCall):  # a fused train pair runs both calls as one (worker_fused.py)

@@ -30,7 +30,7 @@ from realloc.runtime.records.run_paths import RunPaths
 from realloc.runtime.records.startup import ARGS_FROM_STDIN
 from realloc.runtime.wire.protocol import SECRET_FILE_ENV
 
-WORKER_MODULE = "realloc.runtime.control.worker"
+WORKER_MODULE = "realloc.runtime.control.worker_main"  # worker.main, its start-up without the cyclic collector
 
 
 @dataclasses.dataclass(frozen=True)

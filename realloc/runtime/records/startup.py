@@ -15,6 +15,7 @@ them the workers were, since they start before the search and import while the m
 from __future__ import annotations
 
 import dataclasses
+import gc
 import importlib
 import io
 import json
@@ -58,6 +59,16 @@ def process_start_time(pid: int | str = "self") -> float | None:
 # started early imports it while it waits for its arguments, off the path to the first call. (transformers is no
 # longer preloaded: a plain tokenizer directory loads without it, data/light_tokenizer.py.)
 WORKER_PRELOAD = ("torch._dynamo",)
+
+
+def settle_heap() -> None:
+    """After a process's start-up, if its entry point turned the cyclic collector off for it
+    (``control/worker_main.py``, ``cli.entry`` for ``realloc run``): what it has allocated so far (imports,
+    models) stays for its whole life, so move it out of the collector's scans (``gc.freeze``) and turn the
+    collector on. A process that collects as usual (a test calling ``main``, a Ray actor) is left alone."""
+    if not gc.isenabled():
+        gc.freeze()
+        gc.enable()
 
 
 def _readable(stream: Any) -> bool:
