@@ -38,6 +38,7 @@ from realloc.runtime.control.store_listener import StoreListener, store_listener
 from realloc.runtime.control.stop_signals import STOP_MARGIN, StopRequest, StopSignals
 from realloc.runtime.inputs.evaluation import eval_calls
 from realloc.runtime.inputs.run_config import RunConfig
+from realloc.runtime.persist import checkpoint
 from realloc.runtime.records.run_paths import RunPaths, os_error_line, remove_secret
 from realloc.runtime.records.startup import StartupClock
 from realloc.runtime.records.telemetry import RequestLog, RequestRecord, RunStats, Trace
@@ -294,8 +295,6 @@ class Master(MasterLink, IterationSchedule, TailStreams, EvaluationPasses, Check
         stop = self.stop
         if stop is None or self.failure is not None or (self.all_done is not None and self.all_done.is_set()):
             return
-        from realloc.runtime.persist import checkpoint  # torch: only on this rare path (the master runs without it)
-
         try:
             newest = checkpoint.latest(self.paths.checkpoints, skip_checks=True)
         except OSError:

@@ -15,20 +15,13 @@ from typing import Any
 
 from realloc.runtime.control.master_link import RunFailed
 from realloc.runtime.control.stop_signals import SAVE_SAFETY, checkpoint_seconds
+from realloc.runtime.persist import checkpoint
 from realloc.runtime.persist.run_settings import checkpoint_settings
 from realloc.runtime.records.run_record import resolved_experiment
 from realloc.runtime.records.run_paths import os_error_line
 from realloc.runtime.wire import protocol
 
 log = logging.getLogger("realloc.master")
-
-
-def _checkpoint() -> Any:
-    """``persist/checkpoint.py``, imported at the first save: it imports torch, which the master otherwise runs
-    without (docs/speed.md)."""
-    from realloc.runtime.persist import checkpoint
-
-    return checkpoint
 
 
 class CheckpointSaves:
@@ -64,7 +57,7 @@ class CheckpointSaves:
         # Named after the iterations it holds: iter_00000010 is the state after iteration 10 (t = 9).
         began = time.monotonic()
         done = t + 1
-        tmp = _checkpoint().begin(self.paths.checkpoints, done)
+        tmp = checkpoint.begin(self.paths.checkpoints, done)
         rec = self._send(range(self.n_workers), "save", f"checkpoint {done}", t, "save",
                          lambda req: protocol.SaveCheckpoint(req=req, directory=str(tmp), iteration=t))
         await self._wait(rec)
@@ -76,7 +69,7 @@ class CheckpointSaves:
                 "layouts": layouts, "models": self.model_records, "schedule_iterations": self.schedule_iterations,
                 "settings": checkpoint_settings(self.spec, self.paths.root,
                                                 resolved_experiment(self.spec, self.graph, self.config))}
-        final = await asyncio.to_thread(_checkpoint().commit, tmp, self.paths.checkpoints, done, meta,
+        final = await asyncio.to_thread(checkpoint.commit, tmp, self.paths.checkpoints, done, meta,
                                         prog.plan.to_json())
         self.longest_save = max(self.longest_save or 0.0, time.monotonic() - began)
         if self._every(self.export_every, t):
@@ -85,13 +78,13 @@ class CheckpointSaves:
             self.exports.append(asyncio.create_task(asyncio.to_thread(self._export, final, done), name=str(final)))
         if self.keep_checkpoints:
             busy = [Path(task.get_name()) for task in self.exports if not task.done()]
-            await asyncio.to_thread(_checkpoint().prune, self.paths.checkpoints, final, self.keep_checkpoints, busy)
+            await asyncio.to_thread(checkpoint.prune, self.paths.checkpoints, final, self.keep_checkpoints, busy)
 
     def _export(self, ckpt: Path, done: int) -> None:
         from realloc.runtime.persist.export import export_checkpoint
 
         for m in self.model_records:
-            out = self.paths.root / "exports" / _checkpoint().checkpoint_name(done) / m
+            out = self.paths.root / "exports" / checkpoint.checkpoint_name(done) / m
             export_checkpoint(ckpt, m, out)
             log.info("exported %s after iteration %d to %s", m, done, out)
 
@@ -101,7 +94,7 @@ class CheckpointSaves:
         assert stop is not None and self.all_done is not None
         stop.after_iteration = t + 1
         try:
-            name = self.paths.checkpoints / _checkpoint().checkpoint_name(t + 1)
+            name = self.paths.checkpoints / checkpoint.checkpoint_name(t + 1)
             if self._saves_after(t):
                 stop.checkpoint = str(name)  # the plan's own save of this iteration
             else:
