@@ -318,7 +318,12 @@ def _internal_error(command: str, e: Exception) -> int:
 
 def entry() -> None:
     """The ``realloc`` program: ``main``, then exit without collecting every object of torch and megatron
-    one by one (seconds on a busy machine, which a stopped run would otherwise spend before it is gone)."""
+    one by one (seconds on a busy machine, which a stopped run would otherwise spend before it is gone).
+
+    ``realloc run`` starts without the cyclic collector, which would scan every object of its imports again and
+    again while they arrive; the run turns it on before training (``records/startup.py``, ``settle_heap``)."""
+    if sys.argv[1:2] == ["run"]:
+        gc.disable()
     code = main()
     gc.freeze()
     sys.exit(code)

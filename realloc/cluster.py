@@ -15,6 +15,11 @@ from typing import Any, Mapping, Sequence
 
 from realloc.estimator.hardware import HardwareSpec, load_hardware_spec
 
+# The GPU a worker uses when its launcher says (the local launcher: GPU r for rank r, every pool on this machine);
+# otherwise the worker's index inside its pool's node (``ClusterSpec.local_device``). Here, not beside the worker's
+# code, so that the launcher (in the torch-free master) can name it.
+LOCAL_DEVICE_ENV = "REALLOC_LOCAL_DEVICE"
+
 _NODE_CHARS = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 

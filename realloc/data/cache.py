@@ -14,12 +14,13 @@ import hashlib
 import json
 import os
 import tempfile
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.numpy import save_file
 
 from realloc.data.config import DataConfig
 from realloc.data.tokenizer import GENERATION_CONFIG, Tokenizer
@@ -42,29 +43,30 @@ def cache_file(cache_dir: Path, path: Path, prompt_len: int, tokenizer: Tokenize
                         sort_keys=True).encode())
     _hash_file(h, path)
     if tokenizer is not None:
-        import tokenizers
-        import transformers
-
-        h.update(f"{transformers.__version__} {tokenizers.__version__}".encode())
+        # The versions from the packages' metadata: the same strings as their __version__, without importing
+        # transformers where the tokenizer does not need it (data/light_tokenizer.py).
+        h.update(f"{version('transformers')} {version('tokenizers')}".encode())
         gen = tokenizer.path / GENERATION_CONFIG
         for f in tokenizer.files() + ([gen] if gen.is_file() else []):
             _hash_file(h, f)
     return cache_dir / f"{kind}-{h.hexdigest()[:32]}.safetensors"
 
 
-def read(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+# numpy arrays, not torch tensors: the master writes the cache without importing torch (docs/speed.md); the same
+# file's bytes as torch's save_file wrote (the arrays' dtypes and shapes are the header's).
+def read(file: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:
     if not file.is_file():
         return None
-    with safe_open(str(file), framework="pt") as f:
+    with safe_open(str(file), framework="numpy") as f:
         return {k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()["meta"])
 
 
-def write(file: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+def write(file: Path, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
     file.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=file.name, suffix=".tmp")
     os.close(fd)
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"meta": json.dumps(meta)})
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, tmp, metadata={"meta": json.dumps(meta)})
         os.replace(tmp, file)
     finally:
         if os.path.exists(tmp):

@@ -33,14 +33,16 @@ all of them. Column names come from ``DataConfig`` (``prompt_key``, ``messages_k
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import torch
 
 from realloc.data.config import DataConfig
 from realloc.data.records import Cell, Chat, LoadStats, Reply, check_messages, prompt_cell, response_cell
 from realloc.data.table import Kind, Rows, Table, load_table
 from realloc.data.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # torch comes with the first batch: the master tokenizes and caches without it
+    import torch
 
 
 def _parse_sft(rec: dict, where: str, cfg: DataConfig) -> tuple[list[Cell], list[str]]:
@@ -71,6 +73,7 @@ class _PairRows(Rows):
     kind: Kind
 
     def __init__(self, table: Table, prompt_len: int, gen_len: int) -> None:
+        table = table.to_torch()
         self.table = table
         self.path: str = table.path
         self.prompt_len, self.gen_len = prompt_len, gen_len
@@ -88,6 +91,8 @@ class _PairRows(Rows):
 
     def _sequences(self, rows: torch.Tensor, response: str) -> tuple[torch.Tensor, torch.Tensor]:
         """[n, P+T] prompt + response + pad, and the [n, T] response mask."""
+        import torch
+
         prompts, responses = self.table.columns["prompt"], self.table.columns[response]
         tokens = torch.full((rows.numel(), self.prompt_len + self.gen_len), self.pad_token_id, dtype=torch.int64)
         prompts.place(rows, tokens, 0)

@@ -26,14 +26,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import torch
 
 from realloc.data.config import DataConfig
 from realloc.data.records import SUFFIXES, Cell, LoadStats, Ragged, prompt_cell
 from realloc.data.table import Kind, Rows, Table, load_table
 from realloc.data.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # torch comes with the first batch: the master tokenizes and caches without it
+    import torch
 
 __all__ = ["SUFFIXES", "LoadStats", "PromptDataset", "write_random_prompts"]
 
@@ -49,6 +51,7 @@ class PromptDataset(Rows):
     """The kept prompts of a file as token ids, row by row, with each record's other fields."""
 
     def __init__(self, table: Table, prompt_len: int) -> None:
+        table = table.to_torch()
         self.table = table
         self.path: str = table.path
         self.prompt_len = prompt_len
@@ -77,6 +80,8 @@ class PromptDataset(Rows):
         ``tokens``: int64 [len(ids), prompt_len], right-padded with ``pad_token_id``;
         ``lengths``: int64 [len(ids)], each in 1..prompt_len.
         """
+        import torch
+
         rows = self.rows(iteration, batch_size, seed, ids)
         prompts = self.table.columns["prompt"]
         tokens = torch.full((rows.numel(), self.prompt_len), self.pad_token_id, dtype=torch.int64)
@@ -86,6 +91,8 @@ class PromptDataset(Rows):
 
 def write_random_prompts(path: str | Path, n: int, prompt_len: int, vocab_size: int, seed: int) -> Path:
     """Write ``n`` uniformly random token-id prompts (used to create a synthetic task's dataset file)."""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     rows = torch.randint(0, vocab_size, (n, prompt_len), generator=g).tolist()
     path = Path(path)

@@ -13,13 +13,15 @@ import hashlib
 import itertools
 import json
 from pathlib import Path
-from typing import Any, Iterator, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterator, Sequence, Union
 
 import numpy as np
-import torch
 
 from realloc.data.config import DataConfig
 from realloc.data.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 EXPECTED_HINT = ("expected a prompt column (text or token ids) or a messages column (chat turns); name yours "
@@ -281,41 +283,52 @@ def truncate(ids: list[int], n: int, side: str, bos: int | None) -> list[int]:
 
 @dataclasses.dataclass(frozen=True)
 class Ragged:
-    """Rows of token ids of different lengths: row i is ``flat[offsets[i]:offsets[i + 1]]``."""
+    """Rows of token ids of different lengths: row i is ``flat[offsets[i]:offsets[i + 1]]``.
 
-    flat: torch.Tensor  # int32
-    offsets: torch.Tensor  # int64 [rows + 1]
+    Built and cached as numpy arrays, so that the master tokenizes a dataset without importing torch
+    (docs/speed.md); the dataset classes the workers read hold the same arrays as torch tensors (``to_torch``)."""
+
+    flat: Any  # int32: a numpy array, or a torch tensor after to_torch
+    offsets: Any  # int64 [rows + 1], likewise
 
     @classmethod
     def build(cls, rows: Sequence[list[int]], limit: int, where: Sequence[str], key: Sequence[str]) -> "Ragged":
         """Pack ``rows``; every id must be in [0, limit) (``where``/``key`` name each row in the error)."""
-        lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
-        offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
-        torch.cumsum(lengths, 0, out=offsets[1:])
+        lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
         try:
-            flat = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64,
-                                                count=int(offsets[-1])))
+            flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(offsets[-1]))
         except OverflowError:  # an id beyond int64, outside any vocabulary
             flat = None
         if flat is None or bool(((flat < 0) | (flat >= limit)).any()):
             i, bad = next((i, x) for i, r in enumerate(rows) for x in r if not 0 <= x < limit)
             raise ValueError(f"dataset {where[i]}: {key[i]!r} has token id {bad}, outside the model's vocabulary "
                              f"[0, {limit}); the ids were made with another tokenizer")
-        return cls(flat.to(torch.int32), offsets)
+        return cls(flat.astype(np.int32), offsets)
+
+    def to_torch(self) -> "Ragged":
+        """The same rows over torch tensors (sharing the arrays' memory)."""
+        import torch
+
+        return Ragged(*(torch.from_numpy(a if a.flags.writeable else a.copy()) if isinstance(a, np.ndarray) else a
+                        for a in (self.flat, self.offsets)))
 
     def __len__(self) -> int:
-        return self.offsets.numel() - 1
+        return len(self.offsets) - 1
 
-    def lengths(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+    def lengths(self, rows: Any = None) -> Any:
         lengths = self.offsets[1:] - self.offsets[:-1]
         return lengths if rows is None else lengths[rows]
 
     def row(self, i: int) -> list[int]:
         return self.flat[self.offsets[i]:self.offsets[i + 1]].tolist()
 
-    def place(self, rows: torch.Tensor, out: torch.Tensor, start: torch.Tensor | int) -> torch.Tensor:
+    def place(self, rows: "torch.Tensor", out: "torch.Tensor", start: "torch.Tensor | int") -> "torch.Tensor":
         """Write row ``rows[b]`` into ``out[b]`` from column ``start[b]`` (columns past ``out`` are cut off);
-        returns the bool mask of the written positions."""
+        returns the bool mask of the written positions (torch tensors: ``to_torch``)."""
+        import torch
+
         n, width = out.shape
         starts, lengths = self.offsets[rows], self.lengths(rows)
         pos = torch.arange(width).view(1, width) - torch.as_tensor(start).view(-1, 1)
@@ -324,16 +337,17 @@ class Ragged:
         out.copy_(torch.where(valid, self.flat[index].to(out.dtype), out))
         return valid
 
-    def tensors(self, name: str) -> dict[str, torch.Tensor]:
+    def tensors(self, name: str) -> dict[str, Any]:
         return {f"{name}.flat": self.flat, f"{name}.offsets": self.offsets}
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], name: str) -> "Ragged":
+    def from_tensors(cls, tensors: dict[str, Any], name: str) -> "Ragged":
         return cls(tensors[f"{name}.flat"], tensors[f"{name}.offsets"])
 
 
-def length_summary(lengths: torch.Tensor) -> tuple[int, float]:
-    return int(lengths.max()), float(lengths.float().mean())
+def length_summary(lengths: np.ndarray) -> tuple[int, float]:
+    # The mean in float32, as torch's ``lengths.float().mean()`` computed it before (data.json's numbers).
+    return int(lengths.max()), float(lengths.astype(np.float32).mean())
 
 
 # -- epoch order ------------------------------------------------------------------------------------------------
@@ -343,9 +357,11 @@ def _epoch_seed(seed: int, epoch: int) -> int:
     return int.from_bytes(hashlib.sha256(f"dataset:{seed}:{epoch}".encode()).digest()[:8], "little") >> 1
 
 
-def batch_rows(n: int, iteration: int, batch_size: int, seed: int) -> torch.Tensor:
+def batch_rows(n: int, iteration: int, batch_size: int, seed: int) -> "torch.Tensor":
     """Dataset rows of batch ``iteration``: positions ``[t*B, (t+1)*B)`` of an endless stream that visits the
     ``n`` rows in a fresh seeded permutation every epoch, so rows are a pure function of (seed, iteration)."""
+    import torch
+
     stream = torch.arange(iteration * batch_size, (iteration + 1) * batch_size)
     epochs, pos = stream // n, stream % n
     out = torch.empty(batch_size, dtype=torch.int64)

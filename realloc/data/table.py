@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-import torch
+import numpy as np
 
 from realloc.data import cache
 from realloc.data.config import DataConfig
 from realloc.data.records import (Cell, LoadStats, Ragged, batch_rows, check_positive, extra_fields, field_columns,
                                   is_empty, length_summary, read_records, record_dict, tokenize, truncate)
 from realloc.data.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 # record, "file:line", config -> (cells: the prompt, then the responses; the column each came from)
 Parse = Callable[[dict, str, DataConfig], tuple[list[Cell], list[str]]]
@@ -32,6 +35,10 @@ class Table:
     stats: LoadStats
     columns: dict[str, Ragged]  # "prompt" first, then the responses
     fields: dict[str, list]  # other fields of the kept records, one value per row (None where absent)
+
+    def to_torch(self) -> "Table":
+        """The same table with its token columns as torch tensors (what the dataset classes read)."""
+        return dataclasses.replace(self, columns={c: r.to_torch() for c, r in self.columns.items()})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +138,7 @@ def _build(kind: Kind, path: Path, prompt_len: int, gen_len: int, tokenizer: Tok
     max_p, mean_p = length_summary(columns[kind.columns[0]].lengths())
     resp = {}
     if n_cols > 1:
-        max_r, mean_r = length_summary(torch.cat([columns[c].lengths() for c in kind.columns[1:]]))
+        max_r, mean_r = length_summary(np.concatenate([columns[c].lengths() for c in kind.columns[1:]]))
         resp = dict(gen_len=gen_len, n_response_truncated=n_response_truncated,
                     n_response_dropped=n_response_dropped, max_response_tokens=max_r, mean_response_tokens=mean_r)
     stats = LoadStats(source=str(path), prompt_len=prompt_len, n_records=n_records, n_kept=len(kept),
@@ -149,13 +156,15 @@ class Rows:
     def __len__(self) -> int:
         return len(self.table.columns["prompt"])
 
-    def batch_rows(self, iteration: int, batch_size: int, seed: int) -> torch.Tensor:
+    def batch_rows(self, iteration: int, batch_size: int, seed: int) -> "torch.Tensor":
         """Dataset row of every sequence of iteration ``iteration``'s batch, [batch_size]."""
         return batch_rows(len(self), iteration, batch_size, seed)
 
     def rows(self, iteration: int, batch_size: int, seed: int,
-             ids: Sequence[int] | range | None = None) -> torch.Tensor:
+             ids: Sequence[int] | range | None = None) -> "torch.Tensor":
         """The rows of the batch's sequences ``ids`` (all when None)."""
+        import torch
+
         rows = self.batch_rows(iteration, batch_size, seed)
         return rows if ids is None else rows[torch.as_tensor(list(ids), dtype=torch.int64)]
 

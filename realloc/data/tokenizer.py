@@ -16,6 +16,8 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from realloc.data.light_tokenizer import plain_backend
+
 # Files that make up an HF tokenizer, in the order files() lists them. A checkpoint export copies them.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt",
@@ -38,6 +40,9 @@ def _from_pretrained(path: Path) -> Any:
     except (OSError, json.JSONDecodeError, AttributeError):
         cls = None
     if cls in GENERIC_FAST and (path / "tokenizer.json").is_file():
+        plain = plain_backend(path, GENERIC_FAST)  # the same tokenizer without importing transformers
+        if plain is not None:
+            return plain
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)

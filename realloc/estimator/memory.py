@@ -103,7 +103,7 @@ from realloc.lengths import ResponseLengths
 from realloc.models.config import ModelConfig
 from realloc.models.param_layout import (is_trained, shard_numel, stage_layer_ranges, stage_param_specs,
                                          trained_shard_numel)
-from realloc.models.zero import chunk_numel, plan_buckets
+from realloc.models.zero_chunks import chunk_numel, plan_buckets
 from realloc.strategy import ParallelStrategy
 
 

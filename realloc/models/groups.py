@@ -31,12 +31,11 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Iterable, Sequence
 
-import torch
-import torch.distributed as dist
-
 from realloc.strategy import ParallelStrategy
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch in the methods that build groups: the master reads ModelLayout without it
+    import torch.distributed as dist
+
     from realloc.cluster import DeviceMesh
     from realloc.models.config import ModelConfig
 
@@ -200,6 +199,9 @@ class ProcessGroupCache:
 
     def ensure_rank_sets(self, rank_sets: Iterable[Sequence[int]]) -> int:
         """Create the groups of ``rank_sets`` not created yet; returns how many were created. Collective."""
+        import torch
+        import torch.distributed as dist
+
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized; call init_process_group before building groups")
         world = dist.get_world_size()
@@ -233,6 +235,8 @@ class ProcessGroupCache:
 
     def model_groups(self, layout: ModelLayout, global_rank: int | None = None) -> ModelParallelGroups:
         """This process's groups in ``layout``. The layout's groups must already exist (``ensure_layouts``)."""
+        import torch.distributed as dist
+
         rank = dist.get_rank() if global_rank is None else global_rank
         coords = layout.coords_of(rank)
         if coords is None:

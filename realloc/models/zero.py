@@ -42,37 +42,8 @@ import torch.distributed as dist
 
 from realloc.models.loss_scale import DynamicLossScale
 from realloc.models.optim import GRAD_DTYPES, step_each
-
-BUCKET_NUMEL = 1 << 25  # elements per flat reduce-scatter/all-gather buffer (grads.BUCKET_NUMEL's size)
-
-
-def chunk_numel(numel: int, dp: int) -> int:
-    """Elements of one dp rank's chunk of a tensor of ``numel`` elements (the last chunk is padded to it)."""
-    return -(-numel // dp)
-
-
-def chunk_range(numel: int, dp: int, dp_rank: int) -> tuple[int, int]:
-    """[lo, hi) of the flattened tensor that ``dp_rank`` steps; empty for a rank past the end of a tiny tensor."""
-    c = chunk_numel(numel, dp)
-    lo = min(dp_rank * c, numel)
-    return lo, min(lo + c, numel)
-
-
-def plan_buckets(numels: Sequence[int], dp: int, max_numel: int = BUCKET_NUMEL) -> list[list[int]]:
-    """Indices of ``numels`` grouped in order into flat buffers of at most ``max_numel`` padded elements
-    (dp chunks per tensor); a tensor larger than that gets a buffer of its own. The estimator uses the same
-    plan for the buffers' size (``estimator/memory.py``)."""
-    out: list[list[int]] = []
-    size = 0
-    for i, n in enumerate(numels):
-        padded = dp * chunk_numel(n, dp)
-        if out and size + padded <= max_numel:
-            out[-1].append(i)
-            size += padded
-        else:
-            out.append([i])
-            size = padded
-    return out
+# torch-free, so that the estimator plans with it before any torch import
+from realloc.models.zero_chunks import BUCKET_NUMEL, chunk_numel, chunk_range, plan_buckets  # noqa: F401
 
 
 class DistributedAdamW:

@@ -38,6 +38,7 @@ from realloc.graph.plan import ExecutionPlan
 from realloc.overrides import load_with_overrides
 from realloc.runtime.control.program import RuntimeProgram
 from realloc.runtime.control.stop_signals import StopSignals
+from realloc.runtime.control.store_listener import store_listener
 from realloc.runtime.inputs.preflight import Preflight, preflight
 from realloc.runtime.inputs.run_config import RunConfig
 from realloc.runtime.control.master_link import KILL_GRACE
@@ -49,7 +50,7 @@ from realloc.runtime.records.metric_sinks import MetricSinks, check_wandb_instal
 from realloc.runtime.records.progress import LONG_CALL_S, RunProgress
 from realloc.runtime.records.run_paths import RunPaths, remove_secret
 from realloc.runtime.records.run_record import Session, data_record, resolved_experiment, write_run_record
-from realloc.runtime.records.startup import StartupClock
+from realloc.runtime.records.startup import StartupClock, settle_heap
 from realloc.runtime.wire import protocol
 
 MIN_HEARTBEAT_TIMEOUT = 2.0
@@ -272,7 +273,8 @@ def main(args: argparse.Namespace) -> int:
         if args.launcher == "local":
             # The workers start now and import torch and megatron while the master checks the prompts and
             # searches; they get their arguments once the master listens (launcher.py).
-            local = LocalLauncher(run, spec.cluster.n_devices)
+            # Worker 0 serves the workers' rendezvous on a socket bound here, so this process needs no torch.
+            local = LocalLauncher(run, spec.cluster.n_devices, store=store_listener(args.bind, args.store_port))
             local.prestart()
         # Fail here, in one line, rather than in every worker; and tokenize once: the workers read the cache.
         pre = preflight(spec, config, graph, cache_dir=None if args.dry_run else run.prompt_cache)
@@ -391,10 +393,11 @@ def main(args: argparse.Namespace) -> int:
                         bind_host=bind, master_port=args.master_port,
                         store_port=args.store_port, stop_signals=stop_signals,
                         verify_checkpoint=not args.skip_checkpoint_checks, schedule_iterations=horizon,
-                        secret_file=None if args.launcher == "external" else run.secret, startup=clock, **timeouts)
+                        secret_file=None if args.launcher == "external" else run.secret, startup=clock,
+                        store=local.store if local is not None else None, **timeouts)
         if args.launcher in ("local", "ray"):
             wc = WorkerConfig(experiment=experiment, run_dir=str(run.root), run_id=run_id,
-                              world_size=spec.cluster.n_devices, store=f"{bind}:{master.store.port}",
+                              world_size=spec.cluster.n_devices, store=f"{bind}:{master.store_port}",
                               master_endpoint=f"tcp://{bind}:{master.port}", device=_device(spec), overrides=sets)
             if ray is not None:
                 master.launcher = ray
@@ -426,6 +429,7 @@ def main(args: argparse.Namespace) -> int:
         tight = plan.memory_warning(spec.cluster.device_memory)
         if tight:
             print(tight)
+        settle_heap()  # the start-up ran without the cyclic collector (cli.entry)
         summary = _drive(master, total, start, sinks, quiet=args.quiet or not sys.stdout.isatty())
     except RunFailed as e:
         print(f"realloc run: error: {e}", file=sys.stderr)

@@ -18,12 +18,10 @@ import asyncio
 import datetime
 import logging
 import signal
-import socket
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-import torch.distributed as dist
 import zmq
 import zmq.asyncio
 
@@ -36,6 +34,7 @@ from realloc.runtime.control.master_link import (CALL_TIMEOUT, HEARTBEAT_TIMEOUT
 from realloc.runtime.control.master_schedule import IterationSchedule, Node
 from realloc.runtime.control.master_tail import TailStreams, split_map
 from realloc.runtime.control.program import RuntimeProgram
+from realloc.runtime.control.store_listener import StoreListener, store_listener
 from realloc.runtime.control.stop_signals import STOP_MARGIN, StopRequest, StopSignals
 from realloc.runtime.inputs.evaluation import eval_calls
 from realloc.runtime.inputs.run_config import RunConfig
@@ -63,7 +62,7 @@ class Master(MasterLink, IterationSchedule, TailStreams, EvaluationPasses, Check
                  on_iteration: Callable[[dict[str, Any]], None] | None = None,
                  secret_file: Path | None = None,
                  on_node: Callable[[str, int, float | None], None] | None = None,
-                 startup: StartupClock | None = None) -> None:
+                 startup: StartupClock | None = None, store: StoreListener | None = None) -> None:
         if iterations < 1:
             raise ValueError(f"iterations must be at least 1, got {iterations}")
         for m, on in program.plan.offload.items():
@@ -121,18 +120,20 @@ class Master(MasterLink, IterationSchedule, TailStreams, EvaluationPasses, Check
             self.port = master_port
         else:
             self.port = self.sock.bind_to_random_port(f"tcp://{bind_host}")
-        # TCPStore alone listens on every interface; hand it a socket bound where we say (loopback locally).
-        # The store owns the descriptor from here on (detach): had the Python socket kept it too, collecting
-        # this Master would close it under the store, whose destructor then closed the same number again,
-        # by then someone else's descriptor (it aborted libzmq in a later test of the same process).
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((bind_host, store_port))
-        listener.listen(1024)
-        store_port = listener.getsockname()[1]
-        self.store = dist.TCPStore(bind_host, store_port, None, True,
-                                   timeout=datetime.timedelta(minutes=30), wait_for_workers=False,
-                                   master_listen_fd=listener.detach())
+        if store is not None:  # a worker serves the rendezvous on the master's socket (store_listener)
+            self.store, self.store_port = None, store.port
+        else:
+            import torch.distributed as dist
+
+            # TCPStore alone listens on every interface; hand it a socket bound where we say (loopback locally).
+            # The store owns the descriptor from here on (detach): had the Python socket kept it too, collecting
+            # this Master would close it under the store, whose destructor then closed the same number again,
+            # by then someone else's descriptor (it aborted libzmq in a later test of the same process).
+            listener = store_listener(bind_host, store_port)
+            self.store = dist.TCPStore(bind_host, listener.port, None, True,
+                                       timeout=datetime.timedelta(minutes=30), wait_for_workers=False,
+                                       master_listen_fd=listener.detach())
+            self.store_port = listener.port
         self.channel = protocol.Channel(secret, run_id, protocol.MASTER)
 
         self.next_req = 0

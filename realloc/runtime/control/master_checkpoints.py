@@ -39,7 +39,7 @@ class CheckpointSaves:
     def _model_records(self) -> dict[str, dict[str, Any]]:
         """meta.json's description of each trained model, so that `realloc export` needs only the checkpoint."""
         from realloc.data.tokenizer import Tokenizer
-        from realloc.runtime.persist.export import model_record
+        from realloc.runtime.persist.run_settings import model_record
         from realloc.runtime.records.text_io import SpecialTokens
 
         prog, cfg = self.program, self.config

@@ -11,7 +11,7 @@ from __future__ import annotations
 from realloc.graph.transfer_plan import DataLayout, plan_data_transfer
 from realloc.runtime.control.master_schedule import Node
 from realloc.runtime.inputs.evaluation import eval_key
-from realloc.runtime.transfer.data_store import row_bytes
+from realloc.runtime.transfer.row_layout import row_bytes
 from realloc.runtime.wire import protocol
 
 

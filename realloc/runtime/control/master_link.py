@@ -100,7 +100,7 @@ class MasterLink:
             sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # a dead peer's error is expected
 
     def _write_workers_file(self) -> None:
-        info = {"master_port": self.port, "store_port": self.store.port,
+        info = {"master_port": self.port, "store_port": self.store_port,
                 "nodes": {f"{i} ({self.spec.cluster.nodes[i]})": h for i, h in enumerate(self.node_hosts)},
                 "workers": {str(r): {"pid": h.pid, "host": h.host} for r, h in sorted(self.hello.items())}}
         tmp = self.paths.root / "workers.json.part"

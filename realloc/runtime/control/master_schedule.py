@@ -36,7 +36,7 @@ from realloc.runtime.control.program import Realloc
 from realloc.runtime.records.run_paths import os_error_line
 from realloc.runtime.records.telemetry import RequestRecord, iteration_metrics
 from realloc.runtime.records.text_io import write_samples
-from realloc.runtime.transfer.data_store import row_bytes
+from realloc.runtime.transfer.row_layout import row_bytes
 from realloc.runtime.wire import protocol
 
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from realloc.graph.streaming import Shares, deal, part_shares, split_consumers
 from realloc.graph.transfer_plan import DataLayout, dp_ranges, plan_data_transfer
 from realloc.runtime.records.telemetry import RequestRecord
-from realloc.runtime.transfer.data_store import index_runs, row_bytes
+from realloc.runtime.transfer.row_layout import index_runs, row_bytes
 from realloc.runtime.wire import protocol
 
 if TYPE_CHECKING:

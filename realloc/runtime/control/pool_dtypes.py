@@ -32,9 +32,7 @@ from realloc.models.engine import ParallelModel
 from realloc.runtime.control.program import Realloc, RuntimeProgram
 from realloc.runtime.transfer.param_realloc import Reallocator, ReallocStats
 
-# The GPU a worker uses when its launcher says (the local launcher: GPU r for rank r, every pool on this machine);
-# otherwise the worker's index inside its pool's node (``ClusterSpec.local_device``).
-LOCAL_DEVICE_ENV = "REALLOC_LOCAL_DEVICE"
+from realloc.cluster import LOCAL_DEVICE_ENV  # noqa: F401  (re-exported: the worker reads it from here)
 
 RouteKey = tuple[str, str, str]  # (model, src_call, dst_call) of a Realloc
 

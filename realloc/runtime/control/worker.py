@@ -49,6 +49,7 @@ from realloc.models.hf_io import load_hf_checkpoint
 from realloc.models.weights import param_seed
 from realloc.overrides import load_with_overrides
 from realloc.runtime.control.program import CallLayout, LayoutKey, RuntimeProgram
+from realloc.runtime.control.store_listener import rendezvous_store
 from realloc.runtime.control.pool_dtypes import LOCAL_DEVICE_ENV, reallocate_model
 from realloc.runtime.control.worker_fused import run_request
 from realloc.runtime.control.worker_heartbeat import HEARTBEAT_INTERVAL, Heartbeat
@@ -61,7 +62,7 @@ from realloc.runtime.inputs.preflight import vocab_limit
 from realloc.runtime.inputs.run_config import RunConfig
 from realloc.runtime.persist import checkpoint
 from realloc.runtime.records.run_paths import RunPaths
-from realloc.runtime.records.startup import WORKER_PRELOAD, process_start_time, worker_argv
+from realloc.runtime.records.startup import WORKER_PRELOAD, process_start_time, settle_heap, worker_argv
 from realloc.runtime.records.text_io import SampleLog, SpecialTokens
 from realloc.runtime.transfer.data_store import DataStore, pack_rows, row_bytes, row_tokens, unpack_rows
 from realloc.runtime.transfer.offload import HostOffload
@@ -139,7 +140,7 @@ class ModelWorker:
                                   imported=imported, ready=ready))
 
         host, port = args.store.rsplit(":", 1)
-        store = dist.TCPStore(host, int(port), None, False, timeout=PROCESS_GROUP_TIMEOUT)
+        store = rendezvous_store(host, int(port), args.store_fd, PROCESS_GROUP_TIMEOUT)  # worker 0 may serve it
         dist.init_process_group(backend, store=dist.PrefixStore(f"{args.run_id}/world", store), rank=self.rank,
                                 world_size=self.world_size, timeout=PROCESS_GROUP_TIMEOUT)
         self.groups = ProcessGroupCache()
@@ -208,6 +209,7 @@ class ModelWorker:
         if isinstance(req, protocol.Setup):
             self.total_iterations = req.total_iterations
             self.setup(req.resume, req.verify_checkpoint)
+            settle_heap()  # start-up ran without the cyclic collector (worker_main.py)
             for h in self.handles.values():
                 h.version = req.start_iteration
         elif isinstance(req, protocol.RunCall):  # a fused train pair runs both calls as one (worker_fused.py)
@@ -554,6 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("--rank", "--world-size"):
         p.add_argument(name, type=int, required=True)
     p.add_argument("--store", required=True, help="host:port of the rendezvous TCPStore")
+    p.add_argument("--store-fd", type=int, default=None, help="serve the store on this inherited listening socket")
     p.add_argument("--master", required=True, help="tcp://host:port of the master")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--set", action="append", default=[], help="KEY=VALUE experiment override (as the master's)")

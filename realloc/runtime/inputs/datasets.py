@@ -10,29 +10,45 @@ an uninterrupted one would.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from realloc.api import ExperimentSpec
+
+if TYPE_CHECKING:
+    import torch
+
+
+def dataset_table(kind: str, path: str | None, spec: ExperimentSpec, config: Any, tokenizer: Any,
+                  vocab_size: int | None, cache_dir: Path | None) -> Any:
+    """The dataset's token columns and counts (a ``realloc.data.table.Table``), read, tokenized and cached as
+    the workers will load them, without torch: what the master checks and caches before the workers need it."""
+    if path is None:
+        raise ValueError(f"experiment {spec.name!r} reads a dataset but names none; set `dataset`")
+    from realloc.data.table import load_table
+
+    if kind == "prompts":
+        from realloc.data.prompts import PROMPTS as table_kind
+    elif kind in ("seq", "pairs"):
+        from realloc.data.pairs import PREFERENCE, SFT
+
+        table_kind = SFT if kind == "seq" else PREFERENCE
+    else:
+        raise ValueError(f"experiment {spec.name!r}: no dataset loader supplies {kind!r} data (the kinds are prompts, "
+                         f"seq for SFT and pairs for DPO)")
+    gen_len = 0 if kind == "prompts" else spec.gen_len
+    return load_table(table_kind, path, spec.prompt_len, gen_len, tokenizer, config.data, vocab_size, cache_dir)
 
 
 def load_dataset(kind: str, path: str | None, spec: ExperimentSpec, config: Any, tokenizer: Any,
                  vocab_size: int | None, cache_dir: Path | None) -> Any:
-    if path is None:
-        raise ValueError(f"experiment {spec.name!r} reads a dataset but names none; set `dataset`")
-    kw = dict(tokenizer=tokenizer, config=config.data, vocab_size=vocab_size, cache_dir=cache_dir)
+    table = dataset_table(kind, path, spec, config, tokenizer, vocab_size, cache_dir)
     if kind == "prompts":
         from realloc.data.prompts import PromptDataset
 
-        return PromptDataset.load(path, spec.prompt_len, **kw)
-    if kind in ("seq", "pairs"):
-        from realloc.data.pairs import PreferenceDataset, SFTDataset
+        return PromptDataset(table, spec.prompt_len)
+    from realloc.data.pairs import PreferenceDataset, SFTDataset
 
-        cls = SFTDataset if kind == "seq" else PreferenceDataset
-        return cls.load(path, spec.prompt_len, spec.gen_len, **kw)
-    raise ValueError(f"experiment {spec.name!r}: no dataset loader supplies {kind!r} data (the kinds are prompts, "
-                     f"seq for SFT and pairs for DPO)")
+    return (SFTDataset if kind == "seq" else PreferenceDataset)(table, spec.prompt_len, spec.gen_len)
 
 
 def dataset_rows(ds: Any, position: int, batch_size: int, seed: int, lo: int, hi: int,

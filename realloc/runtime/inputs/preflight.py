@@ -34,7 +34,7 @@ class Preflight:
 
 def check_checkpoint_weights(graph: "DataflowGraph") -> None:
     """Every checkpoint holds the tensors its model loads, with the shapes config.json implies."""
-    from realloc.models.hf_io import check_hf_weights
+    from realloc.models.hf_check import check_hf_weights
 
     for model, src in graph.spec.models.items():
         cfg = graph.model_configs[model]
@@ -98,7 +98,7 @@ def preflight(spec: ExperimentSpec, config: Any, graph: "DataflowGraph", cache_d
     ``RunConfig``). ``cache_dir``: tokenize the prompts once there for the workers. ``probe_rewards``: also call
     each reward function or service the user brings on the first prompt (``reward_probe.py``; `realloc show`)."""
     from realloc.data.tokenizer import Tokenizer
-    from realloc.runtime.inputs.datasets import load_dataset
+    from realloc.runtime.inputs.datasets import dataset_table
 
     check_checkpoint_weights(graph)
     tokenizer = Tokenizer.load(config.tokenizer) if config.tokenizer else None
@@ -118,13 +118,15 @@ def preflight(spec: ExperimentSpec, config: Any, graph: "DataflowGraph", cache_d
     if config.dataset is None:
         return Preflight(tuple(lines), None)
     # Token ids must fit every model: they all read the same sequences.
-    data = load_dataset(graph.dataset_kind, config.dataset, spec, config, tokenizer,
-                        min(vocab_sizes.values()) if vocab_sizes else None, cache_dir)
+    # The table only: the master reads, tokenizes and caches it without torch (docs/speed.md).
+    data = dataset_table(graph.dataset_kind, config.dataset, spec, config, tokenizer,
+                         min(vocab_sizes.values()) if vocab_sizes else None, cache_dir)
     _check_eval_set(spec, config, graph, tokenizer, min(vocab_sizes.values()) if vocab_sizes else None)
     if probe_rewards and graph.dataset_kind == "prompts":
+        from realloc.data.prompts import PromptDataset
         from realloc.runtime.inputs.reward_probe import probe_rewards as probe
 
-        lines += probe(spec, data, tokenizer)
+        lines += probe(spec, PromptDataset(data, spec.prompt_len), tokenizer)
     where = f"tokenizer {config.tokenizer}" if tokenizer is not None else "token ids"
     return Preflight((f"{data.stats.describe()} ({where})", *lines), data.stats)
 
@@ -133,11 +135,11 @@ def _check_eval_set(spec: ExperimentSpec, config: Any, graph: "DataflowGraph", t
                     vocab_size: int | None) -> None:
     """The eval set loads as the workers will load it (prompts, or the training data's kind when the evaluation
     scores records without generating, e.g. held-out preference pairs), so a wrong file fails here, not mid-run."""
-    from realloc.runtime.inputs.datasets import load_dataset
+    from realloc.runtime.inputs.datasets import dataset_table
     from realloc.runtime.inputs.evaluation import eval_calls
 
     ev = getattr(config, "eval", None)
     if ev is None or not ev.every:
         return
     kind = graph.dataset_kind if eval_calls(spec).scorer else "prompts"
-    load_dataset(kind, ev.dataset, spec, config, tokenizer, vocab_size, None)
+    dataset_table(kind, ev.dataset, spec, config, tokenizer, vocab_size, None)

@@ -24,15 +24,16 @@ from typing import Iterable
 
 from realloc.cluster import ClusterSpec
 from realloc.estimator.hardware import PROFILES_ENV
-from realloc.runtime.control.pool_dtypes import LOCAL_DEVICE_ENV
+from realloc.cluster import LOCAL_DEVICE_ENV
 from realloc.runtime.control.stop_signals import StopSignals
+from realloc.runtime.control.store_listener import StoreListener
 from realloc.runtime.launch.pool_launch import (check_pools, is_gpu, per_pool, sbatch_components, slurm_job_nodes,
                                                 slurm_worker_steps)
 from realloc.runtime.records.run_paths import RunPaths
 from realloc.runtime.records.startup import ARGS_FROM_STDIN
 from realloc.runtime.wire.protocol import SECRET_FILE_ENV
 
-WORKER_MODULE = "realloc.runtime.control.worker"
+WORKER_MODULE = "realloc.runtime.control.worker_main"  # worker.main, its start-up without the cyclic collector
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,10 +95,13 @@ class LocalLauncher:
 
     one_machine = True  # every plan node on this machine (the master's host check allows it on GPUs too)
 
-    def __init__(self, run: RunPaths, world_size: int, python: str = sys.executable) -> None:
+    def __init__(self, run: RunPaths, world_size: int, python: str = sys.executable,
+                 store: StoreListener | None = None) -> None:
         self.run = run
         self.world_size = world_size
         self.python = python
+        # With ``store``, worker 0 serves the rendezvous on the master's listening socket (store_listener.py).
+        self.store = store
         self.procs: dict[int, subprocess.Popen] = {}
         self._logs: list = []
 
@@ -114,9 +118,11 @@ class LocalLauncher:
             log = open(self.run.worker_log(rank), "ab")
             self._logs.append(log)
             env[LOCAL_DEVICE_ENV] = str(rank)  # on GPUs, GPU r of this machine (one machine hosts every node here)
+            serves = self.store is not None and rank == 0
             self.procs[rank] = subprocess.Popen([self.python, "-m", WORKER_MODULE, ARGS_FROM_STDIN], env=dict(env),
                                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
                                                 start_new_session=True,
+                                                pass_fds=(self.store.fileno(),) if serves else (),
                                                 preexec_fn=_die_with_parent if sys.platform == "linux" else None)
 
     def start(self, config: WorkerConfig) -> None:
@@ -128,10 +134,13 @@ class LocalLauncher:
         for rank, p in sorted(self.procs.items()):
             assert p.stdin is not None
             try:
-                p.stdin.write(json.dumps(config.worker_args(rank)).encode() + b"\n")
+                serves = ["--store-fd", str(self.store.fileno())] if self.store is not None and rank == 0 else []
+                p.stdin.write(json.dumps(config.worker_args(rank) + serves).encode() + b"\n")
                 p.stdin.close()
             except BrokenPipeError:
                 pass  # it died while importing: the master's monitor reports its exit code and log
+        if self.store is not None:
+            self.store.close()  # worker 0 holds the socket now
 
     def pid(self, rank: int) -> int | None:
         p = self.procs.get(rank)

@@ -33,6 +33,7 @@ optimizer state): resuming copies them back unchanged, so it is exact; ``export.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -41,11 +42,14 @@ import re
 import secrets
 import shutil
 from pathlib import Path
-from typing import Any, Collection, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Collection, Iterator, Mapping
 
-import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+
+# torch only in the functions that read and write tensors (the workers'): the master's begin, commit and prune are
+# file operations, and the master runs without torch (docs/speed.md).
+if TYPE_CHECKING:
+    import torch
 
 CHECKPOINT_FORMAT = 1
 META = "meta.json"
@@ -305,6 +309,8 @@ def rng_file(ckpt: Path, rank: int) -> Path:
 
 
 def _save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
     path.parent.mkdir(parents=True, exist_ok=True)
     part = path.with_name(path.name + ".part")
     save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(part), metadata=metadata)
@@ -337,6 +343,8 @@ def save_model_shard(ckpt: Path, model: str, tp_rank: int, pp_rank: int, layout:
     """Write the shard's file; with a distributed optimizer every dp rank calls it (the state is gathered,
     a collective over dp) and only the one with ``write`` writes. ``tp_pp``, the layout's tp and pp sizes,
     lets a layout that differs only in dp or devices resume from it (``load_model_shard``)."""
+    import torch
+
     tensors = {f"param/{n}": p for n, p in params.items()}
     hyper: list[dict[str, Any]] = []
     stepped, torch_opt = _optimizer_view(params, optimizer)
@@ -364,7 +372,19 @@ def save_model_shard(ckpt: Path, model: str, tp_rank: int, pp_rank: int, layout:
            "optimizer_groups": json.dumps(hyper)})
 
 
-@torch.no_grad()
+def _no_grad(fn: Any) -> Any:
+    """``torch.no_grad()`` as a decorator that imports torch when the function runs, not when this module loads."""
+    @functools.wraps(fn)
+    def inner(*args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+
+    return inner
+
+
+@_no_grad
 def load_model_shard(ckpt: Path, model: str, tp_rank: int, pp_rank: int, layout: str,
                      params: Mapping[str, torch.Tensor], optimizer: Any, verify: bool = True,
                      tp_pp: tuple[int, int] | None = None) -> None:
@@ -453,6 +473,8 @@ def _load_sharded(f: Any, path: Path, keys: list[str], meta: Mapping[str, str], 
 
 
 def save_rng(ckpt: Path, rank: int) -> None:
+    import torch
+
     _save(rng_file(ckpt, rank), {"torch": torch.get_rng_state()}, {"format": str(CHECKPOINT_FORMAT)})
 
 
@@ -463,5 +485,7 @@ def load_rng(ckpt: Path, rank: int, verify: bool = True) -> None:
     elif not path.is_file():
         log.warning("checkpoint file %s is missing: rank %d continues with a fresh RNG state", path, rank)
         return
+    import torch
+
     with _open_shard(path) as f:
         torch.set_rng_state(f.get_tensor("torch"))

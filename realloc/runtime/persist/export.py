@@ -30,15 +30,9 @@ from realloc.models.config import ModelConfig
 from realloc.models.lora_config import LoRAConfig
 from realloc.models.param_layout import param_specs, stage_of_layer
 from realloc.runtime.persist import checkpoint, lora_export
+from realloc.runtime.persist.run_settings import model_record  # noqa: F401 (torch-free: the master's)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def model_record(cfg: ModelConfig, strategy: Any, source: str | None, tokenizer: str | None,
-                 token_ids: Mapping[str, Any]) -> dict[str, Any]:
-    """What meta.json says about one trained model, so an export needs nothing but the checkpoint."""
-    return {"config": dataclasses.asdict(cfg), "tp": strategy.tp, "pp": strategy.pp, "source": source,
-            "tokenizer": tokenizer, "token_ids": dict(token_ids)}
 
 
 def _model_config(record: Mapping[str, Any]) -> ModelConfig:

@@ -14,13 +14,16 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from realloc.api import ExperimentSpec
 from realloc.overrides import load_with_overrides, parse_sets
 from realloc.runtime.inputs.run_config import RunConfig
 from realloc.runtime.records.run_record import (RUN_JSON, differences, read_run_json, resolved_experiment,
                                                 source_differences, source_digests)
+
+if TYPE_CHECKING:
+    from realloc.models.config import ModelConfig
 
 ALLOW_FLAG = "--allow-changed-settings"
 
@@ -45,6 +48,14 @@ def checkpoint_settings(spec: ExperimentSpec, run_root: Path, resolved: Mapping[
     return {"overrides": list(recorded.get("overrides", [])),
             "experiment": dict(resolved) if resolved is not None else full_resolved(spec),
             "sources": sources if isinstance(sources, dict) else source_digests(spec)}
+
+
+def model_record(cfg: "ModelConfig", strategy: Any, source: str | None, tokenizer: str | None,
+                 token_ids: Mapping[str, Any]) -> dict[str, Any]:
+    """What meta.json says about one trained model, so an export needs nothing but the checkpoint (torch-free:
+    the master writes it; ``export.py`` reads it)."""
+    return {"config": dataclasses.asdict(cfg), "tp": strategy.tp, "pp": strategy.pp, "source": source,
+            "tokenizer": tokenizer, "token_ids": dict(token_ids)}
 
 
 def merge_overrides(recorded: Sequence[str], given: Sequence[str]) -> tuple[str, ...]:

@@ -15,6 +15,7 @@ them the workers were, since they start before the search and import while the m
 from __future__ import annotations
 
 import dataclasses
+import gc
 import importlib
 import io
 import json
@@ -54,10 +55,20 @@ def process_start_time(pid: int | str = "self") -> float | None:
         return None
 
 
-# What a worker's setup imports anyway: torch.optim's first optimizer imports torch._dynamo (0.3-0.6 CPU s), a
-# tokenizer directory transformers' fast tokenizer class (0.4-0.6 CPU s). A worker started early imports them while
-# it waits for its arguments, off the path to the first call (a name this transformers lacks is skipped).
-WORKER_PRELOAD = ("torch._dynamo", "transformers.tokenization_utils_tokenizers")
+# What a worker's setup imports anyway: torch.optim's first optimizer imports torch._dynamo (0.3-0.6 CPU s). A worker
+# started early imports it while it waits for its arguments, off the path to the first call. (transformers is no
+# longer preloaded: a plain tokenizer directory loads without it, data/light_tokenizer.py.)
+WORKER_PRELOAD = ("torch._dynamo",)
+
+
+def settle_heap() -> None:
+    """After a process's start-up, if its entry point turned the cyclic collector off for it
+    (``control/worker_main.py``, ``cli.entry`` for ``realloc run``): what it has allocated so far (imports,
+    models) stays for its whole life, so move it out of the collector's scans (``gc.freeze``) and turn the
+    collector on. A process that collects as usual (a test calling ``main``, a Ray actor) is left alone."""
+    if not gc.isenabled():
+        gc.freeze()
+        gc.enable()
 
 
 def _readable(stream: Any) -> bool:

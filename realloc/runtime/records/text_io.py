@@ -75,7 +75,7 @@ class SpecialTokens:
     @classmethod
     def from_checkpoint(cls, path: str | Path) -> "SpecialTokens":
         """Ids from ``generation_config.json`` where present, else ``config.json``."""
-        from realloc.models.hf_io import model_config_from_hf
+        from realloc.models.hf_config import model_config_from_hf
 
         ids = dict(model_config_from_hf(path).special_tokens)
         eos = ids.get("eos_token_id")

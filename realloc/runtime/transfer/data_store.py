@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 
+from realloc.runtime.transfer.row_layout import index_runs, row_bytes  # noqa: F401 (the master's, torch-free)
 from realloc.runtime.wire.protocol import TensorMeta
 
 Rows = dict[str, torch.Tensor]  # tensor name -> [n, ...]
@@ -87,28 +88,6 @@ class DataStore:
 
     def keys(self) -> list[tuple[str, int]]:
         return sorted(self._chunks)
-
-
-def index_runs(ids: Sequence[int]) -> list[tuple[int, int]]:
-    """Ascending sequence indices as runs [lo, hi) of consecutive ones."""
-    runs: list[list[int]] = []
-    for i in ids:
-        if runs and runs[-1][1] == i:
-            runs[-1][1] = i + 1
-        else:
-            assert not runs or i > runs[-1][1], "row lists are ascending"
-            runs.append([i, i + 1])
-    return [(lo, hi) for lo, hi in runs]
-
-
-def row_bytes(metas: list[TensorMeta]) -> int:
-    total = 0
-    for m in metas:
-        n = 1
-        for d in m.shape:
-            n *= d
-        total += n * torch.empty(0, dtype=getattr(torch, m.dtype)).element_size()
-    return total
 
 
 def pack_rows(rows: Rows, metas: list[TensorMeta]) -> torch.Tensor:
