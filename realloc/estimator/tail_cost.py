@@ -5,7 +5,9 @@ layout (single-stage meshes only):
 
 - phase 1: every dp replica decodes its own rows until the migration point, the step at which R_t rows are
   left: the (n - R_t)-th of the n rows' expected order statistics (``ResponseLengths.order_statistics``); after
-  each step the replicas sum their unfinished rows (one small all-reduce per step, ``worker_tail.AsyncCounts``);
+  each step the replicas sum their unfinished rows, in an asynchronous all-reduce that runs while they decode the
+  next step (``worker_tail.AsyncCounts``), so phase 1 pays for one of them: the last, whose count the replicas
+  wait for before they know the migration point;
 - migration: the replicas agree that the counts are over (one more small all-reduce), learn each other's row
   counts and prompt width (two more), and all-gather the rows (each replica's share of the call's rows: inputs,
   prompt, tokens and log-probs so far, ``worker_tail._row_table``); then the tail rows rebuild their KV caches on m
@@ -118,7 +120,7 @@ def phase1_cost(cost: CostModel, call: str, mesh: DeviceMesh, strategy: Parallel
     b = work.micro_batch(strategy.dp, n_mbs)
     ends = tuple(min(e, cut) for e in work.lengths.order_statistics(work.gen_len, b))
     links = model.links(mesh, strategy)
-    counts = cut * model.comm.time("all_reduce", strategy.dp, COUNT_BYTES, links.dp)
+    counts = model.comm.time("all_reduce", strategy.dp, COUNT_BYTES, links.dp)  # the last count's reduction
     return (timer.generate_varied(strategy, links, b, work.prompt_len, ends, n_mbs).time + model.hw.call_overhead
             + counts)
 
