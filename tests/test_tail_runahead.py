@@ -108,3 +108,39 @@ def test_asynchronous_counts_over_gloo_agree_on_the_point_and_leave_the_group_in
     assert 1 <= len(tail) <= 3
     assert got[0][3] == got[1][3] and sorted(got[0][3]) == tail  # the all-gather after close pairs up
     assert got[0][2] == got[1][2]  # both issued the same collectives
+
+
+def _kept_and_redone(ctx, gconfig, threshold):
+    """A replica that ran to its end before the counts came: phase 2 on its tail keeps the first half of the rows
+    it finished ahead and decodes the rest again after a re-run prefill."""
+    from realloc.models.tail_decode import decode_until
+    from realloc.runtime.control.worker_tail import _phase_two, _row_table
+
+    model = build_model(ctx, get_model_config("tiny"), 1, 1, 1, seed=3)
+    if model is None:
+        return None
+    rows = [torch.tensor(p) for p in _prompt_lists()]
+    plain = model.generate([r.tolist() for r in rows], gconfig, seq_ids=range(N_ROWS), n_mbs=2)
+    one = decode_until(model, rows, gconfig, range(N_ROWS), 2, _LateCounts(10 * MAX_NEW), threshold)
+    t = one.tail
+    mine = _row_table({}, range(len(t.seq_ids)), t.prompts, t.seq_ids, t.tokens, t.logprobs,
+                      [t.steps] * len(t.seq_ids), [False] * len(t.seq_ids), max(p.numel() for p in rows), MAX_NEW)
+    half = list(one.ahead[:max(1, len(one.ahead) // 2)])  # seq ids: the rows are 0..N_ROWS-1
+    return plain, one, _phase_two(model, one, half, mine, gconfig, 1), half
+
+
+def test_a_tail_replica_keeps_the_rows_it_finished_ahead_and_redoes_the_others(pool):
+    gconfig = GenerationConfig(max_new_tokens=MAX_NEW, seed=5, eos_token_ids=(40, 41), temperature=0.9,
+                               length_schedule=SCHEDULE)
+    plain, one, out, kept = next(r for r in pool.run(_kept_and_redone, gconfig, 3) if r)
+    assert one.step >= 0 and len(one.ahead) == len(one.tail.seq_ids) >= 2  # every tail row finished ahead
+    assert 1 <= len(kept) < len(one.tail.seq_ids)
+    for r, i in enumerate(one.tail.seq_ids):  # in the tail's order; the kept rows bit for bit
+        a, b = slice(int(plain.prompt_lengths[i]), int(plain.lengths[i])), slice(int(out.prompt_lengths[r]),
+                                                                                int(out.lengths[r]))
+        assert out.sequences[r, b].tolist() == plain.sequences[i, a].tolist()
+        assert bool(out.stopped_at_eos[r]) == bool(plain.stopped_at_eos[i])
+        if i in kept:
+            assert torch.equal(out.logprobs[r, b], plain.logprobs[i, a])
+        else:
+            assert torch.allclose(out.logprobs[r, b], plain.logprobs[i, a], atol=1e-5)

@@ -56,6 +56,10 @@ class PhaseOne:
     output: GenerationOutput  # of the finished rows, in local order
     tail: TailRows
     step: int
+    # tail rows this replica finished while it ran ahead of the counts (local positions) and their whole results:
+    # the same tokens phase 2 would decode again, so a tail replica that holds them keeps them (worker_tail.py)
+    ahead: list[int] = dataclasses.field(default_factory=list)
+    ahead_output: GenerationOutput | None = None
 
 
 def _check(model: DecodingModel, gconfig: GenerationConfig) -> None:
@@ -142,7 +146,9 @@ def decode_until(model: DecodingModel, rows: list[torch.Tensor], gconfig: Genera
     lp = torch.stack([full.logprobs[i, len(rows[i]):len(rows[i]) + steps] for i in running]) if running else \
         torch.zeros((0, steps), dtype=torch.float32)
     tail = TailRows([int(seq_ids[i]) for i in running], [rows[i] for i in running], tok.cpu(), lp.cpu())
-    return PhaseOne(finished, select_rows(full, finished), tail, stop)
+    ahead = [i for i in running if i not in active]
+    return PhaseOne(finished, select_rows(full, finished), tail, stop, ahead,
+                    select_rows(full, ahead) if ahead else None)
 
 
 def select_rows(out: GenerationOutput, rows: Sequence[int]) -> GenerationOutput:

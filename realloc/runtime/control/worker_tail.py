@@ -35,9 +35,9 @@ import torch.distributed as dist
 from realloc.algorithms.context import CallContext, CallResult, Data
 from realloc.graph.streaming import deal
 from realloc.graph.tail import TailMigration
-from realloc.models.generation import GenerationOutput, _prompt_list
+from realloc.models.generation import GenerationOutput, _concat, _prompt_list
 from realloc.models.sampling import GenerationConfig
-from realloc.models.tail_decode import TailRows, continue_decoding, decode_until
+from realloc.models.tail_decode import PhaseOne, TailRows, continue_decoding, decode_until, select_rows
 from realloc.runtime.transfer.data_store import pack_rows, row_bytes, unpack_rows
 from realloc.runtime.wire.protocol import TensorMeta
 
@@ -257,6 +257,28 @@ def _replay(ctx: CallContext, fn: Callable[[CallContext, Data], CallResult], tab
     return fn(dataclasses.replace(ctx, ids=ids, model=_Replay(ctx.model, out, ids, call)), _unpack_inputs(table))
 
 
+def _phase_two(model: Any, one: PhaseOne, ahead_ids: list[int], mine: dict[str, torch.Tensor], gconfig: GenerationConfig,
+               n_mbs: int) -> GenerationOutput:
+    """This tail replica's rows ``mine`` decoded to their end, in their order: those it finished itself while it
+    ran ahead of phase 1's counts as they are (``PhaseOne.ahead``), the others after a re-run prefill."""
+    ids = [int(i) for i in mine["id"].tolist()]
+    kept = {i: r for r, i in enumerate(ahead_ids) if i in set(ids)}
+    redo = [r for r, i in enumerate(ids) if i not in kept]
+    outs, order = [], []
+    if kept:
+        outs.append(select_rows(one.ahead_output, list(kept.values())))
+        order += list(kept)
+    if redo:
+        steps = one.tail.steps
+        sub = {n: t.index_select(0, torch.tensor(redo, dtype=torch.long)) for n, t in mine.items()}
+        rows = TailRows([ids[r] for r in redo], _prompts(sub), sub["tok"][:, :steps], sub["lp"][:, :steps])
+        outs.append(continue_decoding(model, rows, gconfig, n_mbs))
+        order += rows.seq_ids
+    both = outs[0] if len(outs) == 1 else _concat(outs, gconfig.pad_token_id)
+    where = {i: r for r, i in enumerate(order)}
+    return select_rows(both, [where[i] for i in ids])
+
+
 def migrating_generation(ctx: CallContext, fn: Callable[[CallContext, Data], CallResult], inputs: Data,
                          tail: TailMigration, call: str) -> tuple[CallResult | None, list[int]]:
     """Run generation call ``call``'s interface ``fn`` on this dp replica with the tail migration ``tail``; the
@@ -318,11 +340,11 @@ def migrating_generation(ctx: CallContext, fn: Callable[[CallContext, Data], Cal
     mine = _select(everyone, tails[k])  # a tail replica: decode its deal of the tail to the end
     if not tails[k]:  # fewer tail rows than tail replicas
         return None, []
-    rows = TailRows([int(i) for i in mine["id"].tolist()], _prompts(mine), mine["tok"][:, :t_rows.steps],
-                    mine["lp"][:, :t_rows.steps])
-    out = continue_decoding(model, rows, a.gconfig, a.n_mbs)
+    ids = [int(i) for i in mine["id"].tolist()]
+    out = _phase_two(model, one, [a.seq_ids[i] for i in one.ahead], mine, a.gconfig, a.n_mbs)
     clock.lap("phase 2")
     res = _replay(ctx, fn, mine, out, call)
     clock.lap("replay")
-    clock.report(call, k, step=one.step, counts=counts.describe(), rows=len(rows.seq_ids))
-    return res, rows.seq_ids
+    clock.report(call, k, step=one.step, counts=counts.describe(), rows=len(ids),
+                 kept=len(set(ids) & {a.seq_ids[i] for i in one.ahead}))
+    return res, ids
