@@ -185,26 +185,32 @@ def main() -> int:
         print(f"{name:<23}{gi:>10.3f}{e_gi:>8.3f}{e_gi / gi:>9.2f}{it:>9.3f}{e_it:>8.3f}{e_it / it:>9.2f}{ov:>11.3f}")
     fused = [n for n in plans if n.startswith("fused")]
     planner = min(fused, key=lambda n: rows[n][3])
-    pick = grid[fused.index(planner)]
-    print(f"the planner's R_t (smallest estimated iteration on this placement): {pick} of {args.rows} rows "
-          f"({TAIL_GRID[grid.index(pick)]:.0%})")
-    unfused = min((n for n in plans if n.startswith("unfused")), key=lambda n: rows[n][1] if measured[n] else
-                  rows[n][3])
-    base = rows[unfused]
-    print(f"the faster unfused plan (iteration{' measured' if measured[unfused] else ' estimated'}): {unfused}")
+    ran = not args.estimate_only
+
+    def fastest_unfused(col: int) -> str:  # by the measured column (the estimated one without runs)
+        return min((n for n in plans if n.startswith("unfused")), key=lambda n: rows[n][col if ran else col + 2])
+
+    base_gi, base_it = fastest_unfused(0), fastest_unfused(1)
+
+    def share(name: str) -> str:
+        k = grid[fused.index(name)]
+        return f"{k} ({TAIL_GRID[grid.index(k)]:.0%})"
 
     def ratios(name: str) -> str:
-        r = rows[name]
-        return (f"generation + inference {base[0] / r[0]:.2f}x measured, {base[2] / r[2]:.2f}x estimated; "
-                f"iteration {base[1] / r[1]:.2f}x measured, {base[3] / r[3]:.2f}x estimated")
+        r, g, i = rows[name], rows[base_gi], rows[base_it]
+        return (f"generation + inference {g[0] / r[0]:.2f}x measured, {g[2] / r[2]:.2f}x estimated; "
+                f"iteration {i[1] / r[1]:.2f}x measured, {i[3] / r[3]:.2f}x estimated")
 
+    print(f"the faster unfused plan{'' if ran else ' (estimated)'}: by generation + inference '{base_gi}', "
+          f"by iteration '{base_it}'; each ratio below is against the faster one")
+    print(f"the planner's R_t (the smallest estimated iteration on this placement): {share(planner)}; by estimated "
+          f"generation + inference: {share(min(fused, key=lambda n: rows[n][2]))}")
     print(f"fused at the planner's R_t vs unfused: {ratios(planner)}")
-    if not args.estimate_only:
-        best = min(fused, key=lambda n: rows[n][0])
-        k = grid[fused.index(best)]
-        steps = abs(fused.index(best) - fused.index(planner))
-        print(f"best measured R_t (generation + inference): {k} ({TAIL_GRID[grid.index(k)]:.0%}); the planner's is "
-              f"{steps} grid step(s) from it; fused at it vs unfused: {ratios(best)}")
+    if ran:
+        for what, col in (("iteration", 1), ("generation + inference", 0)):
+            best = min(fused, key=lambda n: rows[n][col])
+            print(f"best measured R_t by {what}: {share(best)}, {abs(fused.index(best) - fused.index(planner))} grid "
+                  f"step(s) from the planner's; fused at it vs unfused: {ratios(best)}")
     return 0
 
 
