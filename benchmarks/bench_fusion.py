@@ -1,23 +1,36 @@
 """Long-tail migration and streaming (issue 31; docs/streaming.md), measured on the 2-device local CPU cluster.
 
-PPO (actor, reference and critic of model ``--model``, a rule reward) with lengths from the seeded EOS schedule,
-lognormal with p99 16x the median. Generation runs at dp 2 over both devices. Plans, each one ``realloc run``:
+PPO with lengths from the seeded EOS schedule, lognormal with p99 16x the median, in one of two settings:
 
-- ``unfused, inference dp 2``: no tail entry; the inference calls at dp 2 over both devices (the natural plan
-  without fusion); the actor trains at dp 2, the critic on device 1 in every plan;
-- ``unfused, inference on dev 1``: no tail entry; the inference calls on device 1 only (the fused plan's placement);
-- ``fused R_t=k``: the same with ``tail = {actor_gen: (k, 1)}``: once at most k rows run, they move to replica 0 and
-  the inference calls on device 1 start on the finished rows; a sweep over k.
+- ``--setting rm`` (the default; RLHFuse's workload shape, rlhfuse.txt §7): actor, reference, critic and a learned
+  reward model (``interface_impl="reward"``, a model that scores each sequence), all of model ``small``: the
+  inference stage is three forward passes of the actor's size, as in ReaLHF's and RLHFuse's PPO, whose critic and
+  reward model are as large as the actor or larger (13B actor / 33B critic in RLHFuse's Figs. 7-8). The CPU
+  cluster's two model sizes are 30x apart in parameters, so "as large" is the nearest it comes to "larger": a
+  ``tiny`` actor's tail would be far too short to hide a ``small`` critic's and reward model's inference.
+- ``--setting rule``: the same with a rule reward (no reward model), so the inference stage is two passes (the
+  setting of the first measurements in docs/streaming.md).
 
-Measured per iteration (median over the iterations after the first): generation + inference, from the generation's
+Plans, each one ``realloc run``; generation and the actor's training at dp 2 over both devices in all of them:
+
+- ``unfused``: the inference calls and the critic's training at dp 2 over both devices (the natural plan without
+  migration); ``unfused, critic dev 1``: the same with the critic training on device 1, where the next
+  iteration's generation may start on device 0 while it trains;
+- ``fused R_t=k``: the inference calls and the critic's training on device 1 and ``tail = {actor_gen: (k, 1)}``:
+  once at most k rows still decode, they move to replica 0 (device 0) and the inference calls start on device 1
+  on the finished rows, then run on the tail rows when the generation ends; k over the search's grid (5, 10, 20,
+  30, 40% of the rows). The critic trains where it infers, so no reallocation into its inference waits for the
+  tail's device.
+
+Measured per iteration (median over the iterations after the first; each plan's best of ``--repeats`` rounds, the
+plans in turn every round, since a shared machine's load drifts): generation + inference, from the generation's
 dispatch to the end of the last inference request (``requests.jsonl``), the whole iteration (``metrics.jsonl``), and
-the inference calls' work done before the generation ended (seconds of their requests' spans; what streaming overlaps).
-The plans run in turn, ``--repeats`` rounds; each plan's best round counts (on a shared machine the load drifts).
-Estimated: the plan's estimated iteration time and the generation's and inference calls' estimates from the
-estimator of this branch, which does not price the tail (the planner side of issue 31 does): both plans get the
-unfused estimate.
+the inference work done before the generation ended (what streaming overlaps). Estimated: the iteration and the
+generation + inference span of a middle iteration of the simulator's schedule (``search/timeline.estimate_plan``,
+``search/tail_report.gen_inf_span``), which prices the migration (``estimator/tail_cost.py``). The planner's R_t
+is the grid R_t whose fused plan has the smallest estimated iteration (what the search chooses on this placement).
 
-    .venv/bin/python benchmarks/bench_fusion.py [--model small --rows 32 --gen-len 128 --iterations 4 --repeats 2]
+    .venv/bin/python benchmarks/bench_fusion.py [--setting rm|rule --rows 32 --gen-len 128 --iterations 4 --repeats 2]
 """
 
 from __future__ import annotations
@@ -33,51 +46,49 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 INFERENCE = ("rew_inf", "ref_inf", "critic_inf")
+TARGET_TOKENS = list(range(16, 32))
 
 EXPERIMENT = '''
 import dataclasses
-import importlib.util
 
-from realloc.algorithms.ppo.ppo_config import PPOConfig
-from realloc.api import GENERATE, INFERENCE, TRAIN_STEP, ModelFunctionCallDef, ResponseLengths, auto
-
-_spec = importlib.util.spec_from_file_location("ppo_tiny", {base!r})
-_base = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_base)
+from realloc.algorithms.ppo.ppo_config import PPOConfig, ppo_rpcs
+from realloc.api import ResponseLengths, auto
 
 
 @auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size={rows}, prompt_len=8, gen_len={gen_len},
       response_lengths=ResponseLengths.lognormal(median={median}, p99={gen_len}))
 @dataclasses.dataclass
-class FusionPPO(_base.TinyPPO):
+class FusionPPO:
+    seed: int = 1
     dataset: str = {data!r}
-    ppo: PPOConfig = PPOConfig(n_minibatches=2, lr=2e-3, critic_lr=2e-3, kl_coef=0.01,
+    iterations: int = 4
+    ppo: PPOConfig = PPOConfig(n_minibatches=2, lr=1e-3, critic_lr=1e-3, kl_coef=0.01,
                                length_schedule=ResponseLengths.lognormal(median={median}, p99={gen_len}))
 
     @property
     def rpcs(self):
-        out = []
-        for r in super().rpcs:
-            if r.model_type in ("tiny", "tiny-critic"):
-                r = dataclasses.replace(r, model_type=r.model_type.replace("tiny", {model!r}))
-            out.append(r)
-        return out
+        return ppo_rpcs(actor="small", critic="small-critic", reward={reward!r}, n_minibatches=self.ppo.n_minibatches,
+                        reward_impl={impl!r}, reward_args={args!r})
 '''
 
+SETTINGS = {  # reward model type, interface, arguments
+    "rm": ("small-critic", "reward", {}),
+    "rule": ("rule", "rule_reward", {"rule": "token_set", "tokens": TARGET_TOKENS}),
+}
 
-def _plans(graph, sweep: list[int]):
+
+def _plans(graph, grid: list[int]):
     from realloc.graph.plan import ExecutionPlan
 
-    def places(inference_mesh: tuple):
-        # the critic trains where the fused plan infers with it, so no reallocation of it waits for device 0
+    def places(inference_mesh: tuple, critic_mesh: tuple):
         out = {c: (inference_mesh if c in INFERENCE else ("localhost", 2, 1, 1, 1)) for c in graph.spec.call_names}
-        return {**out, "critic_train": ("localhost:1", 1, 1, 1, 1)}
+        return {**out, "critic_train": critic_mesh}
 
-    plans = {"unfused, inference dp 2": ExecutionPlan.by_hand(graph, places(("localhost", 2, 1, 1, 1)), source="hand"),
-             "unfused, inference on dev 1": ExecutionPlan.by_hand(graph, places(("localhost:1", 1, 1, 1, 1)),
-                                                                  source="hand")}
-    for k in sweep:
-        plans[f"fused R_t={k}"] = ExecutionPlan.by_hand(graph, places(("localhost:1", 1, 1, 1, 1)), source="hand",
+    both, dev1 = ("localhost", 2, 1, 1, 1), ("localhost:1", 1, 1, 1, 1)
+    plans = {"unfused": ExecutionPlan.by_hand(graph, places(both, both), source="hand"),
+             "unfused, critic dev 1": ExecutionPlan.by_hand(graph, places(both, dev1), source="hand")}
+    for k in grid:  # the critic trains where it infers: no reallocation into critic_inf waits for the tail's device
+        plans[f"fused R_t={k}"] = ExecutionPlan.by_hand(graph, places(dev1, dev1), source="hand",
                                                         tail={"actor_gen": (k, 1)})
     return plans
 
@@ -99,101 +110,107 @@ def _measure(run_dir: Path) -> tuple[float, float, float]:
             statistics.median(overlap))
 
 
-def _estimate(graph, plan) -> tuple[float, float, bool]:
-    """The estimator's iteration time for ``plan``'s placements, and its generation + inference: generation, then
-    the inference calls (side by side at dp 2, or one after another on device 1); for a fused plan, with the
-    planner's tail pricing where this checkout has it (``estimator/tail_cost.py``): phase 1, then the tail beside
-    the consumers' part 1, then their part 2. The flag says whether the tail was priced."""
+def _estimate(graph, plan) -> tuple[float, float]:
+    """The estimated iteration and generation + inference span of ``plan`` (with its migration, if any)."""
     from realloc.estimator.cost import CostModel
+    from realloc.search.tail_report import gen_inf_span
     from realloc.search.timeline import estimate_plan
 
-    cost = CostModel(graph)
-    space, idx = estimate_plan(graph, plan, cost)
-    est = space.to_plan(idx, "estimate")
-    gen_inf = est.call_times["actor_gen"] + sum(est.call_times[c] for c in INFERENCE)
-    tail = plan.tail.get("actor_gen")
-    if tail is None:
-        return float(est.estimated_time or 0.0), gen_inf, False
-    try:
-        from realloc.estimator.tail_cost import consumer_parts, tail_generation_cost
-    except ImportError:
-        return float(est.estimated_time or 0.0), gen_inf, False
-    cluster, p = graph.spec.cluster, plan.placements["actor_gen"]
-    g = tail_generation_cost(cost, "actor_gen", cluster.mesh(p.mesh), p.strategy, p.n_mbs, tail.rows, tail.instances)
-    parts = [consumer_parts(cost, c, "actor_gen", cluster.mesh(plan.placements[c].mesh), plan.placements[c].strategy,
-                            plan.placements[c].n_mbs, tail.rows) for c in INFERENCE]
-    part1, part2 = sum(x[0] for x in parts), sum(x[1] for x in parts)
-    return float(est.estimated_time or 0.0), g.phase1 + max(g.tail, part1) + part2, True
+    space, idx = estimate_plan(graph, plan, CostModel(graph))
+    return float(space.to_plan(idx, "estimate").estimated_time or 0.0), gen_inf_span(space, idx)
+
+
+def _run(exp: Path, plan, run_dir: Path, iterations: int, env: dict) -> tuple[float, float, float]:
+    path = run_dir.parent / "plan.json"
+    plan.save(path)
+    r = subprocess.run([sys.executable, "-m", "realloc.cli", "run", str(exp), "--run-dir", str(run_dir), "--quiet",
+                        "--plan", str(path), "--iterations", str(iterations), "--no-final-checkpoint"],
+                       capture_output=True, text=True, env=env, timeout=1800)
+    if r.returncode:
+        raise SystemExit(r.stdout + r.stderr)
+    return _measure(run_dir)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="small")
+    p.add_argument("--setting", choices=sorted(SETTINGS), default="rm")
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--gen-len", type=int, default=128)
     p.add_argument("--iterations", type=int, default=4)
-    p.add_argument("--sweep", default="2,4,8,16", help="R_t values, comma-separated")
     p.add_argument("--repeats", type=int, default=2, help="rounds over the plans; each plan's best round counts")
     p.add_argument("--keep", default=None, help="keep the runs' directories under this folder")
-    p.add_argument("--only", default=None, help="run only the plans whose name contains this")
+    p.add_argument("--estimate-only", action="store_true", help="print the estimates without running")
     args = p.parse_args()
     from realloc.api import load_experiment
+    from realloc.estimator.tail_cost import TAIL_GRID, tail_rows
     from realloc.graph.dataflow import build_graph
     from realloc.lengths import ResponseLengths
     from realloc.models.length_schedule import scheduled_lengths
     from realloc.models.weights import param_seed
 
     median = max(1, args.gen_len // 16)
-    sweep = [int(x) for x in args.sweep.split(",")]
+    grid = [tail_rows(args.rows, share) for share in TAIL_GRID]
+    reward, impl, rargs = SETTINGS[args.setting]
     with tempfile.TemporaryDirectory() as scratch:
-        tmp = args.keep or scratch
-        Path(tmp).mkdir(parents=True, exist_ok=True)
-        exp = Path(tmp) / "fusion_ppo.py"
-        exp.write_text(EXPERIMENT.format(base=str(REPO / "experiments/ppo_tiny.py"), rows=args.rows,
-                                         gen_len=args.gen_len, median=median, model=args.model,
+        tmp = Path(args.keep or scratch)
+        tmp.mkdir(parents=True, exist_ok=True)
+        exp = tmp / f"fusion_ppo_{args.setting}.py"
+        exp.write_text(EXPERIMENT.format(rows=args.rows, gen_len=args.gen_len, median=median, reward=reward,
+                                         impl=impl, args=rargs,
                                          data=str(REPO / "experiments/data/ppo_tiny_prompts.jsonl")))
         graph = build_graph(load_experiment(str(exp)))
-        env = {**os.environ, "TMPDIR": tmp, "PYTHONPATH": str(REPO)}
-        plans = {n: p for n, p in _plans(graph, sweep).items() if not args.only or args.only in n}
-        measured: dict[str, list[tuple[float, float]]] = {n: [] for n in plans}
-        for rep in range(args.repeats):  # the plans in turn, every round: a shared machine's load drifts
+        plans = _plans(graph, grid)
+        est = {n: _estimate(graph, plan) for n, plan in plans.items()}
+        env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(REPO)}
+        measured: dict[str, list[tuple[float, float, float]]] = {n: [] for n in plans}
+        for rep in range(0 if args.estimate_only else args.repeats):
             for name, plan in plans.items():
-                path = Path(tmp) / "plan.json"
-                plan.save(path)
-                run_dir = Path(tmp) / f"{name.replace(' ', '_').replace(',', '').replace('=', '')}_{rep}"
-                r = subprocess.run([sys.executable, "-m", "realloc.cli", "run", str(exp), "--run-dir", str(run_dir),
-                                    "--quiet", "--plan", str(path), "--iterations", str(args.iterations),
-                                    "--no-final-checkpoint"], capture_output=True, text=True, env=env, timeout=1800)
-                if r.returncode:
-                    print(r.stdout + r.stderr)
-                    return 1
-                measured[name].append(_measure(run_dir))
-        rows, priced_tail = [], False
-        for name, plan in plans.items():  # each plan's best round: the least disturbed by other load
-            rows.append((name, *min(measured[name]), *_estimate(graph, plan)))
-            priced_tail = priced_tail or rows[-1][-1]
-    lens = scheduled_lengths(ResponseLengths.lognormal(median=median, p99=args.gen_len), args.gen_len,
-                             param_seed(1, "generate/0"), range(args.rows))
-    s = sorted(lens)
-    print(f"PPO, model {args.model} x3 on 2 CPU devices (gloo, 1 thread each), {args.rows} rows of 8 prompt tokens, "
-          f"lengths lognormal median {median}, p99 {args.gen_len} (iteration 1: median {s[len(s) // 2]}, max {s[-1]}); "
-          f"{args.iterations} iterations, medians over 2..{args.iterations}, the best of {args.repeats} rounds")
-    print(f"{'plan':<28}{'gen+inf s':>10}{'iter s':>9}{'inf in gen':>11}{'est iter':>10}{'est g+i':>9}")
-    for name, gi, it, ov, est_it, est_gi, _ in rows:
-        print(f"{name:<28}{gi:>10.3f}{it:>9.3f}{ov:>11.3f}{est_it:>10.3f}{est_gi:>9.3f}")
-    base = min((r for r in rows if r[0].startswith("unfused")), key=lambda r: r[1], default=None)
-    best = min((r for r in rows if r[0].startswith("fused")), key=lambda r: r[1], default=None)
-    if base is None or best is None:
-        return 0
-    print(f"best measured R_t: {best[0].split('=')[1]} of {args.rows} rows")
-    print(f"fused ({best[0]}) vs the faster unfused plan ({base[0]}): generation + inference "
-          f"{base[1] / best[1]:.2f}x, iteration {base[2] / best[2]:.2f}x")
-    if not priced_tail:
-        print("estimates: this checkout's estimator does not price the tail (estimator/tail_cost.py), so fused plans "
-              "show the unfused estimate of their placements")
-    else:
-        print("estimates: gen+inf of fused plans priced with estimator/tail_cost.py; iteration estimates as "
-              "estimate_plan prices the placements")
+                run_dir = tmp / f"{args.setting}_{name.replace(' ', '_').replace('=', '')}_{rep}"
+                measured[name].append(_run(exp, plan, run_dir, args.iterations, env))
+    lens = sorted(scheduled_lengths(ResponseLengths.lognormal(median=median, p99=args.gen_len), args.gen_len,
+                                    param_seed(1, "generate/0"), range(args.rows)))
+    what = {"rm": "actor, reference, critic and a learned reward model, all of model small",
+            "rule": "actor, reference and critic of model small, a rule reward"}[args.setting]
+    print(f"setting {args.setting}: PPO, {what}; 2 CPU devices (gloo, 1 thread each); {args.rows} rows of 8 prompt "
+          f"tokens, lengths lognormal median {median}, p99 {args.gen_len} (iteration 1: median {lens[len(lens) // 2]}, "
+          f"max {lens[-1]}); {args.iterations} iterations, medians over 2..{args.iterations}, "
+          f"the best of {args.repeats} rounds")
+    print(f"{'plan':<23}{'gen+inf s':>10}{'est':>8}{'est/meas':>9}{'iter s':>9}{'est':>8}{'est/meas':>9}"
+          f"{'inf in gen':>11}")
+    rows = {}
+    for name in plans:
+        gi, it, ov = min(measured[name]) if measured[name] else (float("nan"),) * 3
+        e_it, e_gi = est[name]
+        rows[name] = (gi, it, e_gi, e_it)
+        print(f"{name:<23}{gi:>10.3f}{e_gi:>8.3f}{e_gi / gi:>9.2f}{it:>9.3f}{e_it:>8.3f}{e_it / it:>9.2f}{ov:>11.3f}")
+    fused = [n for n in plans if n.startswith("fused")]
+    planner = min(fused, key=lambda n: rows[n][3])
+    ran = not args.estimate_only
+
+    def fastest_unfused(col: int) -> str:  # by the measured column (the estimated one without runs)
+        return min((n for n in plans if n.startswith("unfused")), key=lambda n: rows[n][col if ran else col + 2])
+
+    base_gi, base_it = fastest_unfused(0), fastest_unfused(1)
+
+    def share(name: str) -> str:
+        k = grid[fused.index(name)]
+        return f"{k} ({TAIL_GRID[grid.index(k)]:.0%})"
+
+    def ratios(name: str) -> str:
+        r, g, i = rows[name], rows[base_gi], rows[base_it]
+        return (f"generation + inference {g[0] / r[0]:.2f}x measured, {g[2] / r[2]:.2f}x estimated; "
+                f"iteration {i[1] / r[1]:.2f}x measured, {i[3] / r[3]:.2f}x estimated")
+
+    print(f"the faster unfused plan{'' if ran else ' (estimated)'}: by generation + inference '{base_gi}', "
+          f"by iteration '{base_it}'; each ratio below is against the faster one")
+    print(f"the planner's R_t (the smallest estimated iteration on this placement): {share(planner)}; by estimated "
+          f"generation + inference: {share(min(fused, key=lambda n: rows[n][2]))}")
+    print(f"fused at the planner's R_t vs unfused: {ratios(planner)}")
+    if ran:
+        for what, col in (("iteration", 1), ("generation + inference", 0)):
+            best = min(fused, key=lambda n: rows[n][col])
+            print(f"best measured R_t by {what}: {share(best)}, {abs(fused.index(best) - fused.index(planner))} grid "
+                  f"step(s) from the planner's; fused at it vs unfused: {ratios(best)}")
     return 0
 
 

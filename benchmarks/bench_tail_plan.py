@@ -22,29 +22,17 @@ import argparse
 import dataclasses
 import time
 
-import numpy as np
-
 from realloc.api import load_experiment
 from realloc.estimator.cost import CostModel
 from realloc.graph.dataflow import build_graph
 from realloc.lengths import ResponseLengths
 from realloc.search.build import PlanSpace
 from realloc.search.engine import run_mcmc
+from realloc.search.tail_report import gen_inf_span
 from realloc.search.tail_space import without_tails
 
 PAIRS = ("13b_33b", "33b_13b", "33b_65b", "65b_33b")
 GEN_LENS = (512, 1024, 2048)
-GEN_INF = ("actor_gen", "rew_inf", "ref_inf", "critic_inf")
-
-
-def gen_inf_span(space: PlanSpace, indices: np.ndarray) -> float:
-    """Seconds from the generation's start to the end of the last inference call in a middle iteration."""
-    names = space.problem.call_names
-    want = {names.index(c) for c in GEN_INF if c in names}
-    t = space.problem.n_iterations // 2
-    recs = [r for r in space.cpp.schedule(np.asarray(indices, np.int32)) if r[3] == t and r[1] in want and r[0] != 1]
-    start = min(r[4] for r in recs if r[1] == names.index("actor_gen") and r[0] == 0)
-    return max(r[5] for r in recs) - start
 
 
 def run(pair: str, gen_len: int, search_time: float, all_meshes: bool) -> dict:

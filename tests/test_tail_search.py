@@ -50,11 +50,20 @@ def test_phases_of_a_migrating_generation_step_by_step():
     mine = [min(e, cut) for e in spec.response_lengths.order_statistics(w.gen_len, b)]
     pre = sum(st.compute + st.tp_comm + st.pp_comm + h for st in timer._stages(Phase.PREFILL, s, links, b, w.prompt_len))
     phase1 = pre + sum(step(sum(e > j for e in mine), w.prompt_len + j) for j in range(1, max(mine)))
-    assert got.phase1 == pytest.approx(phase1 + model.hw.call_overhead, rel=1e-9)
+    # one reduction of [unfinished rows, done] per step, each while the next step decodes; the last is waited for
+    count = model.comm.time("all_reduce", 2, 16, links.dp)
+    assert got.phase1 == pytest.approx(phase1 + model.hw.call_overhead + count, rel=1e-9)
     held = all_ends[n - rows:]  # one replica keeps every tail row
     phase2 = sum(step(sum(e > j for e in held), w.prompt_len + j) for j in range(cut + 1, max(held)))
     assert got.phase2 == pytest.approx(phase2, rel=1e-9)
-    assert 0 < got.migration and got.tail == got.migration + got.phase2
+    # the closing reduction, the row counts and prompt width, the all-gather of each replica's n/2 rows (inputs:
+    # 8 prompt tokens, length, dataset row; the prompt; 128 tokens and log-probs; id, lengths; 2 flags), the prefill
+    row = 8 * 8 + 8 + 8 + 8 * 8 + (8 + 4) * 128 + 3 * 8 + 2
+    gather = model.comm.time("all_gather", 2, (n // 2) * row, links.dp)
+    prefill = sum(st.compute + st.tp_comm + st.pp_comm + h
+                  for st in timer._stages(Phase.PREFILL, s, links, rows, w.prompt_len + cut))
+    assert got.migration == pytest.approx(3 * count + gather + prefill, rel=1e-9) and not got.kv_moved
+    assert got.tail == got.migration + got.phase2
     # without migration the call runs its longest row on full replicas: phase 1 is cheaper than that
     assert got.phase1 < model.call_cost("actor_gen", mesh, s, 1).time
 

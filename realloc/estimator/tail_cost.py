@@ -4,15 +4,23 @@ A generation call of n rows with a tail migration (R_t rows, m dp replicas; ``gr
 layout (single-stage meshes only):
 
 - phase 1: every dp replica decodes its own rows until the migration point, the step at which R_t rows are
-  left: the (n - R_t)-th of the n rows' expected order statistics (``ResponseLengths.order_statistics``);
-- migration: the tail rows rebuild their KV caches on m replicas, ceil(R_t / m) rows each: a prefill over prompt
-  + the tokens generated so far, or moving the KV caches over the dp links, whichever is priced cheaper;
+  left: the (n - R_t)-th of the n rows' expected order statistics (``ResponseLengths.order_statistics``); after
+  each step the replicas sum their unfinished rows, in an asynchronous all-reduce that runs while they decode the
+  next step (``worker_tail.AsyncCounts``), so phase 1 pays for one of them: the last, whose count the replicas
+  wait for before they know the migration point;
+- migration: the replicas agree that the counts are over (one more small all-reduce), learn each other's row
+  counts and prompt width (two more), and all-gather the rows (each replica's share of the call's rows: inputs,
+  prompt, tokens and log-probs so far, ``worker_tail._row_table``); then the tail rows rebuild their KV caches on m
+  replicas, ceil(R_t / m) rows each, by a prefill over prompt + the tokens generated so far (the runtime re-runs
+  prefill; moving KV caches is not implemented, so it is not priced);
 - phase 2: the replica that holds the longest row decodes from the migration point to that row's end, with every
   m-th of the R_t longest expected lengths (the longest among them), as ``CallTimer.generate_varied`` prices
   decode steps over the rows still running.
 
 A consumer that runs in two parts prices part 1 on the n - R_t shortest expected lengths and part 2 on the R_t
-longest, each packed as the estimator packs any call's rows (``memory.Workload.packed``).
+longest, each packed as the estimator packs any call's rows (``memory.Workload.packed``), each a request of its
+own (its call overhead); part 2 also pays for the request of its own data transfer (the plain call's one transfer
+becomes two).
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ from realloc.strategy import ParallelStrategy
 
 # R_t as a share of the call's rows (rlhfuse.txt Fig. 9: the best is about 20%).
 TAIL_GRID = (0.05, 0.10, 0.20, 0.30, 0.40)
+# One reduction of phase 1's counts: [unfinished rows, done marker] as int64 (worker_tail.AsyncCounts).
+COUNT_BYTES = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +51,7 @@ class TailCost:
     phase1: float
     migration: float
     phase2: float
-    kv_moved: bool  # the migration moves KV caches (else it re-runs prefill)
+    kv_moved: bool  # the migration moves KV caches (else it re-runs prefill); False: the runtime re-runs prefill
 
     @property
     def tail(self) -> float:
@@ -111,7 +121,30 @@ def phase1_cost(cost: CostModel, call: str, mesh: DeviceMesh, strategy: Parallel
     b = work.micro_batch(strategy.dp, n_mbs)
     ends = tuple(min(e, cut) for e in work.lengths.order_statistics(work.gen_len, b))
     links = model.links(mesh, strategy)
-    return timer.generate_varied(strategy, links, b, work.prompt_len, ends, n_mbs).time + model.hw.call_overhead
+    counts = model.comm.time("all_reduce", strategy.dp, COUNT_BYTES, links.dp)  # the last count's reduction
+    return (timer.generate_varied(strategy, links, b, work.prompt_len, ends, n_mbs).time + model.hw.call_overhead
+            + counts)
+
+
+def row_bytes(prompt_len: int, gen_len: int) -> int:
+    """Bytes of one row in the migration's all-gather (``worker_tail._row_table``): the call's input (a prompt of
+    int64 tokens, its length and dataset row), the prompt again, int64 tokens and float32 log-probs for every
+    possible new token, id, prompt and response lengths (int64), the EOS and tail flags (one byte each)."""
+    return 8 * prompt_len * 2 + 12 * gen_len + 5 * 8 + 2
+
+
+def migration_cost(cost: CostModel, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, rows: int,
+                   instances: int) -> float:
+    """Seconds from the migration point until the tail replicas start their prefill: the counts' closing
+    reduction, the row counts' all-gather and the prompt width's all-reduce, then the rows' all-gather, in which
+    every replica sends its share of the call's rows (a tail replica sends them all)."""
+    model, mesh = _local(cost, mesh)
+    work = model.workload(call)
+    links = model.links(mesh, strategy)
+    small = 3 * model.comm.time("all_reduce", strategy.dp, COUNT_BYTES, links.dp)
+    share = -(-work.n_seqs // strategy.dp)
+    return small + model.comm.time("all_gather", strategy.dp, share * row_bytes(work.prompt_len, work.gen_len),
+                                   links.dp)
 
 
 def tail_phase_cost(cost: CostModel, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, rows: int,
@@ -132,10 +165,8 @@ def tail_phase_cost(cost: CostModel, call: str, mesh: DeviceMesh, strategy: Para
     held = tail[::-1][::instances][::-1]  # the replica with the longest row: every m-th from the top
     host = timer._engine("engine.decode_step", strategy.tp, per, prompt + cut, default=timer.hw.decode_step_overhead)
     prefill = pipeline_makespan(timer._stages(Phase.PREFILL, strategy, links, per, prompt + cut, host=host), 1).time
-    # KV cache of one row per token: k and v of every layer, a tp rank's share of the heads
-    kv = 2 * cfg.n_layers * cfg.kv_dim * model.precision.param / min(strategy.tp, cfg.n_kv_heads)
-    move = model.comm.time("p2p", 2, per * (prompt + cut) * kv, links.dp)
-    return min(prefill, move), _decode_from(timer, strategy, links, prompt, held, cut), move < prefill
+    moving = migration_cost(cost, call, mesh, strategy, rows, instances)
+    return moving + prefill, _decode_from(timer, strategy, links, prompt, held, cut), False
 
 
 def tail_generation_cost(cost: CostModel, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, n_mbs: int,
@@ -161,9 +192,10 @@ def consumer_parts(cost: CostModel, call: str, producer: str, mesh: DeviceMesh, 
     short, tail = split_ends(gen.lengths, gen.gen_len, gen.n_seqs, rows)
     cfg = cost.graph.model_config(call)
     if cfg is None:
-        return (cost.hw.call_overhead,) * 2
+        return cost.hw.call_overhead, 2 * cost.hw.call_overhead  # a rule: its requests (part 2: and its transfer)
     timer = cost._timer(cfg, cost.call_precision(call))
     links = cost.links(mesh, strategy)
     work = cost.workload(call)
-    return tuple(timer.time(part_workload(work, ends, gen.n_seqs), strategy, links, n_mbs).time
-                 for ends in (short, tail))
+    part1, part2 = (timer.time(part_workload(work, ends, gen.n_seqs), strategy, links, n_mbs).time
+                    for ends in (short, tail))
+    return part1, part2 + cost.hw.call_overhead  # part 2's data comes in a transfer request of its own

@@ -2,9 +2,13 @@
 
 Phase 1 (``decode_until``) decodes a dp replica's rows like ``generation.generate`` does, but every micro-batch
 advances one step per round (they run side by side instead of one after another), so a "step" means the same on
-every replica: after each step ``global_count`` learns how many rows of the whole call are still decoding (the
-caller sums over the dp replicas), and phase 1 stops at the first step where that count is at most the threshold.
-Every row still decoding then has generated exactly ``step + 1`` tokens.
+every replica: after each step the replica posts its unfinished rows to a ``StepCounts``, which learns the whole
+call's count per step (the caller sums over the dp replicas), and the migration point is the first step where that
+count is at most the threshold. The counts may arrive late (``worker_tail``'s counts are asynchronous
+all-reduces): a replica keeps decoding while they are in flight, and once it learns the migration point it takes
+the rows unfinished after that step back to that step (their tokens beyond it are decoded again in phase 2). So the
+migration point and every token are those of a lockstep run, while no replica waits for another at every step.
+Every row of the tail has generated exactly ``step + 1`` tokens.
 
 Phase 2 (``continue_decoding``) takes such rows -- from this replica or another -- and decodes them to their end:
 it rebuilds the KV cache by re-running prefill over prompt + tokens so far, starts each row's sampling generator
@@ -17,7 +21,7 @@ tolerance; a token flips only if its uniform lands within that difference of a C
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -52,6 +56,10 @@ class PhaseOne:
     output: GenerationOutput  # of the finished rows, in local order
     tail: TailRows
     step: int
+    # tail rows this replica finished while it ran ahead of the counts (local positions) and their whole results:
+    # the same tokens phase 2 would decode again, so a tail replica that holds them keeps them (worker_tail.py)
+    ahead: list[int] = dataclasses.field(default_factory=list)
+    ahead_output: GenerationOutput | None = None
 
 
 def _check(model: DecodingModel, gconfig: GenerationConfig) -> None:
@@ -62,45 +70,85 @@ def _check(model: DecodingModel, gconfig: GenerationConfig) -> None:
         raise ValueError("tail migration needs sampled generation, not greedy decoding")
 
 
+class StepCounts(Protocol):
+    """The whole call's unfinished rows after each step, summed over the dp replicas."""
+
+    def post(self, local: int) -> None:
+        """This replica's unfinished rows after its next step (steps 0, 1, ... in order)."""
+
+    def ready(self, block: bool) -> list[int]:
+        """The whole call's counts learned since the last call, in step order; ``block``: wait for one at least."""
+
+    def close(self) -> None:
+        """Called once the migration point is known, before any other collective of the group."""
+
+
+class SyncCounts:
+    """``StepCounts`` from a function that returns the whole call's count at once (one replica, or a blocking
+    all-reduce)."""
+
+    def __init__(self, global_count: Callable[[int], int]) -> None:
+        self._fn, self._got = global_count, []
+
+    def post(self, local: int) -> None:
+        self._got.append(self._fn(local))
+
+    def ready(self, block: bool) -> list[int]:
+        out, self._got = self._got, []
+        return out
+
+    def close(self) -> None:
+        pass
+
+
 @torch.no_grad()
 def decode_until(model: DecodingModel, rows: list[torch.Tensor], gconfig: GenerationConfig, seq_ids: Sequence[int],
-                 n_mbs: int, global_count: Callable[[int], int], threshold: int) -> PhaseOne:
-    """Phase 1 for this replica's ``rows`` (prompts). ``global_count(local)`` returns the whole call's unfinished
-    rows given this replica's; it is called once per step on every replica, the same number of times."""
+                 n_mbs: int, counts: "StepCounts | Callable[[int], int]", threshold: int) -> PhaseOne:
+    """Phase 1 for this replica's ``rows`` (prompts). ``counts`` learns the whole call's unfinished rows per step
+    (a plain function: ``global_count(local)`` at every step, blocking); every replica posts one count per step up
+    to the migration point at least."""
     _check(model, gconfig)
+    counter: StepCounts = counts if hasattr(counts, "post") else SyncCounts(counts)  # type: ignore[arg-type]
     model.stage.eval()
     n_mbs = max(1, min(n_mbs, len(rows)))
     spans = even_ranges(len(rows), n_mbs) if rows else []
     mbs = [_MicroBatch(model, rows[lo:hi], list(seq_ids[lo:hi]), gconfig) for lo, hi in spans if hi > lo]
-    t, stop = 0, -1
-    while True:
-        for mb in mbs:
-            if not mb.done:
-                mb.apply(mb.sample(mb.forward(None, t), t), t)
-        left = global_count(sum(mb.n_active for mb in mbs if not mb.done))
-        if left == 0:
-            break
-        if left <= threshold:
-            stop = t
-            break
+    t, known, found = 0, 0, None  # the next step to decode, the steps whose count is known, the first at most R_t
+    while found is None:
+        busy = [mb for mb in mbs if not mb.done]
+        for mb in busy:
+            mb.apply(mb.sample(mb.forward(None, t), t), t)
+        counter.post(sum(mb.n_active for mb in mbs if not mb.done))
         t += 1
+        for left in counter.ready(block=not busy):  # nothing left to decode here: wait for the others' counts
+            if left <= threshold:
+                found = (known, left)
+                break
+            known += 1
+    counter.close()
+    stop = found[0] if found[1] > 0 else -1  # all rows ended together: no migration point
+    steps = stop + 1 if stop >= 0 else 0
     offsets = [lo for lo, hi in spans if hi > lo]
-    running = [off + int(i) for mb, off in zip(mbs, offsets) if not mb.done for i in mb.active.tolist()]
     outs = [mb.output() for mb in mbs]
     full = (outs[0] if len(outs) == 1 else _concat(outs, gconfig.pad_token_id)) if outs else None
-    still = set(running)
-    finished = [i for i in range(len(rows)) if i not in still]
-    steps = stop + 1 if stop >= 0 else 0
     if full is None:
         empty = torch.zeros((0, 1), dtype=torch.long)
         output = GenerationOutput(empty, empty[:, 0], empty[:, 0], empty.float(), empty[:, 0].bool())
         return PhaseOne([], output, TailRows([], [], empty[:, :0], empty[:, :0].float()), stop)
+    # unfinished after the migration point: still decoding here, or finished by a step this replica ran ahead to
+    gen = full.gen_lengths.tolist()
+    active = {off + int(i) for mb, off in zip(mbs, offsets) if not mb.done for i in mb.active.tolist()}
+    running = [i for i in range(len(rows)) if stop >= 0 and (i in active or gen[i] > steps)]
+    still = set(running)
+    finished = [i for i in range(len(rows)) if i not in still]
     tok = torch.stack([full.sequences[i, len(rows[i]):len(rows[i]) + steps] for i in running]) if running else \
         torch.zeros((0, steps), dtype=torch.long)
     lp = torch.stack([full.logprobs[i, len(rows[i]):len(rows[i]) + steps] for i in running]) if running else \
         torch.zeros((0, steps), dtype=torch.float32)
     tail = TailRows([int(seq_ids[i]) for i in running], [rows[i] for i in running], tok.cpu(), lp.cpu())
-    return PhaseOne(finished, select_rows(full, finished), tail, stop)
+    ahead = [i for i in running if i not in active]
+    return PhaseOne(finished, select_rows(full, finished), tail, stop, ahead,
+                    select_rows(full, ahead) if ahead else None)
 
 
 def select_rows(out: GenerationOutput, rows: Sequence[int]) -> GenerationOutput:

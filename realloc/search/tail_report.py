@@ -4,12 +4,15 @@ beside the winner."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
 
 from realloc.estimator.tail_cost import tail_generation_cost
 from realloc.search.tail_reference import TailView
 
 if TYPE_CHECKING:
+    from realloc.search.build import PlanSpace
     from realloc.search.planner import SearchReport
 
 
@@ -45,3 +48,15 @@ def tail_summary(report: "SearchReport") -> list[str]:
                  f"({base / won:.2f}x)")
     lines.append(report.no_tail.table(report.graph.topo_order))
     return lines
+
+
+def gen_inf_span(space: "PlanSpace", indices: np.ndarray, generation: str = "actor_gen",
+                 inference: Sequence[str] = ("rew_inf", "ref_inf", "critic_inf")) -> float:
+    """Estimated seconds from ``generation``'s start to the end of the last of the ``inference`` calls in a middle
+    iteration of the simulator's schedule (RLHFuse's "Gen.+Inf.", rlhfuse.txt §7.2)."""
+    names = space.problem.call_names
+    want = {names.index(c) for c in (generation, *inference) if c in names}
+    t = space.problem.n_iterations // 2
+    recs = [r for r in space.cpp.schedule(np.asarray(indices, np.int32)) if r[3] == t and r[1] in want and r[0] != 1]
+    start = min(r[4] for r in recs if r[1] == names.index(generation) and r[0] == 0)
+    return max(r[5] for r in recs) - start

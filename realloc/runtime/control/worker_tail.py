@@ -5,8 +5,9 @@ Every dp replica of the call runs this inside the same ``RunCall`` request:
 1. The interface function runs once with a stand-in model that records its ``generate`` call (prompts, sampling
    config, sequence ids, micro-batches) and stops it there.
 2. Phase 1 (``models/tail_decode.decode_until``): the replica decodes its rows; after every step the replicas sum
-   their unfinished rows over the dp group (an all-reduce), and all stop at the first step where the whole call
-   has at most R_t left: the migration point.
+   their unfinished rows over the dp group (an asynchronous all-reduce, ``AsyncCounts``: no replica waits for the
+   others at every step), and the migration point is the first step where the whole call has at most R_t left.
+   A replica that decoded past it takes its unfinished rows back to it.
 3. Migration: one all-gather over the dp group carries rows -- each with its inputs, prompt, tokens and log-probs so
    far -- the tail rows of every replica to replicas 0..m-1, the finished rows of replicas 0..m-1 to the freed
    replicas m..dp-1 (``graph/streaming.generation_shares``).
@@ -22,7 +23,10 @@ migration: every replica finishes its own rows as without the tail entry.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import logging
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -31,11 +35,32 @@ import torch.distributed as dist
 from realloc.algorithms.context import CallContext, CallResult, Data
 from realloc.graph.streaming import deal
 from realloc.graph.tail import TailMigration
-from realloc.models.generation import GenerationOutput, _prompt_list
+from realloc.models.generation import GenerationOutput, _concat, _prompt_list
 from realloc.models.sampling import GenerationConfig
-from realloc.models.tail_decode import TailRows, continue_decoding, decode_until
+from realloc.models.tail_decode import PhaseOne, TailRows, continue_decoding, decode_until, select_rows
 from realloc.runtime.transfer.data_store import pack_rows, row_bytes, unpack_rows
 from realloc.runtime.wire.protocol import TensorMeta
+
+log = logging.getLogger("realloc.worker")
+
+
+class _Clock:
+    """Wall seconds of a migrating generation's phases on this replica, for the worker's log (where the fused
+    plan spends its time: docs/streaming.md, "Where the time goes")."""
+
+    def __init__(self) -> None:
+        self.t0 = self.last = time.perf_counter()
+        self.parts: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.parts[name] = self.parts.get(name, 0.0) + now - self.last
+        self.last = now
+
+    def report(self, call: str, dp_rank: int, **extra: Any) -> None:
+        text = ", ".join(f"{k} {v:.3f} s" for k, v in self.parts.items())
+        more = "".join(f", {k} {v}" for k, v in extra.items())
+        log.info("%s tail dp rank %d: %s%s", call, dp_rank, text, more)
 
 
 class _Captured(Exception):
@@ -131,6 +156,56 @@ def _gather(table: dict[str, torch.Tensor], group: Any, dp: int, device: torch.d
     return {name: torch.cat([p[name] for p in parts]) for name in table}
 
 
+class AsyncCounts:
+    """The whole call's unfinished rows per phase-1 step, as asynchronous all-reduces over the dp group
+    (``tail_decode.StepCounts``): a replica posts its count after each step and decodes on; it waits only when it
+    has nothing left to decode. Each reduction sums [count, done marker]. Once a replica knows the migration point
+    it stops posting counts, but replicas stop at different steps, and gloo pairs collectives by their order: so
+    ``close`` posts done markers (waiting for each) until one reduction carries every replica's marker. Then every
+    replica has issued the same collectives and the group is free for the all-gather."""
+
+    def __init__(self, group: Any, dp: int) -> None:
+        self.group, self.dp = group, dp
+        self.pending: collections.deque = collections.deque()
+        self.posted = self.waits = 0
+        self.waited = 0.0
+
+    def _issue(self, count: int, done: int) -> None:
+        buf = torch.tensor([count, done], dtype=torch.long)
+        self.pending.append((dist.all_reduce(buf, group=self.group, async_op=True), buf))
+        self.posted += 1
+
+    def _take(self) -> torch.Tensor:
+        work, buf = self.pending.popleft()
+        if not work.is_completed():
+            t0 = time.perf_counter()
+            work.wait()
+            self.waits, self.waited = self.waits + 1, self.waited + time.perf_counter() - t0
+        else:
+            work.wait()
+        return buf
+
+    def post(self, local: int) -> None:
+        self._issue(local, 0)
+
+    def ready(self, block: bool) -> list[int]:
+        out = []
+        while self.pending and (self.pending[0][0].is_completed() or (block and not out)):
+            out.append(int(self._take()[0]))
+        return out
+
+    def close(self) -> None:
+        while self.pending:  # counts of steps past the migration point: the others' collectives pair with them
+            self._take()
+        while True:
+            self._issue(0, 1)
+            if int(self._take()[1]) == self.dp:
+                return
+
+    def describe(self) -> str:
+        return f"{self.posted} reductions, {self.waits} waited for in {self.waited:.3f} s"
+
+
 def _select(table: dict[str, torch.Tensor], ids: Sequence[int]) -> dict[str, torch.Tensor]:
     where = {int(i): r for r, i in enumerate(table["id"].tolist())}
     idx = torch.tensor([where[int(i)] for i in ids], dtype=torch.long)
@@ -182,6 +257,28 @@ def _replay(ctx: CallContext, fn: Callable[[CallContext, Data], CallResult], tab
     return fn(dataclasses.replace(ctx, ids=ids, model=_Replay(ctx.model, out, ids, call)), _unpack_inputs(table))
 
 
+def _phase_two(model: Any, one: PhaseOne, ahead_ids: list[int], mine: dict[str, torch.Tensor], gconfig: GenerationConfig,
+               n_mbs: int) -> GenerationOutput:
+    """This tail replica's rows ``mine`` decoded to their end, in their order: those it finished itself while it
+    ran ahead of phase 1's counts as they are (``PhaseOne.ahead``), the others after a re-run prefill."""
+    ids = [int(i) for i in mine["id"].tolist()]
+    kept = {i: r for r, i in enumerate(ahead_ids) if i in set(ids)}
+    redo = [r for r, i in enumerate(ids) if i not in kept]
+    outs, order = [], []
+    if kept:
+        outs.append(select_rows(one.ahead_output, list(kept.values())))
+        order += list(kept)
+    if redo:
+        steps = one.tail.steps
+        sub = {n: t.index_select(0, torch.tensor(redo, dtype=torch.long)) for n, t in mine.items()}
+        rows = TailRows([ids[r] for r in redo], _prompts(sub), sub["tok"][:, :steps], sub["lp"][:, :steps])
+        outs.append(continue_decoding(model, rows, gconfig, n_mbs))
+        order += rows.seq_ids
+    both = outs[0] if len(outs) == 1 else _concat(outs, gconfig.pad_token_id)
+    where = {i: r for r, i in enumerate(order)}
+    return select_rows(both, [where[i] for i in ids])
+
+
 def migrating_generation(ctx: CallContext, fn: Callable[[CallContext, Data], CallResult], inputs: Data,
                          tail: TailMigration, call: str) -> tuple[CallResult | None, list[int]]:
     """Run generation call ``call``'s interface ``fn`` on this dp replica with the tail migration ``tail``; the
@@ -203,13 +300,10 @@ def migrating_generation(ctx: CallContext, fn: Callable[[CallContext, Data], Cal
         raise ValueError(f"call {call!r}: with a 'tail' plan entry the generation interface must generate one "
                          f"sequence per input row, with seq_ids=ctx.ids")
     dev = model.device
-
-    def global_count(local: int) -> int:
-        t = torch.tensor([local], dtype=torch.long, device=dev)
-        dist.all_reduce(t, group=g.dp_group)
-        return int(t.item())
-
-    one = decode_until(model, a.prompts, a.gconfig, a.seq_ids, a.n_mbs, global_count, tail.rows)
+    clock = _Clock()
+    counts = AsyncCounts(g.dp_group, g.dp)
+    one = decode_until(model, a.prompts, a.gconfig, a.seq_ids, a.n_mbs, counts, tail.rows)
+    clock.lap("phase 1")
     if one.step < 0:  # no step left 1..R_t rows (the last ones ended together): as without the tail entry
         return fn(dataclasses.replace(ctx, model=_Replay(model, one.output, a.seq_ids, call)), inputs), a.seq_ids
     n_new = a.gconfig.max_new_tokens
@@ -228,7 +322,9 @@ def migrating_generation(ctx: CallContext, fn: Callable[[CallContext, Data], Cal
     m, dp, k = tail.instances, g.dp, g.dp_rank
     # replicas 0..m-1 send their finished rows to the freed ones; every replica sends its tail rows
     sent = {n: torch.cat([finished[n], running[n]]) if k < m else running[n] for n in finished}
+    clock.lap("rows packed")
     everyone = _gather(sent, g.dp_group, dp, dev)
+    clock.lap("all-gather")
     ids = everyone["id"].tolist()
     tails = deal([i for i, t in zip(ids, everyone["tail"].tolist()) if t], m)
     if k >= m:  # a freed replica: its own finished rows and its deal of those of replicas 0..m-1
@@ -237,10 +333,18 @@ def migrating_generation(ctx: CallContext, fn: Callable[[CallContext, Data], Cal
         table = {n: torch.cat([finished[n], got[n]]) for n in finished}
         held = sorted(int(i) for i in table["id"].tolist())
         table = _select(table, held)
-        return _replay(ctx, fn, table, _output(table, a.gconfig.pad_token_id), call), held
+        res = _replay(ctx, fn, table, _output(table, a.gconfig.pad_token_id), call)
+        clock.lap("replay")
+        clock.report(call, k, step=one.step, counts=counts.describe())
+        return res, held
     mine = _select(everyone, tails[k])  # a tail replica: decode its deal of the tail to the end
     if not tails[k]:  # fewer tail rows than tail replicas
         return None, []
-    rows = TailRows([int(i) for i in mine["id"].tolist()], _prompts(mine), mine["tok"][:, :t_rows.steps],
-                    mine["lp"][:, :t_rows.steps])
-    return _replay(ctx, fn, mine, continue_decoding(model, rows, a.gconfig, a.n_mbs), call), rows.seq_ids
+    ids = [int(i) for i in mine["id"].tolist()]
+    out = _phase_two(model, one, [a.seq_ids[i] for i in one.ahead], mine, a.gconfig, a.n_mbs)
+    clock.lap("phase 2")
+    res = _replay(ctx, fn, mine, out, call)
+    clock.lap("replay")
+    clock.report(call, k, step=one.step, counts=counts.describe(), rows=len(ids),
+                 kept=len(set(ids) & {a.seq_ids[i] for i in one.ahead}))
+    return res, ids
