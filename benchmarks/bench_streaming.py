@@ -1,6 +1,7 @@
 """Streaming without migration (issue 31 item 2; docs/tail-semantics.md), measured on the 2-device local CPU cluster.
 
-PPO (actor, reference and critic of model ``--model``, a rule reward; ``bench_fusion.py``'s experiment: lengths
+PPO (``bench_fusion.py``'s experiment and settings: ``--setting rm``, actor, reference, critic and a learned reward
+model, all of model ``small``, or ``rule``, a rule reward instead of the reward model; lengths
 from the seeded EOS schedule, lognormal with p99 16x the median) in FlexRLHF's disaggregated placement: generation
 on device 0, the inference calls on device 1, the train steps over both. Plans, each one ``realloc run``:
 
@@ -15,7 +16,7 @@ inference work done before the generation ended (what streaming overlaps). The p
 rounds; each plan's best round counts. Estimated: the planner's simulator (``estimate_plan``, the schedule of an
 iteration in the steady state) for the same span and for the iteration.
 
-    .venv/bin/python benchmarks/bench_streaming.py [--model small --rows 32 --gen-len 128 --iterations 4 --repeats 2]
+    .venv/bin/python benchmarks/bench_streaming.py [--setting rm|rule --rows 32 --gen-len 128 --iterations 4 --repeats 2]
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fusion import EXPERIMENT, INFERENCE, REPO  # noqa: E402 - the same experiment as the fusion benchmark
+from bench_fusion import EXPERIMENT, INFERENCE, REPO, SETTINGS  # noqa: E402 - the same experiment as the fusion benchmark
 
 GEN = "actor_gen"
 
@@ -85,7 +86,7 @@ def _estimate(graph, plan) -> tuple[float, float]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="small")
+    p.add_argument("--setting", choices=sorted(SETTINGS), default="rm")
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--gen-len", type=int, default=128)
     p.add_argument("--iterations", type=int, default=4)
@@ -101,8 +102,9 @@ def main() -> int:
         tmp = args.keep or scratch
         Path(tmp).mkdir(parents=True, exist_ok=True)
         exp = Path(tmp) / "stream_ppo.py"
-        exp.write_text(EXPERIMENT.format(base=str(REPO / "experiments/ppo_tiny.py"), rows=args.rows,
-                                         gen_len=args.gen_len, median=median, model=args.model,
+        reward, impl, rargs = SETTINGS[args.setting]
+        exp.write_text(EXPERIMENT.format(rows=args.rows, gen_len=args.gen_len, median=median, reward=reward,
+                                         impl=impl, args=rargs,
                                          data=str(REPO / "experiments/data/ppo_tiny_prompts.jsonl")))
         graph = build_graph(load_experiment(str(exp)))
         env = {**os.environ, "TMPDIR": tmp, "PYTHONPATH": str(REPO)}
@@ -121,7 +123,7 @@ def main() -> int:
                     return 1
                 measured[name].append(_measure(run_dir))
         rows = [(name, *min(measured[name]), *_estimate(graph, plan)) for name, plan in plans.items()]
-    print(f"PPO, model {args.model} x3 on 2 CPU devices (gloo, 1 thread each), {args.rows} rows, lengths lognormal "
+    print(f"PPO, setting {args.setting} on 2 CPU devices (gloo, 1 thread each), {args.rows} rows, lengths lognormal "
           f"median {median}, p99 {args.gen_len}; {args.iterations} iterations, medians over 2..{args.iterations}, "
           f"the best of {args.repeats} rounds")
     print(f"{'plan':<18}{'gen+inf s':>10}{'iter s':>9}{'inf in gen':>11}{'est g+i':>9}{'est/meas':>9}{'est iter':>10}"
