@@ -41,7 +41,7 @@ def _env(**extra) -> dict:
 def test_a_declared_profile_is_priced_turn_by_turn():
     profile = {"policy_tokens": [12, 6], "observation_tokens": [9], "reach": [1.0, 0.5], "step_s": 0.1,
                "final_s": 0.01}
-    graph = build_graph(_spec(_env(turn_profile=profile, env_workers=4)))
+    graph = build_graph(_spec(_env(turn_profile=profile, env_workers=4, kv_cache=False)))  # every turn prefills all
     cost = CostModel(graph)
     mesh, s = graph.spec.cluster.device_meshes()[0], ParallelStrategy(1, 1, 1)
     got = cost.call_cost("actor_gen", mesh, s, 2)
@@ -65,8 +65,29 @@ def test_a_declared_profile_is_priced_turn_by_turn():
     assert [t.rows for t in dp2] == [16, 8] and dp2[0].env_s == pytest.approx(env1 / 2)
 
 
+def test_with_the_kv_cache_kept_a_later_turn_prefills_only_what_was_appended():
+    profile = {"policy_tokens": [12, 6], "observation_tokens": [9], "reach": [1.0, 0.5], "step_s": 0.1,
+               "final_s": 0.01}
+    kept = CostModel(build_graph(_spec(_env(turn_profile=profile, env_workers=4))))  # kv_cache: the default
+    full = CostModel(build_graph(_spec(_env(turn_profile=profile, env_workers=4, kv_cache=False))))
+    meshes = kept.graph.spec.cluster.device_meshes()
+    mesh = meshes[0]
+    for m, s, n_mbs in ((mesh, ParallelStrategy(1, 1, 1), 2), (meshes[2], ParallelStrategy(1, 1, 2), 4)):  # pp 2
+        a, b = kept.turns("actor_gen", m, s, n_mbs), full.turns("actor_gen", m, s, n_mbs)
+        assert a[0].generate == b[0].generate  # turn 1 has nothing kept
+        assert [(t.rows, t.prompt, t.tokens, t.env_s) for t in a] == [(t.rows, t.prompt, t.tokens, t.env_s) for t in b]
+        assert a[1].generate.time < b[1].generate.time
+    s = ParallelStrategy(1, 1, 1)
+    timer, links = kept._timer(kept.graph.model_config("actor_gen")), kept.links(mesh, s)
+    # pp 1, turn 2 (2 micro-batches of 8 rows, prompt P + 12 + 9): the same decode steps; each micro-batch's prefill
+    # runs the last sampled token and the 9 observation tokens instead of all P + 21
+    assert (full.call_cost("actor_gen", mesh, s, 2).time - kept.call_cost("actor_gen", mesh, s, 2).time
+            == pytest.approx(2 * (timer.generate(s, links, 8, P + 21, 1, 1).time
+                                  - timer.generate_varied(s, links, 8, P + 21, (1,) * 8, 1, 10).time), rel=1e-9))
+
+
 def test_without_a_profile_the_most_a_rollout_may_take_within_the_budget():
-    graph = build_graph(_spec(_env()))  # 3 turns of at most 16 tokens in a budget of 40
+    graph = build_graph(_spec(_env(kv_cache=False)))  # 3 turns of at most 16 tokens in a budget of 40
     cost = CostModel(graph)
     mesh, s = graph.spec.cluster.device_meshes()[0], ParallelStrategy(1, 1, 1)
     turns = cost.turns("actor_gen", mesh, s, 1)

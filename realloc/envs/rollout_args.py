@@ -82,6 +82,7 @@ class RolloutShape:
     profile: TurnProfile
     turn_tokens: int  # the most tokens of one policy turn (interface_args' turn_tokens, at most gen_len)
     env_workers: int
+    kv_cache: bool = True  # later turns prefill only what was appended (interface_args' kv_cache)
 
 
 def rollout_shape(call: str, interface: Any, args: Mapping[str, Any], gen_len: int) -> RolloutShape | None:
@@ -94,7 +95,7 @@ def rollout_shape(call: str, interface: Any, args: Mapping[str, Any], gen_len: i
         profile = declared_profile(call, a.turn_profile, a.max_turns)
     else:
         profile = default_profile(a.max_turns)
-    return RolloutShape(profile, min(a.turn_tokens or gen_len, gen_len), a.env_workers)
+    return RolloutShape(profile, min(a.turn_tokens or gen_len, gen_len), a.env_workers, a.kv_cache)
 
 
 def is_multiturn(interface: Any) -> bool:

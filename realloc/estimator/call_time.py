@@ -328,24 +328,29 @@ class CallTimer:
         return self.generate_varied(strategy, links, b, prompt, (gen_len,) * b, n_mbs)
 
     def generate_varied(self, strategy: ParallelStrategy, links: GroupLinks, b: int, prompt: int,
-                        ends: Sequence[int], n_mbs: int) -> CallCost:
+                        ends: Sequence[int], n_mbs: int, prefill: int | None = None) -> CallCost:
         """``generate`` when responses differ in length (issue 31): row i of a micro-batch stops after
         ``ends[i]`` tokens (ascending: the expected order statistics, ``ResponseLengths.order_statistics``).
 
         Finished rows leave the micro-batch (``models/generation.py``), so decode step j (its KV cache at
         prompt + j positions) runs the rows with ends > j, and the micro-batch ends with its longest row. Runs
         of steps with one row count are summed with ``sum_over_range``.
+
+        ``prefill``: the tokens the prefill runs when the rows' earlier keys and values are kept (a multi-turn
+        rollout's later turns, ``models/turn_cache.py``); the decode steps still attend to all ``prompt``.
+        The prefill is priced at those tokens alone: its attention over the kept keys is left out.
         """
         if strategy.pp > 1 and n_mbs > strategy.pp:
             # At most pp micro-batches hold a KV cache at once: with equal lengths they go in waves of pp, each
             # filling and draining the pipeline (models/generation.py); priced so for any lengths.
             full, rest = divmod(n_mbs, strategy.pp)
-            wave = self.generate_varied(strategy, links, b, prompt, ends, strategy.pp).scaled(full)
-            return wave + self.generate_varied(strategy, links, b, prompt, ends, rest) if rest else wave
+            wave = self.generate_varied(strategy, links, b, prompt, ends, strategy.pp, prefill).scaled(full)
+            return wave + self.generate_varied(strategy, links, b, prompt, ends, rest, prefill) if rest else wave
         t = strategy.tp
         host = self._engine("engine.decode_step", t, b, prompt, default=self.hw.decode_step_overhead)
-        prefill = pipeline_makespan(self._stages(Phase.PREFILL, strategy, links, b, prompt, host=host), n_mbs)
-        total = prefill + CallCost.of(overhead=n_mbs * self._engine("engine.gen_call", t, b, prompt))
+        new = prompt if prefill is None else prefill
+        total = pipeline_makespan(self._stages(Phase.PREFILL, strategy, links, b, new, host=host), n_mbs)
+        total = total + CallCost.of(overhead=n_mbs * self._engine("engine.gen_call", t, b, prompt))
         for first, last, rows in decode_segments(ends):
             r_host = self._engine("engine.decode_step", t, rows, prompt, default=self.hw.decode_step_overhead)
             back = self.comm.time("p2p", 2, 16 * rows, links.pp_any) if strategy.pp > 1 else 0.0

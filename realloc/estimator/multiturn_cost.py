@@ -7,7 +7,8 @@ with their conversation so far as the prompt, then the environment's steps on th
 - ``rows = reach[k] * n`` rollouts, in ``min(n_mbs, rows)`` micro-batches of ``b`` rows;
 - a generation (``CallTimer.generate_varied``) whose prompt is the prompt plus the longest conversation so far
   (first observation, then each earlier turn's longest policy turn and its observation: rows are padded to the
-  micro-batch's longest), and whose rows stop at the expected order statistics of the turn's policy lengths,
+  micro-batch's longest); with the KV cache kept across turns (``kv_cache``, the default) a later turn prefills
+  only what was appended, the last sampled token and the observation (``models/turn_cache.py``); its rows stop at the expected order statistics of the turn's policy lengths,
   capped at ``turn_tokens`` and the budget left (``gen_len`` less the mean conversation so far);
 - the environment: ``ceil(rows / env_workers)`` rounds of steps, each ``step_s`` for a step that answers with an
   observation (a tool call) and ``final_s`` for one that ends the rollout, in the share the profile's reach says.
@@ -59,7 +60,9 @@ def turn_costs(timer: CallTimer, work: Workload, shape: RolloutShape, strategy: 
         cap = max(1, min(shape.turn_tokens, int(left)))
         ends = prof.policy[k].order_statistics(cap, b)
         prompt = P + math.ceil(min(longest_ctx, T))
-        gen = timer.generate_varied(strategy, links, b, prompt, ends, mbs)
+        # kept keys: turn k prefills the previous turn's last sampled token and its observation
+        appended = None if k == 0 or not shape.kv_cache else min(prompt, 1 + math.ceil(prof.observations[k - 1]))
+        gen = timer.generate_varied(strategy, links, b, prompt, ends, mbs, appended)
         on = prof.goes_on(k)
         env = math.ceil(rows / shape.env_workers) * (on * prof.step_s + (1 - on) * prof.final_s)
         out.append(TurnCost(k + 1, rows, prompt, ends[-1], gen, env))
