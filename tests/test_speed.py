@@ -127,11 +127,13 @@ def test_the_master_plans_without_torch_and_workers_load_megatron_without_dynamo
     assert lines[1] == {"dynamo": False, "wandb_blocked": False, "compile": True}
 
 
-@pytest.mark.parametrize("which", ["arith", "tiny_bpe"])
+@pytest.mark.parametrize("which", ["tiny_bpe"])
 def test_a_generic_fast_tokenizer_loads_as_autotokenizer_would_load_it(which, hf_assets):
     """The start-up shortcut (data/tokenizer.py): a directory naming transformers' generic fast class loads through
     it directly; the result is what AutoTokenizer gives: class, vocabulary, special tokens, ids with and without
-    special tokens, the chat template's rendering and decoding."""
+    special tokens, the chat template's rendering and decoding. (A plain directory without a chat template, like
+    the demo's ``arith_tokenizer``, now loads with the tokenizers library alone: tests/test_light_tokenizer.py
+    compares that one with transformers.)"""
     from transformers import AutoTokenizer
 
     from realloc.data.tokenizer import Tokenizer
