@@ -131,12 +131,18 @@ def _run(exp: Path, plan, run_dir: Path, iterations: int, env: dict) -> tuple[fl
     return _measure(run_dir)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def workload_args(doc: str | None) -> argparse.ArgumentParser:
+    """The workload's options, shared with bench_streaming.py."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--setting", choices=sorted(SETTINGS), default="rm")
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--gen-len", type=int, default=128)
     p.add_argument("--iterations", type=int, default=4)
+    return p
+
+
+def main() -> int:
+    p = workload_args(__doc__)
     p.add_argument("--repeats", type=int, default=2, help="rounds over the plans; each plan's best round counts")
     p.add_argument("--keep", default=None, help="keep the runs' directories under this folder")
     p.add_argument("--estimate-only", action="store_true", help="print the estimates without running")

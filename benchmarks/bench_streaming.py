@@ -21,7 +21,6 @@ iteration in the steady state) for the same span and for the iteration.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -31,7 +30,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fusion import EXPERIMENT, INFERENCE, REPO, SETTINGS  # noqa: E402 - the same experiment as the fusion benchmark
+from bench_fusion import EXPERIMENT, INFERENCE, REPO, SETTINGS, workload_args  # noqa: E402 - the same experiment as the fusion benchmark
 
 GEN = "actor_gen"
 
@@ -85,11 +84,7 @@ def _estimate(graph, plan) -> tuple[float, float]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--setting", choices=sorted(SETTINGS), default="rm")
-    p.add_argument("--rows", type=int, default=32)
-    p.add_argument("--gen-len", type=int, default=128)
-    p.add_argument("--iterations", type=int, default=4)
+    p = workload_args(__doc__)
     p.add_argument("--sweep", default="4,8", help="R values (rows still running at the split), comma-separated")
     p.add_argument("--repeats", type=int, default=2, help="rounds over the plans; each plan's best round counts")
     p.add_argument("--keep", default=None, help="keep the runs' directories under this folder")

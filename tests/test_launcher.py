@@ -224,6 +224,16 @@ true
 """
 
 
+def fake_slurm_bin(tmp_path: Path) -> Path:
+    """A folder with the stand-in ``srun`` and ``scontrol``, to put first on PATH."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bindir / name).write_text(text)
+        (bindir / name).chmod(0o755)
+    return bindir
+
+
 def test_generated_script_trains_with_a_stand_in_srun_and_stops_on_the_warning_signal(tmp_path):
     """The script's rendezvous (TCPStore + ZMQ ports from the job id) works: run it with bash and a fake srun.
     SLURM's warning signal (USR1, 120 s before the time limit) reaches the script, which passes it to the
@@ -236,11 +246,7 @@ def test_generated_script_trains_with_a_stand_in_srun_and_stops_on_the_warning_s
                     "--no-tensorboard")
     assert r.returncode == 0, r.stderr
     assert "#SBATCH --signal=B:USR1@120" in (run_dir / "job.sbatch").read_text().splitlines()
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
-        (bindir / name).write_text(text)
-        (bindir / name).chmod(0o755)
+    bindir = fake_slurm_bin(tmp_path)
     env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "SLURM_JOB_ID": str(free_job_id()),
            "SLURM_JOB_NODELIST": "n1", "TMPDIR": str(tmp_path), "PYTHONPATH": str(REPO)}
     # A job that ends before the master starts (SLURM gave two nodes for a one-node plan) removes the secret.

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_launcher import FAKE_SCONTROL, FAKE_SRUN, GPU_EXPERIMENT, free_job_id, realloc_cli
+from test_launcher import GPU_EXPERIMENT, fake_slurm_bin, free_job_id, realloc_cli
 
 from realloc.api import load_experiment
 from realloc.cluster import ClusterSpec, Pool
@@ -151,11 +151,7 @@ def test_two_kinds_under_a_stand_in_slurm_equal_the_local_run(two_kinds, tmp_pat
     r = realloc_cli("run", TWO_KINDS, "--plan", str(base / "plan.json"), "--iterations", "1", "--launcher", "slurm",
                     "--prepare", "--run-dir", str(run_dir), "--no-tensorboard", "--no-final-checkpoint")
     assert r.returncode == 0, r.stderr
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
-        (bindir / name).write_text(text)
-        (bindir / name).chmod(0o755)
+    bindir = fake_slurm_bin(tmp_path)
     env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "SLURM_JOB_ID": str(free_job_id()),
            "SLURM_JOB_NODELIST_HET_GROUP_0": "n1", "SLURM_JOB_NODELIST_HET_GROUP_1": "n2", "TMPDIR": str(tmp_path),
            "PYTHONPATH": str(REPO)}
