@@ -19,7 +19,7 @@ import pytest
 
 from realloc.search import reference
 from realloc.search.problem import CandidateArrays, PairCosts, SearchProblem
-from test_simulator import bounded_evaluations, random_plan, random_problem
+from test_simulator import assert_agrees, bounded_evaluations, random_plan, random_problem
 
 
 def _with_staleness(rng: np.random.Generator, p: SearchProblem) -> SearchProblem:
@@ -41,12 +41,7 @@ def test_cpp_matches_python_reference_on_random_run_ahead_graphs():
         cpp = p.to_cpp()
         for _ in range(2):
             plan = random_plan(rng, p)
-            got, want = cpp.evaluate(plan), reference.evaluate(p, plan)
-            assert got == want, (trial, plan, got, want)
-            sched = cpp.schedule(plan)
-            want_sched = [(r["kind"], r["call"], r["other"], r["iteration"], r["start"], r["end"])
-                          for r in reference.schedule(p, plan)]
-            assert [r[:6] for r in sched] == want_sched, trial
+            _, sched = assert_agrees(cpp, p, plan, trial)
             mem = cpp.memory(plan)
             static, peak, _ = reference.device_memory(p, plan)
             assert mem["device_static"] == static and mem["device_peak"] == peak, trial

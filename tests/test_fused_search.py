@@ -13,7 +13,7 @@ import pytest
 from realloc import _C
 from realloc.search import reference
 from realloc.search.problem import CandidateArrays, FusedPairArrays, PairCosts, SearchProblem
-from tests.test_simulator import GiB, random_plan, random_problem
+from tests.test_simulator import GiB, assert_agrees, random_plan, random_problem
 
 
 def _independent(p: SearchProblem, a: int, b: int) -> bool:
@@ -72,12 +72,7 @@ def test_cpp_matches_python_reference_on_random_problems_with_fused_pairs():
         cpp = p.to_cpp()
         for _ in range(3):
             plan = fused_plan(rng, p)
-            got, want = cpp.evaluate(plan), reference.evaluate(p, plan)
-            assert got == want, (trials, plan, got, want)
-            got_sched = [r[:6] for r in cpp.schedule(plan)]
-            want_sched = [(r["kind"], r["call"], r["other"], r["iteration"], r["start"], r["end"])
-                          for r in reference.schedule(p, plan)]
-            assert got_sched == want_sched, trials
+            want, sched = assert_agrees(cpp, p, plan, trials)
             mem = cpp.memory(plan)
             static, peak, _ = reference.device_memory(p, plan)
             assert mem["device_static"] == static and mem["device_peak"] == peak, trials
@@ -85,7 +80,7 @@ def test_cpp_matches_python_reference_on_random_problems_with_fused_pairs():
             f = p.fused[0]
             if f.on(p, plan):
                 n_on += 1
-                calls = {(r[1], r[3]): (r[4], r[5]) for r in cpp.schedule(plan) if r[0] == _C.NODE_CALL}
+                calls = {(r[1], r[3]): (r[4], r[5]) for r in sched if r[0] == _C.NODE_CALL}
                 n_ends_together += all(calls[f.a, t] == calls[f.b, t] for t in range(p.n_iterations))
                 n_inexact += not want["exact"]
                 n_fused_peak += want["peak_call"] == f.a

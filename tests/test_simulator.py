@@ -92,6 +92,18 @@ def random_problem(rng: np.random.Generator) -> SearchProblem:
         n_iterations=int(rng.integers(3, 6)), oom_alpha=float(rng.choice([10.0, 100.0])))
 
 
+def assert_agrees(cpp, p: SearchProblem, plan, tag) -> tuple[dict, list]:
+    """The C++ simulator against the Python reference on one plan: the evaluation, and every schedule row's kind,
+    call, other call, iteration, start and end. Returns the evaluation and the C++ schedule."""
+    got, want = cpp.evaluate(plan), reference.evaluate(p, plan)
+    assert got == want, (tag, plan, got, want)
+    sched = cpp.schedule(plan)
+    want_sched = [(r["kind"], r["call"], r["other"], r["iteration"], r["start"], r["end"])
+                  for r in reference.schedule(p, plan)]
+    assert [r[:6] for r in sched] == want_sched, tag
+    return want, sched
+
+
 def random_plan(rng: np.random.Generator, p: SearchProblem) -> np.ndarray:
     return np.array([rng.integers(0, len(k)) for k in p.candidates], np.int32)
 
@@ -133,12 +145,7 @@ def test_cpp_matches_python_reference_on_1000_random_graphs_and_plans():
         for _ in range(2):
             plan = random_plan(rng, p)
             n_recompute += sum(int(k.twin[i]) >= 0 and int(k.twin[i]) < i for k, i in zip(p.candidates, plan))
-            got, want = cpp.evaluate(plan), reference.evaluate(p, plan)
-            assert got == want, (trial, plan, got, want)
-            got_sched = [r[:6] for r in cpp.schedule(plan)]
-            want_sched = [(r["kind"], r["call"], r["other"], r["iteration"], r["start"], r["end"])
-                          for r in reference.schedule(p, plan)]
-            assert got_sched == want_sched, trial
+            want, sched = assert_agrees(cpp, p, plan, trial)
             mem = cpp.memory(plan)
             static, peak, _ = reference.device_memory(p, plan)
             assert mem["device_static"] == static and mem["device_peak"] == peak, trial
@@ -146,7 +153,7 @@ def test_cpp_matches_python_reference_on_1000_random_graphs_and_plans():
             n_inexact += not want["exact"]
             n_feasible += want["feasible"]
             n_oom += not want["feasible"]
-            n_transfers += sum(r[0] != 0 and r[5] > r[4] for r in cpp.schedule(plan))
+            n_transfers += sum(r[0] != 0 and r[5] > r[4] for r in sched)
             if p.shares_cores:
                 n_shared += 1
                 # a node that took longer than its cost ran while its host was oversubscribed

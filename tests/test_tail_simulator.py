@@ -7,7 +7,7 @@ import dataclasses
 
 import numpy as np
 from test_async_simulator import _with_staleness
-from test_simulator import bounded_evaluations, random_plan, random_problem
+from test_simulator import assert_agrees, bounded_evaluations, random_plan, random_problem
 
 from realloc.search import reference
 from realloc.search.problem import CandidateArrays, PairCosts, SearchProblem
@@ -61,12 +61,7 @@ def test_cpp_matches_python_reference_on_random_problems_with_random_tails():
         cpp = p.to_cpp()
         for _ in range(3):
             plan = random_plan(rng, p)
-            got, want = cpp.evaluate(plan), reference.evaluate(p, plan)
-            assert got == want, (trial, plan, got, want)
-            got_sched = [r[:6] for r in cpp.schedule(plan)]
-            want_sched = [(r["kind"], r["call"], r["other"], r["iteration"], r["start"], r["end"])
-                          for r in reference.schedule(p, plan)]
-            assert got_sched == want_sched, trial
+            assert_agrees(cpp, p, plan, trial)
             assert {tuple(r) for r in cpp.missing(plan).tolist()} == reference.missing_pairs(p, plan), trial
             view = TailView(p, plan)
             n_tails += sum(view.grid(c) >= 0 for c in view.columns)
@@ -87,11 +82,7 @@ def test_cpp_matches_python_reference_with_stream_only_tails():
         cpp = p.to_cpp()
         for _ in range(3):
             plan = random_plan(rng, p)
-            assert cpp.evaluate(plan) == reference.evaluate(p, plan), (trial, plan)
-            got_sched = [r[:6] for r in cpp.schedule(plan)]
-            want_sched = [(r["kind"], r["call"], r["other"], r["iteration"], r["start"], r["end"])
-                          for r in reference.schedule(p, plan)]
-            assert got_sched == want_sched, trial
+            assert_agrees(cpp, p, plan, trial)
             view = TailView(p, plan)
             whole = [c for c in view.columns if view.grid(c) >= 0 and len(view.tail_devices(c)) ==
                      int(p.candidates[c].dev_hi[plan[c]] - p.candidates[c].dev_lo[plan[c]])]
