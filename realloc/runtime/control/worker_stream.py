@@ -2,7 +2,7 @@
 graph/tail.py; docs/tail-semantics.md). The call takes two ``RunCall`` requests:
 
 1. The first runs the interface function once with a stand-in model that records its ``generate`` call
-   (``worker_tail._Recorder``), decodes this replica's rows to the split point (``models/stream_decode.py``: the
+   (``worker_tail.GenerateRecorder``), decodes this replica's rows to the split point (``models/stream_decode.py``: the
    replicas count the call's running rows together after every step), runs the interface function on the rows
    finished by then (its ``generate`` answered with their results) and replies with them. The decoding state
    (micro-batches, KV caches, sampling streams) stays in ``kept``, keyed by call and iteration.
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from realloc.algorithms.context import CallContext, CallResult, Data
 from realloc.graph.tail import TailMigration
 from realloc.models.stream_decode import SplitGeneration
-from realloc.runtime.control.worker_tail import _Captured, _Recorder, _Replay
+from realloc.runtime.control.worker_tail import GenerateReplay, captured_generate
 
 Kept = dict[tuple[str, int], tuple[SplitGeneration, list[int], list[int], Data]]
 
@@ -37,7 +37,7 @@ def _rows_of(inputs: Data, positions: list[int]) -> Data:
 def _run_on(ctx: CallContext, fn: Callable[[CallContext, Data], CallResult], gen: SplitGeneration,
             ids: list[int], positions: list[int], inputs: Data, call: str) -> CallResult:
     """The interface function on the rows at local ``positions`` (sequence ids ``ids``), ``generate`` answered."""
-    replay = _Replay(ctx.model, gen.output(positions), ids, call)
+    replay = GenerateReplay(ctx.model, gen.output(positions), ids, call)
     return fn(dataclasses.replace(ctx, ids=ids, model=replay), _rows_of(inputs, positions))
 
 
@@ -55,16 +55,7 @@ def streaming_generation(ctx: CallContext, fn: Callable[[CallContext, Data], Cal
         return _run_on(ctx, fn, gen, list(ctx.ids), running, held, call), list(ctx.ids)
     model = ctx.model
     assert model is not None
-    rec = _Recorder(model)
-    try:
-        fn(dataclasses.replace(ctx, model=rec), inputs)
-    except _Captured:
-        pass
-    a = rec.args
-    if a is None or a.seq_ids != list(ctx.ids):
-        raise ValueError(f"call {call!r}: with a 'tail' plan entry the generation interface must call "
-                         f"model.generate once, with one sequence id per input row (seq_ids=ctx.ids); drop the "
-                         f"call's tail entry to run this interface")
+    a = captured_generate(ctx, fn, inputs, call)
 
     def global_count(local: int) -> int:
         t = torch.tensor([local], dtype=torch.long, device=model.device)

@@ -63,7 +63,7 @@ class _Clock:
         log.info("%s tail dp rank %d: %s%s", call, dp_rank, text, more)
 
 
-class _Captured(Exception):
+class GenerateCaptured(Exception):
     """Raised by the recording stand-in to stop the interface function at its generate call."""
 
 
@@ -75,7 +75,7 @@ class _GenerateArgs:
     n_mbs: int
 
 
-class _Recorder:
+class GenerateRecorder:
     """The model as the interface function sees it on its first run: ``generate`` records its arguments."""
 
     def __init__(self, model: Any) -> None:
@@ -87,13 +87,30 @@ class _Recorder:
         rows = _prompt_list(prompts)
         ids = list(range(len(rows))) if seq_ids is None else [int(i) for i in seq_ids]
         self.args = _GenerateArgs(rows, gconfig, ids, n_mbs)
-        raise _Captured
+        raise GenerateCaptured
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
 
 
-class _Replay:
+def captured_generate(ctx: CallContext, fn: Callable, inputs: Data, call: str) -> _GenerateArgs:
+    """Run the interface function ``fn`` up to its ``model.generate`` call and return that call's arguments (a
+    tail entry's generation decodes them itself); one error if the function cannot be run that way."""
+    rec = GenerateRecorder(ctx.model)
+    try:
+        fn(dataclasses.replace(ctx, model=rec), inputs)
+    except GenerateCaptured:
+        pass
+    if rec.args is None:
+        raise ValueError(f"call {call!r}: its interface never called model.generate, so its 'tail' plan entry "
+                         f"cannot run; drop the entry")
+    if rec.args.seq_ids != list(ctx.ids):
+        raise ValueError(f"call {call!r}: with a 'tail' plan entry the generation interface must generate one "
+                         f"sequence per input row, with seq_ids=ctx.ids")
+    return rec.args
+
+
+class GenerateReplay:
     """The model on the interface function's second run: ``generate`` returns results made already, once."""
 
     def __init__(self, model: Any, out: GenerationOutput, ids: list[int], call: str) -> None:
@@ -254,7 +271,7 @@ def _replay(ctx: CallContext, fn: Callable[[CallContext, Data], CallResult], tab
             out: GenerationOutput, call: str) -> CallResult:
     """The interface function on ``table``'s rows, its generate call answered with ``out``."""
     ids = [int(i) for i in table["id"].tolist()]
-    return fn(dataclasses.replace(ctx, ids=ids, model=_Replay(ctx.model, out, ids, call)), _unpack_inputs(table))
+    return fn(dataclasses.replace(ctx, ids=ids, model=GenerateReplay(ctx.model, out, ids, call)), _unpack_inputs(table))
 
 
 def _phase_two(model: Any, one: PhaseOne, ahead_ids: list[int], mine: dict[str, torch.Tensor], gconfig: GenerationConfig,
@@ -287,25 +304,14 @@ def migrating_generation(ctx: CallContext, fn: Callable[[CallContext, Data], Cal
     model = ctx.model
     assert model is not None
     g = model.groups
-    rec = _Recorder(model)
-    try:
-        fn(dataclasses.replace(ctx, model=rec), inputs)
-    except _Captured:
-        pass
-    if rec.args is None:
-        raise ValueError(f"call {call!r}: its interface never called model.generate, so it cannot migrate a tail; "
-                         f"drop the call's 'tail' plan entry")
-    a = rec.args
-    if a.seq_ids != list(ctx.ids):
-        raise ValueError(f"call {call!r}: with a 'tail' plan entry the generation interface must generate one "
-                         f"sequence per input row, with seq_ids=ctx.ids")
+    a = captured_generate(ctx, fn, inputs, call)
     dev = model.device
     clock = _Clock()
     counts = AsyncCounts(g.dp_group, g.dp)
     one = decode_until(model, a.prompts, a.gconfig, a.seq_ids, a.n_mbs, counts, tail.rows)
     clock.lap("phase 1")
     if one.step < 0:  # no step left 1..R_t rows (the last ones ended together): as without the tail entry
-        return fn(dataclasses.replace(ctx, model=_Replay(model, one.output, a.seq_ids, call)), inputs), a.seq_ids
+        return fn(dataclasses.replace(ctx, model=GenerateReplay(model, one.output, a.seq_ids, call)), inputs), a.seq_ids
     n_new = a.gconfig.max_new_tokens
     width = torch.tensor([max(p.numel() for p in a.prompts)], dtype=torch.long, device=dev)
     dist.all_reduce(width, op=dist.ReduceOp.MAX, group=g.dp_group)
