@@ -274,8 +274,8 @@ def _replay(ctx: CallContext, fn: Callable[[CallContext, Data], CallResult], tab
     return fn(dataclasses.replace(ctx, ids=ids, model=GenerateReplay(ctx.model, out, ids, call)), _unpack_inputs(table))
 
 
-def _phase_two(model: Any, one: PhaseOne, ahead_ids: list[int], mine: dict[str, torch.Tensor], gconfig: GenerationConfig,
-               n_mbs: int) -> GenerationOutput:
+def _phase_two(model: Any, one: PhaseOne, ahead_ids: list[int], mine: dict[str, torch.Tensor],
+               gconfig: GenerationConfig, n_mbs: int) -> GenerationOutput:
     """This tail replica's rows ``mine`` decoded to their end, in their order: those it finished itself while it
     ran ahead of phase 1's counts as they are (``PhaseOne.ahead``), the others after a re-run prefill."""
     ids = [int(i) for i in mine["id"].tolist()]
