@@ -84,7 +84,10 @@ def tail_unsupported(graph: "DataflowGraph", call: str, partial: Sequence[str] =
 
 def check_runtime_tail(plan: "ExecutionPlan", graph: "DataflowGraph") -> None:
     """One ValueError if the runtime cannot carry out a tail entry of ``plan``: the generation must run at pp 1
-    (its replicas count decode steps in lockstep) and not ahead of training (bounded staleness)."""
+    (its replicas count decode steps in lockstep). Staleness > 0 runs: the schedule already starts the generation of
+    iteration t + 1 only after iteration t's whole call (it reads parameters whose train step, or whose snapshot,
+    waits for that call: master_schedule._stale_readers, _snapshot_deps), so the freed devices run the split
+    consumers' part 1 first, and a streamed call's second request comes before the next call's first."""
     partial = partial_rollout_calls(graph)
     for call in plan.tail:
         why = tail_unsupported(graph, call, partial)
@@ -94,6 +97,3 @@ def check_runtime_tail(plan: "ExecutionPlan", graph: "DataflowGraph") -> None:
         if p.pp != 1:
             raise ValueError(f"plan field 'tail' entry {call!r}: the runtime migrates the tail of a generation at "
                              f"pp 1 only, and the call runs at pp {p.pp}; place it with pp=1 or drop the entry")
-        if plan.staleness:
-            raise ValueError(f"plan field 'tail' entry {call!r}: tail migration does not run with staleness "
-                             f"{plan.staleness} yet; drop the entry or set staleness 0")

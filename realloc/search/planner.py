@@ -207,12 +207,8 @@ def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int =
         sp = space.with_staleness(eta)
         # the synchronous winner starts the chains of the others: its placement is a good one at any eta
         extra = [best[1].indices] if best is not None else []
-        eta_starts = starts
-        if eta and runnable is not None and sp.tails:  # the runtime migrates no tail of a generation running ahead
-            sp, eta_starts = without_tails(sp, [_no_tail(space, s) for s in starts + extra])
-            extra = []
         outcome = run_mcmc(sp, time_limit=share, max_evals=evals, seed=seed, n_threads=n_threads,
-                           n_chains=n_chains or n_threads, starts=eta_starts + extra, progress=progress,
+                           n_chains=n_chains or n_threads, starts=starts + extra, progress=progress,
                            converge=converge, **({} if fuse else {"p_fuse": 0.0}))
         if len(etas) > 1:
             by_staleness[eta] = sp.to_plan(outcome.indices, "search")
@@ -239,12 +235,6 @@ def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int =
                         baselines=results, stats=outcome.stats, prepare_seconds=prepare,
                         n_candidates_before_time_pruning=before, by_staleness=by_staleness, alone=alone,
                         alone_pool=alone_pool, unfused=unfused, fused=fused, no_tail=no_tail)
-
-
-def _no_tail(space: PlanSpace, indices: np.ndarray) -> np.ndarray:
-    """``indices`` with each call's candidate replaced by the same placement without migration."""
-    plan = space.to_plan(indices, "start")
-    return space.indices_of(plan.model_copy(update={"tail": {}})) if plan.tail else indices
 
 
 def unfused_search(space: PlanSpace, best: np.ndarray, starts: list[np.ndarray], **search: Any):
@@ -275,8 +265,8 @@ def oom_message(space: PlanSpace, indices: np.ndarray, ev: dict) -> str:
 @dataclasses.dataclass(frozen=True)
 class RunLimits:
     """What ``realloc run``'s runtime cannot carry out, so its search leaves it out: fused train pairs where
-    they cannot run (``fused_pairs_run_on``), a tail migration of a generation running ahead (staleness > 0)
-    and, with ``balance_tokens``, any tail migration (graph/streaming.py, runtime/control/master_tail.py)."""
+    they cannot run (``fused_pairs_run_on``) and, with ``balance_tokens``, any tail migration (graph/streaming.py,
+    runtime/control/master_tail.py)."""
 
     balance_tokens: bool = False
 

@@ -370,8 +370,8 @@ class IterationSchedule:
         rpc = self.graph.call(c)
         stats: dict[str, float] = {}
         for rep in replies:
-            for k, v in rep.stats.items():
-                stats[k] = stats.get(k, 0.0) + v
+            for k, v in rep.stats.items():  # the version once: a streamed generation's dp rank 0 replies twice
+                stats[k] = v if k == "param_version" else stats.get(k, 0.0) + v
             for out in rep.outputs:
                 self.data_meta.setdefault((out.key, t), out.tensors)
             for part in rep.samples:
