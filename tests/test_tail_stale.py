@@ -19,21 +19,21 @@ N_ITER = 3  # the third iteration samples with version 1 (one step behind): a ve
 CASES = {"ppo": ((R_T, 1), ("localhost", 2, 1, 1, 1)), "grpo": ((R_T, 0), DEVICE_0)}
 
 
-def _stale_run(tmp_path, exp, name: str, tail: dict, gen_mesh: tuple):
-    """test_streaming._run with the experiment's max_staleness and the plan's staleness at 1."""
+def run_with(tmp_path, exp, name: str, tail: dict, gen_mesh: tuple, sets: list[str], staleness: int = 0):
+    """test_streaming._run with experiment overrides ``sets`` (``--set``) and the plan's ``staleness``."""
     from realloc.graph.dataflow import build_graph
     from realloc.graph.plan import ExecutionPlan
     from realloc.overrides import load_with_overrides
     from test_runtime_e2e import env
 
-    graph = build_graph(load_with_overrides(str(exp), [f"max_staleness={STALE}"]))
+    graph = build_graph(load_with_overrides(str(exp), sets))
     places = {c: (("localhost", 2, 1, 1, 1) if graph.call(c).is_train else gen_mesh if c == "actor_gen" else
                   ("localhost:1", 1, 1, 1, 1)) for c in graph.spec.call_names}
     plan = tmp_path / f"{name}.json"
-    ExecutionPlan.by_hand(graph, places, source="hand", staleness=STALE, tail=tail).save(plan)
+    ExecutionPlan.by_hand(graph, places, source="hand", staleness=staleness, tail=tail).save(plan)
     run_dir = tmp_path / name
     cmd = [sys.executable, "-m", "realloc.cli", "run", str(exp), "--run-dir", str(run_dir), "--quiet", "--plan",
-           str(plan), "--iterations", str(N_ITER), "--set", f"max_staleness={STALE}"]
+           str(plan), "--iterations", str(test_streaming.N_ITER), *[a for x in sets for a in ("--set", x)]]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     return run_dir
@@ -44,8 +44,9 @@ def test_a_tail_at_staleness_1_matches_the_same_run_without_it(tmp_path, monkeyp
     monkeypatch.setattr(test_streaming, "N_ITER", N_ITER)  # its checks read the run's length from there
     tail, mesh = CASES[algo]
     exp = _experiment(tmp_path, algo)
-    tailed = _stale_run(tmp_path, exp, "tailed", {"actor_gen": tail}, mesh)
-    plain = _stale_run(tmp_path, exp, "plain", {}, mesh)
+    ahead = [f"max_staleness={STALE}"]
+    tailed = run_with(tmp_path, exp, "tailed", {"actor_gen": tail}, mesh, ahead, STALE)
+    plain = run_with(tmp_path, exp, "plain", {}, mesh, ahead, STALE)
     assert_inference_in_two_parts(tailed)
     assert_same_runs(tailed, plain)
     # generation ran one step ahead (iteration t sampled with version max(0, t - 1)), the same with the tail entry

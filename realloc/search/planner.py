@@ -181,8 +181,6 @@ def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int =
         starts = [space.indices_of(p) for p in fitting]
     prepare = time.perf_counter() - t0
     no_tail = None
-    if space.tails and runnable is not None and runnable.balance_tokens:
-        space, starts = without_tails(space, starts)  # the runtime deals rows by tokens or migrates, not both
     if space.tails:
         # The best plan without migration first (a third of the time): shown beside the winner, and a start of its
         # chains, so the winner is never slower.
@@ -265,10 +263,8 @@ def oom_message(space: PlanSpace, indices: np.ndarray, ev: dict) -> str:
 @dataclasses.dataclass(frozen=True)
 class RunLimits:
     """What ``realloc run``'s runtime cannot carry out, so its search leaves it out: fused train pairs where
-    they cannot run (``fused_pairs_run_on``) and, with ``balance_tokens``, any tail migration (graph/streaming.py,
-    runtime/control/master_tail.py)."""
-
-    balance_tokens: bool = False
+    they cannot run (``fused_pairs_run_on``). Tails (migration, streaming) run at any staleness and with
+    ``balance_tokens`` (graph/streaming.py, runtime/control/master_tail.py); the search never offers one at pp > 1."""
 
 
 def fused_pairs_run_on(spec: Any) -> bool:
