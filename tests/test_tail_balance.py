@@ -53,7 +53,8 @@ def test_a_tail_with_balanced_tokens_matches_the_balanced_run_without_it(tmp_pat
     tail, mesh = CASES[algo]
     exp = _experiment(tmp_path, algo)
     text = exp.read_text()
-    exp.write_text(text.replace("    log_samples: int = 32\n", "    log_samples: int = 32\n    balance_tokens: bool = True\n"))
+    field = "    log_samples: int = 32\n"
+    exp.write_text(text.replace(field, field + "    balance_tokens: bool = True\n"))
     assert exp.read_text() != text
     tailed = run_with(tmp_path, exp, "tailed", {"actor_gen": tail}, mesh, [])
     plain = run_with(tmp_path, exp, "plain", {}, mesh, [])
