@@ -54,3 +54,39 @@ def test_a_tail_at_staleness_1_matches_the_same_run_without_it(tmp_path, monkeyp
         rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         assert [m["staleness"]["versions"]["actor_gen"] for m in rows] == [0, 0, 1]
         assert [m["staleness"]["max"] for m in rows] == [0, 1, 1]
+
+
+@pytest.mark.parametrize("tail", [(6, 1), (6, 0)])
+def test_both_simulators_order_the_next_generation_after_the_tail_at_staleness_1(tail):
+    """What the runtime does at staleness 1, simulated (C++ and the Python reference agree): the generation of
+    iteration t + 1 starts only after iteration t's tail (TAIL node) ends, as the runtime's schedule orders it, and
+    the split consumers run their part 1 (PART nodes) every iteration."""
+    import dataclasses
+
+    from realloc.api import load_experiment
+    from realloc.estimator.cost import CostModel
+    from realloc.graph.dataflow import build_graph
+    from realloc.graph.plan import ExecutionPlan
+    from realloc.lengths import ResponseLengths
+    from realloc.search.build import PlanSpace
+    from realloc.search.tail_reference import PART, TAIL
+    from test_simulator import assert_agrees
+
+    base = load_experiment("experiments/ppo_tiny.py")
+    spec = dataclasses.replace(base, gen_len=128, response_lengths=ResponseLengths.lognormal(8, 102.4), max_staleness=1)
+    graph = build_graph(spec)
+    gen_mesh = ("localhost", 2, 1, 1, 1) if tail[1] else ("localhost:0", 1, 1, 1, 1)
+    places = {c: (("localhost", 2, 1, 1, 1) if graph.call(c).is_train else gen_mesh if c == "actor_gen" else
+                  ("localhost:1", 1, 1, 1, 1)) for c in spec.call_names}
+    space = PlanSpace.build(graph, CostModel(graph)).with_staleness(1)
+    p = space.problem
+    plan = space.indices_of(ExecutionPlan.by_hand(graph, places, tail={"actor_gen": tail}, staleness=1))
+    _, sched = assert_agrees(p.to_cpp(), p, plan, tail)
+    g = p.call_names.index("actor_gen")
+    rows = [dict(zip(("kind", "call", "other", "iteration", "start", "end"), r[:6])) for r in sched]
+    gen = {r["iteration"]: r for r in rows if r["kind"] == 0 and r["call"] == g}
+    tails = {r["iteration"]: r for r in rows if r["kind"] == TAIL and r["call"] == g}
+    parts = [r for r in rows if r["kind"] == PART and r["end"] > r["start"]]
+    assert {r["iteration"] for r in parts} == set(gen)  # the inference calls on device 1 ran their part 1
+    for t in range(len(gen) - 1):
+        assert tails[t]["end"] > tails[t]["start"] and gen[t + 1]["start"] >= tails[t]["end"]
