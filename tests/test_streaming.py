@@ -148,10 +148,7 @@ def test_what_the_runtime_cannot_migrate_is_one_value_error():
     places = {c: ("localhost", 2, 1, 1, 1) for c in ("actor_gen", "rew_inf", "ref_inf", "critic_inf",
                                                      "actor_train", "critic_train")}
     graph, plan = _ppo_plan(places, {"actor_gen": (4, 1)})
-    program = RuntimeProgram(graph, plan)
-    with pytest.raises(ValueError, match="cannot be combined with balance_tokens"):
-        split_map(program, True)
-    assert split_map(program, False) == {}  # every consumer shares device 0 with the tail replica
+    assert split_map(RuntimeProgram(graph, plan)) == {}  # every consumer shares device 0 with the tail replica
 
 
 # -- runs: PPO and GRPO on the 2-device CPU cluster, generation at dp 2 migrating its tail to replica 0 ------------

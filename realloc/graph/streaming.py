@@ -13,9 +13,10 @@ Pure functions the master and the workers share, so both derive the same row lis
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from realloc.graph.partial_check import partial_rollout_calls
+from realloc.graph.row_balance import token_balanced_ranges
 from realloc.strategy import even_ranges
 
 if TYPE_CHECKING:
@@ -25,11 +26,14 @@ if TYPE_CHECKING:
 Shares = tuple[tuple[int, ...], ...]  # per dp rank, its rows (global sequence indices, ascending)
 
 
-def deal(rows: Sequence[int], parts: int) -> Shares:
+def deal(rows: Sequence[int], parts: int, tokens: Mapping[int, int] | None = None) -> Shares:
     """``rows`` sorted and cut into ``parts`` contiguous runs of the sorted list (earlier parts take the
-    remainder)."""
+    remainder); with ``tokens`` (row -> its tokens, ``balance_tokens``) the runs have near-equal tokens instead of
+    rows (``row_balance.token_balanced_ranges``)."""
     s = sorted(int(i) for i in rows)
-    return tuple(tuple(s[lo:hi]) for lo, hi in even_ranges(len(s), parts))
+    cuts = (even_ranges(len(s), parts) if tokens is None or not s else
+            token_balanced_ranges([tokens[i] for i in s], parts))
+    return tuple(tuple(s[lo:hi]) for lo, hi in cuts)
 
 
 def tail_devices(plan: "ExecutionPlan", graph: "DataflowGraph", call: str) -> set[int]:
@@ -64,9 +68,12 @@ def split_consumers(plan: "ExecutionPlan", graph: "DataflowGraph", call: str) ->
     return out
 
 
-def part_shares(part1: Sequence[int], part2: Sequence[int], dp: int) -> tuple[Shares, Shares, Shares]:
-    """A split consumer's dp ranks' rows of part 1, of part 2, and of both (its outputs' layout)."""
-    a, b = deal(part1, dp), deal(part2, dp)
+def part_shares(part1: Sequence[int], part2: Sequence[int], dp: int,
+                tokens: Mapping[int, int] | None = None) -> tuple[Shares, Shares, Shares]:
+    """A split consumer's dp ranks' rows of part 1, of part 2, and of both (its outputs' layout); with ``tokens``
+    part 1 is dealt by tokens (``deal``), part 2 by rows: its lengths are known only once the generation ends,
+    when ``master_tail`` deals it again."""
+    a, b = deal(part1, dp, tokens), deal(part2, dp)
     return a, b, tuple(tuple(sorted(x + y)) for x, y in zip(a, b))
 
 
@@ -84,7 +91,10 @@ def tail_unsupported(graph: "DataflowGraph", call: str, partial: Sequence[str] =
 
 def check_runtime_tail(plan: "ExecutionPlan", graph: "DataflowGraph") -> None:
     """One ValueError if the runtime cannot carry out a tail entry of ``plan``: the generation must run at pp 1
-    (its replicas count decode steps in lockstep) and not ahead of training (bounded staleness)."""
+    (its replicas count decode steps in lockstep). Staleness > 0 runs: the schedule already starts the generation of
+    iteration t + 1 only after iteration t's whole call (it reads parameters whose train step, or whose snapshot,
+    waits for that call: master_schedule._stale_readers, _snapshot_deps), so the freed devices run the split
+    consumers' part 1 first, and a streamed call's second request comes before the next call's first."""
     partial = partial_rollout_calls(graph)
     for call in plan.tail:
         why = tail_unsupported(graph, call, partial)
@@ -92,8 +102,6 @@ def check_runtime_tail(plan: "ExecutionPlan", graph: "DataflowGraph") -> None:
             raise ValueError(f"plan field 'tail' entry {call!r}: {why}; drop the entry")
         p = plan.placements[call]
         if p.pp != 1:
-            raise ValueError(f"plan field 'tail' entry {call!r}: the runtime migrates the tail of a generation at "
-                             f"pp 1 only, and the call runs at pp {p.pp}; place it with pp=1 or drop the entry")
-        if plan.staleness:
-            raise ValueError(f"plan field 'tail' entry {call!r}: tail migration does not run with staleness "
-                             f"{plan.staleness} yet; drop the entry or set staleness 0")
+            raise ValueError(f"plan field 'tail' entry {call!r}: the runtime migrates or streams the tail of a "
+                             f"generation at pp 1 only, and the call runs at pp {p.pp}; place it with pp=1 or drop "
+                             f"the entry")

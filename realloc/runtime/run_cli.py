@@ -56,8 +56,7 @@ from realloc.runtime.wire import protocol
 MIN_HEARTBEAT_TIMEOUT = 2.0
 
 
-def _choose_plan(args: argparse.Namespace, spec: ExperimentSpec, ckpt: Path | None,
-                 balance_tokens: bool = False) -> tuple[ExecutionPlan, str]:
+def _choose_plan(args: argparse.Namespace, spec: ExperimentSpec, ckpt: Path | None) -> tuple[ExecutionPlan, str]:
     """The plan to run and where it came from, in words, for the run header."""
     if args.plan:
         return ExecutionPlan.load(args.plan), f"from {args.plan}"
@@ -76,7 +75,7 @@ def _choose_plan(args: argparse.Namespace, spec: ExperimentSpec, ckpt: Path | No
     if fn is None:
         raise ValueError("plan search (realloc.search.search) is not available yet; pass --plan plan.json or "
                          "--baseline heuristic")
-    runnable = search_pkg.RunLimits(balance_tokens=balance_tokens)  # only plans this runtime can carry out
+    runnable = search_pkg.RunLimits()  # only plans this runtime can carry out
     if args.search_time is not None:
         return fn(spec, args.search_time, runnable=runnable), f"searched for {args.search_time:g} s"
     # No time given: search until the best plan stops improving, at most DEFAULT_SEARCH_TIME (engine.converged).
@@ -280,7 +279,7 @@ def main(args: argparse.Namespace) -> int:
         pre = preflight(spec, config, graph, cache_dir=None if args.dry_run else run.prompt_cache)
         clock.mark("experiment")
         slurm = slurm_options(args) if args.launcher == "slurm" else None
-        plan, plan_source = _choose_plan(args, spec, ckpt, config.balance_tokens)
+        plan, plan_source = _choose_plan(args, spec, ckpt)
         clock.mark("search")
         program = RuntimeProgram(graph, plan)  # validates the plan against the experiment and cluster
         if ckpt is not None and meta is not None:  # the workers would refuse the shards; say so before they start

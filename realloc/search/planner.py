@@ -181,8 +181,6 @@ def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int =
         starts = [space.indices_of(p) for p in fitting]
     prepare = time.perf_counter() - t0
     no_tail = None
-    if space.tails and runnable is not None and runnable.balance_tokens:
-        space, starts = without_tails(space, starts)  # the runtime deals rows by tokens or migrates, not both
     if space.tails:
         # The best plan without migration first (a third of the time): shown beside the winner, and a start of its
         # chains, so the winner is never slower.
@@ -207,12 +205,8 @@ def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int =
         sp = space.with_staleness(eta)
         # the synchronous winner starts the chains of the others: its placement is a good one at any eta
         extra = [best[1].indices] if best is not None else []
-        eta_starts = starts
-        if eta and runnable is not None and sp.tails:  # the runtime migrates no tail of a generation running ahead
-            sp, eta_starts = without_tails(sp, [_no_tail(space, s) for s in starts + extra])
-            extra = []
         outcome = run_mcmc(sp, time_limit=share, max_evals=evals, seed=seed, n_threads=n_threads,
-                           n_chains=n_chains or n_threads, starts=eta_starts + extra, progress=progress,
+                           n_chains=n_chains or n_threads, starts=starts + extra, progress=progress,
                            converge=converge, **({} if fuse else {"p_fuse": 0.0}))
         if len(etas) > 1:
             by_staleness[eta] = sp.to_plan(outcome.indices, "search")
@@ -239,12 +233,6 @@ def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int =
                         baselines=results, stats=outcome.stats, prepare_seconds=prepare,
                         n_candidates_before_time_pruning=before, by_staleness=by_staleness, alone=alone,
                         alone_pool=alone_pool, unfused=unfused, fused=fused, no_tail=no_tail)
-
-
-def _no_tail(space: PlanSpace, indices: np.ndarray) -> np.ndarray:
-    """``indices`` with each call's candidate replaced by the same placement without migration."""
-    plan = space.to_plan(indices, "start")
-    return space.indices_of(plan.model_copy(update={"tail": {}})) if plan.tail else indices
 
 
 def unfused_search(space: PlanSpace, best: np.ndarray, starts: list[np.ndarray], **search: Any):
@@ -275,10 +263,8 @@ def oom_message(space: PlanSpace, indices: np.ndarray, ev: dict) -> str:
 @dataclasses.dataclass(frozen=True)
 class RunLimits:
     """What ``realloc run``'s runtime cannot carry out, so its search leaves it out: fused train pairs where
-    they cannot run (``fused_pairs_run_on``), a tail migration of a generation running ahead (staleness > 0)
-    and, with ``balance_tokens``, any tail migration (graph/streaming.py, runtime/control/master_tail.py)."""
-
-    balance_tokens: bool = False
+    they cannot run (``fused_pairs_run_on``). Tails (migration, streaming) run at any staleness and with
+    ``balance_tokens`` (graph/streaming.py, runtime/control/master_tail.py); the search never offers one at pp > 1."""
 
 
 def fused_pairs_run_on(spec: Any) -> bool:

@@ -157,7 +157,7 @@ class Master(MasterLink, IterationSchedule, TailStreams, EvaluationPasses, Check
         self.row_tokens: dict[int, dict[int, int]] = {}
         self.row_ranges: dict[tuple[str, int], tuple[tuple[int, int], ...] | None] = {}
         # tail migration (master_tail.py): split consumer -> its generation; (call, t) -> rows per dp rank; parts
-        self.splits = split_map(program, config.balance_tokens)
+        self.splits = split_map(program)
         self.row_lists: dict[tuple[str, int], tuple[tuple[int, ...], ...]] = {}
         self.parts: dict[tuple[str, int], tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]] = {}
         self.known_groups = self._startup_groups()

@@ -363,6 +363,7 @@ class IterationSchedule:
         # a generation with a tail entry: its migration point; streaming only: the first part and the second request
         early, call = await self._stream_at_migration(c, t, call) or ([], call)
         replies = await self._wait(call)
+        self._balance_part_two(c, t, early + replies)  # balance_tokens: the split consumers' part 2 (master_tail.py)
         self._finish_call(c, t, early + replies)
 
     def _finish_call(self, c: str, t: int, replies: list[protocol.Reply]) -> None:
@@ -370,14 +371,15 @@ class IterationSchedule:
         rpc = self.graph.call(c)
         stats: dict[str, float] = {}
         for rep in replies:
-            for k, v in rep.stats.items():
-                stats[k] = stats.get(k, 0.0) + v
+            for k, v in rep.stats.items():  # the version once: a streamed generation's dp rank 0 replies twice
+                stats[k] = v if k == "param_version" else stats.get(k, 0.0) + v
             for out in rep.outputs:
                 self.data_meta.setdefault((out.key, t), out.tensors)
             for part in rep.samples:
                 self.samples.setdefault(t, {}).setdefault((part.key, part.seq), {}).update(part.fields)
-            if rep.row_tokens and c == self._balanced_generation():
-                self.row_tokens.setdefault(t, {}).update(enumerate(rep.row_tokens, rep.rows_lo))
+            if rep.row_tokens and c == self._balanced_generation():  # a tail's replies name their rows
+                self.row_tokens.setdefault(t, {}).update(zip(rep.rows, rep.row_tokens) if rep.rows else
+                                                         enumerate(rep.row_tokens, rep.rows_lo))
         if self.program.is_stale(c):
             version = stats.pop("param_version", None)
             if version is None:

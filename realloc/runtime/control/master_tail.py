@@ -33,12 +33,9 @@ if TYPE_CHECKING:
     from realloc.runtime.control.master_schedule import Node
 
 
-def split_map(program: Any, balance_tokens: bool) -> dict[str, str]:
+def split_map(program: Any) -> dict[str, str]:
     """Split consumer -> the generation it streams from, for every generation with a tail entry."""
     plan, graph = program.plan, program.graph
-    if plan.tail and balance_tokens:
-        raise ValueError("plan field 'tail' cannot be combined with balance_tokens=True yet (both deal the rows "
-                         "after generation); drop one of them")
     return {c: g for g in plan.tail for c in split_consumers(plan, graph, g)}
 
 
@@ -90,7 +87,7 @@ class TailStreams:
         dp = lay.strategy.dp
         self.row_lists[call, t] = deal(part2, tail.instances) + tuple(held.get(k, ()) for k in
                                                                        range(tail.instances, dp))
-        self._start_parts(call, t, part1, part2)
+        self._start_parts(call, t, part1, part2, early)
         return None
 
     async def _stream_at_split(self, call: str, t: int, rec: RequestRecord
@@ -108,25 +105,48 @@ class TailStreams:
                 self.data_meta.setdefault((out.key, t), out.tensors)
         self.row_lists[call, t] = shares
         part1 = sorted(i for rows in held.values() for i in rows)
-        self._start_parts(call, t, part1, sorted(set(range(self.program.batch_size)) - set(part1)))
+        self._start_parts(call, t, part1, sorted(set(range(self.program.batch_size)) - set(part1)), early)
         rest = [[i for i in rows if i not in held.get(k, set())] for k, rows in enumerate(shares)]
         nxt = self._send(self.program.calls[call].ranks, "call", call, t, call,
                          lambda req: protocol.RunCall(req=req, call=call, iteration=t, rows=rest))
         return early, nxt
 
-    def _start_parts(self, call: str, t: int, part1: list[int], part2: list[int]) -> None:
+    def _start_parts(self, call: str, t: int, part1: list[int], part2: list[int], early: list[protocol.Reply]
+                     ) -> None:
         """Deal G's rows finished at the migration (or split) point, ``part1``, and the rest, ``part2``, to the
-        split consumers' dp ranks, send their part-1 inputs (G's row lists are known) and let them start."""
+        split consumers' dp ranks, send their part-1 inputs (G's row lists are known) and let them start. With
+        ``balance_tokens``, part 1 is dealt by the tokens ``early`` (those rows' replies) report, and part 2 again
+        by its own once G ends (``_balance_part_two``)."""
+        tokens = self._reply_tokens(call, early)
         for c, g in self.splits.items():
             if g != call:
                 continue
-            p1, p2, both = part_shares(part1, part2, self.program.calls[c].strategy.dp)
+            p1, p2, both = part_shares(part1, part2, self.program.calls[c].strategy.dp, tokens)
             self.parts[c, t] = (p1, p2)
             self.row_lists[c, t] = both
             for key in self.graph.call(c).input_data:
                 if key in self.graph.call(call).output_data and (key, t) in self.data_meta:
                     self.pushed.setdefault((c, t), []).extend(self._transfer_rows(key, c, t, only=set(part1)))
         self._stream_done(call, t)
+
+    def _reply_tokens(self, call: str, replies: list[protocol.Reply]) -> dict[int, int] | None:
+        """Row -> tokens from a balanced generation's replies (each names its rows), or None: not balancing."""
+        if call != self._balanced_generation():
+            return None
+        return {int(i): int(n) for rep in replies for i, n in zip(rep.rows, rep.row_tokens)}
+
+    def _balance_part_two(self, call: str, t: int, replies: list[protocol.Reply]) -> None:
+        """G ended (``replies``: all of its call's): deal each split consumer's part 2, the rows that were still
+        running at the migration point, by their tokens, before G's outputs move to it."""
+        tokens = self._reply_tokens(call, replies)
+        if tokens is None:
+            return
+        for c, g in self.splits.items():
+            if g == call and (c, t) in self.parts:
+                p1, p2 = self.parts[c, t]
+                p2 = deal([i for rows in p2 for i in rows], len(p2), tokens)
+                self.parts[c, t] = (p1, p2)
+                self.row_lists[c, t] = tuple(tuple(sorted(x + y)) for x, y in zip(p1, p2))
 
     def _stream_done(self, call: str, t: int) -> None:
         ev = self._event(self._stream_node(call, t))
@@ -140,13 +160,13 @@ class TailStreams:
 
         c, t = n.name, n.t
         ranks = self.program.calls[c].ranks
-        p1, p2 = self.parts.pop((c, t))
         replies: list[protocol.Reply] = []
-        for k, part in enumerate((p1, p2)):
+        for k in range(2):
             if k == 1:
                 ev = self._event(Node("call", self.splits[c], t))
                 if ev is not None:
                     await ev.wait()
+            part = self.parts[c, t][k]  # part 2 is dealt again by tokens when G ends (balance_tokens)
             recs = self.pushed.pop((c, t), [])
             if not any(part):
                 for rec in recs:
@@ -158,6 +178,7 @@ class TailStreams:
             for rec in recs:
                 await self._wait(rec)
             replies += await self._wait(req)
+        del self.parts[c, t]
         self._finish_call(c, t, replies)
 
     def _transfer_rows(self, key: str, consumer: str, t: int, only: set[int] | None = None) -> list[RequestRecord]:
