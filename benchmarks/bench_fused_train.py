@@ -193,8 +193,8 @@ def main() -> int:
     p.add_argument("--ab", type=int, default=8, help="serial/fused engine steps alternated (0: skip that table)")
     p.add_argument("--profiles", default=None, metavar="DIR", help="estimate with the profiles in DIR (read before the "
                    "shipped ones, as realloc --profiles DIR); with --fresh-profile, where the fresh tables go")
-    p.add_argument("--fresh-profile", action="store_true", help="profile this machine first (benchmarks/fresh_profile.py,"
-                   " about 15 s) and estimate with that")
+    p.add_argument("--fresh-profile", action="store_true",
+                   help="profile this machine first (benchmarks/fresh_profile.py, about 15 s) and estimate with that")
     args = p.parse_args()
     spec = load_experiment(str(REPO / args.experiment))
     graph = build_graph(spec)

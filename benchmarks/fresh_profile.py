@@ -67,7 +67,7 @@ def profile_models(models: Iterable[str], out: Path, *, rows: int = 4, seq: int 
     grid = [x for k, v in grid_around(rows, seq).items() for x in (f"--{k}", v)]
     for model in models:
         argv = ["profile", "--model", model, "--device", "cpu" if kind.startswith("cpu") else "cuda", "--kind", kind,
-                "--tp", tp, *grid, "--repeats", str(repeats), "--out", str(out / kind / f"{model}.json")]
+                "--tp", tp, *grid, "--repeats", str(repeats), "--out", str(out / kind / f"{Path(model).name}.json")]
         if quiet:
             argv.append("--quiet")
         rc = cli.main(argv)

@@ -424,7 +424,8 @@ def table(results: dict[str, Any]) -> str:
     f = results.get("fused", {})
     if f:
         what = (f"ERROR {f['error'].strip().splitlines()[-1][:34]}" if "error" in f else f["skipped"][:40]
-                if "skipped" in f else f"max dparam {f['max_param_diff']:.1e}, {f['serial_s']:.2f}/{f['fused_s']:.2f} s")
+                if "skipped" in f else
+                f"max dparam {f['max_param_diff']:.1e}, {f['serial_s']:.2f}/{f['fused_s']:.2f} s")
         lines.append(f"{'fused pair on NCCL (serial/fused steps)':<44}{what:>40}")
     return "\n".join(lines)
 

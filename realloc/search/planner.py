@@ -275,8 +275,9 @@ def oom_message(space: PlanSpace, indices: np.ndarray, ev: dict) -> str:
 @dataclasses.dataclass(frozen=True)
 class RunLimits:
     """What ``realloc run``'s runtime cannot carry out, so its search leaves it out: fused train pairs when told
-    not to fuse (``fused_pairs``; they run on gloo and NCCL), a tail migration of a generation running ahead (staleness > 0)
-    and, with ``balance_tokens``, any tail migration (graph/streaming.py, runtime/control/master_tail.py)."""
+    not to fuse (``fused_pairs``; they run on gloo and NCCL), a tail migration of a generation running ahead
+    (staleness > 0) and, with ``balance_tokens``, any tail migration (graph/streaming.py,
+    runtime/control/master_tail.py)."""
 
     balance_tokens: bool = False
     fused_pairs: bool = True  # False: no fused train pairs (`realloc run --no-fused-pairs`, docs/fused-training.md)
