@@ -23,7 +23,6 @@ void check_fused_pairs(const Problem& p) {
         if (static_cast<int>(f.bound_a.size()) != p.cands[f.a].size() ||
             static_cast<int>(f.bound_b.size()) != p.cands[f.b].size())
             throw std::invalid_argument(name + ": bound_a and bound_b need one entry per candidate");
-        if (p.shares_cores()) throw std::invalid_argument(name + ": fused pairs are not simulated on shared cores");
     }
 }
 

@@ -15,7 +15,8 @@
 // unpriced). The second call's stages are counted in the candidate's own order (the runtime reverses them; the
 // simulators do not).
 //
-// Not with shared cores (Problem::shares_cores): check_fused_pairs refuses fused pairs there.
+// With shared cores (Problem::shares_cores) the event-driven schedule (shared_cores.cpp) runs the fused node the
+// same way: the first call node waits without devices for the other, which runs it at its host's rate.
 #pragma once
 
 #include <algorithm>
