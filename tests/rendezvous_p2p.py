@@ -133,7 +133,7 @@ class RendezvousP2P:
         for link in self.links.values():
             link.close()
         for link in self.links.values():
-            link.thread.join(timeout=self.timeout)
+            link.thread.join(timeout=1.0)  # a thread left blocked by a deadlock is a daemon: leave it
 
     @contextlib.contextmanager
     def installed(self, module: Any) -> Iterator["RendezvousP2P"]:
