@@ -3,8 +3,8 @@
 ``tests/rendezvous_p2p.py`` gives gloo's ``isend``/``irecv`` what NCCL has and gloo lacks: a send completes only
 together with its receive, one pair of ranks' operations complete one after the other in the order posted, and
 messages pair by that order, not by tag. First, small programs show it can fail: a send posted before a receive
-on both sides (which gloo completes) deadlocks, and receives posted in another order than the sends raise.
-Then the real fused train step (``models/fused_train.fused_train_step``, its programs from
+on both sides (which gloo completes) deadlocks, receives posted in another order than the sends raise, and the
+fused step with each receive posted only just before its pass (which gloo runs exactly) deadlocks. Then the real fused train step (``models/fused_train.fused_train_step``, its programs from
 ``models/fused_protocol.py``) runs through it at pp 2, tp 1 and 2, 2 to 8 micro-batches, both models, and leaves
 both models' parameters and optimizer states equal to each model's own ``train_step`` (gloo's, unchanged).
 """
