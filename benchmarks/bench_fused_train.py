@@ -12,6 +12,12 @@ the median over iterations after ``--warmup``, the fastest repeat (this host's o
 Estimated: the estimator's call times added (serial), ``estimator/fused_cost.price_fused_pair`` (fused). It
 prints one table with both beside each other, the ratios, and the load average around every run.
 
+Which profile the estimates read: the shipped ``profiles/cpu/`` by default; ``--profiles DIR`` reads DIR first;
+``--fresh-profile`` first profiles this machine now (``fresh_profile.py``: ``realloc profile`` on a small grid
+around these calls' shapes, about 15 s; into ``--profiles DIR`` when given, else a temporary folder). With
+either, the table prints the shipped profile's estimates beside, against the same runs, and the runs themselves
+read that folder too (the master orders the fused passes from its estimates).
+
 A second table (``--ab N``, 0 to skip) times the same two models' optimizer steps in the engine alone, on 2 gloo
 processes: each model's ``train_step`` one after the other against ``fused_train_step`` with the schedule the run
 used, alternated N times so that the host's load hits both alike (the fastest and the median of each), beside
@@ -37,11 +43,13 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import engine_workers  # noqa: E402
+import fresh_profile  # noqa: E402
 from estimator_accuracy import Run, probe_machine, run_plan  # noqa: E402
 
 from realloc.api import load_experiment  # noqa: E402
 from realloc.estimator.cost import CostModel  # noqa: E402
-from realloc.estimator.fused_cost import price_fused_pair  # noqa: E402
+from realloc.estimator.fused_cost import FusedPairCost, price_fused_pair  # noqa: E402
+from realloc.estimator.hardware import shipped_profiles_dir  # noqa: E402
 from realloc.graph.dataflow import build_graph  # noqa: E402
 from realloc.graph.plan import ExecutionPlan, validate_plan  # noqa: E402
 
@@ -124,8 +132,19 @@ def engine_ab(experiment: str, n_mbs: int, order: list, n: int) -> dict[str, lis
         return dict(results)
 
 
+def estimates(cost: CostModel, graph, ps: dict[str, ExecutionPlan], n_mbs: int) -> tuple[dict[str, float],
+                                                                                         FusedPairCost]:
+    """The pair's estimated seconds per iteration under each plan: the two calls' times added (serial), the fused
+    pair's price (fused); and that price."""
+    serial = ps["serial 1F1B"]
+    meshes = validate_plan(serial, graph)
+    priced = price_fused_pair(cost, ps["fused"], *PAIR)
+    return {"serial 1F1B": sum(cost.call_cost(c, meshes[c], serial.placements[c].strategy, n_mbs).time for c in PAIR),
+            "fused": priced.time}, priced
+
+
 def run_table(args: argparse.Namespace, spec, graph, ps: dict[str, ExecutionPlan], est: dict[str, float],
-              priced) -> None:
+              priced: FusedPairCost, shipped: dict[str, float] | None) -> None:
     """The plans run with ``realloc run``, interleaved; the table of estimated beside measured."""
     one, two = probe_machine()
     runs: dict[str, list[Run]] = {name: [] for name in ps}
@@ -146,12 +165,17 @@ def run_table(args: argparse.Namespace, spec, graph, ps: dict[str, ExecutionPlan
     print(f"machine: load average {os.getloadavg()[0]:.1f} at the end; probe {one:.2f} s alone, {two:.2f} s with "
           f"two processes ({two / one:.2f}x)\n")
     header = f"{'schedule':<13}{'est. s':>9}{'meas. s':>18}{'est/meas':>10}{'load':>12}"
+    if shipped:
+        header += f"{'shipped est. s':>16}{'est/meas':>10}"
     print(header)
     print("-" * len(header))
     for name in ps:
         loads = [r.load for r in runs[name]]
-        print(f"{name:<13}{est[name]:>9.3f}{meas[name]:>9.3f} ({mid[name]:.3f}){est[name] / meas[name]:>10.2f}"
-              f"{min(x for x, _ in loads):>6.1f}-{max(y for _, y in loads):.1f}")
+        line = (f"{name:<13}{est[name]:>9.3f}{meas[name]:>9.3f} ({mid[name]:.3f}){est[name] / meas[name]:>10.2f}"
+                f"{min(x for x, _ in loads):>6.1f}-{max(y for _, y in loads):.1f}")
+        if shipped:
+            line += f"{shipped[name]:>16.3f}{shipped[name] / meas[name]:>10.2f}"
+        print(line)
     s, f = "serial 1F1B", "fused"
     print(f"\nfused speed-up: measured {meas[s] / meas[f]:.2f}x (median runs {mid[s] / mid[f]:.2f}x), estimated "
           f"{est[s] / est[f]:.2f}x; schedule: makespan {priced.schedule.makespan:.3f} s per step against "
@@ -167,20 +191,34 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2, help="runs of each plan (0: skip that table)")
     p.add_argument("--ab", type=int, default=8, help="serial/fused engine steps alternated (0: skip that table)")
+    p.add_argument("--profiles", default=None, metavar="DIR", help="estimate with the profiles in DIR (read before the "
+                   "shipped ones, as realloc --profiles DIR); with --fresh-profile, where the fresh tables go")
+    p.add_argument("--fresh-profile", action="store_true",
+                   help="profile this machine first (benchmarks/fresh_profile.py, about 15 s) and estimate with that")
     args = p.parse_args()
     spec = load_experiment(str(REPO / args.experiment))
     graph = build_graph(spec)
-    cost = CostModel(graph)
     ps = plans(graph, spec.cluster.nodes[0], args.n_mbs)
-    serial_plan = ps["serial 1F1B"]
-    meshes = validate_plan(serial_plan, graph)
-    est = {"serial 1F1B": sum(cost.call_cost(c, meshes[c], serial_plan.placements[c].strategy, args.n_mbs).time
-                              for c in PAIR)}
-    priced = price_fused_pair(cost, ps["fused"], *PAIR)
-    est["fused"] = priced.time
+    with tempfile.TemporaryDirectory(prefix="bench_fused_profiles_") as tmp:
+        folder = Path(args.profiles or tmp)
+        if args.fresh_profile:
+            rows = spec.batch_size // graph.call(PAIR[0]).n_minibatches // args.n_mbs
+            fresh_profile.profile_models(fresh_profile.model_types(graph), folder, rows=max(rows, 1), seq=spec.seq_len)
+        elif args.profiles and not folder.is_dir():
+            raise SystemExit(f"--profiles {args.profiles}: no such folder")
+        shipped, note = None, ""
+        if args.fresh_profile or args.profiles:
+            fresh_profile.use(folder)  # this process's estimates and the runs' (the master orders the passes)
+            shipped_cost = CostModel(graph, profiles_root=shipped_profiles_dir())
+            shipped = estimates(shipped_cost, graph, ps, args.n_mbs)[0]
+            note = f"; shipped beside: {fresh_profile.profile_note(shipped_cost)}"
+        cost = CostModel(graph)
+        print(f"estimates from: {fresh_profile.profile_note(cost)}{note}", flush=True)
+        est, priced = estimates(cost, graph, ps, args.n_mbs)
+        if args.repeats:
+            run_table(args, spec, graph, ps, est, priced, shipped)
     s, f = "serial 1F1B", "fused"
-    if args.repeats:
-        run_table(args, spec, graph, ps, est, priced)
+    meshes = validate_plan(ps["serial 1F1B"], graph)
     if args.ab:
         load0 = os.getloadavg()[0]
         ab = engine_ab(str(REPO / args.experiment), args.n_mbs, [[list(x) for x in st] for st in priced.schedule.order],

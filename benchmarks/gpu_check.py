@@ -18,7 +18,9 @@ It prints one table and writes at most eight files to ``--out``:
 4. a GRPO run of that model (the arithmetic task, a random-weight actor and reference) on this one GPU through
    ``realloc run``: master, NCCL worker, reallocation-free plan, a few iterations, tokens per second;
 5. per call of that run: measured time against the estimate from the measured profile and from the roofline
-   spec, and the worker's measured peak GPU memory against the estimator's memory model.
+   spec, and the worker's measured peak GPU memory against the estimator's memory model;
+6. a fused actor and critic train step on NCCL against the serial steps (``gpu_fused_check.py``; needs 2 GPUs,
+   skipped with a note on one).
 """
 
 from __future__ import annotations
@@ -419,6 +421,12 @@ def table(results: dict[str, Any]) -> str:
             lines.append(f"{call:<22}{c['strategy']:>14}{c['measured_s']:>9.3f}{c['profile_ratio']:>8.2f}x"
                          f"{c['roofline_ratio']:>8.2f}x{peak:>9}{est:>9}")
         lines.append("(profile/roofline: estimate / measured time; est GiB: the memory model's bytes while the call runs)")
+    f = results.get("fused", {})
+    if f:
+        what = (f"ERROR {f['error'].strip().splitlines()[-1][:34]}" if "error" in f else f["skipped"][:40]
+                if "skipped" in f else
+                f"max dparam {f['max_param_diff']:.1e}, {f['serial_s']:.2f}/{f['fused_s']:.2f} s")
+        lines.append(f"{'fused pair on NCCL (serial/fused steps)':<44}{what:>40}")
     return "\n".join(lines)
 
 
@@ -426,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="folder for gpu_check.json, the profile table and the run's records")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu rehearses with small shapes")
-    ap.add_argument("--only", default="", help="comma-separated sections: parity,decode,profile,run")
+    ap.add_argument("--only", default="", help="comma-separated sections: parity,decode,profile,run,fused")
     ap.add_argument("--iterations", type=int, default=6)
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -435,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check: no CUDA device here; use --device cpu to rehearse", file=sys.stderr)
         return 2
     chk = Check(out, args.device)
-    want = set(filter(None, args.only.split(","))) or {"parity", "decode", "profile", "run"}
+    want = set(filter(None, args.only.split(","))) or {"parity", "decode", "profile", "run", "fused"}
     name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     kind = gpu_kind(name) if args.device == "cuda" else "cpu"
     chk.results["env"] = {"gpu": name, "kind": kind, "torch": torch.__version__, "python": sys.version.split()[0],
@@ -453,6 +461,10 @@ def main(argv: list[str] | None = None) -> int:
             chk.section("profile", lambda: profile(chk, kind))
         if "run" in want:
             chk.section("run", lambda: grpo_run(chk, kind, args.iterations))
+    if "fused" in want:  # a fused actor/critic train step on NCCL (2+ GPUs), against the serial steps
+        from gpu_fused_check import fused_nccl
+
+        chk.section("fused", lambda: fused_nccl(args.device))
     text = table(chk.results)
     print(text)
     (out / "gpu_check.txt").write_text(text + "\n")

@@ -23,7 +23,6 @@ void check_fused_pairs(const Problem& p) {
         if (static_cast<int>(f.bound_a.size()) != p.cands[f.a].size() ||
             static_cast<int>(f.bound_b.size()) != p.cands[f.b].size())
             throw std::invalid_argument(name + ": bound_a and bound_b need one entry per candidate");
-        if (p.shares_cores()) throw std::invalid_argument(name + ": fused pairs are not simulated on shared cores");
     }
 }
 
@@ -84,6 +83,30 @@ bool Evaluator::price_fused(const int32_t* plan, std::vector<MissingPair>* missi
     return all_known;
 }
 
+int reversed_groups(const Problem& p, const int32_t* plan, int c) {
+    const Candidates& k = p.cands[c];
+    const int i = plan[c];
+    for (size_t q = 0; q < p.fused.size(); ++q) {
+        const FusedPair& f = p.fused[q];
+        if (p.call_model[c] != p.call_model[f.b] || !fused_pair_on(p, f, plan[p.n_calls() + q], plan)) continue;
+        const Candidates& kb = p.cands[f.b];
+        const int j = plan[f.b];
+        if (k.dev_lo[i] == kb.dev_lo[j] && k.dev_hi[i] == kb.dev_hi[j])
+            return static_cast<int>(kb.mem_offset[j + 1] - kb.mem_offset[j]);
+    }
+    return 0;
+}
+
+int64_t stage_at(const Problem& p, const int32_t* plan, int c, int x) {
+    const Candidates& k = p.cands[c];
+    const int i = plan[c];
+    const int local = x - k.dev_lo[i], groups = reversed_groups(p, plan, c);
+    if (groups <= 1) return local / k.stage_width[i];
+    // the mesh's devices in groups of `size`, the groups in reverse order; the call's stages over that order
+    const int size = (k.dev_hi[i] - k.dev_lo[i]) / groups;
+    return ((groups - 1 - local / size) * size + local % size) / k.stage_width[i];
+}
+
 namespace {
 
 // Static and dynamic bytes call c puts on device x under `plan` (the memory.cpp rules, one device at a time).
@@ -92,7 +115,7 @@ void bytes_at(const Problem& p, const int32_t* plan, int c, int x, int64_t& stat
     const int i = plan[c];
     stat = dyn = 0;
     if (x < k.dev_lo[i] || x >= k.dev_hi[i]) return;
-    const int64_t s = k.mem_offset[i] + (x - k.dev_lo[i]) / k.stage_width[i];
+    const int64_t s = k.mem_offset[i] + stage_at(p, plan, c, x);
     const int home = p.model_home[p.call_model[c]];
     const bool copy = c != home && k.layout[i] != p.cands[home].layout[plan[home]];
     const bool keep = copy && p.staleness > 0 && !p.stale.empty() && p.stale[c];
@@ -120,37 +143,54 @@ void for_each_fused_device(const Problem& p, const int32_t* plan, Fn fn) {
 
 }  // namespace
 
-// Each device of a fused node's mesh: the peak it would have unfused, and with the fused node; the plan's peak,
-// its device and call, overflow and fit as check_memory() would find them with the fused node's bytes.
-void Evaluator::check_fused_memory(const int32_t* plan, Evaluation& ev) {
-    int64_t excess = INT64_MIN;
-    for_each_fused_device(p_, plan, [&](const FusedPair& f, int x, int64_t extra) {
+// With a fused pair on: every device's bytes one device at a time (the second model's stages reversed, stage_at),
+// a fused node's mesh with the larger of its calls' dynamic bytes plus what fusion adds; the plan's peak, its
+// device and call, overflow and fit as check_memory()'s sweep finds them. Returns false (nothing done) when no
+// pair is on, where the sweep holds.
+bool Evaluator::check_fused_memory(const int32_t* plan, Evaluation& ev) {
+    const int n = p_.n_calls();
+    bool any = false;
+    for (size_t k = 0; k < p_.fused.size(); ++k) any = any || fused_pair_on(p_, p_.fused[k], plan[n + k], plan);
+    if (!any) return false;
+    std::vector<int64_t> extra(p_.n_devices, -1);  // per device: the bytes fusion adds there, -1 off a fused mesh
+    std::vector<int> pair_of(p_.n_devices, -1);
+    for_each_fused_device(p_, plan, [&](const FusedPair& f, int x, int64_t e) {
+        extra[x] = e;
+        pair_of[x] = static_cast<int>(&f - p_.fused.data());
+    });
+    int64_t peak = -1, excess = INT64_MIN;
+    for (int x = 0; x < p_.n_devices; ++x) {
         int64_t stat = 0, dyn = 0, pair = 0;
         int call = -1;
-        for (int c = 0; c < p_.n_calls(); ++c) {
+        for (int c = 0; c < n; ++c) {
             int64_t s, d;
             bytes_at(p_, plan, c, x, s, d);
             stat += s;
             if (d > dyn) dyn = d, call = c;
-            if (c == f.a || c == f.b) pair = std::max(pair, d);
+            if (pair_of[x] >= 0 && (c == p_.fused[pair_of[x]].a || c == p_.fused[pair_of[x]].b))
+                pair = std::max(pair, d);
         }
-        const int64_t fused = stat + pair + extra;
-        const int64_t total = std::max(stat + dyn, fused);
-        if (fused > stat + dyn) call = f.a;
-        if (total > ev.peak_memory || (total == ev.peak_memory && x < ev.peak_device)) {
-            ev.peak_memory = total;
+        int64_t total = stat + dyn;
+        if (pair_of[x] >= 0 && stat + pair + extra[x] > total) {
+            total = stat + pair + extra[x];
+            call = p_.fused[pair_of[x]].a;
+        }
+        if (total > peak) {
+            peak = total;
             ev.peak_device = x;
             ev.peak_call = call;
         }
         excess = std::max(excess, total - capacity(p_, x));
-    });
-    if (p_.pool_start.empty()) {
-        ev.overflow = std::max<int64_t>(0, ev.peak_memory - p_.device_memory);
-        ev.feasible = ev.peak_memory <= p_.device_memory;
-    } else if (excess != INT64_MIN) {
-        ev.overflow = std::max<int64_t>(ev.overflow, excess);
-        ev.feasible = ev.feasible && excess <= 0;
     }
+    ev.peak_memory = peak;
+    if (p_.pool_start.empty()) {
+        ev.overflow = std::max<int64_t>(0, peak - p_.device_memory);
+        ev.feasible = peak <= p_.device_memory;
+    } else {
+        ev.overflow = std::max<int64_t>(0, excess);
+        ev.feasible = excess <= 0;
+    }
+    return true;
 }
 
 void Evaluator::fused_memory_report(const int32_t* plan, MemoryReport& r) {

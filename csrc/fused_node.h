@@ -12,10 +12,11 @@
 //
 // Memory. While it runs, every device of the mesh holds its static bytes, the larger of the two calls' dynamic
 // bytes there, and `extra` (the activation bytes the schedule adds on its most affected stage group; 0 while
-// unpriced). The second call's stages are counted in the candidate's own order (the runtime reverses them; the
-// simulators do not).
+// unpriced). The second model's calls on the pair's mesh count their stages in reverse order, as the runtime
+// places them (stage_at); with a pair on, check_memory() is the per-device pass of check_fused_memory().
 //
-// Not with shared cores (Problem::shares_cores): check_fused_pairs refuses fused pairs there.
+// With shared cores (Problem::shares_cores) the event-driven schedule (shared_cores.cpp) runs the fused node the
+// same way: the first call node waits without devices for the other, which runs it at its host's rate.
 #pragma once
 
 #include <algorithm>
@@ -32,6 +33,14 @@ inline bool fused_pair_on(const Problem& p, const FusedPair& f, int32_t on, cons
     return ka.dev_lo[i] == kb.dev_lo[j] && ka.dev_hi[i] == kb.dev_hi[j] &&
            ka.mem_offset[i + 1] - ka.mem_offset[i] == kb.mem_offset[j + 1] - kb.mem_offset[j];
 }
+
+// The stage groups call c's mesh runs in reverse order under `plan`, or 0: the runtime reverses the second model's
+// stages on an on pair's mesh in all of that model's calls there (graph/fused.second_model_meshes), so that its
+// stage k sits on the mesh's group pp - 1 - k (pp: the pair's second call's).
+int reversed_groups(const Problem& p, const int32_t* plan, int c);
+
+// Call c's stage (within its candidate) on device x of its mesh under `plan`, reversed where reversed_groups says.
+int64_t stage_at(const Problem& p, const int32_t* plan, int c, int x);
 
 // Seconds the fused node of pair `f` lasts with candidates (i, j), and whether its saving is priced.
 inline double fused_time(const Problem& p, const FusedPair& f, int i, int j, bool& known) {

@@ -3,11 +3,13 @@
 #include <algorithm>
 #include <climits>
 
+#include "fused_node.h"
 #include "simulator.h"
 
 namespace rl {
 
 void Evaluator::check_memory(const int32_t* plan, Evaluation& ev) {
+    if (!p_.fused.empty() && check_fused_memory(plan, ev)) return;  // a fused pair on (fused_node.cpp)
     const int n = p_.n_calls();
     // Sweep the device line over the boundaries of every call's memory runs (Candidates::run_device, merged
     // on the fly): between two boundaries each call's stage bytes are constant. Per call: its next boundary
@@ -79,7 +81,6 @@ void Evaluator::check_memory(const int32_t* plan, Evaluation& ev) {
     ev.peak_memory = peak;
     ev.overflow = std::max<int64_t>(0, n_pools ? excess : peak - p_.device_memory);
     ev.feasible = n_pools ? excess <= 0 : peak <= p_.device_memory;
-    if (!p_.fused.empty()) check_fused_memory(plan, ev);  // fused_node.cpp
 }
 
 MemoryReport Evaluator::memory(const int32_t* plan) {
@@ -96,7 +97,7 @@ MemoryReport Evaluator::memory(const int32_t* plan) {
         const int home = p_.model_home[p_.call_model[c]];
         own[c].assign(p_.n_devices, 0);
         for (int x = lo; x < hi; ++x) {
-            const int64_t s = k.mem_offset[i] + (x - lo) / k.stage_width[i];
+            const int64_t s = k.mem_offset[i] + stage_at(p_, plan, c, x);  // fused_node.cpp: reversed stages
             int64_t d = k.mem_dynamic[s];
             const bool keep = p_.staleness > 0 && !p_.stale.empty() && p_.stale[c];
             if (c == home)

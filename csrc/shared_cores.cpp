@@ -38,11 +38,25 @@ void Evaluator::simulate_shared(const int32_t* plan, std::vector<NodeRecord>* re
         for (int a = slot_[j].a2; a < slot_[j].b2; ++a)
             if (a < slot_[j].a1 || a >= slot_[j].b1) fn(a);
     };
-    auto finish = [&](int v, double end) {
+    // A fused pair's call nodes run as one node (fused_node.h): the first to leave the queue waits, without
+    // devices, for the other, which runs the fused node and, as it ends, ends the waiting one first.
+    const bool fused = n_fused_on_ > 0;
+    if (fused) std::fill(arrived_.begin(), arrived_.end(), 0);
+    auto partner = [&](int v) { return joint_[v % per] < 0 ? -1 : v / per * per + joint_[v % per]; };
+    auto finish_one = [&](int v, double end) {
         const int t = v / per;
         iter_end_[t] = std::max(iter_end_[t], end);
         if (records) record(plan, records, v, start_[v], end);
         release_children(v, end);
+    };
+    auto finish = [&](int v, double end) {
+        const int q = fused ? partner(v) : -1;
+        if (q >= 0 && arrived_[q]) {
+            arrived_[q] = 0;
+            start_[q] = start_[v];
+            finish_one(q, end);
+        }
+        finish_one(v, end);
     };
     // Processor sharing: a host with more busy devices than cores runs them at cores / busy; a
     // node whose rate changes keeps its remaining work, now done at the new rate.
@@ -123,6 +137,10 @@ void Evaluator::simulate_shared(const int32_t* plan, std::vector<NodeRecord>* re
             if (slot_[v % per].pass) {  // a free transfer: no request, no device
                 start_[v] = ready;
                 finish(v, ready);
+                continue;
+            }
+            if (fused && partner(v) >= 0 && !arrived_[partner(v)]) {
+                arrived_[v] = 1;  // runs with the other call, once that is ready too
                 continue;
             }
             for_atoms(v % per, [&](int a) { fifo_[a].push_back(v); });

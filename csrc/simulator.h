@@ -126,7 +126,7 @@ private:
     // Fused pairs (fused_node.cpp): which are on under `plan`, their nodes' price, their memory.
     void setup_fused();
     bool price_fused(const int32_t* plan, std::vector<MissingPair>* missing);
-    void check_fused_memory(const int32_t* plan, Evaluation& ev);
+    bool check_fused_memory(const int32_t* plan, Evaluation& ev);
     void fused_memory_report(const int32_t* plan, MemoryReport& r);
     void find_paths();
     // long-tail migration (tail.cpp)

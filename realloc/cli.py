@@ -151,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--baseline", default=None, choices=["heuristic", "colocate-dp", "split"],
                    help="run this baseline plan instead of searching (`realloc search EXP --baseline NAME` "
                         "prints it)")
+    s.add_argument("--no-fused-pairs", action="store_true", help="search without fused train pairs (RLHFuse "
+                   "fusion, docs/fused-training.md): an opt-out while NCCL's fused pairs are unproven on GPUs")
     s.add_argument("--iterations", type=int, default=None, help="iterations to run up to, counted from 1 "
                    "(default: the experiment's `iterations`)")
     s.add_argument("--resume", default=None, metavar="DIR",

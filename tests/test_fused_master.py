@@ -74,12 +74,16 @@ def test_the_pair_is_one_request_after_both_calls_inputs(tmp_path):
         assert c > 0 and abs(a / (a + c) - est[0] / sum(est)) < 0.02
 
 
-def test_a_fused_plan_on_gpus_is_refused_at_start_up():
+def test_a_fused_plan_on_gpus_gets_every_stage_groups_order():
+    """NCCL runs fused pairs (tests/test_fused_rendezvous.py): the master orders a GPU plan's pair as a CPU plan's."""
+    from realloc.models.fused_protocol import build_programs
     from realloc.runtime.control.master_fused import fused_orders
     from run_helpers import REPO
 
     graph = build_graph(load_experiment(str(REPO / "experiments/ppo_7b_7b.py")))
     plan = ExecutionPlan.by_hand(graph, {n: ("trainer[01-02]", 4, 2, 2, 4) for n in graph.spec.call_names},
                                  fused=[PAIR])
-    with pytest.raises(ValueError, match=r"plan field 'fused' pair \('actor_train', 'critic_train'\): .*CPU devices"):
-        fused_orders(graph, plan)
+    orders = fused_orders(graph, plan)[PAIR]
+    every = sorted((m, bw, mb) for m in (0, 1) for bw in (0, 1) for mb in range(4))
+    assert len(orders) == 2 and all(sorted(map(tuple, group)) == every for group in orders)
+    assert len(build_programs(orders)) == 2

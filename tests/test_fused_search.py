@@ -186,9 +186,7 @@ def gpu_space():
 def test_spaces_without_eligible_pairs_have_none():
     from realloc.search.build import PlanSpace
 
-    # devices sharing CPU cores: the event-driven simulation has no fused node
-    cpu = _ppo("localhost", "cpu", 4, "tiny", "tiny-critic", batch_size=64, prompt_len=32, gen_len=32)
-    assert PlanSpace.build(cpu).problem.fused == ()
+    # (devices sharing CPU cores get pairs too: tests/test_fused_shared_cores.py)
     # GRPO trains one model: nothing to fuse
     from realloc.api import load_experiment
     from realloc.graph.dataflow import build_graph

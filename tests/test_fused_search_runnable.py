@@ -1,5 +1,5 @@
-"""`realloc run` searches only plans its runtime can carry out (search.RunLimits): no fused train pairs where they
-cannot run (NCCL so far, runtime/control/master_fused.py), `realloc search` still shows them, with a note.
+"""`realloc run` searches only plans its runtime can carry out (search.RunLimits): no fused train pairs under
+`--no-fused-pairs` (they run on gloo and NCCL, runtime/control/master_fused.py).
 Tails run ahead of training and beside token balancing (tests/test_tail_stale.py, tests/test_tail_balance.py)."""
 
 import argparse
@@ -10,15 +10,11 @@ import pytest
 import realloc.search as search_pkg
 from realloc.api import load_experiment
 from realloc.runtime import run_cli
-from realloc.search.planner import RunLimits, fused_pairs_run_on, plan_search
+from realloc.search.planner import RunLimits, plan_search
 
 
-def test_fused_pairs_run_on_cpu_clusters_only():
-    assert fused_pairs_run_on(load_experiment("experiments/ppo_tiny.py"))
-    assert not fused_pairs_run_on(load_experiment("experiments/ppo_70b_7b.py"))
-
-
-def test_a_runnable_search_on_gpus_proposes_no_fusion(monkeypatch):
+def _proposals(monkeypatch, limits: RunLimits):
+    """The fused pairs each chain's space offers and the chance it proposes fusing one, and the search's report."""
     import realloc.search.planner as planner
 
     seen = []
@@ -30,10 +26,21 @@ def test_a_runnable_search_on_gpus_proposes_no_fusion(monkeypatch):
     run_mcmc = planner.run_mcmc
     monkeypatch.setattr(planner, "run_mcmc", spy)
     report = plan_search(load_experiment("experiments/ppo_7b_7b.py"), None, max_evals=2_000, n_threads=1,
-                         runnable=RunLimits())
-    assert seen and all(pairs > 0 for pairs, _ in seen)  # the space offers fused pairs...
-    assert all(p_fuse == 0.0 for _, p_fuse in seen)  # ...and no chain proposes one (test_fused_search.py: p_fuse 0)
+                         runnable=limits)
+    assert seen and all(pairs > 0 for pairs, _ in seen)  # the space offers fused pairs
+    return seen, report
+
+
+def test_a_runnable_search_on_gpus_fuses_unless_told_not_to(monkeypatch):
+    seen, _ = _proposals(monkeypatch, RunLimits())  # NCCL runs fused pairs (tests/test_fused_rendezvous.py)
+    assert seen[0][1] is None  # the MCMC's own rate of fuse moves (a fused winner's unfused search follows)
+    seen, report = _proposals(monkeypatch, RunLimits(fused_pairs=False))  # realloc run --no-fused-pairs
+    assert all(p_fuse == 0.0 for _, p_fuse in seen)  # no chain proposes one (test_fused_search.py: p_fuse 0)
     assert report.plan.fused == () and report.unfused is None
+    args = argparse.Namespace(plan=None, baseline=None, search_time=1.0, no_fused_pairs=True)
+    monkeypatch.setattr(search_pkg, "search", lambda spec, t, runnable: runnable)
+    assert run_cli._choose_plan(args, load_experiment("experiments/ppo_70b_7b.py"), None)[0] == \
+        RunLimits(fused_pairs=False)
 
 
 def test_a_runnable_search_offers_tails_ahead_of_training():

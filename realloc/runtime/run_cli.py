@@ -75,7 +75,7 @@ def _choose_plan(args: argparse.Namespace, spec: ExperimentSpec, ckpt: Path | No
     if fn is None:
         raise ValueError("plan search (realloc.search.search) is not available yet; pass --plan plan.json or "
                          "--baseline heuristic")
-    runnable = search_pkg.RunLimits()  # only plans this runtime can carry out
+    runnable = search_pkg.RunLimits(fused_pairs=not getattr(args, "no_fused_pairs", False))  # what this runtime runs
     if args.search_time is not None:
         return fn(spec, args.search_time, runnable=runnable), f"searched for {args.search_time:g} s"
     # No time given: search until the best plan stops improving, at most DEFAULT_SEARCH_TIME (engine.converged).

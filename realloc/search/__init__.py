@@ -4,6 +4,6 @@
 ``baseline(experiment, name)`` a baseline's (``heuristic``, ``colocate-dp``, ``split``).
 """
 
-from realloc.search.planner import RunLimits, baseline, fused_pairs_run_on, plan_search, search
+from realloc.search.planner import RunLimits, baseline, plan_search, search
 
-__all__ = ["RunLimits", "baseline", "fused_pairs_run_on", "plan_search", "search"]
+__all__ = ["RunLimits", "baseline", "plan_search", "search"]

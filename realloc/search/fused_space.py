@@ -1,8 +1,8 @@
 """Fused train pairs in the plan space (rlhfuse.txt §5; csrc/fused_node.h, docs/fused-training.md): which pairs
 the search may fuse, the bound on what fusing can save per candidate, and the price of one pair of candidates.
 
-A pair enters the space only when some candidates of both calls share devices and pp, and only on clusters
-whose devices do not share CPU cores (the event-driven simulation of shared cores has no fused node): a space
+A pair enters the space only when some candidates of both calls share devices and pp (on any cluster: both
+simulations, the event-driven one of devices sharing CPU cores too, run a fused pair as one node): a space
 without eligible pairs is the space of before, plan for plan."""
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ def bubble_bound(options: tuple[Candidate, ...], time: np.ndarray) -> np.ndarray
 def fused_pair_arrays(graph: DataflowGraph, problem: SearchProblem,
                       options: tuple[tuple[Candidate, ...], ...]) -> tuple[FusedPairArrays, ...]:
     """The space's fused pairs: every pair of ``fusable_pairs`` with candidates that can share a mesh at pp > 1."""
-    if problem.shares_cores:
-        return ()
     index = {c: i for i, c in enumerate(problem.call_names)}
     out = []
     for first, second in fusable_pairs(graph):

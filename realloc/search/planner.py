@@ -140,7 +140,7 @@ def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int =
     t0 = time.perf_counter()
     spec = experiment_of(experiment)
     graph = build_graph(spec)
-    fuse = runnable is None or fused_pairs_run_on(spec)
+    fuse = runnable is None or runnable.fused_pairs
     cost = cost or CostModel(graph)
     mem = spec.cluster.device_memory
     alone, alone_pool = None, None
@@ -262,16 +262,12 @@ def oom_message(space: PlanSpace, indices: np.ndarray, ev: dict) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class RunLimits:
-    """What ``realloc run``'s runtime cannot carry out, so its search leaves it out: fused train pairs where
-    they cannot run (``fused_pairs_run_on``). Tails (migration, streaming) run at any staleness and with
-    ``balance_tokens`` (graph/streaming.py, runtime/control/master_tail.py); the search never offers one at pp > 1."""
+    """What ``realloc run``'s runtime cannot carry out, so its search leaves it out: fused train pairs when told
+    not to fuse (``fused_pairs``; they run on gloo and NCCL). Tails (migration, streaming) run at any staleness and
+    with ``balance_tokens`` (graph/streaming.py, runtime/control/master_tail.py); the search never offers one at
+    pp > 1."""
 
-
-def fused_pairs_run_on(spec: Any) -> bool:
-    """Whether the runtime can run fused train pairs on ``spec``'s cluster: on CPU devices (gloo) so far. Their
-    protocol (models/fused_protocol.py) is deadlock-free under NCCL's rendezvous semantics but has not run on
-    GPUs: lift this once a multi-GPU run checks it (docs/fused-training.md)."""
-    return spec.cluster.hardware.kind == "cpu"
+    fused_pairs: bool = True  # False: no fused train pairs (`realloc run --no-fused-pairs`, docs/fused-training.md)
 
 
 def search(experiment: Any, time_limit: float | None = 10.0, **kwargs: Any) -> ExecutionPlan:

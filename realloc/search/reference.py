@@ -334,6 +334,23 @@ def schedule(p: SearchProblem, plan: Sequence[int]) -> list[dict]:
                  devices=nd.devices) for i, nd in enumerate(nodes)]
 
 
+def stage_at(p: SearchProblem, plan: Sequence[int], c: int, x: int) -> int:
+    """Call ``c``'s stage on device ``x`` of its mesh: the second model of a fused pair that is on runs its stages
+    in reverse order on the pair's mesh, in all its calls there (graph/fused.second_model_meshes): the mesh's
+    devices in the pair's pp groups, the groups in reverse order, the call's stages over that order."""
+    k, i = p.candidates[c], int(plan[c])
+    lo, hi, local = int(k.dev_lo[i]), int(k.dev_hi[i]), x - int(k.dev_lo[i])
+    for f in p.fused:
+        kb, j = p.candidates[f.b], int(plan[f.b])
+        same_mesh = (lo, hi) == (int(kb.dev_lo[j]), int(kb.dev_hi[j]))
+        if p.call_model[c] == p.call_model[f.b] and same_mesh and f.on(p, plan):
+            groups = kb.pp(j)
+            size = (hi - lo) // groups
+            local = (groups - 1 - local // size) * size + local % size
+            break
+    return local // int(k.stage_width[i])
+
+
 def device_memory(p: SearchProblem, plan: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
     """Per device: static bytes, peak bytes, and the call whose dynamic memory makes the peak (-1 if none)."""
     static = [0] * p.n_devices
@@ -342,12 +359,12 @@ def device_memory(p: SearchProblem, plan: Sequence[int]) -> tuple[list[int], lis
     own: dict[tuple[int, int], int] = {}  # (call, device) -> its dynamic bytes
     for c in range(p.n_calls):
         k, i = p.candidates[c], int(plan[c])
-        lo, hi, w = int(k.dev_lo[i]), int(k.dev_hi[i]), int(k.stage_width[i])
+        lo, hi = int(k.dev_lo[i]), int(k.dev_hi[i])
         home = p.model_home[p.call_model[c]]
         copy = c != home and int(k.layout[i]) != int(p.candidates[home].layout[int(plan[home])])
         keep = copy and p.staleness > 0 and c in p.stale_calls  # generation's copy stays (bounded staleness)
         for x in range(lo, hi):
-            stage = (x - lo) // w
+            stage = stage_at(p, plan, c, x)
             d = int(k.stage_memory(i, "dynamic")[stage])
             if c == home:
                 static[x] += int(k.stage_memory(i, "static")[stage])

@@ -18,7 +18,7 @@ from realloc.search.engine import converged
 from realloc.overrides import load_with_overrides
 from realloc.search.fused_report import fused_summary
 from realloc.search.lora_report import lora_summary
-from realloc.search.planner import SearchReport, baseline, experiment_of, fused_pairs_run_on, plan_search
+from realloc.search.planner import SearchReport, baseline, experiment_of, plan_search
 from realloc.search.tail_report import tail_summary
 from realloc.search.timeline import check_suffix
 from realloc.search.turns_report import profile_lines, turn_summary, turns_from
@@ -87,9 +87,6 @@ def print_report(report: SearchReport, n_threads: int) -> None:
         print()
         print("best plan without fusion")
         print(report.unfused.table(report.graph.topo_order))
-        if not fused_pairs_run_on(report.spec):
-            print("note: the runtime runs fused train pairs on CPU devices (gloo) only so far; `realloc run` on this "
-                  "cluster searches without fusion (a plan like the one just above)")
     print()
     print("estimated time per iteration (steady state)")
     print(rp.comparison_table(report))

@@ -28,12 +28,6 @@ def fused_orders(graph: Any, plan: Any) -> dict[tuple[str, str], list[list[list[
     """Per fused pair of ``plan``: each stage group's passes, as the estimator's schedule search orders them."""
     if not plan.fused:
         return {}
-    if graph.spec.cluster.hardware.kind != "cpu":
-        first, second = plan.fused[0]
-        raise ValueError(f"plan field 'fused' pair ({first!r}, {second!r}): fused train pairs run on CPU devices (gloo) "
-                         f"only so far (their point-to-point protocol is deadlock-free under NCCL's rendezvous "
-                         f"semantics, tests/test_fused_protocol.py, but has not run on GPUs yet); drop the field to "
-                         f"run the calls one after the other")
     from realloc.estimator.cost import CostModel
     from realloc.estimator.fused_cost import price_fused_pair
 
