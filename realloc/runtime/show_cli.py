@@ -7,6 +7,7 @@ import argparse
 from realloc.api import ExperimentSpec
 from realloc.graph.dataflow import DataflowGraph, build_graph
 from realloc.graph.plan import ExecutionPlan, validate_plan
+from realloc.graph.streaming import check_runtime_tail
 from realloc.overrides import load_with_overrides
 from realloc.runtime.inputs.preflight import preflight
 from realloc.runtime.inputs.run_config import RunConfig
@@ -32,6 +33,7 @@ def main(args: argparse.Namespace) -> int:
     if plan_path:
         plan = ExecutionPlan.load(plan_path)
         meshes = validate_plan(plan, graph)  # a mesh across pools, a mistyped node or strategy: one error
+        check_runtime_tail(plan, graph)  # a tail entry `run` refuses (multi-turn, pp > 1, staleness): refused here too
         print(f"plan       {plan_path}: valid"
               + (f"; pools: {', '.join(f'{c} on pool {m.pool}' for c, m in meshes.items())}" if cluster.pools else ""))
     print()
