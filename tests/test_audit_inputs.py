@@ -38,3 +38,47 @@ def test_show_refuses_a_tail_entry_that_run_refuses(tmp_path, capsys, experiment
     assert main(["show", f"experiments/{experiment}.py", "--plan", path, *extra]) == EXIT_USAGE
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "plan field 'tail' entry 'actor_gen'" in err[0] and message in err[0], err
+
+
+@pytest.mark.parametrize("profile, message", [
+    ({"policy_tokens": [4, 4], "reach": [1.0, 0.5, 0.2]}, "['reach'] has 3 entries but 'policy_tokens' has 2"),
+    ({"policy_tokens": [4], "observation_tokens": [3, 3]}, "['observation_tokens'] has 2 entries but"),
+    ({"policy_tokens": [4, 4], "reach": [0.5, 0.5]}, "['reach'][0] must be 1"),
+    ({"policy_tokens": [4], "observation_tokens": 3}, "['observation_tokens'] must be a list of numbers"),
+])
+def test_a_declared_turn_profile_with_more_entries_than_turns_is_one_error(profile, message):
+    """Lists longer than the turns were cut silently, and a first turn that not every rollout takes was priced."""
+    from realloc.envs.turn_profile import declared_profile
+
+    with pytest.raises(ValueError, match=r"call 'gen': interface_args\['turn_profile'\]") as e:
+        declared_profile("gen", profile, 4)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("segments, metrics, message", [
+    (["a", "b"], None, "has a turn_segments entry ['a', 'b']"),
+    ([0, None], None, "has a turn_segments entry [0, None]"),
+    ([0, [1]], None, "has a turn_segments entry"),
+    ([0, 3.5], None, "has a turn_segments entry [0, 3.5]"),
+    ([0, 3], {"calls": {"gen": {"env_obs_s": None, "env_obs_steps": 1}}}, "has env_obs_s=None for call 'gen'"),
+    ([0, 3], {"calls": {"gen": {"env_obs_s": "x", "env_obs_steps": 1}}}, "has env_obs_s=x for call 'gen'"),
+])
+def test_lengths_from_a_malformed_multiturn_run_is_one_error_naming_the_file(tmp_path, segments, metrics, message):
+    """A hand-edited samples.jsonl or metrics.jsonl gave a TypeError/AttributeError from deep in the sums."""
+    from realloc.envs.turn_profile import turns_from_run
+
+    (tmp_path / "samples.jsonl").write_text(json.dumps({"iteration": 1, "seq": 0, "turn_segments": segments}) + "\n")
+    if metrics is not None:
+        (tmp_path / "metrics.jsonl").write_text(json.dumps(metrics) + "\n")
+    with pytest.raises(ValueError, match=f"--lengths-from {tmp_path}") as e:
+        turns_from_run(tmp_path)
+    assert message in str(e.value)
+
+
+def test_metrics_lines_without_a_calls_dict_are_skipped(tmp_path):
+    from realloc.envs.turn_profile import turns_from_run
+
+    (tmp_path / "samples.jsonl").write_text(json.dumps({"turn_segments": [0, 3]}) + "\n")
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"calls": ["x"]}) + "\n" + json.dumps(
+        {"calls": {"gen": {"env_obs_s": 0.5, "env_obs_steps": 2}}}) + "\n")
+    assert turns_from_run(tmp_path).step_s == 0.25
