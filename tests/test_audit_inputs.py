@@ -82,3 +82,13 @@ def test_metrics_lines_without_a_calls_dict_are_skipped(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"calls": ["x"]}) + "\n" + json.dumps(
         {"calls": {"gen": {"env_obs_s": 0.5, "env_obs_steps": 2}}}) + "\n")
     assert turns_from_run(tmp_path).step_s == 0.25
+
+
+@pytest.mark.parametrize("forged", ['[1]', '"ok"', '{"ok": true, "value": 5}', '{"ok": false, "error": [1]}'])
+def test_a_tool_that_forges_its_result_line_ends_as_an_observation_not_a_crash(forged):
+    """The parent read the result line's JSON with .get and +: a list or a number in it raised in the worker,
+    which would have stopped the run (a tool never should)."""
+    from realloc.tools.sandbox import Sandbox, ToolLimits
+
+    r = Sandbox(ToolLimits(wall_s=20.0)).run("tool_cases:forge_result", forged)
+    assert isinstance(r.text, str) and r.status in ("crash", "error")

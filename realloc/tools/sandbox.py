@@ -204,6 +204,8 @@ def _verdict(rc: int, out: str, marker: str, lim: ToolLimits) -> tuple[Status, s
         res = json.loads(tail.split("\n", 1)[0])
     except ValueError:
         return "crash", "error: the tool's result could not be read"
+    if not isinstance(res, dict) or not isinstance(res.get("value", ""), str):  # a line the tool forged itself
+        return "crash", "error: the tool's result could not be read"
     if res.get("ok"):
         return "ok", printed + res.get("value", "")
     status: Status = "memory" if res.get("memory") else "error"
