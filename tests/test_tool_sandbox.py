@@ -11,19 +11,20 @@ import time
 import pytest
 
 from realloc.tools.builtin import calculate
-from realloc.tools.sandbox import Sandbox, ToolLimits, network_isolation
+from realloc.tools.sandbox import CHILD, Sandbox, ToolLimits, network_isolation
 
 LIMITS = ToolLimits(wall_s=4.0, cpu_s=1, memory_mb=256, output_bytes=4096, max_procs=8)
 
 
 def _leftovers() -> list[str]:
-    """Processes still running our child script (a tool that outlived its call)."""
+    """Processes still running this tree's child script (a tool that outlived its call; another checkout's tools,
+    e.g. a concurrent demo, are not ours)."""
     out = []
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if b"realloc/tools/child.py" in f.read():
+                    if CHILD.encode() in f.read():
                         out.append(pid)
             except OSError:
                 pass
