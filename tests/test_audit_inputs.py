@@ -2,6 +2,11 @@
 run records, a tool's forged result line. Each bad input is one clear error naming what to fix, no traceback."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -92,3 +97,49 @@ def test_a_tool_that_forges_its_result_line_ends_as_an_observation_not_a_crash(f
 
     r = Sandbox(ToolLimits(wall_s=20.0)).run("tool_cases:forge_result", forged)
     assert isinstance(r.text, str) and r.status in ("crash", "error")
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            out.append(int(d))
+    return out
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
+def test_a_tool_does_not_outlive_a_killed_worker(tmp_path):
+    """The tool runs in a session of its own (so that its group can be killed as a whole); when its worker was
+    killed (a failed run stops its workers with SIGKILL) nobody enforced its wall time, and a blocked tool lived on."""
+    code = ("import sys; sys.path.insert(0, %r); from realloc.tools.sandbox import Sandbox, ToolLimits; "
+            "Sandbox(ToolLimits(wall_s=600)).run('tool_cases:sleep_forever', '')" % os.path.dirname(__file__))
+    parent = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "TMPDIR": str(tmp_path)})
+    try:
+        deadline = time.monotonic() + 60
+        while not (tools := _children(parent.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert tools, "the tool never started"
+        time.sleep(1.0)  # past the child's set-up (the parent-death signal is set before the tool is imported)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while any(_running(t) for t in tools) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [t for t in tools if _running(t)]
+    for t in left:
+        os.kill(t, signal.SIGKILL)
+    assert not left, "the tool outlived its killed worker"
