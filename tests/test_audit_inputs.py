@@ -155,3 +155,38 @@ def test_a_tool_does_not_outlive_a_killed_worker(tmp_path):
     for t in left:
         os.kill(t, signal.SIGKILL)
     assert not left, "the tool outlived its killed worker"
+
+
+def _tool_spec(env_args):
+    import dataclasses
+
+    from realloc.algorithms.critic_free.multiturn_graph import multiturn_rpcs
+    from realloc.api import auto, experiment_spec
+
+    @auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size=8, prompt_len=8, gen_len=32)
+    @dataclasses.dataclass
+    class ToolRollouts:
+        @property
+        def rpcs(self):
+            return multiturn_rpcs("grpo", env={"env": "tools", "env_args": env_args, "max_turns": 2}, actor="tiny",
+                                  n_samples=4)
+
+    return experiment_spec(ToolRollouts)
+
+
+@pytest.mark.parametrize("env_args, message", [
+    ({"tools": ["nope"]}, "tool 'nope' must be a built-in name"),
+    ({"tools": {"c": "no_such_module_q:fn"}}, "module 'no_such_module_q' cannot be found"),
+    ({"tools": ["calculator"], "limits": {"wall_s": -1}}, "ToolLimits.wall_s must be a positive number"),
+    ({"tools": ["calculator"], "toolz": 1}, "unknown key(s) 'toolz'; known: tools, field"),
+    ({"tools": ["calculator"], "call_format": "xml"}, "call_format must be one of tags, chat"),
+    ({"tools": ["calculator"], "rule": 5}, "rule must be 'exact_match'"),
+    ({"tools": ["calculator"], "call_reward": "x"}, "call_reward must be a finite number"),
+])
+def test_bad_tool_env_args_are_one_error_when_the_graph_is_built(env_args, message):
+    """The built-in environment's arguments were checked only when a worker made it, mid-run; `realloc show`
+    (build_graph) said nothing."""
+    with pytest.raises(ValueError, match=r"call 'actor_gen': interface_args\['env_args'\] of env 'tools': ") as e:
+        build_graph(_tool_spec(env_args))
+    assert message in str(e.value)
+    build_graph(_tool_spec({"tools": {"calc": "calculator", "echo": "tool_cases:echo"}}))  # a module on the path
