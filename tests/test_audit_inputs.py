@@ -190,3 +190,37 @@ def test_bad_tool_env_args_are_one_error_when_the_graph_is_built(env_args, messa
         build_graph(_tool_spec(env_args))
     assert message in str(e.value)
     build_graph(_tool_spec({"tools": {"calc": "calculator", "echo": "tool_cases:echo"}}))  # a module on the path
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"tail": {"actor_gen": (4,)}}, "tail entry 'actor_gen' must be (rows, instances), a dict of those or a "
+                                    "TailMigration, got (4,)"),
+    ({"tail": {"actor_gen": 4}}, "tail entry 'actor_gen' must be (rows, instances)"),
+    ({"tail": {"actor_gen": (0, 1)}}, "field 'tail.actor_gen.rows': Input should be greater than or equal to 1"),
+    ({"fused": [("actor_train",)]}, "each fused pair is (first call, second call), got ('actor_train',)"),
+    ({"fused": ["actor_train"]}, "each fused pair is (first call, second call), got 'actor_train'"),
+    ({"placements": {"actor_gen": ("localhost", 2, 1)}}, "the placement of call 'actor_gen' must be (mesh, dp, tp, "
+                                                         "pp, n_mbs)"),
+    ({"placements": {"actor_gen": ("localhost", 0, 1, 1, 1)}}, "field 'placements.actor_gen.dp': Input should be"),
+    ({"staleness": -1}, "field 'staleness': Input should be greater than or equal to 0"),
+])
+def test_a_malformed_plan_by_hand_is_one_line_naming_the_entry(changes, message):
+    """ExecutionPlan.by_hand raised IndexError/TypeError/KeyError, 'not enough values to unpack' or pydantic's
+    multi-line report for malformed entries."""
+    graph = build_graph(load_experiment("experiments/ppo_tiny.py"))
+    places = {n: ("localhost", 2, 1, 1, 1) for n in graph.spec.call_names} | changes.pop("placements", {})
+    with pytest.raises(ValueError) as e:
+        ExecutionPlan.by_hand(graph, places, **changes)
+    assert type(e.value) is ValueError and "\n" not in str(e.value)
+    assert str(e.value).startswith("ExecutionPlan.by_hand: ") and message in str(e.value)
+
+
+def test_by_hand_takes_dicts_and_lists_as_well():
+    graph = build_graph(load_experiment("experiments/ppo_tiny.py"))
+    places = {n: ("localhost", 2, 1, 1, 1) for n in graph.spec.call_names}
+    want = ExecutionPlan.by_hand(graph, places, recompute=["actor_train"], fused=[("actor_train", "critic_train")],
+                                 tail={"actor_gen": (4, 1)})
+    places["actor_train"] = {"mesh": "localhost", "dp": 2, "tp": 1, "pp": 1, "n_mbs": 1}
+    got = ExecutionPlan.by_hand(graph, places, recompute=["actor_train"], fused=[["actor_train", "critic_train"]],
+                                tail={"actor_gen": {"rows": 4, "instances": 1}})
+    assert got == want and got.placements["actor_train"].recompute
