@@ -224,3 +224,12 @@ def test_by_hand_takes_dicts_and_lists_as_well():
     got = ExecutionPlan.by_hand(graph, places, recompute=["actor_train"], fused=[["actor_train", "critic_train"]],
                                 tail={"actor_gen": {"rows": 4, "instances": 1}})
     assert got == want and got.placements["actor_train"].recompute
+
+
+@pytest.mark.parametrize("record", [{"seq": [1], "response_ids": [1, 2]}, {"iteration": {}, "response_ids": [1, 2]}])
+def test_lengths_from_a_hand_edited_samples_file_do_not_raise_type_errors(tmp_path, record):
+    """A list or an object in a sample's iteration/seq field made the dedup key unhashable (TypeError)."""
+    from realloc.lengths import ResponseLengths, lengths_from_run
+
+    (tmp_path / "samples.jsonl").write_text(json.dumps(record) + "\n" + json.dumps(record) + "\n")
+    assert lengths_from_run(tmp_path) == ResponseLengths.empirical([2])
