@@ -233,3 +233,14 @@ def test_lengths_from_a_hand_edited_samples_file_do_not_raise_type_errors(tmp_pa
 
     (tmp_path / "samples.jsonl").write_text(json.dumps(record) + "\n" + json.dumps(record) + "\n")
     assert lengths_from_run(tmp_path) == ResponseLengths.empirical([2])
+
+
+def test_a_tool_process_killed_mid_call_is_a_crash_observation_and_the_rollout_goes_on():
+    from realloc.envs.tool_env import ToolEnv
+
+    env = ToolEnv(tools={"k": "tool_cases:killed", "calc": "calculator"}, limits={"wall_s": 20.0})
+    env.reset({"answer": "6"})
+    obs, reward, done = env.step("<k>x</k>")
+    assert not done and obs.startswith("<result>working") and "ended without a result (killed by SIGKILL)" in obs
+    assert env.step("<calc>2*3</calc>")[0] == "<result>6</result>"
+    assert env.tool_counts["crash"] == 1 and env.tool_counts["ok"] == 1
