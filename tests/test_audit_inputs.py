@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -244,3 +245,37 @@ def test_a_tool_process_killed_mid_call_is_a_crash_observation_and_the_rollout_g
     assert not done and obs.startswith("<result>working") and "ended without a result (killed by SIGKILL)" in obs
     assert env.step("<calc>2*3</calc>")[0] == "<result>6</result>"
     assert env.tool_counts["crash"] == 1 and env.tool_counts["ok"] == 1
+
+
+def test_a_full_disk_during_a_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):
+    """ENOSPC while the next checkpoint (carried partial rows, a shard with the fp16 loss scale) is committed: the
+    previous one stays the newest, its files verify, and the next save clears the half-written one."""
+    import errno
+
+    from realloc.runtime.persist import checkpoint
+
+    def save(it: int) -> Path:
+        tmp = checkpoint.begin(root, it)
+        (tmp / "partial/actor_gen").mkdir(parents=True)
+        checkpoint.write_file_durably(tmp / "partial/actor_gen/0-4.json", json.dumps({"it": it}).encode())
+        (tmp / "models/actor").mkdir(parents=True)
+        checkpoint.write_file_durably(tmp / "models/actor/tp0_pp0.safetensors", b"loss_scale %d" % it)
+        return checkpoint.commit(tmp, root, it, {"next_iteration": it}, "{}")
+
+    root = tmp_path / "checkpoints"
+    first = save(1)
+    real = checkpoint.write_file_durably
+
+    def full(path, data):
+        if path.name == checkpoint.META:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(path, data)
+
+    monkeypatch.setattr(checkpoint, "write_file_durably", full)
+    with pytest.raises(OSError, match="No space left"):
+        save(2)
+    assert checkpoint.latest(root) == first
+    checkpoint.check_files(first)
+    assert json.loads((first / "partial/actor_gen/0-4.json").read_text()) == {"it": 1}
+    monkeypatch.setattr(checkpoint, "write_file_durably", real)
+    assert save(3).name == "iter_00000003" and not list(root.glob(".tmp-*"))
