@@ -279,3 +279,13 @@ def test_a_full_disk_during_a_save_leaves_the_previous_checkpoint_whole(tmp_path
     assert json.loads((first / "partial/actor_gen/0-4.json").read_text()) == {"it": 1}
     monkeypatch.setattr(checkpoint, "write_file_durably", real)
     assert save(3).name == "iter_00000003" and not list(root.glob(".tmp-*"))
+
+
+def test_partial_rollouts_of_a_multiturn_generation_are_refused_at_show(capsys):
+    """Partial rollouts cut a generation that runs once (common.actor_generate); a multi-turn rollout passed
+    `realloc show` and failed in the worker at the run's first generation."""
+    args = ["show", "experiments/calc_grpo_tool.py", "--set", "grpo.partial_rollout_tokens=4", "--set", "max_staleness=1"]
+    assert main(args) == EXIT_USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    want = "call 'actor_gen' has partial_rollout_tokens set, but interface 'grpo_multiturn' generates turn by turn"
+    assert len(err) == 1 and want in err[0], err
