@@ -289,3 +289,14 @@ def test_partial_rollouts_of_a_multiturn_generation_are_refused_at_show(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     want = "call 'actor_gen' has partial_rollout_tokens set, but interface 'grpo_multiturn' generates turn by turn"
     assert len(err) == 1 and want in err[0], err
+
+
+def test_show_refuses_offloading_a_trained_model(tmp_path, capsys):
+    """Only `realloc run` (Master) refused a plan that offloads a trained model; `realloc show --plan` said valid."""
+    path = plan_file(tmp_path, "ppo_tiny", ("localhost", 2, 1, 1, 1), offload={"ref": True, "critic": True})
+    assert main(["show", "experiments/ppo_tiny.py", "--plan", path]) == EXIT_USAGE
+    assert capsys.readouterr().err.strip() == ("realloc show: error: plan offloads model 'critic', but it is trained; "
+                                               "only frozen models can be offloaded between calls (its optimizer "
+                                               "state never moves)")
+    path = plan_file(tmp_path, "ppo_tiny", ("localhost", 2, 1, 1, 1), offload={"ref": True})
+    assert main(["show", "experiments/ppo_tiny.py", "--plan", path]) == 0

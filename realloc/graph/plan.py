@@ -216,9 +216,12 @@ def validate_plan(plan: ExecutionPlan, graph: "DataflowGraph") -> dict[str, Devi
     why = graph.staleness_error(plan.staleness)
     if why:
         raise ValueError(f"plan: {why}")
-    for model in plan.offload:
+    for model, on in plan.offload.items():
         if model not in graph.model_types:
             raise ValueError(f"plan offloads model {model!r}, which the experiment does not have")
+        if on and any(graph.call(c).is_train for c in graph.calls_of_model(model)):
+            raise ValueError(f"plan offloads model {model!r}, but it is trained; only frozen models can be "
+                             f"offloaded between calls (its optimizer state never moves)")
     meshes: dict[str, DeviceMesh] = {}
     for name in spec.call_names:
         p = plan.placements[name]
