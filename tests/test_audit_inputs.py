@@ -300,3 +300,20 @@ def test_show_refuses_offloading_a_trained_model(tmp_path, capsys):
                                                "state never moves)")
     path = plan_file(tmp_path, "ppo_tiny", ("localhost", 2, 1, 1, 1), offload={"ref": True})
     assert main(["show", "experiments/ppo_tiny.py", "--plan", path]) == 0
+
+
+def test_hand_edited_fused_pass_lines_do_not_stop_the_timeline(tmp_path):
+    """`realloc trace` read fused_passes/worker<r>.jsonl lines by key and position: a JSON line of another shape
+    ended the command in an internal error (KeyError), where a half-written line was already skipped."""
+    from realloc.runtime.records.fused_passes import PASSES_DIR, with_passes
+
+    (tmp_path / PASSES_DIR).mkdir()
+    good = {"req": 3, "iteration": 1, "calls": ["a_train", "b_train"], "passes": [[0, 1, 0, 2, 0.5, 0.75]]}
+    lines = [{}, [1], {"req": 3, "iteration": 1, "calls": ["a_train"], "passes": [[0, 0]]},
+             {"req": 3, "iteration": 1, "calls": ["a_train", "b_train"], "passes": [[0, 5, 0, 0, 0.1, 0.2], "x"]},
+             good]
+    (tmp_path / PASSES_DIR / "worker0.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"req": 3,')
+    requests = [{"req": 3, "iteration": 1, "kind": "call", "label": "a_train+b_train"}]
+    rows = with_passes(requests, tmp_path)
+    assert rows[0] == requests[0] and len(rows) == 2
+    assert rows[1]["label"] == "b_train" and rows[1]["micro_batch"] == 2 and rows[1]["spans"] == {"0": [0.5, 0.75]}
