@@ -52,7 +52,8 @@ def _block_network() -> None:
 
 def _die_with_parent(parent: int) -> None:
     """SIGKILL this process when its parent (the worker) dies: the tool leads a session of its own, so a killed
-    worker's group does not reach it, and nobody would enforce its wall time (Linux; elsewhere nothing)."""
+    worker's group does not reach it, and nobody would enforce its wall time (Linux; elsewhere nothing). The signal
+    follows the thread that started this process, which waits for it in ``Sandbox.run`` until it ends."""
     try:
         import ctypes
 
