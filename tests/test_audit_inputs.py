@@ -317,3 +317,25 @@ def test_hand_edited_fused_pass_lines_do_not_stop_the_timeline(tmp_path):
     rows = with_passes(requests, tmp_path)
     assert rows[0] == requests[0] and len(rows) == 2
     assert rows[1]["label"] == "b_train" and rows[1]["micro_batch"] == 2 and rows[1]["spans"] == {"0": [0.5, 0.75]}
+
+
+def test_trace_reads_a_hand_edited_or_cut_run_directory_or_names_the_bad_line(tmp_path, capsys):
+    """requests.jsonl lines of another shape, run.json not an object: internal errors (KeyError, AttributeError)
+    before; a line that is not JSON gave json's message without the file."""
+    from realloc.runtime.trace_cli import _records
+
+    path = tmp_path / "requests.jsonl"
+    path.write_text('[1]\nnull\n{"kind": "call"}\n\n{"req": 1, "ki')
+    assert _records(path) == [{"kind": "call"}]  # the cut last line of a killed run is skipped too
+    path.write_text('{"kind": "call"}\ngarbage{\n{}\n')
+    with pytest.raises(ValueError, match=f"{path} line 2 is not JSON"):
+        _records(path)
+    run = tmp_path / "run"
+    (run).mkdir()
+    ExecutionPlan.by_hand(build_graph(load_experiment("experiments/ppo_tiny.py")),
+                          {"actor_gen": ("localhost", 2, 1, 1, 1)} | {c: ("localhost", 2, 1, 1, 1) for c in
+                          ("rew_inf", "ref_inf", "critic_inf", "actor_train", "critic_train")}).save(run / "plan.json")
+    (run / "requests.jsonl").write_text('[1]\n')
+    (run / "run.json").write_text("[1]")
+    assert main(["trace", str(run), "--timeline", str(tmp_path / "t.html")]) == EXIT_USAGE
+    assert "has no run.json naming its experiment; pass --experiment EXP" in capsys.readouterr().err
