@@ -56,7 +56,12 @@ def test_misbehaving_tools_end_as_an_error_observation_and_the_caller_goes_on(sa
     assert r.status in ((status,) if isinstance(status, str) else status)
     assert r.text.startswith("error: ") and words in r.text and len(r.text) < 300
     assert time.monotonic() - start < LIMITS.wall_s + 3.0  # contained within its wall-time limit, not hung
-    assert _leftovers() == []  # the whole process group is gone (fork_loop's children included)
+    # the whole process group is gone (fork_loop's children included): killed, so at most still exiting (under a
+    # loaded machine a SIGKILLed child can take a moment to leave /proc)
+    deadline = time.monotonic() + 5.0
+    while _leftovers() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _leftovers() == []
     assert sandbox.run("tool_cases:echo", "next").text == "printed NEXT"
 
 
