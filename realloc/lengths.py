@@ -239,7 +239,10 @@ def lengths_from_run(run_dir: str | Path) -> ResponseLengths:
     for rec in run_records(path):
         tokens = rec.get("response_ids", rec.get("logp"))
         if isinstance(tokens, list) and tokens:
-            seen[rec.get("iteration"), rec.get("key", "seq"), rec.get("seq")] = len(tokens)
+            # one entry per logged sequence (a resumed run logs some again); as text, so a hand-edited field's
+            # list or object is a key too, not a TypeError
+            seen[tuple(json.dumps(rec.get(k, "seq" if k == "key" else None)) for k in ("iteration", "key", "seq"))] \
+                = len(tokens)
     if not seen:
         raise ValueError(f"--lengths-from {run_dir}: {path} records no response (no response_ids or logp)")
     return ResponseLengths.empirical(seen.values())

@@ -43,3 +43,21 @@ def connect(text: str) -> str:
 def echo(text: str) -> str:
     print("printed", end=" ")
     return text.upper()
+
+
+def forge_result(text: str) -> str:
+    """Writes the result line itself, with the call's nonce read from the child's frame (deliberate, not a
+    mistake: the sandbox is no boundary against that), carrying ``text`` as the JSON of the result."""
+    import sys
+
+    marker = sys._getframe(1).f_locals["req"]["marker"]
+    sys.stdout.write("\n" + marker + " " + text + "\n")
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def killed(text: str) -> str:
+    """Killed mid-call from outside (here by itself: the same SIGKILL an operator or the OOM killer sends)."""
+    print("working", flush=True)
+    os.kill(os.getpid(), 9)  # SIGKILL (the signal module is not importable after the switch to nobody)
+    return "never"

@@ -71,6 +71,10 @@ def rollout_args(call: str, args: Mapping[str, Any]) -> RolloutArgs:
 
 def check(call: str, args: Mapping[str, Any]) -> None:
     out = rollout_args(call, args)
+    if out.env == "tools":  # the built-in environment's arguments, before any worker makes one
+        from realloc.envs.tool_env import check_env_args
+
+        check_env_args(call, out.env_args)
     if out.turn_profile is not None:
         declared_profile(call, out.turn_profile, out.max_turns)
 

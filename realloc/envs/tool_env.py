@@ -15,6 +15,9 @@ assistant turn's prompt included (``chat_tools.py``); without a template, ``resu
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
+import math
 import re
 from typing import Any, Mapping
 
@@ -34,27 +37,11 @@ class ToolEnv:
                  first_observation: str = "", call_format: str = "tags", chat_template: str | None = None,
                  end_of_turn: str = "<|im_end|>") -> None:
         where = "ToolEnv"
-        if call_format not in FORMATS:
-            raise ValueError(f"{where}: call_format must be one of {', '.join(FORMATS)}, got {call_format!r}")
-        if isinstance(tools, str) or not tools:
-            raise ValueError(f"{where}: tools must be a list of built-in names ({', '.join(BUILTIN_TOOLS)}) or a "
-                             f"dict name -> 'module:function'")
-        named = {t: t for t in tools} if not isinstance(tools, Mapping) else dict(tools)
-        self.tools: dict[str, str] = {}
-        for name, fn in named.items():
-            if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
-                raise ValueError(f"{where}: tool name {name!r} must be an identifier (it is written as <{name}>)")
-            fn = BUILTIN_TOOLS.get(fn, fn)
-            if not isinstance(fn, str) or ":" not in fn:
-                raise ValueError(f"{where}: tool {name!r} must be a built-in name ({', '.join(BUILTIN_TOOLS)}) or "
-                                 f"'module:function' (it runs in a fresh process, so it is named, not passed)")
-            self.tools[name] = fn
-        if "{}" not in result_format:
-            raise ValueError(f"{where}: result_format must contain {{}} where the tool's answer goes")
+        self.tools, checked = _checked(where, tools, call_format, result_format, limits, call_reward)
         self.rule = _rule(rule)
         self.field, self.result_format, self.call_reward = field, result_format, float(call_reward)
         self.first_observation = first_observation
-        self.sandbox = Sandbox(ToolLimits.of(where, limits), network_isolation())
+        self.sandbox = Sandbox(checked, network_isolation())
         names = "|".join(re.escape(n) for n in self.tools)
         self._call = re.compile(rf"<({names})>(.*?)</\1>", re.DOTALL)
         self.counts = {s: 0 for s in STATUSES}
@@ -92,6 +79,57 @@ class ToolEnv:
     def tool_counts(self) -> dict[str, int]:
         """Calls by outcome (``sandbox.STATUSES``), for the generation's stats."""
         return dict(self.counts)
+
+
+def _checked(where: str, tools: Any, call_format: Any, result_format: Any, limits: Any,
+             call_reward: Any) -> tuple[dict[str, str], ToolLimits]:
+    """The tools (name -> "module:function") and limits of a ToolEnv, or one ValueError naming ``where``."""
+    if call_format not in FORMATS:
+        raise ValueError(f"{where}: call_format must be one of {', '.join(FORMATS)}, got {call_format!r}")
+    if isinstance(tools, str) or not isinstance(tools, (Mapping, list, tuple, set, frozenset)) or not tools:
+        raise ValueError(f"{where}: tools must be a list of built-in names ({', '.join(BUILTIN_TOOLS)}) or a "
+                         f"dict name -> 'module:function'")
+    named = {t: t for t in tools} if not isinstance(tools, Mapping) else dict(tools)
+    out: dict[str, str] = {}
+    for name, fn in named.items():
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise ValueError(f"{where}: tool name {name!r} must be an identifier (it is written as <{name}>)")
+        fn = BUILTIN_TOOLS.get(fn, fn)
+        if not isinstance(fn, str) or ":" not in fn:
+            raise ValueError(f"{where}: tool {name!r} must be a built-in name ({', '.join(BUILTIN_TOOLS)}) or "
+                             f"'module:function' (it runs in a fresh process, so it is named, not passed)")
+        out[name] = fn
+    if not isinstance(result_format, str) or "{}" not in result_format:
+        raise ValueError(f"{where}: result_format must contain {{}} where the tool's answer goes")
+    if isinstance(call_reward, bool) or not isinstance(call_reward, (int, float)) or not math.isfinite(call_reward):
+        raise ValueError(f"{where}: call_reward must be a finite number, got {call_reward!r}")
+    return out, ToolLimits.of(where, limits)
+
+
+def check_env_args(call: str, env_args: Mapping[str, Any]) -> None:
+    """What ``ToolEnv(**env_args)`` refuses, checked when the graph is built (``realloc show``) rather than in the
+    workers mid-run: torch-free and starting nothing (the chat template renders when the environment is made), a
+    tool module that cannot be found included (it is looked up, not imported)."""
+    where = f"call {call!r}: interface_args['env_args'] of env 'tools'"
+    params = inspect.signature(ToolEnv.__init__).parameters
+    unknown = sorted(set(env_args) - set(params) - {"self"})
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; known: "
+                         f"{', '.join(p for p in params if p != 'self')}")
+    a = {p: v.default for p, v in params.items() if p != "self"} | dict(env_args)
+    tools, _ = _checked(where, a["tools"], a["call_format"], a["result_format"], a["limits"], a["call_reward"])
+    rule = a["rule"]
+    if not (rule == "exact_match" or callable(rule) or (isinstance(rule, str) and ":" in rule)):
+        raise ValueError(f"{where}: rule must be 'exact_match', a function or 'module:function', got {rule!r}")
+    for name, fn in tools.items():
+        module = fn.partition(":")[0]
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise ValueError(f"{where}: tool {name!r} names {fn!r}, but module {module!r} cannot be found on this "
+                             f"Python path; put it on PYTHONPATH or next to the experiment")
 
 
 def _rule(rule: Any) -> Any:

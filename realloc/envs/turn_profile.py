@@ -107,11 +107,19 @@ def declared_profile(call: str, spec: Any, max_turns: int) -> TurnProfile:
         if not tokens:
             raise ValueError(f"call {call!r}: interface_args['turn_profile']['policy_tokens'] needs one entry per turn")
         reach = _numbers(call, "reach", spec.get("reach", ()))
+        obs = _numbers(call, "observation_tokens", spec.get("observation_tokens", ()))
+        for key, n in (("reach", len(reach)), ("observation_tokens", len(obs))):  # a longer list was cut silently
+            if n > len(tokens):
+                raise ValueError(f"call {call!r}: interface_args['turn_profile'][{key!r}] has {n} entries but "
+                                 f"'policy_tokens' has {len(tokens)} turns; give at most one per turn")
+        if reach and reach[0] != 1:
+            raise ValueError(f"call {call!r}: interface_args['turn_profile']['reach'][0] must be 1 (every rollout "
+                             f"takes the first turn), got {reach[0]!r}")
         if any(r > 1 for r in reach) or any(b > a for a, b in zip(reach, reach[1:])):
             raise ValueError(f"call {call!r}: interface_args['turn_profile']['reach'] must be shares of the rollouts "
                              f"(at most 1) that do not grow from turn to turn, got {list(reach)}")
         profile = TurnProfile(tuple(ResponseLengths.uniform(max(1, round(t)), max(1, round(t))) for t in tokens),
-                              _numbers(call, "observation_tokens", spec.get("observation_tokens", ())), reach,
+                              obs, reach,
                               _number(call, "first_observation_tokens", spec.get("first_observation_tokens", 0)),
                               _number(call, "step_s", spec.get("step_s", 0.0)),
                               _number(call, "final_s", spec.get("final_s", 0.0)), "declared")
@@ -156,6 +164,10 @@ def turns_from_run(run_dir: str | Path, call: str | None = None) -> TurnProfile:
         raise ValueError(f"--lengths-from {run_dir}: no {SAMPLES_FILE} in it; a run logs its samples there unless "
                          f"sample_every=0")
     rollouts = [r[SEGMENTS] for r in run_records(path) if isinstance(r.get(SEGMENTS), list) and r[SEGMENTS]]
+    bad = next((s for s in rollouts if not all(_count(n) for n in s)), None)
+    if bad is not None:  # a hand-edited or foreign file: one error, not a TypeError deep in the sums
+        raise ValueError(f"--lengths-from {run_dir}: {path} has a {SEGMENTS} entry {str(bad)[:80]}; each must be a "
+                         f"list of token counts (whole numbers >= 0), as a realloc run writes it")
     if not rollouts:
         raise ValueError(f"--lengths-from {run_dir}: {path} records no multi-turn rollout ({SEGMENTS})")
     policy: list[list[int]] = []
@@ -178,10 +190,15 @@ def turns_from_run(run_dir: str | Path, call: str | None = None) -> TurnProfile:
     metrics = root / METRICS_FILE
     if metrics.is_file():
         for rec in run_records(metrics):
-            for name, stats in (rec.get("calls") or {}).items():
+            calls = rec.get("calls")
+            for name, stats in (calls.items() if isinstance(calls, dict) else ()):
                 if (call is None or name == call) and isinstance(stats, dict):
                     for k in sums:
-                        sums[k] += float(stats.get(k, 0.0))
+                        v = stats.get(k, 0.0)
+                        if not _count(v, whole=False):
+                            raise ValueError(f"--lengths-from {run_dir}: {metrics} has {k}={str(v)[:40]} for call "
+                                             f"{name!r}; it must be a number >= 0, as a realloc run writes it")
+                        sums[k] += float(v)
     total = len(rollouts)
     return TurnProfile(tuple(ResponseLengths.empirical(p) for p in policy),
                        tuple(sum(o) / len(o) if o else 0.0 for o in obs), tuple(len(p) / total for p in policy),
@@ -189,6 +206,12 @@ def turns_from_run(run_dir: str | Path, call: str | None = None) -> TurnProfile:
                        sums["env_obs_s"] / sums["env_obs_steps"] if sums["env_obs_steps"] else 0.0,
                        sums["env_final_s"] / sums["env_final_steps"] if sums["env_final_steps"] else 0.0,
                        f"measured: {total} rollouts of {root.name}")
+
+
+def _count(v: Any, whole: bool = True) -> bool:
+    """Whether ``v`` is a count (or, with ``whole=False``, any finite number) >= 0 as a run's records hold it."""
+    kinds = (int,) if whole else (int, float)
+    return isinstance(v, kinds) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
 
 
 def with_profile(spec: Any, calls: Sequence[str], profile: TurnProfile) -> Any:

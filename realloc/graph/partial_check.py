@@ -26,6 +26,12 @@ def partial_rollout_error(graph: Any, staleness: int) -> str | None:
     calls = partial_rollout_calls(graph)
     if not calls:
         return None
+    for c in calls:  # the worker refused these only at the first generation of a run (worker_partial.py)
+        iface = graph.interfaces.get(c)
+        if iface is not None and not iface.migrates_tail:
+            return (f"call {c!r} has partial_rollout_tokens set, but interface {iface.name!r} generates turn by turn "
+                    f"(multi-turn), so a rollout cannot be cut and carried to the next iteration; set "
+                    f"partial_rollout_tokens=None")
     eta = graph.spec.max_staleness
     if staleness >= eta:
         return (f"call {calls[0]!r} has partial_rollout_tokens set, which needs max_staleness above the plan's "

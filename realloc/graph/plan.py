@@ -81,16 +81,25 @@ class ExecutionPlan(BaseModel):
         """A plan written in Python: call -> (mesh, dp, tp, pp, n_mbs) or a CallPlacement; ``recompute`` names
         the train calls that recompute activations; ``fused`` the train-call pairs that share one pipeline
         schedule; ``tail`` a generation call's long-tail migration, (rows, instances) or a TailMigration. Check it with ``validate_plan`` (the runtime does)."""
-        spec, redo = graph.spec, set(recompute)
-        places = {c: p if isinstance(p, CallPlacement) else
-                  CallPlacement(mesh=p[0], dp=p[1], tp=p[2], pp=p[3], n_mbs=p[4], recompute=c in redo)
+        where, spec, redo = "ExecutionPlan.by_hand", graph.spec, set(recompute)
+        places = {c: _shaped(where, f"the placement of call {c!r}", p, CallPlacement,
+                             ("mesh", "dp", "tp", "pp", "n_mbs"), {"recompute": c in redo})
                   for c, p in placements.items()}
-        return cls(experiment=spec.name, graph_digest=graph.digest, nodelist=spec.cluster.nodelist,
-                   n_devices_per_node=spec.cluster.n_devices_per_node, device=spec.cluster.device,
-                   placements=places, offload=dict(offload or {}), source=source, staleness=staleness,
-                   fused=tuple((a, b) for a, b in fused),
-                   tail={c: t if isinstance(t, TailMigration) else TailMigration(rows=t[0], instances=t[1])
-                         for c, t in (tail or {}).items()})
+        tails = {c: _shaped(where, f"tail entry {c!r}", t, TailMigration, ("rows", "instances"), {})
+                 for c, t in (tail or {}).items()}
+        pairs = tuple(fused)
+        for pair in pairs:
+            if isinstance(pair, str) or not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise ValueError(f"{where}: each fused pair is (first call, second call), got {pair!r}")
+        body = dict(experiment=spec.name, graph_digest=graph.digest, nodelist=spec.cluster.nodelist,
+                    n_devices_per_node=spec.cluster.n_devices_per_node, device=spec.cluster.device,
+                    placements=places, offload=dict(offload or {}), source=source, staleness=staleness,
+                    fused=tuple(tuple(p) for p in pairs), tail=tails)
+        try:
+            return cls.model_validate(body)
+        except ValidationError as e:  # one line naming the field, as a plan file's error does
+            first = e.errors()[0]
+            raise ValueError(f"{where}: field {'.'.join(map(str, first['loc']))!r}: {first['msg']}") from None
 
     # -- serialization -------------------------------------------------------
     def to_json(self) -> str:
@@ -171,6 +180,19 @@ class ExecutionPlan(BaseModel):
         return "\n".join(rows)
 
 
+def _shaped(where: str, what: str, value: object, model: type[BaseModel], fields: tuple[str, ...],
+            extra: dict[str, object]) -> object:
+    """``value`` as ``model`` takes it: the model itself, a dict of its fields, or a tuple of ``fields``."""
+    if isinstance(value, model):
+        return value
+    if isinstance(value, Mapping):
+        return {**extra, **value}
+    if isinstance(value, (tuple, list)) and len(value) == len(fields):
+        return {**dict(zip(fields, value)), **extra}
+    raise ValueError(f"{where}: {what} must be ({', '.join(fields)}), a dict of those or a {model.__name__}, "
+                     f"got {value!r}")
+
+
 def validate_plan(plan: ExecutionPlan, graph: "DataflowGraph") -> dict[str, DeviceMesh]:
     """Check that ``plan`` fits ``graph`` and its cluster; return each call's parsed mesh."""
     spec, cluster = graph.spec, graph.spec.cluster
@@ -194,9 +216,12 @@ def validate_plan(plan: ExecutionPlan, graph: "DataflowGraph") -> dict[str, Devi
     why = graph.staleness_error(plan.staleness)
     if why:
         raise ValueError(f"plan: {why}")
-    for model in plan.offload:
+    for model, on in plan.offload.items():
         if model not in graph.model_types:
             raise ValueError(f"plan offloads model {model!r}, which the experiment does not have")
+        if on and any(graph.call(c).is_train for c in graph.calls_of_model(model)):
+            raise ValueError(f"plan offloads model {model!r}, but it is trained; only frozen models can be "
+                             f"offloaded between calls (its optimizer state never moves)")
     meshes: dict[str, DeviceMesh] = {}
     for name in spec.call_names:
         p = plan.placements[name]

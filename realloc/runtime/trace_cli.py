@@ -40,13 +40,34 @@ def parse_iterations(text: str) -> range:
     return range(a, b + 1)
 
 
+def _records(path: Path, whole: bool = False) -> list[dict]:
+    """The JSON objects of a run's file (``whole``: the file is one object), one line each; a line that is not
+    JSON is one error naming the file and line (the last one is skipped: a killed run's half line), one of another
+    shape is skipped (a hand-edited file)."""
+    lines = [path.read_text()] if whole else path.read_text().splitlines()
+    out = []
+    for i, text in enumerate(lines, 1):
+        if not text.strip():
+            continue
+        try:
+            rec = json.loads(text)
+        except json.JSONDecodeError as e:
+            if not whole and i == len(lines):
+                continue  # the last line of a run killed while writing it
+            raise ValueError(f"{path}{'' if whole else f' line {i}'} is not JSON ({e.msg}); is it a file of a "
+                             f"`realloc run`?") from None
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out or ([{}] if whole else [])
+
+
 def main(args: argparse.Namespace) -> int:
     run = RunPaths(Path(args.run_dir))
     out = check_suffix(args.timeline)
     for needed in (run.plan, run.root / "requests.jsonl"):
         if not needed.is_file():
             raise ValueError(f"{args.run_dir}: no {needed.name}; is it the directory of a `realloc run`?")
-    recorded = json.loads((run.root / "run.json").read_text()) if (run.root / "run.json").is_file() else {}
+    recorded = _records(run.root / "run.json", whole=True)[0] if (run.root / "run.json").is_file() else {}
     experiment = args.experiment or recorded.get("experiment")
     if not experiment:
         raise ValueError(f"{args.run_dir} has no run.json naming its experiment; pass --experiment EXP")
@@ -54,8 +75,9 @@ def main(args: argparse.Namespace) -> int:
     graph = build_graph(spec)
     plan = ExecutionPlan.load(run.plan)
     # A resumed run's sessions end to end (the time between them, worker start-up included, is not the plan's).
-    requests = join_sessions(with_passes([json.loads(line) for line in (run.root / "requests.jsonl").read_text()
-                                          .splitlines() if line.strip()], run.root))  # a fused pair's passes
+    requests = join_sessions(with_passes([r for r in _records(run.root / "requests.jsonl")
+                                          if {"kind", "iteration", "req", "label"} <= r.keys()],
+                                         run.root))  # a fused pair's passes
     done = sorted({r["iteration"] for r in requests if r["kind"] == "call"})
     wanted = parse_iterations(args.iterations)
     its = range(wanted.start, min(wanted.stop, (done[-1] + 1) if done else wanted.start))

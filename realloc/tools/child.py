@@ -33,6 +33,7 @@ def _apply_limits(req: dict) -> None:
         os.setgroups([])
         os.setgid(NOBODY)
         os.setuid(NOBODY)
+        _die_with_parent(req["parent"])  # a change of credentials clears the parent-death signal: set it again
     _limit(resource.RLIMIT_NPROC, req["max_procs"])
 
 
@@ -49,6 +50,20 @@ def _block_network() -> None:
     _socket.socket = refuse  # type: ignore[assignment, misc]
 
 
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this process when its parent (the worker) dies: the tool leads a session of its own, so a killed
+    worker's group does not reach it, and nobody would enforce its wall time (Linux; elsewhere nothing). The signal
+    follows the thread that started this process, which waits for it in ``Sandbox.run`` until it ends."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the worker died before the signal was set
+        os._exit(1)
+
+
 def _error(e: BaseException) -> str:
     line = traceback.format_exception_only(type(e), e)[-1].strip()
     return line if len(line) <= 500 else line[:500] + "..."
@@ -56,6 +71,8 @@ def _error(e: BaseException) -> str:
 
 def main() -> None:
     req = json.loads(sys.stdin.read(1 << 20))
+    if sys.platform == "linux":
+        _die_with_parent(req["parent"])
     marker = req["marker"]
     try:
         sys.path[:] = req["path"]

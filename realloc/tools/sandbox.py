@@ -128,7 +128,7 @@ class Sandbox:
         drop_root = os.geteuid() == 0
         req = {"marker": marker, "fn": fn, "text": text, "path": [p for p in sys.path if p], "cpu_s": lim.cpu_s,
                "memory_bytes": lim.memory_mb << 20, "file_bytes": lim.file_mb << 20, "max_procs": lim.max_procs,
-               "drop_root": drop_root, "block_network": self.isolation != "namespace"}
+               "drop_root": drop_root, "block_network": self.isolation != "namespace", "parent": os.getpid()}
         work = tempfile.mkdtemp(prefix="realloc-tool-")
         try:
             if drop_root:
@@ -203,6 +203,8 @@ def _verdict(rc: int, out: str, marker: str, lim: ToolLimits) -> tuple[Status, s
     try:
         res = json.loads(tail.split("\n", 1)[0])
     except ValueError:
+        return "crash", "error: the tool's result could not be read"
+    if not isinstance(res, dict) or not isinstance(res.get("value", ""), str):  # a line the tool forged itself
         return "crash", "error: the tool's result could not be read"
     if res.get("ok"):
         return "ok", printed + res.get("value", "")

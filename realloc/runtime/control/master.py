@@ -65,10 +65,6 @@ class Master(MasterLink, IterationSchedule, TailStreams, EvaluationPasses, Check
                  startup: StartupClock | None = None, store: StoreListener | None = None) -> None:
         if iterations < 1:
             raise ValueError(f"iterations must be at least 1, got {iterations}")
-        for m, on in program.plan.offload.items():
-            if on and program.is_trained(m):
-                raise ValueError(f"plan offloads model {m!r}, but it is trained; only frozen models can be "
-                                 f"offloaded between calls (its optimizer state never moves)")
         self.program = program
         self.graph = program.graph
         self.spec = program.graph.spec

@@ -43,10 +43,17 @@ def with_passes(requests: list[dict[str, Any]], run_dir: Path) -> list[dict[str,
                 line = json.loads(text)
             except json.JSONDecodeError:
                 continue  # a line a killed worker left half-written
-            fused = by_key.get((line["req"], line["iteration"]))
+            if not isinstance(line, dict) or not isinstance(line.get("passes"), list):
+                continue  # not a line a worker wrote (hand-edited): the timeline goes on without it
+            fused = by_key.get((line.get("req"), line.get("iteration")))
             if fused is None:
                 continue
-            for _, model, backward, mb, start, end in line["passes"]:
-                out.append({**fused, "label": line["calls"][int(model)], "pass": "backward" if backward else "forward",
+            calls = line.get("calls")
+            for p in line["passes"]:
+                if not (isinstance(p, list) and len(p) == 6 and isinstance(calls, list) and len(calls) == 2
+                        and all(isinstance(x, (int, float)) for x in p) and p[1] in (0, 1)):
+                    continue
+                _, model, backward, mb, start, end = p
+                out.append({**fused, "label": calls[int(model)], "pass": "backward" if backward else "forward",
                             "micro_batch": int(mb), "spans": {rank: [start, end]}, "received": {}})
     return out
