@@ -80,7 +80,8 @@ class ExecutionPlan(BaseModel):
                 tail: Mapping[str, "TailMigration | tuple[int, int]"] | None = None) -> "ExecutionPlan":
         """A plan written in Python: call -> (mesh, dp, tp, pp, n_mbs) or a CallPlacement; ``recompute`` names
         the train calls that recompute activations; ``fused`` the train-call pairs that share one pipeline
-        schedule; ``tail`` a generation call's long-tail migration, (rows, instances) or a TailMigration. Check it with ``validate_plan`` (the runtime does)."""
+        schedule; ``tail`` a generation call's long-tail migration, (rows, instances), (rows, 0, chunks) or a
+        TailMigration. Check it with ``validate_plan`` (the runtime does)."""
         spec, redo = graph.spec, set(recompute)
         places = {c: p if isinstance(p, CallPlacement) else
                   CallPlacement(mesh=p[0], dp=p[1], tp=p[2], pp=p[3], n_mbs=p[4], recompute=c in redo)
@@ -89,7 +90,8 @@ class ExecutionPlan(BaseModel):
                    n_devices_per_node=spec.cluster.n_devices_per_node, device=spec.cluster.device,
                    placements=places, offload=dict(offload or {}), source=source, staleness=staleness,
                    fused=tuple((a, b) for a, b in fused),
-                   tail={c: t if isinstance(t, TailMigration) else TailMigration(rows=t[0], instances=t[1])
+                   tail={c: t if isinstance(t, TailMigration) else TailMigration(rows=t[0], instances=t[1],
+                                                                                chunks=(t[2:] or (1,))[0])
                          for c, t in (tail or {}).items()})
 
     # -- serialization -------------------------------------------------------
@@ -160,7 +162,7 @@ class ExecutionPlan(BaseModel):
         for c, t in self.tail.items():
             if t.streams_only:  # graph/tail.py: no migration, the finished rows stream to the next calls
                 rows.append(f"tail: {c} streams its finished rows to the next calls once at most {t.rows} are "
-                            f"running (no migration)")
+                            f"running (no migration)" + (f", in {t.chunks} chunks" if t.chunks > 1 else ""))
                 continue
             rows.append(f"tail: {c} moves its last {t.rows} running rows to {t.instances} dp replica(s); "
                         f"the freed devices start the next calls")

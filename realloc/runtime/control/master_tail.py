@@ -15,15 +15,20 @@ a ``tail`` entry (R_t, m) in the plan:
   planned with ``DataLayout(rows=...)`` and moved as runs of consecutive rows; what a part needs later counts as held
   for the planner, so a part-1 transfer moves part 1's rows only.
 
+A stream-only entry with ``chunks=k`` (chunked streaming) takes k + 1 requests of G (``worker_stream.py``): at each
+of its k split points the rows finished since the last one go to the split consumers as one more part, and the
+last part is the rest, after G ends.
+
 Every other call runs once, as before. The results are those of the unmigrated run, row by row.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from realloc.graph.streaming import Shares, deal, part_shares, split_consumers
+from realloc.graph.streaming import Shares, deal, split_consumers
 from realloc.graph.transfer_plan import DataLayout, dp_ranges, plan_data_transfer
 from realloc.runtime.records.telemetry import RequestRecord
 from realloc.runtime.transfer.row_layout import index_runs, row_bytes
@@ -40,6 +45,15 @@ def split_map(program: Any, balance_tokens: bool) -> dict[str, str]:
         raise ValueError("plan field 'tail' cannot be combined with balance_tokens=True yet (both deal the rows "
                          "after generation); drop one of them")
     return {c: g for g in plan.tail for c in split_consumers(plan, graph, g)}
+
+
+@dataclasses.dataclass
+class ConsumerParts:
+    """A split consumer's parts in one iteration, as its generation hands them on: (rows per dp rank, whether it is
+    the last part, which runs after the generation ends) in ``queue``; the rows dealt so far per dp rank."""
+
+    dealt: list[tuple[int, ...]]
+    queue: "asyncio.Queue[tuple[Shares, bool]]" = dataclasses.field(default_factory=asyncio.Queue)
 
 
 class TailStreams:
@@ -95,38 +109,62 @@ class TailStreams:
 
     async def _stream_at_split(self, call: str, t: int, rec: RequestRecord
                                ) -> tuple[list[protocol.Reply], RequestRecord]:
-        """A generation that streams without migration (``worker_stream.py``): its first request ends at the split
-        point with the finished rows; the split consumers start on them, and a second request (the rows each dp
-        replica still decodes) continues the call. G's replicas keep their rows (its layout's own shares)."""
-        early = await self._wait(rec)
-        lay = self.program.producer(call).layout
+        """A generation that streams without migration (``worker_stream.py``): each of its first requests ends at a
+        split point with the rows finished since the last one; the split consumers start on them, and the next
+        request (the rows each dp replica still decodes) continues the call. G's replicas keep their rows (its
+        layout's own shares)."""
+        chunks = self.program.plan.tail[call].chunks
         shares = self._shares(call, t)
-        held: dict[int, set[int]] = {}
-        for rep in early:
-            held.setdefault(lay.coords_by_device[rep.rank][0], set()).update(int(i) for i in rep.rows)
-            for out in rep.outputs:
-                self.data_meta.setdefault((out.key, t), out.tensors)
         self.row_lists[call, t] = shares
-        part1 = sorted(i for rows in held.values() for i in rows)
-        self._start_parts(call, t, part1, sorted(set(range(self.program.batch_size)) - set(part1)))
-        rest = [[i for i in rows if i not in held.get(k, set())] for k, rows in enumerate(shares)]
-        nxt = self._send(self.program.calls[call].ranks, "call", call, t, call,
-                         lambda req: protocol.RunCall(req=req, call=call, iteration=t, rows=rest))
-        return early, nxt
+        done: set[int] = set()
+        replies: list[protocol.Reply] = []
+        for j in range(chunks):
+            early = await self._wait(rec)
+            chunk = {int(i) for rep in early for i in rep.rows}
+            for rep in early:
+                for out in rep.outputs:
+                    self.data_meta.setdefault((out.key, t), out.tensors)
+            replies += early
+            done |= chunk
+            rest = sorted(set(range(self.program.batch_size)) - done)
+            self._start_chunk(call, t, sorted(chunk), rest, first=j == 0, last=j == chunks - 1)
+            running = [[i for i in rows if i not in done] for rows in shares]
+            rec = self._send(self.program.calls[call].ranks, "call", call, t, call,
+                             lambda req, running=running: protocol.RunCall(req=req, call=call, iteration=t,
+                                                                           rows=running))
+        return replies, rec
 
     def _start_parts(self, call: str, t: int, part1: list[int], part2: list[int]) -> None:
-        """Deal G's rows finished at the migration (or split) point, ``part1``, and the rest, ``part2``, to the
-        split consumers' dp ranks, send their part-1 inputs (G's row lists are known) and let them start."""
+        """Deal G's rows finished at the migration point, ``part1``, and the rest, ``part2``, to the split consumers'
+        dp ranks, send their part-1 inputs (G's row lists are known) and let them start."""
+        self._start_chunk(call, t, part1, part2, first=True, last=True)
+
+    def _parts(self, c: str, t: int) -> ConsumerParts:
+        got = self.parts.get((c, t))
+        if got is None:
+            got = self.parts[c, t] = ConsumerParts([()] * self.program.calls[c].strategy.dp)
+        return got
+
+    def _start_chunk(self, call: str, t: int, chunk: list[int], rest: list[int], first: bool, last: bool) -> None:
+        """Deal G's rows finished at a split (or the migration) point, ``chunk``, to each split consumer's dp ranks
+        as its next part and send their inputs; ``last``: the rest, ``rest``, is the final part. The consumer's
+        row lists are the parts dealt so far and the rest dealt as it will be (the rest counts as held by the
+        consumer until it moves)."""
         for c, g in self.splits.items():
             if g != call:
                 continue
-            p1, p2, both = part_shares(part1, part2, self.program.calls[c].strategy.dp)
-            self.parts[c, t] = (p1, p2)
-            self.row_lists[c, t] = both
+            parts = self._parts(c, t)
+            mine, later = deal(chunk, len(parts.dealt)), deal(rest, len(parts.dealt))
+            parts.dealt = [tuple(sorted(a + b)) for a, b in zip(parts.dealt, mine)]
+            self.row_lists[c, t] = tuple(tuple(sorted(a + b)) for a, b in zip(parts.dealt, later))
+            parts.queue.put_nowait((mine, False))
+            if last:
+                parts.queue.put_nowait((later, True))
             for key in self.graph.call(c).input_data:
-                if key in self.graph.call(call).output_data and (key, t) in self.data_meta:
-                    self.pushed.setdefault((c, t), []).extend(self._transfer_rows(key, c, t, only=set(part1)))
-        self._stream_done(call, t)
+                if chunk and key in self.graph.call(call).output_data and (key, t) in self.data_meta:
+                    self.pushed.setdefault((c, t), []).extend(self._transfer_rows(key, c, t, only=set(chunk)))
+        if first:
+            self._stream_done(call, t)
 
     def _stream_done(self, call: str, t: int) -> None:
         ev = self._event(self._stream_node(call, t))
@@ -134,16 +172,18 @@ class TailStreams:
             ev.set()
 
     async def _call_in_parts(self, n: "Node") -> None:
-        """A split consumer: part 1 on the rows finished at the migration point, part 2 on the tail after the
-        generation ends; its stats, data and samples are both parts'."""
+        """A split consumer: a part on the rows of each split (or the migration) point as they come, the last part
+        on the rest after the generation ends; its stats, data and samples are all parts'."""
         from realloc.runtime.control.master_schedule import Node
 
         c, t = n.name, n.t
         ranks = self.program.calls[c].ranks
-        p1, p2 = self.parts.pop((c, t))
+        parts = self._parts(c, t)
         replies: list[protocol.Reply] = []
-        for k, part in enumerate((p1, p2)):
-            if k == 1:
+        last = False
+        while not last:
+            part, last = await parts.queue.get()
+            if last:
                 ev = self._event(Node("call", self.splits[c], t))
                 if ev is not None:
                     await ev.wait()
@@ -158,6 +198,7 @@ class TailStreams:
             for rec in recs:
                 await self._wait(rec)
             replies += await self._wait(req)
+        self.parts.pop((c, t), None)
         self._finish_call(c, t, replies)
 
     def _transfer_rows(self, key: str, consumer: str, t: int, only: set[int] | None = None) -> list[RequestRecord]:

@@ -337,7 +337,8 @@ class ModelWorker:
             dp, pp = cl.strategy.dp, cl.strategy.pp
         lo, hi = ranges[dp_rank] if ranges else dp_ranges(prog.batch_size, dp)[dp_rank]  # token-balanced, or even
         ids: Sequence[int] = rows[dp_rank] if rows else range(lo, hi)  # or a list: a part of a streamed call
-        if rows and not ids:  # this dp rank has no rows in this part
+        if rows and not ids and (call, iteration) not in self.streams:  # no rows in this part (a chunked
+            # stream's replica without running rows still joins the counts, worker_stream.py)
             return {}, []
         inputs: Data = {}
         for role, key in in_keys.items():
