@@ -111,7 +111,9 @@ def _union(spans: list[tuple[float, float]]) -> float:
 
 def breakdown(recs: list[dict]) -> dict[str, float]:
     """One iteration's parts from request records (``requests.jsonl`` rows, or the simulator's as the same dicts):
-    the generation's span, inference wall time before and after its end, training, the rest of the iteration."""
+    the generation's span on its devices, inference wall time before and after its end, training, and the rest of
+    the span from the first dispatch to the last call's end that no call covers (waits, transfers, reallocations,
+    request overheads)."""
     calls = [r for r in recs if r["kind"] == "call"]
     gen = [r for r in calls if r["label"] == GEN]
     start, g_end = min(r["start"] for r in gen), max(r["end"] for r in gen)
@@ -121,7 +123,8 @@ def breakdown(recs: list[dict]) -> dict[str, float]:
     before = _union([(a, min(b, g_end)) for a, b in inf if a < g_end])
     after = _union([(max(a, g_end), b) for a, b in inf if b > g_end])
     inf_end = max(b for _, b in inf)
-    return {"gen": g_end - start, "inf in gen": before, "inf after": after, "gen+inf": inf_end - start,
+    g_start = min(a for r in gen for a, _ in r["spans"])  # its devices start (it may wait for the last train)
+    return {"gen": g_end - g_start, "inf in gen": before, "inf after": after, "gen+inf": inf_end - start,
             "train": _union(train), "other": end - start - _union([(a, b) for r in calls for a, b in r["spans"]]),
             "requests": float(len(recs))}
 
@@ -133,7 +136,9 @@ def _measured(run_dir: Path) -> tuple[float, float, dict[str, float]]:
     parts = []
     for it in its:
         recs = [dict(kind=r["kind"], label=r["label"], start=r["dispatched"], end=r["completed"],
-                     spans=list(r["spans"].values())) for r in rows if r["iteration"] == it and r["kind"] != "setup"]
+                     spans=list(r["spans"].values())) for r in rows
+                if r["iteration"] == it and r["kind"] not in ("setup", "release", "shutdown")]  # (a release of the
+        # iteration's data runs on the workers after the next iteration's first call)
         parts.append(breakdown(recs))
     med = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]

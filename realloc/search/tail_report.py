@@ -38,7 +38,8 @@ def tail_summary(report: "SearchReport") -> list[str]:
             lines.append(f"streaming: {call} hands its finished rows on{chunks} once at most {t.rows} of {n} rows "
                          f"({t.rows / n:.0%}) are running, no migration; before that {cost.phase1:.3f} s, after "
                          f"{cost.phase2:.3f} s")
-            lines.append(f"  in two parts off the generation's devices: {', '.join(split) if split else 'no consumer'}")
+            parts = f"{t.chunks + 1} parts" if t.chunks > 1 else "two parts"
+            lines.append(f"  in {parts} off the generation's devices: {', '.join(split) if split else 'no consumer'}")
             continue
         lines.append(f"long-tail migration: {call} moves its last {t.rows} of {n} rows ({t.rows / n:.0%}) to "
                      f"{t.instances} of {o.strategy.dp} dp replicas; phase 1 {cost.phase1:.3f} s, migration "
