@@ -14,8 +14,9 @@ bench_fusion.py's). Plans, each one ``realloc run``, in turn every round (``--re
   chooses), and sweeps on its placement: every R_t of the grid at its chunk count, and the other chunk counts
   (1, 2, 4) at its R_t; ``disaggregated, k chunk(s)``: the disaggregated placement streaming in k chunks (R = 5%).
 
-Measured per iteration (medians over the iterations after the first): generation + inference (the generation's
-first dispatch to the end of the last inference request), the iteration, and a breakdown from ``requests.jsonl``
+Measured per iteration (medians over the iterations after the first): generation + inference (from the generation's
+start on its devices to the end of the last inference call: RLHFuse's "Gen.+Inf.", not counting the wait of a
+generation dispatched before the last iteration's training ends), the iteration, and a breakdown from ``requests.jsonl``
 (generation; inference work before the generation ended; inference after it; training; everything else: transfers,
 reallocations, request overheads, idle). Estimated beside each: the simulator's iteration and generation + inference
 span (``search/timeline.estimate_plan``) and the same breakdown from its schedule.
@@ -124,7 +125,7 @@ def breakdown(recs: list[dict]) -> dict[str, float]:
     after = _union([(max(a, g_end), b) for a, b in inf if b > g_end])
     inf_end = max(b for _, b in inf)
     g_start = min(a for r in gen for a, _ in r["spans"])  # its devices start (it may wait for the last train)
-    return {"gen": g_end - g_start, "inf in gen": before, "inf after": after, "gen+inf": inf_end - start,
+    return {"gen": g_end - g_start, "inf in gen": before, "inf after": after, "gen+inf": inf_end - g_start,
             "train": _union(train), "other": end - start - _union([(a, b) for r in calls for a, b in r["spans"]]),
             "requests": float(len(recs))}
 
