@@ -11,8 +11,8 @@ bench_fusion.py's). Plans, each one ``realloc run``, in turn every round (``--re
   inference calls on device 1, training over both) and ``searched, no tail`` (the search's best plan without a
   tail entry, ``plan_search``'s ``no_tail``);
 - fused: ``searched`` (the search's winner with its tail entry: chunked streaming, streaming or migration, as it
-  chooses), and sweeps on its placement: every R_t of the grid at its chunk count, and the other chunk counts
-  (1, 2, 4) at its R_t; ``disaggregated, k chunk(s)``: the disaggregated placement streaming in k chunks (R = 5%).
+  chooses), and the R_t sweep on its placement: every R_t of the grid with its chunk count (or migration's m);
+  ``disaggregated, k chunk(s)``: the disaggregated placement streaming in k chunks (R = 5%).
 
 Measured per iteration (medians over the iterations after the first): generation + inference (from the generation's
 start on its devices to the end of the last inference call: RLHFuse's "Gen.+Inf.", not counting the wait of a
@@ -39,33 +39,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 REPO = Path(__file__).resolve().parents[1]
 GEN, INFERENCE, TRAIN = "actor_gen", ("rew_inf", "ref_inf", "critic_inf"), ("actor_train", "critic_train")
 SETTINGS = {"rlhfuse": ("tiny", "small"), "rm": ("small", "small")}  # actor and reference, critic and reward model
-
-EXPERIMENT = '''
-import dataclasses
-
-from realloc.algorithms.ppo.ppo_config import PPOConfig, ppo_rpcs
-from realloc.api import ResponseLengths, auto
-
-
-@auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size={rows}, prompt_len=8, gen_len={gen_len},
-      response_lengths=ResponseLengths.lognormal(median={median}, p99={gen_len}))
-@dataclasses.dataclass
-class ChunkedPPO:
-    seed: int = 1
-    dataset: str = {data!r}
-    iterations: int = 4
-    ppo: PPOConfig = PPOConfig(n_minibatches=2, lr=1e-3, critic_lr=1e-3, kl_coef=0.01,
-                               length_schedule=ResponseLengths.lognormal(median={median}, p99={gen_len}))
-
-    @property
-    def rpcs(self):
-        return ppo_rpcs(actor={actor!r}, critic={critic!r} + "-critic", reward={critic!r} + "-critic",
-                        n_minibatches=self.ppo.n_minibatches, reward_impl="reward", reward_args={{}})
-'''
-
 
 def _plans(graph, report) -> dict:
     from realloc.estimator.chunk_cost import CHUNK_GRID
@@ -92,11 +69,6 @@ def _plans(graph, report) -> dict:
         if r != tail.rows:
             plans[f"R={r}, {tail.chunks} chunk(s)"] = won.model_copy(update={"tail": {GEN: tail.model_copy(
                 update={"rows": r})}})
-    if tail.streams_only:
-        for k in (1, *CHUNK_GRID):
-            if k != tail.chunks:
-                plans[f"R={tail.rows}, {k} chunk(s)"] = won.model_copy(update={"tail": {GEN: tail.model_copy(
-                    update={"chunks": k})}})
     return plans
 
 
@@ -188,6 +160,8 @@ def main() -> int:
     args = p.parse_args()
     if args.profiles:
         os.environ["REALLOC_PROFILES"] = str(Path(args.profiles).resolve())
+    from bench_fusion import write_experiment
+
     from realloc.api import load_experiment
     from realloc.graph.dataflow import build_graph
     from realloc.search.planner import RunLimits, plan_search
@@ -198,8 +172,7 @@ def main() -> int:
         tmp = Path(args.keep or scratch)
         tmp.mkdir(parents=True, exist_ok=True)
         exp = tmp / f"chunked_ppo_{args.setting}.py"
-        exp.write_text(EXPERIMENT.format(rows=args.rows, gen_len=args.gen_len, median=median, actor=actor,
-                                         critic=critic, data=str(REPO / "experiments/data/ppo_tiny_prompts.jsonl")))
+        write_experiment(exp, "rm", args.rows, args.gen_len, actor, critic + "-critic")  # a learned reward model
         graph = build_graph(load_experiment(str(exp)))
         report = plan_search(str(exp), time_limit=args.search_time, n_threads=1, seed=0, runnable=RunLimits())
         plans = _plans(graph, report)

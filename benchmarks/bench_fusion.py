@@ -75,7 +75,7 @@ class FusionPPO:
 
     @property
     def rpcs(self):
-        return ppo_rpcs(actor="small", critic="small-critic", reward={reward!r}, n_minibatches=self.ppo.n_minibatches,
+        return ppo_rpcs(actor={actor!r}, critic={critic!r}, reward={reward!r}, n_minibatches=self.ppo.n_minibatches,
                         reward_impl={impl!r}, reward_args={args!r})
 '''
 
@@ -83,6 +83,16 @@ SETTINGS = {  # reward model type, interface, arguments
     "rm": ("small-critic", "reward", {}),
     "rule": ("rule", "rule_reward", {"rule": "token_set", "tokens": TARGET_TOKENS}),
 }
+
+
+def write_experiment(path: Path, setting: str, rows: int, gen_len: int, actor: str = "small",
+                     critic: str = "small-critic") -> None:
+    """The experiment file of a setting (also bench_streaming.py's and bench_chunked.py's): PPO with lengths
+    lognormal, median gen_len / 16, p99 gen_len."""
+    reward, impl, rargs = SETTINGS[setting]
+    path.write_text(EXPERIMENT.format(rows=rows, gen_len=gen_len, median=max(1, gen_len // 16), actor=actor,
+                                      critic=critic, reward=critic if reward == "small-critic" else reward, impl=impl,
+                                      args=rargs, data=str(REPO / "experiments/data/ppo_tiny_prompts.jsonl")))
 
 
 def _plans(graph, grid: list[int]):
@@ -216,14 +226,11 @@ def main() -> int:
 
     median = max(1, args.gen_len // 16)
     grid = [tail_rows(args.rows, share) for share in TAIL_GRID]
-    reward, impl, rargs = SETTINGS[args.setting]
     with tempfile.TemporaryDirectory() as scratch:
         tmp = Path(args.keep or scratch)
         tmp.mkdir(parents=True, exist_ok=True)
         exp = tmp / f"fusion_ppo_{args.setting}.py"
-        exp.write_text(EXPERIMENT.format(rows=args.rows, gen_len=args.gen_len, median=median, reward=reward,
-                                         impl=impl, args=rargs,
-                                         data=str(REPO / "experiments/data/ppo_tiny_prompts.jsonl")))
+        write_experiment(exp, args.setting, args.rows, args.gen_len)
         graph = build_graph(load_experiment(str(exp)))
         plans = _plans(graph, grid)
         est = {n: _estimate(graph, plan) for n, plan in plans.items()}
