@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -136,13 +135,9 @@ def _estimated(graph, plan) -> tuple[float, float, dict[str, float]]:
 
 
 def _run(exp: Path, plan, run_dir: Path, iterations: int, env: dict) -> tuple[float, float, dict[str, float]]:
-    path = run_dir.parent / "plan.json"
-    plan.save(path)
-    r = subprocess.run([sys.executable, "-m", "realloc.cli", "run", str(exp), "--run-dir", str(run_dir), "--quiet",
-                        "--plan", str(path), "--iterations", str(iterations), "--no-final-checkpoint"],
-                       capture_output=True, text=True, env=env, timeout=1800)
-    if r.returncode:
-        raise SystemExit(r.stdout + r.stderr)
+    from bench_fusion import run_plan
+
+    run_plan(exp, plan, run_dir, iterations, env)
     return _measured(run_dir)
 
 

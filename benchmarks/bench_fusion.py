@@ -157,8 +157,8 @@ def _estimate(graph, plan) -> tuple[float, float]:
     return float(space.to_plan(idx, "estimate").estimated_time or 0.0), gen_inf_span(space, idx)
 
 
-def _run(exp: Path, plan, run_dir: Path, iterations: int, env: dict, parts: dict | None = None
-         ) -> tuple[float, float, float]:
+def run_plan(exp: Path, plan, run_dir: Path, iterations: int, env: dict) -> None:
+    """``realloc run`` of ``exp`` under ``plan`` into ``run_dir`` (also bench_chunked.py's)."""
     path = run_dir.parent / "plan.json"
     plan.save(path)
     r = subprocess.run([sys.executable, "-m", "realloc.cli", "run", str(exp), "--run-dir", str(run_dir), "--quiet",
@@ -166,6 +166,11 @@ def _run(exp: Path, plan, run_dir: Path, iterations: int, env: dict, parts: dict
                        capture_output=True, text=True, env=env, timeout=1800)
     if r.returncode:
         raise SystemExit(r.stdout + r.stderr)
+
+
+def _run(exp: Path, plan, run_dir: Path, iterations: int, env: dict, parts: dict | None = None
+         ) -> tuple[float, float, float]:
+    run_plan(exp, plan, run_dir, iterations, env)
     if parts is not None:
         parts[str(run_dir)] = _parts(run_dir)
     return _measure(run_dir)
