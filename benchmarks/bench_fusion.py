@@ -30,7 +30,14 @@ generation + inference span of a middle iteration of the simulator's schedule (`
 ``search/tail_report.gen_inf_span``), which prices the migration (``estimator/tail_cost.py``). The planner's R_t
 is the grid R_t whose fused plan has the smallest estimated iteration (what the search chooses on this placement).
 
-    .venv/bin/python benchmarks/bench_fusion.py [--setting rm|rule --rows 32 --gen-len 128 --iterations 4 --repeats 2]
+``--breakdown`` also prints where each plan's iteration goes, measured (medians over iterations 2..; the tail
+replica's phase 1, migration (rows packed + all-gather + prefill re-run) and phase 2 from its worker log, the rest
+from ``requests.jsonl``) beside the estimate (``tail_cost.tail_generation_cost`` and the simulator's schedule):
+generation, inference before and after the generation's end, training, and the rest (transfers, reallocations,
+request overheads, idle devices).
+
+    .venv/bin/python benchmarks/bench_fusion.py [--setting rm|rule --rows 32 --gen-len 128 --iterations 4 --repeats 2
+                                                 --breakdown]
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 REPO = Path(__file__).resolve().parents[1]
 INFERENCE = ("rew_inf", "ref_inf", "critic_inf")
 TARGET_TOKENS = list(range(16, 32))
@@ -67,7 +75,7 @@ class FusionPPO:
 
     @property
     def rpcs(self):
-        return ppo_rpcs(actor="small", critic="small-critic", reward={reward!r}, n_minibatches=self.ppo.n_minibatches,
+        return ppo_rpcs(actor={actor!r}, critic={critic!r}, reward={reward!r}, n_minibatches=self.ppo.n_minibatches,
                         reward_impl={impl!r}, reward_args={args!r})
 '''
 
@@ -75,6 +83,16 @@ SETTINGS = {  # reward model type, interface, arguments
     "rm": ("small-critic", "reward", {}),
     "rule": ("rule", "rule_reward", {"rule": "token_set", "tokens": TARGET_TOKENS}),
 }
+
+
+def write_experiment(path: Path, setting: str, rows: int, gen_len: int, actor: str = "small",
+                     critic: str = "small-critic") -> None:
+    """The experiment file of a setting (also bench_streaming.py's and bench_chunked.py's): PPO with lengths
+    lognormal, median gen_len / 16, p99 gen_len."""
+    reward, impl, rargs = SETTINGS[setting]
+    path.write_text(EXPERIMENT.format(rows=rows, gen_len=gen_len, median=max(1, gen_len // 16), actor=actor,
+                                      critic=critic, reward=critic if reward == "small-critic" else reward, impl=impl,
+                                      args=rargs, data=str(REPO / "experiments/data/ppo_tiny_prompts.jsonl")))
 
 
 def _plans(graph, grid: list[int]):
@@ -91,6 +109,25 @@ def _plans(graph, grid: list[int]):
         plans[f"fused R_t={k}"] = ExecutionPlan.by_hand(graph, places(dev1, dev1), source="hand",
                                                         tail={"actor_gen": (k, 1)})
     return plans
+
+
+def _tail_phases(run_dir: Path) -> dict[str, float]:
+    """Medians over iterations 2.. of the tail replica's phases (worker 0's ``tail dp rank 0`` lines)."""
+    import re
+
+    got: dict[str, list[float]] = {}
+    lines = [x for x in (run_dir / "logs" / "worker0.log").read_text().splitlines() if "tail dp rank 0:" in x][1:]
+    for line in lines:
+        for name, sec in re.findall(r"(phase 1|rows packed|all-gather|phase 2|replay) ([0-9.]+) s", line):
+            got.setdefault(name, []).append(float(sec))
+    return {k: statistics.median(v) for k, v in got.items()}
+
+
+def _parts(run_dir: Path) -> dict[str, float]:
+    """The measured breakdown (bench_chunked.breakdown, medians over iterations 2..) and the tail's phases."""
+    from bench_chunked import _measured
+
+    return {**_measured(run_dir)[2], **_tail_phases(run_dir)}
 
 
 def _measure(run_dir: Path) -> tuple[float, float, float]:
@@ -120,7 +157,8 @@ def _estimate(graph, plan) -> tuple[float, float]:
     return float(space.to_plan(idx, "estimate").estimated_time or 0.0), gen_inf_span(space, idx)
 
 
-def _run(exp: Path, plan, run_dir: Path, iterations: int, env: dict) -> tuple[float, float, float]:
+def run_plan(exp: Path, plan, run_dir: Path, iterations: int, env: dict) -> None:
+    """``realloc run`` of ``exp`` under ``plan`` into ``run_dir`` (also bench_chunked.py's)."""
     path = run_dir.parent / "plan.json"
     plan.save(path)
     r = subprocess.run([sys.executable, "-m", "realloc.cli", "run", str(exp), "--run-dir", str(run_dir), "--quiet",
@@ -128,7 +166,43 @@ def _run(exp: Path, plan, run_dir: Path, iterations: int, env: dict) -> tuple[fl
                        capture_output=True, text=True, env=env, timeout=1800)
     if r.returncode:
         raise SystemExit(r.stdout + r.stderr)
+
+
+def _run(exp: Path, plan, run_dir: Path, iterations: int, env: dict, parts: dict | None = None
+         ) -> tuple[float, float, float]:
+    run_plan(exp, plan, run_dir, iterations, env)
+    if parts is not None:
+        parts[str(run_dir)] = _parts(run_dir)
     return _measure(run_dir)
+
+
+def _estimated_parts(graph, plan) -> dict[str, float]:
+    """The estimated breakdown: the simulator's schedule (bench_chunked._estimated) and the tail's priced phases."""
+    from bench_chunked import _estimated
+
+    from realloc.estimator.cost import CostModel
+    from realloc.estimator.tail_cost import tail_generation_cost
+
+    out = dict(_estimated(graph, plan)[2])
+    for call, t in plan.tail.items():
+        p = plan.placements[call]
+        cost = CostModel(graph)
+        tc = tail_generation_cost(cost, call, graph.spec.cluster.mesh(p.mesh), p.strategy, p.n_mbs, t.rows,
+                                  t.instances)
+        out.update({"phase 1": tc.phase1, "migration": tc.migration, "phase 2": tc.phase2})
+    return out
+
+
+def print_breakdown(names: list[str], measured: dict[str, dict[str, float]], estimated: dict[str, dict[str, float]]
+                    ) -> None:
+    keys = ("gen", "phase 1", "migration", "phase 2", "inf in gen", "inf after", "train", "other")
+    print("breakdown, measured (estimated), seconds per iteration: " + " | ".join(keys))
+    for name in names:
+        m, e = measured.get(name, {}), estimated[name]
+        if "phase 1" in m:  # the migration as the tail replica ran it: rows packed, all-gather, re-run prefill
+            m = {**m, "migration": m.get("rows packed", 0.0) + m.get("all-gather", 0.0)}
+        cells = [f"{m[k]:.3f} ({e[k]:.3f})" if k in e and k in m else "-" for k in keys]
+        print(f"  {name:<23}" + " | ".join(cells))
 
 
 def workload_args(doc: str | None) -> argparse.ArgumentParser:
@@ -146,6 +220,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=2, help="rounds over the plans; each plan's best round counts")
     p.add_argument("--keep", default=None, help="keep the runs' directories under this folder")
     p.add_argument("--estimate-only", action="store_true", help="print the estimates without running")
+    p.add_argument("--breakdown", action="store_true", help="print where each plan's iteration goes")
     args = p.parse_args()
     from realloc.api import load_experiment
     from realloc.estimator.tail_cost import TAIL_GRID, tail_rows
@@ -156,23 +231,23 @@ def main() -> int:
 
     median = max(1, args.gen_len // 16)
     grid = [tail_rows(args.rows, share) for share in TAIL_GRID]
-    reward, impl, rargs = SETTINGS[args.setting]
     with tempfile.TemporaryDirectory() as scratch:
         tmp = Path(args.keep or scratch)
         tmp.mkdir(parents=True, exist_ok=True)
         exp = tmp / f"fusion_ppo_{args.setting}.py"
-        exp.write_text(EXPERIMENT.format(rows=args.rows, gen_len=args.gen_len, median=median, reward=reward,
-                                         impl=impl, args=rargs,
-                                         data=str(REPO / "experiments/data/ppo_tiny_prompts.jsonl")))
+        write_experiment(exp, args.setting, args.rows, args.gen_len)
         graph = build_graph(load_experiment(str(exp)))
         plans = _plans(graph, grid)
         est = {n: _estimate(graph, plan) for n, plan in plans.items()}
         env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(REPO)}
         measured: dict[str, list[tuple[float, float, float]]] = {n: [] for n in plans}
+        parts: dict[str, dict[str, float]] = {}
         for rep in range(0 if args.estimate_only else args.repeats):
             for name, plan in plans.items():
                 run_dir = tmp / f"{args.setting}_{name.replace(' ', '_').replace('=', '')}_{rep}"
-                measured[name].append(_run(exp, plan, run_dir, args.iterations, env))
+                measured[name].append(_run(exp, plan, run_dir, args.iterations, env, parts))
+                if min(measured[name], key=lambda m: m[1]) is measured[name][-1]:
+                    parts[name] = parts.pop(str(run_dir))  # the breakdown of the plan's best round
     lens = sorted(scheduled_lengths(ResponseLengths.lognormal(median=median, p99=args.gen_len), args.gen_len,
                                     param_seed(1, "generate/0"), range(args.rows)))
     what = {"rm": "actor, reference, critic and a learned reward model, all of model small",
@@ -189,6 +264,8 @@ def main() -> int:
         e_it, e_gi = est[name]
         rows[name] = (gi, it, e_gi, e_it)
         print(f"{name:<23}{gi:>10.3f}{e_gi:>8.3f}{e_gi / gi:>9.2f}{it:>9.3f}{e_it:>8.3f}{e_it / it:>9.2f}{ov:>11.3f}")
+    if args.breakdown:
+        print_breakdown(list(plans), parts, {n: _estimated_parts(graph, plan) for n, plan in plans.items()})
     fused = [n for n in plans if n.startswith("fused")]
     planner = min(fused, key=lambda n: rows[n][3])
     ran = not args.estimate_only

@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fusion import EXPERIMENT, INFERENCE, REPO, SETTINGS, workload_args  # noqa: E402 - the same experiment as the fusion benchmark
+from bench_fusion import INFERENCE, REPO, workload_args, write_experiment  # noqa: E402 - the same experiment as the fusion benchmark
 
 GEN = "actor_gen"
 
@@ -97,10 +97,7 @@ def main() -> int:
         tmp = args.keep or scratch
         Path(tmp).mkdir(parents=True, exist_ok=True)
         exp = Path(tmp) / "stream_ppo.py"
-        reward, impl, rargs = SETTINGS[args.setting]
-        exp.write_text(EXPERIMENT.format(rows=args.rows, gen_len=args.gen_len, median=median, reward=reward,
-                                         impl=impl, args=rargs,
-                                         data=str(REPO / "experiments/data/ppo_tiny_prompts.jsonl")))
+        write_experiment(exp, args.setting, args.rows, args.gen_len)
         graph = build_graph(load_experiment(str(exp)))
         env = {**os.environ, "TMPDIR": tmp, "PYTHONPATH": str(REPO)}
         plans = _plans(graph, [int(x) for x in args.sweep.split(",")])

@@ -14,6 +14,7 @@
 namespace py = pybind11;
 
 void bind_fused(py::module_& m);  // fused_bindings.cpp
+void bind_chunks(py::module_& m);  // chunk_bindings.cpp
 
 namespace {
 
@@ -429,4 +430,5 @@ PYBIND11_MODULE(_C, m) {
             return out;
         });
     bind_fused(m);
+    bind_chunks(m);
 }

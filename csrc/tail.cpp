@@ -17,6 +17,16 @@ namespace {
 
 }  // namespace
 
+double chunk_part1(const TailSplit& x, int cand, int g, double lead) {
+    const size_t row = static_cast<size_t>(cand) * x.n_grid + g;
+    double out = x.part1[row];
+    for (int j = 0; j < x.n_chunk; ++j) {
+        const double hidden = lead * x.chunk_share[static_cast<size_t>(g) * x.n_chunk + j];
+        out = std::max(out, x.chunk_work[row * x.n_chunk + j] - hidden);
+    }
+    return out;
+}
+
 void prepare_tail(Problem& p, TailPositions& at) {
     const int n = p.n_calls();
     p.tail_of_call.assign(n, -1);
@@ -34,6 +44,8 @@ void prepare_tail(Problem& p, TailPositions& at) {
         if (static_cast<int>(t.grid.size()) != k.size() || t.width.size() != t.grid.size() ||
             t.time.size() != t.grid.size())
             fail("call " + std::to_string(t.call) + ": need one grid, width and time per candidate");
+        if (!t.lead.empty() && t.lead.size() != t.grid.size())
+            fail("call " + std::to_string(t.call) + ": need one lead per candidate");
         for (int c = 0; c < k.size(); ++c) {
             if (t.grid[c] < 0) continue;
             if (k.stage_width[c] != k.dev_hi[c] - k.dev_lo[c]) fail("only single-stage meshes migrate their tail");
@@ -54,6 +66,9 @@ void prepare_tail(Problem& p, TailPositions& at) {
         if (x.n_grid < 1 || x.part1.size() != need || x.part2.size() != need || x.share1.size() != size_t(x.n_grid) ||
             x.share2.size() != size_t(x.n_grid))
             fail("split of call " + std::to_string(c) + ": arrays do not match its candidates and the grid");
+        if (x.n_chunk < 0 || x.chunk_work.size() != need * x.n_chunk ||
+            x.chunk_share.size() != static_cast<size_t>(x.n_grid) * x.n_chunk)
+            fail("split of call " + std::to_string(c) + ": chunk arrays do not match its candidates and the grid");
         for (int gi : p.tail_cols[p.tail_of_call[g]].grid)
             if (gi >= x.n_grid) fail("a grid index exceeds the split's grid");
         p.split_of_call[c] = static_cast<int32_t>(s);
@@ -174,8 +189,11 @@ void Evaluator::price_tail(int j, const int32_t* plan) {
     const int cand = plan[c];
     if (nt.kind == NodeKind::kCall || nt.kind == NodeKind::kPart) {
         const bool part1 = nt.kind == NodeKind::kPart;
-        s.cost = g >= 0 ? (part1 ? x.part1 : x.part2)[static_cast<size_t>(cand) * x.n_grid + g]
-                        : part1 ? 0.0 : p_.cands[c].time[cand];
+        const int src = p_.data_edges[x.edge].src;
+        const TailColumns& t = p_.tail_cols[p_.tail_of_call[src]];
+        const double lead = t.lead.empty() ? 0.0 : t.lead[plan[src]];
+        s.cost = g < 0 ? (part1 ? 0.0 : p_.cands[c].time[cand])
+                       : part1 ? chunk_part1(x, cand, g, lead) : x.part2[static_cast<size_t>(cand) * x.n_grid + g];
         s.pass = pass_[j] = part1 && s.cost == 0.0;
         s.latency = s.pass ? 0.0 : p_.dispatch_latency;
         return;

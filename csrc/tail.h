@@ -16,6 +16,9 @@ struct TailColumns {
     int call = -1;
     std::vector<int32_t> grid, width;
     std::vector<double> time;
+    // Chunked streaming (chunk_cost.py): per candidate, seconds from its first split point to its last (empty or
+    // 0: one split point).
+    std::vector<double> lead;
 };
 
 // A consumer of a migrating call that may run in two parts (data edge `edge`): part times per consumer
@@ -24,7 +27,15 @@ struct TailSplit {
     int edge = -1;
     int n_grid = 0;
     std::vector<double> part1, part2, share1, share2;
+    // Chunked streaming (chunk_cost.py; n_chunk 0: none): the consumer's work on the chunks from j on, at
+    // [(i * n_grid + g) * n_chunk + j], and the share of the producer's lead before split j's end, at
+    // [g * n_chunk + j]. Part 1 is max(part1, max_j(work - lead * share)) (chunk_part1).
+    int n_chunk = 0;
+    std::vector<double> chunk_work, chunk_share;
 };
+
+// Part 1 of split `x` for consumer candidate `cand`, grid index `g`, when the producer's lead is `lead`.
+double chunk_part1(const TailSplit& x, int cand, int g, double lead);
 
 // Nodes that rank with the data transfers at equal ready times: a migrating call's tail node hands on the call's
 // outputs (a free one passes them on at once, as a free transfer does).

@@ -98,10 +98,9 @@ def _ppo_plan(places, tail):
 
 
 def test_split_consumers_are_the_non_train_readers_on_freed_devices_only():
-    from realloc.graph.streaming import deal, part_shares, split_consumers
+    from realloc.graph.streaming import deal, split_consumers
 
     assert deal([9, 1, 7, 3, 5], 2) == ((1, 3, 5), (7, 9)) and deal([4], 3) == ((4,), (), ())
-    assert part_shares([0, 2, 3], [1], 2) == (((0, 2), (3,)), ((1,), ()), ((0, 1, 2), (3,)))
     both, dev0, dev1 = ("localhost", 2, 1, 1, 1), ("localhost:0", 1, 1, 1, 1), ("localhost:1", 1, 1, 1, 1)
     places = {"actor_gen": both, "rew_inf": dev1, "ref_inf": dev0, "critic_inf": dev1, "actor_train": both,
               "critic_train": dev1}

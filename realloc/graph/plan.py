@@ -80,12 +80,15 @@ class ExecutionPlan(BaseModel):
                 tail: Mapping[str, "TailMigration | tuple[int, int]"] | None = None) -> "ExecutionPlan":
         """A plan written in Python: call -> (mesh, dp, tp, pp, n_mbs) or a CallPlacement; ``recompute`` names
         the train calls that recompute activations; ``fused`` the train-call pairs that share one pipeline
-        schedule; ``tail`` a generation call's long-tail migration, (rows, instances) or a TailMigration. Check it with ``validate_plan`` (the runtime does)."""
+        schedule; ``tail`` a generation call's long-tail migration, (rows, instances), (rows, 0, chunks) or a
+        TailMigration. Check it with ``validate_plan`` (the runtime does)."""
         where, spec, redo = "ExecutionPlan.by_hand", graph.spec, set(recompute)
         places = {c: _shaped(where, f"the placement of call {c!r}", p, CallPlacement,
                              ("mesh", "dp", "tp", "pp", "n_mbs"), {"recompute": c in redo})
                   for c, p in placements.items()}
-        tails = {c: _shaped(where, f"tail entry {c!r}", t, TailMigration, ("rows", "instances"), {})
+        tails = {c: _shaped(where, f"tail entry {c!r}", t, TailMigration,
+                            ("rows", "instances", "chunks") if isinstance(t, (tuple, list)) and len(t) == 3
+                            else ("rows", "instances"), {})
                  for c, t in (tail or {}).items()}
         pairs = tuple(fused)
         for pair in pairs:
@@ -169,7 +172,7 @@ class ExecutionPlan(BaseModel):
         for c, t in self.tail.items():
             if t.streams_only:  # graph/tail.py: no migration, the finished rows stream to the next calls
                 rows.append(f"tail: {c} streams its finished rows to the next calls once at most {t.rows} are "
-                            f"running (no migration)")
+                            f"running (no migration)" + (f", in {t.chunks} chunks" if t.chunks > 1 else ""))
                 continue
             rows.append(f"tail: {c} moves its last {t.rows} running rows to {t.instances} dp replica(s); "
                         f"the freed devices start the next calls")

@@ -7,8 +7,7 @@ Pure functions the master and the workers share, so both derive the same row lis
   replicas m..dp-1 (a freed replica keeps its own finished rows), a split consumer's parts to its dp ranks;
 - ``split_consumers``: the calls that run in two parts (part 1 on the rows finished at the migration point, part 2
   on the tail once the generation ends): non-train calls reading only the generation's outputs (or dataset keys),
-  on devices that no tail replica uses;
-- ``part_shares``: a consumer's dp ranks' rows of each part, and together.
+  on devices that no tail replica uses.
 """
 
 from __future__ import annotations
@@ -66,15 +65,6 @@ def split_consumers(plan: "ExecutionPlan", graph: "DataflowGraph", call: str) ->
             continue
         out.append(c)
     return out
-
-
-def part_shares(part1: Sequence[int], part2: Sequence[int], dp: int,
-                tokens: Mapping[int, int] | None = None) -> tuple[Shares, Shares, Shares]:
-    """A split consumer's dp ranks' rows of part 1, of part 2, and of both (its outputs' layout); with ``tokens``
-    part 1 is dealt by tokens (``deal``), part 2 by rows: its lengths are known only once the generation ends,
-    when ``master_tail`` deals it again."""
-    a, b = deal(part1, dp, tokens), deal(part2, dp)
-    return a, b, tuple(tuple(sorted(x + y)) for x, y in zip(a, b))
 
 
 def tail_unsupported(graph: "DataflowGraph", call: str, partial: Sequence[str] = ()) -> str | None:

@@ -10,13 +10,15 @@ whether or not a call migrates.
 
 ``instances=0`` is streaming without migration (FlexRLHF's disaggregated placement): no row moves, every dp replica
 keeps decoding its own rows, and at the split point (the step after which at most ``rows`` rows are running) the
-finished rows stream to the consumers on devices outside the generation's mesh (docs/tail-semantics.md)."""
+finished rows stream to the consumers on devices outside the generation's mesh (docs/tail-semantics.md). With
+``chunks=k`` (streaming only) the generation hands its finished rows on at k split points (``split_thresholds``),
+the last of them the one at ``rows``: chunked streaming, issue 31 item 2."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Mapping, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 if TYPE_CHECKING:
     from realloc.graph.dataflow import DataflowGraph
@@ -32,10 +34,27 @@ class TailMigration(BaseModel):
 
     rows: int = Field(ge=1)
     instances: int = Field(ge=0)
+    chunks: int = Field(default=1, ge=1)  # split points of a stream-only entry (``split_thresholds``)
+
+    @model_serializer(mode="wrap")
+    def _without_one_chunk(self, handler):  # a plan without chunks writes the JSON of before, bit for bit
+        out = handler(self)
+        if self.chunks == 1:
+            out.pop("chunks", None)
+        return out
 
     @property
     def streams_only(self) -> bool:
         return self.instances == 0
+
+
+def split_thresholds(n_rows: int, rows: int, chunks: int) -> tuple[int, ...]:
+    """The running-row counts at or below which a stream-only generation of ``n_rows`` rows hands its finished rows
+    on, one per chunk, descending, the last ``rows``: split point j (1..k) is the first decode step after which at
+    most rows + floor((n_rows - rows) (k - j) / k) rows run, so the n_rows - rows rows before the last split point
+    come in k chunks of about equal expected size. One step may pass several thresholds: the chunks between are
+    empty."""
+    return tuple(rows + (n_rows - rows) * (chunks - j) // chunks for j in range(1, chunks + 1))
 
 
 class Placed(Protocol):
@@ -59,6 +78,12 @@ def tail_error(graph: "DataflowGraph", placements: Mapping[str, Placed], call: s
                 f"(instances={tail.instances}); lower 'instances' (0: stream only, no migration) or drop the "
                 f"call's tail entry")
     n_rows = graph.spec.n_seqs(rpc)
+    if tail.chunks > 1 and tail.instances:
+        return (f"call {call!r} has chunks={tail.chunks}, but only a stream-only entry (instances=0) streams in "
+                f"chunks; set instances=0 or chunks=1")
+    if tail.chunks > 1 and tail.chunks > n_rows - tail.rows:
+        return (f"call {call!r} has chunks={tail.chunks}, more than the {n_rows - tail.rows} rows that finish "
+                f"before the last split point (rows={tail.rows} of {n_rows}); lower 'chunks'")
     if tail.rows >= n_rows:
         return (f"call {call!r} generates {n_rows} rows per iteration; the tail threshold rows={tail.rows} must be "
                 f"below that (it is the count of rows still running at the migration or split point)")

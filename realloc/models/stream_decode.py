@@ -31,12 +31,14 @@ class SplitGeneration:
             raise ValueError("streaming: the generation call must run at pp 1 (its decode steps are counted in "
                              "lockstep over the dp replicas); give the call pp=1 or drop its 'tail' plan entry")
         model.stage.eval()
+        self.model = model
         self.n, self.pad = len(rows), gconfig.pad_token_id
         spans = [(lo, hi) for lo, hi in even_ranges(len(rows), max(1, min(n_mbs, len(rows)))) if hi > lo] if rows \
             else []
         self.mbs = [_MicroBatch(model, rows[lo:hi], list(seq_ids[lo:hi]), gconfig) for lo, hi in spans]
         self.offsets = [lo for lo, _ in spans]
         self.t = 0  # the next step
+        self.left = -1  # the whole call's running rows after the last step (-1: no step yet)
 
     def _step(self) -> None:
         for mb in self.mbs:
@@ -52,14 +54,12 @@ class SplitGeneration:
     @torch.no_grad()
     def until(self, global_count: Callable[[int], int], threshold: int) -> bool:
         """Decode to the split point; False if the whole call ended first (no step left 1..threshold rows).
-        ``global_count(local)`` is called once per step on every replica, the same number of times."""
-        while True:
+        ``global_count(local)`` is called once per step on every replica, the same number of times. A later split
+        point (chunked streaming) that an earlier step already passed takes no step."""
+        while self.left < 0 or self.left > threshold:
             self._step()
-            left = global_count(sum(mb.n_active for mb in self.mbs if not mb.done))
-            if left == 0:
-                return False
-            if left <= threshold:
-                return True
+            self.left = global_count(sum(mb.n_active for mb in self.mbs if not mb.done))
+        return self.left > 0
 
     @torch.no_grad()
     def finish(self) -> None:

@@ -136,7 +136,7 @@ def _build_nodes(p: SearchProblem, plan: Sequence[int], missing: set | None = No
                 index["part_data", c, t] = len(nodes)
                 nodes.append(_Node(PART_DATA, c, g, t, cost, mesh(c)))
                 index["part", c, t] = len(nodes)
-                nodes.append(_Node(PART, c, g, t, float(split[0].part1[cand(c), split[2]]) if split else 0.0, mesh(c)))
+                nodes.append(_Node(PART, c, g, t, tails.part1(c) if split else 0.0, mesh(c)))
             index["call", c, t] = len(nodes)
             time = float(split[0].part2[cand(c), split[2]]) if split else float(p.candidates[c].time[cand(c)])
             nodes.append(_Node(CALL, c, -1, t, time, mesh(c), hold=tails.tail_devices(c) if tails.tail_time(c) else

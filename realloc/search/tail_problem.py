@@ -27,10 +27,13 @@ class TailColumns:
     grid: np.ndarray  # int32: index of R_t in the grid, -1: no migration
     width: np.ndarray  # int32: devices of the tail replicas (m * tp) from dev_lo; 0 without migration
     time: np.ndarray  # float64: migration + phase 2 seconds (the candidate's time is phase 1); 0 without
+    # float64: chunked streaming (estimator/chunk_cost.py): seconds from the first split point to the last; empty: none
+    lead: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
 
     def __post_init__(self) -> None:
-        for f, dtype in (("grid", np.int32), ("width", np.int32), ("time", np.float64)):
+        for f, dtype in (("grid", np.int32), ("width", np.int32), ("time", np.float64), ("lead", np.float64)):
             object.__setattr__(self, f, np.ascontiguousarray(getattr(self, f), dtype=dtype))
+        assert self.lead.size in (0, self.grid.size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,17 +45,38 @@ class TailSplit:
     part2: np.ndarray  # float64 [consumer candidates, grid]: part 2 seconds (the tail rows)
     share1: np.ndarray  # float64 [grid]: the transfer's share before the migration point ((n - R_t) / n)
     share2: np.ndarray  # float64 [grid]: after the generation ends (R_t / n)
+    # chunked streaming (estimator/chunk_cost.py): [consumer candidates, grid, j] the work on chunks j+1.. of the
+    # chunks before the last split point, [grid, j] the share of the producer's lead (TailColumns.lead) between
+    # split j+1 and the last; part 1 is max(part1, max_j(work - lead * share)) (``part1_of``)
+    chunk_work: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 0, 0)))
+    chunk_share: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 0)))
 
     def __post_init__(self) -> None:
-        for f in ("part1", "part2", "share1", "share2"):
+        for f in ("part1", "part2", "share1", "share2", "chunk_work", "chunk_share"):
             object.__setattr__(self, f, np.ascontiguousarray(getattr(self, f), dtype=np.float64))
         assert self.part1.ndim == 2 and self.part1.shape == self.part2.shape
         assert self.share1.shape == self.share2.shape == (self.part1.shape[1],)
+        assert self.chunk_work.ndim == 3 and self.chunk_share.ndim == 2
+
+    def part1_of(self, cand: int, g: int, lead: float) -> float:
+        """Part 1 seconds of consumer candidate ``cand`` at grid index ``g`` when the producer's lead is ``lead``
+        (the C++ side: ``chunk_part1`` in csrc/tail.cpp, the same operations in the same order)."""
+        out = float(self.part1[cand, g])
+        if self.chunk_work.size:
+            for j in range(self.chunk_work.shape[2]):
+                out = max(out, float(self.chunk_work[cand, g, j]) - lead * float(self.chunk_share[g, j]))
+        return out
 
 
 def tail_to_cpp(problem, cpp) -> None:
     """Hand a SearchProblem's tail arrays to a ``realloc._C.Problem`` (before ``finalize``)."""
-    for call, cols in problem.tail_columns:
+    from realloc import _C
+
+    for k, (call, cols) in enumerate(problem.tail_columns):
         cpp.set_tail_call(call, cols.grid, cols.width, cols.time)
-    for s in problem.tail_splits:
+        if cols.lead.size:
+            _C.set_tail_lead(cpp, k, cols.lead)
+    for k, s in enumerate(problem.tail_splits):
         cpp.add_tail_split(s.edge, s.part1, s.part2, s.share1, s.share2)
+        if s.chunk_work.size:
+            _C.set_split_chunks(cpp, k, s.chunk_work, s.chunk_share)

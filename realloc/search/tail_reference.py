@@ -36,6 +36,16 @@ class TailView:
         lo = int(self.p.candidates[g].dev_lo[int(self.plan[g])])
         return frozenset(range(lo, lo + int(self.columns[g].width[int(self.plan[g])])))
 
+    def lead(self, g: int) -> float:
+        """Seconds between the first and the last split point of call ``g``'s chunked streaming (0: none)."""
+        cols = self.columns.get(g)
+        return float(cols.lead[int(self.plan[g])]) if cols is not None and cols.lead.size else 0.0
+
+    def part1(self, c: int) -> float:
+        """Part 1 seconds of split consumer ``c`` under the plan (``TailSplit.part1_of``)."""
+        s, g, grid = self.split(c)
+        return s.part1_of(int(self.plan[c]), grid, self.lead(g))
+
     def tail_time(self, g: int) -> float:
         return float(self.columns[g].time[int(self.plan[g])]) if self.grid(g) >= 0 else 0.0
 

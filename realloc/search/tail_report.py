@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from realloc.estimator.chunk_cost import chunked_generation_cost
 from realloc.estimator.tail_cost import tail_generation_cost
 from realloc.search.tail_reference import TailView
 
@@ -28,13 +29,17 @@ def tail_summary(report: "SearchReport") -> list[str]:
         c = names.index(call)
         o = space.options[c][int(report.indices[c])]
         n = space.cost.workload(call).n_seqs
-        cost = tail_generation_cost(space.cost, call, o.mesh, o.strategy, o.n_mbs, t.rows, t.instances)
+        cost = (tail_generation_cost(space.cost, call, o.mesh, o.strategy, o.n_mbs, t.rows, t.instances)
+                if t.chunks == 1 else chunked_generation_cost(space.cost, call, o.mesh, o.strategy, o.n_mbs, t.rows,
+                                                              t.chunks)[0])
         split = [names[v] for v in view.split_of if view.split(v) is not None and names[view.split(v)[1]] == call]
         if t.streams_only:  # no migration: the finished rows stream off the mesh (estimator/stream_cost.py)
-            lines.append(f"streaming: {call} hands its finished rows on once at most {t.rows} of {n} rows "
+            chunks = f" in {t.chunks} chunks, the last" if t.chunks > 1 else ""
+            lines.append(f"streaming: {call} hands its finished rows on{chunks} once at most {t.rows} of {n} rows "
                          f"({t.rows / n:.0%}) are running, no migration; before that {cost.phase1:.3f} s, after "
                          f"{cost.phase2:.3f} s")
-            lines.append(f"  in two parts off the generation's devices: {', '.join(split) if split else 'no consumer'}")
+            parts = f"{t.chunks + 1} parts" if t.chunks > 1 else "two parts"
+            lines.append(f"  in {parts} off the generation's devices: {', '.join(split) if split else 'no consumer'}")
             continue
         lines.append(f"long-tail migration: {call} moves its last {t.rows} of {n} rows ({t.rows / n:.0%}) to "
                      f"{t.instances} of {o.strategy.dp} dp replicas; phase 1 {cost.phase1:.3f} s, migration "

@@ -5,7 +5,9 @@ with each migration (R_t, m): R_t from ``estimator.tail_cost.TAIL_GRID`` (shares
 dp - 1 (powers of two beyond dp 8), as long as the tail's ceil(R_t / m) rows per replica fit the KV cache the
 replica already holds (so memory stays as priced), and every candidate at pp 1 (any dp) on a mesh smaller than the
 cluster with streaming only (m = 0, R_t from the same grid: no row moves, the whole mesh decodes to the end,
-``estimator/stream_cost.py``). Such a row's time is phase 1; ``TailChoice`` keeps the rest
+``estimator/stream_cost.py``), each streaming row also in k chunks for k in ``chunk_cost.CHUNK_GRID`` (chunked
+streaming, ``estimator/chunk_cost.py``: grid index g + len(TAIL_GRID) x (1 + the chunk count's index)). Such a row's
+time is phase 1; ``TailChoice`` keeps the rest
 (``search/tail_problem.py`` says how the simulators read it). The MCMC reaches the choices through its usual
 moves: candidates of one layout (its "n_mbs" move) differ in n_mbs and migration, so a move there turns the tail
 on, off or to another (R_t, m); a migration keeps its own shape class, so a "position" move keeps it.
@@ -23,6 +25,7 @@ import numpy as np
 
 from realloc.calls import InterfaceType
 from realloc.estimator.cost import CostModel
+from realloc.estimator.chunk_cost import CHUNK_GRID, chunk_work, chunked_generation_cost, lead_shares
 from realloc.estimator.stream_cost import stream_phase2
 from realloc.estimator.tail_cost import TAIL_GRID, consumer_parts, phase1_cost, tail_phase_cost, tail_rows
 from realloc.graph.dataflow import DataflowGraph
@@ -45,6 +48,12 @@ class TailChoice:
     grid: int
     width: int
     tail: float
+    lead: float = 0.0  # chunked streaming: seconds from the first split point to the last
+
+
+def grid_entry(g: int) -> tuple[float, int]:
+    """(R_t's share of the rows, chunks) of an extended grid index (the module docstring)."""
+    return TAIL_GRID[g % len(TAIL_GRID)], ((1,) + CHUNK_GRID)[g // len(TAIL_GRID)]
 
 
 def eligible(graph: DataflowGraph, call: str) -> bool:
@@ -124,6 +133,15 @@ def stream_rows(cost: CostModel, call: str, i: int, cand, n: int,
         rest = stream_phase2(cost, call, cand.mesh, s, cand.n_mbs, phase1[k1])
         rows.append((i, phase1[k1]))
         choices.append(TailChoice(TailMigration(rows=r_t, instances=0), g, s.dp * s.tp, rest))
+    for ci, k in enumerate(CHUNK_GRID):  # chunked streaming (estimator/chunk_cost.py)
+        for g, share in enumerate(TAIL_GRID):
+            r_t = tail_rows(n, share)
+            if k > n - r_t:
+                continue
+            tc, lead = chunked_generation_cost(cost, call, cand.mesh, s, cand.n_mbs, r_t, k)
+            rows.append((i, tc.phase1))
+            choices.append(TailChoice(TailMigration(rows=r_t, instances=0, chunks=k), g + len(TAIL_GRID) * (1 + ci),
+                                      s.dp * s.tp, tc.phase2, lead))
     return rows, choices
 
 
@@ -134,10 +152,17 @@ def tail_arrays(graph: DataflowGraph, cost: CostModel, calls: Sequence[str], opt
     columns = []
     for c, choices in enumerate(tails):
         if any(t is not None for t in choices):
+            leads = [0.0 if t is None else t.lead for t in choices]
             columns.append((c, TailColumns([-1 if t is None else t.grid for t in choices],
                                            [0 if t is None else t.width for t in choices],
-                                           [0.0 if t is None else t.tail for t in choices])))
+                                           [0.0 if t is None else t.tail for t in choices],
+                                           leads if any(leads) else np.zeros(0))))
     migrating = {c for c, _ in columns}
+    chunked = {c for c, cols in columns if cols.lead.size}
+    readers = {u: sum(1 for a, v in set(data_edges) if a == u and v not in migrating
+                      and graph.call(calls[v]).interface_type is not InterfaceType.TRAIN_STEP) for u in migrating}
+    n_grid = len(TAIL_GRID) * (1 + len(CHUNK_GRID))
+    depth = max(CHUNK_GRID) - 1
     splits, split_calls = [], set()
     for e, (u, v) in enumerate(data_edges):
         if u not in migrating or v in migrating or v in split_calls:
@@ -145,18 +170,34 @@ def tail_arrays(graph: DataflowGraph, cost: CostModel, calls: Sequence[str], opt
         if graph.call(calls[v]).interface_type is InterfaceType.TRAIN_STEP:
             continue  # a train call runs once, after the generation ends
         n = cost.workload(calls[u]).n_seqs
-        r_t = [tail_rows(n, share) for share in TAIL_GRID]
-        part1 = np.zeros((len(options[v]), len(TAIL_GRID)))
+        r_t = [tail_rows(n, grid_entry(g)[0]) for g in range(n_grid)]
+        part1 = np.zeros((len(options[v]), n_grid))
         part2 = np.zeros_like(part1)
+        work = np.zeros((len(options[v]), n_grid, depth if u in chunked else 0))
+        share = np.zeros((n_grid, work.shape[2]))
         seen: dict[tuple, tuple[float, float]] = {}
+        seen_chunks: dict[tuple, tuple[float, ...]] = {}
+        for g in range(n_grid):
+            k = grid_entry(g)[1]
+            if 1 < k <= n - r_t[g] and u in chunked:
+                share[g, :k - 1] = lead_shares(cost, calls[u], r_t[g], k, readers[u])
         for i, cand in enumerate(options[v]):
             for g, rows in enumerate(r_t):
                 key = (cand.mesh.n_nodes, cand.mesh.n_devs, cand.mesh.pool, cand.strategy, cand.n_mbs, rows)
                 if key not in seen:
                     seen[key] = consumer_parts(cost, calls[v], calls[u], cand.mesh, cand.strategy, cand.n_mbs, rows)
                 part1[i, g], part2[i, g] = seen[key]
+                k = grid_entry(g)[1]
+                if k == 1 or k > n - rows or u not in chunked:
+                    continue
+                if (key, k) not in seen_chunks:
+                    seen_chunks[key, k] = chunk_work(cost, calls[v], calls[u], cand.mesh, cand.strategy, cand.n_mbs,
+                                                     rows, k)
+                c = seen_chunks[key, k]
+                part1[i, g] = c[-1]  # the last chunk, after the last split point; the earlier ones from j on:
+                work[i, g, :k - 1] = [sum(c[j:]) for j in range(k - 1)]
         share1 = np.array([(n - r) / n for r in r_t])
-        splits.append(TailSplit(e, part1, part2, share1, 1.0 - share1))
+        splits.append(TailSplit(e, part1, part2, share1, 1.0 - share1, work, share))
         split_calls.add(v)
     return tuple(columns), tuple(splits)
 
@@ -179,5 +220,5 @@ def split_times(problem, indices: Sequence[int]) -> dict[int, float]:
         split = view.split(c)
         if split is not None:
             s, _, g = split
-            out[c] = float(s.part1[int(indices[c]), g] + s.part2[int(indices[c]), g])
+            out[c] = view.part1(c) + float(s.part2[int(indices[c]), g])
     return out

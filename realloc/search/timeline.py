@@ -130,7 +130,7 @@ def estimate_plan(graph: DataflowGraph, plan: ExecutionPlan, cost: object | None
 def _tail_row(space: object, c: int, want: object) -> int:
     """Call ``c``'s candidate row with migration ``want`` (graph.tail.TailMigration, or None: none). The space
     prices R_t on a grid (estimator/tail_cost.TAIL_GRID); a hand-written R_t off the grid is priced at the nearest
-    grid R_t with the same number of replicas (or, lacking one, the nearest of any of the same kind: streaming or
+    grid R_t with the same number of replicas and the nearest chunk count (or, lacking one, the nearest of any of the same kind: streaming or
     migration)."""
     rows = range(len(space.problem.candidates[c]))
     if want is None:
@@ -141,7 +141,8 @@ def _tail_row(space: object, c: int, want: object) -> int:
     tails = [it for it in tails if it[1].streams_only == want.streams_only]
     if not tails:
         return next(i for i in rows if space.tail_of(c, i) is None)
-    return min(tails, key=lambda it: (it[1].instances != want.instances, abs(it[1].rows - want.rows)))[0]
+    return min(tails, key=lambda it: (it[1].instances != want.instances, abs(it[1].chunks - want.chunks),
+                                      abs(it[1].rows - want.rows)))[0]
 
 
 def estimated_panel(space: object, indices: np.ndarray, plan: ExecutionPlan, iterations: int = 3,

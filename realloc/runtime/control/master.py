@@ -32,7 +32,7 @@ from realloc.runtime.control.master_fused import FusedPairs
 from realloc.runtime.control.master_link import (CALL_TIMEOUT, HEARTBEAT_TIMEOUT, KILL_GRACE, SHUTDOWN_TIMEOUT,
                                                  MasterLink, RunFailed, WorkerLauncher, plan_node_hosts)
 from realloc.runtime.control.master_schedule import IterationSchedule, Node
-from realloc.runtime.control.master_tail import TailStreams, split_map
+from realloc.runtime.control.master_tail import ConsumerParts, TailStreams, split_map
 from realloc.runtime.control.program import RuntimeProgram
 from realloc.runtime.control.store_listener import StoreListener, store_listener
 from realloc.runtime.control.stop_signals import STOP_MARGIN, StopRequest, StopSignals
@@ -155,7 +155,7 @@ class Master(MasterLink, IterationSchedule, TailStreams, EvaluationPasses, Check
         # tail migration (master_tail.py): split consumer -> its generation; (call, t) -> rows per dp rank; parts
         self.splits = split_map(program)
         self.row_lists: dict[tuple[str, int], tuple[tuple[int, ...], ...]] = {}
-        self.parts: dict[tuple[str, int], tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]] = {}
+        self.parts: dict[tuple[str, int], ConsumerParts] = {}
         self.known_groups = self._startup_groups()
         self.call_stats: dict[int, dict[str, dict[str, float]]] = {}
         self.node_times: dict[int, dict[str, float]] = {}

@@ -15,15 +15,20 @@ a ``tail`` entry (R_t, m) in the plan:
   planned with ``DataLayout(rows=...)`` and moved as runs of consecutive rows; what a part needs later counts as held
   for the planner, so a part-1 transfer moves part 1's rows only.
 
+A stream-only entry with ``chunks=k`` (chunked streaming) takes k + 1 requests of G (``worker_stream.py``): at each
+of its k split points the rows finished since the last one go to the split consumers as one more part, and the
+last part is the rest, after G ends.
+
 Every other call runs once, as before. The results are those of the unmigrated run, row by row.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from realloc.graph.streaming import Shares, deal, part_shares, split_consumers
+from realloc.graph.streaming import Shares, deal, split_consumers
 from realloc.graph.transfer_plan import DataLayout, dp_ranges, plan_data_transfer
 from realloc.runtime.records.telemetry import RequestRecord
 from realloc.runtime.transfer.row_layout import index_runs, row_bytes
@@ -37,6 +42,19 @@ def split_map(program: Any) -> dict[str, str]:
     """Split consumer -> the generation it streams from, for every generation with a tail entry."""
     plan, graph = program.plan, program.graph
     return {c: g for g in plan.tail for c in split_consumers(plan, graph, g)}
+
+
+@dataclasses.dataclass
+class ConsumerParts:
+    """A split consumer's parts in one iteration, as its generation hands them on: (rows per dp rank, whether it is
+    the last part, which runs after the generation ends) in ``queue``; the rows dealt so far per dp rank. With
+    ``balance_tokens`` the last part's rows (``rest``) are dealt again by their tokens once the generation ends
+    (``final``), when their lengths are known."""
+
+    dealt: list[tuple[int, ...]]
+    queue: "asyncio.Queue[tuple[Shares, bool]]" = dataclasses.field(default_factory=asyncio.Queue)
+    rest: list[int] | None = None
+    final: Shares | None = None
 
 
 class TailStreams:
@@ -92,42 +110,67 @@ class TailStreams:
 
     async def _stream_at_split(self, call: str, t: int, rec: RequestRecord
                                ) -> tuple[list[protocol.Reply], RequestRecord]:
-        """A generation that streams without migration (``worker_stream.py``): its first request ends at the split
-        point with the finished rows; the split consumers start on them, and a second request (the rows each dp
-        replica still decodes) continues the call. G's replicas keep their rows (its layout's own shares)."""
-        early = await self._wait(rec)
-        lay = self.program.producer(call).layout
+        """A generation that streams without migration (``worker_stream.py``): each of its first requests ends at a
+        split point with the rows finished since the last one; the split consumers start on them, and the next
+        request (the rows each dp replica still decodes) continues the call. G's replicas keep their rows (its
+        layout's own shares)."""
+        chunks = self.program.plan.tail[call].chunks
         shares = self._shares(call, t)
-        held: dict[int, set[int]] = {}
-        for rep in early:
-            held.setdefault(lay.coords_by_device[rep.rank][0], set()).update(int(i) for i in rep.rows)
-            for out in rep.outputs:
-                self.data_meta.setdefault((out.key, t), out.tensors)
         self.row_lists[call, t] = shares
-        part1 = sorted(i for rows in held.values() for i in rows)
-        self._start_parts(call, t, part1, sorted(set(range(self.program.batch_size)) - set(part1)), early)
-        rest = [[i for i in rows if i not in held.get(k, set())] for k, rows in enumerate(shares)]
-        nxt = self._send(self.program.calls[call].ranks, "call", call, t, call,
-                         lambda req: protocol.RunCall(req=req, call=call, iteration=t, rows=rest))
-        return early, nxt
+        done: set[int] = set()
+        replies: list[protocol.Reply] = []
+        for j in range(chunks):
+            early = await self._wait(rec)
+            chunk = {int(i) for rep in early for i in rep.rows}
+            for rep in early:
+                for out in rep.outputs:
+                    self.data_meta.setdefault((out.key, t), out.tensors)
+            replies += early
+            done |= chunk
+            rest = sorted(set(range(self.program.batch_size)) - done)
+            self._start_chunk(call, t, sorted(chunk), rest, early, first=j == 0, last=j == chunks - 1)
+            running = [[i for i in rows if i not in done] for rows in shares]
+            rec = self._send(self.program.calls[call].ranks, "call", call, t, call,
+                             lambda req, running=running: protocol.RunCall(req=req, call=call, iteration=t,
+                                                                           rows=running))
+        return replies, rec
 
     def _start_parts(self, call: str, t: int, part1: list[int], part2: list[int], early: list[protocol.Reply]
                      ) -> None:
-        """Deal G's rows finished at the migration (or split) point, ``part1``, and the rest, ``part2``, to the
-        split consumers' dp ranks, send their part-1 inputs (G's row lists are known) and let them start. With
-        ``balance_tokens``, part 1 is dealt by the tokens ``early`` (those rows' replies) report, and part 2 again
-        by its own once G ends (``_balance_part_two``)."""
+        """Deal G's rows finished at the migration point, ``part1``, and the rest, ``part2``, to the split consumers'
+        dp ranks, send their part-1 inputs (G's row lists are known) and let them start."""
+        self._start_chunk(call, t, part1, part2, early, first=True, last=True)
+
+    def _parts(self, c: str, t: int) -> ConsumerParts:
+        got = self.parts.get((c, t))
+        if got is None:
+            got = self.parts[c, t] = ConsumerParts([()] * self.program.calls[c].strategy.dp)
+        return got
+
+    def _start_chunk(self, call: str, t: int, chunk: list[int], rest: list[int], early: list[protocol.Reply],
+                     first: bool, last: bool) -> None:
+        """Deal G's rows finished at a split (or the migration) point, ``chunk``, to each split consumer's dp ranks
+        as its next part and send their inputs; ``last``: the rest, ``rest``, is the final part. The consumer's
+        row lists are the parts dealt so far and the rest dealt as it will be (the rest counts as held by the
+        consumer until it moves). With ``balance_tokens`` the chunk is dealt by the tokens ``early`` (its rows'
+        replies) report, and the rest again by its own once G ends (``_balance_part_two``)."""
         tokens = self._reply_tokens(call, early)
         for c, g in self.splits.items():
             if g != call:
                 continue
-            p1, p2, both = part_shares(part1, part2, self.program.calls[c].strategy.dp, tokens)
-            self.parts[c, t] = (p1, p2)
-            self.row_lists[c, t] = both
+            parts = self._parts(c, t)
+            mine, later = deal(chunk, len(parts.dealt), tokens), deal(rest, len(parts.dealt))
+            parts.dealt = [tuple(sorted(a + b)) for a, b in zip(parts.dealt, mine)]
+            self.row_lists[c, t] = tuple(tuple(sorted(a + b)) for a, b in zip(parts.dealt, later))
+            parts.queue.put_nowait((mine, False))
+            if last:
+                parts.rest = rest
+                parts.queue.put_nowait((later, True))
             for key in self.graph.call(c).input_data:
-                if key in self.graph.call(call).output_data and (key, t) in self.data_meta:
-                    self.pushed.setdefault((c, t), []).extend(self._transfer_rows(key, c, t, only=set(part1)))
-        self._stream_done(call, t)
+                if chunk and key in self.graph.call(call).output_data and (key, t) in self.data_meta:
+                    self.pushed.setdefault((c, t), []).extend(self._transfer_rows(key, c, t, only=set(chunk)))
+        if first:
+            self._stream_done(call, t)
 
     def _reply_tokens(self, call: str, replies: list[protocol.Reply]) -> dict[int, int] | None:
         """Row -> tokens from a balanced generation's replies (each names its rows), or None: not balancing."""
@@ -136,17 +179,16 @@ class TailStreams:
         return {int(i): int(n) for rep in replies for i, n in zip(rep.rows, rep.row_tokens)}
 
     def _balance_part_two(self, call: str, t: int, replies: list[protocol.Reply]) -> None:
-        """G ended (``replies``: all of its call's): deal each split consumer's part 2, the rows that were still
-        running at the migration point, by their tokens, before G's outputs move to it."""
+        """G ended (``replies``: all of its call's): deal each split consumer's last part, the rows that were still
+        running at the last split (or the migration) point, by their tokens, before G's outputs move to it."""
         tokens = self._reply_tokens(call, replies)
         if tokens is None:
             return
         for c, g in self.splits.items():
-            if g == call and (c, t) in self.parts:
-                p1, p2 = self.parts[c, t]
-                p2 = deal([i for rows in p2 for i in rows], len(p2), tokens)
-                self.parts[c, t] = (p1, p2)
-                self.row_lists[c, t] = tuple(tuple(sorted(x + y)) for x, y in zip(p1, p2))
+            parts = self.parts.get((c, t))
+            if g == call and parts is not None and parts.rest is not None:
+                parts.final = deal(parts.rest, len(parts.dealt), tokens)
+                self.row_lists[c, t] = tuple(tuple(sorted(x + y)) for x, y in zip(parts.dealt, parts.final))
 
     def _stream_done(self, call: str, t: int) -> None:
         ev = self._event(self._stream_node(call, t))
@@ -154,19 +196,22 @@ class TailStreams:
             ev.set()
 
     async def _call_in_parts(self, n: "Node") -> None:
-        """A split consumer: part 1 on the rows finished at the migration point, part 2 on the tail after the
-        generation ends; its stats, data and samples are both parts'."""
+        """A split consumer: a part on the rows of each split (or the migration) point as they come, the last part
+        on the rest after the generation ends; its stats, data and samples are all parts'."""
         from realloc.runtime.control.master_schedule import Node
 
         c, t = n.name, n.t
         ranks = self.program.calls[c].ranks
+        parts = self._parts(c, t)
         replies: list[protocol.Reply] = []
-        for k in range(2):
-            if k == 1:
+        last = False
+        while not last:
+            part, last = await parts.queue.get()
+            if last:
                 ev = self._event(Node("call", self.splits[c], t))
                 if ev is not None:
                     await ev.wait()
-            part = self.parts[c, t][k]  # part 2 is dealt again by tokens when G ends (balance_tokens)
+                part = parts.final if parts.final is not None else part  # dealt by tokens at G's end
             recs = self.pushed.pop((c, t), [])
             if not any(part):
                 for rec in recs:
@@ -178,7 +223,7 @@ class TailStreams:
             for rec in recs:
                 await self._wait(rec)
             replies += await self._wait(req)
-        del self.parts[c, t]
+        self.parts.pop((c, t), None)
         self._finish_call(c, t, replies)
 
     def _transfer_rows(self, key: str, consumer: str, t: int, only: set[int] | None = None) -> list[RequestRecord]:

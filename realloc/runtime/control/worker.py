@@ -54,6 +54,7 @@ from realloc.runtime.control.pool_dtypes import LOCAL_DEVICE_ENV, reallocate_mod
 from realloc.runtime.control.worker_fused import run_request
 from realloc.runtime.control.worker_heartbeat import HEARTBEAT_INTERVAL, Heartbeat
 from realloc.runtime.control.worker_partial import PartialStore
+from realloc.runtime.control.worker_sends import PendingSends
 from realloc.runtime.control.worker_stream import Kept, streaming_generation
 from realloc.runtime.control.worker_tail import migrating_generation
 from realloc.runtime.inputs.datasets import dataset_rows, load_dataset
@@ -157,6 +158,7 @@ class ModelWorker:
         self.row_tokens: tuple[int, list[int]] = (0, [])  # a generation's (first row, tokens per row), likewise
         self.held_rows: list[int] = []  # a migrating generation's rows at its end (worker_tail.py), likewise
         self.streams: Kept = {}  # a streaming generation's decoding between its two requests (worker_stream.py)
+        self.sends = PendingSends()  # data sent point to point, not waited for (worker_sends.py)
 
     def on_stop_signal(self, signum: int, frame: object) -> None:
         """SIGTERM (a cluster ending the job) does not end this worker: the master is told with the next
@@ -226,6 +228,8 @@ class ModelWorker:
             self.store.release(req.before_iteration)
         elif isinstance(req, protocol.EnsureGroups):
             self.groups.ensure_rank_sets(req.rank_sets)
+        if isinstance(req, (protocol.ReleaseData, protocol.SaveCheckpoint, protocol.Shutdown)):
+            self.sends.drain()
         return {}, []  # Shutdown: serve() stops after the reply
 
     # -- setup ----------------------------------------------------------------------------------------------
@@ -337,7 +341,8 @@ class ModelWorker:
             dp, pp = cl.strategy.dp, cl.strategy.pp
         lo, hi = ranges[dp_rank] if ranges else dp_ranges(prog.batch_size, dp)[dp_rank]  # token-balanced, or even
         ids: Sequence[int] = rows[dp_rank] if rows else range(lo, hi)  # or a list: a part of a streamed call
-        if rows and not ids:  # this dp rank has no rows in this part
+        if rows and not ids and (call, iteration) not in self.streams:  # no rows in this part (a chunked
+            # stream's replica without running rows still joins the counts, worker_stream.py)
             return {}, []
         inputs: Data = {}
         for role, key in in_keys.items():
@@ -471,7 +476,7 @@ class ModelWorker:
                 received += n
             if len(dsts) == 1:
                 if src == me:
-                    dist.send(buf, dsts[0])
+                    self.sends.send(buf, dsts[0])
                 else:
                     dist.recv(buf, src)
             else:

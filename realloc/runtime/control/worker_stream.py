@@ -10,6 +10,11 @@ graph/tail.py; docs/tail-semantics.md). The call takes two ``RunCall`` requests:
    end and runs the interface function on those rows. Between the two, the master moves the finished rows to the
    consumers off the generation's mesh, which start on them.
 
+With ``chunks=k`` (chunked streaming) the call takes k + 1 requests: request j <= k continues the kept decoding to
+split point j (``graph/tail.split_thresholds``) and replies with the rows finished since the last one; request k + 1
+decodes the rest to the end. Every replica takes every request while the call still runs anywhere (it joins the
+running-row counts even with no running row of its own).
+
 Every row is decoded by the same steps as without the entry, so the results are the plain run's.
 """
 
@@ -22,11 +27,12 @@ import torch
 import torch.distributed as dist
 
 from realloc.algorithms.context import CallContext, CallResult, Data
-from realloc.graph.tail import TailMigration
+from realloc.graph.tail import TailMigration, split_thresholds
 from realloc.models.stream_decode import SplitGeneration
 from realloc.runtime.control.worker_tail import GenerateReplay, captured_generate
 
-Kept = dict[tuple[str, int], tuple[SplitGeneration, list[int], list[int], Data]]
+# (call, iteration) -> the decoding, sequence ids, running local positions, inputs, split points passed
+Kept = dict[tuple[str, int], tuple[SplitGeneration, list[int], list[int], Data, int]]
 
 
 def _rows_of(inputs: Data, positions: list[int]) -> Data:
@@ -46,30 +52,41 @@ def streaming_generation(ctx: CallContext, fn: Callable[[CallContext, Data], Cal
     """One of the call's two requests on this replica (see the module docstring): the result covers the rows it
     returns beside it, ascending (None and no rows: this replica has none in this part)."""
     state = kept.pop((call, ctx.iteration), None)
-    if state is not None:  # the second request: the running rows to their end
-        gen, seq_ids, running, held = state
+    if state is not None:  # a later request: the running rows to the next split point, or to their end
+        gen, seq_ids, running, held, passed = state
         if list(ctx.ids) != [seq_ids[i] for i in running]:
-            raise ValueError(f"call {call!r}: the second part names rows {list(ctx.ids)}, but this replica decodes "
-                             f"{[seq_ids[i] for i in running]}")
+            raise ValueError(f"call {call!r}: request {passed + 1} names rows {list(ctx.ids)}, but this replica "
+                             f"decodes {[seq_ids[i] for i in running]}")
+        if passed < tail.chunks:
+            return _to_split(ctx, fn, gen, seq_ids, held, tail, call, kept, passed, running)
         gen.finish()
+        if not running:
+            return None, []
         return _run_on(ctx, fn, gen, list(ctx.ids), running, held, call), list(ctx.ids)
     model = ctx.model
     assert model is not None
     a = captured_generate(ctx, fn, inputs, call)
+    gen = SplitGeneration(model, a.prompts, a.gconfig, a.seq_ids, a.n_mbs)
+    return _to_split(ctx, fn, gen, a.seq_ids, inputs, tail, call, kept, 0, list(range(len(a.seq_ids))))
+
+
+def _to_split(ctx: CallContext, fn: Callable[[CallContext, Data], CallResult], gen: SplitGeneration,
+              seq_ids: list[int], inputs: Data, tail: TailMigration, call: str, kept: Kept, passed: int,
+              before: list[int]) -> tuple[CallResult | None, list[int]]:
+    """Decode to split point ``passed + 1`` and run the interface function on the rows that finished since
+    (local positions ``before`` were running)."""
+    model = gen.model
 
     def global_count(local: int) -> int:
         t = torch.tensor([local], dtype=torch.long, device=model.device)
         dist.all_reduce(t, group=model.groups.dp_group)
         return int(t.item())
 
-    gen = SplitGeneration(model, a.prompts, a.gconfig, a.seq_ids, a.n_mbs)
-    gen.until(global_count, tail.rows)  # False: every row ended (the running list is empty)
-    running = gen.running()
-    if running:
-        kept[call, ctx.iteration] = (gen, a.seq_ids, running, inputs)
-    finished = [i for i in range(len(a.seq_ids)) if i not in set(running)]
+    threshold = split_thresholds(ctx.batch_size, tail.rows, tail.chunks)[passed]
+    if gen.until(global_count, threshold):  # the call still runs somewhere: every replica takes the next request
+        kept[call, ctx.iteration] = (gen, seq_ids, gen.running(), inputs, passed + 1)
+    finished = sorted(set(before) - set(gen.running()))
     if not finished:
         return None, []
-    ids = [a.seq_ids[i] for i in finished]
+    ids = [seq_ids[i] for i in finished]
     return _run_on(ctx, fn, gen, ids, finished, inputs, call), ids
-
