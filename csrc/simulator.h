@@ -30,8 +30,8 @@
 namespace rl {
 
 struct Evaluation {
-    double time = 0.0;       // steady-state seconds per iteration: (T_K - T_1) / (K - 1)
-    double makespan = 0.0;   // end of the last node of iteration K
+    double time = 0.0;       // steady-state seconds per iteration over the priced window (problem.h)
+    double makespan = 0.0;   // end of the last node of the window's last iteration
     double cost = 0.0;       // time, or the OOM-penalized time (realhf.txt §5.2)
     int64_t peak_memory = 0; // bytes on the most loaded device
     int64_t overflow = 0;    // peak_memory - device_memory if positive
