@@ -104,7 +104,8 @@ Evaluator::Evaluator(const Problem& problem) : p_(problem) {
 // node ends no later than its child). For last nodes x, y let A[x][y] be the length of a path from x in one
 // iteration to y in the next. T_1 is the end of some last node x, and T_K is no earlier than the end of
 // any node of iteration K, so T_K - T_1 >= the longest chain x -> ... (K - 1 steps of A), and the
-// steady-state time (T_K - T_1) / (K - 1) is at least the smallest such chain over x, / (K - 1). In a PPO
+// steady-state time (T_K - T_1) / (K - 1) is at least the smallest such chain over x, / (K - 1); the same holds for
+// the priced window's T_last - T_first over last - first steps (problem.h). In a PPO
 // graph the last nodes are the train steps; the critic's leads into the actor's cycle through the values
 // the actor trains on. Per pair, the path kept is the one through the most nodes (a plan-independent
 // stand-in for the longest). An OOM plan's cost is its time times at least oom_alpha, so this rejects
