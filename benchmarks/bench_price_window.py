@@ -1,6 +1,6 @@
 """The planner's priced window (docs/search.md, "The price of a plan") against a long run, and its cost.
 
-    .venv/bin/python benchmarks/bench_price_window.py                 # both sections, ~3 min on 2 cores
+    .venv/bin/python benchmarks/bench_price_window.py                 # both sections, a few minutes on a quiet machine
     .venv/bin/python benchmarks/bench_price_window.py --only accuracy
 
 1. accuracy: random problems of the simulator tests (random graphs, placements, costs; half of them with
