@@ -80,7 +80,7 @@ def search_space(path: str, n_plans: int):
     rng = np.random.default_rng(0)
     plans = np.repeat(report.indices[None], n_plans, 0)
     for row in plans:
-        c = rng.integers(0, len(row))
+        c = rng.integers(0, len(space.n_candidates))  # a call (a plan's last entries say which fused pairs are on)
         row[c] = rng.integers(0, space.n_candidates[c])
     space.price_missing(np.concatenate([space.cpp.missing(row) for row in plans[:2000]]))
     return report, space, plans

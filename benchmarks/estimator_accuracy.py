@@ -124,7 +124,7 @@ def estimate(graph: DataflowGraph, cost: CostModel, plan: ExecutionPlan) -> Esti
     want = {c: (meshes[c], p.strategy, p.n_mbs, p.recompute) for c, p in plan.placements.items()}
     p = space.problem
     records = space.cpp.schedule(idx)
-    steady = range(1, p.n_iterations)
+    steady = range(p.priced_window[0] + 1, p.priced_window[1] + 1)  # the priced window's iterations
     realloc = sum(r[5] - r[4] for r in records if r[0] == _C.NODE_REALLOC and r[3] in steady) / len(steady)
     data = sum(r[5] - r[4] for r in records if r[0] == _C.NODE_DATA and r[3] in steady) / len(steady)
     calls = {c: cost.call_cost(c, *want[c]).time for c in graph.topo_order}
@@ -404,8 +404,9 @@ def draw(results: list[PlanResult], timeline_plan: str, graph: DataflowGraph, pa
     ax.legend()
 
     res = next(r for r in results if r.name == timeline_plan)
-    n_it = res.est.space.problem.n_iterations - 1
-    est = estimated_panel(res.est.space, res.est.indices, res.est.plan, iterations=n_it, skip=1,
+    first, last = res.est.space.problem.priced_window
+    n_it = last - first
+    est = estimated_panel(res.est.space, res.est.indices, res.est.plan, iterations=n_it, skip=first + 1,
                           title=f"estimated: {res.name}, {n_it} steady iterations ({res.est.time:.3f} s/it)")
     run = min(res.runs, key=lambda r: abs(r.time - res.measured))
     steady_its = range(run_first_iteration(run), run_first_iteration(run) + n_it)

@@ -219,6 +219,14 @@ PYBIND11_MODULE(_C, m) {
             },
             py::arg("edge"), py::arg("part1"), py::arg("part2"), py::arg("share1"), py::arg("share2"))
         .def(
+            "set_window",
+            [](rl::Problem& p, int warmup, int lookahead) {
+                p.warmup = warmup;
+                p.lookahead = lookahead;
+                p.finalized = false;
+            },
+            py::arg("warmup"), py::arg("lookahead"), "the priced window: csrc/problem.h")
+        .def(
             "set_staleness",
             [](rl::Problem& p, int staleness, const Array<int32_t>& stale_calls) {
                 p.staleness = staleness;
@@ -288,6 +296,8 @@ PYBIND11_MODULE(_C, m) {
             "evaluate() that may stop once the plan is proven to cost more than limit and no better than the best "
             "(complete=False; simulated=False if proven before simulating); the MCMC's early rejection.")
         .def_property_readonly("n_iterations", [](const rl::Problem& p) { return p.n_iterations; })
+        .def_property_readonly("warmup", [](const rl::Problem& p) { return p.warmup; })
+        .def_property_readonly("lookahead", [](const rl::Problem& p) { return p.lookahead; })
         .def(
             "evaluate",
             [](const rl::Problem& p, const Array<int32_t>& plan) {

@@ -89,6 +89,8 @@ void Problem::finalize() {
     const int n_m = n_models();
     if (n_devices < 1) fail("n_devices must be positive");
     if (n_iterations < 3) fail("n_iterations must be at least 3 to measure a steady-state iteration");
+    if (warmup < 0 || lookahead < 0 || last_priced() - first_priced() < 2)
+        fail("warmup and lookahead must be >= 0 and leave at least 3 priced iterations of n_iterations");
     if (device_memory < 1) fail("device_memory must be positive");
     if (!(oom_alpha >= 1.0)) fail("oom_alpha must be at least 1");
     if (!(dispatch_latency >= 0.0) || !std::isfinite(dispatch_latency)) fail("dispatch_latency must be finite and >= 0");

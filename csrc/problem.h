@@ -124,6 +124,14 @@ struct FusedPair {
 struct Problem {
     int n_devices = 0;
     int n_iterations = 4;
+    // The priced window (docs/search.md, "The price of a plan"): a plan costs (T_last - T_first) / (last - first)
+    // seconds per iteration, T_t being the end of iteration t's last node, first = warmup and last =
+    // n_iterations - 1 - lookahead (0-based). The warm-up iterations are the start-up transient (generation running
+    // ahead at staleness > 0); the lookahead iterations are simulated only so that the last priced iteration's calls
+    // queue behind the next iteration's, as in a long run (a plan that overlaps iterations is priced low without).
+    // 0 and 0: (T_K - T_1) / (K - 1) over the whole unrolled graph.
+    int warmup = 0;
+    int lookahead = 0;
     int64_t device_memory = 0;
     double oom_alpha = 100.0;
     // Seconds from the end of a call or reallocation on its devices until the runtime's master has
@@ -188,6 +196,8 @@ struct Problem {
     int n_calls() const { return static_cast<int>(call_model.size()); }
     int n_models() const { return static_cast<int>(model_home.size()); }
     int n_nodes() const { return static_cast<int>(iter_nodes.size()) * n_iterations; }
+    int first_priced() const { return warmup; }
+    int last_priced() const { return n_iterations - 1 - lookahead; }
     int n_tables() const { return n_models() + static_cast<int>(data_edges.size()); }
     int plan_size() const { return n_calls() + static_cast<int>(fused.size()); }
     int host_size() const { return devices_per_node > 0 ? devices_per_node : n_devices; }

@@ -104,7 +104,8 @@ Evaluator::Evaluator(const Problem& problem) : p_(problem) {
 // node ends no later than its child). For last nodes x, y let A[x][y] be the length of a path from x in one
 // iteration to y in the next. T_1 is the end of some last node x, and T_K is no earlier than the end of
 // any node of iteration K, so T_K - T_1 >= the longest chain x -> ... (K - 1 steps of A), and the
-// steady-state time (T_K - T_1) / (K - 1) is at least the smallest such chain over x, / (K - 1). In a PPO
+// steady-state time (T_K - T_1) / (K - 1) is at least the smallest such chain over x, / (K - 1); the same holds for
+// the priced window's T_last - T_first over last - first steps (problem.h). In a PPO
 // graph the last nodes are the train steps; the critic's leads into the actor's cycle through the values
 // the actor trains on. Per pair, the path kept is the one through the most nodes (a plan-independent
 // stand-in for the longest). An OOM plan's cost is its time times at least oom_alpha, so this rejects
@@ -157,7 +158,8 @@ void Evaluator::find_paths() {
 
 bool Evaluator::paths_exceed(double stop_time) {
     if (!(stop_time < std::numeric_limits<double>::infinity()) || n_last_ == 0) return false;
-    const int m = n_last_, K = p_.n_iterations;
+    // the priced window's steps (problem.h): T_last - T_first >= a chain of that many steps from T_first's node
+    const int m = n_last_, steps = p_.last_priced() - p_.first_priced();
     constexpr double kNone = -std::numeric_limits<double>::infinity();
     const Slot* slot = slot_.data();
     const int32_t* start = path_start_.data();
@@ -175,13 +177,13 @@ bool Evaluator::paths_exceed(double stop_time) {
         longest = std::max(longest, length);
     }
     // the simulation's own rounding must never make a run that comes out just under the limit stop
-    const double bar = stop_time * (K - 1) * (1.0 + 1e-9);
-    if (!(longest * (K - 1) > bar)) return false;  // no chain is longer than K - 1 longest steps
+    const double bar = stop_time * steps * (1.0 + 1e-9);
+    if (!(longest * steps > bar)) return false;  // no chain is longer than `steps` longest steps
     double* d = a + m * m;
     double* next = d + m;
     for (int x = 0; x < m; ++x) {
         std::copy(a + x * m, a + x * m + m, d);
-        for (int step = 1; step < K - 1; ++step) {
+        for (int step = 1; step < steps; ++step) {
             for (int y = 0; y < m; ++y) {
                 double best = kNone;
                 for (int z = 0; z < m; ++z) best = std::max(best, d[z] + a[z * m + y]);
@@ -390,6 +392,11 @@ template <bool kBounded, bool kRecords, bool kFused>
 bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, double stop_time) {
     const int total = p_.n_nodes();
     const int K = p_.n_iterations;
+    // The priced window (problem.h): once every node up to its last iteration is done, T_first and T_last are
+    // final (a node's end is fixed when it leaves the queue), so an evaluation stops there; the lookahead
+    // iterations' nodes that were ready before ran, which is all they are for.
+    const int first = p_.first_priced(), last = p_.last_priced();
+    int pending = (last + 1) * per_;
     const int n_atoms = n_atoms_;
     // Raw pointers: through the vectors, every store to the state would make the compiler reload
     // every vector's data pointer.
@@ -451,10 +458,10 @@ bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, doubl
             s.busy_cost = !s.pass && covers && !(kFused && s.joined == 2) ? s.cost : 0.0;
             left += s.busy_cost;
         }
-        left *= K;
+        left *= last + 1;  // the priced iterations' work: every node up to the last one ends by T_last
     }
     // rounding in the work sums must never stop a run that would come out just under the limit
-    const double stop_span = stop_time * (K - 1) * (1.0 + 1e-9);
+    const double stop_span = stop_time * (last - first) * (1.0 + 1e-9);
 
     // Algorithm 1: take the ready node with the smallest ready time (ties: the lowest rank); it starts
     // when its mesh's devices are all free.
@@ -483,12 +490,14 @@ bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, doubl
             for (int a = a1; a < b1; ++a) free[a] = end;
             for (int a = a2; a < b2; ++a) free[a] = end;
             for (int a = a1; a < s.mid && s.hold > 0.0; ++a) free[a] = end + s.hold;  // the tail (tail.cpp)
-            if (kBounded) left -= s.busy_cost + (kFused && q >= 0 ? slot[link[q].tmpl].busy_cost : 0.0);
+            if (kBounded && node.iter <= last)
+                left -= s.busy_cost + (kFused && q >= 0 ? slot[link[q].tmpl].busy_cost : 0.0);
         }
         auto done = [&](int32_t r, const Link& node, const Slot& s) {
             IterState& it = iter[node.iter];
             it.end = std::max(it.end, end);
             --it.left;
+            pending -= node.iter <= last;
             if (kRecords) record(plan, records, order_[r], start, end);
             const double out = end + s.latency;
             for (int i = node.child_begin; i < node.child_end; ++i) {
@@ -509,6 +518,7 @@ bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, doubl
                 IterState& ct = iter[child.iter];
                 ct.end = std::max(ct.end, t);
                 --ct.left;
+                pending -= child.iter <= last;
                 if (kRecords) record(plan, records, order_[u], t, t);
                 for (int k = child.child_begin; k < child.child_end; ++k) {
                     const int32_t w = children[k];
@@ -520,18 +530,19 @@ bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, doubl
         };
         done(r, node, s);
         if (kFused && q >= 0) done(q, link[q], slot[link[q].tmpl]);
-        // T_1 is known once the first iteration is done. While the last one is not, T_K is at least the
-        // next ready time (a node of it is still to come, and nodes leave the queue in order of ready
+        if (!kRecords && pending == 0) return true;  // the priced window is done
+        // T_first is known once the first priced iteration is done. While the last one is not, T_last is at
+        // least the next ready time (a node of it is still to come, and nodes leave the queue in order of ready
         // time), and max(next ready time, busy's free) + the work left there: no node starts earlier,
-        // they run one after another, and all end by T_K.
-        if (kBounded && iter[0].left == 0 && ((head - queue_.data()) & (kBoundEvery - 1)) == 0 && head < tail) {
-            double t_k = iter[K - 1].end;
-            if (iter[K - 1].left) {
+        // they run one after another, and all end by T_last.
+        if (kBounded && iter[first].left == 0 && ((head - queue_.data()) & (kBoundEvery - 1)) == 0 && head < tail) {
+            double t_k = iter[last].end;
+            if (iter[last].left) {
                 const double next = key_time(*head);
                 t_k = std::max(t_k, next);
                 if (use_busy) t_k = std::max(t_k, std::max(next, free[busy]) + left);
             }
-            if (t_k - iter[0].end > stop_span) return false;
+            if (t_k - iter[first].end > stop_span) return false;
         }
     }
     return true;
@@ -551,11 +562,11 @@ void Evaluator::release_children(int v, double end) {
 }
 
 void Evaluator::finish(Evaluation& ev) const {
-    const int K = p_.n_iterations;
-    const double t_1 = p_.shares_cores() ? iter_end_[0] : iter_[0].end;
-    const double t_k = p_.shares_cores() ? iter_end_[K - 1] : iter_[K - 1].end;
+    const int first = p_.first_priced(), last = p_.last_priced();
+    const double t_1 = p_.shares_cores() ? iter_end_[first] : iter_[first].end;
+    const double t_k = p_.shares_cores() ? iter_end_[last] : iter_[last].end;
     ev.makespan = t_k;
-    ev.time = (t_k - t_1) / (K - 1);
+    ev.time = (t_k - t_1) / (last - first);
     // realhf.txt §5.2 multiplies an OOM plan's time by a large alpha. We scale alpha by
     // (1 + overflow fraction) so that among OOM plans the chain still moves toward ones that fit.
     ev.cost = ev.feasible ? ev.time

@@ -30,8 +30,8 @@
 namespace rl {
 
 struct Evaluation {
-    double time = 0.0;       // steady-state seconds per iteration: (T_K - T_1) / (K - 1)
-    double makespan = 0.0;   // end of the last node of iteration K
+    double time = 0.0;       // steady-state seconds per iteration over the priced window (problem.h)
+    double makespan = 0.0;   // end of the last node of the window's last iteration
     double cost = 0.0;       // time, or the OOM-penalized time (realhf.txt §5.2)
     int64_t peak_memory = 0; // bytes on the most loaded device
     int64_t overflow = 0;    // peak_memory - device_memory if positive
@@ -76,7 +76,7 @@ public:
     Evaluation evaluate(const int32_t* plan, std::vector<MissingPair>* missing = nullptr);
     // evaluate(), except that it may stop as soon as the plan is proven to cost more than `limit` and to
     // be no better than `best` (mcmc.h's better()); it then returns complete = false. Memory is checked
-    // first; once the first iteration's nodes are all done (T_1 is known), T_K is bounded below by
+    // first; once the priced window's first iteration is done (T_first is known; problem.h), T_last is bounded below by
     // max(next ready time, atom free) + the work left on that atom, for the atom with the most work:
     // nodes leave the queue in order of ready time, none starts before it is ready or before its
     // atoms are free, and the work left on one atom runs one node after another (this part only when

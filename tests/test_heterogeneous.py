@@ -231,11 +231,12 @@ def test_search_on_pools_is_never_slower_than_the_strongest_pool_alone(het):
     report = plan_search(spec, None, max_evals=3000, n_threads=1)
     assert report.alone_pool == strongest_pool(spec.cluster) == 0 and report.alone is not None
     assert report.plan.estimated_time <= report.alone.plan.estimated_time
-    # the strongest pool's plan costs the same on the whole cluster (its pool's model prices it as alone)
+    # the strongest pool's plan costs the same on the whole cluster (its pool's model prices it as alone), up to a
+    # fused train pair's schedule, which each space searches briefly (within 0.1%, search/fused_space.py)
     lifted = on_cluster(report.alone.plan, graph)
     validate_plan(lifted, graph)
     assert report.space.evaluate(report.space.indices_of(lifted))["time"] == pytest.approx(
-        report.alone.plan.estimated_time, rel=1e-12)
+        report.alone.plan.estimated_time, rel=1e-12 if not report.alone.plan.fused else 1e-3)
 
 
 # -- runtime -------------------------------------------------------------------------------------------

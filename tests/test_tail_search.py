@@ -102,9 +102,11 @@ def test_search_migrates_the_tail_and_keeps_the_plan_without_beside_it():
 
 def test_search_prints_the_migration_and_the_plan_without(tmp_path, capsys, monkeypatch):
     src = tmp_path / "tail_tiny.py"
-    text = open("experiments/ppo_tiny.py").read().replace("gen_len=8)", "gen_len=128)", 1)
+    # a tail long enough that migrating it beats running it out, priced over the planner's window with lookahead
+    # (at gen_len 128, p99 102 the search runs every generation to its end)
+    text = open("experiments/ppo_tiny.py").read().replace("gen_len=8)", "gen_len=240)", 1)
     src.write_text(text.replace("@auto(", "@auto(response_lengths=__import__('realloc.api').api.ResponseLengths"
-                                ".lognormal(median=8, p99=102), ", 1))
+                                ".lognormal(median=8, p99=230), ", 1))
     spec = load_experiment(str(src))
     assert not spec.response_lengths.is_fixed
     assert main(["search", str(src), "--evals", "2000", "--threads", "1"]) == 0

@@ -93,9 +93,9 @@ def main(args: argparse.Namespace) -> int:
     if not args.no_estimate:
         # a multi-turn run's estimate is priced on the turns and tool time it recorded (search/turns_report.py)
         space, indices = estimate_plan(build_graph(turns_from(spec, run.root)), plan)
-        n = min(len(its), space.problem.n_iterations)  # the simulator unrolls a few iterations
-        panels.append(estimated_panel(space, indices, plan, iterations=n,
-                                      skip=min(its.start - 1, space.problem.n_iterations - n)))
+        priced = space.problem.priced_window[1] + 1  # the simulator unrolls a few iterations (and lookahead)
+        n = min(len(its), priced)
+        panels.append(estimated_panel(space, indices, plan, iterations=n, skip=min(its.start - 1, priced - n)))
     write_timeline(panels, out, common_scale=args.common_scale)
     for p in panels:
         print(p.title)

@@ -33,16 +33,32 @@ from realloc.strategy import ParallelStrategy
 
 Layout = tuple[DeviceMesh, ParallelStrategy]
 
-# realhf.txt §4 unrolls the graph over iterations; 4 gives a steady state (T_4 - T_1) / 3
-# even when calls of consecutive iterations overlap.
-DEFAULT_ITERATIONS = 4
-# Iterations simulated per unit of staleness on top: generation running ahead starts on the first parameters
-# for eta iterations, a transient that (T_K - T_1) / (K - 1) spreads over K - 1 iterations.
+# realhf.txt §4 unrolls the graph over iterations; a plan is priced over a window of them (csrc/problem.h,
+# docs/search.md "The price of a plan"): (T_8 - T_2) / 6. The first iteration is a warm-up (nothing of a previous
+# iteration to queue behind); the window spans 6 iterations, so a schedule that repeats every 1, 2, 3 or 6
+# iterations averages exactly; 2 lookahead iterations after it give the last priced iteration's calls the next
+# iterations' calls to queue behind, as in a long run. Without them a plan whose calls of iteration t run after
+# calls of t + 1 was priced low (FlexRLHF Table III's best A100 plan: 17.47 s over 4 iterations, 19.8 s long-run).
+WARMUP_ITERATIONS = 1
+PRICED_STEPS = 6
+LOOKAHEAD_ITERATIONS = 2
+DEFAULT_ITERATIONS = WARMUP_ITERATIONS + PRICED_STEPS + 1 + LOOKAHEAD_ITERATIONS
+# Iterations simulated per unit of staleness on top, as more warm-up: generation running ahead starts on the first
+# parameters for eta iterations, a transient left out of the window.
 ASYNC_EXTRA_ITERATIONS = 3
 # Priced pairs a table needs before its median stands in for unpriced ones.
 PROVISIONAL_MIN_KNOWN = 5
 # realhf.txt §5.2: "alpha is a large integer representing the OOM penalty".
 OOM_ALPHA = 100.0
+
+
+def window_fields(n_iterations: int) -> dict[str, int]:
+    """The priced window of a graph unrolled over ``n_iterations`` (at least 6): warm-up and lookahead."""
+    if n_iterations < WARMUP_ITERATIONS + LOOKAHEAD_ITERATIONS + 3:
+        raise ValueError(f"n_iterations={n_iterations}: the planner prices a plan over the iterations between "
+                         f"{WARMUP_ITERATIONS} warm-up and {LOOKAHEAD_ITERATIONS} lookahead iterations; use at least "
+                         f"{WARMUP_ITERATIONS + LOOKAHEAD_ITERATIONS + 3} (default {DEFAULT_ITERATIONS})")
+    return dict(warmup=WARMUP_ITERATIONS, lookahead=LOOKAHEAD_ITERATIONS)
 
 
 class NoFitError(ValueError):
@@ -293,7 +309,7 @@ class PlanSpace:
             call_model=tuple(model_of), model_names=models,
             model_home=tuple(index[homes[m]] for m in models), candidates=tuple(arrays),
             order_edges=tuple(order_edges), carry_edges=carry, data_edges=tuple(data_edges), data_costs=data,
-            realloc_costs=realloc, n_iterations=n_iterations, oom_alpha=OOM_ALPHA,
+            realloc_costs=realloc, n_iterations=n_iterations, oom_alpha=OOM_ALPHA, **window_fields(n_iterations),
             dispatch_latency=cost.hw.dispatch_latency, **pool_fields(cluster), **tail_fields,
             **home_keep_fields(cluster, graph, calls))
         options = tuple(cc.options for cc in priced)
@@ -334,7 +350,8 @@ class PlanSpace:
         base = p.n_iterations - ASYNC_EXTRA_ITERATIONS * p.staleness
         stale = tuple(i for i, c in enumerate(p.call_names) if c in self.graph.stale_calls) if staleness else ()
         problem = dataclasses.replace(p, staleness=staleness, stale_calls=stale,
-                                      n_iterations=base + ASYNC_EXTRA_ITERATIONS * staleness)
+                                      n_iterations=base + ASYNC_EXTRA_ITERATIONS * staleness,
+                                      warmup=p.warmup - ASYNC_EXTRA_ITERATIONS * (p.staleness - staleness))
         return dataclasses.replace(self, problem=problem)
 
     @cached_property

@@ -154,6 +154,10 @@ class SearchProblem:
     realloc_costs: tuple[PairCosts, ...]  # per model: previous call's layout -> call's layout
     n_iterations: int = 4
     oom_alpha: float = 100.0
+    # The priced window (csrc/problem.h): of the n_iterations unrolled, the first ``warmup`` and the last
+    # ``lookahead`` are simulated but not priced; 0 and 0: (T_K - T_1) / (K - 1).
+    warmup: int = 0
+    lookahead: int = 0
     # Seconds between the end of a call or reallocation and the dispatch of what waited for it (the
     # runtime's master round trip); a delay on the edges out of call and reallocation nodes.
     dispatch_latency: float = 0.0
@@ -178,6 +182,11 @@ class SearchProblem:
     # may run in two parts. Empty: no call migrates, the graph of before.
     tail_columns: tuple[tuple[int, TailColumns], ...] = ()
     tail_splits: tuple[TailSplit, ...] = ()
+
+    @property
+    def priced_window(self) -> tuple[int, int]:
+        """(first, last): the plan costs (T_last - T_first) / (last - first) per iteration (0-based)."""
+        return self.warmup, self.n_iterations - 1 - self.lookahead
 
     def capacity(self, device: int) -> int:
         """Usable bytes of ``device`` (its pool's)."""
@@ -238,6 +247,8 @@ class SearchProblem:
             copy_pair_costs(p, table_id, t.known)
         p.set_edges(np.asarray(self.order_edges, np.int32).reshape(-1, 2),
                     np.asarray(self.carry_edges, np.int32).reshape(-1, 2))
+        if self.warmup or self.lookahead:
+            p.set_window(self.warmup, self.lookahead)
         if self.staleness:
             p.set_staleness(self.staleness, np.asarray(self.stale_calls, np.int32))
         if self.pool_start:

@@ -30,8 +30,9 @@ else its end unblocks, then the node numbered first, in the order above); it sta
 is first in line on all its devices.
 That is Algorithm 1. When hosts have fewer cores than devices (``shares_cores``), the b busy
 devices of a host with c < b cores each run at rate c / b, a node at its slowest host's rate.
-The steady-state time per iteration is (T_K - T_1) / (K - 1), T_t being the last end time
-of iteration t's nodes.
+The steady-state time per iteration is (T_last - T_first) / (last - first), T_t being the last end time
+of iteration t's nodes, over the priced window (``SearchProblem.priced_window``: warm-up iterations before it,
+lookahead iterations after it that are simulated but not priced).
 """
 
 from __future__ import annotations
@@ -390,11 +391,11 @@ def device_memory(p: SearchProblem, plan: Sequence[int]) -> tuple[list[int], lis
 
 def evaluate(p: SearchProblem, plan: Sequence[int]) -> dict:
     """Time, memory and cost of ``plan`` (one candidate index per call), like ``_C.Problem.evaluate``."""
-    K = p.n_iterations
-    ends = [0.0] * K
+    ends = [0.0] * p.n_iterations
     for r in schedule(p, plan):
         ends[r["iteration"]] = max(ends[r["iteration"]], r["end"])
-    time = (ends[K - 1] - ends[0]) / (K - 1)
+    first, last = p.priced_window
+    time = (ends[last] - ends[first]) / (last - first)
     _, peak, dyn_call = device_memory(p, plan)
     top = max(peak)
     dev = peak.index(top)
@@ -405,5 +406,5 @@ def evaluate(p: SearchProblem, plan: Sequence[int]) -> dict:
         overflow = max(0, top - p.device_memory)
         feasible = top <= p.device_memory
     cost = time if feasible else time * p.oom_alpha * (1.0 + overflow / p.device_memory)
-    return dict(time=time, makespan=ends[K - 1], cost=cost, peak_memory=top, overflow=overflow, peak_device=dev,
+    return dict(time=time, makespan=ends[last], cost=cost, peak_memory=top, overflow=overflow, peak_device=dev,
                 peak_call=dyn_call[dev], feasible=feasible, exact=not missing_pairs(p, plan))

@@ -51,7 +51,7 @@ def transfer_summary(space: PlanSpace, indices: np.ndarray) -> list[str]:
     """Reallocation and data-transfer nodes of one steady-state iteration, from the schedule."""
     p = space.problem
     records = space.cpp.schedule(np.asarray(indices, np.int32))
-    t = p.n_iterations - 1
+    t = p.priced_window[1]  # the last priced iteration (its successors are simulated too)
     out = []
     realloc = [r for r in records if r[0] == _C.NODE_REALLOC and r[3] == t and r[5] > r[4]]
     for r in realloc:
