@@ -49,7 +49,7 @@ SFT_FIRST = 100  # the first checkpoint the probe looks at
 # The share of sampled rollouts (GRPO's temperature, training prompts) that must be right: at the shipped
 # fixed 150 iterations natively it was ~6-10% and GRPO gained 27-36 points; under avx2 ~3% (+7 points).
 SFT_TARGET = 0.10
-PROBE_PROMPTS, PROBE_SAMPLES, PROBE_TEMPERATURE = 128, 2, 0.8
+PROBE_PROMPTS, PROBE_SAMPLES, PROBE_TEMPERATURE = 64, 4, 0.8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +77,7 @@ def tool_accuracy(checkpoint: Path, use_tool: bool, limit: int | None = None, da
     from realloc.tools.builtin import calculate
 
     hf_logging.disable_progress_bar()
+    torch.set_num_threads(1)  # a small model; the runs' workers have the cores (more threads only wait, under load)
     tok = Tokenizer.load(DATA / TOKENIZER_DIR)
     model = AutoModelForCausalLM.from_pretrained(str(checkpoint)).eval()
     lines = (DATA / dataset).read_text().splitlines()[:limit]
@@ -167,28 +168,42 @@ def _export(run_dir: Path, out: Path, iteration: int | None = None) -> Path:
 
 
 def pick_sft(run_dir: Path, probe_dir: Path, target: float = SFT_TARGET) -> tuple[int, float]:
-    """The first checkpoint of the tool SFT run (``SFT_FIRST``, every ``SFT_EVERY``) whose sampled rollouts on
-    training prompts are right at least ``target`` of the time, and that share; the last one if none is.
-    Checkpoints ``SFT_EVERY`` apart are scanned upward; the share rises with the iterations but not strictly, so
-    the first one past the target is kept, not a bisection's."""
-    share = 0.0
-    for it in range(SFT_FIRST, SFT_MAX_ITERATIONS + 1, SFT_EVERY):
-        s = tool_accuracy(_export(run_dir, probe_dir, it), True, PROBE_PROMPTS, TRAIN_FILE, PROBE_TEMPERATURE,
-                          PROBE_SAMPLES)
-        share = s.accuracy
-        print(f"  SFT iteration {it}: {share:.1%} of {s.n} sampled rollouts on training prompts are right", flush=True)
-        if share >= target:
-            return it, share
-    return SFT_MAX_ITERATIONS, share
+    """A checkpoint of the tool SFT run (``SFT_FIRST`` .. ``SFT_MAX_ITERATIONS``, every ``SFT_EVERY``) whose
+    sampled rollouts on training prompts are right at least ``target`` of the time while the one before it is
+    not, found by bisection (the share rises with the iterations, through a jump), and its share; the last
+    checkpoint if none reaches the target."""
+    shares: dict[int, float] = {}
+
+    def share(it: int) -> float:
+        if it not in shares:
+            s = tool_accuracy(_export(run_dir, probe_dir, it), True, PROBE_PROMPTS, TRAIN_FILE, PROBE_TEMPERATURE,
+                              PROBE_SAMPLES)
+            shares[it] = s.accuracy
+            print(f"  SFT iteration {it}: {s.accuracy:.1%} of {s.n} sampled rollouts on training prompts are right",
+                  flush=True)
+        return shares[it]
+
+    lo, hi = SFT_FIRST // SFT_EVERY, SFT_MAX_ITERATIONS // SFT_EVERY  # in checkpoints
+    if share(hi * SFT_EVERY) < target:
+        return hi * SFT_EVERY, shares[hi * SFT_EVERY]
+    if share(lo * SFT_EVERY) >= target:
+        return lo * SFT_EVERY, shares[lo * SFT_EVERY]
+    while hi - lo > 1:  # share(lo) < target <= share(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if share(mid * SFT_EVERY) < target else (lo, mid)
+    return hi * SFT_EVERY, shares[hi * SFT_EVERY]
 
 
-def demo(root: Path, iterations: int | None = None, sft_iterations: int | None = None,
-         seed: int | None = None) -> dict[str, Score]:
+def demo(root: Path, iterations: int | None = None, sft_iterations: int | None = None, seed: int | None = None,
+         grpo_seed: int | None = None, reuse_sft: bool = False) -> dict[str, Score]:
     t0 = time.time()
     seeded = [] if seed is None else [f"seed={seed}"]
     sft_runs = {"tool": seeded, "direct": [f"dataset=data/{SFT_DIRECT_FILE}", *seeded]}
-    seconds = {f"sft_{arm}": _run("calc_sft.py", root / f"run_sft_{arm}", sets, sft_iterations or SFT_MAX_ITERATIONS,
-                                  0 if sft_iterations else SFT_EVERY) for arm, sets in sft_runs.items()}
+    seconds = {} if reuse_sft else {
+        f"sft_{arm}": _run("calc_sft.py", root / f"run_sft_{arm}", sets, sft_iterations or SFT_MAX_ITERATIONS,
+                           0 if sft_iterations else SFT_EVERY) for arm, sets in sft_runs.items()}
+    if grpo_seed is not None:
+        seeded = [f"seed={grpo_seed}"]
     if sft_iterations is None:
         t1 = time.time()
         sft_iterations, share = pick_sft(root / "run_sft_tool", root / "sft_probe")
@@ -237,9 +252,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="a fixed SFT length for both arms (default: the first checkpoint whose sampled rollouts are "
                         f"right {SFT_TARGET * 100:.0f}%% of the time, up to {SFT_MAX_ITERATIONS})")
     p.add_argument("--seed", type=int, default=None, help="every stage's seed (default: the experiments', 1)")
+    p.add_argument("--grpo-seed", type=int, default=None, help="the GRPO stage's seed (default: --seed's)")
+    p.add_argument("--reuse-sft", action="store_true",
+                   help="keep the SFT runs already in --run-dir (from an earlier call with the same SFT settings)")
     args = p.parse_args(argv)
     try:
-        demo(Path(args.run_dir).resolve(), args.iterations, args.sft_iterations, args.seed)
+        demo(Path(args.run_dir).resolve(), args.iterations, args.sft_iterations, args.seed, args.grpo_seed,
+             args.reuse_sft)
     except (ValueError, RuntimeError) as e:
         print(f"calc_demo: error: {e}", file=sys.stderr)
         return 2
