@@ -6,7 +6,9 @@
    give the turn profile, as ``realloc search --lengths-from RUN_DIR`` reads it.
 3. Measured runs under the three plans with another seed: the GENERATE call's time (``requests.jsonl``, the
    slowest rank, iterations after the first) next to the estimate of that plan's placement, priced from the dp2
-   plan's profile run (what a search prices every plan with) and from the same plan's.
+   plan's profile run (what a search prices every plan with), from the same plan's, and from the measured run's
+   own turns and tool seconds ("self"). On a shared machine the load moves between the runs; the self column
+   prices the call with the tool time of the same minutes, so it shows the estimator's error without that drift.
 
     .venv/bin/python benchmarks/bench_multiturn_plan.py [--sft runs/calc_demo/sft_tool] [--iterations 4]
 """
@@ -102,7 +104,7 @@ def main() -> None:
         for name, cost in costs.items():
             print(f"profile of the {name} run: " + profile_lines(cost.graph)[0].split(": ", 1)[1])
         print(f"{'plan (actor_gen)':<22}{'measured s':>11}{'range':>12}{'est. (dp2 profile)':>20}{'est/meas':>9}"
-              f"{'est. (own profile)':>20}{'est/meas':>9}")
+              f"{'est. (own profile)':>20}{'est/meas':>9}{'est. (self)':>13}{'est/meas':>9}{'tool ms':>9}")
         for name, plan in plans.items():
             run_dir = tmp / f"measured-{name.replace(' ', '_').replace(',', '')}"
             plan.save(tmp / "plan.json")
@@ -110,10 +112,14 @@ def main() -> None:
             times = _call_times(run_dir, "actor_gen")
             p = plan.placements["actor_gen"]
             mesh = validate_plan(plan, graph)["actor_gen"]
-            shared, own = (costs[k].call_cost("actor_gen", mesh, p.strategy, p.n_mbs).time for k in ("dp2", name))
+            mine = turns_from(dataclasses.replace(spec, response_lengths=lengths_from_run(run_dir)), run_dir)
+            costs["self"] = CostModel(build_graph(mine))
+            shared, own, self_ = (costs[k].call_cost("actor_gen", mesh, p.strategy, p.n_mbs).time
+                                  for k in ("dp2", name, "self"))
+            step_ms = float(profile_lines(costs["self"].graph)[0].split(" ms per tool step")[0].rsplit(" ", 1)[1])
             meas = statistics.mean(times)
             print(f"{name:<22}{meas:>11.2f}{f'{min(times):.2f}-{max(times):.2f}':>12}{shared:>20.2f}{shared / meas:>9.2f}"
-                  f"{own:>20.2f}{own / meas:>9.2f}")
+                  f"{own:>20.2f}{own / meas:>9.2f}{self_:>13.2f}{self_ / meas:>9.2f}{step_ms:>9.0f}")
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
 
 

@@ -19,7 +19,7 @@ class CalcGRPODirect:
     seed: int = 1
     dataset: str = "data/calc_train.jsonl"
     tokenizer: str = "data/calc_tokenizer"
-    iterations: int = 150
+    iterations: int = 100
     grpo: GRPOConfig = GRPOConfig(n_minibatches=2, lr=5e-4, kl_coef=0.01, temperature=0.8)
     init: str = ""
 

@@ -28,7 +28,7 @@ class CalcGRPOTool:
     seed: int = 1
     dataset: str = "data/calc_train.jsonl"  # {"prompt": "163*16=", "answer": "2608"} per line
     tokenizer: str = "data/calc_tokenizer"
-    iterations: int = 150
+    iterations: int = 100
     grpo: GRPOConfig = GRPOConfig(n_minibatches=2, lr=5e-4, kl_coef=0.01, temperature=0.8)
     init: str = ""  # the SFT stage's export ("": random weights)
     # held-out exact match with the tool, greedy, the environment in the loop: 12 batches of 16 = 192 of the 200

@@ -41,3 +41,30 @@ def test_sft_traces_are_conversations_of_the_experiments_tool_environment():
         obs, reward, done = env.step(call)
         assert (rest, reward, done) == (obs + answer, 0.0, False)
         assert env.step(answer) == (None, 1.0, True)
+
+
+def test_pick_sft_keeps_the_first_checkpoint_past_the_target_by_bisection(monkeypatch, tmp_path):
+    from realloc.demo import calc_demo
+
+    def share(it: int) -> float:  # a jump between 140 and 175, as the tool SFT run's sampled accuracy makes
+        return 0.0 if it < 140 else min(0.9, (it - 135) / 40)
+
+    probed = []
+
+    def fake_export(run_dir, out, iteration=None):
+        probed.append(iteration)
+        return iteration
+
+    def fake_accuracy(it, use_tool, limit, dataset, temperature, samples):
+        assert (use_tool, dataset, temperature) == (True, calc_task.TRAIN_FILE, calc_demo.PROBE_TEMPERATURE)
+        return calc_demo.Score(100, round(100 * share(it)), 0, ())
+
+    monkeypatch.setattr(calc_demo, "_export", fake_export)
+    monkeypatch.setattr(calc_demo, "tool_accuracy", fake_accuracy)
+    every = range(calc_demo.SFT_FIRST, calc_demo.SFT_MAX_ITERATIONS + 1, calc_demo.SFT_EVERY)
+    for target in (0.1, 0.5, 0.0, 0.95):
+        probed.clear()
+        it, got = calc_demo.pick_sft(tmp_path, tmp_path, target)
+        brute = next((i for i in every if round(100 * share(i)) / 100 >= target), calc_demo.SFT_MAX_ITERATIONS)
+        assert it == brute and got == round(100 * share(it)) / 100
+        assert len(set(probed)) <= 2 + len(every).bit_length()  # a bisection, not a scan

@@ -1,16 +1,24 @@
 """The tool demo: multiply a three-digit number by a two-digit one, with a calculator tool and without.
 
-    python -m realloc.demo.calc_demo [--run-dir runs/calc_demo] [--iterations N]
+    python -m realloc.demo.calc_demo [--run-dir runs/calc_demo] [--iterations N] [--seed S] [--grpo-seed S]
 
-1. **SFT**, twice, from random weights on the same 1,000 problems (``experiments/calc_sft.py``, stopped at
-   iteration 150 of its 300): on tool-use traces (``<c>123*45</c>`` EOS ``<r>5535</r>5535``), and on direct
-   answers (``5535``).
+1. **SFT**, twice, from random weights on the same 1,000 problems (``experiments/calc_sft.py``): on tool-use
+   traces (``<c>123*45</c>`` EOS ``<r>5535</r>5535``), and on direct answers (``5535``). The tool run
+   checkpoints every 5 iterations up to ``SFT_MAX_ITERATIONS``; the demo keeps the first checkpoint whose
+   rollouts, sampled as GRPO samples them (temperature 0.8) on training prompts, are right at least
+   ``SFT_TARGET`` of the time (``pick_sft``). The direct run is exported at the same iteration.
 2. **GRPO**, twice: with the tool (``experiments/calc_grpo_tool.py``: multi-turn rollouts, the calculator in
    the sandbox) from the tool SFT model, and without it (``experiments/calc_grpo_direct.py``: single-turn, the
-   same exact-match reward) from the direct SFT model.
+   same exact-match reward, the same budget and settings) from the direct SFT model.
 3. **Accuracy** of each of the four checkpoints on 200 held-out problems, greedy, decoded by a loop over
    transformers' forward pass (not realloc's generation); the tool arm's calls are answered by the same
    calculator in this process.
+
+Why a sampled threshold and not a fixed SFT length: the copying of operands and results is learned in a jump
+within about 25 SFT iterations, and where the jump falls depends on the CPU's kernels (docs/multi-turn.md): a
+fixed 150 iterations gave 19% held-out natively, 18.5% under avx2 and 8.6% under the default kernels, and GRPO
+learns little from a model whose samples are almost never right (most groups of 8 then carry no gradient).
+The threshold is measured on training prompts, never on the held-out problems.
 
 ``make demo`` (the arithmetic demo) is unchanged; this is a second demo with its own command.
 """
@@ -28,14 +36,20 @@ from pathlib import Path
 from typing import Sequence
 
 from realloc.demo.arith_demo import REPO, _realloc
-from realloc.demo.calc_task import EVAL_FILE, RESULT_FORMAT, SFT_DIRECT_FILE, TOKENIZER_DIR, TOOL
+from realloc.demo.calc_task import EVAL_FILE, RESULT_FORMAT, SFT_DIRECT_FILE, TOKENIZER_DIR, TOOL, TRAIN_FILE
 
 EXPERIMENTS = REPO / "experiments"
 DATA = EXPERIMENTS / "data"
 TURN_TOKENS = 16
-# The SFT stage stops at iteration 150 of calc_sft.py's 300: the tool format is learned and the copying of the
-# operands and the result is right about a third of the time (all 300: ~95%, little left for GRPO to show).
-SFT_ITERATIONS = 150
+# The tool SFT run's last iteration and checkpoint spacing (calc_sft.py's schedule: a constant learning rate
+# after a 5% warmup): the jump in copying falls between about 140 and 200 (natively ~150; all 300: ~95%).
+SFT_MAX_ITERATIONS = 250
+SFT_EVERY = 5
+SFT_FIRST = 100  # the first checkpoint the probe looks at
+# The share of sampled rollouts (GRPO's temperature, training prompts) that must be right: at the shipped
+# fixed 150 iterations natively it was ~6-10% and GRPO gained 27-36 points; under avx2 ~3% (+7 points).
+SFT_TARGET = 0.10
+PROBE_PROMPTS, PROBE_SAMPLES, PROBE_TEMPERATURE = 64, 4, 0.8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +64,10 @@ class Score:
         return self.correct / self.n
 
 
-def tool_accuracy(checkpoint: Path, use_tool: bool, limit: int | None = None) -> Score:
-    """Held-out exact match, greedy: a turn with ``<c>...</c>`` gets the calculator's answer and one more turn."""
+def tool_accuracy(checkpoint: Path, use_tool: bool, limit: int | None = None, dataset: str = EVAL_FILE,
+                  temperature: float = 0.0, samples: int = 1) -> Score:
+    """Exact match (held-out, greedy by default): a turn with ``<c>...</c>`` gets the calculator's answer and one
+    more turn. With ``temperature`` > 0, ``samples`` rollouts per prompt sampled as realloc samples (seeded)."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -61,9 +77,12 @@ def tool_accuracy(checkpoint: Path, use_tool: bool, limit: int | None = None) ->
     from realloc.tools.builtin import calculate
 
     hf_logging.disable_progress_bar()
+    torch.set_num_threads(1)  # a small model; the runs' workers have the cores (more threads only wait, under load)
     tok = Tokenizer.load(DATA / TOKENIZER_DIR)
     model = AutoModelForCausalLM.from_pretrained(str(checkpoint)).eval()
-    records = [json.loads(line) for line in (DATA / EVAL_FILE).read_text().splitlines()][:limit]
+    lines = (DATA / dataset).read_text().splitlines()[:limit]
+    records = [rec for line in lines for rec in [json.loads(line)] * samples]
+    gen = torch.Generator().manual_seed(0)
     call = re.compile(rf"<{TOOL}>(.*?)</{TOOL}>", re.DOTALL)
     rows = [tok.encode(rec["prompt"]) for rec in records]
     starts = [len(r) for r in rows]
@@ -71,7 +90,8 @@ def tool_accuracy(checkpoint: Path, use_tool: bool, limit: int | None = None) ->
     calls = 0
     pending = list(range(len(rows)))  # rows whose conversation goes on
     for turn in range(2 if use_tool else 1):
-        said = _greedy(model, [rows[i] for i in pending], tok.vocab_size, set(tok.eos_token_ids), torch)
+        said = _decode(model, [rows[i] for i in pending], tok.vocab_size, set(tok.eos_token_ids), torch, temperature,
+                       gen)
         nxt = []
         for i, new in zip(pending, said):
             rows[i] += new
@@ -94,8 +114,10 @@ def tool_accuracy(checkpoint: Path, use_tool: bool, limit: int | None = None) ->
     return Score(len(records), correct, calls, examples)
 
 
-def _greedy(model, rows: list[list[int]], vocab: int, eos: set[int], torch) -> list[list[int]]:
-    """One greedy turn of every row at once (left-padded, positions from each row's own tokens)."""
+def _decode(model, rows: list[list[int]], vocab: int, eos: set[int], torch, temperature: float,
+            gen) -> list[list[int]]:
+    """One turn of every row at once (left-padded, positions from each row's own tokens): greedy at temperature 0,
+    else sampled from the softmax of logits / temperature."""
     out: list[list[int]] = [[] for _ in rows]
     done = [False] * len(rows)
     if not rows:
@@ -111,7 +133,11 @@ def _greedy(model, rows: list[list[int]], vocab: int, eos: set[int], torch) -> l
                 mask[b, width - len(x):] = 1
             pos = (mask.cumsum(-1) - 1).clamp(min=0)
             logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1, :vocab]
-            for b, t in enumerate(logits.argmax(-1).tolist()):
+            if temperature > 0:
+                picked = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen)[:, 0]
+            else:
+                picked = logits.argmax(-1)
+            for b, t in enumerate(picked.tolist()):
                 if not done[b]:
                     out[b].append(t)
                     done[b] = t in eos
@@ -120,42 +146,83 @@ def _greedy(model, rows: list[list[int]], vocab: int, eos: set[int], torch) -> l
     return out
 
 
-def _run(experiment: str, run_dir: Path, out: Path, sets: list[str], iterations: int | None = None) -> float:
-    """``realloc run`` then ``realloc export`` of the actor into ``out``; the run's seconds."""
+def _run(experiment: str, run_dir: Path, sets: list[str], iterations: int | None = None,
+         save_every: int = 0) -> float:
+    """``realloc run`` of an experiment; the run's seconds."""
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     its = ["--iterations", str(iterations)] if iterations else []
+    saves = ["--save-every", str(save_every), "--keep-checkpoints", "1000"] if save_every else []
     t0 = time.time()
     _realloc(["run", str(EXPERIMENTS / experiment), "--search-time", "5", "--run-dir", str(run_dir), "--quiet",
-              *its, *(x for s in sets for x in ("--set", s))], log=run_dir / "run.log")
-    seconds = time.time() - t0
+              *its, *saves, *(x for s in sets for x in ("--set", s))], log=run_dir / "run.log")
+    return time.time() - t0
+
+
+def _export(run_dir: Path, out: Path, iteration: int | None = None) -> Path:
+    """``realloc export`` of the actor (the newest checkpoint, or the one after ``iteration``) into ``out``."""
     shutil.rmtree(out, ignore_errors=True)
-    _realloc(["export", str(run_dir), "--model", "actor", "--out", str(out)], log=run_dir / "export.log")
-    return seconds
+    at = ["--iteration", str(iteration)] if iteration else []
+    _realloc(["export", str(run_dir), "--model", "actor", "--out", str(out), *at], log=run_dir / "export.log")
+    return out
 
 
-def demo(root: Path, iterations: int | None = None, sft_iterations: int = SFT_ITERATIONS,
-         seed: int | None = None) -> dict[str, Score]:
+def pick_sft(run_dir: Path, probe_dir: Path, target: float = SFT_TARGET) -> tuple[int, float]:
+    """A checkpoint of the tool SFT run (``SFT_FIRST`` .. ``SFT_MAX_ITERATIONS``, every ``SFT_EVERY``) whose
+    sampled rollouts on training prompts are right at least ``target`` of the time while the one before it is
+    not, found by bisection (the share rises with the iterations, through a jump), and its share; the last
+    checkpoint if none reaches the target."""
+    shares: dict[int, float] = {}
+
+    def share(it: int) -> float:
+        if it not in shares:
+            s = tool_accuracy(_export(run_dir, probe_dir, it), True, PROBE_PROMPTS, TRAIN_FILE, PROBE_TEMPERATURE,
+                              PROBE_SAMPLES)
+            shares[it] = s.accuracy
+            print(f"  SFT iteration {it}: {s.accuracy:.1%} of {s.n} sampled rollouts on training prompts are right",
+                  flush=True)
+        return shares[it]
+
+    lo, hi = SFT_FIRST // SFT_EVERY, SFT_MAX_ITERATIONS // SFT_EVERY  # in checkpoints
+    if share(hi * SFT_EVERY) < target:
+        return hi * SFT_EVERY, shares[hi * SFT_EVERY]
+    if share(lo * SFT_EVERY) >= target:
+        return lo * SFT_EVERY, shares[lo * SFT_EVERY]
+    while hi - lo > 1:  # share(lo) < target <= share(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if share(mid * SFT_EVERY) < target else (lo, mid)
+    return hi * SFT_EVERY, shares[hi * SFT_EVERY]
+
+
+def demo(root: Path, iterations: int | None = None, sft_iterations: int | None = None, seed: int | None = None,
+         grpo_seed: int | None = None, reuse_sft: bool = False) -> dict[str, Score]:
     t0 = time.time()
     seeded = [] if seed is None else [f"seed={seed}"]
-    seconds = {
-        "sft_tool": _run("calc_sft.py", root / "run_sft_tool", root / "sft_tool", seeded, sft_iterations),
-        "sft_direct": _run("calc_sft.py", root / "run_sft_direct", root / "sft_direct",
-                           [f"dataset=data/{SFT_DIRECT_FILE}", *seeded], sft_iterations),
-    }
+    sft_runs = {"tool": seeded, "direct": [f"dataset=data/{SFT_DIRECT_FILE}", *seeded]}
+    seconds = {} if reuse_sft else {
+        f"sft_{arm}": _run("calc_sft.py", root / f"run_sft_{arm}", sets, sft_iterations or SFT_MAX_ITERATIONS,
+                           0 if sft_iterations else SFT_EVERY) for arm, sets in sft_runs.items()}
+    if grpo_seed is not None:
+        seeded = [f"seed={grpo_seed}"]
+    if sft_iterations is None:
+        t1 = time.time()
+        sft_iterations, share = pick_sft(root / "run_sft_tool", root / "sft_probe")
+        seconds["sft_pick"] = time.time() - t1
+        print(f"SFT checkpoint: iteration {sft_iterations} ({share:.1%} of sampled rollouts right, target "
+              f"{SFT_TARGET:.0%}; both arms exported there)", flush=True)
+    for arm in sft_runs:
+        _export(root / f"run_sft_{arm}", root / f"sft_{arm}", sft_iterations)
     scores = {"sft_tool": tool_accuracy(root / "sft_tool", True),
               "sft_direct": tool_accuracy(root / "sft_direct", False)}
     print(f"after SFT: with the tool {_line(scores['sft_tool'])}; without {_line(scores['sft_direct'])}", flush=True)
-    seconds["grpo_tool"] = _run("calc_grpo_tool.py", root / "run_grpo_tool", root / "grpo_tool",
-                                [f"init={root / 'sft_tool'}", *seeded], iterations)
-    seconds["grpo_direct"] = _run("calc_grpo_direct.py", root / "run_grpo_direct", root / "grpo_direct",
-                                  [f"init={root / 'sft_direct'}", *seeded], iterations)
-    scores["grpo_tool"] = tool_accuracy(root / "grpo_tool", True)
-    scores["grpo_direct"] = tool_accuracy(root / "grpo_direct", False)
+    for arm in ("tool", "direct"):
+        seconds[f"grpo_{arm}"] = _run(f"calc_grpo_{arm}.py", root / f"run_grpo_{arm}",
+                                      [f"init={root / f'sft_{arm}'}", *seeded], iterations)
+        scores[f"grpo_{arm}"] = tool_accuracy(_export(root / f"run_grpo_{arm}", root / f"grpo_{arm}"), arm == "tool")
     print(f"after GRPO: with the tool {_line(scores['grpo_tool'])}; without {_line(scores['grpo_direct'])}")
     print("in the GRPO run with the tool, evaluated by realloc (its generation, the ToolEnv in the loop, "
           "greedy, 192 of the held-out problems): " + in_run_eval(root / "run_grpo_tool"))
-    print("held-out exact match (200 problems, greedy)   after SFT   after GRPO")
+    print(f"held-out exact match (200 problems, greedy)   after SFT ({sft_iterations})   after GRPO")
     for arm in ("tool", "direct"):
         print(f"  {'with the calculator tool' if arm == 'tool' else 'without a tool':<44}"
               f"{scores['sft_' + arm].accuracy:>9.1%}   {scores['grpo_' + arm].accuracy:>10.1%}")
@@ -181,12 +248,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m realloc.demo.calc_demo", description=__doc__.split("\n")[0])
     p.add_argument("--run-dir", default=str(REPO / "runs" / "calc_demo"))
     p.add_argument("--iterations", type=int, default=None, help="GRPO iterations (default: the experiments')")
-    p.add_argument("--sft-iterations", type=int, default=SFT_ITERATIONS,
-                   help=f"SFT iterations, of calc_sft.py's schedule of 300 (default {SFT_ITERATIONS})")
+    p.add_argument("--sft-iterations", type=int, default=None,
+                   help="a fixed SFT length for both arms (default: the first checkpoint whose sampled rollouts are "
+                        f"right {SFT_TARGET * 100:.0f}%% of the time, up to {SFT_MAX_ITERATIONS})")
     p.add_argument("--seed", type=int, default=None, help="every stage's seed (default: the experiments', 1)")
+    p.add_argument("--grpo-seed", type=int, default=None, help="the GRPO stage's seed (default: --seed's)")
+    p.add_argument("--reuse-sft", action="store_true",
+                   help="keep the SFT runs already in --run-dir (from an earlier call with the same SFT settings)")
     args = p.parse_args(argv)
     try:
-        demo(Path(args.run_dir).resolve(), args.iterations, args.sft_iterations, args.seed)
+        demo(Path(args.run_dir).resolve(), args.iterations, args.sft_iterations, args.seed, args.grpo_seed,
+             args.reuse_sft)
     except (ValueError, RuntimeError) as e:
         print(f"calc_demo: error: {e}", file=sys.stderr)
         return 2
