@@ -339,3 +339,18 @@ def test_trace_reads_a_hand_edited_or_cut_run_directory_or_names_the_bad_line(tm
     (run / "run.json").write_text("[1]")
     assert main(["trace", str(run), "--timeline", str(tmp_path / "t.html")]) == EXIT_USAGE
     assert "has no run.json naming its experiment; pass --experiment EXP" in capsys.readouterr().err
+
+
+def test_a_plan_made_for_another_device_kind_is_one_error():
+    """A plan searched for one device kind (its memory check, its prices) is refused on another, naming the field."""
+    from realloc.api import load_experiment
+    from realloc.graph.dataflow import build_graph
+    from realloc.graph.plan import ExecutionPlan, validate_plan
+    from realloc.search import baseline
+
+    graph = build_graph(load_experiment("experiments/ppo_tiny.py"))
+    plan = baseline(graph.spec, "heuristic")
+    validate_plan(plan, graph)
+    other = ExecutionPlan.model_validate({**plan.model_dump(), "device": "h100-80g"})
+    with pytest.raises(ValueError, match=r"plan field 'device'.*'h100-80g'.*runs on 'cpu'"):
+        validate_plan(other, graph)

@@ -202,6 +202,10 @@ def validate_plan(plan: ExecutionPlan, graph: "DataflowGraph") -> dict[str, Devi
     if (plan.nodelist, plan.n_devices_per_node) != (cluster.nodelist, cluster.n_devices_per_node):
         raise ValueError(f"plan is for cluster {plan.nodelist!r} x {plan.n_devices_per_node}, but experiment "
                          f"{spec.name!r} runs on {cluster.nodelist!r} x {cluster.n_devices_per_node}")
+    if plan.device != cluster.device:  # its memory check and prices were for other devices
+        raise ValueError(f"plan field 'device': the plan was made for device {plan.device!r}, but experiment "
+                         f"{spec.name!r} runs on {cluster.device!r}; search again for this cluster (realloc search), "
+                         f"or set the plan's device to {cluster.device!r} if the plan is meant to carry over")
     unknown = sorted(set(plan.placements) - set(spec.call_names))
     if unknown:
         raise ValueError(f"plan places call {unknown[0]!r}, which experiment {spec.name!r} does not have "
