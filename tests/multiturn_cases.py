@@ -9,10 +9,11 @@ CHARACTERS = "0123456789+-*=<>/ abcdefghijklmnopqrstuvwxyz"  # with 4 specials: 
 
 class LengthEnv:
     """Answers each turn with the length of what the policy said (through the calculator tool when ``tool``),
-    rewards 0.25 per turn and, on the last turn, the turn's length mod 3."""
+    rewards 0.25 per turn and, on the last turn, the turn's length mod 3. With ``stop_even`` a turn of even length
+    is the last too (rollouts then take different numbers of turns)."""
 
-    def __init__(self, turns: int = 3, tool: bool = False) -> None:
-        self.turns, self.tool, self.t = turns, tool, 0
+    def __init__(self, turns: int = 3, tool: bool = False, stop_even: bool = False) -> None:
+        self.turns, self.tool, self.t, self.stop_even = turns, tool, 0, stop_even
         self.sandbox = Sandbox(ToolLimits(wall_s=20.0)) if tool else None
         self.tool_counts: dict[str, int] = {}  # read by the generation's stats, as ToolEnv's
 
@@ -22,7 +23,7 @@ class LengthEnv:
 
     def step(self, text: str) -> tuple[str | None, float, bool]:
         self.t += 1
-        if self.t >= self.turns:
+        if self.t >= self.turns or (self.stop_even and len(text) % 2 == 0):
             return None, float(len(text) % 3), True
         n = str(len(text))
         if self.sandbox is not None:

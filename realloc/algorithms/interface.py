@@ -47,6 +47,10 @@ class Interface:
     # common.actor_generate, so its rows can stop at a migration point and continue elsewhere. A rollout that
     # generates turn by turn (multi-turn) cannot.
     migrates_tail: bool = True
+    # GENERATE that cannot migrate: its stepwise form, (ctx, inputs) -> an object that runs the call turn by turn
+    # (``until`` a split point, ``running``, ``finish``, ``result`` of rows; multiturn.TurnRollouts), a class or
+    # "module:Class". With one, the call can stream its finished rows (a stream-only tail entry, worker_stream.py).
+    stepwise: str | Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         where = f"Interface {self.name!r}"
@@ -97,6 +101,13 @@ class Interface:
         if callable(self.fn):
             return self.fn
         module, _, attr = self.fn.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+    def resolve_stepwise(self) -> Callable[..., Any] | None:
+        """The stepwise form (imports its module on first use), or None."""
+        if self.stepwise is None or callable(self.stepwise):
+            return self.stepwise
+        module, _, attr = self.stepwise.partition(":")
         return getattr(importlib.import_module(module), attr)
 
     def check(self, call: str, args: Any) -> None:

@@ -67,12 +67,19 @@ def split_consumers(plan: "ExecutionPlan", graph: "DataflowGraph", call: str) ->
     return out
 
 
-def tail_unsupported(graph: "DataflowGraph", call: str, partial: Sequence[str] = ()) -> str | None:
-    """Why ``call``'s interface cannot migrate its tail at all (the planner offers it no migration, the runtime
-    refuses one), or None: a rollout generated turn by turn, or one whose rows are cut and carried (partial
-    rollouts, ``partial`` = graph/partial_check.partial_rollout_calls)."""
+def tail_unsupported(graph: "DataflowGraph", call: str, partial: Sequence[str] = (),
+                     streams_only: bool = False) -> str | None:
+    """Why ``call``'s interface cannot migrate (``streams_only``: stream) its tail at all (the planner offers it
+    none, the runtime refuses one), or None: a rollout generated turn by turn migrates no rollout mid-way (its
+    environments' state lives in the worker that runs them), and streams its finished rollouts only with a stepwise
+    form (``Interface.stepwise``); one whose rows are cut and carried (partial rollouts, ``partial`` =
+    graph/partial_check.partial_rollout_calls) does neither."""
     iface = graph.interfaces.get(call)
-    if iface is not None and not iface.migrates_tail:
+    if iface is not None and not iface.migrates_tail and not (streams_only and iface.stepwise is not None):
+        if iface.stepwise is not None:
+            return (f"interface {iface.name!r} generates turn by turn (multi-turn), so its unfinished rollouts cannot "
+                    f"migrate (each one's environment lives in the worker that runs it); stream its finished "
+                    f"rollouts instead (instances=0)")
         return f"interface {iface.name!r} generates turn by turn (multi-turn), so its rows cannot migrate mid-rollout"
     if call in partial:
         return "partial rollouts (partial_rollout_tokens) carry unfinished rows to the next iteration instead"
@@ -87,7 +94,7 @@ def check_runtime_tail(plan: "ExecutionPlan", graph: "DataflowGraph") -> None:
     consumers' part 1 first, and a streamed call's second request comes before the next call's first."""
     partial = partial_rollout_calls(graph)
     for call in plan.tail:
-        why = tail_unsupported(graph, call, partial)
+        why = tail_unsupported(graph, call, partial, plan.tail[call].streams_only)
         if why:
             raise ValueError(f"plan field 'tail' entry {call!r}: {why}; drop the entry")
         p = plan.placements[call]

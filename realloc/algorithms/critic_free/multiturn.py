@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -63,75 +63,141 @@ class Rollout:
 
 
 def multiturn_generate(ctx: CallContext, inputs: Data) -> CallResult:
-    model, tok = ctx.model, ctx.tokenizer
-    assert model is not None
-    where = f"call {ctx.call.name!r}"
-    args = rollout_args(ctx.call.name, ctx.call.interface_args)
-    if tok is None:
-        raise ValueError(f"{where}: a multi-turn rollout decodes the policy's turns and encodes observations; the "
-                         f"experiment needs a tokenizer")
-    prompts = inputs["prompts"]
-    plen = prompts["lengths"]
-    n, P, T = plen.shape[0], ctx.prompt_len, ctx.gen_len
-    rolls = [Rollout(prompts["tokens"][b, :int(plen[b])].tolist(), T) for b in range(n)]
-    lead = _leaders(ctx, n)
-    runs = sorted(set(lead))  # the rollouts that run (greedy: one per prompt)
-    reporter = model.groups.tp_rank == 0 and model.groups.is_last_stage
-    envs: dict[int, Environment] = {}
-    first: list[list[int]] | BaseException | None = None
-    if reporter:
-        try:
-            make = env_factory(where, args.env)
-            rows = prompts["rows"].tolist() if "rows" in prompts and ctx.records is not None else [None] * n
-            envs = {b: make(**args.env_args) for b in runs}
-            first = [_encode(tok, _first_observation(where, envs[b], {} if rows[b] is None
-                                                     else dict(ctx.records(int(rows[b]))))) for b in runs]
-        except Exception as e:  # noqa: BLE001  (re-raised on every rank by _share_tokens)
-            first = e
-    for b, obs in zip(runs, _share_tokens(model, first)):
-        rolls[b].add(obs, None)
-    clock = dict.fromkeys(CLOCK, 0.0)  # the environment's steps, timed on the reporting rank (the planner reads it)
-    base = generation_config(ctx)
-    cap = min(args.turn_tokens or T, T)
-    cache = TurnCache() if args.kv_cache else None  # each rollout's keys and values, kept across its turns
-    with ThreadPoolExecutor(max_workers=args.env_workers) as pool:
-        for turn in range(args.max_turns):
-            active = [b for b in runs if not rolls[b].done and rolls[b].budget > 0]
-            if cache is not None:
-                cache.drop([ctx.ids[b] for b in runs if b not in active])
-            if not active:
-                break
-            new = min(cap, max(rolls[b].budget for b in active))
-            gconfig = dataclasses.replace(base, max_new_tokens=new, min_new_tokens=min(base.min_new_tokens, new),
-                                          seed=param_seed(ctx.seed, f"{ctx.purpose}/{ctx.iteration}/turn{turn}"))
-            t0 = time.perf_counter()
-            out = model.generate([rolls[b].prompt + rolls[b].tokens for b in active], gconfig,
+    rollouts = TurnRollouts(ctx, inputs)
+    try:
+        rollouts.finish()
+    finally:
+        rollouts.pool.shutdown()
+    return rollouts.result(list(range(rollouts.n)))
+
+
+class TurnRollouts:
+    """One replica's rollouts of a multi-turn GENERATE call, run one turn at a time: ``multiturn_generate`` runs
+    every turn and reports all rows; a call that streams its finished rollouts (a stream-only ``tail`` entry,
+    ``runtime/control/worker_stream.py``) runs turns to each split point (``until``), reports the rollouts finished
+    by then (``result``) and ``finish``es the rest later. A turn is the same ``generate`` over the same running
+    rollouts either way (seeded per turn and row), so streamed rollouts are the plain ones token for token."""
+
+    def __init__(self, ctx: CallContext, inputs: Data) -> None:
+        model, tok = ctx.model, ctx.tokenizer
+        assert model is not None
+        self.ctx, self.where = ctx, f"call {ctx.call.name!r}"
+        self.args = args = rollout_args(ctx.call.name, ctx.call.interface_args)
+        if tok is None:
+            raise ValueError(f"{self.where}: a multi-turn rollout decodes the policy's turns and encodes "
+                             f"observations; the experiment needs a tokenizer")
+        self.prompts = prompts = inputs["prompts"]
+        plen = prompts["lengths"]
+        self.n, T = plen.shape[0], ctx.gen_len
+        self.rolls = [Rollout(prompts["tokens"][b, :int(plen[b])].tolist(), T) for b in range(self.n)]
+        self.lead = _leaders(ctx, self.n)
+        self.runs = sorted(set(self.lead))  # the rollouts that run (greedy: one per prompt)
+        self.reporter = model.groups.tp_rank == 0 and model.groups.is_last_stage
+        self.envs: dict[int, Environment] = {}
+        first: list[list[int]] | BaseException | None = None
+        if self.reporter:
+            try:
+                make = env_factory(self.where, args.env)
+                rows = prompts["rows"].tolist() if "rows" in prompts and ctx.records is not None else [None] * self.n
+                self.envs = {b: make(**args.env_args) for b in self.runs}
+                first = [_encode(tok, _first_observation(self.where, self.envs[b], {} if rows[b] is None
+                                                         else dict(ctx.records(int(rows[b]))))) for b in self.runs]
+            except Exception as e:  # noqa: BLE001  (re-raised on every rank by _share_tokens)
+                first = e
+        for b, obs in zip(self.runs, _share_tokens(model, first)):
+            self.rolls[b].add(obs, None)
+        # the environment's steps, timed on the reporting rank (the planner reads it); ``reported``: what earlier
+        # results of a streamed call reported already (each reports what came since)
+        self.clock = dict.fromkeys(CLOCK, 0.0)
+        self.reported: dict[str, float] = {}
+        self.base = generation_config(ctx)
+        self.cap = min(args.turn_tokens or T, T)
+        self.cache = TurnCache() if args.kv_cache else None  # each rollout's keys and values, kept across turns
+        if self.cache is not None:  # prompt tokens run through the model, and those taken from the kept caches
+            self.clock.update(prefill_tokens=0.0, cached_tokens=0.0)
+        self.turn = 0  # the next turn
+        self.pool = ThreadPoolExecutor(max_workers=args.env_workers)
+        self.left = -1  # the whole call's running rollouts after the last turn (streamed; -1: no turn yet)
+
+    def _active(self) -> list[int]:
+        return [b for b in self.runs if not self.rolls[b].done and self.rolls[b].budget > 0]
+
+    def running(self) -> list[int]:
+        """Local positions of the rows still taking turns (a row copying a leader runs while its leader does)."""
+        active = set(self._active()) if self.turn < self.args.max_turns else set()
+        return [b for b in range(self.n) if self.lead[b] in active]
+
+    def _step(self) -> None:
+        """Turn ``self.turn`` of the running rollouts (none left: only the turn counter moves)."""
+        ctx, args, rolls, turn = self.ctx, self.args, self.rolls, self.turn
+        self.turn += 1
+        if turn >= args.max_turns:
+            return
+        active = self._active()
+        if self.cache is not None:
+            self.cache.drop([ctx.ids[b] for b in self.runs if b not in active])
+        if not active:
+            return
+        new = min(self.cap, max(rolls[b].budget for b in active))
+        gconfig = dataclasses.replace(self.base, max_new_tokens=new, min_new_tokens=min(self.base.min_new_tokens, new),
+                                      seed=param_seed(ctx.seed, f"{ctx.purpose}/{ctx.iteration}/turn{turn}"))
+        t0 = time.perf_counter()
+        assert ctx.model is not None
+        out = ctx.model.generate([rolls[b].prompt + rolls[b].tokens for b in active], gconfig,
                                  seq_ids=[ctx.ids[b] for b in active], n_mbs=min(ctx.n_mbs, len(active)),
-                                 turn_cache=cache)
-            t1 = time.perf_counter()
-            said: list[list[int]] = []
-            for i, b in enumerate(active):
-                start, g = int(out.prompt_lengths[i]), int(out.gen_lengths[i])
-                said.append(out.sequences[i, start:start + g].tolist()[:rolls[b].budget])
-                rolls[b].add(said[-1], out.logprobs[i, start:start + g].tolist())
-                rolls[b].turns += 1
-            answers = None
-            if reporter:
-                answers = _steps(where, pool, [envs[b] for b in active], [tok.decode(s) for s in said], clock)
-            last = turn == args.max_turns - 1
-            for b, (obs, reward, done) in zip(active, _share_answers(model, answers, len(active))):
-                r = rolls[b]
-                r.reward += reward
-                r.ended_by_env = done or obs is None
-                r.done = r.ended_by_env or last
-                if not r.done:
-                    r.add(_encode(tok, obs), None)
-            # the turn's wall seconds (the timeline draws them, search/turns_report.py)
-            clock[f"turn{turn + 1}_generate_s"] = t1 - t0
-            clock[f"turn{turn + 1}_env_s"] = time.perf_counter() - t1
-    if cache is not None:  # prompt tokens run through the model, and those taken from the kept caches
-        clock.update(prefill_tokens=float(cache.prefilled), cached_tokens=float(cache.reused))
-    return _result(ctx, [rolls[a] for a in lead], prompts, list(envs.values()), clock)
+                                 turn_cache=self.cache)
+        t1 = time.perf_counter()
+        said: list[list[int]] = []
+        for i, b in enumerate(active):
+            start, g = int(out.prompt_lengths[i]), int(out.gen_lengths[i])
+            said.append(out.sequences[i, start:start + g].tolist()[:rolls[b].budget])
+            rolls[b].add(said[-1], out.logprobs[i, start:start + g].tolist())
+            rolls[b].turns += 1
+        answers = None
+        if self.reporter:
+            tok = ctx.tokenizer
+            answers = _steps(self.where, self.pool, [self.envs[b] for b in active], [tok.decode(s) for s in said],
+                             self.clock)
+        last = turn == args.max_turns - 1
+        for b, (obs, reward, done) in zip(active, _share_answers(ctx.model, answers, len(active))):
+            r = rolls[b]
+            r.reward += reward
+            r.ended_by_env = done or obs is None
+            r.done = r.ended_by_env or last
+            if not r.done:
+                r.add(_encode(ctx.tokenizer, obs), None)
+        # the turn's wall seconds (the timeline draws them, search/turns_report.py)
+        self.clock[f"turn{turn + 1}_generate_s"] = t1 - t0
+        self.clock[f"turn{turn + 1}_env_s"] = time.perf_counter() - t1
+        if self.cache is not None:
+            self.clock.update(prefill_tokens=float(self.cache.prefilled), cached_tokens=float(self.cache.reused))
+
+    def until(self, global_count: Callable[[int], int], threshold: int) -> bool:
+        """Take turns to the split point, the first turn after which at most ``threshold`` rollouts of the whole
+        call are running (``global_count(local)`` sums them over the dp replicas, called once per turn on every
+        replica); False if the call ended first. A later split point that an earlier turn passed takes no turn."""
+        while self.left < 0 or self.left > threshold:
+            self._step()
+            self.left = global_count(len(self.running()))
+        return self.left > 0
+
+    def finish(self) -> None:
+        """Take the running rollouts' remaining turns."""
+        while self.running():
+            self._step()
+        if self.cache is not None:
+            self.cache.drop([self.ctx.ids[b] for b in self.runs])
+        self.pool.shutdown()
+
+    def result(self, positions: Sequence[int]) -> CallResult:
+        """The rows at local ``positions`` (finished), with the clock's seconds since the last result."""
+        clock = {k: v - self.reported.get(k, 0.0) for k, v in self.clock.items()}
+        self.reported = dict(self.clock)
+        idx = torch.tensor(list(positions), dtype=torch.long)
+        prompts = {k: v.index_select(0, idx) for k, v in self.prompts.items()}
+        envs = [self.envs[b] for b in positions if b in self.envs]
+        return _result(self.ctx, [self.rolls[self.lead[b]] for b in positions], prompts, envs, clock,
+                       self.reporter)
 
 
 def _leaders(ctx: CallContext, n: int) -> list[int]:
@@ -181,7 +247,7 @@ def _steps(where: str, pool: ThreadPoolExecutor, envs: list[Environment], texts:
 
 
 def _result(ctx: CallContext, rolls: list[Rollout], prompts: dict[str, torch.Tensor], envs: list[Environment],
-            clock: dict[str, float]) -> CallResult:
+            clock: dict[str, float], reporter: bool) -> CallResult:
     n, P, T = len(rolls), ctx.prompt_len, ctx.gen_len
     tokens = torch.full((n, P + T), ctx.pad_token_id, dtype=torch.long)
     gen_mask = torch.zeros(n, T, dtype=torch.bool)
@@ -203,7 +269,7 @@ def _result(ctx: CallContext, rolls: list[Rollout], prompts: dict[str, torch.Ten
              "eos_stops": float(sum(r.ended_by_env for r in rolls)),
              "policy_tokens": float(policy.sum()), "env_tokens": float((gen_mask & ~policy).sum()),
              "turns": float(sum(r.turns for r in rolls))}
-    if envs:  # the reporting rank's: the master reads its stats
+    if reporter:  # the reporting rank's: the master reads its stats
         stats.update(clock)
     for e in envs:  # tool outcomes, counted on the reporting rank (the one whose stats the master reads)
         for status, c in getattr(e, "tool_counts", {}).items():

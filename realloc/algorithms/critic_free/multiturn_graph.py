@@ -26,7 +26,8 @@ def _interfaces(name: str, field: str, cfg: type, train: str | None,
                 module: str = "critic_free") -> tuple[Interface, ...]:
     return (Interface(name, GENERATE, f"{_MT}:multiturn_generate", inputs=("prompts",),
                       outputs=("seq", "logp", "rewards"), config=field, config_type=cfg, records=True,
-                      check_args=ROLLOUT_CHECK, migrates_tail=False),
+                      check_args=ROLLOUT_CHECK, migrates_tail=False,
+                      stepwise=f"{_MT}:TurnRollouts"),
             Interface(name, INFERENCE, f"{_MT}:policy_logprobs", inputs=("seq",), outputs=("logp",), config=field,
                       config_type=cfg)) + (() if train is None else (
             Interface(name, TRAIN_STEP, f"realloc.algorithms.critic_free.{module}:{train}", inputs=PG_INPUTS,

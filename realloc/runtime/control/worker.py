@@ -370,8 +370,9 @@ class ModelWorker:
             set_step_lr(ctx, 0)
         tail = prog.plan.tail.get(call) if rpc.interface_type is InterfaceType.GENERATE and not evaluating else None
         if tail is not None:  # long-tail migration: this replica's rows at the end are others (worker_tail.py)
-            res, self.held_rows = (streaming_generation(ctx, fn, inputs, tail, call, self.streams) if
-                                   tail.streams_only else migrating_generation(ctx, fn, inputs, tail, call))
+            res, self.held_rows = (streaming_generation(ctx, fn, inputs, tail, call, self.streams,
+                                                        iface.resolve_stepwise())
+                                   if tail.streams_only else migrating_generation(ctx, fn, inputs, tail, call))
             if res is None:
                 return {}, []
             result, ids = res, self.held_rows

@@ -15,13 +15,18 @@ split point j (``graph/tail.split_thresholds``) and replies with the rows finish
 decodes the rest to the end. Every replica takes every request while the call still runs anywhere (it joins the
 running-row counts even with no running row of its own).
 
+A multi-turn rollout (an interface with a ``stepwise`` form, ``multiturn.TurnRollouts``) streams the same way,
+a turn standing for a decode step: the replicas take turns, count the call's running rollouts after every turn, and
+hand on the rollouts finished (the environment said done, or the turn limit or the budget was hit) at each split
+point, while the others keep taking turns in place (their environments and kept KV caches stay in the worker).
+
 Every row is decoded by the same steps as without the entry, so the results are the plain run's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -31,8 +36,9 @@ from realloc.graph.tail import TailMigration, split_thresholds
 from realloc.models.stream_decode import SplitGeneration
 from realloc.runtime.control.worker_tail import GenerateReplay, captured_generate
 
-# (call, iteration) -> the decoding, sequence ids, running local positions, inputs, split points passed
-Kept = dict[tuple[str, int], tuple[SplitGeneration, list[int], list[int], Data, int]]
+# (call, iteration) -> the decoding (a SplitGeneration, or a stepwise multi-turn call's state), sequence ids, running
+# local positions, inputs, split points passed
+Kept = dict[tuple[str, int], tuple[Any, list[int], list[int], Data, int]]
 
 
 def _rows_of(inputs: Data, positions: list[int]) -> Data:
@@ -40,17 +46,23 @@ def _rows_of(inputs: Data, positions: list[int]) -> Data:
     return {role: {name: t.index_select(0, idx) for name, t in d.items()} for role, d in inputs.items()}
 
 
-def _run_on(ctx: CallContext, fn: Callable[[CallContext, Data], CallResult], gen: SplitGeneration,
+def _run_on(ctx: CallContext, fn: Callable[[CallContext, Data], CallResult], gen: Any,
             ids: list[int], positions: list[int], inputs: Data, call: str) -> CallResult:
-    """The interface function on the rows at local ``positions`` (sequence ids ``ids``), ``generate`` answered."""
+    """The interface function on the rows at local ``positions`` (sequence ids ``ids``), ``generate`` answered
+    (a stepwise call reports its finished rows itself)."""
+    if not isinstance(gen, SplitGeneration):
+        return gen.result(positions)
     replay = GenerateReplay(ctx.model, gen.output(positions), ids, call)
     return fn(dataclasses.replace(ctx, ids=ids, model=replay), _rows_of(inputs, positions))
 
 
 def streaming_generation(ctx: CallContext, fn: Callable[[CallContext, Data], CallResult], inputs: Data,
-                         tail: TailMigration, call: str, kept: Kept) -> tuple[CallResult | None, list[int]]:
-    """One of the call's two requests on this replica (see the module docstring): the result covers the rows it
-    returns beside it, ascending (None and no rows: this replica has none in this part)."""
+                         tail: TailMigration, call: str, kept: Kept,
+                         stepwise: Callable[[CallContext, Data], Any] | None = None
+                         ) -> tuple[CallResult | None, list[int]]:
+    """One of the call's requests on this replica (see the module docstring): the result covers the rows it
+    returns beside it, ascending (None and no rows: this replica has none in this part). ``stepwise``: the
+    interface's turn-by-turn form (``Interface.stepwise``), for a call that does not generate once."""
     state = kept.pop((call, ctx.iteration), None)
     if state is not None:  # a later request: the running rows to the next split point, or to their end
         gen, seq_ids, running, held, passed = state
@@ -65,17 +77,25 @@ def streaming_generation(ctx: CallContext, fn: Callable[[CallContext, Data], Cal
         return _run_on(ctx, fn, gen, list(ctx.ids), running, held, call), list(ctx.ids)
     model = ctx.model
     assert model is not None
+    if stepwise is not None:  # a multi-turn rollout: turns to the split points
+        if model.groups.pp != 1:
+            raise ValueError(f"call {call!r}: streaming runs the generation at pp 1 only; give the call pp=1 or drop "
+                             f"its 'tail' plan entry")
+        state = stepwise(ctx, inputs)
+        ids = list(ctx.ids)
+        return _to_split(ctx, fn, state, ids, inputs, tail, call, kept, 0, list(range(len(ids))))
     a = captured_generate(ctx, fn, inputs, call)
     gen = SplitGeneration(model, a.prompts, a.gconfig, a.seq_ids, a.n_mbs)
     return _to_split(ctx, fn, gen, a.seq_ids, inputs, tail, call, kept, 0, list(range(len(a.seq_ids))))
 
 
-def _to_split(ctx: CallContext, fn: Callable[[CallContext, Data], CallResult], gen: SplitGeneration,
+def _to_split(ctx: CallContext, fn: Callable[[CallContext, Data], CallResult], gen: Any,
               seq_ids: list[int], inputs: Data, tail: TailMigration, call: str, kept: Kept, passed: int,
               before: list[int]) -> tuple[CallResult | None, list[int]]:
     """Decode to split point ``passed + 1`` and run the interface function on the rows that finished since
     (local positions ``before`` were running)."""
-    model = gen.model
+    model = ctx.model
+    assert model is not None
 
     def global_count(local: int) -> int:
         t = torch.tensor([local], dtype=torch.long, device=model.device)
