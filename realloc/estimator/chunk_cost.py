@@ -66,16 +66,17 @@ def lead_shares(cost: CostModel, call: str, rows: int, chunks: int, sharing: int
 
 
 def chunk_work(cost: CostModel, call: str, producer: str, mesh: DeviceMesh, strategy: ParallelStrategy,
-               n_mbs: int, rows: int, chunks: int) -> tuple[float, ...]:
+               n_mbs: int, rows: int, chunks: int, running: tuple[int, ...] | None = None) -> tuple[float, ...]:
     """Seconds of consumer ``call`` on each of the k chunks before the last split point (a chunk after the first
-    also pays its own request and its transfer's)."""
+    also pays its own request and its transfer's). ``running``: the rows still running at each split point when
+    they are not the thresholds (a multi-turn call counts per turn, ``turn_stream_cost.py``)."""
     if cost.graph.call(call).interface_type is InterfaceType.TRAIN_STEP:
         raise ValueError(f"call {call!r} is a train call; it runs once, after the generation ends")
     model, local = _local(cost, mesh)
     gen = model.workload(producer)
     n = gen.n_seqs
     ends = gen.lengths.order_statistics(gen.gen_len, n)
-    cuts = (n, *split_thresholds(n, rows, chunks))
+    cuts = (n, *(running or split_thresholds(n, rows, chunks)))
     cfg = model.graph.model_config(call)
     extra = _request(cost, mesh) + model.hw.call_overhead
     out = []

@@ -10,6 +10,7 @@ import numpy as np
 
 from realloc.estimator.chunk_cost import chunked_generation_cost
 from realloc.estimator.tail_cost import tail_generation_cost
+from realloc.estimator.turn_stream_cost import turn_stream_cost
 from realloc.search.tail_reference import TailView
 
 if TYPE_CHECKING:
@@ -29,14 +30,18 @@ def tail_summary(report: "SearchReport") -> list[str]:
         c = names.index(call)
         o = space.options[c][int(report.indices[c])]
         n = space.cost.workload(call).n_seqs
-        cost = (tail_generation_cost(space.cost, call, o.mesh, o.strategy, o.n_mbs, t.rows, t.instances)
-                if t.chunks == 1 else chunked_generation_cost(space.cost, call, o.mesh, o.strategy, o.n_mbs, t.rows,
-                                                              t.chunks)[0])
+        if space.cost.rollout_shape(call) is not None:  # a multi-turn stream, priced by turns
+            cost = turn_stream_cost(space.cost, call, o.mesh, o.strategy, o.n_mbs, t.rows, t.chunks)[0]
+        else:
+            cost = (tail_generation_cost(space.cost, call, o.mesh, o.strategy, o.n_mbs, t.rows, t.instances)
+                    if t.chunks == 1 else chunked_generation_cost(space.cost, call, o.mesh, o.strategy, o.n_mbs,
+                                                                  t.rows, t.chunks)[0])
         split = [names[v] for v in view.split_of if view.split(v) is not None and names[view.split(v)[1]] == call]
         if t.streams_only:  # no migration: the finished rows stream off the mesh (estimator/stream_cost.py)
+            rows = "rollouts" if space.cost.rollout_shape(call) is not None else "rows"
             chunks = f" in {t.chunks} chunks, the last" if t.chunks > 1 else ""
-            lines.append(f"streaming: {call} hands its finished rows on{chunks} once at most {t.rows} of {n} rows "
-                         f"({t.rows / n:.0%}) are running, no migration; before that {cost.phase1:.3f} s, after "
+            lines.append(f"streaming: {call} hands its finished {rows} on{chunks} once at most {t.rows} of {n} "
+                         f"{rows} ({t.rows / n:.0%}) are running, no migration; before that {cost.phase1:.3f} s, after "
                          f"{cost.phase2:.3f} s")
             parts = f"{t.chunks + 1} parts" if t.chunks > 1 else "two parts"
             lines.append(f"  in {parts} off the generation's devices: {', '.join(split) if split else 'no consumer'}")

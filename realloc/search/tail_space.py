@@ -28,6 +28,8 @@ from realloc.estimator.cost import CostModel
 from realloc.estimator.chunk_cost import CHUNK_GRID, chunk_work, chunked_generation_cost, lead_shares
 from realloc.estimator.stream_cost import stream_phase2
 from realloc.estimator.tail_cost import TAIL_GRID, consumer_parts, phase1_cost, tail_phase_cost, tail_rows
+from realloc.estimator.turn_stream_cost import running_after, split_turns, turn_lead_shares, turn_stream_cost
+from realloc.envs.rollout_args import rollout_shape
 from realloc.graph.dataflow import DataflowGraph
 from realloc.graph.partial_check import partial_rollout_calls
 from realloc.graph.streaming import tail_unsupported
@@ -58,10 +60,16 @@ def grid_entry(g: int) -> tuple[float, int]:
 
 def eligible(graph: DataflowGraph, call: str) -> bool:
     """Whether ``call`` may migrate its tail: a model's GENERATE call under response lengths that vary (more than
-    one length possible; with one, every row ends at once and there is no tail)."""
-    spec = graph.spec
-    return (graph.call(call).interface_type is InterfaceType.GENERATE and graph.model_config(call) is not None
-            and np.count_nonzero(spec.response_lengths.pmf(spec.gen_len)) > 1
+    one length possible; with one, every row ends at once and there is no tail). A multi-turn call may stream
+    (never migrate) when its profile's rollouts end at different turns (``turn_stream_cost.py``)."""
+    spec, rpc = graph.spec, graph.call(call)
+    if rpc.interface_type is not InterfaceType.GENERATE or graph.model_config(call) is None:
+        return False
+    shape = rollout_shape(call, graph.interfaces.get(call), rpc.interface_args, spec.gen_len)
+    if shape is not None:
+        return (min(shape.profile.reach) < 1
+                and tail_unsupported(graph, call, partial_rollout_calls(graph), streams_only=True) is None)
+    return (np.count_nonzero(spec.response_lengths.pmf(spec.gen_len)) > 1
             and tail_unsupported(graph, call, partial_rollout_calls(graph)) is None)
 
 
@@ -80,14 +88,19 @@ def with_tail_rows(graph: DataflowGraph, cost: CostModel, call: str,
     rows, choices = [], []
     phase1: dict[tuple, float] = {}
     phase2: dict[tuple, tuple[float, float, bool]] = {}
+    multiturn = cost.rollout_shape(call) is not None  # streams only, priced by turns (turn_stream_cost.py)
     for i, cand in enumerate(cc.options):
         s = cand.strategy
-        if s.pp == 1 and cand.mesh.size < n_devices:  # streaming without migration (m = 0, stream_cost.py): at
+        if s.pp == 1 and cand.mesh.size < n_devices and multiturn:
+            rows_stream, choices_stream = turn_stream_rows(cost, call, i, cand, n)
+            rows += rows_stream
+            choices += choices_stream
+        elif s.pp == 1 and cand.mesh.size < n_devices:  # streaming without migration (m = 0, stream_cost.py): at
             # any dp, on a mesh that leaves devices for a consumer to stream to
             rows_stream, choices_stream = stream_rows(cost, call, i, cand, n, phase1)
             rows += rows_stream
             choices += choices_stream
-        if s.pp != 1 or s.dp < 2:
+        if s.pp != 1 or s.dp < 2 or multiturn:
             continue
         per_replica = cost.workload(call).micro_batch(s.dp, cand.n_mbs) * cand.n_mbs
         shape = (cand.mesh.n_nodes, cand.mesh.n_devs)
@@ -145,6 +158,31 @@ def stream_rows(cost: CostModel, call: str, i: int, cand, n: int,
     return rows, choices
 
 
+def turn_stream_rows(cost: CostModel, call: str, i: int, cand, n: int
+                     ) -> tuple[list[tuple[int, float]], list[TailChoice]]:
+    """A multi-turn candidate ``i``'s stream-only rows, one per (R_t, chunks) of the grid, priced by turns."""
+    s = cand.strategy
+    rows, choices = [], []
+    for ci, k in enumerate((1,) + CHUNK_GRID):
+        for g, share in enumerate(TAIL_GRID):
+            r_t = tail_rows(n, share)
+            if k > n - r_t:
+                continue
+            tc, lead, _ = turn_stream_cost(cost, call, cand.mesh, s, cand.n_mbs, r_t, k)
+            rows.append((i, tc.phase1))
+            choices.append(TailChoice(TailMigration(rows=r_t, instances=0, chunks=k), g + len(TAIL_GRID) * ci,
+                                      s.dp * s.tp, tc.phase2, lead))
+    return rows, choices
+
+
+def _turn_parts(cost: CostModel, call: str, producer: str, cand, running: tuple[int, ...]) -> tuple[float, float]:
+    """(part 1, part 2) of a split consumer of a multi-turn stream whose last split point leaves ``running[-1]``
+    rollouts running; none left: everything in part 1 and no last part."""
+    if running[-1]:
+        return consumer_parts(cost, call, producer, cand.mesh, cand.strategy, cand.n_mbs, running[-1])
+    return cost.call_cost(call, cand.mesh, cand.strategy, cand.n_mbs).time, 0.0
+
+
 def tail_arrays(graph: DataflowGraph, cost: CostModel, calls: Sequence[str], options: Sequence[Sequence],
                 tails: Sequence[Sequence[TailChoice | None]], data_edges: Sequence[tuple[int, int]],
                 ) -> tuple[tuple[tuple[int, TailColumns], ...], tuple[TailSplit, ...]]:
@@ -171,6 +209,10 @@ def tail_arrays(graph: DataflowGraph, cost: CostModel, calls: Sequence[str], opt
             continue  # a train call runs once, after the generation ends
         n = cost.workload(calls[u]).n_seqs
         r_t = [tail_rows(n, grid_entry(g)[0]) for g in range(n_grid)]
+        turns = running_after(cost, calls[u]) if cost.rollout_shape(calls[u]) is not None else None
+        # a multi-turn stream: the rollouts running at each split point, as the turns say (turn_stream_cost.py)
+        at = [None if turns is None or grid_entry(g)[1] > n - r_t[g] else
+              tuple(turns[k - 1] for k in split_turns(turns, n, r_t[g], grid_entry(g)[1])) for g in range(n_grid)]
         part1 = np.zeros((len(options[v]), n_grid))
         part2 = np.zeros_like(part1)
         work = np.zeros((len(options[v]), n_grid, depth if u in chunked else 0))
@@ -180,23 +222,26 @@ def tail_arrays(graph: DataflowGraph, cost: CostModel, calls: Sequence[str], opt
         for g in range(n_grid):
             k = grid_entry(g)[1]
             if 1 < k <= n - r_t[g] and u in chunked:
-                share[g, :k - 1] = lead_shares(cost, calls[u], r_t[g], k, readers[u])
+                share[g, :k - 1] = (lead_shares(cost, calls[u], r_t[g], k, readers[u]) if turns is None else
+                                    turn_lead_shares(turns, n, r_t[g], k, readers[u]))
         for i, cand in enumerate(options[v]):
             for g, rows in enumerate(r_t):
-                key = (cand.mesh.n_nodes, cand.mesh.n_devs, cand.mesh.pool, cand.strategy, cand.n_mbs, rows)
+                key = (cand.mesh.n_nodes, cand.mesh.n_devs, cand.mesh.pool, cand.strategy, cand.n_mbs, rows,
+                       at[g] and at[g][-1])
                 if key not in seen:
-                    seen[key] = consumer_parts(cost, calls[v], calls[u], cand.mesh, cand.strategy, cand.n_mbs, rows)
+                    seen[key] = (consumer_parts(cost, calls[v], calls[u], cand.mesh, cand.strategy, cand.n_mbs, rows)
+                                 if at[g] is None else _turn_parts(cost, calls[v], calls[u], cand, at[g]))
                 part1[i, g], part2[i, g] = seen[key]
                 k = grid_entry(g)[1]
                 if k == 1 or k > n - rows or u not in chunked:
                     continue
-                if (key, k) not in seen_chunks:
-                    seen_chunks[key, k] = chunk_work(cost, calls[v], calls[u], cand.mesh, cand.strategy, cand.n_mbs,
-                                                     rows, k)
-                c = seen_chunks[key, k]
+                if (key, k, at[g]) not in seen_chunks:
+                    seen_chunks[key, k, at[g]] = chunk_work(cost, calls[v], calls[u], cand.mesh, cand.strategy,
+                                                            cand.n_mbs, rows, k, at[g])
+                c = seen_chunks[key, k, at[g]]
                 part1[i, g] = c[-1]  # the last chunk, after the last split point; the earlier ones from j on:
                 work[i, g, :k - 1] = [sum(c[j:]) for j in range(k - 1)]
-        share1 = np.array([(n - r) / n for r in r_t])
+        share1 = np.array([(n - (r if a is None else a[-1])) / n for r, a in zip(r_t, at)])
         splits.append(TailSplit(e, part1, part2, share1, 1.0 - share1, work, share))
         split_calls.add(v)
     return tuple(columns), tuple(splits)
