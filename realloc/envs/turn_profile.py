@@ -8,7 +8,10 @@ The estimator prices a multi-turn GENERATE call (``estimator/multiturn_cost.py``
 - ``reach[k]``: the share of rollouts that take turn k (1 for the first);
 - ``first_observation``: the mean tokens of the observation after the prompt;
 - ``step_s``: seconds of one environment step that answers with an observation (a tool call), and ``final_s``
-  of one that ends the rollout (scoring the answer).
+  of one that ends the rollout (scoring the answer);
+- ``tool_processes``: how many tool processes ran at once on the host when ``step_s`` was measured (0: none
+  other, ``step_s`` is a lone tool call's time; None: unknown, no contention is priced); the estimator prices
+  contention for the host's cores from it (``estimator/multiturn_cost.py``: ``tool_slowdown``).
 
 Three sources, in this order:
 
@@ -34,7 +37,8 @@ from typing import Any, Mapping, Sequence
 
 from realloc.lengths import SAMPLES_FILE, ResponseLengths, run_records
 
-PROFILE_KEYS = ("policy_tokens", "observation_tokens", "reach", "first_observation_tokens", "step_s", "final_s")
+PROFILE_KEYS = ("policy_tokens", "observation_tokens", "reach", "first_observation_tokens", "step_s", "final_s",
+                "tool_processes")
 METRICS_FILE = "metrics.jsonl"  # runtime/records/run_paths.py's name (not imported: the runtime sits above)
 SEGMENTS = "turn_segments"  # the samples.jsonl field (runtime/records/text_io.py)
 
@@ -48,6 +52,7 @@ class TurnProfile:
     step_s: float = 0.0
     final_s: float = 0.0
     source: str = "declared"
+    tool_processes: float | None = 0.0  # tool processes at once when step_s was measured (0: alone; None: unknown)
 
     def __post_init__(self) -> None:
         k = len(self.policy)
@@ -122,7 +127,8 @@ def declared_profile(call: str, spec: Any, max_turns: int) -> TurnProfile:
                               obs, reach,
                               _number(call, "first_observation_tokens", spec.get("first_observation_tokens", 0)),
                               _number(call, "step_s", spec.get("step_s", 0.0)),
-                              _number(call, "final_s", spec.get("final_s", 0.0)), "declared")
+                              _number(call, "final_s", spec.get("final_s", 0.0)), "declared",
+                              _number(call, "tool_processes", spec.get("tool_processes", 0.0)))
     if profile.turns > max_turns:
         raise ValueError(f"call {call!r}: interface_args['turn_profile'] has {profile.turns} turns but max_turns is "
                          f"{max_turns}")

@@ -24,7 +24,7 @@ bandwidths (``comm.py``).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 from realloc.calls import InterfaceType
 from realloc.cluster import ClusterSpec, DeviceMesh
@@ -34,7 +34,7 @@ from realloc.estimator.comm import CommModel, GroupLinks, group_links
 from realloc.estimator.hardware import Precision
 from realloc.estimator.memory import (CallMemory, Workload, local_params, max_local_params, stage_call_memory,
                                       train_inflight_bytes)
-from realloc.estimator.multiturn_cost import TurnCost, multiturn_time, turn_costs
+from realloc.estimator.multiturn_cost import ToolHost, TurnCost, multiturn_time, turn_costs
 from realloc.estimator.pool_link import pooled_plan_seconds
 from realloc.estimator.profile_table import ProfileTable, ProfiledCosts, discover_profiles, sibling_dtype
 from realloc.estimator.roofline import RooflineCosts
@@ -220,7 +220,8 @@ class CostModel:
         timer = self._timer(cfg, self._precisions[call])
         shape = self._shapes.get(call)
         if shape is not None:
-            return multiturn_time(timer, work, shape, strategy, self.links(mesh, strategy), n_mbs)
+            return multiturn_time(timer, work, shape, strategy, self.links(mesh, strategy), n_mbs,
+                                  self.tool_host(mesh, strategy))
         return timer.time(work, strategy, self.links(mesh, strategy), n_mbs, recompute)
 
     def rollout_shape(self, call: str) -> RolloutShape | None:
@@ -237,7 +238,16 @@ class CostModel:
             return []
         self._check(call, mesh, strategy, n_mbs)
         return turn_costs(self._timer(cfg, self._precisions[call]), self.workload(call), shape, strategy,
-                          self.links(mesh, strategy), n_mbs)
+                          self.links(mesh, strategy), n_mbs, self.tool_host(mesh, strategy))
+
+    def tool_host(self, mesh: DeviceMesh, strategy: ParallelStrategy) -> ToolHost:
+        """A multi-turn call's dp replicas on one host of ``mesh`` and the host's cores (multiturn_cost.py)."""
+        return self.tool_host_of(self.cluster, mesh, strategy)
+
+    @staticmethod
+    def tool_host_of(cluster: Any, mesh: DeviceMesh, strategy: ParallelStrategy) -> ToolHost:
+        replicas = min(strategy.dp, max(1, mesh.n_devs // (strategy.tp * strategy.pp)))
+        return ToolHost(replicas, cluster.cores_per_device * cluster.n_devices_per_node)
 
     def train_passes(self, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, n_mbs: int,
                      recompute: bool = False) -> tuple[list[float], list[float], list[int]]:

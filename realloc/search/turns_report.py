@@ -14,12 +14,35 @@ from realloc.graph.plan import ExecutionPlan, validate_plan
 
 
 def turns_from(spec: Any, run_dir: str | Path) -> Any:
-    """``spec`` with its multi-turn GENERATE calls priced on the turns an earlier run logged (when it logged any)."""
+    """``spec`` with its multi-turn GENERATE calls priced on the turns an earlier run logged (when it logged any),
+    with the tool processes that ran at once on a host in that run (its ``plan.json``; the estimator prices other
+    plans' contention from it, ``multiturn_cost.tool_slowdown``)."""
     graph = build_graph(spec)
     calls = [c for c in graph.topo_order if is_multiturn(graph.interfaces.get(c))]
     if not calls or not has_turns(run_dir):
         return spec
-    return with_profile(spec, calls, turns_from_run(run_dir))
+    profile = turns_from_run(run_dir)
+    at_once = _tool_processes(graph, calls[0], Path(run_dir) / "plan.json")
+    return with_profile(spec, calls, dataclasses.replace(profile, tool_processes=at_once))
+
+
+def _tool_processes(graph: DataflowGraph, call: str, plan_path: Path) -> float | None:
+    """Tool processes at once on one host under the run's plan: the call's replicas on a host x min(env_workers,
+    rollouts per replica), as ``CostModel.tool_host`` counts them; None (unknown: no contention priced) when the
+    run left no plan of that call."""
+    from realloc.estimator.cost import CostModel
+
+    try:
+        plan = ExecutionPlan.load(plan_path)
+        p = plan.placements[call]
+    except (OSError, ValueError, KeyError):
+        return None
+    shape = rollout_shape(call, graph.interfaces.get(call), graph.call(call).interface_args, graph.spec.gen_len)
+    assert shape is not None
+    mesh = graph.spec.cluster.mesh(p.mesh)
+    host = CostModel.tool_host_of(graph.spec.cluster, mesh, p.strategy)
+    rows = -(-graph.spec.n_seqs(graph.call(call)) // p.strategy.dp)
+    return float(host.replicas * min(shape.env_workers, rows))
 
 
 def profile_lines(graph: DataflowGraph) -> list[str]:
