@@ -12,6 +12,9 @@ time is phase 1; ``TailChoice`` keeps the rest
 moves: candidates of one layout (its "n_mbs" move) differ in n_mbs and migration, so a move there turns the tail
 on, off or to another (R_t, m); a migration keeps its own shape class, so a "position" move keeps it.
 
+A multi-turn call (a turn profile whose rollouts end at different turns) gets the stream-only rows only, priced by
+turns (``estimator/turn_stream_cost.py``): its unfinished rollouts never migrate.
+
 Every non-train consumer of such a call may run in two parts (``TailSplit``), priced per candidate and grid entry.
 Fixed lengths, or no eligible call: no row is added and the problem is exactly the one of before.
 """

@@ -15,6 +15,10 @@ dp, tp, pp nor the micro-batches. Rows with less budget left than the turn's cap
 (a prefix of a sampled sequence is what a shorter generation draws). The environments run on the replica's
 reporting rank (tp rank 0 of the last stage), which broadcasts their observations, rewards and ends to the other
 ranks, so a tool runs once per rollout whatever the layout.
+
+``TurnRollouts`` is the call one turn at a time (the interface's ``stepwise`` form): a plan that streams the call's
+finished rollouts (a stream-only ``tail`` entry, runtime/control/worker_stream.py) hands them on at its split points
+while the others keep taking turns, with the very turns of the plain call.
 """
 
 from __future__ import annotations
