@@ -135,7 +135,8 @@ def overheads(run_dir: Path) -> dict[str, float]:
     gaps: list[float] = []
     for it in its:
         gen = sorted((r for r in rows if r["iteration"] == it and r["label"] == GEN), key=lambda r: r["dispatched"])
-        gaps += [b["spans"][d][0] - a["spans"][d][1] for a, b in zip(gen, gen[1:]) for d in b["spans"] if d in a["spans"]]
+        gaps += [b["spans"][d][0] - a["spans"][d][1] for a, b in zip(gen, gen[1:]) for d in b["spans"]
+                 if d in a["spans"]]
     busy: dict[str, list[tuple[float, float, float]]] = {}  # worker -> (start, end, dispatched) of its requests
     for r in rows:
         for d, (a, b) in r["spans"].items():

@@ -37,7 +37,8 @@ def test_planner_moves_nothing_from_a_whole_source_into_a_mesh_inside_it() -> No
             checked += 1
     assert checked > 10
     # and not from a tp-2 source: the other half of each matrix lives on the other device
-    plan = plan_param_realloc(cfg, Layout(c.mesh("n1:0-1"), S(dp=1, tp=2, pp=1)), Layout(c.mesh("n1:1"), S(dp=1, tp=1, pp=1)))
+    plan = plan_param_realloc(cfg, Layout(c.mesh("n1:0-1"), S(dp=1, tp=2, pp=1)),
+                              Layout(c.mesh("n1:1"), S(dp=1, tp=1, pp=1)))
     assert any(plan.received_bytes.values())
 
 
@@ -90,3 +91,18 @@ def test_simulators_agree_with_in_place_reallocations() -> None:
     assert n_in_place > 50
     stopped, completed = bounded_evaluations(rng, _whole_at_random, n_problems=100)
     assert stopped and completed
+
+
+def test_simulators_agree_with_in_place_reallocations_beside_tails_and_staleness() -> None:
+    """The same with random tail migrations, streamed consumers and (a quarter of the problems) bounded staleness."""
+    from test_async_simulator import _with_staleness
+    from test_tail_simulator import random_tails
+
+    rng = np.random.default_rng(3132)
+    for k in range(200):
+        p = random_tails(rng, _whole_at_random(rng), stream=0.3)
+        if k % 4 == 3:
+            p = _with_staleness(rng, p)
+        cpp = p.to_cpp()
+        for _ in range(3):
+            assert_agrees(cpp, p, random_plan(rng, p), k)

@@ -270,10 +270,11 @@ class IterationSchedule:
 
     async def _wait_realloc(self, n: Node, rec: RequestRecord) -> None:
         """A reallocation is done for its dependents once the ranks that move bytes and those of the destination
-        layout have replied. A rank that only releases its source (e.g. a device of a dp-2 train layout whose inference layout is the other device) may
-        still be running a long request, such as a migrated generation's tail: its worker runs requests in order,
-        so its own next request sees the release, and its reply is waited for in the background (a failure still
-        stops the run). Waiting for it held a streamed consumer's part 1 behind the tail (docs/streaming.md)."""
+        layout have replied. A rank that only releases its source (a device of a dp-2 train layout whose inference
+        layout is the other device) may still run a long request, such as a migrated generation's tail: its worker
+        runs requests in order, so its own next request sees the release, and its reply is waited for in the
+        background (a failure still stops the run). Waiting for it held a streamed consumer's part 1 behind the
+        tail (docs/streaming.md, "Where the fused plans lose time")."""
         r = next(x for x in self.program.reallocs(n.name) if (x.src_call, x.dst_call) == (n.src, n.dst))
         needed = self.program.realloc_movers(r) | set(self.program.calls[n.dst].ranks)
         if set(rec.ranks) <= needed:
