@@ -12,7 +12,9 @@ bench_fusion.py's). Plans, each one ``realloc run``, in turn every round (``--re
   tail entry, ``plan_search``'s ``no_tail``);
 - fused: ``searched`` (the search's winner with its tail entry: chunked streaming, streaming or migration, as it
   chooses), and the R_t sweep on its placement: every R_t of the grid with its chunk count (or migration's m);
-  ``disaggregated, k chunk(s)``: the disaggregated placement streaming in k chunks (R = 5%).
+  ``disaggregated, k chunk(s)``: the disaggregated placement streaming in k chunks (R = 5%); ``colocated, migrate
+  R=k``: RLHFuse's fusion of the colocated plan (the generation over both devices moves its last k rows to device
+  0, the inference calls run on device 1, training over both; R = 5%).
 
 Measured per iteration (medians over the iterations after the first): generation + inference (from the generation's
 start on its devices to the end of the last inference call: RLHFuse's "Gen.+Inf.", not counting the wait of a
@@ -59,6 +61,10 @@ def _plans(graph, report) -> dict:
     r = tail_rows(graph.spec.n_seqs(graph.call(GEN)), TAIL_GRID[0])
     for k in (1, *CHUNK_GRID):  # FlexRLHF's disaggregated placement streamed, in k chunks
         plans[f"disaggregated, {k} chunk(s)"] = ExecutionPlan.by_hand(graph, apart, source="hand", tail={GEN: (r, 0, k)})
+    # RLHFuse's fusion (rlhfuse.txt §4) on the colocated plan: the generation over both devices moves its last R rows
+    # to device 0, and device 1, freed, runs the inference calls on the finished rows; training over both
+    freed = {c: dev1 if c in INFERENCE else both for c in graph.spec.call_names}
+    plans[f"colocated, migrate R={r}"] = ExecutionPlan.by_hand(graph, freed, source="hand", tail={GEN: (r, 1)})
     tail = won.tail.get(GEN)
     if tail is None:
         return plans
@@ -114,7 +120,33 @@ def _measured(run_dir: Path) -> tuple[float, float, dict[str, float]]:
         parts.append(breakdown(recs))
     med = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return med["gen+inf"], statistics.median(m["iteration_time"] for m in metrics[1:]), med
+    return (med["gen+inf"], statistics.median(m["iteration_time"] for m in metrics[1:]),
+            {**med, **overheads(run_dir)})
+
+
+def overheads(run_dir: Path) -> dict[str, float]:
+    """The runtime's own costs from ``requests.jsonl``, iterations 2..: requests per iteration; the generation's
+    split points per iteration and the seconds its devices stand between two of its requests (the reply, the
+    master's handling and the next request: the split-point protocol); medians of the seconds from a request's
+    dispatch to its start on a worker that was idle, and from its end on a worker to the master's receipt."""
+    rows = [json.loads(x) for x in (run_dir / "requests.jsonl").read_text().splitlines() if x.strip()]
+    rows = [r for r in rows if r["iteration"] >= 2 and r["kind"] not in ("setup", "shutdown")]
+    its = {r["iteration"] for r in rows}
+    gaps: list[float] = []
+    for it in its:
+        gen = sorted((r for r in rows if r["iteration"] == it and r["label"] == GEN), key=lambda r: r["dispatched"])
+        gaps += [b["spans"][d][0] - a["spans"][d][1] for a, b in zip(gen, gen[1:]) for d in b["spans"]
+                 if d in a["spans"]]
+    busy: dict[str, list[tuple[float, float, float]]] = {}  # worker -> (start, end, dispatched) of its requests
+    for r in rows:
+        for d, (a, b) in r["spans"].items():
+            busy.setdefault(d, []).append((a, b, r["dispatched"]))
+    idle = [a1 - t1 for v in busy.values() for (_, b0, _), (a1, _, t1) in zip(sorted(v), sorted(v)[1:]) if t1 > b0]
+    back = [r["received"][d] - b for r in rows for d, (_, b) in r["spans"].items() if d in r.get("received", {})]
+    med = lambda v: statistics.median(v) if v else float("nan")  # noqa: E731
+    n_gen_devices = max(1, max((len(r["spans"]) for r in rows if r["label"] == GEN), default=1))
+    return {"requests": len(rows) / len(its), "splits": len(gaps) / len(its) / n_gen_devices,
+            "split gap": med(gaps), "dispatch": med(idle), "reply": med(back)}
 
 
 def _estimated(graph, plan) -> tuple[float, float, dict[str, float]]:
@@ -187,7 +219,7 @@ def main() -> int:
           f"{os.environ.get('REALLOC_PROFILES', 'shipped')}")
     won = report.plan.tail.get(GEN)
     print(f"searched ({args.search_time:.0f} s): {won if won else 'no tail entry'}")
-    print(f"{'plan':<22}{'gen+inf':>8}{'est':>7}{'e/m':>6}{'iter':>7}{'est':>7}{'e/m':>6}   measured (estimated): "
+    print(f"{'plan':<26}{'gen+inf':>8}{'est':>7}{'e/m':>6}{'iter':>7}{'est':>7}{'e/m':>6}   measured (estimated): "
           f"gen | inf in gen | inf after | train | other")
     rows = {}
     for name in plans:
@@ -196,7 +228,14 @@ def main() -> int:
         rows[name] = (gi, it, e_gi, e_it)
         split = " | ".join(f"{parts.get(k, float('nan')):.3f} ({e_parts[k]:.3f})"
                            for k in ("gen", "inf in gen", "inf after", "train", "other"))
-        print(f"{name:<22}{gi:>8.3f}{e_gi:>7.3f}{e_gi / gi:>6.2f}{it:>7.3f}{e_it:>7.3f}{e_it / it:>6.2f}   {split}")
+        print(f"{name:<26}{gi:>8.3f}{e_gi:>7.3f}{e_gi / gi:>6.2f}{it:>7.3f}{e_it:>7.3f}{e_it / it:>6.2f}   {split}")
+    print("runtime overheads per plan, medians over iterations 2.. (ms): requests per iteration | the generation's "
+          "split points per iteration, its devices' gap at each | dispatch to start (idle worker) | end to master")
+    for name in plans:
+        m = min(measured[name], key=lambda m: m[1])[2] if measured[name] else {}
+        if m:
+            print(f"  {name:<26}{m['requests']:5.0f} | {m['splits']:3.0f} x {m['split gap'] * 1e3:5.1f} | "
+                  f"{m['dispatch'] * 1e3:5.1f} | {m['reply'] * 1e3:5.1f}")
     unfused = [n for n in plans if n in ("colocated dp 2", "disaggregated", "searched, no tail")]
     fused = [n for n in plans if n not in unfused]
     col = 0 if not args.estimate_only else 2

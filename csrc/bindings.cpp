@@ -113,12 +113,13 @@ PYBIND11_MODULE(_C, m) {
                const Array<int32_t>& stage_width, const Array<int32_t>& layout, const Array<int32_t>& mesh_id,
                const Array<int32_t>& shape_class, const Array<double>& time, const Array<int64_t>& mem_offset,
                const Array<int64_t>& mem_static, const Array<int64_t>& mem_dynamic, const Array<int64_t>& mem_param,
-               const std::optional<Array<int32_t>>& twin) {
+               const std::optional<Array<int32_t>>& twin, const std::optional<Array<int32_t>>& whole) {
                 if (call < 0 || call >= p.n_calls()) throw std::invalid_argument("call index out of range");
                 rl::Candidates k;
                 k.time = to_vector(time, "time");
                 const py::ssize_t n = static_cast<py::ssize_t>(k.time.size());
                 k.twin = twin ? to_vector(*twin, "twin", n) : std::vector<int32_t>(n, -1);
+                if (whole) k.whole = to_vector(*whole, "whole", n);
                 k.dev_lo = to_vector(dev_lo, "dev_lo", n);
                 k.dev_hi = to_vector(dev_hi, "dev_hi", n);
                 k.stage_width = to_vector(stage_width, "stage_width", n);
@@ -134,7 +135,8 @@ PYBIND11_MODULE(_C, m) {
             },
             py::arg("call"), py::arg("dev_lo"), py::arg("dev_hi"), py::arg("stage_width"), py::arg("layout"),
             py::arg("mesh_id"), py::arg("shape_class"), py::arg("time"), py::arg("mem_offset"),
-            py::arg("mem_static"), py::arg("mem_dynamic"), py::arg("mem_param"), py::arg("twin") = py::none())
+            py::arg("mem_static"), py::arg("mem_dynamic"), py::arg("mem_param"), py::arg("twin") = py::none(),
+            py::arg("whole") = py::none())
         .def(
             "set_realloc_layouts",
             [](rl::Problem& p, int model, int n_layouts) {

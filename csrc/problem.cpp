@@ -121,7 +121,8 @@ void Problem::finalize() {
         const size_t s = k.time.size();
         if (s == 0) fail(who + ": no candidate placements");
         if (k.dev_lo.size() != s || k.dev_hi.size() != s || k.stage_width.size() != s || k.layout.size() != s ||
-            k.mesh_id.size() != s || k.shape_class.size() != s || k.twin.size() != s || k.mem_offset.size() != s + 1)
+            k.mesh_id.size() != s || k.shape_class.size() != s || k.twin.size() != s || k.mem_offset.size() != s + 1 ||
+            (!k.whole.empty() && k.whole.size() != s))
             fail(who + ": candidate arrays differ in length");
         const size_t pool = k.mem_static.size();
         if (k.mem_offset[0] != 0 || static_cast<size_t>(k.mem_offset[s]) != pool || k.mem_dynamic.size() != pool ||

@@ -26,6 +26,9 @@ struct Candidates {
     // The same placement with the other activation-recomputation choice (a training call's second
     // dimension besides n_mbs), or -1; twin[twin[i]] == i. Only the MCMC's moves read it.
     std::vector<int32_t> twin;
+    // 1: every device of the mesh holds the whole model (tp 1, pp 1), so a reallocation from it into a mesh
+    // inside it copies in place (Problem::in_place). Empty: none does.
+    std::vector<int32_t> whole;
     std::vector<double> time;          // seconds, the call alone
     // Bytes per device of each pipeline stage: candidate i's stages are entries
     // [mem_offset[i], mem_offset[i + 1]) of the pools (one per stage, pp of them).
@@ -41,6 +44,7 @@ struct Candidates {
     std::vector<int64_t> run_stage;
 
     int size() const { return static_cast<int>(time.size()); }
+    bool holds_whole(int i) const { return !whole.empty() && whole[i]; }
 };
 
 // Seconds to move something from layout `a` to layout `b`. Costs are priced lazily by the
@@ -203,6 +207,15 @@ struct Problem {
     int host_size() const { return devices_per_node > 0 ? devices_per_node : n_devices; }
     // True when the devices of a host can be busy in greater number than it has cores.
     bool shares_cores() const { return cores_per_node > 0.0 && cores_per_node < host_size(); }
+    // A reallocation from `src`'s candidate `i` into `dst`'s candidate `k` that copies every destination shard
+    // from the device's own source shard: the source holds the whole model on every device and the destination
+    // mesh lies inside it. Only the destination's devices take part; the runtime does not wait for the others
+    // (runtime/control/master_schedule._wait_realloc). search/reference.py's `_in_place` is the same.
+    bool in_place(int src, int i, int dst, int k) const {
+        const Candidates& a = cands[src];
+        const Candidates& b = cands[dst];
+        return a.holds_whole(i) && a.dev_lo[i] <= b.dev_lo[k] && b.dev_hi[k] <= a.dev_hi[i];
+    }
     PairCosts& table(int id);
     const PairCosts& table(int id) const;
 

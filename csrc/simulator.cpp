@@ -67,6 +67,7 @@ Evaluator::Evaluator(const Problem& problem) : p_(problem) {
     pass_.assign(per_, 0);
     pair_a_.assign(per_, 0);
     pair_b_.assign(per_, 0);
+    in_place_.assign(per_, 0);
     last_plan_.assign(n, -1);
     changed_calls_.reserve(n);
     seen_.assign(per_, 0);
@@ -243,7 +244,7 @@ void Evaluator::place_atoms_if_stale(const int32_t* plan) {
         s.a1 = lo[c];
         s.b1 = hi[c];
         s.a2 = s.b2 = 0;
-        if (o < 0) continue;
+        if (o < 0 || in_place_[j]) continue;
         if (lo[o] <= s.b1 && s.a1 <= hi[o]) {  // overlapping or touching: one range of atoms
             s.a1 = std::min(s.a1, lo[o]);
             s.b1 = std::max(s.b1, hi[o]);
@@ -281,6 +282,7 @@ inline void Evaluator::price(int j, const int32_t* plan) {
         cost = tmpl_table_[j]->get(la, lb, known);
     set_transfer(j, s, la, lb, cost, known);
     s.latency = kind == NodeKind::kRealloc && !s.pass ? p_.dispatch_latency : 0.0;
+    in_place_[j] = kind == NodeKind::kRealloc && p_.in_place(o, plan[o], c, plan[c]);
 }
 
 void Evaluator::set_transfer(int j, Slot& s, int la, int lb, double cost, bool known) {
@@ -309,6 +311,7 @@ bool Evaluator::prepare(const int32_t* plan, std::vector<MissingPair>* missing) 
         changed_calls_.push_back(c);
         const Candidates& k = p_.cands[c];
         if (was < 0 || k.dev_lo[plan[c]] != k.dev_lo[was] || k.dev_hi[plan[c]] != k.dev_hi[was]) meshes_moved = true;
+        if (was >= 0 && k.holds_whole(plan[c]) != k.holds_whole(was)) meshes_moved = true;  // in-place reallocations
         if (p_.tail_of_call[c] >= 0) meshes_moved = true;  // its tail devices may have moved
         last_plan_[c] = plan[c];
     }
@@ -339,7 +342,7 @@ bool Evaluator::prepare(const int32_t* plan, std::vector<MissingPair>* missing) 
             const NodeTemplate& nt = p_.iter_nodes[j];
             int lo1 = p_.cands[nt.call].dev_lo[plan[nt.call]], hi1 = p_.cands[nt.call].dev_hi[plan[nt.call]];
             int lo2 = lo1, hi2 = lo1;
-            if (nt.other >= 0) {
+            if (nt.other >= 0 && !in_place_[j]) {
                 lo2 = p_.cands[nt.other].dev_lo[plan[nt.other]];
                 hi2 = p_.cands[nt.other].dev_hi[plan[nt.other]];
             }

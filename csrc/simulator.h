@@ -191,6 +191,7 @@ private:
     std::vector<Slot> slot_;
     std::vector<uint8_t> pass_;  // per template node: Slot::pass, where the release loop looks it up
     std::vector<int32_t> pair_a_, pair_b_;  // per template node: the pair it prices (transfers only)
+    std::vector<uint8_t> in_place_;  // per template node: a reallocation on the destination's devices only
     int n_unknown_ = 0;                     // template nodes whose pair cost is not priced
     // what prepare() last computed from (valid while the problem's pair_version is cache_version_)
     std::vector<int32_t> last_plan_, changed_calls_, seen_;

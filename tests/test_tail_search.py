@@ -87,7 +87,9 @@ def test_search_migrates_the_tail_and_keeps_the_plan_without_beside_it():
     rep = plan_search(_long_tail(), None, max_evals=20_000, n_threads=1)
     assert rep.no_tail is not None and not rep.no_tail.tail
     t = rep.plan.tail["actor_gen"]
-    assert t.instances == 1 and t.rows in {tail_rows(32, x) for x in TAIL_GRID}
+    # migrating to one replica or streaming (0): here they are within 0.2% of each other, and in-place
+    # reallocations (tests/test_realloc_in_place.py) tipped the choice to streaming
+    assert t.instances in (0, 1) and t.rows in {tail_rows(32, x) for x in TAIL_GRID}
     assert rep.plan.estimated_time < rep.no_tail.estimated_time
     validate_plan(rep.plan, rep.graph)
     # the plan's migration maps back to its candidate, and the estimate is the simulators' (both agree)

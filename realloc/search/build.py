@@ -284,6 +284,7 @@ class PlanSpace:
                 shape_class=[shapes.setdefault((mesh.shape, s, m, rc, off, *tk), len(shapes))
                              for (mesh, s, m, rc, off), tk in zip(cc.options, tail_key)],
                 time=cc.time, twin=twin, mem_offset=np.r_[0, np.cumsum(pp)].astype(np.int64),
+                whole=[int(s.tp == 1 and s.pp == 1) for _, s, *_ in cc.options],
                 mem_static=np.concatenate(cc.static) if pp else [], mem_dynamic=np.concatenate(cc.dynamic) if pp else [],
                 mem_param=np.concatenate(cc.param) if pp else []))
         index = {c: i for i, c in enumerate(calls)}

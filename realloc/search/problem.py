@@ -49,14 +49,19 @@ class CandidateArrays:
     # int32: the same placement with the other activation-recomputation choice, or -1 (None: all -1);
     # only the MCMC's moves read it
     twin: np.ndarray | None = None
+    # int32: 1 where every device of the mesh holds the whole model (tp 1, pp 1), so a reallocation from it into a
+    # mesh inside it copies in place and occupies only the destination's devices (None: all 0)
+    whole: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.twin is None:
             object.__setattr__(self, "twin", np.full(len(self.time), -1, np.int32))
+        if self.whole is None:
+            object.__setattr__(self, "whole", np.zeros(len(self.time), np.int32))
         for f, dtype in (("dev_lo", np.int32), ("dev_hi", np.int32), ("stage_width", np.int32),
                          ("layout", np.int32), ("mesh_id", np.int32), ("shape_class", np.int32),
                          ("time", np.float64), ("mem_offset", np.int64), ("mem_static", np.int64),
-                         ("mem_dynamic", np.int64), ("mem_param", np.int64), ("twin", np.int32)):
+                         ("mem_dynamic", np.int64), ("mem_param", np.int64), ("twin", np.int32), ("whole", np.int32)):
             object.__setattr__(self, f, np.ascontiguousarray(getattr(self, f), dtype=dtype))
         n = len(self.time)
         assert len(self.mem_offset) == n + 1 and self.mem_offset[-1] == len(self.mem_static)
@@ -85,7 +90,8 @@ class CandidateArrays:
         return CandidateArrays(dev_lo=self.dev_lo[rows], dev_hi=self.dev_hi[rows],
                                stage_width=self.stage_width[rows], layout=self.layout[rows],
                                mesh_id=self.mesh_id[rows], shape_class=self.shape_class[rows],
-                               time=self.time[rows], mem_offset=np.r_[0, np.cumsum(hi - lo)], twin=twin, **pools)
+                               time=self.time[rows], mem_offset=np.r_[0, np.cumsum(hi - lo)], twin=twin,
+                               whole=self.whole[rows], **pools)
 
 
 @dataclasses.dataclass
@@ -226,16 +232,19 @@ class SearchProblem:
     def to_cpp(self, engine=None):
         """The same problem as a finalized ``realloc._C.Problem`` (or of ``engine``, a build of ``realloc._C``
         from another revision that a benchmark compares with)."""
-        if engine is None:
-            from realloc import _C as engine
+        from realloc import _C
+
+        engine = engine or _C
 
         p = engine.Problem(n_devices=self.n_devices, n_iterations=self.n_iterations, device_memory=self.device_memory,
                        oom_alpha=self.oom_alpha, call_model=np.asarray(self.call_model, np.int32),
                        model_home=np.asarray(self.model_home, np.int32), dispatch_latency=self.dispatch_latency,
                        devices_per_node=self.devices_per_node, cores_per_node=self.cores_per_node)
         for c, k in enumerate(self.candidates):
+            # an older engine (a benchmark's comparison) prices every reallocation on both meshes
+            whole = {"whole": k.whole} if k.whole.any() and engine is _C else {}
             p.set_candidates(c, k.dev_lo, k.dev_hi, k.stage_width, k.layout, k.mesh_id, k.shape_class, k.time,
-                             k.mem_offset, k.mem_static, k.mem_dynamic, k.mem_param, k.twin)
+                             k.mem_offset, k.mem_static, k.mem_dynamic, k.mem_param, k.twin, **whole)
         for m, t in enumerate(self.realloc_costs):
             assert t.n_src == t.n_dst
             p.set_realloc_layouts(m, t.n_src)

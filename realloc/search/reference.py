@@ -69,6 +69,14 @@ class _Node:
         return self.kind != CALL and self.cost == 0.0
 
 
+def _in_place(p: SearchProblem, plan: Sequence[int], src: int, dst: int) -> bool:
+    """A reallocation that copies every destination shard from the device's own source shard (the source holds
+    the whole model on every device, the destination mesh lies inside it): it occupies the destination's devices
+    only, as the runtime waits only for them (master_schedule._wait_realloc); csrc Problem::in_place."""
+    a, b, i, k = p.candidates[src], p.candidates[dst], int(plan[src]), int(plan[dst])
+    return bool(a.whole[i]) and a.dev_lo[i] <= b.dev_lo[k] and b.dev_hi[k] <= a.dev_hi[i]
+
+
 def _build_nodes(p: SearchProblem, plan: Sequence[int], missing: set | None = None) -> list[_Node]:
     n, K = p.n_calls, p.n_iterations
 
@@ -120,7 +128,8 @@ def _build_nodes(p: SearchProblem, plan: Sequence[int], missing: set | None = No
             if c not in stale and len(seq) > 1:
                 prev = seq[seq.index(c) - 1]  # the last call for the first one
                 index["realloc", c, t] = len(nodes)
-                nodes.append(_Node(REALLOC, c, prev, t, realloc_cost(prev, c), mesh(prev) | mesh(c)))
+                on = mesh(c) if _in_place(p, plan, prev, c) else mesh(prev) | mesh(c)
+                nodes.append(_Node(REALLOC, c, prev, t, realloc_cost(prev, c), on))
             for e, (u, v) in enumerate(p.data_edges):
                 if v == c:
                     cost, known = p.data_costs[e].get(layout(u), layout(v))

@@ -234,7 +234,7 @@ class IterationSchedule:
                                  lambda req: protocol.Reallocate(req=req, model=n.name, src_call=n.src,
                                                                  dst_call=n.dst, iteration=n.t, drop_src=not snap,
                                                                  version=version))
-                await self._wait(rec)
+                await self._wait_realloc(n, rec)
             elif n.kind in ("offload", "reload"):
                 home = self.program.home_call(n.name)
                 rec = self._send(self.program.calls[home].ranks, n.kind, n.label, n.t, n.label,
@@ -267,6 +267,23 @@ class IterationSchedule:
                           f"{os_error_line(e)}")
         except Exception as e:  # noqa: BLE001 - a bug here must stop the run, not hang it
             self.fail(f"master error in {n.label} (iteration {n.t + 1}): {type(e).__name__}: {e}")
+
+    async def _wait_realloc(self, n: Node, rec: RequestRecord) -> None:
+        """A reallocation is done for its dependents once the ranks that move bytes and those of the destination
+        layout have replied. A rank that only releases its source (a device of a dp-2 train layout whose inference
+        layout is the other device) may still run a long request, such as a migrated generation's tail: its worker
+        runs requests in order, so its own next request sees the release, and its reply is waited for in the
+        background (a failure still stops the run). Waiting for it held a streamed consumer's part 1 behind the
+        tail (docs/streaming.md, "Where the fused plans lose time")."""
+        r = next(x for x in self.program.reallocs(n.name) if (x.src_call, x.dst_call) == (n.src, n.dst))
+        needed = self.program.realloc_movers(r) | set(self.program.calls[n.dst].ranks)
+        if set(rec.ranks) <= needed:
+            await self._wait(rec)
+            return
+        early = await asyncio.gather(*(self.futures[rec.req, k] for k in rec.ranks if k in needed))
+        if not all(rep.ok for rep in early):
+            await self._wait(rec)  # reports the failure
+        self._task(self._wait_quietly(rec))
 
     def _realloc_ranks(self, n: Node) -> list[int]:
         return sorted(set(self.program.calls[n.src].ranks) | set(self.program.calls[n.dst].ranks))

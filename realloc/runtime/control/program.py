@@ -107,6 +107,7 @@ class RuntimeProgram:
         # one pool: its dtype; several pools: the first pool's (each layout's own is ``dtype_of``)
         self.param_dtype, self.bytes_per_param = PARAM_DTYPES[spec.cluster.hardware.dtype]
         self.calls: dict[str, CallLayout] = {}
+        self.movers: dict[Realloc, frozenset[int]] = {}  # realloc_movers, computed once per reallocation
         # a fused pair's second model runs its stages in reverse order (graph/fused.py)
         meshes = second_model_meshes(graph, meshes, {c: p.strategy.pp for c, p in plan.placements.items()},
                                      plan.fused)
@@ -208,6 +209,14 @@ class RuntimeProgram:
         for prev, cur in zip(segs, segs[1:]):
             out.append(Realloc(model, prev.calls[-1], cur.calls[0], prev.calls, wraps=False))
         return tuple(out) + self.snapshots(model)
+
+    def realloc_movers(self, r: Realloc) -> frozenset[int]:
+        """The ranks of reallocation ``r`` that send or receive bytes. The others only copy shards in place or
+        release their source: no rank waits for them (master_schedule._wait_realloc)."""
+        if r not in self.movers:  # the plan is the same every iteration
+            plan = self.realloc_plan(r)
+            self.movers[r] = frozenset(d for d, b in (*plan.sent_bytes.items(), *plan.received_bytes.items()) if b)
+        return self.movers[r]
 
     def dtype_of(self, call: str) -> tuple[str, int]:
         """The torch dtype name and bytes per element of the parameters in ``call``'s layout: its pool's dtype."""
