@@ -35,6 +35,10 @@ Evaluator::Evaluator(const Problem& problem) : p_(problem) {
         for (int i = p_.child_start[v]; i < p_.child_start[v + 1]; ++i) children_.push_back(pos_[p_.children[i]]);
         link_[r].child_end = static_cast<int32_t>(children_.size());
         n_parents_[r] = p_.n_parents[v];
+        // the release below completes a free node at once only if its children all rank after it (stale.h: the
+        // train step of t waits for a node of t + eta, ranked after it)
+        fast_.push_back(std::all_of(children_.begin() + link_[r].child_begin, children_.end(),
+                                    [r](int32_t u) { return u > r; }));
         if (n_parents_[r] == 0) roots_.push_back(r);
         start_state_.push_back({0.0, n_parents_[r]});
     }
@@ -413,6 +417,7 @@ bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, doubl
     const uint8_t* pass_of = pass_.data();
     const Link* link = link_.data();
     const int32_t* children = children_.data();
+    const uint8_t* fast = fast_.data();
     double* free = free_.data();
     NodeState* state = state_.data();
     IterState* iter = iter_.data();
@@ -518,7 +523,7 @@ bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, doubl
                 NodeState& c = state[u];
                 if (c.ready < out) c.ready = out;
                 if (--c.remaining != 0) continue;
-                if (!pass_of[link[u].tmpl]) {
+                if (!pass_of[link[u].tmpl] || !fast[u]) {
                     push(c.ready, u);
                     continue;
                 }

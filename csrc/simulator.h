@@ -173,6 +173,7 @@ private:
     std::vector<int32_t> order_, pos_;
     std::vector<Link> link_;
     std::vector<int32_t> children_, n_parents_, roots_;
+    std::vector<uint8_t> fast_;  // per rank: its children all rank after it (run()'s release of free nodes)
     // per call: the template nodes whose cost or atoms depend on its candidate (it runs or it feeds them)
     std::vector<int32_t> call_nodes_start_, call_nodes_;
     // per template node: its call, the source call of a transfer (-1 for a call) and its pair-cost table
