@@ -1,0 +1,56 @@
+"""Streaming at pp > 1, the generation's side (models/stream_pipeline.py; docs/tail-semantics.md, Limits): a
+generation on two pipeline stages split at several points and continued in place gives the plain pp 2 generation's
+tokens and log-probs bit for bit, and both stages count the same running rows after every step, the counts a hand
+computation from the length schedule gives (so every stage stops at the same split point)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_helpers import build_model
+from realloc.graph.tail import split_thresholds
+from realloc.models.config import get_model_config
+from realloc.models.length_schedule import scheduled_lengths
+from realloc.models.sampling import GenerationConfig
+from test_length_schedule import MAX_NEW, N_ROWS, SCHEDULE, pool  # noqa: F401 - the module's gloo pool
+from test_streaming import _prompts, _responses
+
+
+def _split_pp2(ctx, gconfig, thresholds, n_mbs):
+    from realloc.models.stream_decode import SplitGeneration
+
+    model = build_model(ctx, get_model_config("tiny"), 1, 1, 2, seed=3)
+    rows = _prompts()
+    plain = _responses(model.generate([r.tolist() for r in rows], gconfig, seq_ids=range(N_ROWS), n_mbs=n_mbs))
+    gen = SplitGeneration(model, rows, gconfig, range(N_ROWS), n_mbs)
+    counts, out, chunks, before = [], {}, [], list(range(N_ROWS))
+    for th in thresholds:
+        gen.until(lambda n: counts.append(n) or n, th)  # one replica: its count is the call's
+        done = [i for i in before if i not in gen.running()]
+        out.update(zip(done, _responses(gen.output(done))))
+        chunks.append(done)
+        before = gen.running()
+    gen.finish()
+    out.update(zip(before, _responses(gen.output(before))))
+    return ctx.rank, plain, out, chunks, counts
+
+
+@pytest.mark.parametrize("n_mbs", [1, 3])
+def test_a_pp2_generation_split_at_several_points_is_the_plain_one(pool, n_mbs):
+    gconfig = GenerationConfig(max_new_tokens=MAX_NEW, seed=5, eos_token_ids=(), temperature=0.9,
+                               length_schedule=SCHEDULE)
+    thresholds = split_thresholds(N_ROWS, 2, 3)
+    results = sorted(pool.run(_split_pp2, gconfig, thresholds, n_mbs))
+    lengths = scheduled_lengths(SCHEDULE, MAX_NEW, 5, range(N_ROWS))
+    steps = [min(t for t in range(MAX_NEW) if sum(n > t + 1 for n in lengths) <= th) for th in thresholds]
+    want_counts = [sum(n > t + 1 for n in lengths) for t in range(steps[-1] + 1)]
+    for rank, plain, got, chunks, counts in results:  # stage 0, then stage 1
+        assert counts == want_counts, rank  # one count per step, the same on both stages
+        prev = -1
+        for step, chunk in zip(steps, chunks):
+            assert chunk == [i for i, n in enumerate(lengths) if prev + 1 < n <= step + 1], rank
+            prev = step
+        for i, (tok, lp) in enumerate(plain):  # bit for bit: the same decode steps, nothing re-run
+            assert got[i][0] == tok and torch.equal(got[i][1], lp), (rank, i)
+    assert results[0][1][0][0] == results[1][1][0][0]  # both stages hold the tokens
