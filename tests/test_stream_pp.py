@@ -5,6 +5,9 @@ computation from the length schedule gives (so every stage stops at the same spl
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 
@@ -54,3 +57,24 @@ def test_a_pp2_generation_split_at_several_points_is_the_plain_one(pool, n_mbs):
         for i, (tok, lp) in enumerate(plain):  # bit for bit: the same decode steps, nothing re-run
             assert got[i][0] == tok and torch.equal(got[i][1], lp), (rank, i)
     assert results[0][1][0][0] == results[1][1][0][0]  # both stages hold the tokens
+
+
+def test_a_pp2_generation_streamed_to_another_device_matches_the_unstreamed_run(tmp_path):
+    """PPO on four devices: generation at pp 2 on devices 0-1 streams its finished rows at the split point to the
+    inference calls on device 2, which run in two parts (the train steps on devices 2-3); samples, metrics and the
+    whole checkpoint (optimizer state included) equal the same pp 2 run without the entry."""
+    from test_streaming import R_T, _experiment, _run, assert_same_runs
+
+    exp = _experiment(tmp_path, "ppo")
+    exp.write_text(exp.read_text().replace("n_devices_per_node=2", "n_devices_per_node=4"))
+    gen = ("localhost:0-1", 1, 1, 2, 2)  # dp 1, tp 1, pp 2, two micro-batches
+    places = dict(infer=("localhost:2", 1, 1, 1, 1), train=("localhost:2-3", 2, 1, 1, 1))
+    streamed = _run(tmp_path, exp, "streamed", {"actor_gen": (R_T, 0)}, gen, **places)
+    plain = _run(tmp_path, exp, "plain", {}, gen, **places)
+    parts: dict[tuple[int, str], list[int]] = {}  # the inference calls ran in two parts: the rest, then the tail
+    for line in (streamed / "logs" / "worker2.log").read_text().splitlines():
+        m = re.search(r"iteration (\d+) call (\w+_inf) rows \[(\[.*?\])\]", line)
+        if m:
+            parts.setdefault((int(m.group(1)), m.group(2)), []).append(len(json.loads(m.group(3))))
+    assert parts and all(len(n) == 2 and n[0] + n[1] == 32 and 0 < n[1] <= R_T for n in parts.values()), parts
+    assert_same_runs(streamed, plain)
