@@ -17,6 +17,7 @@ from realloc.models.config import get_model_config
 from realloc.models.length_schedule import scheduled_lengths
 from realloc.models.sampling import GenerationConfig
 from test_length_schedule import MAX_NEW, N_ROWS, SCHEDULE, pool  # noqa: F401 - the module's gloo pool
+from test_stream_chunks import split_at
 from test_streaming import _prompts, _responses
 
 
@@ -26,17 +27,7 @@ def _split_pp2(ctx, gconfig, thresholds, n_mbs):
     model = build_model(ctx, get_model_config("tiny"), 1, 1, 2, seed=3)
     rows = _prompts()
     plain = _responses(model.generate([r.tolist() for r in rows], gconfig, seq_ids=range(N_ROWS), n_mbs=n_mbs))
-    gen = SplitGeneration(model, rows, gconfig, range(N_ROWS), n_mbs)
-    counts, out, chunks, before = [], {}, [], list(range(N_ROWS))
-    for th in thresholds:
-        gen.until(lambda n: counts.append(n) or n, th)  # one replica: its count is the call's
-        done = [i for i in before if i not in gen.running()]
-        out.update(zip(done, _responses(gen.output(done))))
-        chunks.append(done)
-        before = gen.running()
-    gen.finish()
-    out.update(zip(before, _responses(gen.output(before))))
-    return ctx.rank, plain, out, chunks, counts
+    return (ctx.rank, plain, *split_at(SplitGeneration(model, rows, gconfig, range(N_ROWS), n_mbs), thresholds))
 
 
 @pytest.mark.parametrize("n_mbs", [1, 3])

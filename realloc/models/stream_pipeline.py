@@ -17,27 +17,16 @@ from __future__ import annotations
 
 import torch
 
-from realloc.models.generation import HIDDEN_TAG, TOKENS_TAG, _MicroBatch, _Wire
+from realloc.models.generation import TOKENS_TAG, _MicroBatch, _Wire, stage_pass
 from realloc.models.static_decode import DecodingModel
 
 
 def pipelined_step(model: DecodingModel, mbs: list[_MicroBatch], wire: _Wire, t: int) -> None:
     """Step ``t`` of every unfinished micro-batch on this stage (module docstring)."""
-    g, hidden = model.groups, model.cfg.hidden_size
+    g = model.groups
     live = [(i, mb) for i, mb in enumerate(mbs) if not mb.done]  # the same on every stage: they share the tokens
     for i, mb in live:
-        x = None
-        if not g.is_first_stage:
-            width = mb.inputs[0].shape[1]
-            x = wire.recv((mb.n_active, width, hidden), model.dtype, g.prev_stage_rank, HIDDEN_TAG)
-        out = mb.forward(x, t)
-        if not g.is_last_stage:
-            wire.send(out, g.next_stage_rank, HIDDEN_TAG, i)
-            continue
-        msg = mb.sample(out, t)
-        for dst in g.pp_ranks[:-1]:
-            wire.send(msg, dst, TOKENS_TAG, i)
-        mb.apply(msg, t)
+        stage_pass(model, mb, i, t, wire)
     if not g.is_last_stage:
         for _, mb in live:
             mb.apply(wire.recv((2, mb.n_active), torch.float64, g.last_stage_rank, TOKENS_TAG), t)
