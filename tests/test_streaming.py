@@ -141,8 +141,10 @@ def test_what_the_runtime_cannot_migrate_is_one_value_error():
 
     big = build_graph(load_experiment("experiments/ppo_7b_7b.py"))
     places = {n: ("trainer[01-02]", 4, 2, 2, 4) for n in big.spec.call_names}
-    with pytest.raises(ValueError, match="'actor_gen'.*pp 1 only, and the call runs at pp 2"):
+    with pytest.raises(ValueError, match=r"'actor_gen'.*pp 1 only \(it streams at any pp: instances=0\), and the "
+                                         r"call runs at pp 2"):
         check_runtime_tail(ExecutionPlan.by_hand(big, places, tail={"actor_gen": (100, 1)}), big)
+    check_runtime_tail(ExecutionPlan.by_hand(big, places, tail={"actor_gen": (100, 0)}), big)  # streams at pp 2
     check_runtime_tail(ExecutionPlan.by_hand(big, places), big)  # no tail entry: nothing to check
     places = {c: ("localhost", 2, 1, 1, 1) for c in ("actor_gen", "rew_inf", "ref_inf", "critic_inf",
                                                      "actor_train", "critic_train")}
