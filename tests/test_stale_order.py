@@ -6,7 +6,7 @@
   node for node) orders its calls and reallocations exactly as the runtime's graph does (the same transitive
   order), and its schedule starts every node after the runtime's dependencies ended.
 - C++ and Python agree on random problems with several stale calls per model (snapshots shared by a layout, read in
-  place), with and without tails, at staleness 0..3.
+  place), with and without tails, at staleness 0..3; the C++ engine's early rejection stays sound on them.
 - By hand: a generation reading home in place makes the train step of t wait for the generation of t + eta; at
   staleness 2 with a snapshot, the snapshot for t waits for the generation of t - 1 (one copy).
 """
@@ -17,7 +17,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from test_simulator import assert_agrees, random_plan, random_problem
+from test_simulator import assert_agrees, bounded_evaluations, random_plan, random_problem
 from test_tail_simulator import random_tails
 
 from realloc.search import reference
@@ -62,6 +62,15 @@ def test_cpp_matches_python_with_several_stale_calls_per_model_and_tails():
                 seen["in_place" if layout[c] == layout[home] else
                      "shared_copy" if any(layout[x] == layout[c] for x in earlier) else "snapshot"] += 1
     assert min(seen.values()) > 25, seen
+
+
+def test_bounded_evaluation_stays_sound_with_gates_and_backward_edges():
+    """The MCMC's early rejection (the path bound skips gates and edges back to an earlier iteration; the busy-device
+    bound): a run that completes equals evaluate(), one that stops costs more than its limit."""
+    n_stopped, n_complete = bounded_evaluations(
+        np.random.default_rng(3434), lambda rng: with_stale_calls(rng, random_problem(rng), int(rng.integers(1, 4))),
+        never_better=True)
+    assert n_stopped > 25 and n_complete > 100, (n_stopped, n_complete)
 
 
 # -- the runtime's dependencies --------------------------------------------------------------------------------
