@@ -566,14 +566,6 @@ bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, doubl
     return true;
 }
 
-void Evaluator::open_gates(const int32_t* plan) {
-    open_gates_.clear();
-    for (const StaleGate& g : p_.stale_gates)
-        if (!gate_closed(p_, g, plan))
-            for (int t = 0; t < p_.n_iterations; ++t)
-                if (p_.n_parents[t * per_ + g.tmpl] > 0) open_gates_.push_back(t * per_ + g.tmpl);
-}
-
 // The shared-core simulation's release (in node numbering, into its heap).
 void Evaluator::release_children(int v, double end) {
     const double ready = end + slot_[v % per_].latency;

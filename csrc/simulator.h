@@ -129,7 +129,7 @@ private:
     bool check_fused_memory(const int32_t* plan, Evaluation& ev);
     void fused_memory_report(const int32_t* plan, MemoryReport& r);
     void find_paths();
-    // bounded staleness (stale.cpp): the gates `plan` opens, as nodes with parents, into open_gates_
+    // bounded staleness (stale.cpp): the gates `plan` opens (their nodes with parents) into open_gates_
     void open_gates(const int32_t* plan);
     std::vector<int32_t> open_gates_;
     // long-tail migration (tail.cpp)

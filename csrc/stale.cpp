@@ -3,7 +3,7 @@
 
 #include <algorithm>
 
-#include "problem.h"
+#include "simulator.h"
 
 namespace rl {
 
@@ -119,6 +119,16 @@ void add_stale_nodes(const Problem& p, std::vector<std::vector<int32_t>>& nodes_
             if (is_stale(p, x)) nodes_of[x].push_back(j);
         }
     }
+}
+
+// -- the simulator's side ------------------------------------------------------------------------------------
+
+void Evaluator::open_gates(const int32_t* plan) {
+    open_gates_.clear();
+    for (const StaleGate& g : p_.stale_gates)
+        if (!gate_closed(p_, g, plan))
+            for (int t = 0; t < p_.n_iterations; ++t)
+                if (p_.n_parents[t * per_ + g.tmpl] > 0) open_gates_.push_back(t * per_ + g.tmpl);
 }
 
 }  // namespace rl

@@ -91,6 +91,11 @@ def check_runtime_tail(plan: "ExecutionPlan", graph: "DataflowGraph") -> None:
         if why:
             raise ValueError(f"plan field 'tail' entry {call!r}: {why}; drop the entry")
         p = plan.placements[call]
+        iface = graph.interfaces.get(call)
+        if p.pp != 1 and iface is not None and not iface.migrates_tail:  # turn by turn: its own loop, at pp 1
+            raise ValueError(f"plan field 'tail' entry {call!r}: interface {iface.name!r} generates turn by turn, "
+                             f"which the runtime streams at pp 1 only, and the call runs at pp {p.pp}; place it with "
+                             f"pp=1 or drop the entry")
         if p.pp != 1 and not plan.tail[call].streams_only:  # streaming steps through the stages (stream_pipeline.py)
             raise ValueError(f"plan field 'tail' entry {call!r}: the runtime migrates the tail of a generation at pp "
                              f"1 only (it streams at any pp: instances=0), and the call runs at pp {p.pp}; place it "
