@@ -121,7 +121,8 @@ void Evaluator::find_paths() {
     std::vector<int32_t> last;
     for (int x = 0; x < per_; ++x) {
         bool is_last = true;
-        for (int i = p_.child_start[x]; i < p_.child_start[x + 1]; ++i) is_last = is_last && p_.children[i] >= per_;
+        for (int i = p_.child_start[x]; i < p_.child_start[x + 1]; ++i)  // a gate child may be open (stale.h)
+            is_last = is_last && (p_.children[i] >= per_ || p_.iter_nodes[p_.children[i]].kind == NodeKind::kGate);
         if (is_last) last.push_back(x);
     }
     const int m = static_cast<int>(last.size());
