@@ -186,8 +186,10 @@ void Problem::finalize() {
     TailPositions tail_at;
     prepare_tail(*this, tail_at);
     iter_nodes.clear();
-    std::vector<int> call_pos(n), realloc_pos(n, -1), snap_pos(n, -1), data_pos(data_edges.size());
+    StalePositions stale_at;
+    std::vector<int> call_pos(n), realloc_pos(n, -1), data_pos(data_edges.size());
     for (int c = 0; c < n; ++c) {
+        push_stale_nodes(*this, c, stale_at);  // bounded staleness: gates and the snapshot (stale.cpp)
         const auto& seq = chain[call_model[c]];
         if (!is_stale(c) && seq.size() > 1) {
             const auto at = std::find(seq.begin(), seq.end(), c);
@@ -204,10 +206,6 @@ void Problem::finalize() {
         call_pos[c] = static_cast<int>(iter_nodes.size());
         iter_nodes.push_back({NodeKind::kCall, c, -1, -1});
         push_tail_node_after(*this, c, tail_at);
-        if (is_stale(c)) {
-            snap_pos[c] = static_cast<int>(iter_nodes.size());
-            iter_nodes.push_back({NodeKind::kRealloc, c, chain[call_model[c]].back(), call_model[c]});
-        }
     }
 
     const int per = static_cast<int>(iter_nodes.size());
@@ -234,24 +232,19 @@ void Problem::finalize() {
             kids[base + call_pos[data_edges[e].src]].push_back(d);
             kids[d].push_back(base + call_pos[data_edges[e].dst]);
         }
-        for (int c = 0; c < n; ++c) {
-            if (snap_pos[c] < 0) continue;
-            const auto& seq = chain[call_model[c]];
-            const int r = base + snap_pos[c];
-            if (t > 0) kids[base - per + call_pos[seq.back()]].push_back(r);
-            if (staleness == 1) kids[base + call_pos[c]].push_back(r);
-            if (t + staleness < n_iterations) kids[r].push_back(base + staleness * per + call_pos[c]);
-            const int first = seq.front();
-            kids[r].push_back(base + (realloc_pos[first] >= 0 ? realloc_pos[first] : call_pos[first]));
-        }
         // A stale call's parameter edges (it before the train step; the train step before it in the next
-        // iteration) are the snapshot's above.
+        // iteration) are stale.cpp's.
         for (const auto& e : order_edges)
             if (!is_stale(e[0])) kids[base + call_pos[e[0]]].push_back(base + call_pos[e[1]]);
         if (t + 1 < n_iterations)
             for (const auto& e : carry_edges)
                 if (!is_stale(e[1])) kids[base + call_pos[e[0]]].push_back(base + per + call_pos[e[1]]);
+        // into a stale call, 1 + eta iterations later (the runtime's lag; from home, the snapshot's edge too)
+        for (const auto& e : carry_edges)
+            if (is_stale(e[1]) && t + 1 + staleness < n_iterations)
+                kids[base + call_pos[e[0]]].push_back(base + (1 + staleness) * per + call_pos[e[1]]);
     }
+    link_stale(*this, per, call_pos, realloc_pos, stale_at, kids);
     rewire_tail(*this, per, call_pos, data_pos, tail_at, kids);
     child_start.assign(total + 1, 0);
     children.clear();
@@ -267,13 +260,16 @@ void Problem::finalize() {
         child_start[v + 1] = static_cast<int32_t>(children.size());
     }
     // Nodes of iteration 0 that reach iteration 1, found backwards from iteration 1 (graphs are the same
-    // every iteration; children always have higher numbers, so one reverse pass suffices).
+    // every iteration; children within an iteration have higher numbers, so one reverse pass suffices). Not
+    // through a gate (stale.h): a plan may open it.
     if (n_iterations > 1) {
         std::vector<uint8_t> reaches(2 * per, 0);
         for (int v = per; v < 2 * per; ++v) reaches[v] = 1;
         for (int v = per - 1; v >= 0; --v)
             for (int i = child_start[v]; i < child_start[v + 1]; ++i)
-                if (children[i] < 2 * per && reaches[children[i]]) reaches[v] = 1;
+                if (children[i] < 2 * per && reaches[children[i]] &&
+                    iter_nodes[children[i] % per].kind != NodeKind::kGate)
+                    reaches[v] = 1;
         iterations_chain = std::all_of(reaches.begin(), reaches.begin() + per, [](uint8_t x) { return x != 0; });
     }
     bump_pair_costs();

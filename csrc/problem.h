@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "stale.h"
 #include "tail.h"
 
 namespace rl {
@@ -98,7 +99,7 @@ struct DataEdge {
 
 // kTail, kPartData, kPart: long-tail migration (tail.h): a migrating call's tail, a split consumer's part-1
 // transfer and part 1.
-enum class NodeKind : uint8_t { kCall = 0, kRealloc = 1, kData = 2, kTail = 3, kPartData = 4, kPart = 5 };
+enum class NodeKind : uint8_t { kCall = 0, kRealloc = 1, kData = 2, kTail = 3, kPartData = 4, kPart = 5, kGate = 6 };
 
 // One node of the augmented graph of one iteration (realhf.txt §4, Figure 6).
 struct NodeTemplate {
@@ -156,13 +157,14 @@ struct Problem {
     std::vector<DataEdge> data_edges;             // (u, v) inside one iteration, with a transfer node
     std::vector<PairCosts> realloc;               // per model: home layout -> call layout
     // Bounded staleness (asynchronous RL, issue 25): with staleness eta > 0 the calls marked in `stale`
-    // (generation of a trained model) leave their model's chain of reallocations. After each call c of them
-    // a snapshot node copies the parameters from the model's last non-stale call (its train step, home) to
-    // c's layout: after that train step of iteration t - 1, before the model's first non-stale node of
-    // iteration t changes them, for c of iteration t + eta (and, at eta = 1, once c of iteration t has
-    // read the previous copy). Empty or eta = 0: the synchronous graph.
+    // (generation of a trained model) leave their model's chain of reallocations. Before each call c of them a
+    // snapshot node copies the parameters from the model's last non-stale call (its train step, home) to c's
+    // layout, as the runtime orders it (stale.h): after that train step of iteration t - 1 - eta and the stale
+    // calls of t - 1 that read the same copy, before c of iteration t and the model's first non-stale node of
+    // iteration t - eta; none when c reads home in place. Empty or eta = 0: the synchronous graph.
     int staleness = 0;
     std::vector<uint8_t> stale;
+    std::vector<StaleGate> stale_gates;  // derived by finalize(): the plan-dependent order (stale.h)
     // Heterogeneous clusters (docs/heterogeneous.md): pool i holds devices [pool_start[i], pool_start[i + 1])
     // (the last to n_devices) with pool_memory[i] usable bytes each; a plan fits when every device's peak fits
     // its pool. Empty: one pool, device_memory each. device_memory stays the scale of the OOM penalty.

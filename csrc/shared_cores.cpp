@@ -23,6 +23,8 @@ void Evaluator::simulate_shared(const int32_t* plan, std::vector<NodeRecord>* re
     std::fill(ready_.begin(), ready_.end(), 0.0);
     std::fill(iter_end_.begin(), iter_end_.end(), 0.0);
     std::copy(p_.n_parents.begin(), p_.n_parents.end(), remaining_.begin());
+    open_gates(plan);
+    for (int32_t v : open_gates_) remaining_[v] = 0;  // ready at 0, their parents ignored (stale.h)
     if (records) records->assign(total, NodeRecord{});
     waiting_.clear();
     running_.clear();

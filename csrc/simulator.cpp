@@ -35,6 +35,10 @@ Evaluator::Evaluator(const Problem& problem) : p_(problem) {
         for (int i = p_.child_start[v]; i < p_.child_start[v + 1]; ++i) children_.push_back(pos_[p_.children[i]]);
         link_[r].child_end = static_cast<int32_t>(children_.size());
         n_parents_[r] = p_.n_parents[v];
+        // the release below completes a free node at once only if its children all rank after it (stale.h: the
+        // train step of t waits for a node of t + eta, ranked after it)
+        fast_.push_back(std::all_of(children_.begin() + link_[r].child_begin, children_.end(),
+                                    [r](int32_t u) { return u > r; }));
         if (n_parents_[r] == 0) roots_.push_back(r);
         start_state_.push_back({0.0, n_parents_[r]});
     }
@@ -42,11 +46,13 @@ Evaluator::Evaluator(const Problem& problem) : p_(problem) {
     std::vector<std::vector<int32_t>> nodes_of(n);
     for (int j = 0; j < per_; ++j) {
         const NodeTemplate& nt = p_.iter_nodes[j];
+        if (nt.kind == NodeKind::kGate) continue;  // no price: a gate is a pass node (stale.h)
         nodes_of[nt.call].push_back(j);
         if (nt.other >= 0 && nt.other != nt.call) nodes_of[nt.other].push_back(j);
     }
     init_tail(nodes_of);  // long-tail migration (tail.cpp)
     add_home_keep_nodes(p_, nodes_of);  // home_keep.cpp
+    add_stale_nodes(p_, nodes_of);      // stale.cpp
     call_nodes_start_.push_back(0);
     for (const auto& js : nodes_of) {
         call_nodes_.insert(call_nodes_.end(), js.begin(), js.end());
@@ -65,6 +71,7 @@ Evaluator::Evaluator(const Problem& problem) : p_(problem) {
     atom_hi_.resize(n);
     slot_.resize(per_);
     pass_.assign(per_, 0);
+    for (const StaleGate& g : p_.stale_gates) slot_[g.tmpl].pass = pass_[g.tmpl] = 1;
     pair_a_.assign(per_, 0);
     pair_b_.assign(per_, 0);
     in_place_.assign(per_, 0);
@@ -115,7 +122,8 @@ void Evaluator::find_paths() {
     std::vector<int32_t> last;
     for (int x = 0; x < per_; ++x) {
         bool is_last = true;
-        for (int i = p_.child_start[x]; i < p_.child_start[x + 1]; ++i) is_last = is_last && p_.children[i] >= per_;
+        for (int i = p_.child_start[x]; i < p_.child_start[x + 1]; ++i)  // a gate child may be open (stale.h)
+            is_last = is_last && (p_.children[i] >= per_ || p_.iter_nodes[p_.children[i]].kind == NodeKind::kGate);
         if (is_last) last.push_back(x);
     }
     const int m = static_cast<int>(last.size());
@@ -128,10 +136,13 @@ void Evaluator::find_paths() {
         const int x = last[i];
         std::fill(depth.begin(), depth.end(), -1);
         depth[x] = 0;
-        for (int v = x; v < 2 * per_; ++v) {  // node numbers are topological
+        for (int v = x; v < 2 * per_; ++v) {  // forward edges are topological
             if (depth[v] < 0) continue;
             for (int k = p_.child_start[v]; k < p_.child_start[v + 1]; ++k) {
                 const int u = p_.children[k];
+                // Not back (to an earlier iteration's train step: bounded staleness) nor through a gate, which a
+                // plan may open (stale.h): a path must hold in every iteration and plan.
+                if (u < v || p_.iter_nodes[u % per_].kind == NodeKind::kGate) continue;
                 if (u < 2 * per_ && depth[v] + 1 > depth[u]) {
                     depth[u] = depth[v] + 1;
                     prev[u] = v;
@@ -278,7 +289,9 @@ inline void Evaluator::price(int j, const int32_t* plan) {
     bool known = true;
     // Parameters already in the call's layout need no move: reallocation is free.
     // A home that kept its parameters: the way back is skipped (home_keep.cpp).
-    if (kind == NodeKind::kData || (la != lb && !home_skips_return(p_, c, plan)))
+    // A stale call's snapshot that another's copy stands for (stale.cpp).
+    if (kind == NodeKind::kData ||
+        (la != lb && !home_skips_return(p_, c, plan) && !(kind == NodeKind::kRealloc && snapshot_aliased(p_, c, plan))))
         cost = tmpl_table_[j]->get(la, lb, known);
     set_transfer(j, s, la, lb, cost, known);
     s.latency = kind == NodeKind::kRealloc && !s.pass ? p_.dispatch_latency : 0.0;
@@ -380,6 +393,7 @@ void Evaluator::record(const int32_t* plan, std::vector<NodeRecord>* records, in
 
 bool Evaluator::simulate(const int32_t* plan, std::vector<NodeRecord>* records, double stop_time) {
     place_atoms_if_stale(plan);
+    open_gates(plan);
     const bool bounded = stop_time < std::numeric_limits<double>::infinity();
     if (n_fused_on_)  // fused pairs on (fused_node.h)
         return records ? run<false, true, true>(plan, records, stop_time)
@@ -407,6 +421,7 @@ bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, doubl
     const uint8_t* pass_of = pass_.data();
     const Link* link = link_.data();
     const int32_t* children = children_.data();
+    const uint8_t* fast = fast_.data();
     double* free = free_.data();
     NodeState* state = state_.data();
     IterState* iter = iter_.data();
@@ -427,6 +442,10 @@ bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, doubl
         for (; at > head && at[-1] > key; --at) *at = at[-1];
         *at = key;
     };
+    for (int32_t v : open_gates_) {  // ready at 0; their parents' ends count down below 0 and never release them
+        state[pos_[v]].remaining = 0;
+        push(0.0, pos_[v]);
+    }
 
     // Early stop (evaluate_bounded) follows the atom `busy` with the most work per iteration (usually the
     // one that paces the plan): `left` seconds of work are still to come there (Slot::busy_cost per node).
@@ -508,7 +527,7 @@ bool Evaluator::run(const int32_t* plan, std::vector<NodeRecord>* records, doubl
                 NodeState& c = state[u];
                 if (c.ready < out) c.ready = out;
                 if (--c.remaining != 0) continue;
-                if (!pass_of[link[u].tmpl]) {
+                if (!pass_of[link[u].tmpl] || !fast[u]) {
                     push(c.ready, u);
                     continue;
                 }

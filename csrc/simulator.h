@@ -129,6 +129,9 @@ private:
     bool check_fused_memory(const int32_t* plan, Evaluation& ev);
     void fused_memory_report(const int32_t* plan, MemoryReport& r);
     void find_paths();
+    // bounded staleness (stale.cpp): the gates `plan` opens (their nodes with parents) into open_gates_
+    void open_gates(const int32_t* plan);
+    std::vector<int32_t> open_gates_;
     // long-tail migration (tail.cpp)
     void init_tail(std::vector<std::vector<int32_t>>& nodes_of);
     int tail_split_device(int i, const int32_t* plan) const;
@@ -170,6 +173,7 @@ private:
     std::vector<int32_t> order_, pos_;
     std::vector<Link> link_;
     std::vector<int32_t> children_, n_parents_, roots_;
+    std::vector<uint8_t> fast_;  // per rank: its children all rank after it (run()'s release of free nodes)
     // per call: the template nodes whose cost or atoms depend on its candidate (it runs or it feeds them)
     std::vector<int32_t> call_nodes_start_, call_nodes_;
     // per template node: its call, the source call of a transfer (-1 for a call) and its pair-cost table

@@ -23,11 +23,14 @@ from test_simulator import assert_agrees, bounded_evaluations, random_plan, rand
 
 
 def _with_staleness(rng: np.random.Generator, p: SearchProblem) -> SearchProblem:
-    """Mark some models' first calls stale (each must have a later call of its model), eta in 1..3."""
+    """Mark some models' first calls stale (each must have a later call of its model), eta in 1..3. A stale call
+    has no inputs within its iteration, as generation (every shipped graph): the runtime's train step of t waits
+    for the generation of t + eta, which could otherwise wait for that train step through its inputs."""
     stale = []
+    has_input = {v for _, v in p.data_edges + p.order_edges}
     for m in range(p.n_models):
         calls = [c for c in range(p.n_calls) if p.call_model[c] == m]
-        if len(calls) > 1 and rng.random() < 0.7:
+        if len(calls) > 1 and calls[0] not in has_input and rng.random() < 0.8:
             stale.append(calls[0])
     return dataclasses.replace(p, staleness=int(rng.integers(1, 4)), stale_calls=tuple(stale))
 
@@ -64,6 +67,8 @@ def test_bounded_evaluation_stays_sound_on_run_ahead_graphs():
 
 
 def _gen_train(eta: int, gen_devs=(0, 1), n_iterations: int = 8) -> SearchProblem:
+    # one lookahead iteration: the last one simulated takes no snapshot for an iteration after it (as the run's
+    # last iteration), so its train step runs without one
     cands = (
         CandidateArrays(dev_lo=[gen_devs[0]], dev_hi=[gen_devs[1]], stage_width=[1], layout=[1], mesh_id=[0],
                         shape_class=[0], time=[2.0], mem_offset=[0, 1], mem_static=[0], mem_dynamic=[1],
@@ -73,9 +78,9 @@ def _gen_train(eta: int, gen_devs=(0, 1), n_iterations: int = 8) -> SearchProble
     )
     return SearchProblem(n_devices=2, device_memory=100, call_names=("gen", "train"), call_model=(0, 0),
                          model_names=("actor",), model_home=(1,), candidates=cands, order_edges=(),
-                         carry_edges=((1, 0),), data_edges=((0, 1),), data_costs=(PairCosts.dense(np.zeros((2, 2))),),
+                         carry_edges=((1, 0), (1, 1)), data_edges=((0, 1),), data_costs=(PairCosts.dense(np.zeros((2, 2))),),
                          realloc_costs=(PairCosts.dense(np.array([[0.0, 0.75], [0.5, 0.0]])),),
-                         n_iterations=n_iterations, staleness=eta, stale_calls=(0,))
+                         n_iterations=n_iterations, staleness=eta, stale_calls=(0,), lookahead=1)
 
 
 def test_run_ahead_pipeline_by_hand():
@@ -86,10 +91,10 @@ def test_run_ahead_pipeline_by_hand():
     # iteration 1's generation runs while iteration 0 trains, on the copy made before that train step
     rec = {(r[0], r[1], r[3]): (r[4], r[5]) for r in one.schedule(plan)}
     assert rec[0, 0, 1][0] < rec[0, 1, 0][1] and rec[1, 0, 0][1] <= rec[0, 1, 0][0]
-    # eta = 2: the same bottleneck; the start (generation ahead on the first parameters) fades with more
-    # iterations simulated
+    # eta = 2: the same bottleneck; the start (generation ahead on the first parameters, the first train step
+    # waiting for no train step) fades with more iterations simulated
     two = [_gen_train(2, n_iterations=k).to_cpp().evaluate(plan)["time"] for k in (6, 12, 24)]
-    assert two[0] > two[1] > two[2] > 3.75 and two[2] == pytest.approx(3.75, abs=0.05)
+    assert two[0] < two[1] < two[2] < 3.75 and two[2] == pytest.approx(3.75, abs=0.05)
     # Memory: the generation copy (5) stays on device 0 between calls with staleness, and while it runs
     # there is its activation (1) on top.
     assert _gen_train(0).to_cpp().memory(plan)["device_static"] == [0, 10]

@@ -34,7 +34,12 @@ def _chunked(ctx, gconfig, thresholds, n_mbs):
     if got is None:
         return None
     model, rows, plain = got
-    gen = SplitGeneration(model, rows, gconfig, range(N_ROWS), n_mbs)
+    return (plain, *split_at(SplitGeneration(model, rows, gconfig, range(N_ROWS), n_mbs), thresholds))
+
+
+def split_at(gen, thresholds):
+    """``gen`` (one replica: its count is the call's) split at each threshold, then finished: every row's response,
+    the rows each split point handed on, the count after every step."""
     counts, out, chunks, before = [], {}, [], list(range(N_ROWS))
     for th in thresholds:
         gen.until(lambda n: counts.append(n) or n, th)
@@ -44,7 +49,7 @@ def _chunked(ctx, gconfig, thresholds, n_mbs):
         before = gen.running()
     gen.finish()
     out.update(zip(before, _responses(gen.output(before))))
-    return plain, out, chunks, counts
+    return out, chunks, counts
 
 
 @pytest.mark.parametrize("n_mbs", [1, 3])

@@ -141,8 +141,10 @@ def test_what_the_runtime_cannot_migrate_is_one_value_error():
 
     big = build_graph(load_experiment("experiments/ppo_7b_7b.py"))
     places = {n: ("trainer[01-02]", 4, 2, 2, 4) for n in big.spec.call_names}
-    with pytest.raises(ValueError, match="'actor_gen'.*pp 1 only, and the call runs at pp 2"):
+    with pytest.raises(ValueError, match=r"'actor_gen'.*pp 1 only \(it streams at any pp: instances=0\), and the "
+                                         r"call runs at pp 2"):
         check_runtime_tail(ExecutionPlan.by_hand(big, places, tail={"actor_gen": (100, 1)}), big)
+    check_runtime_tail(ExecutionPlan.by_hand(big, places, tail={"actor_gen": (100, 0)}), big)  # streams at pp 2
     check_runtime_tail(ExecutionPlan.by_hand(big, places), big)  # no tail entry: nothing to check
     places = {c: ("localhost", 2, 1, 1, 1) for c in ("actor_gen", "rew_inf", "ref_inf", "critic_inf",
                                                      "actor_train", "critic_train")}
@@ -195,7 +197,8 @@ def _experiment(tmp_path, algo: str):
     return path
 
 
-def _run(tmp_path, exp, name: str, tail: dict, gen_mesh: tuple = ("localhost", 2, 1, 1, 1)):
+def _run(tmp_path, exp, name: str, tail: dict, gen_mesh: tuple = ("localhost", 2, 1, 1, 1),
+         infer: tuple = ("localhost:1", 1, 1, 1, 1), train: tuple = ("localhost", 2, 1, 1, 1)):
     import subprocess
     import sys
 
@@ -207,8 +210,8 @@ def _run(tmp_path, exp, name: str, tail: dict, gen_mesh: tuple = ("localhost", 2
     graph = build_graph(load_experiment(str(exp)))
     # generation at dp 2 over both devices (or on ``gen_mesh``); the inference calls on device 1 only (a freed
     # replica's device: they stream), the train steps over both
-    places = {c: (("localhost", 2, 1, 1, 1) if graph.call(c).is_train else gen_mesh if c == "actor_gen" else
-                  ("localhost:1", 1, 1, 1, 1)) for c in graph.spec.call_names}
+    places = {c: (train if graph.call(c).is_train else gen_mesh if c == "actor_gen" else infer)
+              for c in graph.spec.call_names}
     plan = tmp_path / f"{name}.json"
     ExecutionPlan.by_hand(graph, places, source="hand", tail=tail).save(plan)
     run_dir = tmp_path / name

@@ -87,8 +87,8 @@ def tail_unsupported(graph: "DataflowGraph", call: str, partial: Sequence[str] =
 
 
 def check_runtime_tail(plan: "ExecutionPlan", graph: "DataflowGraph") -> None:
-    """One ValueError if the runtime cannot carry out a tail entry of ``plan``: the generation must run at pp 1
-    (its replicas count decode steps in lockstep). Staleness > 0 runs: the schedule already starts the generation of
+    """One ValueError if the runtime cannot carry out a tail entry of ``plan``: a migrating generation must run at pp
+    1 (its replicas count decode steps in lockstep, and phase 2 re-runs a prefill at pp 1); streaming runs at any pp. Staleness > 0 runs: the schedule already starts the generation of
     iteration t + 1 only after iteration t's whole call (it reads parameters whose train step, or whose snapshot,
     waits for that call: master_schedule._stale_readers, _snapshot_deps), so the freed devices run the split
     consumers' part 1 first, and a streamed call's second request comes before the next call's first."""
@@ -98,7 +98,12 @@ def check_runtime_tail(plan: "ExecutionPlan", graph: "DataflowGraph") -> None:
         if why:
             raise ValueError(f"plan field 'tail' entry {call!r}: {why}; drop the entry")
         p = plan.placements[call]
-        if p.pp != 1:
-            raise ValueError(f"plan field 'tail' entry {call!r}: the runtime migrates or streams the tail of a "
-                             f"generation at pp 1 only, and the call runs at pp {p.pp}; place it with pp=1 or drop "
-                             f"the entry")
+        iface = graph.interfaces.get(call)
+        if p.pp != 1 and iface is not None and not iface.migrates_tail:  # turn by turn: its own loop, at pp 1
+            raise ValueError(f"plan field 'tail' entry {call!r}: interface {iface.name!r} generates turn by turn, "
+                             f"which the runtime streams at pp 1 only, and the call runs at pp {p.pp}; place it with "
+                             f"pp=1 or drop the entry")
+        if p.pp != 1 and not plan.tail[call].streams_only:  # streaming steps through the stages (stream_pipeline.py)
+            raise ValueError(f"plan field 'tail' entry {call!r}: the runtime migrates the tail of a generation at pp "
+                             f"1 only (it streams at any pp: instances=0), and the call runs at pp {p.pp}; place it "
+                             f"with pp=1, set instances=0 or drop the entry")

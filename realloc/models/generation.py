@@ -345,7 +345,7 @@ def generate(model: DecodingModel, prompts: Sequence[Sequence[int]] | Mapping[st
 def _pipelined(model: DecodingModel, mbs: list[_MicroBatch], wire: _Wire, max_in_flight: int) -> None:
     """Every stage walks rounds r = 0, 1, ...: the micro-batches in flight, in index order, each through this
     stage's part of its next step; micro-batches start as places free (module docstring)."""
-    g, hidden = model.groups, model.cfg.hidden_size
+    g = model.groups
     start: list[int] = []  # the round each started micro-batch ran its prefill in
     r = 0
     while len(start) < len(mbs) or not all(mb.done for mb in mbs):
@@ -365,21 +365,28 @@ def _pipelined(model: DecodingModel, mbs: list[_MicroBatch], wire: _Wire, max_in
                 wire.settle(i)  # our hidden states of step t - 1 have arrived
                 if mb.done:
                     continue
-            x = None
-            if not g.is_first_stage:
-                width = mb.inputs[0].shape[1]
-                x = wire.recv((mb.n_active, width, hidden), model.dtype, g.prev_stage_rank, HIDDEN_TAG)
-                if g.is_last_stage:
-                    wire.settle(i)  # every stage has our tokens of step t - 1
-            out = mb.forward(x, t)
-            if not g.is_last_stage:
-                wire.send(out, g.next_stage_rank, HIDDEN_TAG, i)
-                continue
-            msg = mb.sample(out, t)
-            for dst in g.pp_ranks[:-1]:
-                wire.send(msg, dst, TOKENS_TAG, i)
-            mb.apply(msg, t)
+            stage_pass(model, mb, i, t, wire)
         r += 1
+
+
+def stage_pass(model: DecodingModel, mb: _MicroBatch, i: int, t: int, wire: _Wire) -> None:
+    """This stage's part of micro-batch ``i``'s step ``t``: its hidden states in, this stage's layers, then the hidden
+    states on to the next stage, or (the last stage) the step's tokens drawn and sent to every other stage."""
+    g = model.groups
+    x = None
+    if not g.is_first_stage:
+        width = mb.inputs[0].shape[1]
+        x = wire.recv((mb.n_active, width, model.cfg.hidden_size), model.dtype, g.prev_stage_rank, HIDDEN_TAG)
+        if g.is_last_stage:
+            wire.settle(i)  # every stage has our tokens of step t - 1
+    out = mb.forward(x, t)
+    if not g.is_last_stage:
+        wire.send(out, g.next_stage_rank, HIDDEN_TAG, i)
+        return
+    msg = mb.sample(out, t)
+    for dst in g.pp_ranks[:-1]:
+        wire.send(msg, dst, TOKENS_TAG, i)
+    mb.apply(msg, t)
 
 
 def _concat(outs: list[GenerationOutput], pad: int) -> GenerationOutput:

@@ -6,7 +6,8 @@ one step each per round, and after every step ``global_count`` sums the whole ca
 replicas) up to the split point, the first step after which at most a threshold of rows are running. Unlike a
 migration, nothing moves: the micro-batches keep their KV caches and sampling state, hand out the finished rows,
 and later ``finish`` the running ones with the very decode steps an uninterrupted run makes. Sampling is seeded per
-row, so every token and log-prob is the plain generation's.
+row, so every token and log-prob is the plain generation's. At pp > 1 a step runs through the stages
+(``stream_pipeline.py``), every micro-batch in flight from the first step.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from realloc.models.generation import GenerationOutput, _concat, _MicroBatch
+from realloc.models.generation import GenerationOutput, _concat, _MicroBatch, _Wire
 from realloc.models.sampling import GenerationConfig
 from realloc.models.static_decode import DecodingModel
+from realloc.models.stream_pipeline import pipelined_step
 from realloc.models.tail_decode import select_rows
 from realloc.strategy import even_ranges
 
@@ -27,9 +29,6 @@ class SplitGeneration:
 
     def __init__(self, model: DecodingModel, rows: list[torch.Tensor], gconfig: GenerationConfig,
                  seq_ids: Sequence[int], n_mbs: int) -> None:
-        if model.groups.pp != 1:
-            raise ValueError("streaming: the generation call must run at pp 1 (its decode steps are counted in "
-                             "lockstep over the dp replicas); give the call pp=1 or drop its 'tail' plan entry")
         model.stage.eval()
         self.model = model
         self.n, self.pad = len(rows), gconfig.pad_token_id
@@ -38,10 +37,14 @@ class SplitGeneration:
         self.mbs = [_MicroBatch(model, rows[lo:hi], list(seq_ids[lo:hi]), gconfig) for lo, hi in spans]
         self.offsets = [lo for lo, _ in spans]
         self.t = 0  # the next step
+        # pp > 1: the stages' decode step (stream_pipeline.py), its point-to-point traffic on the pp group
+        self.wire = _Wire(model) if model.groups.pp > 1 else None
         self.left = -1  # the whole call's running rows after the last step (-1: no step yet)
 
     def _step(self) -> None:
-        for mb in self.mbs:
+        if self.wire is not None:
+            pipelined_step(self.model, self.mbs, self.wire, self.t)
+        for mb in self.mbs if self.wire is None else ():
             if not mb.done:
                 mb.apply(mb.sample(mb.forward(None, self.t), self.t), self.t)
         self.t += 1

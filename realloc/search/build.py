@@ -46,6 +46,12 @@ DEFAULT_ITERATIONS = WARMUP_ITERATIONS + PRICED_STEPS + 1 + LOOKAHEAD_ITERATIONS
 # Iterations simulated per unit of staleness on top, as more warm-up: generation running ahead starts on the first
 # parameters for eta iterations, a transient left out of the window.
 ASYNC_EXTRA_ITERATIONS = 3
+
+
+def async_lookahead(staleness: int) -> int:
+    """Lookahead iterations simulated on top at ``staleness``: the train step of the last priced iteration t waits
+    for the generation of t + eta (the runtime's one copy, csrc/stale.cpp), which must be simulated."""
+    return max(0, staleness - LOOKAHEAD_ITERATIONS)
 # Priced pairs a table needs before its median stands in for unpriced ones.
 PROVISIONAL_MIN_KNOWN = 5
 # realhf.txt §5.2: "alpha is a large integer representing the OOM penalty".
@@ -334,7 +340,8 @@ class PlanSpace:
         tables = {t: p.table(t) for t in range(p.n_models + len(p.data_edges))}
         tails = [[self.tails[c][i] for i in rows] for c, rows in enumerate(keep)] if self.tails else ()
         out = PlanSpace._assemble(self.graph, self.cost, priced, self.pruned,
-                                  p.n_iterations - ASYNC_EXTRA_ITERATIONS * p.staleness, tables, self.layouts,
+                                  p.n_iterations - ASYNC_EXTRA_ITERATIONS * p.staleness - async_lookahead(p.staleness),
+                                  tables, self.layouts,
                                   tails=tails)
         return out.with_staleness(p.staleness) if p.staleness else out
 
@@ -348,11 +355,12 @@ class PlanSpace:
         p = self.problem
         if staleness == p.staleness:
             return self
-        base = p.n_iterations - ASYNC_EXTRA_ITERATIONS * p.staleness
+        base = p.n_iterations - ASYNC_EXTRA_ITERATIONS * p.staleness - async_lookahead(p.staleness)
         stale = tuple(i for i, c in enumerate(p.call_names) if c in self.graph.stale_calls) if staleness else ()
         problem = dataclasses.replace(p, staleness=staleness, stale_calls=stale,
-                                      n_iterations=base + ASYNC_EXTRA_ITERATIONS * staleness,
-                                      warmup=p.warmup - ASYNC_EXTRA_ITERATIONS * (p.staleness - staleness))
+                                      n_iterations=base + ASYNC_EXTRA_ITERATIONS * staleness + async_lookahead(staleness),
+                                      warmup=p.warmup - ASYNC_EXTRA_ITERATIONS * (p.staleness - staleness),
+                                      lookahead=p.lookahead - async_lookahead(p.staleness) + async_lookahead(staleness))
         return dataclasses.replace(self, problem=problem)
 
     @cached_property

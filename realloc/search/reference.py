@@ -13,11 +13,9 @@ iteration, for each call in topological order:
   2. one data-transfer node per incoming data edge, on the union of both meshes;
   3. the call node.
 With bounded staleness eta > 0 (``staleness``; csrc/problem.h) the ``stale_calls`` (generation of a
-trained model) leave their model's chain in step 1, and after each of them comes a snapshot node: a
-reallocation from the layout of the chain's last call (the train step, home) to the stale call's, after
-that call of the previous iteration, before the chain's first node of this iteration, and before the
-stale call of iteration t + eta (at eta = 1 also after the stale call of this iteration, whose copy it
-replaces). The stale calls' own parameter edges (order and carry) give way to it.
+trained model) leave their model's chain in step 1; before each comes its snapshot (a reallocation from home, the
+chain's last call, to its layout), and the runtime's order between them, the train steps and the chain's first
+node goes through gates that the plan's layouts open or close (``stale_reference.py``).
 A transfer node of zero cost occupies no device; a pair cost not priced yet counts
 as its table's provisional cost and makes the evaluation inexact. A node becomes ready
 ``dispatch_latency`` after the end of a call or (non-free) reallocation it depends on, and
@@ -44,6 +42,7 @@ from typing import Sequence
 
 from realloc.search.home_keep import skipped_returns
 from realloc.search.problem import SearchProblem
+from realloc.search.stale_reference import GATE, aliased, link_stale, push_before, stale_chains
 from realloc.search.tail_reference import PART, PART_DATA, TAIL, TailView, rewire
 
 CALL, REALLOC, DATA = 0, 1, 2
@@ -107,6 +106,7 @@ def _build_nodes(p: SearchProblem, plan: Sequence[int], missing: set | None = No
 
     eta = p.staleness
     stale = set(p.stale_calls) if eta > 0 else set()
+    stale_of = {c: st for st, _ in stale_chains(p) for c in st}
     model_calls = [[c for c in range(n) if p.call_model[c] == m and c not in stale] for m in range(len(p.model_home))]
     skipped = skipped_returns(p, plan)
     fused_cost: dict[int, float] = {}  # call -> its fused node's duration (csrc/fused_node.h)
@@ -124,6 +124,10 @@ def _build_nodes(p: SearchProblem, plan: Sequence[int], missing: set | None = No
     tails = TailView(p, plan)  # long-tail migration (tail_reference.py)
     for t in range(K):
         for c in range(n):
+            # bounded staleness: gates and the snapshot (stale_reference.py)
+            push_before(nodes, index, p, c, t, lambda c, x, t: _Node(GATE, c, x, t),
+                        lambda c, home, t: _Node(REALLOC, c, home, t, 0.0 if aliased(p, plan, c, stale_of[c]) else
+                                                 realloc_cost(home, c), mesh(home) | mesh(c)))
             seq = model_calls[p.call_model[c]]
             if c not in stale and len(seq) > 1:
                 prev = seq[seq.index(c) - 1]  # the last call for the first one
@@ -156,10 +160,6 @@ def _build_nodes(p: SearchProblem, plan: Sequence[int], missing: set | None = No
             if c in tails.columns:
                 index["tail", c, t] = len(nodes)
                 nodes.append(_Node(TAIL, c, -1, t, tails.tail_time(c)))
-            if c in stale:
-                home = model_calls[p.call_model[c]][-1]
-                index["snapshot", c, t] = len(nodes)
-                nodes.append(_Node(REALLOC, c, home, t, realloc_cost(home, c), mesh(home) | mesh(c)))
 
     for t in range(K):
         for f in p.fused:
@@ -187,17 +187,7 @@ def _build_nodes(p: SearchProblem, plan: Sequence[int], missing: set | None = No
             d = index["data", e, t]
             link(index["call", u, t], d)
             link(d, index["call", v, t])
-        for c in sorted(stale):
-            seq = model_calls[p.call_model[c]]
-            r = index["snapshot", c, t]
-            if t > 0:
-                link(index["call", seq[-1], t - 1], r)
-            if eta == 1:
-                link(index["call", c, t], r)
-            if t + eta < K:
-                link(r, index["call", c, t + eta])
-            first = ("realloc", seq[0], t) if ("realloc", seq[0], t) in index else ("call", seq[0], t)
-            link(r, index[first])
+        link_stale(index, p, plan, t, K, link)
         for u, v in p.order_edges:
             if u not in stale:
                 link(index["call", u, t], index["call", v, t])
@@ -205,6 +195,9 @@ def _build_nodes(p: SearchProblem, plan: Sequence[int], missing: set | None = No
             for u, v in p.carry_edges:
                 if v not in stale:
                     link(index["call", u, t], index["call", v, t + 1])
+        for u, v in p.carry_edges:  # into a stale call, 1 + eta iterations later (the runtime's lag)
+            if v in stale and t + 1 + eta < K:
+                link(index["call", u, t], index["call", v, t + 1 + eta])
     rewire(nodes, index, p, K)
     return nodes
 
