@@ -35,12 +35,17 @@ class TailMigration(BaseModel):
     rows: int = Field(ge=1)
     instances: int = Field(ge=0)
     chunks: int = Field(default=1, ge=1)  # split points of a stream-only entry (``split_thresholds``)
+    # stream-only: the micro-batches decode one after another, as in the plain call, so the rows of each end
+    # together and the split points fall between micro-batches (FlexRLHF Fig. 4b; estimator/mb_stream_cost.py)
+    micro_batches: bool = False
 
     @model_serializer(mode="wrap")
     def _without_one_chunk(self, handler):  # a plan without chunks writes the JSON of before, bit for bit
         out = handler(self)
         if self.chunks == 1:
             out.pop("chunks", None)
+        if not self.micro_batches:
+            out.pop("micro_batches", None)
         return out
 
     @property
@@ -81,6 +86,9 @@ def tail_error(graph: "DataflowGraph", placements: Mapping[str, Placed], call: s
     if tail.chunks > 1 and tail.instances:
         return (f"call {call!r} has chunks={tail.chunks}, but only a stream-only entry (instances=0) streams in "
                 f"chunks; set instances=0 or chunks=1")
+    if tail.micro_batches and tail.instances:
+        return (f"call {call!r} has micro_batches=true, but only a stream-only entry (instances=0) hands its "
+                f"micro-batches on; set instances=0 or drop micro_batches")
     if tail.chunks > 1 and tail.chunks > n_rows - tail.rows:
         return (f"call {call!r} has chunks={tail.chunks}, more than the {n_rows - tail.rows} rows that finish "
                 f"before the last split point (rows={tail.rows} of {n_rows}); lower 'chunks'")

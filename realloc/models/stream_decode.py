@@ -26,7 +26,7 @@ class SplitGeneration:
     """One replica's rows (prompts ``rows``, sequence ids ``seq_ids``) in ``n_mbs`` micro-batches side by side."""
 
     def __init__(self, model: DecodingModel, rows: list[torch.Tensor], gconfig: GenerationConfig,
-                 seq_ids: Sequence[int], n_mbs: int) -> None:
+                 seq_ids: Sequence[int], n_mbs: int, one_by_one: bool = False) -> None:
         if model.groups.pp != 1:
             raise ValueError("streaming: the generation call must run at pp 1 (its decode steps are counted in "
                              "lockstep over the dp replicas); give the call pp=1 or drop its 'tail' plan entry")
@@ -37,10 +37,21 @@ class SplitGeneration:
             else []
         self.mbs = [_MicroBatch(model, rows[lo:hi], list(seq_ids[lo:hi]), gconfig) for lo, hi in spans]
         self.offsets = [lo for lo, _ in spans]
+        # one_by_one: the micro-batches decode one after another, as the plain call does at pp 1 (a plan's
+        # ``TailMigration.micro_batches``): a step advances the first unfinished micro-batch only, whose rows then
+        # end before the next one starts; a later micro-batch's rows count as running until they end
+        self.one_by_one = one_by_one
+        self.steps = {id(mb): 0 for mb in self.mbs}
         self.t = 0  # the next step
         self.left = -1  # the whole call's running rows after the last step (-1: no step yet)
 
     def _step(self) -> None:
+        if self.one_by_one:
+            mb = next((m for m in self.mbs if not m.done), None)
+            if mb is not None:  # its own step counter: the steps the plain call gives it
+                mb.apply(mb.sample(mb.forward(None, self.steps[id(mb)]), self.steps[id(mb)]), self.steps[id(mb)])
+                self.steps[id(mb)] += 1
+            return
         for mb in self.mbs:
             if not mb.done:
                 mb.apply(mb.sample(mb.forward(None, self.t), self.t), self.t)

@@ -33,6 +33,9 @@ from realloc.graph.partial_check import partial_rollout_calls
 from realloc.graph.streaming import tail_unsupported
 from realloc.graph.tail import TailMigration
 from realloc.search.candidates import CallCosts
+from realloc.estimator.mb_stream_cost import MB_GRID, last_rows
+from realloc.search.mb_stream_space import (MB_BASE, mb_of, mb_rows, mb_split_columns,
+                                             streams_micro_batches)
 from realloc.search.tail_problem import TailColumns, TailSplit
 from realloc.search.tail_reference import TailView
 
@@ -59,10 +62,14 @@ def grid_entry(g: int) -> tuple[float, int]:
 def eligible(graph: DataflowGraph, call: str) -> bool:
     """Whether ``call`` may migrate its tail: a model's GENERATE call under response lengths that vary (more than
     one length possible; with one, every row ends at once and there is no tail)."""
-    spec = graph.spec
     return (graph.call(call).interface_type is InterfaceType.GENERATE and graph.model_config(call) is not None
-            and np.count_nonzero(spec.response_lengths.pmf(spec.gen_len)) > 1
+            and (varied_lengths(graph) or streams_micro_batches(graph))  # micro-batches stream at any lengths
             and tail_unsupported(graph, call, partial_rollout_calls(graph)) is None)
+
+
+def varied_lengths(graph: DataflowGraph) -> bool:
+    spec = graph.spec
+    return bool(np.count_nonzero(spec.response_lengths.pmf(spec.gen_len)) > 1)
 
 
 def instance_choices(dp: int) -> list[int]:
@@ -80,14 +87,19 @@ def with_tail_rows(graph: DataflowGraph, cost: CostModel, call: str,
     rows, choices = [], []
     phase1: dict[tuple, float] = {}
     phase2: dict[tuple, tuple[float, float, bool]] = {}
+    varied, by_mb = varied_lengths(graph), streams_micro_batches(graph)
     for i, cand in enumerate(cc.options):
         s = cand.strategy
-        if s.pp == 1 and cand.mesh.size < n_devices:  # streaming without migration (m = 0, stream_cost.py): at
-            # any dp, on a mesh that leaves devices for a consumer to stream to
+        if s.pp == 1 and cand.mesh.size < n_devices and varied:  # streaming without migration (m = 0,
+            # stream_cost.py): at any dp, on a mesh that leaves devices for a consumer to stream to
             rows_stream, choices_stream = stream_rows(cost, call, i, cand, n, phase1)
             rows += rows_stream
             choices += choices_stream
-        if s.pp != 1 or s.dp < 2:
+        if s.pp == 1 and cand.mesh.size < n_devices and by_mb:  # micro-batches across pools (mb_stream_space.py)
+            rows_mb, choices_mb = mb_rows(cost, call, i, cand, n)
+            rows += rows_mb
+            choices += choices_mb
+        if s.pp != 1 or s.dp < 2 or not varied:
             continue
         per_replica = cost.workload(call).micro_batch(s.dp, cand.n_mbs) * cand.n_mbs
         shape = (cand.mesh.n_nodes, cand.mesh.n_devs)
@@ -162,6 +174,8 @@ def tail_arrays(graph: DataflowGraph, cost: CostModel, calls: Sequence[str], opt
     readers = {u: sum(1 for a, v in set(data_edges) if a == u and v not in migrating
                       and graph.call(calls[v]).interface_type is not InterfaceType.TRAIN_STEP) for u in migrating}
     n_grid = len(TAIL_GRID) * (1 + len(CHUNK_GRID))
+    if any(t is not None and t.migration.micro_batches for choices in tails for t in choices):
+        n_grid = MB_BASE + len(MB_GRID)
     depth = max(CHUNK_GRID) - 1
     splits, split_calls = [], set()
     for e, (u, v) in enumerate(data_edges):
@@ -170,7 +184,8 @@ def tail_arrays(graph: DataflowGraph, cost: CostModel, calls: Sequence[str], opt
         if graph.call(calls[v]).interface_type is InterfaceType.TRAIN_STEP:
             continue  # a train call runs once, after the generation ends
         n = cost.workload(calls[u]).n_seqs
-        r_t = [tail_rows(n, grid_entry(g)[0]) for g in range(n_grid)]
+        r_t = [tail_rows(n, grid_entry(g)[0]) if mb_of(g) is None else last_rows(n, mb_of(g))
+               for g in range(n_grid)]
         part1 = np.zeros((len(options[v]), n_grid))
         part2 = np.zeros_like(part1)
         work = np.zeros((len(options[v]), n_grid, depth if u in chunked else 0))
@@ -178,11 +193,20 @@ def tail_arrays(graph: DataflowGraph, cost: CostModel, calls: Sequence[str], opt
         seen: dict[tuple, tuple[float, float]] = {}
         seen_chunks: dict[tuple, tuple[float, ...]] = {}
         for g in range(n_grid):
-            k = grid_entry(g)[1]
+            k = grid_entry(g)[1] if mb_of(g) is None else 1
             if 1 < k <= n - r_t[g] and u in chunked:
                 share[g, :k - 1] = lead_shares(cost, calls[u], r_t[g], k, readers[u])
         for i, cand in enumerate(options[v]):
             for g, rows in enumerate(r_t):
+                if mb_of(g) is not None:  # micro-batch streaming across pools (mb_stream_space.py)
+                    key = (cand.mesh.n_nodes, cand.mesh.n_devs, cand.mesh.pool, cand.strategy, cand.n_mbs, "mb", g)
+                    if key not in seen_chunks:
+                        seen_chunks[key] = mb_split_columns(cost, calls[v], calls[u], cand, g, readers[u])
+                    part1[i, g], part2[i, g], w, sh = seen_chunks[key]
+                    if u in chunked and w:
+                        work[i, g, :len(w)] = w
+                        share[g, :len(sh)] = sh
+                    continue
                 key = (cand.mesh.n_nodes, cand.mesh.n_devs, cand.mesh.pool, cand.strategy, cand.n_mbs, rows)
                 if key not in seen:
                     seen[key] = consumer_parts(cost, calls[v], calls[u], cand.mesh, cand.strategy, cand.n_mbs, rows)

@@ -66,7 +66,7 @@ def streaming_generation(ctx: CallContext, fn: Callable[[CallContext, Data], Cal
     model = ctx.model
     assert model is not None
     a = captured_generate(ctx, fn, inputs, call)
-    gen = SplitGeneration(model, a.prompts, a.gconfig, a.seq_ids, a.n_mbs)
+    gen = SplitGeneration(model, a.prompts, a.gconfig, a.seq_ids, a.n_mbs, tail.micro_batches)
     return _to_split(ctx, fn, gen, a.seq_ids, inputs, tail, call, kept, 0, list(range(len(a.seq_ids))))
 
 
