@@ -69,7 +69,8 @@ def mb_chunk_work(cost: CostModel, call: str, producer: str, mesh: DeviceMesh, s
     n, m = gen.n_seqs, producer_mbs
     ends = gen.lengths.order_statistics(gen.gen_len, n)
     cfg = model.graph.model_config(call)
-    extra = _request(cost, mesh) + model.hw.call_overhead
+    # a later chunk's request, its transfer's, and (on a cluster of pools) one more message on the pool link
+    extra = _request(cost, mesh) + model.hw.call_overhead + cost.graph.spec.cluster.pool_link_latency
 
     def work(rows: int) -> float:
         part = tuple(sorted(ends[i * n // rows] for i in range(rows)))  # every (n / rows)-th order statistic

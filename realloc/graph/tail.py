@@ -77,6 +77,9 @@ def tail_error(graph: "DataflowGraph", placements: Mapping[str, Placed], call: s
     rpc = graph.call(call)
     if rpc.interface_type.value != "generate":
         return f"call {call!r} is a {rpc.interface_type.value} call; only GENERATE calls have a tail to migrate"
+    if tail.micro_batches and tail.instances:
+        return (f"call {call!r} has micro_batches=true, but only a stream-only entry (instances=0) hands its "
+                f"micro-batches on; set instances=0 or drop micro_batches")
     dp = placements[call].dp
     if tail.instances and tail.instances >= dp:
         return (f"call {call!r} runs on {dp} dp replica(s), so its tail can move to at most {dp - 1} of them "
@@ -86,9 +89,6 @@ def tail_error(graph: "DataflowGraph", placements: Mapping[str, Placed], call: s
     if tail.chunks > 1 and tail.instances:
         return (f"call {call!r} has chunks={tail.chunks}, but only a stream-only entry (instances=0) streams in "
                 f"chunks; set instances=0 or chunks=1")
-    if tail.micro_batches and tail.instances:
-        return (f"call {call!r} has micro_batches=true, but only a stream-only entry (instances=0) hands its "
-                f"micro-batches on; set instances=0 or drop micro_batches")
     if tail.chunks > 1 and tail.chunks > n_rows - tail.rows:
         return (f"call {call!r} has chunks={tail.chunks}, more than the {n_rows - tail.rows} rows that finish "
                 f"before the last split point (rows={tail.rows} of {n_rows}); lower 'chunks'")

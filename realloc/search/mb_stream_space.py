@@ -32,17 +32,15 @@ def mb_of(g: int) -> int | None:
     return MB_GRID[g - MB_BASE] if g >= MB_BASE else None
 
 
-def mb_rows(cost: CostModel, call: str, i: int, cand, n: int) -> tuple[list[tuple[int, float]], list]:
+def mb_rows(cost: CostModel, call: str, i: int, cand, n: int) -> tuple[list[tuple[int, float]], list[tuple]]:
     """Candidate ``i``'s micro-batch streaming row (none unless pp 1 and its n_mbs is in the grid): (candidate,
-    phase 1) and its ``TailChoice``."""
-    from realloc.search.tail_space import TailChoice
-
+    phase 1) and the fields of its ``tail_space.TailChoice``."""
     s, m = cand.strategy, cand.n_mbs
     if s.pp != 1 or m not in MB_GRID or m > n:
         return [], []
     tc, lead = mb_generation_cost(cost, call, cand.mesh, s, m)
     entry = TailMigration(rows=last_rows(n, m), instances=0, chunks=m - 1, micro_batches=True)
-    return [(i, tc.phase1)], [TailChoice(entry, MB_BASE + MB_GRID.index(m), s.dp * s.tp, tc.phase2, lead)]
+    return [(i, tc.phase1)], [(entry, MB_BASE + MB_GRID.index(m), s.dp * s.tp, tc.phase2, lead)]
 
 
 def mb_split_columns(cost: CostModel, consumer: str, producer: str, cand, g: int, sharing: int
@@ -55,3 +53,22 @@ def mb_split_columns(cost: CostModel, consumer: str, producer: str, cand, g: int
     chunks, last = mb_chunk_work(cost, consumer, producer, cand.mesh, cand.strategy, cand.n_mbs, m)
     work = [sum(chunks[j:]) for j in range(m - 2)]
     return chunks[-1], last, work, list(mb_lead_shares(m, sharing))
+
+
+def mb_stream_lines(space, call: str, o, t: TailMigration, n: int, view) -> list[str]:
+    """``realloc search``'s lines for a generation that hands its micro-batches on (``search/tail_report.py``): the
+    pool of the generation and of each consumer it streams to."""
+    names = space.problem.call_names
+    tc, _ = mb_generation_cost(space.cost, call, o.mesh, o.strategy, o.n_mbs)
+    pools = space.graph.spec.cluster.pools
+
+    def where(c: int) -> str:
+        mesh = space.options[c][int(view.plan[c])].mesh
+        return f"{mesh.name} (pool {mesh.pool}: {pools[mesh.pool].device})"
+
+    split = [f"{names[v]} on {where(v)}" for v in view.split_of
+             if view.split(v) is not None and names[view.split(v)[1]] == call]
+    return [f"streaming: {call} on {where(names.index(call))} hands each of its {t.chunks + 1} micro-batches "
+            f"({n - t.rows} rows before the last) on as it ends, one after another, no migration; before the last "
+            f"{tc.phase1:.3f} s, the last {tc.phase2:.3f} s",
+            f"  in {t.chunks + 1} parts off the generation's devices: {', '.join(split) if split else 'no consumer'}"]

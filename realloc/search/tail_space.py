@@ -98,7 +98,7 @@ def with_tail_rows(graph: DataflowGraph, cost: CostModel, call: str,
         if s.pp == 1 and cand.mesh.size < n_devices and by_mb:  # micro-batches across pools (mb_stream_space.py)
             rows_mb, choices_mb = mb_rows(cost, call, i, cand, n)
             rows += rows_mb
-            choices += choices_mb
+            choices += [TailChoice(*f) for f in choices_mb]
         if s.pp != 1 or s.dp < 2 or not varied:
             continue
         per_replica = cost.workload(call).micro_batch(s.dp, cand.n_mbs) * cand.n_mbs
