@@ -13,7 +13,9 @@ moves: candidates of one layout (its "n_mbs" move) differ in n_mbs and migration
 on, off or to another (R_t, m); a migration keeps its own shape class, so a "position" move keeps it.
 
 Every non-train consumer of such a call may run in two parts (``TailSplit``), priced per candidate and grid entry.
-Fixed lengths, or no eligible call: no row is added and the problem is exactly the one of before.
+Fixed lengths on one pool, or no eligible call: no row is added and the problem is exactly the one of before. On a
+cluster of pools every generation candidate at pp 1 with n_mbs in ``mb_stream_cost.MB_GRID`` also gets a micro-batch
+streaming row, at any lengths (``search/mb_stream_space.py``; grid indices after the ones above).
 """
 
 from __future__ import annotations
@@ -231,6 +233,11 @@ def without_tails(space, starts: Sequence[np.ndarray]):
     such candidates) in its numbering."""
     rows = [[i for i in range(len(k)) if space.tail_of(c, i) is None] for c, k in enumerate(space.problem.candidates)]
     where = [{i: j for j, i in enumerate(r)} for r in rows]
+    for c, w in enumerate(where):  # a start with a tail row (a pool's plan that streams): its candidate without
+        plain = {space.options[c][i]: j for i, j in w.items()}
+        for i in range(len(space.problem.candidates[c])):
+            if i not in w and space.options[c][i] in plain:
+                w[i] = plain[space.options[c][i]]
     n = space.problem.n_calls  # a plan's entries after its calls' (fused pairs' 0/1) keep their values
     return space.restrict(rows), [np.asarray([where[c][int(i)] for c, i in enumerate(s[:n])] + [int(x) for x in s[n:]],
                                              np.int32) for s in starts]
