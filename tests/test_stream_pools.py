@@ -4,16 +4,12 @@ run on the same two pools (samples, metrics, the whole checkpoint with optimizer
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 
-from realloc.graph.tail import split_thresholds
-from realloc.lengths import ResponseLengths
-from realloc.models.length_schedule import scheduled_lengths
+from test_stream_chunks import CHUNKS, chunk_parts, logged_parts
 from test_streaming import EXPERIMENTS, LONG_TAIL, N_ITER, R_T, assert_same_runs
 
-CHUNKS = 3
 # test_streaming's experiment on two pools of two kinds: cpu0 computes in fp32, cpu1 in bf16
 TWO_POOLS = '''
 import dataclasses
@@ -74,23 +70,6 @@ def _run(tmp_path, exp, name: str, tail: dict, iterations: int, gen_mbs: int):
     return run_dir
 
 
-def _parts(run_dir) -> dict[tuple[int, str], list[list[int]]]:
-    """(iteration, call) -> the rows of each request the fp32 pool's worker ran, from its log."""
-    calls: dict[tuple[int, str], list[list[int]]] = {}
-    for line in (run_dir / "logs" / "worker0.log").read_text().splitlines():
-        m = re.search(r"iteration (\d+) call (\w+) rows (\[.*\])", line)
-        if m:
-            calls.setdefault((int(m.group(1)) - 1, m.group(2)), []).append(eval(m.group(3))[0])  # noqa: S307
-    return calls
-
-
-def _lengths(t: int) -> list[int]:
-    from realloc.models.weights import param_seed
-
-    return scheduled_lengths(ResponseLengths.lognormal(median=2, p99=14), 16, param_seed(1, f"generate/{t}"),
-                             range(32))
-
-
 def test_a_run_streamed_across_pools_matches_the_unstreamed_run_on_the_same_pools(tmp_path):
     """PPO on two pools (cpu0, cpu1; one kind, so that later iterations stay comparable: see the next test),
     generation on cpu1 streaming its finished rows in 3 chunks to inference on cpu0: each inference call runs
@@ -99,16 +78,9 @@ def test_a_run_streamed_across_pools_matches_the_unstreamed_run_on_the_same_pool
     exp = _experiment(tmp_path, "cpu")
     chunked = _run(tmp_path, exp, "chunked", {"actor_gen": (R_T, 0, CHUNKS)}, N_ITER, 1)
     plain = _run(tmp_path, exp, "plain", {}, N_ITER, 1)
-    calls = _parts(chunked)
+    calls = logged_parts(chunked / "logs" / "worker0.log")  # the fp32 pool's worker
     for t in range(N_ITER):
-        lengths = _lengths(t)
-        parts, prev = [], -1
-        for th in split_thresholds(32, R_T, CHUNKS):
-            step = min(s for s in range(16) if sum(n > s + 1 for n in lengths) <= th)
-            parts.append([i for i, n in enumerate(lengths) if prev + 1 < n <= step + 1])
-            prev = step
-        parts.append([i for i, n in enumerate(lengths) if n > prev + 1])
-        want = [p for p in parts if p]
+        want = chunk_parts(t)
         assert len(want) >= 3, want  # more than two parts crossed the pool link
         for c in ("rew_inf", "ref_inf", "critic_inf"):
             assert calls.get((t, c)) == want, (t, c)
@@ -127,39 +99,7 @@ def test_micro_batches_streamed_from_a_bf16_pool_match_the_unstreamed_run(tmp_pa
     entry = TailMigration(rows=8, instances=0, chunks=3, micro_batches=True)
     streamed = _run(tmp_path, exp, "by_mb", {"actor_gen": entry}, 1, 4)
     plain = _run(tmp_path, exp, "plain", {}, 1, 4)
-    calls = _parts(streamed)
+    calls = logged_parts(streamed / "logs" / "worker0.log")
     for c in ("rew_inf", "ref_inf", "critic_inf"):
         assert calls[0, c] == [list(range(lo, lo + 8)) for lo in (0, 8, 16, 24)], c
-    _assert_same(streamed, plain, 1)
-
-
-def _assert_same(a_dir, b_dir, iterations: int) -> None:
-    """test_streaming.assert_same_runs after ``iterations`` iterations."""
-    import pytest
-    import torch
-    from safetensors import safe_open
-
-    from test_runtime_e2e import metrics
-    from test_streaming import _samples
-
-    for a, b in zip(metrics(a_dir), metrics(b_dir), strict=True):
-        for k, v in b.items():
-            if isinstance(v, float) and k not in ("time", "iteration_time") and not k.endswith("_s"):
-                assert a[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
-    got, want = _samples(a_dir), _samples(b_dir)
-    assert got.keys() == want.keys() and len(want) >= 32 * iterations
-    for k, s in want.items():
-        for f, v in s.items():
-            assert got[k][f] == (pytest.approx(v, abs=1e-5) if f in ("logp", "reward") else v), (k, f)
-
-    def checkpoint(run_dir):
-        out = {}
-        for f in sorted((run_dir / f"checkpoints/iter_{iterations:08d}").rglob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as h:
-                out.update({f"{f.name}/{k}": h.get_tensor(k) for k in h.keys()})
-        return out
-
-    a, b = checkpoint(a_dir), checkpoint(b_dir)
-    assert a.keys() == b.keys() and a
-    for k in b:
-        assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-4, atol=1e-6), k
+    assert_same_runs(streamed, plain, iterations=1)

@@ -135,3 +135,18 @@ def test_the_search_offers_micro_batches_on_pools_only_and_takes_the_best(graph)
     one = build_graph(load_experiment("experiments/ppo_tiny.py"))
     alone = PlanSpace.build(one, CostModel(one), max_n_mbs=4)
     assert not alone.tails or all(t is None for k in alone.tails for t in k)
+
+
+def test_a_start_with_a_tail_row_maps_to_its_plain_candidate_without_tails(graph):
+    """The search's first third runs without tails from its starts; a start that streams (the strongest pool's
+    own plan, on a cluster of pools whose lengths vary) stands for its candidate without the tail."""
+    from realloc.search.tail_space import without_tails
+
+    space = PlanSpace.build(graph, CostModel(graph))
+    c = space.problem.call_names.index("actor_gen")
+    i = next(i for i in range(len(space.options[c])) if space.tail_of(c, i) is not None)
+    start = space.indices_of(ExecutionPlan.by_hand(graph, _places(space.options[c][i].n_mbs)))
+    start[c] = i
+    restricted, (mapped,) = without_tails(space, [start])
+    assert restricted.options[c][int(mapped[c])] == space.options[c][i]
+    assert restricted.tail_of(c, int(mapped[c])) is None

@@ -219,11 +219,11 @@ def _run(tmp_path, exp, name: str, tail: dict, gen_mesh: tuple = ("localhost", 2
     return run_dir
 
 
-def _checkpoint(run_dir):
+def _checkpoint(run_dir, iterations: int = N_ITER):
     from safetensors import safe_open
 
     out = {}
-    for f in sorted((run_dir / f"checkpoints/iter_{N_ITER:08d}").rglob("*.safetensors")):
+    for f in sorted((run_dir / f"checkpoints/iter_{iterations:08d}").rglob("*.safetensors")):
         with safe_open(str(f), framework="pt") as h:
             out.update({f"{f.name}/{k}": h.get_tensor(k) for k in h.keys()})
     return out
@@ -271,8 +271,8 @@ def assert_inference_in_two_parts(run_dir) -> None:
             assert calls[t, c] == [part1, [i for i in range(32) if i not in part1]], (t, c)
 
 
-def assert_same_runs(fused, plain) -> None:
-    """The same samples, rewards, losses, and final parameters and optimizer state."""
+def assert_same_runs(fused, plain, iterations: int = N_ITER) -> None:
+    """The same samples, rewards, losses, and final parameters and optimizer state (after ``iterations``)."""
     from test_runtime_e2e import metrics
 
     for a, b in zip(metrics(fused), metrics(plain), strict=True):
@@ -280,7 +280,7 @@ def assert_same_runs(fused, plain) -> None:
             if isinstance(v, float) and k not in ("time", "iteration_time") and not k.endswith("_s"):
                 assert a[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
     got, want = _samples(fused), _samples(plain)
-    assert got.keys() == want.keys() and len(want) >= 32 * N_ITER
+    assert got.keys() == want.keys() and len(want) >= 32 * iterations
     for k, s in want.items():
         for f, v in s.items():
             if f == "logp":
@@ -289,7 +289,7 @@ def assert_same_runs(fused, plain) -> None:
                 assert got[k][f] == v, (k, f)
             else:
                 assert got[k][f] == pytest.approx(v, abs=1e-6)
-    a, b = _checkpoint(fused), _checkpoint(plain)
+    a, b = _checkpoint(fused, iterations), _checkpoint(plain, iterations)
     assert a.keys() == b.keys() and a
     for k in b:
         assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-4, atol=1e-6), k

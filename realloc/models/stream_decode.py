@@ -23,7 +23,8 @@ from realloc.strategy import even_ranges
 
 
 class SplitGeneration:
-    """One replica's rows (prompts ``rows``, sequence ids ``seq_ids``) in ``n_mbs`` micro-batches side by side."""
+    """One replica's rows (prompts ``rows``, sequence ids ``seq_ids``) in ``n_mbs`` micro-batches side by side (or
+    one after another: ``one_by_one``)."""
 
     def __init__(self, model: DecodingModel, rows: list[torch.Tensor], gconfig: GenerationConfig,
                  seq_ids: Sequence[int], n_mbs: int, one_by_one: bool = False) -> None:
@@ -41,16 +42,17 @@ class SplitGeneration:
         # ``TailMigration.micro_batches``): a step advances the first unfinished micro-batch only, whose rows then
         # end before the next one starts; a later micro-batch's rows count as running until they end
         self.one_by_one = one_by_one
-        self.steps = {id(mb): 0 for mb in self.mbs}
+        self.steps = [0] * len(self.mbs)  # one_by_one: each micro-batch's next step, as in the plain call
         self.t = 0  # the next step
         self.left = -1  # the whole call's running rows after the last step (-1: no step yet)
 
     def _step(self) -> None:
         if self.one_by_one:
-            mb = next((m for m in self.mbs if not m.done), None)
-            if mb is not None:  # its own step counter: the steps the plain call gives it
-                mb.apply(mb.sample(mb.forward(None, self.steps[id(mb)]), self.steps[id(mb)]), self.steps[id(mb)])
-                self.steps[id(mb)] += 1
+            k = next((k for k, mb in enumerate(self.mbs) if not mb.done), None)
+            if k is not None:
+                mb, t = self.mbs[k], self.steps[k]
+                mb.apply(mb.sample(mb.forward(None, t), t), t)
+                self.steps[k] += 1
             return
         for mb in self.mbs:
             if not mb.done:

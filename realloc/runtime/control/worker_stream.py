@@ -15,6 +15,9 @@ split point j (``graph/tail.split_thresholds``) and replies with the rows finish
 decodes the rest to the end. Every replica takes every request while the call still runs anywhere (it joins the
 running-row counts even with no running row of its own).
 
+With ``micro_batches`` (micro-batch streaming across pools, estimator/mb_stream_cost.py) the replica decodes its
+micro-batches one after another, as the plain call does, so the split points fall between micro-batches.
+
 Every row is decoded by the same steps as without the entry, so the results are the plain run's.
 """
 
