@@ -7,8 +7,10 @@ what the search's own candidates allow, for every split of the calls between the
 For a split a (call -> pool), every plan that places the calls so has a steady-state iteration T of at least:
 
 - per pool p, its device-seconds over its devices: each device runs each call of an iteration once per iteration,
-  so T >= sum over the calls on p of min over their candidates on p of (devices x seconds) / (devices of p);
-  streaming and migration only cut a call into parts, and no part is priced below its rows' share;
+  so T >= sum over the calls on p of min over their candidates on p of (devices x seconds) / (devices of p).
+  Streaming only cuts a call into parts, each priced at least at its rows' share (a decode or forward step on
+  fewer rows costs no less per row); a long-tail migration would free devices before its generation ends, so the
+  bound is for fixed response lengths, where the search offers none (Table III's setting);
 - per dependency cycle of a synchronous iteration, its calls' shortest candidates in a row: the actor's
   generation of t + 1 reads the parameters its train step of t wrote, which read the generation of t
   (T >= gen + actor_train, the inference between them hidden at best by streaming), and the critic's inference
