@@ -55,6 +55,22 @@ def test_a_micro_batch_entry_validates_round_trips_and_shows(graph, tmp_path):
                       graph)
 
 
+def test_show_names_the_pool_of_the_generation_and_of_each_call_it_streams_to(graph, tmp_path, capsys):
+    from realloc import cli
+
+    ExecutionPlan.by_hand(graph, _places(4), tail={"actor_gen": ENTRY}).save(tmp_path / "p.json")
+    assert cli.main(["show", TWO_KINDS, "--plan", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    assert ("stream     actor_gen on pool 0 hands its micro-batches on to: rew_inf on pool 1, ref_inf on pool 1, "
+            "critic_inf on pool 1") in out
+    bad = ExecutionPlan.by_hand(graph, _places(4)).model_copy(
+        update={"tail": {"actor_gen": TailMigration(rows=8, instances=1, micro_batches=True)}})
+    bad.save(tmp_path / "bad.json")
+    assert cli.main(["show", TWO_KINDS, "--plan", str(tmp_path / "bad.json")]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "only a stream-only entry (instances=0) hands its micro-batches on" in err[0]
+
+
 def test_micro_batch_pricing_by_hand(graph):
     """The generation: the plain call's micro-batches one after another, split after each but the last; a
     consumer's chunk: the call on a batch of one micro-batch's rows (all of length gen_len), priced on a graph of
