@@ -4,33 +4,11 @@ run on the same two pools (samples, metrics, the whole checkpoint with optimizer
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 from test_stream_chunks import CHUNKS, chunk_parts, logged_parts
-from test_streaming import EXPERIMENTS, LONG_TAIL, N_ITER, R_T, assert_same_runs
+from test_streaming import N_ITER, R_T, assert_same_runs
+from test_streaming import _experiment as streamed_experiment
+from test_streaming import _run as run_plan
 
-# test_streaming's experiment on two pools of two kinds: cpu0 computes in fp32, cpu1 in bf16
-TWO_POOLS = '''
-import dataclasses
-import importlib.util
-
-from realloc.api import Pool, ResponseLengths, auto
-IMPORT
-
-_spec = importlib.util.spec_from_file_location("base", BASE)
-_base = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_base)
-
-
-@auto(pools=[Pool("cpu0", "cpu", 1), Pool("cpu1", KIND, 1)], batch_size=32, prompt_len=8, gen_len=16)
-@dataclasses.dataclass
-class StreamedPools(_base.CLASS):
-    dataset: str = DATASET
-    FIELD: object = SETTINGS
-    sample_every: int = 1
-    log_samples: int = 32
-'''
 # generation on the bf16 pool; every other call on the fp32 pool, so that every streamed chunk crosses the pool link
 # into another dtype (and the actor, trained in fp32, crosses it to generate: home keeps its copy). Calls in bf16
 # on another batch round as their kernels do for that batch, so a bf16 consumer or train step would equal the
@@ -40,34 +18,20 @@ PLACES = {"actor_gen": GEN, **{c: ("cpu0", 1, 1, 1, 1) for c in ("rew_inf", "ref
                                                                   "critic_train")}}
 
 
-def _experiment(tmp_path, kind: str = "cpu-bf16"):
-    from run_helpers import REPO
-
-    base, cls, field, settings, imp = EXPERIMENTS["ppo"]
-    text = (TWO_POOLS.replace("IMPORT", imp).replace("BASE", repr(str(REPO / "experiments" / base)))
-            .replace("CLASS", cls).replace("FIELD", field).replace("SETTINGS", settings.replace("SCHEDULE", LONG_TAIL))
-            .replace("DATASET", repr(str(REPO / "experiments/data/ppo_tiny_prompts.jsonl"))).replace("KIND", repr(kind)))
-    path = tmp_path / "streamed_pools.py"
-    path.write_text(text)
+def _experiment(tmp_path, kind: str):
+    """test_streaming's PPO experiment on two pools: cpu0 computes in fp32, cpu1 is of ``kind``."""
+    path = streamed_experiment(tmp_path, "ppo")
+    one = '@auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size=32,'
+    text = path.read_text()
+    assert one in text
+    path.write_text(text.replace("import ResponseLengths, auto", "import Pool, ResponseLengths, auto")
+                    .replace(one, f'@auto(pools=[Pool("cpu0", "cpu", 1), Pool("cpu1", {kind!r}, 1)], batch_size=32,'))
     return path
 
 
 def _run(tmp_path, exp, name: str, tail: dict, iterations: int, gen_mbs: int):
-    from realloc.api import load_experiment
-    from realloc.graph.dataflow import build_graph
-    from realloc.graph.plan import ExecutionPlan
-    from test_runtime_e2e import env
-
-    graph = build_graph(load_experiment(str(exp)))
-    plan = tmp_path / f"{name}.json"
-    places = {**PLACES, "actor_gen": GEN[:4] + (gen_mbs,)}
-    ExecutionPlan.by_hand(graph, places, source="hand", tail=tail).save(plan)
-    run_dir = tmp_path / name
-    cmd = [sys.executable, "-m", "realloc.cli", "run", str(exp), "--run-dir", str(run_dir), "--quiet", "--plan",
-           str(plan), "--iterations", str(iterations)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env(tmp_path))
-    assert r.returncode == 0, r.stdout + r.stderr
-    return run_dir
+    return run_plan(tmp_path, exp, name, tail, places={**PLACES, "actor_gen": GEN[:4] + (gen_mbs,)},
+                    iterations=iterations)
 
 
 def test_a_run_streamed_across_pools_matches_the_unstreamed_run_on_the_same_pools(tmp_path):

@@ -195,7 +195,8 @@ def _experiment(tmp_path, algo: str):
     return path
 
 
-def _run(tmp_path, exp, name: str, tail: dict, gen_mesh: tuple = ("localhost", 2, 1, 1, 1)):
+def _run(tmp_path, exp, name: str, tail: dict, gen_mesh: tuple = ("localhost", 2, 1, 1, 1),
+         places: dict | None = None, iterations: int = N_ITER):
     import subprocess
     import sys
 
@@ -207,13 +208,13 @@ def _run(tmp_path, exp, name: str, tail: dict, gen_mesh: tuple = ("localhost", 2
     graph = build_graph(load_experiment(str(exp)))
     # generation at dp 2 over both devices (or on ``gen_mesh``); the inference calls on device 1 only (a freed
     # replica's device: they stream), the train steps over both
-    places = {c: (("localhost", 2, 1, 1, 1) if graph.call(c).is_train else gen_mesh if c == "actor_gen" else
-                  ("localhost:1", 1, 1, 1, 1)) for c in graph.spec.call_names}
+    places = places or {c: (("localhost", 2, 1, 1, 1) if graph.call(c).is_train else gen_mesh if c == "actor_gen"
+                            else ("localhost:1", 1, 1, 1, 1)) for c in graph.spec.call_names}
     plan = tmp_path / f"{name}.json"
     ExecutionPlan.by_hand(graph, places, source="hand", tail=tail).save(plan)
     run_dir = tmp_path / name
     cmd = [sys.executable, "-m", "realloc.cli", "run", str(exp), "--run-dir", str(run_dir), "--quiet", "--plan",
-           str(plan), "--iterations", str(N_ITER)]
+           str(plan), "--iterations", str(iterations)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     return run_dir
