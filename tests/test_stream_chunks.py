@@ -27,14 +27,14 @@ def test_split_thresholds_cut_the_rows_before_the_last_split_point_evenly():
     assert TailMigration(rows=4, instances=0).model_dump() == {"rows": 4, "instances": 0}  # the JSON of before
 
 
-def _chunked(ctx, gconfig, thresholds, n_mbs):
+def _chunked(ctx, gconfig, thresholds, n_mbs, one_by_one: bool = False):
     from realloc.models.stream_decode import SplitGeneration
 
     got = model_and_plain(ctx, gconfig, n_mbs)
     if got is None:
         return None
     model, rows, plain = got
-    gen = SplitGeneration(model, rows, gconfig, range(N_ROWS), n_mbs)
+    gen = SplitGeneration(model, rows, gconfig, range(N_ROWS), n_mbs, one_by_one)
     counts, out, chunks, before = [], {}, [], list(range(N_ROWS))
     for th in thresholds:
         gen.until(lambda n: counts.append(n) or n, th)

@@ -4,7 +4,9 @@ run on the same two pools (samples, metrics, the whole checkpoint with optimizer
 
 from __future__ import annotations
 
-from test_stream_chunks import CHUNKS, chunk_parts, logged_parts
+import torch
+from test_length_schedule import MAX_NEW, N_ROWS, SCHEDULE, pool  # noqa: F401 - the module's gloo pool
+from test_stream_chunks import CHUNKS, _chunked, chunk_parts, logged_parts
 from test_streaming import N_ITER, R_T, assert_same_runs
 from test_streaming import _experiment as streamed_experiment
 from test_streaming import _run as run_plan
@@ -67,3 +69,20 @@ def test_micro_batches_streamed_from_a_bf16_pool_match_the_unstreamed_run(tmp_pa
     for c in ("rew_inf", "ref_inf", "critic_inf"):
         assert calls[0, c] == [list(range(lo, lo + 8)) for lo in (0, 8, 16, 24)], c
     assert_same_runs(streamed, plain, iterations=1)
+
+
+def test_micro_batches_one_by_one_split_between_micro_batches_and_decode_the_plain_tokens(pool):
+    """``SplitGeneration(one_by_one=True)`` at the thresholds of a micro-batch entry (4 micro-batches of 3 rows):
+    each split point comes when a micro-batch ends, its chunk is that micro-batch's rows, and every token and
+    log-prob is the plain generation's, bit for bit (lengths from a long-tailed EOS schedule)."""
+    from realloc.estimator.mb_stream_cost import last_rows
+    from realloc.graph.tail import split_thresholds
+    from realloc.models.sampling import GenerationConfig
+
+    gconfig = GenerationConfig(max_new_tokens=MAX_NEW, seed=5, eos_token_ids=(), temperature=0.9,
+                               length_schedule=SCHEDULE)
+    thresholds = split_thresholds(N_ROWS, last_rows(N_ROWS, 4), 3)
+    plain, got, chunks, _ = next(r for r in pool.run(_chunked, gconfig, thresholds, 4, True) if r)
+    assert chunks == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    for i, (tok, lp) in enumerate(plain):
+        assert got[i][0] == tok and torch.equal(got[i][1], lp), i
