@@ -24,19 +24,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from realloc.api import load_experiment  # noqa: E402
+from realloc.api import ResponseLengths, load_experiment  # noqa: E402
 from realloc.search.planner import plan_search  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-# (title, experiment, paper's number, max_staleness to search with: None keeps the experiment's)
+# (title, experiment, paper's number, max_staleness to search with: None keeps the experiment's, response lengths:
+# None keeps the experiment's)
 SETTINGS = (
     ("FlexRLHF Table III: 33B PPO, 8 A100 + 8 V100", "experiments/ppo_33b_a100_v100.py", "+14.5% (0.69 -> 0.79)",
-     None),
+     None, None),
     # FlexRLHF's shadow actors generate while training goes on and take the trained weights periodically: what
     # realloc calls bounded staleness; the same setting searched with generation up to one step ahead
-    ("the same, eta <= 1", "experiments/ppo_33b_a100_v100.py", "+14.5% (0.69 -> 0.79)", 1),
-    ("GRPO 8B, 8 H100 + 8 H20 (eta <= 1)", "experiments/grpo_h100_h20.py", "-", None),
-    ("GRPO 8B, 8 H100 + 8 L40S (eta <= 1)", "experiments/grpo_h100_l40s.py", "-", None),
+    ("the same, eta <= 1", "experiments/ppo_33b_a100_v100.py", "+14.5% (0.69 -> 0.79)", 1, None),
+    # responses that end at their EOS, not all at 256 tokens: rows finish at different steps and stream across the
+    # pools as they finish (docs/heterogeneous.md, "Streaming across pools")
+    ("Table III, lengths lognormal (median 128, p99 256)", "experiments/ppo_33b_a100_v100.py",
+     "+14.5% (0.69 -> 0.79)", None, ResponseLengths.lognormal(median=128, p99=256)),
+    ("GRPO 8B, 8 H100 + 8 H20 (eta <= 1)", "experiments/grpo_h100_h20.py", "-", None, None),
+    ("GRPO 8B, 8 H100 + 8 L40S (eta <= 1)", "experiments/grpo_h100_l40s.py", "-", None, None),
 )
 
 
@@ -65,12 +70,17 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--long-run", type=int, default=64, metavar="K",
                     help="also price both plans over a long run of K unrolled iterations (default 64)")
+    ap.add_argument("--only", default=None, help="run the settings whose title contains this text")
     args = ap.parse_args()
     rows = []
-    for title, path, paper, staleness in SETTINGS:
+    for title, path, paper, staleness, lengths in SETTINGS:
+        if args.only and args.only not in title:
+            continue
         spec = load_experiment(str(ROOT / path))
         if staleness is not None:
             spec = dataclasses.replace(spec, max_staleness=staleness)
+        if lengths is not None:
+            spec = dataclasses.replace(spec, response_lengths=lengths)
         report = plan_search(spec, args.search_time, seed=args.seed)
         alone, both = report.alone.plan.estimated_time, report.plan.estimated_time
         heur = report.alone.baselines["heuristic"]
@@ -78,7 +88,9 @@ def main() -> None:
         long = (long_run(report.alone.space, report.alone.indices, args.long_run),
                 long_run(report.space, report.indices, args.long_run))
         rows.append((title, alone, both, heur_t, paper, pools_of(report), long))
-        print(f"{title}: {pools_of(report)}", flush=True)
+        tails = "; ".join(f"{c}: {t}" for c, t in report.plan.tail.items()) or "no tail"
+        print(f"{title}: {pools_of(report)} ({tails}; alone: {dict(report.alone.plan.tail) or 'no tail'})",
+              flush=True)
     print()
     header = (f"{'setting':<48}{'strong pool alone s/it':>24}{'two pools s/it':>16}{'gain':>8}"
               f"{'heuristic (strong pool) s/it':>30}{'two pools vs heuristic':>24}"

@@ -27,14 +27,14 @@ def test_split_thresholds_cut_the_rows_before_the_last_split_point_evenly():
     assert TailMigration(rows=4, instances=0).model_dump() == {"rows": 4, "instances": 0}  # the JSON of before
 
 
-def _chunked(ctx, gconfig, thresholds, n_mbs):
+def _chunked(ctx, gconfig, thresholds, n_mbs, one_by_one: bool = False):
     from realloc.models.stream_decode import SplitGeneration
 
     got = model_and_plain(ctx, gconfig, n_mbs)
     if got is None:
         return None
     model, rows, plain = got
-    return (plain, *split_at(SplitGeneration(model, rows, gconfig, range(N_ROWS), n_mbs), thresholds))
+    return (plain, *split_at(SplitGeneration(model, rows, gconfig, range(N_ROWS), n_mbs, one_by_one), thresholds))
 
 
 def split_at(gen, thresholds):
@@ -69,30 +69,42 @@ def test_a_generation_split_at_several_points_is_the_plain_one(pool, n_mbs):
         assert got[i][0] == tok and torch.equal(got[i][1], lp), i
 
 
+def logged_parts(log) -> dict[tuple[int, str], list[list[int]]]:
+    """(iteration, call) -> the rows of each request a worker ran, from its log."""
+    calls: dict[tuple[int, str], list[list[int]]] = {}
+    for line in log.read_text().splitlines():
+        m = re.search(r"iteration (\d+) call (\w+) rows (\[.*\])", line)
+        if m:
+            calls.setdefault((int(m.group(1)) - 1, m.group(2)), []).append(eval(m.group(3))[0])  # noqa: S307
+    return calls
+
+
+def chunk_parts(t: int) -> list[list[int]]:
+    """The rows of each part a split consumer runs in iteration t of test_streaming's experiment streamed in CHUNKS
+    chunks at R_T: the rows the EOS schedule ends between two split points, then the rest (empty parts left out)."""
+    from realloc.models.weights import param_seed
+
+    lengths = scheduled_lengths(ResponseLengths.lognormal(median=2, p99=14), 16, param_seed(1, f"generate/{t}"),
+                                range(32))
+    parts, prev = [], -1
+    for th in split_thresholds(32, R_T, CHUNKS):
+        step = min(s for s in range(16) if sum(n > s + 1 for n in lengths) <= th)
+        parts.append([i for i, n in enumerate(lengths) if prev + 1 < n <= step + 1])
+        prev = step
+    parts.append([i for i, n in enumerate(lengths) if n > prev + 1])
+    return [p for p in parts if p]
+
+
 def test_a_run_streamed_in_chunks_matches_the_unstreamed_run(tmp_path):
     """PPO, generation at dp 1 on device 0, inference on device 1: each inference call runs once per chunk (of the
     rows finished between two split points) and once on the rest; the run equals the plain one."""
-    from realloc.models.weights import param_seed
-
     exp = _experiment(tmp_path, "ppo")
     device_0 = ("localhost:0", 1, 1, 1, 1)
     chunked = _run(tmp_path, exp, "chunked", {"actor_gen": (R_T, 0, CHUNKS)}, device_0)
     plain = _run(tmp_path, exp, "plain", {}, device_0)
-    calls: dict[tuple[int, str], list[list[int]]] = {}
-    for line in (chunked / "logs" / "worker1.log").read_text().splitlines():
-        m = re.search(r"iteration (\d+) call (\w+) rows (\[.*\])", line)
-        if m:
-            calls.setdefault((int(m.group(1)) - 1, m.group(2)), []).append(eval(m.group(3))[0])  # noqa: S307
+    calls = logged_parts(chunked / "logs" / "worker1.log")
     for t in range(N_ITER):
-        lengths = scheduled_lengths(ResponseLengths.lognormal(median=2, p99=14), 16, param_seed(1, f"generate/{t}"),
-                                    range(32))
-        parts, prev = [], -1
-        for th in split_thresholds(32, R_T, CHUNKS):
-            step = min(s for s in range(16) if sum(n > s + 1 for n in lengths) <= th)
-            parts.append([i for i, n in enumerate(lengths) if prev + 1 < n <= step + 1])
-            prev = step
-        parts.append([i for i, n in enumerate(lengths) if n > prev + 1])
-        want = [p for p in parts if p]
+        want = chunk_parts(t)
         assert len(want) >= 3, want  # the test streams in more than two parts
         for c in ("rew_inf", "ref_inf", "critic_inf"):
             if (t, c) in calls:

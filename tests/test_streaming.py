@@ -198,7 +198,8 @@ def _experiment(tmp_path, algo: str):
 
 
 def _run(tmp_path, exp, name: str, tail: dict, gen_mesh: tuple = ("localhost", 2, 1, 1, 1),
-         infer: tuple = ("localhost:1", 1, 1, 1, 1), train: tuple = ("localhost", 2, 1, 1, 1)):
+         infer: tuple = ("localhost:1", 1, 1, 1, 1), train: tuple = ("localhost", 2, 1, 1, 1),
+         places: dict | None = None, iterations: int = N_ITER):
     import subprocess
     import sys
 
@@ -210,23 +211,23 @@ def _run(tmp_path, exp, name: str, tail: dict, gen_mesh: tuple = ("localhost", 2
     graph = build_graph(load_experiment(str(exp)))
     # generation at dp 2 over both devices (or on ``gen_mesh``); the inference calls on device 1 only (a freed
     # replica's device: they stream), the train steps over both
-    places = {c: (train if graph.call(c).is_train else gen_mesh if c == "actor_gen" else infer)
-              for c in graph.spec.call_names}
+    places = places or {c: (train if graph.call(c).is_train else gen_mesh if c == "actor_gen" else infer)
+                        for c in graph.spec.call_names}
     plan = tmp_path / f"{name}.json"
     ExecutionPlan.by_hand(graph, places, source="hand", tail=tail).save(plan)
     run_dir = tmp_path / name
     cmd = [sys.executable, "-m", "realloc.cli", "run", str(exp), "--run-dir", str(run_dir), "--quiet", "--plan",
-           str(plan), "--iterations", str(N_ITER)]
+           str(plan), "--iterations", str(iterations)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     return run_dir
 
 
-def _checkpoint(run_dir):
+def _checkpoint(run_dir, iterations: int = N_ITER):
     from safetensors import safe_open
 
     out = {}
-    for f in sorted((run_dir / f"checkpoints/iter_{N_ITER:08d}").rglob("*.safetensors")):
+    for f in sorted((run_dir / f"checkpoints/iter_{iterations:08d}").rglob("*.safetensors")):
         with safe_open(str(f), framework="pt") as h:
             out.update({f"{f.name}/{k}": h.get_tensor(k) for k in h.keys()})
     return out
@@ -274,8 +275,8 @@ def assert_inference_in_two_parts(run_dir) -> None:
             assert calls[t, c] == [part1, [i for i in range(32) if i not in part1]], (t, c)
 
 
-def assert_same_runs(fused, plain) -> None:
-    """The same samples, rewards, losses, and final parameters and optimizer state."""
+def assert_same_runs(fused, plain, iterations: int = N_ITER) -> None:
+    """The same samples, rewards, losses, and final parameters and optimizer state (after ``iterations``)."""
     from test_runtime_e2e import metrics
 
     for a, b in zip(metrics(fused), metrics(plain), strict=True):
@@ -283,7 +284,7 @@ def assert_same_runs(fused, plain) -> None:
             if isinstance(v, float) and k not in ("time", "iteration_time") and not k.endswith("_s"):
                 assert a[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
     got, want = _samples(fused), _samples(plain)
-    assert got.keys() == want.keys() and len(want) >= 32 * N_ITER
+    assert got.keys() == want.keys() and len(want) >= 32 * iterations
     for k, s in want.items():
         for f, v in s.items():
             if f == "logp":
@@ -292,7 +293,7 @@ def assert_same_runs(fused, plain) -> None:
                 assert got[k][f] == v, (k, f)
             else:
                 assert got[k][f] == pytest.approx(v, abs=1e-6)
-    a, b = _checkpoint(fused), _checkpoint(plain)
+    a, b = _checkpoint(fused, iterations), _checkpoint(plain, iterations)
     assert a.keys() == b.keys() and a
     for k in b:
         assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-4, atol=1e-6), k

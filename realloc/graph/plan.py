@@ -170,6 +170,10 @@ class ExecutionPlan(BaseModel):
         for a, b in self.fused:
             rows.append(f"fused: {a} + {b} (one pipeline schedule; {b}'s stages in reverse order)")
         for c, t in self.tail.items():
+            if t.micro_batches:  # graph/tail.py: each micro-batch handed on as it ends (FlexRLHF Fig. 4b)
+                rows.append(f"tail: {c} hands each of its {t.chunks + 1} micro-batches to the next calls as it ends "
+                            f"(micro-batches one after another, no migration)")
+                continue
             if t.streams_only:  # graph/tail.py: no migration, the finished rows stream to the next calls
                 rows.append(f"tail: {c} streams its finished rows to the next calls once at most {t.rows} are "
                             f"running (no migration)" + (f", in {t.chunks} chunks" if t.chunks > 1 else ""))

@@ -88,8 +88,9 @@ def tail_unsupported(graph: "DataflowGraph", call: str, partial: Sequence[str] =
 
 def check_runtime_tail(plan: "ExecutionPlan", graph: "DataflowGraph") -> None:
     """One ValueError if the runtime cannot carry out a tail entry of ``plan``: a migrating generation must run at pp
-    1 (its replicas count decode steps in lockstep, and phase 2 re-runs a prefill at pp 1); streaming runs at any pp. Staleness > 0 runs: the schedule already starts the generation of
-    iteration t + 1 only after iteration t's whole call (it reads parameters whose train step, or whose snapshot,
+    1 (its replicas count decode steps in lockstep, and phase 2 re-runs a prefill at pp 1); streaming runs at any pp
+    (micro-batch streaming, and a multi-turn stream, at pp 1 only). Staleness > 0 runs: the schedule already starts
+    the generation of iteration t + 1 only after iteration t's whole call (it reads parameters whose train step, or whose snapshot,
     waits for that call: master_schedule._stale_readers, _snapshot_deps), so the freed devices run the split
     consumers' part 1 first, and a streamed call's second request comes before the next call's first."""
     partial = partial_rollout_calls(graph)
@@ -103,6 +104,11 @@ def check_runtime_tail(plan: "ExecutionPlan", graph: "DataflowGraph") -> None:
             raise ValueError(f"plan field 'tail' entry {call!r}: interface {iface.name!r} generates turn by turn, "
                              f"which the runtime streams at pp 1 only, and the call runs at pp {p.pp}; place it with "
                              f"pp=1 or drop the entry")
+        if plan.tail[call].micro_batches and (p.pp != 1 or (iface is not None and not iface.migrates_tail)):
+            raise ValueError(f"plan field 'tail' entry {call!r}: micro_batches hands on a generation's micro-batches "
+                             f"one by one at pp 1 and for a generation decoded row by row only (the call runs at pp "
+                             f"{p.pp}{'' if iface is None or iface.migrates_tail else ', turn by turn'}); drop "
+                             f"micro_batches")
         if p.pp != 1 and not plan.tail[call].streams_only:  # streaming steps through the stages (stream_pipeline.py)
             raise ValueError(f"plan field 'tail' entry {call!r}: the runtime migrates the tail of a generation at pp "
                              f"1 only (it streams at any pp: instances=0), and the call runs at pp {p.pp}; place it "

@@ -35,12 +35,17 @@ class TailMigration(BaseModel):
     rows: int = Field(ge=1)
     instances: int = Field(ge=0)
     chunks: int = Field(default=1, ge=1)  # split points of a stream-only entry (``split_thresholds``)
+    # stream-only: the micro-batches decode one after another, as in the plain call, so the rows of each end
+    # together and the split points fall between micro-batches (FlexRLHF Fig. 4b; estimator/mb_stream_cost.py)
+    micro_batches: bool = False
 
     @model_serializer(mode="wrap")
     def _without_one_chunk(self, handler):  # a plan without chunks writes the JSON of before, bit for bit
         out = handler(self)
         if self.chunks == 1:
             out.pop("chunks", None)
+        if not self.micro_batches:
+            out.pop("micro_batches", None)
         return out
 
     @property
@@ -72,6 +77,9 @@ def tail_error(graph: "DataflowGraph", placements: Mapping[str, Placed], call: s
     rpc = graph.call(call)
     if rpc.interface_type.value != "generate":
         return f"call {call!r} is a {rpc.interface_type.value} call; only GENERATE calls have a tail to migrate"
+    if tail.micro_batches and tail.instances:
+        return (f"call {call!r} has micro_batches=true, but only a stream-only entry (instances=0) hands its "
+                f"micro-batches on; set instances=0 or drop micro_batches")
     dp = placements[call].dp
     if tail.instances and tail.instances >= dp:
         return (f"call {call!r} runs on {dp} dp replica(s), so its tail can move to at most {dp - 1} of them "

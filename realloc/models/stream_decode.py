@@ -25,10 +25,14 @@ from realloc.strategy import even_ranges
 
 
 class SplitGeneration:
-    """One replica's rows (prompts ``rows``, sequence ids ``seq_ids``) in ``n_mbs`` micro-batches side by side."""
+    """One replica's rows (prompts ``rows``, sequence ids ``seq_ids``) in ``n_mbs`` micro-batches side by side (or
+    one after another: ``one_by_one``)."""
 
     def __init__(self, model: DecodingModel, rows: list[torch.Tensor], gconfig: GenerationConfig,
-                 seq_ids: Sequence[int], n_mbs: int) -> None:
+                 seq_ids: Sequence[int], n_mbs: int, one_by_one: bool = False) -> None:
+        if one_by_one and model.groups.pp != 1:
+            raise ValueError("streaming micro-batches one by one ('micro_batches' tail entry): the generation call "
+                             "must run at pp 1; give the call pp=1 or drop the entry's micro_batches")
         model.stage.eval()
         self.model = model
         self.n, self.pad = len(rows), gconfig.pad_token_id
@@ -36,12 +40,24 @@ class SplitGeneration:
             else []
         self.mbs = [_MicroBatch(model, rows[lo:hi], list(seq_ids[lo:hi]), gconfig) for lo, hi in spans]
         self.offsets = [lo for lo, _ in spans]
+        # one_by_one: the micro-batches decode one after another, as the plain call does at pp 1 (a plan's
+        # ``TailMigration.micro_batches``): a step advances the first unfinished micro-batch only, whose rows then
+        # end before the next one starts; a later micro-batch's rows count as running until they end
+        self.one_by_one = one_by_one
+        self.steps = [0] * len(self.mbs)  # one_by_one: each micro-batch's next step, as in the plain call
         self.t = 0  # the next step
         # pp > 1: the stages' decode step (stream_pipeline.py), its point-to-point traffic on the pp group
         self.wire = _Wire(model) if model.groups.pp > 1 else None
         self.left = -1  # the whole call's running rows after the last step (-1: no step yet)
 
     def _step(self) -> None:
+        if self.one_by_one:
+            k = next((k for k, mb in enumerate(self.mbs) if not mb.done), None)
+            if k is not None:
+                mb, t = self.mbs[k], self.steps[k]
+                mb.apply(mb.sample(mb.forward(None, t), t), t)
+                self.steps[k] += 1
+            return
         if self.wire is not None:
             pipelined_step(self.model, self.mbs, self.wire, self.t)
         for mb in self.mbs if self.wire is None else ():

@@ -7,7 +7,7 @@ import argparse
 from realloc.api import ExperimentSpec
 from realloc.graph.dataflow import DataflowGraph, build_graph
 from realloc.graph.plan import ExecutionPlan, validate_plan
-from realloc.graph.streaming import check_runtime_tail
+from realloc.graph.streaming import check_runtime_tail, split_consumers
 from realloc.overrides import load_with_overrides
 from realloc.runtime.inputs.preflight import preflight
 from realloc.runtime.inputs.run_config import RunConfig
@@ -36,6 +36,11 @@ def main(args: argparse.Namespace) -> int:
         check_runtime_tail(plan, graph)  # a tail entry the runtime cannot carry out (pp > 1): the run's one error
         print(f"plan       {plan_path}: valid"
               + (f"; pools: {', '.join(f'{c} on pool {m.pool}' for c, m in meshes.items())}" if cluster.pools else ""))
+        for g, t in plan.tail.items() if cluster.pools else ():  # streaming across pools: where each part goes
+            if t.streams_only:
+                to = ", ".join(f"{c} on pool {meshes[c].pool}" for c in split_consumers(plan, graph, g))
+                print(f"stream     {g} on pool {meshes[g].pool} hands its "
+                      f"{'micro-batches' if t.micro_batches else 'finished rows'} on to: {to or 'no consumer'}")
     print()
     print(graph.describe())
     print()

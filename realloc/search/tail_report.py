@@ -11,6 +11,7 @@ import numpy as np
 from realloc.estimator.chunk_cost import chunked_generation_cost
 from realloc.estimator.tail_cost import tail_generation_cost
 from realloc.estimator.turn_stream_cost import turn_stream_cost
+from realloc.search.mb_stream_space import mb_stream_lines
 from realloc.search.tail_reference import TailView
 
 if TYPE_CHECKING:
@@ -30,6 +31,9 @@ def tail_summary(report: "SearchReport") -> list[str]:
         c = names.index(call)
         o = space.options[c][int(report.indices[c])]
         n = space.cost.workload(call).n_seqs
+        if t.micro_batches:  # micro-batch streaming across pools (search/mb_stream_space.py)
+            lines += mb_stream_lines(space, call, o, t, n, view)
+            continue
         if space.cost.rollout_shape(call) is not None:  # a multi-turn stream, priced by turns
             cost = turn_stream_cost(space.cost, call, o.mesh, o.strategy, o.n_mbs, t.rows, t.chunks)[0]
         else:

@@ -16,7 +16,9 @@ A multi-turn call (a turn profile whose rollouts end at different turns) gets th
 turns (``estimator/turn_stream_cost.py``): its unfinished rollouts never migrate.
 
 Every non-train consumer of such a call may run in two parts (``TailSplit``), priced per candidate and grid entry.
-Fixed lengths, or no eligible call: no row is added and the problem is exactly the one of before.
+Fixed lengths on one pool, or no eligible call: no row is added and the problem is exactly the one of before. On a
+cluster of pools every generation candidate at pp 1 with n_mbs in ``mb_stream_cost.MB_GRID`` also gets a micro-batch
+streaming row, at any lengths (``search/mb_stream_space.py``; grid indices after the ones above).
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ from realloc.graph.partial_check import partial_rollout_calls
 from realloc.graph.streaming import tail_unsupported
 from realloc.graph.tail import TailMigration
 from realloc.search.candidates import CallCosts
+from realloc.estimator.mb_stream_cost import MB_GRID, last_rows
+from realloc.search.mb_stream_space import (MB_BASE, mb_of, mb_rows, mb_split_columns,
+                                             streams_micro_batches)
 from realloc.search.tail_problem import TailColumns, TailSplit
 from realloc.search.tail_reference import TailView
 
@@ -63,8 +68,9 @@ def grid_entry(g: int) -> tuple[float, int]:
 
 def eligible(graph: DataflowGraph, call: str) -> bool:
     """Whether ``call`` may migrate its tail: a model's GENERATE call under response lengths that vary (more than
-    one length possible; with one, every row ends at once and there is no tail). A multi-turn call may stream
-    (never migrate) when its profile's rollouts end at different turns (``turn_stream_cost.py``)."""
+    one length possible; with one, every row ends at once and there is no tail), or at any lengths on a cluster of
+    pools (micro-batch streaming). A multi-turn call may stream (never migrate) when its profile's rollouts end at
+    different turns (``turn_stream_cost.py``)."""
     spec, rpc = graph.spec, graph.call(call)
     if rpc.interface_type is not InterfaceType.GENERATE or graph.model_config(call) is None:
         return False
@@ -72,8 +78,13 @@ def eligible(graph: DataflowGraph, call: str) -> bool:
     if shape is not None:
         return (min(shape.profile.reach) < 1
                 and tail_unsupported(graph, call, partial_rollout_calls(graph), streams_only=True) is None)
-    return (np.count_nonzero(spec.response_lengths.pmf(spec.gen_len)) > 1
+    return ((varied_lengths(graph) or streams_micro_batches(graph))  # micro-batches stream at any lengths
             and tail_unsupported(graph, call, partial_rollout_calls(graph)) is None)
+
+
+def varied_lengths(graph: DataflowGraph) -> bool:
+    spec = graph.spec
+    return bool(np.count_nonzero(spec.response_lengths.pmf(spec.gen_len)) > 1)
 
 
 def instance_choices(dp: int) -> list[int]:
@@ -92,18 +103,24 @@ def with_tail_rows(graph: DataflowGraph, cost: CostModel, call: str,
     phase1: dict[tuple, float] = {}
     phase2: dict[tuple, tuple[float, float, bool]] = {}
     multiturn = cost.rollout_shape(call) is not None  # streams only, priced by turns (turn_stream_cost.py)
+    varied, by_mb = varied_lengths(graph), streams_micro_batches(graph)
     for i, cand in enumerate(cc.options):
         s = cand.strategy
         if s.pp == 1 and cand.mesh.size < n_devices and multiturn:
             rows_stream, choices_stream = turn_stream_rows(cost, call, i, cand, n)
             rows += rows_stream
             choices += choices_stream
-        elif s.pp == 1 and cand.mesh.size < n_devices:  # streaming without migration (m = 0, stream_cost.py): at
-            # any dp, on a mesh that leaves devices for a consumer to stream to
+        elif s.pp == 1 and cand.mesh.size < n_devices and varied:  # streaming without migration (m = 0,
+            # stream_cost.py): at any dp, on a mesh that leaves devices for a consumer to stream to
             rows_stream, choices_stream = stream_rows(cost, call, i, cand, n, phase1)
             rows += rows_stream
             choices += choices_stream
-        if s.pp != 1 or s.dp < 2 or multiturn:
+        if s.pp == 1 and cand.mesh.size < n_devices and by_mb and not multiturn:  # micro-batches across pools
+            # (mb_stream_space.py)
+            rows_mb, choices_mb = mb_rows(cost, call, i, cand, n)
+            rows += rows_mb
+            choices += [TailChoice(*f) for f in choices_mb]
+        if s.pp != 1 or s.dp < 2 or multiturn or not varied:
             continue
         per_replica = cost.workload(call).micro_batch(s.dp, cand.n_mbs) * cand.n_mbs
         shape = (cand.mesh.n_nodes, cand.mesh.n_devs)
@@ -203,6 +220,8 @@ def tail_arrays(graph: DataflowGraph, cost: CostModel, calls: Sequence[str], opt
     readers = {u: sum(1 for a, v in set(data_edges) if a == u and v not in migrating
                       and graph.call(calls[v]).interface_type is not InterfaceType.TRAIN_STEP) for u in migrating}
     n_grid = len(TAIL_GRID) * (1 + len(CHUNK_GRID))
+    if any(t is not None and t.migration.micro_batches for choices in tails for t in choices):
+        n_grid = MB_BASE + len(MB_GRID)
     depth = max(CHUNK_GRID) - 1
     splits, split_calls = [], set()
     for e, (u, v) in enumerate(data_edges):
@@ -211,10 +230,11 @@ def tail_arrays(graph: DataflowGraph, cost: CostModel, calls: Sequence[str], opt
         if graph.call(calls[v]).interface_type is InterfaceType.TRAIN_STEP:
             continue  # a train call runs once, after the generation ends
         n = cost.workload(calls[u]).n_seqs
-        r_t = [tail_rows(n, grid_entry(g)[0]) for g in range(n_grid)]
+        r_t = [tail_rows(n, grid_entry(g)[0]) if mb_of(g) is None else last_rows(n, mb_of(g))
+               for g in range(n_grid)]
         turns = running_after(cost, calls[u]) if cost.rollout_shape(calls[u]) is not None else None
         # a multi-turn stream: the rollouts running at each split point, as the turns say (turn_stream_cost.py)
-        at = [None if turns is None or grid_entry(g)[1] > n - r_t[g] else
+        at = [None if turns is None or mb_of(g) is not None or grid_entry(g)[1] > n - r_t[g] else
               tuple(turns[k - 1] for k in split_turns(turns, n, r_t[g], grid_entry(g)[1])) for g in range(n_grid)]
         part1 = np.zeros((len(options[v]), n_grid))
         part2 = np.zeros_like(part1)
@@ -223,12 +243,21 @@ def tail_arrays(graph: DataflowGraph, cost: CostModel, calls: Sequence[str], opt
         seen: dict[tuple, tuple[float, float]] = {}
         seen_chunks: dict[tuple, tuple[float, ...]] = {}
         for g in range(n_grid):
-            k = grid_entry(g)[1]
+            k = grid_entry(g)[1] if mb_of(g) is None else 1
             if 1 < k <= n - r_t[g] and u in chunked:
                 share[g, :k - 1] = (lead_shares(cost, calls[u], r_t[g], k, readers[u]) if turns is None else
                                     turn_lead_shares(turns, n, r_t[g], k, readers[u]))
         for i, cand in enumerate(options[v]):
             for g, rows in enumerate(r_t):
+                if mb_of(g) is not None:  # micro-batch streaming across pools (mb_stream_space.py)
+                    key = (cand.mesh.n_nodes, cand.mesh.n_devs, cand.mesh.pool, cand.strategy, cand.n_mbs, "mb", g)
+                    if key not in seen_chunks:
+                        seen_chunks[key] = mb_split_columns(cost, calls[v], calls[u], cand, g, readers[u])
+                    part1[i, g], part2[i, g], w, sh = seen_chunks[key]
+                    if u in chunked and w:
+                        work[i, g, :len(w)] = w
+                        share[g, :len(sh)] = sh
+                    continue
                 key = (cand.mesh.n_nodes, cand.mesh.n_devs, cand.mesh.pool, cand.strategy, cand.n_mbs, rows,
                        at[g] and at[g][-1])
                 if key not in seen:
@@ -255,6 +284,11 @@ def without_tails(space, starts: Sequence[np.ndarray]):
     such candidates) in its numbering."""
     rows = [[i for i in range(len(k)) if space.tail_of(c, i) is None] for c, k in enumerate(space.problem.candidates)]
     where = [{i: j for j, i in enumerate(r)} for r in rows]
+    for c, w in enumerate(where):  # a start with a tail row (a pool's plan that streams): its candidate without
+        plain = {space.options[c][i]: j for i, j in w.items()}
+        for i in range(len(space.problem.candidates[c])):
+            if i not in w and space.options[c][i] in plain:
+                w[i] = plain[space.options[c][i]]
     n = space.problem.n_calls  # a plan's entries after its calls' (fused pairs' 0/1) keep their values
     return space.restrict(rows), [np.asarray([where[c][int(i)] for c, i in enumerate(s[:n])] + [int(x) for x in s[n:]],
                                              np.int32) for s in starts]

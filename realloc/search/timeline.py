@@ -141,7 +141,8 @@ def _tail_row(space: object, c: int, want: object) -> int:
     tails = [it for it in tails if it[1].streams_only == want.streams_only]
     if not tails:
         return next(i for i in rows if space.tail_of(c, i) is None)
-    return min(tails, key=lambda it: (it[1].instances != want.instances, abs(it[1].chunks - want.chunks),
+    return min(tails, key=lambda it: (it[1].micro_batches != want.micro_batches, it[1].instances != want.instances,
+                                      abs(it[1].chunks - want.chunks),
                                       abs(it[1].rows - want.rows)))[0]
 
 

@@ -20,6 +20,9 @@ a turn standing for a decode step: the replicas take turns, count the call's run
 hand on the rollouts finished (the environment said done, or the turn limit or the budget was hit) at each split
 point, while the others keep taking turns in place (their environments and kept KV caches stay in the worker).
 
+With ``micro_batches`` (micro-batch streaming across pools, estimator/mb_stream_cost.py) the replica decodes its
+micro-batches one after another, as the plain call does, so the split points fall between micro-batches.
+
 Every row is decoded by the same steps as without the entry, so the results are the plain run's.
 """
 
@@ -85,7 +88,7 @@ def streaming_generation(ctx: CallContext, fn: Callable[[CallContext, Data], Cal
         ids = list(ctx.ids)
         return _to_split(ctx, fn, state, ids, inputs, tail, call, kept, 0, list(range(len(ids))))
     a = captured_generate(ctx, fn, inputs, call)
-    gen = SplitGeneration(model, a.prompts, a.gconfig, a.seq_ids, a.n_mbs)
+    gen = SplitGeneration(model, a.prompts, a.gconfig, a.seq_ids, a.n_mbs, tail.micro_batches)
     return _to_split(ctx, fn, gen, a.seq_ids, inputs, tail, call, kept, 0, list(range(len(a.seq_ids))))
 
 
