@@ -150,6 +150,13 @@ def test_show_takes_a_streamed_multiturn_plan_and_refuses_a_migration(experiment
     assert main(["show", str(experiment), "--plan", str(path)]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "unfinished rollouts cannot migrate" in err[0] and "instances=0" in err[0], err
+    # the turn loop streams at pp 1 only, and never micro-batch by micro-batch
+    pp2 = dict(PLACES, actor_gen=("localhost", 1, 1, 2, 2))
+    with pytest.raises(ValueError, match="entry 'actor_gen': interface .* turn by turn, .* pp 1 only"):
+        check_runtime_tail(ExecutionPlan.by_hand(graph, pp2, tail={"actor_gen": (8, 0)}), graph)
+    by_mb = {"actor_gen": TailMigration(rows=8, instances=0, micro_batches=True)}
+    with pytest.raises(ValueError, match="entry 'actor_gen': micro_batches .* turn by turn"):
+        check_runtime_tail(ExecutionPlan.by_hand(graph, PLACES, tail=by_mb), graph)
 
 
 def test_multiturn_without_varying_turns_offers_no_stream(graph, experiment):

@@ -132,8 +132,12 @@ def test_the_runtime_refuses_a_stream_entry_it_cannot_run(graph):
     assert split_consumers(plan, graph, "actor_gen") == ["rew_inf", "ref_inf", "critic_inf"]
     check_runtime_tail(plan.model_copy(update={"staleness": 1}), graph)  # runs ahead of training too (test_tail_stale)
     pp2 = dict(DISAGGREGATED, actor_gen=("localhost", 1, 1, 2, 2))
-    with pytest.raises(ValueError, match="plan field 'tail' entry 'actor_gen': .*runs at pp 2"):
-        check_runtime_tail(ExecutionPlan.by_hand(graph, pp2, tail={"actor_gen": (6, 0)}), graph)
+    check_runtime_tail(ExecutionPlan.by_hand(graph, pp2, tail={"actor_gen": (6, 0)}), graph)  # streams at any pp
+    with pytest.raises(ValueError, match="plan field 'tail' entry 'actor_gen': .*migrates .* at pp 1 only"):
+        check_runtime_tail(ExecutionPlan.by_hand(graph, pp2, tail={"actor_gen": (6, 1)}), graph)
+    by_mb = {"actor_gen": TailMigration(rows=6, instances=0, micro_batches=True)}
+    with pytest.raises(ValueError, match="plan field 'tail' entry 'actor_gen': micro_batches .* runs at pp 2"):
+        check_runtime_tail(ExecutionPlan.by_hand(graph, pp2, tail=by_mb), graph)
     # generation on both devices: no consumer is off its mesh, nothing splits
     both = dict(DISAGGREGATED, actor_gen=("localhost", 2, 1, 1, 1))
     assert split_consumers(ExecutionPlan.by_hand(graph, both, tail={"actor_gen": (6, 0)}), graph, "actor_gen") == []
