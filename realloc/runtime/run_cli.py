@@ -20,10 +20,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import contextlib
 import json
 import os
 import secrets
-import shutil
 import signal
 import sys
 import time
@@ -48,6 +48,7 @@ from realloc.runtime.launch.pool_launch import check_pools
 from realloc.runtime.persist.run_settings import resume_settings
 from realloc.runtime.records.metric_sinks import MetricSinks, check_wandb_installed
 from realloc.runtime.records.progress import LONG_CALL_S, RunProgress
+from realloc.runtime.records.run_claim import claim_run_dir, remove_created
 from realloc.runtime.records.run_paths import RunPaths, remove_secret
 from realloc.runtime.records.run_record import Session, data_record, resolved_experiment, write_run_record
 from realloc.runtime.records.startup import StartupClock, settle_heap
@@ -84,12 +85,13 @@ def _choose_plan(args: argparse.Namespace, spec: ExperimentSpec, ckpt: Path | No
     return plan, f"searched for {time.perf_counter() - t0:.1f} s (until it converged, at most {DEFAULT_SEARCH_TIME:g} s)"
 
 
-def _run_dir(args: argparse.Namespace, spec: ExperimentSpec, ckpt: Path | None) -> Path:
+def _run_dir(args: argparse.Namespace, spec: ExperimentSpec, ckpt: Path | None) -> tuple[Path, bool]:
+    """The run directory, and whether realloc chose its name (a peer's run of that name makes it take a suffix)."""
     if args.run_dir:
-        return Path(args.run_dir)
+        return Path(args.run_dir), False
     if ckpt is not None and ckpt.parent.name == "checkpoints":
-        return ckpt.parent.parent  # continue the checkpoint's own run
-    return Path("runs") / f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        return ckpt.parent.parent, False  # continue the checkpoint's own run
+    return Path("runs") / f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}", True
 
 
 def _schedule_horizon(args: argparse.Namespace, total: int, meta: dict[str, Any] | None) -> tuple[int, str | None]:
@@ -114,35 +116,6 @@ def _schedule_horizon(args: argparse.Namespace, total: int, meta: dict[str, Any]
     after = (f"; iterations {horizon + 1}..{total} keep its last learning rate (--schedule-iterations N "
              f"stretches it)" if total > horizon else "")
     return horizon, f"learning-rate schedule over iterations 1..{horizon} ({source}){after}"
-
-
-def _check_run_dir(root: Path, create: bool) -> None:
-    """The run directory can be created (or is one): one error naming the path if, say, a file is in the way."""
-    if create:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ValueError(f"run directory {root}: cannot create it ({e.strerror}: {e.filename}); pass --run-dir "
-                             f"a folder you can write to") from None
-        if not os.access(root, os.W_OK | os.X_OK):  # (root may write anywhere: then the writes themselves say so)
-            raise ValueError(f"run directory {root} is not writable; pass --run-dir a folder you can write to")
-        return
-    ancestor = next(p for p in (root, *root.parents) if p.exists())
-    if not ancestor.is_dir():
-        raise ValueError(f"run directory {root}: {ancestor} is a file; pass --run-dir a folder you can write to")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise ValueError(f"run directory {root}: {ancestor} is not writable; pass --run-dir a folder you can write to")
-
-
-def _first_missing(root: Path) -> Path | None:
-    """The outermost folder of ``root`` (itself or an ancestor) that does not exist yet: what this command
-    creates, and removes again when it fails before launching anything."""
-    missing = None
-    for p in (root, *root.parents):
-        if p.exists():
-            return missing
-        missing = p
-    return missing
 
 
 def _truncate_metrics(path: Path, start: int) -> None:
@@ -201,6 +174,11 @@ def _fresh_secret(run: RunPaths) -> bytes:
 
 
 def main(args: argparse.Namespace) -> int:
+    with contextlib.ExitStack() as claims:
+        return _main(args, claims)
+
+
+def _main(args: argparse.Namespace, claims: contextlib.ExitStack) -> int:
     # torch loads in the master only after the workers started (they load it too, meanwhile): the master's
     # torch imports (Master, checkpoints, preflight's tokenizer) come below the launcher's prestart.
     clock = StartupClock()
@@ -264,11 +242,14 @@ def main(args: argparse.Namespace) -> int:
     if total <= start:
         raise ValueError(f"--iterations {total}: the checkpoint already completed {start} iterations; ask for more")
     horizon, horizon_line = _schedule_horizon(args, total, meta)
-    run = RunPaths(_run_dir(args, spec, ckpt).resolve())
-    created = _first_missing(run.root)
+    # One run per directory (run_claim.py): a second `realloc run` on it is one error naming the first.
+    root, default_name = _run_dir(args, spec, ckpt)
+    root, created, lock = claim_run_dir(root.resolve(), not args.dry_run or args.prepare, default_name)
+    if lock is not None:
+        claims.callback(os.close, lock)  # held until this command returns (the kernel frees it on any exit)
+    run = RunPaths(root)
     local: LocalLauncher | None = None
     try:  # a command that fails before it launches anything leaves no directory behind
-        _check_run_dir(run.root, create=not args.dry_run or args.prepare)
         if args.launcher == "local":
             # The workers start now and import torch and megatron while the master checks the prompts and
             # searches; they get their arguments once the master listens (launcher.py).
@@ -296,7 +277,7 @@ def main(args: argparse.Namespace) -> int:
         if local is not None:
             local.stop(grace=KILL_GRACE)
         if created is not None:
-            shutil.rmtree(created, ignore_errors=True)
+            remove_created(run.root, created)
         raise
     run_id = args.run_id or secrets.token_hex(8)
     experiment = spec.source or args.experiment

@@ -1,0 +1,79 @@
+"""Audit, round 5: a new user's runs of the last rounds' features. Each test failed before its fix."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from realloc.cli import main
+from realloc.runtime.records.run_claim import LOCK_NAME, claim_run_dir
+
+REPO = Path(__file__).resolve().parents[1]
+GRPO = str(REPO / "experiments/grpo_tiny.py")
+PLAN = {n: ("localhost", 2, 1, 1, 1) for n in ("actor_gen", "rew_inf", "ref_inf", "actor_train")}
+
+
+def _plan(tmp_path: Path) -> str:
+    from realloc.api import load_experiment
+    from realloc.graph.dataflow import build_graph
+    from realloc.graph.plan import ExecutionPlan
+
+    path = tmp_path / "plan.json"
+    path.write_text(ExecutionPlan.by_hand(build_graph(load_experiment(GRPO)), PLAN).to_json())
+    return str(path)
+
+
+def test_a_second_run_on_a_live_run_directory_is_one_error_and_the_first_run_is_untouched(tmp_path, capsys):
+    """Two `realloc run`s on one directory: the second overwrote the first's secret (its workers were then
+    refused a CURVE handshake and the first run died), and truncated its metrics. Now the second is one line
+    naming the first's pid, and the first runs to its end."""
+    run_dir, plan = tmp_path / "run", _plan(tmp_path)
+    first = subprocess.Popen([sys.executable, "-m", "realloc", "run", GRPO, "--plan", plan, "--iterations", "6",
+                              "--run-dir", str(run_dir), "--no-tensorboard"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "plan.json").exists():  # the first run has claimed the directory and prepared it
+            assert first.poll() is None and time.monotonic() < deadline, first.stdout.read().decode()
+            time.sleep(0.05)
+        assert main(["run", GRPO, "--plan", plan, "--iterations", "6", "--run-dir", str(run_dir)]) != 0
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1, err
+        assert "in use by another `realloc run`" in err and f"pid {first.pid}" in err and "--run-dir" in err
+        out = first.communicate(timeout=300)[0].decode()
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0, out
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["iteration"] for x in lines] == list(range(1, 7))
+    # The lock dies with its run: the same directory is free again (a resume or a later run may use it).
+    os.close(claim_run_dir(run_dir, True, False)[2])
+
+
+def test_a_claimed_directory_refuses_a_second_claim_until_released(tmp_path):
+    root = tmp_path / "a" / "run"
+    path, created, fd = claim_run_dir(root, True, default_name=False)
+    assert (path, created) == (root, tmp_path / "a") and (root / LOCK_NAME).read_text() == f"{os.getpid()}\n"
+    with pytest.raises(ValueError, match=rf"run directory {root} is in use by another `realloc run` \(pid "
+                                         rf"{os.getpid()}\); wait for it to end, or pass --run-dir another folder"):
+        claim_run_dir(root, True, default_name=False)
+    assert root.is_dir()  # the refused claim removed nothing of the holder's
+    os.close(fd)
+    os.close(claim_run_dir(root, True, default_name=False)[2])
+
+
+def test_two_peers_in_the_same_second_get_their_own_default_run_directories(tmp_path):
+    """The default run directory is runs/<experiment>-<time to the second>: two peers that start the same
+    experiment in the same second shared it. The second now takes a suffix."""
+    root = tmp_path / "runs" / "grpo_tiny-20261128-182350"
+    a, created_a, fd_a = claim_run_dir(root, True, default_name=True)
+    b, created_b, fd_b = claim_run_dir(root, True, default_name=True)
+    assert (a, b) == (root, root.with_name(root.name + "-2"))
+    assert created_a == tmp_path / "runs" and created_b == b
+    os.close(fd_a)
+    os.close(fd_b)
