@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Iterable, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from realloc.atomic_file import write_text_atomically
 from realloc.cluster import DeviceMesh
 from realloc.graph.fused import check_fused
 from realloc.graph.tail import TailMigration, check_tail
@@ -125,10 +126,7 @@ class ExecutionPlan(BaseModel):
         return plan
 
     def save(self, path: str | Path) -> None:
-        path = Path(path)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(self.to_json())
-        tmp.replace(path)  # atomic: a crash never leaves half a plan
+        write_text_atomically(Path(path), self.to_json())  # a crash or a peer's save never leaves half a plan
 
     @classmethod
     def load(cls, path: str | Path) -> "ExecutionPlan":
