@@ -77,3 +77,46 @@ def test_two_peers_in_the_same_second_get_their_own_default_run_directories(tmp_
     assert created_a == tmp_path / "runs" and created_b == b
     os.close(fd_a)
     os.close(fd_b)
+
+
+def test_saving_a_plan_leaves_a_peers_half_written_file_alone(tmp_path):
+    """`realloc search --out plan.json` (and a profile's save, the same helper) wrote through the fixed name
+    plan.json.tmp: a peer saving the same file at once truncated it under the other, whose rename then failed or
+    published a mix."""
+    from realloc.graph.plan import ExecutionPlan
+
+    plan = ExecutionPlan.load(_plan(tmp_path))
+    out = tmp_path / "out.json"
+    peer = tmp_path / "out.json.tmp"  # the name the old save used: a peer's file, mid-write
+    peer.write_text('{"half": ')
+    plan.save(out)
+    assert peer.read_text() == '{"half": ' and ExecutionPlan.load(out) == plan
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json", "out.json.tmp", "plan.json"]
+
+
+def test_two_exports_to_one_folder_at_once_leave_one_whole_export(tmp_path, monkeypatch):
+    """Two `realloc export --out DIR` at once: the second deleted the first's half-written .DIR.part and wrote
+    there; the first then failed on a missing file (a traceback), or renamed the second's partial files into
+    DIR. Here a whole peer export lands while this one writes: this one is one error, the peer's stays whole."""
+    from test_export import CFG, _fake_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    from realloc.runtime.persist import export
+
+    ckpt, _ = _fake_checkpoint(tmp_path / "run", CFG, 1, 1, iteration=1, seed=1)
+    out = tmp_path / "new" / "hf"
+    copy = export._copy_tokenizer
+    peers = []
+
+    def peer_exports_meanwhile(where, tokenizer):
+        if not peers:
+            peers.append("running")
+            peers[0] = export.export_checkpoint(ckpt, "actor", out)
+        copy(where, tokenizer)
+
+    monkeypatch.setattr(export, "_copy_tokenizer", peer_exports_meanwhile)
+    with pytest.raises(ValueError, match=rf"^export directory {out} was filled while exporting \(another export "
+                                         rf"to it\?\); choose a new --out$"):
+        export.export_checkpoint(ckpt, "actor", out)
+    assert peers == [out] and sorted(p.name for p in out.parent.iterdir()) == ["hf"]  # no half export left
+    AutoModelForCausalLM.from_pretrained(out)

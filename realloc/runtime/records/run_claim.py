@@ -91,7 +91,7 @@ def claim_run_dir(root: Path, create: bool, default_name: bool) -> tuple[Path, P
             return root, created, lock_run_dir(root)
         except ValueError:
             if created is not None:  # empty folders only: a peer that created it too holds its lock file there
-                _remove_empty(root, created)
+                remove_empty_folders(root, created)
             raise
     outer = first_missing(root.parent)
     check_run_dir(root.parent, create=True)
@@ -114,10 +114,11 @@ def remove_created(root: Path, created: Path) -> None:
     folder up to ``created`` that is empty. Never a whole ancestor: a peer may have created a run inside it."""
     shutil.rmtree(root, ignore_errors=True)
     if root != created:
-        _remove_empty(root.parent, created)
+        remove_empty_folders(root.parent, created)
 
 
-def _remove_empty(folder: Path, created: Path) -> None:
+def remove_empty_folders(folder: Path, created: Path) -> None:
+    """Remove ``folder`` and its ancestors up to ``created`` while they are empty."""
     for p in (folder, *folder.parents):
         if not p.is_relative_to(created):
             break
