@@ -120,3 +120,30 @@ def test_two_exports_to_one_folder_at_once_leave_one_whole_export(tmp_path, monk
         export.export_checkpoint(ckpt, "actor", out)
     assert peers == [out] and sorted(p.name for p in out.parent.iterdir()) == ["hf"]  # no half export left
     AutoModelForCausalLM.from_pretrained(out)
+
+
+def test_a_searched_plan_edited_by_hand_loses_the_estimates_of_the_plan_before_the_edit(tmp_path, capsys):
+    """docs/streaming.md says to take `realloc search --out plan.json` and edit it. `realloc run` then printed the
+    search's per-call estimates, estimated time and memory warning for placements the plan no longer has."""
+    from realloc.graph.plan import ExecutionPlan
+
+    searched = ExecutionPlan.load(_plan(tmp_path)).model_copy(update=dict(
+        source="search", estimated_time=0.5, estimated_peak_memory=2**20, call_times={c: 0.1 for c in PLAN},
+        call_memory={c: 2**20 for c in PLAN}))
+    path = tmp_path / "searched.json"
+    searched.save(path)
+    assert ExecutionPlan.load(path) == searched  # as saved: the estimates are its own
+    raw = json.loads(path.read_text())
+    raw["placements"]["actor_train"].update(mesh="localhost:1", dp=1)
+    path.write_text(json.dumps(raw, indent=4))
+    edited = ExecutionPlan.load(path)
+    assert edited.placements["actor_train"].mesh == "localhost:1" and edited.source == "edited after its search"
+    assert (edited.estimated_time, edited.estimated_peak_memory, edited.call_times, edited.call_memory) == \
+        (None, None, {}, {})
+    assert "estimated time" not in edited.table() and "0.100" not in edited.table()
+    assert main(["show", GRPO, "--plan", str(path)]) == 0
+    assert f"plan       {path}: valid (edited after its search: its estimates, made for the plan before the edit, " \
+           f"were dropped; `realloc trace` prices the plan that ran)" in capsys.readouterr().out
+    raw["placements"]["actor_train"].update(mesh="localhost", dp=2)  # edited back: its estimates hold again
+    path.write_text(json.dumps(raw))
+    assert ExecutionPlan.load(path) == searched

@@ -60,7 +60,8 @@ MIN_HEARTBEAT_TIMEOUT = 2.0
 def _choose_plan(args: argparse.Namespace, spec: ExperimentSpec, ckpt: Path | None) -> tuple[ExecutionPlan, str]:
     """The plan to run and where it came from, in words, for the run header."""
     if args.plan:
-        return ExecutionPlan.load(args.plan), f"from {args.plan}"
+        plan = ExecutionPlan.load(args.plan)
+        return plan, f"from {args.plan}{plan.edited_note()}"
     if ckpt is not None:
         return ExecutionPlan.load(ckpt / "plan.json"), f"of checkpoint {ckpt}"
     try:
