@@ -147,3 +147,20 @@ def test_a_searched_plan_edited_by_hand_loses_the_estimates_of_the_plan_before_t
     raw["placements"]["actor_train"].update(mesh="localhost", dp=2)  # edited back: its estimates hold again
     path.write_text(json.dumps(raw))
     assert ExecutionPlan.load(path) == searched
+
+
+def test_the_demo_does_not_delete_a_run_directory_a_live_run_holds(tmp_path, capsys):
+    """`make demo` deleted runs/arith_demo before its run: a peer's demo running there lost its files mid-run
+    (and the two runs then shared the directory). Now the second demo stops at once, in one line."""
+    from realloc.demo import arith_demo
+
+    root = tmp_path / "arith_demo"
+    _, _, fd = claim_run_dir(root, True, default_name=False)  # a peer's live run
+    (root / "metrics.jsonl").write_text("{}\n")
+    try:
+        assert arith_demo.main(["--run-dir", str(root)]) == 2
+    finally:
+        os.close(fd)
+    assert capsys.readouterr().err == f"arith_demo: error: run directory {root} is in use by another `realloc run` " \
+                                      f"(pid {os.getpid()}); wait for it to end, or pass --run-dir another folder\n"
+    assert (root / "metrics.jsonl").read_text() == "{}\n"

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from realloc.demo.demo_assets import build_once
+from realloc.runtime.records.run_claim import clear_run_dir
 
 if TYPE_CHECKING:
     from realloc.demo.accuracy import Accuracy
@@ -108,7 +109,7 @@ def build_sft(root: Path = ROOT, run_dir: Path | None = None, search_time: float
     (default ``root/sft``)."""
     init_checkpoint(root)
     run_dir = run_dir or REPO / "runs" / "arith_sft"
-    shutil.rmtree(run_dir, ignore_errors=True)
+    clear_run_dir(run_dir)  # refused while a peer's run uses it
     run_dir.mkdir(parents=True)
     t0 = time.time()
     # The initial model named explicitly: `root` need not be where the experiment file looks by default.
@@ -142,6 +143,8 @@ def demo(root: Path = ROOT, run_dir: Path | None = None, rebuild_sft: bool = Fal
          iterations: int | None = None) -> tuple[float, float]:
     """The whole demo; returns the held-out exact-match accuracy before and after GRPO."""
     t0 = time.time()
+    run_dir = run_dir or REPO / "runs" / "arith_demo"
+    clear_run_dir(run_dir)  # first: a peer's demo running there is one error at once, before any of the work
     sft, start = SHIPPED_SFT, []
     if rebuild_sft:
         print(f"training the SFT stage again (into {root / 'sft'}; the demo starts from it)", flush=True)
@@ -150,8 +153,6 @@ def demo(root: Path = ROOT, run_dir: Path | None = None, rebuild_sft: bool = Fal
     before = accuracy(sft)
     print(f"before GRPO (the SFT model): {before.describe()} on held-out prompts, e.g. "
           + ", ".join(f"{p}{r}" for p, r, _ in before.examples[:3]), flush=True)
-    run_dir = run_dir or REPO / "runs" / "arith_demo"
-    shutil.rmtree(run_dir, ignore_errors=True)
     n = iterations or _default_iterations(GRPO_EXPERIMENT)
     t1 = time.time()
     _realloc(["run", str(GRPO_EXPERIMENT), *_search(search_time), "--run-dir", str(run_dir),

@@ -126,3 +126,11 @@ def remove_empty_folders(folder: Path, created: Path) -> None:
             p.rmdir()
         except OSError:
             break  # not empty (a peer's run), or gone
+
+
+def clear_run_dir(root: Path) -> None:
+    """Delete ``root`` to reuse its name (the demos' fixed run directories), unless a live run holds it: then one
+    ``RunDirInUse`` error, and nothing of the peer's is touched."""
+    if (root / LOCK_NAME).is_file():
+        os.close(lock_run_dir(root))  # free: nobody runs there (a peer starting meanwhile creates a new lock file)
+    shutil.rmtree(root, ignore_errors=True)
