@@ -164,3 +164,18 @@ def test_the_demo_does_not_delete_a_run_directory_a_live_run_holds(tmp_path, cap
     assert capsys.readouterr().err == f"arith_demo: error: run directory {root} is in use by another `realloc run` " \
                                       f"(pid {os.getpid()}); wait for it to end, or pass --run-dir another folder\n"
     assert (root / "metrics.jsonl").read_text() == "{}\n"
+
+
+def test_a_hanging_reward_service_fails_the_call_after_one_deadline_not_one_per_queued_request():
+    """A call of more requests than `concurrency` sent every queued request after the first had failed, each
+    waiting out its own deadline and retries: 16 requests at concurrency 1 took 16 deadlines, not the
+    documented timeout x (retries + 1). Now the queued requests are not sent once one has failed."""
+    from realloc.algorithms.rewards.remote_reward import RemoteReward, RewardServiceError
+    from reward_service import Service
+
+    with Service(slow=1000, delay=2.0) as svc:
+        reward = RemoteReward.of("rew_inf", {"url": svc.url, "timeout": 0.3, "retries": 0, "concurrency": 1,
+                                             "batch": 1})
+        with pytest.raises(RewardServiceError, match=r"failed 1 time\(s\): no answer within timeout=0.3 s"):
+            reward.score([[1]] * 16, [[2, 3]] * 16, [{}] * 16)
+        assert svc.requests <= 2  # the failed one, and one its thread may have begun before the cancel
