@@ -179,3 +179,43 @@ def test_a_hanging_reward_service_fails_the_call_after_one_deadline_not_one_per_
         with pytest.raises(RewardServiceError, match=r"failed 1 time\(s\): no answer within timeout=0.3 s"):
             reward.score([[1]] * 16, [[2, 3]] * 16, [{}] * 16)
         assert svc.requests <= 2  # the failed one, and one its thread may have begun before the cancel
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
+def test_realloc_profile_stopped_by_sigterm_leaves_no_worker_measuring(tmp_path):
+    """`realloc profile` started its measuring processes as daemons, which only a clean exit stops: a SIGTERM
+    (a timeout, a batch system) or SIGKILL left them running, orphaned, for the rest of the profile."""
+    import signal
+
+    cmd = [sys.executable, "-m", "realloc", "profile", "--model", "tiny", "--tp", "1,2", "--quiet",
+           "--out", str(tmp_path / "p.json")]
+    parent = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(workers) < 2:  # two measuring processes (tp 2), beside multiprocessing's resource tracker
+            assert parent.poll() is None and time.monotonic() < deadline
+            workers = [c for c in _children(parent.pid) if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
+            time.sleep(0.1)
+        parent.send_signal(signal.SIGTERM)
+        parent.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while any(map(_alive, workers)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(_alive, workers))
+    finally:
+        for pid in [parent.pid, *workers]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
