@@ -219,3 +219,34 @@ def test_realloc_profile_stopped_by_sigterm_leaves_no_worker_measuring(tmp_path)
         for pid in [parent.pid, *workers]:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
+def test_a_killed_demo_leaves_no_realloc_command_running(tmp_path):
+    """The demos run each `realloc` command as a child process; a demo killed by SIGKILL or SIGTERM left that
+    child (a `realloc run` with its workers, minutes of the calc demo) running on. Here the child is a profile."""
+    import signal
+
+    code = ("import sys; from realloc.demo.arith_demo import _realloc; "
+            "_realloc(['profile', '--model', 'tiny', '--tp', '1,2', '--quiet', '--out', sys.argv[1]])")
+    demo = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "p.json")],
+                            env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)})
+    procs: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(procs) < 3:  # the realloc command and its two measuring processes
+            assert demo.poll() is None and time.monotonic() < deadline
+            procs = _children(demo.pid)
+            procs += [c for p in procs if _alive(p) for c in _children(p)
+                      if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
+            time.sleep(0.1)
+        demo.kill()
+        demo.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while any(map(_alive, procs)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(_alive, procs))
+    finally:
+        for pid in [demo.pid, *procs]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)

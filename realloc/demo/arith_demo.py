@@ -30,12 +30,14 @@ Every stage is seeded: a rerun prints the same numbers up to float rounding betw
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from realloc.demo.demo_assets import build_once
 from realloc.runtime.records.run_claim import clear_run_dir
@@ -84,14 +86,30 @@ def check_source_tree() -> None:
                          f"package does not carry ({missing[0]} is missing)")
 
 
+def _stop_with(parent: int) -> Callable[[], None]:
+    """In the child before exec: SIGTERM when the demo dies, however it dies (Linux), so a killed demo leaves no
+    `realloc run` going on (the run stops its workers on SIGTERM)."""
+    def arm() -> None:
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent:  # the demo died before the signal was set
+            os._exit(1)
+    return arm
+
+
 def _realloc(args: list[str], log: Path | None = None) -> None:
     """``realloc ARGS`` in a child process (its output to ``log`` when given); one error if it fails."""
     cmd = [sys.executable, "-m", "realloc.cli", *args]
+    arm = _stop_with(os.getpid()) if sys.platform == "linux" else None
     if log is None:
-        r = subprocess.run(cmd)
+        r = subprocess.run(cmd, preexec_fn=arm)
     else:
         with open(log, "w") as f:
-            r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+            r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, preexec_fn=arm)
     if r.returncode:
         where = f"; its output is in {log}" if log else ""
         raise RuntimeError(f"`realloc {' '.join(args)}` failed with exit code {r.returncode}{where}")
