@@ -34,7 +34,8 @@ def test_a_second_run_on_a_live_run_directory_is_one_error_and_the_first_run_is_
     run_dir, plan = tmp_path / "run", _plan(tmp_path)
     first = subprocess.Popen([sys.executable, "-m", "realloc", "run", GRPO, "--plan", plan, "--iterations", "6",
                               "--run-dir", str(run_dir), "--no-tensorboard"],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
         deadline = time.monotonic() + 120
         while not (run_dir / "plan.json").exists():  # the first run has claimed the directory and prepared it
@@ -250,3 +251,23 @@ def test_a_killed_demo_leaves_no_realloc_command_running(tmp_path):
         for pid in [demo.pid, *procs]:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_no_fused_pairs_is_not_ignored_for_a_plan_that_fuses(tmp_path, capsys):
+    """`realloc run --no-fused-pairs` (the opt-out while NCCL's fused pairs are unproven on GPUs) only shaped the
+    search: with --plan (or --resume) of a plan that fuses, the run fused anyway, silently."""
+    from realloc.api import load_experiment
+    from realloc.graph.dataflow import build_graph
+    from realloc.graph.plan import ExecutionPlan
+
+    ppo = str(REPO / "experiments/ppo_tiny.py")
+    graph = build_graph(load_experiment(ppo))
+    path = tmp_path / "fused.json"
+    ExecutionPlan.by_hand(graph, {c: ("localhost", 1, 1, 2, 2) for c in graph.spec.call_names},
+                          fused=[("actor_train", "critic_train")]).save(path)
+    run_dir = tmp_path / "run"
+    assert main(["run", ppo, "--plan", str(path), "--no-fused-pairs", "--iterations", "1",
+                 "--run-dir", str(run_dir)]) != 0
+    assert capsys.readouterr().err == (f"realloc run: error: --no-fused-pairs: the plan file {path} fuses actor_train + "
+                                       f"critic_train; remove its \"fused\" entry (or pass --plan a plan without one)\n")
+    assert not run_dir.exists()

@@ -59,11 +59,13 @@ MIN_HEARTBEAT_TIMEOUT = 2.0
 
 def _choose_plan(args: argparse.Namespace, spec: ExperimentSpec, ckpt: Path | None) -> tuple[ExecutionPlan, str]:
     """The plan to run and where it came from, in words, for the run header."""
-    if args.plan:
-        plan = ExecutionPlan.load(args.plan)
-        return plan, f"from {args.plan}{plan.edited_note()}"
-    if ckpt is not None:
-        return ExecutionPlan.load(ckpt / "plan.json"), f"of checkpoint {ckpt}"
+    if args.plan or ckpt is not None:
+        plan = ExecutionPlan.load(args.plan or ckpt / "plan.json")
+        if getattr(args, "no_fused_pairs", False) and plan.fused:  # the opt-out must not be ignored in silence
+            where = f"file {args.plan}" if args.plan else f"of checkpoint {ckpt}"
+            raise ValueError(f"--no-fused-pairs: the plan {where} fuses {' + '.join(plan.fused[0])}; remove its "
+                             f"\"fused\" entry (or pass --plan a plan without one)")
+        return plan, (f"from {args.plan}{plan.edited_note()}" if args.plan else f"of checkpoint {ckpt}")
     try:
         import realloc.search as search_pkg
     except ImportError as e:  # pragma: no cover - the package always exists
