@@ -271,3 +271,16 @@ def test_no_fused_pairs_is_not_ignored_for_a_plan_that_fuses(tmp_path, capsys):
     assert capsys.readouterr().err == (f"realloc run: error: --no-fused-pairs: the plan file {path} fuses actor_train + "
                                        f"critic_train; remove its \"fused\" entry (or pass --plan a plan without one)\n")
     assert not run_dir.exists()
+
+
+def test_a_filesystem_without_locks_runs_unguarded_rather_than_not_at_all(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    root, _, fd = claim_run_dir(tmp_path / "run", True, default_name=False)
+    assert root.is_dir() and fd is not None
+    os.close(fd)

@@ -71,6 +71,8 @@ def lock_run_dir(root: Path) -> int:
         os.close(fd)
         raise RunDirInUse(f"run directory {root} is in use by another `realloc run` (pid {holder}); wait for it to "
                           f"end, or pass --run-dir another folder") from None
+    except OSError:  # a filesystem without locks (Lustre mounted without flock, some FUSE): run unguarded
+        return fd
     with contextlib.suppress(OSError):  # the pid is for the message only: a full disk must not stop the run
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
