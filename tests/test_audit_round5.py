@@ -284,3 +284,15 @@ def test_a_filesystem_without_locks_runs_unguarded_rather_than_not_at_all(tmp_pa
     root, _, fd = claim_run_dir(tmp_path / "run", True, default_name=False)
     assert root.is_dir() and fd is not None
     os.close(fd)
+
+
+def test_a_job_master_waits_for_the_lock_of_a_master_that_is_going_away(tmp_path):
+    """A requeued SLURM job's master (--launcher external) meets the lock of the job's previous master until the
+    shared filesystem frees it: it waits (run_claim.LOCK_WAIT_S) instead of failing the requeued job."""
+    import threading
+
+    root = tmp_path / "run"
+    _, _, held = claim_run_dir(root, True, default_name=False)
+    threading.Timer(1.5, os.close, (held,)).start()
+    _, _, fd = claim_run_dir(root, True, default_name=False, wait_s=60)
+    os.close(fd)

@@ -48,7 +48,7 @@ from realloc.runtime.launch.pool_launch import check_pools
 from realloc.runtime.persist.run_settings import resume_settings
 from realloc.runtime.records.metric_sinks import MetricSinks, check_wandb_installed
 from realloc.runtime.records.progress import LONG_CALL_S, RunProgress
-from realloc.runtime.records.run_claim import claim_run_dir, remove_created
+from realloc.runtime.records.run_claim import LOCK_WAIT_S, claim_run_dir, remove_created
 from realloc.runtime.records.run_paths import RunPaths, remove_secret
 from realloc.runtime.records.run_record import Session, data_record, resolved_experiment, write_run_record
 from realloc.runtime.records.startup import StartupClock, settle_heap
@@ -247,7 +247,8 @@ def _main(args: argparse.Namespace, claims: contextlib.ExitStack) -> int:
     horizon, horizon_line = _schedule_horizon(args, total, meta)
     # One run per directory (run_claim.py): a second `realloc run` on it is one error naming the first.
     root, default_name = _run_dir(args, spec, ckpt)
-    root, created, lock = claim_run_dir(root.resolve(), not args.dry_run or args.prepare, default_name)
+    root, created, lock = claim_run_dir(root.resolve(), not args.dry_run or args.prepare, default_name,
+                                        wait_s=LOCK_WAIT_S if args.launcher == "external" else 0.0)
     if lock is not None:
         claims.callback(os.close, lock)  # held until this command returns (the kernel frees it on any exit)
     run = RunPaths(root)

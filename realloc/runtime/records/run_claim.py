@@ -14,11 +14,15 @@ import contextlib
 import fcntl
 import os
 import shutil
+import time
 from pathlib import Path
 
 from realloc.runtime.records.run_paths import os_error_line
 
 LOCK_NAME = "run.lock"
+# A job's master (--launcher external) waits this long for the lock: NFS frees a dead client's locks when its
+# lease expires (90 s by default).
+LOCK_WAIT_S = 180.0
 MAX_SUFFIX = 1000  # default names tried before giving up (a directory of that many same-second runs is a bug)
 
 
@@ -55,17 +59,25 @@ def first_missing(root: Path) -> Path | None:
     return missing
 
 
-def lock_run_dir(root: Path) -> int:
+def lock_run_dir(root: Path, wait_s: float = 0.0) -> int:
     """Take ``root``'s run lock; returns the open descriptor that holds it (close it to release). Raises
-    ``RunDirInUse`` naming the holder when another process has it."""
+    ``RunDirInUse`` naming the holder when another process still has it after ``wait_s`` seconds."""
     path = root / LOCK_NAME
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # close-on-exec: no worker inherits the lock
     except OSError as e:
         raise ValueError(f"run directory {root}: cannot write its lock ({os_error_line(e)}); pass --run-dir a "
                          f"folder you can write to") from None
+    deadline = time.monotonic() + wait_s
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(1.0)
     except BlockingIOError:
         holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
@@ -79,10 +91,13 @@ def lock_run_dir(root: Path) -> int:
     return fd
 
 
-def claim_run_dir(root: Path, create: bool, default_name: bool) -> tuple[Path, Path | None, int | None]:
+def claim_run_dir(root: Path, create: bool, default_name: bool,
+                  wait_s: float = 0.0) -> tuple[Path, Path | None, int | None]:
     """The run directory this command uses: (its path, the outermost folder this command created or None, the
     lock's descriptor or None). ``create`` False (a dry run) only checks. With ``default_name`` the directory is
-    realloc's own choice: one that already exists, or that a peer creates first, is skipped for the next suffix."""
+    realloc's own choice: one that already exists, or that a peer creates first, is skipped for the next suffix.
+    ``wait_s``: how long a held lock is waited for (a requeued SLURM job's master: the lock of the job's previous
+    master, on a node that died, lasts until the shared filesystem's lease on it expires)."""
     if not create:
         check_run_dir(root, create=False)
         return root, None, None
@@ -90,7 +105,7 @@ def claim_run_dir(root: Path, create: bool, default_name: bool) -> tuple[Path, P
         created = first_missing(root)
         check_run_dir(root, create=True)
         try:
-            return root, created, lock_run_dir(root)
+            return root, created, lock_run_dir(root, wait_s)
         except ValueError:
             if created is not None:  # empty folders only: a peer that created it too holds its lock file there
                 remove_empty_folders(root, created)
