@@ -296,3 +296,22 @@ def test_a_job_master_waits_for_the_lock_of_a_master_that_is_going_away(tmp_path
     threading.Timer(1.5, os.close, (held,)).start()
     _, _, fd = claim_run_dir(root, True, default_name=False, wait_s=60)
     os.close(fd)
+
+
+def test_a_plan_saved_to_a_device_or_a_folder_neither_replaces_it_nor_names_a_temporary_file(tmp_path, capsys):
+    """The atomic save renames a temporary file over the target: over /dev/stdout (or any device) that would
+    replace the device itself, and for a folder the error named the temporary file. A device is written in place;
+    `realloc search --out FOLDER` is one line before the search."""
+    from realloc.graph.plan import ExecutionPlan
+
+    plan = ExecutionPlan.load(_plan(tmp_path))
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    reader = subprocess.Popen(["cat", str(fifo)], stdout=subprocess.PIPE)
+    plan.save(fifo)
+    assert ExecutionPlan.from_json(reader.communicate(timeout=30)[0].decode()) == plan
+    assert fifo.is_fifo()
+    with pytest.raises(IsADirectoryError, match=str(tmp_path)):
+        plan.save(tmp_path)
+    assert main(["search", GRPO, "--search-time", "0.1", "--out", str(tmp_path)]) != 0
+    assert capsys.readouterr().err == f"realloc search: error: --out {tmp_path} is a folder; give a file name in it\n"

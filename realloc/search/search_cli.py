@@ -159,6 +159,8 @@ def main(args: argparse.Namespace) -> int:
         # before the search: a wrong folder must not cost the search's time first
         if path and not Path(path).resolve().parent.is_dir():
             raise ValueError(f"{option} {path}: folder {Path(path).resolve().parent} does not exist; create it first")
+        if path and Path(path).is_dir():
+            raise ValueError(f"{option} {path} is a folder; give a file name in it")
     experiment = load_with_overrides(args.experiment, getattr(args, "set", None) or ())
     if getattr(args, "lengths_from", None):
         lengths = lengths_from_run(args.lengths_from)

@@ -110,7 +110,10 @@ def export_checkpoint(ckpt: str | Path, model: str, out: str | Path, *, dtype: s
     # A name of its own: a peer exporting to the same --out at once must not write into (or delete) this one.
     tmp = out.with_name(f".{out.name}.part-{secrets.token_hex(4)}")
     created = next((a for a in reversed(out.parents) if not a.exists()), None)  # removed again on failure
-    tmp.mkdir(parents=True)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise ValueError(f"export directory {out}: cannot create it ({e.strerror}); choose another --out") from None
     try:
         written_dtype = None
         verified: set[Path] | None = set() if verify else None
