@@ -193,6 +193,35 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _stop_and_check_none_left(parent: subprocess.Popen, sig: int, find, n: int) -> None:
+    """Wait until ``find()`` lists ``n`` processes started under ``parent``, send ``parent`` ``sig``, and check
+    that every one of them ends (each left over is killed after the check)."""
+    import signal
+
+    procs: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(procs) < n:
+            assert parent.poll() is None and time.monotonic() < deadline
+            procs = find()
+            time.sleep(0.1)
+        parent.send_signal(sig)
+        parent.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while any(map(_alive, procs)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(_alive, procs))
+    finally:
+        for pid in [parent.pid, *procs]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _measuring(pid: int) -> list[int]:
+    """``realloc profile``'s measuring processes: its children but multiprocessing's resource tracker."""
+    return [c for c in _children(pid) if _alive(c) and "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
 def test_realloc_profile_stopped_by_sigterm_leaves_no_worker_measuring(tmp_path):
     """`realloc profile` started its measuring processes as daemons, which only a clean exit stops: a SIGTERM
@@ -203,23 +232,7 @@ def test_realloc_profile_stopped_by_sigterm_leaves_no_worker_measuring(tmp_path)
            "--out", str(tmp_path / "p.json")]
     parent = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)},
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    workers: list[int] = []
-    try:
-        deadline = time.monotonic() + 120
-        while len(workers) < 2:  # two measuring processes (tp 2), beside multiprocessing's resource tracker
-            assert parent.poll() is None and time.monotonic() < deadline
-            workers = [c for c in _children(parent.pid) if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
-            time.sleep(0.1)
-        parent.send_signal(signal.SIGTERM)
-        parent.wait(timeout=60)
-        deadline = time.monotonic() + 60
-        while any(map(_alive, workers)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(map(_alive, workers))
-    finally:
-        for pid in [parent.pid, *workers]:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+    _stop_and_check_none_left(parent, signal.SIGTERM, lambda: _measuring(parent.pid), 2)  # tp 2: two processes
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
@@ -232,25 +245,9 @@ def test_a_killed_demo_leaves_no_realloc_command_running(tmp_path):
             "_realloc(['profile', '--model', 'tiny', '--tp', '1,2', '--quiet', '--out', sys.argv[1]])")
     demo = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "p.json")],
                             env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)})
-    procs: list[int] = []
-    try:
-        deadline = time.monotonic() + 120
-        while len(procs) < 3:  # the realloc command and its two measuring processes
-            assert demo.poll() is None and time.monotonic() < deadline
-            procs = _children(demo.pid)
-            procs += [c for p in procs if _alive(p) for c in _children(p)
-                      if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
-            time.sleep(0.1)
-        demo.kill()
-        demo.wait(timeout=60)
-        deadline = time.monotonic() + 60
-        while any(map(_alive, procs)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(map(_alive, procs))
-    finally:
-        for pid in [demo.pid, *procs]:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+    # the realloc command and its two measuring processes
+    _stop_and_check_none_left(demo, signal.SIGKILL,
+                              lambda: [p for c in _children(demo.pid) for p in (c, *_measuring(c))], 3)
 
 
 def test_no_fused_pairs_is_not_ignored_for_a_plan_that_fuses(tmp_path, capsys):
