@@ -312,3 +312,30 @@ def test_a_plan_saved_to_a_device_or_a_folder_neither_replaces_it_nor_names_a_te
         plan.save(tmp_path)
     assert main(["search", GRPO, "--search-time", "0.1", "--out", str(tmp_path)]) != 0
     assert capsys.readouterr().err == f"realloc search: error: --out {tmp_path} is a folder; give a file name in it\n"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["search", GRPO, "--seed", "-1"], "realloc search: error: --seed must be from 0 to 2**63 - 1, got -1"),
+    (["search", GRPO, "--threads", "100000"],
+     "realloc search: error: --threads must be from 1 to 1024 (one MCMC chain each), got 100000"),
+    (["search", GRPO, "--search-time", "inf"],
+     "realloc search: error: --search-time must be a positive, finite number of seconds, got inf"),
+    (["search", GRPO, "--search-time", "nan"],
+     "realloc search: error: --search-time must be a positive, finite number of seconds, got nan"),
+    (["run", GRPO, "--search-time", "nan", "--iterations", "1"],
+     "realloc run: error: --search-time must be a positive, finite number of seconds, got nan"),
+])
+def test_search_settings_out_of_range_are_one_line(argv, message, capsys):
+    """--seed -1 was a multi-line pybind TypeError; --threads 100000 spent the search starting threads and
+    returned a plan after 0 evaluations; --search-time inf stopped at once; --search-time nan never stopped."""
+    assert main(argv) != 0
+    assert capsys.readouterr().err == message + "\n"
+
+
+def test_the_engine_refuses_a_time_limit_that_never_runs_out():
+    from realloc.search import search
+
+    with pytest.raises(ValueError, match="time limit must be a positive, finite number of seconds, got nan"):
+        search(GRPO, time_limit=float("nan"))
+    with pytest.raises(ValueError, match=r"seed must be an integer from 0 to 2\*\*63 - 1, got -1"):
+        search(GRPO, time_limit=1.0, seed=-1)

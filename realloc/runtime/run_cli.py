@@ -196,6 +196,8 @@ def _main(args: argparse.Namespace, claims: contextlib.ExitStack) -> int:
     if args.heartbeat_timeout is not None and not args.heartbeat_timeout >= MIN_HEARTBEAT_TIMEOUT:
         raise ValueError(f"--heartbeat-timeout must be at least {MIN_HEARTBEAT_TIMEOUT:g} s (workers beat every "
                          f"second), got {args.heartbeat_timeout:g}")
+    if args.search_time is not None and not 0 < args.search_time < float("inf"):  # nan searched forever
+        raise ValueError(f"--search-time must be a positive, finite number of seconds, got {args.search_time:g}")
     stop_signals = StopSignals.parse(args.warning_signal)
     if args.run_dir and Path(args.run_dir).exists() and not Path(args.run_dir).is_dir():
         raise ValueError(f"--run-dir {args.run_dir} is a file; give a directory (created if missing)")
