@@ -339,3 +339,29 @@ def test_the_engine_refuses_a_time_limit_that_never_runs_out():
         search(GRPO, time_limit=float("nan"))
     with pytest.raises(ValueError, match=r"seed must be an integer from 0 to 2\*\*63 - 1, got -1"):
         search(GRPO, time_limit=1.0, seed=-1)
+
+
+@pytest.mark.parametrize("experiment, setting, message", [
+    ("grpo_tiny", "grpo.max_grad_norm=nan", "GRPOConfig.max_grad_norm must be positive (None: no clipping), got nan"),
+    ("grpo_tiny", "grpo.max_grad_norm=-1", "GRPOConfig.max_grad_norm must be positive (None: no clipping), got -1.0"),
+    ("grpo_tiny", "grpo.lr=inf", "GRPOConfig.lr must be finite, got inf"),
+    ("grpo_tiny", "grpo.top_p=2", "GRPOConfig.top_p must be in (0, 1] (1: off), got 2.0"),
+    ("grpo_tiny", "grpo.top_k=-1", "GRPOConfig.top_k must be an integer >= 0 (0: off), got -1"),
+    ("ppo_tiny", "ppo.critic_lr=-1", "PPOConfig.critic_lr must be positive and finite, got -1.0"),
+    ("ppo_tiny", "ppo.value_clip_eps=-0.2",
+     "PPOConfig.value_clip_eps must be positive (inf: no value clipping), got -0.2"),
+    ("ppo_tiny", "ppo.gamma=2", "PPOConfig.gamma must be in (0, 1], got 2.0"),
+    ("ppo_tiny", "ppo.gae_lambda=nan", "PPOConfig.gae_lambda must be in [0, 1], got nan"),
+])
+def test_training_settings_that_would_ruin_the_run_in_silence_are_refused(experiment, setting, message, capsys):
+    """Each was accepted: max_grad_norm nan made every parameter nan at the first step (the clip's factor),
+    -1 turned the update around, lr inf; a negative critic_lr, an inverted value clamp, a gamma above 1; top_p 2
+    and top_k -1 stopped the run at its first generation call."""
+    assert main(["show", str(REPO / "experiments" / f"{experiment}.py"), "--set", setting]) != 0
+    assert capsys.readouterr().err == f"realloc show: error: --set {setting.split('=')[0]}=...: {message}\n"
+
+
+def test_max_grad_norm_none_clips_nothing():
+    from realloc.algorithms.critic_free.grpo import GRPOConfig
+
+    assert GRPOConfig(max_grad_norm=None).max_grad_norm is None
