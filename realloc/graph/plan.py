@@ -220,7 +220,7 @@ def _estimates_stamp(text: str) -> str | None:
     except ValueError:
         return None
     stamp = raw.get(ESTIMATES_FOR) if isinstance(raw, dict) else None
-    return stamp if isinstance(stamp, str) else None
+    return None if stamp is None else str(stamp)  # a hand-written non-string matches no digest
 
 
 def _shaped(where: str, what: str, value: object, model: type[BaseModel], fields: tuple[str, ...],
