@@ -265,8 +265,9 @@ def test_no_fused_pairs_is_not_ignored_for_a_plan_that_fuses(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main(["run", ppo, "--plan", str(path), "--no-fused-pairs", "--iterations", "1",
                  "--run-dir", str(run_dir)]) != 0
-    assert capsys.readouterr().err == (f"realloc run: error: --no-fused-pairs: the plan file {path} fuses actor_train + "
-                                       f"critic_train; remove its \"fused\" entry (or pass --plan a plan without one)\n")
+    assert capsys.readouterr().err == (f"realloc run: error: --no-fused-pairs: the plan file {path} fuses "
+                                       f"actor_train + critic_train; remove its \"fused\" entry (or pass --plan a "
+                                       f"plan without one)\n")
     assert not run_dir.exists()
 
 
