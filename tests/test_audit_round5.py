@@ -346,6 +346,7 @@ def test_the_engine_refuses_a_time_limit_that_never_runs_out():
     ("grpo_tiny", "grpo.max_grad_norm=nan", "GRPOConfig.max_grad_norm must be positive (None: no clipping), got nan"),
     ("grpo_tiny", "grpo.max_grad_norm=-1", "GRPOConfig.max_grad_norm must be positive (None: no clipping), got -1.0"),
     ("grpo_tiny", "grpo.lr=inf", "GRPOConfig.lr must be finite, got inf"),
+    ("grpo_tiny", "grpo.adam_eps=inf", "GRPOConfig.adam_eps must be finite, got inf"),
     ("grpo_tiny", "grpo.top_p=2", "GRPOConfig.top_p must be in (0, 1] (1: off), got 2.0"),
     ("grpo_tiny", "grpo.top_k=-1", "GRPOConfig.top_k must be an integer >= 0 (0: off), got -1"),
     ("ppo_tiny", "ppo.critic_lr=-1", "PPOConfig.critic_lr must be positive and finite, got -1.0"),

@@ -64,8 +64,9 @@ class TrainConfig:
         for field in ("lr", "adam_eps", "temperature"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"{name}.{field} must be positive, got {getattr(self, field)!r}")
-        if not self.lr < math.inf:  # an infinite step makes every parameter inf or nan at the first update
-            raise ValueError(f"{name}.lr must be finite, got {self.lr!r}")
+        for field in ("lr", "adam_eps"):  # an infinite lr makes every parameter inf or nan, an infinite eps freezes
+            if not getattr(self, field) < math.inf:
+                raise ValueError(f"{name}.{field} must be finite, got {getattr(self, field)!r}")
         # The clip scales gradients by max_grad_norm / norm: nan made every parameter nan, a negative value turned
         # the update around (gradient ascent), 0 froze the model; None (or inf) clips nothing.
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
