@@ -24,7 +24,7 @@ class TrainConfig:
     # n_minibatches (registry.resolve_minibatches).
     n_minibatches: int = 1
     lr: float = 1e-5
-    max_grad_norm: float = 1.0
+    max_grad_norm: float | None = 1.0  # None: no clipping
     # AdamW's epsilon. 1e-5 (ReaLHF's default) rather than torch's 1e-8: Adam's first steps move every
     # weight by about lr whatever its gradient's size, so weights whose gradient is a near-cancelling
     # sum (relative rounding error of a percent) moved by plan-dependent amounts, and a later sampled
@@ -64,6 +64,17 @@ class TrainConfig:
         for field in ("lr", "adam_eps", "temperature"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"{name}.{field} must be positive, got {getattr(self, field)!r}")
+        for field in ("lr", "adam_eps"):  # an infinite lr makes every parameter inf or nan, an infinite eps freezes
+            if not getattr(self, field) < math.inf:
+                raise ValueError(f"{name}.{field} must be finite, got {getattr(self, field)!r}")
+        # The clip scales gradients by max_grad_norm / norm: nan made every parameter nan, a negative value turned
+        # the update around (gradient ascent), 0 froze the model; None (or inf) clips nothing.
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"{name}.max_grad_norm must be positive (None: no clipping), got {self.max_grad_norm!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"{name}.top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:  # else the first generation call, mid-run, refused it
+            raise ValueError(f"{name}.top_p must be in (0, 1] (1: off), got {self.top_p!r}")
         if not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
             raise ValueError(f"{name}.min_new_tokens must be a non-negative integer, got {self.min_new_tokens!r}")
         if self.length_schedule is not None and not isinstance(self.length_schedule, ResponseLengths):

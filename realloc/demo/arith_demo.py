@@ -30,14 +30,17 @@ Every stage is seeded: a rerun prints the same numbers up to float rounding betw
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from realloc.demo.demo_assets import build_once
+from realloc.runtime.records.run_claim import clear_run_dir
 
 if TYPE_CHECKING:
     from realloc.demo.accuracy import Accuracy
@@ -83,14 +86,30 @@ def check_source_tree() -> None:
                          f"package does not carry ({missing[0]} is missing)")
 
 
+def _stop_with(parent: int) -> Callable[[], None]:
+    """In the child before exec: SIGTERM when the demo dies, however it dies (Linux), so a killed demo leaves no
+    `realloc run` going on (the run stops its workers on SIGTERM)."""
+    def arm() -> None:
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent:  # the demo died before the signal was set
+            os._exit(1)
+    return arm
+
+
 def _realloc(args: list[str], log: Path | None = None) -> None:
     """``realloc ARGS`` in a child process (its output to ``log`` when given); one error if it fails."""
     cmd = [sys.executable, "-m", "realloc.cli", *args]
+    arm = _stop_with(os.getpid()) if sys.platform == "linux" else None
     if log is None:
-        r = subprocess.run(cmd)
+        r = subprocess.run(cmd, preexec_fn=arm)
     else:
         with open(log, "w") as f:
-            r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+            r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, preexec_fn=arm)
     if r.returncode:
         where = f"; its output is in {log}" if log else ""
         raise RuntimeError(f"`realloc {' '.join(args)}` failed with exit code {r.returncode}{where}")
@@ -108,7 +127,7 @@ def build_sft(root: Path = ROOT, run_dir: Path | None = None, search_time: float
     (default ``root/sft``)."""
     init_checkpoint(root)
     run_dir = run_dir or REPO / "runs" / "arith_sft"
-    shutil.rmtree(run_dir, ignore_errors=True)
+    clear_run_dir(run_dir)  # refused while a peer's run uses it
     run_dir.mkdir(parents=True)
     t0 = time.time()
     # The initial model named explicitly: `root` need not be where the experiment file looks by default.
@@ -142,6 +161,8 @@ def demo(root: Path = ROOT, run_dir: Path | None = None, rebuild_sft: bool = Fal
          iterations: int | None = None) -> tuple[float, float]:
     """The whole demo; returns the held-out exact-match accuracy before and after GRPO."""
     t0 = time.time()
+    run_dir = run_dir or REPO / "runs" / "arith_demo"
+    clear_run_dir(run_dir)  # first: a peer's demo running there is one error at once, before any of the work
     sft, start = SHIPPED_SFT, []
     if rebuild_sft:
         print(f"training the SFT stage again (into {root / 'sft'}; the demo starts from it)", flush=True)
@@ -150,8 +171,6 @@ def demo(root: Path = ROOT, run_dir: Path | None = None, rebuild_sft: bool = Fal
     before = accuracy(sft)
     print(f"before GRPO (the SFT model): {before.describe()} on held-out prompts, e.g. "
           + ", ".join(f"{p}{r}" for p, r, _ in before.examples[:3]), flush=True)
-    run_dir = run_dir or REPO / "runs" / "arith_demo"
-    shutil.rmtree(run_dir, ignore_errors=True)
     n = iterations or _default_iterations(GRPO_EXPERIMENT)
     t1 = time.time()
     _realloc(["run", str(GRPO_EXPERIMENT), *_search(search_time), "--run-dir", str(run_dir),

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Sequence
 
 from realloc.demo.arith_demo import REPO, _realloc
+from realloc.runtime.records.run_claim import clear_run_dir
 from realloc.demo.calc_task import EVAL_FILE, RESULT_FORMAT, SFT_DIRECT_FILE, TOKENIZER_DIR, TOOL, TRAIN_FILE
 
 EXPERIMENTS = REPO / "experiments"
@@ -149,7 +150,7 @@ def _decode(model, rows: list[list[int]], vocab: int, eos: set[int], torch, temp
 def _run(experiment: str, run_dir: Path, sets: list[str], iterations: int | None = None,
          save_every: int = 0) -> float:
     """``realloc run`` of an experiment; the run's seconds."""
-    shutil.rmtree(run_dir, ignore_errors=True)
+    clear_run_dir(run_dir)  # refused while a peer's run uses it
     run_dir.mkdir(parents=True)
     its = ["--iterations", str(iterations)] if iterations else []
     saves = ["--save-every", str(save_every), "--keep-checkpoints", "1000"] if save_every else []

@@ -164,7 +164,24 @@ def _clock(args: argparse.Namespace, tps: tuple[int, ...]) -> str:
 
 # -- worker ---------------------------------------------------------------------------------------
 
-def _worker(rank: int, job: ProfileJob, init_file: str, out: "mp.Queue[str]") -> None:
+def _die_with(parent: int) -> None:
+    """SIGKILL when the `realloc profile` process dies, however it dies (SIGTERM, SIGKILL, a timeout): a worker
+    left behind would go on measuring, holding its devices, for the rest of the profile (Linux only)."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it died before the signal was set
+        os._exit(1)
+
+
+def _worker(rank: int, job: ProfileJob, init_file: str, out: "mp.Queue[str]", parent: int) -> None:
+    _die_with(parent)
     try:
         _run_worker(rank, job, init_file, out)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which exits with one line
@@ -255,7 +272,8 @@ def run_workers(job: ProfileJob, show_progress: bool = True) -> dict[str, Any]:
         env_tmp = os.environ.get("TMPDIR")
         os.environ["TMPDIR"] = tmp  # torch writes scratch folders there
         try:
-            procs = [ctx.Process(target=_worker, args=(r, job, init_file, out), daemon=True) for r in range(job.world)]
+            procs = [ctx.Process(target=_worker, args=(r, job, init_file, out, os.getpid()),
+                                 daemon=True) for r in range(job.world)]
             for p in procs:
                 p.start()
         finally:

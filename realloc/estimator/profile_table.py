@@ -41,6 +41,7 @@ from typing import Callable, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from realloc.atomic_file import write_text_atomically
 from realloc.estimator.comm import CollectiveFit, CommModel, Link
 from realloc.estimator.hardware import HardwareSpec, profile_dirs
 from realloc.estimator.opcount import Part, Phase
@@ -130,9 +131,7 @@ class ProfileTable(BaseModel):
     def save(self, path: str | Path) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(self.to_json())
-        tmp.replace(path)
+        write_text_atomically(path, self.to_json())
 
     @classmethod
     def from_json(cls, text: str, where: str = "profile") -> "ProfileTable":

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from realloc.atomic_file import write_text_atomically
 from realloc.cluster import DeviceMesh
 from realloc.graph.fused import check_fused
 from realloc.graph.tail import TailMigration, check_tail
@@ -42,6 +45,11 @@ class CallPlacement(BaseModel):
         return cls(mesh=str(mesh), dp=strategy.dp, tp=strategy.tp, pp=strategy.pp, n_mbs=n_mbs, recompute=recompute)
 
 
+# The search's estimates: a saved plan stamps them with its layout_digest (ESTIMATES_FOR), and a file whose layout
+# was edited afterwards loads without them, its source EDITED (they would describe another plan).
+ESTIMATE_FIELDS = ("estimated_time", "estimated_peak_memory", "call_times", "call_memory")
+ESTIMATES_FOR = "estimates_for"
+EDITED = "edited after its search"
 TIGHT_MEMORY = 0.95  # a plan using this share of usable memory or more gets a warning
 
 
@@ -105,11 +113,36 @@ class ExecutionPlan(BaseModel):
             raise ValueError(f"{where}: field {'.'.join(map(str, first['loc']))!r}: {first['msg']}") from None
 
     # -- serialization -------------------------------------------------------
+    def layout_digest(self) -> str:
+        """A digest of what the plan runs (placements, offload, staleness, fused pairs, tails, cluster), not of
+        its estimates: a saved plan's estimates carry it, so a file edited after its search is told apart."""
+        body = self.model_dump(mode="json", exclude={"format_version", "source", *ESTIMATE_FIELDS})
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+
     def to_json(self) -> str:
-        return self.model_dump_json(indent=2)
+        text = self.model_dump_json(indent=2)
+        if not any(getattr(self, f) for f in ESTIMATE_FIELDS):
+            return text
+        return json.dumps({**json.loads(text), ESTIMATES_FOR: self.layout_digest()}, indent=2)
 
     @classmethod
     def from_json(cls, text: str, where: str = "plan") -> "ExecutionPlan":
+        stamp = _estimates_stamp(text)
+        if stamp is not None:  # not a field: what the estimates were made for
+            text = json.dumps({k: v for k, v in json.loads(text).items() if k != ESTIMATES_FOR})
+        plan = cls._validated(text, where)
+        if stamp is not None and stamp != plan.layout_digest():  # edited after the search: not its estimates
+            plan = plan.model_copy(update={**{f: cls.model_fields[f].get_default(call_default_factory=True)
+                                               for f in ESTIMATE_FIELDS}, "source": EDITED})
+        return plan
+
+    def edited_note(self) -> str:
+        """What ``realloc run`` and ``show`` say of a plan file edited after its search ('' for any other)."""
+        return (f" ({EDITED}: its estimates, made for the plan before the edit, were dropped; `realloc trace` "
+                f"prices the plan that ran)" if self.source == EDITED else "")
+
+    @classmethod
+    def _validated(cls, text: str, where: str) -> "ExecutionPlan":
         try:
             plan = cls.model_validate_json(text)
         except ValidationError as e:
@@ -125,10 +158,7 @@ class ExecutionPlan(BaseModel):
         return plan
 
     def save(self, path: str | Path) -> None:
-        path = Path(path)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(self.to_json())
-        tmp.replace(path)  # atomic: a crash never leaves half a plan
+        write_text_atomically(Path(path), self.to_json())  # a crash or a peer's save never leaves half a plan
 
     @classmethod
     def load(cls, path: str | Path) -> "ExecutionPlan":
@@ -185,6 +215,16 @@ class ExecutionPlan(BaseModel):
         if self.estimated_time is not None:
             rows.append(f"estimated time per iteration: {self.estimated_time:.3f} s")
         return "\n".join(rows)
+
+
+def _estimates_stamp(text: str) -> str | None:
+    """The ``estimates_for`` digest a saved plan file carries (None: none, or not a JSON object)."""
+    try:
+        raw = json.loads(text)
+    except ValueError:
+        return None
+    stamp = raw.get(ESTIMATES_FOR) if isinstance(raw, dict) else None
+    return None if stamp is None else str(stamp)  # a hand-written non-string matches no digest
 
 
 def _shaped(where: str, what: str, value: object, model: type[BaseModel], fields: tuple[str, ...],

@@ -20,10 +20,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import contextlib
 import json
 import os
 import secrets
-import shutil
 import signal
 import sys
 import time
@@ -48,6 +48,7 @@ from realloc.runtime.launch.pool_launch import check_pools
 from realloc.runtime.persist.run_settings import resume_settings
 from realloc.runtime.records.metric_sinks import MetricSinks, check_wandb_installed
 from realloc.runtime.records.progress import LONG_CALL_S, RunProgress
+from realloc.runtime.records.run_claim import LOCK_WAIT_S, claim_run_dir, remove_created
 from realloc.runtime.records.run_paths import RunPaths, remove_secret
 from realloc.runtime.records.run_record import Session, data_record, resolved_experiment, write_run_record
 from realloc.runtime.records.startup import StartupClock, settle_heap
@@ -58,10 +59,13 @@ MIN_HEARTBEAT_TIMEOUT = 2.0
 
 def _choose_plan(args: argparse.Namespace, spec: ExperimentSpec, ckpt: Path | None) -> tuple[ExecutionPlan, str]:
     """The plan to run and where it came from, in words, for the run header."""
-    if args.plan:
-        return ExecutionPlan.load(args.plan), f"from {args.plan}"
-    if ckpt is not None:
-        return ExecutionPlan.load(ckpt / "plan.json"), f"of checkpoint {ckpt}"
+    if args.plan or ckpt is not None:
+        plan = ExecutionPlan.load(args.plan or ckpt / "plan.json")
+        if getattr(args, "no_fused_pairs", False) and plan.fused:  # the opt-out must not be ignored in silence
+            where = f"file {args.plan}" if args.plan else f"of checkpoint {ckpt}"
+            raise ValueError(f"--no-fused-pairs: the plan {where} fuses {' + '.join(plan.fused[0])}; remove its "
+                             f"\"fused\" entry (or pass --plan a plan without one)")
+        return plan, (f"from {args.plan}{plan.edited_note()}" if args.plan else f"of checkpoint {ckpt}")
     try:
         import realloc.search as search_pkg
     except ImportError as e:  # pragma: no cover - the package always exists
@@ -84,12 +88,13 @@ def _choose_plan(args: argparse.Namespace, spec: ExperimentSpec, ckpt: Path | No
     return plan, f"searched for {time.perf_counter() - t0:.1f} s (until it converged, at most {DEFAULT_SEARCH_TIME:g} s)"
 
 
-def _run_dir(args: argparse.Namespace, spec: ExperimentSpec, ckpt: Path | None) -> Path:
+def _run_dir(args: argparse.Namespace, spec: ExperimentSpec, ckpt: Path | None) -> tuple[Path, bool]:
+    """The run directory, and whether realloc chose its name (a peer's run of that name makes it take a suffix)."""
     if args.run_dir:
-        return Path(args.run_dir)
+        return Path(args.run_dir), False
     if ckpt is not None and ckpt.parent.name == "checkpoints":
-        return ckpt.parent.parent  # continue the checkpoint's own run
-    return Path("runs") / f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        return ckpt.parent.parent, False  # continue the checkpoint's own run
+    return Path("runs") / f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}", True
 
 
 def _schedule_horizon(args: argparse.Namespace, total: int, meta: dict[str, Any] | None) -> tuple[int, str | None]:
@@ -114,35 +119,6 @@ def _schedule_horizon(args: argparse.Namespace, total: int, meta: dict[str, Any]
     after = (f"; iterations {horizon + 1}..{total} keep its last learning rate (--schedule-iterations N "
              f"stretches it)" if total > horizon else "")
     return horizon, f"learning-rate schedule over iterations 1..{horizon} ({source}){after}"
-
-
-def _check_run_dir(root: Path, create: bool) -> None:
-    """The run directory can be created (or is one): one error naming the path if, say, a file is in the way."""
-    if create:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ValueError(f"run directory {root}: cannot create it ({e.strerror}: {e.filename}); pass --run-dir "
-                             f"a folder you can write to") from None
-        if not os.access(root, os.W_OK | os.X_OK):  # (root may write anywhere: then the writes themselves say so)
-            raise ValueError(f"run directory {root} is not writable; pass --run-dir a folder you can write to")
-        return
-    ancestor = next(p for p in (root, *root.parents) if p.exists())
-    if not ancestor.is_dir():
-        raise ValueError(f"run directory {root}: {ancestor} is a file; pass --run-dir a folder you can write to")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise ValueError(f"run directory {root}: {ancestor} is not writable; pass --run-dir a folder you can write to")
-
-
-def _first_missing(root: Path) -> Path | None:
-    """The outermost folder of ``root`` (itself or an ancestor) that does not exist yet: what this command
-    creates, and removes again when it fails before launching anything."""
-    missing = None
-    for p in (root, *root.parents):
-        if p.exists():
-            return missing
-        missing = p
-    return missing
 
 
 def _truncate_metrics(path: Path, start: int) -> None:
@@ -201,6 +177,11 @@ def _fresh_secret(run: RunPaths) -> bytes:
 
 
 def main(args: argparse.Namespace) -> int:
+    with contextlib.ExitStack() as claims:
+        return _main(args, claims)
+
+
+def _main(args: argparse.Namespace, claims: contextlib.ExitStack) -> int:
     # torch loads in the master only after the workers started (they load it too, meanwhile): the master's
     # torch imports (Master, checkpoints, preflight's tokenizer) come below the launcher's prestart.
     clock = StartupClock()
@@ -215,6 +196,8 @@ def main(args: argparse.Namespace) -> int:
     if args.heartbeat_timeout is not None and not args.heartbeat_timeout >= MIN_HEARTBEAT_TIMEOUT:
         raise ValueError(f"--heartbeat-timeout must be at least {MIN_HEARTBEAT_TIMEOUT:g} s (workers beat every "
                          f"second), got {args.heartbeat_timeout:g}")
+    if args.search_time is not None and not 0 < args.search_time < float("inf"):  # nan searched forever
+        raise ValueError(f"--search-time must be a positive, finite number of seconds, got {args.search_time:g}")
     stop_signals = StopSignals.parse(args.warning_signal)
     if args.run_dir and Path(args.run_dir).exists() and not Path(args.run_dir).is_dir():
         raise ValueError(f"--run-dir {args.run_dir} is a file; give a directory (created if missing)")
@@ -264,11 +247,15 @@ def main(args: argparse.Namespace) -> int:
     if total <= start:
         raise ValueError(f"--iterations {total}: the checkpoint already completed {start} iterations; ask for more")
     horizon, horizon_line = _schedule_horizon(args, total, meta)
-    run = RunPaths(_run_dir(args, spec, ckpt).resolve())
-    created = _first_missing(run.root)
+    # One run per directory (run_claim.py): a second `realloc run` on it is one error naming the first.
+    root, default_name = _run_dir(args, spec, ckpt)
+    root, created, lock = claim_run_dir(root.resolve(), not args.dry_run or args.prepare, default_name,
+                                        wait_s=LOCK_WAIT_S if args.launcher == "external" else 0.0)
+    if lock is not None:
+        claims.callback(os.close, lock)  # held until this command returns (the kernel frees it on any exit)
+    run = RunPaths(root)
     local: LocalLauncher | None = None
     try:  # a command that fails before it launches anything leaves no directory behind
-        _check_run_dir(run.root, create=not args.dry_run or args.prepare)
         if args.launcher == "local":
             # The workers start now and import torch and megatron while the master checks the prompts and
             # searches; they get their arguments once the master listens (launcher.py).
@@ -296,7 +283,7 @@ def main(args: argparse.Namespace) -> int:
         if local is not None:
             local.stop(grace=KILL_GRACE)
         if created is not None:
-            shutil.rmtree(created, ignore_errors=True)
+            remove_created(run.root, created)
         raise
     run_id = args.run_id or secrets.token_hex(8)
     experiment = spec.source or args.experiment

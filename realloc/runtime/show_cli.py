@@ -34,7 +34,7 @@ def main(args: argparse.Namespace) -> int:
         plan = ExecutionPlan.load(plan_path)
         meshes = validate_plan(plan, graph)  # a mesh across pools, a mistyped node or strategy: one error
         check_runtime_tail(plan, graph)  # a tail entry the runtime cannot carry out (pp > 1): the run's one error
-        print(f"plan       {plan_path}: valid"
+        print(f"plan       {plan_path}: valid{plan.edited_note()}"
               + (f"; pools: {', '.join(f'{c} on pool {m.pool}' for c, m in meshes.items())}" if cluster.pools else ""))
         for g, t in plan.tail.items() if cluster.pools else ():  # streaming across pools: where each part goes
             if t.streams_only:

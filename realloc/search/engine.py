@@ -10,6 +10,7 @@ only on the seed.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence
@@ -34,6 +35,7 @@ PENDING_PER_CHAIN_SYNC = 4
 ACCEPT_1PCT = 0.2
 # Parallel tempering: replicas per chain, at temperatures T * LADDER**k.
 N_TEMPS = 3
+MAX_THREADS = 1024  # more only slices the same cores finer: 100,000 spent the whole search starting threads
 LADDER = 4.0
 
 
@@ -97,8 +99,12 @@ def run_mcmc(space: PlanSpace, *, time_limit: float | None = 10.0, max_evals: in
     """
     if time_limit is None and max_evals is None:
         raise ValueError("give the search a time limit or an evaluation budget (max_evals)")
-    if time_limit is not None and time_limit <= 0:
-        raise ValueError(f"time limit must be positive, got {time_limit}")
+    if time_limit is not None and not 0 < time_limit < math.inf:  # nan never ran out: the search never stopped
+        raise ValueError(f"time limit must be a positive, finite number of seconds, got {time_limit}")
+    if not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be an integer from 0 to 2**63 - 1, got {seed!r}")
+    if not 1 <= n_threads <= MAX_THREADS:
+        raise ValueError(f"n_threads must be from 1 to {MAX_THREADS} (one MCMC chain each), got {n_threads}")
     t0 = time.perf_counter()
     start = space.fastest()
     all_starts = np.stack([start, *[np.asarray(s, np.int32) for s in starts]])

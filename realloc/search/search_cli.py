@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 from pathlib import Path
 
 from realloc.lengths import lengths_from_run
-from realloc.search.engine import converged
+from realloc.search.engine import MAX_THREADS, converged
 from realloc.overrides import load_with_overrides
 from realloc.search.fused_report import fused_summary
 from realloc.search.lora_report import lora_summary
@@ -146,19 +147,23 @@ def main(args: argparse.Namespace) -> int:
     max_evals = getattr(args, "evals", None)
     converge = args.time is None and not max_evals  # no time, no budget: until the best plan stops improving
     time_limit = args.time if args.time is not None else (None if max_evals else DEFAULT_TIME)
-    if time_limit is not None and time_limit <= 0:
-        raise ValueError(f"--search-time must be positive, got {args.time:g}")
+    if time_limit is not None and not 0 < time_limit < math.inf:
+        raise ValueError(f"--search-time must be a positive, finite number of seconds, got {args.time:g}")
+    if not 0 <= args.seed < 2**63:
+        raise ValueError(f"--seed must be from 0 to 2**63 - 1, got {args.seed}")
     if max_evals is not None and max_evals < 1:
         raise ValueError(f"--evals must be positive, got {max_evals}")
     n_threads = getattr(args, "threads", 2)
-    if n_threads < 1:
-        raise ValueError(f"--threads must be at least 1, got {n_threads}")
+    if not 1 <= n_threads <= MAX_THREADS:
+        raise ValueError(f"--threads must be from 1 to {MAX_THREADS} (one MCMC chain each), got {n_threads}")
     if args.timeline:
         check_suffix(args.timeline)
     for option, path in (("--out", args.out), ("--timeline", args.timeline)):
         # before the search: a wrong folder must not cost the search's time first
         if path and not Path(path).resolve().parent.is_dir():
             raise ValueError(f"{option} {path}: folder {Path(path).resolve().parent} does not exist; create it first")
+        if path and Path(path).is_dir():
+            raise ValueError(f"{option} {path} is a folder; give a file name in it")
     experiment = load_with_overrides(args.experiment, getattr(args, "set", None) or ())
     if getattr(args, "lengths_from", None):
         lengths = lengths_from_run(args.lengths_from)

@@ -6,6 +6,7 @@ Torch-free, so experiment files and the planner can import it cheaply.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from realloc.algorithms.pg.pg_config import PGLossConfig
 from realloc.algorithms.train_config import LR_SCHEDULES, TrainConfig
@@ -26,6 +27,21 @@ class PPOConfig(PGLossConfig):
     value_clip_eps: float = 0.2
     gamma: float = 1.0
     gae_lambda: float = 0.95
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        name = type(self).__name__
+        # Each ran unchecked: a negative critic_lr trained the critic away from the returns, a negative
+        # value_clip_eps inverted the clamp's bounds, a gamma or lambda above 1 made GAE grow with the length.
+        if not 0 < self.critic_lr < math.inf:
+            raise ValueError(f"{name}.critic_lr must be positive and finite, got {self.critic_lr!r}")
+        if not self.value_clip_eps > 0:
+            raise ValueError(f"{name}.value_clip_eps must be positive (inf: no value clipping), got "
+                             f"{self.value_clip_eps!r}")
+        if not 0.0 < self.gamma <= 1.0:
+            raise ValueError(f"{name}.gamma must be in (0, 1], got {self.gamma!r}")
+        if not 0.0 <= self.gae_lambda <= 1.0:
+            raise ValueError(f"{name}.gae_lambda must be in [0, 1], got {self.gae_lambda!r}")
 
 
 def ppo_rpcs(actor: str | None = None, critic: str | None = None, reward: str | None = None,

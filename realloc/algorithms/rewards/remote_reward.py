@@ -11,10 +11,10 @@ too), one number per sequence, in order. At most ``concurrency`` requests are in
 ``timeout`` is each request's deadline, from connecting to the answer's last byte: a service that sends its
 headers and then drips the body a byte at a time is cut off there too (a socket timeout alone bounds only each
 read). A request that misses its deadline, cannot connect, or gets a 5xx or 429 answer is tried again, up to
-``retries`` more times with a doubling pause from ``backoff`` seconds, so a call ends within about
-``timeout × (retries + 1)`` plus the pauses. Any other answer (another status, malformed JSON, the wrong number of
-scores, a body over ``max_bytes``, 16 MiB by default: scores are a few bytes each) fails at once. Either way the
-run stops with one error naming the URL. The URL is reached directly (no proxy, no redirects).
+``retries`` more times with a doubling pause from ``backoff`` seconds, so a failing call ends within about
+``timeout × (retries + 1)`` plus the pauses: once one request has failed, the queued ones are not sent. Any
+other answer (another status, malformed JSON, the wrong number of scores, a body over ``max_bytes``, 16 MiB by
+default: scores are a few bytes each) fails at once. Either way the run stops with one error naming the URL. The URL is reached directly (no proxy, no redirects).
 
 Data goes to the URL as JSON and only numbers come back: nothing received is executed. Point it at a service you
 trust, on a network you trust (the request carries the prompts and responses in clear text over ``http``).
@@ -90,6 +90,11 @@ class RemoteReward:
                                                    "responses": [responses[i] for i in c],
                                                    "records": [dict(records[i]) for i in c]}, len(c))
                        for c in chunks]
+            done, _ = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+            failed = next((f for f in futures if f in done and f.exception() is not None), None)
+            if failed is not None:  # the call has failed: start none of the queued requests (each would take
+                pool.shutdown(wait=False, cancel_futures=True)  # up to its own deadline and retries first)
+                raise failed.exception()
             return [s for f in futures for s in f.result()]
 
     def _request(self, body: dict[str, Any], n: int) -> list[float]:

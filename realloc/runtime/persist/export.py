@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import secrets
 import shutil
 from pathlib import Path
 from typing import Any, Mapping
@@ -30,6 +32,7 @@ from realloc.models.config import ModelConfig
 from realloc.models.lora_config import LoRAConfig
 from realloc.models.param_layout import param_specs, stage_of_layer
 from realloc.runtime.persist import checkpoint, lora_export
+from realloc.runtime.records.run_claim import remove_empty_folders
 from realloc.runtime.persist.run_settings import model_record  # noqa: F401 (torch-free: the master's)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -104,10 +107,13 @@ def export_checkpoint(ckpt: str | Path, model: str, out: str | Path, *, dtype: s
     torch_dtype = _DTYPES[dtype] if dtype else None
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"export directory {out} is not empty; choose a new --out")
-    tmp = out.with_name(f".{out.name}.part")
-    shutil.rmtree(tmp, ignore_errors=True)
+    # A name of its own: a peer exporting to the same --out at once must not write into (or delete) this one.
+    tmp = out.with_name(f".{out.name}.part-{secrets.token_hex(4)}")
     created = next((a for a in reversed(out.parents) if not a.exists()), None)  # removed again on failure
-    tmp.mkdir(parents=True)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise ValueError(f"export directory {out}: cannot create it ({e.strerror}); choose another --out") from None
     try:
         written_dtype = None
         verified: set[Path] | None = set() if verify else None
@@ -144,14 +150,18 @@ def export_checkpoint(ckpt: str | Path, model: str, out: str | Path, *, dtype: s
             {"checkpoint": str(ckpt.resolve()), "iteration": meta.get("iteration"), "model": model,
              "experiment": meta.get("experiment"), "layout": {"tp": tp, "pp": pp}, "format": fmt,
              **({"lora": dataclasses.asdict(cfg.lora), "merged": fmt == "hf"} if cfg.lora else {})}, indent=2))
+        try:
+            os.rename(tmp, out)  # atomic; replaces an empty folder, never a filled one
+        except OSError as e:
+            if out.is_dir() and any(out.iterdir()):
+                raise ValueError(f"export directory {out} was filled while exporting (another export to it?); "
+                                 f"choose a new --out") from None
+            raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed export leaves nothing behind
-        if created is not None:
-            shutil.rmtree(created, ignore_errors=True)
+        if created is not None:  # empty folders only: a peer's export may have landed in one
+            remove_empty_folders(out.parent, created)
         raise
-    if out.exists():
-        out.rmdir()
-    tmp.rename(out)
     return out
 
 

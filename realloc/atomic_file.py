@@ -1,0 +1,34 @@
+"""Writing a small file atomically, safe beside a peer writing the same file.
+
+A fixed temporary name (``plan.json.tmp``) is shared by two processes saving the same file at once (two
+``realloc search --out plan.json``, two ``realloc profile`` runs into one folder): one truncates the other's
+half-written file, and the slower one's rename then fails or publishes a torn file. Each writer here has its own
+temporary name, so readers see one whole version, the last renamed.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+from pathlib import Path
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """``path`` holds ``text`` or its previous content, never a mix; the file gets the umask's mode, as
+    ``Path.write_text`` gives it. A path that is a device or a pipe (``--out /dev/stdout``) is written in place:
+    a rename would replace the device itself."""
+    if path.is_dir():
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    if path.exists() and not path.is_file():
+        path.write_text(text)
+        return
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
