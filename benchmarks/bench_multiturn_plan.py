@@ -67,10 +67,47 @@ def _call_times(run_dir: Path, call: str) -> list[float]:
     return out
 
 
+def _measured_stats(run_dir: Path, call: str) -> list[dict]:
+    """The call's stats of the measured iterations (after the first), as ``metrics.jsonl`` logged them."""
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r["calls"][call] for r in recs if r["iteration"] > 1]
+
+
+def _self_profile(spec, run_dir: Path, call: str):
+    """The run's own turn profile, its tool seconds per step taken from the measured iterations alone: the first
+    iteration is not measured, and its tool steps ran at another moment's load."""
+    from realloc.envs.turn_profile import with_profile
+    from realloc.estimator.cost import CostModel
+    from realloc.graph.dataflow import build_graph
+    from realloc.lengths import lengths_from_run
+    from realloc.search.turns_report import turns_from
+
+    mine = turns_from(dataclasses.replace(spec, response_lengths=lengths_from_run(run_dir)), run_dir)
+    prof = CostModel(build_graph(mine)).rollout_shape(call).profile
+    stats = _measured_stats(run_dir, call)
+    per = {k: sum(s[f"env_{k}_s"] for s in stats) / max(1.0, sum(s[f"env_{k}_steps"] for s in stats))
+           for k in ("obs", "final")}
+    return with_profile(mine, [call], dataclasses.replace(prof, step_s=per["obs"], final_s=per["final"]))
+
+
+def _turn_lines(cost, name: str, run_dir: Path, mesh, p) -> list[str]:
+    """Each turn's generation and environment seconds on one dp rank: estimated (self) against measured (the
+    stats' ``turn<k>_generate_s`` / ``turn<k>_env_s``, summed over the replicas, so divided by dp)."""
+    stats, dp = _measured_stats(run_dir, "actor_gen"), p.strategy.dp
+    out = []
+    for t in cost.turns("actor_gen", mesh, p.strategy, p.n_mbs):
+        gen = statistics.mean(s[f"turn{t.turn}_generate_s"] for s in stats) / dp
+        env = statistics.mean(s[f"turn{t.turn}_env_s"] for s in stats) / dp
+        out.append(f"  {name}, turn {t.turn}: generation est {t.generate.time:.3f} s, measured {gen:.3f} s; "
+                   f"environment est {t.env_s:.3f} s, measured {env:.3f} s")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sft", default=None, help="the tool SFT model's export (default: train it, ~2 min)")
     ap.add_argument("--iterations", type=int, default=4)
+    ap.add_argument("--keep", default=None, help="keep the runs in this directory (default: a temporary one)")
     args = ap.parse_args()
     from realloc.estimator.cost import CostModel
     from realloc.graph.dataflow import build_graph
@@ -81,7 +118,8 @@ def main() -> None:
 
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as d:
-        tmp = Path(d)
+        tmp = Path(args.keep or d)
+        tmp.mkdir(parents=True, exist_ok=True)
         sft = Path(args.sft).resolve() if args.sft else tmp / "sft_tool"
         if not args.sft:
             _realloc(["run", str(REPO / "experiments" / "calc_sft.py"), "--run-dir", str(tmp / "sft_run"),
@@ -105,6 +143,7 @@ def main() -> None:
             print(f"profile of the {name} run: " + profile_lines(cost.graph)[0].split(": ", 1)[1])
         print(f"{'plan (actor_gen)':<22}{'measured s':>11}{'range':>12}{'est. (dp2 profile)':>20}{'est/meas':>9}"
               f"{'est. (own profile)':>20}{'est/meas':>9}{'est. (self)':>13}{'est/meas':>9}{'tool ms':>9}")
+        breakdown: list[str] = []
         for name, plan in plans.items():
             run_dir = tmp / f"measured-{name.replace(' ', '_').replace(',', '')}"
             plan.save(tmp / "plan.json")
@@ -112,14 +151,16 @@ def main() -> None:
             times = _call_times(run_dir, "actor_gen")
             p = plan.placements["actor_gen"]
             mesh = validate_plan(plan, graph)["actor_gen"]
-            mine = turns_from(dataclasses.replace(spec, response_lengths=lengths_from_run(run_dir)), run_dir)
-            costs["self"] = CostModel(build_graph(mine))
+            costs["self"] = CostModel(build_graph(_self_profile(spec, run_dir, "actor_gen")))
             shared, own, self_ = (costs[k].call_cost("actor_gen", mesh, p.strategy, p.n_mbs).time
                                   for k in ("dp2", name, "self"))
             step_ms = float(profile_lines(costs["self"].graph)[0].split(" ms per tool step")[0].rsplit(" ", 1)[1])
             meas = statistics.mean(times)
             print(f"{name:<22}{meas:>11.2f}{f'{min(times):.2f}-{max(times):.2f}':>12}{shared:>20.2f}{shared / meas:>9.2f}"
                   f"{own:>20.2f}{own / meas:>9.2f}{self_:>13.2f}{self_ / meas:>9.2f}{step_ms:>9.0f}")
+            breakdown += _turn_lines(costs["self"], name, run_dir, mesh, p)
+        print("where the time goes, per dp rank (self estimate against measured, iterations 2 on):")
+        print("\n".join(breakdown))
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
 
 
