@@ -10,11 +10,13 @@ CHARACTERS = "0123456789+-*=<>/ abcdefghijklmnopqrstuvwxyz"  # with 4 specials: 
 class LengthEnv:
     """Answers each turn with the length of what the policy said (through the calculator tool when ``tool``),
     rewards 0.25 per turn and, on the last turn, the turn's length mod 3. With ``stop_even`` a turn of even length
-    is the last too (rollouts then take different numbers of turns)."""
+    is the last too (rollouts then take different numbers of turns). With ``tool_fns`` ("module:function" tools,
+    tests/tool_cases.py's misbehaving ones) step k runs the k-th of them instead and answers with its status."""
 
-    def __init__(self, turns: int = 3, tool: bool = False, stop_even: bool = False) -> None:
-        self.turns, self.tool, self.t, self.stop_even = turns, tool, 0, stop_even
-        self.sandbox = Sandbox(ToolLimits(wall_s=20.0)) if tool else None
+    def __init__(self, turns: int = 3, tool: bool = False, stop_even: bool = False, tool_fns: tuple = (),
+                 wall_s: float = 20.0) -> None:
+        self.turns, self.tool, self.t, self.stop_even, self.tool_fns = turns, tool, 0, stop_even, tuple(tool_fns)
+        self.sandbox = Sandbox(ToolLimits(wall_s=wall_s)) if tool else None
         self.tool_counts: dict[str, int] = {}  # read by the generation's stats, as ToolEnv's
 
     def reset(self, record: dict) -> str:
@@ -27,9 +29,10 @@ class LengthEnv:
             return None, float(len(text) % 3), True
         n = str(len(text))
         if self.sandbox is not None:
-            result = self.sandbox.run("realloc.tools.builtin:calculator", f"{n}*1")
+            fn = self.tool_fns[(self.t - 1) % len(self.tool_fns)] if self.tool_fns else None
+            result = self.sandbox.run(fn or "realloc.tools.builtin:calculator", f"{n}*1")
             self.tool_counts[result.status] = self.tool_counts.get(result.status, 0) + 1
-            n = result.text
+            n = result.status if fn else result.text
         return f"<{n}>", 0.25, False
 
 

@@ -3,7 +3,7 @@
 A rollout's response is the policy's turns and the environment's observations in one sequence; ``loss_mask``
 marks the policy's tokens. Checked against independent references: the environment replayed on the decoded policy
 turns gives back the observation tokens and the rewards; a teacher-forced forward pass gives back the sampled
-log-probs on the policy's tokens; the GRPO train step's gradient with respect to the log-prob of every
+log-probs on the policy's tokens; each policy-gradient train step's gradient with respect to the log-prob of every
 environment token is exactly zero; and the same rollouts come out under four layouts.
 """
 
@@ -149,11 +149,11 @@ def test_the_same_rollouts_under_other_layouts(pool, tokenizer_dir, single, layo
 
 
 def _train_grads(ctx, tokenizer_dir: str, outputs: dict, algorithm: str = "grpo"):
-    """One train step of the actor (GRPO, PPO, GSPO or REINFORCE++) on the rollouts; the gradient of the loss with
+    """One train step of the actor (GRPO, RLOO, PPO, DAPO, GSPO or REINFORCE++) on the rollouts; the gradient of the loss with
     respect to the per-position log-probs."""
     from realloc.algorithms.critic_free import pg_train
-    from realloc.algorithms.critic_free.critic_free import grpo_train
-    from realloc.algorithms.critic_free.grpo import GRPOConfig
+    from realloc.algorithms.critic_free.critic_free import grpo_train, rloo_train
+    from realloc.algorithms.critic_free.grpo import GRPOConfig, RLOOConfig
     from realloc.algorithms.ppo import ppo_interfaces
     from realloc.algorithms.ppo.ppo_config import PPOConfig
     from realloc.calls import TRAIN_STEP, ModelFunctionCallDef
@@ -173,10 +173,13 @@ def _train_grads(ctx, tokenizer_dir: str, outputs: dict, algorithm: str = "grpo"
         return original(per_position, *args, **kw)
 
     from realloc.algorithms.critic_free import pg_steps
-    from realloc.algorithms.critic_free.pg_algorithms import GSPOConfig, ReinforcePPConfig
+    from realloc.algorithms.critic_free.pg_algorithms import DAPOConfig, GSPOConfig, ReinforcePPConfig
 
     steps = {"grpo": (GRPOConfig(lr=1e-3, kl_coef=0.1), grpo_train),
+             "rloo": (RLOOConfig(lr=1e-3, kl_coef=0.1), rloo_train),
              "ppo": (PPOConfig(lr=1e-3, n_minibatches=1), ppo_interfaces.actor_train),
+             # KL in the loss and the overlong shaping on: both read the masks
+             "dapo": (DAPOConfig(lr=1e-3, kl_coef=0.1, overlong_buffer=8), pg_steps.dapo_train),
              "gspo": (GSPOConfig(lr=1e-3, kl_coef=0.1), pg_steps.gspo_train),
              "reinforce_pp": (ReinforcePPConfig(lr=1e-3, kl_coef=0.1), pg_steps.reinforce_pp_train)}
     cfg, train = steps[algorithm]
@@ -197,7 +200,7 @@ def _train_grads(ctx, tokenizer_dir: str, outputs: dict, algorithm: str = "grpo"
     return [s.grad.clone() for s in seen]
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "ppo", "gspo", "reinforce_pp"])
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo", "ppo", "dapo", "gspo", "reinforce_pp"])
 def test_the_gradient_of_every_environment_token_log_prob_is_exactly_zero(pool, tokenizer_dir, single, algorithm):
     seq = {"tokens": single["tokens"], "gen_mask": single["gen_mask"], "loss_mask": single["loss_mask"],
            "prompt_lens": torch.tensor([len(p) for p in PROMPTS])}
@@ -225,6 +228,27 @@ def test_an_environment_error_stops_every_rank_of_the_replica(pool, tokenizer_di
     errors = pool.run(_error_of, tokenizer_dir)  # tp 2: only rank 0 runs the environment; neither rank hangs
     assert errors[0] == "RuntimeError: the grader is down"
     assert errors[1].startswith("ValueError: the environment raised on the replica's reporting rank")
+
+
+def test_tools_that_misbehave_end_as_observations_and_the_rollouts_go_on(pool, tokenizer_dir):
+    """Issue 34's containment inside a GENERATE call: every rollout's first tool call sleeps for ever and its second
+    prints 100 MB (tests/tool_cases.py); each ends at its limit as an observation the policy reads, and the rollouts
+    take all their turns."""
+    from realloc.data.tokenizer import Tokenizer
+
+    tools = ["tool_cases:sleep_forever", "tool_cases:flood"]
+    env = {**ENV, "env_args": {"turns": 3, "tool": True, "tool_fns": tools, "wall_s": 1.0}}
+    got = _gathered(pool.run(_generate, tokenizer_dir, 1, 1, 1, env))
+    sums, tok = got["sums"][0], Tokenizer.load(tokenizer_dir)
+    assert sums["tool_timeout"] == sums["tool_output"] == N and sums.get("tool_ok", 0) == 0
+    assert sums["turns"] == 3 * N
+    for b in range(N):
+        k, plen = int(got["gen_mask"][b].sum()), len(PROMPTS[b])
+        runs = _runs(got["tokens"][b, plen:plen + k].tolist(), got["loss_mask"][b, :k].tolist())
+        observations = [toks for is_policy, toks in runs[1:] if not is_policy]
+        assert observations == [tok.encode("<timeout>", add_special_tokens=False),
+                                tok.encode("<output>", add_special_tokens=False)]
+        assert float(got["score"][b]) >= 0.5  # both tool steps were rewarded and the last turn was scored
 
 
 def test_the_call_times_the_environment_s_steps_for_the_planner(single):
