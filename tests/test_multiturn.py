@@ -148,9 +148,10 @@ def test_the_same_rollouts_under_other_layouts(pool, tokenizer_dir, single, layo
     torch.testing.assert_close(other["logp"], single["logp"], rtol=1e-4, atol=1e-4)
 
 
-def _train_grads(ctx, tokenizer_dir: str, outputs: dict, algorithm: str = "grpo"):
-    """One train step of the actor (GRPO, RLOO, PPO, DAPO, GSPO or REINFORCE++) on the rollouts; the gradient of the loss with
-    respect to the per-position log-probs."""
+def _train_grads(ctx, tokenizer_dir: str, outputs: dict, algorithm: str = "grpo", packed: bool = True):
+    """One train step of the actor (GRPO, RLOO, PPO, DAPO, GSPO or REINFORCE++) on the rollouts; the gradient of
+    the loss with respect to the per-position log-probs, and how many micro-batches ran packed."""
+    from realloc.models import engine
     from realloc.algorithms.critic_free import pg_train
     from realloc.algorithms.critic_free.critic_free import grpo_train, rloo_train
     from realloc.algorithms.critic_free.grpo import GRPOConfig, RLOOConfig
@@ -163,7 +164,15 @@ def _train_grads(ctx, tokenizer_dir: str, outputs: dict, algorithm: str = "grpo"
     model = build_model(ctx, get_model_config("tiny"), 1, 1, 1, seed=5, device_ids=(0,))
     if model is None:
         return None
+    model.pack_sequences = packed
     seen: list[torch.Tensor] = []
+    packs: list[bool] = []
+    pack_layout = engine.pack_layout
+
+    def count(layout):
+        plan = pack_layout(layout)
+        packs.append(plan is not None)
+        return plan
     original = pg_train.response_columns
 
     def spy(per_position, *args, **kw):
@@ -184,7 +193,7 @@ def _train_grads(ctx, tokenizer_dir: str, outputs: dict, algorithm: str = "grpo"
              "reinforce_pp": (ReinforcePPConfig(lr=1e-3, kl_coef=0.1), pg_steps.reinforce_pp_train)}
     cfg, train = steps[algorithm]
     where = ppo_interfaces if algorithm == "ppo" else pg_train
-    where.response_columns = spy
+    where.response_columns, engine.pack_layout = spy, count
     try:
         call = ModelFunctionCallDef(name="actor_train", model_name="actor", interface_type=TRAIN_STEP,
                                     interface_impl=f"{algorithm}_multiturn", n_minibatches=1)
@@ -196,15 +205,15 @@ def _train_grads(ctx, tokenizer_dir: str, outputs: dict, algorithm: str = "grpo"
                   "values": {"values": torch.linspace(-1, 1, logp.numel()).view_as(logp)}}
         train(cctx, inputs)
     finally:
-        where.response_columns = original
-    return [s.grad.clone() for s in seen]
+        where.response_columns, engine.pack_layout = original, pack_layout
+    return [s.grad.clone() for s in seen], sum(packs)
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "rloo", "ppo", "dapo", "gspo", "reinforce_pp"])
 def test_the_gradient_of_every_environment_token_log_prob_is_exactly_zero(pool, tokenizer_dir, single, algorithm):
     seq = {"tokens": single["tokens"], "gen_mask": single["gen_mask"], "loss_mask": single["loss_mask"],
            "prompt_lens": torch.tensor([len(p) for p in PROMPTS])}
-    grads = pool.run(_train_grads, tokenizer_dir, {"seq": seq, "logp": single["logp"]}, algorithm)[0]
+    grads, _ = pool.run(_train_grads, tokenizer_dir, {"seq": seq, "logp": single["logp"]}, algorithm)[0]
     assert len(grads) >= 1
     grad = grads[0]
     for b in range(N):
@@ -214,6 +223,19 @@ def test_the_gradient_of_every_environment_token_log_prob_is_exactly_zero(pool, 
         assert (g[~policy] == 0).all()  # exactly zero, not small
         assert (g[policy] != 0).all()  # the policy's tokens do learn
         assert (grad[b, :plen] == 0).all() and (grad[b, plen + k:] == 0).all()
+
+
+def test_a_multiturn_train_step_packed_is_the_padded_one(pool, tokenizer_dir, single):
+    """Packing (on by default) on conversations with their loss masks: the same gradient as running them padded."""
+    seq = {"tokens": single["tokens"], "gen_mask": single["gen_mask"], "loss_mask": single["loss_mask"],
+           "prompt_lens": torch.tensor([len(p) for p in PROMPTS])}
+    lengths = sorted(len(p) + int(k) for p, k in zip(PROMPTS, single["gen_mask"].sum(dim=1)))
+    inputs = {"seq": seq, "logp": single["logp"]}
+    (packed, n_packed), (padded, n_padded) = (pool.run(_train_grads, tokenizer_dir, inputs, "grpo", on)[0]
+                                              for on in (True, False))
+    assert n_packed >= 1 and n_padded == 0, lengths  # packing did run (and only in the packed step)
+    torch.testing.assert_close(packed[0], padded[0], rtol=1e-5, atol=1e-8)
+    assert packed[0].abs().sum() > 0
 
 
 def _error_of(ctx, tokenizer_dir: str):
