@@ -1,6 +1,7 @@
 """Multi-turn rollouts with the rest of realloc, end to end on the local 2-device CPU cluster (real workers, the
-sandboxed calculator): PPO (a critic whose values and GAE cover the policy's tokens), and GRPO with a LoRA actor
-whose reference is its own base, generating one train step ahead (bounded staleness, decoupled objective)."""
+sandboxed calculator): PPO (a critic whose values and GAE cover the policy's tokens), GRPO with a LoRA actor
+whose reference is its own base, generating one train step ahead (bounded staleness, decoupled objective), and
+RLOO (its leave-one-out advantages recomputed from the logged rewards)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from realloc.graph.dataflow import build_graph
 from realloc.graph.plan import ExecutionPlan
 from realloc.overrides import load_with_overrides
@@ -19,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 HEAD = f'''
 import dataclasses
 
-from realloc.algorithms.critic_free.grpo import GRPOConfig
+from realloc.algorithms.critic_free.grpo import GRPOConfig, RLOOConfig
 from realloc.algorithms.critic_free.multiturn_graph import multiturn_rpcs
 from realloc.algorithms.lora_graph import reference_from_base
 from realloc.algorithms.ppo.ppo_config import PPOConfig
@@ -63,6 +66,23 @@ class MultiTurnLoRA:
         return reference_from_base(multiturn_rpcs("grpo", env=ENV, actor="tiny", n_samples=4))
 '''
 
+RLOO = HEAD + '''
+
+@auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size=4, prompt_len=8, gen_len=24)
+@dataclasses.dataclass
+class MultiTurnRLOO:
+    seed: int = 1
+    dataset: str = DATA + "/calc_train.jsonl"
+    tokenizer: str = DATA + "/calc_tokenizer"
+    sample_every: int = 1
+    log_samples: int = 16
+    rloo: RLOOConfig = RLOOConfig(n_minibatches=2, lr=1e-2, kl_coef=0.0)
+
+    @property
+    def rpcs(self):
+        return multiturn_rpcs("rloo", env=ENV, actor="tiny", n_samples=4)
+'''
+
 
 def _run(tmp: Path, name: str, source: str, placements: dict, iterations: int, staleness: int = 0):
     experiment = tmp / f"{name}.py"
@@ -104,3 +124,17 @@ def test_multiturn_grpo_with_a_lora_actor_one_step_ahead(tmp_path):
     train = [m["calls"]["actor_train"] for m in metrics]
     assert all(t["behav_weight"] > 0 for t in train)
     assert metrics[-1]["kl"] > 1e-4  # the adapters moved the actor away from its base (the reference)
+
+
+def test_multiturn_rloo_advantages_are_leave_one_out_over_the_environment_s_rewards(tmp_path):
+    metrics = _run(tmp_path, "rloo", RLOO, {"*": ("localhost:0", 1, 1, 1, 1)}, 2)
+    samples = [json.loads(line) for line in (tmp_path / "rloo" / "samples.jsonl").read_text().splitlines()]
+    for m in metrics:
+        rows = sorted((s for s in samples if s["iteration"] == m["iteration"]), key=lambda s: s["seq"])
+        assert len(rows) == 16 and all(len(s["turn_segments"]) == 4 for s in rows)
+        rewards = [s["reward"] for s in rows]
+        groups = [rewards[i:i + 4] for i in range(0, 16, 4)]  # a prompt's 4 rollouts are consecutive
+        hand = sum(abs(r - (sum(g) - r) / 3) for g in groups for r in g) / 16
+        assert len(set(rewards)) > 1  # rewards that differ: the comparison can fail
+        assert m["calls"]["actor_train"]["adv_abs_mean"] == pytest.approx(hand, rel=1e-5)
+        assert m["calls"]["actor_gen"]["tool_ok"] == 16
