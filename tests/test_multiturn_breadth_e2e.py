@@ -1,7 +1,7 @@
 """Multi-turn rollouts with the rest of realloc, end to end on the local 2-device CPU cluster (real workers, the
 sandboxed calculator): PPO (a critic whose values and GAE cover the policy's tokens), GRPO with a LoRA actor
 whose reference is its own base, generating one train step ahead (bounded staleness, decoupled objective), and
-RLOO (its leave-one-out advantages recomputed from the logged rewards)."""
+RLOO and REINFORCE++ (their advantages recomputed from the logged rewards and turns)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ HEAD = f'''
 import dataclasses
 
 from realloc.algorithms.critic_free.grpo import GRPOConfig, RLOOConfig
+from realloc.algorithms.critic_free.pg_algorithms import ReinforcePPConfig
 from realloc.algorithms.critic_free.multiturn_graph import multiturn_rpcs
 from realloc.algorithms.lora_graph import reference_from_base
 from realloc.algorithms.ppo.ppo_config import PPOConfig
@@ -66,21 +67,21 @@ class MultiTurnLoRA:
         return reference_from_base(multiturn_rpcs("grpo", env=ENV, actor="tiny", n_samples=4))
 '''
 
-RLOO = HEAD + '''
+CRITIC_FREE = HEAD + '''
 
 @auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size=4, prompt_len=8, gen_len=24)
 @dataclasses.dataclass
-class MultiTurnRLOO:
+class MultiTurnCriticFree:
     seed: int = 1
     dataset: str = DATA + "/calc_train.jsonl"
     tokenizer: str = DATA + "/calc_tokenizer"
     sample_every: int = 1
     log_samples: int = 16
-    rloo: RLOOConfig = RLOOConfig(n_minibatches=2, lr=1e-2, kl_coef=0.0)
+    {algorithm}: {settings} = {settings}(n_minibatches=2, lr=1e-2, kl_coef=0.0)
 
     @property
     def rpcs(self):
-        return multiturn_rpcs("rloo", env=ENV, actor="tiny", n_samples=4)
+        return multiturn_rpcs("{algorithm}", env=ENV, actor="tiny", n_samples=4)
 '''
 
 
@@ -126,15 +127,32 @@ def test_multiturn_grpo_with_a_lora_actor_one_step_ahead(tmp_path):
     assert metrics[-1]["kl"] > 1e-4  # the adapters moved the actor away from its base (the reference)
 
 
-def test_multiturn_rloo_advantages_are_leave_one_out_over_the_environment_s_rewards(tmp_path):
-    metrics = _run(tmp_path, "rloo", RLOO, {"*": ("localhost:0", 1, 1, 1, 1)}, 2)
-    samples = [json.loads(line) for line in (tmp_path / "rloo" / "samples.jsonl").read_text().splitlines()]
+def _rloo(rewards: list[float], policy_tokens: list[int]) -> float:
+    """RLOO's mean |advantage| per rollout: each reward less the mean of its group's other three."""
+    groups = [rewards[i:i + 4] for i in range(0, len(rewards), 4)]  # a prompt's 4 rollouts are consecutive
+    return sum(abs(r - (sum(g) - r) / 3) for g in groups for r in g) / len(rewards)
+
+
+def _reinforce_pp(rewards: list[float], policy_tokens: list[int]) -> float:
+    """REINFORCE++'s mean |advantage| per policy token (no KL, gamma 1): every policy token's return is its
+    rollout's reward, whitened over the batch's policy tokens."""
+    n = sum(policy_tokens)
+    mean = sum(k * r for k, r in zip(policy_tokens, rewards)) / n
+    std = (sum(k * r * r for k, r in zip(policy_tokens, rewards)) / n - mean * mean + 1e-8) ** 0.5
+    return sum(k * abs(r - mean) for k, r in zip(policy_tokens, rewards)) / n / std
+
+
+@pytest.mark.parametrize("algorithm, settings, hand", [("rloo", "RLOOConfig", _rloo),
+                                                      ("reinforce_pp", "ReinforcePPConfig", _reinforce_pp)])
+def test_multiturn_advantages_are_the_algorithm_s_over_the_environment_s_rewards(tmp_path, algorithm, settings, hand):
+    source = CRITIC_FREE.replace("{algorithm}", algorithm).replace("{settings}", settings)
+    metrics = _run(tmp_path, algorithm, source, {"*": ("localhost:0", 1, 1, 1, 1)}, 2)
+    samples = [json.loads(line) for line in (tmp_path / algorithm / "samples.jsonl").read_text().splitlines()]
     for m in metrics:
         rows = sorted((s for s in samples if s["iteration"] == m["iteration"]), key=lambda s: s["seq"])
         assert len(rows) == 16 and all(len(s["turn_segments"]) == 4 for s in rows)
         rewards = [s["reward"] for s in rows]
-        groups = [rewards[i:i + 4] for i in range(0, 16, 4)]  # a prompt's 4 rollouts are consecutive
-        hand = sum(abs(r - (sum(g) - r) / 3) for g in groups for r in g) / 16
         assert len(set(rewards)) > 1  # rewards that differ: the comparison can fail
-        assert m["calls"]["actor_train"]["adv_abs_mean"] == pytest.approx(hand, rel=1e-5)
+        policy = [sum(s["turn_segments"][1::2]) for s in rows]  # the runs after each observation are the policy's
+        assert m["calls"]["actor_train"]["adv_abs_mean"] == pytest.approx(hand(rewards, policy), rel=1e-4)
         assert m["calls"]["actor_gen"]["tool_ok"] == 16
