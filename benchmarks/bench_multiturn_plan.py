@@ -7,10 +7,11 @@
 3. Measured runs under the three plans with another seed: the GENERATE call's time (``requests.jsonl``, the
    slowest rank, iterations after the first) next to the estimate of that plan's placement, priced from the dp2
    plan's profile run (what a search prices every plan with), from the same plan's, and from the measured run's
-   own turns and tool seconds ("self"). On a shared machine the load moves between the runs; the self column
-   prices the call with the tool time of the same minutes, so it shows the estimator's error without that drift.
+   own turns and the tool seconds of its measured iterations ("self"). On a shared machine the load moves between
+   the runs; the self column prices the call with the tool time of the same minutes, so it shows the estimator's
+   error without that drift. Then each turn's generation and environment, estimated (self) against measured.
 
-    .venv/bin/python benchmarks/bench_multiturn_plan.py [--sft runs/calc_demo/sft_tool] [--iterations 4]
+    .venv/bin/python benchmarks/bench_multiturn_plan.py [--sft runs/calc_demo/sft_tool] [--iterations 4] [--keep DIR]
 """
 
 from __future__ import annotations
