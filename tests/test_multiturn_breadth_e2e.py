@@ -34,30 +34,27 @@ ENV = {{"env": "multiturn_cases:make_env", "env_args": {{"turns": 2, "tool": Tru
        "turn_tokens": 8}}
 DATA = "{REPO}/experiments/data"
 '''
-PPO = HEAD + '''
+# every experiment below: 4 prompts x 4 rollouts of the calc data on the 2-device CPU cluster
+AUTO = '''
 
-@auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size=4, prompt_len=8, gen_len=24)
-@dataclasses.dataclass
-class MultiTurnPPO:
+@auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size=4, prompt_len=8, gen_len=24'''
+FIELDS = '''
     seed: int = 1
     dataset: str = DATA + "/calc_train.jsonl"
     tokenizer: str = DATA + "/calc_tokenizer"
-    ppo: PPOConfig = PPOConfig(n_minibatches=2, lr=1e-2, critic_lr=1e-2, kl_coef=0.01)
+'''
+PPO = HEAD + AUTO + ''')
+@dataclasses.dataclass
+class MultiTurnPPO:''' + FIELDS + '''    ppo: PPOConfig = PPOConfig(n_minibatches=2, lr=1e-2, critic_lr=1e-2, kl_coef=0.01)
 
     @property
     def rpcs(self):
         return multiturn_rpcs("ppo", env=ENV, actor="tiny", critic="tiny-critic", n_samples=4)
 '''
-LORA = HEAD + '''
-
-@auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size=4, prompt_len=8, gen_len=24,
+LORA = HEAD + AUTO + ''',
       max_staleness=1)
 @dataclasses.dataclass
-class MultiTurnLoRA:
-    seed: int = 1
-    dataset: str = DATA + "/calc_train.jsonl"
-    tokenizer: str = DATA + "/calc_tokenizer"
-    sample_every: int = 1
+class MultiTurnLoRA:''' + FIELDS + '''    sample_every: int = 1
     log_samples: int = 16
     lora: LoRAConfig = LoRAConfig(rank=4, alpha=8)
     grpo: GRPOConfig = GRPOConfig(n_minibatches=2, lr=5e-2, kl_coef=0.01, decoupled=True)
@@ -66,16 +63,9 @@ class MultiTurnLoRA:
     def rpcs(self):
         return reference_from_base(multiturn_rpcs("grpo", env=ENV, actor="tiny", n_samples=4))
 '''
-
-CRITIC_FREE = HEAD + '''
-
-@auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size=4, prompt_len=8, gen_len=24)
+CRITIC_FREE = HEAD + AUTO + ''')
 @dataclasses.dataclass
-class MultiTurnCriticFree:
-    seed: int = 1
-    dataset: str = DATA + "/calc_train.jsonl"
-    tokenizer: str = DATA + "/calc_tokenizer"
-    sample_every: int = 1
+class MultiTurnCriticFree:''' + FIELDS + '''    sample_every: int = 1
     log_samples: int = 16
     {algorithm}: {settings} = {settings}(n_minibatches=2, lr=1e-2, kl_coef=0.0)
 
