@@ -103,6 +103,7 @@ class CostModel:
         self._mem_cache: dict[tuple, tuple[CallMemory, ...]] = {}
         self._realloc_cache: dict[tuple, float] = {}
         self._data_cache: dict[tuple, float] = {}
+        self._phase1_cache: dict[tuple, float] = {}  # tail_cost.phase1_cost, by the step it decodes to
         self._workloads = {r.name: self._workload(r.name) for r in graph.calls}
         self._precisions = {r.name: self._precision(r.name) for r in graph.calls}
         # multi-turn GENERATE calls: priced turn by turn (multiturn_cost.py)

@@ -116,14 +116,22 @@ def phase1_cost(cost: CostModel, call: str, mesh: DeviceMesh, strategy: Parallel
     """Seconds of phase 1: every replica decodes its rows up to the migration step (and the call's dispatch)."""
     cut = migration_step(cost, call, rows)
     model, mesh = _local(cost, mesh)
+    # rows enter only through the step they cut at, so thresholds with one step share a price (the search asks
+    # for every candidate's split points, chunk_cost.split_times: the same few shapes many times); a cluster of
+    # pools keeps the prices in each pool's model
+    key = (call, mesh.n_nodes, mesh.n_devs, strategy, n_mbs, cut)
+    got = model._phase1_cache.get(key)
+    if got is not None:
+        return got
     work = model.workload(call)
     timer = model._timer(model.graph.model_config(call), model.call_precision(call))
     b = work.micro_batch(strategy.dp, n_mbs)
     ends = tuple(min(e, cut) for e in work.lengths.order_statistics(work.gen_len, b))
     links = model.links(mesh, strategy)
     counts = model.comm.time("all_reduce", strategy.dp, COUNT_BYTES, links.dp)  # the last count's reduction
-    return (timer.generate_varied(strategy, links, b, work.prompt_len, ends, n_mbs).time + model.hw.call_overhead
-            + counts)
+    got = model._phase1_cache[key] = (timer.generate_varied(strategy, links, b, work.prompt_len, ends, n_mbs).time
+                                      + model.hw.call_overhead + counts)
+    return got
 
 
 def row_bytes(prompt_len: int, gen_len: int) -> int:
