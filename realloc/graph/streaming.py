@@ -109,6 +109,11 @@ def check_runtime_tail(plan: "ExecutionPlan", graph: "DataflowGraph") -> None:
                              f"one by one at pp 1 and for a generation decoded row by row only (the call runs at pp "
                              f"{p.pp}{'' if iface is None or iface.migrates_tail else ', turn by turn'}); drop "
                              f"micro_batches")
+        if plan.tail[call].micro_batches and plan.tail[call].chunks != p.n_mbs - 1:
+            fix = f"set chunks={p.n_mbs - 1}" if p.n_mbs > 1 else "give the call n_mbs >= 2 or drop micro_batches"
+            raise ValueError(f"plan field 'tail' entry {call!r}: micro_batches hands on each micro-batch but the last "
+                             f"as it ends, so chunks must be the call's n_mbs - 1 = {p.n_mbs - 1} (got "
+                             f"{plan.tail[call].chunks}); {fix}")
         if p.pp != 1 and not plan.tail[call].streams_only:  # streaming steps through the stages (stream_pipeline.py)
             raise ValueError(f"plan field 'tail' entry {call!r}: the runtime migrates the tail of a generation at pp "
                              f"1 only (it streams at any pp: instances=0), and the call runs at pp {p.pp}; place it "
