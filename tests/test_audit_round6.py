@@ -8,7 +8,6 @@ import asyncio
 import time
 
 import pytest
-import torch
 
 from fake_workers import FakeWorkers
 from realloc.api import load_experiment
@@ -20,7 +19,6 @@ from realloc.runtime.inputs.run_config import RunConfig
 from realloc.runtime.records.run_paths import RunPaths
 from realloc.runtime.wire import protocol
 from run_helpers import REPO, TINY
-from test_length_schedule import pool  # noqa: F401 - the module's gloo pool
 
 
 def test_a_failing_non_mover_of_an_in_place_realloc_stops_the_run_in_one_line(tmp_path):
@@ -54,44 +52,26 @@ def test_a_failing_non_mover_of_an_in_place_realloc_stops_the_run_in_one_line(tm
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") <= 2  # stopped in iteration 2, not after 4
 
 
-def test_micro_batches_that_differ_by_a_row_split_at_each_micro_batch_end(pool):  # noqa: F811 - the gloo pool
-    """12 rows in 5 micro-batches one after another (3, 3, 2, 2, 2 rows: the first hold the remainder). Each split
-    point must come as its micro-batch ends and hand on exactly its rows, as the plan prices it (4 hand-offs). The
-    thresholds interpolated from rows=last_rows(12, 5) (10, 8, 6, 4) passed split points 2 and 3 at once (an
-    empty chunk) and split point 1 mid-micro-batch; the runtime now counts the micro-batches' rows
-    (graph/tail.mb_split_thresholds, over the dp replicas in worker_stream)."""
-    from test_stream_chunks import _chunked
-    from test_length_schedule import MAX_NEW, N_ROWS, SCHEDULE
-
-    from realloc.graph.tail import mb_split_thresholds
-    from realloc.models.sampling import GenerationConfig
-    from realloc.strategy import even_ranges
-
-    gconfig = GenerationConfig(max_new_tokens=MAX_NEW, seed=5, eos_token_ids=(), temperature=0.9,
-                               length_schedule=SCHEDULE)
-    spans = even_ranges(N_ROWS, 5)
-    thresholds = mb_split_thresholds([hi - lo for lo, hi in spans])
-    assert thresholds == (9, 6, 4, 2)
-    plain, got, chunks, _ = next(r for r in pool.run(_chunked, gconfig, thresholds, 5, True) if r)
-    assert chunks == [list(range(lo, hi)) for lo, hi in spans[:-1]]
-    for i, (tok, lp) in enumerate(plain):
-        assert got[i][0] == tok and torch.equal(got[i][1], lp), i
-
-
-@pytest.mark.parametrize("chunks,n_mbs,fix", [(5, 4, "set chunks=3"), (1, 4, "set chunks=3"),
-                                               (1, 1, "give the call n_mbs >= 2")])
-def test_a_micro_batch_entry_whose_chunks_miss_the_calls_micro_batches_is_one_line(chunks, n_mbs, fix):
-    """A hand-written micro_batches entry with chunks != n_mbs - 1 ran (its table said 'each of its 6
-    micro-batches' of a call of 4; with n_mbs 1 it streamed nothing) and was priced as the call's own count."""
+@pytest.mark.parametrize("rows,chunks,n_mbs,fix", [(8, 5, 4, "set chunks=3, rows=8"),
+                                                    (8, 1, 4, "set chunks=3, rows=8"),
+                                                    (5, 3, 4, "set chunks=3, rows=8"),
+                                                    (8, 1, 1, "give it n_mbs >= 2")])
+def test_a_micro_batch_entry_that_misses_the_calls_micro_batches_is_one_line(rows, chunks, n_mbs, fix):
+    """A hand-written micro_batches entry whose chunks is not n_mbs - 1, or whose rows is not the last micro-batch's,
+    ran its split points elsewhere than its table line and its price said: chunks=5 on 4 micro-batches printed
+    'hands each of its 6 micro-batches'; rows=5 of 32 (4 micro-batches of 8) passed split point 1 only as micro-batch
+    2 ended and split point 3 never (2 hand-offs, priced as 3); n_mbs 1 streamed nothing. Each is one error now."""
     from realloc.graph.streaming import check_runtime_tail
-    from realloc.graph.tail import TailMigration
+    from realloc.graph.tail import TailMigration, split_thresholds
     from test_stream_pools import PLACES
 
+    assert split_thresholds(32, 5, 3) == (23, 14, 5)  # vs 24, 16, 8 rows left after micro-batches 1, 2, 3
     spec = load_experiment(str(REPO / "experiments/ppo_tiny_two_kinds.py"))
     graph = build_graph(spec)
+    assert spec.n_seqs(graph.call("actor_gen")) == 32
     places = {**PLACES, "actor_gen": ("cpu1", 1, 1, 1, n_mbs)}
     plan = ExecutionPlan.by_hand(graph, places, tail={"actor_gen": TailMigration(
-        rows=8, instances=0, chunks=chunks, micro_batches=True)})
+        rows=rows, instances=0, chunks=chunks, micro_batches=True)})
     with pytest.raises(ValueError) as e:
         check_runtime_tail(plan, graph)
     assert "\n" not in str(e.value) and "'actor_gen'" in str(e.value) and fix in str(e.value), e.value

@@ -5,9 +5,8 @@ A generation at pp 1 decodes its m micro-batches one after another (``models/gen
 end together when it ends, whatever the response lengths. Handing each micro-batch on as it ends lets the calls
 that read it (on another pool: FlexRLHF's inference GPUs) start while the next micro-batch decodes. It is chunked
 streaming (``estimator/chunk_cost.py``) whose k = m - 1 split points fall between micro-batches, R the rows of the
-last micro-batch: the plan entry is ``TailMigration(rows=R, instances=0, chunks=m-1, micro_batches=True)``
-(chunks = n_mbs - 1 is checked: graph/streaming.check_runtime_tail). The runtime splits when the rows of the
-micro-batches after each split point are left (``graph.tail.mb_split_thresholds``), not at ``split_thresholds``.
+last micro-batch: the plan entry is ``TailMigration(rows=R, instances=0, chunks=m-1, micro_batches=True)``,
+``split_thresholds(n, R, m-1)`` then counting exactly the rows of the micro-batches after each split point.
 
 With tau = (plain - call_overhead) / m the time of one micro-batch of the plain call (``CostModel.call_cost``):
 split point j comes at T_j = call_overhead + j tau + (j - 1) (request), a request being the master's round trip and

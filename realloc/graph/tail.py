@@ -16,7 +16,7 @@ the last of them the one at ``rows``: chunked streaming, issue 31 item 2."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Mapping, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
@@ -60,15 +60,6 @@ def split_thresholds(n_rows: int, rows: int, chunks: int) -> tuple[int, ...]:
     come in k chunks of about equal expected size. One step may pass several thresholds: the chunks between are
     empty."""
     return tuple(rows + (n_rows - rows) * (chunks - j) // chunks for j in range(1, chunks + 1))
-
-
-def mb_split_thresholds(mb_rows: Sequence[int]) -> tuple[int, ...]:
-    """The running-row counts at the split points of a ``micro_batches`` entry: after each micro-batch but the last,
-    the rows of the later ones (``mb_rows``: each micro-batch's rows, summed over the dp replicas). The rows'
-    ``split_thresholds`` interpolate evenly, but micro-batches of a batch that ``n_mbs`` does not divide differ by a
-    row per replica (the first ones hold the remainder), so an interpolated threshold could pass at the end of the
-    micro-batch before its own: two split points at once, an empty chunk, one hand-off fewer than priced."""
-    return tuple(sum(mb_rows[j:]) for j in range(1, len(mb_rows)))
 
 
 class Placed(Protocol):

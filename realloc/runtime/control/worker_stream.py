@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from realloc.algorithms.context import CallContext, CallResult, Data
-from realloc.graph.tail import TailMigration, mb_split_thresholds, split_thresholds
+from realloc.graph.tail import TailMigration, split_thresholds
 from realloc.models.stream_decode import SplitGeneration
 from realloc.runtime.control.worker_tail import GenerateReplay, captured_generate
 
@@ -105,14 +105,7 @@ def _to_split(ctx: CallContext, fn: Callable[[CallContext, Data], CallResult], g
         dist.all_reduce(t, group=model.groups.dp_group)
         return int(t.item())
 
-    if tail.micro_batches:  # between micro-batches, exactly (graph/tail.mb_split_thresholds)
-        sizes = torch.zeros(tail.chunks + 1, dtype=torch.long, device=model.device)
-        for i, mb in enumerate(gen.mbs[:tail.chunks + 1]):
-            sizes[i] = len(mb.rows)
-        dist.all_reduce(sizes, group=model.groups.dp_group)
-        threshold = mb_split_thresholds(sizes.tolist())[passed]
-    else:
-        threshold = split_thresholds(ctx.batch_size, tail.rows, tail.chunks)[passed]
+    threshold = split_thresholds(ctx.batch_size, tail.rows, tail.chunks)[passed]
     if gen.until(global_count, threshold):  # the call still runs somewhere: every replica takes the next request
         kept[call, ctx.iteration] = (gen, seq_ids, gen.running(), inputs, passed + 1)
     finished = sorted(set(before) - set(gen.running()))
