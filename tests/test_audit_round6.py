@@ -21,35 +21,43 @@ from realloc.runtime.wire import protocol
 from run_helpers import REPO, TINY
 
 
-def test_a_failing_non_mover_of_an_in_place_realloc_stops_the_run_in_one_line(tmp_path):
-    """actor_train holds the whole actor on both devices (dp 2); actor_gen runs on device 1 only, so the
-    reallocation into it copies in place and device 0 only releases its source: the master does not wait for its
-    reply (master_schedule._wait_realloc). When that reply is a failure the run must still stop with it, at once."""
+@pytest.mark.parametrize("last", [False, True])
+def test_a_failing_non_mover_of_an_in_place_realloc_stops_the_run_in_one_line(tmp_path, last):
+    """A reallocation from a layout holding the whole actor on both devices (dp 2) into device 1 alone copies in
+    place, and device 0 only releases its source: the master does not wait for its reply
+    (master_schedule._wait_realloc). When that reply is a failure the run must still stop with it. ``last``: the
+    slow failing release is device 0's last request of the run (actor_gen on both devices, everything after it on
+    device 1, the failure in the last iteration), so only the background wait can see it."""
     spec = load_experiment(TINY)
     graph = build_graph(spec)
-    pl = {c: ("localhost", 2, 1, 1, 2) for c in graph.topo_order}
-    pl["actor_gen"] = ("localhost:1", 1, 1, 1, 1)
+    if last:
+        pl = {c: ("localhost:1", 1, 1, 1, 2) for c in graph.topo_order}
+        pl["actor_gen"], into, bad_t = ("localhost", 2, 1, 1, 1), "actor_train", 3
+    else:
+        pl = {c: ("localhost", 2, 1, 1, 2) for c in graph.topo_order}
+        pl["actor_gen"], into, bad_t = ("localhost:1", 1, 1, 1, 1), "actor_gen", 1
     program = RuntimeProgram(graph, ExecutionPlan.by_hand(graph, pl))
-    r = next(x for x in program.reallocs("actor") if x.dst_call == "actor_gen")
+    r = next(x for x in program.reallocs("actor") if x.dst_call == into)
     assert program.realloc_movers(r) == frozenset()  # in place: nobody moves a byte
 
-    def fails(req, rank):
-        ok = not (isinstance(req, protocol.Reallocate) and req.dst_call == "actor_gen" and rank == 0
-                  and req.iteration == 1)
-        return "" if ok else "RuntimeError: release failed"
+    def fails(req, rank):  # in the rank's thread: its later requests wait, as a real worker's do
+        if isinstance(req, protocol.Reallocate) and req.dst_call == into and rank == 0 and req.iteration == bad_t:
+            time.sleep(0.5 if last else 0.0)
+            return "RuntimeError: release failed"
+        return ""
 
     secret = protocol.new_secret()
     master = Master(program, RunConfig.of(spec), RunPaths(tmp_path), "r1", secret, iterations=4,
                     heartbeat_timeout=600.0)
     outputs = {c: list(graph.call(c).output_data) for c in graph.topo_order}
-    t0 = time.monotonic()
     with FakeWorkers(f"tcp://127.0.0.1:{master.port}", secret, "r1", spec.cluster.n_devices, outputs, fails=fails):
         with pytest.raises(RunFailed) as e:
             asyncio.run(asyncio.wait_for(master.run(), 60))
-    assert time.monotonic() - t0 < 60
     msg = str(e.value)
     assert "\n" not in msg and "release failed" in msg and "worker 0" in msg, msg
-    assert (tmp_path / "metrics.jsonl").read_text().count("\n") <= 2  # stopped in iteration 2, not after 4
+    assert f"(iteration {bad_t + 1})" in msg, msg
+    if not last:  # stopped in iteration 2, not after 4
+        assert (tmp_path / "metrics.jsonl").read_text().count("\n") <= 2
 
 
 @pytest.mark.parametrize("rows,chunks,n_mbs,fix", [(8, 5, 4, "set chunks=3, rows=8"),
