@@ -86,3 +86,33 @@ def test_a_micro_batch_entry_that_misses_the_calls_micro_batches_is_one_line(row
     ok = ExecutionPlan.by_hand(graph, {**places, "actor_gen": ("cpu1", 1, 1, 1, 4)}, tail={"actor_gen": TailMigration(
         rows=8, instances=0, chunks=3, micro_batches=True)})
     check_runtime_tail(ok, graph)
+
+
+def test_a_cluster_of_pools_of_different_node_sizes_plans_its_transfers(tmp_path):
+    """Pools of 1 and 2 devices per node: every cross-pool reallocation and data transfer of a plan with the
+    generation on the 2-device pool must plan, move the bytes that the same plan counts with one node size forced
+    (the estimator's way), and none of them within a node (the pools are different hosts). Before, the runtime's
+    planner refused them ('meshes disagree on devices per node ... pass devices_per_node explicitly'): `realloc
+    run` stopped at start-up naming an argument no user can pass, though `realloc show --plan` passed the plan."""
+    from realloc.graph.transfer_plan import plan_data_transfer, plan_param_realloc
+
+    exp = tmp_path / "two_sizes.py"
+    exp.write_text((REPO / "experiments/ppo_tiny_two_kinds.py").read_text().replace(
+        'Pool("cpu1", "cpu-bf16", 1)', 'Pool("cpu1", "cpu", 2)'))
+    (tmp_path / "ppo_tiny.py").write_text((REPO / "experiments/ppo_tiny.py").read_text())
+    (tmp_path / "data").symlink_to(REPO / "experiments/data")
+    spec = load_experiment(str(exp))
+    graph = build_graph(spec)
+    pl = {c: ("cpu0", 1, 1, 1, 1) for c in graph.topo_order}
+    pl["actor_gen"] = ("cpu1", 2, 1, 1, 1)
+    program = RuntimeProgram(graph, ExecutionPlan.by_hand(graph, pl))
+    cfg = program.model_config("actor")
+    reallocs = [r for r in program.reallocs("actor") if not r.snapshot]
+    assert len(reallocs) == 2
+    for r in reallocs:
+        plan = program.realloc_plan(r)
+        src, dst = program.calls[r.src_call].layout, program.calls[r.dst_call].layout
+        forced = plan_param_realloc(cfg, src, dst, devices_per_node=2)
+        assert plan.moved_bytes == forced.moved_bytes > 0 and plan.intra_node_bytes == 0, r
+    seq = program.data_plan("seq", "ref_inf", 8)
+    assert seq.moved_bytes == 8 * program.batch_size and seq.intra_node_bytes == 0
