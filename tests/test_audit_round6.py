@@ -1,6 +1,7 @@
 """Audit of this session's merged features from a new user's side (round 6): in-place reallocations, streamed
 multi-turn rollouts, micro-batch streaming across pools, streaming at pp > 1, the staleness order, run.lock and
-atomic saves. Each test failed before its fix."""
+atomic saves. Each test of a defect failed before its fix; the in-place reallocation tests guard behaviour that held
+(a failing release that no node waits for still fails the run), each docstring says which."""
 
 from __future__ import annotations
 
