@@ -117,3 +117,24 @@ def test_a_cluster_of_pools_of_different_node_sizes_plans_its_transfers(tmp_path
         assert plan.moved_bytes == forced.moved_bytes > 0 and plan.intra_node_bytes == 0, r
     seq = program.data_plan("seq", "ref_inf", 8)
     assert seq.moved_bytes == 8 * program.batch_size and seq.intra_node_bytes == 0
+
+
+def test_show_says_when_a_stream_entry_streams_to_nobody(tmp_path, capsys):
+    """A stream-only entry on a generation that spans every device (one pool) hands its rows to no call: the run
+    splits the generation into more requests and streams nothing, as the plain call prices it. `realloc show --plan`
+    said only 'valid' (and `realloc run`'s table 'streams its finished rows to the next calls'); it now says so,
+    in one line, and says nothing more of an entry that streams."""
+    from realloc.cli import main
+
+    graph = build_graph(load_experiment(TINY))
+    both = {c: ("localhost", 2, 1, 1, 1) for c in graph.topo_order}
+    apart = {**both, "actor_gen": ("localhost:0", 1, 1, 1, 1), "ref_inf": ("localhost:1", 1, 1, 1, 1)}
+    for name, places in (("both", both), ("apart", apart)):
+        ExecutionPlan.by_hand(graph, places, tail={"actor_gen": (4, 0)}).save(tmp_path / f"{name}.json")
+        assert main(["show", TINY, "--plan", str(tmp_path / f"{name}.json")]) == 0
+        out = capsys.readouterr().out.splitlines()
+        lines = [x for x in out if x.startswith("stream")]
+        if name == "both":
+            assert len(lines) == 1 and "actor_gen hands its rows to no call" in lines[0], out
+        else:
+            assert lines == [], out
