@@ -6,7 +6,8 @@ key of the call (what the master needs to plan the transfers), plus any sample-l
 iteration, rank)`` returns. ``delays`` (request type -> seconds) makes some requests slow, e.g. saves;
 ``held(request, rank)`` -> seconds holds a request's reply that long while the rank answers later requests
 (replies out of order, as a master on slow links or busy devices can see them). ``reply_stats(request, rank)``
-adds stats to a reply (e.g. the parameter version a generation reports under bounded staleness).
+adds stats to a reply (e.g. the parameter version a generation reports under bounded staleness); ``fails(request,
+rank)`` -> an error message makes that reply a failure.
 """
 
 from __future__ import annotations
@@ -33,13 +34,15 @@ class FakeWorkers:
     def __init__(self, endpoint: str, secret: bytes, run_id: str, n_workers: int, outputs: dict[str, list[str]],
                  samples: SampleParts = lambda call, t, rank: [], delays: dict[str, float] | None = None,
                  held: Held = lambda req, rank: 0.0,
-                 reply_stats: Callable[[Any, int], dict[str, float]] = lambda req, rank: {}) -> None:
+                 reply_stats: Callable[[Any, int], dict[str, float]] = lambda req, rank: {},
+                 fails: Callable[[Any, int], str] = lambda req, rank: "") -> None:
         self.ctx = zmq.Context()
         self.delays = delays or {}
         self.held = held
         self.outputs = outputs
         self.samples = samples
         self.reply_stats = reply_stats  # (request, rank) -> extra stats of the reply (answered in order per rank)
+        self.fails = fails  # (request, rank) -> an error: the rank replies ok=False with it ("" answers ok)
         self.requests: list[str] = []  # kinds received by rank 0, in order
         self.closing = threading.Event()  # set on leaving the with block: a failed run sends no shutdown
         self.threads = [threading.Thread(target=self._serve, args=(endpoint, secret, run_id, r), daemon=True)
@@ -100,8 +103,9 @@ class FakeWorkers:
                     samples = self.samples(req.call, req.iteration, rank)
                 stats = {**stats, **self.reply_stats(req, rank)}
                 time.sleep(self.delays.get(req.type, 0.0))
-                reply = protocol.Reply(req=req.req, rank=rank, ok=True, outputs=outputs, samples=samples,
-                                       stats=stats)
+                error = self.fails(req, rank)
+                reply = protocol.Reply(req=req.req, rank=rank, ok=not error, outputs=outputs, samples=samples,
+                                       stats=stats, error=error)
                 if hold := self.held(req, rank):
                     heapq.heappush(later, (time.monotonic() + hold, next(order), reply))
                     continue

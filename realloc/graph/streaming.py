@@ -21,6 +21,7 @@ from realloc.strategy import even_ranges
 if TYPE_CHECKING:
     from realloc.graph.dataflow import DataflowGraph
     from realloc.graph.plan import ExecutionPlan
+    from realloc.graph.tail import TailMigration
 
 Shares = tuple[tuple[int, ...], ...]  # per dp rank, its rows (global sequence indices, ascending)
 
@@ -109,7 +110,25 @@ def check_runtime_tail(plan: "ExecutionPlan", graph: "DataflowGraph") -> None:
                              f"one by one at pp 1 and for a generation decoded row by row only (the call runs at pp "
                              f"{p.pp}{'' if iface is None or iface.migrates_tail else ', turn by turn'}); drop "
                              f"micro_batches")
+        if plan.tail[call].micro_batches:
+            _check_mb_entry(graph, call, plan.tail[call], p.n_mbs)
         if p.pp != 1 and not plan.tail[call].streams_only:  # streaming steps through the stages (stream_pipeline.py)
             raise ValueError(f"plan field 'tail' entry {call!r}: the runtime migrates the tail of a generation at pp "
                              f"1 only (it streams at any pp: instances=0), and the call runs at pp {p.pp}; place it "
                              f"with pp=1, set instances=0 or drop the entry")
+
+
+def _check_mb_entry(graph: "DataflowGraph", call: str, t: "TailMigration", n_mbs: int) -> None:
+    """A ``micro_batches`` entry hands on each micro-batch but the last as it ends: its split points are the running
+    counts after each one (``split_thresholds(n, n / m, m - 1)``, micro-batches being equal, graph/plan.py), so
+    ``chunks`` must be m - 1 and ``rows`` n / m. Another entry ran its splits elsewhere (fewer hand-offs, an empty
+    chunk) than its table line and its price (the call's m micro-batches, estimator/mb_stream_cost.py) said."""
+    n = graph.spec.n_seqs(graph.call(call))
+    if n_mbs < 2:
+        raise ValueError(f"plan field 'tail' entry {call!r}: micro_batches hands on each micro-batch but the last as "
+                         f"it ends, and the call runs in {n_mbs} micro-batch; give it n_mbs >= 2 or drop the entry")
+    if (t.chunks, t.rows) != (n_mbs - 1, n // n_mbs):
+        raise ValueError(f"plan field 'tail' entry {call!r}: micro_batches hands on each of the call's {n_mbs} "
+                         f"micro-batches but the last as it ends, so chunks must be {n_mbs - 1} and rows the last "
+                         f"micro-batch's {n // n_mbs} of {n} (got chunks={t.chunks}, rows={t.rows}); set "
+                         f"chunks={n_mbs - 1}, rows={n // n_mbs}")

@@ -335,7 +335,7 @@ def _subtract(lo: int, hi: int, held: Iterable[tuple[int, int]]) -> list[tuple[i
 class _Totals:
     """Mutable accumulator used only while one plan is being built."""
 
-    node_of: dict[int, int]
+    node_of: dict[int, object]  # device -> its node (any value that compares equal on one node)
     load: defaultdict = dataclasses.field(default_factory=lambda: defaultdict(int))
     sent: defaultdict = dataclasses.field(default_factory=lambda: defaultdict(int))
     source: defaultdict = dataclasses.field(default_factory=lambda: defaultdict(int))
@@ -442,12 +442,12 @@ def _finish(kind: str, classes: list[_ClassPlan], tot: _Totals, **made_for) -> T
                         **made_for)
 
 
-def _node_map(devices_per_node: int | None, *meshes: DeviceMesh) -> dict[int, int]:
+def _node_map(devices_per_node: int | None, *meshes: DeviceMesh) -> dict[int, object]:
     per_node = {m.devices_per_node for m in meshes}
     if devices_per_node is None:
-        if len(per_node) != 1:
-            raise ValueError(f"meshes disagree on devices per node ({sorted(per_node)}); they must come from "
-                             f"one cluster, or pass devices_per_node explicitly")
+        if len(per_node) != 1:  # pools of different node sizes: a node is (its pool's first device, index in pool)
+            return {d: (m.device_offset, (d - m.device_offset) // m.devices_per_node)
+                    for m in meshes for d in m.device_ids}
         devices_per_node = per_node.pop()
     if devices_per_node < 1:
         raise ValueError(f"devices_per_node must be positive, got {devices_per_node}")

@@ -41,6 +41,11 @@ def main(args: argparse.Namespace) -> int:
                 to = ", ".join(f"{c} on pool {meshes[c].pool}" for c in split_consumers(plan, graph, g))
                 print(f"stream     {g} on pool {meshes[g].pool} hands its "
                       f"{'micro-batches' if t.micro_batches else 'finished rows'} on to: {to or 'no consumer'}")
+        for g, t in () if cluster.pools else plan.tail.items():  # one pool: say so only when nothing streams
+            if t.streams_only and not split_consumers(plan, graph, g):
+                print(f"stream     {g} hands its rows to no call: every call that reads them shares its devices "
+                      f"or reads a key of another call, so it runs as without the entry (in more requests); place "
+                      f"a consumer off {g}'s mesh or drop the entry")
     print()
     print(graph.describe())
     print()
