@@ -76,7 +76,9 @@ def tail_error(graph: "DataflowGraph", placements: Mapping[str, Placed], call: s
         return f"call {call!r} is not in experiment {graph.spec.name!r} (calls: {', '.join(names)})"
     rpc = graph.call(call)
     if rpc.interface_type.value != "generate":
-        return f"call {call!r} is a {rpc.interface_type.value} call; only GENERATE calls have a tail to migrate"
+        kind = rpc.interface_type.value
+        return (f"call {call!r} is {'an' if kind[0].lower() in 'aeiou' else 'a'} {kind} call; only GENERATE calls have a "
+                f"tail to migrate")
     if tail.micro_batches and tail.instances:
         return (f"call {call!r} has micro_batches=true, but only a stream-only entry (instances=0) hands its "
                 f"micro-batches on; set instances=0 or drop micro_batches")
