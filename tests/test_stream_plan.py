@@ -49,7 +49,7 @@ def test_stream_entry_validates_round_trips_and_shows(graph, tmp_path):
 
 
 @pytest.mark.parametrize("tail, message", [
-    ({"ref_inf": (6, 0)}, "plan field 'tail' entry 'ref_inf': call 'ref_inf' is a inference call; only GENERATE"),
+    ({"ref_inf": (6, 0)}, "plan field 'tail' entry 'ref_inf': call 'ref_inf' is an inference call; only GENERATE"),
     ({"actor_gen": (32, 0)}, "plan field 'tail' entry 'actor_gen': .* rows=32 must be below that"),
     ({"actor_gen": (6, 1)}, "at most 0 of them .*0: stream only"),
 ])
