@@ -70,6 +70,7 @@ class FusionPPO:
     seed: int = 1
     dataset: str = {data!r}
     iterations: int = 4
+    balance_tokens: bool = {balance}
     ppo: PPOConfig = PPOConfig(n_minibatches=2, lr=1e-3, critic_lr=1e-3, kl_coef=0.01,
                                length_schedule=ResponseLengths.lognormal(median={median}, p99={gen_len}))
 
@@ -86,13 +87,13 @@ SETTINGS = {  # reward model type, interface, arguments
 
 
 def write_experiment(path: Path, setting: str, rows: int, gen_len: int, actor: str = "small",
-                     critic: str = "small-critic") -> None:
+                     critic: str = "small-critic", balance_tokens: bool = False) -> None:
     """The experiment file of a setting (also bench_streaming.py's and bench_chunked.py's): PPO with lengths
     lognormal, median gen_len / 16, p99 gen_len."""
     reward, impl, rargs = SETTINGS[setting]
     path.write_text(EXPERIMENT.format(rows=rows, gen_len=gen_len, median=max(1, gen_len // 16), actor=actor,
                                       critic=critic, reward=critic if reward == "small-critic" else reward, impl=impl,
-                                      args=rargs, data=str(REPO / "experiments/data/ppo_tiny_prompts.jsonl")))
+                                      args=rargs, balance=balance_tokens, data=str(REPO / "experiments/data/ppo_tiny_prompts.jsonl")))
 
 
 def _plans(graph, grid: list[int]):
@@ -216,6 +217,12 @@ def workload_args(doc: str | None) -> argparse.ArgumentParser:
 
 
 def main() -> int:
+    pick = argparse.ArgumentParser(add_help=False)
+    pick.add_argument("--setting")
+    if pick.parse_known_args()[0].setting == "fit":  # the searched plans, bench_chunked.py's comparison
+        from bench_chunked import chunked_args, compare
+
+        return compare(chunked_args(__doc__, "fit").parse_args(), chunked=False, balance_tokens=True)
     p = workload_args(__doc__)
     p.add_argument("--repeats", type=int, default=2, help="rounds over the plans; each plan's best round counts")
     p.add_argument("--keep", default=None, help="keep the runs' directories under this folder")
