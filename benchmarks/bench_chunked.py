@@ -5,7 +5,8 @@ model larger than the actor, so inference is a real share of the iteration).
 PPO with lengths from the seeded EOS schedule (lognormal, p99 16x the median): actor and reference of model
 ``tiny``, critic and reward model of model ``small`` (``--setting rlhfuse``, the default; ~30x the actor's
 parameters, where RLHFuse pairs a 13B actor with a 33B or 65B critic) or all four ``small`` (``--setting rm``,
-bench_fusion.py's). Plans, each one ``realloc run``, in turn every round (``--repeats``, each plan's best round):
+bench_fusion.py's), or a ``tiny`` actor with a ``mid`` critic and reward model (``--setting fit``, what
+``bench_fusion.py --setting fit`` runs without the chunked disaggregated plans). Plans, each one ``realloc run``, in turn every round (``--repeats``, each plan's best round):
 
 - unfused: ``colocated dp 2`` (every call over both devices), ``disaggregated`` (generation on device 0, the
   inference calls on device 1, training over both) and ``searched, no tail`` (the search's best plan without a

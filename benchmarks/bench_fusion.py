@@ -10,6 +10,12 @@ PPO with lengths from the seeded EOS schedule, lognormal with p99 16x the median
   ``tiny`` actor's tail would be far too short to hide a ``small`` critic's and reward model's inference.
 - ``--setting rule``: the same with a rule reward (no reward model), so the inference stage is two passes (the
   setting of the first measurements in docs/streaming.md).
+- ``--setting fit``: the workload where fusion's premise holds on two devices (docs/streaming.md, "A workload
+  where fusion pays"): actor and reference ``tiny``, critic and reward model ``mid``, sized from measured per-device
+  times so that the inference on one device about equals the generation's tail. It runs bench_chunked.py's
+  comparison (the search's fused plan, the best unfused plans, the R_t sweep on the searched placement, RLHFuse's
+  migration on the colocated plan) with ``balance_tokens`` on, and prints the max/min tokens per dp rank; it takes
+  bench_chunked.py's options (``--repeats``, ``--search-time``, ``--profiles DIR``).
 
 Plans, each one ``realloc run``; generation and the actor's training at dp 2 over both devices in all of them:
 
@@ -38,6 +44,7 @@ request overheads, idle devices).
 
     .venv/bin/python benchmarks/bench_fusion.py [--setting rm|rule --rows 32 --gen-len 128 --iterations 4 --repeats 2
                                                  --breakdown]
+    .venv/bin/python benchmarks/bench_fusion.py --setting fit --repeats 2 [--profiles DIR]
 """
 
 from __future__ import annotations
