@@ -6,7 +6,8 @@ PPO with lengths from the seeded EOS schedule (lognormal, p99 16x the median): a
 ``tiny``, critic and reward model of model ``small`` (``--setting rlhfuse``, the default; ~30x the actor's
 parameters, where RLHFuse pairs a 13B actor with a 33B or 65B critic) or all four ``small`` (``--setting rm``,
 bench_fusion.py's), or a ``tiny`` actor with a ``mid`` critic and reward model (``--setting fit``, what
-``bench_fusion.py --setting fit`` runs without the chunked disaggregated plans). Plans, each one ``realloc run``, in turn every round (``--repeats``, each plan's best round):
+``bench_fusion.py --setting fit`` runs without the chunked disaggregated plans). Plans, each one ``realloc run``, in
+turn every round (``--repeats``, each plan's best round):
 
 - unfused: ``colocated dp 2`` (every call over both devices), ``disaggregated`` (generation on device 0, the
   inference calls on device 1, training over both) and ``searched, no tail`` (the search's best plan without a
@@ -61,7 +62,7 @@ def _plans(graph, report, chunked: bool = True) -> dict:
     won = report.plan
     plans["searched"] = won
     r = tail_rows(graph.spec.n_seqs(graph.call(GEN)), TAIL_GRID[0])
-    for k in (1, *CHUNK_GRID) if chunked else ():  # FlexRLHF's disaggregated placement streamed, in k chunks
+    for k in (1, *CHUNK_GRID) if chunked else ():  # FlexRLHF's disaggregated placement streamed in k chunks
         plans[f"disaggregated, {k} chunk(s)"] = ExecutionPlan.by_hand(graph, apart, source="hand", tail={GEN: (r, 0, k)})
     # RLHFuse's fusion (rlhfuse.txt §4) on the colocated plan: the generation over both devices moves its last R rows
     # to device 0, and device 1, freed, runs the inference calls on the finished rows; training over both

@@ -100,7 +100,8 @@ def write_experiment(path: Path, setting: str, rows: int, gen_len: int, actor: s
     reward, impl, rargs = SETTINGS[setting]
     path.write_text(EXPERIMENT.format(rows=rows, gen_len=gen_len, median=max(1, gen_len // 16), actor=actor,
                                       critic=critic, reward=critic if reward == "small-critic" else reward, impl=impl,
-                                      args=rargs, balance=balance_tokens, data=str(REPO / "experiments/data/ppo_tiny_prompts.jsonl")))
+                                      args=rargs, balance=balance_tokens,
+                                      data=str(REPO / "experiments/data/ppo_tiny_prompts.jsonl")))
 
 
 def _plans(graph, grid: list[int]):
