@@ -217,7 +217,8 @@ def print_breakdown(names: list[str], measured: dict[str, dict[str, float]], est
 def workload_args(doc: str | None) -> argparse.ArgumentParser:
     """The workload's options, shared with bench_streaming.py."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--setting", choices=sorted(SETTINGS), default="rm")
+    p.add_argument("--setting", choices=sorted(SETTINGS), default="rm",
+                   help="(bench_fusion.py also takes --setting fit: bench_chunked.py's comparison, see above)")
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--gen-len", type=int, default=128)
     p.add_argument("--iterations", type=int, default=4)
