@@ -5,7 +5,9 @@ model larger than the actor, so inference is a real share of the iteration).
 PPO with lengths from the seeded EOS schedule (lognormal, p99 16x the median): actor and reference of model
 ``tiny``, critic and reward model of model ``small`` (``--setting rlhfuse``, the default; ~30x the actor's
 parameters, where RLHFuse pairs a 13B actor with a 33B or 65B critic) or all four ``small`` (``--setting rm``,
-bench_fusion.py's). Plans, each one ``realloc run``, in turn every round (``--repeats``, each plan's best round):
+bench_fusion.py's), or a ``tiny`` actor with a ``mid`` critic and reward model (``--setting fit``, what
+``bench_fusion.py --setting fit`` runs without the chunked disaggregated plans). Plans, each one ``realloc run``, in
+turn every round (``--repeats``, each plan's best round):
 
 - unfused: ``colocated dp 2`` (every call over both devices), ``disaggregated`` (generation on device 0, the
   inference calls on device 1, training over both) and ``searched, no tail`` (the search's best plan without a
@@ -43,9 +45,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 REPO = Path(__file__).resolve().parents[1]
 GEN, INFERENCE, TRAIN = "actor_gen", ("rew_inf", "ref_inf", "critic_inf"), ("actor_train", "critic_train")
-SETTINGS = {"rlhfuse": ("tiny", "small"), "rm": ("small", "small")}  # actor and reference, critic and reward model
+SETTINGS = {"rlhfuse": ("tiny", "small"), "rm": ("small", "small"),  # actor and reference, critic and reward model
+            "fit": ("tiny", "mid")}  # bench_fusion.py --setting fit: inference on one device ~ the generation's tail
 
-def _plans(graph, report) -> dict:
+def _plans(graph, report, chunked: bool = True) -> dict:
     from realloc.estimator.chunk_cost import CHUNK_GRID
     from realloc.estimator.tail_cost import TAIL_GRID, tail_rows
     from realloc.graph.plan import ExecutionPlan
@@ -59,7 +62,7 @@ def _plans(graph, report) -> dict:
     won = report.plan
     plans["searched"] = won
     r = tail_rows(graph.spec.n_seqs(graph.call(GEN)), TAIL_GRID[0])
-    for k in (1, *CHUNK_GRID):  # FlexRLHF's disaggregated placement streamed, in k chunks
+    for k in (1, *CHUNK_GRID) if chunked else ():  # FlexRLHF's disaggregated placement streamed in k chunks
         plans[f"disaggregated, {k} chunk(s)"] = ExecutionPlan.by_hand(graph, apart, source="hand", tail={GEN: (r, 0, k)})
     # RLHFuse's fusion (rlhfuse.txt §4) on the colocated plan: the generation over both devices moves its last R rows
     # to device 0, and device 1, freed, runs the inference calls on the finished rows; training over both
@@ -173,9 +176,10 @@ def _run(exp: Path, plan, run_dir: Path, iterations: int, env: dict) -> tuple[fl
     return _measured(run_dir)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--setting", choices=sorted(SETTINGS), default="rlhfuse")
+def chunked_args(doc: str | None, default: str = "rlhfuse") -> argparse.ArgumentParser:
+    """The options of this benchmark (also bench_fusion.py's for ``--setting fit``)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--setting", choices=sorted(SETTINGS), default=default)
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--gen-len", type=int, default=128)
     p.add_argument("--iterations", type=int, default=4)
@@ -184,7 +188,16 @@ def main() -> int:
     p.add_argument("--profiles", default=None, help="profiles folder ($REALLOC_PROFILES) for estimates and runs")
     p.add_argument("--keep", default=None, help="keep the runs' directories under this folder")
     p.add_argument("--estimate-only", action="store_true", help="print the estimates without running")
-    args = p.parse_args()
+    return p
+
+
+def main() -> int:
+    return compare(chunked_args(__doc__).parse_args())
+
+
+def compare(args: argparse.Namespace, chunked: bool = True, balance_tokens: bool = False) -> int:
+    """Search, run every plan in turn ``args.repeats`` rounds, print the table. ``chunked``: also the disaggregated
+    placement in 1, 2 and 4 chunks; ``balance_tokens``: the experiment deals rows to dp ranks by tokens."""
     if args.profiles:
         os.environ["REALLOC_PROFILES"] = str(Path(args.profiles).resolve())
     from bench_fusion import write_experiment
@@ -199,10 +212,11 @@ def main() -> int:
         tmp = Path(args.keep or scratch)
         tmp.mkdir(parents=True, exist_ok=True)
         exp = tmp / f"chunked_ppo_{args.setting}.py"
-        write_experiment(exp, "rm", args.rows, args.gen_len, actor, critic + "-critic")  # a learned reward model
+        write_experiment(exp, "rm", args.rows, args.gen_len, actor, critic + "-critic",  # a learned reward model
+                         balance_tokens=balance_tokens)
         graph = build_graph(load_experiment(str(exp)))
         report = plan_search(str(exp), time_limit=args.search_time, n_threads=1, seed=0, runnable=RunLimits())
-        plans = _plans(graph, report)
+        plans = _plans(graph, report, chunked)
         est = {n: _estimated(graph, plan) for n, plan in plans.items()}
         env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(REPO)}
         measured: dict[str, list] = {n: [] for n in plans}
@@ -245,7 +259,39 @@ def main() -> int:
         print(f"{what}: best unfused '{base}' {rows[base][k]:.3f} s; searched fused {rows['searched'][k]:.3f} s "
               f"({rows[base][k] / rows['searched'][k]:.2f}x); best fused of the sweep '{best}' {rows[best][k]:.3f} s "
               f"({rows[base][k] / rows[best][k]:.2f}x)")
+    sweep = sorted((plans[n].tail[GEN].rows, n) for n in fused if n == "searched" or n.startswith("R="))
+    if len(sweep) > 1:  # the searched R_t against the sweep's best, in grid steps (the issue's "within one")
+        names = [n for _, n in sweep]
+        for what, k in (("generation + inference", col), ("iteration", col + 1)):
+            best = min(names, key=lambda n: rows[n][k])
+            print(f"R_t sweep by {what}: best R = {plans[best].tail[GEN].rows} ({rows[best][k]:.3f} s), searched R = "
+                  f"{plans['searched'].tail[GEN].rows}: {abs(names.index(best) - names.index('searched'))} grid "
+                  f"step(s) apart")
+    if balance_tokens:
+        print(token_balance(args.rows, args.gen_len, args.iterations))
     return 0
+
+
+def token_balance(rows: int, gen_len: int, iterations: int, prompt: int = 8) -> str:
+    """Max/min tokens (prompt + response) per dp rank at dp 2 over the iterations' scheduled lengths (the lengths
+    the runs generate: the EOS schedule's, seeded per iteration as algorithms/common.py seeds it), dealt by rows
+    and by tokens (``balance_tokens``: graph/row_balance.py, what the master deals the dp-2 calls by)."""
+    from realloc.graph.row_balance import rank_tokens, token_balanced_ranges
+    from realloc.graph.transfer_plan import dp_ranges
+    from realloc.lengths import ResponseLengths
+    from realloc.models.length_schedule import scheduled_lengths
+    from realloc.models.weights import param_seed
+
+    sched = ResponseLengths.lognormal(median=max(1, gen_len // 16), p99=gen_len)
+    by_rows, by_tokens = [], []
+    for it in range(iterations):
+        tokens = [prompt + n for n in scheduled_lengths(sched, gen_len, param_seed(1, f"generate/{it}"), range(rows))]
+        for out, ranges in ((by_rows, dp_ranges(rows, 2)), (by_tokens, token_balanced_ranges(tokens, 2))):
+            per = rank_tokens(tokens, ranges)
+            out.append(max(per) / min(per))
+    return (f"max/min tokens per dp rank at dp 2, iterations 1..{iterations}: dealt by rows {min(by_rows):.3f}-"
+            f"{max(by_rows):.3f}, by tokens (balance_tokens, as these runs deal the whole batch) "
+            f"{min(by_tokens):.3f}-{max(by_tokens):.3f}")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,12 @@ PPO with lengths from the seeded EOS schedule, lognormal with p99 16x the median
   ``tiny`` actor's tail would be far too short to hide a ``small`` critic's and reward model's inference.
 - ``--setting rule``: the same with a rule reward (no reward model), so the inference stage is two passes (the
   setting of the first measurements in docs/streaming.md).
+- ``--setting fit``: the workload where fusion's premise holds on two devices (docs/streaming.md, "A workload
+  where fusion pays"): actor and reference ``tiny``, critic and reward model ``mid``, sized from measured per-device
+  times so that the inference on one device about equals the generation's tail. It runs bench_chunked.py's
+  comparison (the search's fused plan, the best unfused plans, the R_t sweep on the searched placement, RLHFuse's
+  migration on the colocated plan) with ``balance_tokens`` on, and prints the max/min tokens per dp rank; it takes
+  bench_chunked.py's options (``--repeats``, ``--search-time``, ``--profiles DIR``).
 
 Plans, each one ``realloc run``; generation and the actor's training at dp 2 over both devices in all of them:
 
@@ -38,6 +44,7 @@ request overheads, idle devices).
 
     .venv/bin/python benchmarks/bench_fusion.py [--setting rm|rule --rows 32 --gen-len 128 --iterations 4 --repeats 2
                                                  --breakdown]
+    .venv/bin/python benchmarks/bench_fusion.py --setting fit --repeats 2 [--profiles DIR]
 """
 
 from __future__ import annotations
@@ -70,6 +77,7 @@ class FusionPPO:
     seed: int = 1
     dataset: str = {data!r}
     iterations: int = 4
+    balance_tokens: bool = {balance}
     ppo: PPOConfig = PPOConfig(n_minibatches=2, lr=1e-3, critic_lr=1e-3, kl_coef=0.01,
                                length_schedule=ResponseLengths.lognormal(median={median}, p99={gen_len}))
 
@@ -86,13 +94,14 @@ SETTINGS = {  # reward model type, interface, arguments
 
 
 def write_experiment(path: Path, setting: str, rows: int, gen_len: int, actor: str = "small",
-                     critic: str = "small-critic") -> None:
+                     critic: str = "small-critic", balance_tokens: bool = False) -> None:
     """The experiment file of a setting (also bench_streaming.py's and bench_chunked.py's): PPO with lengths
     lognormal, median gen_len / 16, p99 gen_len."""
     reward, impl, rargs = SETTINGS[setting]
     path.write_text(EXPERIMENT.format(rows=rows, gen_len=gen_len, median=max(1, gen_len // 16), actor=actor,
                                       critic=critic, reward=critic if reward == "small-critic" else reward, impl=impl,
-                                      args=rargs, data=str(REPO / "experiments/data/ppo_tiny_prompts.jsonl")))
+                                      args=rargs, balance=balance_tokens,
+                                      data=str(REPO / "experiments/data/ppo_tiny_prompts.jsonl")))
 
 
 def _plans(graph, grid: list[int]):
@@ -208,7 +217,8 @@ def print_breakdown(names: list[str], measured: dict[str, dict[str, float]], est
 def workload_args(doc: str | None) -> argparse.ArgumentParser:
     """The workload's options, shared with bench_streaming.py."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--setting", choices=sorted(SETTINGS), default="rm")
+    p.add_argument("--setting", choices=sorted(SETTINGS), default="rm",
+                   help="(bench_fusion.py also takes --setting fit: bench_chunked.py's comparison, see above)")
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--gen-len", type=int, default=128)
     p.add_argument("--iterations", type=int, default=4)
@@ -216,6 +226,12 @@ def workload_args(doc: str | None) -> argparse.ArgumentParser:
 
 
 def main() -> int:
+    pick = argparse.ArgumentParser(add_help=False)
+    pick.add_argument("--setting")
+    if pick.parse_known_args()[0].setting == "fit":  # the searched plans, bench_chunked.py's comparison
+        from bench_chunked import chunked_args, compare
+
+        return compare(chunked_args(__doc__, "fit").parse_args(), chunked=False, balance_tokens=True)
     p = workload_args(__doc__)
     p.add_argument("--repeats", type=int, default=2, help="rounds over the plans; each plan's best round counts")
     p.add_argument("--keep", default=None, help="keep the runs' directories under this folder")

@@ -265,6 +265,10 @@ _BASE_CONFIGS: tuple[ModelConfig, ...] = (
     ModelConfig("tiny", 64, 64, 176, 4, 4, 4, max_position_embeddings=256),
     ModelConfig("tiny-gqa", 64, 64, 176, 4, 4, 2, max_position_embeddings=256),
     ModelConfig("small", 256, 256, 704, 8, 8, 4, max_position_embeddings=512),
+    # Between tiny and small (about a quarter of small's forward time): the critic and reward model of
+    # benchmarks/bench_fusion.py --setting fit, sized so that their inference on one device about equals a tiny
+    # actor's long-tailed generation tail (docs/streaming.md, "A workload where fusion pays").
+    ModelConfig("mid", 256, 128, 352, 4, 4, 4, max_position_embeddings=512),
 )
 
 # The paper's Figure 5 spells the 7B model "llama7b".
