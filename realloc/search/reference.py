@@ -127,7 +127,8 @@ def _build_nodes(p: SearchProblem, plan: Sequence[int], missing: set | None = No
             # bounded staleness: gates and the snapshot (stale_reference.py)
             push_before(nodes, index, p, c, t, lambda c, x, t: _Node(GATE, c, x, t),
                         lambda c, home, t: _Node(REALLOC, c, home, t, 0.0 if aliased(p, plan, c, stale_of[c]) else
-                                                 realloc_cost(home, c), mesh(home) | mesh(c)))
+                                                 realloc_cost(home, c),
+                                                 mesh(c) if _in_place(p, plan, home, c) else mesh(home) | mesh(c)))
             seq = model_calls[p.call_model[c]]
             if c not in stale and len(seq) > 1:
                 prev = seq[seq.index(c) - 1]  # the last call for the first one
