@@ -7,6 +7,15 @@ import pytest
 from hf_assets import HFAssets
 
 
+@pytest.fixture(autouse=True)
+def _no_profiles_folder_left_behind(monkeypatch):
+    """``--profiles DIR`` (cli.py) and benchmarks/fresh_profile.use set ``$REALLOC_PROFILES`` for the whole process,
+    so a test that runs them in-process would price every later test's plans on its profiles (a search test failed
+    only after test_fresh_profile). Each test starts without it, and whatever it sets is undone after it."""
+    monkeypatch.setenv("REALLOC_PROFILES", "")
+    monkeypatch.delenv("REALLOC_PROFILES")
+
+
 @pytest.fixture(scope="session")
 def hf_assets(tmp_path_factory) -> HFAssets:
     """The tiny tokenizer and HF checkpoints of tests/hf_assets.py, each built on first use."""

@@ -78,7 +78,8 @@ def test_profile_models_writes_a_profiles_folder_the_estimator_reads(tmp_path, m
         return 0
 
     monkeypatch.setattr(fresh_profile.cli, "main", fake_cli)
-    monkeypatch.delenv(PROFILES_ENV, raising=False)  # and restores after the test
+    monkeypatch.setenv(PROFILES_ENV, "")  # so that monkeypatch removes it again after the test: delenv of an
+    monkeypatch.delenv(PROFILES_ENV)  # unset variable records nothing to undo, and use() below leaked it
     graph = build_graph(load_experiment(str(REPO / "experiments/ppo_small.py")))
     assert fresh_profile.model_types(graph) == ["small"]  # the critic shares the actor's table
     folder = fresh_profile.profile_models(fresh_profile.model_types(graph), tmp_path / "p", rows=4, seq=32)
