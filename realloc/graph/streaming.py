@@ -91,28 +91,28 @@ def check_runtime_tail(plan: "ExecutionPlan", graph: "DataflowGraph") -> None:
     """One ValueError if the runtime cannot carry out a tail entry of ``plan``: a migrating generation must run at pp
     1 (its replicas count decode steps in lockstep, and phase 2 re-runs a prefill at pp 1); streaming runs at any pp
     (micro-batch streaming, and a multi-turn stream, at pp 1 only). Staleness > 0 runs: the schedule already starts
-    the generation of iteration t + 1 only after iteration t's whole call (it reads parameters whose train step, or whose snapshot,
-    waits for that call: master_schedule._stale_readers, _snapshot_deps), so the freed devices run the split
-    consumers' part 1 first, and a streamed call's second request comes before the next call's first."""
+    the generation of iteration t + 1 only after iteration t's whole call (it reads parameters whose train step, or
+    whose snapshot, waits for that call: master_schedule._stale_readers, _snapshot_deps), so the freed devices run
+    the split consumers' part 1 first, and a streamed call's second request comes before the next call's first."""
     partial = partial_rollout_calls(graph)
-    for call in plan.tail:
-        why = tail_unsupported(graph, call, partial, plan.tail[call].streams_only)
+    for call, t in plan.tail.items():
+        why = tail_unsupported(graph, call, partial, t.streams_only)
         if why:
             raise ValueError(f"plan field 'tail' entry {call!r}: {why}; drop the entry")
         p = plan.placements[call]
         iface = graph.interfaces.get(call)
-        if p.pp != 1 and iface is not None and not iface.migrates_tail:  # turn by turn: its own loop, at pp 1
+        turn_by_turn = iface is not None and not iface.migrates_tail  # a multi-turn loop of its own, at pp 1
+        if p.pp != 1 and turn_by_turn:
             raise ValueError(f"plan field 'tail' entry {call!r}: interface {iface.name!r} generates turn by turn, "
                              f"which the runtime streams at pp 1 only, and the call runs at pp {p.pp}; place it with "
                              f"pp=1 or drop the entry")
-        if plan.tail[call].micro_batches and (p.pp != 1 or (iface is not None and not iface.migrates_tail)):
+        if t.micro_batches and (p.pp != 1 or turn_by_turn):
             raise ValueError(f"plan field 'tail' entry {call!r}: micro_batches hands on a generation's micro-batches "
                              f"one by one at pp 1 and for a generation decoded row by row only (the call runs at pp "
-                             f"{p.pp}{'' if iface is None or iface.migrates_tail else ', turn by turn'}); drop "
-                             f"micro_batches")
-        if plan.tail[call].micro_batches:
-            _check_mb_entry(graph, call, plan.tail[call], p.n_mbs)
-        if p.pp != 1 and not plan.tail[call].streams_only:  # streaming steps through the stages (stream_pipeline.py)
+                             f"{p.pp}{', turn by turn' if turn_by_turn else ''}); drop micro_batches")
+        if t.micro_batches:
+            _check_mb_entry(graph, call, t, p.n_mbs)
+        if p.pp != 1 and not t.streams_only:  # streaming steps through the stages (stream_pipeline.py)
             raise ValueError(f"plan field 'tail' entry {call!r}: the runtime migrates the tail of a generation at pp "
                              f"1 only (it streams at any pp: instances=0), and the call runs at pp {p.pp}; place it "
                              f"with pp=1, set instances=0 or drop the entry")

@@ -106,17 +106,16 @@ def with_tail_rows(graph: DataflowGraph, cost: CostModel, call: str,
     varied, by_mb = varied_lengths(graph), streams_micro_batches(graph)
     for i, cand in enumerate(cc.options):
         s = cand.strategy
-        if s.pp == 1 and cand.mesh.size < n_devices and multiturn:
+        streams = s.pp == 1 and cand.mesh.size < n_devices  # a mesh that leaves devices for a consumer to stream to
+        if streams and multiturn:
             rows_stream, choices_stream = turn_stream_rows(cost, call, i, cand, n)
             rows += rows_stream
             choices += choices_stream
-        elif s.pp == 1 and cand.mesh.size < n_devices and varied:  # streaming without migration (m = 0,
-            # stream_cost.py): at any dp, on a mesh that leaves devices for a consumer to stream to
+        elif streams and varied:  # streaming without migration (m = 0, stream_cost.py), at any dp
             rows_stream, choices_stream = stream_rows(cost, call, i, cand, n, phase1)
             rows += rows_stream
             choices += choices_stream
-        if s.pp == 1 and cand.mesh.size < n_devices and by_mb and not multiturn:  # micro-batches across pools
-            # (mb_stream_space.py)
+        if streams and by_mb and not multiturn:  # micro-batches across pools (mb_stream_space.py)
             rows_mb, choices_mb = mb_rows(cost, call, i, cand, n)
             rows += rows_mb
             choices += [TailChoice(*f) for f in choices_mb]
