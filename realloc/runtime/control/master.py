@@ -168,6 +168,7 @@ class Master(MasterLink, IterationSchedule, TailStreams, EvaluationPasses, Check
         self.samples: dict[int, dict[tuple[str, int], dict[str, Any]]] = {}  # t -> (key, seq) -> merged fields
         self.versions: dict[int, dict[str, int]] = {}  # t -> stale call -> the parameter version it generated with
         self.tasks: set[asyncio.Task] = set()
+        self.background: set[asyncio.Task] = set()  # replies no node waits for (_wait_in_background)
         # Created by run(): they stream to the run directory, so a long run keeps a flat memory footprint.
         self.trace: Trace | None = None
         self.requests: RequestLog | None = None
@@ -222,6 +223,12 @@ class Master(MasterLink, IterationSchedule, TailStreams, EvaluationPasses, Check
             self.t_start = time.time()
             self.stats.start(self.t_start)
             await self._guard(self._run_iterations())
+            # A release that no node waited for may still be running, or have failed, on a worker: the run has
+            # not gone well until it has replied.
+            if self.background:  # asyncio.wait, not gather: a failure elsewhere must not cancel them here
+                await self._guard(asyncio.wait(set(self.background)))
+            if self.failure is not None:
+                raise RunFailed(self.failure)
             if self.exports:
                 await self._guard(asyncio.gather(*self.exports))
             shutdown = self._send(range(self.n_workers), "shutdown", "shutdown", -1, "shutdown",
@@ -315,9 +322,11 @@ class Master(MasterLink, IterationSchedule, TailStreams, EvaluationPasses, Check
         task = asyncio.ensure_future(aw)
         stop = asyncio.ensure_future(self.abort.wait())
         done, _ = await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
+        if task in done and stop not in done:  # both at once: the failure wins
             stop.cancel()
             return task.result()
+        if task.done() and not task.cancelled():
+            task.exception()  # retrieved: the run's failure is what is reported
         task.cancel()
         raise RunFailed(self.failure or "the run was aborted")
 

@@ -283,7 +283,7 @@ class IterationSchedule:
         early = await asyncio.gather(*(self.futures[rec.req, k] for k in rec.ranks if k in needed))
         if not all(rep.ok for rep in early):
             await self._wait(rec)  # reports the failure
-        self._task(self._wait_quietly(rec))
+        self._wait_in_background(rec)
 
     def _realloc_ranks(self, n: Node) -> list[int]:
         return sorted(set(self.program.calls[n.src].ranks) | set(self.program.calls[n.dst].ranks))
@@ -323,7 +323,7 @@ class IterationSchedule:
             self.done.pop(k - 1, None)  # iteration k + 1 waits only on iteration k
             rel = self._send(range(self.n_workers), "release", "release data", k, "release",
                              lambda req, k=k: protocol.ReleaseData(req=req, before_iteration=k + 1))
-            self._task(self._wait_quietly(rel))
+            self._wait_in_background(rel)
             for c in list(self.cached):
                 if c[1] <= k:
                     self.cached.pop(c, None)
@@ -356,6 +356,14 @@ class IterationSchedule:
         n = {c: self.spec.n_seqs(self.graph.call(c)) for c in versions}
         mean = sum(lag[c] * n[c] for c in versions) / sum(n.values())
         return {"max": lag[worst], "mean": mean, "versions": versions}
+
+    def _wait_in_background(self, rec: RequestRecord) -> None:
+        """Wait for ``rec``'s replies without holding any node; a failure still stops the run, and the run does
+        not end before every such wait has (Master.run), so a failing last reply is never lost."""
+        task = asyncio.create_task(self._wait_quietly(rec))
+        for tasks in (self.tasks, self.background):
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
 
     def _task(self, coro: Any) -> None:
         """Run ``coro`` as a task the master cancels at the end; it forgets the task when it finishes."""
