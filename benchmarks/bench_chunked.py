@@ -46,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 REPO = Path(__file__).resolve().parents[1]
 GEN, INFERENCE, TRAIN = "actor_gen", ("rew_inf", "ref_inf", "critic_inf"), ("actor_train", "critic_train")
 SETTINGS = {"rlhfuse": ("tiny", "small"), "rm": ("small", "small"),  # actor and reference, critic and reward model
-            "fit": ("tiny", "mid")}  # bench_fusion.py --setting fit: inference on one device ~ the generation's tail
+            "fit": ("tiny", "mid"),  # bench_fusion.py --setting fit: inference on one device ~ the generation's tail
+            "long": ("tiny", "tiny")}  # bench_fusion.py --setting long: 128 rows, inference on one device ~ generation
 
 def _plans(graph, report, chunked: bool = True) -> dict:
     from realloc.estimator.chunk_cost import CHUNK_GRID
@@ -68,6 +69,9 @@ def _plans(graph, report, chunked: bool = True) -> dict:
     # to device 0, and device 1, freed, runs the inference calls on the finished rows; training over both
     freed = {c: dev1 if c in INFERENCE else both for c in graph.spec.call_names}
     plans[f"colocated, migrate R={r}"] = ExecutionPlan.by_hand(graph, freed, source="hand", tail={GEN: (r, 1)})
+    for share in TAIL_GRID[1:3] if not chunked else ():  # fit/long: RLHFuse's R_t over 10 and 20% too (its Fig. 9)
+        k = tail_rows(graph.spec.n_seqs(graph.call(GEN)), share)
+        plans[f"colocated, migrate R={k}"] = ExecutionPlan.by_hand(graph, freed, source="hand", tail={GEN: (k, 1)})
     tail = won.tail.get(GEN)
     if tail is None:
         return plans
@@ -182,12 +186,16 @@ def chunked_args(doc: str | None, default: str = "rlhfuse") -> argparse.Argument
     p.add_argument("--setting", choices=sorted(SETTINGS), default=default)
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--gen-len", type=int, default=128)
+    p.add_argument("--median", type=int, default=None, help="the lengths' median (default gen-len / 16; p99 gen-len)")
+    p.add_argument("--prompt", type=int, default=8, help="prompt tokens per row (8: the shipped prompts)")
     p.add_argument("--iterations", type=int, default=4)
     p.add_argument("--repeats", type=int, default=1, help="rounds over the plans; each plan's best round counts")
     p.add_argument("--search-time", type=float, default=20.0)
     p.add_argument("--profiles", default=None, help="profiles folder ($REALLOC_PROFILES) for estimates and runs")
     p.add_argument("--keep", default=None, help="keep the runs' directories under this folder")
     p.add_argument("--estimate-only", action="store_true", help="print the estimates without running")
+    if default == "long":  # bench_fusion.py --setting long: docs/streaming.md, "A longer batch"
+        p.set_defaults(rows=128, prompt=32, median=4)
     return p
 
 
@@ -207,13 +215,13 @@ def compare(args: argparse.Namespace, chunked: bool = True, balance_tokens: bool
     from realloc.search.planner import RunLimits, plan_search
 
     actor, critic = SETTINGS[args.setting]
-    median = max(1, args.gen_len // 16)
+    median = args.median or max(1, args.gen_len // 16)
     with tempfile.TemporaryDirectory() as scratch:
         tmp = Path(args.keep or scratch)
         tmp.mkdir(parents=True, exist_ok=True)
         exp = tmp / f"chunked_ppo_{args.setting}.py"
         write_experiment(exp, "rm", args.rows, args.gen_len, actor, critic + "-critic",  # a learned reward model
-                         balance_tokens=balance_tokens)
+                         balance_tokens=balance_tokens, median=median, prompt=args.prompt)
         graph = build_graph(load_experiment(str(exp)))
         report = plan_search(str(exp), time_limit=args.search_time, n_threads=1, seed=0, runnable=RunLimits())
         plans = _plans(graph, report, chunked)
@@ -227,7 +235,7 @@ def compare(args: argparse.Namespace, chunked: bool = True, balance_tokens: bool
                 run_dir = tmp / f"{args.setting}_{''.join(ch if ch.isalnum() else '_' for ch in name)}_{rep}"
                 measured[name].append(_run(exp, plan, run_dir, args.iterations, env))
     print(f"setting {args.setting}: PPO, actor and reference {actor}, critic and reward model {critic}; 2 CPU devices; "
-          f"{args.rows} rows of 8 prompt tokens, lengths lognormal median {median}, p99 {args.gen_len}; "
+          f"{args.rows} rows of {args.prompt} prompt tokens, lengths lognormal median {median}, p99 {args.gen_len}; "
           f"{args.iterations} iterations, medians over 2..{args.iterations}, the best of {args.repeats} rounds; "
           f"load average {min(loads, default=0):.1f}-{max(loads, default=0):.1f}; profiles "
           f"{os.environ.get('REALLOC_PROFILES', 'shipped')}")
@@ -259,7 +267,8 @@ def compare(args: argparse.Namespace, chunked: bool = True, balance_tokens: bool
         print(f"{what}: best unfused '{base}' {rows[base][k]:.3f} s; searched fused {rows['searched'][k]:.3f} s "
               f"({rows[base][k] / rows['searched'][k]:.2f}x); best fused of the sweep '{best}' {rows[best][k]:.3f} s "
               f"({rows[base][k] / rows[best][k]:.2f}x)")
-    sweep = sorted((plans[n].tail[GEN].rows, n) for n in fused if n == "searched" or n.startswith("R="))
+    sweep = sorted((plans[n].tail[GEN].rows, n) for n in fused if GEN in plans[n].tail and (n == "searched"
+                                                                                           or n.startswith("R=")))
     if len(sweep) > 1:  # the searched R_t against the sweep's best, in grid steps (the issue's "within one")
         names = [n for _, n in sweep]
         for what, k in (("generation + inference", col), ("iteration", col + 1)):
@@ -268,11 +277,11 @@ def compare(args: argparse.Namespace, chunked: bool = True, balance_tokens: bool
                   f"{plans['searched'].tail[GEN].rows}: {abs(names.index(best) - names.index('searched'))} grid "
                   f"step(s) apart")
     if balance_tokens:
-        print(token_balance(args.rows, args.gen_len, args.iterations))
+        print(token_balance(args.rows, args.gen_len, args.iterations, args.prompt, median))
     return 0
 
 
-def token_balance(rows: int, gen_len: int, iterations: int, prompt: int = 8) -> str:
+def token_balance(rows: int, gen_len: int, iterations: int, prompt: int = 8, median: int | None = None) -> str:
     """Max/min tokens (prompt + response) per dp rank at dp 2 over the iterations' scheduled lengths (the lengths
     the runs generate: the EOS schedule's, seeded per iteration as algorithms/common.py seeds it), dealt by rows
     and by tokens (``balance_tokens``: graph/row_balance.py, what the master deals the dp-2 calls by)."""
@@ -282,7 +291,7 @@ def token_balance(rows: int, gen_len: int, iterations: int, prompt: int = 8) -> 
     from realloc.models.length_schedule import scheduled_lengths
     from realloc.models.weights import param_seed
 
-    sched = ResponseLengths.lognormal(median=max(1, gen_len // 16), p99=gen_len)
+    sched = ResponseLengths.lognormal(median=median or max(1, gen_len // 16), p99=gen_len)
     by_rows, by_tokens = [], []
     for it in range(iterations):
         tokens = [prompt + n for n in scheduled_lengths(sched, gen_len, param_seed(1, f"generate/{it}"), range(rows))]

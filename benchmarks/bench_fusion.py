@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -70,7 +71,7 @@ from realloc.algorithms.ppo.ppo_config import PPOConfig, ppo_rpcs
 from realloc.api import ResponseLengths, auto
 
 
-@auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size={rows}, prompt_len=8, gen_len={gen_len},
+@auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size={rows}, prompt_len={prompt}, gen_len={gen_len},
       response_lengths=ResponseLengths.lognormal(median={median}, p99={gen_len}))
 @dataclasses.dataclass
 class FusionPPO:
@@ -94,14 +95,23 @@ SETTINGS = {  # reward model type, interface, arguments
 
 
 def write_experiment(path: Path, setting: str, rows: int, gen_len: int, actor: str = "small",
-                     critic: str = "small-critic", balance_tokens: bool = False) -> None:
+                     critic: str = "small-critic", balance_tokens: bool = False, median: int | None = None,
+                     prompt: int = 8) -> None:
     """The experiment file of a setting (also bench_streaming.py's and bench_chunked.py's): PPO with lengths
-    lognormal, median gen_len / 16, p99 gen_len."""
+    lognormal, median ``median`` (default gen_len / 16), p99 gen_len, on prompts of ``prompt`` tokens (the shipped
+    8-token prompts, or 512 seeded random prompts of that length written beside the experiment)."""
     reward, impl, rargs = SETTINGS[setting]
-    path.write_text(EXPERIMENT.format(rows=rows, gen_len=gen_len, median=max(1, gen_len // 16), actor=actor,
+    median = median or max(1, gen_len // 16)
+    data = REPO / "experiments/data/ppo_tiny_prompts.jsonl"
+    if prompt != 8:
+        rng = random.Random(prompt)
+        data = path.with_name(f"prompts_{prompt}.jsonl")
+        data.write_text("".join(json.dumps({"prompt": [rng.randrange(64) for _ in range(prompt)]}) + "\n"
+                                for _ in range(512)))
+    path.write_text(EXPERIMENT.format(rows=rows, gen_len=gen_len, median=median, actor=actor,
                                       critic=critic, reward=critic if reward == "small-critic" else reward, impl=impl,
                                       args=rargs, balance=balance_tokens,
-                                      data=str(REPO / "experiments/data/ppo_tiny_prompts.jsonl")))
+                                      prompt=prompt, data=str(data)))
 
 
 def _plans(graph, grid: list[int]):
@@ -228,10 +238,11 @@ def workload_args(doc: str | None) -> argparse.ArgumentParser:
 def main() -> int:
     pick = argparse.ArgumentParser(add_help=False)
     pick.add_argument("--setting")
-    if pick.parse_known_args()[0].setting == "fit":  # the searched plans, bench_chunked.py's comparison
+    setting = pick.parse_known_args()[0].setting
+    if setting in ("fit", "long"):  # the searched plans, bench_chunked.py's comparison
         from bench_chunked import chunked_args, compare
 
-        return compare(chunked_args(__doc__, "fit").parse_args(), chunked=False, balance_tokens=True)
+        return compare(chunked_args(__doc__, setting).parse_args(), chunked=False, balance_tokens=True)
     p = workload_args(__doc__)
     p.add_argument("--repeats", type=int, default=2, help="rounds over the plans; each plan's best round counts")
     p.add_argument("--keep", default=None, help="keep the runs' directories under this folder")
