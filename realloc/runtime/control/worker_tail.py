@@ -4,9 +4,9 @@ Every dp replica of the call runs this inside the same ``RunCall`` request:
 
 1. The interface function runs once with a stand-in model that records its ``generate`` call (prompts, sampling
    config, sequence ids, micro-batches) and stops it there.
-2. Phase 1 (``models/tail_decode.decode_until``): the replica decodes its rows; after every step the replicas sum
-   their unfinished rows over the dp group (an asynchronous all-reduce, ``AsyncCounts``: no replica waits for the
-   others at every step), and the migration point is the first step where the whole call has at most R_t left.
+2. Phase 1 (``models/tail_decode.decode_until``): the replica decodes its rows; the replicas sum their unfinished
+   rows per step over the dp group (asynchronous all-reduces of a few steps' counts each, ``AsyncCounts``: no
+   replica waits for the others at every step), and the migration point is the first step where the whole call has at most R_t left.
    A replica that decoded past it takes its unfinished rows back to it.
 3. Migration: one all-gather over the dp group carries rows -- each with its inputs, prompt, tokens and log-probs so
    far -- the tail rows of every replica to replicas 0..m-1, the finished rows of replicas 0..m-1 to the freed
@@ -173,22 +173,33 @@ def _gather(table: dict[str, torch.Tensor], group: Any, dp: int, device: torch.d
     return {name: torch.cat([p[name] for p in parts]) for name in table}
 
 
+COUNT_WINDOW = 4  # decode steps per count reduction (below)
+
+
 class AsyncCounts:
     """The whole call's unfinished rows per phase-1 step, as asynchronous all-reduces over the dp group
     (``tail_decode.StepCounts``): a replica posts its count after each step and decodes on; it waits only when it
-    has nothing left to decode. Each reduction sums [count, done marker]. Once a replica knows the migration point
-    it stops posting counts, but replicas stop at different steps, and gloo pairs collectives by their order: so
-    ``close`` posts done markers (waiting for each) until one reduction carries every replica's marker. Then every
-    replica has issued the same collectives and the group is free for the all-gather."""
+    has nothing left to decode. One reduction carries the counts of ``window`` consecutive steps and a done marker
+    (steps 0..w-1, w..2w-1, ...: the same windows on every replica, so the reductions pair up): a reduction per
+    step cost each replica a gloo round trip per decode step, and under load the counts fell a hundred steps behind
+    the decoding (docs/streaming.md, "A longer batch"). The migration point is still the first step whose count is
+    at most R_t; a replica learns it up to ``window`` - 1 steps later, and phase 1 takes back what it decoded past
+    it. A replica with nothing left to decode sends its open window at once, the steps it has not posted yet as 0
+    (its count from now on), and skips those posts. Once a replica knows the migration point it stops posting
+    counts, but replicas stop at different windows, and gloo pairs collectives by their order: so ``close`` posts
+    done markers (waiting for each) until one reduction carries every replica's marker. Then every replica has
+    issued the same collectives and the group is free for the all-gather."""
 
-    def __init__(self, group: Any, dp: int) -> None:
-        self.group, self.dp = group, dp
+    def __init__(self, group: Any, dp: int, window: int = COUNT_WINDOW) -> None:
+        self.group, self.dp, self.window = group, dp, window
         self.pending: collections.deque = collections.deque()
+        self.open: list[int] = []  # this replica's counts of the current window, not sent yet
+        self.covered = 0  # posts a window sent early already covers (as 0)
         self.posted = self.waits = 0
         self.waited = 0.0
 
-    def _issue(self, count: int, done: int) -> None:
-        buf = torch.tensor([count, done], dtype=torch.long)
+    def _issue(self, counts: list[int], done: int) -> None:
+        buf = torch.tensor([*counts, done], dtype=torch.long)
         self.pending.append((dist.all_reduce(buf, group=self.group, async_op=True), buf))
         self.posted += 1
 
@@ -203,20 +214,31 @@ class AsyncCounts:
         return buf
 
     def post(self, local: int) -> None:
-        self._issue(local, 0)
+        if self.covered:  # sent early as 0: this replica has had nothing to decode since
+            assert local == 0, local
+            self.covered -= 1
+            return
+        self.open.append(local)
+        if len(self.open) == self.window:
+            self._issue(self.open, 0)
+            self.open = []
 
     def ready(self, block: bool) -> list[int]:
-        out = []
+        if block and self.open:  # nothing left to decode here: the window's later steps count 0 rows
+            self.covered = self.window - len(self.open)
+            self._issue(self.open + [0] * self.covered, 0)
+            self.open = []
+        out: list[int] = []
         while self.pending and (self.pending[0][0].is_completed() or (block and not out)):
-            out.append(int(self._take()[0]))
+            out += self._take()[:-1].tolist()
         return out
 
     def close(self) -> None:
         while self.pending:  # counts of steps past the migration point: the others' collectives pair with them
             self._take()
         while True:
-            self._issue(0, 1)
-            if int(self._take()[1]) == self.dp:
+            self._issue([0] * self.window, 1)
+            if int(self._take()[-1]) == self.dp:
                 return
 
     def describe(self) -> str:
