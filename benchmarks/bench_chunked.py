@@ -276,6 +276,19 @@ def compare(args: argparse.Namespace, chunked: bool = True, balance_tokens: bool
             print(f"R_t sweep by {what}: best R = {plans[best].tail[GEN].rows} ({rows[best][k]:.3f} s), searched R = "
                   f"{plans['searched'].tail[GEN].rows}: {abs(names.index(best) - names.index('searched'))} grid "
                   f"step(s) apart")
+    moved = [n for _, n in sorted((plans[n].tail[GEN].rows, n) for n in fused if n.startswith("colocated, migrate"))]
+    if len(moved) > 1:  # RLHFuse's fusion of the colocated plan: the estimate's best R_t against the measured one
+        base = "colocated dp 2"
+        for what, k in (("generation + inference", 0), ("iteration", 1)):
+            e = min(moved, key=lambda n: rows[n][k + 2])
+            line = (f"colocated migration by {what}: estimated best R = {plans[e].tail[GEN].rows} "
+                    f"({rows[e][k + 2]:.3f} s, {rows[base][k + 2] / rows[e][k + 2]:.2f}x the colocated plan)")
+            if not args.estimate_only:
+                m = min(moved, key=lambda n: rows[n][k])
+                steps = abs(moved.index(m) - moved.index(e))
+                line += (f"; measured best R = {plans[m].tail[GEN].rows} ({rows[m][k]:.3f} s, "
+                         f"{rows[base][k] / rows[m][k]:.2f}x), {steps} grid step(s) apart")
+            print(line)
     if balance_tokens:
         print(token_balance(args.rows, args.gen_len, args.iterations, args.prompt, median))
     return 0
