@@ -6,8 +6,9 @@ PPO with lengths from the seeded EOS schedule (lognormal, p99 16x the median): a
 ``tiny``, critic and reward model of model ``small`` (``--setting rlhfuse``, the default; ~30x the actor's
 parameters, where RLHFuse pairs a 13B actor with a 33B or 65B critic) or all four ``small`` (``--setting rm``,
 bench_fusion.py's), or a ``tiny`` actor with a ``mid`` critic and reward model (``--setting fit``, what
-``bench_fusion.py --setting fit`` runs without the chunked disaggregated plans). Plans, each one ``realloc run``, in
-turn every round (``--repeats``, each plan's best round):
+``bench_fusion.py --setting fit`` runs without the chunked disaggregated plans), or all four ``tiny`` on 128 rows of
+32-token prompts with lengths lognormal median 4 (``--setting long``, ``bench_fusion.py --setting long``). Plans,
+each one ``realloc run``, in turn every round (``--repeats``, each plan's best round):
 
 - unfused: ``colocated dp 2`` (every call over both devices), ``disaggregated`` (generation on device 0, the
   inference calls on device 1, training over both) and ``searched, no tail`` (the search's best plan without a

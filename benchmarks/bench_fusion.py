@@ -16,6 +16,9 @@ PPO with lengths from the seeded EOS schedule, lognormal with p99 16x the median
   comparison (the search's fused plan, the best unfused plans, the R_t sweep on the searched placement, RLHFuse's
   migration on the colocated plan) with ``balance_tokens`` on, and prints the max/min tokens per dp rank; it takes
   bench_chunked.py's options (``--repeats``, ``--search-time``, ``--profiles DIR``).
+- ``--setting long``: the same comparison on a longer batch (docs/streaming.md, "A longer batch"): 128 rows of
+  32-token prompts, lengths lognormal median 4 and p99 128, all four models ``tiny``; RLHFuse's migration on the
+  colocated plan at R_t 5, 10 and 20% (also in ``fit``), and its estimated best R_t against the measured one.
 
 Plans, each one ``realloc run``; generation and the actor's training at dp 2 over both devices in all of them:
 
@@ -45,6 +48,7 @@ request overheads, idle devices).
     .venv/bin/python benchmarks/bench_fusion.py [--setting rm|rule --rows 32 --gen-len 128 --iterations 4 --repeats 2
                                                  --breakdown]
     .venv/bin/python benchmarks/bench_fusion.py --setting fit --repeats 2 [--profiles DIR]
+    .venv/bin/python benchmarks/bench_fusion.py --setting long --repeats 2 [--profiles DIR --rows --prompt --median]
 """
 
 from __future__ import annotations
@@ -71,8 +75,8 @@ from realloc.algorithms.ppo.ppo_config import PPOConfig, ppo_rpcs
 from realloc.api import ResponseLengths, auto
 
 
-@auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size={rows}, prompt_len={prompt}, gen_len={gen_len},
-      response_lengths=ResponseLengths.lognormal(median={median}, p99={gen_len}))
+@auto(nodelist="localhost", n_devices_per_node=2, device="cpu", batch_size={rows}, prompt_len={prompt},
+      gen_len={gen_len}, response_lengths=ResponseLengths.lognormal(median={median}, p99={gen_len}))
 @dataclasses.dataclass
 class FusionPPO:
     seed: int = 1
@@ -228,7 +232,7 @@ def workload_args(doc: str | None) -> argparse.ArgumentParser:
     """The workload's options, shared with bench_streaming.py."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--setting", choices=sorted(SETTINGS), default="rm",
-                   help="(bench_fusion.py also takes --setting fit: bench_chunked.py's comparison, see above)")
+                   help="(bench_fusion.py also takes --setting fit and long: bench_chunked.py's comparison, see above)")
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--gen-len", type=int, default=128)
     p.add_argument("--iterations", type=int, default=4)
