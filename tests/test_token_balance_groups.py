@@ -76,3 +76,36 @@ def test_dapo_groups_dealt_as_row_lists_match_the_unbalanced_run(tmp_path):
         noncontiguous += any(list(r) != list(range(r[0], r[-1] + 1)) for r in train)
     assert noncontiguous  # the groups of some iteration are dealt out of order
     assert_same_runs(balanced, even, N_ITER)
+
+
+class _Prompts:
+    """A dataset of 6 prompts per batch: prompt p of batch t is [t, p, 10 t + p] (realloc.data.prompts' shape)."""
+
+    def batch(self, position, batch_size, seed, prompts):
+        import torch
+
+        return {"tokens": torch.tensor([[position, p, 10 * position + p] for p in prompts]).view(-1, 3),
+                "lengths": torch.tensor([3] * len(prompts))}
+
+    def batch_rows(self, position, batch_size, seed):
+        import torch
+
+        return torch.arange(100 + position * 6, 100 + position * 6 + 6)
+
+
+def test_dataset_rows_of_a_row_list_are_those_rows_of_the_batch():
+    """A call reading a dataset key on a row list (token-balanced, a streamed part) gets exactly its sequences'
+    prompts, groups of responses included, as the whole batch's rows at those indices."""
+    import torch
+
+    from realloc.runtime.inputs.datasets import dataset_rows, dataset_rows_at
+
+    ds = _Prompts()
+    for group in (1, 2, 3):
+        n = 6 * group
+        whole = dataset_rows(ds, 2, n, 0, 0, n, group)
+        for ids in ([0, 1, 5], [1], list(range(n)), [2, 3, 4, n - 1], []):
+            got = dataset_rows_at(ds, 2, n, 0, ids, group)
+            assert got.keys() == whole.keys()
+            for k, v in whole.items():
+                assert torch.equal(got[k], v[ids]), (group, ids, k)
