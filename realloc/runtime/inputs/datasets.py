@@ -70,9 +70,13 @@ def dataset_rows_at(ds: Any, position: int, batch_size: int, seed: int, ids: Seq
     a streamed call's part), read run by run of whole groups and cut to the rows asked for."""
     import torch
 
-    from realloc.runtime.transfer.row_layout import index_runs
-
-    runs = index_runs([int(i) for i in ids]) or [(0, 0)]
+    runs: list[list[int]] = []  # runs [lo, hi) of consecutive indices
+    for i in (int(x) for x in ids):
+        if runs and runs[-1][1] == i:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    runs = runs or [[0, 0]]
     parts = []
     for lo, hi in runs:
         glo, ghi = lo - lo % group, -(-hi // group) * group
