@@ -111,12 +111,13 @@ DP2 = {c: ("localhost", 2, 1, 1, 1) for c in ("actor_gen", "rew_inf", "ref_inf",
 N_ITER = 3
 
 
-def _run(tmp_path, balance: bool):
+def _run(tmp_path, balance: bool, fused: bool = False):
     exp = tmp_path / f"balanced_{balance}.py"
     exp.write_text(EXPERIMENT_FILE.replace("BALANCE", str(balance)))
-    plan = tmp_path / "plan.json"
-    ExecutionPlan.by_hand(build_graph(load_experiment(str(exp))), DP2, source="hand").save(plan)
-    run_dir = tmp_path / f"run_{balance}"
+    plan = tmp_path / f"plan_{fused}.json"
+    ExecutionPlan.by_hand(build_graph(load_experiment(str(exp))), DP2, source="hand",
+                          fused=[("actor_train", "critic_train")] if fused else []).save(plan)
+    run_dir = tmp_path / f"run_{balance}_{fused}"
     cmd = [sys.executable, "-m", "realloc.cli", "run", str(exp), "--run-dir", str(run_dir), "--quiet", "--plan",
            str(plan), "--iterations", str(N_ITER)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env(tmp_path))
@@ -167,6 +168,24 @@ def test_a_balanced_run_deals_rows_by_tokens_and_matches_the_unbalanced_run(tmp_
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
     # the same tokens; log-probabilities from iteration 2 on through parameters equal up to float order
     assert_same_runs(balanced, even, N_ITER)
+
+
+def test_a_fused_train_pair_at_dp_2_runs_on_the_balanced_row_lists(tmp_path):
+    """actor_train and critic_train fused into one request (docs/fused-training.md) get their row lists as
+    ``rows`` and ``fused_rows``: the same lists and the same run as the balanced serial one."""
+    from test_streaming import assert_same_runs
+
+    fused, serial = _run(tmp_path, True, fused=True), _run(tmp_path, True)
+    labels = [json.loads(x).get("label") for x in (fused / "requests.jsonl").read_text().splitlines()]
+    assert labels.count("actor_train+critic_train") == N_ITER  # one request per iteration ran the pair
+    log = (fused / "logs" / "worker0.log").read_text()
+    lists = [eval(x) for x in re.findall(r"call actor_train rows (\[.*\])", log)]  # noqa: S307
+    samples = [json.loads(x) for x in (fused / "samples.jsonl").read_text().splitlines()]
+    for t in range(N_ITER):
+        rows = sorted((s for s in samples if s["iteration"] == t + 1 and "prompt_ids" in s), key=lambda s: s["seq"])
+        tokens = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in rows]
+        assert [tuple(r) for r in lists[t]] == list(deal_rows(tokens, 2, n_minibatches=2))
+    assert_same_runs(fused, serial, N_ITER)
 
 
 def test_transfer_plans_move_lists_of_rows_exactly_by_brute_force():
