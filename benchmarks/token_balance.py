@@ -36,9 +36,11 @@ def ratios(tokens: list[int], dp: int, n_minibatches: int) -> tuple[float, float
 
 
 def token_balance(rows: int, gen_len: int, iterations: int, prompt: int = 8, seeds: int = 40, dp: int = 2,
-                  n_minibatches: int = 2) -> str:
-    """The report: the run's own iterations (seed 1), then ``seeds`` experiment seeds of the same length mix."""
-    sched = ResponseLengths.lognormal(median=max(1, gen_len // 16), p99=gen_len)
+                  n_minibatches: int = 2, median: int = 0, p99: int = 0) -> str:
+    """The report: the run's own iterations (seed 1), then ``seeds`` experiment seeds of the same length mix
+    (lognormal, ``median`` default gen_len / 16, ``p99`` default gen_len, at most gen_len)."""
+    median, p99 = median or max(1, gen_len // 16), p99 or gen_len
+    sched = ResponseLengths.lognormal(median=median, p99=p99)
 
     def batch(seed: int, it: int) -> list[int]:
         return [prompt + n for n in scheduled_lengths(sched, gen_len, param_seed(seed, f"generate/{it}"), range(rows))]
@@ -50,8 +52,8 @@ def token_balance(rows: int, gen_len: int, iterations: int, prompt: int = 8, see
     many = [ratios(batch(s, it), dp, n_minibatches) for s in range(1, seeds + 1) for it in range(iterations)]
     cols = ("contiguous by rows", "contiguous by tokens", "row lists by tokens (inference)",
             f"row lists per mini-batch (train, {n_minibatches} mini-batches)")
-    lines = [f"max/min tokens per dp rank at dp {dp}, {rows} rows (prompt {prompt} + lognormal median "
-             f"{max(1, gen_len // 16)}, p99 {gen_len}); balance_tokens deals row lists (graph/row_deal.py):"]
+    lines = [f"max/min tokens per dp rank at dp {dp}, {rows} rows (prompt {prompt} + lognormal median {median}, p99 "
+             f"{p99}, at most {gen_len}); balance_tokens deals row lists (graph/row_deal.py):"]
     lines.append(f"  {'dealing':<50} {'iterations 1..' + str(iterations):>18} {f'{seeds} seeds x {iterations} it.':>20}")
     for k, name in enumerate(cols):
         lines.append(f"  {name:<50} {span([r[k] for r in run]):>18} {span([r[k] for r in many]):>20}")
@@ -66,8 +68,11 @@ def main() -> int:
     p.add_argument("--seeds", type=int, default=40)
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--n-minibatches", type=int, default=2)
+    p.add_argument("--prompt", type=int, default=8, help="prompt tokens per row")
+    p.add_argument("--median", type=int, default=0, help="default: gen_len / 16")
+    p.add_argument("--p99", type=int, default=0, help="default: gen_len")
     a = p.parse_args()
-    print(token_balance(a.rows, a.gen_len, a.iterations, seeds=a.seeds, dp=a.dp, n_minibatches=a.n_minibatches))
+    print(token_balance(a.rows, a.gen_len, a.iterations, a.prompt, a.seeds, a.dp, a.n_minibatches, a.median, a.p99))
     return 0
 
 
