@@ -17,7 +17,8 @@ mini-batch step synchronizes the ranks, the objective is the worst max/min token
 - Otherwise: two starts, the contiguous token-balanced shares (feasible whenever the batch is large enough) and
   the longest-processing-time-first greedy (each unit, heaviest first, to the rank it leaves least loaded), each
   improved by moves and swaps of units between two ranks (the heaviest and lightest of the worst mini-batch first)
-  while the objective drops. Deterministic: ties go to the lower index.
+  while the objective drops (or until max/min is within ``GOOD_ENOUGH``). Deterministic: ties go to the lower
+  index.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ Shares = tuple[tuple[int, ...], ...]  # per dp rank, its rows (global sequence i
 
 EXACT_STATES = 4096  # dp ** (units - 1) at most: solved exactly (a few ms)
 _MAX_STEPS = 10_000
+GOOD_ENOUGH = 1.0005  # the local search stops once max/min is this close to 1 (large batches get there fast)
 
 
 def deal_rows(tokens: Sequence[int], dp: int, unit: int = 1, n_minibatches: int = 1, min_rows: int = 1) -> Shares:
@@ -141,6 +143,8 @@ def _improve(owner: np.ndarray, weight: np.ndarray, count: np.ndarray, dp: int, 
     counts = _loads(owner, count.astype(float), dp)
     obj = _objective(loads)
     for _ in range(_MAX_STEPS):
+        if obj[0] <= GOOD_ENOUGH:
+            return owner
         k = int(np.argmax(loads.max(axis=0) / np.maximum(loads.min(axis=0), 1e-12)))
         a, b = int(np.argmax(loads[:, k])), int(np.argmin(loads[:, k]))
         pairs = [(a, b)] + [(a, r) for r in range(dp) if r not in (a, b)] + [(r, b) for r in range(dp) if r not in (a, b)]
