@@ -106,23 +106,45 @@ class Balanced(_base.TinyPPO):
     sample_every: int = 1
     log_samples: int = 32  # every sequence's lengths go to samples.jsonl
 '''
-DP2 = {c: ("localhost", 2, 1, 1, 1) for c in ("actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train",
-                                             "critic_train")}
 N_ITER = 3
 
 
-def _run(tmp_path, balance: bool, fused: bool = False):
+def run_balanced(tmp_path, text: str, balance: bool, iterations: int, fused: bool = False, places=None):
+    """``realloc run`` of experiment ``text`` (BALANCE replaced) on a hand plan: every call at dp 2 over both
+    devices (or ``places``), the train pair fused or not."""
     exp = tmp_path / f"balanced_{balance}.py"
-    exp.write_text(EXPERIMENT_FILE.replace("BALANCE", str(balance)))
+    exp.write_text(text.replace("BALANCE", str(balance)))
+    graph = build_graph(load_experiment(str(exp)))
     plan = tmp_path / f"plan_{fused}.json"
-    ExecutionPlan.by_hand(build_graph(load_experiment(str(exp))), DP2, source="hand",
-                          fused=[("actor_train", "critic_train")] if fused else []).save(plan)
+    ExecutionPlan.by_hand(graph, places or {c: ("localhost", 2, 1, 1, 1) for c in graph.spec.call_names},
+                          source="hand", fused=[("actor_train", "critic_train")] if fused else []).save(plan)
     run_dir = tmp_path / f"run_{balance}_{fused}"
     cmd = [sys.executable, "-m", "realloc.cli", "run", str(exp), "--run-dir", str(run_dir), "--quiet", "--plan",
-           str(plan), "--iterations", str(N_ITER)]
+           str(plan), "--iterations", str(iterations)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     return run_dir
+
+
+def logged_rows(run_dir) -> dict[tuple[int, str], tuple[tuple[int, ...], ...]]:
+    """(iteration from 0, call) -> each dp rank's rows, as worker 0's log shows the requests that named them."""
+    seen = {}
+    for line in (run_dir / "logs" / "worker0.log").read_text().splitlines():
+        m = re.search(r"iteration (\d+) call (\w+) rows (\[.*\])", line)
+        if m:
+            seen[int(m.group(1)) - 1, m.group(2)] = tuple(tuple(r) for r in eval(m.group(3)))  # noqa: S307
+    return seen
+
+
+def logged_tokens(run_dir, t: int) -> list[int]:
+    """Each sequence's tokens (prompt + response) in iteration t (from 0), from samples.jsonl."""
+    samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
+    rows = sorted((s for s in samples if s["iteration"] == t + 1 and "prompt_ids" in s), key=lambda s: s["seq"])
+    return [len(s["prompt_ids"]) + len(s["response_ids"]) for s in rows]
+
+
+def _run(tmp_path, balance: bool, fused: bool = False):
+    return run_balanced(tmp_path, EXPERIMENT_FILE, balance, N_ITER, fused)
 
 
 def test_a_balanced_run_deals_rows_by_tokens_and_matches_the_unbalanced_run(tmp_path):
@@ -133,17 +155,12 @@ def test_a_balanced_run_deals_rows_by_tokens_and_matches_the_unbalanced_run(tmp_
 
     balanced, even = _run(tmp_path, True), _run(tmp_path, False)
     # the row lists the workers ran each later call with: the token-balanced dealing of each iteration's lengths
-    seen = {}
-    for line in (balanced / "logs" / "worker0.log").read_text().splitlines():
-        m = re.search(r"iteration (\d+) call (\w+) rows (\[.*\])", line)
-        if m:
-            seen[int(m.group(1)) - 1, m.group(2)] = tuple(tuple(r) for r in eval(m.group(3)))  # noqa: S307
+    seen = logged_rows(balanced)
     assert not any(re.search(r"call \w+ rows", x) for x in (even / "logs" / "worker0.log").read_text().splitlines())
     samples = [json.loads(x) for x in (balanced / "samples.jsonl").read_text().splitlines()]
     contiguous = []
     for t in range(N_ITER):
-        rows = sorted((s for s in samples if s["iteration"] == t + 1 and "prompt_ids" in s), key=lambda s: s["seq"])
-        tokens = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in rows]
+        tokens = logged_tokens(balanced, t)
         assert len(tokens) == 32
         want = deal_rows(tokens, 2)
         contiguous.append(_ratio(tokens, token_balanced_ranges(tokens, 2)))
@@ -178,13 +195,9 @@ def test_a_fused_train_pair_at_dp_2_runs_on_the_balanced_row_lists(tmp_path):
     fused, serial = _run(tmp_path, True, fused=True), _run(tmp_path, True)
     labels = [json.loads(x).get("label") for x in (fused / "requests.jsonl").read_text().splitlines()]
     assert labels.count("actor_train+critic_train") == N_ITER  # one request per iteration ran the pair
-    log = (fused / "logs" / "worker0.log").read_text()
-    lists = [eval(x) for x in re.findall(r"call actor_train rows (\[.*\])", log)]  # noqa: S307
-    samples = [json.loads(x) for x in (fused / "samples.jsonl").read_text().splitlines()]
+    seen = logged_rows(fused)
     for t in range(N_ITER):
-        rows = sorted((s for s in samples if s["iteration"] == t + 1 and "prompt_ids" in s), key=lambda s: s["seq"])
-        tokens = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in rows]
-        assert [tuple(r) for r in lists[t]] == list(deal_rows(tokens, 2, n_minibatches=2))
+        assert seen[t, "actor_train"] == deal_rows(logged_tokens(fused, t), 2, n_minibatches=2)
     assert_same_runs(fused, serial, N_ITER)
 
 

@@ -5,17 +5,10 @@ rewards, losses, grad norms, the final checkpoint with the optimizer state (floa
 
 from __future__ import annotations
 
-import json
-import re
-import subprocess
-import sys
-
-from test_runtime_e2e import REPO, env
+from test_runtime_e2e import REPO
 from test_streaming import assert_same_runs
+from test_token_balance import logged_rows, logged_tokens, run_balanced
 
-from realloc.api import load_experiment
-from realloc.graph.dataflow import build_graph
-from realloc.graph.plan import ExecutionPlan
 from realloc.graph.row_deal import deal_rows
 
 N_ITER = 2
@@ -43,32 +36,12 @@ class Balanced(_base.TinyDAPO):
 '''
 
 
-def _run(tmp_path, balance: bool):
-    exp = tmp_path / f"dapo_{balance}.py"
-    exp.write_text(EXPERIMENT_FILE.replace("BALANCE", str(balance)))
-    graph = build_graph(load_experiment(str(exp)))
-    plan = tmp_path / "plan.json"
-    ExecutionPlan.by_hand(graph, {c: ("localhost", 2, 1, 1, 1) for c in graph.spec.call_names}, source="hand").save(plan)
-    run_dir = tmp_path / f"run_{balance}"
-    cmd = [sys.executable, "-m", "realloc.cli", "run", str(exp), "--run-dir", str(run_dir), "--quiet", "--plan",
-           str(plan), "--iterations", str(N_ITER)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env(tmp_path))
-    assert r.returncode == 0, r.stdout + r.stderr
-    return run_dir
-
-
 def test_dapo_groups_dealt_as_row_lists_match_the_unbalanced_run(tmp_path):
-    balanced, even = _run(tmp_path, True), _run(tmp_path, False)
-    seen = {}
-    for line in (balanced / "logs" / "worker0.log").read_text().splitlines():
-        m = re.search(r"iteration (\d+) call (\w+) rows (\[.*\])", line)
-        if m:
-            seen[int(m.group(1)) - 1, m.group(2)] = tuple(tuple(r) for r in eval(m.group(3)))  # noqa: S307
-    samples = [json.loads(x) for x in (balanced / "samples.jsonl").read_text().splitlines()]
+    balanced, even = (run_balanced(tmp_path, EXPERIMENT_FILE, b, N_ITER) for b in (True, False))
+    seen = logged_rows(balanced)
     noncontiguous = 0
     for t in range(N_ITER):
-        rows = sorted((s for s in samples if s["iteration"] == t + 1 and "prompt_ids" in s), key=lambda s: s["seq"])
-        tokens = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in rows]
+        tokens = logged_tokens(balanced, t)
         assert len(tokens) == 48
         train = deal_rows(tokens, 2, unit=4, n_minibatches=2)
         assert seen[t, "actor_train"] == train
