@@ -475,8 +475,9 @@ class IterationSchedule:
         return gens[0] if self.config.balance_tokens and len(gens) == 1 else None
 
     def _row_ranges(self, call: str, t: int) -> tuple[tuple[int, int], ...] | None:
-        """``call``'s dp ranks' shares of iteration t's batch, balanced by tokens once its generation reported
-        them; None: the even split. Decided once per (call, t), so its transfers and its request agree."""
+        """``call``'s dp ranks' contiguous shares of iteration t's batch; None: the even split, or, once its
+        generation reported the tokens (``balance_tokens``), row lists balanced by tokens, which this deals into
+        ``row_lists`` (``_balanced_rows``). Decided once per (call, t), so its transfers and its request agree."""
         if (call, t) not in self.row_ranges:
             tokens = self.row_tokens.get(t, {})
             n = self.program.batch_size
