@@ -143,17 +143,27 @@ def logged_tokens(run_dir, t: int) -> list[int]:
     return [len(s["prompt_ids"]) + len(s["response_ids"]) for s in rows]
 
 
-def _run(tmp_path, balance: bool, fused: bool = False):
-    return run_balanced(tmp_path, EXPERIMENT_FILE, balance, N_ITER, fused)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The PPO runs: balanced, unbalanced (equal contiguous rows), balanced with the train pair fused."""
+    base = tmp_path_factory.mktemp("token_balance")
+    cache: dict[tuple[bool, bool], object] = {}
+
+    def get(balance: bool, fused: bool = False):
+        if (balance, fused) not in cache:
+            cache[balance, fused] = run_balanced(base, EXPERIMENT_FILE, balance, N_ITER, fused)
+        return cache[balance, fused]
+
+    return get
 
 
-def test_a_balanced_run_deals_rows_by_tokens_and_matches_the_unbalanced_run(tmp_path):
+def test_a_balanced_run_deals_rows_by_tokens_and_matches_the_unbalanced_run(runs):
     """Every later call's dp ranks ran on the row lists ``deal_rows`` makes of the iteration's lengths (per
     mini-batch for the train steps), and the run equals the one that deals equal contiguous rows: samples,
     rewards, losses, gradient norms, and the final checkpoint with the optimizer state (float order only)."""
     from test_streaming import assert_same_runs
 
-    balanced, even = _run(tmp_path, True), _run(tmp_path, False)
+    balanced, even = runs(True), runs(False)
     # the row lists the workers ran each later call with: the token-balanced dealing of each iteration's lengths
     seen = logged_rows(balanced)
     assert not any(re.search(r"call \w+ rows", x) for x in (even / "logs" / "worker0.log").read_text().splitlines())
@@ -187,12 +197,12 @@ def test_a_balanced_run_deals_rows_by_tokens_and_matches_the_unbalanced_run(tmp_
     assert_same_runs(balanced, even, N_ITER)
 
 
-def test_a_fused_train_pair_at_dp_2_runs_on_the_balanced_row_lists(tmp_path):
+def test_a_fused_train_pair_at_dp_2_runs_on_the_balanced_row_lists(runs):
     """actor_train and critic_train fused into one request (docs/fused-training.md) get their row lists as
     ``rows`` and ``fused_rows``: the same lists and the same run as the balanced serial one."""
     from test_streaming import assert_same_runs
 
-    fused, serial = _run(tmp_path, True, fused=True), _run(tmp_path, True)
+    fused, serial = runs(True, fused=True), runs(True)
     labels = [json.loads(x).get("label") for x in (fused / "requests.jsonl").read_text().splitlines()]
     assert labels.count("actor_train+critic_train") == N_ITER  # one request per iteration ran the pair
     seen = logged_rows(fused)
