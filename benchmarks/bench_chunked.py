@@ -296,25 +296,12 @@ def compare(args: argparse.Namespace, chunked: bool = True, balance_tokens: bool
 
 
 def token_balance(rows: int, gen_len: int, iterations: int, prompt: int = 8, median: int | None = None) -> str:
-    """Max/min tokens (prompt + response) per dp rank at dp 2 over the iterations' scheduled lengths (the lengths
-    the runs generate: the EOS schedule's, seeded per iteration as algorithms/common.py seeds it), dealt by rows
-    and by tokens (``balance_tokens``: graph/row_balance.py, what the master deals the dp-2 calls by)."""
-    from realloc.graph.row_balance import rank_tokens, token_balanced_ranges
-    from realloc.graph.transfer_plan import dp_ranges
-    from realloc.lengths import ResponseLengths
-    from realloc.models.length_schedule import scheduled_lengths
-    from realloc.models.weights import param_seed
+    """Max/min tokens per dp rank at dp 2 over the runs' scheduled lengths, dealt by rows, by contiguous token
+    shares and by row lists (``balance_tokens``: graph/row_deal.py), beside 40 seeds of the same length mix
+    (benchmarks/token_balance.py)."""
+    from token_balance import token_balance as report
 
-    sched = ResponseLengths.lognormal(median=median or max(1, gen_len // 16), p99=gen_len)
-    by_rows, by_tokens = [], []
-    for it in range(iterations):
-        tokens = [prompt + n for n in scheduled_lengths(sched, gen_len, param_seed(1, f"generate/{it}"), range(rows))]
-        for out, ranges in ((by_rows, dp_ranges(rows, 2)), (by_tokens, token_balanced_ranges(tokens, 2))):
-            per = rank_tokens(tokens, ranges)
-            out.append(max(per) / min(per))
-    return (f"max/min tokens per dp rank at dp 2, iterations 1..{iterations}: dealt by rows {min(by_rows):.3f}-"
-            f"{max(by_rows):.3f}, by tokens (balance_tokens, as these runs deal the whole batch) "
-            f"{min(by_tokens):.3f}-{max(by_tokens):.3f}")
+    return report(rows, gen_len, iterations, prompt, median=median or 0)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from realloc.api import GENERATE, INFERENCE, ModelFunctionCallDef, auto, experim
 from realloc.estimator.cost import CostModel
 from realloc.graph.dataflow import build_graph
 from realloc.graph.row_balance import rank_tokens, token_balanced_ranges
+from realloc.graph.row_deal import deal_rows, worst_ratio
 from realloc.graph.transfer_plan import dp_ranges
 from realloc.lengths import ResponseLengths
 from realloc.models.length_schedule import scheduled_lengths
@@ -111,10 +112,11 @@ def balance_table() -> None:
     tail = ResponseLengths.lognormal(median=64, p99=1024)
     tokens = [32 + n for n in scheduled_lengths(tail, 2048, seed=0, seq_ids=range(512))]
     print("512 responses, 32 prompt tokens + lognormal(median 64, p99 1024) of at most 2048: max/min tokens per dp rank")
-    print(f"{'dp':>4}{'even rows':>11}{'by tokens':>11}")
+    print(f"{'dp':>4}{'even rows':>11}{'contiguous':>12}{'row lists':>11}  (balance_tokens: row lists)")
     for dp in (2, 4, 8):
         even, bal = rank_tokens(tokens, dp_ranges(512, dp)), rank_tokens(tokens, token_balanced_ranges(tokens, dp))
-        print(f"{dp:>4}{max(even) / min(even):>11.3f}{max(bal) / min(bal):>11.3f}")
+        print(f"{dp:>4}{max(even) / min(even):>11.3f}{max(bal) / min(bal):>12.3f}"
+              f"{worst_ratio(tokens, deal_rows(tokens, dp)):>11.3f}")
 
 
 def dry_run() -> None:

@@ -27,7 +27,7 @@ class FakeModel:
 def _worker(tmp_path, steps: dict[str, int], events: list, fail: tuple[str, int] | None = None):
     models = {c: FakeModel(c, events) for c in steps}
 
-    def run_call(call, iteration, ranges=None):
+    def run_call(call, iteration, ranges=None, rows=None):
         events.append(("start", call))
         norms = []
         for k in range(steps[call]):

@@ -14,6 +14,7 @@ from realloc.api import load_experiment
 from realloc.graph.dataflow import build_graph
 from realloc.graph.plan import ExecutionPlan
 from realloc.graph.row_balance import rank_tokens, token_balanced_ranges
+from realloc.graph.row_deal import deal_rows, worst_ratio
 from realloc.graph.transfer_plan import DataLayout, dp_ranges, plan_data_transfer
 from realloc.lengths import ResponseLengths, lengths_from_run
 from realloc.models.length_schedule import scheduled_lengths
@@ -105,58 +106,109 @@ class Balanced(_base.TinyPPO):
     sample_every: int = 1
     log_samples: int = 32  # every sequence's lengths go to samples.jsonl
 '''
-DP2 = {c: ("localhost", 2, 1, 1, 1) for c in ("actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train",
-                                             "critic_train")}
 N_ITER = 3
 
 
-def _run(tmp_path, balance: bool):
+def run_balanced(tmp_path, text: str, balance: bool, iterations: int, fused: bool = False, places=None):
+    """``realloc run`` of experiment ``text`` (BALANCE replaced) on a hand plan: every call at dp 2 over both
+    devices (or ``places``), the train pair fused or not."""
     exp = tmp_path / f"balanced_{balance}.py"
-    exp.write_text(EXPERIMENT_FILE.replace("BALANCE", str(balance)))
-    plan = tmp_path / "plan.json"
-    ExecutionPlan.by_hand(build_graph(load_experiment(str(exp))), DP2, source="hand").save(plan)
-    run_dir = tmp_path / f"run_{balance}"
+    exp.write_text(text.replace("BALANCE", str(balance)))
+    graph = build_graph(load_experiment(str(exp)))
+    plan = tmp_path / f"plan_{fused}.json"
+    ExecutionPlan.by_hand(graph, places or {c: ("localhost", 2, 1, 1, 1) for c in graph.spec.call_names},
+                          source="hand", fused=[("actor_train", "critic_train")] if fused else []).save(plan)
+    run_dir = tmp_path / f"run_{balance}_{fused}"
     cmd = [sys.executable, "-m", "realloc.cli", "run", str(exp), "--run-dir", str(run_dir), "--quiet", "--plan",
-           str(plan), "--iterations", str(N_ITER)]
+           str(plan), "--iterations", str(iterations)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     return run_dir
 
 
-def test_a_balanced_run_deals_rows_by_tokens_and_matches_the_unbalanced_run(tmp_path):
-    balanced, even = _run(tmp_path, True), _run(tmp_path, False)
-    # the ranges the workers ran each later call with: the token-balanced split of each iteration's lengths
+def logged_rows(run_dir) -> dict[tuple[int, str], tuple[tuple[int, ...], ...]]:
+    """(iteration from 0, call) -> each dp rank's rows, as worker 0's log shows the requests that named them."""
     seen = {}
-    for line in (balanced / "logs" / "worker0.log").read_text().splitlines():
+    for line in (run_dir / "logs" / "worker0.log").read_text().splitlines():
         m = re.search(r"iteration (\d+) call (\w+) rows (\[.*\])", line)
         if m:
             seen[int(m.group(1)) - 1, m.group(2)] = tuple(tuple(r) for r in eval(m.group(3)))  # noqa: S307
+    return seen
+
+
+def logged_tokens(run_dir, t: int) -> list[int]:
+    """Each sequence's tokens (prompt + response) in iteration t (from 0), from samples.jsonl."""
+    samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
+    rows = sorted((s for s in samples if s["iteration"] == t + 1 and "prompt_ids" in s), key=lambda s: s["seq"])
+    return [len(s["prompt_ids"]) + len(s["response_ids"]) for s in rows]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The PPO runs: balanced, unbalanced (equal contiguous rows), balanced with the train pair fused."""
+    base = tmp_path_factory.mktemp("token_balance")
+    cache: dict[tuple[bool, bool], object] = {}
+
+    def get(balance: bool, fused: bool = False):
+        if (balance, fused) not in cache:
+            cache[balance, fused] = run_balanced(base, EXPERIMENT_FILE, balance, N_ITER, fused)
+        return cache[balance, fused]
+
+    return get
+
+
+def test_a_balanced_run_deals_rows_by_tokens_and_matches_the_unbalanced_run(runs):
+    """Every later call's dp ranks ran on the row lists ``deal_rows`` makes of the iteration's lengths (per
+    mini-batch for the train steps), and the run equals the one that deals equal contiguous rows: samples,
+    rewards, losses, gradient norms, and the final checkpoint with the optimizer state (float order only)."""
+    from test_streaming import assert_same_runs
+
+    balanced, even = runs(True), runs(False)
+    # the row lists the workers ran each later call with: the token-balanced dealing of each iteration's lengths
+    seen = logged_rows(balanced)
     assert not any(re.search(r"call \w+ rows", x) for x in (even / "logs" / "worker0.log").read_text().splitlines())
     samples = [json.loads(x) for x in (balanced / "samples.jsonl").read_text().splitlines()]
-    moved = 0
+    contiguous = []
     for t in range(N_ITER):
-        rows = sorted((s for s in samples if s["iteration"] == t + 1 and "prompt_ids" in s), key=lambda s: s["seq"])
-        tokens = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in rows]
+        tokens = logged_tokens(balanced, t)
         assert len(tokens) == 32
-        want = token_balanced_ranges(tokens, 2)
-        moved += want != dp_ranges(32, 2)
-        assert _ratio(tokens, want) <= _ratio(tokens, dp_ranges(32, 2))
+        want = deal_rows(tokens, 2)
+        contiguous.append(_ratio(tokens, token_balanced_ranges(tokens, 2)))
+        assert worst_ratio(tokens, want) <= 1.05 and sorted(i for r in want for i in r) == list(range(32))
         for call in ("rew_inf", "ref_inf", "critic_inf"):
             assert seen[t, call] == want
-        for call in ("actor_train", "critic_train"):  # two mini-batches of at least one row on each rank
-            assert seen[t, call] == token_balanced_ranges(tokens, 2, min_rows=2)
-    assert moved  # some iteration's balanced split is not the even one
+        train = deal_rows(tokens, 2, n_minibatches=2)  # balanced per mini-batch (index mod 2), a row of each
+        assert worst_ratio(tokens, train, 2) <= 1.05
+        assert all(sum(i % 2 == k for i in r) >= 1 for r in train for k in (0, 1))
+        for call in ("actor_train", "critic_train"):
+            assert seen[t, call] == train
+    assert max(contiguous) > 1.05  # contiguous shares could not balance some iteration
     # realloc search --lengths-from reads the lengths back: the schedule's, drawn per sequence
     schedule = ResponseLengths.lognormal(median=2, p99=7)
     lens = [len(x["response_ids"]) for x in samples if "response_ids" in x]
     assert len(lens) == 32 * N_ITER and len(set(lens)) > 3 and max(lens) <= 8
     assert lengths_from_run(balanced) == ResponseLengths.empirical(lens)
     assert schedule.quantile(0.5, 8) - 1 <= sorted(lens)[len(lens) // 2] <= schedule.quantile(0.5, 8) + 1
-    # the same samples, rewards and losses as the run that deals equal rows
+    # the same samples, rewards, losses and grad norms as the run that deals equal rows, and the same checkpoint
     for a, b in zip(metrics(balanced), metrics(even)):
         for k in ("reward", "response_len", "kl", "actor_loss", "critic_loss", "actor_grad_norm", "critic_grad_norm"):
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
-    assert (balanced / "samples.jsonl").read_text() == (even / "samples.jsonl").read_text()
+    # the same tokens; log-probabilities from iteration 2 on through parameters equal up to float order
+    assert_same_runs(balanced, even, N_ITER)
+
+
+def test_a_fused_train_pair_at_dp_2_runs_on_the_balanced_row_lists(runs):
+    """actor_train and critic_train fused into one request (docs/fused-training.md) get their row lists as
+    ``rows`` and ``fused_rows``: the same lists and the same run as the balanced serial one."""
+    from test_streaming import assert_same_runs
+
+    fused, serial = runs(True, fused=True), runs(True)
+    labels = [json.loads(x).get("label") for x in (fused / "requests.jsonl").read_text().splitlines()]
+    assert labels.count("actor_train+critic_train") == N_ITER  # one request per iteration ran the pair
+    seen = logged_rows(fused)
+    for t in range(N_ITER):
+        assert seen[t, "actor_train"] == deal_rows(logged_tokens(fused, t), 2, n_minibatches=2)
+    assert_same_runs(fused, serial, N_ITER)
 
 
 def test_transfer_plans_move_lists_of_rows_exactly_by_brute_force():

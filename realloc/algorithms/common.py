@@ -1,9 +1,9 @@
 """The model calls every RL algorithm shares: sample responses, score them with a policy, a critic or a
 reward model (registry declarations in ``builtin.py``; the rule rewards are in ``rewards/``).
 
-A call sees only its dp rank's sequences: ``ctx.ids`` (a contiguous range of the global batch)
-and the matching rows of its input keys. Data keys hold named tensors whose first dimension is
-the sequence. ``P`` and ``T`` are the experiment's ``prompt_len`` and ``gen_len``, both maxima:
+A call sees only its dp rank's sequences: ``ctx.ids`` (a range of the global batch, or an ascending
+list: a streamed part, token-balanced ranks) and the matching rows of its input keys. Data keys hold
+named tensors whose first dimension is the sequence. ``P`` and ``T`` are the experiment's ``prompt_len`` and ``gen_len``, both maxima:
 a prompt has 1..P tokens and a response stops at EOS or after T tokens.
 
     prompts   tokens [n, P] int64 (right-padded), lengths [n] int64

@@ -32,7 +32,7 @@ class CallContext:
     gen_len: int
     seed: int
     iteration: int
-    ids: "range | Sequence[int]"  # global indices of this dp rank's rows (a list in a streamed call's part)
+    ids: "range | Sequence[int]"  # global indices of this dp rank's rows (a list: a streamed part, token-balanced ranks)
     batch_size: int  # sequences of the whole batch
     n_mbs: int
     total_iterations: int = 0  # the learning-rate schedule's horizon in iterations (0: iteration + 1)

@@ -1,5 +1,7 @@
 """Token-balanced data parallelism (issue 31, item 4): each dp rank of a call gets a share of the batch with
-about as many tokens as the others, not as many rows.
+about as many tokens as the others, not as many rows. These are the contiguous shares; ``balance_tokens`` deals
+row lists now (``row_deal.py``), which start from these shares and fall back to them on batches too small for the
+per-rank minimum.
 
 With long-tailed response lengths, dp ranks given equal row counts get very unequal work (packed micro-batches
 cost about their tokens, ``models/packing.py``), and a call ends with its slowest rank. The shares stay

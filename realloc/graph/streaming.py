@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from realloc.graph.partial_check import partial_rollout_calls
-from realloc.graph.row_balance import token_balanced_ranges
+from realloc.graph.row_deal import deal_rows
 from realloc.strategy import even_ranges
 
 if TYPE_CHECKING:
@@ -28,12 +28,12 @@ Shares = tuple[tuple[int, ...], ...]  # per dp rank, its rows (global sequence i
 
 def deal(rows: Sequence[int], parts: int, tokens: Mapping[int, int] | None = None) -> Shares:
     """``rows`` sorted and cut into ``parts`` contiguous runs of the sorted list (earlier parts take the
-    remainder); with ``tokens`` (row -> its tokens, ``balance_tokens``) the runs have near-equal tokens instead of
-    rows (``row_balance.token_balanced_ranges``)."""
+    remainder); with ``tokens`` (row -> its tokens, ``balance_tokens``) each part gets a list of the rows with
+    near-equal tokens instead (``row_deal.deal_rows``; ascending)."""
     s = sorted(int(i) for i in rows)
-    cuts = (even_ranges(len(s), parts) if tokens is None or not s else
-            token_balanced_ranges([tokens[i] for i in s], parts))
-    return tuple(tuple(s[lo:hi]) for lo, hi in cuts)
+    if tokens is not None and s:
+        return tuple(tuple(s[j] for j in part) for part in deal_rows([tokens[i] for i in s], parts))
+    return tuple(tuple(s[lo:hi]) for lo, hi in even_ranges(len(s), parts))
 
 
 def tail_devices(plan: "ExecutionPlan", graph: "DataflowGraph", call: str) -> set[int]:

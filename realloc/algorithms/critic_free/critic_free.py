@@ -26,7 +26,9 @@ Advantages = Callable[[CallContext, Data, torch.Tensor], torch.Tensor]
 
 def _group(ctx: CallContext, n: int) -> int:
     g = ctx.group_size
-    assert n % g == 0 and ctx.ids.start % g == 0, "a dp rank must hold whole groups of responses"
+    ids = list(ctx.ids)  # a range, or a row list (token-balanced dp ranks): whole groups, ascending
+    assert n % g == 0 and all(i == ids[j - j % g] + j % g and ids[j - j % g] % g == 0 for j, i in enumerate(ids)), \
+        "a dp rank must hold whole groups of responses"
     return g
 
 

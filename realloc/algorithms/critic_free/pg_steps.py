@@ -124,17 +124,17 @@ def dapo_selection(ctx: CallContext, inputs: Data) -> DAPOSelection:
     score = inputs["rewards"]["score"] + shaping
     g = _group(ctx, score.numel())
     n_groups = ctx.batch_size // g
-    first = ctx.ids.start // g
+    ids = torch.as_tensor(list(ctx.ids), dtype=torch.long)  # a range or a row list of whole groups
     local_groups = score.view(-1, g)
     # A group whose (shaped) rewards are all equal has advantage 0 for every response: no gradient, only a dilution
     # of the loss's normalization. Whether a group is kept is decided on every rank alike, from all ranks' flags.
     keep_local = (local_groups.max(dim=1).values != local_groups.min(dim=1).values) if cfg.dynamic_sampling \
         else torch.ones(local_groups.shape[0], dtype=torch.bool)
     flags = torch.zeros(n_groups, dtype=torch.float64)
-    flags[first:first + local_groups.shape[0]] = keep_local.double()
+    flags[ids[::g] // g] = keep_local.double()
     keep = dp_all_reduce(ctx.model, flags) > 0.5
     n_train = cfg.trained_prompts(n_groups)
-    position = dynamic_sampling_positions(keep, g, n_train)[ctx.ids.start:ctx.ids.stop]
+    position = dynamic_sampling_positions(keep, g, n_train)[ids]
     in_group = position >= 0
     filtered = 0
     if cfg.overlong_filter:  # DAPO §3.4: a truncated response's loss is masked (its group's baseline still counts it)

@@ -152,6 +152,9 @@ class Master(MasterLink, IterationSchedule, TailStreams, EvaluationPasses, Check
         # balance_tokens: t -> sequence -> its tokens (the generation's reply), and each (call, t)'s dp ranges
         self.row_tokens: dict[int, dict[int, int]] = {}
         self.row_ranges: dict[tuple[str, int], tuple[tuple[int, int], ...] | None] = {}
+        # ... and by row lists (master_balance.py): (call, t) -> rows per dp rank; (t, setting) -> the dealing
+        self.balanced: dict[tuple[str, int], tuple[tuple[int, ...], ...]] = {}
+        self.deal_cache: dict[tuple[int, ...], tuple[tuple[int, ...], ...]] = {}
         # tail migration (master_tail.py): split consumer -> its generation; (call, t) -> rows per dp rank; parts
         self.splits = split_map(program)
         self.row_lists: dict[tuple[str, int], tuple[tuple[int, ...], ...]] = {}

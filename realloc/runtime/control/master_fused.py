@@ -98,10 +98,12 @@ class FusedPairs:
             return  # the first call's request ran it
         recs = self.pushed.pop((first, t), []) + self.pushed.pop((second, t), [])
         ranges = [[list(r) for r in self._row_ranges(c, t) or ()] for c in pair]
+        rows = [[list(r) for r in self._balanced_rows(c, t) or ()] for c in pair]  # balance_tokens: row lists
         order = self._fused_orders[pair]
         call = self._send(self.program.calls[first].ranks, "call", f"{first}+{second}", t, first,
                           lambda req: protocol.RunCall(req=req, call=first, iteration=t, ranges=ranges[0],
-                                                       fused_with=second, fused_ranges=ranges[1], fused_order=order))
+                                                       rows=rows[0], fused_with=second, fused_ranges=ranges[1],
+                                                       fused_rows=rows[1], fused_order=order))
         for rec in recs:
             await self._wait(rec)
         replies = await self._wait(call)

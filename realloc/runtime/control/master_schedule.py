@@ -29,9 +29,9 @@ from typing import Any
 
 from realloc.algorithms.pairs.reward_model import pair_metrics
 from realloc.calls import InterfaceType
-from realloc.graph.row_balance import token_balanced_ranges
 from realloc.graph.transfer_plan import TransferPlan, dp_ranges
 from realloc.runtime.control.master_link import RunFailed
+from realloc.runtime.control.master_balance import deal_rows_cached
 from realloc.runtime.control.program import Realloc
 from realloc.runtime.records.run_paths import os_error_line
 from realloc.runtime.records.telemetry import RequestRecord, iteration_metrics
@@ -381,8 +381,9 @@ class IterationSchedule:
         # before this call, which it received later.
         recs = self.pushed.pop((c, t), [])
         ranges = [list(r) for r in self._row_ranges(c, t) or ()]
+        rows = [list(r) for r in self._balanced_rows(c, t) or ()]  # balance_tokens: row lists (row_deal.py)
         call = self._send(self.program.calls[c].ranks, "call", c, t, c,
-                          lambda req: protocol.RunCall(req=req, call=c, iteration=t, ranges=ranges))
+                          lambda req: protocol.RunCall(req=req, call=c, iteration=t, ranges=ranges, rows=rows))
         for rec in recs:
             await self._wait(rec)
         # a generation with a tail entry: its migration point; streaming only: the first part and the second request
@@ -432,6 +433,7 @@ class IterationSchedule:
                     self.pushed.setdefault((consumer, t), []).extend(self._transfer(key, consumer, t))
 
     def _transfer(self, key: str, consumer: str, t: int) -> list[RequestRecord]:
+        self._row_ranges(consumer, t)  # decided before the transfer: a balanced consumer holds row lists
         if self._streams_rows(key, consumer, t):  # dp ranks holding row lists (master_tail.py)
             return self._transfer_rows(key, consumer, t)
         metas = self.data_meta[(key, t)]
@@ -473,17 +475,25 @@ class IterationSchedule:
         return gens[0] if self.config.balance_tokens and len(gens) == 1 else None
 
     def _row_ranges(self, call: str, t: int) -> tuple[tuple[int, int], ...] | None:
-        """``call``'s dp ranks' shares of iteration t's batch, balanced by tokens once its generation reported
-        them; None: the even split. Decided once per (call, t), so its transfers and its request agree."""
+        """``call``'s dp ranks' contiguous shares of iteration t's batch; None: the even split, or, once its
+        generation reported the tokens (``balance_tokens``), row lists balanced by tokens, which this deals into
+        ``row_lists`` (``_balanced_rows``). Decided once per (call, t), so its transfers and its request agree."""
         if (call, t) not in self.row_ranges:
             tokens = self.row_tokens.get(t, {})
             n = self.program.batch_size
             cl, rpc = self.program.calls[call], self.graph.call(call)
             ranges = None
             if (self._balanced_generation() and rpc.interface_type is not InterfaceType.GENERATE
-                    and len(tokens) == n and cl.strategy.dp > 1):
-                # a train step's mini-batches (index mod n_minibatches) need n_mbs rows on every rank
-                ranges = token_balanced_ranges([tokens[i] for i in range(n)], cl.strategy.dp,
-                                               unit=self.spec.group_size, min_rows=rpc.n_minibatches * cl.n_mbs)
+                    and len(tokens) == n and cl.strategy.dp > 1 and (call, t) not in self.row_lists):
+                # row lists by tokens per mini-batch (index mod n_minibatches), n_mbs rows of each on every rank
+                # (a streamed call's parts are dealt by master_tail.py instead)
+                self.balanced[call, t] = self.row_lists[call, t] = deal_rows_cached(
+                    self, [tokens[i] for i in range(n)], t, cl.strategy.dp, self.spec.group_size, rpc.n_minibatches,
+                    cl.n_mbs)
             self.row_ranges[call, t] = ranges
         return self.row_ranges[call, t]
+
+    def _balanced_rows(self, call: str, t: int) -> tuple[tuple[int, ...], ...] | None:
+        """``call``'s dp ranks' row lists when ``balance_tokens`` dealt them (``_row_ranges`` decides)."""
+        self._row_ranges(call, t)
+        return self.balanced.get((call, t))

@@ -260,3 +260,7 @@ class TailStreams:
             del self.row_lists[c]
         for c in [c for c in self.parts if c[1] <= k]:
             del self.parts[c]
+        for c in [c for c in self.balanced if c[1] <= k]:  # token-balanced row lists (master_balance.py)
+            del self.balanced[c]
+        for c in [c for c in self.deal_cache if c[0] <= k]:
+            del self.deal_cache[c]

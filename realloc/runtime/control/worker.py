@@ -57,7 +57,7 @@ from realloc.runtime.control.worker_partial import PartialStore
 from realloc.runtime.control.worker_sends import PendingSends
 from realloc.runtime.control.worker_stream import Kept, streaming_generation
 from realloc.runtime.control.worker_tail import migrating_generation
-from realloc.runtime.inputs.datasets import dataset_rows, load_dataset
+from realloc.runtime.inputs.datasets import dataset_rows, dataset_rows_at, load_dataset
 from realloc.runtime.inputs.evaluation import EVAL_SEED, eval_calls, eval_key, write_eval_samples
 from realloc.runtime.inputs.preflight import vocab_limit
 from realloc.runtime.inputs.run_config import RunConfig
@@ -350,7 +350,8 @@ class ModelWorker:
                 ds, position, seed = ((self.eval_dataset, eval_batch, EVAL_SEED) if evaluating
                                       else (self.dataset, iteration, self.config.seed))
                 assert ds is not None
-                inputs[role] = dataset_rows(ds, position, spec.batch_size, seed, lo, hi, rpc.n_samples)
+                inputs[role] = (dataset_rows_at(ds, position, spec.batch_size, seed, ids, rpc.n_samples) if rows
+                                else dataset_rows(ds, position, spec.batch_size, seed, lo, hi, rpc.n_samples))
             else:
                 inputs[role] = self.store.get_rows(key_of(key), iteration, ids)
         ctx = CallContext(call=rpc, model=handle.model if handle else None,

@@ -123,9 +123,10 @@ def run_fused_pair(worker: Any, req: protocol.RunCall) -> tuple[dict[str, float]
     orders = [[(int(m), int(b), int(i)) for m, b, i in stage] for stage in req.fused_order]
     baton = _Baton()
     sides = [_Side(0, baton, handles[0].model,
-                   lambda: worker.run_call(first, req.iteration, ranges=req.ranges), worker.device),
+                   lambda: worker.run_call(first, req.iteration, ranges=req.ranges, rows=req.rows), worker.device),
              _Side(1, baton, handles[1].model,
-                   lambda: worker.run_call(second, req.iteration, ranges=req.fused_ranges), worker.device)]
+                   lambda: worker.run_call(second, req.iteration, ranges=req.fused_ranges, rows=req.fused_rows),
+                   worker.device)]
     fused = alone = 0
     passes: list[list[float]] = []  # (step, model, backward, micro-batch, start, end) for the timeline
     try:

@@ -10,7 +10,7 @@ an uninterrupted one would.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from realloc.api import ExperimentSpec
 
@@ -62,3 +62,24 @@ def dataset_rows(ds: Any, position: int, batch_size: int, seed: int, lo: int, hi
     if group > 1:
         out = {k: v.repeat_interleave(group, dim=0) for k, v in out.items()}
     return out
+
+
+def dataset_rows_at(ds: Any, position: int, batch_size: int, seed: int, ids: Sequence[int], group: int = 1
+                    ) -> dict[str, torch.Tensor]:
+    """``dataset_rows`` of the ascending sequence indices ``ids`` (a dp rank's row list: token-balanced ranks,
+    a streamed call's part), read run by run of whole groups and cut to the rows asked for."""
+    import torch
+
+    runs: list[list[int]] = []  # runs [lo, hi) of consecutive indices
+    for i in (int(x) for x in ids):
+        if runs and runs[-1][1] == i:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    runs = runs or [[0, 0]]
+    parts = []
+    for lo, hi in runs:
+        glo, ghi = lo - lo % group, -(-hi // group) * group
+        got = dataset_rows(ds, position, batch_size, seed, glo, ghi, group)
+        parts.append({k: v[lo - glo:hi - glo] for k, v in got.items()})
+    return parts[0] if len(parts) == 1 else {k: torch.cat([p[k] for p in parts]) for k in parts[0]}

@@ -120,6 +120,7 @@ class RunCall(_Msg):
     # as (model 0/1, backward 0/1, micro-batch) lists (estimator/fused_cost.FusedSchedule.order)
     fused_with: str = ""
     fused_ranges: list[list[int]] = Field(default_factory=list)
+    fused_rows: list[list[int]] = Field(default_factory=list)  # the second call's ``rows`` (token-balanced)
     fused_order: list[list[list[int]]] = Field(default_factory=list)
 
 
