@@ -451,6 +451,10 @@ def engine_overheads(cfg: ModelConfig, tp: int, layers: TpTable, raw: list, job:
             pts["interface.train"].append((s, t["interface"] - t["engine"]))
         elif kind == "forward":
             pts["engine.fwd"].append((b * s, t["engine.fwd"] - parts(Phase.FWD, b, s)))
+        elif kind == "row_drop":  # b rows kept of caches of s positions, per layer: a line in b x s
+            pts["engine.row_drop"].append((b * s, t["engine.row_drop"]))
+        elif kind == "schedule":  # what the schedule adds to a step's draw of b rows: a line in b
+            pts["engine.schedule_step"].append((b, t["scheduled"] - t["plain"]))
         elif kind == "train":
             mb = parts(Phase.FWD, b, s) + parts(Phase.BWD, b, s)
             train.append((b * s, t["train1"] - (mb + opt), t["train2"] - (2 * mb + opt)))
@@ -475,9 +479,12 @@ def engine_overheads(cfg: ModelConfig, tp: int, layers: TpTable, raw: list, job:
             lens = [t for t in INTERFACE_GEN_LENS if PPO_PROMPT_LEN + t <= cfg.max_position_embeddings]
             out[key] = OpGrid(batch=list(g.batch), seq=lens,
                               seconds=[[max(alpha + beta * t, MIN_SECONDS) for t in lens] for _ in g.batch])
-        elif key == "engine.decode_step":
+        elif key in ("engine.decode_step", "engine.schedule_step"):
             out[key] = OpGrid(batch=list(g.batch), seq=[1],
                               seconds=[[max(alpha + beta * b, MIN_SECONDS)] for b in g.batch])
+        elif key == "engine.row_drop":  # over cache positions
+            out[key] = OpGrid(batch=list(g.batch), seq=list(g.ctx),
+                              seconds=[[max(alpha + beta * b * s, MIN_SECONDS) for s in g.ctx] for b in g.batch])
         else:
             out[key] = OpGrid(batch=list(g.batch), seq=list(g.seq),
                               seconds=[[max(alpha + beta * b * s, MIN_SECONDS) for s in g.seq] for b in g.batch])
