@@ -79,11 +79,14 @@ def graphed(run: Callable[[], object], device: torch.device) -> Callable[[], obj
 
 
 def timed(run: Callable[[], object], group: dist.ProcessGroup | None, warmup: int, repeats: int,
-          setup: Callable[[], object] | None = None, clock: Callable[[], float] = time.perf_counter) -> float:
+          setup: Callable[[], object] | None = None, clock: Callable[[], float] = time.perf_counter,
+          statistic: Callable[[list[float]], float] = statistics.median) -> float:
     """Median seconds of ``run()`` over ``repeats`` samples, each the max over ``group`` (a sample over a
     group of 2+ is the mean of consecutive runs, see GROUP_SAMPLE_SECONDS); ``setup()`` runs untimed
     before every run. ``clock``: wall time, or ``time.process_time`` (this process's CPU time, which other
-    processes on a shared machine do not inflate; meaningful at tp 1, where nothing waits for a peer)."""
+    processes on a shared machine do not inflate; meaningful at tp 1, where nothing waits for a peer).
+    ``statistic``: of the samples, the median, or ``min`` (``--clock wall-min``: another process can only add wall
+    time to a sample, so the fastest one is the op's own)."""
     multi = group is not None and group.size() > 1
     # A GPU runs kernels after the host queued them: wait for the device before and after each timed run,
     # or the clock measures the launches only.
@@ -121,7 +124,7 @@ def timed(run: Callable[[], object], group: dist.ProcessGroup | None, warmup: in
         t = torch.tensor(times, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         times = t.tolist()
-    return statistics.median(times)
+    return statistic(times)
 
 
 # Distinct layers a decode step of the block is timed over (see the module docstring): measured on
@@ -134,7 +137,8 @@ class LayerProfiler:
     """Builds one-layer models of ``cfg`` (actor and critic heads) on this tp group and times their parts."""
 
     def __init__(self, cfg: ModelConfig, groups, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", clock: Callable[[], float] = time.perf_counter) -> None:
+                 device: torch.device | str = "cpu", clock: Callable[[], float] = time.perf_counter,
+                 statistic: Callable[[list[float]], float] = statistics.median) -> None:
         from realloc.models.engine import ParallelModel
 
         one = dataclasses.replace(cfg, n_layers=1, is_critic=False, tie_embeddings=False)
@@ -144,7 +148,7 @@ class LayerProfiler:
         self.actor = ParallelModel(one, groups, device=device, dtype=dtype, seed=1)
         self.critic = ParallelModel(one.as_critic(), groups, device=device, dtype=dtype, seed=2)
         self.device, self.dtype = self.actor.device, dtype
-        self.clock = clock  # timed()'s clock for every op
+        self.clock, self.statistic = clock, statistic  # timed()'s clock and statistic for every op
         self.stage = self.actor.stage
         self.layer = self.stage.layers[0]
         self.n_stack = max(1, min(cfg.n_layers, DECODE_STACK))
@@ -299,7 +303,7 @@ class LayerProfiler:
 
     def timed(self, run: Callable[[], object], warmup: int, repeats: int,
               setup: Callable[[], object] | None = None) -> float:
-        return timed(run, self.group, warmup, repeats, setup, self.clock)
+        return timed(run, self.group, warmup, repeats, setup, self.clock, self.statistic)
 
     def time_op(self, part: Part, phase: Phase, b: int, s: int, warmup: int, repeats: int) -> float:
         run, setup = self.op_runner(part, phase, b, s)
