@@ -110,8 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-bytes", type=int, default=None, help="largest collective message in bytes (default 64 MiB)")
     s.add_argument("--warmup", type=int, default=None, help="untimed runs per point (default 2)")
     s.add_argument("--repeats", type=int, default=None, help="timed runs per point; the median is kept (default 7)")
-    s.add_argument("--clock", default=None, choices=["wall", "cpu"], help="time layer ops in wall time (default) or "
-                   "in the process's CPU time, which a shared machine's other processes do not inflate (tp 1, cpu)")
+    s.add_argument("--clock", default=None, choices=["wall", "wall-min", "cpu"], help="time layer ops in wall time "
+                   "(default, the median repeat), in wall time's fastest repeat (wall-min: others' load only adds "
+                   "time), or in the process's CPU time, which a shared machine's other processes do not inflate "
+                   "(tp 1, cpu)")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     _profiles_option(s)
     s.set_defaults(func=_Command("realloc.estimator.profile_cli"))

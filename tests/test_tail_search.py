@@ -5,6 +5,8 @@ plan without one, and fixed lengths searching exactly as before."""
 from __future__ import annotations
 
 import dataclasses
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -102,7 +104,21 @@ def test_search_migrates_the_tail_and_keeps_the_plan_without_beside_it():
     assert rep.plan.call_times["actor_gen"] == pytest.approx(phases.total, rel=1e-12)
 
 
+# The tiny model's profile of the machine this test's workload was tuned on (profiles/cpu/tiny.json of 2026-11-22,
+# frozen here): whether migrating a tail beats running it out depends on the machine's prices, and the shipped
+# table follows the machine of the day.
+TUNED_PROFILE = Path(__file__).parent / "data" / "tiny_profile_2026-11-22.json"
+
+
+def tuned_profiles(folder: Path, monkeypatch) -> None:
+    """$REALLOC_PROFILES = ``folder``, holding TUNED_PROFILE as the tiny table."""
+    (folder / "cpu").mkdir(parents=True)
+    shutil.copy(TUNED_PROFILE, folder / "cpu" / "tiny.json")
+    monkeypatch.setenv("REALLOC_PROFILES", str(folder))
+
+
 def test_search_prints_the_migration_and_the_plan_without(tmp_path, capsys, monkeypatch):
+    tuned_profiles(tmp_path / "profiles", monkeypatch)
     src = tmp_path / "tail_tiny.py"
     # a tail long enough that migrating it beats running it out, priced over the planner's window with lookahead
     # (at gen_len 128, p99 102 the search runs every generation to its end)

@@ -292,7 +292,8 @@ class CallTimer:
             moments = self.comm.time("all_reduce", strategy.dp, 8 * (3 + work.n_steps), links.dp)
             return step.scaled(work.n_steps) + overhead + CallCost.of(overhead=iface, dp_allreduce=moments)
         ends = work.lengths.slowest_ends(work.gen_len, b, work.n_seqs)  # all gen_len for fixed lengths
-        return self.generate_varied(strategy, links, b, prompt, ends, n_mbs) + overhead
+        return self.generate_varied(strategy, links, b, prompt, ends, n_mbs, slots=prompt + work.gen_len,
+                                    scheduled=work.scheduled) + overhead
 
     def train_step(self, strategy: ParallelStrategy, links: GroupLinks, b: int, seq: int, n_mbs: int,
                    recompute: bool = False) -> CallCost:
@@ -328,7 +329,8 @@ class CallTimer:
         return self.generate_varied(strategy, links, b, prompt, (gen_len,) * b, n_mbs)
 
     def generate_varied(self, strategy: ParallelStrategy, links: GroupLinks, b: int, prompt: int,
-                        ends: Sequence[int], n_mbs: int, prefill: int | None = None) -> CallCost:
+                        ends: Sequence[int], n_mbs: int, prefill: int | None = None, slots: int | None = None,
+                        scheduled: bool = False) -> CallCost:
         """``generate`` when responses differ in length (issue 31): row i of a micro-batch stops after
         ``ends[i]`` tokens (ascending: the expected order statistics, ``ResponseLengths.order_statistics``).
 
@@ -339,20 +341,29 @@ class CallTimer:
         ``prefill``: the tokens the prefill runs when the rows' earlier keys and values are kept (a multi-turn
         rollout's later turns, ``models/turn_cache.py``); the decode steps still attend to all ``prompt``.
         The prefill is priced at those tokens alone: its attention over the kept keys is left out.
+
+        Measured host work beyond the steps (``row_step_extras``): each time rows finish while others run on, their
+        KV caches of ``slots`` positions (the prompt and the call's new tokens; default prompt + max(ends)) are
+        copied; with ``scheduled`` (a seeded length schedule) every step's draw also bans and places EOS.
         """
         if strategy.pp > 1 and n_mbs > strategy.pp:
             # At most pp micro-batches hold a KV cache at once: with equal lengths they go in waves of pp, each
             # filling and draining the pipeline (models/generation.py); priced so for any lengths.
             full, rest = divmod(n_mbs, strategy.pp)
-            wave = self.generate_varied(strategy, links, b, prompt, ends, strategy.pp, prefill).scaled(full)
-            return wave + self.generate_varied(strategy, links, b, prompt, ends, rest, prefill) if rest else wave
+            wave = self.generate_varied(strategy, links, b, prompt, ends, strategy.pp, prefill, slots,
+                                        scheduled).scaled(full)
+            return wave + self.generate_varied(strategy, links, b, prompt, ends, rest, prefill, slots,
+                                               scheduled) if rest else wave
         t = strategy.tp
         host = self._engine("engine.decode_step", t, b, prompt, default=self.hw.decode_step_overhead)
+        host += self._schedule(t, b, scheduled)
         new = prompt if prefill is None else prefill
         total = pipeline_makespan(self._stages(Phase.PREFILL, strategy, links, b, new, host=host), n_mbs)
-        total = total + CallCost.of(overhead=n_mbs * self._engine("engine.gen_call", t, b, prompt))
+        total = total + CallCost.of(overhead=n_mbs * (self._engine("engine.gen_call", t, b, prompt)
+                                                      + self.row_drops(strategy, ends, slots or prompt + max(ends))))
         for first, last, rows in decode_segments(ends):
             r_host = self._engine("engine.decode_step", t, rows, prompt, default=self.hw.decode_step_overhead)
+            r_host += self._schedule(t, rows, scheduled)
             back = self.comm.time("p2p", 2, 16 * rows, links.pp_any) if strategy.pp > 1 else 0.0
 
             def step(ctx: int, rows: int = rows, r_host: float = r_host, back: float = back) -> CallCost:
@@ -361,6 +372,24 @@ class CallTimer:
 
             total = total + sum_over_range(step, prompt + first, prompt + last, self.decode_grid)
         return total
+
+    def _schedule(self, tp: int, rows: int, scheduled: bool) -> float:
+        """A step's extra draw work under a length schedule (measured ``engine.schedule_step``; 0 without)."""
+        return self._engine("engine.schedule_step", tp, rows, 1) if scheduled else 0.0
+
+    def row_drops(self, strategy: ParallelStrategy, ends: Sequence[int], slots: int) -> float:
+        """Seconds one micro-batch spends dropping finished rows (``models/generation.drop_rows``): at every
+        length in ``ends`` but the longest, the rows still running keep a copy of their caches of ``slots``
+        positions, one per layer of the stage holding the most (measured ``engine.row_drop``, per layer)."""
+        if not ends or self.costs.engine("engine.row_drop", strategy.tp, 1, slots) is None:
+            return 0.0  # not measured (a roofline, or a profile from before the key)
+        layers = max(hi - lo for lo, hi in stage_layer_ranges(self.cfg.n_layers, strategy.pp))
+        order = sorted(ends)
+        total = 0.0
+        for i, e in enumerate(order[:-1]):
+            if order[i + 1] > e:  # the last row of length e: the rows after it run on
+                total += self._engine("engine.row_drop", strategy.tp, len(order) - i - 1, slots)
+        return layers * total
 
     def _param_ratio(self, strategy: ParallelStrategy) -> float:
         """Local parameters of the stage holding the most, over those of the one-layer model the

@@ -124,8 +124,11 @@ class CostModel:
         trained = getattr(settings, "trained_prompts", None)
         if rpc.interface_type is InterfaceType.TRAIN_STEP and callable(trained):
             n_seqs = max(1, n_seqs * trained(spec.batch_size) // spec.batch_size)
+        scheduled = (rpc.interface_type is InterfaceType.GENERATE
+                     and getattr(settings, "length_schedule", None) is not None)  # (common.generation_config)
         return Workload(interface=rpc.interface_type, n_seqs=n_seqs * rows, n_steps=n_steps,
-                        prompt_len=spec.prompt_len, gen_len=spec.gen_len, lengths=spec.response_lengths)
+                        prompt_len=spec.prompt_len, gen_len=spec.gen_len, lengths=spec.response_lengths,
+                        scheduled=scheduled)
 
     def _precision(self, call: str) -> Precision:
         # A train call's settings choose its gradient buffers' dtype (TrainConfig.grad_dtype); its model's

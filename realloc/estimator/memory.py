@@ -140,6 +140,9 @@ class Workload:
     # How long responses are (issue 31): time is priced on the lengths that exist (call_time.py); memory stays
     # at the longest, gen_len, which any one row may reach.
     lengths: ResponseLengths = ResponseLengths()
+    # A generation whose rows end where a seeded length schedule says (``PPOConfig.length_schedule``, issue 31
+    # item 6): each decode step also bans EOS and places it (``engine.schedule_step``).
+    scheduled: bool = False
 
     @property
     def seq_len(self) -> int:

@@ -21,6 +21,7 @@ import os
 import platform
 import queue as queue_mod
 import shlex
+import statistics
 import sys
 import tempfile
 import time
@@ -55,7 +56,9 @@ class ProfileJob:
     collective_sizes: tuple[int, ...]  # group sizes
     max_collective_bytes: int
     collective_repeats: int
-    clock: str = "wall"  # layer ops timed in wall time, or "cpu": the process's CPU time (profiler.timed)
+    # layer ops timed in wall time (median of the repeats), "wall-min" (the fastest repeat: robust to other
+    # processes' load), or "cpu": the process's CPU time (profiler.timed)
+    clock: str = "wall"
 
     @property
     def world(self) -> int:
@@ -154,8 +157,8 @@ def profiled_config(model: str) -> ModelConfig:
 
 def _clock(args: argparse.Namespace, tps: tuple[int, ...]) -> str:
     clock = getattr(args, "clock", None) or "wall"
-    if clock not in ("wall", "cpu"):
-        raise ValueError(f"--clock must be wall or cpu, got {clock!r}")
+    if clock not in ("wall", "wall-min", "cpu"):
+        raise ValueError(f"--clock must be wall, wall-min or cpu, got {clock!r}")
     if clock == "cpu" and (tps != (1,) or args.device != "cpu"):
         raise ValueError("--clock cpu times ops in the process's CPU time, which misses the wait for a peer's "
                          "collective or a GPU's kernels; use it with --device cpu --tp 1")
@@ -227,7 +230,8 @@ def _run_worker(rank: int, job: ProfileJob, init_file: str, out: "mp.Queue[str]"
     for tp in job.tps:
         if rank < tp:
             prof = LayerProfiler(cfg, cache.model_groups(layouts[tp]), dtype=dtype, device=device,
-                                 clock=time.process_time if job.clock == "cpu" else time.perf_counter)
+                                 clock=time.process_time if job.clock == "cpu" else time.perf_counter,
+                                 statistic=min if job.clock == "wall-min" else statistics.median)
             ops: dict[str, dict[tuple[int, int], float]] = {}
             for part, phase, b, s in op_plan(g):
                 ops.setdefault(f"{part.value}.{phase.value}", {})[b, s] = prof.time_op(part, phase, b, s, g.warmup,
@@ -451,6 +455,10 @@ def engine_overheads(cfg: ModelConfig, tp: int, layers: TpTable, raw: list, job:
             pts["interface.train"].append((s, t["interface"] - t["engine"]))
         elif kind == "forward":
             pts["engine.fwd"].append((b * s, t["engine.fwd"] - parts(Phase.FWD, b, s)))
+        elif kind == "row_drop":  # b rows kept of caches of s positions, per layer: a line in b x s
+            pts["engine.row_drop"].append((b * s, t["engine.row_drop"]))
+        elif kind == "schedule":  # what the schedule adds to a step's draw of b rows: a line in b
+            pts["engine.schedule_step"].append((b, t["scheduled"] - t["plain"]))
         elif kind == "train":
             mb = parts(Phase.FWD, b, s) + parts(Phase.BWD, b, s)
             train.append((b * s, t["train1"] - (mb + opt), t["train2"] - (2 * mb + opt)))
@@ -475,9 +483,12 @@ def engine_overheads(cfg: ModelConfig, tp: int, layers: TpTable, raw: list, job:
             lens = [t for t in INTERFACE_GEN_LENS if PPO_PROMPT_LEN + t <= cfg.max_position_embeddings]
             out[key] = OpGrid(batch=list(g.batch), seq=lens,
                               seconds=[[max(alpha + beta * t, MIN_SECONDS) for t in lens] for _ in g.batch])
-        elif key == "engine.decode_step":
+        elif key in ("engine.decode_step", "engine.schedule_step"):
             out[key] = OpGrid(batch=list(g.batch), seq=[1],
                               seconds=[[max(alpha + beta * b, MIN_SECONDS)] for b in g.batch])
+        elif key == "engine.row_drop":  # over cache positions
+            out[key] = OpGrid(batch=list(g.batch), seq=list(g.ctx),
+                              seconds=[[max(alpha + beta * b * s, MIN_SECONDS) for s in g.ctx] for b in g.batch])
         else:
             out[key] = OpGrid(batch=list(g.batch), seq=list(g.seq),
                               seconds=[[max(alpha + beta * b * s, MIN_SECONDS) for s in g.seq] for b in g.batch])
@@ -531,7 +542,8 @@ def main(args: argparse.Namespace) -> int:
         "load_average_after": _load_average(),
         "threads_per_process": 1 if job.device == "cpu" else None,
         "warmup": job.grid.warmup, "repeats": job.grid.repeats, "clock": job.clock,
-        "statistic": "median over repeats; each repeat is the slowest rank of the group",
+        "statistic": f"{'minimum' if job.clock == 'wall-min' else 'median'} over repeats; each repeat is the slowest "
+                     f"rank of the group",
     }
     table = assemble_table(job, raw, meta)
     table.save(path)

@@ -79,11 +79,14 @@ def graphed(run: Callable[[], object], device: torch.device) -> Callable[[], obj
 
 
 def timed(run: Callable[[], object], group: dist.ProcessGroup | None, warmup: int, repeats: int,
-          setup: Callable[[], object] | None = None, clock: Callable[[], float] = time.perf_counter) -> float:
+          setup: Callable[[], object] | None = None, clock: Callable[[], float] = time.perf_counter,
+          statistic: Callable[[list[float]], float] = statistics.median) -> float:
     """Median seconds of ``run()`` over ``repeats`` samples, each the max over ``group`` (a sample over a
     group of 2+ is the mean of consecutive runs, see GROUP_SAMPLE_SECONDS); ``setup()`` runs untimed
     before every run. ``clock``: wall time, or ``time.process_time`` (this process's CPU time, which other
-    processes on a shared machine do not inflate; meaningful at tp 1, where nothing waits for a peer)."""
+    processes on a shared machine do not inflate; meaningful at tp 1, where nothing waits for a peer).
+    ``statistic``: of the samples, the median, or ``min`` (``--clock wall-min``: another process can only add wall
+    time to a sample, so the fastest one is the op's own)."""
     multi = group is not None and group.size() > 1
     # A GPU runs kernels after the host queued them: wait for the device before and after each timed run,
     # or the clock measures the launches only.
@@ -121,7 +124,7 @@ def timed(run: Callable[[], object], group: dist.ProcessGroup | None, warmup: in
         t = torch.tensor(times, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         times = t.tolist()
-    return statistics.median(times)
+    return statistic(times)
 
 
 # Distinct layers a decode step of the block is timed over (see the module docstring): measured on
@@ -134,7 +137,8 @@ class LayerProfiler:
     """Builds one-layer models of ``cfg`` (actor and critic heads) on this tp group and times their parts."""
 
     def __init__(self, cfg: ModelConfig, groups, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", clock: Callable[[], float] = time.perf_counter) -> None:
+                 device: torch.device | str = "cpu", clock: Callable[[], float] = time.perf_counter,
+                 statistic: Callable[[list[float]], float] = statistics.median) -> None:
         from realloc.models.engine import ParallelModel
 
         one = dataclasses.replace(cfg, n_layers=1, is_critic=False, tie_embeddings=False)
@@ -144,7 +148,7 @@ class LayerProfiler:
         self.actor = ParallelModel(one, groups, device=device, dtype=dtype, seed=1)
         self.critic = ParallelModel(one.as_critic(), groups, device=device, dtype=dtype, seed=2)
         self.device, self.dtype = self.actor.device, dtype
-        self.clock = clock  # timed()'s clock for every op
+        self.clock, self.statistic = clock, statistic  # timed()'s clock and statistic for every op
         self.stage = self.actor.stage
         self.layer = self.stage.layers[0]
         self.n_stack = max(1, min(cfg.n_layers, DECODE_STACK))
@@ -299,7 +303,7 @@ class LayerProfiler:
 
     def timed(self, run: Callable[[], object], warmup: int, repeats: int,
               setup: Callable[[], object] | None = None) -> float:
-        return timed(run, self.group, warmup, repeats, setup, self.clock)
+        return timed(run, self.group, warmup, repeats, setup, self.clock, self.statistic)
 
     def time_op(self, part: Part, phase: Phase, b: int, s: int, warmup: int, repeats: int) -> float:
         run, setup = self.op_runner(part, phase, b, s)
@@ -348,7 +352,43 @@ class LayerProfiler:
             return out
         if kind == "ppo_train":
             return self.time_ppo_train(b, s, warmup, repeats)
+        if kind == "row_drop":
+            return {"engine.row_drop": self.time_row_drop(b, s, warmup, repeats)}
+        if kind == "schedule":
+            return self.time_schedule(b, warmup, repeats)
         raise ValueError(f"unknown engine call {kind!r}")
+
+    def time_row_drop(self, b: int, slots: int, warmup: int, repeats: int) -> float:
+        """Seconds per layer of what ``generation._MicroBatch.apply`` does when rows of a micro-batch finish and
+        others run on: ``generation.drop_rows`` keeping ``b`` of ``b + 1`` rows of caches of ``slots`` positions,
+        on the stack model's caches (one per layer, as the generation holds them)."""
+        from realloc.models.generation import drop_rows
+
+        stack = self.stack_model().stage
+        caches = stack.new_kv_caches(b + 1, slots)
+        keep = torch.ones(b + 1, dtype=torch.bool, device=self.device)
+        keep[0] = False
+        return self.timed(lambda: drop_rows(caches, keep), warmup, repeats) / len(caches)
+
+    def time_schedule(self, b: int, warmup: int, repeats: int) -> dict[str, float]:
+        """One decode step's draw (``generation._MicroBatch.sample``) of ``b`` rows with a length schedule (EOS
+        banned, then placed where a row's scheduled length ends: ``length_schedule.force_lengths``) and without:
+        the difference is what a scheduled generation (a seeded EOS schedule, issue 31 item 6) adds per step."""
+        from realloc.lengths import ResponseLengths
+        from realloc.models.generation import _MicroBatch
+        from realloc.models.sampling import GenerationConfig
+
+        vocab = self.cfg.vocab_size
+        rows = [t for t in self._ids(b, 4).cpu()]
+        g = torch.Generator().manual_seed(b)
+        logits = torch.randn(b, vocab, generator=g).to(self.device)
+        out = {}
+        for name, sched in (("plain", None), ("scheduled", ResponseLengths.uniform(1, GEN_TOKENS[-1]))):
+            cfg = GenerationConfig(max_new_tokens=GEN_TOKENS[-1], seed=1, eos_token_ids=(vocab - 1,),
+                                   length_schedule=sched)
+            mb = _MicroBatch(self.stack_model(), rows, list(range(b)), cfg)
+            out[name] = self.timed(lambda: mb.sample(logits, 0), warmup, repeats)
+        return out
 
     def time_ppo_train(self, b: int, gen_len: int, warmup: int, repeats: int) -> dict[str, float]:
         """PPO's actor train interface (``ppo_interfaces.actor_train``, one mini-batch) on ``b`` sequences of
@@ -449,7 +489,12 @@ def op_axes(part: Part, phase: Phase, grid: LayerGrid) -> tuple[int, ...]:
 #   engine.train_step  once per train_step() (one optimizer step) grid (b, s)
 #   engine.gen_call    once per generate() call                grid (b, prompt length)
 #   engine.decode_step per generated token of generate()       grid (b, prompt length)
-ENGINE_KEYS = ("engine.fwd", "engine.train_mb", "engine.train_step", "engine.gen_call", "engine.decode_step")
+#   engine.row_drop    per layer, each time rows of a micro-batch finish while others run on (their KV caches
+#                      copied, ``generation.drop_rows``)   grid (rows kept, cache positions)
+#   engine.schedule_step per decode step of a generation with a length schedule (the seeded EOS schedule,
+#                      ``length_schedule.py``): the ban and the forced EOS beyond a plain draw   grid (b, 1)
+ENGINE_KEYS = ("engine.fwd", "engine.train_mb", "engine.train_step", "engine.gen_call", "engine.decode_step",
+               "engine.row_drop", "engine.schedule_step")
 # generate() runs with these max_new_tokens to split per-call from per-token overhead (8 steps apart:
 # the per-token residual is a difference of two noisy medians, divided by the steps between them)
 GEN_TOKENS = (2, 10)
@@ -466,7 +511,9 @@ PPO_PROMPT_LEN = 8
 def engine_plan(grid: LayerGrid, max_positions: int) -> Iterator[tuple[str, int, int]]:
     """Engine calls to time: forward and train_step over every other grid point (the overheads are
     fitted as a line, see ``profile_cli.engine_overheads``), generate() for prompts that leave room
-    (every batch size), and PPO's train interface (``ppo_train``, its second axis the generated tokens)."""
+    (every batch size), a length-scheduled draw (every batch size), the rows' cache copy when some finish
+    (``row_drop``, every other batch size and cache length), and PPO's train interface (``ppo_train``, its second
+    axis the generated tokens)."""
     for b in grid.batch:
         for s in grid.seq[::2]:
             if b in grid.batch[::2]:
@@ -475,6 +522,9 @@ def engine_plan(grid: LayerGrid, max_positions: int) -> Iterator[tuple[str, int,
             # every batch size: a decode step's residual is small next to its ops
             if s + max(GEN_TOKENS) <= max_positions:
                 yield "generate", b, s
+        yield "schedule", b, 1
+        for s in grid.ctx[::2] if b in grid.batch[::2] else ():
+            yield "row_drop", b, s  # s: the cache's positions (a generation's prompt and new tokens)
         if b not in grid.batch[::2]:
             continue
         for t in INTERFACE_GEN_LENS:

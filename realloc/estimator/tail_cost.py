@@ -80,14 +80,19 @@ def part_workload(work: Workload, part_ends: tuple[int, ...], n_rows: int) -> Wo
 
 
 def _decode_from(timer: CallTimer, strategy: ParallelStrategy, links, prompt: int, ends: tuple[int, ...],
-                 start: int) -> float:
-    """Decode steps start + 1 .. max(ends) - 1 of one micro-batch whose row i stops after ``ends[i]`` tokens."""
+                 start: int, work: Workload | None = None) -> float:
+    """Decode steps start + 1 .. max(ends) - 1 of one micro-batch whose row i stops after ``ends[i]`` tokens
+    (with ``work``, the generation's: the rows' cache copies as they finish, and its length schedule's draws)."""
     total = 0.0
+    if work is not None:
+        total += timer.row_drops(strategy, [e for e in ends if e > start] or [start],
+                                 work.prompt_len + work.gen_len)
     for first, last, rows in decode_segments(sorted(ends)):
         first = max(first, start + 1)
         if first > last:
             continue
         host = timer._engine("engine.decode_step", strategy.tp, rows, prompt, default=timer.hw.decode_step_overhead)
+        host += timer._schedule(strategy.tp, rows, work is not None and work.scheduled)
 
         def step(ctx: int, rows: int = rows, host: float = host):
             return decode_round(timer._stages(Phase.DECODE, strategy, links, rows, ctx, host=host), 1, 0.0)
@@ -129,7 +134,9 @@ def phase1_cost(cost: CostModel, call: str, mesh: DeviceMesh, strategy: Parallel
     ends = tuple(min(e, cut) for e in work.lengths.order_statistics(work.gen_len, b))
     links = model.links(mesh, strategy)
     counts = model.comm.time("all_reduce", strategy.dp, COUNT_BYTES, links.dp)  # the last count's reduction
-    got = model._phase1_cache[key] = (timer.generate_varied(strategy, links, b, work.prompt_len, ends, n_mbs).time
+    got = model._phase1_cache[key] = (timer.generate_varied(strategy, links, b, work.prompt_len, ends, n_mbs,
+                                                            slots=work.prompt_len + work.gen_len,
+                                                            scheduled=work.scheduled).time
                                       + model.hw.call_overhead + counts)
     return got
 
@@ -174,7 +181,7 @@ def tail_phase_cost(cost: CostModel, call: str, mesh: DeviceMesh, strategy: Para
     host = timer._engine("engine.decode_step", strategy.tp, per, prompt + cut, default=timer.hw.decode_step_overhead)
     prefill = pipeline_makespan(timer._stages(Phase.PREFILL, strategy, links, per, prompt + cut, host=host), 1).time
     moving = migration_cost(cost, call, mesh, strategy, rows, instances)
-    return moving + prefill, _decode_from(timer, strategy, links, prompt, held, cut), False
+    return moving + prefill, _decode_from(timer, strategy, links, prompt, held, cut, work), False
 
 
 def tail_generation_cost(cost: CostModel, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, n_mbs: int,
