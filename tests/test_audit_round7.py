@@ -1,0 +1,44 @@
+"""Audit, round 7: a new user's audit against the project's test categories (unseen models, hand-written plans,
+forged traffic, killed processes, full disks, slow services, resume chains, peers on the same task). Each test of a
+defect failed before its fix; its docstring says what the user saw."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from realloc.api import load_experiment
+from realloc.graph.dataflow import build_graph
+from realloc.graph.plan import ExecutionPlan
+from realloc.runtime.control.master import Master
+from realloc.runtime.control.program import RuntimeProgram
+from realloc.runtime.control.store_listener import store_listener
+from realloc.runtime.inputs.run_config import RunConfig
+from realloc.runtime.records.run_paths import RunPaths
+from realloc.runtime.wire import protocol
+from run_helpers import TINY, disjoint_plan
+
+
+@pytest.mark.parametrize("option", ["--master-port", "--store-port"])
+def test_a_port_another_process_holds_is_one_line_naming_the_option(tmp_path, option):
+    """Two masters on one port (two SLURM jobs on a node whose ids meet modulo the port slots, or a port given
+    twice): the second run ended in `internal error: OSError: [Errno 98] Address already in use` (store) or
+    `ZMQError: Address already in use` (master), neither naming the option to change."""
+    peer = socket.socket()
+    peer.bind(("127.0.0.1", 0))
+    peer.listen()
+    port = peer.getsockname()[1]
+    try:
+        with pytest.raises(ValueError) as e:
+            if option == "--store-port":
+                store_listener("127.0.0.1", port)
+            else:
+                spec = load_experiment(TINY)
+                Master(RuntimeProgram(build_graph(spec), disjoint_plan()), RunConfig.of(spec), RunPaths(tmp_path),
+                       "r1", protocol.new_secret(), iterations=1, master_port=port)
+    finally:
+        peer.close()
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{option} {port}: cannot listen on 127.0.0.1:{port}"), msg
+    assert "Address already in use" in msg and f"pass another {option}" in msg, msg
