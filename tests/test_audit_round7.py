@@ -42,3 +42,29 @@ def test_a_port_another_process_holds_is_one_line_naming_the_option(tmp_path, op
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(f"{option} {port}: cannot listen on 127.0.0.1:{port}"), msg
     assert "Address already in use" in msg and f"pass another {option}" in msg, msg
+
+
+def test_a_full_disk_during_an_export_is_one_line_naming_the_file(tmp_path, monkeypatch, capsys):
+    """ENOSPC while `realloc export` writes the weights: safetensors raises its own SafetensorError, and the user
+    saw `realloc export: internal error: SafetensorError: Error while serializing: I/O error: No space left on
+    device (os error 28) (set REALLOC_DEBUG=1 for a traceback)`. The error here is the one safetensors raised on a
+    full 300 KiB tmpfs (a test cannot mount one; /dev/full will not do: safetensors writes a temporary file beside
+    its target and renames it over it)."""
+    from safetensors import SafetensorError
+    from test_export import CFG, _fake_checkpoint
+
+    from realloc.cli import main
+    from realloc.models import hf_io
+
+    def full_disk(tensors, path, metadata=None):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    _fake_checkpoint(tmp_path / "run", CFG, 1, 1, iteration=1)
+    monkeypatch.setattr(hf_io, "save_file", full_disk)
+    out = tmp_path / "hf"
+    assert main(["export", str(tmp_path / "run"), "--model", "actor", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "internal error" not in err, err
+    assert err.startswith("realloc export: error: ") and err.rstrip().endswith(
+        "model.safetensors: No space left on device"), err
+    assert not out.exists() and not list(tmp_path.glob(".hf.part-*"))  # nothing left behind

@@ -46,6 +46,8 @@ from typing import TYPE_CHECKING, Any, Collection, Iterator, Mapping
 
 from safetensors import SafetensorError, safe_open
 
+from realloc.atomic_file import safetensors_os_errors
+
 # torch only in the functions that read and write tensors (the workers'): the master's begin, commit and prune are
 # file operations, and the master runs without torch (docs/speed.md).
 if TYPE_CHECKING:
@@ -313,7 +315,8 @@ def _save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
 
     path.parent.mkdir(parents=True, exist_ok=True)
     part = path.with_name(path.name + ".part")
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(part), metadata=metadata)
+    with safetensors_os_errors(part):
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(part), metadata=metadata)
     with open(part, "rb") as f:
         os.fsync(f.fileno())
     digest = sha256_of(part)  # read back from the page cache, so it covers what is on disk
