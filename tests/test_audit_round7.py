@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 
+import numpy as np
 import pytest
 
 from realloc.api import load_experiment
@@ -68,3 +69,23 @@ def test_a_full_disk_during_an_export_is_one_line_naming_the_file(tmp_path, monk
     assert err.startswith("realloc export: error: ") and err.rstrip().endswith(
         "model.safetensors: No space left on device"), err
     assert not out.exists() and not list(tmp_path.glob(".hf.part-*"))  # nothing left behind
+
+
+def test_a_full_disk_while_the_prompts_are_cached_is_the_os_error_naming_the_cache(tmp_path, monkeypatch):
+    """The same at `realloc run`'s start, when the master caches the tokenized prompts in the run directory (a
+    120 KiB tmpfs ended the run in `internal error: SafetensorError`)."""
+    import errno
+
+    from safetensors import SafetensorError
+
+    from realloc.data import cache
+
+    def full_disk(tensors, path, metadata=None):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(cache, "save_file", full_disk)
+    target = tmp_path / "prompt_cache" / "p.safetensors"
+    with pytest.raises(OSError) as e:
+        cache.write(target, {"ids": np.zeros(3)}, {})
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(target)
+    assert list(target.parent.iterdir()) == []  # its temporary file removed
