@@ -417,7 +417,9 @@ def load_model_shard(ckpt: Path, model: str, tp_rank: int, pp_rank: int, layout:
                 raise ValueError(f"checkpoint {path}: parameter {n!r} has shape {tuple(saved)}, this model's shard "
                                  f"is {tuple(p.shape)}; the checkpoint was saved for another model shape (or "
                                  f"another realloc version's vocabulary padding): resume from a matching checkpoint")
-            p.copy_(f.get_tensor(f"param/{n}"))
+            # A model trained in bf16 or fp16 saved its fp32 masters too: a trainer that keeps its parameters in
+            # fp32 (the model moved to a pool of another dtype) resumes from them, not from their rounding.
+            p.copy_(f.get_tensor(f"master/{n}" if f"master/{n}" in keys else f"param/{n}"))
         scaler = getattr(optimizer, "loss_scale", None)
         if scaler is not None and "loss_scale" in keys:
             scaler.scale, good = f.get_tensor("loss_scale").tolist()
@@ -430,10 +432,7 @@ def load_model_shard(ckpt: Path, model: str, tp_rank: int, pp_rank: int, layout:
             return
         if stepped is not params:
             for n, m in stepped.items():
-                if f"master/{n}" not in keys:
-                    raise ValueError(f"checkpoint {path}: fp32 master weight {n!r} is missing (saved without "
-                                     f"master weights?)")
-                m.copy_(f.get_tensor(f"master/{n}"))
+                m.copy_(_master(f, keys, n, path))
         _load_hyper(meta, torch_opt.param_groups)
         for n, p in stepped.items():
             prefix = f"optim/{n}/"
@@ -465,14 +464,20 @@ def _load_sharded(f: Any, path: Path, keys: list[str], meta: Mapping[str, str], 
     """Each rank reads the whole state of one tensor at a time and keeps its chunk (``DistributedAdamW``)."""
     _load_hyper(meta, optimizer.param_groups)
     for n in optimizer.params:
-        master = None
-        if optimizer.keeps_masters:
-            if f"master/{n}" not in keys:
-                raise ValueError(f"checkpoint {path}: fp32 master weight {n!r} is missing (saved without "
-                                 f"master weights?)")
-            master = f.get_tensor(f"master/{n}")
+        master = _master(f, keys, n, path) if optimizer.keeps_masters else None
         prefix = f"optim/{n}/"
         optimizer.load_full_state(n, master, {k[len(prefix):]: f.get_tensor(k) for k in keys if k.startswith(prefix)})
+
+
+def _master(f: Any, keys: list[str], n: str, path: Path) -> torch.Tensor:
+    """The fp32 master weight of ``n`` for a trainer that keeps its parameters in bf16 or fp16: saved as such,
+    or the parameter itself where the model was trained in fp32 (it moved to a pool of another dtype), exact."""
+    if f"master/{n}" in keys:
+        return f.get_tensor(f"master/{n}")
+    if f.get_slice(f"param/{n}").get_dtype() == "F32":
+        return f.get_tensor(f"param/{n}")
+    raise ValueError(f"checkpoint {path}: fp32 master weight {n!r} is missing and its parameter is not fp32 "
+                     f"(saved without master weights?)")
 
 
 def save_rng(ckpt: Path, rank: int) -> None:
