@@ -155,3 +155,33 @@ def test_a_model_trained_in_fp32_resumes_on_a_bf16_pool_with_its_weights_as_mast
     for n, p in params.items():
         assert torch.equal(fresh_opt.masters[n], p) and torch.equal(fresh[n], p.bfloat16()), n
         assert torch.equal(fresh_opt.inner.state[fresh_opt.masters[n]]["exp_avg_sq"], opt.state[p]["exp_avg_sq"])
+
+
+def test_an_fp32_export_of_a_model_trained_in_bf16_writes_its_master_weights(tmp_path):
+    """`realloc export --dtype float32` of a model trained in bf16 wrote the bf16 parameters widened, though the
+    checkpoint holds the fp32 master weights; the default export (the checkpoint's dtype) is unchanged."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from test_export import CFG, _fake_checkpoint
+
+    from realloc.runtime.persist import checkpoint as C
+    from realloc.runtime.persist.export import export_checkpoint
+
+    ckpt, full = _fake_checkpoint(tmp_path / "run", CFG, 2, 1, iteration=1)
+    for r in range(2):  # as a bf16 model's shards are: bf16 parameters, fp32 masters
+        path = C.shard_file(ckpt, "actor", r, 0)
+        tensors = load_file(path)
+        tensors.update({f"master/{k[6:]}": v for k, v in tensors.items() if k.startswith("param/")})
+        tensors.update({k: v.bfloat16() for k, v in tensors.items() if k.startswith("param/")})
+        save_file(tensors, str(path))
+    meta = json.loads((ckpt / C.META).read_text())
+    meta["files"] = {f.relative_to(ckpt).as_posix(): {"sha256": C.sha256_of(f), "bytes": f.stat().st_size}
+                     for f in ckpt.rglob("*.safetensors")}
+    (ckpt / C.META).write_text(json.dumps(meta))
+    wide = load_file(export_checkpoint(ckpt, "actor", tmp_path / "fp32", dtype="float32") / "model.safetensors")
+    own = load_file(export_checkpoint(ckpt, "actor", tmp_path / "own") / "model.safetensors")
+    assert not torch.equal(full["lm_head.weight"].bfloat16().float(), full["lm_head.weight"])  # what was written
+    for n, t in full.items():
+        assert torch.equal(wide[n], t) and torch.equal(own[n], t.bfloat16()), n
