@@ -185,3 +185,19 @@ def test_an_fp32_export_of_a_model_trained_in_bf16_writes_its_master_weights(tmp
     assert not torch.equal(full["lm_head.weight"].bfloat16().float(), full["lm_head.weight"])  # what was written
     for n, t in full.items():
         assert torch.equal(wide[n], t) and torch.equal(own[n], t.bfloat16()), n
+
+
+@pytest.mark.parametrize("limit,ok", [("bogus", False), ("1:2:3:4", False), ("1-", False), ("24:00:00", True),
+                                      ("2-00:00:00", True), ("90", True), ("1-12", True), ("UNLIMITED", True)])
+def test_a_slurm_time_limit_sbatch_would_refuse_is_one_line_before_the_script_is_written(limit, ok, capsys):
+    """`--launcher slurm --time bogus` wrote `#SBATCH --time=bogus` into the script (and submitted it, for sbatch
+    to refuse), although --mem and --gres of the wrong form were one line before anything was written."""
+    from realloc.cli import main
+
+    rc = main(["run", "experiments/sft_tiny.py", "--launcher", "slurm", "--dry-run", "--time", limit,
+               "--run-dir", "/nonexistent/never-written"])
+    out, err = capsys.readouterr()
+    if ok:
+        assert rc == 0 and f"#SBATCH --time={limit}\n" in out, err
+    else:
+        assert rc == 2 and err.count("\n") == 1 and f"--time {limit!r}: give SLURM's form" in err, err
