@@ -201,3 +201,27 @@ def test_a_slurm_time_limit_sbatch_would_refuse_is_one_line_before_the_script_is
         assert rc == 0 and f"#SBATCH --time={limit}\n" in out, err
     else:
         assert rc == 2 and err.count("\n") == 1 and f"--time {limit!r}: give SLURM's form" in err, err
+
+
+def test_a_run_resumed_at_an_earlier_iteration_sets_the_replaced_historys_checkpoints_aside(tmp_path):
+    """A run that went to iteration 5 (a checkpoint after each), resumed in its run directory from iteration 2
+    (with another learning rate, say) up to 3: its metrics lines 4 and 5 were dropped, but the first history's
+    iter_4 and iter_5 stayed beside its own iter_3, so `realloc export RUN` exported iteration 5 of the replaced
+    history and `--resume RUN` continued it, both silently (seen with experiments/sft_tiny.py). They are set aside
+    now, kept, where neither takes them. The run-level check is test_run_operations.py's resumed run."""
+    from realloc.runtime.persist import checkpoint as C
+    from realloc.runtime.persist.export import find_checkpoint
+
+    run = tmp_path / "run"
+    root = run / "checkpoints"
+    for t in range(1, 6):
+        C.commit(C.begin(root, t), root, t, {"next_iteration": t + 1}, "{}")
+    line = C.set_aside_later(root, 2)  # the resumed run, at its start
+    (aside,) = root.glob("replaced-*")
+    assert line == (f"checkpoints after iteration 2 (iter_00000003, iter_00000004, iter_00000005) hold the history "
+                    f"this run replaces: moved to {aside}")
+    assert sorted(p.name for p in aside.iterdir()) == ["iter_00000003", "iter_00000004", "iter_00000005"]
+    C.commit(C.begin(root, 3), root, 3, {"next_iteration": 4}, "{}")  # the resumed run's own iteration 3
+    assert C.resolve_resume(run).name == find_checkpoint(run, None).name == "iter_00000003"
+    assert sorted(C.prune(root, root / "iter_00000003", keep=1)) == [root / "iter_00000001", root / "iter_00000002"]
+    assert C.set_aside_later(root, 3) is None and len(list(root.glob("replaced-*"))) == 1

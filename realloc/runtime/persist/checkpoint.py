@@ -41,6 +41,7 @@ import os
 import re
 import secrets
 import shutil
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Collection, Iterator, Mapping
 
@@ -250,6 +251,24 @@ def check_resume_layouts(ckpt: Path, saved: Mapping[str, str], wanted: Mapping[s
 def iterations_of(ckpt: Path) -> int:
     """The iterations a committed checkpoint holds, from its name (``iter_00000012``: 12)."""
     return int(ckpt.name.removeprefix("iter_"))
+
+
+def set_aside_later(root: Path, start: int) -> str | None:
+    """A run that resumes at iteration ``start`` in its run directory replaces the history after it (its metrics
+    lines go too): the committed checkpoints after ``start`` move into ``root/replaced-<time>/``, kept but out of
+    the way of ``--resume RUN`` and ``realloc export RUN``, which take the newest ``iter_*`` in ``root`` for this
+    run's own. Returns the line that says so, or None when there are none."""
+    later = sorted(p for p in root.glob("iter_*") if p.is_dir() and _NAME.fullmatch(p.name)
+                   and iterations_of(p) > start) if root.is_dir() else []
+    if not later:
+        return None
+    aside = root / f"replaced-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    aside.mkdir()
+    for p in later:
+        p.rename(aside / p.name)
+    _fsync_path(root)
+    return (f"checkpoints after iteration {start} ({', '.join(p.name for p in later)}) hold the history this run "
+            f"replaces: moved to {aside}")
 
 
 def resolve_resume(path: str | Path, skip_checks: bool = False) -> Path:
