@@ -115,6 +115,22 @@ def _trained(dtype, masters: bool, steps: int = 3):
     return params, opt
 
 
+def _resumed_in_another_dtype(tmp_path, saved, resumed):
+    """((parameters, optimizer) trained in ``saved`` and checkpointed on one pool, (the same) loaded from that
+    checkpoint on a pool that trains in ``resumed``); fp32 trains without master weights, bf16 with."""
+    import torch
+
+    from realloc.runtime.persist import checkpoint as C
+
+    params, opt = _trained(saved, masters=saved != torch.float32)
+    tmp = C.begin(tmp_path, 2)
+    C.save_model_shard(tmp, "m", 0, 0, "cpu0 dp1·tp1·pp1", params, opt, tp_pp=(1, 1))
+    ckpt = C.commit(tmp, tmp_path, 2, {"next_iteration": 3}, "{}")
+    fresh, fresh_opt = _trained(resumed, masters=resumed != torch.float32, steps=0)
+    C.load_model_shard(ckpt, "m", 0, 0, "cpu1 dp1·tp1·pp1", fresh, fresh_opt, tp_pp=(1, 1))
+    return (params, opt), (fresh, fresh_opt)
+
+
 def test_a_model_trained_in_bf16_resumes_in_fp32_from_its_master_weights(tmp_path):
     """A checkpoint of a model trained in bf16 holds its bf16 parameters and its fp32 master weights; resumed on
     a pool that trains in fp32 (a plan that moves the train call to another pool keeps its tp and pp, so
@@ -123,14 +139,7 @@ def test_a_model_trained_in_bf16_resumes_in_fp32_from_its_master_weights(tmp_pat
     cpu-bf16, resumed on cpu)."""
     import torch
 
-    from realloc.runtime.persist import checkpoint as C
-
-    params, opt = _trained(torch.bfloat16, masters=True)
-    tmp = C.begin(tmp_path, 2)
-    C.save_model_shard(tmp, "critic", 0, 0, "cpu1 dp1·tp1·pp1", params, opt, tp_pp=(1, 1))
-    ckpt = C.commit(tmp, tmp_path, 2, {"next_iteration": 3}, "{}")
-    fresh, fresh_opt = _trained(torch.float32, masters=False, steps=0)
-    C.load_model_shard(ckpt, "critic", 0, 0, "cpu0 dp1·tp1·pp1", fresh, fresh_opt, tp_pp=(1, 1))
+    (params, opt), (fresh, fresh_opt) = _resumed_in_another_dtype(tmp_path, torch.bfloat16, torch.float32)
     for n, p in fresh.items():
         assert not torch.equal(opt.masters[n], params[n].float())  # the rounding the old resume kept
         assert torch.equal(p, opt.masters[n]), n
@@ -144,14 +153,7 @@ def test_a_model_trained_in_fp32_resumes_on_a_bf16_pool_with_its_weights_as_mast
     without master weights?)`), though the fp32 parameters are those masters exactly."""
     import torch
 
-    from realloc.runtime.persist import checkpoint as C
-
-    params, opt = _trained(torch.float32, masters=False)
-    tmp = C.begin(tmp_path, 2)
-    C.save_model_shard(tmp, "actor", 0, 0, "cpu0 dp1·tp1·pp1", params, opt, tp_pp=(1, 1))
-    ckpt = C.commit(tmp, tmp_path, 2, {"next_iteration": 3}, "{}")
-    fresh, fresh_opt = _trained(torch.bfloat16, masters=True, steps=0)
-    C.load_model_shard(ckpt, "actor", 0, 0, "cpu1 dp1·tp1·pp1", fresh, fresh_opt, tp_pp=(1, 1))
+    (params, opt), (fresh, fresh_opt) = _resumed_in_another_dtype(tmp_path, torch.float32, torch.bfloat16)
     for n, p in params.items():
         assert torch.equal(fresh_opt.masters[n], p) and torch.equal(fresh[n], p.bfloat16()), n
         assert torch.equal(fresh_opt.inner.state[fresh_opt.masters[n]]["exp_avg_sq"], opt.state[p]["exp_avg_sq"])
