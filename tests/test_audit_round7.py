@@ -227,3 +227,29 @@ def test_a_run_resumed_at_an_earlier_iteration_sets_the_replaced_historys_checkp
     assert C.resolve_resume(run).name == find_checkpoint(run, None).name == "iter_00000003"
     assert sorted(C.prune(root, root / "iter_00000003", keep=1)) == [root / "iter_00000001", root / "iter_00000002"]
     assert C.set_aside_later(root, 3) is None and len(list(root.glob("replaced-*"))) == 1
+
+
+def test_show_does_not_refuse_a_reward_service_slower_than_it_waits_but_within_the_runs_timeout(tmp_path, capsys,
+                                                                                                 monkeypatch):
+    """`realloc show` asks each reward service with a timeout of at most PROBE_TIMEOUT (10 s). A service slower
+    than that, within the call's own timeout (30 s here), made show fail with `no answer within timeout=10.0 s
+    ...; raise interface_args 'timeout'/'retries'`: advice that cannot help (show caps both), for an experiment
+    the run handles. A service that misses the call's own timeout is still an error."""
+    from test_show_reward_probe import _experiment, _show
+
+    from realloc.runtime.inputs import reward_probe
+    from reward_service import Service
+
+    monkeypatch.setattr(reward_probe, "PROBE_TIMEOUT", 0.2)  # a service 1 s slow stands for one 20 s slow
+    for timeout, ok in ((30, True), (0.2, False)):
+        (tmp_path / str(timeout)).mkdir()
+        exp = _experiment(tmp_path / str(timeout), "def score(*a):\n    return []\n", "remote_reward",
+                          f'{{"url": self.url, "timeout": {timeout}, "retries": 0}}')
+        with Service(slow=9, delay=1.0) as svc:
+            rc, out, err = _show(exp, capsys, f"url={svc.url}")
+        if ok:
+            assert rc == 0, err
+            assert (f"reward rew_inf: not checked: reward service {svc.url} gave no answer within 0.2 s, the most "
+                    f"`realloc show` waits; a run waits up to its timeout=30 s per request") in out
+        else:
+            assert rc == 2 and err.count("\n") == 1 and "no answer within timeout=0.2 s" in err, err
