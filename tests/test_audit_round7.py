@@ -227,6 +227,13 @@ def test_a_run_resumed_at_an_earlier_iteration_sets_the_replaced_historys_checkp
     assert C.resolve_resume(run).name == find_checkpoint(run, None).name == "iter_00000003"
     assert sorted(C.prune(root, root / "iter_00000003", keep=1)) == [root / "iter_00000001", root / "iter_00000002"]
     assert C.set_aside_later(root, 3) is None and len(list(root.glob("replaced-*"))) == 1
+    # --export-every's folders of the replaced history: the resumed run's own export of iteration 3 found
+    # exports/iter_00000003/actor filled and failed ('export directory ... is not empty; choose a new --out')
+    exports = run / "exports"
+    for t in (1, 2, 3):
+        (exports / C.checkpoint_name(t) / "actor").mkdir(parents=True)
+    assert C.set_aside_later(exports, 1).startswith("exports after iteration 1 (iter_00000002, iter_00000003)")
+    assert sorted(p.name for p in exports.glob("iter_*")) == ["iter_00000001"]
 
 
 def test_show_does_not_refuse_a_reward_service_slower_than_it_waits_but_within_the_runs_timeout(tmp_path, capsys,

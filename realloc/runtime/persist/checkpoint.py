@@ -257,7 +257,8 @@ def set_aside_later(root: Path, start: int) -> str | None:
     """A run that resumes at iteration ``start`` in its run directory replaces the history after it (its metrics
     lines go too): the committed checkpoints after ``start`` move into ``root/replaced-<time>/``, kept but out of
     the way of ``--resume RUN`` and ``realloc export RUN``, which take the newest ``iter_*`` in ``root`` for this
-    run's own. Returns the line that says so, or None when there are none."""
+    run's own. The same for ``root`` = the run's ``exports/`` (``--export-every``), which this run writes again.
+    Returns the line that says so, or None when there are none."""
     later = sorted(p for p in root.glob("iter_*") if p.is_dir() and _NAME.fullmatch(p.name)
                    and iterations_of(p) > start) if root.is_dir() else []
     if not later:
@@ -267,7 +268,7 @@ def set_aside_later(root: Path, start: int) -> str | None:
     for p in later:
         p.rename(aside / p.name)
     _fsync_path(root)
-    return (f"checkpoints after iteration {start} ({', '.join(p.name for p in later)}) hold the history this run "
+    return (f"{root.name} after iteration {start} ({', '.join(p.name for p in later)}) hold the history this run "
             f"replaces: moved to {aside}")
 
 
