@@ -116,8 +116,9 @@ class RemoteReward:
                 return self._parse(self._post(data), n)
             except _Retry as e:
                 why, late = str(e), isinstance(e, _Late)
-        raise (RewardServiceTimeout if late else RewardServiceError)(f"reward service {self.url} failed {self.retries + 1} time(s): {why}; check that it "
-                                 f"is running and reachable, or raise interface_args 'timeout'/'retries'")
+        error = RewardServiceTimeout if late else RewardServiceError
+        raise error(f"reward service {self.url} failed {self.retries + 1} time(s): {why}; check that it is running "
+                    f"and reachable, or raise interface_args 'timeout'/'retries'")
 
     def _post(self, data: bytes) -> bytes:
         """One POST and its whole answer within ``timeout`` seconds; raises ``_Retry`` or ``RewardServiceError``."""
