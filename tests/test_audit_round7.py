@@ -260,3 +260,36 @@ def test_show_does_not_refuse_a_reward_service_slower_than_it_waits_but_within_t
                     f"`realloc show` waits; a run waits up to its timeout=30 s per request") in out
         else:
             assert rc == 2 and err.count("\n") == 1 and "no answer within timeout=0.2 s" in err, err
+
+
+@pytest.mark.parametrize("pad", [2, 0, None])  # 2: the pad id is the EOS id; 0: a pad of its own; none at all
+def test_a_reward_model_scores_where_transformers_pools(pad):
+    """A reward model checkpoint whose pad id is its EOS id (`tokenizer.pad_token = tokenizer.eos_token`, as
+    many are trained): HF's LlamaForSequenceClassification scores the last token that is not the pad id, the one
+    before a final EOS; realloc scored the EOS itself, so every reward differed from the checkpoint's own (and
+    the common.model_reward docstring said it scored as HF does). Reference: transformers' pooling on the same
+    rows (a response ending at EOS, one cut at gen_len, an empty one)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from realloc.algorithms.common import scored_positions
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_labels=1, pad_token_id=pad, eos_token_id=2)
+    hf = LlamaForSequenceClassification(cfg).eval()
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    responses = [[14, 15, 2], [16, 17, 18, 19], [2]]  # EOS; cut at gen_len=4; EOS at once
+    P, T = 4, 4
+    tokens = torch.full((3, P + T), 0, dtype=torch.long)
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        tokens[b, :len(p) + len(r)] = torch.tensor(p + r)
+    seq = {"tokens": tokens, "prompt_lens": torch.tensor([len(p) for p in prompts]),
+           "gen_mask": torch.arange(T).view(1, T) < torch.tensor([len(r) for r in responses]).view(-1, 1)}
+    with torch.no_grad():
+        values = hf.score(hf.model(input_ids=tokens).last_hidden_state)[..., 0]  # causal: a row's padding is after
+        got = values.gather(1, scored_positions(seq, pad).view(-1, 1)).squeeze(1)
+        want = torch.stack([hf(input_ids=torch.tensor([p + r])).logits[0, 0] for p, r in zip(prompts, responses)])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    last = seq["prompt_lens"] + seq["gen_mask"].sum(dim=1) - 1  # the old rule: the last token, EOS or not
+    assert torch.allclose(values.gather(1, last.view(-1, 1)).squeeze(1), want, atol=1e-5) == (pad != 2)
