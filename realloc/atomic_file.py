@@ -3,15 +3,21 @@
 A fixed temporary name (``plan.json.tmp``) is shared by two processes saving the same file at once (two
 ``realloc search --out plan.json``, two ``realloc profile`` runs into one folder): one truncates the other's
 half-written file, and the slower one's rename then fails or publishes a torn file. Each writer here has its own
-temporary name, so readers see one whole version, the last renamed.
+temporary name, so readers see one whole version, the last renamed. Beside it, ``safetensors_os_errors``: a
+safetensors file that could not be written fails as the OSError it is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import re
 import secrets
 from pathlib import Path
+from typing import Iterator
+
+from safetensors import SafetensorError
 
 
 def write_text_atomically(path: Path, text: str) -> None:
@@ -32,3 +38,18 @@ def write_text_atomically(path: Path, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def safetensors_os_errors(path: Path) -> Iterator[None]:
+    """Writes of safetensors files inside: a failed write (a full disk, a quota) comes out as the ``OSError`` it
+    is, naming ``path``. safetensors raises its own ``SafetensorError`` ("Error while serializing: I/O error: No
+    space left on device (os error 28)"), which the CLI could only call an internal error."""
+    try:
+        yield
+    except Exception as e:
+        code = re.search(r"\(os error (\d+)\)", str(e))
+        if not isinstance(e, SafetensorError) or code is None:
+            raise
+        n = int(code.group(1))
+        raise OSError(n, os.strerror(n), str(path)) from None

@@ -265,7 +265,11 @@ def test_a_resumed_run_reapplies_its_settings_keeps_its_history_and_exports(run,
     assert first["given"] == SETS and first["resumed_from"] is None and first["iterations"] == [1, 4]
     assert second["given"] == ["eval.greedy=false"] and second["changed"] == ["eval.greedy: true -> false"]
     assert second["resumed_from"].endswith("checkpoints/iter_00000002") and second["iterations"] == [3, 5]
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["iter_00000004", "iter_00000005"]
+    # The first run's iteration 4 is the history this run replaced: set aside, not taken for this run's own
+    # (test_audit_round7.py); the newest 2 of this run's are the checkpoint it resumed from and its final state.
+    (aside,) = (run_dir / "checkpoints").glob("replaced-*")
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("iter_*")) == ["iter_00000002", "iter_00000005"]
+    assert [p.name for p in aside.iterdir()] == ["iter_00000004"] and f"moved to {aside}" in out
     meta = json.loads((run_dir / "checkpoints/iter_00000005/meta.json").read_text())
     assert meta["settings"]["overrides"] == [*SETS, "eval.greedy=false"]
 

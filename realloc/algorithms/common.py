@@ -44,6 +44,25 @@ def forward_batch(seq: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"input_ids": seq["tokens"], "lengths": seq["prompt_lens"] + seq["gen_mask"].sum(dim=1)}
 
 
+def scored_positions(seq: Mapping[str, torch.Tensor], pad_token_id: Any = None) -> torch.Tensor:
+    """[n] the position a scalar head scores each row at, as HF's *ForSequenceClassification pools: the last token
+    of prompt + response that is not the model's ``pad_token_id`` (its config.json's). A model whose pad id is
+    an EOS id (``tokenizer.pad_token = tokenizer.eos_token``) is scored at the token before a final EOS, where HF
+    trained and scores it; without a pad id, at the last token."""
+    last = seq["prompt_lens"] + seq["gen_mask"].sum(dim=1) - 1
+    if not isinstance(pad_token_id, int):
+        return last
+    tokens = seq["tokens"] if "tokens" in seq else seq["input_ids"]  # a train step's micro-batch: forward_batch's
+    pos = torch.arange(tokens.shape[1], device=tokens.device).view(1, -1)
+    kept = (pos <= last.view(-1, 1).to(tokens.device)) & (tokens != pad_token_id)
+    return (pos * kept).argmax(dim=1).to(last.device)  # HF's argmax of index x non-pad: 0 when all are pad
+
+
+def model_pad_id(ctx: CallContext) -> Any:
+    """The pad id of the call's model's config.json (None for a model_type model)."""
+    return dict(ctx.model.cfg.special_tokens).get("pad_token_id") if ctx.model is not None else None
+
+
 def loss_mask(seq: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """[n, T] the response tokens a train step learns from: the policy's own (``seq["loss_mask"]``, which a
     multi-turn rollout writes with its environment's tokens False: ``multiturn.py``), else all (``gen_mask``)."""
@@ -196,12 +215,12 @@ def score_result(score: torch.Tensor) -> CallResult:
 
 
 def model_reward(ctx: CallContext, inputs: Data) -> CallResult:
-    """A neural reward model: its scalar head's output at the last token of each sequence (as HF's
-    *ForSequenceClassification scores the last non-padding token)."""
+    """A neural reward model: its scalar head's output at the last token of each sequence that is not its
+    pad id (``scored_positions``, as HF's *ForSequenceClassification scores)."""
     seq = inputs["seq"]
     assert ctx.model is not None
     out = ctx.model.forward(forward_batch(seq), n_mbs=ctx.n_mbs, output="values")
     if out is None:
         return CallResult({}, {}, {})
-    last = seq["prompt_lens"] + seq["gen_mask"].sum(dim=1) - 1
+    last = scored_positions(seq, model_pad_id(ctx))
     return score_result(out.cpu().gather(1, last.view(-1, 1)).squeeze(1))

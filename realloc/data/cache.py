@@ -22,6 +22,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from realloc.atomic_file import safetensors_os_errors
 from realloc.data.config import DataConfig
 from realloc.data.tokenizer import GENERATION_CONFIG, Tokenizer
 
@@ -66,7 +67,9 @@ def write(file: Path, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> N
     fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=file.name, suffix=".tmp")
     os.close(fd)
     try:
-        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, tmp, metadata={"meta": json.dumps(meta)})
+        with safetensors_os_errors(file):
+            save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, tmp,
+                      metadata={"meta": json.dumps(meta)})
         os.replace(tmp, file)
     finally:
         if os.path.exists(tmp):

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from realloc.atomic_file import safetensors_os_errors
 from realloc.models.config import ModelConfig
 from realloc.models.families import hf_from_config
 # the check of a checkpoint before any worker starts reads headers only, without torch
@@ -210,7 +211,8 @@ def _umask() -> int:
 def save_weights(tensors: dict[str, torch.Tensor], path: Path) -> None:
     """``safetensors.save_file`` with the mode any file written here gets (0644 under the usual umask):
     safetensors creates its files 0600, so an export's weights were private beside a world-readable config."""
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    with safetensors_os_errors(path):
+        save_file(tensors, str(path), metadata={"format": "pt"})
     os.chmod(path, 0o666 & ~_umask())
 
 

@@ -362,6 +362,8 @@ def _main(args: argparse.Namespace, claims: contextlib.ExitStack) -> int:
         if start == 0:
             run.metrics.unlink(missing_ok=True)
         _drop_later_samples(run, start)
+        replaced = [line for d in (run.checkpoints, run.root / "exports") if start
+                    for line in [checkpoint.set_aside_later(d, start)] if line]
 
         timeouts = {k: v for k, v in (("heartbeat_timeout", args.heartbeat_timeout),
                                       ("call_timeout", args.call_timeout)) if v is not None}
@@ -404,6 +406,8 @@ def _main(args: argparse.Namespace, claims: contextlib.ExitStack) -> int:
             print(f"reapplied the checkpoint's run's overrides: {' '.join(reapplied)}")
         if changed:
             print(f"settings changed from the checkpoint's run (--allow-changed-settings): {'; '.join(changed)}")
+        for line in replaced:
+            print(line)
         for line in pre.lines:
             print(line)
         if horizon_line:

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
-from realloc.algorithms.common import forward_batch
+from realloc.algorithms.common import forward_batch, model_pad_id, scored_positions
 from realloc.algorithms.context import CallContext, CallResult, Data
 from realloc.algorithms.pairs.reward_model import PAIR_SUMS, STATS
 from realloc.algorithms.pairs.supervised import _both, pair_steps
@@ -33,9 +33,11 @@ def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: tor
     return loss
 
 
-def last_token_scores(values: torch.Tensor, seq: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """[n] the scalar head's output at the last token of each row (prompt + response)."""
-    last = seq["prompt_lens"] + seq["gen_mask"].sum(dim=1) - 1
+def last_token_scores(values: torch.Tensor, seq: Mapping[str, torch.Tensor], pad_token_id: Any = None
+                      ) -> torch.Tensor:
+    """[n] the scalar head's output at the last token of each row (prompt + response) that is not the model's pad
+    id (``common.scored_positions``)."""
+    last = scored_positions(seq, pad_token_id)
     return values.gather(1, last.view(-1, 1).to(values.device)).squeeze(1)
 
 
@@ -71,9 +73,10 @@ def rm_train(ctx: CallContext, inputs: Data) -> CallResult:
     assert model is not None and ctx.optimizer is not None
     pairs = inputs["pairs"]
     margins = pair_margins(ctx, pairs)
+    pad = model_pad_id(ctx)
 
     def bt_pair_loss(head: Any, m: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-        scores = last_token_scores(head.values, m)
+        scores = last_token_scores(head.values, m, pad)
         n = scores.shape[0] // 2
         chosen, rejected = scores[:n], scores[n:]
         per_pair = bradley_terry_loss(chosen, rejected, m["margin"].to(scores), cfg.center_coef)
@@ -95,7 +98,7 @@ def rm_pair_scores(ctx: CallContext, inputs: Data) -> CallResult:
     out = ctx.model.forward(forward_batch(seq), n_mbs=min(ctx.n_mbs, seq["tokens"].shape[0]), output="values")
     if out is None:
         return CallResult({}, {}, {})
-    scores = last_token_scores(out.cpu(), seq)
+    scores = last_token_scores(out.cpu(), seq, model_pad_id(ctx))
     n = scores.shape[0] // 2
     chosen, rejected = scores[:n], scores[n:]
     loss = bradley_terry_loss(chosen.double(), rejected.double(), pair_margins(ctx, pairs), ctx.config.center_coef)

@@ -40,8 +40,16 @@ class _Retry(Exception):
     """A failure worth another try; its text says why."""
 
 
+class _Late(_Retry):
+    """A request that missed its deadline."""
+
+
 class RewardServiceError(RuntimeError):
     """The reward service could not score a batch; the message names the URL and why."""
+
+
+class RewardServiceTimeout(RewardServiceError):
+    """Every try of a request missed its deadline (the service may be slow rather than gone)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +107,7 @@ class RemoteReward:
 
     def _request(self, body: dict[str, Any], n: int) -> list[float]:
         data = json.dumps(body).encode()
-        pause, why = self.backoff, ""
+        pause, why, late = self.backoff, "", False
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(pause)
@@ -107,9 +115,10 @@ class RemoteReward:
             try:
                 return self._parse(self._post(data), n)
             except _Retry as e:
-                why = str(e)
-        raise RewardServiceError(f"reward service {self.url} failed {self.retries + 1} time(s): {why}; check that it "
-                                 f"is running and reachable, or raise interface_args 'timeout'/'retries'")
+                why, late = str(e), isinstance(e, _Late)
+        error = RewardServiceTimeout if late else RewardServiceError
+        raise error(f"reward service {self.url} failed {self.retries + 1} time(s): {why}; check that it is running "
+                    f"and reachable, or raise interface_args 'timeout'/'retries'")
 
     def _post(self, data: bytes) -> bytes:
         """One POST and its whole answer within ``timeout`` seconds; raises ``_Retry`` or ``RewardServiceError``."""
@@ -153,11 +162,11 @@ class RemoteReward:
                     raise self._too_big(f"more than {self.max_bytes} bytes")
                 parts.append(part)
             if late.is_set():  # the cut-off's end of stream, not the answer's
-                raise _Retry(f"no answer within timeout={self.timeout} s (a deadline for the whole request)")
+                raise _Late(f"no answer within timeout={self.timeout} s (a deadline for the whole request)")
             return b"".join(parts)
         except (http.client.HTTPException, OSError) as e:
             if late.is_set() or isinstance(e, (TimeoutError, socket.timeout)):
-                raise _Retry(f"no answer within timeout={self.timeout} s (a deadline for the whole request)") from None
+                raise _Late(f"no answer within timeout={self.timeout} s (a deadline for the whole request)") from None
             if isinstance(e, (ConnectionRefusedError, socket.gaierror)) or conn.sock is None:
                 raise _Retry(f"cannot connect ({e})") from None
             raise _Retry(f"the connection failed ({e!r})") from None

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+import os
 import signal
 import time
 from pathlib import Path
@@ -34,7 +35,7 @@ from realloc.runtime.control.master_link import (CALL_TIMEOUT, HEARTBEAT_TIMEOUT
 from realloc.runtime.control.master_schedule import IterationSchedule, Node
 from realloc.runtime.control.master_tail import ConsumerParts, TailStreams, split_map
 from realloc.runtime.control.program import RuntimeProgram
-from realloc.runtime.control.store_listener import StoreListener, store_listener
+from realloc.runtime.control.store_listener import StoreListener, port_in_use, store_listener
 from realloc.runtime.control.stop_signals import STOP_MARGIN, StopRequest, StopSignals
 from realloc.runtime.inputs.evaluation import eval_calls
 from realloc.runtime.inputs.run_config import RunConfig
@@ -112,7 +113,13 @@ class Master(MasterLink, IterationSchedule, TailStreams, EvaluationPasses, Check
         secure_server(self.sock, keys)
         self.gate.watch(self.sock)
         if master_port:
-            self.sock.bind(f"tcp://{bind_host}:{master_port}")
+            try:
+                self.sock.bind(f"tcp://{bind_host}:{master_port}")
+            except zmq.ZMQError as e:
+                self.gate.close(self.sock)
+                self.sock.close()
+                self.zctx.term()
+                raise port_in_use("--master-port", bind_host, master_port, os.strerror(e.errno)) from None
             self.port = master_port
         else:
             self.port = self.sock.bind_to_random_port(f"tcp://{bind_host}")

@@ -20,7 +20,11 @@ class StoreListener:
     def __init__(self, host: str, port: int = 0) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
+        try:
+            self.sock.bind((host, port))
+        except OSError as e:
+            self.sock.close()
+            raise port_in_use("--store-port", host, port, e.strerror or str(e)) from None
         self.sock.listen(1024)
         self.host = host
         self.port: int = self.sock.getsockname()[1]
@@ -35,6 +39,13 @@ class StoreListener:
     def close(self) -> None:
         """This process's copy (a worker that inherited the descriptor keeps its own)."""
         self.sock.close()
+
+
+def port_in_use(option: str, host: str, port: int, why: str) -> ValueError:
+    """The one line for a rendezvous or master port this run cannot bind (under SLURM both derive from the job
+    id, so two jobs on one node can meet on them)."""
+    return ValueError(f"{option} {port}: cannot listen on {host}:{port} ({why}); another process (another run's "
+                      f"master?) holds it: pass another {option}, or 0 for a free one")
 
 
 def store_listener(host: str, port: int = 0) -> StoreListener:

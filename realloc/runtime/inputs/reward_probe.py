@@ -9,7 +9,8 @@ response that ends at once: EOS first, which any run can produce) and the one sc
         print(line)   # "reward rew_inf: score(first record, empty response) = 0.0"
 
 A service is asked once more at most, with a timeout of at most ``PROBE_TIMEOUT`` seconds, so a wrong URL fails in
-seconds; its reply is only numbers, as in a run.
+seconds; its reply is only numbers, as in a run. A service that does not answer within that, where the call's own
+``timeout`` is longer, is reported as not checked rather than refused: the run would wait for it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ def probe_rewards(spec: ExperimentSpec, dataset: Any, tokenizer: Any) -> list[st
     lines = []
     for call in calls:
         got, who = _score(call.name, call.interface_impl, dict(call.interface_args), prompt, response, record)
+        if got is None:  # a service slower than show waits: said, not refused
+            lines.append(f"reward {call.name}: not checked: {who}")
+            continue
         value = _one_score(call.name, who, got)
         lines.append(f"reward {call.name}: {who}(first record, empty response) = {value:g}")
     return lines
@@ -56,13 +60,19 @@ def _score(call: str, impl: str, args: dict[str, Any], prompt: Any, response: An
         except Exception as e:  # noqa: BLE001 - the user's code: any error is theirs, reported as one line
             raise ValueError(f"call {call!r}: the reward function {name} raised {type(e).__name__}: {e} {where}"
                              f"{user_code.where(e)}") from None
-    from realloc.algorithms.rewards.remote_reward import RemoteReward, RewardServiceError
+    from realloc.algorithms.rewards.remote_reward import RemoteReward, RewardServiceError, RewardServiceTimeout
 
-    service = RemoteReward.of(call, args)
-    service = dataclasses.replace(service, timeout=min(service.timeout, PROBE_TIMEOUT),
-                                  retries=min(service.retries, 1))
+    configured = RemoteReward.of(call, args)
+    service = dataclasses.replace(configured, timeout=min(configured.timeout, PROBE_TIMEOUT),
+                                  retries=min(configured.retries, 1))
     try:
         return service.score([prompt], [response], [record]), f"reward service {service.url}"
+    except RewardServiceTimeout as e:
+        if configured.timeout <= PROBE_TIMEOUT:
+            raise ValueError(f"call {call!r} (`realloc show` sent it the dataset's first record): {e}") from None
+        # Slower than show waits, but maybe within the run's own deadline: not an error of the experiment.
+        return None, (f"reward service {service.url} gave no answer within {PROBE_TIMEOUT:g} s, the most `realloc "
+                      f"show` waits; a run waits up to its timeout={configured.timeout:g} s per request")
     except (RewardServiceError, OSError, ValueError) as e:
         raise ValueError(f"call {call!r} (`realloc show` sent it the dataset's first record): {e}") from None
 

@@ -230,6 +230,9 @@ class SlurmOptions:
         if self.python is None:
             elsewhere = bool(self.setup) or any(a.lstrip("-").startswith("container") for a in self.srun_args)
             object.__setattr__(self, "python", "python3" if elsewhere else sys.executable)
+        if not _TIME.fullmatch(self.time_limit.strip()):  # else sbatch refuses the script after it is written
+            raise ValueError(f"--time {self.time_limit!r}: give SLURM's form MINUTES, MINUTES:SECONDS, HOURS:MINUTES:"
+                             f"SECONDS or DAYS-HOURS[:MINUTES[:SECONDS]] (e.g. 24:00:00 or 2-00:00:00), or UNLIMITED")
         if self.mem is not None and not _MEM.fullmatch(self.mem.strip()):
             raise ValueError(f"--mem {self.mem!r}: give SLURM's form, a number with an optional unit K, M, G or T "
                              f"(e.g. 200G; 0 asks for all of a node's memory)")
@@ -254,6 +257,7 @@ class SlurmOptions:
 
 
 _MEM = re.compile(r"\d+[KMGT]?B?", re.IGNORECASE)
+_TIME = re.compile(r"\d+(-\d+)?(:\d+){0,2}|UNLIMITED|INFINITE", re.IGNORECASE)  # sbatch(1), --time
 _GRES = re.compile(r"[A-Za-z][\w.-]*(:[\w.-]+)*")
 
 

@@ -41,10 +41,13 @@ import os
 import re
 import secrets
 import shutil
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Collection, Iterator, Mapping
 
 from safetensors import SafetensorError, safe_open
+
+from realloc.atomic_file import safetensors_os_errors
 
 # torch only in the functions that read and write tensors (the workers'): the master's begin, commit and prune are
 # file operations, and the master runs without torch (docs/speed.md).
@@ -250,6 +253,25 @@ def iterations_of(ckpt: Path) -> int:
     return int(ckpt.name.removeprefix("iter_"))
 
 
+def set_aside_later(root: Path, start: int) -> str | None:
+    """A run that resumes at iteration ``start`` in its run directory replaces the history after it (its metrics
+    lines go too): the committed checkpoints after ``start`` move into ``root/replaced-<time>/``, kept but out of
+    the way of ``--resume RUN`` and ``realloc export RUN``, which take the newest ``iter_*`` in ``root`` for this
+    run's own. The same for ``root`` = the run's ``exports/`` (``--export-every``), which this run writes again.
+    Returns the line that says so, or None when there are none."""
+    later = sorted(p for p in root.glob("iter_*") if p.is_dir() and _NAME.fullmatch(p.name)
+                   and iterations_of(p) > start) if root.is_dir() else []
+    if not later:
+        return None
+    aside = root / f"replaced-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    aside.mkdir()
+    for p in later:
+        p.rename(aside / p.name)
+    _fsync_path(root)
+    return (f"{root.name} after iteration {start} ({', '.join(p.name for p in later)}) hold the history this run "
+            f"replaces: moved to {aside}")
+
+
 def resolve_resume(path: str | Path, skip_checks: bool = False) -> Path:
     """``--resume`` accepts a checkpoint directory, a checkpoints directory, or a run directory."""
     found = find_newest(path, skip_checks, "--resume")
@@ -313,7 +335,8 @@ def _save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
 
     path.parent.mkdir(parents=True, exist_ok=True)
     part = path.with_name(path.name + ".part")
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(part), metadata=metadata)
+    with safetensors_os_errors(part):
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(part), metadata=metadata)
     with open(part, "rb") as f:
         os.fsync(f.fileno())
     digest = sha256_of(part)  # read back from the page cache, so it covers what is on disk
@@ -414,7 +437,9 @@ def load_model_shard(ckpt: Path, model: str, tp_rank: int, pp_rank: int, layout:
                 raise ValueError(f"checkpoint {path}: parameter {n!r} has shape {tuple(saved)}, this model's shard "
                                  f"is {tuple(p.shape)}; the checkpoint was saved for another model shape (or "
                                  f"another realloc version's vocabulary padding): resume from a matching checkpoint")
-            p.copy_(f.get_tensor(f"param/{n}"))
+            # A model trained in bf16 or fp16 saved its fp32 masters too: a trainer that keeps its parameters in
+            # fp32 (the model moved to a pool of another dtype) resumes from them, not from their rounding.
+            p.copy_(f.get_tensor(f"master/{n}" if f"master/{n}" in keys else f"param/{n}"))
         scaler = getattr(optimizer, "loss_scale", None)
         if scaler is not None and "loss_scale" in keys:
             scaler.scale, good = f.get_tensor("loss_scale").tolist()
@@ -427,10 +452,7 @@ def load_model_shard(ckpt: Path, model: str, tp_rank: int, pp_rank: int, layout:
             return
         if stepped is not params:
             for n, m in stepped.items():
-                if f"master/{n}" not in keys:
-                    raise ValueError(f"checkpoint {path}: fp32 master weight {n!r} is missing (saved without "
-                                     f"master weights?)")
-                m.copy_(f.get_tensor(f"master/{n}"))
+                m.copy_(_master(f, keys, n, path))
         _load_hyper(meta, torch_opt.param_groups)
         for n, p in stepped.items():
             prefix = f"optim/{n}/"
@@ -462,14 +484,20 @@ def _load_sharded(f: Any, path: Path, keys: list[str], meta: Mapping[str, str], 
     """Each rank reads the whole state of one tensor at a time and keeps its chunk (``DistributedAdamW``)."""
     _load_hyper(meta, optimizer.param_groups)
     for n in optimizer.params:
-        master = None
-        if optimizer.keeps_masters:
-            if f"master/{n}" not in keys:
-                raise ValueError(f"checkpoint {path}: fp32 master weight {n!r} is missing (saved without "
-                                 f"master weights?)")
-            master = f.get_tensor(f"master/{n}")
+        master = _master(f, keys, n, path) if optimizer.keeps_masters else None
         prefix = f"optim/{n}/"
         optimizer.load_full_state(n, master, {k[len(prefix):]: f.get_tensor(k) for k in keys if k.startswith(prefix)})
+
+
+def _master(f: Any, keys: list[str], n: str, path: Path) -> torch.Tensor:
+    """The fp32 master weight of ``n`` for a trainer that keeps its parameters in bf16 or fp16: saved as such,
+    or the parameter itself where the model was trained in fp32 (it moved to a pool of another dtype), exact."""
+    if f"master/{n}" in keys:
+        return f.get_tensor(f"master/{n}")
+    if f.get_slice(f"param/{n}").get_dtype() == "F32":
+        return f.get_tensor(f"param/{n}")
+    raise ValueError(f"checkpoint {path}: fp32 master weight {n!r} is missing and its parameter is not fp32 "
+                     f"(saved without master weights?)")
 
 
 def save_rng(ckpt: Path, rank: int) -> None:

@@ -72,6 +72,8 @@ def _full_tensors(ckpt: Path, model: str, cfg: ModelConfig, tp: int, pp: int, na
                     spec = specs[n]
                     if n not in out:
                         out[n] = torch.empty(spec.shape, dtype=dtype or shard.dtype)
+                    if f"master/{n}" in keys:  # trained in bf16 or fp16: the fp32 masters round to the same
+                        shard = f.get_tensor(f"master/{n}")  # parameters, and are exact for a wider --dtype
                     out[n][spec.shard_slices(tp, tp_rank)] = shard.to(out[n].dtype)
     return {n: specs[n].unpad(t).contiguous() for n, t in out.items()}  # HF files lack the vocabulary padding
 

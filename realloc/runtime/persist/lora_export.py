@@ -20,6 +20,7 @@ from typing import Any, Mapping
 import torch
 from safetensors.torch import save_file
 
+from realloc.atomic_file import safetensors_os_errors
 from realloc.models.config import ModelConfig
 from realloc.models.lora_config import base_name, is_adapter, module_prefix
 from realloc.models.param_layout import param_specs
@@ -82,7 +83,8 @@ def peft_config(cfg: ModelConfig, source: str | None) -> dict[str, Any]:
 def write_peft(out: Path, cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], source: str | None) -> None:
     """The PEFT adapter directory's two files from the trained tensors (adapters and a critic's score)."""
     weights = {PEFT_PREFIX + n: t.contiguous() for n, t in tensors.items()}
-    save_file(weights, str(out / PEFT_WEIGHTS_FILE), metadata={"format": "pt"})
+    with safetensors_os_errors(out / PEFT_WEIGHTS_FILE):
+        save_file(weights, str(out / PEFT_WEIGHTS_FILE), metadata={"format": "pt"})
     (out / PEFT_CONFIG_FILE).write_text(json.dumps(peft_config(cfg, source), indent=2))
 
 
