@@ -368,7 +368,10 @@ class CostModel:
                 # Between two pools the sender sends its own dtype (the receiver casts) and messages cross the
                 # pool link (pool_link.py); inside one pool sender and receiver are this model.
                 sender, receiver = self.at(m1), self.at(m2)
-                per_node, bpe = receiver.cluster.n_devices_per_node, sender.precision.param
+                # between pools each mesh keeps its own pool's node size, as in the runtime's plan (None): one
+                # node size for both ends would put devices of two pools on one node and pick sources by that
+                per_node = None if self.pool_models else receiver.cluster.n_devices_per_node
+                bpe = sender.precision.param
                 plan = plan_param_realloc(cfg, PlanLayout(m1, s1), PlanLayout(m2, s2), bytes_per_element=bpe,
                                           devices_per_node=per_node)
                 # Every destination element arrives in a message or is copied from the device's own
@@ -423,7 +426,7 @@ class CostModel:
             producer = DataLayout(m1, s1, stages=tuple(range(s1.pp)) if generated else (s1.pp - 1,))
             consumer = DataLayout(m2, s2, stages=tuple(range(s2.pp)))
             receiver = self.at(m2)
-            per_node = receiver.cluster.n_devices_per_node
+            per_node = None if self.pool_models else receiver.cluster.n_devices_per_node  # as in realloc_cost
             if self.pool_models:  # between two pools: messages cross the pool link (pool_link.py)
                 comms = [p.comm for p in self.pool_models]
                 seconds = lambda plan: pooled_plan_seconds(plan, self.cluster, comms)  # noqa: E731

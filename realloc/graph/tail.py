@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Mapping, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 if TYPE_CHECKING:
     from realloc.graph.dataflow import DataflowGraph
@@ -38,6 +38,13 @@ class TailMigration(BaseModel):
     # stream-only: the micro-batches decode one after another, as in the plain call, so the rows of each end
     # together and the split points fall between micro-batches (FlexRLHF Fig. 4b; estimator/mb_stream_cost.py)
     micro_batches: bool = False
+
+    @field_validator("rows", "instances", "chunks", mode="before")
+    @classmethod
+    def _not_a_bool(cls, value: object) -> object:  # pydantic reads true as 1: a typo, refused by name
+        if isinstance(value, bool):
+            raise ValueError(f"a count, not true/false; got {str(value).lower()}")
+        return value
 
     @model_serializer(mode="wrap")
     def _without_one_chunk(self, handler):  # a plan without chunks writes the JSON of before, bit for bit

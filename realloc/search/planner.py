@@ -119,6 +119,9 @@ class SearchReport:
     fused: ExecutionPlan | None = None
     # Long-tail migration (search/tail_space.py): the best plan without any migration, when the space had one.
     no_tail: ExecutionPlan | None = None
+    # A cluster of pools whose strongest pool alone holds no plan (the pools together may: a larger batch, more
+    # models): why, and ``alone`` is None.
+    alone_error: str | None = None
 
     @property
     def sync_plan(self) -> ExecutionPlan | None:
@@ -132,27 +135,36 @@ class SearchReport:
 
 def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int = 0, max_evals: int | None = None,
                 n_threads: int = 2, n_chains: int | None = None, progress: Progress | None = None,
-                cost: CostModel | None = None, converge: bool = False, runnable: RunLimits | None = None
-                ) -> SearchReport:
+                cost: CostModel | None = None, converge: bool = False, runnable: RunLimits | None = None,
+                max_n_mbs: int | None = None, offload: bool = True) -> SearchReport:
     """Search the fastest plan of ``experiment`` and compare it with every baseline; with ``converge``, stop
     before ``time_limit`` once the best plan stops improving (``engine.converged``). ``runnable`` (what
-    ``realloc run`` passes): only plans its runtime can carry out, see ``RunLimits``."""
+    ``realloc run`` passes): only plans its runtime can carry out, see ``RunLimits``. ``max_n_mbs``: at most this
+    many micro-batches per call (1: every call takes its batch at once, as DeepSpeed-Chat does without gradient
+    accumulation; ``benchmarks/bench_batch_rule.py``); baselines with more are shown but start no chain.
+    ``offload=False``: frozen models stay on their devices between calls (``PlanSpace.build``), as in DeepSpeed-Chat."""
     t0 = time.perf_counter()
     spec = experiment_of(experiment)
     graph = build_graph(spec)
     fuse = runnable is None or runnable.fused_pairs
     cost = cost or CostModel(graph)
     mem = spec.cluster.device_memory
-    alone, alone_pool = None, None
+    alone, alone_pool, alone_error = None, None, None
     if spec.cluster.pools:
         # The strongest pool alone first (a third of the time): the plan to beat, and a start of the chains.
         alone_pool = strongest_pool(spec.cluster)
-        alone = plan_search(pool_alone(spec, alone_pool), None if time_limit is None else time_limit / 3,
-                            seed=seed, max_evals=max_evals, n_threads=n_threads, n_chains=n_chains,
-                            converge=converge)
+        try:
+            alone = plan_search(pool_alone(spec, alone_pool), None if time_limit is None else time_limit / 3,
+                                seed=seed, max_evals=max_evals, n_threads=n_threads, n_chains=n_chains,
+                                converge=converge, max_n_mbs=max_n_mbs, offload=offload)
+        except NoFitError as e:  # the pools together may hold what the strongest alone cannot
+            alone_error = f"no plan fits pool {alone_pool} alone: {e}"
         time_limit = None if time_limit is None else time_limit * 2 / 3
     results: dict[str, BaselineResult] = {}
     for name in bl.BASELINES:
+        if alone_error is not None:
+            results[name] = BaselineResult(name, None, alone_error)
+            continue
         if alone is not None:  # the baselines place calls on one cluster of one kind: the strongest pool's
             b = alone.baselines[name]
             results[name] = dataclasses.replace(b, plan=b.plan and on_cluster(b.plan, graph))
@@ -161,10 +173,11 @@ def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int =
             results[name] = BaselineResult(name, _baseline(graph, cost, name, seed), device_memory=mem)
         except ValueError as e:  # the baseline does not apply to this experiment
             results[name] = BaselineResult(name, None, str(e), device_memory=mem)
-    fitting = [r.plan for r in results.values() if r.fits]
+    fitting = [r.plan for r in results.values() if r.fits and (offload or not any(r.plan.offload.values()))
+               and (max_n_mbs is None or all(p.n_mbs <= max_n_mbs for p in r.plan.placements.values()))]
     if alone is not None:
         fitting.append(on_cluster(alone.plan, graph))
-    full = PlanSpace.build(graph, cost, keep=fitting)
+    full = PlanSpace.build(graph, cost, keep=fitting, max_n_mbs=max_n_mbs, offload=offload)
     before = full.n_candidates
     # A call slower alone than a feasible baseline's whole iteration can be in no plan that
     # beats it (in steady state each call runs once per iteration on its mesh).
@@ -232,7 +245,7 @@ def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int =
     return SearchReport(spec=spec, graph=graph, space=space, plan=plan, indices=indices, evaluation=ev,
                         baselines=results, stats=outcome.stats, prepare_seconds=prepare,
                         n_candidates_before_time_pruning=before, by_staleness=by_staleness, alone=alone,
-                        alone_pool=alone_pool, unfused=unfused, fused=fused, no_tail=no_tail)
+                        alone_pool=alone_pool, unfused=unfused, fused=fused, no_tail=no_tail, alone_error=alone_error)
 
 
 def unfused_search(space: PlanSpace, best: np.ndarray, starts: list[np.ndarray], **search: Any):

@@ -73,7 +73,7 @@ def comparison_table(report: SearchReport) -> str:
     mem = report.spec.cluster.device_memory
     alone = f"pool {pool_label(report.spec.cluster, report.alone_pool)} alone" if report.alone is not None else ""
     w = max(len("searched"), len(alone), *map(len, report.baselines)) + 2
-    fits_in = (f"fits in {_gib(mem)} GiB" if report.alone is None else  # each pool's memory, each pool's plans
+    fits_in = (f"fits in {_gib(mem)} GiB" if report.alone_pool is None else  # each pool's memory, each pool's plans
                "fits (" + ", ".join(f"{_gib(p.device_memory)} GiB on pool {i}"
                                     for i, p in enumerate(report.spec.cluster.pools)) + ")")
     header = f"{'plan':<{w}}{'s/iteration':>12}{'vs heuristic':>14}{'peak GiB/dev':>14}  {fits_in}"
@@ -98,7 +98,11 @@ def comparison_table(report: SearchReport) -> str:
         rows.append(f"{alone:<{w}}{report.alone.plan.estimated_time:>12.3f}{speed:>14}"
                     f"{_gib(report.alone.plan.estimated_peak_memory):>14}  yes (searched on the strongest pool "
                     f"alone; the pools together: {gain:.3f}x as fast); the baselines below run on that pool")
+    if report.alone_error is not None:  # the baselines run on that pool too: none fits either
+        rows.append(f"pool {pool_label(report.spec.cluster, report.alone_pool)} alone: {report.alone_error}")
     for name, b in report.baselines.items():
+        if report.alone_error is not None:
+            continue
         rows.append(row(name, b.plan) if b.plan else f"{name:<{w}}{'n/a':>12}  ({b.error})")
     return "\n".join(rows)
 
