@@ -7,12 +7,12 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from realloc.atomic_file import write_text_atomically
 from realloc.cluster import DeviceMesh
 from realloc.graph.fused import check_fused
-from realloc.graph.tail import TailMigration, check_tail
+from realloc.graph.tail import TailMigration, check_tail, not_a_bool
 from realloc.strategy import ParallelStrategy, strategy_error
 
 if TYPE_CHECKING:
@@ -34,6 +34,8 @@ class CallPlacement(BaseModel):
     pp: int = Field(ge=1)
     n_mbs: int = Field(default=1, ge=1)
     recompute: bool = False
+
+    _not_a_bool = field_validator("dp", "tp", "pp", "n_mbs", mode="before")(not_a_bool)
 
     @property
     def strategy(self) -> ParallelStrategy:
@@ -79,6 +81,8 @@ class ExecutionPlan(BaseModel):
     # Long-tail migration per GENERATE call (rlhfuse.txt §4; graph/tail.py, docs/long-tail.md): R_t rows and m dp
     # replicas. Plans without the field migrate nothing.
     tail: dict[str, TailMigration] = Field(default_factory=dict)
+
+    _not_a_bool = field_validator("format_version", "n_devices_per_node", "staleness", mode="before")(not_a_bool)
 
     @classmethod
     def by_hand(cls, graph: "DataflowGraph", placements: Mapping[str, "tuple[str, int, int, int, int] | CallPlacement"],

@@ -24,6 +24,14 @@ if TYPE_CHECKING:
     from realloc.graph.dataflow import DataflowGraph
 
 
+def not_a_bool(cls: type, value: object) -> object:
+    """A pydantic ``mode="before"`` validator of an int field: pydantic reads JSON true as 1, a typo, refused by
+    name (the model's error names the field)."""
+    if isinstance(value, bool):
+        raise ValueError(f"a count, not true/false; got {str(value).lower()}")
+    return value
+
+
 class TailMigration(BaseModel):
     """R_t and m of one generation call. ``rows`` counts rows of the whole call (all dp ranks together) at or
     below which the tail migrates; ``instances`` is how many of its dp replicas (the lowest dp ranks) keep
@@ -39,12 +47,7 @@ class TailMigration(BaseModel):
     # together and the split points fall between micro-batches (FlexRLHF Fig. 4b; estimator/mb_stream_cost.py)
     micro_batches: bool = False
 
-    @field_validator("rows", "instances", "chunks", mode="before")
-    @classmethod
-    def _not_a_bool(cls, value: object) -> object:  # pydantic reads true as 1: a typo, refused by name
-        if isinstance(value, bool):
-            raise ValueError(f"a count, not true/false; got {str(value).lower()}")
-        return value
+    _not_a_bool = field_validator("rows", "instances", "chunks", mode="before")(not_a_bool)
 
     @model_serializer(mode="wrap")
     def _without_one_chunk(self, handler):  # a plan without chunks writes the JSON of before, bit for bit

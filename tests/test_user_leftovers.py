@@ -1,0 +1,50 @@
+"""Three defects a new user hits: a hand-written plan's integer field given as true/false (read as 1/0 by pydantic)
+is refused naming the call and field; a dataset edited between a run and its resume is refused naming the file;
+a large ``log_samples`` cannot push a worker's reply over the wire message limit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from realloc.api import load_experiment
+from realloc.cli import EXIT_USAGE, main
+from realloc.graph.dataflow import build_graph
+from realloc.graph.plan import CallPlacement, ExecutionPlan
+
+PPO = "experiments/ppo_7b_7b.py"
+
+
+@pytest.mark.parametrize("field", ["dp", "tp", "pp", "n_mbs"])
+def test_a_placement_count_given_as_a_bool_is_one_line_naming_the_call_and_field(tmp_path, capsys, field):
+    graph = build_graph(load_experiment(PPO))
+    places = {c: ("trainer[01-02]", 8, 2, 1, 4) for c in graph.spec.call_names}
+    good = tmp_path / "good.json"
+    ExecutionPlan.by_hand(graph, places).save(good)
+    assert main(["show", PPO, "--plan", str(good)]) == 0  # the same plan with numbers is fine
+    capsys.readouterr()
+    body = json.loads(good.read_text())
+    body["placements"]["actor_gen"][field] = True
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(body))
+    assert main(["show", PPO, "--plan", str(bad)]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"field 'placements.actor_gen.{field}'" in err and "not true/false" in err
+    with pytest.raises(ValueError, match=f"field 'placements.actor_gen.{field}'.*not true/false"):
+        ExecutionPlan.load(bad)
+    with pytest.raises(ValueError, match=f"field 'placements.actor_gen.{field}'.*not true/false"):
+        ExecutionPlan.by_hand(graph, {**places, "actor_gen": {**dict(zip(("mesh", "dp", "tp", "pp", "n_mbs"),
+                                                                          places["actor_gen"])), field: True}})
+    assert CallPlacement(mesh="trainer01", dp=1, tp=1, pp=1).dp == 1
+
+
+@pytest.mark.parametrize("field", ["staleness", "n_devices_per_node", "format_version"])
+def test_a_plan_level_count_given_as_a_bool_is_refused_by_name(tmp_path, field):
+    graph = build_graph(load_experiment(PPO))
+    body = json.loads(ExecutionPlan.by_hand(graph, {c: ("trainer[01-02]", 8, 2, 1, 4)
+                                                    for c in graph.spec.call_names}).to_json())
+    body[field] = True
+    with pytest.raises(ValueError, match=f"field '{field}'.*not true/false"):
+        ExecutionPlan.from_json(json.dumps(body))
