@@ -4,7 +4,10 @@ a large ``log_samples`` cannot push a worker's reply over the wire message limit
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -48,3 +51,41 @@ def test_a_plan_level_count_given_as_a_bool_is_refused_by_name(tmp_path, field):
     body[field] = True
     with pytest.raises(ValueError, match=f"field '{field}'.*not true/false"):
         ExecutionPlan.from_json(json.dumps(body))
+
+
+# -- a dataset edited between a run and its resume ----------------------------------------------------------------
+TINY = str(Path(__file__).resolve().parents[1] / "experiments/ppo_tiny.py")
+
+
+def test_a_resume_whose_dataset_changed_is_refused_naming_the_file(tmp_path, capsys):
+    from realloc.overrides import load_with_overrides
+    from realloc.runtime.persist import checkpoint as C
+    from realloc.runtime.persist.run_settings import checkpoint_settings, resume_settings
+    from realloc.runtime.records.run_record import Session, write_run_record
+
+    data = tmp_path / "prompts.jsonl"
+    shutil.copy(Path(TINY).parent / "data/ppo_tiny_prompts.jsonl", data)
+    sets = [f"dataset={data}"]
+    run = tmp_path / "run"
+    spec = load_with_overrides(TINY, sets)
+    write_run_record(run, spec, Session(experiment=TINY, overrides=tuple(sets), given=tuple(sets)))
+    recorded = json.loads((run / "run.json").read_text())["sessions"][-1]["data"]
+    assert recorded[str(data)] == {"bytes": data.stat().st_size,
+                                   "sha256": hashlib.sha256(data.read_bytes()).hexdigest()}
+    assert set(recorded) == {str(data), str(Path(TINY).parent / "data/ppo_tiny_eval.jsonl")}  # the eval set too
+    tmp = C.begin(run / "checkpoints", 2)
+    ckpt = C.commit(tmp, run / "checkpoints", 2, {"next_iteration": 2, "settings": checkpoint_settings(spec, run)}, "{}")
+    assert resume_settings(TINY, ckpt, C.read_meta(ckpt), [], allow_changed=False).changed == ()
+    lines = data.read_text().splitlines()
+    data.write_text("\n".join([lines[1], lines[0], *lines[2:]]) + "\n")  # same rows, same size, another order
+    assert data.stat().st_size == recorded[str(data)]["bytes"]
+    with pytest.raises(ValueError, match=f"dataset {data}: its content changed since the checkpoint's run"):
+        resume_settings(TINY, ckpt, C.read_meta(ckpt), [], allow_changed=False)
+    assert main(["run", TINY, "--resume", str(ckpt), "--iterations", "3"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(data) in err and "--allow-changed-settings" in err
+    got = resume_settings(TINY, ckpt, C.read_meta(ckpt), [], allow_changed=True)
+    assert any(str(data) in c for c in got.changed), got.changed
+    data.unlink()
+    with pytest.raises(ValueError, match=f"dataset {data}: no longer exists"):
+        resume_settings(TINY, ckpt, C.read_meta(ckpt), [], allow_changed=False)

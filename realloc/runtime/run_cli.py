@@ -219,11 +219,13 @@ def _main(args: argparse.Namespace, claims: contextlib.ExitStack) -> int:
         ckpt = None
     changed: tuple[str, ...] = ()
     reapplied: tuple[str, ...] = ()
+    data = None  # the dataset files' digests a resume already computed (records/data_digest.py)
     if ckpt is None:
         spec = load_with_overrides(args.experiment, sets)
     else:  # the checkpoint's run's overrides again; a changed setting only with --allow-changed-settings
         resumed = resume_settings(args.experiment, ckpt, checkpoint.read_meta(ckpt), sets, args.allow_changed_settings)
         spec, sets, changed, reapplied = resumed.spec, resumed.overrides, resumed.changed, resumed.recorded
+        data = resumed.data
     check_pools(spec.cluster)  # pools run under every launcher, all CPU or all GPU (launch/pool_launch.py)
     if spec.cluster.pools and args.launcher == "local":
         _check_local(spec)  # before the search: GPU pools need their GPUs on this machine
@@ -290,7 +292,7 @@ def _main(args: argparse.Namespace, claims: contextlib.ExitStack) -> int:
     resolved = resolved_experiment(spec, graph, config)  # every setting: run dir, checkpoints, TensorBoard, W&B
     session = Session(experiment=experiment, overrides=sets, given=tuple(args.set),
                       resumed_from=str(ckpt) if ckpt is not None else None, first_iteration=start + 1,
-                      last_iteration=total, changed=changed)
+                      last_iteration=total, changed=changed, data=data)
 
     if slurm is not None:
         master_args = ["--plan", str(run.plan), "--iterations", str(total), "--save-every", str(args.save_every),

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 from realloc.api import ExperimentSpec
 from realloc.overrides import load_with_overrides, parse_sets
 from realloc.runtime.inputs.run_config import RunConfig
+from realloc.runtime.records.data_digest import data_differences, data_digests
 from realloc.runtime.records.run_record import (RUN_JSON, differences, read_run_json, resolved_experiment,
                                                 source_differences, source_digests)
 
@@ -44,10 +45,11 @@ def checkpoint_settings(spec: ExperimentSpec, run_root: Path, resolved: Mapping[
     them, even if someone edits them while it trains."""
     recorded = read_run_json(run_root) if (run_root / RUN_JSON).is_file() else {}
     sessions = recorded.get("sessions") or [{}]
-    sources = sessions[-1].get("sources")
+    sources, data = sessions[-1].get("sources"), sessions[-1].get("data")
     return {"overrides": list(recorded.get("overrides", [])),
             "experiment": dict(resolved) if resolved is not None else full_resolved(spec),
-            "sources": sources if isinstance(sources, dict) else source_digests(spec)}
+            "sources": sources if isinstance(sources, dict) else source_digests(spec),
+            "data": data if isinstance(data, dict) else data_digests(spec)}
 
 
 def model_record(cfg: "ModelConfig", strategy: Any, source: str | None, tokenizer: str | None,
@@ -71,22 +73,27 @@ class ResumedSettings:
     overrides: tuple[str, ...]  # in force: the checkpoint's run's, then this command's
     recorded: tuple[str, ...]  # the checkpoint's run's
     changed: tuple[str, ...]  # ``key: old -> new`` per difference from the checkpoint's run (allowed by the flag)
+    data: Mapping[str, Any] | None = None  # the dataset files' digests now (hashed once, recorded in run.json)
 
 
-def _recorded(ckpt: Path, meta: Mapping[str, Any]) -> tuple[tuple[str, ...], dict[str, Any] | None, dict | None]:
-    """(overrides, resolved experiment or None, source digests or None) of the run that wrote ``ckpt``."""
+def _recorded(ckpt: Path, meta: Mapping[str, Any]
+              ) -> tuple[tuple[str, ...], dict[str, Any] | None, dict | None, dict | None]:
+    """(overrides, resolved experiment or None, source digests or None, dataset digests or None) of the run that
+    wrote ``ckpt``."""
     settings = meta.get("settings")
     if isinstance(settings, dict) and isinstance(settings.get("overrides"), list):
-        return (tuple(settings["overrides"]), settings.get("experiment"), settings.get("sources"))
+        data = settings.get("data")
+        return (tuple(settings["overrides"]), settings.get("experiment"), settings.get("sources"),
+                data if isinstance(data, dict) else None)
     run_root = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
-    return tuple(read_run_json(run_root).get("overrides", [])), None, None
+    return tuple(read_run_json(run_root).get("overrides", [])), None, None, None
 
 
 def resume_settings(experiment: str, ckpt: Path, meta: Mapping[str, Any], given: Sequence[str],
                     allow_changed: bool) -> ResumedSettings:
     """The experiment a resume of ``ckpt`` trains: its run's overrides reapplied, ``given`` on top; refused when
     a setting differs from that run's unless ``allow_changed`` (one ValueError naming every difference)."""
-    recorded, resolved_before, sources_before = _recorded(ckpt, meta)
+    recorded, resolved_before, sources_before, data_before = _recorded(ckpt, meta)
     overrides = merge_overrides(recorded, given)
     try:
         spec = load_with_overrides(experiment, overrides)
@@ -101,9 +108,12 @@ def resume_settings(experiment: str, ckpt: Path, meta: Mapping[str, Any], given:
         changed = differences(full_resolved(load_with_overrides(experiment, recorded)), full_resolved(spec))
     if sources_before is not None:
         changed += source_differences(sources_before, source_digests(spec))
+    data = data_digests(spec)
+    if data_before is not None:  # an edited dataset file: the resumed batches would differ silently
+        changed += data_differences(data_before, data)
     if changed and not allow_changed:
         why = "; ".join(changed)
         kept = f" (its overrides, reapplied: {' '.join(recorded)})" if recorded else ""
         raise ValueError(f"--resume {ckpt}: settings differ from the run that wrote the checkpoint{kept}: {why}; "
                          f"pass {ALLOW_FLAG} to train on with them, or resume without the change")
-    return ResumedSettings(spec, overrides, recorded, tuple(changed))
+    return ResumedSettings(spec, overrides, recorded, tuple(changed), data)

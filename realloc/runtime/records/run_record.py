@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from realloc.api import ExperimentSpec
+from realloc.runtime.records.data_digest import data_digests
 
 if TYPE_CHECKING:
     from realloc.graph.dataflow import DataflowGraph
@@ -270,6 +271,7 @@ class Session:
     first_iteration: int = 1
     last_iteration: int = 0
     changed: tuple[str, ...] = ()  # settings that differ from the checkpoint's run (--allow-changed-settings)
+    data: Mapping[str, Any] | None = None  # the dataset files' digests if known (a resume's), else hashed here
 
 
 def write_run_record(root: Path, spec: ExperimentSpec, session: Session, argv: Sequence[str] | None = None,
@@ -290,6 +292,7 @@ def write_run_record(root: Path, spec: ExperimentSpec, session: Session, argv: S
                      "resumed_from": session.resumed_from,
                      "iterations": [session.first_iteration, session.last_iteration],
                      "changed": list(session.changed), "sources": digests,
+                     "data": dict(session.data) if session.data is not None else data_digests(spec),
                      "packages": env["packages"], "git": env["git"]})
     body = {"experiment": session.experiment, "overrides": list(session.overrides), "sessions": sessions}
     config = root / CONFIG_DIR
