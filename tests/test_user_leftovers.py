@@ -89,3 +89,42 @@ def test_a_resume_whose_dataset_changed_is_refused_naming_the_file(tmp_path, cap
     data.unlink()
     with pytest.raises(ValueError, match=f"dataset {data}: no longer exists"):
         resume_settings(TINY, ckpt, C.read_meta(ckpt), [], allow_changed=False)
+
+
+# -- a large log_samples with long responses and the wire's message limit -----------------------------------------
+def test_a_reply_with_many_long_samples_stays_under_the_message_limit(tiny_tok, monkeypatch, caplog):
+    """64 logged rows of 16384 response tokens: the generation's log-probs (9 bytes a float on the wire) are
+    64 x 16384 x 9 = 9.4 MB, over the 8 MiB limit of one message (the reward call's text and ids are 4.5 bytes a
+    token with the tiny model's 500-token vocabulary, about 9 with a real one); the sample log caps what one reply
+    carries (text_io.SAMPLE_BYTES) and says so in one line naming log_samples."""
+    import torch
+
+    from realloc.runtime.records import text_io
+    from realloc.runtime.wire.protocol import MAX_PAYLOAD_BYTES, Channel, MessageTooLarge, Reply
+
+    rows, plen, n = 64, 64, 16384
+    g = torch.Generator().manual_seed(0)
+    seq = {"tokens": torch.randint(3, 400, (rows, plen + n), generator=g),
+           "prompt_lens": torch.full((rows,), plen), "gen_mask": torch.ones(rows, n, dtype=torch.bool)}
+    logp = -torch.rand(rows, n, generator=g, dtype=torch.float64) * 5
+    scores = torch.rand(rows, generator=g)
+    channel = Channel(b"s" * 32, "run", "worker0")
+    log = text_io.SampleLog(tiny_tok, every=1, count=10_000)
+
+    def reply(**given) -> list:
+        return channel.pack("master", Reply(req=1, rank=0, ok=True, samples=log.parts(0, range(rows), "seq", seq,
+                                                                                       **given)))
+
+    with monkeypatch.context() as m:  # without the cap: the reply could not be sent
+        m.setattr(text_io, "SAMPLE_BYTES", 1 << 40)
+        with pytest.raises(MessageTooLarge, match="'samples' field"):
+            reply(logp=logp)
+    for given in ({"logp": logp}, {"scores": scores}):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="realloc.samples"):
+            frames = reply(**given)
+        assert len(frames[0]) <= text_io.SAMPLE_BYTES < MAX_PAYLOAD_BYTES
+        kept = len(Channel(b"s" * 32, "run", "master").unpack(frames, peer=b"w").body.samples)
+        assert 0 < kept < rows
+        [line] = [r.getMessage() for r in caplog.records]
+        assert f"logging {kept} of the {rows} samples of iteration 1" in line and "log_samples" in line

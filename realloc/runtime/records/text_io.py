@@ -137,10 +137,11 @@ class SampleLog:
                 if scores is not None:
                     fields["reward"] = float(scores[r])
             if logp is not None:
-                fields["logp"] = [float(x) for x in logp[r, :n]]
+                fields["logp"] = logp[r, :n].tolist()  # python floats, as float(x) of each: without a call per element
             budget -= len(json.dumps(fields))
             if budget < 0:
-                log.warning("%s: logging %d of the %d samples of iteration %d (the rest exceed %d KiB)", key, len(out),
+                log.warning("%s: logging %d of the %d samples of iteration %d (the rest exceed the %d KiB one reply "
+                            "carries; lower log_samples to log whole iterations)", key, len(out),
                             len(self.wanted(iteration, ids)), iteration_number(iteration), SAMPLE_BYTES >> 10)
                 break
             out.append(SamplePart(key=key, seq=ids[r], fields=fields))
