@@ -45,7 +45,7 @@ def main(args: argparse.Namespace) -> int:
             if t.streams_only and not split_consumers(plan, graph, g):
                 print(f"stream     {g} hands its rows to no call: every call that reads them shares its devices "
                       f"or reads a key of another call, so it runs as without the entry (in more requests); place "
-                      f"a consumer off {g}'s mesh or drop the entry")
+                      f"a consumer off {g}'s mesh or drop the entry (realloc search drops such an entry)")
     print()
     print(graph.describe())
     print()

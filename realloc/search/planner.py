@@ -26,7 +26,7 @@ from realloc.search import baselines as bl
 from realloc.search.build import NoFitError, PlanSpace, fmt_bytes
 from realloc.search.engine import Progress, SearchStats, run_mcmc
 from realloc.search.pool_space import on_cluster, pool_alone, strongest_pool
-from realloc.search.tail_space import without_tails
+from realloc.search.tail_space import drop_idle_streams, without_tails
 
 
 def experiment_of(experiment: Any) -> ExperimentSpec:
@@ -222,7 +222,8 @@ def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int =
                            n_chains=n_chains or n_threads, starts=starts + extra, progress=progress,
                            converge=converge, **({} if fuse else {"p_fuse": 0.0}))
         if len(etas) > 1:
-            by_staleness[eta] = sp.to_plan(outcome.indices, "search")
+            by_staleness[eta] = sp.to_plan(drop_idle_streams(sp, outcome.indices) if sp.tails else outcome.indices,
+                                           "search")
         if best is None or _better(outcome.evaluation, best[1].evaluation):
             best = (sp, outcome)
     space, outcome = best
@@ -238,9 +239,19 @@ def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int =
         unfused = space.to_plan(other.indices, "search (no fusion)")
         if _better(other.evaluation, ev):  # the second search found a faster plan without fusion: it wins
             plan, fused, indices, ev = space.to_plan(other.indices, "search"), plan, other.indices, other.evaluation
-    if no_tail is not None and plan.tail:
-        # the winner's placement without its migration may beat the plan found without migration
-        placed = space.to_plan(space.indices_of(plan.model_copy(update={"tail": {}})), "search")
+    if space.tails and (kept := drop_idle_streams(space, indices)) is not indices:
+        # a stream entry that streams to no call is dropped and the plan re-priced; the plan found without any
+        # tail entry wins when that leaves it faster (it can: the entry's price was a schedule-order artefact)
+        if no_tail is not None and no_tail.staleness == space.problem.staleness:
+            start = space.indices_of(no_tail)
+            kept = start if _better(space.evaluate(start), space.evaluate(kept)) else kept
+        indices, ev = kept, space.evaluate(kept)
+        plan = space.to_plan(indices, "search")
+    if no_tail is not None:
+        # the winner's placement without its migration (the winner itself, when it has none) may beat the plan
+        # found without migration
+        placed = (space.to_plan(space.indices_of(plan.model_copy(update={"tail": {}})), "search") if plan.tail
+                  else plan)
         no_tail = placed if placed.estimated_time < no_tail.estimated_time else no_tail
     return SearchReport(spec=spec, graph=graph, space=space, plan=plan, indices=indices, evaluation=ev,
                         baselines=results, stats=outcome.stats, prepare_seconds=prepare,

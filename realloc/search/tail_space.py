@@ -37,7 +37,7 @@ from realloc.estimator.turn_stream_cost import running_after, split_turns, turn_
 from realloc.envs.rollout_args import rollout_shape
 from realloc.graph.dataflow import DataflowGraph
 from realloc.graph.partial_check import partial_rollout_calls
-from realloc.graph.streaming import tail_unsupported
+from realloc.graph.streaming import split_consumers, tail_unsupported
 from realloc.graph.tail import TailMigration
 from realloc.search.candidates import CallCosts
 from realloc.estimator.mb_stream_cost import MB_GRID, last_rows
@@ -291,6 +291,20 @@ def without_tails(space, starts: Sequence[np.ndarray]):
     n = space.problem.n_calls  # a plan's entries after its calls' (fused pairs' 0/1) keep their values
     return space.restrict(rows), [np.asarray([where[c][int(i)] for c, i in enumerate(s[:n])] + [int(x) for x in s[n:]],
                                              np.int32) for s in starts]
+
+
+def drop_idle_streams(space, indices: np.ndarray) -> np.ndarray:
+    """``indices`` (a plan of the PlanSpace ``space``) without its stream entries that split no consumer
+    (``graph/streaming.split_consumers``: every call reading the generation's rows shares its devices or reads
+    another call's key). Such an entry streams to no call: the runtime runs the generation as without it, in one
+    more request, and the simulator prices it the plain call's time plus that request, a list-schedule ordering
+    away from the plain placement (docs/streaming.md, "A longer batch"). A migration stays: its freed devices run
+    any call. Returns ``indices`` itself when there is none."""
+    plan = space.to_plan(indices, "search")
+    idle = {g for g, t in plan.tail.items() if t.streams_only and not split_consumers(plan, space.graph, g)}
+    if not idle:
+        return indices
+    return space.indices_of(plan.model_copy(update={"tail": {g: t for g, t in plan.tail.items() if g not in idle}}))
 
 
 def split_times(problem, indices: Sequence[int]) -> dict[int, float]:
