@@ -11,15 +11,25 @@ import time
 class Service:
     """Scores each response with ``score(response, record)`` (default: its number of tokens, token id lists in
     the runs here, times the record's "weight"); the first ``slow`` requests sleep ``delay`` s first, the first
-    ``fail`` answer ``status``; it counts requests, their sizes and how many were in flight at once."""
+    ``fail`` answer ``status``; it counts requests, their sizes and how many were in flight at once.
 
-    def __init__(self, slow: int = 0, delay: float = 0.0, fail: int = 0, status: int = 503, score=None) -> None:
+    ``overlap``: no request is answered before ``overlap`` requests have been in flight at once (or 30 s have
+    passed, so a client that sends one at a time is seen as one, slowly). A client that keeps that many in flight
+    is then seen to, however late its second thread starts (a fixed pause in each request made that a race).
+    A request is out of flight once its answer is ready to be sent (not once this thread has finished sending it:
+    on a loaded machine the client's next request arrived before that, and max_active was 3 in 8 of 150 runs)."""
+
+    def __init__(self, slow: int = 0, delay: float = 0.0, fail: int = 0, status: int = 503, score=None,
+                 overlap: int = 0) -> None:
         self.score = score or (lambda r, rec: len(r) * rec.get("weight", 1.0))
         self.slow, self.delay, self.fail, self.status = slow, delay, fail, status
         self.requests = 0
         self.sizes: list[int] = []
         self.active = self.max_active = 0
         self.lock = threading.Lock()
+        self.overlapped = threading.Event()
+        if overlap <= 1:
+            self.overlapped.set()
         service = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -30,17 +40,30 @@ class Service:
                     n = service.requests
                     service.active += 1
                     service.max_active = max(service.max_active, service.active)
+                    if service.active >= overlap:
+                        service.overlapped.set()
+                in_flight = True
+
+                def answered() -> None:  # before the answer leaves: the client may send its next request at once
+                    nonlocal in_flight
+                    with service.lock:
+                        service.active -= in_flight
+                        in_flight = False
+
                 try:
+                    service.overlapped.wait(30.0)
                     if n <= service.slow:
                         time.sleep(service.delay)
                     if n <= service.fail:
+                        answered()
                         self.send_error(service.status, "busy")
                         return
-                    time.sleep(0.05)  # long enough for concurrent requests to overlap
+                    time.sleep(0.05)  # a request takes a moment, as a real service's does
                     with service.lock:
                         service.sizes.append(len(body["responses"]))
                     scores = [service.score(r, rec) for r, rec in zip(body["responses"], body["records"])]
                     out = json.dumps({"scores": scores}).encode()
+                    answered()
                     self.send_response(200)
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(out)))
@@ -49,8 +72,7 @@ class Service:
                 except (BrokenPipeError, ConnectionResetError):  # the client timed out and left
                     pass
                 finally:
-                    with service.lock:
-                        service.active -= 1
+                    answered()
 
             def log_message(self, *args):
                 pass

@@ -123,14 +123,18 @@ def test_the_shipped_sft_checkpoint_is_the_sft_stage_the_readme_describes():
 
 def test_the_shipped_random_start_is_what_the_init_stage_makes(tmp_path):
     """experiments/data/arith_init (shipped so that arith_sft.py validates on a fresh clone) holds the weights and
-    config the seeded init stage makes again."""
+    config the seeded init stage makes again: the same draw, up to the last bits of torch's normal sampler, whose
+    vectorized (AVX2) and scalar kernels round differently (ATEN_CPU_CAPABILITY=default: 6e-8 at most, where
+    another seed's draw differs by about 0.1; docs/machine-variance.md)."""
     from safetensors.torch import load_file
 
     made = arith_demo.init_checkpoint(target=tmp_path / "init")
     shipped = arith_demo.SHIPPED_INIT
     assert json.loads((made / "config.json").read_text()) == json.loads((shipped / "config.json").read_text())
     a, b = load_file(str(made / "model.safetensors")), load_file(str(shipped / "model.safetensors"))
-    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape for k in a)
+    worst = {k: float((a[k] - b[k]).abs().max()) for k in a}
+    assert max(worst.values()) < 1e-6, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
     assert (made / "tokenizer.json").read_bytes() == (shipped / "tokenizer.json").read_bytes()
 
 

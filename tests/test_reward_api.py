@@ -40,7 +40,7 @@ RECORDS = [{"weight": 0.5 if i % 2 else 2.0, "answer": str(i)} for i in range(8)
 
 
 def test_remote_reward_scores_in_order_in_bounded_concurrent_chunks():
-    with Service() as svc:
+    with Service(overlap=2) as svc:  # the first two answer once both are in flight
         ctx = _ctx("rew_inf", "remote_reward", {"url": svc.url, "batch": 3, "concurrency": 2},
                    records=lambda row: RECORDS[row])
         out = reward_fns.remote_scores(ctx, {"seq": _seq(LENGTHS)})

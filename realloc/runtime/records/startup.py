@@ -115,9 +115,11 @@ class StartupClock:
     marks: dict[str, float] = dataclasses.field(default_factory=dict)
     workers: dict[int, WorkerStart] = dataclasses.field(default_factory=dict)
 
-    def mark(self, phase: str) -> None:
+    def mark(self, phase: str, at: float | None = None) -> None:
+        """``phase`` ends now, or at ``at`` (time.time(): an event's own time, so that records of it agree)."""
         assert phase in dict(PHASES), phase
-        self.marks.setdefault(phase, time.time())  # the first time counts (a first call is marked once)
+        # the first time counts (a first call is marked once)
+        self.marks.setdefault(phase, time.time() if at is None else at)
 
     def report(self) -> dict[str, Any]:
         """Seconds per phase (phases not reached are left out), the total to the first call, and the workers'."""
