@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -11,6 +12,20 @@ from realloc.graph.plan import ExecutionPlan
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "experiments/ppo_tiny.py")
+
+# The CPU profiles of the machine the search tests' workloads were tuned on (profiles/cpu/{tiny,small}.json of
+# 2026-11-22, frozen here; the small table's collective fits price the tiny plans' transfers too): whether
+# migrating or streaming a tail beats running it out depends on the machine's prices, and the shipped tables
+# follow the machine of the day.
+TUNED_PROFILES = {name: REPO / "tests" / "data" / f"{name}_profile_2026-11-22.json" for name in ("tiny", "small")}
+
+
+def tuned_profiles(folder: Path, monkeypatch) -> None:
+    """$REALLOC_PROFILES = ``folder``, holding the TUNED_PROFILES tables."""
+    (folder / "cpu").mkdir(parents=True)
+    for name, path in TUNED_PROFILES.items():
+        shutil.copy(path, folder / "cpu" / f"{name}.json")
+    monkeypatch.setenv("REALLOC_PROFILES", str(folder))
 
 # Actor and critic on disjoint devices for inference, data-parallel actor training across both: the actor
 # is reallocated every iteration and data crosses devices.

@@ -5,7 +5,6 @@ plan without one, and fixed lengths searching exactly as before."""
 from __future__ import annotations
 
 import dataclasses
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +22,7 @@ from realloc.search import reference
 from realloc.search.build import PlanSpace
 from realloc.search.planner import plan_search
 from realloc.strategy import ParallelStrategy as S
+from run_helpers import tuned_profiles
 
 
 def _long_tail(path: str = "experiments/ppo_tiny.py", gen_len: int = 128):
@@ -102,19 +102,6 @@ def test_search_migrates_the_tail_and_keeps_the_plan_without_beside_it():
     o = rep.space.options[0][int(idx[0])]
     phases = tail_generation_cost(rep.space.cost, "actor_gen", o.mesh, o.strategy, o.n_mbs, t.rows, t.instances)
     assert rep.plan.call_times["actor_gen"] == pytest.approx(phases.total, rel=1e-12)
-
-
-# The tiny model's profile of the machine this test's workload was tuned on (profiles/cpu/tiny.json of 2026-11-22,
-# frozen here): whether migrating a tail beats running it out depends on the machine's prices, and the shipped
-# table follows the machine of the day.
-TUNED_PROFILE = Path(__file__).parent / "data" / "tiny_profile_2026-11-22.json"
-
-
-def tuned_profiles(folder: Path, monkeypatch) -> None:
-    """$REALLOC_PROFILES = ``folder``, holding TUNED_PROFILE as the tiny table."""
-    (folder / "cpu").mkdir(parents=True)
-    shutil.copy(TUNED_PROFILE, folder / "cpu" / "tiny.json")
-    monkeypatch.setenv("REALLOC_PROFILES", str(folder))
 
 
 def test_search_prints_the_migration_and_the_plan_without(tmp_path, capsys, monkeypatch):
