@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from run_helpers import REPO
 
 SFT = str(REPO / "experiments/sft_tiny.py")
@@ -44,3 +45,26 @@ def test_a_fresh_run_in_a_used_run_directory_sets_the_earlier_runs_checkpoints_a
     assert list((run / "exports" / C.checkpoint_name(2) / "actor").glob("*.safetensors"))  # this run's own export
     (exports_aside,) = (run / "exports").glob("replaced-*")
     assert len(list(exports_aside.glob("iter_*"))) == 5
+
+
+@pytest.mark.parametrize("base,cls,warned", [("remax_tiny", "TinyReMax", True), ("sft_tiny", "TinySFT", True),
+                                             ("rloo_tiny", "TinyRLOO", False)])
+def test_balance_tokens_that_cannot_take_effect_is_said_by_show(tmp_path, capsys, monkeypatch, base, cls, warned):
+    """`balance_tokens = True` on ReMax (a sampled and a greedy generation call) or on SFT (none) balanced nothing:
+    the master deals row lists by the tokens of the graph's one generation call, and otherwise every call keeps the
+    even split, while show, run and docs/long-tail.md said nothing of it."""
+    from realloc import cli
+
+    exp = tmp_path / "balanced.py"
+    (tmp_path / "data").symlink_to(REPO / "experiments/data")  # the experiments' relative paths
+    exp.write_text(f"import dataclasses\nfrom {base} import {cls}\n\n\n@dataclasses.dataclass\n"
+                   f"class Balanced({cls}):\n    balance_tokens: bool = True\n")
+    monkeypatch.syspath_prepend(str(REPO / "experiments"))
+    assert cli.main(["show", str(exp)]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if "balance_tokens has" in x]
+    if not warned:
+        assert lines == []
+        return
+    assert len(lines) == 1 and lines[0].startswith("warning: balance_tokens has no effect here: "), lines
+    assert ("this graph has 2 generation calls (actor_gen, actor_greedy);" if base == "remax_tiny" else
+            "this graph has no generation call;") in lines[0], lines
