@@ -68,3 +68,59 @@ def test_balance_tokens_that_cannot_take_effect_is_said_by_show(tmp_path, capsys
     assert len(lines) == 1 and lines[0].startswith("warning: balance_tokens has no effect here: "), lines
     assert ("this graph has 2 generation calls (actor_gen, actor_greedy);" if base == "remax_tiny" else
             "this graph has no generation call;") in lines[0], lines
+
+
+def test_an_fp32_export_of_a_lora_model_trained_in_bf16_merges_its_adapters_master_weights(tmp_path):
+    """`realloc export --dtype float32` of a LoRA model trained in bf16 (merged, the default --format hf) read the
+    adapters in the checkpoint's bf16 and merged their rounding, the fp32 masters beside them unused, though the
+    code said it reads in fp32 (round 7 fixed it for models without LoRA); --format peft and the default dtype were
+    right and are unchanged."""
+    import dataclasses
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from test_export import CFG, _fake_checkpoint
+
+    from realloc.models.lora_config import LoRAConfig, is_adapter
+    from realloc.runtime.persist import checkpoint as C
+    from realloc.runtime.persist import lora_export
+    from realloc.runtime.persist.export import export_checkpoint
+
+    cfg = dataclasses.replace(CFG, lora=LoRAConfig(rank=4, alpha=8.0, target_modules=("q_proj", "down_proj")))
+    ckpt, full = _fake_checkpoint(tmp_path / "run", cfg, 1, 1, iteration=1)
+    path = C.shard_file(ckpt, "actor", 0, 0)
+    tensors = load_file(path)
+    g = torch.Generator().manual_seed(0)
+    masters = {k[6:]: torch.randn(v.shape, generator=g) for k, v in tensors.items()
+               if k.startswith("param/") and is_adapter(k[6:])}
+    assert masters and all(not torch.equal(m.bfloat16().float(), m) for m in masters.values())
+    tensors.update({f"master/{n}": m for n, m in masters.items()})  # a bf16 model's shard: only adapters train
+    tensors.update({k: v.bfloat16() for k, v in tensors.items() if k.startswith("param/")})
+    tensors.update({f"param/{n}": m.bfloat16() for n, m in masters.items()})
+    save_file(tensors, str(path))
+    meta = json.loads((ckpt / C.META).read_text())
+    meta["files"] = {f.relative_to(ckpt).as_posix(): {"sha256": C.sha256_of(f), "bytes": f.stat().st_size}
+                     for f in ckpt.rglob("*.safetensors")}
+    (ckpt / C.META).write_text(json.dumps(meta))
+
+    def read(out):
+        return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    base = {n: t.bfloat16().float() for n, t in full.items() if not is_adapter(n)}  # what the checkpoint holds
+    want = lora_export.merge(cfg, {**base, **masters})  # the reference: merged from the masters, in fp32
+    wide = read(export_checkpoint(ckpt, "actor", tmp_path / "fp32", dtype="float32"))
+    rounded = lora_export.merge(cfg, {**base, **{n: m.bfloat16().float() for n, m in masters.items()}})
+    assert not torch.equal(rounded["model.layers.0.self_attn.q_proj.weight"],
+                           want["model.layers.0.self_attn.q_proj.weight"])  # what was written
+    assert wide.keys() == want.keys()
+    for n, t in want.items():
+        assert wide[n].dtype == torch.float32 and torch.equal(wide[n], t), n
+    own = read(export_checkpoint(ckpt, "actor", tmp_path / "own"))  # the default: the checkpoint's bf16, as before
+    bf16 = lora_export.merge(cfg, {**{n: t.bfloat16() for n, t in base.items()},
+                                   **{n: m.bfloat16() for n, m in masters.items()}})
+    for n, t in bf16.items():
+        assert own[n].dtype == torch.bfloat16 and torch.equal(own[n], t), n
+    peft = load_file(export_checkpoint(ckpt, "actor", tmp_path / "peft", dtype="float32", fmt="peft")
+                     / lora_export.PEFT_WEIGHTS_FILE)
+    assert all(torch.equal(peft[lora_export.PEFT_PREFIX + n], m) for n, m in masters.items())
