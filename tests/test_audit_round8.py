@@ -124,3 +124,18 @@ def test_an_fp32_export_of_a_lora_model_trained_in_bf16_merges_its_adapters_mast
     peft = load_file(export_checkpoint(ckpt, "actor", tmp_path / "peft", dtype="float32", fmt="peft")
                      / lora_export.PEFT_WEIGHTS_FILE)
     assert all(torch.equal(peft[lora_export.PEFT_PREFIX + n], m) for n, m in masters.items())
+
+
+@pytest.mark.parametrize("limits", [{"max_n_mbs": 0}, {"max_n_mbs": -1}, {"max_n_mbs": True}, {"max_n_mbs": 1.5},
+                                    {"offload": "no"}])
+def test_plan_search_refuses_a_space_limit_it_cannot_mean_in_one_line(limits):
+    """`plan_search(max_n_mbs=0)` searched the unlimited space while its baselines were all filtered out as over the
+    limit; -1 ended in `ValueError: min() arg is an empty sequence`; True and 1.5 read as 1; `offload="no"` as
+    True."""
+    from realloc.search.planner import plan_search
+
+    with pytest.raises(ValueError) as e:
+        plan_search(str(REPO / "experiments/ppo_tiny.py"), None, max_evals=100, **limits)
+    (key, value), = limits.items()
+    assert str(e.value).startswith(f"plan_search: {key} must be ") and f"got {value!r}" in str(e.value)
+    assert "\n" not in str(e.value)
