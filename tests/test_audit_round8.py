@@ -139,3 +139,32 @@ def test_plan_search_refuses_a_space_limit_it_cannot_mean_in_one_line(limits):
     (key, value), = limits.items()
     assert str(e.value).startswith(f"plan_search: {key} must be ") and f"got {value!r}" in str(e.value)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("where,value", [("recompute", 1), ("recompute", "yes"), ("offload", 1),
+                                         ("micro_batches", 1), ("micro_batches", "on")])
+def test_a_plan_files_switches_refuse_what_is_not_true_or_false_by_name(tmp_path, where, value):
+    """The counts of a plan refuse true/false (round 7); its switches took a count or a word: `"recompute": 1` or
+    `"yes"`, an offload of `1` and a tail's `"micro_batches": 1` all read as true, silently."""
+    import json
+
+    from realloc.api import load_experiment
+    from realloc.graph.dataflow import build_graph
+    from realloc.graph.plan import ExecutionPlan
+
+    graph = build_graph(load_experiment(str(REPO / "experiments/ppo_tiny.py")))
+    plan = ExecutionPlan.by_hand(graph, {c: ("localhost:0", 1, 1, 1, 1) for c in graph.spec.call_names},
+                                 recompute=["actor_train"], offload={"ref": True}, tail={"actor_gen": (8, 0)})
+    body = json.loads(plan.to_json())
+    if where == "recompute":
+        body["placements"]["actor_train"]["recompute"], field = value, "placements.actor_train.recompute"
+    elif where == "offload":
+        body["offload"]["ref"], field = value, "offload"
+    else:
+        body["tail"]["actor_gen"]["micro_batches"], field = value, "tail.actor_gen.micro_batches"
+    (tmp_path / "plan.json").write_text(json.dumps(body))
+    with pytest.raises(ValueError) as e:
+        ExecutionPlan.load(tmp_path / "plan.json")
+    msg = str(e.value)
+    assert f"field {field!r}" in msg and f"true or false, got {value!r}" in msg and "\n" not in msg, msg
+    assert ExecutionPlan.from_json(plan.to_json()) == plan  # true and false load as before
