@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from realloc.atomic_file import write_text_atomically
 from realloc.cluster import DeviceMesh
 from realloc.graph.fused import check_fused
-from realloc.graph.tail import TailMigration, check_tail, not_a_bool
+from realloc.graph.tail import TailMigration, a_bool, check_tail, not_a_bool
 from realloc.strategy import ParallelStrategy, strategy_error
 
 if TYPE_CHECKING:
@@ -36,6 +36,7 @@ class CallPlacement(BaseModel):
     recompute: bool = False
 
     _not_a_bool = field_validator("dp", "tp", "pp", "n_mbs", mode="before")(not_a_bool)
+    _a_bool = field_validator("recompute", mode="before")(a_bool)
 
     @property
     def strategy(self) -> ParallelStrategy:
@@ -83,6 +84,14 @@ class ExecutionPlan(BaseModel):
     tail: dict[str, TailMigration] = Field(default_factory=dict)
 
     _not_a_bool = field_validator("format_version", "n_devices_per_node", "staleness", mode="before")(not_a_bool)
+
+    @field_validator("offload", mode="before")
+    @classmethod
+    def _offload_bools(cls, value: object) -> object:
+        for k, v in value.items() if isinstance(value, Mapping) else ():
+            if not isinstance(v, bool) and type(v).__name__ != "bool_":
+                raise ValueError(f"model {k!r}: true or false, got {v!r}")
+        return value
 
     @classmethod
     def by_hand(cls, graph: "DataflowGraph", placements: Mapping[str, "tuple[str, int, int, int, int] | CallPlacement"],

@@ -32,6 +32,14 @@ def not_a_bool(cls: type, value: object) -> object:
     return value
 
 
+def a_bool(cls: type, value: object) -> object:
+    """A pydantic ``mode="before"`` validator of a bool field: pydantic reads 1, "yes" or "on" as true, a typo or a
+    count in the wrong place, refused by name (numpy's bool passes as the bool it is)."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return bool(value)
+    raise ValueError(f"true or false, got {value!r}")
+
+
 class TailMigration(BaseModel):
     """R_t and m of one generation call. ``rows`` counts rows of the whole call (all dp ranks together) at or
     below which the tail migrates; ``instances`` is how many of its dp replicas (the lowest dp ranks) keep
@@ -48,6 +56,7 @@ class TailMigration(BaseModel):
     micro_batches: bool = False
 
     _not_a_bool = field_validator("rows", "instances", "chunks", mode="before")(not_a_bool)
+    _a_bool = field_validator("micro_batches", mode="before")(a_bool)
 
     @model_serializer(mode="wrap")
     def _without_one_chunk(self, handler):  # a plan without chunks writes the JSON of before, bit for bit

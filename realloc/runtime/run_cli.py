@@ -211,9 +211,9 @@ def _main(args: argparse.Namespace, claims: contextlib.ExitStack) -> int:
     if args.allow_changed_settings and not args.resume:
         raise ValueError("--allow-changed-settings applies to --resume (a fresh run has no earlier settings)")
     sets = tuple(args.set)
-    if args.resume:
-        from realloc.runtime.persist import checkpoint
+    from realloc.runtime.persist import checkpoint  # (a fresh run sets a used run directory's checkpoints aside)
 
+    if args.resume:
         ckpt = checkpoint.resolve_resume(args.resume, args.skip_checkpoint_checks)
     else:
         ckpt = None
@@ -364,7 +364,8 @@ def _main(args: argparse.Namespace, claims: contextlib.ExitStack) -> int:
         if start == 0:
             run.metrics.unlink(missing_ok=True)
         _drop_later_samples(run, start)
-        replaced = [line for d in (run.checkpoints, run.root / "exports") if start
+        # a fresh run (start 0) in a used run directory replaces its whole history, as a resume replaces what follows
+        replaced = [line for d in (run.checkpoints, run.root / "exports")
                     for line in [checkpoint.set_aside_later(d, start)] if line]
 
         timeouts = {k: v for k, v in (("heartbeat_timeout", args.heartbeat_timeout),

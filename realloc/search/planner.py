@@ -143,6 +143,11 @@ def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int =
     many micro-batches per call (1: every call takes its batch at once, as DeepSpeed-Chat does without gradient
     accumulation; ``benchmarks/bench_batch_rule.py``); baselines with more are shown but start no chain.
     ``offload=False``: frozen models stay on their devices between calls (``PlanSpace.build``), as in DeepSpeed-Chat."""
+    if max_n_mbs is not None and (not isinstance(max_n_mbs, int) or isinstance(max_n_mbs, bool) or max_n_mbs < 1):
+        raise ValueError(f"plan_search: max_n_mbs must be a positive integer (micro-batches per call) or None (no "
+                         f"limit), got {max_n_mbs!r}")
+    if not isinstance(offload, bool):
+        raise ValueError(f"plan_search: offload must be True or False, got {offload!r}")
     t0 = time.perf_counter()
     spec = experiment_of(experiment)
     graph = build_graph(spec)

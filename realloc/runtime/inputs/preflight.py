@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from realloc.api import ExperimentSpec, InterfaceType
+from realloc.runtime.inputs.run_config import balance_note
 from realloc.runtime.records.text_io import SpecialTokens, generating_checkpoints
 
 if TYPE_CHECKING:
@@ -108,6 +109,7 @@ def preflight(spec: ExperimentSpec, config: Any, graph: "DataflowGraph", cache_d
             tokenizer.check_model_vocab(v, f"model {m!r}")  # every model reads the tokenizer's ids
     _, lines = special_tokens(spec, graph, tokenizer)
     lines += vocab_warnings(vocab_sizes, tokenizer)
+    lines += [n for n in [balance_note(config, graph)] if n]
     plain = config.data.add_special_tokens and not config.data.use_chat_template
     bos = tokenizer.bos_missing() if tokenizer is not None and plain else None
     if bos is not None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 from realloc.api import ExperimentSpec, InterfaceType
 from realloc.data.config import DataConfig
@@ -109,3 +110,17 @@ def _tokenizer_dir(spec: ExperimentSpec) -> str | None:
         if src is not None and any((Path(src.path) / f).is_file() for f in TOKENIZER_FILES):
             return src.path
     return None
+
+
+def balance_note(config: RunConfig, graph: Any) -> str | None:
+    """The warning of a ``balance_tokens`` that cannot take effect: the master deals row lists by the tokens of the
+    graph's one generation call (``master_schedule._balanced_generation``); with none, or with several (ReMax's
+    sampled and greedy responses differ in length), every call keeps the even split."""
+    if not config.balance_tokens:
+        return None
+    gens = [c for c in graph.topo_order if graph.call(c).interface_type is InterfaceType.GENERATE]
+    if len(gens) == 1:
+        return None
+    has = "no generation call" if not gens else f"{len(gens)} generation calls ({', '.join(gens)})"
+    return (f"warning: balance_tokens has no effect here: it deals the dp ranks by the tokens of a graph's one "
+            f"generation call, and this graph has {has}; every call keeps the even split by rows")

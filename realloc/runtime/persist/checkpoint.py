@@ -258,7 +258,8 @@ def set_aside_later(root: Path, start: int) -> str | None:
     lines go too): the committed checkpoints after ``start`` move into ``root/replaced-<time>/``, kept but out of
     the way of ``--resume RUN`` and ``realloc export RUN``, which take the newest ``iter_*`` in ``root`` for this
     run's own. The same for ``root`` = the run's ``exports/`` (``--export-every``), which this run writes again.
-    Returns the line that says so, or None when there are none."""
+    A fresh run (``start`` 0) in a used run directory replaces all of them. Returns the line that says so, or
+    None when there are none."""
     later = sorted(p for p in root.glob("iter_*") if p.is_dir() and _NAME.fullmatch(p.name)
                    and iterations_of(p) > start) if root.is_dir() else []
     if not later:
@@ -268,8 +269,9 @@ def set_aside_later(root: Path, start: int) -> str | None:
     for p in later:
         p.rename(aside / p.name)
     _fsync_path(root)
-    return (f"{root.name} after iteration {start} ({', '.join(p.name for p in later)}) hold the history this run "
-            f"replaces: moved to {aside}")
+    which = f"after iteration {start}" if start else "of an earlier run in this run directory"
+    return (f"{root.name} {which} ({', '.join(p.name for p in later)}) hold the history this run replaces: moved "
+            f"to {aside}")
 
 
 def resolve_resume(path: str | Path, skip_checks: bool = False) -> Path:

@@ -128,9 +128,11 @@ def export_checkpoint(ckpt: str | Path, model: str, out: str | Path, *, dtype: s
         for _, fname, names in plan:
             if cfg.lora is None:
                 tensors = _full_tensors(ckpt, model, cfg, tp, pp, names, torch_dtype, verified)
-            else:  # read in fp32 and merge there, then cast
+            else:  # merge in the checkpoint's dtype, or for a --dtype in fp32 (a bf16 model's adapters from their
+                # fp32 masters), then cast
                 names = names + lora_export.adapter_names(cfg, names)
-                tensors = lora_export.merge(cfg, _full_tensors(ckpt, model, cfg, tp, pp, names, None, verified))
+                read = torch.float32 if torch_dtype is not None else None
+                tensors = lora_export.merge(cfg, _full_tensors(ckpt, model, cfg, tp, pp, names, read, verified))
                 tensors = {n: t.to(torch_dtype or t.dtype) for n, t in tensors.items()}
             written_dtype = next(iter(tensors.values())).dtype
             save_weights(tensors, tmp / fname)
