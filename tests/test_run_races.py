@@ -9,6 +9,7 @@ master now waits for every such background reply before it shuts down (``Master.
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -83,3 +84,53 @@ def test_a_data_release_that_fails_after_everything_else_replied_still_fails_the
     error, requests = _run_with_a_late_failure(tmp_path, plan, is_late)
     assert "\n" not in error and "worker 1 failed in release data" in error and "late failure" in error, error
     assert "shutdown" not in requests
+
+
+class _KilledPeerLauncher:
+    """The launcher of a run whose worker 1 was killed in the middle of a collective: it reports the exit once rank 0
+    has seen its connection break, which is when a real kill shows to its peer."""
+
+    one_machine = True
+
+    def __init__(self) -> None:
+        self.killed = threading.Event()
+
+    def dead(self) -> dict[int, int]:
+        return {1: -9} if self.killed.is_set() else {}
+
+    def pid(self, rank: int) -> int:
+        return 4242 + rank
+
+    def stop(self, grace: float = 5.0, hung=()) -> None:
+        pass
+
+    def wait_exit(self, timeout: float) -> bool:
+        return True
+
+
+def test_a_peer_broken_by_a_killed_worker_names_the_killed_worker(tmp_path):
+    """CI failed test_runtime_e2e's killed-worker case once: worker 0's gloo collective reported 'Connection reset
+    by peer' before the master noticed worker 1's exit, and the run's one error line named worker 0's echo. A
+    failing reply now names another worker that has exited with a failure code, as the cause."""
+    spec = load_experiment(TINY)
+    graph = build_graph(spec)
+    program = RuntimeProgram(graph, ExecutionPlan.by_hand(graph, {c: ("localhost", 2, 1, 1, 1)
+                                                                  for c in graph.topo_order}))
+    launcher = _KilledPeerLauncher()
+
+    def fails(req, rank):
+        if isinstance(req, protocol.RunCall) and rank == 0 and req.iteration == 1 and not launcher.killed.is_set():
+            launcher.killed.set()
+            return "RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"
+        return ""
+
+    secret = protocol.new_secret()
+    master = Master(program, RunConfig.of(spec), RunPaths(tmp_path), "r1", secret, iterations=ITERS,
+                    heartbeat_timeout=600.0, launcher=launcher)
+    outputs = {c: list(graph.call(c).output_data) for c in graph.topo_order}
+    with FakeWorkers(f"tcp://127.0.0.1:{master.port}", secret, "r1", spec.cluster.n_devices, outputs, fails=fails):
+        with pytest.raises(RunFailed) as e:
+            asyncio.run(asyncio.wait_for(master.run(), 60))
+    msg = str(e.value)
+    assert msg.startswith("worker 1 (pid 4243) exited with code -9 while running") and "iteration" in msg, msg
+    assert "\n" not in msg and "Connection reset" not in msg, msg

@@ -139,6 +139,12 @@ class MasterLink:
             why = f"(pid {self.launcher.pid(rank)}) exited with code {code}"
         self.fail(f"worker {rank} {why} {self._running_on(rank, request)}; see {self.paths.worker_log(rank)}")
 
+    def _dead_peer(self, rank: int) -> int | None:
+        """Another worker that has exited with a failure code, if any: a worker killed mid-collective makes its peers
+        fail with a connection error before the master sees the exit, and the exit is the run's real cause."""
+        dead = self.launcher.dead() if self.launcher is not None else {}
+        return min((r for r, code in dead.items() if r != rank and code), default=None)
+
     async def _wait(self, rec: RequestRecord) -> list[protocol.Reply]:
         keys = [(rec.req, r) for r in rec.ranks]
         replies = await asyncio.gather(*(self.futures[k] for k in keys))
@@ -157,6 +163,10 @@ class MasterLink:
             if rec.kind == "save":  # the label names it: "checkpoint 4 could not be written: worker 0: OSError: ..."
                 self.fail(f"{rec.label} could not be written: worker {bad.rank}: {bad.error}; see "
                           f"{self.paths.worker_log(bad.rank)}")
+                raise RunFailed(self.failure)
+            dead = self._dead_peer(bad.rank)
+            if dead is not None:  # a peer's collective broke because that worker died: name the cause, not the echo
+                self._worker_gone(dead, "exited")
                 raise RunFailed(self.failure)
             where = f"call {rec.label}{it}" if rec.kind == "call" else f"{rec.label}{it}"
             self.fail(f"worker {bad.rank} failed in {where}: {bad.error}; see {self.paths.worker_log(bad.rank)}")
