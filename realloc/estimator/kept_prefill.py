@@ -21,19 +21,17 @@ prefill does not grow with length prices no extra. The tp collectives do not dep
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Sequence
 
 from realloc.estimator.opcount import Part, Phase, kept_prefill_block_work
 from realloc.estimator.roofline import RooflineCosts, work_time
 from realloc.models.param_layout import stage_layer_ranges
 
-if TYPE_CHECKING:
-    from realloc.estimator.call_time import CallTimer, StageTime
 
-
-def kept_attention_s(timer: "CallTimer", tp: int, b: int, s: int, kept: int) -> float:
+def kept_attention_s(timer: Any, tp: int, b: int, s: int, kept: int) -> float:
     """Seconds one block's prefill of ``b`` rows of ``s`` new tokens spends beyond a plain prefill of ``s`` tokens,
-    attending ``kept`` kept positions (the module docstring's formula)."""
+    attending ``kept`` kept positions (the module docstring's formula). ``timer`` is a ``call_time.CallTimer``
+    (typed loosely: call_time imports this module)."""
     if kept <= 0:
         return 0.0
     costs = timer.costs
@@ -51,8 +49,7 @@ def kept_attention_s(timer: "CallTimer", tp: int, b: int, s: int, kept: int) -> 
     return k * max(0.0, r_kept - r_new)
 
 
-def with_kept_keys(timer: "CallTimer", stages: Sequence["StageTime"], tp: int, b: int, s: int,
-                   kept: int) -> list["StageTime"]:
+def with_kept_keys(timer: Any, stages: Sequence[Any], tp: int, b: int, s: int, kept: int) -> list[Any]:
     """Prefill stages of ``s`` new tokens with the attention over ``kept`` kept positions added to each stage's
     compute, once per block the stage holds."""
     extra = kept_attention_s(timer, tp, b, s, kept)
