@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from chat_templates import tokenizer_folder
+from chat_templates import NO_TOOLS, tokenizer_folder
 from realloc.envs.chat_format import chat_format
 from realloc.envs.tool_env import ToolEnv, check_env_args
 
@@ -93,6 +93,16 @@ def test_turns_are_parsed_as_each_model_writes_them(folders):
     obs, _, _ = mistral.step('[TOOL_CALLS] [{"name": "calculator", "arguments": {"expression": "6*7"}, "id": "x"}]')
     assert obs == '[TOOL_RESULTS] {"content": "42", "call_id": "call00002"}[/TOOL_RESULTS]'
     assert mistral.step("[TOOL_CALLS] [{]")[0].startswith('[TOOL_RESULTS] {"content": "error: the tool call is not')
+    # the templates given as text alone (no special tokens known): the same calls, decoded or not
+    from chat_templates import LLAMA31, MISTRAL
+
+    text_only = {"calculator"}
+    assert chat_format("t", LLAMA31, None)[1].parse('{"name": "calculator", "parameters": {"expression": "1"}}',
+                                                    text_only) == ("calculator", "1", None)
+    mistral_text = chat_format("t", MISTRAL, "</s>")[1]
+    for turn in ('[TOOL_CALLS] [{"name": "calculator", "arguments": {"expression": "1"}}]',
+                 ' [{"name": "calculator", "arguments": {"expression": "1"}}]'):
+        assert mistral_text.parse(turn, text_only) == ("calculator", "1", None)
     # Qwen3: text, then the tags
     assert qwen.format.parse('Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": '
                              '"2+3"}}\n</tool_call>', {"calculator"}) == ("calculator", "2+3", None)
@@ -108,6 +118,14 @@ def test_a_template_without_tool_support_is_one_error_naming_it_and_call_format(
         check_env_args("gen", env_args)
     with pytest.raises(ValueError, match="ToolEnv: call_format 'chat' needs a chat template"):
         ToolEnv(**env_args)
+    # a template that writes calls other than as a JSON object with the name (the name, then the arguments)
+    named = NO_TOOLS.replace("{{- raise_exception('roles must be user or assistant') }}", "") + (
+        "{%- for m in messages %}{%- for c in m.tool_calls or [] %}{{- '[TOOL_CALLS]' + c.function.name + '[ARGS]' + "
+        "c.function.arguments | tojson }}{%- endfor %}{%- endfor %}")
+    with pytest.raises(ValueError, match=r"call_format 'chat' reads tool calls written as JSON objects with a "
+                                         r"\"name\"; the template of the template text writes one as "
+                                         r"'.*\[TOOL_CALLS\]probe_tool_x7\[ARGS\]"):
+        check_env_args("gen", {**env_args, "chat_template": named})
     # a template that writes nothing for a tool message
     silent = "{% for m in messages %}{% if m.role != 'tool' %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}"
     with pytest.raises(ValueError, match="the template of the template text writes nothing for one"):

@@ -89,11 +89,10 @@ class ChatFormat:
         return call["name"], tool_input(args), ident if isinstance(ident, str) and CALL_ID.fullmatch(ident) else None
 
     def _start(self, text: str) -> int | None:
-        """Where the call's JSON starts: after the prefix, or, without one, at the start of the turn."""
-        if self.prefix:
-            i = text.find(self.prefix)
-            if i < 0:
-                return None
+        """Where the call's JSON starts: after the prefix, or at the start of the turn (no prefix, or one that
+        decoding may have dropped: a template given as text alone does not say which tokens are special)."""
+        i = text.find(self.prefix) if self.prefix else -1
+        if i >= 0:
             i += len(self.prefix)
         else:
             i = len(text) - len(text.lstrip())
@@ -102,8 +101,8 @@ class ChatFormat:
                 i += len(raw)
         while i < len(text) and text[i].isspace():
             i += 1
-        # without a prefix only a turn that starts with the JSON calls (a list only where the template writes one)
-        return i if i < len(text) and text[i] in ("{[" if self.listed or self.prefix else "{") else None
+        # a list only where the template writes one, so that a Llama 3 answer such as "[1, 2]" is no call
+        return i if i < len(text) and text[i] in ("{[" if self.listed else "{") else None
 
 
 HERMES = ChatFormat()
@@ -140,10 +139,15 @@ class Template:
         return text
 
 
+def is_text(spec: str) -> bool:
+    """A template's Jinja text rather than a tokenizer directory."""
+    return "{%" in spec or "{{" in spec
+
+
 def load_template(spec: str) -> Template:
     """A chat template: a tokenizer directory's (``chat_template.jinja`` or ``tokenizer_config.json``), with its
     special tokens, or the template text itself (anything with a Jinja tag)."""
-    if "{%" in spec or "{{" in spec:
+    if is_text(spec):
         return Template(spec, "the template text")
     root = Path(spec).expanduser()
     cfg_file = root / "tokenizer_config.json"
@@ -189,8 +193,8 @@ def chat_format(where: str, spec: str, end_of_turn: str | None) -> tuple[Templat
         raise ValueError(f"{where}: end_of_turn must be the token that ends the policy's turn (a string), or None to "
                          f"read it from the template, got {end_of_turn!r}")
     root = Path(spec).expanduser()
-    stamp = tuple(f.stat().st_mtime_ns if f.is_file() else 0 for f in (
-        root / "chat_template.jinja", root / "tokenizer_config.json")) if "{" not in spec else ()
+    stamp = () if is_text(spec) else tuple(f.stat().st_mtime_ns if f.is_file() else 0 for f in (
+        root / "chat_template.jinja", root / "tokenizer_config.json", root / "tokenizer.json"))
     try:
         return _learned(spec, end_of_turn, stamp)
     except ValueError as e:
@@ -227,11 +231,17 @@ def _learned(spec: str, end_of_turn: str | None, stamp: tuple[int, ...]) -> tupl
 
 
 def _format_of(template: Template, prompt: str, called: str, eot: str) -> ChatFormat:
-    """The call format in ``called`` (the probe call rendered after ``prompt``); Hermes when it holds none."""
+    """The call format in ``called`` (the probe call rendered after ``prompt``); Hermes when the template writes no
+    tool calls; one ValueError when it writes them other than as a JSON object with the tool's name."""
     turn = called[len(prompt):] if called.startswith(prompt) else called
-    found = _probe_json(turn)
-    if found is None:  # the template writes no tool calls
+    if PROBE_TOOL not in turn:  # the template writes no tool calls
         return dataclasses.replace(HERMES, specials=template.specials)
+    found = _probe_json(turn)
+    if found is None:
+        shown = turn[:turn.find(PROBE_TOOL) + 200]
+        raise ValueError(f"call_format 'chat' reads tool calls written as JSON objects with a \"name\"; the template "
+                         f"of {template.name} writes one as {shown!r}; use call_format 'tags', or a tool-calling "
+                         f"environment of your own")
     start, end, value = found
     call = value[0] if isinstance(value, list) else value
     args = next((k for k, v in call.items() if k != "name" and _is_probe_args(v)), "arguments")

@@ -43,19 +43,22 @@ class ChatObservation:
         self._calls = 0  # ids for calls the policy wrote without one (a template such as Mistral's renders ids)
 
     def observation(self, result: str, name: str | None = None, call_id: str | None = None) -> str:
+        """The tool's answer ``result`` to the call of tool ``name`` with id ``call_id`` (the policy's own, if it
+        wrote one; if the template refuses it, or without one, an id of the environment's)."""
         self._calls += 1
-        own = f"call{self._calls % 100000:05d}"  # 9 characters, as Mistral's template asks of an id
-        for i, ident in enumerate((call_id, own) if call_id is not None else (own,)):
+        own = f"call{self._calls % 100000:05d}"  # 9 characters, as Mistral's templates ask of an id
+        error: Exception | None = None
+        for ident in ([call_id] if call_id is not None else []) + [own]:
             tool = {"role": "tool", "content": result, "name": name or "tool", "tool_call_id": ident}
             messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": TURN}, tool]
             try:
                 text = self.template.render(messages, True, self.end_of_turn)
-                break
-            except Exception as e:  # noqa: BLE001  (the policy's own id may be one the template refuses)
-                if i == (1 if call_id is not None else 0):
-                    raise ValueError(f"{self.where}: the chat template of {self.template.name} fails on a tool "
-                                     f"message ({type(e).__name__}: {e})") from None
-        tail = text.split(TURN, 1)[1]
-        # the policy's turn ended with the end-of-turn token it generated (EOS): the observation starts after it
-        eot = self.end_of_turn
-        return tail[len(eot):] if eot and tail.startswith(eot) else tail
+            except Exception as e:  # noqa: BLE001  (a template's raise_exception on an id it does not take)
+                error = e
+                continue
+            tail = text.split(TURN, 1)[1]
+            # the policy's turn ended with the end-of-turn token it generated (EOS): the observation starts after it
+            eot = self.end_of_turn
+            return tail[len(eot):] if eot and tail.startswith(eot) else tail
+        raise ValueError(f"{self.where}: the chat template of {self.template.name} fails on a tool message "
+                         f"({type(error).__name__}: {error})")
