@@ -161,3 +161,6 @@ class MT:
     lines = [ln for ln in (captured.out + captured.err).splitlines() if ln.strip()]
     assert len(lines) == 1 and "call 'actor_gen'" in lines[0] and "no_tools fails on a tool message" in lines[0] \
         and "call_format 'chat'" in lines[0] and "Traceback" not in lines[0], lines
+    # and a template with tool support shows
+    exp.write_text(exp.read_text().replace(folders["no_tools"], folders["mistral"]))
+    assert main(["show", str(exp)]) == 0

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -233,7 +234,9 @@ def _learned(spec: str, end_of_turn: str | None, stamp: tuple[int, ...]) -> tupl
 def _format_of(template: Template, prompt: str, called: str, eot: str) -> ChatFormat:
     """The call format in ``called`` (the probe call rendered after ``prompt``); Hermes when the template writes no
     tool calls; one ValueError when it writes them other than as a JSON object with the tool's name."""
-    turn = called[len(prompt):] if called.startswith(prompt) else called
+    # the assistant turn starts where the rendering leaves the prompt's (a generation prompt may add more, such as
+    # an empty think block, than the template writes before an earlier assistant turn)
+    turn = called[len(os.path.commonprefix([prompt, called])):]
     if PROBE_TOOL not in turn:  # the template writes no tool calls
         return dataclasses.replace(HERMES, specials=template.specials)
     found = _probe_json(turn)
