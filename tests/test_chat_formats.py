@@ -94,7 +94,7 @@ def test_turns_are_parsed_as_each_model_writes_them(folders):
     assert obs == '[TOOL_RESULTS] {"content": "42", "call_id": "call00002"}[/TOOL_RESULTS]'
     assert mistral.step("[TOOL_CALLS] [{]")[0].startswith('[TOOL_RESULTS] {"content": "error: the tool call is not')
     # the templates given as text alone (no special tokens known): the same calls, decoded or not
-    from chat_templates import LLAMA31, MISTRAL
+    from chat_templates import LLAMA31, MISTRAL, QWEN3
 
     text_only = {"calculator"}
     assert chat_format("t", LLAMA31, None)[1].parse('{"name": "calculator", "parameters": {"expression": "1"}}',
@@ -103,6 +103,10 @@ def test_turns_are_parsed_as_each_model_writes_them(folders):
     for turn in ('[TOOL_CALLS] [{"name": "calculator", "arguments": {"expression": "1"}}]',
                  ' [{"name": "calculator", "arguments": {"expression": "1"}}]'):
         assert mistral_text.parse(turn, text_only) == ("calculator", "1", None)
+    # a generation prompt that opens a think block the earlier assistant turns do not have
+    thinking = QWEN3.replace("assistant\\n' }}{%- endif %}", "assistant\\n<think>\\n\\n</think>\\n\\n' }}{%- endif %}")
+    assert thinking != QWEN3
+    assert chat_format("t", thinking, None)[1] == chat_format("t", QWEN3, None)[1]
     # Qwen3: text, then the tags
     assert qwen.format.parse('Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": '
                              '"2+3"}}\n</tool_call>', {"calculator"}) == ("calculator", "2+3", None)

@@ -234,9 +234,7 @@ def _learned(spec: str, end_of_turn: str | None, stamp: tuple[int, ...]) -> tupl
 def _format_of(template: Template, prompt: str, called: str, eot: str) -> ChatFormat:
     """The call format in ``called`` (the probe call rendered after ``prompt``); Hermes when the template writes no
     tool calls; one ValueError when it writes them other than as a JSON object with the tool's name."""
-    # the assistant turn starts where the rendering leaves the prompt's (a generation prompt may add more, such as
-    # an empty think block, than the template writes before an earlier assistant turn)
-    turn = called[len(os.path.commonprefix([prompt, called])):]
+    turn = called[_turn_start(template, prompt, called):]
     if PROBE_TOOL not in turn:  # the template writes no tool calls
         return dataclasses.replace(HERMES, specials=template.specials)
     found = _probe_json(turn)
@@ -260,6 +258,18 @@ def _format_of(template: Template, prompt: str, called: str, eot: str) -> ChatFo
     return ChatFormat(prefix=visible(turn[:start]), suffix=visible(suffix), arguments=args,
                       listed=isinstance(value, list), id_key=id_key, specials=template.specials,
                       raw_prefix=turn[:start].strip())
+
+
+def _turn_start(template: Template, prompt: str, called: str) -> int:
+    """Where the assistant turn starts in ``called``: after the prompt, or, where the generation prompt adds more
+    than the template writes before an earlier assistant turn (an empty think block, say), after the last
+    whitespace or special token the two renderings share (not inside a tag both happen to start alike)."""
+    if called.startswith(prompt):
+        return len(prompt)
+    i = len(os.path.commonprefix([prompt, called]))
+    while i > 0 and not called[i - 1].isspace() and not any(called.endswith(t, 0, i) for t in template.specials):
+        i -= 1
+    return i
 
 
 def _probe_json(turn: str) -> tuple[int, int, Any] | None:
