@@ -6,6 +6,8 @@ support is one error naming it and call_format, when the graph is built (realloc
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from chat_templates import NO_TOOLS, tokenizer_folder
@@ -168,3 +170,22 @@ class MT:
     # and a template with tool support shows
     exp.write_text(exp.read_text().replace(folders["no_tools"], folders["mistral"]))
     assert main(["show", str(exp)]) == 0
+
+
+def test_a_tokenizer_with_named_templates_uses_its_tool_use_one(folders, tmp_path):
+    import json
+
+    from chat_templates import QWEN3
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "chat_template": [{"name": "default", "template": NO_TOOLS},
+                                                     {"name": "tool_use", "template": QWEN3}]}))
+    learned, qwen3 = chat_format("t", str(tmp_path), None), chat_format("t", folders["qwen3"], None)
+    assert learned[1].prefix == "<tool_call>" and learned[2] == "<|im_end|>"
+    assert dataclasses.replace(learned[1], specials=()) == dataclasses.replace(qwen3[1], specials=())
+    # transformers 5 writes them as files
+    saved = tmp_path / "saved"
+    (saved / "additional_chat_templates").mkdir(parents=True)
+    (saved / "chat_template.jinja").write_text(NO_TOOLS)
+    (saved / "additional_chat_templates" / "tool_use.jinja").write_text(QWEN3)
+    assert chat_format("t", str(saved), "<|im_end|>")[1].prefix == "<tool_call>"

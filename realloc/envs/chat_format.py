@@ -153,9 +153,8 @@ def load_template(spec: str) -> Template:
     root = Path(spec).expanduser()
     cfg_file = root / "tokenizer_config.json"
     cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-    text = (root / "chat_template.jinja").read_text() if (root / "chat_template.jinja").is_file() \
-        else cfg.get("chat_template")
-    if not isinstance(text, str) or not text:
+    text = _template_text(root, cfg)
+    if not text:
         raise ValueError(f"chat_template {spec!r} is neither a Jinja template nor a tokenizer directory with "
                          f"one (chat_template.jinja, or chat_template in tokenizer_config.json)")
     named = _named_tokens(root, cfg)
@@ -166,6 +165,19 @@ def load_template(spec: str) -> Template:
     # longest first, so that a token that contains another is taken out whole
     ordered = tuple(sorted((s for s in specials if isinstance(s, str) and s.strip()), key=lambda s: (-len(s), s)))
     return Template(text, str(root), tuple(sorted(named.items())), ordered)
+
+
+def _template_text(root: Path, cfg: dict[str, Any]) -> str | None:
+    """The template ``apply_chat_template(..., tools=...)`` uses: a ``tool_use`` template where the tokenizer has
+    named ones (``additional_chat_templates/``, or a list in ``tokenizer_config.json``), else the default."""
+    for f in (root / "additional_chat_templates" / "tool_use.jinja", root / "chat_template.jinja"):
+        if f.is_file():
+            return f.read_text()
+    text = cfg.get("chat_template")
+    if isinstance(text, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in text if isinstance(t, dict)}
+        text = named.get("tool_use", named.get("default"))
+    return text if isinstance(text, str) and text else None
 
 
 def _named_tokens(root: Path, cfg: dict[str, Any]) -> dict[str, str]:
@@ -189,7 +201,8 @@ def chat_format(where: str, spec: str, end_of_turn: str | None) -> tuple[Templat
     given); one ValueError naming ``where``, the template and ``call_format`` when the template cannot write a
     tool message."""
     if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"{where}: chat_template must be a tokenizer directory or a Jinja template's text, got {spec!r}")
+        raise ValueError(f"{where}: chat_template must be a tokenizer directory or a Jinja template's text, "
+                         f"got {spec!r}")
     if end_of_turn is not None and (not isinstance(end_of_turn, str) or not end_of_turn):
         raise ValueError(f"{where}: end_of_turn must be the token that ends the policy's turn (a string), or None to "
                          f"read it from the template, got {end_of_turn!r}")
@@ -235,8 +248,8 @@ def _format_of(template: Template, prompt: str, called: str, eot: str) -> ChatFo
     """The call format in ``called`` (the probe call rendered after ``prompt``); Hermes when the template writes no
     tool calls; one ValueError when it writes them other than as a JSON object with the tool's name."""
     turn = called[_turn_start(template, prompt, called):]
-    if PROBE_TOOL not in turn:  # the template writes no tool calls
-        return dataclasses.replace(HERMES, specials=template.specials)
+    if PROBE_TOOL not in turn:  # the template writes no tool calls: Hermes, as call_format "chat" always read
+        return HERMES
     found = _probe_json(turn)
     if found is None:
         shown = turn[:turn.find(PROBE_TOOL) + 200]
