@@ -207,12 +207,14 @@ def chat_format(where: str, spec: str, end_of_turn: str | None) -> tuple[Templat
         raise ValueError(f"{where}: end_of_turn must be the token that ends the policy's turn (a string), or None to "
                          f"read it from the template, got {end_of_turn!r}")
     root = Path(spec).expanduser()
-    stamp = () if is_text(spec) else tuple(f.stat().st_mtime_ns if f.is_file() else 0 for f in (
-        root / "chat_template.jinja", root / "tokenizer_config.json", root / "tokenizer.json"))
     try:
+        stamp = () if is_text(spec) else tuple(f.stat().st_mtime_ns if f.is_file() else 0 for f in (
+            root / "chat_template.jinja", root / "tokenizer_config.json", root / "tokenizer.json"))
         return _learned(spec, end_of_turn, stamp)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
+    except OSError as e:
+        raise ValueError(f"{where}: cannot read chat_template {spec!r}: {e}") from None
 
 
 @functools.lru_cache(maxsize=16)  # pure for a template's files (their mtimes are in the key); one ToolEnv a rollout
