@@ -105,6 +105,20 @@ def test_turns_are_parsed_as_each_model_writes_them(folders):
     for turn in ('[TOOL_CALLS] [{"name": "calculator", "arguments": {"expression": "1"}}]',
                  ' [{"name": "calculator", "arguments": {"expression": "1"}}]'):
         assert mistral_text.parse(turn, text_only) == ("calculator", "1", None)
+    # a list of {"tool_name": ..., "parameters": ...} in a fenced block after "Action:" (a Command-R-like format)
+    action = QWEN3.replace(
+        "{{- '<tool_call>\\n{\"name\": \"' + c.function.name + '\", \"arguments\": ' + c.function.arguments | tojson"
+        " + '}\\n</tool_call>' }}",
+        "{{- 'Action: ```json\\n' + [{'tool_name': c.function.name, 'parameters': c.function.arguments}] | tojson"
+        " + '\\n```' }}")
+    assert action != QWEN3
+    fmt = chat_format("t", action, None)[1]
+    assert (fmt.prefix, fmt.suffix, fmt.name, fmt.arguments, fmt.listed) == \
+        ("Action: ```json", "```", "tool_name", "parameters", True)
+    assert fmt.parse('Action: ```json\n[{"tool_name": "calculator", "parameters": {"expression": "7"}}]\n```',
+                     text_only) == ("calculator", "7", None)
+    assert fmt.parse('Action: ```json\n[{"name": "calculator"}]\n```', text_only) == \
+        'error: a tool call is [{"tool_name": ..., "parameters": ...}]'
     # a generation prompt that opens a think block the earlier assistant turns do not have
     thinking = QWEN3.replace("assistant\\n' }}{%- endif %}", "assistant\\n<think>\\n\\n</think>\\n\\n' }}{%- endif %}")
     assert thinking != QWEN3
@@ -128,8 +142,8 @@ def test_a_template_without_tool_support_is_one_error_naming_it_and_call_format(
     named = NO_TOOLS.replace("{{- raise_exception('roles must be user or assistant') }}", "") + (
         "{%- for m in messages %}{%- for c in m.tool_calls or [] %}{{- '[TOOL_CALLS]' + c.function.name + '[ARGS]' + "
         "c.function.arguments | tojson }}{%- endfor %}{%- endfor %}")
-    with pytest.raises(ValueError, match=r"call_format 'chat' reads tool calls written as JSON objects with a "
-                                         r"\"name\"; the template of the template text writes one as "
+    with pytest.raises(ValueError, match=r"call_format 'chat' reads tool calls written as JSON objects with the "
+                                         r"tool's name; the template of the template text writes one as "
                                          r"'.*\[TOOL_CALLS\]probe_tool_x7\[ARGS\]"):
         check_env_args("gen", {**env_args, "chat_template": named})
     # a template that writes nothing for a tool message

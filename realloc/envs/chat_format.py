@@ -52,6 +52,7 @@ class ChatFormat:
     prefix: str = "<tool_call>"  # before the call's JSON ("" for none), special tokens taken out
     suffix: str = "</tool_call>"  # after it, before the end of the turn ("" for none)
     arguments: str = "arguments"  # the key of the call's arguments ("parameters": Llama 3)
+    name: str = "name"  # the key of the tool's name
     listed: bool = False  # the calls are a JSON list (Mistral)
     id_key: str | None = None  # the key of the call's id, where the template writes one
     specials: tuple[str, ...] = ()  # the tokenizer's special tokens, which decoding drops from the turn
@@ -80,14 +81,15 @@ class ChatFormat:
             except json.JSONDecodeError as e:
                 return f"error: the tool call is not JSON ({e.msg})"
         call = value[0] if isinstance(value, list) and value else value
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return f'error: a tool call is {"[" if self.listed else ""}{{"name": ..., "{self.arguments}": ...}}' \
-                   f'{"]" if self.listed else ""}'
-        if call["name"] not in names:
-            return f"error: no tool {call['name']!r}; tools: {', '.join(sorted(names))}"
+        if not isinstance(call, dict) or not isinstance(call.get(self.name), str):
+            return f'error: a tool call is {"[" if self.listed else ""}{{"{self.name}": ..., "{self.arguments}": ' \
+                   f'...}}{"]" if self.listed else ""}'
+        tool = call[self.name]
+        if tool not in names:
+            return f"error: no tool {tool!r}; tools: {', '.join(sorted(names))}"
         args = call.get(self.arguments, call.get("arguments", call.get("parameters", "")))
         ident = call.get(self.id_key) if self.id_key else None
-        return call["name"], tool_input(args), ident if isinstance(ident, str) and CALL_ID.fullmatch(ident) else None
+        return tool, tool_input(args), ident if isinstance(ident, str) and CALL_ID.fullmatch(ident) else None
 
     def _start(self, text: str) -> int | None:
         """Where the call's JSON starts: after the prefix, or at the start of the turn (no prefix, or one that
@@ -255,12 +257,13 @@ def _format_of(template: Template, prompt: str, called: str, eot: str) -> ChatFo
     found = _probe_json(turn)
     if found is None:
         shown = turn[:turn.find(PROBE_TOOL) + 200]
-        raise ValueError(f"call_format 'chat' reads tool calls written as JSON objects with a \"name\"; the template "
-                         f"of {template.name} writes one as {shown!r}; use call_format 'tags', or a tool-calling "
-                         f"environment of your own")
+        raise ValueError(f"call_format 'chat' reads tool calls written as JSON objects with the tool's name; the "
+                         f"template of {template.name} writes one as {shown!r}; use call_format 'tags', or a "
+                         f"tool-calling environment of your own")
     start, end, value = found
     call = value[0] if isinstance(value, list) else value
-    args = next((k for k, v in call.items() if k != "name" and _is_probe_args(v)), "arguments")
+    name = next(k for k, v in call.items() if v == PROBE_TOOL)
+    args = next((k for k, v in call.items() if k != name and _is_probe_args(v)), "arguments")
     id_key = next((k for k, v in call.items() if v == PROBE_ID), None)
     rest = turn[end:]
     suffix = rest[:rest.find(eot)] if eot and eot in rest else ""
@@ -270,7 +273,7 @@ def _format_of(template: Template, prompt: str, called: str, eot: str) -> ChatFo
             s = s.replace(token, "")
         return s.strip()
 
-    return ChatFormat(prefix=visible(turn[:start]), suffix=visible(suffix), arguments=args,
+    return ChatFormat(prefix=visible(turn[:start]), suffix=visible(suffix), arguments=args, name=name,
                       listed=isinstance(value, list), id_key=id_key, specials=template.specials,
                       raw_prefix=turn[:start].strip())
 
@@ -298,7 +301,7 @@ def _probe_json(turn: str) -> tuple[int, int, Any] | None:
             value, end = decoder.raw_decode(turn, i)
         except json.JSONDecodeError:
             continue
-        if isinstance(value, dict) and value.get("name") == PROBE_TOOL and end > at:
+        if isinstance(value, dict) and PROBE_TOOL in value.values() and end > at:
             j = i
             while j > 0 and turn[j - 1].isspace():
                 j -= 1
