@@ -1,95 +1,64 @@
 """Tool calls in a chat model's own format (``ToolEnv(call_format="chat")``, docs/multi-turn.md).
 
-Chat models of the Qwen2 and Hermes families write a tool call as JSON between ``<tool_call>`` tags::
+Qwen2/Hermes models write a tool call as JSON between ``<tool_call>`` tags::
 
     <tool_call>
     {"name": "calculator", "arguments": {"expression": "123*45"}}
     </tool_call>
 
-and read the tool's answer as a message of the ``tool`` role, which their chat template renders (Qwen2's: as a
-user turn holding ``<tool_response>...</tool_response>``). ``parse_tool_call`` finds the first call of a turn;
-``ChatObservation`` renders a tool's answer with the template: the text the template writes after the policy's
-turn (past the end-of-turn token the policy itself generated) up to and including the next assistant turn's
-generation prompt, so the conversation the policy continues is exactly the one the template would write.
+Llama 3 and Mistral write theirs otherwise; ``chat_format.py`` learns a template's own format by rendering a known
+call, and Hermes is the format where no template is given or the template writes no tool calls.
+``parse_tool_call`` finds the first Hermes call of a turn; ``ChatObservation`` renders a tool's answer with the
+template: the text the template writes after the policy's turn (past the end-of-turn token the policy itself
+generated) up to and including the next assistant turn's generation prompt, so the conversation the policy
+continues is exactly the one the template would write.
 
-A tool is a function of one string (``tools/sandbox.py``); the call's ``arguments`` become that string: a string
-as it is, an object with one value as that value, anything else as its JSON text.
+A tool is a function of one string (``tools/sandbox.py``); the call's arguments become that string: a string as it
+is, an object with one value as that value, anything else as its JSON text (``chat_format.tool_input``).
 """
 
 from __future__ import annotations
 
-import json
-import re
-from pathlib import Path
 from typing import Any
 
-TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-# Stands for the policy's turn while the template renders around it (not text a tokenizer would produce).
-_TURN = "\x00policy turn\x00"
+from realloc.envs.chat_format import HERMES, TURN, chat_format, tool_input
 
-
-def tool_input(arguments: Any) -> str:
-    """The tool's one string from a call's ``arguments`` (the module docstring's rule)."""
-    if isinstance(arguments, str):
-        return arguments
-    if isinstance(arguments, dict) and len(arguments) == 1:
-        (value,) = arguments.values()
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-    return json.dumps(arguments)
+__all__ = ["ChatObservation", "parse_tool_call", "tool_input"]
 
 
 def parse_tool_call(text: str, names: Any) -> tuple[str, str] | str | None:
     """The first ``<tool_call>`` of a turn: (tool name, its input), an error message the policy should see when the
     call is malformed or names no tool of the environment, or None for a turn without a call (its final answer)."""
-    m = TOOL_CALL.search(text)
-    if m is None:
-        return None
-    try:
-        call = json.loads(m.group(1))
-    except json.JSONDecodeError as e:
-        return f"error: the tool call is not JSON ({e.msg})"
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        return 'error: a tool call is {"name": ..., "arguments": ...}'
-    if call["name"] not in names:
-        return f"error: no tool {call['name']!r}; tools: {', '.join(sorted(names))}"
-    return call["name"], tool_input(call.get("arguments", ""))
-
-
-def load_template(where: str, spec: str) -> str:
-    """A chat template: a tokenizer directory's (``chat_template.jinja`` or ``tokenizer_config.json``), or the
-    template text itself (anything with a Jinja tag)."""
-    if "{%" in spec or "{{" in spec:
-        return spec
-    root = Path(spec).expanduser()
-    if (root / "chat_template.jinja").is_file():
-        return (root / "chat_template.jinja").read_text()
-    cfg = root / "tokenizer_config.json"
-    if cfg.is_file():
-        template = json.loads(cfg.read_text()).get("chat_template")
-        if isinstance(template, str) and template:
-            return template
-    raise ValueError(f"{where}: chat_template {spec!r} is neither a Jinja template nor a tokenizer directory with "
-                     f"one (chat_template.jinja, or chat_template in tokenizer_config.json)")
+    got = HERMES.parse(text, names)
+    return got[:2] if isinstance(got, tuple) else got
 
 
 class ChatObservation:
-    """Renders a tool's answer as the chat template writes a ``tool`` message, with the next turn's prompt."""
+    """A chat template's tool-call format, and a tool's answer rendered as the template writes a ``tool`` message,
+    with the next turn's prompt."""
 
-    def __init__(self, where: str, template: str, end_of_turn: str = "<|im_end|>") -> None:
-        from transformers.utils.chat_template_utils import render_jinja_template
+    def __init__(self, where: str, template: str, end_of_turn: str | None = None) -> None:
+        self.where = where
+        self.template, self.format, self.end_of_turn = chat_format(where, template, end_of_turn)
+        self._calls = 0  # ids for calls the policy wrote without one (a template such as Mistral's renders ids)
 
-        self.template, self.end_of_turn = load_template(where, template), end_of_turn
-        self._render = render_jinja_template
-        probe = self.observation("0")
-        if not probe:
-            raise ValueError(f"{where}: the chat template writes nothing for a tool message")
-
-    def observation(self, result: str) -> str:
-        messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _TURN},
-                    {"role": "tool", "content": result}]
-        (text,), _ = self._render(conversations=[messages], chat_template=self.template, add_generation_prompt=True,
-                                  bos_token="", eos_token=self.end_of_turn)
-        tail = text.split(_TURN, 1)[1]
-        # the policy's turn ended with the end-of-turn token it generated (EOS): the observation starts after it
-        return tail[len(self.end_of_turn):] if tail.startswith(self.end_of_turn) else tail
+    def observation(self, result: str, name: str | None = None, call_id: str | None = None) -> str:
+        """The tool's answer ``result`` to the call of tool ``name`` with id ``call_id`` (the policy's own, if it
+        wrote one; if the template refuses it, or without one, an id of the environment's)."""
+        self._calls += 1
+        own = f"call{self._calls % 100000:05d}"  # 9 characters, as Mistral's templates ask of an id
+        error: Exception | None = None
+        for ident in ([call_id] if call_id is not None else []) + [own]:
+            tool = {"role": "tool", "content": result, "name": name or "tool", "tool_call_id": ident}
+            messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": TURN}, tool]
+            try:
+                text = self.template.render(messages, True, self.end_of_turn)
+            except Exception as e:  # noqa: BLE001  (a template's raise_exception on an id it does not take)
+                error = e
+                continue
+            tail = text.split(TURN, 1)[1]
+            # the policy's turn ended with the end-of-turn token it generated (EOS): the observation starts after it
+            eot = self.end_of_turn
+            return tail[len(eot):] if eot and tail.startswith(eot) else tail
+        raise ValueError(f"{self.where}: the chat template of {self.template.name} fails on a tool message "
+                         f"({type(error).__name__}: {error})")

@@ -8,9 +8,11 @@ A turn without a tool call is the final answer: the rollout ends and ``rule(prom
 scores it against the record's ``field`` (``exact_match`` by default: the answer's first number). Each tool call
 may add ``call_reward`` (a small cost or bonus; 0 by default), so rewards can be per turn as well as final.
 
-``call_format="chat"`` reads a chat model's own tool calls instead, ``<tool_call>{"name": ..., "arguments": ...}
-</tool_call>`` (Qwen2, Hermes), and writes each answer as the ``chat_template`` renders a ``tool`` message, the next
-assistant turn's prompt included (``chat_tools.py``); without a template, ``result_format`` as above.
+``call_format="chat"`` reads a chat model's own tool calls instead, in the format its ``chat_template`` writes them
+(``chat_format.py``: Qwen's ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, Llama 3's bare JSON with
+"parameters", Mistral's ``[TOOL_CALLS] [...]``; Hermes' ``<tool_call>`` without a template), and writes each answer as
+the template renders a ``tool`` message, the next assistant turn's prompt included (``chat_tools.py``); without a
+template, ``result_format`` as above.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import math
 import re
 from typing import Any, Mapping
 
-from realloc.envs.chat_tools import ChatObservation, parse_tool_call
+from realloc.envs.chat_format import HERMES, chat_format
+from realloc.envs.chat_tools import ChatObservation
 from realloc.envs.resolve import resolve_function
 from realloc.tools.builtin import BUILTIN_TOOLS
 from realloc.tools.sandbox import STATUSES, Sandbox, ToolLimits, network_isolation
@@ -35,7 +38,7 @@ class ToolEnv:
                  rule: Any = "exact_match", limits: Mapping[str, Any] | ToolLimits | None = None,
                  result_format: str = "<result>{}</result>", call_reward: float = 0.0,
                  first_observation: str = "", call_format: str = "tags", chat_template: str | None = None,
-                 end_of_turn: str = "<|im_end|>") -> None:
+                 end_of_turn: str | None = None) -> None:
         where = "ToolEnv"
         self.tools, checked = _checked(where, tools, call_format, result_format, limits, call_reward)
         self.rule = _rule(rule)
@@ -47,8 +50,9 @@ class ToolEnv:
         self.counts = {s: 0 for s in STATUSES}
         self.reference = ""
         self.chat = call_format == "chat"
-        self.render = (ChatObservation(where, chat_template, end_of_turn).observation if chat_template is not None
-                       else result_format.format)
+        chat = ChatObservation(where, chat_template, end_of_turn) if chat_template is not None else None
+        self.format = chat.format if chat is not None else HERMES
+        self.render = chat.observation if chat is not None else lambda text, *_: result_format.format(text)
 
     def reset(self, record: Mapping[str, Any]) -> str:
         if self.field not in record:
@@ -66,12 +70,13 @@ class ToolEnv:
             return self.render(call), self.call_reward, False
         result = self.sandbox.run(self.tools[call[0]], call[1])
         self.counts[result.status] += 1
-        return self.render(result.text.strip()), self.call_reward, False
+        return self.render(result.text.strip(), call[0], call[2] if len(call) > 2 else None), self.call_reward, False
 
-    def _find(self, text: str) -> tuple[str, str] | str | None:
-        """The turn's first tool call as (tool, input), an error text, or None (a final answer)."""
+    def _find(self, text: str) -> tuple[str, str] | tuple[str, str, str | None] | str | None:
+        """The turn's first tool call as (tool, input) or, in the chat format, (tool, input, call id), an error
+        text, or None (a final answer)."""
         if self.chat:
-            return parse_tool_call(text, self.tools)
+            return self.format.parse(text, self.tools)
         m = self._call.search(text)
         return None if m is None else (m.group(1), m.group(2))
 
@@ -118,6 +123,8 @@ def check_env_args(call: str, env_args: Mapping[str, Any]) -> None:
                          f"{', '.join(p for p in params if p != 'self')}")
     a = {p: v.default for p, v in params.items() if p != "self"} | dict(env_args)
     tools, _ = _checked(where, a["tools"], a["call_format"], a["result_format"], a["limits"], a["call_reward"])
+    if a["call_format"] == "chat" and a["chat_template"] is not None:  # renders the template; loads no tokenizer
+        chat_format(where, a["chat_template"], a["end_of_turn"])
     rule = a["rule"]
     if not (rule == "exact_match" or callable(rule) or (isinstance(rule, str) and ":" in rule)):
         raise ValueError(f"{where}: rule must be 'exact_match', a function or 'module:function', got {rule!r}")

@@ -42,6 +42,7 @@ from typing import Callable, Protocol, Sequence
 from realloc.calls import InterfaceType
 from realloc.estimator.comm import CommModel, GroupLinks
 from realloc.estimator.hardware import HardwareSpec, Precision
+from realloc.estimator.kept_prefill import with_kept_keys
 from realloc.estimator.memory import Workload, max_local_params
 from realloc.estimator.opcount import Part, Phase, head_part
 from realloc.models.config import ModelConfig
@@ -340,7 +341,8 @@ class CallTimer:
 
         ``prefill``: the tokens the prefill runs when the rows' earlier keys and values are kept (a multi-turn
         rollout's later turns, ``models/turn_cache.py``); the decode steps still attend to all ``prompt``.
-        The prefill is priced at those tokens alone: its attention over the kept keys is left out.
+        The prefill is priced at those tokens, plus their attention over the ``prompt - prefill`` kept keys
+        (``kept_prefill.py``).
 
         Measured host work beyond the steps (``row_step_extras``): each time rows finish while others run on, their
         KV caches of ``slots`` positions (the prompt and the call's new tokens; default prompt + max(ends)) are
@@ -358,7 +360,10 @@ class CallTimer:
         host = self._engine("engine.decode_step", t, b, prompt, default=self.hw.decode_step_overhead)
         host += self._schedule(t, b, scheduled)
         new = prompt if prefill is None else prefill
-        total = pipeline_makespan(self._stages(Phase.PREFILL, strategy, links, b, new, host=host), n_mbs)
+        stages = self._stages(Phase.PREFILL, strategy, links, b, new, host=host)
+        if new < prompt:  # the prefill's attention over the kept keys (estimator/kept_prefill.py)
+            stages = with_kept_keys(self, stages, t, b, new, prompt - new)
+        total = pipeline_makespan(stages, n_mbs)
         total = total + CallCost.of(overhead=n_mbs * (self._engine("engine.gen_call", t, b, prompt)
                                                       + self.row_drops(strategy, ends, slots or prompt + max(ends))))
         for first, last, rows in decode_segments(ends):

@@ -8,7 +8,9 @@ with their conversation so far as the prompt, then the environment's steps on th
 - a generation (``CallTimer.generate_varied``) whose prompt is the prompt plus the longest conversation so far
   (first observation, then each earlier turn's longest policy turn and its observation: rows are padded to the
   micro-batch's longest); with the KV cache kept across turns (``kv_cache``, the default) a later turn prefills
-  only what was appended, the last sampled token and the observation (``models/turn_cache.py``); its rows stop at the expected order statistics of the turn's policy lengths,
+  only what was appended, the last sampled token and the observation (``models/turn_cache.py``), plus that
+  prefill's attention over the kept keys (``kept_prefill.py``); its rows stop at the expected order statistics of
+  the turn's policy lengths,
   capped at ``turn_tokens`` and the budget left (``gen_len`` less the mean conversation so far);
 - the environment: ``ceil(rows / env_workers)`` rounds of steps, each ``step_s`` for a step that answers with an
   observation (a tool call) and ``final_s`` for one that ends the rollout, in the share the profile's reach says.

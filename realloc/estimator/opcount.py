@@ -146,6 +146,13 @@ def _block_fwd(cfg: ModelConfig, t: int, b: int, s: int, c_attn: float, c_read: 
                   tp_collectives=coll)
 
 
+def kept_prefill_block_work(cfg: ModelConfig, tp: int, b: int, s: int, kept: int, precision: Precision) -> OpWork:
+    """One block's prefill of ``s`` new tokens per sequence after ``kept`` positions whose keys and values are
+    kept in the cache (a multi-turn rollout's later turn, ``models/turn_cache.py``): token i of the new ones
+    attends the kept positions and i + 1 new ones, kept + (s + 1) / 2 on average, and every kept key is read."""
+    return _block_fwd(cfg, tp, b, s, kept + (s + 1) / 2, kept + s, precision.param, Phase.PREFILL)
+
+
 def op_work(cfg: ModelConfig, part: Part, phase: Phase, tp: int, b: int, s: int, precision: Precision) -> OpWork:
     """Work of ``part`` in ``phase`` on one device of a tp group.
 
