@@ -2,7 +2,7 @@
 
 The parallel model (``llama.py``) is a LLaMA-architecture decoder; ``family``
 names the HF architecture it was read from or is written as (``families/``),
-and ``qkv_bias`` adds the q/k/v projection biases of Qwen2.
+``qkv_bias`` adds the q/k/v projection biases of Qwen2 and ``qk_norm`` the per-head q/k RMSNorms of Qwen3.
 
 A model type is a name such as ``llama3-8b``; appending ``-critic`` gives the
 same trunk with a scalar value head instead of the vocabulary projection.
@@ -57,10 +57,12 @@ class ModelConfig:
     # Llama-3.1 "llama3" RoPE frequency scaling: (factor, low_freq_factor, high_freq_factor,
     # original_max_position_embeddings); None for plain RoPE. Read from HF config.json by models/hf_io.py.
     rope_scaling: tuple[float, float, float, int] | None = None
-    # The HF architecture family ("llama", "qwen2"; see models/families) and its one structural
-    # difference from LLaMA that the parallel model needs: biases on the q/k/v projections (Qwen2).
+    # The HF architecture family ("llama", "qwen2", "qwen3", "mistral"; see models/families) and its structural
+    # differences from LLaMA that the parallel model needs: biases on the q/k/v projections (Qwen2), and an
+    # RMSNorm over each q and k head before the rotary embedding (Qwen3's q_norm / k_norm, head_dim wide).
     family: str = "llama"
     qkv_bias: bool = False
+    qk_norm: bool = False
     # The checkpoint's bos/eos/pad ids as (key, value) pairs, eos an int or a tuple. Not part of the shape
     # (compare=False): carried so that a saved checkpoint reloads with them (transformers' defaults are wrong
     # for LLaMA-3 and chat models).
@@ -141,9 +143,10 @@ class ModelConfig:
 
     @property
     def layer_params(self) -> int:
-        """One decoder block: q, k, v, o projections (and q/k/v biases), SwiGLU MLP, two RMSNorms."""
+        """One decoder block: q, k, v, o projections (and q/k/v biases, q/k head norms), SwiGLU MLP, two RMSNorms."""
         h, q, kv = self.hidden_size, self.q_dim, self.kv_dim
         attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.qkv_bias else 0)
+        attn += 2 * self.head_dim if self.qk_norm else 0
         mlp = 3 * h * self.intermediate_size
         return attn + mlp + 2 * h
 

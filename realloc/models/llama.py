@@ -17,7 +17,7 @@ shard ``spec.shard_slices(tp, tp_rank)`` of the full tensor:
 - embedding: ``VocabParallelEmbedding``; LM head: ``ColumnParallelLinear`` over the vocabulary,
   so logits stay split over the vocabulary (see ``vocab_parallel``). Both have the padded vocabulary's
   rows (``ModelConfig.padded_vocab_size``); the head sets the logits of padding columns to -inf,
-- norms and the critic's ``score`` are replicated on every tp rank.
+- norms (Qwen3's per-head q/k norms too) and the critic's ``score`` are replicated on every tp rank.
 
 Activations are ``[batch, seq, hidden]``; under sequence parallelism (``sequence_parallel.py``, a
 ``TokenSplit`` passed as ``split``) the residual stream between the tp regions is the rank's ``[local, hidden]``
@@ -200,6 +200,10 @@ class Attention(nn.Module):
         self.v_proj = ColumnParallelLinear(h, kv_out, **qkv)
         self.o_proj = RowParallelLinear(cfg.q_dim, h, input_is_parallel=True, skip_bias_add=False, bias=False,
                                         **common)
+        if cfg.qk_norm:  # Qwen3: every head of q and k normalized over its head_dim before the rotary embedding
+            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, mcfg.params_dtype, self.q_proj.weight.device)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, mcfg.params_dtype, self.q_proj.weight.device)
+        self.qk_norm = cfg.qk_norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                 cache: KVCache | None = None, cache_start: int | torch.Tensor = 0,
@@ -211,8 +215,11 @@ class Attention(nn.Module):
             # sequence parallel: one all-gather of the rank's tokens feeds all three projections
             b, t = split.batch, split.seq
             q, k, v = gather_project(split, x, (self.q_proj, self.k_proj, self.v_proj))
-        q = q.view(b, t, self.n_local_heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, t, self.n_local_kv, self.head_dim).transpose(1, 2)
+        q = q.view(b, t, self.n_local_heads, self.head_dim)
+        k = k.view(b, t, self.n_local_kv, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(b, t, self.n_local_kv, self.head_dim).transpose(1, 2)
         # One at a time: q's unrotated copy is freed before k's rotary temporaries exist (a smaller peak;
         # opcount.attention_working_bytes_per_token counts it).
