@@ -159,3 +159,92 @@ def test_qwen3_and_mistral_configs_round_trip():
         hf_config_from_model_config(dataclasses.replace(qwen3, qk_norm=False))
     with pytest.raises(ValueError, match="qk_norm=True cannot be written as a llama checkpoint"):
         hf_config_from_model_config(dataclasses.replace(qwen3, family="llama"))
+
+
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen3-8b", "mistral-7b"])
+def test_registry_shapes_have_the_parameters_of_transformers_models(name):
+    """The planning shapes of Qwen3-0.6B, Qwen3-8B and Mistral-7B-v0.3 against the parameters transformers
+    allocates for their config.json (on the meta device: no memory), and their config round trip."""
+    import transformers
+
+    from realloc.models.config import get_model_config
+
+    cfg = get_model_config(name)
+    hf = hf_config_from_model_config(cfg)
+    prefix = {"qwen3": "Qwen3", "mistral": "Mistral"}[cfg.family]
+    kw = {k: v for k, v in hf.items() if k not in ("architectures", "model_type", "torch_dtype", "dtype")}
+    with torch.device("meta"):
+        model = getattr(transformers, prefix + "ForCausalLM")(getattr(transformers, prefix + "Config")(**kw))
+    assert cfg.total_params == sum(p.numel() for p in model.parameters())
+    assert model_config_from_hf(hf, name=name) == cfg
+
+
+def test_estimator_counts_the_head_norms_by_hand():
+    """Qwen3-8B at tp 2: the q/k head norms read and write q/t + kvl per token (2 bytes each in bf16), two
+    kernels more forward and four backward, and keep their inputs and 1/rms per head for the backward; a profile
+    measured without them does not price a model with them."""
+    import dataclasses
+
+    from realloc.estimator import opcount as oc
+    from realloc.estimator.hardware import Precision
+    from realloc.estimator.profile_table import ModelArch
+    from realloc.models.config import get_model_config
+
+    bf16 = Precision.for_dtype("bf16")
+    qwen3 = get_model_config("qwen3-8b")
+    plain = dataclasses.replace(qwen3, qk_norm=False)
+    assert qwen3.layer_params - plain.layer_params == 2 * 128
+    n, q, kvl = 4 * 64, 32 * 128 // 2, 8 * 128 // 2  # tokens; the rank's q and kv width
+    for phase, factor, kernels in ((oc.Phase.FWD, 1, 2), (oc.Phase.PREFILL, 1, 2), (oc.Phase.BWD, 2, 4)):
+        a, b = (oc.op_work(c, oc.Part.BLOCK, phase, 2, 4, 64, bf16) for c in (qwen3, plain))
+        assert a.elem_bytes - b.elem_bytes == factor * n * 2 * (q + kvl) * 2, phase
+        assert (a.kernels - b.kernels, a.gemm_flops, a.attn_flops) == (kernels, b.gemm_flops, b.attn_flops)
+    saved = oc.saved_activation_bytes_per_token(qwen3, 2, bf16) - oc.saved_activation_bytes_per_token(plain, 2, bf16)
+    assert saved == (q + kvl) * 2 + (16 + 4) * 4
+    # bf16 without grad: normalizing q holds q, its fp32 copy and square (5q), k and v: above rotary's 4q + 2kv
+    assert oc.attention_working_bytes_per_token(qwen3, 2, bf16, sequence_parallel=False) == \
+        (3 * 4096 + max(5 * q + 2 * kvl, q + 6 * kvl)) * 2
+    assert ModelArch.of(qwen3) != ModelArch.of(plain) and ModelArch.of(plain).qk_norm is None
+
+
+REPO_CONFIG = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+               "rms_norm_eps": 1e-6, "hidden_act": "silu"}
+
+
+@pytest.mark.parametrize("patch,words", [
+    ({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8}, "model_type='qwen3_moe'"),
+    ({"model_type": "gemma", "architectures": ["GemmaForCausalLM"]}, "model_type='gemma'"),
+    ({"model_type": "phi3", "architectures": ["Phi3ForCausalLM"]}, "model_type='phi3'"),
+    ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_act": "gelu_pytorch_tanh"},
+     "hidden_act='gelu_pytorch_tanh'"),
+    ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "attention_bias": True}, "attention_bias=True"),
+    ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True,
+      "sliding_window": 16, "max_window_layers": 1}, "use_sliding_window=True"),
+    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 64}, "sliding_window=64"),
+])
+def test_show_names_an_unsupported_family_or_field_in_one_line(tmp_path, patch, words):
+    from test_experiment_models import _experiment, _show, _write_ckpt
+
+    f = _experiment(tmp_path)
+    _write_ckpt(tmp_path / "ckpt/sft", {**REPO_CONFIG, **patch})
+    r = _show(f)
+    assert r.returncode == 2, r.stdout + r.stderr
+    err = r.stderr.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert words in err and "ckpt/sft" in err and "Qwen3ForCausalLM" in err and "MistralForCausalLM" in err, err
+
+
+def test_show_prints_the_family_and_shape_of_each_checkpoint(tmp_path):
+    from test_experiment_models import _experiment, _show
+
+    f = _experiment(tmp_path)
+    tiny_hf_model(tmp_path / "ckpt/sft", seed=1, family="qwen3", kv_heads=2, head_dim=32)
+    tiny_hf_model(tmp_path / "ckpt/rm", seed=2, family="mistral", kv_heads=2, critic=True, sliding_window=None)
+    r = _show(f)
+    assert r.returncode == 0, r.stderr
+    lines = {ln.split(":")[0]: ln for ln in r.stdout.splitlines() if ln.startswith("checkpoint ")}
+    assert "qwen3, 4 layers, hidden 64, 4 heads (2 KV) x 32, MLP 176, vocabulary 128, q/k head norms, 250,688 " \
+        "parameters" in lines["checkpoint actor"]
+    assert "(new value head): qwen3" in lines["checkpoint critic"] and "value head, 242,560" in lines["checkpoint critic"]
+    assert "mistral, 4 layers" in lines["checkpoint reward"] and "value head" in lines["checkpoint reward"]

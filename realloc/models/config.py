@@ -263,6 +263,15 @@ _BASE_CONFIGS: tuple[ModelConfig, ...] = (
     # measured GPU profiles under profiles/<gpu kind>/.
     ModelConfig("qwen2-0.5b", 151936, 896, 4864, 24, 14, 2, max_position_embeddings=32768, rope_theta=1e6,
                 norm_eps=1e-6, tie_embeddings=True, family="qwen2", qkv_bias=True),
+    # Qwen3-0.6B / Qwen3-8B (Qwen/Qwen3-*/config.json: head_dim 128 over 16 x 64 / 32 x 128, q/k head norms) and
+    # Mistral-7B-v0.3 (mistralai/Mistral-7B-v0.3: 32768 tokens, no sliding window): planning and dry runs of the
+    # RL bases users bring most; their checkpoints load through models/families.
+    ModelConfig("qwen3-0.6b", 151936, 1024, 3072, 28, 16, 8, max_position_embeddings=40960, rope_theta=1e6,
+                norm_eps=1e-6, tie_embeddings=True, family="qwen3", qk_norm=True, explicit_head_dim=128),
+    ModelConfig("qwen3-8b", 151936, 4096, 12288, 36, 32, 8, max_position_embeddings=40960, rope_theta=1e6,
+                norm_eps=1e-6, family="qwen3", qk_norm=True, explicit_head_dim=128),
+    ModelConfig("mistral-7b", 32768, 4096, 14336, 32, 32, 8, max_position_embeddings=32768, rope_theta=1e6,
+                norm_eps=1e-5, family="mistral"),
     # Tiny shapes for the local CPU cluster. Head counts are divisible by 2 and 4
     # so every tp in {1, 2, 4} is legal.
     ModelConfig("tiny", 64, 64, 176, 4, 4, 4, max_position_embeddings=256),

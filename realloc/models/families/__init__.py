@@ -30,6 +30,15 @@ def unsupported(where: str, field: str, value: Any, why: str = "") -> ValueError
     return ValueError(f"{where}: {field}={value!r} is not supported{why}; realloc supports {SUPPORTED}")
 
 
+def describe_shape(cfg: ModelConfig) -> str:
+    """One line of what realloc read from a checkpoint (``realloc show``'s checkpoint lines)."""
+    extras = [x for x, on in (("q/k/v bias", cfg.qkv_bias), ("q/k head norms", cfg.qk_norm),
+                              ("tied embeddings", cfg.tie_embeddings), ("value head", cfg.is_critic)) if on]
+    return (f"{cfg.family}, {cfg.n_layers} layers, hidden {cfg.hidden_size}, {cfg.n_heads} heads ({cfg.n_kv_heads} KV) "
+            f"x {cfg.head_dim}, MLP {cfg.intermediate_size}, vocabulary {cfg.vocab_size}"
+            + "".join(f", {x}" for x in extras) + f", {cfg.total_params:,} parameters")
+
+
 def family(name: str, where: str = "model config") -> Family:
     if name not in FAMILIES:
         raise unsupported(where, "model_type", name)
