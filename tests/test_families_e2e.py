@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mp_pool import GlooPool
 from test_runtime_hf_e2e import (EXPERIMENT, EXTRA_EOS, GEN_LEN, HEADLINE, ITERS, REPO, Runs,
-                                 _check_against_transformers, _metrics, _outputs_from_checkpoint, _samples)
+                                 _check_against_transformers, _metrics, _samples, check_export_against_shards)
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +70,6 @@ def test_samples_and_rewards_match_transformers(runs, experiment):
 def test_export_after_tp2_pp2_loads_as_its_family_with_the_checkpoints_outputs(runs, experiment, tmp_path):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from realloc.models.hf_io import model_config_from_hf
-
     run, root = runs["tp2pp2"], experiment.parent
     exported = run / "exports" / f"iter_{ITERS:08d}"
     ckpt = run / "checkpoints" / f"iter_{ITERS:08d}"
@@ -84,14 +81,4 @@ def test_export_after_tp2_pp2_loads_as_its_family_with_the_checkpoints_outputs(r
     norms = [n for n in start.state_dict() if n.endswith(("q_norm.weight", "k_norm.weight"))]
     assert len(norms) == 8  # 4 layers; and training moved them
     assert max((actor.state_dict()[n] - start.state_dict()[n]).abs().max().item() for n in norms) > 1e-5
-    ids = torch.tensor([[5, 17, 42, 7, 99, 3], [8, 8, 120, 64, 31, 2]])
-    with GlooPool(4, tmp_path / "gloo") as pool:
-        logits = next(x for x in pool.run(_outputs_from_checkpoint, str(ckpt), "actor",
-                                          model_config_from_hf(root / "actor"), ids, "logits") if x is not None)
-        values = next(x for x in pool.run(_outputs_from_checkpoint, str(ckpt), "critic",
-                                          model_config_from_hf(root / "critic"), ids, "values") if x is not None)
-    with torch.no_grad():
-        theirs_logits = actor(input_ids=ids).logits.float()
-        theirs_values = critic.score(critic.model(input_ids=ids).last_hidden_state).float()[..., 0]
-    torch.testing.assert_close(logits, theirs_logits, atol=1e-4, rtol=0)
-    torch.testing.assert_close(values, theirs_values, atol=1e-4, rtol=0)
+    check_export_against_shards(ckpt, root, actor, critic, tmp_path)
