@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_runtime_hf_e2e import (EXPERIMENT, EXTRA_EOS, GEN_LEN, HEADLINE, ITERS, REPO, Runs,
-                                 _check_against_transformers, _metrics, _samples, check_export_against_shards)
+from test_runtime_hf_e2e import (HEADLINE, ITERS, Runs, _check_against_transformers, _metrics, _samples,
+                                 check_export_against_shards, write_experiment)
 
 
 @pytest.fixture(scope="module")
@@ -27,13 +27,7 @@ def experiment(hf_assets, tmp_path_factory) -> Path:
     shutil.copytree(hf_assets.checkpoint("qwen2", arch="qwen3", tie=True), root / "actor")
     shutil.copytree(hf_assets.checkpoint("llama_reward", arch="mistral"), root / "critic")
     shutil.copytree(hf_assets.checkpoint("qwen2_reward", arch="qwen3"), root / "reward")
-    gen = json.loads((root / "actor/generation_config.json").read_text())
-    first = gen["eos_token_id"] if isinstance(gen["eos_token_id"], int) else gen["eos_token_id"][0]
-    gen["eos_token_id"] = [first] + EXTRA_EOS
-    (root / "actor/generation_config.json").write_text(json.dumps(gen))
-    f = root / "exp.py"
-    f.write_text(EXPERIMENT.format(GEN_LEN=GEN_LEN, DATASET=REPO / "experiments/data/text_prompts.jsonl"))
-    return f
+    return write_experiment(root)
 
 
 @pytest.fixture(scope="module")

@@ -97,6 +97,12 @@ def experiment(hf_assets, tmp_path_factory) -> Path:
     shutil.copytree(hf_assets.checkpoint("qwen2", max_shard_size="200KB"), root / "actor")  # sharded
     shutil.copytree(hf_assets.checkpoint("llama_reward"), root / "critic")  # a critic from a scalar-head checkpoint
     shutil.copytree(hf_assets.checkpoint("qwen2_reward"), root / "reward")
+    return write_experiment(root)
+
+
+def write_experiment(root: Path) -> Path:
+    """The experiment file beside the checkpoints ``root``/{actor, critic, reward}, the actor stopping at any of
+    ``EXTRA_EOS`` too."""
     gen = json.loads((root / "actor/generation_config.json").read_text())
     first = gen["eos_token_id"] if isinstance(gen["eos_token_id"], int) else gen["eos_token_id"][0]
     gen["eos_token_id"] = [first] + EXTRA_EOS
