@@ -1,8 +1,8 @@
 """`realloc run` of PPO from Qwen3 and Mistral checkpoints on 4 local CPU devices, then `realloc export`.
 
 test_runtime_hf_e2e.py's experiment and plans with other families: the actor and reference start from a tiny
-tied Qwen3 checkpoint (per-head q/k norms), the critic from a Mistral sequence classifier and the reward is a
-Qwen3 sequence classifier. Checked, as there: the same metrics on one device and with tp=2/pp=2 training and
+tied Qwen3 checkpoint (per-head q/k norms), the critic from a Mistral sequence classifier with a 12-token
+sliding window (shorter than the rows) and the reward is a Qwen3 sequence classifier. Checked, as there: the same metrics on one device and with tp=2/pp=2 training and
 reallocation between layouts; iteration 1's samples are transformers' greedy tokens with its log-probs and
 rewards; the models exported after the tp=2/pp=2 run load in transformers as the families they came from, and
 their logits and values equal realloc's from the run's own checkpoint shards.
@@ -21,11 +21,16 @@ from test_runtime_hf_e2e import (HEADLINE, ITERS, Runs, _check_against_transform
                                  check_export_against_shards, write_experiment)
 
 
+WINDOW = 12  # the critic's sliding window: prompts of up to 24 tokens and 8 generated go past it
+
+
 @pytest.fixture(scope="module")
 def experiment(hf_assets, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("families_e2e")
     shutil.copytree(hf_assets.checkpoint("qwen2", arch="qwen3", tie=True), root / "actor")
     shutil.copytree(hf_assets.checkpoint("llama_reward", arch="mistral"), root / "critic")
+    config = json.loads((root / "critic/config.json").read_text())
+    (root / "critic/config.json").write_text(json.dumps({**config, "sliding_window": WINDOW}))
     shutil.copytree(hf_assets.checkpoint("qwen2_reward", arch="qwen3"), root / "reward")
     return write_experiment(root)
 
@@ -71,6 +76,7 @@ def test_export_after_tp2_pp2_loads_as_its_family_with_the_checkpoints_outputs(r
     critic = AutoModelForSequenceClassification.from_pretrained(exported / "critic").eval()
     assert (type(actor).__name__, type(critic).__name__) == ("Qwen3ForCausalLM", "MistralForSequenceClassification")
     assert actor.config.tie_word_embeddings and actor.config.sliding_window is None
+    assert critic.config.sliding_window == WINDOW
     start = AutoModelForCausalLM.from_pretrained(root / "actor")
     norms = [n for n in start.state_dict() if n.endswith(("q_norm.weight", "k_norm.weight"))]
     assert len(norms) == 8  # 4 layers; and training moved them

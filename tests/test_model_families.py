@@ -5,9 +5,10 @@ transformers config classes with a seed, saved with save_pretrained and loaded i
 processes: logits, log-probs, entropies and greedy tokens equal the dense HF model's in the test process, at
 tp 1 / pp 1 (one process) as at tp 2, pp 2, both, and tp 4 (Qwen3's 2 KV heads, each with its k_norm, shared by
 2 ranks). Qwen3's q_norm / k_norm weights are random (HF starts them at one, which would not show a head
-normalized with the wrong weight), and its head_dim (32) is not hidden / heads (16). Train steps match the dense
-model's gradients with and without sequence parallelism (the per-head norms' gradients are partial sums over a
-rank's heads). Saved checkpoints load in transformers with equal logits.
+normalized with the wrong weight), and its head_dim (32) is not hidden / heads (16). Mistral's sliding window
+(6 tokens) binds on these rows and generations. Train steps match the dense model's gradients with and without
+sequence parallelism (Qwen3's per-head norms' gradients are partial sums over a rank's heads). Saved checkpoints
+load in transformers with equal logits.
 """
 
 from __future__ import annotations
@@ -40,11 +41,13 @@ def qwen3(tmp_path_factory):
     return tiny_hf_model(path, seed=21, family="qwen3", kv_heads=2, head_dim=32), path
 
 
+WINDOW = 6  # Mistral's sliding window in these tests: the 16-token rows and 19-token generations go past it
+
+
 @pytest.fixture(scope="module")
 def mistral(tmp_path_factory):
-    # a window as long as the positions: it never binds, so transformers' sliding mask is the causal one
     path = tmp_path_factory.mktemp("hf_mistral")
-    return tiny_hf_model(path, seed=22, family="mistral", kv_heads=2, sliding_window=256), path
+    return tiny_hf_model(path, seed=22, family="mistral", kv_heads=2, sliding_window=WINDOW), path
 
 
 @torch.no_grad()
@@ -65,15 +68,33 @@ def test_qwen3_reads_its_shape_and_counts_its_parameters(qwen3):
 @pytest.mark.parametrize("which,layouts", [("qwen3", LAYOUTS + [(4, 1)]), ("mistral", LAYOUTS)])
 @torch.no_grad()
 def test_qwen3_and_mistral_match_hf_logits_and_greedy_in_every_layout(pool, which, layouts, request):
+    """Mistral's window of 6 tokens binds: forward passes (right-padded and packed rows), generation with KV caches
+    from left-padded prompts, at every layout."""
     hf, path = request.getfixturevalue(which)
-    assert model_config_from_hf(path).family == which
+    cfg = model_config_from_hf(path)
+    assert cfg.family == which and cfg.sliding_window == (WINDOW if which == "mistral" else None)
     _check_against_hf(pool, hf, path, layouts)
+
+
+@torch.no_grad()
+def test_the_mistral_window_changes_transformers_logits(mistral):
+    """Not a vacuous comparison: the same weights without the window give other logits past token 6."""
+    import copy
+
+    hf, _ = mistral
+    ids, _, mask = _padded_batch()
+    full = copy.deepcopy(hf)
+    full.config.sliding_window = None
+    windowed, plain = hf(input_ids=ids, attention_mask=mask).logits, full(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(windowed[:, :WINDOW], plain[:, :WINDOW])
+    assert (windowed[0, WINDOW:12] - plain[0, WINDOW:12]).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("family", ["qwen3", "mistral"])
 @torch.no_grad()
 def test_critic_values_match_the_families_sequence_classifier(pool, tmp_path, family):
-    hf = tiny_hf_model(tmp_path, seed=23, critic=True, family=family, kv_heads=2)
+    hf = tiny_hf_model(tmp_path, seed=23, critic=True, family=family, kv_heads=2,
+                       **({"sliding_window": 5} if family == "mistral" else {}))
     assert type(hf).__name__ == {"qwen3": "Qwen3", "mistral": "Mistral"}[family] + "ForSequenceClassification"
     cfg = model_config_from_hf(tmp_path)
     assert cfg.is_critic and cfg.family == family
@@ -84,11 +105,12 @@ def test_critic_values_match_the_families_sequence_classifier(pool, tmp_path, fa
         assert torch.allclose(last, ref, atol=1e-4), (family, tp, pp, (last - ref).abs().max())
 
 
-@pytest.mark.parametrize("sequence_parallel", [True, False])
-def test_qwen3_train_steps_match_the_dense_model(pool, qwen3, sequence_parallel):
-    """SGD at lr 1 (weights = w - grad, every gradient checked, q_norm and k_norm included) at tp 2 and at tp 4,
-    where each KV head and its k_norm input are on 2 ranks; AdamW over two steps at tp 2 / pp 2."""
-    hf, path = qwen3
+@pytest.mark.parametrize("which,sequence_parallel", [("qwen3", True), ("qwen3", False), ("mistral", True)])
+def test_train_steps_match_the_dense_model(pool, which, sequence_parallel, request):
+    """SGD at lr 1 (weights = w - grad, every gradient checked, Qwen3's q_norm and k_norm included) at tp 2 and at
+    tp 4, where each KV head and its k_norm input are on 2 ranks; AdamW over two steps at tp 2 / pp 2. Mistral's
+    rows of 4-13 tokens train under its 6-token window."""
+    hf, path = request.getfixturevalue(which)
     _check_train(pool, hf, path, [(1, 2, 1), (1, 4, 1)], "sgd", 1, None, sequence_parallel=sequence_parallel)
     if sequence_parallel:
         _check_train(pool, hf, path, [(1, 2, 2)], "adamw", 2, 1.0)
@@ -108,7 +130,7 @@ def test_save_at_tp2_pp2_loads_in_transformers_with_equal_logits(pool, which, tm
         assert torch.equal(t, hf_state[name]), name
     config = json.loads((tmp_path / "a" / "config.json").read_text())
     assert config["model_type"] == which and config["architectures"] == [type(hf).__name__]
-    assert config["sliding_window"] is None  # Mistral's window never bound; Qwen3's layers are full attention
+    assert config["sliding_window"] == (WINDOW if which == "mistral" else None)
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "a", attn_implementation="eager").eval()
     assert type(back) is type(hf)
     ids, lens, mask = _padded_batch(seed=9)
@@ -116,35 +138,18 @@ def test_save_at_tp2_pp2_loads_in_transformers_with_equal_logits(pool, which, tm
     assert model_config_from_hf(tmp_path / "a") == cfg
 
 
-@torch.no_grad()
-def test_a_mistral_window_shorter_than_the_positions_is_refused_and_would_differ():
-    """A window of 8 tokens over 256 positions: transformers' logits on a 16-token sequence differ from full
-    attention's (so running it as full attention would be wrong), and realloc refuses it in one line naming
-    sliding_window; a null window, or one of at least max_position_embeddings, loads."""
-    import transformers
-
-    ids = torch.randint(1, 128, (1, 16), generator=torch.Generator().manual_seed(0))
-    logits = {}
-    for window in (8, None):
-        torch.manual_seed(0)
-        hf = transformers.MistralForCausalLM(tiny_hf_config(family="mistral", sliding_window=window)).eval()
-        logits[window] = hf(input_ids=ids).logits
-    assert torch.equal(logits[8][:, :8], logits[None][:, :8])  # the window binds from token 9 on
-    assert not torch.allclose(logits[8][:, 8:], logits[None][:, 8:], atol=1e-3)
-    base = tiny_hf_config(family="mistral").to_dict()
-    for window, ok in ((8, False), (255, False), (None, True), (256, True), (4096, True)):
-        hf = {**base, "sliding_window": window}
-        if ok:
-            assert model_config_from_hf(hf).family == "mistral"
-            continue
+def test_mistral_windows_as_transformers_reads_them():
+    """A window of at least max_position_embeddings never binds (read as none), an absent key is MistralConfig's
+    4096, and a window that is no number of tokens is one line naming the field."""
+    base = tiny_hf_config(family="mistral").to_dict()  # 256 positions
+    for window, want in ((8, 8), (255, 255), (None, None), (256, None), (4096, None)):
+        assert model_config_from_hf({**base, "sliding_window": window}).sliding_window == want
+    absent = {k: v for k, v in base.items() if k != "sliding_window"}
+    assert model_config_from_hf({**absent, "max_position_embeddings": 32768}).sliding_window == 4096
+    for bad in (0, -3, "4096", True):
         with pytest.raises(ValueError) as e:
-            model_config_from_hf(hf)
-        assert "\n" not in str(e.value) and f"sliding_window={window} is not supported" in str(e.value)
-        assert "max_position_embeddings=256" in str(e.value)
-    # MistralConfig's default window (4096) applies when config.json omits the key
-    with pytest.raises(ValueError, match="sliding_window=4096 is not supported .config.json omits it"):
-        model_config_from_hf({k: v for k, v in base.items() if k != "sliding_window"} |
-                             {"max_position_embeddings": 32768})
+            model_config_from_hf({**base, "sliding_window": bad})
+        assert "\n" not in str(e.value) and f"sliding_window={bad!r} is not supported" in str(e.value)
 
 
 def test_qwen3_and_mistral_configs_round_trip():
@@ -159,6 +164,10 @@ def test_qwen3_and_mistral_configs_round_trip():
         hf_config_from_model_config(dataclasses.replace(qwen3, qk_norm=False))
     with pytest.raises(ValueError, match="qk_norm=True cannot be written as a llama checkpoint"):
         hf_config_from_model_config(dataclasses.replace(qwen3, family="llama"))
+    mistral = model_config_from_hf(tiny_hf_config(family="mistral", sliding_window=8).to_dict(), name="m")
+    assert hf_config_from_model_config(mistral)["sliding_window"] == 8
+    with pytest.raises(ValueError, match="sliding_window=8 cannot be written as a llama checkpoint"):
+        hf_config_from_model_config(dataclasses.replace(mistral, family="llama"))
 
 
 @pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen3-8b", "mistral-7b"])
@@ -221,7 +230,7 @@ REPO_CONFIG = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 160, "n
     ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "attention_bias": True}, "attention_bias=True"),
     ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True,
       "sliding_window": 16, "max_window_layers": 1}, "use_sliding_window=True"),
-    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 64}, "sliding_window=64"),
+    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 0}, "sliding_window=0"),
 ])
 def test_show_names_an_unsupported_family_or_field_in_one_line(tmp_path, patch, words):
     from test_experiment_models import _experiment, _show, _write_ckpt
@@ -240,11 +249,11 @@ def test_show_prints_the_family_and_shape_of_each_checkpoint(tmp_path):
 
     f = _experiment(tmp_path)
     tiny_hf_model(tmp_path / "ckpt/sft", seed=1, family="qwen3", kv_heads=2, head_dim=32)
-    tiny_hf_model(tmp_path / "ckpt/rm", seed=2, family="mistral", kv_heads=2, critic=True, sliding_window=None)
+    tiny_hf_model(tmp_path / "ckpt/rm", seed=2, family="mistral", kv_heads=2, critic=True, sliding_window=16)
     r = _show(f)
     assert r.returncode == 0, r.stderr
     lines = {ln.split(":")[0]: ln for ln in r.stdout.splitlines() if ln.startswith("checkpoint ")}
     assert "qwen3, 4 layers, hidden 64, 4 heads (2 KV) x 32, MLP 176, vocabulary 128, q/k head norms, 250,688 " \
         "parameters" in lines["checkpoint actor"]
     assert "(new value head): qwen3" in lines["checkpoint critic"] and "value head, 242,560" in lines["checkpoint critic"]
-    assert "mistral, 4 layers" in lines["checkpoint reward"] and "value head" in lines["checkpoint reward"]
+    assert "mistral, 4 layers" in lines["checkpoint reward"] and "sliding window 16" in lines["checkpoint reward"]

@@ -63,6 +63,9 @@ class ModelConfig:
     family: str = "llama"
     qkv_bias: bool = False
     qk_norm: bool = False
+    # Mistral's sliding window: a token attends to itself and the window - 1 tokens before it (None: the whole
+    # causal prefix; a window of at least max_position_embeddings never binds and is read as None).
+    sliding_window: int | None = None
     # The checkpoint's bos/eos/pad ids as (key, value) pairs, eos an int or a tuple. Not part of the shape
     # (compare=False): carried so that a saved checkpoint reloads with them (transformers' defaults are wrong
     # for LLaMA-3 and chat models).
@@ -85,6 +88,11 @@ class ModelConfig:
         if self.explicit_head_dim is not None and (self.explicit_head_dim <= 0 or self.explicit_head_dim % 2):
             raise ValueError(f"model config {self.name!r}: head_dim must be a positive even number (rotary "
                              f"embeddings rotate pairs), got {self.explicit_head_dim}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"model config {self.name!r}: sliding_window must be positive or None, got "
+                             f"{self.sliding_window}")
+        if self.sliding_window is not None and self.sliding_window >= self.max_position_embeddings:
+            object.__setattr__(self, "sliding_window", None)  # never binds: one spelling (equality, digests)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"model config {self.name!r}: n_heads must be divisible by n_kv_heads")
         if self.is_critic and self.tie_embeddings:

@@ -22,7 +22,7 @@ from realloc.models.families.base import Family
 FAMILIES: Mapping[str, Family] = MappingProxyType({f.model_type: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY,
                                                                              mistral.FAMILY)})
 SUPPORTED = ("; ".join(f.describe() for f in FAMILIES.values())
-             + "; silu MLP, full attention, RoPE type default or llama3")
+             + "; silu MLP, full attention (Mistral's sliding window too), RoPE type default or llama3")
 
 
 def unsupported(where: str, field: str, value: Any, why: str = "") -> ValueError:
@@ -33,7 +33,8 @@ def unsupported(where: str, field: str, value: Any, why: str = "") -> ValueError
 def describe_shape(cfg: ModelConfig) -> str:
     """One line of what realloc read from a checkpoint (``realloc show``'s checkpoint lines)."""
     extras = [x for x, on in (("q/k/v bias", cfg.qkv_bias), ("q/k head norms", cfg.qk_norm),
-                              ("tied embeddings", cfg.tie_embeddings), ("value head", cfg.is_critic)) if on]
+                              ("tied embeddings", cfg.tie_embeddings), ("value head", cfg.is_critic),
+                              (f"sliding window {cfg.sliding_window}", cfg.sliding_window)) if on]
     return (f"{cfg.family}, {cfg.n_layers} layers, hidden {cfg.hidden_size}, {cfg.n_heads} heads ({cfg.n_kv_heads} KV) "
             f"x {cfg.head_dim}, MLP {cfg.intermediate_size}, vocabulary {cfg.vocab_size}"
             + "".join(f", {x}" for x in extras) + f", {cfg.total_params:,} parameters")
@@ -123,6 +124,7 @@ def config_from_hf(hf: Mapping[str, Any], where: str, name: str | None = None,
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)) and not is_critic,
             is_critic=is_critic, rope_scaling=scaling, family=fam.model_type, qkv_bias=fam.qkv_bias,
             qk_norm=fam.qk_norm,
+            sliding_window=_window(hf, fam),
             explicit_head_dim=None if head_dim is None else int(head_dim),
         )
     except KeyError as e:
@@ -136,6 +138,13 @@ def config_from_hf(hf: Mapping[str, Any], where: str, name: str | None = None,
         raise ValueError(f"{where}: {msg}; fix config.json or point the model at another checkpoint") from None
 
 
+def _window(hf: Mapping[str, Any], fam: Family) -> int | None:
+    if not fam.windowed:
+        return None
+    window = hf.get("sliding_window", fam.defaults.get("sliding_window"))
+    return None if window is None else int(window)
+
+
 # ModelConfig's field names as config.json spells them, for errors about a checkpoint's config.
 _HF_KEYS = {"n_kv_heads": "num_key_value_heads", "n_heads": "num_attention_heads", "n_layers": "num_hidden_layers"}
 
@@ -143,6 +152,9 @@ _HF_KEYS = {"n_kv_heads": "num_key_value_heads", "n_heads": "num_attention_heads
 def hf_from_config(cfg: ModelConfig, dtype_name: str = "float32") -> dict[str, Any]:
     """config.json of ``cfg`` for ``transformers``: its family's causal LM, or sequence classifier for critics."""
     fam = family(cfg.family, f"model config {cfg.name!r}")
+    if cfg.sliding_window is not None and not fam.windowed:
+        raise ValueError(f"model config {cfg.name!r}: sliding_window={cfg.sliding_window} cannot be written as a "
+                         f"{fam.model_type} checkpoint (its layers have no window); set family to mistral")
     for field in ("qkv_bias", "qk_norm"):
         if getattr(cfg, field) != getattr(fam, field):
             raise ValueError(f"model config {cfg.name!r}: {field}={getattr(cfg, field)} cannot be written as a "

@@ -23,6 +23,7 @@ class Family:
     # Keys of the family's config.json beyond the shared ones (hf_io writes both).
     hf_fields: Callable[[ModelConfig], dict[str, Any]]
     qk_norm: bool = False  # an RMSNorm over each q and k head before the rotary embedding (Qwen3)
+    windowed: bool = False  # config.json's sliding_window applies to every layer (Mistral; default in ``defaults``)
 
     @property
     def architectures(self) -> tuple[str, str]:

@@ -1,12 +1,10 @@
-"""Mistral (Mistral-7B v0.1-v0.3, Mistral-Nemo, Ministral 8B's dense layout...): LLaMA's block without biases.
+"""Mistral (Mistral-7B v0.1-v0.3, Mistral-Nemo, ...): LLaMA's block without biases, with a sliding window.
 
-The one difference is ``sliding_window``: MistralAttention lets a token see itself and the ``sliding_window - 1``
-tokens before it, in every layer. The parallel model attends to the whole causal prefix, so it equals Mistral
-exactly on every sequence of at most ``sliding_window`` tokens. realloc therefore runs a checkpoint whose window
-is null (v0.2, v0.3, Nemo) or at least ``max_position_embeddings`` (no sequence the model accepts is longer),
-and refuses a shorter window (v0.1: 4096 of 32768 positions) in one line naming the field: setting
-``max_position_embeddings`` to the window in that config.json runs it exactly on sequences up to the window.
-MistralConfig's default window is 4096 when config.json omits the key, as transformers reads it.
+MistralAttention lets a token see itself and the ``sliding_window - 1`` tokens before it, in every layer
+(``ModelConfig.sliding_window``; ``llama.window_mask`` narrows every attention mask by token positions). A window
+of at least ``max_position_embeddings`` never binds and is read as none; v0.2, v0.3 and Nemo have none (null),
+v0.1 has 4096 of 32768 positions. MistralConfig's default window is 4096 when config.json omits the key, as
+transformers reads it.
 """
 
 from __future__ import annotations
@@ -16,30 +14,22 @@ from typing import Any, Mapping
 from realloc.models.config import ModelConfig
 from realloc.models.families.base import Family
 
-DEFAULT_WINDOW = 4096  # MistralConfig.sliding_window
-DEFAULT_POSITIONS = 4096 * 32  # MistralConfig.max_position_embeddings
-
 
 def _unsupported(hf: Mapping[str, Any]) -> tuple[str, Any, str] | None:
-    window = hf.get("sliding_window", DEFAULT_WINDOW)
-    positions = int(hf.get("max_position_embeddings", DEFAULT_POSITIONS))
-    if window is not None and int(window) < positions:
-        named = "" if "sliding_window" in hf else " (config.json omits it: MistralConfig's default)"
-        return ("sliding_window", window,
-                f"{named} (sliding-window attention over {window} tokens, shorter than max_position_embeddings="
-                f"{positions}: set sliding_window to null, or max_position_embeddings to at most {window} to run "
-                f"sequences up to the window exactly)")
+    window = hf.get("sliding_window")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        return "sliding_window", window, " (a positive number of tokens, or null for none)"
     return None
 
 
 def _hf_fields(cfg: ModelConfig) -> dict[str, Any]:
-    # A window of at least max_position_embeddings never binds: written back as null, with the same logits.
-    return {"sliding_window": None}
+    return {"sliding_window": cfg.sliding_window}
 
 
 FAMILY = Family(
     model_type="mistral", causal_lm="MistralForCausalLM", sequence_classification="MistralForSequenceClassification",
-    qkv_bias=False, defaults={"max_position_embeddings": DEFAULT_POSITIONS, "rms_norm_eps": 1e-6,
-                              "rope_theta": 10000.0, "num_key_value_heads": 8},  # MistralConfig's
+    qkv_bias=False, windowed=True,
+    defaults={"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+              "num_key_value_heads": 8, "sliding_window": 4096},  # MistralConfig's
     unsupported=_unsupported, hf_fields=_hf_fields,
 )
