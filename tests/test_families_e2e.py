@@ -2,10 +2,11 @@
 
 test_runtime_hf_e2e.py's experiment and plans with other families: the actor and reference start from a tiny
 tied Qwen3 checkpoint (per-head q/k norms), the critic from a Mistral sequence classifier with a 12-token
-sliding window (shorter than the rows) and the reward is a Qwen3 sequence classifier. Checked, as there: the same metrics on one device and with tp=2/pp=2 training and
-reallocation between layouts; iteration 1's samples are transformers' greedy tokens with its log-probs and
-rewards; the models exported after the tp=2/pp=2 run load in transformers as the families they came from, and
-their logits and values equal realloc's from the run's own checkpoint shards.
+sliding window (shorter than the rows) and the reward is a Qwen3 sequence classifier. Checked, as there: the same
+metrics on one device and with tp=2/pp=2 training and reallocation between layouts; iteration 1's samples are
+transformers' greedy tokens with its log-probs and rewards; the models exported after the tp=2/pp=2 run load in
+transformers as the families they came from, and their logits and values equal realloc's from the run's own
+checkpoint shards.
 """
 
 from __future__ import annotations

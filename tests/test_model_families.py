@@ -255,5 +255,6 @@ def test_show_prints_the_family_and_shape_of_each_checkpoint(tmp_path):
     lines = {ln.split(":")[0]: ln for ln in r.stdout.splitlines() if ln.startswith("checkpoint ")}
     assert "qwen3, 4 layers, hidden 64, 4 heads (2 KV) x 32, MLP 176, vocabulary 128, q/k head norms, 250,688 " \
         "parameters" in lines["checkpoint actor"]
-    assert "(new value head): qwen3" in lines["checkpoint critic"] and "value head, 242,560" in lines["checkpoint critic"]
+    critic = lines["checkpoint critic"]
+    assert "(new value head): qwen3" in critic and "value head, 242,560" in critic
     assert "mistral, 4 layers" in lines["checkpoint reward"] and "sliding window 16" in lines["checkpoint reward"]

@@ -449,13 +449,13 @@ def cache_mask(key_valid: torch.Tensor, query_start: int, n_queries: int) -> tor
 def window_mask(window: int, mask: torch.Tensor | None, position_ids: torch.Tensor, cache: KVCache | None,
                 cache_start: int | torch.Tensor) -> torch.Tensor | None:
     """``mask`` narrowed to Mistral's sliding window: a query at position p sees keys at positions > p - window
-    (transformers' ``sliding_window_overlay``), by token positions, so packed segments, left padding and a multi-turn
-    row's kept keys all count from their own sequence's start.
+    (transformers' ``sliding_window_overlay``), by token positions, so packed segments, left padding and a
+    multi-turn row's kept keys all count from their own sequence's start.
 
-    Whole sequences (``cache`` None) compare the queries' positions with themselves; ``mask`` None (causal) becomes
-    explicit first. Rows no longer than the window leave ``mask`` as it is. With a KV cache the first layer's ``cache.pos`` gets
-    the new tokens' positions at their slots (as the layers write their keys there) and the keys' positions are
-    read from it."""
+    Whole sequences (``cache`` None) compare the queries' positions with themselves; ``mask`` None (causal)
+    becomes explicit first. Rows no longer than the window leave ``mask`` as it is. With a KV cache the first
+    layer's ``cache.pos`` gets the new tokens' positions at their slots (as the layers write their keys there) and
+    the keys' positions are read from it."""
     if cache is None:
         t = position_ids.shape[1]
         if t <= window:

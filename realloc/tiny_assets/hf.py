@@ -17,9 +17,9 @@ a ``generation_config.json`` whose ``eos_token_id`` is ``[<|eos|>, <|im_end|>]``
 turn with ``<|im_end|>``.
 
 Checkpoints are random and deterministic for a seed; ``arch`` is llama, qwen2, qwen3 (head_dim hidden / heads,
-not Qwen3Config's 128) or mistral (no sliding window). Norm weights (Qwen3's q/k head norms too) and linear biases
-(Qwen2's q/k/v projections) are drawn at random too, not left at HF's 1 and 0, so that a loader which drops or
-mixes them up fails a comparison against transformers.
+not Qwen3Config's 128) or mistral (no sliding window, as v0.2+). Norm weights (Qwen3's q/k head norms too) and
+linear biases (Qwen2's q/k/v projections) are drawn at random too, not left at HF's 1 and 0, so that a loader
+which drops or mixes them up fails a comparison against transformers.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def write_generation_config(out_dir: Path, bos: int | None, eos: Sequence[int], 
 
 ARCHS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}  # arch -> transformers prefix
 # Keys beyond the shared ones: Qwen3Config's head_dim defaults to 128 (set to hidden / heads below), MistralConfig's
-# window to 4096 tokens (realloc refuses a window shorter than the positions).
+# window to 4096 tokens (none here: full attention, as Mistral v0.2+).
 FAMILY_KEYS = {"mistral": {"sliding_window": None}}
 
 
