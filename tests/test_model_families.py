@@ -24,6 +24,7 @@ from model_helpers import assemble, tiny_hf_config, tiny_hf_model
 from mp_pool import GlooPool
 from test_model_hf import _check_against_hf, _critic_values, _padded_batch, _save
 from test_model_train import _check_train
+from test_multiturn import tokenizer_dir  # noqa: F401 (the fixture: the tiny character tokenizer)
 
 WORLD = 4
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tp, pp)
@@ -258,3 +259,24 @@ def test_show_prints_the_family_and_shape_of_each_checkpoint(tmp_path):
     critic = lines["checkpoint critic"]
     assert "(new value head): qwen3" in critic and "value head, 242,560" in critic
     assert "mistral, 4 layers" in lines["checkpoint reward"] and "sliding window 16" in lines["checkpoint reward"]
+
+
+@pytest.mark.parametrize("layout", [(1, 1, 1), (1, 2, 1)], ids=["one", "tp2"])
+def test_a_sliding_window_keeps_multiturn_caches_exactly(pool, tokenizer_dir, layout):
+    """Multi-turn rollouts of a model with a 5-token window (conversations of 3-30 tokens): keys kept across turns
+    (slots with gaps, positions from each row's start) sample the tokens and log-probs of prefilling the whole
+    conversation again, and those log-probs are a teacher-forced forward pass's (masks by positions both ways)."""
+    import dataclasses
+
+    from realloc.models.config import get_model_config
+    from test_multiturn import ENV, _gathered, _generate
+
+    cfg = dataclasses.replace(get_model_config("tiny"), name="tiny-window", family="mistral", sliding_window=5)
+    again = _gathered(pool.run(_generate, tokenizer_dir, *layout, env={**ENV, "kv_cache": False}, cfg=cfg))
+    kept = _gathered(pool.run(_generate, tokenizer_dir, *layout, env=ENV, cfg=cfg))
+    for k in ("tokens", "gen_mask", "loss_mask"):
+        assert torch.equal(kept[k], again[k]), k
+    assert kept["sums"][0]["cached_tokens"] > 0 and int(kept["gen_mask"].sum(1).max()) > 2 * 5
+    torch.testing.assert_close(kept["logp"], again["logp"], rtol=0, atol=1e-6)
+    mask = kept["loss_mask"]
+    torch.testing.assert_close(kept["logp"][mask], kept["forced"][mask], rtol=1e-4, atol=1e-4)
