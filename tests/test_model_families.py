@@ -280,3 +280,24 @@ def test_a_sliding_window_keeps_multiturn_caches_exactly(pool, tokenizer_dir, la
     torch.testing.assert_close(kept["logp"], again["logp"], rtol=0, atol=1e-6)
     mask = kept["loss_mask"]
     torch.testing.assert_close(kept["logp"][mask], kept["forced"][mask], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", [(1, 1, 1, 1), (1, 2, 1, 2)], ids=["one", "tp2-2mbs"])
+def test_the_static_decode_step_keeps_a_sliding_window(pool, layout):
+    """The fixed-shape decode step (the one a CUDA graph replays; its slot is a device tensor) under a 4-token
+    window gives the eager loop's tokens and log-probs (the eager loop is transformers', above)."""
+    import dataclasses
+
+    from realloc.models.config import get_model_config
+    from realloc.models.sampling import GenerationConfig
+    from test_static_decode import _by_replica, _generate, _prompts
+
+    cfg = dataclasses.replace(get_model_config("tiny-gqa"), name="tiny-window", family="mistral", sliding_window=4)
+    base = dict(max_new_tokens=12, seed=5, greedy=False, temperature=0.8)
+    dp, tp, pp, n_mbs = layout
+    runs = {mode: _by_replica(pool.run(_generate, cfg, dp, tp, pp, _prompts(), GenerationConfig(**base, decode=mode),
+                                       n_mbs)) for mode in ("eager", "static")}
+    (seqs, logp, _), (ref_seqs, ref_logp, _) = runs["static"], runs["eager"]
+    assert seqs == ref_seqs and min(map(len, seqs)) > 4
+    for a, b in zip(logp, ref_logp):
+        assert torch.allclose(a, b, atol=1e-5), (a, b)
