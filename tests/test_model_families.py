@@ -301,3 +301,25 @@ def test_the_static_decode_step_keeps_a_sliding_window(pool, layout):
     assert seqs == ref_seqs and min(map(len, seqs)) > 4
     for a, b in zip(logp, ref_logp):
         assert torch.allclose(a, b, atol=1e-5), (a, b)
+
+
+def test_lora_on_qwen3_trains_like_the_dense_lora_formula(pool, qwen3):
+    """LoRA adapters on every projection of a Qwen3 model (the head norms frozen, after q_proj's and k_proj's
+    adapters as in PEFT) take the dense model's SGD step at tp 1, tp 2 (with and without sequence parallelism)
+    and tp 4."""
+    import dataclasses
+
+    from test_lora import LORA, DenseLoRA, _adapters, _assemble_adapters, _micro_batches, _train
+
+    hf, path = qwen3
+    cfg = dataclasses.replace(model_config_from_hf(path), lora=LORA)
+    adapters = _adapters(cfg, seed=3)
+    mbs = _micro_batches(seed=11)
+    dense = DenseLoRA(hf, LORA, adapters)
+    ref_norm = dense.sgd_step(mbs, max_norm=0.05)
+    for tp, sp in ((1, True), (2, True), (2, False), (4, True)):
+        res = [r for r in pool.run(_train, cfg, 1, tp, 1, str(path), adapters, mbs, 0.05, False, sp) if r is not None]
+        for r in res:
+            assert r["frozen_moved"] == [] and abs(r["stats"]["grad_norm"] - ref_norm) < 1e-5 * max(1.0, ref_norm)
+        for name, t in _assemble_adapters(res, cfg).items():
+            assert (t - dense.params[name].detach()).abs().max().item() < 2e-6, (tp, sp, name)
