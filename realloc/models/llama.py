@@ -476,5 +476,5 @@ def window_mask(window: int, mask: torch.Tensor | None, position_ids: torch.Tens
         if keys.shape[1] <= window:
             return mask  # slots are at least as far apart as positions: no key is a window away
         base = mask
-    near = (position_ids.unsqueeze(-1) - keys.unsqueeze(-2)) < window  # [B, queries, keys]
+    near = keys.unsqueeze(-2) > (position_ids - window).unsqueeze(-1)  # [B, queries, keys] bool, no wider temporary
     return base & near.unsqueeze(1)
