@@ -11,39 +11,44 @@ from realloc.models.config import ModelConfig
 
 
 def tiny_hf_config(*, kv_heads: int = 2, tie: bool = False, llama3_rope: bool = False, layers: int = 4,
-                   vocab: int = 128, critic: bool = False, family: str = "llama", head_dim: int | None = None):
-    """A tiny LLaMA or Qwen2 config (Qwen2: rope_theta 1e6 as in Qwen2.5, q/k/v biases); ``head_dim`` other
-    than hidden / heads = 16 widens the q and o projections."""
-    from transformers import LlamaConfig, Qwen2Config
+                   vocab: int = 128, critic: bool = False, family: str = "llama", head_dim: int | None = None,
+                   **extra):
+    """A tiny LLaMA, Qwen2, Qwen3 or Mistral config (Qwen2/3: rope_theta 1e6 as in Qwen2.5/3, Qwen2's q/k/v
+    biases); ``head_dim`` other than hidden / heads = 16 widens the q and o projections (Qwen3's default, 128,
+    is not used: its own head_dim is always given). ``extra``: more keys of the family's config class."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    rope = {"rope_type": "default", "rope_theta": 1e6 if family == "qwen2" else 5000.0}
+    rope = {"rope_type": "default", "rope_theta": 1e6 if family in ("qwen2", "qwen3") else 5000.0}
     if llama3_rope:
         rope = {"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
     kw = dict(num_labels=1, pad_token_id=0) if critic else {}
-    if head_dim is not None:
-        kw["head_dim"] = head_dim
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[family]
+    if head_dim is not None or family == "qwen3":
+        kw["head_dim"] = head_dim or 16
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}[family]
     # initializer_range 0.1 (not 0.02) gives peaked logits, so greedy decoding has clear winners
     # and cannot flip on the last bit of a reduction order.
     return cls(vocab_size=vocab, hidden_size=64, intermediate_size=176, num_hidden_layers=layers,
                num_attention_heads=4, num_key_value_heads=kv_heads, rope_parameters=rope,
                tie_word_embeddings=tie, rms_norm_eps=1e-6, max_position_embeddings=256,
-               initializer_range=0.1, attn_implementation="eager", **kw)
+               initializer_range=0.1, attn_implementation="eager", **kw, **extra)
 
 
 def tiny_hf_model(path: Path, seed: int = 0, family: str = "llama", **kw):
-    """A random HF LLaMA or Qwen2 (or its sequence-classification critic), saved as safetensors under ``path``."""
+    """A random HF LLaMA, Qwen2, Qwen3 or Mistral (or its sequence-classification critic), saved as safetensors
+    under ``path``."""
     import transformers
 
     torch.manual_seed(seed)
-    prefix = {"llama": "Llama", "qwen2": "Qwen2"}[family]
+    prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[family]
     cls = getattr(transformers, prefix + ("ForSequenceClassification" if kw.get("critic") else "ForCausalLM"))
     model = cls(tiny_hf_config(family=family, **kw)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(".bias"):  # HF initializes biases to zero, which would test nothing
                 p.normal_(0.0, 0.1)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):  # ones would not show which head got which
+                p.normal_(1.0, 0.3)
     model.save_pretrained(path, safe_serialization=True)
     return model
 

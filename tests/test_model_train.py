@@ -9,6 +9,7 @@ AdamW over two steps checks the whole update path.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -178,12 +179,16 @@ def _saved_peak(ctx, cfg, dp, tp, pp, n_mbs, recompute):
 
 # head_dim 32 over a 64-wide model with 4 heads: the q and o projections and the attention are 128 wide
 WIDE_HEADS = ModelConfig("wide-heads", 64, 64, 176, 4, 4, 2, max_position_embeddings=256, explicit_head_dim=32)
+# Qwen3's shape: the same wide heads, each q and k head normalized before the rotary embedding
+QK_NORM = ModelConfig("qk-norm", 64, 64, 176, 4, 4, 2, max_position_embeddings=256, explicit_head_dim=32,
+                      family="qwen3", qk_norm=True)
 
 
 @pytest.mark.parametrize("cfg, layouts", [
     (get_model_config("tiny-gqa"), [(1, 1, 1, 2), (1, 1, 2, 3), (1, 2, 2, 2), (1, 1, 4, 4)]),
     (WIDE_HEADS, [(1, 2, 2, 2)]),
-], ids=["tiny-gqa", "wide-heads"])
+    (QK_NORM, [(1, 1, 1, 2), (1, 2, 2, 2), (1, 4, 1, 2)]),
+], ids=["tiny-gqa", "wide-heads", "qk-norm"])
 def test_memory_model_of_saved_activations_matches_the_engine(pool, cfg, layouts):
     """realloc.estimator.memory.train_saved_bytes against the bytes autograd really keeps, per stage, with and
     without recomputation (1F1B keeps several micro-batches on early stages)."""
@@ -214,6 +219,7 @@ HEAD_HEAVY = ModelConfig("head-heavy", 4096, 64, 176, 4, 4, 2, max_position_embe
 BLOCK_HEAVY = ModelConfig("block-heavy", 256, 512, 1408, 4, 4, 2, max_position_embeddings=256)
 WIDE_GQA = ModelConfig("wide-gqa", 256, 256, 256, 4, 8, 4, max_position_embeddings=256, explicit_head_dim=64)
 WIDE_MHA = ModelConfig("wide-mha", 256, 256, 256, 4, 8, 8, max_position_embeddings=256, explicit_head_dim=64)
+WIDE_QK_NORM = dataclasses.replace(WIDE_GQA, name="wide-qk-norm", family="qwen3", qk_norm=True)
 LIVE_ROWS, LIVE_SEQ = 8, 64  # per micro-batch: enough tokens that activations outweigh any one weight's buffers
 
 
@@ -254,7 +260,7 @@ def _live_peaks(ctx, cfg, tp, pp, n_mbs, recompute):
     return model.groups.pp_rank, inference, min(peaks) - main_grads
 
 
-@pytest.mark.parametrize("cfg", [HEAD_HEAVY, BLOCK_HEAVY, WIDE_GQA, WIDE_MHA], ids=lambda c: c.name)
+@pytest.mark.parametrize("cfg", [HEAD_HEAVY, BLOCK_HEAVY, WIDE_GQA, WIDE_MHA, WIDE_QK_NORM], ids=lambda c: c.name)
 def test_memory_model_peaks_match_the_engines_live_tensors(pool, cfg):
     """stage_call_memory's activations against every byte the engine allocates during a bf16 forward() and
     train_step() (temporaries included), per stage, at tp 2 and pp 2, with and without recomputation: the

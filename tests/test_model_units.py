@@ -246,7 +246,7 @@ def test_hf_config_round_trip_and_errors():
 @pytest.mark.parametrize("family,patch,field", [
     ("llama", {"model_type": "gpt2"}, "model_type='gpt2'"),
     ("llama", {"model_type": "mixtral"}, "model_type='mixtral'"),
-    ("qwen2", {"model_type": "qwen3"}, "model_type='qwen3'"),
+    ("qwen2", {"model_type": "qwen3_moe"}, "model_type='qwen3_moe'"),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2, "layer_types": None},
      "use_sliding_window=True is not supported (sliding-window attention in layers 2..3"),
     ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types=['sliding_attention']"),

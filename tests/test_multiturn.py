@@ -52,14 +52,14 @@ def _prompts(lo: int, hi: int) -> dict[str, torch.Tensor]:
             "rows": torch.tensor([b // GROUP for b in range(N)])[lo:hi]}
 
 
-def _generate(ctx, tokenizer_dir: str, dp: int, tp: int, pp: int, env: dict = ENV):
+def _generate(ctx, tokenizer_dir: str, dp: int, tp: int, pp: int, env: dict = ENV, cfg=None):
     from realloc.algorithms.critic_free.grpo import GRPOConfig
     from realloc.algorithms.critic_free.multiturn import multiturn_generate
     from realloc.calls import GENERATE, ModelFunctionCallDef
     from realloc.data.tokenizer import Tokenizer
     from realloc.models.config import get_model_config
 
-    model = build_model(ctx, get_model_config("tiny"), dp, tp, pp, seed=5)
+    model = build_model(ctx, cfg or get_model_config("tiny"), dp, tp, pp, seed=5)
     if model is None:
         return None
     tok = Tokenizer.load(tokenizer_dir)

@@ -97,6 +97,12 @@ def experiment(hf_assets, tmp_path_factory) -> Path:
     shutil.copytree(hf_assets.checkpoint("qwen2", max_shard_size="200KB"), root / "actor")  # sharded
     shutil.copytree(hf_assets.checkpoint("llama_reward"), root / "critic")  # a critic from a scalar-head checkpoint
     shutil.copytree(hf_assets.checkpoint("qwen2_reward"), root / "reward")
+    return write_experiment(root)
+
+
+def write_experiment(root: Path) -> Path:
+    """The experiment file beside the checkpoints ``root``/{actor, critic, reward}, the actor stopping at any of
+    ``EXTRA_EOS`` too."""
     gen = json.loads((root / "actor/generation_config.json").read_text())
     first = gen["eos_token_id"] if isinstance(gen["eos_token_id"], int) else gen["eos_token_id"][0]
     gen["eos_token_id"] = [first] + EXTRA_EOS
@@ -282,8 +288,6 @@ def test_export_after_tp2_pp2_training_matches_the_checkpoint_shards(runs, exper
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from realloc.models.hf_io import model_config_from_hf
-
     run = runs["tp2pp2"]
     exported = run / "exports" / f"iter_{ITERS:08d}"
     ckpt = run / "checkpoints" / f"iter_{ITERS:08d}"
@@ -308,8 +312,15 @@ def test_export_after_tp2_pp2_training_matches_the_checkpoint_shards(runs, exper
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # realloc's outputs from the run's own shards, in the layouts they were saved in, against transformers'
     # from the merged export.
+    check_export_against_shards(ckpt, experiment.parent, actor, critic, tmp_path)
+
+
+def check_export_against_shards(ckpt: Path, root: Path, actor, critic, tmp_path: Path) -> None:
+    """The exported ``actor``'s logits and ``critic``'s values (transformers) within 1e-4 of realloc's from the
+    run checkpoint ``ckpt``'s shards, loaded in their saved layouts (configs from the checkpoints under ``root``)."""
+    from realloc.models.hf_io import model_config_from_hf
+
     ids = torch.tensor([[5, 17, 42, 7, 99, 3], [8, 8, 120, 64, 31, 2]])
-    root = experiment.parent
     with GlooPool(4, tmp_path / "gloo") as pool:
         logits = next(x for x in pool.run(_outputs_from_checkpoint, str(ckpt), "actor",
                                           model_config_from_hf(root / "actor"), ids, "logits") if x is not None)

@@ -91,6 +91,12 @@ class OpWork:
         return self.gemm_flops + self.attn_flops
 
 
+def block_kernels(cfg: ModelConfig, phase: Phase) -> int:
+    """Kernels of one block in ``phase``: ``_KERNELS``'s, plus Qwen3's two head norms (twice in a backward)."""
+    extra = (4 if phase is Phase.BWD else 2) if cfg.qk_norm else 0
+    return _KERNELS[(Part.BLOCK, phase)] + extra
+
+
 def local_kv_width(cfg: ModelConfig, tp: int) -> int:
     """Width of the k (or v) projection output on one tp rank (``kvl``)."""
     return cfg.local_kv_heads(tp) * cfg.head_dim
@@ -131,7 +137,8 @@ def _block_fwd(cfg: ModelConfig, t: int, b: int, s: int, c_attn: float, c_read: 
     # 2 RMSNorms (r+w h), rotary on q,k (r+w), 2 residual adds (2r+1w h), SwiGLU (2r+1w inter/t),
     # plus the KV-cache write when generating.
     writes_cache = phase in (Phase.PREFILL, Phase.DECODE)
-    elem = n * (4 * h + 2 * (q / t + kvl) + 6 * h + 3 * inter / t + (2 * kvl if writes_cache else 0))
+    elem = n * (4 * h + 2 * (q / t + kvl) + 6 * h + 3 * inter / t + (2 * kvl if writes_cache else 0)
+                + (2 * (q / t + kvl) if cfg.qk_norm else 0))  # Qwen3's q/k head norms (r+w q/t and kvl)
     # whole sequences (FWD, and BWD after it) run sequence parallel: all-gather before q/k/v and gate/up,
     # reduce-scatter after o and down (their backwards swap them, so BWD has the same pairs); generation
     # (PREFILL, DECODE) all-reduces the outputs of o and down
@@ -142,8 +149,7 @@ def _block_fwd(cfg: ModelConfig, t: int, b: int, s: int, c_attn: float, c_read: 
     else:
         coll = (Collective("all_reduce", n * h * e, 2),)
     return OpWork(gemm_flops=2.0 * n * weights, gemm_bytes=weights * e + gemm_act * e, attn_flops=attn_flops,
-                  attn_bytes=attn_bytes, elem_bytes=elem * e, kernels=_KERNELS[(Part.BLOCK, phase)],
-                  tp_collectives=coll)
+                  attn_bytes=attn_bytes, elem_bytes=elem * e, kernels=block_kernels(cfg, phase), tp_collectives=coll)
 
 
 def kept_prefill_block_work(cfg: ModelConfig, tp: int, b: int, s: int, kept: int, precision: Precision) -> OpWork:
@@ -182,12 +188,12 @@ def op_work(cfg: ModelConfig, part: Part, phase: Phase, tp: int, b: int, s: int,
             # weight gradient); the adapters' r-wide GEMMs are small next to them (lora_backward_flops)
             return OpWork(gemm_flops=fwd.gemm_flops + lora_backward_flops(cfg, t, n), gemm_bytes=fwd.gemm_bytes,
                           attn_flops=2.5 * fwd.attn_flops, attn_bytes=2 * fwd.attn_bytes,
-                          elem_bytes=2 * fwd.elem_bytes, kernels=_KERNELS[(Part.BLOCK, Phase.BWD)],
+                          elem_bytes=2 * fwd.elem_bytes, kernels=block_kernels(cfg, Phase.BWD),
                           tp_collectives=fwd.tp_collectives)
         return OpWork(gemm_flops=2 * fwd.gemm_flops,
                       gemm_bytes=2 * (fwd.gemm_bytes - weights * e) + weights * (e + 2 * precision.grad),
                       attn_flops=2.5 * fwd.attn_flops, attn_bytes=2 * fwd.attn_bytes, elem_bytes=2 * fwd.elem_bytes,
-                      kernels=_KERNELS[(Part.BLOCK, Phase.BWD)], tp_collectives=coll)
+                      kernels=block_kernels(cfg, Phase.BWD), tp_collectives=coll)
     if part is Part.EMBED:
         # vocab-parallel lookup: each rank gathers its rows and zeroes the rest, then the tp all-reduce sums;
         # each rank keeps its n/t tokens (sequence parallel) when the whole sequences go on to blocks
@@ -275,10 +281,13 @@ def saved_activation_bytes_per_token(cfg: ModelConfig, tp: int, precision: Preci
     Two norms (``norm_saved_bytes_per_token``); attention: q after rotary, k and v as the kernel
     reads them (GQA groups repeated to the local q heads, so q_dim/t each), its output and a
     log-sum-exp per row and head (fp32); the MLP: gate, up, SwiGLU(gate) and its product with up.
-    Rotary multiplies by cos/sin that need no gradient, so it keeps nothing of its own.
+    Rotary multiplies by cos/sin that need no gradient, so it keeps nothing of its own. Qwen3's q and k head
+    norms keep their inputs (the projections' outputs, q/t and kvl wide) and 1/rms per head (fp32).
     """
     inter, t, e = cfg.intermediate_size, tp, precision.param
     attn = 4 * cfg.q_dim / t * e + cfg.n_heads / t * 4
+    if cfg.qk_norm:
+        attn += (cfg.q_dim / t + local_kv_width(cfg, t)) * e + (cfg.n_heads / t + cfg.local_kv_heads(t)) * 4
     mlp = 4 * inter / t * e
     return 2 * norm_saved_bytes_per_token(cfg, precision, tp) + attn + mlp
 
@@ -370,22 +379,29 @@ def attention_working_bytes_per_token(cfg: ModelConfig, tp: int, precision: Prec
     o's partial h-wide result, then its reduce-scattered h/t)."""
     h = cfg.hidden_size
     if not sequence_parallel or tp == 1:
-        return (3 * h + _attention_qkv_elems(cfg, tp)) * precision.param
-    return (3 * h / tp + _attention_sp_elems(cfg, tp)) * precision.param
+        return (3 * h + _attention_qkv_elems(cfg, tp, precision.param)) * precision.param
+    return (3 * h / tp + _attention_sp_elems(cfg, tp, precision.param)) * precision.param
 
 
-def _attention_qkv_elems(cfg: ModelConfig, tp: int) -> int:
-    """The q- and kv-wide part of ``attention_working_bytes_per_token``, in elements per token."""
+def _attention_qkv_elems(cfg: ModelConfig, tp: int, e: int) -> float:
+    """The q- and kv-wide part of ``attention_working_bytes_per_token``, in elements of ``e`` bytes per token.
+
+    Qwen3's head norms (``llama._rms_norm`` on q, then on k) add two moments: the input, its fp32 copy (none
+    when the input is fp32) and its fp32 square beside the other tensors, 5q + 2kv and q + 6kv in bf16."""
     q, kv = cfg.q_dim // tp, local_kv_width(cfg, tp)
-    return max(4 * q + 2 * kv, q + 5 * kv, 5 * q)
+    rotary = max(4 * q + 2 * kv, q + 5 * kv, 5 * q)
+    if not cfg.qk_norm:
+        return rotary
+    norm = 1 + (0 if e == 4 else 4 / e) + 4 / e  # the input, its fp32 copy, its square; per element normalized
+    return max(rotary, norm * q + 2 * kv, q + norm * kv + kv)
 
 
-def _attention_sp_elems(cfg: ModelConfig, tp: int) -> float:
+def _attention_sp_elems(cfg: ModelConfig, tp: int, e: int) -> float:
     """Under sequence parallelism, the part of ``attention_working_bytes_per_token`` beyond the three h/t-wide
     tensors: rotary's q/kv temporaries, or the projections' gathered input with q, k, v, or the o projection's
     partial h-wide output with its inputs and the reduce-scattered h/t."""
     h, q, kv = cfg.hidden_size, cfg.q_dim // tp, local_kv_width(cfg, tp)
-    return max(_attention_qkv_elems(cfg, tp), h + q + 2 * kv, 4 * q + h + h / tp)
+    return max(_attention_qkv_elems(cfg, tp, e), h + q + 2 * kv, 4 * q + h + h / tp)
 
 
 def block_backward_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precision, recompute: bool) -> float:
@@ -417,7 +433,7 @@ def block_backward_bytes_per_token(cfg: ModelConfig, tp: int, precision: Precisi
     regather = regather if sp else 0.0
     if not recompute:
         return max(transient_activation_bytes_per_token(cfg, tp, precision), norm, regather)
-    attention = (_attention_sp_elems(cfg, tp) if sp else _attention_qkv_elems(cfg, tp)) * e
+    attention = (_attention_sp_elems(cfg, tp, e) if sp else _attention_qkv_elems(cfg, tp, e)) * e
     mlp = (3 * cfg.intermediate_size / tp + 2 * h / tp) * e
     return max(norm, attention, mlp, regather)
 

@@ -63,11 +63,13 @@ class ModelArch(BaseModel):
     n_heads: int
     n_kv_heads: int
     head_dim: int | None = None  # only when not hidden_size / n_heads (``ModelConfig.explicit_head_dim``)
+    qk_norm: bool | None = None  # True for Qwen3's per-head q/k norms (None: none, as every older table)
 
     @classmethod
     def of(cls, cfg: ModelConfig) -> "ModelArch":
         return cls(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                   n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.explicit_head_dim)
+                   n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.explicit_head_dim,
+                   qk_norm=cfg.qk_norm or None)
 
 
 class OpGrid(BaseModel):

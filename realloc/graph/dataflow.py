@@ -226,10 +226,12 @@ class DataflowGraph:
 
 
 def _shape_key(cfg: ModelConfig | None) -> dict:
-    # explicit_head_dim only when set, so that the digests of models without one stay what they were
+    # explicit_head_dim, qk_norm and sliding_window only when set, so that the digests of models without them stay
+    # what they were
     return {} if cfg is None else {k: v for k, v in dataclasses.asdict(cfg).items()
                                    if k not in ("name", "special_tokens", "lora")
-                                   and not (k == "explicit_head_dim" and v is None)}
+                                   and not (k == "explicit_head_dim" and v is None)
+                                   and not (k in ("qk_norm", "sliding_window") and not v)}
 
 
 def _resolve_model_types(spec: ExperimentSpec, table: Table) -> tuple[dict[str, str], dict[str, ModelConfig | None]]:

@@ -2,7 +2,7 @@
 
 The parallel model (``llama.py``) is a LLaMA-architecture decoder; ``family``
 names the HF architecture it was read from or is written as (``families/``),
-and ``qkv_bias`` adds the q/k/v projection biases of Qwen2.
+``qkv_bias`` adds the q/k/v projection biases of Qwen2 and ``qk_norm`` the per-head q/k RMSNorms of Qwen3.
 
 A model type is a name such as ``llama3-8b``; appending ``-critic`` gives the
 same trunk with a scalar value head instead of the vocabulary projection.
@@ -57,10 +57,15 @@ class ModelConfig:
     # Llama-3.1 "llama3" RoPE frequency scaling: (factor, low_freq_factor, high_freq_factor,
     # original_max_position_embeddings); None for plain RoPE. Read from HF config.json by models/hf_io.py.
     rope_scaling: tuple[float, float, float, int] | None = None
-    # The HF architecture family ("llama", "qwen2"; see models/families) and its one structural
-    # difference from LLaMA that the parallel model needs: biases on the q/k/v projections (Qwen2).
+    # The HF architecture family ("llama", "qwen2", "qwen3", "mistral"; see models/families) and its structural
+    # differences from LLaMA that the parallel model needs: biases on the q/k/v projections (Qwen2), and an
+    # RMSNorm over each q and k head before the rotary embedding (Qwen3's q_norm / k_norm, head_dim wide).
     family: str = "llama"
     qkv_bias: bool = False
+    qk_norm: bool = False
+    # Mistral's sliding window: a token attends to itself and the window - 1 tokens before it (None: the whole
+    # causal prefix; a window of at least max_position_embeddings never binds and is read as None).
+    sliding_window: int | None = None
     # The checkpoint's bos/eos/pad ids as (key, value) pairs, eos an int or a tuple. Not part of the shape
     # (compare=False): carried so that a saved checkpoint reloads with them (transformers' defaults are wrong
     # for LLaMA-3 and chat models).
@@ -83,6 +88,11 @@ class ModelConfig:
         if self.explicit_head_dim is not None and (self.explicit_head_dim <= 0 or self.explicit_head_dim % 2):
             raise ValueError(f"model config {self.name!r}: head_dim must be a positive even number (rotary "
                              f"embeddings rotate pairs), got {self.explicit_head_dim}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"model config {self.name!r}: sliding_window must be positive or None, got "
+                             f"{self.sliding_window}")
+        if self.sliding_window is not None and self.sliding_window >= self.max_position_embeddings:
+            object.__setattr__(self, "sliding_window", None)  # never binds: one spelling (equality, digests)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"model config {self.name!r}: n_heads must be divisible by n_kv_heads")
         if self.is_critic and self.tie_embeddings:
@@ -141,9 +151,10 @@ class ModelConfig:
 
     @property
     def layer_params(self) -> int:
-        """One decoder block: q, k, v, o projections (and q/k/v biases), SwiGLU MLP, two RMSNorms."""
+        """One decoder block: q, k, v, o projections (and q/k/v biases, q/k head norms), SwiGLU MLP, two RMSNorms."""
         h, q, kv = self.hidden_size, self.q_dim, self.kv_dim
         attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.qkv_bias else 0)
+        attn += 2 * self.head_dim if self.qk_norm else 0
         mlp = 3 * h * self.intermediate_size
         return attn + mlp + 2 * h
 
@@ -260,6 +271,15 @@ _BASE_CONFIGS: tuple[ModelConfig, ...] = (
     # measured GPU profiles under profiles/<gpu kind>/.
     ModelConfig("qwen2-0.5b", 151936, 896, 4864, 24, 14, 2, max_position_embeddings=32768, rope_theta=1e6,
                 norm_eps=1e-6, tie_embeddings=True, family="qwen2", qkv_bias=True),
+    # Qwen3-0.6B / Qwen3-8B (Qwen/Qwen3-*/config.json: head_dim 128 over 16 x 64 / 32 x 128, q/k head norms) and
+    # Mistral-7B-v0.3 (mistralai/Mistral-7B-v0.3: 32768 tokens, no sliding window): planning and dry runs of the
+    # RL bases users bring most; their checkpoints load through models/families.
+    ModelConfig("qwen3-0.6b", 151936, 1024, 3072, 28, 16, 8, max_position_embeddings=40960, rope_theta=1e6,
+                norm_eps=1e-6, tie_embeddings=True, family="qwen3", qk_norm=True, explicit_head_dim=128),
+    ModelConfig("qwen3-8b", 151936, 4096, 12288, 36, 32, 8, max_position_embeddings=40960, rope_theta=1e6,
+                norm_eps=1e-6, family="qwen3", qk_norm=True, explicit_head_dim=128),
+    ModelConfig("mistral-7b", 32768, 4096, 14336, 32, 32, 8, max_position_embeddings=32768, rope_theta=1e6,
+                norm_eps=1e-5, family="mistral"),
     # Tiny shapes for the local CPU cluster. Head counts are divisible by 2 and 4
     # so every tp in {1, 2, 4} is legal.
     ModelConfig("tiny", 64, 64, 176, 4, 4, 4, max_position_embeddings=256),

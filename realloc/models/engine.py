@@ -471,6 +471,8 @@ class ParallelModel:
                     t.div_(scale)  # an overflow stays inf: the norm below is not finite, and the step is skipped
             if self.sequence_parallel:
                 grads.sync_sequence_parallel(main, self.specs, g)
+            elif self.cfg.qk_norm:
+                grads.sync_head_norms(main, g)
             if self.cfg.tie_embeddings and "model.embed_tokens.weight" in main:  # frozen under LoRA
                 grads.sync_tied_embedding(main, g, "model.embed_tokens.weight")
             grads.sync_kv_replicas(main, self.specs, g)

@@ -152,7 +152,7 @@ class _Wire:
 def drop_rows(caches: list[KVCache], keep: torch.Tensor) -> list[KVCache]:
     """The caches of the rows ``keep`` marks: a copy of every layer's keys and values (estimator: its cost per
     finish of rows, ``engine.row_drop``, timed by the profiler on this function)."""
-    return [KVCache(c.k[keep], c.v[keep]) for c in caches]
+    return [KVCache(c.k[keep], c.v[keep], None if c.pos is None else c.pos[keep]) for c in caches]
 
 
 class _MicroBatch:

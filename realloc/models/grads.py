@@ -10,7 +10,7 @@ Which copy of a parameter counts toward the global norm (each element once):
 - replicated KV-head shards: only the first rank of the ranks sharing it counts it;
 - tp-replicated parameters (norms, the critic's score): identical on every tp
   rank (their gradients are identical too, after ``sync_sequence_parallel`` under sequence
-  parallelism), only tp rank 0 counts them;
+  parallelism, and Qwen3's per-head q/k norms after ``sync_head_norms`` without it), only tp rank 0 counts them;
 - the tied embedding's replica on the last stage (pp > 1): only stage 0 counts it;
 - data-parallel replicas: gradients are averaged first, so one replica's view
   (any dp rank) is the global one and no reduction over dp is needed; with the
@@ -29,6 +29,7 @@ import torch.distributed as dist
 from realloc.models.groups import ModelParallelGroups
 from realloc.models.param_layout import EMBED_LAYER, ParamSpec
 
+HEAD_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")  # Qwen3's per-head norms (``param_layout``)
 BUCKET_NUMEL = 1 << 25  # 32M elements (128 MiB fp32) per coalesced all-reduce
 
 
@@ -83,6 +84,14 @@ def sync_sequence_parallel(grads: Mapping[str, torch.Tensor], specs: Mapping[str
     parallelism each rank's copy saw only its own tokens (``sequence_parallel.py``)."""
     replicated = [grads[n] for n in sorted(grads) if specs[n].tp_dim is None]
     allreduce_coalesced(replicated, groups.tp_group, average=False)
+
+
+def sync_head_norms(grads: Mapping[str, torch.Tensor], groups: ModelParallelGroups) -> None:
+    """Sum Qwen3's per-head q/k norm gradients over tp without sequence parallelism: each rank's copy saw only
+    its own heads (with it, ``sync_sequence_parallel`` sums every replicated parameter already)."""
+    if groups.tp > 1:
+        allreduce_coalesced([grads[n] for n in sorted(grads) if n.endswith(HEAD_NORMS)], groups.tp_group,
+                            average=False)
 
 
 def average_data_parallel(grads: Mapping[str, torch.Tensor], groups: ModelParallelGroups) -> None:

@@ -1,6 +1,6 @@
 """HuggingFace checkpoints (config.json + safetensors) of the supported families in and out of any layout.
 
-config.json is mapped by the checkpoint's family (``realloc.models.families``: LLaMA, Qwen2).
+config.json is mapped by the checkpoint's family (``realloc.models.families``: LLaMA, Qwen2, Qwen3, Mistral).
 
 Loading: every rank opens only the safetensors files that hold its parameters
 and reads only its tp slice of each (``safe_open(...).get_slice``), so a rank
@@ -16,7 +16,7 @@ parameters into files is a pure function of the model config and pp
 talking to the others; stage 0's writer writes ``config.json`` and the index.
 The result loads with ``transformers`` ``from_pretrained`` and back into any
 layout. Critics are written as the family's sequence classifier (``LlamaForSequenceClassification``,
-``Qwen2ForSequenceClassification``) with one label. A KV head replicated over tp ranks
+``Qwen2ForSequenceClassification``, ...) with one label. A KV head replicated over tp ranks
 (tp > KV heads) is read by each rank that holds it and written once.
 
     cfg = model_config_from_hf("/ckpt/llama")                        # any process

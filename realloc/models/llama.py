@@ -17,7 +17,7 @@ shard ``spec.shard_slices(tp, tp_rank)`` of the full tensor:
 - embedding: ``VocabParallelEmbedding``; LM head: ``ColumnParallelLinear`` over the vocabulary,
   so logits stay split over the vocabulary (see ``vocab_parallel``). Both have the padded vocabulary's
   rows (``ModelConfig.padded_vocab_size``); the head sets the logits of padding columns to -inf,
-- norms and the critic's ``score`` are replicated on every tp rank.
+- norms (Qwen3's per-head q/k norms too) and the critic's ``score`` are replicated on every tp rank.
 
 Activations are ``[batch, seq, hidden]``; under sequence parallelism (``sequence_parallel.py``, a
 ``TokenSplit`` passed as ``split``) the residual stream between the tp regions is the rank's ``[local, hidden]``
@@ -176,10 +176,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 @dataclasses.dataclass
 class KVCache:
-    """Keys and values of one layer's local heads: [batch, local kv heads, max_len, head_dim]."""
+    """Keys and values of one layer's local heads: [batch, local kv heads, max_len, head_dim]. With a sliding
+    window (Mistral), ``pos`` [batch, max_len] holds each slot's token position (the first layer's is the one
+    ``LlamaStage.run_layers`` writes and reads)."""
 
     k: torch.Tensor
     v: torch.Tensor
+    pos: torch.Tensor | None = None
 
 
 class Attention(nn.Module):
@@ -200,6 +203,10 @@ class Attention(nn.Module):
         self.v_proj = ColumnParallelLinear(h, kv_out, **qkv)
         self.o_proj = RowParallelLinear(cfg.q_dim, h, input_is_parallel=True, skip_bias_add=False, bias=False,
                                         **common)
+        if cfg.qk_norm:  # Qwen3: every head of q and k normalized over its head_dim before the rotary embedding
+            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, mcfg.params_dtype, self.q_proj.weight.device)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, mcfg.params_dtype, self.q_proj.weight.device)
+        self.qk_norm = cfg.qk_norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                 cache: KVCache | None = None, cache_start: int | torch.Tensor = 0,
@@ -211,8 +218,11 @@ class Attention(nn.Module):
             # sequence parallel: one all-gather of the rank's tokens feeds all three projections
             b, t = split.batch, split.seq
             q, k, v = gather_project(split, x, (self.q_proj, self.k_proj, self.v_proj))
-        q = q.view(b, t, self.n_local_heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, t, self.n_local_kv, self.head_dim).transpose(1, 2)
+        q = q.view(b, t, self.n_local_heads, self.head_dim)
+        k = k.view(b, t, self.n_local_kv, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(b, t, self.n_local_kv, self.head_dim).transpose(1, 2)
         # One at a time: q's unrotated copy is freed before k's rotary temporaries exist (a smaller peak;
         # opcount.attention_working_bytes_per_token counts it).
@@ -350,6 +360,9 @@ class LlamaStage(nn.Module):
         parallelism (``sequence_parallel.py``); ``hidden`` is then the rank's ``[local, h]`` tokens, and so is
         what recomputation keeps. Decoding with KV caches runs without it."""
         assert split is None or caches is None, "sequence parallelism is for whole sequences, not KV-cache decoding"
+        if self.cfg.sliding_window is not None:
+            mask = window_mask(self.cfg.sliding_window, mask, position_ids, None if caches is None else caches[0],
+                               cache_start)
         cos, sin = rope_cos_sin(self.inv_freq, position_ids, hidden.dtype)
         recompute = recompute and torch.is_grad_enabled() and caches is None
         for i, layer in enumerate(self.layers):
@@ -397,8 +410,10 @@ class LlamaStage(nn.Module):
     def new_kv_caches(self, batch: int, max_len: int) -> list[KVCache]:
         p = next(iter(self.parameters()))
         shape = (batch, self.cfg.local_kv_heads(self.tp_group.size()), max_len, self.cfg.head_dim)
+        pos = None if self.cfg.sliding_window is None else torch.zeros((batch, max_len), dtype=torch.long,
+                                                                       device=p.device)
         return [KVCache(torch.zeros(shape, dtype=p.dtype, device=p.device),
-                        torch.zeros(shape, dtype=p.dtype, device=p.device)) for _ in self.layers]
+                        torch.zeros(shape, dtype=p.dtype, device=p.device), pos) for _ in self.layers]
 
 
 # -- attention masks --------------------------------------------------------------------------------
@@ -429,3 +444,37 @@ def cache_mask(key_valid: torch.Tensor, query_start: int, n_queries: int) -> tor
     k = torch.arange(end, device=key_valid.device).view(1, end)
     allowed = (k <= q).unsqueeze(0) & key_valid.unsqueeze(1)
     return (allowed | (k == q).unsqueeze(0)).unsqueeze(1)
+
+
+def window_mask(window: int, mask: torch.Tensor | None, position_ids: torch.Tensor, cache: KVCache | None,
+                cache_start: int | torch.Tensor) -> torch.Tensor | None:
+    """``mask`` narrowed to Mistral's sliding window: a query at position p sees keys at positions > p - window
+    (transformers' ``sliding_window_overlay``), by token positions, so packed segments, left padding and a
+    multi-turn row's kept keys all count from their own sequence's start.
+
+    Whole sequences (``cache`` None) compare the queries' positions with themselves; ``mask`` None (causal)
+    becomes explicit first. Rows no longer than the window leave ``mask`` as it is. With a KV cache the first
+    layer's ``cache.pos`` gets the new tokens' positions at their slots (as the layers write their keys there) and
+    the keys' positions are read from it."""
+    if cache is None:
+        t = position_ids.shape[1]
+        if t <= window:
+            return mask  # no key is a window away from a query of its own sequence
+        idx = torch.arange(t, device=position_ids.device)
+        base = (idx.view(t, 1) >= idx.view(1, t)).view(1, 1, t, t) if mask is None else mask
+        keys = position_ids
+    else:
+        assert cache.pos is not None, "a sliding window's KV cache holds positions (LlamaStage.new_kv_caches)"
+        if isinstance(cache_start, torch.Tensor):  # static-shape decoding: the slot is a device tensor
+            cache.pos.index_copy_(1, cache_start, position_ids)
+            keys = cache.pos
+        else:
+            end = cache_start + position_ids.shape[1]
+            cache.pos[:, cache_start:end] = position_ids
+            keys = cache.pos[:, :end]
+        assert mask is not None, "attention with a KV cache needs an explicit mask (cache_mask)"
+        if keys.shape[1] <= window:
+            return mask  # slots are at least as far apart as positions: no key is a window away
+        base = mask
+    near = keys.unsqueeze(-2) > (position_ids - window).unsqueeze(-1)  # [B, queries, keys] bool, no wider temporary
+    return base & near.unsqueeze(1)

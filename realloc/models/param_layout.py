@@ -8,7 +8,8 @@ and which pipeline stage holds each layer.
 TP splits a weight into contiguous equal chunks along ``tp_dim``. For q/k/v
 and gate/up that is the output dimension (whole heads / MLP columns per rank);
 for o/down the input dimension; for the embedding and LM head the vocabulary.
-Biases (Qwen2's q/k/v) split with their weight's output dimension.
+Biases (Qwen2's q/k/v) split with their weight's output dimension; Qwen3's per-head q/k norms are whole on
+every rank.
 
 Replicated shards. A tensor split in whole *units* (``tp_units``: the KV heads of
 k/v) cannot have more shards than units: when tp exceeds them, ``tp / units``
@@ -152,6 +153,10 @@ def _block_specs(cfg: ModelConfig, i: int) -> list[ParamSpec]:
         attn.append(ParamSpec(f"{p}self_attn.{proj}.weight", (rows, h), 0, i, units))
         if cfg.qkv_bias:
             attn.append(ParamSpec(f"{p}self_attn.{proj}.bias", (rows,), 0, i, units))
+    if cfg.qk_norm:
+        # Qwen3's per-head norms: one head_dim-wide weight shared by every head, so every tp rank holds it whole
+        # (its gradient is a partial sum over the rank's heads: ``grads.sync_head_norms``)
+        attn += [ParamSpec(f"{p}self_attn.{n}.weight", (cfg.head_dim,), None, i) for n in ("q_norm", "k_norm")]
     base = [
         ParamSpec(p + "input_layernorm.weight", (h,), None, i),
         *attn,

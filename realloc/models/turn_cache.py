@@ -77,3 +77,5 @@ def restore(caches: list[KVCache], kept: list[KeptRow | None], end: int) -> None
         for c, k, v in zip(caches, row.k, row.v):
             c.k[b, :, lo:end] = k
             c.v[b, :, lo:end] = v
+        if caches and caches[0].pos is not None:  # a sliding window: the kept prefix holds positions 0..length-1
+            caches[0].pos[b, lo:end] = torch.arange(row.length, device=caches[0].pos.device)

@@ -8,6 +8,7 @@ from realloc.api import ExperimentSpec
 from realloc.graph.dataflow import DataflowGraph, build_graph
 from realloc.graph.plan import ExecutionPlan, validate_plan
 from realloc.graph.streaming import check_runtime_tail, split_consumers
+from realloc.models.families import describe_shape
 from realloc.overrides import load_with_overrides
 from realloc.runtime.inputs.preflight import preflight
 from realloc.runtime.inputs.run_config import RunConfig
@@ -24,7 +25,9 @@ def main(args: argparse.Namespace) -> int:
     print(f"workload   batch {spec.describe_batch()}, prompt {spec.prompt_len} + generation {spec.gen_len} tokens")
     print(f"graph      {len(spec.rpcs)} calls, {graph.graph.number_of_edges()} edges, digest {graph.digest}")
     for model, src in spec.models.items():
-        print(f"checkpoint {model}: {src.path}{' (new value head)' if src.new_value_head else ''}")
+        cfg = graph.model_configs.get(model)
+        shape = f": {describe_shape(cfg)}" if cfg is not None else ""
+        print(f"checkpoint {model}: {src.path}{' (new value head)' if src.new_value_head else ''}{shape}")
     for line in _preflight(spec, graph) + graph.warnings():
         print(line)
     for line in profile_lines(graph):  # multi-turn rollouts: the turns the planner prices

@@ -16,9 +16,10 @@ and a ChatML-like chat template in ``tokenizer_config.json``. Like a chat model'
 a ``generation_config.json`` whose ``eos_token_id`` is ``[<|eos|>, <|im_end|>]``: a reply ends a
 turn with ``<|im_end|>``.
 
-Checkpoints are random and deterministic for a seed. Norm weights and linear biases (Qwen2's q/k/v
-projections) are drawn at random too, not left at HF's 1 and 0, so that a loader which drops or
-mixes them up fails a comparison against transformers.
+Checkpoints are random and deterministic for a seed; ``arch`` is llama, qwen2, qwen3 (head_dim hidden / heads,
+not Qwen3Config's 128) or mistral (no sliding window, as v0.2+). Norm weights (Qwen3's q/k head norms too) and
+linear biases (Qwen2's q/k/v projections) are drawn at random too, not left at HF's 1 and 0, so that a loader
+which drops or mixes them up fails a comparison against transformers.
 """
 
 from __future__ import annotations
@@ -88,18 +89,24 @@ def write_generation_config(out_dir: Path, bos: int | None, eos: Sequence[int], 
                      pad_token_id=pad).save_pretrained(str(out_dir))
 
 
+ARCHS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}  # arch -> transformers prefix
+# Keys beyond the shared ones: Qwen3Config's head_dim defaults to 128 (set to hidden / heads below), MistralConfig's
+# window to 4096 tokens (none here: full attention, as Mistral v0.2+).
+FAMILY_KEYS = {"mistral": {"sliding_window": None}}
+
+
 def _model_class(arch: str, head: str):
     import transformers
 
-    prefix = {"llama": "Llama", "qwen2": "Qwen2"}.get(arch)
+    prefix = ARCHS.get(arch)
     suffix = {"causal": "ForCausalLM", "seqcls": "ForSequenceClassification"}.get(head)
     if prefix is None or suffix is None:
-        raise ValueError(f"make_tiny_checkpoint: arch must be 'llama' or 'qwen2' and head 'causal' or 'seqcls', "
-                         f"got arch={arch!r}, head={head!r}")
+        raise ValueError(f"make_tiny_checkpoint: arch must be one of {', '.join(map(repr, ARCHS))} and head "
+                         f"'causal' or 'seqcls', got arch={arch!r}, head={head!r}")
     return getattr(transformers, prefix + "Config"), getattr(transformers, prefix + suffix)
 
 
-def make_tiny_checkpoint(out_dir: str | Path, arch: Literal["llama", "qwen2"] = "llama",
+def make_tiny_checkpoint(out_dir: str | Path, arch: Literal["llama", "qwen2", "qwen3", "mistral"] = "llama",
                          head: Literal["causal", "seqcls"] = "causal", vocab_size: int | None = None,
                          hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
                          intermediate: int = 176, tie: bool = False, seed: int = 0,
@@ -131,13 +138,14 @@ def make_tiny_checkpoint(out_dir: str | Path, arch: Literal["llama", "qwen2"] = 
                         tie_word_embeddings=tie, rms_norm_eps=1e-6, max_position_embeddings=max_position_embeddings,
                         rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
                         initializer_range=init_std, bos_token_id=bos, eos_token_id=eos[0], pad_token_id=pad,
-                        **({"num_labels": 1} if head == "seqcls" else {}))
+                        **({"num_labels": 1} if head == "seqcls" else {}), **FAMILY_KEYS.get(arch, {}),
+                        **({"head_dim": hidden // heads} if arch == "qwen3" else {}))
     with torch.random.fork_rng(devices=[]):  # deterministic for the seed, and the caller's RNG is untouched
         torch.manual_seed(seed)
         model = model_cls(config).eval()
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
+                if name.endswith("norm.weight"):  # the block's and final norms, Qwen3's q_norm / k_norm
                     p.copy_(1 + init_std * torch.randn_like(p))
                 elif name.endswith(".bias"):
                     p.copy_(init_std * torch.randn_like(p))
@@ -162,9 +170,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--corpus", required=True)
     t.add_argument("--out", required=True)
     t.add_argument("--vocab-size", type=int, default=500)
-    c = sub.add_parser("checkpoint", help="save a tiny random LLaMA or Qwen2 checkpoint")
+    c = sub.add_parser("checkpoint", help="save a tiny random LLaMA, Qwen2, Qwen3 or Mistral checkpoint")
     c.add_argument("--out", required=True)
-    c.add_argument("--arch", default="llama", choices=["llama", "qwen2"])
+    c.add_argument("--arch", default="llama", choices=list(ARCHS))
     c.add_argument("--head", default="causal", choices=["causal", "seqcls"])
     c.add_argument("--tokenizer", default=None, help="tokenizer directory to copy in (sets the vocabulary size)")
     for name, default in (("vocab-size", None), ("hidden", 64), ("layers", 2), ("heads", 4), ("kv-heads", 2),

@@ -1,7 +1,7 @@
 """HF architecture families: each maps an HF config.json onto the one parallel model and back.
 
 The parallel model (``realloc.models.llama``) is one LLaMA-style decoder; a family
-is a small module (``llama.py``, ``qwen2.py``) that names its HF architectures,
+is a small module (``llama.py``, ``qwen2.py``, ``qwen3.py``, ``mistral.py``) that names its HF architectures,
 says which of its config.json settings the model cannot run, and adds its own
 keys when writing one. The keys every family shares (sizes, heads, RoPE, norm
 epsilon, tied embeddings, the critic's single label) are read and written here.
@@ -16,17 +16,28 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from realloc.models.config import ModelConfig
-from realloc.models.families import llama, qwen2
+from realloc.models.families import llama, mistral, qwen2, qwen3
 from realloc.models.families.base import Family
 
-FAMILIES: Mapping[str, Family] = MappingProxyType({f.model_type: f for f in (llama.FAMILY, qwen2.FAMILY)})
+FAMILIES: Mapping[str, Family] = MappingProxyType({f.model_type: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY,
+                                                                             mistral.FAMILY)})
 SUPPORTED = ("; ".join(f.describe() for f in FAMILIES.values())
-             + "; silu MLP, full attention, RoPE type default or llama3")
+             + "; silu MLP, full attention (Mistral's sliding window too), RoPE type default or llama3")
 
 
 def unsupported(where: str, field: str, value: Any, why: str = "") -> ValueError:
     """The one error for a config.json realloc cannot run: names the file, the field and what works."""
     return ValueError(f"{where}: {field}={value!r} is not supported{why}; realloc supports {SUPPORTED}")
+
+
+def describe_shape(cfg: ModelConfig) -> str:
+    """One line of what realloc read from a checkpoint (``realloc show``'s checkpoint lines)."""
+    extras = [x for x, on in (("q/k/v bias", cfg.qkv_bias), ("q/k head norms", cfg.qk_norm),
+                              ("tied embeddings", cfg.tie_embeddings), ("value head", cfg.is_critic),
+                              (f"sliding window {cfg.sliding_window}", cfg.sliding_window)) if on]
+    return (f"{cfg.family}, {cfg.n_layers} layers, hidden {cfg.hidden_size}, {cfg.n_heads} heads ({cfg.n_kv_heads} KV) "
+            f"x {cfg.head_dim}, MLP {cfg.intermediate_size}, vocabulary {cfg.vocab_size}"
+            + "".join(f", {x}" for x in extras) + f", {cfg.total_params:,} parameters")
 
 
 def family(name: str, where: str = "model config") -> Family:
@@ -98,7 +109,8 @@ def config_from_hf(hf: Mapping[str, Any], where: str, name: str | None = None,
     is_critic = _is_critic(hf, fam, critic, where)
     try:
         h, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-        head_dim = hf.get("head_dim")  # None (or absent): hidden_size / num_attention_heads
+        # None: hidden_size / num_attention_heads; absent: the family's default (Qwen3's is 128)
+        head_dim = hf.get("head_dim", fam.defaults.get("head_dim"))
         if head_dim is not None and (int(head_dim) <= 0 or int(head_dim) % 2):
             raise unsupported(where, "head_dim", head_dim, " (rotary embeddings need a positive even head_dim)")
         theta, scaling = _rope(hf, fam.defaults["rope_theta"], where)
@@ -111,6 +123,8 @@ def config_from_hf(hf: Mapping[str, Any], where: str, name: str | None = None,
             rope_theta=theta, norm_eps=float(hf.get("rms_norm_eps", fam.defaults["rms_norm_eps"])),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)) and not is_critic,
             is_critic=is_critic, rope_scaling=scaling, family=fam.model_type, qkv_bias=fam.qkv_bias,
+            qk_norm=fam.qk_norm,
+            sliding_window=_window(hf, fam),
             explicit_head_dim=None if head_dim is None else int(head_dim),
         )
     except KeyError as e:
@@ -124,6 +138,13 @@ def config_from_hf(hf: Mapping[str, Any], where: str, name: str | None = None,
         raise ValueError(f"{where}: {msg}; fix config.json or point the model at another checkpoint") from None
 
 
+def _window(hf: Mapping[str, Any], fam: Family) -> int | None:
+    if not fam.windowed:
+        return None
+    window = hf.get("sliding_window", fam.defaults.get("sliding_window"))
+    return None if window is None else int(window)
+
+
 # ModelConfig's field names as config.json spells them, for errors about a checkpoint's config.
 _HF_KEYS = {"n_kv_heads": "num_key_value_heads", "n_heads": "num_attention_heads", "n_layers": "num_hidden_layers"}
 
@@ -131,9 +152,14 @@ _HF_KEYS = {"n_kv_heads": "num_key_value_heads", "n_heads": "num_attention_heads
 def hf_from_config(cfg: ModelConfig, dtype_name: str = "float32") -> dict[str, Any]:
     """config.json of ``cfg`` for ``transformers``: its family's causal LM, or sequence classifier for critics."""
     fam = family(cfg.family, f"model config {cfg.name!r}")
-    if cfg.qkv_bias != fam.qkv_bias:
-        raise ValueError(f"model config {cfg.name!r}: qkv_bias={cfg.qkv_bias} cannot be written as a {fam.model_type} "
-                         f"checkpoint (its q/k/v bias is {fam.qkv_bias}); set family to one that matches")
+    if cfg.sliding_window is not None and not fam.windowed:
+        raise ValueError(f"model config {cfg.name!r}: sliding_window={cfg.sliding_window} cannot be written as a "
+                         f"{fam.model_type} checkpoint (its layers have no window); set family to mistral")
+    for field in ("qkv_bias", "qk_norm"):
+        if getattr(cfg, field) != getattr(fam, field):
+            raise ValueError(f"model config {cfg.name!r}: {field}={getattr(cfg, field)} cannot be written as a "
+                             f"{fam.model_type} checkpoint (its {field} is {getattr(fam, field)}); set family to one "
+                             f"that matches")
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling is not None:
         f, lo, hi, ctx = cfg.rope_scaling

@@ -27,7 +27,8 @@ def layer_types(hf: Mapping[str, Any]) -> list[str]:
             for i in range(int(hf.get("num_hidden_layers", 0)))]
 
 
-def _unsupported(hf: Mapping[str, Any]) -> tuple[str, Any, str] | None:
+def sliding_layers(hf: Mapping[str, Any]) -> tuple[str, Any, str] | None:
+    """The refusal of a config.json with sliding-window layers (Qwen2 and Qwen3 decide them alike), or None."""
     sliding = [i for i, t in enumerate(layer_types(hf)) if t != "full_attention"]
     if not sliding:
         return None
@@ -38,7 +39,7 @@ def _unsupported(hf: Mapping[str, Any]) -> tuple[str, Any, str] | None:
             f"{hf.get('max_window_layers', 28)} < num_hidden_layers={hf.get('num_hidden_layers')})")
 
 
-def _hf_fields(cfg: ModelConfig) -> dict[str, Any]:
+def full_attention_fields(cfg: ModelConfig) -> dict[str, Any]:
     return {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers,
             "layer_types": ["full_attention"] * cfg.n_layers}
 
@@ -47,5 +48,5 @@ FAMILY = Family(
     model_type="qwen2", causal_lm="Qwen2ForCausalLM", sequence_classification="Qwen2ForSequenceClassification",
     qkv_bias=True, defaults={"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
                                     "num_key_value_heads": 32},  # Qwen2Config's, not num_attention_heads
-    unsupported=_unsupported, hf_fields=_hf_fields,
+    unsupported=sliding_layers, hf_fields=full_attention_fields,
 )

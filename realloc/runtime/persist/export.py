@@ -8,7 +8,7 @@ export rebuilds every full tensor from its tp shards (``ParamSpec.shard_slices``
 shard sits, so replicated shards simply land on the same place twice), drops the vocabulary padding
 rows the engine holds (``ModelConfig.padded_vocab_size``; HF has the real vocabulary) and writes the files of
 ``hf_io.shard_file_plan`` one at a time, so memory holds at most one output file. The directory
-gets ``config.json`` (LLaMA/Qwen2 causal LM, or sequence classification for critics),
+gets ``config.json`` (its family's causal LM, or sequence classification for critics),
 ``generation_config.json`` with the bos/eos/pad ids, and the run's tokenizer files; it loads
 with ``transformers``' ``from_pretrained`` and back into realloc in any layout.
 
