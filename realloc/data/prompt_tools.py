@@ -1,0 +1,35 @@
+"""``DataConfig.tools``: the tools a chat template presents in every chat prompt (docs/multi-turn.md).
+
+Prompts are rendered as ``apply_chat_template(messages, tools=[...], add_generation_prompt=True)`` with the
+declared tools' JSON schemas (``realloc/tools/declared.py``), so the policy reads the tools as its template
+presents them: Qwen's ``<tools>`` block in a system turn, Llama 3.1's JSON function list, Mistral's
+``[AVAILABLE_TOOLS]``. A template that ignores ``tools=`` (renders a prompt the same with and without them) is
+refused: the policy would never see the tools the run declares for it. Describe them in a system message of the
+prompts instead, and leave ``DataConfig.tools`` empty.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from realloc.data.config import DataConfig
+from realloc.data.tokenizer import Tokenizer
+
+PROBE = [{"role": "user", "content": "?"}]
+
+
+def prompt_tools(cfg: DataConfig, tokenizer: Tokenizer) -> list[dict[str, Any]] | None:
+    """The JSON schemas chat prompts are rendered with (None without ``DataConfig.tools``); one ValueError when the
+    tokenizer's chat template does not show them."""
+    if not cfg.tools:
+        return None
+    from realloc.tools.declared import schemas
+
+    tools = schemas(cfg.tools)
+    with_tools, without = (tokenizer.encode_chat_batch([PROBE], tools=t)[0] for t in (tools, None))
+    if with_tools == without:
+        raise ValueError(f"DataConfig.tools: the chat template of tokenizer {tokenizer.path} ignores tools= (it "
+                         f"renders a prompt the same with and without them), so the policy would never see "
+                         f"{', '.join(t.name for t in cfg.tools)}; use a tokenizer whose template presents tools, "
+                         f"or describe them in a system message of the prompts and leave DataConfig.tools empty")
+    return tools
