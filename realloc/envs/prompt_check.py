@@ -42,3 +42,13 @@ def prompt_tool_lines(calls: Iterable[Any], tools: tuple[Tool, ...], chat_prompt
                          f"({', '.join(sorted(runs))}); declare them with realloc.tools.declared.tool and pass them "
                          f"to DataConfig(tools=...) too, so the template presents them (docs/multi-turn.md)")
     return lines
+
+
+def truncated_tools_line(tools: tuple[Tool, ...], n_truncated: int, side: str, prompt_len: int) -> str | None:
+    """The warning of prompts cut on the left while the template writes the tools before the question (Qwen's
+    system turn, Llama 3.1's first user turn): the cut takes the tools' description out of those prompts."""
+    if not tools or not n_truncated or side != "left":
+        return None
+    return (f"warning: {n_truncated} prompt(s) longer than prompt_len={prompt_len} lost their beginning, where chat "
+            f"templates write the tools ({', '.join(t.name for t in tools)}); raise prompt_len so that the policy "
+            f"sees them")
