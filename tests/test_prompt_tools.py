@@ -96,7 +96,7 @@ def test_prompts_show_the_tools_token_for_token(folders, family, tmp_path):
     assert plain.prompt_tokens(0) == want != data.prompt_tokens(0)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama31"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_a_rollout_shows_the_tools_and_answers_their_calls_token_for_token(folders, family, tmp_path):
     """A two-call rollout as the multi-turn driver runs it (the policy's turns decoded without special tokens, the
     observations appended): the prompt from the dataset, the declared multiply called with keyword arguments in the
@@ -113,18 +113,20 @@ def test_a_rollout_shows_the_tools_and_answers_their_calls_token_for_token(folde
     env = ToolEnv(tools=list(TOOLS), call_format="chat", chat_template=folder, limits={"wall_s": 20.0})
     env.reset(data.record(0))
     calls = [("multiply", {"a": 123, "b": 45}), ("calculator", {"expression": "5535-0"})]
-    eot = {"qwen3": "<|im_end|>", "llama31": "<|eot_id|>"}[family]
+    eot = {"qwen3": "<|im_end|>", "llama31": "<|eot_id|>", "mistral": "</s>"}[family]
     ids, conversation = data.prompt_tokens(0), [{"role": "user", "content": QUESTION}]
     for k, (name, args) in enumerate(calls):
+        ident = f"abcdefgh{k}" if family == "mistral" else f"call{k + 1:05d}"  # Mistral's policy writes its own
         if family == "qwen3":
             turn = "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
+        elif family == "mistral":
+            turn = "[TOOL_CALLS] " + json.dumps([{"name": name, "arguments": args, "id": ident}])
         else:
             turn = json.dumps({"name": name, "parameters": args})
         said = tok.encode(turn, add_special_tokens=False) + tok.encode(eot, add_special_tokens=False)
         obs, reward, done = env.step(tok.decode(said))
         assert (reward, done) == (0.0, False)
         ids = ids + said + tok.encode(obs, add_special_tokens=False)
-        ident = f"call{k + 1:05d}"
         conversation += [{"role": "assistant", "content": "", "tool_calls": [
             {"id": ident, "type": "function", "function": {"name": name, "arguments": args}}]},
             {"role": "tool", "content": "5535", "name": name, "tool_call_id": ident}]
