@@ -216,3 +216,35 @@ def test_bad_input_is_one_line_at_realloc_show(folders, hf_assets, tmp_path, cap
     got = show("()", "['calculator']", folders["qwen3"])
     assert got[0] == 0 and any(ln.startswith("warning: call 'actor_gen' reads chat tool calls, but the prompts "
                                              "show no tools") for ln in got[1:]), got
+
+
+def test_a_run_on_the_cpu_cluster_shows_the_policy_its_tools(folders, hf_assets, tmp_path):
+    """`realloc run` of a multi-turn GRPO iteration (real workers, which import the experiment's declarations):
+    every logged rollout's prompt is apply_chat_template of its question with the declared tools, token for token."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    questions = [f"what is {a}*{b}?" for a, b in ((12, 34), (56, 7))]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": q, "answer": "0"}) + "\n"
+                                                    for q in questions))
+    exp = EXPERIMENT.format(tools="(tool('calculator'), tool(fns.multiply))", env_tools="list(TOOLS)",
+                            folder=folders["qwen3"], actor=str(hf_assets.checkpoint("qwen2",
+                                                                                    max_position_embeddings=1024)))
+    exp = exp.replace("prompt_len=200", "prompt_len=700").replace('"max_turns": 2', '"max_turns": 2, "turn_tokens": 8')
+    (tmp_path / "mt.py").write_text(exp + "\n    sample_every: int = 1\n    log_samples: int = 4\n")
+    tests = Path(fns.__file__).parent
+    r = subprocess.run([sys.executable, "-m", "realloc.cli", "run", str(tmp_path / "mt.py"), "--iterations", "1",
+                        "--run-dir", str(tmp_path / "run"), "--quiet"], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "TMPDIR": str(tmp_path),
+                            "PYTHONPATH": f"{tests.parent}{os.pathsep}{tests}"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    samples = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines() if x.strip()]
+    ref = AutoTokenizer.from_pretrained(folders["qwen3"], local_files_only=True)
+    want = {q: _ids(ref.apply_chat_template([{"role": "user", "content": q}], tools=[TOOLS[0].schema(), fns.multiply],
+                                            add_generation_prompt=True, tokenize=True)) for q in questions}
+    assert len(samples) == 4 and all(s["prompt_ids"] in want.values() for s in samples)
+    assert all("<tools>" in s["prompt"] and '"name": "multiply"' in s["prompt"] for s in samples)
