@@ -27,8 +27,8 @@ from realloc.envs.chat_format import HERMES, chat_format, tool_input
 from realloc.envs.chat_tools import ChatObservation
 from realloc.envs.resolve import resolve_function
 from realloc.tools.builtin import BUILTIN_TOOLS
-from realloc.tools.declared import KEYWORDS_ADAPTER, env_tools
-from realloc.tools.keywords import request
+from realloc.tools.declared import env_tools
+from realloc.tools.keywords import keyword_arguments
 from realloc.tools.sandbox import STATUSES, Sandbox, ToolLimits, network_isolation
 
 
@@ -71,23 +71,26 @@ class ToolEnv:
         if isinstance(call, str):  # a malformed chat tool call: the policy reads why
             self.counts["error"] += 1
             return self.render(call), self.call_reward, False
-        if call[0] in self.keyword_tools:  # described by its signature: called with the arguments as keywords
-            result = self.sandbox.run(KEYWORDS_ADAPTER, request(self.tools[call[0]], call[1]))
-        else:
-            result = self.sandbox.run(self.tools[call[0]], call[1])
+        # a tool described by its signature (tools/declared.py) is called with the arguments as keywords
+        keywords = call[1] if isinstance(call[1], dict) else None
+        result = self.sandbox.run(self.tools[call[0]], "" if keywords is not None else call[1], keywords)
         self.counts[result.status] += 1
         return self.render(result.text.strip(), call[0], call[2] if len(call) > 2 else None), self.call_reward, False
 
-    def _find(self, text: str) -> tuple[str, str] | tuple[str, str, str | None] | str | None:
+    def _find(self, text: str) -> tuple[str, Any] | tuple[str, Any, str | None] | str | None:
         """The turn's first tool call as (tool, input) or, in the chat format, (tool, input, call id), an error
-        text, or None (a final answer)."""
+        text, or None (a final answer); the input of a tool called with keywords is their dict."""
         if self.chat:
             got = self.format.parse_arguments(text, self.tools)
-            if isinstance(got, tuple) and got[0] not in self.keyword_tools:
-                return got[0], tool_input(got[1]), got[2]
+        else:
+            m = self._call.search(text)
+            got = None if m is None else (m.group(1), m.group(2))
+        if not isinstance(got, tuple):
             return got
-        m = self._call.search(text)
-        return None if m is None else (m.group(1), m.group(2))
+        if got[0] not in self.keyword_tools:
+            return (got[0], tool_input(got[1]), *got[2:]) if self.chat else got
+        args = keyword_arguments(got[0], self.keyword_tools[got[0]], got[1])
+        return args if isinstance(args, str) else (got[0], args, *got[2:])
 
     @property
     def tool_counts(self) -> dict[str, int]:

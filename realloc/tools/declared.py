@@ -8,7 +8,7 @@
 The schema is the one ``apply_chat_template(messages, tools=[function])`` passes its template: transformers'
 ``get_json_schema`` of the function (its type hints and its docstring's ``Args:`` section), or ``description`` and
 ``parameters`` given explicitly. A tool described by its signature is called with the call's arguments as keywords
-(``lookup(city="Paris", year=2020)``, through ``keywords.py`` in the sandbox's child); a tool given an explicit
+(``lookup(city="Paris", year=2020)`` in the sandbox's child; ``keywords.py`` reads them); a tool given an explicit
 ``parameters`` schema, a built-in's included, is a function of one string as every ``ToolEnv`` tool
 (``chat_format.tool_input``). Torch-free; transformers is imported only to describe a signature.
 """
@@ -22,8 +22,6 @@ import re
 from typing import Any, Callable
 
 from realloc.tools.builtin import BUILTIN_TOOLS
-
-KEYWORDS_ADAPTER = "realloc.tools.keywords:call"
 
 # The built-ins' schemas: each takes one string, named as a model would name it.
 BUILTIN_SCHEMAS = {
@@ -43,6 +41,11 @@ class Tool:
     def schema(self) -> dict[str, Any]:
         """The tool as ``apply_chat_template(..., tools=[...])`` takes it."""
         return json.loads(self.schema_json)
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        """The names of its arguments."""
+        return tuple(self.schema()["function"].get("parameters", {}).get("properties", {}))
 
 
 def _function_path(where: str, fn: Callable[..., Any]) -> str:
@@ -139,14 +142,14 @@ def check_tools(where: str, tools: Any) -> tuple[Tool, ...]:
     return tuple(tools)
 
 
-def env_tools(where: str, tools: Any) -> tuple[Any, frozenset[str]]:
-    """``ToolEnv``'s ``tools`` with declared tools as ``{name: "module:function"}`` entries, and the names of those
-    called with keywords; anything else (built-in names, a dict) unchanged, for ``ToolEnv`` to check."""
+def env_tools(where: str, tools: Any) -> tuple[Any, dict[str, tuple[str, ...]]]:
+    """``ToolEnv``'s ``tools`` with declared tools as ``{name: "module:function"}`` entries, and the tools called
+    with keywords (name -> argument names); anything else (built-in names, a dict) unchanged, for ``ToolEnv``."""
     if not isinstance(tools, (list, tuple)) or not any(isinstance(t, Tool) for t in tools):
-        return tools, frozenset()
+        return tools, {}
     names = [t.name if isinstance(t, Tool) else t for t in tools]
     twice = sorted({n for n in names if names.count(n) > 1}, key=str)
     if twice:
         raise ValueError(f"{where}: tool name(s) {', '.join(map(repr, twice))} given twice")
     named = {(t.name if isinstance(t, Tool) else t): (t.function if isinstance(t, Tool) else t) for t in tools}
-    return named, frozenset(t.name for t in tools if isinstance(t, Tool) and t.keywords)
+    return named, {t.name: t.params for t in tools if isinstance(t, Tool) and t.keywords}

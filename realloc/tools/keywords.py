@@ -1,39 +1,26 @@
-"""Runs a tool described by its signature (``declared.tool``) with the call's arguments as keywords, inside the
-sandbox's child process (``child.py`` calls ``call(text)`` as it calls any tool): ``text`` is
-``{"function": "module:function", "arguments": {...}}`` as JSON; a chat model's arguments given as a JSON string are
-read as the object they hold; one plain string (a ``<name>...</name>`` call) goes to a function's one argument.
+"""The keyword arguments of a call of a tool described by its signature (``declared.tool``), which the sandbox's
+child passes as ``function(**arguments)``: a chat model's JSON object as it is (or a JSON string holding one); one
+plain string (a ``<name>...</name>`` call, or a string argument) for a function with one argument; anything else is
+an error text the policy reads as the tool's answer.
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import json
 from typing import Any
 
 
-def request(function: str, arguments: Any) -> str:
-    """The text ``call`` reads (``ToolEnv`` writes it)."""
-    return json.dumps({"function": function, "arguments": arguments})
-
-
-def call(text: str) -> Any:
-    req = json.loads(text)
-    module, _, attr = req["function"].partition(":")
-    fn = getattr(importlib.import_module(module), attr)
-    args = req["arguments"]
-    if isinstance(args, str):
+def keyword_arguments(name: str, params: tuple[str, ...], raw: Any) -> dict[str, Any] | str:
+    """``raw`` (a call's arguments as written) as keywords of tool ``name`` with arguments ``params``, or an error."""
+    if isinstance(raw, str):
         try:
-            parsed = json.loads(args)
+            parsed = json.loads(raw)
         except json.JSONDecodeError:
             parsed = None
         if isinstance(parsed, dict):
-            args = parsed
-        else:
-            params = list(inspect.signature(fn).parameters)
-            if len(params) != 1:
-                raise TypeError(f"{attr}() takes the arguments {', '.join(params)}: call it with a JSON object")
-            args = {params[0]: args}
-    if not isinstance(args, dict):
-        raise TypeError(f"{attr}()'s arguments must be a JSON object, got {json.dumps(args)[:100]}")
-    return fn(**args)
+            return parsed
+        if len(params) == 1:
+            return {params[0]: raw}
+    if isinstance(raw, dict):
+        return raw
+    return f"error: {name} takes the arguments {', '.join(params) or '(none)'}: call it with a JSON object"
