@@ -8,6 +8,7 @@ one line at `realloc show`."""
 from __future__ import annotations
 
 import json
+import shutil
 import textwrap
 
 import pytest
@@ -249,3 +250,24 @@ def test_a_run_on_the_cpu_cluster_shows_the_policy_its_tools(folders, hf_assets,
                                             add_generation_prompt=True, tokenize=True)) for q in questions}
     assert len(samples) == 4 and all(s["prompt_ids"] in want.values() for s in samples)
     assert all("<tools>" in s["prompt"] and '"name": "multiply"' in s["prompt"] for s in samples)
+
+
+def test_plain_text_prompts_and_a_failing_template_are_one_error_each(folders, tmp_path):
+    from realloc.data.tokenizer import Tokenizer
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": QUESTION}) + "\n")
+    tok = Tokenizer.load(folders["qwen3"])
+    with pytest.raises(ValueError, match=r"DataConfig.tools: the prompt at .*prompts.jsonl:1 is plain text, which "
+                                         r"shows the policy no tools; set DataConfig\(use_chat_template=True\)"):
+        PromptDataset.load(path, 2048, tokenizer=tok, config=DataConfig(tools=TOOLS))
+    broken = tmp_path / "broken"
+    shutil.copytree(folders["qwen3"], broken)
+    cfg = json.loads((broken / "tokenizer_config.json").read_text())
+    (broken / "chat_template.jinja").unlink(missing_ok=True)
+    cfg["chat_template"] = "{% if tools %}{{ raise_exception('no tools here') }}{% endif %}{{ messages[0].content }}"
+    (broken / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"DataConfig.tools: the chat template of tokenizer .*broken fails with "
+                                         r"tools= \(TemplateError: no tools here\)"):
+        PromptDataset.load(path, 2048, tokenizer=Tokenizer.load(str(broken)),
+                           config=DataConfig(use_chat_template=True, tools=TOOLS))

@@ -18,15 +18,25 @@ from realloc.data.tokenizer import Tokenizer
 PROBE = [{"role": "user", "content": "?"}]
 
 
-def prompt_tools(cfg: DataConfig, tokenizer: Tokenizer) -> list[dict[str, Any]] | None:
+def prompt_tools(cfg: DataConfig, tokenizer: Tokenizer, plain: str | None = None) -> list[dict[str, Any]] | None:
     """The JSON schemas chat prompts are rendered with (None without ``DataConfig.tools``); one ValueError when the
-    tokenizer's chat template does not show them."""
+    tokenizer's chat template does not show them, or when a prompt is plain text (``plain``: where), which shows
+    none."""
     if not cfg.tools:
         return None
     from realloc.tools.declared import schemas
 
+    if plain is not None:
+        raise ValueError(f"DataConfig.tools: the prompt at {plain} is plain text, which shows the policy no tools; set "
+                         f"DataConfig(use_chat_template=True) or give chat messages, so the template presents them")
     tools = schemas(cfg.tools)
-    with_tools, without = (tokenizer.encode_chat_batch([PROBE], tools=t)[0] for t in (tools, None))
+    try:
+        with_tools, without = (tokenizer.encode_chat_batch([PROBE], tools=t)[0] for t in (tools, None))
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001  (the template's raise_exception, an undefined name, ...)
+        raise ValueError(f"DataConfig.tools: the chat template of tokenizer {tokenizer.path} fails with tools= "
+                         f"({type(e).__name__}: {e})") from None
     if with_tools == without:
         raise ValueError(f"DataConfig.tools: the chat template of tokenizer {tokenizer.path} ignores tools= (it "
                          f"renders a prompt the same with and without them), so the policy would never see "
