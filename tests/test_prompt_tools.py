@@ -271,3 +271,22 @@ def test_plain_text_prompts_and_a_failing_template_are_one_error_each(folders, t
                                          r"tools= \(TemplateError: no tools here\)"):
         PromptDataset.load(path, 2048, tokenizer=Tokenizer.load(str(broken)),
                            config=DataConfig(use_chat_template=True, tools=TOOLS))
+
+
+def test_sft_records_share_the_prompts_with_tools(folders, tmp_path):
+    """An SFT record's prompt is rendered with the tools too, so SFT traces and rollouts start alike; prompt and reply
+    together are transformers' rendering of the conversation with the tools."""
+    from transformers import AutoTokenizer
+
+    from realloc.data.pairs import SFTDataset
+    from realloc.data.tokenizer import Tokenizer
+
+    ref, tok = AutoTokenizer.from_pretrained(folders["qwen3"], local_files_only=True), Tokenizer.load(folders["qwen3"])
+    path = tmp_path / "sft.jsonl"
+    path.write_text(json.dumps({"prompt": QUESTION, "response": "It is 5535."}) + "\n")
+    ds = SFTDataset.load(path, 2048, 16, tokenizer=tok, config=DataConfig(use_chat_template=True, tools=TOOLS))
+    conv = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "It is 5535."}]
+    full = _ids(ref.apply_chat_template(conv, tools=[TOOLS[0].schema(), fns.multiply], tokenize=True))
+    prompt, reply = ds.prompt_tokens(0), ds.tokens("response", 0)
+    assert prompt + reply + tok.encode("\n", add_special_tokens=False) == full
+    assert "<tools>" in tok.decode(prompt, skip_special_tokens=False)
