@@ -149,6 +149,14 @@ def test_declared_tools_in_the_tags_format_and_their_errors():
         "<result>error: TypeError: multiply() missing 1 required positional argument: 'b'</result>"
     assert env.tool_counts == {**env.tool_counts, "ok": 2, "error": 2}
     check_env_args("gen", {"tools": [tool(fns.multiply)], "call_format": "tags"})
+    # how arguments become keywords: an object (or a JSON string of one, as some models write them) as it is, one
+    # string for a function of one argument, nothing for a function of none
+    from realloc.tools.keywords import keyword_arguments
+
+    assert keyword_arguments("m", ("a", "b"), '{"a": 1, "b": 2}') == {"a": 1, "b": 2} == \
+        keyword_arguments("m", ("a", "b"), {"a": 1, "b": 2})
+    assert keyword_arguments("s", ("text",), "hi") == {"text": "hi"} and keyword_arguments("n", (), "") == {}
+    assert keyword_arguments("m", ("a", "b"), [1, 2]) == "error: m takes the arguments a, b: call it with a JSON object"
 
 
 EXPERIMENT = '''

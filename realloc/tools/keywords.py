@@ -12,6 +12,8 @@ from typing import Any
 
 def keyword_arguments(name: str, params: tuple[str, ...], raw: Any) -> dict[str, Any] | str:
     """``raw`` (a call's arguments as written) as keywords of tool ``name`` with arguments ``params``, or an error."""
+    if raw in ("", None) and not params:  # a tool of no arguments, called without any
+        return {}
     if isinstance(raw, str):
         try:
             parsed = json.loads(raw)
