@@ -39,8 +39,11 @@ def _hash_file(h: "hashlib._Hash", path: Path) -> None:
 def cache_file(cache_dir: Path, path: Path, prompt_len: int, tokenizer: Tokenizer | None, config: DataConfig,
                vocab_size: int | None, kind: str = "prompts", gen_len: int = 0) -> Path:
     h = hashlib.sha256()
+    settings = dataclasses.asdict(config)
+    if not config.tools:  # a run without tools keeps the cache files it had before DataConfig.tools existed
+        del settings["tools"]
     h.update(json.dumps({"format": FORMAT, "kind": kind, "path": str(path.resolve()), "prompt_len": prompt_len,
-                         "gen_len": gen_len, "vocab_size": vocab_size, "config": dataclasses.asdict(config)},
+                         "gen_len": gen_len, "vocab_size": vocab_size, "config": settings},
                         sort_keys=True).encode())
     _hash_file(h, path)
     if tokenizer is not None:

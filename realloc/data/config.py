@@ -8,7 +8,7 @@ files can import it cheaply).
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
 _KEYS = ("prompt_key", "messages_key", "response_key", "chosen_key", "rejected_key")
 _CHOICES = {"overflow": ("truncate", "drop"), "truncation_side": ("left", "right")}
@@ -29,6 +29,10 @@ class DataConfig:
     truncation_side: Literal["left", "right"] = "left"
     add_special_tokens: bool = True  # e.g. BOS in front of plain-text prompts
     use_chat_template: bool = False  # render plain `prompt` strings as one user turn with the chat template
+    # Tools the chat template presents to the policy: every chat prompt is rendered as
+    # apply_chat_template(messages, tools=[...], add_generation_prompt=True). realloc.tools.declared.tool(...) each,
+    # the same ones the rollout's ToolEnv runs (docs/multi-turn.md). Empty: rendered without tools, as before.
+    tools: tuple[Any, ...] = ()
 
     def __post_init__(self) -> None:
         seen: dict[str, str] = {}
@@ -47,3 +51,7 @@ class DataConfig:
         for name in ("add_special_tokens", "use_chat_template"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"DataConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.tools != ():
+            from realloc.tools.declared import check_tools
+
+            object.__setattr__(self, "tools", check_tools("DataConfig.tools", self.tools))

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence, Union
 import numpy as np
 
 from realloc.data.config import DataConfig
+from realloc.data.prompt_tools import prompt_tools
 from realloc.data.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -257,12 +258,14 @@ def tokenize(cells: list[Cell], where: Sequence[str], keys: Sequence[str],
                          f"tokenizer's EOS, but tokenizer {tokenizer.path} has none; give the response as token ids")
     for i in eos_needed:
         out[i] = out[i] + [tokenizer.eos_token_ids[0]]
+    plain = [where[i] for i in pending if isinstance(cells[i], Text) and keys[i] == cfg.prompt_key]
+    tools = prompt_tools(cfg, tokenizer, plain[0] if plain else None) if chats or plain else None  # DataConfig.tools
     idx = [i for i in pending if isinstance(cells[i], Chat)]
-    for i, ids in zip(idx, tokenizer.encode_chat_batch([cells[i].messages for i in idx]) if idx else []):
+    for i, ids in zip(idx, tokenizer.encode_chat_batch([cells[i].messages for i in idx], tools) if idx else []):
         out[i] = ids
     idx = [i for i in pending if isinstance(cells[i], Reply)]
     try:
-        replies = tokenizer.encode_replies([cells[i].messages for i in idx]) if idx else []
+        replies = tokenizer.encode_replies([cells[i].messages for i in idx], tools) if idx else []
     except ValueError as e:
         raise ValueError(f"dataset {where[idx[0]]}: {keys[idx[0]]!r}: {e}") from None
     for i, ids in zip(idx, replies):

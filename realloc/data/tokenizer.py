@@ -136,11 +136,13 @@ class Tokenizer:
     def encode_chat(self, messages: Messages) -> list[int]:
         return self.encode_chat_batch([messages])[0]
 
-    def encode_chat_batch(self, conversations: Sequence[Messages]) -> list[list[int]]:
-        """Each conversation rendered with the chat template and its generation prompt, then tokenized.
+    def encode_chat_batch(self, conversations: Sequence[Messages], tools: Sequence[dict] | None = None
+                          ) -> list[list[int]]:
+        """Each conversation rendered with the chat template and its generation prompt (and ``tools``, JSON schemas
+        as ``apply_chat_template`` takes them, where given), then tokenized.
 
         The template writes the special tokens it wants (BOS included), so none are added on top:
-        the ids equal ``apply_chat_template(..., add_generation_prompt=True, tokenize=True)``.
+        the ids equal ``apply_chat_template(..., tools=tools, add_generation_prompt=True, tokenize=True)``.
         """
         if not self.has_chat_template:
             raise ValueError(f"tokenizer {self.path} has no chat template, so chat messages cannot be rendered; "
@@ -148,10 +150,11 @@ class Tokenizer:
         if not conversations:
             return []
         texts = self._hf.apply_chat_template([list(m) for m in conversations], add_generation_prompt=True,
-                                             tokenize=False)
+                                             tokenize=False, **({"tools": list(tools)} if tools else {}))
         return self.encode_batch(texts, add_special_tokens=False)
 
-    def encode_replies(self, conversations: Sequence[Messages]) -> list[list[int]]:
+    def encode_replies(self, conversations: Sequence[Messages], tools: Sequence[dict] | None = None
+                       ) -> list[list[int]]:
         """The last message of each conversation (the assistant's reply) as a model should generate it.
 
         The reply is what the chat template writes after the conversation's prompt (the earlier turns
@@ -164,8 +167,10 @@ class Tokenizer:
         if not self.has_chat_template:
             raise ValueError(f"tokenizer {self.path} has no chat template, so a chat reply cannot be rendered")
         convs = [list(m) for m in conversations]
-        prompts = self._hf.apply_chat_template([c[:-1] for c in convs], add_generation_prompt=True, tokenize=False)
-        fulls = self._hf.apply_chat_template(convs, add_generation_prompt=False, tokenize=False)
+        kw = {"tools": list(tools)} if tools else {}  # the prompt as the prompts are rendered (DataConfig.tools)
+        prompts = self._hf.apply_chat_template([c[:-1] for c in convs], add_generation_prompt=True, tokenize=False,
+                                               **kw)
+        fulls = self._hf.apply_chat_template(convs, add_generation_prompt=False, tokenize=False, **kw)
         tails = []
         for conv, prompt, full in zip(convs, prompts, fulls):
             if conv[-1].get("role") != "assistant":

@@ -62,6 +62,11 @@ class ChatFormat:
         """The first call of a turn: (tool name, its input, the call's id or None), an error message the policy
         should see when the call is malformed or names no tool of the environment, or None for a turn without a
         call (its final answer)."""
+        got = self.parse_arguments(text, names)
+        return (got[0], tool_input(got[1]), got[2]) if isinstance(got, tuple) else got
+
+    def parse_arguments(self, text: str, names: Any) -> tuple[str, Any, str | None] | str | None:
+        """As ``parse``, with the call's arguments as written (a JSON value), for a tool called with keywords."""
         for token in self.specials:
             text = text.replace(token, "")
         if self.prefix and self.suffix and not self.listed:  # Hermes: the JSON between two tags
@@ -89,7 +94,7 @@ class ChatFormat:
             return f"error: no tool {tool!r}; tools: {', '.join(sorted(names))}"
         args = call.get(self.arguments, call.get("arguments", call.get("parameters", "")))
         ident = call.get(self.id_key) if self.id_key else None
-        return tool, tool_input(args), ident if isinstance(ident, str) and CALL_ID.fullmatch(ident) else None
+        return tool, args, ident if isinstance(ident, str) and CALL_ID.fullmatch(ident) else None
 
     def _start(self, text: str) -> int | None:
         """Where the call's JSON starts: after the prefix, or at the start of the turn (no prefix, or one that

@@ -23,10 +23,12 @@ import math
 import re
 from typing import Any, Mapping
 
-from realloc.envs.chat_format import HERMES, chat_format
+from realloc.envs.chat_format import HERMES, chat_format, tool_input
 from realloc.envs.chat_tools import ChatObservation
 from realloc.envs.resolve import resolve_function
 from realloc.tools.builtin import BUILTIN_TOOLS
+from realloc.tools.declared import env_tools
+from realloc.tools.keywords import keyword_arguments
 from realloc.tools.sandbox import STATUSES, Sandbox, ToolLimits, network_isolation
 
 
@@ -40,6 +42,7 @@ class ToolEnv:
                  first_observation: str = "", call_format: str = "tags", chat_template: str | None = None,
                  end_of_turn: str | None = None) -> None:
         where = "ToolEnv"
+        tools, self.keyword_tools = env_tools(where, tools)  # declared tools (tools/declared.py): run by name
         self.tools, checked = _checked(where, tools, call_format, result_format, limits, call_reward)
         self.rule = _rule(rule)
         self.field, self.result_format, self.call_reward = field, result_format, float(call_reward)
@@ -68,17 +71,26 @@ class ToolEnv:
         if isinstance(call, str):  # a malformed chat tool call: the policy reads why
             self.counts["error"] += 1
             return self.render(call), self.call_reward, False
-        result = self.sandbox.run(self.tools[call[0]], call[1])
+        # a tool described by its signature (tools/declared.py) is called with the arguments as keywords
+        keywords = call[1] if isinstance(call[1], dict) else None
+        result = self.sandbox.run(self.tools[call[0]], "" if keywords is not None else call[1], keywords)
         self.counts[result.status] += 1
         return self.render(result.text.strip(), call[0], call[2] if len(call) > 2 else None), self.call_reward, False
 
-    def _find(self, text: str) -> tuple[str, str] | tuple[str, str, str | None] | str | None:
+    def _find(self, text: str) -> tuple[str, Any] | tuple[str, Any, str | None] | str | None:
         """The turn's first tool call as (tool, input) or, in the chat format, (tool, input, call id), an error
-        text, or None (a final answer)."""
+        text, or None (a final answer); the input of a tool called with keywords is their dict."""
         if self.chat:
-            return self.format.parse(text, self.tools)
-        m = self._call.search(text)
-        return None if m is None else (m.group(1), m.group(2))
+            got = self.format.parse_arguments(text, self.tools)
+        else:
+            m = self._call.search(text)
+            got = None if m is None else (m.group(1), m.group(2))
+        if not isinstance(got, tuple):
+            return got
+        if got[0] not in self.keyword_tools:
+            return (got[0], tool_input(got[1]), *got[2:]) if self.chat else got
+        args = keyword_arguments(got[0], self.keyword_tools[got[0]], got[1])
+        return args if isinstance(args, str) else (got[0], args, *got[2:])
 
     @property
     def tool_counts(self) -> dict[str, int]:
@@ -93,7 +105,7 @@ def _checked(where: str, tools: Any, call_format: Any, result_format: Any, limit
         raise ValueError(f"{where}: call_format must be one of {', '.join(FORMATS)}, got {call_format!r}")
     if isinstance(tools, str) or not isinstance(tools, (Mapping, list, tuple, set, frozenset)) or not tools:
         raise ValueError(f"{where}: tools must be a list of built-in names ({', '.join(BUILTIN_TOOLS)}) or a "
-                         f"dict name -> 'module:function'")
+                         f"dict name -> 'module:function', or tools declared with realloc.tools.declared.tool(...)")
     named = {t: t for t in tools} if not isinstance(tools, Mapping) else dict(tools)
     out: dict[str, str] = {}
     for name, fn in named.items():
@@ -122,6 +134,7 @@ def check_env_args(call: str, env_args: Mapping[str, Any]) -> None:
         raise ValueError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; known: "
                          f"{', '.join(p for p in params if p != 'self')}")
     a = {p: v.default for p, v in params.items() if p != "self"} | dict(env_args)
+    a["tools"], _ = env_tools(where, a["tools"])
     tools, _ = _checked(where, a["tools"], a["call_format"], a["result_format"], a["limits"], a["call_reward"])
     if a["call_format"] == "chat" and a["chat_template"] is not None:  # renders the template; loads no tokenizer
         chat_format(where, a["chat_template"], a["end_of_turn"])

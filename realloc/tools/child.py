@@ -82,7 +82,7 @@ def main() -> None:
             _block_network()
         fn = getattr(importlib.import_module(module), attr)
         _apply_limits(req)
-        value = fn(req["text"])
+        value = fn(**req["arguments"]) if "arguments" in req else fn(req["text"])
         out = {"ok": True, "value": "" if value is None else str(value)}
     except MemoryError:
         out = {"ok": False, "error": "MemoryError: the tool exceeded its memory limit", "memory": True}

@@ -112,23 +112,26 @@ class Sandbox:
     def probe(cls, limits: ToolLimits = ToolLimits()) -> "Sandbox":
         return cls(limits, network_isolation())
 
-    def run(self, fn: str, text: str) -> ToolResult:
-        """Call tool ``fn`` ("module:function") on ``text`` in a fresh contained process."""
+    def run(self, fn: str, text: str, arguments: dict | None = None) -> ToolResult:
+        """Call tool ``fn`` ("module:function") on ``text`` in a fresh contained process (with ``arguments``: as
+        ``fn(**arguments)``, a tool described by its signature, ``tools/declared.py``)."""
         start = time.monotonic()
-        status, observation = self._run(fn, text)
+        status, observation = self._run(fn, text, arguments)
         return ToolResult(observation, status, time.monotonic() - start)
 
     def _command(self) -> list[str]:
         cmd = [sys.executable, "-I", CHILD]
         return ["unshare", "-n", *cmd] if self.isolation == "namespace" else cmd
 
-    def _run(self, fn: str, text: str) -> tuple[Status, str]:
+    def _run(self, fn: str, text: str, arguments: dict | None = None) -> tuple[Status, str]:
         lim = self.limits
         marker = "\x00realloc-tool-result-" + os.urandom(8).hex()
         drop_root = os.geteuid() == 0
         req = {"marker": marker, "fn": fn, "text": text, "path": [p for p in sys.path if p], "cpu_s": lim.cpu_s,
                "memory_bytes": lim.memory_mb << 20, "file_bytes": lim.file_mb << 20, "max_procs": lim.max_procs,
                "drop_root": drop_root, "block_network": self.isolation != "namespace", "parent": os.getpid()}
+        if arguments is not None:
+            req["arguments"] = arguments
         work = tempfile.mkdtemp(prefix="realloc-tool-")
         try:
             if drop_root:

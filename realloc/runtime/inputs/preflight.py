@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from realloc.api import ExperimentSpec, InterfaceType
+from realloc.envs.prompt_check import prompt_tool_lines, truncated_tools_line
 from realloc.runtime.inputs.run_config import balance_note
 from realloc.runtime.records.text_io import SpecialTokens, generating_checkpoints
 
@@ -110,6 +111,7 @@ def preflight(spec: ExperimentSpec, config: Any, graph: "DataflowGraph", cache_d
     _, lines = special_tokens(spec, graph, tokenizer)
     lines += vocab_warnings(vocab_sizes, tokenizer)
     lines += [n for n in [balance_note(config, graph)] if n]
+    lines += prompt_tool_lines(spec.rpcs, config.data.tools, config.data.use_chat_template)  # DataConfig.tools
     plain = config.data.add_special_tokens and not config.data.use_chat_template
     bos = tokenizer.bos_missing() if tokenizer is not None and plain else None
     if bos is not None:
@@ -129,6 +131,8 @@ def preflight(spec: ExperimentSpec, config: Any, graph: "DataflowGraph", cache_d
         from realloc.runtime.inputs.reward_probe import probe_rewards as probe
 
         lines += probe(spec, PromptDataset(data, spec.prompt_len), tokenizer)
+    cut = truncated_tools_line(config.data.tools, data.stats.n_truncated, config.data.truncation_side, spec.prompt_len)
+    lines += [cut] if cut else []
     where = f"tokenizer {config.tokenizer}" if tokenizer is not None else "token ids"
     return Preflight((f"{data.stats.describe()} ({where})", *lines), data.stats)
 
