@@ -3,7 +3,8 @@
 Standard library only, and nothing imported before the limits are in place, so the tool starts small. It reads
 one JSON request from stdin, blocks socket creation when the parent could not give it an empty network namespace,
 imports the tool's module, lowers its own resource limits, gives up root (to ``nobody``) when it has it and calls
-the tool on the call's text. Whatever the tool prints goes to stdout as it is written; the result follows as one
+the tool on the call's text. The tool runs in a child of the first process (the keeper, ``_keep``), which ends
+every process the tool leaves behind when the call ends. Whatever the tool prints goes to stdout as it is written; the result follows as one
 line ``<marker> <json>``, where the marker carries a nonce of this call so that printed text cannot forge it.
 """
 
@@ -69,9 +70,11 @@ def _error(e: BaseException) -> str:
     return line if len(line) <= 500 else line[:500] + "..."
 
 
-def main() -> None:
-    req = json.loads(sys.stdin.read(1 << 20))
+def _call_tool(req: dict) -> None:
+    """The tool's process: run the tool under the limits and write the result line; never returns."""
+    os.setpgid(0, 0)  # a group of its own, which the keeper kills as a whole
     if sys.platform == "linux":
+        req = dict(req, parent=os.getppid())  # the keeper
         _die_with_parent(req["parent"])
     marker = req["marker"]
     try:
@@ -92,6 +95,79 @@ def main() -> None:
     sys.stdout.write("\n" + marker + " " + json.dumps(out) + "\n")
     sys.stdout.flush()
     os._exit(0)  # no atexit handlers or threads of the tool's
+
+
+def _children() -> list[int]:
+    """This process's children (orphans of the tool's processes are reparented here: see ``_keep``)."""
+    me, out = os.getpid(), []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(b")") + 2:].split()[1]) == me:  # field 4, after "pid (comm) state"
+                out.append(int(name))
+    return out
+
+
+def _end_all(tool: int) -> None:
+    """Kill the tool's group, then every process left below this one (a daemon the tool started in a session
+    of its own included: once its parent is gone it is this process's child), until none is left."""
+    try:
+        os.killpg(tool, 9)  # SIGKILL
+    except OSError:
+        pass
+    while True:
+        for pid in _children():
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+
+
+def _keep(req: dict) -> None:
+    """The keeper: the tool runs in a child of this process, which is a child subreaper (Linux), so that every
+    process the tool leaves behind, even in a session of its own (``setsid``, which a process-group kill does not
+    reach), ends up this process's child and dies when the call ends; the parent's SIGTERM (wall time) ends the
+    call the same way. The keeper exits as the tool's process did, so that the parent reads its status."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # until the handler knows the tool's pid
+    tool = os.fork()
+    if tool == 0:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        _call_tool(req)
+
+    def stop(*_a: object) -> None:
+        _end_all(tool)
+        os._exit(1)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    # Not reaped before its group is killed: until then the group's id cannot be another process's.
+    info = os.waitid(os.P_PID, tool, os.WEXITED | os.WNOWAIT)
+    _end_all(tool)
+    if info is not None and info.si_code != os.CLD_EXITED:  # die of the same signal (SIGXCPU: the CPU limit)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        signal.signal(info.si_status, signal.SIG_DFL)
+        os.kill(os.getpid(), info.si_status)
+    os._exit(info.si_status if info is not None and info.si_code == os.CLD_EXITED else 1)
+
+
+def main() -> None:
+    req = json.loads(sys.stdin.read(1 << 20))
+    if sys.platform != "linux":
+        _call_tool(req)
+    _die_with_parent(req["parent"])
+    _keep(req)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 A tool is a Python function ``tool(text: str) -> str | None`` named ``"module:function"`` (as rewards are): it
 gets the text of the policy's call and returns the observation; what it prints is part of the observation too.
 Each call spawns a fresh ``python -I`` (never a fork of the training process: no copy of its memory, its CUDA
-context or the run's secret, whose environment variables the child does not get) in a new session, so that
-every process the tool starts belongs to one process group, which is killed as a whole when the call ends.
+context or the run's secret, whose environment variables the child does not get) in a new session. The tool runs
+in a child of that process, which is a child subreaper: every process the tool starts, a daemon in a session of
+its own included, dies when the call ends (``child._keep``).
 
 Limits (``ToolLimits``): wall time (the parent kills the group), CPU time (``RLIMIT_CPU``), address space
 (``RLIMIT_AS``), bytes of output (the parent reads at most that many, then kills), processes (``RLIMIT_NPROC``;
@@ -142,7 +143,7 @@ class Sandbox:
                 return self._watch(proc, json.dumps(req).encode(), marker)
             finally:
                 if proc.returncode is None:  # not reaped yet: the group id is still this call's
-                    _kill_group(proc.pid)
+                    _end(proc.pid)
                     proc.wait()
                 assert proc.stdout is not None and proc.stdin is not None
                 proc.stdout.close()
@@ -228,6 +229,19 @@ def _has_exited(pid: int) -> bool:
     except ChildProcessError:
         return True
     return info is not None
+
+
+def _end(pid: int) -> None:
+    """End a call still running: SIGTERM asks the child's keeper (``child._keep``) to kill every process of the
+    tool's, those in sessions of their own included; its group is killed after it has answered, or after 2 s."""
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 2.0
+    while not _has_exited(pid) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    _kill_group(pid)
 
 
 def _kill_group(pgid: int) -> None:

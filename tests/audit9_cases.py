@@ -1,0 +1,20 @@
+"""Tools and environments that misbehave, for tests/test_audit_round9.py (the sandbox's child imports the tools by
+module path)."""
+
+import os
+import time
+
+
+def daemon(text: str) -> str:
+    """Starts a daemon the usual way (fork, setsid, fork again), which sleeps for a minute; then returns, or,
+    when ``text`` is "hang", outstays its wall time."""
+    first = os.fork()
+    if first == 0:
+        os.setsid()  # a session of its own: a kill of the tool's process group does not reach it
+        if os.fork() == 0:
+            time.sleep(60)
+        os._exit(0)
+    os.waitpid(first, 0)
+    while text == "hang":
+        time.sleep(1)
+    return "started"
