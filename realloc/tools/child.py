@@ -51,14 +51,14 @@ def _block_network() -> None:
     _socket.socket = refuse  # type: ignore[assignment, misc]
 
 
-def _die_with_parent(parent: int) -> None:
+def _die_with_parent(parent: int, sig: int = 9) -> None:
     """SIGKILL this process when its parent (the worker) dies: the tool leads a session of its own, so a killed
     worker's group does not reach it, and nobody would enforce its wall time (Linux; elsewhere nothing). The signal
     follows the thread that started this process, which waits for it in ``Sandbox.run`` until it ends."""
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+        ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG (SIGKILL by default)
     except (OSError, AttributeError):
         return
     if os.getppid() != parent:  # the worker died before the signal was set
@@ -157,7 +157,8 @@ def _keep(req: dict) -> None:
     _end_all(tool)
     if info is not None and info.si_code != os.CLD_EXITED:  # die of the same signal (SIGXCPU: the CPU limit)
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        signal.signal(info.si_status, signal.SIG_DFL)
+        if info.si_status != signal.SIGKILL:  # SIGKILL has no handler to reset
+            signal.signal(info.si_status, signal.SIG_DFL)
         os.kill(os.getpid(), info.si_status)
     os._exit(info.si_status if info is not None and info.si_code == os.CLD_EXITED else 1)
 
@@ -166,7 +167,7 @@ def main() -> None:
     req = json.loads(sys.stdin.read(1 << 20))
     if sys.platform != "linux":
         _call_tool(req)
-    _die_with_parent(req["parent"])
+    _die_with_parent(req["parent"], 15)  # SIGTERM: the keeper ends the tool's processes, then itself
     _keep(req)
 
 
