@@ -18,3 +18,17 @@ def daemon(text: str) -> str:
     while text == "hang":
         time.sleep(1)
     return "started"
+
+
+class SurrogateEnv:
+    """Answers with text decoded by ``errors="surrogateescape"`` from bytes that are not UTF-8 (a lone surrogate)."""
+
+    def reset(self, record: dict) -> str:
+        return ""
+
+    def step(self, text: str) -> tuple[str | None, float, bool]:
+        return b"<\xff>".decode("utf-8", errors="surrogateescape"), 0.0, False
+
+
+def make_surrogate(**kw: object) -> SurrogateEnv:
+    return SurrogateEnv()

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from realloc.algorithms.common import actor_logprobs, generation_config, loss_mask
 from realloc.algorithms.context import CallContext, CallResult, Data
-from realloc.envs.base import Environment, check_step, env_factory
+from realloc.envs.base import Environment, check_step, check_text, env_factory
 from realloc.envs.rollout_args import rollout_args
 from realloc.models.engine import ParallelModel
 from realloc.models.turn_cache import TurnCache
@@ -216,11 +216,7 @@ def _leaders(ctx: CallContext, n: int) -> list[int]:
 
 
 def _first_observation(where: str, env: Environment, record: dict[str, Any]) -> str:
-    obs = env.reset(record)
-    if not isinstance(obs, str):
-        raise ValueError(f"{where}: the environment's reset() must return the first observation as a str ('' for "
-                         f"none), got {type(obs).__name__}")
-    return obs
+    return check_text(where, "the environment's reset() (the first observation; '' for none)", env.reset(record))
 
 
 def _encode(tok: Any, text: str | None) -> list[int]:
