@@ -161,3 +161,17 @@ def test_an_observation_that_is_not_text_stops_every_rank_of_the_replica_naming_
         errors = pool.run(_surrogate_error, tok, timeout=120)
     assert errors[0].startswith("ValueError: call 'actor_gen': step()'s observation is not valid text")
     assert errors[1].startswith("ValueError: the environment raised on the replica's reporting rank")
+
+
+def test_a_policy_s_tool_call_nested_too_deeply_or_carrying_a_lone_surrogate_is_an_observation():
+    # "[[[[..." raised RecursionError out of json.loads, and a "\ud800" the tool echoed came back as a lone
+    # surrogate: either stopped the run, though both are the policy's own text
+    from realloc.envs.base import check_step
+    from realloc.envs.tool_env import ToolEnv
+
+    env = ToolEnv(tools={"echo": "tool_cases:echo"}, call_format="chat", limits={"wall_s": 20.0})
+    obs, reward, done = check_step("env", env.step("<tool_call>" + "[" * 100_000 + "</tool_call>"))
+    assert (obs, done) == ("<result>error: the tool call is not JSON (nested too deeply)</result>", False)
+    obs, reward, done = check_step("env", env.step('<tool_call>{"name": "echo", "arguments": "a\\ud800b"}'
+                                                   '</tool_call>'))
+    assert (obs, done) == ("<result>printed A?B</result>", False)

@@ -117,6 +117,8 @@ class Sandbox:
         """Call tool ``fn`` ("module:function") on ``text`` in a fresh contained process."""
         start = time.monotonic()
         status, observation = self._run(fn, text)
+        # text, always: a tool's result can carry lone surrogates (JSON's "\ud800"), which no tokenizer takes
+        observation = observation.encode("utf-8", errors="replace").decode("utf-8")
         return ToolResult(observation, status, time.monotonic() - start)
 
     def _command(self) -> list[str]:
