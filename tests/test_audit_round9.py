@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import json
 import shutil
 import time
@@ -19,7 +20,7 @@ from safetensors import safe_open
 from realloc.graph.dataflow import build_graph
 from realloc.graph.plan import ExecutionPlan
 from realloc.overrides import load_with_overrides
-from realloc.tools.sandbox import Sandbox, ToolLimits, network_isolation
+from realloc.tools.sandbox import Sandbox, ToolLimits, file_isolation, network_isolation
 from tests.test_multiturn_breadth_e2e import LORA
 from tests.test_tool_sandbox import _leftovers
 
@@ -175,3 +176,28 @@ def test_a_policy_s_tool_call_nested_too_deeply_or_carrying_a_lone_surrogate_is_
     obs, reward, done = check_step("env", env.step('<tool_call>{"name": "echo", "arguments": "a\\ud800b"}'
                                                    '</tool_call>'))
     assert (obs, done) == ("<result>printed A?B</result>", False)
+
+
+@pytest.mark.skipif(not file_isolation(), reason="this kernel has no Landlock")
+def test_a_tool_reads_no_file_of_the_run_but_those_it_is_given():
+    # As `nobody` (or as the user) a python tool read whatever was world-readable: the training data with the
+    # answers its reward checks (the calc demo's calc_train.jsonl), checkpoints, other runs' records
+    with tempfile.TemporaryDirectory() as folder:  # where the tools' own folders are: `nobody` reaches it
+        os.chmod(folder, 0o755)
+        _reads_only_what_it_is_given(Path(folder))
+
+
+def _reads_only_what_it_is_given(tmp_path: Path) -> None:
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "2+2=", "answer": "4"}\n')
+    data.chmod(0o644)
+    program = f"print(open({str(data)!r}).read())"
+    r = Sandbox(ToolLimits(wall_s=20.0), network_isolation()).run("realloc.tools.builtin:python", program)
+    assert (r.status, r.text) == ("error", f"error: PermissionError: [Errno 13] Permission denied: '{data}'")
+    # its working directory, the Python it runs on (a module imported only now) and what read_paths names
+    r = Sandbox(ToolLimits(wall_s=20.0, read_paths=[str(tmp_path)]), network_isolation()).run(
+        "realloc.tools.builtin:python", "import textwrap; open('x', 'w').write('y'); print(open('x').read(), "
+        f"textwrap.dedent(' z')); {program}")
+    assert (r.status, r.text) == ("ok", 'y z\n{"prompt": "2+2=", "answer": "4"}\n\n')
+    with pytest.raises(ValueError, match="ToolLimits.read_paths must be a list of absolute paths, got 'data'"):
+        ToolLimits(read_paths="data")

@@ -36,6 +36,51 @@ def _apply_limits(req: dict) -> None:
         os.setuid(NOBODY)
         _die_with_parent(req["parent"])  # a change of credentials clears the parent-death signal: set it again
     _limit(resource.RLIMIT_NPROC, req["max_procs"])
+    _restrict_files(req.get("read_paths", []))
+
+
+# Landlock (Linux >= 5.13): access rights of ABI 1, and the paths a tool may read (the Python it runs on, system
+# libraries) besides its working directory; x86-64 and arm64 share the syscall numbers.
+_EXECUTE, _WRITE_FILE, _READ_FILE, _READ_DIR, _ALL_V1, _TRUNCATE = 1, 2, 4, 8, (1 << 13) - 1, 1 << 14
+_SYSTEM = ("/usr", "/lib", "/lib64", "/bin", "/sbin", "/etc")
+
+
+def _restrict_files(extra: list) -> None:
+    """Confine the tool's file access to reading (and executing) the Python installation, system directories and
+    ``extra`` (``ToolLimits.read_paths``), and to its working directory: the run's data (the answers a reward
+    checks), checkpoints and secret stay out of reach, whatever the user. Nothing where the kernel lacks Landlock."""
+    import ctypes
+    import struct
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    abi = libc.syscall(444, None, 0, 1)  # landlock_create_ruleset(NULL, 0, LANDLOCK_CREATE_RULESET_VERSION)
+    if abi < 1:
+        return
+    handled = _ALL_V1 | (_TRUNCATE if abi >= 3 else 0)
+    attr = struct.pack("=Q", handled)
+    ruleset = libc.syscall(444, attr, len(attr), 0)
+    if ruleset < 0:
+        return
+    read = _EXECUTE | _READ_FILE | _READ_DIR
+    paths = {p: read for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, *_SYSTEM,
+                               *extra)}
+    paths["/dev"] = _READ_FILE | _WRITE_FILE  # /dev/null, /dev/urandom
+    paths[os.getcwd()] = handled
+    for path, rights in paths.items():
+        try:
+            fd = os.open(path, os.O_PATH | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            continue
+        try:
+            if not os.path.isdir(path):
+                rights &= _EXECUTE | _READ_FILE | _WRITE_FILE | (_TRUNCATE if abi >= 3 else 0)
+            rule = struct.pack("=Qi", rights, fd)
+            libc.syscall(445, ruleset, 1, rule, 0)  # landlock_add_rule(LANDLOCK_RULE_PATH_BENEATH)
+        finally:
+            os.close(fd)
+    libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: Landlock's precondition without CAP_SYS_ADMIN
+    libc.syscall(446, ruleset, 0)  # landlock_restrict_self
+    os.close(ruleset)
 
 
 def _block_network() -> None:

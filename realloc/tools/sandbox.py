@@ -52,12 +52,20 @@ class ToolLimits:
     output_bytes: int = 16384
     max_procs: int = 32
     file_mb: int = 16
+    # where the kernel has Landlock, a tool reads only the Python installation, system directories, its working
+    # directory and these (absolute paths: a lookup table, a corpus); never the run's data, checkpoints or secret
+    read_paths: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("wall_s", "cpu_s", "memory_mb", "output_bytes", "max_procs", "file_mb"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
                 raise ValueError(f"ToolLimits.{name} must be a positive number, got {v!r}")
+        paths = self.read_paths
+        if isinstance(paths, str) or not isinstance(paths, (list, tuple)) or \
+                not all(isinstance(p, str) and os.path.isabs(p) for p in paths):
+            raise ValueError(f"ToolLimits.read_paths must be a list of absolute paths, got {paths!r}")
+        object.__setattr__(self, "read_paths", tuple(paths))
         if not isinstance(self.cpu_s, int):
             raise ValueError(f"ToolLimits.cpu_s must be a whole number of seconds, got {self.cpu_s!r}")
 
@@ -102,6 +110,19 @@ def network_isolation() -> Literal["namespace", "socket_block"]:
     return "socket_block"
 
 
+@functools.lru_cache(maxsize=1)
+def file_isolation() -> bool:
+    """Whether this kernel has Landlock, which confines a tool's file access (``ToolLimits.read_paths``)."""
+    if sys.platform != "linux":
+        return False
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).syscall(444, None, 0, 1) >= 1  # the Landlock ABI version
+    except (OSError, AttributeError):
+        return False
+
+
 @dataclasses.dataclass(frozen=True)
 class Sandbox:
     """Runs tool calls under ``limits``; ``isolation`` from ``network_isolation()`` (probe once, reuse)."""
@@ -131,7 +152,8 @@ class Sandbox:
         drop_root = os.geteuid() == 0
         req = {"marker": marker, "fn": fn, "text": text, "path": [p for p in sys.path if p], "cpu_s": lim.cpu_s,
                "memory_bytes": lim.memory_mb << 20, "file_bytes": lim.file_mb << 20, "max_procs": lim.max_procs,
-               "drop_root": drop_root, "block_network": self.isolation != "namespace", "parent": os.getpid()}
+               "drop_root": drop_root, "block_network": self.isolation != "namespace", "parent": os.getpid(),
+               "read_paths": list(lim.read_paths)}
         work = tempfile.mkdtemp(prefix="realloc-tool-")
         try:
             if drop_root:
