@@ -32,3 +32,9 @@ class SurrogateEnv:
 
 def make_surrogate(**kw: object) -> SurrogateEnv:
     return SurrogateEnv()
+
+
+def kill_all(text: str) -> str:
+    """kill(-1, SIGKILL): every process its user may signal (a policy's program can write it)."""
+    os.kill(-1, 9)
+    return "still here"

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from realloc.graph.dataflow import build_graph
 from realloc.graph.plan import ExecutionPlan
 from realloc.overrides import load_with_overrides
-from realloc.tools.sandbox import Sandbox, ToolLimits, file_isolation, network_isolation
+from realloc.tools.sandbox import Sandbox, ToolLimits, file_isolation, landlock_abi, network_isolation
 from tests.test_multiturn_breadth_e2e import LORA
 from tests.test_tool_sandbox import _leftovers
 
@@ -201,3 +201,19 @@ def _reads_only_what_it_is_given(tmp_path: Path) -> None:
     assert (r.status, r.text) == ("ok", 'y z\n{"prompt": "2+2=", "answer": "4"}\n\n')
     with pytest.raises(ValueError, match="ToolLimits.read_paths must be a list of absolute paths, got 'data'"):
         ToolLimits(read_paths="data")
+
+
+@pytest.mark.skipif(landlock_abi() < 6 or os.geteuid() != 0,
+                    reason="signals are scoped from Landlock ABI 6; as a user, a failure would kill this test's runner")
+def test_a_tools_kill_of_every_process_reaches_only_its_own():
+    # kill(-1, SIGKILL) from a tool (one line of a policy's python program) killed every process of its user: as
+    # `nobody` the other rollouts' tools (and other runs'), as the trainer's user the worker and the master too
+    victim = subprocess.Popen(["sleep", "60"], user=65534)  # a process of the tool's user, not the tool's
+    try:
+        r = Sandbox(ToolLimits(wall_s=20.0), network_isolation()).run("audit9_cases:kill_all", "")
+        assert (r.status, r.text) == ("ok", "still here")
+        time.sleep(0.3)
+        assert victim.poll() is None
+    finally:
+        victim.kill()
+        victim.wait()

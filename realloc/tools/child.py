@@ -42,6 +42,7 @@ def _apply_limits(req: dict) -> None:
 # Landlock (Linux >= 5.13): access rights of ABI 1, and the paths a tool may read (the Python it runs on, system
 # libraries) besides its working directory; x86-64 and arm64 share the syscall numbers.
 _EXECUTE, _WRITE_FILE, _READ_FILE, _READ_DIR, _ALL_V1, _TRUNCATE = 1, 2, 4, 8, (1 << 13) - 1, 1 << 14
+_SCOPE_UNIX, _SCOPE_SIGNAL = 1, 2  # abstract unix sockets and signals out of the tool's own processes
 _SYSTEM = ("/usr", "/lib", "/lib64", "/bin", "/sbin", "/etc")
 
 
@@ -57,7 +58,9 @@ def _restrict_files(extra: list) -> None:
     if abi < 1:
         return
     handled = _ALL_V1 | (_TRUNCATE if abi >= 3 else 0)
-    attr = struct.pack("=Q", handled)
+    # ABI 6 (Linux 6.12) scopes signals too: a tool's kill(-1, ...) reaches only its own processes, not every
+    # process of its user (the worker and the master, or as nobody the other rollouts' tools)
+    attr = struct.pack("=QQQ", handled, 0, _SCOPE_SIGNAL | _SCOPE_UNIX) if abi >= 6 else struct.pack("=Q", handled)
     ruleset = libc.syscall(444, attr, len(attr), 0)
     if ruleset < 0:
         return

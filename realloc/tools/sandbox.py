@@ -111,16 +111,22 @@ def network_isolation() -> Literal["namespace", "socket_block"]:
 
 
 @functools.lru_cache(maxsize=1)
-def file_isolation() -> bool:
-    """Whether this kernel has Landlock, which confines a tool's file access (``ToolLimits.read_paths``)."""
+def landlock_abi() -> int:
+    """This kernel's Landlock ABI version (0: none). From 1 (Linux 5.13) a tool's file access is confined
+    (``ToolLimits.read_paths``); from 6 (Linux 6.12) its signals reach only its own processes."""
     if sys.platform != "linux":
-        return False
+        return 0
     import ctypes
 
     try:
-        return ctypes.CDLL(None, use_errno=True).syscall(444, None, 0, 1) >= 1  # the Landlock ABI version
+        return max(0, ctypes.CDLL(None, use_errno=True).syscall(444, None, 0, 1))  # LANDLOCK_CREATE_RULESET_VERSION
     except (OSError, AttributeError):
-        return False
+        return 0
+
+
+def file_isolation() -> bool:
+    """Whether a tool's file access is confined here (``landlock_abi() >= 1``)."""
+    return landlock_abi() >= 1
 
 
 @dataclasses.dataclass(frozen=True)
