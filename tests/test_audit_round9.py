@@ -217,3 +217,17 @@ def test_a_tools_kill_of_every_process_reaches_only_its_own():
     finally:
         victim.kill()
         victim.wait()
+
+
+def test_lengths_from_a_run_of_more_turns_than_max_turns_names_the_option(tmp_path):
+    # "call 'actor_gen': interface_args['turn_profile'] has 2 turns but max_turns is 1": a key the user never wrote
+    from realloc.search.turns_report import turns_from
+
+    experiment = tmp_path / "experiment.py"
+    experiment.write_text(LORA.replace('"max_turns": 2', '"max_turns": 1'))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "samples.jsonl").write_text(json.dumps({"iteration": 1, "turn_segments": [1, 3, 2, 3]}) + "\n")
+    with pytest.raises(ValueError, match=f"^--lengths-from {run}: its rollouts took up to 2 turns, but call "
+                                         f"'actor_gen' allows max_turns=1; take the lengths"):
+        turns_from(load_with_overrides(str(experiment), []), run)
