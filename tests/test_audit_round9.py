@@ -231,3 +231,15 @@ def test_lengths_from_a_run_of_more_turns_than_max_turns_names_the_option(tmp_pa
     with pytest.raises(ValueError, match=f"^--lengths-from {run}: its rollouts took up to 2 turns, but call "
                                          f"'actor_gen' allows max_turns=1; take the lengths"):
         turns_from(load_with_overrides(str(experiment), []), run)
+
+
+def test_a_result_format_with_other_braces_is_refused_when_the_graph_is_built():
+    # '{"result": "{}"}' passed the check (it holds {}) and raised KeyError('"result"') at the first tool call
+    from realloc.envs.tool_env import ToolEnv, check_env_args
+
+    with pytest.raises(ValueError, match="^call 'actor_gen': interface_args\\['env_args'\\] of env 'tools': "
+                                         "result_format '\\{\"result\": \"\\{\\}\"\\}' cannot be filled in "
+                                         "\\(KeyError: '\"result\"'\\); give it one \\{\\} where the answer goes"):
+        check_env_args("actor_gen", {"result_format": '{"result": "{}"}'})
+    env = ToolEnv(result_format='{{"result": "{}"}}', limits={"wall_s": 20.0})
+    assert env.step("<calculator>2+2</calculator>") == ('{"result": "4"}', 0.0, False)

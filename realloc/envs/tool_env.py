@@ -101,6 +101,12 @@ def _checked(where: str, tools: Any, call_format: Any, result_format: Any, limit
         out[name] = fn
     if not isinstance(result_format, str) or "{}" not in result_format:
         raise ValueError(f"{where}: result_format must contain {{}} where the tool's answer goes")
+    try:  # str.format at the first tool call: other braces ('{"result": "{}"}') raised KeyError mid-run
+        result_format.format("")
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"{where}: result_format {result_format!r} cannot be filled in ({type(e).__name__}: {e}); "
+                         f"give it one {{}} where the answer goes and write other braces doubled, "
+                         f"{{{{ and }}}}") from None
     if isinstance(call_reward, bool) or not isinstance(call_reward, (int, float)) or not math.isfinite(call_reward):
         raise ValueError(f"{where}: call_reward must be a finite number, got {call_reward!r}")
     return out, ToolLimits.of(where, limits)

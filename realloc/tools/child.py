@@ -4,8 +4,10 @@ Standard library only, and nothing imported before the limits are in place, so t
 one JSON request from stdin, blocks socket creation when the parent could not give it an empty network namespace,
 imports the tool's module, lowers its own resource limits, gives up root (to ``nobody``) when it has it and calls
 the tool on the call's text. The tool runs in a child of the first process (the keeper, ``_keep``), which ends
-every process the tool leaves behind when the call ends. Whatever the tool prints goes to stdout as it is written; the result follows as one
-line ``<marker> <json>``, where the marker carries a nonce of this call so that printed text cannot forge it.
+every process the tool leaves behind when the call ends. Whatever the tool prints goes to stdout as it is written;
+the result follows as one line ``<marker> <json>``, where the marker carries a nonce of this call so that printed
+text cannot forge it. Where the kernel has Landlock, the tool's files and signals are confined too
+(``_restrict_files``).
 """
 
 import json
