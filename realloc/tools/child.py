@@ -170,7 +170,12 @@ def _end_all(tool: int) -> None:
     except OSError:
         pass
     while True:
-        for pid in _children():
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0]:
+                continue  # one more reaped (the tool's own process, in the usual case the only one)
+        except ChildProcessError:
+            return  # none left: no need to read /proc
+        for pid in _children():  # some still run: kill them, reap one, look again
             try:
                 os.kill(pid, 9)
             except OSError:
