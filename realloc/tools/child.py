@@ -45,7 +45,8 @@ def _apply_limits(req: dict) -> None:
 # libraries) besides its working directory; x86-64 and arm64 share the syscall numbers.
 _EXECUTE, _WRITE_FILE, _READ_FILE, _READ_DIR, _ALL_V1, _TRUNCATE = 1, 2, 4, 8, (1 << 13) - 1, 1 << 14
 _SCOPE_UNIX, _SCOPE_SIGNAL = 1, 2  # abstract unix sockets and signals out of the tool's own processes
-_SYSTEM = ("/usr", "/lib", "/lib64", "/bin", "/sbin", "/etc")
+# /proc/self: the tool's own process (libraries read their status there), not the worker's /proc entries
+_SYSTEM = ("/usr", "/lib", "/lib64", "/bin", "/sbin", "/etc", "/proc/self", "/proc/cpuinfo", "/proc/meminfo")
 
 
 def _restrict_files(extra: list) -> None:
