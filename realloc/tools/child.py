@@ -151,7 +151,11 @@ def _call_tool(req: dict) -> None:
 def _children() -> list[int]:
     """This process's children (orphans of the tool's processes are reparented here: see ``_keep``)."""
     me, out = os.getpid(), []
-    for name in os.listdir("/proc"):
+    try:
+        names = os.listdir("/proc")
+    except OSError:  # no /proc mounted: the parent's wall time ends the call, and only the tool's group dies
+        return out
+    for name in names:
         if name.isdigit():
             try:
                 with open(f"/proc/{name}/stat", "rb") as f:
