@@ -243,3 +243,31 @@ def test_a_result_format_with_other_braces_is_refused_when_the_graph_is_built():
         check_env_args("actor_gen", {"result_format": '{"result": "{}"}'})
     env = ToolEnv(result_format='{{"result": "{}"}}', limits={"wall_s": 20.0})
     assert env.step("<calculator>2+2</calculator>") == ('{"result": "4"}', 0.0, False)
+
+
+@pytest.mark.parametrize("which", ["dataset", "eval"])
+def test_a_record_without_the_field_the_tools_environment_scores_against_is_refused_before_the_run(tmp_path, capsys,
+                                                                                                  which):
+    # ToolEnv.reset raised when such a record's prompt came up: at whatever iteration drew it, or at the first
+    # evaluation (every=25: after 25 iterations of training)
+    from realloc.cli import main
+
+    good = [{"prompt": f"{i}*3=", "answer": str(3 * i)} for i in range(8)]
+    bad = good[:5] + [{"prompt": "7*3="}] + good[6:]
+    for name, rows in (("good.jsonl", good), ("bad.jsonl", bad)):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    source = LORA.replace('"env": "multiturn_cases:make_env", "env_args": {"turns": 2, "tool": True}',
+                          '"env": "tools", "env_args": {"tools": ["calculator"]}')
+    source = source.replace("max_staleness=1", "max_staleness=0").replace(
+        'DATA + "/calc_train.jsonl"', repr(str(tmp_path / ("bad.jsonl" if which == "dataset" else "good.jsonl"))))
+    source = source.replace("    sample_every: int = 1\n", "    sample_every: int = 1\n    eval: EvalConfig = "
+                            f"EvalConfig(dataset={str(tmp_path / 'bad.jsonl')!r}, every=25, batches=1)\n"
+                            if which == "eval" else "    sample_every: int = 1\n")
+    source = "from realloc.runtime.inputs.evaluation import EvalConfig\n" + source
+    assert '"env": "tools"' in source and ("EvalConfig(dataset" in source) == (which == "eval")
+    (tmp_path / "exp.py").write_text(source)
+    assert main(["show", str(tmp_path / "exp.py")]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"realloc show: error: dataset {tmp_path / 'bad.jsonl'}: 1 of 8 records have no field 'answer', "
+                   f"which call 'actor_gen''s tools environment scores the answer against (env_args['field']); "
+                   f"fields: 'answer'"]
