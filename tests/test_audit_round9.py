@@ -1,15 +1,15 @@
 """Audit, ninth round (audit5): multi-turn rollouts, tools, the sandbox and environments at run time. Each test
-failed before its fix."""
+failed before its fix, but the multi-turn LoRA resume, which checks what held (a whole checkpoint)."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import json
-import shutil
 import time
 from pathlib import Path
 
@@ -64,16 +64,15 @@ def test_a_daemon_of_a_tool_dies_with_a_killed_worker(tmp_path):
 
 
 # -- a multi-turn run resumed mid-run ----------------------------------------------------------------------------
-def _mt_run(tmp: Path, name: str, source: str, placements: dict, iterations: int, staleness: int = 0,
-            extra: tuple[str, ...] = (), plan_name: str | None = None) -> list[dict]:
+def _mt_run(tmp: Path, name: str, source: str, placements: dict, iterations: int, extra: tuple[str, ...] = (),
+            plan_name: str | None = None) -> list[dict]:
     """``tests/test_multiturn_breadth_e2e._run`` with extra options and a plan shared between runs."""
     experiment = tmp / "experiment.py"
     experiment.write_text(source)
     plan = tmp / f"{plan_name or name}.json"
     if not plan.exists():
         graph = build_graph(load_with_overrides(str(experiment), []))
-        ExecutionPlan.by_hand(graph, {c: placements.get(c, placements["*"]) for c in graph.topo_order},
-                              staleness=staleness).save(plan)
+        ExecutionPlan.by_hand(graph, {c: placements.get(c, placements["*"]) for c in graph.topo_order}).save(plan)
     cmd = [sys.executable, "-m", "realloc.cli", "run", str(experiment), "--plan", str(plan),
            "--iterations", str(iterations), "--run-dir", str(tmp / name), "--quiet", *extra]
     path = f"{REPO}{os.pathsep}{REPO / 'tests'}"  # the workers import the environment from tests/multiturn_cases.py
