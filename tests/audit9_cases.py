@@ -38,3 +38,8 @@ def kill_all(text: str) -> str:
     """kill(-1, SIGKILL): every process its user may signal (a policy's program can write it)."""
     os.kill(-1, 9)
     return "still here"
+
+
+def make_dict(**kw: object) -> dict:
+    """A factory that returns its settings instead of an environment."""
+    return dict(kw)

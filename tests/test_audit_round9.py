@@ -138,28 +138,44 @@ def test_an_environment_s_answers_of_the_wrong_kind_are_one_error_naming_it():
     assert check_step("env", (None, np.float32(0.5), np.bool_(True))) == (None, 0.5, True)
 
 
-def _surrogate_error(ctx, tokenizer_dir: str) -> str | None:
-    from tests.test_multiturn import ENV, _generate
-
-    try:
-        _generate(ctx, tokenizer_dir, 1, 2, 1, {**ENV, "env": "audit9_cases:make_surrogate"})
-    except Exception as e:  # noqa: BLE001
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
-def test_an_observation_that_is_not_text_stops_every_rank_of_the_replica_naming_the_environment(tmp_path):
-    # tp 2: the reporting rank raised UnicodeEncodeError while packing the answers for the broadcast, outside the
-    # environment's error path, and the other rank waited in the broadcast for ever
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    """Two gloo ranks and the multi-turn tests' tokenizer (tests/test_multiturn.py), for tp 2 rollouts."""
     from mp_pool import GlooPool
     from tests.test_multiturn import CHARACTERS
 
     from realloc.demo.arith_task import train_tokenizer
 
-    tok = str(train_tokenizer(tmp_path / "tok", CHARACTERS))
-    with GlooPool(2, tmp_path / "gloo") as pool:
-        errors = pool.run(_surrogate_error, tok, timeout=120)
+    tok = str(train_tokenizer(tmp_path_factory.mktemp("tok"), CHARACTERS))
+    with GlooPool(2, tmp_path_factory.mktemp("gloo")) as pool:
+        yield pool, tok
+
+
+def _error_with(ctx, tokenizer_dir: str, env: str) -> str | None:
+    from tests.test_multiturn import ENV, _generate
+
+    try:
+        _generate(ctx, tokenizer_dir, 1, 2, 1, {**ENV, "env": env})
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def test_an_observation_that_is_not_text_stops_every_rank_of_the_replica_naming_the_environment(tp2):
+    # tp 2: the reporting rank raised UnicodeEncodeError while packing the answers for the broadcast, outside the
+    # environment's error path, and the other rank waited in the broadcast for ever
+    pool, tok = tp2
+    errors = pool.run(_error_with, tok, "audit9_cases:make_surrogate", timeout=120)
     assert errors[0].startswith("ValueError: call 'actor_gen': step()'s observation is not valid text")
+    assert errors[1].startswith("ValueError: the environment raised on the replica's reporting rank")
+
+
+def test_a_factory_that_makes_no_environment_is_one_error_naming_it(tp2):
+    # "AttributeError: 'dict' object has no attribute 'reset'", from inside the rollout
+    pool, tok = tp2
+    errors = pool.run(_error_with, tok, "audit9_cases:make_dict", timeout=120)
+    assert errors[0].startswith("ValueError: call 'actor_gen': interface_args['env'] 'audit9_cases:make_dict' made "
+                                "a dict, which has no reset() and no step(); an environment has reset(record)")
     assert errors[1].startswith("ValueError: the environment raised on the replica's reporting rank")
 
 
@@ -270,3 +286,4 @@ def test_a_record_without_the_field_the_tools_environment_scores_against_is_refu
     assert err == [f"realloc show: error: dataset {tmp_path / 'bad.jsonl'}: 1 of 8 records have no field 'answer', "
                    f"which call 'actor_gen''s tools environment scores the answer against (env_args['field']); "
                    f"fields: 'answer'"]
+

@@ -46,6 +46,18 @@ def env_factory(where: str, spec: Any) -> EnvFactory:
     return resolve_function(where, spec, "interface_args['env']")
 
 
+def check_env(where: str, spec: Any, env: Any) -> Environment:
+    """What the factory made: an object with ``reset`` and ``step``, or one ValueError naming the factory (not an
+    AttributeError from inside the rollout)."""
+    missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
+    if missing:
+        name = spec if isinstance(spec, str) else getattr(spec, "__qualname__", repr(spec))
+        raise ValueError(f"{where}: interface_args['env'] {name!r} made a {type(env).__name__}, which has no "
+                         f"{' and no '.join(f'{m}()' for m in missing)}; an environment has reset(record) -> str and "
+                         f"step(text) -> (observation or None, reward, done) (docs/multi-turn.md)")
+    return env
+
+
 def check_step(where: str, got: Any) -> tuple[str | None, float, bool]:
     """``step``'s answer, checked: one ValueError naming the environment otherwise."""
     if not (isinstance(got, tuple) and len(got) == 3):
