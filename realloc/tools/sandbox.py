@@ -7,12 +7,13 @@ context or the run's secret, whose environment variables the child does not get)
 in a child of that process, which is a child subreaper: every process the tool starts, a daemon in a session of
 its own included, dies when the call ends (``child._keep``).
 
-Limits (``ToolLimits``): wall time (the parent kills the group), CPU time (``RLIMIT_CPU``), address space
-(``RLIMIT_AS``), bytes of output (the parent reads at most that many, then kills), processes (``RLIMIT_NPROC``;
-when the parent is root the child first becomes ``nobody``, since root ignores that limit, which also keeps it
-from writing to the user's files), file size (``RLIMIT_FSIZE``) and no network: an empty network namespace
-(``unshare -n``) where this machine allows it, else socket creation is blocked inside the child before the tool
-runs (``network_isolation`` says which). Whatever happens, the caller gets a ``ToolResult`` whose ``text`` is
+Limits (``ToolLimits``): wall time (the parent ends the call: ``_end``), CPU time (``RLIMIT_CPU``), address space
+(``RLIMIT_AS``), bytes of output (the parent reads at most that many, then ends the call), processes
+(``RLIMIT_NPROC``; when the parent is root the child first becomes ``nobody``, since root ignores that limit, which
+also keeps it from writing to the user's files), file size (``RLIMIT_FSIZE``), files and signals (Landlock, where
+the kernel has it: ``landlock_abi``; ``read_paths``) and no network: an empty network namespace (``unshare -n``)
+where this machine allows it, else socket creation is blocked inside the child before the tool runs
+(``network_isolation`` says which). Whatever happens, the caller gets a ``ToolResult`` whose ``text`` is
 what the policy sees (``error: ...`` for a failure) and whose ``status`` is counted; no tool stops the run.
 
 This contains a policy's mistakes (loops, huge allocations, floods of output, fork loops, network calls); it is
