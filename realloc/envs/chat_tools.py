@@ -49,8 +49,6 @@ def parse_tool_call(text: str, names: Any) -> tuple[str, str] | str | None:
         call = json.loads(m.group(1))
     except json.JSONDecodeError as e:
         return f"error: the tool call is not JSON ({e.msg})"
-    except RecursionError:  # a policy's "[[[[..." deeper than the interpreter's stack: its mistake, not the run's
-        return "error: the tool call is not JSON (nested too deeply)"
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return 'error: a tool call is {"name": ..., "arguments": ...}'
     if call["name"] not in names:

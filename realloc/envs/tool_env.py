@@ -58,7 +58,10 @@ class ToolEnv:
         return self.first_observation
 
     def step(self, text: str) -> tuple[str | None, float, bool]:
-        call = self._find(text)
+        try:
+            call = self._find(text)
+        except RecursionError:  # JSON nested deeper than the interpreter's stack: the policy's mistake, not the run's
+            call = "error: the tool call is not JSON (nested too deeply)"
         if call is None:
             return None, float(self.rule("", text, self.reference)), True
         if isinstance(call, str):  # a malformed chat tool call: the policy reads why
