@@ -216,6 +216,17 @@ def _reads_only_what_it_is_given(tmp_path: Path) -> None:
     assert (r.status, r.text) == ("ok", 'y z\n{"prompt": "2+2=", "answer": "4"}\n\n')
     with pytest.raises(ValueError, match="ToolLimits.read_paths must be a list of absolute paths, got 'data'"):
         ToolLimits(read_paths="data")
+    # /dev/null, not the rest of /dev: /dev/shm holds shared memory of the worker's (torch's, gloo's) in its files
+    if os.path.isdir("/dev/shm"):
+        with tempfile.NamedTemporaryFile("w", dir="/dev/shm", prefix="realloc-audit9-") as f:
+            f.write("kept")
+            f.flush()
+            os.chmod(f.name, 0o666)  # what a file of the worker's user is to a tool that runs as that user
+            # 'r+': no O_CREAT, which fs.protected_regular refuses in a sticky folder whatever the sandbox does
+            program = f"import os; open(os.devnull, 'w').write('-'); open({f.name!r}, 'r+').write('changed')"
+            r = Sandbox(ToolLimits(wall_s=20.0), network_isolation()).run("realloc.tools.builtin:python", program)
+            assert (r.status, r.text) == ("error", f"error: PermissionError: [Errno 13] Permission denied: '{f.name}'")
+            assert Path(f.name).read_text() == "kept"
 
 
 @pytest.mark.skipif(landlock_abi() < 6 or os.geteuid() != 0,

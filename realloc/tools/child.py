@@ -70,7 +70,8 @@ def _restrict_files(extra: list) -> None:
     read = _EXECUTE | _READ_FILE | _READ_DIR
     paths = {p: read for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, *_SYSTEM,
                                *extra)}
-    paths["/dev"] = _READ_FILE | _WRITE_FILE  # /dev/null, /dev/urandom
+    for dev in ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom"):  # not all of /dev: /dev/shm holds the
+        paths[dev] = _READ_FILE | _WRITE_FILE                                  # worker's shared memory
     paths[os.getcwd()] = handled
     for path, rights in paths.items():
         try:
