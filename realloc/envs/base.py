@@ -46,17 +46,46 @@ def env_factory(where: str, spec: Any) -> EnvFactory:
     return resolve_function(where, spec, "interface_args['env']")
 
 
+def check_env(where: str, spec: Any, env: Any) -> Environment:
+    """What the factory made: an object with ``reset`` and ``step``, or one ValueError naming the factory (not an
+    AttributeError from inside the rollout)."""
+    missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
+    if missing:
+        name = spec if isinstance(spec, str) else getattr(spec, "__qualname__", repr(spec))
+        raise ValueError(f"{where}: interface_args['env'] {name!r} made a {type(env).__name__}, which has no "
+                         f"{' and no '.join(f'{m}()' for m in missing)}; an environment has reset(record) -> str and "
+                         f"step(text) -> (observation or None, reward, done) (docs/multi-turn.md)")
+    return env
+
+
 def check_step(where: str, got: Any) -> tuple[str | None, float, bool]:
     """``step``'s answer, checked: one ValueError naming the environment otherwise."""
     if not (isinstance(got, tuple) and len(got) == 3):
         raise ValueError(f"{where}: step() must return (observation or None, reward, done), got {got!r}")
     obs, reward, done = got
-    if obs is not None and not isinstance(obs, str):
-        raise ValueError(f"{where}: step()'s observation must be a str or None, got {type(obs).__name__}")
+    if obs is not None:
+        check_text(where, "step()'s observation", obs)
     try:
+        if isinstance(reward, (str, bytes)):  # float("1") would take it: a reward in the wrong field, likely
+            raise TypeError
         r = float(reward)
     except (TypeError, ValueError):
         raise ValueError(f"{where}: step()'s reward must be a number, got {reward!r}") from None
     if r != r or r in (float("inf"), float("-inf")):
         raise ValueError(f"{where}: step()'s reward must be finite, got {r}")
+    if done is None or isinstance(done, (str, bytes)):  # bool("False") is True: a done that means nothing here
+        raise ValueError(f"{where}: step()'s done must be True or False, got {done!r}")
     return obs, r, bool(done)
+
+
+def check_text(where: str, what: str, text: Any) -> str:
+    """An observation: a str that UTF-8 can encode (a lone surrogate, as ``bytes.decode(errors="surrogateescape")``
+    leaves, cannot be tokenized nor sent to the replica's other ranks), or one ValueError naming ``where``."""
+    if not isinstance(text, str):
+        raise ValueError(f"{where}: {what} must be a str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{where}: {what} is not valid text: {e.reason} at position {e.start} "
+                         f"({text[e.start:e.start + 1]!r}); decode bytes with errors='replace'") from None
+    return text

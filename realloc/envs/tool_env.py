@@ -65,7 +65,10 @@ class ToolEnv:
         return self.first_observation
 
     def step(self, text: str) -> tuple[str | None, float, bool]:
-        call = self._find(text)
+        try:
+            call = self._find(text)
+        except RecursionError:  # JSON nested deeper than the interpreter's stack: the policy's mistake, not the run's
+            call = "error: the tool call is not JSON (nested too deeply)"
         if call is None:
             return None, float(self.rule("", text, self.reference)), True
         if isinstance(call, str):  # a malformed chat tool call: the policy reads why
@@ -118,6 +121,12 @@ def _checked(where: str, tools: Any, call_format: Any, result_format: Any, limit
         out[name] = fn
     if not isinstance(result_format, str) or "{}" not in result_format:
         raise ValueError(f"{where}: result_format must contain {{}} where the tool's answer goes")
+    try:  # str.format at the first tool call: other braces ('{"result": "{}"}') raised KeyError mid-run
+        result_format.format("")
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"{where}: result_format {result_format!r} cannot be filled in ({type(e).__name__}: {e}); "
+                         f"give it one {{}} where the answer goes and write other braces doubled, "
+                         f"{{{{ and }}}}") from None
     if isinstance(call_reward, bool) or not isinstance(call_reward, (int, float)) or not math.isfinite(call_reward):
         raise ValueError(f"{where}: call_reward must be a finite number, got {call_reward!r}")
     return out, ToolLimits.of(where, limits)

@@ -7,7 +7,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Sequence
 
-from realloc.envs.rollout_args import is_multiturn, rollout_shape
+from realloc.envs.rollout_args import is_multiturn, rollout_args, rollout_shape
 from realloc.envs.turn_profile import has_turns, turns_from_run, with_profile
 from realloc.graph.dataflow import DataflowGraph, build_graph
 from realloc.graph.plan import ExecutionPlan, validate_plan
@@ -22,6 +22,12 @@ def turns_from(spec: Any, run_dir: str | Path) -> Any:
     if not calls or not has_turns(run_dir):
         return spec
     profile = turns_from_run(run_dir)
+    for c in calls:  # a run of more turns than this experiment allows (it names --lengths-from, not turn_profile)
+        cap = rollout_args(c, graph.call(c).interface_args).max_turns
+        if profile.turns > cap:
+            raise ValueError(f"--lengths-from {run_dir}: its rollouts took up to {profile.turns} turns, but call "
+                             f"{c!r} allows max_turns={cap}; take the lengths from a run of this experiment or "
+                             f"leave --lengths-from out")
     at_once = _tool_processes(graph, calls[0], Path(run_dir) / "plan.json")
     return with_profile(spec, calls, dataclasses.replace(profile, tool_processes=at_once))
 

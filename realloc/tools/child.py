@@ -3,8 +3,11 @@
 Standard library only, and nothing imported before the limits are in place, so the tool starts small. It reads
 one JSON request from stdin, blocks socket creation when the parent could not give it an empty network namespace,
 imports the tool's module, lowers its own resource limits, gives up root (to ``nobody``) when it has it and calls
-the tool on the call's text. Whatever the tool prints goes to stdout as it is written; the result follows as one
-line ``<marker> <json>``, where the marker carries a nonce of this call so that printed text cannot forge it.
+the tool on the call's text. The tool runs in a child of the first process (the keeper, ``_keep``), which ends
+every process the tool leaves behind when the call ends. Whatever the tool prints goes to stdout as it is written;
+the result follows as one line ``<marker> <json>``, where the marker carries a nonce of this call so that printed
+text cannot forge it. Where the kernel has Landlock, the tool's files and signals are confined too
+(``_restrict_files``).
 """
 
 import json
@@ -35,6 +38,56 @@ def _apply_limits(req: dict) -> None:
         os.setuid(NOBODY)
         _die_with_parent(req["parent"])  # a change of credentials clears the parent-death signal: set it again
     _limit(resource.RLIMIT_NPROC, req["max_procs"])
+    _restrict_files(req.get("read_paths", []))
+
+
+# Landlock (Linux >= 5.13): access rights of ABI 1, and the paths a tool may read (the Python it runs on, system
+# libraries) besides its working directory; x86-64 and arm64 share the syscall numbers.
+_EXECUTE, _WRITE_FILE, _READ_FILE, _READ_DIR, _ALL_V1, _TRUNCATE = 1, 2, 4, 8, (1 << 13) - 1, 1 << 14
+_SCOPE_UNIX, _SCOPE_SIGNAL = 1, 2  # abstract unix sockets and signals out of the tool's own processes
+# /proc/self: the tool's own process (libraries read their status there), not the worker's /proc entries
+_SYSTEM = ("/usr", "/lib", "/lib64", "/bin", "/sbin", "/etc", "/proc/self", "/proc/cpuinfo", "/proc/meminfo")
+
+
+def _restrict_files(extra: list) -> None:
+    """Confine the tool's file access to reading (and executing) the Python installation, system directories and
+    ``extra`` (``ToolLimits.read_paths``), and to its working directory: the run's data (the answers a reward
+    checks), checkpoints and secret stay out of reach, whatever the user. Nothing where the kernel lacks Landlock."""
+    import ctypes
+    import struct
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    abi = libc.syscall(444, None, 0, 1)  # landlock_create_ruleset(NULL, 0, LANDLOCK_CREATE_RULESET_VERSION)
+    if abi < 1:
+        return
+    handled = _ALL_V1 | (_TRUNCATE if abi >= 3 else 0)
+    # ABI 6 (Linux 6.12) scopes signals too: a tool's kill(-1, ...) reaches only its own processes, not every
+    # process of its user (the worker and the master, or as nobody the other rollouts' tools)
+    attr = struct.pack("=QQQ", handled, 0, _SCOPE_SIGNAL | _SCOPE_UNIX) if abi >= 6 else struct.pack("=Q", handled)
+    ruleset = libc.syscall(444, attr, len(attr), 0)
+    if ruleset < 0:
+        return
+    read = _EXECUTE | _READ_FILE | _READ_DIR
+    paths = {p: read for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, *_SYSTEM,
+                               *extra)}
+    for dev in ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom"):  # not all of /dev: /dev/shm holds the
+        paths[dev] = _READ_FILE | _WRITE_FILE                                  # worker's shared memory
+    paths[os.getcwd()] = handled
+    for path, rights in paths.items():
+        try:
+            fd = os.open(path, os.O_PATH | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            continue
+        try:
+            if not os.path.isdir(path):
+                rights &= _EXECUTE | _READ_FILE | _WRITE_FILE | (_TRUNCATE if abi >= 3 else 0)
+            rule = struct.pack("=Qi", rights, fd)
+            libc.syscall(445, ruleset, 1, rule, 0)  # landlock_add_rule(LANDLOCK_RULE_PATH_BENEATH)
+        finally:
+            os.close(fd)
+    libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: Landlock's precondition without CAP_SYS_ADMIN
+    libc.syscall(446, ruleset, 0)  # landlock_restrict_self
+    os.close(ruleset)
 
 
 def _block_network() -> None:
@@ -50,14 +103,14 @@ def _block_network() -> None:
     _socket.socket = refuse  # type: ignore[assignment, misc]
 
 
-def _die_with_parent(parent: int) -> None:
+def _die_with_parent(parent: int, sig: int = 9) -> None:
     """SIGKILL this process when its parent (the worker) dies: the tool leads a session of its own, so a killed
     worker's group does not reach it, and nobody would enforce its wall time (Linux; elsewhere nothing). The signal
     follows the thread that started this process, which waits for it in ``Sandbox.run`` until it ends."""
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+        ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG (SIGKILL by default)
     except (OSError, AttributeError):
         return
     if os.getppid() != parent:  # the worker died before the signal was set
@@ -69,9 +122,11 @@ def _error(e: BaseException) -> str:
     return line if len(line) <= 500 else line[:500] + "..."
 
 
-def main() -> None:
-    req = json.loads(sys.stdin.read(1 << 20))
+def _call_tool(req: dict) -> None:
+    """The tool's process: run the tool under the limits and write the result line; never returns."""
+    os.setpgid(0, 0)  # a group of its own, which the keeper kills as a whole
     if sys.platform == "linux":
+        req = dict(req, parent=os.getppid())  # the keeper
         _die_with_parent(req["parent"])
     marker = req["marker"]
     try:
@@ -92,6 +147,89 @@ def main() -> None:
     sys.stdout.write("\n" + marker + " " + json.dumps(out) + "\n")
     sys.stdout.flush()
     os._exit(0)  # no atexit handlers or threads of the tool's
+
+
+def _children() -> list[int]:
+    """This process's children (orphans of the tool's processes are reparented here: see ``_keep``)."""
+    me, out = os.getpid(), []
+    try:
+        names = os.listdir("/proc")
+    except OSError:  # no /proc mounted: the parent's wall time ends the call, and only the tool's group dies
+        return out
+    for name in names:
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(b")") + 2:].split()[1]) == me:  # field 4, after "pid (comm) state"
+                out.append(int(name))
+    return out
+
+
+def _end_all(tool: int) -> None:
+    """Kill the tool's group, then every process left below this one (a daemon the tool started in a session
+    of its own included: once its parent is gone it is this process's child), until none is left."""
+    try:
+        os.killpg(tool, 9)  # SIGKILL
+    except OSError:
+        pass
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0]:
+                continue  # one more reaped (the tool's own process, in the usual case the only one)
+        except ChildProcessError:
+            return  # none left: no need to read /proc
+        for pid in _children():  # some still run: kill them, reap one, look again
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+
+
+def _keep(req: dict) -> None:
+    """The keeper: the tool runs in a child of this process, which is a child subreaper (Linux), so that every
+    process the tool leaves behind, even in a session of its own (``setsid``, which a process-group kill does not
+    reach), ends up this process's child and dies when the call ends; the parent's SIGTERM (wall time) ends the
+    call the same way. The keeper exits as the tool's process did, so that the parent reads its status."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # until the handler knows the tool's pid
+    tool = os.fork()
+    if tool == 0:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        _call_tool(req)
+
+    def stop(*_a: object) -> None:
+        _end_all(tool)
+        os._exit(1)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    # Not reaped before its group is killed: until then the group's id cannot be another process's.
+    info = os.waitid(os.P_PID, tool, os.WEXITED | os.WNOWAIT)
+    _end_all(tool)
+    if info is not None and info.si_code != os.CLD_EXITED:  # die of the same signal (SIGXCPU: the CPU limit)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if info.si_status != signal.SIGKILL:  # SIGKILL has no handler to reset
+            signal.signal(info.si_status, signal.SIG_DFL)
+        os.kill(os.getpid(), info.si_status)
+    os._exit(info.si_status if info is not None and info.si_code == os.CLD_EXITED else 1)
+
+
+def main() -> None:
+    req = json.loads(sys.stdin.read(1 << 20))
+    if sys.platform != "linux":
+        _call_tool(req)
+    _die_with_parent(req["parent"], 15)  # SIGTERM: the keeper ends the tool's processes, then itself
+    _keep(req)
 
 
 if __name__ == "__main__":

@@ -3,15 +3,17 @@
 A tool is a Python function ``tool(text: str) -> str | None`` named ``"module:function"`` (as rewards are): it
 gets the text of the policy's call and returns the observation; what it prints is part of the observation too.
 Each call spawns a fresh ``python -I`` (never a fork of the training process: no copy of its memory, its CUDA
-context or the run's secret, whose environment variables the child does not get) in a new session, so that
-every process the tool starts belongs to one process group, which is killed as a whole when the call ends.
+context or the run's secret, whose environment variables the child does not get) in a new session. The tool runs
+in a child of that process, which is a child subreaper: every process the tool starts, a daemon in a session of
+its own included, dies when the call ends (``child._keep``).
 
-Limits (``ToolLimits``): wall time (the parent kills the group), CPU time (``RLIMIT_CPU``), address space
-(``RLIMIT_AS``), bytes of output (the parent reads at most that many, then kills), processes (``RLIMIT_NPROC``;
-when the parent is root the child first becomes ``nobody``, since root ignores that limit, which also keeps it
-from writing to the user's files), file size (``RLIMIT_FSIZE``) and no network: an empty network namespace
-(``unshare -n``) where this machine allows it, else socket creation is blocked inside the child before the tool
-runs (``network_isolation`` says which). Whatever happens, the caller gets a ``ToolResult`` whose ``text`` is
+Limits (``ToolLimits``): wall time (the parent ends the call: ``_end``), CPU time (``RLIMIT_CPU``), address space
+(``RLIMIT_AS``), bytes of output (the parent reads at most that many, then ends the call), processes
+(``RLIMIT_NPROC``; when the parent is root the child first becomes ``nobody``, since root ignores that limit, which
+also keeps it from writing to the user's files), file size (``RLIMIT_FSIZE``), files and signals (Landlock, where
+the kernel has it: ``landlock_abi``; ``read_paths``) and no network: an empty network namespace (``unshare -n``)
+where this machine allows it, else socket creation is blocked inside the child before the tool runs
+(``network_isolation`` says which). Whatever happens, the caller gets a ``ToolResult`` whose ``text`` is
 what the policy sees (``error: ...`` for a failure) and whose ``status`` is counted; no tool stops the run.
 
 This contains a policy's mistakes (loops, huge allocations, floods of output, fork loops, network calls); it is
@@ -51,12 +53,20 @@ class ToolLimits:
     output_bytes: int = 16384
     max_procs: int = 32
     file_mb: int = 16
+    # where the kernel has Landlock, a tool reads only the Python installation, system directories, its working
+    # directory and these (absolute paths: a lookup table, a corpus); never the run's data, checkpoints or secret
+    read_paths: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("wall_s", "cpu_s", "memory_mb", "output_bytes", "max_procs", "file_mb"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
                 raise ValueError(f"ToolLimits.{name} must be a positive number, got {v!r}")
+        paths = self.read_paths
+        if isinstance(paths, str) or not isinstance(paths, (list, tuple)) or \
+                not all(isinstance(p, str) and os.path.isabs(p) for p in paths):
+            raise ValueError(f"ToolLimits.read_paths must be a list of absolute paths, got {paths!r}")
+        object.__setattr__(self, "read_paths", tuple(paths))
         if not isinstance(self.cpu_s, int):
             raise ValueError(f"ToolLimits.cpu_s must be a whole number of seconds, got {self.cpu_s!r}")
 
@@ -101,6 +111,25 @@ def network_isolation() -> Literal["namespace", "socket_block"]:
     return "socket_block"
 
 
+@functools.lru_cache(maxsize=1)
+def landlock_abi() -> int:
+    """This kernel's Landlock ABI version (0: none). From 1 (Linux 5.13) a tool's file access is confined
+    (``ToolLimits.read_paths``); from 6 (Linux 6.12) its signals reach only its own processes."""
+    if sys.platform != "linux":
+        return 0
+    import ctypes
+
+    try:
+        return max(0, ctypes.CDLL(None, use_errno=True).syscall(444, None, 0, 1))  # LANDLOCK_CREATE_RULESET_VERSION
+    except (OSError, AttributeError):
+        return 0
+
+
+def file_isolation() -> bool:
+    """Whether a tool's file access is confined here (``landlock_abi() >= 1``)."""
+    return landlock_abi() >= 1
+
+
 @dataclasses.dataclass(frozen=True)
 class Sandbox:
     """Runs tool calls under ``limits``; ``isolation`` from ``network_isolation()`` (probe once, reuse)."""
@@ -117,6 +146,8 @@ class Sandbox:
         ``fn(**arguments)``, a tool described by its signature, ``tools/declared.py``)."""
         start = time.monotonic()
         status, observation = self._run(fn, text, arguments)
+        # text, always: a tool's result can carry lone surrogates (JSON's "\ud800"), which no tokenizer takes
+        observation = observation.encode("utf-8", errors="replace").decode("utf-8")
         return ToolResult(observation, status, time.monotonic() - start)
 
     def _command(self) -> list[str]:
@@ -129,7 +160,8 @@ class Sandbox:
         drop_root = os.geteuid() == 0
         req = {"marker": marker, "fn": fn, "text": text, "path": [p for p in sys.path if p], "cpu_s": lim.cpu_s,
                "memory_bytes": lim.memory_mb << 20, "file_bytes": lim.file_mb << 20, "max_procs": lim.max_procs,
-               "drop_root": drop_root, "block_network": self.isolation != "namespace", "parent": os.getpid()}
+               "drop_root": drop_root, "block_network": self.isolation != "namespace", "parent": os.getpid(),
+               "read_paths": list(lim.read_paths)}
         if arguments is not None:
             req["arguments"] = arguments
         work = tempfile.mkdtemp(prefix="realloc-tool-")
@@ -145,7 +177,7 @@ class Sandbox:
                 return self._watch(proc, json.dumps(req).encode(), marker)
             finally:
                 if proc.returncode is None:  # not reaped yet: the group id is still this call's
-                    _kill_group(proc.pid)
+                    _end(proc.pid)
                     proc.wait()
                 assert proc.stdout is not None and proc.stdin is not None
                 proc.stdout.close()
@@ -231,6 +263,19 @@ def _has_exited(pid: int) -> bool:
     except ChildProcessError:
         return True
     return info is not None
+
+
+def _end(pid: int) -> None:
+    """End a call still running: SIGTERM asks the child's keeper (``child._keep``) to kill every process of the
+    tool's, those in sessions of their own included; its group is killed after it has answered, or after 2 s."""
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 2.0
+    while not _has_exited(pid) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    _kill_group(pid)
 
 
 def _kill_group(pgid: int) -> None:

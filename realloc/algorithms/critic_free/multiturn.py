@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from realloc.algorithms.common import actor_logprobs, generation_config, loss_mask
 from realloc.algorithms.context import CallContext, CallResult, Data
-from realloc.envs.base import Environment, check_step, env_factory
+from realloc.envs.base import Environment, check_env, check_step, check_text, env_factory
 from realloc.envs.rollout_args import rollout_args
 from realloc.models.engine import ParallelModel
 from realloc.models.turn_cache import TurnCache
@@ -103,7 +103,7 @@ class TurnRollouts:
             try:
                 make = env_factory(self.where, args.env)
                 rows = prompts["rows"].tolist() if "rows" in prompts and ctx.records is not None else [None] * self.n
-                self.envs = {b: make(**args.env_args) for b in self.runs}
+                self.envs = {b: check_env(self.where, args.env, make(**args.env_args)) for b in self.runs}
                 first = [_encode(tok, _first_observation(self.where, self.envs[b], {} if rows[b] is None
                                                          else dict(ctx.records(int(rows[b]))))) for b in self.runs]
             except Exception as e:  # noqa: BLE001  (re-raised on every rank by _share_tokens)
@@ -216,11 +216,7 @@ def _leaders(ctx: CallContext, n: int) -> list[int]:
 
 
 def _first_observation(where: str, env: Environment, record: dict[str, Any]) -> str:
-    obs = env.reset(record)
-    if not isinstance(obs, str):
-        raise ValueError(f"{where}: the environment's reset() must return the first observation as a str ('' for "
-                         f"none), got {type(obs).__name__}")
-    return obs
+    return check_text(where, "the environment's reset() (the first observation; '' for none)", env.reset(record))
 
 
 def _encode(tok: Any, text: str | None) -> list[int]:

@@ -125,6 +125,7 @@ def preflight(spec: ExperimentSpec, config: Any, graph: "DataflowGraph", cache_d
     # The table only: the master reads, tokenizes and caches it without torch (docs/speed.md).
     data = dataset_table(graph.dataset_kind, config.dataset, spec, config, tokenizer,
                          min(vocab_sizes.values()) if vocab_sizes else None, cache_dir)
+    check_env_fields(graph, data)
     _check_eval_set(spec, config, graph, tokenizer, min(vocab_sizes.values()) if vocab_sizes else None)
     if probe_rewards and graph.dataset_kind == "prompts":
         from realloc.data.prompts import PromptDataset
@@ -148,4 +149,24 @@ def _check_eval_set(spec: ExperimentSpec, config: Any, graph: "DataflowGraph", t
     if ev is None or not ev.every:
         return
     kind = graph.dataset_kind if eval_calls(spec).scorer else "prompts"
-    dataset_table(kind, ev.dataset, spec, config, tokenizer, vocab_size, None)
+    check_env_fields(graph, dataset_table(kind, ev.dataset, spec, config, tokenizer, vocab_size, None))
+
+
+def check_env_fields(graph: "DataflowGraph", table: Any) -> None:
+    """Every record has the field each built-in tool environment scores against (``env_args["field"]``): a
+    record without it stopped the run when its prompt came up, at any iteration or only at an evaluation."""
+    from realloc.envs.rollout_args import is_multiturn, rollout_args
+
+    for c in graph.topo_order:
+        if not is_multiturn(graph.interfaces.get(c)):
+            continue
+        args = rollout_args(c, graph.call(c).interface_args)
+        if args.env != "tools":
+            continue
+        field = args.env_args.get("field", "answer")
+        column = table.fields.get(field, [])
+        missing = len(table.columns["prompt"]) - sum(v is not None for v in column)
+        if missing:
+            raise ValueError(f"dataset {table.path}: {missing} of {len(table.columns['prompt'])} records have no "
+                             f"field {field!r}, which call {c!r}'s tools environment scores the answer against "
+                             f"(env_args['field']); fields: {', '.join(map(repr, table.fields)) or 'none'}")
