@@ -10,48 +10,27 @@ import json
 import pytest
 import torch
 
-from realloc.api import load_experiment
 from realloc.estimator.call_time import CallTimer
 from realloc.estimator.cost import CostModel
 from realloc.estimator.profile_table import ProfileTable
 from realloc.estimator.profiler import release_free_memory
-from realloc.graph.dataflow import build_graph
 from realloc.models.sampling import GenerationConfig
 from realloc.strategy import ParallelStrategy as S
+
+from cost_helpers import actor_timers, tiny_ppo_cost
 
 
 def alloc(b: int, s: int) -> float:
     return 3e-5 + 2e-8 * b * s  # seconds per layer: rows b, cache positions s
 
 
-class WithAlloc:
-    """The roofline's layer costs plus a measured ``engine.kv_alloc``."""
-
-    def __init__(self, base) -> None:
-        self.base, self.source = base, base.source
-
-    def op(self, *a):
-        return self.base.op(*a)
-
-    def optimizer(self, n):
-        return self.base.optimizer(n)
-
-    def interface(self, *a):
-        return self.base.interface(*a)
-
-    def engine(self, key, tp, b, s):
-        return alloc(b, s) if key == "engine.kv_alloc" else self.base.engine(key, tp, b, s)
-
-
 @pytest.fixture(scope="module")
 def model():
-    return CostModel(build_graph(load_experiment("experiments/ppo_tiny.py")), discover=False)
+    return tiny_ppo_cost()
 
 
 def timers(model):
-    cfg = model.graph.model_config("actor_gen")
-    base = model.layer_costs(cfg)
-    return CallTimer(cfg, base, model.comm, model.hw), CallTimer(cfg, WithAlloc(base), model.comm, model.hw)
+    return actor_timers(model, {"engine.kv_alloc": alloc})
 
 
 @pytest.mark.parametrize("strategy, layers", [(S(1, 1, 1), 4), (S(1, 1, 2), 2), (S(1, 1, 4), 1)])
