@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from realloc.api import load_experiment
-from realloc.estimator.call_time import CallTimer
 from realloc.estimator.cost import CostModel
 from realloc.graph.dataflow import build_graph
 from realloc.lengths import ResponseLengths as R
 from realloc.models.generation import drop_rows
 from realloc.models.llama import KVCache
 from realloc.strategy import ParallelStrategy as S
+
+from cost_helpers import actor_timers, tiny_ppo_cost
 
 
 def drop(b: int, s: int) -> float:
@@ -28,39 +29,13 @@ def schedule(b: int) -> float:
     return 2e-5 + 1e-6 * b
 
 
-class WithExtras:
-    """The roofline's layer costs plus the two measured engine overheads above."""
-
-    def __init__(self, base) -> None:
-        self.base, self.source = base, base.source
-
-    def op(self, *a):
-        return self.base.op(*a)
-
-    def optimizer(self, n):
-        return self.base.optimizer(n)
-
-    def interface(self, *a):
-        return self.base.interface(*a)
-
-    def engine(self, key, tp, b, s):
-        if key == "engine.row_drop":
-            return drop(b, s)
-        if key == "engine.schedule_step":
-            return schedule(b)
-        return self.base.engine(key, tp, b, s)
-
-
 @pytest.fixture(scope="module")
 def model():
-    return CostModel(build_graph(load_experiment("experiments/ppo_tiny.py")), discover=False)
+    return tiny_ppo_cost()
 
 
 def timers(model):
-    cfg = model.graph.model_config("actor_gen")
-    base = model.layer_costs(cfg)
-    return (CallTimer(cfg, base, model.comm, model.hw),
-            CallTimer(cfg, WithExtras(base), model.comm, model.hw))
+    return actor_timers(model, {"engine.row_drop": drop, "engine.schedule_step": lambda b, s: schedule(b)})
 
 
 @pytest.mark.parametrize("ends", [(1, 3, 3, 7), (5, 5, 5, 5), (2, 4, 6, 8, 8, 9)])

@@ -346,7 +346,8 @@ class CallTimer:
 
         Measured host work beyond the steps (``row_step_extras``): each time rows finish while others run on, their
         KV caches of ``slots`` positions (the prompt and the call's new tokens; default prompt + max(ends)) are
-        copied; with ``scheduled`` (a seeded length schedule) every step's draw also bans and places EOS.
+        copied; with ``scheduled`` (a seeded length schedule) every step's draw also bans and places EOS; and each
+        micro-batch first allocates those caches on fresh pages (``kv_alloc``).
         """
         if strategy.pp > 1 and n_mbs > strategy.pp:
             # At most pp micro-batches hold a KV cache at once: with equal lengths they go in waves of pp, each
@@ -365,7 +366,8 @@ class CallTimer:
             stages = with_kept_keys(self, stages, t, b, new, prompt - new)
         total = pipeline_makespan(stages, n_mbs)
         total = total + CallCost.of(overhead=n_mbs * (self._engine("engine.gen_call", t, b, prompt)
-                                                      + self.row_drops(strategy, ends, slots or prompt + max(ends))))
+                                                      + self.row_drops(strategy, ends, slots or prompt + max(ends))
+                                                      + self.kv_alloc(strategy, b, slots or prompt + max(ends))))
         for first, last, rows in decode_segments(ends):
             r_host = self._engine("engine.decode_step", t, rows, prompt, default=self.hw.decode_step_overhead)
             r_host += self._schedule(t, rows, scheduled)
@@ -395,6 +397,15 @@ class CallTimer:
             if order[i + 1] > e:  # the last row of length e: the rows after it run on
                 total += self._engine("engine.row_drop", strategy.tp, len(order) - i - 1, slots)
         return layers * total
+
+    def kv_alloc(self, strategy: ParallelStrategy, b: int, slots: int) -> float:
+        """Seconds a micro-batch of ``b`` rows spends allocating its KV caches of ``slots`` positions on fresh pages
+        (``llama.new_kv_caches``, zero-filled), one pair per layer of the stage holding the most (measured
+        ``engine.kv_alloc``, per layer; 0 for a roofline or a profile from before the key)."""
+        per_layer = self.costs.engine("engine.kv_alloc", strategy.tp, b, slots)
+        if per_layer is None:
+            return 0.0
+        return max(hi - lo for lo, hi in stage_layer_ranges(self.cfg.n_layers, strategy.pp)) * per_layer
 
     def _param_ratio(self, strategy: ParallelStrategy) -> float:
         """Local parameters of the stage holding the most, over those of the one-layer model the

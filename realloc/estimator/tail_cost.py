@@ -180,6 +180,7 @@ def tail_phase_cost(cost: CostModel, call: str, mesh: DeviceMesh, strategy: Para
     held = tail[::-1][::instances][::-1]  # the replica with the longest row: every m-th from the top
     host = timer._engine("engine.decode_step", strategy.tp, per, prompt + cut, default=timer.hw.decode_step_overhead)
     prefill = pipeline_makespan(timer._stages(Phase.PREFILL, strategy, links, per, prompt + cut, host=host), 1).time
+    prefill += timer.kv_alloc(strategy, per, prompt + work.gen_len)  # the tail's new caches (tail_decode.py)
     moving = migration_cost(cost, call, mesh, strategy, rows, instances)
     return moving + prefill, _decode_from(timer, strategy, links, prompt, held, cut, work), False
 
