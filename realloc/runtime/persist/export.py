@@ -32,6 +32,7 @@ from realloc.models.config import ModelConfig
 from realloc.models.lora_config import LoRAConfig
 from realloc.models.param_layout import param_specs, stage_of_layer
 from realloc.runtime.persist import checkpoint, lora_export
+from realloc.runtime.persist.ckpt_lock import reading
 from realloc.runtime.records.run_claim import remove_empty_folders
 from realloc.runtime.persist.run_settings import model_record  # noqa: F401 (torch-free: the master's)
 
@@ -84,7 +85,14 @@ def export_checkpoint(ckpt: str | Path, model: str, out: str | Path, *, dtype: s
 
     A LoRA model is written with its adapters merged into the base (``fmt="hf"``), or as a PEFT adapter
     directory (``fmt="peft"``: ``lora_export.py``). Every shard is checked against the SHA-256 recorded when
-    it was saved (``verify=False`` skips that)."""
+    it was saved (``verify=False`` skips that). The checkpoint is held for reading meanwhile (``ckpt_lock``),
+    so the run that owns it neither prunes it nor sets it aside under the export."""
+    with reading(Path(ckpt) / checkpoint.META):
+        return _export(Path(ckpt), model, Path(out), dtype, max_file_bytes, verify, fmt)
+
+
+def _export(ckpt: Path, model: str, out: Path, dtype: str | None, max_file_bytes: int, verify: bool,
+            fmt: str) -> Path:
     from realloc.models.hf_io import (CONFIG_FILE, GENERATION_CONFIG_FILE, INDEX_FILE, hf_config_from_model_config,
                                       save_weights, shard_file_plan, write_generation_config)
 

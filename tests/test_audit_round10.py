@@ -1,0 +1,108 @@
+"""Audit, round 10: a new user's audit of the core run path (hand-written plans, killed processes, full disks, slow
+services, resume chains, a peer on the same task). Each test of a defect failed before its fix; its docstring says
+what the user saw."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from safetensors.torch import load_file
+
+from test_export import CFG, _fake_checkpoint
+
+
+def _on_first_shard(monkeypatch, action) -> None:
+    """Run ``action`` once, when the export has read its first shard file and before it opens the second."""
+    from realloc.runtime.persist import export
+
+    real, done = export.safe_open, []
+
+    def hooked(path, *args, **kwargs):
+        if path.endswith("tp1_pp0.safetensors") and not done:
+            done.append(True)
+            action()
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(export, "safe_open", hooked)
+
+
+def test_a_fresh_run_sets_aside_a_checkpoint_an_export_is_reading_only_once_the_export_is_done(tmp_path, monkeypatch,
+                                                                                               capsys):
+    """`realloc export RUN` while a fresh `realloc run` starts in the same run directory: the run moved the
+    checkpoint into checkpoints/replaced-*/ between the export's shard files, and the export failed with
+    `checkpoint .../iter_00000002: shard models/actor/tp1_pp0.safetensors of model 'actor' is missing`, as if the
+    checkpoint were damaged. Now the run waits for the export, then sets the checkpoint aside."""
+    from realloc.cli import main
+    from realloc.runtime.persist import checkpoint as C
+
+    run = tmp_path / "run"
+    ckpt, full = _fake_checkpoint(run, CFG, 2, 1, iteration=2)
+    waiting, moved = threading.Event(), threading.Event()
+    monkeypatch.setattr(C.log, "warning", lambda msg, *a: waiting.set() if msg.startswith("waiting for") else None)
+
+    def fresh_run():
+        C.set_aside_later(run / "checkpoints", 0)
+        moved.set()
+
+    def start_the_peer():
+        threading.Thread(target=fresh_run, daemon=True).start()
+        while not (waiting.is_set() or moved.is_set()):  # it moves the checkpoint at once, or waits for the export
+            waiting.wait(0.01)
+
+    _on_first_shard(monkeypatch, start_the_peer)
+    out = tmp_path / "hf"
+    rc = main(["export", str(run), "--model", "actor", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0 and captured.out.startswith("exported actor after iteration 3 from "), captured.err
+    assert moved.wait(30)
+    (aside,) = (run / "checkpoints").glob("replaced-*")
+    assert [p.name for p in aside.iterdir()] == [ckpt.name] and not ckpt.exists()
+    got = load_file(out / "model.safetensors")
+    for n, t in full.items():
+        assert (got[n] == t).all(), n
+
+
+def test_a_run_does_not_prune_a_checkpoint_an_export_is_reading(tmp_path, monkeypatch):
+    """`realloc export RUN --iteration 1` while the run saves iteration 3 with --keep-checkpoints 1: the run deleted
+    iter_00000001 between the export's shard files and the export failed naming a missing shard. The run now
+    leaves it for its next save."""
+    from realloc.runtime.persist import checkpoint as C
+    from realloc.runtime.persist.export import export_checkpoint
+
+    run = tmp_path / "run"
+    old, full = _fake_checkpoint(run, CFG, 2, 1, iteration=1)
+    newest, _ = _fake_checkpoint(run, CFG, 2, 1, iteration=3, seed=1)
+    pruned = []
+    _on_first_shard(monkeypatch, lambda: pruned.extend(C.prune(run / "checkpoints", newest, keep=1)))
+    out = export_checkpoint(old, "actor", tmp_path / "hf")
+    assert pruned == [] and old.is_dir()
+    got = load_file(out / "model.safetensors")
+    for n, t in full.items():
+        assert (got[n] == t).all(), n
+    assert C.prune(run / "checkpoints", newest, keep=1) == [old] and not old.exists()  # the next save
+
+
+def test_an_export_that_opens_a_checkpoint_as_it_is_set_aside_says_where_it_went(tmp_path, monkeypatch):
+    """The export opened meta.json a moment before the run moved the checkpoint: one line saying so."""
+    import fcntl
+    import types
+
+    from realloc.runtime.persist import checkpoint as C
+    from realloc.runtime.persist import ckpt_lock
+    from realloc.runtime.persist.export import export_checkpoint
+
+    run = tmp_path / "run"
+    ckpt, _ = _fake_checkpoint(run, CFG, 1, 1, iteration=2)
+
+    def flock(fd, op):
+        if op == fcntl.LOCK_SH:  # the reader's lock, taken after the peer's move
+            monkeypatch.setattr(ckpt_lock, "fcntl", fcntl)
+            C.set_aside_later(run / "checkpoints", 0)
+        fcntl.flock(fd, op)
+
+    monkeypatch.setattr(ckpt_lock, "fcntl", types.SimpleNamespace(**{k: getattr(fcntl, k) for k in dir(fcntl)
+                                                                     if k.startswith("LOCK_")}, flock=flock))
+    with pytest.raises(ValueError, match=f"checkpoint {ckpt} was moved or deleted while it was being opened"):
+        export_checkpoint(ckpt, "actor", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
