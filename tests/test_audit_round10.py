@@ -106,3 +106,71 @@ def test_an_export_that_opens_a_checkpoint_as_it_is_set_aside_says_where_it_went
     with pytest.raises(ValueError, match=f"checkpoint {ckpt} was moved or deleted while it was being opened"):
         export_checkpoint(ckpt, "actor", tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def _raw_service(reply: bytes):
+    """A service on loopback that reads each request and answers ``reply`` byte for byte, then closes; returns
+    (url, the list of requests' numbers so far)."""
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    seen: list[int] = []
+
+    def serve() -> None:
+        while True:
+            conn, _ = server.accept()
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(1 << 16)
+                head, body = data.split(b"\r\n\r\n", 1)
+                size = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                            if line.lower().startswith(b"content-length"))
+                while len(body) < size:
+                    body += conn.recv(1 << 16)
+                seen.append(len(seen) + 1)
+                conn.sendall(reply)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"http://127.0.0.1:{server.getsockname()[1]}/score", seen
+
+
+def _answer(body: bytes, length: int | None = None) -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body) if length is None else length, body)
+
+
+@pytest.mark.parametrize("body, shown", [
+    (b'{"scores": [NaN, 2.0]}', "the score nan for sequence 0"),
+    (b'{"scores": [1.0, -Infinity]}', "the score -inf for sequence 1"),
+    (b'{"scores": [1e999, 2.0]}', "the score inf for sequence 0"),
+    (b'{"scores": [1' + b"0" * 400 + b', 2.0]}', "the score 1000000000"),
+    (b"[" * 100_000 + b"]" * 100_000, "answered with something other than JSON"),
+])
+def test_a_reward_service_answering_what_is_no_score_is_one_error_naming_it(body, shown):
+    """A service answering NaN or Infinity (JSON as Python writes it) had its scores taken; the run then stopped
+    with `interface 'remote_reward' returned a non-finite score (nan)`, not naming the service. An integer past a
+    float's range or arrays nested past the parser's depth stopped it with `OverflowError: int too large to convert
+    to float` / `RecursionError: maximum recursion depth exceeded` and no word of the service."""
+    from realloc.algorithms.rewards.remote_reward import RemoteReward, RewardServiceError
+
+    url, seen = _raw_service(_answer(body))
+    with pytest.raises(RewardServiceError) as e:
+        RemoteReward(url=url, timeout=10, retries=2, backoff=0.01).score(["a", "b"], ["x", "y"], [{}, {}])
+    assert str(e.value).startswith(f"reward service {url} answered ") and shown in str(e.value), e.value
+    assert seen == [1]  # not tried again: the service answered, wrongly
+
+
+@pytest.mark.parametrize("body", [b'{"scores": [1.0, ', b'{"scores": [1.0, 2.0]}'])
+def test_a_reward_service_that_closes_the_connection_mid_reply_is_tried_again(body):
+    """The service sent its headers and part of the body, then closed the connection (a crash, a proxy's reset):
+    the client took the part as the whole answer, failed at once with `answered with something other than JSON`
+    instead of trying again as for any other failed connection, or, when the part was whole JSON, took it."""
+    from realloc.algorithms.rewards.remote_reward import RemoteReward, RewardServiceError
+
+    url, seen = _raw_service(_answer(body, length=40))
+    with pytest.raises(RewardServiceError) as e:
+        RemoteReward(url=url, timeout=10, retries=2, backoff=0.01).score(["a", "b"], ["x", "y"], [{}, {}])
+    assert f"failed 3 time(s): the connection closed after {len(body)} of the answer's 40 bytes" in str(e.value)
+    assert seen == [1, 2, 3]
