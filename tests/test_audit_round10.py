@@ -4,12 +4,23 @@ what the user saw."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
+from run_helpers import REPO, TINY, disjoint_plan
 from test_export import CFG, _fake_checkpoint
+
+
+def _plan(tmp_path: Path) -> str:
+    path = tmp_path / "plan.json"
+    disjoint_plan().save(path)
+    return str(path)
 
 
 def _on_first_shard(monkeypatch, action) -> None:
@@ -174,3 +185,25 @@ def test_a_reward_service_that_closes_the_connection_mid_reply_is_tried_again(bo
         RemoteReward(url=url, timeout=10, retries=2, backoff=0.01).score(["a", "b"], ["x", "y"], [{}, {}])
     assert f"failed 3 time(s): the connection closed after {len(body)} of the answer's 40 bytes" in str(e.value)
     assert seen == [1, 2, 3]
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+@pytest.mark.parametrize("full", ["config/experiment.json", "trace.json"])
+def test_a_full_disk_under_a_runs_records_is_one_line_naming_the_file(tmp_path, full):
+    """A run directory on a disk that fills up (a 4 MiB tmpfs, filled to 24 KiB or 64 KiB free): the run ended in
+    `realloc run: error: No space left on device` before launching, or in `master: No space left on device` twice
+    and then `the run's records could not be written after actor_train (iteration 1): No space left on device`,
+    never naming the file. A buffered file's failed write, flush or close carries no file name. Here the file is
+    a link to /dev/full, whose writes fail as a full disk's do."""
+    run_dir = tmp_path / "run"
+    (run_dir / full).parent.mkdir(parents=True)
+    (run_dir / full).symlink_to("/dev/full")
+    proc = subprocess.run([sys.executable, "-m", "realloc", "run", TINY, "--plan", _plan(tmp_path), "--iterations",
+                           "2", "--no-final-checkpoint", "--run-dir", str(run_dir), "--quiet", "--no-tensorboard"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    err = proc.stderr.strip()
+    assert proc.returncode == 1 and len(err.splitlines()) == 1, err
+    assert err.startswith("realloc run: error: ") and err.endswith(f"{run_dir / full}: No space left on device"), err
+    if full == "trace.json":
+        assert "could not be written after" in err, err

@@ -49,7 +49,7 @@ from realloc.runtime.persist.run_settings import resume_settings
 from realloc.runtime.records.metric_sinks import MetricSinks, check_wandb_installed
 from realloc.runtime.records.progress import LONG_CALL_S, RunProgress
 from realloc.runtime.records.run_claim import LOCK_WAIT_S, claim_run_dir, remove_created
-from realloc.runtime.records.run_paths import RunPaths, remove_secret
+from realloc.runtime.records.run_paths import RunPaths, naming, remove_secret
 from realloc.runtime.records.run_record import Session, data_record, resolved_experiment, write_run_record
 from realloc.runtime.records.startup import StartupClock, settle_heap
 from realloc.runtime.wire import protocol
@@ -466,7 +466,8 @@ def _prepare_run_dir(run: RunPaths, plan: ExecutionPlan, spec: ExperimentSpec, s
     plan.save(run.plan)
     write_run_record(run.root, spec, session, resolved=resolved)
     if pre.data is not None:
-        run.data.write_text(json.dumps(data_record(pre.data, spec), indent=2))
+        with naming(run.data):
+            run.data.write_text(json.dumps(data_record(pre.data, spec), indent=2))
 
 
 def slurm_options(args: argparse.Namespace) -> SlurmOptions:
@@ -574,7 +575,8 @@ def _summary(summary: dict[str, Any], run: RunPaths, clock: StartupClock) -> Non
     if not summary:
         return
     summary = {**summary, "startup": clock.report()}
-    (run.root / "summary.json").write_text(json.dumps(summary, indent=2))
+    with naming(run.root / "summary.json"):
+        (run.root / "summary.json").write_text(json.dumps(summary, indent=2))
     clock.write(run.root / "startup.json")
     line = f"done: {summary['iterations']} iterations, {summary['iteration_time']:.2f} s/iteration (after the first)"
     if summary.get("last_reward") is not None:

@@ -280,9 +280,9 @@ class Master(MasterLink, IterationSchedule, TailStreams, EvaluationPasses, Check
         for step in steps:
             try:
                 step()
-            except OSError as e:
+            except OSError as e:  # (the run's one error line names the first; the rest follow from it)
                 first = first or e
-                log.warning("master: %s", os_error_line(e))
+                log.debug("master: %s", os_error_line(e))
         return first
 
     def request_stop(self, signum: int, source: str = "master") -> None:

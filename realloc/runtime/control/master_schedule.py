@@ -33,7 +33,7 @@ from realloc.graph.transfer_plan import TransferPlan, dp_ranges
 from realloc.runtime.control.master_link import RunFailed
 from realloc.runtime.control.master_balance import deal_rows_cached
 from realloc.runtime.control.program import Realloc
-from realloc.runtime.records.run_paths import os_error_line
+from realloc.runtime.records.run_paths import naming, os_error_line
 from realloc.runtime.records.telemetry import RequestRecord, iteration_metrics
 from realloc.runtime.records.text_io import write_samples
 from realloc.runtime.transfer.row_layout import row_bytes
@@ -311,7 +311,7 @@ class IterationSchedule:
                              "greedy": self.config.eval.greedy}
             self.n_reported += 1
             self.stats.on_iteration(m, self.iter_end[k])
-            with open(self.paths.metrics, "a") as f:
+            with naming(self.paths.metrics), open(self.paths.metrics, "a") as f:
                 f.write(json.dumps(m) + "\n")
             write_samples(self.paths.root, k, self.samples.pop(k, {}))
             self.trace.flush()

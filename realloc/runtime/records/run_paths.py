@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from pathlib import Path
+from typing import IO, Iterator
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +56,43 @@ class RunPaths:
 
     def worker_log(self, rank: int) -> Path:
         return self.logs / f"worker{rank}.log"
+
+
+@contextlib.contextmanager
+def naming(path: Path) -> Iterator[None]:
+    """Re-raise an OSError without a file name as one naming ``path``: a buffered file's failed write, flush or
+    close (a full disk) carries no name, and a run ended with just `No space left on device`."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from e
+        raise
+
+
+class NamedFile:
+    """A text file written as the run goes (trace.json, requests.jsonl) whose OSErrors name it (``naming``)."""
+
+    def __init__(self, path: Path, mode: str) -> None:
+        self.path = path
+        with naming(path):
+            self._f: IO[str] = open(path, mode)
+
+    @property
+    def closed(self) -> bool:
+        return self._f.closed
+
+    def write(self, text: str) -> None:
+        with naming(self.path):
+            self._f.write(text)
+
+    def flush(self) -> None:
+        with naming(self.path):
+            self._f.flush()
+
+    def close(self) -> None:
+        with naming(self.path):
+            self._f.close()
 
 
 def os_error_line(e: OSError) -> str:
