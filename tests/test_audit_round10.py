@@ -207,3 +207,17 @@ def test_a_full_disk_under_a_runs_records_is_one_line_naming_the_file(tmp_path, 
     assert err.startswith("realloc run: error: ") and err.endswith(f"{run_dir / full}: No space left on device"), err
     if full == "trace.json":
         assert "could not be written after" in err, err
+
+
+def test_a_plan_of_another_experiment_with_the_same_calls_says_whose_it_is():
+    """experiments/ppo_tiny.py's plan given to experiments/ppo_small.py (the same six calls on the same two
+    devices): `plan was made for a different version of experiment 'SmallPPO'`, as if ppo_small.py had been
+    edited, when the plan file is TinyPPO's."""
+    from realloc.api import load_experiment
+    from realloc.graph.dataflow import build_graph
+    from realloc.graph.plan import validate_plan
+
+    small = build_graph(load_experiment(str(REPO / "experiments/ppo_small.py")))
+    with pytest.raises(ValueError) as e:
+        validate_plan(disjoint_plan(), small)
+    assert str(e.value).startswith("plan was made for experiment 'TinyPPO', not 'SmallPPO' (graph digest "), e.value
