@@ -221,3 +221,41 @@ def test_a_plan_of_another_experiment_with_the_same_calls_says_whose_it_is():
     with pytest.raises(ValueError) as e:
         validate_plan(disjoint_plan(), small)
     assert str(e.value).startswith("plan was made for experiment 'TinyPPO', not 'SmallPPO' (graph digest "), e.value
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_FSIZE as a disk that cannot take the rewrite")
+def test_a_resume_that_cannot_rewrite_its_records_keeps_the_history(tmp_path):
+    """A resume drops the killed run's later lines of metrics.jsonl, samples.jsonl and requests.jsonl by rewriting
+    each file in place: a full disk (or a kill) during the rewrite left them truncated, the history before the
+    checkpoint lost. Here the rewrite is refused by a file-size limit below what is kept, as a full disk refuses
+    it; the files must keep their old content, and the run's error names the file."""
+    import json
+    import textwrap
+
+    lines = [json.dumps({"iteration": i, "reward": 0.25, "pad": "x" * 200}) for i in range(1, 6)]
+    for name in ("metrics.jsonl", "samples.jsonl", "requests.jsonl"):
+        (tmp_path / name).write_text("".join(line + "\n" for line in lines))
+    code = textwrap.dedent(f"""
+        import resource, signal, sys
+        from pathlib import Path
+        from realloc.runtime.records.run_paths import RunPaths
+        from realloc.runtime.records.telemetry import RequestLog
+        from realloc.runtime import run_cli
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing us
+        resource.setrlimit(resource.RLIMIT_FSIZE, (300, 300))
+        root = Path({str(tmp_path)!r})
+        for rewrite in (lambda: run_cli._truncate_metrics(root / "metrics.jsonl", 3),
+                        lambda: run_cli._drop_later_samples(RunPaths(root), 3),
+                        lambda: RequestLog(root / "requests.jsonl", resume_after=3)):
+            try:
+                rewrite()
+            except OSError as e:
+                print(e.filename, e.strerror)
+        """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    names = ("metrics.jsonl", "samples.jsonl", "requests.jsonl")
+    assert proc.stdout.splitlines() == [f"{tmp_path / name} File too large" for name in names], proc.stdout + proc.stderr
+    for name in names:
+        assert (tmp_path / name).read_text() == "".join(line + "\n" for line in lines), name
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names)  # no temporary file left

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from realloc.api import ExperimentSpec
+from realloc.atomic_file import write_text_atomically
 from realloc.cli import DEFAULT_SEARCH_TIME
 from realloc.estimator.hardware import PROFILES_ENV
 from realloc.graph.dataflow import build_graph
@@ -140,7 +141,9 @@ def _truncate_metrics(path: Path, start: int) -> None:
             continue
         if not isinstance(record, dict) or record.get("iteration", 0) <= start:
             keep.append(line)
-    path.write_text("".join(line + "\n" for line in keep))
+    # through a new file: rewritten in place, a kill or a full disk midway lost the history the run keeps
+    with naming(path):
+        write_text_atomically(path, "".join(line + "\n" for line in keep))
 
 
 def _drop_later_samples(run: RunPaths, start: int) -> None:
@@ -157,7 +160,8 @@ def _drop_later_samples(run: RunPaths, start: int) -> None:
                     kept.append(line)
             except (json.JSONDecodeError, AttributeError):
                 pass  # a half-written line of the killed run
-        samples.write_text("".join(line + "\n" for line in kept))
+        with naming(samples):
+            write_text_atomically(samples, "".join(line + "\n" for line in kept))  # (as _truncate_metrics)
     for f in (run.root / "eval").glob("iter_*.rank*.jsonl"):
         done = f.name.removeprefix("iter_").split(".")[0]
         if done.isdigit() and int(done) > start:

@@ -15,6 +15,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Collection, Iterable
 
+from realloc.atomic_file import write_text_atomically
 from realloc.runtime.records.run_paths import NamedFile, naming
 
 HEADLINE = ("reward", "kl", "actor_loss", "critic_loss", "dpo_loss", "dpo_accuracy", "sft_loss", "rm_loss",
@@ -183,8 +184,8 @@ class RequestLog:
                 if isinstance(r, dict) and r.get("iteration", 0) <= resume_after:
                     kept.append(line)
                     self.session = max(self.session, int(r.get("session", 1)) + 1)
-            with naming(path):
-                path.write_text("".join(line + "\n" for line in kept))
+            with naming(path):  # a new file renamed over it: a kill or a full disk midway keeps the old one
+                write_text_atomically(path, "".join(line + "\n" for line in kept))
             self._f = NamedFile(path, "a")
         else:
             self._f = NamedFile(path, "w")
