@@ -51,8 +51,8 @@ def claimed(meta: Path, wait: bool) -> Iterator[bool]:
     """Take a checkpoint's ``meta`` file exclusively, so no reader is inside it while it is deleted or moved.
     Yields False when ``wait`` is False and a reader holds it (the caller leaves the checkpoint alone), else True
     (also when the file is missing or the filesystem has no locks)."""
-    try:
-        fd = os.open(meta, os.O_RDONLY)
+    try:  # for writing where it may: NFS emulates flock with POSIX locks, whose exclusive kind needs it
+        fd = os.open(meta, os.O_RDWR if os.access(meta, os.W_OK) else os.O_RDONLY)
     except OSError:
         yield True
         return
