@@ -259,3 +259,37 @@ def test_a_resume_that_cannot_rewrite_its_records_keeps_the_history(tmp_path):
     for name in names:
         assert (tmp_path / name).read_text() == "".join(line + "\n" for line in lines), name
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names)  # no temporary file left
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_FSIZE as a full disk")
+def test_a_full_disk_at_the_runs_secret_or_its_source_copy_names_the_file(tmp_path):
+    """Two more of a 4 MiB tmpfs's fill levels: `realloc run: error: No space left on device` (the run secret's
+    write; an empty secret file stayed behind) and `realloc run: error: /home/me/exp/ppo_tiny.py: No space left on
+    device`, which blamed the experiment file for the copy into config/source/ that failed."""
+    import textwrap
+
+    from realloc.runtime.records.run_paths import os_error_line
+
+    src = tmp_path / "ppo_tiny.py"
+    src.write_text("x" * 1000)
+    code = textwrap.dedent(f"""
+        import resource, shutil, signal
+        from pathlib import Path
+        from realloc.runtime.records.run_paths import os_error_line
+        from realloc.runtime.wire import protocol
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (10, 10))
+        root = Path({str(tmp_path)!r})
+        for write in (lambda: protocol.write_secret_file(root / "secret", protocol.new_secret()),
+                      lambda: shutil.copy(root / "ppo_tiny.py", root / "copy.py")):
+            try:
+                write()
+            except OSError as e:
+                print(os_error_line(e))
+        """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout.splitlines() == [f"{tmp_path / 'secret'}: File too large",
+                                        f"copying {src} to {tmp_path / 'copy.py'}: File too large"], proc.stderr
+    assert not (tmp_path / "secret").exists()
+    assert os_error_line(OSError(28, "No space left on device", "/a/b")) == "/a/b: No space left on device"

@@ -99,6 +99,8 @@ def os_error_line(e: OSError) -> str:
     """An OSError as the user needs it: the path and the cause (``/runs/a/metrics.jsonl: No space left on
     device``), without Python's ``[Errno 28]``."""
     cause = e.strerror or str(e) or type(e).__name__
+    if e.filename and e.filename2:  # a copy (shutil names the source first): the target is as likely the cause
+        return f"copying {e.filename} to {e.filename2}: {cause}"
     return f"{e.filename}: {cause}" if e.filename else cause
 
 
