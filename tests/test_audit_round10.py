@@ -293,3 +293,46 @@ def test_a_full_disk_at_the_runs_secret_or_its_source_copy_names_the_file(tmp_pa
                                         f"copying {src} to {tmp_path / 'copy.py'}: File too large"], proc.stderr
     assert not (tmp_path / "secret").exists()
     assert os_error_line(OSError(28, "No space left on device", "/a/b")) == "/a/b: No space left on device"
+
+
+def test_a_full_disk_after_a_checkpoint_is_committed_does_not_say_the_checkpoint_was_not_written(tmp_path,
+                                                                                                  monkeypatch):
+    """A 12 MiB tmpfs with 5000 KiB free: checkpoint 1 was committed whole (iter_00000001 with its meta.json), then
+    trace.json's write after it failed, and the run said `checkpoint 1 could not be written: .../trace.json: No
+    space left on device`, so a user would not resume from the checkpoint that is there."""
+    import asyncio
+    import errno
+
+    from fake_workers import FakeWorkers
+    from realloc.api import load_experiment
+    from realloc.graph.dataflow import build_graph
+    from realloc.runtime.control.master import Master
+    from realloc.runtime.control.master_link import RunFailed
+    from realloc.runtime.control.program import RuntimeProgram
+    from realloc.runtime.inputs.run_config import RunConfig
+    from realloc.runtime.persist import checkpoint
+    from realloc.runtime.records.run_paths import RunPaths
+    from realloc.runtime.records.telemetry import Trace
+    from realloc.runtime.wire import protocol
+
+    real = Trace.add_node
+
+    def full_after_the_save(self, name, kind, *args):
+        if kind == "save":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "trace.json"))
+        return real(self, name, kind, *args)
+
+    monkeypatch.setattr(Trace, "add_node", full_after_the_save)
+    spec = load_experiment(TINY)
+    graph = build_graph(spec)
+    secret = protocol.new_secret()
+    master = Master(RuntimeProgram(graph, disjoint_plan()), RunConfig.of(spec), RunPaths(tmp_path), "r1", secret,
+                    iterations=2, save_every=1, save_final=False, heartbeat_timeout=600.0)
+    outputs = {c: list(graph.call(c).output_data) for c in graph.topo_order}
+    with FakeWorkers(f"tcp://127.0.0.1:{master.port}", secret, "r1", spec.cluster.n_devices, outputs):
+        with pytest.raises(RunFailed) as failed:
+            asyncio.run(master.run())
+    msg = str(failed.value)
+    assert msg.startswith("the run's records could not be written after ") and "(iteration 1)" in msg, msg
+    assert msg.endswith(f"{tmp_path / 'trace.json'}: No space left on device"), msg
+    assert checkpoint.find_newest(tmp_path).name == "iter_00000001"  # whole, and what --resume takes

@@ -217,6 +217,7 @@ class IterationSchedule:
                     ev.set()
 
     async def _node(self, n: Node) -> None:
+        saved = False  # a save node's checkpoint is committed: a later failed write is the records', not its
         try:
             for d in self._deps(n):
                 ev = self._event(d)
@@ -243,6 +244,7 @@ class IterationSchedule:
                 await self._wait(rec)
             elif n.kind == "save":
                 await self._save(n.t)
+                saved = True
             elif n.kind == "eval":
                 await self._eval(n)
             t1 = time.time()
@@ -260,7 +262,7 @@ class IterationSchedule:
         except RunFailed:
             pass  # already recorded; run() raises it
         except OSError as e:  # the master's own writes: a full disk or a read-only run directory
-            if n.kind == "save":
+            if n.kind == "save" and not saved:
                 self.fail(f"checkpoint {n.t + 1} could not be written: {os_error_line(e)}")
             else:
                 self.fail(f"the run's records could not be written after {n.label} (iteration {n.t + 1}): "
