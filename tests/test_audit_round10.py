@@ -300,20 +300,10 @@ def test_a_full_disk_after_a_checkpoint_is_committed_does_not_say_the_checkpoint
     """A 12 MiB tmpfs with 5000 KiB free: checkpoint 1 was committed whole (iter_00000001 with its meta.json), then
     trace.json's write after it failed, and the run said `checkpoint 1 could not be written: .../trace.json: No
     space left on device`, so a user would not resume from the checkpoint that is there."""
-    import asyncio
     import errno
 
-    from fake_workers import FakeWorkers
-    from realloc.api import load_experiment
-    from realloc.graph.dataflow import build_graph
-    from realloc.runtime.control.master import Master
-    from realloc.runtime.control.master_link import RunFailed
-    from realloc.runtime.control.program import RuntimeProgram
-    from realloc.runtime.inputs.run_config import RunConfig
     from realloc.runtime.persist import checkpoint
-    from realloc.runtime.records.run_paths import RunPaths
     from realloc.runtime.records.telemetry import Trace
-    from realloc.runtime.wire import protocol
 
     real = Trace.add_node
 
@@ -323,16 +313,51 @@ def test_a_full_disk_after_a_checkpoint_is_committed_does_not_say_the_checkpoint
         return real(self, name, kind, *args)
 
     monkeypatch.setattr(Trace, "add_node", full_after_the_save)
+    msg = _failed_fake_run(tmp_path, save_every=1)
+    assert msg.startswith("the run's records could not be written after ") and "(iteration 1)" in msg, msg
+    assert msg.endswith(f"{tmp_path / 'trace.json'}: No space left on device"), msg
+    assert checkpoint.find_newest(tmp_path).name == "iter_00000001"  # whole, and what --resume takes
+
+
+def _failed_fake_run(tmp_path: Path, **kwargs) -> str:
+    """The one error line of a master that runs 2 iterations of ppo_tiny with fake workers (``kwargs`` to it)."""
+    import asyncio
+
+    from fake_workers import FakeWorkers
+    from realloc.api import load_experiment
+    from realloc.graph.dataflow import build_graph
+    from realloc.runtime.control.master import Master
+    from realloc.runtime.control.master_link import RunFailed
+    from realloc.runtime.control.program import RuntimeProgram
+    from realloc.runtime.inputs.run_config import RunConfig
+    from realloc.runtime.records.run_paths import RunPaths
+    from realloc.runtime.wire import protocol
+
     spec = load_experiment(TINY)
     graph = build_graph(spec)
     secret = protocol.new_secret()
     master = Master(RuntimeProgram(graph, disjoint_plan()), RunConfig.of(spec), RunPaths(tmp_path), "r1", secret,
-                    iterations=2, save_every=1, save_final=False, heartbeat_timeout=600.0)
+                    iterations=2, save_final=False, heartbeat_timeout=600.0, **kwargs)
     outputs = {c: list(graph.call(c).output_data) for c in graph.topo_order}
     with FakeWorkers(f"tcp://127.0.0.1:{master.port}", secret, "r1", spec.cluster.n_devices, outputs):
         with pytest.raises(RunFailed) as failed:
             asyncio.run(master.run())
-    msg = str(failed.value)
-    assert msg.startswith("the run's records could not be written after ") and "(iteration 1)" in msg, msg
-    assert msg.endswith(f"{tmp_path / 'trace.json'}: No space left on device"), msg
-    assert checkpoint.find_newest(tmp_path).name == "iter_00000001"  # whole, and what --resume takes
+    return str(failed.value)
+
+
+def test_a_full_disk_during_an_export_every_n_says_it_was_the_export(tmp_path, monkeypatch):
+    """`--export-every 1` on a disk with room for the checkpoint but not its export: the run's line was
+    `realloc run: error: RUN/exports/iter_00000001/.actor.part-01158b43/model.safetensors: No space left on device`,
+    naming a temporary folder, neither the export nor the checkpoint that holds the state."""
+    import errno
+
+    from realloc.runtime.persist import export
+
+    def full(ckpt, model, out, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out.parent / f".{out.name}.part-0/x"))
+
+    monkeypatch.setattr(export, "export_checkpoint", full)
+    msg = _failed_fake_run(tmp_path, save_every=1, export_every=1)
+    ckpt = tmp_path / "checkpoints" / "iter_00000001"
+    assert msg.startswith("the export of actor after iteration 1 (--export-every) could not be written: "), msg
+    assert f"No space left on device; checkpoint {ckpt} holds that state" in msg, msg

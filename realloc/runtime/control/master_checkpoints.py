@@ -85,7 +85,12 @@ class CheckpointSaves:
 
         for m in self.model_records:
             out = self.paths.root / "exports" / checkpoint.checkpoint_name(done) / m
-            export_checkpoint(ckpt, m, out)
+            try:
+                export_checkpoint(ckpt, m, out)
+            except OSError as e:  # (it named only the export's temporary folder)
+                raise RunFailed(f"the export of {m} after iteration {done} (--export-every) could not be written: "
+                                f"{os_error_line(e)}; checkpoint {ckpt} holds that state (`realloc export` it "
+                                f"later)") from None
             log.info("exported %s after iteration %d to %s", m, done, out)
 
     async def _stop_after(self, t: int) -> None:
