@@ -313,14 +313,15 @@ def test_a_full_disk_after_a_checkpoint_is_committed_does_not_say_the_checkpoint
         return real(self, name, kind, *args)
 
     monkeypatch.setattr(Trace, "add_node", full_after_the_save)
-    msg = _failed_fake_run(tmp_path, save_every=1)
+    msg = _fake_run(tmp_path, save_every=1)
     assert msg.startswith("the run's records could not be written after ") and "(iteration 1)" in msg, msg
     assert msg.endswith(f"{tmp_path / 'trace.json'}: No space left on device"), msg
     assert checkpoint.find_newest(tmp_path).name == "iter_00000001"  # whole, and what --resume takes
 
 
-def _failed_fake_run(tmp_path: Path, **kwargs) -> str:
-    """The one error line of a master that runs 2 iterations of ppo_tiny with fake workers (``kwargs`` to it)."""
+def _fake_run(tmp_path: Path, **kwargs) -> str | None:
+    """A master running ppo_tiny with fake workers (2 iterations; ``kwargs`` to it): its one error line, or None
+    when the run went well."""
     import asyncio
 
     from fake_workers import FakeWorkers
@@ -337,12 +338,14 @@ def _failed_fake_run(tmp_path: Path, **kwargs) -> str:
     graph = build_graph(spec)
     secret = protocol.new_secret()
     master = Master(RuntimeProgram(graph, disjoint_plan()), RunConfig.of(spec), RunPaths(tmp_path), "r1", secret,
-                    iterations=2, save_final=False, heartbeat_timeout=600.0, **kwargs)
+                    **{"iterations": 2, "save_final": False, "heartbeat_timeout": 600.0, **kwargs})
     outputs = {c: list(graph.call(c).output_data) for c in graph.topo_order}
     with FakeWorkers(f"tcp://127.0.0.1:{master.port}", secret, "r1", spec.cluster.n_devices, outputs):
-        with pytest.raises(RunFailed) as failed:
+        try:
             asyncio.run(master.run())
-    return str(failed.value)
+        except RunFailed as e:
+            return str(e)
+    return None
 
 
 def test_a_full_disk_during_an_export_every_n_says_it_was_the_export(tmp_path, monkeypatch):
@@ -357,7 +360,32 @@ def test_a_full_disk_during_an_export_every_n_says_it_was_the_export(tmp_path, m
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out.parent / f".{out.name}.part-0/x"))
 
     monkeypatch.setattr(export, "export_checkpoint", full)
-    msg = _failed_fake_run(tmp_path, save_every=1, export_every=1)
+    msg = _fake_run(tmp_path, save_every=1, export_every=1)
     ckpt = tmp_path / "checkpoints" / "iter_00000001"
     assert msg.startswith("the export of actor after iteration 1 (--export-every) could not be written: "), msg
     assert f"No space left on device; checkpoint {ckpt} holds that state" in msg, msg
+
+
+def test_a_run_branched_from_a_peers_checkpoint_holds_it_while_its_workers_load_it(tmp_path, monkeypatch):
+    """`realloc run --resume runs/a/checkpoints/iter_00000001 --run-dir runs/b` while runs/a goes on: runs/a's next
+    save pruned iter_00000001 (--keep-checkpoints) while runs/b's workers were reading it. The branching run now
+    holds it for reading until its workers have loaded it, so runs/a's prune leaves it for its next save."""
+    from realloc.runtime.persist import checkpoint as C
+    from realloc.runtime.persist.ckpt_lock import being_read
+    from realloc.runtime.wire import protocol
+
+    peer = tmp_path / "a" / "checkpoints"
+    for t in (1, 2):
+        C.commit(C.begin(peer, t), peer, t, {"next_iteration": t}, "{}")
+    branched = peer / "iter_00000001"
+    seen, real = [], protocol.Setup
+
+    def setup(**kwargs):  # what the peer's prune would find while this run's workers are told to load it
+        seen.append((kwargs["resume"], being_read(branched / C.META), C.prune(peer, peer / "iter_00000002", 1)))
+        return real(**kwargs)
+
+    monkeypatch.setattr(protocol, "Setup", setup)
+    (tmp_path / "b").mkdir()
+    assert _fake_run(tmp_path / "b", resume=branched, start_iteration=1, iterations=1) is None
+    assert seen == [(str(branched), True, [])] and branched.is_dir()
+    assert C.prune(peer, peer / "iter_00000002", 1) == [branched]  # the peer's next save
