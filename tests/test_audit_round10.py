@@ -389,3 +389,25 @@ def test_a_run_branched_from_a_peers_checkpoint_holds_it_while_its_workers_load_
     assert _fake_run(tmp_path / "b", resume=branched, start_iteration=1, iterations=1) is None
     assert seen == [(str(branched), True, [])] and branched.is_dir()
     assert C.prune(peer, peer / "iter_00000002", 1) == [branched]  # the peer's next save
+
+
+def test_an_export_killed_midway_leaves_no_hidden_copy_once_exported_again(tmp_path):
+    """`realloc export` killed while writing (SIGKILL, the OOM killer) left `.hf.part-1a2b3c4d/` beside --out, as
+    large as the model and hidden; exporting again succeeded and left it there for good. The next export to the
+    same --out now removes those of this host whose process is gone, and no other."""
+    import socket
+
+    from realloc.runtime.persist.export import export_checkpoint
+
+    ckpt, _ = _fake_checkpoint(tmp_path / "run", CFG, 1, 1, iteration=1)
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait()
+    host = socket.gethostname()
+    parts = {name: tmp_path / f".hf.part-{name}-0a1b2c3d" for name in
+             (f"{host}-{gone.pid}", f"{host}-{os.getpid()}", f"other-host-{gone.pid}")}
+    for p in parts.values():
+        p.mkdir()
+        (p / "model.safetensors").write_bytes(b"half")
+    export_checkpoint(ckpt, "actor", tmp_path / "hf")
+    left = sorted(p.name for p in tmp_path.glob(".hf.part-*"))
+    assert left == sorted(parts[k].name for k in (f"{host}-{os.getpid()}", f"other-host-{gone.pid}")), left
