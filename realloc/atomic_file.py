@@ -26,17 +26,22 @@ def write_text_atomically(path: Path, text: str) -> None:
     a rename would replace the device itself."""
     if path.is_dir():
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
-    if path.exists() and not path.is_file():
-        path.write_text(text)
-        return
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+        if path.exists() and not path.is_file():
+            path.write_text(text)
+            return
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    except OSError as e:  # a full disk fails the write or the close, whose error names no file: name the target
+        if e.filename is None or str(e.filename).endswith(".tmp"):
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from e
         raise
 
 

@@ -262,10 +262,11 @@ def test_a_resume_that_cannot_rewrite_its_records_keeps_the_history(tmp_path):
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_FSIZE as a full disk")
-def test_a_full_disk_at_the_runs_secret_or_its_source_copy_names_the_file(tmp_path):
+def test_a_full_disk_at_the_runs_secret_its_source_copy_or_a_plan_names_the_file(tmp_path):
     """Two more of a 4 MiB tmpfs's fill levels: `realloc run: error: No space left on device` (the run secret's
     write; an empty secret file stayed behind) and `realloc run: error: /home/me/exp/ppo_tiny.py: No space left on
-    device`, which blamed the experiment file for the copy into config/source/ that failed."""
+    device`, which blamed the experiment file for the copy into config/source/ that failed. And `realloc search
+    --out plan.json` on a full disk: `realloc search: error: No space left on device`."""
     import textwrap
 
     from realloc.runtime.records.run_paths import os_error_line
@@ -275,13 +276,15 @@ def test_a_full_disk_at_the_runs_secret_or_its_source_copy_names_the_file(tmp_pa
     code = textwrap.dedent(f"""
         import resource, shutil, signal
         from pathlib import Path
+        from realloc.atomic_file import write_text_atomically
         from realloc.runtime.records.run_paths import os_error_line
         from realloc.runtime.wire import protocol
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (10, 10))
         root = Path({str(tmp_path)!r})
         for write in (lambda: protocol.write_secret_file(root / "secret", protocol.new_secret()),
-                      lambda: shutil.copy(root / "ppo_tiny.py", root / "copy.py")):
+                      lambda: shutil.copy(root / "ppo_tiny.py", root / "copy.py"),
+                      lambda: write_text_atomically(root / "plan.json", "x" * 100)):
             try:
                 write()
             except OSError as e:
@@ -290,8 +293,9 @@ def test_a_full_disk_at_the_runs_secret_or_its_source_copy_names_the_file(tmp_pa
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.stdout.splitlines() == [f"{tmp_path / 'secret'}: File too large",
-                                        f"copying {src} to {tmp_path / 'copy.py'}: File too large"], proc.stderr
-    assert not (tmp_path / "secret").exists()
+                                        f"copying {src} to {tmp_path / 'copy.py'}: File too large",
+                                        f"{tmp_path / 'plan.json'}: File too large"], proc.stderr
+    assert not (tmp_path / "secret").exists() and not list(tmp_path.glob(".plan.json.*"))
     assert os_error_line(OSError(28, "No space left on device", "/a/b")) == "/a/b: No space left on device"
 
 
