@@ -4,7 +4,7 @@ A fixed temporary name (``plan.json.tmp``) is shared by two processes saving the
 ``realloc search --out plan.json``, two ``realloc profile`` runs into one folder): one truncates the other's
 half-written file, and the slower one's rename then fails or publishes a torn file. Each writer here has its own
 temporary name, so readers see one whole version, the last renamed. Beside it, ``safetensors_os_errors``: a
-safetensors file that could not be written fails as the OSError it is.
+safetensors file that could not be written fails as the OSError it is; ``naming``: a failed write names its file.
 """
 
 from __future__ import annotations
@@ -18,6 +18,18 @@ from pathlib import Path
 from typing import Iterator
 
 from safetensors import SafetensorError
+
+
+@contextlib.contextmanager
+def naming(path: Path) -> Iterator[None]:
+    """Re-raise an OSError without a file name as one naming ``path``: a buffered file's failed write, flush or
+    close (a full disk) carries no name, and a run ended with just `No space left on device`."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from e
+        raise
 
 
 def write_text_atomically(path: Path, text: str) -> None:

@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO
+
+from realloc.atomic_file import naming
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,18 +57,6 @@ class RunPaths:
 
     def worker_log(self, rank: int) -> Path:
         return self.logs / f"worker{rank}.log"
-
-
-@contextlib.contextmanager
-def naming(path: Path) -> Iterator[None]:
-    """Re-raise an OSError without a file name as one naming ``path``: a buffered file's failed write, flush or
-    close (a full disk) carries no name, and a run ended with just `No space left on device`."""
-    try:
-        yield
-    except OSError as e:
-        if e.filename is None:
-            raise OSError(e.errno, e.strerror or str(e), str(path)) from e
-        raise
 
 
 class NamedFile:
