@@ -266,7 +266,8 @@ def test_a_full_disk_at_the_runs_secret_its_source_copy_or_a_plan_names_the_file
     """Two more of a 4 MiB tmpfs's fill levels: `realloc run: error: No space left on device` (the run secret's
     write; an empty secret file stayed behind) and `realloc run: error: /home/me/exp/ppo_tiny.py: No space left on
     device`, which blamed the experiment file for the copy into config/source/ that failed. And `realloc search
-    --out plan.json` or `realloc trace RUN --timeline t.html` on a full disk: `No space left on device`, no file."""
+    --out plan.json` or `realloc trace RUN --timeline t.html` on a full disk: `No space left on device`, no file;
+    `realloc run --launcher slurm --prepare` left half a job.sbatch there to submit."""
     import textwrap
 
     from realloc.runtime.records.run_paths import os_error_line
@@ -278,6 +279,8 @@ def test_a_full_disk_at_the_runs_secret_its_source_copy_or_a_plan_names_the_file
         from pathlib import Path
         from realloc.atomic_file import write_text_atomically
         from realloc.search.timeline import Panel, write_timeline
+        from realloc.runtime.launch.launcher import write_job_script
+        from realloc.runtime.records.run_paths import RunPaths
         from realloc.runtime.records.run_paths import os_error_line
         from realloc.runtime.wire import protocol
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -286,7 +289,8 @@ def test_a_full_disk_at_the_runs_secret_its_source_copy_or_a_plan_names_the_file
         for write in (lambda: protocol.write_secret_file(root / "secret", protocol.new_secret()),
                       lambda: shutil.copy(root / "ppo_tiny.py", root / "copy.py"),
                       lambda: write_text_atomically(root / "plan.json", "x" * 100),
-                      lambda: write_timeline([Panel("run", (), ((1, 1.0),), ("cpu0",), ())], root / "t.html")):
+                      lambda: write_timeline([Panel("run", (), ((1, 1.0),), ("cpu0",), ())], root / "t.html"),
+                      lambda: write_job_script("x" * 100, RunPaths(root))):
             try:
                 write()
             except OSError as e:
@@ -297,8 +301,10 @@ def test_a_full_disk_at_the_runs_secret_its_source_copy_or_a_plan_names_the_file
     assert proc.stdout.splitlines() == [f"{tmp_path / 'secret'}: File too large",
                                         f"copying {src} to {tmp_path / 'copy.py'}: File too large",
                                         f"{tmp_path / 'plan.json'}: File too large",
-                                        f"{tmp_path / 't.html'}: File too large"], proc.stderr
+                                        f"{tmp_path / 't.html'}: File too large",
+                                        f"{tmp_path / 'job.sbatch'}: File too large"], proc.stderr
     assert not (tmp_path / "secret").exists() and not list(tmp_path.glob(".plan.json.*"))
+    assert not (tmp_path / "job.sbatch").exists()  # no half script to submit
     assert os_error_line(OSError(28, "No space left on device", "/a/b")) == "/a/b: No space left on device"
 
 
