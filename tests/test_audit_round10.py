@@ -424,3 +424,24 @@ def test_an_export_killed_midway_leaves_no_hidden_copy_once_exported_again(tmp_p
     export_checkpoint(ckpt, "actor", tmp_path / "hf")
     left = sorted(p.name for p in tmp_path.glob(".hf.part-*"))
     assert left == sorted(parts[k].name for k in (f"{host}-{os.getpid()}", f"other-host-{gone.pid}")), left
+
+
+def test_checkpoints_kept_for_their_exports_are_pruned_once_the_exports_are_done(tmp_path, monkeypatch):
+    """`realloc run --iterations 5 --save-every 1 --keep-checkpoints 1 --export-every 1` (ppo_tiny) ended with all
+    five checkpoints: each save left the ones whose export was still running (the first export imports torch in
+    the master, seconds) for the next save, and after the last save there is none. The run prunes them once its
+    exports are done."""
+    import time
+
+    from realloc.runtime.persist import export
+
+    root = tmp_path / "checkpoints"
+
+    def slow_export(ckpt, model, out, **kwargs):  # still running at the next save: until the last checkpoint is in
+        deadline = time.monotonic() + 60
+        while not (root / "iter_00000002").is_dir() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    monkeypatch.setattr(export, "export_checkpoint", slow_export)
+    assert _fake_run(tmp_path, save_every=1, export_every=1, keep_checkpoints=1) is None
+    assert sorted(p.name for p in root.glob("iter_*")) == ["iter_00000002"]

@@ -191,6 +191,7 @@ class Master(MasterLink, IterationSchedule, TailStreams, EvaluationPasses, Check
         self.all_done: asyncio.Event | None = None  # created when the iterations start
         self.last_spawned = -1
         self.longest_save: float | None = None
+        self.last_saved: Path | None = None  # this run's newest checkpoint
 
     async def run(self) -> dict[str, Any]:
         """Connect the workers, set them up, run the iterations, shut down; return the run's summary
@@ -247,6 +248,7 @@ class Master(MasterLink, IterationSchedule, TailStreams, EvaluationPasses, Check
                 raise RunFailed(self.failure)
             if self.exports:
                 await self._guard(asyncio.gather(*self.exports))
+                await self.prune_after_exports()
             shutdown = self._send(range(self.n_workers), "shutdown", "shutdown", -1, "shutdown",
                                   lambda req: protocol.Shutdown(req=req))
             try:
