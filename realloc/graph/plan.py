@@ -271,8 +271,10 @@ def validate_plan(plan: ExecutionPlan, graph: "DataflowGraph") -> dict[str, Devi
     if missing:
         raise ValueError(f"plan has no placement for call {missing[0]!r}")
     if plan.graph_digest != graph.digest:
-        raise ValueError(f"plan was made for a different version of experiment {spec.name!r} (graph digest "
-                         f"{plan.graph_digest} != {graph.digest}); search again")
+        which = (f"a different version of experiment {spec.name!r}" if plan.experiment == spec.name else
+                 f"experiment {plan.experiment!r}, not {spec.name!r}")  # a plan file of another experiment
+        raise ValueError(f"plan was made for {which} (graph digest {plan.graph_digest} != {graph.digest}); search "
+                         f"again")
     if plan.staleness > spec.max_staleness:
         raise ValueError(f"plan has staleness {plan.staleness}, but experiment {spec.name!r} allows at most "
                          f"{spec.max_staleness}; set @auto(max_staleness={plan.staleness}) (or --set "

@@ -10,8 +10,8 @@ from realloc.runtime.persist.export import export_checkpoint, find_checkpoint
 
 def main(args: argparse.Namespace) -> int:
     ckpt = find_checkpoint(args.run_dir, args.iteration, args.skip_checkpoint_checks)
+    done = checkpoint.read_meta(ckpt).get("next_iteration")  # before: the run may set it aside once it is read
     out = export_checkpoint(ckpt, args.model, args.out, dtype=args.dtype, verify=not args.skip_checkpoint_checks,
                             fmt=args.format)
-    done = checkpoint.read_meta(ckpt).get("next_iteration")
     print(f"exported {args.model} after iteration {done} from {ckpt} to {out}")
     return 0

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from realloc.api import ExperimentSpec
+from realloc.atomic_file import write_text_atomically
 from realloc.cli import DEFAULT_SEARCH_TIME
 from realloc.estimator.hardware import PROFILES_ENV
 from realloc.graph.dataflow import build_graph
@@ -49,7 +50,7 @@ from realloc.runtime.persist.run_settings import resume_settings
 from realloc.runtime.records.metric_sinks import MetricSinks, check_wandb_installed
 from realloc.runtime.records.progress import LONG_CALL_S, RunProgress
 from realloc.runtime.records.run_claim import LOCK_WAIT_S, claim_run_dir, remove_created
-from realloc.runtime.records.run_paths import RunPaths, remove_secret
+from realloc.runtime.records.run_paths import RunPaths, naming, remove_secret
 from realloc.runtime.records.run_record import Session, data_record, resolved_experiment, write_run_record
 from realloc.runtime.records.startup import StartupClock, settle_heap
 from realloc.runtime.wire import protocol
@@ -140,7 +141,9 @@ def _truncate_metrics(path: Path, start: int) -> None:
             continue
         if not isinstance(record, dict) or record.get("iteration", 0) <= start:
             keep.append(line)
-    path.write_text("".join(line + "\n" for line in keep))
+    # through a new file: rewritten in place, a kill or a full disk midway lost the history the run keeps
+    with naming(path):
+        write_text_atomically(path, "".join(line + "\n" for line in keep))
 
 
 def _drop_later_samples(run: RunPaths, start: int) -> None:
@@ -157,7 +160,8 @@ def _drop_later_samples(run: RunPaths, start: int) -> None:
                     kept.append(line)
             except (json.JSONDecodeError, AttributeError):
                 pass  # a half-written line of the killed run
-        samples.write_text("".join(line + "\n" for line in kept))
+        with naming(samples):
+            write_text_atomically(samples, "".join(line + "\n" for line in kept))  # (as _truncate_metrics)
     for f in (run.root / "eval").glob("iter_*.rank*.jsonl"):
         done = f.name.removeprefix("iter_").split(".")[0]
         if done.isdigit() and int(done) > start:
@@ -466,7 +470,8 @@ def _prepare_run_dir(run: RunPaths, plan: ExecutionPlan, spec: ExperimentSpec, s
     plan.save(run.plan)
     write_run_record(run.root, spec, session, resolved=resolved)
     if pre.data is not None:
-        run.data.write_text(json.dumps(data_record(pre.data, spec), indent=2))
+        with naming(run.data):
+            run.data.write_text(json.dumps(data_record(pre.data, spec), indent=2))
 
 
 def slurm_options(args: argparse.Namespace) -> SlurmOptions:
@@ -574,7 +579,8 @@ def _summary(summary: dict[str, Any], run: RunPaths, clock: StartupClock) -> Non
     if not summary:
         return
     summary = {**summary, "startup": clock.report()}
-    (run.root / "summary.json").write_text(json.dumps(summary, indent=2))
+    with naming(run.root / "summary.json"):
+        (run.root / "summary.json").write_text(json.dumps(summary, indent=2))
     clock.write(run.root / "startup.json")
     line = f"done: {summary['iterations']} iterations, {summary['iteration_time']:.2f} s/iteration (after the first)"
     if summary.get("last_reward") is not None:

@@ -21,6 +21,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from realloc import _C
+from realloc.atomic_file import naming
 from realloc.graph.dataflow import DataflowGraph
 from realloc.graph.plan import ExecutionPlan, validate_plan
 from realloc.search.turns_report import turn_boxes
@@ -220,10 +221,11 @@ def _tooltip(b: Box) -> str:
 def write_timeline(panels: Sequence[Panel], path: str | Path, common_scale: bool = False) -> Path:
     """Draw ``panels`` stacked, each on its own time axis unless ``common_scale``."""
     path = check_suffix(path)
-    if path.suffix == ".html":
-        path.write_text(timeline_html(panels, common_scale=common_scale))
-    else:
-        _draw_matplotlib(panels, path, common_scale)
+    with naming(path):  # a full disk's failed write names no file
+        if path.suffix == ".html":
+            path.write_text(timeline_html(panels, common_scale=common_scale))
+        else:
+            _draw_matplotlib(panels, path, common_scale)
     return path
 
 

@@ -13,8 +13,10 @@ headers and then drips the body a byte at a time is cut off there too (a socket 
 read). A request that misses its deadline, cannot connect, or gets a 5xx or 429 answer is tried again, up to
 ``retries`` more times with a doubling pause from ``backoff`` seconds, so a failing call ends within about
 ``timeout × (retries + 1)`` plus the pauses: once one request has failed, the queued ones are not sent. Any
-other answer (another status, malformed JSON, the wrong number of scores, a body over ``max_bytes``, 16 MiB by
-default: scores are a few bytes each) fails at once. Either way the run stops with one error naming the URL. The URL is reached directly (no proxy, no redirects).
+other answer (another status, malformed JSON, the wrong number of scores, a score that is not a finite number
+(NaN, Infinity), a body over ``max_bytes``, 16 MiB by default: scores are a few bytes each) fails at once; an
+answer cut short of its Content-Length (the service closed the connection mid-reply) is tried again. Either way
+the run stops with one error naming the URL. The URL is reached directly (no proxy, no redirects).
 
 Data goes to the URL as JSON and only numbers come back: nothing received is executed. Point it at a service you
 trust, on a network you trust (the request carries the prompts and responses in clear text over ``http``).
@@ -26,6 +28,7 @@ import concurrent.futures
 import dataclasses
 import http.client
 import json
+import math
 import socket
 import threading
 import time
@@ -34,6 +37,7 @@ from typing import Any, Mapping, Sequence
 
 _RETRY_STATUS = {429, 500, 502, 503, 504}
 _READ = 1 << 16  # bytes per read of the answer's body
+_BIG = 2 ** 1023  # an int beyond +-2**1024 has no float (a float() of it raises OverflowError)
 
 
 class _Retry(Exception):
@@ -163,10 +167,14 @@ class RemoteReward:
                 parts.append(part)
             if late.is_set():  # the cut-off's end of stream, not the answer's
                 raise _Late(f"no answer within timeout={self.timeout} s (a deadline for the whole request)")
+            if resp.length:  # read1 ends quietly where the service closed the connection before its Content-Length
+                raise _Retry(f"the connection closed after {got} of the answer's {got + resp.length} bytes")
             return b"".join(parts)
         except (http.client.HTTPException, OSError) as e:
             if late.is_set() or isinstance(e, (TimeoutError, socket.timeout)):
                 raise _Late(f"no answer within timeout={self.timeout} s (a deadline for the whole request)") from None
+            if isinstance(e, http.client.RemoteDisconnected):  # connected, then closed without a status line
+                raise _Retry("the service closed the connection without answering") from None
             if isinstance(e, (ConnectionRefusedError, socket.gaierror)) or conn.sock is None:
                 raise _Retry(f"cannot connect ({e})") from None
             raise _Retry(f"the connection failed ({e!r})") from None
@@ -182,7 +190,7 @@ class RemoteReward:
     def _parse(self, raw: bytes, n: int) -> list[float]:
         try:
             got = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: arrays nested deeper than the parser goes
             raise RewardServiceError(f"reward service {self.url} answered with something other than JSON: "
                                      f"{raw[:80]!r}") from None
         scores = got.get("scores", got.get("rewards")) if isinstance(got, dict) else None
@@ -194,4 +202,9 @@ class RemoteReward:
                                                    for s in scores):
             raise RewardServiceError(f"reward service {self.url} must answer {{\"scores\": [{n} numbers]}} for "
                                      f"{n} sequences; got {str(got)[:120]}")
+        bad = next((s for s in scores if not (isinstance(s, float) or -_BIG < s < _BIG) or not math.isfinite(s)),
+                   None)  # JSON's NaN, Infinity, 1e999 and integers past a float's range
+        if bad is not None:
+            raise RewardServiceError(f"reward service {self.url} answered the score {str(bad)[:40]} for sequence "
+                                     f"{scores.index(bad)} of a request; a score must be a finite number")
         return [float(s) for s in scores]

@@ -15,6 +15,7 @@ This file holds the state they share, the run from connecting to shutdown, and s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import logging
 import os
@@ -40,6 +41,7 @@ from realloc.runtime.control.stop_signals import STOP_MARGIN, StopRequest, StopS
 from realloc.runtime.inputs.evaluation import eval_calls
 from realloc.runtime.inputs.run_config import RunConfig
 from realloc.runtime.persist import checkpoint
+from realloc.runtime.persist.ckpt_lock import reading
 from realloc.runtime.records.run_paths import RunPaths, os_error_line, remove_secret
 from realloc.runtime.records.startup import StartupClock
 from realloc.runtime.records.telemetry import RequestLog, RequestRecord, RunStats, Trace
@@ -189,6 +191,7 @@ class Master(MasterLink, IterationSchedule, TailStreams, EvaluationPasses, Check
         self.all_done: asyncio.Event | None = None  # created when the iterations start
         self.last_spawned = -1
         self.longest_save: float | None = None
+        self.last_saved: Path | None = None  # this run's newest checkpoint
 
     async def run(self) -> dict[str, Any]:
         """Connect the workers, set them up, run the iterations, shut down; return the run's summary
@@ -221,12 +224,16 @@ class Master(MasterLink, IterationSchedule, TailStreams, EvaluationPasses, Check
                 self.fail(str(e))
                 raise RunFailed(self.failure) from None
             self._write_workers_file()
-            setup = self._send(range(self.n_workers), "setup", "setup", -1, "setup",
-                               lambda req: protocol.Setup(req=req, resume=str(self.resume) if self.resume else None,
-                                                          total_iterations=self.schedule_iterations,
-                                                          verify_checkpoint=self.verify_checkpoint,
-                                                          start_iteration=self.start))
-            await self._guard(self._wait(setup))
+            # the checkpoint the workers load is held for reading: the run that owns it (a peer that this one
+            # branches from) neither prunes it nor sets it aside meanwhile (ckpt_lock.py)
+            resume = str(self.resume) if self.resume else None
+            with reading(Path(self.resume) / checkpoint.META) if self.resume else contextlib.nullcontext():
+                setup = self._send(range(self.n_workers), "setup", "setup", -1, "setup",
+                                   lambda req: protocol.Setup(req=req, resume=resume,
+                                                              total_iterations=self.schedule_iterations,
+                                                              verify_checkpoint=self.verify_checkpoint,
+                                                              start_iteration=self.start))
+                await self._guard(self._wait(setup))
             self.startup.mark("setup")
             if self.on_ready is not None:
                 self.on_ready()
@@ -241,6 +248,7 @@ class Master(MasterLink, IterationSchedule, TailStreams, EvaluationPasses, Check
                 raise RunFailed(self.failure)
             if self.exports:
                 await self._guard(asyncio.gather(*self.exports))
+                await self.prune_after_exports()
             shutdown = self._send(range(self.n_workers), "shutdown", "shutdown", -1, "shutdown",
                                   lambda req: protocol.Shutdown(req=req))
             try:
@@ -280,9 +288,9 @@ class Master(MasterLink, IterationSchedule, TailStreams, EvaluationPasses, Check
         for step in steps:
             try:
                 step()
-            except OSError as e:
+            except OSError as e:  # (the run's one error line names the first; the rest follow from it)
                 first = first or e
-                log.warning("master: %s", os_error_line(e))
+                log.debug("master: %s", os_error_line(e))
         return first
 
     def request_stop(self, signum: int, source: str = "master") -> None:

@@ -72,6 +72,7 @@ class CheckpointSaves:
         final = await asyncio.to_thread(checkpoint.commit, tmp, self.paths.checkpoints, done, meta,
                                         prog.plan.to_json())
         self.longest_save = max(self.longest_save or 0.0, time.monotonic() - began)
+        self.last_saved = final
         if self._every(self.export_every, t):
             # The export reads the committed checkpoint on a thread while training goes on (the task is named
             # after it, so that pruning leaves it alone until the export is done).
@@ -80,12 +81,23 @@ class CheckpointSaves:
             busy = [Path(task.get_name()) for task in self.exports if not task.done()]
             await asyncio.to_thread(checkpoint.prune, self.paths.checkpoints, final, self.keep_checkpoints, busy)
 
+    async def prune_after_exports(self) -> None:
+        """At the end of the run, once every export is done: the checkpoints they kept from the saves' pruning
+        (a save while they were read leaves them for the next save, and after the last there is none) go now."""
+        if self.keep_checkpoints and self.exports and self.last_saved is not None:
+            await asyncio.to_thread(checkpoint.prune, self.paths.checkpoints, self.last_saved, self.keep_checkpoints)
+
     def _export(self, ckpt: Path, done: int) -> None:
         from realloc.runtime.persist.export import export_checkpoint
 
         for m in self.model_records:
             out = self.paths.root / "exports" / checkpoint.checkpoint_name(done) / m
-            export_checkpoint(ckpt, m, out)
+            try:
+                export_checkpoint(ckpt, m, out)
+            except OSError as e:  # (it named only the export's temporary folder)
+                raise RunFailed(f"the export of {m} after iteration {done} (--export-every) could not be written: "
+                                f"{os_error_line(e)}; checkpoint {ckpt} holds that state (`realloc export` it "
+                                f"later)") from None
             log.info("exported %s after iteration %d to %s", m, done, out)
 
     async def _stop_after(self, t: int) -> None:

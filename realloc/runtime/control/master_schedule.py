@@ -33,7 +33,7 @@ from realloc.graph.transfer_plan import TransferPlan, dp_ranges
 from realloc.runtime.control.master_link import RunFailed
 from realloc.runtime.control.master_balance import deal_rows_cached
 from realloc.runtime.control.program import Realloc
-from realloc.runtime.records.run_paths import os_error_line
+from realloc.runtime.records.run_paths import naming, os_error_line
 from realloc.runtime.records.telemetry import RequestRecord, iteration_metrics
 from realloc.runtime.records.text_io import write_samples
 from realloc.runtime.transfer.row_layout import row_bytes
@@ -217,6 +217,7 @@ class IterationSchedule:
                     ev.set()
 
     async def _node(self, n: Node) -> None:
+        saved = False  # a save node's checkpoint is committed: a later failed write is the records', not its
         try:
             for d in self._deps(n):
                 ev = self._event(d)
@@ -243,6 +244,7 @@ class IterationSchedule:
                 await self._wait(rec)
             elif n.kind == "save":
                 await self._save(n.t)
+                saved = True
             elif n.kind == "eval":
                 await self._eval(n)
             t1 = time.time()
@@ -260,7 +262,7 @@ class IterationSchedule:
         except RunFailed:
             pass  # already recorded; run() raises it
         except OSError as e:  # the master's own writes: a full disk or a read-only run directory
-            if n.kind == "save":
+            if n.kind == "save" and not saved:
                 self.fail(f"checkpoint {n.t + 1} could not be written: {os_error_line(e)}")
             else:
                 self.fail(f"the run's records could not be written after {n.label} (iteration {n.t + 1}): "
@@ -311,7 +313,7 @@ class IterationSchedule:
                              "greedy": self.config.eval.greedy}
             self.n_reported += 1
             self.stats.on_iteration(m, self.iter_end[k])
-            with open(self.paths.metrics, "a") as f:
+            with naming(self.paths.metrics), open(self.paths.metrics, "a") as f:
                 f.write(json.dumps(m) + "\n")
             write_samples(self.paths.root, k, self.samples.pop(k, {}))
             self.trace.flush()

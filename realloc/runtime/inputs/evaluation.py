@@ -31,6 +31,7 @@ from typing import Any, Sequence
 
 from realloc.algorithms.registry import interfaces_of
 from realloc.api import ExperimentSpec, InterfaceType, ModelFunctionCallDef
+from realloc.runtime.records.run_paths import naming
 
 EVAL_SEED = 0x5EED  # eval prompt order: fixed, independent of the run's seed
 
@@ -151,6 +152,6 @@ def write_eval_samples(run_dir: Path, t: int, rank: int, batch: int, ids: Sequen
             rec.update(prompt_text=tokenizer.decode(prompt, skip_special_tokens=False),
                        response_text=tokenizer.decode(response, skip_special_tokens=False))
         lines.append(json.dumps(rec))
-    with open(path, "a") as f:
+    with naming(path), open(path, "a") as f:
         f.write("".join(line + "\n" for line in lines))
     return path

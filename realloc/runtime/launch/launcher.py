@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Iterable
 
+from realloc.atomic_file import write_text_atomically
 from realloc.cluster import ClusterSpec
 from realloc.estimator.hardware import PROFILES_ENV
 from realloc.cluster import LOCAL_DEVICE_ENV
@@ -390,7 +391,7 @@ def slurm_script(cluster: ClusterSpec, experiment: str, run: RunPaths, run_id: s
 
 def write_job_script(script: str, run: RunPaths) -> Path:
     path = run.root / "job.sbatch"
-    path.write_text(script)
+    write_text_atomically(path, script)  # never half a script to submit (a full disk names the file)
     return path
 
 

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Collection, Iterator, Mapping
 from safetensors import SafetensorError, safe_open
 
 from realloc.atomic_file import safetensors_os_errors
+from realloc.runtime.persist.ckpt_lock import being_read, claimed
 
 # torch only in the functions that read and write tensors (the workers'): the master's begin, commit and prune are
 # file operations, and the master runs without torch (docs/speed.md).
@@ -267,7 +268,10 @@ def set_aside_later(root: Path, start: int) -> str | None:
     aside = root / f"replaced-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     aside.mkdir()
     for p in later:
-        p.rename(aside / p.name)
+        if being_read(p / META):  # a `realloc export` reads it: moved under it, its next shard would be missing
+            log.warning("waiting for the `realloc export` reading %s to finish before setting it aside", p)
+        with claimed(p / META, wait=True):
+            p.rename(aside / p.name)
     _fsync_path(root)
     which = f"after iteration {start}" if start else "of an earlier run in this run directory"
     return (f"{root.name} {which} ({', '.join(p.name for p in later)}) hold the history this run replaces: moved "
@@ -302,7 +306,8 @@ def prune(root: Path, newest: Path, keep: int, busy: Collection[Path] = ()) -> l
     """Delete the committed checkpoints under ``root`` older than the ``keep`` newest up to ``newest`` (the one
     just committed), so that saving often cannot fill the disk; ``keep`` 0 keeps all. Checkpoints after
     ``newest`` (left by a run this one resumed before their iterations) are not this run's to judge and stay,
-    as do those in ``busy`` (an export still reading them; the next save prunes them). Returns the deleted."""
+    as do those in ``busy`` or read by a ``realloc export`` (``ckpt_lock``; the next save prunes them). Returns the
+    deleted."""
     if keep <= 0:
         return []
     done = iterations_of(newest)
@@ -313,11 +318,14 @@ def prune(root: Path, newest: Path, keep: int, busy: Collection[Path] = ()) -> l
     for old in named[keep:]:
         if old.resolve() in busy:
             continue
-        try:
-            shutil.rmtree(old)
-        except OSError as e:  # a checkpoint we cannot delete costs disk, not the run
-            log.warning("could not delete old checkpoint %s (%s); delete it by hand", old, e)
-            continue
+        with claimed(old / META, wait=False) as free:  # a peer's `realloc export` reading it: the next save
+            if not free:
+                continue
+            try:
+                shutil.rmtree(old)
+            except OSError as e:  # a checkpoint we cannot delete costs disk, not the run
+                log.warning("could not delete old checkpoint %s (%s); delete it by hand", old, e)
+                continue
         log.info("deleted checkpoint %s (keeping the newest %d)", old, keep)
         deleted.append(old)
     return deleted

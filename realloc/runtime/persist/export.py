@@ -18,10 +18,12 @@ Frozen models are not in run checkpoints: their weights are the checkpoint they 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
 import secrets
 import shutil
+import socket
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -32,6 +34,7 @@ from realloc.models.config import ModelConfig
 from realloc.models.lora_config import LoRAConfig
 from realloc.models.param_layout import param_specs, stage_of_layer
 from realloc.runtime.persist import checkpoint, lora_export
+from realloc.runtime.persist.ckpt_lock import reading
 from realloc.runtime.records.run_claim import remove_empty_folders
 from realloc.runtime.persist.run_settings import model_record  # noqa: F401 (torch-free: the master's)
 
@@ -84,7 +87,14 @@ def export_checkpoint(ckpt: str | Path, model: str, out: str | Path, *, dtype: s
 
     A LoRA model is written with its adapters merged into the base (``fmt="hf"``), or as a PEFT adapter
     directory (``fmt="peft"``: ``lora_export.py``). Every shard is checked against the SHA-256 recorded when
-    it was saved (``verify=False`` skips that)."""
+    it was saved (``verify=False`` skips that). The checkpoint is held for reading meanwhile (``ckpt_lock``),
+    so the run that owns it neither prunes it nor sets it aside under the export."""
+    with reading(Path(ckpt) / checkpoint.META):
+        return _export(Path(ckpt), model, Path(out), dtype, max_file_bytes, verify, fmt)
+
+
+def _export(ckpt: Path, model: str, out: Path, dtype: str | None, max_file_bytes: int, verify: bool,
+            fmt: str) -> Path:
     from realloc.models.hf_io import (CONFIG_FILE, GENERATION_CONFIG_FILE, INDEX_FILE, hf_config_from_model_config,
                                       save_weights, shard_file_plan, write_generation_config)
 
@@ -110,7 +120,8 @@ def export_checkpoint(ckpt: str | Path, model: str, out: str | Path, *, dtype: s
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"export directory {out} is not empty; choose a new --out")
     # A name of its own: a peer exporting to the same --out at once must not write into (or delete) this one.
-    tmp = out.with_name(f".{out.name}.part-{secrets.token_hex(4)}")
+    _remove_dead_parts(out)
+    tmp = out.with_name(f".{out.name}.part-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
     created = next((a for a in reversed(out.parents) if not a.exists()), None)  # removed again on failure
     try:
         tmp.mkdir(parents=True)
@@ -167,6 +178,27 @@ def export_checkpoint(ckpt: str | Path, model: str, out: str | Path, *, dtype: s
             remove_empty_folders(out.parent, created)
         raise
     return out
+
+
+def _remove_dead_parts(out: Path) -> None:
+    """An export killed while writing (SIGKILL, the OOM killer) left its temporary folder beside ``out``, as large
+    as the model and hidden: the next export to ``out`` removes those of this host whose process is gone (a live
+    peer's stays; another host's, on a shared filesystem, too)."""
+    prefix, host = f".{out.name}.part-", socket.gethostname()
+    for p in out.parent.glob(f"{glob.escape(prefix)}*") if out.parent.is_dir() else []:
+        who, pid = p.name[len(prefix):].rsplit("-", 1)[0].rpartition("-")[::2]
+        if who == host and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _copy_tokenizer(out: Path, tokenizer: str | None) -> None:

@@ -6,6 +6,9 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
+from typing import IO
+
+from realloc.atomic_file import naming
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,10 +59,37 @@ class RunPaths:
         return self.logs / f"worker{rank}.log"
 
 
+class NamedFile:
+    """A text file written as the run goes (trace.json, requests.jsonl) whose OSErrors name it (``naming``)."""
+
+    def __init__(self, path: Path, mode: str) -> None:
+        self.path = path
+        with naming(path):
+            self._f: IO[str] = open(path, mode)
+
+    @property
+    def closed(self) -> bool:
+        return self._f.closed
+
+    def write(self, text: str) -> None:
+        with naming(self.path):
+            self._f.write(text)
+
+    def flush(self) -> None:
+        with naming(self.path):
+            self._f.flush()
+
+    def close(self) -> None:
+        with naming(self.path):
+            self._f.close()
+
+
 def os_error_line(e: OSError) -> str:
     """An OSError as the user needs it: the path and the cause (``/runs/a/metrics.jsonl: No space left on
     device``), without Python's ``[Errno 28]``."""
     cause = e.strerror or str(e) or type(e).__name__
+    if e.filename and e.filename2:  # a copy (shutil names the source first): the target is as likely the cause
+        return f"copying {e.filename} to {e.filename2}: {cause}"
     return f"{e.filename}: {cause}" if e.filename else cause
 
 

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from realloc.api import ExperimentSpec
 from realloc.runtime.records.data_digest import data_digests
+from realloc.runtime.records.run_paths import naming
 
 if TYPE_CHECKING:
     from realloc.graph.dataflow import DataflowGraph
@@ -298,10 +299,12 @@ def write_run_record(root: Path, spec: ExperimentSpec, session: Session, argv: S
     config = root / CONFIG_DIR
     config.mkdir(parents=True, exist_ok=True)
     body_resolved = resolved if resolved is not None else resolved_experiment(spec)
-    (config / "experiment.json").write_text(json.dumps(body_resolved, indent=2) + "\n")
-    (config / "environment.json").write_text(json.dumps(env, indent=2) + "\n")
+    for name, what in (("experiment.json", body_resolved), ("environment.json", env)):
+        with naming(config / name):
+            (config / name).write_text(json.dumps(what, indent=2) + "\n")
     _copy_sources(spec, config, digests, number)
-    (root / RUN_JSON).write_text(json.dumps(body, indent=2) + "\n")
+    with naming(root / RUN_JSON):
+        (root / RUN_JSON).write_text(json.dumps(body, indent=2) + "\n")
 
 
 def _copy_sources(spec: ExperimentSpec, config: Path, digests: Mapping[str, str], session: int) -> None:

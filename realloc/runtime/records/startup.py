@@ -151,4 +151,7 @@ class StartupClock:
         return text
 
     def write(self, path: Path) -> None:
-        path.write_text(json.dumps(self.report(), indent=2) + "\n")
+        from realloc.runtime.records.run_paths import naming
+
+        with naming(path):
+            path.write_text(json.dumps(self.report(), indent=2) + "\n")

@@ -15,6 +15,9 @@ import statistics
 from pathlib import Path
 from typing import Any, Collection, Iterable
 
+from realloc.atomic_file import write_text_atomically
+from realloc.runtime.records.run_paths import NamedFile, naming
+
 HEADLINE = ("reward", "kl", "actor_loss", "critic_loss", "dpo_loss", "dpo_accuracy", "sft_loss", "rm_loss",
             "rm_accuracy")
 
@@ -91,7 +94,7 @@ class Trace:
         """``t0``: wall-clock time zero, before any request (else a participant that started a request
         before the one whose span was recorded first would get a negative timestamp)."""
         kept = _earlier_events(path, resume_after) if resume_after is not None else []
-        self._f = open(path, "w")
+        self._f = NamedFile(path, "w")
         self._f.write(TRACE_HEAD)
         self._first = True
         self.t0 = t0
@@ -181,10 +184,11 @@ class RequestLog:
                 if isinstance(r, dict) and r.get("iteration", 0) <= resume_after:
                     kept.append(line)
                     self.session = max(self.session, int(r.get("session", 1)) + 1)
-            path.write_text("".join(line + "\n" for line in kept))
-            self._f = open(path, "a")
+            with naming(path):  # a new file renamed over it: a kill or a full disk midway keeps the old one
+                write_text_atomically(path, "".join(line + "\n" for line in kept))
+            self._f = NamedFile(path, "a")
         else:
-            self._f = open(path, "w")
+            self._f = NamedFile(path, "w")
 
     def write(self, r: RequestRecord) -> None:
         self._f.write(json.dumps({"req": r.req, "session": self.session, "kind": r.kind, "label": r.label,

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from realloc.api import ExperimentSpec, InterfaceType
 from realloc.envs.turn_profile import SEGMENTS, segments_of
+from realloc.runtime.records.run_paths import naming
 from realloc.runtime.records.telemetry import iteration_number
 from realloc.runtime.wire.protocol import SamplePart
 
@@ -160,5 +161,6 @@ def write_samples(run_dir: str | Path, iteration: int, parts: Mapping[tuple[str,
         rec.update({f: fields[f] for f in _FIELD_ORDER if f in fields})
         rec.update({f: v for f, v in fields.items() if f not in rec})
         lines.append(json.dumps(rec) + "\n")
-    with (Path(run_dir) / SAMPLES_FILE).open("a") as f:
+    path = Path(run_dir) / SAMPLES_FILE
+    with naming(path), path.open("a") as f:
         f.write("".join(lines))

@@ -275,8 +275,12 @@ def write_secret_file(path: str | Path, secret: bytes) -> Path:
     """Create ``path`` readable by its owner only; refuse to overwrite an existing file."""
     path = Path(path)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(secret.hex().encode())
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(secret.hex().encode())
+    except OSError as e:  # created, then not written (a full disk): no empty secret left, and the error names it
+        path.unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror, str(path)) from e
     return path
 
 
