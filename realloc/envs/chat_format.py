@@ -66,7 +66,8 @@ class ChatFormat:
         return (got[0], tool_input(got[1]), got[2]) if isinstance(got, tuple) else got
 
     def parse_arguments(self, text: str, names: Any) -> tuple[str, Any, str | None] | str | None:
-        """As ``parse``, with the call's arguments as written (a JSON value), for a tool called with keywords."""
+        """As ``parse``, with the call's arguments as written (a JSON value; None where it writes none), for a tool
+        called with keywords."""
         for token in self.specials:
             text = text.replace(token, "")
         if self.prefix and self.suffix and not self.listed:  # Hermes: the JSON between two tags
@@ -92,7 +93,7 @@ class ChatFormat:
         tool = call[self.name]
         if tool not in names:
             return f"error: no tool {tool!r}; tools: {', '.join(sorted(names))}"
-        args = call.get(self.arguments, call.get("arguments", call.get("parameters", "")))
+        args = call.get(self.arguments, call.get("arguments", call.get("parameters")))  # None: none written
         ident = call.get(self.id_key) if self.id_key else None
         return tool, args, ident if isinstance(ident, str) and CALL_ID.fullmatch(ident) else None
 
@@ -118,9 +119,11 @@ HERMES = ChatFormat()
 
 def tool_input(arguments: Any) -> str:
     """The tool's one string from a call's arguments: a string as it is, an object with one value as that value,
-    anything else as its JSON text."""
+    none (None) as "", anything else as its JSON text."""
     if isinstance(arguments, str):
         return arguments
+    if arguments is None:  # a call that writes no arguments
+        return ""
     if isinstance(arguments, dict) and len(arguments) == 1:
         (value,) = arguments.values()
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):

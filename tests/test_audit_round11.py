@@ -1,0 +1,114 @@
+"""Audit, eleventh round (audit7): the HF families Qwen3 and Mistral, chat tool-call formats and declared tools, as a
+new user meets them. Each test failed before its fix, except those marked as checking what held."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_audit_round9 import _files
+from test_families_e2e import WINDOW
+from test_runtime_hf_e2e import _plan, write_experiment
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# -- a Qwen3 PPO run resumed mid-run (checks what held) -----------------------------------------------------------
+def _run(experiment: Path, plan: Path, name: str, extra: tuple[str, ...]) -> Path:
+    run_dir = experiment.parent / name
+    cmd = [sys.executable, "-m", "realloc.cli", "run", str(experiment), "--plan", str(plan), "--iterations", "3",
+           "--run-dir", str(run_dir), "--quiet", *extra]
+    env = {**os.environ, "TMPDIR": str(experiment.parent), "PYTHONPATH": str(REPO)}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    assert r.returncode == 0, f"{name}:\n{r.stdout}\n{r.stderr}"
+    return run_dir
+
+
+def test_a_qwen3_ppo_run_resumed_mid_run_is_the_straight_run_whole_checkpoint(hf_assets, tmp_path):
+    # Qwen3 actor and reference (tied, per-head q/k norms), a windowed Mistral critic, a Qwen3 reward model, at tp 2 /
+    # pp 2 with reallocations between the layouts: the checkpoint after iteration 3 of a run resumed from iteration 2
+    # is the straight run's, Adam's moments, the head norms' shards and the RNG states included.
+    shutil.copytree(hf_assets.checkpoint("qwen2", arch="qwen3", tie=True), tmp_path / "actor")
+    shutil.copytree(hf_assets.checkpoint("llama_reward", arch="mistral"), tmp_path / "critic")
+    config = json.loads((tmp_path / "critic/config.json").read_text())
+    (tmp_path / "critic/config.json").write_text(json.dumps({**config, "sliding_window": WINDOW}))
+    shutil.copytree(hf_assets.checkpoint("qwen2_reward", arch="qwen3"), tmp_path / "reward")
+    experiment = write_experiment(tmp_path)
+    plan = _plan(experiment, "tp2pp2")
+    straight = _run(experiment, plan, "straight", ("--save-every", "1", "--keep-checkpoints", "0"))
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight, resumed)
+    shutil.rmtree(resumed / "checkpoints/iter_00000003")
+    _run(experiment, plan, "resumed", ("--resume", str(resumed / "checkpoints/iter_00000002")))
+    want, got = (_files(run / "checkpoints/iter_00000003") for run in (straight, resumed))
+    assert sorted(got) == sorted(want) and any("exp_avg_sq" in k for k in want)
+    assert any("q_norm" in k for k in want) and any("k_norm" in k and "exp_avg" in k for k in want)
+    for k, w in want.items():
+        if isinstance(w, torch.Tensor):
+            assert torch.equal(got[k], w), (k, (got[k].float() - w.float()).abs().max().item())
+        elif k == "meta.json":
+            a, b = (json.loads(x) for x in (w, got[k]))
+            assert {**a, "run_id": None, "files": None} == {**b, "run_id": None, "files": None}
+        else:
+            assert got[k] == w, k
+
+
+# -- declared tools called by a chat policy -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tool_env():
+    import audit11_tools as fns
+    from realloc.envs.tool_env import ToolEnv
+    from realloc.tools.declared import tool
+
+    env = ToolEnv(tools=[tool(f) for f in (fns.now, fns.add, fns.boom, fns.echo, fns.scale)], call_format="chat")
+    env.reset({"answer": "1"})
+    return env
+
+
+def _call(name: str, arguments: object = ...) -> str:
+    call = {"name": name} if arguments is ... else {"name": name, "arguments": arguments}
+    return f"<tool_call>\n{json.dumps(call, ensure_ascii=False)}\n</tool_call>"
+
+
+@pytest.mark.parametrize("arguments, words", [
+    ({"x": "2", "y": "3"}, "add's argument x must be an integer (JSON number without a fraction), got \"2\""),
+    ({"x": 2, "y": True}, "add's argument y must be an integer (JSON number without a fraction), got true"),
+    ({"x": 2.5, "y": 3}, "add's argument x must be an integer (JSON number without a fraction), got 2.5"),
+])
+def test_a_declared_tool_s_argument_of_the_wrong_json_type_is_an_error_answer(tool_env, arguments, words):
+    # add(x: int, y: int) was called with the strings "2" and "3" and answered "23"; its schema, which the policy was
+    # shown, says integer. The call is now an error answer that names the argument, before any process starts.
+    observation, _, done = tool_env.step(_call("add", arguments))
+    assert not done and observation == f"<result>error: {words}</result>"
+
+
+def test_declared_arguments_of_the_right_json_types_run(tool_env):
+    assert tool_env.step(_call("add", {"x": 2, "y": 3}))[0] == "<result>5</result>"
+    assert tool_env.step(_call("scale", {"x": 2, "unit": "km"}))[0] == "<result>2000 m</result>"
+    assert tool_env.step(_call("scale", {"x": 1.5, "unit": "m", "note": None}))[0] == "<result>1.5 m</result>"
+    assert tool_env.step(_call("scale", {"x": 1, "unit": "mile"}))[0] == \
+        "<result>error: scale's argument unit must be one of \"m\", \"km\", got \"mile\"</result>"
+
+
+def test_a_call_without_arguments_does_not_run_a_one_argument_tool_on_an_empty_string(tool_env):
+    # echo(text: str) called as {"name": "echo"} ran echo(text="") and answered "<>"; a tool of no arguments (now)
+    # and one whose arguments all have defaults run without any.
+    assert tool_env.step(_call("echo"))[0] == \
+        "<result>error: TypeError: echo() missing 1 required positional argument: 'text'</result>"
+    assert tool_env.step(_call("echo", None))[0] == tool_env.step(_call("echo"))[0]
+    assert tool_env.step(_call("now"))[0] == tool_env.step(_call("now", {}))[0] == "<result>noon</result>"
+    assert tool_env.step(_call("echo", ""))[0] == "<result><></result>"  # an empty string, written by the policy
+
+
+def test_unicode_arguments_and_a_raising_tool_come_back_as_text(tool_env):
+    # checks what held: the function's exception is the answer; unicode both ways, a lone surrogate replaced
+    assert tool_env.step(_call("boom", {"city": "Zürich 東京 🚀"}))[0] == \
+        "<result>error: RuntimeError: kaboom Zürich 東京 🚀</result>"
+    assert tool_env.step(_call("echo", {"text": "é 🚀 \ud800"}))[0] == "<result><é 🚀 ?></result>"
