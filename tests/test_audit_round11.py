@@ -112,3 +112,23 @@ def test_unicode_arguments_and_a_raising_tool_come_back_as_text(tool_env):
     assert tool_env.step(_call("boom", {"city": "Zürich 東京 🚀"}))[0] == \
         "<result>error: RuntimeError: kaboom Zürich 東京 🚀</result>"
     assert tool_env.step(_call("echo", {"text": "é 🚀 \ud800"}))[0] == "<result><é 🚀 ?></result>"
+
+
+def test_a_hermes_call_is_json_read_from_its_tag_on():
+    # The call was cut at the first "</tool_call>": an argument holding it was "not JSON", and a whole call whose
+    # closing tag the policy left out (its turn ended right after the JSON) was no call at all: the rollout ended
+    # and the call's text was scored as the final answer.
+    from realloc.envs.chat_format import HERMES
+
+    names = {"echo", "calculator"}
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+2"}}'
+    assert HERMES.parse(call, names) == HERMES.parse(call + "\n", names) == ("calculator", "1+2", None)
+    assert HERMES.parse('<tool_call>{"name": "echo", "arguments": {"text": "a</tool_call>b"}}</tool_call>', names) \
+        == ("echo", "a</tool_call>b", None)
+    # as before: the first of two calls; a cut-off call and a mere mention of the tag are text; a closed tag
+    # around something else is an error answer
+    two = '<tool_call>{"name": "echo", "arguments": {"text": "1"}}</tool_call>\n' \
+          '<tool_call>{"name": "calculator", "arguments": {"expression": "2"}}</tool_call>'
+    assert HERMES.parse(two, names) == ("echo", "1", None)
+    assert HERMES.parse(call[:-6], names) is None and HERMES.parse("I use <tool_call> tags.", names) is None
+    assert HERMES.parse("<tool_call>calculator(1+2)</tool_call>", names).startswith("error: the tool call is not JSON")

@@ -70,13 +70,18 @@ class ChatFormat:
         called with keywords."""
         for token in self.specials:
             text = text.replace(token, "")
-        if self.prefix and self.suffix and not self.listed:  # Hermes: the JSON between two tags
-            m = re.search(rf"{re.escape(self.prefix)}\s*(.*?)\s*{re.escape(self.suffix)}", text, re.DOTALL)
-            if m is None:
+        if self.prefix and self.suffix and not self.listed:  # Hermes: the JSON after the opening tag
+            # decoded from the tag on, not cut at the first closing tag: an argument may hold "</tool_call>", and a
+            # whole call whose closing tag the policy left out (it ended its turn right after the JSON) is a call
+            at = text.find(self.prefix)
+            if at < 0:
                 return None
+            start = len(text) - len(text[at + len(self.prefix):].lstrip())
             try:
-                value = json.loads(m.group(1))
+                value, _ = json.JSONDecoder().raw_decode(text, start)
             except json.JSONDecodeError as e:
+                if self.suffix not in text[start:]:
+                    return None  # the tag, then no call and no closing tag: text, a final answer
                 return f"error: the tool call is not JSON ({e.msg})"
         else:
             start = self._start(text)
