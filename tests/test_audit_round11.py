@@ -132,3 +132,24 @@ def test_a_hermes_call_is_json_read_from_its_tag_on():
     assert HERMES.parse(two, names) == ("echo", "1", None)
     assert HERMES.parse(call[:-6], names) is None and HERMES.parse("I use <tool_call> tags.", names) is None
     assert HERMES.parse("<tool_call>calculator(1+2)</tool_call>", names).startswith("error: the tool call is not JSON")
+
+
+def test_prompts_showing_a_keyword_tool_that_the_environment_runs_with_one_string_are_refused():
+    # DataConfig.tools showed add(x, y) from its signature while env_args named the same function undeclared
+    # ({"add": "module:add"}): the check compared functions only and passed, and every call the policy wrote as the
+    # prompts taught it failed in the tool (add() missing 'y'), counted as tool errors.
+    import types
+
+    import audit11_tools as fns
+    from realloc.envs.prompt_check import prompt_tool_lines
+    from realloc.tools.declared import tool
+
+    def call(tools):
+        return types.SimpleNamespace(name="actor_gen", interface_args={"env": "tools", "env_args": {
+            "tools": tools, "call_format": "chat"}})
+
+    with pytest.raises(ValueError, match="shows the policy tool 'add' with its arguments \\(x, y\\) as keywords, but "
+                                         "call 'actor_gen''s environment runs audit11_tools:add as a function of one "
+                                         "string"):
+        prompt_tool_lines([call({"add": "audit11_tools:add"})], (tool(fns.add),), True)
+    assert prompt_tool_lines([call([tool(fns.add)])], (tool(fns.add),), True) == []
