@@ -48,3 +48,12 @@ def scale(x: float, unit: Literal["m", "km"], note: Optional[str] = None) -> str
         note: a remark
     """
     return f"{x * (1000 if unit == 'km' else 1)} m{'' if note is None else ' ' + note}"
+
+
+def square(n: int) -> int:
+    """Square.
+
+    Args:
+        n: a whole number
+    """
+    return n * n

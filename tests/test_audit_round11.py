@@ -67,7 +67,8 @@ def tool_env():
     from realloc.envs.tool_env import ToolEnv
     from realloc.tools.declared import tool
 
-    env = ToolEnv(tools=[tool(f) for f in (fns.now, fns.add, fns.boom, fns.echo, fns.scale)], call_format="chat")
+    env = ToolEnv(tools=[tool(f) for f in (fns.now, fns.add, fns.boom, fns.echo, fns.scale, fns.square)],
+                  call_format="chat")
     env.reset({"answer": "1"})
     return env
 
@@ -95,6 +96,19 @@ def test_declared_arguments_of_the_right_json_types_run(tool_env):
     assert tool_env.step(_call("scale", {"x": 1.5, "unit": "m", "note": None}))[0] == "<result>1.5 m</result>"
     assert tool_env.step(_call("scale", {"x": 1, "unit": "mile"}))[0] == \
         "<result>error: scale's argument unit must be one of \"m\", \"km\", got \"mile\"</result>"
+
+
+def test_one_argument_written_as_text_is_its_json_value_where_the_text_does_not_fit(tool_env):
+    # square(n: int) called with the text "5" (a tags call <square>5</square>, or "arguments": "5") is square(n=5);
+    # a string argument keeps its text ("5" stays "5" for echo)
+    from realloc.tools.keywords import keyword_arguments
+
+    square, echo = ({"n": {"type": "integer"}}, {"text": {"type": "string"}})
+    assert keyword_arguments("square", square, "5") == {"n": 5}
+    assert keyword_arguments("echo", echo, "5") == {"text": "5"} and keyword_arguments("echo", echo, '"a"') == \
+        {"text": '"a"'}
+    assert keyword_arguments("square", square, "five").startswith("error: square's argument n must be an integer")
+    assert tool_env.step(_call("square", "5"))[0] == "<result>25</result>"
 
 
 def test_a_call_without_arguments_does_not_run_a_one_argument_tool_on_an_empty_string(tool_env):

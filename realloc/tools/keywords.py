@@ -1,6 +1,7 @@
 """The keyword arguments of a call of a tool described by its signature (``declared.tool``), which the sandbox's
 child passes as ``function(**arguments)``: a chat model's JSON object as it is (or a JSON string holding one); one
-plain string (a ``<name>...</name>`` call, or a string argument) for a function with one argument; no keywords for a
+plain string (a ``<name>...</name>`` call, or a string argument) for a function with one argument, or the string's
+JSON value where the argument's type is not a string (``<square>5</square>`` for ``n: int``); no keywords for a
 call that writes no arguments (the function's signature says which it lacks); anything else, or an argument whose
 JSON type the tool's schema does not allow (``arg_check.py``), is an error text the policy reads as the tool's answer.
 """
@@ -25,11 +26,14 @@ def keyword_arguments(name: str, params: tuple[str, ...] | Mapping[str, Any], ra
         try:
             parsed = json.loads(raw)
         except json.JSONDecodeError:
-            parsed = None
+            parsed = raw
         if isinstance(parsed, dict):
             found = parsed
         elif len(names) == 1:
             found = {names[0]: raw}
+            if isinstance(params, Mapping) and argument_error(name, params, found) and \
+                    argument_error(name, params, {names[0]: parsed}) is None:
+                found = {names[0]: parsed}  # <square>5</square> for n: int: the text's JSON value, where it fits
     elif isinstance(raw, dict):
         found = raw
     if found is None:
