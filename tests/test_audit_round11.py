@@ -167,3 +167,49 @@ def test_prompts_showing_a_keyword_tool_that_the_environment_runs_with_one_strin
                                          "string"):
         prompt_tool_lines([call({"add": "audit11_tools:add"})], (tool(fns.add),), True)
     assert prompt_tool_lines([call([tool(fns.add)])], (tool(fns.add),), True) == []
+
+
+# -- prompts that show tools (DataConfig.tools) -------------------------------------------------------------------
+# ChatML that writes the tools into a default system turn of its own, and none where the conversation brings its own
+# system turn (then only when that turn asks for them with "{tools}"): odd, but valid.
+OWN_SYSTEM_TOOLS = (
+    "{%- if messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content.replace('{tools}', tools | tojson if tools else '') + "
+    "'<|im_end|>\\n' }}{%- set rest = messages[1:] %}"
+    "{%- else %}{%- if tools %}{{- '<|im_start|>system\\nTools: ' + tools | tojson + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- set rest = messages %}{%- endif %}"
+    "{%- for m in rest %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def _own_system_tokenizer(hf_assets, out: Path) -> Path:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(hf_assets.tokenizer), local_files_only=True)
+    tok.chat_template = OWN_SYSTEM_TOOLS
+    tok.save_pretrained(str(out))
+    return out
+
+
+def test_prompts_whose_template_drops_the_tools_are_refused_as_the_prompts_render(hf_assets, tmp_path):
+    # The check rendered a one-question probe, which this template shows the tools in, and passed; every prompt of
+    # the dataset brings a system turn, where the template writes no tools: the policy never saw them. It now
+    # renders the dataset's first chat prompt.
+    from realloc.data.config import DataConfig
+    from realloc.data.prompts import PromptDataset
+    from realloc.data.tokenizer import Tokenizer
+    from realloc.tools.declared import tool
+
+    tok = Tokenizer.load(_own_system_tokenizer(hf_assets, tmp_path / "tok"))
+    config = DataConfig(use_chat_template=True, tools=(tool("calculator"),))
+    path = tmp_path / "prompts.jsonl"
+    system = {"role": "system", "content": "Be brief."}
+    path.write_text(json.dumps({"messages": [system, {"role": "user", "content": "7*8?"}]}) + "\n")
+    with pytest.raises(ValueError, match="DataConfig.tools: the chat template of tokenizer .* ignores tools="):
+        PromptDataset.load(path, 512, tokenizer=tok, config=config)
+    # a system turn that asks for them, and a prompt without one, show them: accepted
+    for first in ({**system, "content": "Tools: {tools}"}, None):
+        path.write_text(json.dumps({"messages": [first] * (first is not None) + [{"role": "user", "content": "?"}]})
+                        + "\n")
+        data = PromptDataset.load(path, 512, tokenizer=tok, config=config)
+        assert "calculator" in tok.decode(data.prompt_tokens(0), skip_special_tokens=False)
