@@ -92,6 +92,7 @@ def test_a_declared_tool_s_argument_of_the_wrong_json_type_is_an_error_answer(to
 
 def test_declared_arguments_of_the_right_json_types_run(tool_env):
     assert tool_env.step(_call("add", {"x": 2, "y": 3}))[0] == "<result>5</result>"
+    assert tool_env.step(_call("square", {"n": 3.0}))[0] == "<result>9</result>"  # an integer to JSON Schema: 3
     assert tool_env.step(_call("scale", {"x": 2, "unit": "km"}))[0] == "<result>2000 m</result>"
     assert tool_env.step(_call("scale", {"x": 1.5, "unit": "m", "note": None}))[0] == "<result>1.5 m</result>"
     assert tool_env.step(_call("scale", {"x": 1, "unit": "mile"}))[0] == \

@@ -4,7 +4,8 @@ A chat policy writes ``{"x": "2"}`` for ``add(x: int, y: int)`` as readily as ``
 ``"2" + "3"`` and answer ``"23"``, a wrong result the policy would learn from. Each argument's JSON type (and its
 ``enum``, a ``Literal``'s values) is checked here, before the tool runs, and a mismatch is an error answer naming
 the argument. Missing and unknown arguments are left to the function's own signature (its ``TypeError`` is the
-answer). Only the top level is checked: an array's items and an object's fields are the function's to check.
+answer). Only the top level is checked: an array's items and an object's fields are the function's to check. A whole
+float for an integer (``2.0``, an integer to JSON Schema) is passed as an int.
 """
 
 from __future__ import annotations
@@ -47,6 +48,20 @@ def argument_error(name: str, properties: Mapping[str, Any], arguments: Mapping[
         if schema.get("nullable"):
             types = [*types, "null"]
         if not any(_TYPES[t][1](value) for t in types):
+            if "integer" in types and isinstance(value, float) and value.is_integer():
+                continue  # 2.0 is an integer to JSON Schema; ``integral`` passes it as 2
             wanted = " or ".join(_TYPES[t][0] for t in types)
             return f"error: {name}'s argument {key} must be {wanted}, got {_shown(value)}"
     return None
+
+
+def integral(properties: Mapping[str, Any], arguments: dict[str, Any]) -> dict[str, Any]:
+    """``arguments`` (checked) with a whole float given for an integer-only argument as an int (2.0 -> 2)."""
+    def whole(key: str, value: Any) -> Any:
+        schema = properties.get(key)
+        types = schema.get("type") if isinstance(schema, Mapping) else None
+        types = [types] if isinstance(types, str) else types if isinstance(types, list) else []
+        if "integer" in types and "number" not in types and isinstance(value, float) and value.is_integer():
+            return int(value)
+        return value
+    return {k: whole(k, v) for k, v in arguments.items()}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
-from realloc.tools.arg_check import argument_error
+from realloc.tools.arg_check import argument_error, integral
 
 
 def keyword_arguments(name: str, params: tuple[str, ...] | Mapping[str, Any], raw: Any) -> dict[str, Any] | str:
@@ -38,5 +38,7 @@ def keyword_arguments(name: str, params: tuple[str, ...] | Mapping[str, Any], ra
         found = raw
     if found is None:
         return f"error: {name} takes the arguments {', '.join(names) or '(none)'}: call it with a JSON object"
-    wrong = argument_error(name, params, found) if isinstance(params, Mapping) else None
-    return found if wrong is None else wrong
+    if not isinstance(params, Mapping):
+        return found
+    wrong = argument_error(name, params, found)
+    return integral(params, found) if wrong is None else wrong
