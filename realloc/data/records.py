@@ -259,7 +259,8 @@ def tokenize(cells: list[Cell], where: Sequence[str], keys: Sequence[str],
     for i in eos_needed:
         out[i] = out[i] + [tokenizer.eos_token_ids[0]]
     plain = [where[i] for i in pending if isinstance(cells[i], Text) and keys[i] == cfg.prompt_key]
-    tools = prompt_tools(cfg, tokenizer, plain[0] if plain else None) if chats or plain else None  # DataConfig.tools
+    first = next((cells[i].messages for i in chats if isinstance(cells[i], Chat)), None)
+    tools = prompt_tools(cfg, tokenizer, plain[0] if plain else None, first) if chats or plain else None
     idx = [i for i in pending if isinstance(cells[i], Chat)]
     for i, ids in zip(idx, tokenizer.encode_chat_batch([cells[i].messages for i in idx], tools) if idx else []):
         out[i] = ids

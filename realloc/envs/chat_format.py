@@ -66,16 +66,22 @@ class ChatFormat:
         return (got[0], tool_input(got[1]), got[2]) if isinstance(got, tuple) else got
 
     def parse_arguments(self, text: str, names: Any) -> tuple[str, Any, str | None] | str | None:
-        """As ``parse``, with the call's arguments as written (a JSON value), for a tool called with keywords."""
+        """As ``parse``, with the call's arguments as written (a JSON value; None where it writes none), for a tool
+        called with keywords."""
         for token in self.specials:
             text = text.replace(token, "")
-        if self.prefix and self.suffix and not self.listed:  # Hermes: the JSON between two tags
-            m = re.search(rf"{re.escape(self.prefix)}\s*(.*?)\s*{re.escape(self.suffix)}", text, re.DOTALL)
-            if m is None:
+        if self.prefix and self.suffix and not self.listed:  # Hermes: the JSON after the opening tag
+            # decoded from the tag on, not cut at the first closing tag: an argument may hold "</tool_call>", and a
+            # whole call whose closing tag the policy left out (it ended its turn right after the JSON) is a call
+            at = text.find(self.prefix)
+            if at < 0:
                 return None
+            start = len(text) - len(text[at + len(self.prefix):].lstrip())
             try:
-                value = json.loads(m.group(1))
+                value, _ = json.JSONDecoder().raw_decode(text, start)
             except json.JSONDecodeError as e:
+                if self.suffix not in text[start:]:
+                    return None  # the tag, then no call and no closing tag: text, a final answer
                 return f"error: the tool call is not JSON ({e.msg})"
         else:
             start = self._start(text)
@@ -92,7 +98,7 @@ class ChatFormat:
         tool = call[self.name]
         if tool not in names:
             return f"error: no tool {tool!r}; tools: {', '.join(sorted(names))}"
-        args = call.get(self.arguments, call.get("arguments", call.get("parameters", "")))
+        args = call.get(self.arguments, call.get("arguments", call.get("parameters")))  # None: none written
         ident = call.get(self.id_key) if self.id_key else None
         return tool, args, ident if isinstance(ident, str) and CALL_ID.fullmatch(ident) else None
 
@@ -118,9 +124,11 @@ HERMES = ChatFormat()
 
 def tool_input(arguments: Any) -> str:
     """The tool's one string from a call's arguments: a string as it is, an object with one value as that value,
-    anything else as its JSON text."""
+    none (None) as "", anything else as its JSON text."""
     if isinstance(arguments, str):
         return arguments
+    if arguments is None:  # a call that writes no arguments
+        return ""
     if isinstance(arguments, dict) and len(arguments) == 1:
         (value,) = arguments.values()
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):

@@ -1,6 +1,7 @@
 """The tools a run's prompts show (``DataConfig.tools``) against the tools its environments run, checked when the
 graph is built (``realloc show``, ``preflight.py``): a tool the prompts offer must be one the environment runs,
-the same function; chat-format environments whose prompts show no tools get a warning line."""
+the same function, called the same way (keywords or one string); chat-format environments whose prompts show no
+tools get a warning line."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ def prompt_tool_lines(calls: Iterable[Any], tools: tuple[Tool, ...], chat_prompt
             continue
         env_args = args.get("env_args", {})
         runs = _env_tools(c.name, env_args)
+        _, keywords = env_tools(f"call {c.name!r}: interface_args['env_args']['tools']",
+                                env_args.get("tools", ["calculator"]))
         for t in tools:
             if t.name not in runs:
                 raise ValueError(f"DataConfig.tools shows the policy tool {t.name!r}, but call {c.name!r}'s "
@@ -36,6 +39,11 @@ def prompt_tool_lines(calls: Iterable[Any], tools: tuple[Tool, ...], chat_prompt
             if runs[t.name] != t.function:
                 raise ValueError(f"DataConfig.tools shows the policy tool {t.name!r} running {t.function}, but call "
                                  f"{c.name!r}'s environment runs {runs[t.name]} under that name; give the same "
+                                 f"declared tools to both (env_args['tools'] and DataConfig(tools=...))")
+            if t.keywords and t.name not in keywords:  # the policy writes keywords; the environment passes one string
+                raise ValueError(f"DataConfig.tools shows the policy tool {t.name!r} with its arguments "
+                                 f"({', '.join(t.params) or 'none'}) as keywords, but call {c.name!r}'s environment "
+                                 f"runs {t.function} as a function of one string (not declared there); give the same "
                                  f"declared tools to both (env_args['tools'] and DataConfig(tools=...))")
         if env_args.get("call_format") == "chat" and chat_prompts and not tools:
             lines.append(f"warning: call {c.name!r} reads chat tool calls, but the prompts show no tools "

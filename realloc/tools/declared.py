@@ -45,7 +45,12 @@ class Tool:
     @property
     def params(self) -> tuple[str, ...]:
         """The names of its arguments."""
-        return tuple(self.schema()["function"].get("parameters", {}).get("properties", {}))
+        return tuple(self.properties)
+
+    @property
+    def properties(self) -> dict[str, Any]:
+        """Its arguments' JSON schemas by name, in order."""
+        return dict(self.schema()["function"].get("parameters", {}).get("properties", {}))
 
 
 def _function_path(where: str, fn: Callable[..., Any]) -> str:
@@ -144,7 +149,7 @@ def check_tools(where: str, tools: Any) -> tuple[Tool, ...]:
 
 def env_tools(where: str, tools: Any) -> tuple[Any, dict[str, tuple[str, ...]]]:
     """``ToolEnv``'s ``tools`` with declared tools as ``{name: "module:function"}`` entries, and the tools called
-    with keywords (name -> argument names); anything else (built-in names, a dict) unchanged, for ``ToolEnv``."""
+    with keywords (name -> their arguments' JSON schemas by name); anything else (built-in names, a dict) unchanged, for ``ToolEnv``."""
     if not isinstance(tools, (list, tuple)) or not any(isinstance(t, Tool) for t in tools):
         return tools, {}
     names = [t.name if isinstance(t, Tool) else t for t in tools]
@@ -152,4 +157,4 @@ def env_tools(where: str, tools: Any) -> tuple[Any, dict[str, tuple[str, ...]]]:
     if twice:
         raise ValueError(f"{where}: tool name(s) {', '.join(map(repr, twice))} given twice")
     named = {(t.name if isinstance(t, Tool) else t): (t.function if isinstance(t, Tool) else t) for t in tools}
-    return named, {t.name: t.params for t in tools if isinstance(t, Tool) and t.keywords}
+    return named, {t.name: t.properties for t in tools if isinstance(t, Tool) and t.keywords}
