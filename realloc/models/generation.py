@@ -203,6 +203,7 @@ class _MicroBatch:
         self.gen_len = torch.zeros(bsz, dtype=torch.long, device=dev)
         self.hit_eos = torch.zeros(bsz, dtype=torch.bool, device=dev)
         self.active = torch.arange(bsz, device=dev)  # rows still decoding, in cache order
+        self.prompts: torch.Tensor | None = None  # [rows, longest prompt], right-padded (output)
         self.caches: list[KVCache] = []
         self.done = False
         self.finished_step = -1  # the step (of this micro-batch) whose tokens finished it
@@ -281,18 +282,28 @@ class _MicroBatch:
             self.turn_cache.keep(self.seq_ids[b], tokens, self.caches, i, slots)
 
     def output(self) -> GenerationOutput:
-        dev, bsz = self.model.device, len(self.rows)
-        lengths = self.plen_d + self.gen_len
-        width = int(lengths.max())
-        seqs = torch.full((bsz, width), self.gconfig.pad_token_id, dtype=torch.long, device=dev)
-        lps = torch.zeros((bsz, width), dtype=torch.float32, device=dev)
-        gen_len = self.gen_len.tolist()  # one device-to-host copy per micro-batch, not one per row
-        for b in range(bsz):
-            p, n = int(self.plen[b]), gen_len[b]
-            seqs[b, :p] = self.rows[b].to(dev)
-            seqs[b, p:p + n] = self.out_tok[b, :n]
-            lps[b, p:p + n] = self.out_lp[b, :n]
-        return GenerationOutput(seqs, lengths, self.plen_d, lps, self.hit_eos)
+        if self.prompts is None:  # the prompts right-padded, once (a streamed call asks at every split point)
+            self.prompts = torch.nn.utils.rnn.pad_sequence(self.rows, batch_first=True).to(self.model.device)
+        seqs, lps = assemble(self.prompts, self.plen_d, self.out_tok, self.out_lp, self.gen_len,
+                             self.gconfig.pad_token_id)
+        return GenerationOutput(seqs, self.plen_d + self.gen_len, self.plen_d, lps, self.hit_eos)
+
+
+def assemble(prompts: torch.Tensor, plen: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor,
+             gen_len: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's prompt (``prompts`` [rows, >= its length], right-padded) followed by its ``gen_len`` generated
+    ``tokens`` [rows, >= gen_len], right-padded with ``pad`` to the longest row, and the log-probs aligned with
+    them (0 on prompt and padding): a few gathers, not a loop over rows (done at every split point of a streamed
+    call, and by a migration's freed replicas before they reply)."""
+    n, width = plen.numel(), int((plen + gen_len).max()) if plen.numel() else 1
+    col = torch.arange(width, device=prompts.device).view(1, -1)
+    p, end = plen.view(-1, 1), (plen + gen_len).view(-1, 1)
+    at_prompt = col.clamp(max=max(prompts.shape[1] - 1, 0)).expand(n, -1)
+    at_gen = (col - p).clamp(0, max(tokens.shape[1] - 1, 0))
+    in_gen = (col >= p) & (col < end)
+    prompt_part = prompts.gather(1, at_prompt) if prompts.shape[1] else torch.zeros_like(at_prompt)
+    seqs = torch.where(in_gen, tokens.gather(1, at_gen), torch.where(col < p, prompt_part, pad))
+    return seqs, torch.where(in_gen, logprobs.float().gather(1, at_gen), 0.0)
 
 
 @torch.no_grad()
