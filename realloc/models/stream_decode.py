@@ -2,8 +2,9 @@
 docs/tail-semantics.md).
 
 ``SplitGeneration`` decodes a dp replica's rows as ``tail_decode.decode_until`` does (its micro-batches advance
-one step each per round, and after every step ``global_count`` sums the whole call's running rows over the dp
-replicas) up to the split point, the first step after which at most a threshold of rows are running. Unlike a
+one step each per round, and after every step the whole call's running rows are summed over the dp replicas:
+``until`` with a blocking ``global_count``, ``until_counted`` with counts that arrive late while the replica decodes
+on) up to the split point, the first step after which at most a threshold of rows are running. Unlike a
 migration, nothing moves: the micro-batches keep their KV caches and sampling state, hand out the finished rows,
 and later ``finish`` the running ones with the very decode steps an uninterrupted run makes. Sampling is seeded per
 row, so every token and log-prob is the plain generation's. At pp > 1 a step runs through the stages

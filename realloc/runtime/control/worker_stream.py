@@ -3,7 +3,8 @@ graph/tail.py; docs/tail-semantics.md). The call takes two ``RunCall`` requests:
 
 1. The first runs the interface function once with a stand-in model that records its ``generate`` call
    (``worker_tail.GenerateRecorder``), decodes this replica's rows to the split point (``models/stream_decode.py``: the
-   replicas count the call's running rows together after every step), runs the interface function on the rows
+   replicas count the call's running rows together after every step; at dp >= 2 in windowed asynchronous
+   all-reduces, ``worker_tail.AsyncCounts``), runs the interface function on the rows
    finished by then (its ``generate`` answered with their results) and replies with them. The decoding state
    (micro-batches, KV caches, sampling streams) stays in ``kept``, keyed by call and iteration.
 2. The second (its ``rows``: this replica's running rows, as the master derives them) continues that state to the

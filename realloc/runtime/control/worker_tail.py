@@ -275,14 +275,12 @@ def _output(table: dict[str, torch.Tensor], pad: int) -> GenerationOutput:
 def _responses(out: GenerationOutput, n_new: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's generated tokens and their log-probs, left-aligned in ``n_new`` columns."""
     seqs, lps = out.sequences.cpu(), out.logprobs.cpu()
-    p, g = out.prompt_lengths.cpu().view(-1, 1), (out.lengths - out.prompt_lengths).cpu().view(-1, 1)
-    col = torch.arange(n_new).view(1, -1)
-    at = (p + col).clamp(max=max(seqs.shape[1] - 1, 0))
-    valid = col < g
     if not seqs.shape[1]:
         return torch.zeros((seqs.shape[0], n_new), dtype=torch.long), torch.zeros((seqs.shape[0], n_new))
-    return (torch.where(valid, seqs.gather(1, at), 0),
-            torch.where(valid, lps.float().gather(1, at), 0.0))
+    p, g = out.prompt_lengths.cpu().view(-1, 1), (out.lengths - out.prompt_lengths).cpu().view(-1, 1)
+    col = torch.arange(n_new).view(1, -1)
+    at, valid = (p + col).clamp(max=seqs.shape[1] - 1), col < g  # one gather, not a loop over rows
+    return torch.where(valid, seqs.gather(1, at), 0), torch.where(valid, lps.float().gather(1, at), 0.0)
 
 
 def _replay(ctx: CallContext, fn: Callable[[CallContext, Data], CallResult], table: dict[str, torch.Tensor],
