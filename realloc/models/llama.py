@@ -407,13 +407,23 @@ class LlamaStage(nn.Module):
         hidden = self.run_layers(hidden, position_ids, mask, caches, cache_start, recompute, split)
         return self.head(hidden, split) if self.is_last else hidden
 
-    def new_kv_caches(self, batch: int, max_len: int) -> list[KVCache]:
+    def new_kv_caches(self, batch: int, max_len: int, zeroed: int | None = None) -> list[KVCache]:
+        """One cache per layer, all zeros; or only slots [0, ``zeroed``) zeroed and the rest left uninitialized,
+        for a caller that writes every later slot before a step reads it (eager decoding: zeroing a whole cache
+        of prompt + max_new_tokens slots per call cost more than the prefill of short prompts)."""
         p = next(iter(self.parameters()))
         shape = (batch, self.cfg.local_kv_heads(self.tp_group.size()), max_len, self.cfg.head_dim)
         pos = None if self.cfg.sliding_window is None else torch.zeros((batch, max_len), dtype=torch.long,
                                                                        device=p.device)
-        return [KVCache(torch.zeros(shape, dtype=p.dtype, device=p.device),
-                        torch.zeros(shape, dtype=p.dtype, device=p.device), pos) for _ in self.layers]
+        if zeroed is None:
+            return [KVCache(torch.zeros(shape, dtype=p.dtype, device=p.device),
+                            torch.zeros(shape, dtype=p.dtype, device=p.device), pos) for _ in self.layers]
+        out = [KVCache(torch.empty(shape, dtype=p.dtype, device=p.device),
+                       torch.empty(shape, dtype=p.dtype, device=p.device), pos) for _ in self.layers]
+        for c in out:
+            c.k[:, :, :zeroed].zero_()
+            c.v[:, :, :zeroed].zero_()
+        return out
 
 
 # -- attention masks --------------------------------------------------------------------------------

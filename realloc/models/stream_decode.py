@@ -2,8 +2,9 @@
 docs/tail-semantics.md).
 
 ``SplitGeneration`` decodes a dp replica's rows as ``tail_decode.decode_until`` does (its micro-batches advance
-one step each per round, and after every step ``global_count`` sums the whole call's running rows over the dp
-replicas) up to the split point, the first step after which at most a threshold of rows are running. Unlike a
+one step each per round, and after every step the whole call's running rows are summed over the dp replicas:
+``until`` with a blocking ``global_count``, ``until_counted`` with counts that arrive late while the replica decodes
+on) up to the split point, the first step after which at most a threshold of rows are running. Unlike a
 migration, nothing moves: the micro-batches keep their KV caches and sampling state, hand out the finished rows,
 and later ``finish`` the running ones with the very decode steps an uninterrupted run makes. Sampling is seeded per
 row, so every token and log-prob is the plain generation's. At pp > 1 a step runs through the stages
@@ -20,7 +21,7 @@ from realloc.models.generation import GenerationOutput, _concat, _MicroBatch, _W
 from realloc.models.sampling import GenerationConfig
 from realloc.models.static_decode import DecodingModel
 from realloc.models.stream_pipeline import pipelined_step
-from realloc.models.tail_decode import select_rows
+from realloc.models.tail_decode import StepCounts, select_rows
 from realloc.strategy import even_ranges
 
 
@@ -48,7 +49,13 @@ class SplitGeneration:
         self.t = 0  # the next step
         # pp > 1: the stages' decode step (stream_pipeline.py), its point-to-point traffic on the pp group
         self.wire = _Wire(model) if model.groups.pp > 1 else None
-        self.left = -1  # the whole call's running rows after the last step (-1: no step yet)
+        self.left = -1  # the whole call's running rows after the last split point's step (-1: none yet)
+        # counts that may arrive late (``until_counted``): each step's local running rows, and the last split
+        # point's step (the decoding may have run past it); side by side at pp 1 only, where a row's generated
+        # length tells the step it finished at
+        self.local: list[int] = []
+        self.split = -1
+        self.late_counts = not one_by_one and self.wire is None
 
     def _step(self) -> None:
         if self.one_by_one:
@@ -64,11 +71,20 @@ class SplitGeneration:
             if not mb.done:
                 mb.apply(mb.sample(mb.forward(None, self.t), self.t), self.t)
         self.t += 1
+        if self.late_counts:
+            self.local.append(sum(mb.n_active for mb in self.mbs if not mb.done))
 
     def running(self) -> list[int]:
-        """Local positions of the rows still decoding, ascending."""
-        return sorted(off + int(i) for mb, off in zip(self.mbs, self.offsets) if not mb.done
-                      for i in mb.active.tolist())
+        """Local positions of the rows still decoding after the last split point, ascending (rows that ended in
+        steps decoded past it count as running: they belong to the next part)."""
+        now = sorted(off + int(i) for mb, off in zip(self.mbs, self.offsets) if not mb.done
+                     for i in mb.active.tolist())
+        if not self.late_counts or self.split < 0 or self.split == self.t - 1:
+            return now
+        # a row that ended at step f has generated f + 1 tokens
+        late = {off + b for mb, off in zip(self.mbs, self.offsets) for b, n in enumerate(mb.gen_len.tolist())
+                if n > self.split + 1}
+        return sorted(set(now) | late)
 
     @torch.no_grad()
     def until(self, global_count: Callable[[int], int], threshold: int) -> bool:
@@ -78,6 +94,35 @@ class SplitGeneration:
         while self.left < 0 or self.left > threshold:
             self._step()
             self.left = global_count(sum(mb.n_active for mb in self.mbs if not mb.done))
+            self.split = self.t - 1
+        return self.left > 0
+
+    @torch.no_grad()
+    def until_counted(self, counts: StepCounts, threshold: int) -> bool:
+        """``until`` with the whole call's counts learned asynchronously (``counts``, e.g. the windowed
+        all-reduces of ``worker_tail.AsyncCounts``; side by side at pp 1 only): the replica posts its count after
+        every step and decodes on without waiting, and waits only when it has nothing left to decode. The split
+        point is still the first step whose count is at most ``threshold`` (a lockstep run's), and ``running``
+        names the rows unfinished after it. Every replica posts from the step after the previous split point
+        (counts of steps it decoded ahead from its history), so the reductions pair up on every replica."""
+        assert self.late_counts
+        if 0 <= self.left <= threshold:  # an earlier step already passed this split point: no step
+            return self.left > 0
+        start = self.split + 1
+        known, posted, found = start, start, None
+        while found is None:
+            if posted == self.t and any(not mb.done for mb in self.mbs):
+                self._step()
+            counts.post(self.local[posted] if posted < self.t else 0)
+            posted += 1
+            busy = posted < self.t or any(not mb.done for mb in self.mbs)
+            for total in counts.ready(block=not busy):  # nothing left to decode or post: wait for the others
+                if total <= threshold:
+                    found = (known, total)
+                    break
+                known += 1
+        counts.close()
+        self.split, self.left = found
         return self.left > 0
 
     @torch.no_grad()

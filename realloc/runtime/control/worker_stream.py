@@ -3,7 +3,8 @@ graph/tail.py; docs/tail-semantics.md). The call takes two ``RunCall`` requests:
 
 1. The first runs the interface function once with a stand-in model that records its ``generate`` call
    (``worker_tail.GenerateRecorder``), decodes this replica's rows to the split point (``models/stream_decode.py``: the
-   replicas count the call's running rows together after every step), runs the interface function on the rows
+   replicas count the call's running rows together after every step; at dp >= 2 in windowed asynchronous
+   all-reduces, ``worker_tail.AsyncCounts``), runs the interface function on the rows
    finished by then (its ``generate`` answered with their results) and replies with them. The decoding state
    (micro-batches, KV caches, sampling streams) stays in ``kept``, keyed by call and iteration.
 2. The second (its ``rows``: this replica's running rows, as the master derives them) continues that state to the
@@ -37,7 +38,7 @@ import torch.distributed as dist
 from realloc.algorithms.context import CallContext, CallResult, Data
 from realloc.graph.tail import TailMigration, split_thresholds
 from realloc.models.stream_decode import SplitGeneration
-from realloc.runtime.control.worker_tail import GenerateReplay, captured_generate
+from realloc.runtime.control.worker_tail import AsyncCounts, GenerateReplay, captured_generate
 
 # (call, iteration) -> the decoding (a SplitGeneration, or a stepwise multi-turn call's state), sequence ids, running
 # local positions, inputs, split points passed
@@ -108,7 +109,13 @@ def _to_split(ctx: CallContext, fn: Callable[[CallContext, Data], CallResult], g
         return int(t.item())
 
     threshold = split_thresholds(ctx.batch_size, tail.rows, tail.chunks)[passed]
-    if gen.until(global_count, threshold):  # the call still runs somewhere: every replica takes the next request
+    if model.groups.dp > 1 and isinstance(gen, SplitGeneration) and gen.late_counts:
+        # the counts as asynchronous all-reduces of a few steps each, as a migration's phase 1 takes them: a
+        # blocking all-reduce after every step held each replica at every step (docs/streaming.md, "Faster")
+        more = gen.until_counted(AsyncCounts(model.groups.dp_group, model.groups.dp), threshold)
+    else:
+        more = gen.until(global_count, threshold)
+    if more:  # the call still runs somewhere: every replica takes the next request
         kept[call, ctx.iteration] = (gen, seq_ids, gen.running(), inputs, passed + 1)
     finished = sorted(set(before) - set(gen.running()))
     if not finished:

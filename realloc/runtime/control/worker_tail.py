@@ -35,7 +35,7 @@ import torch.distributed as dist
 from realloc.algorithms.context import CallContext, CallResult, Data
 from realloc.graph.streaming import deal
 from realloc.graph.tail import TailMigration
-from realloc.models.generation import GenerationOutput, _concat, _prompt_list
+from realloc.models.generation import GenerationOutput, _concat, _prompt_list, assemble
 from realloc.models.sampling import GenerationConfig
 from realloc.models.tail_decode import PhaseOne, TailRows, continue_decoding, decode_until, select_rows
 from realloc.runtime.transfer.data_store import pack_rows, row_bytes, unpack_rows
@@ -137,8 +137,9 @@ def _row_table(inputs: Data, pos: Sequence[int], prompts: list[torch.Tensor], id
     n = len(pos)
     table = {f"in/{role}/{name}": t.index_select(0, idx) for role, d in inputs.items() for name, t in d.items()}
     prompt = torch.zeros((n, width), dtype=torch.long)
-    for r, p in enumerate(prompts):
-        prompt[r, :p.numel()] = p.cpu()
+    if n:  # right-padded with zeros to the call's widest prompt
+        flat = torch.nn.utils.rnn.pad_sequence([p.cpu() for p in prompts], batch_first=True)
+        prompt[:, :flat.shape[1]] = flat
     tok = torch.zeros((n, n_new), dtype=torch.long)
     lp = torch.zeros((n, n_new), dtype=torch.float32)
     tok[:, :tokens.shape[1]], lp[:, :logprobs.shape[1]] = tokens.cpu(), logprobs.cpu()
@@ -267,26 +268,19 @@ def _prompts(table: dict[str, torch.Tensor]) -> list[torch.Tensor]:
 def _output(table: dict[str, torch.Tensor], pad: int) -> GenerationOutput:
     """The generation results of finished rows of ``table``."""
     plen, glen = table["plen"], table["glen"]
-    n, width = plen.numel(), int((plen + glen).max())
-    seqs = torch.full((n, width), pad, dtype=torch.long)
-    lps = torch.zeros((n, width), dtype=torch.float32)
-    for r in range(n):
-        p, g = int(plen[r]), int(glen[r])
-        seqs[r, :p] = table["prompt"][r, :p]
-        seqs[r, p:p + g] = table["tok"][r, :g]
-        lps[r, p:p + g] = table["lp"][r, :g]
+    seqs, lps = assemble(table["prompt"], plen, table["tok"], table["lp"], glen, pad)
     return GenerationOutput(seqs, plen + glen, plen.clone(), lps, table["eos"].clone())
 
 
 def _responses(out: GenerationOutput, n_new: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's generated tokens and their log-probs, left-aligned in ``n_new`` columns."""
-    n = out.lengths.numel()
-    tok = torch.zeros((n, n_new), dtype=torch.long)
-    lp = torch.zeros((n, n_new), dtype=torch.float32)
-    for r in range(n):
-        p, e = int(out.prompt_lengths[r]), int(out.lengths[r])
-        tok[r, :e - p], lp[r, :e - p] = out.sequences[r, p:e].cpu(), out.logprobs[r, p:e].cpu()
-    return tok, lp
+    seqs, lps = out.sequences.cpu(), out.logprobs.cpu()
+    if not seqs.shape[1]:
+        return torch.zeros((seqs.shape[0], n_new), dtype=torch.long), torch.zeros((seqs.shape[0], n_new))
+    p, g = out.prompt_lengths.cpu().view(-1, 1), (out.lengths - out.prompt_lengths).cpu().view(-1, 1)
+    col = torch.arange(n_new).view(1, -1)
+    at, valid = (p + col).clamp(max=seqs.shape[1] - 1), col < g  # one gather, not a loop over rows
+    return torch.where(valid, seqs.gather(1, at), 0), torch.where(valid, lps.float().gather(1, at), 0.0)
 
 
 def _replay(ctx: CallContext, fn: Callable[[CallContext, Data], CallResult], table: dict[str, torch.Tensor],
