@@ -83,7 +83,7 @@ def test_a_real_generate_allocates_one_cache_of_prompt_and_new_tokens_per_micro_
     m = tiny_model
     seen: list[tuple[int, int]] = []
     orig = m.stage.new_kv_caches
-    monkeypatch.setattr(m.stage, "new_kv_caches", lambda b, n: seen.append((b, n)) or orig(b, n))
+    monkeypatch.setattr(m.stage, "new_kv_caches", lambda b, n, **kw: seen.append((b, n)) or orig(b, n, **kw))
     prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11, 12], [1, 2, 3, 4, 5, 6], [7, 8, 9]]
     out = generate(m, prompts, GenerationConfig(max_new_tokens=7, seed=3, eos_token_ids=(0,)), n_mbs=2)
     assert out.sequences.shape[0] == 5
