@@ -35,6 +35,7 @@ from realloc.algorithms.common import actor_logprobs, generation_config, loss_ma
 from realloc.algorithms.context import CallContext, CallResult, Data
 from realloc.envs.base import Environment, check_env, check_step, check_text, env_factory
 from realloc.envs.rollout_args import rollout_args
+from realloc.envs.tool_health import InfraWatch
 from realloc.models.engine import ParallelModel
 from realloc.models.turn_cache import TurnCache
 from realloc.models.weights import param_seed
@@ -122,6 +123,7 @@ class TurnRollouts:
         self.turn = 0  # the next turn
         self.pool = ThreadPoolExecutor(max_workers=args.env_workers)
         self.left = -1  # the whole call's running rollouts after the last turn (streamed; -1: no turn yet)
+        self.infra = InfraWatch()  # stops the call where every tool call fails to start (envs/tool_health.py)
 
     def _active(self) -> list[int]:
         return [b for b in self.runs if not self.rolls[b].done and self.rolls[b].budget > 0]
@@ -160,8 +162,14 @@ class TurnRollouts:
         answers = None
         if self.reporter:
             tok = ctx.tokenizer
-            answers = _steps(self.where, self.pool, [self.envs[b] for b in active], [tok.decode(s) for s in said],
-                             self.clock)
+            envs = [self.envs[b] for b in active]
+            before = self.infra.counts(envs)
+            answers = _steps(self.where, self.pool, envs, [tok.decode(s) for s in said], self.clock)
+            if not isinstance(answers, BaseException):
+                try:
+                    self.infra.turn(self.where, envs, before)
+                except RuntimeError as e:  # re-raised on every rank by _share_answers
+                    answers = e
         last = turn == args.max_turns - 1
         for b, (obs, reward, done) in zip(active, _share_answers(ctx.model, answers, len(active))):
             r = rolls[b]
