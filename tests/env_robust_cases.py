@@ -42,14 +42,15 @@ def make_infra(**kw: object) -> InfraEnv:
 
 
 class HugeEnv(LengthEnv):
-    """Answers every turn with an observation of ``chars`` characters (far past any budget)."""
+    """Answers every turn with an observation of ``chars`` characters (far past any budget); the first observation
+    too when ``first``."""
 
-    def __init__(self, chars: int = 1 << 20, **kw: object) -> None:
+    def __init__(self, chars: int = 1 << 20, first: bool = False, **kw: object) -> None:
         super().__init__(**kw)  # type: ignore[arg-type]
-        self.chars = chars
+        self.chars, self.first = chars, first
 
     def reset(self, record: dict) -> str:
-        return huge(self.chars, 0)
+        return huge(self.chars, 0) if self.first else "<>"
 
     def step(self, text: str) -> tuple[str | None, float, bool]:
         obs, reward, done = super().step(text)
@@ -57,12 +58,10 @@ class HugeEnv(LengthEnv):
 
 
 def huge(chars: int, seed: int) -> str:
+    """``chars`` characters of the test tokenizer's alphabet, words and runs of spaces, from ``seed``."""
     words = ["12", "3+4", "abc", "  ", "x=y", "7", "<", ">", "zz", "9 9"]
-    out, i = [], seed
-    while sum(map(len, out)) < chars:
-        out.append(words[(i * 7 + i // 3) % len(words)] + " ")
-        i += 1
-    return "".join(out)[:chars]
+    period = " ".join(words[(seed + i * 7) % len(words)] for i in range(97)) + " "
+    return (period * (chars // len(period) + 1))[:chars]
 
 
 def make_huge(**kw: object) -> HugeEnv:

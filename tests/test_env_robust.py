@@ -6,6 +6,7 @@ observation is cut before it is tokenized, to the very tokens tokenize-then-cut 
 from __future__ import annotations
 
 import errno
+import os
 import subprocess
 import tempfile
 
@@ -13,6 +14,7 @@ import pytest
 
 from realloc.envs.tool_health import INFRA_STREAK, InfraWatch
 from realloc.tools.sandbox import Sandbox, ToolLimits, _verdict, network_isolation
+from tests.test_multiturn import N
 
 WRITER = "for i in range(20):\n    open(f'f{i}', 'wb').write(b'x' * (4 << 20))\nprint('wrote', i + 1)"
 
@@ -141,3 +143,142 @@ def test_infra_failures_are_observations_until_every_call_fails(pool, tokenizer_
     assert err.startswith(f"RuntimeError: call 'actor_gen': the last {INFRA_STREAK} tool calls could not be "
                           f"started (the machine, not the tools: the tool could not be started: FileNotFoundError")
     assert "\n" not in err
+
+
+# -- a huge observation -------------------------------------------------------------------------------------------
+class _Spy:
+    """A tokenizer that records the longest text it was given."""
+
+    def __init__(self, tok) -> None:
+        self.tok, self.longest = tok, 0
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.longest = max(self.longest, len(text))
+        return self.tok.encode(text, add_special_tokens=add_special_tokens)
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    """The kinds the project loads: one token per character (the demos'), a byte-level BPE with Qwen2's
+    pre-tokenization (tiny_assets), and a SentencePiece-style BPE with no pre-tokenizer, spaces written as "▁" by
+    the normalizer (Llama 2's and Mistral's tokenizer.json), both trained on the tiny corpus."""
+    from tokenizers import Tokenizer as Raw
+    from tokenizers import decoders, models, normalizers, trainers
+
+    from realloc.data.tokenizer import Tokenizer
+    from realloc.demo.arith_task import train_tokenizer as train_chars
+    from realloc.tiny_assets import hf as tiny_hf
+    from realloc.tiny_assets.text import corpus
+    from tests.multiturn_cases import CHARACTERS
+
+    tmp = tmp_path_factory.mktemp("toks")
+    (tmp / "corpus.txt").write_text(corpus())
+    chars = Tokenizer.load(str(train_chars(tmp / "chars", CHARACTERS)))
+    bpe = Tokenizer.load(str(tiny_hf.train_tokenizer(tmp / "corpus.txt", tmp / "bpe", vocab_size=500)))
+    sp = Raw(models.BPE(unk_token="<unk>"))
+    sp.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    sp.decoder = decoders.Sequence([decoders.Replace("▁", " ")])
+    sp.train_from_iterator(corpus().splitlines(), trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>"],
+                                                                     show_progress=False))
+
+    class SP:
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            return sp.encode(text, add_special_tokens=add_special_tokens).ids
+
+    return {"chars": chars, "bpe": bpe, "sentencepiece": SP()}
+
+
+def _texts() -> list[str]:
+    import random
+
+    from realloc.tiny_assets.text import corpus
+
+    r = random.Random(0)
+    story = corpus(seed=3, n_paragraphs=40)
+    pool = ["ab", "  ", "\n", "\n\n", " 12345", "x=y+1", "...", "é", "e\u0301", "日本語", "🙂", "\t", "'s", " 'll"]
+    mixed = "".join(r.choice(pool) + r.choice(["", " "]) for _ in range(3000))
+    return [story, mixed, "word " * 2000, "a" * 6000 + " b" * 400, "1234567890" * 600, " " * 5000 + "x y" * 300,
+            "z" * 20000]
+
+
+@pytest.mark.parametrize("kind", ["chars", "bpe", "sentencepiece"])
+def test_a_cut_observation_gives_the_tokens_of_tokenize_then_cut(tokenizers, kind):
+    from realloc.envs.observation_cut import cut_observation
+
+    tok = tokenizers[kind]
+    for text in _texts():
+        for budget in (0, 1, 7, 40, 150):
+            cut = cut_observation(tok, text, budget)
+            assert text.startswith(cut)
+            whole = tok.encode(text, add_special_tokens=False)[:budget]
+            assert tok.encode(cut, add_special_tokens=False)[:budget] == whole, (kind, text[:20], budget)
+
+
+def test_a_100_mb_observation_is_tokenized_by_a_window_the_budget_bounds(tokenizers):
+    from realloc.envs.observation_cut import cut_observation
+
+    spy = _Spy(tokenizers["bpe"])
+    text = "The tool printed 12 lines. " * 4_000_000  # 108 MB
+    cut = cut_observation(spy, text, 100)
+    assert spy.longest <= 16 * (100 + 64) and len(cut) <= spy.longest
+    assert spy.encode(cut, add_special_tokens=False)[:100] == spy.encode(text[:5000], add_special_tokens=False)[:100]
+
+
+def _huge_run(ctx, tokenizer_dir: str, chars: int, first: bool):
+    """A multi-turn call whose environment answers with ``chars`` characters (its first observation too when
+    ``first``), its tokenizer a spy: the longest text it was given, and the rollouts."""
+    from realloc.algorithms.critic_free.grpo import GRPOConfig
+    from realloc.algorithms.critic_free.multiturn import multiturn_generate
+    from realloc.calls import GENERATE, ModelFunctionCallDef
+    from realloc.data.tokenizer import Tokenizer
+    from realloc.models.config import get_model_config
+    from tests.model_helpers import build_model
+    from tests.test_multiturn import ENV, _ctx, _prompts
+
+    model = build_model(ctx, get_model_config("tiny"), 1, 1, 1, seed=5)
+    tok = Tokenizer.load(tokenizer_dir)
+    spy = _Spy(tok)
+    spy.decode = tok.decode
+    for name in ("eos_token_ids", "pad_token_id", "vocab_size"):
+        setattr(spy, name, getattr(tok, name))
+    env = {**ENV, "env": "env_robust_cases:make_huge", "env_args": {"chars": chars, "turns": 3, "first": first}}
+    call = ModelFunctionCallDef(name="actor_gen", model_name="actor", interface_type=GENERATE,
+                                interface_impl="grpo_multiturn", interface_args=env)
+    out = multiturn_generate(_ctx(model, spy, call, 0, N, GRPOConfig()), {"prompts": _prompts(0, N)})
+    return spy.longest, out.outputs["seq"]
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_a_huge_observation_in_a_multiturn_call_is_cut_before_it_is_tokenized(pool, tokenizer_dir, first):
+    from realloc.data.tokenizer import Tokenizer
+    from tests.env_robust_cases import huge
+    from tests.test_multiturn import PROMPTS, T, _runs
+
+    longest, seq = pool.run(_huge_run, tokenizer_dir, 5_000_000, first)[0]
+    assert longest <= 16 * (T + 64)  # not the 5 MB the environment answered with
+    tok = Tokenizer.load(tokenizer_dir)
+    for b in range(N):
+        plen, k = len(PROMPTS[b]), int(seq["gen_mask"][b].sum())
+        assert k == T  # the observation filled the budget
+        runs = _runs(seq["tokens"][b, plen:plen + k].tolist(), seq["loss_mask"][b, :k].tolist())
+        # the first observation, or "<>" and the policy's first turn, then the first step's observation to the end
+        assert [p for p, _ in runs] == ([False] if first else [False, True, False])
+        assert runs[-1][1] == tok.encode(huge(1000, 0 if first else 1), add_special_tokens=False)[:len(runs[-1][1])]
+
+
+# writes 80 MB under a folder it keeps unreadable (chmod 000) but for the moment of each write: a parent that is not
+# root (it owns the folder) opened it neither to count nor to remove it
+HIDER = ("import os\nos.makedirs('a/b')\nfor i in range(20):\n    os.chmod('a', 0o700)\n"
+         "    open(f'a/b/f{i}', 'wb').write(b'x' * (4 << 20))\n    os.chmod('a', 0)\nprint('hid')")
+
+
+def test_files_in_a_folder_the_tool_made_unreadable_count_and_are_removed():
+    import glob
+
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "realloc-tool-*")))
+    small = Sandbox(ToolLimits(file_mb=8, disk_mb=12, wall_s=20, cpu_s=10), network_isolation())
+    assert small.run("realloc.tools.builtin:python", HIDER).status == "disk"
+    roomy = Sandbox(ToolLimits(file_mb=8, disk_mb=100, wall_s=20, cpu_s=10), network_isolation())
+    assert roomy.run("realloc.tools.builtin:python", HIDER).text == "hid\n"
+    # the locked folders went with the calls' working folders
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "realloc-tool-*"))) <= before

@@ -10,11 +10,13 @@ its own included, dies when the call ends (``child._keep``).
 Limits (``ToolLimits``): wall time (the parent ends the call: ``_end``), CPU time (``RLIMIT_CPU``), address space
 (``RLIMIT_AS``), bytes of output (the parent reads at most that many, then ends the call), processes
 (``RLIMIT_NPROC``; when the parent is root the child first becomes ``nobody``, since root ignores that limit, which
-also keeps it from writing to the user's files), file size (``RLIMIT_FSIZE``), files and signals (Landlock, where
+also keeps it from writing to the user's files), file size (``RLIMIT_FSIZE``), the files' total (the parent
+watches the working folder: ``disk_mb``), files and signals (Landlock, where
 the kernel has it: ``landlock_abi``; ``read_paths``) and no network: an empty network namespace (``unshare -n``)
 where this machine allows it, else socket creation is blocked inside the child before the tool runs
 (``network_isolation`` says which). Whatever happens, the caller gets a ``ToolResult`` whose ``text`` is
-what the policy sees (``error: ...`` for a failure) and whose ``status`` is counted; no tool stops the run.
+what the policy sees (``error: ...`` for a failure) and whose ``status`` is counted; no tool stops the run, and
+a call the machine cannot start (no space, a failed fork) is an observation too (``infra``).
 
 This contains a policy's mistakes (loops, huge allocations, floods of output, fork loops, network calls); it is
 not a security boundary against deliberately malicious code (Python-level blocks can be undone from Python):
@@ -196,7 +198,7 @@ class Sandbox:
                 proc.stdin.close()
         finally:
             if work:
-                shutil.rmtree(work, ignore_errors=True)
+                _remove(work)
 
     def _watch(self, proc: subprocess.Popen, request: bytes, marker: str, work: str) -> tuple[Status, str]:
         lim = self.limits
@@ -252,18 +254,50 @@ def _used_bytes(root: str, cap: int) -> int:
     until past ``cap``. A file the tool deleted but keeps open is not seen (``RLIMIT_FSIZE`` still bounds it)."""
     total, folders = 0, [root]
     while folders and total <= cap:
+        folder = folders.pop()
         try:
-            with os.scandir(folders.pop()) as entries:
-                for e in entries:
-                    try:
-                        total += e.stat(follow_symlinks=False).st_blocks * 512
-                        if e.is_dir(follow_symlinks=False):
-                            folders.append(e.path)
-                    except OSError:  # gone since the listing
-                        continue
+            entries = list(os.scandir(folder))
+        except PermissionError:  # a folder the tool made unreadable (chmod 000) to hide what it holds: open it
+            try:
+                os.chmod(folder, 0o700)
+                entries = list(os.scandir(folder))
+            except OSError:
+                continue
         except OSError:
             continue
+        for e in entries:
+            try:
+                total += e.stat(follow_symlinks=False).st_blocks * 512
+                if e.is_dir(follow_symlinks=False):
+                    folders.append(e.path)
+            except OSError:  # gone since the listing
+                continue
     return total
+
+
+def _remove(work: str) -> None:
+    """The call's working folder, folders the tool made unreadable or unwritable (which ``rmtree`` leaves)
+    included: each is opened (the parent owns it, or is root) and removed once more."""
+    seen: set[str] = set()
+
+    def reopen(_fn: object, path: str, _exc: object) -> None:
+        if path in seen:
+            return
+        seen.add(path)
+        for p in (os.path.dirname(path), path):
+            try:
+                os.chmod(p, 0o700, follow_symlinks=False)
+            except (OSError, NotImplementedError):
+                pass
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, onerror=reopen)
+        else:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+    shutil.rmtree(work, onerror=reopen)
 
 
 def _verdict(rc: int, out: str, marker: str, lim: ToolLimits) -> tuple[Status, str]:
