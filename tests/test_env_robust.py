@@ -14,7 +14,7 @@ import pytest
 
 from realloc.envs.tool_health import INFRA_STREAK, InfraWatch
 from realloc.tools.sandbox import Sandbox, ToolLimits, _verdict, network_isolation
-from tests.test_multiturn import N
+from tests.test_multiturn import N, pool, tokenizer_dir  # noqa: F401  (the fixtures: 2 gloo ranks, the tokenizer)
 
 WRITER = "for i in range(20):\n    open(f'f{i}', 'wb').write(b'x' * (4 << 20))\nprint('wrote', i + 1)"
 
@@ -107,27 +107,12 @@ def test_the_run_stops_after_a_streak_of_infra_failures_and_any_started_call_res
 
 
 # -- inside a GENERATE call ---------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def pool(tmp_path_factory):
-    from mp_pool import GlooPool
-
-    with GlooPool(1, tmp_path_factory.mktemp("gloo")) as p:
-        yield p
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    from realloc.demo.arith_task import train_tokenizer
-    from tests.multiturn_cases import CHARACTERS
-
-    return str(train_tokenizer(tmp_path_factory.mktemp("tok"), CHARACTERS))
-
-
 def _run(ctx, tokenizer_dir: str, env: dict):
     from tests.test_multiturn import ENV, _generate
 
     try:
-        return _generate(ctx, tokenizer_dir, 1, 1, 1, {**ENV, **env})["sums"]
+        got = _generate(ctx, tokenizer_dir, 1, 1, 1, {**ENV, **env})  # on rank 0; None on the other
+        return None if got is None else got["sums"]
     except Exception as e:  # noqa: BLE001
         return f"{type(e).__name__}: {e}"
 
@@ -236,6 +221,8 @@ def _huge_run(ctx, tokenizer_dir: str, chars: int, first: bool):
     from tests.test_multiturn import ENV, _ctx, _prompts
 
     model = build_model(ctx, get_model_config("tiny"), 1, 1, 1, seed=5)
+    if model is None:  # the pool's other rank
+        return None
     tok = Tokenizer.load(tokenizer_dir)
     spy = _Spy(tok)
     spy.decode = tok.decode
