@@ -202,13 +202,7 @@ def _keep(req: dict) -> None:
 
     ctypes.CDLL(None, use_errno=True).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # until the handler knows the tool's pid
-    try:
-        tool = os.fork()
-    except OSError as e:  # EAGAIN on the process limit, ENOMEM: the machine's failure, not the tool's ("infra")
-        out = {"ok": False, "error": _error(e), "infra": True}
-        sys.stdout.write("\n" + req["marker"] + " " + json.dumps(out) + "\n")
-        sys.stdout.flush()
-        os._exit(0)
+    tool = os.fork()
     if tool == 0:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         _call_tool(req)

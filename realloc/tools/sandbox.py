@@ -40,8 +40,10 @@ from typing import Literal
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child.py")
 # "disk": the tool's files passed ``disk_mb``; "infra": the sandbox itself failed (no space for the working folder,
-# a failed fork or exec): not the tool's fault, counted apart (``envs/tool_health.py`` stops a run where every call
-# fails so)
+# a failed fork or exec of the child): not the tool's fault, counted apart (``envs/tool_health.py`` stops a run where
+# every call fails so). Only the parent says "infra": a result line, which a tool that reads its caller's frames
+# could forge, never does, so no policy can stop the run. A failure once the child runs (its keeper's fork) is a
+# "crash".
 Status = Literal["ok", "error", "timeout", "cpu", "memory", "output", "crash", "disk", "infra"]
 STATUSES: tuple[str, ...] = ("ok", "error", "timeout", "cpu", "memory", "output", "crash", "disk", "infra")
 NOBODY = 65534
@@ -318,8 +320,6 @@ def _verdict(rc: int, out: str, marker: str, lim: ToolLimits) -> tuple[Status, s
         return "crash", "error: the tool's result could not be read"
     if res.get("ok"):
         return "ok", printed + res.get("value", "")
-    if res.get("infra"):  # the keeper could not start the tool's process
-        return "infra", "error: the tool could not be started: " + str(res.get("error", "unknown"))
     status: Status = "memory" if res.get("memory") else "error"
     return status, (printed + "\n" if printed else "") + "error: " + str(res.get("error", "unknown"))
 
