@@ -30,6 +30,14 @@ def test_a_tool_that_writes_many_files_is_stopped_at_the_total_cap_and_one_under
     assert sandbox.run("realloc.tools.builtin:calculator", "6*7").text == "42"  # and the next call works
 
 
+def test_empty_files_count_too():
+    # 100 000 empty files take no block but an inode each: a disk's inodes run out before its bytes
+    program = "for i in range(100000):\n    open(f'e{i}', 'w').close()\nprint('made', i + 1)"
+    r = Sandbox(ToolLimits(disk_mb=4, wall_s=20, cpu_s=10), network_isolation()).run(
+        "realloc.tools.builtin:python", program)
+    assert (r.status, r.text) == ("disk", "error: the tool wrote more than 4 MB of files and was stopped")
+
+
 def test_the_total_cap_is_a_checked_limit():
     assert ToolLimits().disk_mb == 64
     with pytest.raises(ValueError, match="ToolLimits.disk_mb must be a positive number, got 0"):

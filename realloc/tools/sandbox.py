@@ -47,6 +47,7 @@ CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child.py")
 Status = Literal["ok", "error", "timeout", "cpu", "memory", "output", "crash", "disk", "infra"]
 STATUSES: tuple[str, ...] = ("ok", "error", "timeout", "cpu", "memory", "output", "crash", "disk", "infra")
 NOBODY = 65534
+ENTRY_BYTES = 4096  # what a file or folder counts at least against ``disk_mb``: an inode and a block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,8 +253,8 @@ def _disk_error(lim: ToolLimits) -> str:
 
 
 def _used_bytes(root: str, cap: int) -> int:
-    """What the files under ``root`` take on disk (allocated blocks: a sparse file counts what it fills), counted
-    until past ``cap``. A file the tool deleted but keeps open is not seen (``RLIMIT_FSIZE`` still bounds it)."""
+    """What the files under ``root`` take on disk (allocated blocks: a sparse file counts what it fills; each file
+    or folder at least ``ENTRY_BYTES``, since empty files fill a disk's inodes), counted until past ``cap``. A file the tool deleted but keeps open is not seen (``RLIMIT_FSIZE`` still bounds it)."""
     total, folders = 0, [root]
     while folders and total <= cap:
         folder = folders.pop()
@@ -269,7 +270,7 @@ def _used_bytes(root: str, cap: int) -> int:
             continue
         for e in entries:
             try:
-                total += e.stat(follow_symlinks=False).st_blocks * 512
+                total += max(e.stat(follow_symlinks=False).st_blocks * 512, ENTRY_BYTES)
                 if e.is_dir(follow_symlinks=False):
                     folders.append(e.path)
             except OSError:  # gone since the listing
