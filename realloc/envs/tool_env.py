@@ -52,6 +52,7 @@ class ToolEnv:
         self._call = re.compile(rf"<({names})>(.*?)</\1>", re.DOTALL)
         self.counts = {s: 0 for s in STATUSES}
         self.reference = ""
+        self.infra_error = ""  # the last call the sandbox could not start (tools/sandbox.py: "infra")
         self.chat = call_format == "chat"
         chat = ChatObservation(where, chat_template, end_of_turn) if chat_template is not None else None
         self.format = chat.format if chat is not None else HERMES
@@ -78,6 +79,8 @@ class ToolEnv:
         keywords = call[1] if isinstance(call[1], dict) else None
         result = self.sandbox.run(self.tools[call[0]], "" if keywords is not None else call[1], keywords)
         self.counts[result.status] += 1
+        if result.status == "infra":  # named by envs/tool_health.py if every call fails so
+            self.infra_error = result.text
         return self.render(result.text.strip(), call[0], call[2] if len(call) > 2 else None), self.call_reward, False
 
     def _find(self, text: str) -> tuple[str, Any] | tuple[str, Any, str | None] | str | None:

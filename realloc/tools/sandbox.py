@@ -10,11 +10,13 @@ its own included, dies when the call ends (``child._keep``).
 Limits (``ToolLimits``): wall time (the parent ends the call: ``_end``), CPU time (``RLIMIT_CPU``), address space
 (``RLIMIT_AS``), bytes of output (the parent reads at most that many, then ends the call), processes
 (``RLIMIT_NPROC``; when the parent is root the child first becomes ``nobody``, since root ignores that limit, which
-also keeps it from writing to the user's files), file size (``RLIMIT_FSIZE``), files and signals (Landlock, where
+also keeps it from writing to the user's files), file size (``RLIMIT_FSIZE``), the files' total (the parent
+watches the working folder: ``disk_mb``), files and signals (Landlock, where
 the kernel has it: ``landlock_abi``; ``read_paths``) and no network: an empty network namespace (``unshare -n``)
 where this machine allows it, else socket creation is blocked inside the child before the tool runs
 (``network_isolation`` says which). Whatever happens, the caller gets a ``ToolResult`` whose ``text`` is
-what the policy sees (``error: ...`` for a failure) and whose ``status`` is counted; no tool stops the run.
+what the policy sees (``error: ...`` for a failure) and whose ``status`` is counted; no tool stops the run, and
+a call the machine cannot start (no space, a failed fork) is an observation too (``infra``).
 
 This contains a policy's mistakes (loops, huge allocations, floods of output, fork loops, network calls); it is
 not a security boundary against deliberately malicious code (Python-level blocks can be undone from Python):
@@ -37,9 +39,15 @@ import time
 from typing import Literal
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child.py")
-Status = Literal["ok", "error", "timeout", "cpu", "memory", "output", "crash"]
-STATUSES: tuple[str, ...] = ("ok", "error", "timeout", "cpu", "memory", "output", "crash")
+# "disk": the tool's files passed ``disk_mb``; "infra": the sandbox itself failed (no space for the working folder,
+# a failed fork or exec of the child): not the tool's fault, counted apart (``envs/tool_health.py`` stops a run where
+# every call fails so). Only the parent says "infra": a result line, which a tool that reads its caller's frames
+# could forge, never does, so no policy can stop the run. A failure once the child runs (its keeper's fork) is a
+# "crash".
+Status = Literal["ok", "error", "timeout", "cpu", "memory", "output", "crash", "disk", "infra"]
+STATUSES: tuple[str, ...] = ("ok", "error", "timeout", "cpu", "memory", "output", "crash", "disk", "infra")
 NOBODY = 65534
+ENTRY_BYTES = 4096  # what a file or folder counts at least against ``disk_mb``: an inode and a block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,12 +61,15 @@ class ToolLimits:
     output_bytes: int = 16384
     max_procs: int = 32
     file_mb: int = 16
+    # all the files of the call together (``file_mb`` bounds each): the parent watches the working folder's size,
+    # the only place a tool writes where the kernel has Landlock, and ends the call once it is past this
+    disk_mb: int = 64
     # where the kernel has Landlock, a tool reads only the Python installation, system directories, its working
     # directory and these (absolute paths: a lookup table, a corpus); never the run's data, checkpoints or secret
     read_paths: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("wall_s", "cpu_s", "memory_mb", "output_bytes", "max_procs", "file_mb"):
+        for name in ("wall_s", "cpu_s", "memory_mb", "output_bytes", "max_procs", "file_mb", "disk_mb"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
                 raise ValueError(f"ToolLimits.{name} must be a positive number, got {v!r}")
@@ -164,17 +175,23 @@ class Sandbox:
                "read_paths": list(lim.read_paths)}
         if arguments is not None:
             req["arguments"] = arguments
-        work = tempfile.mkdtemp(prefix="realloc-tool-")
+        work = ""
         try:
-            if drop_root:
-                os.chown(work, NOBODY, NOBODY)
-            # A minimal environment: none of the run's variables (its secret among them) reach the tool.
-            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": work, "TMPDIR": work,
-                   "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
-            proc = subprocess.Popen(self._command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, cwd=work, env=env, start_new_session=True)
+            # The machine's failures, not the tool's (no space for the folder, EAGAIN on fork, a failed exec): an
+            # observation, counted as "infra"; a run where every call fails so stops (envs/tool_health.py).
             try:
-                return self._watch(proc, json.dumps(req).encode(), marker)
+                work = tempfile.mkdtemp(prefix="realloc-tool-")
+                if drop_root:
+                    os.chown(work, NOBODY, NOBODY)
+                # A minimal environment: none of the run's variables (its secret among them) reach the tool.
+                env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": work, "TMPDIR": work,
+                       "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
+                proc = subprocess.Popen(self._command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, cwd=work, env=env, start_new_session=True)
+            except OSError as e:
+                return "infra", f"error: the tool could not be started: {type(e).__name__}: {e}"
+            try:
+                return self._watch(proc, json.dumps(req).encode(), marker, work)
             finally:
                 if proc.returncode is None:  # not reaped yet: the group id is still this call's
                     _end(proc.pid)
@@ -183,9 +200,10 @@ class Sandbox:
                 proc.stdout.close()
                 proc.stdin.close()
         finally:
-            shutil.rmtree(work, ignore_errors=True)
+            if work:
+                _remove(work)
 
-    def _watch(self, proc: subprocess.Popen, request: bytes, marker: str) -> tuple[Status, str]:
+    def _watch(self, proc: subprocess.Popen, request: bytes, marker: str, work: str) -> tuple[Status, str]:
         lim = self.limits
         assert proc.stdin is not None and proc.stdout is not None
         try:
@@ -199,7 +217,10 @@ class Sandbox:
         budget = lim.output_bytes + len(marker) + 4096  # the result line is not the tool's output
         buf = bytearray()
         exited = False
+        disk = lim.disk_mb << 20
         while True:
+            if _used_bytes(work, disk) > disk:
+                return "disk", _disk_error(lim)
             if not exited and _has_exited(proc.pid):
                 # The tool's own process ended: its group goes now (forked children keep the pipe open).
                 exited = True
@@ -222,7 +243,64 @@ class Sandbox:
             if len(buf) > budget:
                 return "output", f"error: the tool wrote more than {lim.output_bytes} bytes of output and was stopped"
         proc.wait()
+        if _used_bytes(work, disk) > disk:  # written between the last look and the end
+            return "disk", _disk_error(lim)
         return _verdict(proc.returncode, buf.decode("utf-8", errors="replace"), marker, lim)
+
+
+def _disk_error(lim: ToolLimits) -> str:
+    return f"error: the tool wrote more than {lim.disk_mb} MB of files and was stopped"
+
+
+def _used_bytes(root: str, cap: int) -> int:
+    """What the files under ``root`` take on disk (allocated blocks: a sparse file counts what it fills; each file
+    or folder at least ``ENTRY_BYTES``, since empty files fill a disk's inodes), counted until past ``cap``. A file the tool deleted but keeps open is not seen (``RLIMIT_FSIZE`` still bounds it)."""
+    total, folders = 0, [root]
+    while folders and total <= cap:
+        folder = folders.pop()
+        try:
+            entries = list(os.scandir(folder))
+        except PermissionError:  # a folder the tool made unreadable (chmod 000) to hide what it holds: open it
+            try:
+                os.chmod(folder, 0o700)
+                entries = list(os.scandir(folder))
+            except OSError:
+                continue
+        except OSError:
+            continue
+        for e in entries:
+            try:
+                total += max(e.stat(follow_symlinks=False).st_blocks * 512, ENTRY_BYTES)
+                if e.is_dir(follow_symlinks=False):
+                    folders.append(e.path)
+            except OSError:  # gone since the listing
+                continue
+    return total
+
+
+def _remove(work: str) -> None:
+    """The call's working folder, folders the tool made unreadable or unwritable (which ``rmtree`` leaves)
+    included: each is opened (the parent owns it, or is root) and removed once more."""
+    seen: set[str] = set()
+
+    def reopen(_fn: object, path: str, _exc: object) -> None:
+        if path in seen:
+            return
+        seen.add(path)
+        for p in (os.path.dirname(path), path):
+            try:
+                os.chmod(p, 0o700, follow_symlinks=False)
+            except (OSError, NotImplementedError):
+                pass
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, onerror=reopen)
+        else:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+    shutil.rmtree(work, onerror=reopen)
 
 
 def _verdict(rc: int, out: str, marker: str, lim: ToolLimits) -> tuple[Status, str]:

@@ -34,7 +34,9 @@ import torch.distributed as dist
 from realloc.algorithms.common import actor_logprobs, generation_config, loss_mask
 from realloc.algorithms.context import CallContext, CallResult, Data
 from realloc.envs.base import Environment, check_env, check_step, check_text, env_factory
+from realloc.envs.observation_cut import cut_observation
 from realloc.envs.rollout_args import rollout_args
+from realloc.envs.tool_health import InfraWatch
 from realloc.models.engine import ParallelModel
 from realloc.models.turn_cache import TurnCache
 from realloc.models.weights import param_seed
@@ -104,8 +106,9 @@ class TurnRollouts:
                 make = env_factory(self.where, args.env)
                 rows = prompts["rows"].tolist() if "rows" in prompts and ctx.records is not None else [None] * self.n
                 self.envs = {b: check_env(self.where, args.env, make(**args.env_args)) for b in self.runs}
-                first = [_encode(tok, _first_observation(self.where, self.envs[b], {} if rows[b] is None
-                                                         else dict(ctx.records(int(rows[b]))))) for b in self.runs]
+                first = [_encode(tok, cut_observation(tok, _first_observation(
+                    self.where, self.envs[b], {} if rows[b] is None else dict(ctx.records(int(rows[b])))), T))
+                    for b in self.runs]
             except Exception as e:  # noqa: BLE001  (re-raised on every rank by _share_tokens)
                 first = e
         for b, obs in zip(self.runs, _share_tokens(model, first)):
@@ -122,6 +125,7 @@ class TurnRollouts:
         self.turn = 0  # the next turn
         self.pool = ThreadPoolExecutor(max_workers=args.env_workers)
         self.left = -1  # the whole call's running rollouts after the last turn (streamed; -1: no turn yet)
+        self.infra = InfraWatch()  # stops the call where every tool call fails to start (envs/tool_health.py)
 
     def _active(self) -> list[int]:
         return [b for b in self.runs if not self.rolls[b].done and self.rolls[b].budget > 0]
@@ -160,8 +164,17 @@ class TurnRollouts:
         answers = None
         if self.reporter:
             tok = ctx.tokenizer
-            answers = _steps(self.where, self.pool, [self.envs[b] for b in active], [tok.decode(s) for s in said],
-                             self.clock)
+            envs = [self.envs[b] for b in active]
+            before = self.infra.counts(envs)
+            answers = _steps(self.where, self.pool, envs, [tok.decode(s) for s in said], self.clock)
+            if not isinstance(answers, BaseException):
+                # cut before the broadcast and the tokenizer: a 100 MB observation costs the budget's window only
+                answers = [(None if obs is None else cut_observation(tok, obs, rolls[b].budget), reward, done)
+                           for b, (obs, reward, done) in zip(active, answers)]
+                try:
+                    self.infra.turn(self.where, envs, before)
+                except RuntimeError as e:  # re-raised on every rank by _share_answers
+                    answers = e
         last = turn == args.max_turns - 1
         for b, (obs, reward, done) in zip(active, _share_answers(ctx.model, answers, len(active))):
             r = rolls[b]
