@@ -366,8 +366,10 @@ class CallTimer:
             stages = with_kept_keys(self, stages, t, b, new, prompt - new)
         total = pipeline_makespan(stages, n_mbs)
         total = total + CallCost.of(overhead=n_mbs * (self._engine("engine.gen_call", t, b, prompt)
-                                                      + self.row_drops(strategy, ends, slots or prompt + max(ends))
-                                                      + self.kv_alloc(strategy, b, slots or prompt + max(ends))))
+                                                      + self.row_drops(strategy, ends, slots or prompt + max(ends),
+                                                                       prompt)
+                                                      + self.kv_alloc(strategy, b, slots or prompt + max(ends),
+                                                                      prompt + sum(ends) / len(ends) - 1)))
         for first, last, rows in decode_segments(ends):
             r_host = self._engine("engine.decode_step", t, rows, prompt, default=self.hw.decode_step_overhead)
             r_host += self._schedule(t, rows, scheduled)
@@ -384,25 +386,40 @@ class CallTimer:
         """A step's extra draw work under a length schedule (measured ``engine.schedule_step``; 0 without)."""
         return self._engine("engine.schedule_step", tp, rows, 1) if scheduled else 0.0
 
-    def row_drops(self, strategy: ParallelStrategy, ends: Sequence[int], slots: int) -> float:
+    def row_drops(self, strategy: ParallelStrategy, ends: Sequence[int], slots: int,
+                  prompt: int | None = None) -> float:
         """Seconds one micro-batch spends dropping finished rows (``models/generation.drop_rows``): at every
-        length in ``ends`` but the longest, the rows still running keep a copy of their caches of ``slots``
-        positions, one per layer of the stage holding the most (measured ``engine.row_drop``, per layer)."""
-        if not ends or self.costs.engine("engine.row_drop", strategy.tp, 1, slots) is None:
+        length in ``ends`` but the longest, the rows still running move their caches, one per layer of the stage
+        holding the most. With ``engine.row_drop_used`` measured and ``prompt`` given, the rows that stop after e
+        tokens finish at step e - 1, when slots [0, prompt + e - 1) are written and only those move (the in-place
+        compaction); a table with only ``engine.row_drop`` (the older whole-cache copy) prices every finish at
+        all ``slots``, as before."""
+        used = prompt is not None and self.costs.engine("engine.row_drop_used", strategy.tp, 1, slots) is not None
+        key = "engine.row_drop_used" if used else "engine.row_drop"
+        if not ends or self.costs.engine(key, strategy.tp, 1, slots) is None:
             return 0.0  # not measured (a roofline, or a profile from before the key)
         layers = max(hi - lo for lo, hi in stage_layer_ranges(self.cfg.n_layers, strategy.pp))
         order = sorted(ends)
         total = 0.0
         for i, e in enumerate(order[:-1]):
             if order[i + 1] > e:  # the last row of length e: the rows after it run on
-                total += self._engine("engine.row_drop", strategy.tp, len(order) - i - 1, slots)
+                total += self._engine(key, strategy.tp, len(order) - i - 1, prompt + e - 1 if used else slots)
         return layers * total
 
-    def kv_alloc(self, strategy: ParallelStrategy, b: int, slots: int) -> float:
+    def kv_alloc(self, strategy: ParallelStrategy, b: int, slots: int, touched: float | None = None) -> float:
         """Seconds a micro-batch of ``b`` rows spends allocating its KV caches of ``slots`` positions on fresh pages
-        (``llama.new_kv_caches``, zero-filled), one pair per layer of the stage holding the most (measured
-        ``engine.kv_alloc``, per layer; 0 for a roofline or a profile from before the key)."""
-        per_layer = self.costs.engine("engine.kv_alloc", strategy.tp, b, slots)
+        (``llama.new_kv_caches``), one pair per layer of the stage holding the most; 0 for a roofline or a profile
+        from before the keys.
+
+        ``engine.kv_touch`` (measured, per layer, a line in rows x slots): the caches come uninitialized and the
+        prefill's and steps' writes fault their pages in. A row of length e writes slots [0, prompt + e - 1) and
+        compaction (``drop_rows``) keeps the running rows at the front, so buffer row r is written as far as the
+        (r + 1)-th longest row: ``touched``, the slots a buffer row touches on average, is prompt + mean(ends) - 1
+        (the runtime's count: tests/test_est_follow.py). Without that key, ``engine.kv_alloc`` (the older zero-filled
+        caches) at all ``slots``, as before."""
+        per_layer = None if touched is None else self.costs.engine("engine.kv_touch", strategy.tp, b, touched)
+        if per_layer is None:
+            per_layer = self.costs.engine("engine.kv_alloc", strategy.tp, b, slots)
         if per_layer is None:
             return 0.0
         return max(hi - lo for lo, hi in stage_layer_ranges(self.cfg.n_layers, strategy.pp)) * per_layer

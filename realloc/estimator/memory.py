@@ -93,6 +93,7 @@ from functools import lru_cache
 
 from realloc.calls import InterfaceType
 from realloc.estimator.hardware import Precision
+from realloc.estimator.mask_memory import stage_mask_bytes
 from realloc.estimator.opcount import (block_backward_bytes_per_token, head_saved_bytes_per_token,
                                        kv_cache_bytes_per_token_layer, layer_input_bytes_per_token,
                                        logprob_peak_bytes, norm_saved_bytes_per_token,
@@ -249,12 +250,13 @@ def train_saved_bytes(cfg: ModelConfig, strategy: ParallelStrategy, n_mbs: int, 
 
 
 def train_activation_bytes(cfg: ModelConfig, strategy: ParallelStrategy, n_mbs: int, pp_rank: int, n_tok: int,
-                           precision: Precision, recompute: bool = False) -> int:
+                           precision: Precision, recompute: bool = False, masks: int = 0) -> int:
     """Peak dynamic bytes of a training step on a device of stage ``pp_rank``, temporaries included (module
     docstring). In the forward and backward: the kept micro-batches (and what 1F1B holds for them) plus the
     largest of one block at work (with one weight's gradient in the compute dtype before it joins the fp32
     main_grad), the head at work on the last stage, and the embedding's gradient on the first. After them:
-    the optimizer update's temporaries."""
+    the optimizer update's temporaries. ``masks``: the explicit attention masks' bytes (``mask_memory.py``), held
+    in the forward and backward."""
     t, pp = strategy.tp, strategy.pp
     first, last = pp_rank == 0, pp_rank == pp - 1
     kept, redo, _ = _train_parts(cfg, strategy, n_mbs, pp_rank, precision, recompute)
@@ -270,7 +272,8 @@ def train_activation_bytes(cfg: ModelConfig, strategy: ParallelStrategy, n_mbs: 
         work = max(work, head)
     if first and cfg.lora is None:
         work = max(work, cfg.padded_vocab_size / t * h * e)  # the embedding's gradient, after the blocks' backward
-    return int(max(kept * n_tok + work, optimizer_step_bytes(cfg, t, pp, pp_rank, strategy.dp, precision.grad)))
+    return int(max(kept * n_tok + work + masks, optimizer_step_bytes(cfg, t, pp, pp_rank, strategy.dp,
+                                                                     precision.grad)))
 
 
 def stage_call_memory(cfg: ModelConfig, work: Workload, strategy: ParallelStrategy, n_mbs: int, pp_rank: int,
@@ -286,8 +289,11 @@ def stage_call_memory(cfg: ModelConfig, work: Workload, strategy: ParallelStrate
     b = work.micro_batch(strategy.dp, n_mbs)
     block = transient_activation_bytes_per_token(cfg, t, precision) + rope_bytes_per_token(cfg, precision)
     params = n_param * precision.param
+    in_flight = min(n_mbs, pp - pp_rank) if work.interface is InterfaceType.TRAIN_STEP else 1
+    masks = stage_mask_bytes(cfg, work.interface, b, work.prompt_len, work.packed(b), precision, n_blocks, in_flight,
+                             recompute)
     if work.interface is InterfaceType.TRAIN_STEP:
-        act = train_activation_bytes(cfg, strategy, n_mbs, pp_rank, b * work.seq_len, precision, recompute)
+        act = train_activation_bytes(cfg, strategy, n_mbs, pp_rank, b * work.seq_len, precision, recompute, masks)
         optimizer = local_optimizer_elems(cfg, t, pp, pp_rank, strategy.dp) * precision.optimizer
         # gradients and optimizer state of the trained parameters only (LoRA: the adapters; lora_config.py)
         grads = trained_shard_numel(cfg, t, pp, pp_rank) * precision.grad
@@ -298,7 +304,7 @@ def stage_call_memory(cfg: ModelConfig, work: Workload, strategy: ParallelStrate
         sent = cfg.hidden_size * precision.param / t if not last else 0.0
         n_tok = b * work.seq_len
         head = logprob_peak_bytes(cfg, t, precision, False, n_tok) if last else 0.0
-        return CallMemory(params=params, activations=int(max(block * n_tok, head) + sent * n_tok))
+        return CallMemory(params=params, activations=int(max(block * n_tok + masks, head) + sent * n_tok))
     # GENERATE: the micro-batches in flight hold a KV cache each and, before the last stage, their prefill's
     # output until the next stage has received it (models/generation.py)
     in_flight = 1 if pp == 1 else min(n_mbs, gen_in_flight or pp)
@@ -307,7 +313,7 @@ def stage_call_memory(cfg: ModelConfig, work: Workload, strategy: ParallelStrate
     sampling = b * sampling_bytes_per_row(cfg) if last and not cfg.is_critic else 0.0
     # generation runs without sequence parallelism
     prefill = transient_activation_bytes_per_token(cfg, t, precision, sequence_parallel=False)
-    act = max((prefill + rope_bytes_per_token(cfg, precision)) * b * work.prompt_len, sampling) + sent
+    act = max((prefill + rope_bytes_per_token(cfg, precision)) * b * work.prompt_len + masks, sampling) + sent
     return CallMemory(params=params, activations=int(act), kv_cache=int(kv))
 
 

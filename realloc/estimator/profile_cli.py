@@ -455,7 +455,7 @@ def engine_overheads(cfg: ModelConfig, tp: int, layers: TpTable, raw: list, job:
             pts["interface.train"].append((s, t["interface"] - t["engine"]))
         elif kind == "forward":
             pts["engine.fwd"].append((b * s, t["engine.fwd"] - parts(Phase.FWD, b, s)))
-        elif kind in ("row_drop", "kv_alloc"):  # b rows of caches of s positions, per layer: a line in b x s
+        elif kind in ("row_drop_used", "kv_touch"):  # b rows of caches of s positions, per layer: a line in b x s
             pts[f"engine.{kind}"].append((b * s, t[f"engine.{kind}"]))
         elif kind == "schedule":  # what the schedule adds to a step's draw of b rows: a line in b
             pts["engine.schedule_step"].append((b, t["scheduled"] - t["plain"]))
@@ -486,7 +486,7 @@ def engine_overheads(cfg: ModelConfig, tp: int, layers: TpTable, raw: list, job:
         elif key in ("engine.decode_step", "engine.schedule_step"):
             out[key] = OpGrid(batch=list(g.batch), seq=[1],
                               seconds=[[max(alpha + beta * b, MIN_SECONDS)] for b in g.batch])
-        elif key in ("engine.row_drop", "engine.kv_alloc"):  # over cache positions
+        elif key in ("engine.row_drop_used", "engine.kv_touch"):  # over cache slots
             out[key] = OpGrid(batch=list(g.batch), seq=list(g.ctx),
                               seconds=[[max(alpha + beta * b * s, MIN_SECONDS) for s in g.ctx] for b in g.batch])
         else:

@@ -366,33 +366,37 @@ class LayerProfiler:
             return out
         if kind == "ppo_train":
             return self.time_ppo_train(b, s, warmup, repeats)
-        if kind == "row_drop":
-            return {"engine.row_drop": self.time_row_drop(b, s, warmup, repeats)}
-        if kind == "kv_alloc":
-            return {"engine.kv_alloc": self.time_kv_alloc(b, s, warmup, repeats)}
+        if kind == "row_drop_used":
+            return {"engine.row_drop_used": self.time_row_drop(b, s, warmup, repeats, used=s)}
+        if kind == "kv_touch":
+            return {"engine.kv_touch": self.time_kv_touch(b, s, warmup, repeats)}
         if kind == "schedule":
             return self.time_schedule(b, warmup, repeats)
         raise ValueError(f"unknown engine call {kind!r}")
 
-    def time_row_drop(self, b: int, slots: int, warmup: int, repeats: int) -> float:
+    def time_row_drop(self, b: int, slots: int, warmup: int, repeats: int, used: int | None = None) -> float:
         """Seconds per layer of what ``generation._MicroBatch.apply`` does when rows of a micro-batch finish and
         others run on: ``generation.drop_rows`` keeping ``b`` of ``b + 1`` rows of caches of ``slots`` positions,
-        on the stack model's caches (one per layer, as the generation holds them)."""
+        on the stack model's caches (one per layer, as the generation holds them); with ``used``, as the runtime
+        calls it, moving only the written slots [0, used) in place (``engine.row_drop_used``)."""
         from realloc.models.generation import drop_rows
 
         stack = self.stack_model().stage
         caches = stack.new_kv_caches(b + 1, slots)
         keep = torch.ones(b + 1, dtype=torch.bool, device=self.device)
         keep[0] = False
-        return self.timed(lambda: drop_rows(caches, keep), warmup, repeats) / len(caches)
+        return self.timed(lambda: drop_rows(caches, keep, used), warmup, repeats) / len(caches)
 
-    def time_kv_alloc(self, b: int, slots: int, warmup: int, repeats: int) -> float:
-        """Seconds per layer of a generation micro-batch's KV caches (``ParallelStage.new_kv_caches``: zero-filled keys
-        and values of ``b`` rows x ``slots`` positions, one pair per layer), each run on pages handed back to the
-        operating system first (``release_free_memory``). A worker's generation meets its caches that way: each request
-        of a tiny generation of ``bench_fusion.py --setting fit`` (two a call) took about 1700 minor page faults (its
-        caches are 2176 pages), where the same allocation repeated in a loop reuses its memory and takes none, over
-        ten times faster (0.19 against 2.75 ms)."""
+    def time_kv_touch(self, b: int, slots: int, warmup: int, repeats: int) -> float:
+        """Seconds per layer of a generation micro-batch's KV caches of ``b`` rows x ``slots`` positions as
+        ``generation._MicroBatch`` makes them (``new_kv_caches(..., zeroed=0)``: uninitialized), each run on pages
+        handed back to the operating system first (``release_free_memory``), plus the first touch of each page, which
+        the prefill's and steps' cache writes pay (one element per page: the writes themselves are in the decode
+        ops, timed on touched caches). A worker meets its caches on fresh pages: each request of a tiny generation
+        of ``bench_fusion.py --setting fit`` took about 1700 minor page faults (its caches are 2176 pages). On one
+        CPU thread (16 rows, 4 heads, 320 slots, 4 layers, load ~5): zero-filled 13-16 ms, uninitialized 0.04 ms,
+        uninitialized then filled 14-20 ms: the faults moved from the allocation to the writes (``engine.kv_alloc``
+        of older tables timed the zero-filled caches)."""
         stage = self.stack_model().stage
         held: list[object] = []
 
@@ -400,7 +404,14 @@ class LayerProfiler:
             held.clear()
             release_free_memory()
 
-        t = self.timed(lambda: held.append(stage.new_kv_caches(b, slots)), warmup, repeats, setup)
+        def run() -> None:
+            caches = stage.new_kv_caches(b, slots, zeroed=0)
+            for c in caches:
+                for x in (c.k, c.v):
+                    x.view(-1)[::max(1, 4096 // x.element_size())] = 0  # one write per 4 KiB page
+            held.append(caches)
+
+        t = self.timed(run, warmup, repeats, setup)
         held.clear()
         return t / len(stage.layers)
 
@@ -528,10 +539,15 @@ def op_axes(part: Part, phase: Phase, grid: LayerGrid) -> tuple[int, ...]:
 #   engine.schedule_step per decode step of a generation with a length schedule (the seeded EOS schedule,
 #                      ``length_schedule.py``): the ban and the forced EOS beyond a plain draw   grid (b, 1)
 #   engine.kv_alloc    per layer, once per micro-batch of a generation: its KV caches of prompt + max_new_tokens
-#                      positions allocated and zero-filled on fresh pages (``LayerProfiler.time_kv_alloc``)
+#                      positions allocated and zero-filled on fresh pages (older tables only, see below)
 #                      grid (rows, cache positions)
+#   engine.row_drop and engine.kv_alloc are the keys of tables from before the runtime compacted caches in place
+#   and left them uninitialized (still priced, ``CallTimer.row_drops``/``kv_alloc``); the profiler now writes:
+#   engine.row_drop_used  as engine.row_drop, moving only the written slots in place   grid (rows kept, slots used)
+#   engine.kv_touch    per layer, a micro-batch's uninitialized caches plus the first touch of their pages
+#                      (``LayerProfiler.time_kv_touch``)   grid (rows, slots touched)
 ENGINE_KEYS = ("engine.fwd", "engine.train_mb", "engine.train_step", "engine.gen_call", "engine.decode_step",
-               "engine.row_drop", "engine.schedule_step", "engine.kv_alloc")
+               "engine.row_drop_used", "engine.schedule_step", "engine.kv_touch")
 # generate() runs with these max_new_tokens to split per-call from per-token overhead (8 steps apart:
 # the per-token residual is a difference of two noisy medians, divided by the steps between them)
 GEN_TOKENS = (2, 10)
@@ -549,8 +565,8 @@ def engine_plan(grid: LayerGrid, max_positions: int) -> Iterator[tuple[str, int,
     """Engine calls to time: forward and train_step over every other grid point (the overheads are
     fitted as a line, see ``profile_cli.engine_overheads``), generate() for prompts that leave room
     (every batch size), a length-scheduled draw (every batch size), the rows' cache copy when some finish
-    (``row_drop``, every other batch size and cache length) and a micro-batch's caches allocated on fresh pages
-    (``kv_alloc``, the same points), and PPO's train interface (``ppo_train``, its second
+    (``row_drop_used``, every other batch size and cache length) and a micro-batch's caches allocated on fresh
+    pages and first touched (``kv_touch``, the same points), and PPO's train interface (``ppo_train``, its second
     axis the generated tokens)."""
     for b in grid.batch:
         for s in grid.seq[::2]:
@@ -562,8 +578,8 @@ def engine_plan(grid: LayerGrid, max_positions: int) -> Iterator[tuple[str, int,
                 yield "generate", b, s
         yield "schedule", b, 1
         for s in grid.ctx[::2] if b in grid.batch[::2] else ():
-            yield "row_drop", b, s  # s: the cache's positions (a generation's prompt and new tokens)
-            yield "kv_alloc", b, s
+            yield "row_drop_used", b, s  # s: the cache's positions (a generation's prompt and new tokens)
+            yield "kv_touch", b, s
         if b not in grid.batch[::2]:
             continue
         for t in INTERFACE_GEN_LENS:

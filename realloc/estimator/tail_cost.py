@@ -86,7 +86,7 @@ def _decode_from(timer: CallTimer, strategy: ParallelStrategy, links, prompt: in
     total = 0.0
     if work is not None:
         total += timer.row_drops(strategy, [e for e in ends if e > start] or [start],
-                                 work.prompt_len + work.gen_len)
+                                 work.prompt_len + work.gen_len, work.prompt_len)
     for first, last, rows in decode_segments(sorted(ends)):
         first = max(first, start + 1)
         if first > last:
@@ -180,7 +180,8 @@ def tail_phase_cost(cost: CostModel, call: str, mesh: DeviceMesh, strategy: Para
     held = tail[::-1][::instances][::-1]  # the replica with the longest row: every m-th from the top
     host = timer._engine("engine.decode_step", strategy.tp, per, prompt + cut, default=timer.hw.decode_step_overhead)
     prefill = pipeline_makespan(timer._stages(Phase.PREFILL, strategy, links, per, prompt + cut, host=host), 1).time
-    prefill += timer.kv_alloc(strategy, per, prompt + work.gen_len)  # the tail's new caches (tail_decode.py)
+    prefill += timer.kv_alloc(strategy, per, prompt + work.gen_len,  # the tail's new caches (tail_decode.py)
+                              prompt + sum(held) / len(held) - 1)
     moving = migration_cost(cost, call, mesh, strategy, rows, instances)
     return moving + prefill, _decode_from(timer, strategy, links, prompt, held, cut, work), False
 
