@@ -13,6 +13,7 @@ from realloc.models.sampling import GenerationConfig
 from realloc.strategy import ParallelStrategy as S
 
 from cost_helpers import actor_timers, tiny_ppo_cost
+from test_kv_alloc_cost import tiny_model  # noqa: F401 - a tp 1 tiny model in this process
 
 
 def drop(b: int, s: int) -> float:
@@ -57,25 +58,6 @@ def test_a_micro_batch_pays_the_first_touch_of_the_slots_its_rows_write(model):
     assert extra(new) == pytest.approx(n_mbs * 4 * touch(4, 8 + 14 / 4 - 1), rel=1e-9)
     assert extra(old) == pytest.approx(n_mbs * 4 * touch(4, slots), rel=1e-9)  # zero-filled whole caches
     assert plain.kv_alloc(S(1, 1, 1), 4, slots, 10.0) == 0.0  # nothing measured: nothing priced
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    """A tp 1 tiny model in this process (a one-rank gloo group, as the profiler builds its own)."""
-    import torch.distributed as dist
-
-    from realloc.models.config import get_model_config
-    from realloc.models.engine import ParallelModel
-    from realloc.models.groups import ModelLayout, ProcessGroupCache
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg') / 'pg'}", rank=0,
-                                world_size=1)
-    cfg = get_model_config("tiny")
-    layout = ModelLayout.for_model(cfg, (0,), S(1, 1, 1))
-    cache = ProcessGroupCache()
-    cache.ensure_layouts([layout])
-    return ParallelModel(cfg, cache.model_groups(layout), init="random", seed=3)
 
 
 def test_the_runtime_moves_and_touches_what_the_prices_count(monkeypatch, tiny_model):
