@@ -1,0 +1,34 @@
+"""Small defects the session's audits left: each test fails without its fix."""
+
+from __future__ import annotations
+
+import json
+
+from realloc.envs.chat_format import HERMES, tool_input
+from realloc.tools.keywords import keyword_arguments
+from realloc.tools.sandbox import Sandbox, ToolLimits
+
+
+def test_json_string_arguments_decode_for_one_string_tools_as_for_keyword_tools():
+    # OpenAI style: "arguments" is the JSON text of the object
+    raw = json.dumps({"expression": "2*3"})
+    assert keyword_arguments("calc", ("expression",), raw) == {"expression": "2*3"}
+    assert tool_input(raw) == tool_input({"expression": "2*3"}) == "2*3"
+    two = {"a": 1, "b": "x"}
+    assert tool_input(json.dumps(two)) == json.dumps(two)
+    call = '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"2*3\\"}"}</tool_call>'
+    assert HERMES.parse(call, ["calculator"]) == ("calculator", "2*3", None)
+    # a string that is not a JSON object stays as written
+    for text in ("2*3", "[1, 2]", "7", '"q"', "{not json"):
+        assert tool_input(text) == text
+
+
+def test_a_dict_or_list_result_answers_as_json_else_str():
+    box = Sandbox(ToolLimits(wall_s=20.0))
+    r = box.run("leftovers2_cases:a_dict", "Zürich")
+    assert r.status == "ok", r
+    assert r.text == '{"city": "Zürich", "n": [1, 2.5, null, true]}'
+    r = box.run("json:loads", "[1, {\"k\": \"é\"}]")
+    assert r.text == '[1, {"k": "é"}]'
+    r = box.run("leftovers2_cases:a_set_inside", "")
+    assert r.status == "ok" and r.text == "{'s': {7}}", r
