@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from realloc.envs.chat_format import HERMES, tool_input
 from realloc.tools.keywords import keyword_arguments
 from realloc.tools.sandbox import Sandbox, ToolLimits
@@ -32,3 +34,18 @@ def test_a_dict_or_list_result_answers_as_json_else_str():
     assert r.text == '[1, {"k": "é"}]'
     r = box.run("leftovers2_cases:a_set_inside", "")
     assert r.status == "ok" and r.text == "{'s': {7}}", r
+
+
+def test_qwen3_head_dim_null_is_refused_as_transformers_refuses_it():
+    from transformers import Qwen3Config
+
+    from realloc.models.hf_config import model_config_from_hf
+
+    hf = {"model_type": "qwen3", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "intermediate_size": 128, "num_hidden_layers": 1, "vocab_size": 32}
+    with pytest.raises(Exception, match="head_dim"):  # the reference: transformers refuses it
+        Qwen3Config(**hf, head_dim=None)
+    with pytest.raises(ValueError, match=r"^HF config q3: head_dim=None is not supported .*integer head_dim"):
+        model_config_from_hf({**hf, "head_dim": None}, "q3")
+    assert model_config_from_hf(hf, "q3").head_dim == Qwen3Config(**hf).head_dim == 128
+    assert model_config_from_hf({**hf, "head_dim": 32}, "q3").head_dim == 32
