@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 
 import pytest
 
@@ -49,3 +51,24 @@ def test_qwen3_head_dim_null_is_refused_as_transformers_refuses_it():
         model_config_from_hf({**hf, "head_dim": None}, "q3")
     assert model_config_from_hf(hf, "q3").head_dim == Qwen3Config(**hf).head_dim == 128
     assert model_config_from_hf({**hf, "head_dim": 32}, "q3").head_dim == 32
+
+
+def _write_shard(path: str) -> None:
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+
+def test_a_workers_disk_error_reads_as_the_masters_records_do(tmp_path):
+    from realloc.runtime.control.worker_errors import reply_error
+    from realloc.runtime.records.run_paths import os_error_line
+
+    shard = str(tmp_path / "iter_00000001/models/actor/tp0_pp0.safetensors")
+    try:
+        _write_shard(shard)
+    except OSError as e:
+        line = reply_error(e)
+        assert line.startswith(f"{shard}: No space left on device (in {__file__}, line "), line
+        assert line.startswith(os_error_line(e)) and "Errno" not in line and "\n" not in line
+    assert reply_error(PermissionError(errno.EACCES, "Permission denied", "/ro/run")) == "/ro/run: Permission denied"
+    # not the machine's error: its type stays
+    assert reply_error(OSError("socket closed")) == "OSError: socket closed"
+    assert reply_error(ValueError("bad")) == "ValueError: bad"
