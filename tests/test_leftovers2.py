@@ -72,3 +72,59 @@ def test_a_workers_disk_error_reads_as_the_masters_records_do(tmp_path):
     # not the machine's error: its type stays
     assert reply_error(OSError("socket closed")) == "OSError: socket closed"
     assert reply_error(ValueError("bad")) == "ValueError: bad"
+
+
+class _Killed(BaseException):
+    """A kill of the master between two steps of a commit."""
+
+
+def test_a_kill_while_a_resave_replaces_iter_n_loses_neither(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from realloc.runtime.persist import checkpoint
+
+    root = tmp_path / "checkpoints"
+
+    def save(it: int, body: bytes) -> Path:
+        tmp = checkpoint.begin(root, it)
+        (tmp / "models/actor").mkdir(parents=True)
+        checkpoint.write_file_durably(tmp / "models/actor/tp0_pp0.safetensors", body)
+        return checkpoint.commit(tmp, root, it, {"next_iteration": it}, "{}")
+
+    def shard(ckpt: Path) -> bytes:
+        checkpoint.check_files(ckpt)
+        return (ckpt / "models/actor/tp0_pp0.safetensors").read_bytes()
+
+    save(1, b"one")
+    first = save(2, b"old two")
+    real_rename = Path.rename
+
+    def killed_moving_the_new_one_in(self, target):
+        if self.name.startswith(".tmp-"):
+            raise _Killed
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", killed_moving_the_new_one_in)
+    with pytest.raises(_Killed):
+        save(2, b"new two")
+    monkeypatch.setattr(Path, "rename", real_rename)
+    # the resumed run finds iteration 2 as it was committed, by the run directory or by its path
+    assert checkpoint.find_newest(first) == first and shard(first) == b"old two"
+    assert checkpoint.latest(root) == first
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".tmp-")) == ["iter_00000001",
+                                                                                         "iter_00000002"]
+    # killed after the new one took the name, before the old one was removed: the new one stays
+    real_rmtree = checkpoint.shutil.rmtree
+
+    def killed_removing(path, *a, **k):
+        if Path(path).name.startswith(checkpoint.REPLACED):
+            raise _Killed
+        return real_rmtree(path, *a, **k)
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed_removing)
+    with pytest.raises(_Killed):
+        save(2, b"new two")
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", real_rmtree)
+    assert checkpoint.latest(root) == first and shard(first) == b"new two"
+    assert sorted(p.name for p in root.iterdir()) == ["iter_00000001", "iter_00000002"]
+    assert shard(save(2, b"third two")) == b"third two" and not list(root.glob(".*"))
