@@ -124,9 +124,17 @@ HERMES = ChatFormat()
 
 def tool_input(arguments: Any) -> str:
     """The tool's one string from a call's arguments: a string as it is, an object with one value as that value,
-    none (None) as "", anything else as its JSON text."""
+    none (None) as "", anything else as its JSON text. A string holding a JSON object (OpenAI's
+    ``"arguments": "{\\"expression\\": \\"2*3\\"}"``) is that object, as a tool called with keywords reads it
+    (``tools/keywords.py``)."""
     if isinstance(arguments, str):
-        return arguments
+        try:
+            decoded = json.loads(arguments)
+        except ValueError:
+            return arguments
+        if not isinstance(decoded, dict):
+            return arguments
+        arguments = decoded
     if arguments is None:  # a call that writes no arguments
         return ""
     if isinstance(arguments, dict) and len(arguments) == 1:

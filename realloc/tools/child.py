@@ -122,6 +122,19 @@ def _error(e: BaseException) -> str:
     return line if len(line) <= 500 else line[:500] + "..."
 
 
+def _answer(value: object) -> str:
+    """The text the policy reads: a dict or list as JSON (a model reads JSON, not Python's repr), a string as it
+    is, None as "", anything else (or a dict holding what JSON cannot write) as str()."""
+    if value is None:
+        return ""
+    if isinstance(value, (dict, list)):
+        try:
+            return json.dumps(value, ensure_ascii=False)
+        except (TypeError, ValueError, RecursionError):  # a set inside, a non-string key, a cycle
+            pass
+    return str(value)
+
+
 def _call_tool(req: dict) -> None:
     """The tool's process: run the tool under the limits and write the result line; never returns."""
     os.setpgid(0, 0)  # a group of its own, which the keeper kills as a whole
@@ -138,7 +151,7 @@ def _call_tool(req: dict) -> None:
         fn = getattr(importlib.import_module(module), attr)
         _apply_limits(req)
         value = fn(**req["arguments"]) if "arguments" in req else fn(req["text"])
-        out = {"ok": True, "value": "" if value is None else str(value)}
+        out = {"ok": True, "value": _answer(value)}
     except MemoryError:
         out = {"ok": False, "error": "MemoryError: the tool exceeded its memory limit", "memory": True}
     except BaseException as e:  # noqa: BLE001  (SystemExit and KeyboardInterrupt of the tool are its errors too)

@@ -3,7 +3,7 @@
 Qwen3Attention projects, reshapes to heads, normalizes each head's head_dim-wide vector with its own
 ``q_norm`` / ``k_norm`` weight (eps = rms_norm_eps), and only then rotates; the parallel model does the same
 (``ModelConfig.qk_norm``). head_dim is 128 when config.json omits it (Qwen3Config's default, not
-hidden_size / num_attention_heads), so the q and o projections are often wider than the model (Qwen3-0.6B:
+hidden_size / num_attention_heads; ``"head_dim": null`` is refused, as transformers refuses it), so the q and o projections are often wider than the model (Qwen3-0.6B:
 16 x 128 over 1024). Sliding-window layers are refused as for Qwen2 (the same ``layer_types`` rule); so is
 ``attention_bias``, which in Qwen3 adds biases to o_proj as well. Mixture-of-experts Qwen3 (``qwen3_moe``) is a
 different model_type and is refused by name.
@@ -19,6 +19,11 @@ from realloc.models.families.qwen2 import full_attention_fields, sliding_layers
 
 
 def _unsupported(hf: Mapping[str, Any]) -> tuple[str, Any, str] | None:
+    # transformers' Qwen3Config refuses null ("Field 'head_dim' expected int, got NoneType"); reading it as
+    # hidden/heads, as for LLaMA, would build a model transformers cannot load
+    if "head_dim" in hf and hf["head_dim"] is None:
+        return "head_dim", None, (" (Qwen3Config takes an integer head_dim, as transformers checks: write the number, "
+                                  "or leave the key out for Qwen3's default of 128)")
     if hf.get("attention_bias"):
         return "attention_bias", hf["attention_bias"], " (Qwen3 projections without bias)"
     return sliding_layers(hf)

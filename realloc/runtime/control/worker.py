@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from realloc import user_code
 from realloc.algorithms.common import set_step_lr, step_lr
 from realloc.algorithms.context import CallContext, CallResult, Data, reward_sums
 from realloc.algorithms.lora_graph import adapters_off
@@ -51,6 +50,7 @@ from realloc.overrides import load_with_overrides
 from realloc.runtime.control.program import CallLayout, LayoutKey, RuntimeProgram
 from realloc.runtime.control.store_listener import rendezvous_store
 from realloc.runtime.control.pool_dtypes import LOCAL_DEVICE_ENV, reallocate_model
+from realloc.runtime.control.worker_errors import reply_error
 from realloc.runtime.control.worker_fused import run_request
 from realloc.runtime.control.worker_heartbeat import HEARTBEAT_INTERVAL, Heartbeat
 from realloc.runtime.control.worker_partial import PartialStore
@@ -197,7 +197,7 @@ class ModelWorker:
             except Exception as e:  # noqa: BLE001 - report any failure to the master, which stops the run
                 log.error("request %d (%s) failed:\n%s", req.req, req.type, traceback.format_exc())
                 reply = protocol.Reply(req=req.req, rank=self.rank, ok=False,
-                                       error=f"{type(e).__name__}: {e}{user_code.where(e)}",
+                                       error=reply_error(e),
                                        start=start, end=time.time())
             self.heartbeat.busy_req = -1
             if reply.ok:

@@ -12,7 +12,9 @@ counting from 1 as the console and metrics.jsonl do)::
 Atomicity: the master creates ``.tmp-iter_...`` next to the final name, the workers write and fsync
 their files into it, then the master writes meta.json, fsyncs, renames the directory to its final
 name and fsyncs the parent. A run killed at any point leaves either a complete ``iter_*`` directory
-or a ``.tmp-*`` one that ``--resume`` never reads (and the next save removes).
+or a ``.tmp-*`` one that ``--resume`` never reads (and the next save removes). A save over an existing
+``iter_N`` renames it to ``.replaced-iter_N`` before the new one takes the name, and removes it after; a kill
+in between leaves it there, and the next save or ``--resume`` puts it back (``restore_replaced``).
 
 Integrity: a worker records the SHA-256 of every file it writes in a ``<file>.sha256`` note; the
 master folds the notes into meta.json (``files``: path -> sha256 and size). ``--resume`` checks that
@@ -90,6 +92,7 @@ def write_file_durably(path: Path, data: bytes) -> None:
 def begin(root: Path, iteration: int) -> Path:
     """Create the temporary directory the workers write an iteration's checkpoint into."""
     root.mkdir(parents=True, exist_ok=True)
+    restore_replaced(root)
     for stale in root.glob(".tmp-*"):  # left by a killed run; never complete
         shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".tmp-{checkpoint_name(iteration)}-{secrets.token_hex(4)}"
@@ -119,11 +122,35 @@ def commit(tmp: Path, root: Path, iteration: int, meta: Mapping[str, Any], plan_
     for d in [tmp, *(p for p in tmp.rglob("*") if p.is_dir())]:
         _fsync_path(d)
     final = root / checkpoint_name(iteration)
-    if final.exists():  # a re-run over the same iteration replaces it
-        shutil.rmtree(final)
+    restore_replaced(root)
+    old = root / (REPLACED + final.name)
+    if final.exists():  # a re-run over the same iteration replaces it: set aside first (a kill now keeps it)
+        final.rename(old)
+        _fsync_path(root)
     tmp.rename(final)
     _fsync_path(root)
+    shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+# An iter_N that a re-save of iteration N replaces, between commit()'s renames.
+REPLACED = ".replaced-"
+
+
+def restore_replaced(root: Path) -> None:
+    """Finish a commit() a kill interrupted between its renames: an ``iter_N`` set aside whose replacement never
+    got the name goes back to it (no iteration is lost); one whose replacement did is removed. A folder that
+    cannot be changed (read-only, an export) is left as it is."""
+    for old in root.glob(REPLACED + "iter_*") if root.is_dir() else ():
+        final = root / old.name.removeprefix(REPLACED)
+        try:
+            if final.exists():
+                shutil.rmtree(old)
+            else:
+                old.rename(final)
+                _fsync_path(root)
+        except OSError as e:
+            log.warning("checkpoint %s could not be restored to %s: %s", old, final.name, e)
 
 
 def read_meta(ckpt: Path) -> dict[str, Any]:
@@ -222,6 +249,7 @@ def latest(root: Path, skip_checks: bool = False, use: str = "--resume") -> Path
     """
     if not root.is_dir():
         return None
+    restore_replaced(root)
     named = sorted(p for p in root.glob("iter_*") if p.is_dir() and _NAME.fullmatch(p.name))
     for i, ckpt in enumerate(reversed(named)):
         if (ckpt / META).is_file():
@@ -290,6 +318,8 @@ def resolve_resume(path: str | Path, skip_checks: bool = False) -> Path:
 def find_newest(path: str | Path, skip_checks: bool = False, use: str = "--resume") -> Path | None:
     """The checkpoint ``path`` names: itself, or the newest in it or in its ``checkpoints/``; None if none."""
     p = Path(path)
+    if _NAME.fullmatch(p.name):
+        restore_replaced(p.parent)
     if (p / META).is_file():
         return p
     if _NAME.fullmatch(p.name) and p.is_dir():
