@@ -32,6 +32,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from realloc.tools.keywords import json_object
+
 # the probe call: names and values no template writes on its own
 PROBE_TOOL, PROBE_ARG, PROBE_VALUE, PROBE_ID = "probe_tool_x7", "probe_arg", "probe value 7x", "probe0000"
 PROBE = {"name": PROBE_TOOL, "arguments": {PROBE_ARG: PROBE_VALUE}}
@@ -128,11 +130,8 @@ def tool_input(arguments: Any) -> str:
     ``"arguments": "{\\"expression\\": \\"2*3\\"}"``) is that object, as a tool called with keywords reads it
     (``tools/keywords.py``)."""
     if isinstance(arguments, str):
-        try:
-            decoded = json.loads(arguments)
-        except ValueError:
-            return arguments
-        if not isinstance(decoded, dict):
+        decoded = json_object(arguments)
+        if decoded is None:
             return arguments
         arguments = decoded
     if arguments is None:  # a call that writes no arguments

@@ -14,6 +14,16 @@ from typing import Any, Mapping
 from realloc.tools.arg_check import argument_error, integral
 
 
+def json_object(text: str) -> dict[str, Any] | None:
+    """The object a string holds as JSON (OpenAI's ``"arguments": "{...}"``), or None: read alike for tools called
+    with keywords and for one-string tools (``envs/chat_format.tool_input``)."""
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return None
+    return parsed if isinstance(parsed, dict) else None
+
+
 def keyword_arguments(name: str, params: tuple[str, ...] | Mapping[str, Any], raw: Any) -> dict[str, Any] | str:
     """``raw`` (a call's arguments as written; None for none) as keywords of tool ``name`` with arguments
     ``params`` (their names, or their JSON schemas by name, which the arguments' types are checked against), or an
@@ -23,17 +33,16 @@ def keyword_arguments(name: str, params: tuple[str, ...] | Mapping[str, Any], ra
         return {}
     found: dict[str, Any] | None = None
     if isinstance(raw, str):
-        try:
-            parsed = json.loads(raw)
-        except json.JSONDecodeError:
-            parsed = raw
-        if isinstance(parsed, dict):
-            found = parsed
-        elif len(names) == 1:
+        found = json_object(raw)
+        if found is None and len(names) == 1:
             found = {names[0]: raw}
-            if isinstance(params, Mapping) and argument_error(name, params, found) and \
-                    argument_error(name, params, {names[0]: parsed}) is None:
-                found = {names[0]: parsed}  # <square>5</square> for n: int: the text's JSON value, where it fits
+            if isinstance(params, Mapping) and argument_error(name, params, found):
+                try:
+                    value = {names[0]: json.loads(raw)}
+                except ValueError:
+                    value = None
+                if value is not None and argument_error(name, params, value) is None:
+                    found = value  # <square>5</square> for n: int: the text's JSON value, where it fits
     elif isinstance(raw, dict):
         found = raw
     if found is None:
