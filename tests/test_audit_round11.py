@@ -7,12 +7,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from run_helpers import hash_seeded_cli
 from test_audit_round9 import _files
 from test_families_e2e import WINDOW
 from test_runtime_hf_e2e import _plan, write_experiment
@@ -21,9 +21,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 # -- a Qwen3 PPO run resumed mid-run (checks what held) -----------------------------------------------------------
-def _run(experiment: Path, plan: Path, name: str, extra: tuple[str, ...]) -> Path:
+def _run(experiment: Path, plan: Path, name: str, extra: tuple[str, ...], hash_seeds: tuple[int, ...]) -> Path:
     run_dir = experiment.parent / name
-    cmd = [sys.executable, "-m", "realloc.cli", "run", str(experiment), "--plan", str(plan), "--iterations", "3",
+    cmd = [*hash_seeded_cli(hash_seeds), "run", str(experiment), "--plan", str(plan), "--iterations", "3",
            "--run-dir", str(run_dir), "--quiet", *extra]
     env = {**os.environ, "TMPDIR": str(experiment.parent), "PYTHONPATH": str(REPO)}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
@@ -42,11 +42,11 @@ def test_a_qwen3_ppo_run_resumed_mid_run_is_the_straight_run_whole_checkpoint(hf
     shutil.copytree(hf_assets.checkpoint("qwen2_reward", arch="qwen3"), tmp_path / "reward")
     experiment = write_experiment(tmp_path)
     plan = _plan(experiment, "tp2pp2")
-    straight = _run(experiment, plan, "straight", ("--save-every", "1", "--keep-checkpoints", "0"))
+    straight = _run(experiment, plan, "straight", ("--save-every", "1", "--keep-checkpoints", "0"), (1, 2, 3, 4, 5, 6, 7, 8))
     resumed = tmp_path / "resumed"
     shutil.copytree(straight, resumed)
     shutil.rmtree(resumed / "checkpoints/iter_00000003")
-    _run(experiment, plan, "resumed", ("--resume", str(resumed / "checkpoints/iter_00000002")))
+    _run(experiment, plan, "resumed", ("--resume", str(resumed / "checkpoints/iter_00000002")), (11, 12, 13, 14, 15, 16, 17, 18))
     want, got = (_files(run / "checkpoints/iter_00000003") for run in (straight, resumed))
     assert sorted(got) == sorted(want) and any("exp_avg_sq" in k for k in want)
     assert any("q_norm" in k for k in want) and any("k_norm" in k and "exp_avg" in k for k in want)

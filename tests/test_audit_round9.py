@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_helpers import hash_seeded_cli
 from safetensors import safe_open
 
 from realloc.graph.dataflow import build_graph
@@ -65,15 +66,16 @@ def test_a_daemon_of_a_tool_dies_with_a_killed_worker(tmp_path):
 
 # -- a multi-turn run resumed mid-run ----------------------------------------------------------------------------
 def _mt_run(tmp: Path, name: str, source: str, placements: dict, iterations: int, extra: tuple[str, ...] = (),
-            plan_name: str | None = None) -> list[dict]:
-    """``tests/test_multiturn_breadth_e2e._run`` with extra options and a plan shared between runs."""
+            plan_name: str | None = None, hash_seeds: tuple[int, ...] = (1, 2)) -> list[dict]:
+    """``tests/test_multiturn_breadth_e2e._run`` with extra options and a plan shared between runs; worker r runs
+    under PYTHONHASHSEED=hash_seeds[r]."""
     experiment = tmp / "experiment.py"
     experiment.write_text(source)
     plan = tmp / f"{plan_name or name}.json"
     if not plan.exists():
         graph = build_graph(load_with_overrides(str(experiment), []))
         ExecutionPlan.by_hand(graph, {c: placements.get(c, placements["*"]) for c in graph.topo_order}).save(plan)
-    cmd = [sys.executable, "-m", "realloc.cli", "run", str(experiment), "--plan", str(plan),
+    cmd = [*hash_seeded_cli(hash_seeds), "run", str(experiment), "--plan", str(plan),
            "--iterations", str(iterations), "--run-dir", str(tmp / name), "--quiet", *extra]
     path = f"{REPO}{os.pathsep}{REPO / 'tests'}"  # the workers import the environment from tests/multiturn_cases.py
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
@@ -107,7 +109,7 @@ def test_a_multiturn_lora_grpo_run_resumed_mid_run_is_the_straight_run_whole_che
     shutil.copytree(straight, resumed)
     shutil.rmtree(resumed / "checkpoints/iter_00000003")
     _mt_run(tmp_path, "resumed", source, split, 3, extra=("--resume", str(resumed / "checkpoints/iter_00000002")),
-            plan_name="straight")
+            plan_name="straight", hash_seeds=(3, 4))  # other hash seeds than the straight run's
     want, got = (_files(run / "checkpoints/iter_00000003") for run in (straight, resumed))
     assert sorted(got) == sorted(want) and any("exp_avg_sq" in k for k in want) and "rng/rank0.safetensors/" \
         in "".join(want)
