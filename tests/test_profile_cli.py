@@ -58,7 +58,7 @@ def test_profile_writes_a_complete_table(profile):
         if min(v) > 1e-7:
             assert v[2] - v[1] == pytest.approx((v[1] - v[0]) * 96 / 24, rel=1e-6, abs=1e-12)
     ops = {(c.op, c.n) for c in profile.collectives}
-    assert ops == {("broadcast", 2), ("all_reduce", 2), ("all_gather", 2), ("p2p", 2)}
+    assert ops == {("broadcast", 2), ("all_reduce", 2), ("all_gather", 2), ("p2p", 2), ("all_reduce_late", 2)}
     assert all(c.alpha > 0 or c.beta > 0 for c in profile.collectives)
     assert [x for x, _ in profile.collectives[0].points] == [4, 16, 64, 256, 1024, 4096]
     assert profile.meta["command"].startswith("realloc profile --model tiny --device cpu --tp 1,2")

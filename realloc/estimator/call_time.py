@@ -109,6 +109,13 @@ TRAIN_STATS = 1
 GRAD_BUCKET_NUMEL = 1 << 25
 
 
+def train_step_dp_syncs(n_buckets: int) -> int:
+    """Blocking dp collectives of one train step at dp > 1: a reduce-scatter and an all-gather per gradient bucket
+    (``models/zero.py``), the gradient norm's all-reduce (``grads.global_norm``) and the loss statistics'
+    (``ParallelModel._mean_stats``); tests/test_est_fit.py counts them in a real step."""
+    return 2 * n_buckets + 2
+
+
 @dataclasses.dataclass(frozen=True)
 class StageTime:
     """One micro-batch on one pipeline stage."""
@@ -291,6 +298,7 @@ class CallTimer:
             # mini-batch token counts (3 + n_steps float64s)
             iface = self.costs.interface("interface.train", t, work.gen_len) or 0.0
             moments = self.comm.time("all_reduce", strategy.dp, 8 * (3 + work.n_steps), links.dp)
+            moments += self.comm.late_extra(strategy.dp, links.dp)  # entered late too, after each rank's rollout
             return step.scaled(work.n_steps) + overhead + CallCost.of(overhead=iface, dp_allreduce=moments)
         ends = work.lengths.slowest_ends(work.gen_len, b, work.n_seqs)  # all gen_len for fixed lengths
         return self.generate_varied(strategy, links, b, prompt, ends, n_mbs, slots=prompt + work.gen_len,
@@ -455,6 +463,8 @@ class CallTimer:
             # each bucket is packed into one flat buffer and unpacked after, for both collectives (zero.py)
             moved = 2 * n_local * (self.precision.grad + self.precision.param)
             dp += moved / (self.hw.memory_bandwidth * self.hw.memory_efficiency)
+            # each of the step's blocking dp collectives waits as one entered late (comm.late_extra; 0 unmeasured)
+            dp += train_step_dp_syncs(n_buckets) * self.comm.late_extra(strategy.dp, links.dp)
         norm = (self.comm.time("all_reduce", strategy.tp, 8, links.tp)
                 + self.comm.time("all_reduce", strategy.pp, 8, links.pp_any)
                 + self.comm.time("all_reduce", strategy.dp, 8, links.dp))  # over dp: the norm of the chunks

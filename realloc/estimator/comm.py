@@ -103,6 +103,19 @@ class CommModel:
             return ref.alpha + ref.beta * nbytes * bus_factor(op, n) / bus_factor(op, ref.n)
         return self._latency[link] + bus_factor(op, n) * nbytes / self._bandwidth[link]
 
+    def late_extra(self, n: int, link: Link = Link.INTRA) -> float:
+        """Seconds a blocking collective among ``n`` ranks adds when they enter it at different times, beyond the
+        latency ``time`` gives it: the measured ``all_reduce_late`` (the nearest measured group size) less the
+        all-reduce's own time at its 8 bytes, never below 0. 0 where not measured (the roofline, tables from before
+        the key), so those price as before. docs/estimator.md, "Waits at dp > 1"."""
+        fits = self._fits.get(("all_reduce_late", link))
+        if fits is None and self._uniform_links:
+            fits = self._fits.get(("all_reduce_late", Link.INTRA if link is Link.INTER else Link.INTER))
+        if n <= 1 or not fits:
+            return 0.0
+        late = fits[n] if n in fits else fits[min(fits, key=lambda k: (abs(k - n), -k))]
+        return max(0.0, late.time(8) - self.time("all_reduce", n, 8, link))
+
 
 # -- which link each parallel group uses ------------------------------------
 

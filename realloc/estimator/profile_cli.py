@@ -68,7 +68,7 @@ class ProfileJob:
         max_pos = profiled_config(self.model_type).max_position_embeddings
         layer = (sum(1 for _ in op_plan(self.grid)) + len(OPTIMIZER_LAYERS)
                  + sum(1 for _ in engine_plan(self.grid, max_pos)))
-        coll = len(COLLECTIVE_OPS) * len(message_sizes(self.max_collective_bytes))
+        coll = len(COLLECTIVE_OPS) * len(message_sizes(self.max_collective_bytes)) + 1  # + the late all-reduce
         return layer * len(self.tps) + coll * len(self.collective_sizes)
 
 
@@ -197,7 +197,7 @@ def _run_worker(rank: int, job: ProfileJob, init_file: str, out: "mp.Queue[str]"
     import torch
     import torch.distributed as dist
 
-    from realloc.estimator.profile_collectives import time_collective
+    from realloc.estimator.profile_collectives import LATE_BYTES, LATE_OP, time_collective, time_late_all_reduce
     from realloc.estimator.profiler import LayerProfiler
     from realloc.models.groups import ModelLayout, ProcessGroupCache
     from realloc.strategy import ParallelStrategy
@@ -259,6 +259,9 @@ def _run_worker(rank: int, job: ProfileJob, init_file: str, out: "mp.Queue[str]"
                     pts.append((nbytes, time_collective(op, group, ranks, nbytes, job.collective_repeats)))
                     tick()
                 result["collectives"].append({"op": op, "n": n, "points": pts})
+            late = time_late_all_reduce(group, ranks, 10 * job.collective_repeats)
+            result["collectives"].append({"op": LATE_OP, "n": n, "points": [(LATE_BYTES, late)]})
+            tick()
         dist.barrier()
     if rank == 0:
         out.put(json.dumps(result))
@@ -323,7 +326,7 @@ def _follow(procs: list, out: "mp.Queue[str]", job: ProfileJob, show_progress: b
 
 def assemble_table(job: ProfileJob, raw: dict[str, Any], meta: dict[str, Any]) -> ProfileTable:
     from realloc.estimator.comm import Link
-    from realloc.estimator.profile_collectives import fit_alpha_beta
+    from realloc.estimator.profile_collectives import LATE_OP, fit_alpha_beta
 
     cfg = profiled_config(job.model_type)
     tps: dict[int, TpTable] = {}
@@ -345,7 +348,7 @@ def assemble_table(job: ProfileJob, raw: dict[str, Any], meta: dict[str, Any]) -
     colls = []
     for c in raw["collectives"]:
         pts = [(float(x), float(t)) for x, t in c["points"]]
-        alpha, beta = fit_alpha_beta(pts)
+        alpha, beta = (pts[0][1], 0.0) if c["op"] == LATE_OP else fit_alpha_beta(pts)  # one size: its mean
         colls.append(CollectiveEntry(op=c["op"], n=c["n"], link=Link.INTRA, alpha=alpha, beta=beta, points=pts))
     if smoothed:
         meta = {**meta, "smoothed_tp_ops_rms_relative_residual": smoothed}

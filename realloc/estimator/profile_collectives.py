@@ -1,7 +1,7 @@
 """Measure collectives among N processes and fit ``seconds = alpha + beta * bytes`` (worker side of ``realloc profile``).
 
 Ops: broadcast, all-reduce and all-gather over the group's first ``n`` ranks,
-and a p2p send/recv between its first two. Message sizes grow by x4 from 4 B to
+and a p2p send/recv between its first two; and an all-reduce entered late (``time_late_all_reduce``). Message sizes grow by x4 from 4 B to
 ``max_bytes`` (per-rank input size). Each point: one untimed run, then
 ``repeats`` runs, each timed as the slowest rank of the group after a barrier;
 the median is kept. The fit minimizes the relative error, so the latency
@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-OPS = ("broadcast", "all_reduce", "all_gather", "p2p")
+OPS = ("broadcast", "all_reduce", "all_gather", "p2p")  # fitted alpha + beta * bytes (LATE_OP below: its mean)
 
 
 def message_sizes(max_bytes: int) -> list[int]:
@@ -92,3 +92,40 @@ def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> tuple[float, float]
         # no latency term: beta alone through the origin, same weighting
         return 0.0, sum(x / t for x, t in points) / sum((x / t) ** 2 for x, t in points)
     return alpha, beta
+
+
+# A blocking all-reduce entered late (docs/estimator.md, "Waits at dp > 1"). A train step's dp collectives follow
+# each rank's own compute, so one rank reaches them first and waits for the other; on a CPU cluster an idle core
+# that waited can take milliseconds to wake (an idle vCPU halts at once, and the kernel ticks every 4 ms), far more
+# than the back-to-back latency the fits above measure after a barrier. Measured as such a step has it: every rank
+# computes LATE_COMPUTE_S, one of them (by turns) LATE_BY_S longer, then an 8-byte all-reduce.
+LATE_OP = "all_reduce_late"
+LATE_BYTES = 8
+LATE_COMPUTE_S = 2e-3
+LATE_BY_S = 1e-3
+
+
+def _busy(seconds: float, a: torch.Tensor) -> None:
+    """Compute (small matmuls) for ``seconds`` of this thread's CPU time."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        torch.mm(a, a)
+
+
+def time_late_all_reduce(group: dist.ProcessGroup, ranks: Sequence[int], repeats: int) -> float:
+    """Mean seconds from the last rank's arrival at an 8-byte all-reduce entered late (above) to its end on the
+    slowest rank: what the collective adds to the makespan of the ranks' work before it. The mean, not the median:
+    the slow wake-ups are a share of the runs, and a train step pays that share."""
+    me = list(ranks).index(dist.get_rank())
+    buf, a = torch.zeros(max(LATE_BYTES // 4, 1), dtype=torch.float32), torch.ones(32, 32)
+    dist.all_reduce(buf, group=group)  # warm-up: connections, buffers
+    arrive, end = [], []
+    for i in range(repeats):
+        dist.barrier(group=group)
+        _busy(LATE_COMPUTE_S + (LATE_BY_S if i % len(ranks) == me else 0.0), a)
+        arrive.append(time.perf_counter())  # CLOCK_MONOTONIC: one clock for every process of the machine
+        dist.all_reduce(buf, group=group)
+        end.append(time.perf_counter())
+    t = torch.tensor([arrive, end], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return statistics.fmean((t[1] - t[0]).tolist())

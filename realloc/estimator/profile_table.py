@@ -100,7 +100,9 @@ class TpTable(BaseModel):
 class CollectiveEntry(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    op: Literal["all_reduce", "all_gather", "broadcast", "p2p"]
+    # "all_reduce_late": an 8-byte all-reduce the ranks enter at different times after computing, alpha its mean
+    # seconds from the last arrival (profile_collectives.time_late_all_reduce), beta 0; tables from before lack it
+    op: Literal["all_reduce", "all_gather", "broadcast", "p2p", "all_reduce_late"]
     n: int = Field(ge=2)
     link: Link
     alpha: float = Field(ge=0)
