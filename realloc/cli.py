@@ -114,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default, the median repeat), in wall time's fastest repeat (wall-min: others' load only adds "
                    "time), or in the process's CPU time, which a shared machine's other processes do not inflate "
                    "(tp 1, cpu)")
+    s.add_argument("--co-run", action="store_true", help="every device times the layer ops at once, as a run keeps "
+                   "them all busy (on CPUs their cores share caches and memory); rank 0's times are kept")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     _profiles_option(s)
     s.set_defaults(func=_Command("realloc.estimator.profile_cli"))

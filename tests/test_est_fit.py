@@ -164,3 +164,28 @@ def test_both_simulators_agree_with_late_collectives_priced(model):
     mesh = model.cluster.whole
     assert cost.call_cost("actor_train", mesh, S(2, 1, 1), 1).time > plain.call_cost("actor_train", mesh, S(2, 1, 1),
                                                                                     1).time
+
+
+def test_co_run_times_the_layer_ops_on_every_device_at_once(tmp_path):
+    """``realloc profile --co-run``: every tp group of the world times the ops (rank 0's kept), and says so."""
+    import dataclasses
+    import json
+    import subprocess
+    import sys
+
+    from realloc.estimator.profile_cli import ProfileJob, default_grid, profiled_blocks, profiled_config
+
+    grid = default_grid(profiled_config("tiny"), 1, 1)
+    job = ProfileJob(model_type="tiny", device="cpu", kind="cpu", dtype="fp32", tps=(1, 2), grid=grid,
+                     collective_sizes=(2, 4), max_collective_bytes=64, collective_repeats=3)
+    assert profiled_blocks(job) == {1: [(0,)], 2: [(0, 1)]}
+    co = dataclasses.replace(job, co_run=True)
+    assert profiled_blocks(co) == {1: [(0,), (1,), (2,), (3,)], 2: [(0, 1), (2, 3)]}
+    out = tmp_path / "tiny.json"
+    r = subprocess.run([sys.executable, "-m", "realloc", "profile", "--model", "tiny", "--tp", "1", "--co-run",
+                        "--batch-sizes", "1,2", "--seq-lens", "8,16", "--ctx-lens", "8,16", "--repeats", "1",
+                        "--warmup", "1", "--max-bytes", "64", "--quiet", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["co_run"] is True and "--co-run" in meta["command"]

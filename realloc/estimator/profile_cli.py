@@ -59,6 +59,9 @@ class ProfileJob:
     # layer ops timed in wall time (median of the repeats), "wall-min" (the fastest repeat: robust to other
     # processes' load), or "cpu": the process's CPU time (profiler.timed)
     clock: str = "wall"
+    # every device times the same layer ops at once (each tp group of the world its own copy), rank 0's kept: a
+    # device's cost while the others are busy, as in a run (docs/estimator.md, "Waits at dp > 1")
+    co_run: bool = False
 
     @property
     def world(self) -> int:
@@ -142,7 +145,7 @@ def build_job(args: argparse.Namespace) -> ProfileJob:
     return ProfileJob(model_type=args.model, device=args.device, kind=kind, dtype=dtype, tps=tps, grid=grid,
                       collective_sizes=sizes, max_collective_bytes=getattr(args, "max_bytes", None)
                       or DEFAULT_MAX_COLLECTIVE_BYTES, collective_repeats=max(repeats - 2, 3),
-                      clock=_clock(args, tps))
+                      clock=_clock(args, tps), co_run=bool(getattr(args, "co_run", False)))
 
 
 def profiled_config(model: str) -> ModelConfig:
@@ -166,6 +169,13 @@ def _clock(args: argparse.Namespace, tps: tuple[int, ...]) -> str:
 
 
 # -- worker ---------------------------------------------------------------------------------------
+
+def profiled_blocks(job: ProfileJob) -> dict[int, list[tuple[int, ...]]]:
+    """Per tp, the groups of ranks that time the layer ops: ranks 0..tp-1, or with ``co_run`` every whole group of tp
+    ranks of the world, at once (rank 0's times are kept)."""
+    return {tp: [tuple(range(k, k + tp)) for k in range(0, (job.world // tp) * tp if job.co_run else tp, tp)]
+            for tp in job.tps}
+
 
 def _die_with(parent: int) -> None:
     """SIGKILL when the `realloc profile` process dies, however it dies (SIGTERM, SIGKILL, a timeout): a worker
@@ -221,15 +231,17 @@ def _run_worker(rank: int, job: ProfileJob, init_file: str, out: "mp.Queue[str]"
 
     cache = ProcessGroupCache()
     # The profiler's models are untied one-layer copies of cfg (LayerProfiler).
-    layouts = {tp: ModelLayout(tuple(range(tp)), ParallelStrategy(1, tp, 1), kv_replicas=cfg.kv_replicas(tp))
-               for tp in job.tps}
+    blocks = profiled_blocks(job)
+    layouts = {(tp, ranks): ModelLayout(ranks, ParallelStrategy(1, tp, 1), kv_replicas=cfg.kv_replicas(tp))
+               for tp in job.tps for ranks in blocks[tp]}
     cache.ensure_layouts(layouts.values())
     cache.ensure_rank_sets([tuple(range(n)) for n in job.collective_sizes])
     result: dict[str, Any] = {"type": "result", "tp": {}, "collectives": []}
     g = job.grid
     for tp in job.tps:
-        if rank < tp:
-            prof = LayerProfiler(cfg, cache.model_groups(layouts[tp]), dtype=dtype, device=device,
+        mine = next((ranks for ranks in blocks[tp] if rank in ranks), None)
+        if mine is not None:
+            prof = LayerProfiler(cfg, cache.model_groups(layouts[tp, mine]), dtype=dtype, device=device,
                                  clock=time.process_time if job.clock == "cpu" else time.perf_counter,
                                  statistic=min if job.clock == "wall-min" else statistics.median)
             ops: dict[str, dict[tuple[int, int], float]] = {}
@@ -390,6 +402,8 @@ def command_line(args: argparse.Namespace) -> str:
         v = getattr(args, opt, None)
         if v is not None and not (opt == "clock" and v == "wall"):
             parts += ["--" + opt.replace("_", "-"), str(v)]
+    if getattr(args, "co_run", False):
+        parts.insert(parts.index("--tp") + 2, "--co-run")
     return " ".join(shlex.quote(p) for p in parts)
 
 
@@ -544,7 +558,7 @@ def main(args: argparse.Namespace) -> int:
         "load_average_before": load_before,
         "load_average_after": _load_average(),
         "threads_per_process": 1 if job.device == "cpu" else None,
-        "warmup": job.grid.warmup, "repeats": job.grid.repeats, "clock": job.clock,
+        "warmup": job.grid.warmup, "repeats": job.grid.repeats, "clock": job.clock, "co_run": job.co_run,
         "statistic": f"{'minimum' if job.clock == 'wall-min' else 'median'} over repeats; each repeat is the slowest "
                      f"rank of the group",
     }
