@@ -149,8 +149,8 @@ def main() -> int:
         lock = [sum(map(max, x[f"{name} segments"], y[f"{name} segments"]))
                 - max(sum(x[f"{name} segments"]), sum(y[f"{name} segments"])) for x, y in zip(a[1:], b[1:])]
         n = a[-1][f"{name} collectives"]
-        print(f"{name:<12}{med(walls) * 1e3:8.1f}{med(cpus) * 1e3:8.1f}{med(w - c for w, c in zip(walls, cpus)) * 1e3:8.1f}"
-              f"{med(lock) * 1e3:10.1f}{n:6d}"
+        wait = med(w - c for w, c in zip(walls, cpus))
+        print(f"{name:<12}{med(walls) * 1e3:8.1f}{med(cpus) * 1e3:8.1f}{wait * 1e3:8.1f}{med(lock) * 1e3:10.1f}{n:6d}"
               f"{med(x[f'{name} coll wall'] for x in a[1:]) * 1e3:10.1f}{med(late) * n * 1e3:13.1f}")
     return 0
 

@@ -571,4 +571,6 @@ def main(args: argparse.Namespace) -> int:
         if c.op in ("all_reduce", "broadcast"):
             bw = 1 / c.beta / 1e9 if c.beta > 0 else float("inf")
             print(f"  {c.op:<11} n={c.n}: alpha {c.alpha * 1e6:7.1f} us, {bw:6.2f} GB/s")
+        elif c.op == "all_reduce_late":  # docs/estimator.md, "Waits at dp > 1"
+            print(f"  {c.op} n={c.n}: {c.alpha * 1e6:7.1f} us from the last arrival (mean)")
     return 0

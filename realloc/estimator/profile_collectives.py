@@ -1,8 +1,8 @@
 """Measure collectives among N processes and fit ``seconds = alpha + beta * bytes`` (worker side of ``realloc profile``).
 
 Ops: broadcast, all-reduce and all-gather over the group's first ``n`` ranks,
-and a p2p send/recv between its first two; and an all-reduce entered late (``time_late_all_reduce``). Message sizes grow by x4 from 4 B to
-``max_bytes`` (per-rank input size). Each point: one untimed run, then
+and a p2p send/recv between its first two (and an all-reduce entered late, ``time_late_all_reduce``, below).
+Message sizes grow by x4 from 4 B to ``max_bytes`` (per-rank input size). Each point: one untimed run, then
 ``repeats`` runs, each timed as the slowest rank of the group after a barrier;
 the median is kept. The fit minimizes the relative error, so the latency
 (alpha, set by the small messages) and the bandwidth (beta, set by the large
