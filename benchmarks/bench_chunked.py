@@ -102,7 +102,10 @@ def breakdown(recs: list[dict]) -> dict[str, float]:
     request overheads)."""
     calls = [r for r in recs if r["kind"] == "call"]
     gen = [r for r in calls if r["label"] == GEN]
-    start, g_end = min(r["start"] for r in gen), max(r["end"] for r in gen)
+    g_end = max(r["end"] for r in gen)
+    # from the iteration's first work on a device, not the generation's dispatch: a generation dispatched while the
+    # last iteration's training still runs on its devices waits there, and that wait is the last iteration's train
+    start = min(a for r in recs for a, _ in r["spans"])
     inf = [(a, b) for r in calls if r["label"] in INFERENCE for a, b in r["spans"]]
     train = [(a, b) for r in calls if r["label"] in TRAIN for a, b in r["spans"]]
     end = max(r["end"] for r in recs)
