@@ -33,17 +33,28 @@ def message_sizes(max_bytes: int) -> list[int]:
     return out
 
 
+def _device(group: dist.ProcessGroup) -> torch.device:
+    """Where the group's collectives take their tensors: NCCL's on this process's GPU, gloo's on the CPU."""
+    nccl = dist.get_backend(group) == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the collective's kernel has ended
+
+
 def _op_runner(op: str, group: dist.ProcessGroup, ranks: Sequence[int], nbytes: int) -> Callable[[], None]:
     me = dist.get_rank()
     n = len(ranks)
     numel = max(nbytes // 4, 1)
-    buf = torch.ones(numel, dtype=torch.float32)
+    buf = torch.ones(numel, dtype=torch.float32, device=_device(group))
     if op == "broadcast":
         return lambda: dist.broadcast(buf, src=ranks[0], group=group)
     if op == "all_reduce":
         return lambda: dist.all_reduce(buf, group=group)
     if op == "all_gather":
-        out = torch.empty(numel * n, dtype=torch.float32)
+        out = torch.empty(numel * n, dtype=torch.float32, device=buf.device)
         return lambda: dist.all_gather_into_tensor(out, buf, group=group)
     if op == "p2p":
         if me == ranks[0]:
@@ -58,13 +69,16 @@ def time_collective(op: str, group: dist.ProcessGroup, ranks: Sequence[int], nby
     """Median seconds of one ``op`` over ``ranks`` (every rank of ``group`` must call this)."""
     run = _op_runner(op, group, ranks, nbytes)
     run()  # warm-up: connections, buffers
+    device = _device(group)
     times = []
     for _ in range(repeats):
         dist.barrier(group=group)
+        _sync(device)
         t0 = time.perf_counter()
         run()
+        _sync(device)
         times.append(time.perf_counter() - t0)
-    t = torch.tensor(times, dtype=torch.float64)
+    t = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return statistics.median(t.tolist())
 
@@ -116,16 +130,18 @@ def time_late_all_reduce(group: dist.ProcessGroup, ranks: Sequence[int], repeats
     """Mean seconds from the last rank's arrival at an 8-byte all-reduce entered late (above) to its end on the
     slowest rank: what the collective adds to the makespan of the ranks' work before it. The mean, not the median:
     the slow wake-ups are a share of the runs, and a train step pays that share."""
-    me = list(ranks).index(dist.get_rank())
-    buf, a = torch.zeros(max(LATE_BYTES // 4, 1), dtype=torch.float32), torch.ones(32, 32)
+    me, device = list(ranks).index(dist.get_rank()), _device(group)
+    buf, a = torch.zeros(max(LATE_BYTES // 4, 1), dtype=torch.float32, device=device), torch.ones(32, 32)
     dist.all_reduce(buf, group=group)  # warm-up: connections, buffers
     arrive, end = [], []
     for i in range(repeats):
         dist.barrier(group=group)
+        _sync(device)
         _busy(LATE_COMPUTE_S + (LATE_BY_S if i % len(ranks) == me else 0.0), a)
         arrive.append(time.perf_counter())  # CLOCK_MONOTONIC: one clock for every process of the machine
         dist.all_reduce(buf, group=group)
+        _sync(device)
         end.append(time.perf_counter())
-    t = torch.tensor([arrive, end], dtype=torch.float64)
+    t = torch.tensor([arrive, end], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return statistics.fmean((t[1] - t[0]).tolist())
