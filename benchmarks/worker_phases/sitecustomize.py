@@ -4,7 +4,9 @@ measures"). Measurement only: nothing of it is part of realloc.
 
 Python imports ``sitecustomize`` at start-up from the path, so with this folder first on PYTHONPATH every worker of
 a run loads it; with ``REALLOC_PHASES_DIR`` set, a worker wraps its request handler once its module is imported and
-writes ``DIR/w<rank>.json`` at shutdown (per call: totals over iterations 2.. and the number of requests):
+writes ``DIR/w<rank>.json`` at shutdown (per call: totals over iterations 2.. and the number of requests; the
+request's wall time too, and the blocking collectives' count, wall and thread CPU time, docs/estimator.md, "Waits at
+dp > 1"):
 
     PYTHONPATH=$PWD/benchmarks/worker_phases:$PWD REALLOC_PHASES_DIR=/tmp/phases \\
         .venv/bin/python -m realloc run EXP --plan PLAN --iterations 8 --no-final-checkpoint --quiet
@@ -48,6 +50,24 @@ def _install() -> None:
 
     for name in ("forward", "train_step", "generate"):
         timed(ParallelModel, name, f"engine.{name}")
+    import torch.distributed as dist
+
+    def collective(name: str) -> None:
+        orig = getattr(dist, name)
+
+        def wrapped(*a, **k):
+            t, c = time.perf_counter(), time.thread_time()
+            try:
+                return orig(*a, **k)
+            finally:
+                if current:
+                    acc[current[0]]["collectives"] += 1
+                    acc[current[0]]["collective_wall"] += time.perf_counter() - t
+                    acc[current[0]]["collective_cpu"] += time.thread_time() - c
+        setattr(dist, name, wrapped)
+
+    for name in ("all_reduce", "reduce_scatter_single", "all_gather_single", "all_gather", "broadcast"):
+        collective(name)
     timed(DataStore, "get_rows", "store.get_rows")
     timed(DataStore, "put_rows", "store.put_rows")
     handle = worker.ModelWorker.handle
@@ -60,13 +80,14 @@ def _install() -> None:
                 (out / f"w{self.rank}.json").write_text(json.dumps(acc, indent=1))
             return handle(self, req)
         current.append(req.call)
-        r0, c = resource.getrusage(resource.RUSAGE_THREAD), time.thread_time()
+        r0, c, t = resource.getrusage(resource.RUSAGE_THREAD), time.thread_time(), time.perf_counter()
         try:
             return handle(self, req)
         finally:
             r1, a = resource.getrusage(resource.RUSAGE_THREAD), acc[req.call]
             a["requests"] += 1
             a["request"] += time.thread_time() - c
+            a["request_wall"] += time.perf_counter() - t
             a["page_faults"] += r1.ru_minflt - r0.ru_minflt
             a["kernel"] += r1.ru_stime - r0.ru_stime
             current.clear()
