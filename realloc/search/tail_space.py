@@ -31,7 +31,7 @@ import numpy as np
 from realloc.calls import InterfaceType
 from realloc.estimator.cost import CostModel
 from realloc.estimator.chunk_cost import CHUNK_GRID, chunk_work, chunked_generation_cost, lead_shares
-from realloc.estimator.stream_cost import stream_phase2
+from realloc.estimator.pp_stream_cost import stream_phase1, stream_rest
 from realloc.estimator.tail_cost import TAIL_GRID, consumer_parts, phase1_cost, tail_phase_cost, tail_rows
 from realloc.estimator.turn_stream_cost import running_after, split_turns, turn_lead_shares, turn_stream_cost
 from realloc.envs.rollout_args import rollout_shape
@@ -93,10 +93,12 @@ def instance_choices(dp: int) -> list[int]:
     return [m for m in (2 ** k for k in range(dp.bit_length())) if m < dp]
 
 
-def with_tail_rows(graph: DataflowGraph, cost: CostModel, call: str,
-                   cc: CallCosts) -> tuple[CallCosts, tuple[TailChoice | None, ...]]:
+def with_tail_rows(graph: DataflowGraph, cost: CostModel, call: str, cc: CallCosts,
+                   pp_streams: bool = False) -> tuple[CallCosts, tuple[TailChoice | None, ...]]:
     """``cc`` with a migrating row after the rows for each (candidate, R_t, m) worth trying, and per row its
-    migration (None: the candidate of before)."""
+    migration (None: the candidate of before). ``pp_streams``: candidates at pp > 1 get stream-only rows too,
+    priced as the runtime steps the stages (``estimator/pp_stream_cost.py``; a hand plan's estimate asks for them,
+    the search does not offer them)."""
     n = cost.workload(call).n_seqs
     n_devices = graph.spec.cluster.n_devices
     rows, choices = [], []
@@ -107,6 +109,10 @@ def with_tail_rows(graph: DataflowGraph, cost: CostModel, call: str,
     for i, cand in enumerate(cc.options):
         s = cand.strategy
         streams = s.pp == 1 and cand.mesh.size < n_devices  # a mesh that leaves devices for a consumer to stream to
+        if pp_streams and s.pp > 1 and cand.mesh.size < n_devices and varied and not multiturn:
+            rows_stream, choices_stream = stream_rows(cost, call, i, cand, n, phase1)
+            rows += rows_stream
+            choices += choices_stream
         if streams and multiturn:
             rows_stream, choices_stream = turn_stream_rows(cost, call, i, cand, n)
             rows += rows_stream
@@ -161,10 +167,10 @@ def stream_rows(cost: CostModel, call: str, i: int, cand, n: int,
         r_t = tail_rows(n, share)
         k1 = ((cand.mesh.n_nodes, cand.mesh.n_devs), s, cand.n_mbs, r_t)
         if k1 not in phase1:
-            phase1[k1] = phase1_cost(cost, call, cand.mesh, s, cand.n_mbs, r_t)
-        rest = stream_phase2(cost, call, cand.mesh, s, cand.n_mbs, phase1[k1])
+            phase1[k1] = stream_phase1(cost, call, cand.mesh, s, cand.n_mbs, r_t)
+        rest = stream_rest(cost, call, cand.mesh, s, cand.n_mbs, r_t, phase1[k1])
         rows.append((i, phase1[k1]))
-        choices.append(TailChoice(TailMigration(rows=r_t, instances=0), g, s.dp * s.tp, rest))
+        choices.append(TailChoice(TailMigration(rows=r_t, instances=0), g, s.dp * s.tp * s.pp, rest))
     for ci, k in enumerate(CHUNK_GRID):  # chunked streaming (estimator/chunk_cost.py)
         for g, share in enumerate(TAIL_GRID):
             r_t = tail_rows(n, share)
@@ -173,7 +179,7 @@ def stream_rows(cost: CostModel, call: str, i: int, cand, n: int,
             tc, lead = chunked_generation_cost(cost, call, cand.mesh, s, cand.n_mbs, r_t, k)
             rows.append((i, tc.phase1))
             choices.append(TailChoice(TailMigration(rows=r_t, instances=0, chunks=k), g + len(TAIL_GRID) * (1 + ci),
-                                      s.dp * s.tp, tc.phase2, lead))
+                                      s.dp * s.tp * s.pp, tc.phase2, lead))
     return rows, choices
 
 
@@ -190,7 +196,7 @@ def turn_stream_rows(cost: CostModel, call: str, i: int, cand, n: int
             tc, lead, _ = turn_stream_cost(cost, call, cand.mesh, s, cand.n_mbs, r_t, k)
             rows.append((i, tc.phase1))
             choices.append(TailChoice(TailMigration(rows=r_t, instances=0, chunks=k), g + len(TAIL_GRID) * ci,
-                                      s.dp * s.tp, tc.phase2, lead))
+                                      s.dp * s.tp * s.pp, tc.phase2, lead))
     return rows, choices
 
 
