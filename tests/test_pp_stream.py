@@ -9,6 +9,8 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
+from test_length_schedule import pool  # noqa: F401 - the module's gloo pool (two ranks)
 
 from realloc.api import load_experiment
 from realloc.estimator.call_time import decode_segments
@@ -172,3 +174,73 @@ def test_both_simulators_agree_on_random_plans_with_pp2_streams(graph, model):
     assert n_split > 5
     # a plan streaming at pp 2 to the consumers off its mesh: at R_t 6 (a grid entry) the plan's entry
     assert tail_rows(32, 0.2) == 6
+
+
+# -- micro-batch streaming at pp > 1: waves of pp micro-batches, each wave handed on as it ends ------------------------
+def _waves_pp2(ctx, gconfig, thresholds, n_mbs):
+    from model_helpers import build_model
+    from realloc.models.config import get_model_config
+    from realloc.models.stream_decode import SplitGeneration
+    from test_stream_chunks import split_at
+    from test_streaming import _prompts, _responses
+
+    model = build_model(ctx, get_model_config("tiny"), 1, 1, 2, seed=3)
+    rows = _prompts()
+    plain = _responses(model.generate([r.tolist() for r in rows], gconfig, seq_ids=range(len(rows)), n_mbs=n_mbs))
+    return (ctx.rank, plain, *split_at(SplitGeneration(model, rows, gconfig, range(len(rows)), n_mbs, True),
+                                       thresholds))
+
+
+def test_waves_of_a_pp2_generation_split_where_a_wave_ends_and_decode_the_plain_tokens(pool):  # noqa: F811
+    """``SplitGeneration(one_by_one=True)`` at pp 2 with 4 micro-batches of 3 rows: two waves of two micro-batches
+    stepped through both stages; the split point comes when the first wave's last row ends (whatever the EOS
+    schedule), its chunk is that wave's 6 rows, and every token and log-prob is the plain pp 2 generation's."""
+    from realloc.estimator.mb_stream_cost import last_rows
+    from realloc.graph.tail import split_thresholds
+    from realloc.models.sampling import GenerationConfig
+    from test_length_schedule import MAX_NEW, N_ROWS, SCHEDULE
+
+    gconfig = GenerationConfig(max_new_tokens=MAX_NEW, seed=5, eos_token_ids=(), temperature=0.9,
+                               length_schedule=SCHEDULE)
+    thresholds = split_thresholds(N_ROWS, last_rows(N_ROWS, 2), 1)
+    results = sorted(pool.run(_waves_pp2, gconfig, thresholds, 4))
+    for rank, plain, got, chunks, _ in results:
+        assert chunks == [list(range(6))], rank
+        for i, (tok, lp) in enumerate(plain):
+            assert got[i][0] == tok and torch.equal(got[i][1], lp), (rank, i)
+
+
+def test_a_micro_batch_entry_at_pp2_counts_waves_and_refuses_other_shapes(graph):
+    from realloc.graph.streaming import check_runtime_tail
+
+    pp2 = dict(PP2, actor_gen=("localhost:0-1", 1, 1, 2, 4))
+    check_runtime_tail(ExecutionPlan.by_hand(graph, pp2, tail={"actor_gen": TailMigration(
+        rows=16, instances=0, chunks=1, micro_batches=True)}), graph)
+    with pytest.raises(ValueError, match=r"'actor_gen': micro_batches at pp 2 hands on each of the call's 2 waves .* "
+                                         r"chunks must be 1 and rows the last wave's 16 of 32"):
+        check_runtime_tail(ExecutionPlan.by_hand(graph, pp2, tail={"actor_gen": TailMigration(
+            rows=8, instances=0, chunks=3, micro_batches=True)}), graph)
+    with pytest.raises(ValueError, match=r"n_mbs must be a multiple of 2 and at least 4 \(got 2\)"):
+        check_runtime_tail(_plan(graph, {"actor_gen": TailMigration(rows=16, instances=0, chunks=1,
+                                                                      micro_batches=True)}), graph)
+
+
+def test_a_pp2_generation_handing_on_its_waves_matches_the_unstreamed_run(tmp_path):
+    """PPO on four devices: generation at pp 2 on devices 0-1 in 4 micro-batches (two waves of two) hands the first
+    wave's 16 rows to the inference calls on device 2 as it ends (``micro_batches=True``); each inference call runs
+    on rows 0-15, then 16-31, and samples, metrics and the whole checkpoint (optimizer state included) equal the same
+    pp 2 run without the entry."""
+    from test_stream_chunks import logged_parts
+    from test_streaming import _experiment, _run, assert_same_runs
+
+    exp = _experiment(tmp_path, "ppo")
+    exp.write_text(exp.read_text().replace("n_devices_per_node=2", "n_devices_per_node=4"))
+    gen = ("localhost:0-1", 1, 1, 2, 4)
+    places = dict(infer=("localhost:2", 1, 1, 1, 1), train=("localhost:2-3", 2, 1, 1, 1))
+    entry = TailMigration(rows=16, instances=0, chunks=1, micro_batches=True)
+    streamed = _run(tmp_path, exp, "waves", {"actor_gen": entry}, gen, **places)
+    plain = _run(tmp_path, exp, "plain", {}, gen, **places)
+    calls = logged_parts(streamed / "logs" / "worker2.log")
+    for c in ("rew_inf", "ref_inf", "critic_inf"):
+        assert calls[0, c] == [list(range(16)), list(range(16, 32))], c
+    assert_same_runs(streamed, plain)
