@@ -16,6 +16,7 @@ from realloc.api import load_experiment
 from realloc.estimator.call_time import decode_segments
 from realloc.estimator.chunk_cost import chunked_generation_cost
 from realloc.estimator.cost import CostModel
+from realloc.estimator.mb_stream_cost import MB_GRID, last_rows
 from realloc.estimator.opcount import Phase
 from realloc.estimator.pp_stream_cost import (STEP_COUNT_BYTES, stepped_generation, stream_generation_cost,
                                               stream_phase1, stream_rest)
@@ -138,7 +139,8 @@ def test_a_hand_plan_streaming_at_pp2_is_priced_stepped_and_splits_its_consumers
 
 
 def test_the_search_space_offers_no_stream_at_pp2_and_keeps_its_prices(graph, model):
-    """Only a hand plan's estimate asks for streaming at pp > 1; the search's space is the one of before."""
+    """Only a hand plan's estimate asks for row streaming at pp > 1 (and, on one pool, micro-batch streaming); the
+    search's space is the one of before."""
     plain = PlanSpace.build(graph, model, max_n_mbs=2)
     for c, choices in enumerate(plain.tails):
         assert all(t is None or plain.options[c][i].strategy.pp == 1 for i, t in enumerate(choices))
@@ -146,7 +148,8 @@ def test_the_search_space_offers_no_stream_at_pp2_and_keeps_its_prices(graph, mo
     a = PlanSpace.build(graph, model, option_filter=keep)
     b = PlanSpace.build(graph, model, option_filter=keep, pp_streams=True)
     g = a.problem.call_names.index("actor_gen")
-    added = [i for i in range(len(b.options[g])) if b.tail_of(g, i) is not None and b.options[g][i].strategy.pp > 1]
+    added = [i for i in range(len(b.options[g])) if b.tail_of(g, i) is not None
+             and (b.options[g][i].strategy.pp > 1 or b.tail_of(g, i).micro_batches)]
     same = [i for i in range(len(b.options[g])) if i not in added]
     assert added and [b.options[g][i] for i in same] == list(a.options[g])
     assert [b.tail_of(g, i) for i in same] == [a.tail_of(g, i) for i in range(len(a.options[g]))]
@@ -244,3 +247,43 @@ def test_a_pp2_generation_handing_on_its_waves_matches_the_unstreamed_run(tmp_pa
     for c in ("rew_inf", "ref_inf", "critic_inf"):
         assert calls[0, c] == [list(range(16)), list(range(16, 32))], c
     assert_same_runs(streamed, plain)
+
+
+def test_waves_at_pp2_are_priced_one_stepped_wave_each_and_both_simulators_agree(graph, model):
+    """A hand plan at pp 2 with 4 micro-batches handing on its first wave: phase 1 is the call overhead and one
+    stepped wave of two micro-batches (by hand, ``stepped_generation``), phase 2 the other wave and the request."""
+    pp2 = dict(PP2, actor_gen=("localhost:0-1", 1, 1, 2, 4))
+    entry = TailMigration(rows=16, instances=0, chunks=1, micro_batches=True)
+    space, idx = estimate_plan(graph, ExecutionPlan.by_hand(graph, pp2, tail={"actor_gen": entry}), model)
+    g = space.problem.call_names.index("actor_gen")
+    assert space.tail_of(g, int(idx[g])) == entry
+    work = model.workload("actor_gen")
+    s = S(1, 1, 2)
+    timer = model._timer(model.graph.model_config("actor_gen"), model.call_precision("actor_gen"))
+    wave = stepped_generation(timer, s, model.links(_mesh(model, "localhost:0-1"), s), 8, 8,
+                              work.lengths.slowest_ends(64, 8, 32), 2, 8 + 64)
+    assert space.problem.candidates[g].time[int(idx[g])] == pytest.approx(model.hw.call_overhead + wave, rel=1e-12)
+    assert space.tails[g][int(idx[g])].tail == pytest.approx(wave + model.hw.call_overhead, rel=1e-12)
+    view = TailView(space.problem, idx)
+    assert {space.problem.call_names[c] for c in view.split_of if view.split(c) is not None} == {
+        "ref_inf", "rew_inf", "critic_inf"}
+    assert space.evaluate(idx) == reference.evaluate(space.problem, idx)
+
+
+def test_the_search_offers_waves_at_pp2_on_pools(graph):
+    """On two pools of two devices, a generation candidate at pp 2 with 2 m micro-batches (m in the grid) gets a
+    micro-batch row of m waves; one at pp 2 with 2 micro-batches (one wave) gets none."""
+    from realloc.api import Pool
+    from realloc.cluster import ClusterSpec
+
+    spec = dataclasses.replace(graph.spec, cluster=ClusterSpec.from_pools(
+        [Pool("cpu0", "cpu", 2), Pool("cpu1", "cpu", 2)]))
+    pools = build_graph(spec)
+    keep = lambda c, o: o.mesh.size <= 2 and (c != "actor_gen" or o.strategy == S(1, 1, 2))  # noqa: E731
+    space = PlanSpace.build(pools, CostModel(pools), option_filter=keep)
+    g = space.problem.call_names.index("actor_gen")
+    got = {(space.options[g][i].n_mbs, space.tail_of(g, i)) for i in range(len(space.options[g]))
+           if space.tail_of(g, i) is not None and space.tail_of(g, i).micro_batches}
+    want = {(m, TailMigration(rows=last_rows(32, m // 2), instances=0, chunks=m // 2 - 1, micro_batches=True))
+            for m in {o.n_mbs for o in space.options[g]} if m % 2 == 0 and m // 2 in MB_GRID}
+    assert got and got == want

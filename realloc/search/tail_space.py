@@ -17,8 +17,9 @@ turns (``estimator/turn_stream_cost.py``): its unfinished rollouts never migrate
 
 Every non-train consumer of such a call may run in two parts (``TailSplit``), priced per candidate and grid entry.
 Fixed lengths on one pool, or no eligible call: no row is added and the problem is exactly the one of before. On a
-cluster of pools every generation candidate at pp 1 with n_mbs in ``mb_stream_cost.MB_GRID`` also gets a micro-batch
-streaming row, at any lengths (``search/mb_stream_space.py``; grid indices after the ones above).
+cluster of pools every generation candidate with n_mbs in ``mb_stream_cost.MB_GRID`` (at pp > 1, n_mbs / pp in it: waves
+of pp micro-batches) also gets a micro-batch streaming row, at any lengths (``search/mb_stream_space.py``; grid indices
+after the ones above).
 """
 
 from __future__ import annotations
@@ -96,16 +97,16 @@ def instance_choices(dp: int) -> list[int]:
 def with_tail_rows(graph: DataflowGraph, cost: CostModel, call: str, cc: CallCosts,
                    pp_streams: bool = False) -> tuple[CallCosts, tuple[TailChoice | None, ...]]:
     """``cc`` with a migrating row after the rows for each (candidate, R_t, m) worth trying, and per row its
-    migration (None: the candidate of before). ``pp_streams``: candidates at pp > 1 get stream-only rows too,
-    priced as the runtime steps the stages (``estimator/pp_stream_cost.py``; a hand plan's estimate asks for them,
-    the search does not offer them)."""
+    migration (None: the candidate of before). ``pp_streams`` (a hand plan's estimate): candidates at pp > 1 get
+    row-streaming rows too, priced as the runtime steps the stages (``estimator/pp_stream_cost.py``; the search does
+    not offer them), and micro-batch rows come on one pool too."""
     n = cost.workload(call).n_seqs
     n_devices = graph.spec.cluster.n_devices
     rows, choices = [], []
     phase1: dict[tuple, float] = {}
     phase2: dict[tuple, tuple[float, float, bool]] = {}
     multiturn = cost.rollout_shape(call) is not None  # streams only, priced by turns (turn_stream_cost.py)
-    varied, by_mb = varied_lengths(graph), streams_micro_batches(graph)
+    varied, by_mb = varied_lengths(graph), streams_micro_batches(graph) or pp_streams  # a hand plan's, on one pool
     for i, cand in enumerate(cc.options):
         s = cand.strategy
         streams = s.pp == 1 and cand.mesh.size < n_devices  # a mesh that leaves devices for a consumer to stream to
@@ -121,7 +122,7 @@ def with_tail_rows(graph: DataflowGraph, cost: CostModel, call: str, cc: CallCos
             rows_stream, choices_stream = stream_rows(cost, call, i, cand, n, phase1)
             rows += rows_stream
             choices += choices_stream
-        if streams and by_mb and not multiturn:  # micro-batches across pools (mb_stream_space.py)
+        if (streams or s.pp > 1 and cand.mesh.size < n_devices) and by_mb and not multiturn:  # mb_stream_space.py
             rows_mb, choices_mb = mb_rows(cost, call, i, cand, n)
             rows += rows_mb
             choices += [TailChoice(*f) for f in choices_mb]
