@@ -217,8 +217,11 @@ def test_a_micro_batch_entry_at_pp2_counts_waves_and_refuses_other_shapes(graph)
     from realloc.graph.streaming import check_runtime_tail
 
     pp2 = dict(PP2, actor_gen=("localhost:0-1", 1, 1, 2, 4))
-    check_runtime_tail(ExecutionPlan.by_hand(graph, pp2, tail={"actor_gen": TailMigration(
-        rows=16, instances=0, chunks=1, micro_batches=True)}), graph)
+    plan = ExecutionPlan.by_hand(graph, pp2, tail={"actor_gen": TailMigration(rows=16, instances=0, chunks=1,
+                                                                             micro_batches=True)})
+    check_runtime_tail(plan, graph)
+    assert ("tail: actor_gen hands each of its 2 waves of 2 micro-batches to the next calls as it ends (waves one "
+            "after another, no migration)") in plan.table(graph.topo_order)
     with pytest.raises(ValueError, match=r"'actor_gen': micro_batches at pp 2 hands on each of the call's 2 waves .* "
                                          r"chunks must be 1 and rows the last wave's 16 of 32"):
         check_runtime_tail(ExecutionPlan.by_hand(graph, pp2, tail={"actor_gen": TailMigration(
