@@ -290,3 +290,20 @@ def test_the_search_offers_waves_at_pp2_on_pools(graph):
     want = {(m, TailMigration(rows=last_rows(32, m // 2), instances=0, chunks=m // 2 - 1, micro_batches=True))
             for m in {o.n_mbs for o in space.options[g]} if m % 2 == 0 and m // 2 in MB_GRID}
     assert got and got == want
+
+
+@pytest.mark.parametrize("tail", [None, TailMigration(rows=6, instances=0), TailMigration(rows=6, instances=0,
+                                                                                          chunks=2)])
+def test_a_pp1_hand_plan_is_estimated_as_before(graph, model, tail):
+    """The rows a hand plan's estimate adds (pp > 1 streams, micro-batch rows on one pool) leave a pp-1 plan's
+    estimate as the space without them prices it, bit for bit."""
+    from realloc.search.candidates import Option
+
+    pp1 = dict(PP2, actor_gen=("localhost:0-1", 2, 1, 1, 2))
+    plan = ExecutionPlan.by_hand(graph, pp1, tail={} if tail is None else {"actor_gen": tail})
+    space, idx = estimate_plan(graph, plan, model)
+    meshes = {c: _mesh(model, p.mesh) for c, p in plan.placements.items()}
+    want = {c: Option(meshes[c], p.strategy, p.n_mbs, p.recompute) for c, p in plan.placements.items()}
+    before = PlanSpace.build(graph, model, option_filter=lambda c, o: o == want[c], prune_memory=False,
+                             offload=False)
+    assert space.evaluate(idx) == before.evaluate(before.indices_of(plan))
