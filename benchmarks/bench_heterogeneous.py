@@ -7,7 +7,9 @@ plan on the strongest pool alone, by the estimator (no GPU is used).
 Settings: FlexRLHF Table III (experiments/ppo_33b_a100_v100.py: PPO of four LLaMA-33B models with LoRA, 8
 A100-80G + 8 V100-32G; the paper measured 0.69 -> 0.79 samples/s, +14.5%, against DeepSpeed-Chat on the A100s),
 synchronous and with generation up to one train step ahead (eta <= 1, both plans searched under that bound),
-and GRPO 8B with 8 H100s training beside 8 H20s or 8 L40Ss (experiments/grpo_h100_h20.py, grpo_h100_l40s.py).
+and GRPO 8B with 8 H100s training beside 8 H20s or 8 L40Ss (experiments/grpo_h100_h20.py, grpo_h100_l40s.py);
+Table III and H100 + H20 synchronous also with long-tailed response lengths (lognormal, p99 16x the median, at most
+the experiment's gen_len) beside their fixed lengths.
 ``realloc search EXP`` spends a third of its time on the strongest pool alone and starts the two-pool search
 from that plan, so the two-pool plan is never slower by the estimate; the table says by how much it is faster,
 and how both compare with the heuristic plan (realhf.txt §8's Megatron-style baseline) on the strongest pool.
@@ -40,7 +42,14 @@ SETTINGS = (
     # pools as they finish (docs/heterogeneous.md, "Streaming across pools")
     ("Table III, lengths lognormal (median 128, p99 256)", "experiments/ppo_33b_a100_v100.py",
      "+14.5% (0.69 -> 0.79)", None, ResponseLengths.lognormal(median=128, p99=256)),
+    # long-tailed responses (p99 16x the median, the longest at the cap), synchronous (issue 32's dry runs with
+    # streaming and fusion allowed): beside the fixed-length rows of the same cluster
+    ("Table III, long tail (lognormal median 16, p99 256)", "experiments/ppo_33b_a100_v100.py",
+     "+14.5% (0.69 -> 0.79)", None, ResponseLengths.lognormal(median=16, p99=256)),
     ("GRPO 8B, 8 H100 + 8 H20 (eta <= 1)", "experiments/grpo_h100_h20.py", "-", None, None),
+    ("GRPO 8B, 8 H100 + 8 H20, synchronous", "experiments/grpo_h100_h20.py", "-", 0, None),
+    ("GRPO 8B, H100 + H20, sync., long tail (64/1024)", "experiments/grpo_h100_h20.py", "-", 0,
+     ResponseLengths.lognormal(median=64, p99=1024)),
     ("GRPO 8B, 8 H100 + 8 L40S (eta <= 1)", "experiments/grpo_h100_l40s.py", "-", None, None),
 )
 

@@ -48,7 +48,9 @@ void prepare_tail(Problem& p, TailPositions& at) {
             fail("call " + std::to_string(t.call) + ": need one lead per candidate");
         for (int c = 0; c < k.size(); ++c) {
             if (t.grid[c] < 0) continue;
-            if (k.stage_width[c] != k.dev_hi[c] - k.dev_lo[c]) fail("only single-stage meshes migrate their tail");
+            // a multi-stage mesh streams only (its whole mesh decodes to the end, estimator/pp_stream_cost.py)
+            if (k.stage_width[c] != k.dev_hi[c] - k.dev_lo[c] && t.width[c] != k.dev_hi[c] - k.dev_lo[c])
+                fail("only single-stage meshes migrate their tail (a multi-stage one streams: all its devices)");
             if (t.width[c] < 1 || t.width[c] > k.dev_hi[c] - k.dev_lo[c])
                 fail("the tail devices must be some of the mesh (all: stream only)");
             if (!(t.time[c] >= 0.0) || !std::isfinite(t.time[c])) fail("tail times must be finite and >= 0");

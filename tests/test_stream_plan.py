@@ -136,7 +136,8 @@ def test_the_runtime_refuses_a_stream_entry_it_cannot_run(graph):
     with pytest.raises(ValueError, match="plan field 'tail' entry 'actor_gen': .*migrates .* at pp 1 only"):
         check_runtime_tail(ExecutionPlan.by_hand(graph, pp2, tail={"actor_gen": (6, 1)}), graph)
     by_mb = {"actor_gen": TailMigration(rows=6, instances=0, micro_batches=True)}
-    with pytest.raises(ValueError, match="plan field 'tail' entry 'actor_gen': micro_batches .* runs at pp 2"):
+    with pytest.raises(ValueError, match="plan field 'tail' entry 'actor_gen': micro_batches at pp 2 hands on waves "
+                                         "of 2 micro-batches, so n_mbs must be a multiple of 2 and at least 4"):
         check_runtime_tail(ExecutionPlan.by_hand(graph, pp2, tail=by_mb), graph)
     # generation on both devices: no consumer is off its mesh, nothing splits
     both = dict(DISAGGREGATED, actor_gen=("localhost", 2, 1, 1, 1))

@@ -5,8 +5,9 @@ The generation hands its finished rows on at k split points, split point j at th
 ``split_thresholds(n, R, k)[j]`` rows run; the last is the one of plain streaming (R rows). It costs:
 
 - the generation: its plain time split at the last split point (``tail_cost.phase1_cost`` to there, the rest by
-  ``stream_cost.stream_phase2``), plus, per split point before the last, one more request: its worker's
-  ``call_overhead`` and the master's ``dispatch_latency`` (the request that continues it after the reply);
+  ``stream_cost.stream_phase2``; at pp > 1 as the runtime steps the stages, ``pp_stream_cost.py``), plus, per
+  split point before the last, one more request: its worker's ``call_overhead`` and the master's
+  ``dispatch_latency`` (the request that continues it after the reply);
 - a split consumer: a part per chunk and one on the rest. Chunk i (of the n rows' expected order statistics, the
   rows between thresholds i-1 and i) costs ``c_i``, priced as any part (``tail_cost.part_workload``); chunks after
   the first also pay their request and their transfer's. Run on a device that is free, the chunks end at
@@ -24,8 +25,8 @@ from __future__ import annotations
 from realloc.calls import InterfaceType
 from realloc.cluster import DeviceMesh
 from realloc.estimator.cost import CostModel
-from realloc.estimator.stream_cost import stream_phase2
-from realloc.estimator.tail_cost import TailCost, _local, migration_step, part_workload, phase1_cost
+from realloc.estimator.pp_stream_cost import stream_phase1, stream_rest
+from realloc.estimator.tail_cost import TailCost, _local, migration_step, part_workload
 from realloc.graph.tail import split_thresholds
 from realloc.strategy import ParallelStrategy
 
@@ -43,7 +44,7 @@ def split_times(cost: CostModel, call: str, mesh: DeviceMesh, strategy: Parallel
                 chunks: int) -> tuple[float, ...]:
     """Seconds from the call's start to each of its split points (each earlier split's request included)."""
     n = cost.workload(call).n_seqs
-    return tuple(phase1_cost(cost, call, mesh, strategy, n_mbs, th) + j * _request(cost, mesh)
+    return tuple(stream_phase1(cost, call, mesh, strategy, n_mbs, th) + j * _request(cost, mesh)
                  for j, th in enumerate(split_thresholds(n, rows, chunks)))
 
 
@@ -51,8 +52,8 @@ def chunked_generation_cost(cost: CostModel, call: str, mesh: DeviceMesh, strate
                             rows: int, chunks: int) -> tuple[TailCost, float]:
     """(the generation's phases: phase 1 to the last split point, phase 2 the rest; the lead T_k - T_1)."""
     times = split_times(cost, call, mesh, strategy, n_mbs, rows, chunks)
-    raw = phase1_cost(cost, call, mesh, strategy, n_mbs, rows)
-    return (TailCost(times[-1], 0.0, stream_phase2(cost, call, mesh, strategy, n_mbs, raw), kv_moved=True),
+    raw = stream_phase1(cost, call, mesh, strategy, n_mbs, rows)
+    return (TailCost(times[-1], 0.0, stream_rest(cost, call, mesh, strategy, n_mbs, rows, raw), kv_moved=True),
             times[-1] - times[0])
 
 

@@ -17,6 +17,11 @@ taken evenly (every m-th: a micro-batch holds rows of every length; with fixed l
 as any part (``tail_cost.part_workload``); a chunk after the first also pays its request and its transfer's. The
 simulators read these numbers through the arrays of chunked streaming (``TailColumns.lead``, ``TailSplit``), so C++
 and Python price them alike.
+
+At pp > 1 the unit is a wave of pp micro-batches (the plain pipelined call keeps pp in flight): the split generation
+steps one wave at a time through the stages (``models/stream_decode.py``), so m = n_mbs / pp units, tau the stepped
+time of one wave (``pp_stream_cost.stepped_generation``), and the entry ``TailMigration(rows=n / m, instances=0,
+chunks=m - 1, micro_batches=True)``.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from realloc.calls import InterfaceType
 from realloc.cluster import DeviceMesh
 from realloc.estimator.chunk_cost import _request
 from realloc.estimator.cost import CostModel
+from realloc.estimator.pp_stream_cost import stepped_generation
 from realloc.estimator.tail_cost import TailCost, _local, part_workload
 from realloc.strategy import ParallelStrategy
 
@@ -42,13 +48,44 @@ def mb_generation_cost(cost: CostModel, call: str, mesh: DeviceMesh, strategy: P
                        n_mbs: int) -> tuple[TailCost, float]:
     """(the generation's phases: phase 1 to the last split point, phase 2 the last micro-batch; the lead T_k - T_1)
     of a generation streaming its ``n_mbs`` micro-batches one by one."""
-    if strategy.pp != 1 or n_mbs < 2:
+    if strategy.pp > 1:
+        return _waves_cost(cost, call, mesh, strategy, n_mbs)
+    if n_mbs < 2:
         raise ValueError(f"call {call!r}: a generation streams its micro-batches at pp 1 with 2 or more of them "
                          f"(pp={strategy.pp}, n_mbs={n_mbs})")
     model, _ = _local(cost, mesh)
     overhead, req = model.hw.call_overhead, _request(cost, mesh)
     tau = max(0.0, cost.call_cost(call, mesh, strategy, n_mbs).time - overhead) / n_mbs
-    k = n_mbs - 1
+    return _phases(overhead, req, tau, n_mbs)
+
+
+def waves(strategy: ParallelStrategy, n_mbs: int) -> int:
+    """The units a micro-batch entry hands on: the micro-batches at pp 1, waves of pp of them at pp > 1 (0: n_mbs
+    is no multiple of pp, no such entry)."""
+    return n_mbs if strategy.pp == 1 else n_mbs // strategy.pp if n_mbs % strategy.pp == 0 else 0
+
+
+def _waves_cost(cost: CostModel, call: str, mesh: DeviceMesh, strategy: ParallelStrategy,
+                n_mbs: int) -> tuple[TailCost, float]:
+    """``mb_generation_cost`` at pp > 1: the split generation steps one wave of pp micro-batches at a time through
+    the stages (models/stream_decode.py), tau the stepped time of one wave (``pp_stream_cost.stepped_generation``)."""
+    m = waves(strategy, n_mbs)
+    if m < 2:
+        raise ValueError(f"call {call!r}: a generation at pp {strategy.pp} streams waves of pp micro-batches, so "
+                         f"n_mbs must be a multiple of pp and at least 2 pp (n_mbs={n_mbs})")
+    model, local = _local(cost, mesh)
+    work = model.workload(call)
+    timer = model._timer(model.graph.model_config(call), model.call_precision(call))
+    b = work.micro_batch(strategy.dp, n_mbs)
+    tau = stepped_generation(timer, strategy, model.links(local, strategy), b, work.prompt_len,
+                             work.lengths.slowest_ends(work.gen_len, b, work.n_seqs), strategy.pp,
+                             work.prompt_len + work.gen_len, work.scheduled)
+    return _phases(model.hw.call_overhead, _request(cost, mesh), tau, m)
+
+
+def _phases(overhead: float, req: float, tau: float, m: int) -> tuple[TailCost, float]:
+    """(phase 1 to the last split point, the last unit; the lead T_k - T_1) of ``m`` units of ``tau`` seconds."""
+    k = m - 1
     return TailCost(overhead + k * tau + (k - 1) * req, 0.0, tau + overhead, kv_moved=True), (k - 1) * (tau + req)
 
 

@@ -19,9 +19,8 @@ from realloc.strategy import ParallelStrategy
 def stream_phase2(cost: CostModel, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, n_mbs: int,
                   phase1: float) -> float:
     """Seconds of a stream-only generation after its split point, given its phase 1 (``tail_cost.phase1_cost``)."""
-    # At pp > 1 the runtime steps every micro-batch through the stages and waits for the step's tokens before the
-    # next (models/stream_pipeline.py), which the pipelined price of phase 1 does not count: the search offers pp 1
-    # only (search/tail_space.py), and a hand plan at pp > 1 is priced as the pipelined generation.
+    # pp 1 only: at pp > 1 the runtime steps every micro-batch through the stages and waits for the step's tokens
+    # before the next (models/stream_pipeline.py), priced by pp_stream_cost.stream_rest.
     model = cost.at(mesh) if cost.pool_models else cost
     plain = cost.call_cost(call, mesh, strategy, n_mbs).time
     return max(0.0, plain - phase1) + model.hw.call_overhead

@@ -214,8 +214,10 @@ class ExecutionPlan(BaseModel):
             rows.append(f"fused: {a} + {b} (one pipeline schedule; {b}'s stages in reverse order)")
         for c, t in self.tail.items():
             if t.micro_batches:  # graph/tail.py: each micro-batch handed on as it ends (FlexRLHF Fig. 4b)
-                rows.append(f"tail: {c} hands each of its {t.chunks + 1} micro-batches to the next calls as it ends "
-                            f"(micro-batches one after another, no migration)")
+                pp = self.placements[c].pp  # at pp > 1 waves of pp micro-batches (models/stream_decode.py)
+                unit = "micro-batches" if pp == 1 else f"waves of {pp} micro-batches"
+                rows.append(f"tail: {c} hands each of its {t.chunks + 1} {unit} to the next calls as it ends "
+                            f"({unit.split()[0]} one after another, no migration)")
                 continue
             if t.streams_only:  # graph/tail.py: no migration, the finished rows stream to the next calls
                 rows.append(f"tail: {c} streams its finished rows to the next calls once at most {t.rows} are "

@@ -90,7 +90,7 @@ def tail_unsupported(graph: "DataflowGraph", call: str, partial: Sequence[str] =
 def check_runtime_tail(plan: "ExecutionPlan", graph: "DataflowGraph") -> None:
     """One ValueError if the runtime cannot carry out a tail entry of ``plan``: a migrating generation must run at pp
     1 (its replicas count decode steps in lockstep, and phase 2 re-runs a prefill at pp 1); streaming runs at any pp
-    (micro-batch streaming, and a multi-turn stream, at pp 1 only). Staleness > 0 runs: the schedule already starts
+    (micro-batch streaming in waves of pp micro-batches; a multi-turn stream at pp 1 only). Staleness > 0 runs: the schedule already starts
     the generation of iteration t + 1 only after iteration t's whole call (it reads parameters whose train step, or
     whose snapshot, waits for that call: master_schedule._stale_readers, _snapshot_deps), so the freed devices run
     the split consumers' part 1 first, and a streamed call's second request comes before the next call's first."""
@@ -106,24 +106,36 @@ def check_runtime_tail(plan: "ExecutionPlan", graph: "DataflowGraph") -> None:
             raise ValueError(f"plan field 'tail' entry {call!r}: interface {iface.name!r} generates turn by turn, "
                              f"which the runtime streams at pp 1 only, and the call runs at pp {p.pp}; place it with "
                              f"pp=1 or drop the entry")
-        if t.micro_batches and (p.pp != 1 or turn_by_turn):
-            raise ValueError(f"plan field 'tail' entry {call!r}: micro_batches hands on a generation's micro-batches "
-                             f"one by one at pp 1 and for a generation decoded row by row only (the call runs at pp "
-                             f"{p.pp}{', turn by turn' if turn_by_turn else ''}); drop micro_batches")
+        if t.micro_batches and turn_by_turn:
+            raise ValueError(f"plan field 'tail' entry {call!r}: micro_batches hands on the micro-batches of a "
+                             f"generation decoded row by row only (the call runs turn by turn); drop micro_batches")
         if t.micro_batches:
-            _check_mb_entry(graph, call, t, p.n_mbs)
+            _check_mb_entry(graph, call, t, p.n_mbs, p.pp)
         if p.pp != 1 and not t.streams_only:  # streaming steps through the stages (stream_pipeline.py)
             raise ValueError(f"plan field 'tail' entry {call!r}: the runtime migrates the tail of a generation at pp "
                              f"1 only (it streams at any pp: instances=0), and the call runs at pp {p.pp}; place it "
                              f"with pp=1, set instances=0 or drop the entry")
 
 
-def _check_mb_entry(graph: "DataflowGraph", call: str, t: "TailMigration", n_mbs: int) -> None:
+def _check_mb_entry(graph: "DataflowGraph", call: str, t: "TailMigration", n_mbs: int, pp: int = 1) -> None:
     """A ``micro_batches`` entry hands on each micro-batch but the last as it ends: its split points are the running
     counts after each one (``split_thresholds(n, n / m, m - 1)``, micro-batches being equal, graph/plan.py), so
     ``chunks`` must be m - 1 and ``rows`` n / m. Another entry ran its splits elsewhere (fewer hand-offs, an empty
-    chunk) than its table line and its price (the call's m micro-batches, estimator/mb_stream_cost.py) said."""
+    chunk) than its table line and its price (the call's m micro-batches, estimator/mb_stream_cost.py) said. At pp
+    > 1 the unit is a wave of pp micro-batches (models/stream_decode.py): m = n_mbs / pp."""
     n = graph.spec.n_seqs(graph.call(call))
+    if pp > 1:
+        if n_mbs % pp or n_mbs < 2 * pp:
+            raise ValueError(f"plan field 'tail' entry {call!r}: micro_batches at pp {pp} hands on waves of {pp} "
+                             f"micro-batches, so n_mbs must be a multiple of {pp} and at least {2 * pp} (got "
+                             f"{n_mbs}); set n_mbs={2 * pp} or drop the entry")
+        m = n_mbs // pp
+        if (t.chunks, t.rows) != (m - 1, n // m):
+            raise ValueError(f"plan field 'tail' entry {call!r}: micro_batches at pp {pp} hands on each of the "
+                             f"call's {m} waves of {pp} micro-batches but the last as it ends, so chunks must be "
+                             f"{m - 1} and rows the last wave's {n // m} of {n} (got chunks={t.chunks}, "
+                             f"rows={t.rows}); set chunks={m - 1}, rows={n // m}")
+        return
     if n_mbs < 2:
         raise ValueError(f"plan field 'tail' entry {call!r}: micro_batches hands on each micro-batch but the last as "
                          f"it ends, and the call runs in {n_mbs} micro-batch; give it n_mbs >= 2 or drop the entry")

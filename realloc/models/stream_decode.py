@@ -8,7 +8,8 @@ on) up to the split point, the first step after which at most a threshold of row
 migration, nothing moves: the micro-batches keep their KV caches and sampling state, hand out the finished rows,
 and later ``finish`` the running ones with the very decode steps an uninterrupted run makes. Sampling is seeded per
 row, so every token and log-prob is the plain generation's. At pp > 1 a step runs through the stages
-(``stream_pipeline.py``), every micro-batch in flight from the first step.
+(``stream_pipeline.py``), every micro-batch in flight from the first step (micro-batch streaming: every micro-batch of
+one wave of pp).
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ class SplitGeneration:
 
     def __init__(self, model: DecodingModel, rows: list[torch.Tensor], gconfig: GenerationConfig,
                  seq_ids: Sequence[int], n_mbs: int, one_by_one: bool = False) -> None:
-        if one_by_one and model.groups.pp != 1:
-            raise ValueError("streaming micro-batches one by one ('micro_batches' tail entry): the generation call "
-                             "must run at pp 1; give the call pp=1 or drop the entry's micro_batches")
+        if one_by_one and model.groups.pp != 1 and n_mbs % model.groups.pp:
+            raise ValueError(f"streaming micro-batches ('micro_batches' tail entry) at pp {model.groups.pp}: they go "
+                             f"in waves of pp, so n_mbs must be a multiple of {model.groups.pp} (got {n_mbs})")
         model.stage.eval()
         self.model = model
         self.n, self.pad = len(rows), gconfig.pad_token_id
@@ -43,8 +44,11 @@ class SplitGeneration:
         self.offsets = [lo for lo, _ in spans]
         # one_by_one: the micro-batches decode one after another, as the plain call does at pp 1 (a plan's
         # ``TailMigration.micro_batches``): a step advances the first unfinished micro-batch only, whose rows then
-        # end before the next one starts; a later micro-batch's rows count as running until they end
+        # end before the next one starts; a later micro-batch's rows count as running until they end. At pp > 1 the
+        # unit is a wave of pp micro-batches stepped through the stages together (stream_pipeline.py), as the plain
+        # pipelined call keeps pp in flight: a wave's rows are handed on when its last token leaves the last stage
         self.one_by_one = one_by_one
+        self.wave = model.groups.pp if one_by_one else 1
         self.steps = [0] * len(self.mbs)  # one_by_one: each micro-batch's next step, as in the plain call
         self.t = 0  # the next step
         # pp > 1: the stages' decode step (stream_pipeline.py), its point-to-point traffic on the pp group
@@ -60,7 +64,11 @@ class SplitGeneration:
     def _step(self) -> None:
         if self.one_by_one:
             k = next((k for k, mb in enumerate(self.mbs) if not mb.done), None)
-            if k is not None:
+            if k is not None and self.wire is not None:  # pp > 1: the unfinished wave's step through the stages
+                lo = k - k % self.wave
+                pipelined_step(self.model, self.mbs[lo:lo + self.wave], self.wire, self.steps[lo])
+                self.steps[lo] += 1
+            elif k is not None:
                 mb, t = self.mbs[k], self.steps[k]
                 mb.apply(mb.sample(mb.forward(None, t), t), t)
                 self.steps[k] += 1

@@ -199,13 +199,14 @@ class PlanSpace:
     def build(cls, graph: DataflowGraph, cost: CostModel | None = None, *, keep: Iterable[ExecutionPlan] = (),
               option_filter: Callable[[str, Option], bool] | None = None, prune_memory: bool = True,
               offload: bool = True, n_iterations: int = DEFAULT_ITERATIONS,
-              max_n_mbs: int | None = None, migrate: bool = True) -> "PlanSpace":
+              max_n_mbs: int | None = None, migrate: bool = True, pp_streams: bool = False) -> "PlanSpace":
         """Every useful placement of every call; the placements of ``keep`` plans always stay.
 
         ``option_filter(call, option)`` restricts the space (e.g. to a baseline's options);
         ``prune_memory=False`` keeps placements that cannot fit, so that an OOM plan can be reported;
         ``offload`` lets frozen single-call models wait in host memory (``offloadable``); ``migrate`` lets generation
-        calls migrate their long tail (``search/tail_space.py``; baselines do not).
+        calls migrate their long tail (``search/tail_space.py``; baselines do not); ``pp_streams`` prices streaming at
+        pp > 1 too (a hand plan's estimate, ``estimator/pp_stream_cost.py``).
         """
         cost = cost or CostModel(graph)
         cluster = graph.spec.cluster
@@ -243,8 +244,8 @@ class PlanSpace:
                 raise NoFitError(_no_fit_message(c, cc, cluster.device_memory, cluster.nodelist))
         tails = []
         for i, c in enumerate(calls):  # long-tail migration: one more choice of a generation call's rows
-            priced[i], choices = with_tail_rows(graph, cost, c, priced[i]) if migrate and eligible(graph, c) else (
-                priced[i], (None,) * len(priced[i].options))
+            priced[i], choices = (with_tail_rows(graph, cost, c, priced[i], pp_streams)
+                                  if migrate and eligible(graph, c) else (priced[i], (None,) * len(priced[i].options)))
             tails.append(choices)
         return cls._assemble(graph, cost, priced, pruned, n_iterations, tails=tails)
 

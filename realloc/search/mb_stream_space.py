@@ -1,8 +1,9 @@
 """Micro-batch streaming across pools as a plan choice of the search (issue 32; FlexRLHF Fig. 4b; pricing in
 ``estimator/mb_stream_cost.py``).
 
-On a cluster of several pools, every generation candidate at pp 1 with m micro-batches (m in ``MB_GRID``) on a
-mesh smaller than the cluster also comes with a row that hands each micro-batch on as it ends:
+On a cluster of several pools, every generation candidate with m micro-batches (m in ``MB_GRID``; at pp > 1, m waves
+of pp micro-batches, models/stream_decode.py) on a mesh smaller than the cluster also comes with a row that hands
+each micro-batch (wave) on as it ends:
 ``TailMigration(rows=R, instances=0, chunks=m-1, micro_batches=True)``. It works with fixed response lengths too (a
 micro-batch's rows end together either way), which row streaming cannot use. Its grid index is
 ``MB_BASE + MB_GRID.index(m)``, after the grid of row streaming and migration (``search/tail_space.py``); the
@@ -14,7 +15,8 @@ from __future__ import annotations
 
 from realloc.estimator.chunk_cost import CHUNK_GRID
 from realloc.estimator.cost import CostModel
-from realloc.estimator.mb_stream_cost import MB_GRID, last_rows, mb_chunk_work, mb_generation_cost, mb_lead_shares
+from realloc.estimator.mb_stream_cost import (MB_GRID, last_rows, mb_chunk_work, mb_generation_cost, mb_lead_shares,
+                                             waves)
 from realloc.estimator.tail_cost import TAIL_GRID
 from realloc.graph.dataflow import DataflowGraph
 from realloc.graph.tail import TailMigration
@@ -33,14 +35,15 @@ def mb_of(g: int) -> int | None:
 
 
 def mb_rows(cost: CostModel, call: str, i: int, cand, n: int) -> tuple[list[tuple[int, float]], list[tuple]]:
-    """Candidate ``i``'s micro-batch streaming row (none unless pp 1 and its n_mbs is in the grid): (candidate,
-    phase 1) and the fields of its ``tail_space.TailChoice``."""
-    s, m = cand.strategy, cand.n_mbs
-    if s.pp != 1 or m not in MB_GRID or m > n:
+    """Candidate ``i``'s micro-batch streaming row (none unless its micro-batches, or at pp > 1 its waves of pp
+    micro-batches, number one of the grid): (candidate, phase 1) and the fields of its ``tail_space.TailChoice``."""
+    s = cand.strategy
+    m = waves(s, cand.n_mbs)  # pp > 1: waves of pp micro-batches (estimator/mb_stream_cost.py)
+    if m not in MB_GRID or m > n:
         return [], []
-    tc, lead = mb_generation_cost(cost, call, cand.mesh, s, m)
+    tc, lead = mb_generation_cost(cost, call, cand.mesh, s, cand.n_mbs)
     entry = TailMigration(rows=last_rows(n, m), instances=0, chunks=m - 1, micro_batches=True)
-    return [(i, tc.phase1)], [(entry, MB_BASE + MB_GRID.index(m), s.dp * s.tp, tc.phase2, lead)]
+    return [(i, tc.phase1)], [(entry, MB_BASE + MB_GRID.index(m), s.dp * s.tp * s.pp, tc.phase2, lead)]
 
 
 def mb_split_columns(cost: CostModel, consumer: str, producer: str, cand, g: int, sharing: int
@@ -68,7 +71,8 @@ def mb_stream_lines(space, call: str, o, t: TailMigration, n: int, view) -> list
 
     split = [f"{names[v]} on {where(v)}" for v in view.split_of
              if view.split(v) is not None and names[view.split(v)[1]] == call]
-    return [f"streaming: {call} on {where(names.index(call))} hands each of its {t.chunks + 1} micro-batches "
+    unit = "micro-batches" if o.strategy.pp == 1 else f"waves of {o.strategy.pp} micro-batches"
+    return [f"streaming: {call} on {where(names.index(call))} hands each of its {t.chunks + 1} {unit} "
             f"({n - t.rows} rows before the last) on as it ends, one after another, no migration; before the last "
             f"{tc.phase1:.3f} s, the last {tc.phase2:.3f} s",
             f"  in {t.chunks + 1} parts off the generation's devices: {', '.join(split) if split else 'no consumer'}"]

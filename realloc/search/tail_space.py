@@ -17,8 +17,9 @@ turns (``estimator/turn_stream_cost.py``): its unfinished rollouts never migrate
 
 Every non-train consumer of such a call may run in two parts (``TailSplit``), priced per candidate and grid entry.
 Fixed lengths on one pool, or no eligible call: no row is added and the problem is exactly the one of before. On a
-cluster of pools every generation candidate at pp 1 with n_mbs in ``mb_stream_cost.MB_GRID`` also gets a micro-batch
-streaming row, at any lengths (``search/mb_stream_space.py``; grid indices after the ones above).
+cluster of pools every generation candidate with n_mbs in ``mb_stream_cost.MB_GRID`` (at pp > 1, n_mbs / pp in it: waves
+of pp micro-batches) also gets a micro-batch streaming row, at any lengths (``search/mb_stream_space.py``; grid indices
+after the ones above).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import numpy as np
 from realloc.calls import InterfaceType
 from realloc.estimator.cost import CostModel
 from realloc.estimator.chunk_cost import CHUNK_GRID, chunk_work, chunked_generation_cost, lead_shares
-from realloc.estimator.stream_cost import stream_phase2
+from realloc.estimator.pp_stream_cost import stream_phase1, stream_rest
 from realloc.estimator.tail_cost import TAIL_GRID, consumer_parts, phase1_cost, tail_phase_cost, tail_rows
 from realloc.estimator.turn_stream_cost import running_after, split_turns, turn_lead_shares, turn_stream_cost
 from realloc.envs.rollout_args import rollout_shape
@@ -93,20 +94,26 @@ def instance_choices(dp: int) -> list[int]:
     return [m for m in (2 ** k for k in range(dp.bit_length())) if m < dp]
 
 
-def with_tail_rows(graph: DataflowGraph, cost: CostModel, call: str,
-                   cc: CallCosts) -> tuple[CallCosts, tuple[TailChoice | None, ...]]:
+def with_tail_rows(graph: DataflowGraph, cost: CostModel, call: str, cc: CallCosts,
+                   pp_streams: bool = False) -> tuple[CallCosts, tuple[TailChoice | None, ...]]:
     """``cc`` with a migrating row after the rows for each (candidate, R_t, m) worth trying, and per row its
-    migration (None: the candidate of before)."""
+    migration (None: the candidate of before). ``pp_streams`` (a hand plan's estimate): candidates at pp > 1 get
+    row-streaming rows too, priced as the runtime steps the stages (``estimator/pp_stream_cost.py``; the search does
+    not offer them), and micro-batch rows come on one pool too."""
     n = cost.workload(call).n_seqs
     n_devices = graph.spec.cluster.n_devices
     rows, choices = [], []
     phase1: dict[tuple, float] = {}
     phase2: dict[tuple, tuple[float, float, bool]] = {}
     multiturn = cost.rollout_shape(call) is not None  # streams only, priced by turns (turn_stream_cost.py)
-    varied, by_mb = varied_lengths(graph), streams_micro_batches(graph)
+    varied, by_mb = varied_lengths(graph), streams_micro_batches(graph) or pp_streams  # a hand plan's, on one pool
     for i, cand in enumerate(cc.options):
         s = cand.strategy
         streams = s.pp == 1 and cand.mesh.size < n_devices  # a mesh that leaves devices for a consumer to stream to
+        if pp_streams and s.pp > 1 and cand.mesh.size < n_devices and varied and not multiturn:
+            rows_stream, choices_stream = stream_rows(cost, call, i, cand, n, phase1)
+            rows += rows_stream
+            choices += choices_stream
         if streams and multiturn:
             rows_stream, choices_stream = turn_stream_rows(cost, call, i, cand, n)
             rows += rows_stream
@@ -115,7 +122,7 @@ def with_tail_rows(graph: DataflowGraph, cost: CostModel, call: str,
             rows_stream, choices_stream = stream_rows(cost, call, i, cand, n, phase1)
             rows += rows_stream
             choices += choices_stream
-        if streams and by_mb and not multiturn:  # micro-batches across pools (mb_stream_space.py)
+        if (streams or s.pp > 1 and cand.mesh.size < n_devices) and by_mb and not multiturn:  # mb_stream_space.py
             rows_mb, choices_mb = mb_rows(cost, call, i, cand, n)
             rows += rows_mb
             choices += [TailChoice(*f) for f in choices_mb]
@@ -161,10 +168,10 @@ def stream_rows(cost: CostModel, call: str, i: int, cand, n: int,
         r_t = tail_rows(n, share)
         k1 = ((cand.mesh.n_nodes, cand.mesh.n_devs), s, cand.n_mbs, r_t)
         if k1 not in phase1:
-            phase1[k1] = phase1_cost(cost, call, cand.mesh, s, cand.n_mbs, r_t)
-        rest = stream_phase2(cost, call, cand.mesh, s, cand.n_mbs, phase1[k1])
+            phase1[k1] = stream_phase1(cost, call, cand.mesh, s, cand.n_mbs, r_t)
+        rest = stream_rest(cost, call, cand.mesh, s, cand.n_mbs, r_t, phase1[k1])
         rows.append((i, phase1[k1]))
-        choices.append(TailChoice(TailMigration(rows=r_t, instances=0), g, s.dp * s.tp, rest))
+        choices.append(TailChoice(TailMigration(rows=r_t, instances=0), g, s.dp * s.tp * s.pp, rest))
     for ci, k in enumerate(CHUNK_GRID):  # chunked streaming (estimator/chunk_cost.py)
         for g, share in enumerate(TAIL_GRID):
             r_t = tail_rows(n, share)
@@ -173,7 +180,7 @@ def stream_rows(cost: CostModel, call: str, i: int, cand, n: int,
             tc, lead = chunked_generation_cost(cost, call, cand.mesh, s, cand.n_mbs, r_t, k)
             rows.append((i, tc.phase1))
             choices.append(TailChoice(TailMigration(rows=r_t, instances=0, chunks=k), g + len(TAIL_GRID) * (1 + ci),
-                                      s.dp * s.tp, tc.phase2, lead))
+                                      s.dp * s.tp * s.pp, tc.phase2, lead))
     return rows, choices
 
 
@@ -190,7 +197,7 @@ def turn_stream_rows(cost: CostModel, call: str, i: int, cand, n: int
             tc, lead, _ = turn_stream_cost(cost, call, cand.mesh, s, cand.n_mbs, r_t, k)
             rows.append((i, tc.phase1))
             choices.append(TailChoice(TailMigration(rows=r_t, instances=0, chunks=k), g + len(TAIL_GRID) * ci,
-                                      s.dp * s.tp, tc.phase2, lead))
+                                      s.dp * s.tp * s.pp, tc.phase2, lead))
     return rows, choices
 
 

@@ -116,7 +116,7 @@ def estimate_plan(graph: DataflowGraph, plan: ExecutionPlan, cost: object | None
     want = {c: Option(meshes[c], p.strategy, p.n_mbs, p.recompute)
             for c, p in ((c, plan.placements[c]) for c in graph.topo_order)}
     space = PlanSpace.build(graph, cost or CostModel(graph), option_filter=lambda c, o: o == want[c],
-                            prune_memory=False, offload=False).with_staleness(plan.staleness)
+                            prune_memory=False, offload=False, pp_streams=True).with_staleness(plan.staleness)
     indices = space.fastest()
     names = space.problem.call_names
     for c, name in enumerate(names):  # the plan's long-tail migration, or none (docs/long-tail.md)
