@@ -1,0 +1,87 @@
+"""Small defects earlier audits found and left (leftovers3); each test fails without its fix.
+
+1. Parallel tool calls: a chat model's turn with several calls (Qwen's several ``<tool_call>`` blocks, Llama 3.1's
+   JSON objects one after another, Mistral's list) runs them all, in order, each under its own ToolLimits, and
+   answers each in the template's own tool message: the conversation equals transformers' ``apply_chat_template``
+   of the same two calls and two answers, token for token.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from chat_templates import tokenizer_folder
+from realloc.envs.tool_env import ToolEnv, check_env_args
+
+TOOLS = [{"type": "function", "function": {
+    "name": "calculator", "description": "Arithmetic.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+CALLS = [("123*45", "5535", "a1b2c3d4e"), ("6*7", "42", "b2c3d4e5f")]  # expression, answer, the call's id
+# two calls in one turn as each family's model writes them, and the token that ends the turn
+PARALLEL = {
+    "llama31": ('{"name": "calculator", "parameters": {"expression": "123*45"}}'
+                '{"name": "calculator", "parameters": {"expression": "6*7"}}', "<|eot_id|>"),
+    "mistral": ('[TOOL_CALLS] [{"name": "calculator", "arguments": {"expression": "123*45"}, "id": "a1b2c3d4e"}, '
+                '{"name": "calculator", "arguments": {"expression": "6*7"}, "id": "b2c3d4e5f"}]', "</s>"),
+    "qwen3": ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "123*45"}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>', "<|im_end|>"),
+}
+
+
+@pytest.fixture(scope="module")
+def folders(hf_assets, tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat_templates")
+    return {f: str(tokenizer_folder(hf_assets.tokenizer, root / f, f)) for f in PARALLEL}
+
+
+@pytest.mark.parametrize("family", list(PARALLEL))
+def test_parallel_tool_calls_all_run_and_are_answered_as_the_template_writes_them(folders, family):
+    from transformers import AutoTokenizer
+
+    from realloc.data.tokenizer import Tokenizer
+
+    folder = folders[family]
+    ref, tok = AutoTokenizer.from_pretrained(folder, local_files_only=True), Tokenizer.load(folder)
+    turn, eot = PARALLEL[family]
+    question = [{"role": "user", "content": "what are 123*45 and 6*7?"}]
+    prompt = tok.encode(ref.apply_chat_template(question, tools=TOOLS, add_generation_prompt=True, tokenize=False),
+                        add_special_tokens=False)
+    said = tok.encode(turn, add_special_tokens=False) + tok.encode(eot, add_special_tokens=False)
+    env = ToolEnv(tools=["calculator"], call_format="chat", chat_template=folder, call_reward=-0.25,
+                  limits={"wall_s": 20.0})
+    env.reset({"answer": "5535"})
+    obs, reward, done = env.step(tok.decode(said))  # decoded without special tokens, as multiturn.py hands it over
+    assert (reward, done, env.tool_counts["ok"]) == (-0.5, False, 2)  # call_reward per call
+    ids = prompt + said + tok.encode(obs, add_special_tokens=False)
+    calls = [{"id": i, "type": "function", "function": {"name": "calculator", "arguments": {"expression": e}}}
+             for e, _, i in CALLS]
+    conversation = question + [{"role": "assistant", "content": "", "tool_calls": calls}] + [
+        {"role": "tool", "content": a, "name": "calculator", "tool_call_id": i} for _, a, i in CALLS]
+    want = ref.apply_chat_template(conversation, tools=TOOLS, add_generation_prompt=True, tokenize=True)
+    want = want["input_ids"] if hasattr(want, "keys") else want
+    assert ids == list(want)
+    assert obs.index("5535") < obs.index("42")  # in the calls' order
+
+
+def test_each_parallel_call_has_its_own_limits_and_the_turn_at_most_max_calls(folders):
+    env = ToolEnv(tools={"calculator": "calculator", "python": "python"}, call_format="chat",
+                  chat_template=folders["qwen3"], limits={"wall_s": 3.0}, max_calls=3)
+    env.reset({"answer": "1"})
+    call = '<tool_call>\n{{"name": "{}", "arguments": {}}}\n</tool_call>'
+    slow = call.format("python", '{"code": "import time; time.sleep(2.2); print(7)"}')
+    turn = "\n".join([slow, slow, call.format("calculator", '{"expression": "2+3"}'), slow, "<tool_call>{oops"])
+    obs, _, _ = env.step(turn)
+    # two 2.2 s calls pass a 3 s limit that counts per call (the turn takes longer than one limit), the third runs;
+    # the fourth is past max_calls; the unclosed tag after it is text
+    assert env.tool_counts["ok"] == 3 and env.tool_counts["timeout"] == 0 and env.tool_counts["error"] == 1
+    answers = obs.split("<tool_response>\n")[1:]
+    assert [a.split("\n</tool_response>")[0] for a in answers] == \
+        ["7", "7", "5", "error: at most 3 tool calls run in one turn (env_args['max_calls'])"]
+    # malformed and unknown calls are each answered, in place
+    obs, _, _ = env.step(call.format("nope", "{}") + "\n<tool_call>\n{x}\n</tool_call>\n" +
+                         call.format("calculator", '{"expression": "1+1"}'))
+    answers = [a.split("\n</tool_response>")[0] for a in obs.split("<tool_response>\n")[1:]]
+    assert answers[0].startswith("error: no tool 'nope'") and answers[1].startswith("error: the tool call is not JSON")
+    assert answers[2] == "2"
+    with pytest.raises(ValueError, match=r"max_calls must be a positive integer"):
+        check_env_args("gen", {"tools": ["calculator"], "max_calls": 0})
