@@ -85,3 +85,53 @@ def test_each_parallel_call_has_its_own_limits_and_the_turn_at_most_max_calls(fo
     assert answers[2] == "2"
     with pytest.raises(ValueError, match=r"max_calls must be a positive integer"):
         check_env_args("gen", {"tools": ["calculator"], "max_calls": 0})
+
+
+# 2. `realloc run --launcher slurm --prepare` failing on a full disk half way (the run's secret, after the plan,
+#    run.json and config/ are written) leaves the run directory as it was: gone if it created it, else the same files
+#    with the same bytes (a rewritten run.json and a removed secret given back, what it added removed).
+
+def _tree(root):
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
+
+
+def test_a_prepare_that_fails_on_a_full_disk_removes_what_it_wrote_and_keeps_what_was_there(tmp_path, monkeypatch,
+                                                                                                capsys):
+    import errno
+    import os
+    from pathlib import Path
+
+    from test_launcher import whole_cluster_plan
+
+    from realloc.cli import main
+    from realloc.runtime.wire import protocol
+
+    repo = Path(__file__).resolve().parents[1]
+    exp = str(repo / "experiments/ppo_tiny.py")
+    whole_cluster_plan(exp, dp=2, tp=1).save(tmp_path / "plan.json")
+    argv = ["run", exp, "--plan", str(tmp_path / "plan.json"), "--iterations", "3", "--launcher", "slurm",
+            "--prepare", "--no-tensorboard", "--run-dir"]
+    real = protocol.write_secret_file
+
+    def full(path, secret):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(protocol, "write_secret_file", full)
+    fresh = tmp_path / "runs" / "a"
+    assert main(argv + [str(fresh)]) == 1
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert lines == [f"realloc run: error: {fresh / 'secret'}: No space left on device"]
+    assert not (tmp_path / "runs").exists()  # nothing it created is left
+    # a directory an earlier prepare wrote, with a file of the user's
+    monkeypatch.setattr(protocol, "write_secret_file", real)
+    used = tmp_path / "used"
+    assert main(argv[:-1] + ["--iterations", "2", "--run-dir", str(used)]) == 0
+    (used / "notes.txt").write_text("mine")
+    before = _tree(used)
+    assert "secret" in before and "run.json" in before and "job.sbatch" in before
+    monkeypatch.setattr(protocol, "write_secret_file", full)
+    capsys.readouterr()
+    assert main(argv + [str(used)]) == 1
+    assert len([ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]) == 1
+    assert _tree(used) == before
+    assert (os.stat(used / "secret").st_mode & 0o777) == 0o600
