@@ -135,3 +135,32 @@ def test_a_prepare_that_fails_on_a_full_disk_removes_what_it_wrote_and_keeps_wha
     assert len([ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]) == 1
     assert _tree(used) == before
     assert (os.stat(used / "secret").st_mode & 0o777) == 0o600
+
+
+# 3. A master killed during an --export-every export leaves the export's hidden temporary folder (as large as the
+#    model); only the next export to the same folder removed it, and a resumed run exports to other folders.
+
+def test_a_run_removes_the_hidden_folders_of_its_killed_exports_and_no_one_else_s(tmp_path):
+    import os
+    import socket
+    import subprocess
+
+    from test_audit_round10 import _fake_run
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that is gone
+    host = socket.gethostname()
+    exports = tmp_path / "exports"
+    stale = [exports / "iter_00000001" / f".actor.part-{host}-{dead.pid}-0a1b",
+             exports / "iter_00000002" / f".critic.part-{host}-{dead.pid}-2c3d",
+             exports / "replaced-20260101-000000" / "iter_00000001" / f".actor.part-{host}-{dead.pid}-4e5f"]
+    kept = [exports / "iter_00000002" / f".actor.part-{host}-{os.getpid()}-6a7b",  # a live export's
+            exports / "iter_00000002" / f".actor.part-other-host-{dead.pid}-8c9d",  # another machine's
+            exports / "iter_00000002" / "critic"]  # a finished export
+    for p in stale + kept:
+        p.mkdir(parents=True)
+        (p / "model.safetensors").write_bytes(b"x" * 100)
+    assert _fake_run(tmp_path) is None  # a run with no export at all sweeps its run directory's exports
+    assert [p.exists() for p in stale] == [False] * 3
+    assert [p.exists() for p in kept] == [True] * 3
+    assert not (exports / "iter_00000001").exists()  # left empty by the sweep
