@@ -164,3 +164,46 @@ def test_a_run_removes_the_hidden_folders_of_its_killed_exports_and_no_one_else_
     assert [p.exists() for p in stale] == [False] * 3
     assert [p.exists() for p in kept] == [True] * 3
     assert not (exports / "iter_00000001").exists()  # left empty by the sweep
+
+
+# 4. Generation's left-padding mask (llama.cache_mask, [rows, 1, P, P] bool for the prefill) was in no memory
+#    estimate, and every micro-batch built its own up front, so all of them were alive at once.
+
+from test_kv_alloc_cost import tiny_model  # noqa: E402,F401  (a tp 1 tiny model in this process)
+
+
+def test_the_prefill_s_padding_mask_is_in_the_memory_model_as_the_runtime_allocates_it(monkeypatch, tiny_model):
+    import dataclasses
+    import weakref
+
+    from realloc.api import InterfaceType as I
+    from realloc.estimator.hardware import Precision
+    from realloc.estimator.mask_memory import stage_mask_bytes
+    from realloc.models import generation
+    from realloc.models.config import get_model_config
+    from realloc.models.sampling import GenerationConfig
+
+    # hand-computed, tiny in bf16, 2 rows of 32-token prompts: the [2, 1, 32, 32] bool mask (2048 bytes) and one
+    # layer's bf16 copy (4096); a window of 16 adds its own [2, 1, 32, 32] mask beside it
+    tiny, bf16 = get_model_config("tiny"), Precision.for_dtype("bf16")
+    assert stage_mask_bytes(tiny, I.GENERATE, 2, 32, (2, 64), bf16, 4, 1, False) == 2 * 32 * 32 + 2 * 32 * 32 * 2
+    window = dataclasses.replace(tiny, sliding_window=16)
+    assert stage_mask_bytes(window, I.GENERATE, 2, 32, (2, 64), bf16, 4, 1, False) == 2 * 32 * 32 * 2 + 4096
+    # what a real generation allocates: 6 prompts (longest 6 in each micro-batch of 2 rows) in 3 micro-batches
+    live, peak = [0], [0]
+
+    def counted(key_valid, query_start, n_queries):
+        mask = real(key_valid, query_start, n_queries)
+        if n_queries > 1:  # the prefill's (the decode steps' are one query wide)
+            live[0] += mask.numel() * mask.element_size()
+            peak[0] = max(peak[0], live[0])
+            weakref.finalize(mask, lambda n=mask.numel() * mask.element_size(): live.__setitem__(0, live[0] - n))
+        return mask
+
+    real = generation.cache_mask
+    monkeypatch.setattr(generation, "cache_mask", counted)
+    prompts = [[1, 2, 3, 4, 5, 6], [7, 8], [1, 2, 3, 4, 5, 6], [9], [5, 4, 3, 2, 1, 7], [3, 3, 3]]
+    generation.generate(tiny_model, prompts, GenerationConfig(max_new_tokens=3, seed=3, eos_token_ids=(0,)), n_mbs=3)
+    assert peak[0] == 2 * 6 * 6  # one micro-batch's mask at a time (it was 3 of them)
+    padding = stage_mask_bytes(tiny, I.GENERATE, 2, 6, (2, 9), Precision.for_dtype("fp32"), 4, 1, False)
+    assert padding - 2 * 6 * 6 * 4 == peak[0]  # the estimate's bool mask is what was alive; the rest its fp32 copy
