@@ -207,3 +207,64 @@ def test_the_prefill_s_padding_mask_is_in_the_memory_model_as_the_runtime_alloca
     assert peak[0] == 2 * 6 * 6  # one micro-batch's mask at a time (it was 3 of them)
     padding = stage_mask_bytes(tiny, I.GENERATE, 2, 6, (2, 9), Precision.for_dtype("fp32"), 4, 1, False)
     assert padding - 2 * 6 * 6 * 4 == peak[0]  # the estimate's bool mask is what was alive; the rest its fp32 copy
+
+
+# 5. A LoRA model trained in bf16 and resumed on an fp32 pool: its frozen base (no fp32 masters) kept the bf16
+#    rounding, where the straight run on the fp32 pool holds the base itself. The resumed state must be the straight
+#    fp32 run's base, the bf16 run's fp32 masters as adapters, and their Adam state.
+
+def _lora_model(dtype):
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from realloc.models.config import get_model_config
+    from realloc.models.engine import ParallelModel
+    from realloc.models.groups import ModelLayout, ProcessGroupCache
+    from realloc.models.lora_config import LoRAConfig
+    from realloc.strategy import ParallelStrategy
+
+    assert dist.is_initialized()  # the tiny_model fixture's one-rank gloo group
+    cfg = dataclasses.replace(get_model_config("tiny"), lora=LoRAConfig(rank=4))
+    layout = ModelLayout.for_model(cfg, (0,), ParallelStrategy(1, 1, 1))
+    cache = ProcessGroupCache()
+    cache.ensure_layouts([layout])
+    model = ParallelModel(cfg, cache.model_groups(layout), dtype=dtype, init="random", seed=3)
+    return model, model.make_optimizer(0.05)
+
+
+def test_a_lora_model_trained_in_bf16_resumes_on_an_fp32_pool_as_the_straight_fp32_run(tmp_path, tiny_model):
+    import torch
+
+    from realloc.runtime.persist import checkpoint as C
+
+    bf16, opt = _lora_model(torch.bfloat16)
+    trained = bf16.trained_params()
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        opt.step_with({n: torch.randn(p.shape, generator=g) for n, p in trained.items()})
+    tmp = C.begin(tmp_path, 2)
+    C.save_model_shard(tmp, "actor", 0, 0, "cpu0 dp1·tp1·pp1", bf16.params(), opt, tp_pp=(1, 1))
+    ckpt = C.commit(tmp, tmp_path, 2, {"next_iteration": 2}, "{}")
+    resumed, resumed_opt = _lora_model(torch.float32)
+    C.load_model_shard(ckpt, "actor", 0, 0, "cpu1 dp1·tp1·pp1", resumed.params(), resumed_opt, tp_pp=(1, 1))
+    straight, _ = _lora_model(torch.float32)  # the fp32 pool's model made from the same source
+    base = [n for n in resumed.params() if n not in trained]
+    assert base and set(trained) and len(base) + len(trained) == len(resumed.params())
+    rounded = 0
+    for n in base:
+        p = resumed.params()[n]
+        assert p.dtype == torch.float32 and torch.equal(p, straight.params()[n]), n
+        rounded += not torch.equal(p, bf16.params()[n].float())  # what the old resume kept
+    assert rounded > 0
+    for n, p in resumed.trained_params().items():
+        assert torch.equal(p, opt.masters[n]), n
+        want, got = opt.inner.state[opt.masters[n]], resumed_opt.state[p]
+        assert set(want) == set(got) and all(torch.equal(want[k], got[k]) for k in want), n
+    # the other way: an fp32 checkpoint on a bf16 pool is the straight bf16 run's base (its source, rounded)
+    tmp = C.begin(tmp_path, 3)
+    C.save_model_shard(tmp, "actor", 0, 0, "cpu1 dp1·tp1·pp1", resumed.params(), resumed_opt, tp_pp=(1, 1))
+    ckpt = C.commit(tmp, tmp_path, 3, {"next_iteration": 3}, "{}")
+    back, back_opt = _lora_model(torch.bfloat16)
+    C.load_model_shard(ckpt, "actor", 0, 0, "cpu0 dp1·tp1·pp1", back.params(), back_opt, tp_pp=(1, 1))
+    assert all(torch.equal(back.params()[n], bf16.params()[n]) for n in base)
