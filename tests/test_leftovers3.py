@@ -268,3 +268,48 @@ def test_a_lora_model_trained_in_bf16_resumes_on_an_fp32_pool_as_the_straight_fp
     back, back_opt = _lora_model(torch.bfloat16)
     C.load_model_shard(ckpt, "actor", 0, 0, "cpu0 dp1·tp1·pp1", back.params(), back_opt, tp_pp=(1, 1))
     assert all(torch.equal(back.params()[n], bf16.params()[n]) for n in base)
+
+
+# 1b. Parallel calls inside a GENERATE call: both answers of each turn are environment tokens, and the gradient of
+#     every environment token's log-prob is exactly zero (the multi-turn machinery of tests/test_multiturn.py).
+
+@pytest.fixture(scope="module")
+def mt_pool(tmp_path_factory):
+    from mp_pool import GlooPool
+
+    with GlooPool(2, tmp_path_factory.mktemp("gloo")) as p:
+        yield p
+
+
+def test_parallel_calls_in_a_rollout_are_environment_tokens_with_zero_gradient(mt_pool, tmp_path_factory):
+    import torch
+
+    from multiturn_cases import CHARACTERS
+    from test_multiturn import N, PROMPTS, _gathered, _generate, _runs, _train_grads
+
+    from realloc.data.tokenizer import Tokenizer
+    from realloc.demo.arith_task import train_tokenizer
+
+    tokenizer_dir = str(train_tokenizer(tmp_path_factory.mktemp("tok"), CHARACTERS))
+    env = {"env": "multiturn_cases:make_parallel", "env_args": {"turns": 3}, "max_turns": 3, "turn_tokens": 8}
+    got = _gathered(mt_pool.run(_generate, tokenizer_dir, 1, 1, 1, env))
+    tok = Tokenizer.load(tokenizer_dir)
+    answered = 0
+    for b in range(N):
+        plen, k = len(PROMPTS[b]), int(got["gen_mask"][b].sum())
+        runs = _runs(got["tokens"][b, plen:plen + k].tolist(), got["loss_mask"][b, :k].tolist())
+        for i, (is_policy, toks) in enumerate(runs[:-1]):
+            if is_policy and not runs[i + 1][0]:  # the observation after a policy turn: both calls' answers
+                n = len(tok.decode(toks))
+                want = tok.encode(f"<{n}><{n + 1}>", add_special_tokens=False)
+                assert runs[i + 1][1] == want[:len(runs[i + 1][1])]
+                answered += 1
+    assert answered > 0 and got["sums"][0]["tool_ok"] == 2 * answered
+    seq = {"tokens": got["tokens"], "gen_mask": got["gen_mask"], "loss_mask": got["loss_mask"],
+           "prompt_lens": torch.tensor([len(p) for p in PROMPTS])}
+    grads, _ = mt_pool.run(_train_grads, tokenizer_dir, {"seq": seq, "logp": got["logp"]}, "grpo")[0]
+    grad = grads[0]
+    for b in range(N):
+        plen, k = len(PROMPTS[b]), int(got["gen_mask"][b].sum())
+        policy = got["loss_mask"][b, :k]
+        assert (grad[b, plen:plen + k][~policy] == 0).all() and (grad[b, plen:plen + k][policy] != 0).all()

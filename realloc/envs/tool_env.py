@@ -59,7 +59,7 @@ class ToolEnv:
         chat = ChatObservation(where, chat_template, end_of_turn) if chat_template is not None else None
         self.format = chat.format if chat is not None else HERMES
         self.render = chat.observations if chat is not None else \
-            lambda answers: "\n".join(result_format.format(a[0]) for a in answers)
+            lambda answers: "".join(result_format.format(a[0]) for a in answers)
 
     def reset(self, record: Mapping[str, Any]) -> str:
         if self.field not in record:
