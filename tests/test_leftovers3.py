@@ -36,30 +36,19 @@ def folders(hf_assets, tmp_path_factory):
 
 @pytest.mark.parametrize("family", list(PARALLEL))
 def test_parallel_tool_calls_all_run_and_are_answered_as_the_template_writes_them(folders, family):
-    from transformers import AutoTokenizer
+    from chat_templates import round_trip
 
-    from realloc.data.tokenizer import Tokenizer
-
-    folder = folders[family]
-    ref, tok = AutoTokenizer.from_pretrained(folder, local_files_only=True), Tokenizer.load(folder)
-    turn, eot = PARALLEL[family]
-    question = [{"role": "user", "content": "what are 123*45 and 6*7?"}]
-    prompt = tok.encode(ref.apply_chat_template(question, tools=TOOLS, add_generation_prompt=True, tokenize=False),
-                        add_special_tokens=False)
-    said = tok.encode(turn, add_special_tokens=False) + tok.encode(eot, add_special_tokens=False)
-    env = ToolEnv(tools=["calculator"], call_format="chat", chat_template=folder, call_reward=-0.25,
+    env = ToolEnv(tools=["calculator"], call_format="chat", chat_template=folders[family], call_reward=-0.25,
                   limits={"wall_s": 20.0})
     env.reset({"answer": "5535"})
-    obs, reward, done = env.step(tok.decode(said))  # decoded without special tokens, as multiturn.py hands it over
-    assert (reward, done, env.tool_counts["ok"]) == (-0.5, False, 2)  # call_reward per call
-    ids = prompt + said + tok.encode(obs, add_special_tokens=False)
     calls = [{"id": i, "type": "function", "function": {"name": "calculator", "arguments": {"expression": e}}}
              for e, _, i in CALLS]
-    conversation = question + [{"role": "assistant", "content": "", "tool_calls": calls}] + [
+    conversation = [{"role": "assistant", "content": "", "tool_calls": calls}] + [
         {"role": "tool", "content": a, "name": "calculator", "tool_call_id": i} for _, a, i in CALLS]
-    want = ref.apply_chat_template(conversation, tools=TOOLS, add_generation_prompt=True, tokenize=True)
-    want = want["input_ids"] if hasattr(want, "keys") else want
-    assert ids == list(want)
+    question = [{"role": "user", "content": "what are 123*45 and 6*7?"}]
+    (obs, reward, done), ids, want = round_trip(folders[family], question, TOOLS, *PARALLEL[family], env, conversation)
+    assert (reward, done, env.tool_counts["ok"]) == (-0.5, False, 2)  # call_reward per call
+    assert ids == want
     assert obs.index("5535") < obs.index("42")  # in the calls' order
 
 
