@@ -3,7 +3,12 @@
 1. Parallel tool calls: a chat model's turn with several calls (Qwen's several ``<tool_call>`` blocks, Llama 3.1's
    JSON objects one after another, Mistral's list) runs them all, in order, each under its own ToolLimits, and
    answers each in the template's own tool message: the conversation equals transformers' ``apply_chat_template``
-   of the same two calls and two answers, token for token.
+   of the same two calls and two answers, token for token; inside a GENERATE call every answer token is an
+   environment token with exactly zero gradient.
+2. `realloc run --launcher slurm --prepare` failing on a full disk leaves the run directory as it was.
+3. A run removes the hidden temporary folders of its exports killed with an earlier master.
+4. Generation's left-padding mask is in the memory model, once, as the runtime allocates it.
+5. A LoRA model trained in bf16 resumes on an fp32 pool as the straight fp32 run (its frozen base included).
 """
 
 from __future__ import annotations
