@@ -130,3 +130,20 @@ def tokenizer_folder(base: Path, out: Path, family: str) -> Path:
     tok.chat_template = template
     tok.save_pretrained(str(out))
     return out
+
+
+def round_trip(folder: str, question: list, tools: list, turn: str, eot: str, env, conversation: list):
+    """(the environment's step on ``turn`` + ``eot`` as the driver hands it over (decoded without special tokens),
+    the ids of prompt + turn + observation, ``apply_chat_template`` of ``question`` + ``conversation``'s ids)."""
+    from transformers import AutoTokenizer
+
+    from realloc.data.tokenizer import Tokenizer
+
+    ref, tok = AutoTokenizer.from_pretrained(folder, local_files_only=True), Tokenizer.load(folder)
+    prompt = tok.encode(ref.apply_chat_template(question, tools=tools, add_generation_prompt=True, tokenize=False),
+                        add_special_tokens=False)
+    said = tok.encode(turn, add_special_tokens=False) + tok.encode(eot, add_special_tokens=False)
+    step = env.step(tok.decode(said))
+    want = ref.apply_chat_template(question + conversation, tools=tools, add_generation_prompt=True, tokenize=True)
+    want = want["input_ids"] if hasattr(want, "keys") else want
+    return step, prompt + said + tok.encode(step[0], add_special_tokens=False), list(want)

@@ -47,3 +47,33 @@ class BrokenEnv(LengthEnv):
 
 def make_broken(**kw: object) -> BrokenEnv:
     return BrokenEnv(**kw)  # type: ignore[arg-type]
+
+
+class ParallelCallsEnv:
+    """ToolEnv's chat format with two calls in every turn (parallel calls, tests/test_leftovers3.py): each turn
+    of length n is handed over as calls of n*1 and n+1, answered ``<n><n+1>``; the third turn is the final one."""
+
+    def __init__(self, turns: int = 3) -> None:
+        from realloc.envs.tool_env import ToolEnv
+
+        self.env = ToolEnv(call_format="chat", result_format="<{}>", limits={"wall_s": 20.0}, call_reward=0.125)
+        self.turns, self.t = turns, 0
+
+    @property
+    def tool_counts(self) -> dict[str, int]:
+        return self.env.tool_counts
+
+    def reset(self, record: dict) -> str:
+        self.t = 0
+        return self.env.reset(record)
+
+    def step(self, text: str) -> tuple[str | None, float, bool]:
+        self.t += 1
+        if self.t >= self.turns:
+            return None, 1.0, True
+        call = '<tool_call>{{"name": "calculator", "arguments": "{}"}}</tool_call>'
+        return self.env.step(call.format(f"{len(text)}*1") + call.format(f"{len(text)}+1"))
+
+
+def make_parallel(**kw: object) -> ParallelCallsEnv:
+    return ParallelCallsEnv(**kw)  # type: ignore[arg-type]

@@ -142,6 +142,8 @@ def test_generate_and_inference_memory(model):
     # and the rotary tables); the last
     # stage samples afterwards from 34 bytes per vocabulary entry and sequence (opcount.sampling_bytes_per_row)
     prefill = ((4 * H + 3 * I // 2) * 4 + 2 * 16 * 4) * 8 * 8
+    # and its left-padding mask, [8, 1, 8, 8] bool, with one layer's fp32 copy of it (estimator/mask_memory.py)
+    prefill += 8 * 8 * 8 * (1 + 4)
     # stage 0 also holds both micro-batches' prefill outputs (8 prompts x 8 tokens x H) until stage 1 has them
     assert gen[0].activations == prefill + 2 * 8 * 8 * H * 4
     assert gen[1].activations == max(prefill, 8 * 34 * V)

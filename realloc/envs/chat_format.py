@@ -14,7 +14,8 @@ reads off the text before the call's JSON, the text after it up to the end of th
 JSON list, the key of the arguments and the key of the call's id. The policy's turn reaches the environment
 decoded without special tokens, so the tokenizer's special tokens (from the tokenizer directory's files) are
 taken out of that text as decoding takes them out of the turn: Mistral's ``[TOOL_CALLS]`` leaves nothing, Qwen's
-``<tool_call>`` (an ordinary added token) stays. ``ChatFormat.parse`` then finds the first call of a turn.
+``<tool_call>`` (an ordinary added token) stays. ``ChatFormat.parse_calls`` then finds every call of a turn
+(models such as Qwen2.5, Qwen3, Llama 3.1 and Mistral write several in one turn), ``parse`` the first.
 
 A template that writes tool messages but no tool calls (a plain ChatML template, such as the tiny test tokenizer's)
 reads calls in the Hermes format above, as ``call_format="chat"`` always did. A template that cannot write a tool
@@ -70,30 +71,62 @@ class ChatFormat:
     def parse_arguments(self, text: str, names: Any) -> tuple[str, Any, str | None] | str | None:
         """As ``parse``, with the call's arguments as written (a JSON value; None where it writes none), for a tool
         called with keywords."""
+        calls = self.parse_calls(text, names)
+        return calls[0] if calls else None
+
+    def parse_calls(self, text: str, names: Any) -> list[tuple[str, Any, str | None] | str] | None:
+        """Every call of a turn, in order (parallel calls: Qwen's several ``<tool_call>`` blocks, Mistral's list,
+        Llama's JSON objects one after another), each as ``parse_arguments`` gives one or as an error message the
+        policy should see; None for a turn without a call (its final answer)."""
         for token in self.specials:
             text = text.replace(token, "")
-        if self.prefix and self.suffix and not self.listed:  # Hermes: the JSON after the opening tag
+        decoder = json.JSONDecoder()
+        calls: list[tuple[str, Any, str | None] | str] = []
+        if self.prefix and self.suffix and not self.listed:  # Hermes: the JSON after each opening tag
             # decoded from the tag on, not cut at the first closing tag: an argument may hold "</tool_call>", and a
             # whole call whose closing tag the policy left out (it ended its turn right after the JSON) is a call
             at = text.find(self.prefix)
-            if at < 0:
-                return None
-            start = len(text) - len(text[at + len(self.prefix):].lstrip())
+            while at >= 0:
+                start = len(text) - len(text[at + len(self.prefix):].lstrip())
+                try:
+                    value, end = decoder.raw_decode(text, start)
+                except json.JSONDecodeError as e:
+                    close = text.find(self.suffix, start)
+                    if close < 0:  # the tag, then no call and no closing tag: text (a final answer, if the first)
+                        break
+                    calls.append(f"error: the tool call is not JSON ({e.msg})")
+                    end = close + len(self.suffix)
+                else:
+                    calls.append(self._call(value, names))
+                at = text.find(self.prefix, end)
+            return calls or None
+        start = self._start(text)
+        if start is None:
+            return None
+        try:
+            value, end = decoder.raw_decode(text, start)
+        except json.JSONDecodeError as e:
+            return [f"error: the tool call is not JSON ({e.msg})"]
+        if self.listed:
+            return [self._call(v, names) for v in value] if isinstance(value, list) and value else \
+                [self._call(value, names)]
+        calls.append(self._call(value, names))
+        while True:  # bare JSON objects (Llama 3): the next call right after this one, past spaces and a ; or ,
+            i = end
+            while i < len(text) and (text[i].isspace() or text[i] in ";,"):
+                i += 1
+            if i >= len(text) or text[i] != "{":
+                return calls  # text after the calls is ignored
             try:
-                value, _ = json.JSONDecoder().raw_decode(text, start)
-            except json.JSONDecodeError as e:
-                if self.suffix not in text[start:]:
-                    return None  # the tag, then no call and no closing tag: text, a final answer
-                return f"error: the tool call is not JSON ({e.msg})"
-        else:
-            start = self._start(text)
-            if start is None:
-                return None
-            try:
-                value, _ = json.JSONDecoder().raw_decode(text, start)
-            except json.JSONDecodeError as e:
-                return f"error: the tool call is not JSON ({e.msg})"
-        call = value[0] if isinstance(value, list) and value else value
+                value, end = decoder.raw_decode(text, i)
+            except json.JSONDecodeError:
+                return calls
+            if not isinstance(value, dict) or self.name not in value:
+                return calls
+            calls.append(self._call(value, names))
+
+    def _call(self, call: Any, names: Any) -> tuple[str, Any, str | None] | str:
+        """One call's JSON value as (tool name, its arguments as written, the call's id or None), or an error."""
         if not isinstance(call, dict) or not isinstance(call.get(self.name), str):
             return f'error: a tool call is {"[" if self.listed else ""}{{"{self.name}": ..., "{self.arguments}": ' \
                    f'...}}{"]" if self.listed else ""}'

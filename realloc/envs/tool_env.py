@@ -2,11 +2,12 @@
 
 The format (documented in docs/multi-turn.md). A policy's turn calls a tool by writing ``<NAME>INPUT</NAME>``
 with NAME one of the environment's tools, e.g. ``<calculator>123*45</calculator>``; the first such call of a turn
-runs (text after it is ignored), in the sandbox (``realloc/tools/sandbox.py``), and its answer comes back as the
-next observation, ``<result>5535</result>`` (``result_format``; a failure reads ``<result>error: ...</result>``).
-A turn without a tool call is the final answer: the rollout ends and ``rule(prompt, answer_text, reference)``
-scores it against the record's ``field`` (``exact_match`` by default: the answer's first number). Each tool call
-may add ``call_reward`` (a small cost or bonus; 0 by default), so rewards can be per turn as well as final.
+runs (text after it is ignored; the chat format below runs every call of a turn, up to ``max_calls``), in the
+sandbox (``realloc/tools/sandbox.py``), and its answer comes back as the next observation,
+``<result>5535</result>`` (``result_format``; a failure reads ``<result>error: ...</result>``). A turn without a
+tool call is the final answer: the rollout ends and ``rule(prompt, answer_text, reference)`` scores it against
+the record's ``field`` (``exact_match`` by default: the answer's first number). Each tool call may add
+``call_reward`` (a small cost or bonus; 0 by default), so rewards can be per turn as well as final.
 
 ``call_format="chat"`` reads a chat model's own tool calls instead, in the format its ``chat_template`` writes them
 (``chat_format.py``: Qwen's ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, Llama 3's bare JSON with
@@ -40,10 +41,11 @@ class ToolEnv:
                  rule: Any = "exact_match", limits: Mapping[str, Any] | ToolLimits | None = None,
                  result_format: str = "<result>{}</result>", call_reward: float = 0.0,
                  first_observation: str = "", call_format: str = "tags", chat_template: str | None = None,
-                 end_of_turn: str | None = None) -> None:
+                 end_of_turn: str | None = None, max_calls: int = 8) -> None:
         where = "ToolEnv"
         tools, self.keyword_tools = env_tools(where, tools)  # declared tools (tools/declared.py): run by name
-        self.tools, checked = _checked(where, tools, call_format, result_format, limits, call_reward)
+        self.tools, checked = _checked(where, tools, call_format, result_format, limits, call_reward, max_calls)
+        self.max_calls = max_calls  # calls one turn runs (chat format); each has its own ToolLimits
         self.rule = _rule(rule)
         self.field, self.result_format, self.call_reward = field, result_format, float(call_reward)
         self.first_observation = first_observation
@@ -56,7 +58,8 @@ class ToolEnv:
         self.chat = call_format == "chat"
         chat = ChatObservation(where, chat_template, end_of_turn) if chat_template is not None else None
         self.format = chat.format if chat is not None else HERMES
-        self.render = chat.observation if chat is not None else lambda text, *_: result_format.format(text)
+        self.render = chat.observations if chat is not None else \
+            lambda answers: "".join(result_format.format(a[0]) for a in answers)
 
     def reset(self, record: Mapping[str, Any]) -> str:
         if self.field not in record:
@@ -67,30 +70,40 @@ class ToolEnv:
 
     def step(self, text: str) -> tuple[str | None, float, bool]:
         try:
-            call = self._find(text)
+            calls = self._find(text)
         except RecursionError:  # JSON nested deeper than the interpreter's stack: the policy's mistake, not the run's
-            call = "error: the tool call is not JSON (nested too deeply)"
-        if call is None:
+            calls = ["error: the tool call is not JSON (nested too deeply)"]
+        if calls is None:
             return None, float(self.rule("", text, self.reference)), True
-        if isinstance(call, str):  # a malformed chat tool call: the policy reads why
-            self.counts["error"] += 1
-            return self.render(call), self.call_reward, False
-        # a tool described by its signature (tools/declared.py) is called with the arguments as keywords
-        keywords = call[1] if isinstance(call[1], dict) else None
-        result = self.sandbox.run(self.tools[call[0]], "" if keywords is not None else call[1], keywords)
-        self.counts[result.status] += 1
-        if result.status == "infra":  # named by envs/tool_health.py if every call fails so
-            self.infra_error = result.text
-        return self.render(result.text.strip(), call[0], call[2] if len(call) > 2 else None), self.call_reward, False
+        answers = []  # (answer, tool, call id): every call of the turn, in order, each answered
+        for k, call in enumerate(calls):
+            if k >= self.max_calls:
+                call = f"error: at most {self.max_calls} tool calls run in one turn (env_args['max_calls'])"
+            if isinstance(call, str):  # a malformed chat tool call: the policy reads why
+                self.counts["error"] += 1
+                answers.append((call, None, None))
+                continue
+            # a tool described by its signature (tools/declared.py) is called with the arguments as keywords
+            keywords = call[1] if isinstance(call[1], dict) else None
+            result = self.sandbox.run(self.tools[call[0]], "" if keywords is not None else call[1], keywords)
+            self.counts[result.status] += 1
+            if result.status == "infra":  # named by envs/tool_health.py if every call fails so
+                self.infra_error = result.text
+            answers.append((result.text.strip(), call[0], call[2] if len(call) > 2 else None))
+        return self.render(answers), self.call_reward * len(answers), False
 
-    def _find(self, text: str) -> tuple[str, Any] | tuple[str, Any, str | None] | str | None:
-        """The turn's first tool call as (tool, input) or, in the chat format, (tool, input, call id), an error
-        text, or None (a final answer); the input of a tool called with keywords is their dict."""
+    def _find(self, text: str) -> list[tuple[str, Any] | tuple[str, Any, str | None] | str] | None:
+        """The turn's tool calls, in order, each as (tool, input) or, in the chat format, (tool, input, call id), or
+        an error text; None for a final answer. The input of a tool called with keywords is their dict. The tags
+        format runs the turn's first call; the chat format every call (parallel calls)."""
         if self.chat:
-            got = self.format.parse_arguments(text, self.tools)
+            got = self.format.parse_calls(text, self.tools)
         else:
             m = self._call.search(text)
-            got = None if m is None else (m.group(1), m.group(2))
+            got = None if m is None else [(m.group(1), m.group(2))]
+        return None if got is None else [self._input(c) for c in got]
+
+    def _input(self, got: tuple[str, Any] | tuple[str, Any, str | None] | str) -> Any:
         if not isinstance(got, tuple):
             return got
         if got[0] not in self.keyword_tools:
@@ -105,7 +118,7 @@ class ToolEnv:
 
 
 def _checked(where: str, tools: Any, call_format: Any, result_format: Any, limits: Any,
-             call_reward: Any) -> tuple[dict[str, str], ToolLimits]:
+             call_reward: Any, max_calls: Any = 8) -> tuple[dict[str, str], ToolLimits]:
     """The tools (name -> "module:function") and limits of a ToolEnv, or one ValueError naming ``where``."""
     if call_format not in FORMATS:
         raise ValueError(f"{where}: call_format must be one of {', '.join(FORMATS)}, got {call_format!r}")
@@ -132,6 +145,9 @@ def _checked(where: str, tools: Any, call_format: Any, result_format: Any, limit
                          f"{{{{ and }}}}") from None
     if isinstance(call_reward, bool) or not isinstance(call_reward, (int, float)) or not math.isfinite(call_reward):
         raise ValueError(f"{where}: call_reward must be a finite number, got {call_reward!r}")
+    if isinstance(max_calls, bool) or not isinstance(max_calls, int) or max_calls < 1:
+        raise ValueError(f"{where}: max_calls must be a positive integer (tool calls run in one turn), got "
+                         f"{max_calls!r}")
     return out, ToolLimits.of(where, limits)
 
 
@@ -147,7 +163,8 @@ def check_env_args(call: str, env_args: Mapping[str, Any]) -> None:
                          f"{', '.join(p for p in params if p != 'self')}")
     a = {p: v.default for p, v in params.items() if p != "self"} | dict(env_args)
     a["tools"], _ = env_tools(where, a["tools"])
-    tools, _ = _checked(where, a["tools"], a["call_format"], a["result_format"], a["limits"], a["call_reward"])
+    tools, _ = _checked(where, a["tools"], a["call_format"], a["result_format"], a["limits"], a["call_reward"],
+                        a["max_calls"])
     if a["call_format"] == "chat" and a["chat_template"] is not None:  # renders the template; loads no tokenizer
         chat_format(where, a["chat_template"], a["end_of_turn"])
     rule = a["rule"]

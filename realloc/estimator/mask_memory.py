@@ -11,9 +11,11 @@ What the code paths allocate (``models/engine.py`` forward and train_step, ``mod
   micro-batch's backward (counted here on torch's CPU kernel with ``saved_tensors_hooks``: tests/test_est_follow.py).
   Without an explicit mask the layers run causal SDPA and neither exists.
 
-Generation: the prefill's queries over the prompt's keys get the window's [b, 1, P, P] mask the same way when the
-prompt is longer than the window (its left-padding mask, ``cache_mask``, exists with or without a window and is not
-counted here); the decode steps' masks are one query wide.
+Generation (``models/generation.py``): the prefill runs on its left-padding mask, ``llama.cache_mask``'s
+[b, 1, P, P] bool, with or without a window; its first forward builds it and drops it when it returns, so one exists
+on a stage at a time (micro-batches in flight included), and each layer's SDPA makes its compute-dtype copy (one at a
+time: no autograd keeps it). A prompt longer than the window adds the window's [b, 1, P, P] ``base & near`` beside
+it (the copy is then of that one). The decode steps' masks are one query wide (b (P + N) bytes), not counted.
 """
 
 from __future__ import annotations
@@ -56,8 +58,9 @@ def stage_mask_bytes(cfg: ModelConfig, interface: InterfaceType, b: int, prompt_
     than sequences: some rows hold several)."""
     if interface is InterfaceType.GENERATE:
         # the prefill's: built by its forward and gone after it, whichever micro-batches hold caches
-        held, _ = mask_bytes(explicit_mask_shape(cfg, b, prompt_len, False), precision)
-        return held
+        padding, copy = mask_bytes((b, prompt_len), precision)  # cache_mask, always explicit
+        held, _ = mask_bytes(explicit_mask_shape(cfg, b, prompt_len, False), precision)  # the window's
+        return padding + held + copy
     rows, width = packed
     shape = explicit_mask_shape(cfg, rows, width, rows < b)
     if interface is InterfaceType.TRAIN_STEP:

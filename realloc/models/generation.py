@@ -214,7 +214,9 @@ class _MicroBatch:
         # the next step's inputs: the whole left-padded prompt first
         tokens = tokens.to(dev)
         positions = (self.key_valid[:, :self.P].long().cumsum(-1) - 1).clamp(min=0)[:, C:]
-        self.inputs = (tokens, positions, cache_mask(self.key_valid[:, :self.P], C, W), C)
+        # the prefill's [rows, 1, W, P] left-padding mask is built by its first forward, not here: every micro-batch
+        # is made up front, and theirs would all be alive at once (estimator/mask_memory.py counts one per in flight)
+        self.inputs = (tokens, positions, None, C)
 
     @property
     def n_active(self) -> int:
@@ -225,6 +227,8 @@ class _MicroBatch:
         last slot (the full, unpadded vocabulary, float32)."""
         m, g = self.model, self.model.groups
         ids, positions, mask, start = self.inputs
+        if mask is None:  # the prefill (t == 0)
+            mask = cache_mask(self.key_valid[:, :self.P], start, ids.shape[1])
         if t == 0:
             # slots [C, P + N) are written (prefill, then one per step) before a step reads them; [0, C) is
             # restored for kept rows and read, masked, for the others: zeros there

@@ -49,6 +49,7 @@ from realloc.runtime.launch.pool_launch import check_pools
 from realloc.runtime.persist.run_settings import resume_settings
 from realloc.runtime.records.metric_sinks import MetricSinks, check_wandb_installed
 from realloc.runtime.records.progress import LONG_CALL_S, RunProgress
+from realloc.runtime.records.prepare_undo import PreparedDir, contents
 from realloc.runtime.records.run_claim import LOCK_WAIT_S, claim_run_dir, remove_created
 from realloc.runtime.records.run_paths import RunPaths, naming, remove_secret
 from realloc.runtime.records.run_record import Session, data_record, resolved_experiment, write_run_record
@@ -255,6 +256,7 @@ def _main(args: argparse.Namespace, claims: contextlib.ExitStack) -> int:
     horizon, horizon_line = _schedule_horizon(args, total, meta)
     # One run per directory (run_claim.py): a second `realloc run` on it is one error naming the first.
     root, default_name = _run_dir(args, spec, ckpt)
+    before = contents(root.resolve()) if args.launcher == "slurm" else None  # what a failed prepare keeps
     root, created, lock = claim_run_dir(root.resolve(), not args.dry_run or args.prepare, default_name,
                                         wait_s=LOCK_WAIT_S if args.launcher == "external" else 0.0)
     if lock is not None:
@@ -333,10 +335,11 @@ def _main(args: argparse.Namespace, claims: contextlib.ExitStack) -> int:
         if args.dry_run and not args.prepare:
             print(script, end="")  # nothing is written: --prepare writes the run directory
             return 0
-        _prepare_run_dir(run, plan, spec, session, pre, resolved)
-        _fresh_secret(run)
-        if args.prepare or args.dry_run:
+        with PreparedDir(run.root, before, created):  # a full disk half way: what it wrote goes, the rest stays
+            _prepare_run_dir(run, plan, spec, session, pre, resolved)
+            _fresh_secret(run)
             path = write_job_script(script, run)
+        if args.prepare or args.dry_run:
             print(f"prepared {run.root}; submit it with: sbatch {path}")
             return 0
         job = submit_slurm(script, run)

@@ -42,6 +42,7 @@ from realloc.runtime.inputs.evaluation import eval_calls
 from realloc.runtime.inputs.run_config import RunConfig
 from realloc.runtime.persist import checkpoint
 from realloc.runtime.persist.ckpt_lock import reading
+from realloc.runtime.persist.export_parts import remove_dead_exports
 from realloc.runtime.records.run_paths import RunPaths, os_error_line, remove_secret
 from realloc.runtime.records.startup import StartupClock
 from realloc.runtime.records.telemetry import RequestLog, RequestRecord, RunStats, Trace
@@ -204,6 +205,8 @@ class Master(MasterLink, IterationSchedule, TailStreams, EvaluationPasses, Check
         self.trace = Trace(self.paths.trace, self.n_workers, names, t0=time.time(), resume_after=after)
         self.requests = RequestLog(self.paths.root / "requests.jsonl", resume_after=after)
         self.stats = RunStats(self.n_workers)
+        for stale in remove_dead_exports(self.paths.root):  # an earlier master's export, killed half way
+            log.warning("master: removed %s, the temporary folder of an export that was killed", stale)
         receiver = asyncio.create_task(self._receive())
         monitor = asyncio.create_task(self._monitor())
         refusals = asyncio.create_task(self._log_refused_connections())

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Collection, Iterator, Mapping
 from safetensors import SafetensorError, safe_open
 
 from realloc.atomic_file import safetensors_os_errors
+from realloc.runtime.persist.frozen_base import resumed_value
 from realloc.runtime.persist.ckpt_lock import being_read, claimed
 
 # torch only in the functions that read and write tensors (the workers'): the master's begin, commit and prune are
@@ -479,7 +480,9 @@ def load_model_shard(ckpt: Path, model: str, tp_rank: int, pp_rank: int, layout:
                                  f"another realloc version's vocabulary padding): resume from a matching checkpoint")
             # A model trained in bf16 or fp16 saved its fp32 masters too: a trainer that keeps its parameters in
             # fp32 (the model moved to a pool of another dtype) resumes from them, not from their rounding.
-            p.copy_(f.get_tensor(f"master/{n}" if f"master/{n}" in keys else f"param/{n}"))
+            # Without one (a LoRA model's frozen base): the straight run's value on this pool (frozen_base.py).
+            p.copy_(f.get_tensor(f"master/{n}") if f"master/{n}" in keys else
+                    resumed_value(p, f.get_tensor(f"param/{n}")))
         scaler = getattr(optimizer, "loss_scale", None)
         if scaler is not None and "loss_scale" in keys:
             scaler.scale, good = f.get_tensor("loss_scale").tolist()

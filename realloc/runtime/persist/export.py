@@ -18,12 +18,9 @@ Frozen models are not in run checkpoints: their weights are the checkpoint they 
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import os
-import secrets
 import shutil
-import socket
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -35,6 +32,7 @@ from realloc.models.lora_config import LoRAConfig
 from realloc.models.param_layout import param_specs, stage_of_layer
 from realloc.runtime.persist import checkpoint, lora_export
 from realloc.runtime.persist.ckpt_lock import reading
+from realloc.runtime.persist.export_parts import part_name, remove_dead_parts
 from realloc.runtime.records.run_claim import remove_empty_folders
 from realloc.runtime.persist.run_settings import model_record  # noqa: F401 (torch-free: the master's)
 
@@ -120,8 +118,8 @@ def _export(ckpt: Path, model: str, out: Path, dtype: str | None, max_file_bytes
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"export directory {out} is not empty; choose a new --out")
     # A name of its own: a peer exporting to the same --out at once must not write into (or delete) this one.
-    _remove_dead_parts(out)
-    tmp = out.with_name(f".{out.name}.part-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
+    remove_dead_parts(out.parent, out.name)
+    tmp = part_name(out)
     created = next((a for a in reversed(out.parents) if not a.exists()), None)  # removed again on failure
     try:
         tmp.mkdir(parents=True)
@@ -178,27 +176,6 @@ def _export(ckpt: Path, model: str, out: Path, dtype: str | None, max_file_bytes
             remove_empty_folders(out.parent, created)
         raise
     return out
-
-
-def _remove_dead_parts(out: Path) -> None:
-    """An export killed while writing (SIGKILL, the OOM killer) left its temporary folder beside ``out``, as large
-    as the model and hidden: the next export to ``out`` removes those of this host whose process is gone (a live
-    peer's stays; another host's, on a shared filesystem, too)."""
-    prefix, host = f".{out.name}.part-", socket.gethostname()
-    for p in out.parent.glob(f"{glob.escape(prefix)}*") if out.parent.is_dir() else []:
-        who, pid = p.name[len(prefix):].rsplit("-", 1)[0].rpartition("-")[::2]
-        if who == host and pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(p, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def _copy_tokenizer(out: Path, tokenizer: str | None) -> None:
