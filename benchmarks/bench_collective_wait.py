@@ -3,8 +3,8 @@ wait, interleaved A/B on two gloo processes without a master (docs/estimator.md,
 
 Each round runs, once per setting of ``REALLOC_COLLECTIVE_SPIN_MS`` (the order alternating between rounds):
 
-- the train steps of ``bench_fusion.py --setting fit``'s colocated plan at dp 2 (``benchmarks/bench_train_wait.py``
-  of the i31-est-fit branch: 2 mini-batches of 16 rows per replica, prompts of 8 tokens, lengths lognormal median 8
+- the train steps of ``bench_fusion.py --setting fit``'s colocated plan at dp 2 (``bench_train_wait.py``'s
+  ``_batches``: 2 mini-batches of 16 rows per replica, prompts of 8 tokens, lengths lognormal median 8
   p99 128 from the seeded EOS schedule, packed, the distributed optimizer), for ``tiny`` and ``mid-critic``;
 - an 8-byte all-reduce that one rank (by turns) enters 1 ms late after 2 ms of work, timed from the late rank's
   arrival to its end (mean of 30).
@@ -28,42 +28,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the gloo process pool of the tests (mp_pool.py)
-ROWS, PROMPT, GEN_LEN, MEDIAN, N_MBS = 32, 8, 128, 8, 2
-MODELS = ("tiny", "mid-critic")
+sys.path.insert(0, str(REPO / "benchmarks"))
+from bench_train_wait import MODELS, _batches, _loss  # noqa: E402  the same train steps as bench_train_wait.py
+
 LATE_REPEATS = 30
-
-
-def _batches(cfg, t: int, dp_rank: int) -> list[dict]:
-    """This replica's 2 mini-batches of iteration ``t``: the scheduled lengths, rows dealt in turn."""
-    import torch
-
-    from realloc.lengths import ResponseLengths
-    from realloc.models.length_schedule import scheduled_lengths
-    from realloc.models.weights import param_seed
-
-    lens = scheduled_lengths(ResponseLengths.lognormal(median=MEDIAN, p99=GEN_LEN), GEN_LEN,
-                             param_seed(1, f"generate/{t}"), range(ROWS))
-    mine = [PROMPT + n for i, n in enumerate(lens) if i % 2 == dp_rank]
-    g = torch.Generator().manual_seed(t)
-    out = []
-    for k in range(N_MBS):
-        rows = torch.tensor(mine[k::N_MBS])
-        width = int(rows.max())
-        ids = torch.randint(1, min(cfg.vocab_size, 64), (len(rows), width), generator=g)
-        mask = torch.arange(width)[None] < rows[:, None]
-        out.append({"input_ids": ids * mask, "lengths": rows, "targets": torch.randn(len(rows), width, generator=g),
-                    "critic": cfg.is_critic})
-    return out
-
-
-def _loss(out, mb):
-    import torch
-
-    if mb["critic"]:  # the critic: a value loss over the real tokens
-        valid = (out.layout.segment_ids >= 0).float()
-        return (((out.values - mb["targets"]) ** 2) * valid).sum() / valid.sum(), {}
-    mask = out.token_mask
-    return -(out.logprobs() * mask).sum() / torch.clamp(mask.sum(), min=1), {}
 
 
 def _busy(seconds: float) -> None:
