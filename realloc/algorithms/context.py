@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from realloc.calls import ModelFunctionCallDef
+from realloc.models.collective_wait import blocking
 from realloc.models.engine import ParallelModel
 
 Data = dict[str, dict[str, torch.Tensor]]  # key -> tensor name -> [n, ...]
@@ -88,7 +89,7 @@ def dp_all_reduce(model: ParallelModel | None, t: torch.Tensor) -> torch.Tensor:
     if model is None or model.groups.dp == 1:
         return t
     t = t.to(model.device)
-    dist.all_reduce(t, group=model.groups.dp_group)
+    blocking(dist.all_reduce, t, group=model.groups.dp_group)
     return t.cpu()
 
 

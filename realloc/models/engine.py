@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 from realloc.models import grads
 from realloc.models.batch import Batch, TokenLayout, split_rows, token_layout, trim
+from realloc.models.collective_wait import blocking
 from realloc.models.config import ModelConfig
 from realloc.models.generation import GenerationOutput, generate
 from realloc.models.groups import ModelParallelGroups
@@ -515,7 +516,7 @@ class ParallelModel:
         if self.groups.dp > 1:
             # Same loss_fn on every dp replica, so the keys agree and one all-reduce averages them.
             local = local.to(self.device)
-            dist.all_reduce(local, group=self.groups.dp_group)
+            blocking(dist.all_reduce, local, group=self.groups.dp_group)
             local = local.cpu() / self.groups.dp
         return dict(zip(keys, local.tolist()))
 

@@ -26,6 +26,7 @@ from typing import Iterable, Mapping
 import torch
 import torch.distributed as dist
 
+from realloc.models.collective_wait import blocking
 from realloc.models.groups import ModelParallelGroups
 from realloc.models.param_layout import EMBED_LAYER, ParamSpec
 
@@ -54,7 +55,7 @@ def allreduce_coalesced(tensors: list[torch.Tensor], group: dist.ProcessGroup, a
         return
     for bucket in _buckets(tensors, max_numel):
         flat = torch.cat([t.reshape(-1) for t in bucket])
-        dist.all_reduce(flat, group=group)
+        blocking(dist.all_reduce, flat, group=group)
         if average:
             flat.div_(n)
         offset = 0
@@ -122,7 +123,7 @@ def global_norm(grads: Mapping[str, torch.Tensor], specs: Mapping[str, ParamSpec
     if groups.pp > 1:
         dist.all_reduce(sq, group=groups.pp_group)
     if dp_chunks and groups.dp > 1:
-        dist.all_reduce(sq, group=groups.dp_group)
+        blocking(dist.all_reduce, sq, group=groups.dp_group)
     return math.sqrt(float(sq))
 
 

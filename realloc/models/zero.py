@@ -40,6 +40,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from realloc.models.collective_wait import blocking
 from realloc.models.loss_scale import DynamicLossScale
 from realloc.models.optim import GRAD_DTYPES, step_each
 # torch-free, so that the estimator plans with it before any torch import
@@ -120,7 +121,7 @@ class DistributedAdamW:
                     flat[r * seg + off:r * seg + off + hi - lo].copy_(g[lo:hi])
                 off += c
             mine = flat[self.dp_rank * seg:(self.dp_rank + 1) * seg]
-            dist.reduce_scatter_single(mine, flat, group=self.group)  # in place: the output is our own segment
+            blocking(dist.reduce_scatter_single, mine, flat, group=self.group)  # in place: the output is our own segment
             mine.div_(self.dp)
             off = 0
             for n in bucket:
@@ -157,7 +158,7 @@ class DistributedAdamW:
                 lo, hi = self.ranges[n]
                 mine[off:off + hi - lo].copy_(self._param_chunk(n))
                 off += chunk_numel(self.params[n].numel(), self.dp)
-            dist.all_gather_single(flat, mine, group=self.group)  # in place: the input is our own segment
+            blocking(dist.all_gather_single, flat, mine, group=self.group)  # in place: the input is our own segment
             off = 0
             for n in bucket:
                 p = self.params[n].detach().view(-1)

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from realloc.algorithms.context import CallContext, CallResult, Data
 from realloc.graph.tail import TailMigration, split_thresholds
+from realloc.models.collective_wait import blocking
 from realloc.models.stream_decode import SplitGeneration
 from realloc.runtime.control.worker_tail import AsyncCounts, GenerateReplay, captured_generate
 
@@ -105,7 +106,7 @@ def _to_split(ctx: CallContext, fn: Callable[[CallContext, Data], CallResult], g
         if model.groups.dp == 1:  # one replica: its count is the call's (a gloo all-reduce per step cost 0.1-0.3 ms)
             return local
         t = torch.tensor([local], dtype=torch.long, device=model.device)
-        dist.all_reduce(t, group=model.groups.dp_group)
+        blocking(dist.all_reduce, t, group=model.groups.dp_group)
         return int(t.item())
 
     threshold = split_thresholds(ctx.batch_size, tail.rows, tail.chunks)[passed]

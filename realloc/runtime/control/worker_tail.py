@@ -35,6 +35,7 @@ import torch.distributed as dist
 from realloc.algorithms.context import CallContext, CallResult, Data
 from realloc.graph.streaming import deal
 from realloc.graph.tail import TailMigration
+from realloc.models import collective_wait
 from realloc.models.generation import GenerationOutput, _concat, _prompt_list, assemble
 from realloc.models.sampling import GenerationConfig
 from realloc.models.tail_decode import PhaseOne, TailRows, continue_decoding, decode_until, select_rows
@@ -208,7 +209,7 @@ class AsyncCounts:
         work, buf = self.pending.popleft()
         if not work.is_completed():
             t0 = time.perf_counter()
-            work.wait()
+            collective_wait.finish(work)  # CPU counts only (gloo): a bounded busy-wait, then wait()
             self.waits, self.waited = self.waits + 1, self.waited + time.perf_counter() - t0
         else:
             work.wait()

@@ -29,7 +29,7 @@ from realloc.runtime.launch.pool_launch import is_gpu, ray_bundles
 from realloc.runtime.records.run_paths import RunPaths
 
 # Passed to the actors: the worker's own settings and how to import realloc there.
-FORWARDED_ENV = ("PYTHONPATH", "REALLOC_PROFILES", "REALLOC_DEBUG")
+FORWARDED_ENV = ("PYTHONPATH", "REALLOC_PROFILES", "REALLOC_DEBUG", "REALLOC_COLLECTIVE_SPIN_MS")
 
 
 class WorkerActor:
