@@ -279,19 +279,21 @@ def compare(args: argparse.Namespace, chunked: bool = True, balance_tokens: bool
             print(f"  {name:<26}{m['requests']:5.0f} | {m['splits']:3.0f} x {m['split gap'] * 1e3:5.1f} | "
                   f"{m['dispatch'] * 1e3:5.1f} | {m['reply'] * 1e3:5.1f}")
     unfused = [n for n in plans if n in ("colocated dp 2", "disaggregated", "searched, no tail")]
-    fused = [n for n in plans if n not in unfused]
+    fused = [n for n in plans if n not in unfused and plans[n].tail]  # ('searched' may keep no tail)
     col = 0 if not args.estimate_only else 2
     for what, k in (("generation + inference", col), ("iteration", col + 1)):
         base = min(unfused, key=lambda n: rows[n][k])
         best = min(fused, key=lambda n: rows[n][k])
-        print(f"{what}: best unfused '{base}' {rows[base][k]:.3f} s; searched fused {rows['searched'][k]:.3f} s "
+        print(f"{what}: best unfused '{base}' {rows[base][k]:.3f} s; searched {'fused' if won else '(no tail)'} "
+              f"{rows['searched'][k]:.3f} s "
               f"({rows[base][k] / rows['searched'][k]:.2f}x); best fused of the sweep '{best}' {rows[best][k]:.3f} s "
               f"({rows[base][k] / rows[best][k]:.2f}x)")
+
     def r_of(name: str) -> int:  # a plan's R_t; 0 for no tail ("off", the grid step below the smallest R_t)
         t = plans[name].tail.get(GEN)
         return t.rows if t is not None else 0
 
-    sweep = sorted((r_of(n), n) for n in fused if n == "searched" or n.startswith("R="))
+    sweep = sorted((r_of(n), n) for n in plans if n == "searched" or n.startswith("R="))
     if len(sweep) > 1:  # the searched R_t against the sweep's best, in grid steps (the "within one")
         names = [n for _, n in sweep]
         for what, k in (("generation + inference", col), ("iteration", col + 1)):
