@@ -100,7 +100,8 @@ def test_the_disaggregated_plans_schedule_in_both_simulators(tmp_path):
     space, idx = estimate_plan(graph, plan, cost)
     p = space.problem
     got = [tuple(r[:6]) for r in space.cpp.schedule(idx)]
-    want = [(r["kind"], r["call"], r["other"], r["iteration"], r["start"], r["end"]) for r in reference.schedule(p, idx)]
+    want = [(r["kind"], r["call"], r["other"], r["iteration"], r["start"], r["end"])
+            for r in reference.schedule(p, idx)]
     assert got == want
     mid = p.n_iterations // 2
     calls = {p.call_names[r[1]]: (r[4], r[5]) for r in got if r[0] == 0 and r[3] == mid}
