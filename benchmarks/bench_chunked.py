@@ -14,7 +14,9 @@ each one ``realloc run``, in turn every round (``--repeats``, each plan's best r
   inference calls on device 1, training over both) and ``searched, no tail`` (the search's best plan without a
   tail entry, ``plan_search``'s ``no_tail``);
 - fused: ``searched`` (the search's winner with its tail entry: chunked streaming, streaming or migration, as it
-  chooses), and the R_t sweep on its placement: every R_t of the grid with its chunk count (or migration's m);
+  chooses), and the R_t sweep on its placement: every R_t of the grid with its chunk count (or migration's m;
+  when the search keeps no tail, ``R=k, streamed``: its placement streaming in 1 chunk, and the sweep counts no
+  tail as the grid step below the smallest R_t);
   ``disaggregated, k chunk(s)``: the disaggregated placement streaming in k chunks (R = 5%); ``colocated, migrate
   R=k``: RLHFuse's fusion of the colocated plan (the generation over both devices moves its last k rows to device
   0, the inference calls run on device 1, training over both; R = 5%).
@@ -74,15 +76,32 @@ def _plans(graph, report, chunked: bool = True) -> dict:
         k = tail_rows(graph.spec.n_seqs(graph.call(GEN)), share)
         plans[f"colocated, migrate R={k}"] = ExecutionPlan.by_hand(graph, freed, source="hand", tail={GEN: (k, 1)})
     tail = won.tail.get(GEN)
-    if tail is None:
-        return plans
     n = graph.spec.n_seqs(graph.call(GEN))
+    if tail is None:  # the search keeps no tail: its placement streamed at every grid R_t (is "off" right?)
+        return {**plans, **_streamed(graph, won, [tail_rows(n, share) for share in TAIL_GRID])}
     for share in TAIL_GRID:
         r = tail_rows(n, share)
         if r != tail.rows:
             plans[f"R={r}, {tail.chunks} chunk(s)"] = won.model_copy(update={"tail": {GEN: tail.model_copy(
                 update={"rows": r})}})
     return plans
+
+
+def _streamed(graph, won, grid: list[int]) -> dict:
+    """``won``'s placement with a stream-only tail entry (1 chunk) at each R_t of ``grid``, where the plan is valid
+    (a consumer on a device the generation leaves free)."""
+    from realloc.graph.plan import validate_plan
+    from realloc.graph.tail import TailMigration
+
+    out = {}
+    for r in grid:
+        plan = won.model_copy(update={"tail": {GEN: TailMigration(rows=r, instances=0)}})
+        try:
+            validate_plan(plan, graph)
+        except ValueError:
+            continue
+        out[f"R={r}, streamed"] = plan
+    return out
 
 
 def _union(spans: list[tuple[float, float]]) -> float:
@@ -263,22 +282,27 @@ def compare(args: argparse.Namespace, chunked: bool = True, balance_tokens: bool
             print(f"  {name:<26}{m['requests']:5.0f} | {m['splits']:3.0f} x {m['split gap'] * 1e3:5.1f} | "
                   f"{m['dispatch'] * 1e3:5.1f} | {m['reply'] * 1e3:5.1f}")
     unfused = [n for n in plans if n in ("colocated dp 2", "disaggregated", "searched, no tail")]
-    fused = [n for n in plans if n not in unfused]
+    fused = [n for n in plans if n not in unfused and plans[n].tail]  # ('searched' may keep no tail)
     col = 0 if not args.estimate_only else 2
     for what, k in (("generation + inference", col), ("iteration", col + 1)):
         base = min(unfused, key=lambda n: rows[n][k])
         best = min(fused, key=lambda n: rows[n][k])
-        print(f"{what}: best unfused '{base}' {rows[base][k]:.3f} s; searched fused {rows['searched'][k]:.3f} s "
+        print(f"{what}: best unfused '{base}' {rows[base][k]:.3f} s; searched {'fused' if won else '(no tail)'} "
+              f"{rows['searched'][k]:.3f} s "
               f"({rows[base][k] / rows['searched'][k]:.2f}x); best fused of the sweep '{best}' {rows[best][k]:.3f} s "
               f"({rows[base][k] / rows[best][k]:.2f}x)")
-    sweep = sorted((plans[n].tail[GEN].rows, n) for n in fused if GEN in plans[n].tail and (n == "searched"
-                                                                                           or n.startswith("R=")))
+
+    def r_of(name: str) -> int:  # a plan's R_t; 0 for no tail ("off", the grid step below the smallest R_t)
+        t = plans[name].tail.get(GEN)
+        return t.rows if t is not None else 0
+
+    sweep = sorted((r_of(n), n) for n in plans if n == "searched" or n.startswith("R="))
     if len(sweep) > 1:  # the searched R_t against the sweep's best, in grid steps (the issue's "within one")
         names = [n for _, n in sweep]
         for what, k in (("generation + inference", col), ("iteration", col + 1)):
             best = min(names, key=lambda n: rows[n][k])
-            print(f"R_t sweep by {what}: best R = {plans[best].tail[GEN].rows} ({rows[best][k]:.3f} s), searched R = "
-                  f"{plans['searched'].tail[GEN].rows}: {abs(names.index(best) - names.index('searched'))} grid "
+            print(f"R_t sweep by {what}: best R = {r_of(best) or 'off'} ({rows[best][k]:.3f} s), searched R = "
+                  f"{r_of('searched') or 'off'}: {abs(names.index(best) - names.index('searched'))} grid "
                   f"step(s) apart")
     moved = [n for _, n in sorted((plans[n].tail[GEN].rows, n) for n in fused if n.startswith("colocated, migrate"))]
     if len(moved) > 1:  # RLHFuse's fusion of the colocated plan: the estimate's best R_t against the measured one

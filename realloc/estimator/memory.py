@@ -94,6 +94,7 @@ from functools import lru_cache
 from realloc.calls import InterfaceType
 from realloc.estimator.hardware import Precision
 from realloc.estimator.mask_memory import stage_mask_bytes
+from realloc.estimator.packed_rows import packed_shape
 from realloc.estimator.opcount import (block_backward_bytes_per_token, head_saved_bytes_per_token,
                                        kv_cache_bytes_per_token_layer, layer_input_bytes_per_token,
                                        logprob_peak_bytes, norm_saved_bytes_per_token,
@@ -151,13 +152,11 @@ class Workload:
 
     def packed(self, b: int) -> tuple[int, int]:
         """(rows, tokens per row) a packed micro-batch of ``b`` sequences runs as (``models/packing.py``): rows as
-        wide as its longest sequence (the expected longest of b responses), as many as its expected tokens fill.
-        Fixed lengths: b rows of seq_len."""
+        wide as its longest sequence (the expected longest of b responses), as many as first-fit decreasing fills
+        with the expected lengths (``packed_rows.packed_shape``). Fixed lengths: b rows of seq_len."""
         if self.lengths.is_fixed:
             return b, self.seq_len
-        width = self.prompt_len + self.lengths.order_statistics(self.gen_len, b)[-1]
-        tokens = b * (self.prompt_len + self.lengths.mean(self.gen_len))
-        return max(1, min(b, math.ceil(tokens / width))), width
+        return packed_shape(self.lengths, self.prompt_len, self.gen_len, b)
 
     def micro_batch(self, dp: int, n_mbs: int) -> int:
         """Sequences in one micro-batch of one dp rank; the largest one when the split is uneven."""

@@ -258,6 +258,12 @@ def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int =
         placed = (space.to_plan(space.indices_of(plan.model_copy(update={"tail": {}})), "search") if plan.tail
                   else plan)
         no_tail = placed if placed.estimated_time < no_tail.estimated_time else no_tail
+        if plan.tail and no_tail.staleness == space.problem.staleness:
+            # a short search may end on a tail entry that costs more than it saves: then no tail wins
+            start = space.indices_of(no_tail)
+            if _better(space.evaluate(start), ev):
+                indices, ev = start, space.evaluate(start)
+                plan = space.to_plan(indices, "search")
     return SearchReport(spec=spec, graph=graph, space=space, plan=plan, indices=indices, evaluation=ev,
                         baselines=results, stats=outcome.stats, prepare_seconds=prepare,
                         n_candidates_before_time_pruning=before, by_staleness=by_staleness, alone=alone,
