@@ -66,6 +66,13 @@ class ModelConfig:
     # Mistral's sliding window: a token attends to itself and the window - 1 tokens before it (None: the whole
     # causal prefix; a window of at least max_position_embeddings never binds and is read as None).
     sliding_window: int | None = None
+    # Layers (0-based, of the whole model) that attend to the whole causal prefix although ``sliding_window`` is set:
+    # Qwen2/Qwen3's per-layer windows (config.json's ``layer_types`` / ``max_window_layers``); () with a window means
+    # every layer is windowed (Mistral, Phi-3). Always () without a window.
+    full_attention_layers: tuple[int, ...] = ()
+    # Partial rotary embedding (Phi-3's / Phi-4-mini's ``partial_rotary_factor``): only the first ``rotary_dim`` of
+    # each head's head_dim features are rotated, the rest pass unchanged (None: all of head_dim).
+    rotary_dim: int | None = None
     # The checkpoint's bos/eos/pad ids as (key, value) pairs, eos an int or a tuple. Not part of the shape
     # (compare=False): carried so that a saved checkpoint reloads with them (transformers' defaults are wrong
     # for LLaMA-3 and chat models).
@@ -93,6 +100,19 @@ class ModelConfig:
                              f"{self.sliding_window}")
         if self.sliding_window is not None and self.sliding_window >= self.max_position_embeddings:
             object.__setattr__(self, "sliding_window", None)  # never binds: one spelling (equality, digests)
+        full = tuple(sorted(set(self.full_attention_layers)))
+        if any(not 0 <= i < self.n_layers for i in full):
+            raise ValueError(f"model config {self.name!r}: full_attention_layers must be layer indices in "
+                             f"[0, {self.n_layers}), got {self.full_attention_layers}")
+        if self.sliding_window is None or len(full) == self.n_layers:
+            object.__setattr__(self, "sliding_window", None)  # no windowed layer: one spelling
+            full = ()
+        object.__setattr__(self, "full_attention_layers", full)
+        if self.rotary_dim == self.head_dim:
+            object.__setattr__(self, "rotary_dim", None)
+        if self.rotary_dim is not None and not (0 < self.rotary_dim < self.head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(f"model config {self.name!r}: rotary_dim must be a positive even number below head_dim "
+                             f"{self.head_dim}, got {self.rotary_dim}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"model config {self.name!r}: n_heads must be divisible by n_kv_heads")
         if self.is_critic and self.tie_embeddings:
@@ -105,6 +125,10 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.explicit_head_dim or self.hidden_size // self.n_heads
+
+    def windowed(self, layer: int) -> bool:
+        """Whether layer ``layer`` (0-based, of the whole model) attends within ``sliding_window``."""
+        return self.sliding_window is not None and layer not in self.full_attention_layers
 
     @property
     def q_dim(self) -> int:

@@ -141,8 +141,9 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies theta^(-2i/d) of the rotary embedding, with Llama-3 frequency scaling if configured."""
-    d = cfg.head_dim
+    """Inverse frequencies theta^(-2i/d) of the rotary embedding, with Llama-3 frequency scaling if configured;
+    d is the rotated width (``rotary_dim`` of a partial rotary embedding, else head_dim)."""
+    d = cfg.rotary_dim or cfg.head_dim
     # fp32 like HF, so angles agree bit for bit at long positions.
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
     scaling = cfg.rope_scaling
@@ -171,6 +172,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    d = cos.shape[-1]
+    if d < x.shape[-1]:  # partial rotary (Phi-3's partial_rotary_factor): the features past d pass unrotated
+        rot = x[..., :d]
+        return torch.cat((rot * cos + _rotate_half(rot) * sin, x[..., d:]), dim=-1)
     return x * cos + _rotate_half(x) * sin
 
 
@@ -360,20 +365,23 @@ class LlamaStage(nn.Module):
         parallelism (``sequence_parallel.py``); ``hidden`` is then the rank's ``[local, h]`` tokens, and so is
         what recomputation keeps. Decoding with KV caches runs without it."""
         assert split is None or caches is None, "sequence parallelism is for whole sequences, not KV-cache decoding"
-        if self.cfg.sliding_window is not None:
+        full_mask = mask
+        if self.cfg.sliding_window is not None:  # the stage's windowed layers' mask; full ones keep ``full_mask``
             mask = window_mask(self.cfg.sliding_window, mask, position_ids, None if caches is None else caches[0],
                                cache_start)
         cos, sin = rope_cos_sin(self.inv_freq, position_ids, hidden.dtype)
         recompute = recompute and torch.is_grad_enabled() and caches is None
+        lo = self.layer_range[0]
         for i, layer in enumerate(self.layers):
+            layer_mask = mask if self.cfg.windowed(lo + i) else full_mask
             if recompute:
                 # Reentrant checkpointing: the forward runs without autograd and saves only its inputs,
                 # so that the saved-tensor hooks of realloc.models.activations see exactly what is kept.
                 # The model has no dropout, so no RNG state needs restoring.
-                hidden = torch.utils.checkpoint.checkpoint(layer, hidden, cos, sin, mask, None, 0, split,
+                hidden = torch.utils.checkpoint.checkpoint(layer, hidden, cos, sin, layer_mask, None, 0, split,
                                                            use_reentrant=True, preserve_rng_state=False)
             else:
-                hidden = layer(hidden, cos, sin, mask, None if caches is None else caches[i], cache_start, split)
+                hidden = layer(hidden, cos, sin, layer_mask, None if caches is None else caches[i], cache_start, split)
         return hidden
 
     def head(self, hidden: torch.Tensor, split: TokenSplit | None = None) -> torch.Tensor:

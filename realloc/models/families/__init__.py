@@ -22,7 +22,8 @@ from realloc.models.families.base import Family
 FAMILIES: Mapping[str, Family] = MappingProxyType({f.model_type: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY,
                                                                              mistral.FAMILY)})
 SUPPORTED = ("; ".join(f.describe() for f in FAMILIES.values())
-             + "; silu MLP, full attention (Mistral's sliding window too), RoPE type default or llama3")
+             + "; silu MLP, full attention or sliding windows (Mistral's, Phi-3's, Qwen2/Qwen3's per layer), RoPE type "
+             "default or llama3")
 
 
 def unsupported(where: str, field: str, value: Any, why: str = "") -> ValueError:
@@ -114,6 +115,7 @@ def config_from_hf(hf: Mapping[str, Any], where: str, name: str | None = None,
         if head_dim is not None and (int(head_dim) <= 0 or int(head_dim) % 2):
             raise unsupported(where, "head_dim", head_dim, " (rotary embeddings need a positive even head_dim)")
         theta, scaling = _rope(hf, fam.defaults["rope_theta"], where)
+        window, full_layers = fam.windows(hf) if fam.windows is not None else (None, ())
         return ModelConfig(
             name=name or str(hf.get("_name_or_path") or f"hf-{fam.model_type}"),
             vocab_size=int(hf["vocab_size"]), hidden_size=h, intermediate_size=int(hf["intermediate_size"]),
@@ -124,7 +126,7 @@ def config_from_hf(hf: Mapping[str, Any], where: str, name: str | None = None,
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)) and not is_critic,
             is_critic=is_critic, rope_scaling=scaling, family=fam.model_type, qkv_bias=fam.qkv_bias,
             qk_norm=fam.qk_norm,
-            sliding_window=_window(hf, fam),
+            sliding_window=window, full_attention_layers=full_layers,
             explicit_head_dim=None if head_dim is None else int(head_dim),
         )
     except KeyError as e:
@@ -138,13 +140,6 @@ def config_from_hf(hf: Mapping[str, Any], where: str, name: str | None = None,
         raise ValueError(f"{where}: {msg}; fix config.json or point the model at another checkpoint") from None
 
 
-def _window(hf: Mapping[str, Any], fam: Family) -> int | None:
-    if not fam.windowed:
-        return None
-    window = hf.get("sliding_window", fam.defaults.get("sliding_window"))
-    return None if window is None else int(window)
-
-
 # ModelConfig's field names as config.json spells them, for errors about a checkpoint's config.
 _HF_KEYS = {"n_kv_heads": "num_key_value_heads", "n_heads": "num_attention_heads", "n_layers": "num_hidden_layers"}
 
@@ -152,9 +147,11 @@ _HF_KEYS = {"n_kv_heads": "num_key_value_heads", "n_heads": "num_attention_heads
 def hf_from_config(cfg: ModelConfig, dtype_name: str = "float32") -> dict[str, Any]:
     """config.json of ``cfg`` for ``transformers``: its family's causal LM, or sequence classifier for critics."""
     fam = family(cfg.family, f"model config {cfg.name!r}")
-    if cfg.sliding_window is not None and not fam.windowed:
+    if not fam.can_write(cfg):
+        what = ("its layers have no window" if fam.windows is None else
+                f"it windows every layer or none, not all but layers {list(cfg.full_attention_layers)}")
         raise ValueError(f"model config {cfg.name!r}: sliding_window={cfg.sliding_window} cannot be written as a "
-                         f"{fam.model_type} checkpoint (its layers have no window); set family to mistral")
+                         f"{fam.model_type} checkpoint ({what}); set family to mistral, qwen2 or qwen3")
     for field in ("qkv_bias", "qk_norm"):
         if getattr(cfg, field) != getattr(fam, field):
             raise ValueError(f"model config {cfg.name!r}: {field}={getattr(cfg, field)} cannot be written as a "
