@@ -166,3 +166,121 @@ def test_per_layer_window_configs_round_trip_and_refuse_what_cannot_be_written()
         hf_config_from_model_config(dataclasses.replace(qwen2, family="mistral", qkv_bias=False))
     assert [s.name for s in param_specs(qwen2)] == [s.name for s in param_specs(dataclasses.replace(
         qwen2, sliding_window=None))]
+
+
+# -- Phi-3 --------------------------------------------------------------------------------------------------------
+
+PHI3 = {"partial_rotary_factor": 0.75, "sliding_window": 6}  # 12 of each head's 16 features rotated; a 6-token window
+
+
+@pytest.fixture(scope="module")
+def phi3(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf_phi3")
+    return tiny_hf_model(path, seed=41, family="phi3", kv_heads=2, **PHI3), path
+
+
+@torch.no_grad()
+def test_phi3_reads_its_shape_and_counts_its_parameters(phi3):
+    """The fused tensors split into the model's q/k/v and gate/up by rows; the counts are transformers'; the
+    partial rotary embedding and the window both change transformers' logits (neither comparison is vacuous)."""
+    import copy
+
+    from realloc.models.fused_names import hf_shapes, split_hf_state
+
+    hf, path = phi3
+    cfg = model_config_from_hf(path)
+    assert (cfg.family, cfg.rotary_dim, cfg.head_dim, cfg.sliding_window, cfg.qkv_bias) == ("phi3", 12, 16, 6, False)
+    state = hf.state_dict()
+    assert cfg.total_params == sum(p.numel() for p in hf.parameters()) == sum(s.numel for s in param_specs(cfg))
+    assert hf_shapes(cfg) == {n: tuple(t.shape) for n, t in state.items()}
+    ours = split_hf_state(cfg, state)
+    assert set(ours) == {s.name for s in param_specs(cfg)}
+    qkv = state["model.layers.1.self_attn.qkv_proj.weight"]
+    assert torch.equal(torch.cat([ours[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"]), qkv)
+    assert ours["model.layers.1.self_attn.k_proj.weight"].shape == (32, 64)
+    ids, _, mask = _padded_batch()
+    ref = hf(input_ids=ids, attention_mask=mask).logits
+    full_rope = copy.deepcopy(hf)
+    full_rope.config.rope_parameters["partial_rotary_factor"] = 1.0
+    type(full_rope.model.rotary_emb).__init__(full_rope.model.rotary_emb, full_rope.config)
+    assert (full_rope(input_ids=ids, attention_mask=mask).logits - ref).abs().max() > 1e-3
+    no_window = copy.deepcopy(hf)
+    no_window.config.sliding_window = None
+    other = no_window(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(other[:, :6], ref[:, :6]) and (other[0, 6:12] - ref[0, 6:12]).abs().max() > 1e-3
+
+
+@torch.no_grad()
+def test_phi3_matches_hf_logits_and_greedy(pool, phi3):
+    hf, path = phi3
+    _check_against_hf(pool, hf, path, LAYOUTS + [(2, 2), (4, 1)])
+
+
+def test_phi3_trains_like_the_dense_model(pool, phi3):
+    """SGD at lr 1 at tp 2 (sequence parallel), tp 4 and pp 2; AdamW over two steps at tp 2 / pp 2: the fused
+    tensors' gradients, split by rows, are the model's."""
+    hf, path = phi3
+    _check_train(pool, hf, path, [(1, 2, 1), (1, 4, 1), (1, 1, 2)], "sgd", 1, None)
+    _check_train(pool, hf, path, [(1, 2, 2)], "adamw", 2, 1.0)
+
+
+@torch.no_grad()
+def test_phi3_critic_values_match_its_sequence_classifier(pool, tmp_path):
+    hf = tiny_hf_model(tmp_path, seed=43, critic=True, family="phi3", kv_heads=2, **PHI3)
+    assert type(hf).__name__ == "Phi3ForSequenceClassification"
+    cfg = model_config_from_hf(tmp_path)
+    assert cfg.is_critic and cfg.family == "phi3"
+    ids, lens, mask = _padded_batch(seed=5)
+    ref = hf.score(hf.model(input_ids=ids, attention_mask=mask).last_hidden_state)[..., 0] * mask
+    for tp, pp in [(1, 1), (2, 1), (1, 2)]:
+        last = pool.run(_critic_values, cfg, tp, pp, str(tmp_path), ids, lens)[tp * pp - 1]
+        assert torch.allclose(last, ref, atol=1e-4), (tp, pp, (last - ref).abs().max())
+
+
+@pytest.mark.parametrize("max_file_bytes", [4 << 30, 40_000], ids=["one-file-per-stage", "small-files"])
+@torch.no_grad()
+def test_phi3_saves_fused_tensors_that_load_in_transformers(pool, phi3, tmp_path, max_file_bytes):
+    """Saved at tp 2 / pp 2 (files split between tensors, never inside a fused one): the files hold transformers'
+    tensor names and values, load in transformers with equal logits, and read back to the same config."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    hf, src = phi3
+    cfg = model_config_from_hf(src)
+    pool.run(_save, cfg, 1, 2, 2, str(src), str(tmp_path / "a"), max_file_bytes)
+    files = sorted((tmp_path / "a").glob("*.safetensors"))
+    assert len(files) > (2 if max_file_bytes < 1 << 20 else 1)
+    state = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            state.update({k: fh.get_tensor(k) for k in fh.keys()})
+    hf_state = hf.state_dict()
+    assert set(state) == set(hf_state) and all(torch.equal(t, hf_state[n]) for n, t in state.items())
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert config["architectures"] == ["Phi3ForCausalLM"] and config["sliding_window"] == 6
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "a", attn_implementation="eager").eval()
+    assert type(back) is type(hf) and back.config.rope_parameters["partial_rotary_factor"] == 0.75
+    ids, lens, mask = _padded_batch(seed=9)
+    assert torch.equal(back(input_ids=ids, attention_mask=mask).logits, hf(input_ids=ids, attention_mask=mask).logits)
+    assert model_config_from_hf(tmp_path / "a") == cfg
+
+
+def test_phi3_refuses_longrope_and_what_transformers_refuses_in_one_line():
+    base = tiny_hf_config(family="phi3").to_dict()
+    longrope = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                "original_max_position_embeddings": 64}
+    for patch, words in (({"rope_parameters": longrope}, "rope_type='longrope'"),
+                         ({"rope_scaling": {"type": "su", "short_factor": [1.0] * 8}}, "rope_type='su'"),
+                         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_type='llama3'"),
+                         ({"sliding_window": 0}, "sliding_window=0"),
+                         ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                               "partial_rotary_factor": 0.2}}, "partial_rotary_factor")):
+        with pytest.raises(ValueError) as e:
+            model_config_from_hf({**base, **patch})
+        assert "\n" not in str(e.value) and words in str(e.value), str(e.value)
+    # the top-level key counts when rope_parameters has none, as Phi3Config reads it
+    top = {**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, "partial_rotary_factor": 0.5}
+    assert model_config_from_hf(top).rotary_dim == 8
+    for critic in (False, True):
+        cfg = model_config_from_hf(tiny_hf_config(family="phi3", critic=critic, **PHI3).to_dict(), name="m")
+        assert model_config_from_hf(hf_config_from_model_config(cfg), name="m") == cfg

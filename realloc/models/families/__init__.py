@@ -1,7 +1,7 @@
 """HF architecture families: each maps an HF config.json onto the one parallel model and back.
 
 The parallel model (``realloc.models.llama``) is one LLaMA-style decoder; a family
-is a small module (``llama.py``, ``qwen2.py``, ``qwen3.py``, ``mistral.py``) that names its HF architectures,
+is a small module (``llama.py``, ``qwen2.py``, ``qwen3.py``, ``mistral.py``, ``phi3.py``) that names its HF architectures,
 says which of its config.json settings the model cannot run, and adds its own
 keys when writing one. The keys every family shares (sizes, heads, RoPE, norm
 epsilon, tied embeddings, the critic's single label) are read and written here.
@@ -16,11 +16,11 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from realloc.models.config import ModelConfig
-from realloc.models.families import llama, mistral, qwen2, qwen3
+from realloc.models.families import llama, mistral, phi3, qwen2, qwen3
 from realloc.models.families.base import Family
 
 FAMILIES: Mapping[str, Family] = MappingProxyType({f.model_type: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY,
-                                                                             mistral.FAMILY)})
+                                                                             mistral.FAMILY, phi3.FAMILY)})
 SUPPORTED = ("; ".join(f.describe() for f in FAMILIES.values())
              + "; silu MLP, full attention or sliding windows (Mistral's, Phi-3's, Qwen2/Qwen3's per layer), RoPE type "
              "default or llama3")
@@ -128,6 +128,7 @@ def config_from_hf(hf: Mapping[str, Any], where: str, name: str | None = None,
             qk_norm=fam.qk_norm,
             sliding_window=window, full_attention_layers=full_layers,
             explicit_head_dim=None if head_dim is None else int(head_dim),
+            rotary_dim=_rotary_dim(hf, fam, h // heads if head_dim is None else int(head_dim)),
         )
     except KeyError as e:
         raise ValueError(f"{where}: missing key {e.args[0]!r}") from None
@@ -140,8 +141,21 @@ def config_from_hf(hf: Mapping[str, Any], where: str, name: str | None = None,
         raise ValueError(f"{where}: {msg}; fix config.json or point the model at another checkpoint") from None
 
 
+def _rotary_dim(hf: Mapping[str, Any], fam: Family, head_dim: int) -> int | None:
+    """The rotated features of a head: ``int(head_dim * partial_rotary_factor)`` where the family reads the factor
+    (Phi-3: ``rope_parameters`` first, then the top-level key), else all of them."""
+    if not fam.partial_rotary:
+        return None
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    factor = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    if not 0.0 < factor <= 1.0:
+        raise ValueError(f"partial_rotary_factor must be in (0, 1], got {factor}")
+    return int(head_dim * factor)
+
+
 # ModelConfig's field names as config.json spells them, for errors about a checkpoint's config.
-_HF_KEYS = {"n_kv_heads": "num_key_value_heads", "n_heads": "num_attention_heads", "n_layers": "num_hidden_layers"}
+_HF_KEYS = {"n_kv_heads": "num_key_value_heads", "n_heads": "num_attention_heads", "n_layers": "num_hidden_layers",
+            "rotary_dim": "int(head_dim * partial_rotary_factor)"}
 
 
 def hf_from_config(cfg: ModelConfig, dtype_name: str = "float32") -> dict[str, Any]:

@@ -27,6 +27,10 @@ class Family:
     # Mistral and Phi-3 window every layer (``every_layer_window``); Qwen2/Qwen3 decide per layer (``layer_types``).
     windows: "Callable[[Mapping[str, Any]], tuple[int | None, tuple[int, ...]]] | None" = None
     per_layer_windows: bool = False  # config.json can say which layers are windowed (else all or none)
+    # Tensors of a layer the checkpoint concatenates along their rows: (its name, the parts' names in order), both
+    # relative to ``model.layers.<i>.`` (Phi-3's qkv_proj and gate_up_proj; ``models/fused_names.py``).
+    fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    partial_rotary: bool = False  # config.json's partial_rotary_factor rotates a head's first features only (Phi-3)
 
     def can_write(self, cfg: ModelConfig) -> bool:
         """Whether config.json of this family can express ``cfg``'s sliding-window layers."""
