@@ -284,3 +284,139 @@ def test_phi3_refuses_longrope_and_what_transformers_refuses_in_one_line():
     for critic in (False, True):
         cfg = model_config_from_hf(tiny_hf_config(family="phi3", critic=critic, **PHI3).to_dict(), name="m")
         assert model_config_from_hf(hf_config_from_model_config(cfg), name="m") == cfg
+
+
+# -- planning: registry shapes, realloc show ----------------------------------------------------------------------
+
+
+def test_phi3_mini_registry_shape_has_the_parameters_of_transformers():
+    """The planning shape of Phi-3-mini-4k against the parameters transformers allocates for its config.json (on
+    the meta device), its config round trip, and the estimator's count of its parameters."""
+    import transformers
+
+    from realloc.estimator.memory import local_params
+    from realloc.models.config import get_model_config
+
+    cfg = get_model_config("phi3-mini")
+    hf = hf_config_from_model_config(cfg)
+    assert (hf["sliding_window"], hf["architectures"]) == (2047, ["Phi3ForCausalLM"])
+    kw = {k: v for k, v in hf.items() if k not in ("architectures", "model_type", "torch_dtype", "dtype")}
+    with torch.device("meta"):
+        model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**kw))
+    assert cfg.total_params == sum(p.numel() for p in model.parameters()) == 3_821_079_552
+    assert model_config_from_hf(hf, name="phi3-mini") == cfg
+    assert sum(local_params(cfg, 1, 2, s) for s in range(2)) == cfg.allocated_params == cfg.total_params
+
+
+def test_show_names_phi3_and_per_layer_windows(tmp_path):
+    from test_experiment_models import _experiment, _show
+
+    f = _experiment(tmp_path)
+    tiny_hf_model(tmp_path / "ckpt/sft", seed=1, family="phi3", kv_heads=2, **PHI3)
+    tiny_hf_model(tmp_path / "ckpt/rm", seed=2, family="qwen2", kv_heads=2, critic=True, **WINDOWS["qwen2"][0])
+    r = _show(f)
+    assert r.returncode == 0, r.stderr
+    lines = {ln.split(":")[0]: ln for ln in r.stdout.splitlines() if ln.startswith("checkpoint ")}
+    assert "phi3, 4 layers, hidden 64, 4 heads (2 KV) x 16, MLP 176, vocabulary 128, sliding window 6, rotary 12 " \
+        "of 16 features, 201,280 parameters" in lines["checkpoint actor"], lines
+    assert "qwen2, 4 layers" in lines["checkpoint reward"] and "sliding window 5 in 2 of 4 layers" in \
+        lines["checkpoint reward"]
+
+
+# -- Gemma --------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf_gemma")
+    return tiny_hf_model(path, seed=51, family="gemma", kv_heads=2, head_dim=32, tie=True), path
+
+
+@torch.no_grad()
+def test_gemma_reads_its_shape_and_each_difference_from_llama_matters(gemma):
+    """head_dim 32 (not 16), tied embeddings, gelu: read; the (1 + w) norms are random (HF's zeros would show
+    little), and the gelu MLP and the embedding scale each change transformers' logits."""
+    import copy
+
+    hf, path = gemma
+    cfg = model_config_from_hf(path)
+    assert (cfg.family, cfg.head_dim, cfg.tie_embeddings, cfg.hidden_act, cfg.norm_plus_one, cfg.embed_scale) == \
+        ("gemma", 32, True, "gelu_pytorch_tanh", True, True)
+    assert cfg.total_params == sum(p.numel() for p in hf.parameters()) == sum(s.numel for s in param_specs(cfg))
+    ids, _, mask = _padded_batch()
+    ref = hf(input_ids=ids, attention_mask=mask).logits
+    silu = copy.deepcopy(hf)
+    for layer in silu.model.layers:
+        layer.mlp.act_fn = torch.nn.SiLU()
+    unscaled = copy.deepcopy(hf)
+    unscaled.model.embed_tokens.embed_scale.fill_(1.0)
+    for other in (silu, unscaled):
+        assert (other(input_ids=ids, attention_mask=mask).logits - ref).abs().max() > 1e-3
+
+
+@torch.no_grad()
+def test_gemma_matches_hf_logits_and_greedy(pool, gemma):
+    hf, path = gemma
+    _check_against_hf(pool, hf, path, LAYOUTS + [(2, 2)])
+
+
+def test_gemma_trains_like_the_dense_model(pool, gemma):
+    """SGD at lr 1 at tp 2 (sequence parallel) and pp 2 (the tied embedding's gradient summed over both stages,
+    the (1 + w) norms' gradients); AdamW over two steps at tp 2 / pp 2."""
+    hf, path = gemma
+    _check_train(pool, hf, path, [(1, 2, 1), (1, 1, 2)], "sgd", 1, None)
+    _check_train(pool, hf, path, [(1, 2, 2)], "adamw", 2, 1.0)
+
+
+@torch.no_grad()
+def test_gemma_critic_values_match_its_sequence_classifier(pool, tmp_path):
+    hf = tiny_hf_model(tmp_path, seed=53, critic=True, family="gemma", kv_heads=2, head_dim=32)
+    assert type(hf).__name__ == "GemmaForSequenceClassification"
+    cfg = model_config_from_hf(tmp_path)
+    assert cfg.is_critic and not cfg.tie_embeddings
+    ids, lens, mask = _padded_batch(seed=5)
+    ref = hf.score(hf.model(input_ids=ids, attention_mask=mask).last_hidden_state)[..., 0] * mask
+    for tp, pp in [(1, 1), (2, 1), (1, 2)]:
+        last = pool.run(_critic_values, cfg, tp, pp, str(tmp_path), ids, lens)[tp * pp - 1]
+        assert torch.allclose(last, ref, atol=1e-4), (tp, pp, (last - ref).abs().max())
+
+
+@torch.no_grad()
+def test_gemma_saves_and_loads_in_transformers(pool, gemma, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    hf, src = gemma
+    cfg = model_config_from_hf(src)
+    saved = assemble(pool.run(_save, cfg, 1, 2, 2, str(src), str(tmp_path / "a"), 4 << 30), cfg)
+    hf_state = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}  # tied: the embedding's
+    assert set(saved) == set(hf_state) and all(torch.equal(t, hf_state[n]) for n, t in saved.items())
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert (config["architectures"], config["hidden_act"]) == (["GemmaForCausalLM"], "gelu_pytorch_tanh")
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "a", attn_implementation="eager").eval()
+    assert type(back) is type(hf)
+    ids, lens, mask = _padded_batch(seed=9)
+    assert torch.equal(back(input_ids=ids, attention_mask=mask).logits, hf(input_ids=ids, attention_mask=mask).logits)
+    assert model_config_from_hf(tmp_path / "a") == cfg
+
+
+def test_gemma_refusals_and_registry_shapes():
+    import transformers
+
+    from realloc.models.config import get_model_config
+
+    base = tiny_hf_config(family="gemma", head_dim=32).to_dict()
+    assert model_config_from_hf({**base, "hidden_act": "gelu"}).hidden_act == "gelu_pytorch_tanh"  # GemmaConfig's
+    for patch, words in (({"hidden_act": "relu"}, "hidden_act='relu'"), ({"attention_bias": True}, "attention_bias"),
+                         ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+                         ({"model_type": "gemma2"}, "model_type='gemma2'")):
+        with pytest.raises(ValueError) as e:
+            model_config_from_hf({**base, **patch})
+        assert "\n" not in str(e.value) and words in str(e.value), str(e.value)
+    for name, count in (("gemma-2b", 2_506_172_416), ("gemma-7b", 8_537_680_896)):
+        cfg = get_model_config(name)
+        hf = hf_config_from_model_config(cfg)
+        kw = {k: v for k, v in hf.items() if k not in ("architectures", "model_type", "torch_dtype", "dtype")}
+        with torch.device("meta"):
+            model = transformers.GemmaForCausalLM(transformers.GemmaConfig(**kw))
+        assert cfg.total_params == sum(p.numel() for p in model.parameters()) == count, name
+        assert model_config_from_hf(hf, name=name) == cfg

@@ -31,6 +31,11 @@ class Family:
     # relative to ``model.layers.<i>.`` (Phi-3's qkv_proj and gate_up_proj; ``models/fused_names.py``).
     fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
     partial_rotary: bool = False  # config.json's partial_rotary_factor rotates a head's first features only (Phi-3)
+    # config.json's hidden_act values the family runs, as ModelConfig.hidden_act (absent: ``defaults["hidden_act"]``,
+    # else silu); Gemma's RMSNorm (1 + weight) and embedding scale
+    activations: Mapping[str, str] = dataclasses.field(default_factory=lambda: {"silu": "silu"})
+    norm_plus_one: bool = False
+    embed_scale: bool = False
 
     def can_write(self, cfg: ModelConfig) -> bool:
         """Whether config.json of this family can express ``cfg``'s sliding-window layers."""
