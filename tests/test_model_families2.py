@@ -420,3 +420,38 @@ def test_gemma_refusals_and_registry_shapes():
             model = transformers.GemmaForCausalLM(transformers.GemmaConfig(**kw))
         assert cfg.total_params == sum(p.numel() for p in model.parameters()) == count, name
         assert model_config_from_hf(hf, name=name) == cfg
+
+
+def test_gemma_rmsnorm_is_transformers_bit_for_bit_in_bf16_and_its_gradients_are_autograds():
+    """(1 + w) multiplied in fp32 before the cast to bf16, as GemmaRMSNorm; a LLaMA-order norm with w + 1 folded into
+    its weight rounds otherwise. The hand-written backward equals autograd through transformers' formula (fp64)."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    from realloc.models.llama import RMSNorm
+
+    torch.manual_seed(0)
+    theirs = GemmaRMSNorm(64, eps=1e-6)
+    ours = RMSNorm(64, 1e-6, torch.bfloat16, torch.device("cpu"), plus_one=True)
+    with torch.no_grad():
+        theirs.weight.normal_(0.0, 0.3)
+        ours.weight.copy_(theirs.weight.to(torch.bfloat16))
+        theirs.weight.copy_(ours.weight.float())
+    x = torch.randn(3, 5, 64).to(torch.bfloat16) * 3
+    with torch.no_grad():
+        want = theirs.to(torch.bfloat16)(x)
+        assert torch.equal(ours(x), want)
+        folded = RMSNorm(64, 1e-6, torch.bfloat16, torch.device("cpu"))
+        folded.weight.copy_(ours.weight.float() + 1)
+        assert not torch.equal(folded(x), want)
+    # transformers' formula in fp64 (GemmaRMSNorm itself computes in fp32)
+    w = (torch.randn(64, dtype=torch.float64) * 0.3).requires_grad_(True)
+    mine = RMSNorm(64, 1e-6, torch.float64, torch.device("cpu"), plus_one=True)
+    with torch.no_grad():
+        mine.weight.copy_(w)
+    xa = torch.randn(4, 64, dtype=torch.float64, requires_grad=True)
+    xb = xa.detach().clone().requires_grad_(True)
+    dy = torch.randn(4, 64, dtype=torch.float64)
+    ((xa * torch.rsqrt(xa.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + w)) * dy).sum().backward()
+    (mine(xb) * dy).sum().backward()
+    torch.testing.assert_close(xb.grad, xa.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(mine.weight.grad, w.grad, rtol=1e-12, atol=1e-12)
