@@ -16,10 +16,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
-from test_runtime_hf_e2e import (HEADLINE, ITERS, Runs, _check_against_transformers, _metrics, _samples,
-                                 check_export_against_shards, write_experiment)
+from test_families_e2e import check_samples_and_rewards
+from test_runtime_hf_e2e import HEADLINE, ITERS, Runs, _metrics, check_export_against_shards, write_experiment
 
 
 def _patch(path: Path, **keys) -> None:
@@ -64,20 +63,9 @@ def test_same_metrics_on_one_device_and_at_tp2_pp2(runs):
 
 
 def test_samples_and_rewards_match_transformers(runs, experiment):
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    root = experiment.parent
-    actor = AutoModelForCausalLM.from_pretrained(root / "actor").eval()
-    reward = AutoModelForSequenceClassification.from_pretrained(root / "reward").eval()
-    assert (type(actor).__name__, type(reward).__name__) == ("Phi3ForCausalLM", "Qwen2ForSequenceClassification")
-    eos = json.loads((root / "actor/generation_config.json").read_text())["eos_token_id"]
-    first = _samples(runs["one_device"], 1)
-    _check_against_transformers(first, actor, eos)
+    first = check_samples_and_rewards(runs["one_device"], experiment.parent,
+                                      ("Phi3ForCausalLM", "Qwen2ForSequenceClassification"))
     assert max(len(s["prompt_ids"]) + len(s["response_ids"]) for s in first) > 12  # the windows bind
-    for s in first:
-        with torch.no_grad():
-            score = reward(input_ids=torch.tensor([s["prompt_ids"] + s["response_ids"]])).logits[0, 0]
-        assert s["reward"] == pytest.approx(float(score), abs=1e-4)
 
 
 def test_export_after_tp2_pp2_loads_as_its_family_with_the_checkpoints_outputs(runs, experiment, tmp_path):

@@ -90,7 +90,8 @@ def test_per_layer_windows_match_hf_logits_and_greedy(pool, family, request):
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_per_layer_windows_train_like_the_dense_model(pool, family, request):
-    """SGD at lr 1 at tp 2 (sequence parallel) and pp 2 (every gradient checked); AdamW over two steps at tp 2 / pp 2."""
+    """SGD at lr 1 at tp 2 (sequence parallel) and pp 2 (every gradient checked); AdamW over two steps at tp 2 /
+    pp 2."""
     hf, path = request.getfixturevalue(family + "w")
     _check_train(pool, hf, path, [(1, 2, 1), (1, 1, 2)], "sgd", 1, None)
     if family == "qwen3":

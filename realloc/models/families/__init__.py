@@ -20,8 +20,8 @@ from realloc.models.config import ModelConfig
 from realloc.models.families import gemma, llama, mistral, phi3, qwen2, qwen3
 from realloc.models.families.base import Family
 
-FAMILIES: Mapping[str, Family] = MappingProxyType({f.model_type: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY,
-                                                                             mistral.FAMILY, phi3.FAMILY, gemma.FAMILY)})
+FAMILIES: Mapping[str, Family] = MappingProxyType({f.model_type: f for f in (
+    llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, mistral.FAMILY, phi3.FAMILY, gemma.FAMILY)})
 SUPPORTED = ("; ".join(f.describe() for f in FAMILIES.values())
              + "; silu MLP (Gemma's gelu_pytorch_tanh), full attention or sliding windows (Mistral's, Phi-3's, "
              "Qwen2/Qwen3's per layer), RoPE type default or llama3")

@@ -46,7 +46,8 @@ def sliding_layers(hf: Mapping[str, Any]) -> tuple[str, Any, str] | None:
         if odd:
             return "layer_types", odd, " (full_attention or sliding_attention per layer)"
         if len(types) != int(hf.get("num_hidden_layers", len(types))):
-            return "layer_types", f"{len(types)} entries", f" (one per layer: num_hidden_layers={hf['num_hidden_layers']})"
+            return ("layer_types", f"{len(types)} entries",
+                    f" (one per layer: num_hidden_layers={hf['num_hidden_layers']})")
     if "sliding_attention" not in types:
         return None
     window = _window_size(hf)

@@ -31,6 +31,7 @@ import torch
 from safetensors import safe_open
 
 from realloc.models.config import ModelConfig
+from realloc.models.fused_names import hf_locations
 from realloc.models.lora_config import LoRAConfig
 from realloc.models.param_layout import param_specs, stage_of_layer
 from realloc.runtime.persist import checkpoint, lora_export
@@ -115,6 +116,10 @@ def _export(ckpt: Path, model: str, out: Path, dtype: str | None, max_file_bytes
     if fmt == "peft" and cfg.lora is None:
         raise ValueError(f"--format peft: model {model!r} of checkpoint {ckpt} was trained without LoRA, so it has "
                          f"no adapters to write; export it with --format hf")
+    if fmt == "peft" and hf_locations(cfg):  # Phi-3: PEFT's modules are the checkpoint's fused qkv_proj, gate_up_proj
+        raise ValueError(f"--format peft: model {model!r} ({cfg.family}) has its LoRA adapters on q/k/v and gate/up "
+                         f"apart, which its checkpoint fuses (qkv_proj, gate_up_proj) and PEFT cannot hold; export "
+                         f"it merged with --format hf")
     base = dataclasses.replace(cfg, lora=None)  # what HF files hold
     tp, pp = int(rec["tp"]), int(rec["pp"])
     torch_dtype = _DTYPES[dtype] if dtype else None
