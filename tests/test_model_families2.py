@@ -456,3 +456,45 @@ def test_gemma_rmsnorm_is_transformers_bit_for_bit_in_bf16_and_its_gradients_are
     (mine(xb) * dy).sum().backward()
     torch.testing.assert_close(xb.grad, xa.grad, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(mine.weight.grad, w.grad, rtol=1e-12, atol=1e-12)
+
+
+def _bf16_outputs(ctx, cfg, tp, path, ids):
+    from realloc.models.engine import ParallelModel
+    from realloc.models.groups import ModelLayout
+    from realloc.models.hf_io import load_hf_checkpoint
+    from realloc.strategy import ParallelStrategy
+
+    layout = ModelLayout.for_model(cfg, tuple(range(tp)), ParallelStrategy(1, tp, 1))
+    ctx.groups.ensure_layouts([layout])
+    if ctx.rank >= tp:
+        return None
+    model = ParallelModel(cfg, ctx.groups.model_groups(layout), dtype=torch.bfloat16, init="empty")
+    load_hf_checkpoint(model, path)
+    with torch.no_grad():
+        return model.stage.embed(ids), model.stage.model.norm(model.stage.embed(ids))
+
+
+@torch.no_grad()
+def test_gemma_bf16_embedding_scale_and_norm_are_transformers_bit_for_bit(pool, tmp_path):
+    """hidden 48: sqrt(48) = 6.928 rounds to 6.9375 in bf16, as GemmaTextScaledWordEmbedding scales; realloc's
+    bf16 embeddings (tp 1 and tp 2) and its final norm over them equal transformers' in bf16 bit for bit, and an
+    fp32 scale would not."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    torch.manual_seed(61)
+    hf = GemmaForCausalLM(GemmaConfig(vocab_size=128, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                                      max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    with torch.no_grad():
+        hf.model.norm.weight.normal_(0.0, 0.3)
+    hf.save_pretrained(tmp_path)
+    hf = hf.to(torch.bfloat16)
+    ids = torch.randint(1, 128, (2, 9))
+    cfg = model_config_from_hf(tmp_path)
+    want = hf.model.embed_tokens(ids)
+    exact = hf.model.embed_tokens.weight[ids] * (48 ** 0.5)
+    assert not torch.equal(want, exact)  # the rounding of the scale shows
+    for tp in (1, 2):
+        emb, normed = pool.run(_bf16_outputs, cfg, tp, str(tmp_path), ids)[0]
+        assert emb.dtype == torch.bfloat16 and torch.equal(emb, want), tp
+        assert torch.equal(normed, hf.model.norm(want)), tp
