@@ -1,4 +1,4 @@
-"""Phi-3 (Phi-3-mini/small-4k/medium, Phi-3.5-mini with a default RoPE, Phi-4-mini's layout): LLaMA's block with
+"""Phi-3 (Phi-3-mini-4k, Phi-3-medium-4k: model_type phi3 with the default RoPE): LLaMA's block with
 fused projections, an optional sliding window and an optional partial rotary embedding.
 
 Phi3Attention projects q, k and v with one ``qkv_proj`` (rows q | k | v) and Phi3MLP gate and up with one
@@ -7,7 +7,8 @@ and splits / concatenates their rows on load and save (``Family.fused``, ``model
 config.json's ``sliding_window`` binds every layer (Phi-3-mini-4k: 2047 of 4096 positions), as Mistral's.
 ``partial_rotary_factor`` (in ``rope_parameters`` or at the top level) rotates each head's first
 ``int(head_dim * factor)`` features only (``ModelConfig.rotary_dim``). The 128k-context checkpoints' ``longrope``
-(``su``) scaling is refused in one line, as is any rope type transformers' Phi3Config refuses. Dropout
+(``su``) scaling, which Phi-3.5-mini and Phi-4-mini use too, is refused in one line, as is any rope type
+transformers' Phi3Config refuses. Dropout
 (``resid_pdrop``, ``attention_dropout``) is not applied: realloc trains as transformers' model in eval mode, and
 Phi-3's own checkpoints set them to 0.
 """
