@@ -498,3 +498,24 @@ def test_gemma_bf16_embedding_scale_and_norm_are_transformers_bit_for_bit(pool, 
         emb, normed = pool.run(_bf16_outputs, cfg, tp, str(tmp_path), ids)[0]
         assert emb.dtype == torch.bfloat16 and torch.equal(emb, want), tp
         assert torch.equal(normed, hf.model.norm(want)), tp
+
+
+def test_lora_on_gemma_trains_like_the_dense_lora_formula(pool, gemma):
+    """LoRA adapters on every projection of a Gemma model (the (1 + w) norms and the scaled tied embedding frozen)
+    take the dense model's SGD step at tp 1 and tp 2."""
+    import dataclasses
+
+    from test_lora import LORA, DenseLoRA, _adapters, _assemble_adapters, _micro_batches, _train
+
+    hf, path = gemma
+    cfg = dataclasses.replace(model_config_from_hf(path), lora=LORA)
+    adapters = _adapters(cfg, seed=3)
+    mbs = _micro_batches(seed=11)
+    dense = DenseLoRA(hf, LORA, adapters)
+    ref_norm = dense.sgd_step(mbs, max_norm=0.05)
+    for tp in (1, 2):
+        res = [r for r in pool.run(_train, cfg, 1, tp, 1, str(path), adapters, mbs, 0.05, False, True) if r is not None]
+        for r in res:
+            assert r["frozen_moved"] == [] and abs(r["stats"]["grad_norm"] - ref_norm) < 1e-5 * max(1.0, ref_norm)
+        for name, t in _assemble_adapters(res, cfg).items():
+            assert (t - dense.params[name].detach()).abs().max().item() < 2e-6, (tp, name)
