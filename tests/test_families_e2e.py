@@ -51,20 +51,27 @@ def test_same_metrics_on_one_device_and_at_tp2_pp2(runs):
     assert abs(ref[0]["approx_kl"]) < 1e-5  # the first update starts at ratio 1
 
 
-def test_samples_and_rewards_match_transformers(runs, experiment):
+def check_samples_and_rewards(run: Path, root: Path, classes: tuple[str, str]) -> list[dict]:
+    """Iteration 1's samples of ``run`` are transformers' greedy tokens and log-probs of ``root``/actor, and their
+    rewards ``root``/reward's scores; ``classes``: the two models' transformers classes. Returns the samples."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    root = experiment.parent
     actor = AutoModelForCausalLM.from_pretrained(root / "actor").eval()
     reward = AutoModelForSequenceClassification.from_pretrained(root / "reward").eval()
-    assert (type(actor).__name__, type(reward).__name__) == ("Qwen3ForCausalLM", "Qwen3ForSequenceClassification")
+    assert (type(actor).__name__, type(reward).__name__) == classes
     eos = json.loads((root / "actor/generation_config.json").read_text())["eos_token_id"]
-    first = _samples(runs["one_device"], 1)
+    first = _samples(run, 1)
     _check_against_transformers(first, actor, eos)
     for s in first:
         with torch.no_grad():
             score = reward(input_ids=torch.tensor([s["prompt_ids"] + s["response_ids"]])).logits[0, 0]
         assert s["reward"] == pytest.approx(float(score), abs=1e-4)
+    return first
+
+
+def test_samples_and_rewards_match_transformers(runs, experiment):
+    check_samples_and_rewards(runs["one_device"], experiment.parent,
+                              ("Qwen3ForCausalLM", "Qwen3ForSequenceClassification"))
 
 
 def test_export_after_tp2_pp2_loads_as_its_family_with_the_checkpoints_outputs(runs, experiment, tmp_path):

@@ -224,13 +224,13 @@ REPO_CONFIG = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 160, "n
 
 @pytest.mark.parametrize("patch,words", [
     ({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8}, "model_type='qwen3_moe'"),
-    ({"model_type": "gemma", "architectures": ["GemmaForCausalLM"]}, "model_type='gemma'"),
-    ({"model_type": "phi3", "architectures": ["Phi3ForCausalLM"]}, "model_type='phi3'"),
+    ({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}, "model_type='gemma2'"),
+    ({"model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "rope_scaling": {"type": "su"}}, "rope_type='su'"),
     ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_act": "gelu_pytorch_tanh"},
      "hidden_act='gelu_pytorch_tanh'"),
     ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "attention_bias": True}, "attention_bias=True"),
-    ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True,
-      "sliding_window": 16, "max_window_layers": 1}, "use_sliding_window=True"),
+    ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "use_sliding_window": False,
+      "sliding_window": 16, "layer_types": ["full_attention", "sliding_attention"]}, "layer_types='sliding_attention'"),
     ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 0}, "sliding_window=0"),
 ])
 def test_show_names_an_unsupported_family_or_field_in_one_line(tmp_path, patch, words):

@@ -16,6 +16,7 @@ import torch
 
 from realloc.models.config import ModelConfig, get_model_config
 from realloc.models.hf_io import model_config_from_hf
+from realloc.models.fused_names import split_hf_state
 from realloc.models.param_layout import param_specs
 from realloc.models.sampling import GenerationConfig
 from realloc.models.weights import full_state_dict
@@ -114,6 +115,7 @@ def _check_train(pool, hf, path, layouts, kind, steps, max_norm, *, critic=False
     specs = {s.name: s for s in param_specs(cfg)}
     mbs = _micro_batches(seed=11, n=n_mbs, rows=rows, vocab=min(cfg.vocab_size, 128))
     ref_state, ref_hist = _dense_reference(hf, mbs, kind, steps, max_norm, critic)
+    ref_state = split_hf_state(cfg, ref_state)  # Phi-3's fused qkv_proj / gate_up_proj under the model's names
     for dp, tp, pp in layouts:
         res = pool.run(_train, cfg, dp, tp, pp, str(path), mbs, kind, steps, max_norm, recompute, sequence_parallel)
         live = [r for r in res if r is not None]

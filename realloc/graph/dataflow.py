@@ -231,7 +231,9 @@ def _shape_key(cfg: ModelConfig | None) -> dict:
     return {} if cfg is None else {k: v for k, v in dataclasses.asdict(cfg).items()
                                    if k not in ("name", "special_tokens", "lora")
                                    and not (k == "explicit_head_dim" and v is None)
-                                   and not (k in ("qk_norm", "sliding_window") and not v)}
+                                   and not (k in ("qk_norm", "sliding_window", "full_attention_layers", "rotary_dim",
+                                                  "norm_plus_one", "embed_scale") and not v)
+                                   and not (k == "hidden_act" and v == "silu")}
 
 
 def _resolve_model_types(spec: ExperimentSpec, table: Table) -> tuple[dict[str, str], dict[str, ModelConfig | None]]:

@@ -66,6 +66,19 @@ class ModelConfig:
     # Mistral's sliding window: a token attends to itself and the window - 1 tokens before it (None: the whole
     # causal prefix; a window of at least max_position_embeddings never binds and is read as None).
     sliding_window: int | None = None
+    # Layers (0-based, of the whole model) that attend to the whole causal prefix although ``sliding_window`` is set:
+    # Qwen2/Qwen3's per-layer windows (config.json's ``layer_types`` / ``max_window_layers``); () with a window means
+    # every layer is windowed (Mistral, Phi-3). Always () without a window.
+    full_attention_layers: tuple[int, ...] = ()
+    # Partial rotary embedding (Phi-3's / Phi-4-mini's ``partial_rotary_factor``): only the first ``rotary_dim`` of
+    # each head's head_dim features are rotated, the rest pass unchanged (None: all of head_dim).
+    rotary_dim: int | None = None
+    # Gemma's differences from LLaMA's block: the MLP's activation (``silu`` or ``gelu_pytorch_tanh``, gelu's tanh
+    # approximation), RMSNorms that scale by 1 + weight in fp32 before casting back, and embeddings multiplied by
+    # sqrt(hidden_size) rounded to the model dtype.
+    hidden_act: str = "silu"
+    norm_plus_one: bool = False
+    embed_scale: bool = False
     # The checkpoint's bos/eos/pad ids as (key, value) pairs, eos an int or a tuple. Not part of the shape
     # (compare=False): carried so that a saved checkpoint reloads with them (transformers' defaults are wrong
     # for LLaMA-3 and chat models).
@@ -93,6 +106,22 @@ class ModelConfig:
                              f"{self.sliding_window}")
         if self.sliding_window is not None and self.sliding_window >= self.max_position_embeddings:
             object.__setattr__(self, "sliding_window", None)  # never binds: one spelling (equality, digests)
+        full = tuple(sorted(set(self.full_attention_layers)))
+        if any(not 0 <= i < self.n_layers for i in full):
+            raise ValueError(f"model config {self.name!r}: full_attention_layers must be layer indices in "
+                             f"[0, {self.n_layers}), got {self.full_attention_layers}")
+        if self.sliding_window is None or len(full) == self.n_layers:
+            object.__setattr__(self, "sliding_window", None)  # no windowed layer: one spelling
+            full = ()
+        object.__setattr__(self, "full_attention_layers", full)
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"model config {self.name!r}: hidden_act must be silu or gelu_pytorch_tanh, got "
+                             f"{self.hidden_act!r}")
+        if self.rotary_dim == self.head_dim:
+            object.__setattr__(self, "rotary_dim", None)
+        if self.rotary_dim is not None and not (0 < self.rotary_dim < self.head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(f"model config {self.name!r}: rotary_dim must be a positive even number below head_dim "
+                             f"{self.head_dim}, got {self.rotary_dim}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"model config {self.name!r}: n_heads must be divisible by n_kv_heads")
         if self.is_critic and self.tie_embeddings:
@@ -105,6 +134,10 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.explicit_head_dim or self.hidden_size // self.n_heads
+
+    def windowed(self, layer: int) -> bool:
+        """Whether layer ``layer`` (0-based, of the whole model) attends within ``sliding_window``."""
+        return self.sliding_window is not None and layer not in self.full_attention_layers
 
     @property
     def q_dim(self) -> int:
@@ -280,6 +313,17 @@ _BASE_CONFIGS: tuple[ModelConfig, ...] = (
                 norm_eps=1e-6, family="qwen3", qk_norm=True, explicit_head_dim=128),
     ModelConfig("mistral-7b", 32768, 4096, 14336, 32, 32, 8, max_position_embeddings=32768, rope_theta=1e6,
                 norm_eps=1e-5, family="mistral"),
+    # Phi-3-mini-4k-instruct (microsoft/Phi-3-mini-4k-instruct: a 2047-token window of 4096 positions in every layer;
+    # its checkpoint fuses qkv_proj and gate_up_proj, which models/fused_names.py splits).
+    # Gemma 2B and 7B (google/gemma-2b, gemma-7b: head_dim 256, tied embeddings, gelu MLP, (1 + w) norms).
+    ModelConfig("gemma-2b", 256000, 2048, 16384, 18, 8, 1, max_position_embeddings=8192, norm_eps=1e-6,
+                tie_embeddings=True, family="gemma", explicit_head_dim=256, hidden_act="gelu_pytorch_tanh",
+                norm_plus_one=True, embed_scale=True),
+    ModelConfig("gemma-7b", 256000, 3072, 24576, 28, 16, 16, max_position_embeddings=8192, norm_eps=1e-6,
+                tie_embeddings=True, family="gemma", explicit_head_dim=256, hidden_act="gelu_pytorch_tanh",
+                norm_plus_one=True, embed_scale=True),
+    ModelConfig("phi3-mini", 32064, 3072, 8192, 32, 32, 32, max_position_embeddings=4096, rope_theta=10000.0,
+                norm_eps=1e-5, family="phi3", sliding_window=2047),
     # Tiny shapes for the local CPU cluster. Head counts are divisible by 2 and 4
     # so every tp in {1, 2, 4} is legal.
     ModelConfig("tiny", 64, 64, 176, 4, 4, 4, max_position_embeddings=256),

@@ -13,7 +13,8 @@ from safetensors import safe_open
 
 from realloc.models.config import ModelConfig
 from realloc.models.lora_config import is_adapter
-from realloc.models.param_layout import param_specs
+from realloc.models.fused_names import hf_shapes
+from realloc.models.param_layout import ParamSpec, param_specs
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -50,6 +51,7 @@ def check_hf_weights(cfg: ModelConfig, path: str | os.PathLike, *, new_value_hea
                          f"{f' (and {len(missing_files) - 1} more)' if len(missing_files) > 1 else ''}; copy the "
                          f"whole checkpoint directory")
     found: dict[tuple[str, str], tuple[tuple[int, ...], str]] = {}  # (file, name) -> (shape, dtype)
+    specs = {s.name: s for s in param_specs(cfg)}
     for fname in files:
         try:
             with safe_open(str(path / fname), framework="numpy") as f:
@@ -59,7 +61,9 @@ def check_hf_weights(cfg: ModelConfig, path: str | os.PathLike, *, new_value_hea
         except Exception as e:  # safetensors raises its own error types for a truncated or foreign file
             raise ValueError(f"{at}: {fname} is not a readable safetensors file ({type(e).__name__}: "
                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
-    for spec in param_specs(cfg):
+    shapes = hf_shapes(cfg)  # the checkpoint's tensors: Phi-3's fused q/k/v and gate/up as one each
+    for name, hf_shape in shapes.items():
+        spec = ParamSpec(name, hf_shape, None, 0) if name not in specs else specs[name]
         if (spec.name == "score.weight" and new_value_head) or is_adapter(spec.name):
             continue  # made, not read (LoRA adapters start from their own init)
         fname = wmap.get(spec.name, SINGLE_FILE)

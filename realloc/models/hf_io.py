@@ -1,6 +1,8 @@
 """HuggingFace checkpoints (config.json + safetensors) of the supported families in and out of any layout.
 
-config.json is mapped by the checkpoint's family (``realloc.models.families``: LLaMA, Qwen2, Qwen3, Mistral).
+config.json is mapped by the checkpoint's family (``realloc.models.families``: LLaMA, Qwen2, Qwen3, Mistral, Phi-3).
+A family that fuses projections in its files (Phi-3's qkv_proj, gate_up_proj) is read by slicing each part's rows
+out of the fused tensor and written by concatenating them (``fused_names.py``, :func:`fuse_for_hf`).
 
 Loading: every rank opens only the safetensors files that hold its parameters
 and reads only its tp slice of each (``safe_open(...).get_slice``), so a rank
@@ -46,6 +48,7 @@ from realloc.models.hf_check import FLOAT_DTYPES, INDEX_FILE, SINGLE_FILE, check
 # config.json in and out (torch-free, in hf_config.py so that planning a run imports no torch)
 from realloc.models.hf_config import (CONFIG_FILE, GENERATION_CONFIG_FILE, TOKEN_ID_KEYS, model_config_from_hf,
                                       read_hf_config, special_tokens)  # noqa: F401
+from realloc.models.fused_names import hf_locations, hf_shapes, hf_units
 from realloc.models.lora_config import is_adapter
 from realloc.models.param_layout import ParamSpec, param_specs, stage_of_layer
 from realloc.models.weights import init_shard
@@ -112,26 +115,30 @@ def load_hf_checkpoint(model: "ParallelModel", path: str | os.PathLike, *, score
     model._require("ready", "load_hf_checkpoint")
     wmap = _weight_map(path)
     g = model.groups
+    fused = hf_locations(model.cfg)  # Phi-3: q/k/v and gate/up are row ranges of one tensor in the file
     by_file: dict[str, list[str]] = defaultdict(list)
     for name in model.params():
-        if name in wmap:
-            by_file[wmap[name]].append(name)
+        if fused.get(name, (name,))[0] in wmap:
+            by_file[wmap[fused.get(name, (name,))[0]]].append(name)
         elif (name == "score.weight" and score_init_seed is not None) or is_adapter(name):
             continue
         else:
             hint = " (pass score_init_seed= to initialize a new value head)" if name == "score.weight" else ""
             raise ValueError(f"HF checkpoint {path}: parameter {name!r} not found{hint}")
     params = model.params()
+    shapes = hf_shapes(model.cfg) if fused else {}
     for fname, names in sorted(by_file.items()):
         with safe_open(str(path / fname), framework="pt", device="cpu") as f:
             for name in names:
                 spec = model.specs[name]
-                sl = f.get_slice(name)
+                hf_name, row0 = fused.get(name, (name, 0))
+                sl = f.get_slice(hf_name)
                 shape = tuple(sl.get_shape())
-                if shape != spec.hf_shape:
-                    raise ValueError(f"HF checkpoint {path}: {name} has shape {shape}, the model expects "
-                                     f"{spec.hf_shape}; does config.json match the weights?")
-                _read_shard(params[name], sl, spec, g.tp, g.tp_rank)
+                want = shapes[hf_name] if hf_name != name else spec.hf_shape
+                if shape != want:
+                    raise ValueError(f"HF checkpoint {path}: {hf_name} has shape {shape}, the model expects "
+                                     f"{want}; does config.json match the weights?")
+                _read_shard(params[name], sl, spec, g.tp, g.tp_rank, row0)
     for name in params:
         if is_adapter(name) and name not in wmap:
             params[name].copy_(init_shard(model.specs[name], adapter_init_seed, g.tp, g.tp_rank, model.dtype))
@@ -140,10 +147,14 @@ def load_hf_checkpoint(model: "ParallelModel", path: str | os.PathLike, *, score
         params["score.weight"].copy_(init_shard(spec, score_init_seed, g.tp, g.tp_rank, model.dtype))
 
 
-def _read_shard(dst: torch.Tensor, sl: Any, spec: ParamSpec, tp: int, tp_rank: int) -> None:
+def _read_shard(dst: torch.Tensor, sl: Any, spec: ParamSpec, tp: int, tp_rank: int, row0: int = 0) -> None:
     """Copy tp rank ``tp_rank``'s shard of ``spec`` from the file slice ``sl``: the rows the file has, zeros for
-    the vocabulary padding after them."""
+    the vocabulary padding after them. ``row0``: where ``spec``'s rows start in a fused tensor (Phi-3's qkv_proj)."""
     index = spec.shard_slices(tp, tp_rank)
+    if row0:
+        rows = index[0]
+        lo, hi = (rows.start or 0), (spec.shape[0] if rows.stop is None else rows.stop)
+        index = (slice(row0 + lo, row0 + hi),) + tuple(index[1:])
     if not spec.pad_rows:
         dst.copy_(sl[index])
         return
@@ -157,32 +168,53 @@ def _read_shard(dst: torch.Tensor, sl: Any, spec: ParamSpec, tp: int, tp_rank: i
 # -- saving ----------------------------------------------------------------------------------------
 
 
-def _saved_names(cfg: ModelConfig, pp: int, stage: int) -> list[str]:
-    """Names stage ``stage`` writes: its own parameters, not the tied embedding replica of the last stage."""
-    return [s.name for s in param_specs(cfg) if stage_of_layer(cfg.n_layers, pp, s.layer) == stage]
+def _saved_units(cfg: ModelConfig, pp: int, stage: int) -> list[list[str]]:
+    """What stage ``stage`` writes, as the parameter names of each HF tensor (several for a fused one): its own
+    parameters, not the tied embedding replica of the last stage."""
+    mine = [s for s in param_specs(cfg) if stage_of_layer(cfg.n_layers, pp, s.layer) == stage]
+    return [parts for _, parts in hf_units(cfg, mine)]
 
 
 def shard_file_plan(cfg: ModelConfig, pp: int, dtype: torch.dtype,
                     max_file_bytes: int = 4 << 30) -> list[tuple[int, str, list[str]]]:
-    """(writing stage, file name, parameter names) for every file; each stage's params split at ``max_file_bytes``."""
+    """(writing stage, file name, parameter names) for every file; each stage's params split at ``max_file_bytes``,
+    never inside a fused HF tensor (``fuse_for_hf`` makes the file's tensors of the names)."""
     elem = torch.tensor([], dtype=dtype).element_size()
     sizes = {s.name: s.hf_numel * elem for s in param_specs(cfg)}
     chunks: list[tuple[int, list[str]]] = []
     for stage in range(pp):
         cur: list[str] = []
         size = 0
-        for name in _saved_names(cfg, pp, stage):
-            if cur and size + sizes[name] > max_file_bytes:
+        for unit in _saved_units(cfg, pp, stage):
+            unit_size = sum(sizes[n] for n in unit)
+            if cur and size + unit_size > max_file_bytes:
                 chunks.append((stage, cur))
                 cur, size = [], 0
-            cur.append(name)
-            size += sizes[name]
+            cur.extend(unit)
+            size += unit_size
         if cur:
             chunks.append((stage, cur))
     if len(chunks) == 1:
         return [(chunks[0][0], SINGLE_FILE, chunks[0][1])]
     n = len(chunks)
     return [(stage, f"model-{i + 1:05d}-of-{n:05d}.safetensors", names) for i, (stage, names) in enumerate(chunks)]
+
+
+def fuse_for_hf(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A file's tensors under the checkpoint's names: the parts of each fused HF tensor (Phi-3's q/k/v, gate/up)
+    concatenated along their rows in the family's order; everything else as it is."""
+    out: dict[str, torch.Tensor] = {}
+    for hf_name, parts in hf_units(cfg):
+        if parts[0] in tensors:
+            out[hf_name] = tensors[parts[0]] if len(parts) == 1 else torch.cat([tensors[p] for p in parts])
+    out.update({n: t for n, t in tensors.items() if n not in out and n not in hf_locations(cfg)})
+    return out
+
+
+def hf_weight_map(cfg: ModelConfig, plan: list[tuple[int, str, list[str]]]) -> dict[str, str]:
+    """The index's weight_map of a ``shard_file_plan``: each HF tensor's file."""
+    fused = hf_locations(cfg)
+    return {fused.get(n, (n,))[0]: fname for _, fname, names in plan for n in names}
 
 
 def _gather_full(t: torch.Tensor, spec: ParamSpec, g: "ModelParallelGroups") -> torch.Tensor | None:
@@ -245,7 +277,7 @@ def save_hf_checkpoint(model: "ParallelModel", path: str | os.PathLike, *, dtype
                     tensors[name] = full.to(device="cpu", dtype=dtype).contiguous()
             if writer:
                 path.mkdir(parents=True, exist_ok=True)
-                save_weights(tensors, path / fname)
+                save_weights(fuse_for_hf(cfg, tensors), path / fname)
         if writer and g.pp_rank == 0:
             path.mkdir(parents=True, exist_ok=True)
             hf = hf_config_from_model_config(cfg, dtype, hf_extra)
@@ -254,6 +286,6 @@ def save_hf_checkpoint(model: "ParallelModel", path: str | os.PathLike, *, dtype
             if len(plan) > 1:
                 elem = torch.tensor([], dtype=dtype).element_size()
                 index = {"metadata": {"total_size": sum(s.hf_numel for s in param_specs(cfg)) * elem},
-                         "weight_map": {n: fname for _, fname, names in plan for n in names}}
+                         "weight_map": hf_weight_map(cfg, plan)}
                 (path / INDEX_FILE).write_text(json.dumps(index, indent=2))
     dist.barrier(group=g.mesh_group)

@@ -66,8 +66,15 @@ def megatron_config(tp: int, dtype: torch.dtype, device: torch.device) -> ModelP
     )
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm's forward: (weight * x / rms(x), 1 / rms(x)); ``_RMSNormFunction`` says why it computes so."""
+def _plus_one(weight: torch.Tensor) -> torch.Tensor:
+    """Gemma's RMSNorm scale: 1 + weight in fp32 (``GemmaRMSNorm``: ``output * (1.0 + self.weight.float())``)."""
+    return weight.to(torch.promote_types(weight.dtype, torch.float32)) + 1.0
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+              plus_one: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm's forward: (weight * x / rms(x), 1 / rms(x)); ``_RMSNormFunction`` says why it computes so.
+    ``plus_one`` (Gemma): ((1 + weight) * x / rms(x)) multiplied in fp32, then cast to x's dtype."""
     # fp32 as HF computes, or float64 for a float64 input (gradcheck) instead of HF's downcast
     xf = x.to(torch.promote_types(x.dtype, torch.float32))  # x itself when x is fp32
     ms = xf.pow(2).mean(-1, keepdim=True)
@@ -76,6 +83,8 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.
         normed = xf * rinv
     else:
         normed = xf.mul_(rinv)  # the fp32 copy is ours: normalize it in place
+    if plus_one:
+        return normed.mul_(_plus_one(weight)).to(x.dtype), rinv
     normed = normed.to(x.dtype)
     if weight.dtype == normed.dtype:
         return normed.mul_(weight), rinv  # == weight * normed (IEEE products commute); normed is ours
@@ -102,16 +111,19 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, weight: torch.Tensor,
-                eps: float) -> torch.Tensor:
-        out, rinv = _rms_norm(x, weight, eps)
+                eps: float, plus_one: bool = False) -> torch.Tensor:
+        out, rinv = _rms_norm(x, weight, eps, plus_one)
         ctx.save_for_backward(x, weight, rinv)
+        ctx.plus_one = plus_one
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: torch.autograd.function.FunctionCtx,
-                 dy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+                 dy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         x, weight, rinv = ctx.saved_tensors
+        # Gemma scales by 1 + weight: the same formulas with that scale (its gradient is the weight's)
+        scale = _plus_one(weight) if ctx.plus_one else weight
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         buf = x.to(rinv.dtype, copy=True)  # the one fp32 h-wide temporary
         buf.mul_(rinv).mul_(dy)  # dy * x_hat
@@ -119,30 +131,32 @@ class _RMSNormFunction(torch.autograd.Function):
         if need_dw:
             dw = buf.sum(dim=tuple(range(buf.dim() - 1))).to(weight.dtype)
         if not need_dx:
-            return None, dw, None
+            return None, dw, None, None
         # c = mean(g * x_hat) per token, then dx = r * (g - x_f * r * c) = (g - x_f * (r * c)) * r
-        c = buf.mul_(weight).mean(-1, keepdim=True)
-        buf.copy_(x).mul_(c.mul_(rinv).neg_()).addcmul_(dy, weight).mul_(rinv)
-        return buf.to(x.dtype), dw, None
+        c = buf.mul_(scale).mean(-1, keepdim=True)
+        buf.copy_(x).mul_(c.mul_(rinv).neg_()).addcmul_(dy, scale).mul_(rinv)
+        return buf.to(x.dtype), dw, None, None
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device, plus_one: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.plus_one = plus_one  # Gemma: scale by 1 + weight (ModelConfig.norm_plus_one)
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in fp32 and scale in the input dtype, like HF, so bf16 results match it; the backward
         # keeps x and 1/rms only (_RMSNormFunction). Without autograd the same arithmetic, minus the Function.
         if not torch.is_grad_enabled():
-            return _rms_norm(x, self.weight, self.eps)[0]
-        return _RMSNormFunction.apply(x, self.weight, self.eps)
+            return _rms_norm(x, self.weight, self.eps, self.plus_one)[0]
+        return _RMSNormFunction.apply(x, self.weight, self.eps, self.plus_one)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies theta^(-2i/d) of the rotary embedding, with Llama-3 frequency scaling if configured."""
-    d = cfg.head_dim
+    """Inverse frequencies theta^(-2i/d) of the rotary embedding, with Llama-3 frequency scaling if configured;
+    d is the rotated width (``rotary_dim`` of a partial rotary embedding, else head_dim)."""
+    d = cfg.rotary_dim or cfg.head_dim
     # fp32 like HF, so angles agree bit for bit at long positions.
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
     scaling = cfg.rope_scaling
@@ -171,6 +185,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    d = cos.shape[-1]
+    if d < x.shape[-1]:  # partial rotary (Phi-3's partial_rotary_factor): the features past d pass unrotated
+        rot = x[..., :d]
+        return torch.cat((rot * cos + _rotate_half(rot) * sin, x[..., d:]), dim=-1)
     return x * cos + _rotate_half(x) * sin
 
 
@@ -261,13 +279,17 @@ class MLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(h, inter, gather_output=False, **common)
         self.up_proj = ColumnParallelLinear(h, inter, gather_output=False, **common)
         self.down_proj = RowParallelLinear(inter, h, input_is_parallel=True, skip_bias_add=False, **common)
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"  # Gemma's; silu otherwise
+
+    def act(self, gate: torch.Tensor) -> torch.Tensor:
+        return F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
 
     def forward(self, x: torch.Tensor, split: TokenSplit | None = None) -> torch.Tensor:
         if split is None:
-            return project(self.down_proj, F.silu(project(self.gate_proj, x)) * project(self.up_proj, x))
+            return project(self.down_proj, self.act(project(self.gate_proj, x)) * project(self.up_proj, x))
         gate, up = gather_project(split, x, (self.gate_proj, self.up_proj))  # one all-gather for both
         # without grad each input is freed once used: at most three inter/tp-wide tensors, as above
-        act = F.silu(gate)
+        act = self.act(gate)
         del gate
         y = act * up
         del act, up
@@ -279,9 +301,9 @@ class DecoderLayer(nn.Module):
                  device: torch.device) -> None:
         super().__init__()
         dtype = mcfg.params_dtype
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device, cfg.norm_plus_one)
         self.self_attn = Attention(cfg, tp_group, mcfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device, cfg.norm_plus_one)
         self.mlp = MLP(cfg, tp_group, mcfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
@@ -327,7 +349,7 @@ class LlamaStage(nn.Module):
         lo, hi = self.layer_range
         self.model.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, tp_group, mcfg, device) for i in range(lo, hi)})
         if self.is_last:
-            self.model.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device)
+            self.model.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device, cfg.norm_plus_one)
             if cfg.is_critic:
                 self.score = nn.Linear(cfg.hidden_size, 1, bias=False, dtype=dtype, device=device)
             else:
@@ -347,6 +369,8 @@ class LlamaStage(nn.Module):
         """``[B, T, h]``, or with ``split`` the rank's ``[local, h]`` tokens of it."""
         assert self.is_first
         out = self.model.embed_tokens(input_ids)
+        if self.cfg.embed_scale:  # Gemma: sqrt(hidden) as an fp32 scalar rounded to the model dtype, as HF's
+            out = out * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=torch.float32).to(out.dtype)
         # The embedding all-reduces over tp (megatron's layer); a reduce-scatter would move half the bytes,
         # once per micro-batch on the first stage only.
         return out if split is None else split.scatter(out)
@@ -360,20 +384,23 @@ class LlamaStage(nn.Module):
         parallelism (``sequence_parallel.py``); ``hidden`` is then the rank's ``[local, h]`` tokens, and so is
         what recomputation keeps. Decoding with KV caches runs without it."""
         assert split is None or caches is None, "sequence parallelism is for whole sequences, not KV-cache decoding"
-        if self.cfg.sliding_window is not None:
+        full_mask = mask
+        if self.cfg.sliding_window is not None:  # the stage's windowed layers' mask; full ones keep ``full_mask``
             mask = window_mask(self.cfg.sliding_window, mask, position_ids, None if caches is None else caches[0],
                                cache_start)
         cos, sin = rope_cos_sin(self.inv_freq, position_ids, hidden.dtype)
         recompute = recompute and torch.is_grad_enabled() and caches is None
+        lo = self.layer_range[0]
         for i, layer in enumerate(self.layers):
+            layer_mask = mask if self.cfg.windowed(lo + i) else full_mask
             if recompute:
                 # Reentrant checkpointing: the forward runs without autograd and saves only its inputs,
                 # so that the saved-tensor hooks of realloc.models.activations see exactly what is kept.
                 # The model has no dropout, so no RNG state needs restoring.
-                hidden = torch.utils.checkpoint.checkpoint(layer, hidden, cos, sin, mask, None, 0, split,
+                hidden = torch.utils.checkpoint.checkpoint(layer, hidden, cos, sin, layer_mask, None, 0, split,
                                                            use_reentrant=True, preserve_rng_state=False)
             else:
-                hidden = layer(hidden, cos, sin, mask, None if caches is None else caches[i], cache_start, split)
+                hidden = layer(hidden, cos, sin, layer_mask, None if caches is None else caches[i], cache_start, split)
         return hidden
 
     def head(self, hidden: torch.Tensor, split: TokenSplit | None = None) -> torch.Tensor:

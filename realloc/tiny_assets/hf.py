@@ -17,7 +17,8 @@ a ``generation_config.json`` whose ``eos_token_id`` is ``[<|eos|>, <|im_end|>]``
 turn with ``<|im_end|>``.
 
 Checkpoints are random and deterministic for a seed; ``arch`` is llama, qwen2, qwen3 (head_dim hidden / heads,
-not Qwen3Config's 128) or mistral (no sliding window, as v0.2+). Norm weights (Qwen3's q/k head norms too) and
+not Qwen3Config's 128), mistral (no sliding window, as v0.2+), phi3 (fused qkv_proj / gate_up_proj) or gemma
+(head_dim hidden / heads). Norm weights (Qwen3's q/k head norms too) and
 linear biases (Qwen2's q/k/v projections) are drawn at random too, not left at HF's 1 and 0, so that a loader
 which drops or mixes them up fails a comparison against transformers.
 """
@@ -89,9 +90,10 @@ def write_generation_config(out_dir: Path, bos: int | None, eos: Sequence[int], 
                      pad_token_id=pad).save_pretrained(str(out_dir))
 
 
-ARCHS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}  # arch -> transformers prefix
-# Keys beyond the shared ones: Qwen3Config's head_dim defaults to 128 (set to hidden / heads below), MistralConfig's
-# window to 4096 tokens (none here: full attention, as Mistral v0.2+).
+ARCHS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "phi3": "Phi3",
+         "gemma": "Gemma"}  # arch -> transformers prefix
+# Keys beyond the shared ones: Qwen3Config's and GemmaConfig's head_dim default to 128 and 256 (set to hidden / heads
+# below), MistralConfig's window to 4096 tokens (none here: full attention, as Mistral v0.2+).
 FAMILY_KEYS = {"mistral": {"sliding_window": None}}
 
 
@@ -106,7 +108,8 @@ def _model_class(arch: str, head: str):
     return getattr(transformers, prefix + "Config"), getattr(transformers, prefix + suffix)
 
 
-def make_tiny_checkpoint(out_dir: str | Path, arch: Literal["llama", "qwen2", "qwen3", "mistral"] = "llama",
+def make_tiny_checkpoint(out_dir: str | Path,
+                         arch: Literal["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma"] = "llama",
                          head: Literal["causal", "seqcls"] = "causal", vocab_size: int | None = None,
                          hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
                          intermediate: int = 176, tie: bool = False, seed: int = 0,
@@ -139,14 +142,15 @@ def make_tiny_checkpoint(out_dir: str | Path, arch: Literal["llama", "qwen2", "q
                         rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
                         initializer_range=init_std, bos_token_id=bos, eos_token_id=eos[0], pad_token_id=pad,
                         **({"num_labels": 1} if head == "seqcls" else {}), **FAMILY_KEYS.get(arch, {}),
-                        **({"head_dim": hidden // heads} if arch == "qwen3" else {}))
+                        **({"head_dim": hidden // heads} if arch in ("qwen3", "gemma") else {}))
     with torch.random.fork_rng(devices=[]):  # deterministic for the seed, and the caller's RNG is untouched
         torch.manual_seed(seed)
         model = model_cls(config).eval()
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):  # the block's and final norms, Qwen3's q_norm / k_norm
-                    p.copy_(1 + init_std * torch.randn_like(p))
+                    # Gemma's norms scale by 1 + weight: around 0, as HF starts them, for the same scales
+                    p.copy_((0 if arch == "gemma" else 1) + init_std * torch.randn_like(p))
                 elif name.endswith(".bias"):
                     p.copy_(init_std * torch.randn_like(p))
     out_dir.mkdir(parents=True, exist_ok=True)

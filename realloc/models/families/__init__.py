@@ -1,7 +1,8 @@
 """HF architecture families: each maps an HF config.json onto the one parallel model and back.
 
 The parallel model (``realloc.models.llama``) is one LLaMA-style decoder; a family
-is a small module (``llama.py``, ``qwen2.py``, ``qwen3.py``, ``mistral.py``) that names its HF architectures,
+is a small module (``llama.py``, ``qwen2.py``, ``qwen3.py``, ``mistral.py``, ``phi3.py``,
+``gemma.py``) that names its HF architectures,
 says which of its config.json settings the model cannot run, and adds its own
 keys when writing one. The keys every family shares (sizes, heads, RoPE, norm
 epsilon, tied embeddings, the critic's single label) are read and written here.
@@ -16,13 +17,14 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from realloc.models.config import ModelConfig
-from realloc.models.families import llama, mistral, qwen2, qwen3
+from realloc.models.families import gemma, llama, mistral, phi3, qwen2, qwen3
 from realloc.models.families.base import Family
 
-FAMILIES: Mapping[str, Family] = MappingProxyType({f.model_type: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY,
-                                                                             mistral.FAMILY)})
+FAMILIES: Mapping[str, Family] = MappingProxyType({f.model_type: f for f in (
+    llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, mistral.FAMILY, phi3.FAMILY, gemma.FAMILY)})
 SUPPORTED = ("; ".join(f.describe() for f in FAMILIES.values())
-             + "; silu MLP, full attention (Mistral's sliding window too), RoPE type default or llama3")
+             + "; silu MLP (Gemma's gelu_pytorch_tanh), full attention or sliding windows (Mistral's, Phi-3's, "
+             "Qwen2/Qwen3's per layer), RoPE type default or llama3")
 
 
 def unsupported(where: str, field: str, value: Any, why: str = "") -> ValueError:
@@ -32,9 +34,13 @@ def unsupported(where: str, field: str, value: Any, why: str = "") -> ValueError
 
 def describe_shape(cfg: ModelConfig) -> str:
     """One line of what realloc read from a checkpoint (``realloc show``'s checkpoint lines)."""
+    full = cfg.full_attention_layers
+    window = f"sliding window {cfg.sliding_window}" + (
+        f" in {cfg.n_layers - len(full)} of {cfg.n_layers} layers" if full else "")
     extras = [x for x, on in (("q/k/v bias", cfg.qkv_bias), ("q/k head norms", cfg.qk_norm),
                               ("tied embeddings", cfg.tie_embeddings), ("value head", cfg.is_critic),
-                              (f"sliding window {cfg.sliding_window}", cfg.sliding_window)) if on]
+                              (window, cfg.sliding_window),
+                              (f"rotary {cfg.rotary_dim} of {cfg.head_dim} features", cfg.rotary_dim)) if on]
     return (f"{cfg.family}, {cfg.n_layers} layers, hidden {cfg.hidden_size}, {cfg.n_heads} heads ({cfg.n_kv_heads} KV) "
             f"x {cfg.head_dim}, MLP {cfg.intermediate_size}, vocabulary {cfg.vocab_size}"
             + "".join(f", {x}" for x in extras) + f", {cfg.total_params:,} parameters")
@@ -104,8 +110,9 @@ def config_from_hf(hf: Mapping[str, Any], where: str, name: str | None = None,
         method = quant.get("quant_method", "?") if isinstance(quant, Mapping) else quant
         raise unsupported(where, "quantization_config", {"quant_method": method},
                           " (quantized weights: use the unquantized checkpoint)")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise unsupported(where, "hidden_act", hf["hidden_act"])
+    act = hf.get("hidden_act", fam.defaults.get("hidden_act", "silu"))
+    if act not in fam.activations:
+        raise unsupported(where, "hidden_act", act)
     is_critic = _is_critic(hf, fam, critic, where)
     try:
         h, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
@@ -114,6 +121,7 @@ def config_from_hf(hf: Mapping[str, Any], where: str, name: str | None = None,
         if head_dim is not None and (int(head_dim) <= 0 or int(head_dim) % 2):
             raise unsupported(where, "head_dim", head_dim, " (rotary embeddings need a positive even head_dim)")
         theta, scaling = _rope(hf, fam.defaults["rope_theta"], where)
+        window, full_layers = fam.windows(hf) if fam.windows is not None else (None, ())
         return ModelConfig(
             name=name or str(hf.get("_name_or_path") or f"hf-{fam.model_type}"),
             vocab_size=int(hf["vocab_size"]), hidden_size=h, intermediate_size=int(hf["intermediate_size"]),
@@ -121,11 +129,14 @@ def config_from_hf(hf: Mapping[str, Any], where: str, name: str | None = None,
             n_kv_heads=int(hf.get("num_key_value_heads") or fam.defaults.get("num_key_value_heads") or heads),
             max_position_embeddings=int(hf.get("max_position_embeddings", fam.defaults["max_position_embeddings"])),
             rope_theta=theta, norm_eps=float(hf.get("rms_norm_eps", fam.defaults["rms_norm_eps"])),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)) and not is_critic,
+            tie_embeddings=bool(hf.get("tie_word_embeddings", fam.defaults.get("tie_word_embeddings", False)))
+            and not is_critic,
             is_critic=is_critic, rope_scaling=scaling, family=fam.model_type, qkv_bias=fam.qkv_bias,
-            qk_norm=fam.qk_norm,
-            sliding_window=_window(hf, fam),
+            qk_norm=fam.qk_norm, hidden_act=fam.activations[act], norm_plus_one=fam.norm_plus_one,
+            embed_scale=fam.embed_scale,
+            sliding_window=window, full_attention_layers=full_layers,
             explicit_head_dim=None if head_dim is None else int(head_dim),
+            rotary_dim=_rotary_dim(hf, fam, h // heads if head_dim is None else int(head_dim)),
         )
     except KeyError as e:
         raise ValueError(f"{where}: missing key {e.args[0]!r}") from None
@@ -138,24 +149,35 @@ def config_from_hf(hf: Mapping[str, Any], where: str, name: str | None = None,
         raise ValueError(f"{where}: {msg}; fix config.json or point the model at another checkpoint") from None
 
 
-def _window(hf: Mapping[str, Any], fam: Family) -> int | None:
-    if not fam.windowed:
+def _rotary_dim(hf: Mapping[str, Any], fam: Family, head_dim: int) -> int | None:
+    """The rotated features of a head: ``int(head_dim * partial_rotary_factor)`` where the family reads the factor
+    (Phi-3: ``rope_parameters`` first, then the top-level key), else all of them."""
+    if not fam.partial_rotary:
         return None
-    window = hf.get("sliding_window", fam.defaults.get("sliding_window"))
-    return None if window is None else int(window)
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    factor = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    if not 0.0 < factor <= 1.0:
+        raise ValueError(f"partial_rotary_factor must be in (0, 1], got {factor}")
+    return int(head_dim * factor)
 
 
 # ModelConfig's field names as config.json spells them, for errors about a checkpoint's config.
-_HF_KEYS = {"n_kv_heads": "num_key_value_heads", "n_heads": "num_attention_heads", "n_layers": "num_hidden_layers"}
+_HF_KEYS = {"n_kv_heads": "num_key_value_heads", "n_heads": "num_attention_heads", "n_layers": "num_hidden_layers",
+            "rotary_dim": "int(head_dim * partial_rotary_factor)"}
 
 
 def hf_from_config(cfg: ModelConfig, dtype_name: str = "float32") -> dict[str, Any]:
     """config.json of ``cfg`` for ``transformers``: its family's causal LM, or sequence classifier for critics."""
     fam = family(cfg.family, f"model config {cfg.name!r}")
-    if cfg.sliding_window is not None and not fam.windowed:
+    if cfg.hidden_act not in fam.activations.values():
+        raise ValueError(f"model config {cfg.name!r}: hidden_act={cfg.hidden_act!r} cannot be written as a "
+                         f"{fam.model_type} checkpoint; set family to one that runs it")
+    if not fam.can_write(cfg):
+        what = ("its layers have no window" if fam.windows is None else
+                f"it windows every layer or none, not all but layers {list(cfg.full_attention_layers)}")
         raise ValueError(f"model config {cfg.name!r}: sliding_window={cfg.sliding_window} cannot be written as a "
-                         f"{fam.model_type} checkpoint (its layers have no window); set family to mistral")
-    for field in ("qkv_bias", "qk_norm"):
+                         f"{fam.model_type} checkpoint ({what}); set family to mistral, qwen2 or qwen3")
+    for field in ("qkv_bias", "qk_norm", "norm_plus_one", "embed_scale"):
         if getattr(cfg, field) != getattr(fam, field):
             raise ValueError(f"model config {cfg.name!r}: {field}={getattr(cfg, field)} cannot be written as a "
                              f"{fam.model_type} checkpoint (its {field} is {getattr(fam, field)}); set family to one "
@@ -167,7 +189,7 @@ def hf_from_config(cfg: ModelConfig, dtype_name: str = "float32") -> dict[str, A
                 "high_freq_factor": hi, "original_max_position_embeddings": ctx}
     out: dict[str, Any] = {
         "architectures": [fam.sequence_classification if cfg.is_critic else fam.causal_lm],
-        "model_type": fam.model_type, "hidden_act": "silu",
+        "model_type": fam.model_type, "hidden_act": cfg.hidden_act,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,

@@ -23,7 +23,25 @@ class Family:
     # Keys of the family's config.json beyond the shared ones (hf_io writes both).
     hf_fields: Callable[[ModelConfig], dict[str, Any]]
     qk_norm: bool = False  # an RMSNorm over each q and k head before the rotary embedding (Qwen3)
-    windowed: bool = False  # config.json's sliding_window applies to every layer (Mistral; default in ``defaults``)
+    # (sliding window, layers of full attention) of a config.json its ``unsupported`` accepted; None: no windows.
+    # Mistral and Phi-3 window every layer (``every_layer_window``); Qwen2/Qwen3 decide per layer (``layer_types``).
+    windows: "Callable[[Mapping[str, Any]], tuple[int | None, tuple[int, ...]]] | None" = None
+    per_layer_windows: bool = False  # config.json can say which layers are windowed (else all or none)
+    # Tensors of a layer the checkpoint concatenates along their rows: (its name, the parts' names in order), both
+    # relative to ``model.layers.<i>.`` (Phi-3's qkv_proj and gate_up_proj; ``models/fused_names.py``).
+    fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    partial_rotary: bool = False  # config.json's partial_rotary_factor rotates a head's first features only (Phi-3)
+    # config.json's hidden_act values the family runs, as ModelConfig.hidden_act (absent: ``defaults["hidden_act"]``,
+    # else silu); Gemma's RMSNorm (1 + weight) and embedding scale
+    activations: Mapping[str, str] = dataclasses.field(default_factory=lambda: {"silu": "silu"})
+    norm_plus_one: bool = False
+    embed_scale: bool = False
+
+    def can_write(self, cfg: ModelConfig) -> bool:
+        """Whether config.json of this family can express ``cfg``'s sliding-window layers."""
+        if cfg.sliding_window is None:
+            return True
+        return self.windows is not None and (self.per_layer_windows or not cfg.full_attention_layers)
 
     @property
     def architectures(self) -> tuple[str, str]:
@@ -31,3 +49,20 @@ class Family:
 
     def describe(self) -> str:
         return f"{self.model_type} ({', '.join(self.architectures)})"
+
+
+def every_layer_window(default: int | None) -> "Callable[[Mapping[str, Any]], tuple[int | None, tuple[int, ...]]]":
+    """``Family.windows`` of a family whose config.json ``sliding_window`` (``default`` when absent) binds every
+    layer."""
+    def windows(hf: Mapping[str, Any]) -> tuple[int | None, tuple[int, ...]]:
+        window = hf.get("sliding_window", default)
+        return (None if window is None else int(window)), ()
+    return windows
+
+
+def window_refusal(hf: Mapping[str, Any]) -> "tuple[str, Any, str] | None":
+    """A config.json ``sliding_window`` that is no positive number of tokens (nor null), as (field, value, why)."""
+    window = hf.get("sliding_window")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        return "sliding_window", window, " (a positive number of tokens, or null for none)"
+    return None

@@ -9,17 +9,10 @@ transformers reads it.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
 
 from realloc.models.config import ModelConfig
-from realloc.models.families.base import Family
-
-
-def _unsupported(hf: Mapping[str, Any]) -> tuple[str, Any, str] | None:
-    window = hf.get("sliding_window")
-    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
-        return "sliding_window", window, " (a positive number of tokens, or null for none)"
-    return None
+from realloc.models.families.base import Family, every_layer_window, window_refusal
 
 
 def _hf_fields(cfg: ModelConfig) -> dict[str, Any]:
@@ -28,8 +21,8 @@ def _hf_fields(cfg: ModelConfig) -> dict[str, Any]:
 
 FAMILY = Family(
     model_type="mistral", causal_lm="MistralForCausalLM", sequence_classification="MistralForSequenceClassification",
-    qkv_bias=False, windowed=True,
+    qkv_bias=False, windows=every_layer_window(4096),
     defaults={"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
               "num_key_value_heads": 8, "sliding_window": 4096},  # MistralConfig's
-    unsupported=_unsupported, hf_fields=_hf_fields,
+    unsupported=window_refusal, hf_fields=_hf_fields,
 )

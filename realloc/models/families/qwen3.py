@@ -4,8 +4,8 @@ Qwen3Attention projects, reshapes to heads, normalizes each head's head_dim-wide
 ``q_norm`` / ``k_norm`` weight (eps = rms_norm_eps), and only then rotates; the parallel model does the same
 (``ModelConfig.qk_norm``). head_dim is 128 when config.json omits it (Qwen3Config's default, not
 hidden_size / num_attention_heads; ``"head_dim": null`` is refused, as transformers refuses it), so the q and o projections are often wider than the model (Qwen3-0.6B:
-16 x 128 over 1024). Sliding-window layers are refused as for Qwen2 (the same ``layer_types`` rule); so is
-``attention_bias``, which in Qwen3 adds biases to o_proj as well. Mixture-of-experts Qwen3 (``qwen3_moe``) is a
+16 x 128 over 1024). Sliding-window layers run as Qwen2's (the same ``layer_types`` rule). ``attention_bias`` is
+refused, which in Qwen3 adds biases to o_proj as well. Mixture-of-experts Qwen3 (``qwen3_moe``) is a
 different model_type and is refused by name.
 """
 
@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 from realloc.models.config import ModelConfig
 from realloc.models.families.base import Family
-from realloc.models.families.qwen2 import full_attention_fields, sliding_layers
+from realloc.models.families.qwen2 import layer_window_fields, layer_windows, sliding_layers
 
 
 def _unsupported(hf: Mapping[str, Any]) -> tuple[str, Any, str] | None:
@@ -30,7 +30,7 @@ def _unsupported(hf: Mapping[str, Any]) -> tuple[str, Any, str] | None:
 
 
 def _hf_fields(cfg: ModelConfig) -> dict[str, Any]:
-    return {"attention_bias": False, **full_attention_fields(cfg)}
+    return {"attention_bias": False, **layer_window_fields(cfg)}
 
 
 FAMILY = Family(
@@ -38,5 +38,5 @@ FAMILY = Family(
     qkv_bias=False, qk_norm=True,
     defaults={"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
               "num_key_value_heads": 32, "head_dim": 128},  # Qwen3Config's
-    unsupported=_unsupported, hf_fields=_hf_fields,
+    unsupported=_unsupported, hf_fields=_hf_fields, windows=layer_windows, per_layer_windows=True,
 )

@@ -28,6 +28,7 @@ import torch
 from safetensors import safe_open
 
 from realloc.models.config import ModelConfig
+from realloc.models.fused_names import hf_locations
 from realloc.models.lora_config import LoRAConfig
 from realloc.models.param_layout import param_specs, stage_of_layer
 from realloc.runtime.persist import checkpoint, lora_export
@@ -93,8 +94,9 @@ def export_checkpoint(ckpt: str | Path, model: str, out: str | Path, *, dtype: s
 
 def _export(ckpt: Path, model: str, out: Path, dtype: str | None, max_file_bytes: int, verify: bool,
             fmt: str) -> Path:
-    from realloc.models.hf_io import (CONFIG_FILE, GENERATION_CONFIG_FILE, INDEX_FILE, hf_config_from_model_config,
-                                      save_weights, shard_file_plan, write_generation_config)
+    from realloc.models.hf_io import (CONFIG_FILE, GENERATION_CONFIG_FILE, INDEX_FILE, fuse_for_hf,
+                                      hf_config_from_model_config, hf_weight_map, save_weights, shard_file_plan,
+                                      write_generation_config)
 
     ckpt, out = Path(ckpt), Path(out)
     meta = checkpoint.read_meta(ckpt)
@@ -112,6 +114,10 @@ def _export(ckpt: Path, model: str, out: Path, dtype: str | None, max_file_bytes
     if fmt == "peft" and cfg.lora is None:
         raise ValueError(f"--format peft: model {model!r} of checkpoint {ckpt} was trained without LoRA, so it has "
                          f"no adapters to write; export it with --format hf")
+    if fmt == "peft" and hf_locations(cfg):  # Phi-3: PEFT's modules are the checkpoint's fused qkv_proj, gate_up_proj
+        raise ValueError(f"--format peft: model {model!r} ({cfg.family}) has its LoRA adapters on q/k/v and gate/up "
+                         f"apart, which its checkpoint fuses (qkv_proj, gate_up_proj) and PEFT cannot hold; export "
+                         f"it merged with --format hf")
     base = dataclasses.replace(cfg, lora=None)  # what HF files hold
     tp, pp = int(rec["tp"]), int(rec["pp"])
     torch_dtype = _DTYPES[dtype] if dtype else None
@@ -144,12 +150,12 @@ def _export(ckpt: Path, model: str, out: Path, dtype: str | None, max_file_bytes
                 tensors = lora_export.merge(cfg, _full_tensors(ckpt, model, cfg, tp, pp, names, read, verified))
                 tensors = {n: t.to(torch_dtype or t.dtype) for n, t in tensors.items()}
             written_dtype = next(iter(tensors.values())).dtype
-            save_weights(tensors, tmp / fname)
+            save_weights(fuse_for_hf(base, tensors), tmp / fname)  # Phi-3: q/k/v and gate/up as its fused tensors
             del tensors
         if len(plan) > 1:
             elem = torch.tensor([], dtype=written_dtype).element_size()
             index = {"metadata": {"total_size": sum(s.hf_numel for s in param_specs(base)) * elem},
-                     "weight_map": {n: fname for _, fname, names in plan for n in names}}
+                     "weight_map": hf_weight_map(base, plan)}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
         ids = {k: v for k, v in (rec.get("token_ids") or {}).items() if v is not None}
         hf = hf_config_from_model_config(base, written_dtype or torch.float32, ids)
