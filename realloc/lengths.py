@@ -234,7 +234,8 @@ def run_records(path: Path) -> list[dict]:
 
 def lengths_from_run(run_dir: str | Path, gen_len: int | None = None) -> ResponseLengths:
     """The empirical distribution of the response lengths an earlier run logged (``samples.jsonl``: each
-    logged sequence's ``response_ids``, else its generation's ``logp``, one per response token). The run logs
+    logged sequence's ``response_ids``, else its generation's ``logp``, one per response token; a partial rollout's
+    response of a pending group is skipped: it is logged again, whole, when trained). The run logs
     ``log_samples`` sequences every ``sample_every`` iterations (runtime/inputs/run_config.py); for a full
     histogram give the experiment ``sample_every = 1`` and ``log_samples = <sequences per batch>``. With ``gen_len``
     (the experiment's), a response longer than it is one ValueError: no generation of this experiment wrote it (a
@@ -248,6 +249,8 @@ def lengths_from_run(run_dir: str | Path, gen_len: int | None = None) -> Respons
                          f"sample_every=0")
     seen: dict[tuple, int] = {}
     for rec in run_records(path):
+        if rec.get("pending") is True:  # partial rollouts: a response cut short, or logged again once trained
+            continue
         tokens = rec.get("response_ids", rec.get("logp"))
         if isinstance(tokens, list) and tokens:
             # one entry per logged sequence (a resumed run logs some again); as text, so a hand-edited field's

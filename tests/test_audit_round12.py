@@ -86,3 +86,28 @@ def test_a_tail_threshold_above_the_batch_with_chunks_names_the_threshold_not_ne
     with pytest.raises(ValueError) as e:
         validate_plan(plan, graph)
     assert "rows=40 must be below" in str(e.value) and "-8" not in str(e.value)
+
+
+def test_lengths_from_a_partial_rollouts_run_count_each_response_once_whole(tmp_path):
+    """`realloc run arith_grpo_eos.py --set grpo.partial_rollout_tokens=2 --set max_staleness=1 --set sample_every=1
+    --iterations 2`, then `--lengths-from` that run: iteration 1's 256 responses, cut at 2 tokens and pending, were
+    counted as responses of 2 tokens beside their whole versions of iteration 2 (histogram {1: 2, 2: 265, 3: 38,
+    4: 207} against the finished {1: 1, 2: 10, 3: 38, 4: 207}), so the search priced lengths the cut had made.
+    A pending group's responses are marked in samples.jsonl now (`"pending": true`) and skipped."""
+    import torch
+
+    from realloc.lengths import ResponseLengths, lengths_from_run
+    from realloc.runtime.records.text_io import SampleLog, write_samples
+    from realloc.runtime.wire.protocol import SamplePart
+
+    T, glen = 4, torch.tensor([2, 2, 3, 4])
+    gen_mask = torch.arange(T).view(1, T) < glen.view(-1, 1)
+    trained = torch.tensor([False, False, True, True]).view(-1, 1)  # group 0 pending (rows 0, 1), group 1 trained
+    seq = {"tokens": torch.arange(4 * (2 + T)).view(4, 2 + T), "prompt_lens": torch.full((4,), 2),
+           "gen_mask": gen_mask, "loss_mask": gen_mask & trained}
+    parts = SampleLog(None, every=1, count=4).parts(0, range(4), "seq", seq, scores=torch.zeros(4),
+                                                    logp=torch.zeros(4, T))
+    parts = [SamplePart.model_validate(p.model_dump()) for p in parts]  # as the wire carries them
+    assert [p.fields.get("pending") for p in parts] == [True, True, None, None]
+    write_samples(tmp_path, 0, {(p.key, p.seq): p.fields for p in parts})
+    assert lengths_from_run(tmp_path) == ResponseLengths.empirical([3, 4])
