@@ -111,3 +111,57 @@ def test_lengths_from_a_partial_rollouts_run_count_each_response_once_whole(tmp_
     assert [p.fields.get("pending") for p in parts] == [True, True, None, None]
     write_samples(tmp_path, 0, {(p.key, p.seq): p.fields for p in parts})
     assert lengths_from_run(tmp_path) == ResponseLengths.empirical([3, 4])
+
+
+def test_the_search_keeps_its_winner_when_the_winners_placement_has_no_plain_row():
+    """`plan_search` of grpo_h100_h20 with lognormal lengths (median 2, p99 8), seed 4, 3000 evaluations, one thread
+    stopped with "call 'actor_gen': placement mesh h20-01:4-7 dp2·tp2·pp1 n_mbs=32 is not among the candidates (it
+    does not fit in memory or was pruned)" after the search had found its plan: the pruning (a row slower alone than
+    a baseline's whole iteration) had kept the winner's row with its tail and dropped the same placement's plain row,
+    which the report prices beside the winner. Now such a placement has no plain plan to show (and
+    `drop_idle_streams` keeps an entry it cannot drop)."""
+    import dataclasses
+
+    from realloc.api import load_experiment
+    from realloc.estimator.cost import CostModel
+    from realloc.graph.dataflow import build_graph
+    from realloc.lengths import ResponseLengths
+    from realloc.search.build import PlanSpace
+    from realloc.search.tail_space import drop_idle_streams, untailed_indices
+
+    base = load_experiment(str(REPO / "experiments/ppo_tiny.py"))
+    graph = build_graph(dataclasses.replace(base, gen_len=128, response_lengths=ResponseLengths.lognormal(8, 102.4)))
+    full = PlanSpace.build(graph, CostModel(graph, discover=False), max_n_mbs=2)
+    g = full.problem.call_names.index("actor_gen")
+    streamed = next(i for i in range(len(full.options[g])) if (t := full.tail_of(g, i)) is not None and t.streams_only)
+    keep = [list(range(len(k))) for k in full.problem.candidates]
+    keep[g] = [i for i in keep[g] if full.options[g][i] != full.options[g][streamed] or full.tail_of(g, i) is not None]
+    space = full.restrict(keep)  # the stream rows of one placement kept, its plain row dropped
+    idx = space.indices_of(full.to_plan(_with_row(full, g, streamed), "x"))
+    plan = space.to_plan(idx, "x")
+    assert plan.tail and untailed_indices(space, plan, set(plan.tail)) is None
+    assert untailed_indices(full, plan, set(plan.tail)) is not None  # in the whole space it has one
+    assert drop_idle_streams(space, idx) is idx  # (it stopped with the same error when the entry split no call)
+
+
+def _with_row(space, g: int, row: int):
+    """A plan of ``space``: every call at its first candidate, ``g`` at ``row``."""
+    import numpy as np
+
+    idx = np.zeros(len(space.problem.call_names) + len(space.problem.fused), np.int32)
+    idx[g] = row
+    return idx
+
+
+def test_a_search_whose_winner_lost_its_plain_row_to_pruning_returns_its_plan():
+    """The search of the docstring above, end to end (about 25 s at load 20)."""
+    import dataclasses
+
+    from realloc.api import load_experiment
+    from realloc.lengths import ResponseLengths
+    from realloc.search.planner import plan_search
+
+    exp = load_experiment(str(REPO / "experiments/grpo_h100_h20.py"))
+    r = plan_search(dataclasses.replace(exp, response_lengths=ResponseLengths.lognormal(2, 8)), None, seed=4,
+                    max_evals=3000, n_threads=1)
+    assert r.plan.tail and r.no_tail is not None and not r.no_tail.tail
