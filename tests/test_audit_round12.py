@@ -141,7 +141,8 @@ def test_the_search_keeps_its_winner_when_the_winners_placement_has_no_plain_row
     plan = space.to_plan(idx, "x")
     assert plan.tail and untailed_indices(space, plan, set(plan.tail)) is None
     assert untailed_indices(full, plan, set(plan.tail)) is not None  # in the whole space it has one
-    assert drop_idle_streams(space, idx) is idx  # (it stopped with the same error when the entry split no call)
+    # the entry splits no call (every call on device 0): dropping it needs the plain row; it stopped with the error
+    assert drop_idle_streams(space, idx) is idx
 
 
 def _with_row(space, g: int, row: int):
