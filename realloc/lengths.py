@@ -248,8 +248,10 @@ def lengths_from_run(run_dir: str | Path, gen_len: int | None = None) -> Respons
         raise ValueError(f"--lengths-from {run_dir}: no {SAMPLES_FILE} in it; a run logs its samples there unless "
                          f"sample_every=0")
     seen: dict[tuple, int] = {}
+    pending = 0
     for rec in run_records(path):
         if rec.get("pending") is True:  # partial rollouts: a response cut short, or logged again once trained
+            pending += 1
             continue
         tokens = rec.get("response_ids", rec.get("logp"))
         if isinstance(tokens, list) and tokens:
@@ -258,7 +260,9 @@ def lengths_from_run(run_dir: str | Path, gen_len: int | None = None) -> Respons
             seen[tuple(json.dumps(rec.get(k, "seq" if k == "key" else None)) for k in ("iteration", "key", "seq"))] \
                 = len(tokens)
     if not seen:
-        raise ValueError(f"--lengths-from {run_dir}: {path} records no response (no response_ids or logp)")
+        why = (f"only {pending} responses of partial-rollout groups still pending (logged again once trained: run "
+               f"it further)" if pending else "no response_ids or logp")
+        raise ValueError(f"--lengths-from {run_dir}: {path} records no response ({why})")
     longest = max(seen.values())
     if gen_len is not None and longest > gen_len:
         raise ValueError(f"--lengths-from {run_dir}: {path} records responses of up to {longest} tokens, but this "

@@ -111,6 +111,10 @@ def test_lengths_from_a_partial_rollouts_run_count_each_response_once_whole(tmp_
     assert [p.fields.get("pending") for p in parts] == [True, True, None, None]
     write_samples(tmp_path, 0, {(p.key, p.seq): p.fields for p in parts})
     assert lengths_from_run(tmp_path) == ResponseLengths.empirical([3, 4])
+    (tmp_path / "first").mkdir()  # a run stopped while its only logged groups were pending
+    write_samples(tmp_path / "first", 0, {(p.key, p.seq): p.fields for p in parts[:2]})
+    with pytest.raises(ValueError, match="only 2 responses of partial-rollout groups still pending"):
+        lengths_from_run(tmp_path / "first")
 
 
 def test_the_search_keeps_its_winner_when_the_winners_placement_has_no_plain_row():
