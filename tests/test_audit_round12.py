@@ -170,3 +170,21 @@ def test_a_search_whose_winner_lost_its_plain_row_to_pruning_returns_its_plan():
     r = plan_search(dataclasses.replace(exp, response_lengths=ResponseLengths.lognormal(2, 8)), None, seed=4,
                     max_evals=3000, n_threads=1)
     assert r.plan.tail and r.no_tail is not None and not r.no_tail.tail
+
+
+def test_a_full_disk_while_the_carried_rows_are_saved_names_the_file(tmp_path):
+    """A worker saving a checkpoint's carried rows of partial rollouts (`partial/<call>/<slots>.json`) on a full disk
+    stopped the run with `worker 0: No space left on device`: no file named (the checkpoint's other files name
+    theirs). It names the file now."""
+    from realloc.algorithms.partial_rollout import PartialRollouts
+    from realloc.runtime.control.worker_errors import reply_error
+    from realloc.runtime.control.worker_partial import PartialStore
+
+    store = PartialStore(max_staleness=1, plan_staleness=0)
+    store.states["actor_gen"], store.writes["actor_gen"] = PartialRollouts(2, 1), (True, range(0, 16))
+    target = tmp_path / "partial/actor_gen/0-16.json"
+    target.parent.mkdir(parents=True)
+    (target.parent / "0-16.json.part").symlink_to("/dev/full")  # every write there: ENOSPC
+    with pytest.raises(OSError) as e:
+        store.save(tmp_path, 3)
+    assert reply_error(e.value).startswith(f"{target}: No space left on device")  # (then where: this test)
