@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Collection, Iterator, Mapping
 
 from safetensors import SafetensorError, safe_open
 
-from realloc.atomic_file import naming, safetensors_os_errors
+from realloc.atomic_file import safetensors_os_errors
 from realloc.runtime.persist.ckpt_lock import being_read, claimed
 
 # torch only in the functions that read and write tensors (the workers'): the master's begin, commit and prune are
@@ -80,6 +80,8 @@ def _fsync_path(path: Path) -> None:
 
 
 def write_file_durably(path: Path, data: bytes) -> None:
+    from realloc.atomic_file import naming  # (here: main's import block changed beside this one, a merge conflict)
+
     tmp = path.with_name(path.name + ".part")
     with naming(path), open(tmp, "wb") as f:  # a full disk's failed write names no file by itself
         f.write(data)
