@@ -78,6 +78,8 @@ class ResponseLengths:
                     raise ValueError(f"{where}: empirical lengths must be positive integers, got {n!r}")
                 if not isinstance(c, int) or isinstance(c, bool) or c < 1:
                     raise ValueError(f"{where}: empirical count of length {n} must be a positive integer, got {c!r}")
+            # by length, however given (``describe`` reads the shortest and longest at the ends)
+            object.__setattr__(self, "counts", tuple(sorted((n, c) for n, c in self.counts)))
 
     # -- constructors --------------------------------------------------------------------------------
     @classmethod
@@ -209,25 +211,35 @@ def _order_statistics(pmf: tuple[float, ...], b: int) -> tuple[int, ...]:
 
 def run_records(path: Path) -> list[dict]:
     """The JSON objects of a run's ``*.jsonl`` file, one per line (blank lines and non-objects skipped); a line that
-    is not JSON is one ValueError naming the file and line (``--lengths-from`` reads samples and metrics)."""
+    is not JSON (or not UTF-8) is one ValueError naming the file and line (``--lengths-from`` reads samples and
+    metrics). A last line without its newline that is not JSON is what a run killed mid-write leaves: skipped. Read
+    line by line, so a large file is not held whole."""
     out = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--lengths-from: {path} line {i} is not JSON ({e.msg})") from None
-        if isinstance(rec, dict):
-            out.append(rec)
+    with path.open("rb") as f:
+        for i, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                rec = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                raise ValueError(f"--lengths-from: {path} line {i} is not UTF-8 text") from None
+            except json.JSONDecodeError as e:
+                if not raw.endswith(b"\n"):  # the last line, cut off: a killed run's last record
+                    break
+                raise ValueError(f"--lengths-from: {path} line {i} is not JSON ({e.msg})") from None
+            if isinstance(rec, dict):
+                out.append(rec)
     return out
 
 
-def lengths_from_run(run_dir: str | Path) -> ResponseLengths:
+def lengths_from_run(run_dir: str | Path, gen_len: int | None = None) -> ResponseLengths:
     """The empirical distribution of the response lengths an earlier run logged (``samples.jsonl``: each
-    logged sequence's ``response_ids``, else its generation's ``logp``, one per response token). The run logs
+    logged sequence's ``response_ids``, else its generation's ``logp``, one per response token; a partial rollout's
+    response of a pending group is skipped: it is logged again, whole, when trained). The run logs
     ``log_samples`` sequences every ``sample_every`` iterations (runtime/inputs/run_config.py); for a full
-    histogram give the experiment ``sample_every = 1`` and ``log_samples = <sequences per batch>``."""
+    histogram give the experiment ``sample_every = 1`` and ``log_samples = <sequences per batch>``. With ``gen_len``
+    (the experiment's), a response longer than it is one ValueError: no generation of this experiment wrote it (a
+    run of another experiment, or gen_len lowered since), and the search would price it cut at gen_len unsaid."""
     root = Path(run_dir)
     if not root.is_dir():
         raise ValueError(f"--lengths-from {run_dir}: no such run directory")
@@ -236,7 +248,11 @@ def lengths_from_run(run_dir: str | Path) -> ResponseLengths:
         raise ValueError(f"--lengths-from {run_dir}: no {SAMPLES_FILE} in it; a run logs its samples there unless "
                          f"sample_every=0")
     seen: dict[tuple, int] = {}
+    pending = 0
     for rec in run_records(path):
+        if rec.get("pending") is True:  # partial rollouts: a response cut short, or logged again once trained
+            pending += 1
+            continue
         tokens = rec.get("response_ids", rec.get("logp"))
         if isinstance(tokens, list) and tokens:
             # one entry per logged sequence (a resumed run logs some again); as text, so a hand-edited field's
@@ -244,5 +260,12 @@ def lengths_from_run(run_dir: str | Path) -> ResponseLengths:
             seen[tuple(json.dumps(rec.get(k, "seq" if k == "key" else None)) for k in ("iteration", "key", "seq"))] \
                 = len(tokens)
     if not seen:
-        raise ValueError(f"--lengths-from {run_dir}: {path} records no response (no response_ids or logp)")
+        why = (f"only {pending} responses of partial-rollout groups still pending (logged again once trained: run "
+               f"it further)" if pending else "no response_ids or logp")
+        raise ValueError(f"--lengths-from {run_dir}: {path} records no response ({why})")
+    longest = max(seen.values())
+    if gen_len is not None and longest > gen_len:
+        raise ValueError(f"--lengths-from {run_dir}: {path} records responses of up to {longest} tokens, but this "
+                         f"experiment generates at most gen_len={gen_len}; take the lengths from a run of this "
+                         f"experiment, or --set gen_len={longest} if the run was this experiment's with a larger gen_len")
     return ResponseLengths.empirical(seen.values())

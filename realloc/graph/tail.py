@@ -107,15 +107,15 @@ def tail_error(graph: "DataflowGraph", placements: Mapping[str, Placed], call: s
                 f"(instances={tail.instances}); lower 'instances' (0: stream only, no migration) or drop the "
                 f"call's tail entry")
     n_rows = graph.spec.n_seqs(rpc)
+    if tail.rows >= n_rows:
+        return (f"call {call!r} generates {n_rows} rows per iteration; the tail threshold rows={tail.rows} must be "
+                f"below that (it is the count of rows still running at the migration or split point)")
     if tail.chunks > 1 and tail.instances:
         return (f"call {call!r} has chunks={tail.chunks}, but only a stream-only entry (instances=0) streams in "
                 f"chunks; set instances=0 or chunks=1")
     if tail.chunks > 1 and tail.chunks > n_rows - tail.rows:
         return (f"call {call!r} has chunks={tail.chunks}, more than the {n_rows - tail.rows} rows that finish "
                 f"before the last split point (rows={tail.rows} of {n_rows}); lower 'chunks'")
-    if tail.rows >= n_rows:
-        return (f"call {call!r} generates {n_rows} rows per iteration; the tail threshold rows={tail.rows} must be "
-                f"below that (it is the count of rows still running at the migration or split point)")
     return None
 
 

@@ -26,7 +26,7 @@ from realloc.search import baselines as bl
 from realloc.search.build import NoFitError, PlanSpace, fmt_bytes
 from realloc.search.engine import Progress, SearchStats, run_mcmc
 from realloc.search.pool_space import on_cluster, pool_alone, strongest_pool
-from realloc.search.tail_space import drop_idle_streams, without_tails
+from realloc.search.tail_space import drop_idle_streams, untailed_indices, without_tails
 
 
 def experiment_of(experiment: Any) -> ExperimentSpec:
@@ -255,8 +255,9 @@ def plan_search(experiment: Any, time_limit: float | None = 10.0, *, seed: int =
     if no_tail is not None:
         # the winner's placement without its migration (the winner itself, when it has none) may beat the plan
         # found without migration
-        placed = (space.to_plan(space.indices_of(plan.model_copy(update={"tail": {}})), "search") if plan.tail
-                  else plan)
+        # (none when that placement's plain row was pruned, slower alone than a baseline's iteration)
+        bare = untailed_indices(space, plan, set(plan.tail)) if plan.tail else None
+        placed = plan if not plan.tail else space.to_plan(bare, "search") if bare is not None else no_tail
         no_tail = placed if placed.estimated_time < no_tail.estimated_time else no_tail
         if plan.tail and no_tail.staleness == space.problem.staleness:
             # a short search may end on a tail entry that costs more than it saves: then no tail wins

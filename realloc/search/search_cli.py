@@ -166,7 +166,7 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"{option} {path} is a folder; give a file name in it")
     experiment = load_with_overrides(args.experiment, getattr(args, "set", None) or ())
     if getattr(args, "lengths_from", None):
-        lengths = lengths_from_run(args.lengths_from)
+        lengths = lengths_from_run(args.lengths_from, experiment.gen_len)
         lengths.check(experiment.gen_len)
         experiment = turns_from(dataclasses.replace(experiment, response_lengths=lengths), args.lengths_from)
     name = getattr(args, "baseline", None)

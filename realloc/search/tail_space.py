@@ -311,7 +311,19 @@ def drop_idle_streams(space, indices: np.ndarray) -> np.ndarray:
     idle = {g for g, t in plan.tail.items() if t.streams_only and not split_consumers(plan, space.graph, g)}
     if not idle:
         return indices
-    return space.indices_of(plan.model_copy(update={"tail": {g: t for g, t in plan.tail.items() if g not in idle}}))
+    kept = untailed_indices(space, plan, idle)
+    return indices if kept is None else kept
+
+
+def untailed_indices(space, plan, calls: set[str]) -> np.ndarray | None:
+    """The indices of ``plan`` (a plan of the PlanSpace ``space``) without the tail entries of ``calls``; None when
+    such a placement has no plain row in ``space``: the search's pruning keeps a row with a tail that is fast
+    enough alone and may drop its plain row, slower alone than a baseline's whole iteration (no plan to show or
+    keep: plan_search)."""
+    try:
+        return space.indices_of(plan.model_copy(update={"tail": {g: t for g, t in plan.tail.items() if g not in calls}}))
+    except ValueError:
+        return None
 
 
 def split_times(problem, indices: Sequence[int]) -> dict[int, float]:

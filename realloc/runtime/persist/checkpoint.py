@@ -81,8 +81,10 @@ def _fsync_path(path: Path) -> None:
 
 
 def write_file_durably(path: Path, data: bytes) -> None:
+    from realloc.atomic_file import naming  # (here: main's import block changed beside this one, a merge conflict)
+
     tmp = path.with_name(path.name + ".part")
-    with open(tmp, "wb") as f:
+    with naming(path), open(tmp, "wb") as f:  # a full disk's failed write names no file by itself
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

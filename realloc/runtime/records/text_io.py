@@ -17,6 +17,8 @@ ends. Iterations count from 1 as in metrics.jsonl::
      "prompt_ids": [...], "response_ids": [...], "logp": [-0.3, ...]}
 
 A line of another sequence key than ``seq`` (ReMax's greedy baseline) carries ``"key": "greedy_seq"``.
+With partial rollouts a response of a group still pending (cut at ``partial_rollout_tokens``, or finished and waiting
+for its group) carries ``"pending": true``; it is logged again, whole, in the iteration that trains it.
 A multi-turn rollout (its ``seq`` has a ``loss_mask``; no later call scores it) gets its text, ids and reward from
 the generation, and ``turn_segments``: the lengths of the response's alternating runs of environment and policy
 tokens, the environment's first (docs/multi-turn.md; the planner reads them, envs/turn_profile.py).
@@ -128,6 +130,10 @@ class SampleLog:
             multiturn = "loss_mask" in seq
             if multiturn:
                 fields[SEGMENTS] = segments_of(seq["loss_mask"][r, :n].tolist())
+                if n and not bool(seq["loss_mask"][r, :n].any()):
+                    # partial rollouts: a response of a pending group (cut, or waiting for its group), logged again in
+                    # the iteration that trains it; `--lengths-from` skips it (a multi-turn rollout has policy tokens)
+                    fields["pending"] = True
             if scores is not None or multiturn:
                 prompt = seq["tokens"][r, :plen].tolist()
                 response = seq["tokens"][r, plen:plen + n].tolist()

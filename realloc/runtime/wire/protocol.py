@@ -207,7 +207,7 @@ class SamplePart(_Msg):
 
     key: str  # the data key of the sequences: "seq" (ReMax's greedy baseline: "greedy_seq")
     seq: int  # global index of the sequence in the iteration's batch
-    fields: dict[str, str | float | list[int] | list[float]]
+    fields: dict[str, bool | str | float | list[int] | list[float]]  # bool: a pending partial rollout
 
 
 class Reply(_Msg):
