@@ -60,6 +60,9 @@ class PhaseOne:
     # the same tokens phase 2 would decode again, so a tail replica that holds them keeps them (worker_tail.py)
     ahead: list[int] = dataclasses.field(default_factory=list)
     ahead_output: GenerationOutput | None = None
+    # tail rows still in one of phase 1's caches (local position -> that micro-batch's caches, the row's place in
+    # them, the micro-batch's left-padded prompt width): what a migration that moves KV caches cuts out (kv_move.py)
+    held: dict[int, tuple[list, int, int]] = dataclasses.field(default_factory=dict)
 
 
 def _check(model: DecodingModel, gconfig: GenerationConfig) -> None:
@@ -147,8 +150,10 @@ def decode_until(model: DecodingModel, rows: list[torch.Tensor], gconfig: Genera
         torch.zeros((0, steps), dtype=torch.float32)
     tail = TailRows([int(seq_ids[i]) for i in running], [rows[i] for i in running], tok.cpu(), lp.cpu())
     ahead = [i for i in running if i not in active]
+    held = {off + int(i): (mb.caches, j, mb.P) for mb, off in zip(mbs, offsets) if not mb.done
+            for j, i in enumerate(mb.active.tolist()) if off + int(i) in still}
     return PhaseOne(finished, select_rows(full, finished), tail, stop, ahead,
-                    select_rows(full, ahead) if ahead else None)
+                    select_rows(full, ahead) if ahead else None, held)
 
 
 def select_rows(out: GenerationOutput, rows: Sequence[int]) -> GenerationOutput:
