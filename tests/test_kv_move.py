@@ -75,3 +75,81 @@ def test_rows_of_several_micro_batches_or_decoded_past_the_point_keep_their_toke
         assert a == b and torch.allclose(lpa, lpb, atol=1e-5), i
         if i in ahead:  # finished by phase 1 past the migration point: kept as decoded, bit for bit
             assert torch.equal(lpa, lpb), i
+
+
+def _interface(ctx, inputs):
+    """A generation interface: the rows' prompts, one sequence id per row (as the built-in ones)."""
+    p = inputs["p"]
+    rows = [p["prompt"][r, :int(p["plen"][r])] for r in range(p["plen"].numel())]
+    out = ctx.model.generate(rows, ctx.config, seq_ids=ctx.ids, n_mbs=ctx.n_mbs)
+    return dict(zip(ctx.ids, _responses(out)))
+
+
+def _blocking_counts(group, dp):
+    """Phase 1's counts with a blocking all-reduce at every step: no replica runs ahead of the migration point, so
+    the rows at it are exactly the unmigrated run's."""
+    import torch.distributed as dist
+
+    from realloc.models.tail_decode import SyncCounts
+
+    def total(n):
+        t = torch.tensor([n])
+        dist.all_reduce(t, group=group)
+        return int(t)
+
+    counts = SyncCounts(total)
+    counts.describe = lambda: "blocking"
+    return counts
+
+
+def _migrated(ctx, split, rows_t, kv, n_mbs, window, blocking):
+    """dp 2: replica k holds the rows ``split[k]``; the unmigrated generation, then the call with a tail entry."""
+    from realloc.algorithms.context import CallContext
+    from realloc.graph.tail import TailMigration
+    from realloc.runtime.control import worker_tail
+
+    if blocking:
+        worker_tail.AsyncCounts = _blocking_counts  # this worker process only
+    model = build_model(ctx, _config(window), 2, 1, 1, seed=3)
+    ids = split[model.groups.dp_rank]
+    lists = _prompt_lists()
+    prompts = torch.zeros((len(ids), max(map(len, lists))), dtype=torch.long)  # one width on every replica
+    for r, i in enumerate(ids):
+        prompts[r, :len(lists[i])] = torch.tensor(lists[i])
+    inputs = {"p": {"prompt": prompts, "plen": torch.tensor([len(lists[i]) for i in ids])}}
+    call = CallContext(call=None, model=model, optimizer=None, config=GCONFIG, prompt_len=0, gen_len=MAX_NEW,
+                       seed=5, iteration=0, ids=list(ids), batch_size=N_ROWS, n_mbs=n_mbs)
+    plain = _interface(call, inputs)
+    res, held = worker_tail.migrating_generation(call, _interface, inputs, TailMigration(rows=rows_t, instances=1,
+                                                                                          kv=kv), "gen")
+    return plain, res or {}, held
+
+
+def _both(results):
+    plain, moved = {}, {}
+    for p, r, held in results:
+        plain.update(p)
+        moved.update(r)
+        assert sorted(r) == sorted(held)
+    assert sorted(moved) == list(range(N_ROWS))
+    return plain, moved
+
+
+# ids 0 and 5 are the long rows (12 and 21 tokens); R_t = 3 leaves them after step 3
+ONE_SOURCE = [[1, 2, 3, 4, 6, 7], [0, 5, 8, 9, 10, 11]]  # both on replica 1: their caches cross to replica 0
+TWO_SOURCES = [[0, 1, 2, 3, 4, 6], [5, 7, 8, 9, 10, 11]]
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_at_dp_2_caches_moved_over_the_wire_decode_bit_for_bit(pool, window):
+    plain, moved = _both(pool.run(_migrated, ONE_SOURCE, 3, "move", 1, window, True))
+    for i in range(N_ROWS):
+        assert plain[i][0] == moved[i][0] and torch.equal(plain[i][1], moved[i][1]), i
+
+
+@pytest.mark.parametrize("kv,split,n_mbs", [("move", TWO_SOURCES, 1), ("move", ONE_SOURCE, 2),
+                                            ("prefill", TWO_SOURCES, 1)])
+def test_at_dp_2_tails_of_several_sources_keep_their_tokens(pool, kv, split, n_mbs):
+    plain, moved = _both(pool.run(_migrated, split, 3, kv, n_mbs, None, False))
+    for i in range(N_ROWS):
+        assert plain[i][0] == moved[i][0] and torch.allclose(plain[i][1], moved[i][1], atol=1e-5), i

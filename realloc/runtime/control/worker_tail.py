@@ -38,6 +38,7 @@ from realloc.graph.tail import TailMigration
 from realloc.models.generation import GenerationOutput, _concat, _prompt_list, assemble
 from realloc.models.sampling import GenerationConfig
 from realloc.models.tail_decode import PhaseOne, TailRows, continue_decoding, decode_until, select_rows
+from realloc.runtime.control.tail_kv import exchange, moved_phase_two
 from realloc.runtime.transfer.data_store import pack_rows, row_bytes, unpack_rows
 from realloc.runtime.wire.protocol import TensorMeta
 
@@ -312,6 +313,31 @@ def _phase_two(model: Any, one: PhaseOne, ahead_ids: list[int], mine: dict[str, 
     return select_rows(both, [where[i] for i in ids])
 
 
+def _moving_columns(finished: dict[str, torch.Tensor], running: dict[str, torch.Tensor], one: PhaseOne,
+                    pos: list[int], k: int, n_new: int) -> None:
+    """The columns a migration that moves KV caches adds to the rows (``tail_kv.py``): each row's replica, whether
+    phase 1 finished it ahead of the counts (its whole results then replace its tokens so far: nothing is decoded
+    again) and the width of its micro-batch's cache layout."""
+    n = len(pos)
+    finished.update(src=torch.full((len(finished["id"]),), k, dtype=torch.long),
+                    fin=torch.zeros(len(finished["id"]), dtype=torch.bool),
+                    wid=torch.zeros(len(finished["id"]), dtype=torch.long))
+    ahead = {p: r for r, p in enumerate(one.ahead)}
+    running.update(src=torch.full((n,), k, dtype=torch.long),
+                   fin=torch.tensor([p in ahead for p in pos], dtype=torch.bool).view(n),
+                   wid=torch.tensor([one.held[p][2] if p in one.held else 0 for p in pos], dtype=torch.long).view(n))
+    if ahead:
+        assert one.ahead_output is not None
+        tok, lp = _responses(one.ahead_output, n_new)
+        out = one.ahead_output
+        for r, p in enumerate(pos):
+            if p in ahead:
+                a = ahead[p]
+                running["tok"][r], running["lp"][r] = tok[a], lp[a]
+                running["glen"][r] = out.lengths[a] - out.prompt_lengths[a]
+                running["eos"][r] = out.stopped_at_eos[a]
+
+
 def migrating_generation(ctx: CallContext, fn: Callable[[CallContext, Data], CallResult], inputs: Data,
                          tail: TailMigration, call: str) -> tuple[CallResult | None, list[int]]:
     """Run generation call ``call``'s interface ``fn`` on this dp replica with the tail migration ``tail``; the
@@ -342,6 +368,8 @@ def migrating_generation(ctx: CallContext, fn: Callable[[CallContext, Data], Cal
                          [t_rows.steps] * len(pos), [False] * len(pos), int(width.item()), n_new)
     running["tail"] = torch.ones(len(pos), dtype=torch.bool)
     m, dp, k = tail.instances, g.dp, g.dp_rank
+    if tail.moves_kv:
+        _moving_columns(finished, running, one, pos, k, n_new)
     # replicas 0..m-1 send their finished rows to the freed ones; every replica sends its tail rows
     sent = {n: torch.cat([finished[n], running[n]]) if k < m else running[n] for n in finished}
     clock.lap("rows packed")
@@ -349,6 +377,8 @@ def migrating_generation(ctx: CallContext, fn: Callable[[CallContext, Data], Cal
     clock.lap("all-gather")
     ids = everyone["id"].tolist()
     tails = deal([i for i, t in zip(ids, everyone["tail"].tolist()) if t], m)
+    caches = exchange(model, one, a.seq_ids, everyone, tails) if tail.moves_kv else {}
+    clock.lap("caches moved")
     if k >= m:  # a freed replica: its own finished rows and its deal of those of replicas 0..m-1
         moved = deal([i for i, t in zip(ids, everyone["tail"].tolist()) if not t], dp - m)[k - m]
         got = _select(everyone, moved)
@@ -363,7 +393,12 @@ def migrating_generation(ctx: CallContext, fn: Callable[[CallContext, Data], Cal
     if not tails[k]:  # fewer tail rows than tail replicas
         return None, []
     ids = [int(i) for i in mine["id"].tolist()]
-    out = _phase_two(model, one, [a.seq_ids[i] for i in one.ahead], mine, a.gconfig, a.n_mbs)
+    if tail.moves_kv:
+        fin = [int(i) for i, f in zip(ids, mine["fin"].tolist()) if f]
+        done = _output(_select(mine, fin), a.gconfig.pad_token_id) if fin else None
+        out = moved_phase_two(model, one, mine, caches, done, a.gconfig, a.n_mbs)
+    else:
+        out = _phase_two(model, one, [a.seq_ids[i] for i in one.ahead], mine, a.gconfig, a.n_mbs)
     clock.lap("phase 2")
     res = _replay(ctx, fn, mine, out, call)
     clock.lap("replay")
