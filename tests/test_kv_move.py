@@ -153,3 +153,77 @@ def test_at_dp_2_tails_of_several_sources_keep_their_tokens(pool, kv, split, n_m
     plain, moved = _both(pool.run(_migrated, split, 3, kv, n_mbs, None, False))
     for i in range(N_ROWS):
         assert plain[i][0] == moved[i][0] and torch.allclose(plain[i][1], moved[i][1], atol=1e-5), i
+
+
+def _cost_model():
+    from realloc.api import load_experiment
+    from realloc.estimator.cost import CostModel
+    from realloc.graph.dataflow import build_graph
+    from realloc.lengths import ResponseLengths
+
+    base = load_experiment("experiments/ppo_tiny.py")
+    spec = dataclasses.replace(base, gen_len=128, response_lengths=ResponseLengths.lognormal(8, 102))
+    from realloc.estimator.profile_table import ProfileTable
+
+    return CostModel(build_graph(spec), profile=ProfileTable.load("profiles/cpu/tiny.json"), discover=False)
+
+
+def test_the_move_is_priced_as_its_bytes_over_the_dp_link_and_its_copies():
+    from realloc.estimator.tail_cost import migration_cost, migration_step, row_bytes, tail_phase_cost, tail_rows
+    from realloc.strategy import ParallelStrategy as S
+
+    model = _cost_model()
+    s, call = S(2, 1, 1), "actor_gen"
+    mesh = next(m for m in model.cluster.device_meshes() if m.size == 2)
+    work, cfg = model.workload(call), model.graph.model_config(call)
+    rows = tail_rows(work.n_seqs, 0.2)
+    cut, links = migration_step(model, call, rows), model.links(mesh, s)
+    timer = model._timer(cfg, model.call_precision(call))
+    written = work.prompt_len + cut
+    # by hand: K and V of every layer's kv heads, each head_dim wide, in the compute dtype, at every written slot;
+    # the tail replica's own half of the rows stays, the other half crosses
+    row = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * model.call_precision(call).param * written
+    transfer = model.comm.time("p2p", 2, rows / 2 * row, links.dp)
+    copies = sum(cfg.n_layers * timer._engine("engine.row_drop_used", 1, b, written) for b in (-(-rows // 2), rows))
+    assert copies > 0 and transfer > 0
+    ends = sorted(work.lengths.order_statistics(work.gen_len, work.n_seqs))[work.n_seqs - rows:]
+    alloc = timer.kv_alloc(s, rows, work.prompt_len + work.gen_len, work.prompt_len + sum(ends) / rows - 1)
+    share = work.n_seqs // 2
+    gather = (model.comm.time("all_gather", 2, share * (row_bytes(work.prompt_len, work.gen_len) + 17), links.dp)
+              - model.comm.time("all_gather", 2, share * row_bytes(work.prompt_len, work.gen_len), links.dp))
+    base = migration_cost(model, call, mesh, s, rows, 1)
+    moved, phase2, flag = tail_phase_cost(model, call, mesh, s, rows, 1, "move")
+    assert flag and moved == pytest.approx(base + gather + copies + transfer + alloc, rel=1e-12)
+    prefilled, phase2_p, flag_p = tail_phase_cost(model, call, mesh, s, rows, 1, "prefill")
+    assert not flag_p and phase2_p == phase2 and prefilled > base  # the same decoding either way
+    auto = tail_phase_cost(model, call, mesh, s, rows, 1)
+    assert auto == ((moved, phase2, True) if moved <= prefilled else (prefilled, phase2, False))
+
+
+def _wire_bytes(ctx, window):
+    from realloc.estimator.hardware import Precision
+    from realloc.estimator.kv_move_cost import row_kv_bytes
+    from realloc.models.kv_move import packed_size
+    from realloc.strategy import ParallelStrategy as S
+
+    model = build_model(ctx, _config(window), 1, 1, 1, seed=3)
+    if model is None:
+        return None
+    return packed_size(model, [5, 2], 3) * 4, sum(row_kv_bytes(model.cfg, S(1, 1, 1), Precision.for_dtype("fp32"), s)
+                                                  for s in (5 + 3, 2 + 3))
+
+
+def test_the_priced_bytes_are_those_the_runtime_sends(pool):
+    sent, priced = next(r for r in pool.run(_wire_bytes, None) if r)
+    assert sent == priced > 0
+
+
+def test_a_kv_choice_reads_writes_and_is_checked():
+    from realloc.graph.tail import TailMigration, same_tail
+
+    old = TailMigration(rows=3, instances=1)
+    assert old.kv == "auto" and old.moves_kv and "kv" not in old.model_dump()  # plans of before: the same JSON
+    forced = TailMigration.model_validate({"rows": 3, "instances": 1, "kv": "prefill"})
+    assert not forced.moves_kv and forced.model_dump()["kv"] == "prefill" and same_tail(old, forced)
+    with pytest.raises(ValueError, match="kv"):
+        TailMigration.model_validate({"rows": 3, "instances": 1, "kv": "copy"})

@@ -84,6 +84,14 @@ class TailMigration(BaseModel):
         return self.instances == 0
 
 
+def same_tail(a: TailMigration | None, b: TailMigration | None) -> bool:
+    """The same migration, however its KV caches reach the tail (a plan written before ``kv``, or by hand, finds
+    the search's row)."""
+    if a is None or b is None:
+        return a is b
+    return a.model_copy(update={"kv": "auto"}) == b.model_copy(update={"kv": "auto"})
+
+
 def split_thresholds(n_rows: int, rows: int, chunks: int) -> tuple[int, ...]:
     """The running-row counts at or below which a stream-only generation of ``n_rows`` rows hands its finished rows
     on, one per chunk, descending, the last ``rows``: split point j (1..k) is the first decode step after which at
