@@ -10,8 +10,9 @@ the rows unfinished after that step back to that step (their tokens beyond it ar
 migration point and every token are those of a lockstep run, while no replica waits for another at every step.
 Every row of the tail has generated exactly ``step + 1`` tokens.
 
-Phase 2 (``continue_decoding``) takes such rows -- from this replica or another -- and decodes them to their end:
-it rebuilds the KV cache by re-running prefill over prompt + tokens so far, starts each row's sampling generator
+Phase 2 (``continue_decoding``; for a plan whose tail moves the KV caches instead, ``kv_move.decode_moved``, from
+the caches ``PhaseOne.held`` points at) takes such rows -- from this replica or another -- and decodes them to their
+end: it rebuilds the KV cache by re-running prefill over prompt + tokens so far, starts each row's sampling generator
 after the draws phase 1 made (one per generated token), and counts steps from ``step + 1``, so the length schedule,
 the EOS ban and the ``max_new_tokens`` cut fall where they would have. The tokens are those of an unmigrated run up
 to the floating-point difference between a prefill and the decode steps it replaces (the log-probs within float

@@ -13,8 +13,10 @@ Every dp replica of the call runs this inside the same ``RunCall`` request:
    replicas m..dp-1 (``graph/streaming.generation_shares``).
 4. A freed replica runs the interface function on the finished rows it holds, with a stand-in model that returns
    their generation results, and replies: the master streams these rows to the calls on the freed devices while
-   replicas 0..m-1 run phase 2 (``tail_decode.continue_decoding``: prefill re-run, then decoding to the end) and
-   then the interface function on their tail rows.
+   replicas 0..m-1 run phase 2 -- decoding to the end from the tail rows' KV caches, sent to them point to point
+   after the all-gather (``tail_kv.py``, ``models/kv_move.py``), or after a re-run prefill
+   (``tail_decode.continue_decoding``) where the plan's ``kv`` says "prefill" -- and then the interface function on
+   their tail rows.
 
 The interface function must call ``model.generate`` once with one sequence id per input row, in row order (the
 built-in generation interfaces do). If no step ends with 1..R_t rows left (the last rows end together), there is no
@@ -51,12 +53,15 @@ class _Clock:
 
     def __init__(self) -> None:
         self.t0 = self.last = time.perf_counter()
+        self.cpu_last = time.thread_time()
         self.parts: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}  # this thread's CPU seconds of each part (benchmarks/bench_tail_phases.py)
 
     def lap(self, name: str) -> None:
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.thread_time()
         self.parts[name] = self.parts.get(name, 0.0) + now - self.last
-        self.last = now
+        self.cpu[name] = self.cpu.get(name, 0.0) + cpu - self.cpu_last
+        self.last, self.cpu_last = now, cpu
 
     def report(self, call: str, dp_rank: int, **extra: Any) -> None:
         text = ", ".join(f"{k} {v:.3f} s" for k, v in self.parts.items())
