@@ -219,7 +219,7 @@ def test_the_priced_bytes_are_those_the_runtime_sends(pool):
 
 
 def test_a_kv_choice_reads_writes_and_is_checked():
-    from realloc.graph.tail import TailMigration, same_tail
+    from realloc.graph.tail import TailMigration, check_tail, same_tail
 
     old = TailMigration(rows=3, instances=1)
     assert old.kv == "auto" and old.moves_kv and "kv" not in old.model_dump()  # plans of before: the same JSON
@@ -227,3 +227,29 @@ def test_a_kv_choice_reads_writes_and_is_checked():
     assert not forced.moves_kv and forced.model_dump()["kv"] == "prefill" and same_tail(old, forced)
     with pytest.raises(ValueError, match="kv"):
         TailMigration.model_validate({"rows": 3, "instances": 1, "kv": "copy"})
+    from realloc.api import load_experiment
+    from realloc.graph.dataflow import build_graph
+    from realloc.graph.plan import ExecutionPlan
+
+    graph = build_graph(load_experiment("experiments/ppo_tiny.py"))
+    both = {c: ("localhost", 2, 1, 1, 1) for c in graph.spec.call_names}
+    shown = ExecutionPlan.by_hand(graph, both, source="hand", tail={"actor_gen": forced}).table()
+    assert "moves its last 3 running rows to 1 dp replica(s), re-running their prefill;" in shown
+    streamed = ExecutionPlan.by_hand(graph, both, source="hand", tail={"actor_gen": (3, 0)})
+    with pytest.raises(ValueError, match="kv='move'.*stream-only"):
+        check_tail(graph, streamed.placements, {"actor_gen": TailMigration(rows=3, instances=0, kv="move")})
+
+
+def test_ppo_runs_that_move_the_caches_and_that_rerun_the_prefill_match(tmp_path):
+    """Whole runs (2 iterations, dp 2, R_t = 4 rows to replica 0, the inference calls streamed on device 1): the same
+    samples, rewards, losses, and final parameters and optimizer state either way (both against the unmigrated run:
+    tests/test_streaming.py, whose runs move the caches, the default)."""
+    from realloc.graph.tail import TailMigration
+    from test_streaming import R_T, _experiment, _run, assert_same_runs
+
+    exp = _experiment(tmp_path, "ppo")
+    runs = {kv: _run(tmp_path, exp, kv, {"actor_gen": TailMigration(rows=R_T, instances=1, kv=kv)})
+            for kv in ("move", "prefill")}
+    logs = {kv: (d / "logs" / "worker0.log").read_text() for kv, d in runs.items()}
+    assert "caches moved" in logs["move"] and "caches moved" not in logs["prefill"]  # the tail replica's clock
+    assert_same_runs(runs["move"], runs["prefill"])

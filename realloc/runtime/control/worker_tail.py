@@ -383,7 +383,8 @@ def migrating_generation(ctx: CallContext, fn: Callable[[CallContext, Data], Cal
     ids = everyone["id"].tolist()
     tails = deal([i for i, t in zip(ids, everyone["tail"].tolist()) if t], m)
     caches = exchange(model, one, a.seq_ids, everyone, tails) if tail.moves_kv else {}
-    clock.lap("caches moved")
+    if tail.moves_kv:
+        clock.lap("caches moved")
     if k >= m:  # a freed replica: its own finished rows and its deal of those of replicas 0..m-1
         moved = deal([i for i, t in zip(ids, everyone["tail"].tolist()) if not t], dp - m)[k - m]
         got = _select(everyone, moved)
