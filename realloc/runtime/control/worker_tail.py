@@ -383,6 +383,7 @@ def migrating_generation(ctx: CallContext, fn: Callable[[CallContext, Data], Cal
     ids = everyone["id"].tolist()
     tails = deal([i for i, t in zip(ids, everyone["tail"].tolist()) if t], m)
     caches = exchange(model, one, a.seq_ids, everyone, tails) if tail.moves_kv else {}
+    one.held.clear()  # phase 1's caches: only the rows' cut slots this replica decodes on are still needed
     if tail.moves_kv:
         clock.lap("caches moved")
     if k >= m:  # a freed replica: its own finished rows and its deal of those of replicas 0..m-1
