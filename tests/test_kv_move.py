@@ -102,15 +102,16 @@ def _blocking_counts(group, dp):
     return counts
 
 
-def _migrated(ctx, split, rows_t, kv, n_mbs, window, blocking):
-    """dp 2: replica k holds the rows ``split[k]``; the unmigrated generation, then the call with a tail entry."""
+def _migrated(ctx, split, rows_t, kv, n_mbs, window, blocking, tp=1):
+    """dp 2 (at ``tp``): replica k holds the rows ``split[k]``; the unmigrated generation, then the call with a
+    tail entry."""
     from realloc.algorithms.context import CallContext
     from realloc.graph.tail import TailMigration
     from realloc.runtime.control import worker_tail
 
     if blocking:
         worker_tail.AsyncCounts = _blocking_counts  # this worker process only
-    model = build_model(ctx, _config(window), 2, 1, 1, seed=3)
+    model = build_model(ctx, _config(window), 2, tp, 1, seed=3)
     ids = split[model.groups.dp_rank]
     lists = _prompt_lists()
     prompts = torch.zeros((len(ids), max(map(len, lists))), dtype=torch.long)  # one width on every replica
@@ -143,6 +144,15 @@ TWO_SOURCES = [[0, 1, 2, 3, 4, 6], [5, 7, 8, 9, 10, 11]]
 @pytest.mark.parametrize("window", [None, 4])
 def test_at_dp_2_caches_moved_over_the_wire_decode_bit_for_bit(pool, window):
     plain, moved = _both(pool.run(_migrated, ONE_SOURCE, 3, "move", 1, window, True))
+    for i in range(N_ROWS):
+        assert plain[i][0] == moved[i][0] and torch.equal(plain[i][1], moved[i][1]), i
+
+
+def test_at_tp_2_each_rank_moves_its_own_heads_bit_for_bit(tmp_path):
+    from mp_pool import GlooPool
+
+    with GlooPool(4, tmp_path) as four:
+        plain, moved = _both(four.run(_migrated, ONE_SOURCE, 3, "move", 1, None, True, 2))
     for i in range(N_ROWS):
         assert plain[i][0] == moved[i][0] and torch.equal(plain[i][1], moved[i][1]), i
 
