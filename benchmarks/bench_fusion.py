@@ -41,8 +41,7 @@ is the grid R_t whose fused plan has the smallest estimated iteration (what the 
 
 ``--breakdown`` also prints where each plan's iteration goes, measured (medians over iterations 2..; the tail
 replica's phase 1, migration (rows packed + all-gather + the caches' transfer, if they move) and phase 2 (with a
-re-run prefill, if not) from its worker log, the rest
-from ``requests.jsonl``) beside the estimate (``tail_cost.tail_generation_cost`` and the simulator's schedule):
+re-run prefill, if not) from its worker log, the rest from ``requests.jsonl``) beside the estimate (``tail_cost.tail_generation_cost`` and the simulator's schedule):
 generation, inference before and after the generation's end, training, and the rest (transfers, reallocations,
 request overheads, idle devices).
 
