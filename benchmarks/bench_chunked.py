@@ -104,6 +104,24 @@ def _streamed(graph, won, grid: list[int]) -> dict:
     return out
 
 
+def with_kv(plans: dict, kv: str) -> dict:
+    """``plans`` with every migration's ``kv`` set; "both": a migrating plan moves its caches and its twin, named
+    'prefill: <name>' (outside the sweeps' names), re-runs the prefill. The estimate prices a twin as the search's
+    row of its R_t and m (search/timeline._tail_row)."""
+    if kv == "auto":
+        return plans
+    out = {}
+    for name, plan in plans.items():
+        tail = plan.tail.get(GEN)
+        if tail is None or not tail.instances:
+            out[name] = plan
+            continue
+        for how in (("move", "prefill") if kv == "both" else (kv,)):
+            twin = plan.model_copy(update={"tail": {**plan.tail, GEN: tail.model_copy(update={"kv": how})}})
+            out[name if how == "move" or kv != "both" else f"prefill: {name}"] = twin
+    return out
+
+
 def _union(spans: list[tuple[float, float]]) -> float:
     """Seconds covered by ``spans`` (overlaps counted once)."""
     total, end = 0.0, float("-inf")
@@ -217,6 +235,9 @@ def chunked_args(doc: str | None, default: str = "rlhfuse") -> argparse.Argument
     p.add_argument("--profiles", default=None, help="profiles folder ($REALLOC_PROFILES) for estimates and runs")
     p.add_argument("--keep", default=None, help="keep the runs' directories under this folder")
     p.add_argument("--estimate-only", action="store_true", help="print the estimates without running")
+    p.add_argument("--kv", choices=("auto", "move", "prefill", "both"), default="auto",
+                   help="how every migrating plan's tail gets its KV caches (TailMigration.kv); both: each such plan "
+                        "twice, the re-run prefill's twin named 'prefill: ...', run in turn with it")
     if default == "long":  # bench_fusion.py --setting long: docs/streaming.md, "A longer batch"
         p.set_defaults(rows=128, prompt=32, median=4)
     return p
@@ -247,7 +268,7 @@ def compare(args: argparse.Namespace, chunked: bool = True, balance_tokens: bool
                          balance_tokens=balance_tokens, median=median, prompt=args.prompt)
         graph = build_graph(load_experiment(str(exp)))
         report = plan_search(str(exp), time_limit=args.search_time, n_threads=1, seed=0, runnable=RunLimits())
-        plans = _plans(graph, report, chunked)
+        plans = with_kv(_plans(graph, report, chunked), getattr(args, "kv", "auto"))
         est = {n: _estimated(graph, plan) for n, plan in plans.items()}
         env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(REPO)}
         measured: dict[str, list] = {n: [] for n in plans}

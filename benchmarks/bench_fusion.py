@@ -40,8 +40,8 @@ generation + inference span of a middle iteration of the simulator's schedule (`
 is the grid R_t whose fused plan has the smallest estimated iteration (what the search chooses on this placement).
 
 ``--breakdown`` also prints where each plan's iteration goes, measured (medians over iterations 2..; the tail
-replica's phase 1, migration (rows packed + all-gather + prefill re-run) and phase 2 from its worker log, the rest
-from ``requests.jsonl``) beside the estimate (``tail_cost.tail_generation_cost`` and the simulator's schedule):
+replica's phase 1, migration (rows packed + all-gather + the caches' transfer, if they move) and phase 2 (with a
+re-run prefill, if not) from its worker log, the rest from ``requests.jsonl``) beside the estimate (``tail_cost.tail_generation_cost`` and the simulator's schedule):
 generation, inference before and after the generation's end, training, and the rest (transfers, reallocations,
 request overheads, idle devices).
 
@@ -141,7 +141,7 @@ def _tail_phases(run_dir: Path) -> dict[str, float]:
     got: dict[str, list[float]] = {}
     lines = [x for x in (run_dir / "logs" / "worker0.log").read_text().splitlines() if "tail dp rank 0:" in x][1:]
     for line in lines:
-        for name, sec in re.findall(r"(phase 1|rows packed|all-gather|phase 2|replay) ([0-9.]+) s", line):
+        for name, sec in re.findall(r"(phase 1|rows packed|all-gather|caches moved|phase 2|replay) ([0-9.]+) s", line):
             got.setdefault(name, []).append(float(sec))
     return {k: statistics.median(v) for k, v in got.items()}
 
@@ -222,8 +222,8 @@ def print_breakdown(names: list[str], measured: dict[str, dict[str, float]], est
     print("breakdown, measured (estimated), seconds per iteration: " + " | ".join(keys))
     for name in names:
         m, e = measured.get(name, {}), estimated[name]
-        if "phase 1" in m:  # the migration as the tail replica ran it: rows packed, all-gather, re-run prefill
-            m = {**m, "migration": m.get("rows packed", 0.0) + m.get("all-gather", 0.0)}
+        if "phase 1" in m:  # the migration as the tail replica ran it: rows packed, all-gather, caches moved
+            m = {**m, "migration": m.get("rows packed", 0.0) + m.get("all-gather", 0.0) + m.get("caches moved", 0.0)}
         cells = [f"{m[k]:.3f} ({e[k]:.3f})" if k in e and k in m else "-" for k in keys]
         print(f"  {name:<23}" + " | ".join(cells))
 

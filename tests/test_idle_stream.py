@@ -49,6 +49,13 @@ def test_the_search_returns_no_stream_entry_that_streams_to_no_call(long_setting
     from realloc.search.planner import RunLimits, plan_search
 
     tuned_profiles(tmp_path / "profiles", monkeypatch)
+    # and on the migration's prices of then: a re-run prefill (the KV-cache move, priced cheaper since, makes the
+    # search's path end elsewhere: tests/test_kv_move.py)
+    import functools
+
+    from realloc.estimator.tail_cost import tail_phase_cost
+    from realloc.search import tail_space
+    monkeypatch.setattr(tail_space, "tail_phase_cost", functools.partial(tail_phase_cost, kv="prefill"))
 
     r = plan_search(str(long_setting), time_limit=None, max_evals=evals, n_threads=1, seed=seed,
                     runnable=RunLimits())

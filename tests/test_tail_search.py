@@ -38,7 +38,7 @@ def test_phases_of_a_migrating_generation_step_by_step():
     mesh = next(m for m in model.cluster.device_meshes() if m.size == 2)
     s, n = S(2, 1, 1), model.workload("actor_gen").n_seqs
     rows = tail_rows(n, 0.2)
-    got = tail_generation_cost(model, "actor_gen", mesh, s, 1, rows, 1)
+    got = tail_generation_cost(model, "actor_gen", mesh, s, 1, rows, 1, "prefill")  # the move: test_kv_move.py
     timer, links = model._timer(model.graph.model_config("actor_gen")), model.links(mesh, s)
     w, h = model.workload("actor_gen"), model.hw.decode_step_overhead
     all_ends = spec.response_lengths.order_statistics(w.gen_len, n)

@@ -10,9 +10,9 @@ layout (single-stage meshes only):
   wait for before they know the migration point;
 - migration: the replicas agree that the counts are over (one more small all-reduce), learn each other's row
   counts and prompt width (two more), and all-gather the rows (each replica's share of the call's rows: inputs,
-  prompt, tokens and log-probs so far, ``worker_tail._row_table``); then the tail rows rebuild their KV caches on m
-  replicas, ceil(R_t / m) rows each, by a prefill over prompt + the tokens generated so far (the runtime re-runs
-  prefill; moving KV caches is not implemented, so it is not priced);
+  prompt, tokens and log-probs so far, ``worker_tail._row_table``); then the tail rows get their KV caches on m
+  replicas, ceil(R_t / m) rows each, one of two ways (``TailMigration.kv``): by a prefill over prompt + the tokens
+  generated so far, or moved from the replicas that hold them (``kv_move_cost.py``); "auto" takes the cheaper;
 - phase 2: the replica that holds the longest row decodes from the migration point to that row's end, with every
   m-th of the R_t longest expected lengths (the longest among them), as ``CallTimer.generate_varied`` prices
   decode steps over the rows still running.
@@ -32,6 +32,7 @@ from realloc.calls import InterfaceType
 from realloc.cluster import DeviceMesh
 from realloc.estimator.call_time import CallTimer, decode_round, decode_segments, pipeline_makespan, sum_over_range
 from realloc.estimator.cost import CostModel
+from realloc.estimator.kv_move_cost import MOVE_ROW_BYTES, kv_move_seconds
 from realloc.estimator.memory import Workload
 from realloc.estimator.opcount import Phase
 from realloc.estimator.stream_cost import stream_phase2
@@ -51,7 +52,7 @@ class TailCost:
     phase1: float
     migration: float
     phase2: float
-    kv_moved: bool  # the migration moves KV caches (else it re-runs prefill); False: the runtime re-runs prefill
+    kv_moved: bool  # the migration moves KV caches (else it re-runs prefill; stream-only entries move nothing)
 
     @property
     def tail(self) -> float:
@@ -149,22 +150,23 @@ def row_bytes(prompt_len: int, gen_len: int) -> int:
 
 
 def migration_cost(cost: CostModel, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, rows: int,
-                   instances: int) -> float:
-    """Seconds from the migration point until the tail replicas start their prefill: the counts' closing
-    reduction, the row counts' all-gather and the prompt width's all-reduce, then the rows' all-gather, in which
-    every replica sends its share of the call's rows (a tail replica sends them all)."""
+                   instances: int, moved: bool = False) -> float:
+    """Seconds from the migration point until the tail replicas start their prefill (or their caches move): the
+    counts' closing reduction, the row counts' all-gather and the prompt width's all-reduce, then the rows'
+    all-gather, in which every replica sends its share of the call's rows (a tail replica sends them all)."""
     model, mesh = _local(cost, mesh)
     work = model.workload(call)
     links = model.links(mesh, strategy)
     small = 3 * model.comm.time("all_reduce", strategy.dp, COUNT_BYTES, links.dp)
     share = -(-work.n_seqs // strategy.dp)
-    return small + model.comm.time("all_gather", strategy.dp, share * row_bytes(work.prompt_len, work.gen_len),
-                                   links.dp)
+    width = row_bytes(work.prompt_len, work.gen_len) + (MOVE_ROW_BYTES if moved else 0)
+    return small + model.comm.time("all_gather", strategy.dp, share * width, links.dp)
 
 
 def tail_phase_cost(cost: CostModel, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, rows: int,
-                    instances: int) -> tuple[float, float, bool]:
-    """(migration, phase 2, whether the KV caches move) of a tail of ``rows`` rows on ``instances`` replicas."""
+                    instances: int, kv: str = "auto") -> tuple[float, float, bool]:
+    """(migration, phase 2, whether the KV caches move) of a tail of ``rows`` rows on ``instances`` replicas; ``kv``
+    as ``TailMigration.kv`` ("auto": the cheaper of the move and the re-run prefill)."""
     if strategy.pp != 1 or not 1 <= instances < strategy.dp:
         raise ValueError(f"call {call!r}: a tail migrates within a single-stage mesh to 1 .. dp - 1 replicas "
                          f"(pp={strategy.pp}, dp={strategy.dp}, instances={instances})")
@@ -182,18 +184,23 @@ def tail_phase_cost(cost: CostModel, call: str, mesh: DeviceMesh, strategy: Para
     prefill = pipeline_makespan(timer._stages(Phase.PREFILL, strategy, links, per, prompt + cut, host=host), 1).time
     prefill += timer.kv_alloc(strategy, per, prompt + work.gen_len,  # the tail's new caches (tail_decode.py)
                               prompt + sum(held) / len(held) - 1)
-    moving = migration_cost(cost, call, mesh, strategy, rows, instances)
-    return moving + prefill, _decode_from(timer, strategy, links, prompt, held, cut, work), False
+    touched = prompt + sum(held) / len(held) - 1
+    by_prefill = migration_cost(cost, call, mesh, strategy, rows, instances) + prefill
+    by_move = migration_cost(cost, call, mesh, strategy, rows, instances, moved=True) + kv_move_seconds(
+        timer, model.comm, links.dp, cfg, strategy, model.call_precision(call), per, prompt, cut,
+        prompt + work.gen_len, touched)
+    moved = kv == "move" or (kv == "auto" and by_move <= by_prefill)
+    return by_move if moved else by_prefill, _decode_from(timer, strategy, links, prompt, held, cut, work), moved
 
 
 def tail_generation_cost(cost: CostModel, call: str, mesh: DeviceMesh, strategy: ParallelStrategy, n_mbs: int,
-                         rows: int, instances: int) -> TailCost:
+                         rows: int, instances: int, kv: str = "auto") -> TailCost:
     """A generation call's phases with a tail migration of ``rows`` rows to ``instances`` dp replicas (0: stream
     only, ``stream_cost.py``)."""
     if instances == 0:
         one = phase1_cost(cost, call, mesh, strategy, n_mbs, rows)
         return TailCost(one, 0.0, stream_phase2(cost, call, mesh, strategy, n_mbs, one), kv_moved=True)
-    migration, phase2, moved = tail_phase_cost(cost, call, mesh, strategy, rows, instances)
+    migration, phase2, moved = tail_phase_cost(cost, call, mesh, strategy, rows, instances, kv)
     return TailCost(phase1=phase1_cost(cost, call, mesh, strategy, n_mbs, rows), migration=migration,
                     phase2=phase2, kv_moved=moved)
 

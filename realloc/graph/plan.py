@@ -223,7 +223,8 @@ class ExecutionPlan(BaseModel):
                 rows.append(f"tail: {c} streams its finished rows to the next calls once at most {t.rows} are "
                             f"running (no migration)" + (f", in {t.chunks} chunks" if t.chunks > 1 else ""))
                 continue
-            rows.append(f"tail: {c} moves its last {t.rows} running rows to {t.instances} dp replica(s); "
+            how = {"auto": "", "move": ", with their KV caches", "prefill": ", re-running their prefill"}[t.kv]
+            rows.append(f"tail: {c} moves its last {t.rows} running rows to {t.instances} dp replica(s){how}; "
                         f"the freed devices start the next calls")
         if self.staleness:
             rows.append(f"staleness: generation runs up to {self.staleness} train step(s) ahead")

@@ -16,7 +16,7 @@ the last of them the one at ``rows``: chunked streaming, issue 31 item 2."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping, Protocol
+from typing import TYPE_CHECKING, Literal, Mapping, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
@@ -54,6 +54,11 @@ class TailMigration(BaseModel):
     # stream-only: the micro-batches decode one after another, as in the plain call, so the rows of each end
     # together and the split points fall between micro-batches (FlexRLHF Fig. 4b; estimator/mb_stream_cost.py)
     micro_batches: bool = False
+    # how the tail rows reach the tail replicas (a migration only): "move" their KV caches (cut at the migration
+    # point, models/kv_move.py), "prefill" (re-run it over prompt + tokens so far), or "auto": what the estimator
+    # prices cheaper (estimator/tail_cost.py; the search writes "prefill" where that wins, and the runtime moves
+    # the caches otherwise)
+    kv: Literal["auto", "move", "prefill"] = "auto"
 
     _not_a_bool = field_validator("rows", "instances", "chunks", mode="before")(not_a_bool)
     _a_bool = field_validator("micro_batches", mode="before")(a_bool)
@@ -65,11 +70,26 @@ class TailMigration(BaseModel):
             out.pop("chunks", None)
         if not self.micro_batches:
             out.pop("micro_batches", None)
+        if self.kv == "auto":
+            out.pop("kv", None)
         return out
+
+    @property
+    def moves_kv(self) -> bool:
+        """Whether the runtime moves the tail's KV caches (else it re-runs their prefill)."""
+        return self.kv != "prefill"
 
     @property
     def streams_only(self) -> bool:
         return self.instances == 0
+
+
+def same_tail(a: TailMigration | None, b: TailMigration | None) -> bool:
+    """The same migration, however its KV caches reach the tail (a plan written before ``kv``, or by hand, finds
+    the search's row)."""
+    if a is None or b is None:
+        return a is b
+    return a.model_copy(update={"kv": "auto"}) == b.model_copy(update={"kv": "auto"})
 
 
 def split_thresholds(n_rows: int, rows: int, chunks: int) -> tuple[int, ...]:
@@ -98,6 +118,9 @@ def tail_error(graph: "DataflowGraph", placements: Mapping[str, Placed], call: s
         kind = rpc.interface_type.value
         return (f"call {call!r} is {'an' if kind[0].lower() in 'aeiou' else 'a'} {kind} call; only GENERATE calls have a "
                 f"tail to migrate")
+    if tail.kv != "auto" and not tail.instances:
+        return (f"call {call!r} has kv={tail.kv!r}, but a stream-only entry (instances=0) moves no rows; drop 'kv' "
+                f"or set instances")
     if tail.micro_batches and tail.instances:
         return (f"call {call!r} has micro_batches=true, but only a stream-only entry (instances=0) hands its "
                 f"micro-batches on; set instances=0 or drop micro_batches")

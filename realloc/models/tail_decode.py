@@ -10,8 +10,9 @@ the rows unfinished after that step back to that step (their tokens beyond it ar
 migration point and every token are those of a lockstep run, while no replica waits for another at every step.
 Every row of the tail has generated exactly ``step + 1`` tokens.
 
-Phase 2 (``continue_decoding``) takes such rows -- from this replica or another -- and decodes them to their end:
-it rebuilds the KV cache by re-running prefill over prompt + tokens so far, starts each row's sampling generator
+Phase 2 (``continue_decoding``; for a plan whose tail moves the KV caches instead, ``kv_move.decode_moved``, from
+the caches ``PhaseOne.held`` points at) takes such rows -- from this replica or another -- and decodes them to their
+end: it rebuilds the KV cache by re-running prefill over prompt + tokens so far, starts each row's sampling generator
 after the draws phase 1 made (one per generated token), and counts steps from ``step + 1``, so the length schedule,
 the EOS ban and the ``max_new_tokens`` cut fall where they would have. The tokens are those of an unmigrated run up
 to the floating-point difference between a prefill and the decode steps it replaces (the log-probs within float
@@ -60,6 +61,9 @@ class PhaseOne:
     # the same tokens phase 2 would decode again, so a tail replica that holds them keeps them (worker_tail.py)
     ahead: list[int] = dataclasses.field(default_factory=list)
     ahead_output: GenerationOutput | None = None
+    # tail rows still in one of phase 1's caches (local position -> that micro-batch's caches, the row's place in
+    # them, the micro-batch's left-padded prompt width): what a migration that moves KV caches cuts out (kv_move.py)
+    held: dict[int, tuple[list, int, int]] = dataclasses.field(default_factory=dict)
 
 
 def _check(model: DecodingModel, gconfig: GenerationConfig) -> None:
@@ -147,8 +151,10 @@ def decode_until(model: DecodingModel, rows: list[torch.Tensor], gconfig: Genera
         torch.zeros((0, steps), dtype=torch.float32)
     tail = TailRows([int(seq_ids[i]) for i in running], [rows[i] for i in running], tok.cpu(), lp.cpu())
     ahead = [i for i in running if i not in active]
+    held = {off + int(i): (mb.caches, j, mb.P) for mb, off in zip(mbs, offsets) if not mb.done
+            for j, i in enumerate(mb.active.tolist()) if off + int(i) in still}
     return PhaseOne(finished, select_rows(full, finished), tail, stop, ahead,
-                    select_rows(full, ahead) if ahead else None)
+                    select_rows(full, ahead) if ahead else None, held)
 
 
 def select_rows(out: GenerationOutput, rows: Sequence[int]) -> GenerationOutput:

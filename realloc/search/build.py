@@ -23,6 +23,7 @@ from realloc.estimator.cost import CostModel
 from realloc.estimator.memory import stage_call_memory
 from realloc.graph.dataflow import DATA, DataflowGraph
 from realloc.graph.plan import CallPlacement, ExecutionPlan, validate_plan
+from realloc.graph.tail import same_tail
 from realloc.search.candidates import CallCosts, Candidate, Option, call_options, footprint, prune
 from realloc.search.fused_space import fused_pair_arrays, price_fused_entry
 from realloc.search.home_keep import home_keep_fields
@@ -458,7 +459,8 @@ class PlanSpace:
             try:
                 i = opts.index(want)
                 if plan.tail.get(c) is not None or self.tails:  # the row with the plan's migration, if any
-                    i = next(j for j, o in enumerate(opts) if o == want and self.tail_of(c, j) == plan.tail.get(c))
+                    i = next(j for j, o in enumerate(opts) if o == want and same_tail(self.tail_of(c, j),
+                                                                                      plan.tail.get(c)))
                 out.append(i)
             except (ValueError, StopIteration):
                 raise ValueError(f"call {c!r}: placement {want.describe()} is not among the candidates (it does not "

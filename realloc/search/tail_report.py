@@ -37,7 +37,8 @@ def tail_summary(report: "SearchReport") -> list[str]:
         if space.cost.rollout_shape(call) is not None:  # a multi-turn stream, priced by turns
             cost = turn_stream_cost(space.cost, call, o.mesh, o.strategy, o.n_mbs, t.rows, t.chunks)[0]
         else:
-            cost = (tail_generation_cost(space.cost, call, o.mesh, o.strategy, o.n_mbs, t.rows, t.instances)
+            cost = (tail_generation_cost(space.cost, call, o.mesh, o.strategy, o.n_mbs, t.rows, t.instances,
+                                         t.kv)
                     if t.chunks == 1 else chunked_generation_cost(space.cost, call, o.mesh, o.strategy, o.n_mbs,
                                                                   t.rows, t.chunks)[0])
         split = [names[v] for v in view.split_of if view.split(v) is not None and names[view.split(v)[1]] == call]

@@ -147,7 +147,9 @@ def with_tail_rows(graph: DataflowGraph, cost: CostModel, call: str, cc: CallCos
                 if k1 not in phase1:
                     phase1[k1] = phase1_cost(cost, call, cand.mesh, s, cand.n_mbs, r_t)
                 rows.append((i, phase1[k1]))
-                choices.append(TailChoice(TailMigration(rows=r_t, instances=m), g, m * s.tp, tail))
+                # the runtime moves the caches unless the plan says "prefill": written where that is priced cheaper
+                how = {} if phase2[key][2] else {"kv": "prefill"}
+                choices.append(TailChoice(TailMigration(rows=r_t, instances=m, **how), g, m * s.tp, tail))
     if not rows:
         return cc, (None,) * len(cc.options)
     idx = [i for i, _ in rows]

@@ -13,8 +13,10 @@ Every dp replica of the call runs this inside the same ``RunCall`` request:
    replicas m..dp-1 (``graph/streaming.generation_shares``).
 4. A freed replica runs the interface function on the finished rows it holds, with a stand-in model that returns
    their generation results, and replies: the master streams these rows to the calls on the freed devices while
-   replicas 0..m-1 run phase 2 (``tail_decode.continue_decoding``: prefill re-run, then decoding to the end) and
-   then the interface function on their tail rows.
+   replicas 0..m-1 run phase 2 -- decoding to the end from the tail rows' KV caches, sent to them point to point
+   after the all-gather (``tail_kv.py``, ``models/kv_move.py``), or after a re-run prefill
+   (``tail_decode.continue_decoding``) where the plan's ``kv`` says "prefill" -- and then the interface function on
+   their tail rows.
 
 The interface function must call ``model.generate`` once with one sequence id per input row, in row order (the
 built-in generation interfaces do). If no step ends with 1..R_t rows left (the last rows end together), there is no
@@ -39,6 +41,7 @@ from realloc.models import collective_wait
 from realloc.models.generation import GenerationOutput, _concat, _prompt_list, assemble
 from realloc.models.sampling import GenerationConfig
 from realloc.models.tail_decode import PhaseOne, TailRows, continue_decoding, decode_until, select_rows
+from realloc.runtime.control.tail_kv import exchange, moved_phase_two
 from realloc.runtime.transfer.data_store import pack_rows, row_bytes, unpack_rows
 from realloc.runtime.wire.protocol import TensorMeta
 
@@ -51,12 +54,15 @@ class _Clock:
 
     def __init__(self) -> None:
         self.t0 = self.last = time.perf_counter()
+        self.cpu_last = time.thread_time()
         self.parts: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}  # this thread's CPU seconds of each part (benchmarks/bench_tail_phases.py)
 
     def lap(self, name: str) -> None:
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.thread_time()
         self.parts[name] = self.parts.get(name, 0.0) + now - self.last
-        self.last = now
+        self.cpu[name] = self.cpu.get(name, 0.0) + cpu - self.cpu_last
+        self.last, self.cpu_last = now, cpu
 
     def report(self, call: str, dp_rank: int, **extra: Any) -> None:
         text = ", ".join(f"{k} {v:.3f} s" for k, v in self.parts.items())
@@ -313,6 +319,31 @@ def _phase_two(model: Any, one: PhaseOne, ahead_ids: list[int], mine: dict[str, 
     return select_rows(both, [where[i] for i in ids])
 
 
+def _moving_columns(finished: dict[str, torch.Tensor], running: dict[str, torch.Tensor], one: PhaseOne,
+                    pos: list[int], k: int, n_new: int) -> None:
+    """The columns a migration that moves KV caches adds to the rows (``tail_kv.py``): each row's replica, whether
+    phase 1 finished it ahead of the counts (its whole results then replace its tokens so far: nothing is decoded
+    again) and the width of its micro-batch's cache layout."""
+    n = len(pos)
+    finished.update(src=torch.full((len(finished["id"]),), k, dtype=torch.long),
+                    fin=torch.zeros(len(finished["id"]), dtype=torch.bool),
+                    wid=torch.zeros(len(finished["id"]), dtype=torch.long))
+    ahead = {p: r for r, p in enumerate(one.ahead)}
+    running.update(src=torch.full((n,), k, dtype=torch.long),
+                   fin=torch.tensor([p in ahead for p in pos], dtype=torch.bool).view(n),
+                   wid=torch.tensor([one.held[p][2] if p in one.held else 0 for p in pos], dtype=torch.long).view(n))
+    if ahead:
+        assert one.ahead_output is not None
+        tok, lp = _responses(one.ahead_output, n_new)
+        out = one.ahead_output
+        for r, p in enumerate(pos):
+            if p in ahead:
+                a = ahead[p]
+                running["tok"][r], running["lp"][r] = tok[a], lp[a]
+                running["glen"][r] = out.lengths[a] - out.prompt_lengths[a]
+                running["eos"][r] = out.stopped_at_eos[a]
+
+
 def migrating_generation(ctx: CallContext, fn: Callable[[CallContext, Data], CallResult], inputs: Data,
                          tail: TailMigration, call: str) -> tuple[CallResult | None, list[int]]:
     """Run generation call ``call``'s interface ``fn`` on this dp replica with the tail migration ``tail``; the
@@ -343,6 +374,8 @@ def migrating_generation(ctx: CallContext, fn: Callable[[CallContext, Data], Cal
                          [t_rows.steps] * len(pos), [False] * len(pos), int(width.item()), n_new)
     running["tail"] = torch.ones(len(pos), dtype=torch.bool)
     m, dp, k = tail.instances, g.dp, g.dp_rank
+    if tail.moves_kv:
+        _moving_columns(finished, running, one, pos, k, n_new)
     # replicas 0..m-1 send their finished rows to the freed ones; every replica sends its tail rows
     sent = {n: torch.cat([finished[n], running[n]]) if k < m else running[n] for n in finished}
     clock.lap("rows packed")
@@ -350,6 +383,10 @@ def migrating_generation(ctx: CallContext, fn: Callable[[CallContext, Data], Cal
     clock.lap("all-gather")
     ids = everyone["id"].tolist()
     tails = deal([i for i, t in zip(ids, everyone["tail"].tolist()) if t], m)
+    caches = exchange(model, one, a.seq_ids, everyone, tails) if tail.moves_kv else {}
+    one.held.clear()  # phase 1's caches: only the rows' cut slots this replica decodes on are still needed
+    if tail.moves_kv:
+        clock.lap("caches moved")
     if k >= m:  # a freed replica: its own finished rows and its deal of those of replicas 0..m-1
         moved = deal([i for i, t in zip(ids, everyone["tail"].tolist()) if not t], dp - m)[k - m]
         got = _select(everyone, moved)
@@ -364,7 +401,12 @@ def migrating_generation(ctx: CallContext, fn: Callable[[CallContext, Data], Cal
     if not tails[k]:  # fewer tail rows than tail replicas
         return None, []
     ids = [int(i) for i in mine["id"].tolist()]
-    out = _phase_two(model, one, [a.seq_ids[i] for i in one.ahead], mine, a.gconfig, a.n_mbs)
+    if tail.moves_kv:
+        fin = [int(i) for i, f in zip(ids, mine["fin"].tolist()) if f]
+        done = _output(_select(mine, fin), a.gconfig.pad_token_id) if fin else None
+        out = moved_phase_two(model, one, mine, caches, done, a.gconfig, a.n_mbs)
+    else:
+        out = _phase_two(model, one, [a.seq_ids[i] for i in one.ahead], mine, a.gconfig, a.n_mbs)
     clock.lap("phase 2")
     res = _replay(ctx, fn, mine, out, call)
     clock.lap("replay")
