@@ -27,3 +27,30 @@ def test_fresh_norms_start_as_transformers_inits_them(family):
     assert len(norms) >= 5  # input, post-attention per layer and the final norm (q/k norms for Qwen3)
     for name, ref in norms.items():
         assert torch.equal(ours[name], ref.float()), name
+
+
+def _seq(loss_mask: list[list[bool]]) -> dict[str, torch.Tensor]:
+    mask = torch.tensor(loss_mask)
+    n, T = mask.shape
+    return {"tokens": torch.arange(n * (2 + T)).view(n, 2 + T), "prompt_lens": torch.full((n,), 2),
+            "gen_mask": torch.ones(n, T, dtype=torch.bool), "loss_mask": mask}
+
+
+def test_partial_rollout_samples_carry_no_turn_segments():
+    """3. A partial-rollouts generation (``loss_mask`` False on pending groups, no rewards of its own) and the reward
+    call after it log no ``turn_segments`` (which would make ``--lengths-from`` read the run as multi-turn); its
+    pending rows are still flagged. A multi-turn generation (it scores its rollouts itself) keeps them."""
+    from realloc.envs.turn_profile import SEGMENTS
+    from realloc.runtime.records.text_io import SampleLog
+
+    log, ids = SampleLog(None, every=1, count=4), [0, 1]
+    partial = _seq([[True, True, True], [False, False, False]])  # row 1: a pending group's response
+    gen = log.parts(0, ids, "seq", partial, logp=torch.zeros(2, 3))
+    scored = log.parts(0, ids, "seq", partial, scores=torch.tensor([0.5, 0.25]))
+    for parts in (gen, scored):
+        assert [SEGMENTS in p.fields for p in parts] == [False, False]
+        assert [p.fields.get("pending", False) for p in parts] == [False, True]
+    multi = _seq([[False, True, True], [False, False, True]])  # an observation token, then the policy's turn
+    mt = log.parts(0, ids, "seq", multi, logp=torch.zeros(2, 3), rewards={"score": torch.tensor([1.0, 0.0])})
+    assert [p.fields[SEGMENTS] for p in mt] == [[1, 2], [2, 1]]
+    assert [p.fields["reward"] for p in mt] == [1.0, 0.0]
