@@ -13,6 +13,7 @@ import torch
 from realloc.models.hf_io import model_config_from_hf
 from realloc.models.weights import full_state_dict
 from model_helpers import tiny_hf_config
+from test_kv_alloc_cost import tiny_model  # noqa: F401 - a tp 1 tiny model in this process
 
 
 @pytest.mark.parametrize("family", ["gemma", "qwen3", "phi3", "llama"])
@@ -54,3 +55,56 @@ def test_partial_rollout_samples_carry_no_turn_segments():
     mt = log.parts(0, ids, "seq", multi, logp=torch.zeros(2, 3), rewards={"score": torch.tensor([1.0, 0.0])})
     assert [p.fields[SEGMENTS] for p in mt] == [[1, 2], [2, 1]]
     assert [p.fields["reward"] for p in mt] == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_mask_copy_only_in_the_windowed_layers_of_a_stage(recompute):
+    """4. Qwen2-like tiny (4 layers, window 16, layers 0 and 1 full), 2 rows of 32 + 32 tokens (a sequence a row) in
+    bf16: every stage builds the [2, 1, 64, 64] bool window mask (8192 bytes), but only windowed layers take it, so
+    only they keep a bf16 copy (16384 bytes each). At pp 2, stage 0 (layers 0, 1: full) has the mask and no copy,
+    stage 1 (layers 2, 3) two copies; at pp 1 the 4 layers have two. Hand-computed against the same model
+    without a window."""
+    import dataclasses
+
+    from realloc.api import InterfaceType as I
+    from realloc.estimator.hardware import Precision
+    from realloc.estimator.memory import Workload, stage_call_memory
+    from realloc.models.config import get_model_config
+    from realloc.strategy import ParallelStrategy as S
+
+    plain = get_model_config("tiny")
+    mixed = dataclasses.replace(plain, sliding_window=16, full_attention_layers=(0, 1))
+    bf16 = Precision.for_dtype("bf16")
+
+    def added(kind, pp, rank):
+        work = Workload(kind, n_seqs=2, n_steps=1, prompt_len=32, gen_len=32)
+        s = S(1, 1, pp)
+        return (stage_call_memory(mixed, work, s, 1, rank, bf16, recompute).activations
+                - stage_call_memory(plain, work, s, 1, rank, bf16, recompute).activations)
+
+    mask, copy = 2 * 64 * 64, 2 * 64 * 64 * 2
+    train = (lambda n: mask + (copy if n else 0)) if recompute else (lambda n: n * copy + mask)
+    assert added(I.TRAIN_STEP, 1, 0) == train(2)
+    assert added(I.TRAIN_STEP, 2, 0) == train(0)
+    assert added(I.TRAIN_STEP, 2, 1) == train(2)
+    assert added(I.INFERENCE, 2, 0) == mask
+    assert added(I.INFERENCE, 2, 1) == mask + copy
+
+
+def test_sdpa_copies_the_mask_only_in_windowed_layers(tiny_model):
+    """4. The runtime fact the count above rests on, from the model's own layers: a forward with autograd of a stage
+    windowed (8 tokens) in all but layers 0 and 1, over 2 rows of 24 tokens, saves one [2, 1, 24, 24] copy of the
+    mask in each windowed layer only."""
+    import dataclasses
+
+    stage, plain = tiny_model.stage, tiny_model.stage.cfg
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(0))
+    saved = []
+    stage.cfg = dataclasses.replace(plain, sliding_window=8, full_attention_layers=(0, 1))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            stage(ids, torch.arange(24).expand(2, 24), None)
+    finally:
+        stage.cfg = plain
+    copies = [t.dtype for t in saved if tuple(t.shape) == (2, 1, 24, 24)]
+    assert len(stage.layers) > 2 and copies == [next(stage.parameters()).dtype] * (len(stage.layers) - 2)
