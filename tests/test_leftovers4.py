@@ -3,6 +3,9 @@
 1. A Gemma model initialised from scratch starts its (1 + w) RMSNorm weights at 0, as transformers' own
    GemmaForCausalLM does (effective scale 1); every other family's norms (Qwen3's q/k norms, Phi-3) start at 1,
    as theirs do. The reference is transformers' init of the same config, not a restated rule.
+2. A resume that lowers max_staleness drops the carried groups the new bound cannot train (not the bound's assert).
+3. A partial-rollouts run's samples.jsonl carries no ``turn_segments`` (only multi-turn generations write them).
+4. The mask memory counts SDPA's mask copy only in the layers that take the mask (windows in some layers only).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch
 from realloc.models.hf_io import model_config_from_hf
 from realloc.models.weights import full_state_dict
 from model_helpers import tiny_hf_config
+from mp_pool import GlooPool
 from test_kv_alloc_cost import tiny_model  # noqa: F401 - a tp 1 tiny model in this process
 
 
@@ -108,3 +112,25 @@ def test_sdpa_copies_the_mask_only_in_windowed_layers(tiny_model):
         stage.cfg = plain
     copies = [t.dtype for t in saved if tuple(t.shape) == (2, 1, 24, 24)]
     assert len(stage.layers) > 2 and copies == [next(stage.parameters()).dtype] * (len(stage.layers) - 2)
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    with GlooPool(1, tmp_path_factory.mktemp("gloo")) as p:
+        yield p
+
+
+def test_a_resume_that_lowers_max_staleness_regenerates_the_rows_it_could_not_train(pool):
+    """2. Rows carried by a run at max_staleness 2 (plan staleness 1) after iteration 4, resumed at max_staleness 1
+    (a synchronous plan): every carried group already holds tokens of version <= 2, more than 1 version older than
+    iteration 5's train step (version 4), so no call could train them within the bound (before: the per-token bound
+    assertion). They start again from iteration 5's prompts; every trained token is within the new bound and every
+    segment is what the policy samples (test_partial_rollouts' own checks)."""
+    from test_partial_rollouts import G, N, _simulate
+
+    straight = pool.run(_simulate, 1, 2, 4, stop_at=3, check=False)[0]
+    assert straight["carry"] and '"rows": {}' not in straight["carry"]  # something was carried
+    resumed = pool.run(_simulate, 0, 1, 6, carry=straight["carry"], start=4)[0]
+    f = resumed["findings"]
+    assert f["token_mismatch"] == 0 and f["ages"] and max(f["ages"]) <= 1
+    assert torch.equal(resumed["outs"][4]["rows"], torch.arange(N) // G + 400)  # iteration 5's prompts, every slot
