@@ -20,14 +20,16 @@ from mp_pool import GlooPool
 from test_kv_alloc_cost import tiny_model  # noqa: F401 - a tp 1 tiny model in this process
 
 
-@pytest.mark.parametrize("family", ["gemma", "qwen3", "phi3", "llama"])
-def test_fresh_norms_start_as_transformers_inits_them(family):
+@pytest.mark.parametrize("family,critic", [("gemma", False), ("gemma", True), ("qwen3", False), ("phi3", False),
+                                           ("llama", False)])
+def test_fresh_norms_start_as_transformers_inits_them(family, critic):
     import transformers
 
-    hf_cfg = tiny_hf_config(family=family, layers=2)
+    hf_cfg = tiny_hf_config(family=family, layers=2, critic=critic)
     prefix = {"gemma": "Gemma", "qwen3": "Qwen3", "phi3": "Phi3", "llama": "Llama"}[family]
-    hf = getattr(transformers, prefix + "ForCausalLM")(hf_cfg)
+    hf = getattr(transformers, prefix + ("ForSequenceClassification" if critic else "ForCausalLM"))(hf_cfg)
     ours = full_state_dict(model_config_from_hf(hf_cfg.to_dict(), "tiny " + family), seed=3)
+    # (the critic's scalar head is N(0, 0.02) in both: the families' default initializer_range, weights.INIT_STD)
     norms = {n: p for n, p in hf.state_dict().items() if n.endswith("norm.weight")}
     assert len(norms) >= 5  # input, post-attention per layer and the final norm (q/k norms for Qwen3)
     for name, ref in norms.items():
