@@ -32,10 +32,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+
 import torch
 
 from realloc.algorithms.context import CallContext, CallResult, Data
 from realloc.models.sampling import GenerationConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +100,21 @@ def _budgets(ctx: CallContext, state: PartialRollouts, rows: list[PartialRow]) -
     return out
 
 
+def _drop_too_old(ctx: CallContext, state: PartialRollouts) -> int:
+    """Drop the carried groups that even a last call could not train within the bound (this iteration's train step
+    starts from version ``ctx.iteration``): only after a resume that lowered ``max_staleness``, as the budgets keep
+    it from happening otherwise. Their slots start again from this iteration's prompts; returns how many rows."""
+    G, drop = ctx.group_size, []
+    for g0 in range(ctx.ids.start, ctx.ids.stop, G):
+        group = [s for s in range(g0, g0 + G) if s in state.carry]
+        versions = [min(state.carry[s].versions) for s in group if state.carry[s].versions]
+        if versions and ctx.iteration - min(versions) > state.bound:
+            drop += group
+    for s in drop:
+        del state.carry[s]
+    return len(drop)
+
+
 def _rows(ctx: CallContext, state: PartialRollouts, prompts: dict[str, torch.Tensor]) -> list[PartialRow]:
     rows = []
     for b, s in enumerate(ctx.ids):
@@ -118,6 +137,11 @@ def partial_generate(ctx: CallContext, inputs: Data, state: PartialRollouts, gco
         raise ValueError(f"call {ctx.call.name!r}: partial rollouts carry whole groups of {G} responses, but this "
                          f"rank holds sequences {ctx.ids.start}..{ctx.ids.stop - 1}; give the generation call a dp "
                          f"degree that divides batch_size / n_samples")
+    dropped = _drop_too_old(ctx, state)
+    if dropped:
+        log.warning("call %r, iteration %d: %d carried responses hold tokens more than max_staleness = %d versions "
+                    "old (lowered on resume); they start again from this iteration's prompts", ctx.call.name,
+                    ctx.iteration + 1, dropped, state.bound)
     continued = sum(1 for s in ctx.ids if s in state.carry)
     rows = _rows(ctx, state, inputs["prompts"])
     budgets = _budgets(ctx, state, rows)

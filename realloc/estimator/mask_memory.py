@@ -6,10 +6,13 @@ What the code paths allocate (``models/engine.py`` forward and train_step, ``mod
 
 - the mask itself, 1 byte an element, built once per micro-batch and passed to every layer; with a window it is the
   window's ``base & near`` (the segment mask or the causal one before it, and ``near``, are gone once the layers run);
-- in every layer, ``F.scaled_dot_product_attention`` turns a bool mask into an additive one of the compute dtype
-  (e bytes an element) and, with autograd on, saves it for the backward: one copy per layer kept until the
-  micro-batch's backward (counted here on torch's CPU kernel with ``saved_tensors_hooks``: tests/test_est_follow.py).
-  Without an explicit mask the layers run causal SDPA and neither exists.
+- in every layer given the mask, ``F.scaled_dot_product_attention`` turns the bool mask into an additive one of the
+  compute dtype (e bytes an element) and, with autograd on, saves it for the backward: one copy per such layer kept
+  until the micro-batch's backward (counted here on torch's CPU kernel with ``saved_tensors_hooks``:
+  tests/test_est_follow.py). Without an explicit mask the layers run causal SDPA and neither exists. With windows in
+  only some layers (``ModelConfig.full_attention_layers``: Qwen2/Qwen3 ``layer_types``) and a sequence a row, the
+  stage still builds the window's mask (``LlamaStage.run_layers``), but only its windowed layers take it; the full
+  ones run causal SDPA without a copy. Packed rows give every layer a mask (the segment one or the window's).
 
 Generation (``models/generation.py``): the prefill runs on its left-padding mask, ``llama.cache_mask``'s
 [b, 1, P, P] bool, with or without a window; its first forward builds it and drops it when it returns, so one exists
@@ -40,22 +43,32 @@ def mask_bytes(shape: tuple[int, int] | None, precision: Precision) -> tuple[int
     return rows * t * t, rows * t * t * precision.param
 
 
+def masked_layers(cfg: ModelConfig, layers: range, width: int, packed: bool) -> int:
+    """How many of the stage's ``layers`` run SDPA on an explicit mask (and so make its copy): every layer with packed
+    rows, else the windowed ones when rows are longer than the window, else none (module docstring)."""
+    if packed:
+        return len(layers)
+    if cfg.sliding_window is None or width <= cfg.sliding_window:
+        return 0
+    return sum(1 for i in layers if cfg.windowed(i))
+
+
 def train_mask_bytes(shape: tuple[int, int] | None, precision: Precision, n_blocks: int, in_flight: int,
                      recompute: bool) -> int:
-    """Peak mask bytes of a train step: each in-flight micro-batch keeps its layers' saved copies (recomputation:
-    only the bool mask, a checkpointed layer's input, and the block being recomputed its copy); without
-    recomputation the micro-batch at work also holds its bool mask while its forward runs."""
+    """Peak mask bytes of a train step: each in-flight micro-batch keeps the saved copies of its ``n_blocks`` masked
+    layers (recomputation: only the bool mask, a checkpointed layer's input, and the block being recomputed its
+    copy); without recomputation the micro-batch at work also holds its bool mask while its forward runs."""
     held, copy = mask_bytes(shape, precision)
     if recompute:
-        return in_flight * held + copy
+        return in_flight * held + (copy if n_blocks else 0)
     return in_flight * n_blocks * copy + held
 
 
 def stage_mask_bytes(cfg: ModelConfig, interface: InterfaceType, b: int, prompt_len: int, packed: tuple[int, int],
-                     precision: Precision, n_blocks: int, in_flight: int, recompute: bool) -> int:
+                     precision: Precision, n_blocks: int, in_flight: int, recompute: bool, first_layer: int = 0) -> int:
     """The mask bytes a call adds to a stage's activations (module docstring), for micro-batches of ``b`` sequences
     with prompts of ``prompt_len`` tokens, run as ``packed`` (rows, tokens a row: ``Workload.packed``; fewer rows
-    than sequences: some rows hold several)."""
+    than sequences: some rows hold several), on the stage's ``n_blocks`` layers from ``first_layer``."""
     if interface is InterfaceType.GENERATE:
         # the prefill's: built by its forward and gone after it, whichever micro-batches hold caches
         padding, copy = mask_bytes((b, prompt_len), precision)  # cache_mask, always explicit
@@ -63,6 +76,8 @@ def stage_mask_bytes(cfg: ModelConfig, interface: InterfaceType, b: int, prompt_
         return padding + held + copy
     rows, width = packed
     shape = explicit_mask_shape(cfg, rows, width, rows < b)
+    masked = masked_layers(cfg, range(first_layer, first_layer + n_blocks), width, rows < b)
     if interface is InterfaceType.TRAIN_STEP:
-        return train_mask_bytes(shape, precision, n_blocks, in_flight, recompute)
-    return sum(mask_bytes(shape, precision))  # a forward: the mask and one layer's copy at a time
+        return train_mask_bytes(shape, precision, masked, in_flight, recompute)
+    held, copy = mask_bytes(shape, precision)
+    return held + (copy if masked else 0)  # a forward: the mask and one masked layer's copy at a time

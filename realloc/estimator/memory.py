@@ -290,7 +290,7 @@ def stage_call_memory(cfg: ModelConfig, work: Workload, strategy: ParallelStrate
     params = n_param * precision.param
     in_flight = min(n_mbs, pp - pp_rank) if work.interface is InterfaceType.TRAIN_STEP else 1
     masks = stage_mask_bytes(cfg, work.interface, b, work.prompt_len, work.packed(b), precision, n_blocks, in_flight,
-                             recompute)
+                             recompute, first_layer=lo)
     if work.interface is InterfaceType.TRAIN_STEP:
         act = train_activation_bytes(cfg, strategy, n_mbs, pp_rank, b * work.seq_len, precision, recompute, masks)
         optimizer = local_optimizer_elems(cfg, t, pp, pp_rank, strategy.dp) * precision.optimizer

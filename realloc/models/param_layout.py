@@ -49,6 +49,7 @@ class ParamSpec:
     layer: int  # EMBED_LAYER, 0..n_layers-1 for blocks, n_layers for the head (final norm + output)
     tp_units: int | None = None  # whole units along tp_dim a shard keeps (KV heads); None: single rows/columns
     pad_rows: int = 0  # trailing zero rows along dim 0 (the vocabulary padding) that HF checkpoints lack
+    zero_init: bool = False  # a (1 + w) norm (Gemma, ModelConfig.norm_plus_one): a fresh model starts it at 0
 
     @property
     def numel(self) -> int:
@@ -157,11 +158,12 @@ def _block_specs(cfg: ModelConfig, i: int) -> list[ParamSpec]:
         # Qwen3's per-head norms: one head_dim-wide weight shared by every head, so every tp rank holds it whole
         # (its gradient is a partial sum over the rank's heads: ``grads.sync_head_norms``)
         attn += [ParamSpec(f"{p}self_attn.{n}.weight", (cfg.head_dim,), None, i) for n in ("q_norm", "k_norm")]
+    plus_one = cfg.norm_plus_one  # the q/k norms above never scale by 1 + w
     base = [
-        ParamSpec(p + "input_layernorm.weight", (h,), None, i),
+        ParamSpec(p + "input_layernorm.weight", (h,), None, i, zero_init=plus_one),
         *attn,
         ParamSpec(p + "self_attn.o_proj.weight", (h, q), 1, i),
-        ParamSpec(p + "post_attention_layernorm.weight", (h,), None, i),
+        ParamSpec(p + "post_attention_layernorm.weight", (h,), None, i, zero_init=plus_one),
         ParamSpec(p + "mlp.gate_proj.weight", (inter, h), 0, i),
         ParamSpec(p + "mlp.up_proj.weight", (inter, h), 0, i),
         ParamSpec(p + "mlp.down_proj.weight", (h, inter), 1, i),
@@ -201,7 +203,7 @@ def param_specs(cfg: ModelConfig) -> tuple[ParamSpec, ...]:
     specs = [ParamSpec("model.embed_tokens.weight", (vocab, h), 0, EMBED_LAYER, pad_rows=pad)]
     for i in range(L):
         specs.extend(_block_specs(cfg, i))
-    specs.append(ParamSpec("model.norm.weight", (h,), None, L))
+    specs.append(ParamSpec("model.norm.weight", (h,), None, L, zero_init=cfg.norm_plus_one))
     if cfg.is_critic:
         # Named like HF's LlamaForSequenceClassification head; too small to shard.
         specs.append(ParamSpec("score.weight", (1, h), None, L))

@@ -29,11 +29,12 @@ def param_seed(seed: int, name: str) -> int:
 
 
 def init_full_tensor(spec: ParamSpec, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The full (unsharded) initial value of ``spec``: ones for norms, zeros for biases, N(0, 0.02) for matrices,
+    """The full (unsharded) initial value of ``spec``: ones for norms (zeros for Gemma's (1 + w) norms, as
+    transformers' GemmaPreTrainedModel starts them: scale 1 either way), zeros for biases, N(0, 0.02) for matrices,
     and zeros for the vocabulary padding rows (drawn after the real rows, which are thus what they would be
     without padding). LoRA: A uniform in +-1/sqrt(in) (PEFT's kaiming_uniform_(a=sqrt(5)) bound), B zeros, so
     the adapted model starts as the base (Hu et al. 2021, §4.1)."""
-    if spec.name.endswith(".bias") or spec.name.endswith(".lora_B.weight"):
+    if spec.zero_init or spec.name.endswith(".bias") or spec.name.endswith(".lora_B.weight"):
         return torch.zeros(spec.shape, dtype=dtype)
     if len(spec.shape) == 1:
         return torch.ones(spec.shape, dtype=dtype)

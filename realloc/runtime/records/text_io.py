@@ -19,8 +19,8 @@ ends. Iterations count from 1 as in metrics.jsonl::
 A line of another sequence key than ``seq`` (ReMax's greedy baseline) carries ``"key": "greedy_seq"``.
 With partial rollouts a response of a group still pending (cut at ``partial_rollout_tokens``, or finished and waiting
 for its group) carries ``"pending": true``; it is logged again, whole, in the iteration that trains it.
-A multi-turn rollout (its ``seq`` has a ``loss_mask``; no later call scores it) gets its text, ids and reward from
-the generation, and ``turn_segments``: the lengths of the response's alternating runs of environment and policy
+A multi-turn rollout (its generation writes a ``loss_mask`` and the rewards; no later call scores it) gets its text,
+ids and reward from the generation, and ``turn_segments``: the lengths of the response's alternating runs of environment and policy
 tokens, the environment's first (docs/multi-turn.md; the planner reads them, envs/turn_profile.py).
 
 ``logp`` is each response token's log-prob as the generation sampled it: ``log_softmax(logits / T)`` at the
@@ -121,19 +121,20 @@ class SampleLog:
         """The reward call's fields (text, ids, reward: ``scores``) or the generation's (per-token ``logp``)
         of the rows to log; at most ``SAMPLE_BYTES`` of them, so a reply stays far below the message limit. A
         multi-turn generation (``loss_mask`` in ``seq``) scores its rollouts itself: ``rewards`` (its ``score``)."""
-        if scores is None and rewards is not None and "loss_mask" in seq:
+        # a partial-rollouts generation also writes a loss_mask, but scores nothing itself: no turns to record
+        multiturn = "loss_mask" in seq and scores is None and rewards is not None
+        if multiturn:
             scores = rewards["score"]
         out, budget = [], SAMPLE_BYTES
         for r in self.wanted(iteration, ids):
             plen, n = int(seq["prompt_lens"][r]), int(seq["gen_mask"][r].sum())
             fields: dict[str, Any] = {}
-            multiturn = "loss_mask" in seq
             if multiturn:
                 fields[SEGMENTS] = segments_of(seq["loss_mask"][r, :n].tolist())
-                if n and not bool(seq["loss_mask"][r, :n].any()):
-                    # partial rollouts: a response of a pending group (cut, or waiting for its group), logged again in
-                    # the iteration that trains it; `--lengths-from` skips it (a multi-turn rollout has policy tokens)
-                    fields["pending"] = True
+            if "loss_mask" in seq and n and not bool(seq["loss_mask"][r, :n].any()):
+                # partial rollouts: a response of a pending group (cut, or waiting for its group), logged again in
+                # the iteration that trains it; `--lengths-from` skips it (a multi-turn rollout has policy tokens)
+                fields["pending"] = True
             if scores is not None or multiturn:
                 prompt = seq["tokens"][r, :plen].tolist()
                 response = seq["tokens"][r, plen:plen + n].tolist()
