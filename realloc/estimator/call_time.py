@@ -287,7 +287,7 @@ class CallTimer:
         overhead = CallCost.of(overhead=self.hw.call_overhead)
         if work.interface is not InterfaceType.GENERATE:
             # the packed rows of a micro-batch: with varying lengths, fewer rows than sequences (issue 31)
-            b, seq = work.packed(b)
+            b, seq = work.packed(b, strategy.dp)  # at dp > 1 the slowest rank's (packed_rows.py)
         if work.interface is InterfaceType.INFERENCE:
             host = self._engine("engine.fwd", t, b, seq)
             return pipeline_makespan(self._stages(Phase.FWD, strategy, links, b, seq, host=host), n_mbs) + overhead

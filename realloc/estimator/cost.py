@@ -128,7 +128,7 @@ class CostModel:
                      and getattr(settings, "length_schedule", None) is not None)  # (common.generation_config)
         return Workload(interface=rpc.interface_type, n_seqs=n_seqs * rows, n_steps=n_steps,
                         prompt_len=spec.prompt_len, gen_len=spec.gen_len, lengths=spec.response_lengths,
-                        scheduled=scheduled)
+                        scheduled=scheduled, balanced=bool(getattr(spec.config, "balance_tokens", False)))
 
     def _precision(self, call: str) -> Precision:
         # A train call's settings choose its gradient buffers' dtype (TrainConfig.grad_dtype); its model's

@@ -94,7 +94,7 @@ from functools import lru_cache
 from realloc.calls import InterfaceType
 from realloc.estimator.hardware import Precision
 from realloc.estimator.mask_memory import stage_mask_bytes
-from realloc.estimator.packed_rows import packed_shape
+from realloc.estimator.packed_rows import packed_shape, slow_rank_shape
 from realloc.estimator.opcount import (block_backward_bytes_per_token, head_saved_bytes_per_token,
                                        kv_cache_bytes_per_token_layer, layer_input_bytes_per_token,
                                        logprob_peak_bytes, norm_saved_bytes_per_token,
@@ -145,17 +145,22 @@ class Workload:
     # A generation whose rows end where a seeded length schedule says (``PPOConfig.length_schedule``, issue 31
     # item 6): each decode step also bans EOS and places it (``engine.schedule_step``).
     scheduled: bool = False
+    # Rows dealt to dp ranks by tokens (``RunConfig.balance_tokens``): the slowest rank's rows (``packed``).
+    balanced: bool = False
 
     @property
     def seq_len(self) -> int:
         return self.prompt_len + self.gen_len
 
-    def packed(self, b: int) -> tuple[int, int]:
+    def packed(self, b: int, dp: int = 1) -> tuple[int, int]:
         """(rows, tokens per row) a packed micro-batch of ``b`` sequences runs as (``models/packing.py``): rows as
         wide as its longest sequence (the expected longest of b responses), as many as first-fit decreasing fills
-        with the expected lengths (``packed_rows.packed_shape``). Fixed lengths: b rows of seq_len."""
+        with the expected lengths (``packed_rows.packed_shape``). Fixed lengths: b rows of seq_len. At ``dp`` > 1:
+        the slowest rank's micro-batch, which holds the longest of the dp ranks' rows (``slow_rank_shape``)."""
         if self.lengths.is_fixed:
             return b, self.seq_len
+        if dp > 1:
+            return slow_rank_shape(self.lengths, self.prompt_len, self.gen_len, b, dp, self.balanced)
         return packed_shape(self.lengths, self.prompt_len, self.gen_len, b)
 
     def micro_batch(self, dp: int, n_mbs: int) -> int:

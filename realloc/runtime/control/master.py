@@ -165,6 +165,7 @@ class Master(MasterLink, IterationSchedule, TailStreams, EvaluationPasses, Check
         # ... and by row lists (master_balance.py): (call, t) -> rows per dp rank; (t, setting) -> the dealing
         self.balanced: dict[tuple[str, int], tuple[tuple[int, ...], ...]] = {}
         self.deal_cache: dict[tuple[int, ...], tuple[tuple[int, ...], ...]] = {}
+        self.deferred: dict[tuple[str, int], list[str]] = {}  # (train call, t) -> keys whose transfers wait
         # tail migration (master_tail.py): split consumer -> its generation; (call, t) -> rows per dp rank; parts
         self.splits = split_map(program)
         self.row_lists: dict[tuple[str, int], tuple[tuple[int, ...], ...]] = {}

@@ -31,7 +31,7 @@ from realloc.algorithms.pairs.reward_model import pair_metrics
 from realloc.calls import InterfaceType
 from realloc.graph.transfer_plan import TransferPlan, dp_ranges
 from realloc.runtime.control.master_link import RunFailed
-from realloc.runtime.control.master_balance import deal_rows_cached
+from realloc.runtime.control.master_balance import deal_rows_cached, defer_push, flush_deferred
 from realloc.runtime.control.program import Realloc
 from realloc.runtime.records.run_paths import naming, os_error_line
 from realloc.runtime.records.telemetry import RequestRecord, iteration_metrics
@@ -375,6 +375,7 @@ class IterationSchedule:
 
     async def _call(self, n: Node) -> None:
         c, t = n.name, n.t
+        flush_deferred(self, t, *(self.program.fused_partner(c) or (c,)))  # its inputs' waiting transfers first
         if (pair := self.program.fused_partner(c)) is not None:  # one request runs both calls (master_fused.py)
             return await self._fused_call(n, pair)
         if c in self.splits:  # a consumer streamed in two parts around a generation's tail (master_tail.py)
@@ -386,6 +387,8 @@ class IterationSchedule:
         rows = [list(r) for r in self._balanced_rows(c, t) or ()]  # balance_tokens: row lists (row_deal.py)
         call = self._send(self.program.calls[c].ranks, "call", c, t, c,
                           lambda req: protocol.RunCall(req=req, call=c, iteration=t, ranges=ranges, rows=rows))
+        # dispatched: the later train calls' row lists and transfers once the other ready calls are too
+        asyncio.get_running_loop().call_soon(flush_deferred, self, t)
         for rec in recs:
             await self._wait(rec)
         # a generation with a tail entry: its migration point; streaming only: the first part and the second request
@@ -431,7 +434,9 @@ class IterationSchedule:
         produced = set(self.graph.call(producer).output_data)
         for consumer in self.graph.topo_order:
             for key in self.graph.call(consumer).input_data:
-                if key in produced:
+                if key in produced and defer_push(self, consumer, t):  # dealt after a dispatch (master_balance.py)
+                    self.deferred.setdefault((consumer, t), []).append(key)
+                elif key in produced:
                     self.pushed.setdefault((consumer, t), []).extend(self._transfer(key, consumer, t))
 
     def _transfer(self, key: str, consumer: str, t: int) -> list[RequestRecord]:
