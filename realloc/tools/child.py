@@ -90,6 +90,65 @@ def _restrict_files(extra: list) -> None:
     os.close(ruleset)
 
 
+# The seccomp filter (``_seal_sockets``): seccomp_data is {int nr; u32 arch; u64 ip; u64 args[6]} (linux/seccomp.h).
+# Per architecture (AUDIT_ARCH_*): its numbers of socket, connect, socketpair, and io_uring_setup (io_uring can
+# open and connect sockets without those syscalls); x32 calls on x86-64 carry bit 30 in the number.
+_SECCOMP_ARCH = {"x86_64": (0xC000003E, 41, 42, 53, 425, True), "aarch64": (0xC00000B7, 198, 203, 199, 425, False)}
+_LD_W_ABS, _JEQ_K, _JGE_K, _AND_K, _RET_K = 0x20, 0x15, 0x35, 0x54, 0x06  # BPF classic opcodes
+_ALLOW, _DENY = 0x7FFF0000, 0x00050000 | 1  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EPERM
+_AF_UNIX, _SOCK_STREAM, _SOCK_SEQPACKET, _SOCK_TYPE_MASK = 1, 1, 5, 0xF
+
+
+def socket_filter(machine: str) -> list[tuple[int, int, int, int]] | None:
+    """The seccomp-bpf program (code, jt, jf, k) that makes ``socket()``, ``connect()`` and ``io_uring_setup()``
+    fail with EPERM and lets ``socketpair(AF_UNIX, SOCK_STREAM or SOCK_SEQPACKET)`` through: a pair connected to
+    itself reaches nothing else (a stream or seqpacket unix socket ignores or refuses a send's address; a datagram
+    one would send to a named socket, so it is refused too), and the standard library uses it
+    (``multiprocessing.Pipe``, asyncio's wake-up pair). A call of another architecture (i386's ``int 0x80``, x32)
+    fails alike. None where ``machine`` is not x86-64 or aarch64."""
+    if machine not in _SECCOMP_ARCH:
+        return None
+    arch, sock, conn, pair, uring, x32 = _SECCOMP_ARCH[machine]
+    # jt/jf: 0 (the next instruction) or a label, resolved to a relative jump below
+    prog: list[tuple[int, object, object, int]] = [
+        (_LD_W_ABS, 0, 0, 4), (_JEQ_K, 0, "deny", arch),  # another architecture's call
+        (_LD_W_ABS, 0, 0, 0)]
+    if x32:
+        prog.append((_JGE_K, "deny", 0, 0x40000000))
+    prog += [(_JEQ_K, "deny", 0, sock), (_JEQ_K, "deny", 0, conn), (_JEQ_K, "deny", 0, uring),
+             (_JEQ_K, 0, "allow", pair),
+             (_LD_W_ABS, 0, 0, 16), (_JEQ_K, 0, "deny", _AF_UNIX),  # args[0], low word: the family
+             (_LD_W_ABS, 0, 0, 24), (_AND_K, 0, 0, _SOCK_TYPE_MASK),  # args[1] less SOCK_NONBLOCK, SOCK_CLOEXEC
+             (_JEQ_K, "allow", 0, _SOCK_STREAM), (_JEQ_K, "allow", 0, _SOCK_SEQPACKET),
+             (_RET_K, 0, 0, _DENY), (_RET_K, 0, 0, _ALLOW)]
+    at = {"deny": len(prog) - 2, "allow": len(prog) - 1}
+
+    def rel(i: int, target: object) -> int:
+        return at[target] - i - 1 if isinstance(target, str) else int(target)  # type: ignore[call-overload]
+
+    return [(code, rel(i, jt), rel(i, jf), k) for i, (code, jt, jf, k) in enumerate(prog)]
+
+
+def _seal_sockets() -> bool:
+    """Install ``socket_filter`` on this process (inherited by every process it starts, and kept across exec and
+    the switch to nobody): a tool can open no socket, through Python, ctypes or a program it runs, so neither
+    the network nor a named unix socket (a file such as /var/run/docker.sock, which an empty network namespace
+    does not cut off) is reachable. False where this architecture or kernel has no seccomp filters."""
+    import ctypes
+    import platform
+    import struct
+
+    prog = socket_filter(platform.machine())
+    if prog is None:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    code = b"".join(struct.pack("=HBBI", *ins) for ins in prog)
+    filt = ctypes.create_string_buffer(code, len(code))
+    fprog = struct.pack("@HP", len(prog), ctypes.addressof(filt))  # struct sock_fprog {u16 len; *filter}
+    libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: seccomp's precondition without CAP_SYS_ADMIN
+    return libc.prctl(22, 2, ctypes.c_char_p(fprog), 0, 0) == 0  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+
+
 def _block_network() -> None:
     import socket
 
@@ -146,7 +205,10 @@ def _call_tool(req: dict) -> None:
         sys.path[:] = req["path"]
         module, _, attr = req["fn"].partition(":")
         import importlib
-        if req["block_network"]:
+        # seccomp where the kernel has it (whatever the namespace: it alone cuts off named unix sockets); the
+        # Python-level block is the fallback where neither it nor an empty network namespace is available
+        sealed = sys.platform == "linux" and _seal_sockets()
+        if req["block_network"] and not sealed:
             _block_network()
         fn = getattr(importlib.import_module(module), attr)
         _apply_limits(req)

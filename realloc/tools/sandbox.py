@@ -13,8 +13,10 @@ Limits (``ToolLimits``): wall time (the parent ends the call: ``_end``), CPU tim
 also keeps it from writing to the user's files), file size (``RLIMIT_FSIZE``), the files' total (the parent
 watches the working folder: ``disk_mb``), files and signals (Landlock, where
 the kernel has it: ``landlock_abi``; ``read_paths``) and no network: an empty network namespace (``unshare -n``)
-where this machine allows it, else socket creation is blocked inside the child before the tool runs
-(``network_isolation`` says which). Whatever happens, the caller gets a ``ToolResult`` whose ``text`` is
+where this machine allows it, and a seccomp filter in the child (x86-64 and aarch64 Linux: ``socket_seal``) that
+makes ``socket()`` and ``connect()`` fail, which also cuts off named unix sockets (a file such as
+/var/run/docker.sock, which a namespace does not); where neither is available, socket creation is blocked in
+Python inside the child (``network_isolation`` says whether the namespace is used). Whatever happens, the caller gets a ``ToolResult`` whose ``text`` is
 what the policy sees (``error: ...`` for a failure) and whose ``status`` is counted; no tool stops the run, and
 a call the machine cannot start (no space, a failed fork) is an observation too (``infra``).
 
@@ -120,6 +122,26 @@ def network_isolation() -> Literal["namespace", "socket_block"]:
         if ok:
             return "namespace"
     return "socket_block"
+
+
+@functools.lru_cache(maxsize=1)
+def socket_seal() -> bool:
+    """Whether the child can install its seccomp socket filter here (``child.socket_filter``): Linux on x86-64
+    or aarch64 with seccomp (``PR_GET_SECCOMP`` answers). Without it, a tool in an empty network namespace can
+    still connect to a named unix socket it can see, and without the namespace too only a Python-level block
+    (which ctypes undoes) stands between a tool and the network."""
+    import platform
+
+    from realloc.tools.child import socket_filter
+
+    if sys.platform != "linux" or socket_filter(platform.machine()) is None:
+        return False
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(21, 0, 0, 0, 0) >= 0  # PR_GET_SECCOMP: -1 without seccomp
+    except (OSError, AttributeError):
+        return False
 
 
 @functools.lru_cache(maxsize=1)
