@@ -4,6 +4,7 @@ everything they use is imported here, before the child may become nobody)."""
 import asyncio
 import ctypes
 import multiprocessing.connection
+import os
 import socket
 
 
@@ -44,3 +45,24 @@ def stdlib_pairs(text: str) -> str:
         return x * 2
 
     return asyncio.run(twice(r.recv()))
+
+
+def proc_peek(text: str) -> str:
+    """What this tool can read of its keeper's and of the worker's (the keeper's parent's) /proc entries."""
+    keeper = os.getppid()
+    worker = keeper
+    out = []
+    try:
+        with open(f"/proc/{keeper}/status") as f:
+            worker = int(next(line for line in f if line.startswith("PPid:")).split()[1])
+    except OSError as e:
+        out.append(f"keeper/status={type(e).__name__}")
+    for who, pid in (("keeper", keeper), ("worker", worker)):
+        for entry in ("environ", "cmdline"):
+            try:
+                with open(f"/proc/{pid}/{entry}", "rb") as f:
+                    data = f.read()
+                out.append(f"{who}/{entry}={'secret' if text.encode() in data else 'read'}")
+            except OSError as e:
+                out.append(f"{who}/{entry}={type(e).__name__}")
+    return " ".join(out)

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from realloc.tools.child import _SECCOMP_ARCH, socket_filter
-from realloc.tools.sandbox import Sandbox, ToolLimits, network_isolation, socket_seal
+from realloc.tools.sandbox import Sandbox, ToolLimits, landlock_abi, network_isolation, socket_seal
 
 LIMITS = ToolLimits(wall_s=6.0, cpu_s=2, memory_mb=256, output_bytes=4096, max_procs=8)
 needs_seal = pytest.mark.skipif(not socket_seal() or platform.machine() != "x86_64",
@@ -153,3 +153,16 @@ def test_the_standard_library_the_calculator_and_the_preloaded_modules_still_wor
                " decimal.Decimal('0.1') + decimal.Decimal('0.2'), len(list(itertools.permutations(range(4)))))")
     r = sandbox.run("realloc.tools.builtin:python", program)
     assert (r.status, r.text) == ("ok", '120 [["a", 2], ["b", 1], ["c", 1]] 1/2 2 bb 0.3 24\n'), r.text
+
+
+def test_a_tool_cannot_read_its_keepers_or_its_workers_proc_entries():
+    """/proc/<pid>/environ holds a process's variables as it was started (a worker's $REALLOC_SECRET among them):
+    Landlock leaves a tool only /proc/self, and as nobody (a root trainer) the worker's entries are not its own."""
+    if landlock_abi() < 1 and os.geteuid() != 0:
+        pytest.skip("without Landlock a tool of the run's own user reads them (documented in docs/multi-turn.md)")
+    r = Sandbox(LIMITS, network_isolation()).run("socket_cases:proc_peek", "unused")
+    assert r.status == "ok", r.text
+    seen = dict(item.split("=") for item in r.text.split())
+    assert seen["keeper/environ"] == seen["worker/environ"] == "PermissionError", r.text
+    if landlock_abi() >= 1:
+        assert set(seen.values()) == {"PermissionError"}, r.text  # cmdline and status too

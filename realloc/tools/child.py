@@ -1,7 +1,8 @@
 """The child side of a tool call (``sandbox.py`` is the parent): a fresh ``python -I`` runs this file by path.
 
 Standard library only, and nothing imported before the limits are in place, so the tool starts small. It reads
-one JSON request from stdin, blocks socket creation when the parent could not give it an empty network namespace,
+one JSON request from stdin, makes the kernel refuse the tool's sockets (a seccomp filter: ``socket_filter``; where
+there is none, a Python-level block, when the parent could not give it an empty network namespace either),
 imports the tool's module, lowers its own resource limits, gives up root (to ``nobody``) when it has it and calls
 the tool on the call's text. The tool runs in a child of the first process (the keeper, ``_keep``), which ends
 every process the tool leaves behind when the call ends. Whatever the tool prints goes to stdout as it is written;
@@ -135,10 +136,9 @@ def _seal_sockets() -> bool:
     the network nor a named unix socket (a file such as /var/run/docker.sock, which an empty network namespace
     does not cut off) is reachable. False where this architecture or kernel has no seccomp filters."""
     import ctypes
-    import platform
     import struct
 
-    prog = socket_filter(platform.machine())
+    prog = socket_filter(os.uname().machine)
     if prog is None:
         return False
     libc = ctypes.CDLL(None, use_errno=True)

@@ -21,8 +21,8 @@ what the policy sees (``error: ...`` for a failure) and whose ``status`` is coun
 a call the machine cannot start (no space, a failed fork) is an observation too (``infra``).
 
 This contains a policy's mistakes (loops, huge allocations, floods of output, fork loops, network calls); it is
-not a security boundary against deliberately malicious code (Python-level blocks can be undone from Python):
-run untrusted code in a container or VM as well.
+not a security boundary against deliberately malicious code (the kernel's own holes, and where Landlock or
+seccomp is missing, blocks that can be undone from Python): run untrusted code in a container or VM as well.
 """
 
 from __future__ import annotations
@@ -130,11 +130,9 @@ def socket_seal() -> bool:
     or aarch64 with seccomp (``PR_GET_SECCOMP`` answers). Without it, a tool in an empty network namespace can
     still connect to a named unix socket it can see, and without the namespace too only a Python-level block
     (which ctypes undoes) stands between a tool and the network."""
-    import platform
-
     from realloc.tools.child import socket_filter
 
-    if sys.platform != "linux" or socket_filter(platform.machine()) is None:
+    if sys.platform != "linux" or socket_filter(os.uname().machine) is None:
         return False
     import ctypes
 
