@@ -11,6 +11,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -69,13 +70,12 @@ def test_the_filter_refuses_sockets_and_keeps_unix_stream_pairs_on_each_architec
 
 
 @pytest.fixture()
-def unix_server(tmp_path):
-    """A listening named unix socket in a folder the tool may read (as nobody, when the test runs as root)."""
-    folder = tmp_path / "srv"
-    folder.mkdir()
-    for p in (tmp_path, folder):
-        os.chmod(p, 0o755)
-    path = str(folder / "db.sock")
+def unix_server():
+    """A listening named unix socket that the tool could connect to but for the filter (as nobody too, when the
+    test runs as root: in the temp folder, not under pytest's private tmp_path)."""
+    folder = tempfile.mkdtemp(prefix="realloc-sock-")
+    os.chmod(folder, 0o755)
+    path = os.path.join(folder, "db.sock")
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
     os.chmod(path, 0o777)
@@ -83,6 +83,7 @@ def unix_server(tmp_path):
     server.setblocking(False)
     yield folder, path, server
     server.close()
+    shutil.rmtree(folder)
 
 
 def _accepted(server: socket.socket) -> int:
@@ -113,7 +114,7 @@ def test_a_tool_cannot_connect_to_a_named_unix_socket(unix_server, isolation):
     if isolation == "namespace" and network_isolation() != "namespace":
         pytest.skip("unshare -n is not available here")
     folder, path, server = unix_server
-    sandbox = Sandbox(ToolLimits(**{**LIMITS.__dict__, "read_paths": (str(folder),)}), isolation)
+    sandbox = Sandbox(ToolLimits(**{**LIMITS.__dict__, "read_paths": (folder,)}), isolation)
     r = sandbox.run("socket_cases:connect_unix", path)
     assert r.status == "error" and "PermissionError: [Errno 1] Operation not permitted" in r.text, r.text
     # the python tool, through libc (as nobody it cannot import the socket module from a private home; ctypes is
