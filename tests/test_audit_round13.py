@@ -24,3 +24,29 @@ def test_a_bad_collective_spin_setting_is_one_line_before_any_worker_runs(tmp_pa
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "REALLOC_COLLECTIVE_SPIN_MS" in err and "worker" not in err, err
     assert not run.exists()
+
+
+def test_calls_past_max_calls_are_answered_under_their_own_ids(hf_assets, tmp_path):
+    """A Mistral-format turn of 10 calls with `max_calls=2` (each with its id, as Mistral's models write them): the
+    calls past max_calls were answered `{"content": "error: at most 2 tool calls ...", "call_id": "call00003"}`,
+    an id the policy never wrote, so the conversation paired the refusals with no call of its turn. Each refusal
+    carries its call's own id now, as the calls that run do."""
+    import json
+    import re
+
+    from chat_templates import tokenizer_folder
+
+    from realloc.envs.tool_env import ToolEnv
+
+    folder = str(tokenizer_folder(hf_assets.tokenizer, tmp_path / "mistral", "mistral"))
+    env = ToolEnv(tools=["calculator"], call_format="chat", chat_template=folder, max_calls=2,
+                  limits={"wall_s": 20.0})
+    env.reset({"answer": "1"})
+    ids = [f"a{i:08d}" for i in range(10)]
+    turn = json.dumps([{"name": "calculator", "arguments": {"expression": f"{i}+1"}, "id": c}
+                       for i, c in enumerate(ids)])
+    obs, _, _ = env.step(turn)
+    answers = [json.loads(a) for a in re.findall(r"\[TOOL_RESULTS\] (.*?)\[/TOOL_RESULTS\]", obs)]
+    assert [a["call_id"] for a in answers] == ids
+    assert [a["content"] for a in answers[:2]] == ["1", "2"] and all("at most 2" in a["content"] for a in answers[2:])
+    assert (env.tool_counts["ok"], env.tool_counts["error"]) == (2, 8)
