@@ -50,3 +50,41 @@ def test_calls_past_max_calls_are_answered_under_their_own_ids(hf_assets, tmp_pa
     assert [a["call_id"] for a in answers] == ids
     assert [a["content"] for a in answers[:2]] == ["1", "2"] and all("at most 2" in a["content"] for a in answers[2:])
     assert (env.tool_counts["ok"], env.tool_counts["error"]) == (2, 8)
+
+
+def test_a_hand_plans_kv_choice_is_priced_as_the_runtime_carries_it_out():
+    """A hand-written `"tail": {"actor_gen": {"rows": R, "instances": 1, "kv": "move"}}` (or a plan of before, without
+    `kv`: the runtime moves the caches) was priced at the cheaper of the move and the re-run prefill, whichever the
+    plan said, and `realloc search --plan`'s line read "(prefill re-run)" for a plan whose run moves the caches. The
+    estimate of a hand plan now prices its migration as the runtime carries it out: "auto" and "move" as moved
+    caches, "prefill" as a re-run prefill (tail_cost.tail_phase_cost with that choice, by hand below)."""
+    import dataclasses
+
+    from realloc.api import load_experiment
+    from realloc.estimator.cost import CostModel
+    from realloc.estimator.profile_table import ProfileTable
+    from realloc.estimator.tail_cost import tail_phase_cost
+    from realloc.graph.dataflow import build_graph
+    from realloc.graph.plan import ExecutionPlan
+    from realloc.graph.tail import TailMigration
+    from realloc.lengths import ResponseLengths
+    from realloc.search.timeline import estimate_plan
+    from realloc.strategy import ParallelStrategy
+
+    spec = dataclasses.replace(load_experiment(PPO), gen_len=128, response_lengths=ResponseLengths.lognormal(8, 102))
+    graph = build_graph(spec)
+    cost = CostModel(graph, profile=ProfileTable.load(str(REPO / "profiles/cpu/tiny.json")), discover=False)
+    both = {c: ("localhost", 2, 1, 1, 1) for c in graph.spec.call_names}
+    mesh = next(m for m in cost.cluster.device_meshes() if m.size == 2)
+    rows = 13  # on the search's grid (tail_cost.TAIL_GRID) for 128 rows
+    by_hand = {kv: sum(tail_phase_cost(cost, "actor_gen", mesh, ParallelStrategy(2, 1, 1), rows, 1, kv)[:2])
+               for kv in ("move", "prefill")}
+    assert by_hand["move"] != by_hand["prefill"]
+    for kv, priced in (("auto", "move"), ("move", "move"), ("prefill", "prefill")):
+        plan = ExecutionPlan.by_hand(graph, both, source="hand",
+                                     tail={"actor_gen": TailMigration(rows=rows, instances=1, kv=kv)})
+        space, idx = estimate_plan(graph, plan, cost)
+        c = space.problem.call_names.index("actor_gen")
+        got = space.tails[c][int(idx[c])]
+        assert got.migration.rows == rows and got.migration.moves_kv == (priced == "move"), (kv, got.migration)
+        assert got.tail == pytest.approx(by_hand[priced], rel=1e-12), kv
