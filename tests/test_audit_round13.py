@@ -88,3 +88,17 @@ def test_a_hand_plans_kv_choice_is_priced_as_the_runtime_carries_it_out():
         got = space.tails[c][int(idx[c])]
         assert got.migration.rows == rows and got.migration.moves_kv == (priced == "move"), (kv, got.migration)
         assert got.tail == pytest.approx(by_hand[priced], rel=1e-12), kv
+
+
+@pytest.mark.parametrize("fused, parts", [("qkv_proj", "q_proj k_proj v_proj"), ("gate_up_proj", "gate_proj up_proj")])
+def test_loras_target_of_a_phi3_fused_projection_names_its_parts(fused, parts):
+    """A Phi-3 user's LoRA with PEFT's Phi-3 targets (`target_modules=["qkv_proj", "gate_up_proj", ...]`) read
+    "unknown module 'qkv_proj'; the LLaMA block's linears are ...", with no word that realloc holds the fused
+    projection as its parts, nor that each part gets its own adapter (PEFT's one adapter over the fused rows is
+    another model, so the name is not read as an alias)."""
+    from realloc.models.lora_config import LoRAConfig
+
+    with pytest.raises(ValueError) as e:
+        LoRAConfig(target_modules=(fused, "o_proj"))
+    assert f"unknown module {fused!r}" in str(e.value) and f"held as {parts}" in str(e.value)
+    assert "own adapter" in str(e.value) and "\n" not in str(e.value)
