@@ -102,3 +102,26 @@ def test_loras_target_of_a_phi3_fused_projection_names_its_parts(fused, parts):
         LoRAConfig(target_modules=(fused, "o_proj"))
     assert f"unknown module {fused!r}" in str(e.value) and f"held as {parts}" in str(e.value)
     assert "own adapter" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_frozen_lora_base_saved_in_bf16_resumes_on_an_fp16_pool_as_the_straight_fp16_run():
+    """A LoRA model trained at home on a bf16 pool (an A100's) and resumed with its home on an fp16 pool (a V100's,
+    docs/heterogeneous.md): its frozen base has no fp32 master, and bf16 and fp16 are both 16 bits wide, so the
+    resume copied the saved bf16 values into fp16, the bf16 rounding of the source, where the straight fp16 run holds
+    the source rounded to fp16 (frozen_base.py kept the source only for a narrower saved dtype). Reference: the
+    source itself, rounded once to each dtype."""
+    import torch
+
+    from realloc.runtime.persist.frozen_base import resumed_value
+
+    source = torch.randn(64, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float32)
+    live, saved = source.to(torch.float16), source.to(torch.bfloat16)  # the fp16 pool's model; the bf16 checkpoint
+    assert not torch.equal(saved.to(torch.float16), live)  # the copy of before differs from the straight run
+    param = torch.empty_like(live)
+    param.copy_(resumed_value(live, saved))
+    assert torch.equal(param, live)
+    changed = saved.clone()
+    changed[0, 0] += 1  # a source changed since the checkpoint: the checkpoint's run goes on, as before
+    assert torch.equal(resumed_value(live, changed), changed)
+    wide = source.to(torch.float32)  # a wider saved dtype is still copied, and rounds as the straight run's source
+    assert resumed_value(source.to(torch.bfloat16), wide) is wide
