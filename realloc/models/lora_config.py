@@ -42,7 +42,8 @@ ADAPTER_MARKERS = (".lora_A.", ".lora_B.")
 # PEFT's names of Phi-3's fused projections (models/fused_names.py): the model holds their parts apart
 FUSED_HINTS = {n: f" (Phi-3's fused {n} is held as {' '.join(parts)}: name those; each part gets its own adapter, not "
                   f"one over the fused rows as PEFT's)"
-               for n, parts in (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))}
+               for n, parts in (("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                                ("gate_up_proj", ("gate_proj", "up_proj")))}
 
 
 @dataclasses.dataclass(frozen=True)
