@@ -26,6 +26,18 @@ def test_a_bad_collective_spin_setting_is_one_line_before_any_worker_runs(tmp_pa
     assert not run.exists()
 
 
+def test_a_bad_collective_spin_setting_stops_realloc_profile_in_one_line(tmp_path, monkeypatch, capsys):
+    """`REALLOC_COLLECTIVE_SPIN_MS=abc realloc profile --model tiny --tp 2` started its workers and stopped with
+    "realloc profile: internal error: RuntimeError: profiling worker 1 failed: ValueError: ...": the user's
+    setting read as realloc's bug. It is read before the workers start now."""
+    from realloc.cli import main
+
+    monkeypatch.setenv("REALLOC_COLLECTIVE_SPIN_MS", "abc")
+    assert main(["profile", "--model", "tiny", "--tp", "2", "--out", str(tmp_path / "p"), "--quiet"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "REALLOC_COLLECTIVE_SPIN_MS" in err and "internal" not in err, err
+
+
 def test_calls_past_max_calls_are_answered_under_their_own_ids(hf_assets, tmp_path):
     """A Mistral-format turn of 10 calls with `max_calls=2` (each with its id, as Mistral's models write them): the
     calls past max_calls were answered `{"content": "error: at most 2 tool calls ...", "call_id": "call00003"}`,
