@@ -137,3 +137,31 @@ def test_a_frozen_lora_base_saved_in_bf16_resumes_on_an_fp16_pool_as_the_straigh
     assert torch.equal(resumed_value(live, changed), changed)
     wide = source.to(torch.float32)  # a wider saved dtype is still copied, and rounds as the straight run's source
     assert resumed_value(source.to(torch.bfloat16), wide) is wide
+
+
+def test_calls_answered_without_running_do_not_hide_a_streak_of_sandbox_failures(hf_assets, tmp_path):
+    """With parallel calls, a policy on a machine whose disk is full wrote each turn one good call (the sandbox could
+    not start it: `infra`) and one malformed call beside it. The malformed call, answered without running, counted as
+    a call that started and reset the streak every turn, so the run trained on error observations for ever instead of
+    stopping in one line (docs/multi-turn.md: "any call that started resets the count")."""
+    import types
+
+    from chat_templates import tokenizer_folder
+
+    from realloc.envs.tool_env import ToolEnv
+    from realloc.envs.tool_health import INFRA_STREAK, InfraWatch
+
+    folder = str(tokenizer_folder(hf_assets.tokenizer, tmp_path / "qwen3", "qwen3"))
+    env = ToolEnv(tools=["calculator"], call_format="chat", chat_template=folder)
+    env.reset({"answer": "1"})
+    full = "error: the tool could not be started: OSError: [Errno 28] No space left on device"
+    env.sandbox = types.SimpleNamespace(run=lambda *a, **k: types.SimpleNamespace(status="infra", text=full))
+    turn = ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+1"}}\n</tool_call>\n'
+            '<tool_call>\n{x}\n</tool_call>')
+    watch = InfraWatch()
+    with pytest.raises(RuntimeError, match=f"the last {INFRA_STREAK} tool calls could not be started"):
+        for _ in range(INFRA_STREAK):
+            before = watch.counts([env])
+            env.step(turn)
+            watch.turn("call 'gen'", [env], before)
+    assert env.tool_counts["error"] == INFRA_STREAK and env.tool_counts["infra"] == INFRA_STREAK

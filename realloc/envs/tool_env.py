@@ -55,6 +55,7 @@ class ToolEnv:
         self.counts = {s: 0 for s in STATUSES}
         self.reference = ""
         self.infra_error = ""  # the last call the sandbox could not start (tools/sandbox.py: "infra")
+        self.unstarted = 0  # calls answered without running (malformed, no such tool, past max_calls): tool_health.py
         self.chat = call_format == "chat"
         chat = ChatObservation(where, chat_template, end_of_turn) if chat_template is not None else None
         self.format = chat.format if chat is not None else HERMES
@@ -83,6 +84,7 @@ class ToolEnv:
                 call = f"error: at most {self.max_calls} tool calls run in one turn (env_args['max_calls'])"
             if isinstance(call, str):  # a malformed chat tool call: the policy reads why
                 self.counts["error"] += 1
+                self.unstarted += 1
                 answers.append((call, *own))
                 continue
             # a tool described by its signature (tools/declared.py) is called with the arguments as keywords
