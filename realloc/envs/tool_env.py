@@ -55,6 +55,7 @@ class ToolEnv:
         self.counts = {s: 0 for s in STATUSES}
         self.reference = ""
         self.infra_error = ""  # the last call the sandbox could not start (tools/sandbox.py: "infra")
+        self.unstarted = 0  # calls answered without running (malformed, no such tool, past max_calls): tool_health.py
         self.chat = call_format == "chat"
         chat = ChatObservation(where, chat_template, end_of_turn) if chat_template is not None else None
         self.format = chat.format if chat is not None else HERMES
@@ -77,11 +78,14 @@ class ToolEnv:
             return None, float(self.rule("", text, self.reference)), True
         answers = []  # (answer, tool, call id): every call of the turn, in order, each answered
         for k, call in enumerate(calls):
+            # a call past max_calls is not run, but answered as the call it is (its tool, and its id: Mistral's)
+            own = (call[0], call[2] if len(call) > 2 else None) if isinstance(call, tuple) else (None, None)
             if k >= self.max_calls:
                 call = f"error: at most {self.max_calls} tool calls run in one turn (env_args['max_calls'])"
             if isinstance(call, str):  # a malformed chat tool call: the policy reads why
                 self.counts["error"] += 1
-                answers.append((call, None, None))
+                self.unstarted += 1
+                answers.append((call, *own))
                 continue
             # a tool described by its signature (tools/declared.py) is called with the arguments as keywords
             keywords = call[1] if isinstance(call[1], dict) else None
@@ -89,7 +93,7 @@ class ToolEnv:
             self.counts[result.status] += 1
             if result.status == "infra":  # named by envs/tool_health.py if every call fails so
                 self.infra_error = result.text
-            answers.append((result.text.strip(), call[0], call[2] if len(call) > 2 else None))
+            answers.append((result.text.strip(), *own))
         return self.render(answers), self.call_reward * len(answers), False
 
     def _find(self, text: str) -> list[tuple[str, Any] | tuple[str, Any, str | None] | str] | None:

@@ -23,9 +23,11 @@ class InfraWatch:
 
     @staticmethod
     def counts(envs: Sequence[Any]) -> tuple[int, int]:
-        """(infrastructure failures, other tool calls) so far, over environments with ``tool_counts`` (ToolEnv)."""
+        """(infrastructure failures, other tool calls that started) so far, over environments with ``tool_counts``
+        (ToolEnv); a call answered without running (``ToolEnv.unstarted``: malformed, or past max_calls) is neither."""
         infra = other = 0
         for e in envs:
+            other -= getattr(e, "unstarted", 0)
             for status, c in getattr(e, "tool_counts", {}).items():
                 if status == "infra":
                     infra += c

@@ -535,6 +535,9 @@ def _load_average() -> list[float] | None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from realloc.models.collective_wait import spin_seconds
+
+    spin_seconds()  # the workers' train steps wait by it: a bad setting is one line here, not a worker's failure
     job = build_job(args)
     path = output_path(args, job)
     if job.device == "cuda":

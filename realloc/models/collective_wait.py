@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
+if TYPE_CHECKING:  # torch-free at import: the master checks the setting before any worker starts (preflight.py)
+    import torch
 
 SPIN_ENV = "REALLOC_COLLECTIVE_SPIN_MS"
 DEFAULT_SPIN_MS = 0.0

@@ -39,6 +39,11 @@ ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 ADAPTER_MARKERS = (".lora_A.", ".lora_B.")
+# PEFT's names of Phi-3's fused projections (models/fused_names.py): the model holds their parts apart
+FUSED_HINTS = {n: f" (Phi-3's fused {n} is held as {' '.join(parts)}: name those; each part gets its own adapter, not "
+                  f"one over the fused rows as PEFT's)"
+               for n, parts in (("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                                ("gate_up_proj", ("gate_proj", "up_proj")))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +81,9 @@ class LoRAConfig:
             raise ValueError(f"LoRAConfig.target_modules is empty; name some of {', '.join(ALL_MODULES)}")
         bad = [m for m in self.target_modules if m not in ALL_MODULES]
         if bad:
+            fused = FUSED_HINTS.get(bad[0], "")
             raise ValueError(f"LoRAConfig.target_modules: unknown module {bad[0]!r}; the LLaMA block's linears are "
-                             f"{', '.join(ALL_MODULES)}")
+                             f"{', '.join(ALL_MODULES)}{fused}")
         if len(set(self.target_modules)) != len(self.target_modules):
             raise ValueError(f"LoRAConfig.target_modules names a module twice: {list(self.target_modules)}")
         # one spelling of each setting (equality, digests): the block's order

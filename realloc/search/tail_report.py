@@ -38,7 +38,7 @@ def tail_summary(report: "SearchReport") -> list[str]:
             cost = turn_stream_cost(space.cost, call, o.mesh, o.strategy, o.n_mbs, t.rows, t.chunks)[0]
         else:
             cost = (tail_generation_cost(space.cost, call, o.mesh, o.strategy, o.n_mbs, t.rows, t.instances,
-                                         t.kv)
+                                         "move" if t.moves_kv else "prefill")  # as the runtime does ("auto": moves)
                     if t.chunks == 1 else chunked_generation_cost(space.cost, call, o.mesh, o.strategy, o.n_mbs,
                                                                   t.rows, t.chunks)[0])
         split = [names[v] for v in view.split_of if view.split(v) is not None and names[view.split(v)[1]] == call]

@@ -150,6 +150,11 @@ def with_tail_rows(graph: DataflowGraph, cost: CostModel, call: str, cc: CallCos
                 # the runtime moves the caches unless the plan says "prefill": written where that is priced cheaper
                 how = {} if phase2[key][2] else {"kv": "prefill"}
                 choices.append(TailChoice(TailMigration(rows=r_t, instances=m, **how), g, m * s.tp, tail))
+                if pp_streams:  # a hand plan's estimate: the other way too, to price the plan's kv as it runs
+                    other = "prefill" if phase2[key][2] else "move"
+                    mig, ph2, _ = tail_phase_cost(cost, call, cand.mesh, s, r_t, m, other)
+                    rows.append((i, phase1[k1]))
+                    choices.append(TailChoice(TailMigration(rows=r_t, instances=m, kv=other), g, m * s.tp, mig + ph2))
     if not rows:
         return cc, (None,) * len(cc.options)
     idx = [i for i, _ in rows]

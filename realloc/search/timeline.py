@@ -106,7 +106,8 @@ def estimate_plan(graph: DataflowGraph, plan: ExecutionPlan, cost: object | None
 
     Offload is not modelled here (as in the search without ``offload``): a plan that offloads is
     estimated as if its models stayed on the device. A long-tail migration is priced at the search's nearest
-    grid R_t (``_tail_row``).
+    grid R_t (``_tail_row``), moving its rows as the runtime will (``TailMigration.moves_kv``: the space prices both
+    ways for a hand plan, ``tail_space.with_tail_rows``).
     """
     from realloc.estimator.cost import CostModel
     from realloc.search.build import PlanSpace
@@ -142,7 +143,9 @@ def _tail_row(space: object, c: int, want: object) -> int:
     tails = [it for it in tails if it[1].streams_only == want.streams_only]
     if not tails:
         return next(i for i in rows if space.tail_of(c, i) is None)
+    # the way the runtime moves the rows (a plan's "auto" moves the caches, graph/tail.py): its own row
     return min(tails, key=lambda it: (it[1].micro_batches != want.micro_batches, it[1].instances != want.instances,
+                                      it[1].moves_kv != want.moves_kv,
                                       abs(it[1].chunks - want.chunks),
                                       abs(it[1].rows - want.rows)))[0]
 

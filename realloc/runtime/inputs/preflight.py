@@ -100,8 +100,10 @@ def preflight(spec: ExperimentSpec, config: Any, graph: "DataflowGraph", cache_d
     ``RunConfig``). ``cache_dir``: tokenize the prompts once there for the workers. ``probe_rewards``: also call
     each reward function or service the user brings on the first prompt (``reward_probe.py``; `realloc show`)."""
     from realloc.data.tokenizer import Tokenizer
+    from realloc.models.collective_wait import spin_seconds
     from realloc.runtime.inputs.datasets import dataset_table
 
+    spin_seconds()  # a bad REALLOC_COLLECTIVE_SPIN_MS is one line here, not every worker's error mid-iteration
     check_checkpoint_weights(graph)
     tokenizer = Tokenizer.load(config.tokenizer) if config.tokenizer else None
     vocab_sizes = model_vocab_sizes(graph)
