@@ -1,0 +1,151 @@
+"""Gemma 3 text (``gemma3_text``) against HuggingFace transformers.
+
+A tiny random Gemma3ForCausalLM (4 layers, head_dim 32, 2 KV heads, tied embeddings, query_pre_attn_scalar 20 (not
+head_dim), the windowed layers 0, 1 and 3 at 5 tokens with RoPE base 1e4, layer 2 full with base 1e6, every norm
+random) is loaded into (tp, pp) layouts on 4 gloo processes: logits, log-probs, entropies and greedy tokens equal
+the dense HF model's, critic values its sequence classifier's, train steps its gradients, and a saved checkpoint
+loads back in transformers with equal logits. A test shows each Gemma 3 difference changes transformers' logits.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from realloc.models.hf_io import hf_config_from_model_config, model_config_from_hf
+from realloc.models.param_layout import param_specs
+from model_helpers import assemble, tiny_hf_config, tiny_hf_model
+from mp_pool import GlooPool
+from test_model_hf import _check_against_hf, _critic_values, _padded_batch, _save
+from test_model_train import _check_train
+
+WORLD = 4
+LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tp, pp)
+GEMMA3 = dict(family="gemma3_text", kv_heads=2, head_dim=32, tie=True, sliding_window=5, sliding_window_pattern=3,
+              query_pre_attn_scalar=20)
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    with GlooPool(WORLD, tmp_path_factory.mktemp("gloo")) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf_gemma3")
+    return tiny_hf_model(path, seed=61, **GEMMA3), path
+
+
+@torch.no_grad()
+def test_gemma3_reads_its_shape_and_each_difference_matters(gemma3):
+    """The shape, windows, RoPE bases and attention scale are read and the parameters counted as transformers'; the
+    local RoPE base, the attention scale, the post-sublayer norms and the window each change transformers' logits."""
+    hf, path = gemma3
+    cfg = model_config_from_hf(path)
+    assert (cfg.family, cfg.head_dim, cfg.tie_embeddings, cfg.qk_norm, cfg.sandwich_norms, cfg.norm_plus_one,
+            cfg.embed_scale, cfg.sliding_window, cfg.full_attention_layers, cfg.rope_theta, cfg.local_rope_theta,
+            cfg.query_pre_attn_scalar) == ("gemma3_text", 32, True, True, True, True, True, 5, (2,), 1e6, 1e4, 20.0)
+    assert cfg.total_params == sum(p.numel() for p in hf.parameters()) == sum(s.numel for s in param_specs(cfg))
+    ids, _, mask = _padded_batch()
+    ref = hf(input_ids=ids, attention_mask=mask).logits
+    one_base = copy.deepcopy(hf)
+    one_base.model.rotary_emb.sliding_attention_inv_freq.copy_(one_base.model.rotary_emb.full_attention_inv_freq)
+    scaled = copy.deepcopy(hf)
+    no_post = copy.deepcopy(hf)
+    for a, b in zip(scaled.model.layers, no_post.model.layers):
+        a.self_attn.scaling = 32 ** -0.5
+        b.post_feedforward_layernorm.weight.zero_()
+        b.post_attention_layernorm.weight.zero_()
+    for other in (one_base, scaled, no_post):
+        assert (other(input_ids=ids, attention_mask=mask).logits - ref).abs().max() > 1e-3
+
+
+@torch.no_grad()
+def test_gemma3_matches_hf_logits_and_greedy(pool, gemma3):
+    hf, path = gemma3
+    _check_against_hf(pool, hf, path, LAYOUTS)
+
+
+def test_gemma3_trains_like_the_dense_model(pool, gemma3):
+    """SGD at lr 1 at tp 2 (sequence parallel) and pp 2; AdamW over two steps at tp 2 / pp 2: the (1 + w) q/k head
+    norms' and the four layer norms' gradients included."""
+    hf, path = gemma3
+    _check_train(pool, hf, path, [(1, 2, 1), (1, 1, 2)], "sgd", 1, None)
+    # This random model's fp32 gradients are less exact than a LLaMA's: transformers' own fp32 and fp64 gradients
+    # differ by up to 4.6e-5 (Gemma's by 1.2e-7; the (1 + w) head norms and the post-sublayer norms scale up), and
+    # Adam's normalized update turns such rounding into differences of about lr * 3e-3 in near-zero elements.
+    _check_train(pool, hf, path, [(1, 2, 2)], "adamw", 2, 1.0, atol=1e-4)
+
+
+@torch.no_grad()
+def test_gemma3_critic_values_match_its_sequence_classifier(pool, tmp_path):
+    hf = tiny_hf_model(tmp_path, seed=63, critic=True, **GEMMA3)
+    assert type(hf).__name__ == "Gemma3TextForSequenceClassification"
+    cfg = model_config_from_hf(tmp_path)
+    assert cfg.is_critic and not cfg.tie_embeddings and cfg.family == "gemma3_text"
+    ids, lens, mask = _padded_batch(seed=5)
+    ref = hf.score(hf.model(input_ids=ids, attention_mask=mask).last_hidden_state)[..., 0] * mask
+    for tp, pp in [(1, 1), (2, 1), (1, 2)]:
+        last = pool.run(_critic_values, cfg, tp, pp, str(tmp_path), ids, lens)[tp * pp - 1]
+        assert torch.allclose(last, ref, atol=1e-4), (tp, pp, (last - ref).abs().max())
+
+
+@torch.no_grad()
+def test_gemma3_saves_and_loads_in_transformers(pool, gemma3, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    hf, src = gemma3
+    cfg = model_config_from_hf(src)
+    saved = assemble(pool.run(_save, cfg, 1, 2, 2, str(src), str(tmp_path / "a"), 4 << 30), cfg)
+    hf_state = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}  # tied: the embedding's
+    assert set(saved) == set(hf_state) and all(torch.equal(t, hf_state[n]) for n, t in saved.items())
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert config["architectures"] == ["Gemma3ForCausalLM"] and config["layer_types"][2] == "full_attention"
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "a", attn_implementation="eager").eval()
+    assert type(back) is type(hf)
+    ids, lens, mask = _padded_batch(seed=9)
+    assert torch.equal(back(input_ids=ids, attention_mask=mask).logits, hf(input_ids=ids, attention_mask=mask).logits)
+    assert model_config_from_hf(tmp_path / "a") == cfg
+
+
+def test_gemma3_older_keys_refusals_and_registry_shape():
+    """config.json as transformers 4.5x wrote it (rope_theta, rope_local_base_freq, sliding_window_pattern) reads
+    as the nested form; soft-capping, RoPE scaling and the rest are one line each; gemma3-1b has Gemma 3 1B's
+    parameters as transformers counts them."""
+    import transformers
+
+    from realloc.models.config import get_model_config
+
+    base = tiny_hf_config(**{k: v for k, v in GEMMA3.items()}).to_dict()
+    new = model_config_from_hf(base)
+    old = {k: v for k, v in base.items() if k not in ("rope_parameters", "layer_types")}
+    old.update(rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling=None)
+    assert model_config_from_hf(old) == new
+    linear = {"rope_type": "linear", "factor": 8.0}
+    for patch, words in (({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+                         ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+                         ({"rope_parameters": {**base["rope_parameters"],
+                                               "full_attention": {**linear, "rope_theta": 1e6}}}, "'linear'"),
+                         ({"attention_bias": True}, "attention_bias"),
+                         ({"hidden_activation": "silu"}, "hidden_activation='silu'"),
+                         ({"layer_types": ["chunked_attention"] * 4}, "layer_types"),
+                         ({"model_type": "gemma2"}, "model_type='gemma2'")):
+        with pytest.raises(ValueError) as e:
+            model_config_from_hf({**base, **patch})
+        assert "\n" not in str(e.value) and words in str(e.value), str(e.value)
+    with pytest.raises(ValueError, match="rope_type='linear'"):
+        model_config_from_hf({**old, "rope_scaling": linear})
+    cfg = get_model_config("gemma3-1b")
+    hf = hf_config_from_model_config(cfg)
+    kw = {k: v for k, v in hf.items() if k not in ("architectures", "model_type", "torch_dtype", "dtype")}
+    with torch.device("meta"):
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**kw))
+    assert cfg.total_params == sum(p.numel() for p in model.parameters()) == 999_885_952
+    assert model.config.layer_types == ["sliding_attention"] * 5 + ["full_attention"] + \
+        ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 5 + ["full_attention"] + \
+        ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 2
+    assert model_config_from_hf(hf, name="gemma3-1b") == cfg
