@@ -15,6 +15,7 @@ import json
 import pytest
 import torch
 
+from realloc.models.config import ModelConfig
 from realloc.models.hf_io import hf_config_from_model_config, model_config_from_hf
 from realloc.models.param_layout import param_specs
 from model_helpers import assemble, tiny_hf_config, tiny_hf_model
@@ -149,3 +150,50 @@ def test_gemma3_older_keys_refusals_and_registry_shape():
         ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 5 + ["full_attention"] + \
         ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 2
     assert model_config_from_hf(hf, name="gemma3-1b") == cfg
+
+
+def test_gemma3_estimator_counts_its_two_more_norms():
+    """The estimator's op counts, kernels and saved bytes of a gemma3-1b block against the same block without the
+    norms around the MLP; a profile table of one does not price the other."""
+    import dataclasses
+
+    from realloc.estimator import opcount as oc
+    from realloc.estimator.hardware import Precision
+    from realloc.estimator.profile_table import ModelArch
+    from realloc.models.config import get_model_config
+
+    bf16 = Precision.for_dtype("bf16")
+    g3 = get_model_config("gemma3-1b")
+    plain = dataclasses.replace(g3, sandwich_norms=False)
+    assert g3.layer_params - plain.layer_params == 2 * 1152
+    n = 4 * 64
+    for phase, factor, kernels in ((oc.Phase.FWD, 1, 2), (oc.Phase.PREFILL, 1, 2), (oc.Phase.BWD, 2, 4)):
+        a, b = (oc.op_work(c, oc.Part.BLOCK, phase, 1, 4, 64, bf16) for c in (g3, plain))
+        assert a.elem_bytes - b.elem_bytes == factor * n * 4 * 1152 * 2, phase
+        assert (a.kernels - b.kernels, a.gemm_flops, a.attn_flops) == (kernels, b.gemm_flops, b.attn_flops)
+    saved = oc.saved_activation_bytes_per_token(g3, 1, bf16) - oc.saved_activation_bytes_per_token(plain, 1, bf16)
+    assert saved == 2 * (2 * 1152 + 4)  # two more lean norms: their input in bf16 and 1/rms in fp32
+    assert ModelArch.of(g3) != ModelArch.of(plain) and ModelArch.of(plain).sandwich_norms is None
+
+
+# Gemma 3's block at the tiny test shape (no window: the masks are priced apart, estimator/mask_memory.py)
+SANDWICH = ModelConfig("sandwich", 64, 64, 176, 4, 4, 2, max_position_embeddings=256, explicit_head_dim=32,
+                       family="gemma3_text", qk_norm=True, hidden_act="gelu_pytorch_tanh", norm_plus_one=True,
+                       embed_scale=True, tie_embeddings=True, sandwich_norms=True, query_pre_attn_scalar=20.0)
+
+
+def test_gemma3_saved_activations_are_the_memory_models(pool):
+    """estimator.memory.train_saved_bytes against the bytes autograd keeps in a Gemma 3 block, per stage."""
+    from realloc.estimator.hardware import Precision
+    from realloc.estimator.memory import train_saved_bytes
+    from realloc.strategy import ParallelStrategy
+    from test_model_train import _saved_peak
+
+    fp32 = Precision(param=4, grad=4, optimizer=8, logits=4)
+    for dp, tp, pp, n_mbs in [(1, 1, 1, 2), (1, 2, 2, 2)]:
+        for recompute in (False, True):
+            for r in pool.run(_saved_peak, SANDWICH, dp, tp, pp, n_mbs, recompute):
+                if r is not None:
+                    k, measured = r
+                    want = train_saved_bytes(SANDWICH, ParallelStrategy(dp, tp, pp), n_mbs, k, 3 * 24, fp32, recompute)
+                    assert abs(measured - want) <= 0.002 * want, (dp, tp, pp, recompute, k, measured, want)
