@@ -197,3 +197,24 @@ def test_gemma3_saved_activations_are_the_memory_models(pool):
                     k, measured = r
                     want = train_saved_bytes(SANDWICH, ParallelStrategy(dp, tp, pp), n_mbs, k, 3 * 24, fp32, recompute)
                     assert abs(measured - want) <= 0.002 * want, (dp, tp, pp, recompute, k, measured, want)
+
+
+def test_show_names_gemma3_and_refuses_soft_capping_in_one_line(tmp_path):
+    from test_experiment_models import _experiment, _show
+
+    f = _experiment(tmp_path)
+    tiny_hf_model(tmp_path / "ckpt/sft", seed=1, **GEMMA3)
+    tiny_hf_model(tmp_path / "ckpt/rm", seed=2, critic=True, **GEMMA3)
+    r = _show(f)
+    assert r.returncode == 0, r.stderr
+    lines = {ln.split(":")[0]: ln for ln in r.stdout.splitlines() if ln.startswith("checkpoint ")}
+    hf = tiny_hf_model(tmp_path / "count", seed=1, **GEMMA3)
+    assert ("gemma3_text, 4 layers, hidden 64, 4 heads (2 KV) x 32, MLP 176, vocabulary 128, q/k head norms, norms "
+            "around both sublayers, local RoPE base 10000, tied embeddings, sliding window 5 in 3 of 4 layers, "
+            f"{sum(p.numel() for p in hf.parameters()):,} parameters") in lines["checkpoint actor"], lines
+    assert "gemma3_text" in lines["checkpoint reward"] and "value head" in lines["checkpoint reward"]
+    config = tmp_path / "ckpt/sft/config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "final_logit_softcapping": 30.0}))
+    r = _show(f)
+    assert r.returncode != 0 and "final_logit_softcapping=30.0 is not supported" in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

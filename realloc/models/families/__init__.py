@@ -2,7 +2,7 @@
 
 The parallel model (``realloc.models.llama``) is one LLaMA-style decoder; a family
 is a small module (``llama.py``, ``qwen2.py``, ``qwen3.py``, ``mistral.py``, ``phi3.py``,
-``gemma.py``) that names its HF architectures,
+``gemma.py``, ``gemma3.py``) that names its HF architectures,
 says which of its config.json settings the model cannot run, and adds its own
 keys when writing one. The keys every family shares (sizes, heads, RoPE, norm
 epsilon, tied embeddings, the critic's single label) are read and written here.
