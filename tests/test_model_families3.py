@@ -218,3 +218,95 @@ def test_show_names_gemma3_and_refuses_soft_capping_in_one_line(tmp_path):
     r = _show(f)
     assert r.returncode != 0 and "final_logit_softcapping=30.0 is not supported" in r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+# -- Gemma 2 ------------------------------------------------------------------------------------------------------
+
+# caps small enough to bind on a tiny random model (Gemma 2's own: 50 and 30); layers 0 and 2 windowed (alternating)
+GEMMA2 = dict(family="gemma2", kv_heads=2, head_dim=32, tie=True, sliding_window=5, query_pre_attn_scalar=20,
+              attn_logit_softcapping=1.5, final_logit_softcapping=2.0)
+
+
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf_gemma2")
+    return tiny_hf_model(path, seed=71, **GEMMA2), path
+
+
+@torch.no_grad()
+def test_gemma2_reads_its_shape_and_the_caps_matter(gemma2):
+    hf, path = gemma2
+    cfg = model_config_from_hf(path)
+    assert (cfg.family, cfg.qk_norm, cfg.sandwich_norms, cfg.sliding_window, cfg.full_attention_layers,
+            cfg.local_rope_theta, cfg.query_pre_attn_scalar, cfg.attn_logit_softcapping,
+            cfg.final_logit_softcapping) == ("gemma2", False, True, 5, (1, 3), None, 20.0, 1.5, 2.0)
+    assert cfg.total_params == sum(p.numel() for p in hf.parameters()) == sum(s.numel for s in param_specs(cfg))
+    ids, _, mask = _padded_batch()
+    ref = hf(input_ids=ids, attention_mask=mask).logits
+    assert ref.abs().max() < 2.0  # capped
+    uncapped = copy.deepcopy(hf)
+    uncapped.config.final_logit_softcapping = None
+    scores = copy.deepcopy(hf)
+    for layer in scores.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    for other in (uncapped, scores):
+        assert (other(input_ids=ids, attention_mask=mask).logits - ref).abs().max() > 1e-3
+
+
+@torch.no_grad()
+def test_gemma2_matches_hf_logits_and_greedy(pool, gemma2):
+    hf, path = gemma2
+    _check_against_hf(pool, hf, path, LAYOUTS)
+
+
+def test_gemma2_trains_like_the_dense_model(pool, gemma2):
+    hf, path = gemma2
+    _check_train(pool, hf, path, [(1, 2, 1), (1, 1, 2)], "sgd", 1, None)
+    _check_train(pool, hf, path, [(1, 2, 2)], "adamw", 2, 1.0, atol=1e-4)  # as Gemma 3's
+
+
+@torch.no_grad()
+def test_gemma2_critic_values_and_save_load_in_transformers(pool, gemma2, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    critic = tiny_hf_model(tmp_path / "critic", seed=73, critic=True, **GEMMA2)
+    assert type(critic).__name__ == "Gemma2ForSequenceClassification"
+    cfg = model_config_from_hf(tmp_path / "critic")
+    ids, lens, mask = _padded_batch(seed=5)
+    ref = critic.score(critic.model(input_ids=ids, attention_mask=mask).last_hidden_state)[..., 0] * mask
+    for tp, pp in [(1, 1), (2, 1), (1, 2)]:
+        last = pool.run(_critic_values, cfg, tp, pp, str(tmp_path / "critic"), ids, lens)[tp * pp - 1]
+        assert torch.allclose(last, ref, atol=1e-4), (tp, pp, (last - ref).abs().max())
+    hf, src = gemma2
+    cfg = model_config_from_hf(src)
+    saved = assemble(pool.run(_save, cfg, 1, 2, 2, str(src), str(tmp_path / "a"), 4 << 30), cfg)
+    hf_state = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    assert set(saved) == set(hf_state) and all(torch.equal(t, hf_state[n]) for n, t in saved.items())
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "a", attn_implementation="eager").eval()
+    assert type(back) is type(hf)
+    ids, lens, mask = _padded_batch(seed=9)
+    assert torch.equal(back(input_ids=ids, attention_mask=mask).logits, hf(input_ids=ids, attention_mask=mask).logits)
+    assert model_config_from_hf(tmp_path / "a") == cfg
+
+
+def test_gemma2_refusals_and_registry_shape():
+    import transformers
+
+    from realloc.models.config import get_model_config
+
+    base = tiny_hf_config(**GEMMA2).to_dict()
+    for patch, words in (({"attn_logit_softcapping": -1.0}, "attn_logit_softcapping=-1.0"),
+                         ({"final_logit_softcapping": "30"}, "final_logit_softcapping='30'"),
+                         ({"attention_bias": True}, "attention_bias"),
+                         ({"hidden_activation": "silu"}, "hidden_activation='silu'")):
+        with pytest.raises(ValueError) as e:
+            model_config_from_hf({**base, **patch})
+        assert "\n" not in str(e.value) and words in str(e.value), str(e.value)
+    cfg = get_model_config("gemma2-2b")
+    hf = hf_config_from_model_config(cfg)
+    kw = {k: v for k, v in hf.items() if k not in ("architectures", "model_type", "torch_dtype", "dtype")}
+    with torch.device("meta"):
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**kw))
+    assert cfg.total_params == sum(p.numel() for p in model.parameters()) == 2_614_341_888
+    assert model.config.layer_types[:2] == ["sliding_attention", "full_attention"]
+    assert model_config_from_hf(hf, name="gemma2-2b") == cfg

@@ -86,6 +86,10 @@ class ModelConfig:
     sandwich_norms: bool = False
     query_pre_attn_scalar: float | None = None
     local_rope_theta: float | None = None
+    # Gemma 2's soft-capping: attention scores become cap * tanh(scores / cap) before the mask and softmax (an explicit
+    # attention path: SDPA cannot), and the LM head's logits likewise (None: no cap).
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
     # The checkpoint's bos/eos/pad ids as (key, value) pairs, eos an int or a tuple. Not part of the shape
     # (compare=False): carried so that a saved checkpoint reloads with them (transformers' defaults are wrong
     # for LLaMA-3 and chat models).
@@ -339,6 +343,13 @@ _BASE_CONFIGS: tuple[ModelConfig, ...] = (
                 hidden_act="gelu_pytorch_tanh", norm_plus_one=True, embed_scale=True, qk_norm=True,
                 sliding_window=512, full_attention_layers=(5, 11, 17, 23), sandwich_norms=True,
                 query_pre_attn_scalar=256.0, local_rope_theta=10000.0),
+    # Gemma 2 2B (google/gemma-2-2b: 26 layers, every other one windowed to 4096 tokens, scores capped at 50 and
+    # logits at 30, norms around both sublayers).
+    ModelConfig("gemma2-2b", 256000, 2304, 9216, 26, 8, 4, max_position_embeddings=8192, norm_eps=1e-6,
+                tie_embeddings=True, family="gemma2", explicit_head_dim=256, hidden_act="gelu_pytorch_tanh",
+                norm_plus_one=True, embed_scale=True, sliding_window=4096, full_attention_layers=tuple(range(1, 26, 2)),
+                sandwich_norms=True, query_pre_attn_scalar=256.0, attn_logit_softcapping=50.0,
+                final_logit_softcapping=30.0),
     ModelConfig("phi3-mini", 32064, 3072, 8192, 32, 32, 32, max_position_embeddings=4096, rope_theta=10000.0,
                 norm_eps=1e-5, family="phi3", sliding_window=2047),
     # Tiny shapes for the local CPU cluster. Head counts are divisible by 2 and 4

@@ -196,6 +196,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                     cap: float) -> torch.Tensor:
+    """Attention with Gemma 2's soft-capped scores, as transformers' eager path: ``cap * tanh(q k^T scale / cap)``,
+    then the mask (True = may attend; None: causal), a softmax in fp32 cast back, and the values."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    if mask is None:
+        t, s = q.shape[-2], k.shape[-2]
+        mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
 @dataclasses.dataclass
 class KVCache:
     """Keys and values of one layer's local heads: [batch, local kv heads, max_len, head_dim]. With a sliding
@@ -234,6 +247,7 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         # Gemma 3 scales the scores by query_pre_attn_scalar ** -0.5, not head_dim ** -0.5 (None: SDPA's default)
         self.scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
+        self.softcap = cfg.attn_logit_softcapping  # Gemma 2: scores capped by tanh, outside SDPA
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                 cache: KVCache | None = None, cache_start: int | torch.Tensor = 0,
@@ -275,7 +289,10 @@ class Attention(nn.Module):
             v = v.repeat_interleave(rep, dim=1)
         if mask is None and cache is not None:
             raise ValueError("attention with a KV cache needs an explicit mask (cache_mask)")
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
+        if self.softcap is not None:
+            o = capped_attention(q, k, v, mask, self.scale or self.head_dim ** -0.5, self.softcap)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
         o = o.transpose(1, 2).reshape(b, t, self.n_local_heads * self.head_dim)
         return project(self.o_proj, o) if split is None else row_parallel(self.o_proj, o, split)
 
@@ -442,6 +459,9 @@ class LlamaStage(nn.Module):
             (logits,) = gather_project(split, x, (self.lm_head,), weight)
         else:
             logits = project(self.lm_head, x, weight)
+        if self.cfg.final_logit_softcapping is not None:  # Gemma 2: cap * tanh(logits / cap), before the padding's -inf
+            cap = self.cfg.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
         if self.real_columns < logits.shape[-1]:
             # -inf before any normalizer: padding ids get probability 0 in every softmax, log-prob and sample,
             # and the fill passes them no gradient, so the padding rows of the head stay zero. In place: the

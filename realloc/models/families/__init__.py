@@ -2,7 +2,7 @@
 
 The parallel model (``realloc.models.llama``) is one LLaMA-style decoder; a family
 is a small module (``llama.py``, ``qwen2.py``, ``qwen3.py``, ``mistral.py``, ``phi3.py``,
-``gemma.py``, ``gemma3.py``) that names its HF architectures,
+``gemma.py``, ``gemma2.py``, ``gemma3.py``) that names its HF architectures,
 says which of its config.json settings the model cannot run, and adds its own
 keys when writing one. The keys every family shares (sizes, heads, RoPE, norm
 epsilon, tied embeddings, the critic's single label) are read and written here.
@@ -17,14 +17,14 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from realloc.models.config import ModelConfig
-from realloc.models.families import gemma, gemma3, llama, mistral, phi3, qwen2, qwen3
+from realloc.models.families import gemma, gemma2, gemma3, llama, mistral, phi3, qwen2, qwen3
 from realloc.models.families.base import Family
 
 FAMILIES: Mapping[str, Family] = MappingProxyType({f.model_type: f for f in (
-    llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, mistral.FAMILY, phi3.FAMILY, gemma.FAMILY, gemma3.FAMILY)})
+    llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, mistral.FAMILY, phi3.FAMILY, gemma.FAMILY, gemma2.FAMILY, gemma3.FAMILY)})
 SUPPORTED = ("; ".join(f.describe() for f in FAMILIES.values())
              + "; silu MLP (Gemma's gelu_pytorch_tanh), full attention or sliding windows (Mistral's, Phi-3's, "
-             "Qwen2/Qwen3's and Gemma 3's per layer), RoPE type default or llama3")
+             "Qwen2/Qwen3's and Gemma 2/3's per layer), RoPE type default or llama3")
 
 
 def unsupported(where: str, field: str, value: Any, why: str = "") -> ValueError:
@@ -39,6 +39,10 @@ def describe_shape(cfg: ModelConfig) -> str:
         f" in {cfg.n_layers - len(full)} of {cfg.n_layers} layers" if full else "")
     extras = [x for x, on in (("q/k/v bias", cfg.qkv_bias), ("q/k head norms", cfg.qk_norm),
                               ("norms around both sublayers", cfg.sandwich_norms),
+                              (f"attention scores capped at {cfg.attn_logit_softcapping:g}" if
+                               cfg.attn_logit_softcapping else "", cfg.attn_logit_softcapping),
+                              (f"logits capped at {cfg.final_logit_softcapping:g}" if cfg.final_logit_softcapping
+                               else "", cfg.final_logit_softcapping),
                               (f"local RoPE base {cfg.local_rope_theta:g}" if cfg.local_rope_theta else "",
                                cfg.local_rope_theta),
                               ("tied embeddings", cfg.tie_embeddings), ("value head", cfg.is_critic),

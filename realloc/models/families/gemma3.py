@@ -27,12 +27,12 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 _THETA = {"full_attention": 1e6, "sliding_attention": 1e4}  # Gemma3TextConfig.default_theta (global, local)
 
 
-def layer_types(hf: Mapping[str, Any]) -> list[str]:
+def layer_types(hf: Mapping[str, Any], pattern: int = 6) -> list[str]:
     """Each layer's attention as Gemma3TextConfig decides it: ``layer_types``, else every
-    ``sliding_window_pattern``-th layer (1-based) full and the others windowed."""
+    ``sliding_window_pattern``-th layer (1-based) full and the others windowed (Gemma2Config: every 2nd)."""
     if hf.get("layer_types") is not None:
         return list(hf["layer_types"])
-    pattern = int(hf.get("sliding_window_pattern", 6))
+    pattern = int(hf.get("sliding_window_pattern", pattern))
     return ["sliding_attention" if (i + 1) % pattern else "full_attention"
             for i in range(int(hf.get("num_hidden_layers", 0)))]
 
@@ -54,13 +54,9 @@ def _unsupported(hf: Mapping[str, Any]) -> tuple[str, Any, str] | None:
     for field in ("attn_logit_softcapping", "final_logit_softcapping"):
         if hf.get(field) is not None:
             return field, hf[field], " (Gemma 3 runs without soft-capping: set it to null)"
-    if hf.get("attention_bias"):
-        return "attention_bias", hf["attention_bias"], " (Gemma projections without bias)"
-    if hf.get("use_bidirectional_attention"):
-        return "use_bidirectional_attention", True, " (causal decoders only)"
-    act = hf.get("hidden_activation", "gelu_pytorch_tanh")
-    if act != "gelu_pytorch_tanh":
-        return "hidden_activation", act, " (Gemma 3's gelu_pytorch_tanh)"
+    common = common_refusal(hf)
+    if common is not None:
+        return common
     nested = hf.get("rope_parameters")
     if nested and not set(nested) & set(LAYER_TYPES):
         return "rope_parameters", dict(nested), " (Gemma 3 writes one per layer type: full_attention, sliding_attention)"
@@ -68,7 +64,23 @@ def _unsupported(hf: Mapping[str, Any]) -> tuple[str, Any, str] | None:
         kind_type = params.get("rope_type", params.get("type", "default"))
         if kind_type not in (None, "default"):
             return f"rope_parameters.{kind}.rope_type", kind_type, " (RoPE without scaling)"
-    types = layer_types(hf)
+    return layer_refusal(hf, layer_types(hf))
+
+
+def common_refusal(hf: Mapping[str, Any]) -> tuple[str, Any, str] | None:
+    """What Gemma 2 and 3 both refuse: biases, bidirectional attention, another activation."""
+    if hf.get("attention_bias"):
+        return "attention_bias", hf["attention_bias"], " (Gemma projections without bias)"
+    if hf.get("use_bidirectional_attention"):
+        return "use_bidirectional_attention", True, " (causal decoders only)"
+    act = hf.get("hidden_activation", "gelu_pytorch_tanh")
+    if act != "gelu_pytorch_tanh":
+        return "hidden_activation", act, " (Gemma's gelu_pytorch_tanh)"
+    return None
+
+
+def layer_refusal(hf: Mapping[str, Any], types: list[str]) -> tuple[str, Any, str] | None:
+    """Layer types transformers would not run, or a window that is no positive number of tokens."""
     odd = sorted({str(t) for t in types} - set(LAYER_TYPES))
     if odd:
         return "layer_types", odd, " (full_attention or sliding_attention per layer)"
@@ -81,11 +93,15 @@ def _unsupported(hf: Mapping[str, Any]) -> tuple[str, Any, str] | None:
     return None
 
 
-def _windows(hf: Mapping[str, Any]) -> tuple[int | None, tuple[int, ...]]:
-    types = layer_types(hf)
+def windows(types: list[str], hf: Mapping[str, Any]) -> tuple[int | None, tuple[int, ...]]:
+    """(the window, the full-attention layers) of ``types`` that ``layer_refusal`` accepted."""
     if "sliding_attention" not in types:
         return None, ()
     return int(hf.get("sliding_window", 4096)), tuple(i for i, t in enumerate(types) if t == "full_attention")
+
+
+def _windows(hf: Mapping[str, Any]) -> tuple[int | None, tuple[int, ...]]:
+    return windows(layer_types(hf), hf)
 
 
 def _config_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
@@ -95,17 +111,23 @@ def _config_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
             "query_pre_attn_scalar": float(hf.get("query_pre_attn_scalar", 256))}
 
 
-def _hf_fields(cfg: ModelConfig) -> dict[str, Any]:
-    local = cfg.local_rope_theta if cfg.local_rope_theta is not None else cfg.rope_theta
+def common_fields(cfg: ModelConfig) -> dict[str, Any]:
+    """The config.json keys Gemma 2 and 3 share: activation, attention scale, windows per layer, soft-capping."""
     scalar = cfg.query_pre_attn_scalar if cfg.query_pre_attn_scalar is not None else cfg.head_dim
     return {"attention_bias": False, "hidden_activation": cfg.hidden_act,
             "query_pre_attn_scalar": int(scalar) if float(scalar).is_integer() else scalar,
             "sliding_window": cfg.sliding_window,
             "layer_types": ["sliding_attention" if cfg.windowed(i) else "full_attention" for i in range(cfg.n_layers)],
+            "attn_logit_softcapping": cfg.attn_logit_softcapping,
+            "final_logit_softcapping": cfg.final_logit_softcapping}
+
+
+def _hf_fields(cfg: ModelConfig) -> dict[str, Any]:
+    local = cfg.local_rope_theta if cfg.local_rope_theta is not None else cfg.rope_theta
+    return {**common_fields(cfg),
             "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta},
                                 "sliding_attention": {"rope_type": "default", "rope_theta": local}},
-            "rope_local_base_freq": local, "rope_scaling": None,
-            "attn_logit_softcapping": None, "final_logit_softcapping": None}
+            "rope_local_base_freq": local, "rope_scaling": None}
 
 
 FAMILY = Family(
