@@ -16,7 +16,8 @@ def tiny_hf_config(*, kv_heads: int = 2, tie: bool = False, llama3_rope: bool = 
     """A tiny LLaMA, Qwen2, Qwen3 or Mistral config (Qwen2/3: rope_theta 1e6 as in Qwen2.5/3, Qwen2's q/k/v
     biases); ``head_dim`` other than hidden / heads = 16 widens the q and o projections (Qwen3's default, 128,
     is not used: its own head_dim is always given). ``extra``: more keys of the family's config class."""
-    from transformers import GemmaConfig, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, LlamaConfig, MistralConfig, Phi3Config,
+                              Qwen2Config, Qwen3Config)
 
     rope = {"rope_type": "default", "rope_theta": 1e6 if family in ("qwen2", "qwen3") else 5000.0}
     if llama3_rope:

@@ -59,7 +59,8 @@ def _unsupported(hf: Mapping[str, Any]) -> tuple[str, Any, str] | None:
         return common
     nested = hf.get("rope_parameters")
     if nested and not set(nested) & set(LAYER_TYPES):
-        return "rope_parameters", dict(nested), " (Gemma 3 writes one per layer type: full_attention, sliding_attention)"
+        return ("rope_parameters", dict(nested),
+                " (Gemma 3 writes one per layer type: full_attention, sliding_attention)")
     for kind, params in _rope_params(hf).items():
         kind_type = params.get("rope_type", params.get("type", "default"))
         if kind_type not in (None, "default"):
