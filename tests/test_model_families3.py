@@ -82,35 +82,46 @@ def test_gemma3_trains_like_the_dense_model(pool, gemma3):
     _check_train(pool, hf, path, [(1, 2, 2)], "adamw", 2, 1.0, atol=1e-4)
 
 
-@torch.no_grad()
-def test_gemma3_critic_values_match_its_sequence_classifier(pool, tmp_path):
-    hf = tiny_hf_model(tmp_path, seed=63, critic=True, **GEMMA3)
-    assert type(hf).__name__ == "Gemma3TextForSequenceClassification"
-    cfg = model_config_from_hf(tmp_path)
-    assert cfg.is_critic and not cfg.tie_embeddings and cfg.family == "gemma3_text"
+def _critic_matches(pool, path, kw: dict, seed: int, arch: str) -> None:
+    """A random sequence classifier of ``kw``'s family: realloc's values at tp 1, tp 2 and pp 2 are its scores."""
+    hf = tiny_hf_model(path, seed=seed, critic=True, **kw)
+    assert type(hf).__name__ == arch
+    cfg = model_config_from_hf(path)
+    assert cfg.is_critic and not cfg.tie_embeddings and cfg.family == hf.config.model_type
     ids, lens, mask = _padded_batch(seed=5)
     ref = hf.score(hf.model(input_ids=ids, attention_mask=mask).last_hidden_state)[..., 0] * mask
     for tp, pp in [(1, 1), (2, 1), (1, 2)]:
-        last = pool.run(_critic_values, cfg, tp, pp, str(tmp_path), ids, lens)[tp * pp - 1]
+        last = pool.run(_critic_values, cfg, tp, pp, str(path), ids, lens)[tp * pp - 1]
         assert torch.allclose(last, ref, atol=1e-4), (tp, pp, (last - ref).abs().max())
+
+
+def _saves_and_loads_back(pool, hf, src, out) -> dict:
+    """Saved at tp 2 / pp 2: transformers' tensors, and the model transformers loads gives its logits; the
+    config.json written."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = model_config_from_hf(src)
+    saved = assemble(pool.run(_save, cfg, 1, 2, 2, str(src), str(out), 4 << 30), cfg)
+    hf_state = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}  # tied: the embedding's
+    assert set(saved) == set(hf_state) and all(torch.equal(t, hf_state[n]) for n, t in saved.items())
+    back = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    assert type(back) is type(hf)
+    ids, lens, mask = _padded_batch(seed=9)
+    assert torch.equal(back(input_ids=ids, attention_mask=mask).logits, hf(input_ids=ids, attention_mask=mask).logits)
+    assert model_config_from_hf(out) == cfg
+    return json.loads((out / "config.json").read_text())
+
+
+@torch.no_grad()
+def test_gemma3_critic_values_match_its_sequence_classifier(pool, tmp_path):
+    _critic_matches(pool, tmp_path, GEMMA3, 63, "Gemma3TextForSequenceClassification")
 
 
 @torch.no_grad()
 def test_gemma3_saves_and_loads_in_transformers(pool, gemma3, tmp_path):
-    from transformers import AutoModelForCausalLM
-
     hf, src = gemma3
-    cfg = model_config_from_hf(src)
-    saved = assemble(pool.run(_save, cfg, 1, 2, 2, str(src), str(tmp_path / "a"), 4 << 30), cfg)
-    hf_state = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}  # tied: the embedding's
-    assert set(saved) == set(hf_state) and all(torch.equal(t, hf_state[n]) for n, t in saved.items())
-    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    config = _saves_and_loads_back(pool, hf, src, tmp_path / "a")
     assert config["architectures"] == ["Gemma3ForCausalLM"] and config["layer_types"][2] == "full_attention"
-    back = AutoModelForCausalLM.from_pretrained(tmp_path / "a", attn_implementation="eager").eval()
-    assert type(back) is type(hf)
-    ids, lens, mask = _padded_batch(seed=9)
-    assert torch.equal(back(input_ids=ids, attention_mask=mask).logits, hf(input_ids=ids, attention_mask=mask).logits)
-    assert model_config_from_hf(tmp_path / "a") == cfg
 
 
 def test_gemma3_older_keys_refusals_and_registry_shape():
@@ -134,7 +145,7 @@ def test_gemma3_older_keys_refusals_and_registry_shape():
                          ({"attention_bias": True}, "attention_bias"),
                          ({"hidden_activation": "silu"}, "hidden_activation='silu'"),
                          ({"layer_types": ["chunked_attention"] * 4}, "layer_types"),
-                         ({"model_type": "gemma2"}, "model_type='gemma2'")):
+                         ({"model_type": "gemma3"}, "model_type='gemma3'")):
         with pytest.raises(ValueError) as e:
             model_config_from_hf({**base, **patch})
         assert "\n" not in str(e.value) and words in str(e.value), str(e.value)
@@ -267,26 +278,10 @@ def test_gemma2_trains_like_the_dense_model(pool, gemma2):
 
 @torch.no_grad()
 def test_gemma2_critic_values_and_save_load_in_transformers(pool, gemma2, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    critic = tiny_hf_model(tmp_path / "critic", seed=73, critic=True, **GEMMA2)
-    assert type(critic).__name__ == "Gemma2ForSequenceClassification"
-    cfg = model_config_from_hf(tmp_path / "critic")
-    ids, lens, mask = _padded_batch(seed=5)
-    ref = critic.score(critic.model(input_ids=ids, attention_mask=mask).last_hidden_state)[..., 0] * mask
-    for tp, pp in [(1, 1), (2, 1), (1, 2)]:
-        last = pool.run(_critic_values, cfg, tp, pp, str(tmp_path / "critic"), ids, lens)[tp * pp - 1]
-        assert torch.allclose(last, ref, atol=1e-4), (tp, pp, (last - ref).abs().max())
+    _critic_matches(pool, tmp_path / "critic", GEMMA2, 73, "Gemma2ForSequenceClassification")
     hf, src = gemma2
-    cfg = model_config_from_hf(src)
-    saved = assemble(pool.run(_save, cfg, 1, 2, 2, str(src), str(tmp_path / "a"), 4 << 30), cfg)
-    hf_state = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
-    assert set(saved) == set(hf_state) and all(torch.equal(t, hf_state[n]) for n, t in saved.items())
-    back = AutoModelForCausalLM.from_pretrained(tmp_path / "a", attn_implementation="eager").eval()
-    assert type(back) is type(hf)
-    ids, lens, mask = _padded_batch(seed=9)
-    assert torch.equal(back(input_ids=ids, attention_mask=mask).logits, hf(input_ids=ids, attention_mask=mask).logits)
-    assert model_config_from_hf(tmp_path / "a") == cfg
+    config = _saves_and_loads_back(pool, hf, src, tmp_path / "a")
+    assert (config["attn_logit_softcapping"], config["final_logit_softcapping"]) == (1.5, 2.0)
 
 
 def test_gemma2_refusals_and_registry_shape():
