@@ -305,3 +305,24 @@ def test_gemma2_refusals_and_registry_shape():
     assert cfg.total_params == sum(p.numel() for p in model.parameters()) == 2_614_341_888
     assert model.config.layer_types[:2] == ["sliding_attention", "full_attention"]
     assert model_config_from_hf(hf, name="gemma2-2b") == cfg
+
+
+def test_gemma_registry_types_plan(tmp_path):
+    """The estimator's one-layer models keep a layer pattern's first layers (``ModelConfig.with_layers``), so
+    ``realloc search`` plans GRPO with gemma3-1b and gemma2-2b (it stopped on their full-attention layers)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from realloc.models.config import get_model_config
+
+    one = get_model_config("gemma3-1b").with_layers(6)
+    assert (one.n_layers, one.full_attention_layers, one.sliding_window) == (6, (5,), 512)
+    src = (Path(__file__).parents[1] / "experiments" / "grpo_7b_7b.py").read_text()
+    for actor in ("gemma3-1b", "gemma2-2b"):
+        exp = tmp_path / f"grpo_{actor.replace('-', '_').replace('.', '_')}.py"
+        exp.write_text(src.replace('actor="llama3-8b", reward="llama3-8b-critic"',
+                                   f'actor="{actor}", reward="{actor}-critic"'))
+        r = subprocess.run([sys.executable, "-m", "realloc", "search", str(exp), "--search-time", "0.5"],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and "searched" in r.stdout, r.stderr

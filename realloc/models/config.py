@@ -244,6 +244,12 @@ class ModelConfig:
             return self.allocated_params
         return self.adapter_params + (self.hidden_size if self.is_critic else 0)
 
+    def with_layers(self, n_layers: int, **changes: Any) -> "ModelConfig":
+        """The same blocks, ``n_layers`` of them (the profiler's and estimator's short models): the first
+        ``n_layers`` layers' windows (Gemma 2/3 and Qwen's full-attention layers past them dropped)."""
+        full = tuple(i for i in self.full_attention_layers if i < n_layers)
+        return dataclasses.replace(self, n_layers=n_layers, full_attention_layers=full, **changes)
+
     def as_critic(self) -> "ModelConfig":
         return dataclasses.replace(self, name=self.name + CRITIC_SUFFIX, is_critic=True, tie_embeddings=False)
 
