@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from test_families2_e2e import _patch
+from test_families2_e2e import _patch, check_same_metrics
 from test_families_e2e import check_samples_and_rewards
-from test_runtime_hf_e2e import HEADLINE, ITERS, Runs, _metrics, check_export_against_shards, write_experiment
+from test_runtime_hf_e2e import ITERS, Runs, check_export_against_shards, write_experiment
 
 GEMMA3_KEYS = dict(sliding_window=12, query_pre_attn_scalar=8,
                    rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
@@ -61,12 +61,7 @@ def test_read_as_the_families_with_their_features(experiment):
 
 
 def test_same_metrics_on_one_device_and_at_tp2_pp2(runs):
-    ref, got = _metrics(runs["one_device"]), _metrics(runs["tp2pp2"])
-    assert len(ref) == len(got) == ITERS
-    for a, b in zip(ref, got):
-        for k in HEADLINE:
-            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), (a["iteration"], k)
-    assert ref[-1]["kl"] > 1e-3  # training moved the policy: not a degenerate comparison
+    check_same_metrics(runs)
 
 
 def test_samples_and_rewards_match_transformers(runs, experiment):

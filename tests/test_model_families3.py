@@ -326,3 +326,18 @@ def test_gemma_registry_types_plan(tmp_path):
         r = subprocess.run([sys.executable, "-m", "realloc", "search", str(exp), "--search-time", "0.5"],
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0 and "searched" in r.stdout, r.stderr
+
+
+def test_gemma_settings_cannot_be_written_as_another_family():
+    """A hand-made config with Gemma 2/3 settings under a family whose config.json cannot say them is refused when
+    written, rather than saved as a checkpoint transformers would run differently."""
+    import dataclasses
+
+    from realloc.models.config import get_model_config
+
+    g2 = get_model_config("gemma2-2b")
+    for family, field in (("gemma3_text", "attn_logit_softcapping"), ("gemma", "query_pre_attn_scalar")):
+        cfg = dataclasses.replace(g2, family=family, sandwich_norms=family == "gemma3_text",
+                                  qk_norm=family == "gemma3_text", sliding_window=None)
+        with pytest.raises(ValueError, match=f"{field}=.* cannot be written as a {family} checkpoint"):
+            hf_config_from_model_config(cfg)

@@ -185,12 +185,20 @@ def hf_from_config(cfg: ModelConfig, dtype_name: str = "float32") -> dict[str, A
         what = ("its layers have no window" if fam.windows is None else
                 f"it windows every layer or none, not all but layers {list(cfg.full_attention_layers)}")
         raise ValueError(f"model config {cfg.name!r}: sliding_window={cfg.sliding_window} cannot be written as a "
-                         f"{fam.model_type} checkpoint ({what}); set family to mistral, qwen2 or qwen3")
+                         f"{fam.model_type} checkpoint ({what}); set family to mistral, qwen2, qwen3, gemma2 or "
+                         "gemma3_text")
     for field in ("qkv_bias", "qk_norm", "norm_plus_one", "embed_scale", "sandwich_norms"):
         if getattr(cfg, field) != getattr(fam, field):
             raise ValueError(f"model config {cfg.name!r}: {field}={getattr(cfg, field)} cannot be written as a "
                              f"{fam.model_type} checkpoint (its {field} is {getattr(fam, field)}); set family to one "
                              f"that matches")
+    # which families' config.json can say each of Gemma 2/3's settings (the others would be dropped silently)
+    for field, families in (("query_pre_attn_scalar", ("gemma2", "gemma3_text")),
+                            ("local_rope_theta", ("gemma3_text",)), ("attn_logit_softcapping", ("gemma2",)),
+                            ("final_logit_softcapping", ("gemma2",))):
+        if getattr(cfg, field) is not None and fam.model_type not in families:
+            raise ValueError(f"model config {cfg.name!r}: {field}={getattr(cfg, field)} cannot be written as a "
+                             f"{fam.model_type} checkpoint; set family to {' or '.join(families)}")
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling is not None:
         f, lo, hi, ctx = cfg.rope_scaling
