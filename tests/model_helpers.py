@@ -16,21 +16,26 @@ def tiny_hf_config(*, kv_heads: int = 2, tie: bool = False, llama3_rope: bool = 
     """A tiny LLaMA, Qwen2, Qwen3 or Mistral config (Qwen2/3: rope_theta 1e6 as in Qwen2.5/3, Qwen2's q/k/v
     biases); ``head_dim`` other than hidden / heads = 16 widens the q and o projections (Qwen3's default, 128,
     is not used: its own head_dim is always given). ``extra``: more keys of the family's config class."""
-    from transformers import GemmaConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, LlamaConfig, MistralConfig, Phi3Config,
+                              Qwen2Config, Qwen3Config)
 
     rope = {"rope_type": "default", "rope_theta": 1e6 if family in ("qwen2", "qwen3") else 5000.0}
     if llama3_rope:
         rope = {"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
     kw = dict(num_labels=1, pad_token_id=0) if critic else {}
-    if head_dim is not None or family in ("qwen3", "gemma"):
+    if family == "gemma3_text":  # a RoPE base per layer type (global, local)
+        rope = {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    if head_dim is not None or family in ("qwen3", "gemma", "gemma2", "gemma3_text"):
         kw["head_dim"] = head_dim or 16
     if family == "phi3":  # Phi3Config's token ids (32000) lie outside a tiny vocabulary
         kw.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
         if "partial_rotary_factor" in extra:
             rope["partial_rotary_factor"] = extra.pop("partial_rotary_factor")
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
-           "phi3": Phi3Config, "gemma": GemmaConfig}[family]
+           "phi3": Phi3Config, "gemma": GemmaConfig, "gemma2": Gemma2Config,
+           "gemma3_text": Gemma3TextConfig}[family]
     # initializer_range 0.1 (not 0.02) gives peaked logits, so greedy decoding has clear winners
     # and cannot flip on the last bit of a reduction order.
     return cls(vocab_size=vocab, hidden_size=64, intermediate_size=176, num_hidden_layers=layers,
@@ -46,8 +51,10 @@ def tiny_hf_model(path: Path, seed: int = 0, family: str = "llama", **kw):
 
     torch.manual_seed(seed)
     prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "phi3": "Phi3",
-              "gemma": "Gemma"}[family]
-    cls = getattr(transformers, prefix + ("ForSequenceClassification" if kw.get("critic") else "ForCausalLM"))
+              "gemma": "Gemma", "gemma2": "Gemma2", "gemma3_text": "Gemma3"}[family]
+    critic_prefix = "Gemma3Text" if family == "gemma3_text" else prefix
+    cls = getattr(transformers, critic_prefix + "ForSequenceClassification" if kw.get("critic") else
+                  prefix + "ForCausalLM")
     model = cls(tiny_hf_config(family=family, **kw)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -55,7 +62,7 @@ def tiny_hf_model(path: Path, seed: int = 0, family: str = "llama", **kw):
                 p.normal_(0.0, 0.1)
             elif name.endswith(("q_norm.weight", "k_norm.weight")):  # ones would not show which head got which
                 p.normal_(1.0, 0.3)
-            elif family == "gemma" and name.endswith("norm.weight"):  # Gemma's zeros (scale 1 + 0) show little
+            elif family.startswith("gemma") and name.endswith("norm.weight"):  # Gemma's zeros (scale 1 + 0) show little
                 p.normal_(0.0, 0.3)
     model.save_pretrained(path, safe_serialization=True)
     return model

@@ -53,13 +53,18 @@ def test_read_as_the_families_with_their_features(experiment):
     assert (reward.family, reward.sliding_window, reward.full_attention_layers) == ("qwen2", 10, (0, 1))
 
 
-def test_same_metrics_on_one_device_and_at_tp2_pp2(runs):
+def check_same_metrics(runs: Runs) -> None:
+    """The one-device run's and the tp=2/pp=2 run's headline metrics agree, and training moved the policy."""
     ref, got = _metrics(runs["one_device"]), _metrics(runs["tp2pp2"])
     assert len(ref) == len(got) == ITERS
     for a, b in zip(ref, got):
         for k in HEADLINE:
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), (a["iteration"], k)
     assert ref[-1]["kl"] > 1e-3  # training moved the policy: not a degenerate comparison
+
+
+def test_same_metrics_on_one_device_and_at_tp2_pp2(runs):
+    check_same_metrics(runs)
 
 
 def test_samples_and_rewards_match_transformers(runs, experiment):

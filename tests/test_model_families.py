@@ -224,7 +224,7 @@ REPO_CONFIG = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 160, "n
 
 @pytest.mark.parametrize("patch,words", [
     ({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8}, "model_type='qwen3_moe'"),
-    ({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}, "model_type='gemma2'"),
+    ({"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]}, "model_type='gemma3'"),
     ({"model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "rope_scaling": {"type": "su"}}, "rope_type='su'"),
     ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_act": "gelu_pytorch_tanh"},
      "hidden_act='gelu_pytorch_tanh'"),

@@ -409,7 +409,7 @@ def test_gemma_refusals_and_registry_shapes():
     assert model_config_from_hf({**base, "hidden_act": "gelu"}).hidden_act == "gelu_pytorch_tanh"  # GemmaConfig's
     for patch, words in (({"hidden_act": "relu"}, "hidden_act='relu'"), ({"attention_bias": True}, "attention_bias"),
                          ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
-                         ({"model_type": "gemma2"}, "model_type='gemma2'")):
+                         ({"model_type": "gemma3"}, "model_type='gemma3'")):
         with pytest.raises(ValueError) as e:
             model_config_from_hf({**base, **patch})
         assert "\n" not in str(e.value) and words in str(e.value), str(e.value)

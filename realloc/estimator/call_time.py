@@ -436,7 +436,7 @@ class CallTimer:
         """Local parameters of the stage holding the most, over those of the one-layer model the
         profiler measured the train step's overhead on: that overhead (gradient norm, clipping,
         zeroing) is passes over every parameter."""
-        one = dataclasses.replace(self.cfg, n_layers=1, is_critic=False, tie_embeddings=False, lora=None)
+        one = self.cfg.with_layers(1, is_critic=False, tie_embeddings=False, lora=None)
         # LoRA: those passes cover only the trained adapters
         trained = max(trained_shard_numel(self.cfg, strategy.tp, strategy.pp, k) for k in range(strategy.pp))
         return trained / max_local_params(one, strategy.tp, 1)

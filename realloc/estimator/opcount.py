@@ -92,8 +92,10 @@ class OpWork:
 
 
 def block_kernels(cfg: ModelConfig, phase: Phase) -> int:
-    """Kernels of one block in ``phase``: ``_KERNELS``'s, plus Qwen3's two head norms (twice in a backward)."""
-    extra = (4 if phase is Phase.BWD else 2) if cfg.qk_norm else 0
+    """Kernels of one block in ``phase``: ``_KERNELS``'s, plus Qwen3's two head norms and Gemma 3's two more layer
+    norms (``sandwich_norms``), each twice in a backward."""
+    extra = ((4 if phase is Phase.BWD else 2) if cfg.qk_norm else 0) + (
+        (4 if phase is Phase.BWD else 2) if cfg.sandwich_norms else 0)
     return _KERNELS[(Part.BLOCK, phase)] + extra
 
 
@@ -138,7 +140,8 @@ def _block_fwd(cfg: ModelConfig, t: int, b: int, s: int, c_attn: float, c_read: 
     # plus the KV-cache write when generating.
     writes_cache = phase in (Phase.PREFILL, Phase.DECODE)
     elem = n * (4 * h + 2 * (q / t + kvl) + 6 * h + 3 * inter / t + (2 * kvl if writes_cache else 0)
-                + (2 * (q / t + kvl) if cfg.qk_norm else 0))  # Qwen3's q/k head norms (r+w q/t and kvl)
+                + (2 * (q / t + kvl) if cfg.qk_norm else 0)  # Qwen3's q/k head norms (r+w q/t and kvl)
+                + (4 * h if cfg.sandwich_norms else 0))  # Gemma 3's two more norms (r+w h)
     # whole sequences (FWD, and BWD after it) run sequence parallel: all-gather before q/k/v and gate/up,
     # reduce-scatter after o and down (their backwards swap them, so BWD has the same pairs); generation
     # (PREFILL, DECODE) all-reduces the outputs of o and down
@@ -278,8 +281,8 @@ def saved_activation_bytes_per_token(cfg: ModelConfig, tp: int, precision: Preci
     """Bytes one block keeps per token for its backward without recomputation (``llama.DecoderLayer``
     with fused attention; measured exactly by ``realloc.models.activations`` on CPU).
 
-    Two norms (``norm_saved_bytes_per_token``); attention: q after rotary, k and v as the kernel
-    reads them (GQA groups repeated to the local q heads, so q_dim/t each), its output and a
+    Two norms (``norm_saved_bytes_per_token``; Gemma 3's two more below); attention: q after rotary, k and v as
+    the kernel reads them (GQA groups repeated to the local q heads, so q_dim/t each), its output and a
     log-sum-exp per row and head (fp32); the MLP: gate, up, SwiGLU(gate) and its product with up.
     Rotary multiplies by cos/sin that need no gradient, so it keeps nothing of its own. Qwen3's q and k head
     norms keep their inputs (the projections' outputs, q/t and kvl wide) and 1/rms per head (fp32).
@@ -289,7 +292,10 @@ def saved_activation_bytes_per_token(cfg: ModelConfig, tp: int, precision: Preci
     if cfg.qk_norm:
         attn += (cfg.q_dim / t + local_kv_width(cfg, t)) * e + (cfg.n_heads / t + cfg.local_kv_heads(t)) * 4
     mlp = 4 * inter / t * e
-    return 2 * norm_saved_bytes_per_token(cfg, precision, tp) + attn + mlp
+    # Gemma 3 normalizes each sublayer's output too: those two norms keep their input and 1/rms, and their output
+    # goes to the residual add, which keeps nothing
+    post = 2 * (precision.param * cfg.hidden_size + 4) / tp if cfg.sandwich_norms else 0
+    return 2 * norm_saved_bytes_per_token(cfg, precision, tp) + post + attn + mlp
 
 
 def layer_input_bytes_per_token(cfg: ModelConfig, precision: Precision, tp: int) -> float:

@@ -451,7 +451,7 @@ def engine_overheads(cfg: ModelConfig, tp: int, layers: TpTable, raw: list, job:
     from realloc.estimator.roofline import RooflineCosts
     from realloc.models.param_layout import shard_numel
 
-    one = dataclasses.replace(cfg, n_layers=1, is_critic=False, tie_embeddings=False)
+    one = cfg.with_layers(1, is_critic=False, tie_embeddings=False)
     cluster = ClusterSpec.from_nodelist("localhost", 2, job.kind)
     comm = CommModel(cluster)
     table = ProfileTable(device_kind=job.kind, model_type=job.model_type, dtype=job.dtype, arch=ModelArch.of(cfg),

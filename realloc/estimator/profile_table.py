@@ -64,12 +64,13 @@ class ModelArch(BaseModel):
     n_kv_heads: int
     head_dim: int | None = None  # only when not hidden_size / n_heads (``ModelConfig.explicit_head_dim``)
     qk_norm: bool | None = None  # True for Qwen3's per-head q/k norms (None: none, as every older table)
+    sandwich_norms: bool | None = None  # True for Gemma 3's four norms per block (None: two, as every older table)
 
     @classmethod
     def of(cls, cfg: ModelConfig) -> "ModelArch":
         return cls(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                    n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.explicit_head_dim,
-                   qk_norm=cfg.qk_norm or None)
+                   qk_norm=cfg.qk_norm or None, sandwich_norms=cfg.sandwich_norms or None)
 
 
 class OpGrid(BaseModel):

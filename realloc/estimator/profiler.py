@@ -155,7 +155,7 @@ class LayerProfiler:
                  statistic: Callable[[list[float]], float] = statistics.median) -> None:
         from realloc.models.engine import ParallelModel
 
-        one = dataclasses.replace(cfg, n_layers=1, is_critic=False, tie_embeddings=False)
+        one = cfg.with_layers(1, is_critic=False, tie_embeddings=False)
         self.cfg = one
         self.groups = groups
         self.group = groups.tp_group
@@ -174,7 +174,7 @@ class LayerProfiler:
         if self._stack is None:
             from realloc.models.engine import ParallelModel
 
-            self._stack = ParallelModel(dataclasses.replace(self.cfg, n_layers=self.n_stack), self.groups,
+            self._stack = ParallelModel(self.cfg.with_layers(self.n_stack), self.groups,
                                         device=self.device, dtype=self.dtype, seed=4)
         return self._stack
 
@@ -481,7 +481,7 @@ class LayerProfiler:
         """
         from realloc.models.engine import ParallelModel
 
-        cfg = dataclasses.replace(self.cfg, n_layers=n_layers)
+        cfg = self.cfg.with_layers(n_layers)
         model = ParallelModel(cfg, self.groups, device=self.device, dtype=self.dtype, seed=3)
         params = model.params()
         opt = model.make_optimizer(lr=1e-9)

@@ -232,7 +232,9 @@ def _shape_key(cfg: ModelConfig | None) -> dict:
                                    if k not in ("name", "special_tokens", "lora")
                                    and not (k == "explicit_head_dim" and v is None)
                                    and not (k in ("qk_norm", "sliding_window", "full_attention_layers", "rotary_dim",
-                                                  "norm_plus_one", "embed_scale") and not v)
+                                                  "norm_plus_one", "embed_scale", "sandwich_norms",
+                                                  "query_pre_attn_scalar", "local_rope_theta",
+                                                  "attn_logit_softcapping", "final_logit_softcapping") and not v)
                                    and not (k == "hidden_act" and v == "silu")}
 
 

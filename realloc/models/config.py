@@ -79,6 +79,17 @@ class ModelConfig:
     hidden_act: str = "silu"
     norm_plus_one: bool = False
     embed_scale: bool = False
+    # Gemma 3's differences on top of Gemma's: norms around both sublayers (``post_attention_layernorm`` on the
+    # attention's output, ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm`` around the MLP), the
+    # attention scaled by query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5), and the windowed layers' own
+    # RoPE base (config.json's rope_local_base_freq; None: ``rope_theta`` in every layer).
+    sandwich_norms: bool = False
+    query_pre_attn_scalar: float | None = None
+    local_rope_theta: float | None = None
+    # Gemma 2's soft-capping: attention scores become cap * tanh(scores / cap) before the mask and softmax (an explicit
+    # attention path: SDPA cannot), and the LM head's logits likewise (None: no cap).
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
     # The checkpoint's bos/eos/pad ids as (key, value) pairs, eos an int or a tuple. Not part of the shape
     # (compare=False): carried so that a saved checkpoint reloads with them (transformers' defaults are wrong
     # for LLaMA-3 and chat models).
@@ -114,6 +125,8 @@ class ModelConfig:
             object.__setattr__(self, "sliding_window", None)  # no windowed layer: one spelling
             full = ()
         object.__setattr__(self, "full_attention_layers", full)
+        if self.sliding_window is None or self.local_rope_theta == self.rope_theta:
+            object.__setattr__(self, "local_rope_theta", None)  # one RoPE base for every layer: one spelling
         if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
             raise ValueError(f"model config {self.name!r}: hidden_act must be silu or gelu_pytorch_tanh, got "
                              f"{self.hidden_act!r}")
@@ -184,12 +197,13 @@ class ModelConfig:
 
     @property
     def layer_params(self) -> int:
-        """One decoder block: q, k, v, o projections (and q/k/v biases, q/k head norms), SwiGLU MLP, two RMSNorms."""
+        """One decoder block: q, k, v, o projections (and q/k/v biases, q/k head norms), SwiGLU MLP, two RMSNorms
+        (four with Gemma 3's ``sandwich_norms``)."""
         h, q, kv = self.hidden_size, self.q_dim, self.kv_dim
         attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.qkv_bias else 0)
         attn += 2 * self.head_dim if self.qk_norm else 0
         mlp = 3 * h * self.intermediate_size
-        return attn + mlp + 2 * h
+        return attn + mlp + (4 if self.sandwich_norms else 2) * h
 
     @property
     def head_params(self) -> int:
@@ -229,6 +243,12 @@ class ModelConfig:
         if self.lora is None:
             return self.allocated_params
         return self.adapter_params + (self.hidden_size if self.is_critic else 0)
+
+    def with_layers(self, n_layers: int, **changes: Any) -> "ModelConfig":
+        """The same blocks, ``n_layers`` of them (the profiler's and estimator's short models): the first
+        ``n_layers`` layers' windows (Gemma 2/3 and Qwen's full-attention layers past them dropped)."""
+        full = tuple(i for i in self.full_attention_layers if i < n_layers)
+        return dataclasses.replace(self, n_layers=n_layers, full_attention_layers=full, **changes)
 
     def as_critic(self) -> "ModelConfig":
         return dataclasses.replace(self, name=self.name + CRITIC_SUFFIX, is_critic=True, tie_embeddings=False)
@@ -322,6 +342,20 @@ _BASE_CONFIGS: tuple[ModelConfig, ...] = (
     ModelConfig("gemma-7b", 256000, 3072, 24576, 28, 16, 16, max_position_embeddings=8192, norm_eps=1e-6,
                 tie_embeddings=True, family="gemma", explicit_head_dim=256, hidden_act="gelu_pytorch_tanh",
                 norm_plus_one=True, embed_scale=True),
+    # Gemma 3 1B (google/gemma-3-1b-pt: 26 layers, 5 of every 6 windowed to 512 tokens with RoPE base 1e4, the
+    # others base 1e6; q/k head norms, norms around both sublayers, 262144-token vocabulary, tied embeddings).
+    ModelConfig("gemma3-1b", 262144, 1152, 6912, 26, 4, 1, max_position_embeddings=32768, rope_theta=1e6,
+                norm_eps=1e-6, tie_embeddings=True, family="gemma3_text", explicit_head_dim=256,
+                hidden_act="gelu_pytorch_tanh", norm_plus_one=True, embed_scale=True, qk_norm=True,
+                sliding_window=512, full_attention_layers=(5, 11, 17, 23), sandwich_norms=True,
+                query_pre_attn_scalar=256.0, local_rope_theta=10000.0),
+    # Gemma 2 2B (google/gemma-2-2b: 26 layers, every other one windowed to 4096 tokens, scores capped at 50 and
+    # logits at 30, norms around both sublayers).
+    ModelConfig("gemma2-2b", 256000, 2304, 9216, 26, 8, 4, max_position_embeddings=8192, norm_eps=1e-6,
+                tie_embeddings=True, family="gemma2", explicit_head_dim=256, hidden_act="gelu_pytorch_tanh",
+                norm_plus_one=True, embed_scale=True, sliding_window=4096, full_attention_layers=tuple(range(1, 26, 2)),
+                sandwich_norms=True, query_pre_attn_scalar=256.0, attn_logit_softcapping=50.0,
+                final_logit_softcapping=30.0),
     ModelConfig("phi3-mini", 32064, 3072, 8192, 32, 32, 32, max_position_embeddings=4096, rope_theta=10000.0,
                 norm_eps=1e-5, family="phi3", sliding_window=2047),
     # Tiny shapes for the local CPU cluster. Head counts are divisible by 2 and 4

@@ -153,12 +153,16 @@ class RMSNorm(nn.Module):
         return _RMSNormFunction.apply(x, self.weight, self.eps, self.plus_one)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
     """Inverse frequencies theta^(-2i/d) of the rotary embedding, with Llama-3 frequency scaling if configured;
-    d is the rotated width (``rotary_dim`` of a partial rotary embedding, else head_dim)."""
+    d is the rotated width (``rotary_dim`` of a partial rotary embedding, else head_dim). ``local``: the
+    windowed layers' own base (Gemma 3's ``local_rope_theta``, never scaled)."""
     d = cfg.rotary_dim or cfg.head_dim
+    theta = cfg.local_rope_theta if local and cfg.local_rope_theta is not None else cfg.rope_theta
     # fp32 like HF, so angles agree bit for bit at long positions.
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    if local:
+        return inv
     scaling = cfg.rope_scaling
     if scaling is not None:
         factor, low_ff, high_ff, original_ctx = scaling
@@ -192,6 +196,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                     cap: float) -> torch.Tensor:
+    """Attention with Gemma 2's soft-capped scores, as transformers' eager path: ``cap * tanh(q k^T scale / cap)``,
+    then the mask (True = may attend; None: causal), a softmax in fp32 cast back, and the values."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    if mask is None:
+        t, s = q.shape[-2], k.shape[-2]
+        mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
 @dataclasses.dataclass
 class KVCache:
     """Keys and values of one layer's local heads: [batch, local kv heads, max_len, head_dim]. With a sliding
@@ -222,9 +239,15 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.q_dim, h, input_is_parallel=True, skip_bias_add=False, bias=False,
                                         **common)
         if cfg.qk_norm:  # Qwen3: every head of q and k normalized over its head_dim before the rotary embedding
-            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, mcfg.params_dtype, self.q_proj.weight.device)
-            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, mcfg.params_dtype, self.q_proj.weight.device)
+            # (Gemma 3's scale by 1 + w like its other norms)
+            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, mcfg.params_dtype, self.q_proj.weight.device,
+                                  cfg.norm_plus_one)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, mcfg.params_dtype, self.q_proj.weight.device,
+                                  cfg.norm_plus_one)
         self.qk_norm = cfg.qk_norm
+        # Gemma 3 scales the scores by query_pre_attn_scalar ** -0.5, not head_dim ** -0.5 (None: SDPA's default)
+        self.scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
+        self.softcap = cfg.attn_logit_softcapping  # Gemma 2: scores capped by tanh, outside SDPA
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                 cache: KVCache | None = None, cache_start: int | torch.Tensor = 0,
@@ -266,7 +289,10 @@ class Attention(nn.Module):
             v = v.repeat_interleave(rep, dim=1)
         if mask is None and cache is not None:
             raise ValueError("attention with a KV cache needs an explicit mask (cache_mask)")
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        if self.softcap is not None:
+            o = capped_attention(q, k, v, mask, self.scale or self.head_dim ** -0.5, self.softcap)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
         o = o.transpose(1, 2).reshape(b, t, self.n_local_heads * self.head_dim)
         return project(self.o_proj, o) if split is None else row_parallel(self.o_proj, o, split)
 
@@ -305,13 +331,22 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, tp_group, mcfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device, cfg.norm_plus_one)
         self.mlp = MLP(cfg, tp_group, mcfg)
+        self.sandwich = cfg.sandwich_norms
+        if cfg.sandwich_norms:  # Gemma 3: post_attention_layernorm normalizes the attention's output instead
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device, cfg.norm_plus_one)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device,
+                                                      cfg.norm_plus_one)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                 cache: KVCache | None = None, cache_start: int | torch.Tensor = 0,
                 split: TokenSplit | None = None) -> torch.Tensor:
         """``x``: ``[B, T, h]``, or with ``split`` (sequence parallelism) the rank's ``[local, h]`` tokens,
         which the norms and residual adds work on; attention and the MLP gather them."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_start, split)
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_start, split)
+        if self.sandwich:  # Gemma3DecoderLayer: each sublayer's output normalized before its residual add
+            x = x + self.post_attention_layernorm(attn)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), split))
+        x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x), split)
 
 
@@ -340,6 +375,8 @@ class LlamaStage(nn.Module):
         self.layer_range = stage_layer_ranges(cfg.n_layers, pp)[pp_rank]
         mcfg = megatron_config(tp, dtype, device)
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
+        if cfg.local_rope_theta is not None:  # Gemma 3's windowed layers rotate with their own base
+            self.register_buffer("local_inv_freq", rope_inv_freq(cfg, local=True).to(device), persistent=False)
 
         self.model = _Trunk()
         # The last stage of a tied model with pp > 1 holds a replica of the embedding for its head.
@@ -388,11 +425,15 @@ class LlamaStage(nn.Module):
         if self.cfg.sliding_window is not None:  # the stage's windowed layers' mask; full ones keep ``full_mask``
             mask = window_mask(self.cfg.sliding_window, mask, position_ids, None if caches is None else caches[0],
                                cache_start)
-        cos, sin = rope_cos_sin(self.inv_freq, position_ids, hidden.dtype)
+        cos, sin = full_rope = rope_cos_sin(self.inv_freq, position_ids, hidden.dtype)
+        local_rope = full_rope if self.cfg.local_rope_theta is None else rope_cos_sin(
+            self.local_inv_freq, position_ids, hidden.dtype)
         recompute = recompute and torch.is_grad_enabled() and caches is None
         lo = self.layer_range[0]
         for i, layer in enumerate(self.layers):
-            layer_mask = mask if self.cfg.windowed(lo + i) else full_mask
+            windowed = self.cfg.windowed(lo + i)
+            layer_mask = mask if windowed else full_mask
+            cos, sin = local_rope if windowed else full_rope
             if recompute:
                 # Reentrant checkpointing: the forward runs without autograd and saves only its inputs,
                 # so that the saved-tensor hooks of realloc.models.activations see exactly what is kept.
@@ -418,6 +459,9 @@ class LlamaStage(nn.Module):
             (logits,) = gather_project(split, x, (self.lm_head,), weight)
         else:
             logits = project(self.lm_head, x, weight)
+        if self.cfg.final_logit_softcapping is not None:  # Gemma 2: cap * tanh(logits / cap), before the padding's -inf
+            cap = self.cfg.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
         if self.real_columns < logits.shape[-1]:
             # -inf before any normalizer: padding ids get probability 0 in every softmax, log-prob and sample,
             # and the fill passes them no gradient, so the padding rows of the head stay zero. In place: the

@@ -157,8 +157,10 @@ def _block_specs(cfg: ModelConfig, i: int) -> list[ParamSpec]:
     if cfg.qk_norm:
         # Qwen3's per-head norms: one head_dim-wide weight shared by every head, so every tp rank holds it whole
         # (its gradient is a partial sum over the rank's heads: ``grads.sync_head_norms``)
-        attn += [ParamSpec(f"{p}self_attn.{n}.weight", (cfg.head_dim,), None, i) for n in ("q_norm", "k_norm")]
-    plus_one = cfg.norm_plus_one  # the q/k norms above never scale by 1 + w
+        # (Gemma 3's scale by 1 + w and start at 0, like its other norms)
+        attn += [ParamSpec(f"{p}self_attn.{n}.weight", (cfg.head_dim,), None, i, zero_init=cfg.norm_plus_one)
+                 for n in ("q_norm", "k_norm")]
+    plus_one = cfg.norm_plus_one
     base = [
         ParamSpec(p + "input_layernorm.weight", (h,), None, i, zero_init=plus_one),
         *attn,
@@ -168,6 +170,9 @@ def _block_specs(cfg: ModelConfig, i: int) -> list[ParamSpec]:
         ParamSpec(p + "mlp.up_proj.weight", (inter, h), 0, i),
         ParamSpec(p + "mlp.down_proj.weight", (h, inter), 1, i),
     ]
+    if cfg.sandwich_norms:  # Gemma 3's norms around the MLP
+        base += [ParamSpec(p + f"{n}_feedforward_layernorm.weight", (h,), None, i, zero_init=plus_one)
+                 for n in ("pre", "post")]
     return base + _adapter_specs(cfg, i, {s.name: s for s in base})
 
 

@@ -91,9 +91,11 @@ def write_generation_config(out_dir: Path, bos: int | None, eos: Sequence[int], 
 
 
 ARCHS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "phi3": "Phi3",
-         "gemma": "Gemma"}  # arch -> transformers prefix
-# Keys beyond the shared ones: Qwen3Config's and GemmaConfig's head_dim default to 128 and 256 (set to hidden / heads
-# below), MistralConfig's window to 4096 tokens (none here: full attention, as Mistral v0.2+).
+         "gemma": "Gemma", "gemma2": "Gemma2", "gemma3": "Gemma3Text"}  # arch -> transformers prefix
+# Keys beyond the shared ones: Qwen3Config's and the Gemma configs' head_dim default to 128 and 256 (set to hidden /
+# heads below), MistralConfig's window to 4096 tokens (none here: full attention, as Mistral v0.2+). Gemma 2 and 3
+# keep their configs' windows (4096 tokens: longer than these models' positions, read as none) and caps (Gemma 2's
+# 50 and 30); Gemma 3's RoPE base is one for both layer types here.
 FAMILY_KEYS = {"mistral": {"sliding_window": None}}
 
 
@@ -105,11 +107,14 @@ def _model_class(arch: str, head: str):
     if prefix is None or suffix is None:
         raise ValueError(f"make_tiny_checkpoint: arch must be one of {', '.join(map(repr, ARCHS))} and head "
                          f"'causal' or 'seqcls', got arch={arch!r}, head={head!r}")
-    return getattr(transformers, prefix + "Config"), getattr(transformers, prefix + suffix)
+    if arch == "gemma3" and head == "causal":  # Gemma3TextConfig's causal LM is Gemma3ForCausalLM
+        prefix = "Gemma3"
+    return getattr(transformers, ARCHS[arch] + "Config"), getattr(transformers, prefix + suffix)
 
 
 def make_tiny_checkpoint(out_dir: str | Path,
-                         arch: Literal["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma"] = "llama",
+                         arch: Literal["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2",
+                                       "gemma3"] = "llama",
                          head: Literal["causal", "seqcls"] = "causal", vocab_size: int | None = None,
                          hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
                          intermediate: int = 176, tie: bool = False, seed: int = 0,
@@ -139,10 +144,12 @@ def make_tiny_checkpoint(out_dir: str | Path,
     config = config_cls(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                         tie_word_embeddings=tie, rms_norm_eps=1e-6, max_position_embeddings=max_position_embeddings,
-                        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+                        rope_parameters=({t: {"rope_type": "default", "rope_theta": rope_theta}
+                                          for t in ("full_attention", "sliding_attention")} if arch == "gemma3" else
+                                         {"rope_type": "default", "rope_theta": rope_theta}),
                         initializer_range=init_std, bos_token_id=bos, eos_token_id=eos[0], pad_token_id=pad,
                         **({"num_labels": 1} if head == "seqcls" else {}), **FAMILY_KEYS.get(arch, {}),
-                        **({"head_dim": hidden // heads} if arch in ("qwen3", "gemma") else {}))
+                        **({"head_dim": hidden // heads} if arch in ("qwen3", "gemma", "gemma2", "gemma3") else {}))
     with torch.random.fork_rng(devices=[]):  # deterministic for the seed, and the caller's RNG is untouched
         torch.manual_seed(seed)
         model = model_cls(config).eval()
@@ -150,7 +157,7 @@ def make_tiny_checkpoint(out_dir: str | Path,
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):  # the block's and final norms, Qwen3's q_norm / k_norm
                     # Gemma's norms scale by 1 + weight: around 0, as HF starts them, for the same scales
-                    p.copy_((0 if arch == "gemma" else 1) + init_std * torch.randn_like(p))
+                    p.copy_((0 if arch.startswith("gemma") else 1) + init_std * torch.randn_like(p))
                 elif name.endswith(".bias"):
                     p.copy_(init_std * torch.randn_like(p))
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 
 The parallel model (``realloc.models.llama``) is one LLaMA-style decoder; a family
 is a small module (``llama.py``, ``qwen2.py``, ``qwen3.py``, ``mistral.py``, ``phi3.py``,
-``gemma.py``) that names its HF architectures,
+``gemma.py``, ``gemma2.py``, ``gemma3.py``) that names its HF architectures,
 says which of its config.json settings the model cannot run, and adds its own
 keys when writing one. The keys every family shares (sizes, heads, RoPE, norm
 epsilon, tied embeddings, the critic's single label) are read and written here.
@@ -17,14 +17,14 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from realloc.models.config import ModelConfig
-from realloc.models.families import gemma, llama, mistral, phi3, qwen2, qwen3
+from realloc.models.families import gemma, gemma2, gemma3, llama, mistral, phi3, qwen2, qwen3
 from realloc.models.families.base import Family
 
 FAMILIES: Mapping[str, Family] = MappingProxyType({f.model_type: f for f in (
-    llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, mistral.FAMILY, phi3.FAMILY, gemma.FAMILY)})
+    llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, mistral.FAMILY, phi3.FAMILY, gemma.FAMILY, gemma2.FAMILY, gemma3.FAMILY)})
 SUPPORTED = ("; ".join(f.describe() for f in FAMILIES.values())
              + "; silu MLP (Gemma's gelu_pytorch_tanh), full attention or sliding windows (Mistral's, Phi-3's, "
-             "Qwen2/Qwen3's per layer), RoPE type default or llama3")
+             "Qwen2/Qwen3's and Gemma 2/3's per layer), RoPE type default or llama3")
 
 
 def unsupported(where: str, field: str, value: Any, why: str = "") -> ValueError:
@@ -38,6 +38,13 @@ def describe_shape(cfg: ModelConfig) -> str:
     window = f"sliding window {cfg.sliding_window}" + (
         f" in {cfg.n_layers - len(full)} of {cfg.n_layers} layers" if full else "")
     extras = [x for x, on in (("q/k/v bias", cfg.qkv_bias), ("q/k head norms", cfg.qk_norm),
+                              ("norms around both sublayers", cfg.sandwich_norms),
+                              (f"attention scores capped at {cfg.attn_logit_softcapping:g}" if
+                               cfg.attn_logit_softcapping else "", cfg.attn_logit_softcapping),
+                              (f"logits capped at {cfg.final_logit_softcapping:g}" if cfg.final_logit_softcapping
+                               else "", cfg.final_logit_softcapping),
+                              (f"local RoPE base {cfg.local_rope_theta:g}" if cfg.local_rope_theta else "",
+                               cfg.local_rope_theta),
                               ("tied embeddings", cfg.tie_embeddings), ("value head", cfg.is_critic),
                               (window, cfg.sliding_window),
                               (f"rotary {cfg.rotary_dim} of {cfg.head_dim} features", cfg.rotary_dim)) if on]
@@ -122,7 +129,8 @@ def config_from_hf(hf: Mapping[str, Any], where: str, name: str | None = None,
             raise unsupported(where, "head_dim", head_dim, " (rotary embeddings need a positive even head_dim)")
         theta, scaling = _rope(hf, fam.defaults["rope_theta"], where)
         window, full_layers = fam.windows(hf) if fam.windows is not None else (None, ())
-        return ModelConfig(
+        own = fam.config_fields(hf) if fam.config_fields is not None else {}
+        return ModelConfig(**{**dict(
             name=name or str(hf.get("_name_or_path") or f"hf-{fam.model_type}"),
             vocab_size=int(hf["vocab_size"]), hidden_size=h, intermediate_size=int(hf["intermediate_size"]),
             n_layers=int(hf["num_hidden_layers"]), n_heads=heads,
@@ -137,7 +145,8 @@ def config_from_hf(hf: Mapping[str, Any], where: str, name: str | None = None,
             sliding_window=window, full_attention_layers=full_layers,
             explicit_head_dim=None if head_dim is None else int(head_dim),
             rotary_dim=_rotary_dim(hf, fam, h // heads if head_dim is None else int(head_dim)),
-        )
+            sandwich_norms=fam.sandwich_norms,
+        ), **own})
     except KeyError as e:
         raise ValueError(f"{where}: missing key {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:  # a value of the wrong type, or a shape ModelConfig refuses
@@ -176,12 +185,20 @@ def hf_from_config(cfg: ModelConfig, dtype_name: str = "float32") -> dict[str, A
         what = ("its layers have no window" if fam.windows is None else
                 f"it windows every layer or none, not all but layers {list(cfg.full_attention_layers)}")
         raise ValueError(f"model config {cfg.name!r}: sliding_window={cfg.sliding_window} cannot be written as a "
-                         f"{fam.model_type} checkpoint ({what}); set family to mistral, qwen2 or qwen3")
-    for field in ("qkv_bias", "qk_norm", "norm_plus_one", "embed_scale"):
+                         f"{fam.model_type} checkpoint ({what}); set family to mistral, qwen2, qwen3, gemma2 or "
+                         "gemma3_text")
+    for field in ("qkv_bias", "qk_norm", "norm_plus_one", "embed_scale", "sandwich_norms"):
         if getattr(cfg, field) != getattr(fam, field):
             raise ValueError(f"model config {cfg.name!r}: {field}={getattr(cfg, field)} cannot be written as a "
                              f"{fam.model_type} checkpoint (its {field} is {getattr(fam, field)}); set family to one "
                              f"that matches")
+    # which families' config.json can say each of Gemma 2/3's settings (the others would be dropped silently)
+    for field, families in (("query_pre_attn_scalar", ("gemma2", "gemma3_text")),
+                            ("local_rope_theta", ("gemma3_text",)), ("attn_logit_softcapping", ("gemma2",)),
+                            ("final_logit_softcapping", ("gemma2",))):
+        if getattr(cfg, field) is not None and fam.model_type not in families:
+            raise ValueError(f"model config {cfg.name!r}: {field}={getattr(cfg, field)} cannot be written as a "
+                             f"{fam.model_type} checkpoint; set family to {' or '.join(families)}")
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling is not None:
         f, lo, hi, ctx = cfg.rope_scaling

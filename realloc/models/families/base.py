@@ -36,6 +36,10 @@ class Family:
     activations: Mapping[str, str] = dataclasses.field(default_factory=lambda: {"silu": "silu"})
     norm_plus_one: bool = False
     embed_scale: bool = False
+    sandwich_norms: bool = False  # Gemma 3's norms around both sublayers (ModelConfig.sandwich_norms)
+    # ModelConfig fields the family reads from config.json itself, over the shared reading (Gemma 3: its RoPE
+    # bases per layer type, query_pre_attn_scalar), called after ``unsupported`` accepted the config
+    config_fields: "Callable[[Mapping[str, Any]], dict[str, Any]] | None" = None
 
     def can_write(self, cfg: ModelConfig) -> bool:
         """Whether config.json of this family can express ``cfg``'s sliding-window layers."""

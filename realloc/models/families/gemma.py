@@ -5,8 +5,8 @@ GemmaRMSNorm scales by ``1 + weight`` (its weights start at zero) in fp32 and on
 (``embed_scale``: bf16 rounds sqrt(3072) = 55.43 to 55.5, as transformers does); the MLP is ``gelu(gate) * up`` with
 gelu's tanh approximation (``hidden_act: gelu_pytorch_tanh``; the legacy ``gelu`` of the official config.json files
 is read as that, as GemmaConfig does). head_dim is given (256, not hidden / heads) and the embeddings are tied.
-``attention_bias`` and ``use_bidirectional_attention`` (EmbeddingGemma) are refused in one line; Gemma 2 and 3
-(``gemma2``, ``gemma3``, ``gemma3_text``: logit soft-capping, pre/post norms, alternating windows) are other
+``attention_bias`` and ``use_bidirectional_attention`` (EmbeddingGemma) are refused in one line. Gemma 3's text
+model is ``families/gemma3.py``; Gemma 2 (``gemma2``: logit soft-capping) and the multimodal ``gemma3`` are other
 model_types and are refused by name.
 """
 
