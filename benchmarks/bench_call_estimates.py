@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-LINE = re.compile(r"iteration (\d+) call ([\w.-]+)[^:]*: ([0-9.]+) s \(cpu ([0-9.]+) s\)")
+LINE = re.compile(r"iteration (\d+) call ([\w.+-]+)[^:]*: ([0-9.]+) s \(cpu ([0-9.]+) s\)")
 
 
 def measured(run_dir: Path) -> dict[str, tuple[float, float]]:
@@ -84,7 +84,8 @@ def main() -> int:
     for run in sorted(d for d in base.iterdir() if (d / "logs").is_dir() and (d / "plan.json").exists()):
         est = estimated(graph, ExecutionPlan.load(run / "plan.json"))
         for label, (wall, cpu) in sorted(measured(run).items()):
-            e = est.get(label, float("nan"))
+            # a fused actor/critic train step ("actor_train+critic_train") runs its parts side by side
+            e = max((est.get(part, float("nan")) for part in label.split("+")), default=float("nan"))
             print(f"{run.name:<30}{label:<14}{wall:8.4f}{cpu:8.4f}{e:8.4f}{e / cpu:8.2f}{e / wall:9.2f}")
     return 0
 

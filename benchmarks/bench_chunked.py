@@ -144,7 +144,8 @@ def breakdown(recs: list[dict]) -> dict[str, float]:
     # last iteration's training still runs on its devices waits there, and that wait is the last iteration's train
     start = min(a for r in recs for a, _ in r["spans"])
     inf = [(a, b) for r in calls if r["label"] in INFERENCE for a, b in r["spans"]]
-    train = [(a, b) for r in calls if r["label"] in TRAIN for a, b in r["spans"]]
+    # a fused actor/critic train step is one request labelled "actor_train+critic_train"
+    train = [(a, b) for r in calls if set(r["label"].split("+")) <= set(TRAIN) for a, b in r["spans"]]
     end = max(r["end"] for r in recs)
     before = _union([(a, min(b, g_end)) for a, b in inf if a < g_end])
     after = _union([(max(a, g_end), b) for a, b in inf if b > g_end])
