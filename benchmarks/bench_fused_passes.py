@@ -17,9 +17,7 @@ device and optimizer step (medians over the kept requests):
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
 import sys
 from collections import defaultdict
@@ -78,21 +76,11 @@ def estimated(graph, plan) -> dict[str, float]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", help="the folder a benchmark kept its runs in (--keep)")
-    p.add_argument("--profiles", default=None, help="profiles folder ($REALLOC_PROFILES) the runs were priced with")
-    args = p.parse_args()
-    if args.profiles:
-        os.environ["REALLOC_PROFILES"] = str(Path(args.profiles).resolve())
-    from realloc.api import load_experiment
-    from realloc.graph.dataflow import build_graph
+    from bench_call_estimates import kept_runs
+
     from realloc.graph.plan import ExecutionPlan
 
-    base = Path(args.runs)
-    exp = next(base.glob("*.py"), None)
-    if exp is None:
-        raise SystemExit(f"{base}: no experiment file (a benchmark's --keep folder holds one)")
-    graph = build_graph(load_experiment(str(exp)))
+    base, graph = kept_runs(__doc__)
     for run in sorted(d for d in base.iterdir() if (d / "fused_passes").is_dir() and (d / "plan.json").exists()):
         plan = ExecutionPlan.load(run / "plan.json")
         if not plan.fused:
