@@ -64,8 +64,9 @@ def estimated(graph, plan) -> dict[str, float]:
     return dict(out)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def kept_runs(doc: str):
+    """The command line's kept-runs folder and its experiment's graph, priced with ``--profiles`` if given."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", help="the folder a benchmark kept its runs in (--keep)")
     p.add_argument("--profiles", default=None, help="profiles folder ($REALLOC_PROFILES) the runs were priced with")
     args = p.parse_args()
@@ -73,13 +74,18 @@ def main() -> int:
         os.environ["REALLOC_PROFILES"] = str(Path(args.profiles).resolve())
     from realloc.api import load_experiment
     from realloc.graph.dataflow import build_graph
-    from realloc.graph.plan import ExecutionPlan
 
     base = Path(args.runs)
     exp = next(base.glob("*.py"), None)
     if exp is None:
         raise SystemExit(f"{base}: no experiment file (a benchmark's --keep folder holds one)")
-    graph = build_graph(load_experiment(str(exp)))
+    return base, build_graph(load_experiment(str(exp)))
+
+
+def main() -> int:
+    from realloc.graph.plan import ExecutionPlan
+
+    base, graph = kept_runs(__doc__)
     print(f"{'run':<30}{'call':<14}{'wall':>8}{'cpu':>8}{'est':>8}{'est/cpu':>8}{'est/wall':>9}")
     for run in sorted(d for d in base.iterdir() if (d / "logs").is_dir() and (d / "plan.json").exists()):
         est = estimated(graph, ExecutionPlan.load(run / "plan.json"))

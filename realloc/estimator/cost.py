@@ -264,8 +264,11 @@ class CostModel:
             raise ValueError(f"call {call!r} is not the TRAIN_STEP call of a model; it has no forward/backward passes")
         work, precision = self.workload(call), self._precisions[call]
         b = work.micro_batch(strategy.dp, n_mbs)
-        fwd, bwd = self._timer(cfg, precision).train_stage_passes(strategy, self.links(mesh, strategy), b,
-                                                                  work.seq_len, recompute)
+        # the packed rows ``call_cost`` prices the call at (``CallTimer.time``): with varying lengths, pricing
+        # padded rows here made the passes, and so fusion's saving, several times too large
+        rows, width = work.packed(b, strategy.dp)
+        fwd, bwd = self._timer(cfg, precision).train_stage_passes(strategy, self.links(mesh, strategy), rows, width,
+                                                                  recompute)
         act = [train_inflight_bytes(cfg, strategy, k, b * work.seq_len, precision, recompute)
                for k in range(strategy.pp)]
         return fwd, bwd, act
