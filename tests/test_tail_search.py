@@ -117,7 +117,7 @@ def test_search_prints_the_migration_and_the_plan_without(tmp_path, capsys, monk
                                 ".lognormal(median=8, p99=230), ", 1))
     spec = load_experiment(str(src))
     assert not spec.response_lengths.is_fixed
-    assert main(["search", str(src), "--evals", "2000", "--threads", "1"]) == 0
+    assert main(["search", str(src), "--evals", "20000", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert "long-tail migration: actor_gen moves its last" in out and "best plan without migration:" in out
     assert "in two parts on the freed devices:" in out

@@ -342,11 +342,12 @@ class DecoderLayer(nn.Module):
                 split: TokenSplit | None = None) -> torch.Tensor:
         """``x``: ``[B, T, h]``, or with ``split`` (sequence parallelism) the rank's ``[local, h]`` tokens,
         which the norms and residual adds work on; attention and the MLP gather them."""
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_start, split)
+        # no name holds the attention's output: it is freed at the residual add, before the MLP runs
         if self.sandwich:  # Gemma3DecoderLayer: each sublayer's output normalized before its residual add
-            x = x + self.post_attention_layernorm(attn)
+            x = x + self.post_attention_layernorm(
+                self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_start, split))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), split))
-        x = x + attn
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_start, split)
         return x + self.mlp(self.post_attention_layernorm(x), split)
 
 

@@ -50,7 +50,6 @@ from typing import TYPE_CHECKING, Any, Collection, Iterator, Mapping
 from safetensors import SafetensorError, safe_open
 
 from realloc.atomic_file import safetensors_os_errors
-from realloc.runtime.persist.frozen_base import resumed_value
 from realloc.runtime.persist.ckpt_lock import being_read, claimed
 
 # torch only in the functions that read and write tensors (the workers'): the master's begin, commit and prune are
@@ -456,6 +455,7 @@ def load_model_shard(ckpt: Path, model: str, tp_rank: int, pp_rank: int, layout:
                      tp_pp: tuple[int, int] | None = None) -> None:
     """Load this rank's shard. A shard saved in another layout loads if both record the same (tp, pp) sizes
     (``tp_pp``): the parameters are the same shards, and the optimizer state is whole in the file."""
+    from realloc.runtime.persist.frozen_base import resumed_value  # torch: the workers' side only
     path = shard_file(ckpt, model, tp_rank, pp_rank)
     if not path.is_file():
         raise ValueError(f"checkpoint {ckpt} has no shard {path.name} of model {model!r}; was it saved with "
